@@ -1,0 +1,143 @@
+"""servewatch in-process SDK, imported by an inference server.
+
+Owns: the exact forward-step counter (:func:`step`, :func:`set_pending`), and the hooks other
+SDK parts (profiler) run on the model thread at each step. Imports only the standard library
+here; opentelemetry-api, torch and mlx are imported lazily by the parts that need them. It
+never imports the agent side.
+
+Typical use in a scheduler loop::
+
+    import agent.sdk as sw
+    while True:
+        batch = get_next_batch()
+        sw.set_pending(len(waiting) + len(batch))   # busy before the forward starts
+        run_forward(batch)
+        sw.step(pending=len(waiting))                # one forward step done (SGLang's forward_ct)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from agent.sdk._counter import (
+    W_FORWARD_CT,
+    W_LAST_STEP,
+    W_PENDING,
+    CounterSnapshot,
+    SharedCounter,
+    counter_path,
+    read_counter,
+)
+
+__all__ = [
+    "CounterSnapshot",
+    "counter_path",
+    "read_counter",
+    "step",
+    "set_pending",
+    "forward_ct",
+    "add_step_hook",
+    "remove_step_hook",
+    "close",
+]
+
+_counter: SharedCounter | None = None
+_words = None  # memoryview of the counter words; None until the first step
+_hooks: list[Callable[[int], None]] = []
+_lock = threading.Lock()
+_monotonic_ns = time.monotonic_ns
+
+
+def _open() -> memoryview:
+    global _counter, _words
+    with _lock:
+        if _words is None:
+            _counter = SharedCounter()
+            _words = _counter.words
+            atexit.register(close)
+    return _words
+
+
+def step(pending: int | None = None) -> int:
+    """Count one forward step (one scheduler batch) of this process.
+
+    The hot path is three stores into a shared memory mapping and a vDSO clock read: no
+    syscall, no lock, no allocation beyond the int. Step hooks (the SDK profiler) run after
+    the count, on this thread.
+
+    Args:
+        pending: work items still pending after this step (>0 means the server is busy);
+            ``None`` leaves the last value.
+
+    Returns:
+        The new ``forward_ct``.
+    """
+    w = _words
+    if w is None:
+        w = _open()
+    n = w[W_FORWARD_CT] + 1
+    w[W_FORWARD_CT] = n
+    w[W_LAST_STEP] = _monotonic_ns()
+    if pending is not None:
+        w[W_PENDING] = pending
+    if _hooks:
+        for hook in tuple(_hooks):
+            hook(n)
+    return n
+
+
+def set_pending(pending: int) -> None:
+    """Record how many work items are pending (>0 = busy) without counting a step.
+
+    Call it when work arrives at an idle loop, so a hang in the very next forward is seen as
+    "busy and no progress".
+    """
+    w = _words
+    if w is None:
+        w = _open()
+    w[W_PENDING] = pending
+
+
+def forward_ct() -> int:
+    """Steps counted so far in this process (0 before the first)."""
+    w = _words
+    return 0 if w is None else int(w[W_FORWARD_CT])
+
+
+def add_step_hook(hook: Callable[[int], None]) -> None:
+    """Run ``hook(forward_ct)`` on the stepping thread after every step (SDK-internal)."""
+    with _lock:
+        _hooks.append(hook)
+
+
+def remove_step_hook(hook: Callable[[int], None]) -> None:
+    """Remove a hook added by :func:`add_step_hook`; a no-op when absent."""
+    with _lock:
+        try:
+            _hooks.remove(hook)
+        except ValueError:
+            pass
+
+
+def close() -> None:
+    """Unmap and remove this process's counter file (also run at exit); safe twice."""
+    global _counter, _words
+    with _lock:
+        counter, _counter, _words = _counter, None, None
+    if counter is not None:
+        counter.close()
+
+
+def _after_fork_in_child() -> None:
+    # The child must not bump its parent's counter: start its own at its first step.
+    global _counter, _words, _lock
+    _counter, _words, _lock = None, None, threading.Lock()
+    _hooks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

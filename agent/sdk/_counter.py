@@ -1,0 +1,160 @@
+"""The forward-step counter shared with the agent through a memory-mapped file.
+
+Owns the file layout; imports only the standard library (it runs inside the server).
+
+Layout: ``SLOTS`` little-endian signed 64-bit words (64 bytes), at
+``<shm_dir>/servewatch-steps.<pid>`` where ``shm_dir`` is ``$SERVEWATCH_SHM_DIR``, else
+``/dev/shm`` when it exists, else the temp dir.
+
+====  =======================  ==========================================================
+word  name                     meaning
+====  =======================  ==========================================================
+0     magic                    ``MAGIC`` (file type and layout version)
+1     pid                      the writer's pid
+2     start_time_unix_nano     when the counter was created (wall clock, ns)
+3     forward_ct               forward steps (scheduler batches) run so far
+4     last_step_monotonic_ns   CLOCK_MONOTONIC of the last step, ns (0 before the first)
+5     pending                  work items pending after the last step/``set_pending``; >0 = busy
+6     profiling                1 while an SDK profiling session is active, else 0
+7     reserved                 0
+====  =======================  ==========================================================
+
+The writer only stores whole aligned words (atomic on the platforms we run on); readers take a
+snapshot without locks. ``CLOCK_MONOTONIC`` is system-wide, so the agent compares it with its
+own ``time.monotonic_ns()``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "MAGIC",
+    "SLOTS",
+    "ENV_SHM_DIR",
+    "CounterSnapshot",
+    "SharedCounter",
+    "counter_path",
+    "read_counter",
+    "shm_dir",
+]
+
+#: Environment variable naming the folder of counter files (default ``/dev/shm``).
+ENV_SHM_DIR = "SERVEWATCH_SHM_DIR"
+MAGIC = 0x3130_5045_5453_5753  # b"SWSTEP01" little-endian
+SLOTS = 8
+SIZE_BYTES = SLOTS * 8
+W_MAGIC, W_PID, W_START, W_FORWARD_CT, W_LAST_STEP, W_PENDING, W_PROFILING, _W_RESERVED = range(SLOTS)
+_FMT = f"<{SLOTS}q"
+
+
+def shm_dir() -> Path:
+    """Folder holding counter files: ``$SERVEWATCH_SHM_DIR``, ``/dev/shm`` or the temp dir."""
+    env = os.environ.get(ENV_SHM_DIR)
+    if env:
+        return Path(env)
+    if os.path.isdir("/dev/shm"):
+        return Path("/dev/shm")
+    return Path(tempfile.gettempdir())
+
+
+def counter_path(pid: int, directory: Path | None = None) -> Path:
+    """Path of the counter file of process ``pid``."""
+    return (directory or shm_dir()) / f"servewatch-steps.{pid}"
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSnapshot:
+    """One lock-free reading of a counter file.
+
+    Attributes:
+        pid: writer pid.
+        start_time_unix_nano: creation time of the counter (wall clock, ns).
+        forward_ct: steps so far.
+        last_step_monotonic_ns: CLOCK_MONOTONIC of the last step in ns, 0 before the first step.
+        pending: pending work items (>0 means busy).
+        profiling: an SDK profiling session is active.
+    """
+
+    pid: int
+    start_time_unix_nano: int
+    forward_ct: int
+    last_step_monotonic_ns: int
+    pending: int
+    profiling: bool
+
+    @property
+    def busy(self) -> bool:
+        return self.pending > 0
+
+    @property
+    def started(self) -> bool:
+        """At least one step was taken (warm-up/compile is over)."""
+        return self.forward_ct > 0
+
+
+def read_counter(path: Path) -> CounterSnapshot | None:
+    """Read a counter file without the writer's cooperation.
+
+    Returns:
+        The snapshot, or ``None`` when the file is missing, short or not a counter file.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SIZE_BYTES)
+    except OSError:
+        return None
+    if len(raw) < SIZE_BYTES:
+        return None
+    words = struct.unpack(_FMT, raw)
+    if words[W_MAGIC] != MAGIC:
+        return None
+    return CounterSnapshot(
+        pid=words[W_PID],
+        start_time_unix_nano=words[W_START],
+        forward_ct=words[W_FORWARD_CT],
+        last_step_monotonic_ns=words[W_LAST_STEP],
+        pending=words[W_PENDING],
+        profiling=bool(words[W_PROFILING]),
+    )
+
+
+class SharedCounter:
+    """Writer side: owns the mapped file of this process.
+
+    ``words`` is a ``memoryview`` of ``SLOTS`` int64 over the mapping; item assignment is a plain
+    memory store (no syscall), which is what keeps :func:`agent.sdk.step` cheap.
+    """
+
+    def __init__(self, path: Path | None = None, pid: int | None = None) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self.path = path or counter_path(self.pid)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, SIZE_BYTES)
+            self._mmap = mmap.mmap(fd, SIZE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.words = memoryview(self._mmap).cast("B").cast("q")
+        self.words[W_PID] = self.pid
+        self.words[W_START] = time.time_ns()
+        self.words[W_MAGIC] = MAGIC  # last: readers ignore the file until it is complete
+
+    def close(self, *, unlink: bool = True) -> None:
+        """Release the mapping and (by default) remove the file; safe twice."""
+        words, self.words = self.words, None  # type: ignore[assignment]
+        if words is not None:
+            words.release()
+            self._mmap.close()
+        if unlink:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,25 @@
+"""Watchers: observe the target and publish events on the bus. They never act.
+
+Each watcher is started with ``await tg.start(watcher.run, bus)`` so "ready" means ready.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from anyio.abc import TaskStatus
+from anyio import TASK_STATUS_IGNORED
+
+from agent.bus import Publisher
+
+__all__ = ["Watcher"]
+
+
+class Watcher(Protocol):
+    """Something that watches and publishes (health, steps, watchdog, process)."""
+
+    name: str
+
+    async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled; call ``task_status.started()`` once ready."""
+        ...

@@ -1,0 +1,55 @@
+"""Shared fixtures: subprocesses that are always cleaned up, even when a test fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+PROGRAMS_DIR = TESTS_DIR / "programs"
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            proc.kill()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator:
+    """Start a subprocess in its own process group; killed (group and all) at teardown.
+
+    Usage: ``proc = spawn([sys.executable, script, ...], env=..., cwd=...)``.
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def _spawn(argv: list[str], **kwargs) -> subprocess.Popen[bytes]:
+        kwargs.setdefault("start_new_session", True)
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, **kwargs)
+        procs.append(proc)
+        return proc
+
+    yield _spawn
+    for proc in procs:
+        _kill_group(proc)
+
+
+@pytest.fixture
+def python() -> str:
+    """The interpreter running the tests (targets run under it too)."""
+    return sys.executable

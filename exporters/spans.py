@@ -1,0 +1,165 @@
+"""Building finished spans after the fact, with exact ids and times.
+
+Owns :class:`SpanSink` and :func:`build_span`. servewatch *mirrors* what happened: an incident
+root span is only complete when the incident closes, an action span when the action ends, and an
+imported torch range already has its times. So spans are built here as finished
+``ReadableSpan`` objects (ids chosen by :mod:`agent.incidents` or here, times from the events)
+and handed to a span processor, instead of being timed live by a ``Tracer``.
+
+Imports opentelemetry-api/sdk only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+__all__ = [
+    "SCOPE",
+    "SpanSink",
+    "ProcessorSink",
+    "InMemorySink",
+    "build_span",
+    "new_trace_id",
+    "new_span_id",
+    "trace_id_hex",
+    "span_id_hex",
+    "link_to",
+]
+
+#: Instrumentation scope of every span servewatch emits.
+SCOPE = InstrumentationScope("servewatch", "0.1.0")
+
+_ids = RandomIdGenerator()
+
+
+def new_trace_id() -> int:
+    """A random valid 128-bit trace id."""
+    return _ids.generate_trace_id()
+
+
+def new_span_id() -> int:
+    """A random valid 64-bit span id."""
+    return _ids.generate_span_id()
+
+
+def trace_id_hex(trace_id: int) -> str:
+    """32 lowercase hex digits, as OTLP/JSON and W3C traceparent write trace ids."""
+    return trace_api.format_trace_id(trace_id)
+
+
+def span_id_hex(span_id: int) -> str:
+    """16 lowercase hex digits."""
+    return trace_api.format_span_id(span_id)
+
+
+def _context(trace_id: int, span_id: int) -> SpanContext:
+    return SpanContext(trace_id=trace_id, span_id=span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+
+def link_to(trace_id: int | str, span_id: int | str, attributes: Mapping[str, object] | None = None) -> Link:
+    """A span link to another span (ids as ints or hex strings)."""
+    tid = int(trace_id, 16) if isinstance(trace_id, str) else trace_id
+    sid = int(span_id, 16) if isinstance(span_id, str) else span_id
+    return Link(_context(tid, sid), attributes=dict(attributes or {}))  # type: ignore[arg-type]
+
+
+def build_span(
+    name: str,
+    *,
+    trace_id: int,
+    span_id: int | None = None,
+    parent_span_id: int | None = None,
+    start_time_unix_nano: int,
+    end_time_unix_nano: int,
+    attributes: Mapping[str, object] | None = None,
+    links: Sequence[Link] = (),
+    error: str | None = None,
+    ok: bool = False,
+    kind: SpanKind = SpanKind.INTERNAL,
+    resource: Resource | None = None,
+) -> ReadableSpan:
+    """Build one finished span.
+
+    Args:
+        name: span name (``incident``, ``pyspy.dump``, ``ProfilerStep#3``...).
+        trace_id / span_id / parent_span_id: ids as ints; ``span_id`` is generated when ``None``;
+            no parent makes a root span.
+        start_time_unix_nano / end_time_unix_nano: wall clock, ns since the epoch.
+        attributes: OTel attribute values (str, bool, int, float or homogeneous sequences).
+        links: span links (see :func:`link_to`).
+        error: when set, status ERROR with this description; else ``ok`` gives status OK, and
+            otherwise the status stays UNSET.
+        resource: the resource to report under (the exporter's provider resource).
+    """
+    if error is not None:
+        status = Status(StatusCode.ERROR, error)
+    elif ok:
+        status = Status(StatusCode.OK)
+    else:
+        status = Status(StatusCode.UNSET)
+    return ReadableSpan(
+        name=name,
+        context=_context(trace_id, span_id if span_id is not None else new_span_id()),
+        parent=_context(trace_id, parent_span_id) if parent_span_id is not None else None,
+        resource=resource if resource is not None else Resource.get_empty(),
+        attributes=dict(attributes or {}),  # type: ignore[arg-type]
+        links=tuple(links),
+        kind=kind,
+        status=status,
+        start_time=start_time_unix_nano,
+        end_time=max(start_time_unix_nano, end_time_unix_nano),
+        instrumentation_scope=SCOPE,
+    )
+
+
+class SpanSink(Protocol):
+    """Where finished spans go. ``emit`` never blocks on the network and never raises."""
+
+    resource: Resource
+
+    def emit(self, span: ReadableSpan) -> None: ...
+
+
+class ProcessorSink:
+    """A :class:`SpanSink` feeding an OTel ``SpanProcessor`` (batch, lossless, ...)."""
+
+    def __init__(self, processor: SpanProcessor, resource: Resource | None = None) -> None:
+        self.processor = processor
+        self.resource = resource if resource is not None else Resource.get_empty()
+
+    def emit(self, span: ReadableSpan) -> None:
+        self.processor.on_end(span)
+
+
+class InMemorySink:
+    """Test double: keeps every emitted span, thread-safe."""
+
+    def __init__(self, resource: Resource | None = None) -> None:
+        self.resource = resource if resource is not None else Resource.get_empty()
+        self._spans: list[ReadableSpan] = []
+        self._lock = threading.Lock()
+
+    def emit(self, span: ReadableSpan) -> None:
+        with self._lock:
+            self._spans.append(span)
+
+    @property
+    def spans(self) -> list[ReadableSpan]:
+        with self._lock:
+            return list(self._spans)
+
+    def named(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.spans if s.name == name]
+
+    def extend(self, spans: Iterable[ReadableSpan]) -> None:
+        for span in spans:
+            self.emit(span)

@@ -265,6 +265,7 @@ class IncidentOpened(Event):
         pids: target pids at open time.
         bundle_dir: ``<data_dir>/<host>/<incident_id>``.
         trace_id / span_id: the root span's ids (hex), so actions can be parented.
+        links: requests in flight at open time, as (trace_id, span_id) hex pairs.
     """
 
     incident_id: str
@@ -274,6 +275,8 @@ class IncidentOpened(Event):
     bundle_dir: str = ""
     trace_id: str = ""
     span_id: str = ""
+    #: (trace_id, span_id) hex pairs of the requests in flight when it opened (span links)
+    links: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

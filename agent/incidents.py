@@ -1,0 +1,403 @@
+"""Incident lifecycle: trigger -> ordered actions -> bundle; dedup and cooldown.
+
+Owns the one decision of what runs, in what order, and when to stop:
+
+1. a trigger (health failure, watchdog stall, target exit, manual) opens an incident unless the
+   same cause opened one less than ``cooldown_s`` ago;
+2. the requests in flight are read (span links, ``requests.json``);
+3. phases run in order, each bounded: ``pyspy.dump`` for every target (in parallel), then
+   ``cuda.coredump`` (right after the dumps finish, not after a fixed sleep), then an optional
+   ``profile.session``;
+4. ``manifest.json`` is written to ``<data_dir>/<host>/<incident_id>/`` and
+   :class:`~agent.events.IncidentClosed` is published;
+5. in hard mode, after the evidence is captured, the stalled target gets a signal so an
+   orchestrator can restart it.
+
+Imports :mod:`agent.events`, :mod:`agent.bus`, :mod:`agent.targets` and the span-id helpers of
+:mod:`exporters.spans`; actors are passed in as :class:`Phase` callables, so this module never
+imports an actor or a watcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal as signal_mod
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from pydantic import BaseModel, Field
+
+from agent.bus import EventBus
+from agent.events import (
+    ActionCompleted,
+    ActionResult,
+    Event,
+    HealthCheckFailed,
+    IncidentClosed,
+    IncidentOpened,
+    Outcome,
+    TargetExited,
+    WatchdogStalled,
+    now_ns,
+)
+from agent.targets import Target
+from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
+
+__all__ = [
+    "IncidentConfig",
+    "Phase",
+    "InflightRequest",
+    "IncidentRecord",
+    "IncidentManager",
+    "TRIGGER_EVENTS",
+]
+
+log = logging.getLogger("servewatch.incidents")
+
+#: Events that can open an incident.
+TRIGGER_EVENTS: tuple[type[Event], ...] = (HealthCheckFailed, WatchdogStalled, TargetExited)
+
+
+class IncidentConfig(BaseModel):
+    """User settings of the incident logic."""
+
+    cooldown_s: float = Field(300.0, gt=0, description="one incident per trigger cause per this many seconds")
+    phase_timeout_s: float = Field(
+        120.0, gt=0, description="upper bound on one phase (all dumps, all coredumps, ...), seconds"
+    )
+    on_exit_codes_only_nonzero: bool = Field(
+        True, description="a target exiting with code 0 is not an incident (clean shutdown)"
+    )
+    hard: bool = Field(False, description="after the evidence is captured, signal the stalled target")
+    hard_signal: str = Field("SIGABRT", description="signal name sent in hard mode (SIGABRT, SIGTERM, SIGKILL...)")
+    capture_prompts: bool = Field(False, description="include prompt text in requests.json (off: may hold secrets)")
+
+    def hard_signal_number(self) -> int:
+        """The ``signal.Signals`` value of :attr:`hard_signal`.
+
+        Raises:
+            ValueError: unknown signal name.
+        """
+        name = self.hard_signal.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        try:
+            return int(signal_mod.Signals[name])
+        except KeyError:
+            raise ValueError(f"unknown signal {self.hard_signal!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class InflightRequest:
+    """A request that was in flight in a target when an incident opened.
+
+    Per the SDK's ``inflight`` control command; prompt text only when the user opted in.
+    """
+
+    pid: int
+    request_id: str
+    trace_id: str
+    span_id: str
+    age_s: float
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    prompt: str | None = None
+
+    def to_json(self, *, with_prompt: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pid": self.pid,
+            "request_id": self.request_id,
+            "trace_id": self.trace_id,
+            "span_id": self.span_id,
+            "age_s": round(self.age_s, 6),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+        }
+        if with_prompt and self.prompt is not None:
+            out["prompt"] = self.prompt
+        return out
+
+
+#: One phase of an incident: act on all targets, return one result per action.
+Phase = Callable[[IncidentOpened, Sequence[Target], Path], Awaitable[list[ActionResult]]]
+#: Reads the requests in flight in the targets (bounded by the caller).
+InflightProvider = Callable[[Sequence[Target]], Awaitable[list[InflightRequest]]]
+
+
+@dataclass(slots=True)
+class IncidentRecord:
+    """What an incident did; also the content of ``manifest.json``."""
+
+    opened: IncidentOpened
+    targets: list[Target]
+    results: list[ActionResult] = field(default_factory=list)
+    inflight: list[InflightRequest] = field(default_factory=list)
+    closed_time_unix_nano: int = 0
+    hard_signal_sent: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def bundle_dir(self) -> Path:
+        return Path(self.opened.bundle_dir)
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.bundle_dir / "manifest.json"
+
+    @property
+    def duration_s(self) -> float:
+        return max(0, self.closed_time_unix_nano - self.opened.time_unix_nano) / 1e9
+
+    def outcome_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.results:
+            counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
+        return counts
+
+    def to_manifest(self, *, host_name: str) -> dict[str, Any]:
+        o = self.opened
+        return {
+            "schema": "servewatch.incident/1",
+            "incident_id": o.incident_id,
+            "trigger": o.trigger,
+            "detail": o.detail,
+            "host.name": host_name,
+            "trace_id": o.trace_id,
+            "span_id": o.span_id,
+            "opened_time_unix_nano": o.time_unix_nano,
+            "closed_time_unix_nano": self.closed_time_unix_nano,
+            "duration_s": round(self.duration_s, 6),
+            "targets": [
+                {"pid": t.pid, "title": t.title, "create_time_s": t.create_time_s, "cmdline": list(t.cmdline)}
+                for t in self.targets
+            ],
+            "actions": [r.to_manifest() for r in self.results],
+            "inflight_requests": len(self.inflight),
+            "hard_signal_sent": {str(pid): sig for pid, sig in self.hard_signal_sent.items()},
+        }
+
+
+def _incident_id(trigger: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{trigger}-{secrets.token_hex(3)}"
+
+
+class IncidentManager:
+    """Opens incidents from trigger events and runs their phases in order.
+
+    Args:
+        bus: where IncidentOpened / ActionCompleted / IncidentClosed are published.
+        config: cooldown, hard mode, ...
+        data_dir: bundles go to ``<data_dir>/<host_name>/<incident_id>/``.
+        host_name: this host (``host.name``).
+        discover: returns the current targets (process discovery); called at each open.
+        phases: ``(name, phase, event_class)`` run in this order; ``event_class`` (a subclass of
+            ActionCompleted) is published once per result.
+        inflight: optional reader of in-flight requests (SDK control sockets).
+        on_incident: optional callback with each finished :class:`IncidentRecord`.
+    """
+
+    def __init__(
+        self,
+        *,
+        bus: EventBus,
+        config: IncidentConfig,
+        data_dir: Path,
+        host_name: str,
+        discover: Callable[[], list[Target]],
+        phases: Sequence[tuple[str, Phase, type[ActionCompleted]]] = (),
+        inflight: InflightProvider | None = None,
+        on_incident: Callable[[IncidentRecord], None] | None = None,
+    ) -> None:
+        self.bus = bus
+        self.config = config
+        self.data_dir = Path(data_dir)
+        self.host_name = host_name
+        self.discover = discover
+        self.phases = list(phases)
+        self.inflight = inflight
+        self.on_incident = on_incident
+        self.records: list[IncidentRecord] = []
+        #: triggers ignored because the same cause is cooling down
+        self.suppressed = 0
+        self._last_open: dict[tuple[str, int | None], float] = {}
+        self._lock = anyio.Lock()
+
+    # -- triggers ---------------------------------------------------------------------------
+
+    def classify(self, event: Event) -> tuple[str, int | None, str] | None:
+        """Map a trigger event to ``(trigger, pid, detail)``, or ``None`` when it is no incident."""
+        if isinstance(event, WatchdogStalled):
+            return (
+                "stall",
+                event.pid,
+                f"busy and no forward progress for {event.stalled_for_s:.1f}s (timeout {event.timeout_s:g}s,"
+                f" forward_ct={event.forward_ct}{', pid ' + str(event.pid) if event.pid else ''})",
+            )
+        if isinstance(event, HealthCheckFailed):
+            code = f"HTTP {event.status_code}" if event.status_code else event.error_class
+            return (
+                "health",
+                None,
+                f"{event.url} failed {event.consecutive_failures} probes in a row ({code})",
+            )
+        if isinstance(event, TargetExited):
+            if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
+                return None
+            how = f"signal {event.signal}" if event.signal is not None else f"exit code {event.exit_code}"
+            return ("exit", event.pid, f"pid {event.pid} {event.title!r} exited ({how})")
+        return None
+
+    def _cooling_down(self, trigger: str, pid: int | None) -> bool:
+        key = (trigger, pid if trigger != "health" else None)
+        now = time.monotonic()
+        last = self._last_open.get(key)
+        if last is not None and now - last < self.config.cooldown_s:
+            return True
+        self._last_open[key] = now
+        return False
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Consume trigger events from the bus and open incidents, one at a time, until cancelled."""
+        async with self.bus.subscribe(*TRIGGER_EVENTS, name="incidents") as sub:
+            task_status.started()
+            async for event in sub:
+                triggered = self.classify(event)
+                if triggered is None:
+                    continue
+                trigger, pid, detail = triggered
+                if self._cooling_down(trigger, pid):
+                    self.suppressed += 1
+                    log.info("incident %s for pid %s suppressed (cooldown)", trigger, pid)
+                    continue
+                await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
+
+    # -- one incident -----------------------------------------------------------------------
+
+    async def open_incident(
+        self, trigger: str, *, detail: str = "", pid: int | None = None, cause: Event | None = None
+    ) -> IncidentRecord:
+        """Run one incident to the end and return its record. Never raises for target trouble.
+
+        Args:
+            trigger: ``stall``, ``health``, ``exit`` or ``manual``.
+            detail: one line on why.
+            pid: the process that caused it, when known (it is acted on first).
+            cause: the trigger event, kept for the time of detection.
+        """
+        async with self._lock:
+            return await self._run_incident(trigger, detail, pid, cause)
+
+    async def _run_incident(self, trigger: str, detail: str, pid: int | None, cause: Event | None) -> IncidentRecord:
+        incident_id = _incident_id(trigger)
+        bundle_dir = self.data_dir / self.host_name / incident_id
+        bundle_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            targets = self.discover()
+        except Exception:  # discovery must never take the agent down
+            log.exception("target discovery failed")
+            targets = []
+        if isinstance(cause, TargetExited):
+            targets = [t for t in targets if t.pid != cause.pid]
+        if pid is not None:  # the culprit first
+            targets.sort(key=lambda t: t.pid != pid)
+
+        inflight: list[InflightRequest] = []
+        if self.inflight is not None and targets:
+            with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
+                try:
+                    inflight = await self.inflight(targets)
+                except Exception:
+                    log.exception("reading in-flight requests failed")
+
+        opened = IncidentOpened(
+            source="incidents",
+            incident_id=incident_id,
+            trigger=trigger,
+            detail=detail,
+            pids=tuple(t.pid for t in targets),
+            bundle_dir=str(bundle_dir),
+            trace_id=trace_id_hex(new_trace_id()),
+            span_id=span_id_hex(new_span_id()),
+            links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
+        )
+        record = IncidentRecord(opened=opened, targets=targets, inflight=inflight)
+        await self.bus.publish(opened)
+        log.warning("incident %s opened: %s: %s", incident_id, trigger, detail)
+
+        for name, phase, event_cls in self.phases:
+            if not targets:
+                break
+            results: list[ActionResult] = []
+            with anyio.move_on_after(self.config.phase_timeout_s) as scope:
+                try:
+                    results = await phase(opened, targets, bundle_dir)
+                except Exception as exc:  # an actor's boundary: an outcome, never a crash
+                    log.exception("phase %s failed", name)
+                    t = now_ns()
+                    results = [
+                        ActionResult(action=name, outcome=Outcome.FAILED, detail=f"{type(exc).__name__}: {exc}",
+                                     start_time_unix_nano=t, end_time_unix_nano=t)
+                    ]
+            if scope.cancelled_caught:
+                t = now_ns()
+                results.append(
+                    ActionResult(action=name, outcome=Outcome.TIMED_OUT,
+                                 detail=f"phase exceeded {self.config.phase_timeout_s:g}s",
+                                 start_time_unix_nano=t, end_time_unix_nano=t)
+                )
+            for result in results:
+                record.results.append(result)
+                await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
+
+        if inflight:
+            (bundle_dir / "requests.json").write_text(
+                json.dumps(
+                    {
+                        "incident_id": incident_id,
+                        "captured_time_unix_nano": opened.time_unix_nano,
+                        "requests": [r.to_json(with_prompt=self.config.capture_prompts) for r in inflight],
+                    },
+                    indent=2,
+                )
+            )
+
+        if self.config.hard and trigger == "stall":
+            self._send_hard_signal(record, pid)
+
+        record.closed_time_unix_nano = now_ns()
+        record.manifest_path.write_text(json.dumps(record.to_manifest(host_name=self.host_name), indent=2))
+        self.records.append(record)
+        await self.bus.publish(
+            IncidentClosed(
+                source="incidents",
+                incident_id=incident_id,
+                trigger=trigger,
+                bundle_dir=str(bundle_dir),
+                manifest_path=str(record.manifest_path),
+                outcomes=tuple((r.action, r.outcome.value) for r in record.results),
+            )
+        )
+        if self.on_incident is not None:
+            self.on_incident(record)
+        return record
+
+    def _send_hard_signal(self, record: IncidentRecord, pid: int | None) -> None:
+        sig = self.config.hard_signal_number()
+        pids = [pid] if pid is not None else [t.pid for t in record.targets]
+        for target_pid in pids:
+            try:
+                os.kill(target_pid, sig)
+            except (ProcessLookupError, PermissionError) as exc:
+                record.hard_signal_sent[target_pid] = f"failed: {type(exc).__name__}"
+            else:
+                record.hard_signal_sent[target_pid] = signal_mod.Signals(sig).name
+                log.warning("hard mode: sent %s to pid %d", signal_mod.Signals(sig).name, target_pid)

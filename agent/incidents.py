@@ -77,23 +77,7 @@ class IncidentConfig(BaseModel):
     on_exit_codes_only_nonzero: bool = Field(
         True, description="a target exiting with code 0 is not an incident (clean shutdown)"
     )
-    hard: bool = Field(False, description="after the evidence is captured, signal the stalled target")
-    hard_signal: str = Field("SIGABRT", description="signal name sent in hard mode (SIGABRT, SIGTERM, SIGKILL...)")
     capture_prompts: bool = Field(False, description="include prompt text in requests.json (off: may hold secrets)")
-
-    def hard_signal_number(self) -> int:
-        """The ``signal.Signals`` value of :attr:`hard_signal`.
-
-        Raises:
-            ValueError: unknown signal name.
-        """
-        name = self.hard_signal.upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        try:
-            return int(signal_mod.Signals[name])
-        except KeyError:
-            raise ValueError(f"unknown signal {self.hard_signal!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +187,8 @@ class IncidentManager:
             ActionCompleted) is published once per result.
         inflight: optional reader of in-flight requests (SDK control sockets).
         on_incident: optional callback with each finished :class:`IncidentRecord`.
+        hard_signal: hard mode (``WatchdogConfig.hard``): after a stall incident's evidence is
+            captured, send this signal number to the stalled target; ``None`` = soft.
     """
 
     def __init__(
@@ -216,6 +202,7 @@ class IncidentManager:
         phases: Sequence[tuple[str, Phase, type[ActionCompleted]]] = (),
         inflight: InflightProvider | None = None,
         on_incident: Callable[[IncidentRecord], None] | None = None,
+        hard_signal: int | None = None,
     ) -> None:
         self.bus = bus
         self.config = config
@@ -225,6 +212,7 @@ class IncidentManager:
         self.phases = list(phases)
         self.inflight = inflight
         self.on_incident = on_incident
+        self.hard_signal = hard_signal
         self.records: list[IncidentRecord] = []
         #: triggers ignored because the same cause is cooling down
         self.suppressed = 0
@@ -370,7 +358,7 @@ class IncidentManager:
                 )
             )
 
-        if self.config.hard and trigger == "stall":
+        if self.hard_signal is not None and trigger == "stall":
             self._send_hard_signal(record, pid)
 
         record.closed_time_unix_nano = now_ns()
@@ -391,7 +379,9 @@ class IncidentManager:
         return record
 
     def _send_hard_signal(self, record: IncidentRecord, pid: int | None) -> None:
-        sig = self.config.hard_signal_number()
+        sig = self.hard_signal
+        if sig is None:
+            return
         pids = [pid] if pid is not None else [t.pid for t in record.targets]
         for target_pid in pids:
             try:

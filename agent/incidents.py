@@ -245,7 +245,9 @@ class IncidentManager:
         return None
 
     def _cooling_down(self, trigger: str, pid: int | None) -> bool:
-        key = (trigger, pid if trigger != "health" else None)
+        # One key per trigger kind: TP ranks run in lockstep, so a hang stalls (or a crash
+        # ends) every rank at once, and one incident already dumps every target.
+        key = (trigger, None)
         now = time.monotonic()
         last = self._last_open.get(key)
         if last is not None and now - last < self.config.cooldown_s:

@@ -1,0 +1,186 @@
+"""Process discovery against real titled Python subprocesses (setproctitle), real zombies and
+real exited pids."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+
+import psutil
+import pytest
+
+import agent.targets as targets_module
+from agent.targets import ProcessState, ScanErrors, Target, discover, process_state, psutil_errors, target_of
+from tests.conftest import PROGRAMS_DIR
+
+TITLED = str(PROGRAMS_DIR / "titled_target.py")
+
+
+def _start_titled(spawn: Callable[..., subprocess.Popen[bytes]], python: str, title: str, *extra: str) -> subprocess.Popen[bytes]:
+    """Start titled_target.py and wait (bounded) for its ``ready`` line."""
+    proc = spawn([python, TITLED, title, "--max-lifetime-s", "120", *extra], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the program prints "ready <pid>" or dies (EOF); pytest-timeout bounds it
+    proc.stdout.close()  # it prints nothing after "ready"
+    assert line.split() == [b"ready", str(proc.pid).encode()], line
+    return proc
+
+
+def _wait_for_state(pid: int, wanted: ProcessState, timeout_s: float = 10.0) -> ProcessState:
+    deadline = time.monotonic() + timeout_s
+    state = process_state(pid)
+    while state is not wanted and time.monotonic() < deadline:
+        time.sleep(0.02)
+        state = process_state(pid)
+    return state
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _reaped_pid(python: str) -> int:
+    proc = subprocess.Popen([python, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+def test_exports_match_all() -> None:
+    public = {n for n in dir(targets_module) if not n.startswith("_")} - {"annotations"}
+    exported = {n for n in public if getattr(getattr(targets_module, n), "__module__", "") == "agent.targets"}
+    assert exported == set(targets_module.__all__)
+
+
+def test_title_glob_matches_setproctitle_title_beyond_comm_limit(spawn, python) -> None:
+    token = uuid.uuid4().hex[:8]
+    tp0 = _start_titled(spawn, python, f"sglang::scheduler_TP0_{token}")
+    tp1 = _start_titled(spawn, python, f"demo::scheduler_TP1_{token}")
+
+    # The kernel's comm is cut at 15 characters; the full title lives in cmdline.
+    with open(f"/proc/{tp0.pid}/comm", encoding="utf-8") as f:
+        assert f.read().strip() == "sglang::schedul"
+
+    found = discover(title_globs=[f"sglang::scheduler*_{token}"])
+    assert [t.pid for t in found] == [tp0.pid]
+    (target,) = found
+    assert target.title == f"sglang::scheduler_TP0_{token}"
+    assert target.cmdline == (f"sglang::scheduler_TP0_{token}",)  # setproctitle's padding removed
+    assert target.create_time_s == pytest.approx(psutil.Process(tp0.pid).create_time())
+
+    both = discover(title_globs=[f"sglang::*_{token}", f"demo::scheduler_TP?_{token}"])
+    assert [t.pid for t in both] == sorted([tp0.pid, tp1.pid])
+    assert discover(title_globs=[f"vllm::*_{token}"]) == []
+
+
+def test_glob_matches_process_name_when_cmdline_is_a_path(spawn) -> None:
+    sleeper = spawn(["/bin/sleep", "60"])
+    assert _wait_for_state(sleeper.pid, ProcessState.RUNNING) is ProcessState.RUNNING
+    found = {t.pid: t for t in discover(title_globs=["sleep"])}
+    assert sleeper.pid in found
+    assert found[sleeper.pid].title == "/bin/sleep"  # first cmdline element; the name matched
+    assert found[sleeper.pid].cmdline == ("/bin/sleep", "60")
+
+
+def test_descendants_of_root_are_found_recursively(spawn, python) -> None:
+    root = _start_titled(
+        spawn, python, _unique("demo::main"), "--child", "demo::dp_controller/demo::scheduler_TP0", "--child", "demo::detokenizer"
+    )
+    found = discover(root_pids=[root.pid])
+    titles = {t.title for t in found}
+    assert [t.pid for t in found] == sorted(t.pid for t in found)
+    assert len(found) == 4
+    assert {"demo::dp_controller", "demo::scheduler_TP0", "demo::detokenizer"} <= titles
+    assert found[0].pid == root.pid  # a parent is older, so its pid is the lowest here
+    grandchild = next(t for t in found if t.title == "demo::scheduler_TP0")
+    assert psutil.Process(grandchild.pid).parent().parent().pid == root.pid
+
+    without_root = discover(root_pids=[root.pid], include_roots=False)
+    assert root.pid not in {t.pid for t in without_root}
+    assert len(without_root) == 3
+
+
+def test_union_of_sources_is_deduplicated_and_sorted(spawn, python) -> None:
+    title = _unique("sglang::scheduler_TP3")
+    a = _start_titled(spawn, python, title)
+    b = _start_titled(spawn, python, _unique("demo::other"))
+    found = discover(root_pids=[a.pid], title_globs=[title], pids=[b.pid, a.pid, b.pid])
+    assert [t.pid for t in found] == sorted([a.pid, b.pid])
+
+
+def test_own_pid_is_never_a_target() -> None:
+    me = os.getpid()
+    assert discover(pids=[me]) == []
+    assert me not in {t.pid for t in discover(root_pids=[os.getppid()])}
+
+
+def test_exited_pid_is_skipped_and_counted(python) -> None:
+    gone = _reaped_pid(python)
+    errors = ScanErrors()
+    assert discover(pids=[gone], root_pids=[gone], errors=errors) == []
+    assert errors.vanished == 2
+    assert errors.last is ProcessState.GONE
+    assert target_of(gone) is None
+    assert process_state(gone) is ProcessState.GONE
+
+
+def test_zombie_is_skipped_by_every_source(spawn, python) -> None:
+    title = _unique("demo::zombie_parent")
+    parent = _start_titled(spawn, python, title)
+    zombie = spawn([python, "-c", "pass"])  # never waited for until teardown: stays a zombie
+    assert _wait_for_state(zombie.pid, ProcessState.ZOMBIE) is ProcessState.ZOMBIE
+
+    errors = ScanErrors()
+    assert discover(pids=[zombie.pid], errors=errors) == []
+    assert errors.zombies == 1
+    assert errors.last is ProcessState.ZOMBIE
+    # Our own children (the zombie among them) are skipped, live ones found.
+    children = {t.pid for t in discover(root_pids=[os.getpid()], include_roots=False)}
+    assert parent.pid in children
+    assert zombie.pid not in children
+
+
+def test_process_state_tells_stopped_running_and_reused(spawn, python) -> None:
+    proc = _start_titled(spawn, python, _unique("demo::stopped"))
+    target = target_of(proc.pid)
+    assert target is not None and target.pid == proc.pid
+    assert process_state(proc.pid, create_time_s=target.create_time_s) is ProcessState.RUNNING
+    # Same pid, different creation time: the process we meant is gone (pid reuse).
+    assert process_state(proc.pid, create_time_s=target.create_time_s - 3600) is ProcessState.GONE
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        assert _wait_for_state(proc.pid, ProcessState.STOPPED) is ProcessState.STOPPED
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert _wait_for_state(proc.pid, ProcessState.RUNNING) is ProcessState.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("exc", "state", "field"),
+    [
+        (psutil.NoSuchProcess(1), ProcessState.GONE, "vanished"),
+        (psutil.ZombieProcess(1), ProcessState.ZOMBIE, "zombies"),
+        (psutil.AccessDenied(1), ProcessState.ACCESS_DENIED, "denied"),
+    ],
+)
+def test_psutil_errors_maps_each_exception_once(exc: Exception, state: ProcessState, field: str) -> None:
+    errors = ScanErrors()
+    with psutil_errors(errors):
+        raise exc
+    assert errors.last is state
+    assert getattr(errors, field) == 1
+    assert sum((errors.vanished, errors.zombies, errors.denied)) == 1
+
+
+def test_psutil_errors_lets_other_exceptions_through() -> None:
+    with pytest.raises(ValueError):
+        with psutil_errors():
+            raise ValueError("not a psutil error")
+
+
+def test_target_keeps_its_fields() -> None:
+    t = Target(pid=7, title="sglang::scheduler_TP0", create_time_s=1.5, cmdline=("sglang::scheduler_TP0",))
+    assert (t.pid, t.title, t.create_time_s, t.cmdline) == (7, "sglang::scheduler_TP0", 1.5, ("sglang::scheduler_TP0",))

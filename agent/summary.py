@@ -1,0 +1,86 @@
+"""Incident summaries for the CLI: a few human lines, or a JSON-ready dict.
+
+Owns presentation of an :class:`~agent.incidents.IncidentRecord` right after it ran; imports
+only :mod:`agent.incidents` and :mod:`agent.events`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.events import ActionResult, Outcome
+from agent.incidents import IncidentRecord
+
+__all__ = ["HUNG_FRAME_ATTR", "incident_summary", "summary_lines"]
+
+#: Span attribute of a ``pyspy.dump`` result holding the innermost frame of the active thread.
+HUNG_FRAME_ATTR = "servewatch.pyspy.hung_frame"
+
+
+def _title(record: IncidentRecord, pid: int | None) -> str:
+    for t in record.targets:
+        if t.pid == pid:
+            return t.title
+    return ""
+
+
+def _result_dict(record: IncidentRecord, r: ActionResult) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "action": r.action,
+        "pid": r.pid,
+        "title": _title(record, r.pid),
+        "outcome": r.outcome.value,
+        "detail": r.detail,
+        "duration_s": round(r.duration_s, 3),
+        "artifacts": list(r.artifact_paths),
+    }
+    hung = r.attributes.get(HUNG_FRAME_ATTR)
+    if hung:
+        d["hung_frame"] = hung
+    size = r.attributes.get("servewatch.coredump.size_bytes")
+    if size is not None:
+        d["coredump_size_bytes"] = size
+    return d
+
+
+def incident_summary(record: IncidentRecord) -> dict[str, Any]:
+    """Machine-readable summary (``--json``): id, trigger, bundle, per-process outcomes."""
+    o = record.opened
+    return {
+        "incident_id": o.incident_id,
+        "trigger": o.trigger,
+        "detail": o.detail,
+        "trace_id": o.trace_id,
+        "bundle_path": str(record.bundle_dir),
+        "manifest_path": str(record.manifest_path),
+        "duration_s": round(record.duration_s, 3),
+        "processes": [{"pid": t.pid, "title": t.title} for t in record.targets],
+        "actions": [_result_dict(record, r) for r in record.results],
+        "inflight_requests": len(record.inflight),
+        "outcomes": record.outcome_counts(),
+    }
+
+
+def summary_lines(record: IncidentRecord) -> list[str]:
+    """A short human summary: trigger, what ran, where the artifacts are, how to view them."""
+    o = record.opened
+    lines = [f"Incident {o.incident_id} ({o.trigger}): {o.detail}"]
+    for r in record.results:
+        who = f"pid {r.pid} {_title(record, r.pid)}".rstrip() if r.pid is not None else ""
+        line = f"  {r.action:<15} {who:<32} {r.outcome.value:<17} {r.duration_s:6.2f}s"
+        hung = r.attributes.get(HUNG_FRAME_ATTR)
+        if hung:
+            line += f"  hung frame: {hung}"
+        elif r.outcome is not Outcome.OK and r.detail:
+            line += f"  {r.detail}"
+        lines.append(line)
+    if record.inflight:
+        lines.append(f"  {len(record.inflight)} request(s) in flight, listed in requests.json")
+    dumps = [r for r in record.results if r.action == "pyspy.dump"]
+    ok = sum(1 for r in dumps if r.outcome is Outcome.OK)
+    lines.append(
+        f"Wrote {ok} stack dump(s) to '{record.bundle_dir}/'. Processes: {len(record.targets)}"
+        f" Errors: {len(dumps) - ok}"
+    )
+    lines.append(f"View: servewatch timeline {o.incident_id} --data-dir {record.bundle_dir.parent.parent}")
+    return lines

@@ -1,0 +1,201 @@
+"""IncidentManager: trigger -> ordered phases -> bundle, cooldown, hard mode, in-flight requests."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agent.bus import RecordingBus
+from agent.events import (
+    ActionResult,
+    CoredumpTriggered,
+    HealthCheckFailed,
+    IncidentClosed,
+    IncidentOpened,
+    Outcome,
+    StacksDumped,
+    TargetExited,
+    WatchdogStalled,
+    now_ns,
+)
+from agent.incidents import IncidentConfig, IncidentManager, InflightRequest
+from agent.targets import Target
+
+
+def _targets(*pids: int) -> list[Target]:
+    return [Target(pid=p, title=f"demo::scheduler_TP{i}") for i, p in enumerate(pids)]
+
+
+class Timeline:
+    """Records when each fake phase started and ended, to check ordering."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, int]] = []
+
+    def phase(self, name: str, *, sleep_s: float = 0.0, outcome: Outcome = Outcome.OK):
+        async def run(opened: IncidentOpened, targets: Sequence[Target], bundle: Path) -> list[ActionResult]:
+            results = []
+
+            async def one(t: Target) -> None:
+                start = now_ns()
+                self.marks.append((f"{name}:start:{t.pid}", start))
+                await anyio.sleep(sleep_s)
+                (bundle / f"{name}-{t.pid}.txt").write_text(name)
+                end = now_ns()
+                self.marks.append((f"{name}:end:{t.pid}", end))
+                results.append(
+                    ActionResult(action=name, outcome=outcome, pid=t.pid, start_time_unix_nano=start,
+                                 end_time_unix_nano=end, artifact_paths=(str(bundle / f"{name}-{t.pid}.txt"),))
+                )
+
+            async with anyio.create_task_group() as tg:
+                for t in targets:
+                    tg.start_soon(one, t)
+            return sorted(results, key=lambda r: r.pid or 0)
+
+        return run
+
+
+def _manager(tmp_path: Path, bus: RecordingBus, tl: Timeline, **kw) -> IncidentManager:
+    return IncidentManager(
+        bus=bus,
+        config=kw.pop("config", IncidentConfig(cooldown_s=60)),
+        data_dir=tmp_path,
+        host_name="h1",
+        discover=kw.pop("discover", lambda: _targets(101, 102)),
+        phases=kw.pop(
+            "phases",
+            [("pyspy.dump", tl.phase("pyspy.dump", sleep_s=0.05), StacksDumped),
+             ("cuda.coredump", tl.phase("cuda.coredump"), CoredumpTriggered)],
+        ),
+        **kw,
+    )
+
+
+async def test_phases_run_in_order_and_bundle_is_written(tmp_path: Path) -> None:
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl)
+    record = await mgr.open_incident("stall", detail="frozen", pid=102)
+
+    # the culprit is acted on first; every coredump starts after the last dump ended
+    assert [t.pid for t in record.targets] == [102, 101]
+    last_dump_end = max(t for m, t in tl.marks if m.startswith("pyspy.dump:end"))
+    first_core_start = min(t for m, t in tl.marks if m.startswith("cuda.coredump:start"))
+    assert first_core_start >= last_dump_end
+
+    manifest = json.loads((tmp_path / "h1" / record.opened.incident_id / "manifest.json").read_text())
+    assert manifest["trigger"] == "stall"
+    assert manifest["detail"] == "frozen"
+    assert manifest["host.name"] == "h1"
+    assert [a["action"] for a in manifest["actions"]] == ["pyspy.dump", "pyspy.dump", "cuda.coredump", "cuda.coredump"]
+    assert all(a["outcome"] == "ok" and Path(a["artifact_paths"][0]).is_file() for a in manifest["actions"])
+    assert manifest["closed_time_unix_nano"] >= manifest["opened_time_unix_nano"]
+    assert len(manifest["trace_id"]) == 32 and len(manifest["span_id"]) == 16
+
+    kinds = [type(e).__name__ for e in bus.events]
+    assert kinds == ["IncidentOpened", "StacksDumped", "StacksDumped", "CoredumpTriggered", "CoredumpTriggered", "IncidentClosed"]
+    closed = bus.of_type(IncidentClosed)[0]
+    assert closed.outcomes == (("pyspy.dump", "ok"),) * 2 + (("cuda.coredump", "ok"),) * 2
+
+
+async def test_cooldown_opens_one_incident_per_trigger_kind(tmp_path: Path) -> None:
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl)
+    async with anyio.create_task_group() as tg:
+        await tg.start(mgr.run)
+        for pid in (101, 102, 101):  # every TP rank stalls at once, then a repeat
+            await bus.publish(WatchdogStalled(pid=pid, forward_ct=7, stalled_for_s=3.0, timeout_s=3.0))
+        for _ in range(3):  # a flapping health check
+            await bus.publish(HealthCheckFailed(url="http://x/health", status_code=503, latency_s=0.1,
+                                                error_class="5xx", consecutive_failures=3))
+        with anyio.fail_after(10):
+            while len(mgr.records) < 2 or mgr.suppressed < 4:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert sorted(r.opened.trigger for r in mgr.records) == ["health", "stall"]
+    assert mgr.suppressed == 4
+
+
+async def test_exit_code_zero_is_not_an_incident_but_a_signal_is(tmp_path: Path) -> None:
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl)
+    assert mgr.classify(TargetExited(pid=5, exit_code=0)) is None
+    trigger, pid, detail = mgr.classify(TargetExited(pid=5, signal=9, title="sglang::scheduler_TP0"))
+    assert (trigger, pid) == ("exit", 5) and "signal 9" in detail
+    record = await mgr.open_incident("exit", pid=101, cause=TargetExited(pid=101, exit_code=1))
+    assert [t.pid for t in record.targets] == [102]  # the dead process is not dumped
+
+
+async def test_failing_and_hanging_phases_become_outcomes(tmp_path: Path) -> None:
+    bus, tl = RecordingBus(), Timeline()
+
+    async def broken(opened, targets, bundle):
+        raise RuntimeError("actor bug")
+
+    mgr = _manager(
+        tmp_path, bus, tl,
+        config=IncidentConfig(cooldown_s=60, phase_timeout_s=0.2),
+        phases=[("pyspy.dump", broken, StacksDumped),
+                ("cuda.coredump", tl.phase("cuda.coredump", sleep_s=30), CoredumpTriggered)],
+    )
+    with anyio.fail_after(10):
+        record = await mgr.open_incident("manual")
+    assert [(r.action, r.outcome) for r in record.results] == [
+        ("pyspy.dump", Outcome.FAILED), ("cuda.coredump", Outcome.TIMED_OUT)]
+    assert "RuntimeError: actor bug" in record.results[0].detail
+    assert record.manifest_path.is_file()
+
+
+async def test_inflight_requests_become_links_and_requests_json_without_prompts(tmp_path: Path) -> None:
+    bus, tl = RecordingBus(), Timeline()
+
+    async def inflight(targets):
+        return [InflightRequest(pid=101, request_id="req-1", trace_id="a" * 32, span_id="b" * 16, age_s=2.5,
+                                prompt_tokens=12, generated_tokens=3, prompt="secret prompt")]
+
+    mgr = _manager(tmp_path, bus, tl, inflight=inflight)
+    record = await mgr.open_incident("stall")
+    assert bus.of_type(IncidentOpened)[0].links == (("a" * 32, "b" * 16),)
+    data = json.loads((record.bundle_dir / "requests.json").read_text())
+    assert data["requests"] == [{"pid": 101, "request_id": "req-1", "trace_id": "a" * 32, "span_id": "b" * 16,
+                                 "age_s": 2.5, "prompt_tokens": 12, "generated_tokens": 3}]
+    assert "secret" not in (record.bundle_dir / "requests.json").read_text()
+
+
+async def test_hard_mode_signals_the_stalled_target_after_the_evidence(tmp_path: Path, spawn, python) -> None:
+    proc: subprocess.Popen = spawn([python, "-c", "import time; time.sleep(60)"])
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl, discover=lambda: [Target(pid=proc.pid, title="t")],
+                   hard_signal=int(signal.SIGTERM))
+    record = await mgr.open_incident("stall", pid=proc.pid)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert record.hard_signal_sent == {proc.pid: "SIGTERM"}
+    # the signal came after every phase finished
+    assert all(r.outcome is Outcome.OK for r in record.results)
+    assert json.loads(record.manifest_path.read_text())["hard_signal_sent"] == {str(proc.pid): "SIGTERM"}
+
+
+async def test_soft_mode_leaves_the_target_alone(tmp_path: Path, spawn, python) -> None:
+    proc = spawn([python, "-c", "import time; time.sleep(60)"])
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl, discover=lambda: [Target(pid=proc.pid, title="t")])
+    await mgr.open_incident("stall", pid=proc.pid)
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("trigger", ["stall", "health", "exit", "manual"])
+async def test_incident_ids_name_the_trigger_and_are_unique(tmp_path: Path, trigger: str) -> None:
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl, discover=lambda: [])
+    a = await mgr.open_incident(trigger)
+    b = await mgr.open_incident(trigger)
+    assert a.opened.incident_id != b.opened.incident_id
+    assert f"-{trigger}-" in a.opened.incident_id
+    assert a.results == []  # no targets: nothing to act on, but the bundle still exists
+    assert a.manifest_path.is_file()

@@ -1,0 +1,81 @@
+"""agent.sdk.tracing: request spans (gen_ai names), the in-flight registry, torch ranges."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from agent.sdk import profiler, tracing
+from agent.sdk.profiler import ProfileRequest
+from tests.sdk._helpers import TinyModel, drain, load_trace
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    exp = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    tracing.set_tracer_provider(provider)
+    yield exp
+    tracing.set_tracer_provider(None)
+    provider.shutdown()
+
+
+def test_request_span_uses_current_gen_ai_names_and_lists_inflight(exporter: InMemorySpanExporter) -> None:
+    assert tracing.inflight() == []
+    with tracing.request_span("req-1", model="tiny", max_tokens=16, input_tokens=7) as req:
+        req.set_output_tokens(3)
+        listed = tracing.inflight()
+        assert [r["request_id"] for r in listed] == ["req-1"]
+        assert listed[0]["span_id"] == req.span_id and listed[0]["trace_id"] == req.trace_id
+        assert listed[0]["input_tokens"] == 7 and listed[0]["output_tokens"] == 3
+        assert listed[0]["recording"] is True
+    assert tracing.inflight() == []
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "chat tiny" and span.kind is SpanKind.SERVER
+    assert dict(span.attributes) == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.response.id": "req-1",
+        "gen_ai.request.model": "tiny",
+        "gen_ai.request.max_tokens": 16,
+        "gen_ai.usage.input_tokens": 7,
+        "gen_ai.usage.output_tokens": 3,
+    }
+    assert f"{span.context.span_id:016x}" == listed[0]["span_id"]
+
+
+def test_request_span_error_is_recorded_and_leaves_registry(exporter: InMemorySpanExporter) -> None:
+    with pytest.raises(RuntimeError):
+        with tracing.request_span("req-err", model="tiny"):
+            raise RuntimeError("boom")
+    assert tracing.inflight() == []
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+
+
+def test_request_span_without_otel_sdk_still_has_ids() -> None:
+    with tracing.request_span("req-2") as req:
+        (item,) = tracing.inflight()
+    assert item["recording"] is False
+    assert len(req.trace_id) == 32 and int(req.trace_id, 16) != 0
+    assert len(req.span_id) == 16 and int(req.span_id, 16) != 0
+
+
+def test_request_span_is_a_torch_range_while_profiling(tmp_path: Path, exporter: InMemorySpanExporter) -> None:
+    model = TinyModel()
+    try:
+        sid = profiler.request_profile(ProfileRequest(num_steps=1, activities=("CPU",), output_dir=str(tmp_path)))
+        model.forward_step()
+        with tracing.request_span("req-prof", model="tiny"):
+            model.net(model.x)
+        model.forward_step()
+    finally:
+        drain(model)
+    names = {e.get("name") for e in load_trace(profiler.session(sid)["files"][0])["traceEvents"]}
+    assert "request:req-prof" in names

@@ -1,0 +1,162 @@
+"""The stall watchdog: busy, and no forward progress for ``timeout_s``.
+
+Owns: :class:`WatchdogConfig` and :class:`Watchdog`, which publishes ``WatchdogStalled`` and
+``WatchdogRearmed``. May import :mod:`agent.events`, :mod:`agent.bus` (``Publisher``),
+:mod:`agent.watchers.steps` (the ``StepSource`` protocol), anyio and pydantic.
+
+Rules (after SGLang's scheduler watchdog, which counts ``forward_ct`` while a batch runs):
+
+* The clock starts at the first step: before it (``forward_ct == 0``: warm-up, CUDA graph
+  capture, ``torch.compile``) nothing is a stall.
+* An idle target (no pending work) never stalls. When work appears after an idle spell, the
+  clock starts when the watchdog first sees it busy, not at the last step before the idle spell.
+* It fires once per stall; it re-arms (``WatchdogRearmed``) when the counter moves again.
+* Deadline scheduling: the watchdog sleeps until exactly ``last_progress + timeout_s`` (capped
+  by ``poll_interval_s`` so idle spells are noticed), instead of polling every ``timeout/2``
+  as SGLang does, which fires anywhere between 1.0x and 1.5x the timeout. With the exact
+  shared-memory counter the detection latency is the timeout plus scheduling jitter; with a
+  Prometheus scrape the last-progress time is only known to the polling interval, so it is
+  within ``timeout_s + poll_interval_s``.
+
+Soft by default: the watchdog only reports. Hard mode (``hard=True``) is carried in the config
+and executed by the incident code *after* the evidence is captured, by sending ``signal`` to
+the target so an orchestrator restarts it.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+import time
+
+import anyio
+from anyio import TASK_STATUS_IGNORED
+from anyio.abc import TaskStatus
+from pydantic import BaseModel, Field, field_validator
+
+from agent.bus import Publisher
+from agent.events import WatchdogRearmed, WatchdogStalled
+from agent.watchers.steps import StepReading, StepSource
+
+__all__ = ["WatchdogConfig", "Watchdog"]
+
+
+class WatchdogConfig(BaseModel):
+    """User settings of the stall watchdog.
+
+    Attributes:
+        timeout_s: seconds busy without forward progress before a stall is reported. Default
+            300, like SGLang's ``--watchdog-timeout``; a single decode step of a large model
+            can take seconds, so keep it well above the slowest legitimate step (and above
+            SGLang's own watchdog if you want our evidence first, set it *below* SGLang's).
+        poll_interval_s: ceiling in seconds on the time between two readings while waiting
+            (idle, warming up, or far from the deadline). Near the deadline the watchdog sleeps
+            exactly until it. For a Prometheus source it is also the resolution of the
+            last-progress time. Default 1.0.
+        hard: after the stall incident has captured its evidence, send ``signal`` to the
+            target (executed by the incident code, not here). Default ``False`` (soft).
+        signal: signal name for hard mode, e.g. ``"SIGABRT"`` (default: a core dump and a
+            non-zero exit an orchestrator restarts on), ``"SIGKILL"``, ``"SIGTERM"``.
+    """
+
+    timeout_s: float = Field(default=300.0, gt=0)
+    poll_interval_s: float = Field(default=1.0, gt=0)
+    hard: bool = False
+    signal: str = "SIGABRT"
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        name = value.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if not isinstance(getattr(_signal, name, None), _signal.Signals):
+            raise ValueError(f"unknown signal {value!r}")
+        return name
+
+    @property
+    def signal_number(self) -> int:
+        """The hard-mode signal as a number (``signal.Signals``)."""
+        return int(getattr(_signal, self.signal))
+
+
+class Watchdog:
+    """Watches one :class:`~agent.watchers.steps.StepSource` for stalls (one per scheduler pid).
+
+    Args:
+        source: the counter to watch; the caller owns it (and closes it).
+        config: timeouts; default :class:`WatchdogConfig`.
+
+    Attributes:
+        stalled: a stall was reported and progress has not resumed since.
+        stalls: stalls reported so far.
+    """
+
+    name = "watchdog"
+
+    def __init__(self, source: StepSource, config: WatchdogConfig | None = None) -> None:
+        self.source = source
+        self.config = config or WatchdogConfig()
+        self.stalled = False
+        self.stalls = 0
+        self._busy_since_ns: int | None = None
+        self._fired_ct: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The watched process (from the source), or ``None`` for a server-wide counter."""
+        return self.source.pid
+
+    def _deadline_ns(self, reading: StepReading) -> int | None:
+        """Monotonic ns at which this reading becomes a stall, or ``None`` if it cannot."""
+        if reading.last_progress_monotonic_ns is None or not reading.busy:
+            return None
+        start = reading.last_progress_monotonic_ns
+        if self._busy_since_ns is not None and self._busy_since_ns > start:
+            start = self._busy_since_ns
+        return start + int(self.config.timeout_s * 1e9)
+
+    async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        """Watch until cancelled. Ready at once (the first reading may come later)."""
+        poll_ns = int(self.config.poll_interval_s * 1e9)
+        timeout_ns = int(self.config.timeout_s * 1e9)
+        counter_source = f"{self.source.name}"
+        task_status.started()
+        while True:
+            reading = await self.source.read()
+            now = time.monotonic_ns()
+            sleep_ns = poll_ns
+            if reading is not None:
+                if not reading.busy:
+                    self._busy_since_ns = None
+                elif self._busy_since_ns is None:
+                    # Busy first seen now: an idle spell before it is not a stall.
+                    self._busy_since_ns = reading.read_monotonic_ns
+                if self.stalled:
+                    if reading.forward_ct != self._fired_ct:
+                        self.stalled = False
+                        self._fired_ct = None
+                        await bus.publish(
+                            WatchdogRearmed(source=self.name, pid=reading.pid, forward_ct=reading.forward_ct)
+                        )
+                        continue
+                else:
+                    deadline = self._deadline_ns(reading)
+                    if deadline is not None:
+                        if reading.read_monotonic_ns >= deadline:
+                            start = deadline - timeout_ns
+                            self.stalled = True
+                            self.stalls += 1
+                            self._fired_ct = reading.forward_ct
+                            await bus.publish(
+                                WatchdogStalled(
+                                    source=self.name,
+                                    pid=reading.pid,
+                                    forward_ct=reading.forward_ct,
+                                    stalled_for_s=(reading.read_monotonic_ns - start) / 1e9,
+                                    timeout_s=self.config.timeout_s,
+                                    counter_source=counter_source,
+                                )
+                            )
+                            continue
+                        sleep_ns = min(poll_ns, deadline - now)
+            await anyio.sleep(max(sleep_ns, 0) / 1e9)

@@ -1,0 +1,222 @@
+"""Step-counter sources against a real stepping subprocess (the fake server) and its /metrics."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agent.bus import RecordingBus
+from agent.events import StepsAdvanced
+from agent.sdk._counter import W_START, SharedCounter, counter_path
+from agent.watchers.steps import (
+    PRESETS,
+    PrometheusStepSource,
+    ShmStepSource,
+    StepReading,
+    StepsWatcher,
+    discover_shm_counters,
+)
+from tests.programs import fake_server
+from tests.programs.fake_server import TOKENS_PER_STEP
+from tests.watchers import server_env, wait_until
+
+
+async def _reading(source: ShmStepSource | PrometheusStepSource, *, started: bool = True) -> StepReading:
+    """First non-None reading (with forward_ct > 0 when ``started``), bounded."""
+    with anyio.fail_after(15):
+        while True:
+            reading = await source.read()
+            if reading is not None and (reading.forward_ct > 0 or not started):
+                return reading
+            await anyio.sleep(0.01)
+
+
+async def test_shm_source_follows_a_real_stepping_process(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    source = ShmStepSource(server.pid, directory=tmp_path)
+
+    first = await _reading(source)
+    assert first.pid == server.pid
+    assert first.busy
+    assert first.last_progress_monotonic_ns is not None
+    assert 0 < first.last_progress_monotonic_ns <= first.read_monotonic_ns
+    await wait_until(lambda: (r := source.read_now()) is not None and r.forward_ct > first.forward_ct + 2)
+    later = source.read_now()
+    assert later is not None and later.last_progress_monotonic_ns is not None
+    assert later.last_progress_monotonic_ns > first.last_progress_monotonic_ns
+
+    state = await anyio.to_thread.run_sync(lambda: server.control(mode="freeze"))
+    assert state["mode"] == "freeze"
+    await anyio.sleep(0.05)  # let a step that raced the control call land
+    frozen = source.read_now()
+    await anyio.sleep(0.2)
+    still = source.read_now()
+    assert frozen is not None and still is not None
+    assert still.forward_ct == frozen.forward_ct
+    assert still.last_progress_monotonic_ns == frozen.last_progress_monotonic_ns
+    assert still.busy  # frozen *with work pending*
+
+
+async def test_shm_source_warmup_reads_busy_without_progress(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, "--warmup-s", "60", env=server_env(tmp_path))
+    source = ShmStepSource(server.pid, directory=tmp_path)
+    reading = await _reading(source, started=False)
+    assert reading.forward_ct == 0
+    assert reading.busy
+    assert reading.last_progress_monotonic_ns is None
+
+
+async def test_shm_source_none_when_missing_stale_or_reused(spawn, python, tmp_path: Path) -> None:
+    # No file yet: the target has not stepped.
+    assert await ShmStepSource(os.getpid(), directory=tmp_path).read() is None
+
+    # A file left behind by a process that is gone.
+    dead = spawn([python, "-c", "pass"])
+    dead.wait(timeout=30)
+    stale = SharedCounter(counter_path(dead.pid, tmp_path), pid=dead.pid)
+    try:
+        assert await ShmStepSource(dead.pid, directory=tmp_path).read() is None
+    finally:
+        stale.close()
+
+    # A file whose writer pid is not the pid in its name.
+    other = SharedCounter(counter_path(os.getpid(), tmp_path), pid=os.getpid() + 1)
+    try:
+        assert await ShmStepSource(os.getpid(), directory=tmp_path).read() is None
+    finally:
+        other.close()
+
+    # A file created before the process now holding the pid started: pid reuse.
+    reused = SharedCounter(counter_path(os.getpid(), tmp_path))
+    try:
+        source = ShmStepSource(os.getpid(), directory=tmp_path)
+        assert await source.read() is not None
+        reused.words[W_START] = 1_000_000_000  # created in 1970
+        assert await source.read() is None
+    finally:
+        reused.close()
+
+
+async def test_discover_shm_counters_finds_live_writers_only(spawn, python, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    dead = spawn([python, "-c", "pass"])
+    dead.wait(timeout=30)
+    stale = SharedCounter(counter_path(dead.pid, tmp_path), pid=dead.pid)
+    try:
+        await wait_until(lambda: server.pid in discover_shm_counters(directory=tmp_path))
+        found = discover_shm_counters(directory=tmp_path)
+        assert found == {server.pid: counter_path(server.pid, tmp_path)}
+        assert discover_shm_counters([dead.pid], directory=tmp_path) == {}
+        assert discover_shm_counters([server.pid + 1], directory=tmp_path) == {}
+    finally:
+        stale.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "counter", "gauge"),
+    [
+        ({"preset": "sglang"}, "sglang:generation_tokens_total", "sglang:num_running_reqs"),
+        ({"preset": "vllm"}, "vllm:generation_tokens_total", "vllm:num_requests_running"),
+        ({"preset": None, "counter": "fake:progress_total", "busy_gauge": "fake:busy"}, "fake:progress_total", "fake:busy"),
+        # the family name without "_total" (as prometheus_client's parser reports counters)
+        ({"preset": "sglang", "counter": "fake:progress", "busy_gauge": "fake:busy"}, "fake:progress", "fake:busy"),
+    ],
+    ids=["sglang", "vllm", "override", "override-family-name"],
+)
+async def test_prometheus_source_reads_the_fake_servers_metrics(spawn, tmp_path: Path, kwargs, counter, gauge) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    source = PrometheusStepSource(server.metrics_url, **kwargs)
+    try:
+        assert (source.counter, source.busy_gauge) == (counter, gauge)
+        first = await _reading(source)
+        assert first.busy
+        assert first.pid is None
+        assert first.last_progress_monotonic_ns == first.read_monotonic_ns  # clock starts at first scrape
+        shm = ShmStepSource(server.pid, directory=tmp_path).read_now()
+        assert shm is not None
+        # summed over both tp_rank label sets: TOKENS_PER_STEP per step, read just before shm
+        assert first.forward_ct % TOKENS_PER_STEP == 0
+        assert 0 < first.forward_ct <= shm.forward_ct * TOKENS_PER_STEP
+
+        with anyio.fail_after(15):
+            while (moved := await source.read()) is None or moved.forward_ct == first.forward_ct:
+                await anyio.sleep(0.02)
+        assert moved.last_progress_monotonic_ns == moved.read_monotonic_ns
+
+        await anyio.to_thread.run_sync(lambda: server.control(mode="freeze"))
+        await anyio.sleep(0.05)
+        frozen = await source.read()
+        again = await source.read()
+        assert frozen is not None and again is not None
+        assert again.forward_ct == frozen.forward_ct
+        assert again.last_progress_monotonic_ns == frozen.last_progress_monotonic_ns
+        assert again.read_monotonic_ns > again.last_progress_monotonic_ns
+        assert again.busy
+
+        await anyio.to_thread.run_sync(lambda: server.control(mode="idle"))
+        with anyio.fail_after(15):
+            while (idle := await source.read()) is None or idle.busy:
+                await anyio.sleep(0.02)
+        assert idle.forward_ct == again.forward_ct
+    finally:
+        await source.aclose()
+
+
+def test_prometheus_parse_sums_label_sets_and_ignores_created() -> None:
+    source = PrometheusStepSource("http://127.0.0.1:1/metrics", preset="sglang")
+    text = (
+        "# HELP sglang:generation_tokens_total Generated tokens.\n"
+        "# TYPE sglang:generation_tokens_total counter\n"
+        'sglang:generation_tokens_total{tp_rank="0"} 10.0\n'
+        'sglang:generation_tokens_total{tp_rank="1"} 5.0\n'
+        'sglang:generation_tokens_created{tp_rank="0"} 1.7e9\n'
+        "# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{tp_rank="0"} 0.0\n'
+        'sglang:num_running_reqs{tp_rank="1"} 3.0\n'
+    )
+    assert source.parse(text) == (15.0, 3.0)
+    # untyped exposition (no TYPE lines) parses too
+    assert source.parse("sglang:generation_tokens_total 7\nsglang:num_running_reqs 0\n") == (7.0, 0.0)
+    assert source.parse("sglang:generation_tokens_total 7\n") is None  # gauge missing
+    assert source.parse("sglang:num_running_reqs 1\n") is None  # counter missing
+    assert source.parse("this is { not prometheus\n") is None
+
+
+def test_prometheus_source_rejects_bad_names() -> None:
+    with pytest.raises(ValueError, match="unknown metrics preset"):
+        PrometheusStepSource("http://127.0.0.1:1/metrics", preset="tgi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="both"):
+        PrometheusStepSource("http://127.0.0.1:1/metrics", preset=None, counter="x_total")
+    assert set(PRESETS) == {"sglang", "vllm"}
+
+
+async def test_prometheus_source_refused_reads_none() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    source = PrometheusStepSource(f"http://127.0.0.1:{port}/metrics", timeout_s=2.0)
+    try:
+        assert await source.read() is None
+        assert source.failed_scrapes == 1
+    finally:
+        await source.aclose()
+        await source.aclose()  # safe twice
+
+
+async def test_steps_watcher_publishes_counter_movement(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    bus = RecordingBus()
+    watcher = StepsWatcher(ShmStepSource(server.pid, directory=tmp_path), interval_s=0.05)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run, bus)
+        await wait_until(lambda: len(bus.of_type(StepsAdvanced)) >= 3)
+        tg.cancel_scope.cancel()
+    events = bus.of_type(StepsAdvanced)
+    assert all(e.pid == server.pid and e.delta > 0 and e.busy and e.source == "steps" for e in events)
+    counts = [e.forward_ct for e in events]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts)
+    assert all(b.forward_ct - a.forward_ct == b.delta for a, b in zip(events, events[1:]))

@@ -1,0 +1,157 @@
+"""The stall watchdog against a real stepping subprocess whose /health keeps answering 200."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pydantic
+import pytest
+
+from agent.bus import RecordingBus
+from agent.events import WatchdogRearmed, WatchdogStalled
+from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepSource
+from agent.watchers.watchdog import Watchdog, WatchdogConfig
+from tests.programs import fake_server
+from tests.programs.fake_server import FakeServer
+from tests.watchers import server_env, wait_until
+
+TIMEOUT_S = 0.5
+CONFIG = WatchdogConfig(timeout_s=TIMEOUT_S, poll_interval_s=0.1)
+
+
+async def _control(server: FakeServer, **settings: object) -> None:
+    await anyio.to_thread.run_sync(lambda: server.control(**settings))
+
+
+async def _health_status(server: FakeServer) -> int:
+    async with httpx.AsyncClient(trust_env=False) as client:
+        return (await client.get(server.health_url, timeout=5)).status_code
+
+
+async def test_stall_fires_once_when_frozen_with_work_pending_and_health_is_200(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, "--freeze-after-steps", "20", env=server_env(tmp_path))
+    source = ShmStepSource(server.pid, directory=tmp_path)
+    bus = RecordingBus()
+    watchdog = Watchdog(source, CONFIG)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watchdog.run, bus)
+        await wait_until(lambda: bus.of_type(WatchdogStalled))
+        fired_at_ns = time.monotonic_ns()
+        assert await _health_status(server) == 200  # the health check alone would never see it
+        await anyio.sleep(4 * TIMEOUT_S)  # still frozen: no second report
+        tg.cancel_scope.cancel()
+
+    reading = source.read_now()
+    assert reading is not None and reading.last_progress_monotonic_ns is not None
+    (stall,) = bus.of_type(WatchdogStalled)
+    assert stall.pid == server.pid
+    assert stall.forward_ct == reading.forward_ct >= 20
+    assert stall.timeout_s == TIMEOUT_S
+    assert stall.counter_source == "shm"
+    assert stall.source == "watchdog"
+    assert stall.stalled_for_s >= TIMEOUT_S
+    # never early: measured against the exact last-step time
+    assert fired_at_ns - reading.last_progress_monotonic_ns >= TIMEOUT_S * 1e9
+    assert watchdog.stalled and watchdog.stalls == 1
+    assert bus.of_type(WatchdogRearmed) == []
+
+
+async def test_stall_rearms_after_progress_and_fires_again(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    source = ShmStepSource(server.pid, directory=tmp_path)
+    bus = RecordingBus()
+    watchdog = Watchdog(source, CONFIG)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watchdog.run, bus)
+        await wait_until(lambda: (r := source.read_now()) is not None and r.forward_ct > 0)
+        await _control(server, mode="freeze")
+        await wait_until(lambda: len(bus.of_type(WatchdogStalled)) == 1)
+        await _control(server, mode="run")
+        await wait_until(lambda: bus.of_type(WatchdogRearmed))
+        assert not watchdog.stalled
+        await _control(server, mode="freeze")
+        await wait_until(lambda: len(bus.of_type(WatchdogStalled)) == 2)
+        tg.cancel_scope.cancel()
+
+    first, rearmed, second = [e for e in bus.events if isinstance(e, (WatchdogStalled, WatchdogRearmed))]
+    assert isinstance(first, WatchdogStalled) and isinstance(second, WatchdogStalled)
+    assert isinstance(rearmed, WatchdogRearmed)
+    assert first.forward_ct < rearmed.forward_ct <= second.forward_ct
+    assert rearmed.pid == server.pid
+    assert watchdog.stalls == 2
+
+
+async def test_no_stall_during_warmup_before_the_first_step(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, "--warmup-s", "60", env=server_env(tmp_path))
+    source = ShmStepSource(server.pid, directory=tmp_path)
+    bus = RecordingBus()
+    async with anyio.create_task_group() as tg:
+        await tg.start(Watchdog(source, CONFIG).run, bus)
+        await wait_until(lambda: source.read_now() is not None)
+        await anyio.sleep(5 * TIMEOUT_S)
+        reading = source.read_now()
+        tg.cancel_scope.cancel()
+    assert reading is not None and reading.busy and reading.forward_ct == 0  # pending, no step
+    assert bus.of_type(WatchdogStalled) == []
+
+
+async def test_idle_server_never_stalls_and_the_clock_restarts_when_work_arrives(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    source = ShmStepSource(server.pid, directory=tmp_path)
+    bus = RecordingBus()
+    async with anyio.create_task_group() as tg:
+        await tg.start(Watchdog(source, CONFIG).run, bus)
+        await wait_until(lambda: (r := source.read_now()) is not None and r.forward_ct > 0)
+        await _control(server, mode="idle")
+        await wait_until(lambda: (r := source.read_now()) is not None and not r.busy)
+        await anyio.sleep(5 * TIMEOUT_S)  # idle for many timeouts since the last step
+        assert bus.of_type(WatchdogStalled) == []
+        last = source.read_now()
+        # work arrives and the very next forward hangs: a stall, timed from when it got busy
+        busy_from_ns = time.monotonic_ns()
+        await _control(server, mode="freeze")
+        await wait_until(lambda: bus.of_type(WatchdogStalled))
+        fired_at_ns = time.monotonic_ns()
+        tg.cancel_scope.cancel()
+    assert last is not None
+    (stall,) = bus.of_type(WatchdogStalled)
+    assert stall.forward_ct == last.forward_ct  # no step since the idle spell
+    assert fired_at_ns - busy_from_ns >= TIMEOUT_S * 1e9  # not fired off the pre-idle step time
+
+
+async def test_stall_and_rearm_with_the_prometheus_source(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    source: StepSource = PrometheusStepSource(server.metrics_url, preset="sglang", timeout_s=2.0)
+    bus = RecordingBus()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(Watchdog(source, CONFIG).run, bus)
+            await wait_until(lambda: ShmStepSource(server.pid, directory=tmp_path).read_now() is not None)
+            await _control(server, mode="freeze")
+            await wait_until(lambda: bus.of_type(WatchdogStalled))
+            await _control(server, mode="run")
+            await wait_until(lambda: bus.of_type(WatchdogRearmed))
+            tg.cancel_scope.cancel()
+    finally:
+        await source.aclose()
+    (stall,) = bus.of_type(WatchdogStalled)
+    assert stall.pid is None
+    assert stall.counter_source == "prometheus"
+    assert stall.stalled_for_s >= TIMEOUT_S
+    assert stall.forward_ct > 0
+
+
+def test_watchdog_config_defaults_and_signal_validation() -> None:
+    config = WatchdogConfig()
+    assert (config.timeout_s, config.hard, config.signal) == (300.0, False, "SIGABRT")
+    assert config.signal_number == signal.SIGABRT
+    assert WatchdogConfig(signal="kill").signal == "SIGKILL"
+    assert WatchdogConfig(signal="sigterm").signal_number == signal.SIGTERM
+    with pytest.raises(pydantic.ValidationError, match="signal"):
+        WatchdogConfig(signal="SIGNOPE")
+    with pytest.raises(pydantic.ValidationError, match="timeout_s"):
+        WatchdogConfig(timeout_s=0)

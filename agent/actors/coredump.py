@@ -1,0 +1,888 @@
+"""CUDA GPU coredumps: arm a target's environment, trigger its driver's pipe, wait for the dump.
+
+Owns: the CUDA coredump environment (:func:`cuda_coredump_env`, :func:`format_exports`), the
+dump-directory guard (:func:`check_dump_dir`), finding a target's coredump FIFO from ground truth
+(:func:`locate_pipe`), triggering it without ever blocking (:func:`trigger_pipe`), waiting for the
+core file, and the actor tying them together (:class:`CoredumpActor`, span ``cuda.coredump``).
+May import the stdlib, anyio, pydantic, :mod:`agent.events` and :mod:`agent.targets` only.
+
+Facts this module relies on (see FIELD-NOTES "CUDA user-triggered coredump"):
+
+* The CUDA driver, inside the target, creates the FIFO named by ``CUDA_COREDUMP_PIPE`` at CUDA
+  init (``%h`` host name, ``%p`` pid, ``%t`` time are expanded by the driver) and keeps it open
+  for reading; any write to it starts a GPU coredump written to ``CUDA_COREDUMP_FILE``. The
+  default pipe is ``corepipe.cuda.<host>.<pid>`` relative to the target's cwd. It only does so
+  when ``CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1`` was in the environment before CUDA init.
+* The default core file is ``core_<time>_<host>_<pid>.nvcudmp`` in the target's cwd (per the
+  CUDA-GDB manual's GPU core dump section), i.e. the template ``core_%t_%h_%p.nvcudmp``.
+* A blocking open of a FIFO with no reader hangs forever; a non-blocking write-open fails with
+  ``ENXIO``. So every open here is ``O_WRONLY | O_NONBLOCK`` and every write is bounded.
+* Variables a process sets in ``os.environ`` after start are missing from ``/proc/PID/environ``:
+  the environment is a hint, the FIFOs the target holds open (``/proc/PID/fd``) are the truth.
+
+Outcomes of ``cuda.coredump`` (never exceptions): ``OK`` (triggered, core file complete),
+``NOT_ARMED`` (no reader / no pipe, with the reason), ``REFUSED`` (dump directory missing,
+unwritable or short of space; decided before any trigger), ``TIMED_OUT`` (the pipe stayed full,
+or the core file did not appear / stop growing in time), ``SKIPPED`` (already triggered for this
+pid in this incident, or disabled), ``NO_SUCH_PROCESS``, ``PERMISSION_DENIED``, ``FAILED``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import glob
+import logging
+import os
+import re
+import shlex
+import socket
+import stat
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import NamedTuple
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.targets import Target
+
+__all__ = [
+    "ACTION",
+    "ENV_ENABLE_ON_EXCEPTION",
+    "ENV_ENABLE_USER_TRIGGER",
+    "ENV_SHOW_PROGRESS",
+    "ENV_GENERATION_FLAGS",
+    "ENV_FILE",
+    "ENV_PIPE",
+    "LIGHTWEIGHT_GENERATION_FLAGS",
+    "SGLANG_FILE_TEMPLATE",
+    "SGLANG_PIPE_TEMPLATE",
+    "DRIVER_DEFAULT_PIPE_TEMPLATE",
+    "DRIVER_DEFAULT_FILE_TEMPLATE",
+    "TRIGGER_PAYLOAD",
+    "CoredumpConfig",
+    "CoredumpEnvPlan",
+    "DumpDirCheck",
+    "PipeLocation",
+    "TriggerResult",
+    "CoredumpActor",
+    "cuda_coredump_env",
+    "format_exports",
+    "check_dump_dir",
+    "template_glob",
+    "locate_pipe",
+    "trigger_pipe",
+    "core_file_glob",
+]
+
+log = logging.getLogger(__name__)
+
+#: Span name of the action.
+ACTION = "cuda.coredump"
+
+#: ``1``: a GPU exception writes a coredump (driver variable).
+ENV_ENABLE_ON_EXCEPTION = "CUDA_ENABLE_COREDUMP_ON_EXCEPTION"
+#: ``1``: the driver creates and reads ``CUDA_COREDUMP_PIPE`` (must be set before CUDA init).
+ENV_ENABLE_USER_TRIGGER = "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"
+#: ``1``: the driver prints coredump progress on the target's stderr.
+ENV_SHOW_PROGRESS = "CUDA_COREDUMP_SHOW_PROGRESS"
+#: Comma-separated ``skip_*`` flags selecting what a coredump contains.
+ENV_GENERATION_FLAGS = "CUDA_COREDUMP_GENERATION_FLAGS"
+#: Core file path template (``%h`` host, ``%p`` pid, ``%t`` time).
+ENV_FILE = "CUDA_COREDUMP_FILE"
+#: Trigger FIFO path template (``%h`` host, ``%p`` pid, ``%t`` time).
+ENV_PIPE = "CUDA_COREDUMP_PIPE"
+
+#: SGLang's lightweight flag set (CU_COREDUMP_LIGHTWEIGHT_FLAGS spelled as driver words).
+LIGHTWEIGHT_GENERATION_FLAGS = (
+    "skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,skip_constbank_memory"
+)
+#: SGLang's ``CUDA_COREDUMP_FILE`` under ``--crash-dump-folder`` (``{folder}`` is filled in).
+SGLANG_FILE_TEMPLATE = "{folder}/%h/core.cuda.%t.%p"
+#: SGLang's ``CUDA_COREDUMP_PIPE`` (per FIELD-NOTES: under /tmp, not under the folder).
+SGLANG_PIPE_TEMPLATE = "/tmp/corepipe.cuda.%h.%p"
+#: The driver's own pipe name when ``CUDA_COREDUMP_PIPE`` is unset (relative to the target's cwd).
+DRIVER_DEFAULT_PIPE_TEMPLATE = "corepipe.cuda.%h.%p"
+#: The driver's own core file name when ``CUDA_COREDUMP_FILE`` is unset (relative to the cwd).
+DRIVER_DEFAULT_FILE_TEMPLATE = "core_%t_%h_%p.nvcudmp"
+#: What we write into the FIFO; the driver starts a dump on any data.
+TRIGGER_PAYLOAD = b"1"
+
+_PLACEHOLDER = re.compile(r"(%[hpt])")
+_MAX_REMEMBERED_INCIDENTS = 256
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+
+class CoredumpConfig(BaseModel):
+    """User configuration of the ``cuda_coredump`` actor (TOML table ``[cuda_coredump]``).
+
+    Attributes:
+        enabled: trigger coredumps during incidents. Default ``True`` (targets that were not
+            armed simply report ``not_armed``).
+        folder: crash-dump folder; core files go to ``{folder}/<host>/core.cuda.<time>.<pid>``
+            when servewatch arms the target. Default ``/var/lib/servewatch/cuda_coredumps``.
+        pipe_template: ``CUDA_COREDUMP_PIPE`` servewatch sets when arming, and a name the FIFO
+            scan accepts. Default SGLang's ``/tmp/corepipe.cuda.%h.%p``.
+        min_free_bytes: refuse to trigger when the dump directory has less free space, in
+            bytes. Default 2 GiB (a lightweight dump is far smaller; a full one can be GBs).
+        trigger_timeout_s: bound on opening and writing the FIFO, in seconds. Default 5.
+        completion_timeout_s: bound on waiting for the core file to appear and stop growing,
+            in seconds. Default 120.
+        settle_s: the core file counts as complete once its size has not changed for this long
+            and the target no longer holds it open, in seconds. Default 2.
+        poll_interval_s: how often the core file is checked, in seconds. Default 0.1.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    folder: Path = Path("/var/lib/servewatch/cuda_coredumps")
+    pipe_template: str = SGLANG_PIPE_TEMPLATE
+    min_free_bytes: int = Field(default=2 * 1024**3, ge=0)
+    trigger_timeout_s: float = Field(default=5.0, gt=0)
+    completion_timeout_s: float = Field(default=120.0, gt=0)
+    settle_s: float = Field(default=2.0, ge=0)
+    poll_interval_s: float = Field(default=0.1, gt=0)
+
+
+# --- arming ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CoredumpEnvPlan:
+    """The CUDA coredump environment for one crash-dump folder.
+
+    Attributes:
+        folder: the crash-dump folder (absolute).
+        host_dir: ``folder/<host>``, created by :func:`cuda_coredump_env`.
+        set: variables this plan adds (name -> value); the user had not set them.
+        kept: coredump variables the user had already set (name -> the user's value), untouched.
+        env: the complete environment to start the target with (the input plus ``set``).
+    """
+
+    folder: Path
+    host_dir: Path
+    set: Mapping[str, str]
+    kept: Mapping[str, str]
+    env: Mapping[str, str] = field(repr=False)
+
+
+def cuda_coredump_env(
+    folder: str | os.PathLike[str],
+    environ: Mapping[str, str] = os.environ,
+    *,
+    host: str | None = None,
+    pipe_template: str = SGLANG_PIPE_TEMPLATE,
+) -> CoredumpEnvPlan:
+    """Compute the CUDA coredump environment for ``folder`` with SGLang's defaults.
+
+    Per SGLang's ``--crash-dump-folder`` handling: each variable is set only where ``environ``
+    does not already have it (the user's value wins, even an empty one). Creates
+    ``folder/<host>`` so the driver can write ``%h`` paths.
+
+    Args:
+        folder: crash-dump folder; made absolute.
+        environ: the environment to start from (not modified).
+        host: host name ``%h`` expands to; default :func:`socket.gethostname`.
+        pipe_template: ``CUDA_COREDUMP_PIPE`` to set; default SGLang's.
+
+    Returns:
+        The plan: what was set, what was kept, and the full environment.
+
+    Raises:
+        OSError: the per-host folder cannot be created (bad configuration).
+    """
+    folder_path = Path(folder).expanduser().absolute()
+    host_name = host or socket.gethostname()
+    defaults = {
+        ENV_ENABLE_ON_EXCEPTION: "1",
+        ENV_ENABLE_USER_TRIGGER: "1",
+        ENV_SHOW_PROGRESS: "1",
+        ENV_GENERATION_FLAGS: LIGHTWEIGHT_GENERATION_FLAGS,
+        ENV_FILE: SGLANG_FILE_TEMPLATE.format(folder=str(folder_path)),
+        ENV_PIPE: pipe_template,
+    }
+    added: dict[str, str] = {}
+    kept: dict[str, str] = {}
+    for name, value in defaults.items():
+        if name in environ:
+            kept[name] = environ[name]
+        else:
+            added[name] = value
+    host_dir = folder_path / host_name
+    host_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(environ)
+    env.update(added)
+    return CoredumpEnvPlan(
+        folder=folder_path,
+        host_dir=host_dir,
+        set=MappingProxyType(added),
+        kept=MappingProxyType(kept),
+        env=MappingProxyType(env),
+    )
+
+
+def format_exports(plan: CoredumpEnvPlan) -> str:
+    """Shell lines arming a target started from that shell (``servewatch cuda-env``).
+
+    One ``export NAME=VALUE`` line per variable the plan sets, values quoted with
+    :func:`shlex.quote`; a ``#`` comment line per variable kept from the user's environment.
+
+    Args:
+        plan: from :func:`cuda_coredump_env`.
+
+    Returns:
+        The lines, newline-terminated (empty when nothing is set or kept).
+    """
+    lines = [f"export {name}={shlex.quote(value)}" for name, value in plan.set.items()]
+    lines += [f"# kept {name} (already set)" for name in plan.kept]
+    return "".join(line + "\n" for line in lines)
+
+
+class DumpDirCheck(NamedTuple):
+    """Result of :func:`check_dump_dir`."""
+
+    #: True when a core file can be written there
+    ok: bool
+    #: why not (or the free space found, when ok)
+    reason: str
+
+
+def check_dump_dir(path: str | os.PathLike[str], *, min_free_bytes: int) -> DumpDirCheck:
+    """Check that a core file can be written to directory ``path``.
+
+    The directory must exist or be creatable, be writable (proved by creating and removing a
+    probe file, so root and read-only mounts are judged correctly), and have at least
+    ``min_free_bytes`` available to unprivileged writers (``statvfs`` ``f_bavail``).
+
+    Args:
+        path: the directory the core file will be written to (created when missing).
+        min_free_bytes: required free space, in bytes.
+
+    Returns:
+        ``(ok, reason)``.
+    """
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        return DumpDirCheck(False, f"dump directory {str(directory)!r} is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return DumpDirCheck(False, f"dump directory {str(directory)!r} cannot be created: {exc.strerror or exc}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".servewatch-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return DumpDirCheck(False, f"dump directory {str(directory)!r} is not writable: {exc.strerror or exc}")
+    try:
+        vfs = os.statvfs(directory)
+    except OSError as exc:
+        return DumpDirCheck(False, f"cannot read free space of {str(directory)!r}: {exc.strerror or exc}")
+    free_bytes = vfs.f_bavail * vfs.f_frsize
+    if free_bytes < min_free_bytes:
+        return DumpDirCheck(
+            False,
+            f"only {free_bytes} bytes free in {str(directory)!r}, below min_free_bytes={min_free_bytes}",
+        )
+    return DumpDirCheck(True, f"{free_bytes} bytes free in {str(directory)!r}")
+
+
+# --- finding the pipe ---------------------------------------------------------------------------
+
+
+def template_glob(template: str, *, host: str, pid: int, cwd: str | None = None) -> str:
+    """Turn a CUDA path template into a glob pattern for one process.
+
+    ``%h`` and ``%p`` are expanded, ``%t`` (a time chosen by the driver) becomes ``*``, every
+    other character is matched literally. A relative template is taken relative to ``cwd``.
+
+    Args:
+        template: e.g. ``"/tmp/corepipe.cuda.%h.%p"``.
+        host: the host name ``%h`` stands for.
+        pid: the pid ``%p`` stands for.
+        cwd: the target's working directory, for relative templates.
+
+    Returns:
+        A pattern for :func:`glob.glob` / :func:`fnmatch.fnmatchcase`.
+    """
+    pieces: list[str] = []
+    for piece in _PLACEHOLDER.split(template):
+        if piece == "%h":
+            pieces.append(glob.escape(host))
+        elif piece == "%p":
+            pieces.append(str(pid))
+        elif piece == "%t":
+            pieces.append("*")
+        else:
+            pieces.append(glob.escape(piece))
+    pattern = "".join(pieces)
+    if cwd is not None and not template.startswith("/"):
+        pattern = os.path.join(glob.escape(cwd), pattern)
+    return pattern
+
+
+def _expand_dir(template: str, *, host: str, pid: int, cwd: str) -> Path:
+    """The directory a file from ``template`` lands in (cut before a ``%t`` in the directory)."""
+    expanded = template.replace("%h", host).replace("%p", str(pid))
+    if not expanded.startswith("/"):
+        expanded = os.path.join(cwd, expanded)
+    directory = os.path.dirname(expanded)
+    if "%t" in directory:
+        directory = os.path.dirname(directory.split("%t", 1)[0])
+    return Path(directory)
+
+
+def _read_environ(pid: int) -> dict[str, str]:
+    """The target's start-up environment, from ``/proc/PID/environ``."""
+    with open(f"/proc/{pid}/environ", "rb") as fh:
+        raw = fh.read()
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep:
+            env[os.fsdecode(name)] = os.fsdecode(value)
+    return env
+
+
+def _read_cwd(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/cwd")
+
+
+def _fd_access_mode(pid: int, fd: str) -> int | None:
+    """``O_ACCMODE`` bits of one of the target's fds (``/proc/PID/fdinfo``), or None."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("flags:"):
+                    return int(line.split()[1], 8) & os.O_ACCMODE
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _open_fds(pid: int) -> Iterator[tuple[str, str, os.stat_result]]:
+    """(fd number, link target, stat of the open file) for each fd of ``pid``.
+
+    Raises:
+        ProcessLookupError / PermissionError: the fd table cannot be read.
+    """
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError as exc:
+        raise ProcessLookupError(pid) from exc
+    for name in names:
+        link = f"/proc/{pid}/fd/{name}"
+        try:
+            target = os.readlink(link)
+            st = os.stat(link)
+        except OSError:
+            continue  # closed since listdir
+        yield name, target, st
+
+
+@dataclass(frozen=True, slots=True)
+class PipeLocation:
+    """Where a target's coredump FIFO is, or why none was found.
+
+    Attributes:
+        pid: the target.
+        path: the FIFO to write, or ``None``.
+        source: how it was found: ``"fd"`` (a FIFO the target holds open for reading),
+            ``"environ"`` (``CUDA_COREDUMP_PIPE`` from ``/proc/PID/environ``) or ``"default"``
+            (the driver's default name in the target's cwd); ``""`` when not found.
+        pattern: the glob pattern the environment/default template gave.
+        reason: when ``path`` is ``None``: why the target counts as not armed.
+        fd: the target's fd number when ``source == "fd"``.
+        inode: ``(st_dev, st_ino)`` of the FIFO when found through an fd.
+    """
+
+    pid: int
+    path: str | None
+    source: str
+    pattern: str
+    reason: str = ""
+    fd: str | None = None
+    inode: tuple[int, int] | None = None
+
+
+def locate_pipe(
+    pid: int,
+    *,
+    host: str | None = None,
+    extra_templates: Sequence[str] = (SGLANG_PIPE_TEMPLATE,),
+    scan_fds: bool = True,
+) -> PipeLocation:
+    """Find the coredump FIFO of process ``pid`` from ground truth.
+
+    First a FIFO the target holds open for reading (``/proc/PID/fd``, ``S_ISFIFO``,
+    ``/proc/PID/fdinfo`` access mode) whose path matches the pipe template from its environment,
+    one of ``extra_templates``, or the driver's name ``corepipe.cuda.<host>.<pid>`` in any
+    directory. Then, as a fallback, the template from ``/proc/PID/environ`` (or the driver's
+    default in the target's cwd), ``%t`` as a wildcard, newest FIFO match.
+
+    Args:
+        pid: the target process.
+        host: the host name ``%h`` expands to; default :func:`socket.gethostname`.
+        extra_templates: more pipe templates to accept in the fd scan (e.g. the configured one).
+        scan_fds: scan the target's fds (``False`` only to exercise the fallback).
+
+    Returns:
+        The location; ``path is None`` with a ``reason`` when not armed.
+
+    Raises:
+        ProcessLookupError: the process does not exist.
+        PermissionError: ``/proc/PID`` cannot be read (needs the same user or root).
+    """
+    host_name = host or socket.gethostname()
+    try:
+        environ = _read_environ(pid)
+        cwd = _read_cwd(pid)
+    except FileNotFoundError as exc:
+        raise ProcessLookupError(pid) from exc
+    env_template = environ.get(ENV_PIPE)
+    template = env_template or DRIVER_DEFAULT_PIPE_TEMPLATE
+    source = "environ" if env_template else "default"
+    pattern = template_glob(template, host=host_name, pid=pid, cwd=cwd)
+
+    if scan_fds:
+        accepted = [pattern]
+        accepted += [template_glob(t, host=host_name, pid=pid, cwd=cwd) for t in extra_templates]
+        accepted.append("*/" + template_glob(DRIVER_DEFAULT_PIPE_TEMPLATE, host=host_name, pid=pid))
+        for fd, target, st in _open_fds(pid):
+            if not stat.S_ISFIFO(st.st_mode) or not target.startswith("/"):
+                continue  # anonymous pipes read as "pipe:[inode]"
+            if _fd_access_mode(pid, fd) not in (os.O_RDONLY, os.O_RDWR):
+                continue
+            if any(fnmatch.fnmatchcase(target, p) for p in accepted):
+                return PipeLocation(
+                    pid=pid, path=target, source="fd", pattern=pattern, fd=fd, inode=(st.st_dev, st.st_ino)
+                )
+
+    fifos: list[tuple[float, str]] = []
+    non_fifo = ""
+    for candidate in glob.glob(pattern):
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            continue
+        if stat.S_ISFIFO(st.st_mode):
+            fifos.append((st.st_mtime, candidate))
+        else:
+            non_fifo = candidate
+    if fifos:
+        return PipeLocation(pid=pid, path=max(fifos)[1], source=source, pattern=pattern)
+
+    if environ.get(ENV_ENABLE_USER_TRIGGER) != "1":
+        reason = (
+            f"not armed: {ENV_ENABLE_USER_TRIGGER}=1 is not in the target's environment and it holds no "
+            "coredump FIFO open (start it with `servewatch launch` or the `servewatch cuda-env` exports)"
+        )
+    elif non_fifo:
+        reason = f"not armed: {non_fifo!r} matches the pipe template but is not a FIFO"
+    elif env_template:
+        reason = (
+            f"not armed: no FIFO matches {pattern!r} from {ENV_PIPE} (CUDA not initialised yet in the "
+            "target, or the pipe path differs)"
+        )
+    else:
+        reason = (
+            f"not armed: {ENV_PIPE} is unset and the driver's default FIFO {pattern!r} does not exist "
+            "(CUDA not initialised yet in the target, or the pipe path differs)"
+        )
+    return PipeLocation(pid=pid, path=None, source="", pattern=pattern, reason=reason)
+
+
+# --- triggering ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerResult:
+    """What one write to a coredump FIFO did.
+
+    Attributes:
+        outcome: ``OK`` (payload written), ``NOT_ARMED`` (no reader, vanished, not a FIFO),
+            ``TIMED_OUT`` (pipe full until the deadline), ``PERMISSION_DENIED`` or ``FAILED``.
+        detail: one line.
+        time_unix_nano: when the payload was written (0 when it was not).
+    """
+
+    outcome: Outcome
+    detail: str
+    time_unix_nano: int = 0
+
+
+def _open_for_trigger(location: PipeLocation) -> int:
+    """Open the FIFO write-only without blocking; verify it is the FIFO that was found."""
+    path = location.path
+    assert path is not None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if location.fd is None:
+            raise
+        # Not visible in our mount namespace (or unlinked): reopen through the target's fd.
+        fd = os.open(f"/proc/{location.pid}/fd/{location.fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISFIFO(st.st_mode):
+            raise OSError(errno.EINVAL, "is not a FIFO", path)
+        if location.inode is not None and (st.st_dev, st.st_ino) != location.inode:
+            raise OSError(errno.EINVAL, "was replaced since it was found", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+async def trigger_pipe(
+    location: PipeLocation, *, timeout_s: float, poll_interval_s: float = 0.01, payload: bytes = TRIGGER_PAYLOAD
+) -> TriggerResult:
+    """Write ``payload`` to a coredump FIFO, never blocking and bounded by ``timeout_s``.
+
+    Opens with ``O_WRONLY | O_NONBLOCK`` (``ENXIO`` = nobody reads = not armed), refuses
+    anything but a FIFO, then retries ``EAGAIN`` (pipe full: a reader that stopped reading)
+    with anyio sleeps until the deadline.
+
+    Args:
+        location: from :func:`locate_pipe`, with ``path`` set.
+        timeout_s: deadline for open + write, in seconds.
+        poll_interval_s: wait between retries of a full pipe, in seconds.
+        payload: bytes to write; the driver starts a dump on any data.
+
+    Returns:
+        The :class:`TriggerResult`.
+    """
+    if location.path is None:
+        return TriggerResult(Outcome.NOT_ARMED, location.reason)
+    path = location.path
+    try:
+        fd = _open_for_trigger(location)
+    except OSError as exc:
+        return TriggerResult(*_classify_open_error(exc, path))
+    try:
+        with anyio.move_on_after(timeout_s) as scope:
+            while True:
+                try:
+                    written = os.write(fd, payload)
+                except BlockingIOError:
+                    await anyio.sleep(poll_interval_s)
+                    continue
+                except BrokenPipeError:
+                    return TriggerResult(Outcome.NOT_ARMED, f"not armed: the reader of {path!r} went away")
+                except OSError as exc:
+                    return TriggerResult(Outcome.FAILED, f"write to {path!r} failed: {exc.strerror or exc}")
+                if written > 0:
+                    return TriggerResult(Outcome.OK, f"triggered through {path!r}", now_ns())
+        assert scope.cancelled_caught
+        return TriggerResult(
+            Outcome.TIMED_OUT, f"{path!r} stayed full for {timeout_s:g} s: its reader is not reading"
+        )
+    finally:
+        os.close(fd)
+
+
+def _classify_open_error(exc: OSError, path: str) -> tuple[Outcome, str]:
+    """Sort an ``open(2)`` failure on the FIFO into our terms (the one place that does)."""
+    if exc.errno == errno.ENXIO:
+        return Outcome.NOT_ARMED, f"not armed: no process has {path!r} open for reading (ENXIO)"
+    if isinstance(exc, FileNotFoundError):
+        return Outcome.NOT_ARMED, f"not armed: {path!r} disappeared before the trigger"
+    if isinstance(exc, PermissionError):
+        return Outcome.PERMISSION_DENIED, f"cannot open {path!r} for writing: permission denied"
+    if exc.errno == errno.EINVAL:
+        return Outcome.NOT_ARMED, f"not armed: {path!r} {exc.strerror}"
+    return Outcome.FAILED, f"cannot open {path!r}: {exc.strerror or exc}"
+
+
+# --- completion ---------------------------------------------------------------------------------
+
+
+def core_file_glob(pid: int, *, host: str | None = None) -> tuple[str, str]:
+    """Glob pattern of ``pid``'s core file and the template it came from.
+
+    From ``CUDA_COREDUMP_FILE`` in ``/proc/PID/environ`` (else the driver's default
+    ``core_%t_%h_%p.nvcudmp``), ``%h``/``%p`` expanded, ``%t`` a wildcard, relative to the
+    target's cwd.
+
+    Raises:
+        ProcessLookupError / PermissionError: ``/proc/PID`` is gone or unreadable.
+    """
+    try:
+        environ = _read_environ(pid)
+        cwd = _read_cwd(pid)
+    except FileNotFoundError as exc:
+        raise ProcessLookupError(pid) from exc
+    template = environ.get(ENV_FILE) or DRIVER_DEFAULT_FILE_TEMPLATE
+    return template_glob(template, host=host or socket.gethostname(), pid=pid, cwd=cwd), template
+
+
+def _snapshot(pattern: str) -> dict[str, int]:
+    """path -> mtime (ns) of every current match, to tell new dumps from old ones."""
+    found: dict[str, int] = {}
+    for path in glob.glob(pattern):
+        try:
+            found[path] = os.stat(path).st_mtime_ns
+        except OSError:
+            continue
+    return found
+
+
+def _newest_new(pattern: str, before: Mapping[str, int]) -> tuple[str, int] | None:
+    """The newest regular file matching ``pattern`` that is new or changed since ``before``."""
+    best: tuple[int, str, int] | None = None
+    for path in glob.glob(pattern):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if path in before and st.st_mtime_ns <= before[path]:
+            continue
+        if best is None or st.st_mtime_ns > best[0]:
+            best = (st.st_mtime_ns, path, st.st_size)
+    return None if best is None else (best[1], best[2])
+
+
+def _held_open_by(pid: int, path: str) -> bool:
+    """Whether ``pid`` still has ``path`` open (the driver is still writing it)."""
+    try:
+        return any(target == path for _, target, _ in _open_fds(pid))
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@dataclass(slots=True)
+class _Completion:
+    path: str | None = None
+    size_bytes: int = 0
+    complete: bool = False
+    end_unix_nano: int = 0
+
+
+async def _await_core_file(
+    pid: int, pattern: str, before: Mapping[str, int], *, timeout_s: float, settle_s: float, poll_interval_s: float
+) -> _Completion:
+    """Wait (bounded) for a new core file to appear, stop growing and be closed by the target."""
+    seen = _Completion()
+    stable_since = 0.0
+    with anyio.move_on_after(timeout_s):
+        while True:
+            found = await anyio.to_thread.run_sync(_newest_new, pattern, before)
+            now = anyio.current_time()
+            if found is not None:
+                if (found[0], found[1]) != (seen.path, seen.size_bytes):
+                    seen.path, seen.size_bytes = found
+                    seen.end_unix_nano = now_ns()
+                    stable_since = now
+                elif found[1] > 0 and now - stable_since >= settle_s:
+                    held = await anyio.to_thread.run_sync(_held_open_by, pid, found[0])
+                    if not held:
+                        seen.complete = True
+                        return seen
+            await anyio.sleep(poll_interval_s)
+    return seen
+
+
+# --- the actor ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _proc_errors(pid: int) -> Iterator[list[tuple[Outcome, str]]]:
+    """Turn ``/proc`` access failures into outcomes (the one place that does)."""
+    failure: list[tuple[Outcome, str]] = []
+    try:
+        yield failure
+    except ProcessLookupError:
+        failure.append((Outcome.NO_SUCH_PROCESS, f"process {pid} does not exist"))
+    except PermissionError:
+        failure.append(
+            (Outcome.PERMISSION_DENIED, f"cannot read /proc/{pid}: run servewatch as the target's user or root")
+        )
+
+
+class CoredumpActor:
+    """Triggers CUDA user coredumps of incident targets and waits for the core files.
+
+    One trigger per ``(incident_id, pid)`` at most; later calls for the same pair return
+    ``SKIPPED``. Span ``cuda.coredump`` attributes: ``process.pid``,
+    ``servewatch.coredump.pipe``, ``.pipe_source``, ``.file_pattern``, ``.dump_dir``,
+    ``.triggered``, ``.trigger_time_unix_nano``, ``.path``, ``.size_bytes``,
+    ``.write_duration_s`` (trigger to complete file), ``.complete``.
+    """
+
+    name = "cuda_coredump"
+
+    def __init__(self, config: CoredumpConfig | None = None, *, host: str | None = None) -> None:
+        """Args:
+        config: user configuration; defaults when ``None``.
+        host: host name ``%h`` expands to; default :func:`socket.gethostname`.
+        """
+        self.config = config or CoredumpConfig()
+        self.host = host or socket.gethostname()
+        self._triggered: OrderedDict[str, set[int]] = OrderedDict()
+
+    def _claim(self, incident_id: str, pid: int) -> bool:
+        """Record a trigger of ``pid`` for ``incident_id``; False when already recorded."""
+        pids = self._triggered.get(incident_id)
+        if pids is None:
+            pids = self._triggered[incident_id] = set()
+            while len(self._triggered) > _MAX_REMEMBERED_INCIDENTS:
+                self._triggered.popitem(last=False)
+        if pid in pids:
+            return False
+        pids.add(pid)
+        return True
+
+    async def trigger_all(
+        self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path
+    ) -> list[ActionResult]:
+        """Trigger every armed target at once, then wait (bounded) for all core files.
+
+        Call right after the incident's py-spy dumps finished; every trigger is written within
+        milliseconds of the call (all targets concurrently), then each core file is awaited.
+
+        Args:
+            trigger: the incident.
+            targets: processes to dump (duplicates by pid are dumped once).
+            artifact_dir: the incident bundle directory.
+
+        Returns:
+            One result per target, in ``targets`` order.
+        """
+        timeout_s = self.config.trigger_timeout_s + self.config.completion_timeout_s
+        results: list[ActionResult | None] = [None] * len(targets)
+
+        async def one(index: int, target: Target) -> None:
+            results[index] = await self.act(trigger, target, timeout_s=timeout_s, artifact_dir=artifact_dir)
+
+        async with anyio.create_task_group() as tg:
+            for index, target in enumerate(targets):
+                tg.start_soon(one, index, target)
+        return [r for r in results if r is not None]
+
+    async def act(
+        self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path
+    ) -> ActionResult:
+        """Trigger ``target``'s CUDA coredump and wait for the core file, within ``timeout_s``.
+
+        Never raises for a target's misbehaviour (cancellation propagates).
+
+        Args:
+            trigger: the incident (``incident_id`` deduplicates triggers).
+            target: the process.
+            timeout_s: bound on the whole action, in seconds (the trigger and completion bounds
+                of the config apply within it).
+            artifact_dir: the incident bundle directory (the core file stays where the driver
+                wrote it; its path is recorded).
+
+        Returns:
+            The ``cuda.coredump`` result (see the module docstring for outcomes).
+        """
+        start_ns = now_ns()
+        attrs: dict[str, AttributeValue] = {"process.pid": target.pid}
+
+        def result(outcome: Outcome, detail: str, *, retryable: bool = False, paths: tuple[str, ...] = ()) -> ActionResult:
+            return ActionResult(
+                action=ACTION,
+                outcome=outcome,
+                pid=target.pid,
+                retryable=retryable,
+                detail=detail,
+                start_time_unix_nano=start_ns,
+                end_time_unix_nano=now_ns(),
+                artifact_paths=paths,
+                attributes=frozen_attrs(attrs),
+            )
+
+        if not self.config.enabled:
+            return result(Outcome.SKIPPED, "cuda coredumps are disabled in the configuration")
+        try:
+            with anyio.move_on_after(timeout_s) as scope:
+                return await self._act(trigger, target, attrs, result, timeout_s=timeout_s)
+            assert scope.cancelled_caught
+            return result(Outcome.TIMED_OUT, f"cuda coredump did not finish within {timeout_s:g} s", retryable=True)
+        except Exception as exc:  # boundary: a target's misbehaviour never crashes the agent
+            log.exception("cuda coredump of pid %d failed", target.pid)
+            return result(Outcome.FAILED, f"unexpected error: {type(exc).__name__}: {exc}")
+
+    async def _act(self, trigger, target, attrs, result, *, timeout_s: float) -> ActionResult:  # noqa: ANN001
+        cfg = self.config
+        pid = target.pid
+        deadline = anyio.current_time() + timeout_s
+        if pid in self._triggered.get(trigger.incident_id, ()):
+            return result(Outcome.SKIPPED, f"already triggered pid {pid} in incident {trigger.incident_id}")
+
+        location: PipeLocation | None = None
+        with _proc_errors(pid) as failure:
+            location = await anyio.to_thread.run_sync(self._locate, pid)
+            pattern, template = await anyio.to_thread.run_sync(lambda: core_file_glob(pid, host=self.host))
+            cwd = await anyio.to_thread.run_sync(_read_cwd, pid)
+        if failure:
+            return result(*failure[0])
+        assert location is not None
+        attrs["servewatch.coredump.file_pattern"] = pattern
+        attrs["servewatch.coredump.pipe_source"] = location.source
+        if location.path is None:
+            return result(Outcome.NOT_ARMED, location.reason)
+        attrs["servewatch.coredump.pipe"] = location.path
+
+        dump_dir = _expand_dir(template, host=self.host, pid=pid, cwd=cwd)
+        attrs["servewatch.coredump.dump_dir"] = str(dump_dir)
+        guard = await anyio.to_thread.run_sync(
+            lambda: check_dump_dir(dump_dir, min_free_bytes=cfg.min_free_bytes)
+        )
+        if not guard.ok:
+            return result(Outcome.REFUSED, f"refused before triggering: {guard.reason}", retryable=True)
+
+        if not self._claim(trigger.incident_id, pid):
+            return result(Outcome.SKIPPED, f"already triggered pid {pid} in incident {trigger.incident_id}")
+        before = await anyio.to_thread.run_sync(_snapshot, pattern)
+        fired = await trigger_pipe(
+            location,
+            timeout_s=min(cfg.trigger_timeout_s, max(0.0, deadline - anyio.current_time())),
+            poll_interval_s=min(0.01, cfg.poll_interval_s),
+        )
+        attrs["servewatch.coredump.triggered"] = fired.outcome is Outcome.OK
+        if fired.outcome is not Outcome.OK:
+            return result(fired.outcome, fired.detail, retryable=fired.outcome is Outcome.TIMED_OUT)
+        attrs["servewatch.coredump.trigger_time_unix_nano"] = fired.time_unix_nano
+
+        wait_s = min(cfg.completion_timeout_s, max(0.0, deadline - anyio.current_time()))
+        done = await _await_core_file(
+            pid, pattern, before, timeout_s=wait_s, settle_s=cfg.settle_s, poll_interval_s=cfg.poll_interval_s
+        )
+        attrs["servewatch.coredump.complete"] = done.complete
+        if done.path is None:
+            return result(
+                Outcome.TIMED_OUT,
+                f"triggered through {location.path!r} but no core file matching {pattern!r} appeared within {wait_s:g} s",
+            )
+        attrs["servewatch.coredump.path"] = done.path
+        attrs["servewatch.coredump.size_bytes"] = done.size_bytes
+        attrs["servewatch.coredump.write_duration_s"] = round(
+            max(0, done.end_unix_nano - fired.time_unix_nano) / 1e9, 6
+        )
+        if not done.complete:
+            return result(
+                Outcome.TIMED_OUT,
+                f"core file {done.path!r} still growing after {wait_s:g} s ({done.size_bytes} bytes so far)",
+                paths=(done.path,),
+            )
+        return result(
+            Outcome.OK, f"core file {done.path!r} ({done.size_bytes} bytes)", paths=(done.path,)
+        )
+
+    def _locate(self, pid: int) -> PipeLocation:
+        return locate_pipe(pid, host=self.host, extra_templates=(self.config.pipe_template,))

@@ -1,0 +1,383 @@
+"""cuda.coredump against the fake CUDA driver (tests/programs/fake_cuda_driver.py), real FIFOs.
+
+Each target is a real process holding a real FIFO; the actor finds it through /proc, writes to it
+and measures the core file the fake writes. Hang guards (``fail_after``) only stop a broken test;
+no assertion is about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+import agent.actors.coredump as coredump
+from agent.actors.coredump import (
+    CoredumpActor,
+    CoredumpConfig,
+    PipeLocation,
+    check_dump_dir,
+    cuda_coredump_env,
+    format_exports,
+    locate_pipe,
+    template_glob,
+    trigger_pipe,
+)
+from agent.events import IncidentOpened, Outcome
+from agent.targets import Target
+from tests.conftest import PROGRAMS_DIR
+
+FAKE = str(PROGRAMS_DIR / "fake_cuda_driver.py")
+HOST = socket.gethostname()
+CHUNKS, CHUNK_BYTES = 4, 32 * 1024
+HANG_GUARD_S = 30
+
+_FAST = {"settle_s": 0.2, "poll_interval_s": 0.02, "trigger_timeout_s": 2.0, "completion_timeout_s": 10.0}
+
+
+def fast_config(tmp_path: Path, **overrides: object) -> CoredumpConfig:
+    values: dict[str, object] = {"folder": tmp_path / "dumps", "min_free_bytes": 0, **_FAST}
+    values.update(overrides)
+    return CoredumpConfig(**values)
+
+
+def incident(incident_id: str = "inc-1") -> IncidentOpened:
+    return IncidentOpened(incident_id=incident_id, trigger="manual", source="test")
+
+
+def wait_status(path: Path, *, timeout_s: float = 20.0, key: str = "armed") -> dict:
+    """Poll the fake's JSON state until ``key`` is truthy (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            state = json.loads(path.read_text())
+            if state.get(key) or (key == "armed" and state.get("mode") == "no-reader" and state.get("pipe")):
+                return state
+        time.sleep(0.02)
+    raise AssertionError(f"fake driver did not report {key!r} in {path}")
+
+
+def read_status(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def start_fake(spawn: Callable, python: str, tmp_path: Path) -> Callable:
+    """Start the fake driver armed for ``tmp_path/dumps``; returns (proc, state, status_path)."""
+    counter = iter(range(1000))
+
+    def _start(
+        *,
+        mode: str = "normal",
+        env_overrides: dict[str, str] | None = None,
+        drop: tuple[str, ...] = (),
+        cwd: Path | None = None,
+        extra: tuple[str, ...] = (),
+        armed: bool = True,
+    ) -> tuple[subprocess.Popen[bytes], dict, Path]:
+        n = next(counter)
+        status = tmp_path / f"status-{n}.json"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_")}
+        # Keep pipes inside tmp_path: the user's (our) value wins over SGLang's /tmp default.
+        base["CUDA_COREDUMP_PIPE"] = str(tmp_path / "pipes" / "corepipe.cuda.%h.%p")
+        base.update(env_overrides or {})
+        env = dict(cuda_coredump_env(tmp_path / "dumps", base, host=HOST).env) if armed else base
+        for name in drop:
+            env.pop(name, None)
+        argv = [python, FAKE, "--mode", mode, "--status", str(status), "--chunks", str(CHUNKS)]
+        argv += ["--chunk-bytes", str(CHUNK_BYTES), *extra]
+        proc = spawn(argv, env=env, cwd=str(cwd or tmp_path), stdout=subprocess.DEVNULL)
+        state = wait_status(status) if armed else _wait_unarmed(status)
+        return proc, state, status
+
+    return _start
+
+
+def _wait_unarmed(status: Path) -> dict:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if status.exists():
+            return read_status(status)
+        time.sleep(0.02)
+    raise AssertionError("fake driver did not start")
+
+
+def target_of(proc: subprocess.Popen[bytes]) -> Target:
+    return Target(pid=proc.pid, title="fake-cuda")
+
+
+# --- arming ---------------------------------------------------------------------------------
+
+
+def test_env_sets_sglang_defaults_and_creates_host_dir(tmp_path: Path) -> None:
+    plan = cuda_coredump_env(tmp_path / "crash", {"PATH": "/usr/bin"}, host="node-7")
+    assert dict(plan.set) == {
+        "CUDA_ENABLE_COREDUMP_ON_EXCEPTION": "1",
+        "CUDA_ENABLE_USER_TRIGGERED_COREDUMP": "1",
+        "CUDA_COREDUMP_SHOW_PROGRESS": "1",
+        "CUDA_COREDUMP_GENERATION_FLAGS": (
+            "skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
+            "skip_local_memory,skip_constbank_memory"
+        ),
+        "CUDA_COREDUMP_FILE": f"{tmp_path}/crash/%h/core.cuda.%t.%p",
+        "CUDA_COREDUMP_PIPE": "/tmp/corepipe.cuda.%h.%p",
+    }
+    assert dict(plan.kept) == {}
+    assert plan.env["PATH"] == "/usr/bin"
+    assert plan.host_dir == tmp_path / "crash" / "node-7"
+    assert plan.host_dir.is_dir()
+
+
+def test_env_never_overrides_user_values(tmp_path: Path) -> None:
+    user = {"CUDA_COREDUMP_FILE": "/data/mine/core.%p", "CUDA_COREDUMP_SHOW_PROGRESS": "", "HOME": "/root"}
+    plan = cuda_coredump_env(tmp_path, user, host="h")
+    assert dict(plan.kept) == {"CUDA_COREDUMP_FILE": "/data/mine/core.%p", "CUDA_COREDUMP_SHOW_PROGRESS": ""}
+    assert "CUDA_COREDUMP_FILE" not in plan.set and "CUDA_COREDUMP_SHOW_PROGRESS" not in plan.set
+    assert plan.env["CUDA_COREDUMP_FILE"] == "/data/mine/core.%p"
+    assert plan.env["CUDA_COREDUMP_SHOW_PROGRESS"] == ""
+    assert plan.env["CUDA_ENABLE_USER_TRIGGERED_COREDUMP"] == "1"
+    assert user == {"CUDA_COREDUMP_FILE": "/data/mine/core.%p", "CUDA_COREDUMP_SHOW_PROGRESS": "", "HOME": "/root"}
+
+
+def test_exports_parse_back_in_bash(tmp_path: Path) -> None:
+    folder = tmp_path / "it's a \"dir\" $HOME"
+    plan = cuda_coredump_env(folder, {"CUDA_COREDUMP_PIPE": "/run/p.%p"}, host="h")
+    script = format_exports(plan)
+    assert "# kept CUDA_COREDUMP_PIPE (already set)" in script
+    out = subprocess.run(
+        ["bash", "-c", 'eval "$1"; env -0', "bash", script],
+        env={"PATH": os.environ["PATH"]},
+        capture_output=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    seen = dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+    for name, value in plan.set.items():
+        assert seen[name] == value
+    assert seen["CUDA_COREDUMP_FILE"] == f"{folder}/%h/core.cuda.%t.%p"
+    assert "CUDA_COREDUMP_PIPE" not in seen
+
+
+def test_dump_dir_guard(tmp_path: Path) -> None:
+    fresh = tmp_path / "a" / "b"
+    ok, reason = check_dump_dir(fresh, min_free_bytes=0)
+    assert ok and fresh.is_dir() and "bytes free" in reason
+    ok, reason = check_dump_dir(fresh, min_free_bytes=1 << 62)
+    assert not ok and "below min_free_bytes" in reason
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    ok, reason = check_dump_dir(blocker / "sub", min_free_bytes=0)
+    assert not ok and "cannot be created" in reason
+    ok, reason = check_dump_dir(blocker, min_free_bytes=0)
+    assert not ok and "not a directory" in reason
+
+
+def test_template_glob_escapes_literals_and_wildcards_time() -> None:
+    assert template_glob("/tmp/core[1].%h.%t.%p", host="n1", pid=42) == "/tmp/core[[]1].n1.*.42"
+    assert template_glob("corepipe.cuda.%h.%p", host="n1", pid=7, cwd="/w") == "/w/corepipe.cuda.n1.7"
+
+
+def test_default_config_is_valid_and_fresh() -> None:
+    a, b = CoredumpConfig(), CoredumpConfig()
+    assert a == b and a is not b
+    assert a.pipe_template == "/tmp/corepipe.cuda.%h.%p"
+    with pytest.raises(ValueError):
+        CoredumpConfig(trigger_timeout_s=0)
+    with pytest.raises(ValueError):
+        CoredumpConfig(unknown_key=1)
+
+
+def test_all_names_are_exported() -> None:
+    public = {n for n in vars(coredump) if not n.startswith("_") and getattr(getattr(coredump, n), "__module__", "") == coredump.__name__}
+    assert public <= set(coredump.__all__)
+    for name in coredump.__all__:
+        assert hasattr(coredump, name)
+
+
+# --- triggering the fake driver -----------------------------------------------------------------
+
+
+async def test_armed_target_dump_found_and_measured(tmp_path: Path, start_fake: Callable) -> None:
+    proc, state, status = start_fake()
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=20, artifact_dir=tmp_path)
+    final = read_status(status)
+    assert result.outcome is Outcome.OK, result.detail
+    assert final["bytes_read"] == 1 and final["triggers"] == 1
+    [core] = final["cores"]
+    assert core["size_bytes"] == CHUNKS * CHUNK_BYTES
+    assert Path(core["path"]).parent == tmp_path / "dumps" / HOST
+    attrs = result.attributes
+    assert attrs["servewatch.coredump.path"] == core["path"]
+    assert attrs["servewatch.coredump.size_bytes"] == CHUNKS * CHUNK_BYTES == os.path.getsize(core["path"])
+    assert attrs["servewatch.coredump.pipe"] == state["pipe"]
+    assert attrs["servewatch.coredump.pipe_source"] == "fd"
+    assert attrs["servewatch.coredump.complete"] is True
+    assert attrs["process.pid"] == proc.pid
+    assert result.artifact_paths == (core["path"],)
+    assert result.action == "cuda.coredump" and result.pid == proc.pid
+
+
+async def test_no_reader_is_not_armed_without_blocking(tmp_path: Path, start_fake: Callable) -> None:
+    proc, state, _ = start_fake(mode="no-reader")
+    assert Path(state["pipe"]).exists()
+    actor = CoredumpActor(fast_config(tmp_path, trigger_timeout_s=60, completion_timeout_s=60), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=120, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.NOT_ARMED
+    assert "no process has" in result.detail and "ENXIO" in result.detail
+    assert result.attributes["servewatch.coredump.pipe_source"] == "environ"
+
+
+async def test_full_pipe_reader_that_never_reads_times_out(tmp_path: Path, start_fake: Callable) -> None:
+    proc, state, status = start_fake(mode="full")
+    actor = CoredumpActor(fast_config(tmp_path, trigger_timeout_s=0.3), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=120, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.TIMED_OUT, result.detail
+    assert "stayed full" in result.detail
+    assert result.attributes["servewatch.coredump.triggered"] is False
+    assert read_status(status)["cores"] == []
+
+
+async def test_reader_that_never_reads_bounded_by_completion_timeout(tmp_path: Path, start_fake: Callable) -> None:
+    proc, _, status = start_fake(mode="never-read")
+    actor = CoredumpActor(fast_config(tmp_path, completion_timeout_s=0.5), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=120, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.TIMED_OUT
+    assert "no core file matching" in result.detail
+    assert result.attributes["servewatch.coredump.triggered"] is True
+    assert read_status(status)["cores"] == []
+
+
+async def test_time_placeholder_in_pipe_template(tmp_path: Path, start_fake: Callable) -> None:
+    template = str(tmp_path / "tpipes" / "cuda.%h.%p.%t.fifo")
+    proc, state, _ = start_fake(env_overrides={"CUDA_COREDUMP_PIPE": template})
+    assert state["pipe"].startswith(str(tmp_path / "tpipes" / f"cuda.{HOST}.{proc.pid}."))
+    # The fallback (environ template, %t as a wildcard) finds the same FIFO as the fd scan.
+    by_env = locate_pipe(proc.pid, host=HOST, scan_fds=False)
+    assert (by_env.path, by_env.source) == (state["pipe"], "environ")
+    by_fd = locate_pipe(proc.pid, host=HOST)
+    assert (by_fd.path, by_fd.source) == (state["pipe"], "fd")
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+
+
+async def test_relative_default_pipe_in_target_cwd(tmp_path: Path, start_fake: Callable) -> None:
+    work = tmp_path / "work dir"
+    work.mkdir()
+    proc, state, status = start_fake(drop=("CUDA_COREDUMP_PIPE",), cwd=work)
+    assert state["pipe"] == str(work / f"corepipe.cuda.{HOST}.{proc.pid}")
+    by_default = locate_pipe(proc.pid, host=HOST, scan_fds=False)
+    assert (by_default.path, by_default.source) == (state["pipe"], "default")
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.coredump.pipe"] == state["pipe"]
+    assert read_status(status)["bytes_read"] == 1
+
+
+async def test_pipe_variable_set_only_at_runtime(tmp_path: Path, start_fake: Callable) -> None:
+    runtime_template = str(tmp_path / "rt" / "corepipe.cuda.%h.%p")
+    proc, state, _ = start_fake(mode="runtime-env", drop=("CUDA_COREDUMP_PIPE",), extra=("--runtime-pipe", runtime_template))
+    environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+    assert b"CUDA_COREDUMP_PIPE=" not in environ
+    fallback = locate_pipe(proc.pid, host=HOST, scan_fds=False)
+    assert fallback.path is None and "CUDA_COREDUMP_PIPE is unset" in fallback.reason
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.coredump.pipe"] == state["pipe"]
+    assert result.attributes["servewatch.coredump.pipe_source"] == "fd"
+
+
+async def test_two_triggers_in_one_incident_write_once(tmp_path: Path, start_fake: Callable) -> None:
+    proc, _, status = start_fake()
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    target = target_of(proc)
+    with anyio.fail_after(HANG_GUARD_S):
+        results = await actor.trigger_all(incident("inc-A"), [target, target], artifact_dir=tmp_path)
+        again = await actor.act(incident("inc-A"), target, timeout_s=20, artifact_dir=tmp_path)
+    assert sorted(r.outcome for r in results) == sorted([Outcome.OK, Outcome.SKIPPED])
+    assert again.outcome is Outcome.SKIPPED and "already triggered" in again.detail
+    final = read_status(status)
+    assert final["bytes_read"] == 1 and len(final["cores"]) == 1
+
+
+async def test_trigger_all_dumps_every_armed_target(tmp_path: Path, start_fake: Callable) -> None:
+    fakes = [start_fake() for _ in range(3)]
+    plain, _, _ = start_fake(armed=False)
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    targets = [target_of(p) for p, _, _ in fakes] + [target_of(plain)]
+    with anyio.fail_after(HANG_GUARD_S):
+        results = await actor.trigger_all(incident(), targets, artifact_dir=tmp_path)
+    assert [r.pid for r in results] == [t.pid for t in targets]
+    assert [r.outcome for r in results] == [Outcome.OK] * 3 + [Outcome.NOT_ARMED]
+    assert "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 is not in the target's environment" in results[3].detail
+    paths = {r.attributes["servewatch.coredump.path"] for r in results[:3]}
+    assert paths == {read_status(s)["cores"][0]["path"] for _, _, s in fakes}
+
+
+async def test_disk_guard_refuses_before_trigger(tmp_path: Path, start_fake: Callable) -> None:
+    proc, _, status = start_fake()
+    actor = CoredumpActor(fast_config(tmp_path, min_free_bytes=1 << 62), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.REFUSED
+    assert "below min_free_bytes" in result.detail
+    assert result.attributes["servewatch.coredump.dump_dir"] == str(tmp_path / "dumps" / HOST)
+    assert read_status(status)["bytes_read"] == 0
+
+
+async def test_unwritable_dump_dir_refused(tmp_path: Path, start_fake: Callable) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a dir")
+    proc, _, status = start_fake(env_overrides={"CUDA_COREDUMP_FILE": f"{blocker}/%h/core.%p"})
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(proc), timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.REFUSED and "cannot be created" in result.detail
+    assert read_status(status)["bytes_read"] == 0
+
+
+async def test_armed_env_but_no_cuda_init_and_impostor_file(tmp_path: Path, spawn: Callable, python: str) -> None:
+    env = {"PATH": os.environ["PATH"], "CUDA_ENABLE_USER_TRIGGERED_COREDUMP": "1", "CUDA_COREDUMP_PIPE": str(tmp_path / "p.%p")}
+    proc = spawn([python, "-c", "import time; time.sleep(600)"], env=env, cwd=str(tmp_path))
+    location = locate_pipe(proc.pid, host=HOST)
+    assert location.path is None and "CUDA not initialised yet" in location.reason
+    impostor = tmp_path / f"p.{proc.pid}"
+    impostor.write_bytes(b"precious")
+    location = locate_pipe(proc.pid, host=HOST)
+    assert location.path is None and "is not a FIFO" in location.reason
+    forced = PipeLocation(pid=proc.pid, path=str(impostor), source="environ", pattern=str(impostor))
+    with anyio.fail_after(HANG_GUARD_S):
+        fired = await trigger_pipe(forced, timeout_s=1)
+    assert fired.outcome is Outcome.NOT_ARMED and "not a FIFO" in fired.detail
+    assert impostor.read_bytes() == b"precious"
+
+
+async def test_exited_process_is_no_such_process(tmp_path: Path, python: str) -> None:
+    done = subprocess.run([python, "-c", "import os; print(os.getpid())"], capture_output=True, check=True, timeout=30)
+    pid = int(done.stdout)
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    result = await actor.act(incident(), Target(pid=pid), timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.NO_SUCH_PROCESS
+
+
+async def test_disabled_actor_skips(tmp_path: Path) -> None:
+    actor = CoredumpActor(fast_config(tmp_path, enabled=False))
+    result = await actor.act(incident(), Target(pid=os.getpid()), timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.SKIPPED

@@ -1,0 +1,136 @@
+"""The process watcher against real subprocesses: children (exit code, signal) and non-children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import anyio
+import psutil
+import pytest
+
+from agent.bus import RecordingBus
+from agent.events import TargetExited
+from agent.targets import Target
+from agent.watchers.process import ProcessWatcher, exit_status, signal_name
+from tests.watchers import wait_until
+
+WAIT_FOR_STDIN = "import sys; sys.stdin.read(); sys.exit(int(sys.argv[1]))"
+
+
+async def _run_until_exits(watcher: ProcessWatcher, bus: RecordingBus, count: int, *, then=None) -> list[TargetExited]:
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run, bus)
+        if then is not None:
+            then()
+        await wait_until(lambda: len(bus.of_type(TargetExited)) >= count)
+        tg.cancel_scope.cancel()
+    return bus.of_type(TargetExited)
+
+
+async def test_child_exit_code_through_its_popen_owner(spawn, python) -> None:
+    proc = spawn([python, "-c", WAIT_FOR_STDIN, "3"], stdin=subprocess.PIPE)
+    bus = RecordingBus()
+    watcher = ProcessWatcher(children=[proc], poll_interval_s=0.2)
+
+    def finish() -> None:
+        assert proc.stdin is not None
+        proc.stdin.close()
+
+    (exited,) = await _run_until_exits(watcher, bus, 1, then=finish)
+    assert (exited.pid, exited.exit_code, exited.signal) == (proc.pid, 3, None)
+    assert exited.title == python  # first cmdline element
+    assert proc.returncode == 3  # the owner still has it
+    assert watcher.pids == ()
+
+
+async def test_child_killed_by_signal(spawn, python) -> None:
+    proc = spawn([python, "-c", WAIT_FOR_STDIN, "0"], stdin=subprocess.PIPE)
+    bus = RecordingBus()
+    watcher = ProcessWatcher(children=[proc], poll_interval_s=0.2)
+    try:
+        (exited,) = await _run_until_exits(watcher, bus, 1, then=lambda: os.kill(proc.pid, signal.SIGKILL))
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+    assert (exited.exit_code, exited.signal) == (None, signal.SIGKILL)
+    assert signal_name(exited.signal) == "SIGKILL"
+
+
+async def test_child_status_is_read_without_stealing_it_from_its_owner(spawn, python) -> None:
+    # Only the pid is given: the watcher peeks with waitid(WNOWAIT); Popen.wait() still works.
+    proc = spawn([python, "-c", WAIT_FOR_STDIN, "5"], stdin=subprocess.PIPE)
+    bus = RecordingBus()
+    watcher = ProcessWatcher([proc.pid], poll_interval_s=0.2)
+
+    def finish() -> None:
+        assert proc.stdin is not None
+        proc.stdin.close()
+
+    (exited,) = await _run_until_exits(watcher, bus, 1, then=finish)
+    assert (exited.exit_code, exited.signal) == (5, None)
+    assert proc.wait(timeout=10) == 5
+
+
+@pytest.mark.parametrize("use_pidfd", [True, False], ids=["pidfd", "polling"])
+async def test_non_child_exit_is_reported_without_status(spawn, python, monkeypatch, use_pidfd: bool) -> None:
+    if not use_pidfd:
+        monkeypatch.delattr(os, "pidfd_open")
+    # The grandchild belongs to the intermediate process, not to us.
+    launcher = spawn(
+        [
+            python,
+            "-c",
+            "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+            " print(p.pid, flush=True); p.wait()",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert launcher.stdout is not None
+    with anyio.fail_after(30):
+        line = await anyio.to_thread.run_sync(launcher.stdout.readline)
+    launcher.stdout.close()
+    grandchild = int(line)
+    assert psutil.Process(grandchild).ppid() == launcher.pid
+
+    bus = RecordingBus()
+    watcher = ProcessWatcher([Target(pid=grandchild, title="fake::scheduler_TP0")], poll_interval_s=0.1)
+    (exited,) = await _run_until_exits(watcher, bus, 1, then=lambda: os.kill(grandchild, signal.SIGTERM))
+    assert (exited.pid, exited.exit_code, exited.signal, exited.title) == (grandchild, None, None, "fake::scheduler_TP0")
+    assert launcher.wait(timeout=10) == 0  # its own parent reaped it
+
+
+async def test_gone_and_reused_pids_are_reported_at_once_and_pids_can_be_added(spawn, python) -> None:
+    gone = spawn([python, "-c", "pass"])
+    gone.wait(timeout=30)
+    me = psutil.Process()
+    reused = Target(pid=os.getpid(), title="old", create_time_s=me.create_time() - 3600)
+    bus = RecordingBus()
+    watcher = ProcessWatcher([gone.pid], poll_interval_s=0.2)
+    late = spawn([python, "-c", WAIT_FOR_STDIN, "7"], stdin=subprocess.PIPE)
+
+    def add_more() -> None:
+        watcher.watch(reused)
+        watcher.watch(late.pid, returncode=late.poll)
+        watcher.watch(late.pid)  # already watched: ignored
+        assert late.stdin is not None
+        late.stdin.close()
+
+    events = await _run_until_exits(watcher, bus, 3, then=add_more)
+    by_pid = {e.pid: e for e in events}
+    assert set(by_pid) == {gone.pid, os.getpid(), late.pid}
+    assert (by_pid[gone.pid].exit_code, by_pid[gone.pid].signal) == (None, None)  # already reaped
+    assert by_pid[os.getpid()].title == "old"
+    assert by_pid[late.pid].exit_code == 7
+    assert len(events) == 3
+
+
+def test_exit_status_decodes_popen_return_codes() -> None:
+    assert exit_status(None) == (None, None)
+    assert exit_status(0) == (0, None)
+    assert exit_status(2) == (2, None)
+    assert exit_status(-signal.SIGSEGV) == (None, signal.SIGSEGV)
+    assert signal_name(None) == "" and signal_name(999) == ""
+    with pytest.raises(ValueError, match="poll_interval_s"):
+        ProcessWatcher(poll_interval_s=0)

@@ -1,0 +1,812 @@
+"""The py-spy actor: Python (and native) stacks of every target process, captured concurrently.
+
+Owns :class:`PySpyConfig`, :class:`PySpyActor`, the py-spy failure classifier
+(:func:`classify`) and the parsing/rendering of ``py-spy dump --json`` output
+(:func:`parse_dump`, :func:`render_text`). Imports anyio, psutil (through :mod:`agent.targets`),
+pydantic, :mod:`agent.events` and :mod:`agent.targets`; never a watcher.
+
+How one dump runs (per target, see :meth:`PySpyActor.act`):
+
+1. The target is probed first: a pid that is gone (or reused) or a zombie is reported at once,
+   without starting py-spy.
+2. At most one dump per pid at a time (a per-pid :class:`anyio.Lock`), and at most
+   ``max_concurrency`` py-spy processes at once (one :class:`anyio.CapacityLimiter`).
+3. ``py-spy dump --json --pid N --native`` runs as an argv list in its own session/process group,
+   bounded by ``timeout_s``. Success is exit code 0 only (a failed ``--native`` run can leave a
+   partial header on stdout). On a timeout or cancellation the whole process group is killed, and
+   a target left stopped (psutil status ``stopped`` / ``tracing-stop``) gets ``SIGCONT``; that
+   cleanup is shielded from cancellation and bounded by its own short timeout.
+4. A failure is sorted into an :class:`~agent.events.Outcome` by :func:`classify` (exit code,
+   stderr, and the target's state after the failure). Only failures a plain run may fix are retried
+   without ``--native``; ``--native`` unsupported on this host is remembered for the actor's life.
+
+Messages matched (py-spy 0.4.x, ``src/main.rs``, ``src/config.rs``,
+``src/python_process_info.rs``; verified by running py-spy 0.4.3 here):
+
+* ``Permission Denied: Try running again with elevated permissions ...`` (non-root), or
+  ``Permission Denied`` / ``Permission denied (os error 13)`` / ``Operation not permitted`` (root
+  without CAP_SYS_PTRACE).
+* ``Failed to find python version from target process`` (not a Python process).
+* ``Failed to get process executable name. Check that the process is running.`` (dead pid or
+  zombie: told apart by probing the target).
+* ``Collecting stack traces from native extensions (`--native`) is not supported on your
+  platform.`` (0.4 wheels without unwinding, e.g. aarch64/macOS); clap's unknown-argument error
+  for ``--native`` in older builds.
+* ``Unsupported version of Python: X`` (interpreter too new for this py-spy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+from anyio.abc import ByteReceiveStream
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.events import ActionResult, AttributeValue, ComponentStatus, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.targets import ProcessState, Target, process_state
+
+__all__ = [
+    "ACTION",
+    "PERMISSION_HINT",
+    "PySpyConfig",
+    "PySpyActor",
+    "PySpyStatistics",
+    "Frame",
+    "ThreadStack",
+    "Classification",
+    "classify",
+    "default_executable",
+    "parse_dump",
+    "render_text",
+    "hung_frame",
+    "summarize",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Span name of a py-spy dump (one per target process).
+ACTION = "pyspy.dump"
+
+#: How to grant what py-spy needs to read another process (one line, shown on PERMISSION_DENIED).
+PERMISSION_HINT = (
+    "py-spy needs CAP_SYS_PTRACE to read another process: run servewatch as root in the target's "
+    "PID namespace, or grant the capability (docker: --cap-add SYS_PTRACE; Kubernetes: "
+    "securityContext.capabilities.add: [SYS_PTRACE]; see "
+    "https://github.com/benfred/py-spy#how-do-i-run-py-spy-in-docker)"
+)
+
+_MAX_STDERR_BYTES = 64 * 1024
+_MAX_DETAIL_CHARS = 300
+_MAX_ATTR_CHARS = 256
+
+
+def default_executable() -> str | None:
+    """The py-spy binary servewatch uses unless configured: next to ``sys.executable`` (the
+    PyPI wheel installs it into the same ``bin/``), else the first ``py-spy`` on ``PATH``.
+
+    Returns:
+        An absolute path, or ``None`` when py-spy is not installed.
+    """
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("py-spy")
+
+
+class PySpyConfig(BaseModel):
+    """User settings of the py-spy actor (TOML table ``[pyspy]``, env ``SERVEWATCH_PYSPY__*``).
+
+    Attributes:
+        executable: path of the py-spy binary; default: the one installed next to the Python
+            running servewatch, else ``py-spy`` on ``PATH``. ``None`` (not found) makes every dump
+            ``MISSING_TOOL`` and :meth:`PySpyActor.check` ``PERMANENT_ERROR``.
+        timeout_s: bound of one py-spy attempt, in seconds (default 10). A hung py-spy is killed
+            with its whole process group when it passes.
+        native: try ``--native`` first (C/C++/CUDA frames of extensions) and fall back to a plain
+            dump when it fails (default True, as SGLang does it).
+        nonblocking: pass ``--nonblocking`` (don't pause the target; stacks may be torn). py-spy
+            cannot combine it with ``--native``, so it disables ``native`` (default False).
+        max_concurrency: py-spy processes running at once across all targets (default: the
+            number of CPUs; py-spy's symbol loading and native unwinding are CPU-bound).
+        max_output_bytes: most stdout kept from one attempt, in bytes (default 32 MiB); more is
+            read and discarded, and the dump is reported ``FAILED``.
+        max_threads: threads summarised in span attributes (default 16); all go to the files.
+        max_frames: innermost frames per thread summarised in span attributes (default 5).
+        kill_grace_s: bound of the cleanup after a timeout (kill the group, reap it, continue
+            the target), in seconds (default 2).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    executable: str | None = Field(default_factory=default_executable)
+    timeout_s: float = Field(default=10.0, gt=0)
+    native: bool = True
+    nonblocking: bool = False
+    max_concurrency: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    max_output_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
+    max_threads: int = Field(default=16, ge=1)
+    max_frames: int = Field(default=5, ge=1)
+    kill_grace_s: float = Field(default=2.0, gt=0)
+
+
+class PySpyStatistics(NamedTuple):
+    """Counters of a :class:`PySpyActor` since it was created."""
+
+    #: dumps requested (calls of act(), including those answered without running py-spy)
+    dumps: int
+    #: dumps that ended OK
+    ok: int
+    #: py-spy processes started
+    attempts: int
+    #: attempts killed because they passed their timeout (or were cancelled)
+    groups_killed: int
+    #: targets found stopped after a killed attempt and sent SIGCONT
+    targets_continued: int
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Frame:
+    """One stack frame as py-spy reports it.
+
+    Attributes:
+        name: function name (``Class.method`` for Python 3.11+, symbol for native frames).
+        filename: full path of the source file or shared object.
+        short_filename: py-spy's shortened file name (package part only).
+        line: line number; 0 for native frames.
+        module: the shared object of a native frame; ``None`` for a Python frame (per py-spy's
+            ``Frame.module``).
+    """
+
+    name: str
+    filename: str = ""
+    short_filename: str = ""
+    line: int = 0
+    module: str | None = None
+
+    @property
+    def native(self) -> bool:
+        """Whether this is a native (C/C++) frame rather than a Python one."""
+        return self.module is not None
+
+    def describe(self) -> str:
+        """``function (file:line)``, or ``function (lib.so)`` for a native frame."""
+        where = self.short_filename or self.filename
+        if self.native or self.line <= 0:
+            return f"{self.name} ({where})"
+        return f"{self.name} ({where}:{self.line})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ThreadStack:
+    """One thread of a py-spy dump; ``frames[0]`` is the innermost frame.
+
+    Attributes:
+        pid: the process.
+        thread_id: Python's thread identifier (``threading.get_ident()``).
+        os_thread_id: the kernel's tid, when py-spy could read it.
+        thread_name: ``threading`` name (``MainThread``), ``""`` when unknown.
+        active: py-spy judged the thread busy (not idle in a wait).
+        owns_gil: the thread held the GIL.
+        frames: innermost first.
+    """
+
+    pid: int
+    thread_id: int
+    os_thread_id: int | None = None
+    thread_name: str = ""
+    active: bool = False
+    owns_gil: bool = False
+    frames: tuple[Frame, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The thread's name, else its tid."""
+        return self.thread_name or f"thread-{self.os_thread_id or self.thread_id}"
+
+    @property
+    def is_main(self) -> bool:
+        """The interpreter's main thread (name ``MainThread`` or tid == pid)."""
+        return self.thread_name == "MainThread" or self.os_thread_id == self.pid
+
+
+def _int(value: object, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _str(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def parse_dump(json_text: str | bytes) -> list[ThreadStack]:
+    """Parse ``py-spy dump --json`` output into threads, main thread first.
+
+    The shape (py-spy 0.4 ``StackTrace`` serialised): a JSON list of threads, each with ``pid``,
+    ``thread_id``, ``thread_name``, ``os_thread_id``, ``active``, ``owns_gil`` and ``frames``
+    (innermost first; ``name``, ``filename``, ``short_filename``, ``line``, ``module``).
+
+    Args:
+        json_text: py-spy's stdout.
+
+    Returns:
+        Threads ordered main thread first, then active ones, then the rest (py-spy's order
+        within each group).
+
+    Raises:
+        ValueError: the text is not JSON or not a list of thread objects.
+    """
+    data = json.loads(json_text)
+    if not isinstance(data, list):
+        raise ValueError(f"py-spy --json output is a {type(data).__name__}, expected a list of threads")
+    threads: list[ThreadStack] = []
+    for item in data:
+        if not isinstance(item, dict):
+            raise ValueError("py-spy --json output has a thread that is not an object")
+        frames = tuple(
+            Frame(
+                name=_str(f.get("name")) or "?",
+                filename=_str(f.get("filename")),
+                short_filename=_str(f.get("short_filename")),
+                line=_int(f.get("line")),
+                module=f.get("module") if isinstance(f.get("module"), str) else None,
+            )
+            for f in item.get("frames") or ()
+            if isinstance(f, dict)
+        )
+        os_tid = item.get("os_thread_id")
+        threads.append(
+            ThreadStack(
+                pid=_int(item.get("pid")),
+                thread_id=_int(item.get("thread_id")),
+                os_thread_id=os_tid if isinstance(os_tid, int) else None,
+                thread_name=_str(item.get("thread_name")),
+                active=bool(item.get("active")),
+                owns_gil=bool(item.get("owns_gil")),
+                frames=frames,
+            )
+        )
+    threads.sort(key=lambda t: (not t.is_main, not t.active))
+    return threads
+
+
+def render_text(threads: Sequence[ThreadStack], *, header: str = "") -> str:
+    """A readable rendering of a dump (like py-spy's text output), innermost frame first.
+
+    Args:
+        threads: as returned by :func:`parse_dump`.
+        header: first line(s), e.g. ``"Process 42: sglang::scheduler_TP0"``.
+
+    Returns:
+        Text ending with a newline.
+    """
+    lines = [header] if header else []
+    for thread in threads:
+        flags = ", ".join(f for f, on in (("active", thread.active), ("gil", thread.owns_gil)) if on) or "idle"
+        tid = thread.os_thread_id if thread.os_thread_id is not None else thread.thread_id
+        lines.append(f'Thread {tid} ({flags}): "{thread.label}"')
+        lines.extend(f"    {frame.describe()}" for frame in thread.frames)
+    return "\n".join(lines) + "\n"
+
+
+def _main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
+    for pick in (lambda t: t.is_main, lambda t: t.active, lambda t: True):
+        for thread in threads:
+            if pick(thread) and thread.frames:
+                return thread
+    return None
+
+
+_STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
+
+
+def _is_plumbing(frame: Frame) -> bool:
+    """A Python frame of the standard library (``threading.Event.wait``, ``queue.get``) or a
+    frozen module: where everything waits, so not what a hang is about."""
+    return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
+
+
+def hung_frame(threads: Sequence[ThreadStack]) -> str:
+    """The frame a hung process is stuck in, as the demo and the summary show it.
+
+    The main thread is chosen (else the first active one, else any with frames). Its innermost
+    Python frame outside the standard library is the answer (``hung_in_allreduce (model.py:7)``
+    rather than ``Event.wait (threading.py:629)`` or a libc wait under it); failing that, its
+    innermost Python frame; failing that, its innermost frame.
+
+    Returns:
+        ``"function (file:line)"``, or ``""`` for an empty dump.
+    """
+    thread = _main_thread(threads)
+    if thread is None:
+        return ""
+    python_frames = [f for f in thread.frames if not f.native]
+    for frame in python_frames:
+        if not _is_plumbing(frame):
+            return frame.describe()
+    return (python_frames or list(thread.frames))[0].describe()
+
+
+def _clip(text: str, limit: int = _MAX_ATTR_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def summarize(threads: Sequence[ThreadStack], *, max_threads: int = 16, max_frames: int = 5) -> tuple[str, ...]:
+    """Bounded span summary: the innermost frames of each thread.
+
+    Per thread: the innermost symbolised native frame when the thread sits in native code
+    (where it waits, e.g. ``PyThread_acquire_lock_timed``), then its innermost Python frames, ``max_frames`` in all, each as
+    ``"thread_name: function (file:line)"`` (at most 256 characters).
+
+    Args:
+        threads: as returned by :func:`parse_dump` (main thread first).
+        max_threads: threads kept (the first ones).
+        max_frames: frames kept per thread.
+
+    Returns:
+        At most ``max_threads * max_frames`` strings.
+    """
+    out: list[str] = []
+    for thread in threads[:max_threads]:
+        picked: list[Frame] = []
+        for frame in thread.frames:  # the innermost named native frame it waits in, if any
+            if not frame.native:
+                break
+            if not frame.name.startswith("0x"):
+                picked.append(frame)
+                break
+        picked.extend(f for f in thread.frames if not f.native)
+        if not picked:
+            picked = list(thread.frames)
+        out.extend(_clip(f"{thread.label}: {frame.describe()}") for frame in picked[:max_frames])
+    return tuple(out)
+
+
+# --- classification -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """What one failed (or successful) py-spy attempt means.
+
+    Attributes:
+        outcome: servewatch's name for it.
+        detail: one line for a human (includes the fix where there is one).
+        retry_plain: a retry without ``--native`` may succeed.
+        native_unsupported: this host's py-spy cannot do ``--native`` at all (remember it).
+        retryable: the whole action may succeed later (the result's ``retryable``).
+    """
+
+    outcome: Outcome
+    detail: str = ""
+    retry_plain: bool = False
+    native_unsupported: bool = False
+    retryable: bool = False
+
+
+def _first_error_line(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for line in lines:
+        if line.lower().startswith(("error", "permission denied")):
+            return _clip(line, _MAX_DETAIL_CHARS)
+    return _clip(lines[0], _MAX_DETAIL_CHARS) if lines else ""
+
+
+def classify(
+    returncode: int | None,
+    stderr: str,
+    *,
+    native: bool,
+    timed_out: bool = False,
+    target_state: ProcessState = ProcessState.RUNNING,
+    pid: int = 0,
+) -> Classification:
+    """Sort one py-spy attempt into an outcome: the one place py-spy's failures are read.
+
+    Args:
+        returncode: py-spy's exit status (``None`` when it was killed).
+        stderr: py-spy's stderr (decoded).
+        native: whether the attempt passed ``--native``.
+        timed_out: the attempt passed its timeout and was killed.
+        target_state: the target's state probed right after the failure (py-spy prints the
+            same message for a dead pid and a zombie).
+        pid: the target, for the detail line.
+
+    Returns:
+        The classification; ``OK`` only for exit status 0.
+    """
+    what = f"py-spy dump of pid {pid}"
+    if timed_out:
+        return Classification(
+            Outcome.TIMED_OUT,
+            f"{what} timed out and was killed" + (" (with --native)" if native else ""),
+            retry_plain=native,
+            retryable=True,
+        )
+    if returncode == 0:
+        return Classification(Outcome.OK)
+    if target_state is ProcessState.GONE:
+        return Classification(Outcome.NO_SUCH_PROCESS, f"pid {pid} exited before py-spy could read it")
+    if target_state is ProcessState.ZOMBIE:
+        return Classification(Outcome.ZOMBIE, f"pid {pid} is a zombie (exited, not reaped): no stacks to read")
+    error = _first_error_line(stderr)
+    lowered = stderr.lower()
+    if native and (
+        "is not supported on your platform" in lowered
+        or ("--native" in stderr and ("unexpected argument" in lowered or "wasn't expected" in lowered))
+    ):
+        return Classification(
+            Outcome.UNSUPPORTED,
+            f"py-spy --native is not supported on this host: {error}",
+            retry_plain=True,
+            native_unsupported=True,
+        )
+    if "permission denied" in lowered or "operation not permitted" in lowered:
+        return Classification(Outcome.PERMISSION_DENIED, f"{what}: permission denied. {PERMISSION_HINT}")
+    if "failed to find python version" in lowered or "failed to find a python interpreter" in lowered:
+        return Classification(Outcome.NOT_PYTHON, f"pid {pid} is not a Python process ({error})")
+    if "unsupported version of python" in lowered:
+        return Classification(Outcome.UNSUPPORTED, f"{what}: {error}; upgrade py-spy")
+    if "no such process" in lowered or "check that the process is running" in lowered or "check if it is running" in lowered:
+        return Classification(Outcome.NO_SUCH_PROCESS, f"pid {pid} is not running ({error})")
+    status = "killed" if returncode is None else (f"signal {-returncode}" if returncode < 0 else f"exit {returncode}")
+    return Classification(
+        Outcome.FAILED,
+        f"{what} failed ({status}): {error or 'no error output'}",
+        retry_plain=native,
+        retryable=True,
+    )
+
+
+# --- running py-spy --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Attempt:
+    argv: list[str]
+    native: bool
+    returncode: int | None = None
+    stdout: bytes = b""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    timed_out: bool = False
+    killed: bool = False
+
+
+async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: int) -> bool:
+    """Read ``stream`` to EOF, keeping at most ``limit_bytes``; returns whether data was dropped."""
+    if stream is None:
+        return False
+    dropped = False
+    async for chunk in stream:
+        room = limit_bytes - len(buf)
+        if room > 0:
+            buf += chunk[:room]
+        if len(chunk) > room:
+            dropped = True
+    return dropped
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class PySpyActor:
+    """Dumps Python stacks with py-spy (see the module docstring for the rules).
+
+    One instance per agent: it holds the concurrency limit, the per-pid locks and what it has
+    learnt about this host (``--native`` unsupported).
+    """
+
+    name = "pyspy"
+
+    def __init__(self, config: PySpyConfig | None = None) -> None:
+        """Args:
+        config: settings; defaults when ``None``.
+        """
+        self.config = config if config is not None else PySpyConfig()
+        self._native_supported = True
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._pid_locks: dict[int, anyio.Lock] = {}
+        self._dumps = 0
+        self._ok = 0
+        self._attempts = 0
+        self._groups_killed = 0
+        self._targets_continued = 0
+
+    # -- status -----------------------------------------------------------------------------
+
+    @property
+    def native_enabled(self) -> bool:
+        """Whether the next dump will try ``--native`` (config, ``nonblocking`` and what this
+        host's py-spy was found to support)."""
+        return self.config.native and not self.config.nonblocking and self._native_supported
+
+    def statistics(self) -> PySpyStatistics:
+        """Counters since creation."""
+        return PySpyStatistics(self._dumps, self._ok, self._attempts, self._groups_killed, self._targets_continued)
+
+    def check(self) -> tuple[ComponentStatus, str]:
+        """Startup check, reported as the component's status (the agent keeps running).
+
+        Returns:
+            ``(OK, "py-spy at PATH")``, or ``(PERMANENT_ERROR, hint)`` when the binary is missing
+            or not executable; dumps then return ``MISSING_TOOL``.
+        """
+        exe = self.config.executable
+        if not exe:
+            return (
+                ComponentStatus.PERMANENT_ERROR,
+                "py-spy not found next to the Python interpreter or on PATH: pip install py-spy "
+                "(or set pyspy.executable)",
+            )
+        if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            return ComponentStatus.PERMANENT_ERROR, f"py-spy executable {exe!r} is missing or not executable: pip install py-spy"
+        return ComponentStatus.OK, f"py-spy at {exe}"
+
+    # -- acting -----------------------------------------------------------------------------
+
+    async def dump_all(
+        self,
+        trigger: IncidentOpened,
+        targets: Sequence[Target],
+        *,
+        artifact_dir: Path,
+        timeout_s: float | None = None,
+    ) -> list[ActionResult]:
+        """Dump every target concurrently (bounded by ``max_concurrency``, one dump per pid at
+        a time).
+
+        Args:
+            trigger: the incident.
+            targets: processes to dump; a pid listed twice is dumped twice, one after the other.
+            artifact_dir: where ``pyspy-<pid>.json`` / ``.txt`` go.
+            timeout_s: budget of each target's attempts in seconds, counted once its dump starts
+                (default: twice ``PySpyConfig.timeout_s``, room for ``--native`` and a fallback).
+
+        Returns:
+            One result per target, in the order of ``targets``.
+        """
+        budget_s = timeout_s if timeout_s is not None else 2 * self.config.timeout_s
+        results: list[ActionResult | None] = [None] * len(targets)
+
+        async def one(index: int, target: Target) -> None:
+            results[index] = await self.act(trigger, target, timeout_s=budget_s, artifact_dir=artifact_dir)
+
+        async with anyio.create_task_group() as tg:
+            for index, target in enumerate(targets):
+                tg.start_soon(one, index, target)
+        return [r for r in results if r is not None]
+
+    async def act(
+        self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path
+    ) -> ActionResult:
+        """Dump one target's stacks (action ``pyspy.dump``).
+
+        Args:
+            trigger: the incident (used for logging only).
+            target: the process.
+            timeout_s: budget of all attempts in seconds, counted from when this dump gets its
+                slot (waiting for another dump of the same pid or for a free slot is not counted);
+                each attempt is further bounded by ``PySpyConfig.timeout_s``.
+            artifact_dir: where ``pyspy-<pid>.json`` and ``pyspy-<pid>.txt`` (or
+                ``pyspy-<pid>.err.txt`` on failure) are written; created if missing.
+
+        Returns:
+            ``OK`` with the stacks summarised in ``attributes``; else ``TIMED_OUT``,
+            ``PERMISSION_DENIED``, ``NO_SUCH_PROCESS``, ``ZOMBIE``, ``NOT_PYTHON``,
+            ``UNSUPPORTED``, ``MISSING_TOOL`` or ``FAILED``. Never raises for the target's or
+            py-spy's misbehaviour (cancellation propagates, after cleanup).
+        """
+        self._dumps += 1
+        start_ns = now_ns()
+        base: dict[str, AttributeValue] = {"process.pid": target.pid}
+        if target.title:
+            base["process.title"] = _clip(target.title)
+        try:
+            result = await self._act(target, timeout_s=timeout_s, artifact_dir=artifact_dir, start_ns=start_ns, base=base)
+        except Exception as exc:  # actor boundary: a bug or an OS error becomes an outcome
+            logger.exception("pyspy: dump of pid %d for incident %s failed", target.pid, trigger.incident_id)
+            result = ActionResult(
+                action=ACTION,
+                outcome=Outcome.FAILED,
+                pid=target.pid,
+                retryable=True,
+                detail=_clip(f"py-spy dump of pid {target.pid} failed: {type(exc).__name__}: {exc}", _MAX_DETAIL_CHARS),
+                start_time_unix_nano=start_ns,
+                end_time_unix_nano=now_ns(),
+                attributes=frozen_attrs(base),
+            )
+        if result.outcome is Outcome.OK:
+            self._ok += 1
+        return result
+
+    def _pid_lock(self, pid: int) -> anyio.Lock:
+        lock = self._pid_locks.get(pid)
+        if lock is None:
+            lock = self._pid_locks[pid] = anyio.Lock()
+        return lock
+
+    def _release_pid_lock(self, pid: int) -> None:
+        lock = self._pid_locks.get(pid)
+        if lock is not None and not lock.locked() and lock.statistics().tasks_waiting == 0:
+            del self._pid_locks[pid]
+
+    async def _act(
+        self,
+        target: Target,
+        *,
+        timeout_s: float,
+        artifact_dir: Path,
+        start_ns: int,
+        base: dict[str, AttributeValue],
+    ) -> ActionResult:
+        def result(outcome: Outcome, detail: str, *, retryable: bool = False, paths: tuple[str, ...] = (), **attrs: AttributeValue) -> ActionResult:
+            return ActionResult(
+                action=ACTION,
+                outcome=outcome,
+                pid=target.pid,
+                retryable=retryable,
+                detail=_clip(detail, _MAX_DETAIL_CHARS * 2),
+                start_time_unix_nano=start_ns,
+                end_time_unix_nano=now_ns(),
+                artifact_paths=paths,
+                attributes=frozen_attrs(base, **attrs),
+            )
+
+        exe = self.config.executable
+        status, why = self.check()
+        if status is not ComponentStatus.OK or not exe:
+            return result(Outcome.MISSING_TOOL, why)
+
+        state = process_state(target.pid, create_time_s=target.create_time_s)
+        if state is ProcessState.GONE:
+            return result(Outcome.NO_SUCH_PROCESS, f"pid {target.pid} is not running (or was reused)")
+        if state is ProcessState.ZOMBIE:
+            return result(Outcome.ZOMBIE, f"pid {target.pid} is a zombie (exited, not reaped): no stacks to read")
+
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.config.max_concurrency)
+        lock = self._pid_lock(target.pid)
+        try:
+            async with lock, self._limiter:
+                attempts = await self._attempts_for(target, exe, timeout_s)
+        finally:
+            self._release_pid_lock(target.pid)
+
+        last, verdict = attempts[-1]
+        base["servewatch.pyspy.attempts"] = len(attempts)
+        base["servewatch.pyspy.native"] = last.native
+        if any(a.killed for a, _ in attempts):
+            base["servewatch.pyspy.killed"] = True
+        await anyio.Path(artifact_dir).mkdir(parents=True, exist_ok=True)
+        stem = Path(artifact_dir) / f"pyspy-{target.pid}"
+
+        if verdict.outcome is not Outcome.OK:
+            err_path = stem.with_name(stem.name + ".err.txt")
+            report = "".join(
+                f"$ {' '.join(a.argv)}\n-> {v.outcome.value}"
+                f"{'' if a.returncode is None else f' (exit {a.returncode})'}: {v.detail}\n{a.stderr}\n"
+                for a, v in attempts
+            )
+            await anyio.Path(err_path).write_text(report, encoding="utf-8")
+            if last.returncode is not None:
+                base["servewatch.pyspy.exit_code"] = last.returncode
+            return result(verdict.outcome, verdict.detail, retryable=verdict.retryable, paths=(str(err_path),))
+
+        if last.stdout_truncated:
+            return result(Outcome.FAILED, f"py-spy output for pid {target.pid} exceeded {self.config.max_output_bytes} bytes", retryable=False)
+        try:
+            threads = parse_dump(last.stdout)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            return result(Outcome.FAILED, f"py-spy exited 0 but its JSON for pid {target.pid} is unreadable: {exc}", retryable=True)
+
+        json_path = stem.with_name(stem.name + ".json")
+        txt_path = stem.with_name(stem.name + ".txt")
+        header = f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n"
+        await anyio.Path(json_path).write_bytes(last.stdout)
+        await anyio.Path(txt_path).write_text(render_text(threads, header=header), encoding="utf-8")
+        hung = hung_frame(threads)
+        stacks = summarize(threads, max_threads=self.config.max_threads, max_frames=self.config.max_frames)
+        return result(
+            Outcome.OK,
+            f"{len(threads)} threads; hung frame: {hung or '?'}",
+            paths=(str(json_path), str(txt_path)),
+            **{
+                "servewatch.pyspy.thread_count": len(threads),
+                "servewatch.pyspy.hung_frame": _clip(hung),
+                "servewatch.pyspy.stacks": stacks,
+                "servewatch.pyspy.threads_truncated": len(threads) > self.config.max_threads,
+            },
+        )
+
+    async def _attempts_for(self, target: Target, exe: str, timeout_s: float) -> list[tuple[_Attempt, Classification]]:
+        """Run ``--native`` then, if the failure says it may help, a plain attempt, within
+        ``timeout_s`` seconds in all."""
+        deadline = anyio.current_time() + max(timeout_s, 0.0)
+        native = self.native_enabled
+        done: list[tuple[_Attempt, Classification]] = []
+        while True:
+            remaining = deadline - anyio.current_time()
+            attempt = await self._run_once(target, exe, native=native, timeout_s=max(0.0, min(self.config.timeout_s, remaining)))
+            after = ProcessState.RUNNING
+            if attempt.returncode != 0:
+                after = process_state(target.pid, create_time_s=target.create_time_s)
+            verdict = classify(
+                attempt.returncode,
+                attempt.stderr,
+                native=native,
+                timed_out=attempt.timed_out,
+                target_state=after,
+                pid=target.pid,
+            )
+            done.append((attempt, verdict))
+            if verdict.native_unsupported and self._native_supported:
+                self._native_supported = False
+                logger.warning("pyspy: --native is not supported by %s on this host; dumping without it from now on", exe)
+            if not (verdict.retry_plain and native) or deadline - anyio.current_time() <= 0:
+                return done
+            native = False
+
+    async def _run_once(self, target: Target, exe: str, *, native: bool, timeout_s: float) -> _Attempt:
+        """One bounded py-spy run in its own process group; killed (group and all) on timeout
+        or cancellation, and the target continued if it was left stopped."""
+        argv = [exe, "dump", "--json", "--pid", str(target.pid)]
+        if native:
+            argv.append("--native")
+        if self.config.nonblocking:
+            argv.append("--nonblocking")
+        attempt = _Attempt(argv=argv, native=native)
+        env = dict(os.environ, RUST_BACKTRACE="0")  # one-line errors, no Rust backtrace
+        self._attempts += 1
+        stdout = bytearray()
+        stderr = bytearray()
+        proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        try:
+            with anyio.move_on_after(timeout_s) as scope:
+                async with anyio.create_task_group() as tg:
+
+                    async def read_stdout() -> None:
+                        attempt.stdout_truncated = await _drain(proc.stdout, stdout, self.config.max_output_bytes)
+
+                    tg.start_soon(read_stdout)
+                    tg.start_soon(_drain, proc.stderr, stderr, _MAX_STDERR_BYTES)
+                attempt.returncode = await proc.wait()
+            attempt.timed_out = scope.cancelled_caught
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.kill_grace_s):
+                if proc.returncode is None:
+                    attempt.killed = True
+                    self._groups_killed += 1
+                    _kill_group(proc.pid)
+                    await proc.wait()
+                    if process_state(target.pid, create_time_s=target.create_time_s) is ProcessState.STOPPED:
+                        try:
+                            os.kill(target.pid, signal.SIGCONT)
+                            self._targets_continued += 1
+                            logger.warning("pyspy: pid %d was left stopped by a killed py-spy; sent SIGCONT", target.pid)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                await proc.aclose()
+        attempt.stdout = bytes(stdout)
+        attempt.stderr = stderr.decode("utf-8", "replace")
+        if attempt.timed_out:
+            attempt.returncode = None
+        return attempt
+

@@ -1,0 +1,471 @@
+"""The py-spy actor: real py-spy against real titled Python subprocesses, and stub executables
+(tests/programs/fake_pyspy.py) for the failure classes py-spy cannot be made to show on demand."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pydantic
+import pytest
+
+import agent.actors.pyspy as pyspy_module
+from agent.actors.pyspy import (
+    PERMISSION_HINT,
+    Classification,
+    PySpyActor,
+    PySpyConfig,
+    classify,
+    default_executable,
+    hung_frame,
+    parse_dump,
+    render_text,
+    summarize,
+)
+from agent.events import ComponentStatus, IncidentOpened, Outcome
+from agent.targets import ProcessState, Target, process_state, target_of
+from tests.conftest import PROGRAMS_DIR
+
+TITLED = str(PROGRAMS_DIR / "titled_target.py")
+FAKE = str(PROGRAMS_DIR / "fake_pyspy.py")
+HUNG = "hung_in_fake_allreduce"
+TRIGGER = IncidentOpened(incident_id="inc-test", trigger="manual")
+
+Spawn = Callable[..., subprocess.Popen[bytes]]
+
+
+def _titled(spawn: Spawn, python: str, title: str, *extra: str) -> Target:
+    proc = spawn([python, TITLED, title, "--max-lifetime-s", "120", *extra], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "ready <pid>" once set up, or EOF if it died
+    proc.stdout.close()
+    assert line.split() == [b"ready", str(proc.pid).encode()], line
+    target = target_of(proc.pid)
+    assert target is not None
+    return target
+
+
+def _stub(tmp_path: Path, mode: str) -> tuple[str, Path]:
+    """An executable standing in for py-spy; returns (path, log of its runs)."""
+    log = tmp_path / f"{mode}.log"
+    exe = tmp_path / f"fake-py-spy-{mode}"
+    exe.write_text(
+        f"#!{sys.executable}\n"
+        "import runpy, sys\n"
+        f"sys.argv = [sys.argv[0], {mode!r}, {str(log)!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({FAKE!r}, run_name='__main__')\n",
+        encoding="utf-8",
+    )
+    exe.chmod(0o755)
+    return str(exe), log
+
+
+def _runs(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+
+
+def _wait_dead(pid: int, timeout_s: float = 10.0) -> ProcessState:
+    """Bounded wait until pid is gone (or a zombie awaiting an init that does not reap)."""
+    deadline = time.monotonic() + timeout_s
+    state = process_state(pid)
+    while state not in (ProcessState.GONE, ProcessState.ZOMBIE) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        state = process_state(pid)
+    return state
+
+
+def _reaped_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+# --- real py-spy, real targets ---------------------------------------------------------------
+
+
+async def test_dump_captures_hung_frame_and_writes_artifacts(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0", "--threads", "2")
+    actor = PySpyActor()
+    result = await actor.act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path / "bundle")
+
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.action == "pyspy.dump"
+    assert result.pid == target.pid
+    attrs = result.attributes
+    assert attrs["process.pid"] == target.pid
+    assert attrs["process.title"] == "sglang::scheduler_TP0"
+    assert attrs["servewatch.pyspy.native"] is True
+    assert attrs["servewatch.pyspy.attempts"] == 1
+    assert attrs["servewatch.pyspy.thread_count"] == 3
+    assert str(attrs["servewatch.pyspy.hung_frame"]).startswith(f"{HUNG} (")
+    assert "titled_target.py:" in str(attrs["servewatch.pyspy.hung_frame"])
+    stacks = attrs["servewatch.pyspy.stacks"]
+    assert isinstance(stacks, tuple)
+    assert any(s.startswith(f"MainThread: {HUNG} (") for s in stacks)
+    assert any(s.startswith("worker-0: worker_idle_loop (") for s in stacks)
+    assert HUNG in result.detail
+    assert result.end_time_unix_nano >= result.start_time_unix_nano > 0
+
+    json_path, txt_path = (Path(p) for p in result.artifact_paths)
+    assert json_path == tmp_path / "bundle" / f"pyspy-{target.pid}.json"
+    threads = parse_dump(json_path.read_bytes())
+    assert {t.thread_name for t in threads} == {"MainThread", "worker-0", "worker-1"}
+    assert threads[0].thread_name == "MainThread"
+    assert HUNG in [f.name for f in threads[0].frames]
+    assert any(f.native for f in threads[0].frames)  # --native added C frames
+    text = txt_path.read_text(encoding="utf-8")
+    assert text.startswith(f"Process {target.pid}: sglang::scheduler_TP0\n")
+    assert f"    {HUNG} (" in text
+    assert '"worker-1"' in text
+    assert actor.statistics().ok == 1
+
+
+async def test_span_summary_is_bounded(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "demo::scheduler_TP1", "--threads", "20")
+    actor = PySpyActor(PySpyConfig(max_threads=4, max_frames=2))
+    result = await actor.act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.pyspy.thread_count"] == 21
+    assert result.attributes["servewatch.pyspy.threads_truncated"] is True
+    stacks = result.attributes["servewatch.pyspy.stacks"]
+    assert isinstance(stacks, tuple)
+    assert 4 <= len(stacks) <= 8
+    assert all(len(s) <= 256 for s in stacks)
+    assert stacks[0].startswith("MainThread: ")  # the main thread survives truncation
+    # the artifact keeps every thread
+    assert len(parse_dump(Path(result.artifact_paths[0]).read_bytes())) == 21
+
+
+async def test_dump_all_dumps_every_target_and_keeps_order(spawn, python, tmp_path: Path) -> None:
+    targets = [_titled(spawn, python, f"sglang::scheduler_TP{i}") for i in range(3)]
+    gone = Target(pid=_reaped_pid(), title="sglang::scheduler_TP9")
+    order = [targets[2], gone, targets[0], targets[1]]
+    actor = PySpyActor(PySpyConfig(max_concurrency=2))
+    results = await actor.dump_all(TRIGGER, order, artifact_dir=tmp_path)
+    assert [r.pid for r in results] == [t.pid for t in order]
+    assert [r.outcome for r in results] == [Outcome.OK, Outcome.NO_SUCH_PROCESS, Outcome.OK, Outcome.OK]
+    for result, target in zip(results, order):
+        if result.outcome is Outcome.OK:
+            assert result.attributes["process.title"] == target.title
+            assert str(result.attributes["servewatch.pyspy.hung_frame"]).startswith(HUNG)
+    assert results[1].retryable is False
+    assert actor.statistics().attempts == 3  # the gone pid never started py-spy
+
+
+async def test_same_pid_twice_is_serialized(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    other = _titled(spawn, python, "sglang::scheduler_TP1")
+    exe, log = _stub(tmp_path, "slow")
+    actor = PySpyActor(PySpyConfig(executable=exe, native=False, max_concurrency=8))
+    results = await actor.dump_all(TRIGGER, [target, other, target], artifact_dir=tmp_path)
+    assert [r.outcome for r in results] == [Outcome.OK] * 3
+    spans: dict[int, list[tuple[int, int]]] = {}
+    starts: dict[int, int] = {}
+    for run in _runs(log):
+        pid = int(run["argv"][run["argv"].index("--pid") + 1])
+        if run["event"] == "start":
+            starts[run["pid"]] = run["time_ns"]
+        else:
+            spans.setdefault(pid, []).append((starts[run["pid"]], run["time_ns"]))
+    (first, second) = sorted(spans[target.pid])
+    assert first[1] <= second[0], "two dumps of one pid overlapped"
+    assert len(spans[other.pid]) == 1
+
+
+async def test_capacity_limit_bounds_concurrent_pyspy(spawn, python, tmp_path: Path) -> None:
+    targets = [_titled(spawn, python, f"demo::scheduler_TP{i}") for i in range(3)]
+    exe, log = _stub(tmp_path, "slow")
+    actor = PySpyActor(PySpyConfig(executable=exe, native=False, max_concurrency=1))
+    results = await actor.dump_all(TRIGGER, targets, artifact_dir=tmp_path)
+    assert [r.outcome for r in results] == [Outcome.OK] * 3
+    events = sorted((run["time_ns"], run["event"]) for run in _runs(log))
+    running = peak = 0
+    for _, event in events:
+        running += 1 if event == "start" else -1
+        peak = max(peak, running)
+    assert peak == 1
+
+
+async def test_not_python_process_is_not_python_without_retry(spawn, tmp_path: Path) -> None:
+    sleeper = spawn(["/bin/sleep", "60"])
+    target = target_of(sleeper.pid)
+    assert target is not None
+    actor = PySpyActor()
+    result = await actor.act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.NOT_PYTHON, result.detail
+    assert result.attributes["servewatch.pyspy.attempts"] == 1
+    assert result.attributes["servewatch.pyspy.exit_code"] == 1
+    assert result.retryable is False
+    (err,) = result.artifact_paths
+    assert "Failed to find python version" in Path(err).read_text(encoding="utf-8")
+
+
+async def test_dead_pid_is_no_such_process_without_running_pyspy(tmp_path: Path) -> None:
+    actor = PySpyActor()
+    result = await actor.act(TRIGGER, Target(pid=_reaped_pid()), timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.NO_SUCH_PROCESS
+    assert actor.statistics().attempts == 0
+
+
+async def test_zombie_is_reported_as_zombie(spawn, tmp_path: Path) -> None:
+    zombie = spawn([sys.executable, "-c", "pass"])  # not waited for until teardown
+    assert _wait_dead(zombie.pid) is ProcessState.ZOMBIE
+    result = await PySpyActor().act(TRIGGER, Target(pid=zombie.pid), timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.ZOMBIE
+
+
+async def test_permission_denied_for_real_as_unprivileged_user(spawn, python, tmp_path: Path) -> None:
+    setpriv = shutil.which("setpriv")
+    real = default_executable()
+    if os.geteuid() != 0 or setpriv is None or real is None:
+        pytest.skip("needs root and setpriv to run py-spy as 'nobody' against a root-owned target")
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    wrapper = tmp_path / "py-spy-as-nobody"
+    wrapper.write_text(
+        f"#!{sys.executable}\nimport os, sys\n"
+        f"os.execv({setpriv!r}, [{setpriv!r}, '--reuid=65534', '--regid=65534', '--clear-groups', {real!r}, *sys.argv[1:]])\n",
+        encoding="utf-8",
+    )
+    wrapper.chmod(0o755)
+    result = await PySpyActor(PySpyConfig(executable=str(wrapper))).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.PERMISSION_DENIED, result.detail
+    assert "CAP_SYS_PTRACE" in result.detail and "--cap-add SYS_PTRACE" in result.detail
+    assert result.attributes["servewatch.pyspy.attempts"] == 1  # no useless retry without --native
+
+
+# --- stubs for the failure classes -----------------------------------------------------------
+
+
+async def test_hung_pyspy_times_out_and_its_process_group_is_killed(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "hang")
+    actor = PySpyActor(PySpyConfig(executable=exe, timeout_s=1.0))
+    result = await actor.act(TRIGGER, target, timeout_s=10, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.TIMED_OUT, result.detail
+    assert result.retryable is True
+    runs = _runs(log)
+    # --native timed out, then one plain attempt (native unwinding is the slow part): both killed
+    assert ["--native" in r["argv"] for r in runs] == [True, False]
+    assert result.attributes["servewatch.pyspy.attempts"] == 2
+    assert result.attributes["servewatch.pyspy.killed"] is True
+    for run in runs:
+        assert _wait_dead(run["pid"]) is ProcessState.GONE  # reaped by the actor
+        assert _wait_dead(run["child_pid"]) in (ProcessState.GONE, ProcessState.ZOMBIE)  # group killed
+    assert actor.statistics().groups_killed == 2
+    assert process_state(target.pid) is ProcessState.RUNNING
+
+
+async def test_cancelled_dump_still_kills_pyspy(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "hang")
+    actor = PySpyActor(PySpyConfig(executable=exe, timeout_s=60))
+    with anyio.move_on_after(60) as outer:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: actor.act(TRIGGER, target, timeout_s=60, artifact_dir=tmp_path))
+            while not _runs(log):  # bounded by the outer scope
+                await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
+    assert not outer.cancelled_caught
+    (run,) = _runs(log)
+    assert _wait_dead(run["pid"]) is ProcessState.GONE
+    assert _wait_dead(run["child_pid"]) in (ProcessState.GONE, ProcessState.ZOMBIE)
+
+
+async def test_stopped_target_is_continued_after_a_killed_attempt(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    os.kill(target.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while process_state(target.pid) is not ProcessState.STOPPED and time.monotonic() < deadline:
+        await anyio.sleep(0.02)
+    assert process_state(target.pid) is ProcessState.STOPPED
+    exe, _ = _stub(tmp_path, "hang")
+    actor = PySpyActor(PySpyConfig(executable=exe, timeout_s=0.5, native=False))
+    result = await actor.act(TRIGGER, target, timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.TIMED_OUT
+    assert process_state(target.pid) is ProcessState.RUNNING
+    assert actor.statistics().targets_continued == 1
+
+
+async def test_native_unsupported_is_retried_plain_and_remembered(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "native-unsupported")
+    actor = PySpyActor(PySpyConfig(executable=exe))
+    assert actor.native_enabled
+    first = await actor.act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert first.outcome is Outcome.OK, first.detail
+    assert first.attributes["servewatch.pyspy.attempts"] == 2
+    assert first.attributes["servewatch.pyspy.native"] is False
+    assert str(first.attributes["servewatch.pyspy.hung_frame"]).startswith(HUNG)
+    assert not actor.native_enabled
+
+    second = await actor.act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert second.outcome is Outcome.OK
+    assert second.attributes["servewatch.pyspy.attempts"] == 1
+    assert ["--native" in r["argv"] for r in _runs(log)] == [True, False, False]
+
+
+async def test_native_failure_falls_back_without_forgetting_native(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "native-fails")
+    actor = PySpyActor(PySpyConfig(executable=exe))
+    result = await actor.act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail  # exit 1 with stdout is still a failure
+    assert result.attributes["servewatch.pyspy.attempts"] == 2
+    assert actor.native_enabled
+    assert ["--native" in r["argv"] for r in _runs(log)] == [True, False]
+
+
+async def test_permission_denied_message_is_classified_with_hint_and_not_retried(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "permission-denied")
+    result = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.PERMISSION_DENIED
+    assert PERMISSION_HINT in result.detail
+    assert result.retryable is False
+    assert len(_runs(log)) == 1
+    assert "Permission Denied" in Path(result.artifact_paths[0]).read_text(encoding="utf-8")
+
+
+async def test_exit_zero_with_unreadable_json_is_failed(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, _ = _stub(tmp_path, "garbage")
+    result = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.FAILED
+    assert "unreadable" in result.detail
+
+
+async def test_missing_pyspy_is_missing_tool_and_a_permanent_error(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    actor = PySpyActor(PySpyConfig(executable=str(tmp_path / "no-such-py-spy")))
+    status, hint = actor.check()
+    assert status is ComponentStatus.PERMANENT_ERROR
+    assert "pip install py-spy" in hint
+    result = await actor.act(TRIGGER, target, timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.MISSING_TOOL
+    assert result.retryable is False
+    assert PySpyActor(PySpyConfig(executable=None)).check()[0] is ComponentStatus.PERMANENT_ERROR
+    assert PySpyActor().check()[0] is ComponentStatus.OK
+
+
+# --- units: config, classifier, parser ------------------------------------------------------
+
+
+def test_exports_match_all() -> None:
+    public = {n for n in dir(pyspy_module) if not n.startswith("_")}
+    exported = {n for n in public if getattr(getattr(pyspy_module, n), "__module__", None) == "agent.actors.pyspy"}
+    assert exported | {"ACTION", "PERMISSION_HINT"} == set(pyspy_module.__all__)
+
+
+def test_default_config_is_valid_and_finds_pyspy() -> None:
+    config = PySpyConfig()
+    assert config.executable is not None and os.access(config.executable, os.X_OK)
+    assert (config.timeout_s, config.native, config.nonblocking) == (10.0, True, False)
+    assert config.max_concurrency == (os.cpu_count() or 1)
+    with pytest.raises(pydantic.ValidationError, match="timeout_s"):
+        PySpyConfig(timeout_s=0)
+    with pytest.raises(pydantic.ValidationError, match="max_concurrency"):
+        PySpyConfig(max_concurrency=0)
+    with pytest.raises(pydantic.ValidationError, match="natve"):
+        PySpyConfig.model_validate({"natve": False})
+
+
+def test_nonblocking_disables_native() -> None:
+    assert PySpyActor(PySpyConfig(nonblocking=True)).native_enabled is False
+
+
+# Real stderr of py-spy 0.4.3 (RUST_BACKTRACE=0) captured on this machine, plus py-spy's own
+# messages from its source for what this machine cannot show (no native support, root in docker).
+_GONE = "Error: Failed to get process executable name. Check that the process is running.\n\nCaused by:\n    0: No such file or directory (os error 2)\n"
+_NOT_PY = "Error: Failed to find python version from target process\n"
+_PERM = "Permission Denied: Try running again with elevated permissions by going 'sudo env \"PATH=$PATH\" !!'\n"
+_PERM_DOCKER = "Permission Denied\n\nIt looks like you are running in a docker container. Please make sure you started your container with the SYS_PTRACE capability.\n"
+_NATIVE = "Collecting stack traces from native extensions (`--native`) is not supported on your platform.\n"
+_CLAP = "error: unexpected argument '--native' found\n\nUsage: py-spy dump [OPTIONS]\n"
+_TOO_NEW = "Error: Unsupported version of Python: 3.99.0\n"
+
+
+@pytest.mark.parametrize(
+    ("rc", "stderr", "native", "timed_out", "state", "expected"),
+    [
+        (0, "", True, False, ProcessState.RUNNING, Classification(Outcome.OK)),
+        (None, "", True, True, ProcessState.RUNNING, (Outcome.TIMED_OUT, True, False, True)),
+        (None, "", False, True, ProcessState.RUNNING, (Outcome.TIMED_OUT, False, False, True)),
+        (1, _GONE, True, False, ProcessState.GONE, (Outcome.NO_SUCH_PROCESS, False, False, False)),
+        (1, _GONE, True, False, ProcessState.ZOMBIE, (Outcome.ZOMBIE, False, False, False)),
+        (1, _GONE, True, False, ProcessState.RUNNING, (Outcome.NO_SUCH_PROCESS, False, False, False)),
+        (1, _NOT_PY, True, False, ProcessState.RUNNING, (Outcome.NOT_PYTHON, False, False, False)),
+        (1, _PERM, True, False, ProcessState.RUNNING, (Outcome.PERMISSION_DENIED, False, False, False)),
+        (1, _PERM_DOCKER, True, False, ProcessState.RUNNING, (Outcome.PERMISSION_DENIED, False, False, False)),
+        (1, _NATIVE, True, False, ProcessState.RUNNING, (Outcome.UNSUPPORTED, True, True, False)),
+        (2, _CLAP, True, False, ProcessState.RUNNING, (Outcome.UNSUPPORTED, True, True, False)),
+        (1, _TOO_NEW, True, False, ProcessState.RUNNING, (Outcome.UNSUPPORTED, False, False, False)),
+        (1, "Error: Failed to copy PyThreadState\n", True, False, ProcessState.RUNNING, (Outcome.FAILED, True, False, True)),
+        (1, "Error: Failed to copy PyThreadState\n", False, False, ProcessState.RUNNING, (Outcome.FAILED, False, False, True)),
+        (-9, "", False, False, ProcessState.RUNNING, (Outcome.FAILED, False, False, True)),
+    ],
+)
+def test_classify_table(rc, stderr, native, timed_out, state, expected) -> None:
+    got = classify(rc, stderr, native=native, timed_out=timed_out, target_state=state, pid=42)
+    if isinstance(expected, Classification):
+        assert got == expected
+    else:
+        assert (got.outcome, got.retry_plain, got.native_unsupported, got.retryable) == expected
+        assert got.detail and "\n" not in got.detail
+
+
+def test_classify_detail_names_the_signal_and_error() -> None:
+    assert "signal 9" in classify(-9, "", native=False, pid=7).detail
+    assert "Failed to copy PyThreadState" in classify(1, "Error: Failed to copy PyThreadState\n", native=False, pid=7).detail
+
+
+def test_parse_render_and_summary_of_a_recorded_dump() -> None:
+    dump = [
+        {
+            "pid": 10, "thread_id": 2, "thread_name": "worker", "os_thread_id": 11, "active": False, "owns_gil": False,
+            "frames": [{"name": "wait", "filename": "/usr/lib/python3.11/threading.py", "short_filename": "threading.py", "line": 320, "module": None}],
+        },
+        {
+            "pid": 10, "thread_id": 1, "thread_name": "MainThread", "os_thread_id": 10, "active": True, "owns_gil": True,
+            "frames": [
+                {"name": "0x7f00", "filename": "/lib/libc.so.6", "short_filename": "libc.so.6", "line": 0, "module": "/lib/libc.so.6"},
+                {"name": "ncclAllReduce", "filename": "/x/libnccl.so.2", "short_filename": "libnccl.so.2", "line": 0, "module": "/x/libnccl.so.2"},
+                {"name": "Event.wait", "filename": "/usr/lib/python3.11/threading.py", "short_filename": "threading.py", "line": 629, "module": None},
+                {"name": "all_reduce", "filename": "/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", "short_filename": "torch/distributed/c10d.py", "line": 2501, "module": None},
+                {"name": "forward", "filename": "/srv/model.py", "short_filename": "model.py", "line": 7, "module": None},
+            ],
+        },
+    ]
+    threads = parse_dump(json.dumps(dump))
+    assert [t.thread_name for t in threads] == ["MainThread", "worker"]
+    # site-packages is not the standard library: torch's frame is where it hangs
+    assert hung_frame(threads) == "all_reduce (torch/distributed/c10d.py:2501)"
+    assert summarize(threads, max_frames=3) == (
+        "MainThread: ncclAllReduce (libnccl.so.2)",
+        "MainThread: Event.wait (threading.py:629)",
+        "MainThread: all_reduce (torch/distributed/c10d.py:2501)",
+        "worker: wait (threading.py:320)",
+    )
+    text = render_text(threads, header="Process 10: sglang::scheduler_TP0")
+    assert text.splitlines()[:3] == [
+        "Process 10: sglang::scheduler_TP0",
+        'Thread 10 (active, gil): "MainThread"',
+        "    0x7f00 (libc.so.6)",
+    ]
+    assert '    wait (threading.py:320)' in text
+    assert hung_frame([]) == ""
+
+
+@pytest.mark.parametrize("bad", ["{}", "[1]", "not json"])
+def test_parse_dump_rejects_what_is_not_a_thread_list(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_dump(bad)

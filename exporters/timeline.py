@@ -1,0 +1,1195 @@
+"""Incident timelines: an incident bundle read back as one model, and drawn in the terminal.
+
+Owns :class:`IncidentTimeline` (and its row types), :func:`load_incident`, :func:`find_bundle`,
+:func:`timeline_to_dict` and :func:`render_timeline`. The model is built from the bundle alone —
+``manifest.json``, the optional ``requests.json`` and the artifacts next to them, as written by
+:mod:`agent.incidents` and the actors — so it works offline on a copied bundle. When OTLP/JSON lines
+span files (the embedded default, or a spool) are found, the spans of the incident's trace are added
+as enrichment; nothing depends on them.
+
+Like everything in ``exporters/``, this module decides nothing: it mirrors what the bundle says.
+Prompt text is never part of the model, even when ``requests.json`` holds it (the user opted in to
+*capture*, not to display).
+
+Imports the standard library and rich only.
+
+Exceptions::
+
+    BundleError              a bundle cannot be read (one line, says which path and why)
+     ├── BundleNotFoundError  no such incident / directory / manifest
+     └── BundleCorruptError   the manifest is not a servewatch incident manifest
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+__all__ = [
+    "MANIFEST_NAME",
+    "REQUESTS_NAME",
+    "SCHEMA_PREFIX",
+    "BundleError",
+    "BundleNotFoundError",
+    "BundleCorruptError",
+    "Frame",
+    "ThreadStack",
+    "ProcessStacks",
+    "TargetRow",
+    "ActionRow",
+    "CoredumpRow",
+    "ProfileRow",
+    "RequestRow",
+    "ArtifactRow",
+    "SpanRow",
+    "IncidentTimeline",
+    "find_bundle",
+    "load_incident",
+    "timeline_to_dict",
+    "render_timeline",
+    "render_timeline_text",
+    "outcome_style",
+    "format_size",
+]
+
+#: Name of the manifest inside a bundle (per :mod:`agent.incidents`).
+MANIFEST_NAME = "manifest.json"
+#: Name of the in-flight requests file inside a bundle.
+REQUESTS_NAME = "requests.json"
+#: Accepted manifest schemas start with this.
+SCHEMA_PREFIX = "servewatch.incident/"
+
+# Span attribute keys written by the actors (agent/actors/*.py); all optional here.
+_PYSPY_HUNG_FRAME = "servewatch.pyspy.hung_frame"
+_PYSPY_THREAD_COUNT = "servewatch.pyspy.thread_count"
+_COREDUMP_PATH = "servewatch.coredump.path"
+_COREDUMP_SIZE = "servewatch.coredump.size_bytes"
+_PROFILE_STEPS = "servewatch.profile.steps_captured"
+
+#: Frames in these files are library waits (``Condition.wait``), not where a program is stuck.
+_STDLIB_FILE = re.compile(r"[/\\]lib[/\\]python\d+(\.\d+)?[/\\](?!.*(site|dist)-packages)")
+_STDLIB_SHORT = frozenset({"threading.py", "queue.py", "selectors.py", "socket.py", "subprocess.py",
+                           "multiprocessing/connection.py", "asyncio/base_events.py", "concurrent/futures/_base.py"})
+
+
+class BundleError(Exception):
+    """An incident bundle cannot be read; the message is one line naming the path and the reason."""
+
+
+class BundleNotFoundError(BundleError):
+    """No such incident, directory or manifest."""
+
+
+class BundleCorruptError(BundleError):
+    """The manifest exists but is not a readable servewatch incident manifest."""
+
+
+# --- model ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One stack frame, as py-spy's ``dump --json`` reports it (innermost first).
+
+    Attributes:
+        name: function name (``Class.method`` for methods).
+        filename: absolute file path in the target.
+        short_filename: path relative to the target's sys.path entry.
+        line: line number (0 when unknown).
+    """
+
+    name: str
+    filename: str = ""
+    short_filename: str = ""
+    line: int = 0
+
+    @property
+    def label(self) -> str:
+        """``name (short_filename:line)``, py-spy's own text format."""
+        where = self.short_filename or self.filename or "?"
+        return f"{self.name} ({where}:{self.line})"
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStack:
+    """One thread of a py-spy dump.
+
+    Attributes:
+        thread_id: Python thread id.
+        thread_name: thread name, ``""`` when py-spy could not read it.
+        os_thread_id: kernel thread id (equals the pid for the main thread), or ``None``.
+        active: the thread was running (not idle) when sampled.
+        owns_gil: the thread held the GIL when sampled.
+        frames: innermost first.
+    """
+
+    thread_id: int
+    thread_name: str
+    os_thread_id: int | None
+    active: bool
+    owns_gil: bool
+    frames: tuple[Frame, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStacks:
+    """The stacks of one process and where it is stuck.
+
+    Attributes:
+        pid: the process.
+        title: its process title from the manifest's targets (``""`` when not a target).
+        threads: every thread in the py-spy JSON artifact (empty when there is none).
+        hung_frame: where the process is stuck, ``"name (file:line)"``; from the pyspy span
+            attribute when present, else the innermost non-stdlib frame of the active (else main)
+            thread of the JSON artifact; ``None`` when neither exists.
+        hung_frame_source: ``"attribute"``, ``"stacks"`` or ``""``.
+        hung_thread_id: the thread holding the hung frame (``None`` when unknown).
+        hung_frame_index: index of the hung frame in that thread's frames (``None`` when unknown).
+        thread_count: threads dumped (the span attribute, else ``len(threads)``; ``None`` when
+            there is neither).
+        stacks_path: the py-spy JSON artifact read (``""`` when none was found).
+        error: why the artifact could not be read (``""`` when fine or absent).
+    """
+
+    pid: int
+    title: str
+    threads: tuple[ThreadStack, ...]
+    hung_frame: str | None
+    hung_frame_source: str
+    hung_thread_id: int | None
+    hung_frame_index: int | None
+    thread_count: int | None
+    stacks_path: str
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetRow:
+    """One target process of the incident (manifest ``targets``)."""
+
+    pid: int
+    title: str
+    create_time_s: float | None
+    cmdline: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRow:
+    """One action of the incident, placed on the timeline.
+
+    Attributes:
+        action: span name (``pyspy.dump``, ``cuda.coredump``, ``profile.session``, ...).
+        pid: target pid, ``None`` for actions not bound to one process.
+        title: the target's title (``""`` when unknown).
+        outcome: the outcome string (``ok``, ``timed_out``, ...), as in the manifest.
+        retryable: whether trying again could help.
+        detail: one human line.
+        start_offset_s: start minus incident open, seconds (``None`` when the action has no time).
+        duration_s: wall-clock duration, seconds.
+        artifact_paths: files written, resolved against the bundle's current location.
+        attributes: the span attributes, as recorded.
+    """
+
+    action: str
+    pid: int | None
+    title: str
+    outcome: str
+    retryable: bool
+    detail: str
+    start_offset_s: float | None
+    duration_s: float
+    artifact_paths: tuple[str, ...]
+    attributes: Mapping[str, Any]
+
+    @property
+    def end_offset_s(self) -> float | None:
+        """End minus incident open, seconds (``None`` when the action has no time)."""
+        return None if self.start_offset_s is None else self.start_offset_s + self.duration_s
+
+
+@dataclass(frozen=True, slots=True)
+class CoredumpRow:
+    """One ``cuda.coredump`` action summarised.
+
+    Attributes:
+        pid: target pid.
+        outcome: its outcome.
+        path: the core file (``""`` when none was written).
+        size_bytes: size from the span attribute, else from the file; ``None`` when unknown.
+    """
+
+    pid: int | None
+    outcome: str
+    path: str
+    size_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRow:
+    """One ``profile.session`` action summarised.
+
+    Attributes:
+        pid: target pid.
+        outcome: its outcome.
+        duration_s: session duration, seconds.
+        steps_captured: forward steps inside the profile (``None`` when not recorded).
+        trace_paths: trace files written.
+        trace_size_bytes: their total size in bytes (files that are present).
+        attributes: every ``servewatch.profile.*`` attribute as recorded.
+    """
+
+    pid: int | None
+    outcome: str
+    duration_s: float
+    steps_captured: int | None
+    trace_paths: tuple[str, ...]
+    trace_size_bytes: int
+    attributes: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """A request in flight when the incident opened (never its prompt text).
+
+    Attributes:
+        pid: the process serving it (``None`` when only known from a span link).
+        request_id: the server's request id (``""`` when unknown).
+        trace_id: hex trace id of the request span.
+        span_id: hex span id of the request span.
+        age_s: age when the incident opened, seconds (``None`` when unknown).
+        prompt_tokens: prompt length in tokens (``None`` when unknown).
+        generated_tokens: tokens generated so far (``None`` when unknown).
+    """
+
+    pid: int | None
+    request_id: str
+    trace_id: str
+    span_id: str
+    age_s: float | None
+    prompt_tokens: int | None
+    generated_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRow:
+    """A file the incident wrote.
+
+    Attributes:
+        path: where it is now (inside the bundle when the bundle was copied).
+        recorded_path: the path as recorded in the manifest.
+        action: the action that wrote it.
+        pid: that action's pid.
+        size_bytes: current size, ``None`` when the file is missing.
+    """
+
+    path: str
+    recorded_path: str
+    action: str
+    pid: int | None
+    size_bytes: int | None
+
+    @property
+    def exists(self) -> bool:
+        """Whether the file was found."""
+        return self.size_bytes is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRow:
+    """A span of the incident's trace found in OTLP/JSON span files (enrichment only).
+
+    Attributes:
+        name: span name.
+        span_id / parent_span_id: hex ids (``""`` for the root's parent).
+        start_offset_s: start minus incident open, seconds.
+        duration_s: duration, seconds.
+        status_code: OTLP status code (0 unset, 1 ok, 2 error).
+        attributes: flattened span attributes.
+    """
+
+    name: str
+    span_id: str
+    parent_span_id: str
+    start_offset_s: float
+    duration_s: float
+    status_code: int
+    attributes: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentTimeline:
+    """One incident, read back from its bundle.
+
+    Attributes:
+        bundle_dir: the bundle folder read.
+        incident_id / trigger / detail / host_name / trace_id / span_id: from the manifest.
+        opened_time_unix_nano / closed_time_unix_nano: ns since the epoch.
+        duration_s: incident duration, seconds.
+        targets: target processes.
+        actions: actions ordered by start time.
+        stacks: one entry per process that has a py-spy action or a ``pyspy-<pid>.json``.
+        coredumps / profiles: summaries of the ``cuda.coredump`` / ``profile.session`` actions.
+        requests: in-flight requests (``requests.json``, else the incident span's links).
+        inflight_count: in-flight requests per the manifest.
+        hard_signal_sent: pid -> signal name (hard mode).
+        artifacts: every artifact, with current paths and sizes.
+        spans: spans of the incident trace found in span files (empty offline).
+        span_files: the span files they came from.
+        warnings: problems that did not stop the read (an unreadable stacks file, ...).
+    """
+
+    bundle_dir: str
+    incident_id: str
+    trigger: str
+    detail: str
+    host_name: str
+    trace_id: str
+    span_id: str
+    opened_time_unix_nano: int
+    closed_time_unix_nano: int
+    duration_s: float
+    targets: tuple[TargetRow, ...]
+    actions: tuple[ActionRow, ...]
+    stacks: tuple[ProcessStacks, ...]
+    coredumps: tuple[CoredumpRow, ...]
+    profiles: tuple[ProfileRow, ...]
+    requests: tuple[RequestRow, ...]
+    inflight_count: int
+    hard_signal_sent: Mapping[str, str]
+    artifacts: tuple[ArtifactRow, ...]
+    spans: tuple[SpanRow, ...] = ()
+    span_files: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def extent_s(self) -> float:
+        """Length of the drawn timeline, seconds: the incident or its last action, whichever ends later."""
+        ends = [a.end_offset_s for a in self.actions if a.end_offset_s is not None]
+        ends += [s.start_offset_s + s.duration_s for s in self.spans]
+        return max([self.duration_s, *ends, 0.0])
+
+    def title_of(self, pid: int | None) -> str:
+        """The title of target ``pid`` (``""`` when unknown)."""
+        for target in self.targets:
+            if target.pid == pid:
+                return target.title
+        return ""
+
+
+# --- finding a bundle -------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise BundleNotFoundError(f"{path}: no such file") from exc
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read ({exc.strerror or type(exc).__name__})") from exc
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleCorruptError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _bundles(data_dir: Path) -> list[Path]:
+    """Bundle folders under ``data_dir`` (``<data_dir>/<host>/<id>/manifest.json``)."""
+    return sorted(p.parent for p in data_dir.glob(f"*/*/{MANIFEST_NAME}") if p.is_file())
+
+
+def _opened_ns(bundle: Path) -> int:
+    try:
+        data = json.loads((bundle / MANIFEST_NAME).read_text(encoding="utf-8"))
+        value = data.get("opened_time_unix_nano") if isinstance(data, dict) else None
+        if isinstance(value, int):
+            return value
+    except (OSError, ValueError):
+        pass
+    return (bundle / MANIFEST_NAME).stat().st_mtime_ns
+
+
+def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -> Path:
+    """Resolve an incident id to its bundle folder under a data dir.
+
+    Args:
+        data_dir: the agent's data dir; bundles are ``<data_dir>/<host>/<incident_id>/``.
+        incident_id: an incident id, a unique prefix or suffix of one (``a1b2c3``), or
+            ``"latest"`` for the bundle opened last.
+
+    Returns:
+        The bundle folder.
+
+    Raises:
+        BundleNotFoundError: no data dir, no bundle, or no bundle matching.
+        BundleError: the id matches several bundles.
+    """
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise BundleNotFoundError(f"{root}: no such data directory")
+    bundles = _bundles(root)
+    if not bundles:
+        raise BundleNotFoundError(f"{root}: no incident bundles (expected <data_dir>/<host>/<id>/{MANIFEST_NAME})")
+    if incident_id == "latest":
+        return max(bundles, key=lambda b: (_opened_ns(b), b.name))
+    exact = [b for b in bundles if b.name == incident_id]
+    matches = exact or [b for b in bundles if b.name.startswith(incident_id) or b.name.endswith(incident_id)]
+    if not matches:
+        raise BundleNotFoundError(f"{root}: no incident {incident_id!r} ({len(bundles)} bundles; try 'latest')")
+    if len(matches) > 1:
+        names = ", ".join(str(m.relative_to(root)) for m in matches[:5])
+        raise BundleError(f"{root}: {incident_id!r} matches {len(matches)} incidents ({names}); give the full id")
+    return matches[0]
+
+
+def _resolve(path: str | os.PathLike[str], incident_id: str | None) -> tuple[Path, Path | None]:
+    """Return ``(bundle_dir, data_dir or None)`` for the forms :func:`load_incident` accepts."""
+    p = Path(path)
+    if incident_id is not None:
+        return find_bundle(p, incident_id), p
+    if p.is_file():
+        return p.parent, None
+    if (p / MANIFEST_NAME).is_file():
+        return p, None
+    if p.is_dir():
+        return find_bundle(p, "latest"), p
+    if p.name == MANIFEST_NAME or p.suffix == ".json":
+        raise BundleNotFoundError(f"{p}: no such manifest")
+    raise BundleNotFoundError(f"{p}: no such incident bundle or data directory")
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def _resolve_artifact(recorded: str, bundle_dir: Path, incident_id: str) -> Path:
+    """Where a recorded artifact path is now: inside this bundle when it was copied."""
+    rec = Path(recorded)
+    candidates: list[Path] = []
+    if not rec.is_absolute():
+        candidates.append(bundle_dir / rec)
+    parts = rec.parts
+    if incident_id in parts:  # <anything>/<incident_id>/<rel...> -> <bundle_dir>/<rel...>
+        rel = parts[parts.index(incident_id) + 1:]
+        if rel:
+            candidates.append(bundle_dir.joinpath(*rel))
+    candidates.append(bundle_dir / rec.name)
+    candidates.append(rec)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    return candidates[0]
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _parse_threads(data: Any) -> tuple[ThreadStack, ...]:
+    """py-spy ``dump --json`` output -> threads; raises ValueError on an unexpected shape."""
+    if isinstance(data, dict) and isinstance(data.get("threads"), list):
+        data = data["threads"]
+    if not isinstance(data, list):
+        raise ValueError("expected a list of threads")
+    threads = []
+    for raw in data:
+        if not isinstance(raw, dict):
+            raise ValueError("a thread is not an object")
+        frames = []
+        for f in raw.get("frames") or []:
+            if not isinstance(f, dict):
+                raise ValueError("a frame is not an object")
+            frames.append(
+                Frame(
+                    name=str(f.get("name", "?")),
+                    filename=str(f.get("filename") or ""),
+                    short_filename=str(f.get("short_filename") or ""),
+                    line=_as_int(f.get("line")) or 0,
+                )
+            )
+        threads.append(
+            ThreadStack(
+                thread_id=_as_int(raw.get("thread_id")) or 0,
+                thread_name=str(raw.get("thread_name") or ""),
+                os_thread_id=_as_int(raw.get("os_thread_id")),
+                active=bool(raw.get("active", False)),
+                owns_gil=bool(raw.get("owns_gil", False)),
+                frames=tuple(frames),
+            )
+        )
+    return tuple(threads)
+
+
+def _is_library_wait(frame: Frame) -> bool:
+    if frame.short_filename in _STDLIB_SHORT:
+        return True
+    return bool(_STDLIB_FILE.search(frame.filename)) and frame.short_filename == frame.filename.rsplit("/", 1)[-1]
+
+
+def _hung_thread(threads: Sequence[ThreadStack], pid: int) -> ThreadStack | None:
+    """The thread a stall is read from: GIL holder, else active, else main, else the first."""
+    with_frames = [t for t in threads if t.frames]
+    for pick in (
+        lambda t: t.active and t.owns_gil,
+        lambda t: t.active,
+        lambda t: t.thread_name == "MainThread" or t.os_thread_id == pid,
+    ):
+        found = [t for t in with_frames if pick(t)]
+        if found:
+            return found[0]
+    return with_frames[0] if with_frames else None
+
+
+def _frame_matches(frame: Frame, hung: str) -> bool:
+    if hung in (frame.label, f"{frame.name} ({frame.filename}:{frame.line})"):
+        return True
+    return hung.split(" (", 1)[0] == frame.name and (frame.short_filename in hung or frame.filename in hung)
+
+
+def _locate(threads: Sequence[ThreadStack], hung: str, preferred: ThreadStack | None) -> tuple[int | None, int | None]:
+    ordered = ([preferred] if preferred is not None else []) + [t for t in threads if t is not preferred]
+    for thread in ordered:
+        for index, frame in enumerate(thread.frames):
+            if _frame_matches(frame, hung):
+                return thread.thread_id, index
+    return None, None
+
+
+def _stacks_for(
+    pid: int, title: str, pyspy: ActionRow | None, bundle_dir: Path, warnings: list[str]
+) -> ProcessStacks:
+    attrs = pyspy.attributes if pyspy is not None else {}
+    json_path: Path | None = None
+    if pyspy is not None:
+        for p in pyspy.artifact_paths:
+            if p.endswith(".json"):
+                json_path = Path(p)
+                break
+    if json_path is None or not json_path.is_file():
+        local = bundle_dir / f"pyspy-{pid}.json"
+        json_path = local if local.is_file() else json_path
+    threads: tuple[ThreadStack, ...] = ()
+    error = ""
+    if json_path is not None and json_path.is_file():
+        try:
+            threads = _parse_threads(json.loads(json_path.read_text(encoding="utf-8")))
+        except (OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            warnings.append(f"stacks of pid {pid} unreadable: {json_path}: {error}")
+    preferred = _hung_thread(threads, pid)
+    hung = attrs.get(_PYSPY_HUNG_FRAME)
+    hung_thread_id: int | None = None
+    hung_index: int | None = None
+    if isinstance(hung, str) and hung:
+        source = "attribute"
+        hung_thread_id, hung_index = _locate(threads, hung, preferred)
+    elif preferred is not None:
+        source = "stacks"
+        hung_index = next((i for i, f in enumerate(preferred.frames) if not _is_library_wait(f)), 0)
+        hung = preferred.frames[hung_index].label
+        hung_thread_id = preferred.thread_id
+    else:
+        source, hung = "", None
+    count = _as_int(attrs.get(_PYSPY_THREAD_COUNT))
+    return ProcessStacks(
+        pid=pid,
+        title=title,
+        threads=threads,
+        hung_frame=hung if isinstance(hung, str) else None,
+        hung_frame_source=source,
+        hung_thread_id=hung_thread_id,
+        hung_frame_index=hung_index,
+        thread_count=count if count is not None else (len(threads) if threads else None),
+        stacks_path=str(json_path) if json_path is not None and json_path.is_file() else "",
+        error=error,
+    )
+
+
+def _requests_from_file(bundle_dir: Path, warnings: list[str]) -> tuple[RequestRow, ...] | None:
+    path = bundle_dir / REQUESTS_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        warnings.append(f"{path}: unreadable ({type(exc).__name__})")
+        return None
+    items = data.get("requests") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        warnings.append(f"{path}: no 'requests' list")
+        return None
+    rows = []
+    for r in items:
+        if not isinstance(r, dict):
+            continue
+        rows.append(
+            RequestRow(
+                pid=_as_int(r.get("pid")),
+                request_id=str(r.get("request_id") or ""),
+                trace_id=str(r.get("trace_id") or ""),
+                span_id=str(r.get("span_id") or ""),
+                age_s=_as_float(r.get("age_s")),
+                prompt_tokens=_as_int(r.get("prompt_tokens")),
+                generated_tokens=_as_int(r.get("generated_tokens")),
+            )
+        )
+    return tuple(rows)
+
+
+# --- spans (optional enrichment) ----------------------------------------------------------------
+
+
+def _attr_value(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    for key in ("stringValue", "boolValue", "doubleValue"):
+        if key in value:
+            return value[key]
+    if "intValue" in value:
+        return _as_int(value["intValue"])
+    if "arrayValue" in value:
+        return [_attr_value(v) for v in (value["arrayValue"].get("values") or [])]
+    return None
+
+
+def _attrs(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, list):
+        return {}
+    return {str(a.get("key")): _attr_value(a.get("value")) for a in raw if isinstance(a, dict)}
+
+
+def _span_files(search: Iterable[Path]) -> Iterator[Path]:
+    seen: set[Path] = set()
+    for root in search:
+        if root.is_file():
+            found = [root]
+        elif root.is_dir():
+            found = sorted(p for p in root.rglob("*.jsonl") if p.is_file())
+        else:
+            continue
+        for path in found:
+            if path not in seen:
+                seen.add(path)
+                yield path
+
+
+def _read_trace_spans(files: Iterable[Path], trace_id: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Spans of ``trace_id`` from OTLP/JSON lines files (one ExportTraceServiceRequest a line)."""
+    spans: dict[str, dict[str, Any]] = {}
+    used: list[str] = []
+    needle = trace_id.encode("ascii")
+    for path in files:
+        hit = False
+        try:
+            with open(path, "rb") as fh:
+                for line in fh:
+                    if needle not in line:
+                        continue
+                    try:
+                        request = json.loads(line)
+                    except ValueError:
+                        continue  # a truncated last line of a file still being written
+                    for rs in request.get("resourceSpans") or []:
+                        for ss in rs.get("scopeSpans") or []:
+                            for span in ss.get("spans") or []:
+                                if str(span.get("traceId", "")).lower() == trace_id and span.get("spanId"):
+                                    spans.setdefault(str(span["spanId"]).lower(), span)  # replays repeat spans
+                                    hit = True
+        except OSError:
+            continue
+        if hit:
+            used.append(str(path))
+    return list(spans.values()), used
+
+
+def _span_rows(raw: Sequence[dict[str, Any]], opened_ns: int) -> tuple[SpanRow, ...]:
+    rows = []
+    for span in raw:
+        start = _as_int(span.get("startTimeUnixNano")) or opened_ns
+        end = _as_int(span.get("endTimeUnixNano")) or start
+        status = span.get("status") if isinstance(span.get("status"), dict) else {}
+        rows.append(
+            SpanRow(
+                name=str(span.get("name", "")),
+                span_id=str(span.get("spanId", "")).lower(),
+                parent_span_id=str(span.get("parentSpanId") or "").lower(),
+                start_offset_s=(start - opened_ns) / 1e9,
+                duration_s=max(0, end - start) / 1e9,
+                status_code=_as_int(status.get("code")) or 0,
+                attributes=_attrs(span.get("attributes")),
+            )
+        )
+    rows.sort(key=lambda s: (s.start_offset_s, s.name))
+    return tuple(rows)
+
+
+def _requests_from_links(raw: Sequence[dict[str, Any]], root_span_id: str) -> tuple[RequestRow, ...]:
+    rows = []
+    for span in raw:
+        if str(span.get("spanId", "")).lower() != root_span_id:
+            continue
+        for link in span.get("links") or []:
+            attrs = _attrs(link.get("attributes"))
+            rid = next((str(v) for k, v in attrs.items() if k.endswith("request.id") or k.endswith("request_id")), "")
+            rows.append(
+                RequestRow(
+                    pid=_as_int(attrs.get("process.pid")),
+                    request_id=rid,
+                    trace_id=str(link.get("traceId", "")).lower(),
+                    span_id=str(link.get("spanId", "")).lower(),
+                    age_s=None,
+                    prompt_tokens=None,
+                    generated_tokens=None,
+                )
+            )
+    return tuple(rows)
+
+
+# --- load -------------------------------------------------------------------------------------
+
+
+def load_incident(
+    path: str | os.PathLike[str],
+    incident_id: str | None = None,
+    *,
+    span_paths: Sequence[str | os.PathLike[str]] | None = None,
+) -> IncidentTimeline:
+    """Read an incident bundle into an :class:`IncidentTimeline`.
+
+    Args:
+        path: an incident folder, its ``manifest.json``, or a data dir (then ``incident_id``
+            picks the bundle; a data dir alone means the latest one).
+        incident_id: with a data dir: an id, a unique prefix/suffix of one, or ``"latest"``.
+        span_paths: OTLP/JSON lines files or folders to enrich from. ``None`` searches the bundle
+            folder and, when the data dir is known (given, or the bundle still sits in
+            ``<data_dir>/<host.name>/``), the data dir. ``[]`` reads the bundle alone.
+
+    Returns:
+        The timeline; never holds prompt text.
+
+    Raises:
+        BundleNotFoundError: no such bundle.
+        BundleCorruptError: the manifest is not a servewatch incident manifest.
+        BundleError: the bundle cannot be read for another reason.
+    """
+    bundle_dir, data_dir = _resolve(path, incident_id)
+    manifest_path = bundle_dir / MANIFEST_NAME
+    m = _read_json(manifest_path)
+    if not isinstance(m, dict):
+        raise BundleCorruptError(f"{manifest_path}: not a JSON object")
+    schema = m.get("schema")
+    if not (isinstance(schema, str) and schema.startswith(SCHEMA_PREFIX)):
+        raise BundleCorruptError(f"{manifest_path}: schema {schema!r} is not {SCHEMA_PREFIX}*")
+    inc_id = m.get("incident_id")
+    opened_ns = _as_int(m.get("opened_time_unix_nano"))
+    if not isinstance(inc_id, str) or not inc_id or opened_ns is None:
+        raise BundleCorruptError(f"{manifest_path}: missing incident_id or opened_time_unix_nano")
+    raw_targets = m.get("targets") or []
+    raw_actions = m.get("actions") or []
+    if not isinstance(raw_targets, list) or not isinstance(raw_actions, list):
+        raise BundleCorruptError(f"{manifest_path}: 'targets' and 'actions' must be lists")
+    if not all(isinstance(x, dict) for x in [*raw_targets, *raw_actions]):
+        raise BundleCorruptError(f"{manifest_path}: every target and action must be an object")
+    warnings: list[str] = []
+
+    targets = tuple(
+        TargetRow(
+            pid=_as_int(t.get("pid")) or 0,
+            title=str(t.get("title") or ""),
+            create_time_s=_as_float(t.get("create_time_s")),
+            cmdline=tuple(str(c) for c in (t.get("cmdline") or [])),
+        )
+        for t in raw_targets
+    )
+    titles = {t.pid: t.title for t in targets}
+
+    actions: list[ActionRow] = []
+    artifacts: list[ArtifactRow] = []
+    for a in raw_actions:
+        pid = _as_int(a.get("pid"))
+        attrs = a.get("attributes") if isinstance(a.get("attributes"), dict) else {}
+        if pid is None:
+            pid = _as_int(attrs.get("process.pid"))
+        start = _as_int(a.get("start_time_unix_nano")) or 0
+        end = _as_int(a.get("end_time_unix_nano")) or start
+        duration = _as_float(a.get("duration_s"))
+        name = str(a.get("action") or "?")
+        resolved = []
+        for recorded in a.get("artifact_paths") or []:
+            now = _resolve_artifact(str(recorded), bundle_dir, inc_id)
+            resolved.append(str(now))
+            artifacts.append(ArtifactRow(str(now), str(recorded), name, pid, _size(now)))
+        actions.append(
+            ActionRow(
+                action=name,
+                pid=pid,
+                title=titles.get(pid, "") if pid is not None else "",
+                outcome=str(a.get("outcome") or "unknown"),
+                retryable=bool(a.get("retryable", False)),
+                detail=str(a.get("detail") or ""),
+                start_offset_s=(start - opened_ns) / 1e9 if start else None,
+                duration_s=duration if duration is not None else max(0, end - start) / 1e9,
+                artifact_paths=tuple(resolved),
+                attributes=dict(attrs),
+            )
+        )
+    actions.sort(key=lambda r: (r.start_offset_s is None, r.start_offset_s or 0.0))
+
+    pyspy_by_pid = {a.pid: a for a in actions if a.action == "pyspy.dump" and a.pid is not None}
+    stack_pids = list(pyspy_by_pid)
+    for found in sorted(bundle_dir.glob("pyspy-*.json")):
+        pid = _as_int(found.stem.removeprefix("pyspy-"))
+        if pid is not None and pid not in stack_pids:
+            stack_pids.append(pid)
+    order = {t.pid: i for i, t in enumerate(targets)}
+    stack_pids.sort(key=lambda p: (order.get(p, len(order)), p))
+    stacks = tuple(_stacks_for(p, titles.get(p, ""), pyspy_by_pid.get(p), bundle_dir, warnings) for p in stack_pids)
+
+    coredumps = []
+    for a in actions:
+        if a.action != "cuda.coredump":
+            continue
+        core = a.attributes.get(_COREDUMP_PATH)
+        core_path = str(_resolve_artifact(core, bundle_dir, inc_id)) if isinstance(core, str) and core else ""
+        if not core_path and a.artifact_paths:
+            core_path = a.artifact_paths[0]
+        size = _as_int(a.attributes.get(_COREDUMP_SIZE))
+        if size is None and core_path:
+            size = _size(Path(core_path))
+        coredumps.append(CoredumpRow(a.pid, a.outcome, core_path, size))
+
+    profiles = []
+    for a in actions:
+        if a.action != "profile.session":
+            continue
+        traces = tuple(p for p in a.artifact_paths)
+        profiles.append(
+            ProfileRow(
+                pid=a.pid,
+                outcome=a.outcome,
+                duration_s=a.duration_s,
+                steps_captured=_as_int(a.attributes.get(_PROFILE_STEPS)),
+                trace_paths=traces,
+                trace_size_bytes=sum(_size(Path(p)) or 0 for p in traces),
+                attributes={k: v for k, v in a.attributes.items() if k.startswith("servewatch.profile.")},
+            )
+        )
+
+    trace_id = str(m.get("trace_id") or "").lower()
+    root_span_id = str(m.get("span_id") or "").lower()
+    raw_spans: list[dict[str, Any]] = []
+    used_files: list[str] = []
+    if trace_id:
+        if span_paths is None:
+            search = [bundle_dir]
+            host = str(m.get("host.name") or "")
+            if data_dir is None and host and bundle_dir.parent.name == host:
+                data_dir = bundle_dir.parent.parent
+            if data_dir is not None:
+                search.append(data_dir)
+        else:
+            search = [Path(p) for p in span_paths]
+        raw_spans, used_files = _read_trace_spans(_span_files(search), trace_id)
+
+    requests = _requests_from_file(bundle_dir, warnings)
+    if requests is None:
+        requests = _requests_from_links(raw_spans, root_span_id)
+    inflight = _as_int(m.get("inflight_requests"))
+    closed_ns = _as_int(m.get("closed_time_unix_nano")) or opened_ns
+    duration_s = _as_float(m.get("duration_s"))
+    hard = m.get("hard_signal_sent") if isinstance(m.get("hard_signal_sent"), dict) else {}
+
+    return IncidentTimeline(
+        bundle_dir=str(bundle_dir),
+        incident_id=inc_id,
+        trigger=str(m.get("trigger") or "unknown"),
+        detail=str(m.get("detail") or ""),
+        host_name=str(m.get("host.name") or ""),
+        trace_id=trace_id,
+        span_id=root_span_id,
+        opened_time_unix_nano=opened_ns,
+        closed_time_unix_nano=closed_ns,
+        duration_s=duration_s if duration_s is not None else max(0, closed_ns - opened_ns) / 1e9,
+        targets=targets,
+        actions=tuple(actions),
+        stacks=stacks,
+        coredumps=tuple(coredumps),
+        profiles=tuple(profiles),
+        requests=requests,
+        inflight_count=inflight if inflight is not None else len(requests),
+        hard_signal_sent={str(k): str(v) for k, v in hard.items()},
+        artifacts=tuple(artifacts),
+        spans=_span_rows(raw_spans, opened_ns),
+        span_files=tuple(used_files),
+        warnings=tuple(warnings),
+    )
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def timeline_to_dict(tl: IncidentTimeline) -> dict[str, Any]:
+    """The timeline as a JSON-ready dict (``servewatch timeline --json``).
+
+    Field names carry units (``start_offset_s``, ``size_bytes``); ``schema`` is
+    ``servewatch.timeline/1``. Derived values are added: ``end_offset_s`` per action, ``exists``
+    per artifact, ``extent_s``.
+    """
+    out = asdict(tl)
+    out = {"schema": "servewatch.timeline/1", **out, "extent_s": tl.extent_s}
+    for row, action in zip(out["actions"], tl.actions):
+        row["end_offset_s"] = action.end_offset_s
+    for row, artifact in zip(out["artifacts"], tl.artifacts):
+        row["exists"] = artifact.exists
+    return json.loads(json.dumps(out, default=str))
+
+
+_OUTCOME_STYLES = {
+    "ok": "bold green",
+    "timed_out": "bold yellow",
+    "skipped": "dim",
+    "not_armed": "dim",
+    "already_stopped": "dim",
+    "unsupported": "magenta",
+    "not_python": "magenta",
+    "missing_tool": "magenta",
+}
+
+
+def outcome_style(outcome: str) -> str:
+    """rich style of an outcome: green ok, yellow timed out, dim not run, magenta not applicable, red failed."""
+    return _OUTCOME_STYLES.get(outcome, "bold red")
+
+
+def format_size(size_bytes: int | None) -> str:
+    """``1.15 GiB`` style size; ``"missing"`` for ``None``."""
+    if size_bytes is None:
+        return "missing"
+    size = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size_bytes} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{size_bytes} B"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
+def _iso(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _pid(pid: int | None) -> str:
+    return "-" if pid is None else str(pid)
+
+
+def _header(tl: IncidentTimeline) -> Panel:
+    body = Text()
+    body.append("trigger  ", style="bold")
+    body.append(tl.trigger, style="bold red" if tl.trigger != "manual" else "bold cyan")
+    body.append("  ")
+    body.append(tl.detail)
+    body.append("\nhost     ", style="bold")
+    body.append(tl.host_name or "?")
+    body.append("   opened ", style="bold")
+    body.append(_iso(tl.opened_time_unix_nano))
+    body.append("   duration ", style="bold")
+    body.append(f"{tl.duration_s * 1e3:,.1f} ms")
+    body.append("\ntrace    ", style="bold")
+    body.append(tl.trace_id or "-")
+    body.append("   in flight ", style="bold")
+    body.append(str(tl.inflight_count))
+    if tl.hard_signal_sent:
+        body.append("   hard signal ", style="bold")
+        body.append(", ".join(f"{sig} -> {pid}" for pid, sig in tl.hard_signal_sent.items()), style="bold red")
+    body.append("\nbundle   ", style="bold")
+    body.append(tl.bundle_dir)
+    return Panel(body, title=Text(f"incident {tl.incident_id}", style="bold"), title_align="left")
+
+
+def _actions_table(tl: IncidentTimeline) -> Table:
+    table = Table(title="Actions", title_justify="left", expand=False)
+    table.add_column("start ms", justify="right")
+    table.add_column("dur ms", justify="right")
+    table.add_column("action")
+    table.add_column("pid", justify="right")
+    table.add_column("title")
+    table.add_column("outcome")
+    table.add_column("detail", overflow="fold")
+    for a in tl.actions:
+        table.add_row(
+            _ms(a.start_offset_s),
+            _ms(a.duration_s),
+            Text(a.action),
+            _pid(a.pid),
+            Text(a.title),
+            Text(a.outcome, style=outcome_style(a.outcome)),
+            Text(a.detail),
+        )
+    return table
+
+
+def _stacks_table(tl: IncidentTimeline) -> Table:
+    table = Table(title="Hung frames", title_justify="left")
+    table.add_column("pid", justify="right")
+    table.add_column("title")
+    table.add_column("threads", justify="right")
+    table.add_column("hung frame", overflow="fold")
+    for s in tl.stacks:
+        hung = Text(s.hung_frame, style="bold yellow") if s.hung_frame else Text("unknown", style="dim")
+        if s.error:
+            hung.append(f"  (stacks unreadable: {s.error})", style="red")
+        table.add_row(str(s.pid), Text(s.title), "-" if s.thread_count is None else str(s.thread_count), hung)
+    return table
+
+
+def _coredump_table(tl: IncidentTimeline) -> Table:
+    table = Table(title="CUDA coredumps", title_justify="left")
+    table.add_column("pid", justify="right")
+    table.add_column("outcome")
+    table.add_column("size", justify="right")
+    table.add_column("path", overflow="fold")
+    for c in tl.coredumps:
+        size = "-" if c.size_bytes is None else f"{format_size(c.size_bytes)} ({c.size_bytes:,} bytes)"
+        table.add_row(_pid(c.pid), Text(c.outcome, style=outcome_style(c.outcome)), size, Text(c.path or "-"))
+    return table
+
+
+def _profile_table(tl: IncidentTimeline) -> Table:
+    table = Table(title="Profiles", title_justify="left")
+    table.add_column("pid", justify="right")
+    table.add_column("outcome")
+    table.add_column("dur ms", justify="right")
+    table.add_column("steps", justify="right")
+    table.add_column("traces", overflow="fold")
+    for p in tl.profiles:
+        traces = "\n".join(p.trace_paths) or "-"
+        if p.trace_paths:
+            traces += f"\n({format_size(p.trace_size_bytes)} in {len(p.trace_paths)} files)"
+        table.add_row(
+            _pid(p.pid),
+            Text(p.outcome, style=outcome_style(p.outcome)),
+            _ms(p.duration_s),
+            "-" if p.steps_captured is None else str(p.steps_captured),
+            Text(traces),
+        )
+    return table
+
+
+def _requests_table(tl: IncidentTimeline) -> Table:
+    table = Table(title=f"In-flight requests ({tl.inflight_count})", title_justify="left")
+    table.add_column("request id")
+    table.add_column("pid", justify="right")
+    table.add_column("age s", justify="right")
+    table.add_column("prompt tok", justify="right")
+    table.add_column("generated tok", justify="right")
+    table.add_column("trace", overflow="fold")
+    for r in tl.requests:
+        table.add_row(
+            Text(r.request_id or "-"),
+            _pid(r.pid),
+            "-" if r.age_s is None else f"{r.age_s:.3f}",
+            "-" if r.prompt_tokens is None else str(r.prompt_tokens),
+            "-" if r.generated_tokens is None else str(r.generated_tokens),
+            Text(r.trace_id or "-"),
+        )
+    return table
+
+
+def _artifacts_table(tl: IncidentTimeline) -> Table:
+    table = Table(title="Artifacts", title_justify="left")
+    table.add_column("action")
+    table.add_column("pid", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("path", overflow="fold")
+    for f in tl.artifacts:
+        size = Text(format_size(f.size_bytes), style="" if f.exists else "red")
+        table.add_row(Text(f.action), _pid(f.pid), size, Text(f.path))
+    return table
+
+
+def _spans_table(tl: IncidentTimeline, limit: int) -> Table:
+    table = Table(title=f"Trace spans ({len(tl.spans)})", title_justify="left")
+    table.add_column("start ms", justify="right")
+    table.add_column("dur ms", justify="right")
+    table.add_column("span")
+    table.add_column("status")
+    for s in tl.spans[:limit]:
+        status = {0: "unset", 1: "ok", 2: "error"}.get(s.status_code, str(s.status_code))
+        table.add_row(_ms(s.start_offset_s), _ms(s.duration_s), Text(s.name),
+                      Text(status, style="red" if s.status_code == 2 else ""))
+    if len(tl.spans) > limit:
+        table.add_row("", "", Text(f"... {len(tl.spans) - limit} more", style="dim"), "")
+    return table
+
+
+def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 40) -> None:
+    """Print the incident as a timeline: header, actions, hung frames, coredumps, profiles,
+    in-flight requests, artifacts, trace spans (when any) and warnings.
+
+    All text from the bundle is printed literally (never read as rich markup).
+
+    Args:
+        tl: the timeline.
+        console: where to print (``Console(record=True)`` in tests, stdout in the CLI).
+        max_spans: most trace spans listed.
+    """
+    parts: list[Any] = [_header(tl), _actions_table(tl)]
+    if tl.stacks:
+        parts.append(_stacks_table(tl))
+    if tl.coredumps:
+        parts.append(_coredump_table(tl))
+    if tl.profiles:
+        parts.append(_profile_table(tl))
+    if tl.requests or tl.inflight_count:
+        parts.append(_requests_table(tl))
+    if tl.artifacts:
+        parts.append(_artifacts_table(tl))
+    if tl.spans:
+        parts.append(_spans_table(tl, max_spans))
+    for warning in tl.warnings:
+        parts.append(Text(f"warning: {warning}", style="yellow"))
+    console.print(Group(*parts))
+
+
+def render_timeline_text(tl: IncidentTimeline, *, width: int = 120) -> str:
+    """The terminal timeline as plain text (no colours), ``width`` columns wide."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
+    render_timeline(tl, console)
+    return buffer.getvalue()

@@ -1,0 +1,248 @@
+"""``servewatch launch`` and ``servewatch cuda-env``: start a server armed for diagnostics.
+
+Owns: the launch environment (CUDA coredump variables from :mod:`agent.actors.coredump`, plus
+``MTL_CAPTURE_ENABLED=1`` for MLX targets; the user's environment always wins), starting the
+server as a child in its own process group (argv, never a shell), forwarding signals to it,
+running the agent beside it, and returning its exit status. May import the stdlib, anyio and
+:mod:`agent.actors.coredump`; the CLI (:mod:`agent.cli`) calls in, never the reverse.
+
+Exit status convention (what :func:`run_launched` returns, so ``sys.exit`` can pass it on): the
+child's own exit code; a child killed by signal N gives ``128 + N``, as POSIX shells report it.
+A command that cannot be started raises :class:`LaunchError` with ``exit_code`` 127 (not found)
+or 126 (not executable), again as shells do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import anyio
+from anyio.abc import Process
+
+from agent.actors.coredump import SGLANG_PIPE_TEMPLATE, CoredumpEnvPlan, cuda_coredump_env
+
+__all__ = [
+    "MLX_CAPTURE_ENV",
+    "DEFAULT_FORWARDED_SIGNALS",
+    "LaunchEnv",
+    "LaunchError",
+    "launch_env",
+    "run_launched",
+    "exit_status",
+]
+
+log = logging.getLogger(__name__)
+
+#: Metal frame capture must be enabled at launch for ``mx.metal.start_capture`` (macOS).
+MLX_CAPTURE_ENV: Mapping[str, str] = MappingProxyType({"MTL_CAPTURE_ENABLED": "1"})
+
+#: Signals servewatch passes on to the server (a terminal's Ctrl-C, systemd/kubelet's SIGTERM,
+#: reload/diagnostic signals). SIGALRM/SIGCHLD/SIGWINCH stay ours.
+DEFAULT_FORWARDED_SIGNALS: tuple[signal.Signals, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+class LaunchError(Exception):
+    """The server command could not be started (a usage error, not a runtime failure).
+
+    Attributes:
+        exit_code: 127 when the command does not exist, 126 when it cannot be executed.
+    """
+
+    def __init__(self, message: str, *, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchEnv:
+    """The environment a launched server starts with.
+
+    Attributes:
+        env: the complete environment for the child.
+        set: variables servewatch added (name -> value).
+        kept: diagnostic variables the user had already set (name -> the user's value).
+        coredump: the CUDA coredump plan, or ``None`` when no crash-dump folder was given.
+    """
+
+    env: Mapping[str, str]
+    set: Mapping[str, str]
+    kept: Mapping[str, str]
+    coredump: CoredumpEnvPlan | None
+
+
+def launch_env(
+    environ: Mapping[str, str] = os.environ,
+    *,
+    crash_dump_folder: str | os.PathLike[str] | None,
+    mlx: bool = False,
+    host: str | None = None,
+    pipe_template: str = SGLANG_PIPE_TEMPLATE,
+) -> LaunchEnv:
+    """Compute the server's environment: CUDA coredump arming and, for MLX, Metal capture.
+
+    Every variable is added only when ``environ`` lacks it (the user's value wins).
+
+    Args:
+        environ: the environment to start from (not modified).
+        crash_dump_folder: arm CUDA coredumps into this folder (``None``: do not arm).
+        mlx: add ``MTL_CAPTURE_ENABLED=1`` for MLX Metal captures.
+        host: host name for the per-host dump folder; default the machine's.
+        pipe_template: ``CUDA_COREDUMP_PIPE`` to set; default SGLang's.
+
+    Returns:
+        The :class:`LaunchEnv`.
+
+    Raises:
+        OSError: the crash-dump folder cannot be created.
+    """
+    plan = None
+    added: dict[str, str] = {}
+    kept: dict[str, str] = {}
+    env = dict(environ)
+    if crash_dump_folder is not None:
+        plan = cuda_coredump_env(crash_dump_folder, environ, host=host, pipe_template=pipe_template)
+        added.update(plan.set)
+        kept.update(plan.kept)
+        env = dict(plan.env)
+    if mlx:
+        for name, value in MLX_CAPTURE_ENV.items():
+            if name in environ:
+                kept[name] = environ[name]
+            else:
+                added[name] = env[name] = value
+    return LaunchEnv(
+        env=MappingProxyType(env), set=MappingProxyType(added), kept=MappingProxyType(kept), coredump=plan
+    )
+
+
+def exit_status(returncode: int) -> int:
+    """Map a ``Popen.returncode`` to a shell exit status (signal N -> ``128 + N``)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+async def _forward_signals(receiver, process: Process, *, to_group: bool) -> None:  # noqa: ANN001
+    async for signum in receiver:
+        try:
+            if to_group:
+                os.killpg(process.pid, signum)
+            else:
+                os.kill(process.pid, signum)
+        except ProcessLookupError:
+            return  # the server is gone; its exit status is on its way
+        except PermissionError:
+            log.warning("cannot forward signal %d to pid %d: permission denied", signum, process.pid)
+
+
+async def _run_agent(agent_main: Callable[[int], Awaitable[None]], pid: int, scope: anyio.CancelScope) -> None:
+    with scope:
+        try:
+            await agent_main(pid)
+        except Exception:  # boundary: a broken agent must not take the server down
+            log.exception("the servewatch agent failed; the server keeps running unwatched")
+
+
+async def _stop(process: Process, *, grace_s: float) -> None:
+    """SIGTERM the child's process group, SIGKILL it after ``grace_s`` seconds."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        with anyio.move_on_after(wait_s):
+            await process.wait()
+            return
+
+
+async def run_launched(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    agent_main: Callable[[int], Awaitable[None]] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    forward_signals: Sequence[int] = DEFAULT_FORWARDED_SIGNALS,
+    signal_group: bool = False,
+    agent_exit_grace_s: float = 5.0,
+    terminate_grace_s: float = 10.0,
+) -> int:
+    """Run the server ``argv`` as a child with ``env`` and the agent beside it; return its status.
+
+    The child gets its own session and process group (so a terminal's Ctrl-C reaches servewatch
+    first), inherits stdin/stdout/stderr, and receives every signal in ``forward_signals`` that
+    servewatch receives. ``agent_main(child_pid)`` runs concurrently from the moment the child
+    exists; an exception in it is logged and the server keeps running. When the child exits the
+    agent gets ``agent_exit_grace_s`` seconds to finish (e.g. an incident for a crash), then is
+    cancelled. If this coroutine itself is cancelled, the child's process group is sent SIGTERM
+    and, after ``terminate_grace_s`` seconds, SIGKILL.
+
+    Must be called from the main thread (signal handlers).
+
+    Args:
+        argv: the server command (``argv[0]`` is looked up on ``PATH`` from ``env``).
+        env: the child's complete environment (from :func:`launch_env`).
+        agent_main: the agent, given the child's pid; ``None`` runs the server alone.
+        cwd: the child's working directory; default ours.
+        forward_signals: signals to pass on.
+        signal_group: forward to the child's whole process group instead of the child alone
+            (default: the child alone, which shuts its own workers down, as SGLang does).
+        agent_exit_grace_s: seconds the agent may keep running after the child exited.
+        terminate_grace_s: seconds between SIGTERM and SIGKILL when cancelled.
+
+    Returns:
+        The child's exit status (``128 + N`` when killed by signal N).
+
+    Raises:
+        LaunchError: the command cannot be started (``exit_code`` 127 or 126).
+        ValueError: ``argv`` is empty.
+    """
+    if not argv:
+        raise ValueError("no server command given (servewatch launch [OPTIONS] -- CMD ...)")
+    with anyio.open_signal_receiver(*forward_signals) as receiver:
+        try:
+            process = await anyio.open_process(
+                list(argv),
+                stdin=None,
+                stdout=None,
+                stderr=None,
+                cwd=cwd,
+                env=dict(env),
+                start_new_session=True,
+            )
+        except FileNotFoundError as exc:
+            raise LaunchError(f"command not found: {argv[0]!r}", exit_code=127) from exc
+        except PermissionError as exc:
+            raise LaunchError(f"command not executable: {argv[0]!r}", exit_code=126) from exc
+        try:
+            async with anyio.create_task_group() as tg:
+                forwarding = anyio.CancelScope()
+                agent_scope = anyio.CancelScope()
+
+                async def forward() -> None:
+                    with forwarding:
+                        await _forward_signals(receiver, process, to_group=signal_group)
+
+                tg.start_soon(forward)
+                if agent_main is not None:
+                    tg.start_soon(_run_agent, agent_main, process.pid, agent_scope)
+                returncode = await process.wait()
+                forwarding.cancel()
+                agent_scope.deadline = min(agent_scope.deadline, anyio.current_time() + agent_exit_grace_s)
+            return exit_status(returncode)
+        finally:
+            if process.returncode is None:
+                with anyio.CancelScope(shield=True):
+                    await _stop(process, grace_s=terminate_grace_s)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await process.aclose()

@@ -1,0 +1,224 @@
+"""servewatch's own metrics, as OpenTelemetry metrics.
+
+Owns :class:`Metrics` (the instruments and a tiny recording API), :class:`OtlpJsonMetricExporter`
+(the embedded default: OTLP/JSON lines of ``ExportMetricsServiceRequest``) and
+:func:`build_meter_provider`.
+
+Instruments (units per the OTel metric conventions):
+
+* ``servewatch.export.spans`` (counter, ``{span}``), attribute ``servewatch.export.outcome`` =
+  ``exported | spooled | replayed | dropped | evicted | rejected`` — read from the span
+  processor's :class:`~exporters.processor.ExportStatistics`, so a drop is never silent.
+* ``servewatch.export.queue.size`` / ``servewatch.export.spool.size`` (gauges, ``{span}``).
+* ``servewatch.bus.events.dropped`` (counter, ``{event}``): high-rate events the bus dropped.
+* ``servewatch.incidents`` (counter, ``{incident}``), attribute ``servewatch.incident.trigger``.
+* ``servewatch.actions`` (counter, ``{action}``), attributes ``servewatch.action``,
+  ``servewatch.outcome`` (dump outcomes and the rest).
+* ``servewatch.detection.latency`` (histogram, ``s``): trigger condition start to incident open.
+
+Imports opentelemetry-sdk / exporters, :mod:`exporters.otlp_json`, :mod:`exporters.processor`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+
+from exporters.otlp_json import RotatingJsonLinesWriter, message_to_json
+from exporters.processor import ExportStatistics
+
+__all__ = ["Metrics", "OtlpJsonMetricExporter", "build_meter_provider", "DETECTION_LATENCY_BUCKETS_S"]
+
+_log = logging.getLogger(__name__)
+
+#: Histogram bucket bounds for detection latency, in seconds (watchdog timeouts run 1 s to 10 min).
+DETECTION_LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class OtlpJsonMetricExporter(MetricExporter):
+    """Writes each metrics export as one OTLP/JSON ``ExportMetricsServiceRequest`` line.
+
+    Args:
+        directory: where ``metrics-*.jsonl`` go (rotated by size like the span files).
+        max_file_bytes / max_files: rotation and retention, see
+            :class:`~exporters.otlp_json.RotatingJsonLinesWriter`.
+    """
+
+    def __init__(self, directory: Path, *, max_file_bytes: int = 16 * 1024 * 1024, max_files: int = 8) -> None:
+        super().__init__()
+        self.writer = RotatingJsonLinesWriter(directory, prefix="metrics", max_file_bytes=max_file_bytes, max_files=max_files)
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        try:
+            self.writer.write_line(message_to_json(encode_metrics(metrics_data)))
+        except OSError as exc:
+            _log.warning("metrics file write failed: %s", exc)
+            return MetricExportResult.FAILURE
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self.writer.close()
+
+
+def build_meter_provider(
+    resource: Resource,
+    *,
+    endpoint: str | None,
+    protocol: str,
+    headers: dict[str, str] | None = None,
+    insecure: bool | None = None,
+    timeout_s: float = 3.0,
+    interval_s: float = 10.0,
+    file_directory: Path | None = None,
+) -> MeterProvider:
+    """A ``MeterProvider`` exporting every ``interval_s`` seconds over OTLP (``endpoint`` set) or to
+    OTLP/JSON lines under ``file_directory``.
+
+    ``endpoint`` is the base endpoint: for ``http/protobuf`` ``/v1/metrics`` is appended.
+    Not installed as the global provider.
+    """
+    exporter: MetricExporter
+    if endpoint is None:
+        if file_directory is None:
+            raise ValueError("either an OTLP endpoint or a file directory is needed")
+        exporter = OtlpJsonMetricExporter(file_directory)
+    elif protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetricExporter
+
+        grpc_insecure = not endpoint.startswith("https://") if "://" in endpoint else insecure is not False
+        exporter = GrpcMetricExporter(endpoint=endpoint, insecure=grpc_insecure, headers=headers or None, timeout=timeout_s)
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
+
+        base = endpoint if "://" in endpoint else "http://" + endpoint
+        exporter = HttpMetricExporter(endpoint=base.rstrip("/") + "/v1/metrics", headers=headers or None, timeout=timeout_s)
+    reader = PeriodicExportingMetricReader(
+        exporter, export_interval_millis=interval_s * 1000, export_timeout_millis=timeout_s * 1000
+    )
+    view = View(
+        instrument_name="servewatch.detection.latency",
+        aggregation=ExplicitBucketHistogramAggregation(boundaries=DETECTION_LATENCY_BUCKETS_S),
+    )
+    return MeterProvider(resource=resource, metric_readers=[reader], views=[view], shutdown_on_exit=False)
+
+
+class Metrics:
+    """servewatch's instruments. All methods are cheap, thread-safe and never raise.
+
+    Args:
+        meter_provider: where the instruments live; ``None`` makes a no-op recorder (tests, or
+            telemetry disabled).
+    """
+
+    def __init__(self, meter_provider: MeterProvider | None) -> None:
+        self.meter_provider = meter_provider
+        self._export_sources: list[Callable[[], ExportStatistics]] = []
+        self._bus_sources: list[Callable[[], int]] = []
+        self._lock = threading.Lock()
+        if meter_provider is None:
+            self._incidents = self._actions = self._latency = None
+            return
+        meter = meter_provider.get_meter("servewatch", "0.1.0")
+        self._incidents = meter.create_counter("servewatch.incidents", unit="{incident}", description="Incidents opened, by trigger.")
+        self._actions = meter.create_counter("servewatch.actions", unit="{action}", description="Actions finished, by action and outcome.")
+        self._latency = meter.create_histogram(
+            "servewatch.detection.latency", unit="s", description="From the trigger condition starting to the incident opening."
+        )
+        meter.create_observable_counter(
+            "servewatch.export.spans", [self._observe_spans], unit="{span}", description="Spans by export outcome."
+        )
+        meter.create_observable_gauge(
+            "servewatch.export.queue.size", [self._observe_queue], unit="{span}", description="Spans waiting in memory."
+        )
+        meter.create_observable_gauge(
+            "servewatch.export.spool.size", [self._observe_spool], unit="{span}", description="Spans waiting in the spool."
+        )
+        meter.create_observable_counter(
+            "servewatch.bus.events.dropped",
+            [self._observe_bus],
+            unit="{event}",
+            description="High-rate events dropped by the bus because a subscriber was slow (reason queue_full).",
+        )
+
+    # --- recording ------------------------------------------------------------------------
+
+    def incident_opened(self, trigger: str) -> None:
+        """Count one incident (``trigger``: ``health``, ``stall``, ``exit``, ``manual``)."""
+        if self._incidents is not None:
+            self._incidents.add(1, {"servewatch.incident.trigger": trigger})
+
+    def action_done(self, action: str, outcome: str) -> None:
+        """Count one finished action (``pyspy.dump``, ``ok``/``timed_out``/...)."""
+        if self._actions is not None:
+            self._actions.add(1, {"servewatch.action": action, "servewatch.outcome": str(outcome)})
+
+    def detection_latency(self, seconds: float, *, trigger: str = "") -> None:
+        """Record how long a trigger took to be detected, in seconds."""
+        if self._latency is not None:
+            self._latency.record(max(0.0, seconds), {"servewatch.incident.trigger": trigger} if trigger else None)
+
+    def watch_export(self, statistics: Callable[[], ExportStatistics]) -> None:
+        """Report a span processor's counters (e.g. ``processor.statistics``)."""
+        with self._lock:
+            self._export_sources.append(statistics)
+
+    def watch_bus(self, dropped_events: Callable[[], int]) -> None:
+        """Report a bus's dropped-event count (e.g. ``lambda: bus.statistics().dropped``)."""
+        with self._lock:
+            self._bus_sources.append(dropped_events)
+
+    # --- callbacks (run on the metric reader's thread) ------------------------------------
+
+    def _stats(self) -> list[ExportStatistics]:
+        with self._lock:
+            sources = list(self._export_sources)
+        out = []
+        for source in sources:
+            try:
+                out.append(source())
+            except Exception:  # boundary: a callback must not break the metrics export
+                _log.exception("export statistics callback failed")
+        return out
+
+    def _observe_spans(self, options: CallbackOptions) -> Iterable[Observation]:
+        stats = self._stats()
+        for outcome in ("exported", "spooled", "replayed", "dropped", "evicted", "rejected"):
+            total = sum(getattr(s, outcome) for s in stats)
+            if outcome == "rejected":
+                total += sum(s.partially_rejected for s in stats)
+            yield Observation(total, {"servewatch.export.outcome": outcome})
+
+    def _observe_queue(self, options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(sum(s.queued for s in self._stats()))
+
+    def _observe_spool(self, options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(sum(s.spool_spans for s in self._stats()))
+
+    def _observe_bus(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            sources = list(self._bus_sources)
+        total = 0
+        for source in sources:
+            try:
+                total += int(source())
+            except Exception:  # boundary: as above
+                _log.exception("bus statistics callback failed")
+        yield Observation(total)

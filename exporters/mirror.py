@@ -1,0 +1,247 @@
+"""Mirror incident and action events from the bus as finished OTel spans.
+
+Owns :class:`SpanMirror`. It decides nothing: an ``IncidentOpened`` is remembered, each
+``ActionCompleted`` (``StacksDumped``, ``CoredumpTriggered``, ``ProfileStopped`` ...) becomes a
+child span named after ``result.action`` with the action's own start/end times, and
+``IncidentClosed`` emits the root span ``incident`` spanning open to close. Ids come from the
+events (hex, chosen by :mod:`agent.incidents` with :func:`exporters.spans.new_trace_id`), so the
+trace can be referenced before it is exported. Span links to in-flight requests are read from a
+``links`` attribute of the open/close events when present (``((trace_id_hex, span_id_hex), ...)``).
+
+Imports :mod:`agent.events`, :mod:`agent.bus` (types only) and :mod:`exporters.spans`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import Link
+
+from agent.events import ActionCompleted, Event, IncidentClosed, IncidentOpened, Outcome, now_ns
+from exporters.spans import SpanSink, build_span, link_to, new_span_id, new_trace_id, span_id_hex, trace_id_hex
+
+if TYPE_CHECKING:
+    from agent.bus import Subscription
+    from exporters.processor import ExportStatistics
+
+__all__ = ["SpanMirror", "MIRRORED_EVENTS", "INCIDENT_SPAN"]
+
+_log = logging.getLogger(__name__)
+
+#: Name of the root span of an incident trace.
+INCIDENT_SPAN = "incident"
+#: Event types to subscribe the mirror to.
+MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed)
+#: Most span links put on one root span (in-flight requests can be thousands).
+MAX_LINKS = 128
+
+
+@dataclass
+class _OpenIncident:
+    trace_id: int
+    span_id: int
+    opened: IncidentOpened
+    actions: int = 0
+    failed_actions: int = 0
+
+
+def _links(event: Event) -> list[Link]:
+    raw = getattr(event, "links", ()) or ()
+    links: list[Link] = []
+    for item in raw:
+        try:
+            trace_hex, span_hex = item[0], item[1]
+            links.append(link_to(trace_hex, span_hex))
+        except (TypeError, ValueError, IndexError):
+            _log.debug("ignoring malformed span link %r", item)
+    return links
+
+
+def _hex_or_new(value: str, width: int) -> int | None:
+    if value and len(value) == width:
+        try:
+            parsed = int(value, 16)
+        except ValueError:
+            return None
+        return parsed or None
+    return None
+
+
+class SpanMirror:
+    """Turns incident/action events into spans on ``sink``.
+
+    Args:
+        sink: where finished spans go (``Telemetry.sink``); its ``resource`` is used.
+        host_name: ``host.name`` put on the incident root span.
+        export_statistics: optional ``processor.statistics``; when given, the root span carries
+            ``servewatch.export.spans_lost`` (dropped + evicted + rejected so far), so a lossy
+            pipeline shows up in the trace itself.
+    """
+
+    def __init__(
+        self,
+        sink: SpanSink,
+        *,
+        host_name: str,
+        export_statistics: Callable[[], ExportStatistics] | None = None,
+    ) -> None:
+        self.sink = sink
+        self.host_name = host_name
+        self._export_statistics = export_statistics
+        self._open: dict[str, _OpenIncident] = {}
+        #: spans emitted
+        self.emitted = 0
+        #: action events for an incident the mirror never saw open (mirrored in their own trace)
+        self.orphans = 0
+
+    @property
+    def open_incidents(self) -> tuple[str, ...]:
+        return tuple(self._open)
+
+    def root_ids(self, incident_id: str) -> tuple[str, str] | None:
+        """(trace_id hex, span_id hex) of an open incident's root span."""
+        inc = self._open.get(incident_id)
+        return (trace_id_hex(inc.trace_id), span_id_hex(inc.span_id)) if inc else None
+
+    def handle(self, event: Event) -> None:
+        """Mirror one event. Never raises (a bad event is logged and skipped)."""
+        try:
+            if isinstance(event, IncidentOpened):
+                self._opened(event)
+            elif isinstance(event, ActionCompleted):
+                self._action(event)
+            elif isinstance(event, IncidentClosed):
+                self._closed(event)
+        except Exception:  # boundary: the mirror must never take the agent down
+            _log.exception("could not mirror %s", type(event).__name__)
+
+    async def run(self, subscription: Subscription | Iterable[Event]) -> None:
+        """Consume events until the subscription ends, then emit roots of incidents left open."""
+        try:
+            async for event in subscription:  # type: ignore[union-attr]
+                self.handle(event)
+        finally:
+            self.close_open(reason="agent stopped")
+
+    def close_open(self, *, reason: str, time_unix_nano: int | None = None) -> int:
+        """Emit the root span of every incident still open (agent exiting mid-incident).
+
+        Returns:
+            How many roots were emitted.
+        """
+        end = time_unix_nano or now_ns()
+        count = 0
+        for incident_id in list(self._open):
+            inc = self._open.pop(incident_id)
+            self._emit_root(inc, end_time_unix_nano=end, closed=None, unclosed_reason=reason)
+            count += 1
+        return count
+
+    # --- per event ------------------------------------------------------------------------
+
+    def _opened(self, event: IncidentOpened) -> None:
+        trace_id = _hex_or_new(event.trace_id, 32) or new_trace_id()
+        span_id = _hex_or_new(event.span_id, 16) or new_span_id()
+        self._open[event.incident_id] = _OpenIncident(trace_id, span_id, event)
+
+    def _action(self, event: ActionCompleted) -> None:
+        result = event.result
+        inc = self._open.get(event.incident_id)
+        if inc is None:
+            self.orphans += 1
+            trace_id, parent = new_trace_id(), None
+        else:
+            trace_id, parent = inc.trace_id, inc.span_id
+            inc.actions += 1
+            if result.outcome is not Outcome.OK:
+                inc.failed_actions += 1
+        attributes: dict[str, object] = dict(result.attributes)
+        attributes["servewatch.incident.id"] = event.incident_id
+        attributes["servewatch.outcome"] = str(result.outcome)
+        attributes["servewatch.retryable"] = result.retryable
+        if result.pid is not None:
+            attributes["process.pid"] = result.pid
+        if result.detail:
+            attributes["servewatch.detail"] = result.detail
+        if result.artifact_paths:
+            attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
+        start = result.start_time_unix_nano or event.time_unix_nano
+        end = result.end_time_unix_nano or event.time_unix_nano
+        ok = result.outcome is Outcome.OK
+        self._emit(
+            build_span(
+                result.action,
+                trace_id=trace_id,
+                parent_span_id=parent,
+                start_time_unix_nano=start,
+                end_time_unix_nano=end,
+                attributes=attributes,
+                error=None if ok else (result.detail or str(result.outcome)),
+                ok=ok,
+                resource=self.sink.resource,
+            )
+        )
+
+    def _closed(self, event: IncidentClosed) -> None:
+        inc = self._open.pop(event.incident_id, None)
+        if inc is None:
+            # Never saw it open (mirror started late): still emit a root, from the close alone.
+            opened = IncidentOpened(
+                incident_id=event.incident_id, trigger=event.trigger, time_unix_nano=event.time_unix_nano, bundle_dir=event.bundle_dir
+            )
+            inc = _OpenIncident(new_trace_id(), new_span_id(), opened)
+        self._emit_root(inc, end_time_unix_nano=event.time_unix_nano, closed=event, unclosed_reason="")
+
+    def _emit_root(
+        self, inc: _OpenIncident, *, end_time_unix_nano: int, closed: IncidentClosed | None, unclosed_reason: str
+    ) -> None:
+        opened = inc.opened
+        attributes: dict[str, object] = {
+            "servewatch.incident.id": opened.incident_id,
+            "servewatch.incident.trigger": opened.trigger,
+            "host.name": self.host_name,
+            "servewatch.target.pids": tuple(int(p) for p in opened.pids),
+            "servewatch.incident.actions": inc.actions,
+            "servewatch.incident.failed_actions": inc.failed_actions,
+        }
+        if opened.detail:
+            attributes["servewatch.incident.detail"] = opened.detail
+        bundle_dir = closed.bundle_dir if closed is not None and closed.bundle_dir else opened.bundle_dir
+        if bundle_dir:
+            attributes["servewatch.bundle.dir"] = bundle_dir
+        if closed is not None:
+            if closed.manifest_path:
+                attributes["servewatch.manifest.path"] = closed.manifest_path
+            if closed.outcomes:
+                attributes["servewatch.incident.outcomes"] = tuple(f"{a}={o}" for a, o in closed.outcomes)
+        else:
+            attributes["servewatch.incident.unclosed"] = unclosed_reason
+        if self._export_statistics is not None:
+            try:
+                attributes["servewatch.export.spans_lost"] = self._export_statistics().lost
+            except Exception:  # boundary: statistics are a nicety
+                _log.exception("export statistics unavailable")
+        links = _links(opened) + (_links(closed) if closed is not None else [])
+        if len(links) > MAX_LINKS:
+            attributes["servewatch.links.dropped"] = len(links) - MAX_LINKS
+            links = links[:MAX_LINKS]
+        self._emit(
+            build_span(
+                INCIDENT_SPAN,
+                trace_id=inc.trace_id,
+                span_id=inc.span_id,
+                start_time_unix_nano=opened.time_unix_nano,
+                end_time_unix_nano=end_time_unix_nano,
+                attributes=attributes,
+                links=links,
+                resource=self.sink.resource,
+            )
+        )
+
+    def _emit(self, span: ReadableSpan) -> None:
+        self.sink.emit(span)
+        self.emitted += 1

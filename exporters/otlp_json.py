@@ -1,0 +1,228 @@
+"""OTLP/JSON encoding and the JSON-lines span files (the collector's file format).
+
+Owns the OTLP/JSON mapping of ``ExportTraceServiceRequest`` / ``ExportMetricsServiceRequest``,
+:func:`read_otlp_json_lines` and :class:`RotatingJsonLinesWriter`.
+
+Per the OTLP/JSON rules in the OTLP specification: keys are lowerCamelCase, enum values are
+integers, 64-bit integers (timestamps, ``intValue``) are decimal strings, and ``traceId`` /
+``spanId`` / ``parentSpanId`` are lowercase HEX, not base64. protobuf's ``json_format`` gets
+everything right except the ids, which it would base64 — so ids are rewritten both ways here.
+One request per line is what the collector's ``otlpjsonfile`` receiver reads.
+
+Imports protobuf and opentelemetry-proto only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+__all__ = [
+    "ID_KEYS",
+    "message_to_json",
+    "message_from_json",
+    "request_to_json",
+    "request_from_json",
+    "read_otlp_json_lines",
+    "iter_span_files",
+    "RotatingJsonLinesWriter",
+]
+
+M = TypeVar("M", bound=Message)
+
+#: JSON keys whose bytes value is an id (hex in OTLP/JSON).
+ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
+
+
+def _ids_to_hex(node: Any) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ID_KEYS and isinstance(value, str):
+                node[key] = base64.b64decode(value).hex()
+            elif isinstance(value, (dict, list)):
+                _ids_to_hex(value)
+    elif isinstance(node, list):
+        for item in node:
+            if isinstance(item, (dict, list)):
+                _ids_to_hex(item)
+
+
+def _ids_to_base64(node: Any) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ID_KEYS and isinstance(value, str):
+                try:
+                    raw = bytes.fromhex(value)
+                except ValueError as exc:
+                    raise ValueError(f"{key} {value!r} is not hex (OTLP/JSON ids are hex)") from exc
+                node[key] = base64.b64encode(raw).decode("ascii")
+            elif isinstance(value, (dict, list)):
+                _ids_to_base64(value)
+    elif isinstance(node, list):
+        for item in node:
+            if isinstance(item, (dict, list)):
+                _ids_to_base64(item)
+
+
+def message_to_json(message: Message) -> str:
+    """One OTLP message as a single OTLP/JSON line (no trailing newline)."""
+    tree = json_format.MessageToDict(message, use_integers_for_enums=True)
+    _ids_to_hex(tree)
+    return json.dumps(tree, separators=(",", ":"))
+
+
+def message_from_json(line: str | bytes, message_type: type[M]) -> M:
+    """Parse one OTLP/JSON line into ``message_type`` (unknown fields ignored, as the spec asks).
+
+    Raises:
+        ValueError: not JSON, not OTLP, or an id that is not hex.
+    """
+    try:
+        tree = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    _ids_to_base64(tree)
+    message = message_type()
+    try:
+        json_format.ParseDict(tree, message, ignore_unknown_fields=True)
+    except (json_format.ParseError, binascii.Error) as exc:
+        raise ValueError(f"not an OTLP/JSON {message_type.__name__}: {exc}") from exc
+    return message
+
+
+def request_to_json(request: ExportTraceServiceRequest) -> str:
+    """An ``ExportTraceServiceRequest`` as one OTLP/JSON line."""
+    return message_to_json(request)
+
+
+def request_from_json(line: str | bytes) -> ExportTraceServiceRequest:
+    """Inverse of :func:`request_to_json`. Raises ``ValueError`` on malformed input."""
+    return message_from_json(line, ExportTraceServiceRequest)
+
+
+def read_otlp_json_lines(path: str | os.PathLike[str]) -> Iterator[ExportTraceServiceRequest]:
+    """Yield each trace request of an OTLP/JSON lines file, in file order.
+
+    Blank lines are skipped; a truncated last line (a writer killed mid-line) is skipped too.
+
+    Raises:
+        ValueError: a line that is not an OTLP/JSON trace request (other than a truncated last one).
+    """
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    last = len(lines) - 1
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield request_from_json(line)
+        except ValueError as exc:
+            if number == last:  # no trailing newline: an interrupted write
+                return
+            raise ValueError(f"{path}:{number + 1}: {exc}") from exc
+
+
+def iter_span_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
+    """Expand files and folders into OTLP/JSON lines files (``*.jsonl``, ``*.json``), sorted by name
+    within a folder (spool and rotated files are named so that name order is write order)."""
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = [p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".json")]
+            yield from sorted(found, key=lambda p: (str(p.parent), p.name))
+        else:
+            yield path
+
+
+class RotatingJsonLinesWriter:
+    """Appends OTLP/JSON lines to ``<directory>/<prefix>-<start>-<pid>-<seq>.jsonl``, rotating by size.
+
+    Args:
+        directory: created when missing.
+        prefix: file name prefix (``spans``, ``metrics``).
+        max_file_bytes: start a new file when the next line would pass this size.
+        max_files: keep at most this many of *this writer's* files; older ones are deleted and
+            counted in :attr:`evicted_files` / :attr:`evicted_spans` (0 keeps everything).
+    """
+
+    def __init__(self, directory: Path, *, prefix: str, max_file_bytes: int, max_files: int) -> None:
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self.max_file_bytes = max_file_bytes
+        self.max_files = max_files
+        self._lock = threading.Lock()
+        self._stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self._seq = 0
+        self._fh: Any = None
+        self._size_bytes = 0
+        self._files: list[tuple[Path, int]] = []  # (path, items) oldest first
+        #: files deleted because of ``max_files``
+        self.evicted_files = 0
+        #: items (spans) in those files
+        self.evicted_spans = 0
+        #: lines written
+        self.lines_written = 0
+
+    @property
+    def current_path(self) -> Path | None:
+        return self._files[-1][0] if self._files else None
+
+    def _open_next(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._seq += 1
+        path = self.directory / f"{self.prefix}-{self._stamp}-{os.getpid()}-{self._seq:06d}.jsonl"
+        self._fh = open(path, "ab")
+        self._size_bytes = self._fh.tell()
+        self._files.append((path, 0))
+        while self.max_files and len(self._files) > self.max_files:
+            old, items = self._files.pop(0)
+            try:
+                old.unlink()
+            except FileNotFoundError:
+                pass
+            self.evicted_files += 1
+            self.evicted_spans += items
+
+    def write_line(self, line: str, items: int = 0) -> Path:
+        """Append one line (newline added) and flush it to the OS.
+
+        Args:
+            line: one OTLP/JSON document without newline.
+            items: spans (or data points) in it, for eviction counts.
+
+        Returns:
+            The file written.
+
+        Raises:
+            OSError: the write failed (disk full, permissions).
+        """
+        data = line.encode("utf-8") + b"\n"
+        with self._lock:
+            if self._fh is None or (self._size_bytes and self._size_bytes + len(data) > self.max_file_bytes):
+                self._open_next()
+            self._fh.write(data)
+            self._fh.flush()
+            self._size_bytes += len(data)
+            path, count = self._files[-1]
+            self._files[-1] = (path, count + items)
+            self.lines_written += 1
+            return path
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None

@@ -1,0 +1,430 @@
+"""The lossless, bounded span processor.
+
+Owns :class:`LosslessSpanProcessor` and :class:`ExportStatistics`.
+
+What it guarantees, where the SDK's ``BatchSpanProcessor`` does not (per FIELD-NOTES: its 2048
+queue drops the OLDEST spans with one warning and no count, ``force_flush`` ignores its timeout and
+reports success on failure, and shutdown with the collector down blocks ~30 s delivering nothing):
+
+* ``on_end`` never blocks and never raises: one ``deque.append``. The queue holds
+  ``max_queue_spans`` (64k by default, a burst of every TP rank dumping plus thousands of request
+  spans); past that, new spans are dropped and *counted* (``dropped``), never silently.
+* One worker thread encodes batches and sends each with ONE attempt bounded by
+  ``export_timeout_s``. A batch that fails goes to the :class:`~exporters.spool.Spool`. While the
+  spool holds anything, fresh batches queue behind it (disk order = span order) and the head is
+  replayed after a jittered exponential backoff, oldest first, removed only once delivered: every
+  span arrives exactly once, with its original ids and times.
+* ``force_flush`` and ``shutdown`` are bounded by OUR deadline. At the deadline whatever is not
+  delivered is written to the spool (a local write) and the worker is abandoned; the next run
+  replays the spool. The one case that can duplicate: a network send still in flight when the
+  deadline passes that completes afterwards (gRPC calls are cancelled, so only HTTP can).
+* A batch the collector refuses permanently (gRPC INVALID_ARGUMENT, HTTP 400...) is kept under
+  ``spool/rejected/`` and counted, never retried in a loop.
+
+Imports opentelemetry-sdk, :mod:`exporters.transport`, :mod:`exporters.spool`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from typing import NamedTuple
+
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+
+from exporters.spool import Spool
+from exporters.transport import Delivery, RequestSender, SendResult
+
+__all__ = ["ExportStatistics", "LosslessSpanProcessor"]
+
+_log = logging.getLogger(__name__)
+
+#: Below this much time left before the shutdown deadline, stop sending and spool the rest, in seconds.
+_SPOOL_ONLY_MARGIN_S = 0.1
+#: How long shutdown waits for an aborted send to return before spooling its batch itself, in seconds.
+_ABORT_GRACE_S = 0.2
+
+
+class ExportStatistics(NamedTuple):
+    """Span counters of a :class:`LosslessSpanProcessor` since it started.
+
+    Every span handed to ``on_end`` ends in exactly one of: ``queued`` (still in memory),
+    ``exported``, ``spool_spans`` (on disk, waiting), ``replayed``, ``dropped``, ``evicted``,
+    ``rejected``, or ``partially_rejected``.
+    """
+
+    #: spans in the in-memory queue now
+    queued: int
+    #: spans delivered on their first attempt
+    exported: int
+    #: spans written to the spool (failed export, outage, or shutdown deadline)
+    spooled: int
+    #: spooled spans delivered later
+    replayed: int
+    #: spans lost before reaching the spool: queue full, after shutdown, or the spool write failed
+    dropped: int
+    #: spooled spans deleted unsent because the spool reached its size cap (oldest first)
+    evicted: int
+    #: spans in batches the collector refused permanently (kept under ``spool/rejected/``)
+    rejected: int
+    #: spans the collector accepted but reported as rejected (OTLP partial success)
+    partially_rejected: int
+    #: spans on disk in the spool waiting for replay now
+    spool_spans: int
+    #: send attempts that failed
+    export_failures: int
+
+    @property
+    def lost(self) -> int:
+        """Spans that will never be delivered automatically."""
+        return self.dropped + self.evicted + self.rejected + self.partially_rejected
+
+
+class _Inflight(NamedTuple):
+    replay: bool
+    request: ExportTraceServiceRequest
+    spans: int
+
+
+class LosslessSpanProcessor(SpanProcessor):
+    """OTel ``SpanProcessor`` that never blocks the caller and never loses a span silently.
+
+    Args:
+        sender: where batches go (gRPC, HTTP or file; see :mod:`exporters.transport`).
+        spool: where failed batches wait; ``None`` (the embedded file default: same disk) drops
+            and counts a failed batch instead.
+        max_queue_spans: in-memory queue capacity, in spans.
+        max_batch_spans: spans per export request.
+        schedule_delay_s: longest a span waits in the queue before a partial batch is sent, seconds.
+        export_timeout_s: bound on one send attempt, seconds (also capped by the shutdown deadline).
+        retry_initial_backoff_s / retry_max_backoff_s: replay backoff after a failure, doubling,
+            +-20% jitter, seconds.
+        shutdown_timeout_s: default deadline of :meth:`shutdown`, seconds.
+    """
+
+    def __init__(
+        self,
+        sender: RequestSender,
+        *,
+        spool: Spool | None = None,
+        max_queue_spans: int = 65536,
+        max_batch_spans: int = 512,
+        schedule_delay_s: float = 0.5,
+        export_timeout_s: float = 3.0,
+        retry_initial_backoff_s: float = 0.25,
+        retry_max_backoff_s: float = 5.0,
+        shutdown_timeout_s: float = 3.0,
+        name: str = "servewatch-export",
+    ) -> None:
+        if max_queue_spans < 1 or max_batch_spans < 1:
+            raise ValueError("max_queue_spans and max_batch_spans must be >= 1")
+        self.sender = sender
+        self.spool = spool
+        self._max_queue = max_queue_spans
+        self._batch = max_batch_spans
+        self._delay_s = schedule_delay_s
+        self._timeout_s = export_timeout_s
+        self._backoff_initial_s = retry_initial_backoff_s
+        self._backoff_max_s = retry_max_backoff_s
+        self._shutdown_timeout_s = shutdown_timeout_s
+
+        self._queue: deque[ReadableSpan] = deque()
+        self._wakeup = threading.Event()
+        self._cv = threading.Condition()  # guards _taken/_settled/_flush_target and the counters
+        self._state = threading.Lock()  # guards _inflight/_abandoned
+        self._taken = 0
+        self._settled = 0
+        self._flush_target = 0
+        self._exported = 0
+        self._spooled = 0
+        self._replayed = 0
+        self._dropped = 0
+        self._rejected = 0
+        self._partial = 0
+        self._failures = 0
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._closed = False
+        self._stopping = False
+        self._abandoned = False
+        self._deadline = 0.0
+        self._inflight: _Inflight | None = None
+        self._last_detail = ""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # --- the caller's side (any thread) ---------------------------------------------------
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        """Queue a finished span. O(1), never blocks, never raises."""
+        queue = self._queue
+        if self._closed or len(queue) >= self._max_queue:
+            with self._cv:
+                self._dropped += 1
+            return
+        queue.append(span)
+        if len(queue) >= self._batch and not self._wakeup.is_set():
+            self._wakeup.set()
+
+    def statistics(self) -> ExportStatistics:
+        """A consistent snapshot of the counters."""
+        spool = self.spool.statistics() if self.spool is not None else None
+        with self._cv:
+            return ExportStatistics(
+                queued=len(self._queue),
+                exported=self._exported,
+                spooled=self._spooled,
+                replayed=self._replayed,
+                dropped=self._dropped,
+                evicted=spool.evicted_spans if spool else 0,
+                rejected=self._rejected + (spool.rejected_spans if spool else 0),
+                partially_rejected=self._partial,
+                spool_spans=spool.spans if spool else 0,
+                export_failures=self._failures,
+            )
+
+    @property
+    def last_error(self) -> str:
+        """One line on the last failed send (``""`` when none)."""
+        return self._last_detail
+
+    def flush(self, timeout_s: float) -> bool:
+        """Hand every span queued so far to the collector or the spool, within ``timeout_s``.
+
+        Returns:
+            ``True`` only when all of them were delivered to the collector and the spool is
+            empty; ``False`` when any are spooled or the deadline passed (nothing is lost).
+        """
+        if self._closed:
+            return self.spool is None or len(self.spool) == 0
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cv:
+            target = self._taken + len(self._queue)
+            self._flush_target = max(self._flush_target, target)
+            self._wakeup.set()
+            while self._settled < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+        return self.spool is None or len(self.spool) == 0
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """SDK entry point; see :meth:`flush` (here the timeout is honoured)."""
+        return self.flush(timeout_millis / 1000)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop: deliver what fits before the deadline, spool the rest, release the sender.
+
+        Bounded by ``timeout_s`` (default ``shutdown_timeout_s``) plus a short local write of
+        what is left. Safe to call twice.
+        """
+        if self._closed:
+            return
+        budget_s = self._shutdown_timeout_s if timeout_s is None else timeout_s
+        self._deadline = time.monotonic() + max(0.0, budget_s)
+        self._closed = True
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self.sender.abort()
+            self._thread.join(_ABORT_GRACE_S)
+        if self._thread.is_alive():
+            with self._state:
+                self._abandoned = True
+                inflight = self._inflight
+            _log.warning("export worker did not finish by the shutdown deadline; spooling what is left")
+            if inflight is not None and not inflight.replay:
+                self._to_spool(inflight.request, inflight.spans)
+        self._spool_queue()
+        self.sender.close()
+        if self.spool is not None:
+            self.spool.close()
+
+    # --- the worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+            self._drain_on_stop()
+        except Exception:  # boundary: the worker must not die silently; shutdown spools the queue
+            _log.exception("export worker failed")
+
+    def _flush_pending(self) -> bool:
+        return self._flush_target > self._settled
+
+    def _loop(self) -> None:
+        queue = self._queue
+        last_send = time.monotonic()
+        while not self._stopping:
+            now = time.monotonic()
+            spool = self.spool
+            if spool is not None and len(spool):
+                if now >= self._retry_at:
+                    self._replay_head()
+                    if len(queue) >= self._batch or (queue and self._flush_pending()):
+                        self._ship(self._take())
+                    continue
+                # Outage: keep new spans behind the spool, moving full batches to disk.
+                if len(queue) >= self._batch or (queue and (self._flush_pending() or now - last_send >= self._delay_s)):
+                    last_send = now
+                    self._ship(self._take())
+                    continue
+                self._wait(min(self._retry_at - now, self._delay_s))
+                continue
+            if len(queue) >= self._batch or (queue and (self._flush_pending() or now - last_send >= self._delay_s)):
+                last_send = now
+                self._ship(self._take())
+                continue
+            self._wait(self._delay_s - (now - last_send) if queue else self._delay_s)
+
+    def _wait(self, timeout_s: float) -> None:
+        self._wakeup.clear()
+        queue = self._queue
+        if self._stopping or len(queue) >= self._batch or (queue and self._flush_pending()):
+            return
+        self._wakeup.wait(max(0.001, timeout_s))
+
+    def _take(self) -> list[ReadableSpan]:
+        queue = self._queue
+        batch: list[ReadableSpan] = []
+        with self._cv:
+            for _ in range(min(self._batch, len(queue))):
+                batch.append(queue.popleft())
+            self._taken += len(batch)
+        return batch
+
+    def _settle(self, spans: int, *, exported: int = 0, spooled: int = 0, dropped: int = 0) -> None:
+        with self._cv:
+            self._settled += spans
+            self._exported += exported
+            self._spooled += spooled
+            self._dropped += dropped
+            self._cv.notify_all()
+
+    def _ship(self, batch: list[ReadableSpan]) -> None:
+        """Send one fresh batch, or spool it when the spool is busy or we are backing off."""
+        if not batch:
+            return
+        count = len(batch)
+        request = encode_spans(batch)
+        spool = self.spool
+        if spool is not None and (len(spool) or time.monotonic() < self._retry_at or self._spool_only()):
+            self._to_spool(request, count)
+            return
+        result = self._send(request, count, replay=False)
+        if result.ok:
+            self._succeeded()
+            with self._cv:
+                self._partial += result.rejected_spans
+            self._settle(count, exported=count - result.rejected_spans)
+        elif result.delivery is Delivery.PERMANENT:
+            self._reject(request, count, result)
+        else:
+            self._failed(result)
+            self._to_spool(request, count)
+
+    def _replay_head(self) -> None:
+        spool = self.spool
+        assert spool is not None
+        entry = spool.head()
+        if entry is None:
+            return
+        request = spool.load(entry)
+        if request is None:
+            return
+        result = self._send(request, entry.spans, replay=True)
+        if result.ok:
+            self._succeeded()
+            spool.remove(entry)
+            with self._cv:
+                self._replayed += entry.spans - result.rejected_spans
+                self._partial += result.rejected_spans
+        elif result.delivery is Delivery.PERMANENT:
+            self._last_detail = result.detail
+            spool.reject(entry)
+        else:
+            self._failed(result)
+
+    def _send(self, request: ExportTraceServiceRequest, spans: int, *, replay: bool) -> SendResult:
+        with self._state:
+            if self._abandoned:
+                return SendResult(Delivery.RETRYABLE, "shutdown deadline passed")
+            self._inflight = _Inflight(replay, request, spans)
+        timeout_s = self._timeout_s
+        if self._stopping:
+            timeout_s = min(timeout_s, max(0.01, self._deadline - time.monotonic() - _SPOOL_ONLY_MARGIN_S))
+        try:
+            return self.sender.send(request, timeout_s=timeout_s)
+        finally:
+            with self._state:
+                self._inflight = None
+
+    def _succeeded(self) -> None:
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+
+    def _failed(self, result: SendResult) -> None:
+        with self._cv:
+            self._failures += 1
+        if result.detail != self._last_detail:
+            _log.warning("export to %s failed (%s); spooling and retrying", self.sender.target, result.detail)
+        self._last_detail = result.detail
+        self._backoff_s = min(self._backoff_max_s, self._backoff_s * 2 if self._backoff_s else self._backoff_initial_s)
+        self._retry_at = time.monotonic() + self._backoff_s * random.uniform(0.8, 1.2)
+
+    def _reject(self, request: ExportTraceServiceRequest, spans: int, result: SendResult) -> None:
+        with self._cv:
+            self._failures += 1
+        self._last_detail = result.detail
+        _log.warning("collector %s refused %d spans permanently (%s)", self.sender.target, spans, result.detail)
+        if self.spool is not None:
+            try:
+                self.spool.add_rejected(request, spans)
+            except OSError:
+                self._settle(spans, dropped=spans)
+                return
+            self._settle(spans)
+        else:
+            with self._cv:
+                self._rejected += spans
+            self._settle(spans)
+
+    def _to_spool(self, request: ExportTraceServiceRequest, spans: int) -> None:
+        if self.spool is None:
+            self._settle(spans, dropped=spans)
+            return
+        try:
+            self.spool.append(request, spans)
+        except OSError as exc:
+            _log.error("spool write failed (%s); %d spans lost", exc, spans)
+            self._settle(spans, dropped=spans)
+            return
+        self._settle(spans, spooled=spans)
+
+    def _spool_only(self) -> bool:
+        return self._stopping and self._deadline - time.monotonic() < _SPOOL_ONLY_MARGIN_S
+
+    def _drain_on_stop(self) -> None:
+        while self._queue:
+            with self._state:
+                if self._abandoned:
+                    return
+            self._ship(self._take())
+
+    def _spool_queue(self) -> None:
+        """After the worker ended or was abandoned: everything still queued goes to the spool."""
+        while self._queue:
+            batch = self._take()
+            if batch:
+                self._to_spool(encode_spans(batch), len(batch))

@@ -1,0 +1,144 @@
+"""Replay OTLP/JSON lines files (spool or embedded default) to a collector.
+
+Owns :func:`replay` and :class:`ReplayResult`, behind ``servewatch export --to ENDPOINT [PATHS]``.
+Each line is sent as the same ``ExportTraceServiceRequest`` it was written as, so spans keep their
+trace/span ids and times. Files are sent in name order (spool and rotated file names sort in write
+order). One deadline per request, jittered exponential backoff between attempts; when the
+collector stays unreachable the rest is counted failed without waiting on each request.
+
+Imports :mod:`exporters.otlp_json` and :mod:`exporters.transport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from exporters.otlp_json import iter_span_files, read_otlp_json_lines
+from exporters.transport import Delivery, RequestSender, SendResult, make_sender, span_count
+
+__all__ = ["ReplayResult", "replay"]
+
+_log = logging.getLogger(__name__)
+
+
+class ReplayResult(NamedTuple):
+    """What :func:`replay` did."""
+
+    #: spans the collector accepted
+    sent: int
+    #: spans not delivered (collector unreachable or refusing, or unreadable lines' spans unknown)
+    failed: int
+    #: files read
+    files: int
+    #: files skipped because a line in them is not an OTLP/JSON trace request
+    bad_files: int = 0
+    #: files deleted after every span in them was delivered (``remove_sent=True``)
+    removed: int = 0
+    #: last failure, one line (``""`` when none)
+    detail: str = ""
+
+
+def _send_with_retry(sender: RequestSender, request: object, *, timeout_s: float, attempts: int) -> SendResult:
+    delay_s = 0.2
+    result = SendResult(Delivery.RETRYABLE, "not sent")
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(attempts):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        result = sender.send(request, timeout_s=remaining)  # type: ignore[arg-type]
+        if result.delivery is not Delivery.RETRYABLE or attempt == attempts - 1:
+            return result
+        pause = delay_s * random.uniform(0.8, 1.2)
+        if time.monotonic() + pause >= deadline:
+            break
+        time.sleep(pause)
+        delay_s *= 2
+    return result
+
+
+def replay(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    endpoint: str,
+    protocol: str = "grpc",
+    timeout_s: float = 10.0,
+    headers: dict[str, str] | None = None,
+    insecure: bool | None = None,
+    attempts: int = 3,
+    remove_sent: bool = False,
+    sender: RequestSender | None = None,
+) -> ReplayResult:
+    """Send every span in ``paths`` (files or folders of ``*.jsonl``) to an OTLP collector.
+
+    Args:
+        paths: OTLP/JSON lines files, or folders searched recursively (``metrics-*`` files and
+            ``.tmp`` leftovers are skipped).
+        endpoint: collector endpoint (``http://host:4317`` for gRPC, ``http://host:4318`` for HTTP,
+            to which ``/v1/traces`` is appended).
+        protocol: ``grpc`` or ``http/protobuf``.
+        timeout_s: bound on each request, retries included, seconds.
+        headers: request headers / gRPC metadata.
+        insecure: plaintext for an endpoint without scheme.
+        attempts: tries per request on retryable failures.
+        remove_sent: delete a file once all its spans were delivered.
+        sender: use this sender instead of building one (tests).
+
+    Returns:
+        Counts of spans sent and failed, files read. Never raises for collector failures.
+
+    Raises:
+        ValueError: unknown protocol.
+        FileNotFoundError: a path that does not exist.
+    """
+    own_sender = sender is None
+    if sender is None:
+        sender = make_sender(endpoint, protocol, headers=headers, insecure=insecure)
+    sent = failed = files = bad = removed = 0
+    detail = ""
+    unreachable = False
+    try:
+        for path in iter_span_files(paths):
+            if path.name.startswith("metrics-"):
+                continue
+            if not path.exists():
+                raise FileNotFoundError(f"no such file: {path}")
+            files += 1
+            file_failed = False
+            try:
+                requests = list(read_otlp_json_lines(path))
+            except ValueError as exc:
+                bad += 1
+                detail = str(exc)
+                _log.warning("skipping %s: %s", path, exc)
+                continue
+            for request in requests:
+                spans = span_count(request)
+                if spans == 0:
+                    continue
+                if unreachable:
+                    failed += spans
+                    file_failed = True
+                    continue
+                result = _send_with_retry(sender, request, timeout_s=timeout_s, attempts=attempts)
+                if result.ok:
+                    sent += spans - result.rejected_spans
+                    failed += result.rejected_spans
+                else:
+                    failed += spans
+                    file_failed = True
+                    detail = f"{path.name}: {result.detail}"
+                    unreachable = result.delivery is Delivery.RETRYABLE
+            if remove_sent and not file_failed:
+                Path(path).unlink(missing_ok=True)
+                removed += 1
+    finally:
+        if own_sender:
+            sender.close()
+    return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail)

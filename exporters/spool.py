@@ -1,0 +1,266 @@
+"""The local spool: batches the collector did not take, kept on disk until it does.
+
+Owns :class:`Spool`. One failed batch is one file ``<seq:016d>-<spans>.jsonl`` holding one
+OTLP/JSON ``ExportTraceServiceRequest`` line (the format of the embedded default files, so
+``servewatch export`` and the collector's ``otlpjsonfile`` receiver can read a spool as is).
+File-name order is write order; replay takes the head, and only removes it once it is delivered,
+so every span leaves exactly once with its original ids and times. The spool is capped in bytes:
+the OLDEST files are evicted first and their spans counted. Batches the collector refused
+permanently go to ``rejected/`` (kept, counted, never retried automatically).
+
+A spool directory is owned by one process at a time (``flock`` on ``.lock``); a second agent on
+the same data dir gets ``<directory>/pid-<pid>/`` instead.
+
+Imports :mod:`exporters.otlp_json` and opentelemetry-proto only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from collections import deque
+from pathlib import Path
+from typing import NamedTuple
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from exporters.otlp_json import read_otlp_json_lines, request_to_json
+
+__all__ = ["Spool", "SpoolEntry", "SpoolStatistics"]
+
+_log = logging.getLogger(__name__)
+
+
+class SpoolEntry(NamedTuple):
+    """One spooled batch."""
+
+    #: write order, unique within the spool directory
+    seq: int
+    #: the file holding it
+    path: Path
+    #: spans in the batch
+    spans: int
+    #: file size
+    size_bytes: int
+
+
+class SpoolStatistics(NamedTuple):
+    """Spool counters since it was opened (``files``/``spans``/``size_bytes`` are current)."""
+
+    #: batch files waiting for replay now
+    files: int
+    #: spans waiting for replay now
+    spans: int
+    #: bytes on disk now
+    size_bytes: int
+    #: spans written to the spool since open
+    written_spans: int
+    #: spans removed after delivery since open
+    delivered_spans: int
+    #: spans deleted unsent because the spool hit ``max_bytes`` (oldest first)
+    evicted_spans: int
+    #: spans moved to ``rejected/`` (the collector refused them permanently)
+    rejected_spans: int
+    #: spans found on disk from an earlier run when opened
+    recovered_spans: int
+
+
+def _parse_name(path: Path) -> tuple[int, int] | None:
+    stem = path.name.removesuffix(".jsonl")
+    seq, _, spans = stem.partition("-")
+    if not (seq.isdigit() and spans.isdigit()) or not path.name.endswith(".jsonl"):
+        return None
+    return int(seq), int(spans)
+
+
+class Spool:
+    """Size-capped FIFO of failed export batches on disk. Thread-safe.
+
+    Args:
+        directory: the spool folder (created); batches left there by an earlier run are recovered
+            and replayed first.
+        max_bytes: cap on the bytes the spool holds; the oldest batches are evicted to stay under it.
+    """
+
+    def __init__(self, directory: Path, *, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"spool max_bytes must be > 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.directory = self._claim(Path(directory))
+        self._lock = threading.Lock()
+        self._entries: deque[SpoolEntry] = deque()
+        self._size_bytes = 0
+        self._spans = 0
+        self._written = 0
+        self._delivered = 0
+        self._evicted = 0
+        self._rejected = 0
+        found = []
+        for path in self.directory.glob("*.jsonl"):
+            parsed = _parse_name(path)
+            if parsed is not None:
+                found.append(SpoolEntry(parsed[0], path, parsed[1], path.stat().st_size))
+        for entry in sorted(found):
+            self._entries.append(entry)
+            self._size_bytes += entry.size_bytes
+            self._spans += entry.spans
+        self._recovered = self._spans
+        self._next_seq = (self._entries[-1].seq + 1) if self._entries else 1
+
+    def _claim(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        for candidate in (directory, directory / f"pid-{os.getpid()}"):
+            candidate.mkdir(parents=True, exist_ok=True)
+            fd = os.open(candidate / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._lock_fd = fd
+            return candidate
+        raise OSError(f"spool {directory} is locked by another process")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pending_spans(self) -> int:
+        """Spans waiting for replay."""
+        return self._spans
+
+    def append(self, request: ExportTraceServiceRequest, spans: int) -> int:
+        """Write one batch at the tail, evicting the oldest batches past ``max_bytes``.
+
+        Args:
+            request: the encoded batch.
+            spans: spans in it.
+
+        Returns:
+            Spans evicted to make room (the new batch itself when it alone exceeds the cap).
+
+        Raises:
+            OSError: the write failed; the batch is not in the spool.
+        """
+        data = request_to_json(request).encode("utf-8") + b"\n"
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            if len(data) > self.max_bytes:
+                self._evicted += spans
+                return spans
+            path = self.directory / f"{seq:016d}-{spans}.jsonl"
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+            self._entries.append(SpoolEntry(seq, path, spans, len(data)))
+            self._size_bytes += len(data)
+            self._spans += spans
+            self._written += spans
+            evicted = 0
+            while self._size_bytes > self.max_bytes and len(self._entries) > 1:
+                old = self._entries.popleft()
+                self._forget(old)
+                self._unlink(old.path)
+                evicted += old.spans
+            self._evicted += evicted
+            return evicted
+
+    def _forget(self, entry: SpoolEntry) -> None:
+        self._size_bytes -= entry.size_bytes
+        self._spans -= entry.spans
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def head(self) -> SpoolEntry | None:
+        """The oldest batch, or ``None`` when the spool is empty."""
+        with self._lock:
+            return self._entries[0] if self._entries else None
+
+    def load(self, entry: SpoolEntry) -> ExportTraceServiceRequest | None:
+        """Read a spooled batch back; ``None`` (and the file dropped from the spool, moved to
+        ``rejected/``) when it is unreadable."""
+        try:
+            requests = list(read_otlp_json_lines(entry.path))
+        except (OSError, ValueError) as exc:
+            _log.warning("unreadable spool file %s (%s); moved to rejected/", entry.path, exc)
+            self.reject(entry)
+            return None
+        if len(requests) == 1:
+            return requests[0]
+        merged = ExportTraceServiceRequest()
+        for request in requests:
+            merged.resource_spans.extend(request.resource_spans)
+        return merged
+
+    def remove(self, entry: SpoolEntry) -> bool:
+        """Drop a delivered batch. Returns ``False`` when it was already evicted."""
+        with self._lock:
+            if not self._entries or self._entries[0].seq != entry.seq:
+                if entry not in self._entries:
+                    return False
+                self._entries.remove(entry)
+            else:
+                self._entries.popleft()
+            self._forget(entry)
+            self._delivered += entry.spans
+        self._unlink(entry.path)
+        return True
+
+    def reject(self, entry: SpoolEntry) -> None:
+        """Move a batch the collector refused permanently to ``rejected/``."""
+        with self._lock:
+            if entry not in self._entries:
+                return
+            self._entries.remove(entry)
+            self._forget(entry)
+            self._rejected += entry.spans
+        rejected = self.directory / "rejected"
+        rejected.mkdir(exist_ok=True)
+        try:
+            os.replace(entry.path, rejected / entry.path.name)
+        except FileNotFoundError:
+            pass
+
+    def add_rejected(self, request: ExportTraceServiceRequest, spans: int) -> None:
+        """Keep a fresh batch the collector refused permanently in ``rejected/`` (never replayed
+        automatically; ``servewatch export`` can send it once the cause is fixed).
+
+        Raises:
+            OSError: the write failed.
+        """
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._rejected += spans
+        rejected = self.directory / "rejected"
+        rejected.mkdir(exist_ok=True)
+        (rejected / f"{seq:016d}-{spans}.jsonl").write_text(request_to_json(request) + "\n", encoding="utf-8")
+
+    def statistics(self) -> SpoolStatistics:
+        with self._lock:
+            return SpoolStatistics(
+                files=len(self._entries),
+                spans=self._spans,
+                size_bytes=self._size_bytes,
+                written_spans=self._written,
+                delivered_spans=self._delivered,
+                evicted_spans=self._evicted,
+                rejected_spans=self._rejected,
+                recovered_spans=self._recovered,
+            )
+
+    def close(self) -> None:
+        """Release the directory lock; files stay for the next run. Safe twice."""
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            self._lock_fd = None
+            os.close(fd)

@@ -1,0 +1,356 @@
+"""A real OTLP receiver for tests: gRPC ``TraceService``/``MetricsService`` and HTTP ``/v1/traces``.
+
+The gRPC side is opentelemetry-proto's generated service on a real ``grpc.server``; the HTTP side
+is a ``ThreadingHTTPServer`` accepting protobuf (``application/x-protobuf``, optionally gzip) and
+OTLP/JSON (``application/json``). Both listen on 127.0.0.1 ephemeral ports chosen at the first
+start and kept across :meth:`OtlpReceiver.stop` / :meth:`OtlpReceiver.start`, so a client keeps
+its endpoint while the "collector" goes away and comes back. Requests are collected thread-safely.
+
+Use the ``otlp_receiver`` fixture (``tests/exporters/conftest.py``) or the class directly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from exporters.otlp_json import message_from_json, message_to_json
+
+__all__ = ["OtlpReceiver", "ReceivedSpan", "attr_value", "attrs_dict", "otlp_receiver_fixture"]
+
+
+def attr_value(value: AnyValue) -> object:
+    """A protobuf ``AnyValue`` as a Python value (arrays as tuples)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(attr_value(v) for v in value.array_value.values)
+    if kind is None:
+        return None
+    return getattr(value, kind)
+
+
+def attrs_dict(attributes: object) -> dict[str, object]:
+    """Repeated ``KeyValue`` as a dict."""
+    return {kv.key: attr_value(kv.value) for kv in attributes}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    """One span as the receiver got it."""
+
+    protocol: str
+    resource: dict[str, object]
+    scope: str
+    span: Span
+
+    @property
+    def trace_id(self) -> str:
+        return self.span.trace_id.hex()
+
+    @property
+    def span_id(self) -> str:
+        return self.span.span_id.hex()
+
+    @property
+    def parent_span_id(self) -> str:
+        return self.span.parent_span_id.hex()
+
+    @property
+    def name(self) -> str:
+        return self.span.name
+
+    @property
+    def attributes(self) -> dict[str, object]:
+        return attrs_dict(self.span.attributes)
+
+
+@dataclass
+class _Store:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cond: threading.Condition = field(init=False)
+    traces: list[tuple[str, trace_service_pb2.ExportTraceServiceRequest]] = field(default_factory=list)
+    metrics: list[tuple[str, metrics_service_pb2.ExportMetricsServiceRequest]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    span_total: int = 0
+
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition(self.lock)
+
+    def add_trace(self, protocol: str, request: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]) -> None:
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        with self.cond:
+            self.traces.append((protocol, request))
+            self.headers.append(headers)
+            self.span_total += n
+            self.cond.notify_all()
+
+    def add_metrics(self, protocol: str, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
+        with self.cond:
+            self.metrics.append((protocol, request))
+            self.cond.notify_all()
+
+
+class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, receiver: OtlpReceiver) -> None:
+        self.receiver = receiver
+
+    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:  # noqa: N802 - gRPC name
+        if self.receiver.grpc_error is not None:
+            context.abort(self.receiver.grpc_error, "refused by test receiver")
+        self.receiver._store.add_trace("grpc", request, {k: v for k, v in context.invocation_metadata()})
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, receiver: OtlpReceiver) -> None:
+        self.receiver = receiver
+
+    def Export(self, request: metrics_service_pb2.ExportMetricsServiceRequest, context: grpc.ServicerContext) -> metrics_service_pb2.ExportMetricsServiceResponse:  # noqa: N802
+        self.receiver._store.add_metrics("grpc", request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+            return None
+
+        def _reply(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def setup(self) -> None:
+            super().setup()
+            receiver._track(self.connection, add=True)
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                receiver._track(self.connection, add=False)
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            if not receiver.running:  # a keep-alive connection outliving stop(): the collector is gone
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            length = int(self.headers.get("Content-Length", "0"))
+            body = self.rfile.read(length)
+            if self.headers.get("Content-Encoding", "") == "gzip":
+                body = gzip.decompress(body)
+            if receiver.http_status is not None:
+                self._reply(receiver.http_status, b"refused by test receiver", "text/plain")
+                return
+            content_type = self.headers.get("Content-Type", "")
+            is_json = content_type.startswith("application/json")
+            path = self.path.split("?")[0]
+            if path == "/v1/traces":
+                req_type, resp = trace_service_pb2.ExportTraceServiceRequest, trace_service_pb2.ExportTraceServiceResponse()
+            elif path == "/v1/metrics":
+                req_type, resp = metrics_service_pb2.ExportMetricsServiceRequest, metrics_service_pb2.ExportMetricsServiceResponse()
+            else:
+                self._reply(404, b"not found", "text/plain")
+                return
+            try:
+                if is_json:
+                    request = message_from_json(body, req_type)
+                else:
+                    request = req_type()
+                    request.ParseFromString(body)
+            except Exception as exc:  # a malformed body is a 400, as a collector answers
+                self._reply(400, str(exc).encode(), "text/plain")
+                return
+            protocol = "http/json" if is_json else "http/protobuf"
+            if path == "/v1/traces":
+                receiver._store.add_trace(protocol, request, dict(self.headers.items()))
+            else:
+                receiver._store.add_metrics(protocol, request)
+            if is_json:
+                self._reply(200, message_to_json(resp).encode(), "application/json")
+            else:
+                self._reply(200, resp.SerializeToString(), "application/x-protobuf")
+
+    return Handler
+
+
+class OtlpReceiver:
+    """gRPC + HTTP OTLP receiver on 127.0.0.1; startable, stoppable and restartable on the same ports.
+
+    Attributes:
+        grpc_error: when set, gRPC exports are answered with this status (and not stored).
+        http_status: when set, HTTP exports are answered with this status (and not stored).
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.grpc_port = 0
+        self.http_port = 0
+        self.grpc_error: grpc.StatusCode | None = None
+        self.http_status: int | None = None
+        self._store = _Store()
+        self._grpc: grpc.Server | None = None
+        self._http: ThreadingHTTPServer | None = None
+        self._http_thread: threading.Thread | None = None
+        self._connections: set[socket.socket] = set()
+        self._conn_lock = threading.Lock()
+
+    def _track(self, conn: socket.socket, *, add: bool) -> None:
+        with self._conn_lock:
+            if add:
+                self._connections.add(conn)
+            else:
+                self._connections.discard(conn)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._grpc is not None
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"http://{self.host}:{self.grpc_port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        """Base URL; exporters append ``/v1/traces``."""
+        return f"http://{self.host}:{self.http_port}"
+
+    def endpoint(self, protocol: str) -> str:
+        return self.grpc_endpoint if protocol == "grpc" else self.http_endpoint
+
+    def start(self) -> OtlpReceiver:
+        """Listen (again) on the same ports. Raises ``RuntimeError`` if a port was taken meanwhile."""
+        if self.running:
+            return self
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=(("grpc.so_reuseport", 0),))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), server)
+        port = server.add_insecure_port(f"{self.host}:{self.grpc_port}")
+        if port == 0:
+            raise RuntimeError(f"gRPC port {self.grpc_port} is not available")
+        self.grpc_port = port
+        server.start()
+        self._grpc = server
+        http = ThreadingHTTPServer((self.host, self.http_port), _handler(self))
+        http.daemon_threads = True
+        self.http_port = http.server_address[1]
+        self._http = http
+        self._http_thread = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.05}, name="otlp-http", daemon=True)
+        self._http_thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop listening; connections are closed (clients see the collector go away). Safe twice."""
+        if self._grpc is not None:
+            self._grpc.stop(grace=None).wait(5)
+            self._grpc = None
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+            with self._conn_lock:
+                open_connections = list(self._connections)
+            for conn in open_connections:  # keep-alive clients must see the server go away
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if self._http_thread is not None:
+            self._http_thread.join(5)
+            self._http_thread = None
+
+    def __enter__(self) -> OtlpReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- what arrived ---------------------------------------------------------------------
+
+    @property
+    def trace_requests(self) -> list[tuple[str, trace_service_pb2.ExportTraceServiceRequest]]:
+        with self._store.lock:
+            return list(self._store.traces)
+
+    @property
+    def metrics_requests(self) -> list[tuple[str, metrics_service_pb2.ExportMetricsServiceRequest]]:
+        with self._store.lock:
+            return list(self._store.metrics)
+
+    @property
+    def request_headers(self) -> list[dict[str, str]]:
+        with self._store.lock:
+            return list(self._store.headers)
+
+    @property
+    def span_count(self) -> int:
+        with self._store.lock:
+            return self._store.span_total
+
+    def spans(self) -> list[ReceivedSpan]:
+        """Every span received, in arrival order."""
+        return list(self._iter_spans())
+
+    def _iter_spans(self) -> Iterator[ReceivedSpan]:
+        for protocol, request in self.trace_requests:
+            for rs in request.resource_spans:
+                resource = attrs_dict(rs.resource.attributes)
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        yield ReceivedSpan(protocol, resource, ss.scope.name, span)
+
+    def wait_for_spans(self, count: int, timeout_s: float) -> bool:
+        """Block until at least ``count`` spans arrived or ``timeout_s`` seconds passed."""
+        deadline = time.monotonic() + timeout_s
+        with self._store.cond:
+            while self._store.span_total < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._store.cond.wait(remaining)
+        return True
+
+    def wait_for_metrics(self, timeout_s: float) -> bool:
+        """Block until a metrics request arrived or ``timeout_s`` seconds passed."""
+        deadline = time.monotonic() + timeout_s
+        with self._store.cond:
+            while not self._store.metrics:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._store.cond.wait(remaining)
+        return True
+
+    def clear(self) -> None:
+        with self._store.cond:
+            self._store.traces.clear()
+            self._store.metrics.clear()
+            self._store.headers.clear()
+            self._store.span_total = 0
+
+
+def otlp_receiver_fixture() -> Iterator[OtlpReceiver]:
+    """Generator body for a pytest fixture: a started receiver, stopped at teardown."""
+    receiver = OtlpReceiver().start()
+    try:
+        yield receiver
+    finally:
+        receiver.stop()

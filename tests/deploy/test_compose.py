@@ -151,10 +151,14 @@ def test_grafana_allows_anonymous_admin_for_the_local_demo(services: dict[str, d
     assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Admin"
 
 
-def test_servewatch_shares_the_demo_pid_namespace_with_ptrace(services: dict[str, dict]) -> None:
+def test_servewatch_shares_the_demo_pid_and_ipc_namespaces_with_ptrace(services: dict[str, dict]) -> None:
     servewatch = services["servewatch"]
     assert servewatch["pid"] == "service:demo"
     assert servewatch["cap_add"] == ["SYS_PTRACE"]
+    # The SDK's step counters are files in /dev/shm, which belongs to the IPC namespace.
+    assert servewatch["ipc"] == "service:demo"
+    assert services["demo"]["ipc"] == "shareable"
+    assert "cap_add" not in services["demo"]
 
 
 def test_servewatch_watches_the_demo_server_it_starts(services: dict[str, dict]) -> None:

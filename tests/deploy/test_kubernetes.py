@@ -212,6 +212,8 @@ def test_coredump_pipe_and_bundles_live_on_a_volume_both_containers_mount(infere
     assert mounts["sglang"][data_dir] == mounts["servewatch"][data_dir]
     volume = next(v for v in pod_spec(inference)["volumes"] if v["name"] == mounts["servewatch"][data_dir])
     assert volume["hostPath"]["type"] == "DirectoryOrCreate"
+    # Step counters written by agent.sdk in the server are files in its /dev/shm.
+    assert mounts["sglang"]["/dev/shm"] == mounts["servewatch"]["/dev/shm"]
     server_env = env_of(server)
     assert server_env["CUDA_ENABLE_USER_TRIGGERED_COREDUMP"] == "1"
     for name in ("CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE"):

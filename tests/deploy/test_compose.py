@@ -179,20 +179,23 @@ def test_servewatch_watches_the_demo_server_it_starts(services: dict[str, dict])
     assert f"http://127.0.0.1:{port}/health" in health_probe
 
 
-def test_servewatch_sends_otlp_grpc_to_the_collector(services: dict[str, dict]) -> None:
+def test_servewatch_resolves_its_env_to_the_collectors_grpc_receiver(services: dict[str, dict]) -> None:
+    from exporters.provider import ExportConfig, build_resource, resolve_destination
     from exporters.transport import make_sender
 
-    env = services["servewatch"]["environment"]
-    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
-    assert env["OTEL_SERVICE_NAME"] == "servewatch"
-    host, port = host_port(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    env = {k: str(v) for k, v in services["servewatch"]["environment"].items()}
+    destination = resolve_destination(ExportConfig(), environ=env)
+    assert destination.protocol == "grpc"
+    host, port = host_port(destination.endpoint or "")
     assert host in services
     assert port == otlp_receiver_ports(load_yaml(COLLECTOR_CONFIG))["grpc"][1]
-    sender = make_sender(env["OTEL_EXPORTER_OTLP_ENDPOINT"], env["OTEL_EXPORTER_OTLP_PROTOCOL"])
+    sender = make_sender(destination.endpoint or "", destination.protocol, insecure=destination.insecure)
     try:
         assert sender.target == f"{host}:{port}"
     finally:
         sender.close()
+    resource = build_resource(ExportConfig(), host_name="h", service_instance_id="i", environ=env)
+    assert resource.attributes["service.name"] == "servewatch"
 
 
 def test_python_services_install_cpu_torch_then_servewatch_from_a_copy(services: dict[str, dict]) -> None:

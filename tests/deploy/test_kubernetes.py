@@ -221,11 +221,30 @@ def test_coredump_pipe_and_bundles_live_on_a_volume_both_containers_mount(infere
 
 
 def test_sidecar_sends_otlp_grpc_to_the_node_local_agent(inference: dict[str, Any]) -> None:
-    env = env_of(container(inference, "servewatch"))
-    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
-    assert env["OTEL_SERVICE_NAME"] == "servewatch"
-    assert re.fullmatch(r"(k8s\.[a-z.]+=\$\([A-Z_]+\),?)+", env["OTEL_RESOURCE_ATTRIBUTES"])
-    service, port = service_for(env["OTEL_EXPORTER_OTLP_ENDPOINT"], inference["metadata"]["namespace"])
+    from exporters.provider import ExportConfig, build_resource, resolve_destination
+
+    servewatch = container(inference, "servewatch")
+    env = env_of(servewatch)
+    destination = resolve_destination(ExportConfig(), environ=env)
+    assert destination.protocol == "grpc"
+    # $(VAR) references resolve to downward-API values; each one must be defined on the container.
+    # Kubernetes expands a reference only to a variable defined earlier in the list.
+    order = [e["name"] for e in servewatch["env"]]
+    downward = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in servewatch["env"][: order.index("OTEL_RESOURCE_ATTRIBUTES")]
+        if "valueFrom" in e
+    }
+    expanded = re.sub(r"\$\(([A-Z_]+)\)", lambda m: f"<{downward[m.group(1)]}>", env["OTEL_RESOURCE_ATTRIBUTES"])
+    resource = build_resource(ExportConfig(), host_name="n", service_instance_id="i", environ={**env, "OTEL_RESOURCE_ATTRIBUTES": expanded})
+    assert resource.attributes["service.name"] == "servewatch"
+    assert {k: v for k, v in resource.attributes.items() if k.startswith("k8s.")} == {
+        "k8s.namespace.name": "<metadata.namespace>",
+        "k8s.pod.name": "<metadata.name>",
+        "k8s.pod.uid": "<metadata.uid>",
+        "k8s.node.name": "<spec.nodeName>",
+    }
+    service, port = service_for(destination.endpoint or "", inference["metadata"]["namespace"])
     assert service["spec"]["internalTrafficPolicy"] == "Local"
     agent = backing_workload(service)
     assert agent["kind"] == "DaemonSet"

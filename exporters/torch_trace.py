@@ -1,0 +1,467 @@
+"""Import torch profiler Chrome traces (``.json`` / ``.json.gz``) as OTel spans, streaming.
+
+Owns the incremental ``traceEvents`` reader, the keep/drop filter, nesting by time containment
+and :func:`import_torch_trace`; also :func:`gputrace_attributes` for Metal ``.gputrace``
+bundles. Imports the standard library, pydantic and :mod:`exporters.spans`; never torch (a trace
+is a file) and never the agent's decision code.
+
+Facts used (per FIELD-NOTES and torch 2.13 output): a trace is one JSON object with
+``traceEvents`` (a list of events) and ``baseTimeNanoseconds``; an event's wall clock in ns is
+``baseTimeNanoseconds + round(ts * 1000)`` with ``ts``/``dur`` in microseconds (floats);
+``pid``/``tid`` may be strings; complete ranges have ``ph == "X"``; ``ProfilerStep#N`` and
+``record_function`` ranges have category ``user_annotation`` (``gpu_user_annotation`` on GPU
+streams).
+
+Streaming: memory does not grow with the trace. The file is read in chunks of
+``chunk_chars`` characters; complete events are cut out of the buffer and decoded in batches by
+the stdlib C decoder (a batch is ``json.loads('[' + text + ']')`` over a slice ending at a
+``},`` boundary; JSON being deterministic, the slice only parses when the cut is a real event
+boundary, otherwise one event is decoded with ``JSONDecoder.raw_decode`` and the reader moves
+on). Only events that will become spans are kept, in a per-thread reorder window of
+``reorder_window`` events (ordered by start time, so a thread's ranges nest correctly even when
+the file is slightly out of order) plus a stack of the thread's open ranges. A span is emitted
+as soon as it leaves the window, with its parent chosen by time containment on its own
+``(pid, tid)``; the outermost ranges are children of the ``profile.session`` span.
+
+``baseTimeNanoseconds`` may come before or after ``traceEvents`` in a file: the head is checked
+first (torch 2.13 writes it there); otherwise one cheap extra pass reads the tail (a plain file
+is seeked; a gzip file is decompressed without parsing, keeping only the last 64 KiB).
+"""
+
+from __future__ import annotations
+
+import gzip
+import heapq
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, NamedTuple
+
+from pydantic import BaseModel, Field
+
+from exporters.spans import SpanSink, build_span, new_span_id
+
+__all__ = [
+    "TorchTraceImportConfig",
+    "ImportStatistics",
+    "import_torch_trace",
+    "iter_trace_events",
+    "find_base_time_ns",
+    "gputrace_attributes",
+    "ALWAYS_KEPT_CATEGORIES",
+]
+
+#: Ranges kept whatever the filter says (``ProfilerStep#N`` and ``record_function`` ranges).
+ALWAYS_KEPT_CATEGORIES = frozenset({"user_annotation", "gpu_user_annotation"})
+_TAIL_BYTES = 64 * 1024
+_BASE_RE = re.compile(r'"baseTimeNanoseconds"\s*:\s*(-?\d+)')
+_WS_COMMA = re.compile(r"[\s,]*")
+_WS = re.compile(r"\s*")
+_decoder = json.JSONDecoder()
+
+
+class TorchTraceImportConfig(BaseModel):
+    """Which torch trace events become spans (user config, section ``[torch_trace]``)."""
+
+    categories: tuple[str, ...] = Field(
+        default=("cpu_op", "kernel", "gpu_memcpy", "gpu_memset"),
+        description="Event categories imported as spans besides the always-kept user annotations.",
+    )
+    min_duration_us: float = Field(default=10.0, ge=0, description="Ops/kernels shorter than this (µs) are dropped.")
+    max_spans: int = Field(default=5000, ge=0, description="Cap on op/kernel spans per trace (user annotations are not capped).")
+    reorder_window: int = Field(default=4096, ge=1, description="Events per thread held to restore start-time order.")
+    chunk_chars: int = Field(default=1 << 20, ge=4096, description="Characters read from the trace per chunk.")
+
+
+class ImportStatistics(NamedTuple):
+    """What one import read, kept and dropped."""
+
+    #: trace events read (all phases)
+    events: int
+    #: spans emitted (always-kept plus filtered)
+    kept: int
+    #: of ``kept``: ProfilerStep#N / user annotations
+    kept_annotations: int
+    #: ProfilerStep#N ranges among them
+    profiler_steps: int
+    #: complete ranges dropped because their category is not imported
+    dropped_category: int
+    #: complete ranges dropped as shorter than ``min_duration_us``
+    dropped_min_duration: int
+    #: ranges dropped because ``max_spans`` was reached
+    dropped_cap: int
+    #: events that are not complete ranges (metadata, flows, instants, counters)
+    dropped_phase: int
+    #: kept ranges that arrived after their thread's reorder window (parented to the session)
+    out_of_order: int
+    #: distinct (pid, tid) threads with kept spans
+    threads: int
+    #: the trace's ``baseTimeNanoseconds`` (0 when absent)
+    base_time_unix_nano: int
+    #: earliest start / latest end of the kept spans, ns since the epoch (0 when none)
+    first_start_unix_nano: int
+    last_end_unix_nano: int
+
+    @property
+    def dropped(self) -> int:
+        """All complete ranges dropped by filter or cap."""
+        return self.dropped_category + self.dropped_min_duration + self.dropped_cap
+
+    def span_attributes(self) -> dict[str, int]:
+        """Counts for the ``profile.session`` span (``servewatch.trace_import.*``)."""
+        return {
+            "servewatch.trace_import.events": self.events,
+            "servewatch.trace_import.kept": self.kept,
+            "servewatch.trace_import.kept_annotations": self.kept_annotations,
+            "servewatch.trace_import.profiler_steps": self.profiler_steps,
+            "servewatch.trace_import.dropped": self.dropped,
+            "servewatch.trace_import.dropped_category": self.dropped_category,
+            "servewatch.trace_import.dropped_min_duration": self.dropped_min_duration,
+            "servewatch.trace_import.dropped_cap": self.dropped_cap,
+            "servewatch.trace_import.out_of_order": self.out_of_order,
+        }
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def _open_text(path: Path) -> IO[str]:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+class _Reader:
+    """A sliding character buffer over a text stream (compacted at each refill)."""
+
+    def __init__(self, f: IO[str], chunk_chars: int) -> None:
+        self.f = f
+        self.chunk = chunk_chars
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+        self.offset = 0  # absolute position of buf[0] in the stream
+
+    def fill(self) -> bool:
+        """Read one more chunk; False at end of file."""
+        if self.eof:
+            return False
+        data = self.f.read(self.chunk)
+        if not data:
+            self.eof = True
+            return False
+        self.buf = self.buf[self.pos :] + data
+        self.offset += self.pos
+        self.pos = 0
+        return True
+
+    def skip(self, pattern: re.Pattern[str]) -> None:
+        while True:
+            self.pos = pattern.match(self.buf, self.pos).end()  # type: ignore[union-attr]
+            if self.pos < len(self.buf) or not self.fill():
+                return
+
+    def peek(self) -> str:
+        if self.pos >= len(self.buf) and not self.fill():
+            raise ValueError("unexpected end of trace file")
+        return self.buf[self.pos]
+
+    def expect(self, char: str) -> None:
+        self.skip(_WS)
+        got = self.peek()
+        if got != char:
+            raise ValueError(f"not a Chrome trace: expected {char!r}, found {got!r}")
+        self.pos += 1
+
+    def value(self) -> Any:
+        """Decode one JSON value at the cursor (refilling while it is incomplete)."""
+        self.skip(_WS)
+        while True:
+            try:
+                obj, end = _decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError:
+                if not self.fill():
+                    raise ValueError("truncated or malformed trace file") from None
+                continue
+            if end >= len(self.buf) and self.fill():
+                continue  # a number may continue in the next chunk
+            self.pos = end
+            return obj
+
+    def events(self) -> Iterator[list[dict[str, Any]]]:
+        """Batches of decoded ``traceEvents`` items; the cursor stops after the closing ``]``."""
+        no_batch_before = 0  # absolute position: no batch cut before it (a "}," inside a value)
+        while True:
+            self.skip(_WS_COMMA)
+            if self.peek() == "]":
+                self.pos += 1
+                return
+            buf, pos = self.buf, self.pos
+            cut = buf.rfind("},", pos)
+            if cut > pos and self.offset + cut >= no_batch_before:
+                try:
+                    batch = json.loads("[" + buf[pos : cut + 1] + "]")
+                except json.JSONDecodeError:
+                    no_batch_before = self.offset + cut + 1
+                else:
+                    self.pos = cut + 1
+                    yield batch
+                    continue
+            try:
+                obj, end = _decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if not self.fill():
+                    raise ValueError("truncated or malformed traceEvents") from None
+                continue
+            self.pos = end
+            yield [obj]
+
+
+def iter_trace_events(
+    path: str | Path, *, chunk_chars: int = 1 << 20, on_field: Callable[[str, Any], None] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Yield the ``traceEvents`` items of a Chrome trace one by one, in file order, streaming.
+
+    Args:
+        path: ``.json`` or ``.json.gz`` file.
+        chunk_chars: characters read per chunk (memory use is a few times this).
+        on_field: called with ``(key, value)`` for each other top-level field, when it is read
+            (a field after ``traceEvents`` is seen only after the last event).
+
+    Raises:
+        ValueError: the file is not a Chrome trace object or is truncated.
+        OSError: the file cannot be read.
+    """
+    with _open_text(Path(path)) as f:
+        r = _Reader(f, chunk_chars)
+        r.expect("{")
+        while True:
+            r.skip(_WS_COMMA)
+            if r.peek() == "}":
+                return
+            key = r.value()
+            if not isinstance(key, str):
+                raise ValueError("not a Chrome trace: top-level key is not a string")
+            r.expect(":")
+            if key == "traceEvents":
+                r.expect("[")
+                for batch in r.events():
+                    yield from batch
+            else:
+                value = r.value()
+                if on_field is not None:
+                    on_field(key, value)
+
+
+def find_base_time_ns(path: str | Path) -> int | None:
+    """``baseTimeNanoseconds`` of a trace without parsing it (head first, then the tail).
+
+    Returns:
+        The value in ns since the epoch, or ``None`` when the trace has none.
+    """
+    p = Path(path)
+    with _open_text(p) as f:
+        head = f.read(_TAIL_BYTES)
+    events_at = head.find('"traceEvents"')
+    m = _BASE_RE.search(head)
+    if m and (events_at < 0 or m.start() < events_at):
+        return int(m.group(1))
+    if p.name.endswith(".gz"):
+        tail = b""
+        with gzip.open(p, "rb") as g:
+            while block := g.read(1 << 20):
+                tail = (tail + block)[-_TAIL_BYTES:]
+    else:
+        with open(p, "rb") as b:
+            b.seek(max(0, os.path.getsize(p) - _TAIL_BYTES))
+            tail = b.read()
+    found = _BASE_RE.findall(tail.decode("utf-8", errors="replace"))
+    return int(found[-1]) if found else None
+
+
+# --- import ----------------------------------------------------------------------------------
+
+
+class _Thread:
+    __slots__ = ("heap", "stack", "last_start")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[int, int, int, str, dict[str, Any]]] = []
+        self.stack: list[tuple[int, int]] = []  # (end_ns, span_id) of open kept ranges
+        self.last_start = -(1 << 62)
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def import_torch_trace(
+    path: str | Path,
+    sink: SpanSink,
+    *,
+    trace_id: int,
+    parent_span_id: int,
+    config: TorchTraceImportConfig | None = None,
+) -> ImportStatistics:
+    """Emit the ranges of one torch trace as spans under a ``profile.session`` span.
+
+    Args:
+        path: the trace (``.json`` / ``.json.gz``).
+        sink: where finished spans go (spans use ``sink.resource``).
+        trace_id / parent_span_id: the session span's ids; top-level ranges become its children.
+        config: the keep/drop filter; defaults to :class:`TorchTraceImportConfig`.
+
+    Returns:
+        Counts of what was read, kept and dropped (put them on the session span with
+        :meth:`ImportStatistics.span_attributes`).
+
+    Raises:
+        ValueError: not a Chrome trace / truncated. OSError: unreadable.
+    """
+    cfg = config or TorchTraceImportConfig()
+    base = find_base_time_ns(path)
+    base_ns = base or 0
+    categories = frozenset(cfg.categories)
+    min_dur = cfg.min_duration_us
+    cap = cfg.max_spans
+    window = cfg.reorder_window
+    resource = sink.resource
+    threads: dict[tuple[str, str], _Thread] = {}
+    c = {"events": 0, "kept": 0, "ann": 0, "steps": 0, "cat": 0, "min": 0, "cap": 0, "phase": 0, "ooo": 0, "ops": 0}
+    bounds = [0, 0]
+    seq = 0
+
+    def emit(key: tuple[str, str], th: _Thread, start: int, end: int, name: str, ev: dict[str, Any]) -> None:
+        stack = th.stack
+        if start < th.last_start:
+            c["ooo"] += 1
+            parent = parent_span_id
+            push = False
+        else:
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            parent = stack[-1][1] if stack else parent_span_id
+            push = True
+            th.last_start = start
+        sid = new_span_id()
+        cat = ev.get("cat", "")
+        attrs: dict[str, Any] = {"torch.category": cat}
+        pid, tid = _as_int(ev.get("pid")), _as_int(ev.get("tid"))
+        if pid is not None:
+            attrs["process.pid"] = pid
+        if tid is not None:
+            attrs["thread.id"] = tid
+        args = ev.get("args")
+        if isinstance(args, dict):
+            for src, dst in (("device", "gpu.device"), ("stream", "gpu.stream"), ("correlation", "torch.correlation")):
+                v = args.get(src)
+                if isinstance(v, (int, str)) and not isinstance(v, bool):
+                    attrs[dst] = v
+        sink.emit(
+            build_span(
+                name,
+                trace_id=trace_id,
+                span_id=sid,
+                parent_span_id=parent,
+                start_time_unix_nano=start,
+                end_time_unix_nano=end,
+                attributes=attrs,
+                resource=resource,
+            )
+        )
+        if push:
+            stack.append((end, sid))
+        if bounds[0] == 0 or start < bounds[0]:
+            bounds[0] = start
+        bounds[1] = max(bounds[1], end)
+
+    def flush(key: tuple[str, str], th: _Thread, down_to: int) -> None:
+        heap = th.heap
+        while len(heap) > down_to:
+            start, neg_end, _, name, ev = heapq.heappop(heap)
+            emit(key, th, start, -neg_end, name, ev)
+
+    for ev in iter_trace_events(path, chunk_chars=cfg.chunk_chars):
+        c["events"] += 1
+        if ev.get("ph") != "X":
+            c["phase"] += 1
+            continue
+        cat = ev.get("cat", "")
+        name = str(ev.get("name", ""))
+        is_step = name.startswith("ProfilerStep#")
+        if is_step or cat in ALWAYS_KEPT_CATEGORIES:
+            c["ann"] += 1
+            if is_step:
+                c["steps"] += 1
+        elif cat not in categories:
+            c["cat"] += 1
+            continue
+        else:
+            dur_us = ev.get("dur", 0) or 0
+            if dur_us < min_dur:
+                c["min"] += 1
+                continue
+            if c["ops"] >= cap:
+                c["cap"] += 1
+                continue
+            c["ops"] += 1
+        ts = ev.get("ts", 0) or 0
+        start = base_ns + round(ts * 1000)
+        end = start + round((ev.get("dur", 0) or 0) * 1000)
+        key = (str(ev.get("pid", "")), str(ev.get("tid", "")))
+        th = threads.get(key)
+        if th is None:
+            th = threads[key] = _Thread()
+        seq += 1
+        heapq.heappush(th.heap, (start, -end, seq, name, ev))
+        c["kept"] += 1
+        if len(th.heap) > window:
+            flush(key, th, window)
+    for key, th in threads.items():
+        flush(key, th, 0)
+    return ImportStatistics(
+        events=c["events"],
+        kept=c["kept"],
+        kept_annotations=c["ann"],
+        profiler_steps=c["steps"],
+        dropped_category=c["cat"],
+        dropped_min_duration=c["min"],
+        dropped_cap=c["cap"],
+        dropped_phase=c["phase"],
+        out_of_order=c["ooo"],
+        threads=len(threads),
+        base_time_unix_nano=base_ns,
+        first_start_unix_nano=bounds[0],
+        last_end_unix_nano=bounds[1],
+    )
+
+
+def gputrace_attributes(path: str | Path) -> dict[str, Any]:
+    """Artifact attributes of a Metal ``.gputrace`` bundle (a folder) for its session span.
+
+    Returns:
+        ``servewatch.artifact.path`` and ``servewatch.artifact.size_bytes`` (the bundle's total
+        file size; 0 when it does not exist) and ``servewatch.artifact.kind`` = ``gputrace``.
+    """
+    p = Path(path)
+    size = 0
+    if p.is_dir():
+        for root, _dirs, files in os.walk(p):
+            for name in files:
+                try:
+                    size += os.path.getsize(os.path.join(root, name))
+                except OSError:
+                    continue
+    elif p.is_file():
+        size = p.stat().st_size
+    return {
+        "servewatch.artifact.path": str(p.resolve()),
+        "servewatch.artifact.size_bytes": size,
+        "servewatch.artifact.kind": "gputrace",
+    }

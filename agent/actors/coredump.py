@@ -698,6 +698,15 @@ async def _await_core_file(
 # --- the actor ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    location: PipeLocation
+    pattern: str
+    dump_dir: Path
+    guard: DumpDirCheck | None = None
+    before: Mapping[str, int] = field(default_factory=dict)
+
+
 @contextmanager
 def _proc_errors(pid: int) -> Iterator[list[tuple[Outcome, str]]]:
     """Turn ``/proc`` access failures into outcomes (the one place that does)."""
@@ -824,31 +833,26 @@ class CoredumpActor:
         if pid in self._triggered.get(trigger.incident_id, ()):
             return result(Outcome.SKIPPED, f"already triggered pid {pid} in incident {trigger.incident_id}")
 
-        location: PipeLocation | None = None
+        prepared: _Prepared | None = None
         with _proc_errors(pid) as failure:
-            location = await anyio.to_thread.run_sync(self._locate, pid)
-            pattern, template = await anyio.to_thread.run_sync(lambda: core_file_glob(pid, host=self.host))
-            cwd = await anyio.to_thread.run_sync(_read_cwd, pid)
+            # One worker-thread hop for all of /proc and the disk guard: triggers go out fast.
+            prepared = await anyio.to_thread.run_sync(self._prepare, pid)
         if failure:
             return result(*failure[0])
-        assert location is not None
-        attrs["servewatch.coredump.file_pattern"] = pattern
+        assert prepared is not None
+        location = prepared.location
+        attrs["servewatch.coredump.file_pattern"] = prepared.pattern
         attrs["servewatch.coredump.pipe_source"] = location.source
         if location.path is None:
             return result(Outcome.NOT_ARMED, location.reason)
         attrs["servewatch.coredump.pipe"] = location.path
-
-        dump_dir = _expand_dir(template, host=self.host, pid=pid, cwd=cwd)
-        attrs["servewatch.coredump.dump_dir"] = str(dump_dir)
-        guard = await anyio.to_thread.run_sync(
-            lambda: check_dump_dir(dump_dir, min_free_bytes=cfg.min_free_bytes)
-        )
-        if not guard.ok:
-            return result(Outcome.REFUSED, f"refused before triggering: {guard.reason}", retryable=True)
+        attrs["servewatch.coredump.dump_dir"] = str(prepared.dump_dir)
+        if prepared.guard is not None and not prepared.guard.ok:
+            return result(Outcome.REFUSED, f"refused before triggering: {prepared.guard.reason}", retryable=True)
 
         if not self._claim(trigger.incident_id, pid):
             return result(Outcome.SKIPPED, f"already triggered pid {pid} in incident {trigger.incident_id}")
-        before = await anyio.to_thread.run_sync(_snapshot, pattern)
+        pattern, before = prepared.pattern, prepared.before
         fired = await trigger_pipe(
             location,
             timeout_s=min(cfg.trigger_timeout_s, max(0.0, deadline - anyio.current_time())),
@@ -884,5 +888,17 @@ class CoredumpActor:
             Outcome.OK, f"core file {done.path!r} ({done.size_bytes} bytes)", paths=(done.path,)
         )
 
-    def _locate(self, pid: int) -> PipeLocation:
-        return locate_pipe(pid, host=self.host, extra_templates=(self.config.pipe_template,))
+    def _prepare(self, pid: int) -> _Prepared:
+        """Blocking part before the trigger (runs in a worker thread): pipe, core file, guard.
+
+        Raises:
+            ProcessLookupError / PermissionError: ``/proc/PID`` is gone or unreadable.
+        """
+        location = locate_pipe(pid, host=self.host, extra_templates=(self.config.pipe_template,))
+        pattern, template = core_file_glob(pid, host=self.host)
+        dump_dir = _expand_dir(template, host=self.host, pid=pid, cwd=_read_cwd(pid))
+        if location.path is None:
+            return _Prepared(location, pattern, dump_dir)
+        guard = check_dump_dir(dump_dir, min_free_bytes=self.config.min_free_bytes)
+        before = _snapshot(pattern) if guard.ok else {}
+        return _Prepared(location, pattern, dump_dir, guard, before)

@@ -198,24 +198,34 @@ class LosslessSpanProcessor(SpanProcessor):
         return self._last_detail
 
     def flush(self, timeout_s: float) -> bool:
-        """Hand every span queued so far to the collector or the spool, within ``timeout_s``.
+        """Deliver every span queued so far, and the spool, within ``timeout_s`` seconds.
+
+        Waits until the spans queued before the call are settled (delivered, spooled or counted
+        as dropped) and, while the collector answers, until the spool has been replayed. Returns
+        early when the collector is failing (backing off): those spans are safe in the spool.
 
         Returns:
-            ``True`` only when all of them were delivered to the collector and the spool is
-            empty; ``False`` when any are spooled or the deadline passed (nothing is lost).
+            ``True`` only when all of them reached the collector and the spool is empty;
+            ``False`` when any are spooled or the deadline passed (nothing is lost either way).
         """
         if self._closed:
-            return self.spool is None or len(self.spool) == 0
+            return self._spool_empty()
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cv:
             target = self._taken + len(self._queue)
             self._flush_target = max(self._flush_target, target)
             self._wakeup.set()
-            while self._settled < target:
+            while True:
+                settled = self._settled >= target
+                if settled and (self._spool_empty() or time.monotonic() < self._retry_at):
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._cv.wait(remaining)
+                self._cv.wait(min(remaining, 0.05) if settled else remaining)
+        return self._spool_empty()
+
+    def _spool_empty(self) -> bool:
         return self.spool is None or len(self.spool) == 0
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:

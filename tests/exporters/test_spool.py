@@ -1,0 +1,104 @@
+"""The spool: FIFO on disk, size cap evicting the oldest (counted), recovery, rejected batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+from exporters.spans import build_span, new_trace_id
+from exporters.spool import Spool
+
+
+def _batch(n: int, tag: str):
+    trace_id = new_trace_id()
+    return encode_spans(
+        [build_span(f"{tag}-{i}", trace_id=trace_id, start_time_unix_nano=1_000 + i, end_time_unix_nano=2_000 + i) for i in range(n)]
+    )
+
+
+def _names(request) -> list[str]:
+    return [s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+def test_fifo_order_and_exact_removal(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, max_bytes=10**7)
+    for tag in ("a", "b", "c"):
+        assert spool.append(_batch(3, tag), 3) == 0
+    seen = []
+    while (entry := spool.head()) is not None:
+        request = spool.load(entry)
+        assert request is not None
+        seen.append(_names(request)[0])
+        assert spool.remove(entry)
+    assert seen == ["a-0", "b-0", "c-0"]
+    stats = spool.statistics()
+    assert (stats.written_spans, stats.delivered_spans, stats.spans, stats.files) == (9, 9, 0, 0)
+    assert list(tmp_path.glob("*.jsonl")) == []
+    spool.close()
+
+
+def test_cap_evicts_oldest_and_counts_their_spans(tmp_path: Path) -> None:
+    one = len(_batch(4, "x").SerializeToString())
+    probe = Spool(tmp_path / "probe", max_bytes=10**7)
+    probe.append(_batch(4, "x"), 4)
+    size = probe.statistics().size_bytes
+    probe.close()
+    assert size > one  # JSON is bigger than protobuf; the cap is on bytes on disk
+    spool = Spool(tmp_path / "s", max_bytes=size * 3 + size // 2)
+    evicted = [spool.append(_batch(4, tag), 4) for tag in ("a", "b", "c", "d", "e")]
+    assert evicted == [0, 0, 0, 4, 4]
+    stats = spool.statistics()
+    assert stats.evicted_spans == 8 and stats.files == 3 and stats.spans == 12
+    head = spool.head()
+    assert head is not None and _names(spool.load(head))[0] == "c-0"  # a and b (oldest) are gone
+    spool.close()
+
+
+def test_batch_bigger_than_the_cap_is_counted_not_written(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, max_bytes=100)
+    assert spool.append(_batch(5, "big"), 5) == 5
+    assert spool.statistics().evicted_spans == 5 and len(spool) == 0
+    spool.close()
+
+
+def test_reopen_recovers_pending_batches_in_order(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, max_bytes=10**7)
+    spool.append(_batch(2, "a"), 2)
+    spool.append(_batch(3, "b"), 3)
+    spool.close()
+    again = Spool(tmp_path, max_bytes=10**7)
+    assert again.statistics().recovered_spans == 5
+    again.append(_batch(1, "c"), 1)
+    order = []
+    while (entry := again.head()) is not None:
+        order.append(_names(again.load(entry))[0])
+        again.remove(entry)
+    assert order == ["a-0", "b-0", "c-0"]
+    again.close()
+
+
+def test_second_process_on_the_same_dir_gets_its_own_spool(tmp_path: Path) -> None:
+    first = Spool(tmp_path, max_bytes=10**6)
+    second = Spool(tmp_path, max_bytes=10**6)  # same process, second lock holder
+    assert second.directory != first.directory and second.directory.parent == first.directory
+    first.close()
+    second.close()
+
+
+def test_unreadable_file_moves_to_rejected(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, max_bytes=10**6)
+    spool.append(_batch(2, "a"), 2)
+    entry = spool.head()
+    assert entry is not None
+    entry.path.write_text("{garbage\n{more garbage\n")
+    assert spool.load(entry) is None
+    assert spool.statistics().rejected_spans == 2 and len(spool) == 0
+    assert (tmp_path / "rejected" / entry.path.name).exists()
+    spool.close()
+
+
+def test_rejects_nonpositive_cap(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_bytes"):
+        Spool(tmp_path, max_bytes=0)

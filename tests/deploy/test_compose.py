@@ -135,6 +135,14 @@ def test_published_ports_match_the_configs(services: dict[str, dict]) -> None:
     assert all(4317 not in published[name].values() for name in services if name != "otel-collector")
 
 
+def test_published_ports_are_loopback_only(services: dict[str, dict]) -> None:
+    # Anonymous Grafana admin and the demo's /debug/hang stay off the network.
+    entries = [str(port) for svc in services.values() for port in svc.get("ports", [])]
+    assert len(entries) == 7
+    for entry in entries:
+        assert entry.startswith("127.0.0.1:"), entry
+
+
 def test_collector_exports_to_compose_services(services: dict[str, dict]) -> None:
     collector_cfg = load_yaml(COLLECTOR_CONFIG)
     for ref, exporter in collector_cfg["exporters"].items():
@@ -174,6 +182,8 @@ def test_servewatch_watches_the_demo_server_it_starts(services: dict[str, dict])
         "--health-url": f"http://demo:{port}/health",
         "--metrics-url": f"http://demo:{port}/metrics",
         "--match": "demo::scheduler*",
+        # An injected hang becomes an incident in seconds, not after the 300 s default.
+        "--watchdog-timeout": "20",
     }
     health_probe = " ".join(services["demo"]["healthcheck"]["test"])
     assert f"http://127.0.0.1:{port}/health" in health_probe

@@ -1,0 +1,291 @@
+"""Tests of exporters.timeline: a realistic bundle (real py-spy stacks) read back and rendered."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import exporters.timeline as timeline_mod
+from exporters.timeline import (
+    BundleCorruptError,
+    BundleError,
+    BundleNotFoundError,
+    IncidentTimeline,
+    find_bundle,
+    load_incident,
+    render_timeline,
+    render_timeline_text,
+    timeline_to_dict,
+)
+from tests.exporters.bundle_fixture import (
+    COREDUMP_SIZE_BYTES,
+    EVIL_PID,
+    EVIL_TITLE,
+    HOST,
+    INCIDENT_ID,
+    OPENED_NS,
+    PROFILE_STEPS,
+    REQUESTS,
+    ROOT_SPAN_ID,
+    SECRET_PROMPT,
+    TRACE_ID,
+    Bundle,
+    write_bundle,
+)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Bundle:
+    return write_bundle(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def tl(bundle: Bundle) -> IncidentTimeline:
+    return load_incident(bundle.data_dir, INCIDENT_ID)
+
+
+def _minimal(data_dir: Path, incident_id: str, opened_ns: int, **extra: object) -> Path:
+    bundle_dir = data_dir / "h1" / incident_id
+    bundle_dir.mkdir(parents=True)
+    manifest = {"schema": "servewatch.incident/1", "incident_id": incident_id, "trigger": "manual",
+                "detail": "d", "host.name": "h1", "trace_id": "", "span_id": "",
+                "opened_time_unix_nano": opened_ns, "closed_time_unix_nano": opened_ns + 10**9,
+                "duration_s": 1.0, "targets": [], "actions": [], "inflight_requests": 0, **extra}
+    (bundle_dir / "manifest.json").write_text(json.dumps(manifest))
+    return bundle_dir
+
+
+def test_all_matches_public_names() -> None:
+    public = {n for n, v in vars(timeline_mod).items() if not n.startswith("_") and getattr(v, "__module__", None) == timeline_mod.__name__}
+    assert public <= set(timeline_mod.__all__)
+    assert all(hasattr(timeline_mod, n) for n in timeline_mod.__all__)
+
+
+@pytest.mark.parametrize("form", ["bundle_dir", "manifest", "data_dir_id", "data_dir_suffix", "data_dir_latest", "data_dir_alone"])
+def test_every_path_form_resolves_to_the_bundle(bundle: Bundle, form: str) -> None:
+    args: dict[str, tuple[object, ...]] = {
+        "bundle_dir": (bundle.bundle_dir,),
+        "manifest": (bundle.bundle_dir / "manifest.json",),
+        "data_dir_id": (bundle.data_dir, INCIDENT_ID),
+        "data_dir_suffix": (bundle.data_dir, "a1b2c3"),
+        "data_dir_latest": (bundle.data_dir, "latest"),
+        "data_dir_alone": (str(bundle.data_dir),),
+    }
+    got = load_incident(*args[form])  # type: ignore[arg-type]
+    assert got.incident_id == INCIDENT_ID
+    assert Path(got.bundle_dir) == bundle.bundle_dir
+
+
+def test_manifest_fields_and_action_offsets(tl: IncidentTimeline, bundle: Bundle) -> None:
+    tp0, tp1 = bundle.pids
+    assert (tl.trigger, tl.host_name, tl.trace_id, tl.span_id) == ("stall", HOST, TRACE_ID, ROOT_SPAN_ID)
+    assert tl.opened_time_unix_nano == OPENED_NS and tl.duration_s == 7.5
+    rows = [(a.action, a.pid, a.outcome, round(a.start_offset_s * 1e3, 3), round(a.duration_s * 1e3, 3))
+            for a in tl.actions if a.start_offset_s is not None]
+    assert rows == [
+        ("pyspy.dump", tp0, "ok", 12.5, 850.0),
+        ("pyspy.dump", tp1, "ok", 13.0, 910.0),
+        ("pyspy.dump", EVIL_PID, "permission_denied", 13.5, 4.0),
+        ("cuda.coredump", tp0, "ok", 925.0, 2500.0),
+        ("cuda.coredump", tp1, "timed_out", 926.0, 5000.0),
+        ("profile.session", tp0, "ok", 5930.0, 1500.0),
+    ]
+    assert [a.title for a in tl.actions[:3]] == ["demo::scheduler_TP0", "demo::scheduler_TP1", EVIL_TITLE]
+    assert tl.actions[4].retryable is True and tl.actions[4].detail == "no core after 5s"
+    assert tl.extent_s == pytest.approx(7.5)
+
+
+def test_hung_frame_from_attribute_and_from_real_stacks(tl: IncidentTimeline, bundle: Bundle) -> None:
+    tp0, tp1 = bundle.pids
+    by_pid = {s.pid: s for s in tl.stacks}
+    assert list(by_pid) == [tp0, tp1, EVIL_PID]
+    assert by_pid[tp0].hung_frame == bundle.hung_frames[tp0]
+    assert by_pid[tp0].hung_frame_source == "attribute"
+    # TP1's dump has no summary attributes: the frame is read from pyspy-<pid>.json, skipping
+    # the stdlib waits (Condition.wait, Event.wait) above it.
+    assert by_pid[tp1].hung_frame == bundle.hung_frames[tp1]
+    assert by_pid[tp1].hung_frame_source == "stacks"
+    for pid in (tp0, tp1):
+        s = by_pid[pid]
+        assert sorted(t.thread_name for t in s.threads) == sorted(bundle.thread_names[pid])
+        assert s.thread_count == len(bundle.thread_names[pid])
+        hung_thread = next(t for t in s.threads if t.thread_id == s.hung_thread_id)
+        assert hung_thread.thread_name == "MainThread"
+        assert s.hung_frame_index is not None
+        assert hung_thread.frames[s.hung_frame_index].name == "hung_in_fake_allreduce"
+    evil = by_pid[EVIL_PID]
+    assert (evil.threads, evil.hung_frame, evil.thread_count, evil.title) == ((), None, None, EVIL_TITLE)
+
+
+def test_coredump_profile_requests_and_artifacts(tl: IncidentTimeline, bundle: Bundle) -> None:
+    tp0, tp1 = bundle.pids
+    assert [(c.pid, c.outcome, c.size_bytes) for c in tl.coredumps] == [
+        (tp0, "ok", COREDUMP_SIZE_BYTES), (tp1, "timed_out", None)]
+    assert tl.coredumps[0].path == str(bundle.bundle_dir / f"core.{tp0}.nvcudmp")
+    (profile,) = tl.profiles
+    assert (profile.pid, profile.steps_captured, profile.duration_s) == (tp0, PROFILE_STEPS, 1.5)
+    trace = bundle.bundle_dir / "profile" / f"trace-{tp0}.pt.trace.json"
+    assert profile.trace_paths == (str(trace),)
+    assert profile.trace_size_bytes == trace.stat().st_size
+    assert profile.attributes["servewatch.profile.backend"] == "torch"
+    assert [(r.request_id, r.age_s, r.prompt_tokens, r.generated_tokens) for r in tl.requests] == [
+        (r["request_id"], r["age_s"], r["prompt_tokens"], r["generated_tokens"]) for r in REQUESTS]
+    assert tl.inflight_count == 3
+    sizes = {Path(a.path).name: a.size_bytes for a in tl.artifacts}
+    assert sizes[f"core.{tp0}.nvcudmp"] == COREDUMP_SIZE_BYTES
+    assert sizes[f"pyspy-{tp1}.json"] == (bundle.bundle_dir / f"pyspy-{tp1}.json").stat().st_size
+    assert len(tl.artifacts) == 6 and all(a.exists for a in tl.artifacts)
+
+
+def test_spans_of_the_incident_trace_enrich_once_each(tl: IncidentTimeline, bundle: Bundle) -> None:
+    # the file holds another trace and the incident's line twice (a replay): 6 distinct spans
+    assert [(s.name, round(s.start_offset_s * 1e3, 3)) for s in tl.spans] == [
+        ("incident", 0.0), ("pyspy.dump", 12.5), ("cuda.coredump", 926.0), ("profile.session", 5930.0),
+        ("ProfilerStep#3", 6000.0), ("aten::mm", 6001.0)]
+    assert tl.spans[2].status_code == 2
+    assert tl.spans[5].parent_span_id == tl.spans[4].span_id
+    assert tl.span_files == (str(bundle.span_file),)
+
+
+def test_render_shows_trigger_offsets_outcomes_hung_frames_and_sizes(tl: IncidentTimeline, bundle: Bundle) -> None:
+    console = Console(record=True, width=250, force_terminal=True, color_system="standard")
+    render_timeline(tl, console)
+    styled = console.export_text(styles=True, clear=False)
+    text = console.export_text()
+    tp0, tp1 = bundle.pids
+    assert INCIDENT_ID in text and "stall" in text
+    assert f"busy and no forward progress for 31.0s (timeout 30s, forward_ct=1234, pid {tp0})" in text
+    for cell in ("12.5", "850.0", "925.0", "2,500.0", "926.0", "5,000.0", "5,930.0", "1,500.0"):
+        assert cell in text
+    assert bundle.hung_frames[tp0] in text
+    assert "11.77 MiB (12,345,678 bytes)" in text
+    assert "req-0002" in text and "4096" in text and "31.250" in text
+    assert EVIL_TITLE in text  # printed literally: no markup was interpreted
+    assert "\x1b[1;32mok" in styled and "\x1b[1;33mtimed_out" in styled and "\x1b[1;31mpermission_denied" in styled
+    assert SECRET_PROMPT not in text
+    line = next(ln for ln in text.splitlines() if "cuda.coredump" in ln and str(tp1) in ln and "timed_out" in ln)
+    assert "926.0" in line and "5,000.0" in line
+
+
+def test_plain_text_form_has_no_escape_codes(tl: IncidentTimeline) -> None:
+    text = render_timeline_text(tl, width=200)
+    assert "\x1b[" not in text
+    assert "permission_denied" in text and "hung_in_fake_allreduce" in text
+
+
+def test_json_form_is_complete_and_never_holds_prompt_text(tl: IncidentTimeline, bundle: Bundle) -> None:
+    data = json.loads(json.dumps(timeline_to_dict(tl)))
+    assert data["schema"] == "servewatch.timeline/1"
+    assert data["incident_id"] == INCIDENT_ID and data["trigger"] == "stall"
+    assert data["actions"][3]["start_offset_s"] == pytest.approx(0.925)
+    assert data["actions"][3]["end_offset_s"] == pytest.approx(3.425)
+    assert data["stacks"][1]["hung_frame"] == bundle.hung_frames[bundle.pids[1]]
+    assert data["coredumps"][0]["size_bytes"] == COREDUMP_SIZE_BYTES
+    assert data["artifacts"][0]["exists"] is True
+    assert data["extent_s"] == pytest.approx(7.5)
+    assert SECRET_PROMPT not in json.dumps(data)
+    assert "prompt" not in data["requests"][2]
+
+
+def test_copied_bundle_renders_offline_from_its_own_files(bundle: Bundle, tmp_path: Path) -> None:
+    copy = tmp_path / "elsewhere" / "incident-copy"
+    shutil.copytree(bundle.bundle_dir, copy)
+    got = load_incident(copy)
+    assert Path(got.bundle_dir) == copy
+    assert all(Path(a.path).is_relative_to(copy) and a.exists for a in got.artifacts)
+    assert got.coredumps[0].path == str(copy / f"core.{bundle.pids[0]}.nvcudmp")
+    assert got.coredumps[0].size_bytes == COREDUMP_SIZE_BYTES
+    assert all(Path(s.stacks_path).is_relative_to(copy) for s in got.stacks[:2])
+    assert [s.hung_frame for s in got.stacks[:2]] == [bundle.hung_frames[p] for p in bundle.pids]
+    assert got.spans == () and len(got.requests) == 3  # no span files travel with it; requests.json does
+    text = render_timeline_text(got, width=250)
+    assert "permission_denied" in text and bundle.hung_frames[bundle.pids[1]] in text
+    enriched = load_incident(copy, span_paths=[bundle.span_file])
+    assert len(enriched.spans) == 6
+
+
+def test_missing_artifacts_are_reported_not_fatal(bundle: Bundle, tmp_path: Path) -> None:
+    copy = tmp_path / "partial"
+    shutil.copytree(bundle.bundle_dir, copy)
+    manifest = copy / "manifest.json"  # as if copied off the host that wrote it: recorded paths are gone
+    manifest.write_text(manifest.read_text().replace(str(bundle.bundle_dir), str(tmp_path / "gone" / INCIDENT_ID)))
+    tp0, tp1 = bundle.pids
+    (copy / f"pyspy-{tp1}.json").write_text("[{not json")
+    (copy / f"core.{tp0}.nvcudmp").unlink()
+    got = load_incident(copy, span_paths=[])
+    s1 = next(s for s in got.stacks if s.pid == tp1)
+    assert s1.threads == () and s1.hung_frame is None and s1.error.startswith("JSONDecodeError")
+    assert any(f"stacks of pid {tp1} unreadable" in w for w in got.warnings)
+    s0 = next(s for s in got.stacks if s.pid == tp0)
+    assert s0.hung_frame == bundle.hung_frames[tp0]  # the span attribute still says where
+    core = next(a for a in got.artifacts if a.action == "cuda.coredump")
+    assert core.exists is False
+    text = render_timeline_text(got, width=250)
+    assert "stacks unreadable" in text and "missing" in text
+
+
+def test_latest_is_the_last_opened_and_prefixes_must_be_unique(tmp_path: Path) -> None:
+    _minimal(tmp_path, "20261129T100000Z-manual-aaaaaa", 2_000)
+    _minimal(tmp_path, "20261129T090000Z-manual-bbbbbb", 3_000)
+    assert find_bundle(tmp_path, "latest").name == "20261129T090000Z-manual-bbbbbb"
+    assert find_bundle(tmp_path, "aaaaaa").name == "20261129T100000Z-manual-aaaaaa"
+    with pytest.raises(BundleError, match="matches 2 incidents") as excinfo:
+        find_bundle(tmp_path, "20261129T")
+    assert not isinstance(excinfo.value, (BundleNotFoundError, BundleCorruptError))
+
+
+def test_requests_come_from_span_links_without_requests_json(tmp_path: Path) -> None:
+    trace_id, root = "1" * 32, "2" * 16
+    bundle_dir = _minimal(tmp_path, "20261129T100000Z-health-cccccc", 10**18, trace_id=trace_id, span_id=root)
+    span = {"traceId": trace_id, "spanId": root, "name": "incident", "startTimeUnixNano": str(10**18),
+            "endTimeUnixNano": str(10**18 + 10**9),
+            "links": [{"traceId": "a" * 32, "spanId": "b" * 16,
+                       "attributes": [{"key": "servewatch.request.id", "value": {"stringValue": "r-9"}}]}]}
+    line = json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]})
+    (tmp_path / "spans.jsonl").write_text(line + "\n" + line[:40])  # plus a truncated last line
+    got = load_incident(bundle_dir)  # the data dir is found from <data_dir>/<host>/<id>
+    assert [(r.request_id, r.trace_id, r.span_id) for r in got.requests] == [("r-9", "a" * 32, "b" * 16)]
+    assert [s.name for s in got.spans] == ["incident"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "error", "message"),
+    [
+        ("nothing", BundleNotFoundError, "no such incident bundle or data directory"),
+        ("empty_data_dir", BundleNotFoundError, "no incident bundles"),
+        ("unknown_id", BundleNotFoundError, "no incident 'nope'"),
+        ("not_json", BundleCorruptError, "not valid JSON"),
+        ("wrong_schema", BundleCorruptError, "schema 'other/1'"),
+        ("no_opened_time", BundleCorruptError, "missing incident_id or opened_time_unix_nano"),
+        ("actions_not_list", BundleCorruptError, "must be lists"),
+    ],
+)
+def test_bad_bundles_raise_one_line_errors(tmp_path: Path, setup: str, error: type[BundleError], message: str) -> None:
+    args: tuple[object, ...]
+    if setup == "nothing":
+        args = (tmp_path / "absent",)
+    elif setup == "empty_data_dir":
+        args = (tmp_path,)
+    elif setup == "unknown_id":
+        _minimal(tmp_path, "20261129T100000Z-manual-dddddd", 1)
+        args = (tmp_path, "nope")
+    else:
+        bundle_dir = _minimal(tmp_path, "x", 1)
+        manifest = bundle_dir / "manifest.json"
+        data = json.loads(manifest.read_text())
+        if setup == "not_json":
+            manifest.write_text("{truncated")
+        elif setup == "wrong_schema":
+            manifest.write_text(json.dumps({**data, "schema": "other/1"}))
+        elif setup == "no_opened_time":
+            manifest.write_text(json.dumps({k: v for k, v in data.items() if k != "opened_time_unix_nano"}))
+        else:
+            manifest.write_text(json.dumps({**data, "actions": {"a": 1}}))
+        args = (bundle_dir,)
+    with pytest.raises(error, match=message) as excinfo:
+        load_incident(*args)  # type: ignore[arg-type]
+    assert "\n" not in str(excinfo.value)

@@ -17,9 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 
 import anyio
@@ -33,6 +32,7 @@ __all__ = [
     "LaunchEnv",
     "LaunchError",
     "launch_env",
+    "describe_env",
     "run_launched",
     "exit_status",
 ]
@@ -128,12 +128,30 @@ def launch_env(
     )
 
 
+def describe_env(planned: LaunchEnv) -> str:
+    """One stderr line saying how the server was armed, e.g. for ``servewatch launch``.
+
+    Example: ``Armed CUDA coredumps into '/var/crash/node1/' (set 6, kept user's: none)``.
+    """
+    parts = []
+    if planned.coredump is not None:
+        kept = ", ".join(sorted(planned.kept)) or "none"
+        parts.append(
+            f"Armed CUDA coredumps into '{planned.coredump.host_dir}/' (set {len(planned.coredump.set)},"
+            f" kept user's: {kept})"
+        )
+    if "MTL_CAPTURE_ENABLED" in planned.set:
+        parts.append("MTL_CAPTURE_ENABLED=1 for Metal captures")
+    return "; ".join(parts) or "No diagnostic environment added"
+
+
 def exit_status(returncode: int) -> int:
     """Map a ``Popen.returncode`` to a shell exit status (signal N -> ``128 + N``)."""
     return 128 - returncode if returncode < 0 else returncode
 
 
-async def _forward_signals(receiver, process: Process, *, to_group: bool) -> None:  # noqa: ANN001
+async def _forward_signals(receiver: AsyncIterator[signal.Signals], process: Process, *, to_group: bool) -> None:
+    """Pass every signal servewatch receives on to the child (or its process group)."""
     async for signum in receiver:
         try:
             if to_group:
@@ -147,6 +165,7 @@ async def _forward_signals(receiver, process: Process, *, to_group: bool) -> Non
 
 
 async def _run_agent(agent_main: Callable[[int], Awaitable[None]], pid: int, scope: anyio.CancelScope) -> None:
+    """Run the agent inside ``scope``; its failure is logged, never propagated to the server."""
     with scope:
         try:
             await agent_main(pid)

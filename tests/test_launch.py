@@ -19,7 +19,7 @@ import pytest
 import agent.launch as launch
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
 from agent.events import IncidentOpened, Outcome
-from agent.launch import LaunchError, exit_status, launch_env, run_launched
+from agent.launch import LaunchError, describe_env, exit_status, launch_env, run_launched
 from agent.targets import Target
 from tests.conftest import PROGRAMS_DIR
 
@@ -59,6 +59,9 @@ def test_launch_env_user_values_win(tmp_path: Path) -> None:
     assert planned.env["PATH"] == "/bin"
     assert planned.coredump is not None and planned.coredump.host_dir == tmp_path / "crash" / "h1"
     assert (tmp_path / "crash" / "h1").is_dir()
+    line = describe_env(planned)
+    assert f"'{tmp_path}/crash/h1/'" in line and "set 5" in line
+    assert "kept user's: CUDA_COREDUMP_PIPE, MTL_CAPTURE_ENABLED" in line and "MTL_CAPTURE_ENABLED=1" not in line
 
 
 def test_launch_env_without_folder_or_mlx_adds_nothing() -> None:

@@ -39,9 +39,8 @@ import shlex
 import socket
 import stat
 import tempfile
-import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -734,9 +733,11 @@ class CoredumpActor:
     name = "cuda_coredump"
 
     def __init__(self, config: CoredumpConfig | None = None, *, host: str | None = None) -> None:
-        """Args:
-        config: user configuration; defaults when ``None``.
-        host: host name ``%h`` expands to; default :func:`socket.gethostname`.
+        """Create the actor.
+
+        Args:
+            config: user configuration; defaults when ``None``.
+            host: host name ``%h`` expands to; default :func:`socket.gethostname`.
         """
         self.config = config or CoredumpConfig()
         self.host = host or socket.gethostname()
@@ -826,7 +827,16 @@ class CoredumpActor:
             log.exception("cuda coredump of pid %d failed", target.pid)
             return result(Outcome.FAILED, f"unexpected error: {type(exc).__name__}: {exc}")
 
-    async def _act(self, trigger, target, attrs, result, *, timeout_s: float) -> ActionResult:  # noqa: ANN001
+    async def _act(
+        self,
+        trigger: IncidentOpened,
+        target: Target,
+        attrs: dict[str, AttributeValue],
+        result: Callable[..., ActionResult],
+        *,
+        timeout_s: float,
+    ) -> ActionResult:
+        """Body of :meth:`act` (outcomes returned; ``attrs`` filled in as facts are learnt)."""
         cfg = self.config
         pid = target.pid
         deadline = anyio.current_time() + timeout_s

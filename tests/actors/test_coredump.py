@@ -239,10 +239,22 @@ async def test_no_reader_is_not_armed_without_blocking(tmp_path: Path, start_fak
 
 async def test_full_pipe_reader_that_never_reads_times_out(tmp_path: Path, start_fake: Callable) -> None:
     proc, state, status = start_fake(mode="full")
-    actor = CoredumpActor(fast_config(tmp_path, trigger_timeout_s=0.3), host=HOST)
+    actor = CoredumpActor(fast_config(tmp_path, trigger_timeout_s=0.5), host=HOST)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
     with anyio.fail_after(HANG_GUARD_S):
-        result = await actor.act(incident(), target_of(proc), timeout_s=120, artifact_dir=tmp_path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            result = await actor.act(incident(), target_of(proc), timeout_s=120, artifact_dir=tmp_path)
+            tg.cancel_scope.cancel()
     assert result.outcome is Outcome.TIMED_OUT, result.detail
+    assert ticks >= 3  # the event loop kept running while the pipe stayed full
     assert "stayed full" in result.detail
     assert result.attributes["servewatch.coredump.triggered"] is False
     assert read_status(status)["cores"] == []

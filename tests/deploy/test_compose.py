@@ -108,7 +108,7 @@ def test_bind_mounted_files_exist_and_reach_the_configured_paths(services: dict[
     assert mounted[COLLECTOR_CONFIG.resolve()] == config_flag.removeprefix("--config=")
     tempo = services["tempo"]
     mounted = {(REPO_ROOT / src).resolve(): dst for dst, src in bind_mounts(tempo).items()}
-    assert f"-config.file={mounted[TEMPO_CONFIG.resolve()]}" in tempo["command"]
+    assert tempo["command"] == ["-target=all", f"-config.file={mounted[TEMPO_CONFIG.resolve()]}"]
     grafana_dirs = {(REPO_ROOT / src).resolve(): dst for dst, src in bind_mounts(services["grafana"]).items()}
     assert grafana_dirs[GRAFANA_DATASOURCES.parent.resolve()] == "/etc/grafana/provisioning/datasources"
 

@@ -241,7 +241,12 @@ class DemoFrontend:
                 print(f"demo server: scheduler TP{msg[1]}: {msg[2]}", file=sys.stderr, flush=True)
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Stop the ranks: ask, then SIGTERM, then SIGKILL; each stage waits at most ``grace_s``."""
+        """Stop the ranks: ask, then SIGTERM, then SIGKILL.
+
+        A hung rank never reads the request, so asking waits only ``grace_s / 2``; SIGTERM (which a
+        rank turns into a clean exit that removes its step-counter file) and SIGKILL wait at most
+        ``grace_s`` each, in seconds.
+        """
         self._stop.set()
         for inbox in self._inboxes:
             try:
@@ -255,7 +260,7 @@ class DemoFrontend:
             if escalate is not None:
                 for proc in alive:
                     getattr(proc, escalate)()
-            deadline = time.monotonic() + grace_s
+            deadline = time.monotonic() + (grace_s / 2 if escalate is None else grace_s)
             for proc in alive:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for q in (*self._inboxes, self._result_q, self._ack_q):
@@ -274,7 +279,8 @@ class DemoFrontend:
         """Run one request through rank 0; blocks up to ``request_timeout_s``.
 
         Returns:
-            ``(request id, output ids)``; the ids are ``None`` on timeout.
+            ``(request id, output ids)``; the ids are ``None`` when ``request_timeout_s`` passed
+            or a scheduler process exited (see :meth:`healthy`).
         """
         rid = uuid.uuid4().hex
         pending = _Pending()
@@ -282,7 +288,11 @@ class DemoFrontend:
             self._pending[rid] = pending
         try:
             self._inboxes[0].put(("generate", rid, input_ids, max_new_tokens))
-            pending.done.wait(timeout=self.config.request_timeout_s)
+            deadline = time.monotonic() + self.config.request_timeout_s
+            while self.healthy():
+                left_s = deadline - time.monotonic()
+                if left_s <= 0 or pending.done.wait(timeout=min(_POLL_S, left_s)):
+                    break
             return rid, pending.output_ids
         finally:
             with self._lock:
@@ -385,6 +395,9 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(max_new, int) or not 1 <= max_new <= cfg.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens must be an integer in 1..{cfg.max_new_tokens_limit}")
         rid, out = self.frontend.generate(ids, max_new)
+        if out is None and not self.frontend.healthy():
+            self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "a scheduler process exited", "id": rid})
+            return
         if out is None:
             self._json(HTTPStatus.GATEWAY_TIMEOUT, {"error": f"no result within {cfg.request_timeout_s} s", "id": rid})
             return

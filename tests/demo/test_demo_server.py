@@ -231,10 +231,13 @@ def test_injected_hang_freezes_steps_with_work_pending_while_health_stays_200() 
         assert not counter_path(pid).exists()  # schedulers removed their counter files on SIGTERM
 
 
-def test_health_is_503_once_a_scheduler_died() -> None:
+def test_health_and_generate_are_503_once_a_scheduler_died() -> None:
     with DemoServer(tp=1) as srv:
         psutil.Process(srv.scheduler_pids[0]).kill()
         assert _poll(lambda: httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 503)
+        r = httpx.post(f"{srv.base_url}/generate", json={"text": "x", "max_new_tokens": 1}, timeout=30)
+        assert r.status_code == 503  # fails fast instead of waiting out request_timeout_s
+        assert r.json()["error"] == "a scheduler process exited"
 
 
 def test_server_exits_2_with_install_hint_without_torch() -> None:
@@ -279,3 +282,18 @@ def test_ready_file_is_json_with_the_bound_port(tmp_path: Path, spawn) -> None:
     assert proc.returncode == 0  # SIGTERM is a clean stop
     assert json.loads(out.splitlines()[0]) == info  # the same JSON, one line on stdout
     assert not counter_path(info["scheduler_pids"][0]).exists()
+
+
+def test_collective_timeout_ends_the_peer_like_an_nccl_timeout() -> None:
+    with DemoServer(tp=2, extra_args=["--collective-timeout", "1"]) as srv:
+        generate(srv.base_url, "warm", max_new_tokens=2)
+        inject_hang(srv.base_url, tp_rank=1, seconds=None)
+        # Rank 0 gives up waiting for TP1 in the emulated all-reduce and exits 1; the frontend
+        # answers the request in flight with 503 and turns unhealthy (a process-exit trigger).
+        with pytest.raises(httpx.HTTPStatusError) as exc:
+            generate(srv.base_url, "stuck", max_new_tokens=4, timeout_s=60)
+        assert exc.value.response.status_code == 503
+        assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 503
+        assert "_injected_hang_in_forward" in _dump(srv.scheduler_pids[1])
+        log = srv.log_path.read_text() if srv.log_path else ""
+        assert "all-reduce of step" in log and "waiting for TP ranks [1]" in log

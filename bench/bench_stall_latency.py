@@ -1,0 +1,166 @@
+"""Stall detection latency / configured timeout: our Watchdog vs a timeout/2 poller, same runs.
+
+Each run starts a real stepping subprocess (``tests/programs/fake_server.py``); once both
+detectors are watching it steps for a random time, then freezes with work pending. Two detectors watch the same shared-memory
+counter at the same time:
+
+* ours: :class:`agent.watchers.watchdog.Watchdog` (deadline scheduling from the exact last-step
+  time);
+* baseline: a poller that checks every ``timeout/2`` whether ``forward_ct`` changed and fires
+  once it has not for ``timeout`` (the scheme of SGLang's scheduler watchdog).
+
+Latency is measured from the exact last step (``last_step_monotonic_ns`` in the counter file)
+to the moment each detector fired, divided by the timeout. Prints max / mean / p50 of both.
+Target: ours max <= 1.05 (the poller reaches up to 1.5). Nothing is asserted.
+
+Usage: ``python bench/bench_stall_latency.py [--runs 20] [--timeout-s 1.0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from agent.bus import RecordingBus  # noqa: E402
+from agent.events import WatchdogStalled  # noqa: E402
+from agent.sdk._counter import ENV_SHM_DIR  # noqa: E402
+from agent.watchers.steps import ShmStepSource  # noqa: E402
+from agent.watchers.watchdog import Watchdog, WatchdogConfig  # noqa: E402
+from tests.programs import fake_server  # noqa: E402
+
+TARGET_MAX_RATIO = 1.05
+
+
+class StampingBus(RecordingBus):
+    """Records the monotonic time at which the first ``WatchdogStalled`` was published."""
+
+    stalled_at_ns: int | None = None
+
+    async def publish(self, event: object) -> None:  # type: ignore[override]
+        if isinstance(event, WatchdogStalled) and self.stalled_at_ns is None:
+            self.stalled_at_ns = time.monotonic_ns()
+        await super().publish(event)  # type: ignore[arg-type]
+
+
+async def half_timeout_poller(source: ShmStepSource, timeout_s: float) -> int:
+    """Baseline: poll every timeout/2; fire when forward_ct is unchanged for timeout_s while busy.
+
+    Returns:
+        ``time.monotonic_ns()`` when it fired.
+    """
+    last_ct: int | None = None
+    last_change_ns = time.monotonic_ns()
+    timeout_ns = int(timeout_s * 1e9)
+    while True:
+        reading = source.read_now()
+        now = time.monotonic_ns()
+        if reading is not None and reading.busy and reading.forward_ct > 0:
+            if reading.forward_ct == last_ct:
+                if now - last_change_ns > timeout_ns:
+                    return now
+            else:
+                last_ct, last_change_ns = reading.forward_ct, now
+        else:
+            last_ct, last_change_ns = None, now
+        await anyio.sleep(timeout_s / 2)
+
+
+async def one_run(shm: Path, timeout_s: float, rng: random.Random) -> tuple[float, float]:
+    """One frozen target, both detectors; returns (ours, baseline) latency / timeout."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL, **kwargs)  # type: ignore[call-overload]
+        procs.append(proc)
+        return proc
+
+    env = dict(os.environ, **{ENV_SHM_DIR: str(shm)})
+    run_for_s = rng.uniform(0.2, 0.2 + timeout_s)  # random phase against the poller
+    try:
+        server = fake_server.start(spawn, "--step-interval-s", "0.005", env=env)
+        source = ShmStepSource(server.pid, directory=shm)
+        bus = StampingBus()
+        watchdog = Watchdog(source, WatchdogConfig(timeout_s=timeout_s))
+        fired: dict[str, int] = {}
+        with anyio.fail_after(3 * timeout_s + 60):
+            while (first := source.read_now()) is None or first.forward_ct == 0:
+                await anyio.sleep(0.005)
+            async with anyio.create_task_group() as tg:
+                await tg.start(watchdog.run, bus)
+
+                async def baseline() -> None:
+                    fired["baseline"] = await half_timeout_poller(source, timeout_s)
+
+                tg.start_soon(baseline)
+                # Both detectors have seen it stepping; then it freezes with work pending.
+                await anyio.sleep(run_for_s)
+                await anyio.to_thread.run_sync(lambda: server.control(mode="freeze"))
+                while bus.stalled_at_ns is None or "baseline" not in fired:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        reading = source.read_now()
+        assert reading is not None and reading.last_progress_monotonic_ns is not None
+        last_ns = reading.last_progress_monotonic_ns
+        assert bus.stalled_at_ns is not None
+        return (bus.stalled_at_ns - last_ns) / 1e9 / timeout_s, (fired["baseline"] - last_ns) / 1e9 / timeout_s
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+def summary(label: str, ratios: list[float]) -> str:
+    return (
+        f"  {label:<26} max {max(ratios):.3f}  mean {statistics.fmean(ratios):.3f}  "
+        f"p50 {statistics.median(ratios):.3f}  min {min(ratios):.3f}"
+    )
+
+
+async def amain(runs: int, timeout_s: float, seed: int) -> int:
+    rng = random.Random(seed)
+    ours: list[float] = []
+    base: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="servewatch-bench-") as shm:
+        for i in range(runs):
+            a, b = await one_run(Path(shm), timeout_s, rng)
+            ours.append(a)
+            base.append(b)
+            print(f"run {i + 1:2d}/{runs}: ours {a:.3f}  timeout/2 poller {b:.3f}", file=sys.stderr)
+    print(f"stall detection latency / timeout ({timeout_s} s), {runs} runs:")
+    print(summary("ours (deadline, shm):", ours))
+    print(summary("baseline (timeout/2 poll):", base))
+    verdict = "meets" if max(ours) <= TARGET_MAX_RATIO else "MISSES"
+    print(
+        f"ours max {max(ours):.3f} {verdict} the {TARGET_MAX_RATIO} target; "
+        f"mean ratio ours/baseline {statistics.fmean(ours) / statistics.fmean(base):.3f}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--timeout-s", type=float, default=1.0, help="configured watchdog timeout, seconds")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    return anyio.run(amain, args.runs, args.timeout_s, args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 _POLL_S = 0.05
+# The server is node-local: never route its requests through an HTTP(S)_PROXY from the
+# environment (trust_env=False on every request).
 _LOG_TAIL_BYTES = 2000
 
 
@@ -138,7 +140,7 @@ def generate(base_url: str, text: str, max_new_tokens: int = 16, timeout_s: floa
         httpx.HTTPError: connection failure, timeout, or a non-2xx answer (504 when the server
             gave up waiting, e.g. during an injected hang).
     """
-    r = httpx.post(f"{base_url}/generate", json=_generate_body(text, max_new_tokens), timeout=timeout_s)
+    r = httpx.post(f"{base_url}/generate", json=_generate_body(text, max_new_tokens), timeout=timeout_s, trust_env=False)
     r.raise_for_status()
     return r.json()
 
@@ -147,7 +149,7 @@ async def agenerate(
     base_url: str, text: str, max_new_tokens: int = 16, timeout_s: float = 60.0
 ) -> dict[str, Any]:
     """Async :func:`generate` (same arguments, result and errors)."""
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
         r = await client.post(f"{base_url}/generate", json=_generate_body(text, max_new_tokens))
         r.raise_for_status()
         return r.json()
@@ -168,7 +170,9 @@ def inject_hang(base_url: str, tp_rank: int = 0, seconds: float | None = None, t
     Raises:
         httpx.HTTPError: connection failure or a non-2xx answer (400 for a bad rank).
     """
-    r = httpx.post(f"{base_url}/debug/hang", json={"tp_rank": tp_rank, "seconds": seconds}, timeout=timeout_s)
+    r = httpx.post(
+        f"{base_url}/debug/hang", json={"tp_rank": tp_rank, "seconds": seconds}, timeout=timeout_s, trust_env=False
+    )
     r.raise_for_status()
     return r.json()
 
@@ -177,7 +181,7 @@ async def ainject_hang(
     base_url: str, tp_rank: int = 0, seconds: float | None = None, timeout_s: float = 10.0
 ) -> dict[str, Any]:
     """Async :func:`inject_hang` (same arguments, result and errors)."""
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
         r = await client.post(f"{base_url}/debug/hang", json={"tp_rank": tp_rank, "seconds": seconds})
         r.raise_for_status()
         return r.json()

@@ -197,6 +197,7 @@ def test_bad_requests_get_400_naming_the_problem(server: DemoServer, path: str, 
     assert needle in r.json()["error"]
 
 
+@pytest.mark.slow
 def test_injected_hang_freezes_steps_with_work_pending_while_health_stays_200() -> None:
     with DemoServer(tp=2, extra_args=["--request-timeout", "60"]) as srv:
         generate(srv.base_url, "warm", max_new_tokens=2)
@@ -229,15 +230,6 @@ def test_injected_hang_freezes_steps_with_work_pending_while_health_stays_200() 
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     for pid in pids[1:]:
         assert not counter_path(pid).exists()  # schedulers removed their counter files on SIGTERM
-
-
-def test_health_and_generate_are_503_once_a_scheduler_died() -> None:
-    with DemoServer(tp=1) as srv:
-        psutil.Process(srv.scheduler_pids[0]).kill()
-        assert _poll(lambda: httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 503)
-        r = httpx.post(f"{srv.base_url}/generate", json={"text": "x", "max_new_tokens": 1}, timeout=30)
-        assert r.status_code == 503  # fails fast instead of waiting out request_timeout_s
-        assert r.json()["error"] == "a scheduler process exited"
 
 
 def test_server_exits_2_with_install_hint_without_torch() -> None:
@@ -284,6 +276,7 @@ def test_ready_file_is_json_with_the_bound_port(tmp_path: Path, spawn) -> None:
     assert not counter_path(info["scheduler_pids"][0]).exists()
 
 
+@pytest.mark.slow
 def test_collective_timeout_ends_the_peer_like_an_nccl_timeout() -> None:
     with DemoServer(tp=2, extra_args=["--collective-timeout", "1"]) as srv:
         generate(srv.base_url, "warm", max_new_tokens=2)
@@ -297,3 +290,34 @@ def test_collective_timeout_ends_the_peer_like_an_nccl_timeout() -> None:
         assert "_injected_hang_in_forward" in _dump(srv.scheduler_pids[1])
         log = srv.log_path.read_text() if srv.log_path else ""
         assert "all-reduce of step" in log and "waiting for TP ranks [1]" in log
+
+
+async def test_async_helpers_generate_and_arm_a_bounded_hang(server: DemoServer) -> None:
+    armed = await agent.demo.client.ainject_hang(server.base_url, tp_rank=1, seconds=0.2)
+    assert armed == {"armed": True, "tp_rank": 1, "seconds": 0.2}
+    out = await agent.demo.client.agenerate(server.base_url, "async", max_new_tokens=3)
+    assert len(out["output_ids"]) == 3
+    with pytest.raises(httpx.HTTPStatusError) as exc:
+        await agent.demo.client.ainject_hang(server.base_url, tp_rank=5)
+    assert exc.value.response.status_code == 400
+
+
+async def test_async_server_turns_503_when_a_scheduler_dies_and_stops_cleanly() -> None:
+    async with DemoServer(tp=1) as srv:
+        out = await agent.demo.client.agenerate(srv.base_url, "a", max_new_tokens=2)
+        assert out["meta_info"]["completion_tokens"] == 2
+        psutil.Process(srv.scheduler_pids[0]).kill()
+        assert _poll(lambda: httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 503)
+        r = httpx.post(f"{srv.base_url}/generate", json={"text": "x", "max_new_tokens": 1}, timeout=30)
+        assert r.status_code == 503  # fails fast instead of waiting out request_timeout_s
+        assert r.json()["error"] == "a scheduler process exited"
+        pid = srv.pid
+    assert srv.proc is not None and srv.proc.returncode == 0  # stopped by SIGTERM, cleanly
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_async_start_failure_raises_with_the_server_error() -> None:
+    srv = DemoServer(tp=1, extra_args=["--max-batch-size", "0"])
+    with pytest.raises(DemoServerError, match="--max-batch-size"):
+        await srv.astart()
+    assert srv.proc is not None and srv.proc.returncode == 2

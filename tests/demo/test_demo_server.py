@@ -307,6 +307,7 @@ async def test_async_server_turns_503_when_a_scheduler_dies_and_stops_cleanly() 
         out = await agent.demo.client.agenerate(srv.base_url, "a", max_new_tokens=2)
         assert out["meta_info"]["completion_tokens"] == 2
         psutil.Process(srv.scheduler_pids[0]).kill()
+        counter_path(srv.scheduler_pids[0]).unlink(missing_ok=True)  # SIGKILL left it behind
         assert _poll(lambda: httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 503)
         r = httpx.post(f"{srv.base_url}/generate", json={"text": "x", "max_new_tokens": 1}, timeout=30)
         assert r.status_code == 503  # fails fast instead of waiting out request_timeout_s

@@ -72,7 +72,7 @@ td.path { word-break: break-all; font-family: ui-monospace, "DejaVu Sans Mono", 
 .outcome { font-weight: 700; } .outcome.ok { color: var(--ok); } .outcome.warn { color: #a86f00; }
 .outcome.bad { color: var(--bad); } .outcome.dim { color: var(--dim); } .outcome.na { color: var(--na); }
 .missing { color: var(--bad); }
-svg.timeline { display: block; background: var(--panel); border-radius: 6px; }
+svg.timeline { display: block; background: var(--panel); border-radius: 6px; margin-bottom: 10px; }
 svg .bar rect.ok { fill: var(--ok); } svg .bar rect.warn { fill: var(--warn); } svg .bar rect.bad { fill: var(--bad); }
 svg .bar rect.dim { fill: var(--dim); } svg .bar rect.na { fill: var(--na); } svg .bar rect.span { fill: var(--span); }
 svg .bar rect.span.bad { fill: var(--bad); }
@@ -259,6 +259,9 @@ def _stacks_html(s: ProcessStacks, tl: IncidentTimeline) -> str:
     if not s.threads:
         why = "; ".join(f"{a.outcome}: {a.detail}" if a.detail else a.outcome for a in dumps) or "no py-spy dump"
         parts.append(f'<p class="no-stacks">No stacks: {_e(why)}</p>')
+        if s.summary:
+            items = "".join(f"<li>{_e(line)}</li>" for line in s.summary)
+            parts.append(f'<p>Summary from the span:</p><ol class="frames summary">{items}</ol>')
     if s.error:
         parts.append(f'<p class="warning">Stacks file unreadable: {_e(s.error)}</p>')
     threads = sorted(s.threads, key=lambda t: t.thread_id != s.hung_thread_id)  # the hung thread first
@@ -348,10 +351,11 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
     if tl.profiles:
         body.append('<section id="profiles"><h2>Profiles</h2>')
         body.append(_table(
-            ["pid", "outcome", "duration ms", "steps captured", "trace files"],
+            ["pid", "outcome", "duration ms", "steps captured", "trace files", "attributes"],
             ([_e(_pid(p.pid)), _outcome_html(p.outcome), _e(_ms(p.duration_s)),
               "-" if p.steps_captured is None else _e(p.steps_captured),
-              "<br>".join(_e(t) for t in p.trace_paths) + (f" ({_e(format_size(p.trace_size_bytes))})" if p.trace_paths else "-")]
+              "<br>".join(_e(t) for t in p.trace_paths) + (f" ({_e(format_size(p.trace_size_bytes))})" if p.trace_paths else "-"),
+              "<br>".join(f"{_e(k.removeprefix('servewatch.profile.'))}={_e(v)}" for k, v in p.attributes.items())]
              for p in tl.profiles),
             table_id="profile-table", num=(0, 2, 3),
         ))

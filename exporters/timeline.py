@@ -78,10 +78,11 @@ _COREDUMP_PATH = "servewatch.coredump.path"
 _COREDUMP_SIZE = "servewatch.coredump.size_bytes"
 _PROFILE_STEPS = "servewatch.profile.steps_captured"
 
-#: Frames in these files are library waits (``Condition.wait``), not where a program is stuck.
-_STDLIB_FILE = re.compile(r"[/\\]lib[/\\]python\d+(\.\d+)?[/\\](?!.*(site|dist)-packages)")
-_STDLIB_SHORT = frozenset({"threading.py", "queue.py", "selectors.py", "socket.py", "subprocess.py",
-                           "multiprocessing/connection.py", "asyncio/base_events.py", "concurrent/futures/_base.py"})
+_PYSPY_STACKS = ("servewatch.pyspy.stacks", "servewatch.pyspy.top_frames")
+
+#: Standard-library files: where everything waits (``Event.wait``), so not what a hang is about.
+#: The same rule as the pyspy actor's ``hung_frame``.
+_STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
 
 
 class BundleError(Exception):
@@ -107,18 +108,27 @@ class Frame:
         name: function name (``Class.method`` for methods).
         filename: absolute file path in the target.
         short_filename: path relative to the target's sys.path entry.
-        line: line number (0 when unknown).
+        line: line number (0 for native frames and when unknown).
+        module: the shared object of a native frame (``--native`` dumps); ``None`` for Python.
     """
 
     name: str
     filename: str = ""
     short_filename: str = ""
     line: int = 0
+    module: str | None = None
+
+    @property
+    def native(self) -> bool:
+        """Whether this is a native (C/C++) frame."""
+        return self.module is not None
 
     @property
     def label(self) -> str:
-        """``name (short_filename:line)``, py-spy's own text format."""
+        """``name (short_filename:line)``, py-spy's own text format (``name (lib.so)`` when native)."""
         where = self.short_filename or self.filename or "?"
+        if self.native or self.line <= 0:
+            return f"{self.name} ({where})"
         return f"{self.name} ({where}:{self.line})"
 
 
@@ -152,8 +162,9 @@ class ProcessStacks:
         title: its process title from the manifest's targets (``""`` when not a target).
         threads: every thread in the py-spy JSON artifact (empty when there is none).
         hung_frame: where the process is stuck, ``"name (file:line)"``; from the pyspy span
-            attribute when present, else the innermost non-stdlib frame of the active (else main)
-            thread of the JSON artifact; ``None`` when neither exists.
+            attribute when present, else read from the JSON artifact by the pyspy actor's rule (the
+            main thread, else an active one; its innermost Python frame outside the standard
+            library, else its innermost Python frame); ``None`` when neither exists.
         hung_frame_source: ``"attribute"``, ``"stacks"`` or ``""``.
         hung_thread_id: the thread holding the hung frame (``None`` when unknown).
         hung_frame_index: index of the hung frame in that thread's frames (``None`` when unknown).
@@ -161,6 +172,8 @@ class ProcessStacks:
             there is neither).
         stacks_path: the py-spy JSON artifact read (``""`` when none was found).
         error: why the artifact could not be read (``""`` when fine or absent).
+        summary: the bounded ``"thread: frame"`` lines of the pyspy span attribute (shown when
+            the JSON artifact is gone).
     """
 
     pid: int
@@ -173,6 +186,7 @@ class ProcessStacks:
     thread_count: int | None
     stacks_path: str
     error: str = ""
+    summary: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,6 +552,7 @@ def _parse_threads(data: Any) -> tuple[ThreadStack, ...]:
                     filename=str(f.get("filename") or ""),
                     short_filename=str(f.get("short_filename") or ""),
                     line=_as_int(f.get("line")) or 0,
+                    module=f.get("module") if isinstance(f.get("module"), str) else None,
                 )
             )
         threads.append(
@@ -553,24 +568,24 @@ def _parse_threads(data: Any) -> tuple[ThreadStack, ...]:
     return tuple(threads)
 
 
-def _is_library_wait(frame: Frame) -> bool:
-    if frame.short_filename in _STDLIB_SHORT:
-        return True
-    return bool(_STDLIB_FILE.search(frame.filename)) and frame.short_filename == frame.filename.rsplit("/", 1)[-1]
+def _is_plumbing(frame: Frame) -> bool:
+    return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
 
 
 def _hung_thread(threads: Sequence[ThreadStack], pid: int) -> ThreadStack | None:
-    """The thread a stall is read from: GIL holder, else active, else main, else the first."""
+    """The thread a stall is read from: the main thread, else an active one, else any with frames."""
     with_frames = [t for t in threads if t.frames]
-    for pick in (
-        lambda t: t.active and t.owns_gil,
-        lambda t: t.active,
-        lambda t: t.thread_name == "MainThread" or t.os_thread_id == pid,
-    ):
+    for pick in (lambda t: t.thread_name == "MainThread" or t.os_thread_id == pid, lambda t: t.active):
         found = [t for t in with_frames if pick(t)]
         if found:
             return found[0]
     return with_frames[0] if with_frames else None
+
+
+def _hung_index(thread: ThreadStack) -> int:
+    """Innermost Python frame outside the standard library, else innermost Python frame, else 0."""
+    python = [i for i, f in enumerate(thread.frames) if not f.native]
+    return next((i for i in python if not _is_plumbing(thread.frames[i])), python[0] if python else 0)
 
 
 def _frame_matches(frame: Frame, hung: str) -> bool:
@@ -618,12 +633,18 @@ def _stacks_for(
         hung_thread_id, hung_index = _locate(threads, hung, preferred)
     elif preferred is not None:
         source = "stacks"
-        hung_index = next((i for i, f in enumerate(preferred.frames) if not _is_library_wait(f)), 0)
+        hung_index = _hung_index(preferred)
         hung = preferred.frames[hung_index].label
         hung_thread_id = preferred.thread_id
     else:
         source, hung = "", None
     count = _as_int(attrs.get(_PYSPY_THREAD_COUNT))
+    summary: tuple[str, ...] = ()
+    for key in _PYSPY_STACKS:
+        lines = attrs.get(key)
+        if isinstance(lines, list) and lines:
+            summary = tuple(str(x) for x in lines)
+            break
     return ProcessStacks(
         pid=pid,
         title=title,
@@ -635,6 +656,7 @@ def _stacks_for(
         thread_count=count if count is not None else (len(threads) if threads else None),
         stacks_path=str(json_path) if json_path is not None and json_path.is_file() else "",
         error=error,
+        summary=summary,
     )
 
 

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,13 @@ def _py_spy() -> str:
     return found
 
 
+def _dump(pid: int, *flags: str) -> bytes:
+    done = subprocess.run([_py_spy(), "dump", *flags, "--pid", str(pid)], capture_output=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"py-spy failed on {pid}: {done.stderr.decode(errors='replace')}")
+    return done.stdout
+
+
 def capture_real_stacks(out_dir: Path, titles: list[str]) -> dict[int, tuple[Path, Path]]:
     """Start one titled target per title, dump each with py-spy, kill them.
 
@@ -104,12 +112,17 @@ def capture_real_stacks(out_dir: Path, titles: list[str]) -> dict[int, tuple[Pat
             pid = proc.pid
             json_path = out_dir / f"pyspy-{pid}.json"
             txt_path = out_dir / f"pyspy-{pid}.txt"
-            for argv, path in (([_py_spy(), "dump", "--json", "--pid", str(pid)], json_path),
-                               ([_py_spy(), "dump", "--pid", str(pid)], txt_path)):
-                done = subprocess.run(argv, capture_output=True, timeout=60, check=False)
-                if done.returncode != 0:
-                    raise RuntimeError(f"py-spy failed on {pid}: {done.stderr.decode(errors='replace')}")
-                path.write_bytes(done.stdout)
+            # "ready" is printed just before the main thread enters its hung frame: dump until
+            # the dump shows it there (bounded), as an on-call engineer would re-run py-spy.
+            for _ in range(100):
+                json_out = _dump(pid, "--json")
+                if b"hung_in_fake_allreduce" in json_out:
+                    break
+                time.sleep(0.05)
+            else:
+                raise RuntimeError(f"pid {pid} never showed hung_in_fake_allreduce in 100 dumps")
+            json_path.write_bytes(json_out)
+            txt_path.write_bytes(_dump(pid))
             out[pid] = (json_path, txt_path)
         return out
     finally:

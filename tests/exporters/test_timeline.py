@@ -289,3 +289,37 @@ def test_bad_bundles_raise_one_line_errors(tmp_path: Path, setup: str, error: ty
     with pytest.raises(error, match=message) as excinfo:
         load_incident(*args)  # type: ignore[arg-type]
     assert "\n" not in str(excinfo.value)
+
+
+def test_hung_frame_rule_skips_native_and_stdlib_waits_like_the_pyspy_actor(tmp_path: Path) -> None:
+    pid = 777
+    bundle_dir = _minimal(tmp_path, "20261129T100000Z-stall-eeeeee", 10**18, actions=[
+        {"action": "pyspy.dump", "pid": pid, "outcome": "ok", "start_time_unix_nano": 10**18,
+         "end_time_unix_nano": 10**18 + 10**8, "artifact_paths": [], "attributes": {}},
+        {"action": "pyspy.dump", "pid": pid + 1, "outcome": "ok", "start_time_unix_nano": 10**18,
+         "end_time_unix_nano": 10**18 + 10**8, "artifact_paths": [],
+         "attributes": {"servewatch.pyspy.stacks": ["MainThread: forward (model.py:7)"]}},
+    ])
+    site = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    threads = [
+        {"thread_id": 1, "thread_name": "pt_autograd_0", "os_thread_id": 780, "active": True, "owns_gil": False,
+         "frames": [{"name": "spin", "filename": "/srv/x.py", "short_filename": "x.py", "line": 3}]},
+        {"thread_id": 2, "thread_name": "MainThread", "os_thread_id": pid, "active": False, "owns_gil": False,
+         "frames": [
+             {"name": "pthread_cond_wait", "filename": "libc.so.6", "short_filename": "libc.so.6", "line": 0,
+              "module": "/lib/x86_64-linux-gnu/libc.so.6"},
+             {"name": "Event.wait", "filename": "/usr/lib/python3.11/threading.py", "short_filename": "threading.py",
+              "line": 629},
+             {"name": "all_reduce", "filename": site, "short_filename": "torch/distributed/distributed_c10d.py",
+              "line": 2050},
+             {"name": "forward", "filename": "/srv/model.py", "short_filename": "model.py", "line": 7},
+         ]},
+    ]
+    (bundle_dir / f"pyspy-{pid}.json").write_text(json.dumps(threads))
+    got = load_incident(bundle_dir)
+    s = got.stacks[0]
+    assert s.hung_frame == "all_reduce (torch/distributed/distributed_c10d.py:2050)"
+    assert (s.hung_thread_id, s.hung_frame_index, s.hung_frame_source) == (2, 2, "stacks")
+    assert s.threads[1].frames[0].label == "pthread_cond_wait (libc.so.6)"
+    # no JSON for the second process: the span's bounded summary is kept instead
+    assert (got.stacks[1].threads, got.stacks[1].summary) == ((), ("MainThread: forward (model.py:7)",))

@@ -1,0 +1,163 @@
+"""Stack capture: servewatch's concurrent py-spy dumps against a sequential baseline, in one run.
+
+For K = 1, 4, 8 (``--k``) titled Python processes that have imported torch and idle in a named
+function (tests/programs/titled_target.py), measures:
+
+* sequential: one process at a time, ``py-spy dump --json --native --pid N`` and, if that fails,
+  the same without ``--native`` (what SGLang's crash-dump helper does), each bounded by a
+  timeout;
+* servewatch: :meth:`PySpyActor.dump_all` from the call (the trigger) until every stack is parsed
+  and written, with the default config (``max_concurrency`` = 2 x CPUs).
+
+Each is run ``--repeat`` times, alternating (sequential, servewatch, sequential, ...), after one
+warm-up dump of every process. The table shows the median times, the median of the per-pair
+ratios servewatch / sequential (pairs run back to back, so load from other work on the machine
+hits both alike; target at K=8 on 2 cores: <= 0.55x, about the 2-core limit) and the slowest single
+dump (what servewatch approaches when cores >= K).
+Printed, not asserted. Every process it starts is killed on exit (try/finally).
+
+    python bench/bench_stacks.py [--k 1 4 8] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from agent.actors.pyspy import PySpyActor, PySpyConfig, default_executable
+from agent.events import IncidentOpened, Outcome
+from agent.targets import Target, discover
+
+ROOT = Path(__file__).resolve().parent.parent
+TITLED = ROOT / "tests" / "programs" / "titled_target.py"
+READY_TIMEOUT_S = 180.0
+
+
+def start_targets(k: int, procs: list[subprocess.Popen[bytes]]) -> list[Target]:
+    """Start k torch-importing titled targets (appended to ``procs`` at once) and wait for ready."""
+    tag = f"{os.getpid()}"
+    started = []
+    for i in range(k):
+        proc = subprocess.Popen(
+            [sys.executable, str(TITLED), f"bench::scheduler_TP{i}_{tag}", "--torch", "--max-lifetime-s", "900"],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        started.append(proc)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for proc in started:
+        assert proc.stdout is not None
+        readable, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = proc.stdout.readline() if readable else b""  # "ready <pid>" once torch is imported
+        proc.stdout.close()
+        if not line.startswith(b"ready"):
+            raise RuntimeError(f"target {proc.pid} did not start within {READY_TIMEOUT_S} s: {line!r}")
+    targets = discover(title_globs=[f"bench::scheduler_TP*_{tag}"])
+    if len(targets) != k:
+        raise RuntimeError(f"found {len(targets)} of {k} targets")
+    return targets
+
+
+def sequential_dump(exe: str, pid: int, timeout_s: float) -> float:
+    """One dump the SGLang way: --native, then plain on failure; returns seconds taken."""
+    t0 = time.perf_counter()
+    for extra in (["--native"], []):
+        argv = [exe, "dump", "--json", "--pid", str(pid), *extra]
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            continue
+        if done.returncode == 0:
+            return time.perf_counter() - t0
+    raise RuntimeError(f"sequential dump of {pid} failed")
+
+
+def sequential(exe: str, targets: list[Target], timeout_s: float) -> tuple[float, float]:
+    """All targets one after the other; returns (total seconds, slowest single dump seconds)."""
+    t0 = time.perf_counter()
+    singles = [sequential_dump(exe, t.pid, timeout_s) for t in targets]
+    return time.perf_counter() - t0, max(singles)
+
+
+def servewatch(actor: PySpyActor, targets: list[Target], artifact_dir: Path) -> float:
+    """dump_all from trigger to all stacks parsed and written; returns seconds."""
+    trigger = IncidentOpened(incident_id="bench", trigger="manual")
+
+    async def run() -> float:
+        t0 = time.perf_counter()
+        results = await actor.dump_all(trigger, targets, artifact_dir=artifact_dir)
+        elapsed = time.perf_counter() - t0
+        bad = [r for r in results if r.outcome is not Outcome.OK]
+        if bad:
+            raise RuntimeError(f"servewatch dump failed: {bad[0].detail}")
+        return elapsed
+
+    return anyio.run(run)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 4, 8], help="process counts")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs of each method per K")
+    ap.add_argument("--concurrency", type=int, default=None, help="PySpyConfig.max_concurrency (default: CPUs)")
+    args = ap.parse_args()
+
+    exe = default_executable()
+    if exe is None:
+        sys.exit("py-spy not found: pip install py-spy")
+    config = PySpyConfig() if args.concurrency is None else PySpyConfig(max_concurrency=args.concurrency)
+    actor = PySpyActor(config)
+    cpus = os.cpu_count() or 1
+    print(f"py-spy {exe}; {cpus} CPUs; max_concurrency={config.max_concurrency}; repeat={args.repeat}", file=sys.stderr)
+
+    rows = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-stacks-") as tmp:
+            for k in args.k:
+                print(f"K={k}: starting {k} torch targets...", file=sys.stderr)
+                targets = start_targets(k, procs)
+                sequential(exe, targets, config.timeout_s)  # warm-up: page cache, symbol files
+                seq_s, ours_s, slowest_s, ratios = [], [], [], []
+                for i in range(args.repeat):
+                    total, slowest = sequential(exe, targets, config.timeout_s)
+                    ours = servewatch(actor, targets, Path(tmp) / f"k{k}-{i}")
+                    seq_s.append(total)
+                    slowest_s.append(slowest)
+                    ours_s.append(ours)
+                    ratios.append(ours / total)
+                rows.append(
+                    (k, statistics.median(seq_s), statistics.median(ours_s), statistics.median(ratios), statistics.median(slowest_s))
+                )
+                for proc in procs:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                procs.clear()
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+
+    print(f"{'K':>3} {'sequential_s':>13} {'servewatch_s':>13} {'ratio':>7} {'slowest_single_s':>17}")
+    for k, seq, ours, ratio, slowest in rows:
+        print(f"{k:>3} {seq:>13.3f} {ours:>13.3f} {ratio:>6.2f}x {slowest:>17.3f}")
+    print(f"target: ratio at K=8 <= 0.55x on 2 CPUs (this machine: {cpus} CPUs)")
+
+
+if __name__ == "__main__":
+    main()

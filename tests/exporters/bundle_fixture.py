@@ -79,6 +79,26 @@ def _dump(pid: int, *flags: str) -> bytes:
     return done.stdout
 
 
+def wait_until_hung(pid: int) -> bytes:
+    """Dump ``pid`` until its stacks show ``hung_in_fake_allreduce`` (bounded: 100 dumps).
+
+    ``titled_target.py`` prints "ready" just before its main thread enters that frame, so a dump
+    right after "ready" can still see ``main``.
+
+    Returns:
+        The ``py-spy dump --json`` output that shows the frame.
+
+    Raises:
+        RuntimeError: py-spy failed, or the frame never showed up.
+    """
+    for _ in range(100):
+        json_out = _dump(pid, "--json")
+        if b"hung_in_fake_allreduce" in json_out:
+            return json_out
+        time.sleep(0.05)
+    raise RuntimeError(f"pid {pid} never showed hung_in_fake_allreduce in 100 dumps")
+
+
 def capture_real_stacks(out_dir: Path, titles: list[str]) -> dict[int, tuple[Path, Path]]:
     """Start one titled target per title, dump each with py-spy, kill them.
 
@@ -112,16 +132,7 @@ def capture_real_stacks(out_dir: Path, titles: list[str]) -> dict[int, tuple[Pat
             pid = proc.pid
             json_path = out_dir / f"pyspy-{pid}.json"
             txt_path = out_dir / f"pyspy-{pid}.txt"
-            # "ready" is printed just before the main thread enters its hung frame: dump until
-            # the dump shows it there (bounded), as an on-call engineer would re-run py-spy.
-            for _ in range(100):
-                json_out = _dump(pid, "--json")
-                if b"hung_in_fake_allreduce" in json_out:
-                    break
-                time.sleep(0.05)
-            else:
-                raise RuntimeError(f"pid {pid} never showed hung_in_fake_allreduce in 100 dumps")
-            json_path.write_bytes(json_out)
+            json_path.write_bytes(wait_until_hung(pid))
             txt_path.write_bytes(_dump(pid))
             out[pid] = (json_path, txt_path)
         return out

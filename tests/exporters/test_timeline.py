@@ -323,3 +323,52 @@ def test_hung_frame_rule_skips_native_and_stdlib_waits_like_the_pyspy_actor(tmp_
     assert s.threads[1].frames[0].label == "pthread_cond_wait (libc.so.6)"
     # no JSON for the second process: the span's bounded summary is kept instead
     assert (got.stacks[1].threads, got.stacks[1].summary) == ((), ("MainThread: forward (model.py:7)",))
+
+
+async def test_bundle_written_by_the_incident_manager_and_pyspy_actor(tmp_path: Path, spawn, python: str) -> None:
+    import subprocess
+
+    import anyio
+
+    from agent.actors.pyspy import PySpyActor
+    from agent.bus import EventBus
+    from agent.events import StacksDumped
+    from agent.incidents import IncidentConfig, IncidentManager
+    from agent.targets import discover
+    from tests.exporters.bundle_fixture import TITLED_TARGET, wait_until_hung
+
+    proc = spawn([python, str(TITLED_TARGET), "demo::scheduler_TP0", "--threads", "1", "--max-lifetime-s", "60"],
+                 stdout=subprocess.PIPE)
+    try:
+        assert (await anyio.to_thread.run_sync(proc.stdout.readline)).startswith(b"ready")
+    finally:
+        proc.stdout.close()
+    await anyio.to_thread.run_sync(wait_until_hung, proc.pid)
+    targets = discover(pids=[proc.pid])
+    actor = PySpyActor()
+
+    async def dump_phase(opened, phase_targets, bundle_dir):  # type: ignore[no-untyped-def]
+        return await actor.dump_all(opened, list(phase_targets), artifact_dir=bundle_dir)
+
+    manager = IncidentManager(bus=EventBus(), config=IncidentConfig(), data_dir=tmp_path, host_name="h1",
+                              discover=lambda: targets, phases=[("pyspy.dump", dump_phase, StacksDumped)])
+    record = await manager.open_incident("manual", detail="from a test")
+
+    got = load_incident(tmp_path, "latest")
+    assert got.incident_id == record.opened.incident_id and got.trigger == "manual"
+    (action,) = got.actions
+    assert (action.action, action.pid, action.outcome) == ("pyspy.dump", proc.pid, "ok")
+    assert 0 <= action.start_offset_s <= got.duration_s
+    (stacks,) = got.stacks
+    assert stacks.title == "demo::scheduler_TP0"
+    assert stacks.hung_frame_source == "attribute"
+    assert stacks.hung_frame is not None and stacks.hung_frame.startswith("hung_in_fake_allreduce (")
+    assert stacks.hung_frame_index is not None  # the actor's string is found in the JSON frames
+    # the rule used without the span attribute agrees with the actor's
+    manifest = Path(got.bundle_dir) / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["actions"][0]["attributes"]["servewatch.pyspy.hung_frame"]
+    manifest.write_text(json.dumps(data))
+    again = load_incident(got.bundle_dir)
+    assert (again.stacks[0].hung_frame, again.stacks[0].hung_frame_source) == (stacks.hung_frame, "stacks")
+    assert stacks.hung_frame in render_timeline_text(got, width=250)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from exporters.timeline import ActionRow, IncidentTimeline, ProcessStacks, SpanRow, format_size
 
-__all__ = ["CSP", "render_report_html", "write_report"]
+__all__ = ["CSP", "render_report_html", "write_report", "report_summary"]
 
 #: The page's Content-Security-Policy: nothing may be fetched; only inline styles apply.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
@@ -431,3 +431,24 @@ def write_report(tl: IncidentTimeline, out_path: str | os.PathLike[str], *,
         if tmp.exists():
             tmp.unlink()
     return out
+
+
+def report_summary(tl: IncidentTimeline, path: str | os.PathLike[str]) -> str:
+    """The CLI's closing line for a written report (what, where, how much, how to view it).
+
+    Args:
+        tl: the incident reported.
+        path: the page written (:func:`write_report`'s return value).
+
+    Returns:
+        e.g. ``Wrote report of incident 2025...-stall-a1b2c3 to '/tmp/r.html' (31.20 KiB). Actions: 6
+        Processes: 3 Errors: 1. Open it in a browser (works offline).`` Errors count failed
+        actions (not ``timed_out`` nor the not-applicable outcomes).
+    """
+    size = Path(path).stat().st_size
+    errors = sum(1 for a in tl.actions if _outcome_class(a.outcome) == "bad")
+    return (
+        f"Wrote report of incident {tl.incident_id} to '{path}' ({format_size(size)}). "
+        f"Actions: {len(tl.actions)} Processes: {len(tl.stacks)} Errors: {errors}. "
+        "Open it in a browser (works offline)."
+    )

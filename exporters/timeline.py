@@ -57,6 +57,7 @@ __all__ = [
     "IncidentTimeline",
     "find_bundle",
     "load_incident",
+    "load_incident_arg",
     "timeline_to_dict",
     "render_timeline",
     "render_timeline_text",
@@ -419,8 +420,10 @@ def _read_json(path: Path) -> Any:
 
 
 def _bundles(data_dir: Path) -> list[Path]:
-    """Bundle folders under ``data_dir`` (``<data_dir>/<host>/<id>/manifest.json``)."""
-    return sorted(p.parent for p in data_dir.glob(f"*/*/{MANIFEST_NAME}") if p.is_file())
+    """Bundle folders under ``data_dir`` (``<data_dir>/<host>/<id>/manifest.json``; a host folder
+    ``<data_dir>/<host>`` works too)."""
+    found = [*data_dir.glob(f"*/*/{MANIFEST_NAME}"), *data_dir.glob(f"*/{MANIFEST_NAME}")]
+    return sorted({p.parent for p in found if p.is_file()})
 
 
 def _opened_ns(bundle: Path) -> int:
@@ -978,6 +981,30 @@ def load_incident(
         span_files=tuple(used_files),
         warnings=tuple(warnings),
     )
+
+
+def load_incident_arg(
+    arg: str | os.PathLike[str] | None, *, data_dir: str | os.PathLike[str]
+) -> IncidentTimeline:
+    """What ``servewatch timeline [INCIDENT|DIR]`` and ``servewatch report INCIDENT`` read.
+
+    Args:
+        arg: ``None`` (the latest incident under ``data_dir``); an existing path (a bundle
+            folder, its ``manifest.json``, or another data dir: its latest incident); else an
+            incident id, a unique prefix/suffix of one, or ``"latest"``, looked up in ``data_dir``.
+        data_dir: the agent's data dir (``--data-dir``).
+
+    Returns:
+        The timeline, enriched from span files when found (see :func:`load_incident`).
+
+    Raises:
+        BundleError: one line saying which bundle and why (not found, ambiguous, corrupt).
+    """
+    if arg is None:
+        return load_incident(data_dir, "latest")
+    if Path(arg).exists():
+        return load_incident(arg)
+    return load_incident(data_dir, str(arg))
 
 
 # --- output -----------------------------------------------------------------------------------

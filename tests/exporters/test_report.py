@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import exporters.report as report_mod
-from exporters.report import CSP, render_report_html, write_report
+from exporters.report import CSP, render_report_html, report_summary, write_report
 from exporters.timeline import IncidentTimeline, load_incident
 from tests.exporters.bundle_fixture import (
     COREDUMP_SIZE_BYTES,
@@ -155,7 +155,13 @@ def dom(report: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, s
 
 
 def test_all_matches_public_names() -> None:
-    assert set(report_mod.__all__) == {"CSP", "render_report_html", "write_report"}
+    assert set(report_mod.__all__) == {"CSP", "render_report_html", "write_report", "report_summary"}
+
+
+def test_summary_line_says_what_where_and_how_much(report: Path, tl: IncidentTimeline) -> None:
+    line = report_summary(tl, report)
+    assert line.startswith(f"Wrote report of incident {INCIDENT_ID} to '{report}' (")
+    assert "). Actions: 6 Processes: 3 Errors: 1. Open it" in line  # permission_denied; timed_out is a warning
 
 
 def test_page_is_one_file_with_nothing_to_fetch(report: Path, tl: IncidentTimeline) -> None:

@@ -17,6 +17,7 @@ from exporters.timeline import (
     IncidentTimeline,
     find_bundle,
     load_incident,
+    load_incident_arg,
     render_timeline,
     render_timeline_text,
     timeline_to_dict,
@@ -78,6 +79,22 @@ def test_every_path_form_resolves_to_the_bundle(bundle: Bundle, form: str) -> No
     got = load_incident(*args[form])  # type: ignore[arg-type]
     assert got.incident_id == INCIDENT_ID
     assert Path(got.bundle_dir) == bundle.bundle_dir
+
+
+@pytest.mark.parametrize("form", ["none", "id", "suffix", "bundle_dir", "manifest", "host_dir"])
+def test_cli_argument_is_a_path_or_an_id_under_the_data_dir(bundle: Bundle, form: str, tmp_path: Path) -> None:
+    arg = {"none": None, "id": INCIDENT_ID, "suffix": "stall-a1b2c3", "bundle_dir": str(bundle.bundle_dir),
+           "manifest": str(bundle.bundle_dir / "manifest.json"), "host_dir": str(bundle.data_dir / HOST)}[form]
+    data_dir = bundle.data_dir if form in ("none", "id", "suffix") else tmp_path  # paths need no data dir
+    assert Path(load_incident_arg(arg, data_dir=data_dir).bundle_dir) == bundle.bundle_dir
+
+
+def test_cli_argument_errors_name_the_data_dir(tmp_path: Path) -> None:
+    with pytest.raises(BundleNotFoundError, match=f"{tmp_path}: no incident bundles"):
+        load_incident_arg(None, data_dir=tmp_path)
+    _minimal(tmp_path, "20261129T100000Z-manual-ffffff", 1)
+    with pytest.raises(BundleNotFoundError, match="no incident 'zzz'"):
+        load_incident_arg("zzz", data_dir=tmp_path)
 
 
 def test_manifest_fields_and_action_offsets(tl: IncidentTimeline, bundle: Bundle) -> None:

@@ -45,7 +45,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -118,6 +118,8 @@ class PySpyConfig(BaseModel):
             dump when it fails (default True, as SGLang does it).
         nonblocking: pass ``--nonblocking`` (don't pause the target; stacks may be torn). py-spy
             cannot combine it with ``--native``, so it disables ``native`` (default False).
+        locals: pass ``--locals`` so the dump files hold each frame's local variables (default
+            False: locals can hold secrets and request payloads; never put in span attributes).
         max_concurrency: py-spy processes running at once across all targets (default: twice
             the number of CPUs, at least 2). Measured here (py-spy 0.4.3, torch-importing
             target, ``--native``): a dump spends about half its wall time on CPU (symbol loading,
@@ -137,6 +139,7 @@ class PySpyConfig(BaseModel):
     timeout_s: float = Field(default=10.0, gt=0)
     native: bool = True
     nonblocking: bool = False
+    locals: bool = False
     max_concurrency: int = Field(default_factory=lambda: max(2, 2 * (os.cpu_count() or 1)), ge=1)
     max_output_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
     max_threads: int = Field(default=16, ge=1)
@@ -416,6 +419,7 @@ def classify(
     timed_out: bool = False,
     target_state: ProcessState = ProcessState.RUNNING,
     pid: int = 0,
+    launch_error: OSError | None = None,
 ) -> Classification:
     """Sort one py-spy attempt into an outcome: the one place py-spy's failures are read.
 
@@ -427,11 +431,18 @@ def classify(
         target_state: the target's state probed right after the failure (py-spy prints the
             same message for a dead pid and a zombie).
         pid: the target, for the detail line.
+        launch_error: why py-spy could not be started at all (then the other arguments are
+            ignored).
 
     Returns:
         The classification; ``OK`` only for exit status 0.
     """
     what = f"py-spy dump of pid {pid}"
+    if launch_error is not None:
+        return Classification(
+            Outcome.MISSING_TOOL,
+            f"could not start py-spy ({type(launch_error).__name__}: {launch_error}): pip install py-spy",
+        )
     if timed_out:
         return Classification(
             Outcome.TIMED_OUT,
@@ -487,6 +498,7 @@ class _Attempt:
     stdout_truncated: bool = False
     timed_out: bool = False
     killed: bool = False
+    launch_error: OSError | None = None
 
 
 async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: int) -> bool:
@@ -609,7 +621,8 @@ class PySpyActor:
                 slot (waiting for another dump of the same pid or for a free slot is not counted);
                 each attempt is further bounded by ``PySpyConfig.timeout_s``.
             artifact_dir: where ``pyspy-<pid>.json`` and ``pyspy-<pid>.txt`` (or
-                ``pyspy-<pid>.err.txt`` on failure) are written; created if missing.
+                ``pyspy-<pid>.err.txt`` on failure) are written; created if missing. A further
+                dump of the same pid into the same folder writes ``pyspy-<pid>-2.*`` and so on.
 
         Returns:
             ``OK`` with the stacks summarised in ``attributes``; else ``TIMED_OUT``,
@@ -688,11 +701,23 @@ class PySpyActor:
             self._limiter = anyio.CapacityLimiter(self.config.max_concurrency)
         lock = self._pid_lock(target.pid)
         try:
-            async with lock, self._limiter:
-                attempts = await self._attempts_for(target, exe, timeout_s)
+            async with lock:
+                async with self._limiter:
+                    attempts = await self._attempts_for(target, exe, timeout_s)
+                return await self._report(target, attempts, artifact_dir, result, base)
         finally:
             self._release_pid_lock(target.pid)
 
+    async def _report(
+        self,
+        target: Target,
+        attempts: list[tuple[_Attempt, Classification]],
+        artifact_dir: Path,
+        result: Callable[..., ActionResult],
+        base: dict[str, AttributeValue],
+    ) -> ActionResult:
+        """Write the artifacts of a finished dump and build its result (under the pid's lock,
+        so a second dump of the same pid picks the next free file name)."""
         last, verdict = attempts[-1]
         base["servewatch.pyspy.attempts"] = len(attempts)
         base["servewatch.pyspy.native"] = last.native
@@ -700,6 +725,12 @@ class PySpyActor:
             base["servewatch.pyspy.killed"] = True
         await anyio.Path(artifact_dir).mkdir(parents=True, exist_ok=True)
         stem = Path(artifact_dir) / f"pyspy-{target.pid}"
+        serial = 1
+        while await anyio.Path(stem.with_name(stem.name + ".txt")).exists() or await anyio.Path(
+            stem.with_name(stem.name + ".err.txt")
+        ).exists():
+            serial += 1
+            stem = Path(artifact_dir) / f"pyspy-{target.pid}-{serial}"
 
         if verdict.outcome is not Outcome.OK:
             err_path = stem.with_name(stem.name + ".err.txt")
@@ -749,7 +780,7 @@ class PySpyActor:
             remaining = deadline - anyio.current_time()
             attempt = await self._run_once(target, exe, native=native, timeout_s=max(0.0, min(self.config.timeout_s, remaining)))
             after = ProcessState.RUNNING
-            if attempt.returncode != 0:
+            if attempt.returncode != 0 and attempt.launch_error is None:
                 after = process_state(target.pid, create_time_s=target.create_time_s)
             verdict = classify(
                 attempt.returncode,
@@ -758,6 +789,7 @@ class PySpyActor:
                 timed_out=attempt.timed_out,
                 target_state=after,
                 pid=target.pid,
+                launch_error=attempt.launch_error,
             )
             done.append((attempt, verdict))
             if verdict.native_unsupported and self._native_supported:
@@ -775,12 +807,18 @@ class PySpyActor:
             argv.append("--native")
         if self.config.nonblocking:
             argv.append("--nonblocking")
+        if self.config.locals:
+            argv.append("--locals")
         attempt = _Attempt(argv=argv, native=native)
         env = dict(os.environ, RUST_BACKTRACE="0")  # one-line errors, no Rust backtrace
         self._attempts += 1
         stdout = bytearray()
         stderr = bytearray()
-        proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        try:
+            proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        except OSError as exc:  # vanished or not executable since check(): classified, not raised
+            attempt.launch_error = exc
+            return attempt
         try:
             with anyio.move_on_after(timeout_s) as scope:
                 async with anyio.create_task_group() as tg:

@@ -180,6 +180,11 @@ async def test_same_pid_twice_is_serialized(spawn, python, tmp_path: Path) -> No
     (first, second) = sorted(spans[target.pid])
     assert first[1] <= second[0], "two dumps of one pid overlapped"
     assert len(spans[other.pid]) == 1
+    # each dump keeps its own files
+    assert results[0].artifact_paths != results[2].artifact_paths
+    assert {Path(p).name for p in results[0].artifact_paths + results[2].artifact_paths} == {
+        f"pyspy-{target.pid}.json", f"pyspy-{target.pid}.txt", f"pyspy-{target.pid}-2.json", f"pyspy-{target.pid}-2.txt"
+    }
 
 
 async def test_capacity_limit_bounds_concurrent_pyspy(spawn, python, tmp_path: Path) -> None:
@@ -355,6 +360,31 @@ async def test_missing_pyspy_is_missing_tool_and_a_permanent_error(spawn, python
     assert result.retryable is False
     assert PySpyActor(PySpyConfig(executable=None)).check()[0] is ComponentStatus.PERMANENT_ERROR
     assert PySpyActor().check()[0] is ComponentStatus.OK
+
+
+async def test_pyspy_that_cannot_start_is_missing_tool(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    broken = tmp_path / "py-spy"
+    broken.write_text("#!/nonexistent/interpreter\n", encoding="utf-8")
+    broken.chmod(0o755)
+    actor = PySpyActor(PySpyConfig(executable=str(broken)))
+    assert actor.check()[0] is ComponentStatus.OK  # looks fine until exec
+    result = await actor.act(TRIGGER, target, timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.MISSING_TOOL
+    assert "could not start py-spy" in result.detail
+    assert result.attributes["servewatch.pyspy.attempts"] == 1  # no retry without --native
+
+
+async def test_locals_are_opt_in(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "slow")
+    default = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path / "a")
+    opted = await PySpyActor(PySpyConfig(executable=exe, locals=True)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path / "b")
+    assert default.outcome is Outcome.OK and opted.outcome is Outcome.OK
+    assert ["--locals" in r["argv"] for r in _runs(log) if r["event"] == "start"] == [False, True]
+    frames = [f for t in json.loads(Path(opted.artifact_paths[0]).read_text(encoding="utf-8")) for f in t["frames"]]
+    assert any(f["locals"] for f in frames)  # the file has them...
+    assert "stop_at_monotonic_s" not in repr(dict(opted.attributes))  # ...the span does not
 
 
 # --- units: config, classifier, parser ------------------------------------------------------

@@ -241,7 +241,8 @@ class PrometheusStepSource:
 
     The counter and the gauge are each summed over all their label sets (TP ranks, models).
     ``busy`` is ``gauge > 0``. The counter's progress time is the monotonic time at which the
-    scrape that first saw the new value was sent, so it is accurate to the polling interval;
+    answer of the scrape that first saw the new value arrived, so it is accurate to the polling
+    interval and never earlier than the real last progress;
     the first scrape that finds a non-zero counter starts the clock at that scrape. A counter
     that goes down (server restart) counts as progress.
 
@@ -334,8 +335,10 @@ class PrometheusStepSource:
 
     async def read(self) -> StepReading | None:
         """Scrape once; ``None`` when the scrape fails or the counter has not started."""
-        sent_ns = time.monotonic_ns()
         text = await self._get()
+        # The time the answer arrived: the counter had its value by then. (The send time could
+        # precede the last increment by a round trip and fire the watchdog early.)
+        seen_ns = time.monotonic_ns()
         parsed = self.parse(text) if text is not None else None
         if parsed is None:
             self.failed_scrapes += 1
@@ -344,16 +347,16 @@ class PrometheusStepSource:
         previous = self._last_value
         if previous is None:
             if value > 0:
-                self._last_progress_ns = sent_ns
+                self._last_progress_ns = seen_ns
         elif value != previous:
-            self._last_progress_ns = sent_ns
+            self._last_progress_ns = seen_ns
         self._last_value = value
         return StepReading(
             forward_ct=int(round(value)),
             busy=gauge > 0,
             last_progress_monotonic_ns=self._last_progress_ns,
             pid=self.pid,
-            read_monotonic_ns=sent_ns,
+            read_monotonic_ns=seen_ns,
         )
 
     async def aclose(self) -> None:

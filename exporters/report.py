@@ -77,6 +77,7 @@ svg .bar rect.ok { fill: var(--ok); } svg .bar rect.warn { fill: var(--warn); } 
 svg .bar rect.dim { fill: var(--dim); } svg .bar rect.na { fill: var(--na); } svg .bar rect.span { fill: var(--span); }
 svg .bar rect.span.bad { fill: var(--bad); }
 svg text { font-size: 11px; fill: var(--fg); } svg .row-name { fill: var(--fg); } svg .bar-label { fill: var(--fg); }
+svg .bar-label.inside { fill: #ffffff; } svg .bar-label.inside.warn, svg .bar-label.inside.dim { fill: var(--fg); }
 svg .tick { stroke: var(--line); } svg .tick-label { fill: var(--muted); font-size: 10px; }
 svg .closed { stroke: var(--bad); stroke-dasharray: 4 3; }
 .process { border: 1px solid var(--line); border-radius: 6px; padding: 4px 12px 8px; margin: 10px 0; }
@@ -161,17 +162,18 @@ def _svg_chart(bars: Sequence[_Bar], extent_s: float, *, svg_id: str, label: str
         w = max(bar.duration_s * 1e3 * scale, _MIN_BAR_PX)
         data = " ".join(f'data-{_e(k)}="{_e(v)}"' for k, v in bar.data.items())
         label_px = len(bar.label) * _CHAR_PX
+        label_css = "bar-label"
         if x + w + 6 + label_px <= width:  # after the bar
             lx, anchor = x + w + 6, "start"
         elif w >= label_px + 8:  # inside the bar
-            lx, anchor = x + 4, "start"
+            lx, anchor, label_css = x + 4, "start", f"bar-label inside {bar.css}"
         else:  # before the bar
             lx, anchor = x - 6, "end"
         out.append(
             f'<g class="bar" {data}><title>{_e(bar.tooltip)}</title>'
             f'<text class="row-name" x="6" y="{y + _BAR_PX - 3}">{_e(bar.name)}</text>'
             f'<rect class="{_e(bar.css)}" x="{x:.1f}" y="{y}" width="{w:.1f}" height="{_BAR_PX}" rx="2"/>'
-            f'<text class="bar-label" x="{lx:.1f}" y="{y + _BAR_PX - 3}" text-anchor="{anchor}">{_e(bar.label)}</text>'
+            f'<text class="{_e(label_css)}" x="{lx:.1f}" y="{y + _BAR_PX - 3}" text-anchor="{anchor}">{_e(bar.label)}</text>'
             "</g>"
         )
     out.append("</svg>")

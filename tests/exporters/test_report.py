@@ -286,3 +286,17 @@ def test_screenshot_renders_the_page(report: Path, tmp_path: Path) -> None:
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == WINDOW
     assert len(data) > 50_000  # a blank page of this size compresses to a few KiB
+
+
+def test_incident_without_actions_still_makes_a_page(tmp_path: Path) -> None:
+    bundle_dir = tmp_path / "h1" / "20261129T100000Z-health-000001"
+    bundle_dir.mkdir(parents=True)
+    (bundle_dir / "manifest.json").write_text(
+        '{"schema": "servewatch.incident/1", "incident_id": "20261129T100000Z-health-000001", "trigger": "health",'
+        ' "detail": "http://127.0.0.1:30000/health failed 3 probes in a row (HTTP 503)", "host.name": "h1",'
+        ' "opened_time_unix_nano": 1000, "closed_time_unix_nano": 2000, "targets": [], "actions": []}')
+    markup = render_report_html(load_incident(bundle_dir))
+    assert "<p>No actions ran.</p>" in markup and 'id="timeline-svg"' not in markup
+    assert 'id="trigger">health</span>' in markup
+    assert "http:&#x2F;&#x2F;" not in markup and "http://127.0.0.1:30000/health failed" in markup  # text, not a link
+    assert "<a " not in markup and 'id="stacks"' not in markup

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import time
 from collections.abc import Iterator
@@ -51,22 +52,31 @@ for line in sys.stdin:
 
 
 class Driven:
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
 
-    def ask(self, command: str) -> dict:
+    def ask(self, command: str, timeout_s: float = 30.0) -> dict:
+        """Send one command; wait (bounded) for its one-line JSON answer."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.write(command.encode() + b"\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"target exited: {self.proc.poll()}"
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"no answer to {command!r} within {timeout_s} s"
+            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                assert chunk, f"target exited: {self.proc.poll()}"
+                line += chunk
         return json.loads(line)
 
 
 @pytest.fixture
 def driven(spawn, python, tmp_path: Path) -> Iterator[Driven]:
     env = dict(os.environ, **{ENV_SHM_DIR: str(tmp_path)})
-    proc = spawn([python, "-c", DRIVEN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    proc = spawn([python, "-c", DRIVEN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
     try:
         yield Driven(proc)
     finally:

@@ -89,7 +89,7 @@ async def test_non_child_exit_is_reported_without_status(spawn, python, monkeypa
     )
     assert launcher.stdout is not None
     with anyio.fail_after(30):
-        line = await anyio.to_thread.run_sync(launcher.stdout.readline)
+        line = await anyio.to_thread.run_sync(launcher.stdout.readline, abandon_on_cancel=True)
     launcher.stdout.close()
     grandchild = int(line)
     assert psutil.Process(grandchild).ppid() == launcher.pid

@@ -128,7 +128,10 @@ class ProcessWatcher:
         return tuple(pid for pid, w in self._watched.items() if not w.reported)
 
     def watch(self, target: int | Target, *, returncode: Callable[[], int | None] | None = None) -> None:
-        """Watch one more process (also while running). A pid already watched is left as is.
+        """Watch one more process (also while running).
+
+        A pid already watched (and not yet exited) is left as is; a pid reported as exited is
+        watched anew (a new process that reused the pid).
 
         Args:
             target: pid or :class:`~agent.targets.Target`.
@@ -138,7 +141,7 @@ class ProcessWatcher:
         if isinstance(target, int):
             target = Target(pid=target, title=_title_of(target))
         existing = self._watched.get(target.pid)
-        if existing is not None:
+        if existing is not None and not existing.reported:
             if returncode is not None and existing.returncode is None:
                 existing.returncode = returncode
             return
@@ -163,15 +166,15 @@ class ProcessWatcher:
         pid = watched.target.pid
         pidfd = _open_pidfd(pid)
         try:
-            if not _same_process(watched.target):
-                pass  # gone already (or the pid was reused): report at once
-            elif pidfd is not None:
-                while not _pidfd_exited(pidfd):
-                    with anyio.move_on_after(self.poll_interval_s):
-                        await anyio.wait_readable(pidfd)
-            else:
-                while _alive(watched.target):
-                    await anyio.sleep(self.poll_interval_s)
+            # A pid already gone (or reused by another process) is reported at once.
+            if _same_process(watched.target):
+                if pidfd is not None:
+                    while not _pidfd_exited(pidfd):
+                        with anyio.move_on_after(self.poll_interval_s):
+                            await anyio.wait_readable(pidfd)
+                else:
+                    while _alive(watched.target):
+                        await anyio.sleep(self.poll_interval_s)
             exit_code, sig = await self._status(watched, pidfd)
         finally:
             if pidfd is not None:

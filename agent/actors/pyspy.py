@@ -37,6 +37,7 @@ Messages matched (py-spy 0.4.x, ``src/main.rs``, ``src/config.rs``,
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -515,6 +516,11 @@ async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: 
     return dropped
 
 
+async def _probe(target: Target) -> ProcessState:
+    """:func:`process_state` of the target, off the event loop (psutil reads /proc files)."""
+    return await anyio.to_thread.run_sync(functools.partial(process_state, target.pid, create_time_s=target.create_time_s))
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -687,11 +693,11 @@ class PySpyActor:
             )
 
         exe = self.config.executable
-        status, why = self.check()
+        status, why = await anyio.to_thread.run_sync(self.check)
         if status is not ComponentStatus.OK or not exe:
             return result(Outcome.MISSING_TOOL, why)
 
-        state = process_state(target.pid, create_time_s=target.create_time_s)
+        state = await _probe(target)
         if state is ProcessState.GONE:
             return result(Outcome.NO_SUCH_PROCESS, f"pid {target.pid} is not running (or was reused)")
         if state is ProcessState.ZOMBIE:
@@ -781,7 +787,7 @@ class PySpyActor:
             attempt = await self._run_once(target, exe, native=native, timeout_s=max(0.0, min(self.config.timeout_s, remaining)))
             after = ProcessState.RUNNING
             if attempt.returncode != 0 and attempt.launch_error is None:
-                after = process_state(target.pid, create_time_s=target.create_time_s)
+                after = await _probe(target)
             verdict = classify(
                 attempt.returncode,
                 attempt.stderr,
@@ -837,7 +843,7 @@ class PySpyActor:
                     self._groups_killed += 1
                     _kill_group(proc.pid)
                     await proc.wait()
-                    if process_state(target.pid, create_time_s=target.create_time_s) is ProcessState.STOPPED:
+                    if await _probe(target) is ProcessState.STOPPED:
                         try:
                             os.kill(target.pid, signal.SIGCONT)
                             self._targets_continued += 1

@@ -422,6 +422,9 @@ _PERM_DOCKER = "Permission Denied\n\nIt looks like you are running in a docker c
 _NATIVE = "Collecting stack traces from native extensions (`--native`) is not supported on your platform.\n"
 _CLAP = "error: unexpected argument '--native' found\n\nUsage: py-spy dump [OPTIONS]\n"
 _TOO_NEW = "Error: Unsupported version of Python: 3.99.0\n"
+# Seen in the field: root without CAP_SYS_PTRACE, and a pid that exited during the dump.
+_PERM_ROOT = "Error: Failed to copy Py_Version symbol\n\nCaused by:\n    0: Permission denied (os error 13)\n"
+_ESRCH = "Error: No such process (os error 3)\n"
 
 
 @pytest.mark.parametrize(
@@ -436,6 +439,9 @@ _TOO_NEW = "Error: Unsupported version of Python: 3.99.0\n"
         (1, _NOT_PY, True, False, ProcessState.RUNNING, (Outcome.NOT_PYTHON, False, False, False)),
         (1, _PERM, True, False, ProcessState.RUNNING, (Outcome.PERMISSION_DENIED, False, False, False)),
         (1, _PERM_DOCKER, True, False, ProcessState.RUNNING, (Outcome.PERMISSION_DENIED, False, False, False)),
+        (1, _PERM_ROOT, True, False, ProcessState.RUNNING, (Outcome.PERMISSION_DENIED, False, False, False)),
+        (1, _ESRCH, True, False, ProcessState.RUNNING, (Outcome.NO_SUCH_PROCESS, False, False, False)),
+        (1, _ESRCH, True, False, ProcessState.GONE, (Outcome.NO_SUCH_PROCESS, False, False, False)),
         (1, _NATIVE, True, False, ProcessState.RUNNING, (Outcome.UNSUPPORTED, True, True, False)),
         (2, _CLAP, True, False, ProcessState.RUNNING, (Outcome.UNSUPPORTED, True, True, False)),
         (1, _TOO_NEW, True, False, ProcessState.RUNNING, (Outcome.UNSUPPORTED, False, False, False)),

@@ -14,14 +14,17 @@ streams).
 
 Streaming: memory does not grow with the trace. The file is read in chunks of
 ``chunk_chars`` characters; complete events are cut out of the buffer and decoded in batches by
-the stdlib C decoder (a batch is ``json.loads('[' + text + ']')`` over a slice ending at a
-``},`` boundary; JSON being deterministic, the slice only parses when the cut is a real event
-boundary, otherwise one event is decoded with ``JSONDecoder.raw_decode`` and the reader moves
-on). Only events that will become spans are kept, in a per-thread reorder window of
-``reorder_window`` events (ordered by start time, so a thread's ranges nest correctly even when
-the file is slightly out of order) plus a stack of the thread's open ranges. A span is emitted
-as soon as it leaves the window, with its parent chosen by time containment on its own
-``(pid, tid)``; the outermost ranges are children of the ``profile.session`` span.
+the stdlib C decoder: a batch is the buffer up to its last ``},``, with each flat ``args`` object
+replaced by ``0`` by one C-speed ``re.sub`` (args are not imported, and skipping their objects
+is most of the speed), parsed as ``json.loads('[' + text + ']')``. JSON being deterministic,
+that only parses when the cut is a real event boundary; otherwise one event is decoded with
+``JSONDecoder.raw_decode`` and the reader moves on. Only events that will become spans are
+kept, in a per-thread reorder window of ``reorder_window`` events (ordered by start time, so a
+thread's ranges nest correctly even when the file is slightly out of order) plus a stack of the
+thread's open ranges. A span is emitted as soon as it leaves the window, with its parent chosen
+by time containment on its own ``(pid, tid)``; the outermost ranges are children of the
+``profile.session`` span. GPU rows (``kernel``, ``gpu_memcpy``...) carry ``gpu.device`` /
+``gpu.stream`` from torch's ``pid``/``tid`` there; host rows carry ``process.pid``/``thread.id``.
 
 ``baseTimeNanoseconds`` may come before or after ``traceEvents`` in a file: the head is checked
 first (torch 2.13 writes it there); otherwise one cheap extra pass reads the tail (a plain file
@@ -51,16 +54,22 @@ __all__ = [
     "find_base_time_ns",
     "gputrace_attributes",
     "ALWAYS_KEPT_CATEGORIES",
+    "GPU_CATEGORIES",
 ]
 
 #: Ranges kept whatever the filter says (``ProfilerStep#N`` and ``record_function`` ranges).
 ALWAYS_KEPT_CATEGORIES = frozenset({"user_annotation", "gpu_user_annotation"})
+#: Device-side categories: their ``pid`` is the GPU index and ``tid`` the stream (torch's layout).
+GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
 _TAIL_BYTES = 64 * 1024
 _BASE_RE = re.compile(r'"baseTimeNanoseconds"\s*:\s*(-?\d+)')
 _WS_COMMA = re.compile(r"[\s,]*")
 _WS = re.compile(r"\s*")
 _decoder = json.JSONDecoder()
-
+#: a flat ``args`` object whose strings hold no braces or escapes (torch's usual args); inside
+#: a JSON string an unescaped ``"args":`` cannot occur, so this never matches within a string.
+_ARGS = re.compile(r'"args":\s*\{[^{}"]*(?:"[^"\\{}]*"[^{}"]*)*\}')
+_ARGS_STRIPPED = '"args":0'
 
 class TorchTraceImportConfig(BaseModel):
     """Which torch trace events become spans (user config, section ``[torch_trace]``)."""
@@ -122,6 +131,11 @@ class ImportStatistics(NamedTuple):
             "servewatch.trace_import.dropped_cap": self.dropped_cap,
             "servewatch.trace_import.out_of_order": self.out_of_order,
         }
+
+
+def _text_id(value: Any) -> str:
+    """pid/tid as a dict key (they may be ints or strings in a trace)."""
+    return value if isinstance(value, str) else str(value)
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -191,8 +205,17 @@ class _Reader:
             return obj
 
     def events(self) -> Iterator[list[dict[str, Any]]]:
-        """Batches of decoded ``traceEvents`` items; the cursor stops after the closing ``]``."""
+        """Batches of decoded ``traceEvents`` items; the cursor stops after the closing ``]``.
+
+        A batch is the buffer up to its last ``},`` with every flat ``args`` object replaced by
+        ``0`` (C-speed ``re.sub``; args are not imported) and decoded in one ``json.loads``.
+        JSON being deterministic, that only parses when the cut is a real event boundary;
+        otherwise one event is decoded whole by ``JSONDecoder.raw_decode`` and the reader moves
+        on, so any valid trace is read correctly. A chunk ending mid-event never parses; the
+        buffer is refilled instead.
+        """
         no_batch_before = 0  # absolute position: no batch cut before it (a "}," inside a value)
+        sub = _ARGS.sub
         while True:
             self.skip(_WS_COMMA)
             if self.peek() == "]":
@@ -202,7 +225,7 @@ class _Reader:
             cut = buf.rfind("},", pos)
             if cut > pos and self.offset + cut >= no_batch_before:
                 try:
-                    batch = json.loads("[" + buf[pos : cut + 1] + "]")
+                    batch = json.loads("[" + sub(_ARGS_STRIPPED, buf[pos : cut + 1]) + "]")
                 except json.JSONDecodeError:
                     no_batch_before = self.offset + cut + 1
                 else:
@@ -221,8 +244,11 @@ class _Reader:
 
 def iter_trace_events(
     path: str | Path, *, chunk_chars: int = 1 << 20, on_field: Callable[[str, Any], None] | None = None
-) -> Iterator[dict[str, Any]]:
-    """Yield the ``traceEvents`` items of a Chrome trace one by one, in file order, streaming.
+) -> Iterator[list[dict[str, Any]]]:
+    """Stream the ``traceEvents`` of a Chrome trace as batches of event dicts, in file order.
+
+    Flat ``args`` objects come back as ``0`` (see :meth:`_Reader.events`); every other field is
+    as in the file.
 
     Args:
         path: ``.json`` or ``.json.gz`` file.
@@ -247,8 +273,7 @@ def iter_trace_events(
             r.expect(":")
             if key == "traceEvents":
                 r.expect("[")
-                for batch in r.events():
-                    yield from batch
+                yield from r.events()
             else:
                 value = r.value()
                 if on_field is not None:
@@ -288,7 +313,7 @@ class _Thread:
     __slots__ = ("heap", "stack", "last_start")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[int, int, int, str, dict[str, Any]]] = []
+        self.heap: list[tuple[int, int, int, dict[str, Any]]] = []
         self.stack: list[tuple[int, int]] = []  # (end_ns, span_id) of open kept ranges
         self.last_start = -(1 << 62)
 
@@ -337,7 +362,7 @@ def import_torch_trace(
     bounds = [0, 0]
     seq = 0
 
-    def emit(key: tuple[str, str], th: _Thread, start: int, end: int, name: str, ev: dict[str, Any]) -> None:
+    def emit(th: _Thread, start: int, end: int, ev: dict[str, Any]) -> None:
         stack = th.stack
         if start < th.last_start:
             c["ooo"] += 1
@@ -350,22 +375,22 @@ def import_torch_trace(
             push = True
             th.last_start = start
         sid = new_span_id()
-        cat = ev.get("cat", "")
+        cat = str(ev.get("cat", ""))
         attrs: dict[str, Any] = {"torch.category": cat}
         pid, tid = _as_int(ev.get("pid")), _as_int(ev.get("tid"))
-        if pid is not None:
-            attrs["process.pid"] = pid
-        if tid is not None:
-            attrs["thread.id"] = tid
-        args = ev.get("args")
-        if isinstance(args, dict):
-            for src, dst in (("device", "gpu.device"), ("stream", "gpu.stream"), ("correlation", "torch.correlation")):
-                v = args.get(src)
-                if isinstance(v, (int, str)) and not isinstance(v, bool):
-                    attrs[dst] = v
+        if cat in GPU_CATEGORIES:
+            if pid is not None:
+                attrs["gpu.device"] = pid
+            if tid is not None:
+                attrs["gpu.stream"] = tid
+        else:
+            if pid is not None:
+                attrs["process.pid"] = pid
+            if tid is not None:
+                attrs["thread.id"] = tid
         sink.emit(
             build_span(
-                name,
+                str(ev.get("name", "")),
                 trace_id=trace_id,
                 span_id=sid,
                 parent_span_id=parent,
@@ -381,50 +406,50 @@ def import_torch_trace(
             bounds[0] = start
         bounds[1] = max(bounds[1], end)
 
-    def flush(key: tuple[str, str], th: _Thread, down_to: int) -> None:
+    def flush(th: _Thread, down_to: int) -> None:
         heap = th.heap
         while len(heap) > down_to:
-            start, neg_end, _, name, ev = heapq.heappop(heap)
-            emit(key, th, start, -neg_end, name, ev)
+            start, neg_end, _, ev = heapq.heappop(heap)
+            emit(th, start, -neg_end, ev)
 
-    for ev in iter_trace_events(path, chunk_chars=cfg.chunk_chars):
-        c["events"] += 1
-        if ev.get("ph") != "X":
-            c["phase"] += 1
-            continue
-        cat = ev.get("cat", "")
-        name = str(ev.get("name", ""))
-        is_step = name.startswith("ProfilerStep#")
-        if is_step or cat in ALWAYS_KEPT_CATEGORIES:
-            c["ann"] += 1
-            if is_step:
-                c["steps"] += 1
-        elif cat not in categories:
-            c["cat"] += 1
-            continue
-        else:
-            dur_us = ev.get("dur", 0) or 0
-            if dur_us < min_dur:
-                c["min"] += 1
+    events = phase = ann = steps = d_cat = d_min = d_cap = ops = kept = 0
+    always = ALWAYS_KEPT_CATEGORIES
+    for batch in iter_trace_events(path, chunk_chars=cfg.chunk_chars):
+        events += len(batch)
+        for ev in batch:
+            if ev.get("ph") != "X":
+                phase += 1
                 continue
-            if c["ops"] >= cap:
-                c["cap"] += 1
+            cat = ev.get("cat")
+            if cat in always:
+                ann += 1
+                if str(ev.get("name", "")).startswith("ProfilerStep#"):
+                    steps += 1
+            elif cat not in categories:
+                d_cat += 1
                 continue
-            c["ops"] += 1
-        ts = ev.get("ts", 0) or 0
-        start = base_ns + round(ts * 1000)
-        end = start + round((ev.get("dur", 0) or 0) * 1000)
-        key = (str(ev.get("pid", "")), str(ev.get("tid", "")))
-        th = threads.get(key)
-        if th is None:
-            th = threads[key] = _Thread()
-        seq += 1
-        heapq.heappush(th.heap, (start, -end, seq, name, ev))
-        c["kept"] += 1
-        if len(th.heap) > window:
-            flush(key, th, window)
-    for key, th in threads.items():
-        flush(key, th, 0)
+            elif (ev.get("dur") or 0) < min_dur:
+                d_min += 1
+                continue
+            elif ops >= cap:
+                d_cap += 1
+                continue
+            else:
+                ops += 1
+            start = base_ns + round((ev.get("ts") or 0) * 1000)
+            end = start + round((ev.get("dur") or 0) * 1000)
+            key = (_text_id(ev.get("pid", "")), _text_id(ev.get("tid", "")))
+            th = threads.get(key)
+            if th is None:
+                th = threads[key] = _Thread()
+            seq += 1
+            kept += 1
+            heapq.heappush(th.heap, (start, -end, seq, ev))
+            if len(th.heap) > window:
+                flush(th, window)
+    for th in threads.values():
+        flush(th, 0)
+    c.update(events=events, kept=kept, ann=ann, steps=steps, cat=d_cat, min=d_min, cap=d_cap, phase=phase)
     return ImportStatistics(
         events=c["events"],
         kept=c["kept"],

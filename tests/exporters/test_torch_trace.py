@@ -1,0 +1,223 @@
+"""exporters.torch_trace: real torch traces (made here through agent.sdk.step()) become spans."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.sdk import profiler
+from agent.sdk.profiler import ProfileRequest
+from exporters.spans import InMemorySink, new_span_id, new_trace_id
+from exporters.torch_trace import (
+    ALWAYS_KEPT_CATEGORIES,
+    ImportStatistics,
+    TorchTraceImportConfig,
+    find_base_time_ns,
+    gputrace_attributes,
+    import_torch_trace,
+)
+from tests.sdk._helpers import TinyModel, drain, load_trace
+
+ALL_OPS = TorchTraceImportConfig(min_duration_us=0, max_spans=100_000)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One real 3-step torch profile of a small model, driven by step()."""
+    out = tmp_path_factory.mktemp("trace")
+    model = TinyModel()
+    try:
+        sid = profiler.request_profile(ProfileRequest(num_steps=3, activities=("CPU",), output_dir=str(out)))
+        from agent.sdk.tracing import maybe_record_function
+
+        for _ in range(4):
+            with maybe_record_function("decode_batch"):  # a real range only while profiling
+                model.net(model.x)
+            model.forward_step()
+    finally:
+        drain(model)
+    info = profiler.session(sid)
+    assert info["state"] == "completed"
+    return info
+
+
+def _import(path: str | Path, config: TorchTraceImportConfig = ALL_OPS) -> tuple[InMemorySink, ImportStatistics, int, int]:
+    sink = InMemorySink()
+    tid, root = new_trace_id(), new_span_id()
+    stats = import_torch_trace(path, sink, trace_id=tid, parent_span_id=root, config=config)
+    return sink, stats, tid, root
+
+
+def test_real_trace_becomes_nested_spans_in_the_session_window(session: dict[str, Any]) -> None:
+    path = session["files"][0]
+    trace = load_trace(path)
+    wanted = set(ALL_OPS.categories) | ALWAYS_KEPT_CATEGORIES
+    complete = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    imported = [e for e in complete if e.get("cat") in wanted]
+    sink, stats, tid, root = _import(path)
+    spans = sink.spans
+    assert len(spans) == stats.kept == len(imported)
+    assert stats.dropped_category == len(complete) - len(imported)
+    assert stats.events == len(trace["traceEvents"])
+    assert stats.profiler_steps == 3
+    steps = sorted(sink.spans, key=lambda s: s.start_time)
+    step_spans = [s for s in steps if s.name.startswith("ProfilerStep#")]
+    assert [s.name for s in step_spans] == ["ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
+    by_id = {s.context.span_id: s for s in spans}
+    assert all(s.context.trace_id == tid for s in spans)
+    assert all(s.parent.span_id == root for s in step_spans)
+    # every aten op hangs (directly or not) under a ProfilerStep range that contains it
+    ops = [s for s in spans if s.name.startswith("aten::")]
+    assert ops
+    for op in ops:
+        parent = by_id[op.parent.span_id]
+        assert parent.start_time <= op.start_time <= parent.end_time
+        top = op
+        while top.parent.span_id != root:
+            top = by_id[top.parent.span_id]
+        assert top.name.startswith("ProfilerStep#")
+    assert any(by_id[o.parent.span_id].name.startswith("aten::") for o in ops)  # real depth > 1
+    # record_function ranges opened by maybe_record_function are kept and nest in steps
+    ranges = [s for s in spans if s.name == "decode_batch"]
+    assert len(ranges) == 3 and all(by_id[r.parent.span_id].name.startswith("ProfilerStep#") for r in ranges)
+    # epoch times from baseTimeNanoseconds + ts: inside the session's wall-clock window
+    lo, hi = session["requested_unix_nano"], session["end_time_unix_nano"]
+    for s in step_spans:
+        assert lo <= s.start_time <= s.end_time <= hi
+    assert stats.base_time_unix_nano == trace["baseTimeNanoseconds"] == find_base_time_ns(path)
+    assert ops[0].attributes["process.pid"] == os.getpid()
+
+
+def test_filters_and_cap_count_what_they_drop(session: dict[str, Any]) -> None:
+    path = session["files"][0]
+    _, full, _, _ = _import(path)
+    sink, stats, _, _ = _import(path, TorchTraceImportConfig(min_duration_us=1e12))
+    assert stats.dropped_min_duration == full.kept - full.kept_annotations > 0
+    assert {s.attributes["torch.category"] for s in sink.spans} == {"user_annotation"}
+    assert stats.profiler_steps == 3 and stats.kept == full.kept_annotations
+    sink, stats, _, _ = _import(path, TorchTraceImportConfig(min_duration_us=0, max_spans=2))
+    assert stats.kept == full.kept_annotations + 2
+    assert stats.dropped_cap == full.kept - full.kept_annotations - 2
+    sink, stats, _, _ = _import(path, TorchTraceImportConfig(categories=("kernel",), min_duration_us=0))
+    assert stats.dropped_category >= full.kept - full.kept_annotations
+    attrs = stats.span_attributes()
+    assert attrs["servewatch.trace_import.dropped"] == stats.dropped and attrs["servewatch.trace_import.kept"] == stats.kept
+
+
+def _rewrite(trace: dict[str, Any], path: Path, *, base_last: bool, compact: bool) -> Path:
+    doc = {k: v for k, v in trace.items() if k != "baseTimeNanoseconds"}
+    if not base_last:
+        doc = {"baseTimeNanoseconds": trace["baseTimeNanoseconds"], **doc}
+    else:
+        doc["baseTimeNanoseconds"] = trace["baseTimeNanoseconds"]
+    text = json.dumps(doc, separators=(",", ":")) if compact else json.dumps(doc, indent=2)
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def _shape(sink: InMemorySink) -> list[tuple[str, int, int, str]]:
+    by_id = {s.context.span_id: s for s in sink.spans}
+    return sorted(
+        (s.name, s.start_time, s.end_time, by_id[s.parent.span_id].name if s.parent.span_id in by_id else "<session>")
+        for s in sink.spans
+    )
+
+
+@pytest.mark.parametrize("name", ["late-base.json", "late-base.json.gz"])
+def test_base_time_after_events_and_other_layouts_give_the_same_spans(
+    session: dict[str, Any], tmp_path: Path, name: str
+) -> None:
+    trace = load_trace(session["files"][0])
+    ref, ref_stats, _, _ = _import(session["files"][0])
+    late = _rewrite(trace, tmp_path / name, base_last=True, compact=False)
+    assert find_base_time_ns(late) == trace["baseTimeNanoseconds"]
+    for path in (late, _rewrite(trace, tmp_path / ("compact-" + name), base_last=False, compact=True)):
+        for chunk in (4096, 1 << 20):
+            sink, stats, _, _ = _import(path, TorchTraceImportConfig(min_duration_us=0, max_spans=100_000, chunk_chars=chunk))
+            assert _shape(sink) == _shape(ref)
+            assert stats == ref_stats
+
+
+def test_escapes_nested_args_and_out_of_order_events(tmp_path: Path) -> None:
+    base = 1_700_000_000_000_000_000
+    events = [
+        # file order is not time order on this thread: the window restores it
+        {"ph": "X", "cat": "cpu_op", "name": "child \"q\" {x}", "pid": 1, "tid": "t", "ts": 20.0, "dur": 30.0,
+         "args": {"note": "}, {", "nested": {"a": [1, {"b": 2}]}}},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "pid": 1, "tid": "t", "ts": 10.0, "dur": 100.0, "args": {}},
+        {"ph": "X", "cat": "cpu_op", "name": "early", "pid": 1, "tid": "t", "ts": 5.0, "dur": 1.0},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": "t", "args": {"name": "x"}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 40.0, "dur": 15.0, "args": {"stream": 7}},
+        {"ph": "s", "id": 1, "pid": 1, "tid": "t", "ts": 25, "cat": "ac2g", "name": "ac2g"},
+    ]
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"traceEvents": events, "baseTimeNanoseconds": base}, indent=1))
+    sink, stats, _, root = _import(path)
+    assert (stats.events, stats.kept, stats.dropped_phase, stats.out_of_order) == (6, 4, 2, 0)
+    spans = {s.name: s for s in sink.spans}
+    child, step, kernel = spans['child "q" {x}'], spans["ProfilerStep#0"], spans["gemm"]
+    assert child.parent.span_id == step.context.span_id and step.parent.span_id == root
+    assert (child.start_time, child.end_time) == (base + 20_000, base + 50_000)
+    assert kernel.attributes["gpu.device"] == 0 and kernel.attributes["gpu.stream"] == 7
+    assert kernel.parent.span_id == root  # another (pid, tid): no cross-thread nesting
+    # beyond the reorder window an early event can't be nested: counted, parented to the session
+    sink, stats, _, root = _import(path, TorchTraceImportConfig(min_duration_us=0, reorder_window=1))
+    assert stats.out_of_order == 1
+    spans = {s.name: s for s in sink.spans}
+    assert spans["early"].parent.span_id == root
+    assert spans['child "q" {x}'].parent.span_id == spans["ProfilerStep#0"].context.span_id
+
+
+def test_truncated_trace_is_an_error(session: dict[str, Any], tmp_path: Path) -> None:
+    text = json.dumps(load_trace(session["files"][0]))
+    bad = tmp_path / "cut.json"
+    bad.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError):
+        _import(bad)
+
+
+def test_memory_stays_flat_while_the_trace_grows(tmp_path: Path) -> None:
+    def write(path: Path, n: int) -> None:
+        with open(path, "w") as f:
+            f.write('{"baseTimeNanoseconds": 1700000000000000000, "traceEvents": [\n')
+            for i in range(n):
+                sep = "," if i < n - 1 else ""
+                f.write(json.dumps({"ph": "X", "cat": "cpu_op", "name": f"aten::op{i % 7}", "pid": 1, "tid": 1,
+                                    "ts": i * 10.0, "dur": 5.0, "args": {"External id": i, "Ev Idx": i}}) + sep + "\n")
+            f.write("]}\n")
+
+    peaks = []
+    for n in (20_000, 80_000):
+        path = tmp_path / f"t{n}.json"
+        write(path, n)
+        tracemalloc.start()
+        try:
+            _, stats, _, _ = _import(path, TorchTraceImportConfig(min_duration_us=0, max_spans=10, chunk_chars=64 * 1024))
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert stats.events == n and stats.dropped_cap == n - 10
+        size = path.stat().st_size
+        assert peaks[-1] < size / 3, (peaks[-1], size)
+    assert peaks[1] < peaks[0] * 1.5  # 4x the events, about the same peak
+
+
+def test_gputrace_bundle_is_an_artifact_with_its_size(tmp_path: Path) -> None:
+    bundle = tmp_path / "cap.gputrace"
+    (bundle / "store").mkdir(parents=True)
+    (bundle / "store" / "a.bin").write_bytes(b"x" * 1000)
+    (bundle / "index").write_bytes(b"y" * 24)
+    attrs = gputrace_attributes(bundle)
+    assert attrs["servewatch.artifact.size_bytes"] == 1024
+    assert attrs["servewatch.artifact.path"] == str(bundle.resolve())
+    assert attrs["servewatch.artifact.kind"] == "gputrace"

@@ -164,7 +164,8 @@ class ProcessWatcher:
 
     async def _watch_one(self, bus: Publisher, watched: _Watched) -> None:
         pid = watched.target.pid
-        pidfd = _open_pidfd(pid)
+        # anyio.wait_readable(fd) exists from anyio 4.7; older versions poll.
+        pidfd = _open_pidfd(pid) if hasattr(anyio, "wait_readable") else None
         try:
             # A pid already gone (or reused by another process) is reported at once.
             if _same_process(watched.target):

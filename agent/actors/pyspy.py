@@ -21,14 +21,16 @@ How one dump runs (per target, see :meth:`PySpyActor.act`):
    without ``--native``; ``--native`` unsupported on this host is remembered for the actor's life.
 
 Messages matched (py-spy 0.4.x, ``src/main.rs``, ``src/config.rs``,
-``src/python_process_info.rs``; verified by running py-spy 0.4.3 here):
+``src/python_process_info.rs``; the first three seen by running py-spy 0.4.3 here against a
+root process as ``nobody``, a ``sleep`` and a dead pid / zombie; the others from py-spy's source
+and field logs):
 
 * ``Permission Denied: Try running again with elevated permissions ...`` (non-root), or
   ``Permission Denied`` / ``Permission denied (os error 13)`` / ``Operation not permitted`` (root
   without CAP_SYS_PTRACE).
 * ``Failed to find python version from target process`` (not a Python process).
 * ``Failed to get process executable name. Check that the process is running.`` (dead pid or
-  zombie: told apart by probing the target).
+  zombie: told apart by probing the target); ``No such process (os error 3)`` (exited mid-dump).
 * ``Collecting stack traces from native extensions (`--native`) is not supported on your
   platform.`` (0.4 wheels without unwinding, e.g. aarch64/macOS); clap's unknown-argument error
   for ``--native`` in older builds.

@@ -13,7 +13,8 @@ Each is run ``--repeat`` times, alternating (sequential, servewatch, sequential,
 warm-up dump of every process. The table shows the median times, the median of the per-pair
 ratios servewatch / sequential (pairs run back to back, so load from other work on the machine
 hits both alike; target at K=8 on 2 cores: <= 0.55x, about the 2-core limit) and the slowest single
-dump (what servewatch approaches when cores >= K).
+dump (what servewatch approaches when cores >= K), and the CPU floor: py-spy's CPU seconds in one
+servewatch round divided by the CPU count.
 Printed, not asserted. Every process it starts is killed on exit (try/finally).
 
     python bench/bench_stacks.py [--k 1 4 8] [--repeat 5]
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import select
 import signal
 import statistics
@@ -91,8 +93,14 @@ def sequential(exe: str, targets: list[Target], timeout_s: float) -> tuple[float
     return time.perf_counter() - t0, max(singles)
 
 
-def servewatch(actor: PySpyActor, targets: list[Target], artifact_dir: Path) -> float:
-    """dump_all from trigger to all stacks parsed and written; returns seconds."""
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def servewatch(actor: PySpyActor, targets: list[Target], artifact_dir: Path) -> tuple[float, float]:
+    """dump_all from trigger to all stacks parsed and written; returns (seconds, py-spy CPU
+    seconds)."""
     trigger = IncidentOpened(incident_id="bench", trigger="manual")
 
     async def run() -> float:
@@ -104,7 +112,9 @@ def servewatch(actor: PySpyActor, targets: list[Target], artifact_dir: Path) -> 
             raise RuntimeError(f"servewatch dump failed: {bad[0].detail}")
         return elapsed
 
-    return anyio.run(run)
+    cpu0 = _children_cpu_s()
+    elapsed = anyio.run(run)
+    return elapsed, _children_cpu_s() - cpu0
 
 
 def main() -> None:
@@ -130,16 +140,24 @@ def main() -> None:
                 print(f"K={k}: starting {k} torch targets...", file=sys.stderr)
                 targets = start_targets(k, procs)
                 sequential(exe, targets, config.timeout_s)  # warm-up: page cache, symbol files
-                seq_s, ours_s, slowest_s, ratios = [], [], [], []
+                seq_s, ours_s, slowest_s, ratios, cpu_s = [], [], [], [], []
                 for i in range(args.repeat):
                     total, slowest = sequential(exe, targets, config.timeout_s)
-                    ours = servewatch(actor, targets, Path(tmp) / f"k{k}-{i}")
+                    ours, cpu = servewatch(actor, targets, Path(tmp) / f"k{k}-{i}")
                     seq_s.append(total)
                     slowest_s.append(slowest)
                     ours_s.append(ours)
                     ratios.append(ours / total)
+                    cpu_s.append(cpu)
                 rows.append(
-                    (k, statistics.median(seq_s), statistics.median(ours_s), statistics.median(ratios), statistics.median(slowest_s))
+                    (
+                        k,
+                        statistics.median(seq_s),
+                        statistics.median(ours_s),
+                        statistics.median(ratios),
+                        statistics.median(slowest_s),
+                        statistics.median(cpu_s) / cpus,
+                    )
                 )
                 for proc in procs:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -153,9 +171,10 @@ def main() -> None:
                 pass
             proc.wait(timeout=30)
 
-    print(f"{'K':>3} {'sequential_s':>13} {'servewatch_s':>13} {'ratio':>7} {'slowest_single_s':>17}")
-    for k, seq, ours, ratio, slowest in rows:
-        print(f"{k:>3} {seq:>13.3f} {ours:>13.3f} {ratio:>6.2f}x {slowest:>17.3f}")
+    print(f"{'K':>3} {'sequential_s':>13} {'servewatch_s':>13} {'ratio':>7} {'slowest_single_s':>17} {'cpu_floor_s':>12}")
+    for k, seq, ours, ratio, slowest, floor in rows:
+        print(f"{k:>3} {seq:>13.3f} {ours:>13.3f} {ratio:>6.2f}x {slowest:>17.3f} {floor:>12.3f}")
+    print("cpu_floor_s: py-spy CPU time of one servewatch round / CPUs (no schedule can beat it)")
     print(f"target: ratio at K=8 <= 0.55x on 2 CPUs (this machine: {cpus} CPUs)")
 
 

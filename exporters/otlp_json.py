@@ -35,6 +35,8 @@ __all__ = [
     "request_to_json",
     "request_from_json",
     "read_otlp_json_lines",
+    "read_span_file",
+    "SPAN_FILE_SUFFIXES",
     "iter_span_files",
     "RotatingJsonLinesWriter",
 ]
@@ -133,13 +135,38 @@ def read_otlp_json_lines(path: str | os.PathLike[str]) -> Iterator[ExportTraceSe
             raise ValueError(f"{path}:{number + 1}: {exc}") from exc
 
 
+#: File kinds :func:`read_span_file` reads: OTLP/JSON lines, and one binary protobuf request
+#: (``.binpb``, what the spool writes: ~50x cheaper to write and parse than JSON).
+SPAN_FILE_SUFFIXES = (".jsonl", ".json", ".binpb")
+
+
+def read_span_file(path: str | os.PathLike[str]) -> Iterator[ExportTraceServiceRequest]:
+    """Yield the trace requests in a span file: ``.binpb`` holds one binary protobuf
+    ``ExportTraceServiceRequest``; anything else is read as OTLP/JSON lines.
+
+    Raises:
+        ValueError: the content is not what the suffix says.
+    """
+    if str(path).endswith(".binpb"):
+        request = ExportTraceServiceRequest()
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            request.ParseFromString(data)
+        except Exception as exc:  # protobuf's DecodeError; its base class differs by backend
+            raise ValueError(f"{path}: not a protobuf ExportTraceServiceRequest: {exc}") from exc
+        yield request
+        return
+    yield from read_otlp_json_lines(path)
+
+
 def iter_span_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
-    """Expand files and folders into OTLP/JSON lines files (``*.jsonl``, ``*.json``), sorted by name
-    within a folder (spool and rotated files are named so that name order is write order)."""
+    """Expand files and folders into span files (see :data:`SPAN_FILE_SUFFIXES`), sorted by name
+    within a folder (spool and rotated file names sort in write order)."""
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found = [p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".json")]
+            found = [p for p in path.rglob("*") if p.is_file() and p.suffix in SPAN_FILE_SUFFIXES]
             yield from sorted(found, key=lambda p: (str(p.parent), p.name))
         else:
             yield path

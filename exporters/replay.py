@@ -1,4 +1,4 @@
-"""Replay OTLP/JSON lines files (spool or embedded default) to a collector.
+"""Replay span files (spool ``.binpb`` or embedded-default OTLP/JSON lines) to a collector.
 
 Owns :func:`replay` and :class:`ReplayResult`, behind ``servewatch export --to ENDPOINT [PATHS]``.
 Each line is sent as the same ``ExportTraceServiceRequest`` it was written as, so spans keep their
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from exporters.otlp_json import iter_span_files, read_otlp_json_lines
+from exporters.otlp_json import iter_span_files, read_span_file
 from exporters.transport import Delivery, RequestSender, SendResult, make_sender, span_count
 
 __all__ = ["ReplayResult", "replay"]
@@ -75,11 +75,11 @@ def replay(
     remove_sent: bool = False,
     sender: RequestSender | None = None,
 ) -> ReplayResult:
-    """Send every span in ``paths`` (files or folders of ``*.jsonl``) to an OTLP collector.
+    """Send every span in ``paths`` (span files, or folders of them) to an OTLP collector.
 
     Args:
-        paths: OTLP/JSON lines files, or folders searched recursively (``metrics-*`` files and
-            ``.tmp`` leftovers are skipped).
+        paths: span files (``.jsonl``/``.json`` OTLP/JSON lines, ``.binpb`` spool batches), or
+            folders searched recursively (``metrics-*`` files and ``.tmp`` leftovers are skipped).
         endpoint: collector endpoint (``http://host:4317`` for gRPC, ``http://host:4318`` for HTTP,
             to which ``/v1/traces`` is appended).
         protocol: ``grpc`` or ``http/protobuf``.
@@ -112,7 +112,7 @@ def replay(
             files += 1
             file_failed = False
             try:
-                requests = list(read_otlp_json_lines(path))
+                requests = list(read_span_file(path))
             except ValueError as exc:
                 bad += 1
                 detail = str(exc)

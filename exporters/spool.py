@@ -1,8 +1,9 @@
 """The local spool: batches the collector did not take, kept on disk until it does.
 
-Owns :class:`Spool`. One failed batch is one file ``<seq:016d>-<spans>.jsonl`` holding one
-OTLP/JSON ``ExportTraceServiceRequest`` line (the format of the embedded default files, so
-``servewatch export`` and the collector's ``otlpjsonfile`` receiver can read a spool as is).
+Owns :class:`Spool`. One failed batch is one file ``<seq:016d>-<spans>.binpb`` holding one
+binary protobuf ``ExportTraceServiceRequest``: exactly the bytes that failed to go out, cheap to
+write at a shutdown deadline (~1 us per span, where OTLP/JSON costs ~60 us to write and ~130 us
+to parse per span here). ``servewatch export`` reads these as well as OTLP/JSON lines.
 File-name order is write order; replay takes the head, and only removes it once it is delivered,
 so every span leaves exactly once with its original ids and times. The spool is capped in bytes:
 the OLDEST files are evicted first and their spans counted. Batches the collector refused
@@ -26,7 +27,7 @@ from typing import NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from exporters.otlp_json import read_otlp_json_lines, request_to_json
+from exporters.otlp_json import read_span_file
 
 __all__ = ["Spool", "SpoolEntry", "SpoolStatistics"]
 
@@ -67,10 +68,14 @@ class SpoolStatistics(NamedTuple):
     recovered_spans: int
 
 
+#: Suffix of a spooled batch.
+SUFFIX = ".binpb"
+
+
 def _parse_name(path: Path) -> tuple[int, int] | None:
-    stem = path.name.removesuffix(".jsonl")
+    stem = path.name.removesuffix(SUFFIX)
     seq, _, spans = stem.partition("-")
-    if not (seq.isdigit() and spans.isdigit()) or not path.name.endswith(".jsonl"):
+    if not (seq.isdigit() and spans.isdigit()) or not path.name.endswith(SUFFIX):
         return None
     return int(seq), int(spans)
 
@@ -98,7 +103,7 @@ class Spool:
         self._evicted = 0
         self._rejected = 0
         found = []
-        for path in self.directory.glob("*.jsonl"):
+        for path in self.directory.glob("*" + SUFFIX):
             parsed = _parse_name(path)
             if parsed is not None:
                 found.append(SpoolEntry(parsed[0], path, parsed[1], path.stat().st_size))
@@ -144,14 +149,14 @@ class Spool:
         Raises:
             OSError: the write failed; the batch is not in the spool.
         """
-        data = request_to_json(request).encode("utf-8") + b"\n"
+        data = request.SerializeToString()
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
             if len(data) > self.max_bytes:
                 self._evicted += spans
                 return spans
-            path = self.directory / f"{seq:016d}-{spans}.jsonl"
+            path = self.directory / f"{seq:016d}-{spans}{SUFFIX}"
             tmp = path.with_suffix(".tmp")
             with open(tmp, "wb") as fh:
                 fh.write(data)
@@ -189,7 +194,7 @@ class Spool:
         """Read a spooled batch back; ``None`` (and the file dropped from the spool, moved to
         ``rejected/``) when it is unreadable."""
         try:
-            requests = list(read_otlp_json_lines(entry.path))
+            requests = list(read_span_file(entry.path))
         except (OSError, ValueError) as exc:
             _log.warning("unreadable spool file %s (%s); moved to rejected/", entry.path, exc)
             self.reject(entry)
@@ -243,7 +248,7 @@ class Spool:
             self._rejected += spans
         rejected = self.directory / "rejected"
         rejected.mkdir(exist_ok=True)
-        (rejected / f"{seq:016d}-{spans}.jsonl").write_text(request_to_json(request) + "\n", encoding="utf-8")
+        (rejected / f"{seq:016d}-{spans}{SUFFIX}").write_bytes(request.SerializeToString())
 
     def statistics(self) -> SpoolStatistics:
         with self._lock:

@@ -354,3 +354,43 @@ def otlp_receiver_fixture() -> Iterator[OtlpReceiver]:
         yield receiver
     finally:
         receiver.stop()
+
+
+def serve_over_stdio() -> int:
+    """Run a receiver in its own process, driven by one-line commands on stdin (for benchmarks,
+    so the receiver does not share the exporter's GIL).
+
+    Prints ``<grpc_port> <http_port>`` once listening, then answers each command with one line:
+    ``start``/``stop``/``clear`` -> ``ok``; ``count`` -> spans received; ``wait N SECONDS`` -> spans
+    received once N arrived or the time passed; ``quit`` (or end of input) stops it.
+    """
+    import sys
+
+    receiver = OtlpReceiver().start()
+    print(f"{receiver.grpc_port} {receiver.http_port}", flush=True)
+    try:
+        for line in sys.stdin:
+            command, *args = line.split()
+            if command == "start":
+                receiver.start()
+            elif command == "stop":
+                receiver.stop()
+            elif command == "clear":
+                receiver.clear()
+            elif command == "wait":
+                receiver.wait_for_spans(int(args[0]), timeout_s=float(args[1]))
+                print(receiver.span_count, flush=True)
+                continue
+            elif command == "count":
+                print(receiver.span_count, flush=True)
+                continue
+            elif command == "quit":
+                break
+            print("ok", flush=True)
+    finally:
+        receiver.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_over_stdio())

@@ -116,7 +116,7 @@ def test_shutdown_while_receiver_down_is_bounded_spools_and_next_run_delivers(
     assert took_s < HANG_GUARD_S
     stats = processor.statistics()
     assert (stats.spooled, stats.spool_spans, stats.dropped, stats.exported) == (5_000, 5_000, 0, 0)
-    assert sum(int(p.name.split("-")[1].split(".")[0]) for p in (tmp_path / "spool").glob("*.jsonl")) == 5_000
+    assert sum(int(p.name.split("-")[1].split(".")[0]) for p in (tmp_path / "spool").glob("*.binpb")) == 5_000
 
     otlp_receiver.start()
     second = _processor(otlp_receiver.endpoint(protocol), protocol, tmp_path / "spool")
@@ -180,8 +180,8 @@ def test_permanent_refusal_is_kept_aside_and_not_retried(otlp_receiver: OtlpRece
     stats = processor.statistics()
     assert (stats.rejected, stats.exported, stats.spool_spans) == (20, 5, 0)
     assert otlp_receiver.span_count == 5
-    rejected = list((tmp_path / "spool" / "rejected").glob("*.jsonl"))
-    assert len(rejected) == 1 and rejected[0].name.endswith("-20.jsonl")
+    rejected = list((tmp_path / "spool" / "rejected").glob("*.binpb"))
+    assert len(rejected) == 1 and rejected[0].name.endswith("-20.binpb")
 
 
 def test_on_end_after_shutdown_is_counted(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def test_replay_spool_left_by_an_outage_and_remove_sent(otlp_receiver: OtlpRecei
     result = replay([telemetry.spool_dir], endpoint=otlp_receiver.grpc_endpoint, protocol="grpc", remove_sent=True)
     assert (result.sent, result.failed, result.removed) == (250, 0, result.files)
     assert {s.span_id for s in otlp_receiver.spans()} == ids
-    assert list(telemetry.spool_dir.glob("*.jsonl")) == []
+    assert list(telemetry.spool_dir.glob("*.binpb")) == []
 
 
 def test_replay_to_an_unreachable_collector_counts_failures_and_keeps_files(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:

@@ -35,17 +35,12 @@ def test_fifo_order_and_exact_removal(tmp_path: Path) -> None:
     assert seen == ["a-0", "b-0", "c-0"]
     stats = spool.statistics()
     assert (stats.written_spans, stats.delivered_spans, stats.spans, stats.files) == (9, 9, 0, 0)
-    assert list(tmp_path.glob("*.jsonl")) == []
+    assert list(tmp_path.glob("*.binpb")) == []
     spool.close()
 
 
 def test_cap_evicts_oldest_and_counts_their_spans(tmp_path: Path) -> None:
-    one = len(_batch(4, "x").SerializeToString())
-    probe = Spool(tmp_path / "probe", max_bytes=10**7)
-    probe.append(_batch(4, "x"), 4)
-    size = probe.statistics().size_bytes
-    probe.close()
-    assert size > one  # JSON is bigger than protobuf; the cap is on bytes on disk
+    size = len(_batch(4, "x").SerializeToString())  # the spool stores the request's protobuf bytes
     spool = Spool(tmp_path / "s", max_bytes=size * 3 + size // 2)
     evicted = [spool.append(_batch(4, tag), 4) for tag in ("a", "b", "c", "d", "e")]
     assert evicted == [0, 0, 0, 4, 4]
@@ -92,7 +87,7 @@ def test_unreadable_file_moves_to_rejected(tmp_path: Path) -> None:
     spool.append(_batch(2, "a"), 2)
     entry = spool.head()
     assert entry is not None
-    entry.path.write_text("{garbage\n{more garbage\n")
+    entry.path.write_bytes(b"\xff\xff\xff\xff\xff")  # a truncated varint: not a protobuf message
     assert spool.load(entry) is None
     assert spool.statistics().rejected_spans == 2 and len(spool) == 0
     assert (tmp_path / "rejected" / entry.path.name).exists()

@@ -98,11 +98,15 @@ class Subscription:
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 return
 
-    async def aclose(self) -> None:
-        """Unsubscribe; safe to call twice."""
+    def close(self) -> None:
+        """Unsubscribe and drop what is buffered; safe to call twice (also under cancellation)."""
         self._bus._remove(self)
         self._send.close()
         self._receive.close()
+
+    async def aclose(self) -> None:
+        """Unsubscribe; safe to call twice."""
+        self.close()
 
     async def __aenter__(self) -> Subscription:
         return self

@@ -50,7 +50,8 @@ class HealthConfig(BaseModel):
     """User settings of the health watcher.
 
     Attributes:
-        url: the health URL. Default ``http://127.0.0.1:30000/health`` (SGLang's default port).
+        url: the health URL, e.g. ``http://127.0.0.1:30000/health`` (SGLang's default port).
+            Default ``None``: no health watcher runs.
         interval_s: seconds between probe starts (fixed rate). Default 5.0.
         timeout_s: per-probe timeout in seconds, for the whole request. Default 5.0. SGLang's
             ``/health`` and ``/health_generate`` run a one-token generation and may wait up to
@@ -63,7 +64,7 @@ class HealthConfig(BaseModel):
             the process watcher's business. Default ``True``.
     """
 
-    url: str = "http://127.0.0.1:30000/health"
+    url: str | None = None
     interval_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=5.0, gt=0)
     unhealthy_after: int = Field(default=3, ge=1)
@@ -121,8 +122,10 @@ class HealthWatcher:
 
     name = "health"
 
-    def __init__(self, config: HealthConfig | None = None, *, client: httpx.AsyncClient | None = None) -> None:
-        self.config = config or HealthConfig()
+    def __init__(self, config: HealthConfig, *, client: httpx.AsyncClient | None = None) -> None:
+        if not config.url:
+            raise ValueError("HealthWatcher needs HealthConfig.url")
+        self.config = config
         self._client = client
         self.healthy = True
         self.ready = not self.config.wait_for_ready
@@ -132,7 +135,7 @@ class HealthWatcher:
 
     async def probe(self, client: httpx.AsyncClient) -> HealthProbed:
         """Run one probe, bounded by ``timeout_s`` in total; never raises for target faults."""
-        url = self.config.url
+        url = self.config.url or ""
         timeout_s = self.config.timeout_s
         status_code: int | None = None
         error_class = ERROR_TIMEOUT  # if the cancel scope below fires

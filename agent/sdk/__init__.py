@@ -43,6 +43,18 @@ __all__ = [
     "add_step_hook",
     "remove_step_hook",
     "close",
+    # profiling, ranges, request spans, control socket (agent.sdk.profiler / tracing / control)
+    "ProfileRequest",
+    "ProfilerBusyError",
+    "request_profile",
+    "request_stop",
+    "profile_status",
+    "maybe_record_function",
+    "request_span",
+    "inflight",
+    "serve_control",
+    "stop_control",
+    "control_path",
 ]
 
 _counter: SharedCounter | None = None
@@ -141,3 +153,10 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# Re-exports, imported last: these modules use the step hooks defined above.
+from agent.sdk.control import control_path, serve_control, stop_control  # noqa: E402
+from agent.sdk.profiler import ProfileRequest, ProfilerBusyError, request_profile, request_stop  # noqa: E402
+from agent.sdk.profiler import status as profile_status  # noqa: E402
+from agent.sdk.tracing import inflight, maybe_record_function, request_span  # noqa: E402

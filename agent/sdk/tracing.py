@@ -250,40 +250,44 @@ def request_span(
     if attributes:
         attrs.update(attributes)
     name = f"{operation} {model}" if model else operation
-    tracer = get_tracer()
     start_ns = time.time_ns()
-    with tracer.start_as_current_span(
-        name, kind=trace.SpanKind.SERVER, attributes=attrs, start_time=start_ns
-    ) as span:
-        ctx = span.get_span_context()
-        recording = bool(ctx.is_valid)
-        trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
-        span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
-        entry = InflightRequest(
-            request_id=request_id,
-            trace_id=f"{trace_id:032x}",
-            span_id=f"{span_id:016x}",
-            start_time_unix_nano=start_ns,
-            model=model,
-            operation=operation,
-            input_tokens=None if input_tokens is None else int(input_tokens),
-            max_tokens=None if max_tokens is None else int(max_tokens),
-            recording=recording,
-            thread_id=threading.get_ident(),
-        )
-        key = id(entry)
-        with _registry_lock:
-            _registry[key] = entry
-        torch_range = None
-        if _profiling:
-            from torch.profiler import record_function
+    # Not made the current span: requests interleave on one thread (async servers, or several
+    # requests per batch), and context attach/detach must nest.
+    span = get_tracer().start_span(name, kind=trace.SpanKind.SERVER, attributes=attrs, start_time=start_ns)
+    ctx = span.get_span_context()
+    recording = bool(ctx.is_valid)
+    trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
+    span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
+    entry = InflightRequest(
+        request_id=request_id,
+        trace_id=f"{trace_id:032x}",
+        span_id=f"{span_id:016x}",
+        start_time_unix_nano=start_ns,
+        model=model,
+        operation=operation,
+        input_tokens=None if input_tokens is None else int(input_tokens),
+        max_tokens=None if max_tokens is None else int(max_tokens),
+        recording=recording,
+        thread_id=threading.get_ident(),
+    )
+    key = id(entry)
+    with _registry_lock:
+        _registry[key] = entry
+    torch_range = None
+    if _profiling:
+        from torch.profiler import record_function
 
-            torch_range = record_function(f"request:{request_id}")
-            torch_range.__enter__()
-        try:
-            yield RequestHandle(entry, span)
-        finally:
-            if torch_range is not None:
-                torch_range.__exit__(None, None, None)
-            with _registry_lock:
-                _registry.pop(key, None)
+        torch_range = record_function(f"request:{request_id}")
+        torch_range.__enter__()
+    try:
+        yield RequestHandle(entry, span)
+    except BaseException as exc:
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        if torch_range is not None:
+            torch_range.__exit__(None, None, None)
+        with _registry_lock:
+            _registry.pop(key, None)
+        span.end()

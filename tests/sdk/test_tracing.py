@@ -79,3 +79,20 @@ def test_request_span_is_a_torch_range_while_profiling(tmp_path: Path, exporter:
         drain(model)
     names = {e.get("name") for e in load_trace(profiler.session(sid)["files"][0])["traceEvents"]}
     assert "request:req-prof" in names
+
+
+def test_sdk_import_stays_light_and_exports_what_it_lists() -> None:
+    import subprocess
+    import sys
+
+    import agent.sdk as sdk
+
+    assert all(hasattr(sdk, name) for name in sdk.__all__)
+    code = (
+        "import sys, agent.sdk, agent.sdk.profiler, agent.sdk.control, agent.sdk.tracing\n"
+        "print(' '.join(sorted(m for m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    loaded = set(out.stdout.split())
+    heavy = {"torch", "mlx", "anyio", "httpx", "pydantic", "opentelemetry.sdk", "opentelemetry", "agent.bus", "agent.events", "exporters"}
+    assert not loaded & heavy, loaded & heavy

@@ -264,11 +264,16 @@ class LosslessSpanProcessor(SpanProcessor):
     # --- the worker thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            self._loop()
-            self._drain_on_stop()
-        except Exception:  # boundary: the worker must not die silently; shutdown spools the queue
-            _log.exception("export worker failed")
+        while True:
+            try:
+                self._loop()
+                self._drain_on_stop()
+                return
+            except Exception:  # boundary: log, keep the worker alive (shutdown still spools the queue)
+                _log.exception("export worker error; continuing")
+                if self._stopping:
+                    return
+                time.sleep(0.05)
 
     def _flush_pending(self) -> bool:
         return self._flush_target > self._settled
@@ -326,13 +331,16 @@ class LosslessSpanProcessor(SpanProcessor):
         """Send one fresh batch, or spool it when the spool is busy or we are backing off."""
         if not batch:
             return
-        count = len(batch)
-        request = encode_spans(batch)
+        request, count = self._encode(batch)
+        if request is None:
+            return
         spool = self.spool
         if spool is not None and (len(spool) or time.monotonic() < self._retry_at or self._spool_only()):
             self._to_spool(request, count)
             return
         result = self._send(request, count, replay=False)
+        if result is None:
+            return
         if result.ok:
             self._succeeded()
             with self._cv:
@@ -344,6 +352,23 @@ class LosslessSpanProcessor(SpanProcessor):
             self._failed(result)
             self._to_spool(request, count)
 
+    def _encode(self, batch: list[ReadableSpan]) -> tuple[ExportTraceServiceRequest | None, int]:
+        """Encode a batch; a span the OTLP encoder raises on (malformed: no context...) is dropped
+        and counted alone, the rest go on. Returns (request or None, spans in it)."""
+        try:
+            return encode_spans(batch), len(batch)
+        except Exception:  # boundary: find the bad spans instead of losing the batch
+            good = []
+            for span in batch:
+                try:
+                    encode_spans([span])
+                except Exception:
+                    _log.warning("span %r cannot be OTLP-encoded; dropped", span.name)
+                    continue
+                good.append(span)
+            self._settle(len(batch) - len(good), dropped=len(batch) - len(good))
+            return (encode_spans(good), len(good)) if good else (None, 0)
+
     def _replay_head(self) -> None:
         spool = self.spool
         assert spool is not None
@@ -354,6 +379,8 @@ class LosslessSpanProcessor(SpanProcessor):
         if request is None:
             return
         result = self._send(request, entry.spans, replay=True)
+        if result is None:
+            return
         if result.ok:
             self._succeeded()
             spool.remove(entry)
@@ -366,7 +393,8 @@ class LosslessSpanProcessor(SpanProcessor):
         else:
             self._failed(result)
 
-    def _send(self, request: ExportTraceServiceRequest, spans: int, *, replay: bool) -> SendResult:
+    def _send(self, request: ExportTraceServiceRequest, spans: int, *, replay: bool) -> SendResult | None:
+        """One attempt. ``None``: shutdown abandoned the worker while it was sending."""
         with self._state:
             if self._abandoned:
                 return SendResult(Delivery.RETRYABLE, "shutdown deadline passed")
@@ -375,10 +403,14 @@ class LosslessSpanProcessor(SpanProcessor):
         if self._stopping:
             timeout_s = min(timeout_s, max(0.01, self._deadline - time.monotonic() - _SPOOL_ONLY_MARGIN_S))
         try:
-            return self.sender.send(request, timeout_s=timeout_s)
+            result: SendResult | None = self.sender.send(request, timeout_s=timeout_s)
         finally:
             with self._state:
                 self._inflight = None
+                abandoned = self._abandoned
+        # Past the deadline shutdown() took this batch over (spooled it); touching it again
+        # here could only duplicate it.
+        return None if abandoned else result
 
     def _succeeded(self) -> None:
         self._backoff_s = 0.0
@@ -436,5 +468,6 @@ class LosslessSpanProcessor(SpanProcessor):
         """After the worker ended or was abandoned: everything still queued goes to the spool."""
         while self._queue:
             batch = self._take()
-            if batch:
-                self._to_spool(encode_spans(batch), len(batch))
+            request, count = self._encode(batch) if batch else (None, 0)
+            if request is not None:
+                self._to_spool(request, count)

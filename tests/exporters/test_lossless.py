@@ -10,7 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
 
 from agent.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, StacksDumped, now_ns
 from exporters.mirror import SpanMirror
@@ -190,3 +192,46 @@ def test_on_end_after_shutdown_is_counted(otlp_receiver: OtlpReceiver, tmp_path:
     processor.shutdown(1.0)  # safe twice
     _request_spans(processor, 3, Resource.create({}))
     assert processor.statistics().dropped == 3
+
+
+def test_full_spool_evicts_the_oldest_batches_and_counts_them(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:
+    resource = Resource.create({"service.name": "servewatch"})
+    otlp_receiver.stop()
+    probe = build_span("gen_ai.request", trace_id=new_trace_id(), start_time_unix_nano=1, end_time_unix_nano=2, attributes={"gen_ai.request.id": "req-0000"}, resource=resource)
+    batch_bytes = len(encode_spans([probe] * 100).SerializeToString())
+    processor = LosslessSpanProcessor(
+        make_sender(otlp_receiver.grpc_endpoint, "grpc"),
+        spool=Spool(tmp_path / "spool", max_bytes=batch_bytes * 3 + batch_bytes // 2),
+        max_batch_spans=100,
+        schedule_delay_s=5.0,  # only full batches of 100 before the flush: exact counts
+        retry_initial_backoff_s=0.05,
+        retry_max_backoff_s=0.2,
+    )
+    try:
+        produced = list(_request_spans(processor, 1_000, resource))
+        assert processor.flush(10.0) is False
+        stats = processor.statistics()
+        assert stats.spool_spans == 300 and stats.evicted == 700 and stats.lost == 700
+        otlp_receiver.start()
+        assert otlp_receiver.wait_for_spans(300, timeout_s=30.0)
+        assert processor.flush(10.0) is True
+    finally:
+        processor.shutdown(2.0)
+    received = _received(otlp_receiver)
+    assert set(received) == set(produced[-300:])  # the newest survive, in full, once
+    assert max(received.values()) == 1
+
+
+def test_unencodable_span_is_dropped_alone_and_counted(otlp_receiver: OtlpReceiver, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    processor = _processor(otlp_receiver.grpc_endpoint, "grpc", tmp_path / "spool")
+    try:
+        good = _request_spans(processor, 5, Resource.create({}))
+        processor.on_end(ReadableSpan(name="bad", context=None))  # no ids: the OTLP encoder raises
+        good |= _request_spans(processor, 5, Resource.create({}))
+        assert processor.flush(10.0) is True
+    finally:
+        processor.shutdown(2.0)
+    stats = processor.statistics()
+    assert (stats.exported, stats.dropped) == (10, 1)
+    assert set(_received(otlp_receiver)) == set(good)
+    assert "'bad'" in caplog.text

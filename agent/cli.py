@@ -1,0 +1,395 @@
+"""The ``servewatch`` command line.
+
+Owns argument parsing, exit codes and what is printed; every command calls into the agent or
+exporters. stdout carries results (JSON with ``--json``), progress and chatter go to stderr.
+
+Exit codes (:class:`ExitCode`): 0 success, 1 runtime failure, 2 usage error or invalid setting.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Optional
+
+import typer
+from rich.console import Console
+
+from agent.config import ConfigError, Settings, load_settings
+
+__all__ = ["ExitCode", "app", "main"]
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes of every ``servewatch`` command."""
+
+    OK = 0
+    FAILURE = 1
+    USAGE = 2
+
+
+EXIT_CODES_HELP = "Exit codes: 0 success, 1 runtime failure, 2 usage error or invalid setting."
+
+app = typer.Typer(
+    name="servewatch",
+    help="Diagnostics agent for GPU inference servers: stall detection, py-spy stacks, CUDA coredumps,"
+    " bounded profiles, all as OpenTelemetry traces. " + EXIT_CODES_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+out = Console(soft_wrap=True)  # results
+err = Console(stderr=True, soft_wrap=True)  # progress, chatter, errors
+
+
+def fail(message: str, code: int = ExitCode.FAILURE) -> NoReturn:
+    """Print one ``servewatch: ...`` line on stderr and exit with ``code``."""
+    err.print(f"servewatch: {message}", markup=False, highlight=False)
+    raise typer.Exit(int(code))
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _settings(cli: dict[str, Any], config: Optional[Path]) -> Settings:
+    try:
+        return load_settings(cli, config_file=config)
+    except ConfigError as exc:
+        fail(str(exc), ExitCode.USAGE)
+
+
+# Options shared by several commands.
+ConfigOpt = typer.Option(None, "--config", help="TOML settings file (CLI > SERVEWATCH_* env > file > defaults).")
+DataDirOpt = typer.Option(None, "--data-dir", help="Bundles and span files [env SERVEWATCH_DATA_DIR; default ./servewatch-data].")
+PidOpt = typer.Option(None, "--pid", help="Target pid (repeatable).")
+RootPidOpt = typer.Option(None, "--root-pid", help="Watch this pid and all its descendants.")
+MatchOpt = typer.Option(None, "--match", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
+VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
+
+
+def _target(pid: Optional[list[int]], root_pid: Optional[int], match: Optional[list[str]]) -> dict[str, Any]:
+    return {"pids": pid or None, "root_pid": root_pid, "match": match or None}
+
+
+def _print_record(record: Any, *, as_json: bool) -> None:
+    from agent.summary import incident_summary, summary_lines
+
+    if as_json:
+        out.print_json(json.dumps(incident_summary(record)))
+        return
+    for line in summary_lines(record):
+        out.print(line, markup=False, highlight=False)
+
+
+# --- run -----------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    health_url: Optional[str] = typer.Option(None, "--health-url", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health."),
+    metrics_url: Optional[str] = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL (progress counter + busy gauge)."),
+    metrics_preset: Optional[str] = typer.Option(None, "--metrics-preset", help="sglang (default) or vllm metric names."),
+    pid: Optional[list[int]] = PidOpt,
+    root_pid: Optional[int] = RootPidOpt,
+    match: Optional[list[str]] = MatchOpt,
+    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall [default 300]."),
+    hard: Optional[bool] = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence."),
+    cooldown: Optional[float] = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long [default 300]."),
+    duration: Optional[float] = typer.Option(None, "--duration", metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
+    data_dir: Optional[Path] = DataDirOpt,
+    config: Optional[Path] = ConfigOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Watch a server and capture evidence when it stalls, fails its health check or exits."""
+    _logging(verbose)
+    settings = _settings(
+        {
+            "data_dir": data_dir,
+            "target": _target(pid, root_pid, match),
+            "health": {"url": health_url},
+            "metrics": {"url": metrics_url, "metrics_preset": metrics_preset},
+            "watchdog": {"timeout_s": watchdog_timeout, "hard": hard},
+            "incident": {"cooldown_s": cooldown},
+        },
+        config,
+    )
+    if not (settings.health.url or settings.metrics.url or settings.target.pids or settings.target.match or settings.target.root_pid):
+        fail("nothing to watch: give --health-url, --metrics-url, --pid, --root-pid or --match", ExitCode.USAGE)
+    import anyio
+
+    from agent.runtime import Agent
+
+    def on_incident(record: Any) -> None:
+        from agent.summary import summary_lines
+
+        for line in summary_lines(record):
+            err.print(line, markup=False, highlight=False)
+
+    async def main() -> None:
+        agent = Agent(settings, on_incident=on_incident)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, agent)
+            if duration is not None:
+                tg.start_soon(_stop_after, agent, duration)
+            await agent.run()
+            tg.cancel_scope.cancel()
+
+    err.print(f"servewatch: watching (data dir {settings.data_dir}); Ctrl-C to stop", markup=False)
+    anyio.run(main)
+
+
+async def _stop_on_signal(agent: Any) -> None:
+    import signal
+
+    import anyio
+
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            agent.stop()
+            return
+
+
+async def _stop_after(agent: Any, seconds: float) -> None:
+    import anyio
+
+    await anyio.sleep(seconds)
+    agent.stop()
+
+
+# --- dump ----------------------------------------------------------------------------------
+
+
+@app.command()
+def dump(
+    pid: Optional[list[int]] = PidOpt,
+    root_pid: Optional[int] = RootPidOpt,
+    match: Optional[list[str]] = MatchOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
+    data_dir: Optional[Path] = DataDirOpt,
+    config: Optional[Path] = ConfigOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """One-shot incident now: dump matching processes, write bundle + spans, print a summary."""
+    _logging(verbose)
+    settings = _settings({"data_dir": data_dir, "target": _target(pid, root_pid, match)}, config)
+    t = settings.target
+    if not (t.pids or t.match or t.root_pid):
+        fail("no targets: give --pid, --root-pid or --match", ExitCode.USAGE)
+    import anyio
+
+    from agent.runtime import dump_once
+
+    record = anyio.run(dump_once, settings)
+    _print_record(record, as_json=as_json)
+    if not record.targets:
+        fail("no process matched the given --pid/--root-pid/--match", ExitCode.FAILURE)
+    if not any(r.outcome.value == "ok" for r in record.results):
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+# --- demo ----------------------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    tp: int = typer.Option(2, "--tp", min=1, max=8, help="Scheduler processes (TP ranks) of the demo server."),
+    watchdog_timeout: float = typer.Option(3.0, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout used by the demo."),
+    deadline: float = typer.Option(90.0, "--deadline", metavar="SECONDS", help="Give up if no incident is captured by then."),
+    as_json: bool = typer.Option(False, "--json", help="Print the incident summary as JSON on stdout."),
+    data_dir: Optional[Path] = DataDirOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Run a real small inference server, hang one scheduler on purpose, and capture the incident."""
+    _logging(verbose)
+    from agent.demo import TORCH_MISSING_MESSAGE, torch_available
+
+    if not torch_available():
+        fail(TORCH_MISSING_MESSAGE, ExitCode.FAILURE)
+    settings = _settings({"data_dir": data_dir}, None)
+    from agent.demo.run import run_demo
+
+    try:
+        record = run_demo(settings, tp=tp, watchdog_timeout_s=watchdog_timeout, deadline_s=deadline, log=err)
+    except TimeoutError as exc:
+        fail(str(exc), ExitCode.FAILURE)
+    _print_record(record, as_json=as_json)
+
+
+# --- launch / cuda-env ----------------------------------------------------------------------
+
+
+@app.command("cuda-env")
+def cuda_env(
+    folder: Optional[Path] = typer.Option(None, "--folder", metavar="DIR", help="Crash-dump folder (core files go to DIR/<host>/)."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Print `export` lines arming CUDA coredumps (SGLang's defaults; values already set are kept)."""
+    from agent.actors.coredump import check_dump_dir, cuda_coredump_env, format_exports
+
+    settings = _settings({"coredump": {"folder": folder}}, config)
+    cfg = settings.coredump
+    try:
+        plan = cuda_coredump_env(cfg.folder, pipe_template=cfg.pipe_template)
+    except OSError as exc:
+        fail(f"cannot create crash-dump folder {str(cfg.folder)!r}: {exc.strerror or exc}", ExitCode.FAILURE)
+    check = check_dump_dir(plan.host_dir, min_free_bytes=cfg.min_free_bytes)
+    out.print(format_exports(plan), markup=False, highlight=False)
+    err.print(
+        f"servewatch: {len(plan.set)} variable(s) set, {len(plan.kept)} kept; core files go to '{plan.host_dir}/'"
+        + ("" if check.ok else f" (warning: {check.reason})"),
+        markup=False,
+    )
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def launch(
+    cmd: list[str] = typer.Argument(..., metavar="-- CMD [ARGS]...", help="The server command line."),
+    crash_dump_folder: Optional[Path] = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ [default: coredump.folder]."),
+    mlx: bool = typer.Option(False, "--mlx", help="MLX target: also set MTL_CAPTURE_ENABLED=1 (Metal capture)."),
+    health_url: Optional[str] = typer.Option(None, "--health-url", help="Health endpoint of the launched server."),
+    metrics_url: Optional[str] = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL of the launched server."),
+    match: Optional[list[str]] = MatchOpt,
+    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout [default 300]."),
+    data_dir: Optional[Path] = DataDirOpt,
+    config: Optional[Path] = ConfigOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Start a server armed for diagnostics (CUDA coredumps, Metal capture) and watch it; returns its exit code."""
+    _logging(verbose)
+    from agent.launch import LaunchError, describe_env, launch_env, run_launched
+
+    settings = _settings(
+        {
+            "data_dir": data_dir,
+            "target": {"match": match or None},
+            "health": {"url": health_url},
+            "metrics": {"url": metrics_url},
+            "watchdog": {"timeout_s": watchdog_timeout},
+            "coredump": {"folder": crash_dump_folder},
+        },
+        config,
+    )
+    try:
+        planned = launch_env(
+            crash_dump_folder=settings.coredump.folder if settings.coredump.enabled else None,
+            mlx=mlx,
+            pipe_template=settings.coredump.pipe_template,
+        )
+    except OSError as exc:
+        fail(f"cannot create crash-dump folder {str(settings.coredump.folder)!r}: {exc.strerror or exc}")
+    err.print(f"servewatch: {describe_env(planned)}", markup=False)
+    import anyio
+
+    from agent.runtime import Agent
+
+    async def agent_main(child_pid: int) -> None:
+        target = settings.target.model_copy(update={"root_pid": child_pid})
+        agent = Agent(settings.model_copy(update={"target": target}))
+        await agent.run()
+
+    try:
+        rc = anyio.run(lambda: run_launched(cmd, env=planned.env, agent_main=agent_main))
+    except LaunchError as exc:
+        fail(str(exc), exc.exit_code)
+    raise typer.Exit(rc)
+
+
+# --- export / timeline / report --------------------------------------------------------------
+
+
+@app.command()
+def export(
+    to: str = typer.Option(..., "--to", metavar="ENDPOINT", help="Collector endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)."),
+    paths: Optional[list[Path]] = typer.Argument(None, help="Span files or folders [default: the data dir]."),
+    protocol: str = typer.Option("grpc", "--protocol", help="grpc or http/protobuf."),
+    timeout: float = typer.Option(10.0, "--timeout", metavar="SECONDS", help="Bound on each request, retries included."),
+    remove_sent: bool = typer.Option(False, "--remove-sent", help="Delete each file once all its spans were delivered."),
+    data_dir: Optional[Path] = DataDirOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Replay spool or embedded-default span files to a collector (spans keep their ids and times)."""
+    from exporters.replay import replay
+
+    settings = _settings({"data_dir": data_dir}, config)
+    if protocol not in ("grpc", "http/protobuf"):
+        fail(f"invalid setting protocol: expected grpc or http/protobuf (got {protocol!r})", ExitCode.USAGE)
+    sources = list(paths or [settings.data_dir])
+    try:
+        result = replay(sources, endpoint=to, protocol=protocol, timeout_s=timeout, remove_sent=remove_sent)
+    except FileNotFoundError as exc:
+        fail(f"no such file or folder: {exc.filename or exc}", ExitCode.USAGE)
+    except ValueError as exc:
+        fail(str(exc), ExitCode.USAGE)
+    err.print(
+        f"Sent {result.sent} span(s) from {result.files} file(s) to {to}. Failed: {result.failed}"
+        + (f" Bad files: {result.bad_files}" if result.bad_files else ""),
+        markup=False,
+    )
+    if result.failed or result.bad_files:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+@app.command()
+def timeline(
+    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder [default: latest]."),
+    as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
+    data_dir: Optional[Path] = DataDirOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Show an incident as a timeline: trigger, actions, hung frames, coredumps, profile (offline)."""
+    from exporters.timeline import BundleError, load_incident_arg, render_timeline, timeline_to_dict
+
+    settings = _settings({"data_dir": data_dir}, config)
+    try:
+        tl = load_incident_arg(incident, data_dir=settings.data_dir)
+    except BundleError as exc:
+        fail(str(exc))
+    if as_json:
+        out.print_json(json.dumps(timeline_to_dict(tl)))
+    else:
+        render_timeline(tl, out)
+
+
+@app.command()
+def report(
+    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder [default: latest]."),
+    output: Path = typer.Option(Path("report.html"), "-o", "--output", metavar="FILE", help="HTML file to write."),
+    data_dir: Optional[Path] = DataDirOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Write one self-contained HTML page (no network) with the incident timeline, stacks and artifacts."""
+    from exporters.report import report_summary, write_report
+    from exporters.timeline import BundleError, load_incident_arg
+
+    settings = _settings({"data_dir": data_dir}, config)
+    try:
+        tl = load_incident_arg(incident, data_dir=settings.data_dir)
+        path = write_report(tl, output)
+    except BundleError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write {str(output)!r}: {exc.strerror or exc}")
+    err.print(report_summary(tl, path), markup=False)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

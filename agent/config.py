@@ -1,0 +1,172 @@
+"""Settings: CLI > ``SERVEWATCH_*`` environment > TOML file (``--config``) > defaults.
+
+Owns :class:`Settings` (the user's configuration, one nested model per component) and
+:func:`load_settings`, which merges the sources and turns any invalid value into one
+:class:`ConfigError` line naming the setting. Telemetry uses the standard ``OTEL_*`` variables
+(read by :mod:`exporters.provider`), not ``SERVEWATCH_*`` ones.
+
+Environment names: ``SERVEWATCH_<FIELD>`` for top-level fields and
+``SERVEWATCH_<SECTION>__<FIELD>`` for nested ones, e.g. ``SERVEWATCH_DATA_DIR``,
+``SERVEWATCH_HEALTH__URL``, ``SERVEWATCH_WATCHDOG__TIMEOUT_S``. The TOML file uses the same
+names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from agent.actors.coredump import CoredumpConfig
+from agent.actors.profiler import ProfilerConfig
+from agent.actors.pyspy import PySpyConfig
+from agent.incidents import IncidentConfig
+from agent.watchers.health import HealthConfig
+from agent.watchers.steps import StepsConfig
+from agent.watchers.watchdog import WatchdogConfig
+from exporters.provider import ExportConfig
+
+__all__ = [
+    "ENV_PREFIX",
+    "ENV_DATA_DIR",
+    "ConfigError",
+    "TargetConfig",
+    "MetricsConfig",
+    "Settings",
+    "load_settings",
+]
+
+#: Prefix of servewatch's environment variables.
+ENV_PREFIX = "SERVEWATCH_"
+#: Folder for incident bundles and embedded-default span files (default ``./servewatch-data``).
+ENV_DATA_DIR = "SERVEWATCH_DATA_DIR"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. ``str()`` is one line naming every bad key."""
+
+
+class TargetConfig(BaseModel):
+    """Which processes to watch and act on (discovery).
+
+    Any combination: explicit ``pids``, descendants of ``root_pid``, and every process whose
+    title matches one of the ``match`` globs (e.g. ``sglang::scheduler*``, ``VLLM::Worker*``).
+    """
+
+    pids: list[int] = Field(default_factory=list, description="explicit target pids")
+    root_pid: int | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
+    match: list[str] = Field(default_factory=list, description="process-title globs (fnmatch)")
+
+
+class MetricsConfig(StepsConfig):
+    """Prometheus ``/metrics`` scrape used as the forward-progress source when the SDK is absent.
+
+    Adds ``url`` to :class:`~agent.watchers.steps.StepsConfig` (presets, overrides, intervals).
+    """
+
+    url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")
+
+
+class Settings(BaseSettings):
+    """Everything a user can set. See the module docstring for sources and names."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    data_dir: Path = Field(Path("servewatch-data"), description="bundles and embedded-default span files")
+    host_name: str = Field(default_factory=socket.gethostname, description="host.name on spans and bundle paths")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    pyspy: PySpyConfig = Field(default_factory=PySpyConfig)
+    coredump: CoredumpConfig = Field(default_factory=CoredumpConfig)
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+    incident: IncidentConfig = Field(default_factory=IncidentConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_file = settings_cls.model_config.get("toml_file")
+        if toml_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+
+def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            nested = _drop_none(value)
+            if nested:
+                out[key] = nested
+        elif value is not None and value != [] and value != ():
+            out[key] = value
+    return out
+
+
+def _format_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "settings"
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        parts.append(f"{key}: {e['msg']}{shown}")
+    return "invalid setting " + "; ".join(parts)
+
+
+def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None = None) -> Settings:
+    """Merge CLI values (highest), ``SERVEWATCH_*`` env, the TOML file and defaults.
+
+    Args:
+        cli: nested dict of values given on the command line; ``None`` values and empty lists
+            mean "not given" and are dropped.
+        config_file: TOML file (``--config``); must exist when given.
+
+    Raises:
+        ConfigError: one line naming every invalid setting, or the unreadable config file.
+    """
+    overrides = _drop_none(cli or {})
+    cls: type[Settings] = Settings
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"invalid setting config: no such file {str(path)!r}")
+        try:
+            import tomllib  # type: ignore[import-not-found]
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib  # type: ignore[no-redef]
+        try:
+            tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"invalid setting config: {path}: {exc}") from None
+        cls = type("FileSettings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}})
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+if __name__ == "__main__":  # pragma: no cover - debugging aid
+    print(load_settings(config_file=Path(sys.argv[1]) if len(sys.argv) > 1 else None).model_dump_json(indent=2))

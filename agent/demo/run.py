@@ -1,0 +1,121 @@
+"""``servewatch demo``: the main job end to end on a real (small) inference server.
+
+Starts the demo server (HTTP frontend + TP scheduler subprocesses running a torch model), runs
+the agent watching it (health, SDK step counters, process titles), sends a few requests, makes
+scheduler TP0 hang on purpose with a request in flight, waits for the stall incident (stacks of
+every scheduler, bundle, spans), then shuts everything down. Everything is bounded by
+``deadline_s``.
+
+Imports the agent runtime and :mod:`agent.demo.client`; nothing imports this module but the CLI.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import httpx
+from rich.console import Console
+
+from agent.config import Settings, load_settings
+from agent.incidents import IncidentRecord
+
+__all__ = ["run_demo"]
+
+#: Requests sent before the fault, so every scheduler has stepped (the watchdog clock starts
+#: at the first step: warm-up is never a stall).
+WARMUP_REQUESTS = 4
+
+
+def run_demo(
+    settings: Settings,
+    *,
+    tp: int = 2,
+    watchdog_timeout_s: float = 3.0,
+    deadline_s: float = 90.0,
+    log: Console | None = None,
+) -> IncidentRecord:
+    """Run the demo and return the stall incident it captured.
+
+    Args:
+        settings: base settings (data dir, export); targets, health and watchdog are set here.
+        tp: scheduler processes (TP ranks).
+        watchdog_timeout_s: stall timeout, seconds.
+        deadline_s: upper bound on the whole demo, seconds.
+        log: progress console (stderr).
+
+    Raises:
+        TimeoutError: no incident was captured within ``deadline_s``.
+    """
+    return anyio.run(_demo, settings, tp, watchdog_timeout_s, deadline_s, log or Console(stderr=True))
+
+
+async def _demo(settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Console) -> IncidentRecord:
+    from agent.demo.client import DemoServer, agenerate, ainject_hang
+    from agent.runtime import Agent
+
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        log.print(f"[{time.monotonic() - t0:5.1f}s] {msg}", markup=False, highlight=False)
+
+    records: list[IncidentRecord] = []
+    got_incident = anyio.Event()
+
+    def on_incident(record: IncidentRecord) -> None:
+        records.append(record)
+        got_incident.set()
+
+    try:
+        with anyio.fail_after(deadline_s):
+            say(f"starting the demo inference server (TP={tp}, a small torch model per scheduler)")
+            async with DemoServer(tp=tp) as server:
+                say(f"server pid {server.pid} at {server.base_url}; schedulers {server.scheduler_pids}")
+                demo_settings = _demo_settings(settings, server, watchdog_timeout_s)
+                agent = Agent(demo_settings, on_incident=on_incident)
+                async with anyio.create_task_group() as tg:
+                    await tg.start(agent.run)
+                    say(f"servewatch watching: health {server.base_url}/health, step counters of {tp} scheduler(s)")
+                    say(f"sending {WARMUP_REQUESTS} requests")
+                    async with anyio.create_task_group() as reqs:
+                        for i in range(WARMUP_REQUESTS):
+                            reqs.start_soon(agenerate, server.base_url, f"warm-up request {i}", 8)
+                    while not set(server.scheduler_pids) <= agent.watched_step_pids:
+                        await anyio.sleep(0.1)
+                    say("injecting a hang into scheduler TP0 and sending one more request")
+                    await ainject_hang(server.base_url, tp_rank=0)
+                    tg.start_soon(_request_in_flight, server.base_url)
+                    say(f"waiting for the watchdog (busy, no forward progress for {watchdog_timeout_s:g}s)")
+                    await got_incident.wait()
+                    say("incident captured; shutting down")
+                    agent.stop()
+                    tg.cancel_scope.cancel()
+    except TimeoutError:
+        raise TimeoutError(f"no incident captured within {deadline_s:g}s") from None
+    return records[0]
+
+
+async def _request_in_flight(base_url: str) -> None:
+    from agent.demo.client import agenerate
+
+    try:
+        await agenerate(base_url, "this request meets the hang", 4, timeout_s=120.0)
+    except httpx.HTTPError:
+        pass  # the server is stopped under it at the end of the demo
+
+
+def _demo_settings(settings: Settings, server: Any, watchdog_timeout_s: float) -> Settings:
+    return load_settings(
+        {
+            "data_dir": settings.data_dir,
+            "host_name": settings.host_name,
+            # exactly this server's schedulers (titled demo::scheduler_TP<n>); a title glob would
+            # also pick up another demo running on the same machine
+            "target": {"pids": list(server.scheduler_pids)},
+            "health": {"url": f"{server.base_url}/health", "interval_s": 1.0, "timeout_s": 2.0},
+            "watchdog": {"timeout_s": watchdog_timeout_s, "poll_interval_s": 0.5},
+            "coredump": {"folder": settings.data_dir / "cuda_coredumps"},
+            "incident": {"cooldown_s": 300.0},
+        }
+    )

@@ -1,0 +1,148 @@
+"""The `servewatch` command line, run as a real subprocess (argv -> settings, exit codes, output)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PROGRAMS_DIR
+
+CLI = [sys.executable, "-m", "agent.cli"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), **extra)
+    return env
+
+
+def _cli(tmp_path: Path, *args: str, timeout_s: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path, env=_env(tmp_path, **env),
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _titled(spawn, python: str, title: str) -> subprocess.Popen[bytes]:
+    proc = spawn([python, str(PROGRAMS_DIR / "titled_target.py"), title, "--max-lifetime-s", "60"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    assert ready and proc.stdout.readline().startswith(b"ready"), "target did not start"
+    return proc
+
+
+def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "--help")
+    assert r.returncode == 0
+    for command in ("run", "dump", "demo", "launch", "cuda-env", "profile", "export", "timeline", "report"):
+        assert command in r.stdout
+    assert "2 usage error" in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["run", "--pid", "1", "--watchdog-timeout", "-1"], {}, "servewatch: invalid setting watchdog.timeout_s"),
+        (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__TIMEOUT_S": "soon"}, "servewatch: invalid setting watchdog.timeout_s"),
+        (["run", "--pid", "1"], {"SERVEWATCH_INCIDENT__COOLDOWN_S": "0"}, "servewatch: invalid setting incident.cooldown_s"),
+        (["run"], {}, "servewatch: nothing to watch"),
+        (["dump"], {}, "servewatch: no targets"),
+        (["run", "--pid", "1", "--config", "missing.toml"], {}, "servewatch: invalid setting config: no such file"),
+        (["export", "--to", "http://127.0.0.1:1", "--protocol", "carrier-pigeon"], {}, "servewatch: invalid setting protocol"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], env: dict[str, str], expected: str) -> None:
+    r = _cli(tmp_path, *args, **env)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
+
+
+def test_dump_json_captures_matching_processes(tmp_path: Path, spawn, python: str) -> None:
+    prefix = f"clitest{os.getpid()}::scheduler"  # unique: other test runs may have schedulers too
+    a = _titled(spawn, python, f"{prefix}_TP0")
+    b = _titled(spawn, python, f"{prefix}_TP1")
+    r = _cli(tmp_path, "dump", "--match", f"{prefix}_TP*", "--json", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["trigger"] == "manual"
+    assert {p["pid"] for p in summary["processes"]} == {a.pid, b.pid}
+    dumps = [x for x in summary["actions"] if x["action"] == "pyspy.dump"]
+    assert {(x["pid"], x["outcome"]) for x in dumps} == {(a.pid, "ok"), (b.pid, "ok")}
+    assert all("hung_in_fake_allreduce" in x["hung_frame"] for x in dumps)
+    bundle = Path(summary["bundle_path"])
+    if not bundle.is_absolute():
+        bundle = tmp_path / bundle
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["incident_id"] == summary["incident_id"]
+    # embedded default: the incident's spans are in an OTLP/JSON lines file with hex ids
+    span_files = list((tmp_path / "data").glob("*/spans/*.jsonl"))
+    assert span_files
+    assert summary["trace_id"] in "".join(f.read_text() for f in span_files)
+
+    # the same bundle read back offline
+    t = _cli(tmp_path, "timeline", summary["incident_id"], "--json", "--data-dir", str(tmp_path / "data"))
+    assert t.returncode == 0, t.stderr
+    assert json.loads(t.stdout)["incident_id"] == summary["incident_id"]
+    rep = _cli(tmp_path, "report", summary["incident_id"], "-o", "r.html", "--data-dir", str(tmp_path / "data"))
+    assert rep.returncode == 0, rep.stderr
+    assert "hung_in_fake_allreduce" in (tmp_path / "r.html").read_text()
+
+
+def test_dump_with_nothing_matching_fails_cleanly(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "dump", "--match", "no-such-title-*", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == "servewatch: no process matched the given --pid/--root-pid/--match"
+
+
+def test_timeline_of_missing_incident_is_one_line_exit_1(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "timeline", "nope", "--data-dir", str(tmp_path / "empty"))
+    assert r.returncode == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("servewatch: ")
+
+
+def test_cuda_env_prints_exports_that_keep_user_values(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "cuda-env", "--folder", str(tmp_path / "crash"), CUDA_COREDUMP_SHOW_PROGRESS="0")
+    assert r.returncode == 0, r.stderr
+    assert "export CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1" in r.stdout
+    assert f"export CUDA_COREDUMP_FILE={tmp_path}/crash/%h/core.cuda.%t.%p" in r.stdout
+    assert "export CUDA_COREDUMP_SHOW_PROGRESS" not in r.stdout  # the user's value is kept
+
+
+def test_run_exits_within_seconds_with_the_collector_unreachable(tmp_path: Path, spawn, python: str) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    start = time.monotonic()
+    r = _cli(
+        tmp_path, "run", "--pid", str(target.pid), "--duration", "1", "--data-dir", str(tmp_path / "data"),
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+    )
+    elapsed = time.monotonic() - start
+    assert r.returncode == 0, r.stderr
+    assert elapsed < 30  # hang guard only; bench/bench_export.py measures shutdown time
+    assert "watching" in r.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "demo", "--json", timeout_s=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["trigger"] == "stall"
+    hung = {x["title"]: x.get("hung_frame", "") for x in summary["actions"] if x["action"] == "pyspy.dump"}
+    assert set(hung) == {"demo::scheduler_TP0", "demo::scheduler_TP1"}
+    assert "_injected_hang_in_forward" in hung["demo::scheduler_TP0"]
+    assert all(x["outcome"] == "ok" for x in summary["actions"] if x["action"] == "pyspy.dump")
+    bundle = tmp_path / summary["bundle_path"]
+    assert (bundle / "manifest.json").is_file()
+    # nothing of the demo is left running
+    import psutil
+
+    titles = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    assert not [t for t in titles if t.startswith("demo::scheduler")]

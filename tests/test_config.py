@@ -1,0 +1,94 @@
+"""Settings precedence (CLI > SERVEWATCH_* env > TOML > defaults) and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.config import ConfigError, Settings, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SERVEWATCH_"):
+            monkeypatch.delenv(name)
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "servewatch.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_validate() -> None:
+    s = load_settings()
+    assert s.data_dir == Path("servewatch-data")
+    assert s.health.url is None and s.metrics.url is None
+    assert s.watchdog.timeout_s == 300.0 and s.watchdog.hard is False
+    assert s.incident.cooldown_s == 300.0
+    assert s.pyspy.native is True
+    assert Settings.model_validate(s.model_dump()) == s
+
+
+def test_precedence_cli_over_env_over_toml_over_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _toml(
+        tmp_path,
+        'data_dir = "/from/toml"\n[watchdog]\ntimeout_s = 11\npoll_interval_s = 0.7\n'
+        '[health]\nurl = "http://toml/health"\n[target]\nmatch = ["sglang::scheduler*"]\n',
+    )
+    monkeypatch.setenv("SERVEWATCH_WATCHDOG__TIMEOUT_S", "22")
+    monkeypatch.setenv("SERVEWATCH_HEALTH__URL", "http://env/health")
+
+    s = load_settings({"health": {"url": "http://cli/health"}}, config_file=cfg)
+    assert s.health.url == "http://cli/health"  # CLI beats env and file
+    assert s.watchdog.timeout_s == 22.0  # env beats file
+    assert s.watchdog.poll_interval_s == 0.7  # file beats default, and merges within a table
+    assert s.data_dir == Path("/from/toml")
+    assert s.target.match == ["sglang::scheduler*"]
+    assert s.health.interval_s == 5.0  # default
+
+    # CLI values that were not given (None, empty lists) do not mask lower sources
+    s = load_settings({"health": {"url": None}, "target": {"match": []}}, config_file=cfg)
+    assert s.health.url == "http://env/health"
+    assert s.target.match == ["sglang::scheduler*"]
+
+
+def test_data_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SERVEWATCH_DATA_DIR", str(tmp_path / "d"))
+    assert load_settings().data_dir == tmp_path / "d"
+
+
+@pytest.mark.parametrize(
+    ("cli", "env", "message"),
+    [
+        ({"watchdog": {"timeout_s": -1}}, {}, "invalid setting watchdog.timeout_s: Input should be greater than 0 (got -1)"),
+        ({}, {"SERVEWATCH_WATCHDOG__TIMEOUT_S": "soon"}, "invalid setting watchdog.timeout_s"),
+        ({"watchdog": {"signal": "SIGNOPE"}}, {}, "invalid setting watchdog.signal"),
+        ({"health": {"unhealthy_after": 0}}, {}, "invalid setting health.unhealthy_after"),
+        ({"bogus": 1}, {}, "invalid setting bogus: Extra inputs are not permitted"),
+        ({"target": {"pids": ["x"]}}, {}, "invalid setting target.pids.0"),
+    ],
+)
+def test_bad_values_are_one_line_errors_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch, cli: dict, env: dict, message: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as info:
+        load_settings(cli)
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith(message)
+
+
+def test_bad_toml_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_settings(config_file=tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="invalid setting config: .*bad.toml"):
+        load_settings(config_file=_toml(tmp_path, "[watchdog\n").rename(tmp_path / "bad.toml"))
+    with pytest.raises(ConfigError, match="invalid setting watchdog.timeout_s"):
+        load_settings(config_file=_toml(tmp_path, "[watchdog]\ntimeout_s = 'x'\n"))

@@ -7,7 +7,8 @@ to parse per span here). ``servewatch export`` reads these as well as OTLP/JSON 
 File-name order is write order; replay takes the head, and only removes it once it is delivered,
 so every span leaves exactly once with its original ids and times. The spool is capped in bytes:
 the OLDEST files are evicted first and their spans counted. Batches the collector refused
-permanently go to ``rejected/`` (kept, counted, never retried automatically).
+permanently go to ``rejected/`` (kept, counted, never retried automatically; capped at
+``max_bytes`` of its own, oldest evicted and counted).
 
 A spool directory is owned by one process at a time (``flock`` on ``.lock``); a second agent on
 the same data dir gets ``<directory>/pid-<pid>/`` instead.
@@ -102,6 +103,8 @@ class Spool:
         self._delivered = 0
         self._evicted = 0
         self._rejected = 0
+        self._rejected_entries: deque[SpoolEntry] | None = None  # loaded on first use
+        self._rejected_bytes = 0
         found = []
         for path in self.directory.glob("*" + SUFFIX):
             parsed = _parse_name(path)
@@ -228,12 +231,12 @@ class Spool:
             self._entries.remove(entry)
             self._forget(entry)
             self._rejected += entry.spans
-        rejected = self.directory / "rejected"
-        rejected.mkdir(exist_ok=True)
+        target = self._rejected_dir() / entry.path.name
         try:
-            os.replace(entry.path, rejected / entry.path.name)
+            os.replace(entry.path, target)
         except FileNotFoundError:
-            pass
+            return
+        self._keep_rejected(SpoolEntry(entry.seq, target, entry.spans, entry.size_bytes))
 
     def add_rejected(self, request: ExportTraceServiceRequest, spans: int) -> None:
         """Keep a fresh batch the collector refused permanently in ``rejected/`` (never replayed
@@ -242,13 +245,40 @@ class Spool:
         Raises:
             OSError: the write failed.
         """
+        data = request.SerializeToString()
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
             self._rejected += spans
+        path = self._rejected_dir() / f"{seq:016d}-{spans}{SUFFIX}"
+        path.write_bytes(data)
+        self._keep_rejected(SpoolEntry(seq, path, spans, len(data)))
+
+    def _rejected_dir(self) -> Path:
         rejected = self.directory / "rejected"
         rejected.mkdir(exist_ok=True)
-        (rejected / f"{seq:016d}-{spans}{SUFFIX}").write_bytes(request.SerializeToString())
+        return rejected
+
+    def _keep_rejected(self, entry: SpoolEntry) -> None:
+        """``rejected/`` has its own ``max_bytes`` budget (a wrong endpoint path refuses
+        everything); past it the oldest rejected files are deleted and counted as evicted."""
+        with self._lock:
+            if self._rejected_entries is None:
+                self._rejected_entries = deque()
+                self._rejected_bytes = 0
+                for path in sorted(self._rejected_dir().glob("*" + SUFFIX)):
+                    parsed = _parse_name(path)
+                    if parsed is not None and path != entry.path:
+                        size = path.stat().st_size
+                        self._rejected_entries.append(SpoolEntry(parsed[0], path, parsed[1], size))
+                        self._rejected_bytes += size
+            self._rejected_entries.append(entry)
+            self._rejected_bytes += entry.size_bytes
+            while self._rejected_bytes > self.max_bytes and self._rejected_entries:
+                old = self._rejected_entries.popleft()
+                self._rejected_bytes -= old.size_bytes
+                self._evicted += old.spans
+                self._unlink(old.path)
 
     def statistics(self) -> SpoolStatistics:
         with self._lock:

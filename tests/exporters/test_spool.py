@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
+from exporters.otlp_json import read_span_file
 from exporters.spans import build_span, new_trace_id
 from exporters.spool import Spool
 
@@ -97,3 +98,16 @@ def test_unreadable_file_moves_to_rejected(tmp_path: Path) -> None:
 def test_rejects_nonpositive_cap(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         Spool(tmp_path, max_bytes=0)
+
+
+def test_rejected_batches_have_their_own_cap(tmp_path: Path) -> None:
+    size = len(_batch(4, "x").SerializeToString())
+    spool = Spool(tmp_path, max_bytes=size * 2 + size // 2)
+    for tag in ("a", "b", "c", "d"):
+        spool.add_rejected(_batch(4, tag), 4)
+    stats = spool.statistics()
+    assert (stats.rejected_spans, stats.evicted_spans) == (16, 8)
+    kept = sorted((tmp_path / "rejected").glob("*.binpb"))
+    assert len(kept) == 2
+    assert [_names(next(read_span_file(p)))[0] for p in kept] == ["c-0", "d-0"]  # the oldest went
+    spool.close()

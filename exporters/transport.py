@@ -42,6 +42,7 @@ __all__ = [
     "HttpSender",
     "FileSender",
     "make_sender",
+    "http_traces_url",
     "span_count",
     "PROTOCOLS",
 ]

@@ -6,12 +6,14 @@ import base64
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 
 from exporters.otlp_json import RotatingJsonLinesWriter, read_otlp_json_lines, request_from_json, request_to_json
 from exporters.spans import build_span, link_to, new_span_id, new_trace_id
+from tests.otlp_receiver import OtlpReceiver
 
 
 def _request(n: int = 2):
@@ -90,3 +92,17 @@ def test_writer_rotates_by_size_and_evicts_oldest_counting_spans(tmp_path: Path)
     assert writer.evicted_spans == 8
     kept = sum(len(list(read_otlp_json_lines(f))) for f in files)
     assert kept == 3
+
+
+def test_a_line_is_accepted_by_an_otlp_http_json_endpoint(otlp_receiver: OtlpReceiver) -> None:
+    spans, request = _request(2)
+    response = httpx.post(
+        otlp_receiver.http_endpoint + "/v1/traces",
+        content=request_to_json(request),
+        headers={"Content-Type": "application/json"},
+        timeout=10.0,
+    )
+    assert response.status_code == 200
+    got = otlp_receiver.spans()
+    assert [s.protocol for s in got] == ["http/json", "http/json"]
+    assert {s.span_id for s in got} == {format(s.context.span_id, "016x") for s in spans}

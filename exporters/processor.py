@@ -201,8 +201,8 @@ class LosslessSpanProcessor(SpanProcessor):
         """Deliver every span queued so far, and the spool, within ``timeout_s`` seconds.
 
         Waits until the spans queued before the call are settled (delivered, spooled or counted
-        as dropped) and, while the collector answers, until the spool has been replayed. Returns
-        early when the collector is failing (backing off): those spans are safe in the spool.
+        as dropped) and the spool has been replayed, or until the deadline: with the collector
+        down it takes the whole ``timeout_s`` (the spans are safe in the spool meanwhile).
 
         Returns:
             ``True`` only when all of them reached the collector and the spool is empty;
@@ -217,7 +217,7 @@ class LosslessSpanProcessor(SpanProcessor):
             self._wakeup.set()
             while True:
                 settled = self._settled >= target
-                if settled and (self._spool_empty() or time.monotonic() < self._retry_at):
+                if settled and self._spool_empty():
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

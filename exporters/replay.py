@@ -11,6 +11,7 @@ Imports :mod:`exporters.otlp_json` and :mod:`exporters.transport`.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import random
@@ -42,6 +43,32 @@ class ReplayResult(NamedTuple):
     removed: int = 0
     #: last failure, one line (``""`` when none)
     detail: str = ""
+    #: spool files skipped because a running agent owns that spool (it replays them itself;
+    #: sending them here too would deliver them twice)
+    locked_files: int = 0
+
+
+def _spool_in_use(path: Path, cache: dict[Path, bool]) -> bool:
+    """Whether ``path`` lies in a spool folder whose ``.lock`` a live process holds."""
+    folder = path.parent.parent if path.parent.name == "rejected" else path.parent
+    if folder not in cache:
+        lock = folder / ".lock"
+        held = False
+        if lock.exists():
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    held = True
+                finally:
+                    os.close(fd)
+        cache[folder] = held
+    return cache[folder]
 
 
 def _send_with_retry(sender: RequestSender, request: object, *, timeout_s: float, attempts: int) -> SendResult:
@@ -88,6 +115,9 @@ def replay(
         insecure: plaintext for an endpoint without scheme.
         attempts: tries per request on retryable failures.
         remove_sent: delete a file once all its spans were delivered.
+
+    Files of a spool that a running agent holds (its ``.lock``) are skipped and counted in
+    ``locked_files``: that agent replays them itself.
         sender: use this sender instead of building one (tests).
 
     Returns:
@@ -100,8 +130,9 @@ def replay(
     own_sender = sender is None
     if sender is None:
         sender = make_sender(endpoint, protocol, headers=headers, insecure=insecure)
-    sent = failed = files = bad = removed = 0
+    sent = failed = files = bad = removed = locked = 0
     detail = ""
+    lock_cache: dict[Path, bool] = {}
     unreachable = False
     try:
         for path in iter_span_files(paths):
@@ -109,6 +140,9 @@ def replay(
                 continue
             if not path.exists():
                 raise FileNotFoundError(f"no such file: {path}")
+            if _spool_in_use(path, lock_cache):
+                locked += 1
+                continue
             files += 1
             file_failed = False
             try:
@@ -141,4 +175,4 @@ def replay(
     finally:
         if own_sender:
             sender.close()
-    return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail)
+    return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail, locked_files=locked)

@@ -63,6 +63,13 @@ def _incident(sink: ProcessorSink) -> tuple[str, str]:
     return trace_hex, root_hex
 
 
+def _settle(processor: LosslessSpanProcessor, spooled: int, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until the worker has spooled ``spooled`` spans (hang guard, not a speed check)."""
+    deadline = time.monotonic() + timeout_s
+    while processor.statistics().spooled < spooled and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _received(receiver: OtlpReceiver) -> Counter[tuple[str, str]]:
     return Counter((s.trace_id, s.span_id) for s in receiver.spans())
 
@@ -81,7 +88,8 @@ def test_receiver_down_mid_run_every_span_arrives_exactly_once_with_original_ids
         otlp_receiver.stop()
         produced |= _request_spans(processor, 10_000, resource)
         trace_hex, root_hex = _incident(sink)
-        assert processor.flush(10.0) is False  # spooled, not delivered, and it says so
+        assert processor.flush(0.5) is False  # spooled, not delivered, and it says so
+        _settle(processor, 10_003)
         stats = processor.statistics()
         assert stats.spool_spans == 10_003 and stats.dropped == 0
 
@@ -209,7 +217,8 @@ def test_full_spool_evicts_the_oldest_batches_and_counts_them(otlp_receiver: Otl
     )
     try:
         produced = list(_request_spans(processor, 1_000, resource))
-        assert processor.flush(10.0) is False
+        assert processor.flush(0.5) is False
+        _settle(processor, 1_000)
         stats = processor.statistics()
         assert stats.spool_spans == 300 and stats.evicted == 700 and stats.lost == 700
         otlp_receiver.start()

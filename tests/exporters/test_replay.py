@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -72,3 +73,25 @@ def test_replay_missing_path_and_bad_protocol_raise(tmp_path: Path) -> None:
         replay([tmp_path / "nope.jsonl"], endpoint="http://127.0.0.1:1", protocol="grpc")
     with pytest.raises(ValueError, match="protocol"):
         replay([tmp_path], endpoint="http://127.0.0.1:1", protocol="http/json")
+
+
+def test_spool_of_a_running_agent_is_skipped_not_sent_twice(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:
+    otlp_receiver.stop()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.grpc_endpoint}
+    config = ExportConfig(metrics=False, batch_spans=10, retry_initial_backoff_s=0.05, retry_max_backoff_s=0.2)
+    telemetry = build_telemetry(config, data_dir=tmp_path, host_name="h", environ=env)
+    try:
+        for i in range(30):
+            telemetry.sink.emit(build_span("req", trace_id=new_trace_id(), start_time_unix_nano=1 + i, end_time_unix_nano=2 + i))
+        assert telemetry.processor.flush(0.5) is False
+        deadline = time.monotonic() + 30.0  # hang guard: wait for the worker to spool all 30
+        while telemetry.statistics().spooled < 30 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert telemetry.statistics().spool_spans == 30
+        result = replay([tmp_path], endpoint=otlp_receiver.grpc_endpoint, protocol="grpc")  # live agent owns its spool
+        assert (result.sent, result.files) == (0, 0) and result.locked_files >= 1
+        otlp_receiver.start()
+        assert telemetry.processor.flush(15.0) is True  # the agent replays it itself
+    finally:
+        telemetry.shutdown(3.0)
+    assert len(Counter(s.span_id for s in otlp_receiver.spans())) == otlp_receiver.span_count == 30

@@ -1,0 +1,662 @@
+"""The profiler actor: one step-bounded profiling session of a live server, files found after.
+
+Owns :class:`ProfilerConfig`, :class:`ProfilerActor`, the three backends (the SDK control socket,
+SGLang's and vLLM's HTTP endpoints), the bounded search for the trace files a session wrote
+(:func:`find_new_files`), :func:`profile_once` (``servewatch profile``) and :func:`read_inflight`
+(requests in flight, from the SDK sockets). Imports anyio, httpx, pydantic,
+:mod:`agent.events`, :mod:`agent.targets` and the SDK's path helpers (:mod:`agent.sdk.control`,
+stdlib only); never a watcher. Returns :class:`~agent.events.ActionResult` (action
+``profile.session``) and publishes nothing itself.
+
+A session, per backend:
+
+``sdk``
+    ``profile.start`` on ``<shm_dir>/servewatch-ctl.<pid>.sock``; the SDK starts torch.profiler
+    on the model thread at its next ``step()`` and stops it by itself after exactly
+    ``num_steps`` steps. The actor polls ``status`` (bounded) and takes the files, the steps
+    captured and the state the SDK reports. At the deadline it sends ``profile.stop``
+    (idempotent) and waits ``find_timeout_s`` more.
+``sglang``
+    ``POST /start_profile`` with SGLang's body fields (``output_dir``, ``num_steps``,
+    ``start_step``, ``activities``, ``with_stack``, ``record_shapes``, ``profile_prefix``,
+    per FIELD-NOTES); SGLang stops itself after ``num_steps``. The actor waits for new trace
+    files in ``output_dir`` to appear and stop growing; past the deadline it calls
+    ``POST /stop_profile``. SGLang answers a stop with nothing running with an error ("Profiling
+    is not in progress", an HTTP 500): that is ``already_stopped``, not a failure.
+``vllm``
+    vLLM's ``POST /start_profile`` / ``POST /stop_profile`` (enabled at launch; its API has no
+    step bound), so the actor profiles for ``vllm_duration_s`` and then stops. Traces land in
+    the folder vLLM was launched with; set ``output_dir`` to it.
+
+In every backend the result is ``OK`` only when at least one new, complete trace file exists; a
+session that produced no file is ``FAILED`` (or ``TIMED_OUT`` when the deadline ended it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import httpx
+from anyio.streams.buffered import BufferedByteReceiveStream
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.sdk.control import control_path
+from agent.targets import Target
+
+__all__ = [
+    "ACTION",
+    "ProfilerConfig",
+    "ProfilerActor",
+    "SessionRequest",
+    "find_new_files",
+    "snapshot_dir",
+    "profile_once",
+    "read_inflight",
+    "sdk_call",
+    "SdkCallError",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Span/action name of one profiling session.
+ACTION = "profile.session"
+#: Trace file name endings a session may write (torch Chrome traces, Metal captures, MLX steps).
+TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".gputrace", ".mlx-steps.json")
+_NOT_IN_PROGRESS = "not in progress"
+_ALREADY_RUNNING = "already in progress"
+
+
+class ProfilerConfig(BaseModel):
+    """User settings of the profiler actor (TOML table ``[profiler]``, env ``SERVEWATCH_PROFILER__*``).
+
+    Attributes:
+        backend: ``sdk`` (the SDK control socket of each target, default), ``sglang`` or ``vllm``
+            (the server's HTTP endpoints at ``base_url``).
+        base_url: the server's HTTP address for ``sglang``/``vllm`` (default
+            ``http://127.0.0.1:30000``, SGLang's default port).
+        output_dir: where traces are written; ``None`` = the incident bundle folder (incidents)
+            or ``./servewatch-profiles`` (``servewatch profile``). For ``vllm`` set it to the
+            folder vLLM was launched with.
+        num_steps: forward steps per session for ``servewatch profile`` (default 5).
+        start_step: start once the target's ``forward_ct`` reaches this (default: next step).
+        activities: ``CPU``, ``GPU``, ``MEM`` (default CPU and GPU).
+        with_stack / record_shapes / profile_memory: torch.profiler options (default off).
+        on_incident_steps: profile this many steps after an incident opens; 0 (default) = never.
+        max_duration_s: wall-clock bound of one session, seconds (default 60): the SDK ends it
+            itself then; the actor stops waiting and sends a stop.
+        find_timeout_s: how long to wait for trace files after the session ended, seconds
+            (default 30; big traces take a while to export and gzip).
+        settle_s: a file counts as complete when its size has not changed for this long,
+            seconds (default 0.5).
+        poll_interval_s: status/file poll period, seconds (default 0.1).
+        request_timeout_s: bound of one control-socket or HTTP request, seconds (default 10;
+            SGLang's ``/start_profile`` waits for the scheduler).
+        vllm_duration_s: how long a ``vllm`` session records before the stop, seconds (default 5).
+        socket_dir: folder of the SDK control sockets (default: the SDK's shm folder).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["sdk", "sglang", "vllm"] = "sdk"
+    base_url: str = "http://127.0.0.1:30000"
+    output_dir: Path | None = None
+    num_steps: int = Field(default=5, ge=1)
+    start_step: int | None = Field(default=None, ge=0)
+    activities: tuple[str, ...] = ("CPU", "GPU")
+    with_stack: bool = False
+    record_shapes: bool = False
+    profile_memory: bool = False
+    on_incident_steps: int = Field(default=0, ge=0)
+    max_duration_s: float = Field(default=60.0, gt=0)
+    find_timeout_s: float = Field(default=30.0, gt=0)
+    settle_s: float = Field(default=0.5, ge=0)
+    poll_interval_s: float = Field(default=0.1, gt=0)
+    request_timeout_s: float = Field(default=10.0, gt=0)
+    vllm_duration_s: float = Field(default=5.0, gt=0)
+    socket_dir: Path | None = None
+
+    @field_validator("activities", mode="before")
+    @classmethod
+    def _split_activities(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        out = tuple(str(v).upper() for v in value)
+        bad = [a for a in out if a not in ("CPU", "GPU", "MEM")]
+        if bad or not out:
+            raise ValueError(f"activities must be a non-empty subset of CPU,GPU,MEM, got {list(value)}")
+        return out
+
+
+class SessionRequest(BaseModel):
+    """One session's parameters (from config, CLI flags or the incident policy)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    num_steps: int = Field(ge=1)
+    start_step: int | None = None
+    activities: tuple[str, ...] = ("CPU", "GPU")
+    output_dir: Path
+    timeout_s: float = Field(gt=0)
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+def _entry_size(path: Path) -> int:
+    """Size of a file, or the total of a bundle folder (``.gputrace``), in bytes."""
+    try:
+        if path.is_dir():
+            total = 0
+            for root, _dirs, files in os.walk(path):
+                for name in files:
+                    try:
+                        total += os.path.getsize(os.path.join(root, name))
+                    except OSError:
+                        continue
+            return total
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def snapshot_dir(directory: Path) -> dict[str, int]:
+    """``{name: size_bytes}`` of the trace-like entries directly in ``directory`` (empty if absent)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return {}
+    return {n: _entry_size(directory / n) for n in names if n.endswith(TRACE_SUFFIXES)}
+
+
+async def find_new_files(
+    directory: Path,
+    before: dict[str, int],
+    *,
+    timeout_s: float,
+    settle_s: float = 0.5,
+    poll_interval_s: float = 0.1,
+    expected: Sequence[str] = (),
+) -> list[Path]:
+    """Wait (bounded) for new trace files in ``directory`` and for them to stop growing.
+
+    Args:
+        directory: the session's output folder.
+        before: :func:`snapshot_dir` taken before the session started; entries in it are old
+            unless their size changed.
+        timeout_s: the bound of the whole wait, seconds.
+        settle_s: a file is complete once its size is unchanged for this long, seconds.
+        poll_interval_s: poll period, seconds.
+        expected: paths the backend reported (SDK); they are waited for even if outside
+            ``directory``.
+
+    Returns:
+        The new, non-empty files/bundles whose size was stable for ``settle_s`` (possibly fewer
+        than were being written when the bound passed; none when nothing appeared).
+    """
+    deadline = time.monotonic() + timeout_s
+    stable_since: dict[Path, tuple[int, float]] = {}
+    settled: list[Path] = []
+    while True:
+        now = time.monotonic()
+        current = {directory / n: s for n, s in snapshot_dir(directory).items() if before.get(n) != s}
+        for p in expected:
+            path = Path(p)
+            current[path] = _entry_size(path)
+        settled = []
+        pending = False
+        for path, size in current.items():
+            if size <= 0:
+                pending = True
+                continue
+            prev = stable_since.get(path)
+            if prev is None or prev[0] != size:
+                stable_since[path] = (size, now)
+                pending = True
+            elif now - prev[1] >= settle_s:
+                settled.append(path)
+            else:
+                pending = True
+        if settled and not pending:
+            return sorted(settled)
+        if now >= deadline:
+            return sorted(settled)
+        await anyio.sleep(min(poll_interval_s, max(0.0, deadline - now)))
+
+
+# --- SDK control socket client ---------------------------------------------------------------
+
+
+class SdkCallError(Exception):
+    """A control-socket call failed; ``outcome`` sorts it (no socket, permission, timeout...)."""
+
+    def __init__(self, outcome: Outcome, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+
+
+async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    """One JSON-lines request to an SDK control socket (see :mod:`agent.sdk.control`).
+
+    Raises:
+        SdkCallError: ``NO_SUCH_PROCESS`` (no socket / nobody listening), ``PERMISSION_DENIED``
+            (socket mode or peer-uid refusal), ``TIMED_OUT``, ``FAILED`` (bad reply).
+    """
+    try:
+        with anyio.fail_after(timeout_s):
+            async with await anyio.connect_unix(str(path)) as stream:
+                await stream.send(json.dumps(request).encode() + b"\n")
+                reader = BufferedByteReceiveStream(stream)
+                line = await reader.receive_until(b"\n", 16 * 1024 * 1024)
+    except TimeoutError:
+        raise SdkCallError(Outcome.TIMED_OUT, f"control socket {path} did not answer within {timeout_s} s") from None
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise SdkCallError(Outcome.NO_SUCH_PROCESS, f"no SDK control socket at {path} (agent.sdk.serve_control() not called?)") from None
+    except PermissionError:
+        raise SdkCallError(Outcome.PERMISSION_DENIED, f"permission denied on {path} (run servewatch as the server's user or root)") from None
+    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound) as exc:
+        raise SdkCallError(Outcome.FAILED, f"control socket {path}: {type(exc).__name__}: {exc}") from None
+    try:
+        reply = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SdkCallError(Outcome.FAILED, f"control socket {path}: bad reply: {exc}") from None
+    if not isinstance(reply, dict):
+        raise SdkCallError(Outcome.FAILED, f"control socket {path}: reply is not an object")
+    if reply.get("error") == "permission_denied":
+        raise SdkCallError(Outcome.PERMISSION_DENIED, f"control socket {path}: {reply.get('detail', '')}")
+    return reply
+
+
+# --- the session -----------------------------------------------------------------------------
+
+
+class _Session:
+    """Collects what one session did, then becomes an :class:`ActionResult`."""
+
+    def __init__(self, backend: str, req: SessionRequest, pid: int | None) -> None:
+        self.backend = backend
+        self.req = req
+        self.pid = pid
+        self.start_ns = now_ns()
+        self.attrs: dict[str, AttributeValue] = {
+            "servewatch.profile.backend": backend,
+            "servewatch.profile.num_steps": req.num_steps,
+            "servewatch.profile.activities": tuple(req.activities),
+            "servewatch.profile.output_dir": str(req.output_dir),
+        }
+        if req.start_step is not None:
+            self.attrs["servewatch.profile.start_step"] = req.start_step
+        if pid is not None:
+            self.attrs["process.pid"] = pid
+
+    def result(self, outcome: Outcome, detail: str, files: Sequence[Path] = (), *, retryable: bool = False) -> ActionResult:
+        paths = tuple(str(Path(f).resolve()) for f in files)
+        self.attrs["servewatch.profile.files"] = len(paths)
+        self.attrs["servewatch.profile.size_bytes"] = sum(max(0, _entry_size(Path(p))) for p in paths)
+        return ActionResult(
+            action=ACTION,
+            outcome=outcome,
+            pid=self.pid,
+            retryable=retryable,
+            detail=detail,
+            start_time_unix_nano=self.start_ns,
+            end_time_unix_nano=now_ns(),
+            artifact_paths=paths,
+            attributes=frozen_attrs(self.attrs),
+        )
+
+
+class ProfilerActor:
+    """Runs profiling sessions through the configured backend.
+
+    Args:
+        config: user settings (default :class:`ProfilerConfig`).
+        transport: httpx transport for the HTTP backends (tests may pass one; default: real).
+    """
+
+    name = "profiler"
+
+    def __init__(self, config: ProfilerConfig | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config or ProfilerConfig()
+        self._transport = transport
+        self._busy = anyio.Lock()
+
+    # -- entry points -------------------------------------------------------------------------
+
+    def socket_for(self, pid: int) -> Path:
+        """The SDK control socket path of ``pid``."""
+        return control_path(pid, self.config.socket_dir)
+
+    def request(
+        self,
+        *,
+        num_steps: int | None = None,
+        start_step: int | None = None,
+        activities: Sequence[str] | None = None,
+        output_dir: Path | None = None,
+        timeout_s: float | None = None,
+    ) -> SessionRequest:
+        """A :class:`SessionRequest` with config defaults for what is not given."""
+        c = self.config
+        return SessionRequest(
+            num_steps=num_steps or c.num_steps,
+            start_step=start_step if start_step is not None else c.start_step,
+            activities=tuple(activities or c.activities),
+            output_dir=Path(output_dir or c.output_dir or Path("servewatch-profiles")).resolve(),
+            timeout_s=timeout_s or c.max_duration_s,
+        )
+
+    async def act(self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path) -> ActionResult:
+        """Profile ``target`` for the incident (``on_incident_steps`` steps, else ``num_steps``)."""
+        req = self.request(
+            num_steps=self.config.on_incident_steps or self.config.num_steps,
+            output_dir=self.config.output_dir or artifact_dir,
+            timeout_s=min(timeout_s, self.config.max_duration_s),
+        )
+        return await self.profile(req, pid=target.pid)
+
+    async def profile_incident(
+        self, opened: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path
+    ) -> list[ActionResult]:
+        """The incident phase: profile the next ``on_incident_steps`` steps.
+
+        ``sdk``: every target serving a control socket, in parallel (targets without one are
+        skipped; if none has one, one ``SKIPPED`` result says so). ``sglang``/``vllm``: one
+        session through the server's HTTP endpoint.
+        """
+        c = self.config
+        req = self.request(num_steps=c.on_incident_steps or c.num_steps, output_dir=c.output_dir or artifact_dir)
+        if c.backend != "sdk":
+            return [await self.profile(req)]
+        with_socket = [t for t in targets if self.socket_for(t.pid).exists()]
+        if not with_socket:
+            s = _Session("sdk", req, None)
+            return [s.result(Outcome.SKIPPED, "no target serves an SDK control socket (agent.sdk.serve_control())")]
+        results: list[ActionResult | None] = [None] * len(with_socket)
+
+        async def one(i: int, target: Target) -> None:
+            out = req.output_dir / f"pid-{target.pid}" if len(with_socket) > 1 else req.output_dir
+            results[i] = await self.profile(req.model_copy(update={"output_dir": out}), pid=target.pid)
+
+        async with anyio.create_task_group() as tg:
+            for i, t in enumerate(with_socket):
+                tg.start_soon(one, i, t)
+        return [r for r in results if r is not None]
+
+    async def profile(self, req: SessionRequest, *, pid: int | None = None) -> ActionResult:
+        """Run one session and return its result; never raises for the target's misbehaviour."""
+        backend = self.config.backend
+        s = _Session(backend, req, pid)
+        try:
+            if backend == "sdk":
+                if pid is None:
+                    return s.result(Outcome.FAILED, "the sdk backend needs a target pid")
+                return await self._sdk_session(s, self.socket_for(pid))
+            return await self._http_session(s)
+        except Exception as exc:  # noqa: BLE001 - the actor boundary: a failure is an outcome
+            logger.exception("profiling session failed")
+            return s.result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+
+    # -- sdk ----------------------------------------------------------------------------------
+
+    async def _sdk_session(self, s: _Session, sock: Path) -> ActionResult:
+        c, req = self.config, s.req
+        s.attrs["servewatch.profile.socket"] = str(sock)
+        body: dict[str, Any] = {
+            "cmd": "profile.start",
+            "num_steps": req.num_steps,
+            "activities": list(req.activities),
+            "output_dir": str(req.output_dir),
+            "with_stack": c.with_stack,
+            "record_shapes": c.record_shapes,
+            "profile_memory": c.profile_memory,
+            "max_duration_s": req.timeout_s,
+        }
+        if req.start_step is not None:
+            body["start_step"] = req.start_step
+        try:
+            reply = await sdk_call(sock, body, timeout_s=c.request_timeout_s)
+        except SdkCallError as exc:
+            return s.result(exc.outcome, exc.detail, retryable=exc.outcome is Outcome.TIMED_OUT)
+        if not reply.get("ok"):
+            code = reply.get("error", "")
+            outcome = {"busy": Outcome.REFUSED, "unsupported": Outcome.UNSUPPORTED}.get(code, Outcome.FAILED)
+            return s.result(outcome, f"profile.start refused ({code}): {reply.get('detail', '')}", retryable=code == "busy")
+        sid = str(reply["session_id"])
+        s.attrs["servewatch.profile.session_id"] = sid
+        # The SDK ends the session itself (steps or its own deadline); allow for the export.
+        info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s)
+        stopped_by_us = False
+        if info is None or not info.get("finished"):
+            stopped_by_us = True
+            try:
+                await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=c.request_timeout_s)
+            except SdkCallError:
+                pass
+            info = await self._sdk_wait(sock, sid, c.find_timeout_s) or info
+        if info is None:
+            return s.result(Outcome.FAILED, f"session {sid} vanished from the target's status")
+        state = str(info.get("state", ""))
+        s.attrs["servewatch.profile.state"] = state
+        s.attrs["servewatch.profile.steps_captured"] = int(info.get("steps_captured") or 0)
+        s.attrs["servewatch.profile.stop_reason"] = str(info.get("stop_reason", ""))
+        if info.get("forward_ct_at_start") is not None:
+            s.attrs["servewatch.profile.forward_ct_at_start"] = int(info["forward_ct_at_start"])
+        if info.get("activities_used"):
+            s.attrs["servewatch.profile.activities_used"] = tuple(info["activities_used"])
+        if "metal_trace_captured" in info:
+            s.attrs["servewatch.profile.metal_trace_captured"] = bool(info["metal_trace_captured"])
+        # The SDK reports a session finished only after its export returned.
+        files = [Path(f) for f in info.get("files") or () if _entry_size(Path(f)) > 0]
+        note = f" {info['detail']}" if info.get("detail") else ""
+        if not info.get("finished"):
+            return s.result(Outcome.TIMED_OUT, f"session {sid} still {state} after the deadline (the model thread has not stepped){note}", retryable=True)
+        if state in ("completed", "stopped") and files:
+            return s.result(Outcome.OK, f"{state}: {s.attrs['servewatch.profile.steps_captured']} steps, {len(files)} file(s){note}", files)
+        if state == "expired":
+            steps = s.attrs["servewatch.profile.steps_captured"]
+            return s.result(
+                Outcome.TIMED_OUT,
+                f"session expired after {req.timeout_s} s with {steps} steps captured"
+                + (" (idle server: no step came, no profiler was started)" if steps == 0 else "")
+                + note,
+                files,
+                retryable=True,
+            )
+        if state == "cancelled":
+            return s.result(Outcome.ALREADY_STOPPED, f"session cancelled before it started{note}")
+        err = info.get("error") or "the session produced no trace file"
+        return s.result(Outcome.FAILED, f"{state}: {err}{' (stopped by servewatch)' if stopped_by_us else ''}", files)
+
+    async def _sdk_wait(self, sock: Path, sid: str, timeout_s: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout_s
+        info: dict[str, Any] | None = None
+        while True:
+            try:
+                reply = await sdk_call(sock, {"cmd": "status", "session_id": sid}, timeout_s=self.config.request_timeout_s)
+            except SdkCallError:
+                reply = {}
+            if isinstance(reply.get("session"), dict):
+                info = reply["session"]
+                if info.get("finished"):
+                    return info
+            if time.monotonic() >= deadline:
+                return info
+            await anyio.sleep(self.config.poll_interval_s)
+
+    # -- sglang / vllm ------------------------------------------------------------------------
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.config.base_url, timeout=self.config.request_timeout_s, transport=self._transport
+        )
+
+    async def _http_session(self, s: _Session) -> ActionResult:
+        c, req = self.config, s.req
+        s.attrs["url.full"] = c.base_url
+        req.output_dir.mkdir(parents=True, exist_ok=True)
+        before = snapshot_dir(req.output_dir)
+        async with self._client() as client:
+            if c.backend == "sglang":
+                body: dict[str, Any] = {
+                    "output_dir": str(req.output_dir),
+                    "num_steps": req.num_steps,
+                    "activities": list(req.activities),
+                    "with_stack": c.with_stack,
+                    "record_shapes": c.record_shapes,
+                    "profile_prefix": "servewatch",
+                }
+                if req.start_step is not None:
+                    body["start_step"] = req.start_step
+                start = await self._post(client, "/start_profile", body)
+            else:
+                start = await self._post(client, "/start_profile", None)
+            if isinstance(start, str):
+                return s.result(Outcome.FAILED, f"POST /start_profile: {start}", retryable=True)
+            if start.status_code == 404:
+                hint = " (vLLM enables it only when launched with a profiler dir)" if c.backend == "vllm" else ""
+                return s.result(Outcome.UNSUPPORTED, f"the server has no /start_profile endpoint{hint}")
+            if start.status_code >= 400:
+                text = start.text.strip()[:300]
+                outcome = Outcome.REFUSED if _ALREADY_RUNNING in text.lower() else Outcome.FAILED
+                return s.result(outcome, f"POST /start_profile -> {start.status_code}: {text}", retryable=outcome is Outcome.REFUSED)
+            deadline = time.monotonic() + req.timeout_s
+            files: list[Path] = []
+            if c.backend == "sglang":
+                # SGLang stops itself after num_steps and writes the trace: wait for it.
+                files = await find_new_files(
+                    req.output_dir, before, timeout_s=req.timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
+                )
+            else:
+                await anyio.sleep(min(c.vllm_duration_s, req.timeout_s))
+            stop_status = "not_sent"
+            if not files:
+                stop = await self._post(client, "/stop_profile", None)
+                stop_status = _stop_status(stop)
+                files = await find_new_files(
+                    req.output_dir, before, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
+                )
+            s.attrs["servewatch.profile.stop"] = stop_status
+        if files:
+            return s.result(Outcome.OK, f"{len(files)} trace file(s) in {req.output_dir} (stop: {stop_status})", files)
+        timed_out = time.monotonic() >= deadline
+        return s.result(
+            Outcome.TIMED_OUT if timed_out else Outcome.FAILED,
+            f"no trace file appeared in {req.output_dir} (stop: {stop_status})",
+            retryable=True,
+        )
+
+    @staticmethod
+    async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any] | None) -> httpx.Response | str:
+        try:
+            if body is None:
+                return await client.post(path)
+            return await client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+
+def _stop_status(reply: httpx.Response | str) -> str:
+    """``stopping`` (accepted), ``already_stopped`` (nothing was running) or ``failed:<why>``.
+
+    SGLang raises "Profiling is not in progress. Call /start_profile first." when nothing runs,
+    which reaches the client as an HTTP error (500): that is ``already_stopped``.
+    """
+    if isinstance(reply, str):
+        return f"failed:{reply[:120]}"
+    if reply.status_code < 400:
+        return "stopping"
+    if _NOT_IN_PROGRESS in reply.text.lower():
+        return "already_stopped"
+    return f"failed:{reply.status_code}"
+
+
+# --- CLI and incident helpers ----------------------------------------------------------------
+
+
+async def profile_once(
+    config: ProfilerConfig,
+    *,
+    pid: int | None = None,
+    steps: int | None = None,
+    start_step: int | None = None,
+    activities: Sequence[str] | None = None,
+    out_dir: Path | None = None,
+    timeout_s: float | None = None,
+) -> ActionResult:
+    """``servewatch profile --steps N [--start-step S] [--activities CPU,GPU] [--out DIR]``.
+
+    Args:
+        config: profiler settings (backend, base_url...).
+        pid: the target (``sdk`` backend); ``None`` picks the only SDK control socket in the
+            socket folder (``FAILED`` when there are none or several).
+        steps / start_step / activities / out_dir / timeout_s: override the config.
+
+    Returns:
+        The session's result (``OK`` with the trace paths, or why not).
+    """
+    actor = ProfilerActor(config)
+    req = actor.request(num_steps=steps, start_step=start_step, activities=activities, output_dir=out_dir, timeout_s=timeout_s)
+    if config.backend == "sdk" and pid is None:
+        folder = control_path(0, config.socket_dir).parent
+        socks = sorted(folder.glob("servewatch-ctl.*.sock"))
+        pids = [int(p.name.split(".")[1]) for p in socks if p.name.split(".")[1].isdigit()]
+        if len(pids) != 1:
+            s = _Session("sdk", req, None)
+            found = "no" if not pids else f"{len(pids)} ({', '.join(map(str, pids))})"
+            return s.result(Outcome.FAILED, f"{found} SDK control sockets in {folder}: pass --pid")
+        pid = pids[0]
+    return await actor.profile(req, pid=pid)
+
+
+async def read_inflight(targets: Sequence[Target], *, timeout_s: float = 2.0, socket_dir: Path | None = None) -> list[Any]:
+    """Requests in flight in every target that serves an SDK control socket (bounded, parallel).
+
+    Targets without a socket, or that do not answer within ``timeout_s``, contribute nothing.
+
+    Returns:
+        ``agent.incidents.InflightRequest`` items (pid, request id, span ids, age, token counts).
+    """
+    from agent.incidents import InflightRequest
+
+    out: list[Any] = []
+    now = time.time_ns()
+
+    async def one(target: Target) -> None:
+        path = control_path(target.pid, socket_dir)
+        if not path.exists():
+            return
+        try:
+            reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s)
+        except SdkCallError:
+            return
+        for r in reply.get("requests") or ():
+            if not isinstance(r, dict):
+                continue
+            start = int(r.get("start_time_unix_nano") or now)
+            out.append(
+                InflightRequest(
+                    pid=target.pid,
+                    request_id=str(r.get("request_id", "")),
+                    trace_id=str(r.get("trace_id", "")),
+                    span_id=str(r.get("span_id", "")),
+                    age_s=max(0.0, (now - start) / 1e9),
+                    prompt_tokens=r.get("input_tokens"),
+                    generated_tokens=r.get("output_tokens"),
+                )
+            )
+
+    with anyio.move_on_after(timeout_s + 1.0):
+        async with anyio.create_task_group() as tg:
+            for t in targets:
+                tg.start_soon(one, t)
+    return out
+

@@ -1,0 +1,237 @@
+"""agent.actors.profiler against real targets: the SDK model (tests/programs/profiled_model.py)
+and a fake SGLang server running a real torch loop (tests/programs/fake_sglang_server.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+
+from agent.actors.profiler import (
+    ACTION,
+    ProfilerActor,
+    ProfilerConfig,
+    find_new_files,
+    profile_once,
+    read_inflight,
+    sdk_call,
+    snapshot_dir,
+)
+from agent.events import IncidentOpened, Outcome
+from agent.targets import Target
+from exporters.spans import InMemorySink, new_span_id, new_trace_id
+from exporters.torch_trace import import_torch_trace
+from tests.conftest import PROGRAMS_DIR
+from tests.sdk._helpers import load_trace, profiler_steps
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None:
+            raise AssertionError(f"target not ready (rc={proc.poll()}, got {line!r})")
+        r, _, _ = select.select([proc.stdout], [], [], left)
+        if r:
+            line += os.read(proc.stdout.fileno(), 1)
+    return line.decode()
+
+
+@pytest.fixture
+def launch(spawn, python: str, tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], str]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(program: str, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+        full = dict(os.environ, SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), **(env or {}))
+        proc = spawn([python, str(PROGRAMS_DIR / program), *extra], stdout=subprocess.PIPE, env=full)
+        procs.append(proc)
+        return proc, _read_line(proc)
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _sdk_config(tmp_path: Path, **kw: Any) -> ProfilerConfig:
+    kw.setdefault("activities", ("CPU",))
+    return ProfilerConfig(backend="sdk", socket_dir=tmp_path / "shm", find_timeout_s=20, **kw)
+
+
+def _opened(**kw: Any) -> IncidentOpened:
+    return IncidentOpened(incident_id="inc-1", trigger="manual", **kw)
+
+
+# --- sdk backend -------------------------------------------------------------------------------
+
+
+async def test_sdk_session_captures_exactly_n_steps_and_imports(launch, tmp_path: Path) -> None:
+    proc, line = launch("profiled_model.py")
+    pid = int(line.split()[1])
+    out = tmp_path / "out"
+    result = await profile_once(_sdk_config(tmp_path), pid=pid, steps=3, out_dir=out, timeout_s=30)
+    assert result.action == ACTION and result.outcome is Outcome.OK, result.detail
+    assert result.pid == pid
+    a = result.attributes
+    assert a["servewatch.profile.steps_captured"] == 3 and a["servewatch.profile.state"] == "completed"
+    assert a["servewatch.profile.files"] == 1 and a["servewatch.profile.size_bytes"] > 0
+    (path,) = result.artifact_paths
+    assert Path(path).parent == out.resolve()
+    assert profiler_steps(load_trace(path)) == ["ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
+    # the trace becomes spans under the session span, inside the session's time window
+    sink = InMemorySink()
+    stats = import_torch_trace(path, sink, trace_id=new_trace_id(), parent_span_id=new_span_id())
+    assert stats.profiler_steps == 3
+    steps = [s for s in sink.spans if s.name.startswith("ProfilerStep#")]
+    assert all(result.start_time_unix_nano <= s.start_time <= s.end_time <= result.end_time_unix_nano for s in steps)
+
+
+async def test_sdk_pid_is_found_when_only_one_socket(launch, tmp_path: Path) -> None:
+    launch("profiled_model.py")
+    result = await profile_once(_sdk_config(tmp_path), steps=1, out_dir=tmp_path / "o", timeout_s=30)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.profile.steps_captured"] == 1
+
+
+async def test_sdk_idle_target_times_out_with_zero_steps(launch, tmp_path: Path) -> None:
+    _, line = launch("profiled_model.py", "--idle")
+    pid = int(line.split()[1])
+    result = await profile_once(_sdk_config(tmp_path), pid=pid, steps=3, out_dir=tmp_path / "o", timeout_s=0.5)
+    assert result.outcome is Outcome.TIMED_OUT, result.detail
+    assert result.attributes["servewatch.profile.steps_captured"] == 0
+    assert result.attributes["servewatch.profile.state"] == "expired"
+    assert "no profiler was started" in result.detail and result.artifact_paths == ()
+
+
+async def test_sdk_busy_target_refuses_and_missing_socket_is_no_such_process(launch, tmp_path: Path) -> None:
+    _, line = launch("profiled_model.py")
+    pid = int(line.split()[1])
+    cfg = _sdk_config(tmp_path)
+    sock = ProfilerActor(cfg).socket_for(pid)
+    reply = await sdk_call(sock, {"cmd": "profile.start", "num_steps": 100000, "activities": ["CPU"], "output_dir": str(tmp_path / "x")}, timeout_s=10)
+    assert reply["ok"]
+    try:
+        result = await profile_once(cfg, pid=pid, steps=1, out_dir=tmp_path / "o", timeout_s=10)
+        assert result.outcome is Outcome.REFUSED and result.retryable and "already" in result.detail
+    finally:
+        stop = await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=10)
+        assert stop["status"] in ("stopping", "stopped")  # running, or still waiting for its first step
+    gone = await profile_once(cfg, pid=1, steps=1, out_dir=tmp_path / "o", timeout_s=5)
+    assert gone.outcome is Outcome.NO_SUCH_PROCESS and "serve_control" in gone.detail
+
+
+async def test_incident_phase_profiles_sdk_targets_and_reads_inflight(launch, tmp_path: Path) -> None:
+    _, line = launch("profiled_model.py")
+    pid = int(line.split()[1])
+    actor = ProfilerActor(_sdk_config(tmp_path, on_incident_steps=2))
+    targets = [Target(pid=pid, title="model"), Target(pid=1, title="init")]
+    results = await actor.profile_incident(_opened(), targets, artifact_dir=tmp_path / "bundle")
+    assert [(r.pid, r.outcome) for r in results] == [(pid, Outcome.OK)]
+    assert results[0].attributes["servewatch.profile.steps_captured"] == 2
+    assert Path(results[0].artifact_paths[0]).parent == (tmp_path / "bundle").resolve()
+    one = await actor.act(_opened(), targets[0], timeout_s=30, artifact_dir=tmp_path / "b2")
+    assert one.outcome is Outcome.OK and one.attributes["servewatch.profile.steps_captured"] == 2
+    skipped = await actor.profile_incident(_opened(), targets[1:], artifact_dir=tmp_path / "bundle")
+    assert [r.outcome for r in skipped] == [Outcome.SKIPPED]
+    inflight = await read_inflight(targets, socket_dir=tmp_path / "shm")
+    assert inflight and {r.pid for r in inflight} == {pid}
+    assert all(r.request_id.startswith("req-") and len(r.span_id) == 16 and r.age_s >= 0 for r in inflight)
+    assert inflight[0].prompt_tokens == 8
+
+
+# --- sglang / vllm backends --------------------------------------------------------------------
+
+
+def _http_config(port: int, backend: str = "sglang", **kw: Any) -> ProfilerConfig:
+    kw.setdefault("activities", ("CPU",))
+    return ProfilerConfig(backend=backend, base_url=f"http://127.0.0.1:{port}", settle_s=0.3, find_timeout_s=20, **kw)
+
+
+async def test_sglang_session_stops_itself_after_n_steps(launch, tmp_path: Path) -> None:
+    _, line = launch("fake_sglang_server.py")
+    port = json.loads(line)["port"]
+    out = tmp_path / "traces"
+    result = await profile_once(_http_config(port), steps=4, start_step=None, out_dir=out, timeout_s=30)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.profile.stop"] == "not_sent"
+    (path,) = result.artifact_paths
+    assert path.endswith("-TP-0.trace.json.gz") and Path(path).name.startswith("servewatch-")
+    assert len(profiler_steps(load_trace(path))) == 4
+
+
+async def test_sglang_stop_after_auto_stop_is_already_stopped(launch, tmp_path: Path) -> None:
+    # the export is slow, so the trace is not there by the deadline and the actor sends a stop,
+    # which SGLang answers "Profiling is not in progress" (HTTP 500)
+    _, line = launch("fake_sglang_server.py", "--export-delay-s", "4")
+    port = json.loads(line)["port"]
+    result = await profile_once(_http_config(port), steps=2, out_dir=tmp_path / "t", timeout_s=2.5)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.profile.stop"] == "already_stopped"
+    assert len(profiler_steps(load_trace(result.artifact_paths[0]))) == 2
+
+
+async def test_sglang_busy_is_refused(launch, tmp_path: Path) -> None:
+    _, line = launch("fake_sglang_server.py")
+    port = json.loads(line)["port"]
+    import httpx
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        r = await c.post("/start_profile", json={"output_dir": str(tmp_path / "x"), "activities": ["CPU"]})
+        assert r.status_code == 200
+        result = await profile_once(_http_config(port), steps=1, out_dir=tmp_path / "t", timeout_s=5)
+        assert result.outcome is Outcome.REFUSED and "already in progress" in result.detail
+        assert (await c.post("/stop_profile")).status_code == 200
+        again = await c.post("/stop_profile")
+        assert again.status_code == 500 and "not in progress" in again.text
+
+
+async def test_vllm_backend_profiles_for_a_duration_then_stops(launch, tmp_path: Path) -> None:
+    out = tmp_path / "vllm"
+    _, line = launch("fake_sglang_server.py", env={"SGLANG_TORCH_PROFILER_DIR": str(out)})
+    port = json.loads(line)["port"]
+    result = await profile_once(_http_config(port, "vllm", vllm_duration_s=0.3), out_dir=out, timeout_s=30)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.profile.stop"] == "stopping"
+    assert len(profiler_steps(load_trace(result.artifact_paths[0]))) >= 1
+
+
+async def test_server_without_profiling_is_unsupported(launch, tmp_path: Path) -> None:
+    _, line = launch("fake_sglang_server.py", "--no-profile-endpoints")
+    port = json.loads(line)["port"]
+    result = await profile_once(_http_config(port, "vllm"), out_dir=tmp_path / "o", timeout_s=5)
+    assert result.outcome is Outcome.UNSUPPORTED and "launched" in result.detail
+
+
+# --- pieces ------------------------------------------------------------------------------------
+
+
+async def test_find_new_files_waits_for_growth_to_stop_and_is_bounded(tmp_path: Path) -> None:
+    (tmp_path / "old.trace.json").write_text("{}")
+    before = snapshot_dir(tmp_path)
+    assert await find_new_files(tmp_path, before, timeout_s=0.3, settle_s=0.1, poll_interval_s=0.05) == []
+    new = tmp_path / "new.trace.json.gz"
+    new.write_bytes(b"x" * 10)
+    (tmp_path / "notes.txt").write_text("not a trace")
+    found = await find_new_files(tmp_path, before, timeout_s=5, settle_s=0.1, poll_interval_s=0.05)
+    assert found == [new]
+
+
+def test_config_validates_and_defaults() -> None:
+    cfg = ProfilerConfig()
+    assert (cfg.backend, cfg.on_incident_steps, cfg.activities) == ("sdk", 0, ("CPU", "GPU"))
+    assert ProfilerConfig(activities="cpu,mem").activities == ("CPU", "MEM")
+    for bad in ({"backend": "tgi"}, {"activities": "tpu"}, {"num_steps": 0}, {"find_timeout_s": 0}, {"typo": 1}):
+        with pytest.raises(pydantic.ValidationError):
+            ProfilerConfig(**bad)

@@ -827,8 +827,9 @@ class PySpyActor:
         except OSError as exc:  # vanished or not executable since check(): classified, not raised
             attempt.launch_error = exc
             return attempt
+        scope = anyio.move_on_after(timeout_s)
         try:
-            with anyio.move_on_after(timeout_s) as scope:
+            with scope:
                 async with anyio.create_task_group() as tg:
 
                     async def read_stdout() -> None:
@@ -840,7 +841,10 @@ class PySpyActor:
             attempt.timed_out = scope.cancelled_caught
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.kill_grace_s):
-                if proc.returncode is None:
+                # A timed-out run whose leader already exited may leave group members holding
+                # its pipes; the group id cannot be reused while any member lives, so killing it
+                # is safe either way.
+                if proc.returncode is None or scope.cancelled_caught:
                     attempt.killed = True
                     self._groups_killed += 1
                     _kill_group(proc.pid)

@@ -428,8 +428,9 @@ class LosslessSpanProcessor(SpanProcessor):
     def _reject(self, request: ExportTraceServiceRequest, spans: int, result: SendResult) -> None:
         with self._cv:
             self._failures += 1
+        if result.detail != self._last_detail:  # count every refusal, log each new cause once
+            _log.warning("collector %s refused %d spans permanently (%s); kept under rejected/", self.sender.target, spans, result.detail)
         self._last_detail = result.detail
-        _log.warning("collector %s refused %d spans permanently (%s)", self.sender.target, spans, result.detail)
         if self.spool is not None:
             try:
                 self.spool.add_rejected(request, spans)

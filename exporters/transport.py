@@ -223,6 +223,9 @@ def http_traces_url(endpoint: str, *, signal_specific: bool = False) -> str:
 class HttpSender:
     """OTLP/HTTP protobuf POST with one attempt per call.
 
+    Proxy environment variables are not used: the collector is expected on the local network
+    (sidecar, node agent), and a proxy answering for it would hide an outage.
+
     Args:
         url: full traces URL (see :func:`http_traces_url`).
         headers: extra request headers.

@@ -160,13 +160,23 @@ def read_span_file(path: str | os.PathLike[str]) -> Iterator[ExportTraceServiceR
     yield from read_otlp_json_lines(path)
 
 
+#: What a folder walk picks up: span files only. Bundles beside them hold ``manifest.json``,
+#: ``requests.json`` and stack dumps, which are not OTLP; metrics files are not spans.
+_WALK_SUFFIXES = (".jsonl", ".binpb")
+
+
 def iter_span_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
-    """Expand files and folders into span files (see :data:`SPAN_FILE_SUFFIXES`), sorted by name
-    within a folder (spool and rotated file names sort in write order)."""
+    """Expand files and folders into span files, sorted by name within a folder (spool and
+    rotated file names sort in write order). Files named explicitly are taken as they are; in a
+    folder only ``*.jsonl`` and ``*.binpb`` count, ``metrics-*`` excluded."""
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found = [p for p in path.rglob("*") if p.is_file() and p.suffix in SPAN_FILE_SUFFIXES]
+            found = [
+                p
+                for p in path.rglob("*")
+                if p.suffix in _WALK_SUFFIXES and not p.name.startswith("metrics-") and p.is_file()
+            ]
             yield from sorted(found, key=lambda p: (str(p.parent), p.name))
         else:
             yield path

@@ -30,7 +30,11 @@ def _write_embedded(data_dir: Path, n: int) -> dict[str, tuple[int, int]]:
 
 def test_replay_embedded_files_delivers_every_span_once_with_ids(otlp_receiver: OtlpReceiver, protocol: str, tmp_path: Path) -> None:
     produced = _write_embedded(tmp_path, 300)
-    # the whole data dir: span files are sent, metrics files skipped
+    bundle = tmp_path / "h" / "inc-1"  # an incident bundle beside the span files: not OTLP
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text('{"incident_id": "inc-1", "actions": []}')
+    (bundle / "requests.json").write_text("[]")
+    # the whole data dir: span files are sent; metrics files and bundles skipped
     result = replay([tmp_path], endpoint=otlp_receiver.endpoint(protocol), protocol=protocol, timeout_s=10.0)
     assert (result.sent, result.failed, result.files, result.bad_files) == (300, 0, 1, 0)
     received = Counter(s.span_id for s in otlp_receiver.spans())

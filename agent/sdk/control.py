@@ -185,6 +185,13 @@ class ControlServer:
         conn.settimeout(self.request_timeout_s)
         if not self._allowed(conn):
             self.refused += 1
+            # Read (briefly) what the peer sent before answering, so the refusal is not lost in
+            # a reset from closing a socket with unread data.
+            conn.settimeout(min(1.0, self.request_timeout_s))
+            try:
+                conn.recv(MAX_LINE_BYTES)
+            except OSError:
+                pass
             self._send(conn, {"ok": False, "error": "permission_denied", "detail": "peer uid not allowed"})
             return
         buf = b""

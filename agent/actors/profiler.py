@@ -101,6 +101,9 @@ class ProfilerConfig(BaseModel):
             SGLang's ``/start_profile`` waits for the scheduler).
         vllm_duration_s: how long a ``vllm`` session records before the stop, seconds (default 5).
         socket_dir: folder of the SDK control sockets (default: the SDK's shm folder).
+        sdk_profiler: the in-process profiler the ``sdk`` backend asks for: ``torch`` (default)
+            or ``mlx`` (a Metal ``.gputrace`` where Metal capture works; elsewhere per-step MLX
+            memory counters, and the result says no Metal trace was captured).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -122,6 +125,7 @@ class ProfilerConfig(BaseModel):
     request_timeout_s: float = Field(default=10.0, gt=0)
     vllm_duration_s: float = Field(default=5.0, gt=0)
     socket_dir: Path | None = None
+    sdk_profiler: Literal["torch", "mlx"] = "torch"
 
     @field_validator("activities", mode="before")
     @classmethod
@@ -419,6 +423,7 @@ class ProfilerActor:
             "record_shapes": c.record_shapes,
             "profile_memory": c.profile_memory,
             "max_duration_s": req.timeout_s,
+            "backend": c.sdk_profiler,
         }
         if req.start_step is not None:
             body["start_step"] = req.start_step
@@ -454,6 +459,7 @@ class ProfilerActor:
             s.attrs["servewatch.profile.activities_used"] = tuple(info["activities_used"])
         if "metal_trace_captured" in info:
             s.attrs["servewatch.profile.metal_trace_captured"] = bool(info["metal_trace_captured"])
+        s.attrs["servewatch.profile.profiler"] = str(info.get("backend", c.sdk_profiler))
         # The SDK reports a session finished only after its export returned.
         files = [Path(f) for f in info.get("files") or () if _entry_size(Path(f)) > 0]
         note = f" {info['detail']}" if info.get("detail") else ""

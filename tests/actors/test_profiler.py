@@ -105,6 +105,21 @@ async def test_sdk_pid_is_found_when_only_one_socket(launch, tmp_path: Path) -> 
     assert result.attributes["servewatch.profile.steps_captured"] == 1
 
 
+async def test_sdk_mlx_session_on_linux_says_no_metal_trace(launch, tmp_path: Path) -> None:
+    mx = pytest.importorskip("mlx.core")
+    if mx.metal.is_available():
+        pytest.skip("covers hosts without Metal")
+    _, line = launch("profiled_model.py")
+    pid = int(line.split()[1])
+    result = await profile_once(_sdk_config(tmp_path, sdk_profiler="mlx"), pid=pid, steps=2, out_dir=tmp_path / "m", timeout_s=30)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.profile.metal_trace_captured"] is False
+    assert result.attributes["servewatch.profile.profiler"] == "mlx"
+    assert "no Metal trace captured" in result.detail
+    (path,) = result.artifact_paths
+    assert path.endswith(".mlx-steps.json") and len(json.loads(Path(path).read_text())["steps"]) == 2
+
+
 async def test_sdk_idle_target_times_out_with_zero_steps(launch, tmp_path: Path) -> None:
     _, line = launch("profiled_model.py", "--idle")
     pid = int(line.split()[1])

@@ -63,10 +63,16 @@ def _logging(verbose: bool) -> None:
 
 
 def _settings(cli: dict[str, Any], config: Optional[Path]) -> Settings:
+    """Load settings and validate the telemetry destination, or exit 2 with one line."""
+    from exporters.provider import ExportConfigError, resolve_destination
+
     try:
-        return load_settings(cli, config_file=config)
-    except ConfigError as exc:
-        fail(str(exc), ExitCode.USAGE)
+        settings = load_settings(cli, config_file=config)
+        resolve_destination(settings.export)  # OTEL_* env problems surface now, not mid-run
+    except (ConfigError, ExportConfigError) as exc:
+        msg = str(exc)
+        fail(msg if msg.startswith("invalid setting") else f"invalid setting {msg}", ExitCode.USAGE)
+    return settings
 
 
 # Options shared by several commands.
@@ -75,6 +81,8 @@ DataDirOpt = typer.Option(None, "--data-dir", help="Bundles and span files [env 
 PidOpt = typer.Option(None, "--pid", help="Target pid (repeatable).")
 RootPidOpt = typer.Option(None, "--root-pid", help="Watch this pid and all its descendants.")
 MatchOpt = typer.Option(None, "--match", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
+OtlpEndpointOpt = typer.Option(None, "--otlp-endpoint", metavar="URL", help="OTLP collector, e.g. http://127.0.0.1:4317 [env OTEL_EXPORTER_OTLP_ENDPOINT; default: span files in the data dir].")
+OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", help="grpc or http/protobuf [env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc].")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
 
 
@@ -107,6 +115,8 @@ def run(
     hard: Optional[bool] = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence."),
     cooldown: Optional[float] = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long [default 300]."),
     duration: Optional[float] = typer.Option(None, "--duration", metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
+    otlp_endpoint: Optional[str] = OtlpEndpointOpt,
+    otlp_protocol: Optional[str] = OtlpProtocolOpt,
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
     verbose: bool = VerboseOpt,
@@ -121,6 +131,7 @@ def run(
             "metrics": {"url": metrics_url, "metrics_preset": metrics_preset},
             "watchdog": {"timeout_s": watchdog_timeout, "hard": hard},
             "incident": {"cooldown_s": cooldown},
+            "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
         },
         config,
     )
@@ -176,13 +187,22 @@ def dump(
     root_pid: Optional[int] = RootPidOpt,
     match: Optional[list[str]] = MatchOpt,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
+    otlp_endpoint: Optional[str] = OtlpEndpointOpt,
+    otlp_protocol: Optional[str] = OtlpProtocolOpt,
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """One-shot incident now: dump matching processes, write bundle + spans, print a summary."""
     _logging(verbose)
-    settings = _settings({"data_dir": data_dir, "target": _target(pid, root_pid, match)}, config)
+    settings = _settings(
+        {
+            "data_dir": data_dir,
+            "target": _target(pid, root_pid, match),
+            "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
+        },
+        config,
+    )
     t = settings.target
     if not (t.pids or t.match or t.root_pid):
         fail("no targets: give --pid, --root-pid or --match", ExitCode.USAGE)
@@ -381,6 +401,55 @@ def report(
     except OSError as exc:
         fail(f"cannot write {str(output)!r}: {exc.strerror or exc}")
     err.print(report_summary(tl, path), markup=False)
+
+
+# --- profile -------------------------------------------------------------------------------
+
+
+@app.command()
+def profile(
+    steps: int = typer.Option(..., "--steps", min=1, help="Profile exactly this many forward steps (num_steps)."),
+    start_step: Optional[int] = typer.Option(None, "--start-step", min=0, help="Start once forward_ct reaches this step."),
+    activities: Optional[str] = typer.Option(None, "--activities", help="Comma-separated: CPU,GPU,MEM [default CPU,GPU]."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Where trace files go [default ./profiles]."),
+    pid: Optional[int] = typer.Option(None, "--pid", help="Target serving the SDK control socket (backend sdk)."),
+    url: Optional[str] = typer.Option(None, "--url", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="sdk (default), sglang or vllm."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", help="Wall-clock bound of the session [default 60]."),
+    as_json: bool = typer.Option(False, "--json", help="Print the session result as JSON on stdout."),
+    config: Optional[Path] = ConfigOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Profile the next N forward steps of a running server (torch.profiler / Metal) and list the traces."""
+    _logging(verbose)
+    settings = _settings({"profiler": {"backend": backend, "base_url": url}}, config)
+    acts = [a.strip().upper() for a in activities.split(",") if a.strip()] if activities else None
+    if acts is not None and not set(acts) <= {"CPU", "GPU", "MEM", "CUDA_PROFILER"}:
+        fail(f"invalid setting activities: expected CPU, GPU, MEM or CUDA_PROFILER (got {activities!r})", ExitCode.USAGE)
+    import anyio
+
+    from agent.actors.profiler import profile_once
+
+    result = anyio.run(
+        lambda: profile_once(
+            settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=acts,
+            out_dir=(out_dir or Path("profiles")).resolve(), timeout_s=timeout,
+        )
+    )
+    if as_json:
+        out.print_json(json.dumps(result.to_manifest()))
+    for path in result.artifact_paths:
+        if not as_json:
+            out.print(path, markup=False, highlight=False)
+    captured = result.attributes.get("servewatch.profile.steps_captured")
+    err.print(
+        f"Profile {result.outcome.value}: {len(result.artifact_paths)} trace file(s)"
+        + (f", {captured} step(s) captured" if captured is not None else "")
+        + (f" ({result.detail})" if result.detail else ""),
+        markup=False,
+    )
+    if result.outcome.value not in ("ok",):
+        raise typer.Exit(int(ExitCode.FAILURE))
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from agent.actors.pyspy import PySpyActor
 from agent.bus import EventBus, Subscription
 from agent.config import Settings
 from agent.events import (
+    ActionCompleted,
     ActionResult,
     ComponentStatus,
     ComponentStatusChanged,
@@ -30,6 +31,7 @@ from agent.events import (
     IncidentOpened,
     ProfileStopped,
     StacksDumped,
+    WatchdogStalled,
 )
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase
 from agent.targets import Target, discover
@@ -37,6 +39,7 @@ from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepsWatcher
 from agent.watchers.watchdog import Watchdog
+from exporters.metrics import Metrics
 from exporters.mirror import SpanMirror
 from exporters.provider import Telemetry, build_telemetry
 
@@ -164,9 +167,14 @@ class Agent:
         mirror = SpanMirror(self.telemetry.sink, host_name=s.host_name,
                             export_statistics=self.telemetry.processor.statistics)
         mirror_sub = self.bus.subscribe(name="mirror", max_buffer=float("inf"))
+        metrics_sub = self.bus.subscribe(
+            IncidentOpened, ActionCompleted, WatchdogStalled, name="metrics", max_buffer=float("inf")
+        )
+        self.telemetry.metrics.watch_bus(lambda: self.bus.statistics().dropped)
         try:
             async with anyio.create_task_group() as outer:
                 outer.start_soon(mirror_events, mirror, mirror_sub)
+                outer.start_soon(self._record_metrics, self.telemetry.metrics, metrics_sub)
                 try:
                     async with anyio.create_task_group() as tg:
                         await tg.start(self.incidents.run)
@@ -180,6 +188,7 @@ class Agent:
                     await self.bus.aclose()
         finally:
             mirror_sub.close()
+            metrics_sub.close()
             if self._own_telemetry and self.telemetry is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S + 1):
                     await self.telemetry.aclose(SHUTDOWN_DEADLINE_S)
@@ -189,6 +198,18 @@ class Agent:
             bus=self.bus.statistics()._asdict(),
         )
         return stats
+
+    @staticmethod
+    async def _record_metrics(metrics: Metrics, sub: Subscription) -> None:
+        """Internal metrics from bus events: incidents by trigger, action outcomes, detection latency."""
+        async for event in sub:
+            if isinstance(event, IncidentOpened):
+                metrics.incident_opened(event.trigger)
+            elif isinstance(event, ActionCompleted):
+                metrics.action_done(event.result.action, event.result.outcome.value)
+            elif isinstance(event, WatchdogStalled):
+                # how late the stall was reported after it became one (last progress + timeout)
+                metrics.detection_latency(event.stalled_for_s - event.timeout_s, trigger="stall")
 
     async def _start_watchers(self, tg: TaskGroup) -> None:
         s = self.settings

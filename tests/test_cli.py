@@ -56,6 +56,8 @@ def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
         (["dump"], {}, "servewatch: no targets"),
         (["run", "--pid", "1", "--config", "missing.toml"], {}, "servewatch: invalid setting config: no such file"),
         (["export", "--to", "http://127.0.0.1:1", "--protocol", "carrier-pigeon"], {}, "servewatch: invalid setting protocol"),
+        (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}, "servewatch: invalid setting"),
+        (["run", "--pid", "1", "--otlp-protocol", "smtp"], {}, "servewatch: invalid setting export.protocol"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], env: dict[str, str], expected: str) -> None:

@@ -38,7 +38,7 @@ import heapq
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -53,6 +53,8 @@ __all__ = [
     "iter_trace_events",
     "find_base_time_ns",
     "gputrace_attributes",
+    "import_profile_artifacts",
+    "is_torch_trace",
     "ALWAYS_KEPT_CATEGORIES",
     "GPU_CATEGORIES",
 ]
@@ -490,3 +492,57 @@ def gputrace_attributes(path: str | Path) -> dict[str, Any]:
         "servewatch.artifact.size_bytes": size,
         "servewatch.artifact.kind": "gputrace",
     }
+
+
+#: File name endings of torch Chrome traces (torch's exporter, SGLang's and the SDK's names).
+TORCH_TRACE_SUFFIXES = (".trace.json", ".trace.json.gz", ".pt.trace.json", ".pt.trace.json.gz")
+
+
+def is_torch_trace(path: str | Path) -> bool:
+    """Whether a session artifact is a torch Chrome trace (by its name)."""
+    return str(path).endswith(TORCH_TRACE_SUFFIXES)
+
+
+def import_profile_artifacts(
+    paths: Iterable[str | Path],
+    sink: SpanSink,
+    *,
+    trace_id: int,
+    parent_span_id: int,
+    config: TorchTraceImportConfig | None = None,
+) -> dict[str, Any]:
+    """Import a ``profile.session``'s artifacts; return attributes for the session span.
+
+    Torch traces become child spans (:func:`import_torch_trace`, counts summed over files);
+    a ``.gputrace`` bundle is attached as an artifact (:func:`gputrace_attributes`); other
+    files (e.g. the SDK's ``.mlx-steps.json``) are left alone. A trace that cannot be read is
+    counted in ``servewatch.trace_import.errors`` with its error, never raised.
+
+    Returns:
+        Span attributes: the ``servewatch.trace_import.*`` counts, ``.files``, ``.errors`` and
+        ``.error`` (the first error), plus ``servewatch.artifact.*`` for a Metal bundle.
+    """
+    totals: dict[str, Any] = {}
+    files = errors = 0
+    first_error = ""
+    for p in paths:
+        path = Path(p)
+        if str(path).endswith(".gputrace"):
+            totals.update(gputrace_attributes(path))
+            continue
+        if not is_torch_trace(path):
+            continue
+        try:
+            stats = import_torch_trace(path, sink, trace_id=trace_id, parent_span_id=parent_span_id, config=config)
+        except (OSError, ValueError, EOFError) as exc:  # gzip's EOFError: a truncated .gz
+            errors += 1
+            first_error = first_error or f"{path.name}: {type(exc).__name__}: {exc}"
+            continue
+        files += 1
+        for key, value in stats.span_attributes().items():
+            totals[key] = totals.get(key, 0) + value
+    totals["servewatch.trace_import.files"] = files
+    totals["servewatch.trace_import.errors"] = errors
+    if first_error:
+        totals["servewatch.trace_import.error"] = first_error[:300]
+    return totals

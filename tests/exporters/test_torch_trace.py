@@ -20,6 +20,7 @@ from exporters.torch_trace import (
     TorchTraceImportConfig,
     find_base_time_ns,
     gputrace_attributes,
+    import_profile_artifacts,
     import_torch_trace,
 )
 from tests.sdk._helpers import TinyModel, drain, load_trace
@@ -221,3 +222,23 @@ def test_gputrace_bundle_is_an_artifact_with_its_size(tmp_path: Path) -> None:
     assert attrs["servewatch.artifact.size_bytes"] == 1024
     assert attrs["servewatch.artifact.path"] == str(bundle.resolve())
     assert attrs["servewatch.artifact.kind"] == "gputrace"
+
+
+def test_session_artifacts_import_traces_attach_bundles_and_count_errors(session: dict[str, Any], tmp_path: Path) -> None:
+    bundle = tmp_path / "cap.gputrace"
+    bundle.mkdir()
+    (bundle / "data").write_bytes(b"z" * 10)
+    broken = tmp_path / "broken.trace.json.gz"
+    broken.write_bytes(b"not gzip")
+    steps = tmp_path / "x.mlx-steps.json"
+    steps.write_text("{}")
+    sink = InMemorySink()
+    root = new_span_id()
+    attrs = import_profile_artifacts(
+        [session["files"][0], str(bundle), str(broken), str(steps)], sink, trace_id=new_trace_id(), parent_span_id=root
+    )
+    assert attrs["servewatch.trace_import.files"] == 1 and attrs["servewatch.trace_import.errors"] == 1
+    assert "broken.trace.json.gz" in attrs["servewatch.trace_import.error"]
+    assert attrs["servewatch.trace_import.profiler_steps"] == 3
+    assert attrs["servewatch.trace_import.kept"] == len(sink.spans) > 0
+    assert attrs["servewatch.artifact.size_bytes"] == 10

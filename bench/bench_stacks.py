@@ -7,17 +7,17 @@ function (tests/programs/titled_target.py), measures:
   the same without ``--native`` (what SGLang's crash-dump helper does), each bounded by a
   timeout;
 * servewatch: :meth:`PySpyActor.dump_all` from the call (the trigger) until every stack is parsed
-  and written, with the default config (``max_concurrency`` = 2 x CPUs).
+  and written, with the default config (``max_concurrency`` = max(8, 2 x CPUs)).
 
-Each is run ``--repeat`` times, alternating (sequential, servewatch, sequential, ...), after one
-warm-up dump of every process. The table shows the median times, the median of the per-pair
+Each is run ``--repeat`` times (default 9) in back-to-back pairs, alternating which of the two
+goes first, after one warm-up dump of every process. The table shows the median times, the median of the per-pair
 ratios servewatch / sequential (pairs run back to back, so load from other work on the machine
 hits both alike; target at K=8 on 2 cores: <= 0.55x, about the 2-core limit) and the slowest single
 dump (what servewatch approaches when cores >= K), and the CPU floor: py-spy's CPU seconds in one
 servewatch round divided by the CPU count.
 Printed, not asserted. Every process it starts is killed on exit (try/finally).
 
-    python bench/bench_stacks.py [--k 1 4 8] [--repeat 5]
+    python bench/bench_stacks.py [--k 1 4 8] [--repeat 9] [--concurrency N]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def servewatch(actor: PySpyActor, targets: list[Target], artifact_dir: Path) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 4, 8], help="process counts")
-    ap.add_argument("--repeat", type=int, default=5, help="timed runs of each method per K")
+    ap.add_argument("--repeat", type=int, default=9, help="timed runs of each method per K")
     ap.add_argument("--concurrency", type=int, default=None, help="PySpyConfig.max_concurrency (default: CPUs)")
     args = ap.parse_args()
 
@@ -142,8 +142,12 @@ def main() -> None:
                 sequential(exe, targets, config.timeout_s)  # warm-up: page cache, symbol files
                 seq_s, ours_s, slowest_s, ratios, cpu_s = [], [], [], [], []
                 for i in range(args.repeat):
-                    total, slowest = sequential(exe, targets, config.timeout_s)
-                    ours, cpu = servewatch(actor, targets, Path(tmp) / f"k{k}-{i}")
+                    if i % 2:  # alternate which goes first
+                        ours, cpu = servewatch(actor, targets, Path(tmp) / f"k{k}-{i}")
+                        total, slowest = sequential(exe, targets, config.timeout_s)
+                    else:
+                        total, slowest = sequential(exe, targets, config.timeout_s)
+                        ours, cpu = servewatch(actor, targets, Path(tmp) / f"k{k}-{i}")
                     seq_s.append(total)
                     slowest_s.append(slowest)
                     ours_s.append(ours)

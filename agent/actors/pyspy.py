@@ -124,10 +124,13 @@ class PySpyConfig(BaseModel):
         locals: pass ``--locals`` so the dump files hold each frame's local variables (default
             False: locals can hold secrets and request payloads; never put in span attributes).
         max_concurrency: py-spy processes running at once across all targets (default: twice
-            the number of CPUs, at least 2). Measured here (py-spy 0.4.3, torch-importing
-            target, ``--native``): a dump spends about half its wall time on CPU (symbol loading,
-            unwinding) and half waiting (exec, ptrace stops, reads of the target's memory), so
-            two per CPU keep the CPUs busy; each holds ~100 MB RSS with libtorch's symbols.
+            the number of CPUs, at least 8). At least 8 so that every scheduler of a TP8 node is
+            sampled at about the same moment (a collective hang reads best from simultaneous
+            stacks) and the CPUs stay busy even on a 2-CPU sidecar, where the agent's own event
+            loop competes with py-spy to start the next dump. Measured here (py-spy 0.4.3,
+            torch-importing targets, ``--native``): a dump costs ~0.1 CPU-second and ~100 MB RSS
+            (libtorch's symbols); K=8 on 2 CPUs took 0.54-0.59x the sequential time with 8 at
+            once, 0.59-0.64x with 4.
         max_output_bytes: most stdout kept from one attempt, in bytes (default 32 MiB); more is
             read and discarded, and the dump is reported ``FAILED``.
         max_threads: threads summarised in span attributes (default 16); all go to the files.
@@ -143,7 +146,7 @@ class PySpyConfig(BaseModel):
     native: bool = True
     nonblocking: bool = False
     locals: bool = False
-    max_concurrency: int = Field(default_factory=lambda: max(2, 2 * (os.cpu_count() or 1)), ge=1)
+    max_concurrency: int = Field(default_factory=lambda: max(8, 2 * (os.cpu_count() or 1)), ge=1)
     max_output_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
     max_threads: int = Field(default=16, ge=1)
     max_frames: int = Field(default=5, ge=1)

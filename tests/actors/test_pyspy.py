@@ -413,7 +413,7 @@ def test_default_config_is_valid_and_finds_pyspy() -> None:
     config = PySpyConfig()
     assert config.executable is not None and os.access(config.executable, os.X_OK)
     assert (config.timeout_s, config.native, config.nonblocking) == (10.0, True, False)
-    assert config.max_concurrency == max(2, 2 * (os.cpu_count() or 1))
+    assert config.max_concurrency == max(8, 2 * (os.cpu_count() or 1))
     with pytest.raises(pydantic.ValidationError, match="timeout_s"):
         PySpyConfig(timeout_s=0)
     with pytest.raises(pydantic.ValidationError, match="max_concurrency"):

@@ -368,6 +368,9 @@ async def test_unwritable_dump_dir_refused(tmp_path: Path, start_fake: Callable)
 async def test_armed_env_but_no_cuda_init_and_impostor_file(tmp_path: Path, spawn: Callable, python: str) -> None:
     env = {"PATH": os.environ["PATH"], "CUDA_ENABLE_USER_TRIGGERED_COREDUMP": "1", "CUDA_COREDUMP_PIPE": str(tmp_path / "p.%p")}
     proc = spawn([python, "-c", "import time; time.sleep(600)"], env=env, cwd=str(tmp_path))
+    deadline = time.monotonic() + 10  # under load /proc may briefly show the pre-exec image
+    while "CUDA_COREDUMP_PIPE" not in coredump._read_environ(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     location = locate_pipe(proc.pid, host=HOST)
     assert location.path is None and "CUDA not initialised yet" in location.reason
     impostor = tmp_path / f"p.{proc.pid}"

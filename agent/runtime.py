@@ -40,7 +40,7 @@ from agent.watchers.process import ProcessWatcher
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepsWatcher
 from agent.watchers.watchdog import Watchdog
 from exporters.metrics import Metrics
-from exporters.mirror import SpanMirror
+from exporters.mirror import PROFILE_SPAN, SpanMirror
 from exporters.provider import Telemetry, build_telemetry
 
 __all__ = ["Agent", "AgentStatistics"]
@@ -265,7 +265,11 @@ async def mirror_events(mirror: SpanMirror, sub: Subscription) -> None:
     """
     try:
         async for event in sub:
-            mirror.handle(event)
+            if isinstance(event, ActionCompleted) and event.result.action == PROFILE_SPAN:
+                # importing a torch trace is CPU and file work: keep it off the event loop
+                await anyio.to_thread.run_sync(mirror.handle, event)
+            else:
+                mirror.handle(event)
     finally:
         while True:
             try:

@@ -8,7 +8,11 @@ events (hex, chosen by :mod:`agent.incidents` with :func:`exporters.spans.new_tr
 trace can be referenced before it is exported. Span links to in-flight requests are read from a
 ``links`` attribute of the open/close events when present (``((trace_id_hex, span_id_hex), ...)``).
 
-Imports :mod:`agent.events`, :mod:`agent.bus` (types only) and :mod:`exporters.spans`.
+A ``profile.session`` result's torch traces are imported as child spans of its span
+(:mod:`exporters.torch_trace`, streaming and capped), so the profile sits inside the incident.
+
+Imports :mod:`agent.events`, :mod:`agent.bus` (types only), :mod:`exporters.spans` and
+:mod:`exporters.torch_trace`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Link
 
 from agent.events import ActionCompleted, Event, IncidentClosed, IncidentOpened, Outcome, now_ns
+from exporters.torch_trace import import_profile_artifacts
 from exporters.spans import SpanSink, build_span, link_to, new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
 if TYPE_CHECKING:
@@ -36,6 +41,8 @@ _log = logging.getLogger(__name__)
 INCIDENT_SPAN = "incident"
 #: Event types to subscribe the mirror to.
 MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed)
+#: Name of a profiling session's span (its torch trace is imported under it).
+PROFILE_SPAN = "profile.session"
 #: Most span links put on one root span (in-flight requests can be thousands).
 MAX_LINKS = 128
 
@@ -172,10 +179,17 @@ class SpanMirror:
         start = result.start_time_unix_nano or event.time_unix_nano
         end = result.end_time_unix_nano or event.time_unix_nano
         ok = result.outcome is Outcome.OK
+        span_id = new_span_id()
+        if result.action == PROFILE_SPAN and result.artifact_paths:
+            # the torch ranges / Metal bundle of the session, as children of its span
+            attributes.update(
+                import_profile_artifacts(result.artifact_paths, self.sink, trace_id=trace_id, parent_span_id=span_id)
+            )
         self._emit(
             build_span(
                 result.action,
                 trace_id=trace_id,
+                span_id=span_id,
                 parent_span_id=parent,
                 start_time_unix_nano=start,
                 end_time_unix_nano=end,

@@ -242,3 +242,28 @@ def test_session_artifacts_import_traces_attach_bundles_and_count_errors(session
     assert attrs["servewatch.trace_import.profiler_steps"] == 3
     assert attrs["servewatch.trace_import.kept"] == len(sink.spans) > 0
     assert attrs["servewatch.artifact.size_bytes"] == 10
+
+
+def test_mirror_puts_the_profile_inside_the_incident_trace(session: dict[str, Any]) -> None:
+    from agent.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, ProfileStopped, frozen_attrs
+    from exporters.mirror import SpanMirror
+    from exporters.spans import span_id_hex, trace_id_hex
+
+    sink = InMemorySink()
+    mirror = SpanMirror(sink, host_name="h")
+    tid, root = new_trace_id(), new_span_id()
+    t0 = 1_700_000_000_000_000_000
+    mirror.handle(IncidentOpened(incident_id="i", trigger="stall", trace_id=trace_id_hex(tid), span_id=span_id_hex(root), time_unix_nano=t0))
+    result = ActionResult(
+        action="profile.session", outcome=Outcome.OK, pid=1, artifact_paths=tuple(session["files"]),
+        start_time_unix_nano=t0, end_time_unix_nano=t0 + 1, attributes=frozen_attrs({"servewatch.profile.steps_captured": 3}),
+    )
+    mirror.handle(ProfileStopped(incident_id="i", result=result))
+    mirror.handle(IncidentClosed(incident_id="i", trigger="stall", bundle_dir="", manifest_path=""))
+    [session_span] = sink.named("profile.session")
+    assert session_span.parent.span_id == root
+    assert session_span.attributes["servewatch.trace_import.profiler_steps"] == 3
+    imported = [s for s in sink.spans if s.parent is not None and s.parent.span_id == session_span.context.span_id]
+    assert sorted(s.name for s in imported if s.name.startswith("ProfilerStep#")) == [
+        "ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
+    assert all(s.context.trace_id == tid for s in sink.spans)

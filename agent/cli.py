@@ -417,12 +417,22 @@ def profile(
     backend: Optional[str] = typer.Option(None, "--backend", help="sdk (default), sglang or vllm."),
     timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", help="Wall-clock bound of the session [default 60]."),
     as_json: bool = typer.Option(False, "--json", help="Print the session result as JSON on stdout."),
+    otlp_endpoint: Optional[str] = OtlpEndpointOpt,
+    otlp_protocol: Optional[str] = OtlpProtocolOpt,
+    data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """Profile the next N forward steps of a running server (torch.profiler / Metal) and list the traces."""
     _logging(verbose)
-    settings = _settings({"profiler": {"backend": backend, "base_url": url}}, config)
+    settings = _settings(
+        {
+            "data_dir": data_dir,
+            "profiler": {"backend": backend, "base_url": url},
+            "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
+        },
+        config,
+    )
     acts = [a.strip().upper() for a in activities.split(",") if a.strip()] if activities else None
     if acts is not None and not set(acts) <= {"CPU", "GPU", "MEM", "CUDA_PROFILER"}:
         fail(f"invalid setting activities: expected CPU, GPU, MEM or CUDA_PROFILER (got {activities!r})", ExitCode.USAGE)
@@ -436,8 +446,16 @@ def profile(
             out_dir=(out_dir or Path("profiles")).resolve(), timeout_s=timeout,
         )
     )
+    from exporters.mirror import mirror_profile_session
+    from exporters.provider import build_telemetry
+
+    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
+    try:
+        trace_id = mirror_profile_session(telemetry.sink, result)
+    finally:
+        telemetry.shutdown()
     if as_json:
-        out.print_json(json.dumps(result.to_manifest()))
+        out.print_json(json.dumps({**result.to_manifest(), "trace_id": trace_id}))
     for path in result.artifact_paths:
         if not as_json:
             out.print(path, markup=False, highlight=False)
@@ -445,7 +463,8 @@ def profile(
     err.print(
         f"Profile {result.outcome.value}: {len(result.artifact_paths)} trace file(s)"
         + (f", {captured} step(s) captured" if captured is not None else "")
-        + (f" ({result.detail})" if result.detail else ""),
+        + (f" ({result.detail})" if result.detail else "")
+        + f"; spans in trace {trace_id} ({telemetry.destination.describe()})",
         markup=False,
     )
     if result.outcome.value not in ("ok",):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Link
 
-from agent.events import ActionCompleted, Event, IncidentClosed, IncidentOpened, Outcome, now_ns
+from agent.events import ActionCompleted, ActionResult, Event, IncidentClosed, IncidentOpened, Outcome, now_ns
 from exporters.torch_trace import import_profile_artifacts
 from exporters.spans import SpanSink, build_span, link_to, new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from agent.bus import Subscription
     from exporters.processor import ExportStatistics
 
-__all__ = ["SpanMirror", "MIRRORED_EVENTS", "INCIDENT_SPAN"]
+__all__ = ["SpanMirror", "MIRRORED_EVENTS", "INCIDENT_SPAN", "PROFILE_SPAN", "mirror_profile_session"]
 
 _log = logging.getLogger(__name__)
 
@@ -259,3 +259,40 @@ class SpanMirror:
     def _emit(self, span: ReadableSpan) -> None:
         self.sink.emit(span)
         self.emitted += 1
+
+
+def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
+    """Emit an on-demand ``profile.session`` (``servewatch profile``) as its own trace.
+
+    The session is the root span; its torch trace ranges (and a Metal bundle's path and size)
+    are imported under it, as inside an incident.
+
+    Returns:
+        The trace id (32 hex digits).
+    """
+    trace_id, span_id = new_trace_id(), new_span_id()
+    attributes: dict[str, object] = dict(result.attributes)
+    attributes["servewatch.outcome"] = str(result.outcome)
+    if result.pid is not None:
+        attributes["process.pid"] = result.pid
+    if result.detail:
+        attributes["servewatch.detail"] = result.detail
+    if result.artifact_paths:
+        attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
+        attributes.update(import_profile_artifacts(result.artifact_paths, sink, trace_id=trace_id, parent_span_id=span_id))
+    ok = result.outcome is Outcome.OK
+    start = result.start_time_unix_nano or now_ns()
+    sink.emit(
+        build_span(
+            PROFILE_SPAN,
+            trace_id=trace_id,
+            span_id=span_id,
+            start_time_unix_nano=start,
+            end_time_unix_nano=result.end_time_unix_nano or start,
+            attributes=attributes,
+            error=None if ok else (result.detail or str(result.outcome)),
+            ok=ok,
+            resource=sink.resource,
+        )
+    )
+    return trace_id_hex(trace_id)

@@ -148,3 +148,24 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
 
     titles = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
     assert not [t for t in titles if t.startswith("demo::scheduler")]
+
+
+def test_profile_captures_exactly_n_steps_and_ships_the_session_as_spans(tmp_path: Path, spawn, python: str) -> None:
+    env = _env(tmp_path)
+    proc = spawn([python, str(PROGRAMS_DIR / "profiled_model.py"), "--max-runtime-s", "90"], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready and proc.stdout.readline().startswith(b"READY"), "model did not start"
+    r = _cli(tmp_path, "profile", "--pid", str(proc.pid), "--steps", "3", "--activities", "CPU", "--out", "prof",
+             "--json", "--data-dir", "data", timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["outcome"] == "ok"
+    assert result["attributes"]["servewatch.profile.steps_captured"] == 3
+    [trace_file] = [p for p in result["artifact_paths"] if ".json" in p]
+    assert Path(trace_file).parent == tmp_path / "prof"
+    # the session and its imported ProfilerStep ranges are spans of one trace in the span files
+    lines = "".join(f.read_text() for f in (tmp_path / "data").glob("*/spans/*.jsonl"))
+    assert result["trace_id"] in lines
+    assert lines.count('"name":"ProfilerStep#') == 3
+    assert '"name":"profile.session"' in lines

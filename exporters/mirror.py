@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from agent.bus import Subscription
     from exporters.processor import ExportStatistics
 
-__all__ = ["SpanMirror", "MIRRORED_EVENTS", "INCIDENT_SPAN", "PROFILE_SPAN", "mirror_profile_session"]
+__all__ = ["SpanMirror", "MIRRORED_EVENTS", "INCIDENT_SPAN", "PROFILE_SPAN", "action_span", "mirror_profile_session"]
 
 _log = logging.getLogger(__name__)
 
@@ -166,37 +166,14 @@ class SpanMirror:
             inc.actions += 1
             if result.outcome is not Outcome.OK:
                 inc.failed_actions += 1
-        attributes: dict[str, object] = dict(result.attributes)
-        attributes["servewatch.incident.id"] = event.incident_id
-        attributes["servewatch.outcome"] = str(result.outcome)
-        attributes["servewatch.retryable"] = result.retryable
-        if result.pid is not None:
-            attributes["process.pid"] = result.pid
-        if result.detail:
-            attributes["servewatch.detail"] = result.detail
-        if result.artifact_paths:
-            attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
-        start = result.start_time_unix_nano or event.time_unix_nano
-        end = result.end_time_unix_nano or event.time_unix_nano
-        ok = result.outcome is Outcome.OK
-        span_id = new_span_id()
-        if result.action == PROFILE_SPAN and result.artifact_paths:
-            # the torch ranges / Metal bundle of the session, as children of its span
-            attributes.update(
-                import_profile_artifacts(result.artifact_paths, self.sink, trace_id=trace_id, parent_span_id=span_id)
-            )
         self._emit(
-            build_span(
-                result.action,
+            action_span(
+                self.sink,
+                result,
                 trace_id=trace_id,
-                span_id=span_id,
                 parent_span_id=parent,
-                start_time_unix_nano=start,
-                end_time_unix_nano=end,
-                attributes=attributes,
-                error=None if ok else (result.detail or str(result.outcome)),
-                ok=ok,
-                resource=self.sink.resource,
+                default_time_unix_nano=event.time_unix_nano,
+                extra_attributes={"servewatch.incident.id": event.incident_id},
             )
         )
 
@@ -261,38 +238,58 @@ class SpanMirror:
         self.emitted += 1
 
 
-def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
-    """Emit an on-demand ``profile.session`` (``servewatch profile``) as its own trace.
+def action_span(
+    sink: SpanSink,
+    result: ActionResult,
+    *,
+    trace_id: int,
+    parent_span_id: int | None,
+    default_time_unix_nano: int,
+    extra_attributes: dict[str, object] | None = None,
+) -> ReadableSpan:
+    """The span of one action result, named ``result.action``; errors unless the outcome is ok.
 
-    The session is the root span; its torch trace ranges (and a Metal bundle's path and size)
-    are imported under it, as inside an incident.
-
-    Returns:
-        The trace id (32 hex digits).
+    A ``profile.session`` result's torch traces (and Metal bundle) are imported first, as
+    children of this span, and their counts become its attributes.
     """
-    trace_id, span_id = new_trace_id(), new_span_id()
     attributes: dict[str, object] = dict(result.attributes)
+    attributes.update(extra_attributes or {})
     attributes["servewatch.outcome"] = str(result.outcome)
+    attributes["servewatch.retryable"] = result.retryable
     if result.pid is not None:
         attributes["process.pid"] = result.pid
     if result.detail:
         attributes["servewatch.detail"] = result.detail
     if result.artifact_paths:
         attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
+    span_id = new_span_id()
+    if result.action == PROFILE_SPAN and result.artifact_paths:
         attributes.update(import_profile_artifacts(result.artifact_paths, sink, trace_id=trace_id, parent_span_id=span_id))
     ok = result.outcome is Outcome.OK
-    start = result.start_time_unix_nano or now_ns()
-    sink.emit(
-        build_span(
-            PROFILE_SPAN,
-            trace_id=trace_id,
-            span_id=span_id,
-            start_time_unix_nano=start,
-            end_time_unix_nano=result.end_time_unix_nano or start,
-            attributes=attributes,
-            error=None if ok else (result.detail or str(result.outcome)),
-            ok=ok,
-            resource=sink.resource,
-        )
+    start = result.start_time_unix_nano or default_time_unix_nano
+    return build_span(
+        result.action,
+        trace_id=trace_id,
+        span_id=span_id,
+        parent_span_id=parent_span_id,
+        start_time_unix_nano=start,
+        end_time_unix_nano=result.end_time_unix_nano or start,
+        attributes=attributes,
+        error=None if ok else (result.detail or str(result.outcome)),
+        ok=ok,
+        resource=sink.resource,
     )
+
+
+def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
+    """Emit an on-demand ``profile.session`` (``servewatch profile``) as its own trace.
+
+    The session is the root span, with its torch trace ranges (and a Metal bundle's path and
+    size) imported under it, as inside an incident.
+
+    Returns:
+        The trace id (32 hex digits).
+    """
+    trace_id = new_trace_id()
+    sink.emit(action_span(sink, result, trace_id=trace_id, parent_span_id=None, default_time_unix_nano=now_ns()))
     return trace_id_hex(trace_id)

@@ -143,7 +143,7 @@ class Agent:
     async def _inflight(self, targets: Sequence[Target]) -> list[InflightRequest]:
         from agent.actors.profiler import read_inflight
 
-        return await read_inflight(targets)
+        return await read_inflight(targets, socket_dir=self.settings.profiler.socket_dir)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

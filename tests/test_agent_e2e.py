@@ -95,3 +95,57 @@ async def test_idle_server_and_warm_up_never_open_an_incident(tmp_path: Path, sp
             await anyio.sleep(2.5)  # five watchdog timeouts
             agent.stop()
     assert agent.incidents.records == []
+
+
+async def test_manual_incident_profiles_the_next_steps_and_links_requests_in_flight(tmp_path: Path, spawn, python: str) -> None:
+    import os
+    import select
+    import subprocess
+
+    from agent.runtime import dump_once
+    from tests.conftest import PROGRAMS_DIR
+
+    shm = tmp_path / "shm"
+    env = dict(os.environ, SERVEWATCH_SHM_DIR=str(shm))
+    proc = spawn([python, str(PROGRAMS_DIR / "profiled_model.py"), "--request-steps", "50", "--max-runtime-s", "90"],
+                 stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready and proc.stdout.readline().startswith(b"READY")
+    settings = load_settings(
+        {
+            "data_dir": tmp_path / "data",
+            "host_name": "node-b",
+            "target": {"pids": [proc.pid]},
+            "coredump": {"enabled": False},
+            "profiler": {"on_incident_steps": 2, "activities": ["CPU"], "socket_dir": shm},
+        }
+    )
+    with anyio.fail_after(90):
+        record = await dump_once(settings)
+
+    actions = {r.action: r for r in record.results}
+    assert list(actions) == ["pyspy.dump", "profile.session"]  # stacks first, then the profile
+    prof = actions["profile.session"]
+    assert prof.outcome.value == "ok", prof.detail
+    assert prof.attributes["servewatch.profile.steps_captured"] == 2
+    assert all(Path(p).is_relative_to(record.bundle_dir) for p in prof.artifact_paths)
+
+    # requests in flight at open time: links on the incident, listed in requests.json (no prompt text)
+    assert len(record.inflight) == 2
+    assert record.opened.links == tuple((r.trace_id, r.span_id) for r in record.inflight)
+    listed = json.loads((record.bundle_dir / "requests.json").read_text())["requests"]
+    assert {r["request_id"] for r in listed} == {r.request_id for r in record.inflight}
+    assert all(r["prompt_tokens"] == 8 and r["age_s"] > 0 for r in listed)
+
+    # one trace: incident root, profile.session under it, ProfilerStep ranges under the session
+    lines = [json.loads(line) for f in (tmp_path / "data").glob("*/spans/*.jsonl") for line in f.read_text().splitlines()]
+    spans = [s for req in lines for rs in req["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]
+             if s["traceId"] == record.opened.trace_id]
+    by_id = {s["spanId"]: s for s in spans}
+    [root] = [s for s in spans if s["name"] == "incident"]
+    assert {(link["traceId"], link["spanId"]) for link in root["links"]} == set(record.opened.links)
+    [session] = [s for s in spans if s["name"] == "profile.session"]
+    assert session["parentSpanId"] == root["spanId"]
+    steps = [s for s in spans if s["name"].startswith("ProfilerStep#")]
+    assert len(steps) == 2 and all(by_id[s["parentSpanId"]]["name"] == "profile.session" for s in steps)

@@ -169,3 +169,39 @@ def test_profile_captures_exactly_n_steps_and_ships_the_session_as_spans(tmp_pat
     assert result["trace_id"] in lines
     assert lines.count('"name":"ProfilerStep#') == 3
     assert '"name":"profile.session"' in lines
+
+
+def test_launch_arms_the_child_and_returns_its_exit_code(tmp_path: Path) -> None:
+    script = "import os, sys; print(os.environ['CUDA_COREDUMP_FILE']); print(os.environ['CUDA_COREDUMP_SHOW_PROGRESS']); sys.exit(3)"
+    r = _cli(
+        tmp_path, "launch", "--crash-dump-folder", str(tmp_path / "crash"), "--data-dir", "data", "--",
+        sys.executable, "-c", script, CUDA_COREDUMP_SHOW_PROGRESS="0",
+    )
+    assert r.returncode == 3, r.stderr
+    core_file, progress = r.stdout.split()[:2]
+    assert core_file == f"{tmp_path}/crash/%h/core.cuda.%t.%p"
+    assert progress == "0"  # the user's own value wins
+    assert "Armed CUDA coredumps" in r.stderr
+
+
+def test_launch_forwards_sigterm_to_the_server(tmp_path: Path) -> None:
+    import signal
+
+    ready = tmp_path / "ready"
+    script = f"import pathlib, time; pathlib.Path({str(ready)!r}).write_text('x'); time.sleep(60)"
+    proc = subprocess.Popen(
+        [*CLI, "launch", "--crash-dump-folder", str(tmp_path / "crash"), "--data-dir", "data", "--", sys.executable, "-c", script],
+        cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "server did not start"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

@@ -11,7 +11,9 @@ Like everything in ``exporters/``, this module decides nothing: it mirrors what 
 Prompt text is never part of the model, even when ``requests.json`` holds it (the user opted in to
 *capture*, not to display).
 
-Imports the standard library and rich only.
+Imports the standard library, rich, and :mod:`agent.actors.pyspy` for the py-spy dump model
+(:class:`Frame`, :class:`ThreadStack`), its parser and its hung-frame rule, so that a bundle is
+read back by the same rule the actor applied when it wrote it.
 
 Exceptions::
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -36,6 +37,8 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from agent.actors.pyspy import Frame, ThreadStack, hung_location, parse_threads
 
 __all__ = [
     "MANIFEST_NAME",
@@ -81,10 +84,6 @@ _PROFILE_STEPS = "servewatch.profile.steps_captured"
 
 _PYSPY_STACKS = ("servewatch.pyspy.stacks", "servewatch.pyspy.top_frames")
 
-#: Standard-library files: where everything waits (``Event.wait``), so not what a hang is about.
-#: The same rule as the pyspy actor's ``hung_frame``.
-_STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
-
 
 class BundleError(Exception):
     """An incident bundle cannot be read; the message is one line naming the path and the reason."""
@@ -99,59 +98,6 @@ class BundleCorruptError(BundleError):
 
 
 # --- model ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One stack frame, as py-spy's ``dump --json`` reports it (innermost first).
-
-    Attributes:
-        name: function name (``Class.method`` for methods).
-        filename: absolute file path in the target.
-        short_filename: path relative to the target's sys.path entry.
-        line: line number (0 for native frames and when unknown).
-        module: the shared object of a native frame (``--native`` dumps); ``None`` for Python.
-    """
-
-    name: str
-    filename: str = ""
-    short_filename: str = ""
-    line: int = 0
-    module: str | None = None
-
-    @property
-    def native(self) -> bool:
-        """Whether this is a native (C/C++) frame."""
-        return self.module is not None
-
-    @property
-    def label(self) -> str:
-        """``name (short_filename:line)``, py-spy's own text format (``name (lib.so)`` when native)."""
-        where = self.short_filename or self.filename or "?"
-        if self.native or self.line <= 0:
-            return f"{self.name} ({where})"
-        return f"{self.name} ({where}:{self.line})"
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadStack:
-    """One thread of a py-spy dump.
-
-    Attributes:
-        thread_id: Python thread id.
-        thread_name: thread name, ``""`` when py-spy could not read it.
-        os_thread_id: kernel thread id (equals the pid for the main thread), or ``None``.
-        active: the thread was running (not idle) when sampled.
-        owns_gil: the thread held the GIL when sampled.
-        frames: innermost first.
-    """
-
-    thread_id: int
-    thread_name: str
-    os_thread_id: int | None
-    active: bool
-    owns_gil: bool
-    frames: tuple[Frame, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,62 +481,6 @@ def _size(path: Path) -> int | None:
         return None
 
 
-def _parse_threads(data: Any) -> tuple[ThreadStack, ...]:
-    """py-spy ``dump --json`` output -> threads; raises ValueError on an unexpected shape."""
-    if isinstance(data, dict) and isinstance(data.get("threads"), list):
-        data = data["threads"]
-    if not isinstance(data, list):
-        raise ValueError("expected a list of threads")
-    threads = []
-    for raw in data:
-        if not isinstance(raw, dict):
-            raise ValueError("a thread is not an object")
-        frames = []
-        for f in raw.get("frames") or []:
-            if not isinstance(f, dict):
-                raise ValueError("a frame is not an object")
-            frames.append(
-                Frame(
-                    name=str(f.get("name", "?")),
-                    filename=str(f.get("filename") or ""),
-                    short_filename=str(f.get("short_filename") or ""),
-                    line=_as_int(f.get("line")) or 0,
-                    module=f.get("module") if isinstance(f.get("module"), str) else None,
-                )
-            )
-        threads.append(
-            ThreadStack(
-                thread_id=_as_int(raw.get("thread_id")) or 0,
-                thread_name=str(raw.get("thread_name") or ""),
-                os_thread_id=_as_int(raw.get("os_thread_id")),
-                active=bool(raw.get("active", False)),
-                owns_gil=bool(raw.get("owns_gil", False)),
-                frames=tuple(frames),
-            )
-        )
-    return tuple(threads)
-
-
-def _is_plumbing(frame: Frame) -> bool:
-    return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
-
-
-def _hung_thread(threads: Sequence[ThreadStack], pid: int) -> ThreadStack | None:
-    """The thread a stall is read from: the main thread, else an active one, else any with frames."""
-    with_frames = [t for t in threads if t.frames]
-    for pick in (lambda t: t.thread_name == "MainThread" or t.os_thread_id == pid, lambda t: t.active):
-        found = [t for t in with_frames if pick(t)]
-        if found:
-            return found[0]
-    return with_frames[0] if with_frames else None
-
-
-def _hung_index(thread: ThreadStack) -> int:
-    """Innermost Python frame outside the standard library, else innermost Python frame, else 0."""
-    python = [i for i, f in enumerate(thread.frames) if not f.native]
-    return next((i for i in python if not _is_plumbing(thread.frames[i])), python[0] if python else 0)
-
-
 def _frame_matches(frame: Frame, hung: str) -> bool:
     if hung in (frame.label, f"{frame.name} ({frame.filename}:{frame.line})"):
         return True
@@ -623,22 +513,26 @@ def _stacks_for(
     error = ""
     if json_path is not None and json_path.is_file():
         try:
-            threads = _parse_threads(json.loads(json_path.read_text(encoding="utf-8")))
+            data = json.loads(json_path.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and isinstance(data.get("threads"), list):
+                data = data["threads"]
+            threads = tuple(parse_threads(data, pid=pid))
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             warnings.append(f"stacks of pid {pid} unreadable: {json_path}: {error}")
-    preferred = _hung_thread(threads, pid)
+    location = hung_location(threads)
+    preferred = location[0] if location is not None else None
     hung = attrs.get(_PYSPY_HUNG_FRAME)
     hung_thread_id: int | None = None
     hung_index: int | None = None
     if isinstance(hung, str) and hung:
         source = "attribute"
         hung_thread_id, hung_index = _locate(threads, hung, preferred)
-    elif preferred is not None:
+    elif location is not None:
         source = "stacks"
-        hung_index = _hung_index(preferred)
-        hung = preferred.frames[hung_index].label
-        hung_thread_id = preferred.thread_id
+        hung_thread, hung_index = location
+        hung = hung_thread.frames[hung_index].label
+        hung_thread_id = hung_thread.thread_id
     else:
         source, hung = "", None
     count = _as_int(attrs.get(_PYSPY_THREAD_COUNT))

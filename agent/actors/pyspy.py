@@ -1,9 +1,11 @@
 """The py-spy actor: Python (and native) stacks of every target process, captured concurrently.
 
 Owns :class:`PySpyConfig`, :class:`PySpyActor`, the py-spy failure classifier
-(:func:`classify`) and the parsing/rendering of ``py-spy dump --json`` output
-(:func:`parse_dump`, :func:`render_text`). Imports anyio, psutil (through :mod:`agent.targets`),
-pydantic, :mod:`agent.events` and :mod:`agent.targets`; never a watcher.
+(:func:`classify`), the parsing/rendering of ``py-spy dump --json`` output
+(:func:`parse_dump`, :func:`parse_threads`, :func:`render_text`) and the hung-frame rule
+(:func:`hung_location`, :func:`hung_frame`), which :mod:`exporters.timeline` also reads
+bundles with. Imports anyio, psutil (through :mod:`agent.targets`), pydantic,
+:mod:`agent.events` and :mod:`agent.targets`; never a watcher.
 
 How one dump runs (per target, see :meth:`PySpyActor.act`):
 
@@ -72,7 +74,9 @@ __all__ = [
     "classify",
     "default_executable",
     "parse_dump",
+    "parse_threads",
     "render_text",
+    "hung_location",
     "hung_frame",
     "summarize",
 ]
@@ -197,7 +201,14 @@ class Frame:
 
     def describe(self) -> str:
         """``function (file:line)``, or ``function (lib.so)`` for a native frame."""
-        where = self.short_filename or self.filename
+        return self._render(self.short_filename or self.filename)
+
+    @property
+    def label(self) -> str:
+        """:meth:`describe` with ``?`` for an unknown file (the incident timeline's format)."""
+        return self._render(self.short_filename or self.filename or "?")
+
+    def _render(self, where: str) -> str:
         if self.native or self.line <= 0:
             return f"{self.name} ({where})"
         return f"{self.name} ({where}:{self.line})"
@@ -261,7 +272,28 @@ def parse_dump(json_text: str | bytes) -> list[ThreadStack]:
     Raises:
         ValueError: the text is not JSON or not a list of thread objects.
     """
-    data = json.loads(json_text)
+    threads = parse_threads(json.loads(json_text))
+    threads.sort(key=lambda t: (not t.is_main, not t.active))
+    return threads
+
+
+def parse_threads(data: object, *, pid: int | None = None) -> list[ThreadStack]:
+    """Threads of already-decoded ``py-spy dump --json`` output, in py-spy's order.
+
+    Frames that are not JSON objects are skipped; missing or mistyped fields take the
+    :class:`Frame` / :class:`ThreadStack` defaults (a frame without a name is ``"?"``).
+
+    Args:
+        data: the decoded JSON (a list of thread objects, see :func:`parse_dump`).
+        pid: the process the dump belongs to; when given it replaces each thread's ``pid``
+            field (which decides :attr:`ThreadStack.is_main` through the kernel tid).
+
+    Returns:
+        One :class:`ThreadStack` per thread object, in the order of ``data``.
+
+    Raises:
+        ValueError: ``data`` is not a list of thread objects.
+    """
     if not isinstance(data, list):
         raise ValueError(f"py-spy --json output is a {type(data).__name__}, expected a list of threads")
     threads: list[ThreadStack] = []
@@ -282,7 +314,7 @@ def parse_dump(json_text: str | bytes) -> list[ThreadStack]:
         os_tid = item.get("os_thread_id")
         threads.append(
             ThreadStack(
-                pid=_int(item.get("pid")),
+                pid=_int(item.get("pid")) if pid is None else pid,
                 thread_id=_int(item.get("thread_id")),
                 os_thread_id=os_tid if isinstance(os_tid, int) else None,
                 thread_name=_str(item.get("thread_name")),
@@ -291,7 +323,6 @@ def parse_dump(json_text: str | bytes) -> list[ThreadStack]:
                 frames=frames,
             )
         )
-    threads.sort(key=lambda t: (not t.is_main, not t.active))
     return threads
 
 
@@ -315,6 +346,15 @@ def render_text(threads: Sequence[ThreadStack], *, header: str = "") -> str:
 
 
 def _main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
+    """The thread a stall is read from: the main thread, else the first active one, else the
+    first with frames.
+
+    Args:
+        threads: as returned by :func:`parse_dump` or :func:`parse_threads`.
+
+    Returns:
+        That thread, or ``None`` when no thread has frames.
+    """
     for pick in (lambda t: t.is_main, lambda t: t.active, lambda t: True):
         for thread in threads:
             if pick(thread) and thread.frames:
@@ -331,6 +371,24 @@ def _is_plumbing(frame: Frame) -> bool:
     return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
 
 
+def hung_location(threads: Sequence[ThreadStack]) -> tuple[ThreadStack, int] | None:
+    """Where a hung process is stuck, by the rule of :func:`hung_frame`.
+
+    Args:
+        threads: as returned by :func:`parse_dump` or :func:`parse_threads`.
+
+    Returns:
+        ``(thread, index)`` with ``thread.frames[index]`` the hung frame, or ``None`` when no
+        thread has frames.
+    """
+    thread = _main_thread(threads)
+    if thread is None:
+        return None
+    python = [i for i, frame in enumerate(thread.frames) if not frame.native]
+    index = next((i for i in python if not _is_plumbing(thread.frames[i])), python[0] if python else 0)
+    return thread, index
+
+
 def hung_frame(threads: Sequence[ThreadStack]) -> str:
     """The frame a hung process is stuck in, as the demo and the summary show it.
 
@@ -342,14 +400,11 @@ def hung_frame(threads: Sequence[ThreadStack]) -> str:
     Returns:
         ``"function (file:line)"``, or ``""`` for an empty dump.
     """
-    thread = _main_thread(threads)
-    if thread is None:
+    location = hung_location(threads)
+    if location is None:
         return ""
-    python_frames = [f for f in thread.frames if not f.native]
-    for frame in python_frames:
-        if not _is_plumbing(frame):
-            return frame.describe()
-    return (python_frames or list(thread.frames))[0].describe()
+    thread, index = location
+    return thread.frames[index].describe()
 
 
 def _clip(text: str, limit: int = _MAX_ATTR_CHARS) -> str:

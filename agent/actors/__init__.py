@@ -1,17 +1,22 @@
 """Actors: consume incident triggers and act on targets, returning :class:`ActionResult`.
 
-Actors never import watchers; :mod:`agent.incidents` decides what runs and when.
+Actors never import watchers; :mod:`agent.incidents` decides what runs and when. Owns the
+:class:`Actor` protocol and :func:`act_all` (one actor over many targets at once). Imports anyio,
+:mod:`agent.events` and :mod:`agent.targets`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
+
+import anyio
 
 from agent.events import ActionResult, IncidentOpened
 from agent.targets import Target
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "act_all"]
 
 
 class Actor(Protocol):
@@ -27,3 +32,34 @@ class Actor(Protocol):
         Never raises for a target's misbehaviour: failures are outcomes on the result.
         """
         ...
+
+
+async def act_all(
+    actor: Actor,
+    trigger: IncidentOpened,
+    targets: Sequence[Target],
+    *,
+    timeout_s: float,
+    artifact_dir: Path,
+) -> list[ActionResult]:
+    """Run ``actor.act`` for every target concurrently (one task each) and wait for all.
+
+    Args:
+        actor: the actor; its own limits (locks, capacity limiters) still apply.
+        trigger: the incident.
+        targets: processes to act on; each entry is acted on, duplicates included.
+        timeout_s: budget of each target's action, in seconds (passed to ``act``).
+        artifact_dir: where the actions write their artifacts.
+
+    Returns:
+        One result per target, in the order of ``targets``.
+    """
+    results: list[ActionResult | None] = [None] * len(targets)
+
+    async def one(index: int, target: Target) -> None:
+        results[index] = await actor.act(trigger, target, timeout_s=timeout_s, artifact_dir=artifact_dir)
+
+    async with anyio.create_task_group() as tg:
+        for index, target in enumerate(targets):
+            tg.start_soon(one, index, target)
+    return [r for r in results if r is not None]

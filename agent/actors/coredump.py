@@ -4,7 +4,8 @@ Owns: the CUDA coredump environment (:func:`cuda_coredump_env`, :func:`format_ex
 dump-directory guard (:func:`check_dump_dir`), finding a target's coredump FIFO from ground truth
 (:func:`locate_pipe`), triggering it without ever blocking (:func:`trigger_pipe`), waiting for the
 core file, and the actor tying them together (:class:`CoredumpActor`, span ``cuda.coredump``).
-May import the stdlib, anyio, pydantic, :mod:`agent.events` and :mod:`agent.targets` only.
+May import the stdlib, anyio, pydantic, :func:`agent.actors.act_all`, :mod:`agent.events` and
+:mod:`agent.targets` only.
 
 Facts this module relies on (see FIELD-NOTES "CUDA user-triggered coredump"):
 
@@ -50,6 +51,7 @@ from typing import NamedTuple
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.actors import act_all
 from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
 from agent.targets import Target
 
@@ -772,15 +774,7 @@ class CoredumpActor:
             One result per target, in ``targets`` order.
         """
         timeout_s = self.config.trigger_timeout_s + self.config.completion_timeout_s
-        results: list[ActionResult | None] = [None] * len(targets)
-
-        async def one(index: int, target: Target) -> None:
-            results[index] = await self.act(trigger, target, timeout_s=timeout_s, artifact_dir=artifact_dir)
-
-        async with anyio.create_task_group() as tg:
-            for index, target in enumerate(targets):
-                tg.start_soon(one, index, target)
-        return [r for r in results if r is not None]
+        return await act_all(self, trigger, targets, timeout_s=timeout_s, artifact_dir=artifact_dir)
 
     async def act(
         self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path

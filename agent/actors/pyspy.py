@@ -5,7 +5,7 @@ Owns :class:`PySpyConfig`, :class:`PySpyActor`, the py-spy failure classifier
 (:func:`parse_dump`, :func:`parse_threads`, :func:`render_text`) and the hung-frame rule
 (:func:`hung_location`, :func:`hung_frame`), which :mod:`exporters.timeline` also reads
 bundles with. Imports anyio, psutil (through :mod:`agent.targets`), pydantic,
-:mod:`agent.events` and :mod:`agent.targets`; never a watcher.
+:func:`agent.actors.act_all`, :mod:`agent.events` and :mod:`agent.targets`; never a watcher.
 
 How one dump runs (per target, see :meth:`PySpyActor.act`):
 
@@ -59,6 +59,7 @@ import anyio
 from anyio.abc import ByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.actors import act_all
 from agent.events import ActionResult, AttributeValue, ComponentStatus, IncidentOpened, Outcome, frozen_attrs, now_ns
 from agent.targets import ProcessState, Target, process_state
 
@@ -665,15 +666,7 @@ class PySpyActor:
             One result per target, in the order of ``targets``.
         """
         budget_s = timeout_s if timeout_s is not None else 2 * self.config.timeout_s
-        results: list[ActionResult | None] = [None] * len(targets)
-
-        async def one(index: int, target: Target) -> None:
-            results[index] = await self.act(trigger, target, timeout_s=budget_s, artifact_dir=artifact_dir)
-
-        async with anyio.create_task_group() as tg:
-            for index, target in enumerate(targets):
-                tg.start_soon(one, index, target)
-        return [r for r in results if r is not None]
+        return await act_all(self, trigger, targets, timeout_s=budget_s, artifact_dir=artifact_dir)
 
     async def act(
         self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path

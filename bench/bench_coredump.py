@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import anyio
 
+from _common import kill_groups
 from agent.actors.coredump import CoredumpActor, CoredumpConfig, cuda_coredump_env
 from agent.actors.pyspy import PySpyActor
 from agent.events import IncidentOpened, Outcome, now_ns
@@ -122,12 +122,7 @@ def main() -> None:
                     bundle.mkdir()
                     runs.append(anyio.run(one_incident, pyspy, actor, targets, bundle, f"bench-{k}-{rep}"))
             finally:
-                for proc in procs:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait(timeout=10)
+                kill_groups(procs, timeout_s=10)
 
         def med(key: str) -> float:
             return statistics.median(r[key] for r in runs)

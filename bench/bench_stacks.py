@@ -36,6 +36,7 @@ from pathlib import Path
 
 import anyio
 
+from _common import kill_groups
 from agent.actors.pyspy import PySpyActor, PySpyConfig, default_executable
 from agent.events import IncidentOpened, Outcome
 from agent.targets import Target, discover
@@ -168,12 +169,7 @@ def main() -> None:
                     proc.wait(timeout=30)
                 procs.clear()
     finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
+        kill_groups(procs, timeout_s=30)
 
     print(f"{'K':>3} {'sequential_s':>13} {'servewatch_s':>13} {'ratio':>7} {'slowest_single_s':>17} {'cpu_floor_s':>12}")
     for k, seq, ours, ratio, slowest, floor in rows:

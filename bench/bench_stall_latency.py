@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import anyio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import kill_groups  # noqa: E402
 from agent.bus import RecordingBus  # noqa: E402
 from agent.events import WatchdogStalled  # noqa: E402
 from agent.sdk._counter import ENV_SHM_DIR  # noqa: E402
@@ -130,12 +130,7 @@ async def one_run(shm: Path, timeout_s: float, scrape_s: float, rng: random.Rand
             (fired["baseline"] - last_ns) / 1e9 / timeout_s,
         )
     finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+        kill_groups(procs, timeout_s=10)
 
 
 def summary(label: str, ratios: list[float]) -> str:

@@ -4,10 +4,7 @@ and a fake SGLang server running a real torch loop (tests/programs/fake_sglang_s
 from __future__ import annotations
 
 import json
-import os
-import select
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,40 +26,14 @@ from agent.events import IncidentOpened, Outcome
 from agent.targets import Target
 from exporters.spans import InMemorySink, new_span_id, new_trace_id
 from exporters.torch_trace import import_torch_trace
-from tests.conftest import PROGRAMS_DIR
-from tests.sdk._helpers import load_trace, profiler_steps
-
-
-def _read_line(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    line = b""
-    while not line.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or proc.poll() is not None:
-            raise AssertionError(f"target not ready (rc={proc.poll()}, got {line!r})")
-        r, _, _ = select.select([proc.stdout], [], [], left)
-        if r:
-            line += os.read(proc.stdout.fileno(), 1)
-    return line.decode()
+from tests.sdk._helpers import ProgramLauncher, load_trace, profiler_steps
 
 
 @pytest.fixture
 def launch(spawn, python: str, tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], str]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(program: str, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-        full = dict(os.environ, SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), **(env or {}))
-        proc = spawn([python, str(PROGRAMS_DIR / program), *extra], stdout=subprocess.PIPE, env=full)
-        procs.append(proc)
-        return proc, _read_line(proc)
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=30)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    launcher = ProgramLauncher(spawn, python, tmp_path / "shm")
+    yield launcher.start
+    launcher.close()
 
 
 def _sdk_config(tmp_path: Path, **kw: Any) -> ProfilerConfig:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import socket
 import stat
@@ -18,26 +17,9 @@ from typing import Any
 import pytest
 
 from agent.sdk import control
-from tests.conftest import PROGRAMS_DIR
-from tests.sdk._helpers import load_trace, profiler_steps
+from tests.sdk._helpers import ProgramLauncher, load_trace, profiler_steps
 
 NOBODY = 65534
-
-
-def _ready(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> tuple[int, Path]:
-    """Wait (bounded) for the program's ``READY <pid> <path>`` line."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    line = b""
-    while not line.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or proc.poll() is not None:
-            raise AssertionError(f"target not ready (rc={proc.poll()}, got {line!r})")
-        r, _, _ = select.select([proc.stdout], [], [], left)
-        if r:
-            line += os.read(proc.stdout.fileno(), 1)
-    _, pid, path = line.decode().split()
-    return int(pid), Path(path)
 
 
 def _ask(path: Path, *requests: dict[str, Any], timeout_s: float = 10.0) -> list[dict[str, Any]]:
@@ -56,21 +38,15 @@ def _ask(path: Path, *requests: dict[str, Any], timeout_s: float = 10.0) -> list
 @pytest.fixture
 def target(spawn, python: str, tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], int, Path]]]:
     """Start profiled_model.py (killed by ``spawn`` at teardown); returns (proc, pid, socket)."""
-    procs: list[subprocess.Popen[bytes]] = []
+    launcher = ProgramLauncher(spawn, python, tmp_path / "shm")
 
     def start(*extra: str) -> tuple[subprocess.Popen[bytes], int, Path]:
-        env = dict(os.environ, SERVEWATCH_SHM_DIR=str(tmp_path / "shm"))
-        proc = spawn([python, str(PROGRAMS_DIR / "profiled_model.py"), *extra], stdout=subprocess.PIPE, env=env)
-        procs.append(proc)
-        pid, path = _ready(proc)
-        return proc, pid, path
+        proc, line = launcher.start("profiled_model.py", *extra)
+        _, pid, path = line.split()  # READY <pid> <path>
+        return proc, int(pid), Path(path)
 
     yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=30)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    launcher.close()
 
 
 def _wait_session(path: Path, sid: str, timeout_s: float = 60.0) -> dict[str, Any]:

@@ -17,6 +17,12 @@ How the ranks work together (a small imitation of SGLang's TP group, without rea
   ``_wait_for_all_reduce`` (rank 0) or ``_wait_for_leader_broadcast`` (followers).
 * Every rank counts its forward steps with :func:`agent.sdk.step` (SGLang's ``forward_ct``) and
   marks itself busy with :func:`agent.sdk.set_pending` before a forward starts.
+* Every rank serves the SDK control socket (:func:`agent.sdk.serve_control`). Rank 0 holds the
+  requests: each one is an :func:`agent.sdk.request_span` from its arrival until its result is
+  sent (so the socket's ``inflight`` command lists it), and each batched forward is an
+  :func:`agent.sdk.forward_span` linked to the requests of the batch. Spans are exported only when
+  ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (OTLP, ``OTEL_EXPORTER_OTLP_PROTOCOL`` ``grpc`` or
+  ``http/protobuf``, the default); otherwise the tracer is a no-op and only the ids exist.
 * Like torch.distributed's NCCL timeout, a collective wait gives up after
   ``collective_timeout_s``: the rank reports an error and exits 1.
 * Every wait polls (0.5 s) whether the parent (the frontend) is still alive; an orphaned rank
@@ -38,9 +44,11 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +72,11 @@ STAT_FORWARD_CT = 4  # forward steps of rank 0
 STAT_SLOTS = 5
 
 _POLL_S = 0.5
+#: gen_ai.request.model of the demo's request spans.
+MODEL_NAME = "demo-tinylm"
+#: Longest wait for the span exporter to flush at exit, seconds (the OTel SDK's own shutdown can
+#: block for its export timeout and retries when the collector is down).
+_TRACE_FLUSH_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,10 @@ class _Req:
     tokens: list[int]
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
+    #: holds the request's open ``agent.sdk.request_span`` (rank 0) until the result is sent
+    scope: ExitStack = field(default_factory=ExitStack)
+    #: the span's handle (token counts, ids for forward-step links)
+    handle: Any = None
 
 
 class _Scheduler:
@@ -123,6 +140,7 @@ class _Scheduler:
         self.running: list[_Req] = []
         self.step_no = 0
         self.stopping = False
+        self.open_requests: dict[str, _Req] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -136,8 +154,22 @@ class _Scheduler:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "generate":
+            import agent.sdk as sdk
+
             _, rid, input_ids, max_new_tokens = msg
-            self.waiting.append(_Req(rid=rid, tokens=list(input_ids), max_new_tokens=int(max_new_tokens)))
+            req = _Req(rid=rid, tokens=list(input_ids), max_new_tokens=int(max_new_tokens))
+            req.handle = req.scope.enter_context(
+                sdk.request_span(
+                    rid,
+                    model=MODEL_NAME,
+                    operation="text_completion",
+                    max_tokens=req.max_new_tokens,
+                    input_tokens=len(req.tokens),
+                )
+            )
+            req.handle.set_output_tokens(0)
+            self.open_requests[rid] = req
+            self.waiting.append(req)
             self.stats[STAT_PROMPT_TOKENS] += len(input_ids)
         elif kind == "hang":
             self.fault.arm(msg[1])
@@ -180,6 +212,21 @@ class _Scheduler:
             except queue.Empty:
                 return
 
+    def _finish_request(self, req: _Req) -> None:
+        """End the request's span, then send its result (so it is never listed after its answer)."""
+        self.open_requests.pop(req.rid, None)
+        req.scope.close()
+        self.result_q.put(("done", req.rid, req.output))
+
+    def end_requests(self, exc: BaseException | None) -> None:
+        """End the spans of requests still open when the loop exits (an error span if ``exc``)."""
+        reqs, self.open_requests = list(self.open_requests.values()), {}
+        for req in reqs:
+            if exc is None:
+                req.scope.close()
+            else:
+                req.scope.__exit__(type(exc), exc, exc.__traceback__)
+
     def _publish_queue_stats(self) -> None:
         self.stats[STAT_RUNNING_REQS] = len(self.running)
         self.stats[STAT_QUEUE_REQS] = len(self.waiting)
@@ -203,16 +250,18 @@ class _Scheduler:
             pending_after = len(self.running) - finishing + len(self.waiting)
             contexts = [self.model.context(r.tokens) for r in self.running]
             self.step_no += 1
-            for inbox in self.followers:
-                inbox.put(("step", self.step_no, contexts, pending_after))
-            next_ids = self.model.decode_step(contexts)
-            self._wait_for_all_reduce(self.step_no)
+            with sdk.forward_span([r.handle for r in self.running]):
+                for inbox in self.followers:
+                    inbox.put(("step", self.step_no, contexts, pending_after))
+                next_ids = self.model.decode_step(contexts)
+                self._wait_for_all_reduce(self.step_no)
             still_running: list[_Req] = []
             for req, tok in zip(self.running, next_ids):
                 req.tokens.append(tok)
                 req.output.append(tok)
+                req.handle.set_output_tokens(len(req.output))
                 if len(req.output) >= req.max_new_tokens:
-                    self.result_q.put(("done", req.rid, req.output))
+                    self._finish_request(req)
                 else:
                     still_running.append(req)
             self.running = still_running
@@ -262,6 +311,37 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _tracer_provider_from_env() -> Any:
+    """An OTel SDK ``TracerProvider`` exporting over OTLP, or ``None`` without an endpoint.
+
+    Set only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its traces-specific variant) is set; the
+    exporter reads the endpoint, headers and timeout from the standard ``OTEL_*`` variables and
+    ``OTEL_EXPORTER_OTLP_PROTOCOL`` picks gRPC (``grpc``) or HTTP (``http/protobuf``, default).
+    """
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    attrs: dict[str, Any] = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "servewatch-demo"}
+    provider = TracerProvider(resource=Resource.create(attrs))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def _shutdown_tracer_provider(provider: Any) -> None:
+    """Flush and stop ``provider`` within :data:`_TRACE_FLUSH_TIMEOUT_S` (then give up on it)."""
+    worker = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    worker.start()
+    worker.join(_TRACE_FLUSH_TIMEOUT_S)
+
+
 def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) -> None:
     """Entry point of one scheduler process (the target of a 'spawn' multiprocessing Process).
 
@@ -292,14 +372,25 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
     for q in (result_q, ack_q, *inboxes):
         q.cancel_join_thread()  # never block exit on a queue nobody reads any more
     exit_code = 0
+    provider = _tracer_provider_from_env() if args.rank == 0 else None
+    sdk.tracing.set_tracer_provider(provider)
     try:
+        try:
+            sdk.serve_control()
+        except OSError as exc:  # the demo still serves; the agent just cannot list its requests
+            print(f"{args.title}: no SDK control socket: {exc}", file=sys.stderr, flush=True)
         sched = _Scheduler(args, inboxes, result_q, ack_q, stats)
         sched.warm_up()
         result_q.put(("ready", args.rank, os.getpid()))
-        if args.rank == 0:
-            sched.run_leader()
-        else:
-            sched.run_follower()
+        try:
+            if args.rank == 0:
+                sched.run_leader()
+            else:
+                sched.run_follower()
+        except BaseException as exc:
+            sched.end_requests(None if isinstance(exc, _ParentGone) else exc)
+            raise
+        sched.end_requests(None)
     except _ParentGone:
         exit_code = 0
     except _CollectiveTimeout as exc:
@@ -307,6 +398,9 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
         print(f"{args.title}: {exc}", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
+        sdk.stop_control()
         sdk.close()
+        if provider is not None:
+            _shutdown_tracer_provider(provider)
     if exit_code:
         raise SystemExit(exit_code)

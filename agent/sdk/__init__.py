@@ -51,6 +51,7 @@ __all__ = [
     "profile_status",
     "maybe_record_function",
     "request_span",
+    "forward_span",
     "inflight",
     "serve_control",
     "stop_control",
@@ -159,4 +160,4 @@ if hasattr(os, "register_at_fork"):
 from agent.sdk.control import control_path, serve_control, stop_control  # noqa: E402
 from agent.sdk.profiler import ProfileRequest, ProfilerBusyError, request_profile, request_stop  # noqa: E402
 from agent.sdk.profiler import status as profile_status  # noqa: E402
-from agent.sdk.tracing import inflight, maybe_record_function, request_span  # noqa: E402
+from agent.sdk.tracing import forward_span, inflight, maybe_record_function, request_span  # noqa: E402

@@ -9,6 +9,11 @@ active (it returns one shared no-op context manager), and a real
 ``torch.profiler.record_function`` range while one is. The flag is flipped by
 :mod:`agent.sdk.profiler` on the model thread when a torch session starts and stops.
 
+``forward_span(requests)`` traces one batched forward step as an INTERNAL span with one span link
+per request it served (SGLang's ``forward_ct`` and the batch size as attributes), so a request's
+trace can be followed to every step that computed its tokens and back. While the tracer is a
+no-op no link object is built.
+
 ``request_span(...)`` opens an OTel span (gen_ai semantic conventions, current names:
 ``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
 ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``, ``gen_ai.response.id``) through
@@ -23,7 +28,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +36,7 @@ from typing import Any
 __all__ = [
     "maybe_record_function",
     "request_span",
+    "forward_span",
     "RequestHandle",
     "InflightRequest",
     "inflight",
@@ -189,6 +195,11 @@ class RequestHandle:
         self._span = span
 
     @property
+    def request_id(self) -> str:
+        """The server's request id (``gen_ai.response.id``)."""
+        return self._entry.request_id
+
+    @property
     def trace_id(self) -> str:
         """Hex trace id of the request span."""
         return self._entry.trace_id
@@ -290,4 +301,88 @@ def request_span(
             torch_range.__exit__(None, None, None)
         with _registry_lock:
             _registry.pop(key, None)
+        span.end()
+
+
+#: Span attribute: requests computed together in one forward step (count).
+ATTR_FORWARD_BATCH_SIZE = "servewatch.forward.batch_size"
+#: Span attribute: the process's forward step number this span is (SGLang's ``forward_ct``, 1-based).
+ATTR_FORWARD_CT = "servewatch.forward_ct"
+
+
+def _link_context(request: RequestHandle | tuple[str, str]) -> tuple[Any, dict[str, Any]]:
+    """The span context and link attributes of one served request."""
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    if isinstance(request, RequestHandle):
+        ctx = request._span.get_span_context()
+        if ctx.is_valid:
+            return ctx, {"gen_ai.response.id": request.request_id}
+        trace_hex, span_hex, attrs = request.trace_id, request.span_id, {"gen_ai.response.id": request.request_id}
+    else:
+        trace_hex, span_hex = request
+        attrs = {}
+    ctx = SpanContext(
+        trace_id=int(trace_hex, 16), span_id=int(span_hex, 16), is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)
+    )
+    return ctx, attrs
+
+
+@contextmanager
+def forward_span(
+    requests: Iterable[RequestHandle | tuple[str, str]],
+    *,
+    name: str = "forward",
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[Any]:
+    """Trace ONE batched forward step as an OTel span linked to every request it served.
+
+    The span kind is INTERNAL and it is the current span inside the block (spans started there
+    are its children). Attributes: ``servewatch.forward.batch_size`` (requests in the batch) and
+    ``servewatch.forward_ct`` (the step number this forward will have once the caller counts it
+    with :func:`agent.sdk.step`, i.e. :func:`agent.sdk.forward_ct` + 1 at entry). It does not
+    count the step itself. While an SDK profiling session records, the block is also a torch
+    range named ``name``. An exception marks the span as an error and propagates.
+
+    When the tracer is a no-op (no OTel SDK installed in the server) the span is non-recording
+    and no link is built: the cost is one ``start_span`` call and a context attach.
+
+    The OTel SDK keeps at most ``OTEL_SPAN_LINK_COUNT_LIMIT`` links per span (128 by default);
+    larger batches lose the rest, counted by the SDK as dropped links.
+
+    Args:
+        requests: the batch: :class:`RequestHandle` objects from :func:`request_span`, or
+            ``(trace_id_hex, span_id_hex)`` pairs (32 and 16 hex digits).
+        name: span name (and torch range name).
+        attributes: extra span attributes (must not hold request payloads).
+
+    Yields:
+        The span (an ``opentelemetry.trace.Span``; non-recording under a no-op tracer).
+
+    Raises:
+        ValueError: a ``(trace_id_hex, span_id_hex)`` pair is not hex (recording spans only).
+    """
+    from opentelemetry import trace
+
+    from agent.sdk import forward_ct
+
+    batch = requests if isinstance(requests, (list, tuple)) else list(requests)
+    attrs: dict[str, Any] = {ATTR_FORWARD_BATCH_SIZE: len(batch), ATTR_FORWARD_CT: forward_ct() + 1}
+    if attributes:
+        attrs.update(attributes)
+    span = get_tracer().start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs)
+    if span.is_recording():
+        for request in batch:
+            ctx, link_attrs = _link_context(request)
+            span.add_link(ctx, link_attrs)
+    torch_range = maybe_record_function(name)
+    try:
+        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            with torch_range:
+                yield span
+    except BaseException as exc:
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
         span.end()

@@ -112,6 +112,11 @@ async def test_manual_incident_profiles_the_next_steps_and_links_requests_in_fli
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     assert ready and proc.stdout.readline().startswith(b"READY")
+    from agent.sdk import counter_path, read_counter
+
+    with anyio.fail_after(30):  # READY comes before the loop admits its first requests
+        while (snap := read_counter(counter_path(proc.pid, shm))) is None or snap.forward_ct < 1:
+            await anyio.sleep(0.02)
     settings = load_settings(
         {
             "data_dir": tmp_path / "data",

@@ -634,7 +634,6 @@ async def read_inflight(targets: Sequence[Target], *, timeout_s: float = 2.0, so
     from agent.incidents import InflightRequest
 
     out: list[Any] = []
-    now = time.time_ns()
 
     async def one(target: Target) -> None:
         path = control_path(target.pid, socket_dir)
@@ -642,8 +641,10 @@ async def read_inflight(targets: Sequence[Target], *, timeout_s: float = 2.0, so
             return
         try:
             reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s)
-        except SdkCallError:
+        except SdkCallError as exc:
+            logger.warning("in-flight requests of pid %d unavailable: %s", target.pid, exc)
             return
+        now = time.time_ns()  # after the reply: a request admitted meanwhile has a real age
         for r in reply.get("requests") or ():
             if not isinstance(r, dict):
                 continue

@@ -146,8 +146,7 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     # nothing of the demo is left running
     import psutil
 
-    titles = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
-    assert not [t for t in titles if t.startswith("demo::scheduler")]
+    assert not [p["pid"] for p in summary["processes"] if psutil.pid_exists(p["pid"])]
 
 
 def test_profile_captures_exactly_n_steps_and_ships_the_session_as_spans(tmp_path: Path, spawn, python: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any, NoReturn, Optional
 import typer
 from rich.console import Console
 
-from agent.config import ConfigError, Settings, load_settings
+from agent.config import ConfigError, Settings, check_data_dir, load_settings
 
 __all__ = ["ExitCode", "app", "main"]
 
@@ -62,13 +62,19 @@ def _logging(verbose: bool) -> None:
     )
 
 
-def _settings(cli: dict[str, Any], config: Optional[Path]) -> Settings:
-    """Load settings and validate the telemetry destination, or exit 2 with one line."""
+def _settings(cli: dict[str, Any], config: Optional[Path], *, writes: bool = True) -> Settings:
+    """Load settings and validate the telemetry destination and data dir, or exit 2 with one line.
+
+    Args:
+        writes: the command writes under the data dir (bundles, spans): check it is writable.
+    """
     from exporters.provider import ExportConfigError, resolve_destination
 
     try:
         settings = load_settings(cli, config_file=config)
         resolve_destination(settings.export)  # OTEL_* env problems surface now, not mid-run
+        if writes:
+            check_data_dir(settings.data_dir)
     except (ConfigError, ExportConfigError) as exc:
         msg = str(exc)
         fail(msg if msg.startswith("invalid setting") else f"invalid setting {msg}", ExitCode.USAGE)
@@ -77,17 +83,23 @@ def _settings(cli: dict[str, Any], config: Optional[Path]) -> Settings:
 
 # Options shared by several commands.
 ConfigOpt = typer.Option(None, "--config", help="TOML settings file (CLI > SERVEWATCH_* env > file > defaults).")
-DataDirOpt = typer.Option(None, "--data-dir", help="Bundles and span files [env SERVEWATCH_DATA_DIR; default ./servewatch-data].")
+DataDirOpt = typer.Option(None, "--data-dir", help="Bundles and span files (env SERVEWATCH_DATA_DIR; default ./servewatch-data).")
 PidOpt = typer.Option(None, "--pid", help="Target pid (repeatable).")
 RootPidOpt = typer.Option(None, "--root-pid", help="Watch this pid and all its descendants.")
 MatchOpt = typer.Option(None, "--match", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
-OtlpEndpointOpt = typer.Option(None, "--otlp-endpoint", metavar="URL", help="OTLP collector, e.g. http://127.0.0.1:4317 [env OTEL_EXPORTER_OTLP_ENDPOINT; default: span files in the data dir].")
-OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", help="grpc or http/protobuf [env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc].")
+OtlpEndpointOpt = typer.Option(None, "--otlp-endpoint", metavar="URL", help="OTLP collector, e.g. http://127.0.0.1:4317 (env OTEL_EXPORTER_OTLP_ENDPOINT; default: span files in the data dir).")
+OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", help="grpc or http/protobuf (env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc).")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
 
 
 def _target(pid: Optional[list[int]], root_pid: Optional[int], match: Optional[list[str]]) -> dict[str, Any]:
     return {"pids": pid or None, "root_pid": root_pid, "match": match or None}
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid)
 
 
 def _print_record(record: Any, *, as_json: bool) -> None:
@@ -111,10 +123,10 @@ def run(
     pid: Optional[list[int]] = PidOpt,
     root_pid: Optional[int] = RootPidOpt,
     match: Optional[list[str]] = MatchOpt,
-    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall [default 300]."),
+    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall (default 300)."),
     hard: Optional[bool] = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence."),
-    cooldown: Optional[float] = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long [default 300]."),
-    duration: Optional[float] = typer.Option(None, "--duration", metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
+    cooldown: Optional[float] = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long (default 300)."),
+    duration: Optional[float] = typer.Option(None, "--duration", min=0.0, metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
     otlp_endpoint: Optional[str] = OtlpEndpointOpt,
     otlp_protocol: Optional[str] = OtlpProtocolOpt,
     data_dir: Optional[Path] = DataDirOpt,
@@ -209,11 +221,14 @@ def dump(
     import anyio
 
     from agent.runtime import dump_once
+    from agent.targets import discover
 
+    if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids):
+        gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
+        why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
+        fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
     record = anyio.run(dump_once, settings)
     _print_record(record, as_json=as_json)
-    if not record.targets:
-        fail("no process matched the given --pid/--root-pid/--match", ExitCode.FAILURE)
     if not any(r.outcome.value == "ok" for r in record.results):
         raise typer.Exit(int(ExitCode.FAILURE))
 
@@ -257,7 +272,7 @@ def cuda_env(
     """Print `export` lines arming CUDA coredumps (SGLang's defaults; values already set are kept)."""
     from agent.actors.coredump import check_dump_dir, cuda_coredump_env, format_exports
 
-    settings = _settings({"coredump": {"folder": folder}}, config)
+    settings = _settings({"coredump": {"folder": folder}}, config, writes=False)
     cfg = settings.coredump
     try:
         plan = cuda_coredump_env(cfg.folder, pipe_template=cfg.pipe_template)
@@ -275,12 +290,12 @@ def cuda_env(
 @app.command(context_settings={"allow_interspersed_args": False})
 def launch(
     cmd: list[str] = typer.Argument(..., metavar="-- CMD [ARGS]...", help="The server command line."),
-    crash_dump_folder: Optional[Path] = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ [default: coredump.folder]."),
+    crash_dump_folder: Optional[Path] = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ (default: coredump.folder)."),
     mlx: bool = typer.Option(False, "--mlx", help="MLX target: also set MTL_CAPTURE_ENABLED=1 (Metal capture)."),
     health_url: Optional[str] = typer.Option(None, "--health-url", help="Health endpoint of the launched server."),
     metrics_url: Optional[str] = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL of the launched server."),
     match: Optional[list[str]] = MatchOpt,
-    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout [default 300]."),
+    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout (default 300)."),
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
     verbose: bool = VerboseOpt,
@@ -331,9 +346,9 @@ def launch(
 @app.command()
 def export(
     to: str = typer.Option(..., "--to", metavar="ENDPOINT", help="Collector endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)."),
-    paths: Optional[list[Path]] = typer.Argument(None, help="Span files or folders [default: the data dir]."),
+    paths: Optional[list[Path]] = typer.Argument(None, help="Span files or folders (default: the data dir)."),
     protocol: str = typer.Option("grpc", "--protocol", help="grpc or http/protobuf."),
-    timeout: float = typer.Option(10.0, "--timeout", metavar="SECONDS", help="Bound on each request, retries included."),
+    timeout: float = typer.Option(10.0, "--timeout", min=0.001, metavar="SECONDS", help="Bound on each request, retries included."),
     remove_sent: bool = typer.Option(False, "--remove-sent", help="Delete each file once all its spans were delivered."),
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
@@ -341,7 +356,7 @@ def export(
     """Replay spool or embedded-default span files to a collector (spans keep their ids and times)."""
     from exporters.replay import replay
 
-    settings = _settings({"data_dir": data_dir}, config)
+    settings = _settings({"data_dir": data_dir}, config, writes=False)
     if protocol not in ("grpc", "http/protobuf"):
         fail(f"invalid setting protocol: expected grpc or http/protobuf (got {protocol!r})", ExitCode.USAGE)
     sources = list(paths or [settings.data_dir])
@@ -362,7 +377,7 @@ def export(
 
 @app.command()
 def timeline(
-    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder [default: latest]."),
+    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
     as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
@@ -370,7 +385,7 @@ def timeline(
     """Show an incident as a timeline: trigger, actions, hung frames, coredumps, profile (offline)."""
     from exporters.timeline import BundleError, load_incident_arg, render_timeline, timeline_to_dict
 
-    settings = _settings({"data_dir": data_dir}, config)
+    settings = _settings({"data_dir": data_dir}, config, writes=False)
     try:
         tl = load_incident_arg(incident, data_dir=settings.data_dir)
     except BundleError as exc:
@@ -383,7 +398,7 @@ def timeline(
 
 @app.command()
 def report(
-    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder [default: latest]."),
+    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
     output: Path = typer.Option(Path("report.html"), "-o", "--output", metavar="FILE", help="HTML file to write."),
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
@@ -392,7 +407,7 @@ def report(
     from exporters.report import report_summary, write_report
     from exporters.timeline import BundleError, load_incident_arg
 
-    settings = _settings({"data_dir": data_dir}, config)
+    settings = _settings({"data_dir": data_dir}, config, writes=False)
     try:
         tl = load_incident_arg(incident, data_dir=settings.data_dir)
         path = write_report(tl, output)
@@ -410,12 +425,12 @@ def report(
 def profile(
     steps: int = typer.Option(..., "--steps", min=1, help="Profile exactly this many forward steps (num_steps)."),
     start_step: Optional[int] = typer.Option(None, "--start-step", min=0, help="Start once forward_ct reaches this step."),
-    activities: Optional[str] = typer.Option(None, "--activities", help="Comma-separated: CPU,GPU,MEM [default CPU,GPU]."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Where trace files go [default ./profiles]."),
+    activities: Optional[str] = typer.Option(None, "--activities", help="Comma-separated: CPU,GPU,MEM (default CPU,GPU)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Where trace files go (default ./profiles)."),
     pid: Optional[int] = typer.Option(None, "--pid", help="Target serving the SDK control socket (backend sdk)."),
     url: Optional[str] = typer.Option(None, "--url", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
     backend: Optional[str] = typer.Option(None, "--backend", help="sdk (default), sglang or vllm."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", help="Wall-clock bound of the session [default 60]."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, metavar="SECONDS", help="Wall-clock bound of the session (default 60)."),
     as_json: bool = typer.Option(False, "--json", help="Print the session result as JSON on stdout."),
     otlp_endpoint: Optional[str] = OtlpEndpointOpt,
     otlp_protocol: Optional[str] = OtlpProtocolOpt,

@@ -13,18 +13,20 @@ names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings.exceptions import SettingsError
 
 from agent.actors.coredump import CoredumpConfig
 from agent.actors.profiler import ProfilerConfig
@@ -43,6 +45,7 @@ __all__ = [
     "MetricsConfig",
     "Settings",
     "load_settings",
+    "check_data_dir",
 ]
 
 #: Prefix of servewatch's environment variables.
@@ -62,8 +65,8 @@ class TargetConfig(BaseModel):
     title matches one of the ``match`` globs (e.g. ``sglang::scheduler*``, ``VLLM::Worker*``).
     """
 
-    pids: list[int] = Field(default_factory=list, description="explicit target pids")
-    root_pid: int | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
+    pids: list[PositiveInt] = Field(default_factory=list, description="explicit target pids")
+    root_pid: PositiveInt | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
     match: list[str] = Field(default_factory=list, description="process-title globs (fnmatch)")
 
 
@@ -97,6 +100,13 @@ class Settings(BaseSettings):
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     incident: IncidentConfig = Field(default_factory=IncidentConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="after")
+    def _coredump_folder_under_data_dir(self) -> "Settings":
+        # Core files go beside the bundles unless a folder was given explicitly.
+        if "folder" not in self.coredump.model_fields_set:
+            self.coredump = self.coredump.model_copy(update={"folder": self.data_dir / "cuda_coredumps"})
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -166,6 +176,26 @@ def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None
         return cls(**overrides)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc)) from None
+    except SettingsError as exc:  # an env value that is not valid JSON for a list/table field
+        raise ConfigError(
+            f"invalid setting {exc}; list values are JSON in the environment, e.g."
+            """ SERVEWATCH_TARGET__MATCH='["sglang::scheduler*"]'"""
+        ) from None
+
+
+def check_data_dir(path: Path) -> None:
+    """Make sure the data dir exists (created if needed) and is writable.
+
+    Raises:
+        ConfigError: one line naming ``data_dir`` and the reason.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".servewatch-write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"invalid setting data_dir: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
 
 
 if __name__ == "__main__":  # pragma: no cover - debugging aid

@@ -169,6 +169,16 @@ class IncidentRecord:
         }
 
 
+def _write_json(path: Path, data: dict[str, Any]) -> bool:
+    """Write a bundle file; a full or vanished disk is logged, never raised (the agent goes on)."""
+    try:
+        path.write_text(json.dumps(data, indent=2))
+    except OSError as exc:
+        log.error("cannot write %s: %s", path, exc)
+        return False
+    return True
+
+
 def _incident_id(trigger: str) -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return f"{stamp}-{trigger}-{secrets.token_hex(3)}"
@@ -289,7 +299,10 @@ class IncidentManager:
     async def _run_incident(self, trigger: str, detail: str, pid: int | None, cause: Event | None) -> IncidentRecord:
         incident_id = _incident_id(trigger)
         bundle_dir = self.data_dir / self.host_name / incident_id
-        bundle_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            bundle_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # disk full, data dir removed: the spans still carry the evidence
+            log.error("cannot create bundle folder %s: %s", bundle_dir, exc)
         try:
             targets = self.discover()
         except Exception:  # discovery must never take the agent down
@@ -321,7 +334,7 @@ class IncidentManager:
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight)
         await self.bus.publish(opened)
-        log.warning("incident %s opened: %s: %s", incident_id, trigger, detail)
+        log.info("incident %s opened: %s: %s", incident_id, trigger, detail)
 
         for name, phase, event_cls in self.phases:
             if not targets:
@@ -349,22 +362,20 @@ class IncidentManager:
                 await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
 
         if inflight:
-            (bundle_dir / "requests.json").write_text(
-                json.dumps(
-                    {
-                        "incident_id": incident_id,
-                        "captured_time_unix_nano": opened.time_unix_nano,
-                        "requests": [r.to_json(with_prompt=self.config.capture_prompts) for r in inflight],
-                    },
-                    indent=2,
-                )
+            _write_json(
+                bundle_dir / "requests.json",
+                {
+                    "incident_id": incident_id,
+                    "captured_time_unix_nano": opened.time_unix_nano,
+                    "requests": [r.to_json(with_prompt=self.config.capture_prompts) for r in inflight],
+                },
             )
 
         if self.hard_signal is not None and trigger == "stall":
             self._send_hard_signal(record, pid)
 
         record.closed_time_unix_nano = now_ns()
-        record.manifest_path.write_text(json.dumps(record.to_manifest(host_name=self.host_name), indent=2))
+        _write_json(record.manifest_path, record.to_manifest(host_name=self.host_name))
         self.records.append(record)
         await self.bus.publish(
             IncidentClosed(

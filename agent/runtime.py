@@ -112,6 +112,7 @@ class Agent:
         )
         self.process_watcher = ProcessWatcher(poll_interval_s=0.5, children=self.children)
         self._watchdog_pids: set[int] = set()
+        self._told_no_target = False
         self._ready = anyio.Event()
         self._stop = anyio.Event()
 
@@ -251,6 +252,16 @@ class Agent:
                 await tg.start(Watchdog(source, self.settings.watchdog).run, self.bus)
                 await tg.start(StepsWatcher(ShmStepSource(target.pid), interval_s=1.0).run, self.bus)
                 log.info("watching forward steps of pid %d (%s)", target.pid, target.title)
+            t = self.settings.target
+            if (t.pids or t.match or t.root_pid or self.children) and not targets and not self._told_no_target:
+                self._told_no_target = True
+                log.warning(
+                    "no target process found yet (pids %s, root pid %s, titles %s); still looking every %g s",
+                    t.pids or "-", t.root_pid or "-", t.match or "-", REDISCOVER_INTERVAL_S,
+                )
+            elif targets and self._told_no_target:
+                self._told_no_target = False
+                log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
             if not started:
                 started = True
                 task_status.started()

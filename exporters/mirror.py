@@ -43,6 +43,9 @@ INCIDENT_SPAN = "incident"
 MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed)
 #: Name of a profiling session's span (its torch trace is imported under it).
 PROFILE_SPAN = "profile.session"
+#: Outcomes that are facts about the target, not failures: their spans keep status UNSET (an
+#: unarmed coredump is the normal case without ``servewatch launch``; no red span in Jaeger).
+NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOPPED})
 #: Most span links put on one root span (in-flight requests can be thousands).
 MAX_LINKS = 128
 
@@ -266,6 +269,7 @@ def action_span(
     if result.action == PROFILE_SPAN and result.artifact_paths:
         attributes.update(import_profile_artifacts(result.artifact_paths, sink, trace_id=trace_id, parent_span_id=span_id))
     ok = result.outcome is Outcome.OK
+    error = None if ok or result.outcome in NOT_ERRORS else (result.detail or str(result.outcome))
     start = result.start_time_unix_nano or default_time_unix_nano
     return build_span(
         result.action,
@@ -275,7 +279,7 @@ def action_span(
         start_time_unix_nano=start,
         end_time_unix_nano=result.end_time_unix_nano or start,
         attributes=attributes,
-        error=None if ok else (result.detail or str(result.outcome)),
+        error=error,
         ok=ok,
         resource=sink.resource,
     )

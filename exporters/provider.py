@@ -193,6 +193,24 @@ def _env_float(environ: Mapping[str, str], *names: str) -> float | None:
     return None
 
 
+def _check_endpoint(endpoint: str, key: str) -> None:
+    """An endpoint must be ``http(s)://host[:port][/path]`` (or ``host:port`` for gRPC).
+
+    Raises:
+        ExportConfigError: naming ``key``.
+    """
+    from urllib.parse import urlsplit
+
+    candidate = endpoint if "://" in endpoint else f"http://{endpoint}"
+    try:
+        parts = urlsplit(candidate)
+        parts.port  # noqa: B018 - raises ValueError when out of range or not a number
+    except ValueError as exc:
+        raise ExportConfigError(f"{key}: invalid OTLP endpoint {endpoint!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ExportConfigError(f"{key}: invalid OTLP endpoint {endpoint!r}; expected http(s)://host:port")
+
+
 def resolve_destination(config: ExportConfig, environ: Mapping[str, str] | None = None) -> Destination:
     """Resolve the span destination: config > ``OTEL_*`` env > embedded default.
 
@@ -207,6 +225,8 @@ def resolve_destination(config: ExportConfig, environ: Mapping[str, str] | None 
         signal_specific = endpoint is not None
     if not endpoint:
         endpoint = env.get(ENV_ENDPOINT, "").strip() or None
+    if endpoint:
+        _check_endpoint(endpoint, "export.endpoint" if config.endpoint else (ENV_TRACES_ENDPOINT if signal_specific else ENV_ENDPOINT))
     protocol: str | None = config.protocol
     protocol_key = "export.protocol"
     if protocol is None:

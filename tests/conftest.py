@@ -56,3 +56,17 @@ def spawn(tmp_path: Path) -> Iterator:
 def python() -> str:
     """The interpreter running the tests (targets run under it too)."""
     return sys.executable
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Step counters and SDK control sockets of the test run (and its children) go to a private
+    folder, not /dev/shm: a target killed with SIGKILL cannot leave files behind there, and
+    tests never see another run's files."""
+    previous = os.environ.get("SERVEWATCH_SHM_DIR")
+    os.environ["SERVEWATCH_SHM_DIR"] = str(tmp_path_factory.mktemp("shm"))
+    yield
+    if previous is None:
+        os.environ.pop("SERVEWATCH_SHM_DIR", None)
+    else:
+        os.environ["SERVEWATCH_SHM_DIR"] = previous

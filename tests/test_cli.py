@@ -58,6 +58,12 @@ def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
         (["export", "--to", "http://127.0.0.1:1", "--protocol", "carrier-pigeon"], {}, "servewatch: invalid setting protocol"),
         (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}, "servewatch: invalid setting"),
         (["run", "--pid", "1", "--otlp-protocol", "smtp"], {}, "servewatch: invalid setting export.protocol"),
+        (["run", "--pid", "1", "--data-dir", "/proc/nope"], {}, "servewatch: invalid setting data_dir: '/proc/nope' is not a writable folder"),
+        (["dump", "--pid", "1"], {"SERVEWATCH_DATA_DIR": "/proc/nope"}, "servewatch: invalid setting data_dir"),
+        (["run", "--pid", "-1"], {}, "servewatch: invalid setting target.pids.0"),
+        (["run", "--pid", "1"], {"SERVEWATCH_TARGET__MATCH": "sglang*"}, "servewatch: invalid setting"),
+        (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:99999"}, "servewatch: invalid setting OTEL_EXPORTER_OTLP_ENDPOINT"),
+        (["run", "--health-url", "ftp://x/"], {}, "servewatch: invalid setting health.url"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], env: dict[str, str], expected: str) -> None:
@@ -65,6 +71,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], env: 
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
+
+
+def test_out_of_range_option_is_a_usage_error(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "run", "--pid", "1", "--duration", "-1")
+    assert r.returncode == 2
+    assert "--duration" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_dump_json_captures_matching_processes(tmp_path: Path, spawn, python: str) -> None:

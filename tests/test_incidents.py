@@ -199,3 +199,17 @@ async def test_incident_ids_name_the_trigger_and_are_unique(tmp_path: Path, trig
     assert f"-{trigger}-" in a.opened.incident_id
     assert a.results == []  # no targets: nothing to act on, but the bundle still exists
     assert a.manifest_path.is_file()
+
+
+async def test_unwritable_data_dir_never_crashes_the_incident(tmp_path: Path) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    bus, tl = RecordingBus(), Timeline()
+    mgr = IncidentManager(bus=bus, config=IncidentConfig(), data_dir=blocker, host_name="h1",
+                          discover=lambda: _targets(101),
+                          phases=[("pyspy.dump", tl.phase("pyspy.dump"), StacksDumped)])
+    record = await mgr.open_incident("stall")
+    # the phase could not write its artifact: an outcome, and the incident still closes
+    assert [(r.action, r.outcome) for r in record.results] == [("pyspy.dump", Outcome.FAILED)]
+    assert not record.manifest_path.exists()
+    assert type(bus.events[-1]).__name__ == "IncidentClosed"

@@ -588,6 +588,16 @@ def _stop_status(reply: httpx.Response | str) -> str:
 # --- CLI and incident helpers ----------------------------------------------------------------
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 async def profile_once(
     config: ProfilerConfig,
     *,
@@ -615,6 +625,7 @@ async def profile_once(
         folder = control_path(0, config.socket_dir).parent
         socks = sorted(folder.glob("servewatch-ctl.*.sock"))
         pids = [int(p.name.split(".")[1]) for p in socks if p.name.split(".")[1].isdigit()]
+        pids = [p for p in pids if _alive(p)]  # a killed server leaves its socket file behind
         if len(pids) != 1:
             s = _Session("sdk", req, None)
             found = "no" if not pids else f"{len(pids)} ({', '.join(map(str, pids))})"

@@ -15,16 +15,20 @@ missed while a probe overran are skipped, not bunched.
 from __future__ import annotations
 
 import errno
+import logging
 import time
+from urllib.parse import urlsplit
 
 import anyio
 import httpx
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from agent.bus import Publisher
 from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "HealthConfig",
@@ -60,8 +64,11 @@ class HealthConfig(BaseModel):
         unhealthy_after: consecutive failed probes before ``HealthCheckFailed``. Default 3.
         healthy_after: consecutive good probes before ``HealthRecovered``. Default 2.
         wait_for_ready: do not count failures until the first good probe. SGLang answers 503
-            while it loads the model, which can take minutes; a target that never comes up is
-            the process watcher's business. Default ``True``.
+            while it loads the model, which can take minutes. Default ``True``.
+        startup_timeout_s: with ``wait_for_ready``, failures count anyway once no probe has
+            succeeded for this long since the watcher started, so a server stuck in start-up
+            (weights loading, NCCL init) still opens a health incident. ``None`` waits forever.
+            Default 1800 s.
     """
 
     url: str | None = None
@@ -70,6 +77,17 @@ class HealthConfig(BaseModel):
     unhealthy_after: int = Field(default=3, ge=1)
     healthy_after: int = Field(default=2, ge=1)
     wait_for_ready: bool = True
+    startup_timeout_s: float | None = Field(default=1800.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"expected an http(s):// URL, got {value!r}")
+        return value
 
 
 def classify_status(status_code: int) -> str:
@@ -132,6 +150,8 @@ class HealthWatcher:
         self.consecutive_failures = 0
         self.consecutive_successes = 0
         self.probes = 0
+        self._started_ns = time.monotonic_ns()
+        self._told_waiting = False
 
     async def probe(self, client: httpx.AsyncClient) -> HealthProbed:
         """Run one probe, bounded by ``timeout_s`` in total; never raises for target faults."""
@@ -176,7 +196,15 @@ class HealthWatcher:
             return
         self.consecutive_successes = 0
         if not self.ready:
-            return
+            limit_s = self.config.startup_timeout_s
+            waited_s = (time.monotonic_ns() - self._started_ns) / 1e9
+            if limit_s is None or waited_s < limit_s:
+                if not self._told_waiting:
+                    self._told_waiting = True
+                    _log.info("health: %s not ready yet; failures count after its first good answer"
+                              " or %s s", probed.url, limit_s)
+                return
+            self.ready = True  # stuck in start-up: count failures from now on
         self.consecutive_failures += 1
         if self.healthy and self.consecutive_failures >= self.config.unhealthy_after:
             self.healthy = False

@@ -183,3 +183,17 @@ def test_incident_trace_arrives_at_a_real_receiver(otlp_receiver: OtlpReceiver, 
     denied = next(s for s in spans if s.name == "pyspy.dump" and s.attributes["process.pid"] == 102)
     assert denied.span.status.code == 2 and denied.attributes["servewatch.outcome"] == "permission_denied"
     assert spans[0].resource["host.name"] == "gpu-node-3"
+
+
+def test_not_armed_and_skipped_are_not_error_spans_but_failures_are() -> None:
+    from exporters.mirror import action_span
+
+    sink = InMemorySink()
+    statuses = {}
+    for outcome in (Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.TIMED_OUT, Outcome.OK):
+        result = ActionResult(action="cuda.coredump", outcome=outcome, detail="why", start_time_unix_nano=T0, end_time_unix_nano=T0 + 5)
+        span = action_span(sink, result, trace_id=new_trace_id(), parent_span_id=new_span_id(), default_time_unix_nano=T0)
+        statuses[outcome] = span.status.status_code
+        assert span.attributes["servewatch.outcome"] == outcome.value
+    assert statuses == {Outcome.NOT_ARMED: StatusCode.UNSET, Outcome.SKIPPED: StatusCode.UNSET,
+                        Outcome.TIMED_OUT: StatusCode.ERROR, Outcome.OK: StatusCode.OK}

@@ -157,6 +157,25 @@ async def test_failures_before_the_first_good_probe_do_not_count(server: Scripte
     assert watcher.ready and watcher.healthy
 
 
+async def test_a_server_stuck_in_start_up_fails_after_the_startup_timeout(server: ScriptedServer) -> None:
+    server.then(*[(503, 0.0)] * 40)
+    bus = RecordingBus()
+    watcher = HealthWatcher(_config(server.url, startup_timeout_s=0.3))
+    probes = await _run_until(watcher, bus, 12)
+    (failed,) = bus.of_type(HealthCheckFailed)
+    assert failed.status_code == 503 and failed.consecutive_failures == 3
+    # probes within the start-up window did not count
+    assert len([p for p in probes if p.time_unix_nano <= failed.time_unix_nano]) > 3
+
+
+def test_health_url_must_be_http() -> None:
+    with pytest.raises(pydantic.ValidationError, match="http"):
+        HealthConfig(url="ftp://x/health")
+    with pytest.raises(pydantic.ValidationError, match="http"):
+        HealthConfig(url="notaurl")
+    assert HealthConfig(url="https://h:1/health").url == "https://h:1/health"
+
+
 def test_health_config_defaults_and_validation() -> None:
     config = HealthConfig()
     assert (config.interval_s, config.timeout_s, config.unhealthy_after, config.healthy_after) == (5.0, 5.0, 3, 2)

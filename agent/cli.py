@@ -330,13 +330,35 @@ def launch(
 
     from agent.runtime import Agent
 
+    child_status: dict[str, int] = {}
+
     async def agent_main(child_pid: int) -> None:
         target = settings.target.model_copy(update={"root_pid": child_pid})
         agent = Agent(settings.model_copy(update={"target": target}))
-        await agent.run()
+        # watched from its first moment, with the exit status we reap (not rediscovered later)
+        agent.process_watcher.watch(child_pid, returncode=lambda: child_status.get("rc"))
+
+        async def stop_when_done() -> None:
+            # the server is gone: stop once its exit incident (if any) is written
+            while "rc" not in child_status:
+                await anyio.sleep(0.1)
+            if child_status["rc"] != 0:
+                while not any(r.opened.trigger == "exit" for r in agent.incidents.records):
+                    await anyio.sleep(0.1)
+            agent.stop()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_when_done)
+            await agent.run()
+            tg.cancel_scope.cancel()
 
     try:
-        rc = anyio.run(lambda: run_launched(cmd, env=planned.env, agent_main=agent_main))
+        rc = anyio.run(
+            lambda: run_launched(
+                cmd, env=planned.env, agent_main=agent_main,
+                on_child_exit=lambda code: child_status.__setitem__("rc", code),
+            )
+        )
     except LaunchError as exc:
         fail(str(exc), exc.exit_code)
     raise typer.Exit(rc)

@@ -195,6 +195,7 @@ async def run_launched(
     signal_group: bool = False,
     agent_exit_grace_s: float = 5.0,
     terminate_grace_s: float = 10.0,
+    on_child_exit: Callable[[int], None] | None = None,
 ) -> int:
     """Run the server ``argv`` as a child with ``env`` and the agent beside it; return its status.
 
@@ -218,6 +219,9 @@ async def run_launched(
             (default: the child alone, which shuts its own workers down, as SGLang does).
         agent_exit_grace_s: seconds the agent may keep running after the child exited.
         terminate_grace_s: seconds between SIGTERM and SIGKILL when cancelled.
+        on_child_exit: called with the child's raw return code (``-N`` for signal N) as soon
+            as it is reaped, before the agent's grace period starts (the agent's process
+            watcher reads the exit status from it: the status is ours to reap).
 
     Returns:
         The child's exit status (``128 + N`` when killed by signal N).
@@ -256,6 +260,8 @@ async def run_launched(
                 if agent_main is not None:
                     tg.start_soon(_run_agent, agent_main, process.pid, agent_scope)
                 returncode = await process.wait()
+                if on_child_exit is not None:
+                    on_child_exit(returncode)
                 forwarding.cancel()
                 agent_scope.deadline = min(agent_scope.deadline, anyio.current_time() + agent_exit_grace_s)
             return exit_status(returncode)

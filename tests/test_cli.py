@@ -193,6 +193,9 @@ def test_launch_arms_the_child_and_returns_its_exit_code(tmp_path: Path) -> None
     assert core_file == f"{tmp_path}/crash/%h/core.cuda.%t.%p"
     assert progress == "0"  # the user's own value wins
     assert "Armed CUDA coredumps" in r.stderr
+    # the server's death is an incident, with the exit status servewatch reaped
+    [manifest] = [json.loads(p.read_text()) for p in (tmp_path / "data").glob("*/*/manifest.json")]
+    assert manifest["trigger"] == "exit" and manifest["detail"].endswith("exited (exit code 3)")
 
 
 def test_launch_forwards_sigterm_to_the_server(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import enum
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -331,18 +332,26 @@ def launch(
     from agent.runtime import Agent
 
     child_status: dict[str, int] = {}
+    agents: list[Any] = []
+
+    def on_signal_forwarded(signum: int) -> None:
+        if signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            child_status["stopped"] = signum  # the operator's stop: an expected exit
+            for agent, pid in agents:
+                agent.incidents.expect_exit(pid)
 
     async def agent_main(child_pid: int) -> None:
         target = settings.target.model_copy(update={"root_pid": child_pid})
         agent = Agent(settings.model_copy(update={"target": target}))
         # watched from its first moment, with the exit status we reap (not rediscovered later)
         agent.process_watcher.watch(child_pid, returncode=lambda: child_status.get("rc"))
+        agents.append((agent, child_pid))
 
         async def stop_when_done() -> None:
             # the server is gone: stop once its exit incident (if any) is written
             while "rc" not in child_status:
                 await anyio.sleep(0.1)
-            if child_status["rc"] != 0:
+            if child_status["rc"] != 0 and "stopped" not in child_status:
                 while not any(r.opened.trigger == "exit" for r in agent.incidents.records):
                     await anyio.sleep(0.1)
             agent.stop()
@@ -357,6 +366,7 @@ def launch(
             lambda: run_launched(
                 cmd, env=planned.env, agent_main=agent_main,
                 on_child_exit=lambda code: child_status.__setitem__("rc", code),
+                on_signal_forwarded=on_signal_forwarded,
             )
         )
     except LaunchError as exc:

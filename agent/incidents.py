@@ -227,6 +227,7 @@ class IncidentManager:
         #: triggers ignored because the same cause is cooling down
         self.suppressed = 0
         self._last_open: dict[tuple[str, int | None], float] = {}
+        self._expected_exits: set[int] = set()
         self._lock = anyio.Lock()
 
     # -- triggers ---------------------------------------------------------------------------
@@ -248,11 +249,17 @@ class IncidentManager:
                 f"{event.url} failed {event.consecutive_failures} probes in a row ({code})",
             )
         if isinstance(event, TargetExited):
+            if event.pid in self._expected_exits:
+                return None  # stopped on purpose (an operator's signal passed on by launch)
             if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
                 return None
             how = f"signal {event.signal}" if event.signal is not None else f"exit code {event.exit_code}"
             return ("exit", event.pid, f"pid {event.pid} {event.title!r} exited ({how})")
         return None
+
+    def expect_exit(self, pid: int) -> None:
+        """The exit of ``pid`` is expected (it was asked to stop): it opens no incident."""
+        self._expected_exits.add(pid)
 
     def _cooling_down(self, trigger: str, pid: int | None) -> bool:
         # One key per trigger kind: TP ranks run in lockstep, so a hang stalls (or a crash

@@ -150,7 +150,13 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-async def _forward_signals(receiver: AsyncIterator[signal.Signals], process: Process, *, to_group: bool) -> None:
+async def _forward_signals(
+    receiver: AsyncIterator[signal.Signals],
+    process: Process,
+    *,
+    to_group: bool,
+    on_forwarded: Callable[[int], None] | None = None,
+) -> None:
     """Pass every signal servewatch receives on to the child (or its process group)."""
     async for signum in receiver:
         try:
@@ -162,6 +168,9 @@ async def _forward_signals(receiver: AsyncIterator[signal.Signals], process: Pro
             return  # the server is gone; its exit status is on its way
         except PermissionError:
             log.warning("cannot forward signal %d to pid %d: permission denied", signum, process.pid)
+        else:
+            if on_forwarded is not None:
+                on_forwarded(int(signum))
 
 
 async def _run_agent(agent_main: Callable[[int], Awaitable[None]], pid: int, scope: anyio.CancelScope) -> None:
@@ -196,6 +205,7 @@ async def run_launched(
     agent_exit_grace_s: float = 5.0,
     terminate_grace_s: float = 10.0,
     on_child_exit: Callable[[int], None] | None = None,
+    on_signal_forwarded: Callable[[int], None] | None = None,
 ) -> int:
     """Run the server ``argv`` as a child with ``env`` and the agent beside it; return its status.
 
@@ -222,6 +232,8 @@ async def run_launched(
         on_child_exit: called with the child's raw return code (``-N`` for signal N) as soon
             as it is reaped, before the agent's grace period starts (the agent's process
             watcher reads the exit status from it: the status is ours to reap).
+        on_signal_forwarded: called with each signal number passed on to the child (an
+            operator's stop is then an expected exit, not an incident).
 
     Returns:
         The child's exit status (``128 + N`` when killed by signal N).
@@ -254,7 +266,9 @@ async def run_launched(
 
                 async def forward() -> None:
                     with forwarding:
-                        await _forward_signals(receiver, process, to_group=signal_group)
+                        await _forward_signals(
+                            receiver, process, to_group=signal_group, on_forwarded=on_signal_forwarded
+                        )
 
                 tg.start_soon(forward)
                 if agent_main is not None:

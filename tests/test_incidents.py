@@ -128,6 +128,8 @@ async def test_exit_code_zero_is_not_an_incident_but_a_signal_is(tmp_path: Path)
     assert mgr.classify(TargetExited(pid=5, exit_code=0)) is None
     trigger, pid, detail = mgr.classify(TargetExited(pid=5, signal=9, title="sglang::scheduler_TP0"))
     assert (trigger, pid) == ("exit", 5) and "signal 9" in detail
+    mgr.expect_exit(5)  # asked to stop (launch forwarded the operator's SIGTERM)
+    assert mgr.classify(TargetExited(pid=5, signal=15)) is None
     record = await mgr.open_incident("exit", pid=101, cause=TargetExited(pid=101, exit_code=1))
     assert [t.pid for t in record.targets] == [102]  # the dead process is not dumped
 

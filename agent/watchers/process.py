@@ -36,13 +36,9 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from agent.bus import Publisher
 from agent.events import TargetExited
-from agent.targets import Target
+from agent.targets import ProcessState, Target, process_state
 
 __all__ = ["ProcessWatcher", "exit_status", "signal_name"]
-
-#: Creation times (psutil, seconds) closer than this are the same process.
-_CREATE_TIME_SLACK_S = 0.05
-
 
 def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
     """Split a ``Popen``-style return code into ``(exit_code, signal)``.
@@ -228,33 +224,13 @@ def _pidfd_exited(pidfd: int) -> bool:
 
 
 def _same_process(target: Target) -> bool:
-    """The pid still runs the process ``target`` describes (not exited, not reused)."""
-    try:
-        proc = psutil.Process(target.pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return True  # exited but not reaped: the pidfd/poll path reports it
-        if target.create_time_s and abs(proc.create_time() - target.create_time_s) > _CREATE_TIME_SLACK_S:
-            return False
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-    return True
+    """The pid still belongs to the process ``target`` describes (a zombie does: not reaped yet)."""
+    return process_state(target.pid, create_time_s=target.create_time_s) is not ProcessState.GONE
 
 
 def _alive(target: Target) -> bool:
-    """Polling fallback: running and not a zombie, and still the same process."""
-    try:
-        proc = psutil.Process(target.pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        if target.create_time_s and abs(proc.create_time() - target.create_time_s) > _CREATE_TIME_SLACK_S:
-            return False
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-    return True
+    """Polling fallback: still the same process, and not a zombie."""
+    return process_state(target.pid, create_time_s=target.create_time_s) not in (ProcessState.GONE, ProcessState.ZOMBIE)
 
 
 def signal_name(signum: int | None) -> str:

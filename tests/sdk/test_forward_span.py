@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,17 +15,6 @@ import agent.sdk as sdk
 from agent.sdk import profiler, tracing
 from agent.sdk.profiler import ProfileRequest
 from tests.sdk._helpers import TinyModel, drain, load_trace
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    exp = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exp))
-    tracing.set_tracer_provider(provider)
-    yield exp
-    tracing.set_tracer_provider(None)
-    provider.shutdown()
 
 
 def _ids(span: object) -> tuple[str, str]:

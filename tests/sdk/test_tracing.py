@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from agent.sdk import profiler, tracing
 from agent.sdk.profiler import ProfileRequest
 from tests.sdk._helpers import TinyModel, drain, load_trace
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    exp = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exp))
-    tracing.set_tracer_provider(provider)
-    yield exp
-    tracing.set_tracer_provider(None)
-    provider.shutdown()
 
 
 def test_request_span_uses_current_gen_ai_names_and_lists_inflight(exporter: InMemorySpanExporter) -> None:

@@ -88,13 +88,16 @@ DataDirOpt = typer.Option(None, "--data-dir", help="Bundles and span files (env 
 PidOpt = typer.Option(None, "--pid", help="Target pid (repeatable).")
 RootPidOpt = typer.Option(None, "--root-pid", help="Watch this pid and all its descendants.")
 MatchOpt = typer.Option(None, "--match", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
+UidOpt = typer.Option(None, "--uid", min=0, help="Only processes of this real uid are targets (repeatable; default any uid).")
 OtlpEndpointOpt = typer.Option(None, "--otlp-endpoint", metavar="URL", help="OTLP collector, e.g. http://127.0.0.1:4317 (env OTEL_EXPORTER_OTLP_ENDPOINT; default: span files in the data dir).")
 OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", help="grpc or http/protobuf (env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc).")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
 
 
-def _target(pid: Optional[list[int]], root_pid: Optional[int], match: Optional[list[str]]) -> dict[str, Any]:
-    return {"pids": pid or None, "root_pid": root_pid, "match": match or None}
+def _target(
+    pid: Optional[list[int]], root_pid: Optional[int], match: Optional[list[str]], uid: Optional[list[int]] = None
+) -> dict[str, Any]:
+    return {"pids": pid or None, "root_pid": root_pid, "match": match or None, "uids": uid or None}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -124,6 +127,7 @@ def run(
     pid: Optional[list[int]] = PidOpt,
     root_pid: Optional[int] = RootPidOpt,
     match: Optional[list[str]] = MatchOpt,
+    uid: Optional[list[int]] = UidOpt,
     watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall (default 300)."),
     hard: Optional[bool] = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence."),
     cooldown: Optional[float] = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long (default 300)."),
@@ -140,7 +144,7 @@ def run(
     settings = _settings(
         {
             "data_dir": data_dir,
-            "target": _target(pid, root_pid, match),
+            "target": _target(pid, root_pid, match, uid),
             "health": {"url": health_url},
             "metrics": {"url": metrics_url, "metrics_preset": metrics_preset},
             "watchdog": {"timeout_s": watchdog_timeout, "hard": hard},
@@ -201,6 +205,7 @@ def dump(
     pid: Optional[list[int]] = PidOpt,
     root_pid: Optional[int] = RootPidOpt,
     match: Optional[list[str]] = MatchOpt,
+    uid: Optional[list[int]] = UidOpt,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     otlp_endpoint: Optional[str] = OtlpEndpointOpt,
     otlp_protocol: Optional[str] = OtlpProtocolOpt,
@@ -213,7 +218,7 @@ def dump(
     settings = _settings(
         {
             "data_dir": data_dir,
-            "target": _target(pid, root_pid, match),
+            "target": _target(pid, root_pid, match, uid),
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
         },
         config,
@@ -226,7 +231,7 @@ def dump(
     from agent.runtime import dump_once
     from agent.targets import discover
 
-    if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids):
+    if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids, uids=t.uids):
         gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
         why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
         fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)

@@ -68,6 +68,11 @@ class TargetConfig(BaseModel):
     pids: list[PositiveInt] = Field(default_factory=list, description="explicit target pids")
     root_pid: PositiveInt | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
     match: list[str] = Field(default_factory=list, description="process-title globs (fnmatch)")
+    uids: list[int] = Field(
+        default_factory=list,
+        description="only processes whose real uid is one of these are targets (empty: any uid);"
+        " coredumps of these uids may also go outside coredump.folder",
+    )
 
 
 class MetricsConfig(StepsConfig):

@@ -87,7 +87,9 @@ class Agent:
         self._own_telemetry = telemetry is None
         self.children = list(children)
         self.pyspy = PySpyActor(settings.pyspy)
-        self.coredump = CoredumpActor(settings.coredump) if settings.coredump.enabled else None
+        self.coredump = (
+            CoredumpActor(settings.coredump, trusted_uids=settings.target.uids) if settings.coredump.enabled else None
+        )
         self.profiler = None
         if settings.profiler.on_incident_steps > 0:
             from agent.actors.profiler import ProfilerActor
@@ -122,7 +124,7 @@ class Agent:
         """Current targets per ``settings.target`` (plus launched children)."""
         t = self.settings.target
         root_pids = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
-        return discover(root_pids=root_pids, title_globs=t.match, pids=t.pids)
+        return discover(root_pids=root_pids, title_globs=t.match, pids=t.pids, uids=t.uids)
 
     # -- phases (actors behind the incident manager) -----------------------------------------
 

@@ -45,12 +45,15 @@ class Target:
         create_time_s: psutil's creation time (seconds since the epoch); with ``pid`` it
             identifies the process across pid reuse.
         cmdline: the full argv as the kernel reports it (empty strings removed).
+        uid: the process's real uid (``None`` when unknown); the agent trusts files and sockets
+            of a target only when they belong to this uid or root.
     """
 
     pid: int
     title: str = ""
     create_time_s: float = 0.0
     cmdline: tuple[str, ...] = ()
+    uid: int | None = None
 
 
 class ProcessState(StrEnum):
@@ -168,7 +171,8 @@ def _target_from(proc: psutil.Process) -> Target:
         name = proc.name()
         cmdline = tuple(arg for arg in proc.cmdline() if arg)
         create_time_s = proc.create_time()
-    return Target(pid=proc.pid, title=_title_of(cmdline, name), create_time_s=create_time_s, cmdline=cmdline)
+        uid = proc.uids().real
+    return Target(pid=proc.pid, title=_title_of(cmdline, name), create_time_s=create_time_s, cmdline=cmdline, uid=uid)
 
 
 def target_of(pid: int, errors: ScanErrors | None = None) -> Target | None:
@@ -199,6 +203,7 @@ def discover(
     pids: Iterable[int] = (),
     include_roots: bool = True,
     errors: ScanErrors | None = None,
+    uids: Iterable[int] = (),
 ) -> list[Target]:
     """Find the processes to act on (synchronous; a full scan takes milliseconds).
 
@@ -216,6 +221,8 @@ def discover(
         pids: explicit pids.
         include_roots: include each root pid itself, not only its descendants.
         errors: counters of skipped processes, updated in place.
+        uids: when given, keep only processes whose real uid is one of these (a process of
+            another user that names itself like a scheduler is then never a target).
 
     Returns:
         Live targets, deduplicated by pid, sorted by pid.
@@ -259,4 +266,5 @@ def discover(
         with psutil_errors(counts):
             add(psutil.Process(pid))
 
-    return [found[pid] for pid in sorted(found)]
+    allowed = frozenset(uids)
+    return [found[pid] for pid in sorted(found) if not allowed or found[pid].uid in allowed]

@@ -734,15 +734,20 @@ class CoredumpActor:
 
     name = "cuda_coredump"
 
-    def __init__(self, config: CoredumpConfig | None = None, *, host: str | None = None) -> None:
+    def __init__(
+        self, config: CoredumpConfig | None = None, *, host: str | None = None, trusted_uids: Sequence[int] = ()
+    ) -> None:
         """Create the actor.
 
         Args:
             config: user configuration; defaults when ``None``.
             host: host name ``%h`` expands to; default :func:`socket.gethostname`.
+            trusted_uids: uids (besides root and the agent's own) whose targets may have their
+                core files written outside ``config.folder`` (the ``target.uids`` setting).
         """
         self.config = config or CoredumpConfig()
         self.host = host or socket.gethostname()
+        self.trusted_uids = frozenset({0, os.geteuid(), *trusted_uids})
         self._triggered: OrderedDict[str, set[int]] = OrderedDict()
 
     def _claim(self, incident_id: str, pid: int) -> bool:
@@ -840,7 +845,7 @@ class CoredumpActor:
         prepared: _Prepared | None = None
         with _proc_errors(pid) as failure:
             # One worker-thread hop for all of /proc and the disk guard: triggers go out fast.
-            prepared = await anyio.to_thread.run_sync(self._prepare, pid)
+            prepared = await anyio.to_thread.run_sync(self._prepare, pid, target.uid)
         if failure:
             return result(*failure[0])
         assert prepared is not None
@@ -892,8 +897,14 @@ class CoredumpActor:
             Outcome.OK, f"core file {done.path!r} ({done.size_bytes} bytes)", paths=(done.path,)
         )
 
-    def _prepare(self, pid: int) -> _Prepared:
+    def _prepare(self, pid: int, uid: int | None = None) -> _Prepared:
         """Blocking part before the trigger (runs in a worker thread): pipe, core file, guard.
+
+        The core-file folder comes from the target's own environment, so it is only created
+        when it lies inside ``config.folder``; outside it, a missing folder is refused (never
+        created as root), and a target of an untrusted uid (not root, not the agent's, not in
+        ``trusted_uids``) is refused before any trigger, so it can neither make root create
+        folders nor hold the incident waiting for a core file it never writes.
 
         Raises:
             ProcessLookupError / PermissionError: ``/proc/PID`` is gone or unreadable.
@@ -903,6 +914,29 @@ class CoredumpActor:
         dump_dir = _expand_dir(template, host=self.host, pid=pid, cwd=_read_cwd(pid))
         if location.path is None:
             return _Prepared(location, pattern, dump_dir)
-        guard = check_dump_dir(dump_dir, min_free_bytes=self.config.min_free_bytes)
+        if uid is None:
+            uid = os.stat(f"/proc/{pid}").st_uid
+        guard = self._outside_folder_guard(dump_dir, uid)
+        if guard is None:
+            guard = check_dump_dir(dump_dir, min_free_bytes=self.config.min_free_bytes)
         before = _snapshot(pattern) if guard.ok else {}
         return _Prepared(location, pattern, dump_dir, guard, before)
+
+    def _outside_folder_guard(self, dump_dir: Path, uid: int | None) -> DumpDirCheck | None:
+        """``None`` when ``dump_dir`` is inside ``config.folder``, else why it is refused, if it is."""
+        folder = os.path.realpath(self.config.folder)
+        real = os.path.realpath(dump_dir)
+        if real == folder or real.startswith(folder.rstrip("/") + "/"):
+            return None
+        if uid is None or uid not in self.trusted_uids:
+            return DumpDirCheck(
+                False,
+                f"core file folder {str(dump_dir)!r} (from the target's own environment) is outside"
+                f" coredump.folder {str(self.config.folder)!r} and the target's uid {uid} is not trusted"
+                " (add it with --uid / target.uids)",
+            )
+        if not os.path.isdir(real):
+            return DumpDirCheck(
+                False, f"core file folder {str(dump_dir)!r} is outside coredump.folder and missing: not created"
+            )
+        return None

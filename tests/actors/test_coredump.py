@@ -355,7 +355,8 @@ async def test_disk_guard_refuses_before_trigger(tmp_path: Path, start_fake: Cal
 
 
 async def test_unwritable_dump_dir_refused(tmp_path: Path, start_fake: Callable) -> None:
-    blocker = tmp_path / "blocker"
+    (tmp_path / "dumps").mkdir()
+    blocker = tmp_path / "dumps" / "blocker"
     blocker.write_text("not a dir")
     proc, _, status = start_fake(env_overrides={"CUDA_COREDUMP_FILE": f"{blocker}/%h/core.%p"})
     actor = CoredumpActor(fast_config(tmp_path), host=HOST)

@@ -4,10 +4,15 @@ Owns :func:`maybe_record_function`, :func:`request_span` and the in-flight reque
 (:func:`inflight`) that the control socket's ``inflight`` command returns. Imports the standard
 library and, lazily, opentelemetry-api and torch; never the agent side.
 
-``maybe_record_function(name)`` is a module-level flag check while no SDK profiling session is
-active (it returns one shared no-op context manager), and a real
-``torch.profiler.record_function`` range while one is. The flag is flipped by
-:mod:`agent.sdk.profiler` on the model thread when a torch session starts and stops.
+``maybe_record_function(name, enabled=True)`` records a real ``torch.profiler.record_function``
+range whenever ANY torch profiler is active in the process: an SDK session (our flag, flipped by
+:mod:`agent.sdk.profiler` on the model thread), SGLang's ``/start_profile``, or a user's own
+``torch.profiler.profile()``. The process-wide test is torch's own flag
+``torch.autograd.profiler._is_profiler_enabled`` (set by every torch profiler's start and cleared
+at its stop, torch 2.13), read only when torch was already imported by the process: a process
+that never imported torch cannot be profiling. ``enabled=False`` is a per-call gate (SGLang
+uses one to leave warm-up requests out of a profile). While nothing profiles it returns one
+shared no-op context manager (two global reads, no allocation).
 
 ``forward_span(requests)`` traces one batched forward step as an INTERNAL span with one span link
 per request it served (SGLang's ``forward_ct`` and the batch size as attributes), so a request's
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,6 +47,7 @@ __all__ = [
     "InflightRequest",
     "inflight",
     "profiling_active",
+    "torch_profiler_active",
     "set_tracer_provider",
     "get_tracer",
 ]
@@ -79,19 +86,50 @@ def _set_profiling(active: bool) -> None:
     _profiling = active
 
 
-def maybe_record_function(name: str) -> Any:
+#: ``torch.autograd.profiler`` once the process imported it (its module global
+#: ``_is_profiler_enabled`` is the process-wide "a torch profiler is recording" flag).
+_torch_autograd_profiler: Any = None
+
+
+def _torch_profiler_module() -> Any:
+    """``torch.autograd.profiler`` if the process has imported it, else ``None`` (never imports)."""
+    global _torch_autograd_profiler
+    module = sys.modules.get("torch.autograd.profiler")
+    if module is not None and hasattr(module, "_is_profiler_enabled"):
+        _torch_autograd_profiler = module
+    return module
+
+
+def torch_profiler_active() -> bool:
+    """Whether any torch profiler (ours, SGLang's, the user's) is recording in this process."""
+    module = _torch_autograd_profiler or _torch_profiler_module()
+    return bool(module is not None and getattr(module, "_is_profiler_enabled", False))
+
+
+def maybe_record_function(name: str, enabled: bool = True) -> Any:
     """A named range that is free when nobody profiles.
 
     Args:
         name: the range name as it should appear in the torch trace (category
             ``user_annotation``).
+        enabled: per-call gate (e.g. ``False`` for warm-up requests, as SGLang does); when
+            ``False`` the range is never recorded.
 
     Returns:
-        A context manager: the shared no-op one while no SDK profiling session is active (one
-        global read, no allocation), else a fresh ``torch.profiler.record_function(name)``.
+        A context manager: a fresh ``torch.profiler.record_function(name)`` while any torch
+        profiler in this process records (an SDK session, SGLang's ``/start_profile``, a user's
+        ``torch.profiler.profile()``) and ``enabled``; else the shared no-op one.
     """
-    if not _profiling:
+    if not enabled:
         return _NOOP
+    if not _profiling:
+        module = _torch_autograd_profiler
+        if module is None:
+            module = _torch_profiler_module()
+            if module is None:
+                return _NOOP
+        if not module._is_profiler_enabled:
+            return _NOOP
     from torch.profiler import record_function
 
     return record_function(name)

@@ -82,3 +82,45 @@ def test_sdk_import_stays_light_and_exports_what_it_lists() -> None:
     loaded = set(out.stdout.split())
     heavy = {"torch", "mlx", "anyio", "httpx", "pydantic", "opentelemetry.sdk", "opentelemetry", "agent.bus", "agent.events", "exporters"}
     assert not loaded & heavy, loaded & heavy
+
+
+def _user_annotations(prof: object) -> list[str]:
+    return [e.name for e in prof.events() if e.name.startswith("servewatch.test.")]  # type: ignore[attr-defined]
+
+
+def test_maybe_record_function_records_under_a_users_own_torch_profiler() -> None:
+    import torch
+
+    assert not tracing.profiling_active()  # no SDK session: only torch's process-wide flag is on
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert tracing.torch_profiler_active()
+        with tracing.maybe_record_function("servewatch.test.user_profiler"):
+            torch.ones(4).sum()
+        with tracing.maybe_record_function("servewatch.test.warmup", enabled=False):
+            torch.ones(4).sum()
+    assert not tracing.torch_profiler_active()
+    assert _user_annotations(prof) == ["servewatch.test.user_profiler"]
+    # after the profiler stopped: the shared no-op again
+    assert tracing.maybe_record_function("x") is tracing.maybe_record_function("y")
+
+
+def test_maybe_record_function_records_under_the_legacy_autograd_profiler() -> None:
+    import torch
+
+    with torch.autograd.profiler.profile() as prof:
+        with tracing.maybe_record_function("servewatch.test.autograd"):
+            torch.ones(2).sum()
+    assert "servewatch.test.autograd" in {e.name for e in prof.function_events}
+
+
+def test_maybe_record_function_never_imports_torch(python: str) -> None:
+    import subprocess
+
+    code = (
+        "import sys; from agent.sdk.tracing import maybe_record_function as m\n"
+        "with m('a'): pass\n"
+        "with m('b', enabled=False): pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"

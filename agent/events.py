@@ -44,6 +44,7 @@ __all__ = [
     "ProfileStarted",
     "ProfileStopped",
     "IncidentClosed",
+    "IncidentRetraced",
     "ComponentStatusChanged",
     "RequestSpanRecorded",
     "now_ns",
@@ -265,6 +266,8 @@ class IncidentOpened(Event):
         pids: target pids at open time.
         bundle_dir: ``<data_dir>/<host>/<incident_id>``.
         trace_id / span_id: the root span's ids (hex), so actions can be parented.
+        parent_span_id: hex id of the span this incident's root hangs under when it joined a
+            trace begun elsewhere (a peer's incident, W3C ``traceparent``); ``""``: a trace root.
         links: requests in flight at open time, as (trace_id, span_id) hex pairs.
     """
 
@@ -275,6 +278,7 @@ class IncidentOpened(Event):
     bundle_dir: str = ""
     trace_id: str = ""
     span_id: str = ""
+    parent_span_id: str = ""
     #: (trace_id, span_id) hex pairs of the requests in flight when it opened (span links)
     links: tuple[tuple[str, str], ...] = ()
 
@@ -321,6 +325,23 @@ class IncidentClosed(Event):
     bundle_dir: str
     manifest_path: str
     outcomes: tuple[tuple[str, str], ...] = ()  # (action, outcome) in order
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IncidentRetraced(Event):
+    """An open incident moved into another trace (two peers of a job opened the same stall at
+    once; the later one joins the earlier one's trace). Spans emitted from now on use the new ids.
+
+    Attributes:
+        incident_id: the incident that moved.
+        trace_id / parent_span_id: the trace it joined and the span its root now hangs under (hex).
+        previous_trace_id: the trace it had (hex).
+    """
+
+    incident_id: str
+    trace_id: str
+    parent_span_id: str
+    previous_trace_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

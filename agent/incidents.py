@@ -27,7 +27,7 @@ import secrets
 import signal as signal_mod
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from agent.events import (
     HealthCheckFailed,
     IncidentClosed,
     IncidentOpened,
+    IncidentRetraced,
     Outcome,
     TargetExited,
     WatchdogStalled,
@@ -115,6 +116,9 @@ class InflightRequest:
 Phase = Callable[[IncidentOpened, Sequence[Target], Path], Awaitable[list[ActionResult]]]
 #: Reads the requests in flight in the targets (bounded by the caller).
 InflightProvider = Callable[[Sequence[Target]], Awaitable[list[InflightRequest]]]
+#: Started right after an incident opens, beside its phases (e.g. asking a job's peers to
+#: capture); returns how to collect its action events before the manifest is written.
+Companion = Callable[[IncidentOpened], Callable[[], Awaitable[list[ActionCompleted]]]]
 
 
 @dataclass(slots=True)
@@ -156,6 +160,7 @@ class IncidentRecord:
             "host.name": host_name,
             "trace_id": o.trace_id,
             "span_id": o.span_id,
+            "parent_span_id": o.parent_span_id,
             "opened_time_unix_nano": o.time_unix_nano,
             "closed_time_unix_nano": self.closed_time_unix_nano,
             "duration_s": round(self.duration_s, 6),
@@ -224,6 +229,13 @@ class IncidentManager:
         self.on_incident = on_incident
         self.hard_signal = hard_signal
         self.records: list[IncidentRecord] = []
+        #: the incident running now, if any
+        self.current: IncidentRecord | None = None
+        #: consulted before a detected trigger opens an incident; False: folded elsewhere
+        #: (a job's peer already opened this one)
+        self.admit: Callable[[str, str], bool] | None = None
+        #: started beside the phases of every incident (see :data:`Companion`)
+        self.companions: list[Companion] = []
         #: triggers ignored because the same cause is cooling down
         self.suppressed = 0
         self._last_open: dict[tuple[str, int | None], float] = {}
@@ -285,25 +297,55 @@ class IncidentManager:
                     self.suppressed += 1
                     log.info("incident %s for pid %s suppressed (cooldown)", trigger, pid)
                     continue
+                if self.admit is not None and not self.admit(trigger, detail):
+                    self.suppressed += 1
+                    continue
                 await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
 
     # -- one incident -----------------------------------------------------------------------
 
     async def open_incident(
-        self, trigger: str, *, detail: str = "", pid: int | None = None, cause: Event | None = None
+        self,
+        trigger: str,
+        *,
+        detail: str = "",
+        pid: int | None = None,
+        cause: Event | None = None,
+        parent: tuple[str, str] | None = None,
     ) -> IncidentRecord:
         """Run one incident to the end and return its record. Never raises for target trouble.
 
         Args:
-            trigger: ``stall``, ``health``, ``exit`` or ``manual``.
+            trigger: ``stall``, ``health``, ``exit``, ``manual`` or ``peer``.
             detail: one line on why.
             pid: the process that caused it, when known (it is acted on first).
             cause: the trigger event, kept for the time of detection.
+            parent: ``(trace_id, parent_span_id)`` hex of a trace begun elsewhere (a W3C
+                ``traceparent``): the root span joins that trace under that span.
         """
         async with self._lock:
-            return await self._run_incident(trigger, detail, pid, cause)
+            return await self._run_incident(trigger, detail, pid, cause, parent)
 
-    async def _run_incident(self, trigger: str, detail: str, pid: int | None, cause: Event | None) -> IncidentRecord:
+    async def retrace(self, incident_id: str, trace_id: str, parent_span_id: str) -> bool:
+        """Move the running incident ``incident_id`` into another trace (see :class:`IncidentRetraced`).
+
+        Returns:
+            False when that incident is not the one running.
+        """
+        record = self.current
+        if record is None or record.opened.incident_id != incident_id:
+            return False
+        previous = record.opened.trace_id
+        record.opened = replace(record.opened, trace_id=trace_id, parent_span_id=parent_span_id)
+        await self.bus.publish(
+            IncidentRetraced(source="incidents", incident_id=incident_id, trace_id=trace_id,
+                             parent_span_id=parent_span_id, previous_trace_id=previous)
+        )
+        return True
+
+    async def _run_incident(
+        self, trigger: str, detail: str, pid: int | None, cause: Event | None, parent: tuple[str, str] | None = None
+    ) -> IncidentRecord:
         incident_id = _incident_id(trigger)
         bundle_dir = self.data_dir / self.host_name / incident_id
         try:
@@ -335,13 +377,16 @@ class IncidentManager:
             detail=detail,
             pids=tuple(t.pid for t in targets),
             bundle_dir=str(bundle_dir),
-            trace_id=trace_id_hex(new_trace_id()),
+            trace_id=parent[0] if parent else trace_id_hex(new_trace_id()),
             span_id=span_id_hex(new_span_id()),
+            parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight)
+        self.current = record
         await self.bus.publish(opened)
         log.info("incident %s opened: %s: %s", incident_id, trigger, detail)
+        companions = [start(opened) for start in self.companions]
 
         for name, phase, event_cls in self.phases:
             if not targets:
@@ -378,12 +423,19 @@ class IncidentManager:
                 },
             )
 
+        for collect in companions:
+            with anyio.move_on_after(self.config.phase_timeout_s):
+                for event in await collect():
+                    record.results.append(event.result)
+                    await self.bus.publish(event)
+
         if self.hard_signal is not None and trigger == "stall":
             self._send_hard_signal(record, pid)
 
         record.closed_time_unix_nano = now_ns()
         _write_json(record.manifest_path, record.to_manifest(host_name=self.host_name))
         self.records.append(record)
+        self.current = None
         await self.bus.publish(
             IncidentClosed(
                 source="incidents",

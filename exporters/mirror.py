@@ -25,7 +25,16 @@ from typing import TYPE_CHECKING
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Link
 
-from agent.events import ActionCompleted, ActionResult, Event, IncidentClosed, IncidentOpened, Outcome, now_ns
+from agent.events import (
+    ActionCompleted,
+    ActionResult,
+    Event,
+    IncidentClosed,
+    IncidentOpened,
+    IncidentRetraced,
+    Outcome,
+    now_ns,
+)
 from exporters.torch_trace import import_profile_artifacts
 from exporters.spans import SpanSink, build_span, link_to, new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
@@ -40,7 +49,7 @@ _log = logging.getLogger(__name__)
 #: Name of the root span of an incident trace.
 INCIDENT_SPAN = "incident"
 #: Event types to subscribe the mirror to.
-MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed)
+MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced)
 #: Name of a profiling session's span (its torch trace is imported under it).
 PROFILE_SPAN = "profile.session"
 #: Outcomes that are facts about the target, not failures: their spans keep status UNSET (an
@@ -57,6 +66,10 @@ class _OpenIncident:
     opened: IncidentOpened
     actions: int = 0
     failed_actions: int = 0
+    #: the span the root hangs under (a trace joined from a peer), or None for a trace root
+    parent_span_id: int | None = None
+    #: the trace this incident had before it joined a peer's (hex), if it moved
+    retraced_from: str = ""
 
 
 def _links(event: Event) -> list[Link]:
@@ -126,6 +139,8 @@ class SpanMirror:
                 self._action(event)
             elif isinstance(event, IncidentClosed):
                 self._closed(event)
+            elif isinstance(event, IncidentRetraced):
+                self._retraced(event)
         except Exception:  # boundary: the mirror must never take the agent down
             _log.exception("could not mirror %s", type(event).__name__)
 
@@ -156,7 +171,17 @@ class SpanMirror:
     def _opened(self, event: IncidentOpened) -> None:
         trace_id = _hex_or_new(event.trace_id, 32) or new_trace_id()
         span_id = _hex_or_new(event.span_id, 16) or new_span_id()
-        self._open[event.incident_id] = _OpenIncident(trace_id, span_id, event)
+        parent = _hex_or_new(event.parent_span_id, 16) if event.trace_id else None
+        self._open[event.incident_id] = _OpenIncident(trace_id, span_id, event, parent_span_id=parent)
+
+    def _retraced(self, event: IncidentRetraced) -> None:
+        inc = self._open.get(event.incident_id)
+        trace_id = _hex_or_new(event.trace_id, 32)
+        if inc is None or trace_id is None:
+            return
+        inc.retraced_from = event.previous_trace_id or trace_id_hex(inc.trace_id)
+        inc.trace_id = trace_id
+        inc.parent_span_id = _hex_or_new(event.parent_span_id, 16)
 
     def _action(self, event: ActionCompleted) -> None:
         result = event.result
@@ -214,6 +239,8 @@ class SpanMirror:
                 attributes["servewatch.incident.outcomes"] = tuple(f"{a}={o}" for a, o in closed.outcomes)
         else:
             attributes["servewatch.incident.unclosed"] = unclosed_reason
+        if inc.retraced_from:
+            attributes["servewatch.incident.retraced_from"] = inc.retraced_from
         if self._export_statistics is not None:
             try:
                 attributes["servewatch.export.spans_lost"] = self._export_statistics().lost
@@ -228,6 +255,7 @@ class SpanMirror:
                 INCIDENT_SPAN,
                 trace_id=inc.trace_id,
                 span_id=inc.span_id,
+                parent_span_id=inc.parent_span_id,
                 start_time_unix_nano=opened.time_unix_nano,
                 end_time_unix_nano=end_time_unix_nano,
                 attributes=attributes,

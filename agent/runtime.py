@@ -34,7 +34,7 @@ from agent.events import (
     WatchdogStalled,
 )
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase
-from agent.targets import Target, discover
+from agent.targets import NO_TARGET_WARNING, Target, discover, spread_warning
 from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepsWatcher
@@ -115,6 +115,7 @@ class Agent:
         self.process_watcher = ProcessWatcher(poll_interval_s=0.5, children=self.children)
         self._watchdog_pids: set[int] = set()
         self._told_no_target = False
+        self._warned_spread = False
         self._ready = anyio.Event()
         self._stop = anyio.Event()
 
@@ -124,7 +125,13 @@ class Agent:
         """Current targets per ``settings.target`` (plus launched children)."""
         t = self.settings.target
         root_pids = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
-        return discover(root_pids=root_pids, title_globs=t.match, pids=t.pids, uids=t.uids)
+        found = discover(root_pids=root_pids, title_globs=t.match, pids=t.pids, uids=t.uids)
+        if not self._warned_spread:
+            warning = spread_warning(found, title_globs=t.match, root_pids=root_pids)
+            if warning is not None:
+                self._warned_spread = True  # once per agent: the operator has been told
+                log.warning("%s", warning)
+        return found
 
     # -- phases (actors behind the incident manager) -----------------------------------------
 
@@ -216,6 +223,9 @@ class Agent:
 
     async def _start_watchers(self, tg: TaskGroup) -> None:
         s = self.settings
+        t = s.target
+        if not (t.pids or t.match or t.root_pid or self.children):
+            log.warning("%s", NO_TARGET_WARNING)  # a health/metrics-only watch: incidents dump nothing
         status, detail = self.pyspy.check()
         await self.bus.publish(ComponentStatusChanged(source="runtime", component="pyspy", status=status, detail=detail))
         if status is not ComponentStatus.OK:

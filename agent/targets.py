@@ -31,6 +31,9 @@ __all__ = [
     "process_state",
     "target_of",
     "discover",
+    "ProcessTree",
+    "process_trees",
+    "spread_warning",
 ]
 
 
@@ -207,10 +210,12 @@ def discover(
 ) -> list[Target]:
     """Find the processes to act on (synchronous; a full scan takes milliseconds).
 
-    The result is the union of: every descendant (recursive) of each root pid, plus the root
-    itself when ``include_roots``; every process whose title matches any glob (``fnmatch``,
-    case-sensitive, e.g. ``"sglang::scheduler*"``) against its first non-empty cmdline element
-    or its full process name; and each explicit pid. Processes that vanish, turn zombie or deny
+    Processes of the trees of ``root_pids`` (every descendant, recursive, plus each root itself
+    when ``include_roots``) and processes whose title matches any glob (``fnmatch``,
+    case-sensitive, e.g. ``"sglang::scheduler*"``, against the first non-empty cmdline element
+    or the full process name): with both given, the INTERSECTION (the processes of those trees
+    whose title matches: "the schedulers of this server", never another server's); with one
+    given, that one (globs alone scan the whole host). Each explicit pid is added to that. Processes that vanish, turn zombie or deny
     access during the scan are skipped and counted in ``errors``. servewatch's own pid is never
     returned.
 
@@ -240,18 +245,27 @@ def discover(
         if target is not None:
             found[target.pid] = target
 
-    for root in root_pids:
-        children: list[psutil.Process] = []
+    globs = tuple(title_globs)
+    roots = tuple(root_pids)
+    for root in roots:
+        members: list[psutil.Process] = []
         with psutil_errors(counts):
             root_proc = psutil.Process(root)
-            children = root_proc.children(recursive=True)
+            members = root_proc.children(recursive=True)
             if include_roots:
-                add(root_proc)
-        for child in children:
-            add(child)
+                members.insert(0, root_proc)
+        for member in members:
+            if not globs:
+                add(member)
+                continue
+            if member.pid == own_pid or member.pid in found:
+                continue
+            with psutil_errors(counts):
+                target = _target_from(member)
+                if _matches(target, member.name(), globs):
+                    found[target.pid] = target
 
-    globs = tuple(title_globs)
-    if globs:
+    if globs and not roots:
         for proc in psutil.process_iter():
             if proc.pid == own_pid or proc.pid in found:
                 continue
@@ -268,3 +282,78 @@ def discover(
 
     allowed = frozenset(uids)
     return [found[pid] for pid in sorted(found) if not allowed or found[pid].uid in allowed]
+
+
+#: Logged once at start when only a health/metrics URL is watched: an incident has nothing to dump.
+NO_TARGET_WARNING = "no processes to dump: add --match/--pid/--root-pid"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessTree:
+    """Targets that belong to one process tree, told apart by process group.
+
+    A server's workers share its process group (multiprocessing children do not call
+    ``setsid``), while two servers started by a shell with job control, a supervisor, a
+    container runtime or ``servewatch launch`` each lead their own group.
+
+    Attributes:
+        pgid: the process group id.
+        leader_title: the group leader's title (``"?"`` when it is gone or unreadable).
+        pids: the targets in that group, sorted.
+    """
+
+    pgid: int
+    leader_title: str
+    pids: tuple[int, ...]
+
+    def describe(self) -> str:
+        """``group 1234 'python -m sglang.launch_server' (pids 1240, 1241)``."""
+        return f"group {self.pgid} {self.leader_title!r} (pids {', '.join(map(str, self.pids))})"
+
+
+def process_trees(targets: Iterable[Target]) -> list[ProcessTree]:
+    """Group targets by process group (see :class:`ProcessTree`); vanished targets are left out.
+
+    Returns:
+        One tree per process group, sorted by pgid.
+    """
+    groups: dict[int, list[int]] = {}
+    for target in targets:
+        try:
+            pgid = os.getpgid(target.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+        groups.setdefault(pgid, []).append(target.pid)
+    trees = []
+    for pgid, pids in sorted(groups.items()):
+        leader = target_of(pgid)
+        trees.append(ProcessTree(pgid=pgid, leader_title=leader.title if leader else "?", pids=tuple(sorted(pids))))
+    return trees
+
+
+def spread_warning(targets: Iterable[Target], *, title_globs: Iterable[str], root_pids: Iterable[int]) -> str | None:
+    """The warning for a host-wide ``--match`` whose matches span several process trees.
+
+    A glob without ``--root-pid`` scans the whole host: on a node running two servers it picks
+    the other server's schedulers too (dumping them, coredumping them, and opening incidents
+    when they exit). Restricting to one tree is the user's call, so this only warns.
+
+    Args:
+        targets: what discovery found.
+        title_globs: the ``--match`` globs.
+        root_pids: the ``--root-pid`` roots (when any, matching is already one tree's).
+
+    Returns:
+        One line naming every tree, or ``None`` when there is nothing to warn about.
+    """
+    globs = tuple(title_globs)
+    if not globs or tuple(root_pids):
+        return None
+    trees = process_trees(targets)
+    if len(trees) < 2:
+        return None
+    return (
+        f"--match {' '.join(globs)} matches processes of {len(trees)} process trees: "
+        + "; ".join(tree.describe() for tree in trees)
+        + ". Add --root-pid PID to act on one server only"
+    )

@@ -3,7 +3,7 @@
 Usage::
 
     python titled_target.py TITLE [--torch] [--threads N] [--child TITLE[/TITLE...]]...
-                                  [--max-lifetime-s SECONDS]
+                                  [--max-lifetime-s SECONDS] [--exit-after-s SECONDS --exit-code N]
 
 Sets its title with setproctitle (e.g. ``sglang::scheduler_TP0``), optionally imports torch (as
 a scheduler would), starts ``--threads`` idle worker threads named ``worker-<i>``, starts one
@@ -11,7 +11,8 @@ child per ``--child`` (``a/b`` makes a child titled ``a`` that has its own child
 like SGLang's data-parallel controller and its schedulers), prints ``ready <pid>`` on stdout once
 everything is set up (children included), then blocks in :func:`hung_in_fake_allreduce` so the
 hung frame is visible in a stack dump. Exits by itself after ``--max-lifetime-s`` (default 300)
-so nothing outlives a crashed test run.
+so nothing outlives a crashed test run; with ``--exit-after-s`` it instead exits with
+``--exit-code`` that long after it started waiting (a rank that dies).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="idle worker threads to start")
     parser.add_argument("--child", action="append", default=[], help="child title chain a/b/c")
     parser.add_argument("--max-lifetime-s", type=float, default=300.0)
+    parser.add_argument("--exit-after-s", type=float, default=None, help="exit with --exit-code this long after ready")
+    parser.add_argument("--exit-code", type=int, default=1)
     args = parser.parse_args()
 
     import setproctitle
@@ -59,6 +62,8 @@ def main() -> None:
         torch.ones(4).sum()
 
     stop_at = time.monotonic() + args.max_lifetime_s
+    if args.exit_after_s is not None:
+        stop_at = time.monotonic() + args.exit_after_s
     for i in range(args.threads):
         threading.Thread(target=worker_idle_loop, args=(stop_at,), name=f"worker-{i}", daemon=True).start()
 
@@ -85,6 +90,8 @@ def main() -> None:
         for child in children:
             child.kill()
             child.wait(timeout=5)
+    if args.exit_after_s is not None:
+        sys.exit(args.exit_code)
 
 
 if __name__ == "__main__":

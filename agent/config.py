@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -31,7 +31,9 @@ from pydantic_settings.exceptions import SettingsError
 from agent.actors.coredump import CoredumpConfig
 from agent.actors.profiler import ProfilerConfig
 from agent.actors.pyspy import PySpyConfig
+from agent.fsutil import ensure_private_dir
 from agent.incidents import IncidentConfig
+from agent.security import unsafe_dir_reason, validate_host_name
 from agent.watchers.health import HealthConfig
 from agent.watchers.steps import StepsConfig
 from agent.watchers.watchdog import WatchdogConfig
@@ -105,6 +107,12 @@ class Settings(BaseSettings):
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     incident: IncidentConfig = Field(default_factory=IncidentConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @field_validator("host_name")
+    @classmethod
+    def _host_name_is_one_path_component(cls, value: str) -> str:
+        # bundles and span files go to <data_dir>/<host_name>/: never "..", "a/b" or escapes
+        return validate_host_name(value)
 
     @model_validator(mode="after")
     def _coredump_folder_under_data_dir(self) -> "Settings":
@@ -189,15 +197,29 @@ def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None
 
 
 def check_data_dir(path: Path) -> None:
-    """Make sure the data dir exists (created if needed) and is writable.
+    """Make sure the data dir exists (created 0700 if needed), is writable, and is safe.
+
+    Safe (:func:`agent.security.unsafe_dir_reason`): it and every folder above it belong to us
+    or root, and none can be changed by another local user (the sticky bit, as on ``/tmp``,
+    is fine above it), so nobody can plant a symlink or swap a folder where root writes.
 
     Raises:
         ConfigError: one line naming ``data_dir`` and the reason.
     """
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(path):  # an existing one (a trusted symlink too) is judged below
+            ensure_private_dir(path)
+    except OSError as exc:
+        raise ConfigError(f"invalid setting data_dir: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
+    problem = unsafe_dir_reason(path)
+    if problem is None and not path.is_dir():
+        problem = f"{str(path)!r} is not a folder"
+    if problem is not None:
+        raise ConfigError(f"invalid setting data_dir: unsafe folder: {problem}")
+    try:
         probe = path / f".servewatch-write-test.{os.getpid()}"
-        probe.write_bytes(b"")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.close(fd)
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"invalid setting data_dir: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None

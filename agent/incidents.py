@@ -50,6 +50,7 @@ from agent.events import (
     WatchdogStalled,
     now_ns,
 )
+from agent.fsutil import atomic_write_text, ensure_private_dir
 from agent.targets import Target
 from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
@@ -175,9 +176,10 @@ class IncidentRecord:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> bool:
-    """Write a bundle file; a full or vanished disk is logged, never raised (the agent goes on)."""
+    """Write a bundle file atomically (0600, never through a symlink); a full or vanished disk
+    is logged, never raised (the agent goes on) and leaves the previous complete file or none."""
     try:
-        path.write_text(json.dumps(data, indent=2))
+        atomic_write_text(path, json.dumps(data, indent=2))
     except OSError as exc:
         log.error("cannot write %s: %s", path, exc)
         return False
@@ -349,7 +351,7 @@ class IncidentManager:
         incident_id = _incident_id(trigger)
         bundle_dir = self.data_dir / self.host_name / incident_id
         try:
-            bundle_dir.mkdir(parents=True, exist_ok=True)
+            ensure_private_dir(bundle_dir)  # 0700: stacks and request ids are not for every user
         except OSError as exc:  # disk full, data dir removed: the spans still carry the evidence
             log.error("cannot create bundle folder %s: %s", bundle_dir, exc)
         try:

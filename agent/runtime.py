@@ -33,6 +33,7 @@ from agent.events import (
     StacksDumped,
     WatchdogStalled,
 )
+from agent.fsutil import remove_stale_temps
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase
 from agent.targets import NO_TARGET_WARNING, Target, discover, spread_warning
 from agent.watchers.health import HealthWatcher
@@ -172,6 +173,7 @@ class Agent:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> AgentStatistics:
         """Run until :meth:`stop` (or cancellation); then shut down within a few seconds."""
         s = self.settings
+        await anyio.to_thread.run_sync(_remove_stale_temps, s.data_dir)
         if self.telemetry is None:
             self.telemetry = build_telemetry(s.export, data_dir=s.data_dir, host_name=s.host_name)
         mirror = SpanMirror(self.telemetry.sink, host_name=s.host_name,
@@ -280,6 +282,13 @@ class Agent:
             await anyio.sleep(REDISCOVER_INTERVAL_S)
 
 
+def _remove_stale_temps(data_dir: Path) -> None:
+    """Remove the temp files of writers killed mid-write (a previous agent's) under the data dir."""
+    removed = remove_stale_temps(data_dir)
+    if removed:
+        log.warning("removed %d leftover temp file(s) of an interrupted write under %s", removed, data_dir)
+
+
 async def mirror_events(mirror: SpanMirror, sub: Subscription) -> None:
     """Feed bus events to the span mirror until the bus closes and drains.
 
@@ -310,6 +319,7 @@ async def dump_once(settings: Settings, *, telemetry: Telemetry | None = None) -
     ``telemetry`` was passed in, which the caller then owns).
     """
     agent = Agent(settings, telemetry=telemetry)
+    await anyio.to_thread.run_sync(_remove_stale_temps, settings.data_dir)
     own = telemetry is None
     tel = telemetry or build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
     mirror = SpanMirror(tel.sink, host_name=settings.host_name, export_statistics=tel.processor.statistics)

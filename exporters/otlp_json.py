@@ -28,6 +28,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from agent.fsutil import ensure_private_dir, open_append_nofollow
+
 __all__ = [
     "ID_KEYS",
     "message_to_json",
@@ -218,10 +220,11 @@ class RotatingJsonLinesWriter:
     def _open_next(self) -> None:
         if self._fh is not None:
             self._fh.close()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.directory)
         self._seq += 1
         path = self.directory / f"{self.prefix}-{self._stamp}-{os.getpid()}-{self._seq:06d}.jsonl"
-        self._fh = open(path, "ab")
+        # 0600, never through a symlink someone planted where the file will be
+        self._fh = os.fdopen(open_append_nofollow(path), "ab")
         self._size_bytes = self._fh.tell()
         self._files.append((path, 0))
         while self.max_files and len(self._files) > self.max_files:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from agent.fsutil import atomic_write_text
 from exporters.timeline import ActionRow, IncidentTimeline, ProcessStacks, SpanRow, format_size
 
 __all__ = ["CSP", "render_report_html", "write_report", "report_summary"]
@@ -425,13 +426,8 @@ def write_report(tl: IncidentTimeline, out_path: str | os.PathLike[str], *,
     """
     out = Path(out_path).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(render_report_html(tl, generated_time_unix_nano=generated_time_unix_nano), encoding="utf-8")
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    # temp file O_EXCL|O_NOFOLLOW beside it, fsync, rename: never writes through a planted symlink
+    atomic_write_text(out, render_report_html(tl, generated_time_unix_nano=generated_time_unix_nano))
     return out
 
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from agent.fsutil import atomic_write_bytes, ensure_private_dir
 from exporters.otlp_json import read_span_file
 
 __all__ = ["Spool", "SpoolEntry", "SpoolStatistics"]
@@ -118,10 +119,10 @@ class Spool:
         self._next_seq = (self._entries[-1].seq + 1) if self._entries else 1
 
     def _claim(self, directory: Path) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(directory)
         for candidate in (directory, directory / f"pid-{os.getpid()}"):
-            candidate.mkdir(parents=True, exist_ok=True)
-            fd = os.open(candidate / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            ensure_private_dir(candidate)
+            fd = os.open(candidate / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -160,10 +161,7 @@ class Spool:
                 self._evicted += spans
                 return spans
             path = self.directory / f"{seq:016d}-{spans}{SUFFIX}"
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
+            atomic_write_bytes(path, data)  # temp + fsync + rename, 0600, no symlink followed
             self._entries.append(SpoolEntry(seq, path, spans, len(data)))
             self._size_bytes += len(data)
             self._spans += spans
@@ -251,13 +249,11 @@ class Spool:
             self._next_seq += 1
             self._rejected += spans
         path = self._rejected_dir() / f"{seq:016d}-{spans}{SUFFIX}"
-        path.write_bytes(data)
+        atomic_write_bytes(path, data)
         self._keep_rejected(SpoolEntry(seq, path, spans, len(data)))
 
     def _rejected_dir(self) -> Path:
-        rejected = self.directory / "rejected"
-        rejected.mkdir(exist_ok=True)
-        return rejected
+        return ensure_private_dir(self.directory / "rejected")
 
     def _keep_rejected(self, entry: SpoolEntry) -> None:
         """``rejected/`` has its own ``max_bytes`` budget (a wrong endpoint path refuses

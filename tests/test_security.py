@@ -7,10 +7,13 @@ production. Hang guards only stop a broken test; nothing here measures speed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -122,6 +125,179 @@ async def test_foreign_target_cannot_make_root_create_its_core_folder(
     assert ("not trusted" in result.detail) != trusted
     assert "not created" in result.detail or not trusted
     assert not (tmp_path / "root-only").exists()
-    import json
-
     assert json.loads(status.read_text())["bytes_read"] == 0  # never triggered: nothing to wait for
+
+
+# --- the data dir -----------------------------------------------------------------------------
+
+CLI = [sys.executable, "-m", "agent.cli"]
+
+
+def _cli(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    base.update(SERVEWATCH_SHM_DIR=str(cwd / "shm"), **env)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, cwd=cwd, env=base,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("parent-owned-by-nobody", "owned by uid 65534"),
+        ("parent-world-writable", "without the sticky bit"),
+        ("data-dir-owned-by-nobody", "owned by uid 65534"),
+        ("data-dir-group-writable", "writable by group/other"),
+        ("symlink-of-nobody", "owned by uid 65534"),
+    ],
+)
+def test_unsafe_data_dir_is_refused_with_one_line(tmp_path: Path, nobody_dir: Path, case: str, why: str) -> None:
+    if case == "parent-owned-by-nobody":
+        data = nobody_dir / "data"  # nobody could rename it away and plant a symlink in its place
+    elif case == "parent-world-writable":
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        data = shared / "data"
+    elif case == "data-dir-owned-by-nobody":
+        data = tmp_path / "data"
+        data.mkdir()
+        os.chown(data, NOBODY, NOBODY)
+    elif case == "data-dir-group-writable":
+        data = tmp_path / "data"
+        data.mkdir()
+        data.chmod(0o770)
+    else:
+        real = tmp_path / "real"
+        real.mkdir(mode=0o700)
+        data = nobody_dir / "link"
+        subprocess.run([*AS_NOBODY, "ln", "-s", str(real), str(data)], check=True)
+    done = _cli(tmp_path, "dump", "--pid", str(os.getpid()), "--data-dir", str(data))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("servewatch: invalid setting data_dir: unsafe folder"), lines
+    assert why in lines[0]
+
+
+def test_safe_data_dirs_pass(tmp_path: Path) -> None:
+    from agent.config import check_data_dir
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)  # like /tmp: shared, but nobody can rename our folder in it
+    check_data_dir(sticky / "data")
+    assert stat.S_IMODE((sticky / "data").stat().st_mode) == 0o700
+    check_data_dir(tmp_path / "a" / "b")
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "../../etc", "", "x\x1b[41m", "a\\b"])
+def test_host_name_must_be_one_path_component(name: str) -> None:
+    from agent.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="host_name"):
+        load_settings({"host_name": name})
+
+
+def test_host_name_from_environment_is_checked(tmp_path: Path) -> None:
+    done = _cli(tmp_path, "dump", "--pid", str(os.getpid()), "--data-dir", str(tmp_path / "d"),
+                SERVEWATCH_HOST_NAME="../../escape")
+    assert done.returncode == 2 and "invalid setting host_name" in done.stderr
+    assert not (tmp_path / "escape").exists()
+
+
+# --- files servewatch writes: symlinks never followed, 0600/0700, atomic ------------------------
+
+
+def test_planted_symlink_in_span_folder_is_not_followed(tmp_path: Path) -> None:
+    from exporters.otlp_json import RotatingJsonLinesWriter
+
+    victim = tmp_path / "root-only"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    writer = RotatingJsonLinesWriter(spans, prefix="spans", max_file_bytes=1 << 20, max_files=0)
+    # the attacker guesses the next file name (stamp, pid, sequence are predictable) and plants a link
+    planned = spans / f"spans-{writer._stamp}-{os.getpid()}-000001.jsonl"
+    planned.symlink_to(victim)
+    with pytest.raises(OSError):
+        writer.write_line('{"resourceSpans": []}')
+    writer.close()
+    assert victim.read_text() == "precious\n"
+
+
+def test_bundle_files_are_private_and_manifest_atomic(tmp_path: Path) -> None:
+    from agent import incidents
+
+    bundle = tmp_path / "data" / "host" / "inc-1"
+    from agent.fsutil import ensure_private_dir
+
+    ensure_private_dir(bundle)
+    manifest = bundle / "manifest.json"
+    planted = tmp_path / "victim"
+    planted.write_text("keep")
+    manifest.symlink_to(planted)  # a planted link is replaced, never written through
+    assert incidents._write_json(manifest, {"a": 1})
+    assert planted.read_text() == "keep"
+    assert json.loads(manifest.read_text()) == {"a": 1}
+    assert stat.S_IMODE(manifest.lstat().st_mode) == 0o600
+    for d in (bundle, bundle.parent, bundle.parent.parent):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 KiB tmpfs, to fill up (skipped where mounting is not allowed)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_full_disk_keeps_previous_manifest_or_none(tiny_tmpfs: Path) -> None:
+    from agent import incidents
+
+    manifest = tiny_tmpfs / "manifest.json"
+    assert incidents._write_json(manifest, {"version": 1})
+    filler = tiny_tmpfs / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:  # fill the disk to the last block
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    big = {"version": 2, "pad": "x" * 200_000}
+    assert not incidents._write_json(manifest, big)  # ENOSPC: logged, not raised
+    assert json.loads(manifest.read_text()) == {"version": 1}
+    fresh = tiny_tmpfs / "other.json"
+    assert not incidents._write_json(fresh, big)
+    assert not fresh.exists()
+    assert [p.name for p in tiny_tmpfs.iterdir() if p.name.endswith(".swtmp")] == []
+
+
+async def test_leftover_temp_files_are_removed_on_start(spawn: Callable, python: str, tmp_path: Path) -> None:
+    from agent.config import load_settings
+    from agent.runtime import dump_once
+
+    data = tmp_path / "data"
+    old = data / "host" / "inc-old"
+    old.mkdir(parents=True, mode=0o700)
+    leftover = old / ".manifest.json.1a2b3c4d.swtmp"
+    leftover.write_text('{"trunc')
+    proc = spawn([python, "-c", "import time; time.sleep(60)"])
+    settings = load_settings({"data_dir": data, "target": {"pids": [proc.pid]},
+                              "coredump": {"enabled": False}, "host_name": "host"})
+    with anyio.fail_after(90):
+        record = await dump_once(settings)
+    assert not leftover.exists()
+    assert record.manifest_path.exists()
+    assert stat.S_IMODE(record.bundle_dir.stat().st_mode) == 0o700
+    for f in record.bundle_dir.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f

@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
 from agent.events import ActionResult, AttributeValue, ComponentStatus, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
 from agent.targets import ProcessState, Target, process_state
 
 __all__ = [
@@ -782,7 +783,7 @@ class PySpyActor:
         base["servewatch.pyspy.native"] = last.native
         if any(a.killed for a, _ in attempts):
             base["servewatch.pyspy.killed"] = True
-        await anyio.Path(artifact_dir).mkdir(parents=True, exist_ok=True)
+        await anyio.to_thread.run_sync(ensure_private_dir, artifact_dir)
         stem = Path(artifact_dir) / f"pyspy-{target.pid}"
         serial = 1
         while await anyio.Path(stem.with_name(stem.name + ".txt")).exists() or await anyio.Path(
@@ -798,7 +799,7 @@ class PySpyActor:
                 f"{'' if a.returncode is None else f' (exit {a.returncode})'}: {v.detail}\n{a.stderr}\n"
                 for a, v in attempts
             )
-            await anyio.Path(err_path).write_text(report, encoding="utf-8")
+            await anyio.to_thread.run_sync(atomic_write_text, err_path, report)
             if last.returncode is not None:
                 base["servewatch.pyspy.exit_code"] = last.returncode
             return result(verdict.outcome, verdict.detail, retryable=verdict.retryable, paths=(str(err_path),))
@@ -813,8 +814,8 @@ class PySpyActor:
         json_path = stem.with_name(stem.name + ".json")
         txt_path = stem.with_name(stem.name + ".txt")
         header = f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n"
-        await anyio.Path(json_path).write_bytes(last.stdout)
-        await anyio.Path(txt_path).write_text(render_text(threads, header=header), encoding="utf-8")
+        await anyio.to_thread.run_sync(atomic_write_bytes, json_path, last.stdout)
+        await anyio.to_thread.run_sync(atomic_write_text, txt_path, render_text(threads, header=header))
         hung = hung_frame(threads)
         stacks = summarize(threads, max_threads=self.config.max_threads, max_frames=self.config.max_frames)
         return result(

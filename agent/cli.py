@@ -116,6 +116,11 @@ def _print_record(record: Any, *, as_json: bool) -> None:
         out.print(line, markup=False, highlight=False)
 
 
+def _print_status(status: Any) -> None:
+    """One stderr line per watcher status change (``servewatch: metrics: BLIND — …``)."""
+    err.print(f"servewatch: {status.line()}", markup=False, highlight=False)
+
+
 # --- run -----------------------------------------------------------------------------------
 
 
@@ -167,7 +172,7 @@ def run(
             err.print(line, markup=False, highlight=False)
 
     async def main() -> None:
-        agent = Agent(settings, on_incident=on_incident)
+        agent = Agent(settings, on_incident=on_incident, on_status=_print_status)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, agent)
             if duration is not None:
@@ -195,6 +200,53 @@ async def _stop_after(agent: Any, seconds: float) -> None:
 
     await anyio.sleep(seconds)
     agent.stop()
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+@app.command()
+def status(
+    as_json: bool = typer.Option(False, "--json", help="Print the status document on stdout."),
+    data_dir: Optional[Path] = DataDirOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Show what a running agent can see: each watcher ready, waiting (why) or BLIND (why).
+
+    Reads <data_dir>/<host>/status.json, which the agent rewrites on every change. Exits 1 when
+    a watcher is blind or the agent is not running.
+    """
+    import time as _time
+
+    from agent.watchers.status import STATUS_FILE, read_status_file, status_path
+
+    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    path = status_path(settings.data_dir, settings.host_name)
+    if not path.is_file():
+        others = sorted(settings.data_dir.glob(f"*/{STATUS_FILE}")) if settings.data_dir.is_dir() else []
+        if len(others) == 1:
+            path = others[0]
+        else:
+            fail(f"no agent status in {str(settings.data_dir)!r} (expected {path}); is `servewatch run` using this --data-dir?")
+    try:
+        snap = read_status_file(path)
+    except (OSError, ValueError) as exc:
+        fail(f"cannot read {path}: {exc}")
+    running = snap.host_name != settings.host_name or _pid_alive(snap.agent_pid)
+    if as_json:
+        out.print_json(json.dumps({**snap.to_json(), "agent_running": running}))
+    else:
+        for w in snap.watchers:
+            out.print(w.line(), markup=False, highlight=False)
+        age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
+        err.print(
+            f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}"
+            + ("" if running else " is NOT running (status below is its last word)")
+            + f"; {len(snap.watchers)} watcher(s), {len(snap.blind)} blind; last change {age_s:.0f} s ago ({path})",
+            markup=False,
+        )
+    if snap.blind or not running:
+        raise typer.Exit(int(ExitCode.FAILURE))
 
 
 # --- dump ----------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ __all__ = [
     "IncidentClosed",
     "IncidentRetraced",
     "ComponentStatusChanged",
+    "WatcherStatusChanged",
     "RequestSpanRecorded",
     "now_ns",
     "frozen_attrs",
@@ -232,6 +233,8 @@ class WatchdogStalled(Event):
     stalled_for_s: float
     timeout_s: float
     counter_source: str = ""
+    #: the Prometheus label set that stalled (``engine="1"``); ``""`` for a whole counter
+    series: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -351,6 +354,20 @@ class ComponentStatusChanged(Event):
     component: str
     status: ComponentStatus
     detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatcherStatusChanged(Event):
+    """A watcher's view changed: ``state`` is ``ready``, ``waiting`` or ``blind``
+    (:class:`agent.watchers.status.WatcherState` values), ``reason`` one human line.
+
+    Published only on a change, never dropped; the runtime keeps the current statuses on its
+    :class:`~agent.watchers.status.StatusBoard` (logged, status file, OTel gauge).
+    """
+
+    watcher: str
+    state: str
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

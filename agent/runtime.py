@@ -10,7 +10,9 @@ Imports every component; nothing imports this module except the CLI and tests.
 from __future__ import annotations
 
 import logging
+import random
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,16 +34,18 @@ from agent.events import (
     ProfileStopped,
     StacksDumped,
     WatchdogStalled,
+    WatcherStatusChanged,
 )
 from agent.fsutil import remove_stale_temps
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase
-from agent.targets import NO_TARGET_WARNING, Target, discover, spread_warning
+from agent.targets import NO_TARGET_WARNING, ProcessState, Target, discover, process_state, spread_warning
 from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
+from agent.watchers.status import StatusBoard, WatcherState, WatcherStatus, status_path
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepsWatcher
 from agent.watchers.watchdog import Watchdog
 from exporters.metrics import Metrics
-from exporters.mirror import PROFILE_SPAN, SpanMirror
+from exporters.mirror import MIRRORED_EVENTS, PROFILE_SPAN, SpanMirror
 from exporters.provider import Telemetry, build_telemetry
 
 __all__ = ["Agent", "AgentStatistics"]
@@ -52,6 +56,12 @@ log = logging.getLogger("servewatch.runtime")
 REDISCOVER_INTERVAL_S = 2.0
 #: Upper bound on flushing telemetry at shutdown, seconds.
 SHUTDOWN_DEADLINE_S = 3.0
+#: A crashed watcher is restarted after this many seconds, doubling up to the maximum.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 60.0
+#: Events buffered for the span mirror and the metrics recorder (incident and action events
+#: wait for room, never dropped; nothing high-rate is subscribed).
+MIRROR_BUFFER = 4096
 
 
 class AgentStatistics(dict[str, Any]):
@@ -81,8 +91,16 @@ class Agent:
         telemetry: Telemetry | None = None,
         children: Sequence[subprocess.Popen[Any]] = (),
         on_incident: Callable[[IncidentRecord], None] | None = None,
+        on_status: Callable[[WatcherStatus], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.on_status = on_status
+        #: what every watcher can see (``servewatch status``, ``/v1/status``)
+        self.status = StatusBoard(
+            host_name=settings.host_name,
+            path=status_path(settings.data_dir, settings.host_name),
+            on_change=self._status_changed,
+        )
         self.bus = EventBus()
         self.telemetry = telemetry
         self._own_telemetry = telemetry is None
@@ -114,7 +132,10 @@ class Agent:
             hard_signal=wd.signal_number if wd.hard else None,
         )
         self.process_watcher = ProcessWatcher(poll_interval_s=0.5, children=self.children)
-        self._watchdog_pids: set[int] = set()
+        #: per-target step watchers, keyed by (pid, create time): cancelled when it exits
+        self._step_scopes: dict[tuple[int, float], anyio.CancelScope] = {}
+        #: watcher restarts after a crash, by name
+        self.restarts: dict[str, int] = {}
         self._told_no_target = False
         self._warned_spread = False
         self._ready = anyio.Event()
@@ -161,7 +182,14 @@ class Agent:
     @property
     def watched_step_pids(self) -> frozenset[int]:
         """Pids whose SDK step counter is being watched for stalls."""
-        return frozenset(self._watchdog_pids)
+        return frozenset(pid for pid, _ in self._step_scopes)
+
+    def _status_changed(self, status: WatcherStatus) -> None:
+        if self.on_status is not None:
+            try:
+                self.on_status(status)
+            except Exception:  # a printing callback must never take the agent down
+                log.exception("status callback failed")
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish (bounded shutdown follows)."""
@@ -178,15 +206,20 @@ class Agent:
             self.telemetry = build_telemetry(s.export, data_dir=s.data_dir, host_name=s.host_name)
         mirror = SpanMirror(self.telemetry.sink, host_name=s.host_name,
                             export_statistics=self.telemetry.processor.statistics)
-        mirror_sub = self.bus.subscribe(name="mirror", max_buffer=float("inf"))
+        mirror_sub = self.bus.subscribe(*MIRRORED_EVENTS, name="mirror", max_buffer=MIRROR_BUFFER)
         metrics_sub = self.bus.subscribe(
-            IncidentOpened, ActionCompleted, WatchdogStalled, name="metrics", max_buffer=float("inf")
+            IncidentOpened, ActionCompleted, WatchdogStalled, name="metrics", max_buffer=MIRROR_BUFFER
         )
+        status_sub = self.bus.subscribe(WatcherStatusChanged, ComponentStatusChanged, name="status", max_buffer=MIRROR_BUFFER)
         self.telemetry.metrics.watch_bus(lambda: self.bus.statistics().dropped)
+        watch_status = getattr(self.telemetry.metrics, "watch_status", None)
+        if watch_status is not None:
+            watch_status(self.status.states)
         try:
             async with anyio.create_task_group() as outer:
                 outer.start_soon(mirror_events, mirror, mirror_sub)
                 outer.start_soon(self._record_metrics, self.telemetry.metrics, metrics_sub)
+                outer.start_soon(self._record_status, status_sub)
                 try:
                     async with anyio.create_task_group() as tg:
                         await tg.start(self.incidents.run)
@@ -201,6 +234,7 @@ class Agent:
         finally:
             mirror_sub.close()
             metrics_sub.close()
+            status_sub.close()
             if self._own_telemetry and self.telemetry is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S + 1):
                     await self.telemetry.aclose(SHUTDOWN_DEADLINE_S)
@@ -223,6 +257,90 @@ class Agent:
                 # how late the stall was reported after it became one (last progress + timeout)
                 metrics.detection_latency(event.stalled_for_s - event.timeout_s, trigger="stall")
 
+    async def _record_status(self, sub: Subscription) -> None:
+        """Keep :attr:`status` current from the watchers' status events (and py-spy's)."""
+        async for event in sub:
+            if isinstance(event, WatcherStatusChanged):
+                try:
+                    state = WatcherState(event.state)
+                except ValueError:
+                    continue
+                self.status.set(event.watcher, state, event.reason)
+            elif isinstance(event, ComponentStatusChanged) and event.component == "pyspy":
+                ok = event.status is ComponentStatus.OK
+                self.status.set(
+                    "pyspy",
+                    WatcherState.READY if ok else WatcherState.BLIND,
+                    "py-spy ready for stack dumps" if ok else (event.detail or event.status.value),
+                )
+
+    async def _set_status(self, name: str, state: WatcherState, reason: str) -> None:
+        """Publish a status the runtime itself decides (steps, process, a crashed watcher)."""
+        await self.bus.publish(WatcherStatusChanged(source="runtime", watcher=name, state=state.value, reason=reason))
+
+    async def supervised(
+        self,
+        name: str,
+        make: Callable[[], Any],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the watcher ``make()`` returns; when it raises, report ``name`` blind with the
+        exception and start a fresh one after a jittered backoff (1 s doubling to 60 s; reset
+        after a minute without a crash). Never raises except cancellation.
+
+        Ready when the first watcher is ready (or has failed once).
+        """
+        delay_s = RESTART_BACKOFF_S
+        started = False
+        while True:
+            watcher = make()
+            began = time.monotonic()
+            try:
+                async with anyio.create_task_group() as inner:
+                    await inner.start(watcher.run, self.bus)
+                    if not started:
+                        started = True
+                        task_status.started()
+                return  # a watcher that returns is done
+            except Exception as exc:  # the supervisor's boundary: a crash becomes a status
+                if time.monotonic() - began > RESTART_BACKOFF_MAX_S:
+                    delay_s = RESTART_BACKOFF_S
+                while len(getattr(exc, "exceptions", ())) == 1:  # an exception group of one
+                    inner_exc = exc.exceptions[0]
+                    if not isinstance(inner_exc, Exception):
+                        break
+                    exc = inner_exc
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                log.error("watcher %s crashed; restarting in %.0f s", name, delay_s, exc_info=exc)
+                await self._set_status(
+                    name, WatcherState.BLIND,
+                    f"watcher crashed: {type(exc).__name__}: {str(exc)[:200]}; restarting in {delay_s:.0f} s",
+                )
+            finally:
+                source = getattr(watcher, "source", None)
+                aclose = getattr(source, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                        await aclose()
+            if not started:
+                started = True
+                task_status.started()
+            await anyio.sleep(delay_s * random.uniform(0.8, 1.2))
+            delay_s = min(delay_s * 2, RESTART_BACKOFF_MAX_S)
+
+    def _prometheus_watchdog(self) -> Watchdog:
+        s = self.settings
+        assert s.metrics.url
+        source = PrometheusStepSource(
+            s.metrics.url,
+            preset=s.metrics.metrics_preset,
+            counter=s.metrics.counter,
+            busy_gauge=s.metrics.busy_gauge,
+            timeout_s=s.metrics.scrape_timeout_s,
+        )
+        return Watchdog(source, s.watchdog)
+
     async def _start_watchers(self, tg: TaskGroup) -> None:
         s = self.settings
         t = s.target
@@ -233,18 +351,44 @@ class Agent:
         if status is not ComponentStatus.OK:
             log.warning("py-spy unavailable: %s", detail)
         if s.health.url:
-            await tg.start(HealthWatcher(s.health).run, self.bus)
+            await tg.start(self.supervised, "health", lambda: HealthWatcher(s.health))
         if s.metrics.url:
-            source = PrometheusStepSource(
-                s.metrics.url,
-                preset=s.metrics.metrics_preset,
-                counter=s.metrics.counter,
-                busy_gauge=s.metrics.busy_gauge,
-                timeout_s=s.metrics.scrape_timeout_s,
-            )
-            await tg.start(Watchdog(source, s.watchdog).run, self.bus)
-        await tg.start(self.process_watcher.run, self.bus)
+            await tg.start(self.supervised, "metrics", self._prometheus_watchdog)
+        if self._has_targets():
+            await self._set_status("process", WatcherState.WAITING, self._looking_for())
+        await tg.start(self.supervised, "process", lambda: self.process_watcher)
         await tg.start(self._supervise, tg)
+
+    def _has_targets(self) -> bool:
+        t = self.settings.target
+        return bool(t.pids or t.match or t.root_pid or self.children)
+
+    def _looking_for(self) -> str:
+        t = self.settings.target
+        what = []
+        if t.pids:
+            what.append("pids " + ", ".join(map(str, t.pids)))
+        if t.root_pid or self.children:
+            what.append("descendants of " + ", ".join(str(p) for p in [t.root_pid, *(c.pid for c in self.children)] if p))
+        if t.match:
+            what.append("titles " + ", ".join(t.match))
+        return f"waiting for a target process ({'; '.join(what)}); looking every {REDISCOVER_INTERVAL_S:g} s"
+
+    async def _watch_target_steps(self, target: Target, *, task_status: TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Stall watchdog and step watcher of one target's SDK counter, until it exits."""
+        with anyio.CancelScope() as scope:
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(Watchdog(ShmStepSource(target.pid), self.settings.watchdog).run, self.bus)
+                    await tg.start(StepsWatcher(ShmStepSource(target.pid), interval_s=1.0).run, self.bus)
+                    task_status.started(scope)
+                    while process_state(target.pid, create_time_s=target.create_time_s or None) not in (
+                        ProcessState.GONE, ProcessState.ZOMBIE
+                    ):
+                        await anyio.sleep(1.0)
+                    tg.cancel_scope.cancel("target exited")
+            finally:
+                self._step_scopes.pop((target.pid, target.create_time_s), None)
 
     async def _supervise(self, tg: TaskGroup, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Re-discover targets; watch new ones for exit and, with an SDK counter, for stalls."""
@@ -257,17 +401,32 @@ class Agent:
                 targets = []
             for target in targets:
                 self.process_watcher.watch(target)
-                if target.pid in self._watchdog_pids:
+                key = (target.pid, target.create_time_s)
+                if key in self._step_scopes:
                     continue
                 source = ShmStepSource(target.pid)
                 if source.read_now() is None:
                     continue  # no SDK counter (yet): the Prometheus watchdog, if any, covers it
-                self._watchdog_pids.add(target.pid)
-                await tg.start(Watchdog(source, self.settings.watchdog).run, self.bus)
-                await tg.start(StepsWatcher(ShmStepSource(target.pid), interval_s=1.0).run, self.bus)
+                self._step_scopes[key] = await tg.start(self._watch_target_steps, target)
                 log.info("watching forward steps of pid %d (%s)", target.pid, target.title)
+            n = len(self._step_scopes)
+            if n:
+                await self._set_status("steps", WatcherState.READY, f"{n} rank{'s' if n != 1 else ''} via shm counter")
+            elif targets and not self.settings.metrics.url:
+                await self._set_status(
+                    "steps", WatcherState.WAITING,
+                    "no SDK step counter in the targets yet; stalls need agent.sdk.step() or --metrics-url",
+                )
+            if self._has_targets():
+                if targets:
+                    await self._set_status(
+                        "process", WatcherState.READY,
+                        f"watching {len(targets)} target process{'es' if len(targets) != 1 else ''}",
+                    )
+                else:
+                    await self._set_status("process", WatcherState.WAITING, self._looking_for())
             t = self.settings.target
-            if (t.pids or t.match or t.root_pid or self.children) and not targets and not self._told_no_target:
+            if self._has_targets() and not targets and not self._told_no_target:
                 self._told_no_target = True
                 log.warning(
                     "no target process found yet (pids %s, root pid %s, titles %s); still looking every %g s",
@@ -323,7 +482,7 @@ async def dump_once(settings: Settings, *, telemetry: Telemetry | None = None) -
     own = telemetry is None
     tel = telemetry or build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
     mirror = SpanMirror(tel.sink, host_name=settings.host_name, export_statistics=tel.processor.statistics)
-    mirror_sub = agent.bus.subscribe(name="mirror", max_buffer=float("inf"))
+    mirror_sub = agent.bus.subscribe(*MIRRORED_EVENTS, name="mirror", max_buffer=MIRROR_BUFFER)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(mirror_events, mirror, mirror_sub)

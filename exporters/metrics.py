@@ -15,6 +15,9 @@ Instruments (units per the OTel metric conventions):
 * ``servewatch.actions`` (counter, ``{action}``), attributes ``servewatch.action``,
   ``servewatch.outcome`` (dump outcomes and the rest).
 * ``servewatch.detection.latency`` (histogram, ``s``): trigger condition start to incident open.
+* ``servewatch.watcher.status`` (gauge, ``1``), attributes ``servewatch.watcher`` and
+  ``servewatch.watcher.state`` (``ready | waiting | blind``): 1 for each watcher's current
+  state, 0 for the others (alert on ``state="blind" == 1``).
 
 Imports opentelemetry-sdk / exporters, :mod:`exporters.otlp_json`, :mod:`exporters.processor`.
 """
@@ -132,6 +135,7 @@ class Metrics:
         self.meter_provider = meter_provider
         self._export_sources: list[Callable[[], ExportStatistics]] = []
         self._bus_sources: list[Callable[[], int]] = []
+        self._status_sources: list[Callable[[], Iterable[tuple[str, str]]]] = []
         self._lock = threading.Lock()
         if meter_provider is None:
             self._incidents = self._actions = self._latency = None
@@ -156,6 +160,12 @@ class Metrics:
             [self._observe_bus],
             unit="{event}",
             description="High-rate events dropped by the bus because a subscriber was slow (reason queue_full).",
+        )
+        meter.create_observable_gauge(
+            "servewatch.watcher.status",
+            [self._observe_status],
+            unit="1",
+            description="1 for each watcher's current state (ready, waiting, blind), 0 for the others.",
         )
 
     # --- recording ------------------------------------------------------------------------
@@ -185,7 +195,28 @@ class Metrics:
         with self._lock:
             self._bus_sources.append(dropped_events)
 
+    def watch_status(self, states: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        """Report watcher states (e.g. ``StatusBoard.states``: ``(name, state)`` pairs)."""
+        with self._lock:
+            self._status_sources.append(states)
+
     # --- callbacks (run on the metric reader's thread) ------------------------------------
+
+    def _observe_status(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            sources = list(self._status_sources)
+        for source in sources:
+            try:
+                pairs = list(source())
+            except Exception:  # boundary: as above
+                _log.exception("watcher status callback failed")
+                continue
+            for name, state in pairs:
+                for candidate in ("ready", "waiting", "blind"):
+                    yield Observation(
+                        1 if str(state) == candidate else 0,
+                        {"servewatch.watcher": name, "servewatch.watcher.state": candidate},
+                    )
 
     def _stats(self) -> list[ExportStatistics]:
         with self._lock:

@@ -15,6 +15,7 @@ missed while a probe overran are skipped, not bunched.
 from __future__ import annotations
 
 import errno
+import http
 import logging
 import time
 from urllib.parse import urlsplit
@@ -27,6 +28,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from agent.bus import Publisher
 from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
+from agent.watchers.status import StatusReporter, WatcherState
 
 _log = logging.getLogger(__name__)
 
@@ -40,7 +42,13 @@ __all__ = [
     "ERROR_5XX",
     "ERROR_4XX",
     "ERROR_OTHER",
+    "MAX_HEALTH_BODY_BYTES",
+    "read_capped",
+    "http_status_text",
 ]
+
+#: Most bytes of a health answer read (the status code is what counts); the rest is not read.
+MAX_HEALTH_BODY_BYTES = 64 * 1024
 
 #: Error classes carried by ``HealthProbed.error_class`` / ``HealthCheckFailed.error_class``.
 ERROR_REFUSED = "refused"
@@ -69,6 +77,8 @@ class HealthConfig(BaseModel):
             succeeded for this long since the watcher started, so a server stuck in start-up
             (weights loading, NCCL init) still opens a health incident. ``None`` waits forever.
             Default 1800 s.
+        max_body_bytes: most bytes of an answer read; a server that streams without end costs
+            at most this much memory per probe. Default 64 KiB.
     """
 
     url: str | None = None
@@ -78,6 +88,7 @@ class HealthConfig(BaseModel):
     healthy_after: int = Field(default=2, ge=1)
     wait_for_ready: bool = True
     startup_timeout_s: float | None = Field(default=1800.0, gt=0)
+    max_body_bytes: int = Field(default=MAX_HEALTH_BODY_BYTES, ge=0)
 
     @field_validator("url")
     @classmethod
@@ -88,6 +99,32 @@ class HealthConfig(BaseModel):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"expected an http(s):// URL, got {value!r}")
         return value
+
+
+def http_status_text(status_code: int) -> str:
+    """``"401 Unauthorized"`` (the code alone when it has no standard phrase)."""
+    try:
+        return f"{status_code} {http.HTTPStatus(status_code).phrase}"
+    except ValueError:
+        return str(status_code)
+
+
+async def read_capped(response: httpx.Response, limit_bytes: int) -> tuple[bytes, bool]:
+    """Read at most ``limit_bytes`` of a streamed response body.
+
+    Returns:
+        ``(body, truncated)``: ``truncated`` is ``True`` when the server had more to send
+        (the rest is never read; closing the response drops the connection).
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        if size + len(chunk) > limit_bytes:
+            chunks.append(chunk[: max(0, limit_bytes - size)])
+            return b"".join(chunks), True
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks), False
 
 
 def classify_status(status_code: int) -> str:
@@ -152,6 +189,9 @@ class HealthWatcher:
         self.probes = 0
         self._started_ns = time.monotonic_ns()
         self._told_waiting = False
+        self._error_detail = ""
+        #: what this watcher can see (``health: waiting for first 200 from …``)
+        self.status = StatusReporter("health", WatcherState.WAITING, f"waiting for first 200 from {config.url}")
 
     async def probe(self, client: httpx.AsyncClient) -> HealthProbed:
         """Run one probe, bounded by ``timeout_s`` in total; never raises for target faults."""
@@ -160,14 +200,18 @@ class HealthWatcher:
         status_code: int | None = None
         error_class = ERROR_TIMEOUT  # if the cancel scope below fires
         start_ns = time.monotonic_ns()
+        self._error_detail = ""
         with anyio.move_on_after(timeout_s):
             try:
-                response = await client.get(url, timeout=timeout_s)
+                # streamed and capped: a server that answers without end costs bounded memory
+                async with client.stream("GET", url, timeout=timeout_s) as response:
+                    status_code = response.status_code
+                    error_class = classify_status(status_code)
+                    await read_capped(response, self.config.max_body_bytes)
             except httpx.HTTPError as exc:
-                error_class = classify_error(exc)
-            else:
-                status_code = response.status_code
-                error_class = classify_status(status_code)
+                if status_code is None:
+                    error_class = classify_error(exc)
+                    self._error_detail = f"{type(exc).__name__}: {exc}"[:200]
         latency_s = (time.monotonic_ns() - start_ns) / 1e9
         self.probes += 1
         return HealthProbed(
@@ -179,9 +223,41 @@ class HealthWatcher:
             error_class=error_class,
         )
 
+    def _status_of(self, probed: HealthProbed) -> tuple[WatcherState, str]:
+        """What this probe says about what the watcher can see."""
+        url = probed.url
+        if probed.ok:
+            return WatcherState.READY, f"{http_status_text(probed.status_code or 200)} from {url}"
+        code = probed.status_code
+        if probed.error_class == ERROR_REFUSED:
+            return WatcherState.BLIND, (
+                f"connection refused at {url} (nothing listens there: wrong host or port, or the server is down)"
+            )
+        if code in (401, 403):
+            return WatcherState.BLIND, f"{http_status_text(code)} from {url} (the health URL needs credentials we do not have)"
+        if code == 404:
+            return WatcherState.BLIND, f"{http_status_text(code)} from {url} (wrong path? SGLang and vLLM serve /health)"
+        if probed.error_class == ERROR_OTHER and code is None:
+            return WatcherState.BLIND, f"cannot reach {url}: {self._error_detail or 'request failed'}"
+        what = (
+            http_status_text(code) if code is not None
+            else f"no answer within {self.config.timeout_s:g} s"
+        )
+        if not self.ready:
+            limit = self.config.startup_timeout_s
+            return WatcherState.WAITING, (
+                f"server not ready: {what} from {url} (waiting for its first 200"
+                + (f", up to {limit:g} s)" if limit is not None else ")")
+            )
+        if code is not None and 400 <= code < 500:
+            return WatcherState.BLIND, f"{http_status_text(code)} from {url}"
+        return WatcherState.READY, f"failing: {what} from {url}"
+
     async def _record(self, bus: Publisher, probed: HealthProbed) -> None:
         """Publish the probe and apply the hysteresis."""
         bus.publish_nowait(probed)
+        state, reason = self._status_of(probed)
+        await self.status.set(bus, state, reason)
         if probed.ok:
             self.ready = True
             self.consecutive_failures = 0
@@ -229,6 +305,7 @@ class HealthWatcher:
 
     async def _loop(self, client: httpx.AsyncClient, bus: Publisher, task_status: TaskStatus[None]) -> None:
         interval_ns = int(self.config.interval_s * 1e9)
+        await self.status.initial(bus)
         task_status.started()
         next_ns = time.monotonic_ns()
         while True:

@@ -45,6 +45,8 @@ __all__ = [
     "StepsConfig",
     "StepsWatcher",
     "discover_shm_counters",
+    "MAX_METRICS_BODY_BYTES",
+    "series_name",
 ]
 
 #: A counter file may be created this long before psutil's (jiffy-rounded) process start
@@ -66,6 +68,8 @@ class StepReading:
             step (warm-up/compile is not progress, and never a stall).
         pid: the stepping process, or ``None`` for a server-wide scrape.
         read_monotonic_ns: when this reading was taken (``CLOCK_MONOTONIC``, ns).
+        series: the label set of a Prometheus series (``engine="1"``); ``""`` for a whole
+            counter (shared memory, or a sum).
     """
 
     forward_ct: int
@@ -73,6 +77,7 @@ class StepReading:
     last_progress_monotonic_ns: int | None
     pid: int | None
     read_monotonic_ns: int
+    series: str = ""
 
 
 @runtime_checkable
@@ -236,15 +241,83 @@ def _sample_names(name: str) -> frozenset[str]:
     return frozenset({name, name + "_total"})
 
 
+#: Most bytes of a ``/metrics`` answer read; a bigger answer makes the source blind.
+MAX_METRICS_BODY_BYTES = 8 * 1024 * 1024
+
+#: One label set, as sorted ``(name, value)`` pairs.
+LabelKey = tuple[tuple[str, str], ...]
+
+
+def series_name(labels: LabelKey) -> str:
+    """``engine="0",model_name="m"`` for a label set; ``""`` for none."""
+    return ",".join(f'{k}="{v}"' for k, v in labels)
+
+
+def _similar_names(wanted: str, present: Iterable[str], limit: int = 4) -> list[str]:
+    """Names in ``present`` that look like ``wanted`` (renamed metric, other server's prefix)."""
+    import difflib
+
+    names = sorted(set(present))
+    close = difflib.get_close_matches(wanted, names, n=limit, cutoff=0.6)
+    tail = wanted.split(":", 1)[-1].removesuffix("_total")
+    for name in names:
+        if len(close) >= limit:
+            break
+        if name not in close and tail and tail in name:
+            close.append(name)
+    return close
+
+
+class _SeriesTrack:
+    """Progress bookkeeping of one counter series."""
+
+    __slots__ = ("value", "last_progress_ns", "restarts")
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.last_progress_ns: int | None = None
+        self.restarts = 0
+
+    def observe(self, value: float, seen_ns: int) -> bool:
+        """Record a reading; returns whether the counter went backwards (a restart)."""
+        previous = self.value
+        self.value = value
+        if previous is None:
+            if value > 0:
+                self.last_progress_ns = seen_ns
+            return False
+        if value > previous:
+            self.last_progress_ns = seen_ns
+            return False
+        if value < previous:
+            # a restart, not progress: warm-up after it is not a stall; the clock starts at
+            # the first step of the new process
+            self.restarts += 1
+            self.last_progress_ns = None
+            return True
+        return False
+
+
 class PrometheusStepSource:
     """Scrapes a progress counter and a busy gauge from a Prometheus ``/metrics`` endpoint.
 
-    The counter and the gauge are each summed over all their label sets (TP ranks, models).
-    ``busy`` is ``gauge > 0``. The counter's progress time is the monotonic time at which the
-    answer of the scrape that first saw the new value arrived, so it is accurate to the polling
-    interval and never earlier than the real last progress;
-    the first scrape that finds a non-zero counter starts the clock at that scrape. A counter
-    that goes down (server restart) counts as progress.
+    Each label set of the counter (vLLM's data-parallel ``engine="0"``/``"1"``, several models,
+    ranks) is tracked as its own series (:meth:`read_series`): one engine stuck while another
+    progresses is a stall of that engine, which a sum would hide. A series' busy flag is the
+    busy gauge with the same labels when the server exposes one, else the gauge summed.
+    :meth:`read` gives the sum over every series (the ``StepsWatcher`` view).
+
+    A series' progress time is the monotonic time at which the answer of the scrape that first
+    saw the new value arrived, so it is accurate to the polling interval and never earlier than
+    the real last progress; the first scrape that finds a non-zero counter starts the clock at
+    that scrape. A counter that goes down is a server restart, not progress: the clock waits
+    for the next step.
+
+    The answer is read with a cap (``max_body_bytes``, default 8 MiB). What the source can see
+    after each scrape is :meth:`status` (``ready`` / ``waiting`` / ``blind`` with the reason):
+    401/403/404, refused, timeout, an oversized or unparsable answer, the preset's names absent
+    (with similar names that exist), a NaN or infinite value all make it blind, and such a
+    scrape reads as ``None``.
 
     Args:
         url: the ``/metrics`` URL, e.g. ``http://127.0.0.1:30000/metrics``.
@@ -255,6 +328,7 @@ class PrometheusStepSource:
         client: HTTP client to use (not closed by :meth:`aclose`); default a private one.
         timeout_s: per-scrape timeout in seconds.
         pid: the process the counter belongs to, if known (events carry it).
+        max_body_bytes: most bytes of an answer read.
 
     Raises:
         ValueError: unknown preset, or a name missing with no preset.
@@ -262,6 +336,8 @@ class PrometheusStepSource:
 
     name = "prometheus"
     exact = False
+    #: name of this source in watcher statuses
+    status_name = "metrics"
 
     def __init__(
         self,
@@ -273,6 +349,7 @@ class PrometheusStepSource:
         client: httpx.AsyncClient | None = None,
         timeout_s: float = 5.0,
         pid: int | None = None,
+        max_body_bytes: int = MAX_METRICS_BODY_BYTES,
     ) -> None:
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"unknown metrics preset {preset!r}; known: {sorted(PRESETS)}")
@@ -283,80 +360,195 @@ class PrometheusStepSource:
             raise ValueError("PrometheusStepSource needs a preset or both 'counter' and 'busy_gauge'")
         self.url = url
         self.pid = pid
+        self.preset = preset
         self.counter = counter_name
         self.busy_gauge = gauge_name
         self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
         self._counter_names = _sample_names(counter_name)
         self._gauge_names = frozenset({gauge_name})
         self._client = client
         self._own_client = client is None
-        self._last_value: float | None = None
-        self._last_progress_ns: int | None = None
+        self._total = _SeriesTrack()
+        self._series: dict[LabelKey, _SeriesTrack] = {}
         #: scrapes that failed (refused, timeout, non-200, unparsable, metric missing)
         self.failed_scrapes = 0
+        #: times a counter went backwards (server restarts)
+        self.restarts = 0
+        self._state = "waiting"
+        self._reason = f"waiting for the first scrape of {url}"
+        self._problem = ""
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self) -> tuple[str, str]:
+        """``(state, reason)`` after the last scrape: ``ready``, ``waiting`` or ``blind``."""
+        return self._state, self._reason
+
+    def _blind(self, reason: str) -> None:
+        self._state, self._reason = "blind", reason
+
+    # -- parsing --------------------------------------------------------------------------
+
+    def parse_series(self, text: str) -> tuple[dict[LabelKey, float], dict[LabelKey, float]] | None:
+        """Counter and gauge values per label set; ``None`` (and a blind status) when the text
+        does not parse, a name is absent, or a value is NaN or infinite."""
+        counters: dict[LabelKey, float] = {}
+        gauges: dict[LabelKey, float] = {}
+        present: set[str] = set()
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    present.add(sample.name)
+                    if sample.name in self._counter_names:
+                        key = tuple(sorted(sample.labels.items()))
+                        counters[key] = counters.get(key, 0.0) + float(sample.value)
+                    elif sample.name in self._gauge_names:
+                        key = tuple(sorted(sample.labels.items()))
+                        gauges[key] = gauges.get(key, 0.0) + float(sample.value)
+        except (ValueError, TypeError, IndexError) as exc:
+            self._blind(f"answer from {self.url} is not Prometheus text ({str(exc)[:120]})")
+            return None
+        missing = [n for n, seen in ((self.counter, counters), (self.busy_gauge, gauges)) if not seen]
+        if missing:
+            preset = f" (preset {self.preset})" if self.preset else ""
+            hints = []
+            for name in missing:
+                similar = _similar_names(name, present)
+                hints.append(f"{name}: " + (f"similar names there: {', '.join(similar)}" if similar else "nothing similar"))
+            self._blind(
+                f"{' and '.join(missing)} absent from {self.url}{preset}; expected counter {self.counter} and"
+                f" gauge {self.busy_gauge}; " + "; ".join(hints)
+                + " (wrong --metrics-preset, or the server renamed its metrics: set metrics.counter / metrics.busy_gauge)"
+            )
+            return None
+        for kind, name, values in (("counter", self.counter, counters), ("gauge", self.busy_gauge, gauges)):
+            for key, value in values.items():
+                if not math.isfinite(value):
+                    shown = "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+                    where = f"{{{series_name(key)}}}" if key else ""
+                    self._blind(f"{kind} {name}{where} is {shown} at {self.url}; progress cannot be judged")
+                    return None
+                if kind == "counter" and abs(value) >= 2.0**63:
+                    where = f"{{{series_name(key)}}}" if key else ""
+                    self._blind(f"counter {name}{where} overflows ({value:g}) at {self.url}; progress cannot be judged")
+                    return None
+        return counters, gauges
 
     def parse(self, text: str) -> tuple[float, float] | None:
         """Sum the counter and the gauge in a Prometheus text exposition.
 
         Returns:
-            ``(counter_sum, gauge_sum)``, or ``None`` when either metric is absent or the text
-            does not parse.
+            ``(counter_sum, gauge_sum)``, or ``None`` when either metric is absent, a value is
+            NaN or infinite, or the text does not parse.
         """
-        counter_sum = gauge_sum = 0.0
-        seen_counter = seen_gauge = False
-        try:
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in self._counter_names:
-                        seen_counter = True
-                        counter_sum += float(sample.value)
-                    elif sample.name in self._gauge_names:
-                        seen_gauge = True
-                        gauge_sum += float(sample.value)
-        except ValueError:
+        parsed = self.parse_series(text)
+        if parsed is None:
             return None
-        if not (seen_counter and seen_gauge) or math.isnan(counter_sum) or math.isnan(gauge_sum):
-            return None
-        return counter_sum, gauge_sum
+        counters, gauges = parsed
+        return sum(counters.values()), sum(gauges.values())
+
+    # -- scraping -------------------------------------------------------------------------
 
     async def _get(self) -> str | None:
+        from agent.watchers.health import ERROR_REFUSED, classify_error, http_status_text, read_capped
+
         if self._client is None:
             # trust_env=False: /metrics is a node-local endpoint; never route it via a proxy.
             self._client = httpx.AsyncClient(trust_env=False)
-        try:
-            with anyio.move_on_after(self.timeout_s):
-                response = await self._client.get(self.url, timeout=self.timeout_s)
-                if response.status_code != 200:
-                    return None
-                return response.text
-        except httpx.HTTPError:
-            return None
+        with anyio.move_on_after(self.timeout_s):
+            try:
+                async with self._client.stream("GET", self.url, timeout=self.timeout_s) as response:
+                    if response.status_code != 200:
+                        code = response.status_code
+                        hint = {
+                            401: " (the endpoint needs credentials we do not have)",
+                            403: " (the endpoint needs credentials we do not have)",
+                            404: " (wrong path, or metrics disabled: SGLang needs --enable-metrics)",
+                        }.get(code, "")
+                        self._blind(f"{http_status_text(code)} from {self.url}{hint}")
+                        return None
+                    body, truncated = await read_capped(response, self.max_body_bytes)
+                    if truncated:
+                        self._blind(
+                            f"answer from {self.url} is larger than {self.max_body_bytes // (1024 * 1024)} MiB;"
+                            " not read further"
+                        )
+                        return None
+                    return body.decode("utf-8", "replace")
+            except httpx.HTTPError as exc:
+                if classify_error(exc) == ERROR_REFUSED:
+                    self._blind(f"connection refused at {self.url} (nothing listens there: wrong host or port, or the server is down)")
+                else:
+                    self._blind(f"cannot scrape {self.url}: {type(exc).__name__}: {str(exc)[:120]}")
+                return None
+        self._blind(f"no answer within {self.timeout_s:g} s from {self.url}")
         return None
 
-    async def read(self) -> StepReading | None:
-        """Scrape once; ``None`` when the scrape fails or the counter has not started."""
+    async def read_series(self) -> list[StepReading] | None:
+        """Scrape once; one reading per counter label set (``series`` names it), or ``None``
+        when the scrape fails (see :meth:`status`)."""
         text = await self._get()
         # The time the answer arrived: the counter had its value by then. (The send time could
         # precede the last increment by a round trip and fire the watchdog early.)
         seen_ns = time.monotonic_ns()
-        parsed = self.parse(text) if text is not None else None
+        parsed = self.parse_series(text) if text is not None else None
         if parsed is None:
             self.failed_scrapes += 1
             return None
-        value, gauge = parsed
-        previous = self._last_value
-        if previous is None:
-            if value > 0:
-                self._last_progress_ns = seen_ns
-        elif value != previous:
-            self._last_progress_ns = seen_ns
-        self._last_value = value
+        counters, gauges = parsed
+        gauge_total = sum(gauges.values())
+        readings: list[StepReading] = []
+        restarted: list[str] = []
+        for key in sorted(counters):
+            track = self._series.get(key)
+            if track is None:
+                track = self._series[key] = _SeriesTrack()
+            if track.observe(counters[key], seen_ns):
+                self.restarts += 1
+                restarted.append(series_name(key) or self.counter)
+            busy_value = gauges.get(key)
+            if busy_value is None:
+                # the gauge with the fewest labels that all match this series, else the total
+                matching = [v for g, v in gauges.items() if set(g) <= set(key) and g]
+                busy_value = matching[0] if matching else gauge_total
+            readings.append(
+                StepReading(
+                    forward_ct=int(round(counters[key])),
+                    busy=busy_value > 0,
+                    last_progress_monotonic_ns=track.last_progress_ns,
+                    pid=self.pid,
+                    read_monotonic_ns=seen_ns,
+                    series=series_name(key),
+                )
+            )
+        if self._total.observe(sum(counters.values()), seen_ns) and not restarted:
+            restarted.append(self.counter)
+        n = len(counters)
+        label = f"{n} series" if n > 1 or (n == 1 and next(iter(counters))) else "1 series"
+        if restarted:
+            self._state, self._reason = "waiting", (
+                f"{self.counter} went backwards ({', '.join(restarted)}): server restarted; waiting for its first step"
+            )
+        elif all(r.last_progress_monotonic_ns is None for r in readings):
+            if self._state != "waiting" or "restarted" not in self._reason:
+                self._state, self._reason = "waiting", f"no forward progress yet ({self.counter} is 0 at {self.url})"
+        else:
+            self._state, self._reason = "ready", f"{self.counter} ({label}) and {self.busy_gauge} from {self.url}"
+        return readings
+
+    async def read(self) -> StepReading | None:
+        """Scrape once; the counter summed over every series (``None`` when the scrape fails)."""
+        readings = await self.read_series()
+        if readings is None:
+            return None
+        total = self._total
         return StepReading(
-            forward_ct=int(round(value)),
-            busy=gauge > 0,
-            last_progress_monotonic_ns=self._last_progress_ns,
+            forward_ct=int(round(total.value or 0.0)),
+            busy=any(r.busy for r in readings),
+            last_progress_monotonic_ns=total.last_progress_ns,
             pid=self.pid,
-            read_monotonic_ns=seen_ns,
+            read_monotonic_ns=readings[0].read_monotonic_ns if readings else time.monotonic_ns(),
         )
 
     async def aclose(self) -> None:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from agent.bus import Publisher
 from agent.events import WatchdogRearmed, WatchdogStalled
+from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
 __all__ = ["WatchdogConfig", "Watchdog"]
@@ -79,15 +80,31 @@ class WatchdogConfig(BaseModel):
         return int(getattr(_signal, self.signal))
 
 
+class _SeriesState:
+    """Stall bookkeeping of one series (one counter, or one Prometheus label set)."""
+
+    __slots__ = ("busy_since_ns", "stalled", "fired_ct")
+
+    def __init__(self) -> None:
+        self.busy_since_ns: int | None = None
+        self.stalled = False
+        self.fired_ct: int | None = None
+
+
 class Watchdog:
     """Watches one :class:`~agent.watchers.steps.StepSource` for stalls (one per scheduler pid).
+
+    A source with ``read_series()`` (Prometheus) is watched per series: each label set has its
+    own clock, so one stuck vLLM engine among progressing ones is a stall of that engine, and
+    ``WatchdogStalled.series`` names it. A source with ``status()`` has its status published
+    after each reading as ``WatcherStatusChanged`` (``metrics: BLIND — 401 Unauthorized …``).
 
     Args:
         source: the counter to watch; the caller owns it (and closes it).
         config: timeouts; default :class:`WatchdogConfig`.
 
     Attributes:
-        stalled: a stall was reported and progress has not resumed since.
+        stalled: a stall was reported and progress has not resumed since (any series).
         stalls: stalls reported so far.
     """
 
@@ -96,67 +113,97 @@ class Watchdog:
     def __init__(self, source: StepSource, config: WatchdogConfig | None = None) -> None:
         self.source = source
         self.config = config or WatchdogConfig()
-        self.stalled = False
         self.stalls = 0
-        self._busy_since_ns: int | None = None
-        self._fired_ct: int | None = None
+        self._series: dict[str, _SeriesState] = {}
+        self.status: StatusReporter | None = None
+        if callable(getattr(source, "status", None)):
+            state, reason = source.status()  # type: ignore[attr-defined]
+            self.status = StatusReporter(getattr(source, "status_name", source.name), WatcherState(state), reason)
+
+    @property
+    def stalled(self) -> bool:
+        return any(st.stalled for st in self._series.values())
 
     @property
     def pid(self) -> int | None:
         """The watched process (from the source), or ``None`` for a server-wide counter."""
         return self.source.pid
 
-    def _deadline_ns(self, reading: StepReading) -> int | None:
+    def _deadline_ns(self, reading: StepReading, st: _SeriesState) -> int | None:
         """Monotonic ns at which this reading becomes a stall, or ``None`` if it cannot."""
         if reading.last_progress_monotonic_ns is None or not reading.busy:
             return None
         start = reading.last_progress_monotonic_ns
-        if self._busy_since_ns is not None and self._busy_since_ns > start:
-            start = self._busy_since_ns
+        if st.busy_since_ns is not None and st.busy_since_ns > start:
+            start = st.busy_since_ns
         return start + int(self.config.timeout_s * 1e9)
+
+    async def _readings(self, bus: Publisher) -> list[StepReading]:
+        read_series = getattr(self.source, "read_series", None)
+        if callable(read_series):
+            readings = await read_series()
+        else:
+            one = await self.source.read()
+            readings = None if one is None else [one]
+        if self.status is not None:
+            state, reason = self.source.status()  # type: ignore[attr-defined]
+            await self.status.set(bus, WatcherState(state), reason)
+        return readings or []
 
     async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         """Watch until cancelled. Ready at once (the first reading may come later)."""
         poll_ns = int(self.config.poll_interval_s * 1e9)
         timeout_ns = int(self.config.timeout_s * 1e9)
         counter_source = f"{self.source.name}"
+        if self.status is not None:
+            await self.status.initial(bus)
         task_status.started()
         while True:
-            reading = await self.source.read()
+            readings = await self._readings(bus)
             now = time.monotonic_ns()
             sleep_ns = poll_ns
-            if reading is not None:
+            fired: list[tuple[StepReading, int]] = []
+            for reading in readings:
+                st = self._series.get(reading.series)
+                if st is None:
+                    st = self._series[reading.series] = _SeriesState()
                 if not reading.busy:
-                    self._busy_since_ns = None
-                elif self._busy_since_ns is None:
+                    st.busy_since_ns = None
+                elif st.busy_since_ns is None:
                     # Busy first seen now: an idle spell before it is not a stall.
-                    self._busy_since_ns = reading.read_monotonic_ns
-                if self.stalled:
-                    if reading.forward_ct != self._fired_ct:
-                        self.stalled = False
-                        self._fired_ct = None
+                    st.busy_since_ns = reading.read_monotonic_ns
+                if st.stalled:
+                    if reading.forward_ct != st.fired_ct:
+                        st.stalled = False
+                        st.fired_ct = None
                         await bus.publish(
                             WatchdogRearmed(source=self.name, pid=reading.pid, forward_ct=reading.forward_ct)
                         )
-                        continue
-                else:
-                    deadline = self._deadline_ns(reading)
-                    if deadline is not None:
-                        if reading.read_monotonic_ns >= deadline:
-                            start = deadline - timeout_ns
-                            self.stalled = True
-                            self.stalls += 1
-                            self._fired_ct = reading.forward_ct
-                            await bus.publish(
-                                WatchdogStalled(
-                                    source=self.name,
-                                    pid=reading.pid,
-                                    forward_ct=reading.forward_ct,
-                                    stalled_for_s=(reading.read_monotonic_ns - start) / 1e9,
-                                    timeout_s=self.config.timeout_s,
-                                    counter_source=counter_source,
-                                )
-                            )
-                            continue
-                        sleep_ns = min(poll_ns, deadline - now)
+                        sleep_ns = 0
+                    continue
+                deadline = self._deadline_ns(reading, st)
+                if deadline is None:
+                    continue
+                if reading.read_monotonic_ns >= deadline:
+                    st.stalled = True
+                    st.fired_ct = reading.forward_ct
+                    fired.append((reading, deadline - timeout_ns))
+                    continue
+                sleep_ns = min(sleep_ns, deadline - now)
+            if fired:
+                # series that stalled together (TP ranks in lockstep) are one stall
+                reading, start = min(fired, key=lambda f: f[1])
+                self.stalls += 1
+                await bus.publish(
+                    WatchdogStalled(
+                        source=self.name,
+                        pid=reading.pid,
+                        forward_ct=sum(r.forward_ct for r, _ in fired),
+                        stalled_for_s=(reading.read_monotonic_ns - start) / 1e9,
+                        timeout_s=self.config.timeout_s,
+                        counter_source=counter_source,
+                        series="; ".join(r.series for r, _ in fired if r.series),
+                    )
+                )
+                sleep_ns = 0
             await anyio.sleep(max(sleep_ns, 0) / 1e9)

@@ -1,0 +1,316 @@
+"""What each watcher can see right now: ``ready``, ``waiting`` (with the reason) or ``blind``
+(with the reason).
+
+Owns :class:`WatcherState`, :class:`WatcherStatus` (one watcher's status, a plain frozen
+dataclass), :class:`StatusSnapshot` (all of them plus the agent's identity: the content of the
+status file and of issue 14's ``GET /v1/status``), :class:`StatusBoard` (keeps the current
+statuses, logs every change, writes the status file atomically) and :func:`read_status_file`.
+Imports only :mod:`agent.events`, :mod:`agent.fsutil` and the standard library, so the CLI, the
+runtime, exporters and an HTTP API can all use it.
+
+States, from the SRE's point of view:
+
+* ``ready``: the watcher sees what it should (``health: 200 from http://…/health``).
+* ``waiting``: nothing is wrong yet, but it cannot judge yet (``health: waiting for first 200
+  from …``, ``metrics: no forward progress yet``). Waiting never opens an incident.
+* ``blind``: it cannot see, and will not until someone fixes something (``metrics: BLIND — 401
+  Unauthorized from …``). The reason says what is wrong and, where we know, what to do.
+
+The status file is ``<data_dir>/<host>/status.json`` (:func:`status_path`), schema
+``servewatch.status/1``::
+
+    {"schema": "servewatch.status/1", "host.name": "h1", "agent_pid": 4242,
+     "started_time_unix_nano": ..., "updated_time_unix_nano": ...,
+     "watchers": [{"name": "health", "state": "waiting",
+                   "reason": "waiting for first 200 from http://127.0.0.1:30000/health",
+                   "since_time_unix_nano": ...}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.events import StrEnum, WatcherStatusChanged, now_ns
+
+__all__ = [
+    "STATUS_SCHEMA",
+    "STATUS_FILE",
+    "WatcherState",
+    "WatcherStatus",
+    "StatusSnapshot",
+    "StatusBoard",
+    "status_path",
+    "read_status_file",
+    "StatusReporter",
+]
+
+log = logging.getLogger("servewatch.status")
+
+#: Schema tag of the status file (and of ``/v1/status``).
+STATUS_SCHEMA = "servewatch.status/1"
+#: File name of the status file inside ``<data_dir>/<host>/``.
+STATUS_FILE = "status.json"
+
+
+class WatcherState(StrEnum):
+    """What a watcher can see (see the module docstring)."""
+
+    READY = "ready"
+    WAITING = "waiting"
+    BLIND = "blind"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatcherStatus:
+    """One watcher's status.
+
+    Attributes:
+        name: the watcher (``health``, ``metrics``, ``steps``, ``process``, ``pyspy``, ...).
+        state: ready / waiting / blind.
+        reason: one human line: what it sees, what it waits for, or why it is blind.
+        since_time_unix_nano: when it entered this state (wall clock, ns since the epoch).
+    """
+
+    name: str
+    state: WatcherState
+    reason: str = ""
+    since_time_unix_nano: int = field(default_factory=now_ns)
+
+    def line(self) -> str:
+        """One line for people: ``health: waiting for first 200 from …``,
+        ``metrics: BLIND — 401 Unauthorized from …``, ``steps: 2 ranks via shm counter``."""
+        if self.state is WatcherState.BLIND:
+            return f"{self.name}: BLIND — {self.reason}" if self.reason else f"{self.name}: BLIND"
+        return f"{self.name}: {self.reason or self.state.value}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "reason": self.reason,
+            "since_time_unix_nano": self.since_time_unix_nano,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WatcherStatus:
+        """Parse one entry of the status file; raises ``ValueError`` when malformed."""
+        try:
+            return cls(
+                name=str(data["name"]),
+                state=WatcherState(str(data["state"])),
+                reason=str(data.get("reason") or ""),
+                since_time_unix_nano=int(data.get("since_time_unix_nano") or 0),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed watcher status {data!r}") from exc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusSnapshot:
+    """Every watcher's status at one moment, plus who reported it.
+
+    Attributes:
+        host_name: ``host.name`` of the agent.
+        agent_pid: the agent's pid (``servewatch status`` says when it is gone).
+        started_time_unix_nano / updated_time_unix_nano: agent start and last change.
+        watchers: statuses in the order they were first reported.
+    """
+
+    host_name: str
+    agent_pid: int
+    started_time_unix_nano: int
+    updated_time_unix_nano: int
+    watchers: tuple[WatcherStatus, ...] = ()
+
+    @property
+    def blind(self) -> tuple[WatcherStatus, ...]:
+        return tuple(w for w in self.watchers if w.state is WatcherState.BLIND)
+
+    def get(self, name: str) -> WatcherStatus | None:
+        for w in self.watchers:
+            if w.name == name:
+                return w
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": STATUS_SCHEMA,
+            "host.name": self.host_name,
+            "agent_pid": self.agent_pid,
+            "started_time_unix_nano": self.started_time_unix_nano,
+            "updated_time_unix_nano": self.updated_time_unix_nano,
+            "watchers": [w.to_json() for w in self.watchers],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> StatusSnapshot:
+        """Parse a status document; raises ``ValueError`` when it is not one."""
+        if not isinstance(data, dict) or data.get("schema") != STATUS_SCHEMA:
+            raise ValueError(f"not a {STATUS_SCHEMA} document")
+        raw = data.get("watchers")
+        if not isinstance(raw, list):
+            raise ValueError("'watchers' must be a list")
+        return cls(
+            host_name=str(data.get("host.name") or ""),
+            agent_pid=int(data.get("agent_pid") or 0),
+            started_time_unix_nano=int(data.get("started_time_unix_nano") or 0),
+            updated_time_unix_nano=int(data.get("updated_time_unix_nano") or 0),
+            watchers=tuple(WatcherStatus.from_json(w) for w in raw),
+        )
+
+
+def status_path(data_dir: str | os.PathLike[str], host_name: str) -> Path:
+    """``<data_dir>/<host_name>/status.json``."""
+    return Path(data_dir) / host_name / STATUS_FILE
+
+
+def read_status_file(path: str | os.PathLike[str]) -> StatusSnapshot:
+    """Read a status file.
+
+    Raises:
+        FileNotFoundError: no agent wrote one there.
+        ValueError: the file is not a status document.
+        OSError: it cannot be read.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    return StatusSnapshot.from_json(data)
+
+
+class StatusBoard:
+    """The current status of every watcher; thread-safe (metrics read it from their thread).
+
+    Args:
+        host_name: ``host.name`` written in the snapshot.
+        path: the status file to keep up to date (atomic writes); ``None`` keeps it in memory.
+        on_change: called with each status that changed (after logging and writing).
+
+    A change is logged at WARNING when it turns blind, INFO otherwise; a status repeated with
+    the same state and reason changes nothing (no log, no write).
+    """
+
+    def __init__(
+        self,
+        *,
+        host_name: str = "",
+        path: str | os.PathLike[str] | None = None,
+        on_change: Callable[[WatcherStatus], None] | None = None,
+    ) -> None:
+        self.host_name = host_name
+        self.path = Path(path) if path is not None else None
+        self.on_change = on_change
+        self.started_time_unix_nano = now_ns()
+        self.updated_time_unix_nano = self.started_time_unix_nano
+        self._statuses: dict[str, WatcherStatus] = {}
+        self._lock = threading.Lock()
+        #: status changes recorded so far
+        self.changes = 0
+        self._write_failed = False
+
+    def set(self, name: str, state: WatcherState, reason: str = "", *, log_change: bool = True) -> bool:
+        """Record ``name``'s status. Returns whether it changed (state or reason)."""
+        with self._lock:
+            old = self._statuses.get(name)
+            if old is not None and old.state is state and old.reason == reason:
+                return False
+            since = old.since_time_unix_nano if old is not None and old.state is state else now_ns()
+            status = WatcherStatus(name=name, state=state, reason=reason, since_time_unix_nano=since)
+            self._statuses[name] = status
+            self.updated_time_unix_nano = now_ns()
+            self.changes += 1
+        if log_change:
+            log.log(logging.WARNING if state is WatcherState.BLIND else logging.INFO, "%s", status.line())
+        self.write()
+        if self.on_change is not None:
+            self.on_change(status)
+        return True
+
+    def update(self, status: WatcherStatus, *, log_change: bool = True) -> bool:
+        """:meth:`set` from a :class:`WatcherStatus`."""
+        return self.set(status.name, status.state, status.reason, log_change=log_change)
+
+    def remove(self, name: str) -> None:
+        """Forget a watcher (its target exited)."""
+        with self._lock:
+            if self._statuses.pop(name, None) is None:
+                return
+            self.updated_time_unix_nano = now_ns()
+        self.write()
+
+    def get(self, name: str) -> WatcherStatus | None:
+        with self._lock:
+            return self._statuses.get(name)
+
+    def snapshot(self) -> StatusSnapshot:
+        with self._lock:
+            return StatusSnapshot(
+                host_name=self.host_name,
+                agent_pid=os.getpid(),
+                started_time_unix_nano=self.started_time_unix_nano,
+                updated_time_unix_nano=self.updated_time_unix_nano,
+                watchers=tuple(self._statuses.values()),
+            )
+
+    def states(self) -> Iterable[tuple[str, WatcherState]]:
+        """``(name, state)`` of every watcher (for the OTel gauge)."""
+        with self._lock:
+            return [(s.name, s.state) for s in self._statuses.values()]
+
+    def write(self) -> None:
+        """Write the status file now (atomic); a failure is logged once, never raised."""
+        if self.path is None:
+            return
+        from agent.fsutil import atomic_write_text, ensure_private_dir
+
+        try:
+            ensure_private_dir(self.path.parent)
+            atomic_write_text(self.path, json.dumps(self.snapshot().to_json(), indent=2))
+        except OSError as exc:
+            if not self._write_failed:
+                self._write_failed = True
+                log.error("cannot write status file %s: %s", self.path, exc)
+        else:
+            self._write_failed = False
+
+
+class StatusReporter:
+    """A watcher's side: publishes :class:`~agent.events.WatcherStatusChanged` when its status
+    changes (same state and reason twice publishes once).
+
+    Args:
+        name: the watcher name shown to people (``health``, ``metrics``, ``steps``).
+        state / reason: the initial status, reported by :meth:`initial` (before ``started()``).
+
+    Attributes:
+        current: the last status set (also before it was published).
+    """
+
+    def __init__(self, name: str, state: WatcherState, reason: str) -> None:
+        self.name = name
+        self.current = WatcherStatus(name=name, state=state, reason=reason)
+        self._published: tuple[WatcherState, str] | None = None
+
+    async def set(self, bus: Any, state: WatcherState, reason: str) -> bool:
+        """Set and publish (``bus`` is a :class:`~agent.bus.Publisher`); returns whether it changed."""
+        if self.current.state is not state or self.current.reason != reason:
+            self.current = WatcherStatus(name=self.name, state=state, reason=reason)
+        key = (state, reason)
+        if self._published == key:
+            return False
+        self._published = key
+        await bus.publish(WatcherStatusChanged(source=self.name, watcher=self.name, state=state.value, reason=reason))
+        return True
+
+    async def initial(self, bus: Any) -> None:
+        """Publish the initial (or current) status."""
+        await self.set(bus, self.current.state, self.current.reason)

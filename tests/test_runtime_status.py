@@ -1,0 +1,123 @@
+"""The runtime's side of watcher status: supervision (a crash is a blind status, then a restart
+with backoff), and `servewatch run` + `servewatch status` as real processes against real HTTP
+servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+import agent.runtime as runtime
+from agent.config import load_settings
+from agent.events import WatcherStatusChanged
+from agent.runtime import Agent
+from tests.watchers import wait_until
+from tests.watchers.scripted_http import scripted_http
+
+
+class Exploding:
+    """A watcher that is ready, then raises (a bug in a watcher)."""
+
+    name = "boom"
+    runs = 0
+
+    async def run(self, bus: object, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        type(self).runs += 1
+        task_status.started()
+        await anyio.sleep(0.01)
+        raise RuntimeError("parser exploded")
+
+
+async def test_a_crashing_watcher_turns_blind_with_its_exception_and_is_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "RESTART_BACKOFF_S", 0.05)
+    agent = Agent(load_settings({"data_dir": tmp_path}))
+    sub = agent.bus.subscribe(WatcherStatusChanged, max_buffer=1000)
+    Exploding.runs = 0
+    async with anyio.create_task_group() as tg:
+        await tg.start(agent.supervised, "boom", Exploding)
+        await wait_until(lambda: Exploding.runs >= 3)
+        tg.cancel_scope.cancel()
+    statuses = []
+    while True:
+        try:
+            statuses.append(sub.receive_nowait())
+        except anyio.WouldBlock:
+            break
+    sub.close()
+    assert statuses and all(s.watcher == "boom" and s.state == "blind" for s in statuses)
+    assert "watcher crashed: RuntimeError: parser exploded; restarting in" in statuses[0].reason
+    assert agent.restarts["boom"] >= 2
+
+
+CLI = [sys.executable, "-m", "agent.cli"]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env["SERVEWATCH_SHM_DIR"] = str(tmp_path / "shm")
+    return env
+
+
+def test_servewatch_status_shows_what_a_running_agent_cannot_see(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        refused_port = sock.getsockname()[1]
+    data = tmp_path / "data"
+    with scripted_http() as srv:
+        srv.route("/metrics", (401, {}, b"no"))
+        log = (tmp_path / "run.err").open("wb")
+        proc = subprocess.Popen(
+            [*CLI, "run", "--metrics-url", srv.base + "/metrics", "--health-url",
+             f"http://127.0.0.1:{refused_port}/health", "--data-dir", str(data), "--duration", "60"],
+            cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            lines: list[str] = []
+            while time.monotonic() < deadline:
+                r = subprocess.run([*CLI, "status", "--data-dir", str(data), "--json"], capture_output=True, text=True,
+                                   timeout=60, cwd=tmp_path, env=_env(tmp_path))
+                if r.returncode in (0, 1) and r.stdout.strip():
+                    doc = json.loads(r.stdout)
+                    states = {w["name"]: w["state"] for w in doc["watchers"]}
+                    if states.get("metrics") == "blind" and states.get("health") == "blind":
+                        break
+                time.sleep(0.3)
+            else:
+                pytest.fail(f"no blind status reported: {r.stdout} {r.stderr}")
+            assert doc["agent_running"] is True and doc["agent_pid"] == proc.pid
+            r = subprocess.run([*CLI, "status", "--data-dir", str(data)], capture_output=True, text=True, timeout=60,
+                               cwd=tmp_path, env=_env(tmp_path))
+            assert r.returncode == 1  # a watcher is blind
+            lines = r.stdout.splitlines()
+            assert any(line.startswith("metrics: BLIND — 401 Unauthorized from") for line in lines), lines
+            assert any(line.startswith("health: BLIND — connection refused at") for line in lines), lines
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            log.close()
+    err = (tmp_path / "run.err").read_text()
+    # shown at start, one line per detector, and on each change
+    assert "servewatch: health: waiting for first 200 from" in err
+    assert "servewatch: metrics: BLIND — 401 Unauthorized" in err
+    assert "servewatch: pyspy:" in err
+    # the agent is gone now: status says so in words and exits 1
+    r = subprocess.run([*CLI, "status", "--data-dir", str(data)], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path, env=_env(tmp_path))
+    assert r.returncode == 1 and "is NOT running" in r.stderr

@@ -32,6 +32,7 @@ from agent.actors.coredump import CoredumpConfig
 from agent.actors.profiler import ProfilerConfig
 from agent.actors.pyspy import PySpyConfig
 from agent.fsutil import ensure_private_dir
+from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
 from agent.incidents import IncidentConfig
 from agent.security import unsafe_dir_reason, validate_host_name
 from agent.watchers.health import HealthConfig
@@ -107,6 +108,15 @@ class Settings(BaseSettings):
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     incident: IncidentConfig = Field(default_factory=IncidentConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+
+    @model_validator(mode="after")
+    def _fleet_consistent(self) -> "Settings":
+        problems = check_fleet_settings(self.api, self.fleet)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @field_validator("host_name")
     @classmethod

@@ -284,6 +284,8 @@ class IncidentOpened(Event):
     parent_span_id: str = ""
     #: (trace_id, span_id) hex pairs of the requests in flight when it opened (span links)
     links: tuple[tuple[str, str], ...] = ()
+    #: more root-span attributes (e.g. ``servewatch.target.ranks``)
+    attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

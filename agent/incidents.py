@@ -48,9 +48,11 @@ from agent.events import (
     Outcome,
     TargetExited,
     WatchdogStalled,
+    frozen_attrs,
     now_ns,
 )
 from agent.fsutil import atomic_write_text, ensure_private_dir
+from agent.ranks import target_attributes
 from agent.targets import Target
 from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
@@ -384,6 +386,7 @@ class IncidentManager:
             span_id=span_id_hex(new_span_id()),
             parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
+            attributes=frozen_attrs(target_attributes(t.title for t in targets)),
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight)
         self.current = record

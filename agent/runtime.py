@@ -140,6 +140,8 @@ class Agent:
         self._warned_spread = False
         self._ready = anyio.Event()
         self._stop = anyio.Event()
+        #: the API and job coordinator (:class:`agent.fleet.Fleet`) once running, when ``api.enabled``
+        self.fleet: Any = None
 
     # -- discovery ----------------------------------------------------------------------------
 
@@ -223,6 +225,11 @@ class Agent:
                 try:
                     async with anyio.create_task_group() as tg:
                         await tg.start(self.incidents.run)
+                        if s.api.enabled:
+                            from agent.fleet import Fleet
+
+                            self.fleet = Fleet(self, s.api, s.fleet)
+                            await tg.start(self.fleet.run)
                         await self._start_watchers(tg)
                         self._ready.set()
                         task_status.started()

@@ -220,6 +220,7 @@ class SpanMirror:
     ) -> None:
         opened = inc.opened
         attributes: dict[str, object] = {
+            **opened.attributes,
             "servewatch.incident.id": opened.incident_id,
             "servewatch.incident.trigger": opened.trigger,
             "host.name": self.host_name,

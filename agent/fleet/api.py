@@ -1,0 +1,188 @@
+"""The agent's HTTP API: routes, authentication, rate limiting.
+
+Owns :class:`AgentApi` (a :class:`~agent.fleet.http.HttpServer` handler) and the
+:class:`ApiBackend` protocol it serves from. Routes (JSON in, JSON out):
+
+* ``GET /v1/status``: watchers, targets, the open incident, the job's peers;
+* ``GET /v1/incidents``: this host's incidents, newest first (summaries);
+* ``GET /v1/incidents/{id}``: one incident's ``manifest.json``;
+* ``POST /v1/incidents``: open a manual incident, or join a trace begun elsewhere: body
+  ``{"incident_id", "job", "origin_host", "origin_time_unix_nano", "detail"}`` (all optional)
+  with a W3C ``traceparent`` header (or a ``"traceparent"`` body field) naming the trace and the
+  span to hang under. Answers 202 with this agent's incident once it opened (capture started).
+
+Order of checks on every request: rate limit (429, before authentication, so guessing tokens is
+slow too), then authentication (401 without a valid bearer token when a token is configured;
+under mutual TLS a client without a certificate never completes the handshake), then routing.
+
+Imports :mod:`agent.fleet.http`, :mod:`agent.fleet.traceparent` and the standard library.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from agent.fleet.http import Request, Response, json_response
+from agent.fleet.traceparent import TraceParent, TraceParentError
+
+__all__ = ["AgentApi", "ApiBackend", "JoinRequest", "RateLimiter", "INCIDENT_ID_PATTERN"]
+
+log = logging.getLogger("servewatch.fleet.api")
+
+#: What an incident id may look like in a URL (also rules out path tricks).
+INCIDENT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: Client addresses whose buckets are remembered (least recently seen forgotten first).
+MAX_CLIENTS = 4096
+
+
+class JoinRequest(dict[str, Any]):
+    """Body of ``POST /v1/incidents`` after validation, plus ``traceparent`` (a :class:`TraceParent` or None)."""
+
+
+class ApiBackend(Protocol):
+    """What the API serves from (the agent's fleet coordinator)."""
+
+    def status(self) -> dict[str, Any]: ...
+    def list_incidents(self) -> list[dict[str, Any]]: ...
+    def get_incident(self, incident_id: str) -> dict[str, Any] | None: ...
+    async def post_incident(self, request: JoinRequest, *, agent_id: str) -> tuple[int, dict[str, Any]]: ...
+
+
+class RateLimiter:
+    """Token bucket per client address: ``burst`` at once, ``rate_per_s`` sustained."""
+
+    def __init__(self, rate_per_s: float, burst: int, clock=time.monotonic) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        #: requests refused so far
+        self.limited = 0
+
+    def allow(self, client: str) -> float:
+        """Take one token for ``client``. Returns 0 when allowed, else seconds until the next token."""
+        now = self._clock()
+        tokens, last = self._buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate_per_s)
+        if tokens >= 1.0:
+            self._buckets[client] = (tokens - 1.0, now)
+            wait = 0.0
+        else:
+            self._buckets[client] = (tokens, now)
+            self.limited += 1
+            wait = (1.0 - tokens) / self.rate_per_s
+        while len(self._buckets) > MAX_CLIENTS:
+            self._buckets.popitem(last=False)
+        return wait
+
+
+def _error(status: int, message: str, headers: list[tuple[str, str]] | None = None) -> Response:
+    return json_response(status, {"error": message}, headers)
+
+
+class AgentApi:
+    """Route, authenticate and rate-limit requests for ``backend``.
+
+    Args:
+        backend: serves the routes.
+        token: the bearer token (``None``: no token check, only allowed under mutual TLS).
+        mutual_tls: the server requires client certificates (checked again per request).
+        rate_per_s / rate_burst: per-client rate limit.
+        max_body_bytes: largest accepted body (also enforced by the server).
+    """
+
+    def __init__(
+        self,
+        backend: ApiBackend,
+        *,
+        token: bytes | None,
+        mutual_tls: bool = False,
+        rate_per_s: float = 5.0,
+        rate_burst: int = 20,
+    ) -> None:
+        if token is None and not mutual_tls:
+            raise ValueError("the API needs a bearer token or mutual TLS")
+        self.backend = backend
+        self._token = token
+        self.mutual_tls = mutual_tls
+        self.limiter = RateLimiter(rate_per_s, rate_burst)
+        #: requests refused for lack of valid credentials
+        self.unauthorized = 0
+
+    def _authorized(self, request: Request) -> bool:
+        if self.mutual_tls and not request.client_certificate:
+            return False
+        if self._token is None:
+            return True
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented:
+            return False
+        return hmac.compare_digest(presented.strip().encode("latin-1", "replace"), self._token)
+
+    async def __call__(self, request: Request) -> Response:
+        wait_s = self.limiter.allow(request.client)
+        if wait_s > 0:
+            return _error(429, "rate limited", [("retry-after", str(max(1, round(wait_s + 0.5))))])
+        if not self._authorized(request):
+            self.unauthorized += 1
+            return _error(401, "unauthorized: send 'Authorization: Bearer <token>'", [("www-authenticate", 'Bearer realm="servewatch"')])
+        path = request.path.rstrip("/") or "/"
+        if path == "/v1/status":
+            if request.method != "GET":
+                return _error(405, "use GET", [("allow", "GET")])
+            return json_response(200, self.backend.status())
+        if path == "/v1/incidents":
+            if request.method == "GET":
+                return json_response(200, {"incidents": self.backend.list_incidents()})
+            if request.method == "POST":
+                return await self._post_incident(request)
+            return _error(405, "use GET or POST", [("allow", "GET, POST")])
+        if path.startswith("/v1/incidents/"):
+            if request.method != "GET":
+                return _error(405, "use GET", [("allow", "GET")])
+            incident_id = path[len("/v1/incidents/"):]
+            if not INCIDENT_ID_PATTERN.fullmatch(incident_id):
+                return _error(400, "bad incident id")
+            manifest = self.backend.get_incident(incident_id)
+            if manifest is None:
+                return _error(404, f"no incident {incident_id}")
+            return json_response(200, manifest)
+        return _error(404, "not found")
+
+    async def _post_incident(self, request: Request) -> Response:
+        if request.body.strip():
+            try:
+                doc = json.loads(request.body)
+            except (ValueError, UnicodeDecodeError):
+                return _error(400, "body must be a JSON object")
+        else:
+            doc = {}
+        if not isinstance(doc, dict):
+            return _error(400, "body must be a JSON object")
+        join = JoinRequest()
+        for key in ("incident_id", "job", "origin_host", "detail"):
+            value = doc.get(key)
+            if value is not None and (not isinstance(value, str) or len(value) > 512):
+                return _error(400, f"{key} must be a string of at most 512 characters")
+            join[key] = value
+        origin_time = doc.get("origin_time_unix_nano")
+        if origin_time is not None and (not isinstance(origin_time, int) or isinstance(origin_time, bool) or origin_time < 0):
+            return _error(400, "origin_time_unix_nano must be a non-negative integer")
+        join["origin_time_unix_nano"] = origin_time
+        raw = request.headers.get("traceparent") or doc.get("traceparent")
+        join["traceparent"] = None
+        if raw is not None:
+            if not isinstance(raw, str):
+                return _error(400, "traceparent must be a string")
+            try:
+                join["traceparent"] = TraceParent.parse(raw)
+            except TraceParentError as exc:
+                return _error(400, str(exc))
+        status, body = await self.backend.post_incident(join, agent_id=request.headers.get("x-servewatch-agent", ""))
+        return json_response(status, body)

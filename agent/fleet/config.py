@@ -1,0 +1,188 @@
+"""Settings of the agent HTTP API and of the job's peers; reading the API token safely.
+
+Owns :class:`ApiConfig`, :class:`FleetConfig`, :func:`check_fleet_settings` (the cross-checks run
+when settings load), :func:`read_token_file` (a bearer token only from a private file) and
+:func:`server_ssl_context` / :func:`client_ssl_context` (TLS and mutual TLS). Imports pydantic and
+the standard library only, so :mod:`agent.config` can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+import stat
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "DEFAULT_API_PORT",
+    "ApiConfig",
+    "FleetConfig",
+    "TokenFileError",
+    "check_fleet_settings",
+    "client_ssl_context",
+    "read_token_file",
+    "server_ssl_context",
+]
+
+#: Default port of the agent API (peers of a job all use the same one).
+DEFAULT_API_PORT = 7207
+#: Largest token file read, bytes.
+MAX_TOKEN_BYTES = 4096
+
+
+class TokenFileError(ValueError):
+    """The API token file is missing, unsafe (not 0600, not ours, a symlink) or empty."""
+
+
+class ApiConfig(BaseModel):
+    """The agent's HTTP API (``/v1/status``, ``/v1/incidents``). Off by default.
+
+    Every request must authenticate: a bearer token read from ``token_file`` (mode 0600 or
+    stricter, owned by the agent's user) and/or mutual TLS (``tls_client_ca_file``). With both
+    set, both are required. The API refuses to start with neither.
+    """
+
+    enabled: bool = Field(False, description="serve the API")
+    host: str = Field("127.0.0.1", description="bind address (0.0.0.0 / :: to reach it from peers)")
+    port: int = Field(DEFAULT_API_PORT, ge=0, le=65535, description="bind port; 0 picks a free one")
+    token_file: Path | None = Field(None, description="bearer token file, mode 0600; peers of a job share it")
+    tls_cert_file: Path | None = Field(None, description="server certificate (PEM): serve HTTPS; also the client certificate towards peers")
+    tls_key_file: Path | None = Field(None, description="private key of tls_cert_file (PEM)")
+    tls_client_ca_file: Path | None = Field(
+        None, description="CA (PEM) that signs clients' certificates: mutual TLS; also verifies peers' servers"
+    )
+    rate_per_s: float = Field(5.0, gt=0, description="sustained requests per second allowed per client address")
+    rate_burst: int = Field(20, ge=1, description="requests a client may send at once before rate limiting")
+    max_body_bytes: int = Field(64 * 1024, ge=1024, description="largest request body, bytes")
+    read_timeout_s: float = Field(10.0, gt=0, description="a request must arrive whole within this, seconds")
+    max_connections: int = Field(128, ge=1, description="open connections at most")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls_client_ca_file is not None
+
+
+class FleetConfig(BaseModel):
+    """A job: the agents of one multi-node server, which capture together.
+
+    When an incident opens on one agent, it asks every peer (``POST /v1/incidents`` with a W3C
+    ``traceparent``) to capture at once into the same trace.
+    """
+
+    job: str | None = Field(None, min_length=1, max_length=128, description="job name; peers refuse joins for another job")
+    peers: list[str] = Field(
+        default_factory=list, description="peer agents: host:port or http(s)://host:port (this agent is skipped)"
+    )
+    peers_dns: str | None = Field(
+        None, description="name[:port] resolving to every peer (a Kubernetes headless service); resolved at each incident"
+    )
+    peer_timeout_s: float = Field(2.0, gt=0, description="bound on asking one peer, seconds (never delays local capture)")
+    dedup_window_s: float = Field(
+        60.0, gt=0, description="detections of the job within this many seconds of a job incident join it, seconds"
+    )
+    accept_timeout_s: float = Field(
+        1.0, gt=0, description="a peer answers a join once its incident opened, or after this many seconds"
+    )
+
+
+def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
+    """Problems with the API and job settings, each ``key: what to do`` (empty: fine)."""
+    problems: list[str] = []
+    if api.enabled and api.token_file is None and not api.mutual_tls:
+        problems.append("api.token_file: the API needs a bearer token file (mode 0600) or mutual TLS (api.tls_client_ca_file)")
+    if (api.tls_cert_file is None) != (api.tls_key_file is None):
+        problems.append("api.tls_key_file: give both api.tls_cert_file and api.tls_key_file")
+    if api.mutual_tls and not api.tls:
+        problems.append("api.tls_client_ca_file: mutual TLS needs api.tls_cert_file and api.tls_key_file")
+    if (fleet.peers or fleet.peers_dns) and not fleet.job:
+        problems.append("fleet.job: peers need a job name (--job)")
+    if fleet.job and not api.enabled:
+        problems.append("api.enabled: a job's agents reach each other through the API (--api-listen)")
+    if api.token_file is not None and api.enabled:
+        try:
+            read_token_file(api.token_file)
+        except TokenFileError as exc:
+            problems.append(f"api.token_file: {exc}")
+    for key, path in (("api.tls_cert_file", api.tls_cert_file), ("api.tls_key_file", api.tls_key_file),
+                      ("api.tls_client_ca_file", api.tls_client_ca_file)):
+        if api.enabled and path is not None and not Path(path).is_file():
+            problems.append(f"{key}: no such file {str(path)!r}")
+    return problems
+
+
+def read_token_file(path: Path) -> bytes:
+    """Read a bearer token, refusing a file others could read or swap.
+
+    The file must be a regular file (not a symlink: opened with ``O_NOFOLLOW``), owned by this
+    process's user, with no group or other permission bits (0600 or 0400), non-empty.
+
+    Returns:
+        The token, surrounding whitespace stripped.
+
+    Raises:
+        TokenFileError: with the reason and the fix.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise TokenFileError(f"no such file {str(path)!r}") from None
+    except OSError as exc:
+        why = "is a symlink (refused)" if exc.errno == 40 else (exc.strerror or str(exc))
+        raise TokenFileError(f"cannot open {str(path)!r}: {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TokenFileError(f"{str(path)!r} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise TokenFileError(f"{str(path)!r} is owned by uid {st.st_uid}, not by this agent's user (uid {os.geteuid()})")
+        if st.st_mode & 0o077:
+            raise TokenFileError(f"{str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}; run: chmod 600 {path}")
+        data = os.read(fd, MAX_TOKEN_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKEN_BYTES:
+        raise TokenFileError(f"{str(path)!r} is larger than {MAX_TOKEN_BYTES} bytes")
+    token = data.strip()
+    if not token:
+        raise TokenFileError(f"{str(path)!r} is empty")
+    if any(c < 0x21 or c > 0x7E for c in token):
+        raise TokenFileError(f"{str(path)!r}: the token must be printable ASCII without spaces")
+    return token
+
+
+def server_ssl_context(api: ApiConfig) -> ssl.SSLContext | None:
+    """The API's TLS context (``None``: plain HTTP). Mutual TLS requires a client certificate."""
+    if not api.tls:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(api.tls_cert_file), str(api.tls_key_file))
+    if api.tls_client_ca_file is not None:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=str(api.tls_client_ca_file))
+    return ctx
+
+
+def client_ssl_context(api: ApiConfig) -> ssl.SSLContext | None:
+    """TLS context for calling peers: present our certificate and verify theirs.
+
+    With a job CA (``tls_client_ca_file``) a peer's server certificate must chain to that CA; its
+    host name is not checked, since peers are reached by the addresses a headless service
+    resolves to and membership of the job is what the CA vouches for. Without one, the system
+    CAs and the usual host-name check apply.
+    """
+    if not api.tls:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(api.tls_client_ca_file) if api.tls_client_ca_file else None)
+    if api.tls_client_ca_file is not None:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(api.tls_cert_file), str(api.tls_key_file))
+    return ctx

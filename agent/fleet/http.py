@@ -1,0 +1,298 @@
+"""A small HTTP/1.1 server on anyio streams with h11, run inside the agent's task group.
+
+Owns :class:`HttpServer`, :class:`Request` and :class:`Response`. Why h11 on anyio rather than an
+ASGI server (uvicorn, hypercorn): the agent already runs everything under one anyio task group,
+and h11 (python-hyper's sans-IO HTTP/1.1 state machine, already installed as httpx's transport
+dependency) lets the API be one more task in that group: cancelled with the agent, no second
+event loop, no signal handlers or logging set-up taken over, no framework. It serves a handful of
+JSON routes to peers and operators; h11 does the protocol (framing, keep-alive, malformed input)
+and this module bounds everything around it:
+
+* connections: at most ``max_connections`` at once (more are closed at accept);
+* time: a request must arrive whole within ``read_timeout_s`` (slow-loris), TLS handshakes
+  likewise; a handler gets ``handler_timeout_s``;
+* size: headers by h11's ``max_incomplete_event_size``, bodies by ``max_body_bytes`` (413);
+* TLS: an ``ssl.SSLContext`` (server certificate; with ``CERT_REQUIRED`` and a client CA, mutual
+  TLS: a client without a certificate from that CA never gets past the handshake).
+
+Imports anyio, h11 and the standard library only; the routes live in :mod:`agent.fleet.api`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import anyio
+import h11
+from anyio.abc import ByteStream, SocketAttribute, TaskStatus
+from anyio.streams.tls import TLSAttribute, TLSStream
+
+__all__ = ["HttpServer", "HttpStatistics", "Request", "Response", "json_response"]
+
+log = logging.getLogger("servewatch.fleet.http")
+
+#: Largest request head (request line + headers), bytes.
+MAX_HEAD_BYTES = 16 * 1024
+#: Bytes read from the socket at a time.
+RECEIVE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One HTTP request as the handler sees it.
+
+    Attributes:
+        method: ``GET``, ``POST``...
+        path: the target without its query string.
+        query: the raw query string (``""`` when none).
+        headers: header names lower-cased; a repeated header keeps its last value.
+        body: the whole body (at most ``max_body_bytes``).
+        client: the peer's IP address.
+        client_certificate: the verified client certificate (``ssl.getpeercert()``) under mutual
+            TLS, else ``None``.
+    """
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+    client: str
+    client_certificate: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class Response:
+    """What a handler returns."""
+
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+def json_response(status: int, doc: Any, headers: list[tuple[str, str]] | None = None) -> Response:
+    """A JSON response (compact, UTF-8)."""
+    return Response(status, json.dumps(doc, separators=(",", ":")).encode(), headers=list(headers or []))
+
+
+class HttpStatistics(NamedTuple):
+    """Counters of one server."""
+
+    connections: int  # accepted connections
+    rejected_connections: int  # closed at accept: too many open already
+    requests: int  # requests answered
+    bad_requests: int  # malformed, too large or too slow
+    tls_failures: int  # handshakes that failed (no or bad client certificate, plain HTTP...)
+    open_connections: int  # open now
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class _Closed(Exception):
+    """The connection ended or must end (internal)."""
+
+
+class HttpServer:
+    """Serve ``handler`` on ``host:port`` until cancelled.
+
+    Args:
+        handler: called once per request; its exceptions become 500s (logged).
+        host / port: where to listen; port 0 picks a free one (see :attr:`port` once started).
+        ssl_context: serve HTTPS with it (mutual TLS when it requires client certificates).
+        max_body_bytes / read_timeout_s / handler_timeout_s / max_connections: bounds, above.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
+        max_body_bytes: int = 64 * 1024,
+        read_timeout_s: float = 10.0,
+        handler_timeout_s: float = 30.0,
+        max_connections: int = 64,
+        server_header: str = "servewatch",
+    ) -> None:
+        self.handler = handler
+        self.host = host
+        self.port = port
+        self.ssl_context = ssl_context
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
+        self.handler_timeout_s = handler_timeout_s
+        self.max_connections = max_connections
+        self._server_header = server_header.encode()
+        self._connections = 0
+        self._rejected = 0
+        self._requests = 0
+        self._bad = 0
+        self._tls_failures = 0
+        self._open = 0
+
+    def statistics(self) -> HttpStatistics:
+        return HttpStatistics(self._connections, self._rejected, self._requests, self._bad, self._tls_failures, self._open)
+
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen, report started (``tg.start``) once bound, and serve until cancelled.
+
+        Raises:
+            OSError: the address cannot be bound (port in use, no such address).
+        """
+        listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port, reuse_port=False)
+        self.port = int(listener.extra(SocketAttribute.local_port))
+        log.info("agent API listening on %s:%d (%s)", self.host, self.port, "https" if self.ssl_context else "http")
+        async with listener:
+            task_status.started()
+            await listener.serve(self._accepted)
+
+    # --- one connection ---------------------------------------------------------------------
+
+    async def _accepted(self, stream: ByteStream) -> None:
+        try:
+            client = str(stream.extra(SocketAttribute.remote_address)[0])
+        except (anyio.TypedAttributeLookupError, TypeError, IndexError):
+            client = "?"
+        if self._open >= self.max_connections:
+            self._rejected += 1
+            await anyio.aclose_forcefully(stream)
+            return
+        self._connections += 1
+        self._open += 1
+        try:
+            await self._connection(stream, client)
+        except Exception:  # boundary: one connection never takes the agent down
+            log.exception("API connection from %s failed", client)
+        finally:
+            self._open -= 1
+            await anyio.aclose_forcefully(stream)
+
+    async def _connection(self, stream: ByteStream, client: str) -> None:
+        certificate: dict[str, Any] | None = None
+        if self.ssl_context is not None:
+            with anyio.move_on_after(self.read_timeout_s) as scope:
+                try:
+                    stream = await TLSStream.wrap(stream, server_side=True, ssl_context=self.ssl_context, standard_compatible=False)
+                except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+                    self._tls_failures += 1
+                    log.debug("TLS handshake with %s failed: %s", client, exc)
+                    return
+            if scope.cancelled_caught:
+                self._tls_failures += 1
+                return
+            certificate = stream.extra(TLSAttribute.peer_certificate, None) or None
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        while True:
+            try:
+                request = await self._read_request(conn, stream, client, certificate)
+            except _Closed:
+                return
+            if isinstance(request, Response):  # malformed / too big / too slow: answer and close
+                self._bad += 1
+                await self._send(conn, stream, request, close=True)
+                return
+            response: Response
+            with anyio.move_on_after(self.handler_timeout_s) as scope:
+                try:
+                    response = await self.handler(request)
+                except Exception:  # boundary: a handler bug is a 500, never a dead agent
+                    log.exception("API handler failed for %s %s", request.method, request.path)
+                    response = json_response(500, {"error": "internal error"})
+            if scope.cancelled_caught:
+                response = json_response(503, {"error": "handler timed out"})
+            self._requests += 1
+            if not await self._send(conn, stream, response, close=False):
+                return
+            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                return
+            try:
+                conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+
+    async def _read_request(
+        self, conn: h11.Connection, stream: ByteStream, client: str, certificate: dict[str, Any] | None
+    ) -> Request | Response:
+        head: h11.Request | None = None
+        body = bytearray()
+        with anyio.move_on_after(self.read_timeout_s) as scope:
+            while True:
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    return json_response(exc.error_status_hint, {"error": f"bad request: {exc}"})
+                if event is h11.NEED_DATA:
+                    try:
+                        data = await stream.receive(RECEIVE_BYTES)
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ssl.SSLError):
+                        data = b""
+                    if not data and head is None and conn.their_state is h11.IDLE:
+                        raise _Closed  # the client closed a keep-alive connection
+                    try:
+                        conn.receive_data(data)
+                    except h11.RemoteProtocolError as exc:
+                        return json_response(400, {"error": f"bad request: {exc}"})
+                    continue
+                if isinstance(event, h11.Request):
+                    head = event
+                    length = _content_length(event.headers)
+                    if length is not None and length > self.max_body_bytes:
+                        return json_response(413, {"error": f"body larger than {self.max_body_bytes} bytes"})
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > self.max_body_bytes:
+                        return json_response(413, {"error": f"body larger than {self.max_body_bytes} bytes"})
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                    raise _Closed
+        if scope.cancelled_caught:
+            if head is None and conn.their_state is h11.IDLE:
+                raise _Closed  # an idle keep-alive connection: close it quietly
+            return json_response(408, {"error": f"request not received within {self.read_timeout_s:g} s"})
+        assert head is not None
+        target = head.target.decode("ascii", "replace")
+        path, _, query = target.partition("?")
+        headers = {name.decode("ascii", "replace").lower(): value.decode("latin-1") for name, value in head.headers}
+        return Request(head.method.decode("ascii", "replace"), path, query, headers, bytes(body), client, certificate)
+
+    async def _send(self, conn: h11.Connection, stream: ByteStream, response: Response, *, close: bool) -> bool:
+        headers = [
+            ("content-type", response.content_type),
+            ("content-length", str(len(response.body))),
+            ("cache-control", "no-store"),
+            ("server", self._server_header.decode()),
+            *response.headers,
+        ]
+        if close:
+            headers.append(("connection", "close"))
+        try:
+            data = conn.send(h11.Response(status_code=response.status, headers=headers))
+            data += conn.send(h11.Data(data=response.body)) or b""
+            data += conn.send(h11.EndOfMessage()) or b""
+        except h11.LocalProtocolError:
+            return False
+        try:
+            with anyio.fail_after(self.read_timeout_s):
+                await stream.send(data)
+        except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ssl.SSLError):
+            return False
+        return True
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

@@ -138,6 +138,11 @@ def run(
     cooldown: Optional[float] = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long (default 300)."),
     profile_steps: Optional[int] = typer.Option(None, "--profile-on-incident", min=0, metavar="STEPS", help="After an incident opens, profile the next STEPS forward steps (0: never)."),
     duration: Optional[float] = typer.Option(None, "--duration", min=0.0, metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
+    api_listen: Optional[str] = typer.Option(None, "--api-listen", metavar="HOST:PORT", help="Serve the agent API (/v1/status, /v1/incidents) here, e.g. 0.0.0.0:7207 (default: off)."),
+    api_token_file: Optional[Path] = typer.Option(None, "--api-token-file", metavar="FILE", help="Bearer token of the API and of the job's peers (mode 0600)."),
+    job: Optional[str] = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node server) this agent belongs to: its incidents are captured by every peer in one trace."),
+    peer: Optional[list[str]] = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped)."),
+    peers_dns: Optional[str] = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service)."),
     otlp_endpoint: Optional[str] = OtlpEndpointOpt,
     otlp_protocol: Optional[str] = OtlpProtocolOpt,
     data_dir: Optional[Path] = DataDirOpt,
@@ -146,6 +151,12 @@ def run(
 ) -> None:
     """Watch a server and capture evidence when it stalls, fails its health check or exits."""
     _logging(verbose)
+    from agent.fleet.config import parse_listen
+
+    try:
+        api_host, api_port = parse_listen(api_listen) if api_listen else (None, None)
+    except ValueError as exc:
+        fail(f"invalid setting api.listen: {exc}", ExitCode.USAGE)
     settings = _settings(
         {
             "data_dir": data_dir,
@@ -156,6 +167,8 @@ def run(
             "incident": {"cooldown_s": cooldown},
             "profiler": {"on_incident_steps": profile_steps},
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
+            "api": {"enabled": True if api_listen else None, "host": api_host, "port": api_port, "token_file": api_token_file},
+            "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns},
         },
         config,
     )

@@ -22,6 +22,7 @@ __all__ = [
     "TokenFileError",
     "check_fleet_settings",
     "client_ssl_context",
+    "parse_listen",
     "read_token_file",
     "server_ssl_context",
 ]
@@ -114,6 +115,24 @@ def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
         if api.enabled and path is not None and not Path(path).is_file():
             problems.append(f"{key}: no such file {str(path)!r}")
     return problems
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as ``(host, port)``.
+
+    Raises:
+        ValueError: not of that shape, or a port outside 0-65535.
+    """
+    raw = value.strip()
+    host, sep, port_text = raw.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port {port} is out of range")
+    return host, port
 
 
 def read_token_file(path: Path) -> bytes:

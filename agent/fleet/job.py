@@ -451,7 +451,8 @@ class Fleet:
                 "opened_time_unix_nano": opened.time_unix_nano}
 
     def status(self) -> dict[str, Any]:
-        """``GET /v1/status``."""
+        """``GET /v1/status``: the status file's content (schema ``servewatch.status/1``: every
+        watcher ready / waiting / blind with its reason) plus targets, the open incident, the job."""
         agent = self.agent
         manager = agent.incidents
         try:
@@ -460,7 +461,10 @@ class Fleet:
             log.exception("target discovery failed")
             targets = []
         current = manager.current
+        board = getattr(agent, "status", None)  # the watchers' status model (ready / waiting / blind)
+        watchers: dict[str, Any] = board.snapshot().to_json() if board is not None else {}
         doc: dict[str, Any] = {
+            **watchers,
             "host.name": self.host_name,
             "time_unix_nano": now_ns(),
             "uptime_s": round(time.time() - self._started_s, 3),

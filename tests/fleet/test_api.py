@@ -42,6 +42,10 @@ async def test_everything_is_refused_without_the_token(tmp_path: Path) -> None:
         assert status["host.name"] == "node-a"
         assert status["open_incident"] is None
         assert status["components"]["pyspy"]["status"] in ("ok", "permanent_error")
+        assert status["schema"] == "servewatch.status/1"
+        watchers = {w["name"]: w for w in status["watchers"]}
+        assert watchers["pyspy"]["state"] in ("ready", "blind") and watchers["pyspy"]["reason"]
+        assert status["fleet"]["job"] is None and status["fleet"]["api_port"] == agent.fleet.port
         assert agent.fleet.api.unauthorized == 10
 
 
@@ -230,3 +234,24 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path: Path)
             r = await client.get(base + "/v1/status")
             assert r.status_code == 200 and r.json()["host.name"] == "node-a"
         assert agent.fleet.server.statistics().tls_failures >= 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--api-listen", "127.0.0.1:0"], "api.token_file: the API needs a bearer token file"),
+        (["--api-listen", "127.0.0.1"], "api.listen: expected HOST:PORT"),
+        (["--job", "j", "--peer", "127.0.0.1:7207"], "api.enabled: a job's agents reach each other through the API"),
+        (["--api-listen", "127.0.0.1:0", "--api-token-file", "{loose}"], "chmod 600"),
+    ],
+)
+def test_run_refuses_bad_api_settings_with_exit_2_and_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    import sys
+
+    loose = token_file(tmp_path, mode=0o644)
+    argv = [sys.executable, "-m", "agent.cli", "run", "--pid", str(os.getpid()), "--data-dir", str(tmp_path / "d"),
+            *[a.replace("{loose}", str(loose)) for a in args]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

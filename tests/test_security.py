@@ -301,3 +301,182 @@ async def test_leftover_temp_files_are_removed_on_start(spawn: Callable, python:
     assert stat.S_IMODE(record.bundle_dir.stat().st_mode) == 0o700
     for f in record.bundle_dir.iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+# --- SDK counter and control socket: planted by another user --------------------------------
+
+
+@pytest.fixture
+def shared_shm() -> Iterator[Path]:
+    """A folder like /dev/shm (1777: everyone may create files, only owners remove theirs)."""
+    path = Path(tempfile.mkdtemp(prefix="sw-shm-", dir="/tmp"))
+    path.chmod(0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _as_nobody(*argv: str, timeout_s: float = 30) -> None:
+    subprocess.run([*AS_NOBODY, *argv], check=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+_FORGE_COUNTER = """
+import struct, sys, time
+from agent.sdk._counter import MAGIC
+pid = int(sys.argv[2])
+# busy, one step long ago: a stall as soon as anyone believes it
+words = [MAGIC, pid, time.time_ns(), 5, 1, 7, 0, 0]
+with open(sys.argv[1], "xb") as f:
+    f.write(struct.pack("<8q", *words))
+"""
+
+
+def test_counter_forged_by_another_user_is_ignored(spawn: Callable, python: str, shared_shm: Path) -> None:
+    from agent.sdk._counter import counter_path, read_counter
+    from agent.watchers.steps import ShmStepSource, discover_shm_counters
+
+    victim = spawn([python, "-c", "import time; time.sleep(60)"])  # a root server without the SDK
+    path = counter_path(victim.pid, shared_shm)
+    _as_nobody("env", f"PYTHONPATH={REPO}", NOBODY_PYTHON, "-c", _FORGE_COUNTER, str(path), str(victim.pid))
+    assert path.stat().st_uid == NOBODY and read_counter(path) is not None  # a well-formed forgery
+    assert ShmStepSource(victim.pid, directory=shared_shm).read_now() is None
+    assert discover_shm_counters(directory=shared_shm) == {}
+
+
+def test_counter_symlink_is_not_followed(spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path) -> None:
+    from agent.watchers.steps import ShmStepSource
+
+    victim = spawn([python, "-c", "import time; time.sleep(60)"])
+    forged = nobody_dir / "forged"
+    _as_nobody("env", f"PYTHONPATH={REPO}", NOBODY_PYTHON, "-c", _FORGE_COUNTER, str(forged), str(victim.pid))
+    os.chown(forged, 0, 0)  # even a root-owned target behind the link is not read through it
+    _as_nobody("ln", "-s", str(forged), str(shared_shm / f"servewatch-steps.{victim.pid}"))
+    assert ShmStepSource(victim.pid, directory=shared_shm).read_now() is None
+
+
+_SQUAT_SOCKET = """
+import json, socket, sys, time
+path, log = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(path)
+s.listen(8)
+print("ready", flush=True)
+s.settimeout(60)
+while True:
+    try:
+        c, _ = s.accept()
+    except OSError:
+        break
+    with open(log, "a") as f:
+        f.write("connected\\n")
+    reqs = [{"request_id": f"forged-{i}", "trace_id": "0" * 32, "span_id": "0" * 16} for i in range(100001)]
+    c.sendall(json.dumps({"ok": True, "requests": reqs}).encode() + b"\\n")
+    c.close()
+"""
+
+
+def _start_sdk_server(spawn: Callable, python: str, shm: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "PYTHONPATH": str(REPO)}
+    proc = spawn([python, str(PROGRAMS_DIR / "sdk_server.py")], env=env, stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(b"pid "), line
+    return proc
+
+
+async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_them(
+    spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path
+) -> None:
+    from agent.actors.profiler import read_inflight
+    from agent.sdk._counter import counter_path
+    from agent.sdk.control import control_path
+
+    server = _start_sdk_server(spawn, python, shared_shm)
+    counter, sock = counter_path(server.pid, shared_shm), control_path(server.pid, shared_shm)
+    _as_nobody("touch", str(counter))
+    log = nobody_dir / "connections.log"
+    squatter = spawn([*AS_NOBODY, NOBODY_PYTHON, "-c", _SQUAT_SOCKET, str(sock), str(log)], stdout=subprocess.PIPE)
+    _ready(squatter)
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(b"go\n")
+    server.stdin.flush()
+    state = json.loads(server.stdout.readline())
+    assert state["forward_ct"] == 1  # the server stepped and runs on
+    assert state["published"] is False and state["control_running"] is False
+    assert "not ours" in state["control_error"]
+    time.sleep(0.3)
+    assert server.poll() is None
+    assert counter.stat().st_uid == NOBODY and counter.stat().st_size == 0  # left alone
+    target = target_of(server.pid)
+    assert target is not None
+    with anyio.fail_after(30):
+        inflight = await read_inflight([target], socket_dir=shared_shm)
+    assert inflight == []
+    assert not log.exists()  # the agent never even connected to the squatted socket
+
+
+def test_sdk_replaces_its_own_stale_files(spawn: Callable, python: str, shared_shm: Path) -> None:
+    # a file of our own uid at our pid's path is a stale one (pid reuse): replaced, not an error
+    server = _start_sdk_server(spawn, python, shared_shm)
+    from agent.sdk._counter import counter_path
+
+    counter_path(server.pid, shared_shm).write_bytes(b"stale")
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(b"go\n")
+    server.stdin.flush()
+    state = json.loads(server.stdout.readline())
+    assert state["published"] is True and state["control_running"] is True
+
+
+# --- control socket: concurrent, bounded ------------------------------------------------------
+
+
+async def test_idle_and_slow_clients_do_not_block_the_inflight_read(
+    spawn: Callable, python: str, shared_shm: Path
+) -> None:
+    from agent.actors.profiler import sdk_call
+    from agent.sdk.control import control_path
+
+    server = _start_sdk_server(spawn, python, shared_shm)
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(b"go\n")
+    server.stdin.flush()
+    assert json.loads(server.stdout.readline())["control_running"]
+    path = control_path(server.pid, shared_shm)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(50):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(str(path))
+            idle.append(c)
+        slow = idle[0]
+        slow.sendall(b'{"cmd": "inf')  # a request that never ends
+        # served at once, not after the idle ones: a serial server would take 50 x 5 s here
+        with anyio.fail_after(30):
+            reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=30, pid=server.pid)
+        assert reply["ok"] is True and reply["requests"] == []
+        # each connection has one deadline (5 s by default), not one per read: idle ones are closed
+        slow.settimeout(60)
+        assert slow.recv(100) == b""
+    finally:
+        for c in idle:
+            c.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ({"num_steps": 10**9}, "num_steps must be <="),
+        ({"num_steps": 1, "max_duration_s": 10**7}, "max_duration_s must be <="),
+        ({"num_steps": 1, "output_dir": "/etc/servewatch-evil"}, "outside the allowed folders"),
+        ({"num_steps": 1, "output_dir": "relative/dir"}, "absolute"),
+    ],
+)
+def test_profile_start_over_the_socket_is_bounded(body: dict, error: str) -> None:
+    from agent.sdk.control import handle_request
+
+    reply = handle_request({"cmd": "profile.start", **body})
+    assert reply["ok"] is False and reply["error"] == "invalid" and error in reply["detail"]
+    assert not Path("/etc/servewatch-evil").exists()

@@ -37,18 +37,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import stat
+import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+import anyio.abc
 import httpx
 from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
 from agent.sdk.control import control_path
+from agent.security import trusted_owner
 from agent.targets import Target
 
 __all__ = [
@@ -247,19 +252,67 @@ class SdkCallError(Exception):
         self.detail = detail
 
 
-async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+def _socket_owner_problem(path: Path, owner_uids: Sequence[int]) -> str | None:
+    """Why the socket file at ``path`` is not trusted (symlink, not a socket, foreign owner), or ``None``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None  # connect() reports it
+    except OSError as exc:
+        return f"cannot inspect {path}: {exc.strerror or exc}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket (symlinks are not followed)"
+    if not trusted_owner(st, owner_uids):
+        return f"{path} is owned by uid {st.st_uid}, not by the target's uid {list(owner_uids)} or root"
+    return None
+
+
+def _target_uids(pid: int | None) -> tuple[int, ...]:
+    """The uids whose control sockets count as the target's: its ``/proc/PID`` owner (we, without a pid)."""
+    if pid is None:
+        return (os.geteuid(),)
+    try:
+        return (os.stat(f"/proc/{pid}").st_uid,)
+    except OSError:
+        return ()
+
+
+#: Most in-flight requests kept per target at an incident.
+MAX_INFLIGHT_PER_TARGET = 10_000
+#: Largest reply line read from a control socket, bytes.
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+
+
+async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid: int | None = None) -> dict[str, Any]:
     """One JSON-lines request to an SDK control socket (see :mod:`agent.sdk.control`).
+
+    The socket is trusted only when it is a socket (not a symlink) owned by the target's uid
+    (``pid``'s, else ours) or root, and the peer serving it (``SO_PEERCRED``) runs as one of
+    them: a socket squatted in ``/dev/shm`` by another user is never talked to.
 
     Raises:
         SdkCallError: ``NO_SUCH_PROCESS`` (no socket / nobody listening), ``PERMISSION_DENIED``
             (socket mode or peer-uid refusal), ``TIMED_OUT``, ``FAILED`` (bad reply).
     """
+    owners = _target_uids(pid)
+    problem = _socket_owner_problem(path, owners)
+    if problem is not None:
+        raise SdkCallError(Outcome.PERMISSION_DENIED, f"untrusted control socket: {problem}")
     try:
         with anyio.fail_after(timeout_s):
             async with await anyio.connect_unix(str(path)) as stream:
+                raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+                _peer_pid, peer_uid, _gid = struct.unpack(
+                    "3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                )
+                if peer_uid not in (0, *owners):
+                    raise SdkCallError(
+                        Outcome.PERMISSION_DENIED,
+                        f"untrusted control socket: {path} is served by uid {peer_uid}, not the target's",
+                    )
                 await stream.send(json.dumps(request).encode() + b"\n")
                 reader = BufferedByteReceiveStream(stream)
-                line = await reader.receive_until(b"\n", 16 * 1024 * 1024)
+                line = await reader.receive_until(b"\n", MAX_REPLY_BYTES)
     except TimeoutError:
         raise SdkCallError(Outcome.TIMED_OUT, f"control socket {path} did not answer within {timeout_s} s") from None
     except (FileNotFoundError, ConnectionRefusedError):
@@ -428,7 +481,12 @@ class ProfilerActor:
         if req.start_step is not None:
             body["start_step"] = req.start_step
         try:
-            reply = await sdk_call(sock, body, timeout_s=c.request_timeout_s)
+            # the SDK writes only into folders that exist or that it allows: make ours exist
+            await anyio.to_thread.run_sync(lambda: req.output_dir.mkdir(parents=True, exist_ok=True))
+        except OSError as exc:
+            return s.result(Outcome.FAILED, f"cannot create {str(req.output_dir)!r}: {exc.strerror or exc}")
+        try:
+            reply = await sdk_call(sock, body, timeout_s=c.request_timeout_s, pid=s.pid)
         except SdkCallError as exc:
             return s.result(exc.outcome, exc.detail, retryable=exc.outcome is Outcome.TIMED_OUT)
         if not reply.get("ok"):
@@ -438,15 +496,15 @@ class ProfilerActor:
         sid = str(reply["session_id"])
         s.attrs["servewatch.profile.session_id"] = sid
         # The SDK ends the session itself (steps or its own deadline); allow for the export.
-        info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s)
+        info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s, pid=s.pid)
         stopped_by_us = False
         if info is None or not info.get("finished"):
             stopped_by_us = True
             try:
-                await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=c.request_timeout_s)
+                await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=c.request_timeout_s, pid=s.pid)
             except SdkCallError:
                 pass
-            info = await self._sdk_wait(sock, sid, c.find_timeout_s) or info
+            info = await self._sdk_wait(sock, sid, c.find_timeout_s, pid=s.pid) or info
         if info is None:
             return s.result(Outcome.FAILED, f"session {sid} vanished from the target's status")
         state = str(info.get("state", ""))
@@ -482,12 +540,12 @@ class ProfilerActor:
         err = info.get("error") or "the session produced no trace file"
         return s.result(Outcome.FAILED, f"{state}: {err}{' (stopped by servewatch)' if stopped_by_us else ''}", files)
 
-    async def _sdk_wait(self, sock: Path, sid: str, timeout_s: float) -> dict[str, Any] | None:
+    async def _sdk_wait(self, sock: Path, sid: str, timeout_s: float, pid: int | None = None) -> dict[str, Any] | None:
         deadline = time.monotonic() + timeout_s
         info: dict[str, Any] | None = None
         while True:
             try:
-                reply = await sdk_call(sock, {"cmd": "status", "session_id": sid}, timeout_s=self.config.request_timeout_s)
+                reply = await sdk_call(sock, {"cmd": "status", "session_id": sid}, timeout_s=self.config.request_timeout_s, pid=pid)
             except SdkCallError:
                 reply = {}
             if isinstance(reply.get("session"), dict):
@@ -651,12 +709,19 @@ async def read_inflight(targets: Sequence[Target], *, timeout_s: float = 2.0, so
         if not path.exists():
             return
         try:
-            reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s)
+            reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s, pid=target.pid)
         except SdkCallError as exc:
             logger.warning("in-flight requests of pid %d unavailable: %s", target.pid, exc)
             return
         now = time.time_ns()  # after the reply: a request admitted meanwhile has a real age
-        for r in reply.get("requests") or ():
+        requests = reply.get("requests") or ()
+        if not isinstance(requests, list):
+            return
+        if len(requests) > MAX_INFLIGHT_PER_TARGET:
+            logger.warning("pid %d reported %d requests in flight; keeping the first %d",
+                           target.pid, len(requests), MAX_INFLIGHT_PER_TARGET)
+            requests = requests[:MAX_INFLIGHT_PER_TARGET]
+        for r in requests:
             if not isinstance(r, dict):
                 continue
             start = int(r.get("start_time_unix_nano") or now)

@@ -26,8 +26,10 @@ own ``time.monotonic_ns()``.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -41,7 +43,10 @@ __all__ = [
     "CounterSnapshot",
     "SharedCounter",
     "counter_path",
+    "create_exclusive",
+    "parse_counter",
     "read_counter",
+    "remove_if_ours",
     "shm_dir",
 ]
 
@@ -100,19 +105,29 @@ class CounterSnapshot:
 
 
 def read_counter(path: Path) -> CounterSnapshot | None:
-    """Read a counter file without the writer's cooperation.
+    """Read a counter file without the writer's cooperation (a symlink is never followed).
 
     Returns:
-        The snapshot, or ``None`` when the file is missing, short or not a counter file.
+        The snapshot, or ``None`` when the file is missing, a symlink, short or not a counter file.
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read(SIZE_BYTES)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        raw = os.read(fd, SIZE_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return parse_counter(raw)
+
+
+def parse_counter(raw: bytes) -> CounterSnapshot | None:
+    """Decode the first :data:`SIZE_BYTES` of a counter file; ``None`` when short or not a counter."""
     if len(raw) < SIZE_BYTES:
         return None
-    words = struct.unpack(_FMT, raw)
+    words = struct.unpack(_FMT, raw[:SIZE_BYTES])
     if words[W_MAGIC] != MAGIC:
         return None
     return CounterSnapshot(
@@ -125,23 +140,76 @@ def read_counter(path: Path) -> CounterSnapshot | None:
     )
 
 
+_log = logging.getLogger("servewatch.sdk")
+
+
+def create_exclusive(path: Path, mode: int) -> int:
+    """Create ``path`` with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and return its fd.
+
+    A file already there is replaced only when it is a regular file (or socket) of our own
+    effective uid, i.e. a stale one of an earlier process of ours with the same pid; anything
+    else (another user's file, a symlink) is left alone.
+
+    Raises:
+        FileExistsError: the path is taken by something we do not own (or a symlink).
+        OSError: any other creation failure.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, mode)
+    except FileExistsError:
+        remove_if_ours(path)
+        return os.open(path, flags, mode)
+
+
+def remove_if_ours(path: Path) -> None:
+    """Unlink ``path`` when it is our own regular file or socket (never a symlink).
+
+    Raises:
+        FileExistsError: it is someone else's, or a symlink, or a folder.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.geteuid() or not (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
+        raise FileExistsError(f"{path} already exists and is not ours (uid {st.st_uid}): not replaced")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class SharedCounter:
     """Writer side: owns the mapped file of this process.
 
     ``words`` is a ``memoryview`` of ``SLOTS`` int64 over the mapping; item assignment is a plain
     memory store (no syscall), which is what keeps :func:`agent.sdk.step` cheap.
+
+    The file is created with ``O_EXCL | O_NOFOLLOW`` (mode 0644: the agent reads it). When
+    another user pre-created the path (or planted a symlink), the counter lives in private
+    memory instead (``published`` is ``False``): the server keeps running, unseen by the
+    agent's step watchdog, and one warning is logged.
     """
 
     def __init__(self, path: Path | None = None, pid: int | None = None) -> None:
         self.pid = os.getpid() if pid is None else pid
         self.path = path or counter_path(self.pid)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        #: whether the counter is visible to the agent (file created), else private memory
+        self.published = True
         try:
-            os.ftruncate(fd, SIZE_BYTES)
-            self._mmap = mmap.mmap(fd, SIZE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = create_exclusive(self.path, 0o644)
+        except OSError as exc:
+            self.published = False
+            _log.warning("servewatch step counter not published at %s: %s", self.path, exc)
+            self._mmap = mmap.mmap(-1, SIZE_BYTES)
+        else:
+            try:
+                os.ftruncate(fd, SIZE_BYTES)
+                self._mmap = mmap.mmap(fd, SIZE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
         self.words = memoryview(self._mmap).cast("B").cast("q")
         self.words[W_PID] = self.pid
         self.words[W_START] = time.time_ns()
@@ -153,8 +221,9 @@ class SharedCounter:
         if words is not None:
             words.release()
             self._mmap.close()
-        if unlink:
+        if unlink and self.published:
+            self.published = False
             try:
-                self.path.unlink()
-            except FileNotFoundError:
+                remove_if_ours(self.path)  # never someone else's file that replaced ours
+            except OSError:
                 pass

@@ -3,8 +3,10 @@ requests in flight.
 
 Owns the unix-socket server and its JSON-lines protocol. Imports the standard library and the
 SDK's own modules (:mod:`agent.sdk.profiler`, :mod:`agent.sdk.tracing`); never the agent side.
-The server runs in one daemon thread (the one thread the SDK starts); it never touches torch:
-profile requests are queued for the model thread by :mod:`agent.sdk.profiler`.
+The server accepts in one daemon thread and serves each connection in its own short-lived
+daemon thread (one deadline per connection), so a slow client never delays another; it never
+touches torch: profile requests are queued for the model thread by :mod:`agent.sdk.profiler`.
+``profile.start`` is bounded (:func:`check_profile_bounds`: steps, duration, output folder).
 
 Security: the socket file is created with mode 0600 (chmod right after bind; the peer check
 below covers the instant between) and every connection's peer uid is read with ``SO_PEERCRED``;
@@ -36,21 +38,36 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from agent.sdk import profiler, tracing
-from agent.sdk._counter import shm_dir
+from agent.sdk._counter import remove_if_ours, shm_dir
 
-__all__ = ["ControlServer", "control_path", "serve_control", "stop_control", "handle_request", "MAX_LINE_BYTES"]
+__all__ = [
+    "ControlServer",
+    "control_path",
+    "serve_control",
+    "stop_control",
+    "handle_request",
+    "check_profile_bounds",
+    "allowed_profile_dirs",
+    "MAX_LINE_BYTES",
+    "MAX_NUM_STEPS",
+    "MAX_DURATION_S",
+    "ENV_PROFILE_ALLOWED_DIRS",
+]
 
 #: Longest request line accepted, bytes.
 MAX_LINE_BYTES = 64 * 1024
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_log = logging.getLogger("servewatch.sdk")
 
 
 def control_path(pid: int | None = None, directory: Path | None = None) -> Path:
@@ -60,6 +77,65 @@ def control_path(pid: int | None = None, directory: Path | None = None) -> Path:
     the agent finds a server's socket from its pid alone.
     """
     return (directory or shm_dir()) / f"servewatch-ctl.{os.getpid() if pid is None else pid}.sock"
+
+
+#: Most forward steps one ``profile.start`` over the socket may ask for.
+MAX_NUM_STEPS = 100_000
+#: Longest ``max_duration_s`` one ``profile.start`` over the socket may ask for, seconds.
+MAX_DURATION_S = 3600.0
+#: Folders (``os.pathsep``-separated) a ``profile.start`` over the socket may write traces
+#: under; default the SDK's default profile folder and the temp dir.
+ENV_PROFILE_ALLOWED_DIRS = "SERVEWATCH_PROFILE_ALLOWED_DIRS"
+
+
+def allowed_profile_dirs() -> list[str]:
+    """Folders a socket client may direct traces into (see :data:`ENV_PROFILE_ALLOWED_DIRS`)."""
+    import tempfile
+
+    env = os.environ.get(ENV_PROFILE_ALLOWED_DIRS)
+    if env:
+        return [os.path.realpath(p) for p in env.split(os.pathsep) if p]
+    return [os.path.realpath(profiler._default_dir()), os.path.realpath(tempfile.gettempdir())]
+
+
+def check_profile_bounds(request: profiler.ProfileRequest) -> None:
+    """Bound what a socket client may ask for: steps, duration, and where traces go.
+
+    ``output_dir`` must be absolute and lie inside an allowed folder
+    (:func:`allowed_profile_dirs`), or already exist as a folder of this process's uid or root
+    that nobody else can write to (the agent's incident bundle): the server never creates a
+    folder elsewhere on a client's word.
+
+    Raises:
+        ValueError: one line saying which bound was passed.
+    """
+    if request.num_steps > MAX_NUM_STEPS:
+        raise ValueError(f"num_steps must be <= {MAX_NUM_STEPS}, got {request.num_steps}")
+    if not request.max_duration_s <= MAX_DURATION_S:
+        raise ValueError(f"max_duration_s must be <= {MAX_DURATION_S:g}, got {request.max_duration_s!r}")
+    if request.output_dir is None:
+        return
+    if "\0" in request.output_dir or not os.path.isabs(request.output_dir):
+        raise ValueError(f"output_dir must be an absolute path, got {request.output_dir!r}")
+    real = os.path.realpath(request.output_dir)
+    for base in allowed_profile_dirs():
+        if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+            return
+    try:
+        st = os.stat(real)
+    except OSError:
+        st = None
+    if (
+        st is not None
+        and os.path.isdir(real)
+        and st.st_uid in (0, os.geteuid())
+        and not st.st_mode & 0o022
+    ):
+        return
+    raise ValueError(
+        f"output_dir {request.output_dir!r} is outside the allowed folders {allowed_profile_dirs()}"
+        f" (set {ENV_PROFILE_ALLOWED_DIRS}) and is not an existing private folder of this server's user"
+    )
 
 
 def handle_request(req: Any) -> dict[str, Any]:
@@ -82,6 +158,7 @@ def handle_request(req: Any) -> dict[str, Any]:
     if cmd == "profile.start":
         try:
             request = profiler.ProfileRequest.from_dict(body)
+            check_profile_bounds(request)
             sid = profiler.request_profile(request)
         except profiler.ProfilerBusyError as exc:
             return {"ok": False, "error": "busy", "detail": str(exc)}
@@ -100,42 +177,71 @@ def handle_request(req: Any) -> dict[str, Any]:
 
 
 class ControlServer:
-    """A unix-socket server in one daemon thread.
+    """A unix-socket server: one daemon thread accepts, each connection gets its own thread.
+
+    Connections are served concurrently, so one slow or idle client never delays another (the
+    agent's in-flight read at an incident). Each connection has one deadline for its whole
+    life (not per read): a client that has not finished by then is disconnected. At most
+    ``max_connections`` are served at once; more are closed at accept.
+
+    The socket path is created like the step counter: a stale socket of our own uid is
+    replaced; a path another user pre-created (or a symlink) is never touched, and
+    :func:`serve_control` then logs one warning and serves nothing instead of failing.
 
     Args:
-        path: socket path (default :func:`control_path`); an existing socket file there is
-            replaced.
-        request_timeout_s: a connection idle longer than this is closed, seconds.
+        path: socket path (default :func:`control_path`).
+        request_timeout_s: deadline of one connection, from accept to close, seconds.
         poll_s: how often the accept loop checks for :meth:`close`, seconds.
+        max_connections: connections served at once.
     """
 
-    def __init__(self, path: str | Path | None = None, *, request_timeout_s: float = 5.0, poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        request_timeout_s: float = 5.0,
+        poll_s: float = 0.2,
+        max_connections: int = 256,
+    ) -> None:
         self.path = Path(path) if path is not None else control_path()
         self.request_timeout_s = request_timeout_s
         self.poll_s = poll_s
+        self.max_connections = max_connections
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(max_connections)
         #: connections refused because of their peer uid
         self.refused = 0
+        #: connections closed at accept because ``max_connections`` were open
+        self.overflow = 0
+        #: connections closed at their deadline
+        self.expired = 0
         #: requests answered
         self.served = 0
+        #: why the server is not serving (set by :func:`serve_control` when binding failed)
+        self.error: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
 
     def start(self) -> ControlServer:
-        """Bind (mode 0600) and start serving; raises OSError when the path cannot be bound."""
+        """Bind (mode 0600) and start serving.
+
+        Raises:
+            FileExistsError: the path is taken by another user's file or a symlink.
+            OSError: the path cannot be bound.
+        """
         if self._thread is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            if self.path.is_socket():
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
+        remove_if_ours(self.path)  # our own stale socket (same pid, earlier process) only
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(str(self.path))
+            sock.bind(str(self.path))  # bind(2) never follows a symlink: it fails on any existing path
             os.chmod(self.path, 0o600)
-            sock.listen(8)
+            sock.listen(64)
             sock.settimeout(self.poll_s)
         except OSError:
             sock.close()
@@ -155,8 +261,8 @@ class ControlServer:
         if sock is not None:
             sock.close()
             try:
-                self.path.unlink()
-            except FileNotFoundError:
+                remove_if_ours(self.path)
+            except OSError:
                 pass
 
     def _allowed(self, conn: socket.socket) -> bool:
@@ -173,25 +279,50 @@ class ControlServer:
                 continue
             except OSError:
                 return  # closed
-            with conn:
-                try:
-                    self._handle(conn)
-                except OSError:
-                    continue  # the client went away or timed out: serve the next one
-                except Exception:  # noqa: BLE001 - the control thread must outlive any request
-                    continue
+            if not self._slots.acquire(blocking=False):
+                self.overflow += 1
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._connection, args=(conn,), name="servewatch-control-conn", daemon=True).start()
+            except RuntimeError:  # cannot start a thread (interpreter shutting down)
+                self._slots.release()
+                conn.close()
 
-    def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(self.request_timeout_s)
+    def _connection(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + self.request_timeout_s
+        try:
+            with conn:
+                self._handle(conn, deadline)
+        except OSError:
+            pass  # the client went away or ran past its deadline
+        except Exception:  # noqa: BLE001 - the control socket must outlive any request
+            pass
+        finally:
+            self._slots.release()
+
+    def _recv(self, conn: socket.socket, deadline: float) -> bytes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self.expired += 1
+            raise TimeoutError("connection deadline passed")
+        conn.settimeout(min(remaining, 1.0) if self._stop.is_set() else remaining)
+        try:
+            return conn.recv(65536)
+        except socket.timeout:
+            self.expired += 1
+            raise
+
+    def _handle(self, conn: socket.socket, deadline: float) -> None:
         if not self._allowed(conn):
             self.refused += 1
             # Read (briefly) what the peer sent before answering, so the refusal is not lost in
             # a reset from closing a socket with unread data.
-            conn.settimeout(min(1.0, self.request_timeout_s))
             try:
-                conn.recv(MAX_LINE_BYTES)
+                self._recv(conn, min(deadline, time.monotonic() + 1.0))
             except OSError:
                 pass
+            conn.settimeout(1.0)
             self._send(conn, {"ok": False, "error": "permission_denied", "detail": "peer uid not allowed"})
             return
         buf = b""
@@ -201,7 +332,7 @@ class ControlServer:
                 if len(buf) > MAX_LINE_BYTES:
                     self._send(conn, {"ok": False, "error": "invalid", "detail": "request line too long"})
                     return
-                data = conn.recv(65536)
+                data = self._recv(conn, deadline)
                 if not data:
                     return
                 buf += data
@@ -218,6 +349,7 @@ class ControlServer:
                 if isinstance(req, dict) and "id" in req:
                     reply["id"] = req["id"]
             self.served += 1
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
             self._send(conn, reply)
 
     @staticmethod
@@ -236,16 +368,22 @@ def serve_control(path: str | Path | None = None) -> ControlServer:
         path: socket path; default :func:`control_path` of this pid.
 
     Returns:
-        The running :class:`ControlServer` (``.path`` is where it listens).
-
-    Raises:
-        OSError: the socket cannot be bound.
+        The :class:`ControlServer` (``.path`` is where it listens). When the socket cannot be
+        bound (another user pre-created the path, the folder is not writable), the server keeps
+        running without it: ``.running`` is ``False``, ``.error`` says why, one warning is logged.
     """
     global _server
     with _server_lock:
         if _server is None:
-            _server = ControlServer(path).start()
-            atexit.register(stop_control)
+            server = ControlServer(path)
+            try:
+                server.start()
+            except OSError as exc:
+                server.error = str(exc)
+                _log.warning("servewatch control socket not served at %s: %s", server.path, exc)
+            else:
+                atexit.register(stop_control)
+            _server = server
         return _server
 
 

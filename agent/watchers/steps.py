@@ -33,7 +33,8 @@ from pydantic import BaseModel, Field
 
 from agent.bus import Publisher
 from agent.events import StepsAdvanced
-from agent.sdk._counter import counter_path, read_counter, shm_dir
+from agent.sdk._counter import SIZE_BYTES, counter_path, parse_counter, shm_dir
+from agent.security import open_trusted
 
 __all__ = [
     "PRESETS",
@@ -116,20 +117,25 @@ class ShmStepSource:
 
     A reading is ``None`` when the file does not exist yet (the server has not started
     stepping), when it was written by another pid, when the process is gone, or when the file
-    predates the process now holding the pid (pid reuse, stale file of a dead process).
+    predates the process now holding the pid (pid reuse, stale file of a dead process). It is
+    also ``None`` when the file is a symlink or is owned by anyone but the process's uid or
+    root: another local user can create ``/dev/shm/servewatch-steps.<pid>`` for a server that
+    does not use the SDK, and a forged stall must never dump, let alone signal, that server.
 
     Args:
         pid: the stepping (scheduler) process.
         directory: folder of counter files; default :func:`agent.sdk._counter.shm_dir`
             (``$SERVEWATCH_SHM_DIR``, else ``/dev/shm``).
+        uid: the process's uid, when known (else read from ``/proc/PID``).
     """
 
     name = "shm"
     exact = True
 
-    def __init__(self, pid: int, *, directory: Path | None = None) -> None:
+    def __init__(self, pid: int, *, directory: Path | None = None, uid: int | None = None) -> None:
         self.pid: int | None = pid
         self._pid = pid
+        self._uid = uid
         self.path = counter_path(pid, directory)
         # start_time_unix_nano of the counter file already checked against the process start
         self._verified_start_ns: int | None = None
@@ -157,7 +163,13 @@ class ShmStepSource:
     def read_now(self) -> StepReading | None:
         """Synchronous :meth:`read` (tmpfs read, microseconds); see the class docstring."""
         read_ns = time.monotonic_ns()
-        snap = read_counter(self.path)
+        if self._uid is None:
+            try:
+                self._uid = os.stat(f"/proc/{self._pid}").st_uid
+            except OSError:
+                return None
+        raw = open_trusted(self.path, (self._uid,), max_bytes=SIZE_BYTES)
+        snap = None if raw is None else parse_counter(raw)
         if snap is None or snap.pid != self._pid:
             return None
         if not self._belongs_to_live_process(snap.start_time_unix_nano):

@@ -41,14 +41,15 @@ from agent.watchers.watchdog import WatchdogConfig
 from exporters.provider import ExportConfig
 
 __all__ = [
-    "ENV_PREFIX",
     "ENV_DATA_DIR",
+    "ENV_PREFIX",
     "ConfigError",
-    "TargetConfig",
     "MetricsConfig",
     "Settings",
-    "load_settings",
+    "SpansConfig",
+    "TargetConfig",
     "check_data_dir",
+    "load_settings",
 ]
 
 #: Prefix of servewatch's environment variables.
@@ -87,6 +88,15 @@ class MetricsConfig(StepsConfig):
     url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")
 
 
+class SpansConfig(BaseModel):
+    """Request and forward spans recorded by servers running the SDK, shipped by the agent
+    (:mod:`exporters.shipper`; the SDK side is :mod:`agent.sdk.channel`)."""
+
+    ship: bool = Field(True, description="drain the targets' span rings and export their spans (else servers export themselves)")
+    poll_interval_s: float = Field(0.25, gt=0, le=1.0, description="seconds between ring polls (the SDK falls back after 2 s without one)")
+    directory: Path | None = Field(None, description="folder of span rings (default: the SDK's shm folder)")
+
+
 class Settings(BaseSettings):
     """Everything a user can set. See the module docstring for sources and names."""
 
@@ -110,6 +120,7 @@ class Settings(BaseSettings):
     export: ExportConfig = Field(default_factory=ExportConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
+    spans: SpansConfig = Field(default_factory=SpansConfig)
 
     @model_validator(mode="after")
     def _fleet_consistent(self) -> "Settings":
@@ -125,7 +136,7 @@ class Settings(BaseSettings):
         return validate_host_name(value)
 
     @model_validator(mode="after")
-    def _coredump_folder_under_data_dir(self) -> "Settings":
+    def _coredump_folder_under_data_dir(self) -> Settings:
         # Core files go beside the bundles unless a folder was given explicitly.
         if "folder" not in self.coredump.model_fields_set:
             self.coredump = self.coredump.model_copy(update={"folder": self.data_dir / "cuda_coredumps"})

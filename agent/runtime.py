@@ -142,6 +142,8 @@ class Agent:
         self._stop = anyio.Event()
         #: the API and job coordinator (:class:`agent.fleet.Fleet`) once running, when ``api.enabled``
         self.fleet: Any = None
+        #: ships the targets' SDK request/forward spans (exporters.shipper), set by run()
+        self.shipper: Any = None
 
     # -- discovery ----------------------------------------------------------------------------
 
@@ -217,6 +219,11 @@ class Agent:
         watch_status = getattr(self.telemetry.metrics, "watch_status", None)
         if watch_status is not None:
             watch_status(self.status.states)
+        if s.spans.ship:
+            from exporters.shipper import SpanShipper
+
+            self.shipper = SpanShipper(self.telemetry.processor, host_name=s.host_name, directory=s.spans.directory)
+            self.shipper.register_metrics(self.telemetry.meter_provider)
         try:
             async with anyio.create_task_group() as outer:
                 outer.start_soon(mirror_events, mirror, mirror_sub)
@@ -231,6 +238,8 @@ class Agent:
                             self.fleet = Fleet(self, s.api, s.fleet)
                             await tg.start(self.fleet.run)
                         await self._start_watchers(tg)
+                        if self.shipper is not None:
+                            tg.start_soon(self._ship_spans, self.shipper)
                         self._ready.set()
                         task_status.started()
                         await self._stop.wait()
@@ -242,6 +251,9 @@ class Agent:
             mirror_sub.close()
             metrics_sub.close()
             status_sub.close()
+            if self.shipper is not None:  # last drain, then servers fall back to their own path
+                with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S):
+                    await anyio.to_thread.run_sync(self.shipper.close, abandon_on_cancel=True)
             if self._own_telemetry and self.telemetry is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S + 1):
                     await self.telemetry.aclose(SHUTDOWN_DEADLINE_S)
@@ -249,6 +261,7 @@ class Agent:
             incidents=len(self.incidents.records),
             suppressed=self.incidents.suppressed,
             bus=self.bus.statistics()._asdict(),
+            spans=self.shipper.statistics().to_dict() if self.shipper is not None else None,
         )
         return stats
 
@@ -347,6 +360,15 @@ class Agent:
             timeout_s=s.metrics.scrape_timeout_s,
         )
         return Watchdog(source, s.watchdog)
+    async def _ship_spans(self, shipper: Any) -> None:
+        """Poll the span rings (heartbeat + drain) off the event loop, forever."""
+        interval = self.settings.spans.poll_interval_s
+        while True:
+            try:
+                await anyio.to_thread.run_sync(shipper.poll)
+            except Exception:  # shipping must never take the agent down
+                log.exception("span shipping failed")
+            await anyio.sleep(interval)
 
     async def _start_watchers(self, tg: TaskGroup) -> None:
         s = self.settings
@@ -410,6 +432,9 @@ class Agent:
                 self.process_watcher.watch(target)
                 key = (target.pid, target.create_time_s)
                 if key in self._step_scopes:
+                if self.shipper is not None:
+                    self.shipper.attach(target.pid, target.uid)
+                if target.pid in self._watchdog_pids:
                     continue
                 source = ShmStepSource(target.pid)
                 if source.read_now() is None:

@@ -22,7 +22,9 @@ no-op no link object is built.
 ``request_span(...)`` opens an OTel span (gen_ai semantic conventions, current names:
 ``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
 ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``, ``gen_ai.response.id``) through
-the opentelemetry-api global tracer provider, records a torch range of the same name while
+the SDK's span channel (:mod:`agent.sdk.channel`: while an agent is attached the span is only
+recorded here and the agent encodes and exports it; else the opentelemetry-api tracer provider
+or a counted drop), records a torch range of the same name while
 profiling, and registers the request in the in-flight registry until it ends. Prompt or output
 text is never recorded.
 """
@@ -40,16 +42,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "maybe_record_function",
-    "request_span",
-    "forward_span",
-    "RequestHandle",
     "InflightRequest",
-    "inflight",
-    "profiling_active",
-    "torch_profiler_active",
-    "set_tracer_provider",
+    "RequestHandle",
+    "forward_span",
     "get_tracer",
+    "inflight",
+    "maybe_record_function",
+    "profiling_active",
+    "request_span",
+    "set_tracer_provider",
+    "torch_profiler_active",
 ]
 
 #: True while an SDK torch profiling session is recording (set on the model thread only).
@@ -289,6 +291,8 @@ def request_span(
     """
     from opentelemetry import trace
 
+    from agent.sdk import channel
+
     attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.response.id": request_id}
     if model:
         attrs["gen_ai.request.model"] = model
@@ -302,7 +306,9 @@ def request_span(
     start_ns = time.time_ns()
     # Not made the current span: requests interleave on one thread (async servers, or several
     # requests per batch), and context attach/detach must nest.
-    span = get_tracer().start_span(name, kind=trace.SpanKind.SERVER, attributes=attrs, start_time=start_ns)
+    # With an agent attached this is a ChannelSpan: recorded here, encoded and exported by the
+    # agent (agent.sdk.channel); else the OTel API path or a counted drop.
+    span = channel.start_span(name, kind=trace.SpanKind.SERVER, attributes=attrs, start_time=start_ns)
     ctx = span.get_span_context()
     recording = bool(ctx.is_valid)
     trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
@@ -366,6 +372,17 @@ def _link_context(request: RequestHandle | tuple[str, str]) -> tuple[Any, dict[s
     return ctx, attrs
 
 
+def _link_ids(request: RequestHandle | tuple[str, str]) -> tuple[int, int, dict[str, Any]]:
+    """Trace id, span id and link attributes of one served request, as integers."""
+    if isinstance(request, RequestHandle):
+        span = request._span
+        if hasattr(span, "_span_id") and hasattr(span, "_trace_id"):  # a ChannelSpan
+            return span._trace_id, span._span_id, {"gen_ai.response.id": request.request_id}
+        return int(request.trace_id, 16), int(request.span_id, 16), {"gen_ai.response.id": request.request_id}
+    trace_hex, span_hex = request
+    return int(trace_hex, 16), int(span_hex, 16), {}
+
+
 @contextmanager
 def forward_span(
     requests: Iterable[RequestHandle | tuple[str, str]],
@@ -402,14 +419,17 @@ def forward_span(
     """
     from opentelemetry import trace
 
-    from agent.sdk import forward_ct
+    from agent.sdk import channel, forward_ct
 
     batch = requests if isinstance(requests, (list, tuple)) else list(requests)
     attrs: dict[str, Any] = {ATTR_FORWARD_BATCH_SIZE: len(batch), ATTR_FORWARD_CT: forward_ct() + 1}
     if attributes:
         attrs.update(attributes)
-    span = get_tracer().start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs)
-    if span.is_recording():
+    span = channel.start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs)
+    if type(span) is channel.ChannelSpan:
+        for request in batch:
+            span.add_link_ids(*_link_ids(request))
+    elif span.is_recording():
         for request in batch:
             ctx, link_attrs = _link_context(request)
             span.add_link(ctx, link_attrs)

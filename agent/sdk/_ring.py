@@ -1,0 +1,454 @@
+"""The span ring: a bounded shared-memory channel from a server process to its agent.
+
+Owns the file layout, :class:`RingWriter` (the server's side, a memory mapping) and
+:class:`RingReader` (the agent's side, ``pread``/``pwrite`` only, so a target that truncates its
+file cannot crash the agent with SIGBUS). Imports only the standard library: it runs inside the
+server, and the agent reads the same layout without importing OpenTelemetry.
+
+File ``<shm_dir>/servewatch-spans.<pid>`` (``shm_dir`` as for the step counter:
+``$SERVEWATCH_SHM_DIR``, else ``/dev/shm``, else the temp dir), created by the server with
+``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600, so only the server's uid (and root) can open it.
+
+====================  ====================================================================
+bytes                 content
+====================  ====================================================================
+0 .. 127              ``HEADER_WORDS`` little-endian int64 words (table below)
+128 .. 128+META-1     metadata: UTF-8 JSON object (the server's resource attributes), NUL padded
+128+META ..           the ring: ``capacity`` bytes of records
+====================  ====================================================================
+
+=====  ===================  ======  ==============================================================
+word   name                 writer  meaning
+=====  ===================  ======  ==============================================================
+0      magic                server  ``MAGIC`` (written last: readers ignore an incomplete file)
+1      version              server  ``VERSION``
+2      pid                  server  the server's pid
+3      capacity             server  ring bytes (multiple of 8)
+4      write_pos            server  bytes ever written (monotonic; offset = pos % capacity)
+5      read_pos             agent   bytes ever consumed
+6      written              server  records written
+7      dropped_full         server  spans dropped because the ring was full (agent too slow)
+8      dropped_no_agent     server  spans dropped because no agent was attached (fallback "drop")
+9      heartbeat_ns         agent   CLOCK_MONOTONIC of the agent's last poll; 0 = detached
+10     agent_pid            agent   the consuming agent's pid
+11     start_time_ns        server  creation time (wall clock)
+12     dropped_too_large    server  spans larger than half the ring, dropped
+13     fallback_spans       server  spans sent to the server's own OTel path (no agent attached)
+14     meta_len             server  bytes of metadata JSON
+15     reserved
+=====  ===================  ======  ==============================================================
+
+A record is an 8-byte header (``<II``: payload length, CRC-32 of the payload) followed by the
+payload, padded to 8 bytes. A header whose length is ``WRAP`` means "continue at offset 0". The
+writer never overwrites unread bytes: when the record does not fit it counts a drop and returns
+(never blocks). The writer publishes ``write_pos`` after the bytes; the CRC lets the reader
+reject a record it saw torn (counted ``corrupt``), so a bad record never becomes a bad span.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import stat
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.sdk._counter import shm_dir
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "HEADER_BYTES",
+    "MAGIC",
+    "META_BYTES",
+    "VERSION",
+    "RingError",
+    "RingReader",
+    "RingStatistics",
+    "RingWriter",
+    "ring_path",
+]
+
+MAGIC = 0x3130_4E50_5357_5753  # b"SWSWPN01" little-endian
+VERSION = 1
+HEADER_WORDS = 16
+HEADER_BYTES = HEADER_WORDS * 8
+META_BYTES = 4096
+#: Default ring size, bytes (a few thousand spans; the agent drains it several times a second).
+DEFAULT_CAPACITY = 2 * 1024 * 1024
+MIN_CAPACITY = 4096
+MAX_CAPACITY = 256 * 1024 * 1024
+WRAP = 0xFFFF_FFFF
+(
+    W_MAGIC,
+    W_VERSION,
+    W_PID,
+    W_CAPACITY,
+    W_WRITE,
+    W_READ,
+    W_WRITTEN,
+    W_DROPPED_FULL,
+    W_DROPPED_NO_AGENT,
+    W_HEARTBEAT,
+    W_AGENT_PID,
+    W_START,
+    W_DROPPED_TOO_LARGE,
+    W_FALLBACK,
+    W_META_LEN,
+    _W_RESERVED,
+) = range(HEADER_WORDS)
+_HEADER = struct.Struct(f"<{HEADER_WORDS}q")
+_REC = struct.Struct("<II")
+_WORD = struct.Struct("<q")
+
+
+class RingError(OSError):
+    """A ring file is missing, not ours to trust, or not a span ring."""
+
+
+def ring_path(pid: int, directory: Path | None = None) -> Path:
+    """Path of the span ring of process ``pid``."""
+    return (directory or shm_dir()) / f"servewatch-spans.{pid}"
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass(frozen=True, slots=True)
+class RingStatistics:
+    """Counters in a ring header (one snapshot)."""
+
+    written: int
+    dropped_full: int
+    dropped_no_agent: int
+    dropped_too_large: int
+    fallback_spans: int
+    unread_bytes: int
+    capacity: int
+
+    @property
+    def dropped(self) -> int:
+        """Spans the server dropped (full ring, too large, or no agent with fallback ``drop``)."""
+        return self.dropped_full + self.dropped_no_agent + self.dropped_too_large
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "written": self.written,
+            "dropped_full": self.dropped_full,
+            "dropped_no_agent": self.dropped_no_agent,
+            "dropped_too_large": self.dropped_too_large,
+            "fallback_spans": self.fallback_spans,
+            "unread_bytes": self.unread_bytes,
+            "capacity": self.capacity,
+        }
+
+
+def _stats_from_words(words: Any) -> RingStatistics:
+    cap = int(words[W_CAPACITY])
+    return RingStatistics(
+        written=int(words[W_WRITTEN]),
+        dropped_full=int(words[W_DROPPED_FULL]),
+        dropped_no_agent=int(words[W_DROPPED_NO_AGENT]),
+        dropped_too_large=int(words[W_DROPPED_TOO_LARGE]),
+        fallback_spans=int(words[W_FALLBACK]),
+        unread_bytes=max(0, int(words[W_WRITE]) - int(words[W_READ])),
+        capacity=cap,
+    )
+
+
+class RingWriter:
+    """The server's side: creates the ring file and appends records without ever blocking.
+
+    Args:
+        capacity: ring bytes (rounded up to 8; clamped to [4 KiB, 256 MiB]).
+        metadata: JSON-ready mapping stored in the metadata area (truncated keys are dropped
+            until it fits ``META_BYTES``).
+        path: file path (default :func:`ring_path` of this pid).
+
+    Raises:
+        OSError: the file cannot be created (exists and is not ours, no space...).
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, *, metadata: Mapping[str, Any] | None = None, path: Path | None = None) -> None:
+        self.pid = os.getpid()
+        self.path = path or ring_path(self.pid)
+        cap = _pad8(min(MAX_CAPACITY, max(MIN_CAPACITY, int(capacity))))
+        meta = json.dumps(dict(metadata or {}), separators=(",", ":"), default=str).encode()
+        if len(meta) > META_BYTES:
+            meta = b"{}"
+        size = HEADER_BYTES + META_BYTES + cap
+        fd = _create_exclusive(self.path)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(self.path)
+            raise
+        os.close(fd)
+        self._buf = memoryview(self._mmap)
+        self.words = self._buf[:HEADER_BYTES].cast("q")
+        self._data = self._buf[HEADER_BYTES + META_BYTES :]
+        self.capacity = cap
+        self._buf[HEADER_BYTES : HEADER_BYTES + len(meta)] = meta
+        w = self.words
+        w[W_VERSION] = VERSION
+        w[W_PID] = self.pid
+        w[W_CAPACITY] = cap
+        w[W_START] = time.time_ns()
+        w[W_META_LEN] = len(meta)
+        w[W_MAGIC] = MAGIC  # last
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def attached(self, stale_ns: int) -> bool:
+        """Whether an agent polled within ``stale_ns`` nanoseconds (a heartbeat is fresh)."""
+        hb = self.words[W_HEARTBEAT]
+        return hb != 0 and time.monotonic_ns() - hb < stale_ns
+
+    def write(self, payload: bytes) -> bool:
+        """Append one record; ``False`` (and a counted drop) when it does not fit. Never blocks
+        on the agent: the only lock is this process's own, held for a memory copy."""
+        n = len(payload)
+        rec = 8 + _pad8(n)
+        cap = self.capacity
+        w = self.words
+        if rec > cap // 2:
+            with self._lock:
+                w[W_DROPPED_TOO_LARGE] += 1
+            return False
+        crc = zlib.crc32(payload)
+        with self._lock:
+            if self._closed:
+                return False
+            pos = w[W_WRITE]
+            used = pos - w[W_READ]
+            off = pos % cap
+            tail = cap - off
+            need = rec if rec <= tail else tail + rec
+            if used < 0 or used + need > cap:
+                w[W_DROPPED_FULL] += 1
+                return False
+            data = self._data
+            if rec > tail:
+                _REC.pack_into(data, off, WRAP, 0)
+                pos += tail
+                off = 0
+            _REC.pack_into(data, off, n, crc)
+            data[off + 8 : off + 8 + n] = payload
+            w[W_WRITTEN] += 1
+            w[W_WRITE] = pos + rec  # publish after the bytes
+        return True
+
+    def count(self, word: int, n: int = 1) -> None:
+        """Add ``n`` to a server-side counter word (``W_DROPPED_NO_AGENT``, ``W_FALLBACK``)."""
+        with self._lock:
+            if not self._closed:
+                self.words[word] += n
+
+    def statistics(self) -> RingStatistics:
+        with self._lock:
+            if self._closed:
+                return RingStatistics(0, 0, 0, 0, 0, 0, self.capacity)
+            return _stats_from_words(self.words)
+
+    def close(self, *, unlink: bool = True) -> None:
+        """Unmap and (by default) remove the file; safe twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.words.release()
+            self._data.release()
+            self._buf.release()
+            self._mmap.close()
+        if unlink:
+            _unlink_quiet(self.path)
+
+
+def _create_exclusive(path: Path) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        # A previous process with our pid left it (pid reuse), or someone planted a name. Only
+        # a file we own is removed (sticky /dev/shm refuses the rest), then created afresh.
+        st = os.lstat(path)
+        if st.st_uid != os.geteuid():
+            raise RingError(f"{path} exists and belongs to uid {st.st_uid}") from None
+        os.unlink(path)
+        return os.open(path, flags, 0o600)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class RingReader:
+    """The agent's side of one server's ring. Reads with ``pread`` and writes only ``read_pos``,
+    the heartbeat and its pid with ``pwrite``; every size and position read from the file is
+    checked, so a misbehaving writer costs counted ``corrupt`` records, never a crash.
+
+    Args:
+        pid: the server's pid (the header must say the same).
+        trusted_uids: file owners accepted (the target's uid and root); ``None`` accepts the
+            target uid check being done by the caller (tests).
+        directory: where ring files are (default :func:`agent.sdk._counter.shm_dir`).
+
+    Raises:
+        RingError: no such ring, not a regular file, a symlink, an untrusted owner, group/other
+            access, or not a valid ring of ``pid``.
+    """
+
+    def __init__(self, pid: int, *, trusted_uids: set[int] | frozenset[int] | None = None, directory: Path | None = None) -> None:
+        self.pid = pid
+        self.path = ring_path(pid, directory)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags)
+        except FileNotFoundError:
+            raise RingError(f"no span ring at {self.path}") from None
+        except OSError as exc:  # ELOOP: a symlink; EACCES: not ours
+            raise RingError(f"cannot open {self.path}: {exc.strerror or exc}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RingError(f"{self.path} is not a regular file")
+            if trusted_uids is not None and st.st_uid not in trusted_uids:
+                raise RingError(f"{self.path} belongs to uid {st.st_uid}, not the target's")
+            if st.st_mode & 0o077:
+                raise RingError(f"{self.path} is accessible to group/others (mode {stat.S_IMODE(st.st_mode):o})")
+            if st.st_nlink != 1:
+                raise RingError(f"{self.path} has {st.st_nlink} links")
+            words = self._header(fd)
+            if words is None or words[W_MAGIC] != MAGIC or words[W_VERSION] != VERSION:
+                raise RingError(f"{self.path} is not a span ring (yet)")
+            if words[W_PID] != pid:
+                raise RingError(f"{self.path} says pid {words[W_PID]}, not {pid}")
+            cap = words[W_CAPACITY]
+            if cap < MIN_CAPACITY or cap > MAX_CAPACITY or cap % 8 or st.st_size != HEADER_BYTES + META_BYTES + cap:
+                raise RingError(f"{self.path} has a bad size")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.capacity = cap
+        self.uid = st.st_uid
+        self.corrupt = 0
+        self.metadata = self._metadata(min(max(0, words[W_META_LEN]), META_BYTES))
+
+    @staticmethod
+    def _header(fd: int) -> tuple[int, ...] | None:
+        raw = os.pread(fd, HEADER_BYTES, 0)
+        return _HEADER.unpack(raw) if len(raw) == HEADER_BYTES else None
+
+    def _metadata(self, length: int) -> dict[str, Any]:
+        try:
+            meta = json.loads(os.pread(self.fd, length, HEADER_BYTES).decode())
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+    def heartbeat(self, *, detach: bool = False) -> None:
+        """Tell the server an agent is attached (or, ``detach``, that it left)."""
+        os.pwrite(self.fd, _WORD.pack(os.getpid()), W_AGENT_PID * 8)
+        os.pwrite(self.fd, _WORD.pack(0 if detach else time.monotonic_ns()), W_HEARTBEAT * 8)
+
+    def claimed_by_other(self, stale_ns: int) -> int:
+        """The pid of another live agent consuming this ring, else 0."""
+        words = self._header(self.fd)
+        if words is None:
+            return 0
+        other, hb = words[W_AGENT_PID], words[W_HEARTBEAT]
+        if other in (0, os.getpid()) or hb == 0 or time.monotonic_ns() - hb >= stale_ns:
+            return 0
+        try:
+            os.kill(other, 0)
+        except ProcessLookupError:
+            return 0
+        except PermissionError:
+            pass
+        return other
+
+    def statistics(self) -> RingStatistics | None:
+        words = self._header(self.fd)
+        return None if words is None else _stats_from_words(words)
+
+    def read(self, max_records: int = 4096, max_bytes: int = 8 * 1024 * 1024) -> list[bytes]:
+        """Take up to ``max_records`` records (their payloads) and release their space."""
+        words = self._header(self.fd)
+        if words is None:
+            self.corrupt += 1
+            return []
+        cap = self.capacity
+        w, r = words[W_WRITE], words[W_READ]
+        if w == r:
+            return []
+        if r > w or w - r > cap:
+            self.corrupt += 1
+            self._commit(w)
+            return []
+        start_off = r % cap
+        span = w - r
+        # one or two preads cover everything unread
+        if start_off + span <= cap:
+            chunk = os.pread(self.fd, span, HEADER_BYTES + META_BYTES + start_off)
+        else:
+            first = os.pread(self.fd, cap - start_off, HEADER_BYTES + META_BYTES + start_off)
+            chunk = first + os.pread(self.fd, span - len(first), HEADER_BYTES + META_BYTES)
+        if len(chunk) != span:
+            self.corrupt += 1
+            self._commit(w)
+            return []
+        out: list[bytes] = []
+        i = 0
+        taken = 0
+        while i < span and len(out) < max_records and taken < max_bytes:
+            off = (r + i) % cap
+            if span - i < 8 or cap - off < 8:
+                self.corrupt += 1
+                i = span
+                break
+            length, crc = _REC.unpack_from(chunk, i)
+            if length == WRAP:
+                i += cap - off
+                continue
+            rec = 8 + _pad8(length)
+            if rec > cap - off or i + rec > span:
+                self.corrupt += 1
+                i = span
+                break
+            payload = chunk[i + 8 : i + 8 + length]
+            i += rec
+            if zlib.crc32(payload) != crc:
+                self.corrupt += 1
+                continue
+            out.append(payload)
+            taken += length
+        self._commit(r + min(i, span))
+        return out
+
+    def _commit(self, pos: int) -> None:
+        os.pwrite(self.fd, _WORD.pack(pos), W_READ * 8)
+
+    def close(self, *, detach: bool = True) -> None:
+        """Tell the server this agent left (it falls back at once) and close the file; safe twice."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+        if detach:
+            try:
+                os.pwrite(fd, _WORD.pack(0), W_HEARTBEAT * 8)
+            except OSError:
+                pass
+        os.close(fd)

@@ -1,0 +1,456 @@
+"""The agent ships the request and forward spans its servers recorded.
+
+Owns :class:`SpanShipper`: it attaches to the span ring (:mod:`agent.sdk._ring`) of each target
+running the SDK, keeps its heartbeat fresh (so the server keeps recording into the ring instead
+of exporting itself), drains the ring, validates every record, rebuilds it as a finished
+``ReadableSpan`` under the SERVER's resource (``service.name`` and the other attributes the
+server declared, ``host.name``, ``process.pid`` of the server) and hands it to the agent's span
+processor (the lossless one: spool, replay, TLS, size-aware batches).
+
+Trust: a ring is opened only when it is a regular file (never through a symlink), owned by the
+target's uid or root, mode 0600, with one link, and its header names the target's pid. Records
+are untrusted input: sizes, types and ranges are checked; a bad record is counted
+(``invalid``/``corrupt``), never exported half-built.
+
+Counts (:class:`ShipperStatistics`, the ``servewatch.spans.channel`` metric, and
+``servewatch status``): ``received``/``shipped`` here, ``corrupt``/``invalid`` records, and the
+servers' own ``dropped_full`` (ring full: this agent too slow), ``dropped_no_agent`` and
+``dropped_too_large``, read from the ring headers and kept after a server exits.
+
+Imports opentelemetry-api/sdk and :mod:`agent.sdk._ring` (stdlib only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    Link,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
+
+from agent.sdk._ring import RingError, RingReader, RingStatistics
+
+__all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "decode_record"]
+
+log = logging.getLogger("servewatch.shipper")
+
+#: Instrumentation scope of shipped spans (the SDK's tracer name).
+SDK_SCOPE = InstrumentationScope("servewatch.sdk", "0.1.0")
+#: Limits applied to every shipped record (OTel SDK defaults where it has one).
+MAX_ATTRIBUTES = 128
+MAX_EVENTS = 128
+MAX_LINKS = 128
+MAX_STRING = 8192
+MAX_NAME = 1024
+_INT64 = (-(2**63), 2**63 - 1)
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_KINDS = {k.value: k for k in SpanKind}
+_STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
+
+
+@dataclass(frozen=True, slots=True)
+class ShipperStatistics:
+    """What the shipper saw, since it started (all counts of spans unless noted)."""
+
+    #: rings attached now
+    rings: int
+    #: valid span records taken from the rings
+    received: int
+    #: handed to the span processor (its own statistics say what became of them)
+    shipped: int
+    #: records whose CRC or framing was wrong (torn or overwritten)
+    corrupt: int
+    #: records that were not a valid span (bad JSON, types, ids)
+    invalid: int
+    #: spans the servers dropped because their ring was full
+    dropped_full: int
+    #: spans the servers dropped while no agent was attached (fallback ``drop``)
+    dropped_no_agent: int
+    #: spans the servers dropped as larger than half their ring
+    dropped_too_large: int
+    #: spans the servers sent to their own OTel path while no agent was attached
+    fallback_spans: int
+
+    @property
+    def dropped(self) -> int:
+        """Spans lost between the servers and the processor."""
+        return self.dropped_full + self.dropped_no_agent + self.dropped_too_large + self.corrupt + self.invalid
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "dropped": self.dropped}
+
+
+class _Invalid(ValueError):
+    pass
+
+
+def _clean_value(value: Any) -> Any:
+    if isinstance(value, (bool, float)):
+        return value
+    if isinstance(value, int):
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise _Invalid("int attribute out of range")
+        return value
+    if isinstance(value, str):
+        return value[:MAX_STRING]
+    if isinstance(value, list):
+        if len(value) > MAX_ATTRIBUTES:
+            value = value[:MAX_ATTRIBUTES]
+        items = [_clean_value(v) for v in value]
+        if any(isinstance(v, list) for v in items) or len({type(v) for v in items}) > 1:
+            raise _Invalid("attribute sequence not homogeneous")
+        return tuple(items)
+    raise _Invalid(f"attribute value of type {type(value).__name__}")
+
+
+def _clean_attrs(attrs: Any) -> dict[str, Any]:
+    if not isinstance(attrs, dict):
+        raise _Invalid("attributes are not an object")
+    out: dict[str, Any] = {}
+    for key, value in attrs.items():
+        if len(out) >= MAX_ATTRIBUTES:
+            break
+        if value is None:
+            continue
+        out[str(key)[:256]] = _clean_value(value)
+    return out
+
+
+def _int(value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _Invalid("bad integer field")
+    return value
+
+
+def _ctx(trace_id: int, span_id: int) -> SpanContext:
+    return SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+
+
+def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
+    """One ring record (:mod:`agent.sdk.channel` format) as a finished span.
+
+    Raises:
+        ValueError: not a valid span record.
+    """
+    try:
+        rec = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _Invalid(f"bad JSON: {exc}") from None
+    if not isinstance(rec, list) or len(rec) != 12:
+        raise _Invalid("a record is a 12-item array")
+    name, kind, trace_id, span_id, parent_id, start, end, attrs, status, desc, events, links = rec
+    if not isinstance(name, str) or not isinstance(desc, str):
+        raise _Invalid("name/description not strings")
+    trace_id = _int(trace_id, 1, 2**128 - 1)
+    span_id = _int(span_id, 1, 2**64 - 1)
+    parent_id = _int(parent_id, 0, 2**64 - 1)
+    start = _int(start, 0, _INT64[1])
+    end = _int(end, 0, _INT64[1])
+    if kind not in _KINDS or status not in _STATUS:
+        raise _Invalid("bad kind or status")
+    if not isinstance(events, list) or not isinstance(links, list):
+        raise _Invalid("events/links not arrays")
+    evs = []
+    for ev in events[:MAX_EVENTS]:
+        if not isinstance(ev, list) or len(ev) != 3 or not isinstance(ev[0], str):
+            raise _Invalid("bad event")
+        evs.append(Event(ev[0][:MAX_NAME], _clean_attrs(ev[2]), timestamp=_int(ev[1], 0, _INT64[1])))
+    lks = []
+    for lk in links[:MAX_LINKS]:
+        if not isinstance(lk, list) or len(lk) != 3:
+            raise _Invalid("bad link")
+        lks.append(Link(_ctx(_int(lk[0], 1, 2**128 - 1), _int(lk[1], 1, 2**64 - 1)), _clean_attrs(lk[2])))
+    code = _STATUS[status]
+    return ReadableSpan(
+        name=name[:MAX_NAME],
+        context=_ctx(trace_id, span_id),
+        parent=_ctx(trace_id, parent_id) if parent_id else None,
+        resource=resource,
+        attributes=_clean_attrs(attrs),  # type: ignore[arg-type]
+        events=tuple(evs),
+        links=tuple(lks),
+        kind=_KINDS[kind],
+        status=Status(code, desc[:MAX_STRING] if code is StatusCode.ERROR else None),
+        start_time=start,
+        end_time=max(start, end),
+        instrumentation_scope=SDK_SCOPE,
+    )
+
+
+def _server_resource(metadata: Mapping[str, Any], pid: int, host_name: str) -> Resource:
+    declared = metadata.get("resource")
+    attrs: dict[str, Any] = {}
+    if isinstance(declared, dict):
+        for key, value in list(declared.items())[:MAX_ATTRIBUTES]:
+            if isinstance(value, (str, bool, int, float)) and not (isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]):
+                attrs[str(key)[:256]] = value[:MAX_STRING] if isinstance(value, str) else value
+    attrs.setdefault("service.name", "unknown_service")
+    # what the agent knows first-hand wins over what the file says
+    attrs["process.pid"] = pid
+    attrs["host.name"] = host_name
+    return Resource(attrs)
+
+
+class _Attached:
+    __slots__ = ("last", "reader", "resource")
+
+    def __init__(self, reader: RingReader, resource: Resource) -> None:
+        self.reader = reader
+        self.resource = resource
+        self.last: RingStatistics | None = None
+
+
+class SpanShipper:
+    """Drains the span rings of the targets into a span processor. Thread-safe; :meth:`poll`
+    runs on a worker thread (the runtime's), everything else anywhere.
+
+    Args:
+        processor: where spans go (the agent's ``LosslessSpanProcessor``; ``on_end`` never blocks).
+        host_name: ``host.name`` of shipped spans (the agent's, i.e. the server's node).
+        directory: where ring files are (default: the SDK's shm folder).
+        stale_s: another agent that polled a ring within this long owns it (we leave it alone).
+        max_records_per_poll: bound on records taken from one ring in one poll.
+    """
+
+    def __init__(
+        self,
+        processor: SpanProcessor,
+        *,
+        host_name: str,
+        directory: Path | None = None,
+        stale_s: float = 2.0,
+        max_records_per_poll: int = 8192,
+    ) -> None:
+        self.processor = processor
+        self.host_name = host_name
+        self.directory = directory
+        self._stale_ns = int(stale_s * 1e9)
+        self._max_records = max_records_per_poll
+        self._rings: dict[int, _Attached] = {}
+        self._lock = threading.Lock()  # guards _rings and the counters
+        self._poll_lock = threading.Lock()  # one poll at a time
+        self._received = 0
+        self._shipped = 0
+        self._invalid = 0
+        self._corrupt_retired = 0
+        self._server_retired = RingStatistics(0, 0, 0, 0, 0, 0, 0)
+        self._refused: dict[int, str] = {}
+        self._closed = False
+
+    # -- attaching ---------------------------------------------------------------------------
+
+    def attach(self, pid: int, uid: int | None) -> bool:
+        """Attach to ``pid``'s ring when it has a trustworthy one (idempotent, cheap when absent).
+
+        Args:
+            uid: the target's uid; the ring must belong to it or to root.
+
+        Returns:
+            Whether the ring is attached now.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            if pid in self._rings:
+                return True
+        trusted = {0} | ({uid} if uid is not None else set())
+        try:
+            reader = RingReader(pid, trusted_uids=trusted, directory=self.directory)
+        except RingError as exc:
+            reason = str(exc)
+            if not reason.startswith("no span ring") and self._refused.get(pid) != reason:
+                self._refused[pid] = reason
+                log.warning("not shipping spans of pid %d: %s", pid, reason)
+            return False
+        other = reader.claimed_by_other(self._stale_ns)
+        if other:
+            reader.close(detach=False)
+            if self._refused.get(pid) != "claimed":
+                self._refused[pid] = "claimed"
+                log.warning("spans of pid %d are shipped by another agent (pid %d)", pid, other)
+            return False
+        try:
+            reader.heartbeat()
+        except OSError as exc:
+            reader.close(detach=False)
+            log.warning("not shipping spans of pid %d: %s", pid, exc)
+            return False
+        resource = _server_resource(reader.metadata, pid, self.host_name)
+        with self._lock:
+            if self._closed or pid in self._rings:
+                reader.close(detach=pid not in self._rings)
+                return pid in self._rings
+            self._rings[pid] = _Attached(reader, resource)
+        self._refused.pop(pid, None)
+        log.info("shipping request spans of pid %d (service.name %s)", pid, resource.attributes.get("service.name"))
+        return True
+
+    def attached_pids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._rings)
+
+    def detach(self, pid: int) -> None:
+        """Drain and let go of ``pid``'s ring (the server falls back to its own path at once)."""
+        with self._poll_lock:
+            with self._lock:
+                ring = self._rings.get(pid)
+            if ring is not None:
+                self._drain(pid, ring)
+                self._retire(pid, detach=True)
+
+    # -- polling -----------------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Heartbeat and drain every attached ring once; rings of exited servers are drained and
+        dropped. Returns the spans shipped by this poll. Never raises for one bad ring."""
+        shipped = 0
+        with self._poll_lock:
+            with self._lock:
+                rings = list(self._rings.items())
+            for pid, ring in rings:
+                gone = not _alive(pid) or not _same_file(ring.reader)
+                if not gone:
+                    try:
+                        ring.reader.heartbeat()
+                    except OSError:
+                        gone = True
+                shipped += self._drain(pid, ring)
+                if gone:
+                    self._retire(pid, detach=False)
+        return shipped
+
+    def _drain(self, pid: int, ring: _Attached) -> int:
+        try:
+            payloads = ring.reader.read(self._max_records)
+            ring.last = ring.reader.statistics() or ring.last
+        except OSError as exc:
+            log.warning("span ring of pid %d unreadable: %s", pid, exc)
+            return 0
+        emit = self.processor.on_end
+        shipped = invalid = 0
+        for payload in payloads:
+            try:
+                span = decode_record(payload, ring.resource)
+            except ValueError:
+                invalid += 1
+                continue
+            emit(span)
+            shipped += 1
+        with self._lock:
+            self._received += shipped
+            self._shipped += shipped
+            self._invalid += invalid
+        if invalid:
+            log.warning("%d invalid span record(s) from pid %d", invalid, pid)
+        return shipped
+
+    def _retire(self, pid: int, *, detach: bool) -> None:
+        with self._lock:
+            ring = self._rings.pop(pid, None)
+            if ring is None:
+                return
+            last = ring.last
+            if last is not None:
+                r = self._server_retired
+                self._server_retired = RingStatistics(
+                    written=r.written + last.written,
+                    dropped_full=r.dropped_full + last.dropped_full,
+                    dropped_no_agent=r.dropped_no_agent + last.dropped_no_agent,
+                    dropped_too_large=r.dropped_too_large + last.dropped_too_large,
+                    fallback_spans=r.fallback_spans + last.fallback_spans,
+                    unread_bytes=0,
+                    capacity=0,
+                )
+            self._corrupt_retired += ring.reader.corrupt
+        try:
+            ring.reader.close(detach=detach)
+        except OSError:
+            pass
+
+    # -- reporting / shutdown ----------------------------------------------------------------
+
+    def statistics(self) -> ShipperStatistics:
+        with self._lock:
+            rings = list(self._rings.values())
+            r = self._server_retired
+            lasts = [x.last for x in rings if x.last is not None]
+            return ShipperStatistics(
+                rings=len(rings),
+                received=self._received,
+                shipped=self._shipped,
+                corrupt=self._corrupt_retired + sum(x.reader.corrupt for x in rings),
+                invalid=self._invalid,
+                dropped_full=r.dropped_full + sum(s.dropped_full for s in lasts),
+                dropped_no_agent=r.dropped_no_agent + sum(s.dropped_no_agent for s in lasts),
+                dropped_too_large=r.dropped_too_large + sum(s.dropped_too_large for s in lasts),
+                fallback_spans=r.fallback_spans + sum(s.fallback_spans for s in lasts),
+            )
+
+    def register_metrics(self, meter_provider: Any) -> None:
+        """Report :meth:`statistics` as the ``servewatch.spans.channel`` counter (``{span}``),
+        attribute ``servewatch.channel.outcome`` = ``shipped | corrupt | invalid | dropped_full
+        | dropped_no_agent | dropped_too_large | fallback``."""
+        if meter_provider is None:
+            return
+        from opentelemetry.metrics import Observation
+
+        def observe(options: Any) -> Iterable[Observation]:
+            s = self.statistics()
+            for outcome, value in (
+                ("shipped", s.shipped), ("corrupt", s.corrupt), ("invalid", s.invalid),
+                ("dropped_full", s.dropped_full), ("dropped_no_agent", s.dropped_no_agent),
+                ("dropped_too_large", s.dropped_too_large), ("fallback", s.fallback_spans),
+            ):
+                yield Observation(value, {"servewatch.channel.outcome": outcome})
+
+        meter = meter_provider.get_meter("servewatch", "0.1.0")
+        meter.create_observable_counter(
+            "servewatch.spans.channel", [observe], unit="{span}",
+            description="Server request/forward spans through the local channel, by outcome (drops counted on both sides).",
+        )
+
+    def close(self) -> ShipperStatistics:
+        """Drain every ring one last time and detach (servers fall back at once); safe twice."""
+        with self._poll_lock:
+            with self._lock:
+                self._closed = True
+                rings = list(self._rings.items())
+            for pid, ring in rings:
+                self._drain(pid, ring)
+                self._retire(pid, detach=True)
+        return self.statistics()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _same_file(reader: RingReader) -> bool:
+    """The ring file is still the one we opened (not removed or replaced)."""
+    try:
+        a = os.fstat(reader.fd)
+        b = os.stat(reader.path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -1,0 +1,209 @@
+"""The agent ships what servers record: real server processes using agent.sdk, the span ring,
+the agent's lossless processor, a real OTLP receiver."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from opentelemetry.sdk.resources import Resource
+
+from agent.config import load_settings
+from agent.runtime import Agent
+from agent.sdk import _ring
+from exporters.provider import ExportConfig, build_telemetry
+from exporters.shipper import SpanShipper, decode_record
+from tests.conftest import PROGRAMS_DIR
+from tests.otlp_receiver import OtlpReceiver
+from tests.sdk._helpers import read_line
+
+SPAN_SERVER = str(PROGRAMS_DIR / "span_server.py")
+
+
+def _start(spawn, shm: Path, *args: str, env: dict[str, str] | None = None, argv0: list[str] | None = None) -> subprocess.Popen[bytes]:
+    full_env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "OTEL_SERVICE_NAME": "tiny-llm",
+                "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test,service.version=1.2", **(env or {})}
+    full_env["PYTHONPATH"] = str(PROGRAMS_DIR.parent.parent)
+    proc = spawn([*(argv0 or []), sys.executable, SPAN_SERVER, *args], env=full_env, stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    assert read_line(proc).startswith("ready")
+    return proc
+
+
+def _ask(proc: subprocess.Popen[bytes]) -> dict:
+    assert proc.stdin is not None
+    proc.stdin.write(b"stats\n")
+    proc.stdin.flush()
+    return json.loads(read_line(proc, timeout_s=30))
+
+
+def _poll_until(shipper: SpanShipper, predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, shipper.statistics()
+        shipper.poll()
+        time.sleep(0.05)
+
+
+def test_server_spans_reach_the_collector_under_the_server_resource(
+    spawn, tmp_path: Path, otlp_receiver: OtlpReceiver
+) -> None:
+    proc = _start(spawn, tmp_path, "--rate", "200", "--error-every", "7")
+    telemetry = build_telemetry(
+        ExportConfig(endpoint=otlp_receiver.endpoint("grpc"), protocol="grpc", metrics=False),
+        data_dir=tmp_path / "data", host_name="node-a",
+    )
+    shipper = SpanShipper(telemetry.processor, host_name="node-a", directory=tmp_path)
+    try:
+        assert shipper.attach(proc.pid, os.geteuid())
+        _poll_until(shipper, lambda: shipper.statistics().shipped >= 200)
+        shipper.close()  # detaches: the server falls back to its own (no-op) path
+        server = _ask(proc)
+        telemetry.processor.flush(10)
+        got = otlp_receiver.spans()
+    finally:
+        telemetry.shutdown(5)
+    stats = shipper.statistics()
+    assert stats.corrupt == stats.invalid == stats.dropped_full == 0
+    assert server["heavy_modules"] == []  # the server never loaded an encoder or a network client
+    # spans started before the detach and ended after it are still written to the ring (2 at most)
+    assert 0 <= server["channel"]["written"] - stats.shipped <= 2
+    assert server["channel"]["attached"] == 0 and server["channel"]["fallback_spans"] >= stats.fallback_spans
+    assert len(got) == stats.shipped
+    resources = {json.dumps(s.resource, sort_keys=True) for s in got}
+    assert len(resources) == 1
+    resource = got[0].resource
+    assert resource["service.name"] == "tiny-llm" and resource["process.pid"] == proc.pid
+    assert resource["host.name"] == "node-a" and resource["deployment.environment"] == "test"
+    assert {s.scope for s in got} == {"servewatch.sdk"}
+    requests = {s.span_id: s for s in got if s.name == "chat tiny"}
+    forwards = [s for s in got if s.name == "forward"]
+    assert requests and forwards
+    linked = [fw for fw in forwards if fw.span.links and fw.span.links[0].span_id.hex() in requests]
+    assert len(linked) >= len(forwards) - 1  # the last forward's request may still be open
+    one = next(iter(requests.values()))
+    assert one.attributes["gen_ai.operation.name"] == "chat" and one.attributes["gen_ai.usage.output_tokens"] == 4
+    assert one.attributes["gen_ai.request.model"] == "tiny" and one.attributes["gen_ai.usage.input_tokens"] == 3
+    errors = [s for s in requests.values() if s.span.status.code == 2]
+    assert errors and all(e.span.events[0].name == "exception" for e in errors)
+    assert all(s.span.kind == 2 for s in requests.values())  # SPAN_KIND_SERVER
+
+
+#: A ring writer nobody can run: the system interpreter, stdlib only (the venv may sit behind a
+#: 0700 home). It writes one valid span record a millisecond until killed.
+_NOBODY_WRITER = (
+    "import sys, time, json; from agent.sdk._ring import RingWriter;"
+    "w = RingWriter(65536, metadata={'resource': {'service.name': 'nobody-svc'}}); print('ready', flush=True);"
+    "i = 0\n"
+    "while True:\n"
+    "    i += 1; w.write(json.dumps(['chat', 1, i, i, 0, 1, 2, {}, 0, '', [], []]).encode()); time.sleep(0.001)"
+)
+
+
+def test_ring_of_another_uid_is_refused_and_the_targets_uid_accepted(spawn, request: pytest.FixtureRequest) -> None:
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs root (and /usr/bin/python3) to run the server as uid 65534")
+    shm = Path(tempfile.mkdtemp(prefix="sw-ring-", dir="/tmp"))
+    os.chown(shm, 65534, 65534)
+    request.addfinalizer(lambda: shutil.rmtree(shm, ignore_errors=True))
+    setpriv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    env = {"PATH": os.environ.get("PATH", ""), "SERVEWATCH_SHM_DIR": str(shm), "PYTHONPATH": str(PROGRAMS_DIR.parent.parent)}
+    proc = spawn([*setpriv, "/usr/bin/python3", "-c", _NOBODY_WRITER], env=env, stdout=subprocess.PIPE)
+    assert read_line(proc).startswith("ready")
+    assert os.stat(_ring.ring_path(proc.pid, shm)).st_uid == 65534
+    collected: list = []
+
+    class Collect:
+        def on_end(self, span) -> None:
+            collected.append(span)
+
+    shipper = SpanShipper(Collect(), host_name="h", directory=shm)  # type: ignore[arg-type]
+    assert not shipper.attach(proc.pid, 1000)  # "the target is uid 1000": the file is not its
+    assert shipper.attach(proc.pid, 65534)
+    _poll_until(shipper, lambda: len(collected) >= 10)
+    shipper.close()
+    assert {s.resource.attributes["process.pid"] for s in collected} == {proc.pid}
+    assert {s.resource.attributes["service.name"] for s in collected} == {"nobody-svc"}
+
+
+def test_invalid_records_are_counted_never_exported(tmp_path: Path) -> None:
+    path = _ring.ring_path(os.getpid(), tmp_path)
+    writer = _ring.RingWriter(8192, path=path, metadata={"resource": {"service.name": "x", "process.pid": 1}})
+    sent: list = []
+
+    class Collect:
+        def on_end(self, span) -> None:
+            sent.append(span)
+
+    shipper = SpanShipper(Collect(), host_name="h", directory=tmp_path)  # type: ignore[arg-type]
+    try:
+        assert shipper.attach(os.getpid(), os.geteuid())
+        good = [["ok", 0, 5, 6, 0, 10, 20, {"a": [1, 2]}, 0, "", [], []]]
+        for payload in (
+            json.dumps(good[0]), "not json", json.dumps(["short"]), json.dumps(["n", 0, 0, 6, 0, 1, 2, {}, 0, "", [], []]),
+            json.dumps(["n", 9, 5, 6, 0, 1, 2, {}, 0, "", [], []]), json.dumps(["n", 0, 5, 6, 0, 1, 2, {"x": {"y": 1}}, 0, "", [], []]),
+            json.dumps(["n", 0, 5, 6, 0, 1, 2, {"x": [1, "a"]}, 0, "", [], []]),
+        ):
+            assert writer.write(payload.encode())
+        shipper.poll()
+        stats = shipper.statistics()
+        assert [s.name for s in sent] == ["ok"] and stats.invalid == 6 and stats.shipped == 1
+        assert sent[0].resource.attributes["process.pid"] == os.getpid()  # not what the file claims
+        assert sent[0].attributes["a"] == (1, 2)
+    finally:
+        shipper.close()
+        writer.close()
+
+
+def test_decode_keeps_ids_times_links_and_error_status() -> None:
+    rec = ["forward", 0, 2**100, 7, 9, 100, 90, {"k": "v"}, 2, "boom", [["exception", 95, {"exception.type": "E"}]],
+           [[3, 4, {"gen_ai.response.id": "r"}]]]
+    span = decode_record(json.dumps(rec).encode(), Resource({"service.name": "s"}))
+    assert span.context.trace_id == 2**100 and span.context.span_id == 7 and span.parent.span_id == 9
+    assert span.start_time == 100 and span.end_time == 100  # never ends before it starts
+    assert span.status.status_code.name == "ERROR" and span.status.description == "boom"
+    assert span.links[0].context.trace_id == 3 and span.links[0].attributes["gen_ai.response.id"] == "r"
+    assert span.events[0].name == "exception"
+
+
+async def test_agent_ships_a_watched_servers_spans_and_counts_its_drops(
+    spawn, tmp_path: Path, otlp_receiver: OtlpReceiver
+) -> None:
+    shm = Path(os.environ["SERVEWATCH_SHM_DIR"])
+    # a tiny ring the agent drains a few times a second: some spans must be dropped, and counted
+    proc = _start(spawn, shm, "--rate", "400", env={"SERVEWATCH_SPAN_RING_BYTES": "4096"})
+    settings = load_settings(
+        {
+            "data_dir": tmp_path,
+            "host_name": "node-b",
+            "target": {"pids": [proc.pid]},
+            "coredump": {"enabled": False},
+            "spans": {"poll_interval_s": 0.5},
+            "export": {"endpoint": otlp_receiver.endpoint("http/protobuf"), "protocol": "http/protobuf", "metrics": False},
+        }
+    )
+    agent = Agent(settings)
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            while agent.shipper.statistics().shipped < 300 or agent.shipper.statistics().dropped_full == 0:
+                await anyio.sleep(0.1)
+            agent.stop()
+    server = _ask(proc)
+    stats = agent.shipper.statistics()
+    assert otlp_receiver.wait_for_spans(stats.shipped, timeout_s=10)
+    got = otlp_receiver.spans()
+    assert len(got) == stats.shipped
+    assert {s.resource["process.pid"] for s in got} == {proc.pid}
+    assert {s.resource["service.name"] for s in got} == {"tiny-llm"}
+    # drops are counted on both sides and agree
+    assert stats.dropped_full > 0 and server["channel"]["dropped_full"] >= stats.dropped_full
+    assert 0 <= server["channel"]["written"] - stats.shipped <= 2
+    assert server["channel"]["attached"] == 0  # the agent detached at stop: the server falls back

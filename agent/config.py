@@ -41,15 +41,15 @@ from agent.watchers.watchdog import WatchdogConfig
 from exporters.provider import ExportConfig
 
 __all__ = [
-    "ENV_DATA_DIR",
     "ENV_PREFIX",
+    "ENV_DATA_DIR",
     "ConfigError",
-    "MetricsConfig",
-    "Settings",
-    "SpansConfig",
     "TargetConfig",
-    "check_data_dir",
+    "MetricsConfig",
+    "SpansConfig",
+    "Settings",
     "load_settings",
+    "check_data_dir",
 ]
 
 #: Prefix of servewatch's environment variables.
@@ -136,7 +136,7 @@ class Settings(BaseSettings):
         return validate_host_name(value)
 
     @model_validator(mode="after")
-    def _coredump_folder_under_data_dir(self) -> Settings:
+    def _coredump_folder_under_data_dir(self) -> "Settings":
         # Core files go beside the bundles unless a folder was given explicitly.
         if "folder" not in self.coredump.model_fields_set:
             self.coredump = self.coredump.model_copy(update={"folder": self.data_dir / "cuda_coredumps"})

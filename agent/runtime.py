@@ -430,11 +430,10 @@ class Agent:
                 targets = []
             for target in targets:
                 self.process_watcher.watch(target)
-                key = (target.pid, target.create_time_s)
-                if key in self._step_scopes:
                 if self.shipper is not None:
                     self.shipper.attach(target.pid, target.uid)
-                if target.pid in self._watchdog_pids:
+                key = (target.pid, target.create_time_s)
+                if key in self._step_scopes:
                     continue
                 source = ShmStepSource(target.pid)
                 if source.read_now() is None:

@@ -42,16 +42,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "InflightRequest",
-    "RequestHandle",
-    "forward_span",
-    "get_tracer",
-    "inflight",
     "maybe_record_function",
-    "profiling_active",
     "request_span",
-    "set_tracer_provider",
+    "forward_span",
+    "RequestHandle",
+    "InflightRequest",
+    "inflight",
+    "profiling_active",
     "torch_profiler_active",
+    "set_tracer_provider",
+    "get_tracer",
 ]
 
 #: True while an SDK torch profiling session is recording (set on the model thread only).

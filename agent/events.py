@@ -91,6 +91,7 @@ class Outcome(StrEnum):
     PERMISSION_DENIED = "permission_denied"
     NO_SUCH_PROCESS = "no_such_process"
     ZOMBIE = "zombie"
+    DEAD = "dead"  # the target exited or is a zombie (exit status in the attributes when known)
     NOT_PYTHON = "not_python"
     UNSUPPORTED = "unsupported"
     MISSING_TOOL = "missing_tool"

@@ -2,7 +2,8 @@
 
 Owns :class:`Target`, discovery (descendants of a root pid, process-title globs, explicit pids)
 and the one place where psutil's exceptions are sorted into servewatch's terms
-(:func:`psutil_errors`, :func:`process_state`). Imports psutil and :mod:`agent.events` only.
+(:func:`psutil_errors`, :func:`process_state`). Imports psutil, :mod:`agent.events` and
+:mod:`agent.safetext` only.
 
 Titles: inference servers name their workers with setproctitle (SGLang ``sglang::scheduler_TP0``,
 vLLM ``VLLM::Worker_TP0``). setproctitle overwrites the argv area, so ``/proc/PID/cmdline`` reads
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from agent.events import StrEnum
+from agent.safetext import safe_text
 
 __all__ = [
     "Target",
@@ -171,8 +173,8 @@ def _target_from(proc: psutil.Process) -> Target:
     with proc.oneshot():
         if proc.status() == psutil.STATUS_ZOMBIE:
             raise psutil.ZombieProcess(proc.pid)
-        name = proc.name()
-        cmdline = tuple(arg for arg in proc.cmdline() if arg)
+        name = safe_text(proc.name())  # undecodable bytes as \xNN: titles go to files and spans
+        cmdline = tuple(safe_text(arg) for arg in proc.cmdline() if arg)
         create_time_s = proc.create_time()
         uid = proc.uids().real
     return Target(pid=proc.pid, title=_title_of(cmdline, name), create_time_s=create_time_s, cmdline=cmdline, uid=uid)

@@ -36,6 +36,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from agent.bus import Publisher
 from agent.events import TargetExited
+from agent.procinfo import note_exit
 from agent.targets import ProcessState, Target, process_state
 
 __all__ = ["ProcessWatcher", "exit_status", "signal_name"]
@@ -179,6 +180,7 @@ class ProcessWatcher:
         if watched.reported:
             return
         watched.reported = True
+        note_exit(pid, create_time_s=watched.target.create_time_s, exit_code=exit_code, signal=sig)
         await bus.publish(
             TargetExited(source=self.name, pid=pid, exit_code=exit_code, signal=sig, title=watched.target.title)
         )

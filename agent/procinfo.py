@@ -1,0 +1,234 @@
+"""Facts about a target process that /proc tells and psutil does not: how it died, who traces it,
+which pid it has in its own namespace, and text from it made safe to write anywhere.
+
+Owns: the exit registry (:func:`note_exit`, fed by the process watcher) and :func:`death_of`
+(dead or zombie, with the exit status when known), :func:`tracer_of` (``TracerPid``),
+:func:`ns_pid` (``NSpid``), :func:`uts_hostname` (the host name inside the target's uts
+namespace). Imports the stdlib, psutil, :mod:`agent.safetext` and :mod:`agent.targets` only.
+
+Facts (Linux, measured here):
+
+* ``/proc/PID/stat`` field 52 (``exit_code``) holds the wait status of a zombie (e.g. ``1280``
+  for exit code 5), readable by whoever may ptrace it, until its parent reaps it.
+* ``/proc/PID/status`` ``TracerPid:`` is non-zero while another process is ptrace-attached
+  (gdb, strace, a profiler); py-spy then fails with EPERM even as root (it cannot attach twice).
+* ``/proc/PID/status`` ``NSpid:`` lists the pid in each nested pid namespace, innermost last:
+  the pid a containerised process sees as its own (what the CUDA driver puts for ``%p``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal as _signal
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from agent.safetext import safe_text
+from agent.targets import ProcessState, Target, process_state, target_of
+
+__all__ = [
+    "Death",
+    "Tracer",
+    "note_exit",
+    "death_of",
+    "zombie_exit_status",
+    "tracer_of",
+    "ns_pid",
+    "uts_hostname",
+    "same_uts_namespace",
+]
+
+_MAX_REMEMBERED_EXITS = 4096
+#: How long a noted exit counts as "this target died" for an incident, in seconds.
+DEAD_MEMORY_S = 3600.0
+
+_exits: OrderedDict[int, tuple[float, int | None, int | None, float]] = OrderedDict()
+_exits_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class Death:
+    """A target that is no longer running.
+
+    Attributes:
+        pid: the process.
+        state: ``"zombie"`` (exited, not reaped by its parent) or ``"exited"`` (gone).
+        exit_code: its exit code when known.
+        signal: the signal that killed it, when known.
+    """
+
+    pid: int
+    state: str
+    exit_code: int | None = None
+    signal: int | None = None
+
+    def status(self) -> str:
+        """``exit code 7``, ``killed by SIGKILL`` or ``exit status unknown``."""
+        if self.signal is not None:
+            try:
+                name = _signal.Signals(self.signal).name
+            except ValueError:
+                name = f"signal {self.signal}"
+            return f"killed by {name}"
+        if self.exit_code is not None:
+            return f"exit code {self.exit_code}"
+        return "exit status unknown"
+
+    def describe(self, title: str = "") -> str:
+        """One line: ``pid 42 'sglang::scheduler_TP1' is dead (exit code 7; zombie, not reaped)``."""
+        who = f"pid {self.pid}" + (f" {safe_text(title)!r}" if title else "")
+        how = self.status() + ("; zombie, not reaped by its parent" if self.state == "zombie" else "")
+        return f"{who} is dead ({how})"
+
+    def attributes(self) -> dict[str, str | int]:
+        """Span attributes: ``servewatch.target.state`` and the exit status when known."""
+        attrs: dict[str, str | int] = {"servewatch.target.state": self.state}
+        if self.exit_code is not None:
+            attrs["process.exit.code"] = self.exit_code
+        if self.signal is not None:
+            attrs["servewatch.process.exit_signal"] = self.signal
+        return attrs
+
+
+def note_exit(pid: int, *, create_time_s: float = 0.0, exit_code: int | None = None, signal: int | None = None) -> None:
+    """Remember that ``pid`` exited (the process watcher calls this for every exit it reports).
+
+    Args:
+        pid: the process.
+        create_time_s: its creation time, so a reused pid is not taken for it (0 = unknown).
+        exit_code: exit code when known.
+        signal: killing signal when known.
+    """
+    with _exits_lock:
+        _exits[pid] = (create_time_s, exit_code, signal, time.monotonic())
+        _exits.move_to_end(pid)
+        while len(_exits) > _MAX_REMEMBERED_EXITS:
+            _exits.popitem(last=False)
+
+
+def _noted(pid: int, create_time_s: float) -> tuple[int | None, int | None] | None:
+    with _exits_lock:
+        entry = _exits.get(pid)
+    if entry is None:
+        return None
+    noted_ct, code, sig, when = entry
+    if time.monotonic() - when > DEAD_MEMORY_S:
+        return None
+    if create_time_s and noted_ct and abs(noted_ct - create_time_s) > 1.0:
+        return None
+    return code, sig
+
+
+def zombie_exit_status(pid: int) -> tuple[int | None, int | None] | None:
+    """``(exit_code, signal)`` of a zombie from ``/proc/PID/stat``; ``None`` if not readable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw.rsplit(b")", 1)[-1].split()
+    # after the comm: field 3 (state) is fields[0]; field 52 (exit_code) is fields[49]
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    try:
+        status = int(fields[49])
+    except ValueError:
+        return None
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return None
+
+
+def death_of(target: Target) -> Death | None:
+    """Whether ``target`` died, and how.
+
+    A zombie is dead (its status read from /proc, else from the exit registry). A process that is
+    gone is dead when servewatch knew it alive (``create_time_s`` set, or an exit was noted);
+    a pid that was never seen is not reported as dead (the caller says "no such process").
+
+    Returns:
+        The :class:`Death`, or ``None`` while it runs (or was never known).
+    """
+    state = process_state(target.pid, create_time_s=target.create_time_s)
+    if state is ProcessState.ZOMBIE:
+        status = zombie_exit_status(target.pid) or _noted(target.pid, target.create_time_s) or (None, None)
+        return Death(target.pid, "zombie", *status)
+    if state is ProcessState.GONE:
+        noted = _noted(target.pid, target.create_time_s)
+        if noted is not None:
+            return Death(target.pid, "exited", *noted)
+        if target.create_time_s:
+            return Death(target.pid, "exited")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Tracer:
+    """The process ptrace-attached to a target."""
+
+    pid: int
+    title: str
+
+    def describe(self) -> str:
+        return f"pid {self.pid} {self.title!r}" if self.title else f"pid {self.pid}"
+
+
+def _status_field(pid: int, name: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if sep and key == name:
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+def tracer_of(pid: int) -> Tracer | None:
+    """Who is ptrace-attached to ``pid`` (``TracerPid``), or ``None`` (not traced / unreadable)."""
+    value = _status_field(pid, "TracerPid")
+    try:
+        tracer_pid = int(value) if value else 0
+    except ValueError:
+        return None
+    if tracer_pid <= 0:
+        return None
+    found = target_of(tracer_pid)
+    return Tracer(tracer_pid, safe_text(found.title) if found is not None else "")
+
+
+def ns_pid(pid: int) -> int:
+    """The pid ``pid`` has in its own (innermost) pid namespace (``NSpid``); ``pid`` if unknown."""
+    value = _status_field(pid, "NSpid")
+    if value:
+        try:
+            return int(value.split()[-1])
+        except ValueError:
+            pass
+    return pid
+
+
+def same_uts_namespace(pid: int) -> bool:
+    """Whether ``pid`` shares servewatch's uts namespace (host name); True when unknowable."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/uts").st_ino == os.stat("/proc/self/ns/uts").st_ino
+    except OSError:
+        return True
+
+
+def uts_hostname(pid: int) -> str | None:
+    """The host name inside ``pid``'s uts namespace, when it can be learnt without entering it.
+
+    Read from ``/proc/PID/root/proc/sys/kernel/hostname`` (a procfs mounted in the target's
+    mount namespace answers for the reader's namespaces, so this is only trusted when the uts
+    namespace is ours) — in practice: our own host name when the namespace is shared, else
+    ``None`` (the caller then matches ``%h`` as a wildcard).
+    """
+    if same_uts_namespace(pid):
+        return os.uname().nodename
+    return None

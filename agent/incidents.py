@@ -362,8 +362,8 @@ class IncidentManager:
         except Exception:  # discovery must never take the agent down
             log.exception("target discovery failed")
             targets = []
-        if isinstance(cause, TargetExited):
-            targets = [t for t in targets if t.pid != cause.pid]
+        # An exited target stays in the incident when discovery returns it: its actions report it
+        # dead (with its exit status), which is often why the other ranks hang.
         if pid is not None:  # the culprit first
             targets.sort(key=lambda t: t.pid != pid)
 

@@ -168,7 +168,7 @@ def death_of(target: Target) -> Death | None:
 
 @dataclass(frozen=True, slots=True)
 class Tracer:
-    """The process ptrace-attached to a target."""
+    """The process ptrace-attached to a target: its pid and command line (at most 160 chars)."""
 
     pid: int
     title: str
@@ -199,7 +199,10 @@ def tracer_of(pid: int) -> Tracer | None:
     if tracer_pid <= 0:
         return None
     found = target_of(tracer_pid)
-    return Tracer(tracer_pid, safe_text(found.title) if found is not None else "")
+    if found is None:
+        return Tracer(tracer_pid, "")
+    command = " ".join(found.cmdline) or found.title  # "gdb -p 42", "strace -p 42", "python holder.py 42"
+    return Tracer(tracer_pid, safe_text(command if len(command) <= 160 else command[:159] + "…"))
 
 
 def ns_pid(pid: int) -> int:

@@ -38,6 +38,7 @@ from agent.events import (
 )
 from agent.fsutil import remove_stale_temps
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase
+from agent.procinfo import DEAD_MEMORY_S, death_of
 from agent.targets import NO_TARGET_WARNING, ProcessState, Target, discover, process_state, spread_warning
 from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
@@ -54,6 +55,8 @@ log = logging.getLogger("servewatch.runtime")
 
 #: Seconds between target re-discovery scans.
 REDISCOVER_INTERVAL_S = 2.0
+#: Targets remembered after they were last seen alive (to report a rank that died as dead).
+MAX_REMEMBERED_TARGETS = 4096
 #: Upper bound on flushing telemetry at shutdown, seconds.
 SHUTDOWN_DEADLINE_S = 3.0
 #: A crashed watcher is restarted after this many seconds, doubling up to the maximum.
@@ -125,7 +128,7 @@ class Agent:
             config=settings.incident,
             data_dir=settings.data_dir,
             host_name=settings.host_name,
-            discover=self.discover,
+            discover=self.incident_targets,
             phases=phases,
             inflight=self._inflight,
             on_incident=on_incident,
@@ -138,6 +141,7 @@ class Agent:
         self.restarts: dict[str, int] = {}
         self._told_no_target = False
         self._warned_spread = False
+        self._seen: dict[int, tuple[Target, float]] = {}
         self._ready = anyio.Event()
         self._stop = anyio.Event()
         #: the API and job coordinator (:class:`agent.fleet.Fleet`) once running, when ``api.enabled``
@@ -152,12 +156,36 @@ class Agent:
         t = self.settings.target
         root_pids = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
         found = discover(root_pids=root_pids, title_globs=t.match, pids=t.pids, uids=t.uids)
+        self._remember(found)
         if not self._warned_spread:
             warning = spread_warning(found, title_globs=t.match, root_pids=root_pids)
             if warning is not None:
                 self._warned_spread = True  # once per agent: the operator has been told
                 log.warning("%s", warning)
         return found
+
+    def _remember(self, found: Sequence[Target]) -> None:
+        """Keep the targets seen alive (bounded), so one that dies is still reported in incidents."""
+        now = time.monotonic()
+        for target in found:
+            self._seen[target.pid] = (target, now)
+        if len(self._seen) > MAX_REMEMBERED_TARGETS:
+            for pid, _ in sorted(self._seen.items(), key=lambda item: item[1][1])[: len(self._seen) - MAX_REMEMBERED_TARGETS]:
+                del self._seen[pid]
+
+    def incident_targets(self) -> list[Target]:
+        """Targets of an incident: the live ones, plus those seen alive within
+        :data:`~agent.procinfo.DEAD_MEMORY_S` that have died since (a dead or zombie rank is reported
+        as dead, with its exit status when known)."""
+        live = self.discover()
+        pids = {t.pid for t in live}
+        horizon = time.monotonic() - DEAD_MEMORY_S
+        dead = [
+            target
+            for pid, (target, seen) in list(self._seen.items())
+            if pid not in pids and seen >= horizon and death_of(target) is not None
+        ]
+        return sorted([*live, *dead], key=lambda t: t.pid)
 
     # -- phases (actors behind the incident manager) -----------------------------------------
 

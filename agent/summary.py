@@ -15,6 +15,9 @@ __all__ = ["HUNG_FRAME_ATTR", "incident_summary", "summary_lines"]
 
 #: Span attribute of a ``pyspy.dump`` result holding the innermost frame of the active thread.
 HUNG_FRAME_ATTR = "servewatch.pyspy.hung_frame"
+#: Span attributes of a ``pyspy.dump`` result: labels of the idle (waiting for work) and stuck threads.
+IDLE_THREADS_ATTR = "servewatch.pyspy.idle_threads"
+STUCK_THREADS_ATTR = "servewatch.pyspy.stuck_threads"
 
 
 def _title(record: IncidentRecord, pid: int | None) -> str:
@@ -69,18 +72,26 @@ def summary_lines(record: IncidentRecord) -> list[str]:
         who = f"pid {r.pid} {_title(record, r.pid)}".rstrip() if r.pid is not None else ""
         line = f"  {r.action:<15} {who:<32} {r.outcome.value:<17} {r.duration_s:6.2f}s"
         hung = r.attributes.get(HUNG_FRAME_ATTR)
+        idle = r.attributes.get(IDLE_THREADS_ATTR) or ()
         if hung:
             line += f"  hung frame: {hung}"
+        elif r.outcome is Outcome.OK and r.action == "pyspy.dump" and idle:
+            line += "  all idle (waiting for work): nothing is stuck"
         elif r.outcome is not Outcome.OK and r.detail:
             line += f"  {r.detail}"
+        if idle and isinstance(idle, tuple):
+            stuck = r.attributes.get(STUCK_THREADS_ATTR) or ()
+            line += f"; stuck threads: {', '.join(map(str, stuck)) or 'none'}; idle: {', '.join(map(str, idle))}"
         lines.append(line)
     if record.inflight:
         lines.append(f"  {len(record.inflight)} request(s) in flight, listed in requests.json")
     dumps = [r for r in record.results if r.action == "pyspy.dump"]
     ok = sum(1 for r in dumps if r.outcome is Outcome.OK)
+    dead = sum(1 for r in dumps if r.outcome is Outcome.DEAD)
     lines.append(
         f"Wrote {ok} stack dump(s) to '{record.bundle_dir}/'. Processes: {len(record.targets)}"
-        f" Errors: {len(dumps) - ok}"
+        + (f" Dead: {dead}" if dead else "")
+        + f" Errors: {len(dumps) - ok - dead}"
     )
     lines.append(f"View: servewatch timeline {o.incident_id} --data-dir {record.bundle_dir.parent.parent}")
     return lines

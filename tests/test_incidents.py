@@ -131,7 +131,8 @@ async def test_exit_code_zero_is_not_an_incident_but_a_signal_is(tmp_path: Path)
     mgr.expect_exit(5)  # asked to stop (launch forwarded the operator's SIGTERM)
     assert mgr.classify(TargetExited(pid=5, signal=15)) is None
     record = await mgr.open_incident("exit", pid=101, cause=TargetExited(pid=101, exit_code=1))
-    assert [t.pid for t in record.targets] == [102]  # the dead process is not dumped
+    # the dead process stays in the incident, first (its actions report it dead: often the cause)
+    assert [t.pid for t in record.targets] == [101, 102]
 
 
 async def test_failing_and_hanging_phases_become_outcomes(tmp_path: Path) -> None:

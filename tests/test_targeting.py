@@ -139,6 +139,16 @@ def test_launch_match_filters_the_launched_tree(python, tmp_path: Path) -> None:
     assert not acted & {roles["detokenizer"], int(words[1])}  # neither the detokenizer nor the main process
     tp0 = [x for x in manifest["actions"] if x["pid"] == roles["scheduler_TP0"] and x["action"] == "pyspy.dump"]
     assert [x["outcome"] for x in tp0] == ["ok"]
+    # the rank that died is in the incident as dead, with the exit status read from its zombie
+    assert "(exit code 7)" in manifest["detail"]
+    (dead,) = [x for x in manifest["actions"] if x["pid"] == roles["scheduler_TP1"]]
+    assert dead["action"] == "pyspy.dump" and dead["outcome"] == "dead", dead
+    assert dead["attributes"]["servewatch.target.state"] == "zombie"
+    assert dead["attributes"]["process.exit.code"] == 7
+    assert "is dead (exit code 7; zombie" in dead["detail"]
+    (span,) = [x for x in file_spans(tmp_path / "data")
+               if x["name"] == "pyspy.dump" and x["attributes"]["process.pid"] == roles["scheduler_TP1"]]
+    assert span["attributes"]["servewatch.outcome"] == "dead" and span["attributes"]["process.exit.code"] == 7
 
 
 def test_health_url_without_a_target_warns_once_at_start(tmp_path: Path) -> None:

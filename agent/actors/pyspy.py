@@ -62,6 +62,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from agent.actors import act_all
 from agent.events import ActionResult, AttributeValue, ComponentStatus, IncidentOpened, Outcome, frozen_attrs, now_ns
 from agent.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
+from agent.procinfo import Death, Tracer, death_of, tracer_of
+from agent.safetext import safe_text
 from agent.targets import ProcessState, Target, process_state
 
 __all__ = [
@@ -80,6 +82,8 @@ __all__ = [
     "render_text",
     "hung_location",
     "hung_frame",
+    "thread_is_idle",
+    "idle_and_stuck",
     "summarize",
 ]
 
@@ -118,6 +122,10 @@ class PySpyConfig(BaseModel):
     """User settings of the py-spy actor (TOML table ``[pyspy]``, env ``SERVEWATCH_PYSPY__*``).
 
     Attributes:
+        enabled: dump stacks during incidents (default True). ``False`` (SGLang's
+            ``SGLANG_PYSPY_DUMP_BEFORE_CRASH=0`` analogue, env ``SERVEWATCH_PYSPY__ENABLED``)
+            records each target as ``skipped`` without running py-spy; a dead target is still
+            reported as ``dead``.
         executable: path of the py-spy binary; default: the one installed next to the Python
             running servewatch, else ``py-spy`` on ``PATH``. ``None`` (not found) makes every dump
             ``MISSING_TOOL`` and :meth:`PySpyActor.check` ``PERMANENT_ERROR``.
@@ -147,6 +155,7 @@ class PySpyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    enabled: bool = True
     executable: str | None = Field(default_factory=default_executable)
     timeout_s: float = Field(default=10.0, gt=0)
     native: bool = True
@@ -197,9 +206,15 @@ class Frame:
     module: str | None = None
 
     @property
+    def unresolved(self) -> bool:
+        """A native frame py-spy could not symbolise: ``module`` null and file ``?`` (e.g. its
+        shared object was replaced or deleted on disk). Never a hung frame."""
+        return self.module is None and self.filename in ("", "?")
+
+    @property
     def native(self) -> bool:
-        """Whether this is a native (C/C++) frame rather than a Python one."""
-        return self.module is not None
+        """Whether this is a native (C/C++) frame rather than a Python one (unresolved included)."""
+        return self.module is not None or self.unresolved
 
     def describe(self) -> str:
         """``function (file:line)``, or ``function (lib.so)`` for a native frame."""
@@ -254,7 +269,8 @@ def _int(value: object, default: int = 0) -> int:
 
 
 def _str(value: object) -> str:
-    return value if isinstance(value, str) else ""
+    """A JSON string field made safe to write (undecodable bytes as ``\\xNN``), else ``""``."""
+    return safe_text(value) if isinstance(value, str) else ""
 
 
 def parse_dump(json_text: str | bytes) -> list[ThreadStack]:
@@ -274,6 +290,9 @@ def parse_dump(json_text: str | bytes) -> list[ThreadStack]:
     Raises:
         ValueError: the text is not JSON or not a list of thread objects.
     """
+    if isinstance(json_text, bytes):
+        # py-spy copies names byte for byte: invalid UTF-8 must never lose the whole dump
+        json_text = json_text.decode("utf-8", "surrogateescape")
     threads = parse_threads(json.loads(json_text))
     threads.sort(key=lambda t: (not t.is_main, not t.active))
     return threads
@@ -308,7 +327,7 @@ def parse_threads(data: object, *, pid: int | None = None) -> list[ThreadStack]:
                 filename=_str(f.get("filename")),
                 short_filename=_str(f.get("short_filename")),
                 line=_int(f.get("line")),
-                module=f.get("module") if isinstance(f.get("module"), str) else None,
+                module=_str(f.get("module")) if isinstance(f.get("module"), str) else None,
             )
             for f in item.get("frames") or ()
             if isinstance(f, dict)
@@ -347,30 +366,57 @@ def render_text(threads: Sequence[ThreadStack], *, header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
-    """The thread a stall is read from: the main thread, else the first active one, else the
-    first with frames.
-
-    Args:
-        threads: as returned by :func:`parse_dump` or :func:`parse_threads`.
-
-    Returns:
-        That thread, or ``None`` when no thread has frames.
-    """
-    for pick in (lambda t: t.is_main, lambda t: t.active, lambda t: True):
-        for thread in threads:
-            if pick(thread) and thread.frames:
-                return thread
-    return None
-
-
 _STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
+
+#: Where a thread waits for work (its innermost Python frame outside ``threading``): the stdlib's
+#: queues, selectors and sockets, asyncio's loop, executor and multiprocessing workers, and ZeroMQ
+#: (SGLang's schedulers and detokenizer idle in ``zmq`` ``recv``).
+_WORK_WAIT_PATH = re.compile(
+    r"/(queue|selectors|socket|ssl|sched)\.py$|/asyncio/|/concurrent/futures/|"
+    r"/multiprocessing/(connection|queues|pool|managers|synchronize)\.py$|/zmq/"
+)
 
 
 def _is_plumbing(frame: Frame) -> bool:
     """A Python frame of the standard library (``threading.Event.wait``, ``queue.get``) or a
     frozen module: where everything waits, so not what a hang is about."""
     return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
+
+
+def thread_is_idle(thread: ThreadStack) -> bool:
+    """Whether a thread is idle: waiting for work, not stuck.
+
+    Idle means py-spy saw it waiting (not ``active``) and the innermost Python frame outside
+    ``threading`` is a work source (a queue, selector, socket, event loop, executor or
+    multiprocessing worker, ZeroMQ). A thread waiting in the program's own code (a collective, a
+    lock, ``Event.wait`` called from a model) is stuck, not idle; a running thread is never idle.
+    """
+    if thread.active:
+        return False
+    python = [f for f in thread.frames if not f.native]
+    for frame in python:
+        if frame.filename.endswith("/threading.py") or frame.filename.startswith("<frozen"):
+            continue
+        return bool(_WORK_WAIT_PATH.search(frame.filename))
+    return bool(python)  # only threading frames (a Timer, a bare Event.wait): idle
+
+
+def _main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
+    """The thread a stall is read from: the first of main thread, active threads, any thread
+    with frames that is not idle (see :func:`thread_is_idle`); ``None`` when every thread with
+    frames is idle (the process waits for work: nothing is hung).
+
+    Args:
+        threads: as returned by :func:`parse_dump` or :func:`parse_threads`.
+
+    Returns:
+        That thread, or ``None``.
+    """
+    for pick in (lambda t: t.is_main, lambda t: t.active, lambda t: True):
+        for thread in threads:
+            if pick(thread) and thread.frames and not thread_is_idle(thread):
+                return thread
+    return None
 
 
 def hung_location(threads: Sequence[ThreadStack]) -> tuple[ThreadStack, int] | None:
@@ -381,32 +427,49 @@ def hung_location(threads: Sequence[ThreadStack]) -> tuple[ThreadStack, int] | N
 
     Returns:
         ``(thread, index)`` with ``thread.frames[index]`` the hung frame, or ``None`` when no
-        thread has frames.
+        thread is stuck (all idle, or no frames) or the stuck thread has no resolved frame.
     """
     thread = _main_thread(threads)
     if thread is None:
         return None
     python = [i for i, frame in enumerate(thread.frames) if not frame.native]
-    index = next((i for i in python if not _is_plumbing(thread.frames[i])), python[0] if python else 0)
+    index = next((i for i in python if not _is_plumbing(thread.frames[i])), python[0] if python else None)
+    if index is None:  # no Python frame: the innermost symbolised native one, never an unresolved one
+        index = next((i for i, f in enumerate(thread.frames) if not f.unresolved), None)
+    if index is None:
+        return None
     return thread, index
 
 
 def hung_frame(threads: Sequence[ThreadStack]) -> str:
     """The frame a hung process is stuck in, as the demo and the summary show it.
 
-    The main thread is chosen (else the first active one, else any with frames). Its innermost
-    Python frame outside the standard library is the answer (``hung_in_allreduce (model.py:7)``
-    rather than ``Event.wait (threading.py:629)`` or a libc wait under it); failing that, its
-    innermost Python frame; failing that, its innermost frame.
+    The thread is the main thread unless it is idle (waiting for work), else the first active
+    one, else the first other thread that is not idle. Its innermost Python frame outside the
+    standard library is the answer (``hung_in_allreduce (model.py:7)`` rather than
+    ``Event.wait (threading.py:629)`` or a libc wait under it); failing that, its innermost
+    Python frame; failing that, its innermost symbolised native frame. A frame py-spy could not
+    resolve (module null, file ``?``) is never the answer.
 
     Returns:
-        ``"function (file:line)"``, or ``""`` for an empty dump.
+        ``"function (file:line)"``, or ``""`` when nothing is stuck (all threads idle, or an
+        empty dump).
     """
     location = hung_location(threads)
     if location is None:
         return ""
     thread, index = location
     return thread.frames[index].describe()
+
+
+def idle_and_stuck(threads: Sequence[ThreadStack]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Labels of the idle threads and of the stuck (not idle) ones, in dump order.
+
+    Threads without frames count as neither.
+    """
+    idle = tuple(t.label for t in threads if t.frames and thread_is_idle(t))
+    stuck = tuple(t.label for t in threads if t.frames and not thread_is_idle(t))
+    return idle, stuck
 
 
 def _clip(text: str, limit: int = _MAX_ATTR_CHARS) -> str:
@@ -746,6 +809,14 @@ class PySpyActor:
                 attributes=frozen_attrs(base, **attrs),
             )
 
+        def dead(death: Death) -> ActionResult:
+            return result(Outcome.DEAD, f"{death.describe(target.title)}: no stacks to read", **death.attributes())
+
+        death = await anyio.to_thread.run_sync(death_of, target)
+        if death is not None:  # a dead rank is evidence (often why the others hang), not an error
+            return dead(death)
+        if not self.config.enabled:
+            return result(Outcome.SKIPPED, "py-spy dumps are disabled (pyspy.enabled = false)")
         exe = self.config.executable
         status, why = await anyio.to_thread.run_sync(self.check)
         if status is not ComponentStatus.OK or not exe:
@@ -754,8 +825,6 @@ class PySpyActor:
         state = await _probe(target)
         if state is ProcessState.GONE:
             return result(Outcome.NO_SUCH_PROCESS, f"pid {target.pid} is not running (or was reused)")
-        if state is ProcessState.ZOMBIE:
-            return result(Outcome.ZOMBIE, f"pid {target.pid} is a zombie (exited, not reaped): no stacks to read")
 
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.config.max_concurrency)
@@ -763,8 +832,23 @@ class PySpyActor:
         try:
             async with lock:
                 async with self._limiter:
-                    attempts = await self._attempts_for(target, exe, timeout_s)
-                return await self._report(target, attempts, artifact_dir, result, base)
+                    tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
+                    attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
+                    verdict = attempts[-1][1]
+                    if tracer is None and verdict.outcome is Outcome.PERMISSION_DENIED:
+                        # attached by another tool since (or between) our probes: ask who, once
+                        tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
+                        if tracer is not None:
+                            attempts += await self._attempts_for(target, exe, timeout_s, nonblocking=True)
+                if attempts[-1][1].outcome in (Outcome.NO_SUCH_PROCESS, Outcome.ZOMBIE):
+                    death = await anyio.to_thread.run_sync(death_of, target)
+                    if death is not None:
+                        return dead(death)
+                if tracer is not None:
+                    base["servewatch.pyspy.traced_by_pid"] = tracer.pid
+                    base["servewatch.pyspy.traced_by"] = _clip(tracer.describe())
+                    base["servewatch.pyspy.nonblocking"] = True
+                return await self._report(target, attempts, artifact_dir, result, base, tracer=tracer)
         finally:
             self._release_pid_lock(target.pid)
 
@@ -775,6 +859,8 @@ class PySpyActor:
         artifact_dir: Path,
         result: Callable[..., ActionResult],
         base: dict[str, AttributeValue],
+        *,
+        tracer: Tracer | None = None,
     ) -> ActionResult:
         """Write the artifacts of a finished dump and build its result (under the pid's lock,
         so a second dump of the same pid picks the next free file name)."""
@@ -802,7 +888,10 @@ class PySpyActor:
             await anyio.to_thread.run_sync(atomic_write_text, err_path, report)
             if last.returncode is not None:
                 base["servewatch.pyspy.exit_code"] = last.returncode
-            return result(verdict.outcome, verdict.detail, retryable=verdict.retryable, paths=(str(err_path),))
+            detail = verdict.detail
+            if tracer is not None:
+                detail = f"pid {target.pid} is ptrace-attached by {tracer.describe()}; {detail}"
+            return result(verdict.outcome, detail, retryable=verdict.retryable, paths=(str(err_path),))
 
         if last.stdout_truncated:
             return result(Outcome.FAILED, f"py-spy output for pid {target.pid} exceeded {self.config.max_output_bytes} bytes", retryable=False)
@@ -813,32 +902,54 @@ class PySpyActor:
 
         json_path = stem.with_name(stem.name + ".json")
         txt_path = stem.with_name(stem.name + ".txt")
-        header = f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n"
+        header = safe_text(f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n")
+        if tracer is not None:
+            header += f"# ptrace-attached by {tracer.describe()}: dumped with --nonblocking (not paused; stacks may be torn)\n"
         await anyio.to_thread.run_sync(atomic_write_bytes, json_path, last.stdout)
         await anyio.to_thread.run_sync(atomic_write_text, txt_path, render_text(threads, header=header))
         hung = hung_frame(threads)
         stacks = summarize(threads, max_threads=self.config.max_threads, max_frames=self.config.max_frames)
+        idle, stuck = idle_and_stuck(threads)
+        cap = self.config.max_threads
+        if hung:
+            detail = f"{len(threads)} threads; hung frame: {hung}"
+        else:
+            detail = f"{len(threads)} threads, all idle (waiting for work): nothing is stuck"
+        if idle:
+            detail += f"; stuck: {', '.join(stuck) or 'none'}; idle: {', '.join(idle)}"
+        if tracer is not None:
+            detail = (
+                f"pid {target.pid} is ptrace-attached by {tracer.describe()}: dumped with --nonblocking "
+                f"(not paused; stacks may be torn); {detail}"
+            )
         return result(
             Outcome.OK,
-            f"{len(threads)} threads; hung frame: {hung or '?'}",
+            detail,
             paths=(str(json_path), str(txt_path)),
             **{
                 "servewatch.pyspy.thread_count": len(threads),
                 "servewatch.pyspy.hung_frame": _clip(hung),
                 "servewatch.pyspy.stacks": stacks,
-                "servewatch.pyspy.threads_truncated": len(threads) > self.config.max_threads,
+                "servewatch.pyspy.threads_truncated": len(threads) > cap,
+                "servewatch.pyspy.idle_threads": tuple(_clip(x) for x in idle[:cap]),
+                "servewatch.pyspy.stuck_threads": tuple(_clip(x) for x in stuck[:cap]),
             },
         )
 
-    async def _attempts_for(self, target: Target, exe: str, timeout_s: float) -> list[tuple[_Attempt, Classification]]:
+    async def _attempts_for(
+        self, target: Target, exe: str, timeout_s: float, *, nonblocking: bool = False
+    ) -> list[tuple[_Attempt, Classification]]:
         """Run ``--native`` then, if the failure says it may help, a plain attempt, within
-        ``timeout_s`` seconds in all."""
+        ``timeout_s`` seconds in all (``nonblocking``: one ``--nonblocking`` attempt, never
+        ``--native``, for a target another tool holds ptrace-attached)."""
         deadline = anyio.current_time() + max(timeout_s, 0.0)
-        native = self.native_enabled
+        native = self.native_enabled and not nonblocking
         done: list[tuple[_Attempt, Classification]] = []
         while True:
             remaining = deadline - anyio.current_time()
-            attempt = await self._run_once(target, exe, native=native, timeout_s=max(0.0, min(self.config.timeout_s, remaining)))
+            attempt = await self._run_once(
+                target, exe, native=native, nonblocking=nonblocking, timeout_s=max(0.0, min(self.config.timeout_s, remaining))
+            )
             after = ProcessState.RUNNING
             if attempt.returncode != 0 and attempt.launch_error is None:
                 after = await _probe(target)
@@ -859,13 +970,13 @@ class PySpyActor:
                 return done
             native = False
 
-    async def _run_once(self, target: Target, exe: str, *, native: bool, timeout_s: float) -> _Attempt:
+    async def _run_once(self, target: Target, exe: str, *, native: bool, timeout_s: float, nonblocking: bool = False) -> _Attempt:
         """One bounded py-spy run in its own process group; killed (group and all) on timeout
         or cancellation, and the target continued if it was left stopped."""
         argv = [exe, "dump", "--json", "--pid", str(target.pid)]
         if native:
             argv.append("--native")
-        if self.config.nonblocking:
+        if self.config.nonblocking or nonblocking:
             argv.append("--nonblocking")
         if self.config.locals:
             argv.append("--locals")

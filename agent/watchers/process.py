@@ -1,7 +1,7 @@
 """The process watcher: reports each watched process's exit once, with its status when known.
 
 Owns: :class:`ProcessWatcher` and :func:`exit_status` (decoding a wait status). May import
-:mod:`agent.events`, :mod:`agent.bus` (``Publisher``), :mod:`agent.targets`, anyio and psutil.
+:mod:`agent.events`, :mod:`agent.bus` (``Publisher``), :mod:`agent.targets`, :mod:`agent.procinfo`, anyio and psutil.
 
 How an exit is noticed, per pid:
 
@@ -16,8 +16,9 @@ How the exit status is learnt without stealing it from whoever owns the child:
   API reaps and reports it (launch mode);
 * otherwise, for a child of this process, ``waitid(P_PIDFD, …, WEXITED | WNOWAIT)`` reads the
   status and leaves the zombie for its owner to reap;
-* for a process that is not our child the status is unknowable: ``exit_code`` and ``signal``
-  are ``None``.
+* for a process that is not our child, while it is a zombie (its parent has not reaped it), the
+  status from ``/proc/PID/stat`` (:func:`agent.procinfo.zombie_exit_status`); once reaped it is
+  unknowable: ``exit_code`` and ``signal`` are ``None``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from agent.bus import Publisher
 from agent.events import TargetExited
-from agent.procinfo import note_exit
+from agent.procinfo import note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
 
 __all__ = ["ProcessWatcher", "exit_status", "signal_name"]
@@ -196,6 +197,8 @@ class ProcessWatcher:
                     await anyio.sleep(0.01)
             return None, None
         status = _waitid_nowait(pidfd, watched.target.pid)
+        if status is None:  # not our child: a zombie still shows its status in /proc/PID/stat
+            status = zombie_exit_status(watched.target.pid)
         return status if status is not None else (None, None)
 
 

@@ -222,11 +222,16 @@ async def test_dead_pid_is_no_such_process_without_running_pyspy(tmp_path: Path)
     assert actor.statistics().attempts == 0
 
 
-async def test_zombie_is_reported_as_zombie(spawn, tmp_path: Path) -> None:
-    zombie = spawn([sys.executable, "-c", "pass"])  # not waited for until teardown
+async def test_zombie_is_reported_dead_with_its_exit_code(spawn, tmp_path: Path) -> None:
+    zombie = spawn([sys.executable, "-c", "import sys; sys.exit(7)"])  # not waited for until teardown
     assert _wait_dead(zombie.pid) is ProcessState.ZOMBIE
-    result = await PySpyActor().act(TRIGGER, Target(pid=zombie.pid), timeout_s=5, artifact_dir=tmp_path)
-    assert result.outcome is Outcome.ZOMBIE
+    actor = PySpyActor()
+    result = await actor.act(TRIGGER, Target(pid=zombie.pid), timeout_s=5, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.DEAD
+    assert result.attributes["servewatch.target.state"] == "zombie"
+    assert result.attributes["process.exit.code"] == 7
+    assert "is dead (exit code 7; zombie" in result.detail
+    assert actor.statistics().attempts == 0
 
 
 async def test_permission_denied_for_real_as_unprivileged_user(spawn, python, tmp_path: Path) -> None:

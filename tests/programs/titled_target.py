@@ -10,7 +10,8 @@ a scheduler would), starts ``--threads`` idle worker threads named ``worker-<i>`
 child per ``--child`` (``a/b`` makes a child titled ``a`` that has its own child titled ``b``,
 like SGLang's data-parallel controller and its schedulers), prints ``ready <pid>`` on stdout once
 everything is set up (children included), then blocks in :func:`hung_in_fake_allreduce` so the
-hung frame is visible in a stack dump. Exits by itself after ``--max-lifetime-s`` (default 300)
+hung frame is visible in a stack dump (``--idle``: it waits for work on a queue instead, as an
+idle scheduler does). Exits by itself after ``--max-lifetime-s`` (default 300)
 so nothing outlives a crashed test run; with ``--exit-after-s`` it instead exits with
 ``--exit-code`` that long after it started waiting (a rank that dies).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -26,9 +28,18 @@ import time
 
 
 def worker_idle_loop(stop_at_monotonic_s: float) -> None:
-    """An idle worker thread (blocks in sleep)."""
+    """An idle worker thread: waits for work on a queue that never gets any."""
+    work: queue.Queue[object] = queue.Queue()
     while time.monotonic() < stop_at_monotonic_s:
-        time.sleep(0.2)
+        try:
+            work.get(timeout=0.2)
+        except queue.Empty:
+            pass
+
+
+def idle_main_loop(stop_at_monotonic_s: float) -> None:
+    """``--idle``: the main thread waits for requests, as an idle scheduler does."""
+    worker_idle_loop(stop_at_monotonic_s)
 
 
 def hung_in_fake_allreduce(stop_at_monotonic_s: float) -> None:
@@ -47,6 +58,7 @@ def main() -> None:
     parser.add_argument("--max-lifetime-s", type=float, default=300.0)
     parser.add_argument("--exit-after-s", type=float, default=None, help="exit with --exit-code this long after ready")
     parser.add_argument("--exit-code", type=int, default=1)
+    parser.add_argument("--idle", action="store_true", help="the main thread waits for work instead of hanging")
     args = parser.parse_args()
 
     import setproctitle
@@ -85,7 +97,7 @@ def main() -> None:
 
     print(f"ready {os.getpid()}", flush=True)
     try:
-        hung_in_fake_allreduce(stop_at)
+        (idle_main_loop if args.idle else hung_in_fake_allreduce)(stop_at)
     finally:
         for child in children:
             child.kill()

@@ -45,8 +45,31 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-out = Console(soft_wrap=True)  # results
-err = Console(stderr=True, soft_wrap=True)  # progress, chatter, errors
+class _SafeConsole(Console):
+    """A rich Console that strips control characters from every string it is given.
+
+    Titles, thread, function and file names and request ids are chosen by the target (another
+    user, possibly): an ``ESC]0;...`` or ``ESC[41m`` in them must never reach the operator's
+    terminal. Rich's own styling is added after this, so colours still work.
+    """
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        from agent.security import strip_control
+
+        super().print(*(strip_control(o, keep_newlines=True) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+class _SafeFormatter(logging.Formatter):
+    """Log lines on stderr carry no control characters (they may quote a target's title)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from agent.security import strip_control
+
+        return strip_control(super().format(record), keep_newlines=True)
+
+
+out = _SafeConsole(soft_wrap=True)  # results
+err = _SafeConsole(stderr=True, soft_wrap=True)  # progress, chatter, errors
 
 
 def fail(message: str, code: int = ExitCode.FAILURE) -> NoReturn:
@@ -56,10 +79,11 @@ def fail(message: str, code: int = ExitCode.FAILURE) -> NoReturn:
 
 
 def _logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        handlers=[handler],
     )
 
 
@@ -112,8 +136,10 @@ def _print_record(record: Any, *, as_json: bool) -> None:
     if as_json:
         out.print_json(json.dumps(incident_summary(record)))
         return
+    from agent.security import strip_control
+
     for line in summary_lines(record):
-        out.print(line, markup=False, highlight=False)
+        out.print(strip_control(line), markup=False, highlight=False)
 
 
 def _print_status(status: Any) -> None:
@@ -181,8 +207,10 @@ def run(
     def on_incident(record: Any) -> None:
         from agent.summary import summary_lines
 
+        from agent.security import strip_control
+
         for line in summary_lines(record):
-            err.print(line, markup=False, highlight=False)
+            err.print(strip_control(line), markup=False, highlight=False)
 
     async def main() -> None:
         agent = Agent(settings, on_incident=on_incident, on_status=_print_status)

@@ -52,6 +52,7 @@ from agent.events import (
     now_ns,
 )
 from agent.fsutil import atomic_write_text, ensure_private_dir
+from agent.security import redact_cmdline, redact_text
 from agent.ranks import target_attributes
 from agent.targets import Target
 from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
@@ -168,7 +169,8 @@ class IncidentRecord:
             "closed_time_unix_nano": self.closed_time_unix_nano,
             "duration_s": round(self.duration_s, 6),
             "targets": [
-                {"pid": t.pid, "title": t.title, "create_time_s": t.create_time_s, "cmdline": list(t.cmdline)}
+                {"pid": t.pid, "title": redact_text(t.title), "create_time_s": t.create_time_s,
+                 "cmdline": redact_cmdline(t.cmdline)}  # secrets in argv never reach a bundle
                 for t in self.targets
             ],
             "actions": [r.to_manifest() for r in self.results],

@@ -17,10 +17,12 @@ Imports: stdlib only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
 from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 from pathlib import Path
 
 __all__ = [
@@ -31,6 +33,8 @@ __all__ = [
     "open_trusted",
     "redact_cmdline",
     "strip_control",
+    "sanitize",
+    "redact_text",
     "is_within",
 ]
 
@@ -215,3 +219,43 @@ def strip_control(text: object, *, keep_newlines: bool = False) -> str:
     """
     pattern = _CONTROL if keep_newlines else _CONTROL_NO_NEWLINE
     return pattern.sub("?", str(text))
+
+
+_T = TypeVar("_T")
+
+
+def sanitize(obj: _T, *, keep_newlines: bool = False) -> _T:
+    """A copy of ``obj`` with :func:`strip_control` applied to every string inside it.
+
+    Walks dataclass instances (their init fields), tuples, lists and dicts; other values are
+    returned as they are. Used before a whole model (an incident timeline) reaches a terminal.
+    """
+    if isinstance(obj, str):
+        return strip_control(obj, keep_newlines=keep_newlines)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            if not f.init:
+                continue
+            value = getattr(obj, f.name)
+            clean = sanitize(value, keep_newlines=keep_newlines)
+            if clean is not value:
+                changes[f.name] = clean
+        return dataclasses.replace(obj, **changes) if changes else obj
+    if isinstance(obj, tuple):
+        items = [sanitize(v, keep_newlines=keep_newlines) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)  # type: ignore[return-value]
+    if isinstance(obj, list):
+        return [sanitize(v, keep_newlines=keep_newlines) for v in obj]  # type: ignore[return-value]
+    if isinstance(obj, dict):
+        return {sanitize(k, keep_newlines=keep_newlines): sanitize(v, keep_newlines=keep_newlines) for k, v in obj.items()}  # type: ignore[return-value]
+    return obj
+
+
+def redact_text(text: str) -> str:
+    """:func:`redact_cmdline` for a command line held in one string (a title with arguments)."""
+    if " " not in text:
+        return redact_cmdline([text])[0]
+    return " ".join(redact_cmdline(text.split(" ")))

@@ -39,6 +39,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent.actors.pyspy import Frame, ThreadStack, hung_location, parse_threads
+from agent.security import sanitize
 
 __all__ = [
     "MANIFEST_NAME",
@@ -1112,6 +1113,7 @@ def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 
         console: where to print (``Console(record=True)`` in tests, stdout in the CLI).
         max_spans: most trace spans listed.
     """
+    tl = sanitize(tl)  # a target's title, frames or request ids never carry escapes to a terminal
     parts: list[Any] = [_header(tl), _actions_table(tl)]
     if tl.stacks:
         parts.append(_stacks_table(tl))

@@ -480,3 +480,72 @@ def test_profile_start_over_the_socket_is_bounded(body: dict, error: str) -> Non
     reply = handle_request({"cmd": "profile.start", **body})
     assert reply["ok"] is False and reply["error"] == "invalid" and error in reply["detail"]
     assert not Path("/etc/servewatch-evil").exists()
+
+
+# --- what leaves the process: secrets, escapes -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["serve", "--api-key", "sk-1", "--port", "1"], ["serve", "--api-key", "<redacted>", "--port", "1"]),
+        (["serve", "--token=abc", "--password", "pw"], ["serve", "--token=<redacted>", "--password", "<redacted>"]),
+        (["x", "--hf-key", "k", "--client-secret=s", "--model", "m"], ["x", "--hf-key", "<redacted>", "--client-secret=<redacted>", "--model", "m"]),
+        (["env", "HF_TOKEN=hf_x", "API_KEY=1", "AWS_SECRET_ACCESS_KEY=2", "PATH=/bin"],
+         ["env", "HF_TOKEN=<redacted>", "API_KEY=<redacted>", "AWS_SECRET_ACCESS_KEY=<redacted>", "PATH=/bin"]),
+        (["x", "--keyboard", "us", "--tokenizer", "t"], ["x", "--keyboard", "us", "--tokenizer", "t"]),
+    ],
+)
+def test_redact_cmdline(argv: list[str], expected: list[str]) -> None:
+    from agent.security import redact_cmdline
+
+    assert redact_cmdline(argv) == expected
+
+
+async def test_manifest_cmdline_has_no_secrets(spawn: Callable, python: str, tmp_path: Path) -> None:
+    from agent.config import load_settings
+    from agent.runtime import dump_once
+
+    secret = "sk-" + uuid.uuid4().hex
+    proc = spawn([python, "-c", "import time; time.sleep(60)", "--api-key", secret, f"--db-password={secret}",
+                  f"OPENAI_API_KEY={secret}"])
+    wait_for(lambda: secret.encode() in Path(f"/proc/{proc.pid}/cmdline").read_bytes(), what="exec")
+    settings = load_settings({"data_dir": tmp_path / "data", "target": {"pids": [proc.pid]},
+                              "coredump": {"enabled": False}, "host_name": "host"})
+    with anyio.fail_after(90):
+        record = await dump_once(settings)
+    manifest = json.loads(record.manifest_path.read_text())
+    assert manifest["targets"][0]["cmdline"][-3:] == ["<redacted>", "--db-password=<redacted>", "OPENAI_API_KEY=<redacted>"]
+    for f in record.bundle_dir.rglob("*"):
+        if f.is_file():
+            assert secret not in f.read_text(errors="replace"), f
+
+
+def test_strip_control_removes_escapes() -> None:
+    from agent.security import strip_control
+
+    assert strip_control("a\x1b]0;pwned\x07b\x1b[41mc\x9b2J\u202ed") == "a?]0;pwned?b?[41mc?2J?d"
+    assert strip_control("l1\nl2\tx", keep_newlines=True) == "l1\nl2\tx"
+
+
+def test_hostile_title_never_reaches_the_terminal_and_is_escaped_in_html(
+    spawn: Callable, python: str, tmp_path: Path
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    title = f"sglang::scheduler_TP0_{tag}\x1b]0;pwned\x07\x1b[41m<script>alert(1)</script>"
+    titled_as_nobody(spawn, python, title)
+    data = tmp_path / "data"
+    dump = _cli(tmp_path, "dump", "--match", f"sglang::scheduler_TP0_{tag}*", "--data-dir", str(data),
+                SERVEWATCH_COREDUMP__ENABLED="false")
+    assert dump.returncode == 0, dump.stderr
+    assert f"scheduler_TP0_{tag}" in dump.stdout  # the title is shown...
+    assert "\x1b" not in dump.stdout + dump.stderr and "\x07" not in dump.stdout + dump.stderr  # ...defused
+    manifest = json.loads(next(data.rglob("manifest.json")).read_text())
+    assert manifest["targets"][0]["title"] == title  # the bundle keeps the truth (JSON-escaped)
+    timeline = _cli(tmp_path, "timeline", "--data-dir", str(data))
+    assert timeline.returncode == 0, timeline.stderr
+    assert f"scheduler_TP0_{tag}" in timeline.stdout and "\x1b" not in timeline.stdout + timeline.stderr
+    report = _cli(tmp_path, "report", "-o", str(tmp_path / "r.html"), "--data-dir", str(data))
+    assert report.returncode == 0, report.stderr
+    html_text = (tmp_path / "r.html").read_text()
+    assert "<script>alert(1)</script>" not in html_text and "&lt;script&gt;alert(1)&lt;/script&gt;" in html_text

@@ -57,6 +57,8 @@ log = logging.getLogger("servewatch.runtime")
 REDISCOVER_INTERVAL_S = 2.0
 #: Targets remembered after they were last seen alive (to report a rank that died as dead).
 MAX_REMEMBERED_TARGETS = 4096
+#: Seconds between updates of the span shipping counts in the status file.
+SPANS_STATUS_INTERVAL_S = 5.0
 #: Upper bound on flushing telemetry at shutdown, seconds.
 SHUTDOWN_DEADLINE_S = 3.0
 #: A crashed watcher is restarted after this many seconds, doubling up to the maximum.
@@ -391,11 +393,25 @@ class Agent:
     async def _ship_spans(self, shipper: Any) -> None:
         """Poll the span rings (heartbeat + drain) off the event loop, forever."""
         interval = self.settings.spans.poll_interval_s
+        next_status = 0.0
         while True:
             try:
                 await anyio.to_thread.run_sync(shipper.poll)
             except Exception:  # shipping must never take the agent down
                 log.exception("span shipping failed")
+            now = anyio.current_time()
+            if now >= next_status:  # `servewatch status` shows the counts (both sides' drops)
+                next_status = now + SPANS_STATUS_INTERVAL_S
+                stats, refused = shipper.statistics(), shipper.refused()
+                if stats.rings or stats.shipped or stats.dropped:
+                    await self._set_status("spans", WatcherState.READY, stats.line())
+                elif refused:
+                    pid, why = next(iter(refused.items()))
+                    await self._set_status("spans", WatcherState.BLIND, f"span ring of pid {pid} not shipped: {why}")
+                else:
+                    await self._set_status(
+                        "spans", WatcherState.WAITING, "no SDK span ring in the targets yet (servers export their own spans)"
+                    )
             await anyio.sleep(interval)
 
     async def _start_watchers(self, tg: TaskGroup) -> None:

@@ -94,6 +94,15 @@ class ShipperStatistics:
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "dropped": self.dropped}
 
+    def line(self) -> str:
+        """One line for ``servewatch status``."""
+        return (
+            f"shipping request spans of {self.rings} server process{'es' if self.rings != 1 else ''}: "
+            f"{self.shipped} shipped; dropped {self.dropped} (ring full {self.dropped_full}, "
+            f"no agent {self.dropped_no_agent}, too large {self.dropped_too_large}, corrupt {self.corrupt}, "
+            f"invalid {self.invalid})"
+        )
+
 
 class _Invalid(ValueError):
     pass
@@ -280,8 +289,9 @@ class SpanShipper:
         other = reader.claimed_by_other(self._stale_ns)
         if other:
             reader.close(detach=False)
-            if self._refused.get(pid) != "claimed":
-                self._refused[pid] = "claimed"
+            why = f"shipped by another agent (pid {other})"
+            if self._refused.get(pid) != why:
+                self._refused[pid] = why
                 log.warning("spans of pid %d are shipped by another agent (pid %d)", pid, other)
             return False
         try:
@@ -299,6 +309,11 @@ class SpanShipper:
         self._refused.pop(pid, None)
         log.info("shipping request spans of pid %d (service.name %s)", pid, resource.attributes.get("service.name"))
         return True
+
+    def refused(self) -> dict[int, str]:
+        """Rings found but not attached, by pid: why (untrusted owner, another agent...)."""
+        with self._lock:
+            return dict(self._refused)
 
     def attached_pids(self) -> list[int]:
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from opentelemetry.sdk.resources import Resource
 from agent.config import load_settings
 from agent.runtime import Agent
 from agent.sdk import _ring
+from agent.watchers.status import WatcherState, read_status_file, status_path
 from exporters.provider import ExportConfig, build_telemetry
 from exporters.shipper import SpanShipper, decode_record
 from tests.conftest import PROGRAMS_DIR
@@ -193,9 +195,17 @@ async def test_agent_ships_a_watched_servers_spans_and_counts_its_drops(
     with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
-            while agent.shipper.statistics().shipped < 300 or agent.shipper.statistics().dropped_full == 0:
+            while (
+                agent.shipper.statistics().shipped < 300
+                or agent.shipper.statistics().dropped_full == 0
+                or "dropped" not in getattr(agent.status.get("spans"), "reason", "")
+            ):
                 await anyio.sleep(0.1)
             agent.stop()
+    # `servewatch status` shows the shipping counts, server-side drops included
+    spans_status = read_status_file(status_path(tmp_path, "node-b")).get("spans")
+    assert spans_status is not None and spans_status.state is WatcherState.READY
+    assert re.search(r"\d+ shipped; dropped [1-9]\d* \(ring full [1-9]", spans_status.reason), spans_status.reason
     server = _ask(proc)
     stats = agent.shipper.statistics()
     assert otlp_receiver.wait_for_spans(stats.shipped, timeout_s=10)

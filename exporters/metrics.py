@@ -10,6 +10,8 @@ Instruments (units per the OTel metric conventions):
   ``exported | spooled | replayed | dropped | evicted | rejected`` — read from the span
   processor's :class:`~exporters.processor.ExportStatistics`, so a drop is never silent.
 * ``servewatch.export.queue.size`` / ``servewatch.export.spool.size`` (gauges, ``{span}``).
+* ``servewatch.export.metric_points`` (counter, ``{data_point}``): the agent's own metric points by
+  outcome ``exported | spooled | replayed | lost`` (an outage never loses metrics silently).
 * ``servewatch.bus.events.dropped`` (counter, ``{event}``): high-rate events the bus dropped.
 * ``servewatch.incidents`` (counter, ``{incident}``), attribute ``servewatch.incident.trigger``.
 * ``servewatch.actions`` (counter, ``{action}``), attributes ``servewatch.action``,
@@ -44,6 +46,7 @@ from opentelemetry.sdk.resources import Resource
 
 from exporters.otlp_json import RotatingJsonLinesWriter, message_to_json
 from exporters.processor import ExportStatistics
+from exporters.transport import RequestSender
 
 __all__ = ["Metrics", "OtlpJsonMetricExporter", "build_meter_provider", "DETECTION_LATENCY_BUCKETS_S"]
 
@@ -84,43 +87,39 @@ class OtlpJsonMetricExporter(MetricExporter):
 def build_meter_provider(
     resource: Resource,
     *,
-    endpoint: str | None,
-    protocol: str,
-    headers: dict[str, str] | None = None,
-    insecure: bool | None = None,
+    sender: RequestSender | None = None,
     timeout_s: float = 3.0,
     interval_s: float = 10.0,
     file_directory: Path | None = None,
-) -> MeterProvider:
-    """A ``MeterProvider`` exporting every ``interval_s`` seconds over OTLP (``endpoint`` set) or to
-    OTLP/JSON lines under ``file_directory``.
+    spool_dir: Path | None = None,
+) -> tuple[MeterProvider, MetricExporter]:
+    """A ``MeterProvider`` exporting every ``interval_s`` seconds over OTLP (``sender``, a metrics
+    sender from :func:`exporters.transport.make_sender`) with a spool under ``spool_dir``, or to
+    OTLP/JSON lines under ``file_directory``. Not installed as the global provider.
 
-    ``endpoint`` is the base endpoint: for ``http/protobuf`` ``/v1/metrics`` is appended.
-    Not installed as the global provider.
+    Returns:
+        (provider, exporter): the exporter's ``statistics()`` counts spooled and lost points
+        (:class:`~exporters.metrics_export.SpoolingMetricExporter`).
     """
     exporter: MetricExporter
-    if endpoint is None:
+    if sender is None:
         if file_directory is None:
-            raise ValueError("either an OTLP endpoint or a file directory is needed")
+            raise ValueError("either an OTLP sender or a file directory is needed")
         exporter = OtlpJsonMetricExporter(file_directory)
-    elif protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetricExporter
-
-        grpc_insecure = not endpoint.startswith("https://") if "://" in endpoint else insecure is not False
-        exporter = GrpcMetricExporter(endpoint=endpoint, insecure=grpc_insecure, headers=headers or None, timeout=timeout_s)
     else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetricExporter
+        from exporters.metrics_export import SpoolingMetricExporter
 
-        base = endpoint if "://" in endpoint else "http://" + endpoint
-        exporter = HttpMetricExporter(endpoint=base.rstrip("/") + "/v1/metrics", headers=headers or None, timeout=timeout_s)
+        if spool_dir is None:
+            raise ValueError("an OTLP metrics sender needs a spool directory")
+        exporter = SpoolingMetricExporter(sender, spool_dir, timeout_s=timeout_s)
     reader = PeriodicExportingMetricReader(
-        exporter, export_interval_millis=interval_s * 1000, export_timeout_millis=timeout_s * 1000
+        exporter, export_interval_millis=interval_s * 1000, export_timeout_millis=timeout_s * 1000 * 2
     )
     view = View(
         instrument_name="servewatch.detection.latency",
         aggregation=ExplicitBucketHistogramAggregation(boundaries=DETECTION_LATENCY_BUCKETS_S),
     )
-    return MeterProvider(resource=resource, metric_readers=[reader], views=[view], shutdown_on_exit=False)
+    return MeterProvider(resource=resource, metric_readers=[reader], views=[view], shutdown_on_exit=False), exporter
 
 
 class Metrics:
@@ -134,6 +133,7 @@ class Metrics:
     def __init__(self, meter_provider: MeterProvider | None) -> None:
         self.meter_provider = meter_provider
         self._export_sources: list[Callable[[], ExportStatistics]] = []
+        self._metric_sources: list[Callable[[], Any]] = []
         self._bus_sources: list[Callable[[], int]] = []
         self._status_sources: list[Callable[[], Iterable[tuple[str, str]]]] = []
         self._lock = threading.Lock()
@@ -154,6 +154,12 @@ class Metrics:
         )
         meter.create_observable_gauge(
             "servewatch.export.spool.size", [self._observe_spool], unit="{span}", description="Spans waiting in the spool."
+        )
+        meter.create_observable_counter(
+            "servewatch.export.metric_points",
+            [self._observe_metric_points],
+            unit="{data_point}",
+            description="servewatch's own metric data points by export outcome (exported, spooled, replayed, lost).",
         )
         meter.create_observable_counter(
             "servewatch.bus.events.dropped",
@@ -189,6 +195,23 @@ class Metrics:
         """Report a span processor's counters (e.g. ``processor.statistics``)."""
         with self._lock:
             self._export_sources.append(statistics)
+
+    def watch_metric_export(self, statistics: Callable[[], Any]) -> None:
+        """Report a metric exporter's counters (``SpoolingMetricExporter.statistics``)."""
+        with self._lock:
+            self._metric_sources.append(statistics)
+
+    def _observe_metric_points(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            sources = list(self._metric_sources)
+        stats = []
+        for source in sources:
+            try:
+                stats.append(source())
+            except Exception:  # boundary: a callback must not break the metrics export
+                _log.exception("metric export statistics callback failed")
+        for outcome in ("exported", "spooled", "replayed", "lost"):
+            yield Observation(sum(getattr(s, outcome) for s in stats), {"servewatch.export.outcome": outcome})
 
     def watch_bus(self, dropped_events: Callable[[], int]) -> None:
         """Report a bus's dropped-event count (e.g. ``lambda: bus.statistics().dropped``)."""

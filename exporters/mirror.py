@@ -11,6 +11,10 @@ trace can be referenced before it is exported. Span links to in-flight requests 
 A ``profile.session`` result's torch traces are imported as child spans of its span
 (:mod:`exporters.torch_trace`, streaming and capped), so the profile sits inside the incident.
 
+Every span of a finished action (with its imported children) and every incident root is handed
+to the sink write-ahead (:func:`exporters.spans.emit_durable`): with the agent's pipeline it is on
+disk in the spool before the mirror returns, so a SIGKILL afterwards cannot lose it.
+
 Imports :mod:`agent.events`, :mod:`agent.bus` (types only), :mod:`exporters.spans` and
 :mod:`exporters.torch_trace`.
 """
@@ -36,7 +40,17 @@ from agent.events import (
     now_ns,
 )
 from exporters.torch_trace import import_profile_artifacts
-from exporters.spans import SpanSink, build_span, link_to, new_span_id, new_trace_id, span_id_hex, trace_id_hex
+from exporters.spans import (
+    CollectingSink,
+    SpanSink,
+    build_span,
+    emit_durable,
+    link_to,
+    new_span_id,
+    new_trace_id,
+    span_id_hex,
+    trace_id_hex,
+)
 
 if TYPE_CHECKING:
     from agent.bus import Subscription
@@ -194,16 +208,16 @@ class SpanMirror:
             inc.actions += 1
             if result.outcome is not Outcome.OK:
                 inc.failed_actions += 1
-        self._emit(
-            action_span(
-                self.sink,
-                result,
-                trace_id=trace_id,
-                parent_span_id=parent,
-                default_time_unix_nano=event.time_unix_nano,
-                extra_attributes={"servewatch.incident.id": event.incident_id},
-            )
+        children = CollectingSink(self.sink.resource)
+        span = action_span(
+            children,
+            result,
+            trace_id=trace_id,
+            parent_span_id=parent,
+            default_time_unix_nano=event.time_unix_nano,
+            extra_attributes={"servewatch.incident.id": event.incident_id},
         )
+        self._emit_all([*children.spans, span])
 
     def _closed(self, event: IncidentClosed) -> None:
         inc = self._open.pop(event.incident_id, None)
@@ -266,8 +280,11 @@ class SpanMirror:
         )
 
     def _emit(self, span: ReadableSpan) -> None:
-        self.sink.emit(span)
-        self.emitted += 1
+        self._emit_all([span])
+
+    def _emit_all(self, spans: list[ReadableSpan]) -> None:
+        emit_durable(self.sink, spans)
+        self.emitted += len(spans)
 
 
 def action_span(
@@ -324,5 +341,7 @@ def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
         The trace id (32 hex digits).
     """
     trace_id = new_trace_id()
-    sink.emit(action_span(sink, result, trace_id=trace_id, parent_span_id=None, default_time_unix_nano=now_ns()))
+    children = CollectingSink(sink.resource)
+    span = action_span(children, result, trace_id=trace_id, parent_span_id=None, default_time_unix_nano=now_ns())
+    emit_durable(sink, [*children.spans, span])
     return trace_id_hex(trace_id)

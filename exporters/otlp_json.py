@@ -177,7 +177,11 @@ def iter_span_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
             found = [
                 p
                 for p in path.rglob("*")
-                if p.suffix in _WALK_SUFFIXES and not p.name.startswith("metrics-") and p.is_file()
+                if p.suffix in _WALK_SUFFIXES
+                and not p.name.startswith("metrics-")
+                and not p.name.endswith(".metrics.binpb")  # the metrics spool (exporters.metrics_export)
+                and not p.name.startswith(".")  # temp files of atomic writes
+                and p.is_file()
             ]
             yield from sorted(found, key=lambda p: (str(p.parent), p.name))
         else:

@@ -20,6 +20,15 @@ reports success on failure, and shutdown with the collector down blocks ~30 s de
   deadline passes that completes afterwards (gRPC calls are cancelled, so only HTTP can).
 * A batch the collector refuses permanently (gRPC INVALID_ARGUMENT, HTTP 400...) is kept under
   ``spool/rejected/`` and counted, never retried in a loop.
+* Batches are sized in bytes as well as spans (``max_batch_bytes``, default 3 MiB, under the
+  collector's 4 MiB gRPC limit). A request refused as too large (``RESOURCE_EXHAUSTED`` "larger
+  than max", HTTP 413) is split in halves and retried, on disk too (a spooled batch is split in
+  place and never blocks the spool); a span too large on its own is trimmed (long attribute
+  values truncated, counted in ``trimmed`` and on the span).
+* Write-ahead: :meth:`persist` puts spans that must survive the process (the spans of finished
+  incident actions) in the spool BEFORE any export is attempted; they leave the disk only once
+  the collector acknowledged them, so a SIGKILL at any moment loses none of them.
+* Stranded spool folders of processes that are gone are adopted every ``adopt_interval_s``.
 
 Imports opentelemetry-sdk, :mod:`exporters.transport`, :mod:`exporters.spool`.
 """
@@ -31,6 +40,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from opentelemetry.context import Context
@@ -38,7 +48,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
-from exporters.spool import Spool
+from exporters.batching import halve_request, split_request
+from exporters.spool import Spool, SpoolEntry
 from exporters.transport import Delivery, RequestSender, SendResult
 
 __all__ = ["ExportStatistics", "LosslessSpanProcessor"]
@@ -49,6 +60,8 @@ _log = logging.getLogger(__name__)
 _SPOOL_ONLY_MARGIN_S = 0.1
 #: How long shutdown waits for an aborted send to return before spooling its batch itself, in seconds.
 _ABORT_GRACE_S = 0.2
+#: Halvings of one refused-as-too-large request before it is kept under rejected/ instead.
+_MAX_SPLIT_DEPTH = 24
 
 
 class ExportStatistics(NamedTuple):
@@ -79,6 +92,11 @@ class ExportStatistics(NamedTuple):
     spool_spans: int
     #: send attempts that failed
     export_failures: int
+    #: spans trimmed to fit the request size limit (attribute values truncated)
+    trimmed: int = 0
+    #: spans written ahead to the spool by :meth:`LosslessSpanProcessor.persist` (delivered ones
+    #: are counted in ``replayed``)
+    written_ahead: int = 0
 
     @property
     def lost(self) -> int:
@@ -101,11 +119,13 @@ class LosslessSpanProcessor(SpanProcessor):
             and counts a failed batch instead.
         max_queue_spans: in-memory queue capacity, in spans.
         max_batch_spans: spans per export request.
+        max_batch_bytes: encoded bytes per export request (bigger batches are split).
         schedule_delay_s: longest a span waits in the queue before a partial batch is sent, seconds.
         export_timeout_s: bound on one send attempt, seconds (also capped by the shutdown deadline).
         retry_initial_backoff_s / retry_max_backoff_s: replay backoff after a failure, doubling,
             +-20% jitter, seconds.
         shutdown_timeout_s: default deadline of :meth:`shutdown`, seconds.
+        adopt_interval_s: how often stranded spool folders are looked for, seconds.
     """
 
     def __init__(
@@ -115,11 +135,13 @@ class LosslessSpanProcessor(SpanProcessor):
         spool: Spool | None = None,
         max_queue_spans: int = 65536,
         max_batch_spans: int = 512,
+        max_batch_bytes: int = 3 * 1024 * 1024,
         schedule_delay_s: float = 0.5,
         export_timeout_s: float = 3.0,
         retry_initial_backoff_s: float = 0.25,
         retry_max_backoff_s: float = 5.0,
         shutdown_timeout_s: float = 3.0,
+        adopt_interval_s: float = 30.0,
         name: str = "servewatch-export",
     ) -> None:
         if max_queue_spans < 1 or max_batch_spans < 1:
@@ -128,6 +150,12 @@ class LosslessSpanProcessor(SpanProcessor):
         self.spool = spool
         self._max_queue = max_queue_spans
         self._batch = max_batch_spans
+        self._max_bytes = max(1024, max_batch_bytes)
+        self._adopt_interval_s = adopt_interval_s
+        self._adopt_at = time.monotonic() + adopt_interval_s
+        self._trimmed = 0
+        self._written_ahead = 0
+        self._send_lock = threading.Lock()  # one send at a time (worker, or persist without spool)
         self._delay_s = schedule_delay_s
         self._timeout_s = export_timeout_s
         self._backoff_initial_s = retry_initial_backoff_s
@@ -156,6 +184,7 @@ class LosslessSpanProcessor(SpanProcessor):
         self._deadline = 0.0
         self._inflight: _Inflight | None = None
         self._last_detail = ""
+        self._last_explained = ""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -175,6 +204,53 @@ class LosslessSpanProcessor(SpanProcessor):
         if len(queue) >= self._batch and not self._wakeup.is_set():
             self._wakeup.set()
 
+    def persist(self, spans: Sequence[ReadableSpan]) -> None:
+        """Write-ahead: put ``spans`` on disk now, before any export is attempted.
+
+        With a spool, the spans are encoded and written to it (atomic, fsync'd) before this
+        returns; the worker then sends them like any spooled batch and deletes them once the
+        collector acknowledged them. Without a spool (the embedded file default) they are written
+        to the span file before this returns. If the write fails they go through the memory
+        queue instead (:meth:`on_end`). Never raises; call it from any thread.
+        """
+        batch = list(spans)
+        if not batch:
+            return
+        if self._closed and self.spool is None:
+            with self._cv:
+                self._dropped += len(batch)
+            return
+        try:
+            request = encode_spans(batch)
+        except Exception:  # boundary: a malformed span; the worker sorts the batch out span by span
+            for span in batch:
+                self.on_end(span)
+            return
+        try:
+            if self.spool is None:
+                with self._send_lock:
+                    result = self.sender.send(request, timeout_s=self._timeout_s)
+                if not result.ok:
+                    raise OSError(result.detail)
+                with self._cv:
+                    self._exported += len(batch)
+                    self._written_ahead += len(batch)
+                return
+            pieces, trimmed = split_request(request, self._max_bytes)
+            for piece, count in pieces:
+                evicted = self.spool.append(piece, count)
+                if evicted:
+                    _log.warning("spool full: %d oldest spans evicted", evicted)
+            with self._cv:
+                self._written_ahead += len(batch)
+                self._trimmed += trimmed
+        except OSError as exc:
+            _log.error("write-ahead of %d spans failed (%s); queued in memory instead", len(batch), exc)
+            for span in batch:
+                self.on_end(span)
+            return
+        self._wakeup.set()
+
     def statistics(self) -> ExportStatistics:
         """A consistent snapshot of the counters."""
         spool = self.spool.statistics() if self.spool is not None else None
@@ -190,12 +266,14 @@ class LosslessSpanProcessor(SpanProcessor):
                 partially_rejected=self._partial,
                 spool_spans=spool.spans if spool else 0,
                 export_failures=self._failures,
+                trimmed=self._trimmed,
+                written_ahead=self._written_ahead,
             )
 
     @property
     def last_error(self) -> str:
-        """One line on the last failed send (``""`` when none)."""
-        return self._last_detail
+        """One line on the last failed send and what to check (``""`` when none)."""
+        return self._last_explained or self._last_detail
 
     def flush(self, timeout_s: float) -> bool:
         """Deliver every span queued so far, and the spool, within ``timeout_s`` seconds.
@@ -284,6 +362,9 @@ class LosslessSpanProcessor(SpanProcessor):
         while not self._stopping:
             now = time.monotonic()
             spool = self.spool
+            if spool is not None and now >= self._adopt_at:
+                self._adopt_at = now + self._adopt_interval_s
+                spool.adopt_stranded()
             if spool is not None and len(spool):
                 if now >= self._retry_at:
                     self._replay_head()
@@ -334,12 +415,28 @@ class LosslessSpanProcessor(SpanProcessor):
         request, count = self._encode(batch)
         if request is None:
             return
+        pieces, trimmed = split_request(request, self._max_bytes)
+        if trimmed:
+            with self._cv:
+                self._trimmed += trimmed
+        for piece, n in pieces:
+            self._ship_request(piece, n)
+
+    def _ship_request(self, request: ExportTraceServiceRequest, count: int, depth: int = 0) -> None:
         spool = self.spool
         if spool is not None and (len(spool) or time.monotonic() < self._retry_at or self._spool_only()):
             self._to_spool(request, count)
             return
         result = self._send(request, count, replay=False)
         if result is None:
+            return
+        if result.delivery is Delivery.TOO_LARGE and depth < _MAX_SPLIT_DEPTH:
+            self._note_too_large(result, request)
+            pieces, trimmed = halve_request(request)
+            with self._cv:
+                self._trimmed += trimmed
+            for piece, n in pieces:
+                self._ship_request(piece, n, depth + 1)
             return
         if result.ok:
             self._succeeded()
@@ -378,8 +475,19 @@ class LosslessSpanProcessor(SpanProcessor):
         request = spool.load(entry)
         if request is None:
             return
+        if entry.size_bytes > self._max_bytes and entry.spans > 1:
+            # written by an older version or under a bigger limit: never let it block the head
+            self._split_entry(entry, split_request(request, self._max_bytes))
+            return
         result = self._send(request, entry.spans, replay=True)
         if result is None:
+            return
+        if result.delivery is Delivery.TOO_LARGE:
+            self._note_too_large(result, request)
+            if entry.spans <= 1 and entry.size_bytes <= 2048:
+                spool.reject(entry)
+                return
+            self._split_entry(entry, halve_request(request))
             return
         if result.ok:
             self._succeeded()
@@ -393,6 +501,24 @@ class LosslessSpanProcessor(SpanProcessor):
         else:
             self._failed(result)
 
+    def _split_entry(self, entry: SpoolEntry, split: tuple[list[tuple[ExportTraceServiceRequest, int]], int]) -> None:
+        pieces, trimmed = split
+        assert self.spool is not None
+        try:
+            self.spool.split(entry, pieces)
+        except OSError as exc:
+            _log.error("could not split spooled batch %s (%s); moved to rejected/", entry.path.name, exc)
+            self.spool.reject(entry)
+            return
+        with self._cv:
+            self._trimmed += trimmed
+
+    def _note_too_large(self, result: SendResult, request: ExportTraceServiceRequest) -> None:
+        if result.detail != self._last_detail:
+            _log.info("collector %s refused a %d-byte request as too large (%s); splitting it",
+                      self.sender.target, request.ByteSize(), result.detail)
+        self._last_detail = result.detail
+
     def _send(self, request: ExportTraceServiceRequest, spans: int, *, replay: bool) -> SendResult | None:
         """One attempt. ``None``: shutdown abandoned the worker while it was sending."""
         with self._state:
@@ -403,7 +529,8 @@ class LosslessSpanProcessor(SpanProcessor):
         if self._stopping:
             timeout_s = min(timeout_s, max(0.01, self._deadline - time.monotonic() - _SPOOL_ONLY_MARGIN_S))
         try:
-            result: SendResult | None = self.sender.send(request, timeout_s=timeout_s)
+            with self._send_lock:
+                result: SendResult | None = self.sender.send(request, timeout_s=timeout_s)
         finally:
             with self._state:
                 self._inflight = None
@@ -420,8 +547,9 @@ class LosslessSpanProcessor(SpanProcessor):
         with self._cv:
             self._failures += 1
         if result.detail != self._last_detail:
-            _log.warning("export to %s failed (%s); spooling and retrying", self.sender.target, result.detail)
+            _log.warning("export to %s failed (%s); spooling and retrying", self.sender.target, result.explain())
         self._last_detail = result.detail
+        self._last_explained = result.explain()
         self._backoff_s = min(self._backoff_max_s, self._backoff_s * 2 if self._backoff_s else self._backoff_initial_s)
         self._retry_at = time.monotonic() + self._backoff_s * random.uniform(0.8, 1.2)
 

@@ -15,15 +15,23 @@ Destinations:
 * none configured: the embedded default, OTLP/JSON lines under ``<data_dir>/<host>/spans/`` (and
   metrics under ``.../metrics/``), the collector ``otlpjsonfile`` receiver's format.
 
-Env facts (OTel SDK environment-variable spec, Python SDK 1.45): ``OTEL_EXPORTER_OTLP_TIMEOUT`` is
-read in SECONDS by the Python exporters; headers are ``k=v`` pairs, comma separated, URL-encoded;
-``OTEL_SERVICE_NAME`` wins over ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``.
+Env facts (OTel SDK environment-variable and OTLP exporter specs): every ``OTEL_EXPORTER_OTLP_*``
+setting has a per-signal ``OTEL_EXPORTER_OTLP_TRACES_*`` / ``_METRICS_*`` variant that wins over
+it (endpoint, headers, protocol, timeout, compression, insecure, certificate, client key and
+certificate); ``OTEL_EXPORTER_OTLP_[SIGNAL_]TIMEOUT`` is in MILLISECONDS (the spec; the Python
+exporters read seconds, FIELD-NOTES) and a value that looks like a unit mistake (under 100 ms or
+over 60 s) is logged once; headers are ``k=v`` pairs, comma separated, URL-encoded, keys
+lower-cased (gRPC metadata must be); ``OTEL_SERVICE_NAME`` wins over ``service.name`` in
+``OTEL_RESOURCE_ATTRIBUTES``. Span limits (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``,
+``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``...) are read by the SDK's ``SpanLimits`` and applied to
+the spans servewatch builds as well (:mod:`exporters.spans`).
 
 Imports opentelemetry-sdk, pydantic, anyio and the other :mod:`exporters` modules.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -36,6 +44,7 @@ from typing import Literal
 from urllib.parse import unquote
 
 import anyio
+from opentelemetry.sdk import environment_variables as _ev
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -48,7 +57,7 @@ from exporters.metrics import Metrics, build_meter_provider
 from exporters.processor import ExportStatistics, LosslessSpanProcessor
 from exporters.spans import ProcessorSink
 from exporters.spool import Spool
-from exporters.transport import FileSender, make_sender
+from exporters.transport import FileSender, TlsFiles, make_sender
 
 __all__ = [
     "ExportConfig",
@@ -68,26 +77,39 @@ DEFAULT_SERVICE_NAME = "servewatch"
 #: seconds (short on purpose: a failed call spools, it does not hold the queue for the SDK's 10 s).
 DEFAULT_TIMEOUT_S = 3.0
 
+# The standard names, from the SDK's own constants (opentelemetry.sdk.environment_variables).
 #: Base OTLP endpoint for all signals, e.g. ``http://collector:4317`` (OTel SDK env spec).
-ENV_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_ENDPOINT = _ev.OTEL_EXPORTER_OTLP_ENDPOINT
 #: OTLP endpoint for traces only; for HTTP it is the full URL (no ``/v1/traces`` appended).
-ENV_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENV_TRACES_ENDPOINT = _ev.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 #: ``grpc`` | ``http/protobuf`` (default ``grpc`` here, as the Python exporter's).
-ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_PROTOCOL = _ev.OTEL_EXPORTER_OTLP_PROTOCOL
 #: Traces-only protocol, wins over ``OTEL_EXPORTER_OTLP_PROTOCOL``.
-ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-#: Per-call export timeout in SECONDS (the Python exporters' unit).
-ENV_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
-#: Traces-only timeout, seconds.
-ENV_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
-#: ``k=v,k2=v2`` request headers (URL-encoded values).
-ENV_HEADERS = "OTEL_EXPORTER_OTLP_HEADERS"
+ENV_TRACES_PROTOCOL = _ev.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+#: Per-call export timeout in MILLISECONDS (OTel spec; default 10000 there, 3000 here).
+ENV_TIMEOUT = _ev.OTEL_EXPORTER_OTLP_TIMEOUT
+#: Traces-only timeout, milliseconds.
+ENV_TRACES_TIMEOUT = _ev.OTEL_EXPORTER_OTLP_TRACES_TIMEOUT
+#: ``k=v,k2=v2`` request headers (URL-encoded values; keys lower-cased).
+ENV_HEADERS = _ev.OTEL_EXPORTER_OTLP_HEADERS
 #: ``gzip`` | ``none``.
-ENV_COMPRESSION = "OTEL_EXPORTER_OTLP_COMPRESSION"
+ENV_COMPRESSION = _ev.OTEL_EXPORTER_OTLP_COMPRESSION
 #: ``true`` for plaintext gRPC to an endpoint given without scheme.
-ENV_INSECURE = "OTEL_EXPORTER_OTLP_INSECURE"
+ENV_INSECURE = _ev.OTEL_EXPORTER_OTLP_INSECURE
+#: PEM file of the CA(s) that signed the collector's certificate (a private CA).
+ENV_CERTIFICATE = _ev.OTEL_EXPORTER_OTLP_CERTIFICATE
+#: PEM client certificate (mTLS).
+ENV_CLIENT_CERTIFICATE = _ev.OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE
+#: PEM client private key (mTLS).
+ENV_CLIENT_KEY = _ev.OTEL_EXPORTER_OTLP_CLIENT_KEY
 #: service.name (wins over OTEL_RESOURCE_ATTRIBUTES).
-ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_SERVICE_NAME = _ev.OTEL_SERVICE_NAME
+
+#: Timeouts outside this range of milliseconds look like a unit mistake (seconds or microseconds
+#: written where the spec wants milliseconds) and are logged once.
+PLAUSIBLE_TIMEOUT_MS = (100.0, 60_000.0)
+
+Signal = Literal["traces", "metrics"]
 
 Protocol = Literal["grpc", "http/protobuf"]
 
@@ -110,11 +132,19 @@ class ExportConfig(BaseModel):
     protocol: Protocol | None = None
     #: extra request headers / gRPC metadata, merged over ``OTEL_EXPORTER_OTLP_HEADERS``.
     headers: dict[str, str] = Field(default_factory=dict)
-    #: plaintext gRPC for an endpoint without scheme; ``None``: env, else plaintext.
+    #: plaintext gRPC for an endpoint without scheme; ``None``: env, else plaintext (TLS when a
+    #: certificate is configured).
     insecure: bool | None = None
+    #: PEM file of the CA(s) trusted for the collector; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE``.
+    certificate: str | None = None
+    #: PEM client certificate for mTLS; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]CLIENT_CERTIFICATE``.
+    client_certificate: str | None = None
+    #: PEM client key for mTLS; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]CLIENT_KEY``.
+    client_key: str | None = None
     #: ``gzip`` or ``none``; ``None``: env, else none.
     compression: Literal["gzip", "none"] | None = None
-    #: bound on one export call, seconds; ``None``: ``OTEL_EXPORTER_OTLP_TIMEOUT``, else 3 s.
+    #: bound on one export call, seconds; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]TIMEOUT``
+    #: (milliseconds there), else 3 s.
     timeout_s: float | None = Field(default=None, gt=0)
     #: service.name; ``None``: ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, else servewatch.
     service_name: str | None = None
@@ -124,6 +154,9 @@ class ExportConfig(BaseModel):
     queue_spans: int = Field(default=65536, ge=1)
     #: spans per export request.
     batch_spans: int = Field(default=512, ge=1)
+    #: bytes per export request (encoded); under the collector's 4 MiB gRPC receive limit. A
+    #: request refused as too large anyway is split and retried.
+    batch_bytes: int = Field(default=3 * 1024 * 1024, ge=64 * 1024)
     #: longest a span waits before a partial batch is sent, seconds.
     schedule_delay_s: float = Field(default=0.5, gt=0)
     #: shutdown deadline; what is not delivered by then is spooled, seconds.
@@ -152,7 +185,8 @@ class Destination:
         endpoint: the OTLP endpoint, or ``None`` for the embedded file default.
         protocol: ``grpc`` or ``http/protobuf``.
         signal_specific: the endpoint came from ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (HTTP: use as-is).
-        headers / insecure / compression / timeout_s: resolved transport settings.
+        headers / insecure / compression / timeout_s / tls: resolved transport settings.
+        signal: ``traces`` or ``metrics``.
     """
 
     endpoint: str | None
@@ -162,35 +196,109 @@ class Destination:
     insecure: bool | None = None
     compression: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    signal: Signal = "traces"
+
+    def sender_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of :func:`exporters.transport.make_sender` (after endpoint, protocol)."""
+        return {
+            "headers": dict(self.headers),
+            "insecure": self.insecure,
+            "compression": self.compression,
+            "signal_specific": self.signal_specific,
+            "tls": self.tls,
+            "signal": self.signal,
+        }
 
     def describe(self) -> str:
         return f"OTLP {self.protocol} {self.endpoint}" if self.endpoint else "OTLP/JSON files"
 
 
+_log = logging.getLogger(__name__)
+_warned_timeouts: set[tuple[str, str]] = set()
+
+
 def _parse_headers(raw: str, name: str) -> dict[str, str]:
+    """``k=v`` pairs, URL-decoded, keys lower-cased (gRPC metadata keys must be lower case).
+
+    The SDK's ``parse_env_headers`` logs and skips a bad pair; a bad pair is a config error here.
+    """
+    from opentelemetry.util.re import parse_env_headers
+
     headers: dict[str, str] = {}
     for item in raw.split(","):
         if not item.strip():
             continue
-        key, sep, value = item.partition("=")
+        key, sep, _ = item.partition("=")
         if not sep or not key.strip():
             raise ExportConfigError(f"{name}: expected 'key=value' pairs, got {item.strip()!r}")
-        headers[unquote(key.strip())] = unquote(value.strip())
+        headers.update(parse_env_headers(item, liberal=True))
     return headers
 
 
-def _env_float(environ: Mapping[str, str], *names: str) -> float | None:
-    for name in names:
+def _env(environ: Mapping[str, str], signal: Signal, suffix: str) -> tuple[str, str] | None:
+    """(name, value) of ``OTEL_EXPORTER_OTLP_{SIGNAL}_{suffix}`` else ``OTEL_EXPORTER_OTLP_{suffix}``."""
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"):
         raw = environ.get(name, "").strip()
         if raw:
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ExportConfigError(f"{name}: expected seconds as a number, got {raw!r}") from None
-            if value <= 0:
-                raise ExportConfigError(f"{name}: must be > 0 seconds, got {raw!r}")
-            return value
+            return name, raw
     return None
+
+
+def _env_timeout_s(environ: Mapping[str, str], signal: Signal) -> float | None:
+    """The timeout env var, MILLISECONDS per spec, as seconds; a implausible value is logged once."""
+    found = _env(environ, signal, "TIMEOUT")
+    if found is None:
+        return None
+    name, raw = found
+    try:
+        value_ms = float(raw)
+    except ValueError:
+        raise ExportConfigError(f"{name}: expected milliseconds as a number, got {raw!r}") from None
+    if value_ms <= 0:
+        raise ExportConfigError(f"{name}: must be > 0 milliseconds, got {raw!r}")
+    low, high = PLAUSIBLE_TIMEOUT_MS
+    if not low <= value_ms <= high and (name, raw) not in _warned_timeouts:
+        _warned_timeouts.add((name, raw))
+        guess = "seconds" if value_ms < low else "microseconds"
+        _log.warning(
+            "%s=%s is %g ms (%g s): the OTel spec reads it in MILLISECONDS; was it written in %s?",
+            name, raw, value_ms, value_ms / 1000, guess,
+        )
+    return value_ms / 1000.0
+
+
+def _env_bool(environ: Mapping[str, str], signal: Signal, suffix: str) -> bool | None:
+    found = _env(environ, signal, suffix)
+    if found is None:
+        return None
+    name, raw = found
+    if raw.lower() not in ("true", "false"):
+        raise ExportConfigError(f"{name}: expected true or false, got {raw!r}")
+    return raw.lower() == "true"
+
+
+def _tls_files(config: ExportConfig, environ: Mapping[str, str], signal: Signal) -> TlsFiles:
+    values: dict[str, str | None] = {}
+    for attr, suffix, key in (
+        ("ca_file", "CERTIFICATE", "certificate"),
+        ("client_cert_file", "CLIENT_CERTIFICATE", "client_certificate"),
+        ("client_key_file", "CLIENT_KEY", "client_key"),
+    ):
+        value = getattr(config, key)
+        name = f"export.{key}"
+        if not value:
+            found = _env(environ, signal, suffix)
+            if found is not None:
+                name, value = found
+        if value and not Path(value).is_file():
+            raise ExportConfigError(f"{name}: no such file {value!r} (a PEM file is expected)")
+        values[attr] = value or None
+    if bool(values["client_cert_file"]) != bool(values["client_key_file"]):
+        raise ExportConfigError(
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY (mTLS) must be set together"
+        )
+    return TlsFiles(**values)  # type: ignore[arg-type]
 
 
 def _check_endpoint(endpoint: str, key: str) -> None:
@@ -211,42 +319,49 @@ def _check_endpoint(endpoint: str, key: str) -> None:
         raise ExportConfigError(f"{key}: invalid OTLP endpoint {endpoint!r}; expected http(s)://host:port")
 
 
-def resolve_destination(config: ExportConfig, environ: Mapping[str, str] | None = None) -> Destination:
-    """Resolve the span destination: config > ``OTEL_*`` env > embedded default.
+def resolve_destination(
+    config: ExportConfig, environ: Mapping[str, str] | None = None, *, signal: Signal = "traces"
+) -> Destination:
+    """Resolve where ``signal`` goes: config > ``OTEL_EXPORTER_OTLP_{SIGNAL}_*`` > ``OTEL_EXPORTER_OTLP_*``
+    > defaults (no endpoint: the embedded file default).
 
     Raises:
-        ExportConfigError: a bad env value (the message names the variable).
+        ExportConfigError: a bad setting (the message names the config key or env variable).
     """
     env = os.environ if environ is None else environ
+    specific_name = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
     signal_specific = False
     endpoint = config.endpoint
     if not endpoint:
-        endpoint = env.get(ENV_TRACES_ENDPOINT, "").strip() or None
+        endpoint = env.get(specific_name, "").strip() or None
         signal_specific = endpoint is not None
     if not endpoint:
         endpoint = env.get(ENV_ENDPOINT, "").strip() or None
     if endpoint:
-        _check_endpoint(endpoint, "export.endpoint" if config.endpoint else (ENV_TRACES_ENDPOINT if signal_specific else ENV_ENDPOINT))
+        _check_endpoint(endpoint, "export.endpoint" if config.endpoint else (specific_name if signal_specific else ENV_ENDPOINT))
     protocol: str | None = config.protocol
     protocol_key = "export.protocol"
     if protocol is None:
-        for name in (ENV_TRACES_PROTOCOL, ENV_PROTOCOL):
-            raw = env.get(name, "").strip()
-            if raw:
-                protocol, protocol_key = raw, name
-                break
+        found = _env(env, signal, "PROTOCOL")
+        if found is not None:
+            protocol_key, protocol = found
     protocol = protocol or "grpc"
     if protocol not in ("grpc", "http/protobuf"):
         raise ExportConfigError(f"{protocol_key}: unsupported OTLP protocol {protocol!r}; use grpc or http/protobuf")
     headers = _parse_headers(env.get(ENV_HEADERS, ""), ENV_HEADERS)
-    headers.update(config.headers)
-    insecure = config.insecure
-    if insecure is None and env.get(ENV_INSECURE, "").strip():
-        insecure = env[ENV_INSECURE].strip().lower() == "true"
-    compression = config.compression or env.get(ENV_COMPRESSION, "").strip().lower() or None
+    specific_headers = f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS"
+    headers.update(_parse_headers(env.get(specific_headers, ""), specific_headers))
+    headers.update({k.lower(): v for k, v in config.headers.items()})
+    insecure = config.insecure if config.insecure is not None else _env_bool(env, signal, "INSECURE")
+    compression: str | None = config.compression
+    compression_key = "export.compression"
+    if compression is None:
+        found = _env(env, signal, "COMPRESSION")
+        if found is not None:
+            compression_key, compression = found[0], found[1].lower()
     if compression not in (None, "gzip", "none"):
-        raise ExportConfigError(f"{ENV_COMPRESSION}: expected gzip or none, got {compression!r}")
-    timeout_s = config.timeout_s or _env_float(env, ENV_TRACES_TIMEOUT, ENV_TIMEOUT) or DEFAULT_TIMEOUT_S
+        raise ExportConfigError(f"{compression_key}: expected gzip or none, got {compression!r}")
+    timeout_s = config.timeout_s or _env_timeout_s(env, signal) or DEFAULT_TIMEOUT_S
     return Destination(
         endpoint=endpoint,
         protocol=protocol,  # type: ignore[arg-type]
@@ -255,6 +370,8 @@ def resolve_destination(config: ExportConfig, environ: Mapping[str, str] | None 
         insecure=insecure,
         compression=None if compression == "none" else compression,
         timeout_s=timeout_s,
+        tls=_tls_files(config, env, signal) if endpoint else TlsFiles(),
+        signal=signal,
     )
 
 
@@ -315,7 +432,15 @@ class Telemetry:
     spans_dir: Path | None
     spool_dir: Path | None
     shutdown_timeout_s: float = 3.0
+    #: the metrics exporter (``SpoolingMetricExporter`` over OTLP; ``None`` when metrics are off)
+    metric_exporter: object | None = None
     _closed: bool = False
+
+    def metric_statistics(self) -> object | None:
+        """:class:`~exporters.metrics_export.MetricExportStatistics` of the OTLP metrics
+        exporter (``None`` for the file default or metrics off)."""
+        stats = getattr(self.metric_exporter, "statistics", None)
+        return stats() if callable(stats) else None
 
     def statistics(self) -> ExportStatistics:
         return self.processor.statistics()
@@ -384,15 +509,8 @@ def build_telemetry(
         sender = FileSender(spans_dir, max_file_bytes=config.file_max_bytes, max_files=config.file_max_files)
     else:
         try:
-            sender = make_sender(
-                destination.endpoint,
-                destination.protocol,
-                headers=dict(destination.headers),
-                insecure=destination.insecure,
-                compression=destination.compression,
-                signal_specific=destination.signal_specific,
-            )
-        except ValueError as exc:
+            sender = make_sender(destination.endpoint, destination.protocol, **destination.sender_kwargs())  # type: ignore[arg-type]
+        except (ValueError, OSError) as exc:
             raise ExportConfigError(f"export.endpoint: {exc}") from exc
         spool = Spool(base / "spool", max_bytes=config.spool_max_bytes)
         spool_dir = spool.directory
@@ -401,6 +519,7 @@ def build_telemetry(
         spool=spool,
         max_queue_spans=config.queue_spans,
         max_batch_spans=config.batch_spans,
+        max_batch_bytes=config.batch_bytes,
         schedule_delay_s=config.schedule_delay_s,
         export_timeout_s=destination.timeout_s,
         retry_initial_backoff_s=config.retry_initial_backoff_s,
@@ -410,22 +529,27 @@ def build_telemetry(
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     tracer_provider.add_span_processor(processor)
     meter_provider: MeterProvider | None = None
+    metric_exporter = None
     if config.metrics:
-        metrics_endpoint = destination.endpoint
-        if metrics_endpoint is not None and destination.signal_specific:
-            metrics_endpoint = (os.environ if environ is None else environ).get(ENV_ENDPOINT) or None
-        meter_provider = build_meter_provider(
+        metrics_dest = resolve_destination(config, environ, signal="metrics")
+        metrics_sender = None
+        if metrics_dest.endpoint is not None:
+            try:
+                metrics_sender = make_sender(metrics_dest.endpoint, metrics_dest.protocol, **metrics_dest.sender_kwargs())  # type: ignore[arg-type]
+            except (ValueError, OSError) as exc:
+                raise ExportConfigError(f"metrics endpoint: {exc}") from exc
+        meter_provider, metric_exporter = build_meter_provider(
             resource,
-            endpoint=metrics_endpoint,
-            protocol=destination.protocol,
-            headers=dict(destination.headers),
-            insecure=destination.insecure,
-            timeout_s=destination.timeout_s,
+            sender=metrics_sender,
+            timeout_s=metrics_dest.timeout_s,
             interval_s=config.metrics_interval_s,
             file_directory=base / "metrics",
+            spool_dir=(spool_dir or base / "spool") / "metrics",
         )
     metrics = Metrics(meter_provider)
     metrics.watch_export(processor.statistics)
+    if metric_exporter is not None and hasattr(metric_exporter, "statistics"):
+        metrics.watch_metric_export(metric_exporter.statistics)
     return Telemetry(
         resource=resource,
         destination=destination,
@@ -437,4 +561,5 @@ def build_telemetry(
         spans_dir=spans_dir,
         spool_dir=spool_dir,
         shutdown_timeout_s=config.shutdown_timeout_s,
+        metric_exporter=metric_exporter,
     )

@@ -26,6 +26,8 @@ __all__ = [
     "SCOPE",
     "SpanSink",
     "ProcessorSink",
+    "CollectingSink",
+    "emit_durable",
     "InMemorySink",
     "build_span",
     "new_trace_id",
@@ -122,11 +124,38 @@ def build_span(
 
 
 class SpanSink(Protocol):
-    """Where finished spans go. ``emit`` never blocks on the network and never raises."""
+    """Where finished spans go. ``emit`` never blocks on the network and never raises.
+
+    A sink may also offer ``emit_durable(spans)``: the spans are on disk when it returns
+    (write-ahead); use :func:`emit_durable` to call it with a fallback to ``emit``.
+    """
 
     resource: Resource
 
     def emit(self, span: ReadableSpan) -> None: ...
+
+
+def emit_durable(sink: SpanSink, spans: Sequence[ReadableSpan]) -> None:
+    """Hand ``spans`` (one finished action and its children) to ``sink`` write-ahead when it can
+    (``sink.emit_durable``), else one by one with ``emit``."""
+    durable = getattr(sink, "emit_durable", None)
+    if durable is not None:
+        durable(spans)
+        return
+    for span in spans:
+        sink.emit(span)
+
+
+class CollectingSink:
+    """Buffers spans (e.g. a profile's imported ranges) so they can be written ahead together
+    with their parent span."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+        self.spans: list[ReadableSpan] = []
+
+    def emit(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
 
 
 class ProcessorSink:
@@ -138,6 +167,15 @@ class ProcessorSink:
 
     def emit(self, span: ReadableSpan) -> None:
         self.processor.on_end(span)
+
+    def emit_durable(self, spans: Sequence[ReadableSpan]) -> None:
+        """On disk before this returns (the processor's ``persist``), when the processor can."""
+        persist = getattr(self.processor, "persist", None)
+        if persist is not None:
+            persist(spans)
+            return
+        for span in spans:
+            self.processor.on_end(span)
 
 
 class InMemorySink:

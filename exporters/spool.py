@@ -11,9 +11,17 @@ permanently go to ``rejected/`` (kept, counted, never retried automatically; cap
 ``max_bytes`` of its own, oldest evicted and counted).
 
 A spool directory is owned by one process at a time (``flock`` on ``.lock``); a second agent on
-the same data dir gets ``<directory>/pid-<pid>/`` instead.
+the same data dir gets ``<directory>/pid-<pid>/`` instead. Such a folder left behind by a process
+that is gone (a ``dump`` that ran during a ``run``, a crashed agent, a server's SDK shipper) is
+*stranded*: :meth:`Spool.adopt_stranded` (at open, and periodically from the processor) takes the
+lock of every ``pid-*`` sibling nobody holds, moves its batches to our tail and removes it.
 
-Imports :mod:`exporters.otlp_json` and opentelemetry-proto only.
+Files are written with :func:`agent.fsutil.atomic_write_bytes` (temp + fsync + rename, 0600,
+never through a symlink), so a batch on disk is complete or absent whatever kills the writer:
+the processor's write-ahead of finished actions' spans relies on it. A batch refused as too large
+is split in place (:meth:`Spool.split`): its pieces ``<seq>.<part>-<spans>.binpb`` keep its place.
+
+Imports :mod:`agent.fsutil`, :mod:`exporters.otlp_json` and opentelemetry-proto only.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agent.fsutil import atomic_write_bytes, ensure_private_dir
+from agent.fsutil import atomic_write_bytes, ensure_private_dir, remove_stale_temps
 from exporters.otlp_json import read_span_file
 
 __all__ = ["Spool", "SpoolEntry", "SpoolStatistics"]
@@ -47,6 +55,8 @@ class SpoolEntry(NamedTuple):
     spans: int
     #: file size
     size_bytes: int
+    #: piece number after a split (0: never split)
+    part: int = 0
 
 
 class SpoolStatistics(NamedTuple):
@@ -68,18 +78,42 @@ class SpoolStatistics(NamedTuple):
     rejected_spans: int
     #: spans found on disk from an earlier run when opened
     recovered_spans: int
+    #: spans taken over from stranded spool folders of processes that are gone
+    adopted_spans: int = 0
 
 
 #: Suffix of a spooled batch.
 SUFFIX = ".binpb"
 
 
-def _parse_name(path: Path) -> tuple[int, int] | None:
-    stem = path.name.removesuffix(SUFFIX)
-    seq, _, spans = stem.partition("-")
-    if not (seq.isdigit() and spans.isdigit()) or not path.name.endswith(SUFFIX):
+def _parse_name(path: Path) -> tuple[int, int, int] | None:
+    """(seq, spans, part) from ``<seq>[.<part>]-<spans>.binpb``; ``None`` for other names."""
+    if not path.name.endswith(SUFFIX) or path.name.endswith(".metrics" + SUFFIX) or path.name.startswith("."):
         return None
-    return int(seq), int(spans)
+    stem = path.name.removesuffix(SUFFIX)
+    head, _, spans = stem.partition("-")
+    seq, _, part = head.partition(".")
+    if not (seq.isdigit() and spans.isdigit() and (part.isdigit() or not part)):
+        return None
+    return int(seq), int(spans), int(part or 0)
+
+
+def _entry_name(seq: int, spans: int, part: int = 0) -> str:
+    return f"{seq:016d}.{part:06d}-{spans}{SUFFIX}" if part else f"{seq:016d}-{spans}{SUFFIX}"
+
+
+def _try_lock(folder: Path) -> int | None:
+    """An flock'ed fd on ``folder/.lock`` when no live process holds it, else ``None``."""
+    try:
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 class Spool:
@@ -106,31 +140,106 @@ class Spool:
         self._rejected = 0
         self._rejected_entries: deque[SpoolEntry] | None = None  # loaded on first use
         self._rejected_bytes = 0
+        self._adopted = 0
+        self._next_part = 1
+        remove_stale_temps(self.directory, recursive=False)
         found = []
         for path in self.directory.glob("*" + SUFFIX):
             parsed = _parse_name(path)
             if parsed is not None:
-                found.append(SpoolEntry(parsed[0], path, parsed[1], path.stat().st_size))
-        for entry in sorted(found):
+                found.append(SpoolEntry(parsed[0], path, parsed[1], path.stat().st_size, parsed[2]))
+        for entry in sorted(found, key=lambda e: (e.seq, e.part)):
             self._entries.append(entry)
             self._size_bytes += entry.size_bytes
             self._spans += entry.spans
+            self._next_part = max(self._next_part, entry.part + 1)
         self._recovered = self._spans
-        self._next_seq = (self._entries[-1].seq + 1) if self._entries else 1
+        self._next_seq = max((e.seq for e in self._entries), default=0) + 1
+        self.adopt_stranded()
 
     def _claim(self, directory: Path) -> Path:
         ensure_private_dir(directory)
+        self._root = directory
         for candidate in (directory, directory / f"pid-{os.getpid()}"):
             ensure_private_dir(candidate)
-            fd = os.open(candidate / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            fd = _try_lock(candidate)
+            if fd is None:
                 continue
             self._lock_fd = fd
             return candidate
         raise OSError(f"spool {directory} is locked by another process")
+
+    def adopt_stranded(self) -> int:
+        """Take over the batches of ``pid-*`` spool folders whose owner is gone.
+
+        A folder whose ``.lock`` no live process holds is stranded: its batches (and its
+        ``rejected/`` and ``metrics/`` files) move to this spool's tail with new sequence
+        numbers, and the folder is removed. Folders of live processes are left alone.
+
+        Returns:
+            Spans adopted.
+        """
+        adopted = 0
+        try:
+            candidates = sorted(p for p in self._root.glob("pid-*") if p.is_dir() and not p.is_symlink() and p != self.directory)
+        except OSError:
+            return 0
+        for folder in candidates:
+            fd = _try_lock(folder)
+            if fd is None:
+                continue
+            try:
+                adopted += self._adopt_folder(folder)
+            except OSError as exc:
+                _log.warning("could not adopt stranded spool %s: %s", folder, exc)
+            finally:
+                try:
+                    (folder / ".lock").unlink()
+                except OSError:
+                    pass
+                os.close(fd)
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
+        if adopted:
+            _log.info("adopted %d spans from stranded spool folders under %s", adopted, self._root)
+        return adopted
+
+    def _adopt_folder(self, folder: Path) -> int:
+        found = []
+        for path in folder.glob("*" + SUFFIX):
+            parsed = _parse_name(path)
+            if parsed is not None:
+                found.append((parsed[0], parsed[2], path, parsed[1]))
+        spans_total = 0
+        for _, _, path, spans in sorted(found, key=lambda t: (t[0], t[1])):
+            with self._lock:
+                seq = self._next_seq
+                self._next_seq += 1
+                target = self.directory / _entry_name(seq, spans)
+                os.replace(path, target)
+                size = target.stat().st_size
+                self._entries.append(SpoolEntry(seq, target, spans, size))
+                self._size_bytes += size
+                self._spans += spans
+                self._adopted += spans
+            spans_total += spans
+        for sub in ("rejected", "metrics"):
+            src = folder / sub
+            if src.is_dir() and not src.is_symlink():
+                dest = ensure_private_dir(self.directory / sub)
+                for path in sorted(src.iterdir()):
+                    if path.is_file() and not path.is_symlink():
+                        os.replace(path, dest / f"adopted-{folder.name}-{path.name}")
+                try:
+                    src.rmdir()
+                except OSError:
+                    pass
+        for leftover in folder.iterdir():
+            if leftover.name.endswith(".swtmp") or leftover.name.endswith(".tmp"):
+                leftover.unlink(missing_ok=True)
+        return spans_total
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -160,8 +269,8 @@ class Spool:
             if len(data) > self.max_bytes:
                 self._evicted += spans
                 return spans
-            path = self.directory / f"{seq:016d}-{spans}{SUFFIX}"
-            atomic_write_bytes(path, data)  # temp + fsync + rename, 0600, no symlink followed
+            path = self.directory / _entry_name(seq, spans)
+            atomic_write_bytes(path, data)  # complete or absent, whatever kills us
             self._entries.append(SpoolEntry(seq, path, spans, len(data)))
             self._size_bytes += len(data)
             self._spans += spans
@@ -207,10 +316,52 @@ class Spool:
             merged.resource_spans.extend(request.resource_spans)
         return merged
 
+    def split(self, entry: SpoolEntry, pieces: list[tuple[ExportTraceServiceRequest, int]]) -> list[SpoolEntry]:
+        """Replace ``entry`` by ``pieces`` (the same spans in smaller requests), in its place.
+
+        The pieces are written before the original is removed: a kill in between leaves both,
+        which can duplicate those spans once, never lose them.
+
+        Returns:
+            The new entries (empty when ``entry`` was no longer in the spool).
+
+        Raises:
+            OSError: a piece could not be written (the original stays).
+        """
+        written: list[SpoolEntry] = []
+        try:
+            for request, spans in pieces:
+                with self._lock:
+                    part = self._next_part
+                    self._next_part += 1
+                data = request.SerializeToString()
+                path = self.directory / _entry_name(entry.seq, spans, part)
+                atomic_write_bytes(path, data)
+                written.append(SpoolEntry(entry.seq, path, spans, len(data), part))
+        except OSError:
+            for piece in written:
+                self._unlink(piece.path)
+            raise
+        with self._lock:
+            try:
+                index = self._entries.index(entry)
+            except ValueError:
+                for piece in written:
+                    self._unlink(piece.path)
+                return []
+            del self._entries[index]
+            self._forget(entry)
+            for offset, piece in enumerate(written):
+                self._entries.insert(index + offset, piece)
+                self._size_bytes += piece.size_bytes
+                self._spans += piece.spans
+        self._unlink(entry.path)
+        return written
+
     def remove(self, entry: SpoolEntry) -> bool:
         """Drop a delivered batch. Returns ``False`` when it was already evicted."""
         with self._lock:
-            if not self._entries or self._entries[0].seq != entry.seq:
+            if not self._entries or self._entries[0] != entry:
                 if entry not in self._entries:
                     return False
                 self._entries.remove(entry)
@@ -248,7 +399,7 @@ class Spool:
             seq = self._next_seq
             self._next_seq += 1
             self._rejected += spans
-        path = self._rejected_dir() / f"{seq:016d}-{spans}{SUFFIX}"
+        path = self._rejected_dir() / _entry_name(seq, spans)
         atomic_write_bytes(path, data)
         self._keep_rejected(SpoolEntry(seq, path, spans, len(data)))
 
@@ -287,6 +438,7 @@ class Spool:
                 evicted_spans=self._evicted,
                 rejected_spans=self._rejected,
                 recovered_spans=self._recovered,
+                adopted_spans=self._adopted,
             )
 
     def close(self) -> None:

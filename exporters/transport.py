@@ -1,9 +1,10 @@
-"""Sending encoded OTLP trace requests: gRPC, HTTP/protobuf, or an OTLP/JSON lines file.
+"""Sending encoded OTLP requests (traces or metrics): gRPC, HTTP/protobuf, or an OTLP/JSON lines file.
 
-Owns the wire side of export: :class:`RequestSender` (send one ``ExportTraceServiceRequest``,
-return a :class:`SendResult`, never raise), its three implementations and the sorting of every
-transport failure into :class:`Delivery` (``OK`` / ``RETRYABLE`` / ``PERMANENT``), done here and
-nowhere else. The lossless processor, the spool replay and ``servewatch export`` all send through
+Owns the wire side of export: :class:`RequestSender` (send one ``ExportTraceServiceRequest`` or
+``ExportMetricsServiceRequest``, return a :class:`SendResult`, never raise), its three
+implementations, :class:`TlsFiles` (private CA, mTLS client pair) and the sorting of every
+transport failure into :class:`Delivery` (``OK`` / ``RETRYABLE`` / ``TOO_LARGE`` / ``PERMANENT``)
+and a :class:`Cause` (refused, protocol mismatch, TLS, auth...), done here and nowhere else. The lossless processor, the spool replay and ``servewatch export`` all send through
 these, so a spooled batch goes out byte-for-byte as it was first encoded (same ids, same times).
 
 Why not the SDK's OTLP exporters: they take ``ReadableSpan`` objects (a spooled batch is already a
@@ -17,14 +18,20 @@ from __future__ import annotations
 
 import gzip
 import logging
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, Union
 from urllib.parse import urlsplit
 
 import grpc
 import httpx
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -35,7 +42,10 @@ from agent.events import StrEnum
 from exporters.otlp_json import RotatingJsonLinesWriter, request_to_json
 
 __all__ = [
+    "Cause",
     "Delivery",
+    "Signal",
+    "TlsFiles",
     "SendResult",
     "RequestSender",
     "GrpcSender",
@@ -44,8 +54,14 @@ __all__ = [
     "make_sender",
     "http_traces_url",
     "span_count",
+    "item_count",
     "PROTOCOLS",
 ]
+
+#: Which OTLP signal a sender carries.
+Signal = Literal["traces", "metrics"]
+#: One encoded OTLP export request.
+OtlpRequest = Union[ExportTraceServiceRequest, ExportMetricsServiceRequest]
 
 _log = logging.getLogger(__name__)
 
@@ -61,7 +77,7 @@ _GRPC_RETRYABLE = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DATA_LOSS,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # throttling; "larger than max" is TOO_LARGE instead
     }
 )
 # HTTP status codes the OTLP/HTTP spec calls retryable.
@@ -84,8 +100,80 @@ class Delivery(StrEnum):
     OK = "ok"
     #: worth retrying later (collector down, overloaded, timed out)
     RETRYABLE = "retryable"
+    #: the request is over the collector's size limit (gRPC RESOURCE_EXHAUSTED "larger than max",
+    #: HTTP 413): split it and send the halves
+    TOO_LARGE = "too_large"
     #: the collector refused the data; sending it again cannot help
     PERMANENT = "permanent"
+
+
+class Cause(StrEnum):
+    """Why a send failed, in an operator's terms (``servewatch export`` and warnings print it)."""
+
+    NONE = "none"
+    #: nothing listens there (connection refused, no route, DNS)
+    REFUSED = "refused"
+    #: the call ran out of time (collector hung, black-holed, or overloaded)
+    TIMEOUT = "timeout"
+    #: a gRPC client talking to an HTTP port or the reverse
+    PROTOCOL_MISMATCH = "protocol_mismatch"
+    #: TLS handshake failed: plaintext vs TLS, unknown CA, missing or refused client certificate
+    TLS = "tls"
+    #: the collector refused our credentials (gRPC UNAUTHENTICATED/PERMISSION_DENIED, HTTP 401/403)
+    AUTH = "auth"
+    #: the request exceeded the collector's size limit
+    TOO_LARGE = "too_large"
+    #: the collector is up but refused or failed the request (other status codes)
+    COLLECTOR = "collector"
+
+
+#: One line per cause: what to check.
+CAUSE_HINTS: dict[Cause, str] = {
+    Cause.REFUSED: "connection refused: is the collector running and the endpoint/port right?",
+    Cause.TIMEOUT: "no answer within the timeout: collector hung, overloaded or unreachable (firewall)",
+    Cause.PROTOCOL_MISMATCH: "protocol mismatch: gRPC sent to an HTTP port or HTTP to a gRPC port "
+    "(4317 is OTLP gRPC, 4318 OTLP HTTP; set --protocol / OTEL_EXPORTER_OTLP_PROTOCOL)",
+    Cause.TLS: "TLS handshake failed or the peer hung up: check https:// vs http://, OTEL_EXPORTER_OTLP_CERTIFICATE (CA) "
+    "and the client certificate/key for mTLS",
+    Cause.AUTH: "the collector refused our credentials: check OTEL_EXPORTER_OTLP_HEADERS",
+    Cause.TOO_LARGE: "request larger than the collector accepts",
+    Cause.COLLECTOR: "the collector refused the request",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """TLS material from ``OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE`` / ``CLIENT_CERTIFICATE`` /
+    ``CLIENT_KEY`` (PEM file paths). Empty: the system trust store, no client certificate."""
+
+    #: PEM bundle of CAs trusted for the collector's certificate
+    ca_file: str | None = None
+    #: PEM client certificate chain (mTLS)
+    client_cert_file: str | None = None
+    #: PEM private key of the client certificate (mTLS)
+    client_key_file: str | None = None
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.ca_file or self.client_cert_file or self.client_key_file)
+
+    def _read(self, path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    def grpc_credentials(self) -> grpc.ChannelCredentials:
+        """Channel credentials (raises ``OSError`` when a file cannot be read)."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca_file),
+            private_key=self._read(self.client_key_file),
+            certificate_chain=self._read(self.client_cert_file),
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """An ``ssl`` client context for HTTPS (raises ``OSError``/``ssl.SSLError`` on bad files)."""
+        ctx = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else ssl.create_default_context()
+        if self.client_cert_file:
+            ctx.load_cert_chain(self.client_cert_file, self.client_key_file)
+        return ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +183,22 @@ class SendResult:
     Attributes:
         delivery: how it ended.
         detail: one line (status code, error class) when not OK.
-        rejected_spans: spans the collector accepted the request but dropped (OTLP partial success).
+        rejected_spans: items (spans or data points) the collector accepted the request for but
+            dropped (OTLP partial success).
+        cause: why it failed, in operator terms (:class:`Cause`).
     """
 
     delivery: Delivery
     detail: str = ""
     rejected_spans: int = 0
+    cause: Cause = Cause.NONE
+
+    def explain(self) -> str:
+        """One line: the detail plus what to check."""
+        hint = CAUSE_HINTS.get(self.cause, "")
+        if not hint:
+            return self.detail
+        return f"{hint} ({self.detail})" if self.detail else hint
 
     @property
     def ok(self) -> bool:
@@ -129,11 +227,64 @@ def span_count(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
-def _grpc_target(endpoint: str, insecure: bool | None) -> tuple[str, bool]:
+def item_count(request: OtlpRequest) -> int:
+    """Spans of a trace request, metrics of a metrics request."""
+    if isinstance(request, ExportMetricsServiceRequest):
+        return sum(len(sm.metrics) for rm in request.resource_metrics for sm in rm.scope_metrics)
+    return span_count(request)
+
+
+def _grpc_cause(code: grpc.StatusCode | None, details: str) -> tuple[Delivery, Cause]:
+    """Sort a gRPC status into (delivery, cause). grpc-core's own wording is matched for the
+    cases a status code alone does not tell apart (refused vs TLS vs HTTP port)."""
+    text = details.lower()
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and ("larger than" in text or "too large" in text or "message size" in text):
+        return Delivery.TOO_LARGE, Cause.TOO_LARGE
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return Delivery.PERMANENT, Cause.AUTH
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED or "timed out" in text or "timeout" in text:
+        return Delivery.RETRYABLE, Cause.TIMEOUT
+    if any(m in text for m in ("ssl", "tls", "handshake", "certificate", "x509", "alpn")):
+        return Delivery.RETRYABLE, Cause.TLS
+    if "socket closed" in text:
+        # the peer accepted TCP and hung up at once: a TLS port spoken to in plaintext, or an mTLS
+        # port refusing a client without certificate
+        return Delivery.RETRYABLE, Cause.TLS
+    if any(m in text for m in ("http2", "http/1", "http1", "preface", "frame", "bad gateway", "content-type",
+                               "unexpected http status", "received http2 header with status")):
+        return Delivery.RETRYABLE, Cause.PROTOCOL_MISMATCH
+    if any(m in text for m in ("connection refused", "failed to connect", "connect failed", "dns", "no route",
+                               "name resolution", "network is unreachable")):
+        return Delivery.RETRYABLE, Cause.REFUSED
+    if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        # an HTTP server answering a gRPC call shows up as one of these
+        return Delivery.PERMANENT if code is grpc.StatusCode.UNIMPLEMENTED else Delivery.RETRYABLE, Cause.PROTOCOL_MISMATCH
+    if code in _GRPC_RETRYABLE:
+        return Delivery.RETRYABLE, Cause.COLLECTOR if code is not grpc.StatusCode.UNAVAILABLE else Cause.REFUSED
+    return Delivery.PERMANENT, Cause.COLLECTOR
+
+
+def _http_error_cause(exc: BaseException) -> Cause:
+    text = f"{type(exc).__name__} {exc}".lower()
+    if isinstance(exc, httpx.TimeoutException):
+        return Cause.TIMEOUT
+    if "ssl" in text or "certificate" in text or "tls" in text or "handshake" in text:
+        return Cause.TLS
+    if "disconnected without sending" in text:
+        return Cause.TLS  # plaintext HTTP to a TLS port: the server hangs up on the bytes it cannot parse
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.LocalProtocolError)):
+        return Cause.PROTOCOL_MISMATCH
+    if isinstance(exc, httpx.ConnectError):
+        return Cause.REFUSED
+    return Cause.REFUSED
+
+
+def _grpc_target(endpoint: str, insecure: bool | None, tls: TlsFiles | None = None) -> tuple[str, bool]:
     """(host:port, secure) from an OTLP gRPC endpoint ``[http|https://]host:port``.
 
-    ``https`` is secure, ``http`` is not; with no scheme, ``insecure`` decides (default: insecure,
-    the usual in-cluster collector).
+    Per the OTLP exporter spec: ``https`` is secure, ``http`` is not; with no scheme,
+    ``OTEL_EXPORTER_OTLP_INSECURE`` decides (``insecure``), and TLS files given (a private CA or
+    a client pair) mean TLS; else plaintext, the usual in-cluster collector.
     """
     if "://" in endpoint:
         parts = urlsplit(endpoint)
@@ -142,17 +293,24 @@ def _grpc_target(endpoint: str, insecure: bool | None) -> tuple[str, bool]:
         if ":" in host:
             host = f"[{host}]"
         return f"{host}:{port}", parts.scheme == "https"
+    if insecure is None:
+        return endpoint.rstrip("/"), bool(tls is not None and tls.configured)
     return endpoint.rstrip("/"), insecure is False
 
 
 class GrpcSender:
-    """OTLP/gRPC ``TraceService/Export`` with one attempt per call.
+    """OTLP/gRPC ``TraceService/Export`` (or ``MetricsService/Export``) with one attempt per call.
 
     Args:
         endpoint: ``http://host:4317``, ``https://host:4317`` or ``host:4317``.
         headers: request metadata (keys lower-cased, as gRPC requires).
         insecure: for an endpoint without scheme, ``False`` forces TLS.
         compression: ``"gzip"`` or ``None``.
+        tls: private CA / client certificate for a TLS endpoint.
+        signal: ``traces`` or ``metrics``.
+
+    Raises:
+        OSError: a TLS file cannot be read.
     """
 
     def __init__(
@@ -162,40 +320,44 @@ class GrpcSender:
         headers: dict[str, str] | None = None,
         insecure: bool | None = None,
         compression: str | None = None,
+        tls: TlsFiles | None = None,
+        signal: Signal = "traces",
     ) -> None:
-        self.target, secure = _grpc_target(endpoint, insecure)
+        self.target, secure = _grpc_target(endpoint, insecure, tls)
+        self.signal = signal
         comp = grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
         if secure:
-            self._channel = grpc.secure_channel(
-                self.target, grpc.ssl_channel_credentials(), options=_GRPC_CHANNEL_OPTIONS, compression=comp
-            )
+            creds = (tls or TlsFiles()).grpc_credentials()
+            self._channel = grpc.secure_channel(self.target, creds, options=_GRPC_CHANNEL_OPTIONS, compression=comp)
         else:
             self._channel = grpc.insecure_channel(self.target, options=_GRPC_CHANNEL_OPTIONS, compression=comp)
-        self._stub = TraceServiceStub(self._channel)
+        stub = MetricsServiceStub(self._channel) if signal == "metrics" else TraceServiceStub(self._channel)
+        self._export = stub.Export
         self._metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())
         self._lock = threading.Lock()
         self._inflight: grpc.Future | None = None
 
-    def send(self, request: ExportTraceServiceRequest, *, timeout_s: float) -> SendResult:
+    def send(self, request: OtlpRequest, *, timeout_s: float) -> SendResult:  # type: ignore[override]
         try:
-            future = self._stub.Export.future(request, timeout=max(0.001, timeout_s), metadata=self._metadata or None)
+            future = self._export.future(request, timeout=max(0.001, timeout_s), metadata=self._metadata or None)
             with self._lock:
                 self._inflight = future
-            response: ExportTraceServiceResponse = future.result()
+            response = future.result()
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            delivery = Delivery.RETRYABLE if code in _GRPC_RETRYABLE else Delivery.PERMANENT
-            return SendResult(delivery, f"grpc {code.name if code else 'UNKNOWN'}")
+            details = (exc.details() if hasattr(exc, "details") else "") or ""
+            delivery, cause = _grpc_cause(code, details)
+            line = f"grpc {code.name if code else 'UNKNOWN'}" + (f": {details.splitlines()[0][:200]}" if details else "")
+            return SendResult(delivery, line, cause=cause)
         except grpc.FutureCancelledError:
-            return SendResult(Delivery.RETRYABLE, "grpc call aborted")
+            return SendResult(Delivery.RETRYABLE, "grpc call aborted", cause=Cause.TIMEOUT)
         except Exception as exc:  # boundary: a transport bug must not kill the export worker
             _log.exception("gRPC export to %s failed", self.target)
-            return SendResult(Delivery.RETRYABLE, f"grpc {type(exc).__name__}")
+            return SendResult(Delivery.RETRYABLE, f"grpc {type(exc).__name__}", cause=Cause.COLLECTOR)
         finally:
             with self._lock:
                 self._inflight = None
-        rejected = response.partial_success.rejected_spans if response.HasField("partial_success") else 0
-        return SendResult(Delivery.OK, response.partial_success.error_message if rejected else "", rejected)
+        return _partial_success(response)
 
     def abort(self) -> None:
         with self._lock:
@@ -207,17 +369,26 @@ class GrpcSender:
         self._channel.close()
 
 
-def http_traces_url(endpoint: str, *, signal_specific: bool = False) -> str:
-    """The OTLP/HTTP traces URL.
+def _partial_success(response: ExportTraceServiceResponse | ExportMetricsServiceResponse) -> SendResult:
+    if not response.HasField("partial_success"):
+        return SendResult(Delivery.OK)
+    ps = response.partial_success
+    rejected = ps.rejected_data_points if isinstance(response, ExportMetricsServiceResponse) else ps.rejected_spans
+    return SendResult(Delivery.OK, ps.error_message if rejected else "", rejected)
+
+
+def http_traces_url(endpoint: str, *, signal_specific: bool = False, signal: Signal = "traces") -> str:
+    """The OTLP/HTTP URL of a signal.
 
     Per the OTLP exporter spec, ``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base URL to which
-    ``/v1/traces`` is appended, while ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as-is.
+    ``/v1/traces`` (``/v1/metrics``) is appended, while ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+    (``..._METRICS_ENDPOINT``) is used as-is.
     """
     if "://" not in endpoint:
         endpoint = "http://" + endpoint
     if signal_specific:
         return endpoint
-    return endpoint.rstrip("/") + "/v1/traces"
+    return endpoint.rstrip("/") + f"/v1/{signal}"
 
 
 class HttpSender:
@@ -227,47 +398,67 @@ class HttpSender:
     (sidecar, node agent), and a proxy answering for it would hide an outage.
 
     Args:
-        url: full traces URL (see :func:`http_traces_url`).
+        url: full signal URL (see :func:`http_traces_url`).
         headers: extra request headers.
         compression: ``"gzip"`` or ``None``.
+        tls: private CA / client certificate for an ``https`` URL.
+        signal: ``traces`` or ``metrics`` (which response type to parse).
+
+    Raises:
+        OSError / ssl.SSLError: a TLS file cannot be read or parsed.
     """
 
-    def __init__(self, url: str, *, headers: dict[str, str] | None = None, compression: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        compression: str | None = None,
+        tls: TlsFiles | None = None,
+        signal: Signal = "traces",
+    ) -> None:
         self.target = url
+        self.signal = signal
         self._gzip = compression == "gzip"
         base = {"Content-Type": "application/x-protobuf", "User-Agent": "servewatch"}
         if self._gzip:
             base["Content-Encoding"] = "gzip"
         base.update(headers or {})
-        self._client = httpx.Client(headers=base, trust_env=False)
+        verify: ssl.SSLContext | bool = tls.ssl_context() if tls is not None and tls.configured else True
+        self._client = httpx.Client(headers=base, trust_env=False, verify=verify)
         self._closed = False
 
-    def send(self, request: ExportTraceServiceRequest, *, timeout_s: float) -> SendResult:
+    def send(self, request: OtlpRequest, *, timeout_s: float) -> SendResult:  # type: ignore[override]
         body = request.SerializeToString()
         if self._gzip:
-            body = gzip.compress(body)
+            body = gzip.compress(body, compresslevel=6)
         try:
             response = self._client.post(self.target, content=body, timeout=max(0.001, timeout_s))
         except httpx.TimeoutException:
-            return SendResult(Delivery.RETRYABLE, "http timeout")
+            return SendResult(Delivery.RETRYABLE, "http timeout", cause=Cause.TIMEOUT)
         except httpx.TransportError as exc:
-            return SendResult(Delivery.RETRYABLE, f"http {type(exc).__name__}")
+            return SendResult(Delivery.RETRYABLE, f"http {type(exc).__name__}: {str(exc)[:200]}", cause=_http_error_cause(exc))
         except RuntimeError as exc:  # client closed by abort() on another thread
-            return SendResult(Delivery.RETRYABLE, f"http aborted: {exc}")
-        if response.status_code // 100 == 2:
-            rejected = 0
-            detail = ""
+            return SendResult(Delivery.RETRYABLE, f"http aborted: {exc}", cause=Cause.TIMEOUT)
+        status = response.status_code
+        if status // 100 == 2:
             if response.content and "protobuf" in response.headers.get("content-type", ""):
-                parsed = ExportTraceServiceResponse()
+                parsed = ExportMetricsServiceResponse() if self.signal == "metrics" else ExportTraceServiceResponse()
                 try:
                     parsed.ParseFromString(response.content)
-                    rejected = parsed.partial_success.rejected_spans
-                    detail = parsed.partial_success.error_message
                 except Exception:  # boundary: a garbled body from a 2xx is still a delivery
                     _log.debug("unparseable OTLP/HTTP response body from %s", self.target)
-            return SendResult(Delivery.OK, detail, rejected)
-        delivery = Delivery.RETRYABLE if response.status_code in _HTTP_RETRYABLE else Delivery.PERMANENT
-        return SendResult(delivery, f"http {response.status_code}")
+                    return SendResult(Delivery.OK)
+                return _partial_success(parsed)
+            return SendResult(Delivery.OK)
+        if status == 413:
+            return SendResult(Delivery.TOO_LARGE, "http 413", cause=Cause.TOO_LARGE)
+        if status in (401, 403):
+            return SendResult(Delivery.PERMANENT, f"http {status}", cause=Cause.AUTH)
+        if status in (404, 405) or response.headers.get("content-type", "").startswith("application/grpc"):
+            return SendResult(Delivery.PERMANENT, f"http {status}", cause=Cause.PROTOCOL_MISMATCH)
+        delivery = Delivery.RETRYABLE if status in _HTTP_RETRYABLE else Delivery.PERMANENT
+        return SendResult(delivery, f"http {status}", cause=Cause.COLLECTOR)
 
     def abort(self) -> None:
         # httpx cannot cancel a request from another thread; the per-call timeout bounds it.
@@ -314,14 +505,18 @@ def make_sender(
     insecure: bool | None = None,
     compression: str | None = None,
     signal_specific: bool = False,
+    tls: TlsFiles | None = None,
+    signal: Signal = "traces",
 ) -> GrpcSender | HttpSender:
-    """A network sender for ``protocol`` (``grpc`` or ``http/protobuf``).
+    """A network sender for ``protocol`` (``grpc`` or ``http/protobuf``) and ``signal``.
 
     Raises:
         ValueError: unknown protocol.
+        OSError: a TLS file cannot be read.
     """
     if protocol == "grpc":
-        return GrpcSender(endpoint, headers=headers, insecure=insecure, compression=compression)
+        return GrpcSender(endpoint, headers=headers, insecure=insecure, compression=compression, tls=tls, signal=signal)
     if protocol == "http/protobuf":
-        return HttpSender(http_traces_url(endpoint, signal_specific=signal_specific), headers=headers, compression=compression)
+        url = http_traces_url(endpoint, signal_specific=signal_specific, signal=signal)
+        return HttpSender(url, headers=headers, compression=compression, tls=tls, signal=signal)
     raise ValueError(f"unsupported OTLP protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")

@@ -6,6 +6,12 @@ OTLP/JSON (``application/json``). Both listen on 127.0.0.1 ephemeral ports chose
 start and kept across :meth:`OtlpReceiver.stop` / :meth:`OtlpReceiver.start`, so a client keeps
 its endpoint while the "collector" goes away and comes back. Requests are collected thread-safely.
 
+Like a collector's receivers it enforces a receive limit (``max_receive_bytes``, default 4 MiB,
+the collector's gRPC default): gRPC answers ``RESOURCE_EXHAUSTED`` ("larger than max") and HTTP
+413 above it. With ``tls`` it serves TLS on both ports (server certificate from
+:mod:`tests.tls_certs`), and with ``require_client_cert`` mTLS: a client without a certificate
+signed by the CA fails the handshake.
+
 Use the ``otlp_receiver`` fixture (``tests/exporters/conftest.py``) or the class directly.
 """
 
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +34,10 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from exporters.otlp_json import message_from_json, message_to_json
+from tests.tls_certs import TlsMaterial
+
+#: The collector's default gRPC receive limit (bytes); HTTP's is 20 MiB, we use the smaller here.
+DEFAULT_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
 
 __all__ = ["OtlpReceiver", "ReceivedSpan", "attr_value", "attrs_dict", "otlp_receiver_fixture"]
 
@@ -83,6 +94,7 @@ class _Store:
     traces: list[tuple[str, trace_service_pb2.ExportTraceServiceRequest]] = field(default_factory=list)
     metrics: list[tuple[str, metrics_service_pb2.ExportMetricsServiceRequest]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    metrics_headers: list[dict[str, str]] = field(default_factory=list)
     span_total: int = 0
 
     def __post_init__(self) -> None:
@@ -96,9 +108,10 @@ class _Store:
             self.span_total += n
             self.cond.notify_all()
 
-    def add_metrics(self, protocol: str, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
+    def add_metrics(self, protocol: str, request: metrics_service_pb2.ExportMetricsServiceRequest, headers: dict[str, str]) -> None:
         with self.cond:
             self.metrics.append((protocol, request))
+            self.metrics_headers.append(headers)
             self.cond.notify_all()
 
 
@@ -118,7 +131,9 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
         self.receiver = receiver
 
     def Export(self, request: metrics_service_pb2.ExportMetricsServiceRequest, context: grpc.ServicerContext) -> metrics_service_pb2.ExportMetricsServiceResponse:  # noqa: N802
-        self.receiver._store.add_metrics("grpc", request)
+        if self.receiver.grpc_error is not None:
+            context.abort(self.receiver.grpc_error, "refused by test receiver")
+        self.receiver._store.add_metrics("grpc", request, {k: v for k, v in context.invocation_metadata()})
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
@@ -137,6 +152,10 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def setup(self) -> None:
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.settimeout(10)
+                self.request.do_handshake()  # failures end this connection only (handle_error is quiet)
+                self.request.settimeout(None)
             super().setup()
             receiver._track(self.connection, add=True)
 
@@ -152,6 +171,11 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
             length = int(self.headers.get("Content-Length", "0"))
+            if length > receiver.max_receive_bytes:
+                receiver.too_large += 1
+                self.close_connection = True  # the body is not read: the connection cannot be reused
+                self._reply(413, b"request entity too large", "text/plain")
+                return
             body = self.rfile.read(length)
             if self.headers.get("Content-Encoding", "") == "gzip":
                 body = gzip.decompress(body)
@@ -181,13 +205,29 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
             if path == "/v1/traces":
                 receiver._store.add_trace(protocol, request, dict(self.headers.items()))
             else:
-                receiver._store.add_metrics(protocol, request)
+                receiver._store.add_metrics(protocol, request, dict(self.headers.items()))
             if is_json:
                 self._reply(200, message_to_json(resp).encode(), "application/json")
             else:
                 self._reply(200, resp.SerializeToString(), "application/x-protobuf")
 
     return Handler
+
+
+class _HttpServer(ThreadingHTTPServer):
+    """Plain or TLS HTTP server; the TLS handshake runs on the connection's own thread."""
+
+    daemon_threads = True
+    ssl_context: ssl.SSLContext | None = None
+
+    def get_request(self) -> tuple[socket.socket, object]:
+        sock, addr = self.socket.accept()
+        if self.ssl_context is not None:
+            sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        return None  # a failed handshake or a client going away is the client's problem, not a test error
 
 
 class OtlpReceiver:
@@ -198,8 +238,20 @@ class OtlpReceiver:
         http_status: when set, HTTP exports are answered with this status (and not stored).
     """
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        tls: TlsMaterial | None = None,
+        require_client_cert: bool = False,
+        max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+    ) -> None:
         self.host = host
+        self.tls = tls
+        self.require_client_cert = require_client_cert
+        self.max_receive_bytes = max_receive_bytes
+        #: HTTP requests refused with 413
+        self.too_large = 0
         self.grpc_port = 0
         self.http_port = 0
         self.grpc_error: grpc.StatusCode | None = None
@@ -225,13 +277,17 @@ class OtlpReceiver:
         return self._grpc is not None
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    @property
     def grpc_endpoint(self) -> str:
-        return f"http://{self.host}:{self.grpc_port}"
+        return f"{self.scheme}://{self.host}:{self.grpc_port}"
 
     @property
     def http_endpoint(self) -> str:
         """Base URL; exporters append ``/v1/traces``."""
-        return f"http://{self.host}:{self.http_port}"
+        return f"{self.scheme}://{self.host}:{self.http_port}"
 
     def endpoint(self, protocol: str) -> str:
         return self.grpc_endpoint if protocol == "grpc" else self.http_endpoint
@@ -240,17 +296,34 @@ class OtlpReceiver:
         """Listen (again) on the same ports. Raises ``RuntimeError`` if a port was taken meanwhile."""
         if self.running:
             return self
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=(("grpc.so_reuseport", 0),))
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4),
+            options=(("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.max_receive_bytes)),
+        )
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), server)
-        port = server.add_insecure_port(f"{self.host}:{self.grpc_port}")
+        if self.tls is not None:
+            creds = grpc.ssl_server_credentials(
+                [(self.tls.read("server_key"), self.tls.read("server_cert"))],
+                root_certificates=self.tls.read("ca_cert") if self.require_client_cert else None,
+                require_client_auth=self.require_client_cert,
+            )
+            port = server.add_secure_port(f"{self.host}:{self.grpc_port}", creds)
+        else:
+            port = server.add_insecure_port(f"{self.host}:{self.grpc_port}")
         if port == 0:
             raise RuntimeError(f"gRPC port {self.grpc_port} is not available")
         self.grpc_port = port
         server.start()
         self._grpc = server
-        http = ThreadingHTTPServer((self.host, self.http_port), _handler(self))
-        http.daemon_threads = True
+        http = _HttpServer((self.host, self.http_port), _handler(self))
+        if self.tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(self.tls.server_cert, self.tls.server_key)
+            if self.require_client_cert:
+                ctx.verify_mode = ssl.CERT_REQUIRED
+                ctx.load_verify_locations(self.tls.ca_cert)
+            http.ssl_context = ctx
         self.http_port = http.server_address[1]
         self._http = http
         self._http_thread = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.05}, name="otlp-http", daemon=True)
@@ -301,6 +374,12 @@ class OtlpReceiver:
             return list(self._store.headers)
 
     @property
+    def metrics_headers(self) -> list[dict[str, str]]:
+        """Headers (HTTP) or metadata (gRPC) of each metrics request."""
+        with self._store.lock:
+            return list(self._store.metrics_headers)
+
+    @property
     def span_count(self) -> int:
         with self._store.lock:
             return self._store.span_total
@@ -344,6 +423,7 @@ class OtlpReceiver:
             self._store.traces.clear()
             self._store.metrics.clear()
             self._store.headers.clear()
+            self._store.metrics_headers.clear()
             self._store.span_total = 0
 
 
@@ -365,8 +445,13 @@ def serve_over_stdio() -> int:
     received once N arrived or the time passed; ``quit`` (or end of input) stops it.
     """
     import sys
+    from pathlib import Path
 
-    receiver = OtlpReceiver().start()
+    tls = None
+    if len(sys.argv) > 2 and sys.argv[1] == "--tls":  # --tls DIR: serve TLS with the PEMs make_tls_material wrote there
+        d = Path(sys.argv[2])
+        tls = TlsMaterial(d / "ca.pem", d / "server.pem", d / "server-key.pem", d / "client.pem", d / "client-key.pem", d / "other-ca.pem")
+    receiver = OtlpReceiver(tls=tls).start()
     print(f"{receiver.grpc_port} {receiver.http_port}", flush=True)
     try:
         for line in sys.stdin:

@@ -34,8 +34,9 @@ from tests.otlp_receiver import OtlpReceiver, attrs_dict
         ),
         ({"endpoint": "http://cli:4317"}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://env:4317"}, ("http://cli:4317", "grpc", False, DEFAULT_TIMEOUT_S)),
         ({"protocol": "grpc"}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, (None, "grpc", False, DEFAULT_TIMEOUT_S)),
-        ({}, {"OTEL_EXPORTER_OTLP_TIMEOUT": "7"}, (None, "grpc", False, 7.0)),  # seconds, as in Python's exporters
-        ({"timeout_s": 1.5}, {"OTEL_EXPORTER_OTLP_TIMEOUT": "7"}, (None, "grpc", False, 1.5)),
+        ({}, {"OTEL_EXPORTER_OTLP_TIMEOUT": "7000"}, (None, "grpc", False, 7.0)),  # milliseconds, per the OTel spec
+        ({}, {"OTEL_EXPORTER_OTLP_TIMEOUT": "7000", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "2500"}, (None, "grpc", False, 2.5)),
+        ({"timeout_s": 1.5}, {"OTEL_EXPORTER_OTLP_TIMEOUT": "7000"}, (None, "grpc", False, 1.5)),
     ],
 )
 def test_destination_precedence_config_then_env_then_default(config: dict, env: dict, expected: tuple) -> None:

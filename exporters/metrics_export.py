@@ -1,0 +1,207 @@
+"""OTLP metrics export that survives an outage: :class:`SpoolingMetricExporter`.
+
+Owns the network side of servewatch's own metrics. It sends through the same senders as spans
+(:mod:`exporters.transport`: TLS/mTLS, gzip, lower-cased gRPC metadata, one attempt per call), so
+``OTEL_EXPORTER_OTLP_HEADERS='Authorization=...'`` works for metrics exactly as for traces. An
+export the collector does not take (down, timing out) is written to ``<data_dir>/<host>/metrics-spool/``
+as one ``ExportMetricsServiceRequest`` file (atomic, 0600) and replayed oldest first before the
+next export; past ``max_files`` the oldest is deleted and its data points counted as lost. A
+request refused permanently is counted as lost. :meth:`statistics` reports all of it, and
+:class:`~exporters.metrics.Metrics` exports those counts as ``servewatch.export.metric_points``.
+
+Imports opentelemetry-sdk/proto, :mod:`agent.fsutil` and :mod:`exporters.transport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+
+from agent.fsutil import atomic_write_bytes, ensure_private_dir, remove_stale_temps
+from exporters.transport import Delivery, RequestSender
+
+__all__ = ["MetricExportStatistics", "SpoolingMetricExporter", "data_point_count"]
+
+_log = logging.getLogger(__name__)
+
+SUFFIX = ".metrics.binpb"
+
+
+class MetricExportStatistics(NamedTuple):
+    """Data-point counters of a :class:`SpoolingMetricExporter` since it started."""
+
+    #: data points delivered on the first attempt
+    exported: int
+    #: data points written to the metrics spool (collector unreachable)
+    spooled: int
+    #: spooled data points delivered later
+    replayed: int
+    #: data points that will never be delivered: spool full (oldest dropped), refused
+    #: permanently, or the spool write failed
+    lost: int
+    #: data points waiting in the metrics spool now
+    spool_points: int
+    #: failed send attempts
+    export_failures: int
+
+
+def data_point_count(request: ExportMetricsServiceRequest) -> int:
+    """Data points in a metrics request (every point type)."""
+    total = 0
+    for rm in request.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                kind = metric.WhichOneof("data")
+                if kind is not None:
+                    total += len(getattr(metric, kind).data_points)
+    return total
+
+
+class SpoolingMetricExporter(MetricExporter):
+    """A ``MetricExporter`` over a :class:`~exporters.transport.RequestSender` with a disk spool.
+
+    Args:
+        sender: a metrics sender (``make_sender(..., signal="metrics")``).
+        spool_dir: where undelivered exports wait (created 0700).
+        timeout_s: bound on one export call (replays included), seconds.
+        max_files: spool cap in files (one per failed export; at the default 10 s interval 360
+            files is an hour of outage); past it the oldest is deleted and counted lost.
+    """
+
+    def __init__(self, sender: RequestSender, spool_dir: Path, *, timeout_s: float = 3.0, max_files: int = 360) -> None:
+        super().__init__()
+        self.sender = sender
+        self.spool_dir = ensure_private_dir(spool_dir)
+        remove_stale_temps(self.spool_dir, recursive=False)
+        self._timeout_s = timeout_s
+        self._max_files = max(1, max_files)
+        self._lock = threading.Lock()
+        self._files: list[tuple[Path, int]] = []
+        for path in sorted(self.spool_dir.glob("*" + SUFFIX)):
+            self._files.append((path, _points_from_name(path)))
+        self._seq = _seq_from_name(self._files[-1][0]) + 1 if self._files else 1
+        self._exported = self._spooled = self._replayed = self._lost = self._failures = 0
+        self._last_detail = ""
+
+    # --- MetricExporter -------------------------------------------------------------------
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        try:
+            request = encode_metrics(metrics_data)
+        except Exception:  # boundary: an encoder bug must not break the reader thread
+            _log.exception("metrics could not be encoded")
+            return MetricExportResult.FAILURE
+        points = data_point_count(request)
+        deadline = time.monotonic() + min(self._timeout_s, timeout_millis / 1000)
+        with self._lock:
+            if not self._replay(deadline):
+                self._spool(request, points)
+                return MetricExportResult.FAILURE
+            result = self.sender.send(request, timeout_s=max(0.01, deadline - time.monotonic()))
+            if result.ok:
+                self._exported += points - result.rejected_spans
+                self._lost += result.rejected_spans
+                return MetricExportResult.SUCCESS
+            self._failures += 1
+            self._note(result.explain())
+            if result.delivery is Delivery.RETRYABLE:
+                self._spool(request, points)
+            else:
+                self._lost += points
+            return MetricExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self.sender.close()
+
+    # --- ours -----------------------------------------------------------------------------
+
+    def statistics(self) -> MetricExportStatistics:
+        with self._lock:
+            return MetricExportStatistics(
+                exported=self._exported,
+                spooled=self._spooled,
+                replayed=self._replayed,
+                lost=self._lost,
+                spool_points=sum(n for _, n in self._files),
+                export_failures=self._failures,
+            )
+
+    @property
+    def last_error(self) -> str:
+        return self._last_detail
+
+    def _note(self, detail: str) -> None:
+        if detail != self._last_detail:
+            _log.warning("metrics export to %s failed (%s); spooling", self.sender.target, detail)
+        self._last_detail = detail
+
+    def _replay(self, deadline: float) -> bool:
+        """Send spooled exports oldest first. ``False`` when one failed (the rest stay)."""
+        while self._files:
+            path, points = self._files[0]
+            try:
+                request = ExportMetricsServiceRequest()
+                request.ParseFromString(path.read_bytes())
+            except (OSError, ValueError):
+                _log.warning("unreadable metrics spool file %s; dropped", path)
+                self._drop_head(lost=True)
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            result = self.sender.send(request, timeout_s=remaining)
+            if result.ok:
+                self._replayed += points - result.rejected_spans
+                self._lost += result.rejected_spans
+                self._drop_head(lost=False)
+            elif result.delivery is Delivery.RETRYABLE:
+                self._failures += 1
+                self._note(result.explain())
+                return False
+            else:
+                self._failures += 1
+                self._drop_head(lost=True)
+        return True
+
+    def _drop_head(self, *, lost: bool) -> None:
+        path, points = self._files.pop(0)
+        if lost:
+            self._lost += points
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def _spool(self, request: ExportMetricsServiceRequest, points: int) -> None:
+        path = self.spool_dir / f"{self._seq:016d}-{points}{SUFFIX}"
+        self._seq += 1
+        try:
+            atomic_write_bytes(path, request.SerializeToString())
+        except OSError as exc:
+            _log.error("metrics spool write failed (%s); %d data points lost", exc, points)
+            self._lost += points
+            return
+        self._files.append((path, points))
+        self._spooled += points
+        while len(self._files) > self._max_files:
+            self._drop_head(lost=True)
+
+
+def _seq_from_name(path: Path) -> int:
+    head = path.name.split("-", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _points_from_name(path: Path) -> int:
+    middle = path.name.removesuffix(SUFFIX).partition("-")[2]
+    return int(middle) if middle.isdigit() else 0

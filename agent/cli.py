@@ -85,6 +85,18 @@ def _logging(verbose: bool) -> None:
         level=logging.INFO if verbose else logging.WARNING,
         handlers=[handler],
     )
+    from exporters.console import quiet_sdk_logs
+
+    quiet_sdk_logs(verbose=verbose)  # the OTel SDK's own log lines are counted, not printed
+
+
+def _say_spooled(telemetry: Any, stats: Any) -> None:
+    """After a one-shot command: say how many spans wait in the spool and how to replay them."""
+    from exporters.console import spooled_summary
+
+    line = spooled_summary(telemetry, stats)
+    if line:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _settings(cli: dict[str, Any], config: Optional[Path], *, writes: bool = True) -> Settings:
@@ -328,8 +340,15 @@ def dump(
         gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
         why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
         fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
-    record = anyio.run(dump_once, settings)
+    from exporters.provider import build_telemetry
+
+    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
+    try:
+        record = anyio.run(lambda: dump_once(settings, telemetry=telemetry))
+    finally:
+        export_stats = telemetry.shutdown()
     _print_record(record, as_json=as_json)
+    _say_spooled(telemetry, export_stats)
     if not any(r.outcome.value == "ok" for r in record.results):
         raise typer.Exit(int(ExitCode.FAILURE))
 
@@ -477,32 +496,67 @@ def launch(
 
 @app.command()
 def export(
-    to: str = typer.Option(..., "--to", metavar="ENDPOINT", help="Collector endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)."),
+    to: Optional[str] = typer.Option(None, "--to", metavar="ENDPOINT", help="Collector endpoint with scheme, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP); https:// for TLS (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)."),
     paths: Optional[list[Path]] = typer.Argument(None, help="Span files or folders (default: the data dir)."),
-    protocol: str = typer.Option("grpc", "--protocol", help="grpc or http/protobuf."),
+    protocol: Optional[str] = typer.Option(None, "--protocol", help="grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else grpc)."),
     timeout: float = typer.Option(10.0, "--timeout", min=0.001, metavar="SECONDS", help="Bound on each request, retries included."),
-    remove_sent: bool = typer.Option(False, "--remove-sent", help="Delete each file once all its spans were delivered."),
+    remove_sent: bool = typer.Option(False, "--remove-sent", help="Delete each file once all its spans were delivered (spool batches always are)."),
+    resend: bool = typer.Option(False, "--resend", help="Send again what this endpoint already acknowledged (ignore the export ledger)."),
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
 ) -> None:
-    """Replay spool or embedded-default span files to a collector (spans keep their ids and times)."""
+    """Replay spool or embedded-default span files to a collector (spans keep their ids and times).
+
+    What the collector acknowledged is recorded in <data_dir>/export-ledger.json: a re-run to the
+    same endpoint never sends a span twice. TLS, headers and compression come from the standard
+    OTEL_EXPORTER_OTLP_* variables.
+    """
+    from exporters.provider import ExportConfigError, resolve_destination
     from exporters.replay import replay
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
-    if protocol not in ("grpc", "http/protobuf"):
+    if to is not None and "://" not in to:
+        fail(f"invalid --to {to!r}: the endpoint needs a scheme, e.g. http://{to} (plaintext) or https://{to} (TLS)", ExitCode.USAGE)
+    if protocol is not None and protocol not in ("grpc", "http/protobuf"):
         fail(f"invalid setting protocol: expected grpc or http/protobuf (got {protocol!r})", ExitCode.USAGE)
-    sources = list(paths or [settings.data_dir])
+    overrides: dict[str, object] = {}
+    if to is not None:
+        overrides["endpoint"] = to
+    if protocol is not None:
+        overrides["protocol"] = protocol
     try:
-        result = replay(sources, endpoint=to, protocol=protocol, timeout_s=timeout, remove_sent=remove_sent)
+        destination = resolve_destination(settings.export.model_copy(update=overrides))
+    except ExportConfigError as exc:
+        fail(f"invalid setting {exc}", ExitCode.USAGE)
+    if destination.endpoint is None:
+        fail("no collector endpoint: pass --to http://HOST:4317 or set OTEL_EXPORTER_OTLP_ENDPOINT", ExitCode.USAGE)
+    if "://" not in destination.endpoint:
+        fail(f"invalid endpoint {destination.endpoint!r}: it needs a scheme, e.g. http://{destination.endpoint}", ExitCode.USAGE)
+    sources = list(paths or [settings.data_dir])
+    ledger = None if resend else settings.data_dir / "export-ledger.json"
+    if ledger is not None and not ledger.parent.is_dir():
+        ledger = None
+    try:
+        result = replay(
+            sources, endpoint=destination.endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
+            headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
+            compression=destination.compression, signal_specific=destination.signal_specific, ledger=ledger,
+        )
     except FileNotFoundError as exc:
         fail(f"no such file or folder: {exc.filename or exc}", ExitCode.USAGE)
     except ValueError as exc:
         fail(str(exc), ExitCode.USAGE)
+    except OSError as exc:
+        fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
     err.print(
-        f"Sent {result.sent} span(s) from {result.files} file(s) to {to}. Failed: {result.failed}"
-        + (f" Bad files: {result.bad_files}" if result.bad_files else ""),
+        f"Sent {result.sent} span(s) from {result.files} file(s) to {destination.endpoint} ({destination.protocol}). Failed: {result.failed}"
+        + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
+        + (f" Bad files: {result.bad_files}" if result.bad_files else "")
+        + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else ""),
         markup=False,
     )
+    if result.failed and result.detail:
+        err.print(f"servewatch: send failed: {result.detail}", markup=False)
     if result.failed or result.bad_files:
         raise typer.Exit(int(ExitCode.FAILURE))
 
@@ -600,7 +654,8 @@ def profile(
     try:
         trace_id = mirror_profile_session(telemetry.sink, result)
     finally:
-        telemetry.shutdown()
+        export_stats = telemetry.shutdown()
+    _say_spooled(telemetry, export_stats)
     if as_json:
         out.print_json(json.dumps({**result.to_manifest(), "trace_id": trace_id}))
     for path in result.artifact_paths:

@@ -6,12 +6,19 @@ trace/span ids and times. Files are sent in name order (spool and rotated file n
 order). One deadline per request, jittered exponential backoff between attempts; when the
 collector stays unreachable the rest is counted failed without waiting on each request.
 
-Imports :mod:`exporters.otlp_json` and :mod:`exporters.transport`.
+Idempotent across re-runs: with a ``ledger`` file, every request the collector acknowledged is
+recorded (per endpoint, file and request index; files are append-only or immutable) and a re-run
+to the same endpoint skips it, so running ``servewatch export`` twice never sends a span twice.
+A failure is explained in operator terms (refused, protocol mismatch, TLS, auth: see
+:class:`exporters.transport.Cause`).
+
+Imports :mod:`agent.fsutil`, :mod:`exporters.otlp_json` and :mod:`exporters.transport`.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import random
@@ -20,8 +27,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+from agent.fsutil import atomic_write_text
 from exporters.otlp_json import iter_span_files, read_span_file
-from exporters.transport import Delivery, RequestSender, SendResult, make_sender, span_count
+from exporters.transport import Delivery, RequestSender, SendResult, TlsFiles, make_sender, span_count
 
 __all__ = ["ReplayResult", "replay"]
 
@@ -46,6 +54,53 @@ class ReplayResult(NamedTuple):
     #: spool files skipped because a running agent owns that spool (it replays them itself;
     #: sending them here too would deliver them twice)
     locked_files: int = 0
+    #: spans skipped because the ledger says this endpoint already acknowledged them
+    already_sent: int = 0
+
+
+class _Ledger:
+    """What an endpoint acknowledged: ``{endpoint|path|inode: requests acknowledged}`` in a JSON
+    file written atomically. Files are append-only (span lines) or immutable (spool batches), so
+    "the first N requests of this file" stays true."""
+
+    def __init__(self, path: Path | None, endpoint: str) -> None:
+        self.path = path
+        self.endpoint = endpoint
+        self.data: dict[str, int] = {}
+        self._dirty = 0
+        if path is not None and path.is_file():
+            try:
+                loaded = json.loads(path.read_text())
+                if isinstance(loaded, dict):
+                    self.data = {str(k): int(v) for k, v in loaded.items()}
+            except (OSError, ValueError) as exc:
+                _log.warning("export ledger %s unreadable (%s); starting a new one", path, exc)
+
+    def key(self, file: Path) -> str:
+        st = file.stat()
+        return f"{self.endpoint}|{file.resolve()}|{st.st_ino}"
+
+    def acked(self, key: str) -> int:
+        return self.data.get(key, 0)
+
+    def record(self, key: str, count: int) -> None:
+        self.data[key] = count
+        self._dirty += 1
+        if self._dirty >= 32:
+            self.save()
+
+    def forget(self, key: str) -> None:
+        if self.data.pop(key, None) is not None:
+            self._dirty += 1
+
+    def save(self) -> None:
+        if self.path is None or not self._dirty:
+            return
+        try:
+            atomic_write_text(self.path, json.dumps(self.data, sort_keys=True))
+            self._dirty = 0
+        except OSError as exc:
+            _log.warning("could not write export ledger %s: %s", self.path, exc)
 
 
 def _spool_in_use(path: Path, cache: dict[Path, bool]) -> bool:
@@ -101,6 +156,10 @@ def replay(
     attempts: int = 3,
     remove_sent: bool = False,
     sender: RequestSender | None = None,
+    tls: TlsFiles | None = None,
+    compression: str | None = None,
+    signal_specific: bool = False,
+    ledger: Path | None = None,
 ) -> ReplayResult:
     """Send every span in ``paths`` (span files, or folders of them) to an OTLP collector.
 
@@ -114,22 +173,35 @@ def replay(
         headers: request headers / gRPC metadata.
         insecure: plaintext for an endpoint without scheme.
         attempts: tries per request on retryable failures.
-        remove_sent: delete a file once all its spans were delivered.
+        remove_sent: delete a file once all its spans were delivered (spool ``.binpb`` batches
+            are always deleted once delivered, or the next agent would send them again).
+
+        sender: use this sender instead of building one (tests).
+        tls / compression / signal_specific: transport settings (see :func:`make_sender`).
+        ledger: JSON file recording what this endpoint acknowledged; requests found there are
+            skipped (``already_sent``) and new acknowledgements are added. ``None``: no ledger.
 
     Files of a spool that a running agent holds (its ``.lock``) are skipped and counted in
     ``locked_files``: that agent replays them itself.
-        sender: use this sender instead of building one (tests).
 
     Returns:
         Counts of spans sent and failed, files read. Never raises for collector failures.
 
     Raises:
-        ValueError: unknown protocol.
+        ValueError: unknown protocol, or an endpoint without ``http://`` / ``https://``.
         FileNotFoundError: a path that does not exist.
+        OSError: a TLS file cannot be read.
     """
+    if "://" not in endpoint:
+        raise ValueError(
+            f"endpoint {endpoint!r} has no scheme: write http://{endpoint} (plaintext) or https://{endpoint} (TLS)"
+        )
     own_sender = sender is None
     if sender is None:
-        sender = make_sender(endpoint, protocol, headers=headers, insecure=insecure)
+        sender = make_sender(endpoint, protocol, headers=headers, insecure=insecure, tls=tls,
+                             compression=compression, signal_specific=signal_specific)
+    book = _Ledger(ledger, f"{protocol} {endpoint}")
+    already = 0
     sent = failed = files = bad = removed = locked = 0
     detail = ""
     lock_cache: dict[Path, bool] = {}
@@ -152,8 +224,13 @@ def replay(
                 detail = str(exc)
                 _log.warning("skipping %s: %s", path, exc)
                 continue
-            for request in requests:
+            key = book.key(path)
+            done = book.acked(key)
+            for index, request in enumerate(requests):
                 spans = span_count(request)
+                if index < done:
+                    already += spans
+                    continue
                 if spans == 0:
                     continue
                 if unreachable:
@@ -164,15 +241,22 @@ def replay(
                 if result.ok:
                     sent += spans - result.rejected_spans
                     failed += result.rejected_spans
+                    if not file_failed:
+                        book.record(key, index + 1)
                 else:
                     failed += spans
                     file_failed = True
-                    detail = f"{path.name}: {result.detail}"
+                    detail = f"{path.name}: {result.explain()}"
                     unreachable = result.delivery is Delivery.RETRYABLE
-            if remove_sent and not file_failed:
+            # a delivered spool batch is removed always: left there, the next agent would adopt
+            # and send it again
+            if (remove_sent or path.suffix == ".binpb") and not file_failed:
                 Path(path).unlink(missing_ok=True)
+                book.forget(key)
                 removed += 1
     finally:
+        book.save()
         if own_sender:
             sender.close()
-    return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail, locked_files=locked)
+    return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail,
+                        locked_files=locked, already_sent=already)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 import ssl
 import threading
 from dataclasses import dataclass
@@ -25,21 +26,25 @@ from pathlib import Path
 from typing import Literal, Protocol, Union
 from urllib.parse import urlsplit
 
-import grpc
-import httpx
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+# grpc-core logs handshake and connect failures straight to stderr; servewatch sorts every failure
+# itself (Cause) and reports it once, so its lines are off unless the user asks for them.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+import grpc  # noqa: E402
+import httpx  # noqa: E402
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (  # noqa: E402
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub  # noqa: E402
 
-from agent.events import StrEnum
-from exporters.otlp_json import RotatingJsonLinesWriter, request_to_json
+from agent.events import StrEnum  # noqa: E402
+from exporters.otlp_json import RotatingJsonLinesWriter, request_to_json  # noqa: E402
 
 __all__ = [
     "Cause",

@@ -1,0 +1,121 @@
+"""`servewatch export` as a real subprocess: idempotent re-runs (ledger), OTEL_* defaults, an
+endpoint without scheme refused, and every send failure explained (refused, protocol mismatch,
+TLS, auth)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from exporters.provider import ExportConfig, build_telemetry
+from exporters.spans import build_span, new_trace_id
+from tests.otlp_receiver import OtlpReceiver
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _export(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    base.update(env, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "export", "--data-dir", str(tmp_path / "data"), *args],
+        capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL,
+    )
+
+
+def _write_span_files(tmp_path: Path, n: int) -> None:
+    telemetry = build_telemetry(ExportConfig(metrics=False), data_dir=tmp_path / "data", host_name="h", environ={})
+    try:
+        trace_id = new_trace_id()
+        for i in range(n):
+            telemetry.sink.emit(build_span("offline", trace_id=trace_id, start_time_unix_nano=1 + i, end_time_unix_nano=2 + i))
+        assert telemetry.processor.flush(10.0)
+    finally:
+        telemetry.shutdown(3.0)
+
+
+def test_export_twice_sends_each_span_once_to_the_env_endpoint(otlp_receiver: OtlpReceiver, protocol: str, tmp_path: Path) -> None:
+    _write_span_files(tmp_path, 25)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint(protocol), "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+    first = _export(tmp_path, **env)
+    assert first.returncode == 0, first.stderr
+    assert "Sent 25 span(s)" in first.stderr and f"({protocol})" in first.stderr
+    second = _export(tmp_path, **env)
+    assert second.returncode == 0, second.stderr
+    assert "Sent 0 span(s)" in second.stderr and "Already sent earlier: 25" in second.stderr
+    assert otlp_receiver.span_count == 25
+    third = _export(tmp_path, "--resend", **env)
+    assert third.returncode == 0 and "Sent 25 span(s)" in third.stderr
+
+
+def test_export_refuses_an_endpoint_without_scheme_or_any_endpoint(tmp_path: Path) -> None:
+    r = _export(tmp_path, "--to", "127.0.0.1:4317")
+    assert r.returncode == 2 and "needs a scheme" in r.stderr and "http://127.0.0.1:4317" in r.stderr
+    r = _export(tmp_path)
+    assert r.returncode == 2 and "no collector endpoint" in r.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["refused", "grpc-to-http-port", "http-to-grpc-port", "tls-to-plaintext", "auth"])
+def test_export_says_why_a_send_failed(otlp_receiver: OtlpReceiver, case: str, tmp_path: Path) -> None:
+    _write_span_files(tmp_path, 3)
+    args: list[str]
+    if case == "refused":
+        args, expect = ["--to", f"http://127.0.0.1:{_free_port()}"], "connection refused"
+    elif case == "grpc-to-http-port":
+        args, expect = ["--to", otlp_receiver.http_endpoint, "--protocol", "grpc"], "protocol mismatch"
+    elif case == "http-to-grpc-port":
+        args, expect = ["--to", otlp_receiver.grpc_endpoint, "--protocol", "http/protobuf"], "protocol mismatch"
+    elif case == "tls-to-plaintext":
+        args, expect = ["--to", f"https://127.0.0.1:{otlp_receiver.grpc_port}"], "TLS handshake failed"
+    else:
+        otlp_receiver.grpc_error = grpc.StatusCode.UNAUTHENTICATED
+        args, expect = ["--to", otlp_receiver.grpc_endpoint], "refused our credentials"
+    r = _export(tmp_path, *args, "--timeout", "5")
+    assert r.returncode == 1, r.stderr
+    assert "Failed: 3" in r.stderr
+    assert expect in r.stderr, r.stderr
+
+
+def test_dump_with_the_collector_down_says_spooled_with_the_replay_command_and_no_sdk_lines(
+    otlp_receiver: OtlpReceiver, tmp_path: Path, spawn, python: str
+) -> None:
+    import select
+    import shlex
+
+    from tests.conftest import PROGRAMS_DIR
+
+    title = f"wal{os.getpid()}::scheduler_TP0"
+    proc = spawn([python, str(PROGRAMS_DIR / "titled_target.py"), title, "--max-lifetime-s", "60"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert select.select([proc.stdout], [], [], 30)[0] and proc.stdout.readline().startswith(b"ready")
+    endpoint = otlp_receiver.grpc_endpoint
+    otlp_receiver.stop()  # the collector is down for the whole dump
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    base.update(PYTHONPATH=str(REPO), SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+                OTEL_EXPORTER_OTLP_TIMEOUT="1000")
+    r = subprocess.run([sys.executable, "-m", "agent.cli", "dump", "--match", title, "--data-dir", str(tmp_path / "data")],
+                       capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert "span(s) spooled under" in r.stderr and "connection refused" in r.stderr
+    assert "opentelemetry" not in r.stderr and "Failed to export" not in r.stderr and "Handshake" not in r.stderr
+    command = r.stderr.split("replay them now with: ", 1)[1].split("\n")[0].strip()
+    argv = shlex.split(command)
+    assert argv[:3] == ["servewatch", "export", "--to"]
+    otlp_receiver.start()
+    again = subprocess.run([sys.executable, "-m", "agent.cli", *argv[1:], "--data-dir", str(tmp_path / "data")],
+                           capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, again.stderr
+    names = {s.name for s in otlp_receiver.spans()}
+    assert {"incident", "pyspy.dump"} <= names

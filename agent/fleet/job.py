@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
-import httpx
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.events import ActionCompleted, ActionResult, ComponentStatusChanged, IncidentOpened, Outcome, frozen_attrs, now_ns
@@ -132,7 +132,7 @@ class Fleet:
         self.api: AgentApi | None = None
         self.resolver: PeerResolver | None = None
         self._tg: TaskGroup | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._client_ssl: ssl.SSLContext | None = None
         self._token: bytes | None = None
         self._opened_waiters: list[tuple[Callable[[IncidentOpened], bool], anyio.Event, list[IncidentOpened]]] = []
         self._components: dict[str, tuple[str, str]] = {}
@@ -164,16 +164,12 @@ class Fleet:
             read_timeout_s=api.read_timeout_s, max_connections=api.max_connections,
         )
         cfg = self.config
-        client_ctx = client_ssl_context(api)
-        client = httpx.AsyncClient(
-            verify=client_ctx if client_ctx is not None else True, trust_env=False,
-            timeout=httpx.Timeout(cfg.peer_timeout_s), limits=httpx.Limits(max_connections=256, max_keepalive_connections=256),
-        )
+        self._client_ssl = client_ssl_context(api)
         manager = self.agent.incidents
         status_sub = self.agent.bus.subscribe(ComponentStatusChanged, name="fleet-status", max_buffer=float("inf"))
         try:
-            async with client, anyio.create_task_group() as tg:
-                self._tg, self._client = tg, client
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
                 await tg.start(self.server.serve)
                 scheme = "https" if api.tls else "http"
                 self.resolver = PeerResolver(cfg.peers, dns_name=cfg.peers_dns, own_port=self.server.port,
@@ -288,7 +284,7 @@ class Fleet:
 
     async def _fanout(self, opened: IncidentOpened, job: JobIncident, results: list[ActionResult], done: anyio.Event) -> None:
         try:
-            assert self.resolver is not None and self._client is not None
+            assert self.resolver is not None
             peers, problems = await self.resolver.resolve()
             results.extend(problems)
             self.fanouts += 1
@@ -302,8 +298,8 @@ class Fleet:
             slots: list[ActionResult | None] = [None] * len(peers)
 
             async def one(i: int) -> None:
-                result, answer = await ask_peer(self._client, peers[i], traceparent=traceparent, body=body, headers=headers,  # type: ignore[arg-type]
-                                                timeout_s=self.config.peer_timeout_s)
+                result, answer = await ask_peer(peers[i], traceparent=traceparent, body=body, headers=headers,
+                                                timeout_s=self.config.peer_timeout_s, ssl_context=self._client_ssl)
                 if answer is not None and answer.get("error") == "self":
                     assert self.resolver is not None
                     self.resolver.self_peers.add(peers[i])

@@ -3,9 +3,10 @@
 Owns :class:`Peer`, :func:`parse_peer`, :class:`PeerResolver` (static peers plus every address a
 DNS name resolves to, e.g. a Kubernetes headless service; this agent's own address is skipped) and
 :func:`ask_peer` (one ``POST /v1/incidents`` with the trace context, bounded, its outcome sorted
-into our terms: ``ok``, ``refused`` (HTTP 4xx/5xx), ``timed_out`` (slow), ``failed`` (unreachable)).
+into our terms: ``ok``, ``refused`` (HTTP 4xx/5xx), ``timed_out`` (slow), ``failed`` (unreachable,
+or not answering HTTP)).
 
-Imports anyio, httpx, psutil, :mod:`agent.events` and :mod:`agent.fleet.traceparent`.
+Imports anyio, psutil, :mod:`agent.fleet.client`, :mod:`agent.events` and :mod:`agent.fleet.traceparent`.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
-import httpx
 import psutil
 
 from agent.events import ActionResult, Outcome, frozen_attrs, now_ns
+from agent.fleet.client import PeerRequestError, post_json
 from agent.fleet.traceparent import TraceParent
 
 __all__ = ["PEER_SPAN", "RESOLVE_SPAN", "Peer", "PeerResolver", "ask_peer", "local_addresses", "parse_peer"]
@@ -160,19 +162,20 @@ class PeerResolver:
 
 
 async def ask_peer(
-    client: httpx.AsyncClient,
     peer: Peer,
     *,
     traceparent: TraceParent,
     body: dict[str, Any],
     headers: dict[str, str],
     timeout_s: float,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[ActionResult, dict[str, Any] | None]:
     """Ask one peer to capture (``POST /v1/incidents``), bounded by ``timeout_s``.
 
     Returns:
         The ``peer.capture`` result (outcome: ``ok``; ``refused`` for an HTTP error answer;
-        ``timed_out``; ``failed`` when unreachable) and the peer's JSON answer (``None`` if none).
+        ``timed_out``; ``failed`` when unreachable or not answering HTTP) and the peer's JSON
+        answer (``None`` if none).
     """
     start = now_ns()
     t0 = time.monotonic()
@@ -181,26 +184,19 @@ async def ask_peer(
     outcome, detail, retryable = Outcome.OK, "", False
     with anyio.move_on_after(timeout_s) as scope:
         try:
-            response = await client.post(
-                f"{peer.url}/v1/incidents", json=body, headers={**headers, "traceparent": traceparent.header()}
+            status, reason, answer = await post_json(
+                peer.host, peer.port, "/v1/incidents", body, headers={**headers, "traceparent": traceparent.header()},
+                ssl_context=ssl_context if peer.scheme == "https" else None,
             )
-        except httpx.TimeoutException:
-            outcome, detail, retryable = Outcome.TIMED_OUT, f"{peer} did not answer within {timeout_s:g} s", True
-            attributes["servewatch.peer.error"] = "timeout"
-        except (httpx.HTTPError, OSError) as exc:
-            outcome, detail, retryable = Outcome.FAILED, f"{peer} unreachable: {type(exc).__name__}: {exc}", True
-            attributes["servewatch.peer.error"] = "unreachable"
+        except PeerRequestError as exc:
+            outcome, detail, retryable = Outcome.FAILED, f"{peer} {exc.kind.replace('_', ' ')}: {exc}", True
+            attributes["servewatch.peer.error"] = exc.kind
         else:
-            attributes["http.response.status_code"] = response.status_code
-            try:
-                parsed = response.json()
-                answer = parsed if isinstance(parsed, dict) else None
-            except ValueError:
-                answer = None
-            if response.status_code >= 400:
-                why = (answer or {}).get("error") or response.reason_phrase
-                outcome, detail = Outcome.REFUSED, f"{peer} refused: HTTP {response.status_code} {why}"
-                retryable = response.status_code in (408, 429) or response.status_code >= 500
+            attributes["http.response.status_code"] = status
+            if status >= 400:
+                why = (answer or {}).get("error") or reason
+                outcome, detail = Outcome.REFUSED, f"{peer} refused: HTTP {status} {why}"
+                retryable = status in (408, 429) or status >= 500
                 attributes["servewatch.peer.error"] = "refused"
             elif answer is not None:
                 for key, attr in (("host.name", "servewatch.peer.host.name"), ("incident_id", "servewatch.peer.incident.id"),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from agent.events import WatchdogStalled
@@ -202,3 +203,24 @@ async def test_peers_from_a_dns_name(tmp_path: Path, spawn, python, otlp_receive
     assert rb.opened.trace_id == ra.opened.trace_id
     ok = [r for r in ra.results if r.action == "peer.capture" and r.outcome.value == "ok"]
     assert [r.attributes["servewatch.peer.host.name"] for r in ok] == ["node-b"]
+
+
+async def test_a_peer_that_does_not_speak_http_is_a_failed_capture_not_a_crash() -> None:
+    from agent.fleet.peers import Peer, ask_peer
+    from agent.fleet.traceparent import TraceParent
+
+    async def junk(stream) -> None:
+        async with stream:
+            await stream.receive()
+            await stream.send(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, junk)
+        result, answer = await ask_peer(Peer("127.0.0.1", port), traceparent=TraceParent("1" * 32, "2" * 16), body={},
+                                        headers={}, timeout_s=5)
+        tg.cancel_scope.cancel()
+    assert answer is None
+    assert result.outcome.value == "failed" and result.attributes["servewatch.peer.error"] == "bad_response"
+    assert result.action == "peer.capture" and result.retryable

@@ -457,7 +457,10 @@ def launch(
             for agent, pid in agents:
                 agent.incidents.expect_exit(pid)
 
+    records: list[Path] = []
+
     async def agent_main(child_pid: int) -> None:
+        records.extend(_record_launch(settings.data_dir, child_pid, planned.env))
         target = settings.target.model_copy(update={"root_pid": child_pid})
         agent = Agent(settings.model_copy(update={"target": target}))
         # watched from its first moment, with the exit status we reap (not rediscovered later)
@@ -488,7 +491,23 @@ def launch(
         )
     except LaunchError as exc:
         fail(str(exc), exc.exit_code)
+    finally:
+        for record in records:  # the server is gone: its record must not arm a reused pid
+            record.unlink(missing_ok=True)
     raise typer.Exit(rc)
+
+
+def _record_launch(data_dir: Path, pid: int, env: Any) -> list[Path]:
+    """Record the coredump arming launch gave ``pid`` (setproctitle will empty its environ)."""
+    import psutil
+
+    from agent.actors.coredump_target import LAUNCH_RECORD_DIR, record_launch
+
+    try:
+        return [record_launch(data_dir / LAUNCH_RECORD_DIR, pid, psutil.Process(pid).create_time(), env)]
+    except (OSError, psutil.Error) as exc:
+        logging.getLogger("servewatch.launch").warning("cannot record the launch environment of pid %d: %s", pid, exc)
+        return []
 
 
 # --- export / timeline / report --------------------------------------------------------------

@@ -21,6 +21,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.actors.coredump import CoredumpActor
+from agent.actors.coredump_target import LAUNCH_RECORD_DIR
 from agent.actors.pyspy import PySpyActor
 from agent.bus import EventBus, Subscription
 from agent.config import Settings
@@ -112,7 +113,13 @@ class Agent:
         self.children = list(children)
         self.pyspy = PySpyActor(settings.pyspy)
         self.coredump = (
-            CoredumpActor(settings.coredump, trusted_uids=settings.target.uids) if settings.coredump.enabled else None
+            CoredumpActor(
+                settings.coredump,
+                trusted_uids=settings.target.uids,
+                record_dirs=[settings.data_dir / LAUNCH_RECORD_DIR],  # what `launch` armed (setproctitle)
+            )
+            if settings.coredump.enabled
+            else None
         )
         self.profiler = None
         if settings.profiler.on_incident_steps > 0:

@@ -60,7 +60,7 @@ def test_launch_env_user_values_win(tmp_path: Path) -> None:
     assert planned.coredump is not None and planned.coredump.host_dir == tmp_path / "crash" / "h1"
     assert (tmp_path / "crash" / "h1").is_dir()
     line = describe_env(planned)
-    assert f"'{tmp_path}/crash/h1/'" in line and "set 5" in line
+    assert f"'{tmp_path}/crash/h1/'" in line and "set 6" in line  # 5 CUDA variables + SPT_NOENV=1
     assert "kept user's: CUDA_COREDUMP_PIPE, MTL_CAPTURE_ENABLED" in line and "MTL_CAPTURE_ENABLED=1" not in line
 
 

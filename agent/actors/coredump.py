@@ -30,8 +30,9 @@ pid in this incident, or disabled), ``NO_SUCH_PROCESS``, ``PERMISSION_DENIED``, 
 
 from __future__ import annotations
 
+import array
 import errno
-import fnmatch
+import fcntl
 import glob
 import logging
 import os
@@ -40,6 +41,7 @@ import shlex
 import socket
 import stat
 import tempfile
+import termios
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -53,6 +55,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
 from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.actors.coredump_target import PathTemplate, TargetEnv, TargetView, effective_env, read_environ
+from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
 
 __all__ = [
@@ -63,6 +67,7 @@ __all__ = [
     "ENV_GENERATION_FLAGS",
     "ENV_FILE",
     "ENV_PIPE",
+    "ENV_SPT_NOENV",
     "LIGHTWEIGHT_GENERATION_FLAGS",
     "SGLANG_FILE_TEMPLATE",
     "SGLANG_PIPE_TEMPLATE",
@@ -82,6 +87,7 @@ __all__ = [
     "locate_pipe",
     "trigger_pipe",
     "core_file_glob",
+    "core_file_templates",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,6 +107,8 @@ ENV_GENERATION_FLAGS = "CUDA_COREDUMP_GENERATION_FLAGS"
 ENV_FILE = "CUDA_COREDUMP_FILE"
 #: Trigger FIFO path template (``%h`` host, ``%p`` pid, ``%t`` time).
 ENV_PIPE = "CUDA_COREDUMP_PIPE"
+#: ``1``: setproctitle leaves ``/proc/PID/environ`` alone (its documented switch).
+ENV_SPT_NOENV = "SPT_NOENV"
 
 #: SGLang's lightweight flag set (CU_COREDUMP_LIGHTWEIGHT_FLAGS spelled as driver words).
 LIGHTWEIGHT_GENERATION_FLAGS = (
@@ -137,11 +145,23 @@ class CoredumpConfig(BaseModel):
         min_free_bytes: refuse to trigger when the dump directory has less free space, in
             bytes. Default 2 GiB (a lightweight dump is far smaller; a full one can be GBs).
         trigger_timeout_s: bound on opening and writing the FIFO, in seconds. Default 5.
-        completion_timeout_s: bound on waiting for the core file to appear and stop growing,
-            in seconds. Default 120.
+        consume_timeout_s: the driver must read the trigger (the pipe empty again, ``FIONREAD``)
+            within this long, else ``not consumed``, in seconds. Default 1 (a driver thread reads
+            it at once).
+        start_timeout_s: after the trigger was read, a new core file must appear (or be opened
+            by the target) within this long, else ``not started``, in seconds. Default 30.
+        stall_timeout_s: a core file the target still holds open whose size has not changed for
+            this long is ``stalled at N bytes``, in seconds. Default 20.
+        completion_timeout_s: outer bound on waiting for a steadily growing core file, in
+            seconds. Default 100, so that ``delay_s + trigger_timeout_s + consume_timeout_s +
+            completion_timeout_s`` (:attr:`CoredumpActor.budget_s`, 106 s) fits the incident's
+            phase limit (``incident.phase_timeout_s``, 120 s).
         settle_s: the core file counts as complete once its size has not changed for this long
             and the target no longer holds it open, in seconds. Default 2.
         poll_interval_s: how often the core file is checked, in seconds. Default 0.1.
+        delay_s: wait this long after the stacks were dumped before triggering (SGLang's
+            ``SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS`` analogue: time for in-flight GPU
+            work to reach the state worth dumping), in seconds. Default 0, at most 60.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -151,9 +171,13 @@ class CoredumpConfig(BaseModel):
     pipe_template: str = SGLANG_PIPE_TEMPLATE
     min_free_bytes: int = Field(default=2 * 1024**3, ge=0)
     trigger_timeout_s: float = Field(default=5.0, gt=0)
-    completion_timeout_s: float = Field(default=120.0, gt=0)
+    consume_timeout_s: float = Field(default=1.0, gt=0)
+    start_timeout_s: float = Field(default=30.0, gt=0)
+    stall_timeout_s: float = Field(default=20.0, gt=0)
+    completion_timeout_s: float = Field(default=100.0, gt=0)
     settle_s: float = Field(default=2.0, ge=0)
     poll_interval_s: float = Field(default=0.1, gt=0)
+    delay_s: float = Field(default=0.0, ge=0, le=60)
 
 
 # --- arming ------------------------------------------------------------------------------------
@@ -212,6 +236,9 @@ def cuda_coredump_env(
         ENV_GENERATION_FLAGS: LIGHTWEIGHT_GENERATION_FLAGS,
         ENV_FILE: SGLANG_FILE_TEMPLATE.format(folder=str(folder_path)),
         ENV_PIPE: pipe_template,
+        # setproctitle (SGLang's schedulers) would otherwise empty /proc/PID/environ, where the
+        # agent reads this arming back (an empty user value still clears it: kept as the user's).
+        ENV_SPT_NOENV: "1",
     }
     added: dict[str, str] = {}
     kept: dict[str, str] = {}
@@ -303,10 +330,12 @@ def check_dump_dir(path: str | os.PathLike[str], *, min_free_bytes: int) -> Dump
 
 
 def template_glob(template: str, *, host: str, pid: int, cwd: str | None = None) -> str:
-    """Turn a CUDA path template into a glob pattern for one process.
+    """Turn a CUDA path template into a glob pattern for one process (host-side helper).
 
     ``%h`` and ``%p`` are expanded, ``%t`` (a time chosen by the driver) becomes ``*``, every
     other character is matched literally. A relative template is taken relative to ``cwd``.
+    The actor itself matches through :class:`~agent.actors.coredump_target.PathTemplate`
+    (``%h`` a wildcard, ``%p`` the target's own namespace pid), which is right in containers.
 
     Args:
         template: e.g. ``"/tmp/corepipe.cuda.%h.%p"``.
@@ -333,27 +362,28 @@ def template_glob(template: str, *, host: str, pid: int, cwd: str | None = None)
     return pattern
 
 
-def _expand_dir(template: str, *, host: str, pid: int, cwd: str) -> Path:
-    """The directory a file from ``template`` lands in (cut before a ``%t`` in the directory)."""
-    expanded = template.replace("%h", host).replace("%p", str(pid))
-    if not expanded.startswith("/"):
-        expanded = os.path.join(cwd, expanded)
+def _guard_dir(template: PathTemplate, host: str | None) -> str:
+    """Directory (target view) a core file from ``template`` lands in, as far as it is known.
+
+    ``%p`` becomes the target's namespace pid and ``%h`` its host name when known (same uts
+    namespace); the path is cut before the first component still holding a placeholder.
+    """
+    view = template.view
+    expanded = template.absolute.replace("%p", str(view.ns_pid))
+    if host is not None:
+        expanded = expanded.replace("%h", host)
     directory = os.path.dirname(expanded)
-    if "%t" in directory:
-        directory = os.path.dirname(directory.split("%t", 1)[0])
-    return Path(directory)
+    parts = directory.split("/")
+    for index, part in enumerate(parts):
+        if _PLACEHOLDER.search(part):
+            parts = parts[:index]
+            break
+    return "/".join(parts) or "/"
 
 
 def _read_environ(pid: int) -> dict[str, str]:
     """The target's start-up environment, from ``/proc/PID/environ``."""
-    with open(f"/proc/{pid}/environ", "rb") as fh:
-        raw = fh.read()
-    env: dict[str, str] = {}
-    for item in raw.split(b"\0"):
-        name, sep, value = item.partition(b"=")
-        if sep:
-            env[os.fsdecode(name)] = os.fsdecode(value)
-    return env
+    return read_environ(pid)
 
 
 def _read_cwd(pid: int) -> str:
@@ -373,7 +403,7 @@ def _fd_access_mode(pid: int, fd: str) -> int | None:
 
 
 def _open_fds(pid: int) -> Iterator[tuple[str, str, os.stat_result]]:
-    """(fd number, link target, stat of the open file) for each fd of ``pid``.
+    """(fd number, link target as the target sees it, stat of the open file) for each fd.
 
     Raises:
         ProcessLookupError / PermissionError: the fd table cannot be read.
@@ -398,14 +428,19 @@ class PipeLocation:
 
     Attributes:
         pid: the target.
-        path: the FIFO to write, or ``None``.
+        path: the FIFO as the target sees it, or ``None``.
         source: how it was found: ``"fd"`` (a FIFO the target holds open for reading),
-            ``"environ"`` (``CUDA_COREDUMP_PIPE`` from ``/proc/PID/environ``) or ``"default"``
-            (the driver's default name in the target's cwd); ``""`` when not found.
-        pattern: the glob pattern the environment/default template gave.
+            ``"environ"`` (the ``CUDA_COREDUMP_PIPE`` that applies to it, see
+            :func:`~agent.actors.coredump_target.effective_env`) or ``"default"`` (the driver's
+            default name in the target's cwd); ``""`` when not found.
+        pattern: the template the environment/default gave (absolute, placeholders kept).
         reason: when ``path`` is ``None``: why the target counts as not armed.
         fd: the target's fd number when ``source == "fd"``.
-        inode: ``(st_dev, st_ino)`` of the FIFO when found through an fd.
+        inode: ``(st_dev, st_ino)`` of the FIFO when found.
+        root: prefix reaching the target's paths from here (``/proc/PID/root`` in another mount
+            namespace, else ``""``).
+        env_source: where the coredump environment came from (``environ``, ``launch:<pid>``,
+            ``parent:<pid>``, ``""``).
     """
 
     pid: int
@@ -415,6 +450,14 @@ class PipeLocation:
     reason: str = ""
     fd: str | None = None
     inode: tuple[int, int] | None = None
+    root: str = ""
+    env_source: str = ""
+
+
+def _pipe_templates(env: TargetEnv, extra_templates: Sequence[str]) -> list[str]:
+    """Pipe templates to accept in the fd scan, the applicable one first."""
+    names = [env.values.get(ENV_PIPE) or DRIVER_DEFAULT_PIPE_TEMPLATE, *extra_templates, SGLANG_PIPE_TEMPLATE]
+    return list(dict.fromkeys(names))
 
 
 def locate_pipe(
@@ -423,20 +466,29 @@ def locate_pipe(
     host: str | None = None,
     extra_templates: Sequence[str] = (SGLANG_PIPE_TEMPLATE,),
     scan_fds: bool = True,
+    record_dirs: Sequence[str | os.PathLike[str]] = (),
+    env: TargetEnv | None = None,
 ) -> PipeLocation:
-    """Find the coredump FIFO of process ``pid`` from ground truth.
+    """Find the coredump FIFO of process ``pid`` from ground truth, in the target's own view.
 
     First a FIFO the target holds open for reading (``/proc/PID/fd``, ``S_ISFIFO``,
-    ``/proc/PID/fdinfo`` access mode) whose path matches the pipe template from its environment,
-    one of ``extra_templates``, or the driver's name ``corepipe.cuda.<host>.<pid>`` in any
-    directory. Then, as a fallback, the template from ``/proc/PID/environ`` (or the driver's
-    default in the target's cwd), ``%t`` as a wildcard, newest FIFO match.
+    ``/proc/PID/fdinfo`` access mode) whose path, as the target sees it, fits the pipe template
+    that applies to it, one of ``extra_templates``, or the driver's default name
+    ``corepipe.cuda.%h.%p`` in any directory (``%h`` any host name, ``%p`` its namespace pid:
+    a container's driver names them). Then, as a fallback, the applicable template's existing
+    FIFOs, reached through ``/proc/PID/root`` when the target has its own mount namespace.
+
+    The applicable environment is :func:`~agent.actors.coredump_target.effective_env`: its own
+    ``/proc/PID/environ``, else what ``servewatch launch`` recorded (``record_dirs``), else an
+    ancestor's environ, because setproctitle empties a worker's ``/proc/PID/environ``.
 
     Args:
         pid: the target process.
-        host: the host name ``%h`` expands to; default :func:`socket.gethostname`.
+        host: unused for matching (kept for callers; ``%h`` is matched as a wildcard).
         extra_templates: more pipe templates to accept in the fd scan (e.g. the configured one).
         scan_fds: scan the target's fds (``False`` only to exercise the fallback).
+        record_dirs: folders of launch records (``<data_dir>/launched``).
+        env: the applicable environment when the caller already has it.
 
     Returns:
         The location; ``path is None`` with a ``reason`` when not armed.
@@ -445,63 +497,68 @@ def locate_pipe(
         ProcessLookupError: the process does not exist.
         PermissionError: ``/proc/PID`` cannot be read (needs the same user or root).
     """
-    host_name = host or socket.gethostname()
-    try:
-        environ = _read_environ(pid)
-        cwd = _read_cwd(pid)
-    except FileNotFoundError as exc:
-        raise ProcessLookupError(pid) from exc
-    env_template = environ.get(ENV_PIPE)
+    del host
+    view = TargetView.of(pid)
+    if env is None:
+        env = effective_env(pid, record_dirs=record_dirs)
+    env_template = env.values.get(ENV_PIPE)
     template = env_template or DRIVER_DEFAULT_PIPE_TEMPLATE
     source = "environ" if env_template else "default"
-    pattern = template_glob(template, host=host_name, pid=pid, cwd=cwd)
+    applicable = PathTemplate(template, view)
+    common = {"pid": pid, "pattern": applicable.absolute, "root": view.root, "env_source": env.source}
 
     if scan_fds:
-        accepted = [pattern]
-        accepted += [template_glob(t, host=host_name, pid=pid, cwd=cwd) for t in extra_templates]
-        accepted.append("*/" + template_glob(DRIVER_DEFAULT_PIPE_TEMPLATE, host=host_name, pid=pid))
+        accepted = [PathTemplate(t, view).regex() for t in _pipe_templates(env, extra_templates)]
+        accepted.append(PathTemplate("/" + DRIVER_DEFAULT_PIPE_TEMPLATE, view).regex())
+        anywhere = re.compile(r".*/" + accepted[-1].pattern.lstrip("/"))
         for fd, target, st in _open_fds(pid):
             if not stat.S_ISFIFO(st.st_mode) or not target.startswith("/"):
                 continue  # anonymous pipes read as "pipe:[inode]"
             if _fd_access_mode(pid, fd) not in (os.O_RDONLY, os.O_RDWR):
                 continue
-            if any(fnmatch.fnmatchcase(target, p) for p in accepted):
-                return PipeLocation(
-                    pid=pid, path=target, source="fd", pattern=pattern, fd=fd, inode=(st.st_dev, st.st_ino)
-                )
+            if any(p.fullmatch(target) for p in accepted) or anywhere.fullmatch(target):
+                return PipeLocation(path=target, source="fd", fd=fd, inode=(st.st_dev, st.st_ino), **common)
 
-    fifos: list[tuple[float, str]] = []
+    fifos: list[tuple[float, str, tuple[int, int]]] = []
     non_fifo = ""
-    for candidate in glob.glob(pattern):
+    for candidate in applicable.existing():
         try:
-            st = os.stat(candidate)
+            st = os.stat(view.here(candidate))
         except OSError:
             continue
         if stat.S_ISFIFO(st.st_mode):
-            fifos.append((st.st_mtime, candidate))
+            fifos.append((st.st_mtime, candidate, (st.st_dev, st.st_ino)))
         else:
             non_fifo = candidate
     if fifos:
-        return PipeLocation(pid=pid, path=max(fifos)[1], source=source, pattern=pattern)
+        _, path, inode = max(fifos)
+        return PipeLocation(path=path, source=source, inode=inode, **common)
 
-    if environ.get(ENV_ENABLE_USER_TRIGGER) != "1":
-        reason = (
-            f"not armed: {ENV_ENABLE_USER_TRIGGER}=1 is not in the target's environment and it holds no "
-            "coredump FIFO open (start it with `servewatch launch` or the `servewatch cuda-env` exports)"
-        )
+    if env.values.get(ENV_ENABLE_USER_TRIGGER) != "1":
+        if env.environ_cleared:
+            reason = (
+                f"not armed: it holds no coredump FIFO open, and its /proc/{pid}/environ is empty (setproctitle"
+                " clears it; start it with SPT_NOENV=1) while no launch record or parent environment has"
+                f" {ENV_ENABLE_USER_TRIGGER}=1"
+            )
+        else:
+            reason = (
+                f"not armed: {ENV_ENABLE_USER_TRIGGER}=1 is not in the target's environment and it holds no "
+                "coredump FIFO open (start it with `servewatch launch` or the `servewatch cuda-env` exports)"
+            )
     elif non_fifo:
         reason = f"not armed: {non_fifo!r} matches the pipe template but is not a FIFO"
     elif env_template:
         reason = (
-            f"not armed: no FIFO matches {pattern!r} from {ENV_PIPE} (CUDA not initialised yet in the "
+            f"not armed: no FIFO matches {applicable.absolute!r} from {ENV_PIPE} (CUDA not initialised yet in the "
             "target, or the pipe path differs)"
         )
     else:
         reason = (
-            f"not armed: {ENV_PIPE} is unset and the driver's default FIFO {pattern!r} does not exist "
+            f"not armed: {ENV_PIPE} is unset and the driver's default FIFO {applicable.absolute!r} does not exist "
             "(CUDA not initialised yet in the target, or the pipe path differs)"
         )
-    return PipeLocation(pid=pid, path=None, source="", pattern=pattern, reason=reason)
+    return PipeLocation(path=None, source="", reason=reason, **common)
 
 
 # --- triggering ---------------------------------------------------------------------------------
@@ -512,54 +569,96 @@ class TriggerResult:
     """What one write to a coredump FIFO did.
 
     Attributes:
-        outcome: ``OK`` (payload written), ``NOT_ARMED`` (no reader, vanished, not a FIFO),
-            ``TIMED_OUT`` (pipe full until the deadline), ``PERMISSION_DENIED`` or ``FAILED``.
+        outcome: ``OK`` (payload written and read by the driver), ``NOT_ARMED`` (no reader,
+            vanished, not a FIFO), ``TIMED_OUT`` (pipe full until the deadline, or the payload
+            still unread after ``consume_timeout_s``: ``consumed`` is False),
+            ``PERMISSION_DENIED`` or ``FAILED``.
         detail: one line.
         time_unix_nano: when the payload was written (0 when it was not).
+        consumed: the driver read the payload (``None`` when not checked).
+        consume_s: seconds from the write until the pipe was empty again.
     """
 
     outcome: Outcome
     detail: str
     time_unix_nano: int = 0
+    consumed: bool | None = None
+    consume_s: float | None = None
 
 
 def _open_for_trigger(location: PipeLocation) -> int:
-    """Open the FIFO write-only without blocking; verify it is the FIFO that was found."""
+    """Open the FIFO write-only without blocking; verify it is the FIFO that was found.
+
+    Tries the path through the target's root (another mount namespace), then as is, then the
+    target's own fd (``/proc/PID/fd/N``); the inode found must be the one located.
+    """
     path = location.path
     assert path is not None
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if location.fd is None:
+    flags = os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    candidates = [location.root + path] if location.root else [path]
+    if location.fd is not None:
+        candidates.append(f"/proc/{location.pid}/fd/{location.fd}")
+    fd = -1
+    error: OSError | None = None
+    for candidate in candidates:
+        try:
+            fd = os.open(candidate, flags)
+        except FileNotFoundError as exc:
+            error = exc
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISFIFO(st.st_mode):
+                raise OSError(errno.EINVAL, "is not a FIFO", path)
+            if location.inode is not None and (st.st_dev, st.st_ino) != location.inode:
+                if candidate != candidates[-1]:
+                    os.close(fd)
+                    fd = -1
+                    continue  # a different file of the same name here: try the next way in
+                raise OSError(errno.EINVAL, "was replaced since it was found", path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
             raise
-        # Not visible in our mount namespace (or unlinked): reopen through the target's fd.
-        fd = os.open(f"/proc/{location.pid}/fd/{location.fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return fd
+    assert error is not None
+    raise error
+
+
+def _unread_bytes(fd: int) -> int:
+    """Bytes waiting in the pipe (``FIONREAD`` on our writer fd); -1 when unknown."""
+    buf = array.array("i", [0])
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISFIFO(st.st_mode):
-            raise OSError(errno.EINVAL, "is not a FIFO", path)
-        if location.inode is not None and (st.st_dev, st.st_ino) != location.inode:
-            raise OSError(errno.EINVAL, "was replaced since it was found", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        fcntl.ioctl(fd, termios.FIONREAD, buf, True)
+    except OSError:
+        return -1
+    return buf[0]
 
 
 async def trigger_pipe(
-    location: PipeLocation, *, timeout_s: float, poll_interval_s: float = 0.01, payload: bytes = TRIGGER_PAYLOAD
+    location: PipeLocation,
+    *,
+    timeout_s: float,
+    poll_interval_s: float = 0.01,
+    payload: bytes = TRIGGER_PAYLOAD,
+    consume_timeout_s: float | None = None,
 ) -> TriggerResult:
-    """Write ``payload`` to a coredump FIFO, never blocking and bounded by ``timeout_s``.
+    """Write ``payload`` to a coredump FIFO, never blocking, bounded by ``timeout_s``; then
+    (with ``consume_timeout_s``) watch the driver read it.
 
     Opens with ``O_WRONLY | O_NONBLOCK`` (``ENXIO`` = nobody reads = not armed), refuses
     anything but a FIFO, then retries ``EAGAIN`` (pipe full: a reader that stopped reading)
-    with anyio sleeps until the deadline.
+    with anyio sleeps until the deadline. A driver thread that reads the pipe empties it at
+    once: bytes still there (``FIONREAD``) after ``consume_timeout_s`` mean the trigger was
+    not consumed, and no core file will come.
 
     Args:
         location: from :func:`locate_pipe`, with ``path`` set.
         timeout_s: deadline for open + write, in seconds.
         poll_interval_s: wait between retries of a full pipe, in seconds.
         payload: bytes to write; the driver starts a dump on any data.
+        consume_timeout_s: how long the written bytes may stay unread, in seconds (``None``:
+            not checked).
 
     Returns:
         The :class:`TriggerResult`.
@@ -572,6 +671,7 @@ async def trigger_pipe(
     except OSError as exc:
         return TriggerResult(*_classify_open_error(exc, path))
     try:
+        written_ns = 0
         with anyio.move_on_after(timeout_s) as scope:
             while True:
                 try:
@@ -584,11 +684,32 @@ async def trigger_pipe(
                 except OSError as exc:
                     return TriggerResult(Outcome.FAILED, f"write to {path!r} failed: {exc.strerror or exc}")
                 if written > 0:
-                    return TriggerResult(Outcome.OK, f"triggered through {path!r}", now_ns())
-        assert scope.cancelled_caught
-        return TriggerResult(
-            Outcome.TIMED_OUT, f"{path!r} stayed full for {timeout_s:g} s: its reader is not reading"
-        )
+                    written_ns = now_ns()
+                    break
+        if not written_ns:
+            assert scope.cancelled_caught
+            return TriggerResult(
+                Outcome.TIMED_OUT, f"{path!r} stayed full for {timeout_s:g} s: its reader is not reading"
+            )
+        if consume_timeout_s is None:
+            return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns)
+        start = anyio.current_time()
+        while True:
+            unread = _unread_bytes(fd)
+            waited = anyio.current_time() - start
+            if unread == 0:
+                return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns, True, round(waited, 6))
+            if unread < 0:
+                return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns, None)
+            if waited >= consume_timeout_s:
+                return TriggerResult(
+                    Outcome.TIMED_OUT,
+                    f"not consumed: the trigger written to {path!r} was still unread after {consume_timeout_s:g} s"
+                    f" ({unread} byte(s) in the pipe): the driver's reader is not reading, no core file will come",
+                    written_ns,
+                    False,
+                )
+            await anyio.sleep(min(poll_interval_s, 0.01))
     finally:
         os.close(fd)
 
@@ -609,59 +730,86 @@ def _classify_open_error(exc: OSError, path: str) -> tuple[Outcome, str]:
 # --- completion ---------------------------------------------------------------------------------
 
 
-def core_file_glob(pid: int, *, host: str | None = None) -> tuple[str, str]:
-    """Glob pattern of ``pid``'s core file and the template it came from.
+def core_file_templates(env: TargetEnv, config: CoredumpConfig) -> list[str]:
+    """Core-file templates to watch for one target, the applicable one first.
 
-    From ``CUDA_COREDUMP_FILE`` in ``/proc/PID/environ`` (else the driver's default
+    The target's own ``CUDA_COREDUMP_FILE`` when known; when its environment is unknown
+    (setproctitle cleared it and nothing else told), also the one servewatch arms with
+    (``{folder}/%h/core.cuda.%t.%p``); and always the driver's default
+    (``core_%t_%h_%p.nvcudmp`` in its cwd).
+    """
+    names: list[str] = []
+    if env.values.get(ENV_FILE):
+        names.append(env.values[ENV_FILE])
+    if not env.values:
+        names.append(SGLANG_FILE_TEMPLATE.format(folder=str(Path(config.folder).absolute())))
+    names.append(DRIVER_DEFAULT_FILE_TEMPLATE)
+    return list(dict.fromkeys(names))
+
+
+def core_file_glob(pid: int, *, host: str | None = None) -> tuple[str, str]:
+    """Glob pattern of ``pid``'s core file and the template it came from (host-side helper).
+
+    From ``CUDA_COREDUMP_FILE`` that applies to it (else the driver's default
     ``core_%t_%h_%p.nvcudmp``), ``%h``/``%p`` expanded, ``%t`` a wildcard, relative to the
     target's cwd.
 
     Raises:
         ProcessLookupError / PermissionError: ``/proc/PID`` is gone or unreadable.
     """
-    try:
-        environ = _read_environ(pid)
-        cwd = _read_cwd(pid)
-    except FileNotFoundError as exc:
-        raise ProcessLookupError(pid) from exc
-    template = environ.get(ENV_FILE) or DRIVER_DEFAULT_FILE_TEMPLATE
+    env = effective_env(pid)
+    cwd = TargetView.of(pid).cwd
+    template = env.values.get(ENV_FILE) or DRIVER_DEFAULT_FILE_TEMPLATE
     return template_glob(template, host=host or socket.gethostname(), pid=pid, cwd=cwd), template
 
 
-def _snapshot(pattern: str) -> dict[str, int]:
-    """path -> mtime (ns) of every current match, to tell new dumps from old ones."""
+def _snapshot(templates: Sequence[PathTemplate]) -> dict[str, int]:
+    """path (target view) -> mtime (ns) of every current match, to tell new dumps from old ones."""
     found: dict[str, int] = {}
-    for path in glob.glob(pattern):
-        try:
-            found[path] = os.stat(path).st_mtime_ns
-        except OSError:
-            continue
+    for template in templates:
+        for path in template.existing():
+            try:
+                found[path] = os.stat(template.view.here(path)).st_mtime_ns
+            except OSError:
+                continue
     return found
 
 
-def _newest_new(pattern: str, before: Mapping[str, int]) -> tuple[str, int] | None:
-    """The newest regular file matching ``pattern`` that is new or changed since ``before``."""
+def _newest_new(templates: Sequence[PathTemplate], before: Mapping[str, int]) -> tuple[str, int] | None:
+    """The newest regular file matching a template that is new or changed since ``before``."""
     best: tuple[int, str, int] | None = None
-    for path in glob.glob(pattern):
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        if path in before and st.st_mtime_ns <= before[path]:
-            continue
-        if best is None or st.st_mtime_ns > best[0]:
-            best = (st.st_mtime_ns, path, st.st_size)
+    for template in templates:
+        for path in template.existing():
+            try:
+                st = os.stat(template.view.here(path))
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if path in before and st.st_mtime_ns <= before[path]:
+                continue
+            if best is None or st.st_mtime_ns > best[0]:
+                best = (st.st_mtime_ns, path, st.st_size)
     return None if best is None else (best[1], best[2])
 
 
 def _held_open_by(pid: int, path: str) -> bool:
-    """Whether ``pid`` still has ``path`` open (the driver is still writing it)."""
+    """Whether ``pid`` still has ``path`` (target view) open (the driver is still writing it)."""
     try:
         return any(target == path for _, target, _ in _open_fds(pid))
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def _opened_core(pid: int, templates: Sequence[PathTemplate], before: Mapping[str, int]) -> str | None:
+    """A file fitting a core template that the target holds open and that is new (started)."""
+    try:
+        for _, target, st in _open_fds(pid):
+            if stat.S_ISREG(st.st_mode) and target not in before and any(t.matches(target) for t in templates):
+                return target
+    except (ProcessLookupError, PermissionError):
+        return None
+    return None
 
 
 @dataclass(slots=True)
@@ -670,29 +818,57 @@ class _Completion:
     size_bytes: int = 0
     complete: bool = False
     end_unix_nano: int = 0
+    #: how the wait ended: complete, not_started, stalled, growing (outer bound), gone
+    stage: str = ""
+    waited_s: float = 0.0
 
 
 async def _await_core_file(
-    pid: int, pattern: str, before: Mapping[str, int], *, timeout_s: float, settle_s: float, poll_interval_s: float
+    pid: int,
+    templates: Sequence[PathTemplate],
+    before: Mapping[str, int],
+    *,
+    timeout_s: float,
+    settle_s: float,
+    poll_interval_s: float,
+    start_timeout_s: float,
+    stall_timeout_s: float,
 ) -> _Completion:
-    """Wait (bounded) for a new core file to appear, stop growing and be closed by the target."""
+    """Wait for a new core file, bounded by progress: it must start within ``start_timeout_s``
+    (a new matching file, or one the target opened), and grow (or be closed) at least every
+    ``stall_timeout_s``; it is complete once its size held for ``settle_s`` and the target no
+    longer holds it open. ``timeout_s`` bounds the whole wait."""
     seen = _Completion()
-    stable_since = 0.0
+    begin = anyio.current_time()
+    changed_at = begin
     with anyio.move_on_after(timeout_s):
         while True:
-            found = await anyio.to_thread.run_sync(_newest_new, pattern, before)
+            found = await anyio.to_thread.run_sync(_newest_new, templates, before)
             now = anyio.current_time()
-            if found is not None:
-                if (found[0], found[1]) != (seen.path, seen.size_bytes):
-                    seen.path, seen.size_bytes = found
-                    seen.end_unix_nano = now_ns()
-                    stable_since = now
-                elif found[1] > 0 and now - stable_since >= settle_s:
-                    held = await anyio.to_thread.run_sync(_held_open_by, pid, found[0])
-                    if not held:
-                        seen.complete = True
-                        return seen
+            seen.waited_s = now - begin
+            if found is None:
+                opened = await anyio.to_thread.run_sync(_opened_core, pid, templates, before)
+                if opened is not None:
+                    found = (opened, 0)
+            if found is None:
+                if now - begin >= start_timeout_s:
+                    seen.stage = "not_started"
+                    return seen
+            elif (found[0], found[1]) != (seen.path, seen.size_bytes):
+                seen.path, seen.size_bytes = found
+                seen.end_unix_nano = now_ns()
+                changed_at = now
+            else:
+                held = await anyio.to_thread.run_sync(_held_open_by, pid, found[0])
+                if not held and found[1] > 0 and now - changed_at >= settle_s:
+                    seen.complete, seen.stage = True, "complete"
+                    return seen
+                if now - changed_at >= stall_timeout_s:
+                    seen.stage = "stalled"
+                    return seen
             await anyio.sleep(poll_interval_s)
+    seen.waited_s = anyio.current_time() - begin
+    seen.stage = "growing" if seen.path else "not_started"
     return seen
 
 
@@ -702,10 +878,12 @@ async def _await_core_file(
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     location: PipeLocation
-    pattern: str
+    templates: tuple[PathTemplate, ...]
     dump_dir: Path
     guard: DumpDirCheck | None = None
     before: Mapping[str, int] = field(default_factory=dict)
+    env: TargetEnv = field(default_factory=TargetEnv)
+    view: TargetView | None = None
 
 
 @contextmanager
@@ -726,28 +904,40 @@ class CoredumpActor:
     """Triggers CUDA user coredumps of incident targets and waits for the core files.
 
     One trigger per ``(incident_id, pid)`` at most; later calls for the same pair return
-    ``SKIPPED``. Span ``cuda.coredump`` attributes: ``process.pid``,
-    ``servewatch.coredump.pipe``, ``.pipe_source``, ``.file_pattern``, ``.dump_dir``,
-    ``.triggered``, ``.trigger_time_unix_nano``, ``.path``, ``.size_bytes``,
-    ``.write_duration_s`` (trigger to complete file), ``.complete``.
+    ``SKIPPED``. Every wait is bounded by progress (see :class:`CoredumpConfig`). Span
+    ``cuda.coredump`` attributes: ``process.pid``, ``servewatch.coredump.pipe``,
+    ``.pipe_source``, ``.env_source``, ``.ns_pid``, ``.root``, ``.file_pattern`` (templates
+    watched), ``.dump_dir``, ``.triggered``, ``.trigger_time_unix_nano``, ``.consumed``,
+    ``.stage`` (``not_consumed``, ``not_started``, ``stalled``, ``growing``, ``complete``),
+    ``.path``, ``.path_in_target``, ``.size_bytes``, ``.write_duration_s`` (trigger to
+    complete file), ``.complete``.
     """
 
     name = "cuda_coredump"
 
     def __init__(
-        self, config: CoredumpConfig | None = None, *, host: str | None = None, trusted_uids: Sequence[int] = ()
+        self,
+        config: CoredumpConfig | None = None,
+        *,
+        host: str | None = None,
+        trusted_uids: Sequence[int] = (),
+        record_dirs: Sequence[str | os.PathLike[str]] = (),
     ) -> None:
         """Create the actor.
 
         Args:
             config: user configuration; defaults when ``None``.
-            host: host name ``%h`` expands to; default :func:`socket.gethostname`.
+            host: the agent's host name (``%h`` of a target in the agent's own uts namespace);
+                default :func:`socket.gethostname`. A target in another uts namespace has its
+                ``%h`` matched as a wildcard.
             trusted_uids: uids (besides root and the agent's own) whose targets may have their
                 core files written outside ``config.folder`` (the ``target.uids`` setting).
+            record_dirs: folders holding ``servewatch launch`` records (``<data_dir>/launched``).
         """
         self.config = config or CoredumpConfig()
         self.host = host or socket.gethostname()
         self.trusted_uids = frozenset({0, os.geteuid(), *trusted_uids})
+        self.record_dirs = tuple(record_dirs)
         self._triggered: OrderedDict[str, set[int]] = OrderedDict()
 
     def _claim(self, incident_id: str, pid: int) -> bool:
@@ -762,13 +952,20 @@ class CoredumpActor:
         pids.add(pid)
         return True
 
+    @property
+    def budget_s(self) -> float:
+        """Bound of one target's action with this config: delay + trigger + consume + completion."""
+        cfg = self.config
+        return cfg.delay_s + cfg.trigger_timeout_s + cfg.consume_timeout_s + cfg.completion_timeout_s
+
     async def trigger_all(
         self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path
     ) -> list[ActionResult]:
         """Trigger every armed target at once, then wait (bounded) for all core files.
 
-        Call right after the incident's py-spy dumps finished; every trigger is written within
-        milliseconds of the call (all targets concurrently), then each core file is awaited.
+        Call right after the incident's py-spy dumps finished; after ``delay_s`` (default 0)
+        every trigger is written within milliseconds (all targets concurrently), then each core
+        file is awaited.
 
         Args:
             trigger: the incident.
@@ -778,7 +975,9 @@ class CoredumpActor:
         Returns:
             One result per target, in ``targets`` order.
         """
-        timeout_s = self.config.trigger_timeout_s + self.config.completion_timeout_s
+        if self.config.delay_s > 0 and self.config.enabled:
+            await anyio.sleep(self.config.delay_s)
+        timeout_s = self.budget_s - self.config.delay_s
         return await act_all(self, trigger, targets, timeout_s=timeout_s, artifact_dir=artifact_dir)
 
     async def act(
@@ -815,6 +1014,10 @@ class CoredumpActor:
                 attributes=frozen_attrs(attrs),
             )
 
+        death = await anyio.to_thread.run_sync(death_of, target)
+        if death is not None:  # reported as dead in every action: a dead rank is evidence
+            attrs.update(death.attributes())
+            return result(Outcome.DEAD, f"{death.describe(target.title)}: no GPU coredump to trigger")
         if not self.config.enabled:
             return result(Outcome.SKIPPED, "cuda coredumps are disabled in the configuration")
         try:
@@ -848,10 +1051,14 @@ class CoredumpActor:
             prepared = await anyio.to_thread.run_sync(self._prepare, pid, target.uid)
         if failure:
             return result(*failure[0])
-        assert prepared is not None
-        location = prepared.location
-        attrs["servewatch.coredump.file_pattern"] = prepared.pattern
+        assert prepared is not None and prepared.view is not None
+        location, view = prepared.location, prepared.view
+        attrs["servewatch.coredump.file_pattern"] = tuple(t.absolute for t in prepared.templates)
         attrs["servewatch.coredump.pipe_source"] = location.source
+        attrs["servewatch.coredump.env_source"] = prepared.env.source or "none"
+        attrs["servewatch.coredump.ns_pid"] = view.ns_pid
+        if view.root:
+            attrs["servewatch.coredump.root"] = view.root
         if location.path is None:
             return result(Outcome.NOT_ARMED, location.reason)
         attrs["servewatch.coredump.pipe"] = location.path
@@ -861,41 +1068,73 @@ class CoredumpActor:
 
         if not self._claim(trigger.incident_id, pid):
             return result(Outcome.SKIPPED, f"already triggered pid {pid} in incident {trigger.incident_id}")
-        pattern, before = prepared.pattern, prepared.before
         fired = await trigger_pipe(
             location,
             timeout_s=min(cfg.trigger_timeout_s, max(0.0, deadline - anyio.current_time())),
             poll_interval_s=min(0.01, cfg.poll_interval_s),
+            consume_timeout_s=cfg.consume_timeout_s,
         )
-        attrs["servewatch.coredump.triggered"] = fired.outcome is Outcome.OK
+        attrs["servewatch.coredump.triggered"] = bool(fired.time_unix_nano)
+        if fired.consumed is not None:
+            attrs["servewatch.coredump.consumed"] = fired.consumed
+        if fired.time_unix_nano:
+            attrs["servewatch.coredump.trigger_time_unix_nano"] = fired.time_unix_nano
         if fired.outcome is not Outcome.OK:
+            if fired.consumed is False:
+                attrs["servewatch.coredump.stage"] = "not_consumed"
             return result(fired.outcome, fired.detail, retryable=fired.outcome is Outcome.TIMED_OUT)
-        attrs["servewatch.coredump.trigger_time_unix_nano"] = fired.time_unix_nano
 
         wait_s = min(cfg.completion_timeout_s, max(0.0, deadline - anyio.current_time()))
         done = await _await_core_file(
-            pid, pattern, before, timeout_s=wait_s, settle_s=cfg.settle_s, poll_interval_s=cfg.poll_interval_s
+            pid,
+            prepared.templates,
+            prepared.before,
+            timeout_s=wait_s,
+            settle_s=cfg.settle_s,
+            poll_interval_s=cfg.poll_interval_s,
+            start_timeout_s=cfg.start_timeout_s,
+            stall_timeout_s=cfg.stall_timeout_s,
         )
         attrs["servewatch.coredump.complete"] = done.complete
+        attrs["servewatch.coredump.stage"] = done.stage
+        watched = " or ".join(repr(t.absolute) for t in prepared.templates)
         if done.path is None:
+            if done.stage == "not_started":
+                return result(
+                    Outcome.TIMED_OUT,
+                    f"not started: triggered through {location.path!r} (consumed) but no core file matching {watched}"
+                    f" appeared or was opened within {min(cfg.start_timeout_s, wait_s):g} s",
+                    retryable=True,
+                )
             return result(
                 Outcome.TIMED_OUT,
-                f"triggered through {location.path!r} but no core file matching {pattern!r} appeared within {wait_s:g} s",
+                f"triggered through {location.path!r} but no core file matching {watched} appeared within {wait_s:g} s",
+                retryable=True,
             )
-        attrs["servewatch.coredump.path"] = done.path
+        here = view.here(done.path)
+        attrs["servewatch.coredump.path"] = here
+        if here != done.path:
+            attrs["servewatch.coredump.path_in_target"] = done.path
         attrs["servewatch.coredump.size_bytes"] = done.size_bytes
         attrs["servewatch.coredump.write_duration_s"] = round(
             max(0, done.end_unix_nano - fired.time_unix_nano) / 1e9, 6
         )
+        if done.stage == "stalled":
+            return result(
+                Outcome.TIMED_OUT,
+                f"stalled at {done.size_bytes} bytes: core file {here!r} stopped growing for"
+                f" {cfg.stall_timeout_s:g} s while the target still holds it open",
+                paths=(here,),
+                retryable=True,
+            )
         if not done.complete:
             return result(
                 Outcome.TIMED_OUT,
-                f"core file {done.path!r} still growing after {wait_s:g} s ({done.size_bytes} bytes so far)",
-                paths=(done.path,),
+                f"core file {here!r} still growing after {wait_s:g} s ({done.size_bytes} bytes so far)",
+                paths=(here,),
+                retryable=True,
             )
-        return result(
-            Outcome.OK, f"core file {done.path!r} ({done.size_bytes} bytes)", paths=(done.path,)
-        )
+        return result(Outcome.OK, f"core file {here!r} ({done.size_bytes} bytes)", paths=(here,))
 
     def _prepare(self, pid: int, uid: int | None = None) -> _Prepared:
         """Blocking part before the trigger (runs in a worker thread): pipe, core file, guard.
@@ -909,18 +1148,21 @@ class CoredumpActor:
         Raises:
             ProcessLookupError / PermissionError: ``/proc/PID`` is gone or unreadable.
         """
-        location = locate_pipe(pid, host=self.host, extra_templates=(self.config.pipe_template,))
-        pattern, template = core_file_glob(pid, host=self.host)
-        dump_dir = _expand_dir(template, host=self.host, pid=pid, cwd=_read_cwd(pid))
+        view = TargetView.of(pid)
+        env = effective_env(pid, record_dirs=self.record_dirs)
+        location = locate_pipe(pid, extra_templates=(self.config.pipe_template,), env=env)
+        templates = tuple(PathTemplate(t, view) for t in core_file_templates(env, self.config))
+        host = self.host if same_uts_namespace(pid) else None
+        dump_dir = Path(view.here(_guard_dir(templates[0], host)))
         if location.path is None:
-            return _Prepared(location, pattern, dump_dir)
+            return _Prepared(location, templates, dump_dir, env=env, view=view)
         if uid is None:
             uid = os.stat(f"/proc/{pid}").st_uid
         guard = self._outside_folder_guard(dump_dir, uid)
         if guard is None:
             guard = check_dump_dir(dump_dir, min_free_bytes=self.config.min_free_bytes)
-        before = _snapshot(pattern) if guard.ok else {}
-        return _Prepared(location, pattern, dump_dir, guard, before)
+        before = _snapshot(templates) if guard.ok else {}
+        return _Prepared(location, templates, dump_dir, guard, before, env=env, view=view)
 
     def _outside_folder_guard(self, dump_dir: Path, uid: int | None) -> DumpDirCheck | None:
         """``None`` when ``dump_dir`` is inside ``config.folder``, else why it is refused, if it is."""

@@ -128,6 +128,7 @@ def test_env_sets_sglang_defaults_and_creates_host_dir(tmp_path: Path) -> None:
         ),
         "CUDA_COREDUMP_FILE": f"{tmp_path}/crash/%h/core.cuda.%t.%p",
         "CUDA_COREDUMP_PIPE": "/tmp/corepipe.cuda.%h.%p",
+        "SPT_NOENV": "1",  # setproctitle must leave /proc/PID/environ readable
     }
     assert dict(plan.kept) == {}
     assert plan.env["PATH"] == "/usr/bin"
@@ -260,14 +261,18 @@ async def test_full_pipe_reader_that_never_reads_times_out(tmp_path: Path, start
     assert read_status(status)["cores"] == []
 
 
-async def test_reader_that_never_reads_bounded_by_completion_timeout(tmp_path: Path, start_fake: Callable) -> None:
+async def test_reader_that_never_reads_is_not_consumed_long_before_completion_timeout(
+    tmp_path: Path, start_fake: Callable
+) -> None:
     proc, _, status = start_fake(mode="never-read")
-    actor = CoredumpActor(fast_config(tmp_path, completion_timeout_s=0.5), host=HOST)
-    with anyio.fail_after(HANG_GUARD_S):
-        result = await actor.act(incident(), target_of(proc), timeout_s=120, artifact_dir=tmp_path)
+    actor = CoredumpActor(fast_config(tmp_path, completion_timeout_s=600), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):  # far below the 600 s completion bound
+        result = await actor.act(incident(), target_of(proc), timeout_s=900, artifact_dir=tmp_path)
     assert result.outcome is Outcome.TIMED_OUT
-    assert "no core file matching" in result.detail
+    assert result.detail.startswith("not consumed:") and "1 byte(s) in the pipe" in result.detail
     assert result.attributes["servewatch.coredump.triggered"] is True
+    assert result.attributes["servewatch.coredump.consumed"] is False
+    assert result.attributes["servewatch.coredump.stage"] == "not_consumed"
     assert read_status(status)["cores"] == []
 
 

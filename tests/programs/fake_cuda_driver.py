@@ -17,6 +17,13 @@ Modes (``--mode``) for the misbehaviours the agent must survive:
 * ``runtime-env``: sets ``CUDA_COREDUMP_PIPE`` (``--runtime-pipe``) in ``os.environ`` after
   start, so ``/proc/PID/environ`` does not show it; then behaves as ``normal``.
 * ``no-reader``: creates the FIFO, then closes it (nobody reads; the process stays alive).
+* ``read-no-core``: reads (consumes) triggers but never writes a core file.
+* ``stall``: on a trigger, writes ``--stall-after`` chunks of the core file, then stops writing
+  and keeps it open (a dump stuck half-way).
+
+``--title T`` calls setproctitle first, as SGLang's schedulers do before CUDA init (which empties
+``/proc/PID/environ`` unless ``SPT_NOENV=1``). ``%h`` and ``%p`` are expanded with this
+process's own host name and pid, so inside ``unshare --uts --pid`` they are the container's.
 
 It writes its state as JSON to ``--status`` (atomically, after every change): ``pid``, ``pipe``,
 ``mode``, ``armed``, ``triggers`` (reads that returned data), ``bytes_read``, ``cores`` (list of
@@ -74,6 +81,11 @@ class Driver:
         show = os.environ.get("CUDA_COREDUMP_SHOW_PROGRESS") == "1"
         with open(path, "wb") as fh:
             for index in range(self.args.chunks):
+                if self.args.mode == "stall" and index == self.args.stall_after:
+                    self.state["stalled"] = {"path": path, "size_bytes": fh.tell()}
+                    self.save()
+                    while True:  # stuck half-way, the file held open
+                        time.sleep(3600)
                 fh.write(chunk)
                 fh.flush()
                 if show:
@@ -85,6 +97,10 @@ class Driver:
 
     def run(self) -> int:
         args = self.args
+        if args.title:
+            import setproctitle
+
+            setproctitle.setproctitle(args.title)
         if args.mode == "runtime-env":
             os.environ["CUDA_COREDUMP_PIPE"] = args.runtime_pipe
         if os.environ.get("CUDA_ENABLE_USER_TRIGGERED_COREDUMP") != "1":
@@ -126,6 +142,8 @@ class Driver:
             self.state["triggers"] = int(self.state["triggers"]) + 1  # type: ignore[arg-type]
             self.state["bytes_read"] = int(self.state["bytes_read"]) + len(data)  # type: ignore[arg-type]
             self.save()
+            if args.mode == "read-no-core":
+                continue
             self.write_core()
             self.save()
 
@@ -139,7 +157,11 @@ class Driver:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["normal", "never-read", "full", "runtime-env", "no-reader"], default="normal")
+    parser.add_argument(
+        "--mode", choices=["normal", "never-read", "full", "runtime-env", "no-reader", "read-no-core", "stall"], default="normal"
+    )
+    parser.add_argument("--title", default="", help="setproctitle this first (SGLang's schedulers do)")
+    parser.add_argument("--stall-after", type=int, default=2, help="chunks written before stalling (mode stall)")
     parser.add_argument("--runtime-pipe", default="", help="CUDA_COREDUMP_PIPE set at runtime (mode runtime-env)")
     parser.add_argument("--status", default="", help="JSON state file")
     parser.add_argument("--chunks", type=int, default=5, help="core file chunks")

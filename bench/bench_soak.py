@@ -34,12 +34,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
-from _load import LoadGenerator  # noqa: E402
-from bench_export import RemoteReceiver  # noqa: E402
+import psutil
+from _load import LoadGenerator
+from bench_export import RemoteReceiver
 
-from agent.demo.client import DemoServer  # noqa: E402
-from agent.watchers.status import read_status_file, status_path  # noqa: E402
+from agent.demo.client import DemoServer
+from agent.watchers.status import read_status_file, status_path
 
 HOST = "soak-node"
 

@@ -571,7 +571,8 @@ def export(
         f"Sent {result.sent} span(s) from {result.files} file(s) to {destination.endpoint} ({destination.protocol}). Failed: {result.failed}"
         + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
         + (f" Bad files: {result.bad_files}" if result.bad_files else "")
-        + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else ""),
+        + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else "")
+        + (f" Torn lines skipped: {result.torn_lines}" if result.torn_lines else ""),
         markup=False,
     )
     if result.failed and result.detail:

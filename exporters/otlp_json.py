@@ -31,6 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from agent.fsutil import ensure_private_dir, open_append_nofollow
 
 __all__ = [
+    "TornLines",
     "ID_KEYS",
     "message_to_json",
     "message_from_json",
@@ -115,10 +116,21 @@ def request_from_json(line: str | bytes) -> ExportTraceServiceRequest:
     return message_from_json(line, ExportTraceServiceRequest)
 
 
-def read_otlp_json_lines(path: str | os.PathLike[str]) -> Iterator[ExportTraceServiceRequest]:
+class TornLines:
+    """Counts lines skipped because a writer was interrupted mid-line (disk full, kill)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        #: torn (unterminated, undecodable) last lines skipped
+        self.count = 0
+
+
+def read_otlp_json_lines(path: str | os.PathLike[str], torn: TornLines | None = None) -> Iterator[ExportTraceServiceRequest]:
     """Yield each trace request of an OTLP/JSON lines file, in file order.
 
-    Blank lines are skipped; a truncated last line (a writer killed mid-line) is skipped too.
+    Blank lines are skipped; a truncated last line (a writer killed mid-line, a full disk) is
+    skipped too and counted in ``torn``: it costs that line only.
 
     Raises:
         ValueError: a line that is not an OTLP/JSON trace request (other than a truncated last one).
@@ -133,6 +145,8 @@ def read_otlp_json_lines(path: str | os.PathLike[str]) -> Iterator[ExportTraceSe
             yield request_from_json(line)
         except ValueError as exc:
             if number == last:  # no trailing newline: an interrupted write
+                if torn is not None:
+                    torn.count += 1
                 return
             raise ValueError(f"{path}:{number + 1}: {exc}") from exc
 
@@ -142,7 +156,7 @@ def read_otlp_json_lines(path: str | os.PathLike[str]) -> Iterator[ExportTraceSe
 SPAN_FILE_SUFFIXES = (".jsonl", ".json", ".binpb")
 
 
-def read_span_file(path: str | os.PathLike[str]) -> Iterator[ExportTraceServiceRequest]:
+def read_span_file(path: str | os.PathLike[str], torn: TornLines | None = None) -> Iterator[ExportTraceServiceRequest]:
     """Yield the trace requests in a span file: ``.binpb`` holds one binary protobuf
     ``ExportTraceServiceRequest``; anything else is read as OTLP/JSON lines.
 
@@ -159,7 +173,7 @@ def read_span_file(path: str | os.PathLike[str]) -> Iterator[ExportTraceServiceR
             raise ValueError(f"{path}: not a protobuf ExportTraceServiceRequest: {exc}") from exc
         yield request
         return
-    yield from read_otlp_json_lines(path)
+    yield from read_otlp_json_lines(path, torn)
 
 
 #: What a folder walk picks up: span files only. Bundles beside them hold ``manifest.json``,

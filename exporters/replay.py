@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from agent.fsutil import atomic_write_text
-from exporters.otlp_json import iter_span_files, read_span_file
+from exporters.otlp_json import TornLines, iter_span_files, read_span_file
 from exporters.transport import Delivery, RequestSender, SendResult, TlsFiles, make_sender, span_count
 
 __all__ = ["ReplayResult", "replay"]
@@ -56,6 +56,8 @@ class ReplayResult(NamedTuple):
     locked_files: int = 0
     #: spans skipped because the ledger says this endpoint already acknowledged them
     already_sent: int = 0
+    #: torn last lines skipped (a writer killed mid-line or a full disk; only that line is lost)
+    torn_lines: int = 0
 
 
 class _Ledger:
@@ -205,6 +207,7 @@ def replay(
     sent = failed = files = bad = removed = locked = 0
     detail = ""
     lock_cache: dict[Path, bool] = {}
+    torn = TornLines()
     unreachable = False
     try:
         for path in iter_span_files(paths):
@@ -218,7 +221,7 @@ def replay(
             files += 1
             file_failed = False
             try:
-                requests = list(read_span_file(path))
+                requests = list(read_span_file(path, torn))
             except ValueError as exc:
                 bad += 1
                 detail = str(exc)
@@ -258,5 +261,7 @@ def replay(
         book.save()
         if own_sender:
             sender.close()
+    if torn.count:
+        _log.warning("skipped %d torn last line(s) of interrupted writes", torn.count)
     return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail,
-                        locked_files=locked, already_sent=already)
+                        locked_files=locked, already_sent=already, torn_lines=torn.count)

@@ -39,7 +39,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent.actors.pyspy import Frame, ThreadStack, hung_location, parse_threads
-from agent.security import sanitize
+from agent.security import is_within, sanitize
 
 __all__ = [
     "MANIFEST_NAME",
@@ -456,8 +456,18 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
+def _inside(path: Path, bundle_dir: Path) -> bool:
+    """Whether ``path`` resolves (symlinks followed) into the bundle: the only files read."""
+    return is_within(path, bundle_dir)
+
+
 def _resolve_artifact(recorded: str, bundle_dir: Path, incident_id: str) -> Path:
-    """Where a recorded artifact path is now: inside this bundle when it was copied."""
+    """Where a recorded artifact path is now: inside this bundle when it was copied.
+
+    Only files inside the bundle are ever opened: a manifest (copied from elsewhere, or
+    edited) naming ``/etc/shadow`` or a symlink out of the bundle yields a path that is shown
+    but never read. An artifact not found inside the bundle is returned as recorded.
+    """
     rec = Path(recorded)
     candidates: list[Path] = []
     if not rec.is_absolute():
@@ -468,14 +478,17 @@ def _resolve_artifact(recorded: str, bundle_dir: Path, incident_id: str) -> Path
         if rel:
             candidates.append(bundle_dir.joinpath(*rel))
     candidates.append(bundle_dir / rec.name)
-    candidates.append(rec)
     for candidate in candidates:
-        if candidate.is_file():
+        if candidate.is_file() and _inside(candidate, bundle_dir):
             return candidate
-    return candidates[0]
+    if _inside(rec, bundle_dir) and rec.is_file():
+        return rec
+    return rec
 
 
-def _size(path: Path) -> int | None:
+def _size(path: Path, bundle_dir: Path | None = None) -> int | None:
+    if bundle_dir is not None and not _inside(path, bundle_dir):
+        return None  # outside the bundle: not looked at
     try:
         return path.stat().st_size
     except OSError:
@@ -507,9 +520,12 @@ def _stacks_for(
             if p.endswith(".json"):
                 json_path = Path(p)
                 break
+    if json_path is not None and not _inside(json_path, bundle_dir):
+        warnings.append(f"stacks of pid {pid} not read: {json_path} is outside the bundle")
+        json_path = None
     if json_path is None or not json_path.is_file():
         local = bundle_dir / f"pyspy-{pid}.json"
-        json_path = local if local.is_file() else json_path
+        json_path = local if local.is_file() and _inside(local, bundle_dir) else json_path
     threads: tuple[ThreadStack, ...] = ()
     error = ""
     if json_path is not None and json_path.is_file():
@@ -560,7 +576,7 @@ def _stacks_for(
 
 def _requests_from_file(bundle_dir: Path, warnings: list[str]) -> tuple[RequestRow, ...] | None:
     path = bundle_dir / REQUESTS_NAME
-    if not path.is_file():
+    if not path.is_file() or not _inside(path, bundle_dir):
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -616,8 +632,8 @@ def _span_files(search: Iterable[Path]) -> Iterator[Path]:
     for root in search:
         if root.is_file():
             found = [root]
-        elif root.is_dir():
-            found = sorted(p for p in root.rglob("*.jsonl") if p.is_file())
+        elif root.is_dir():  # files found in a folder stay inside it (no symlink out)
+            found = sorted(p for p in root.rglob("*.jsonl") if p.is_file() and is_within(p, root))
         else:
             continue
         for path in found:
@@ -626,8 +642,14 @@ def _span_files(search: Iterable[Path]) -> Iterator[Path]:
                 yield path
 
 
-def _read_trace_spans(files: Iterable[Path], trace_id: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Spans of ``trace_id`` from OTLP/JSON lines files (one ExportTraceServiceRequest a line)."""
+def _read_trace_spans(
+    files: Iterable[Path], trace_id: str, torn: list[int] | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Spans of ``trace_id`` from OTLP/JSON lines files (one ExportTraceServiceRequest a line).
+
+    A torn line (no newline at the end of a file, or undecodable: a writer killed mid-line, a
+    full disk) is skipped and counted in ``torn[0]``.
+    """
     spans: dict[str, dict[str, Any]] = {}
     used: list[str] = []
     needle = trace_id.encode("ascii")
@@ -636,12 +658,21 @@ def _read_trace_spans(files: Iterable[Path], trace_id: str) -> tuple[list[dict[s
         try:
             with open(path, "rb") as fh:
                 for line in fh:
+                    if not line.endswith(b"\n"):
+                        try:
+                            json.loads(line)
+                        except ValueError:
+                            if torn is not None and line.strip():
+                                torn[0] += 1
+                            continue
                     if needle not in line:
                         continue
                     try:
                         request = json.loads(line)
                     except ValueError:
-                        continue  # a truncated last line of a file still being written
+                        if torn is not None:
+                            torn[0] += 1
+                        continue  # a truncated line
                     for rs in request.get("resourceSpans") or []:
                         for ss in rs.get("scopeSpans") or []:
                             for span in ss.get("spans") or []:
@@ -771,7 +802,7 @@ def load_incident(
         for recorded in a.get("artifact_paths") or []:
             now = _resolve_artifact(str(recorded), bundle_dir, inc_id)
             resolved.append(str(now))
-            artifacts.append(ArtifactRow(str(now), str(recorded), name, pid, _size(now)))
+            artifacts.append(ArtifactRow(str(now), str(recorded), name, pid, _size(now, bundle_dir)))
         actions.append(
             ActionRow(
                 action=name,
@@ -823,7 +854,7 @@ def load_incident(
                 duration_s=a.duration_s,
                 steps_captured=_as_int(a.attributes.get(_PROFILE_STEPS)),
                 trace_paths=traces,
-                trace_size_bytes=sum(_size(Path(p)) or 0 for p in traces),
+                trace_size_bytes=sum(_size(Path(p), bundle_dir) or 0 for p in traces),
                 attributes={k: v for k, v in a.attributes.items() if k.startswith("servewatch.profile.")},
             )
         )
@@ -842,7 +873,10 @@ def load_incident(
                 search.append(data_dir)
         else:
             search = [Path(p) for p in span_paths]
-        raw_spans, used_files = _read_trace_spans(_span_files(search), trace_id)
+        torn = [0]
+        raw_spans, used_files = _read_trace_spans(_span_files(search), trace_id, torn)
+        if torn[0]:
+            warnings.append(f"{torn[0]} torn line(s) in span files skipped (an interrupted write)")
 
     requests = _requests_from_file(bundle_dir, warnings)
     if requests is None:

@@ -549,3 +549,93 @@ def test_hostile_title_never_reaches_the_terminal_and_is_escaped_in_html(
     assert report.returncode == 0, report.stderr
     html_text = (tmp_path / "r.html").read_text()
     assert "<script>alert(1)</script>" not in html_text and "&lt;script&gt;alert(1)&lt;/script&gt;" in html_text
+
+
+# --- report / timeline on a copied bundle; torn span lines ---------------------------------------
+
+
+def _pyspy_json(frame_name: str) -> str:
+    return json.dumps([{
+        "pid": 1, "thread_id": 1, "thread_name": "MainThread", "os_thread_id": 1, "active": True, "owns_gil": False,
+        "frames": [{"name": frame_name, "filename": "/srv/model.py", "module": None, "short_filename": "model.py",
+                    "line": 7, "locals": None}],
+    }])
+
+
+def _span_line(trace_id: str, span_id: str, name: str) -> str:
+    span = {"traceId": trace_id, "spanId": span_id, "name": name, "kind": 1,
+            "startTimeUnixNano": "1764437701000000000", "endTimeUnixNano": "1764437701500000000"}
+    return json.dumps({"resourceSpans": [{"resource": {"attributes": []},
+                                          "scopeSpans": [{"scope": {"name": "servewatch"}, "spans": [span]}]}]})
+
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def _copied_bundle(tmp_path: Path) -> tuple[Path, Path]:
+    """A bundle copied away from its data dir whose manifest and files point outside it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.json").write_text(_pyspy_json("SECRET_OUTSIDE_FRAME"))
+    (outside / "requests.json").write_text(json.dumps({"requests": [{"request_id": "SECRET_REQUEST"}]}))
+    inc = "20251129T173501Z-manual-abc123"
+    bundle = tmp_path / "copied" / inc
+    bundle.mkdir(parents=True)
+    (bundle / "pyspy-79.json").write_text(_pyspy_json("INSIDE_FRAME"))
+    (bundle / "pyspy-78.json").symlink_to(outside / "secret.json")  # a link out of the bundle
+    (bundle / "requests.json").symlink_to(outside / "requests.json")
+    action = {"action": "pyspy.dump", "outcome": "ok", "start_time_unix_nano": 1764437701000000000,
+              "end_time_unix_nano": 1764437701100000000, "attributes": {}}
+    manifest = {
+        "schema": "servewatch.incident/1", "incident_id": inc, "trigger": "manual", "detail": "",
+        "host.name": "h", "trace_id": TRACE, "span_id": "00f067aa0ba902b7",
+        "opened_time_unix_nano": 1764437701000000000, "closed_time_unix_nano": 1764437702000000000,
+        "targets": [{"pid": p, "title": f"t{p}", "create_time_s": 0, "cmdline": []} for p in (77, 78, 79)],
+        "actions": [
+            {**action, "pid": 77, "artifact_paths": [str(outside / "secret.json")]},  # absolute, outside
+            {**action, "pid": 78, "artifact_paths": [str(bundle / "pyspy-78.json")]},
+            # recorded where the bundle was written; found again inside the copy
+            {**action, "pid": 79, "artifact_paths": [f"/var/lib/servewatch/h/{inc}/pyspy-79.json"]},
+        ],
+        "inflight_requests": 0,
+    }
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    return bundle, outside
+
+
+def test_report_on_a_copied_bundle_reads_only_inside_it(tmp_path: Path) -> None:
+    bundle, _ = _copied_bundle(tmp_path)
+    timeline = _cli(tmp_path, "timeline", str(bundle), "--json", "--data-dir", str(tmp_path / "d"))
+    assert timeline.returncode == 0, timeline.stderr
+    report = _cli(tmp_path, "report", str(bundle), "-o", str(tmp_path / "r.html"), "--data-dir", str(tmp_path / "d"))
+    assert report.returncode == 0, report.stderr
+    html_text = (tmp_path / "r.html").read_text()
+    for text in (timeline.stdout, html_text):
+        assert "INSIDE_FRAME" in text
+        assert "SECRET_OUTSIDE_FRAME" not in text and "SECRET_REQUEST" not in text
+    assert "outside the bundle" in timeline.stdout
+
+
+def test_torn_last_span_line_costs_that_line_only(tmp_path: Path) -> None:
+    from exporters.replay import replay
+    from tests.otlp_receiver import OtlpReceiver
+
+    bundle, _ = _copied_bundle(tmp_path)
+    spans = bundle / "spans-1.jsonl"
+    full = _span_line(TRACE, "00f067aa0ba902b7", "incident") + "\n" + _span_line(TRACE, "1111111111111111", "pyspy.dump") + "\n"
+    torn = _span_line(TRACE, "2222222222222222", "cuda.coredump")
+    spans.write_text(full + torn[: len(torn) // 2])  # the disk filled up mid-line
+    timeline = _cli(tmp_path, "timeline", str(bundle), "--json", "--data-dir", str(tmp_path / "d"))
+    assert timeline.returncode == 0, timeline.stderr
+    data = json.loads(timeline.stdout)
+    assert sorted(s["name"] for s in data["spans"]) == ["incident", "pyspy.dump"]
+    assert any("1 torn line" in w for w in data["warnings"])
+    receiver = OtlpReceiver().start()
+    try:
+        result = replay([spans], endpoint=receiver.grpc_endpoint, protocol="grpc", timeout_s=20)
+        assert (result.sent, result.failed, result.bad_files, result.torn_lines) == (2, 0, 0, 1)
+        exported = _cli(tmp_path, "export", "--to", receiver.grpc_endpoint, str(spans), "--data-dir", str(tmp_path / "d"))
+        assert exported.returncode == 0, exported.stderr
+        assert "Torn lines skipped: 1" in exported.stderr
+    finally:
+        receiver.stop()

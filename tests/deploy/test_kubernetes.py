@@ -159,6 +159,8 @@ def test_manifests_cover_sidecar_agent_and_gateway() -> None:
         "Namespace/observability",
         "Service/otel-agent",
         "Service/otel-gateway",
+        "Service/sglang-multinode",
+        "StatefulSet/sglang-multinode",
     ]
     namespaces = {doc["metadata"]["name"] for _, doc in DOCS if doc["kind"] == "Namespace"}
     for _, doc in DOCS:

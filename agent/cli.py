@@ -154,6 +154,34 @@ def _print_record(record: Any, *, as_json: bool) -> None:
         out.print(strip_control(line), markup=False, highlight=False)
 
 
+class _IncidentPrinter:
+    """Prints each incident's summary on stderr when its stacks and coredumps are in, then what
+    came after (a profile) when it ends — for `run` and `launch` alike."""
+
+    def __init__(self) -> None:
+        self.shown: dict[str, int] = {}
+
+    def summary(self, record: Any) -> None:
+        from agent.summary import summary_lines
+
+        self.shown[record.opened.incident_id] = len(record.results)
+        for line in summary_lines(record):
+            err.print(line, markup=False, highlight=False)
+
+    def finished(self, record: Any) -> None:
+        from agent.summary import late_result_lines, summary_lines
+
+        shown = self.shown.pop(record.opened.incident_id, None)
+        if shown is None:  # no summary point reached (no phases ran): the whole summary now
+            lines = summary_lines(record)
+        elif len(record.results) > shown or record.state == "interrupted":
+            lines = late_result_lines(record, shown)
+        else:
+            return
+        for line in lines:
+            err.print(line, markup=False, highlight=False)
+
+
 def _print_status(status: Any) -> None:
     """One stderr line per watcher status change (``servewatch: metrics: BLIND — …``)."""
     err.print(f"servewatch: {status.line()}", markup=False, highlight=False)
@@ -216,16 +244,10 @@ def run(
 
     from agent.runtime import Agent
 
-    def on_incident(record: Any) -> None:
-        from agent.summary import summary_lines
-
-        from agent.security import strip_control
-
-        for line in summary_lines(record):
-            err.print(strip_control(line), markup=False, highlight=False)
+    printer = _IncidentPrinter()
 
     async def main() -> None:
-        agent = Agent(settings, on_incident=on_incident, on_status=_print_status)
+        agent = Agent(settings, on_incident=printer.finished, on_summary=printer.summary, on_status=_print_status)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, agent)
             if duration is not None:
@@ -243,8 +265,8 @@ async def _stop_on_signal(agent: Any) -> None:
     import anyio
 
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            agent.stop()
+        async for signum in signals:
+            agent.stop(f"{signal.Signals(signum).name} received")
             return
 
 
@@ -344,12 +366,12 @@ def dump(
 
     telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
     try:
-        record = anyio.run(lambda: dump_once(settings, telemetry=telemetry))
+        record = anyio.run(lambda: dump_once(settings, telemetry=telemetry, handle_signals=True))
     finally:
         export_stats = telemetry.shutdown()
     _print_record(record, as_json=as_json)
     _say_spooled(telemetry, export_stats)
-    if not any(r.outcome.value == "ok" for r in record.results):
+    if record.state == "interrupted" or not any(r.outcome.value == "ok" for r in record.results):
         raise typer.Exit(int(ExitCode.FAILURE))
 
 
@@ -450,6 +472,7 @@ def launch(
 
     child_status: dict[str, int] = {}
     agents: list[Any] = []
+    printer = _IncidentPrinter()
 
     def on_signal_forwarded(signum: int) -> None:
         if signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -462,7 +485,8 @@ def launch(
     async def agent_main(child_pid: int) -> None:
         records.extend(_record_launch(settings.data_dir, child_pid, planned.env))
         target = settings.target.model_copy(update={"root_pid": child_pid})
-        agent = Agent(settings.model_copy(update={"target": target}))
+        agent = Agent(settings.model_copy(update={"target": target}), on_incident=printer.finished,
+                      on_summary=printer.summary, on_status=_print_status)
         # watched from its first moment, with the exit status we reap (not rediscovered later)
         agent.process_watcher.watch(child_pid, returncode=lambda: child_status.get("rc"))
         agents.append((agent, child_pid))
@@ -471,8 +495,11 @@ def launch(
             # the server is gone: stop once its exit incident (if any) is written
             while "rc" not in child_status:
                 await anyio.sleep(0.1)
-            if child_status["rc"] != 0 and "stopped" not in child_status:
-                while not any(r.opened.trigger == "exit" for r in agent.incidents.records):
+            # until its exit is handled: an incident written, or none needed (exit 0, the
+            # operator's stop, hard mode's own signal); bounded by the incident's phase limits
+            inc = settings.incident
+            with anyio.move_on_after(inc.phase_timeout_s * 4 + inc.interrupt_grace_s + 30):
+                while child_pid not in agent.incidents.exits_handled or agent.incidents.current is not None:
                     await anyio.sleep(0.1)
             agent.stop()
 

@@ -331,6 +331,8 @@ class IncidentClosed(Event):
     bundle_dir: str
     manifest_path: str
     outcomes: tuple[tuple[str, str], ...] = ()  # (action, outcome) in order
+    #: ``closed``, or ``interrupted`` (the agent stopped mid-incident; what was captured is kept)
+    state: str = "closed"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

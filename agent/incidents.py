@@ -8,8 +8,17 @@ Owns the one decision of what runs, in what order, and when to stop:
 3. phases run in order, each bounded: ``pyspy.dump`` for every target (in parallel), then
    ``cuda.coredump`` (right after the dumps finish, not after a fixed sleep), then an optional
    ``profile.session``;
-4. ``manifest.json`` is written to ``<data_dir>/<host>/<incident_id>/`` and
-   :class:`~agent.events.IncidentClosed` is published;
+4. ``manifest.json`` is written to ``<data_dir>/<host>/<incident_id>/`` when the incident
+   opens (``state: open``) and rewritten atomically as each phase finishes (``phases_done``),
+   so ``servewatch timeline latest`` shows an incident from its first second; each action is
+   published the moment it finishes (:func:`agent.progress.report_action`), so its span does
+   not wait for the phase; :class:`~agent.events.IncidentClosed` is published at the end
+   (``state: closed``);
+   deferred phases (``profile.session``) run after the summary point (``on_summary``), so a
+   profile never delays the summary or the bundle;
+   :meth:`IncidentManager.interrupt` (SIGTERM/SIGINT) lets the current phase finish and skips
+   the rest; an incident cancelled mid-phase is written ``state: interrupted`` with what it
+   captured, and :func:`recover_interrupted` closes such bundles on the next start;
 5. in hard mode, after the evidence is captured, the stalled target gets a signal so an
    orchestrator can restart it.
 
@@ -54,6 +63,7 @@ from agent.events import (
 from agent.fsutil import atomic_write_text, ensure_private_dir
 from agent.security import redact_cmdline, redact_text
 from agent.ranks import target_attributes
+from agent.progress import reporting_to
 from agent.targets import Target
 from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
@@ -64,7 +74,20 @@ __all__ = [
     "IncidentRecord",
     "IncidentManager",
     "TRIGGER_EVENTS",
+    "STATE_OPEN",
+    "STATE_CLOSED",
+    "STATE_INTERRUPTED",
+    "DEFERRED_PHASES",
+    "recover_interrupted",
+    "describe_exit",
 ]
+
+#: ``manifest.json`` ``state`` values.
+STATE_OPEN = "open"
+STATE_CLOSED = "closed"
+STATE_INTERRUPTED = "interrupted"
+#: Phases run after the summary point: they never delay the summary or the bundle.
+DEFERRED_PHASES = frozenset({"profile.session"})
 
 log = logging.getLogger("servewatch.incidents")
 
@@ -83,6 +106,15 @@ class IncidentConfig(BaseModel):
         True, description="a target exiting with code 0 is not an incident (clean shutdown)"
     )
     capture_prompts: bool = Field(False, description="include prompt text in requests.json (off: may hold secrets)")
+    operator_stop_is_incident: bool = Field(
+        False, description="a target that exits after the operator's signal (forwarded by launch) opens an incident"
+    )
+    hard_mode_exit_is_incident: bool = Field(
+        False, description="a target that exits because hard mode signalled it opens a new incident"
+    )
+    interrupt_grace_s: float = Field(
+        10.0, gt=0, description="on SIGTERM/SIGINT, seconds the running phase may take to finish before the incident is cut short"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +167,15 @@ class IncidentRecord:
     inflight: list[InflightRequest] = field(default_factory=list)
     closed_time_unix_nano: int = 0
     hard_signal_sent: dict[int, str] = field(default_factory=dict)
+    #: ``open`` until closed; ``interrupted`` when the agent stopped mid-incident
+    state: str = STATE_OPEN
+    #: phases finished so far, in order (``phases_pending`` still to run)
+    phases_done: list[str] = field(default_factory=list)
+    phases_pending: list[str] = field(default_factory=list)
+    #: why it was cut short (``interrupted``), in words
+    interrupted_reason: str = ""
+    #: IncidentClosed was published (the root span is on its way)
+    root_published: bool = False
 
     @property
     def bundle_dir(self) -> Path:
@@ -176,6 +217,13 @@ class IncidentRecord:
             "actions": [r.to_manifest() for r in self.results],
             "inflight_requests": len(self.inflight),
             "hard_signal_sent": {str(pid): sig for pid, sig in self.hard_signal_sent.items()},
+            "state": self.state,
+            "phases_done": list(self.phases_done),
+            "phases_pending": list(self.phases_pending),
+            "interrupted_reason": self.interrupted_reason,
+            "root_published": self.root_published,
+            "agent_pid": os.getpid(),
+            "updated_time_unix_nano": now_ns(),
         }
 
 
@@ -188,6 +236,19 @@ def _write_json(path: Path, data: dict[str, Any]) -> bool:
         log.error("cannot write %s: %s", path, exc)
         return False
     return True
+
+
+def describe_exit(event: TargetExited) -> str:
+    """``exit code 3``, ``signal 9 (SIGKILL)``, or the unknown status in words (never ``None``)."""
+    if event.signal is not None:
+        try:
+            name = signal_mod.Signals(event.signal).name
+        except ValueError:
+            name = ""
+        return f"signal {event.signal}" + (f" ({name})" if name else "")
+    if event.exit_code is not None:
+        return f"exit code {event.exit_code}"
+    return "exit status unknown: not a child of the agent, so its exit code cannot be read"
 
 
 def _incident_id(trigger: str) -> str:
@@ -208,6 +269,8 @@ class IncidentManager:
             ActionCompleted) is published once per result.
         inflight: optional reader of in-flight requests (SDK control sockets).
         on_incident: optional callback with each finished :class:`IncidentRecord`.
+        on_summary: optional callback when the summary's evidence is in (stacks, coredumps):
+            before deferred phases (a profile) run, so printing it never waits for them.
         hard_signal: hard mode (``WatchdogConfig.hard``): after a stall incident's evidence is
             captured, send this signal number to the stalled target; ``None`` = soft.
     """
@@ -224,7 +287,14 @@ class IncidentManager:
         inflight: InflightProvider | None = None,
         on_incident: Callable[[IncidentRecord], None] | None = None,
         hard_signal: int | None = None,
+        on_summary: Callable[[IncidentRecord], None] | None = None,
     ) -> None:
+        #: called when the evidence that makes the summary is captured (before deferred phases)
+        self.on_summary = on_summary
+        self._interrupt: str = ""
+        self._hard_signalled: set[int] = set()
+        #: pids whose TargetExited was handled (an incident written, or none needed)
+        self.exits_handled: set[int] = set()
         self.bus = bus
         self.config = config
         self.data_dir = Path(data_dir)
@@ -268,17 +338,39 @@ class IncidentManager:
                 f"{event.url} failed {event.consecutive_failures} probes in a row ({code})",
             )
         if isinstance(event, TargetExited):
-            if event.pid in self._expected_exits:
+            if event.pid in self._expected_exits and not self.config.operator_stop_is_incident:
+                log.info("pid %d exited after the operator's stop (%s): no incident", event.pid, describe_exit(event))
                 return None  # stopped on purpose (an operator's signal passed on by launch)
+            if event.pid in self._hard_signalled and not self.config.hard_mode_exit_is_incident:
+                log.info("pid %d exited after hard mode signalled it (%s): no new incident", event.pid, describe_exit(event))
+                return None  # the stall incident that signalled it already holds the evidence
             if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
                 return None
-            how = f"signal {event.signal}" if event.signal is not None else f"exit code {event.exit_code}"
-            return ("exit", event.pid, f"pid {event.pid} {event.title!r} exited ({how})")
+            return ("exit", event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
         return None
 
     def expect_exit(self, pid: int) -> None:
         """The exit of ``pid`` is expected (it was asked to stop): it opens no incident."""
         self._expected_exits.add(pid)
+
+    def interrupt(self, reason: str = "agent stopping") -> bool:
+        """Finish the running phase, skip the rest, and write the incident ``interrupted``.
+
+        Returns:
+            Whether an incident was running.
+        """
+        self._interrupt = reason or "agent stopping"
+        return self.current is not None
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the running incident (if any) to be written; True if idle."""
+        with anyio.move_on_after(timeout_s):
+            while self.current is not None:
+                await anyio.sleep(0.05)
+        return self.current is None
+
+    def _write_manifest(self, record: IncidentRecord) -> None:
+        _write_json(record.manifest_path, record.to_manifest(host_name=self.host_name))
 
     def _cooling_down(self, trigger: str, pid: int | None) -> bool:
         # One key per trigger kind: TP ranks run in lockstep, so a hang stalls (or a crash
@@ -296,18 +388,26 @@ class IncidentManager:
         async with self.bus.subscribe(*TRIGGER_EVENTS, name="incidents") as sub:
             task_status.started()
             async for event in sub:
-                triggered = self.classify(event)
-                if triggered is None:
-                    continue
-                trigger, pid, detail = triggered
-                if self._cooling_down(trigger, pid):
-                    self.suppressed += 1
-                    log.info("incident %s for pid %s suppressed (cooldown)", trigger, pid)
-                    continue
-                if self.admit is not None and not self.admit(trigger, detail):
-                    self.suppressed += 1
-                    continue
-                await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
+                try:
+                    await self._handle_trigger(event)
+                finally:
+                    if isinstance(event, TargetExited):
+                        self.exits_handled.add(event.pid)
+
+    async def _handle_trigger(self, event: Event) -> None:
+        """Open an incident for one trigger event, unless it is none, cooling down or not admitted."""
+        triggered = self.classify(event)
+        if triggered is None:
+            return
+        trigger, pid, detail = triggered
+        if self._cooling_down(trigger, pid):
+            self.suppressed += 1
+            log.info("incident %s for pid %s suppressed (cooldown)", trigger, pid)
+            return
+        if self.admit is not None and not self.admit(trigger, detail):
+            self.suppressed += 1
+            return
+        await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
 
     # -- one incident -----------------------------------------------------------------------
 
@@ -391,35 +491,119 @@ class IncidentManager:
             attributes=frozen_attrs(target_attributes(t.title for t in targets)),
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight)
+        record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         self.current = record
+        try:
+            return await self._run_phases(record, trigger, pid)
+        except BaseException:
+            # cancelled mid-phase (agent stopping past the grace): keep what was captured
+            with anyio.CancelScope(shield=True):
+                record.state = STATE_INTERRUPTED
+                record.interrupted_reason = record.interrupted_reason or (
+                    f"{self._interrupt or 'agent stopped'} during {record.phases_pending[0] if record.phases_pending else 'the incident'}"
+                )
+                record.closed_time_unix_nano = now_ns()
+                self._write_manifest(record)
+                with anyio.move_on_after(1.0):
+                    await self._publish_closed(record)
+                    record.root_published = True
+                    self._write_manifest(record)
+                self.records.append(record)
+                if self.on_incident is not None:
+                    try:
+                        self.on_incident(record)
+                    except Exception:  # a printing callback must not hide the cancellation
+                        log.exception("incident callback failed")
+            raise
+        finally:
+            self.current = None
+            self._interrupt = ""
+
+    async def _publish_closed(self, record: IncidentRecord) -> None:
+        o = record.opened
+        await self.bus.publish(
+            IncidentClosed(
+                source="incidents",
+                incident_id=o.incident_id,
+                trigger=o.trigger,
+                bundle_dir=str(record.bundle_dir),
+                manifest_path=str(record.manifest_path),
+                outcomes=tuple((r.action, r.outcome.value) for r in record.results),
+                state=record.state,
+            )
+        )
+
+    async def _run_one_phase(
+        self, record: IncidentRecord, name: str, phase: Phase, event_cls: type[ActionCompleted]
+    ) -> None:
+        """Run one phase; each action is published when it finishes, the manifest when it ends."""
+        opened = record.opened
+        incident_id = opened.incident_id
+        reported: list[ActionResult] = []
+
+        async def report(result: ActionResult) -> None:
+            reported.append(result)
+            record.results.append(result)
+            await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
+
+        results: list[ActionResult] = []
+        with anyio.move_on_after(self.config.phase_timeout_s) as scope, reporting_to(report):
+            try:
+                results = await phase(opened, record.targets, record.bundle_dir)
+            except Exception as exc:  # an actor's boundary: an outcome, never a crash
+                log.exception("phase %s failed", name)
+                t = now_ns()
+                results = [
+                    ActionResult(action=name, outcome=Outcome.FAILED, detail=f"{type(exc).__name__}: {exc}",
+                                 start_time_unix_nano=t, end_time_unix_nano=t)
+                ]
+        if scope.cancelled_caught:
+            t = now_ns()
+            results.append(
+                ActionResult(action=name, outcome=Outcome.TIMED_OUT,
+                             detail=f"phase exceeded {self.config.phase_timeout_s:g}s",
+                             start_time_unix_nano=t, end_time_unix_nano=t)
+            )
+        for result in results:
+            if any(result is r for r in reported):
+                continue  # already published when it finished
+            record.results.append(result)
+            await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
+        record.phases_done.append(name)
+        if name in record.phases_pending:
+            record.phases_pending.remove(name)
+        self._write_manifest(record)
+
+    def _stop_phases(self, record: IncidentRecord) -> bool:
+        """True (and the record marked interrupted) when an interrupt asked to skip what is left."""
+        if not self._interrupt:
+            return False
+        if record.phases_pending:
+            record.state = STATE_INTERRUPTED
+            record.interrupted_reason = f"{self._interrupt}: skipped {', '.join(record.phases_pending)}"
+        return True
+
+    async def _run_phases(self, record: IncidentRecord, trigger: str, pid: int | None) -> IncidentRecord:
+        opened = record.opened
+        incident_id = opened.incident_id
+        bundle_dir = record.bundle_dir
+        inflight = record.inflight
+        targets = record.targets
+        self._write_manifest(record)  # visible at once: state open
         await self.bus.publish(opened)
-        log.info("incident %s opened: %s: %s", incident_id, trigger, detail)
+        log.info("incident %s opened: %s: %s", incident_id, trigger, opened.detail)
         companions = [start(opened) for start in self.companions]
 
+        deferred = []
         for name, phase, event_cls in self.phases:
             if not targets:
                 break
-            results: list[ActionResult] = []
-            with anyio.move_on_after(self.config.phase_timeout_s) as scope:
-                try:
-                    results = await phase(opened, targets, bundle_dir)
-                except Exception as exc:  # an actor's boundary: an outcome, never a crash
-                    log.exception("phase %s failed", name)
-                    t = now_ns()
-                    results = [
-                        ActionResult(action=name, outcome=Outcome.FAILED, detail=f"{type(exc).__name__}: {exc}",
-                                     start_time_unix_nano=t, end_time_unix_nano=t)
-                    ]
-            if scope.cancelled_caught:
-                t = now_ns()
-                results.append(
-                    ActionResult(action=name, outcome=Outcome.TIMED_OUT,
-                                 detail=f"phase exceeded {self.config.phase_timeout_s:g}s",
-                                 start_time_unix_nano=t, end_time_unix_nano=t)
-                )
-            for result in results:
-                record.results.append(result)
-                await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
+            if name in DEFERRED_PHASES:
+                deferred.append((name, phase, event_cls))
+                continue
+            if self._stop_phases(record):
+                break
+            await self._run_one_phase(record, name, phase, event_cls)
 
         if inflight:
             _write_json(
@@ -437,23 +621,25 @@ class IncidentManager:
                     record.results.append(event.result)
                     await self.bus.publish(event)
 
-        if self.hard_signal is not None and trigger == "stall":
+        if self.hard_signal is not None and trigger == "stall" and not self._interrupt:
             self._send_hard_signal(record, pid)
 
+        self._write_manifest(record)
+        if self.on_summary is not None:
+            self.on_summary(record)  # stacks and coredumps are in: a profile never delays this
+        for name, phase, event_cls in deferred:
+            if self._stop_phases(record):
+                break
+            await self._run_one_phase(record, name, phase, event_cls)
+
         record.closed_time_unix_nano = now_ns()
-        _write_json(record.manifest_path, record.to_manifest(host_name=self.host_name))
+        if record.state == STATE_OPEN:
+            record.state = STATE_CLOSED
+        self._write_manifest(record)
         self.records.append(record)
-        self.current = None
-        await self.bus.publish(
-            IncidentClosed(
-                source="incidents",
-                incident_id=incident_id,
-                trigger=trigger,
-                bundle_dir=str(bundle_dir),
-                manifest_path=str(record.manifest_path),
-                outcomes=tuple((r.action, r.outcome.value) for r in record.results),
-            )
-        )
+        await self._publish_closed(record)
+        record.root_published = True
+        self._write_manifest(record)
         if self.on_incident is not None:
             self.on_incident(record)
         return record
@@ -470,4 +656,103 @@ class IncidentManager:
                 record.hard_signal_sent[target_pid] = f"failed: {type(exc).__name__}"
             else:
                 record.hard_signal_sent[target_pid] = signal_mod.Signals(sig).name
+                self._hard_signalled.add(target_pid)
                 log.warning("hard mode: sent %s to pid %d", signal_mod.Signals(sig).name, target_pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, dict[str, Any]]]:
+    """Manifests under ``<data_dir>/<host_name>/`` left ``open`` or ``interrupted`` by an agent
+    that is gone (a live agent's running incident is left alone)."""
+    found: list[tuple[Path, dict[str, Any]]] = []
+    host_dir = Path(data_dir) / host_name
+    try:
+        manifests = sorted(host_dir.glob("*/manifest.json"))
+    except OSError:
+        return found
+    for path in manifests:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or data.get("state") not in (STATE_OPEN, STATE_INTERRUPTED):
+            continue
+        owner = data.get("agent_pid")
+        if isinstance(owner, int) and owner != os.getpid() and _pid_alive(owner):
+            continue
+        found.append((path, data))
+    return found
+
+
+async def recover_interrupted(bus: EventBus, data_dir: Path, host_name: str) -> list[str]:
+    """Close the bundles a previous agent left ``open`` (killed) or ``interrupted`` (stopped
+    mid-incident), and send their root spans when they were never published.
+
+    Each such manifest becomes ``state: closed`` with ``interrupted: true`` and the reason in
+    words; the root span keeps the incident's trace and span ids, so the action spans already
+    sent join it. Never raises for a bad bundle.
+
+    Returns:
+        The incident ids closed.
+    """
+    closed: list[str] = []
+    for path, m in await anyio.to_thread.run_sync(_unfinished_bundles, Path(data_dir), host_name):
+        incident_id = str(m.get("incident_id") or path.parent.name)
+        opened_ns = m.get("opened_time_unix_nano") if isinstance(m.get("opened_time_unix_nano"), int) else now_ns()
+        end_ns = next(
+            (v for v in (m.get("closed_time_unix_nano"), m.get("updated_time_unix_nano")) if isinstance(v, int) and v),
+            now_ns(),
+        )
+        reason = str(m.get("interrupted_reason") or "") or (
+            "the agent stopped before the incident finished (killed?); closed on its next start"
+        )
+        actions = [a for a in (m.get("actions") or []) if isinstance(a, dict)]
+        if not m.get("root_published"):
+            targets = [t for t in (m.get("targets") or []) if isinstance(t, dict)]
+            await bus.publish(
+                IncidentOpened(
+                    source="incidents",
+                    time_unix_nano=opened_ns,
+                    incident_id=incident_id,
+                    trigger=str(m.get("trigger") or "unknown"),
+                    detail=str(m.get("detail") or ""),
+                    pids=tuple(int(t["pid"]) for t in targets if isinstance(t.get("pid"), int)),
+                    bundle_dir=str(path.parent),
+                    trace_id=str(m.get("trace_id") or ""),
+                    span_id=str(m.get("span_id") or ""),
+                    parent_span_id=str(m.get("parent_span_id") or ""),
+                )
+            )
+            await bus.publish(
+                IncidentClosed(
+                    source="incidents",
+                    time_unix_nano=end_ns,
+                    incident_id=incident_id,
+                    trigger=str(m.get("trigger") or "unknown"),
+                    bundle_dir=str(path.parent),
+                    manifest_path=str(path),
+                    outcomes=tuple((str(a.get("action")), str(a.get("outcome"))) for a in actions),
+                    state=STATE_INTERRUPTED,
+                )
+            )
+        m.update(
+            state=STATE_CLOSED,
+            interrupted=True,
+            interrupted_reason=reason,
+            closed_time_unix_nano=m.get("closed_time_unix_nano") or end_ns,
+            root_published=True,
+            recovered_time_unix_nano=now_ns(),
+        )
+        _write_json(path, m)
+        log.warning("incident %s was interrupted (%s); its bundle is closed now", incident_id, reason)
+        closed.append(incident_id)
+    return closed

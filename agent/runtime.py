@@ -32,13 +32,15 @@ from agent.events import (
     ComponentStatusChanged,
     CoredumpTriggered,
     IncidentOpened,
+    Outcome,
     ProfileStopped,
+    now_ns,
     StacksDumped,
     WatchdogStalled,
     WatcherStatusChanged,
 )
 from agent.fsutil import remove_stale_temps
-from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase
+from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase, recover_interrupted
 from agent.procinfo import DEAD_MEMORY_S, death_of
 from agent.targets import NO_TARGET_WARNING, ProcessState, Target, discover, process_state, spread_warning
 from agent.watchers.health import HealthWatcher
@@ -98,8 +100,10 @@ class Agent:
         children: Sequence[subprocess.Popen[Any]] = (),
         on_incident: Callable[[IncidentRecord], None] | None = None,
         on_status: Callable[[WatcherStatus], None] | None = None,
+        on_summary: Callable[[IncidentRecord], None] | None = None,
     ) -> None:
         self.settings = settings
+        self._stop_reason = "agent stopping"
         self.on_status = on_status
         #: what every watcher can see (``servewatch status``, ``/v1/status``)
         self.status = StatusBoard(
@@ -142,6 +146,7 @@ class Agent:
             inflight=self._inflight,
             on_incident=on_incident,
             hard_signal=wd.signal_number if wd.hard else None,
+            on_summary=on_summary,
         )
         self.process_watcher = ProcessWatcher(poll_interval_s=0.5, children=self.children)
         #: per-target step watchers, keyed by (pid, create time): cancelled when it exits
@@ -211,6 +216,13 @@ class Agent:
         self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
     ) -> list[ActionResult]:
         assert self.profiler is not None
+        if opened.trigger == "stall":
+            # a stalled server takes no steps: waiting for them would only end in a timeout
+            t = now_ns()
+            return [
+                ActionResult(action=PROFILE_SPAN, outcome=Outcome.SKIPPED, detail="no steps: server stalled",
+                             start_time_unix_nano=t, end_time_unix_nano=t)
+            ]
         return await self.profiler.profile_incident(opened, list(targets), artifact_dir=bundle)
 
     async def _inflight(self, targets: Sequence[Target]) -> list[InflightRequest]:
@@ -232,8 +244,13 @@ class Agent:
             except Exception:  # a printing callback must never take the agent down
                 log.exception("status callback failed")
 
-    def stop(self) -> None:
-        """Ask :meth:`run` to finish (bounded shutdown follows)."""
+    def stop(self, reason: str = "agent stopping") -> None:
+        """Ask :meth:`run` to finish (bounded shutdown follows).
+
+        An incident running now finishes its current phase (up to
+        ``incident.interrupt_grace_s``), skips the rest and is written ``interrupted``.
+        """
+        self._stop_reason = reason
         self._stop.set()
 
     async def wait_ready(self) -> None:
@@ -268,6 +285,10 @@ class Agent:
                 outer.start_soon(self._record_status, status_sub)
                 try:
                     async with anyio.create_task_group() as tg:
+                        try:
+                            await recover_interrupted(self.bus, s.data_dir, s.host_name)
+                        except Exception:  # a bad old bundle must not stop the agent
+                            log.exception("closing interrupted incidents failed")
                         await tg.start(self.incidents.run)
                         if s.api.enabled:
                             from agent.fleet import Fleet
@@ -280,6 +301,11 @@ class Agent:
                         self._ready.set()
                         task_status.started()
                         await self._stop.wait()
+                        if self.incidents.interrupt(self._stop_reason):
+                            grace_s = s.incident.interrupt_grace_s
+                            log.warning("%s during an incident: finishing its current phase (up to %g s)",
+                                        self._stop_reason, grace_s)
+                            await self.incidents.wait_idle(grace_s)
                         tg.cancel_scope.cancel("agent stopping")
                 finally:
                     # the mirror drains what the bus still holds, then ends
@@ -553,11 +579,18 @@ async def mirror_events(mirror: SpanMirror, sub: Subscription) -> None:
         sub.close()
 
 
-async def dump_once(settings: Settings, *, telemetry: Telemetry | None = None) -> IncidentRecord:
+async def dump_once(
+    settings: Settings, *, telemetry: Telemetry | None = None, handle_signals: bool = False
+) -> IncidentRecord:
     """One manual incident now (``servewatch dump``): dump the targets, write bundle and spans.
 
     Telemetry is flushed and shut down within :data:`SHUTDOWN_DEADLINE_S` afterwards (unless
     ``telemetry`` was passed in, which the caller then owns).
+
+    Args:
+        handle_signals: SIGTERM/SIGINT (main thread only) finish the current phase within
+            ``incident.interrupt_grace_s``, then cut the incident short: the record comes back
+            ``interrupted`` with what was captured, like ``servewatch run``.
     """
     agent = Agent(settings, telemetry=telemetry)
     await anyio.to_thread.run_sync(_remove_stale_temps, settings.data_dir)
@@ -572,9 +605,17 @@ async def dump_once(settings: Settings, *, telemetry: Telemetry | None = None) -
             if status is not ComponentStatus.OK:
                 log.warning("py-spy unavailable: %s", detail)
             targets = agent.discover()
-            record = await agent.incidents.open_incident(
-                "manual", detail=f"servewatch dump of {len(targets)} process(es)"
-            )
+            signal_scope = anyio.CancelScope()
+            with anyio.CancelScope() as incident_scope:
+                if handle_signals:
+                    tg.start_soon(_interrupt_on_signal, agent, incident_scope, signal_scope)
+                await agent.incidents.open_incident(
+                    "manual", detail=f"servewatch dump of {len(targets)} process(es)"
+                )
+            signal_scope.cancel("dump done")
+            if not agent.incidents.records:
+                raise RuntimeError("servewatch dump was interrupted before its incident opened")
+            record = agent.incidents.records[-1]
             await agent.bus.aclose()  # the mirror drains what is buffered, then ends
     finally:
         mirror_sub.close()
@@ -582,3 +623,17 @@ async def dump_once(settings: Settings, *, telemetry: Telemetry | None = None) -
             with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S + 1):
                 await tel.aclose(SHUTDOWN_DEADLINE_S)
     return record
+
+
+async def _interrupt_on_signal(agent: Agent, incident_scope: anyio.CancelScope, own_scope: anyio.CancelScope) -> None:
+    """SIGTERM/SIGINT during ``servewatch dump``: let the phase finish (bounded), then cut short."""
+    import signal
+
+    with own_scope, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            agent.incidents.interrupt(f"{name} received")
+            log.warning("%s: finishing the current phase (up to %g s)", name, agent.settings.incident.interrupt_grace_s)
+            if not await agent.incidents.wait_idle(agent.settings.incident.interrupt_grace_s):
+                incident_scope.cancel(f"{name}: grace period over")
+            return

@@ -11,7 +11,7 @@ from typing import Any
 from agent.events import ActionResult, Outcome
 from agent.incidents import IncidentRecord
 
-__all__ = ["HUNG_FRAME_ATTR", "incident_summary", "summary_lines"]
+__all__ = ["HUNG_FRAME_ATTR", "incident_summary", "summary_lines", "late_result_lines"]
 
 #: Span attribute of a ``pyspy.dump`` result holding the innermost frame of the active thread.
 HUNG_FRAME_ATTR = "servewatch.pyspy.hung_frame"
@@ -61,7 +61,36 @@ def incident_summary(record: IncidentRecord) -> dict[str, Any]:
         "actions": [_result_dict(record, r) for r in record.results],
         "inflight_requests": len(record.inflight),
         "outcomes": record.outcome_counts(),
+        "state": record.state,
+        "phases_pending": list(record.phases_pending),
+        "interrupted_reason": record.interrupted_reason,
     }
+
+
+def _result_line(record: IncidentRecord, r: ActionResult) -> str:
+    who = f"pid {r.pid} {_title(record, r.pid)}".rstrip() if r.pid is not None else ""
+    line = f"  {r.action:<15} {who:<32} {r.outcome.value:<17} {r.duration_s:6.2f}s"
+    hung = r.attributes.get(HUNG_FRAME_ATTR)
+    idle = r.attributes.get(IDLE_THREADS_ATTR) or ()
+    if hung:
+        line += f"  hung frame: {hung}"
+    elif r.outcome is Outcome.OK and r.action == "pyspy.dump" and idle:
+        line += "  all idle (waiting for work): nothing is stuck"
+    elif r.outcome is not Outcome.OK and r.detail:
+        line += f"  {r.detail}"
+    if idle and isinstance(idle, tuple):
+        stuck = r.attributes.get(STUCK_THREADS_ATTR) or ()
+        line += f"; stuck threads: {', '.join(map(str, stuck)) or 'none'}; idle: {', '.join(map(str, idle))}"
+    return line
+
+
+def late_result_lines(record: IncidentRecord, already: int) -> list[str]:
+    """Lines for results that came after the summary (a profile): ``already`` results were shown."""
+    lines = [f"Incident {record.opened.incident_id}: " + ("interrupted" if record.state == "interrupted" else "finished")]
+    lines += [_result_line(record, r) for r in record.results[already:]]
+    if record.state == "interrupted" and record.interrupted_reason:
+        lines.append(f"  interrupted: {record.interrupted_reason}")
+    return lines
 
 
 def summary_lines(record: IncidentRecord) -> list[str]:
@@ -69,20 +98,7 @@ def summary_lines(record: IncidentRecord) -> list[str]:
     o = record.opened
     lines = [f"Incident {o.incident_id} ({o.trigger}): {o.detail}"]
     for r in record.results:
-        who = f"pid {r.pid} {_title(record, r.pid)}".rstrip() if r.pid is not None else ""
-        line = f"  {r.action:<15} {who:<32} {r.outcome.value:<17} {r.duration_s:6.2f}s"
-        hung = r.attributes.get(HUNG_FRAME_ATTR)
-        idle = r.attributes.get(IDLE_THREADS_ATTR) or ()
-        if hung:
-            line += f"  hung frame: {hung}"
-        elif r.outcome is Outcome.OK and r.action == "pyspy.dump" and idle:
-            line += "  all idle (waiting for work): nothing is stuck"
-        elif r.outcome is not Outcome.OK and r.detail:
-            line += f"  {r.detail}"
-        if idle and isinstance(idle, tuple):
-            stuck = r.attributes.get(STUCK_THREADS_ATTR) or ()
-            line += f"; stuck threads: {', '.join(map(str, stuck)) or 'none'}; idle: {', '.join(map(str, idle))}"
-        lines.append(line)
+        lines.append(_result_line(record, r))
     if record.inflight:
         lines.append(f"  {len(record.inflight)} request(s) in flight, listed in requests.json")
     dumps = [r for r in record.results if r.action == "pyspy.dump"]
@@ -93,5 +109,9 @@ def summary_lines(record: IncidentRecord) -> list[str]:
         + (f" Dead: {dead}" if dead else "")
         + f" Errors: {len(dumps) - ok - dead}"
     )
+    if record.state == "interrupted":
+        lines.append(f"Interrupted: {record.interrupted_reason or 'the agent stopped mid-incident'}; what was captured is kept")
+    elif record.phases_pending:
+        lines.append(f"Still running: {', '.join(record.phases_pending)} (appended when it ends)")
     lines.append(f"View: servewatch timeline {o.incident_id} --data-dir {record.bundle_dir.parent.parent}")
     return lines

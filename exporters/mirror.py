@@ -252,6 +252,7 @@ class SpanMirror:
                 attributes["servewatch.manifest.path"] = closed.manifest_path
             if closed.outcomes:
                 attributes["servewatch.incident.outcomes"] = tuple(f"{a}={o}" for a, o in closed.outcomes)
+            attributes["servewatch.incident.state"] = getattr(closed, "state", "closed") or "closed"
         else:
             attributes["servewatch.incident.unclosed"] = unclosed_reason
         if inc.retraced_from:

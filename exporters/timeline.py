@@ -310,6 +310,8 @@ class IncidentTimeline:
         spans: spans of the incident trace found in span files (empty offline).
         span_files: the span files they came from.
         warnings: problems that did not stop the read (an unreadable stacks file, ...).
+        state / phases_done / phases_pending / interrupted_reason: the incident's progress per
+            the manifest (written at open and after each phase); an old manifest reads ``closed``.
     """
 
     bundle_dir: str
@@ -334,6 +336,11 @@ class IncidentTimeline:
     spans: tuple[SpanRow, ...] = ()
     span_files: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    #: ``open`` (still running: what is done so far), ``closed`` or ``interrupted``
+    state: str = "closed"
+    phases_done: tuple[str, ...] = ()
+    phases_pending: tuple[str, ...] = ()
+    interrupted_reason: str = ""
 
     @property
     def extent_s(self) -> float:
@@ -882,8 +889,13 @@ def load_incident(
     if requests is None:
         requests = _requests_from_links(raw_spans, root_span_id)
     inflight = _as_int(m.get("inflight_requests"))
-    closed_ns = _as_int(m.get("closed_time_unix_nano")) or opened_ns
-    duration_s = _as_float(m.get("duration_s"))
+    state = str(m.get("state") or "closed")
+    if state == "closed" and m.get("interrupted"):
+        state = "interrupted"
+    closed_ns = _as_int(m.get("closed_time_unix_nano")) or (
+        _as_int(m.get("updated_time_unix_nano")) if state == "open" else None
+    ) or opened_ns
+    duration_s = _as_float(m.get("duration_s")) if state != "open" else None
     hard = m.get("hard_signal_sent") if isinstance(m.get("hard_signal_sent"), dict) else {}
 
     return IncidentTimeline(
@@ -909,6 +921,10 @@ def load_incident(
         spans=_span_rows(raw_spans, opened_ns),
         span_files=tuple(used_files),
         warnings=tuple(warnings),
+        state=state,
+        phases_done=tuple(str(p) for p in (m.get("phases_done") or []) if isinstance(p, str)),
+        phases_pending=tuple(str(p) for p in (m.get("phases_pending") or []) if isinstance(p, str)),
+        interrupted_reason=str(m.get("interrupted_reason") or ""),
     )
 
 
@@ -1017,6 +1033,17 @@ def _header(tl: IncidentTimeline) -> Panel:
         body.append(", ".join(f"{sig} -> {pid}" for pid, sig in tl.hard_signal_sent.items()), style="bold red")
     body.append("\nbundle   ", style="bold")
     body.append(tl.bundle_dir)
+    if tl.state == "open":
+        body.append("\nstate    ", style="bold")
+        body.append("OPEN — still running", style="bold yellow")
+        body.append(f"; done: {', '.join(tl.phases_done) or 'nothing yet'}")
+        if tl.phases_pending:
+            body.append(f"; pending: {', '.join(tl.phases_pending)}")
+    elif tl.state == "interrupted":
+        body.append("\nstate    ", style="bold")
+        body.append("INTERRUPTED", style="bold red")
+        if tl.interrupted_reason:
+            body.append(f" — {tl.interrupted_reason}")
     return Panel(body, title=Text(f"incident {tl.incident_id}", style="bold"), title_align="left")
 
 

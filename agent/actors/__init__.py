@@ -14,6 +14,7 @@ from typing import Protocol
 import anyio
 
 from agent.events import ActionResult, IncidentOpened
+from agent.progress import report_action
 from agent.targets import Target
 
 __all__ = ["Actor", "act_all"]
@@ -51,13 +52,17 @@ async def act_all(
         timeout_s: budget of each target's action, in seconds (passed to ``act``).
         artifact_dir: where the actions write their artifacts.
 
+    Each result is also handed to :func:`agent.progress.report_action` as soon as it is done.
+
     Returns:
         One result per target, in the order of ``targets``.
     """
     results: list[ActionResult | None] = [None] * len(targets)
 
     async def one(index: int, target: Target) -> None:
-        results[index] = await actor.act(trigger, target, timeout_s=timeout_s, artifact_dir=artifact_dir)
+        result = await actor.act(trigger, target, timeout_s=timeout_s, artifact_dir=artifact_dir)
+        results[index] = result
+        await report_action(result)  # its span goes out now, not when the slowest target is done
 
     async with anyio.create_task_group() as tg:
         for index, target in enumerate(targets):

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -35,6 +37,7 @@ __all__ = [
     "describe_env",
     "run_launched",
     "exit_status",
+    "with_parent_death_signal",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,52 @@ DEFAULT_FORWARDED_SIGNALS: tuple[signal.Signals, ...] = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
+
+
+#: Run in the child before the server's exec (Linux): ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` so the
+#: server dies with the launcher (``kill -9`` of servewatch, OOM killer) instead of running on
+#: unwatched; then exec the server in place (same pid). argv: launcher pid, server argv...
+_PDEATHSIG_EXEC = """
+import ctypes, os, signal, sys
+PR_SET_PDEATHSIG = 1
+ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(128 + int(signal.SIGKILL))  # the launcher died before prctl: do not start at all
+argv = sys.argv[2:]
+try:
+    os.execvp(argv[0], argv)
+except FileNotFoundError:
+    sys.stderr.write("servewatch: command not found: %r\\n" % argv[0])
+    os._exit(127)
+except OSError as exc:
+    sys.stderr.write("servewatch: cannot execute %r: %s\\n" % (argv[0], exc))
+    os._exit(126)
+"""
+
+
+def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped so that the started server gets ``PR_SET_PDEATHSIG`` (SIGKILL) before its exec.
+
+    anyio's ``open_process`` has no ``preexec_fn``; a tiny isolated Python (``-I -S``, stdlib
+    only) sets the signal and execs the server, which keeps the pid, argv and environment it
+    would have had. Elsewhere than Linux ``argv`` is returned as is.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *argv]
+
+
+def _check_command(argv0: str, env: Mapping[str, str], cwd: str | os.PathLike[str] | None) -> None:
+    """Raise :class:`LaunchError` (127 / 126) when ``argv0`` cannot be executed, as a shell would."""
+    if os.sep in argv0:
+        path = argv0 if os.path.isabs(argv0) or cwd is None else os.path.join(os.fspath(cwd), argv0)
+        if not os.path.exists(path):
+            raise LaunchError(f"command not found: {argv0!r}", exit_code=127)
+        if os.path.isdir(path) or not os.access(path, os.X_OK):
+            raise LaunchError(f"command not executable: {argv0!r}", exit_code=126)
+        return
+    if shutil.which(argv0, path=env.get("PATH", os.defpath)) is None:
+        raise LaunchError(f"command not found: {argv0!r}", exit_code=127)
 
 
 class LaunchError(Exception):
@@ -209,6 +258,10 @@ async def run_launched(
 ) -> int:
     """Run the server ``argv`` as a child with ``env`` and the agent beside it; return its status.
 
+    On Linux the child gets ``PR_SET_PDEATHSIG`` (SIGKILL) before its exec
+    (:func:`with_parent_death_signal`): if servewatch is killed outright, the server dies too
+    rather than running on unwatched.
+
     The child gets its own session and process group (so a terminal's Ctrl-C reaches servewatch
     first), inherits stdin/stdout/stderr, and receives every signal in ``forward_signals`` that
     servewatch receives. ``agent_main(child_pid)`` runs concurrently from the moment the child
@@ -244,10 +297,11 @@ async def run_launched(
     """
     if not argv:
         raise ValueError("no server command given (servewatch launch [OPTIONS] -- CMD ...)")
+    _check_command(str(argv[0]), env, cwd)
     with anyio.open_signal_receiver(*forward_signals) as receiver:
         try:
             process = await anyio.open_process(
-                list(argv),
+                with_parent_death_signal(argv),  # a killed launcher never orphans the server
                 stdin=None,
                 stdout=None,
                 stderr=None,

@@ -639,3 +639,39 @@ def test_torn_last_span_line_costs_that_line_only(tmp_path: Path) -> None:
         assert "Torn lines skipped: 1" in exported.stderr
     finally:
         receiver.stop()
+
+
+# --- launch: the server never outlives a killed launcher ----------------------------------------
+
+
+def test_killed_launcher_does_not_orphan_the_server(spawn: Callable, python: str, tmp_path: Path) -> None:
+    import psutil
+
+    from agent.targets import ProcessState, process_state
+
+    marker = f"orphan-check-{uuid.uuid4().hex[:8]}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    base.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), SERVEWATCH_COREDUMP__ENABLED="false")
+    launcher = spawn([*CLI, "launch", "--data-dir", str(tmp_path / "data"), "--",
+                      python, "-c", "import sys, time; print('up', flush=True); time.sleep(120)", marker],
+                     env=base, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert launcher.stdout is not None
+    assert launcher.stdout.readline().startswith(b"up")
+    server = wait_for(
+        lambda: next((p for p in psutil.Process(launcher.pid).children() if marker in p.cmdline()), None),
+        what="the launched server",
+    )
+    assert isinstance(server, psutil.Process)
+    try:
+        launcher.kill()  # SIGKILL: no handler of servewatch runs
+        launcher.wait(timeout=30)
+        state = wait_for(
+            lambda: process_state(server.pid, create_time_s=server.create_time()) in (ProcessState.GONE, ProcessState.ZOMBIE),
+            what="the orphaned server to die",
+        )
+        assert state
+    finally:
+        try:
+            server.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -20,7 +20,7 @@ each other's capture behind them, which separate hosts never do. Then it prints 
 back from the agents' OTLP/JSON span files, as Jaeger would draw it.
 
 Target: ``last`` p50 <= 200 ms at 64 peers on this machine, and cost at most linear in peers
-(``last`` per peer must not grow with the peer count). Nothing is asserted; the figures are printed.
+(``last`` per peer must not grow with the peer count; 25% is allowed for a shared machine's noise). Nothing is asserted; the figures are printed.
 
 Usage: ``python bench/bench_fanout.py [--peers 2,8,32,64] [--runs 5] [--workers 2]``
 """
@@ -194,6 +194,8 @@ def _trace_tree(data_dir: Path, trace_id: str, max_children: int = 3) -> list[st
                             "dur_ms": (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
                             "outcome": attrs["servewatch.outcome"].string_value if "servewatch.outcome" in attrs else "",
                             "peer": attrs["servewatch.peer.host.name"].string_value if "servewatch.peer.host.name" in attrs else "",
+                            "ranks": ",".join(v.string_value for v in attrs["servewatch.target.ranks"].array_value.values)
+                            if "servewatch.target.ranks" in attrs else "",
                         }
     children: dict[str, list[str]] = {}
     for sid, s in spans.items():
@@ -203,7 +205,8 @@ def _trace_tree(data_dir: Path, trace_id: str, max_children: int = 3) -> list[st
     def label(s: dict[str, Any]) -> str:
         extra = f" -> {s['peer']}" if s["peer"] else ""
         outcome = f" [{s['outcome']}]" if s["outcome"] else ""
-        return f"{s['name']}{extra} ({s['host']}){outcome} {s['dur_ms']:.1f} ms"
+        where = f"{s['host']}, {s['ranks']}" if s["ranks"] else s["host"]
+        return f"{s['name']}{extra} ({where}){outcome} {s['dur_ms']:.1f} ms"
 
     def walk(sid: str, prefix: str, last: bool, depth: int) -> None:
         s = spans[sid]
@@ -266,12 +269,17 @@ def main() -> int:
                   f"  | all answers {statistics.median(r['answers'] for r in runs):7.1f} ms"
                   f"  | per peer {last / n:6.2f} ms  | ok {min(r['ok'] for r in runs)}/{n}", flush=True)
         print()
+        # at most linear: the cost per peer does not grow with the peer count (25% allowed for the
+        # noise of a shared machine); time ratios against the smallest job, same run
         base_m = measured[0]
         base_last = statistics.median(r["last"] for r in base_m["runs"])
+        base_per_peer = base_last / base_m["n"]
         for m in measured[1:]:
             last = statistics.median(r["last"] for r in m["runs"])
-            print(f"cost {m['n']:3d} vs {base_m['n']} peers: x{last / base_last:5.2f} time for x{m['n'] / base_m['n']:5.1f} peers"
-                  f" ({'at most linear' if last / base_last <= m['n'] / base_m['n'] else 'SUPERLINEAR'})")
+            per_peer = last / m["n"]
+            verdict = "at most linear" if per_peer <= 1.25 * base_per_peer else "SUPERLINEAR"
+            print(f"cost {m['n']:3d} vs {base_m['n']} peers: x{last / base_last:6.2f} time for x{m['n'] / base_m['n']:5.1f} peers;"
+                  f" per peer x{per_peer / base_per_peer:5.2f} ({verdict})")
         at64 = [m for m in measured if m["n"] == 64]
         if at64:
             last64 = statistics.median(r["last"] for r in at64[0]["runs"])

@@ -13,7 +13,8 @@ Deduplication, per agent, with one "job incident" remembered for ``dedup_window_
   a joined incident: its root span hangs under the caller's root span, in the caller's trace;
 * a join for the trace we are already in attaches (no second capture);
 * a local detection inside the window is folded (no new incident; a ``fleet.detection_folded``
-  span under the running incident records it);
+  span under the running incident records it), except a target exit after our incident in the
+  job closed: a process that died later is a new fact;
 * two origins at once (two hosts detect within the network's round trip): the earlier origin
   (opened time, then host name) wins everywhere. A host whose own incident is the later one moves
   it into the earlier trace (:meth:`IncidentManager.retrace`) when the earlier origin's join
@@ -205,12 +206,15 @@ class Fleet:
     def _admit(self, trigger: str, detail: str) -> bool:
         """A local detection: folded when a job incident is in its window, else it claims one."""
         job = self.job
-        if self._in_window(job):
+        current = self.agent.incidents.current
+        running = job is not None and current is not None and current.opened.incident_id == job.local_incident_id
+        # a hang's symptoms (stall, failed health) on this host are the job incident's; a process
+        # that exits after the job incident closed is a new fact and gets its own incident
+        if self._in_window(job) and (running or trigger != "exit"):
             assert job is not None
             self.folded += 1
             log.info("%s detection folded into job incident %s (trace %s)", trigger, job.origin_incident_id, job.trace_id)
-            current = self.agent.incidents.current
-            if current is not None and current.opened.incident_id == job.local_incident_id:
+            if running:
                 t = now_ns()
                 job.extras.append(ActionCompleted(
                     source="fleet", incident_id=job.local_incident_id,

@@ -76,7 +76,7 @@ async def test_a_hang_on_one_host_is_one_trace_with_every_hosts_evidence(tmp_pat
                         status = await _get(client, f"http://127.0.0.1:{port}/v1/status")
                         if status and any(t["step_counter_watched"] for t in status["targets"]):
                             break
-                        await anyio.sleep(0.2)
+                        await anyio.sleep(0.5)  # under the API's default rate limit (5/s)
             await ainject_hang(servers[0].base_url, tp_rank=0)
             async with anyio.create_task_group() as tg:
                 async def in_flight() -> None:

@@ -224,3 +224,31 @@ async def test_a_peer_that_does_not_speak_http_is_a_failed_capture_not_a_crash()
     assert answer is None
     assert result.outcome.value == "failed" and result.attributes["servewatch.peer.error"] == "bad_response"
     assert result.action == "peer.capture" and result.retryable
+
+
+async def test_a_detection_after_a_join_is_folded_but_a_later_crash_is_its_own_incident(tmp_path: Path, spawn, python) -> None:
+    from agent.events import TargetExited
+    from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
+
+    [pid] = _targets(spawn, python, 1)
+    [port] = free_ports(1)
+    settings = settings_for(tmp_path, "node-b", port, target={"pids": [pid]}, coredump={"enabled": False}, fleet={"job": "j"})
+    trace, parent = trace_id_hex(new_trace_id()), span_id_hex(new_span_id())
+    async with running_agent(settings) as (agent, records):
+        status, doc = await agent.fleet.post_incident(
+            {"traceparent": __import__("agent.fleet.traceparent", fromlist=["TraceParent"]).TraceParent(trace, parent),
+             "job": "j", "origin_host": "node-a", "incident_id": "inc-a", "origin_time_unix_nano": 1, "detail": None},
+            agent_id="someone-else",
+        )
+        assert (status, doc["status"]) == (202, "opened")
+        await agent.bus.publish(WatchdogStalled(source="test", pid=pid, forward_ct=3, stalled_for_s=2.0, timeout_s=1.0))
+        await _until(lambda: bool(records) and agent.fleet.folded == 1 and agent.incidents.current is None)
+        [joined] = records
+        assert joined.opened.trace_id == trace and joined.opened.trigger == "peer"
+        folded = [r for r in joined.results if r.action == "fleet.detection_folded"]
+        assert all(r.outcome.value == "skipped" and "stall" in r.detail for r in folded)
+        # the target dies later: a new fact, its own incident (same window, not folded)
+        await agent.bus.publish(TargetExited(source="test", pid=pid, signal=9, title="demo::scheduler_TP0"))
+        await _until(lambda: len(records) == 2)
+    assert records[1].opened.trigger == "exit"
+    assert agent.fleet.folded == 1

@@ -57,7 +57,10 @@ async def post_json(
     """
     payload = json.dumps(body, separators=(",", ":")).encode()
     try:
-        stream = await anyio.connect_tcp(host, port, ssl_context=ssl_context, tls_standard_compatible=False)
+        if ssl_context is None:
+            stream: Any = await anyio.connect_tcp(host, port)
+        else:
+            stream = await anyio.connect_tcp(host, port, ssl_context=ssl_context, tls_standard_compatible=False)
     except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
         raise PeerRequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -288,7 +288,7 @@ class HttpServer:
         return True
 
 
-def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     for name, value in headers:
         if name.lower() == b"content-length":
             try:

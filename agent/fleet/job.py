@@ -217,7 +217,7 @@ class Fleet:
             if running:
                 t = now_ns()
                 job.extras.append(ActionCompleted(
-                    source="fleet", incident_id=job.local_incident_id,
+                    source="fleet", incident_id=job.local_incident_id or "",
                     result=ActionResult(action=FOLDED_SPAN, outcome=Outcome.SKIPPED, detail=f"local {trigger} detection: {detail}",
                                         start_time_unix_nano=t, end_time_unix_nano=t,
                                         attributes=frozen_attrs({"servewatch.incident.trigger": trigger})),

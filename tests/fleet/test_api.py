@@ -255,3 +255,26 @@ def test_run_refuses_bad_api_settings_with_exit_2_and_one_line(tmp_path: Path, a
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+async def test_peers_of_a_job_talk_over_mutual_tls(tmp_path: Path) -> None:
+    pki = _pki(tmp_path)
+    ports = free_ports(2)
+    tls = {"tls_cert_file": pki["server"], "tls_key_file": pki["server-key"], "tls_client_ca_file": pki["ca"]}
+
+    def settings(host: str, port: int):
+        return load_settings({
+            "data_dir": tmp_path / host, "host_name": host, "export": {"metrics": False},
+            "api": {"enabled": True, "port": port, **tls},
+            "fleet": {"job": "j", "peers": [f"127.0.0.1:{p}" for p in ports]},
+        })
+
+    async with running_agent(settings("node-a", ports[0])) as (a, recs_a), running_agent(settings("node-b", ports[1])) as (b, recs_b):
+        record = await a.incidents.open_incident("manual")
+        with anyio.fail_after(30):
+            while not recs_b:
+                await anyio.sleep(0.05)
+    [peer] = [r for r in record.results if r.action == "peer.capture"]
+    assert peer.outcome.value == "ok", peer.detail
+    assert peer.attributes["servewatch.peer.address"] == f"https://127.0.0.1:{ports[1]}"
+    assert recs_b[0].opened.trace_id == record.opened.trace_id

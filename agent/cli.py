@@ -182,8 +182,20 @@ class _IncidentPrinter:
             err.print(line, markup=False, highlight=False)
 
 
+_shown_status: dict[str, tuple[str, str]] = {}
+
+
 def _print_status(status: Any) -> None:
-    """One stderr line per watcher status change (``servewatch: metrics: BLIND — …``)."""
+    """One stderr line per watcher at start and on each change (``servewatch: metrics: BLIND — …``).
+
+    A ready watcher whose reason only updates counts (``spans: 120 shipped``) is not reprinted;
+    every change of state, and every new reason while waiting or blind, is.
+    """
+    state = status.state.value
+    before = _shown_status.get(status.name)
+    _shown_status[status.name] = (state, status.reason)
+    if before is not None and before[0] == state == "ready":
+        return
     err.print(f"servewatch: {status.line()}", markup=False, highlight=False)
 
 

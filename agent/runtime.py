@@ -520,10 +520,11 @@ class Agent:
             n = len(self._step_scopes)
             if n:
                 await self._set_status("steps", WatcherState.READY, f"{n} rank{'s' if n != 1 else ''} via shm counter")
-            elif targets and not self.settings.metrics.url:
+            elif (targets and not self.settings.metrics.url) or self.status.get("steps") is not None:
                 await self._set_status(
                     "steps", WatcherState.WAITING,
-                    "no SDK step counter in the targets yet; stalls need agent.sdk.step() or --metrics-url",
+                    "no SDK step counter in the targets now"
+                    + ("" if self.settings.metrics.url else "; stalls need agent.sdk.step() or --metrics-url"),
                 )
             if self._has_targets():
                 if targets:

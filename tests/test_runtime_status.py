@@ -121,3 +121,53 @@ def test_servewatch_status_shows_what_a_running_agent_cannot_see(tmp_path: Path)
     r = subprocess.run([*CLI, "status", "--data-dir", str(data)], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path, env=_env(tmp_path))
     assert r.returncode == 1 and "is NOT running" in r.stderr
+
+
+# --- runtime hygiene ------------------------------------------------------------------------------
+
+
+async def test_per_target_step_tasks_end_when_the_target_exits_and_clients_are_closed(tmp_path: Path, spawn) -> None:
+    from tests.programs import fake_server
+
+    server = fake_server.start(spawn, "--title", "sglang::scheduler_TP0")
+    settings = load_settings({
+        "data_dir": tmp_path, "host_name": "h1", "target": {"pids": [server.pid]},
+        "metrics": {"url": server.metrics_url}, "coredump": {"enabled": False},
+        "incident": {"on_exit_codes_only_nonzero": True}, "export": {"metrics": False},
+    })
+    agent = Agent(settings)
+    sources: list = []
+    make = agent._prometheus_watchdog
+
+    def keep() -> object:
+        wd = make()
+        sources.append(wd.source)
+        return wd
+
+    agent._prometheus_watchdog = keep  # type: ignore[method-assign]
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            await wait_until(lambda: server.pid in agent.watched_step_pids, timeout_s=30)
+            # every bus subscription is bounded (the span mirror's too); drops are counted by the bus
+            subs = agent.bus._subscriptions
+            assert subs and all(s._send.statistics().max_buffer_size != float("inf") for s in subs)
+            assert agent.status.get("steps").line() == "steps: 1 rank via shm counter"
+            os.killpg(server.pid, signal.SIGKILL)
+            await wait_until(lambda: server.pid not in agent.watched_step_pids, timeout_s=30)
+            await wait_until(lambda: agent.status.get("steps").state.value == "waiting", timeout_s=30)
+            await wait_until(lambda: sources and sources[0]._client is not None, timeout_s=30)
+            agent.stop()
+    assert sources and all(s._client is None for s in sources)  # the Prometheus client was closed
+    assert agent.bus.statistics().subscribers == 0
+
+
+def test_a_reused_pid_with_a_new_create_time_is_watched_again() -> None:
+    from agent.targets import Target
+    from agent.watchers.process import ProcessWatcher
+
+    w = ProcessWatcher([Target(pid=4242, title="old", create_time_s=100.0)])
+    w.watch(Target(pid=4242, title="old", create_time_s=100.0))
+    assert w._watched[4242].target.title == "old"
+    w.watch(Target(pid=4242, title="new", create_time_s=200.0))
+    assert w._watched[4242].target.title == "new"

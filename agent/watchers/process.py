@@ -128,7 +128,8 @@ class ProcessWatcher:
     def watch(self, target: int | Target, *, returncode: Callable[[], int | None] | None = None) -> None:
         """Watch one more process (also while running).
 
-        A pid already watched (and not yet exited) is left as is; a pid reported as exited is
+        A process already watched (and not yet exited) is left as is; targets are keyed by
+        (pid, creation time), so a pid reported as exited, or now held by a newer process, is
         watched anew (a new process that reused the pid).
 
         Args:
@@ -139,7 +140,7 @@ class ProcessWatcher:
         if isinstance(target, int):
             target = Target(pid=target, title=_title_of(target))
         existing = self._watched.get(target.pid)
-        if existing is not None and not existing.reported:
+        if existing is not None and not existing.reported and _same_identity(existing.target, target):
             if returncode is not None and existing.returncode is None:
                 existing.returncode = returncode
             return
@@ -200,6 +201,15 @@ class ProcessWatcher:
         if status is None:  # not our child: a zombie still shows its status in /proc/PID/stat
             status = zombie_exit_status(watched.target.pid)
         return status if status is not None else (None, None)
+
+
+def _same_identity(a: Target, b: Target) -> bool:
+    """Same process: same pid and, where both are known, the same creation time (pid reuse)."""
+    if a.pid != b.pid:
+        return False
+    if a.create_time_s and b.create_time_s:
+        return abs(a.create_time_s - b.create_time_s) < 0.05
+    return True
 
 
 def _title_of(pid: int) -> str:

@@ -189,8 +189,9 @@ class ProcessWatcher:
 
     async def _status(self, watched: _Watched, pidfd: int | None) -> tuple[int | None, int | None]:
         if watched.returncode is not None:
-            # The owner's poll() reaps and keeps the code; the exit may take a moment to show.
-            with anyio.move_on_after(self.poll_interval_s):
+            # The owner's poll() reaps and keeps the code; the exit may take a moment to show
+            # (longer on a loaded machine): the code must be known, not "None".
+            with anyio.move_on_after(max(self.poll_interval_s, 2.0)):
                 while True:
                     code = watched.returncode()
                     if code is not None:

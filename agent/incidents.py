@@ -238,6 +238,26 @@ def _write_json(path: Path, data: dict[str, Any]) -> bool:
     return True
 
 
+def _unfinished(
+    name: str, targets: Sequence[Target], finished: Sequence[ActionResult], limit_s: float, *, started_ns: int
+) -> list[ActionResult]:
+    """A phase cut by its time limit: one ``TIMED_OUT`` result per target whose action had not
+    finished (the finished ones are kept as reported; never one pid-less result for them all)."""
+    done = {r.pid for r in finished if r.pid is not None}
+    t = now_ns()
+    unfinished = [
+        ActionResult(action=name, outcome=Outcome.TIMED_OUT, pid=target.pid, retryable=True,
+                     detail=f"unfinished when the {name} phase reached its {limit_s:g} s limit",
+                     start_time_unix_nano=started_ns, end_time_unix_nano=t)
+        for target in targets
+        if target.pid not in done
+    ]
+    if not unfinished and not finished:
+        unfinished.append(ActionResult(action=name, outcome=Outcome.TIMED_OUT, detail=f"phase exceeded {limit_s:g}s",
+                                       start_time_unix_nano=started_ns, end_time_unix_nano=t))
+    return unfinished
+
+
 def describe_exit(event: TargetExited) -> str:
     """``exit code 3``, ``signal 9 (SIGKILL)``, or the unknown status in words (never ``None``)."""
     if event.signal is not None:
@@ -547,6 +567,7 @@ class IncidentManager:
             await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
 
         results: list[ActionResult] = []
+        phase_started_ns = now_ns()
         with anyio.move_on_after(self.config.phase_timeout_s) as scope, reporting_to(report):
             try:
                 results = await phase(opened, record.targets, record.bundle_dir)
@@ -558,12 +579,8 @@ class IncidentManager:
                                  start_time_unix_nano=t, end_time_unix_nano=t)
                 ]
         if scope.cancelled_caught:
-            t = now_ns()
-            results.append(
-                ActionResult(action=name, outcome=Outcome.TIMED_OUT,
-                             detail=f"phase exceeded {self.config.phase_timeout_s:g}s",
-                             start_time_unix_nano=t, end_time_unix_nano=t)
-            )
+            # keep what finished (already reported); one timed-out result per unfinished target
+            results = _unfinished(name, record.targets, reported, self.config.phase_timeout_s, started_ns=phase_started_ns)
         for result in results:
             if any(result is r for r in reported):
                 continue  # already published when it finished

@@ -149,10 +149,43 @@ async def test_failing_and_hanging_phases_become_outcomes(tmp_path: Path) -> Non
     )
     with anyio.fail_after(10):
         record = await mgr.open_incident("manual")
-    assert [(r.action, r.outcome) for r in record.results] == [
-        ("pyspy.dump", Outcome.FAILED), ("cuda.coredump", Outcome.TIMED_OUT)]
+    assert [(r.action, r.outcome, r.pid) for r in record.results] == [
+        ("pyspy.dump", Outcome.FAILED, None),
+        ("cuda.coredump", Outcome.TIMED_OUT, 101), ("cuda.coredump", Outcome.TIMED_OUT, 102)]
     assert "RuntimeError: actor bug" in record.results[0].detail
     assert record.manifest_path.is_file()
+
+
+async def test_phase_time_limit_keeps_finished_results_and_times_out_only_the_rest(tmp_path: Path) -> None:
+    """A real actor over real act_all: pid 101's action finishes, 102's hangs past the phase limit."""
+    from agent.actors import act_all
+    from agent.events import ActionResult, IncidentOpened, now_ns
+
+    class HalfHung:
+        name = "half"
+
+        async def act(self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path) -> ActionResult:
+            if target.pid == 102:
+                await anyio.sleep(60)
+            t = now_ns()
+            return ActionResult(action="pyspy.dump", outcome=Outcome.OK, pid=target.pid, detail="dumped",
+                                start_time_unix_nano=t, end_time_unix_nano=t)
+
+    async def phase(opened, targets, bundle):
+        return await act_all(HalfHung(), opened, targets, timeout_s=60, artifact_dir=bundle)
+
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl, config=IncidentConfig(cooldown_s=60, phase_timeout_s=0.5),
+                   phases=[("pyspy.dump", phase, StacksDumped)])
+    with anyio.fail_after(20):
+        record = await mgr.open_incident("manual")
+    assert [(r.pid, r.outcome) for r in record.results] == [(101, Outcome.OK), (102, Outcome.TIMED_OUT)]
+    assert record.results[0].detail == "dumped"
+    assert "unfinished when the pyspy.dump phase reached its 0.5 s limit" in record.results[1].detail
+    manifest = json.loads(record.manifest_path.read_text())
+    assert [(a["pid"], a["outcome"]) for a in manifest["actions"]] == [(101, "ok"), (102, "timed_out")]
+    assert [(e.result.pid, e.result.outcome) for e in bus.of_type(StacksDumped)] == [
+        (101, Outcome.OK), (102, Outcome.TIMED_OUT)]
 
 
 async def test_inflight_requests_become_links_and_requests_json_without_prompts(tmp_path: Path) -> None:

@@ -216,7 +216,7 @@ class Agent:
         self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
     ) -> list[ActionResult]:
         assert self.profiler is not None
-        if opened.trigger == "stall":
+        if opened.trigger == "stall" or self._stalled(targets):
             # a stalled server takes no steps: waiting for them would only end in a timeout
             t = now_ns()
             return [
@@ -224,6 +224,18 @@ class Agent:
                              start_time_unix_nano=t, end_time_unix_nano=t)
             ]
         return await self.profiler.profile_incident(opened, list(targets), artifact_dir=bundle)
+
+    def _stalled(self, targets: Sequence[Target]) -> bool:
+        """A target's SDK counter says busy with no step for the watchdog timeout (any trigger)."""
+        timeout_ns = int(self.settings.watchdog.timeout_s * 1e9)
+        now = time.monotonic_ns()
+        for target in targets:
+            reading = ShmStepSource(target.pid).read_now()
+            if reading is None or not reading.busy or reading.last_progress_monotonic_ns is None:
+                continue
+            if now - reading.last_progress_monotonic_ns >= timeout_ns:
+                return True
+        return False
 
     async def _inflight(self, targets: Sequence[Target]) -> list[InflightRequest]:
         from agent.actors.profiler import read_inflight

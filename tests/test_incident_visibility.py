@@ -327,3 +327,22 @@ def test_launch_exit_zero_is_no_incident(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert not list((tmp_path / "data").glob("*/*/manifest.json"))
     assert "Incident " not in r.stderr
+
+
+async def test_a_manual_incident_on_a_stalled_server_ends_its_profile_at_once(tmp_path: Path, spawn) -> None:
+    """Any trigger: the SDK counter says busy with no step for the watchdog timeout -> no wait."""
+    from agent.runtime import dump_once
+    from agent.watchers.steps import ShmStepSource
+
+    server = fake_server.start(spawn, "--title", "sglang::scheduler_TP0", "--freeze-after-steps", "5")
+    await wait_until(lambda: (r := ShmStepSource(server.pid).read_now()) is not None and r.forward_ct >= 5, timeout_s=30)
+    await anyio.sleep(1.2)  # frozen, busy, for longer than the watchdog timeout below
+    settings = load_settings({
+        "data_dir": tmp_path, "host_name": "h1", "target": {"pids": [server.pid]},
+        "watchdog": {"timeout_s": 1.0}, "coredump": {"enabled": False},
+        "profiler": {"on_incident_steps": 5, "max_duration_s": 60}, "export": {"metrics": False},
+    })
+    with anyio.fail_after(60):
+        record = await dump_once(settings)
+    prof = next(r for r in record.results if r.action == "profile.session")
+    assert prof.outcome is Outcome.SKIPPED and prof.detail == "no steps: server stalled"

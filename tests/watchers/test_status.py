@@ -272,3 +272,40 @@ def test_parse_keeps_label_sets_apart() -> None:
     assert counters == {(("engine", "0"),): 5.0, (("engine", "1"),): 7.0}
     assert gauges[(("engine", "1"),)] == 0.0
     assert not math.isnan(sum(counters.values()))
+
+
+def test_watcher_status_is_an_otel_gauge_per_watcher_and_state(tmp_path: Path) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from exporters.metrics import Metrics
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    try:
+        board = StatusBoard(host_name="h1")
+        board.set("metrics", WatcherState.BLIND, "401 Unauthorized")
+        board.set("health", WatcherState.READY, "200 OK")
+        metrics = Metrics(provider)
+        metrics.watch_status(board.states)
+        data = reader.get_metrics_data()
+        points = {
+            (p.attributes["servewatch.watcher"], p.attributes["servewatch.watcher.state"]): p.value
+            for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            if m.name == "servewatch.watcher.status" for p in m.data.data_points
+        }
+    finally:
+        provider.shutdown()
+    assert points[("metrics", "blind")] == 1 and points[("metrics", "ready")] == 0
+    assert points[("health", "ready")] == 1 and points[("health", "blind")] == 0
+
+
+def test_a_stall_incident_names_the_series() -> None:
+    from agent.events import WatchdogStalled
+    from agent.incidents import IncidentConfig, IncidentManager
+
+    manager = IncidentManager(bus=RecordingBus(), config=IncidentConfig(), data_dir=Path("."), host_name="h", discover=list)
+    trigger, _, detail = manager.classify(
+        WatchdogStalled(pid=None, forward_ct=50, stalled_for_s=6.0, timeout_s=5.0, series='engine="1"')
+    )
+    assert trigger == "stall" and 'series {engine="1"}' in detail

@@ -113,7 +113,7 @@ def _spool_in_use(path: Path, cache: dict[Path, bool]) -> bool:
         held = False
         if lock.exists():
             try:
-                fd = os.open(lock, os.O_RDWR)
+                fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 fd = -1
             if fd >= 0:

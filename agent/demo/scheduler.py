@@ -9,31 +9,39 @@ How the ranks work together (a small imitation of SGLang's TP group, without rea
 * The frontend sends every request to rank 0 (the leader), as SGLang's tokenizer manager sends
   to the TP-0 scheduler. Rank 0 keeps the running batch (continuous batching, up to
   ``max_batch_size`` requests; one decode step for all of them per forward).
-* Before each forward, rank 0 broadcasts the batch's input ids to the other ranks; every rank
-  runs the same full model on them (weights are identical, from the same seed). After the
-  forward, rank 0 waits for every other rank's acknowledgement: this stands in for the
-  all-reduce of a real TP forward. So a hung rank stalls the whole group, as it would with
-  NCCL: the hung rank shows ``_injected_hang_in_forward`` in py-spy, the others show
-  ``_wait_for_all_reduce`` (rank 0) or ``_wait_for_leader_broadcast`` (followers).
+* The ranks form a real ``torch.distributed`` process group (gloo on CPU, rendezvous through a
+  file store the frontend names in :attr:`SchedulerArgs.dist_init`), with the collective Flight
+  Recorder on (``TORCH_FR_BUFFER_SIZE``, set before ``init_process_group``; a user's value wins).
+* Before each forward, rank 0 tells the other ranks through their inbox that a step comes (the
+  work queue), then every rank takes part in two real collectives per forward: a ``broadcast``
+  of the batch's input ids from rank 0 (``_broadcast_batch``) and, after the forward, an
+  ``all_reduce`` of the logits (``_wait_for_all_reduce``; MAX over identical replicas, so the
+  output stays exactly deterministic). A hung rank therefore stalls the whole group inside a
+  real collective, as with NCCL: the hung rank shows ``_injected_hang_in_forward`` in py-spy, the
+  others ``_wait_for_all_reduce`` under torch.distributed's ``all_reduce``, and the Flight
+  Recorders show the hung rank one collective behind.
 * Every rank counts its forward steps with :func:`agent.sdk.step` (SGLang's ``forward_ct``) and
   marks itself busy with :func:`agent.sdk.set_pending` before a forward starts.
-* Every rank serves the SDK control socket (:func:`agent.sdk.serve_control`). Rank 0 holds the
+* Every rank serves the SDK control socket (:func:`agent.sdk.serve_control`) and torch's C++
+  worker server (:func:`agent.sdk.serve_torch_worker`), which answers Flight Recorder requests
+  while the rank's Python thread is stuck. Rank 0 holds the
   requests: each one is an :func:`agent.sdk.request_span` from its arrival until its result is
   sent (so the socket's ``inflight`` command lists it), and each batched forward is an
   :func:`agent.sdk.forward_span` linked to the requests of the batch. Spans are exported only when
   ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (OTLP, ``OTEL_EXPORTER_OTLP_PROTOCOL`` ``grpc`` or
   ``http/protobuf``, the default); otherwise the tracer is a no-op and only the ids exist.
-* Like torch.distributed's NCCL timeout, a collective wait gives up after
-  ``collective_timeout_s``: the rank reports an error and exits 1.
-* Every wait polls (0.5 s) whether the parent (the frontend) is still alive; an orphaned rank
-  exits, so nothing is left running.
+* The process group's timeout is ``collective_timeout_s`` (like torch.distributed's NCCL
+  timeout): a collective that fails (timeout, a peer died) makes the rank report an error and
+  exit 1.
+* Every queue wait polls (0.5 s) whether the parent (the frontend) is still alive; an orphaned
+  rank exits, so nothing is left running (a rank inside a collective follows when its peers go).
 
 Messages (plain tuples, pickled by multiprocessing queues):
 
 * frontend -> rank 0 inbox: ``("generate", rid, input_ids, max_new_tokens)``
 * frontend -> any inbox: ``("hang", seconds_or_None)``, ``("stop",)``
-* rank 0 -> follower inbox: ``("step", step_no, contexts, pending_after)``
-* follower -> rank 0 ack queue: ``("ack", rank, step_no)``
+* rank 0 -> follower inbox: ``("step", step_no, batch_size, pending_after)`` (the ids follow
+  through the ``broadcast`` collective)
 * rank -> frontend result queue: ``("ready", rank, pid)``, ``("done", rid, output_ids)``,
   ``("error", rank, detail)``
 """
@@ -92,6 +100,7 @@ class SchedulerArgs:
         max_batch_size: requests decoded together per forward.
         collective_timeout_s: how long a rank waits for its peers in one step before giving up,
             in seconds (torch.distributed's NCCL default is 600 s).
+        dist_init: ``init_method`` of the ranks' process group (``file://...``; one per server).
     """
 
     rank: int
@@ -101,10 +110,15 @@ class SchedulerArgs:
     model: dict[str, Any] = field(default_factory=dict)
     max_batch_size: int = 8
     collective_timeout_s: float = 600.0
+    dist_init: str = ""
+
+
+#: Flight Recorder entries kept per rank when the user did not size the buffer.
+FR_BUFFER_DEFAULT = "2000"
 
 
 class _CollectiveTimeout(Exception):
-    """A peer did not answer within ``collective_timeout_s``."""
+    """A collective failed: a peer did not answer within ``collective_timeout_s``, or died."""
 
 
 class _ParentGone(Exception):
@@ -182,23 +196,39 @@ class _Scheduler:
 
     # -- rank 0 ----------------------------------------------------------------------------
 
-    def _wait_for_all_reduce(self, step_no: int) -> None:
-        """Wait until every follower finished forward ``step_no`` (the emulated all-reduce)."""
-        missing = set(range(1, self.args.tp_size))
-        deadline = time.monotonic() + self.args.collective_timeout_s
-        while missing:
-            try:
-                _, rank, acked = self.ack_q.get(timeout=_POLL_S)
-            except queue.Empty:
-                self._check_parent()
-                if time.monotonic() > deadline:
-                    raise _CollectiveTimeout(
-                        f"all-reduce of step {step_no} timed out after {self.args.collective_timeout_s} s "
-                        f"waiting for TP ranks {sorted(missing)}"
-                    ) from None
-                continue
-            if acked == step_no:
-                missing.discard(rank)
+    def _broadcast_batch(self, contexts: list[list[int]] | None, batch_size: int) -> list[list[int]]:
+        """The batch's input ids, sent by rank 0 to every rank (a real ``broadcast`` collective)."""
+        import torch
+        import torch.distributed as dist
+
+        window = self.model.cfg.window
+        ids = torch.tensor(contexts, dtype=torch.long) if contexts is not None else torch.zeros(batch_size, window, dtype=torch.long)
+        self._collective(dist.broadcast, ids, src=0)
+        return ids.tolist()
+
+    def _wait_for_all_reduce(self, logits: Any) -> list[int]:
+        """The all-reduce closing a TP forward (a real ``all_reduce`` collective); next ids."""
+        import torch.distributed as dist
+
+        self._collective(dist.all_reduce, logits, op=dist.ReduceOp.MAX)
+        return logits.argmax(dim=-1).tolist()
+
+    def _collective(self, collective: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            collective(*args, **kwargs)
+        except RuntimeError as exc:  # gloo: timeout, or a peer closed its connection
+            self._check_parent()
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise _CollectiveTimeout(
+                f"{collective.__name__} after step {self.step_no} failed (timeout {self.args.collective_timeout_s:g} s): {detail}"
+            ) from None
+
+    def _forward(self, contexts: list[list[int]]) -> list[int]:
+        import torch
+
+        with torch.no_grad():
+            logits = self.model(torch.tensor(contexts, dtype=torch.long))
+        return self._wait_for_all_reduce(logits.contiguous())
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -252,9 +282,9 @@ class _Scheduler:
             self.step_no += 1
             with sdk.forward_span([r.handle for r in self.running]):
                 for inbox in self.followers:
-                    inbox.put(("step", self.step_no, contexts, pending_after))
-                next_ids = self.model.decode_step(contexts)
-                self._wait_for_all_reduce(self.step_no)
+                    inbox.put(("step", self.step_no, len(contexts), pending_after))
+                contexts = self._broadcast_batch(contexts, len(contexts))
+                next_ids = self._forward(contexts)
             still_running: list[_Req] = []
             for req, tok in zip(self.running, next_ids):
                 req.tokens.append(tok)
@@ -272,39 +302,31 @@ class _Scheduler:
 
     # -- ranks 1..N-1 ----------------------------------------------------------------------
 
-    def _wait_for_leader_broadcast(self, busy: bool) -> tuple | None:
-        """Next message from the inbox; while ``busy`` the wait is a collective and is bounded."""
-        deadline = time.monotonic() + self.args.collective_timeout_s
+    def _wait_for_leader(self) -> tuple | None:
+        """Next message from the inbox (a step announcement, a fault, stop); ``None`` on stop."""
         while not self.stopping:
             try:
                 return self.inbox.get(timeout=_POLL_S)
             except queue.Empty:
                 self._check_parent()
-                if busy and time.monotonic() > deadline:
-                    raise _CollectiveTimeout(
-                        f"broadcast after step {self.step_no} timed out after "
-                        f"{self.args.collective_timeout_s} s waiting for TP rank 0"
-                    ) from None
         return None
 
     def run_follower(self) -> None:
         import agent.sdk as sdk
 
-        busy = False
         while not self.stopping:
-            msg = self._wait_for_leader_broadcast(busy)
+            msg = self._wait_for_leader()
             if msg is None:
                 break
             if msg[0] != "step":
                 self._handle(msg)
                 continue
-            _, step_no, contexts, pending_after = msg
-            sdk.set_pending(len(contexts))
-            self.model.decode_step(contexts)
+            _, step_no, batch_size, pending_after = msg
+            sdk.set_pending(batch_size)
+            contexts = self._broadcast_batch(None, batch_size)
+            self._forward(contexts)
             self.step_no = step_no
-            self.ack_q.put(("ack", self.args.rank, step_no))
             sdk.step(pending=pending_after)
-            busy = pending_after > 0
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -342,6 +364,23 @@ def _shutdown_tracer_provider(provider: Any) -> None:
     worker.join(_TRACE_FLUSH_TIMEOUT_S)
 
 
+def _init_process_group(args: SchedulerArgs) -> None:
+    """Join the ranks' gloo process group (the Flight Recorder is sized by then)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not args.dist_init:
+        raise ValueError("SchedulerArgs.dist_init is required (the process group's init_method)")
+    dist.init_process_group(
+        "gloo",
+        init_method=args.dist_init,
+        rank=args.rank,
+        world_size=args.tp_size,
+        timeout=datetime.timedelta(seconds=args.collective_timeout_s),
+    )
+
+
 def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) -> None:
     """Entry point of one scheduler process (the target of a 'spawn' multiprocessing Process).
 
@@ -353,7 +392,7 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
         args: this rank's settings.
         inboxes: one ``multiprocessing.Queue`` per rank (index = rank).
         result_q: queue to the frontend.
-        ack_q: followers' acknowledgements to rank 0.
+        ack_q: unused (the ranks synchronise through collectives); kept for the frontend.
         stats: shared int64 array of ``STAT_SLOTS`` words (``multiprocessing.RawArray``).
     """
     import setproctitle
@@ -372,6 +411,8 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
     for q in (result_q, ack_q, *inboxes):
         q.cancel_join_thread()  # never block exit on a queue nobody reads any more
     exit_code = 0
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER_DEFAULT)  # read at init_process_group
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
     provider = _tracer_provider_from_env() if args.rank == 0 else None
     sdk.tracing.set_tracer_provider(provider)
     try:
@@ -379,6 +420,11 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
             sdk.serve_control()
         except OSError as exc:  # the demo still serves; the agent just cannot list its requests
             print(f"{args.title}: no SDK control socket: {exc}", file=sys.stderr, flush=True)
+        try:
+            sdk.serve_torch_worker()
+        except OSError as exc:  # Flight Recorder still readable through the control socket
+            print(f"{args.title}: no torch worker server: {exc}", file=sys.stderr, flush=True)
+        _init_process_group(args)
         sched = _Scheduler(args, inboxes, result_q, ack_q, stats)
         sched.warm_up()
         result_q.put(("ready", args.rank, os.getpid()))
@@ -399,6 +445,7 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
         exit_code = 1
     finally:
         sdk.stop_control()
+        sdk.stop_torch_worker()
         sdk.close()
         if provider is not None:
             _shutdown_tracer_provider(provider)

@@ -35,8 +35,10 @@ import json
 import multiprocessing
 import os
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -173,6 +175,8 @@ class DemoFrontend:
         self._dispatcher: threading.Thread | None = None
         self.scheduler_pids: list[int] = []
         self.errors: list[str] = []
+        #: the ranks' process-group rendezvous (a gloo file store), removed at stop
+        self._dist_dir = Path(tempfile.mkdtemp(prefix="servewatch-demo-dist-"))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(self._stats))
 
@@ -195,6 +199,7 @@ class DemoFrontend:
                 model=model,
                 max_batch_size=cfg.max_batch_size,
                 collective_timeout_s=cfg.collective_timeout_s,
+                dist_init=f"file://{self._dist_dir / 'store'}",
             )
             proc = self._ctx.Process(
                 target=run_scheduler,
@@ -268,6 +273,7 @@ class DemoFrontend:
             q.close()
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=grace_s)
+        shutil.rmtree(self._dist_dir, ignore_errors=True)
 
     # -- requests ---------------------------------------------------------------------------
 

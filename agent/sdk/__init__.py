@@ -56,6 +56,9 @@ __all__ = [
     "serve_control",
     "stop_control",
     "control_path",
+    # Flight Recorder: torch's worker server next to the control socket (agent.sdk.flightrec)
+    "serve_torch_worker",
+    "stop_torch_worker",
 ]
 
 _counter: SharedCounter | None = None
@@ -161,3 +164,4 @@ from agent.sdk.control import control_path, serve_control, stop_control  # noqa:
 from agent.sdk.profiler import ProfileRequest, ProfilerBusyError, request_profile, request_stop  # noqa: E402
 from agent.sdk.profiler import status as profile_status  # noqa: E402
 from agent.sdk.tracing import forward_span, inflight, maybe_record_function, request_span  # noqa: E402
+from agent.sdk.flightrec import serve_torch_worker, stop_torch_worker  # noqa: E402

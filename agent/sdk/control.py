@@ -27,7 +27,12 @@ Protocol: one JSON object per line each way; a reply echoes the request's ``id``
                                                                 ``stopped`` | ``already_stopped``),
                                                                 ``session``
 ``inflight``        -                                           ``requests`` (tracing.inflight())
+``fr_trace``        ``stack_traces`` (optional bool)            ``trace`` (the Flight Recorder dump,
+                                                                :func:`agent.sdk.flightrec.fr_trace`)
 ==================  ==========================================  ===================================
+
+``status`` also carries ``dist`` (``{rank, world_size, backend}`` once torch.distributed is
+initialized, else ``null``) and ``torch_worker`` (the worker-server socket path, or ``null``).
 
 Errors reply ``{"ok": false, "error": <code>, "detail": <one line>}`` with code
 ``invalid`` (bad JSON or fields), ``busy`` (a session is already pending/running),
@@ -47,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.sdk import profiler, tracing
+from agent.sdk import flightrec, profiler, tracing
 from agent.sdk._counter import remove_if_ours, shm_dir
 
 __all__ = [
@@ -151,6 +156,8 @@ def handle_request(req: Any) -> dict[str, Any]:
             "forward_ct": profiler.status()["forward_ct"],
             "profiler": profiler.status(),
             "inflight": len(tracing.inflight()),
+            "dist": flightrec.dist_info(),
+            "torch_worker": str(flightrec._worker_path) if flightrec._worker_path else None,
         }
         if isinstance(body.get("session_id"), str):
             out["session"] = profiler.session(body["session_id"])
@@ -173,6 +180,13 @@ def handle_request(req: Any) -> dict[str, Any]:
         return {"ok": True, "status": result, "session": st["session"] or st["last"]}
     if cmd == "inflight":
         return {"ok": True, "requests": tracing.inflight()}
+    if cmd == "fr_trace":
+        try:
+            return {"ok": True, "trace": flightrec.fr_trace(stack_traces=body.get("stack_traces") is True)}
+        except ImportError as exc:
+            return {"ok": False, "error": "unsupported", "detail": f"torch.distributed unavailable: {exc}"}
+        except (RuntimeError, ValueError) as exc:
+            return {"ok": False, "error": "failed", "detail": f"Flight Recorder dump failed: {exc}"}
     return {"ok": False, "error": "unknown_command", "detail": f"unknown cmd {cmd!r}"}
 
 

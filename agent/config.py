@@ -29,6 +29,7 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError
 
 from agent.actors.coredump import CoredumpConfig
+from agent.actors.flightrec import FlightRecorderConfig
 from agent.actors.profiler import ProfilerConfig
 from agent.actors.pyspy import PySpyConfig
 from agent.fsutil import ensure_private_dir
@@ -116,6 +117,7 @@ class Settings(BaseSettings):
     pyspy: PySpyConfig = Field(default_factory=PySpyConfig)
     coredump: CoredumpConfig = Field(default_factory=CoredumpConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+    flightrec: FlightRecorderConfig = Field(default_factory=FlightRecorderConfig)
     incident: IncidentConfig = Field(default_factory=IncidentConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)

@@ -41,6 +41,8 @@ __all__ = [
     "ActionCompleted",
     "StacksDumped",
     "CoredumpTriggered",
+    "FlightRecorderDumped",
+    "HardSignalSent",
     "ProfileStarted",
     "ProfileStopped",
     "IncidentClosed",
@@ -99,6 +101,8 @@ class Outcome(StrEnum):
     REFUSED = "refused"
     ALREADY_STOPPED = "already_stopped"
     SKIPPED = "skipped"
+    NOT_ENABLED = "not_enabled"  # the target runs without the feature (Flight Recorder buffer 0)
+    NO_SOURCE = "no_source"  # nothing to read the evidence from (no socket, server or pipe)
     FAILED = "failed"
 
 
@@ -308,6 +312,16 @@ class CoredumpTriggered(ActionCompleted):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FlightRecorderDumped(ActionCompleted):
+    """One rank's collective Flight Recorder was read (or could not be: not enabled, no source...)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HardSignalSent(ActionCompleted):
+    """Hard mode signalled a target (the verdict's culprit, or every rank) after an incident."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ProfileStarted(Event):
     """A profiling session started."""
 
@@ -333,6 +347,8 @@ class IncidentClosed(Event):
     outcomes: tuple[tuple[str, str], ...] = ()  # (action, outcome) in order
     #: ``closed``, or ``interrupted`` (the agent stopped mid-incident; what was captured is kept)
     state: str = "closed"
+    #: extra attributes of the incident's root span (the cross-rank verdict, ``servewatch.verdict.*``)
+    attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,8 +19,12 @@ Owns the one decision of what runs, in what order, and when to stop:
    :meth:`IncidentManager.interrupt` (SIGTERM/SIGINT) lets the current phase finish and skips
    the rest; an incident cancelled mid-phase is written ``state: interrupted`` with what it
    captured, and :func:`recover_interrupted` closes such bundles on the next start;
-5. in hard mode, after the evidence is captured, the stalled target gets a signal so an
-   orchestrator can restart it.
+5. with a judge (:class:`agent.judge.VerdictJudge`), the cross-rank verdict is made from the
+   evidence (culprit rank(s), reason, confidence): it goes on the incident span
+   (``servewatch.verdict.*``), into the manifest and first in every summary;
+6. in hard mode, after the evidence is captured, the verdict's culprit rank(s) get a signal
+   (``watchdog.hard_targets``: ``culprit``, the default, or ``all``) so an orchestrator can
+   restart them; each signal is a ``hard.signal`` action (a span).
 
 Imports :mod:`agent.events`, :mod:`agent.bus`, :mod:`agent.targets` and the span-id helpers of
 :mod:`exporters.spans`; actors are passed in as :class:`Phase` callables, so this module never
@@ -55,6 +59,7 @@ from agent.events import (
     IncidentOpened,
     IncidentRetraced,
     Outcome,
+    HardSignalSent,
     TargetExited,
     WatchdogStalled,
     frozen_attrs,
@@ -176,6 +181,10 @@ class IncidentRecord:
     interrupted_reason: str = ""
     #: IncidentClosed was published (the root span is on its way)
     root_published: bool = False
+    #: the cross-rank verdict (an :class:`agent.verdict.Verdict`), when a judge made one
+    verdict: Any = None
+    #: seconds spent making the verdict after the evidence was in
+    verdict_duration_s: float = 0.0
 
     @property
     def bundle_dir(self) -> Path:
@@ -224,6 +233,10 @@ class IncidentRecord:
             "root_published": self.root_published,
             "agent_pid": os.getpid(),
             "updated_time_unix_nano": now_ns(),
+            "verdict": (
+                {**self.verdict.to_json(), "duration_s": round(self.verdict_duration_s, 6)}
+                if self.verdict is not None else None
+            ),
         }
 
 
@@ -292,7 +305,10 @@ class IncidentManager:
         on_summary: optional callback when the summary's evidence is in (stacks, coredumps):
             before deferred phases (a profile) run, so printing it never waits for them.
         hard_signal: hard mode (``WatchdogConfig.hard``): after a stall incident's evidence is
-            captured, send this signal number to the stalled target; ``None`` = soft.
+            captured, send this signal number; ``None`` = soft.
+        hard_targets: who gets it: ``culprit`` (the verdict's culprit rank(s); without one, the
+            stalled target) or ``all`` (every target).
+        judge: makes the cross-rank verdict (:class:`agent.judge.VerdictJudge`); ``None``: none.
     """
 
     def __init__(
@@ -308,6 +324,8 @@ class IncidentManager:
         on_incident: Callable[[IncidentRecord], None] | None = None,
         hard_signal: int | None = None,
         on_summary: Callable[[IncidentRecord], None] | None = None,
+        hard_targets: str = "culprit",
+        judge: Any = None,
     ) -> None:
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
@@ -324,6 +342,8 @@ class IncidentManager:
         self.inflight = inflight
         self.on_incident = on_incident
         self.hard_signal = hard_signal
+        self.hard_targets = hard_targets
+        self.judge = judge
         self.records: list[IncidentRecord] = []
         #: the incident running now, if any
         self.current: IncidentRecord | None = None
@@ -489,6 +509,13 @@ class IncidentManager:
         if pid is not None:  # the culprit first
             targets.sort(key=lambda t: t.pid != pid)
 
+        steps_at_open: dict[int, int] = {}
+        if self.judge is not None:
+            try:
+                steps_at_open = self.judge.opened(targets)
+            except Exception:  # the verdict is a nicety; the evidence comes first
+                log.exception("reading step counters for the verdict failed")
+
         inflight: list[InflightRequest] = []
         if self.inflight is not None and targets:
             with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
@@ -514,7 +541,7 @@ class IncidentManager:
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         self.current = record
         try:
-            return await self._run_phases(record, trigger, pid)
+            return await self._run_phases(record, trigger, pid, cause=cause, steps_at_open=steps_at_open)
         except BaseException:
             # cancelled mid-phase (agent stopping past the grace): keep what was captured
             with anyio.CancelScope(shield=True):
@@ -550,6 +577,7 @@ class IncidentManager:
                 manifest_path=str(record.manifest_path),
                 outcomes=tuple((r.action, r.outcome.value) for r in record.results),
                 state=record.state,
+                attributes=record.verdict.attributes() if record.verdict is not None else {},
             )
         )
 
@@ -600,7 +628,10 @@ class IncidentManager:
             record.interrupted_reason = f"{self._interrupt}: skipped {', '.join(record.phases_pending)}"
         return True
 
-    async def _run_phases(self, record: IncidentRecord, trigger: str, pid: int | None) -> IncidentRecord:
+    async def _run_phases(
+        self, record: IncidentRecord, trigger: str, pid: int | None, *,
+        cause: Event | None = None, steps_at_open: dict[int, int] | None = None,
+    ) -> IncidentRecord:
         opened = record.opened
         incident_id = opened.incident_id
         bundle_dir = record.bundle_dir
@@ -632,6 +663,17 @@ class IncidentManager:
                 },
             )
 
+        if self.judge is not None:
+            t0 = time.monotonic()
+            with anyio.move_on_after(min(10.0, self.config.phase_timeout_s)):
+                try:
+                    record.verdict = await self.judge.decide(targets, record.results, cause, steps_at_open or {})
+                except Exception:  # the verdict is a nicety; the evidence comes first
+                    log.exception("making the verdict failed")
+            record.verdict_duration_s = time.monotonic() - t0
+            if record.verdict is not None:
+                log.warning("incident %s: %s", incident_id, record.verdict.headline())
+
         for collect in companions:
             with anyio.move_on_after(self.config.phase_timeout_s):
                 for event in await collect():
@@ -639,7 +681,9 @@ class IncidentManager:
                     await self.bus.publish(event)
 
         if self.hard_signal is not None and trigger == "stall" and not self._interrupt:
-            self._send_hard_signal(record, pid)
+            for result in self._send_hard_signal(record, pid):
+                record.results.append(result)
+                await self.bus.publish(HardSignalSent(source="incidents", incident_id=incident_id, result=result))
 
         self._write_manifest(record)
         if self.on_summary is not None:
@@ -661,20 +705,44 @@ class IncidentManager:
             self.on_incident(record)
         return record
 
-    def _send_hard_signal(self, record: IncidentRecord, pid: int | None) -> None:
+    def _send_hard_signal(self, record: IncidentRecord, pid: int | None) -> list[ActionResult]:
+        """Signal the culprit rank(s) (or every target, per ``hard_targets``); one result each."""
         sig = self.hard_signal
         if sig is None:
-            return
-        pids = [pid] if pid is not None else [t.pid for t in record.targets]
+            return []
+        verdict = record.verdict
+        if self.hard_targets == "all":
+            pids, why = [t.pid for t in record.targets], "every rank (hard_targets=all)"
+        elif verdict is not None and verdict.hung and verdict.culprit_pids:
+            pids, why = [p for p in verdict.culprit_pids if p], f"culprit per verdict: {verdict.reason}"
+        elif verdict is not None and not verdict.hung:
+            return []  # progressing: nothing to restart
+        else:
+            pids = [pid] if pid is not None else [t.pid for t in record.targets]
+            why = "no culprit named; the stalled target" if pid is not None else "no culprit named; every target"
+        name = signal_mod.Signals(sig).name
+        results: list[ActionResult] = []
         for target_pid in pids:
+            start = now_ns()
             try:
                 os.kill(target_pid, sig)
             except (ProcessLookupError, PermissionError) as exc:
                 record.hard_signal_sent[target_pid] = f"failed: {type(exc).__name__}"
+                outcome = Outcome.NO_SUCH_PROCESS if isinstance(exc, ProcessLookupError) else Outcome.PERMISSION_DENIED
+                detail = f"{name} to pid {target_pid} failed: {type(exc).__name__}"
             else:
-                record.hard_signal_sent[target_pid] = signal_mod.Signals(sig).name
+                record.hard_signal_sent[target_pid] = name
                 self._hard_signalled.add(target_pid)
-                log.warning("hard mode: sent %s to pid %d", signal_mod.Signals(sig).name, target_pid)
+                outcome, detail = Outcome.OK, f"sent {name} to pid {target_pid} ({why})"
+                log.warning("hard mode: sent %s to pid %d (%s)", name, target_pid, why)
+            results.append(
+                ActionResult(
+                    action="hard.signal", outcome=outcome, pid=target_pid, detail=detail,
+                    start_time_unix_nano=start, end_time_unix_nano=now_ns(),
+                    attributes={"servewatch.hard.signal": name, "servewatch.hard.targets": self.hard_targets},
+                )
+            )
+        return results
 
 
 def _pid_alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ import logging
 import random
 import subprocess
 import time
+from functools import partial
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from agent.actors.coredump import CoredumpActor
 from agent.actors.coredump_target import LAUNCH_RECORD_DIR
+from agent.actors.flightrec import FlightRecorderActor
 from agent.actors.pyspy import PySpyActor
 from agent.bus import EventBus, Subscription
 from agent.config import Settings
@@ -31,6 +33,7 @@ from agent.events import (
     ComponentStatus,
     ComponentStatusChanged,
     CoredumpTriggered,
+    FlightRecorderDumped,
     IncidentOpened,
     Outcome,
     ProfileStopped,
@@ -43,6 +46,7 @@ from agent.fsutil import remove_stale_temps
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase, recover_interrupted
 from agent.procinfo import DEAD_MEMORY_S, death_of
 from agent.targets import NO_TARGET_WARNING, ProcessState, Target, discover, process_state, spread_warning
+from agent.judge import VerdictJudge
 from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
 from agent.watchers.status import StatusBoard, WatcherState, WatcherStatus, status_path
@@ -130,7 +134,10 @@ class Agent:
             from agent.actors.profiler import ProfilerActor
 
             self.profiler = ProfilerActor(settings.profiler)
+        self.flightrec = FlightRecorderActor(settings.flightrec) if settings.flightrec.enabled else None
         phases: list[tuple[str, Phase, type]] = [("pyspy.dump", self._dump_phase, StacksDumped)]
+        if self.flightrec is not None:
+            phases.append(("flightrec.dump", self._flightrec_phase, FlightRecorderDumped))
         if self.coredump is not None:
             phases.append(("cuda.coredump", self._coredump_phase, CoredumpTriggered))
         if self.profiler is not None:
@@ -147,6 +154,8 @@ class Agent:
             on_incident=on_incident,
             hard_signal=wd.signal_number if wd.hard else None,
             on_summary=on_summary,
+            hard_targets=wd.hard_targets,
+            judge=VerdictJudge(),
         )
         self.process_watcher = ProcessWatcher(poll_interval_s=0.5, children=self.children)
         #: per-target step watchers, keyed by (pid, create time): cancelled when it exits
@@ -205,6 +214,12 @@ class Agent:
 
     async def _dump_phase(self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path) -> list[ActionResult]:
         return await self.pyspy.dump_all(opened, list(targets), artifact_dir=bundle)
+
+    async def _flightrec_phase(
+        self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
+    ) -> list[ActionResult]:
+        assert self.flightrec is not None
+        return await self.flightrec.collect_all(opened, list(targets), artifact_dir=bundle)
 
     async def _coredump_phase(
         self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
@@ -295,6 +310,11 @@ class Agent:
                 outer.start_soon(mirror_events, mirror, mirror_sub)
                 outer.start_soon(self._record_metrics, self.telemetry.metrics, metrics_sub)
                 outer.start_soon(self._record_status, status_sub)
+                if self.flightrec is not None:
+                    # torch's Flight Recorder analyzer takes seconds to import: pay it now, off the loop
+                    from agent.verdict import warm_up
+
+                    outer.start_soon(partial(anyio.to_thread.run_sync, warm_up, abandon_on_cancel=True))
                 try:
                     async with anyio.create_task_group() as tg:
                         try:

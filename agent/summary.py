@@ -64,6 +64,7 @@ def incident_summary(record: IncidentRecord) -> dict[str, Any]:
         "state": record.state,
         "phases_pending": list(record.phases_pending),
         "interrupted_reason": record.interrupted_reason,
+        "verdict": record.verdict.to_json() if record.verdict is not None else None,
     }
 
 
@@ -96,7 +97,8 @@ def late_result_lines(record: IncidentRecord, already: int) -> list[str]:
 def summary_lines(record: IncidentRecord) -> list[str]:
     """A short human summary: trigger, what ran, where the artifacts are, how to view them."""
     o = record.opened
-    lines = [f"Incident {o.incident_id} ({o.trigger}): {o.detail}"]
+    lines = [record.verdict.headline()] if record.verdict is not None else []  # the verdict comes first
+    lines.append(f"Incident {o.incident_id} ({o.trigger}): {o.detail}")
     for r in record.results:
         lines.append(_result_line(record, r))
     if record.inflight:

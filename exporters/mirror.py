@@ -68,7 +68,7 @@ MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, Inc
 PROFILE_SPAN = "profile.session"
 #: Outcomes that are facts about the target, not failures: their spans keep status UNSET (an
 #: unarmed coredump is the normal case without ``servewatch launch``; no red span in Jaeger).
-NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOPPED})
+NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOPPED, Outcome.NOT_ENABLED, Outcome.NO_SOURCE})
 #: Most span links put on one root span (in-flight requests can be thousands).
 MAX_LINKS = 128
 
@@ -253,6 +253,7 @@ class SpanMirror:
             if closed.outcomes:
                 attributes["servewatch.incident.outcomes"] = tuple(f"{a}={o}" for a, o in closed.outcomes)
             attributes["servewatch.incident.state"] = getattr(closed, "state", "closed") or "closed"
+            attributes.update(closed.attributes)  # the verdict (servewatch.verdict.*)
         else:
             attributes["servewatch.incident.unclosed"] = unclosed_reason
         if inc.retraced_from:

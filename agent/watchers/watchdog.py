@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import signal as _signal
 import time
+from typing import Literal
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -57,12 +58,15 @@ class WatchdogConfig(BaseModel):
             target (executed by the incident code, not here). Default ``False`` (soft).
         signal: signal name for hard mode, e.g. ``"SIGABRT"`` (default: a core dump and a
             non-zero exit an orchestrator restarts on), ``"SIGKILL"``, ``"SIGTERM"``.
+        hard_targets: who hard mode signals: ``"culprit"`` (default: the cross-rank verdict's
+            culprit rank(s), never just the rank whose watchdog fired first) or ``"all"``.
     """
 
     timeout_s: float = Field(default=300.0, gt=0)
     poll_interval_s: float = Field(default=1.0, gt=0)
     hard: bool = False
     signal: str = "SIGABRT"
+    hard_targets: Literal["culprit", "all"] = "culprit"
 
     @field_validator("signal")
     @classmethod

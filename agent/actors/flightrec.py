@@ -1,0 +1,459 @@
+"""Flight Recorder actor: each rank's collective history, read during an incident.
+
+Owns reading torch's collective Flight Recorder (per process group: collective sequence ids, op,
+sizes, state, timestamps) out of every target rank, one bounded action per rank
+(``flightrec.dump``), the artifact ``flightrec-rank<r>-<pid>.json`` per rank, and the launch
+environment that arms the recorder (``TORCH_FR_BUFFER_SIZE``).
+
+Sources, tried in this order until one answers (per rank, all within ``timeout_s``):
+
+1. ``sdk_worker``: torch's C++ worker server that :func:`agent.sdk.serve_torch_worker` serves on
+   ``<socket_dir>/servewatch-torch.<pid>.sock`` (``POST /handler/fr_trace_json``; answered on C++
+   threads, so also while the rank's Python thread is stuck);
+2. ``sdk_control``: the SDK control socket's ``fr_trace`` command (``_dump_fr_trace_json``);
+3. ``debug_server``: torch's own per-rank worker server, where the server started it
+   (``torch.distributed.debug.start_debug_server``; found among the target's listening TCP
+   ports);
+4. ``nccl_pipe``: the NCCL debug-info pipe (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``, per rank
+   ``<stem><rank>.pipe``), where armed: one byte written makes the NCCL watchdog dump the
+   recorder to ``TORCH_FR_DUMP_TEMP_FILE`` / ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` + rank (pickle,
+   read with an unpickler that builds plain containers only).
+
+Outcomes, one per rank: ``ok``; ``not_enabled`` (a source answered with an empty recorder: the
+buffer is 0); ``no_source`` (no socket, debug server or armed pipe); ``timed_out``; ``failed``.
+
+Imports anyio, psutil, :mod:`agent.events`, :mod:`agent.targets`, :mod:`agent.fsutil`, the SDK's
+path helpers and the control-socket client of :mod:`agent.actors.profiler`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import stat
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from pydantic import BaseModel, Field
+
+from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, now_ns
+from agent.fsutil import atomic_write_text
+from agent.targets import Target
+
+__all__ = [
+    "ACTION",
+    "FR_BUFFER_ENV",
+    "FR_BUFFER_DEFAULT",
+    "SOURCES",
+    "FlightRecorderConfig",
+    "FlightRecorderActor",
+    "flight_recorder_env",
+    "rank_from_title",
+    "summarize_trace",
+]
+
+log = logging.getLogger("servewatch.flightrec")
+
+#: Span name of one rank's Flight Recorder read.
+ACTION = "flightrec.dump"
+#: torch's variable sizing the recorder (entries per process); read at ``init_process_group``.
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+#: Entries armed by ``launch`` / ``cuda-env`` when the user did not size the buffer.
+FR_BUFFER_DEFAULT = "2000"
+#: Source names, in the order they are tried.
+SOURCES = ("sdk_worker", "sdk_control", "debug_server", "nccl_pipe")
+#: torch's NCCL debug-info pipe stem and dump-file variables (per rank: stem + rank).
+NCCL_PIPE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+NCCL_DUMP_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+NCCL_DUMP_DEFAULT = "/tmp/nccl_trace_rank_"
+#: Largest reply or dump read, bytes (a 20k-entry recorder with stacks is a few MiB).
+MAX_TRACE_BYTES = 64 * 1024 * 1024
+_TP_RE = re.compile(r"_TP(\d+)(?:_|$)")
+
+
+class FlightRecorderConfig(BaseModel):
+    """User settings of the Flight Recorder actor."""
+
+    enabled: bool = Field(True, description="read every rank's collective Flight Recorder during an incident")
+    timeout_s: float = Field(2.0, gt=0, description="budget of one rank's read, all sources together, seconds")
+    socket_dir: Path | None = Field(None, description="folder of the SDK sockets (default: the SDK's shm folder)")
+    debug_server: bool = Field(True, description="also look for torch's debug worker server on the target's TCP ports")
+    nccl_pipe: bool = Field(True, description="also trigger the NCCL debug-info pipe where the target armed it")
+    buffer_size: int = Field(
+        int(FR_BUFFER_DEFAULT), ge=1, description="TORCH_FR_BUFFER_SIZE armed by launch / cuda-env (user values kept)"
+    )
+
+
+def flight_recorder_env(environ: Mapping[str, str], *, buffer_size: int = int(FR_BUFFER_DEFAULT)) -> tuple[dict[str, str], dict[str, str]]:
+    """Variables arming the Flight Recorder, the user's values kept.
+
+    Returns:
+        ``(set, kept)``: what to add, and the user's own values left as they are.
+    """
+    if FR_BUFFER_ENV in environ:
+        return {}, {FR_BUFFER_ENV: environ[FR_BUFFER_ENV]}
+    return {FR_BUFFER_ENV: str(buffer_size)}, {}
+
+
+def rank_from_title(title: str) -> int | None:
+    """The TP rank in an SGLang-style title (``sglang::scheduler_DP0_TP3`` -> 3), else ``None``."""
+    m = _TP_RE.search(title or "")
+    return int(m.group(1)) if m else None
+
+
+def summarize_trace(trace: Mapping[str, Any]) -> dict[str, AttributeValue]:
+    """Bounded span attributes of one Flight Recorder dump.
+
+    ``last_enqueued`` / ``last_completed`` are those of process group ``0`` (the default group)
+    when present, else of the first group.
+    """
+    entries = trace.get("entries") or []
+    status = trace.get("pg_status") or {}
+    attrs: dict[str, AttributeValue] = {"servewatch.flightrec.entries": len(entries) if isinstance(entries, list) else 0}
+    if isinstance(status, dict) and status:
+        pg = "0" if "0" in status else sorted(status)[0]
+        st = status.get(pg) or {}
+        for key, name in (("last_enqueued_collective", "last_enqueued"), ("last_completed_collective", "last_completed")):
+            try:
+                attrs[f"servewatch.flightrec.{name}"] = int(st.get(key))
+            except (TypeError, ValueError):
+                pass
+        attrs["servewatch.flightrec.process_groups"] = len(status)
+    if isinstance(entries, list) and entries and isinstance(entries[-1], dict):
+        last = entries[-1]
+        attrs["servewatch.flightrec.last_op"] = f"{last.get('profiling_name', '?')} #{last.get('collective_seq_id', '?')}"
+    return attrs
+
+
+class _SourceMissing(Exception):
+    """This source does not exist for the target (try the next one)."""
+
+
+class _SourceFailed(Exception):
+    """This source exists but did not give a dump."""
+
+
+class _Restricted(pickle.Unpickler):
+    """Unpickles plain containers only: a target-written file never runs code in the agent."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in {"set", "frozenset", "list", "dict", "tuple"}:
+            return getattr(__import__("builtins"), name)
+        if module == "collections" and name == "OrderedDict":
+            from collections import OrderedDict
+
+            return OrderedDict
+        raise pickle.UnpicklingError(f"global {module}.{name} refused")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    source: str
+    trace: dict[str, Any]
+    detail: str = ""
+
+
+class FlightRecorderActor:
+    """Reads each rank's Flight Recorder (see the module docstring for sources and outcomes).
+
+    Args:
+        config: settings.
+        environ_of: returns a target's environment as servewatch knows it (``launch`` knows the
+            child's; otherwise ``/proc/<pid>/environ`` is read, which setproctitle may blank).
+    """
+
+    name = "flightrec"
+
+    def __init__(self, config: FlightRecorderConfig | None = None, *, environ_of: Any = None) -> None:
+        self.config = config or FlightRecorderConfig()
+        self._environ_of = environ_of
+
+    async def collect_all(self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path) -> list[ActionResult]:
+        """One read per target, all in parallel; results in target order."""
+        from agent.actors import act_all
+
+        return await act_all(self, trigger, targets, timeout_s=self.config.timeout_s, artifact_dir=artifact_dir)
+
+    async def act(self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path) -> ActionResult:
+        start = now_ns()
+        rank: int | None = None
+        attrs: dict[str, AttributeValue] = {"process.title": target.title} if target.title else {}
+
+        def result(outcome: Outcome, detail: str, *, paths: tuple[str, ...] = (), retryable: bool = False) -> ActionResult:
+            if rank is not None:
+                attrs["servewatch.flightrec.rank"] = rank
+            return ActionResult(
+                action=ACTION, outcome=outcome, pid=target.pid, detail=detail, retryable=retryable,
+                start_time_unix_nano=start, end_time_unix_nano=now_ns(), artifact_paths=paths, attributes=dict(attrs),
+            )
+
+        read: _Read | None = None
+        tried: list[str] = []
+        with anyio.move_on_after(timeout_s) as scope:
+            try:
+                rank = await self._rank(target)
+                read = await self._read(target, rank, tried)
+            except Exception as exc:  # an actor's boundary: an outcome, never a crash
+                log.exception("Flight Recorder read of pid %d failed", target.pid)
+                return result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+        if scope.cancelled_caught:
+            return result(Outcome.TIMED_OUT, f"no Flight Recorder dump within {timeout_s:g}s (tried: {', '.join(tried) or '-'})", retryable=True)
+        if read is None:
+            detail = "no source: " + ("; ".join(tried) if tried else "no SDK socket, debug server or NCCL pipe")
+            return result(Outcome.NO_SOURCE, detail)
+        trace = read.trace
+        if rank is None:
+            meta = trace.get("servewatch") if isinstance(trace.get("servewatch"), dict) else {}
+            if isinstance(meta.get("rank"), int):
+                rank = meta["rank"]
+        attrs["servewatch.flightrec.source"] = read.source
+        attrs.update(summarize_trace(trace))
+        if not trace.get("entries") and not trace.get("pg_status"):
+            return result(Outcome.NOT_ENABLED, f"{read.source}: the Flight Recorder is empty (set {FR_BUFFER_ENV} before init_process_group)")
+        doc = {"pid": target.pid, "title": target.title, "rank": rank, "source": read.source,
+               "captured_time_unix_nano": now_ns(), "trace": trace}
+        name = f"flightrec-rank{rank if rank is not None else 'x'}-{target.pid}.json"
+        path = Path(artifact_dir) / name
+        try:
+            await anyio.to_thread.run_sync(atomic_write_text, path, json.dumps(doc))
+        except OSError as exc:
+            return result(Outcome.FAILED, f"cannot write {path}: {exc}")
+        n = attrs.get("servewatch.flightrec.entries", 0)
+        return result(Outcome.OK, f"{n} entries via {read.source}{', ' + read.detail if read.detail else ''}", paths=(str(path),))
+
+    # -- rank ---------------------------------------------------------------------------------
+
+    async def _rank(self, target: Target) -> int | None:
+        """The target's rank: the SDK's ``status`` (torch.distributed), else its title, else RANK."""
+        from agent.actors.profiler import SdkCallError, sdk_call
+        from agent.sdk.control import control_path
+
+        path = control_path(target.pid, self.config.socket_dir)
+        if path.exists():
+            try:
+                with anyio.move_on_after(min(1.0, self.config.timeout_s / 2)):
+                    reply = await sdk_call(path, {"cmd": "status"}, timeout_s=1.0)
+                    dist = reply.get("dist") if isinstance(reply.get("dist"), dict) else {}
+                    if isinstance(dist.get("rank"), int):
+                        return int(dist["rank"])
+            except SdkCallError:
+                pass
+        by_title = rank_from_title(target.title)
+        if by_title is not None:
+            return by_title
+        env = self._environ(target.pid)
+        for key in ("RANK", "LOCAL_RANK"):
+            if env.get(key, "").isdigit():
+                return int(env[key])
+        return None
+
+    def _environ(self, pid: int) -> dict[str, str]:
+        if self._environ_of is not None:
+            try:
+                env = self._environ_of(pid)
+            except Exception:  # noqa: BLE001 - a hint only
+                env = None
+            if env:
+                return dict(env)
+        try:
+            return dict(psutil.Process(pid).environ())
+        except (psutil.Error, OSError):
+            return {}
+
+    # -- sources ------------------------------------------------------------------------------
+
+    async def _read(self, target: Target, rank: int | None, tried: list[str]) -> _Read | None:
+        readers = [("sdk_worker", self._from_worker), ("sdk_control", self._from_control)]
+        if self.config.debug_server:
+            readers.append(("debug_server", self._from_debug_server))
+        if self.config.nccl_pipe:
+            readers.append(("nccl_pipe", self._from_nccl_pipe))
+        for source, reader in readers:
+            try:
+                trace, detail = await reader(target, rank)
+            except _SourceMissing:
+                continue
+            except _SourceFailed as exc:
+                tried.append(f"{source}: {exc}")
+                continue
+            if not isinstance(trace, dict):
+                tried.append(f"{source}: reply is not a JSON object")
+                continue
+            return _Read(source, trace, detail)
+        return None
+
+    async def _from_worker(self, target: Target, rank: int | None) -> tuple[Any, str]:
+        from agent.sdk.flightrec import worker_path
+
+        path = worker_path(target.pid, self.config.socket_dir)
+        if not path.exists():
+            raise _SourceMissing
+        try:
+            stream = await anyio.connect_unix(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise _SourceMissing from exc
+        except OSError as exc:
+            raise _SourceFailed(f"{path}: {exc.strerror or exc}") from None
+        async with stream:
+            body = await _http_post(stream, "fr_trace_json")
+        return _parse_json(body, str(path)), ""
+
+    async def _from_control(self, target: Target, rank: int | None) -> tuple[Any, str]:
+        from agent.actors.profiler import SdkCallError, sdk_call
+        from agent.sdk.control import control_path
+
+        path = control_path(target.pid, self.config.socket_dir)
+        if not path.exists():
+            raise _SourceMissing
+        try:
+            reply = await sdk_call(path, {"cmd": "fr_trace"}, timeout_s=self.config.timeout_s)
+        except SdkCallError as exc:
+            if exc.outcome is Outcome.NO_SUCH_PROCESS:
+                raise _SourceMissing from None
+            raise _SourceFailed(exc.detail) from None
+        if not reply.get("ok"):
+            raise _SourceFailed(f"{reply.get('error')}: {reply.get('detail', '')}")
+        return reply.get("trace"), ""
+
+    async def _from_debug_server(self, target: Target, rank: int | None) -> tuple[Any, str]:
+        ports = await anyio.to_thread.run_sync(_listening_ports, target.pid)
+        if not ports:
+            raise _SourceMissing
+        for port in ports:
+            try:
+                with anyio.fail_after(min(0.5, self.config.timeout_s / 2)):
+                    stream = await anyio.connect_tcp("127.0.0.1", port)
+                    async with stream:
+                        body = await _http_post(stream, "fr_trace_json")
+            except (TimeoutError, OSError, _SourceFailed):
+                continue
+            try:
+                trace = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(trace, dict) and ("entries" in trace or "pg_status" in trace or "version" in trace):
+                return trace, f"port {port}"
+        raise _SourceMissing
+
+    async def _from_nccl_pipe(self, target: Target, rank: int | None) -> tuple[Any, str]:
+        env = self._environ(target.pid)
+        stem = env.get(NCCL_PIPE_ENV, "")
+        if not stem or rank is None:
+            raise _SourceMissing
+        pipe = Path(f"{stem}{rank}.pipe")
+        if not pipe.is_absolute():
+            pipe = Path(f"/proc/{target.pid}/cwd") / pipe
+        try:
+            if not stat.S_ISFIFO(pipe.stat().st_mode):
+                raise _SourceFailed(f"{pipe} is not a FIFO")
+        except FileNotFoundError:
+            raise _SourceMissing from None
+        dump_stem = next((env[k] for k in NCCL_DUMP_ENVS if env.get(k)), NCCL_DUMP_DEFAULT)
+        dump = Path(f"{dump_stem}{rank}")
+        if not dump.is_absolute():
+            dump = Path(f"/proc/{target.pid}/cwd") / dump
+        before = _mtime_ns(dump)
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError as exc:  # ENXIO: nobody reads it (the watchdog thread is gone)
+            raise _SourceFailed(f"{pipe}: {exc.strerror or exc}") from None
+        try:
+            os.write(fd, b"1")
+        finally:
+            os.close(fd)
+        # the NCCL watchdog polls the pipe about once a second, then writes the dump
+        last_size = -1
+        while True:
+            now = _mtime_ns(dump)
+            if now is not None and now != before:
+                size = dump.stat().st_size
+                if size == last_size and size > 0:
+                    break
+                last_size = size
+            await anyio.sleep(0.05)
+        data = await anyio.to_thread.run_sync(_read_pickle, dump)
+        return data, f"{pipe} -> {dump}"
+
+
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _read_pickle(path: Path) -> Any:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_TRACE_BYTES + 1)
+    if len(raw) > MAX_TRACE_BYTES:
+        raise _SourceFailed(f"{path}: dump larger than {MAX_TRACE_BYTES} bytes")
+    if raw[:1] == b"{":
+        return json.loads(raw)
+    try:
+        return _jsonable(_Restricted(io.BytesIO(raw)).load())
+    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise _SourceFailed(f"{path}: cannot read the dump: {exc}") from None
+
+
+def _listening_ports(pid: int) -> list[int]:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr})
+
+
+async def _http_post(stream: Any, handler: str) -> bytes:
+    """``POST /handler/<handler>`` over an open stream (HTTP/1.1, one request); the body."""
+    request = (
+        f"POST /handler/{handler} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    await stream.send(request)
+    buf = bytearray()
+    while True:
+        try:
+            chunk = await stream.receive(65536)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            break
+        buf += chunk
+        if len(buf) > MAX_TRACE_BYTES:
+            raise _SourceFailed(f"reply larger than {MAX_TRACE_BYTES} bytes")
+        head, sep, body = bytes(buf).partition(b"\r\n\r\n")
+        if sep:
+            m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+            if m and len(body) >= int(m.group(1)):
+                break
+    head, sep, body = bytes(buf).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if not sep or len(status) < 2 or status[1] != b"200":
+        raise _SourceFailed(f"HTTP {status[1].decode(errors='replace') if len(status) > 1 else '?'} from the worker server")
+    m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    return body[: int(m.group(1))] if m else body
+
+
+def _parse_json(body: bytes, where: str) -> Any:
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _SourceFailed(f"{where}: bad JSON: {exc}") from None
+

@@ -1,0 +1,154 @@
+"""Gathers an incident's per-rank evidence and asks :mod:`agent.verdict` for the verdict.
+
+Owns the I/O around the pure verdict: forward-step counters read when the incident opens and
+again once the evidence is in, process states, the exit status of the rank whose exit triggered
+the incident, the py-spy dumps and Flight Recorder dumps the incident's actions wrote (read back
+from their artifacts, so the verdict is a function of the bundle plus those readings).
+
+Used by :mod:`agent.incidents` through the two calls of :class:`VerdictJudge`; imports
+:mod:`agent.verdict`, :mod:`agent.events`, :mod:`agent.targets`, the SDK's counter reader, and the
+parsers of :mod:`agent.actors.pyspy` / :mod:`agent.actors.flightrec` (pure functions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal as signal_mod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from agent.actors.flightrec import ACTION as FR_ACTION
+from agent.actors.flightrec import rank_from_title
+from agent.actors.pyspy import ACTION as PYSPY_ACTION
+from agent.actors.pyspy import parse_dump
+from agent.events import ActionResult, Event, Outcome, TargetExited
+from agent.sdk._counter import counter_path, read_counter
+from agent.targets import ProcessState, Target, process_state
+from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide
+
+__all__ = ["VerdictJudge", "read_steps", "signal_name"]
+
+log = logging.getLogger("servewatch.judge")
+
+#: Largest artifact read back for the verdict, bytes.
+_MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+
+
+def signal_name(number: int | None) -> str | None:
+    """``11`` -> ``"SIGSEGV"``; ``None`` stays ``None``."""
+    if number is None:
+        return None
+    try:
+        return signal_mod.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def read_steps(pids: Sequence[int], socket_dir: Path | None = None) -> dict[int, int]:
+    """Forward-step counters of ``pids`` that have an SDK counter file (tmpfs reads)."""
+    out: dict[int, int] = {}
+    for pid in pids:
+        snap = read_counter(counter_path(pid, socket_dir))
+        if snap is not None and snap.pid == pid:
+            out[pid] = snap.forward_ct
+    return out
+
+
+def _read_json(path: str) -> Any:
+    p = Path(path)
+    try:
+        if p.stat().st_size > _MAX_ARTIFACT_BYTES:
+            return None
+        return json.loads(p.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+class VerdictJudge:
+    """The two calls :class:`agent.incidents.IncidentManager` makes around an incident.
+
+    Args:
+        shm_dir: folder of the SDK's counter files (default: the SDK's).
+    """
+
+    def __init__(self, *, shm_dir: Path | None = None) -> None:
+        self.shm_dir = shm_dir
+
+    def opened(self, targets: Sequence[Target]) -> dict[int, int]:
+        """Step counters when the incident opens (microseconds; called on the event loop)."""
+        return read_steps([t.pid for t in targets], self.shm_dir)
+
+    async def decide(
+        self, targets: Sequence[Target], results: Sequence[ActionResult], cause: Event | None, steps_before: dict[int, int]
+    ) -> Verdict | None:
+        """The verdict, or ``None`` for a single process with no distributed evidence."""
+        return await anyio.to_thread.run_sync(self._decide, list(targets), list(results), cause, steps_before)
+
+    def _decide(
+        self, targets: list[Target], results: list[ActionResult], cause: Event | None, steps_before: dict[int, int]
+    ) -> Verdict | None:
+        steps_after = read_steps([t.pid for t in targets], self.shm_dir)
+        dumps = {r.pid: r for r in results if r.action == PYSPY_ACTION and r.pid is not None}
+        frs = {r.pid: r for r in results if r.action == FR_ACTION and r.pid is not None}
+
+        everyone: list[tuple[Target, bool]] = [(t, False) for t in targets]
+        if isinstance(cause, TargetExited) and all(t.pid != cause.pid for t in targets):
+            everyone.insert(0, (Target(pid=cause.pid, title=cause.title), True))
+        if len(everyone) < 2 and not frs:
+            return None  # not a distributed job as far as we can see
+
+        ranks: dict[int, int] = {}
+        for target, _ in everyone:
+            fr = frs.get(target.pid)
+            rank = fr.attributes.get("servewatch.flightrec.rank") if fr is not None else None
+            if not isinstance(rank, int):
+                rank = rank_from_title(target.title)
+            if isinstance(rank, int) and rank not in ranks.values():
+                ranks[target.pid] = rank
+        free = (r for r in range(10**6) if r not in ranks.values())
+        for target, _ in everyone:
+            if target.pid not in ranks:
+                ranks[target.pid] = next(free)
+
+        evidence: list[RankEvidence] = []
+        for target, exited in everyone:
+            frame_class, frame = FrameClass.UNKNOWN, ""
+            dump = dumps.get(target.pid)
+            if dump is not None and dump.outcome is Outcome.OK:
+                path = next((p for p in dump.artifact_paths if p.endswith(".json")), None)
+                if path is not None:
+                    try:
+                        frame_class, frame = classify_stack(parse_dump(Path(path).read_bytes()))
+                    except (OSError, ValueError) as exc:
+                        log.warning("cannot read %s for the verdict: %s", path, exc)
+            fr_dump = None
+            fr = frs.get(target.pid)
+            if fr is not None and fr.outcome is Outcome.OK and fr.artifact_paths:
+                doc = _read_json(fr.artifact_paths[0])
+                if isinstance(doc, dict) and isinstance(doc.get("trace"), dict):
+                    fr_dump = doc["trace"]
+            if exited:
+                alive = False
+            else:
+                state = process_state(target.pid, create_time_s=target.create_time_s)
+                alive = state not in (ProcessState.GONE, ProcessState.ZOMBIE)
+            evidence.append(
+                RankEvidence(
+                    rank=ranks[target.pid],
+                    pid=target.pid,
+                    alive=alive,
+                    exited_first=exited,
+                    exit_signal=signal_name(cause.signal) if exited and isinstance(cause, TargetExited) else None,
+                    exit_code=cause.exit_code if exited and isinstance(cause, TargetExited) else None,
+                    frame_class=frame_class,
+                    frame=frame,
+                    steps_before=steps_before.get(target.pid),
+                    steps_after=steps_after.get(target.pid),
+                    fr=fr_dump,
+                )
+            )
+        return decide(evidence)

@@ -1,0 +1,136 @@
+"""One rank of a small real torch.distributed (gloo) job that can misbehave on purpose.
+
+Run N copies (ranks 0..N-1) with the same ``--init`` (a ``file://`` store). Each rank is titled
+``<title>_TP<rank>``, serves the SDK control socket, torch's worker server (unless
+``--no-sdk``) and a forward-step counter, and loops: ``broadcast`` of a [4, 16] tensor from rank
+0, a small matmul, ``all_reduce`` of an [8, 32] tensor, ``agent.sdk.step()``.
+
+Faults (on ``--fault-rank`` at step ``--fault-step``):
+
+* ``hang``: the rank spins in compute forever (``_hang_in_compute``); the others wait in the
+  step's ``all_reduce``.
+* ``kill``: the rank kills itself with SIGSEGV (no core file).
+* ``skip``: the rank skips that step's ``broadcast``; its next collective meets the others'
+  broadcast (gloo: the group hangs until its timeout).
+* ``shape``: the rank all-reduces its tensor viewed as [16, 16] (same bytes, so gloo carries on:
+  a desync only the Flight Recorder shows).
+* ``slow``: from that step on the rank takes 0.3 s more per step (slow, still progressing).
+
+A rank whose collective fails (a peer died) stays in place ``--linger-s`` seconds, as NCCL peers
+sit in the collective until its timeout, then exits 1.
+
+Prints ``READY <rank> <pid>`` once the process group is up, ``FAULT <rank> <fault>`` when the
+fault fires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import signal
+import sys
+import time
+
+
+def _hang_in_compute(x, deadline: float) -> None:
+    """The injected hang: busy compute that never finishes (until the runtime cap)."""
+    import torch
+
+    m = torch.rand(192, 192)
+    while time.monotonic() < deadline:
+        chunk_end = time.monotonic() + 0.005
+        while time.monotonic() < chunk_end:
+            m = torch.tanh(m @ m)
+        time.sleep(0.001)  # mostly compute, with room for the 2 shared cores of CI
+
+
+def _slow_compute(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
+    ap.add_argument("--title", default="faultjob::scheduler")
+    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow"])
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--fault-step", type=int, default=5)
+    ap.add_argument("--step-sleep-s", type=float, default=0.05)
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="process group timeout")
+    ap.add_argument("--max-runtime-s", type=float, default=90.0)
+    ap.add_argument("--linger-s", type=float, default=5.0)
+    ap.add_argument("--fr-buffer", default=None, help="TORCH_FR_BUFFER_SIZE (default: 200 unless set)")
+    ap.add_argument("--no-sdk", action="store_true", help="no SDK sockets (the Flight Recorder has no source)")
+    ap.add_argument("--debug-server", action="store_true", help="start torch's per-rank debug worker server (TCP)")
+    args = ap.parse_args()
+
+    import setproctitle
+
+    setproctitle.setproctitle(f"{args.title}_TP{args.rank}")
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if args.fr_buffer is not None:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = args.fr_buffer
+    else:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "200")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import agent.sdk as sdk
+
+    if not args.no_sdk:
+        sdk.serve_control()
+        sdk.serve_torch_worker()
+    dist.init_process_group(
+        "gloo", init_method=args.init, rank=args.rank, world_size=args.world_size,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+    )
+    worker = None
+    if args.debug_server:
+        # what torch.distributed.debug.start_debug_server() starts on every rank (its rank-0 HTTP
+        # frontend needs aiohttp, which the agent does not use)
+        from torch._C._distributed_c10d import _WorkerServer
+
+        worker = _WorkerServer("::", 0)
+    print(f"READY {args.rank} {os.getpid()}", flush=True)
+    deadline = time.monotonic() + args.max_runtime_s
+    b = torch.zeros(4, 16)
+    w = torch.ones(32, 32) / 32
+    mine = args.rank == args.fault_rank
+    step = 0
+    try:
+        while time.monotonic() < deadline:
+            step += 1
+            fire = mine and step == args.fault_step
+            if fire:
+                print(f"FAULT {args.rank} {args.fault}", flush=True)
+            sdk.set_pending(1)
+            if not (fire and args.fault == "skip"):
+                dist.broadcast(b, 0)
+            x = torch.ones(8, 32) @ w
+            if fire and args.fault == "hang":
+                _hang_in_compute(x, deadline)
+            if fire and args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if mine and args.fault == "slow" and step >= args.fault_step:
+                _slow_compute(0.3)
+            dist.all_reduce(x.view(16, 16) if fire and args.fault == "shape" else x)
+            sdk.step(pending=1)
+            time.sleep(args.step_sleep_s)
+    except RuntimeError as exc:
+        print(f"COLLECTIVE-ERROR {args.rank}: {str(exc).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+        time.sleep(args.linger_s)
+        return 1
+    finally:
+        del worker
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

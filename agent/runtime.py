@@ -134,7 +134,10 @@ class Agent:
             from agent.actors.profiler import ProfilerActor
 
             self.profiler = ProfilerActor(settings.profiler)
-        self.flightrec = FlightRecorderActor(settings.flightrec) if settings.flightrec.enabled else None
+        fr = settings.flightrec
+        if fr.socket_dir is None and settings.profiler.socket_dir is not None:  # the SDK sockets sit together
+            fr = fr.model_copy(update={"socket_dir": settings.profiler.socket_dir})
+        self.flightrec = FlightRecorderActor(fr) if fr.enabled else None
         phases: list[tuple[str, Phase, type]] = [("pyspy.dump", self._dump_phase, StacksDumped)]
         if self.flightrec is not None:
             phases.append(("flightrec.dump", self._flightrec_phase, FlightRecorderDumped))

@@ -130,7 +130,9 @@ async def test_manual_incident_profiles_the_next_steps_and_links_requests_in_fli
         record = await dump_once(settings)
 
     actions = {r.action: r for r in record.results}
-    assert list(actions) == ["pyspy.dump", "profile.session"]  # stacks first, then the profile
+    # stacks first, then the collective Flight Recorder (this model has no process group), then the profile
+    assert list(actions) == ["pyspy.dump", "flightrec.dump", "profile.session"]
+    assert actions["flightrec.dump"].outcome.value == "not_enabled", actions["flightrec.dump"].detail
     prof = actions["profile.session"]
     assert prof.outcome.value == "ok", prof.detail
     assert prof.attributes["servewatch.profile.steps_captured"] == 2

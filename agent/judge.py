@@ -95,7 +95,8 @@ class VerdictJudge:
         dumps = {r.pid: r for r in results if r.action == PYSPY_ACTION and r.pid is not None}
         frs = {r.pid: r for r in results if r.action == FR_ACTION and r.pid is not None}
 
-        everyone: list[tuple[Target, bool]] = [(t, False) for t in targets]
+        exited_pid = cause.pid if isinstance(cause, TargetExited) else None
+        everyone: list[tuple[Target, bool]] = [(t, t.pid == exited_pid) for t in targets]
         if isinstance(cause, TargetExited) and all(t.pid != cause.pid for t in targets):
             everyone.insert(0, (Target(pid=cause.pid, title=cause.title), True))
         if len(everyone) < 2 and not frs:

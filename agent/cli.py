@@ -128,6 +128,8 @@ UidOpt = typer.Option(None, "--uid", min=0, help="Only processes of this real ui
 OtlpEndpointOpt = typer.Option(None, "--otlp-endpoint", metavar="URL", help="OTLP collector, e.g. http://127.0.0.1:4317 (env OTEL_EXPORTER_OTLP_ENDPOINT; default: span files in the data dir).")
 OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", help="grpc or http/protobuf (env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc).")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
+PySpyOpt = typer.Option(None, "--pyspy/--no-pyspy", help="Dump Python stacks during incidents (default on; env SERVEWATCH_PYSPY__ENABLED).")
+CoredumpDelayOpt = typer.Option(None, "--coredump-delay", min=0.0, max=60.0, metavar="SECONDS", help="Wait this long after the stacks before triggering CUDA coredumps (default 0).")
 
 
 def _target(
@@ -221,6 +223,8 @@ def run(
     job: Optional[str] = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node server) this agent belongs to: its incidents are captured by every peer in one trace."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped)."),
     peers_dns: Optional[str] = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service)."),
+    pyspy: Optional[bool] = PySpyOpt,
+    coredump_delay: Optional[float] = CoredumpDelayOpt,
     otlp_endpoint: Optional[str] = OtlpEndpointOpt,
     otlp_protocol: Optional[str] = OtlpProtocolOpt,
     data_dir: Optional[Path] = DataDirOpt,
@@ -247,6 +251,8 @@ def run(
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
             "api": {"enabled": True if api_listen else None, "host": api_host, "port": api_port, "token_file": api_token_file},
             "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns},
+            "pyspy": {"enabled": pyspy},
+            "coredump": {"delay_s": coredump_delay},
         },
         config,
     )
@@ -450,6 +456,8 @@ def launch(
     metrics_url: Optional[str] = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL of the launched server."),
     match: Optional[list[str]] = MatchOpt,
     watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout (default 300)."),
+    pyspy: Optional[bool] = PySpyOpt,
+    coredump_delay: Optional[float] = CoredumpDelayOpt,
     data_dir: Optional[Path] = DataDirOpt,
     config: Optional[Path] = ConfigOpt,
     verbose: bool = VerboseOpt,
@@ -465,7 +473,8 @@ def launch(
             "health": {"url": health_url},
             "metrics": {"url": metrics_url},
             "watchdog": {"timeout_s": watchdog_timeout},
-            "coredump": {"folder": crash_dump_folder},
+            "coredump": {"folder": crash_dump_folder, "delay_s": coredump_delay},
+            "pyspy": {"enabled": pyspy},
         },
         config,
     )

@@ -265,3 +265,14 @@ def test_default_limits_fit_the_phase_limit() -> None:
     phase_s = IncidentConfig().phase_timeout_s
     assert CoredumpActor(CoredumpConfig()).budget_s <= phase_s
     assert 2 * PySpyConfig().timeout_s <= phase_s
+
+
+async def test_delay_between_stacks_and_coredump_is_applied(driver, tmp_path: Path) -> None:
+    pid, _ = driver(env=armed_env(tmp_path, tmp_path / "crash", SPT_NOENV="1"))
+    actor = CoredumpActor(fast(tmp_path / "crash", delay_s=1.0))
+    assert actor.budget_s == 1.0 + 2.0 + 1.0 + 60.0
+    started_ns = time.time_ns()
+    with anyio.fail_after(GUARD_S):
+        (result,) = await actor.trigger_all(incident(), [Target(pid=pid)], artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.coredump.trigger_time_unix_nano"] - started_ns >= 1.0e9

@@ -29,10 +29,10 @@ def ready(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> str:
     return line
 
 
-def dump(tmp_path: Path, pid: int, *extra: str, data: str = "data") -> tuple[subprocess.CompletedProcess[str], dict[str, Any], list[dict[str, Any]]]:
+def dump(tmp_path: Path, pid: int, *extra: str, data: str = "data", env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], list[dict[str, Any]]]:
     """`servewatch dump --pid PID`; returns the run, its manifest and its spans."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
-    env.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), SERVEWATCH_COREDUMP__ENABLED="false")
+    env.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), SERVEWATCH_COREDUMP__ENABLED="false", **(env_extra or {}))
     r = subprocess.run(
         [*CLI, "dump", "--pid", str(pid), "--data-dir", data, *extra],
         capture_output=True, text=True, timeout=110, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
@@ -194,3 +194,15 @@ def test_parse_dump_keeps_stacks_with_invalid_utf8_bytes() -> None:
     (thread,) = parse_dump(raw)
     assert thread.thread_name == "w\\xfe" and thread.frames[0].name == "f\\xff"
     assert thread.frames[0].describe().encode("utf-8")
+
+
+def test_pyspy_switched_off_records_skipped(spawn, python, tmp_path: Path) -> None:
+    target = spawn([python, str(PROGRAMS_DIR / "titled_target.py"), "sglang::scheduler_TP0", "--max-lifetime-s", "90"],
+                   stdout=subprocess.PIPE)
+    ready(target)
+    r, manifest, spans = dump(tmp_path, target.pid, env_extra={"SERVEWATCH_PYSPY__ENABLED": "false"})
+    assert r.returncode == 1  # nothing was dumped: dump says so with its exit code
+    action = pyspy_action(manifest, target.pid)
+    assert action["outcome"] == "skipped" and "pyspy.enabled = false" in action["detail"]
+    assert not action["artifact_paths"]
+    assert pyspy_span(spans, target.pid)["attributes"]["servewatch.outcome"] == "skipped"

@@ -26,7 +26,11 @@ from types import MappingProxyType
 import anyio
 from anyio.abc import Process
 
-from agent.actors.coredump import SGLANG_PIPE_TEMPLATE, CoredumpEnvPlan, cuda_coredump_env
+from agent.actors.coredump import (
+    SGLANG_PIPE_TEMPLATE,
+    CoredumpEnvPlan,
+    cuda_coredump_env,
+)
 
 __all__ = [
     "MLX_CAPTURE_ENV",

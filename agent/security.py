@@ -22,20 +22,20 @@ import os
 import re
 import stat
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar
 from pathlib import Path
+from typing import Any, TypeVar
 
 __all__ = [
     "REDACTED",
-    "unsafe_dir_reason",
-    "validate_host_name",
-    "trusted_owner",
+    "is_within",
     "open_trusted",
     "redact_cmdline",
-    "strip_control",
-    "sanitize",
     "redact_text",
-    "is_within",
+    "sanitize",
+    "strip_control",
+    "trusted_owner",
+    "unsafe_dir_reason",
+    "validate_host_name",
 ]
 
 #: What a redacted secret reads as.

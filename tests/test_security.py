@@ -137,7 +137,7 @@ def _cli(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     base.update(SERVEWATCH_SHM_DIR=str(cwd / "shm"), **env)
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, cwd=cwd, env=base,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, check=False)
 
 
 @pytest.mark.parametrize(
@@ -250,13 +250,13 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, timeout=30)
+                          capture_output=True, timeout=30, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30, check=False)
 
 
 def test_full_disk_keeps_previous_manifest_or_none(tiny_tmpfs: Path) -> None:
@@ -406,7 +406,7 @@ async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_the
     assert state["forward_ct"] == 1  # the server stepped and runs on
     assert state["published"] is False and state["control_running"] is False
     assert "not ours" in state["control_error"]
-    time.sleep(0.3)
+    await anyio.sleep(0.3)
     assert server.poll() is None
     assert counter.stat().st_uid == NOBODY and counter.stat().st_size == 0  # left alone
     target = target_of(server.pid)
@@ -675,3 +675,56 @@ def test_killed_launcher_does_not_orphan_the_server(spawn: Callable, python: str
             server.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def test_hostile_title_never_reaches_the_terminal_from_run(spawn: Callable, python: str, tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:6]
+    title = f"sglang::scheduler_TP0_{tag}\x1b]0;pwned\x07\x1b[41m"
+    titled_as_nobody(spawn, python, title)
+    with socket.socket() as s:  # a port nobody listens on: the health check fails at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = _cli(
+        tmp_path, "run", "-v", "--match", f"sglang::scheduler_TP0_{tag}*", "--health-url", f"http://127.0.0.1:{port}/health",
+        "--duration", "15", "--data-dir", str(tmp_path / "data"),
+        SERVEWATCH_COREDUMP__ENABLED="false", SERVEWATCH_HEALTH__INTERVAL_S="0.2",
+        SERVEWATCH_HEALTH__UNHEALTHY_AFTER="1", SERVEWATCH_HEALTH__STARTUP_TIMEOUT_S="0.1",
+    )
+    assert run.returncode == 0, run.stderr
+    assert f"scheduler_TP0_{tag}" in run.stderr  # the incident summary names it...
+    assert "\x1b" not in run.stdout + run.stderr and "\x07" not in run.stdout + run.stderr  # ...defused
+
+
+@pytest.mark.parametrize("planter", ["root", "nobody"])
+def test_span_and_spool_files_are_private_and_never_follow_links(tmp_path: Path, shared_shm: Path, planter: str) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    from exporters.otlp_json import RotatingJsonLinesWriter
+    from exporters.spool import Spool
+
+    victim = tmp_path / "root-only"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    shared = shared_shm  # where another user can create names (a sticky folder, like /tmp)
+    writer = RotatingJsonLinesWriter(shared / "spans", prefix="spans", max_file_bytes=1 << 20, max_files=0)
+    first = writer.write_line('{"resourceSpans": []}')
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600 and stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+    writer.close()
+    planted = shared / f"spans-{writer._stamp}-{os.getpid()}-000001.jsonl"
+    if planter == "nobody":
+        _as_nobody("ln", "-s", str(victim), str(planted))
+    else:
+        planted.symlink_to(victim)
+    other = RotatingJsonLinesWriter(shared, prefix="spans", max_file_bytes=1 << 20, max_files=0)
+    other._stamp = writer._stamp
+    with pytest.raises(OSError):
+        other.write_line('{"resourceSpans": []}')
+    other.close()
+    assert victim.read_text() == "precious\n"
+    spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
+    spool.append(ExportTraceServiceRequest(), 0)
+    files = [p for p in (tmp_path / "spool").rglob("*") if p.is_file() and p.name != ".lock"]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700

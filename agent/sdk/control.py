@@ -289,7 +289,7 @@ class ControlServer:
         while not self._stop.is_set() and sock is not None:
             try:
                 conn, _ = sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return  # closed
@@ -323,7 +323,7 @@ class ControlServer:
         conn.settimeout(min(remaining, 1.0) if self._stop.is_set() else remaining)
         try:
             return conn.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             self.expired += 1
             raise
 

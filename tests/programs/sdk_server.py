@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-import agent.sdk as sdk
+from agent import sdk
 from agent.sdk import control
 
 

@@ -14,7 +14,8 @@ Deduplication, per agent, with one "job incident" remembered for ``dedup_window_
 * a join for the trace we are already in attaches (no second capture);
 * a local detection inside the window is folded (no new incident; a ``fleet.detection_folded``
   span under the running incident records it), except a target exit after our incident in the
-  job closed: a process that died later is a new fact;
+  job closed: a process that died later is a new fact, so it opens its own incident, placed in
+  the job's trace under the origin's root span (no new fan-out: the peers are in that trace);
 * two origins at once (two hosts detect within the network's round trip): the earlier origin
   (opened time, then host name) wins everywhere. A host whose own incident is the later one moves
   it into the earlier trace (:meth:`IncidentManager.retrace`) when the earlier origin's join
@@ -223,6 +224,13 @@ class Fleet:
                                         attributes=frozen_attrs({"servewatch.incident.trigger": trigger})),
                 ))
             return False
+        if self._in_window(job) and job is not None and job.trace_id and job.root_span_id:
+            # a target exit after our part of the job incident closed: its own incident, in the
+            # job's trace (a child of the origin's root span), with no new fan-out
+            job.local_incident_id = None
+            job.move_local = True
+            job.opened = anyio.Event()
+            return True
         self.job = JobIncident(trace_id=None, root_span_id=None, origin_host=self.host_name, origin_time_unix_nano=now_ns())
         return True
 

@@ -121,7 +121,9 @@ async def test_a_hang_on_one_host_is_one_trace_with_every_hosts_evidence(tmp_pat
     # one trace at the collector, one incident root per host with its ranks, each host's stacks under it
     with anyio.fail_after(30):
         while True:
-            spans = [s for s in otlp_receiver.spans() if s.trace_id == trace]
+            # this job incident's spans (the servers' exits at teardown add follow-up incidents to the trace)
+            ids = {m["incident_id"] for m in (a, b, c)}
+            spans = [s for s in otlp_receiver.spans() if s.trace_id == trace and s.attributes.get("servewatch.incident.id") in ids]
             names = [(s.resource.get("host.name"), s.name) for s in spans]
             if all((h, n) in names for h in HOSTS for n in ("incident", "pyspy.dump")):
                 break

@@ -71,8 +71,10 @@ async def test_an_incident_on_one_agent_is_captured_by_every_peer_in_one_trace(t
     pids = _targets(spawn, python, 3)
     async with job_of_agents(tmp_path, otlp_receiver, pids) as agents:
         (a, recs_a), (b, recs_b), (c, recs_c) = agents
-        await a.incidents.open_incident("stall", detail="TP0 stopped stepping")
-        await _until(lambda: recs_b and recs_c)
+        record = await a.incidents.open_incident("stall", detail="TP0 stopped stepping")
+        asked = [(r.outcome.value, r.detail) for r in record.results if r.action == "peer.capture"]
+        assert [o for o, _ in asked] == ["ok", "ok"], asked
+        await _until(lambda: recs_b and recs_c, timeout_s=90)
     [ra], [rb], [rc] = recs_a, recs_b, recs_c
     trace = ra.opened.trace_id
     assert rb.opened.trace_id == rc.opened.trace_id == trace
@@ -250,5 +252,9 @@ async def test_a_detection_after_a_join_is_folded_but_a_later_crash_is_its_own_i
         # the target dies later: a new fact, its own incident (same window, not folded)
         await agent.bus.publish(TargetExited(source="test", pid=pid, signal=9, title="demo::scheduler_TP0"))
         await _until(lambda: len(records) == 2)
-    assert records[1].opened.trigger == "exit"
+    exit_incident = records[1]
+    assert exit_incident.opened.trigger == "exit"
     assert agent.fleet.folded == 1
+    # a follow-up of the job incident: in its trace, under the origin's root span
+    assert (exit_incident.opened.trace_id, exit_incident.opened.parent_span_id) == (trace, parent)
+    assert not [r for r in exit_incident.results if r.action == "peer.capture"]

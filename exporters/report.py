@@ -316,8 +316,15 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
         summary.append(("Hard signal", _e(", ".join(f"{sig} to pid {pid}" for pid, sig in tl.hard_signal_sent.items()))))
     dl = "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in summary)
 
+    verdict_html = ""
+    if tl.verdict:  # the cross-rank verdict tops the page
+        from exporters.timeline import verdict_headline
+
+        evidence = "".join(f"<li>{_e(x)}</li>" for x in (tl.verdict.get("evidence") or [])[:16])
+        verdict_html = (f'<section id="verdict"><h2>Verdict</h2><p id="verdict-headline"><strong>'
+                        f'{_e(verdict_headline(tl.verdict))}</strong></p><ul>{evidence}</ul></section>')
     body = [f'<header><h1>servewatch incident <code id="incident-id">{_e(tl.incident_id)}</code></h1>'
-            f'<dl class="summary">{dl}</dl></header>']
+            f'{verdict_html}<dl class="summary">{dl}</dl></header>']
 
     extent = tl.extent_s
     body.append('<section id="timeline"><h2>Timeline</h2>')

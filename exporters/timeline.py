@@ -341,6 +341,9 @@ class IncidentTimeline:
     phases_done: tuple[str, ...] = ()
     phases_pending: tuple[str, ...] = ()
     interrupted_reason: str = ""
+    #: the cross-rank verdict as the manifest holds it (``kind``, ``culprit_ranks``, ``reason``,
+    #: ``confidence``, ``headline``, ``evidence`` ...), or ``None``
+    verdict: dict[str, Any] | None = None
 
     @property
     def extent_s(self) -> float:
@@ -925,6 +928,7 @@ def load_incident(
         phases_done=tuple(str(p) for p in (m.get("phases_done") or []) if isinstance(p, str)),
         phases_pending=tuple(str(p) for p in (m.get("phases_pending") or []) if isinstance(p, str)),
         interrupted_reason=str(m.get("interrupted_reason") or ""),
+        verdict=m.get("verdict") if isinstance(m.get("verdict"), dict) else None,
     )
 
 
@@ -1010,6 +1014,23 @@ def _iso(ns: int) -> str:
 
 def _pid(pid: int | None) -> str:
     return "-" if pid is None else str(pid)
+
+
+def verdict_headline(verdict: dict[str, Any]) -> str:
+    """The verdict's one line (the manifest's ``headline``, else rebuilt from its fields)."""
+    if isinstance(verdict.get("headline"), str) and verdict["headline"]:
+        return str(verdict["headline"])
+    ranks = verdict.get("culprit_ranks") or []
+    who = f"culprit rank(s) {', '.join(str(r) for r in ranks)}" if ranks else "no culprit rank"
+    return f"Verdict: {who} -- {verdict.get('reason', '?')} [confidence {verdict.get('confidence', '?')}]"
+
+
+def _verdict_panel(verdict: dict[str, Any]) -> Panel:
+    body = Text()
+    body.append(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")
+    for line in (verdict.get("evidence") or [])[:16]:
+        body.append("\n  " + str(line))
+    return Panel(body, title="verdict", title_align="left", border_style="red" if verdict.get("hung", True) else "green")
 
 
 def _header(tl: IncidentTimeline) -> Panel:
@@ -1176,6 +1197,8 @@ def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 
     """
     tl = sanitize(tl)  # a target's title, frames or request ids never carry escapes to a terminal
     parts: list[Any] = [_header(tl), _actions_table(tl)]
+    if tl.verdict:
+        parts.insert(0, _verdict_panel(tl.verdict))  # the verdict first: who is to blame
     if tl.stacks:
         parts.append(_stacks_table(tl))
     if tl.coredumps:

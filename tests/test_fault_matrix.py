@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from agent.summary import summary_lines
+from exporters.report import render_report_html
+from exporters.timeline import load_incident, render_timeline_text
 from tests.programs.fault_matrix import EXPECTED, run_case
 
 pytestmark = pytest.mark.slow
@@ -82,3 +84,10 @@ async def test_verdict_reaches_span_manifest_summary_and_hard_mode_signals_only_
     assert signal.SIGTERM  # the innocent ranks were left alone: they are still in the collective
     innocent = [t.pid for t in record.targets if t.pid != culprit_pid]
     assert all(pid not in record.hard_signal_sent for pid in innocent)
+    # the verdict tops `servewatch timeline` and the HTML report of the bundle
+    tl = load_incident(record.bundle_dir)
+    text = render_timeline_text(tl, width=200)
+    assert text.index(v.headline()[:60]) < text.index("trigger") < text.index("flightrec.dump")
+    html = render_report_html(tl)
+    assert html.index('id="verdict"') < html.index('class="summary"') < html.index('id="timeline"')
+    assert "Verdict: culprit rank 2 (pid" in html

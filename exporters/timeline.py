@@ -42,6 +42,7 @@ from agent.actors.pyspy import Frame, ThreadStack, hung_location, parse_threads
 from agent.security import is_within, sanitize
 
 __all__ = [
+    "verdict_headline",
     "MANIFEST_NAME",
     "REQUESTS_NAME",
     "SCHEMA_PREFIX",

@@ -143,8 +143,10 @@ def launch_env(
     mlx: bool = False,
     host: str | None = None,
     pipe_template: str = SGLANG_PIPE_TEMPLATE,
+    flight_recorder: int | None = None,
 ) -> LaunchEnv:
-    """Compute the server's environment: CUDA coredump arming and, for MLX, Metal capture.
+    """Compute the server's environment: CUDA coredump arming, the collective Flight Recorder
+    and, for MLX, Metal capture.
 
     Every variable is added only when ``environ`` lacks it (the user's value wins).
 
@@ -154,6 +156,8 @@ def launch_env(
         mlx: add ``MTL_CAPTURE_ENABLED=1`` for MLX Metal captures.
         host: host name for the per-host dump folder; default the machine's.
         pipe_template: ``CUDA_COREDUMP_PIPE`` to set; default SGLang's.
+        flight_recorder: arm torch's collective Flight Recorder with this many entries per
+            process (``TORCH_FR_BUFFER_SIZE``, read at ``init_process_group``); ``None``: do not.
 
     Returns:
         The :class:`LaunchEnv`.
@@ -170,6 +174,13 @@ def launch_env(
         added.update(plan.set)
         kept.update(plan.kept)
         env = dict(plan.env)
+    if flight_recorder is not None:
+        from agent.actors.flightrec import flight_recorder_env
+
+        fr_set, fr_kept = flight_recorder_env(environ, buffer_size=flight_recorder)
+        kept.update(fr_kept)
+        added.update(fr_set)
+        env.update(fr_set)
     if mlx:
         for name, value in MLX_CAPTURE_ENV.items():
             if name in environ:
@@ -193,6 +204,10 @@ def describe_env(planned: LaunchEnv) -> str:
             f"Armed CUDA coredumps into '{planned.coredump.host_dir}/' (set {len(planned.coredump.set)},"
             f" kept user's: {kept})"
         )
+    if "TORCH_FR_BUFFER_SIZE" in planned.set:
+        parts.append(f"Flight Recorder armed (TORCH_FR_BUFFER_SIZE={planned.set['TORCH_FR_BUFFER_SIZE']})")
+    elif "TORCH_FR_BUFFER_SIZE" in planned.kept:
+        parts.append(f"Flight Recorder: user's TORCH_FR_BUFFER_SIZE={planned.kept['TORCH_FR_BUFFER_SIZE']} kept")
     if "MTL_CAPTURE_ENABLED" in planned.set:
         parts.append("MTL_CAPTURE_ENABLED=1 for Metal captures")
     return "; ".join(parts) or "No diagnostic environment added"

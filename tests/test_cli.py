@@ -128,6 +128,9 @@ def test_cuda_env_prints_exports_that_keep_user_values(tmp_path: Path) -> None:
     assert "export CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1" in r.stdout
     assert f"export CUDA_COREDUMP_FILE={tmp_path}/crash/%h/core.cuda.%t.%p" in r.stdout
     assert "export CUDA_COREDUMP_SHOW_PROGRESS" not in r.stdout  # the user's value is kept
+    assert "export TORCH_FR_BUFFER_SIZE=2000" in r.stdout  # the collective Flight Recorder, armed
+    mine = _cli(tmp_path, "cuda-env", "--folder", str(tmp_path / "crash"), TORCH_FR_BUFFER_SIZE="64")
+    assert "export TORCH_FR_BUFFER_SIZE" not in mine.stdout and "# kept TORCH_FR_BUFFER_SIZE" in mine.stdout
 
 
 def test_run_exits_within_seconds_with_the_collector_unreachable(tmp_path: Path, spawn, python: str) -> None:
@@ -183,13 +186,15 @@ def test_profile_captures_exactly_n_steps_and_ships_the_session_as_spans(tmp_pat
 
 
 def test_launch_arms_the_child_and_returns_its_exit_code(tmp_path: Path) -> None:
-    script = "import os, sys; print(os.environ['CUDA_COREDUMP_FILE']); print(os.environ['CUDA_COREDUMP_SHOW_PROGRESS']); sys.exit(3)"
+    script = ("import os, sys; print(os.environ['CUDA_COREDUMP_FILE']); print(os.environ['CUDA_COREDUMP_SHOW_PROGRESS']);"
+              " print(os.environ['TORCH_FR_BUFFER_SIZE']); sys.exit(3)")
     r = _cli(
         tmp_path, "launch", "--crash-dump-folder", str(tmp_path / "crash"), "--data-dir", "data", "--",
         sys.executable, "-c", script, CUDA_COREDUMP_SHOW_PROGRESS="0",
     )
     assert r.returncode == 3, r.stderr
-    core_file, progress = r.stdout.split()[:2]
+    core_file, progress, fr_size = r.stdout.split()[:3]
+    assert fr_size == "2000"  # launch arms the collective Flight Recorder
     assert core_file == f"{tmp_path}/crash/%h/core.cuda.%t.%p"
     assert progress == "0"  # the user's own value wins
     assert "Armed CUDA coredumps" in r.stderr

@@ -216,3 +216,12 @@ def test_all_names_are_exported() -> None:
     assert public <= set(launch.__all__)
     for name in launch.__all__:
         assert hasattr(launch, name)
+
+
+def test_launch_env_arms_the_flight_recorder_and_keeps_the_users_size() -> None:
+    planned = launch_env({"A": "1"}, crash_dump_folder=None, flight_recorder=2000)
+    assert planned.set == {"TORCH_FR_BUFFER_SIZE": "2000"} and planned.env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "Flight Recorder armed (TORCH_FR_BUFFER_SIZE=2000)" in describe_env(planned)
+    mine = launch_env({"TORCH_FR_BUFFER_SIZE": "50"}, crash_dump_folder=None, flight_recorder=2000)
+    assert not mine.set and mine.kept == {"TORCH_FR_BUFFER_SIZE": "50"} and mine.env["TORCH_FR_BUFFER_SIZE"] == "50"
+    assert "user's TORCH_FR_BUFFER_SIZE=50 kept" in describe_env(mine)

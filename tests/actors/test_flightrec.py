@@ -1,0 +1,146 @@
+"""Flight Recorder actor on real gloo ranks: each source, each outcome, artifact and span attributes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agent.actors.flightrec import ACTION, FlightRecorderActor, FlightRecorderConfig, flight_recorder_env, rank_from_title
+from agent.events import IncidentOpened, Outcome
+from agent.sdk.flightrec import worker_path
+from agent.targets import Target
+from tests.programs.fault_matrix import start_ranks, stop_ranks, wait_ready
+
+PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
+
+
+@pytest.fixture
+def ranks(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[Target]]:
+    """Two real gloo ranks (``extra`` args from the test's ``ranks_args`` marker-free param)."""
+    extra, fault = getattr(request, "param", ([], "none"))
+    procs = start_ranks(2, tmp_path, fault=fault, fault_rank=1, extra=extra)
+    try:
+        wait_ready(procs)
+        yield [Target(pid=p.pid, title=f"faultjob::scheduler_TP{i}") for i, p in enumerate(procs)]
+    finally:
+        stop_ranks(procs)
+
+
+def _opened(tmp_path: Path) -> IncidentOpened:
+    return IncidentOpened(incident_id="inc-1", trigger="manual", bundle_dir=str(tmp_path))
+
+
+async def _wait_steps(targets: list[Target], n: int) -> None:
+    from agent.sdk import read_counter
+    from agent.sdk._counter import counter_path
+
+    with anyio.fail_after(60):
+        while not all((s := read_counter(counter_path(t.pid))) is not None and s.forward_ct >= n for t in targets):
+            await anyio.sleep(0.1)
+
+
+async def test_worker_server_answers_for_every_rank_even_one_stuck_in_a_collective(ranks: list[Target], tmp_path: Path) -> None:
+    await _wait_steps(ranks, 2)
+    actor = FlightRecorderActor(FlightRecorderConfig(timeout_s=5.0))
+    results = await actor.collect_all(_opened(tmp_path), ranks, artifact_dir=tmp_path)
+    assert [r.action for r in results] == [ACTION, ACTION]
+    for rank, r in enumerate(results):
+        assert r.outcome is Outcome.OK, r.detail
+        assert r.attributes["servewatch.flightrec.source"] == "sdk_worker"
+        assert r.attributes["servewatch.flightrec.rank"] == rank  # from torch.distributed, via the SDK's status
+        assert r.attributes["servewatch.flightrec.entries"] >= 4
+        doc = json.loads(Path(r.artifact_paths[0]).read_text())
+        assert Path(r.artifact_paths[0]).name == f"flightrec-rank{rank}-{r.pid}.json"
+        assert (Path(r.artifact_paths[0]).stat().st_mode & 0o777) == 0o600
+        ops = {e["profiling_name"] for e in doc["trace"]["entries"]}
+        assert ops == {"gloo:broadcast", "gloo:all_reduce"}
+
+
+@pytest.mark.parametrize("ranks", [([], "hang")], indirect=True)
+async def test_rank_waiting_in_a_collective_and_the_hung_one_both_answer(ranks: list[Target], tmp_path: Path) -> None:
+    await _wait_steps(ranks, 3)  # the fault fires at step 4 and rank 0 then waits in all_reduce
+    await anyio.sleep(1.0)
+    results = await FlightRecorderActor(FlightRecorderConfig(timeout_s=5.0)).collect_all(_opened(tmp_path), ranks, artifact_dir=tmp_path)
+    last = {r.attributes["servewatch.flightrec.rank"]: r.attributes["servewatch.flightrec.last_enqueued"] for r in results}
+    assert all(r.outcome is Outcome.OK for r in results)
+    assert last[0] == last[1] + 1  # rank 0 entered the all_reduce rank 1 never reached
+
+
+async def test_control_socket_is_the_fallback_without_the_worker_server(ranks: list[Target], tmp_path: Path) -> None:
+    await _wait_steps(ranks, 1)
+    worker_path(ranks[0].pid).unlink()
+    [r] = await FlightRecorderActor(FlightRecorderConfig(timeout_s=5.0)).collect_all(_opened(tmp_path), ranks[:1], artifact_dir=tmp_path)
+    assert r.outcome is Outcome.OK, r.detail
+    assert r.attributes["servewatch.flightrec.source"] == "sdk_control"
+    doc = json.loads(Path(r.artifact_paths[0]).read_text())
+    assert doc["trace"]["servewatch"]["rank"] == 0 and doc["trace"]["servewatch"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("ranks", [(["--no-sdk", "--debug-server"], "none")], indirect=True)
+async def test_torch_debug_server_is_found_on_the_targets_tcp_ports(ranks: list[Target], tmp_path: Path) -> None:
+    await anyio.sleep(1.0)
+    [r] = await FlightRecorderActor(FlightRecorderConfig(timeout_s=5.0)).collect_all(_opened(tmp_path), ranks[1:], artifact_dir=tmp_path)
+    assert r.outcome is Outcome.OK, r.detail
+    assert r.attributes["servewatch.flightrec.source"] == "debug_server"
+    assert r.attributes["servewatch.flightrec.rank"] == 1  # from the title: no SDK here
+    assert r.detail.startswith(f"{r.attributes['servewatch.flightrec.entries']} entries via debug_server, port ")
+
+
+@pytest.mark.parametrize("ranks", [(["--no-sdk"], "none")], indirect=True)
+async def test_no_source_is_an_outcome_not_an_error(ranks: list[Target], tmp_path: Path) -> None:
+    [r] = await FlightRecorderActor().collect_all(_opened(tmp_path), ranks[:1], artifact_dir=tmp_path)
+    assert r.outcome is Outcome.NO_SOURCE and not r.artifact_paths
+    assert "no SDK socket, debug server or NCCL pipe" in r.detail
+
+
+@pytest.mark.parametrize("ranks", [(["--fr-buffer", "0"], "none")], indirect=True)
+async def test_recorder_sized_zero_is_not_enabled(ranks: list[Target], tmp_path: Path) -> None:
+    await _wait_steps(ranks, 1)
+    [r] = await FlightRecorderActor().collect_all(_opened(tmp_path), ranks[:1], artifact_dir=tmp_path)
+    assert r.outcome is Outcome.NOT_ENABLED, r.detail
+    assert "TORCH_FR_BUFFER_SIZE" in r.detail
+
+
+async def test_a_worker_socket_that_never_answers_times_out(tmp_path: Path, spawn) -> None:
+    proc = spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = worker_path(proc.pid, tmp_path)
+    silent.bind(str(path))
+    silent.listen(1)  # accepts into the backlog, never replies
+    try:
+        cfg = FlightRecorderConfig(timeout_s=0.5, socket_dir=tmp_path, debug_server=False)
+        with anyio.fail_after(10):
+            [r] = await FlightRecorderActor(cfg).collect_all(_opened(tmp_path), [Target(pid=proc.pid)], artifact_dir=tmp_path)
+    finally:
+        silent.close()
+    assert r.outcome is Outcome.TIMED_OUT and r.retryable
+    assert r.duration_s < 5
+
+
+async def test_nccl_debug_info_pipe_is_triggered_and_its_pickle_read_safely(tmp_path: Path, spawn) -> None:
+    env = dict(os.environ, RANK="3", TORCH_NCCL_DEBUG_INFO_PIPE_FILE=str(tmp_path / "pipe_"),
+               TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(tmp_path / "trace_"))
+    import subprocess
+
+    proc = spawn([sys.executable, str(PROGRAMS / "fake_nccl_watchdog.py")], env=env, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"READY")
+    cfg = FlightRecorderConfig(timeout_s=10.0, socket_dir=tmp_path / "nosockets", debug_server=False)
+    [r] = await FlightRecorderActor(cfg, environ_of=lambda pid: env).collect_all(
+        _opened(tmp_path), [Target(pid=proc.pid, title="x")], artifact_dir=tmp_path)
+    assert r.outcome is Outcome.OK, r.detail
+    assert r.attributes["servewatch.flightrec.source"] == "nccl_pipe"
+    assert r.attributes["servewatch.flightrec.rank"] == 3  # RANK from the environment
+    assert (r.attributes["servewatch.flightrec.last_enqueued"], r.attributes["servewatch.flightrec.last_completed"]) == (2, 1)
+
+
+def test_flight_recorder_env_keeps_the_users_value_and_title_ranks() -> None:
+    assert flight_recorder_env({}) == ({"TORCH_FR_BUFFER_SIZE": "2000"}, {})
+    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "7"}) == ({}, {"TORCH_FR_BUFFER_SIZE": "7"})
+    assert [rank_from_title(t) for t in ("sglang::scheduler_DP0_TP3", "sglang::scheduler_TP1_EP0", "demo::main")] == [3, 1, None]

@@ -34,6 +34,7 @@ __all__ = [
     "sanitize",
     "strip_control",
     "trusted_owner",
+    "process_uids",
     "unsafe_dir_reason",
     "validate_host_name",
 ]
@@ -130,6 +131,22 @@ def is_within(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> b
 
 
 # --- files and sockets of a target ------------------------------------------------------------
+
+
+def process_uids(pid: int) -> tuple[int, ...]:
+    """The uids a process's own files may carry: its ``/proc/PID`` owner and its real and
+    effective uids (``/proc/PID/status``); empty when it is gone."""
+    uids: list[int] = []
+    try:
+        uids.append(os.stat(f"/proc/{pid}").st_uid)
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    uids.extend(int(x) for x in line.split()[1:3])
+                    break
+    except (OSError, ValueError):
+        return tuple(uids)
+    return tuple(dict.fromkeys(uids))
 
 
 def trusted_owner(st: os.stat_result, owner_uids: Iterable[int | None]) -> bool:

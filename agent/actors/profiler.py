@@ -53,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
 from agent.sdk.control import control_path
-from agent.security import trusted_owner
+from agent.security import process_uids, trusted_owner
 from agent.targets import Target
 
 __all__ = [
@@ -271,10 +271,7 @@ def _target_uids(pid: int | None) -> tuple[int, ...]:
     """The uids whose control sockets count as the target's: its ``/proc/PID`` owner (we, without a pid)."""
     if pid is None:
         return (os.geteuid(),)
-    try:
-        return (os.stat(f"/proc/{pid}").st_uid,)
-    except OSError:
-        return ()
+    return process_uids(pid)
 
 
 #: Most in-flight requests kept per target at an incident.

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from agent.bus import Publisher
 from agent.events import StepsAdvanced
 from agent.sdk._counter import SIZE_BYTES, counter_path, parse_counter, shm_dir
-from agent.security import open_trusted
+from agent.security import open_trusted, process_uids
 
 __all__ = [
     "PRESETS",
@@ -135,7 +135,7 @@ class ShmStepSource:
     def __init__(self, pid: int, *, directory: Path | None = None, uid: int | None = None) -> None:
         self.pid: int | None = pid
         self._pid = pid
-        self._uid = uid
+        self._uids: tuple[int, ...] | None = (uid,) if uid is not None else None
         self.path = counter_path(pid, directory)
         # start_time_unix_nano of the counter file already checked against the process start
         self._verified_start_ns: int | None = None
@@ -163,12 +163,12 @@ class ShmStepSource:
     def read_now(self) -> StepReading | None:
         """Synchronous :meth:`read` (tmpfs read, microseconds); see the class docstring."""
         read_ns = time.monotonic_ns()
-        if self._uid is None:
-            try:
-                self._uid = os.stat(f"/proc/{self._pid}").st_uid
-            except OSError:
+        if self._uids is None:
+            self._uids = process_uids(self._pid)
+            if not self._uids:
+                self._uids = None
                 return None
-        raw = open_trusted(self.path, (self._uid,), max_bytes=SIZE_BYTES)
+        raw = open_trusted(self.path, self._uids, max_bytes=SIZE_BYTES)
         snap = None if raw is None else parse_counter(raw)
         if snap is None or snap.pid != self._pid:
             return None

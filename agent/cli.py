@@ -15,12 +15,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import typer
-from rich.console import Console
-
-from agent.config import ConfigError, Settings, check_data_dir, load_settings
+if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load when a command needs them
+    from agent.config import Settings
 
 __all__ = ["ExitCode", "app", "main"]
 
@@ -42,21 +41,65 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain click help: typer's rich help pulls rich's markdown/syntax stack (~80 ms of every
+    # `--help`); results and errors still print through rich (imported when first used)
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-class _SafeConsole(Console):
-    """A rich Console that strips control characters from every string it is given.
 
-    Titles, thread, function and file names and request ids are chosen by the target (another
-    user, possibly): an ``ESC]0;...`` or ``ESC[41m`` in them must never reach the operator's
-    terminal. Rich's own styling is added after this, so colours still work.
-    """
+def _safe_console(**kwargs: Any) -> Any:
+    """A rich Console (rich is imported here: only commands that print results pay for it)."""
+    from rich.console import Console
 
-    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        from agent.security import strip_control
+    class _SafeConsole(Console):
+        """A rich Console that strips control characters from every string it is given.
 
-        super().print(*(strip_control(o, keep_newlines=True) if isinstance(o, str) else o for o in objects), **kwargs)
+        Titles, thread, function and file names and request ids are chosen by the target (another
+        user, possibly): an ``ESC]0;...`` or ``ESC[41m`` in them must never reach the operator's
+        terminal. Rich's own styling is added after this, so colours still work.
+        """
+
+        def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+            from agent.security import strip_control
+
+            super().print(*(strip_control(o, keep_newlines=True) if isinstance(o, str) else o for o in objects), **kwargs)
+
+    return _SafeConsole(**kwargs)
+
+
+class _LazyConsole:
+    """Stands for a :func:`_safe_console` made at its first use."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._console: Any = None
+
+    def print(self, *objects: Any, sep: str = " ", end: str = "\n", markup: bool | None = None,
+              highlight: bool | None = None, **kwargs: Any) -> None:
+        """Plain text lines (``markup=False``, no highlighting to show) are written as they are,
+        control characters stripped, without importing rich; anything else goes to rich."""
+        stream = sys.stderr if self._kwargs.get("stderr") else sys.stdout
+        if (
+            self._console is None
+            and not kwargs
+            and markup is False
+            and all(isinstance(o, str) for o in objects)
+            and (highlight is False or not stream.isatty())
+        ):
+            from agent.security import strip_control
+
+            stream.write(sep.join(strip_control(o, keep_newlines=True) for o in objects) + end)
+            stream.flush()
+            return
+        self.__getattr__("print")(*objects, sep=sep, end=end, markup=markup, highlight=highlight, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_kwargs", "_console"):
+            raise AttributeError(name)
+        if self._console is None:
+            self._console = _safe_console(**self._kwargs)
+        return getattr(self._console, name)
 
 
 class _SafeFormatter(logging.Formatter):
@@ -68,8 +111,8 @@ class _SafeFormatter(logging.Formatter):
         return strip_control(super().format(record), keep_newlines=True)
 
 
-out = _SafeConsole(soft_wrap=True)  # results
-err = _SafeConsole(stderr=True, soft_wrap=True)  # progress, chatter, errors
+out = _LazyConsole(soft_wrap=True)  # results
+err = _LazyConsole(stderr=True, soft_wrap=True)  # progress, chatter, errors
 
 
 def fail(message: str, code: int = ExitCode.FAILURE) -> NoReturn:
@@ -103,14 +146,16 @@ def _settings(cli: dict[str, Any], config: Optional[Path], *, writes: bool = Tru
     """Load settings and validate the telemetry destination and data dir, or exit 2 with one line.
 
     Args:
-        writes: the command writes under the data dir (bundles, spans): check it is writable.
+        writes: the command writes under the data dir (bundles, spans): check it is writable and
+            that the telemetry destination is valid (read-only commands never export).
     """
+    from agent.config import ConfigError, check_data_dir, load_settings
     from exporters.provider import ExportConfigError, resolve_destination
 
     try:
         settings = load_settings(cli, config_file=config)
-        resolve_destination(settings.export)  # OTEL_* env problems surface now, not mid-run
         if writes:
+            resolve_destination(settings.export)  # OTEL_* env problems surface now, not mid-run
             check_data_dir(settings.data_dir)
     except (ConfigError, ExportConfigError) as exc:
         msg = str(exc)

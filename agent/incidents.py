@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import secrets
 import signal as signal_mod
 import time
@@ -70,7 +71,6 @@ from agent.security import redact_cmdline, redact_text
 from agent.ranks import target_attributes
 from agent.progress import reporting_to
 from agent.targets import Target
-from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
 __all__ = [
     "IncidentConfig",
@@ -95,6 +95,15 @@ STATE_INTERRUPTED = "interrupted"
 DEFERRED_PHASES = frozenset({"profile.session"})
 
 log = logging.getLogger("servewatch.incidents")
+
+
+def _new_id(bits: int) -> int:
+    """A random non-zero trace (128-bit) or span (64-bit) id, as the OTel SDK's RandomIdGenerator
+    makes them (without importing the SDK: `servewatch cuda-env` and friends start fast)."""
+    while True:
+        value = random.getrandbits(bits)
+        if value:
+            return value
 
 #: Events that can open an incident.
 TRIGGER_EVENTS: tuple[type[Event], ...] = (HealthCheckFailed, WatchdogStalled, TargetExited)
@@ -531,8 +540,8 @@ class IncidentManager:
             detail=detail,
             pids=tuple(t.pid for t in targets),
             bundle_dir=str(bundle_dir),
-            trace_id=parent[0] if parent else trace_id_hex(new_trace_id()),
-            span_id=span_id_hex(new_span_id()),
+            trace_id=parent[0] if parent else f"{_new_id(128):032x}",
+            span_id=f"{_new_id(64):016x}",
             parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
             attributes=frozen_attrs(target_attributes(t.title for t in targets)),

@@ -16,7 +16,7 @@ import time
 from functools import partial
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -52,9 +52,11 @@ from agent.watchers.process import ProcessWatcher
 from agent.watchers.status import StatusBoard, WatcherState, WatcherStatus, status_path
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepsWatcher
 from agent.watchers.watchdog import Watchdog
-from exporters.metrics import Metrics
 from exporters.mirror import MIRRORED_EVENTS, PROFILE_SPAN, SpanMirror
 from exporters.provider import Telemetry, build_telemetry
+
+if TYPE_CHECKING:
+    from exporters.metrics import Metrics
 
 __all__ = ["Agent", "AgentStatistics"]
 

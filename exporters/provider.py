@@ -40,24 +40,21 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote
 
-import anyio
 from opentelemetry.sdk import environment_variables as _ev
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.semconv._incubating.attributes.host_attributes import HOST_NAME
-from opentelemetry.semconv._incubating.attributes.process_attributes import PROCESS_PID
-from opentelemetry.semconv.attributes.service_attributes import SERVICE_INSTANCE_ID, SERVICE_NAME
 from pydantic import BaseModel, ConfigDict, Field
 
-from exporters.metrics import Metrics, build_meter_provider
-from exporters.processor import ExportStatistics, LosslessSpanProcessor
-from exporters.spans import ProcessorSink
-from exporters.spool import Spool
-from exporters.transport import FileSender, TlsFiles, make_sender
+if TYPE_CHECKING:  # imported where used: `import exporters.provider` (config models) stays light
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from exporters.metrics import Metrics
+    from exporters.processor import ExportStatistics, LosslessSpanProcessor
+    from exporters.spans import ProcessorSink
+    from exporters.transport import TlsFiles
 
 __all__ = [
     "ExportConfig",
@@ -196,7 +193,7 @@ class Destination:
     insecure: bool | None = None
     compression: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
-    tls: TlsFiles = field(default_factory=TlsFiles)
+    tls: TlsFiles = field(default_factory=lambda: _transport().TlsFiles())
     signal: Signal = "traces"
 
     def sender_kwargs(self) -> dict[str, object]:
@@ -278,6 +275,12 @@ def _env_bool(environ: Mapping[str, str], signal: Signal, suffix: str) -> bool |
     return raw.lower() == "true"
 
 
+def _transport() -> Any:
+    import exporters.transport
+
+    return exporters.transport
+
+
 def _tls_files(config: ExportConfig, environ: Mapping[str, str], signal: Signal) -> TlsFiles:
     values: dict[str, str | None] = {}
     for attr, suffix, key in (
@@ -298,7 +301,7 @@ def _tls_files(config: ExportConfig, environ: Mapping[str, str], signal: Signal)
         raise ExportConfigError(
             "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY (mTLS) must be set together"
         )
-    return TlsFiles(**values)  # type: ignore[arg-type]
+    return _transport().TlsFiles(**values)  # type: ignore[arg-type]
 
 
 def _check_endpoint(endpoint: str, key: str) -> None:
@@ -370,7 +373,7 @@ def resolve_destination(
         insecure=insecure,
         compression=None if compression == "none" else compression,
         timeout_s=timeout_s,
-        tls=_tls_files(config, env, signal) if endpoint else TlsFiles(),
+        tls=_tls_files(config, env, signal) if endpoint else _transport().TlsFiles(),
         signal=signal,
     )
 
@@ -382,6 +385,10 @@ def build_resource(
 
     Precedence: config > env (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``) > ours.
     """
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+    from opentelemetry.semconv._incubating.attributes.host_attributes import HOST_NAME
+    from opentelemetry.semconv._incubating.attributes.process_attributes import PROCESS_PID
+    from opentelemetry.semconv.attributes.service_attributes import SERVICE_INSTANCE_ID, SERVICE_NAME
     env = os.environ if environ is None else environ
     attributes: dict[str, object] = {
         SERVICE_NAME: DEFAULT_SERVICE_NAME,
@@ -473,6 +480,8 @@ class Telemetry:
 
     async def aclose(self, deadline_s: float | None = None) -> ExportStatistics:
         """:meth:`shutdown` on a worker thread, so the event loop keeps running. Bounded likewise."""
+        import anyio
+
         return await anyio.to_thread.run_sync(self.shutdown, deadline_s, abandon_on_cancel=True)
 
 
@@ -497,6 +506,13 @@ def build_telemetry(
         ExportConfigError: a bad setting (the message names it).
         OSError: the data dir cannot be created.
     """
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from exporters.metrics import Metrics, build_meter_provider
+    from exporters.processor import LosslessSpanProcessor
+    from exporters.spans import ProcessorSink
+    from exporters.spool import Spool
+    from exporters.transport import FileSender, make_sender
     host = host_name or socket.gethostname()
     destination = resolve_destination(config, environ)
     resource = build_resource(config, host_name=host, service_instance_id=service_instance_id or str(uuid.uuid4()), environ=environ)

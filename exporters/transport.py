@@ -30,20 +30,17 @@ from urllib.parse import urlsplit
 # itself (Cause) and reports it once, so its lines are off unless the user asks for them.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-import grpc  # noqa: E402
-import httpx  # noqa: E402
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (  # noqa: E402
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub  # noqa: E402
 
 from agent.events import StrEnum  # noqa: E402
+from agent.lazy import LazyModule  # noqa: E402
 from exporters.otlp_json import RotatingJsonLinesWriter, request_to_json  # noqa: E402
 
 __all__ = [
@@ -70,19 +67,24 @@ OtlpRequest = Union[ExportTraceServiceRequest, ExportMetricsServiceRequest]
 
 _log = logging.getLogger(__name__)
 
+# imported at first use (a gRPC or HTTP sender), so a CLI command writing span files or nothing
+# starts fast; the generated *_pb2_grpc stubs import grpc too and are imported in GrpcSender
+grpc = LazyModule("grpc")
+httpx = LazyModule("httpx")
+
 #: Protocol names, per ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``http/json`` is not supported for export).
 PROTOCOLS = ("grpc", "http/protobuf")
 
 # gRPC status codes the OTLP spec calls retryable ("Failures" table of the OTLP specification).
-_GRPC_RETRYABLE = frozenset(
+_GRPC_RETRYABLE_NAMES = frozenset(
     {
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.OUT_OF_RANGE,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DATA_LOSS,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,  # throttling; "larger than max" is TOO_LARGE instead
+        "CANCELLED",
+        "DEADLINE_EXCEEDED",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "RESOURCE_EXHAUSTED",  # throttling; "larger than max" is TOO_LARGE instead
     }
 )
 # HTTP status codes the OTLP/HTTP spec calls retryable.
@@ -264,7 +266,7 @@ def _grpc_cause(code: grpc.StatusCode | None, details: str) -> tuple[Delivery, C
     if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
         # an HTTP server answering a gRPC call shows up as one of these
         return Delivery.PERMANENT if code is grpc.StatusCode.UNIMPLEMENTED else Delivery.RETRYABLE, Cause.PROTOCOL_MISMATCH
-    if code in _GRPC_RETRYABLE:
+    if code is not None and code.name in _GRPC_RETRYABLE_NAMES:
         return Delivery.RETRYABLE, Cause.COLLECTOR if code is not grpc.StatusCode.UNAVAILABLE else Cause.REFUSED
     return Delivery.PERMANENT, Cause.COLLECTOR
 
@@ -336,6 +338,9 @@ class GrpcSender:
             self._channel = grpc.secure_channel(self.target, creds, options=_GRPC_CHANNEL_OPTIONS, compression=comp)
         else:
             self._channel = grpc.insecure_channel(self.target, options=_GRPC_CHANNEL_OPTIONS, compression=comp)
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
+
         stub = MetricsServiceStub(self._channel) if signal == "metrics" else TraceServiceStub(self._channel)
         self._export = stub.Export
         self._metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())

@@ -47,14 +47,16 @@ from typing import Any, Literal
 
 import anyio
 import anyio.abc
-import httpx
 from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.lazy import LazyModule
 from agent.sdk.control import control_path
 from agent.security import process_uids, trusted_owner
 from agent.targets import Target
+
+httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
 __all__ = [
     "ACTION",

@@ -7,8 +7,22 @@ are, asking one), :mod:`~agent.fleet.job` (the coordinator: fan-out, joins, dedu
 Nothing here imports a watcher or an actor; :mod:`agent.runtime` starts :class:`Fleet`.
 """
 
+from typing import Any
+
 from agent.fleet.config import ApiConfig, FleetConfig
-from agent.fleet.job import Fleet
-from agent.fleet.traceparent import TraceParent
+
+
+def __getattr__(name: str) -> Any:
+    # the coordinator (h11, anyio, peers) loads on first use: settings alone stay a light import
+    if name == "Fleet":
+        from agent.fleet.job import Fleet
+
+        return Fleet
+    if name == "TraceParent":
+        from agent.fleet.traceparent import TraceParent
+
+        return TraceParent
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ApiConfig", "Fleet", "FleetConfig", "TraceParent"]

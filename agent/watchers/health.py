@@ -21,14 +21,16 @@ import time
 from urllib.parse import urlsplit
 
 import anyio
-import httpx
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, Field, field_validator
 
 from agent.bus import Publisher
 from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
+from agent.lazy import LazyModule
 from agent.watchers.status import StatusReporter, WatcherState
+
+httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
 _log = logging.getLogger(__name__)
 

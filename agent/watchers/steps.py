@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 import anyio
-import httpx
 import psutil
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
@@ -33,8 +32,11 @@ from pydantic import BaseModel, Field
 
 from agent.bus import Publisher
 from agent.events import StepsAdvanced
+from agent.lazy import LazyModule
 from agent.sdk._counter import SIZE_BYTES, counter_path, parse_counter, shm_dir
 from agent.security import open_trusted, process_uids
+
+httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
 __all__ = [
     "PRESETS",

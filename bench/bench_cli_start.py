@@ -1,0 +1,169 @@
+"""Cold start of each `servewatch` command, and whole-process `servewatch dump` against py-spy.
+
+Part 1: wall time of fresh processes: ``python -c pass`` (the floor), ``servewatch --help``,
+``dump --help``, ``timeline --help``, ``cuda-env`` (prints its exports), ``status --help``,
+interleaved over ``--repeat`` rounds; median and min per command. Target: ``--help`` <= 0.2 s.
+
+Part 2: K = 1, 4, 8 torch-loaded target processes (``tests/programs/titled_target.py --torch``,
+hung in a fake all-reduce). Per round, in alternating order: the SEQUENTIAL baseline (one
+``py-spy dump --native --pid P`` after the other, what SGLang's in-process helper costs per
+process) and ONE ``servewatch dump --pid ...`` of all K (start, discovery, parallel dumps,
+bundle, spans, exit). Medians over ``--repeat`` rounds and the ratio servewatch / baseline.
+Targets: <= 2x at K=1, <= 0.6x at K=8.
+
+Commands run with bytecode caching on (PYTHONDONTWRITEBYTECODE removed) after one warm-up run,
+as an installed servewatch starts; without it every project module is recompiled per start.
+
+The machine may be shared: every ratio compares runs of the same round; the spread (min..max
+of the per-round ratios) is printed with it.
+
+Usage: ``python bench/bench_cli_start.py [--repeat 5] [--ks 1,4,8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from _common import kill_groups
+
+TARGET = REPO / "tests" / "programs" / "titled_target.py"
+
+
+def servewatch() -> list[str]:
+    exe = Path(sys.executable).parent / "servewatch"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "agent.cli"]
+
+
+def pyspy() -> str:
+    exe = Path(sys.executable).parent / "py-spy"
+    return str(exe) if exe.exists() else (shutil.which("py-spy") or "py-spy")
+
+
+#: Every timed command runs with bytecode caching on, as an installed servewatch does (pip writes
+#: the .pyc files at install time); a PYTHONDONTWRITEBYTECODE=1 environment (e.g. CI sandboxes)
+#: would otherwise recompile every project module on each start and measure the compiler.
+BASE_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE" and not k.startswith("OTEL_EXPORTER_OTLP")}
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None, timeout_s: float = 120.0) -> tuple[float, int]:
+    env = BASE_ENV if env is None else env
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          env=env, timeout=timeout_s, check=False)
+    return time.perf_counter() - t0, proc.returncode
+
+
+def start_targets(k: int) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for i in range(k):
+        procs.append(subprocess.Popen(
+            [sys.executable, str(TARGET), f"bench::scheduler_TP{i}", "--torch", "--max-lifetime-s", "900"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        ))  # fmt: skip
+    for p in procs:
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], 120)
+        if not ready or not p.stdout.readline().startswith(b"ready"):
+            kill_groups(procs, timeout_s=10)
+            raise SystemExit("target did not start")
+    return procs
+
+
+def part1(repeat: int, work: Path) -> None:
+    sw = servewatch()
+    cmds = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "servewatch --help": [*sw, "--help"],
+        "servewatch dump --help": [*sw, "dump", "--help"],
+        "servewatch timeline --help": [*sw, "timeline", "--help"],
+        "servewatch status --help": [*sw, "status", "--help"],
+        "servewatch cuda-env": [*sw, "cuda-env", "--folder", str(work / "cores")],
+    }
+    times: dict[str, list[float]] = {k: [] for k in cmds}
+    for argv in cmds.values():  # warm-up: the .pyc files exist, as after an install
+        timed(argv)
+    for _ in range(repeat):
+        for name, argv in cmds.items():
+            dt, rc = timed(argv)
+            if rc != 0:
+                raise SystemExit(f"{name} exited {rc}")
+            times[name].append(dt)
+    print(f"cold start, {repeat} rounds (median / min seconds):")
+    for name, ts in times.items():
+        print(f"  {name:28s} {statistics.median(ts):6.3f} / {min(ts):6.3f}")
+
+
+def _baseline(spy: str, pids: list[int]) -> float:
+    """Sequential `py-spy dump --native` of every pid: total seconds."""
+    total = 0.0
+    for pid in pids:
+        dt, rc = timed([spy, "dump", "--native", "--pid", str(pid)])
+        if rc != 0:
+            raise SystemExit(f"py-spy dump exited {rc}")
+        total += dt
+    return total
+
+
+def _whole(sw: list[str], pids: list[int], data: Path) -> float:
+    """One `servewatch dump` of every pid, whole process: seconds."""
+    argv = [*sw, "dump", "--data-dir", str(data)] + [a for pid in pids for a in ("--pid", str(pid))]
+    dt, rc = timed(argv)
+    if rc != 0:
+        raise SystemExit(f"servewatch dump exited {rc}")
+    return dt
+
+
+def part2(ks: list[int], repeat: int, work: Path) -> None:
+    sw, spy = servewatch(), pyspy()
+    print(f"whole-process dump vs sequential `py-spy dump --native`, {repeat} rounds (medians):")
+    for k in ks:
+        procs = start_targets(k)
+        try:
+            pids = [p.pid for p in procs]
+            base, ours, ratios = [], [], []
+            _whole(sw, pids, work / f"warm-{k}")  # warm-up (bytecode of the dump path, page cache)
+            for r in range(repeat):
+                if r % 2:
+                    o, b = _whole(sw, pids, work / f"data-{k}-{r}"), _baseline(spy, pids)
+                else:
+                    b, o = _baseline(spy, pids), _whole(sw, pids, work / f"data-{k}-{r}")
+                base.append(b)
+                ours.append(o)
+                ratios.append(o / b)
+            print(f"  K={k}: servewatch dump {statistics.median(ours):6.3f} s, sequential py-spy {statistics.median(base):6.3f} s,"
+                  f" ratio {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}..{max(ratios):.2f})")
+        finally:
+            kill_groups(procs, timeout_s=10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--ks", default="1,4,8")
+    ap.add_argument("--skip-dump", action="store_true")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="servewatch-clistart-"))
+    os.chmod(work, 0o700)
+    try:
+        part1(args.repeat, work)
+        if not args.skip_dump:
+            part2([int(x) for x in args.ks.split(",")], args.repeat, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -315,7 +315,13 @@ def action_span(
         attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
     span_id = new_span_id()
     if result.action == PROFILE_SPAN and result.artifact_paths:
-        attributes.update(import_profile_artifacts(result.artifact_paths, sink, trace_id=trace_id, parent_span_id=span_id))
+        start_ns = result.start_time_unix_nano or default_time_unix_nano
+        attributes.update(
+            import_profile_artifacts(
+                result.artifact_paths, sink, trace_id=trace_id, parent_span_id=span_id,
+                start_time_unix_nano=start_ns, end_time_unix_nano=result.end_time_unix_nano or start_ns,
+            )
+        )
     ok = result.outcome is Outcome.OK
     error = None if ok or result.outcome in NOT_ERRORS else (result.detail or str(result.outcome))
     start = result.start_time_unix_nano or default_time_unix_nano

@@ -17,7 +17,8 @@ from typing import Protocol
 
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -35,12 +36,32 @@ __all__ = [
     "trace_id_hex",
     "span_id_hex",
     "link_to",
+    "span_limits",
+    "reset_span_limits",
 ]
 
 #: Instrumentation scope of every span servewatch emits.
 SCOPE = InstrumentationScope("servewatch", "0.1.0")
 
 _ids = RandomIdGenerator()
+_limits: SpanLimits | None = None
+
+
+def span_limits() -> SpanLimits:
+    """The span limits servewatch applies to the spans it builds, read once from the standard
+    env by the SDK's own ``SpanLimits`` (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``,
+    ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`` / ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``,
+    ``OTEL_SPAN_LINK_COUNT_LIMIT``, ``OTEL_LINK_ATTRIBUTE_COUNT_LIMIT``...)."""
+    global _limits
+    if _limits is None:
+        _limits = SpanLimits()
+    return _limits
+
+
+def reset_span_limits() -> None:
+    """Read the span-limit env again on next use (tests)."""
+    global _limits
+    _limits = None
 
 
 def new_trace_id() -> int:
@@ -101,6 +122,10 @@ def build_span(
         error: when set, status ERROR with this description; else ``ok`` gives status OK, and
             otherwise the status stays UNSET.
         resource: the resource to report under (the exporter's provider resource).
+
+    The standard span limits apply (:func:`span_limits`): attributes past the count limit are
+    dropped and counted (OTLP ``dropped_attributes_count``), string values cut at the length
+    limit, links past the link limit dropped.
     """
     if error is not None:
         status = Status(StatusCode.ERROR, error)
@@ -108,13 +133,21 @@ def build_span(
         status = Status(StatusCode.OK)
     else:
         status = Status(StatusCode.UNSET)
+    limits = span_limits()
+    bounded = BoundedAttributes(
+        maxlen=limits.max_span_attributes, attributes=attributes or {}, immutable=False,  # type: ignore[arg-type]
+        max_value_len=limits.max_span_attribute_length,
+    )
+    kept_links = tuple(links)
+    if limits.max_links is not None and len(kept_links) > limits.max_links:
+        kept_links = kept_links[: limits.max_links]
     return ReadableSpan(
         name=name,
         context=_context(trace_id, span_id if span_id is not None else new_span_id()),
         parent=_context(trace_id, parent_span_id) if parent_span_id is not None else None,
         resource=resource if resource is not None else Resource.get_empty(),
-        attributes=dict(attributes or {}),  # type: ignore[arg-type]
-        links=tuple(links),
+        attributes=bounded,  # type: ignore[arg-type]
+        links=kept_links,
         kind=kind,
         status=status,
         start_time=start_time_unix_nano,

@@ -38,6 +38,7 @@ import heapq
 import json
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -54,6 +55,8 @@ __all__ = [
     "find_base_time_ns",
     "gputrace_attributes",
     "import_profile_artifacts",
+    "import_mlx_steps",
+    "import_gputrace",
     "is_torch_trace",
     "ALWAYS_KEPT_CATEGORIES",
     "GPU_CATEGORIES",
@@ -503,6 +506,79 @@ def is_torch_trace(path: str | Path) -> bool:
     return str(path).endswith(TORCH_TRACE_SUFFIXES)
 
 
+#: File name ending of the SDK's MLX per-step records (:mod:`agent.sdk.profiler`).
+MLX_STEPS_SUFFIX = ".mlx-steps.json"
+#: Most MLX step records imported from one file.
+MAX_MLX_STEPS = 100_000
+
+
+def import_mlx_steps(
+    path: str | Path, sink: SpanSink, *, trace_id: int, parent_span_id: int
+) -> dict[str, Any]:
+    """Import the SDK's MLX per-step records (``*.mlx-steps.json``, the Linux fallback when no
+    Metal capture is possible) as ``mlx.step`` child spans of ``parent_span_id``.
+
+    Each record becomes one span with its own start/end times, ``servewatch.forward_ct`` and
+    the MLX memory counters as ``mlx.memory.<name>_bytes``.
+
+    Returns:
+        Attributes for the session span: ``servewatch.mlx.steps`` (imported), and
+        ``servewatch.mlx.metal_trace_captured``.
+
+    Raises:
+        OSError / ValueError: unreadable or not the SDK's format.
+    """
+    body = json.loads(Path(path).read_text())
+    if not isinstance(body, dict) or not isinstance(body.get("steps"), list):
+        raise ValueError("not an MLX steps file (no 'steps' list)")
+    imported = 0
+    for rec in body["steps"][:MAX_MLX_STEPS]:
+        if not isinstance(rec, dict):
+            continue
+        start = _as_int(rec.get("start_time_unix_nano"))
+        end = _as_int(rec.get("end_time_unix_nano"))
+        if start is None or end is None or start <= 0:
+            continue
+        attrs: dict[str, Any] = {}
+        forward_ct = _as_int(rec.get("forward_ct"))
+        if forward_ct is not None:
+            attrs["servewatch.forward_ct"] = forward_ct
+        for key, value in rec.items():
+            if key.endswith("_memory_bytes") and isinstance(value, int) and not isinstance(value, bool):
+                attrs[f"mlx.memory.{key.removesuffix('_memory_bytes')}_bytes"] = value
+        sink.emit(
+            build_span(
+                "mlx.step", trace_id=trace_id, parent_span_id=parent_span_id, start_time_unix_nano=start,
+                end_time_unix_nano=max(start, end), attributes=attrs, resource=sink.resource,
+            )
+        )
+        imported += 1
+    return {
+        "servewatch.mlx.steps": imported,
+        "servewatch.mlx.metal_trace_captured": bool(body.get("metal_trace_captured", False)),
+    }
+
+
+def import_gputrace(
+    path: str | Path, sink: SpanSink, *, trace_id: int, parent_span_id: int, start_time_unix_nano: int, end_time_unix_nano: int
+) -> dict[str, Any]:
+    """A Metal ``.gputrace`` capture as one ``metal.capture`` child span over the session's
+    window, carrying the bundle's path, size and kind (the capture itself opens in Xcode).
+
+    Returns:
+        :func:`gputrace_attributes` (also put on the session span).
+    """
+    attrs = gputrace_attributes(path)
+    start = start_time_unix_nano or time.time_ns()
+    sink.emit(
+        build_span(
+            "metal.capture", trace_id=trace_id, parent_span_id=parent_span_id, start_time_unix_nano=start,
+            end_time_unix_nano=max(start, end_time_unix_nano), attributes=attrs, resource=sink.resource,
+        )
+    )
+    return attrs
+
+
 def import_profile_artifacts(
     paths: Iterable[str | Path],
     sink: SpanSink,
@@ -510,13 +586,17 @@ def import_profile_artifacts(
     trace_id: int,
     parent_span_id: int,
     config: TorchTraceImportConfig | None = None,
+    start_time_unix_nano: int = 0,
+    end_time_unix_nano: int = 0,
 ) -> dict[str, Any]:
     """Import a ``profile.session``'s artifacts; return attributes for the session span.
 
     Torch traces become child spans (:func:`import_torch_trace`, counts summed over files);
-    a ``.gputrace`` bundle is attached as an artifact (:func:`gputrace_attributes`); other
-    files (e.g. the SDK's ``.mlx-steps.json``) are left alone. A trace that cannot be read is
-    counted in ``servewatch.trace_import.errors`` with its error, never raised.
+    the SDK's MLX per-step records (``.mlx-steps.json``) become ``mlx.step`` child spans
+    (:func:`import_mlx_steps`); a Metal ``.gputrace`` capture becomes a ``metal.capture`` child
+    span over the session window (``start/end_time_unix_nano``) with its path and size
+    (:func:`import_gputrace`). A file that cannot be read is counted in
+    ``servewatch.trace_import.errors`` with its error, never raised.
 
     Returns:
         Span attributes: the ``servewatch.trace_import.*`` counts, ``.files``, ``.errors`` and
@@ -528,7 +608,17 @@ def import_profile_artifacts(
     for p in paths:
         path = Path(p)
         if str(path).endswith(".gputrace"):
-            totals.update(gputrace_attributes(path))
+            totals.update(import_gputrace(path, sink, trace_id=trace_id, parent_span_id=parent_span_id,
+                                          start_time_unix_nano=start_time_unix_nano, end_time_unix_nano=end_time_unix_nano))
+            continue
+        if str(path).endswith(MLX_STEPS_SUFFIX):
+            try:
+                totals.update(import_mlx_steps(path, sink, trace_id=trace_id, parent_span_id=parent_span_id))
+            except (OSError, ValueError) as exc:
+                errors += 1
+                first_error = first_error or f"{path.name}: {type(exc).__name__}: {exc}"
+                continue
+            files += 1
             continue
         if not is_torch_trace(path):
             continue

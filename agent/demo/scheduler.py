@@ -334,27 +334,20 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _tracer_provider_from_env() -> Any:
-    """An OTel SDK ``TracerProvider`` exporting over OTLP, or ``None`` without an endpoint.
+    """The demo's fallback ``TracerProvider`` (used while no agent is attached to the span
+    channel), or ``None`` without an endpoint.
 
-    Set only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its traces-specific variant) is set; the
-    exporter reads the endpoint, headers and timeout from the standard ``OTEL_*`` variables and
-    ``OTEL_EXPORTER_OTLP_PROTOCOL`` picks gRPC (``grpc``) or HTTP (``http/protobuf``, default).
+    Built by :func:`exporters.sdk_export.tracer_provider_from_env`: the same ``OTEL_*``
+    resolution, protocol default (``grpc``), TLS and lossless processor as the agent, so request
+    and forward spans reach the collector the incident goes to.
     """
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
-        return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from exporters.sdk_export import tracer_provider_from_env
 
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    attrs: dict[str, Any] = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "servewatch-demo"}
-    provider = TracerProvider(resource=Resource.create(attrs))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return provider
+    try:
+        return tracer_provider_from_env("servewatch-demo")
+    except ValueError as exc:  # ExportConfigError: a bad OTEL_* value; the demo serves without spans
+        print(f"demo scheduler: no span export ({exc})", file=sys.stderr, flush=True)
+        return None
 
 
 def _shutdown_tracer_provider(provider: Any) -> None:

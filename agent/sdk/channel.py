@@ -176,11 +176,14 @@ def start_span(
     attributes: Mapping[str, Any] | None = None,
     start_time: int | None = None,
     tracer: Any = None,
+    context: Any = None,
 ) -> trace.Span:
     """Start a span per the channel policy (module docstring).
 
     Args:
         tracer: the OTel API tracer for the fallback path (default: the SDK's tracer).
+        context: parent OTel ``Context`` (e.g. extracted from an incoming W3C ``traceparent``);
+            ``None``: the current context.
 
     Returns:
         A :class:`ChannelSpan` while an agent is attached; else the fallback tracer's span, or
@@ -191,7 +194,7 @@ def start_span(
     if writer is not None:
         hb = writer.words[_ring.W_HEARTBEAT]
         if hb and _monotonic_ns() - hb < _stale_ns:
-            return ChannelSpan(writer, name, kind, attributes, start_time)
+            return ChannelSpan(writer, name, kind, attributes, start_time, context)
         if _fallback_drop:
             _dropped_no_agent += 1
             writer.count(_ring.W_DROPPED_NO_AGENT)
@@ -205,13 +208,14 @@ def start_span(
         from agent.sdk.tracing import get_tracer
 
         tracer = get_tracer()
-    return tracer.start_span(name, kind=kind, attributes=attributes, start_time=start_time)
+    return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
 
 
 class ChannelSpan(trace.Span):
     """A recording span that the agent exports: on :meth:`end` it is one ring record.
 
-    Its parent is the current span when that is valid (same trace), else it starts a trace.
+    Its parent is the span of the given context (an incoming ``traceparent``), else the current
+    span when that is valid (same trace), else it starts a trace.
     Thread-safe for the usual use (one thread ends it). Never raises from :meth:`end`.
     """
 
@@ -239,11 +243,12 @@ class ChannelSpan(trace.Span):
         kind: SpanKind,
         attributes: Mapping[str, Any] | None,
         start_time: int | None,
+        context: Any = None,
     ) -> None:
         self._writer = writer
         self._name = name
         self._kind = kind
-        parent = trace.get_current_span().get_span_context()
+        parent = trace.get_current_span(context).get_span_context()
         if parent.is_valid:
             self._trace_id = parent.trace_id
             self._parent_id = parent.span_id

@@ -20,7 +20,7 @@ trace can be followed to every step that computed its tokens and back. While the
 no-op no link object is built.
 
 ``request_span(...)`` opens an OTel span (gen_ai semantic conventions, current names:
-``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
+``gen_ai.operation.name``, ``gen_ai.provider.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
 ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``, ``gen_ai.response.id``) through
 the SDK's span channel (:mod:`agent.sdk.channel`: while an agent is attached the span is only
 recorded here and the agent encodes and exports it; else the opentelemetry-api tracer provider
@@ -260,19 +260,47 @@ class RequestHandle:
         self._span.set_attribute("gen_ai.usage.output_tokens", int(n))
 
 
+#: Span kind of a request span. The GenAI semantic conventions' inference span is CLIENT from a
+#: caller and "MAY be INTERNAL on spans representing calls to models running in the same
+#: process": in the server the model runs in-process, so INTERNAL, under the server's HTTP SERVER
+#: span when one exists (pass its context or the incoming ``traceparent`` as ``parent``).
+REQUEST_SPAN_KIND_NAME = "INTERNAL"
+
+
+def _parent_context(parent: Any) -> Any:
+    """An OTel ``Context`` from ``parent``: a ``Context`` as is, a W3C ``traceparent`` header
+    value, or a carrier mapping of incoming headers (``traceparent``/``tracestate``)."""
+    if parent is None:
+        return None
+    if isinstance(parent, (str, bytes)):
+        carrier: Mapping[str, str] = {"traceparent": parent.decode() if isinstance(parent, bytes) else parent}
+    elif isinstance(parent, Mapping):
+        carrier = {str(k).lower(): (v.decode() if isinstance(v, bytes) else str(v)) for k, v in parent.items()}
+    else:
+        return parent  # a Context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract(carrier)
+
+
 @contextmanager
 def request_span(
     request_id: str,
     *,
     model: str = "",
     operation: str = "chat",
+    provider: str = "",
     max_tokens: int | None = None,
     input_tokens: int | None = None,
     attributes: Mapping[str, Any] | None = None,
+    parent: Any = None,
 ) -> Iterator[RequestHandle]:
     """Trace one inference request as an OTel span named ``"{operation} {model}"``.
 
-    The span kind is SERVER and carries only counts and ids, never prompt or output text. While
+    The span kind is INTERNAL (:data:`REQUEST_SPAN_KIND_NAME`, per the GenAI conventions for a
+    model running in the same process) and carries only counts and ids, never prompt or output
+    text. ``parent`` joins the caller's trace: pass the incoming request's headers (a mapping
+    with ``traceparent``), the ``traceparent`` value itself, or an OTel ``Context``. While
     an SDK profiling session records, the request is also a torch range named
     ``request:{request_id}`` (entered and exited on the calling thread). The request is listed
     by :func:`inflight` until the block exits; an exception marks the span as an error and
@@ -282,9 +310,13 @@ def request_span(
         request_id: the server's request id, recorded as ``gen_ai.response.id``.
         model: ``gen_ai.request.model``.
         operation: ``gen_ai.operation.name`` (``chat``, ``text_completion``, ``embeddings``).
+        provider: ``gen_ai.provider.name`` (e.g. ``sglang``, ``vllm``, or the model's vendor).
         max_tokens: ``gen_ai.request.max_tokens``.
         input_tokens: ``gen_ai.usage.input_tokens`` when already known.
         attributes: extra span attributes (must not hold request payloads).
+        parent: the caller's trace context: incoming headers (mapping), a W3C ``traceparent``
+            string, or an OTel ``Context``; ``None``: the current context. A malformed
+            ``traceparent`` is ignored (a new trace starts), as the W3C spec requires.
 
     Yields:
         A :class:`RequestHandle` to report token counts.
@@ -294,6 +326,8 @@ def request_span(
     from agent.sdk import channel
 
     attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.response.id": request_id}
+    if provider:
+        attrs["gen_ai.provider.name"] = provider
     if model:
         attrs["gen_ai.request.model"] = model
     if max_tokens is not None:
@@ -308,7 +342,9 @@ def request_span(
     # requests per batch), and context attach/detach must nest.
     # With an agent attached this is a ChannelSpan: recorded here, encoded and exported by the
     # agent (agent.sdk.channel); else the OTel API path or a counted drop.
-    span = channel.start_span(name, kind=trace.SpanKind.SERVER, attributes=attrs, start_time=start_ns)
+    span = channel.start_span(
+        name, kind=trace.SpanKind.INTERNAL, attributes=attrs, start_time=start_ns, context=_parent_context(parent)
+    )
     ctx = span.get_span_context()
     recording = bool(ctx.is_valid)
     trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1

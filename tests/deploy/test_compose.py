@@ -208,6 +208,21 @@ def test_servewatch_resolves_its_env_to_the_collectors_grpc_receiver(services: d
     assert resource.attributes["service.name"] == "servewatch"
 
 
+def test_demo_server_exports_its_request_spans_to_the_same_collector_as_servewatch(services: dict[str, dict]) -> None:
+    from exporters.provider import ExportConfig, resolve_destination
+    from exporters.sdk_export import tracer_provider_from_env
+
+    demo_env = {k: str(v) for k, v in services["demo"]["environment"].items()}
+    agent_env = {k: str(v) for k, v in services["servewatch"]["environment"].items()}
+    demo, agent = resolve_destination(ExportConfig(), environ=demo_env), resolve_destination(ExportConfig(), environ=agent_env)
+    assert (demo.endpoint, demo.protocol) == (agent.endpoint, agent.protocol) and demo.endpoint
+    assert demo_env["OTEL_SERVICE_NAME"] == "servewatch-demo"
+    assert "otel-collector" in services["demo"]["depends_on"]
+    provider = tracer_provider_from_env("servewatch-demo", environ={**demo_env, "SERVEWATCH_DATA_DIR": ""})
+    assert provider is not None
+    provider.shutdown()
+
+
 def test_python_services_install_cpu_torch_then_servewatch_from_a_copy(services: dict[str, dict]) -> None:
     install = services["install"]
     assert "./:/src:ro" in install["volumes"]  # read-only: the build happens in a copy

@@ -363,3 +363,25 @@ def test_metrics_during_an_outage_are_spooled_and_replayed(otlp_receiver: OtlpRe
     assert after.replayed >= outage.spooled and after.lost == 0 and after.spool_points == 0  # type: ignore[union-attr]
     names = {m.name for _, req in otlp_receiver.metrics_requests for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     assert "servewatch.incidents" in names and "servewatch.export.metric_points" in names
+
+
+def test_standard_span_limits_apply_to_the_spans_servewatch_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from exporters.spans import link_to, reset_span_limits
+
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "5")
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "1")
+    reset_span_limits()
+    try:
+        span = build_span("limited", trace_id=new_trace_id(), start_time_unix_nano=1, end_time_unix_nano=2,
+                          attributes={"a": "abcdefgh", "b": 1, "c": 2}, links=[link_to(1, 1), link_to(2, 2)])
+        encoded = encode_spans([span]).resource_spans[0].scope_spans[0].spans[0]
+    finally:
+        monkeypatch.delenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT")
+        monkeypatch.delenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT")
+        monkeypatch.delenv("OTEL_SPAN_LINK_COUNT_LIMIT")
+        reset_span_limits()
+    assert len(span.attributes) == 2 and span.dropped_attributes == 1
+    assert encoded.dropped_attributes_count == 1 and len(encoded.attributes) == 2
+    assert span.attributes.get("a") in (None, "abcde")
+    assert len(span.links) == 1

@@ -95,7 +95,7 @@ def test_server_spans_reach_the_collector_under_the_server_resource(
     assert one.attributes["gen_ai.request.model"] == "tiny" and one.attributes["gen_ai.usage.input_tokens"] == 3
     errors = [s for s in requests.values() if s.span.status.code == 2]
     assert errors and all(e.span.events[0].name == "exception" for e in errors)
-    assert all(s.span.kind == 2 for s in requests.values())  # SPAN_KIND_SERVER
+    assert all(s.span.kind == 1 for s in requests.values())  # SPAN_KIND_INTERNAL (GenAI semconv, model in-process)
 
 
 #: A ring writer nobody can run: the system interpreter, stdlib only (the venv may sit behind a

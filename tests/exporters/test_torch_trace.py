@@ -231,17 +231,33 @@ def test_session_artifacts_import_traces_attach_bundles_and_count_errors(session
     broken = tmp_path / "broken.trace.json.gz"
     broken.write_bytes(b"not gzip")
     steps = tmp_path / "x.mlx-steps.json"
-    steps.write_text("{}")
+    steps.write_text(json.dumps({"metal_trace_captured": False, "steps": [
+        {"forward_ct": 7, "start_time_unix_nano": 1_000, "end_time_unix_nano": 2_000, "peak_memory_bytes": 4096},
+        {"forward_ct": 8, "start_time_unix_nano": 2_000, "end_time_unix_nano": 3_500, "peak_memory_bytes": 8192},
+    ]}))
+    not_steps = tmp_path / "y.mlx-steps.json"
+    not_steps.write_text("{}")
     sink = InMemorySink()
     root = new_span_id()
     attrs = import_profile_artifacts(
-        [session["files"][0], str(bundle), str(broken), str(steps)], sink, trace_id=new_trace_id(), parent_span_id=root
+        [session["files"][0], str(bundle), str(broken), str(steps), str(not_steps)], sink, trace_id=new_trace_id(),
+        parent_span_id=root, start_time_unix_nano=500, end_time_unix_nano=9_000,
     )
-    assert attrs["servewatch.trace_import.files"] == 1 and attrs["servewatch.trace_import.errors"] == 1
+    assert attrs["servewatch.trace_import.files"] == 2 and attrs["servewatch.trace_import.errors"] == 2
     assert "broken.trace.json.gz" in attrs["servewatch.trace_import.error"]
     assert attrs["servewatch.trace_import.profiler_steps"] == 3
-    assert attrs["servewatch.trace_import.kept"] == len(sink.spans) > 0
+    mlx = sorted((s for s in sink.spans if s.name == "mlx.step"), key=lambda s: s.start_time)
+    metal = [s for s in sink.spans if s.name == "metal.capture"]
+    assert attrs["servewatch.trace_import.kept"] == len(sink.spans) - len(mlx) - len(metal) > 0
     assert attrs["servewatch.artifact.size_bytes"] == 10
+    # MLX per-step records and the Metal capture are children of the session span too
+    assert [(s.start_time, s.end_time, s.attributes["servewatch.forward_ct"], s.attributes["mlx.memory.peak_bytes"]) for s in mlx] == [
+        (1_000, 2_000, 7, 4096), (2_000, 3_500, 8, 8192)]
+    assert attrs["servewatch.mlx.steps"] == 2 and attrs["servewatch.mlx.metal_trace_captured"] is False
+    (capture,) = metal
+    assert (capture.start_time, capture.end_time) == (500, 9_000)
+    assert capture.attributes["servewatch.artifact.kind"] == "gputrace" and capture.attributes["servewatch.artifact.size_bytes"] == 10
+    assert all(s.parent is not None and s.parent.span_id == root for s in [*mlx, capture])
 
 
 def test_mirror_puts_the_profile_inside_the_incident_trace(session: dict[str, Any]) -> None:

@@ -60,7 +60,7 @@ def test_attached_agent_gets_the_spans_and_the_server_exports_nothing(fresh_chan
     assert [r[0] for r in records] == ["forward", "chat m", "chat m"]
     fwd_rec, req_rec, err_rec = records
     assert f"{req_rec[2]:032x}" == req.trace_id and f"{req_rec[3]:016x}" == req.span_id
-    assert req_rec[1] == 1 and req_rec[4] == 0  # SERVER, root
+    assert req_rec[1] == 0 and req_rec[4] == 0  # INTERNAL (GenAI semconv, model in-process), root
     assert req_rec[7] == {
         "gen_ai.operation.name": "chat", "gen_ai.response.id": "r-2", "gen_ai.request.model": "m",
         "gen_ai.request.max_tokens": 8, "gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": 5,

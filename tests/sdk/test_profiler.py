@@ -244,3 +244,31 @@ def test_mlx_on_linux_says_no_metal_and_records_step_memory(tmp_path: Path) -> N
     assert len(spans) == 3
     assert spans[0].attributes["mlx.memory.peak_bytes"] >= 256 * 256 * 4
     assert {"mlx.memory.active_bytes", "mlx.memory.cache_bytes"} <= set(spans[0].attributes)
+
+
+def test_mlx_session_is_imported_as_steps_under_profile_session(tmp_path: Path) -> None:
+    """The Linux fallback's per-step records reach the trace as ``mlx.step`` children of
+    ``profile.session``, as torch traces do (``servewatch profile`` and incidents)."""
+    mx = pytest.importorskip("mlx.core")
+    if mx.metal.is_available():
+        pytest.skip("this test covers hosts without Metal")
+    from agent.events import ActionResult, Outcome
+    from exporters.mirror import mirror_profile_session
+    from exporters.spans import InMemorySink
+
+    sid = profiler.request_profile(ProfileRequest(num_steps=2, backend="mlx", output_dir=str(tmp_path)))
+    a = mx.ones((128, 128))
+    for _ in range(3):
+        mx.eval(a @ a)
+        sdk.step()
+    info = profiler.session(sid)
+    assert info["state"] == "completed"
+    result = ActionResult(action="profile.session", outcome=Outcome.OK, artifact_paths=tuple(info["files"]),
+                          start_time_unix_nano=1, end_time_unix_nano=2)
+    sink = InMemorySink()
+    mirror_profile_session(sink, result)
+    (session_span,) = sink.named("profile.session")
+    steps = sink.named("mlx.step")
+    assert len(steps) == 2 and all(s.parent.span_id == session_span.context.span_id for s in steps)
+    assert all(s.attributes["mlx.memory.peak_bytes"] >= 128 * 128 * 4 for s in steps)
+    assert session_span.attributes["servewatch.mlx.steps"] == 2

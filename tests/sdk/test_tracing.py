@@ -24,7 +24,7 @@ def test_request_span_uses_current_gen_ai_names_and_lists_inflight(exporter: InM
         assert listed[0]["recording"] is True
     assert tracing.inflight() == []
     (span,) = exporter.get_finished_spans()
-    assert span.name == "chat tiny" and span.kind is SpanKind.SERVER
+    assert span.name == "chat tiny" and span.kind is SpanKind.INTERNAL  # GenAI semconv: model in-process
     assert dict(span.attributes) == {
         "gen_ai.operation.name": "chat",
         "gen_ai.response.id": "req-1",
@@ -124,3 +124,22 @@ def test_maybe_record_function_never_imports_torch(python: str) -> None:
     )
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_request_span_carries_the_provider_and_joins_an_incoming_traceparent(exporter: InMemorySpanExporter) -> None:
+    trace_hex, parent_hex = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"Traceparent": f"00-{trace_hex}-{parent_hex}-01", "Content-Type": "application/json"}
+    with tracing.request_span("req-p", model="tiny", provider="sglang", parent=headers) as req:
+        assert req.trace_id == trace_hex
+    with tracing.request_span("req-s", parent=f"00-{trace_hex}-{parent_hex}-01"):
+        pass
+    with tracing.request_span("req-bad", parent="00-not-a-traceparent"):  # ignored: a new trace
+        pass
+    spans = {s.attributes["gen_ai.response.id"]: s for s in exporter.get_finished_spans()}
+    joined = spans["req-p"]
+    assert joined.attributes["gen_ai.provider.name"] == "sglang"
+    assert f"{joined.context.trace_id:032x}" == trace_hex and f"{joined.parent.span_id:016x}" == parent_hex
+    assert joined.parent.is_remote and joined.kind is SpanKind.INTERNAL
+    assert f"{spans['req-s'].parent.span_id:016x}" == parent_hex
+    assert spans["req-bad"].parent is None and f"{spans['req-bad'].context.trace_id:032x}" != trace_hex
+    assert "gen_ai.provider.name" not in spans["req-s"].attributes

@@ -12,9 +12,12 @@ in a separate process) in this same run. Two scenarios, each for both setups:
    spool; the default setup has nothing left to send.
 
 Targets (issue 5): servewatch loses 0 at >= 1.0x the default's throughput; with the receiver down
-it exits in <= 3 s and delivers 100% once it is back. Printed, not asserted.
+it exits in <= 3 s and delivers 100% once it is back. Printed, not asserted. ``--tls`` runs the
+same with the receiver serving TLS from a generated private CA (issue 11): both setups verify it
+(the SDK exporters with the CA's credentials, servewatch with ``TlsFiles``). Runs of the two
+setups alternate (default, servewatch, default, ...) so a shared machine's noise hits both.
 
-Usage: ``python bench/bench_export.py [--spans N] [--protocol grpc|http/protobuf] [--repeat R]``
+Usage: ``python bench/bench_export.py [--spans N] [--protocol grpc|http/protobuf] [--repeat R] [--tls]``
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
 from agent.sdk import tracing  # noqa: E402
 from exporters.processor import LosslessSpanProcessor  # noqa: E402
 from exporters.spool import Spool  # noqa: E402
-from exporters.transport import make_sender  # noqa: E402
+from exporters.transport import TlsFiles, make_sender  # noqa: E402
+from tests.tls_certs import TlsMaterial, make_tls_material  # noqa: E402
 
 RESOURCE = Resource.create({"service.name": "bench-server"})
 REPO = Path(__file__).resolve().parent.parent
@@ -51,9 +55,10 @@ REPO = Path(__file__).resolve().parent.parent
 class RemoteReceiver:
     """``tests/otlp_receiver.py`` in its own process (so it does not compete for our GIL)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsMaterial | None = None) -> None:
+        self.tls = tls
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.otlp_receiver"],
+            [sys.executable, "-m", "tests.otlp_receiver", *(["--tls", str(tls.ca_cert.parent)] if tls else [])],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -62,8 +67,9 @@ class RemoteReceiver:
             start_new_session=True,
         )
         grpc_port, http_port = self._readline(30.0).split()
-        self.grpc_endpoint = f"http://127.0.0.1:{grpc_port}"
-        self.http_endpoint = f"http://127.0.0.1:{http_port}"
+        scheme = "https" if tls else "http"
+        self.grpc_endpoint = f"{scheme}://127.0.0.1:{grpc_port}"
+        self.http_endpoint = f"{scheme}://127.0.0.1:{http_port}"
 
     def _readline(self, timeout_s: float) -> str:
         assert self.proc.stdout is not None
@@ -111,15 +117,24 @@ class RemoteReceiver:
 
 
 def _default_processor(receiver: RemoteReceiver, protocol: str) -> SpanProcessor:
+    tls = receiver.tls
     if protocol == "grpc":
-        exporter = GrpcSpanExporter(endpoint=receiver.grpc_endpoint, insecure=True)
+        if tls is not None:
+            import grpc
+
+            creds = grpc.ssl_channel_credentials(root_certificates=tls.ca_cert.read_bytes())
+            exporter = GrpcSpanExporter(endpoint=receiver.grpc_endpoint, credentials=creds)
+        else:
+            exporter = GrpcSpanExporter(endpoint=receiver.grpc_endpoint, insecure=True)
     else:
-        exporter = HttpSpanExporter(endpoint=receiver.http_endpoint + "/v1/traces")
+        exporter = HttpSpanExporter(endpoint=receiver.http_endpoint + "/v1/traces",
+                                    certificate_file=str(tls.ca_cert) if tls is not None else None)
     return BatchSpanProcessor(exporter)  # the SDK's default settings
 
 
 def _servewatch_processor(receiver: RemoteReceiver, protocol: str, spool_dir: Path) -> LosslessSpanProcessor:
-    return LosslessSpanProcessor(make_sender(receiver.endpoint(protocol), protocol), spool=Spool(spool_dir, max_bytes=1 << 30))
+    tls = TlsFiles(ca_file=str(receiver.tls.ca_cert)) if receiver.tls is not None else None
+    return LosslessSpanProcessor(make_sender(receiver.endpoint(protocol), protocol, tls=tls), spool=Spool(spool_dir, max_bytes=1 << 30))
 
 
 def _burst(provider: TracerProvider, n: int) -> None:
@@ -176,14 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protocol", choices=("grpc", "http/protobuf"), default="grpc")
     parser.add_argument("--repeat", type=int, default=3, help="burst runs per setup; the median is reported")
     parser.add_argument("--skip-default-outage", action="store_true", help="skip the default setup's slow outage run")
+    parser.add_argument("--tls", action="store_true", help="the receiver serves TLS (generated private CA); both setups verify it")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.CRITICAL)  # the SDK logs every failed export; we count instead
 
-    receiver = RemoteReceiver()
+    pki_dir = tempfile.TemporaryDirectory(prefix="servewatch-bench-pki-")
+    receiver = RemoteReceiver(make_tls_material(Path(pki_dir.name)) if args.tls else None)
     try:
         with tempfile.TemporaryDirectory(prefix="servewatch-bench-") as tmp:
             workdir = Path(tmp)
-            print(f"end-to-end export, {args.spans} request spans per burst, OTLP {args.protocol} to a loopback receiver")
+            print(f"end-to-end export, {args.spans} request spans per burst, OTLP {args.protocol}"
+                  f"{' over TLS (private CA)' if args.tls else ''} to a loopback receiver")
             rates: dict[str, list[float]] = {"default": [], "servewatch": []}
             lost: dict[str, list[int]] = {"default": [], "servewatch": []}
             for _ in range(args.repeat):
@@ -206,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  targets: servewatch exit <= 3 s and 100% delivered once back")
     finally:
         receiver.close()
+        pki_dir.cleanup()
     return 0
 
 

@@ -24,7 +24,9 @@ over 60 s) is logged once; headers are ``k=v`` pairs, comma separated, URL-encod
 lower-cased (gRPC metadata must be); ``OTEL_SERVICE_NAME`` wins over ``service.name`` in
 ``OTEL_RESOURCE_ATTRIBUTES``. Span limits (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``,
 ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``...) are read by the SDK's ``SpanLimits`` and applied to
-the spans servewatch builds as well (:mod:`exporters.spans`).
+the spans servewatch builds as well (:mod:`exporters.spans`); the batch processor's
+``OTEL_BSP_*`` settings size the lossless processor's queue, batches and delay
+(:func:`resolve_batching`).
 
 Imports opentelemetry-sdk, pydantic, anyio and the other :mod:`exporters` modules.
 """
@@ -64,6 +66,7 @@ __all__ = [
     "build_telemetry",
     "build_resource",
     "resolve_destination",
+    "resolve_batching",
     "DEFAULT_SERVICE_NAME",
     "DEFAULT_TIMEOUT_S",
 ]
@@ -378,6 +381,49 @@ def resolve_destination(
     )
 
 
+def resolve_batching(config: ExportConfig, environ: Mapping[str, str] | None = None) -> dict[str, float | int]:
+    """The span processor's batching, config > ``OTEL_BSP_*`` (SDK env spec) > servewatch defaults.
+
+    ``OTEL_BSP_MAX_QUEUE_SIZE`` (spans), ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` (spans),
+    ``OTEL_BSP_SCHEDULE_DELAY`` (milliseconds) and ``OTEL_BSP_EXPORT_TIMEOUT`` (milliseconds, a
+    bound on one export call here; ``OTEL_EXPORTER_OTLP_*_TIMEOUT`` wins) are honoured when set;
+    servewatch's own defaults (a 64k queue, 0.5 s delay) otherwise, as the SDK's 2048-span queue
+    drops bursts.
+
+    Returns:
+        ``queue_spans``, ``batch_spans``, ``schedule_delay_s`` and ``export_timeout_s`` (or absent).
+
+    Raises:
+        ExportConfigError: a value that is not a positive number (names the variable).
+    """
+    env = os.environ if environ is None else environ
+    explicit = config.model_fields_set
+    out: dict[str, float | int] = {
+        "queue_spans": config.queue_spans,
+        "batch_spans": config.batch_spans,
+        "schedule_delay_s": config.schedule_delay_s,
+    }
+    for key, name, scale in (
+        ("queue_spans", _ev.OTEL_BSP_MAX_QUEUE_SIZE, None),
+        ("batch_spans", _ev.OTEL_BSP_MAX_EXPORT_BATCH_SIZE, None),
+        ("schedule_delay_s", _ev.OTEL_BSP_SCHEDULE_DELAY, 1000.0),
+        ("export_timeout_s", _ev.OTEL_BSP_EXPORT_TIMEOUT, 1000.0),
+    ):
+        raw = env.get(name, "").strip()
+        if not raw or key in explicit:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ExportConfigError(f"{name}: expected a number, got {raw!r}") from None
+        if value <= 0:
+            raise ExportConfigError(f"{name}: must be > 0, got {raw!r}")
+        out[key] = value / scale if scale else int(value)
+    if out["batch_spans"] > out["queue_spans"]:
+        out["batch_spans"] = out["queue_spans"]
+    return out
+
+
 def build_resource(
     config: ExportConfig, *, host_name: str, service_instance_id: str, environ: Mapping[str, str] | None = None
 ) -> Resource:
@@ -530,14 +576,16 @@ def build_telemetry(
             raise ExportConfigError(f"export.endpoint: {exc}") from exc
         spool = Spool(base / "spool", max_bytes=config.spool_max_bytes)
         spool_dir = spool.directory
+    batching = resolve_batching(config, environ)
+    timeout_explicit = config.timeout_s is not None or _env(os.environ if environ is None else environ, "traces", "TIMEOUT")
     processor = LosslessSpanProcessor(
         sender,
         spool=spool,
-        max_queue_spans=config.queue_spans,
-        max_batch_spans=config.batch_spans,
+        max_queue_spans=int(batching["queue_spans"]),
+        max_batch_spans=int(batching["batch_spans"]),
         max_batch_bytes=config.batch_bytes,
-        schedule_delay_s=config.schedule_delay_s,
-        export_timeout_s=destination.timeout_s,
+        schedule_delay_s=float(batching["schedule_delay_s"]),
+        export_timeout_s=destination.timeout_s if timeout_explicit else float(batching.get("export_timeout_s", destination.timeout_s)),
         retry_initial_backoff_s=config.retry_initial_backoff_s,
         retry_max_backoff_s=config.retry_max_backoff_s,
         shutdown_timeout_s=config.shutdown_timeout_s,

@@ -28,7 +28,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from exporters.processor import LosslessSpanProcessor
-from exporters.provider import ExportConfig, resolve_destination
+from exporters.provider import ExportConfig, resolve_batching, resolve_destination
 from exporters.spool import Spool
 from exporters.transport import make_sender
 
@@ -67,7 +67,12 @@ def tracer_provider_from_env(
             spool = Spool(Path(data_dir) / socket.gethostname() / "spool", max_bytes=64 * 1024 * 1024)
         except OSError as exc:
             _log.warning("no span spool under %s (%s); failed batches are dropped and counted", data_dir, exc)
-    processor = LosslessSpanProcessor(sender, spool=spool, export_timeout_s=destination.timeout_s, name="server-span-export")
+    batching = resolve_batching(ExportConfig(), env)  # OTEL_BSP_* as the SDK's BatchSpanProcessor reads them
+    processor = LosslessSpanProcessor(
+        sender, spool=spool, export_timeout_s=destination.timeout_s, name="server-span-export",
+        max_queue_spans=int(batching["queue_spans"]), max_batch_spans=int(batching["batch_spans"]),
+        schedule_delay_s=float(batching["schedule_delay_s"]),
+    )
     attrs: dict[str, Any] = {"service.name": service_name}
     attrs.update(resource_attributes or {})
     # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME over ours

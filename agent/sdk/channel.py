@@ -211,6 +211,51 @@ def start_span(
     return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
 
 
+def _export_late(span: ChannelSpan, end_ns: int) -> bool:
+    """Give a ChannelSpan that ended after its agent left to the server's own OTel SDK pipeline
+    (the provider :func:`agent.sdk.tracing.set_tracer_provider` installed, else the global one),
+    with its ids, times, attributes, events, links and status. ``False`` when no SDK pipeline is
+    installed (the OTel API's no-op): the record then goes to the ring as before."""
+    from agent.sdk import tracing
+
+    provider = tracing._tracer_provider or trace.get_tracer_provider()
+    processor = getattr(provider, "_active_span_processor", None)
+    if processor is None:
+        return False
+    try:
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        links = [
+            trace.Link(SpanContext(t, s_, is_remote=False, trace_flags=flags), attributes=dict(a or {}))
+            for t, s_, a in (span._links or ())
+        ]
+        events = [Event(name, dict(attrs or {}), timestamp=ts) for name, ts, attrs in (span._events or ())]
+        readable = ReadableSpan(
+            name=span._name,
+            context=SpanContext(span._trace_id, span._span_id, is_remote=False, trace_flags=flags),
+            parent=SpanContext(span._trace_id, span._parent_id, is_remote=False, trace_flags=flags) if span._parent_id else None,
+            resource=getattr(provider, "resource", None),
+            attributes=dict(span._attrs),
+            events=events,
+            links=links,
+            kind=span._kind,
+            status=Status(StatusCode(span._status), span._desc or None),
+            start_time=span._start,
+            end_time=max(span._start, end_ns),
+            instrumentation_scope=InstrumentationScope(_SCOPE_NAME, "0.1.0"),
+        )
+        processor.on_end(readable)
+    except Exception:  # noqa: BLE001 - boundary: never raise from end(); the ring path follows
+        return False
+    return True
+
+
+#: Instrumentation scope of spans handed to the server's own pipeline (the SDK tracer's name).
+_SCOPE_NAME = "servewatch.sdk"
+
+
 class ChannelSpan(trace.Span):
     """A recording span that the agent exports: on :meth:`end` it is one ring record.
 
@@ -341,9 +386,20 @@ class ChannelSpan(trace.Span):
         self.add_event("exception", attrs, timestamp)
 
     def end(self, end_time: int | None = None) -> None:
+        global _fallback_spans
         if self._ended:
             return
         self._ended = True
+        end_ns = end_time if end_time is not None else time.time_ns()
+        hb = self._writer.words[_ring.W_HEARTBEAT]
+        if (not hb or _monotonic_ns() - hb >= _stale_ns) and not _fallback_drop:
+            # The agent left while this span was open (its last drain is over): the ring has no
+            # reader any more, so hand the finished span, ids unchanged (an incident may link to
+            # it), to the server's own export instead.
+            if _export_late(self, end_ns):
+                _fallback_spans += 1
+                self._writer.count(_ring.W_FALLBACK)
+                return
         record = [
             self._name,
             self._kind.value,
@@ -351,7 +407,7 @@ class ChannelSpan(trace.Span):
             self._span_id,
             self._parent_id,
             self._start,
-            end_time if end_time is not None else time.time_ns(),
+            end_ns,
             self._attrs,
             self._status,
             self._desc,

@@ -385,3 +385,17 @@ def test_standard_span_limits_apply_to_the_spans_servewatch_builds(monkeypatch: 
     assert encoded.dropped_attributes_count == 1 and len(encoded.attributes) == 2
     assert span.attributes.get("a") in (None, "abcde")
     assert len(span.links) == 1
+
+
+def test_batch_processor_env_sizes_the_lossless_processor() -> None:
+    from exporters.provider import resolve_batching
+
+    env = {"OTEL_BSP_MAX_QUEUE_SIZE": "4096", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "256", "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "OTEL_BSP_EXPORT_TIMEOUT": "2000"}
+    assert resolve_batching(ExportConfig(), env) == {"queue_spans": 4096, "batch_spans": 256, "schedule_delay_s": 0.1,
+                                                      "export_timeout_s": 2.0}
+    # explicit config wins; nothing set: servewatch's defaults (64k queue: the SDK's 2048 drops bursts)
+    assert resolve_batching(ExportConfig(batch_spans=64), env)["batch_spans"] == 64
+    assert resolve_batching(ExportConfig(), {}) == {"queue_spans": 65536, "batch_spans": 512, "schedule_delay_s": 0.5}
+    with pytest.raises(ExportConfigError, match="OTEL_BSP_SCHEDULE_DELAY"):
+        resolve_batching(ExportConfig(), {"OTEL_BSP_SCHEDULE_DELAY": "soon"})

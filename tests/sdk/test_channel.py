@@ -81,6 +81,21 @@ def test_detach_falls_back_at_once(fresh_channel: Path, exporter) -> None:
     assert len(exporter.get_finished_spans()) == 1
 
 
+def test_a_span_open_when_the_agent_leaves_is_exported_by_the_server_with_its_ids(fresh_channel: Path, exporter) -> None:
+    """The incident links to a request in flight; the agent stops before the request ends: the
+    span must still reach the collector, with the ids the incident links to (issue 11)."""
+    channel.ring()
+    reader = _attach()
+    with sdk.request_span("r-late", model="m") as req:
+        req.set_output_tokens(1)
+        reader.close()  # the agent exits (last drain done) while the request is still open
+    (span,) = exporter.get_finished_spans()
+    assert f"{span.context.trace_id:032x}" == req.trace_id and f"{span.context.span_id:016x}" == req.span_id
+    assert span.name == "chat m" and span.attributes["gen_ai.usage.output_tokens"] == 1
+    assert span.instrumentation_scope.name == "servewatch.sdk"
+    assert channel.statistics()["written"] == 0
+
+
 def test_fallback_drop_counts_and_records_nothing(fresh_channel: Path, monkeypatch: pytest.MonkeyPatch, exporter) -> None:
     monkeypatch.setenv(channel.ENV_FALLBACK, "drop")
     with sdk.request_span("r-5") as req, sdk.forward_span([req]):

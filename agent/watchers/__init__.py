@@ -1,6 +1,9 @@
 """Watchers: observe the target and publish events on the bus. They never act.
 
-Each watcher is started with ``await tg.start(watcher.run, bus)`` so "ready" means ready.
+Each watcher is started with ``await tg.start(watcher.run, bus)`` so "ready" means ready, and
+runs supervised by the runtime (a crash is a blind status, then a restart with backoff). A
+watcher says what it can see by publishing ``WatcherStatusChanged`` (ready / waiting / blind
+with a reason; :mod:`agent.watchers.status`) before it is ready and on every change.
 """
 
 from __future__ import annotations

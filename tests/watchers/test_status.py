@@ -309,3 +309,18 @@ def test_a_stall_incident_names_the_series() -> None:
         WatchdogStalled(pid=None, forward_ct=50, stalled_for_s=6.0, timeout_s=5.0, series='engine="1"')
     )
     assert trigger == "stall" and 'series {engine="1"}' in detail
+
+
+@pytest.mark.parametrize("module_name", ["agent.watchers.status", "agent.progress"])
+def test_all_lists_exactly_the_public_names(module_name: str) -> None:
+    import importlib
+    import inspect
+
+    module = importlib.import_module(module_name)
+    public = {
+        n for n, v in vars(module).items()
+        if not n.startswith("_") and (inspect.isclass(v) or inspect.isfunction(v) or n.isupper())
+        and getattr(v, "__module__", module_name) == module_name
+    }
+    assert public <= set(module.__all__)
+    assert all(hasattr(module, n) for n in module.__all__)

@@ -549,6 +549,7 @@ class IncidentManager:
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight)
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         self.current = record
+        _RUNNING_HERE.add(incident_id)
         try:
             return await self._run_phases(record, trigger, pid, cause=cause, steps_at_open=steps_at_open)
         except BaseException:
@@ -572,6 +573,7 @@ class IncidentManager:
                         log.exception("incident callback failed")
             raise
         finally:
+            _RUNNING_HERE.discard(incident_id)
             self.current = None
             self._interrupt = ""
 
@@ -754,6 +756,11 @@ class IncidentManager:
         return results
 
 
+#: incidents running in this process right now (several agents may share one process in tests
+#: and demos): never "recovered" by another agent's start
+_RUNNING_HERE: set[str] = set()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -782,6 +789,8 @@ def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, dict
             continue
         owner = data.get("agent_pid")
         if isinstance(owner, int) and owner != os.getpid() and _pid_alive(owner):
+            continue
+        if data.get("incident_id") in _RUNNING_HERE:
             continue
         found.append((path, data))
     return found

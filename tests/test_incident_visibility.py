@@ -346,3 +346,49 @@ async def test_a_manual_incident_on_a_stalled_server_ends_its_profile_at_once(tm
         record = await dump_once(settings)
     prof = next(r for r in record.results if r.action == "profile.session")
     assert prof.outcome is Outcome.SKIPPED and prof.detail == "no steps: server stalled"
+
+
+def test_an_agent_killed_mid_incident_has_its_bundle_closed_and_root_span_sent_on_next_start(
+    tmp_path: Path, spawn
+) -> None:
+    server = fake_server.start(spawn, "--title", "sglang::scheduler_TP0", "--freeze-after-steps", "5")
+    data = tmp_path / "data"
+    base = dict(SERVEWATCH_HOST_NAME="h1", SERVEWATCH_SHM_DIR=os.environ["SERVEWATCH_SHM_DIR"])
+    env = _env(tmp_path, SERVEWATCH_PYSPY__EXECUTABLE=_hanging_pyspy(tmp_path), SERVEWATCH_PYSPY__TIMEOUT_S="100",
+               SERVEWATCH_WATCHDOG__POLL_INTERVAL_S="0.2", **base)
+    proc = subprocess.Popen([*CLI, "run", "--pid", str(server.pid), "--watchdog-timeout", "1", "--data-dir", str(data)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (tmp_path / "pyspy.log").exists():
+            time.sleep(0.1)
+        assert (tmp_path / "pyspy.log").exists(), "no incident started"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # no chance to write anything more
+        proc.wait(timeout=10)
+        for line in (tmp_path / "pyspy.log").read_text().splitlines():
+            for key in ("pid", "child_pid"):
+                pid = json.loads(line).get(key)
+                if pid:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+    [manifest] = (data / "h1").glob("*/manifest.json")
+    m = json.loads(manifest.read_text())
+    assert m["state"] == "open" and m["root_published"] is False
+
+    # the next start (a normal one) closes it and sends its root span with the same ids
+    r = subprocess.run([*CLI, "run", "--pid", str(server.pid), "--watchdog-timeout", "300", "--duration", "2",
+                        "--data-dir", str(data)], cwd=tmp_path, env=_env(tmp_path, **base), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(manifest.read_text())
+    assert m["state"] == "closed" and m["interrupted"] is True and "killed" in m["interrupted_reason"]
+    spans = [s for f in data.rglob("*.jsonl") for line in f.read_text().splitlines() if '"resourceSpans"' in line
+             for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
+    [root] = [s for s in spans if s["name"] == "incident" and s["spanId"] == m["span_id"]]
+    assert root["traceId"] == m["trace_id"]
+    attrs = {a["key"]: a["value"] for a in root["attributes"]}
+    assert attrs["servewatch.incident.state"] == {"stringValue": "interrupted"}

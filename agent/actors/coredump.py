@@ -4,8 +4,9 @@ Owns: the CUDA coredump environment (:func:`cuda_coredump_env`, :func:`format_ex
 dump-directory guard (:func:`check_dump_dir`), finding a target's coredump FIFO from ground truth
 (:func:`locate_pipe`), triggering it without ever blocking (:func:`trigger_pipe`), waiting for the
 core file, and the actor tying them together (:class:`CoredumpActor`, span ``cuda.coredump``).
-May import the stdlib, anyio, pydantic, :func:`agent.actors.act_all`, :mod:`agent.events` and
-:mod:`agent.targets` only.
+May import the stdlib, anyio, pydantic, :func:`agent.actors.act_all`, :mod:`agent.events`,
+:mod:`agent.actors.coredump_target` (the target's own view: environment sources, path templates,
+namespaces), :mod:`agent.procinfo` and :mod:`agent.targets` only.
 
 Facts this module relies on (see FIELD-NOTES "CUDA user-triggered coredump"):
 
@@ -18,14 +19,22 @@ Facts this module relies on (see FIELD-NOTES "CUDA user-triggered coredump"):
   CUDA-GDB manual's GPU core dump section), i.e. the template ``core_%t_%h_%p.nvcudmp``.
 * A blocking open of a FIFO with no reader hangs forever; a non-blocking write-open fails with
   ``ENXIO``. So every open here is ``O_WRONLY | O_NONBLOCK`` and every write is bounded.
-* Variables a process sets in ``os.environ`` after start are missing from ``/proc/PID/environ``:
-  the environment is a hint, the FIFOs the target holds open (``/proc/PID/fd``) are the truth.
+* Variables a process sets in ``os.environ`` after start are missing from ``/proc/PID/environ``,
+  and setproctitle empties it: the environment is a hint (taken from the nearest trustworthy
+  source, see :func:`~agent.actors.coredump_target.effective_env`), the FIFOs the target holds
+  open (``/proc/PID/fd``) are the truth.
+* In a container ``%h``/``%p`` are the container's host name and pid: matched as wildcards
+  (``%p`` the target's ``NSpid``), its paths reached through ``/proc/PID/root``.
+* A driver thread that reads the FIFO empties it at once: bytes still unread (``FIONREAD``)
+  after ``consume_timeout_s`` mean the trigger was not consumed.
 
 Outcomes of ``cuda.coredump`` (never exceptions): ``OK`` (triggered, core file complete),
 ``NOT_ARMED`` (no reader / no pipe, with the reason), ``REFUSED`` (dump directory missing,
-unwritable or short of space; decided before any trigger), ``TIMED_OUT`` (the pipe stayed full,
-or the core file did not appear / stop growing in time), ``SKIPPED`` (already triggered for this
-pid in this incident, or disabled), ``NO_SUCH_PROCESS``, ``PERMISSION_DENIED``, ``FAILED``.
+unwritable or short of space; decided before any trigger), ``TIMED_OUT`` (the pipe stayed full;
+or, with ``servewatch.coredump.stage``, ``not_consumed`` / ``not_started`` / ``stalled`` at N
+bytes / still ``growing`` at the outer bound), ``SKIPPED`` (already triggered for this pid in
+this incident, or disabled), ``DEAD`` (the target exited or is a zombie), ``NO_SUCH_PROCESS``,
+``PERMISSION_DENIED``, ``FAILED``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agent.actors.pyspy import Frame, ThreadStack, hung_location, parse_threads
+from agent.actors.pyspy import Frame, ThreadStack, hung_location, parse_threads, thread_is_idle
 from agent.security import is_within, sanitize
 
 __all__ = [
@@ -541,7 +541,8 @@ def _stacks_for(
     error = ""
     if json_path is not None and json_path.is_file():
         try:
-            data = json.loads(json_path.read_text(encoding="utf-8"))
+            # py-spy copies names byte for byte: invalid UTF-8 is escaped, never loses the stacks
+            data = json.loads(json_path.read_bytes().decode("utf-8", "surrogateescape"))
             if isinstance(data, dict) and isinstance(data.get("threads"), list):
                 data = data["threads"]
             threads = tuple(parse_threads(data, pid=pid))
@@ -1098,7 +1099,12 @@ def _stacks_table(tl: IncidentTimeline) -> Table:
     table.add_column("threads", justify="right")
     table.add_column("hung frame", overflow="fold")
     for s in tl.stacks:
-        hung = Text(s.hung_frame, style="bold yellow") if s.hung_frame else Text("unknown", style="dim")
+        if s.hung_frame:
+            hung = Text(s.hung_frame, style="bold yellow")
+        elif s.threads and all(thread_is_idle(t) for t in s.threads if t.frames):
+            hung = Text("none: all threads idle (waiting for work)", style="dim")
+        else:
+            hung = Text("unknown", style="dim")
         if s.error:
             hung.append(f"  (stacks unreadable: {s.error})", style="red")
         table.add_row(str(s.pid), Text(s.title), "-" if s.thread_count is None else str(s.thread_count), hung)

@@ -161,8 +161,13 @@ def test_idle_threads_are_not_hung_and_summary_says_which(spawn, python, tmp_pat
     assert "all idle (waiting for work)" in waiting["detail"]
     span = pyspy_span(spans, idle.pid)
     assert sorted(span["attributes"]["servewatch.pyspy.idle_threads"]) == ["MainThread", "worker-0"]
-    # the CLI summary says it too
+    # the CLI summary says it too, and the timeline
     assert "all idle (waiting for work)" in r.stdout and "idle: " in r.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    shown = subprocess.run([*CLI, "timeline", "--data-dir", "data"], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path, env=dict(env, COLUMNS="250"), stdin=subprocess.DEVNULL)
+    assert shown.returncode == 0, shown.stderr
+    assert "all threads idle (waiting for work)" in shown.stdout and "hung_in_fake_allreduce" in shown.stdout
 
 
 def _thread(*frames: Frame, active: bool = False, name: str = "MainThread") -> ThreadStack:

@@ -439,6 +439,8 @@ class IncidentManager:
             async for event in sub:
                 try:
                     await self._handle_trigger(event)
+                except Exception:  # a bug here must not stop the agent: log it, take the next trigger
+                    log.exception("handling %s failed", type(event).__name__)
                 finally:
                     if isinstance(event, TargetExited):
                         self.exits_handled.add(event.pid)

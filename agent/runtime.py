@@ -534,57 +534,72 @@ class Agent:
                 self._step_scopes.pop((target.pid, target.create_time_s), None)
 
     async def _supervise(self, tg: TaskGroup, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Re-discover targets; watch new ones for exit and, with an SDK counter, for stalls."""
+        """Re-discover targets; watch new ones for exit and, with an SDK counter, for stalls.
+
+        A failure of one round is logged and reported (``process`` blind) and the next round
+        runs as usual: discovery never takes the agent down.
+        """
         started = False
         while True:
             try:
-                targets = await anyio.to_thread.run_sync(self.discover)
-            except Exception:  # discovery must never take the agent down
-                log.exception("target discovery failed")
-                targets = []
-            for target in targets:
-                self.process_watcher.watch(target)
-                if self.shipper is not None:
-                    self.shipper.attach(target.pid, target.uid)
-                key = (target.pid, target.create_time_s)
-                if key in self._step_scopes:
-                    continue
-                source = ShmStepSource(target.pid)
-                if source.read_now() is None:
-                    continue  # no SDK counter (yet): the Prometheus watchdog, if any, covers it
-                self._step_scopes[key] = await tg.start(self._watch_target_steps, target)
-                log.info("watching forward steps of pid %d (%s)", target.pid, target.title)
-            n = len(self._step_scopes)
-            if n:
-                await self._set_status("steps", WatcherState.READY, f"{n} rank{'s' if n != 1 else ''} via shm counter")
-            elif (targets and not self.settings.metrics.url) or self.status.get("steps") is not None:
+                await self._discover_round(tg)
+            except Exception as exc:  # the boundary: a bug in one round must not stop the agent
+                log.exception("target discovery round failed")
                 await self._set_status(
-                    "steps", WatcherState.WAITING,
-                    "no SDK step counter in the targets now"
-                    + ("" if self.settings.metrics.url else "; stalls need agent.sdk.step() or --metrics-url"),
+                    "process", WatcherState.BLIND,
+                    f"discovery failed: {type(exc).__name__}: {str(exc)[:200]}; retrying in {REDISCOVER_INTERVAL_S:g} s",
                 )
-            if self._has_targets():
-                if targets:
-                    await self._set_status(
-                        "process", WatcherState.READY,
-                        f"watching {len(targets)} target process{'es' if len(targets) != 1 else ''}",
-                    )
-                else:
-                    await self._set_status("process", WatcherState.WAITING, self._looking_for())
-            t = self.settings.target
-            if self._has_targets() and not targets and not self._told_no_target:
-                self._told_no_target = True
-                log.warning(
-                    "no target process found yet (pids %s, root pid %s, titles %s); still looking every %g s",
-                    t.pids or "-", t.root_pid or "-", t.match or "-", REDISCOVER_INTERVAL_S,
-                )
-            elif targets and self._told_no_target:
-                self._told_no_target = False
-                log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
             if not started:
                 started = True
                 task_status.started()
             await anyio.sleep(REDISCOVER_INTERVAL_S)
+
+    async def _discover_round(self, tg: TaskGroup) -> None:
+        """One discovery round (see :meth:`_supervise`)."""
+        try:
+            targets = await anyio.to_thread.run_sync(self.discover)
+        except Exception:  # discovery must never take the agent down
+            log.exception("target discovery failed")
+            targets = []
+        for target in targets:
+            self.process_watcher.watch(target)
+            if self.shipper is not None:
+                self.shipper.attach(target.pid, target.uid)
+            key = (target.pid, target.create_time_s)
+            if key in self._step_scopes:
+                continue
+            source = ShmStepSource(target.pid)
+            if source.read_now() is None:
+                continue  # no SDK counter (yet): the Prometheus watchdog, if any, covers it
+            self._step_scopes[key] = await tg.start(self._watch_target_steps, target)
+            log.info("watching forward steps of pid %d (%s)", target.pid, target.title)
+        n = len(self._step_scopes)
+        if n:
+            await self._set_status("steps", WatcherState.READY, f"{n} rank{'s' if n != 1 else ''} via shm counter")
+        elif (targets and not self.settings.metrics.url) or self.status.get("steps") is not None:
+            await self._set_status(
+                "steps", WatcherState.WAITING,
+                "no SDK step counter in the targets now"
+                + ("" if self.settings.metrics.url else "; stalls need agent.sdk.step() or --metrics-url"),
+            )
+        if self._has_targets():
+            if targets:
+                await self._set_status(
+                    "process", WatcherState.READY,
+                    f"watching {len(targets)} target process{'es' if len(targets) != 1 else ''}",
+                )
+            else:
+                await self._set_status("process", WatcherState.WAITING, self._looking_for())
+        t = self.settings.target
+        if self._has_targets() and not targets and not self._told_no_target:
+            self._told_no_target = True
+            log.warning(
+                "no target process found yet (pids %s, root pid %s, titles %s); still looking every %g s",
+                t.pids or "-", t.root_pid or "-", t.match or "-", REDISCOVER_INTERVAL_S,
+            )
+        elif targets and self._told_no_target:
+            self._told_no_target = False
+            log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
 
 
 def _remove_stale_temps(data_dir: Path) -> None:

@@ -171,3 +171,43 @@ def test_a_reused_pid_with_a_new_create_time_is_watched_again() -> None:
     assert w._watched[4242].target.title == "old"
     w.watch(Target(pid=4242, title="new", create_time_s=200.0))
     assert w._watched[4242].target.title == "new"
+
+
+async def test_a_failing_discovery_round_is_reported_and_the_agent_goes_on(tmp_path: Path, spawn, python: str) -> None:
+    target = spawn([python, "-c", "import time; time.sleep(60)"])
+    agent = Agent(load_settings({"data_dir": tmp_path, "target": {"pids": [target.pid]}, "export": {"metrics": False}}))
+    calls = {"n": 0}
+    real_watch = agent.process_watcher.watch
+
+    def flaky_watch(t, **kw):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom in discovery")
+        return real_watch(t, **kw)
+
+    agent.process_watcher.watch = flaky_watch  # type: ignore[method-assign]
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            await wait_until(lambda: (s := agent.status.get("process")) is not None and "boom in discovery" in s.reason)
+            await wait_until(lambda: agent.status.get("process").state.value == "ready", timeout_s=30)
+            agent.stop()
+
+
+async def test_a_bug_handling_one_trigger_does_not_stop_the_incident_loop(tmp_path: Path) -> None:
+    from agent.bus import RecordingBus
+    from agent.events import TargetExited
+    from agent.incidents import IncidentConfig, IncidentManager
+
+    bus = RecordingBus()
+    manager = IncidentManager(bus=bus, config=IncidentConfig(), data_dir=tmp_path, host_name="h", discover=list)
+    real = manager.classify
+    manager.classify = lambda e: (_ for _ in ()).throw(RuntimeError("bug")) if e.pid == 1 else real(e)  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(manager.run)
+        await bus.publish(TargetExited(pid=1, exit_code=1))
+        await bus.publish(TargetExited(pid=2, exit_code=1))
+        await wait_until(lambda: manager.records)
+        tg.cancel_scope.cancel()
+    assert [r.opened.trigger for r in manager.records] == ["exit"]
+    assert manager.exits_handled == {1, 2}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import subprocess
 import time
 from functools import partial
@@ -176,6 +177,7 @@ class Agent:
         self.fleet: Any = None
         #: ships the targets' SDK request/forward spans (exporters.shipper), set by run()
         self.shipper: Any = None
+        self._spans_printed: tuple[Any, str] | None = None
 
     # -- discovery ----------------------------------------------------------------------------
 
@@ -270,6 +272,12 @@ class Agent:
         return frozenset(pid for pid, _ in self._step_scopes)
 
     def _status_changed(self, status: WatcherStatus) -> None:
+        if status.name == "spans":
+            # the shipped count moves every few seconds: print when anything else changes
+            key = (status.state, re.sub(r"\d+ shipped", "", status.reason))
+            if key == self._spans_printed:
+                return
+            self._spans_printed = key
         if self.on_status is not None:
             try:
                 self.on_status(status)

@@ -61,6 +61,7 @@ _INT64 = (-(2**63), 2**63 - 1)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _KINDS = {k.value: k for k in SpanKind}
 _STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
+_PLAIN_STATUS = {StatusCode.UNSET: Status(StatusCode.UNSET), StatusCode.OK: Status(StatusCode.OK)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +129,17 @@ def _clean_value(value: Any) -> Any:
 
 
 def _clean_attrs(attrs: Any) -> dict[str, Any]:
-    if not isinstance(attrs, dict):
+    if type(attrs) is not dict:
         raise _Invalid("attributes are not an object")
+    if len(attrs) <= MAX_ATTRIBUTES:  # fast path: the usual flat str/int/float/bool values
+        for key, value in attrs.items():
+            t = type(value)
+            if len(key) > 256 or (t is str and len(value) > MAX_STRING) or (t is int and not _INT64[0] <= value <= _INT64[1]):
+                break
+            if t is not str and t is not int and t is not float and t is not bool:
+                break
+        else:
+            return attrs  # JSON object keys are always strings
     out: dict[str, Any] = {}
     for key, value in attrs.items():
         if len(out) >= MAX_ATTRIBUTES:
@@ -141,7 +151,7 @@ def _clean_attrs(attrs: Any) -> dict[str, Any]:
 
 
 def _int(value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if type(value) is not int or not lo <= value <= hi:
         raise _Invalid("bad integer field")
     return value
 
@@ -174,7 +184,7 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
         raise _Invalid("bad kind or status")
     if not isinstance(events, list) or not isinstance(links, list):
         raise _Invalid("events/links not arrays")
-    evs = []
+    evs: list[Event] = []
     for ev in events[:MAX_EVENTS]:
         if not isinstance(ev, list) or len(ev) != 3 or not isinstance(ev[0], str):
             raise _Invalid("bad event")
@@ -194,7 +204,7 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
         events=tuple(evs),
         links=tuple(lks),
         kind=_KINDS[kind],
-        status=Status(code, desc[:MAX_STRING] if code is StatusCode.ERROR else None),
+        status=Status(code, desc[:MAX_STRING]) if code is StatusCode.ERROR else _PLAIN_STATUS[code],
         start_time=start,
         end_time=max(start, end),
         instrumentation_scope=SDK_SCOPE,
@@ -338,7 +348,8 @@ class SpanShipper:
             with self._lock:
                 rings = list(self._rings.items())
             for pid, ring in rings:
-                gone = not _alive(pid) or not _same_file(ring.reader)
+                dead = not _alive(pid)
+                gone = dead or not _same_file(ring.reader)
                 if not gone:
                     try:
                         ring.reader.heartbeat()
@@ -346,6 +357,10 @@ class SpanShipper:
                         gone = True
                 shipped += self._drain(pid, ring)
                 if gone:
+                    if dead and _same_file(ring.reader):
+                        # a server killed before its exit handler leaves its ring in tmpfs: the
+                        # agent drained it, so remove it (unlink never follows a symlink)
+                        _unlink_quiet(ring.reader.path)
                     self._retire(pid, detach=False)
         return shipped
 
@@ -445,6 +460,11 @@ class SpanShipper:
             with self._lock:
                 self._closed = True
                 rings = list(self._rings.items())
+            for _, ring in rings:  # detach first: new spans take the servers' own path at once
+                try:
+                    ring.reader.heartbeat(detach=True)
+                except OSError:
+                    pass
             for pid, ring in rings:
                 self._drain(pid, ring)
                 self._retire(pid, detach=True)
@@ -459,6 +479,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _same_file(reader: RingReader) -> bool:

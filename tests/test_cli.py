@@ -156,6 +156,13 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     assert set(hung) == {"demo::scheduler_TP0", "demo::scheduler_TP1"}
     assert "_injected_hang_in_forward" in hung["demo::scheduler_TP0"]
     assert all(x["outcome"] == "ok" for x in summary["actions"] if x["action"] == "pyspy.dump")
+    # the verdict names TP0 (hung in its forward) and not TP1 (waiting for it in a real all_reduce)
+    assert "all_reduce" in hung["demo::scheduler_TP1"]
+    tp0 = next(p["pid"] for p in summary["processes"] if p["title"] == "demo::scheduler_TP0")
+    assert summary["verdict"]["kind"] == "behind" and summary["verdict"]["culprit_ranks"] == [0]
+    assert summary["verdict"]["culprit_pids"] == [tp0]
+    assert "rank 0 never entered all_reduce #" in summary["verdict"]["reason"]
+    assert all(x["outcome"] == "ok" for x in summary["actions"] if x["action"] == "flightrec.dump")
     bundle = tmp_path / summary["bundle_path"]
     assert (bundle / "manifest.json").is_file()
     # nothing of the demo is left running

@@ -395,6 +395,7 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
     signal.signal(signal.SIGTERM, _on_sigterm)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read at torch import: no c10d chatter in the demo
     import torch
 
     torch.set_num_threads(1)

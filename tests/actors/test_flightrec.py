@@ -137,7 +137,8 @@ async def test_nccl_debug_info_pipe_is_triggered_and_its_pickle_read_safely(tmp_
     assert r.outcome is Outcome.OK, r.detail
     assert r.attributes["servewatch.flightrec.source"] == "nccl_pipe"
     assert r.attributes["servewatch.flightrec.rank"] == 3  # RANK from the environment
-    assert (r.attributes["servewatch.flightrec.last_enqueued"], r.attributes["servewatch.flightrec.last_completed"]) == (2, 1)
+    assert (r.attributes["servewatch.flightrec.last_enqueued"], r.attributes["servewatch.flightrec.last_completed"]) == (2, 2)
+    assert r.attributes["servewatch.flightrec.last_op"] == "gloo:all_reduce #2"  # torch's own pickle, read safely
 
 
 def test_flight_recorder_env_keeps_the_users_value_and_title_ranks() -> None:

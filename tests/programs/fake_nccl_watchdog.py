@@ -3,14 +3,14 @@
 As ProcessGroupNCCL does when ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` is set, it creates the FIFO
 ``<stem><RANK>.pipe``, keeps it open for reading and polls it; a byte written there makes it dump
 the Flight Recorder (pickled, like torch's ``DebugInfoWriter``) to
-``$TORCH_NCCL_DEBUG_INFO_TEMP_FILE<RANK>``. The dump is a small recorder of two collectives.
-Prints ``READY`` once the pipe exists.
+``$TORCH_NCCL_DEBUG_INFO_TEMP_FILE<RANK>``. The dump is torch's own pickle of this process's
+Flight Recorder (``_dump_fr_trace``, the writer behind NCCL's dump) after two gloo all_reduces in a
+world of one. Prints ``READY`` once the pipe exists.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import time
 
 
@@ -20,12 +20,15 @@ def main() -> None:
     out = f"{os.environ['TORCH_NCCL_DEBUG_INFO_TEMP_FILE']}{rank}"
     os.mkfifo(pipe, 0o600)
     fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20")
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    dist.init_process_group("gloo", init_method=f"file://{out}.store", rank=0, world_size=1)
+    for _ in range(2):
+        dist.all_reduce(torch.ones(4))
     print("READY", flush=True)
-    entry = {"pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": 1, "profiling_name": "nccl:all_reduce",
-             "input_sizes": [[4]], "output_sizes": [[4]], "input_dtypes": ["Float"], "output_dtypes": ["Float"],
-             "state": "completed", "is_p2p": False, "time_created_ns": time.time_ns()}
-    dump = {"version": "2.10", "entries": [entry, {**entry, "collective_seq_id": 2, "state": "started"}],
-            "pg_status": {"0": {"last_enqueued_collective": 2, "last_completed_collective": 1}}, "pg_config": {}}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -34,7 +37,7 @@ def main() -> None:
             data = b""
         if data:
             with open(out + ".tmp", "wb") as f:
-                pickle.dump(dump, f)
+                f.write(_dump_fr_trace(True, True, False))
             os.replace(out + ".tmp", out)
         time.sleep(0.1)
 

@@ -92,3 +92,15 @@ def test_bad_toml_file_errors(tmp_path: Path) -> None:
         load_settings(config_file=_toml(tmp_path, "[watchdog\n").rename(tmp_path / "bad.toml"))
     with pytest.raises(ConfigError, match="invalid setting watchdog.timeout_s"):
         load_settings(config_file=_toml(tmp_path, "[watchdog]\ntimeout_s = 'x'\n"))
+
+
+def test_hard_targets_and_flight_recorder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = load_settings()
+    assert s.watchdog.hard_targets == "culprit" and s.flightrec.enabled and s.flightrec.buffer_size == 2000
+    monkeypatch.setenv("SERVEWATCH_WATCHDOG__HARD_TARGETS", "all")
+    monkeypatch.setenv("SERVEWATCH_FLIGHTREC__TIMEOUT_S", "0.5")
+    s = load_settings()
+    assert s.watchdog.hard_targets == "all" and s.flightrec.timeout_s == 0.5
+    with pytest.raises(ConfigError) as exc:
+        load_settings({"watchdog": {"hard_targets": "everyone"}})
+    assert "hard_targets" in str(exc.value)

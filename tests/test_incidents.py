@@ -249,3 +249,49 @@ async def test_unwritable_data_dir_never_crashes_the_incident(tmp_path: Path) ->
     assert [(r.action, r.outcome) for r in record.results] == [("pyspy.dump", Outcome.FAILED)]
     assert not record.manifest_path.exists()
     assert type(bus.events[-1]).__name__ == "IncidentClosed"
+
+
+class _FixedJudge:
+    """A judge (the VerdictJudge protocol) whose verdict names ``culprit`` (hung) or nobody (progressing)."""
+
+    def __init__(self, culprit_pid: int | None, *, hung: bool = True) -> None:
+        self.culprit_pid, self.hung = culprit_pid, hung
+
+    def opened(self, targets):  # noqa: ANN001, ANN201
+        return {}
+
+    async def decide(self, targets, results, cause, steps_before):  # noqa: ANN001, ANN201
+        from agent.verdict import Verdict
+
+        named = (self.culprit_pid,) if self.culprit_pid else ()
+        return Verdict(kind="behind" if named else "progressing", hung=self.hung, culprit_ranks=(1,) if named else (),
+                       culprit_pids=named, reason="test", confidence="high")
+
+
+@pytest.mark.parametrize(("policy", "named", "hung", "signalled"), [
+    ("culprit", True, True, {"culprit"}),    # the verdict's culprit, not the rank that tripped first
+    ("all", True, True, {"first", "culprit"}),
+    ("culprit", False, True, {"first"}),     # no culprit named: the stalled target, as before
+    ("culprit", False, False, set()),        # progressing: nothing to restart
+])
+async def test_hard_mode_signals_per_policy_and_verdict(tmp_path: Path, spawn, python, policy: str, named: bool,
+                                                        hung: bool, signalled: set[str]) -> None:
+    first: subprocess.Popen = spawn([python, "-c", "import time; time.sleep(60)"])
+    culprit: subprocess.Popen = spawn([python, "-c", "import time; time.sleep(60)"])
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl, discover=lambda: [Target(pid=first.pid, title="TP0"), Target(pid=culprit.pid, title="TP1")],
+                   hard_signal=int(signal.SIGTERM), hard_targets=policy,
+                   judge=_FixedJudge(culprit.pid if named else None, hung=hung))
+    record = await mgr.open_incident("stall", pid=first.pid)  # TP0's watchdog tripped first
+    names = {first.pid: "first", culprit.pid: "culprit"}
+    assert {names[p] for p in record.hard_signal_sent} == signalled
+    spans = [r for r in record.results if r.action == "hard.signal"]
+    assert {names[r.pid] for r in spans} == signalled and all(r.outcome is Outcome.OK for r in spans)
+    assert [type(e).__name__ for e in bus.events].count("HardSignalSent") == len(signalled)
+    for proc, name in ((first, "first"), (culprit, "culprit")):
+        if name in signalled:
+            assert proc.wait(timeout=10) == -signal.SIGTERM
+        else:
+            assert proc.poll() is None
+    manifest = json.loads(record.manifest_path.read_text())
+    assert manifest["verdict"]["reason"] == "test"

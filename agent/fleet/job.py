@@ -286,7 +286,7 @@ class Fleet:
             moved = await self.agent.incidents.retrace(incident_id, trace_id, parent_span_id)
             if moved:
                 self.moved += 1
-                log.warning("incident %s moved into trace %s (an earlier origin in the job)", incident_id, trace_id)
+                log.warning("incident %s moved into the job's trace %s (under span %s)", incident_id, trace_id, parent_span_id)
             return moved
         finally:
             if done is not None:

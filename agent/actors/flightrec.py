@@ -46,6 +46,7 @@ from pydantic import BaseModel, Field
 
 from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, now_ns
 from agent.fsutil import atomic_write_text
+from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
 __all__ = [
@@ -304,8 +305,12 @@ class FlightRecorderActor:
         from agent.sdk.flightrec import worker_path
 
         path = worker_path(target.pid, self.config.socket_dir)
-        if not path.exists():
-            raise _SourceMissing
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise _SourceMissing from None
+        if not stat.S_ISSOCK(st.st_mode) or not trusted_owner(st, process_uids(target.pid)):
+            raise _SourceFailed(f"{path} is not a socket owned by the target's user (uid {st.st_uid}): not trusted")
         try:
             stream = await anyio.connect_unix(str(path))
         except (FileNotFoundError, ConnectionRefusedError) as exc:
@@ -389,7 +394,7 @@ class FlightRecorderActor:
                     break
                 last_size = size
             await anyio.sleep(0.05)
-        data = await anyio.to_thread.run_sync(_read_pickle, dump)
+        data = await anyio.to_thread.run_sync(_read_pickle, dump, process_uids(target.pid))
         return data, f"{pipe} -> {dump}"
 
 
@@ -400,10 +405,11 @@ def _mtime_ns(path: Path) -> int | None:
         return None
 
 
-def _read_pickle(path: Path) -> Any:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(MAX_TRACE_BYTES + 1)
+def _read_pickle(path: Path, owner_uids: Sequence[int]) -> Any:
+    """The NCCL dump file: a regular file of the target's user (or root), never via a symlink."""
+    raw = open_trusted(path, owner_uids, max_bytes=MAX_TRACE_BYTES + 1)
+    if raw is None:
+        raise _SourceFailed(f"{path}: not a regular file owned by the target's user: not read")
     if len(raw) > MAX_TRACE_BYTES:
         raise _SourceFailed(f"{path}: dump larger than {MAX_TRACE_BYTES} bytes")
     if raw[:1] == b"{":

@@ -145,3 +145,33 @@ def test_flight_recorder_env_keeps_the_users_value_and_title_ranks() -> None:
     assert flight_recorder_env({}) == ({"TORCH_FR_BUFFER_SIZE": "2000"}, {})
     assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "7"}) == ({}, {"TORCH_FR_BUFFER_SIZE": "7"})
     assert [rank_from_title(t) for t in ("sglang::scheduler_DP0_TP3", "sglang::scheduler_TP1_EP0", "demo::main")] == [3, 1, None]
+
+
+async def test_a_worker_socket_of_another_user_is_not_trusted(tmp_path: Path, spawn) -> None:
+    import shutil
+    import subprocess
+    import time
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to create a socket as uid 65534")
+    import tempfile
+
+    target = spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+    shared = Path(tempfile.mkdtemp(prefix="sw-fr-nobody-", dir="/tmp"))  # reachable by uid 65534
+    shared.chmod(0o777)
+    try:
+        path = worker_path(target.pid, shared)
+        code = f"import socket, time; s = socket.socket(socket.AF_UNIX); s.bind({str(path)!r}); s.listen(1); time.sleep(60)"
+        spawn(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c", code],
+              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            assert time.monotonic() < deadline, "the other user's socket did not appear"
+            await anyio.sleep(0.05)
+        assert path.stat().st_uid == 65534
+        cfg = FlightRecorderConfig(timeout_s=2.0, socket_dir=shared, debug_server=False)
+        [r] = await FlightRecorderActor(cfg).collect_all(_opened(tmp_path), [Target(pid=target.pid)], artifact_dir=tmp_path)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert r.outcome is Outcome.NO_SOURCE
+    assert "not trusted" in r.detail and "uid 65534" in r.detail

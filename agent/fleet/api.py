@@ -48,9 +48,9 @@ class JoinRequest(dict[str, Any]):
 class ApiBackend(Protocol):
     """What the API serves from (the agent's fleet coordinator)."""
 
-    def status(self) -> dict[str, Any]: ...
-    def list_incidents(self) -> list[dict[str, Any]]: ...
-    def get_incident(self, incident_id: str) -> dict[str, Any] | None: ...
+    async def status(self) -> dict[str, Any]: ...
+    async def list_incidents(self) -> list[dict[str, Any]]: ...
+    async def get_incident(self, incident_id: str) -> dict[str, Any] | None: ...
     async def post_incident(self, request: JoinRequest, *, agent_id: str) -> tuple[int, dict[str, Any]]: ...
 
 
@@ -136,10 +136,10 @@ class AgentApi:
         if path == "/v1/status":
             if request.method != "GET":
                 return _error(405, "use GET", [("allow", "GET")])
-            return json_response(200, self.backend.status())
+            return json_response(200, await self.backend.status())
         if path == "/v1/incidents":
             if request.method == "GET":
-                return json_response(200, {"incidents": self.backend.list_incidents()})
+                return json_response(200, {"incidents": await self.backend.list_incidents()})
             if request.method == "POST":
                 return await self._post_incident(request)
             return _error(405, "use GET or POST", [("allow", "GET, POST")])
@@ -149,7 +149,7 @@ class AgentApi:
             incident_id = path[len("/v1/incidents/"):]
             if not INCIDENT_ID_PATTERN.fullmatch(incident_id):
                 return _error(400, "bad incident id")
-            manifest = self.backend.get_incident(incident_id)
+            manifest = await self.backend.get_incident(incident_id)
             if manifest is None:
                 return _error(404, f"no incident {incident_id}")
             return json_response(200, manifest)

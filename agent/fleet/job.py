@@ -458,13 +458,14 @@ class Fleet:
                 "trace_id": opened.trace_id, "span_id": opened.span_id, "parent_span_id": opened.parent_span_id,
                 "opened_time_unix_nano": opened.time_unix_nano}
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
         """``GET /v1/status``: the status file's content (schema ``servewatch.status/1``: every
-        watcher ready / waiting / blind with its reason) plus targets, the open incident, the job."""
+        watcher ready / waiting / blind with its reason) plus targets, the open incident, the job.
+        Discovery (a process scan) runs on a worker thread."""
         agent = self.agent
         manager = agent.incidents
         try:
-            targets = agent.discover()
+            targets = await anyio.to_thread.run_sync(agent.discover)
         except Exception:  # discovery trouble is shown, never raised
             log.exception("target discovery failed")
             targets = []
@@ -500,8 +501,16 @@ class Fleet:
     def _host_dir(self) -> Path:
         return self.data_dir / self.host_name
 
-    def list_incidents(self) -> list[dict[str, Any]]:
-        """``GET /v1/incidents``: this host's incidents, newest first (ids start with their UTC time)."""
+    async def list_incidents(self) -> list[dict[str, Any]]:
+        """``GET /v1/incidents``: this host's incidents, newest first (ids start with their UTC
+        time); the open one first. Manifests are read on a worker thread."""
+        out = await anyio.to_thread.run_sync(self._read_listing)
+        current = self.agent.incidents.current
+        if current is not None and all(i["incident_id"] != current.opened.incident_id for i in out):
+            out.insert(0, {**self._incident_doc(current.opened), "open": True})
+        return out
+
+    def _read_listing(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         try:
             entries = sorted((e.name for e in os.scandir(self._host_dir()) if e.is_dir(follow_symlinks=False)
@@ -509,18 +518,18 @@ class Fleet:
         except OSError:
             entries = []
         for name in entries[:MAX_LISTED]:
-            manifest = self.get_incident(name)
+            manifest = self._read_manifest(name)
             if manifest is None:
                 continue
             out.append({key: manifest.get(key) for key in ("incident_id", "trigger", "detail", "host.name", "trace_id",
                                                             "parent_span_id", "opened_time_unix_nano", "closed_time_unix_nano")})
-        current = self.agent.incidents.current
-        if current is not None and all(i["incident_id"] != current.opened.incident_id for i in out):
-            out.insert(0, {**self._incident_doc(current.opened), "open": True})
         return out
 
-    def get_incident(self, incident_id: str) -> dict[str, Any] | None:
+    async def get_incident(self, incident_id: str) -> dict[str, Any] | None:
         """``GET /v1/incidents/{id}``: the manifest (read without following symlinks), or None."""
+        return await anyio.to_thread.run_sync(self._read_manifest, incident_id)
+
+    def _read_manifest(self, incident_id: str) -> dict[str, Any] | None:
         if not INCIDENT_ID_PATTERN.fullmatch(incident_id):
             return None
         path = self._host_dir() / incident_id / "manifest.json"

@@ -431,7 +431,9 @@ def write_report(tl: IncidentTimeline, out_path: str | os.PathLike[str], *,
     Raises:
         OSError: the file cannot be written.
     """
-    out = Path(out_path).resolve()
+    # resolve the folder only: a symlink planted at the file's name is replaced, never followed
+    given = Path(os.path.abspath(out_path))
+    out = given.parent.resolve() / given.name
     out.parent.mkdir(parents=True, exist_ok=True)
     # temp file O_EXCL|O_NOFOLLOW beside it, fsync, rename: never writes through a planted symlink
     atomic_write_text(out, render_report_html(tl, generated_time_unix_nano=generated_time_unix_nano))

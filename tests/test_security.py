@@ -728,3 +728,17 @@ def test_span_and_spool_files_are_private_and_never_follow_links(tmp_path: Path,
     files = [p for p in (tmp_path / "spool").rglob("*") if p.is_file() and p.name != ".lock"]
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700
+
+
+def test_report_output_never_written_through_a_planted_link(tmp_path: Path, shared_shm: Path) -> None:
+    bundle, _ = _copied_bundle(tmp_path)
+    victim = tmp_path / "root-only"
+    victim.write_text("precious\n")
+    out = shared_shm / "report.html"  # an output folder another user can create names in
+    _as_nobody("ln", "-s", str(victim), str(out))
+    done = _cli(tmp_path, "report", str(bundle), "-o", str(out), "--data-dir", str(tmp_path / "d"))
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "precious\n"
+    assert not out.is_symlink() and "INSIDE_FRAME" in out.read_text()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert [p.name for p in shared_shm.iterdir() if p.name.endswith(".swtmp")] == []

@@ -127,8 +127,15 @@ def _default_processor(receiver: RemoteReceiver, protocol: str) -> SpanProcessor
         else:
             exporter = GrpcSpanExporter(endpoint=receiver.grpc_endpoint, insecure=True)
     else:
+        session = None
+        if tls is not None:
+            import requests
+
+            # requests lets REQUESTS_CA_BUNDLE (set on some hosts) override the session's CA file
+            session = requests.Session()
+            session.trust_env = False
         exporter = HttpSpanExporter(endpoint=receiver.http_endpoint + "/v1/traces",
-                                    certificate_file=str(tls.ca_cert) if tls is not None else None)
+                                    certificate_file=str(tls.ca_cert) if tls is not None else None, session=session)
     return BatchSpanProcessor(exporter)  # the SDK's default settings
 
 

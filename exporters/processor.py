@@ -44,11 +44,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from opentelemetry.context import Context
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from exporters.batching import halve_request, split_request
+from exporters.encode import encode_spans_fast as encode_spans
 from exporters.spool import Spool, SpoolEntry
 from exporters.transport import Delivery, RequestSender, SendResult
 

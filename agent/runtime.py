@@ -46,7 +46,7 @@ from agent.events import (
 from agent.fsutil import remove_stale_temps
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase, recover_interrupted
 from agent.procinfo import DEAD_MEMORY_S, death_of
-from agent.targets import NO_TARGET_WARNING, ProcessState, Target, discover, process_state, spread_warning
+from agent.targets import NO_TARGET_WARNING, ProcessState, Target, discover, process_state, spread_warning, zombie_descendants
 from agent.judge import VerdictJudge
 from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
@@ -214,6 +214,12 @@ class Agent:
             target
             for pid, (target, seen) in list(self._seen.items())
             if pid not in pids and seen >= horizon and death_of(target) is not None
+        ]
+        t = self.settings.target
+        roots = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
+        known = pids | {d.pid for d in dead}
+        dead += [  # never seen alive by this agent (`servewatch dump`): zombies of the watched trees
+            z for z in zombie_descendants(roots, t.match) if z.pid not in known and (not t.uids or z.uid in t.uids)
         ]
         return sorted([*live, *dead], key=lambda t: t.pid)
 

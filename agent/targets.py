@@ -36,6 +36,7 @@ __all__ = [
     "ProcessTree",
     "process_trees",
     "spread_warning",
+    "zombie_descendants",
 ]
 
 
@@ -359,3 +360,37 @@ def spread_warning(targets: Iterable[Target], *, title_globs: Iterable[str], roo
         + "; ".join(tree.describe() for tree in trees)
         + ". Add --root-pid PID to act on one server only"
     )
+
+
+#: The kernel cuts a process name (``comm``) at this many characters.
+_COMM_LEN = 15
+
+
+def zombie_descendants(root_pids: Iterable[int], title_globs: Iterable[str] = ()) -> list[Target]:
+    """Zombies in the trees of ``root_pids`` (ranks that exited and their parent has not reaped).
+
+    :func:`discover` skips zombies (nothing can be read from them); an incident still reports
+    them, as dead. A zombie's cmdline is gone, so with globs its kernel name (``comm``, cut at 15
+    characters: ``sglang::schedul``) is matched against each glob cut to the same length.
+
+    Returns:
+        One :class:`Target` per zombie (title: its ``comm``), sorted by pid.
+    """
+    globs = tuple(title_globs)
+    found: dict[int, Target] = {}
+    for root in root_pids:
+        members: list[psutil.Process] = []
+        with psutil_errors():
+            members = psutil.Process(root).children(recursive=True)
+        for proc in members:
+            with psutil_errors():
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    continue
+                name = safe_text(proc.name())
+                if globs and not any(
+                    fnmatch.fnmatchcase(name, g) or (len(name) >= _COMM_LEN and fnmatch.fnmatchcase(name, g[:_COMM_LEN] + "*"))
+                    for g in globs
+                ):
+                    continue
+                found[proc.pid] = Target(pid=proc.pid, title=name, create_time_s=proc.create_time(), uid=proc.uids().real)
+    return [found[pid] for pid in sorted(found)]

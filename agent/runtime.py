@@ -475,14 +475,18 @@ class Agent:
         )
         return Watchdog(source, s.watchdog)
     async def _ship_spans(self, shipper: Any) -> None:
-        """Poll the span rings (heartbeat + drain) off the event loop, forever."""
+        """Drain the span rings on the shipper's low-priority thread (it and the export worker run
+        at nice +10: the served process comes first); heartbeat and status from here."""
+        from exporters.shipper import lower_thread_priority
+
         interval = self.settings.spans.poll_interval_s
+        shipper.start(interval)
+        worker = getattr(self.telemetry.processor, "_thread", None) if self.telemetry is not None else None
+        if worker is not None and worker.native_id is not None:
+            lower_thread_priority(native_id=worker.native_id)
         next_status = 0.0
         while True:
-            try:
-                await anyio.to_thread.run_sync(shipper.poll)
-            except Exception:  # shipping must never take the agent down
-                log.exception("span shipping failed")
+            shipper.heartbeat_all()
             now = anyio.current_time()
             if now >= next_status:  # `servewatch status` shows the counts (both sides' drops)
                 next_status = now + SPANS_STATUS_INTERVAL_S

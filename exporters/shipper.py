@@ -61,6 +61,8 @@ _INT64 = (-(2**63), 2**63 - 1)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _KINDS = {k.value: k for k in SpanKind}
 _STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
+#: Nice value of the threads that drain rings and encode/export shipped spans.
+BACKGROUND_NICE = 10
 _PLAIN_STATUS = {StatusCode.UNSET: Status(StatusCode.UNSET), StatusCode.OK: Status(StatusCode.OK)}
 
 
@@ -270,6 +272,8 @@ class SpanShipper:
         self._server_retired = RingStatistics(0, 0, 0, 0, 0, 0, 0)
         self._refused: dict[int, str] = {}
         self._closed = False
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -412,6 +416,35 @@ class SpanShipper:
         except OSError:
             pass
 
+    def heartbeat_all(self) -> None:
+        """Tell every attached server the agent is here (one ``pwrite`` each; cheap enough for
+        the event loop, so a starved drain thread never makes servers fall back)."""
+        with self._lock:
+            readers = [ring.reader for ring in self._rings.values()]
+        for reader in readers:
+            try:
+                reader.heartbeat()
+            except (OSError, ValueError):
+                pass  # the next poll retires a ring that went away
+
+    def start(self, interval_s: float, *, nice: int = BACKGROUND_NICE) -> threading.Thread:
+        """Drain the rings every ``interval_s`` seconds on a dedicated thread running at
+        ``nice`` (Linux per-thread priority): under CPU contention the served processes come
+        first, the rings absorb the delay, and a full ring is counted, never a blocked server."""
+
+        def loop() -> None:
+            lower_thread_priority(nice)
+            while not self._stopping.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception:  # boundary: shipping must never end the agent's thread
+                    log.exception("span shipping failed")
+
+        thread = threading.Thread(target=loop, name="servewatch-span-shipper", daemon=True)
+        self._thread = thread
+        thread.start()
+        return thread
+
     # -- reporting / shutdown ----------------------------------------------------------------
 
     def statistics(self) -> ShipperStatistics:
@@ -456,6 +489,10 @@ class SpanShipper:
 
     def close(self) -> ShipperStatistics:
         """Drain every ring one last time and detach (servers fall back at once); safe twice."""
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
         with self._poll_lock:
             with self._lock:
                 self._closed = True
@@ -469,6 +506,17 @@ class SpanShipper:
                 self._drain(pid, ring)
                 self._retire(pid, detach=True)
         return self.statistics()
+
+
+def lower_thread_priority(nice: int = 10, native_id: int | None = None) -> bool:
+    """Set the nice value of one thread (default: the calling one); Linux threads are tasks
+    with their own priority. Returns whether it worked (never raises)."""
+    try:
+        tid = threading.get_native_id() if native_id is None else native_id
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:

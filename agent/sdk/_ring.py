@@ -342,6 +342,7 @@ class RingReader:
             os.close(fd)
             raise
         self.fd = fd
+        self._fd_lock = threading.Lock()
         self.capacity = cap
         self.uid = st.st_uid
         self.corrupt = 0
@@ -360,9 +361,13 @@ class RingReader:
         return meta if isinstance(meta, dict) else {}
 
     def heartbeat(self, *, detach: bool = False) -> None:
-        """Tell the server an agent is attached (or, ``detach``, that it left)."""
-        os.pwrite(self.fd, _WORD.pack(os.getpid()), W_AGENT_PID * 8)
-        os.pwrite(self.fd, _WORD.pack(0 if detach else time.monotonic_ns()), W_HEARTBEAT * 8)
+        """Tell the server an agent is attached (or, ``detach``, that it left). Safe from another
+        thread than the reader's: never writes through a descriptor :meth:`close` released."""
+        with self._fd_lock:
+            if self.fd < 0:
+                return
+            os.pwrite(self.fd, _WORD.pack(os.getpid()), W_AGENT_PID * 8)
+            os.pwrite(self.fd, _WORD.pack(0 if detach else time.monotonic_ns()), W_HEARTBEAT * 8)
 
     def claimed_by_other(self, stale_ns: int) -> int:
         """The pid of another live agent consuming this ring, else 0."""
@@ -443,12 +448,13 @@ class RingReader:
 
     def close(self, *, detach: bool = True) -> None:
         """Tell the server this agent left (it falls back at once) and close the file; safe twice."""
-        fd, self.fd = self.fd, -1
-        if fd < 0:
-            return
-        if detach:
-            try:
-                os.pwrite(fd, _WORD.pack(0), W_HEARTBEAT * 8)
-            except OSError:
-                pass
-        os.close(fd)
+        with self._fd_lock:
+            fd, self.fd = self.fd, -1
+            if fd < 0:
+                return
+            if detach:
+                try:
+                    os.pwrite(fd, _WORD.pack(0), W_HEARTBEAT * 8)
+                except OSError:
+                    pass
+            os.close(fd)

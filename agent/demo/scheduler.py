@@ -53,7 +53,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 import warnings
 from collections import deque
 from contextlib import ExitStack

@@ -160,9 +160,11 @@ async def test_sglang_session_stops_itself_after_n_steps(launch, tmp_path: Path)
 async def test_sglang_stop_after_auto_stop_is_already_stopped(launch, tmp_path: Path) -> None:
     # the export is slow, so the trace is not there by the deadline and the actor sends a stop,
     # which SGLang answers "Profiling is not in progress" (HTTP 500)
-    _, line = launch("fake_sglang_server.py", "--export-delay-s", "4")
+    # margins for a loaded machine: 2 profiled steps (profiler start included) must fit in 8 s,
+    # and the trace must still be unpublished then (export delay 12 s)
+    _, line = launch("fake_sglang_server.py", "--export-delay-s", "12")
     port = json.loads(line)["port"]
-    result = await profile_once(_http_config(port), steps=2, out_dir=tmp_path / "t", timeout_s=2.5)
+    result = await profile_once(_http_config(port), steps=2, out_dir=tmp_path / "t", timeout_s=8)
     assert result.outcome is Outcome.OK, result.detail
     assert result.attributes["servewatch.profile.stop"] == "already_stopped"
     assert len(profiler_steps(load_trace(result.artifact_paths[0]))) == 2

@@ -46,7 +46,16 @@ from agent.events import (
 from agent.fsutil import remove_stale_temps
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase, recover_interrupted
 from agent.procinfo import DEAD_MEMORY_S, death_of
-from agent.targets import NO_TARGET_WARNING, ProcessState, Target, discover, process_state, spread_warning, zombie_descendants
+from agent.targets import (
+    NO_TARGET_WARNING,
+    ProcessState,
+    Target,
+    discover,
+    parent_pid,
+    process_state,
+    spread_warning,
+    zombie_descendants,
+)
 from agent.judge import VerdictJudge
 from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
@@ -217,6 +226,9 @@ class Agent:
         ]
         t = self.settings.target
         roots = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
+        if not roots and t.match:
+            # host-wide --match: a dead rank is a zombie beside its live siblings, under their parent
+            roots = sorted({ppid for ppid in (parent_pid(x.pid) for x in live) if ppid and ppid > 1})
         known = pids | {d.pid for d in dead}
         dead += [  # never seen alive by this agent (`servewatch dump`): zombies of the watched trees
             z for z in zombie_descendants(roots, t.match) if z.pid not in known and (not t.uids or z.uid in t.uids)

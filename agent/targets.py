@@ -36,6 +36,7 @@ __all__ = [
     "ProcessTree",
     "process_trees",
     "spread_warning",
+    "parent_pid",
     "zombie_descendants",
 ]
 
@@ -364,6 +365,21 @@ def spread_warning(targets: Iterable[Target], *, title_globs: Iterable[str], roo
 
 #: The kernel cuts a process name (``comm``) at this many characters.
 _COMM_LEN = 15
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent pid of ``pid`` (from ``/proc/PID/stat``), or ``None`` when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # comm may hold spaces and parentheses: fields resume after the last ')'
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def zombie_descendants(root_pids: Iterable[int], title_globs: Iterable[str] = ()) -> list[Target]:

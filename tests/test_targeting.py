@@ -162,6 +162,25 @@ def test_health_url_without_a_target_warns_once_at_start(tmp_path: Path) -> None
     assert r.stderr.count(NO_TARGET_WARNING) == 1, r.stderr
 
 
+def test_host_wide_match_reports_a_zombie_sibling_of_the_live_ranks_as_dead(spawn, python, tmp_path: Path) -> None:
+    # no --root-pid: the dead rank is found beside its live siblings, under their parent
+    tag = uuid.uuid4().hex[:8]
+    a = start_tree(spawn, python, tag, "--exit", "scheduler_TP1=9@0.5")
+    deadline = time.monotonic() + 30
+    while psutil.Process(a["scheduler_TP1"]).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    r = subprocess.run(
+        [*CLI, "dump", "--match", f"sglang::scheduler*_{tag}", "--data-dir", "data"],
+        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr
+    (manifest,) = manifests(tmp_path / "data")
+    dumps = {x["pid"]: x for x in manifest["actions"] if x["action"] == "pyspy.dump"}
+    assert set(dumps) == {a["scheduler_TP0"], a["scheduler_TP1"]}
+    dead = dumps[a["scheduler_TP1"]]
+    assert dead["outcome"] == "dead" and dead["attributes"]["process.exit.code"] == 9, dead
+
+
 def test_one_shot_dump_reports_a_zombie_rank_of_the_tree_as_dead(spawn, python, tmp_path: Path) -> None:
     tag = uuid.uuid4().hex[:8]
     a = start_tree(spawn, python, tag, "--exit", "scheduler_TP1=7@0.5")

@@ -55,21 +55,22 @@ from agent.events import (
     ActionCompleted,
     ActionResult,
     Event,
+    HardSignalSent,
     HealthCheckFailed,
     IncidentClosed,
     IncidentOpened,
     IncidentRetraced,
     Outcome,
-    HardSignalSent,
     TargetExited,
     WatchdogStalled,
     frozen_attrs,
     now_ns,
 )
 from agent.fsutil import atomic_write_text, ensure_private_dir
-from agent.security import redact_cmdline, redact_text
-from agent.ranks import target_attributes
+from agent.procinfo import pid_alive
 from agent.progress import reporting_to
+from agent.ranks import target_attributes
+from agent.security import redact_cmdline, redact_text
 from agent.targets import Target
 
 __all__ = [
@@ -763,16 +764,6 @@ class IncidentManager:
 _RUNNING_HERE: set[str] = set()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, dict[str, Any]]]:
     """Manifests under ``<data_dir>/<host_name>/`` left ``open`` or ``interrupted`` by an agent
     that is gone (a live agent's running incident is left alone)."""
@@ -790,7 +781,7 @@ def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, dict
         if not isinstance(data, dict) or data.get("state") not in (STATE_OPEN, STATE_INTERRUPTED):
             continue
         owner = data.get("agent_pid")
-        if isinstance(owner, int) and owner != os.getpid() and _pid_alive(owner):
+        if isinstance(owner, int) and owner != os.getpid() and pid_alive(owner):
             continue
         if data.get("incident_id") in _RUNNING_HERE:
             continue

@@ -30,6 +30,7 @@ from agent.targets import ProcessState, Target, process_state, target_of
 
 __all__ = [
     "Death",
+    "pid_alive",
     "Tracer",
     "note_exit",
     "death_of",
@@ -235,3 +236,17 @@ def uts_hostname(pid: int) -> str | None:
     if same_uts_namespace(pid):
         return os.uname().nodename
     return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a zombie counts; ``kill(pid, 0)``, EPERM = alive).
+
+    A pid may have been reused: callers that care compare the create time too.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

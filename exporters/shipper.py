@@ -43,6 +43,7 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
+from agent.procinfo import pid_alive
 from agent.sdk._ring import RingError, RingReader, RingStatistics
 
 __all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "decode_record"]
@@ -352,7 +353,7 @@ class SpanShipper:
             with self._lock:
                 rings = list(self._rings.items())
             for pid, ring in rings:
-                dead = not _alive(pid)
+                dead = not pid_alive(pid)
                 gone = dead or not _same_file(ring.reader)
                 if not gone:
                     try:
@@ -516,16 +517,6 @@ def lower_thread_priority(nice: int = 10, native_id: int | None = None) -> bool:
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
     except (OSError, AttributeError):
         return False
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -50,8 +50,16 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.events import (
+    ActionResult,
+    AttributeValue,
+    IncidentOpened,
+    Outcome,
+    frozen_attrs,
+    now_ns,
+)
 from agent.lazy import LazyModule
+from agent.procinfo import pid_alive
 from agent.sdk.control import control_path
 from agent.security import process_uids, trusted_owner
 from agent.targets import Target
@@ -645,16 +653,6 @@ def _stop_status(reply: httpx.Response | str) -> str:
 # --- CLI and incident helpers ----------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def profile_once(
     config: ProfilerConfig,
     *,
@@ -682,7 +680,7 @@ async def profile_once(
         folder = control_path(0, config.socket_dir).parent
         socks = sorted(folder.glob("servewatch-ctl.*.sock"))
         pids = [int(p.name.split(".")[1]) for p in socks if p.name.split(".")[1].isdigit()]
-        pids = [p for p in pids if _alive(p)]  # a killed server leaves its socket file behind
+        pids = [p for p in pids if pid_alive(p)]  # a killed server leaves its socket file behind
         if len(pids) != 1:
             s = _Session("sdk", req, None)
             found = "no" if not pids else f"{len(pids)} ({', '.join(map(str, pids))})"

@@ -32,6 +32,10 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
 
 
+#: ``launch``: seconds during which the launched server may refuse connections while it starts
+#: (loading weights can take many minutes); the health start-up timeout's default.
+LAUNCH_REFUSED_GRACE_S = 1800.0
+
 EXIT_CODES_HELP = "Exit codes: 0 success, 1 runtime failure, 2 usage error or invalid setting."
 
 app = typer.Typer(
@@ -113,6 +117,20 @@ class _SafeFormatter(logging.Formatter):
 
 out = _LazyConsole(soft_wrap=True)  # results
 err = _LazyConsole(stderr=True, soft_wrap=True)  # progress, chatter, errors
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Fail (exit 2, one line naming ``api.listen``) when the API address cannot be bound now."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        fail(f"invalid setting api.listen: cannot listen on {host}:{port}: {exc.strerror or exc}", ExitCode.USAGE)
 
 
 def fail(message: str, code: int = ExitCode.FAILURE) -> NoReturn:
@@ -304,6 +322,8 @@ def run(
     )
     if not (settings.health.url or settings.metrics.url or settings.target.pids or settings.target.match or settings.target.root_pid):
         fail("nothing to watch: give --health-url, --metrics-url, --pid, --root-pid or --match", ExitCode.USAGE)
+    if settings.api.enabled:
+        _check_bindable(settings.api.host, settings.api.port)
     import anyio
 
     from agent.runtime import Agent
@@ -522,8 +542,9 @@ def launch(
         {
             "data_dir": data_dir,
             "target": {"match": match or None},
-            "health": {"url": health_url},
-            "metrics": {"url": metrics_url},
+            # the server starts with us: "connection refused" is start-up until it listens
+            "health": {"url": health_url, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
+            "metrics": {"url": metrics_url, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
             "watchdog": {"timeout_s": watchdog_timeout},
             "coredump": {"folder": crash_dump_folder, "delay_s": coredump_delay},
             "pyspy": {"enabled": pyspy},

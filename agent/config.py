@@ -36,7 +36,7 @@ from agent.fsutil import ensure_private_dir
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
 from agent.incidents import IncidentConfig
 from agent.security import unsafe_dir_reason, validate_host_name
-from agent.watchers.health import HealthConfig
+from agent.watchers.health import HealthConfig, check_http_url
 from agent.watchers.steps import StepsConfig
 from agent.watchers.watchdog import WatchdogConfig
 from exporters.provider import ExportConfig
@@ -87,6 +87,14 @@ class MetricsConfig(StepsConfig):
     """
 
     url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")
+    refused_grace_s: float = Field(
+        0.0, ge=0, description="seconds after start in which 'connection refused' means the server is starting (launch sets it)"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return check_http_url(value)
 
 
 class SpansConfig(BaseModel):
@@ -177,8 +185,9 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "settings"
         got = e.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {got!r})"
-        parts.append(f"{key}: {e['msg']}{shown}")
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        shown = "" if isinstance(got, dict) or repr(got) in msg else f" (got {got!r})"
+        parts.append(f"{key}: {msg}{shown}")
     return "invalid setting " + "; ".join(parts)
 
 

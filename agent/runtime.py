@@ -484,6 +484,7 @@ class Agent:
             counter=s.metrics.counter,
             busy_gauge=s.metrics.busy_gauge,
             timeout_s=s.metrics.scrape_timeout_s,
+            refused_grace_s=s.metrics.refused_grace_s,
         )
         return Watchdog(source, s.watchdog)
     async def _ship_spans(self, shipper: Any) -> None:

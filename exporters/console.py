@@ -75,5 +75,13 @@ def spooled_summary(telemetry: Telemetry, stats: ExportStatistics) -> str | None
     return (
         f"{waiting} span(s) spooled under '{telemetry.spool_dir}' (collector {dest.endpoint}: {why}). "
         f"The next servewatch agent on this data dir sends them; or replay them now with: "
-        f"servewatch export --to {dest.endpoint} --protocol {dest.protocol} {telemetry.spool_dir}"
+        f"servewatch export --to {_with_scheme(dest.endpoint, dest.insecure)} --protocol {dest.protocol} {telemetry.spool_dir}"
     )
+
+
+def _with_scheme(endpoint: str | None, insecure: bool | None) -> str | None:
+    """``export --to`` takes a URL: a bare gRPC ``host:port`` (accepted by the OTLP exporters)
+    gets the scheme it was used with (``https`` unless insecure)."""
+    if endpoint is None or "://" in endpoint:
+        return endpoint
+    return ("http://" if insecure is not False else "https://") + endpoint

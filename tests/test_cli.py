@@ -233,3 +233,30 @@ def test_launch_forwards_sigterm_to_the_server(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+def test_api_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import socket
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _cli(tmp_path, "run", "--match", "nothing-here*", "--api-listen", f"127.0.0.1:{port}",
+                 "--api-token-file", str(token), "--duration", "1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"servewatch: invalid setting api.listen: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "Traceback" not in r.stderr
+
+
+def test_replay_command_always_has_a_scheme() -> None:
+    from exporters.console import _with_scheme
+
+    assert _with_scheme("127.0.0.1:4317", None) == "http://127.0.0.1:4317"
+    assert _with_scheme("otel:4317", False) == "https://otel:4317"
+    assert _with_scheme("https://otel:4318", True) == "https://otel:4318"

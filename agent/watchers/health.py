@@ -36,6 +36,7 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "HealthConfig",
+    "check_http_url",
     "HealthWatcher",
     "classify_status",
     "classify_error",
@@ -81,6 +82,10 @@ class HealthConfig(BaseModel):
             Default 1800 s.
         max_body_bytes: most bytes of an answer read; a server that streams without end costs
             at most this much memory per probe. Default 64 KiB.
+        refused_grace_s: for this long after the watcher starts, and before the first good
+            answer, "connection refused" means the server is still starting (status waiting)
+            rather than a wrong address (blind). 0 (default) for ``run``; ``launch`` sets it,
+            since it starts the server itself.
     """
 
     url: str | None = None
@@ -91,16 +96,27 @@ class HealthConfig(BaseModel):
     wait_for_ready: bool = True
     startup_timeout_s: float | None = Field(default=1800.0, gt=0)
     max_body_bytes: int = Field(default=MAX_HEALTH_BODY_BYTES, ge=0)
+    refused_grace_s: float = Field(default=0.0, ge=0)
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"expected an http(s):// URL, got {value!r}")
-        return value
+        return check_http_url(value)
+
+
+def check_http_url(value: str | None) -> str | None:
+    """Validate a probe URL (health, /metrics): ``http(s)://host[:port]/...``; ``None`` passes.
+
+    Raises:
+        ValueError: no http/https scheme or no host (``127.0.0.1:30000/metrics`` is refused at
+            start rather than failing every probe later).
+    """
+    if value is None:
+        return None
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http(s):// URL, got {value!r}")
+    return value
 
 
 def http_status_text(status_code: int) -> str:
@@ -232,6 +248,12 @@ class HealthWatcher:
             return WatcherState.READY, f"{http_status_text(probed.status_code or 200)} from {url}"
         code = probed.status_code
         if probed.error_class == ERROR_REFUSED:
+            waited_s = (time.monotonic_ns() - self._started_ns) / 1e9
+            if not self.ready and waited_s < self.config.refused_grace_s:
+                return WatcherState.WAITING, (
+                    f"server starting: nothing listens at {url} yet"
+                    f" (waiting up to {self.config.refused_grace_s:g} s for it to listen)"
+                )
             return WatcherState.BLIND, (
                 f"connection refused at {url} (nothing listens there: wrong host or port, or the server is down)"
             )

@@ -364,6 +364,7 @@ class PrometheusStepSource:
         timeout_s: float = 5.0,
         pid: int | None = None,
         max_body_bytes: int = MAX_METRICS_BODY_BYTES,
+        refused_grace_s: float = 0.0,
     ) -> None:
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"unknown metrics preset {preset!r}; known: {sorted(PRESETS)}")
@@ -392,6 +393,10 @@ class PrometheusStepSource:
         self._state = "waiting"
         self._reason = f"waiting for the first scrape of {url}"
         self._problem = ""
+        #: "connection refused" before the first answer within this long is a server starting
+        self.refused_grace_s = refused_grace_s
+        self._created_s = time.monotonic()
+        self._answered = False
 
     # -- status ---------------------------------------------------------------------------
 
@@ -482,6 +487,7 @@ class PrometheusStepSource:
                         }.get(code, "")
                         self._blind(f"{http_status_text(code)} from {self.url}{hint}")
                         return None
+                    self._answered = True
                     body, truncated = await read_capped(response, self.max_body_bytes)
                     if truncated:
                         self._blind(
@@ -491,7 +497,14 @@ class PrometheusStepSource:
                         return None
                     return body.decode("utf-8", "replace")
             except httpx.HTTPError as exc:
-                if classify_error(exc) == ERROR_REFUSED:
+                if classify_error(exc) == ERROR_REFUSED and not self._answered and (
+                    time.monotonic() - self._created_s < self.refused_grace_s
+                ):
+                    self._state, self._reason = "waiting", (
+                        f"server starting: nothing listens at {self.url} yet"
+                        f" (waiting up to {self.refused_grace_s:g} s for it to listen)"
+                    )
+                elif classify_error(exc) == ERROR_REFUSED:
                     self._blind(f"connection refused at {self.url} (nothing listens there: wrong host or port, or the server is down)")
                 else:
                     self._blind(f"cannot scrape {self.url}: {type(exc).__name__}: {str(exc)[:120]}")

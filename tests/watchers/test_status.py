@@ -324,3 +324,38 @@ def test_all_lists_exactly_the_public_names(module_name: str) -> None:
     }
     assert public <= set(module.__all__)
     assert all(hasattr(module, n) for n in module.__all__)
+
+
+async def test_refused_while_a_launched_server_starts_is_waiting_not_blind() -> None:
+    # `launch` starts the server itself: nothing listening yet is start-up, not a wrong address
+    url = f"http://127.0.0.1:{_free_port()}/health"
+    statuses, watcher = await _health_statuses(url, until=3, refused_grace_s=60.0)
+    assert watcher.probes >= 3
+    assert [s.state for s in statuses] == ["waiting", "waiting"]
+    assert "server starting: nothing listens at" in statuses[1].reason and "up to 60 s" in statuses[1].reason
+    # the same grace on /metrics; without it, the first refused scrape is blind
+    port = _free_port()
+    starting = PrometheusStepSource(f"http://127.0.0.1:{port}/metrics", timeout_s=2.0, refused_grace_s=60.0)
+    plain = PrometheusStepSource(f"http://127.0.0.1:{port}/metrics", timeout_s=2.0)
+    try:
+        assert await starting.read_series() is None and await plain.read_series() is None
+        state, reason = starting.status()
+        assert state == "waiting" and "server starting" in reason
+        assert plain.status()[0] == "blind" and "connection refused" in plain.status()[1]
+    finally:
+        await starting.aclose()
+        await plain.aclose()
+
+
+def test_metrics_url_without_scheme_is_refused_at_start(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "run", "--metrics-url", "127.0.0.1:30000/metrics", "--data-dir", str(tmp_path / "d")],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "servewatch: invalid setting metrics.url: expected an http(s):// URL, got '127.0.0.1:30000/metrics'"
+    ]

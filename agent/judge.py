@@ -16,6 +16,7 @@ import json
 import logging
 import signal as signal_mod
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,10 @@ from agent.actors.pyspy import ACTION as PYSPY_ACTION
 from agent.actors.pyspy import parse_dump
 from agent.events import ActionResult, Event, Outcome, TargetExited
 from agent.sdk._counter import counter_path, read_counter
-from agent.targets import ProcessState, Target, process_state
+from agent.targets import ProcessState, Target, parent_pid, process_state
 from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide
 
-__all__ = ["VerdictJudge", "read_steps", "signal_name"]
+__all__ = ["VerdictJudge", "job_groups", "pick_incident_verdict", "read_steps", "signal_name"]
 
 log = logging.getLogger("servewatch.judge")
 
@@ -92,16 +93,37 @@ class VerdictJudge:
         self, targets: list[Target], results: list[ActionResult], cause: Event | None, steps_before: dict[int, int]
     ) -> Verdict | None:
         steps_after = read_steps([t.pid for t in targets], self.shm_dir)
-        dumps = {r.pid: r for r in results if r.action == PYSPY_ACTION and r.pid is not None}
-        frs = {r.pid: r for r in results if r.action == FR_ACTION and r.pid is not None}
-
         exited_pid = cause.pid if isinstance(cause, TargetExited) else None
         everyone: list[tuple[Target, bool]] = [(t, t.pid == exited_pid) for t in targets]
         if isinstance(cause, TargetExited) and all(t.pid != cause.pid for t in targets):
             everyone.insert(0, (Target(pid=cause.pid, title=cause.title), True))
+        groups = job_groups([t for t, _ in everyone])
+        verdicts: list[tuple[list[int], Verdict]] = []
+        for pids in groups:
+            members = [(t, exited) for t, exited in everyone if t.pid in pids]
+            verdict = self._decide_group(members, results, cause, steps_before, steps_after)
+            if verdict is not None:
+                verdicts.append((pids, verdict))
+        if not verdicts:
+            return None
+        trigger = getattr(cause, "pid", None)
+        return pick_incident_verdict(verdicts, trigger if isinstance(trigger, int) else None, len(groups))
+
+    def _decide_group(
+        self,
+        everyone: list[tuple[Target, bool]],
+        results: list[ActionResult],
+        cause: Event | None,
+        steps_before: dict[int, int],
+        steps_after: dict[int, int],
+    ) -> Verdict | None:
+        """The verdict of one job (one process tree's ranks); ``None``: a lone process without
+        distributed evidence."""
+        pids = {t.pid for t, _ in everyone}
+        dumps = {r.pid: r for r in results if r.action == PYSPY_ACTION and r.pid in pids}
+        frs = {r.pid: r for r in results if r.action == FR_ACTION and r.pid in pids}
         if len(everyone) < 2 and not frs:
             return None  # not a distributed job as far as we can see
-
         ranks: dict[int, int] = {}
         for target, _ in everyone:
             fr = frs.get(target.pid)
@@ -153,3 +175,70 @@ class VerdictJudge:
                 )
             )
         return decide(evidence)
+
+
+def _server_of(pid: int, targets: set[int]) -> int | None:
+    """The process a rank's job hangs off: its nearest ancestor that is not itself a target
+    (a server's main process, torchrun's agent, the launcher), ``None`` when unreadable."""
+    seen: set[int] = set()
+    parent = parent_pid(pid)
+    while parent is not None and parent in targets and parent not in seen:
+        seen.add(parent)
+        parent = parent_pid(parent)
+    return parent
+
+
+def job_groups(targets: Sequence[Target]) -> list[list[int]]:
+    """The targets' pids grouped into jobs: ranks of one server, never of two.
+
+    A host-wide ``--match`` can pick the ranks of two servers; numbering them as one job mixes
+    pids of both and blames one server's rank for another's stall. Ranks are grouped by the
+    process they hang off (:func:`_server_of`: a server's workers are its children, each server
+    its own tree); a target whose tree is unreadable (gone and reaped) joins the one job when
+    there is only one, else stands alone.
+
+    Returns:
+        Lists of pids (dump order within a job), jobs ordered by their first pid.
+    """
+    pids = {t.pid for t in targets}
+    by_server: dict[int, list[int]] = {}
+    orphans: list[int] = []
+    for target in targets:
+        server = _server_of(target.pid, pids)
+        if server is None:
+            orphans.append(target.pid)
+        else:
+            by_server.setdefault(server, []).append(target.pid)
+    groups = list(by_server.values())
+    if len(groups) == 1:
+        groups[0] = orphans + groups[0]
+    else:
+        groups += [[pid] for pid in orphans]
+    return sorted(groups, key=min) if groups else []
+
+
+#: Which job's verdict is the incident's when no trigger pid picks it: a hung one with a
+#: culprit first, strongest kind first.
+_KIND_ORDER = ("dead", "desync", "behind", "compute", "unknown", "progressing")
+
+
+def pick_incident_verdict(verdicts: Sequence[tuple[Sequence[int], Verdict]], trigger_pid: int | None, jobs: int) -> Verdict:
+    """The incident's verdict among its jobs' verdicts.
+
+    The job of the process whose exit or stall opened the incident, when known; else the job
+    that stalled (hung, with a culprit, strongest kind). With more than one job the reason says
+    which one was judged.
+    """
+    chosen = next(((pids, v) for pids, v in verdicts if trigger_pid is not None and trigger_pid in pids), None)
+    if chosen is None:
+        def rank(item: tuple[Sequence[int], Verdict]) -> tuple[int, int, int]:
+            v = item[1]
+            kind = _KIND_ORDER.index(v.kind) if v.kind in _KIND_ORDER else len(_KIND_ORDER)
+            return (not v.hung, not v.culprit_ranks, kind)
+
+        chosen = min(verdicts, key=rank)
+    pids, verdict = chosen
+    if jobs < 2:
+        return verdict
+    note = f"job of pids {','.join(map(str, sorted(pids)))} (1 of {jobs} process trees matched)"
+    return replace(verdict, evidence=(*verdict.evidence, note))

@@ -21,18 +21,20 @@ Rules, first match wins:
    ranks behind never entered it while the others wait in it:
    ``behind: rank 1 never entered all_reduce #42 of pg 0; ranks 0,2,3 wait in it``.
 5. stacks only: some ranks wait in a collective and the others do not: those others are
-   behind (medium confidence); ``all ranks in compute: no collective wait`` when no rank waits.
+   behind (medium confidence); ``all ranks in compute: no collective wait`` when no rank waits,
+   naming the rank(s) whose steps stopped while the others advanced, or the only rank (TP=1).
 6. ``unknown`` otherwise.
 
-Imports nothing from the agent (plain data in, plain data out); torch is imported lazily
-and optionally for ``Op.match``.
+Imports nothing from the agent at import time (plain data in, plain data out) but py-spy's
+stuck-vs-idle rule, lazily, so the verdict and the py-spy summary never disagree; torch is
+imported lazily and optionally for ``Op.match``.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,7 +57,7 @@ class FrameClass(str, enum.Enum):
 
     COMPUTE = "compute"  # running its own code (a kernel launch, a model forward, a busy loop)
     COLLECTIVE = "collective"  # inside a torch.distributed collective (waiting for peers)
-    IDLE = "idle"  # parked in a wait that is not a collective (queue, sleep, select)
+    IDLE = "idle"  # every thread waits for work (queue, selector, socket, event loop): nothing is stuck
     UNKNOWN = "unknown"  # no stack
 
     def __str__(self) -> str:
@@ -66,28 +68,44 @@ class FrameClass(str, enum.Enum):
 _DIST_PATH = re.compile(r"torch/distributed/")
 #: Native symbols of a collective wait (gloo, NCCL, c10d work waits).
 _NATIVE_COLLECTIVE = re.compile(r"c10d::|gloo::|ncclKernel|ProcessGroup(Gloo|NCCL)|Work::wait", re.I)
-#: Innermost frames of a thread parked in a non-collective wait.
-_IDLE_NAMES = re.compile(
-    r"(^|\.)(sleep|wait|get|select|poll|epoll|accept|recv|recv_into|read|readline|acquire|_wait_for_tstate_lock|"
-    r"_recv_bytes|_poll|join)$"
-)
+#: The standard library's files (``time.sleep``'s caller, not ``threading``, is where a thread is).
+_STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
 
 
-def classify_stack(threads: Sequence[Any]) -> tuple[FrameClass, str]:
-    """Class and innermost frame label of a process's main thread.
+def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | None = None) -> tuple[FrameClass, str]:
+    """Class and innermost frame label of a process's stalled thread.
+
+    The stuck-vs-idle rule is py-spy summary's (:func:`agent.actors.pyspy.thread_is_idle`): a
+    thread is idle only when it waits for work (a queue, selector, socket, event loop, executor,
+    ZeroMQ). py-spy's own ``active`` flag (on CPU or not) is not that: a forward pass stuck in a
+    ``time.sleep`` loop, a lock or an ``Event.wait`` in the model's code is stuck, so ``COMPUTE``.
+    The thread read is the one the summary's hung frame comes from: the main thread unless it is
+    idle, else the first active one, else the first other thread that is not idle; ``IDLE`` only
+    when every thread with frames is idle.
 
     Args:
         threads: py-spy threads (objects with ``frames`` (innermost first; each with ``name``,
-            ``filename``, ``short_filename``, ``module``, ``label``), ``active``, ``is_main``).
+            ``filename``, ``short_filename``, ``module``, ``label``, ``native``), ``active``,
+            ``is_main``).
+        is_idle: the idle rule (default: py-spy's :func:`~agent.actors.pyspy.thread_is_idle`).
 
     Returns:
         ``(class, "function (file:line)")``; ``(UNKNOWN, "")`` without frames.
     """
+    if is_idle is None:
+        from agent.actors.pyspy import thread_is_idle  # the summary's rule, one copy
+
+        is_idle = thread_is_idle
     with_frames = [t for t in threads if getattr(t, "frames", ())]
     if not with_frames:
         return FrameClass.UNKNOWN, ""
-    main = next((t for t in with_frames if getattr(t, "is_main", False)), None)
-    main = main or next((t for t in with_frames if getattr(t, "active", False)), with_frames[0])
+    main = None
+    for pick in (lambda t: getattr(t, "is_main", False), lambda t: getattr(t, "active", False), lambda t: True):
+        main = next((t for t in with_frames if pick(t) and not is_idle(t)), None)
+        if main is not None:
+            break
+    all_idle = main is None
+    main = main or next((t for t in with_frames if getattr(t, "is_main", False)), with_frames[0])
     frames = main.frames
     label = next((getattr(f, "label", f.name) for f in frames if getattr(f, "module", None) is None), getattr(frames[0], "label", frames[0].name))
     for f in frames:  # a Python frame in torch.distributed names the collective best
@@ -97,11 +115,16 @@ def classify_stack(threads: Sequence[Any]) -> tuple[FrameClass, str]:
     for f in frames:
         if getattr(f, "module", None) is not None and _NATIVE_COLLECTIVE.search(f.name or ""):
             return FrameClass.COLLECTIVE, getattr(f, "label", f.name)
-    python = [f for f in frames if getattr(f, "module", None) is None]
-    innermost = python[0] if python else frames[0]
-    if not getattr(main, "active", True) or _IDLE_NAMES.search(innermost.name or ""):
+    if all_idle:
         return FrameClass.IDLE, label
-    return FrameClass.COMPUTE, label
+    mine = next((f for f in frames if getattr(f, "module", None) is None and not _is_plumbing(f)), None)
+    return FrameClass.COMPUTE, (getattr(mine, "label", mine.name) if mine is not None else label)
+
+
+def _is_plumbing(frame: Any) -> bool:
+    """A Python frame of the standard library or a frozen module (``time.sleep``'s caller is the answer)."""
+    filename = getattr(frame, "filename", "") or ""
+    return filename.startswith("<frozen") or bool(_STDLIB_PATH.search(filename))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -532,7 +555,16 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
     if known and not waiting:
         compute = [e.rank for e in known if e.frame_class is FrameClass.COMPUTE]
         if len(compute) == len(known) and len(known) == len(ev):
-            return _verdict("compute", (), "all ranks in compute: no collective wait", "medium", ev)
+            stalled = [e.rank for e in ev if e.steps_before is not None and e.steps_after == e.steps_before]
+            if len(ev) == 1:  # the only rank is stuck in its own code: it is the culprit
+                stalled = [ev[0].rank]
+            elif len(stalled) == len(ev):
+                stalled = []  # every rank stopped in compute: nothing tells one apart
+            reason = "all ranks in compute: no collective wait"
+            if stalled:
+                frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in ev if e.rank in stalled and e.frame)
+                reason += f"; {_ranks_text(stalled)} stuck" + (f" ({frames})" if frames else "")
+            return _verdict("compute", stalled, reason, "medium", ev)
         return _verdict("unknown", (), f"no collective wait ({', '.join(f'rank {e.rank} {e.frame_class.value}' for e in known)})", "low", ev)
     if complete_fr and waiting and len(waiting) == len(ev):
         return _verdict("unknown", (), "every rank entered the same collective and waits in it (communication layer?)", "low", ev)

@@ -115,9 +115,44 @@ def test_classify_stack_tells_collective_compute_and_idle_apart() -> None:
     wait = Frame(name="c10d::Work::wait", filename="libtorch_cpu.so", module="libtorch_cpu.so")
     ar = Frame(name="all_reduce", filename="/v/torch/distributed/distributed_c10d.py", short_filename="torch/distributed/distributed_c10d.py", line=9)
     mine = Frame(name="forward", filename="/app/model.py", short_filename="model.py", line=3)
-    sleep = Frame(name="sleep", filename="/usr/lib/python3.11/time.py", short_filename="time.py", line=1)
     assert classify_stack([_thread([wait, ar, mine])]) == (FrameClass.COLLECTIVE, "all_reduce (torch/distributed/distributed_c10d.py:9)")
     assert classify_stack([_thread([mine])]) == (FrameClass.COMPUTE, "forward (model.py:3)")
-    assert classify_stack([_thread([mine], active=False)])[0] is FrameClass.IDLE
-    assert classify_stack([_thread([sleep, mine])])[0] is FrameClass.IDLE
     assert classify_stack([]) == (FrameClass.UNKNOWN, "")
+
+
+def test_classify_stack_agrees_with_the_pyspy_summary_on_stuck_vs_idle() -> None:
+    """A forward stuck in a time.sleep loop is off CPU (py-spy: not active) but stuck, not idle."""
+    from agent.actors.pyspy import hung_frame, idle_and_stuck
+
+    hang = Frame(name="_injected_hang_in_forward", filename="/app/agent/demo/model.py", short_filename="agent/demo/model.py", line=55)
+    fwd = Frame(name="forward", filename="/app/agent/demo/model.py", short_filename="agent/demo/model.py", line=95)
+    get = Frame(name="Queue.get", filename="/usr/lib/python3.11/queue.py", short_filename="queue.py", line=171)
+    wait = Frame(name="Condition.wait", filename="/usr/lib/python3.11/threading.py", short_filename="threading.py", line=320)
+    sleep = Frame(name="sleep", filename="/usr/lib/python3.11/time.py", short_filename="time.py", line=1)
+    loop = Frame(name="event_loop", filename="/app/sched.py", short_filename="sched.py", line=9)
+    stuck = [_thread([hang, fwd], active=False)]
+    assert idle_and_stuck(stuck) == ((), ("MainThread",))
+    assert classify_stack(stuck) == (FrameClass.COMPUTE, "_injected_hang_in_forward (agent/demo/model.py:55)")
+    assert hung_frame(stuck) == "_injected_hang_in_forward (agent/demo/model.py:55)"
+    assert classify_stack([_thread([sleep, fwd])]) == (FrameClass.COMPUTE, "forward (agent/demo/model.py:95)")
+    waiting = [_thread([wait, get, loop], active=False)]
+    assert idle_and_stuck(waiting) == (("MainThread",), ())
+    assert classify_stack(waiting)[0] is FrameClass.IDLE
+    # the main thread waits for work while a worker thread is stuck in the forward: stuck
+    worker = ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="fwd", active=False, frames=(hang, fwd))
+    assert classify_stack([*waiting, worker])[0] is FrameClass.COMPUTE
+
+
+def test_the_only_rank_stuck_in_compute_is_named() -> None:
+    v = decide([RankEvidence(rank=0, pid=7, frame_class=FrameClass.COMPUTE, frame="_injected_hang_in_forward (m.py:5)",
+                             steps_before=3, steps_after=3, fr={"entries": [], "pg_status": {}})])
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.hung) == ("compute", (0,), (7,), True)
+    assert v.reason == "all ranks in compute: no collective wait; rank 0 stuck (rank 0 in _injected_hang_in_forward (m.py:5))"
+    assert "idle" not in v.headline()
+
+
+def test_the_rank_whose_steps_stopped_in_compute_is_named_among_advancing_ones() -> None:
+    ev = [RankEvidence(rank=0, frame_class=FrameClass.COMPUTE, frame="a (m.py:1)", steps_before=3, steps_after=3),
+          RankEvidence(rank=1, frame_class=FrameClass.COMPUTE, frame="b (m.py:2)", steps_before=3, steps_after=5)]
+    v = decide(ev)
+    assert (v.kind, v.culprit_ranks) == ("compute", (0,))

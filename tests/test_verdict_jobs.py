@@ -1,0 +1,72 @@
+"""The cross-rank verdict judges one job at a time: a host-wide ``--match`` that picks the
+schedulers of two servers never numbers them as one job nor blames one server's rank for the
+other's stall (real process trees from tests/programs/server_tree.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from agent.events import TargetExited, WatchdogStalled
+from agent.judge import VerdictJudge, job_groups, pick_incident_verdict
+from agent.targets import Target, discover, zombie_descendants
+from agent.verdict import FrameClass, RankEvidence, decide
+from tests.test_targeting import start_tree
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return False
+
+
+def test_two_servers_matched_host_wide_are_judged_as_two_jobs(spawn, python, tmp_path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    a = start_tree(spawn, python, tag)
+    b = start_tree(spawn, python, tag, "--exit", "scheduler_TP1=9@0.5")
+    deadline = time.monotonic() + 60
+    while not _zombie(b["scheduler_TP1"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _zombie(b["scheduler_TP1"])
+    glob = f"sglang::scheduler*_{tag}"
+    targets = discover(title_globs=[glob]) + zombie_descendants([a["main"], b["main"]], [glob])
+    assert {t.pid for t in targets} == {a["scheduler_TP0"], a["scheduler_TP1"], b["scheduler_TP0"], b["scheduler_TP1"]}
+
+    groups = job_groups(targets)
+    assert sorted(map(sorted, groups)) == sorted([sorted([a["scheduler_TP0"], a["scheduler_TP1"]]),
+                                                  sorted([b["scheduler_TP0"], b["scheduler_TP1"]])])
+
+    judge = VerdictJudge(shm_dir=tmp_path)
+    # server a stalled: its verdict is a's, numbered 0..1, and b's dead rank is not blamed
+    stall = WatchdogStalled(pid=a["scheduler_TP0"], forward_ct=3, stalled_for_s=5.0, timeout_s=3.0)
+    v = judge._decide(targets, [], stall, {})
+    assert v is not None
+    assert v.ranks == (0, 1), v
+    assert v.kind != "dead" and b["scheduler_TP1"] not in v.culprit_pids, v
+    assert any("2 process trees" in line and str(a["scheduler_TP0"]) in line for line in v.evidence), v.evidence
+    # server b's rank exited: the verdict is b's, naming its rank 1 only
+    exited = TargetExited(pid=b["scheduler_TP1"], exit_code=9)
+    v = judge._decide(targets, [], exited, {})
+    assert v is not None
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.ranks) == ("dead", (1,), (b["scheduler_TP1"],), (0, 1)), v
+
+
+def test_the_incident_verdict_is_the_stalled_job_s_without_a_trigger_pid() -> None:
+    calm = decide([RankEvidence(rank=r, pid=10 + r, frame_class=FrameClass.COMPUTE, steps_before=1, steps_after=5) for r in range(2)])
+    stuck = decide([RankEvidence(rank=0, pid=20, frame_class=FrameClass.COLLECTIVE, frame="all_reduce (d.py:1)"),
+                    RankEvidence(rank=1, pid=21, frame_class=FrameClass.COMPUTE, frame="forward (m.py:2)")])
+    assert not calm.hung and stuck.culprit_ranks == (1,)
+    v = pick_incident_verdict([([10, 11], calm), ([20, 21], stuck)], None, 2)
+    assert v.culprit_pids == (21,) and v.kind == "behind"
+    assert pick_incident_verdict([([10, 11], calm), ([20, 21], stuck)], 11, 2).kind == "progressing"
+    assert pick_incident_verdict([([20, 21], stuck)], None, 1) == stuck
+
+
+def test_targets_of_one_tree_stay_one_job() -> None:
+    import os
+
+    me = Target(pid=os.getpid())
+    assert job_groups([me]) == [[os.getpid()]]
+    assert job_groups([]) == []

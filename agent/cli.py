@@ -506,14 +506,16 @@ def cuda_env(
         fail(f"cannot create crash-dump folder {str(cfg.folder)!r}: {exc.strerror or exc}", ExitCode.FAILURE)
     check = check_dump_dir(plan.host_dir, min_free_bytes=cfg.min_free_bytes)
     out.print(format_exports(plan), markup=False, highlight=False)
+    n_set, n_kept = len(plan.set), len(plan.kept)
     if settings.flightrec.enabled:  # torch's collective Flight Recorder, for the cross-rank verdict
         from agent.actors.flightrec import flight_recorder_env
 
         fr_set, fr_kept = flight_recorder_env(os.environ, buffer_size=settings.flightrec.buffer_size)
         lines = [f"export {k}={v}" for k, v in fr_set.items()] + [f"# kept {k} (already set)" for k in fr_kept]
         out.print("\n".join(lines), markup=False, highlight=False)
+        n_set, n_kept = n_set + len(fr_set), n_kept + len(fr_kept)
     err.print(
-        f"servewatch: {len(plan.set)} variable(s) set, {len(plan.kept)} kept; core files go to '{plan.host_dir}/'"
+        f"servewatch: {n_set} variable(s) set, {n_kept} kept; core files go to '{plan.host_dir}/'"
         + ("" if check.ok else f" (warning: {check.reason})"),
         markup=False,
     )

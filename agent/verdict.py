@@ -349,6 +349,10 @@ def _torch_match(a: Mapping[str, Any], b: Mapping[str, Any], ranks: set[int]) ->
 
 def warm_up() -> None:
     """Import torch's Flight Recorder analyzer now (seconds, once) rather than during an incident."""
+    import warnings
+
+    # torch warns on stderr at import when numpy is absent (a plain `pip install torch`); not ours to show
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
         import torch.distributed.flight_recorder.components.types  # noqa: F401
     except Exception:  # noqa: BLE001 - torch is optional on the agent side

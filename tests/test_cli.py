@@ -260,3 +260,11 @@ def test_replay_command_always_has_a_scheme() -> None:
     assert _with_scheme("127.0.0.1:4317", None) == "http://127.0.0.1:4317"
     assert _with_scheme("otel:4317", False) == "https://otel:4317"
     assert _with_scheme("https://otel:4318", True) == "https://otel:4318"
+
+
+def test_cuda_env_counts_every_export_it_prints(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "cuda-env", "--folder", str(tmp_path / "crash"))
+    assert r.returncode == 0, r.stderr
+    exports = [line for line in r.stdout.splitlines() if line.startswith("export ")]
+    assert "export TORCH_FR_BUFFER_SIZE=2000" in exports
+    assert f"servewatch: {len(exports)} variable(s) set, 0 kept;" in r.stderr

@@ -162,6 +162,9 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     assert summary["verdict"]["kind"] == "behind" and summary["verdict"]["culprit_ranks"] == [0]
     assert summary["verdict"]["culprit_pids"] == [tp0]
     assert "rank 0 never entered all_reduce #" in summary["verdict"]["reason"]
+    # the hung rank is in compute (stuck in its forward), as the py-spy summary says, not idle
+    rank0 = next(line for line in summary["verdict"]["evidence"] if line.startswith("rank 0 "))
+    assert "compute: _injected_hang_in_forward" in rank0 and "idle" not in rank0, rank0
     assert all(x["outcome"] == "ok" for x in summary["actions"] if x["action"] == "flightrec.dump")
     bundle = tmp_path / summary["bundle_path"]
     assert (bundle / "manifest.json").is_file()
@@ -169,6 +172,19 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     import psutil
 
     assert not [p["pid"] for p in summary["processes"] if psutil.pid_exists(p["pid"])]
+
+
+@pytest.mark.slow
+def test_demo_with_one_rank_names_the_rank_stuck_in_its_forward(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "demo", "--tp", "1", "--json", timeout_s=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["trigger"] == "stall"
+    tp0 = next(p["pid"] for p in summary["processes"] if p["title"] == "demo::scheduler_TP0")
+    v = summary["verdict"]
+    assert (v["kind"], v["culprit_ranks"], v["culprit_pids"], v["hung"]) == ("compute", [0], [tp0], True), v
+    assert v["reason"].startswith("all ranks in compute: no collective wait; rank 0 stuck"), v
+    assert "_injected_hang_in_forward" in v["reason"] and "idle" not in v["headline"], v
 
 
 def test_profile_captures_exactly_n_steps_and_ships_the_session_as_spans(tmp_path: Path, spawn, python: str) -> None:

@@ -575,7 +575,7 @@ def launch(
         if signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             child_status["stopped"] = signum  # the operator's stop: an expected exit
             for agent, pid in agents:
-                agent.incidents.expect_exit(pid)
+                agent.incidents.expect_exit(pid, tree=True)  # the server and all its ranks
 
     records: list[Path] = []
 

@@ -127,6 +127,10 @@ class IncidentConfig(BaseModel):
     hard_mode_exit_is_incident: bool = Field(
         False, description="a target that exits because hard mode signalled it opens a new incident"
     )
+    hard_mode_exit_grace_s: float = Field(
+        60.0, gt=0, description="after hard mode's signal, exits of that incident's other targets and their process"
+        " trees within this many seconds are knock-on exits: recorded on it, no new incident"
+    )
     interrupt_grace_s: float = Field(
         10.0, gt=0, description="on SIGTERM/SIGINT, seconds the running phase may take to finish before the incident is cut short"
     )
@@ -182,6 +186,8 @@ class IncidentRecord:
     inflight: list[InflightRequest] = field(default_factory=list)
     closed_time_unix_nano: int = 0
     hard_signal_sent: dict[int, str] = field(default_factory=dict)
+    #: exits after hard mode's signal that opened no incident (pid -> how it exited)
+    exits_after_hard_signal: dict[int, str] = field(default_factory=dict)
     #: ``open`` until closed; ``interrupted`` when the agent stopped mid-incident
     state: str = STATE_OPEN
     #: phases finished so far, in order (``phases_pending`` still to run)
@@ -236,6 +242,7 @@ class IncidentRecord:
             "actions": [r.to_manifest() for r in self.results],
             "inflight_requests": len(self.inflight),
             "hard_signal_sent": {str(pid): sig for pid, sig in self.hard_signal_sent.items()},
+            "exits_after_hard_signal": {str(pid): how for pid, how in self.exits_after_hard_signal.items()},
             "state": self.state,
             "phases_done": list(self.phases_done),
             "phases_pending": list(self.phases_pending),
@@ -248,6 +255,39 @@ class IncidentRecord:
                 if self.verdict is not None else None
             ),
         }
+
+
+def _descendants(pids: Sequence[int]) -> set[int]:
+    """All live descendants of ``pids`` (zombies included: their exits are still to come)."""
+    import psutil
+
+    found: set[int] = set()
+    for pid in pids:
+        try:
+            found.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _server_tree(targets: Sequence[Target]) -> set[int]:
+    """The targets' parents (not this agent nor its ancestors) and all their descendants."""
+    import psutil
+
+    ours = {os.getpid()}
+    try:
+        ours.update(p.pid for p in psutil.Process().parents())
+    except (psutil.Error, OSError):
+        pass
+    parents: set[int] = set()
+    for target in targets:
+        try:
+            ppid = psutil.Process(target.pid).ppid()
+        except (psutil.Error, OSError):
+            continue
+        if ppid not in ours and ppid > 1:
+            parents.add(ppid)
+    return parents | _descendants([*parents, *(t.pid for t in targets)])
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> bool:
@@ -366,6 +406,8 @@ class IncidentManager:
         self.suppressed = 0
         self._last_open: dict[tuple[str, int | None], float] = {}
         self._expected_exits: set[int] = set()
+        #: after hard mode's signal: (until, pids of that server's tree, the incident)
+        self._hard_windows: list[tuple[float, frozenset[int], IncidentRecord]] = []
         self._lock = anyio.Lock()
 
     # -- triggers ---------------------------------------------------------------------------
@@ -391,17 +433,45 @@ class IncidentManager:
             if event.pid in self._expected_exits and not self.config.operator_stop_is_incident:
                 log.info("pid %d exited after the operator's stop (%s): no incident", event.pid, describe_exit(event))
                 return None  # stopped on purpose (an operator's signal passed on by launch)
-            if event.pid in self._hard_signalled and not self.config.hard_mode_exit_is_incident:
-                log.info("pid %d exited after hard mode signalled it (%s): no new incident", event.pid, describe_exit(event))
-                return None  # the stall incident that signalled it already holds the evidence
+            if not self.config.hard_mode_exit_is_incident:
+                knock_on = self._hard_window_of(event.pid)
+                if knock_on is not None or event.pid in self._hard_signalled:
+                    log.info("pid %d exited after hard mode's signal (%s): no new incident", event.pid,
+                             describe_exit(event))
+                    if knock_on is not None:
+                        self._note_exit_after_hard_signal(knock_on, event)
+                    return None  # the stall incident that signalled it already holds the evidence
             if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
                 return None
             return ("exit", event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
         return None
 
-    def expect_exit(self, pid: int) -> None:
-        """The exit of ``pid`` is expected (it was asked to stop): it opens no incident."""
+    def expect_exit(self, pid: int, *, tree: bool = False) -> None:
+        """The exit of ``pid`` is expected (it was asked to stop): it opens no incident.
+
+        With ``tree``, so are the exits of all its descendants now (launch's server and its
+        ranks, which exit because the server stops them).
+        """
         self._expected_exits.add(pid)
+        if tree:
+            self._expected_exits.update(_descendants([pid]))
+
+    def _hard_window_of(self, pid: int) -> IncidentRecord | None:
+        now = time.monotonic()
+        self._hard_windows = [w for w in self._hard_windows if w[0] > now]
+        for _, pids, record in self._hard_windows:
+            if pid in pids:
+                return record
+        return None
+
+    def _note_exit_after_hard_signal(self, record: IncidentRecord, event: TargetExited) -> None:
+        """Record a knock-on exit on the incident whose hard signal caused it (manifest updated)."""
+        record.exits_after_hard_signal[event.pid] = f"{event.title or 'pid ' + str(event.pid)}: {describe_exit(event)}"
+        if record is not self.current:  # a running incident writes its manifest itself
+            try:
+                self._write_manifest(record)
+            except OSError as exc:
+                log.warning("cannot update %s: %s", record.manifest_path, exc)
 
     def interrupt(self, reason: str = "agent stopping") -> bool:
         """Finish the running phase, skip the rest, and write the incident ``interrupted``.
@@ -736,6 +806,8 @@ class IncidentManager:
             why = "no culprit named; the stalled target" if pid is not None else "no culprit named; every target"
         name = signal_mod.Signals(sig).name
         results: list[ActionResult] = []
+        # the server's tree before the signal: its ranks exit soon after the culprit (collectives)
+        tree = frozenset({*pids, *(t.pid for t in record.targets), *_server_tree(record.targets)})
         for target_pid in pids:
             start = now_ns()
             try:
@@ -749,6 +821,9 @@ class IncidentManager:
                 self._hard_signalled.add(target_pid)
                 outcome, detail = Outcome.OK, f"sent {name} to pid {target_pid} ({why})"
                 log.warning("hard mode: sent %s to pid %d (%s)", name, target_pid, why)
+            if target_pid in self._hard_signalled and not any(w[2] is record for w in self._hard_windows):
+                until = time.monotonic() + self.config.hard_mode_exit_grace_s
+                self._hard_windows.append((until, tree, record))
             results.append(
                 ActionResult(
                     action="hard.signal", outcome=outcome, pid=target_pid, detail=detail,

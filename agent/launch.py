@@ -227,6 +227,8 @@ async def _forward_signals(
 ) -> None:
     """Pass every signal servewatch receives on to the child (or its process group)."""
     async for signum in receiver:
+        if on_forwarded is not None:
+            on_forwarded(int(signum))  # before it is sent: the tree is still whole
         try:
             if to_group:
                 os.killpg(process.pid, signum)
@@ -236,9 +238,6 @@ async def _forward_signals(
             return  # the server is gone; its exit status is on its way
         except PermissionError:
             log.warning("cannot forward signal %d to pid %d: permission denied", signum, process.pid)
-        else:
-            if on_forwarded is not None:
-                on_forwarded(int(signum))
 
 
 async def _run_agent(agent_main: Callable[[int], Awaitable[None]], pid: int, scope: anyio.CancelScope) -> None:
@@ -304,8 +303,9 @@ async def run_launched(
         on_child_exit: called with the child's raw return code (``-N`` for signal N) as soon
             as it is reaped, before the agent's grace period starts (the agent's process
             watcher reads the exit status from it: the status is ours to reap).
-        on_signal_forwarded: called with each signal number passed on to the child (an
-            operator's stop is then an expected exit, not an incident).
+        on_signal_forwarded: called with each signal number about to be passed on to the child,
+            just before it is sent (an operator's stop is then an expected exit of the whole
+            launched tree, not an incident).
 
     Returns:
         The child's exit status (``128 + N`` when killed by signal N).

@@ -20,6 +20,7 @@ import pytest
 
 from agent.config import load_settings
 from agent.demo import TORCH_MISSING_MESSAGE, torch_available
+from agent.bus import RecordingBus
 from agent.demo.client import DemoServer, agenerate, ainject_hang
 from agent.incidents import IncidentRecord
 from agent.runtime import Agent
@@ -121,3 +122,28 @@ def test_sigterm_to_launch_opens_no_incident_for_any_rank_of_the_tree(tmp_path: 
             proc.wait(timeout=10)
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+def test_knock_on_window_ends_after_its_grace_and_is_configurable(tmp_path: Path) -> None:
+    import time as _time
+
+    from agent.events import TargetExited
+    from agent.incidents import IncidentConfig, IncidentManager
+
+    def manager(**config: object) -> IncidentManager:
+        return IncidentManager(bus=RecordingBus(), config=IncidentConfig(**config), data_dir=tmp_path,
+                               host_name="h", discover=list)
+
+    m = manager(hard_mode_exit_grace_s=30)
+    record = object.__new__(IncidentRecord)  # only its exits_after_hard_signal is used
+    record.exits_after_hard_signal = {}
+    m.current = record  # still running: it writes its manifest itself
+    m._hard_windows.append((_time.monotonic() + 30, frozenset({21, 22}), record))
+    assert m.classify(TargetExited(pid=22, exit_code=1, title="demo::scheduler_TP0")) is None
+    assert record.exits_after_hard_signal == {22: "demo::scheduler_TP0: exit code 1"}
+    assert m.classify(TargetExited(pid=23, exit_code=1))[0] == "exit"  # not of that tree
+    m._hard_windows[0] = (_time.monotonic() - 1, frozenset({21, 22}), record)  # the grace is over
+    assert m.classify(TargetExited(pid=21, exit_code=1))[0] == "exit"
+    m2 = manager(hard_mode_exit_is_incident=True)
+    m2._hard_windows.append((_time.monotonic() + 30, frozenset({22}), record))
+    assert m2.classify(TargetExited(pid=22, exit_code=1))[0] == "exit"

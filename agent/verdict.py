@@ -75,7 +75,7 @@ _STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
 def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | None = None) -> tuple[FrameClass, str]:
     """Class and innermost frame label of a process's stalled thread.
 
-    The stuck-vs-idle rule is py-spy summary's (:func:`agent.actors.pyspy.thread_is_idle`): a
+    The stuck-vs-idle rule is py-spy summary's (:func:`agent.stacks.thread_is_idle`): a
     thread is idle only when it waits for work (a queue, selector, socket, event loop, executor,
     ZeroMQ). py-spy's own ``active`` flag (on CPU or not) is not that: a forward pass stuck in a
     ``time.sleep`` loop, a lock or an ``Event.wait`` in the model's code is stuck, so ``COMPUTE``.
@@ -87,13 +87,13 @@ def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | N
         threads: py-spy threads (objects with ``frames`` (innermost first; each with ``name``,
             ``filename``, ``short_filename``, ``module``, ``label``, ``native``), ``active``,
             ``is_main``).
-        is_idle: the idle rule (default: py-spy's :func:`~agent.actors.pyspy.thread_is_idle`).
+        is_idle: the idle rule (default: py-spy's :func:`~agent.stacks.thread_is_idle`).
 
     Returns:
         ``(class, "function (file:line)")``; ``(UNKNOWN, "")`` without frames.
     """
     if is_idle is None:
-        from agent.actors.pyspy import thread_is_idle  # the summary's rule, one copy
+        from agent.stacks import thread_is_idle  # the summary's rule, one copy
 
         is_idle = thread_is_idle
     with_frames = [t for t in threads if getattr(t, "frames", ())]

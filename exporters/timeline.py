@@ -11,7 +11,7 @@ Like everything in ``exporters/``, this module decides nothing: it mirrors what 
 Prompt text is never part of the model, even when ``requests.json`` holds it (the user opted in to
 *capture*, not to display).
 
-Imports the standard library, rich, and :mod:`agent.actors.pyspy` for the py-spy dump model
+Imports the standard library, rich, and :mod:`agent.stacks` for the py-spy dump model
 (:class:`Frame`, :class:`ThreadStack`), its parser and its hung-frame rule, so that a bundle is
 read back by the same rule the actor applied when it wrote it.
 
@@ -38,7 +38,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agent.actors.pyspy import Frame, ThreadStack, hung_location, parse_threads, thread_is_idle
+from agent.stacks import Frame, ThreadStack, hung_location, parse_threads, thread_is_idle
 from agent.security import is_within, sanitize
 
 __all__ = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import agent.verdict as verdict_mod
-from agent.actors.pyspy import Frame, ThreadStack
+from agent.stacks import Frame, ThreadStack
 from agent.verdict import FrameClass, RankEvidence, classify_stack, decide
 
 
@@ -122,7 +122,7 @@ def test_classify_stack_tells_collective_compute_and_idle_apart() -> None:
 
 def test_classify_stack_agrees_with_the_pyspy_summary_on_stuck_vs_idle() -> None:
     """A forward stuck in a time.sleep loop is off CPU (py-spy: not active) but stuck, not idle."""
-    from agent.actors.pyspy import hung_frame, idle_and_stuck
+    from agent.stacks import hung_frame, idle_and_stuck
 
     hang = Frame(name="_injected_hang_in_forward", filename="/app/agent/demo/model.py", short_filename="agent/demo/model.py", line=55)
     fwd = Frame(name="forward", filename="/app/agent/demo/model.py", short_filename="agent/demo/model.py", line=95)

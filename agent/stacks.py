@@ -1,0 +1,358 @@
+"""The py-spy stack model: ``py-spy dump --json`` → threads and frames, the hung-frame rule, and the
+stuck-vs-idle rule. Pure (no I/O, no processes), so the actor that runs py-spy
+(:mod:`agent.actors.pyspy`), the verdict (:mod:`agent.verdict`, :mod:`agent.judge`) and the
+exporters (:mod:`exporters.timeline`) share one copy without importing each other.
+
+Imports the standard library and :mod:`agent.safetext` only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agent.safetext import safe_text
+
+__all__ = [
+    "MAX_ATTR_CHARS",
+    "clip",
+    "Frame",
+    "ThreadStack",
+    "parse_dump",
+    "parse_threads",
+    "render_text",
+    "hung_location",
+    "hung_frame",
+    "thread_is_idle",
+    "idle_and_stuck",
+    "summarize",
+]
+
+#: Longest string put in one span attribute of a stack summary, characters.
+MAX_ATTR_CHARS = 256
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Frame:
+    """One stack frame as py-spy reports it.
+
+    Attributes:
+        name: function name (``Class.method`` for Python 3.11+, symbol for native frames).
+        filename: full path of the source file or shared object.
+        short_filename: py-spy's shortened file name (package part only).
+        line: line number; 0 for native frames.
+        module: the shared object of a native frame; ``None`` for a Python frame (per py-spy's
+            ``Frame.module``).
+    """
+
+    name: str
+    filename: str = ""
+    short_filename: str = ""
+    line: int = 0
+    module: str | None = None
+
+    @property
+    def unresolved(self) -> bool:
+        """A native frame py-spy could not symbolise: ``module`` null and file ``?`` (e.g. its
+        shared object was replaced or deleted on disk). Never a hung frame."""
+        return self.module is None and self.filename in ("", "?")
+
+    @property
+    def native(self) -> bool:
+        """Whether this is a native (C/C++) frame rather than a Python one (unresolved included)."""
+        return self.module is not None or self.unresolved
+
+    def describe(self) -> str:
+        """``function (file:line)``, or ``function (lib.so)`` for a native frame."""
+        return self._render(self.short_filename or self.filename)
+
+    @property
+    def label(self) -> str:
+        """:meth:`describe` with ``?`` for an unknown file (the incident timeline's format)."""
+        return self._render(self.short_filename or self.filename or "?")
+
+    def _render(self, where: str) -> str:
+        if self.native or self.line <= 0:
+            return f"{self.name} ({where})"
+        return f"{self.name} ({where}:{self.line})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ThreadStack:
+    """One thread of a py-spy dump; ``frames[0]`` is the innermost frame.
+
+    Attributes:
+        pid: the process.
+        thread_id: Python's thread identifier (``threading.get_ident()``).
+        os_thread_id: the kernel's tid, when py-spy could read it.
+        thread_name: ``threading`` name (``MainThread``), ``""`` when unknown.
+        active: py-spy judged the thread busy (not idle in a wait).
+        owns_gil: the thread held the GIL.
+        frames: innermost first.
+    """
+
+    pid: int
+    thread_id: int
+    os_thread_id: int | None = None
+    thread_name: str = ""
+    active: bool = False
+    owns_gil: bool = False
+    frames: tuple[Frame, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The thread's name, else its tid."""
+        return self.thread_name or f"thread-{self.os_thread_id or self.thread_id}"
+
+    @property
+    def is_main(self) -> bool:
+        """The interpreter's main thread (name ``MainThread`` or tid == pid)."""
+        return self.thread_name == "MainThread" or self.os_thread_id == self.pid
+
+
+def _int(value: object, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _str(value: object) -> str:
+    """A JSON string field made safe to write (undecodable bytes as ``\\xNN``), else ``""``."""
+    return safe_text(value) if isinstance(value, str) else ""
+
+
+def parse_dump(json_text: str | bytes) -> list[ThreadStack]:
+    """Parse ``py-spy dump --json`` output into threads, main thread first.
+
+    The shape (py-spy 0.4 ``StackTrace`` serialised): a JSON list of threads, each with ``pid``,
+    ``thread_id``, ``thread_name``, ``os_thread_id``, ``active``, ``owns_gil`` and ``frames``
+    (innermost first; ``name``, ``filename``, ``short_filename``, ``line``, ``module``).
+
+    Args:
+        json_text: py-spy's stdout.
+
+    Returns:
+        Threads ordered main thread first, then active ones, then the rest (py-spy's order
+        within each group).
+
+    Raises:
+        ValueError: the text is not JSON or not a list of thread objects.
+    """
+    if isinstance(json_text, bytes):
+        # py-spy copies names byte for byte: invalid UTF-8 must never lose the whole dump
+        json_text = json_text.decode("utf-8", "surrogateescape")
+    threads = parse_threads(json.loads(json_text))
+    threads.sort(key=lambda t: (not t.is_main, not t.active))
+    return threads
+
+
+def parse_threads(data: object, *, pid: int | None = None) -> list[ThreadStack]:
+    """Threads of already-decoded ``py-spy dump --json`` output, in py-spy's order.
+
+    Frames that are not JSON objects are skipped; missing or mistyped fields take the
+    :class:`Frame` / :class:`ThreadStack` defaults (a frame without a name is ``"?"``).
+
+    Args:
+        data: the decoded JSON (a list of thread objects, see :func:`parse_dump`).
+        pid: the process the dump belongs to; when given it replaces each thread's ``pid``
+            field (which decides :attr:`ThreadStack.is_main` through the kernel tid).
+
+    Returns:
+        One :class:`ThreadStack` per thread object, in the order of ``data``.
+
+    Raises:
+        ValueError: ``data`` is not a list of thread objects.
+    """
+    if not isinstance(data, list):
+        raise ValueError(f"py-spy --json output is a {type(data).__name__}, expected a list of threads")
+    threads: list[ThreadStack] = []
+    for item in data:
+        if not isinstance(item, dict):
+            raise ValueError("py-spy --json output has a thread that is not an object")
+        frames = tuple(
+            Frame(
+                name=_str(f.get("name")) or "?",
+                filename=_str(f.get("filename")),
+                short_filename=_str(f.get("short_filename")),
+                line=_int(f.get("line")),
+                module=_str(f.get("module")) if isinstance(f.get("module"), str) else None,
+            )
+            for f in item.get("frames") or ()
+            if isinstance(f, dict)
+        )
+        os_tid = item.get("os_thread_id")
+        threads.append(
+            ThreadStack(
+                pid=_int(item.get("pid")) if pid is None else pid,
+                thread_id=_int(item.get("thread_id")),
+                os_thread_id=os_tid if isinstance(os_tid, int) else None,
+                thread_name=_str(item.get("thread_name")),
+                active=bool(item.get("active")),
+                owns_gil=bool(item.get("owns_gil")),
+                frames=frames,
+            )
+        )
+    return threads
+
+
+def render_text(threads: Sequence[ThreadStack], *, header: str = "") -> str:
+    """A readable rendering of a dump (like py-spy's text output), innermost frame first.
+
+    Args:
+        threads: as returned by :func:`parse_dump`.
+        header: first line(s), e.g. ``"Process 42: sglang::scheduler_TP0"``.
+
+    Returns:
+        Text ending with a newline.
+    """
+    lines = [header] if header else []
+    for thread in threads:
+        flags = ", ".join(f for f, on in (("active", thread.active), ("gil", thread.owns_gil)) if on) or "idle"
+        tid = thread.os_thread_id if thread.os_thread_id is not None else thread.thread_id
+        lines.append(f'Thread {tid} ({flags}): "{thread.label}"')
+        lines.extend(f"    {frame.describe()}" for frame in thread.frames)
+    return "\n".join(lines) + "\n"
+
+
+_STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
+
+#: Where a thread waits for work (its innermost Python frame outside ``threading``): the stdlib's
+#: queues, selectors and sockets, asyncio's loop, executor and multiprocessing workers, and ZeroMQ
+#: (SGLang's schedulers and detokenizer idle in ``zmq`` ``recv``).
+_WORK_WAIT_PATH = re.compile(
+    r"/(queue|selectors|socket|ssl|sched)\.py$|/asyncio/|/concurrent/futures/|"
+    r"/multiprocessing/(connection|queues|pool|managers|synchronize)\.py$|/zmq/"
+)
+
+
+def _is_plumbing(frame: Frame) -> bool:
+    """A Python frame of the standard library (``threading.Event.wait``, ``queue.get``) or a
+    frozen module: where everything waits, so not what a hang is about."""
+    return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
+
+
+def thread_is_idle(thread: ThreadStack) -> bool:
+    """Whether a thread is idle: waiting for work, not stuck.
+
+    Idle means py-spy saw it waiting (not ``active``) and the innermost Python frame outside
+    ``threading`` is a work source (a queue, selector, socket, event loop, executor or
+    multiprocessing worker, ZeroMQ). A thread waiting in the program's own code (a collective, a
+    lock, ``Event.wait`` called from a model) is stuck, not idle; a running thread is never idle.
+    """
+    if thread.active:
+        return False
+    python = [f for f in thread.frames if not f.native]
+    for frame in python:
+        if frame.filename.endswith("/threading.py") or frame.filename.startswith("<frozen"):
+            continue
+        return bool(_WORK_WAIT_PATH.search(frame.filename))
+    return bool(python)  # only threading frames (a Timer, a bare Event.wait): idle
+
+
+def _main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
+    """The thread a stall is read from: the first of main thread, active threads, any thread
+    with frames that is not idle (see :func:`thread_is_idle`); ``None`` when every thread with
+    frames is idle (the process waits for work: nothing is hung).
+
+    Args:
+        threads: as returned by :func:`parse_dump` or :func:`parse_threads`.
+
+    Returns:
+        That thread, or ``None``.
+    """
+    for pick in (lambda t: t.is_main, lambda t: t.active, lambda t: True):
+        for thread in threads:
+            if pick(thread) and thread.frames and not thread_is_idle(thread):
+                return thread
+    return None
+
+
+def hung_location(threads: Sequence[ThreadStack]) -> tuple[ThreadStack, int] | None:
+    """Where a hung process is stuck, by the rule of :func:`hung_frame`.
+
+    Args:
+        threads: as returned by :func:`parse_dump` or :func:`parse_threads`.
+
+    Returns:
+        ``(thread, index)`` with ``thread.frames[index]`` the hung frame, or ``None`` when no
+        thread is stuck (all idle, or no frames) or the stuck thread has no resolved frame.
+    """
+    thread = _main_thread(threads)
+    if thread is None:
+        return None
+    python = [i for i, frame in enumerate(thread.frames) if not frame.native]
+    index = next((i for i in python if not _is_plumbing(thread.frames[i])), python[0] if python else None)
+    if index is None:  # no Python frame: the innermost symbolised native one, never an unresolved one
+        index = next((i for i, f in enumerate(thread.frames) if not f.unresolved), None)
+    if index is None:
+        return None
+    return thread, index
+
+
+def hung_frame(threads: Sequence[ThreadStack]) -> str:
+    """The frame a hung process is stuck in, as the demo and the summary show it.
+
+    The thread is the main thread unless it is idle (waiting for work), else the first active
+    one, else the first other thread that is not idle. Its innermost Python frame outside the
+    standard library is the answer (``hung_in_allreduce (model.py:7)`` rather than
+    ``Event.wait (threading.py:629)`` or a libc wait under it); failing that, its innermost
+    Python frame; failing that, its innermost symbolised native frame. A frame py-spy could not
+    resolve (module null, file ``?``) is never the answer.
+
+    Returns:
+        ``"function (file:line)"``, or ``""`` when nothing is stuck (all threads idle, or an
+        empty dump).
+    """
+    location = hung_location(threads)
+    if location is None:
+        return ""
+    thread, index = location
+    return thread.frames[index].describe()
+
+
+def idle_and_stuck(threads: Sequence[ThreadStack]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Labels of the idle threads and of the stuck (not idle) ones, in dump order.
+
+    Threads without frames count as neither.
+    """
+    idle = tuple(t.label for t in threads if t.frames and thread_is_idle(t))
+    stuck = tuple(t.label for t in threads if t.frames and not thread_is_idle(t))
+    return idle, stuck
+
+
+def clip(text: str, limit: int = MAX_ATTR_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def summarize(threads: Sequence[ThreadStack], *, max_threads: int = 16, max_frames: int = 5) -> tuple[str, ...]:
+    """Bounded span summary: the innermost frames of each thread.
+
+    Per thread: the innermost symbolised native frame when the thread sits in native code
+    (where it waits, e.g. ``PyThread_acquire_lock_timed``), then its innermost Python frames, ``max_frames`` in all, each as
+    ``"thread_name: function (file:line)"`` (at most 256 characters).
+
+    Args:
+        threads: as returned by :func:`parse_dump` (main thread first).
+        max_threads: threads kept (the first ones).
+        max_frames: frames kept per thread.
+
+    Returns:
+        At most ``max_threads * max_frames`` strings.
+    """
+    out: list[str] = []
+    for thread in threads[:max_threads]:
+        picked: list[Frame] = []
+        for frame in thread.frames:  # the innermost named native frame it waits in, if any
+            if not frame.native:
+                break
+            if not frame.name.startswith("0x"):
+                picked.append(frame)
+                break
+        picked.extend(f for f in thread.frames if not f.native)
+        if not picked:
+            picked = list(thread.frames)
+        out.extend(clip(f"{thread.label}: {frame.describe()}") for frame in picked[:max_frames])
+    return tuple(out)

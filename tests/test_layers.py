@@ -1,0 +1,52 @@
+"""Layers import one way (DESIGN.md "Rooms and doors"): watchers and actors never import each
+other, exporters never import an actor, and the pure models import no component."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module named by an import statement in ``path`` (top level or inside functions)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    files = [ROOT / folder] if folder.endswith(".py") else sorted((ROOT / folder).rglob("*.py"))
+    for path in files:
+        bad = sorted(m for m in _imports(path) if m.startswith(forbidden))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    return found
+
+
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [
+        ("agent/watchers", ("agent.actors",)),
+        ("agent/actors", ("agent.watchers",)),
+        ("exporters", ("agent.actors",)),
+        ("agent/stacks.py", ("agent.actors", "agent.watchers", "exporters")),
+        ("agent/sdk", ("agent.actors", "agent.watchers", "agent.runtime", "agent.incidents", "exporters")),
+    ],
+)
+def test_layers_import_one_way(folder: str, forbidden: tuple[str, ...]) -> None:
+    assert _offenders(folder, forbidden) == {}
+
+
+def test_the_checker_sees_a_function_level_import(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from agent.actors.pyspy import PySpyActor\n")
+    assert _imports(probe) == {"agent.actors.pyspy"}

@@ -11,12 +11,31 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["LoadGenerator", "WindowStats", "percentile"]
+__all__ = ["LoadGenerator", "WindowStats", "bench_workspace", "percentile"]
+
+
+def bench_workspace(prefix: str) -> tuple[Path, Path, Path, dict[str, str]]:
+    """A private work folder for one serving bench: ``(work dir, shm dir, data dir, server environment)``.
+
+    The environment points the SDK at the private shm dir, names the demo service, and drops any
+    inherited OTLP endpoint (the bench decides where spans go).
+    """
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    shm, data = work / "shm", work / "data"
+    shm.mkdir(mode=0o700)
+    data.mkdir(mode=0o700)
+    env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "OTEL_SERVICE_NAME": "servewatch-demo"}
+    for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        env.pop(k, None)
+    return work, shm, data, env
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -32,14 +32,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _load import LoadGenerator
+from _load import LoadGenerator, bench_workspace
 from bench_export import RemoteReceiver
 
 from agent.demo.client import DemoServer
@@ -120,13 +119,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="servewatch-overhead-"))
-    shm, data = work / "shm", work / "data"
-    shm.mkdir(mode=0o700)
-    data.mkdir(mode=0o700)
-    env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "OTEL_SERVICE_NAME": "servewatch-demo"}
-    for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        env.pop(k, None)
+    work, shm, data, env = bench_workspace("servewatch-overhead-")
     receiver = RemoteReceiver()
     server = DemoServer(tp=args.tp, env=env, title_prefix="overhead").start()
     load = LoadGenerator(server.base_url, clients=args.clients, max_new_tokens=args.max_new_tokens).start()

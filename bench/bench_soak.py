@@ -27,7 +27,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
-from _load import LoadGenerator
+from _load import LoadGenerator, bench_workspace
 from bench_export import RemoteReceiver
 
 from agent.demo.client import DemoServer
@@ -77,13 +76,7 @@ def main() -> None:
     ap.add_argument("--no-ship", action="store_true", help="baseline: the agent does not ship the server's spans")
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="servewatch-soak-"))
-    shm, data = work / "shm", work / "data"
-    shm.mkdir(mode=0o700)
-    data.mkdir(mode=0o700)
-    env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "OTEL_SERVICE_NAME": "servewatch-demo"}
-    for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        env.pop(k, None)
+    work, shm, data, env = bench_workspace("servewatch-soak-")
     receiver = None if args.files else RemoteReceiver()
     received = 0
     server = DemoServer(tp=args.tp, env=env, title_prefix="soak").start()

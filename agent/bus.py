@@ -25,7 +25,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from agent.events import Event
 
-__all__ = ["BusStatistics", "EventBus", "Publisher", "Subscription", "RecordingBus"]
+__all__ = ["BusStatistics", "EventBus", "Publisher", "RecordingBus", "Subscription"]
 
 E = TypeVar("E", bound=Event)
 

@@ -15,9 +15,10 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
+
 if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load when a command needs them
     from agent.config import Settings
 
@@ -160,7 +161,7 @@ def _say_spooled(telemetry: Any, stats: Any) -> None:
         err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def _settings(cli: dict[str, Any], config: Optional[Path], *, writes: bool = True) -> Settings:
+def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) -> Settings:
     """Load settings and validate the telemetry destination and data dir, or exit 2 with one line.
 
     Args:
@@ -196,7 +197,7 @@ CoredumpDelayOpt = typer.Option(None, "--coredump-delay", min=0.0, max=60.0, met
 
 
 def _target(
-    pid: Optional[list[int]], root_pid: Optional[int], match: Optional[list[str]], uid: Optional[list[int]] = None
+    pid: list[int] | None, root_pid: int | None, match: list[str] | None, uid: list[int] | None = None
 ) -> dict[str, Any]:
     return {"pids": pid or None, "root_pid": root_pid, "match": match or None, "uids": uid or None}
 
@@ -269,30 +270,30 @@ def _print_status(status: Any) -> None:
 
 @app.command()
 def run(
-    health_url: Optional[str] = typer.Option(None, "--health-url", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health."),
-    metrics_url: Optional[str] = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL (progress counter + busy gauge)."),
-    metrics_preset: Optional[str] = typer.Option(None, "--metrics-preset", help="sglang (default) or vllm metric names."),
-    pid: Optional[list[int]] = PidOpt,
-    root_pid: Optional[int] = RootPidOpt,
-    match: Optional[list[str]] = MatchOpt,
-    uid: Optional[list[int]] = UidOpt,
-    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall (default 300)."),
-    hard: Optional[bool] = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence."),
-    hard_targets: Optional[str] = typer.Option(None, "--hard-targets", metavar="culprit|all", help="Hard mode signals the verdict's culprit rank(s) (default) or all ranks."),
-    cooldown: Optional[float] = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long (default 300)."),
-    profile_steps: Optional[int] = typer.Option(None, "--profile-on-incident", min=0, metavar="STEPS", help="After an incident opens, profile the next STEPS forward steps (0: never)."),
-    duration: Optional[float] = typer.Option(None, "--duration", min=0.0, metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
-    api_listen: Optional[str] = typer.Option(None, "--api-listen", metavar="HOST:PORT", help="Serve the agent API (/v1/status, /v1/incidents) here, e.g. 0.0.0.0:7207 (default: off)."),
-    api_token_file: Optional[Path] = typer.Option(None, "--api-token-file", metavar="FILE", help="Bearer token of the API and of the job's peers (mode 0600)."),
-    job: Optional[str] = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node server) this agent belongs to: its incidents are captured by every peer in one trace."),
-    peer: Optional[list[str]] = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped)."),
-    peers_dns: Optional[str] = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service)."),
-    pyspy: Optional[bool] = PySpyOpt,
-    coredump_delay: Optional[float] = CoredumpDelayOpt,
-    otlp_endpoint: Optional[str] = OtlpEndpointOpt,
-    otlp_protocol: Optional[str] = OtlpProtocolOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    health_url: str | None = typer.Option(None, "--health-url", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health."),
+    metrics_url: str | None = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL (progress counter + busy gauge)."),
+    metrics_preset: str | None = typer.Option(None, "--metrics-preset", help="sglang (default) or vllm metric names."),
+    pid: list[int] | None = PidOpt,
+    root_pid: int | None = RootPidOpt,
+    match: list[str] | None = MatchOpt,
+    uid: list[int] | None = UidOpt,
+    watchdog_timeout: float | None = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall (default 300)."),
+    hard: bool | None = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence."),
+    hard_targets: str | None = typer.Option(None, "--hard-targets", metavar="culprit|all", help="Hard mode signals the verdict's culprit rank(s) (default) or all ranks."),
+    cooldown: float | None = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long (default 300)."),
+    profile_steps: int | None = typer.Option(None, "--profile-on-incident", min=0, metavar="STEPS", help="After an incident opens, profile the next STEPS forward steps (0: never)."),
+    duration: float | None = typer.Option(None, "--duration", min=0.0, metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
+    api_listen: str | None = typer.Option(None, "--api-listen", metavar="HOST:PORT", help="Serve the agent API (/v1/status, /v1/incidents) here, e.g. 0.0.0.0:7207 (default: off)."),
+    api_token_file: Path | None = typer.Option(None, "--api-token-file", metavar="FILE", help="Bearer token of the API and of the job's peers (mode 0600)."),
+    job: str | None = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node server) this agent belongs to: its incidents are captured by every peer in one trace."),
+    peer: list[str] | None = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped)."),
+    peers_dns: str | None = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service)."),
+    pyspy: bool | None = PySpyOpt,
+    coredump_delay: float | None = CoredumpDelayOpt,
+    otlp_endpoint: str | None = OtlpEndpointOpt,
+    otlp_protocol: str | None = OtlpProtocolOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """Watch a server and capture evidence when it stalls, fails its health check or exits."""
@@ -367,8 +368,8 @@ async def _stop_after(agent: Any, seconds: float) -> None:
 @app.command()
 def status(
     as_json: bool = typer.Option(False, "--json", help="Print the status document on stdout."),
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
 ) -> None:
     """Show what a running agent can see: each watcher ready, waiting (why) or BLIND (why).
 
@@ -413,15 +414,15 @@ def status(
 
 @app.command()
 def dump(
-    pid: Optional[list[int]] = PidOpt,
-    root_pid: Optional[int] = RootPidOpt,
-    match: Optional[list[str]] = MatchOpt,
-    uid: Optional[list[int]] = UidOpt,
+    pid: list[int] | None = PidOpt,
+    root_pid: int | None = RootPidOpt,
+    match: list[str] | None = MatchOpt,
+    uid: list[int] | None = UidOpt,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
-    otlp_endpoint: Optional[str] = OtlpEndpointOpt,
-    otlp_protocol: Optional[str] = OtlpProtocolOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    otlp_endpoint: str | None = OtlpEndpointOpt,
+    otlp_protocol: str | None = OtlpProtocolOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """One-shot incident now: dump matching processes, write bundle + spans, print a summary."""
@@ -468,7 +469,7 @@ def demo(
     watchdog_timeout: float = typer.Option(3.0, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout used by the demo."),
     deadline: float = typer.Option(90.0, "--deadline", metavar="SECONDS", help="Give up if no incident is captured by then."),
     as_json: bool = typer.Option(False, "--json", help="Print the incident summary as JSON on stdout."),
-    data_dir: Optional[Path] = DataDirOpt,
+    data_dir: Path | None = DataDirOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """Run a real small inference server, hang one scheduler on purpose, and capture the incident."""
@@ -492,8 +493,8 @@ def demo(
 
 @app.command("cuda-env")
 def cuda_env(
-    folder: Optional[Path] = typer.Option(None, "--folder", metavar="DIR", help="Crash-dump folder (core files go to DIR/<host>/)."),
-    config: Optional[Path] = ConfigOpt,
+    folder: Path | None = typer.Option(None, "--folder", metavar="DIR", help="Crash-dump folder (core files go to DIR/<host>/)."),
+    config: Path | None = ConfigOpt,
 ) -> None:
     """Print `export` lines arming CUDA coredumps (SGLang's defaults; values already set are kept)."""
     from agent.actors.coredump import check_dump_dir, cuda_coredump_env, format_exports
@@ -524,16 +525,16 @@ def cuda_env(
 @app.command(context_settings={"allow_interspersed_args": False})
 def launch(
     cmd: list[str] = typer.Argument(..., metavar="-- CMD [ARGS]...", help="The server command line."),
-    crash_dump_folder: Optional[Path] = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ (default: coredump.folder)."),
+    crash_dump_folder: Path | None = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ (default: coredump.folder)."),
     mlx: bool = typer.Option(False, "--mlx", help="MLX target: also set MTL_CAPTURE_ENABLED=1 (Metal capture)."),
-    health_url: Optional[str] = typer.Option(None, "--health-url", help="Health endpoint of the launched server."),
-    metrics_url: Optional[str] = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL of the launched server."),
-    match: Optional[list[str]] = MatchOpt,
-    watchdog_timeout: Optional[float] = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout (default 300)."),
-    pyspy: Optional[bool] = PySpyOpt,
-    coredump_delay: Optional[float] = CoredumpDelayOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    health_url: str | None = typer.Option(None, "--health-url", help="Health endpoint of the launched server."),
+    metrics_url: str | None = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL of the launched server."),
+    match: list[str] | None = MatchOpt,
+    watchdog_timeout: float | None = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout (default 300)."),
+    pyspy: bool | None = PySpyOpt,
+    coredump_delay: float | None = CoredumpDelayOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """Start a server armed for diagnostics (CUDA coredumps, Metal capture) and watch it; returns its exit code."""
@@ -639,14 +640,14 @@ def _record_launch(data_dir: Path, pid: int, env: Any) -> list[Path]:
 
 @app.command()
 def export(
-    to: Optional[str] = typer.Option(None, "--to", metavar="ENDPOINT", help="Collector endpoint with scheme, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP); https:// for TLS (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)."),
-    paths: Optional[list[Path]] = typer.Argument(None, help="Span files or folders (default: the data dir)."),
-    protocol: Optional[str] = typer.Option(None, "--protocol", help="grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else grpc)."),
+    to: str | None = typer.Option(None, "--to", metavar="ENDPOINT", help="Collector endpoint with scheme, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP); https:// for TLS (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)."),
+    paths: list[Path] | None = typer.Argument(None, help="Span files or folders (default: the data dir)."),
+    protocol: str | None = typer.Option(None, "--protocol", help="grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else grpc)."),
     timeout: float = typer.Option(10.0, "--timeout", min=0.001, metavar="SECONDS", help="Bound on each request, retries included."),
     remove_sent: bool = typer.Option(False, "--remove-sent", help="Delete each file once all its spans were delivered (spool batches always are)."),
     resend: bool = typer.Option(False, "--resend", help="Send again what this endpoint already acknowledged (ignore the export ledger)."),
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
 ) -> None:
     """Replay spool or embedded-default span files to a collector (spans keep their ids and times).
 
@@ -707,10 +708,10 @@ def export(
 
 @app.command()
 def timeline(
-    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
+    incident: str | None = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
     as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
 ) -> None:
     """Show an incident as a timeline: trigger, actions, hung frames, coredumps, profile (offline)."""
     from exporters.timeline import BundleError, load_incident_arg, render_timeline, timeline_to_dict
@@ -728,10 +729,10 @@ def timeline(
 
 @app.command()
 def report(
-    incident: Optional[str] = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
+    incident: str | None = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
     output: Path = typer.Option(Path("report.html"), "-o", "--output", metavar="FILE", help="HTML file to write."),
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
 ) -> None:
     """Write one self-contained HTML page (no network) with the incident timeline, stacks and artifacts."""
     from exporters.report import report_summary, write_report
@@ -754,18 +755,18 @@ def report(
 @app.command()
 def profile(
     steps: int = typer.Option(..., "--steps", min=1, help="Profile exactly this many forward steps (num_steps)."),
-    start_step: Optional[int] = typer.Option(None, "--start-step", min=0, help="Start once forward_ct reaches this step."),
-    activities: Optional[str] = typer.Option(None, "--activities", help="Comma-separated: CPU,GPU,MEM (default CPU,GPU)."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Where trace files go (default ./profiles)."),
-    pid: Optional[int] = typer.Option(None, "--pid", help="Target serving the SDK control socket (backend sdk)."),
-    url: Optional[str] = typer.Option(None, "--url", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="sdk (default), sglang or vllm."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, metavar="SECONDS", help="Wall-clock bound of the session (default 60)."),
+    start_step: int | None = typer.Option(None, "--start-step", min=0, help="Start once forward_ct reaches this step."),
+    activities: str | None = typer.Option(None, "--activities", help="Comma-separated: CPU,GPU,MEM (default CPU,GPU)."),
+    out_dir: Path | None = typer.Option(None, "--out", metavar="DIR", help="Where trace files go (default ./profiles)."),
+    pid: int | None = typer.Option(None, "--pid", help="Target serving the SDK control socket (backend sdk)."),
+    url: str | None = typer.Option(None, "--url", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
+    backend: str | None = typer.Option(None, "--backend", help="sdk (default), sglang or vllm."),
+    timeout: float | None = typer.Option(None, "--timeout", min=0.001, metavar="SECONDS", help="Wall-clock bound of the session (default 60)."),
     as_json: bool = typer.Option(False, "--json", help="Print the session result as JSON on stdout."),
-    otlp_endpoint: Optional[str] = OtlpEndpointOpt,
-    otlp_protocol: Optional[str] = OtlpProtocolOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    config: Optional[Path] = ConfigOpt,
+    otlp_endpoint: str | None = OtlpEndpointOpt,
+    otlp_protocol: str | None = OtlpProtocolOpt,
+    data_dir: Path | None = DataDirOpt,
+    config: Path | None = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """Profile the next N forward steps of a running server (torch.profiler / Metal) and list the traces."""

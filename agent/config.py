@@ -19,7 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -32,8 +39,8 @@ from agent.actors.coredump import CoredumpConfig
 from agent.actors.flightrec import FlightRecorderConfig
 from agent.actors.profiler import ProfilerConfig
 from agent.actors.pyspy import PySpyConfig
-from agent.fsutil import ensure_private_dir
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
+from agent.fsutil import ensure_private_dir
 from agent.incidents import IncidentConfig
 from agent.security import unsafe_dir_reason, validate_host_name
 from agent.watchers.health import HealthConfig, check_http_url
@@ -42,15 +49,15 @@ from agent.watchers.watchdog import WatchdogConfig
 from exporters.provider import ExportConfig
 
 __all__ = [
-    "ENV_PREFIX",
     "ENV_DATA_DIR",
+    "ENV_PREFIX",
     "ConfigError",
-    "TargetConfig",
     "MetricsConfig",
-    "SpansConfig",
     "Settings",
-    "load_settings",
+    "SpansConfig",
+    "TargetConfig",
     "check_data_dir",
+    "load_settings",
 ]
 
 #: Prefix of servewatch's environment variables.
@@ -133,7 +140,7 @@ class Settings(BaseSettings):
     spans: SpansConfig = Field(default_factory=SpansConfig)
 
     @model_validator(mode="after")
-    def _fleet_consistent(self) -> "Settings":
+    def _fleet_consistent(self) -> Settings:
         problems = check_fleet_settings(self.api, self.fleet)
         if problems:
             raise ValueError("; ".join(problems))
@@ -146,7 +153,7 @@ class Settings(BaseSettings):
         return validate_host_name(value)
 
     @model_validator(mode="after")
-    def _coredump_folder_under_data_dir(self) -> "Settings":
+    def _coredump_folder_under_data_dir(self) -> Settings:
         # Core files go beside the bundles unless a folder was given explicitly.
         if "folder" not in self.coredump.model_fields_set:
             self.coredump = self.coredump.model_copy(update={"folder": self.data_dir / "cuda_coredumps"})

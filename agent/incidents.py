@@ -74,18 +74,18 @@ from agent.security import redact_cmdline, redact_text
 from agent.targets import Target
 
 __all__ = [
-    "IncidentConfig",
-    "Phase",
-    "InflightRequest",
-    "IncidentRecord",
-    "IncidentManager",
-    "TRIGGER_EVENTS",
-    "STATE_OPEN",
+    "DEFERRED_PHASES",
     "STATE_CLOSED",
     "STATE_INTERRUPTED",
-    "DEFERRED_PHASES",
-    "recover_interrupted",
+    "STATE_OPEN",
+    "TRIGGER_EVENTS",
+    "IncidentConfig",
+    "IncidentManager",
+    "IncidentRecord",
+    "InflightRequest",
+    "Phase",
     "describe_exit",
+    "recover_interrupted",
 ]
 
 #: ``manifest.json`` ``state`` values.

@@ -25,9 +25,9 @@ import anyio
 from agent.actors.flightrec import ACTION as FR_ACTION
 from agent.actors.flightrec import rank_from_title
 from agent.actors.pyspy import ACTION as PYSPY_ACTION
-from agent.stacks import parse_dump
 from agent.events import ActionResult, Event, Outcome, TargetExited
 from agent.sdk._counter import counter_path, read_counter
+from agent.stacks import parse_dump
 from agent.targets import ProcessState, Target, parent_pid, process_state
 from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide
 

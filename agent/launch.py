@@ -33,14 +33,14 @@ from agent.actors.coredump import (
 )
 
 __all__ = [
-    "MLX_CAPTURE_ENV",
     "DEFAULT_FORWARDED_SIGNALS",
+    "MLX_CAPTURE_ENV",
     "LaunchEnv",
     "LaunchError",
-    "launch_env",
     "describe_env",
-    "run_launched",
     "exit_status",
+    "launch_env",
+    "run_launched",
     "with_parent_death_signal",
 ]
 

@@ -30,15 +30,15 @@ from agent.targets import ProcessState, Target, process_state, target_of
 
 __all__ = [
     "Death",
-    "pid_alive",
     "Tracer",
-    "note_exit",
     "death_of",
-    "zombie_exit_status",
-    "tracer_of",
+    "note_exit",
     "ns_pid",
-    "uts_hostname",
+    "pid_alive",
     "same_uts_namespace",
+    "tracer_of",
+    "uts_hostname",
+    "zombie_exit_status",
 ]
 
 _MAX_REMEMBERED_EXITS = 4096

@@ -14,8 +14,8 @@ import random
 import re
 import subprocess
 import time
-from functools import partial
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +38,20 @@ from agent.events import (
     IncidentOpened,
     Outcome,
     ProfileStopped,
-    now_ns,
     StacksDumped,
     WatchdogStalled,
     WatcherStatusChanged,
+    now_ns,
 )
 from agent.fsutil import remove_stale_temps
-from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, Phase, recover_interrupted
+from agent.incidents import (
+    IncidentManager,
+    IncidentRecord,
+    InflightRequest,
+    Phase,
+    recover_interrupted,
+)
+from agent.judge import VerdictJudge
 from agent.procinfo import DEAD_MEMORY_S, death_of
 from agent.targets import (
     NO_TARGET_WARNING,
@@ -56,7 +63,6 @@ from agent.targets import (
     spread_warning,
     zombie_descendants,
 )
-from agent.judge import VerdictJudge
 from agent.watchers.health import HealthWatcher
 from agent.watchers.process import ProcessWatcher
 from agent.watchers.status import StatusBoard, WatcherState, WatcherStatus, status_path

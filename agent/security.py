@@ -29,12 +29,12 @@ __all__ = [
     "REDACTED",
     "is_within",
     "open_trusted",
+    "process_uids",
     "redact_cmdline",
     "redact_text",
     "sanitize",
     "strip_control",
     "trusted_owner",
-    "process_uids",
     "unsafe_dir_reason",
     "validate_host_name",
 ]

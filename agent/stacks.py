@@ -17,17 +17,17 @@ from agent.safetext import safe_text
 
 __all__ = [
     "MAX_ATTR_CHARS",
-    "clip",
     "Frame",
     "ThreadStack",
+    "clip",
+    "hung_frame",
+    "hung_location",
+    "idle_and_stuck",
     "parse_dump",
     "parse_threads",
     "render_text",
-    "hung_location",
-    "hung_frame",
-    "thread_is_idle",
-    "idle_and_stuck",
     "summarize",
+    "thread_is_idle",
 ]
 
 #: Longest string put in one span attribute of a stack summary, characters.

@@ -11,7 +11,7 @@ from typing import Any
 from agent.events import ActionResult, Outcome
 from agent.incidents import IncidentRecord
 
-__all__ = ["HUNG_FRAME_ATTR", "incident_summary", "summary_lines", "late_result_lines"]
+__all__ = ["HUNG_FRAME_ATTR", "incident_summary", "late_result_lines", "summary_lines"]
 
 #: Span attribute of a ``pyspy.dump`` result holding the innermost frame of the active thread.
 HUNG_FRAME_ATTR = "servewatch.pyspy.hung_frame"

@@ -26,17 +26,17 @@ from agent.events import StrEnum
 from agent.safetext import safe_text
 
 __all__ = [
-    "Target",
     "ProcessState",
-    "ScanErrors",
-    "psutil_errors",
-    "process_state",
-    "target_of",
-    "discover",
     "ProcessTree",
-    "process_trees",
-    "spread_warning",
+    "ScanErrors",
+    "Target",
+    "discover",
     "parent_pid",
+    "process_state",
+    "process_trees",
+    "psutil_errors",
+    "spread_warning",
+    "target_of",
     "zombie_descendants",
 ]
 

@@ -39,12 +39,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
+    "VERDICT_ATTR_PREFIX",
     "FrameClass",
     "RankEvidence",
     "Verdict",
     "classify_stack",
     "decide",
-    "VERDICT_ATTR_PREFIX",
     "warm_up",
 ]
 
@@ -67,7 +67,7 @@ class FrameClass(str, enum.Enum):
 #: torch.distributed source folders; a frame there means the thread is inside a collective call.
 _DIST_PATH = re.compile(r"torch/distributed/")
 #: Native symbols of a collective wait (gloo, NCCL, c10d work waits).
-_NATIVE_COLLECTIVE = re.compile(r"c10d::|gloo::|ncclKernel|ProcessGroup(Gloo|NCCL)|Work::wait", re.I)
+_NATIVE_COLLECTIVE = re.compile(r"c10d::|gloo::|ncclKernel|ProcessGroup(Gloo|NCCL)|Work::wait", re.IGNORECASE)
 #: The standard library's files (``time.sleep``'s caller, not ``threading``, is where a thread is).
 _STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
 

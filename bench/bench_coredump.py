@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 import anyio
-
 from _common import kill_groups
+
 from agent.actors.coredump import CoredumpActor, CoredumpConfig, cuda_coredump_env
 from agent.actors.pyspy import PySpyActor
 from agent.events import IncidentOpened, Outcome, now_ns

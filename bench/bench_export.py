@@ -36,17 +36,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter  # noqa: E402
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter  # noqa: E402
-from opentelemetry.sdk.resources import Resource  # noqa: E402
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+    OTLPSpanExporter as GrpcSpanExporter,
+)
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+    OTLPSpanExporter as HttpSpanExporter,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from agent.sdk import tracing  # noqa: E402
-from exporters.processor import LosslessSpanProcessor  # noqa: E402
-from exporters.spool import Spool  # noqa: E402
-from exporters.transport import TlsFiles, make_sender  # noqa: E402
-from tests.tls_certs import TlsMaterial, make_tls_material  # noqa: E402
+from agent.sdk import tracing
+from exporters.processor import LosslessSpanProcessor
+from exporters.spool import Spool
+from exporters.transport import TlsFiles, make_sender
+from tests.tls_certs import TlsMaterial, make_tls_material
 
 RESOURCE = Resource.create({"service.name": "bench-server"})
 REPO = Path(__file__).resolve().parent.parent

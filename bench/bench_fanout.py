@@ -44,9 +44,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import kill_groups  # noqa: E402
-from agent.config import load_settings  # noqa: E402
-from agent.runtime import Agent  # noqa: E402
+from _common import kill_groups
+
+from agent.config import load_settings
+from agent.runtime import Agent
 
 TARGET_MS_AT_64 = 200.0
 JOB = "bench-fanout"

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 import anyio
-
 from _common import kill_groups
+
 from agent.actors.pyspy import PySpyActor, PySpyConfig, default_executable
 from agent.events import IncidentOpened, Outcome
 from agent.targets import Target, discover

@@ -35,13 +35,14 @@ import anyio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import kill_groups  # noqa: E402
-from agent.bus import RecordingBus  # noqa: E402
-from agent.events import WatchdogStalled  # noqa: E402
-from agent.sdk._counter import ENV_SHM_DIR  # noqa: E402
-from agent.watchers.steps import PrometheusStepSource, ShmStepSource  # noqa: E402
-from agent.watchers.watchdog import Watchdog, WatchdogConfig  # noqa: E402
-from tests.programs import fake_server  # noqa: E402
+from _common import kill_groups
+
+from agent.bus import RecordingBus
+from agent.events import WatchdogStalled
+from agent.sdk._counter import ENV_SHM_DIR
+from agent.watchers.steps import PrometheusStepSource, ShmStepSource
+from agent.watchers.watchdog import Watchdog, WatchdogConfig
+from tests.programs import fake_server
 
 TARGET_MAX_RATIO = 1.05
 

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="servewatch-bench-") as shm:
         os.environ["SERVEWATCH_SHM_DIR"] = shm
-        import agent.sdk as sdk
+        from agent import sdk
 
         def empty() -> None:
             return None

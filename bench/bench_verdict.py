@@ -28,7 +28,7 @@ import anyio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.programs.fault_matrix import EXPECTED, run_case  # noqa: E402
+from tests.programs.fault_matrix import EXPECTED, run_case
 
 FAULTS = ("hang", "kill", "skip", "shape", "slow")
 

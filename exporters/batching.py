@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-__all__ = ["split_request", "halve_request", "trim_span", "ATTR_TRUNCATED", "TRUNCATION_MARK"]
+__all__ = ["ATTR_TRUNCATED", "TRUNCATION_MARK", "halve_request", "split_request", "trim_span"]
 
 #: Span attribute set on a span trimmed to fit: how many attribute values were truncated or dropped.
 ATTR_TRUNCATED = "servewatch.export.truncated_attributes"

@@ -24,7 +24,13 @@ from opentelemetry.exporter.otlp.proto.common._internal import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, SpanFlags, Status
+from opentelemetry.proto.trace.v1.trace_pb2 import (
+    ResourceSpans,
+    ScopeSpans,
+    Span,
+    SpanFlags,
+    Status,
+)
 from opentelemetry.sdk.trace import ReadableSpan
 
 __all__ = ["encode_spans_fast"]

@@ -48,7 +48,7 @@ from exporters.otlp_json import RotatingJsonLinesWriter, message_to_json
 from exporters.processor import ExportStatistics
 from exporters.transport import RequestSender
 
-__all__ = ["Metrics", "OtlpJsonMetricExporter", "build_meter_provider", "DETECTION_LATENCY_BUCKETS_S"]
+__all__ = ["DETECTION_LATENCY_BUCKETS_S", "Metrics", "OtlpJsonMetricExporter", "build_meter_provider"]
 
 _log = logging.getLogger(__name__)
 

@@ -39,7 +39,6 @@ from agent.events import (
     Outcome,
     now_ns,
 )
-from exporters.torch_trace import import_profile_artifacts
 from exporters.spans import (
     CollectingSink,
     SpanSink,
@@ -51,12 +50,13 @@ from exporters.spans import (
     span_id_hex,
     trace_id_hex,
 )
+from exporters.torch_trace import import_profile_artifacts
 
 if TYPE_CHECKING:
     from agent.bus import Subscription
     from exporters.processor import ExportStatistics
 
-__all__ = ["SpanMirror", "MIRRORED_EVENTS", "INCIDENT_SPAN", "PROFILE_SPAN", "action_span", "mirror_profile_session"]
+__all__ = ["INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "mirror_profile_session"]
 
 _log = logging.getLogger(__name__)
 

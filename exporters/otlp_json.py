@@ -31,17 +31,17 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from agent.fsutil import ensure_private_dir, open_append_nofollow
 
 __all__ = [
-    "TornLines",
     "ID_KEYS",
-    "message_to_json",
+    "SPAN_FILE_SUFFIXES",
+    "RotatingJsonLinesWriter",
+    "TornLines",
+    "iter_span_files",
     "message_from_json",
-    "request_to_json",
-    "request_from_json",
+    "message_to_json",
     "read_otlp_json_lines",
     "read_span_file",
-    "SPAN_FILE_SUFFIXES",
-    "iter_span_files",
-    "RotatingJsonLinesWriter",
+    "request_from_json",
+    "request_to_json",
 ]
 
 M = TypeVar("M", bound=Message)

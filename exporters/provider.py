@@ -59,16 +59,16 @@ if TYPE_CHECKING:  # imported where used: `import exporters.provider` (config mo
     from exporters.transport import TlsFiles
 
 __all__ = [
-    "ExportConfig",
-    "ExportConfigError",
-    "Destination",
-    "Telemetry",
-    "build_telemetry",
-    "build_resource",
-    "resolve_destination",
-    "resolve_batching",
     "DEFAULT_SERVICE_NAME",
     "DEFAULT_TIMEOUT_S",
+    "Destination",
+    "ExportConfig",
+    "ExportConfigError",
+    "Telemetry",
+    "build_resource",
+    "build_telemetry",
+    "resolve_batching",
+    "resolve_destination",
 ]
 
 #: service.name when neither config nor ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` set one.
@@ -419,8 +419,7 @@ def resolve_batching(config: ExportConfig, environ: Mapping[str, str] | None = N
         if value <= 0:
             raise ExportConfigError(f"{name}: must be > 0, got {raw!r}")
         out[key] = value / scale if scale else int(value)
-    if out["batch_spans"] > out["queue_spans"]:
-        out["batch_spans"] = out["queue_spans"]
+    out["batch_spans"] = min(out["batch_spans"], out["queue_spans"])
     return out
 
 
@@ -434,7 +433,10 @@ def build_resource(
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
     from opentelemetry.semconv._incubating.attributes.host_attributes import HOST_NAME
     from opentelemetry.semconv._incubating.attributes.process_attributes import PROCESS_PID
-    from opentelemetry.semconv.attributes.service_attributes import SERVICE_INSTANCE_ID, SERVICE_NAME
+    from opentelemetry.semconv.attributes.service_attributes import (
+        SERVICE_INSTANCE_ID,
+        SERVICE_NAME,
+    )
     env = os.environ if environ is None else environ
     attributes: dict[str, object] = {
         SERVICE_NAME: DEFAULT_SERVICE_NAME,

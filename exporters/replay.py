@@ -29,7 +29,14 @@ from typing import NamedTuple
 
 from agent.fsutil import atomic_write_text
 from exporters.otlp_json import TornLines, iter_span_files, read_span_file
-from exporters.transport import Delivery, RequestSender, SendResult, TlsFiles, make_sender, span_count
+from exporters.transport import (
+    Delivery,
+    RequestSender,
+    SendResult,
+    TlsFiles,
+    make_sender,
+    span_count,
+)
 
 __all__ = ["ReplayResult", "replay"]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from agent.fsutil import atomic_write_text
 from exporters.timeline import ActionRow, IncidentTimeline, ProcessStacks, SpanRow, format_size
 
-__all__ = ["CSP", "render_report_html", "write_report", "report_summary"]
+__all__ = ["CSP", "render_report_html", "report_summary", "write_report"]
 
 #: The page's Content-Security-Policy: nothing may be fetched; only inline styles apply.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
@@ -124,7 +124,7 @@ def _tick_step_ms(extent_ms: float) -> float:
 class _Bar:
     """One row of a timeline chart."""
 
-    __slots__ = ("name", "label", "start_s", "duration_s", "css", "data", "tooltip")
+    __slots__ = ("css", "data", "duration_s", "label", "name", "start_s", "tooltip")
 
     def __init__(self, name: str, label: str, start_s: float, duration_s: float, css: str,
                  data: dict[str, str], tooltip: str) -> None:

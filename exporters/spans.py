@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from opentelemetry import trace as trace_api
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -25,19 +25,19 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 __all__ = [
     "SCOPE",
-    "SpanSink",
-    "ProcessorSink",
     "CollectingSink",
-    "emit_durable",
     "InMemorySink",
+    "ProcessorSink",
+    "SpanSink",
     "build_span",
-    "new_trace_id",
-    "new_span_id",
-    "trace_id_hex",
-    "span_id_hex",
+    "emit_durable",
     "link_to",
-    "span_limits",
+    "new_span_id",
+    "new_trace_id",
     "reset_span_limits",
+    "span_id_hex",
+    "span_limits",
+    "trace_id_hex",
 ]
 
 #: Instrumentation scope of every span servewatch emits.

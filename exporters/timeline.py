@@ -38,36 +38,36 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agent.stacks import Frame, ThreadStack, hung_location, parse_threads, thread_is_idle
 from agent.security import is_within, sanitize
+from agent.stacks import Frame, ThreadStack, hung_location, parse_threads, thread_is_idle
 
 __all__ = [
-    "verdict_headline",
     "MANIFEST_NAME",
     "REQUESTS_NAME",
     "SCHEMA_PREFIX",
+    "ActionRow",
+    "ArtifactRow",
+    "BundleCorruptError",
     "BundleError",
     "BundleNotFoundError",
-    "BundleCorruptError",
-    "Frame",
-    "ThreadStack",
-    "ProcessStacks",
-    "TargetRow",
-    "ActionRow",
     "CoredumpRow",
+    "Frame",
+    "IncidentTimeline",
+    "ProcessStacks",
     "ProfileRow",
     "RequestRow",
-    "ArtifactRow",
     "SpanRow",
-    "IncidentTimeline",
+    "TargetRow",
+    "ThreadStack",
     "find_bundle",
+    "format_size",
     "load_incident",
     "load_incident_arg",
-    "timeline_to_dict",
+    "outcome_style",
     "render_timeline",
     "render_timeline_text",
-    "outcome_style",
-    "format_size",
+    "timeline_to_dict",
+    "verdict_headline",
 ]
 
 #: Name of the manifest inside a bundle (per :mod:`agent.incidents`).

@@ -48,18 +48,18 @@ from pydantic import BaseModel, Field
 from exporters.spans import SpanSink, build_span, new_span_id
 
 __all__ = [
-    "TorchTraceImportConfig",
-    "ImportStatistics",
-    "import_torch_trace",
-    "iter_trace_events",
-    "find_base_time_ns",
-    "gputrace_attributes",
-    "import_profile_artifacts",
-    "import_mlx_steps",
-    "import_gputrace",
-    "is_torch_trace",
     "ALWAYS_KEPT_CATEGORIES",
     "GPU_CATEGORIES",
+    "ImportStatistics",
+    "TorchTraceImportConfig",
+    "find_base_time_ns",
+    "gputrace_attributes",
+    "import_gputrace",
+    "import_mlx_steps",
+    "import_profile_artifacts",
+    "import_torch_trace",
+    "is_torch_trace",
+    "iter_trace_events",
 ]
 
 #: Ranges kept whatever the filter says (``ProfilerStep#N`` and ``record_function`` ranges).
@@ -315,7 +315,7 @@ def find_base_time_ns(path: str | Path) -> int | None:
 
 
 class _Thread:
-    __slots__ = ("heap", "stack", "last_start")
+    __slots__ = ("heap", "last_start", "stack")
 
     def __init__(self) -> None:
         self.heap: list[tuple[int, int, int, dict[str, Any]]] = []

@@ -30,34 +30,34 @@ from urllib.parse import urlsplit
 # itself (Cause) and reports it once, so its lines are off unless the user asks for them.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (  # noqa: E402
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
-from agent.events import StrEnum  # noqa: E402
-from agent.lazy import LazyModule  # noqa: E402
-from exporters.otlp_json import RotatingJsonLinesWriter, request_to_json  # noqa: E402
+from agent.events import StrEnum
+from agent.lazy import LazyModule
+from exporters.otlp_json import RotatingJsonLinesWriter, request_to_json
 
 __all__ = [
+    "PROTOCOLS",
     "Cause",
     "Delivery",
-    "Signal",
-    "TlsFiles",
-    "SendResult",
-    "RequestSender",
+    "FileSender",
     "GrpcSender",
     "HttpSender",
-    "FileSender",
-    "make_sender",
+    "RequestSender",
+    "SendResult",
+    "Signal",
+    "TlsFiles",
     "http_traces_url",
-    "span_count",
     "item_count",
-    "PROTOCOLS",
+    "make_sender",
+    "span_count",
 ]
 
 #: Which OTLP signal a sender carries.
@@ -338,7 +338,9 @@ class GrpcSender:
             self._channel = grpc.secure_channel(self.target, creds, options=_GRPC_CHANNEL_OPTIONS, compression=comp)
         else:
             self._channel = grpc.insecure_channel(self.target, options=_GRPC_CHANNEL_OPTIONS, compression=comp)
-        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import (
+            MetricsServiceStub,
+        )
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
         stub = MetricsServiceStub(self._channel) if signal == "metrics" else TraceServiceStub(self._channel)

@@ -119,7 +119,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, receiver: OtlpReceiver) -> None:
         self.receiver = receiver
 
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:  # noqa: N802 - gRPC name
+    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
         if self.receiver.grpc_error is not None:
             context.abort(self.receiver.grpc_error, "refused by test receiver")
         self.receiver._store.add_trace("grpc", request, {k: v for k, v in context.invocation_metadata()})
@@ -130,7 +130,7 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
     def __init__(self, receiver: OtlpReceiver) -> None:
         self.receiver = receiver
 
-    def Export(self, request: metrics_service_pb2.ExportMetricsServiceRequest, context: grpc.ServicerContext) -> metrics_service_pb2.ExportMetricsServiceResponse:  # noqa: N802
+    def Export(self, request: metrics_service_pb2.ExportMetricsServiceRequest, context: grpc.ServicerContext) -> metrics_service_pb2.ExportMetricsServiceResponse:
         if self.receiver.grpc_error is not None:
             context.abort(self.receiver.grpc_error, "refused by test receiver")
         self.receiver._store.add_metrics("grpc", request, {k: v for k, v in context.invocation_metadata()})
@@ -141,7 +141,7 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: object) -> None:
             return None
 
         def _reply(self, status: int, body: bytes, content_type: str) -> None:
@@ -165,7 +165,7 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
             finally:
                 receiver._track(self.connection, add=False)
 
-        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+        def do_POST(self) -> None:
             if not receiver.running:  # a keep-alive connection outliving stop(): the collector is gone
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)

@@ -18,9 +18,9 @@ import anyio
 import httpx
 import pytest
 
+from agent.bus import RecordingBus
 from agent.config import load_settings
 from agent.demo import TORCH_MISSING_MESSAGE, torch_available
-from agent.bus import RecordingBus
 from agent.demo.client import DemoServer, agenerate, ainject_hang
 from agent.incidents import IncidentRecord
 from agent.runtime import Agent

@@ -159,7 +159,7 @@ async def test_failing_and_hanging_phases_become_outcomes(tmp_path: Path) -> Non
 async def test_phase_time_limit_keeps_finished_results_and_times_out_only_the_rest(tmp_path: Path) -> None:
     """A real actor over real act_all: pid 101's action finishes, 102's hangs past the phase limit."""
     from agent.actors import act_all
-    from agent.events import ActionResult, IncidentOpened, now_ns
+    from agent.events import ActionResult, now_ns
 
     class HalfHung:
         name = "half"
@@ -228,7 +228,7 @@ async def test_soft_mode_leaves_the_target_alone(tmp_path: Path, spawn, python) 
 @pytest.mark.parametrize("trigger", ["stall", "health", "exit", "manual"])
 async def test_incident_ids_name_the_trigger_and_are_unique(tmp_path: Path, trigger: str) -> None:
     bus, tl = RecordingBus(), Timeline()
-    mgr = _manager(tmp_path, bus, tl, discover=lambda: [])
+    mgr = _manager(tmp_path, bus, tl, discover=list)
     a = await mgr.open_incident(trigger)
     b = await mgr.open_incident(trigger)
     assert a.opened.incident_id != b.opened.incident_id
@@ -257,10 +257,10 @@ class _FixedJudge:
     def __init__(self, culprit_pid: int | None, *, hung: bool = True) -> None:
         self.culprit_pid, self.hung = culprit_pid, hung
 
-    def opened(self, targets):  # noqa: ANN001, ANN201
+    def opened(self, targets):
         return {}
 
-    async def decide(self, targets, results, cause, steps_before):  # noqa: ANN001, ANN201
+    async def decide(self, targets, results, cause, steps_before):
         from agent.verdict import Verdict
 
         named = (self.culprit_pid,) if self.culprit_pid else ()

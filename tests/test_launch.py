@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-import agent.launch as launch
+from agent import launch
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
 from agent.events import IncidentOpened, Outcome
 from agent.launch import LaunchError, describe_env, exit_status, launch_env, run_launched

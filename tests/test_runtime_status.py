@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-import agent.runtime as runtime
+from agent import runtime
 from agent.config import load_settings
 from agent.events import WatcherStatusChanged
 from agent.runtime import Agent

@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 
-import agent.sdk as sdk
-from agent.sdk._counter import ENV_SHM_DIR, MAGIC, SIZE_BYTES, SharedCounter, counter_path, read_counter, shm_dir
+from agent import sdk
+from agent.sdk._counter import (
+    ENV_SHM_DIR,
+    MAGIC,
+    SIZE_BYTES,
+    SharedCounter,
+    counter_path,
+    read_counter,
+    shm_dir,
+)
 
 # A target driven over stdin: "step N [pending]", "pending N", "fork", "exit". Each command
 # answers one JSON line on stdout.

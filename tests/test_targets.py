@@ -14,7 +14,15 @@ import psutil
 import pytest
 
 import agent.targets as targets_module
-from agent.targets import ProcessState, ScanErrors, Target, discover, process_state, psutil_errors, target_of
+from agent.targets import (
+    ProcessState,
+    ScanErrors,
+    Target,
+    discover,
+    process_state,
+    psutil_errors,
+    target_of,
+)
 from tests.conftest import PROGRAMS_DIR
 
 TITLED = str(PROGRAMS_DIR / "titled_target.py")
@@ -176,9 +184,8 @@ def test_psutil_errors_maps_each_exception_once(exc: Exception, state: ProcessSt
 
 
 def test_psutil_errors_lets_other_exceptions_through() -> None:
-    with pytest.raises(ValueError):
-        with psutil_errors():
-            raise ValueError("not a psutil error")
+    with pytest.raises(ValueError), psutil_errors():
+        raise ValueError("not a psutil error")
 
 
 def test_target_keeps_its_fields() -> None:

@@ -63,40 +63,46 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
+from agent.actors.coredump_target import (
+    PathTemplate,
+    TargetEnv,
+    TargetView,
+    effective_env,
+    read_environ,
+)
 from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
-from agent.actors.coredump_target import PathTemplate, TargetEnv, TargetView, effective_env, read_environ
 from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
 
 __all__ = [
     "ACTION",
+    "DRIVER_DEFAULT_FILE_TEMPLATE",
+    "DRIVER_DEFAULT_PIPE_TEMPLATE",
     "ENV_ENABLE_ON_EXCEPTION",
     "ENV_ENABLE_USER_TRIGGER",
-    "ENV_SHOW_PROGRESS",
-    "ENV_GENERATION_FLAGS",
     "ENV_FILE",
+    "ENV_GENERATION_FLAGS",
     "ENV_PIPE",
+    "ENV_SHOW_PROGRESS",
     "ENV_SPT_NOENV",
     "LIGHTWEIGHT_GENERATION_FLAGS",
     "SGLANG_FILE_TEMPLATE",
     "SGLANG_PIPE_TEMPLATE",
-    "DRIVER_DEFAULT_PIPE_TEMPLATE",
-    "DRIVER_DEFAULT_FILE_TEMPLATE",
     "TRIGGER_PAYLOAD",
+    "CoredumpActor",
     "CoredumpConfig",
     "CoredumpEnvPlan",
     "DumpDirCheck",
     "PipeLocation",
     "TriggerResult",
-    "CoredumpActor",
-    "cuda_coredump_env",
-    "format_exports",
     "check_dump_dir",
-    "template_glob",
-    "locate_pipe",
-    "trigger_pipe",
     "core_file_glob",
     "core_file_templates",
+    "cuda_coredump_env",
+    "format_exports",
+    "locate_pipe",
+    "template_glob",
+    "trigger_pipe",
 ]
 
 log = logging.getLogger(__name__)

@@ -38,13 +38,13 @@ from agent.safetext import safe_text
 __all__ = [
     "COREDUMP_VARIABLES",
     "LAUNCH_RECORD_DIR",
+    "PathTemplate",
     "TargetEnv",
     "TargetView",
-    "PathTemplate",
-    "record_launch",
-    "read_launch_record",
-    "read_environ",
     "effective_env",
+    "read_environ",
+    "read_launch_record",
+    "record_launch",
 ]
 
 #: The environment variables that arm and direct a CUDA coredump (recorded by launch).

@@ -51,11 +51,11 @@ from agent.targets import Target
 
 __all__ = [
     "ACTION",
-    "FR_BUFFER_ENV",
     "FR_BUFFER_DEFAULT",
+    "FR_BUFFER_ENV",
     "SOURCES",
-    "FlightRecorderConfig",
     "FlightRecorderActor",
+    "FlightRecorderConfig",
     "flight_recorder_env",
     "rank_from_title",
     "summarize_trace",

@@ -68,15 +68,15 @@ httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
 __all__ = [
     "ACTION",
-    "ProfilerConfig",
     "ProfilerActor",
+    "ProfilerConfig",
+    "SdkCallError",
     "SessionRequest",
     "find_new_files",
-    "snapshot_dir",
     "profile_once",
     "read_inflight",
     "sdk_call",
-    "SdkCallError",
+    "snapshot_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -465,7 +465,7 @@ class ProfilerActor:
                     return s.result(Outcome.FAILED, "the sdk backend needs a target pid")
                 return await self._sdk_session(s, self.socket_for(pid))
             return await self._http_session(s)
-        except Exception as exc:  # noqa: BLE001 - the actor boundary: a failure is an outcome
+        except Exception as exc:
             logger.exception("profiling session failed")
             return s.result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
 

@@ -58,7 +58,15 @@ from anyio.abc import ByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
-from agent.events import ActionResult, AttributeValue, ComponentStatus, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.events import (
+    ActionResult,
+    AttributeValue,
+    ComponentStatus,
+    IncidentOpened,
+    Outcome,
+    frozen_attrs,
+    now_ns,
+)
 from agent.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
 from agent.procinfo import Death, Tracer, death_of, tracer_of
 from agent.safetext import safe_text
@@ -75,10 +83,10 @@ from agent.targets import ProcessState, Target, process_state
 __all__ = [
     "ACTION",
     "PERMISSION_HINT",
-    "PySpyConfig",
-    "PySpyActor",
-    "PySpyStatistics",
     "Classification",
+    "PySpyActor",
+    "PySpyConfig",
+    "PySpyStatistics",
     "classify",
     "default_executable",
 ]

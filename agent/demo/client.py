@@ -35,12 +35,12 @@ import psutil
 __all__ = [
     "DemoServer",
     "DemoServerError",
-    "wait_ready",
+    "agenerate",
+    "ainject_hang",
     "await_ready",
     "generate",
-    "agenerate",
     "inject_hang",
-    "ainject_hang",
+    "wait_ready",
 ]
 
 _POLL_S = 0.05

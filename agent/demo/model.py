@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["TinyLMConfig", "TinyLM", "HangFault", "PAD_ID"]
+__all__ = ["PAD_ID", "HangFault", "TinyLM", "TinyLMConfig"]
 
 #: Token id used to left-pad short contexts (byte 0 never appears in UTF-8 text).
 PAD_ID = 0

@@ -60,14 +60,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "SchedulerArgs",
-    "run_scheduler",
+    "STAT_FORWARD_CT",
     "STAT_GENERATION_TOKENS",
     "STAT_PROMPT_TOKENS",
-    "STAT_RUNNING_REQS",
     "STAT_QUEUE_REQS",
-    "STAT_FORWARD_CT",
+    "STAT_RUNNING_REQS",
     "STAT_SLOTS",
+    "SchedulerArgs",
+    "run_scheduler",
 ]
 
 # Indexes into the shared int64 stats array written by rank 0 and read by the frontend.
@@ -167,7 +167,7 @@ class _Scheduler:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "generate":
-            import agent.sdk as sdk
+            from agent import sdk
 
             _, rid, input_ids, max_new_tokens = msg
             req = _Req(rid=rid, tokens=list(input_ids), max_new_tokens=int(max_new_tokens))
@@ -261,7 +261,7 @@ class _Scheduler:
         self.stats[STAT_QUEUE_REQS] = len(self.waiting)
 
     def run_leader(self) -> None:
-        import agent.sdk as sdk
+        from agent import sdk
 
         while not self.stopping:
             self._check_parent()
@@ -311,7 +311,7 @@ class _Scheduler:
         return None
 
     def run_follower(self) -> None:
-        import agent.sdk as sdk
+        from agent import sdk
 
         while not self.stopping:
             msg = self._wait_for_leader()
@@ -399,7 +399,7 @@ def run_scheduler(args: SchedulerArgs, inboxes: list, result_q, ack_q, stats) ->
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    import agent.sdk as sdk
+    from agent import sdk
 
     for q in (result_q, ack_q, *inboxes):
         q.cancel_join_thread()  # never block exit on a queue nobody reads any more

@@ -64,7 +64,7 @@ from agent.demo.scheduler import (
     run_scheduler,
 )
 
-__all__ = ["DemoServerConfig", "DemoFrontend", "main", "MODEL_NAME", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MODEL_NAME", "DemoFrontend", "DemoServerConfig", "main"]
 
 #: Value of the ``model_name`` label on every metric.
 MODEL_NAME = "servewatch-demo-tiny"
@@ -338,7 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     frontend: DemoFrontend  # set on the subclass made by serve()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         """Silence per-request access logs (request bodies are never logged either)."""
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from agent.fleet.http import Request, Response, json_response
 from agent.fleet.traceparent import TraceParent, TraceParentError
 
-__all__ = ["AgentApi", "ApiBackend", "JoinRequest", "RateLimiter", "INCIDENT_ID_PATTERN"]
+__all__ = ["INCIDENT_ID_PATTERN", "AgentApi", "ApiBackend", "JoinRequest", "RateLimiter"]
 
 log = logging.getLogger("servewatch.fleet.api")
 

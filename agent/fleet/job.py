@@ -45,9 +45,23 @@ from typing import Any, Protocol
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from agent.events import ActionCompleted, ActionResult, ComponentStatusChanged, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.events import (
+    ActionCompleted,
+    ActionResult,
+    ComponentStatusChanged,
+    IncidentOpened,
+    Outcome,
+    frozen_attrs,
+    now_ns,
+)
 from agent.fleet.api import INCIDENT_ID_PATTERN, AgentApi, JoinRequest
-from agent.fleet.config import ApiConfig, FleetConfig, client_ssl_context, read_token_file, server_ssl_context
+from agent.fleet.config import (
+    ApiConfig,
+    FleetConfig,
+    client_ssl_context,
+    read_token_file,
+    server_ssl_context,
+)
 from agent.fleet.http import HttpServer
 from agent.fleet.peers import PeerResolver, ask_peer
 from agent.fleet.traceparent import TraceParent

@@ -160,8 +160,8 @@ if hasattr(os, "register_at_fork"):
 
 
 # Re-exports, imported last: these modules use the step hooks defined above.
-from agent.sdk.control import control_path, serve_control, stop_control  # noqa: E402
-from agent.sdk.profiler import ProfileRequest, ProfilerBusyError, request_profile, request_stop  # noqa: E402
-from agent.sdk.profiler import status as profile_status  # noqa: E402
-from agent.sdk.tracing import forward_span, inflight, maybe_record_function, request_span  # noqa: E402
-from agent.sdk.flightrec import serve_torch_worker, stop_torch_worker  # noqa: E402
+from agent.sdk.control import control_path, serve_control, stop_control
+from agent.sdk.flightrec import serve_torch_worker, stop_torch_worker
+from agent.sdk.profiler import ProfilerBusyError, ProfileRequest, request_profile, request_stop
+from agent.sdk.profiler import status as profile_status
+from agent.sdk.tracing import forward_span, inflight, maybe_record_function, request_span

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "ENV_SHM_DIR",
     "MAGIC",
     "SLOTS",
-    "ENV_SHM_DIR",
     "CounterSnapshot",
     "SharedCounter",
     "counter_path",

@@ -56,17 +56,17 @@ from agent.sdk import flightrec, profiler, tracing
 from agent.sdk._counter import remove_if_ours, shm_dir
 
 __all__ = [
-    "ControlServer",
-    "control_path",
-    "serve_control",
-    "stop_control",
-    "handle_request",
-    "check_profile_bounds",
-    "allowed_profile_dirs",
+    "ENV_PROFILE_ALLOWED_DIRS",
+    "MAX_DURATION_S",
     "MAX_LINE_BYTES",
     "MAX_NUM_STEPS",
-    "MAX_DURATION_S",
-    "ENV_PROFILE_ALLOWED_DIRS",
+    "ControlServer",
+    "allowed_profile_dirs",
+    "check_profile_bounds",
+    "control_path",
+    "handle_request",
+    "serve_control",
+    "stop_control",
 ]
 
 #: Longest request line accepted, bytes.

@@ -29,11 +29,11 @@ from agent.sdk._counter import remove_if_ours, shm_dir
 
 __all__ = [
     "FR_BUFFER_ENV",
-    "worker_path",
+    "dist_info",
+    "fr_trace",
     "serve_torch_worker",
     "stop_torch_worker",
-    "fr_trace",
-    "dist_info",
+    "worker_path",
 ]
 
 #: torch's variable sizing the Flight Recorder ring buffer (entries); 0 or unset = off.

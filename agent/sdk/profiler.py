@@ -51,16 +51,16 @@ from agent.sdk import tracing as _tracing
 from agent.sdk._counter import W_PROFILING
 
 __all__ = [
+    "ACTIVITIES",
+    "BACKENDS",
+    "ENV_PROFILE_DIR",
     "ProfileRequest",
     "ProfilerBusyError",
     "request_profile",
     "request_stop",
-    "status",
     "session",
+    "status",
     "wait",
-    "ACTIVITIES",
-    "BACKENDS",
-    "ENV_PROFILE_DIR",
 ]
 
 #: Environment variable naming the default trace folder (else ``$SGLANG_TORCH_PROFILER_DIR``,
@@ -223,7 +223,7 @@ def _import_torch() -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
         import torch
-        import torch.profiler  # noqa: F401
+        import torch.profiler
     return torch
 
 

@@ -42,16 +42,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "maybe_record_function",
-    "request_span",
-    "forward_span",
-    "RequestHandle",
     "InflightRequest",
-    "inflight",
-    "profiling_active",
-    "torch_profiler_active",
-    "set_tracer_provider",
+    "RequestHandle",
+    "forward_span",
     "get_tracer",
+    "inflight",
+    "maybe_record_function",
+    "profiling_active",
+    "request_span",
+    "set_tracer_provider",
+    "torch_profiler_active",
 ]
 
 #: True while an SDK torch profiling session is recording (set on the model thread only).

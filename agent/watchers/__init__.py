@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from anyio.abc import TaskStatus
 from anyio import TASK_STATUS_IGNORED
+from anyio.abc import TaskStatus
 
 from agent.bus import Publisher
 

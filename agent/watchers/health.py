@@ -35,19 +35,19 @@ httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 _log = logging.getLogger(__name__)
 
 __all__ = [
-    "HealthConfig",
-    "check_http_url",
-    "HealthWatcher",
-    "classify_status",
-    "classify_error",
+    "ERROR_4XX",
+    "ERROR_5XX",
+    "ERROR_OTHER",
     "ERROR_REFUSED",
     "ERROR_TIMEOUT",
-    "ERROR_5XX",
-    "ERROR_4XX",
-    "ERROR_OTHER",
     "MAX_HEALTH_BODY_BYTES",
-    "read_capped",
+    "HealthConfig",
+    "HealthWatcher",
+    "check_http_url",
+    "classify_error",
+    "classify_status",
     "http_status_text",
+    "read_capped",
 ]
 
 #: Most bytes of a health answer read (the status code is what counts); the rest is not read.

@@ -40,15 +40,15 @@ from typing import Any
 from agent.events import StrEnum, WatcherStatusChanged, now_ns
 
 __all__ = [
-    "STATUS_SCHEMA",
     "STATUS_FILE",
+    "STATUS_SCHEMA",
+    "StatusBoard",
+    "StatusReporter",
+    "StatusSnapshot",
     "WatcherState",
     "WatcherStatus",
-    "StatusSnapshot",
-    "StatusBoard",
-    "status_path",
     "read_status_file",
-    "StatusReporter",
+    "status_path",
 ]
 
 log = logging.getLogger("servewatch.status")

@@ -39,16 +39,16 @@ from agent.security import open_trusted, process_uids
 httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
 __all__ = [
+    "MAX_METRICS_BODY_BYTES",
     "PRESETS",
     "MetricsPreset",
+    "PrometheusStepSource",
+    "ShmStepSource",
     "StepReading",
     "StepSource",
-    "ShmStepSource",
-    "PrometheusStepSource",
     "StepsConfig",
     "StepsWatcher",
     "discover_shm_counters",
-    "MAX_METRICS_BODY_BYTES",
     "series_name",
 ]
 
@@ -285,7 +285,7 @@ def _similar_names(wanted: str, present: Iterable[str], limit: int = 4) -> list[
 class _SeriesTrack:
     """Progress bookkeeping of one counter series."""
 
-    __slots__ = ("value", "last_progress_ns", "restarts")
+    __slots__ = ("last_progress_ns", "restarts", "value")
 
     def __init__(self) -> None:
         self.value: float | None = None
@@ -470,7 +470,12 @@ class PrometheusStepSource:
     # -- scraping -------------------------------------------------------------------------
 
     async def _get(self) -> str | None:
-        from agent.watchers.health import ERROR_REFUSED, classify_error, http_status_text, read_capped
+        from agent.watchers.health import (
+            ERROR_REFUSED,
+            classify_error,
+            http_status_text,
+            read_capped,
+        )
 
         if self._client is None:
             # trust_env=False: /metrics is a node-local endpoint; never route it via a proxy.

@@ -39,7 +39,7 @@ from agent.events import WatchdogRearmed, WatchdogStalled
 from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
-__all__ = ["WatchdogConfig", "Watchdog"]
+__all__ = ["Watchdog", "WatchdogConfig"]
 
 
 class WatchdogConfig(BaseModel):
@@ -87,7 +87,7 @@ class WatchdogConfig(BaseModel):
 class _SeriesState:
     """Stall bookkeeping of one series (one counter, or one Prometheus label set)."""
 
-    __slots__ = ("busy_since_ns", "stalled", "fired_ct")
+    __slots__ = ("busy_since_ns", "fired_ct", "stalled")
 
     def __init__(self) -> None:
         self.busy_since_ns: int | None = None

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-import agent.actors.coredump as coredump
+from agent.actors import coredump
 from agent.actors.coredump import (
     CoredumpActor,
     CoredumpConfig,

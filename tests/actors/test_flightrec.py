@@ -12,7 +12,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.actors.flightrec import ACTION, FlightRecorderActor, FlightRecorderConfig, flight_recorder_env, rank_from_title
+from agent.actors.flightrec import (
+    ACTION,
+    FlightRecorderActor,
+    FlightRecorderConfig,
+    flight_recorder_env,
+    rank_from_title,
+)
 from agent.events import IncidentOpened, Outcome
 from agent.sdk.flightrec import worker_path
 from agent.targets import Target

@@ -26,8 +26,8 @@ from agent.actors.pyspy import (
     classify,
     default_executable,
 )
-from agent.stacks import hung_frame, parse_dump, render_text, summarize
 from agent.events import ComponentStatus, IncidentOpened, Outcome
+from agent.stacks import hung_frame, parse_dump, render_text, summarize
 from agent.targets import ProcessState, Target, process_state, target_of
 from tests.conftest import PROGRAMS_DIR
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.actors.pyspy import default_executable
-from agent.stacks import Frame, ThreadStack, hung_frame, idle_and_stuck, parse_dump, thread_is_idle
 from agent.procinfo import tracer_of
+from agent.stacks import Frame, ThreadStack, hung_frame, idle_and_stuck, parse_dump, thread_is_idle
 from tests.conftest import PROGRAMS_DIR
 from tests.spanfiles import file_spans
 

@@ -74,7 +74,9 @@ def test_memory_limiter_runs_first_then_batch_in_every_pipeline(collector: dict)
 
 
 def test_otlp_receivers_listen_on_all_interfaces_at_the_sdk_default_ports(collector: dict) -> None:
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import DEFAULT_ENDPOINT as HTTP_DEFAULT
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        DEFAULT_ENDPOINT as HTTP_DEFAULT,
+    )
 
     ports = otlp_receiver_ports(collector)
     # Recent collectors bind to localhost unless told otherwise: unreachable from other containers.

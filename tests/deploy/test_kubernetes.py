@@ -292,6 +292,6 @@ def test_collectors_are_probed_on_their_health_check_extension() -> None:
 
 def test_sidecar_image_is_built_from_the_pinned_python_base() -> None:
     dockerfile = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
-    (base,) = re.findall(r"^FROM\s+(\S+)", dockerfile, flags=re.M)
+    (base,) = re.findall(r"^FROM\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert base == load_yaml(COMPOSE_FILE)["x-python"]["image"]
-    assert re.search(r'^ENTRYPOINT \["servewatch"\]$', dockerfile, flags=re.M)
+    assert re.search(r'^ENTRYPOINT \["servewatch"\]$', dockerfile, flags=re.MULTILINE)

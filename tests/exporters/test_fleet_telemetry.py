@@ -98,7 +98,9 @@ def test_mtls_collector_refuses_a_client_without_certificate_and_says_tls(
 ) -> None:
     sender = make_sender(mtls_receiver.endpoint(protocol), protocol, tls=TlsFiles(ca_file=str(pki.ca_cert)))
     try:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
 
         result = sender.send(ExportTraceServiceRequest(), timeout_s=5.0)
     finally:

@@ -17,7 +17,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from agent.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, StacksDumped, now_ns
 from exporters.mirror import SpanMirror
 from exporters.processor import LosslessSpanProcessor
-from exporters.spans import ProcessorSink, build_span, new_span_id, new_trace_id, span_id_hex, trace_id_hex
+from exporters.spans import (
+    ProcessorSink,
+    build_span,
+    new_span_id,
+    new_trace_id,
+    span_id_hex,
+    trace_id_hex,
+)
 from exporters.spool import Spool
 from exporters.transport import make_sender
 from tests.otlp_receiver import OtlpReceiver

@@ -11,7 +11,12 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 
-from exporters.otlp_json import RotatingJsonLinesWriter, read_otlp_json_lines, request_from_json, request_to_json
+from exporters.otlp_json import (
+    RotatingJsonLinesWriter,
+    read_otlp_json_lines,
+    request_from_json,
+    request_to_json,
+)
 from exporters.spans import build_span, link_to, new_span_id, new_trace_id
 from tests.otlp_receiver import OtlpReceiver
 

@@ -261,7 +261,14 @@ def test_session_artifacts_import_traces_attach_bundles_and_count_errors(session
 
 
 def test_mirror_puts_the_profile_inside_the_incident_trace(session: dict[str, Any]) -> None:
-    from agent.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, ProfileStopped, frozen_attrs
+    from agent.events import (
+        ActionResult,
+        IncidentClosed,
+        IncidentOpened,
+        Outcome,
+        ProfileStopped,
+        frozen_attrs,
+    )
     from exporters.mirror import SpanMirror
     from exporters.spans import span_id_hex, trace_id_hex
 

@@ -27,7 +27,7 @@ def main() -> int:
     if args.probe:
         return 0 if torch.cuda.is_available() and dist.is_nccl_available() else 1
     if args.sdk:
-        import agent.sdk as sdk
+        from agent import sdk
 
         sdk.serve_control()
         sdk.serve_torch_worker()

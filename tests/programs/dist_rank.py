@@ -82,7 +82,7 @@ def main() -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    import agent.sdk as sdk
+    from agent import sdk
 
     if not args.no_sdk:
         sdk.serve_control()

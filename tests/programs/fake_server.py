@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-    import agent.sdk as sdk
+    from agent import sdk
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gauge.labels(tp_rank="1").set(n // 2)
 
     class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: Any) -> None:
             return
 
         def _send(self, code: int, body: bytes, content_type: str) -> None:

@@ -75,7 +75,7 @@ def main() -> int:
             self.end_headers()
             self.wfile.write(data)
 
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             if self.path not in ("/start_profile", "/stop_profile") or args.no_profile_endpoints:
                 self._send(404, "Not Found")
                 return

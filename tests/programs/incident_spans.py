@@ -13,7 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from agent.events import ActionCompleted, ActionResult, IncidentClosed, IncidentOpened, Outcome, now_ns
+from agent.events import (
+    ActionCompleted,
+    ActionResult,
+    IncidentClosed,
+    IncidentOpened,
+    Outcome,
+    now_ns,
+)
 from exporters.mirror import SpanMirror
 from exporters.provider import ExportConfig, build_telemetry
 from exporters.spans import build_span, new_trace_id

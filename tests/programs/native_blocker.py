@@ -13,10 +13,9 @@ import argparse
 import importlib.machinery
 import importlib.util
 import os
+import select as stdlib_select
 import shutil
 import tempfile
-
-import select as stdlib_select
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import sys
 import time
 import warnings
 
-import agent.sdk as sdk
+from agent import sdk
 from agent.sdk import control, tracing
 
 

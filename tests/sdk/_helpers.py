@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import agent.sdk as sdk
+from agent import sdk
 from agent.sdk import profiler
 from tests.conftest import PROGRAMS_DIR
 

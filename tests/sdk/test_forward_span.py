@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-import agent.sdk as sdk
+from agent import sdk
 from agent.sdk import profiler, tracing
 from agent.sdk.profiler import ProfileRequest
 from tests.sdk._helpers import TinyModel, drain, load_trace
@@ -73,12 +73,11 @@ def test_forward_span_links_requests_whose_spans_did_not_record(exporter: InMemo
 
 
 def test_forward_span_is_current_inside_and_records_errors(exporter: InMemorySpanExporter) -> None:
-    with pytest.raises(RuntimeError, match="boom"):
-        with sdk.forward_span([]) as span:
-            assert trace.get_current_span() is span
-            with tracing.get_tracer().start_as_current_span("kernel"):
-                pass
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), sdk.forward_span([]) as span:
+        assert trace.get_current_span() is span
+        with tracing.get_tracer().start_as_current_span("kernel"):
+            pass
+        raise RuntimeError("boom")
     assert trace.get_current_span() is not span
     spans = {s.name: s for s in exporter.get_finished_spans()}
     fwd = spans["forward"]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import agent.sdk as sdk
+from agent import sdk
 from agent.sdk import profiler, tracing
 from agent.sdk._counter import counter_path, read_counter
-from agent.sdk.profiler import ProfileRequest, ProfilerBusyError
+from agent.sdk.profiler import ProfilerBusyError, ProfileRequest
 from tests.sdk._helpers import TinyModel, drain, load_trace, profiler_steps, torch
 
 

@@ -10,8 +10,7 @@ import pytest
 
 from agent.sdk import tracing
 from exporters.sdk_export import tracer_provider_from_env
-from tests.otlp_receiver import OtlpReceiver
-from tests.otlp_receiver import otlp_receiver_fixture
+from tests.otlp_receiver import OtlpReceiver, otlp_receiver_fixture
 from tests.tls_certs import make_tls_material
 
 

@@ -37,9 +37,8 @@ def test_request_span_uses_current_gen_ai_names_and_lists_inflight(exporter: InM
 
 
 def test_request_span_error_is_recorded_and_leaves_registry(exporter: InMemorySpanExporter) -> None:
-    with pytest.raises(RuntimeError):
-        with tracing.request_span("req-err", model="tiny"):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), tracing.request_span("req-err", model="tiny"):
+        raise RuntimeError("boom")
     assert tracing.inflight() == []
     (span,) = exporter.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR
@@ -71,7 +70,7 @@ def test_sdk_import_stays_light_and_exports_what_it_lists() -> None:
     import subprocess
     import sys
 
-    import agent.sdk as sdk
+    from agent import sdk
 
     assert all(hasattr(sdk, name) for name in sdk.__all__)
     code = (

@@ -28,7 +28,7 @@ class ScriptedServer:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            def log_message(self, format: str, *args: Any) -> None:
                 return
 
             def do_GET(self) -> None:

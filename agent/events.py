@@ -1,7 +1,8 @@
 """Event types that cross the bus, and the outcome vocabulary actors report in.
 
 Owns: every event dataclass (past-tense facts), :class:`Outcome`, :class:`ActionResult`,
-:class:`ComponentStatus`. Imports nothing from the rest of the agent, so watchers, actors,
+:class:`ComponentStatus`, and the names written into bundles and spans: :class:`Trigger` (why an
+incident opened) and :class:`Action` (what ran; also the span name). Imports nothing from the rest of the agent, so watchers, actors,
 incidents and exporters can all depend on it.
 
 Every event is ``@dataclass(frozen=True, slots=True, kw_only=True)`` with ``time_unix_nano``
@@ -24,6 +25,7 @@ from types import MappingProxyType
 from typing import ClassVar
 
 __all__ = [
+    "Action",
     "ActionCompleted",
     "ActionResult",
     "AttributeValue",
@@ -47,6 +49,7 @@ __all__ = [
     "StepsAdvanced",
     "StrEnum",
     "TargetExited",
+    "Trigger",
     "WatchdogRearmed",
     "WatchdogStalled",
     "WatcherStatusChanged",
@@ -106,6 +109,32 @@ class Outcome(StrEnum):
     FAILED = "failed"
 
 
+class Trigger(StrEnum):
+    """Why an incident opened (``IncidentOpened.trigger``, manifest ``trigger``, span attribute
+    ``servewatch.incident.trigger``). Values are the strings bundles already hold; a bundle with
+    another value (``unknown``, from a future agent) still loads as a plain string."""
+
+    HEALTH = "health"  # the health check turned unhealthy
+    STALL = "stall"  # busy with no forward progress (watchdog)
+    EXIT = "exit"  # a target process ended
+    MANUAL = "manual"  # `servewatch dump`, or asked over the agent API
+    PEER = "peer"  # a peer of the same job asked us to capture (joins its trace)
+
+
+class Action(StrEnum):
+    """What ran for an incident: ``ActionResult.action``, the action's span name and the manifest's
+    ``actions[].action``. Values are the strings bundles already hold."""
+
+    PYSPY_DUMP = "pyspy.dump"  # Python/native stacks of one process (agent.actors.pyspy)
+    FLIGHTREC_DUMP = "flightrec.dump"  # one rank's collective Flight Recorder (agent.actors.flightrec)
+    CUDA_COREDUMP = "cuda.coredump"  # a CUDA GPU coredump (agent.actors.coredump)
+    PROFILE_SESSION = "profile.session"  # a step-bounded profile (agent.actors.profiler)
+    HARD_SIGNAL = "hard.signal"  # hard mode signalled a rank (agent.incidents)
+    PEER_CAPTURE = "peer.capture"  # a job peer asked to capture (agent.fleet.peers)
+    PEER_RESOLVE = "peer.resolve"  # resolving the job's peers failed (agent.fleet.peers)
+    DETECTION_FOLDED = "fleet.detection_folded"  # a local detection folded into a job incident
+
+
 class ComponentStatus(StrEnum):
     """Component health, after the OTel collector's componentstatus."""
 
@@ -122,7 +151,7 @@ class ActionResult:
     """What one action did to one target.
 
     Attributes:
-        action: span name of the action, e.g. ``"pyspy.dump"``, ``"cuda.coredump"``.
+        action: span name of the action (an :class:`Action`; a plain string from an old bundle).
         outcome: how it ended.
         pid: the target pid, or ``None`` for actions not bound to one process.
         retryable: ``False`` when trying again cannot help (the collector's "permanent").
@@ -269,7 +298,7 @@ class IncidentOpened(Event):
 
     Attributes:
         incident_id: unique id, also the bundle folder name.
-        trigger: ``health``, ``stall``, ``exit`` or ``manual``.
+        trigger: why it opened (a :class:`Trigger`).
         detail: one line on why.
         pids: target pids at open time.
         bundle_dir: ``<data_dir>/<host>/<incident_id>``.

@@ -52,6 +52,7 @@ from pydantic import BaseModel, Field
 
 from agent.bus import EventBus
 from agent.events import (
+    Action,
     ActionCompleted,
     ActionResult,
     Event,
@@ -62,6 +63,7 @@ from agent.events import (
     IncidentRetraced,
     Outcome,
     TargetExited,
+    Trigger,
     WatchdogStalled,
     frozen_attrs,
     now_ns,
@@ -93,7 +95,7 @@ STATE_OPEN = "open"
 STATE_CLOSED = "closed"
 STATE_INTERRUPTED = "interrupted"
 #: Phases run after the summary point: they never delay the summary or the bundle.
-DEFERRED_PHASES = frozenset({"profile.session"})
+DEFERRED_PHASES = frozenset({Action.PROFILE_SESSION})
 
 log = logging.getLogger("servewatch.incidents")
 
@@ -416,7 +418,7 @@ class IncidentManager:
         """Map a trigger event to ``(trigger, pid, detail)``, or ``None`` when it is no incident."""
         if isinstance(event, WatchdogStalled):
             return (
-                "stall",
+                Trigger.STALL,
                 event.pid,
                 f"busy and no forward progress for {event.stalled_for_s:.1f}s (timeout {event.timeout_s:g}s,"
                 f" forward_ct={event.forward_ct}{', pid ' + str(event.pid) if event.pid else ''}"
@@ -425,7 +427,7 @@ class IncidentManager:
         if isinstance(event, HealthCheckFailed):
             code = f"HTTP {event.status_code}" if event.status_code else event.error_class
             return (
-                "health",
+                Trigger.HEALTH,
                 None,
                 f"{event.url} failed {event.consecutive_failures} probes in a row ({code})",
             )
@@ -443,7 +445,7 @@ class IncidentManager:
                     return None  # the stall incident that signalled it already holds the evidence
             if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
                 return None
-            return ("exit", event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
+            return (Trigger.EXIT, event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
         return None
 
     def expect_exit(self, pid: int, *, tree: bool = False) -> None:
@@ -764,7 +766,7 @@ class IncidentManager:
                     record.results.append(event.result)
                     await self.bus.publish(event)
 
-        if self.hard_signal is not None and trigger == "stall" and not self._interrupt:
+        if self.hard_signal is not None and trigger == Trigger.STALL and not self._interrupt:
             for result in self._send_hard_signal(record, pid):
                 record.results.append(result)
                 await self.bus.publish(HardSignalSent(source="incidents", incident_id=incident_id, result=result))
@@ -826,7 +828,7 @@ class IncidentManager:
                 self._hard_windows.append((until, tree, record))
             results.append(
                 ActionResult(
-                    action="hard.signal", outcome=outcome, pid=target_pid, detail=detail,
+                    action=Action.HARD_SIGNAL, outcome=outcome, pid=target_pid, detail=detail,
                     start_time_unix_nano=start, end_time_unix_nano=now_ns(),
                     attributes={"servewatch.hard.signal": name, "servewatch.hard.targets": self.hard_targets},
                 )

@@ -22,10 +22,8 @@ from typing import Any
 
 import anyio
 
-from agent.actors.flightrec import ACTION as FR_ACTION
 from agent.actors.flightrec import rank_from_title
-from agent.actors.pyspy import ACTION as PYSPY_ACTION
-from agent.events import ActionResult, Event, Outcome, TargetExited
+from agent.events import Action, ActionResult, Event, Outcome, TargetExited
 from agent.sdk._counter import counter_path, read_counter
 from agent.stacks import parse_dump
 from agent.targets import ProcessState, Target, parent_pid, process_state
@@ -120,8 +118,8 @@ class VerdictJudge:
         """The verdict of one job (one process tree's ranks); ``None``: a lone process without
         distributed evidence."""
         pids = {t.pid for t, _ in everyone}
-        dumps = {r.pid: r for r in results if r.action == PYSPY_ACTION and r.pid in pids}
-        frs = {r.pid: r for r in results if r.action == FR_ACTION and r.pid in pids}
+        dumps = {r.pid: r for r in results if r.action == Action.PYSPY_DUMP and r.pid in pids}
+        frs = {r.pid: r for r in results if r.action == Action.FLIGHTREC_DUMP and r.pid in pids}
         if len(everyone) < 2 and not frs:
             return None  # not a distributed job as far as we can see
         ranks: dict[int, int] = {}

@@ -29,6 +29,7 @@ from agent.actors.pyspy import PySpyActor
 from agent.bus import EventBus, Subscription
 from agent.config import Settings
 from agent.events import (
+    Action,
     ActionCompleted,
     ActionResult,
     ComponentStatus,
@@ -39,6 +40,7 @@ from agent.events import (
     Outcome,
     ProfileStopped,
     StacksDumped,
+    Trigger,
     WatchdogStalled,
     WatcherStatusChanged,
     now_ns,
@@ -156,13 +158,13 @@ class Agent:
         if fr.socket_dir is None and settings.profiler.socket_dir is not None:  # the SDK sockets sit together
             fr = fr.model_copy(update={"socket_dir": settings.profiler.socket_dir})
         self.flightrec = FlightRecorderActor(fr) if fr.enabled else None
-        phases: list[tuple[str, Phase, type]] = [("pyspy.dump", self._dump_phase, StacksDumped)]
+        phases: list[tuple[str, Phase, type]] = [(Action.PYSPY_DUMP, self._dump_phase, StacksDumped)]
         if self.flightrec is not None:
-            phases.append(("flightrec.dump", self._flightrec_phase, FlightRecorderDumped))
+            phases.append((Action.FLIGHTREC_DUMP, self._flightrec_phase, FlightRecorderDumped))
         if self.coredump is not None:
-            phases.append(("cuda.coredump", self._coredump_phase, CoredumpTriggered))
+            phases.append((Action.CUDA_COREDUMP, self._coredump_phase, CoredumpTriggered))
         if self.profiler is not None:
-            phases.append(("profile.session", self._profile_phase, ProfileStopped))
+            phases.append((Action.PROFILE_SESSION, self._profile_phase, ProfileStopped))
         wd = settings.watchdog
         self.incidents = IncidentManager(
             bus=self.bus,
@@ -262,7 +264,7 @@ class Agent:
         self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
     ) -> list[ActionResult]:
         assert self.profiler is not None
-        if opened.trigger == "stall" or self._stalled(targets):
+        if opened.trigger == Trigger.STALL or self._stalled(targets):
             # a stalled server takes no steps: waiting for them would only end in a timeout
             t = now_ns()
             return [
@@ -407,7 +409,7 @@ class Agent:
                 metrics.action_done(event.result.action, event.result.outcome.value)
             elif isinstance(event, WatchdogStalled):
                 # how late the stall was reported after it became one (last progress + timeout)
-                metrics.detection_latency(event.stalled_for_s - event.timeout_s, trigger="stall")
+                metrics.detection_latency(event.stalled_for_s - event.timeout_s, trigger=Trigger.STALL)
 
     async def _record_status(self, sub: Subscription) -> None:
         """Keep :attr:`status` current from the watchers' status events (and py-spy's)."""
@@ -700,7 +702,7 @@ async def dump_once(
                 if handle_signals:
                     tg.start_soon(_interrupt_on_signal, agent, incident_scope, signal_scope)
                 await agent.incidents.open_incident(
-                    "manual", detail=f"servewatch dump of {len(targets)} process(es)"
+                    Trigger.MANUAL, detail=f"servewatch dump of {len(targets)} process(es)"
                 )
             signal_scope.cancel("dump done")
             if not agent.incidents.records:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.events import ActionResult, Outcome
+from agent.events import Action, ActionResult, Outcome
 from agent.incidents import IncidentRecord
 
 __all__ = ["HUNG_FRAME_ATTR", "incident_summary", "late_result_lines", "summary_lines"]
@@ -75,7 +75,7 @@ def _result_line(record: IncidentRecord, r: ActionResult) -> str:
     idle = r.attributes.get(IDLE_THREADS_ATTR) or ()
     if hung:
         line += f"  hung frame: {hung}"
-    elif r.outcome is Outcome.OK and r.action == "pyspy.dump" and idle:
+    elif r.outcome is Outcome.OK and r.action == Action.PYSPY_DUMP and idle:
         line += "  all idle (waiting for work): nothing is stuck"
     elif r.outcome is not Outcome.OK and r.detail:
         line += f"  {r.detail}"
@@ -103,7 +103,7 @@ def summary_lines(record: IncidentRecord) -> list[str]:
         lines.append(_result_line(record, r))
     if record.inflight:
         lines.append(f"  {len(record.inflight)} request(s) in flight, listed in requests.json")
-    dumps = [r for r in record.results if r.action == "pyspy.dump"]
+    dumps = [r for r in record.results if r.action == Action.PYSPY_DUMP]
     ok = sum(1 for r in dumps if r.outcome is Outcome.OK)
     dead = sum(1 for r in dumps if r.outcome is Outcome.DEAD)
     lines.append(

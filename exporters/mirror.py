@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Link
 
 from agent.events import (
+    Action,
     ActionCompleted,
     ActionResult,
     Event,
@@ -65,7 +66,7 @@ INCIDENT_SPAN = "incident"
 #: Event types to subscribe the mirror to.
 MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced)
 #: Name of a profiling session's span (its torch trace is imported under it).
-PROFILE_SPAN = "profile.session"
+PROFILE_SPAN = Action.PROFILE_SESSION
 #: Outcomes that are facts about the target, not failures: their spans keep status UNSET (an
 #: unarmed coredump is the normal case without ``servewatch launch``; no red span in Jaeger).
 NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOPPED, Outcome.NOT_ENABLED, Outcome.NO_SOURCE})

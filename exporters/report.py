@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from agent.events import Action, Trigger
 from agent.fsutil import atomic_write_text
 from exporters.timeline import ActionRow, IncidentTimeline, ProcessStacks, SpanRow, format_size
 
@@ -258,7 +259,7 @@ def _stacks_html(s: ProcessStacks, tl: IncidentTimeline) -> str:
         source = "py-spy summary" if s.hung_frame_source == "attribute" else "read from the stacks"
         parts.append(f'<p class="hung">Hung frame: <code class="hung-frame">{_e(s.hung_frame)}</code> '
                      f'<span class="badge">{_e(source)}</span></p>')
-    dumps = [a for a in tl.actions if a.action == "pyspy.dump" and a.pid == s.pid]
+    dumps = [a for a in tl.actions if a.action == Action.PYSPY_DUMP and a.pid == s.pid]
     if not s.threads:
         why = "; ".join(f"{a.outcome}: {a.detail}" if a.detail else a.outcome for a in dumps) or "no py-spy dump"
         parts.append(f'<p class="no-stacks">No stacks: {_e(why)}</p>')
@@ -300,7 +301,7 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
     Returns:
         A complete ``<!DOCTYPE html>`` document.
     """
-    trig_class = "trigger manual" if tl.trigger == "manual" else "trigger"
+    trig_class = "trigger manual" if tl.trigger == Trigger.MANUAL else "trigger"
     summary = [
         ("Trigger", f'<span class="{trig_class}" id="trigger">{_e(tl.trigger)}</span>'),
         ("Detail", f'<span id="detail">{_e(tl.detail)}</span>'),

@@ -38,6 +38,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from agent.events import Action, Trigger
 from agent.security import is_within, sanitize
 from agent.stacks import Frame, ThreadStack, hung_location, parse_threads, thread_is_idle
 
@@ -831,7 +832,7 @@ def load_incident(
         )
     actions.sort(key=lambda r: (r.start_offset_s is None, r.start_offset_s or 0.0))
 
-    pyspy_by_pid = {a.pid: a for a in actions if a.action == "pyspy.dump" and a.pid is not None}
+    pyspy_by_pid = {a.pid: a for a in actions if a.action == Action.PYSPY_DUMP and a.pid is not None}
     stack_pids = list(pyspy_by_pid)
     for found in sorted(bundle_dir.glob("pyspy-*.json")):
         pid = _as_int(found.stem.removeprefix("pyspy-"))
@@ -843,7 +844,7 @@ def load_incident(
 
     coredumps = []
     for a in actions:
-        if a.action != "cuda.coredump":
+        if a.action != Action.CUDA_COREDUMP:
             continue
         core = a.attributes.get(_COREDUMP_PATH)
         core_path = str(_resolve_artifact(core, bundle_dir, inc_id)) if isinstance(core, str) and core else ""
@@ -856,7 +857,7 @@ def load_incident(
 
     profiles = []
     for a in actions:
-        if a.action != "profile.session":
+        if a.action != Action.PROFILE_SESSION:
             continue
         traces = tuple(p for p in a.artifact_paths)
         profiles.append(
@@ -1038,7 +1039,7 @@ def _verdict_panel(verdict: dict[str, Any]) -> Panel:
 def _header(tl: IncidentTimeline) -> Panel:
     body = Text()
     body.append("trigger  ", style="bold")
-    body.append(tl.trigger, style="bold red" if tl.trigger != "manual" else "bold cyan")
+    body.append(tl.trigger, style="bold red" if tl.trigger != Trigger.MANUAL else "bold cyan")
     body.append("  ")
     body.append(tl.detail)
     body.append("\nhost     ", style="bold")

@@ -70,7 +70,15 @@ from agent.actors.coredump_target import (
     effective_env,
     read_environ,
 )
-from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, frozen_attrs, now_ns
+from agent.events import (
+    Action,
+    ActionResult,
+    AttributeValue,
+    IncidentOpened,
+    Outcome,
+    frozen_attrs,
+    now_ns,
+)
 from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
 
@@ -108,7 +116,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Span name of the action.
-ACTION = "cuda.coredump"
+ACTION = Action.CUDA_COREDUMP
 
 #: ``1``: a GPU exception writes a coredump (driver variable).
 ENV_ENABLE_ON_EXCEPTION = "CUDA_ENABLE_COREDUMP_ON_EXCEPTION"

@@ -44,7 +44,7 @@ import anyio
 import psutil
 from pydantic import BaseModel, Field
 
-from agent.events import ActionResult, AttributeValue, IncidentOpened, Outcome, now_ns
+from agent.events import Action, ActionResult, AttributeValue, IncidentOpened, Outcome, now_ns
 from agent.fsutil import atomic_write_text
 from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
@@ -64,7 +64,7 @@ __all__ = [
 log = logging.getLogger("servewatch.flightrec")
 
 #: Span name of one rank's Flight Recorder read.
-ACTION = "flightrec.dump"
+ACTION = Action.FLIGHTREC_DUMP
 #: torch's variable sizing the recorder (entries per process); read at ``init_process_group``.
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 #: Entries armed by ``launch`` / ``cuda-env`` when the user did not size the buffer.

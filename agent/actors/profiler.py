@@ -51,6 +51,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.events import (
+    Action,
     ActionResult,
     AttributeValue,
     IncidentOpened,
@@ -82,7 +83,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Span/action name of one profiling session.
-ACTION = "profile.session"
+ACTION = Action.PROFILE_SESSION
 #: Trace file name endings a session may write (torch Chrome traces, Metal captures, MLX steps).
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".gputrace", ".mlx-steps.json")
 _NOT_IN_PROGRESS = "not in progress"

@@ -59,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
 from agent.events import (
+    Action,
     ActionResult,
     AttributeValue,
     ComponentStatus,
@@ -94,7 +95,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Span name of a py-spy dump (one per target process).
-ACTION = "pyspy.dump"
+ACTION = Action.PYSPY_DUMP
 
 #: How to grant what py-spy needs to read another process (one line, shown on PERMISSION_DENIED).
 PERMISSION_HINT = (

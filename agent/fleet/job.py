@@ -46,11 +46,13 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.events import (
+    Action,
     ActionCompleted,
     ActionResult,
     ComponentStatusChanged,
     IncidentOpened,
     Outcome,
+    Trigger,
     frozen_attrs,
     now_ns,
 )
@@ -72,7 +74,7 @@ __all__ = ["FOLDED_SPAN", "Fleet", "JobIncident"]
 log = logging.getLogger("servewatch.fleet")
 
 #: Span (action) name recording a local detection folded into the job incident.
-FOLDED_SPAN = "fleet.detection_folded"
+FOLDED_SPAN = Action.DETECTION_FOLDED
 #: Most incidents listed by ``GET /v1/incidents``.
 MAX_LISTED = 200
 #: Largest manifest served, bytes.
@@ -225,7 +227,7 @@ class Fleet:
         running = job is not None and current is not None and current.opened.incident_id == job.local_incident_id
         # a hang's symptoms (stall, failed health) on this host are the job incident's; a process
         # that exits after the job incident closed is a new fact and gets its own incident
-        if self._in_window(job) and (running or trigger != "exit"):
+        if self._in_window(job) and (running or trigger != Trigger.EXIT):
             assert job is not None
             self.folded += 1
             log.info("%s detection folded into job incident %s (trace %s)", trigger, job.origin_incident_id, job.trace_id)
@@ -378,7 +380,7 @@ class Fleet:
                 return 409, {"error": "an incident is running", **self._incident_doc(current.opened), "status": "busy"}
             since = now_ns()
             opened = await self._open_and_wait(lambda o: not o.parent_span_id and o.time_unix_nano >= since,
-                                               "manual", detail or "requested over the agent API", None)
+                                               Trigger.MANUAL, detail or "requested over the agent API", None)
             return 202, {"status": "opened" if opened else "accepted", **self._incident_doc(opened)}
         job_name = request.get("job")
         if job_name is not None and job_name != self.config.job:
@@ -424,7 +426,7 @@ class Fleet:
 
     async def _open_joined(self, detail: str, tp: TraceParent) -> None:
         try:
-            await self.agent.incidents.open_incident("peer", detail=detail, parent=(tp.trace_id, tp.parent_id))
+            await self.agent.incidents.open_incident(Trigger.PEER, detail=detail, parent=(tp.trace_id, tp.parent_id))
         except Exception:  # boundary: a failed incident is logged, the agent goes on
             log.exception("joined incident failed")
 

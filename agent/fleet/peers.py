@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import anyio
 import psutil
 
-from agent.events import ActionResult, Outcome, frozen_attrs, now_ns
+from agent.events import Action, ActionResult, Outcome, frozen_attrs, now_ns
 from agent.fleet.client import PeerRequestError, post_json
 from agent.fleet.traceparent import TraceParent
 
@@ -32,9 +32,9 @@ __all__ = ["PEER_SPAN", "RESOLVE_SPAN", "Peer", "PeerResolver", "ask_peer", "loc
 log = logging.getLogger("servewatch.fleet.peers")
 
 #: Span (action) name of asking one peer to capture.
-PEER_SPAN = "peer.capture"
+PEER_SPAN = Action.PEER_CAPTURE
 #: Span (action) name of resolving the peers' DNS name, when it fails.
-RESOLVE_SPAN = "peer.resolve"
+RESOLVE_SPAN = Action.PEER_RESOLVE
 
 
 @dataclass(frozen=True, slots=True)

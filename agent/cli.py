@@ -183,14 +183,14 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
 
 
 # Options shared by several commands.
-ConfigOpt = typer.Option(None, "--config", help="TOML settings file (CLI > SERVEWATCH_* env > file > defaults).")
-DataDirOpt = typer.Option(None, "--data-dir", help="Bundles and span files (env SERVEWATCH_DATA_DIR; default ./servewatch-data).")
-PidOpt = typer.Option(None, "--pid", help="Target pid (repeatable).")
-RootPidOpt = typer.Option(None, "--root-pid", help="Watch this pid and all its descendants.")
-MatchOpt = typer.Option(None, "--match", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
-UidOpt = typer.Option(None, "--uid", min=0, help="Only processes of this real uid are targets (repeatable; default any uid).")
+ConfigOpt = typer.Option(None, "--config", metavar="FILE", help="TOML settings file (CLI > SERVEWATCH_* env > file > defaults).")
+DataDirOpt = typer.Option(None, "--data-dir", metavar="DIR", help="Bundles and span files (env SERVEWATCH_DATA_DIR; default ./servewatch-data).")
+PidOpt = typer.Option(None, "--pid", metavar="PID", help="Target pid (repeatable).")
+RootPidOpt = typer.Option(None, "--root-pid", metavar="PID", help="Watch this pid and all its descendants.")
+MatchOpt = typer.Option(None, "--match", metavar="GLOB", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
+UidOpt = typer.Option(None, "--uid", min=0, metavar="UID", help="Only processes of this real uid are targets (repeatable; default any uid).")
 OtlpEndpointOpt = typer.Option(None, "--otlp-endpoint", metavar="URL", help="OTLP collector, e.g. http://127.0.0.1:4317 (env OTEL_EXPORTER_OTLP_ENDPOINT; default: span files in the data dir).")
-OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", help="grpc or http/protobuf (env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc).")
+OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", metavar="PROTOCOL", help="grpc or http/protobuf (env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc).")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
 PySpyOpt = typer.Option(None, "--pyspy/--no-pyspy", help="Dump Python stacks during incidents (default on; env SERVEWATCH_PYSPY__ENABLED).")
 CoredumpDelayOpt = typer.Option(None, "--coredump-delay", min=0.0, max=60.0, metavar="SECONDS", help="Wait this long after the stacks before triggering CUDA coredumps (default 0).")
@@ -270,9 +270,9 @@ def _print_status(status: Any) -> None:
 
 @app.command()
 def run(
-    health_url: str | None = typer.Option(None, "--health-url", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health."),
-    metrics_url: str | None = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL (progress counter + busy gauge)."),
-    metrics_preset: str | None = typer.Option(None, "--metrics-preset", help="sglang (default) or vllm metric names."),
+    health_url: str | None = typer.Option(None, "--health-url", metavar="URL", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health."),
+    metrics_url: str | None = typer.Option(None, "--metrics-url", metavar="URL", help="Prometheus /metrics URL (progress counter + busy gauge)."),
+    metrics_preset: str | None = typer.Option(None, "--metrics-preset", metavar="sglang|vllm", help="sglang (default) or vllm metric names."),
     pid: list[int] | None = PidOpt,
     root_pid: int | None = RootPidOpt,
     match: list[str] | None = MatchOpt,
@@ -465,7 +465,7 @@ def dump(
 
 @app.command()
 def demo(
-    tp: int = typer.Option(2, "--tp", min=1, max=8, help="Scheduler processes (TP ranks) of the demo server."),
+    tp: int = typer.Option(2, "--tp", min=1, max=8, metavar="N", help="Scheduler processes (TP ranks) of the demo server."),
     watchdog_timeout: float = typer.Option(3.0, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout used by the demo."),
     deadline: float = typer.Option(90.0, "--deadline", metavar="SECONDS", help="Give up if no incident is captured by then."),
     as_json: bool = typer.Option(False, "--json", help="Print the incident summary as JSON on stdout."),
@@ -527,8 +527,8 @@ def launch(
     cmd: list[str] = typer.Argument(..., metavar="-- CMD [ARGS]...", help="The server command line."),
     crash_dump_folder: Path | None = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ (default: coredump.folder)."),
     mlx: bool = typer.Option(False, "--mlx", help="MLX target: also set MTL_CAPTURE_ENABLED=1 (Metal capture)."),
-    health_url: str | None = typer.Option(None, "--health-url", help="Health endpoint of the launched server."),
-    metrics_url: str | None = typer.Option(None, "--metrics-url", help="Prometheus /metrics URL of the launched server."),
+    health_url: str | None = typer.Option(None, "--health-url", metavar="URL", help="Health endpoint of the launched server."),
+    metrics_url: str | None = typer.Option(None, "--metrics-url", metavar="URL", help="Prometheus /metrics URL of the launched server."),
     match: list[str] | None = MatchOpt,
     watchdog_timeout: float | None = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout (default 300)."),
     pyspy: bool | None = PySpyOpt,
@@ -641,8 +641,8 @@ def _record_launch(data_dir: Path, pid: int, env: Any) -> list[Path]:
 @app.command()
 def export(
     to: str | None = typer.Option(None, "--to", metavar="ENDPOINT", help="Collector endpoint with scheme, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP); https:// for TLS (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)."),
-    paths: list[Path] | None = typer.Argument(None, help="Span files or folders (default: the data dir)."),
-    protocol: str | None = typer.Option(None, "--protocol", help="grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else grpc)."),
+    paths: list[Path] | None = typer.Argument(None, metavar="PATH", help="Span files or folders (default: the data dir)."),
+    protocol: str | None = typer.Option(None, "--protocol", metavar="PROTOCOL", help="grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else grpc)."),
     timeout: float = typer.Option(10.0, "--timeout", min=0.001, metavar="SECONDS", help="Bound on each request, retries included."),
     remove_sent: bool = typer.Option(False, "--remove-sent", help="Delete each file once all its spans were delivered (spool batches always are)."),
     resend: bool = typer.Option(False, "--resend", help="Send again what this endpoint already acknowledged (ignore the export ledger)."),
@@ -708,7 +708,7 @@ def export(
 
 @app.command()
 def timeline(
-    incident: str | None = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
+    incident: str | None = typer.Argument(None, metavar="INCIDENT", help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
     as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
     data_dir: Path | None = DataDirOpt,
     config: Path | None = ConfigOpt,
@@ -729,7 +729,7 @@ def timeline(
 
 @app.command()
 def report(
-    incident: str | None = typer.Argument(None, help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
+    incident: str | None = typer.Argument(None, metavar="INCIDENT", help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
     output: Path = typer.Option(Path("report.html"), "-o", "--output", metavar="FILE", help="HTML file to write."),
     data_dir: Path | None = DataDirOpt,
     config: Path | None = ConfigOpt,
@@ -754,13 +754,13 @@ def report(
 
 @app.command()
 def profile(
-    steps: int = typer.Option(..., "--steps", min=1, help="Profile exactly this many forward steps (num_steps)."),
-    start_step: int | None = typer.Option(None, "--start-step", min=0, help="Start once forward_ct reaches this step."),
-    activities: str | None = typer.Option(None, "--activities", help="Comma-separated: CPU,GPU,MEM (default CPU,GPU)."),
+    steps: int = typer.Option(..., "--steps", min=1, metavar="N", help="Profile exactly this many forward steps (num_steps)."),
+    start_step: int | None = typer.Option(None, "--start-step", min=0, metavar="STEP", help="Start once forward_ct reaches this step."),
+    activities: str | None = typer.Option(None, "--activities", metavar="LIST", help="Comma-separated: CPU,GPU,MEM (default CPU,GPU)."),
     out_dir: Path | None = typer.Option(None, "--out", metavar="DIR", help="Where trace files go (default ./profiles)."),
-    pid: int | None = typer.Option(None, "--pid", help="Target serving the SDK control socket (backend sdk)."),
-    url: str | None = typer.Option(None, "--url", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
-    backend: str | None = typer.Option(None, "--backend", help="sdk (default), sglang or vllm."),
+    pid: int | None = typer.Option(None, "--pid", metavar="PID", help="Target serving the SDK control socket (backend sdk)."),
+    url: str | None = typer.Option(None, "--url", metavar="URL", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
+    backend: str | None = typer.Option(None, "--backend", metavar="sdk|sglang|vllm", help="sdk (default), sglang or vllm."),
     timeout: float | None = typer.Option(None, "--timeout", min=0.001, metavar="SECONDS", help="Wall-clock bound of the session (default 60)."),
     as_json: bool = typer.Option(False, "--json", help="Print the session result as JSON on stdout."),
     otlp_endpoint: str | None = OtlpEndpointOpt,
@@ -818,12 +818,117 @@ def profile(
         raise typer.Exit(int(ExitCode.FAILURE))
 
 
-def main() -> None:
-    """Console-script entry point."""
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("servewatch")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            v = "unknown (not installed)"
+        out.print(f"servewatch {v}", markup=False, highlight=False)
+        raise typer.Exit(int(ExitCode.OK))
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Print the version and exit."),
+) -> None:
+    pass
+
+
+#: Value names shown in ``--help`` for options declared without a ``metavar`` (typer's own are
+#: ``<int>``, ``<list[str]>``...), by the option's element type.
+_METAVARS: dict[type, str] = {int: "N", float: "NUMBER", str: "TEXT", Path: "PATH"}
+
+
+def _plain_help(command: Any) -> None:
+    """Help without typer's ``<type>`` labels: an option with no declared ``metavar`` gets one by
+    its type (``N``, ``NUMBER``, ``TEXT``, ``PATH``); an argument shows only its metavar."""
+    import typing
+
+    for sub in getattr(command, "commands", {}).values():
+        _plain_help(sub)
+    for param in command.params:
+        desc = getattr(param, "type_descriptor", None)
+        if desc is None or getattr(param, "is_flag", False):
+            continue
+        if param.param_type_name == "argument":
+            param.display_type_rich = lambda ctx: None  # the metavar names it already
+        elif param.metavar is None:
+            annotation = desc.annotation
+            if typing.get_origin(annotation) is list:
+                (annotation,) = typing.get_args(annotation)
+            param.metavar = _METAVARS.get(annotation, "VALUE")
+
+
+def _given_value(argv: list[str], param: Any) -> str | None:
+    """The value ``argv`` gave ``param`` (an option's first), for an error message."""
+    for i, arg in enumerate(argv):
+        for opt in getattr(param, "opts", ()):
+            if arg == opt and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(opt + "="):
+                return arg[len(opt) + 1 :]
+    return None
+
+
+def _click_errors() -> Any:
+    """The module of the click exceptions typer raises (``click.exceptions``, or the copy of click
+    that typer >= 0.24 vendors)."""
+    import importlib
+
+    return importlib.import_module(typer.BadParameter.__module__)
+
+
+def _usage_line(exc: Any, argv: list[str], command: Any) -> str:
+    """One line for a click usage error: ``servewatch: <what>; see 'servewatch CMD --help'``."""
+    errors = _click_errors()
+    param = getattr(exc, "param", None)
+    if isinstance(exc, errors.MissingParameter) and param is not None:  # typer names the variable
+        if param.param_type_name == "argument":
+            message = f"missing argument {param.metavar or param.name.upper()}"
+        else:
+            message = f"missing option {' / '.join(param.opts)}"
+    else:
+        message = " ".join(exc.format_message().split()).rstrip(".")
+        message = message[:1].lower() + message[1:]
+    if isinstance(exc, errors.BadParameter) and exc.param is not None:
+        given = _given_value(argv, exc.param)
+        if given is not None and repr(given) not in message:
+            message += f" (got {given!r})"
+    where = exc.ctx.command_path if exc.ctx is not None else "servewatch"
+    if where == "servewatch":  # an error while parsing a command's options carries no context
+        where = next((f"servewatch {a}" for a in argv if a in getattr(command, "commands", {})), where)
+    return f"servewatch: {message}; see '{where} --help'"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point.
+
+    Every usage error, click's own included (unknown option, missing or bad value), is one
+    stderr line and exit 2 (:class:`ExitCode`); ``servewatch`` alone prints the help.
+    """
+    errors = _click_errors()
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = typer.main.get_command(app)
+    _plain_help(command)
     try:
-        app()
+        rc = command.main(args=args, prog_name="servewatch", standalone_mode=False)
+    except errors.UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:  # click >= 8.2
+            err.print(exc.ctx.get_help(), markup=False, highlight=False)
+        else:
+            err.print(_usage_line(exc, args, command), markup=False, highlight=False)
+        raise SystemExit(int(ExitCode.USAGE)) from None
+    except errors.ClickException as exc:
+        err.print(f"servewatch: {' '.join(exc.format_message().split())}", markup=False, highlight=False)
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        raise SystemExit(130) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    raise SystemExit(rc if isinstance(rc, int) else int(ExitCode.OK))
 
 
 if __name__ == "__main__":  # pragma: no cover

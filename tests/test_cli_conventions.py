@@ -1,0 +1,100 @@
+"""CLI conventions (issue 13), checked on the installed ``servewatch`` console script.
+
+One stderr line and exit 2 for every usage error (click's own too), ``--version``, help with
+plain value names, no folder created by a read-only or failed command, unknown ``SERVEWATCH_*``
+variables named, messages without doubled words.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+COMMANDS = ("run", "status", "dump", "demo", "cuda-env", "launch", "export", "timeline", "report", "profile")
+
+
+def _servewatch() -> str:
+    """The console script installed beside this interpreter (``pip install -e .`` puts it there)."""
+    path = shutil.which("servewatch", path=str(Path(sys.executable).parent)) or shutil.which("servewatch")
+    assert path, "the servewatch console script is not installed (pip install -e .)"
+    return path
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_", "XDG_"))}
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env.update(HOME=str(home), SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), **extra)
+    return env
+
+
+def sw(tmp_path: Path, *args: str, timeout_s: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    return subprocess.run(
+        [_servewatch(), *args], check=False, capture_output=True, text=True, timeout=timeout_s, cwd=cwd,
+        env=_env(tmp_path, **env), stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["dump", "--pidx", "3"], "servewatch: no such option: --pidx"),
+        (["dump", "--pid", "abc"], "servewatch: invalid value for '--pid'"),
+        (["run", "--pid", "1", "--watchdog-timeout", "soon"], "servewatch: invalid value for '--watchdog-timeout'"),
+        (["profile", "--pid", "1"], "servewatch: missing option --steps"),
+        (["run", "--hard-targets"], "servewatch: option '--hard-targets' requires an argument"),
+        (["run", "--pid", "1", "--hard-targets", "some"], "servewatch: invalid setting watchdog.hard_targets"),
+        (["demo", "--tp", "9"], "servewatch: invalid value for '--tp'"),
+        (["timeline", "a", "b"], "servewatch: got unexpected extra argument"),
+        (["launch"], "servewatch: missing argument"),
+        (["nope"], "servewatch: no such command 'nope'"),
+        (["--nope"], "servewatch: no such option: --nope"),
+    ],
+)
+def test_every_usage_error_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    r = sw(tmp_path, *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
+    assert r.stdout == ""
+
+
+def test_bad_value_error_names_the_value_once_and_where_to_look(tmp_path: Path) -> None:
+    r = sw(tmp_path, "dump", "--pid", "abc")
+    assert r.stderr.count("'abc'") == 1, r.stderr
+    assert r.stderr.rstrip().endswith("see 'servewatch dump --help'"), r.stderr
+
+
+def test_no_arguments_prints_the_help(tmp_path: Path) -> None:
+    r = sw(tmp_path)
+    assert r.returncode == 2
+    assert "Usage: servewatch" in r.stderr and "Commands:" in r.stderr
+
+
+def test_version_prints_the_installed_version(tmp_path: Path) -> None:
+    r = sw(tmp_path, "--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"servewatch {version('servewatch')}\n"
+
+
+#: typer's type labels (``<int>``, ``<list[int]>``, ``<int range>``, ``<path>``...).
+TYPE_LABEL = re.compile(r"<(?:list\[)?(?:str|int|float|bool|path|Path|text)(?: range)?\]?>")
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_shows_plain_value_names(tmp_path: Path, command: str) -> None:
+    r = sw(tmp_path, *([command] if command else []), "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"Usage: servewatch {command}".rstrip()), r.stdout
+    assert not TYPE_LABEL.search(r.stdout), TYPE_LABEL.findall(r.stdout)
+    if command in ("run", "dump"):
+        assert "--pid PID" in r.stdout and "--match GLOB" in r.stdout and "--data-dir DIR" in r.stdout

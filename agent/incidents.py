@@ -72,6 +72,7 @@ from agent.fsutil import atomic_write_text, ensure_private_dir
 from agent.procinfo import pid_alive
 from agent.progress import reporting_to
 from agent.ranks import target_attributes
+from agent.sdkclient import InflightRequest
 from agent.security import redact_cmdline, redact_text
 from agent.targets import Target
 
@@ -136,37 +137,6 @@ class IncidentConfig(BaseModel):
     interrupt_grace_s: float = Field(
         10.0, gt=0, description="on SIGTERM/SIGINT, seconds the running phase may take to finish before the incident is cut short"
     )
-
-
-@dataclass(frozen=True, slots=True)
-class InflightRequest:
-    """A request that was in flight in a target when an incident opened.
-
-    Per the SDK's ``inflight`` control command; prompt text only when the user opted in.
-    """
-
-    pid: int
-    request_id: str
-    trace_id: str
-    span_id: str
-    age_s: float
-    prompt_tokens: int | None = None
-    generated_tokens: int | None = None
-    prompt: str | None = None
-
-    def to_json(self, *, with_prompt: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "pid": self.pid,
-            "request_id": self.request_id,
-            "trace_id": self.trace_id,
-            "span_id": self.span_id,
-            "age_s": round(self.age_s, 6),
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-        }
-        if with_prompt and self.prompt is not None:
-            out["prompt"] = self.prompt
-        return out
 
 
 #: One phase of an incident: act on all targets, return one result per action.

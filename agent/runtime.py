@@ -286,7 +286,7 @@ class Agent:
         return False
 
     async def _inflight(self, targets: Sequence[Target]) -> list[InflightRequest]:
-        from agent.actors.profiler import read_inflight
+        from agent.sdkclient import read_inflight
 
         return await read_inflight(targets, socket_dir=self.settings.profiler.socket_dir)
 

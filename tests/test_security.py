@@ -389,9 +389,9 @@ def _start_sdk_server(spawn: Callable, python: str, shm: Path) -> subprocess.Pop
 async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_them(
     spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path
 ) -> None:
-    from agent.actors.profiler import read_inflight
     from agent.sdk._counter import counter_path
     from agent.sdk.control import control_path
+    from agent.sdkclient import read_inflight
 
     server = _start_sdk_server(spawn, python, shared_shm)
     counter, sock = counter_path(server.pid, shared_shm), control_path(server.pid, shared_shm)
@@ -436,8 +436,8 @@ def test_sdk_replaces_its_own_stale_files(spawn: Callable, python: str, shared_s
 async def test_idle_and_slow_clients_do_not_block_the_inflight_read(
     spawn: Callable, python: str, shared_shm: Path
 ) -> None:
-    from agent.actors.profiler import sdk_call
     from agent.sdk.control import control_path
+    from agent.sdkclient import sdk_call
 
     server = _start_sdk_server(spawn, python, shared_shm)
     assert server.stdin is not None and server.stdout is not None

@@ -23,7 +23,7 @@ Outcomes, one per rank: ``ok``; ``not_enabled`` (a source answered with an empty
 buffer is 0); ``no_source`` (no socket, debug server or armed pipe); ``timed_out``; ``failed``.
 
 Imports anyio, psutil, :mod:`agent.events`, :mod:`agent.targets`, :mod:`agent.fsutil`, the SDK's
-path helpers and the control-socket client of :mod:`agent.actors.profiler`.
+path helpers and the control-socket client :mod:`agent.sdkclient`.
 """
 
 from __future__ import annotations
@@ -244,8 +244,7 @@ class FlightRecorderActor:
 
     async def _rank(self, target: Target) -> int | None:
         """The target's rank: the SDK's ``status`` (torch.distributed), else its title, else RANK."""
-        from agent.actors.profiler import SdkCallError, sdk_call
-        from agent.sdk.control import control_path
+        from agent.sdkclient import SdkCallError, control_path, sdk_call
 
         path = control_path(target.pid, self.config.socket_dir)
         if path.exists():
@@ -322,8 +321,7 @@ class FlightRecorderActor:
         return _parse_json(body, str(path)), ""
 
     async def _from_control(self, target: Target, rank: int | None) -> tuple[Any, str]:
-        from agent.actors.profiler import SdkCallError, sdk_call
-        from agent.sdk.control import control_path
+        from agent.sdkclient import SdkCallError, control_path, sdk_call
 
         path = control_path(target.pid, self.config.socket_dir)
         if not path.exists():

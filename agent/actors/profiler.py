@@ -2,11 +2,10 @@
 
 Owns :class:`ProfilerConfig`, :class:`ProfilerActor`, the three backends (the SDK control socket,
 SGLang's and vLLM's HTTP endpoints), the bounded search for the trace files a session wrote
-(:func:`find_new_files`), :func:`profile_once` (``servewatch profile``) and :func:`read_inflight`
-(requests in flight, from the SDK sockets). Imports anyio, httpx, pydantic,
-:mod:`agent.events`, :mod:`agent.targets` and the SDK's path helpers (:mod:`agent.sdk.control`,
-stdlib only); never a watcher. Returns :class:`~agent.events.ActionResult` (action
-``profile.session``) and publishes nothing itself.
+(:func:`find_new_files`) and :func:`profile_once` (``servewatch profile``). Imports anyio, httpx,
+pydantic, :mod:`agent.events`, :mod:`agent.targets` and the SDK control-socket client
+(:mod:`agent.sdkclient`); never a watcher or :mod:`agent.incidents`. Returns
+:class:`~agent.events.ActionResult` (action ``profile.session``) and publishes nothing itself.
 
 A session, per backend:
 
@@ -34,12 +33,8 @@ session that produced no file is ``FAILED`` (or ``TIMED_OUT`` when the deadline 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
-import stat
-import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,7 +42,6 @@ from typing import Any, Literal
 
 import anyio
 import anyio.abc
-from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.events import (
@@ -60,9 +54,7 @@ from agent.events import (
     now_ns,
 )
 from agent.lazy import LazyModule
-from agent.procinfo import pid_alive
-from agent.sdk.control import control_path
-from agent.security import process_uids, trusted_owner
+from agent.sdkclient import SdkCallError, control_path, control_socket_pids, sdk_call
 from agent.targets import Target
 
 httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
@@ -71,12 +63,9 @@ __all__ = [
     "ACTION",
     "ProfilerActor",
     "ProfilerConfig",
-    "SdkCallError",
     "SessionRequest",
     "find_new_files",
     "profile_once",
-    "read_inflight",
-    "sdk_call",
     "snapshot_dir",
 ]
 
@@ -249,95 +238,6 @@ async def find_new_files(
         if now >= deadline:
             return sorted(settled)
         await anyio.sleep(min(poll_interval_s, max(0.0, deadline - now)))
-
-
-# --- SDK control socket client ---------------------------------------------------------------
-
-
-class SdkCallError(Exception):
-    """A control-socket call failed; ``outcome`` sorts it (no socket, permission, timeout...)."""
-
-    def __init__(self, outcome: Outcome, detail: str) -> None:
-        super().__init__(detail)
-        self.outcome = outcome
-        self.detail = detail
-
-
-def _socket_owner_problem(path: Path, owner_uids: Sequence[int]) -> str | None:
-    """Why the socket file at ``path`` is not trusted (symlink, not a socket, foreign owner), or ``None``."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None  # connect() reports it
-    except OSError as exc:
-        return f"cannot inspect {path}: {exc.strerror or exc}"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISSOCK(st.st_mode):
-        return f"{path} is not a socket (symlinks are not followed)"
-    if not trusted_owner(st, owner_uids):
-        return f"{path} is owned by uid {st.st_uid}, not by the target's uid {list(owner_uids)} or root"
-    return None
-
-
-def _target_uids(pid: int | None) -> tuple[int, ...]:
-    """The uids whose control sockets count as the target's: its ``/proc/PID`` owner (we, without a pid)."""
-    if pid is None:
-        return (os.geteuid(),)
-    return process_uids(pid)
-
-
-#: Most in-flight requests kept per target at an incident.
-MAX_INFLIGHT_PER_TARGET = 10_000
-#: Largest reply line read from a control socket, bytes.
-MAX_REPLY_BYTES = 16 * 1024 * 1024
-
-
-async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid: int | None = None) -> dict[str, Any]:
-    """One JSON-lines request to an SDK control socket (see :mod:`agent.sdk.control`).
-
-    The socket is trusted only when it is a socket (not a symlink) owned by the target's uid
-    (``pid``'s, else ours) or root, and the peer serving it (``SO_PEERCRED``) runs as one of
-    them: a socket squatted in ``/dev/shm`` by another user is never talked to.
-
-    Raises:
-        SdkCallError: ``NO_SUCH_PROCESS`` (no socket / nobody listening), ``PERMISSION_DENIED``
-            (socket mode or peer-uid refusal), ``TIMED_OUT``, ``FAILED`` (bad reply).
-    """
-    owners = _target_uids(pid)
-    problem = _socket_owner_problem(path, owners)
-    if problem is not None:
-        raise SdkCallError(Outcome.PERMISSION_DENIED, f"untrusted control socket: {problem}")
-    try:
-        with anyio.fail_after(timeout_s):
-            async with await anyio.connect_unix(str(path)) as stream:
-                raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-                _peer_pid, peer_uid, _gid = struct.unpack(
-                    "3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-                )
-                if peer_uid not in (0, *owners):
-                    raise SdkCallError(
-                        Outcome.PERMISSION_DENIED,
-                        f"untrusted control socket: {path} is served by uid {peer_uid}, not the target's",
-                    )
-                await stream.send(json.dumps(request).encode() + b"\n")
-                reader = BufferedByteReceiveStream(stream)
-                line = await reader.receive_until(b"\n", MAX_REPLY_BYTES)
-    except TimeoutError:
-        raise SdkCallError(Outcome.TIMED_OUT, f"control socket {path} did not answer within {timeout_s} s") from None
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise SdkCallError(Outcome.NO_SUCH_PROCESS, f"no SDK control socket at {path} (agent.sdk.serve_control() not called?)") from None
-    except PermissionError:
-        raise SdkCallError(Outcome.PERMISSION_DENIED, f"permission denied on {path} (run servewatch as the server's user or root)") from None
-    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound) as exc:
-        raise SdkCallError(Outcome.FAILED, f"control socket {path}: {type(exc).__name__}: {exc}") from None
-    try:
-        reply = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise SdkCallError(Outcome.FAILED, f"control socket {path}: bad reply: {exc}") from None
-    if not isinstance(reply, dict):
-        raise SdkCallError(Outcome.FAILED, f"control socket {path}: reply is not an object")
-    if reply.get("error") == "permission_denied":
-        raise SdkCallError(Outcome.PERMISSION_DENIED, f"control socket {path}: {reply.get('detail', '')}")
-    return reply
 
 
 # --- the session -----------------------------------------------------------------------------
@@ -679,65 +579,10 @@ async def profile_once(
     req = actor.request(num_steps=steps, start_step=start_step, activities=activities, output_dir=out_dir, timeout_s=timeout_s)
     if config.backend == "sdk" and pid is None:
         folder = control_path(0, config.socket_dir).parent
-        socks = sorted(folder.glob("servewatch-ctl.*.sock"))
-        pids = [int(p.name.split(".")[1]) for p in socks if p.name.split(".")[1].isdigit()]
-        pids = [p for p in pids if pid_alive(p)]  # a killed server leaves its socket file behind
+        pids = control_socket_pids(config.socket_dir)
         if len(pids) != 1:
             s = _Session("sdk", req, None)
             found = "no" if not pids else f"{len(pids)} ({', '.join(map(str, pids))})"
             return s.result(Outcome.FAILED, f"{found} SDK control sockets in {folder}: pass --pid")
         pid = pids[0]
     return await actor.profile(req, pid=pid)
-
-
-async def read_inflight(targets: Sequence[Target], *, timeout_s: float = 2.0, socket_dir: Path | None = None) -> list[Any]:
-    """Requests in flight in every target that serves an SDK control socket (bounded, parallel).
-
-    Targets without a socket, or that do not answer within ``timeout_s``, contribute nothing.
-
-    Returns:
-        ``agent.incidents.InflightRequest`` items (pid, request id, span ids, age, token counts).
-    """
-    from agent.incidents import InflightRequest
-
-    out: list[Any] = []
-
-    async def one(target: Target) -> None:
-        path = control_path(target.pid, socket_dir)
-        if not path.exists():
-            return
-        try:
-            reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s, pid=target.pid)
-        except SdkCallError as exc:
-            logger.warning("in-flight requests of pid %d unavailable: %s", target.pid, exc)
-            return
-        now = time.time_ns()  # after the reply: a request admitted meanwhile has a real age
-        requests = reply.get("requests") or ()
-        if not isinstance(requests, list):
-            return
-        if len(requests) > MAX_INFLIGHT_PER_TARGET:
-            logger.warning("pid %d reported %d requests in flight; keeping the first %d",
-                           target.pid, len(requests), MAX_INFLIGHT_PER_TARGET)
-            requests = requests[:MAX_INFLIGHT_PER_TARGET]
-        for r in requests:
-            if not isinstance(r, dict):
-                continue
-            start = int(r.get("start_time_unix_nano") or now)
-            out.append(
-                InflightRequest(
-                    pid=target.pid,
-                    request_id=str(r.get("request_id", "")),
-                    trace_id=str(r.get("trace_id", "")),
-                    span_id=str(r.get("span_id", "")),
-                    age_s=max(0.0, (now - start) / 1e9),
-                    prompt_tokens=r.get("input_tokens"),
-                    generated_tokens=r.get("output_tokens"),
-                )
-            )
-
-    with anyio.move_on_after(timeout_s + 1.0):
-        async with anyio.create_task_group() as tg:
-            for t in targets:
-                tg.start_soon(one, t)
-    return out
-

@@ -18,11 +18,10 @@ from agent.actors.profiler import (
     ProfilerConfig,
     find_new_files,
     profile_once,
-    read_inflight,
-    sdk_call,
     snapshot_dir,
 )
 from agent.events import IncidentOpened, Outcome
+from agent.sdkclient import read_inflight, sdk_call
 from agent.targets import Target
 from exporters.spans import InMemorySink, new_span_id, new_trace_id
 from exporters.torch_trace import import_torch_trace

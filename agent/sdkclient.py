@@ -1,0 +1,258 @@
+"""The agent's side of the SDK control socket: one bounded call, the requests in flight.
+
+Owns :func:`sdk_call` (one JSON-lines request to a server's control socket, served by
+:mod:`agent.sdk.control` inside the server), :class:`SdkCallError` (a failed call, sorted into
+an :class:`~agent.events.Outcome`), :func:`control_socket_pids` (the live servers whose sockets
+are in a folder) and :func:`read_inflight` with its :class:`InflightRequest` items (span links
+and ``requests.json`` of an incident).
+
+Used by the actors (:mod:`agent.actors.profiler`, :mod:`agent.actors.flightrec`) and by the
+incident layer (:mod:`agent.incidents`, through :mod:`agent.runtime`). May import the stdlib,
+anyio, :mod:`agent.events`, :mod:`agent.errors`, :mod:`agent.procinfo`, :mod:`agent.security`,
+:mod:`agent.targets` and the SDK's path helper :func:`agent.sdk.control.control_path`; never an
+actor, a watcher, the incident layer or an exporter (``tests/test_layers.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from agent.errors import SdkCallError
+from agent.events import Outcome
+from agent.procinfo import pid_alive
+from agent.sdk.control import control_path
+from agent.security import process_uids, trusted_owner
+from agent.targets import Target
+
+__all__ = [
+    "MAX_INFLIGHT_PER_TARGET",
+    "MAX_REPLY_BYTES",
+    "InflightRequest",
+    "SdkCallError",
+    "control_path",
+    "control_socket_pids",
+    "read_inflight",
+    "sdk_call",
+]
+
+log = logging.getLogger(__name__)
+
+#: Most in-flight requests kept per target at an incident.
+MAX_INFLIGHT_PER_TARGET = 10_000
+#: Largest reply line read from a control socket, bytes.
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+#: Control socket file names: ``servewatch-ctl.<pid>.sock`` (per :func:`agent.sdk.control.control_path`).
+_SOCKET_GLOB = "servewatch-ctl.*.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class InflightRequest:
+    """A request that was in flight in a target when an incident opened.
+
+    Per the SDK's ``inflight`` control command; prompt text only when the user opted in.
+
+    Attributes:
+        pid: the target that served it.
+        request_id: the server's request id.
+        trace_id: 32 hex digits of the request's span (empty when it has none).
+        span_id: 16 hex digits of the request's span (empty when it has none).
+        age_s: seconds since the request started, at the time of the read.
+        prompt_tokens: input tokens, when the server reported them.
+        generated_tokens: output tokens so far, when the server reported them.
+        prompt: the prompt text (only with ``incident.capture_prompts``).
+    """
+
+    pid: int
+    request_id: str
+    trace_id: str
+    span_id: str
+    age_s: float
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    prompt: str | None = None
+
+    def to_json(self, *, with_prompt: bool) -> dict[str, Any]:
+        """The ``requests.json`` entry (the prompt only when ``with_prompt`` and known)."""
+        out: dict[str, Any] = {
+            "pid": self.pid,
+            "request_id": self.request_id,
+            "trace_id": self.trace_id,
+            "span_id": self.span_id,
+            "age_s": round(self.age_s, 6),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+        }
+        if with_prompt and self.prompt is not None:
+            out["prompt"] = self.prompt
+        return out
+
+
+def _socket_owner_problem(path: Path, owner_uids: Sequence[int]) -> str | None:
+    """Why the socket file at ``path`` is not trusted (symlink, not a socket, foreign owner), or ``None``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None  # connect() reports it
+    except OSError as exc:
+        return f"cannot inspect {path}: {exc.strerror or exc}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket (symlinks are not followed)"
+    if not trusted_owner(st, owner_uids):
+        return f"{path} is owned by uid {st.st_uid}, not by the target's uid {list(owner_uids)} or root"
+    return None
+
+
+def _target_uids(pid: int | None) -> tuple[int, ...]:
+    """The uids whose control sockets count as the target's: its ``/proc/PID`` owner (we, without a pid)."""
+    if pid is None:
+        return (os.geteuid(),)
+    return process_uids(pid)
+
+
+async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid: int | None = None) -> dict[str, Any]:
+    """One JSON-lines request to an SDK control socket (see :mod:`agent.sdk.control`).
+
+    The socket is trusted only when it is a socket (not a symlink) owned by the target's uid
+    (``pid``'s, else ours) or root, and the peer serving it (``SO_PEERCRED``) runs as one of
+    them: a socket squatted in ``/dev/shm`` by another user is never talked to.
+
+    Args:
+        path: the socket, e.g. ``control_path(pid, socket_dir)``.
+        request: the command object (``{"cmd": "status"}``...), sent as one JSON line.
+        timeout_s: bound on connecting, sending and reading the reply, seconds.
+        pid: the target that should serve the socket; ``None``: one of ours.
+
+    Returns:
+        The reply object (``ok`` false replies other than ``permission_denied`` included).
+
+    Raises:
+        SdkCallError: ``NO_SUCH_PROCESS`` (no socket / nobody listening), ``PERMISSION_DENIED``
+            (socket mode or peer-uid refusal), ``TIMED_OUT``, ``FAILED`` (bad reply, over
+            :data:`MAX_REPLY_BYTES`).
+    """
+    owners = _target_uids(pid)
+    problem = _socket_owner_problem(path, owners)
+    if problem is not None:
+        raise SdkCallError(Outcome.PERMISSION_DENIED, f"untrusted control socket: {problem}")
+    try:
+        with anyio.fail_after(timeout_s):
+            async with await anyio.connect_unix(str(path)) as stream:
+                raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+                _peer_pid, peer_uid, _gid = struct.unpack(
+                    "3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                )
+                if peer_uid not in (0, *owners):
+                    raise SdkCallError(
+                        Outcome.PERMISSION_DENIED,
+                        f"untrusted control socket: {path} is served by uid {peer_uid}, not the target's",
+                    )
+                await stream.send(json.dumps(request).encode() + b"\n")
+                reader = BufferedByteReceiveStream(stream)
+                line = await reader.receive_until(b"\n", MAX_REPLY_BYTES)
+    except TimeoutError:
+        raise SdkCallError(Outcome.TIMED_OUT, f"control socket {path} did not answer within {timeout_s} s") from None
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise SdkCallError(Outcome.NO_SUCH_PROCESS, f"no SDK control socket at {path} (agent.sdk.serve_control() not called?)") from None
+    except PermissionError:
+        raise SdkCallError(Outcome.PERMISSION_DENIED, f"permission denied on {path} (run servewatch as the server's user or root)") from None
+    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound) as exc:
+        raise SdkCallError(Outcome.FAILED, f"control socket {path}: {type(exc).__name__}: {exc}") from None
+    try:
+        reply = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SdkCallError(Outcome.FAILED, f"control socket {path}: bad reply: {exc}") from None
+    if not isinstance(reply, dict):
+        raise SdkCallError(Outcome.FAILED, f"control socket {path}: reply is not an object")
+    if reply.get("error") == "permission_denied":
+        raise SdkCallError(Outcome.PERMISSION_DENIED, f"control socket {path}: {reply.get('detail', '')}")
+    return reply
+
+
+def control_socket_pids(socket_dir: Path | None = None) -> list[int]:
+    """Pids of the live processes whose control socket file is in ``socket_dir``, ascending.
+
+    A killed server leaves its socket file behind: only pids still alive count. Names only (a
+    directory listing); :func:`sdk_call` decides whether a socket is trusted.
+
+    Args:
+        socket_dir: the sockets' folder; default the SDK's shm folder.
+    """
+    folder = control_path(0, socket_dir).parent
+    try:
+        names = [p.name for p in folder.glob(_SOCKET_GLOB)]
+    except OSError:
+        return []
+    pids = sorted({int(part) for name in names if (part := name.split(".")[1]).isdigit()})
+    return [p for p in pids if pid_alive(p)]
+
+
+async def read_inflight(
+    targets: Sequence[Target], *, timeout_s: float = 2.0, socket_dir: Path | None = None
+) -> list[InflightRequest]:
+    """Requests in flight in every target that serves an SDK control socket (bounded, parallel).
+
+    Targets without a socket, or that do not answer within ``timeout_s``, contribute nothing;
+    at most :data:`MAX_INFLIGHT_PER_TARGET` requests are kept per target.
+
+    Args:
+        targets: the processes to ask.
+        timeout_s: bound of each target's call, seconds (the whole read: ``timeout_s + 1``).
+        socket_dir: the sockets' folder; default the SDK's shm folder.
+
+    Returns:
+        The requests (pid, request id, span ids, age, token counts), in no particular order.
+    """
+    out: list[InflightRequest] = []
+
+    async def one(target: Target) -> None:
+        path = control_path(target.pid, socket_dir)
+        if not path.exists():
+            return
+        try:
+            reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s, pid=target.pid)
+        except SdkCallError as exc:
+            log.warning("in-flight requests of pid %d unavailable: %s", target.pid, exc)
+            return
+        now = time.time_ns()  # after the reply: a request admitted meanwhile has a real age
+        requests = reply.get("requests") or ()
+        if not isinstance(requests, list):
+            return
+        if len(requests) > MAX_INFLIGHT_PER_TARGET:
+            log.warning("pid %d reported %d requests in flight; keeping the first %d",
+                        target.pid, len(requests), MAX_INFLIGHT_PER_TARGET)
+            requests = requests[:MAX_INFLIGHT_PER_TARGET]
+        for r in requests:
+            if not isinstance(r, dict):
+                continue
+            start = int(r.get("start_time_unix_nano") or now)
+            out.append(
+                InflightRequest(
+                    pid=target.pid,
+                    request_id=str(r.get("request_id", "")),
+                    trace_id=str(r.get("trace_id", "")),
+                    span_id=str(r.get("span_id", "")),
+                    age_s=max(0.0, (now - start) / 1e9),
+                    prompt_tokens=r.get("input_tokens"),
+                    generated_tokens=r.get("output_tokens"),
+                )
+            )
+
+    with anyio.move_on_after(timeout_s + 1.0):
+        async with anyio.create_task_group() as tg:
+            for t in targets:
+                tg.start_soon(one, t)
+    return out

@@ -168,9 +168,11 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
         writes: the command writes under the data dir (bundles, spans): check it is writable and
             that the telemetry destination is valid (read-only commands never export).
     """
-    from agent.config import ConfigError, check_data_dir, load_settings
+    from agent.config import ConfigError, check_data_dir, load_settings, unknown_env_warnings
     from exporters.provider import ExportConfigError, resolve_destination
 
+    for line in unknown_env_warnings():  # a typo must not pass for a setting that took effect
+        err.print(f"servewatch: warning: {line}", markup=False, highlight=False)
     try:
         settings = load_settings(cli, config_file=config)
         if writes:

@@ -13,9 +13,13 @@ names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
 import sys
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +61,9 @@ __all__ = [
     "SpansConfig",
     "TargetConfig",
     "check_data_dir",
+    "env_names",
     "load_settings",
+    "unknown_env_warnings",
 ]
 
 #: Prefix of servewatch's environment variables.
@@ -187,6 +193,28 @@ def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _unknown_key(dotted: str) -> str:
+    """``watchdog.timeout_ss: unknown key (did you mean watchdog.timeout_s?)``."""
+    parent, _, leaf = dotted.rpartition(".")
+    siblings = [d.rpartition(".")[2] for d in env_names().values() if d.rpartition(".")[0] == parent]
+    close = _closest(leaf, siblings)
+    return f"{dotted}: unknown key" + (f" (did you mean {parent + '.' if parent else ''}{close}?)" if close else "")
+
+
+def _unknown_keys(table: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """One :func:`_unknown_key` line per key of a TOML document that is not a setting."""
+    known = set(env_names().values())
+    tables = {d.rpartition(".")[0] for d in known}
+    problems = []
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if dotted not in known:
+            problems.append(_unknown_key(dotted))
+        elif isinstance(value, Mapping) and dotted in tables:
+            problems.extend(_unknown_keys(value, f"{dotted}."))
+    return problems
+
+
 def _format_error(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
@@ -194,6 +222,9 @@ def _format_error(err: ValidationError) -> str:
         got = e.get("input")
         msg = str(e["msg"]).removeprefix("Value error, ")
         shown = "" if isinstance(got, dict) or repr(got) in msg else f" (got {got!r})"
+        if e["type"] == "extra_forbidden":  # a misspelt key: name the closest valid one
+            parts.append(_unknown_key(key))
+            continue
         parts.append(f"{key}: {msg}{shown}")
     return "invalid setting " + "; ".join(parts)
 
@@ -220,9 +251,12 @@ def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib  # type: ignore[no-redef]
         try:
-            tomllib.loads(path.read_text())
+            table = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"invalid setting config: {path}: {exc}") from None
+        unknown = _unknown_keys(table)
+        if unknown:  # nested tables ignore extra keys: a typo there would pass silently
+            raise ConfigError("invalid setting " + "; ".join(unknown))
         cls = type("FileSettings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}})
     try:
         return cls(**overrides)
@@ -233,6 +267,81 @@ def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None
             f"invalid setting {exc}; list values are JSON in the environment, e.g."
             """ SERVEWATCH_TARGET__MATCH='["sglang::scheduler*"]'"""
         ) from None
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (``HealthConfig``, ``HealthConfig | None``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [m for m in map(_model_of, typing.get_args(annotation)) if m is not None]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def env_names(model: type[BaseModel] = Settings, *, _env: str = ENV_PREFIX, _dotted: str = "") -> dict[str, str]:
+    """Every environment variable :class:`Settings` reads, mapped to its dotted setting name.
+
+    Returns:
+        ``{"SERVEWATCH_DATA_DIR": "data_dir", "SERVEWATCH_HEALTH": "health",
+        "SERVEWATCH_HEALTH__URL": "health.url", ...}``: a table's own name (a JSON object) and
+        each of its fields, in declaration order.
+    """
+    names: dict[str, str] = {}
+    for field_name, info in model.model_fields.items():
+        env = f"{_env}{field_name.upper()}"
+        names[env] = f"{_dotted}{field_name}"
+        nested = _model_of(info.annotation)
+        if nested is not None:
+            names.update(env_names(nested, _env=env + "__", _dotted=f"{_dotted}{field_name}."))
+    return names
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    """The candidate a misspelt ``name`` most likely meant, or None."""
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _sdk_env_names() -> set[str]:
+    """``SERVEWATCH_*`` variables read by the SDK inside a served process (not by the agent)."""
+    from agent.sdk import channel, control, profiler
+    from agent.sdk._counter import ENV_SHM_DIR  # agent.sdk's own `_counter` is its counter object
+
+    return {
+        ENV_SHM_DIR, channel.ENV_CHANNEL, channel.ENV_FALLBACK, channel.ENV_RING_BYTES,
+        channel.ENV_STALE_S, control.ENV_PROFILE_ALLOWED_DIRS, profiler.ENV_PROFILE_DIR,
+    }
+
+
+def unknown_env_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning line per ``SERVEWATCH_*`` variable that nothing reads (a typo, usually).
+
+    Names are compared case-insensitively, as :class:`Settings` reads them. Variables of the SDK
+    (read inside the served process) are known too. Only a variable that is not a setting name
+    costs the SDK's import.
+
+    Args:
+        environ: the environment (default ``os.environ``).
+
+    Returns:
+        ``["unknown variable SERVEWATCH_HEALTH__URLL is ignored (did you mean SERVEWATCH_HEALTH__URL?)", ...]``,
+        sorted by name; empty when every variable is known.
+    """
+    env = os.environ if environ is None else environ
+    settings_names = env_names()
+    given = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in settings_names)
+    if not given:
+        return []
+    known = [*settings_names, *sorted(_sdk_env_names())]
+    lines = []
+    for name in given:
+        if name.upper() in known:
+            continue
+        close = _closest(name.upper().removeprefix(ENV_PREFIX), [k.removeprefix(ENV_PREFIX) for k in known])
+        hint = f"did you mean {ENV_PREFIX}{close}?" if close else "see the settings reference in README.md"
+        lines.append(f"unknown variable {name} is ignored ({hint})")
+    return lines
 
 
 def check_data_dir(path: Path) -> None:

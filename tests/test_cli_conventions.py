@@ -98,3 +98,15 @@ def test_help_shows_plain_value_names(tmp_path: Path, command: str) -> None:
     assert not TYPE_LABEL.search(r.stdout), TYPE_LABEL.findall(r.stdout)
     if command in ("run", "dump"):
         assert "--pid PID" in r.stdout and "--match GLOB" in r.stdout and "--data-dir DIR" in r.stdout
+
+
+def test_unknown_servewatch_variable_is_one_warning_line(tmp_path: Path) -> None:
+    r = sw(tmp_path, "status", "--data-dir", str(tmp_path / "data"), SERVEWATCH_WATCHDOG__TIMEOUTS="3")
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert warnings == [
+        (
+            "servewatch: warning: unknown variable SERVEWATCH_WATCHDOG__TIMEOUTS is ignored"
+            " (did you mean SERVEWATCH_WATCHDOG__TIMEOUT_S?)"
+        )
+    ], r.stderr
+    assert "SERVEWATCH_SHM_DIR" not in r.stderr  # the SDK's variable (set by _env) is known

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from agent.config import ConfigError, Settings, load_settings
 
@@ -69,7 +70,7 @@ def test_data_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         ({}, {"SERVEWATCH_WATCHDOG__TIMEOUT_S": "soon"}, "invalid setting watchdog.timeout_s"),
         ({"watchdog": {"signal": "SIGNOPE"}}, {}, "invalid setting watchdog.signal"),
         ({"health": {"unhealthy_after": 0}}, {}, "invalid setting health.unhealthy_after"),
-        ({"bogus": 1}, {}, "invalid setting bogus: Extra inputs are not permitted"),
+        ({"bogus": 1}, {}, "invalid setting bogus: unknown key"),
         ({"target": {"pids": ["x"]}}, {}, "invalid setting target.pids.0"),
     ],
 )
@@ -104,3 +105,47 @@ def test_hard_targets_and_flight_recorder_settings(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ConfigError) as exc:
         load_settings({"watchdog": {"hard_targets": "everyone"}})
     assert "hard_targets" in str(exc.value)
+
+
+def test_env_names_cover_every_setting_and_its_table() -> None:
+    from agent.config import env_names
+
+    names = env_names()
+    assert names["SERVEWATCH_DATA_DIR"] == "data_dir"
+    assert names["SERVEWATCH_HEALTH"] == "health"
+    assert names["SERVEWATCH_WATCHDOG__TIMEOUT_S"] == "watchdog.timeout_s"
+    for table, field in Settings.model_fields.items():
+        assert f"SERVEWATCH_{table.upper()}" in names
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            assert {f"{table}.{f}" for f in model.model_fields} <= set(names.values())
+
+
+def test_unknown_servewatch_variables_are_named_with_the_closest_valid_name() -> None:
+    from agent.config import unknown_env_warnings
+
+    env = {
+        "SERVEWATCH_HEALTH__URLL": "http://x/health",  # typo of a setting
+        "SERVEWATCH_SPAN_FALBACK": "1",  # typo of an SDK variable
+        "SERVEWATCH_ZZZQQQ": "1",  # nothing close
+        "servewatch_data_dir": "d",  # known, in lower case (Settings reads it so)
+        "SERVEWATCH_SHM_DIR": "/dev/shm",  # the SDK's
+        "SERVEWATCH_HEALTH": "{}",  # a whole table as JSON
+        "OTHER_HEALTH__URLL": "x",
+    }
+    assert unknown_env_warnings(env) == [
+        "unknown variable SERVEWATCH_HEALTH__URLL is ignored (did you mean SERVEWATCH_HEALTH__URL?)",
+        "unknown variable SERVEWATCH_SPAN_FALBACK is ignored (did you mean SERVEWATCH_SPAN_FALLBACK?)",
+        "unknown variable SERVEWATCH_ZZZQQQ is ignored (see the settings reference in README.md)",
+    ]
+    assert unknown_env_warnings({"SERVEWATCH_WATCHDOG__TIMEOUT_S": "3", "PATH": "/bin"}) == []
+
+
+def test_unknown_toml_key_names_the_closest_valid_key(tmp_path: Path) -> None:
+    cfg = _toml(tmp_path, "data_dirr = \"d\"\n[watchdog]\ntimeout_ss = 3\n[fleet]\njob = \"j\"\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(config_file=cfg)
+    assert str(info.value) == (
+        "invalid setting data_dirr: unknown key (did you mean data_dir?);"
+        " watchdog.timeout_ss: unknown key (did you mean watchdog.timeout_s?)"
+    )

@@ -26,9 +26,9 @@ Owns the one decision of what runs, in what order, and when to stop:
    (``watchdog.hard_targets``: ``culprit``, the default, or ``all``) so an orchestrator can
    restart them; each signal is a ``hard.signal`` action (a span).
 
-Imports :mod:`agent.events`, :mod:`agent.bus`, :mod:`agent.targets` and the span-id helpers of
-:mod:`exporters.spans`; actors are passed in as :class:`Phase` callables, so this module never
-imports an actor or a watcher.
+Imports :mod:`agent.events`, :mod:`agent.bus`, :mod:`agent.targets`, the trace/span id helpers of
+:mod:`agent.ids` and the SDK client :mod:`agent.sdkclient` (requests in flight); actors are passed
+in as :class:`Phase` callables, so this module never imports an actor, a watcher or an exporter.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import secrets
 import signal as signal_mod
 import time
@@ -69,6 +68,7 @@ from agent.events import (
     now_ns,
 )
 from agent.fsutil import atomic_write_text, ensure_private_dir
+from agent.ids import new_span_id_hex, new_trace_id_hex
 from agent.procinfo import pid_alive
 from agent.progress import reporting_to
 from agent.ranks import target_attributes
@@ -100,14 +100,6 @@ DEFERRED_PHASES = frozenset({Action.PROFILE_SESSION})
 
 log = logging.getLogger("servewatch.incidents")
 
-
-def _new_id(bits: int) -> int:
-    """A random non-zero trace (128-bit) or span (64-bit) id, as the OTel SDK's RandomIdGenerator
-    makes them (without importing the SDK: `servewatch cuda-env` and friends start fast)."""
-    while True:
-        value = random.getrandbits(bits)
-        if value:
-            return value
 
 #: Events that can open an incident.
 TRIGGER_EVENTS: tuple[type[Event], ...] = (HealthCheckFailed, WatchdogStalled, TargetExited)
@@ -585,8 +577,8 @@ class IncidentManager:
             detail=detail,
             pids=tuple(t.pid for t in targets),
             bundle_dir=str(bundle_dir),
-            trace_id=parent[0] if parent else f"{_new_id(128):032x}",
-            span_id=f"{_new_id(64):016x}",
+            trace_id=parent[0] if parent else new_trace_id_hex(),
+            span_id=new_span_id_hex(),
             parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
             attributes=frozen_attrs(target_attributes(t.title for t in targets)),

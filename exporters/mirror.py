@@ -4,7 +4,7 @@ Owns :class:`SpanMirror`. It decides nothing: an ``IncidentOpened`` is remembere
 ``ActionCompleted`` (``StacksDumped``, ``CoredumpTriggered``, ``ProfileStopped`` ...) becomes a
 child span named after ``result.action`` with the action's own start/end times, and
 ``IncidentClosed`` emits the root span ``incident`` spanning open to close. Ids come from the
-events (hex, chosen by :mod:`agent.incidents` with :func:`exporters.spans.new_trace_id`), so the
+events (hex, chosen by :mod:`agent.incidents` with :mod:`agent.ids`), so the
 trace can be referenced before it is exported. Span links to in-flight requests are read from a
 ``links`` attribute of the open/close events when present (``((trace_id_hex, span_id_hex), ...)``).
 
@@ -40,6 +40,7 @@ from agent.events import (
     Outcome,
     now_ns,
 )
+from agent.ids import parse_span_id, parse_trace_id
 from exporters.spans import (
     CollectingSink,
     SpanSink,
@@ -97,16 +98,6 @@ def _links(event: Event) -> list[Link]:
         except (TypeError, ValueError, IndexError):
             _log.debug("ignoring malformed span link %r", item)
     return links
-
-
-def _hex_or_new(value: str, width: int) -> int | None:
-    if value and len(value) == width:
-        try:
-            parsed = int(value, 16)
-        except ValueError:
-            return None
-        return parsed or None
-    return None
 
 
 class SpanMirror:
@@ -184,19 +175,19 @@ class SpanMirror:
     # --- per event ------------------------------------------------------------------------
 
     def _opened(self, event: IncidentOpened) -> None:
-        trace_id = _hex_or_new(event.trace_id, 32) or new_trace_id()
-        span_id = _hex_or_new(event.span_id, 16) or new_span_id()
-        parent = _hex_or_new(event.parent_span_id, 16) if event.trace_id else None
+        trace_id = parse_trace_id(event.trace_id) or new_trace_id()
+        span_id = parse_span_id(event.span_id) or new_span_id()
+        parent = parse_span_id(event.parent_span_id) if event.trace_id else None
         self._open[event.incident_id] = _OpenIncident(trace_id, span_id, event, parent_span_id=parent)
 
     def _retraced(self, event: IncidentRetraced) -> None:
         inc = self._open.get(event.incident_id)
-        trace_id = _hex_or_new(event.trace_id, 32)
+        trace_id = parse_trace_id(event.trace_id)
         if inc is None or trace_id is None:
             return
         inc.retraced_from = event.previous_trace_id or trace_id_hex(inc.trace_id)
         inc.trace_id = trace_id
-        inc.parent_span_id = _hex_or_new(event.parent_span_id, 16)
+        inc.parent_span_id = parse_span_id(event.parent_span_id)
 
     def _action(self, event: ActionCompleted) -> None:
         result = event.result

@@ -15,13 +15,13 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from opentelemetry import trace as trace_api
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from agent.ids import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
 __all__ = [
     "SCOPE",
@@ -43,7 +43,6 @@ __all__ = [
 #: Instrumentation scope of every span servewatch emits.
 SCOPE = InstrumentationScope("servewatch", "0.1.0")
 
-_ids = RandomIdGenerator()
 _limits: SpanLimits | None = None
 
 
@@ -62,26 +61,6 @@ def reset_span_limits() -> None:
     """Read the span-limit env again on next use (tests)."""
     global _limits
     _limits = None
-
-
-def new_trace_id() -> int:
-    """A random valid 128-bit trace id."""
-    return _ids.generate_trace_id()
-
-
-def new_span_id() -> int:
-    """A random valid 64-bit span id."""
-    return _ids.generate_span_id()
-
-
-def trace_id_hex(trace_id: int) -> str:
-    """32 lowercase hex digits, as OTLP/JSON and W3C traceparent write trace ids."""
-    return trace_api.format_trace_id(trace_id)
-
-
-def span_id_hex(span_id: int) -> str:
-    """16 lowercase hex digits."""
-    return trace_api.format_span_id(span_id)
 
 
 def _context(trace_id: int, span_id: int) -> SpanContext:

@@ -42,6 +42,9 @@ def _offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
         ("agent/sdk", ("agent.actors", "agent.watchers", "agent.runtime", "agent.incidents", "exporters")),
         # the profiler and flightrec actors reach the SDK through agent.sdkclient, not incidents
         ("agent/actors", ("agent.incidents", "agent.runtime")),
+        # incidents pick their ids with agent.ids, never from an exporter
+        ("agent/incidents.py", ("exporters", "agent.actors", "agent.watchers")),
+        ("agent/ids.py", ("agent.", "exporters")),
         ("agent/sdkclient.py", ("agent.actors", "agent.watchers", "agent.incidents", "agent.runtime", "exporters")),
     ],
 )

@@ -162,13 +162,16 @@ def _say_spooled(telemetry: Any, stats: Any) -> None:
 
 
 def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) -> Settings:
-    """Load settings and validate the telemetry destination and data dir, or exit 2 with one line.
+    """Load settings and validate the telemetry destination, or exit 2 with one line.
+
+    Creates nothing: a command that writes calls :func:`_data_dir_ready` once its own checks
+    passed, so a failed command leaves no data dir behind.
 
     Args:
-        writes: the command writes under the data dir (bundles, spans): check it is writable and
-            that the telemetry destination is valid (read-only commands never export).
+        writes: the command exports telemetry: check the destination (read-only commands never
+            export).
     """
-    from agent.config import ConfigError, check_data_dir, load_settings, unknown_env_warnings
+    from agent.config import ConfigError, load_settings, unknown_env_warnings
     from exporters.provider import ExportConfigError, resolve_destination
 
     for line in unknown_env_warnings():  # a typo must not pass for a setting that took effect
@@ -177,11 +180,27 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
         settings = load_settings(cli, config_file=config)
         if writes:
             resolve_destination(settings.export)  # OTEL_* env problems surface now, not mid-run
-            check_data_dir(settings.data_dir)
     except (ConfigError, ExportConfigError) as exc:
-        msg = str(exc)
-        fail(msg if msg.startswith("invalid setting") else f"invalid setting {msg}", ExitCode.USAGE)
+        _invalid(exc)
     return settings
+
+
+def _invalid(exc: Exception) -> NoReturn:
+    msg = str(exc)
+    fail(msg if msg.startswith("invalid setting") else f"invalid setting {msg}", ExitCode.USAGE)
+
+
+def _data_dir_ready(settings: Settings) -> None:
+    """Create the data dir (0700) if needed and check it is safe and writable, or exit 2.
+
+    Called by a command that writes bundles or spans, after its own checks passed.
+    """
+    from agent.config import ConfigError, check_data_dir
+
+    try:
+        check_data_dir(settings.data_dir)
+    except ConfigError as exc:
+        _invalid(exc)
 
 
 # Options shared by several commands.
@@ -327,6 +346,7 @@ def run(
         fail("nothing to watch: give --health-url, --metrics-url, --pid, --root-pid or --match", ExitCode.USAGE)
     if settings.api.enabled:
         _check_bindable(settings.api.host, settings.api.port)
+    _data_dir_ready(settings)
     import anyio
 
     from agent.runtime import Agent
@@ -449,6 +469,7 @@ def dump(
         gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
         why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
         fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
+    _data_dir_ready(settings)
     from exporters.provider import build_telemetry
 
     telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
@@ -481,6 +502,7 @@ def demo(
     if not torch_available():
         fail(TORCH_MISSING_MESSAGE, ExitCode.FAILURE)
     settings = _settings({"data_dir": data_dir}, None)
+    _data_dir_ready(settings)
     from agent.demo.run import run_demo
 
     try:
@@ -498,16 +520,23 @@ def cuda_env(
     folder: Path | None = typer.Option(None, "--folder", metavar="DIR", help="Crash-dump folder (core files go to DIR/<host>/)."),
     config: Path | None = ConfigOpt,
 ) -> None:
-    """Print `export` lines arming CUDA coredumps (SGLang's defaults; values already set are kept)."""
+    """Print `export` lines arming CUDA coredumps (SGLang's defaults; values already set are kept).
+
+    Creates nothing: when the crash-dump folder is missing, the first line printed is the
+    `mkdir -p` that creates it (run the output in the server's shell, e.g. with eval).
+    """
+    import shlex
+
     from agent.actors.coredump import check_dump_dir, cuda_coredump_env, format_exports
 
     settings = _settings({"coredump": {"folder": folder}}, config, writes=False)
     cfg = settings.coredump
-    try:
-        plan = cuda_coredump_env(cfg.folder, pipe_template=cfg.pipe_template)
-    except OSError as exc:
-        fail(f"cannot create crash-dump folder {str(cfg.folder)!r}: {exc.strerror or exc}", ExitCode.FAILURE)
-    check = check_dump_dir(plan.host_dir, min_free_bytes=cfg.min_free_bytes)
+    plan = cuda_coredump_env(cfg.folder, pipe_template=cfg.pipe_template, create=False)
+    exists = plan.host_dir.is_dir()
+    if exists:
+        check = check_dump_dir(plan.host_dir, min_free_bytes=cfg.min_free_bytes)
+    else:
+        out.print(f"mkdir -p {shlex.quote(str(plan.host_dir))}", markup=False, highlight=False)
     out.print(format_exports(plan), markup=False, highlight=False)
     n_set, n_kept = len(plan.set), len(plan.kept)
     if settings.flightrec.enabled:  # torch's collective Flight Recorder, for the cross-rank verdict
@@ -519,7 +548,8 @@ def cuda_env(
         n_set, n_kept = n_set + len(fr_set), n_kept + len(fr_kept)
     err.print(
         f"servewatch: {n_set} variable(s) set, {n_kept} kept; core files go to '{plan.host_dir}/'"
-        + ("" if check.ok else f" (warning: {check.reason})"),
+        + (" (the folder does not exist yet: the printed mkdir creates it)" if not exists
+           else "" if check.ok else f" (warning: {check.reason})"),
         markup=False,
     )
 
@@ -556,6 +586,7 @@ def launch(
         },
         config,
     )
+    _data_dir_ready(settings)
     try:
         planned = launch_env(
             crash_dump_folder=settings.coredump.folder if settings.coredump.enabled else None,
@@ -732,20 +763,25 @@ def timeline(
 @app.command()
 def report(
     incident: str | None = typer.Argument(None, metavar="INCIDENT", help="Incident id (or unique prefix), 'latest', or a bundle folder (default: latest)."),
-    output: Path = typer.Option(Path("report.html"), "-o", "--output", metavar="FILE", help="HTML file to write."),
+    output: Path = typer.Option(Path("report.html"), "-o", "--output", metavar="FILE", help="HTML file to write ('-': stdout); its folder must exist."),
     data_dir: Path | None = DataDirOpt,
     config: Path | None = ConfigOpt,
 ) -> None:
     """Write one self-contained HTML page (no network) with the incident timeline, stacks and artifacts."""
-    from exporters.report import report_summary, write_report
+    from exporters.report import render_report_html, report_summary, write_report
     from exporters.timeline import BundleError, load_incident_arg
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     try:
         tl = load_incident_arg(incident, data_dir=settings.data_dir)
-        path = write_report(tl, output)
     except BundleError as exc:
         fail(str(exc))
+    if str(output) == "-":
+        sys.stdout.write(render_report_html(tl))
+        sys.stdout.flush()
+        return
+    try:
+        path = write_report(tl, output)
     except OSError as exc:
         fail(f"cannot write {str(output)!r}: {exc.strerror or exc}")
     err.print(report_summary(tl, path), markup=False)
@@ -784,6 +820,7 @@ def profile(
     acts = [a.strip().upper() for a in activities.split(",") if a.strip()] if activities else None
     if acts is not None and not set(acts) <= {"CPU", "GPU", "MEM", "CUDA_PROFILER"}:
         fail(f"invalid setting activities: expected CPU, GPU, MEM or CUDA_PROFILER (got {activities!r})", ExitCode.USAGE)
+    _data_dir_ready(settings)
     import anyio
 
     from agent.actors.profiler import profile_once

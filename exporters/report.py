@@ -419,7 +419,7 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
 
 def write_report(tl: IncidentTimeline, out_path: str | os.PathLike[str], *,
                  generated_time_unix_nano: int | None = None) -> Path:
-    """Write the report page to ``out_path`` (parent folders created; replaced atomically).
+    """Write the report page to ``out_path`` (replaced atomically; its folder must exist).
 
     Args:
         tl: the incident timeline (:func:`exporters.timeline.load_incident`).
@@ -430,12 +430,11 @@ def write_report(tl: IncidentTimeline, out_path: str | os.PathLike[str], *,
         The absolute path written.
 
     Raises:
-        OSError: the file cannot be written.
+        OSError: the file cannot be written (``FileNotFoundError``: no such folder).
     """
     # resolve the folder only: a symlink planted at the file's name is replaced, never followed
     given = Path(os.path.abspath(out_path))
     out = given.parent.resolve() / given.name
-    out.parent.mkdir(parents=True, exist_ok=True)
     # temp file O_EXCL|O_NOFOLLOW beside it, fsync, rename: never writes through a planted symlink
     atomic_write_text(out, render_report_html(tl, generated_time_unix_nano=generated_time_unix_nano))
     return out

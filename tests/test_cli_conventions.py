@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.exporters.bundle_fixture import INCIDENT_ID, Bundle, write_bundle
+
 COMMANDS = ("run", "status", "dump", "demo", "cuda-env", "launch", "export", "timeline", "report", "profile")
 
 
@@ -28,19 +30,20 @@ def _servewatch() -> str:
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A private HOME, XDG folders, shm folder and working folder (``cwd``) under ``tmp_path``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_", "XDG_"))}
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    env.update(HOME=str(home), SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), **extra)
+    for name in ("home", "cwd"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    env.update(HOME=str(tmp_path / "home"), SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), **extra)
+    env.update({f"XDG_{kind}_HOME": str(tmp_path / "xdg" / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA", "STATE")})
     return env
 
 
 def sw(tmp_path: Path, *args: str, timeout_s: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    cwd = tmp_path / "cwd"
-    cwd.mkdir(exist_ok=True)
+    full_env = _env(tmp_path, **env)
     return subprocess.run(
-        [_servewatch(), *args], check=False, capture_output=True, text=True, timeout=timeout_s, cwd=cwd,
-        env=_env(tmp_path, **env), stdin=subprocess.DEVNULL,
+        [_servewatch(), *args], check=False, capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path / "cwd",
+        env=full_env, stdin=subprocess.DEVNULL,
     )
 
 
@@ -110,3 +113,54 @@ def test_unknown_servewatch_variable_is_one_warning_line(tmp_path: Path) -> None
         )
     ], r.stderr
     assert "SERVEWATCH_SHM_DIR" not in r.stderr  # the SDK's variable (set by _env) is known
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Bundle:
+    return write_bundle(tmp_path_factory.mktemp("data"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["cuda-env"],
+        ["status"],
+        ["timeline"],
+        ["report"],
+        ["report", "-o", "/nonexistent/servewatch-test/x.html"],
+        ["export", "--to", "http://127.0.0.1:1"],
+        ["run"],
+        ["run", "--pid", "1", "--hard-targets", "some"],
+        ["dump"],
+        ["dump", "--match", "no-such-title-*"],
+        ["launch", "--health-url", "ftp://x/", "--", "true"],
+        ["profile", "--steps", "1", "--activities", "XYZ"],
+    ],
+)
+def test_read_only_and_failed_commands_create_no_folder(tmp_path: Path, args: list[str]) -> None:
+    _env(tmp_path)  # the private HOME and working folder exist before
+    before = _tree(tmp_path)
+    r = sw(tmp_path, *args)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert _tree(tmp_path) == before, r.stderr
+    assert not Path("/nonexistent/servewatch-test").exists()
+
+
+def test_report_and_timeline_of_a_bundle_write_only_what_was_asked(tmp_path: Path, bundle: Bundle) -> None:
+    _env(tmp_path)
+    data = str(bundle.data_dir)
+    before, data_before = _tree(tmp_path), _tree(bundle.data_dir)
+    t = sw(tmp_path, "timeline", INCIDENT_ID, "--data-dir", data)
+    assert t.returncode == 0 and INCIDENT_ID in t.stdout, t.stderr
+    bad = sw(tmp_path, "report", INCIDENT_ID, "--data-dir", data, "-o", str(tmp_path / "no" / "r.html"))
+    assert bad.returncode == 1
+    assert bad.stderr == f"servewatch: cannot write '{tmp_path}/no/r.html': No such file or directory\n"
+    page = sw(tmp_path, "report", INCIDENT_ID, "--data-dir", data, "-o", "-")
+    assert page.returncode == 0, page.stderr
+    assert page.stdout.startswith("<!DOCTYPE html>") and INCIDENT_ID in page.stdout
+    assert _tree(tmp_path) == before  # no file named "-", no folder "no"
+    assert _tree(bundle.data_dir) == data_before

@@ -231,18 +231,21 @@ def cuda_coredump_env(
     *,
     host: str | None = None,
     pipe_template: str = SGLANG_PIPE_TEMPLATE,
+    create: bool = True,
 ) -> CoredumpEnvPlan:
     """Compute the CUDA coredump environment for ``folder`` with SGLang's defaults.
 
     Per SGLang's ``--crash-dump-folder`` handling: each variable is set only where ``environ``
     does not already have it (the user's value wins, even an empty one). Creates
-    ``folder/<host>`` so the driver can write ``%h`` paths.
+    ``folder/<host>`` so the driver can write ``%h`` paths, unless ``create`` is false (``servewatch
+    cuda-env`` only prints).
 
     Args:
         folder: crash-dump folder; made absolute.
         environ: the environment to start from (not modified).
         host: host name ``%h`` expands to; default :func:`socket.gethostname`.
         pipe_template: ``CUDA_COREDUMP_PIPE`` to set; default SGLang's.
+        create: create ``folder/<host>`` now.
 
     Returns:
         The plan: what was set, what was kept, and the full environment.
@@ -271,7 +274,8 @@ def cuda_coredump_env(
         else:
             added[name] = value
     host_dir = folder_path / host_name
-    host_dir.mkdir(parents=True, exist_ok=True)
+    if create:
+        host_dir.mkdir(parents=True, exist_ok=True)
     env = dict(environ)
     env.update(added)
     return CoredumpEnvPlan(

@@ -54,7 +54,9 @@ def tl(bundle: Bundle) -> IncidentTimeline:
 
 @pytest.fixture(scope="module")
 def report(tl: IncidentTimeline, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_report(tl, tmp_path_factory.mktemp("out") / "sub" / "report.html")
+    folder = tmp_path_factory.mktemp("out") / "sub"
+    folder.mkdir()  # write_report creates no folder
+    return write_report(tl, folder / "report.html")
 
 
 # --- a small DOM from Chromium's serialized DOM ------------------------------------------------
@@ -300,3 +302,9 @@ def test_incident_without_actions_still_makes_a_page(tmp_path: Path) -> None:
     assert 'id="trigger">health</span>' in markup
     assert "http:&#x2F;&#x2F;" not in markup and "http://127.0.0.1:30000/health failed" in markup  # text, not a link
     assert "<a " not in markup and 'id="stacks"' not in markup
+
+
+def test_write_report_into_a_missing_folder_fails_and_creates_nothing(tl: IncidentTimeline, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        write_report(tl, tmp_path / "missing" / "report.html")
+    assert list(tmp_path.iterdir()) == []

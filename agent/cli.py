@@ -472,7 +472,8 @@ def dump(
     _data_dir_ready(settings)
     from exporters.provider import build_telemetry
 
-    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
+    # one-shot: the agent's own metrics go only to a collector (none configured: no MeterProvider)
+    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name, file_metrics=False)
     try:
         record = anyio.run(lambda: dump_once(settings, telemetry=telemetry, handle_signals=True))
     finally:

@@ -1,8 +1,8 @@
 """servewatch's own metrics, as OpenTelemetry metrics.
 
-Owns :class:`Metrics` (the instruments and a tiny recording API), :class:`OtlpJsonMetricExporter`
-(the embedded default: OTLP/JSON lines of ``ExportMetricsServiceRequest``) and
-:func:`build_meter_provider`.
+Owns :class:`Metrics` (the instruments and a tiny recording API) and :func:`build_meter_provider`,
+which exports through :class:`~exporters.metrics_export.OtlpJsonMetricExporter` (the embedded
+default: OTLP/JSON lines of ``ExportMetricsServiceRequest``) or a spooling OTLP exporter.
 
 Instruments (units per the OTel metric conventions):
 
@@ -21,7 +21,9 @@ Instruments (units per the OTel metric conventions):
   ``servewatch.watcher.state`` (``ready | waiting | blind``): 1 for each watcher's current
   state, 0 for the others (alert on ``state="blind" == 1``).
 
-Imports opentelemetry-sdk / exporters, :mod:`exporters.otlp_json`, :mod:`exporters.processor`.
+Imports the OpenTelemetry metrics API; the metrics SDK and :mod:`exporters.metrics_export` only when
+:func:`build_meter_provider` runs (a ``Metrics(None)`` recorder, as ``servewatch dump`` without a
+collector uses, imports neither).
 """
 
 from __future__ import annotations
@@ -30,58 +32,24 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    MetricExporter,
-    MetricExportResult,
-    MetricsData,
-    PeriodicExportingMetricReader,
-)
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
-from opentelemetry.sdk.resources import Resource
 
-from exporters.otlp_json import RotatingJsonLinesWriter, message_to_json
-from exporters.processor import ExportStatistics
-from exporters.transport import RequestSender
+if TYPE_CHECKING:  # the metrics SDK loads in build_meter_provider: Metrics(None) stays light
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricExporter
+    from opentelemetry.sdk.resources import Resource
 
-__all__ = ["DETECTION_LATENCY_BUCKETS_S", "Metrics", "OtlpJsonMetricExporter", "build_meter_provider"]
+    from exporters.processor import ExportStatistics
+    from exporters.transport import RequestSender
+
+__all__ = ["DETECTION_LATENCY_BUCKETS_S", "Metrics", "build_meter_provider"]
 
 _log = logging.getLogger(__name__)
 
 #: Histogram bucket bounds for detection latency, in seconds (watchdog timeouts run 1 s to 10 min).
 DETECTION_LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-
-class OtlpJsonMetricExporter(MetricExporter):
-    """Writes each metrics export as one OTLP/JSON ``ExportMetricsServiceRequest`` line.
-
-    Args:
-        directory: where ``metrics-*.jsonl`` go (rotated by size like the span files).
-        max_file_bytes / max_files: rotation and retention, see
-            :class:`~exporters.otlp_json.RotatingJsonLinesWriter`.
-    """
-
-    def __init__(self, directory: Path, *, max_file_bytes: int = 16 * 1024 * 1024, max_files: int = 8) -> None:
-        super().__init__()
-        self.writer = RotatingJsonLinesWriter(directory, prefix="metrics", max_file_bytes=max_file_bytes, max_files=max_files)
-
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
-        try:
-            self.writer.write_line(message_to_json(encode_metrics(metrics_data)))
-        except OSError as exc:
-            _log.warning("metrics file write failed: %s", exc)
-            return MetricExportResult.FAILURE
-        return MetricExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self.writer.close()
 
 
 def build_meter_provider(
@@ -101,6 +69,12 @@ def build_meter_provider(
         (provider, exporter): the exporter's ``statistics()`` counts spooled and lost points
         (:class:`~exporters.metrics_export.SpoolingMetricExporter`).
     """
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+    from exporters.metrics_export import OtlpJsonMetricExporter
+
     exporter: MetricExporter
     if sender is None:
         if file_directory is None:

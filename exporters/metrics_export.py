@@ -1,4 +1,5 @@
-"""OTLP metrics export that survives an outage: :class:`SpoolingMetricExporter`.
+"""servewatch's metric exporters: :class:`SpoolingMetricExporter` (OTLP, survives an outage) and
+:class:`OtlpJsonMetricExporter` (the embedded default, OTLP/JSON lines).
 
 Owns the network side of servewatch's own metrics. It sends through the same senders as spans
 (:mod:`exporters.transport`: TLS/mTLS, gzip, lower-cased gRPC metadata, one attempt per call), so
@@ -9,7 +10,7 @@ next export; past ``max_files`` the oldest is deleted and its data points counte
 request refused permanently is counted as lost. :meth:`statistics` reports all of it, and
 :class:`~exporters.metrics.Metrics` exports those counts as ``servewatch.export.metric_points``.
 
-Imports opentelemetry-sdk/proto, :mod:`agent.fsutil` and :mod:`exporters.transport`.
+Imports opentelemetry-sdk/proto, :mod:`agent.fsutil`, :mod:`exporters.otlp_json` and :mod:`exporters.transport`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,42 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 from agent.fsutil import atomic_write_bytes, ensure_private_dir, remove_stale_temps
+from exporters.otlp_json import RotatingJsonLinesWriter, message_to_json
 from exporters.transport import Delivery, RequestSender
 
-__all__ = ["MetricExportStatistics", "SpoolingMetricExporter", "data_point_count"]
+__all__ = ["MetricExportStatistics", "OtlpJsonMetricExporter", "SpoolingMetricExporter", "data_point_count"]
 
 _log = logging.getLogger(__name__)
 
 SUFFIX = ".metrics.binpb"
+
+
+class OtlpJsonMetricExporter(MetricExporter):
+    """Writes each metrics export as one OTLP/JSON ``ExportMetricsServiceRequest`` line.
+
+    Args:
+        directory: where ``metrics-*.jsonl`` go (rotated by size like the span files).
+        max_file_bytes / max_files: rotation and retention, see
+            :class:`~exporters.otlp_json.RotatingJsonLinesWriter`.
+    """
+
+    def __init__(self, directory: Path, *, max_file_bytes: int = 16 * 1024 * 1024, max_files: int = 8) -> None:
+        super().__init__()
+        self.writer = RotatingJsonLinesWriter(directory, prefix="metrics", max_file_bytes=max_file_bytes, max_files=max_files)
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        try:
+            self.writer.write_line(message_to_json(encode_metrics(metrics_data)))
+        except OSError as exc:
+            _log.warning("metrics file write failed: %s", exc)
+            return MetricExportResult.FAILURE
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self.writer.close()
 
 
 class MetricExportStatistics(NamedTuple):

@@ -540,6 +540,7 @@ def build_telemetry(
     service_instance_id: str | None = None,
     host_name: str | None = None,
     environ: Mapping[str, str] | None = None,
+    file_metrics: bool = True,
 ) -> Telemetry:
     """Build the pipeline: resource, lossless processor (+ spool), TracerProvider, metrics.
 
@@ -549,6 +550,10 @@ def build_telemetry(
         service_instance_id: ``service.instance.id`` (default: a random UUID per run).
         host_name: ``host.name`` (default: ``socket.gethostname()``).
         environ: env to read instead of ``os.environ`` (tests).
+        file_metrics: with no OTLP endpoint for metrics, still write servewatch's own metrics
+            to ``<data_dir>/<host>/metrics/`` (default True). One-shot commands pass False: then
+            no ``MeterProvider`` is built and the metrics SDK is not even imported unless a
+            collector will receive the metrics (``telemetry.meter_provider`` is ``None``).
 
     Raises:
         ExportConfigError: a bad setting (the message names it).
@@ -596,8 +601,8 @@ def build_telemetry(
     tracer_provider.add_span_processor(processor)
     meter_provider: MeterProvider | None = None
     metric_exporter = None
-    if config.metrics:
-        metrics_dest = resolve_destination(config, environ, signal="metrics")
+    metrics_dest = resolve_destination(config, environ, signal="metrics") if config.metrics else None
+    if metrics_dest is not None and (file_metrics or metrics_dest.endpoint is not None):
         metrics_sender = None
         if metrics_dest.endpoint is not None:
             try:

@@ -23,17 +23,13 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, Union
+from typing import TYPE_CHECKING, Literal, Protocol, TypeGuard, Union, cast
 from urllib.parse import urlsplit
 
 # grpc-core logs handshake and connect failures straight to stderr; servewatch sorts every failure
 # itself (Cause) and reports it once, so its lines are off unless the user asks for them.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceRequest,
-    ExportMetricsServiceResponse,
-)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -42,6 +38,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from agent.events import StrEnum
 from agent.lazy import LazyModule
 from exporters.otlp_json import RotatingJsonLinesWriter, request_to_json
+
+if TYPE_CHECKING:  # the metrics messages load with the first metrics request or response
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+        ExportMetricsServiceResponse,
+    )
 
 __all__ = [
     "PROTOCOLS",
@@ -63,7 +65,11 @@ __all__ = [
 #: Which OTLP signal a sender carries.
 Signal = Literal["traces", "metrics"]
 #: One encoded OTLP export request.
-OtlpRequest = Union[ExportTraceServiceRequest, ExportMetricsServiceRequest]
+OtlpRequest = Union[ExportTraceServiceRequest, "ExportMetricsServiceRequest"]
+
+#: Protobuf full name of a metrics export request (told apart without importing its module).
+_METRICS_REQUEST = "opentelemetry.proto.collector.metrics.v1.ExportMetricsServiceRequest"
+_METRICS_RESPONSE = "opentelemetry.proto.collector.metrics.v1.ExportMetricsServiceResponse"
 
 _log = logging.getLogger(__name__)
 
@@ -234,11 +240,15 @@ def span_count(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
+def _is_metrics(request: OtlpRequest) -> TypeGuard[ExportMetricsServiceRequest]:
+    return bool(request.DESCRIPTOR.full_name == _METRICS_REQUEST)
+
+
 def item_count(request: OtlpRequest) -> int:
     """Spans of a trace request, metrics of a metrics request."""
-    if isinstance(request, ExportMetricsServiceRequest):
+    if _is_metrics(request):
         return sum(len(sm.metrics) for rm in request.resource_metrics for sm in rm.scope_metrics)
-    return span_count(request)
+    return span_count(cast(ExportTraceServiceRequest, request))
 
 
 def _grpc_cause(code: grpc.StatusCode | None, details: str) -> tuple[Delivery, Cause]:
@@ -385,7 +395,7 @@ def _partial_success(response: ExportTraceServiceResponse | ExportMetricsService
     if not response.HasField("partial_success"):
         return SendResult(Delivery.OK)
     ps = response.partial_success
-    rejected = ps.rejected_data_points if isinstance(response, ExportMetricsServiceResponse) else ps.rejected_spans
+    rejected = ps.rejected_data_points if response.DESCRIPTOR.full_name == _METRICS_RESPONSE else ps.rejected_spans
     return SendResult(Delivery.OK, ps.error_message if rejected else "", rejected)
 
 
@@ -455,7 +465,15 @@ class HttpSender:
         status = response.status_code
         if status // 100 == 2:
             if response.content and "protobuf" in response.headers.get("content-type", ""):
-                parsed = ExportMetricsServiceResponse() if self.signal == "metrics" else ExportTraceServiceResponse()
+                parsed: ExportTraceServiceResponse | ExportMetricsServiceResponse
+                if self.signal == "metrics":
+                    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+                        ExportMetricsServiceResponse,
+                    )
+
+                    parsed = ExportMetricsServiceResponse()
+                else:
+                    parsed = ExportTraceServiceResponse()
                 try:
                     parsed.ParseFromString(response.content)
                 except Exception:  # boundary: a garbled body from a 2xx is still a delivery

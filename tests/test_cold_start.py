@@ -1,15 +1,20 @@
-"""`servewatch --help`, `cuda-env` and the read-only commands import only what they need: never
-grpc, torch, protobuf, httpx or the OpenTelemetry SDK's trace/metrics pipeline (checked on
-sys.modules of a real subprocess; speed itself is measured in bench/bench_cli_start.py)."""
+"""`servewatch --help`, `cuda-env`, `timeline` and `dump` import only what they need: never grpc,
+torch, httpx or the OpenTelemetry SDK's metrics pipeline and exporters they do not use; `--help`
+not even pydantic, anyio or the settings (checked on sys.modules of a real subprocess; speed itself
+is measured in bench/bench_cli_start.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import PROGRAMS_DIR
 
 HEAVY = (
     "grpc",
@@ -23,10 +28,41 @@ HEAVY = (
     "opentelemetry.proto",
 )
 
+#: What `dump` to the embedded span files (no collector configured) must not import: the OTLP
+#: network senders, the metrics SDK and its encoders, the Prometheus parser, torch.
+DUMP_HEAVY = (
+    "grpc",
+    "httpx",
+    "torch",
+    "prometheus_client",
+    "opentelemetry.sdk.metrics",
+    "opentelemetry.exporter.otlp.proto.grpc",
+    "opentelemetry.exporter.otlp.proto.http",
+    "opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder",
+    "opentelemetry.proto.collector.metrics",
+    "exporters.metrics_export",
+)
+
+#: What the top-level `--help` must not import: the CLI module and typer are all it needs.
+HELP_HEAVY = (*HEAVY, "pydantic", "pydantic_settings", "anyio", "rich", "psutil", "opentelemetry", "agent.config", "agent.runtime", "exporters")
+
+# The probe runs the real entry point. Its report is written when the process ends whichever way
+# main() ends it: SystemExit, or os._exit (one-shot commands skip the interpreter's teardown).
 _PROBE = """
-import json, sys
+import json, os, sys
 args, heavy_prefixes = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
 sys.argv = ["servewatch", *args]
+
+def report(code):
+    heavy = sorted(m for m in sys.modules if m.startswith(heavy_prefixes))
+    sys.stdout.flush()
+    print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr, flush=True)
+
+real_exit = os._exit
+def probe_exit(code):
+    report(code)
+    real_exit(code)
+os._exit = probe_exit
 from agent.cli import main
 try:
     main()
@@ -34,17 +70,33 @@ except SystemExit as exc:
     code = exc.code
 else:
     code = 0
-heavy = sorted(m for m in sys.modules if m.startswith(heavy_prefixes))
-print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+report(code)
 """
 
 
-def _modules_after(args: list[str], cwd: Path) -> dict:
+def _env(tmp_path: Path) -> dict[str, str]:
+    """The caller's environment without any collector or servewatch setting (a CI runner's
+    OTEL_EXPORTER_OTLP_ENDPOINT would rightly make `dump` import an exporter)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env["SERVEWATCH_SHM_DIR"] = str(tmp_path / "shm")
+    return env
+
+
+def _modules_after(args: list[str], cwd: Path, heavy: tuple[str, ...] = HEAVY) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(args), json.dumps(list(HEAVY))],
-        capture_output=True, text=True, timeout=120, cwd=cwd, check=False,
+        [sys.executable, "-c", _PROBE, json.dumps(args), json.dumps(list(heavy))],
+        capture_output=True, text=True, timeout=120, cwd=cwd, check=False, env=_env(cwd), stdin=subprocess.DEVNULL,
     )
+    assert proc.stderr.strip(), f"probe printed nothing (rc {proc.returncode})"
     return json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+def _titled_target(spawn, title: str) -> int:
+    proc = spawn([sys.executable, str(PROGRAMS_DIR / "titled_target.py"), title, "--max-lifetime-s", "60"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    assert ready and proc.stdout.readline().startswith(b"ready"), "target did not start"
+    return proc.pid
 
 
 @pytest.mark.parametrize(
@@ -62,6 +114,33 @@ def test_help_imports_no_heavy_module(args: list[str], tmp_path: Path) -> None:
     got = _modules_after(args, tmp_path)
     assert got["code"] in (0, None)
     assert got["heavy"] == []
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], []])
+def test_top_level_help_imports_only_the_cli(args: list[str], tmp_path: Path) -> None:
+    got = _modules_after(args, tmp_path, HELP_HEAVY)
+    assert got["code"] in (0, 2, None)  # no arguments: help on stderr, usage exit
+    assert got["heavy"] == []
+
+
+def test_the_probe_sees_what_a_command_imports(tmp_path: Path) -> None:
+    """The probe is not blind: `dump` does import its span pipeline and the settings."""
+    got = _modules_after(["dump", "--pid", "2147483646", "--data-dir", str(tmp_path / "data")], tmp_path,
+                         ("pydantic_settings", "agent.config"))
+    assert got["code"] == 1  # no such process
+    assert {"agent.config", "pydantic_settings"} <= set(got["heavy"])
+
+
+def test_dump_to_span_files_imports_no_exporter_metrics_sdk_or_torch(spawn, tmp_path: Path) -> None:
+    pid = _titled_target(spawn, "coldstart::scheduler_TP0")
+    data = tmp_path / "data"
+    got = _modules_after(["dump", "--pid", str(pid), "--data-dir", str(data)], tmp_path, (*DUMP_HEAVY, "exporters.spans"))
+    assert got["code"] == 0
+    assert got["heavy"] == ["exporters.spans"]  # it did build spans, through nothing heavier
+    host_dir = next(data.iterdir())
+    assert list((host_dir / "spans").glob("*.jsonl")), "the dump wrote no span file"
+    assert not (host_dir / "metrics").exists()  # one-shot: no MeterProvider, no metrics files
+    assert list(host_dir.glob(f"*-manual-*/pyspy-{pid}.json")), "no stack dump in the bundle"
 
 
 def test_cuda_env_imports_no_heavy_module(tmp_path: Path) -> None:

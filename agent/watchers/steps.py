@@ -27,7 +27,6 @@ import anyio
 import psutil
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 from agent.bus import Publisher
@@ -37,6 +36,7 @@ from agent.sdk._counter import SIZE_BYTES, counter_path, parse_counter, shm_dir
 from agent.security import open_trusted, process_uids
 
 httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
+prometheus_parser = LazyModule("prometheus_client.parser")  # at the first scrape parsed
 
 __all__ = [
     "MAX_METRICS_BODY_BYTES",
@@ -416,7 +416,7 @@ class PrometheusStepSource:
         gauges: dict[LabelKey, float] = {}
         present: set[str] = set()
         try:
-            for family in text_string_to_metric_families(text):
+            for family in prometheus_parser.text_string_to_metric_families(text):
                 for sample in family.samples:
                     present.add(sample.name)
                     if sample.name in self._counter_names:

@@ -306,7 +306,7 @@ def _closest(name: str, candidates: list[str]) -> str | None:
 def _sdk_env_names() -> set[str]:
     """``SERVEWATCH_*`` variables read by the SDK inside a served process (not by the agent)."""
     from agent.sdk import channel, control, profiler
-    from agent.sdk._counter import ENV_SHM_DIR  # agent.sdk's own `_counter` is its counter object
+    from agent.sdk.counter import ENV_SHM_DIR
 
     return {
         ENV_SHM_DIR, channel.ENV_CHANNEL, channel.ENV_FALLBACK, channel.ENV_RING_BYTES,

@@ -24,7 +24,7 @@ import anyio
 
 from agent.actors.flightrec import rank_from_title
 from agent.events import Action, ActionResult, Event, Outcome, TargetExited
-from agent.sdk._counter import counter_path, read_counter
+from agent.sdk.counter import counter_path, read_counter
 from agent.stacks import parse_dump
 from agent.targets import ProcessState, Target, parent_pid, process_state
 from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide

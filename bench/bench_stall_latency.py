@@ -39,7 +39,7 @@ from _common import kill_groups
 
 from agent.bus import RecordingBus
 from agent.events import WatchdogStalled
-from agent.sdk._counter import ENV_SHM_DIR
+from agent.sdk.counter import ENV_SHM_DIR
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource
 from agent.watchers.watchdog import Watchdog, WatchdogConfig
 from tests.programs import fake_server

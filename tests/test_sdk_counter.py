@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent import sdk
-from agent.sdk._counter import (
+from agent.sdk.counter import (
     ENV_SHM_DIR,
     MAGIC,
     SIZE_BYTES,
@@ -173,3 +173,28 @@ def test_read_counter_rejects_missing_short_and_foreign_files(tmp_path: Path) ->
         counter.close()
         counter.close()
     assert not (tmp_path / "mine").exists()
+
+
+def test_counter_files_are_found_by_the_pid_in_their_name(tmp_path: Path) -> None:
+    from agent.sdk.counter import FILE_PREFIX, counter_files
+
+    for name in (f"{FILE_PREFIX}12", f"{FILE_PREFIX}7", f"{FILE_PREFIX}x", f"{FILE_PREFIX}12.tmp", "servewatch-ctl.5.sock"):
+        (tmp_path / name).write_bytes(b"")
+    assert counter_files(tmp_path) == {12: counter_path(12, tmp_path), 7: counter_path(7, tmp_path)}
+    assert counter_files(tmp_path / "absent") == {}
+
+
+def test_the_layout_constants_describe_what_the_writer_writes(tmp_path: Path) -> None:
+    import struct
+
+    from agent.sdk.counter import SLOTS, W_FORWARD_CT, W_MAGIC, W_PENDING, W_PID
+
+    counter = SharedCounter(counter_path(os.getpid(), tmp_path))
+    try:
+        counter.words[W_FORWARD_CT] = 41
+        counter.words[W_PENDING] = 3
+        words = struct.unpack(f"<{SLOTS}q", counter_path(os.getpid(), tmp_path).read_bytes())
+    finally:
+        counter.close()
+    assert SIZE_BYTES == SLOTS * 8
+    assert (words[W_MAGIC], words[W_PID], words[W_FORWARD_CT], words[W_PENDING]) == (MAGIC, os.getpid(), 41, 3)

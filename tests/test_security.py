@@ -323,7 +323,7 @@ def _as_nobody(*argv: str, timeout_s: float = 30) -> None:
 
 _FORGE_COUNTER = """
 import struct, sys, time
-from agent.sdk._counter import MAGIC
+from agent.sdk.counter import MAGIC
 pid = int(sys.argv[2])
 # busy, one step long ago: a stall as soon as anyone believes it
 words = [MAGIC, pid, time.time_ns(), 5, 1, 7, 0, 0]
@@ -333,7 +333,7 @@ with open(sys.argv[1], "xb") as f:
 
 
 def test_counter_forged_by_another_user_is_ignored(spawn: Callable, python: str, shared_shm: Path) -> None:
-    from agent.sdk._counter import counter_path, read_counter
+    from agent.sdk.counter import counter_path, read_counter
     from agent.watchers.steps import ShmStepSource, discover_shm_counters
 
     victim = spawn([python, "-c", "import time; time.sleep(60)"])  # a root server without the SDK
@@ -389,7 +389,7 @@ def _start_sdk_server(spawn: Callable, python: str, shm: Path) -> subprocess.Pop
 async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_them(
     spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path
 ) -> None:
-    from agent.sdk._counter import counter_path
+    from agent.sdk.counter import counter_path
     from agent.sdk.control import control_path
     from agent.sdkclient import read_inflight
 
@@ -420,7 +420,7 @@ async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_the
 def test_sdk_replaces_its_own_stale_files(spawn: Callable, python: str, shared_shm: Path) -> None:
     # a file of our own uid at our pid's path is a stale one (pid reuse): replaced, not an error
     server = _start_sdk_server(spawn, python, shared_shm)
-    from agent.sdk._counter import counter_path
+    from agent.sdk.counter import counter_path
 
     counter_path(server.pid, shared_shm).write_bytes(b"stale")
     assert server.stdin is not None and server.stdout is not None

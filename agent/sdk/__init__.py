@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from agent.sdk._counter import (
+from agent.sdk.counter import (
     W_FORWARD_CT,
     W_LAST_STEP,
     W_PENDING,

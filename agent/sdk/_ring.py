@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.sdk._counter import shm_dir
+from agent.sdk.counter import shm_dir
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -303,7 +303,7 @@ class RingReader:
         pid: the server's pid (the header must say the same).
         trusted_uids: file owners accepted (the target's uid and root); ``None`` accepts the
             target uid check being done by the caller (tests).
-        directory: where ring files are (default :func:`agent.sdk._counter.shm_dir`).
+        directory: where ring files are (default :func:`agent.sdk.counter.shm_dir`).
 
     Raises:
         RingError: no such ring, not a regular file, a symlink, an untrusted owner, group/other

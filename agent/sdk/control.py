@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.sdk import flightrec, profiler, tracing
-from agent.sdk._counter import remove_if_ours, shm_dir
+from agent.sdk._files import remove_if_ours
+from agent.sdk.counter import shm_dir
 
 __all__ = [
     "ENV_PROFILE_ALLOWED_DIRS",

@@ -25,7 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from agent.sdk._counter import remove_if_ours, shm_dir
+from agent.sdk._files import remove_if_ours
+from agent.sdk.counter import shm_dir
 
 __all__ = [
     "FR_BUFFER_ENV",

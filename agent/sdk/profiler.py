@@ -48,7 +48,7 @@ from typing import Any
 
 import agent.sdk as _sdk
 from agent.sdk import tracing as _tracing
-from agent.sdk._counter import W_PROFILING
+from agent.sdk.counter import W_PROFILING
 
 __all__ = [
     "ACTIVITIES",

@@ -6,8 +6,9 @@ Owns: :class:`StepReading`, the :class:`StepSource` protocol and its two impleme
 plus :class:`StepsWatcher` (publishes ``StepsAdvanced``) and :func:`discover_shm_counters`.
 
 May import: :mod:`agent.events`, :mod:`agent.bus` (the ``Publisher`` protocol),
-:mod:`agent.sdk._counter` (the file layout only), anyio, httpx, psutil, pydantic and
-prometheus_client's text parser. Never imports actors.
+:mod:`agent.sdk.counter` (the SDK's public counter file layout and reader), anyio, httpx,
+psutil, pydantic and prometheus_client's text parser. Never imports actors or a private SDK
+module.
 
 A source never raises because the target misbehaves: a missing file, a dead process, a refused
 or malformed scrape all read as ``None`` ("no usable reading now").
@@ -32,7 +33,7 @@ from pydantic import BaseModel, Field
 from agent.bus import Publisher
 from agent.events import StepsAdvanced
 from agent.lazy import LazyModule
-from agent.sdk._counter import SIZE_BYTES, counter_path, parse_counter, shm_dir
+from agent.sdk.counter import SIZE_BYTES, counter_files, counter_path, parse_counter, shm_dir
 from agent.security import open_trusted, process_uids
 
 httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
@@ -126,7 +127,7 @@ class ShmStepSource:
 
     Args:
         pid: the stepping (scheduler) process.
-        directory: folder of counter files; default :func:`agent.sdk._counter.shm_dir`
+        directory: folder of counter files; default :func:`agent.sdk.counter.shm_dir`
             (``$SERVEWATCH_SHM_DIR``, else ``/dev/shm``).
         uid: the process's uid, when known (else read from ``/proc/PID``).
     """
@@ -198,7 +199,7 @@ def discover_shm_counters(pids: Iterable[int] | None = None, *, directory: Path 
 
     Args:
         pids: keep only these pids; ``None`` keeps every live process with a counter file.
-        directory: folder of counter files; default :func:`agent.sdk._counter.shm_dir`.
+        directory: folder of counter files; default :func:`agent.sdk.counter.shm_dir`.
 
     Returns:
         ``{pid: path}`` for each counter file that is complete, written by that pid, and whose
@@ -207,15 +208,7 @@ def discover_shm_counters(pids: Iterable[int] | None = None, *, directory: Path 
     folder = directory or shm_dir()
     wanted = None if pids is None else set(pids)
     found: dict[int, Path] = {}
-    try:
-        entries = list(folder.glob("servewatch-steps.*"))
-    except OSError:
-        return found
-    for path in entries:
-        suffix = path.name.rsplit(".", 1)[-1]
-        if not suffix.isdigit():
-            continue
-        pid = int(suffix)
+    for pid, path in sorted(counter_files(folder).items()):
         if wanted is not None and pid not in wanted:
             continue
         if ShmStepSource(pid, directory=folder).read_now() is not None:

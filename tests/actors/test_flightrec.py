@@ -45,7 +45,7 @@ def _opened(tmp_path: Path) -> IncidentOpened:
 
 async def _wait_steps(targets: list[Target], n: int) -> None:
     from agent.sdk import read_counter
-    from agent.sdk._counter import counter_path
+    from agent.sdk.counter import counter_path
 
     with anyio.fail_after(60):
         while not all((s := read_counter(counter_path(t.pid))) is not None and s.forward_ct >= n for t in targets):

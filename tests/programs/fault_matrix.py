@@ -146,7 +146,7 @@ async def run_case(tp: int, fault: str, fault_rank: int, *, workdir: Path | None
     from agent.config import load_settings
     from agent.runtime import Agent
     from agent.sdk import read_counter
-    from agent.sdk._counter import counter_path
+    from agent.sdk.counter import counter_path
     from exporters.provider import build_telemetry
 
     own_dir = workdir is None

@@ -13,7 +13,7 @@ import pytest
 
 from agent import sdk
 from agent.sdk import profiler, tracing
-from agent.sdk._counter import counter_path, read_counter
+from agent.sdk.counter import counter_path, read_counter
 from agent.sdk.profiler import ProfilerBusyError, ProfileRequest
 from tests.sdk._helpers import TinyModel, drain, load_trace, profiler_steps, torch
 

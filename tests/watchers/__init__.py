@@ -8,7 +8,7 @@ from pathlib import Path
 
 import anyio
 
-from agent.sdk._counter import ENV_SHM_DIR
+from agent.sdk.counter import ENV_SHM_DIR
 
 
 def server_env(shm_dir: Path) -> dict[str, str]:

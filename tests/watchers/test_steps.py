@@ -11,7 +11,7 @@ import pytest
 
 from agent.bus import RecordingBus
 from agent.events import StepsAdvanced
-from agent.sdk._counter import W_START, SharedCounter, counter_path
+from agent.sdk.counter import W_START, SharedCounter, counter_path
 from agent.watchers.steps import (
     PRESETS,
     PrometheusStepSource,

@@ -1,10 +1,14 @@
-"""The forward-step counter shared with the agent through a memory-mapped file.
+"""The forward-step counter file: its public layout, a lock-free reader and the SDK's writer.
 
-Owns the file layout; imports only the standard library (it runs inside the server).
+Owns the file layout, a public API: the SDK writes it (:class:`SharedCounter`, behind
+:func:`agent.sdk.step`), the agent's step watcher (:mod:`agent.watchers.steps`), the verdict
+judge and anyone else read it with :func:`read_counter` / :func:`parse_counter` and find the
+files with :func:`counter_files`. Imports only the standard library (it runs inside the server).
 
-Layout: ``SLOTS`` little-endian signed 64-bit words (64 bytes), at
-``<shm_dir>/servewatch-steps.<pid>`` where ``shm_dir`` is ``$SERVEWATCH_SHM_DIR``, else
-``/dev/shm`` when it exists, else the temp dir.
+Layout: ``SLOTS`` little-endian signed 64-bit words (:data:`SIZE_BYTES`, 64 bytes), at
+``<shm_dir>/servewatch-steps.<pid>`` (:data:`FILE_PREFIX` + pid) where ``shm_dir`` is
+``$SERVEWATCH_SHM_DIR``, else ``/dev/shm`` when it exists, else the temp dir. The word
+indexes are :data:`W_MAGIC` ... :data:`W_PROFILING`:
 
 ====  =======================  ==========================================================
 word  name                     meaning
@@ -29,32 +33,47 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import stat
 import struct
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.sdk._files import create_exclusive, remove_if_ours
+
 __all__ = [
     "ENV_SHM_DIR",
+    "FILE_PREFIX",
     "MAGIC",
+    "SIZE_BYTES",
     "SLOTS",
+    "W_FORWARD_CT",
+    "W_LAST_STEP",
+    "W_MAGIC",
+    "W_PENDING",
+    "W_PID",
+    "W_PROFILING",
+    "W_START",
     "CounterSnapshot",
     "SharedCounter",
+    "counter_files",
     "counter_path",
-    "create_exclusive",
     "parse_counter",
     "read_counter",
-    "remove_if_ours",
     "shm_dir",
 ]
 
 #: Environment variable naming the folder of counter files (default ``/dev/shm``).
 ENV_SHM_DIR = "SERVEWATCH_SHM_DIR"
-MAGIC = 0x3130_5045_5453_5753  # b"SWSTEP01" little-endian
+#: File name of a counter file without its pid: ``servewatch-steps.<pid>``.
+FILE_PREFIX = "servewatch-steps."
+#: Word 0 of a complete counter file: ``b"SWSTEP01"`` little-endian (file type and layout version).
+MAGIC = 0x3130_5045_5453_5753
+#: Number of 64-bit words.
 SLOTS = 8
+#: Size of a counter file, bytes.
 SIZE_BYTES = SLOTS * 8
+#: Word indexes (see the table above).
 W_MAGIC, W_PID, W_START, W_FORWARD_CT, W_LAST_STEP, W_PENDING, W_PROFILING, _W_RESERVED = range(SLOTS)
 _FMT = f"<{SLOTS}q"
 
@@ -70,8 +89,27 @@ def shm_dir() -> Path:
 
 
 def counter_path(pid: int, directory: Path | None = None) -> Path:
-    """Path of the counter file of process ``pid``."""
-    return (directory or shm_dir()) / f"servewatch-steps.{pid}"
+    """Path of the counter file of process ``pid`` in ``directory`` (default :func:`shm_dir`)."""
+    return (directory or shm_dir()) / f"{FILE_PREFIX}{pid}"
+
+
+def counter_files(directory: Path | None = None) -> dict[int, Path]:
+    """Counter files in ``directory`` (default :func:`shm_dir`) by the pid their name carries.
+
+    Names only (one directory listing): whether a file is complete, trusted and its process
+    alive is for the reader to decide. ``{}`` when the folder cannot be listed.
+    """
+    folder = directory or shm_dir()
+    try:
+        paths = list(folder.glob(f"{FILE_PREFIX}*"))
+    except OSError:
+        return {}
+    found: dict[int, Path] = {}
+    for path in paths:
+        suffix = path.name[len(FILE_PREFIX):]
+        if suffix.isdigit():
+            found[int(suffix)] = path
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,43 +179,6 @@ def parse_counter(raw: bytes) -> CounterSnapshot | None:
 
 
 _log = logging.getLogger("servewatch.sdk")
-
-
-def create_exclusive(path: Path, mode: int) -> int:
-    """Create ``path`` with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and return its fd.
-
-    A file already there is replaced only when it is a regular file (or socket) of our own
-    effective uid, i.e. a stale one of an earlier process of ours with the same pid; anything
-    else (another user's file, a symlink) is left alone.
-
-    Raises:
-        FileExistsError: the path is taken by something we do not own (or a symlink).
-        OSError: any other creation failure.
-    """
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(path, flags, mode)
-    except FileExistsError:
-        remove_if_ours(path)
-        return os.open(path, flags, mode)
-
-
-def remove_if_ours(path: Path) -> None:
-    """Unlink ``path`` when it is our own regular file or socket (never a symlink).
-
-    Raises:
-        FileExistsError: it is someone else's, or a symlink, or a folder.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if st.st_uid != os.geteuid() or not (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
-        raise FileExistsError(f"{path} already exists and is not ours (uid {st.st_uid}): not replaced")
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class SharedCounter:

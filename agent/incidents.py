@@ -69,6 +69,17 @@ from agent.events import (
 )
 from agent.fsutil import atomic_write_text, ensure_private_dir
 from agent.ids import new_span_id_hex, new_trace_id_hex
+from agent.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_SCHEMA,
+    IncidentState,
+    Manifest,
+    ManifestAction,
+    ManifestError,
+    ManifestTarget,
+    ManifestVerdict,
+    load_manifest,
+)
 from agent.procinfo import pid_alive
 from agent.progress import reporting_to
 from agent.ranks import target_attributes
@@ -91,10 +102,10 @@ __all__ = [
     "recover_interrupted",
 ]
 
-#: ``manifest.json`` ``state`` values.
-STATE_OPEN = "open"
-STATE_CLOSED = "closed"
-STATE_INTERRUPTED = "interrupted"
+#: ``manifest.json`` ``state`` values (:class:`agent.manifest.IncidentState`).
+STATE_OPEN: str = IncidentState.OPEN.value
+STATE_CLOSED: str = IncidentState.CLOSED.value
+STATE_INTERRUPTED: str = IncidentState.INTERRUPTED.value
 #: Phases run after the summary point: they never delay the summary or the bundle.
 DEFERRED_PHASES = frozenset({Action.PROFILE_SESSION})
 
@@ -172,7 +183,7 @@ class IncidentRecord:
 
     @property
     def manifest_path(self) -> Path:
-        return self.bundle_dir / "manifest.json"
+        return self.bundle_dir / MANIFEST_NAME
 
     @property
     def duration_s(self) -> float:
@@ -184,41 +195,47 @@ class IncidentRecord:
             counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
         return counts
 
-    def to_manifest(self, *, host_name: str) -> dict[str, Any]:
+    def to_manifest(self, *, host_name: str) -> Manifest:
+        """The incident as its ``manifest.json`` (:class:`agent.manifest.Manifest`), as of now.
+
+        Args:
+            host_name: this host (``host.name``).
+        """
         o = self.opened
-        return {
-            "schema": "servewatch.incident/1",
-            "incident_id": o.incident_id,
-            "trigger": o.trigger,
-            "detail": o.detail,
-            "host.name": host_name,
-            "trace_id": o.trace_id,
-            "span_id": o.span_id,
-            "parent_span_id": o.parent_span_id,
-            "opened_time_unix_nano": o.time_unix_nano,
-            "closed_time_unix_nano": self.closed_time_unix_nano,
-            "duration_s": round(self.duration_s, 6),
-            "targets": [
-                {"pid": t.pid, "title": redact_text(t.title), "create_time_s": t.create_time_s,
-                 "cmdline": redact_cmdline(t.cmdline)}  # secrets in argv never reach a bundle
+        return Manifest(
+            schema_version=MANIFEST_SCHEMA,
+            incident_id=o.incident_id,
+            trigger=o.trigger,
+            detail=o.detail,
+            host_name=host_name,
+            trace_id=o.trace_id,
+            span_id=o.span_id,
+            parent_span_id=o.parent_span_id,
+            opened_time_unix_nano=o.time_unix_nano,
+            closed_time_unix_nano=self.closed_time_unix_nano,
+            duration_s=round(self.duration_s, 6),
+            targets=tuple(
+                # secrets in argv never reach a bundle
+                ManifestTarget(pid=t.pid, title=redact_text(t.title), create_time_s=t.create_time_s,
+                               cmdline=tuple(redact_cmdline(t.cmdline)))
                 for t in self.targets
-            ],
-            "actions": [r.to_manifest() for r in self.results],
-            "inflight_requests": len(self.inflight),
-            "hard_signal_sent": {str(pid): sig for pid, sig in self.hard_signal_sent.items()},
-            "exits_after_hard_signal": {str(pid): how for pid, how in self.exits_after_hard_signal.items()},
-            "state": self.state,
-            "phases_done": list(self.phases_done),
-            "phases_pending": list(self.phases_pending),
-            "interrupted_reason": self.interrupted_reason,
-            "root_published": self.root_published,
-            "agent_pid": os.getpid(),
-            "updated_time_unix_nano": now_ns(),
-            "verdict": (
-                {**self.verdict.to_json(), "duration_s": round(self.verdict_duration_s, 6)}
+            ),
+            actions=tuple(ManifestAction.from_result(r) for r in self.results),
+            inflight_requests=len(self.inflight),
+            hard_signal_sent={str(pid): sig for pid, sig in self.hard_signal_sent.items()},
+            exits_after_hard_signal={str(pid): how for pid, how in self.exits_after_hard_signal.items()},
+            state=IncidentState(self.state),
+            phases_done=tuple(self.phases_done),
+            phases_pending=tuple(self.phases_pending),
+            interrupted_reason=self.interrupted_reason,
+            root_published=self.root_published,
+            agent_pid=os.getpid(),
+            updated_time_unix_nano=now_ns(),
+            verdict=(
+                ManifestVerdict.model_validate({**self.verdict.to_json(), "duration_s": round(self.verdict_duration_s, 6)})
                 if self.verdict is not None else None
             ),
-        }
+        )
 
 
 def _descendants(pids: Sequence[int]) -> set[int]:
@@ -254,11 +271,11 @@ def _server_tree(targets: Sequence[Target]) -> set[int]:
     return parents | _descendants([*parents, *(t.pid for t in targets)])
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> bool:
+def _write_json(path: Path, data: dict[str, Any] | Manifest) -> bool:
     """Write a bundle file atomically (0600, never through a symlink); a full or vanished disk
     is logged, never raised (the agent goes on) and leaves the previous complete file or none."""
     try:
-        atomic_write_text(path, json.dumps(data, indent=2))
+        atomic_write_text(path, data.to_json() if isinstance(data, Manifest) else json.dumps(data, indent=2))
     except OSError as exc:
         log.error("cannot write %s: %s", path, exc)
         return False
@@ -803,28 +820,32 @@ class IncidentManager:
 _RUNNING_HERE: set[str] = set()
 
 
-def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, dict[str, Any]]]:
+def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, Manifest]]:
     """Manifests under ``<data_dir>/<host_name>/`` left ``open`` or ``interrupted`` by an agent
-    that is gone (a live agent's running incident is left alone)."""
-    found: list[tuple[Path, dict[str, Any]]] = []
+    that is gone (a live agent's running incident is left alone). A manifest that does not read
+    (corrupt, an unknown version) is logged and left as it is."""
+    found: list[tuple[Path, Manifest]] = []
     host_dir = Path(data_dir) / host_name
     try:
-        manifests = sorted(host_dir.glob("*/manifest.json"))
+        paths = sorted(host_dir.glob(f"*/{MANIFEST_NAME}"))
     except OSError:
         return found
-    for path in manifests:
+    for path in paths:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            m = load_manifest(path)
+        except OSError:
             continue
-        if not isinstance(data, dict) or data.get("state") not in (STATE_OPEN, STATE_INTERRUPTED):
+        except ManifestError as exc:
+            log.warning("not recovering %s", exc)
             continue
-        owner = data.get("agent_pid")
-        if isinstance(owner, int) and owner != os.getpid() and pid_alive(owner):
+        if m.state not in (IncidentState.OPEN, IncidentState.INTERRUPTED):
             continue
-        if data.get("incident_id") in _RUNNING_HERE:
+        owner = m.agent_pid
+        if owner is not None and owner != os.getpid() and pid_alive(owner):
             continue
-        found.append((path, data))
+        if m.incident_id in _RUNNING_HERE:
+            continue
+        found.append((path, m))
     return found
 
 
@@ -834,60 +855,53 @@ async def recover_interrupted(bus: EventBus, data_dir: Path, host_name: str) -> 
 
     Each such manifest becomes ``state: closed`` with ``interrupted: true`` and the reason in
     words; the root span keeps the incident's trace and span ids, so the action spans already
-    sent join it. Never raises for a bad bundle.
+    sent join it. Never raises for a bad bundle (one that does not read is left alone).
 
     Returns:
         The incident ids closed.
     """
     closed: list[str] = []
     for path, m in await anyio.to_thread.run_sync(_unfinished_bundles, Path(data_dir), host_name):
-        incident_id = str(m.get("incident_id") or path.parent.name)
-        opened_ns = m.get("opened_time_unix_nano") if isinstance(m.get("opened_time_unix_nano"), int) else now_ns()
-        end_ns = next(
-            (v for v in (m.get("closed_time_unix_nano"), m.get("updated_time_unix_nano")) if isinstance(v, int) and v),
-            now_ns(),
-        )
-        reason = str(m.get("interrupted_reason") or "") or (
+        end_ns = next((v for v in (m.closed_time_unix_nano, m.updated_time_unix_nano) if v), now_ns())
+        reason = m.interrupted_reason or (
             "the agent stopped before the incident finished (killed?); closed on its next start"
         )
-        actions = [a for a in (m.get("actions") or []) if isinstance(a, dict)]
-        if not m.get("root_published"):
-            targets = [t for t in (m.get("targets") or []) if isinstance(t, dict)]
+        if not m.root_published:
             await bus.publish(
                 IncidentOpened(
                     source="incidents",
-                    time_unix_nano=opened_ns,
-                    incident_id=incident_id,
-                    trigger=str(m.get("trigger") or "unknown"),
-                    detail=str(m.get("detail") or ""),
-                    pids=tuple(int(t["pid"]) for t in targets if isinstance(t.get("pid"), int)),
+                    time_unix_nano=m.opened_time_unix_nano,
+                    incident_id=m.incident_id,
+                    trigger=m.trigger,
+                    detail=m.detail,
+                    pids=tuple(t.pid for t in m.targets),
                     bundle_dir=str(path.parent),
-                    trace_id=str(m.get("trace_id") or ""),
-                    span_id=str(m.get("span_id") or ""),
-                    parent_span_id=str(m.get("parent_span_id") or ""),
+                    trace_id=m.trace_id,
+                    span_id=m.span_id,
+                    parent_span_id=m.parent_span_id,
                 )
             )
             await bus.publish(
                 IncidentClosed(
                     source="incidents",
                     time_unix_nano=end_ns,
-                    incident_id=incident_id,
-                    trigger=str(m.get("trigger") or "unknown"),
+                    incident_id=m.incident_id,
+                    trigger=m.trigger,
                     bundle_dir=str(path.parent),
                     manifest_path=str(path),
-                    outcomes=tuple((str(a.get("action")), str(a.get("outcome"))) for a in actions),
+                    outcomes=tuple((a.action, a.outcome.value) for a in m.actions),
                     state=STATE_INTERRUPTED,
                 )
             )
-        m.update(
-            state=STATE_CLOSED,
-            interrupted=True,
-            interrupted_reason=reason,
-            closed_time_unix_nano=m.get("closed_time_unix_nano") or end_ns,
-            root_published=True,
-            recovered_time_unix_nano=now_ns(),
-        )
-        _write_json(path, m)
-        log.warning("incident %s was interrupted (%s); its bundle is closed now", incident_id, reason)
-        closed.append(incident_id)
+        recovered = m.model_copy(update={
+            "state": IncidentState.CLOSED,
+            "interrupted": True,
+            "interrupted_reason": reason,
+            "closed_time_unix_nano": m.closed_time_unix_nano or end_ns,
+            "root_published": True,
+            "recovered_time_unix_nano": now_ns(),
+        })
+        _write_json(path, recovered)
+        log.warning("incident %s was interrupted (%s); its bundle is closed now", m.incident_id, reason)
+        closed.append(m.incident_id)
     return closed

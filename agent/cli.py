@@ -748,7 +748,8 @@ def timeline(
     config: Path | None = ConfigOpt,
 ) -> None:
     """Show an incident as a timeline: trigger, actions, hung frames, coredumps, profile (offline)."""
-    from exporters.timeline import BundleError, load_incident_arg, render_timeline, timeline_to_dict
+    from exporters.bundle import BundleError, load_incident_arg
+    from exporters.timeline import render_timeline, timeline_to_dict
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     try:
@@ -769,8 +770,8 @@ def report(
     config: Path | None = ConfigOpt,
 ) -> None:
     """Write one self-contained HTML page (no network) with the incident timeline, stacks and artifacts."""
+    from exporters.bundle import BundleError, load_incident_arg
     from exporters.report import render_report_html, report_summary, write_report
-    from exporters.timeline import BundleError, load_incident_arg
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     try:

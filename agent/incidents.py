@@ -889,7 +889,7 @@ async def recover_interrupted(bus: EventBus, data_dir: Path, host_name: str) -> 
                     trigger=m.trigger,
                     bundle_dir=str(path.parent),
                     manifest_path=str(path),
-                    outcomes=tuple((a.action, a.outcome.value) for a in m.actions),
+                    outcomes=tuple((str(a.action), str(a.outcome)) for a in m.actions),
                     state=STATE_INTERRUPTED,
                 )
             )

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     AliasChoices,
@@ -39,19 +39,22 @@ from pydantic import (
     field_validator,
 )
 
-from agent.events import ActionResult, Outcome, StrEnum
+from agent.events import Action, ActionResult, Outcome, StrEnum, Trigger
 
 __all__ = [
     "KNOWN_SCHEMAS",
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
     "SCHEMA_V1",
+    "ActionName",
     "IncidentState",
     "Manifest",
     "ManifestAction",
     "ManifestError",
     "ManifestTarget",
     "ManifestVerdict",
+    "OutcomeName",
+    "TriggerName",
     "load_manifest",
     "parse_manifest",
 ]
@@ -80,6 +83,15 @@ class IncidentState(StrEnum):
     INTERRUPTED = "interrupted"
 
 
+#: A trigger name: a :class:`~agent.events.Trigger` member when it is one, else the plain string
+#: (a name from a newer agent still reads).
+TriggerName = Annotated[Trigger | str, Field(union_mode="left_to_right")]
+#: An action name: an :class:`~agent.events.Action` member when it is one, else the plain string.
+ActionName = Annotated[Action | str, Field(union_mode="left_to_right")]
+#: An outcome: an :class:`~agent.events.Outcome` member when it is one, else the plain string.
+OutcomeName = Annotated[Outcome | str, Field(union_mode="left_to_right")]
+
+
 class _Part(BaseModel):
     # unknown keys are ignored: a reader of version N reads what it knows of it
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -105,10 +117,11 @@ class ManifestAction(_Part):
     """One action of the incident (``actions[]``): one :class:`agent.events.ActionResult`.
 
     Attributes:
-        action: span name of the action (``pyspy.dump``, ``cuda.coredump``, ``profile.session``,
-            ``hard.signal``, ...).
+        action: span name of the action (an :class:`~agent.events.Action`; a plain string for a
+            name this servewatch does not know).
         pid: the target, ``None`` for actions not bound to one process.
-        outcome: how it ended.
+        outcome: how it ended (an :class:`~agent.events.Outcome`; a plain string for one this
+            servewatch does not know).
         retryable: ``False`` when trying again cannot help.
         detail: one human line.
         start_time_unix_nano / end_time_unix_nano: wall-clock bounds, ns since the epoch
@@ -119,9 +132,9 @@ class ManifestAction(_Part):
         attributes: the span attributes (JSON values; tuples are written as lists).
     """
 
-    action: str
+    action: ActionName
     pid: int | None = None
-    outcome: Outcome
+    outcome: OutcomeName
     retryable: bool = False
     detail: str = ""
     start_time_unix_nano: int = 0
@@ -189,7 +202,8 @@ class Manifest(_Part):
     Attributes:
         schema_version: ``schema`` on disk; one of :data:`KNOWN_SCHEMAS`.
         incident_id: ``<UTC stamp>-<trigger>-<hex>``, also the bundle folder's name.
-        trigger: ``stall``, ``health``, ``exit``, ``manual`` or ``peer``.
+        trigger: why it opened (a :class:`~agent.events.Trigger`; a plain string for a name this
+            servewatch does not know).
         detail: one line on why it opened.
         host_name: ``host.name`` on disk.
         trace_id / span_id / parent_span_id: hex ids of the incident's root span (``""`` unknown).
@@ -201,7 +215,7 @@ class Manifest(_Part):
         hard_signal_sent: hard mode: pid (a string, JSON keys are) -> signal name or ``failed: ...``.
         exits_after_hard_signal: pid -> how it exited, for exits hard mode's signal caused.
         state: ``open``, ``closed`` or ``interrupted``.
-        phases_done / phases_pending: phase names finished / still to run.
+        phases_done / phases_pending: phases (action names) finished / still to run.
         interrupted_reason: why it was cut short, in words.
         interrupted: set when the next agent start closed a bundle left open or interrupted.
         root_published: the root span (IncidentClosed) was published.
@@ -215,7 +229,7 @@ class Manifest(_Part):
         validation_alias=AliasChoices("schema", "schema_version"), serialization_alias="schema"
     )
     incident_id: str = Field(min_length=1)
-    trigger: str
+    trigger: TriggerName
     detail: str = ""
     host_name: str = Field(
         "", validation_alias=AliasChoices("host.name", "host_name"), serialization_alias="host.name"
@@ -232,8 +246,8 @@ class Manifest(_Part):
     hard_signal_sent: dict[str, str] = Field(default_factory=dict)
     exits_after_hard_signal: dict[str, str] = Field(default_factory=dict)
     state: IncidentState = IncidentState.CLOSED
-    phases_done: tuple[str, ...] = ()
-    phases_pending: tuple[str, ...] = ()
+    phases_done: tuple[ActionName, ...] = ()
+    phases_pending: tuple[ActionName, ...] = ()
     interrupted_reason: str = ""
     interrupted: bool = False
     root_published: bool = False
@@ -267,6 +281,10 @@ class Manifest(_Part):
         return json.dumps(self.to_json_dict(), indent=2)
 
 
+#: pydantic's words for Python types, as the JSON a user reads calls them
+_JSON_WORDS = (("a valid tuple", "an array"), ("a valid list", "an array"), ("a valid dictionary", "an object"))
+
+
 def _problem(exc: ValidationError) -> str:
     """One line for a validation error: the version problem if there is one, else the first
     problem, with the number of others."""
@@ -274,6 +292,8 @@ def _problem(exc: ValidationError) -> str:
     first = next((e for e in errors if e["loc"][:1] in (("schema",), ("schema_version",))), errors[0])
     where = ".".join(str(part) for part in first["loc"])
     message = str(first["msg"]).removeprefix("Value error, ")
+    for python, in_json in _JSON_WORDS:
+        message = message.replace(python, in_json)
     if first["loc"][:1] in (("schema",), ("schema_version",)) and first["type"] == "value_error":
         return message
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

@@ -1,7 +1,7 @@
 """The py-spy stack model: ``py-spy dump --json`` → threads and frames, the hung-frame rule, and the
 stuck-vs-idle rule. Pure (no I/O, no processes), so the actor that runs py-spy
 (:mod:`agent.actors.pyspy`), the verdict (:mod:`agent.verdict`, :mod:`agent.judge`) and the
-exporters (:mod:`exporters.timeline`) share one copy without importing each other.
+exporters (:mod:`exporters.bundle`) share one copy without importing each other.
 
 Imports the standard library and :mod:`agent.safetext` only.
 """

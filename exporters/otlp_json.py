@@ -126,11 +126,19 @@ class TornLines:
         self.count = 0
 
 
-def read_otlp_json_lines(path: str | os.PathLike[str], torn: TornLines | None = None) -> Iterator[ExportTraceServiceRequest]:
+def read_otlp_json_lines(
+    path: str | os.PathLike[str], torn: TornLines | None = None, *, contains: bytes | None = None
+) -> Iterator[ExportTraceServiceRequest]:
     """Yield each trace request of an OTLP/JSON lines file, in file order.
 
     Blank lines are skipped; a truncated last line (a writer killed mid-line, a full disk) is
     skipped too and counted in ``torn``: it costs that line only.
+
+    Args:
+        path: the file.
+        torn: counts the truncated last line, if any.
+        contains: when given, lines without these bytes are skipped unparsed (a hex trace id:
+            reading one trace out of a large file; a torn last line is still counted).
 
     Raises:
         ValueError: a line that is not an OTLP/JSON trace request (other than a truncated last one).
@@ -140,6 +148,10 @@ def read_otlp_json_lines(path: str | os.PathLike[str], torn: TornLines | None = 
     last = len(lines) - 1
     for number, line in enumerate(lines):
         if not line.strip():
+            continue
+        if contains is not None and contains not in line:
+            if number == last and torn is not None and not _is_json(line):
+                torn.count += 1
             continue
         try:
             yield request_from_json(line)
@@ -151,14 +163,30 @@ def read_otlp_json_lines(path: str | os.PathLike[str], torn: TornLines | None = 
             raise ValueError(f"{path}:{number + 1}: {exc}") from exc
 
 
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
 #: File kinds :func:`read_span_file` reads: OTLP/JSON lines, and one binary protobuf request
 #: (``.binpb``, what the spool writes: ~50x cheaper to write and parse than JSON).
 SPAN_FILE_SUFFIXES = (".jsonl", ".json", ".binpb")
 
 
-def read_span_file(path: str | os.PathLike[str], torn: TornLines | None = None) -> Iterator[ExportTraceServiceRequest]:
+def read_span_file(
+    path: str | os.PathLike[str], torn: TornLines | None = None, *, contains: bytes | None = None
+) -> Iterator[ExportTraceServiceRequest]:
     """Yield the trace requests in a span file: ``.binpb`` holds one binary protobuf
     ``ExportTraceServiceRequest``; anything else is read as OTLP/JSON lines.
+
+    Args:
+        path: the file.
+        torn: counts a truncated last OTLP/JSON line.
+        contains: OTLP/JSON lines only: skip lines without these bytes unparsed (see
+            :func:`read_otlp_json_lines`); a ``.binpb`` file is always read whole.
 
     Raises:
         ValueError: the content is not what the suffix says.
@@ -173,7 +201,7 @@ def read_span_file(path: str | os.PathLike[str], torn: TornLines | None = None) 
             raise ValueError(f"{path}: not a protobuf ExportTraceServiceRequest: {exc}") from exc
         yield request
         return
-    yield from read_otlp_json_lines(path, torn)
+    yield from read_otlp_json_lines(path, torn, contains=contains)
 
 
 #: What a folder walk picks up: span files only. Bundles beside them hold ``manifest.json``,

@@ -11,7 +11,9 @@ bundle — titles, frames, details, paths — is HTML-escaped.
 
 Like everything in ``exporters/``, it mirrors the bundle and decides nothing.
 
-Imports the standard library and :mod:`exporters.timeline` only.
+Imports the standard library, :mod:`agent.events` (names), :mod:`agent.fsutil`, :mod:`exporters.bundle`
+(the model read from a bundle, the one loader ``timeline`` uses too) and :mod:`exporters.timeline`'s
+shared formatters.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 
 from agent.events import Action, Trigger
 from agent.fsutil import atomic_write_text
-from exporters.timeline import ActionRow, IncidentTimeline, ProcessStacks, SpanRow, format_size
+from exporters.bundle import ActionRow, IncidentTimeline, ProcessStacks, SpanRow
+from exporters.timeline import format_size, verdict_headline
 
 __all__ = ["CSP", "render_report_html", "report_summary", "write_report"]
 
@@ -319,8 +322,6 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
 
     verdict_html = ""
     if tl.verdict:  # the cross-rank verdict tops the page
-        from exporters.timeline import verdict_headline
-
         evidence = "".join(f"<li>{_e(x)}</li>" for x in (tl.verdict.get("evidence") or [])[:16])
         verdict_html = (f'<section id="verdict"><h2>Verdict</h2><p id="verdict-headline"><strong>'
                         f'{_e(verdict_headline(tl.verdict))}</strong></p><ul>{evidence}</ul></section>')
@@ -422,7 +423,7 @@ def write_report(tl: IncidentTimeline, out_path: str | os.PathLike[str], *,
     """Write the report page to ``out_path`` (replaced atomically; its folder must exist).
 
     Args:
-        tl: the incident timeline (:func:`exporters.timeline.load_incident`).
+        tl: the incident timeline (:func:`exporters.bundle.load_incident`).
         out_path: the ``.html`` file to write.
         generated_time_unix_nano: footer time, ns since the epoch (``None``: omitted).
 

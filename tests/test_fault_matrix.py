@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from agent.summary import summary_lines
+from exporters.bundle import load_incident
 from exporters.report import render_report_html
-from exporters.timeline import load_incident, render_timeline_text
+from exporters.timeline import render_timeline_text
 from tests.programs.fault_matrix import EXPECTED, run_case
 
 pytestmark = pytest.mark.slow

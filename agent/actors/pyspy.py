@@ -3,7 +3,7 @@
 Owns :class:`PySpyConfig`, :class:`PySpyActor`, the py-spy failure classifier
 (:func:`classify`), the parsing/rendering of ``py-spy dump --json`` output
 (:func:`parse_dump`, :func:`parse_threads`, :func:`render_text`) and the hung-frame rule
-(:func:`hung_location`, :func:`hung_frame`), which :mod:`exporters.timeline` also reads
+(:func:`hung_location`, :func:`hung_frame`), which :mod:`exporters.bundle` also reads
 bundles with. Imports anyio, psutil (through :mod:`agent.targets`), pydantic,
 :func:`agent.actors.act_all`, :mod:`agent.events` and :mod:`agent.targets`; never a watcher.
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import exporters.report as report_mod
+from exporters.bundle import IncidentTimeline, load_incident
 from exporters.report import CSP, render_report_html, report_summary, write_report
-from exporters.timeline import IncidentTimeline, load_incident
 from tests.exporters.bundle_fixture import (
     COREDUMP_SIZE_BYTES,
     EVIL_PID,

@@ -1,4 +1,5 @@
-"""Tests of exporters.timeline: a realistic bundle (real py-spy stacks) read back and rendered."""
+"""Tests of exporters.bundle and exporters.timeline: a realistic bundle (real py-spy stacks) read back
+and rendered."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from rich.console import Console
 
 import exporters.timeline as timeline_mod
-from exporters.timeline import (
+from exporters.bundle import (
     BundleCorruptError,
     BundleError,
     BundleNotFoundError,
@@ -18,10 +19,8 @@ from exporters.timeline import (
     find_bundle,
     load_incident,
     load_incident_arg,
-    render_timeline,
-    render_timeline_text,
-    timeline_to_dict,
 )
+from exporters.timeline import render_timeline, render_timeline_text, timeline_to_dict
 from tests.exporters.bundle_fixture import (
     COREDUMP_SIZE_BYTES,
     EVIL_PID,
@@ -277,8 +276,8 @@ def test_requests_come_from_span_links_without_requests_json(tmp_path: Path) -> 
         ("unknown_id", BundleNotFoundError, "no incident 'nope'"),
         ("not_json", BundleCorruptError, "not valid JSON"),
         ("wrong_schema", BundleCorruptError, "schema 'other/1'"),
-        ("no_opened_time", BundleCorruptError, "missing incident_id or opened_time_unix_nano"),
-        ("actions_not_list", BundleCorruptError, "must be lists"),
+        ("no_opened_time", BundleCorruptError, "not a servewatch incident manifest: opened_time_unix_nano: field required"),
+        ("actions_not_list", BundleCorruptError, "not a servewatch incident manifest: actions: input should be an array"),
     ],
 )
 def test_bad_bundles_raise_one_line_errors(tmp_path: Path, setup: str, error: type[BundleError], message: str) -> None:

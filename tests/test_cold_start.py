@@ -155,3 +155,39 @@ def test_timeline_of_an_empty_data_dir_imports_no_export_pipeline(tmp_path: Path
     got = _modules_after(["timeline", "--data-dir", str(data)], tmp_path)
     assert got["code"] == 1  # no incident there
     assert not [m for m in got["heavy"] if m.startswith(("grpc", "torch", "httpx", "opentelemetry.sdk.metrics"))]
+
+
+@pytest.mark.parametrize(
+    ("args", "one_shot"),
+    [
+        ([], True),
+        (["--help"], True),
+        (["--version"], True),
+        (["dump", "--pid", "1"], True),
+        (["timeline", "x"], True),
+        (["cuda-env"], True),
+        (["status"], True),
+        (["report", "x"], True),
+        (["run", "--pid", "1"], False),
+        (["launch", "--", "python", "-m", "dump"], False),
+        (["profile", "--pid", "1"], False),
+        (["export"], False),
+        (["demo", "--tp", "1"], False),
+    ],
+)
+def test_only_bounded_commands_skip_the_collector_and_teardown(args: list[str], one_shot: bool) -> None:
+    from agent.cli import _one_shot
+
+    assert _one_shot(args) is one_shot
+
+
+def test_in_process_callers_get_system_exit_not_a_process_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    import gc
+
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert "servewatch" in capsys.readouterr().out
+    assert gc.isenabled()

@@ -1,7 +1,7 @@
 """Cold start of each `servewatch` command, and whole-process `servewatch dump` against py-spy.
 
 Part 1: wall time of fresh processes: ``python -c pass`` (the floor), ``servewatch --help``,
-``dump --help``, ``timeline --help``, ``cuda-env`` (prints its exports), ``status --help``,
+``--version``, ``dump --help``, ``timeline --help``, ``cuda-env`` (prints its exports), ``status --help``,
 interleaved over ``--repeat`` rounds; median and min per command. Target: ``--help`` <= 0.2 s.
 
 Part 2: K = 1, 4, 8 torch-loaded target processes (``tests/programs/titled_target.py --torch``,
@@ -87,6 +87,7 @@ def part1(repeat: int, work: Path) -> None:
     cmds = {
         "python -c pass": [sys.executable, "-c", "pass"],
         "servewatch --help": [*sw, "--help"],
+        "servewatch --version": [*sw, "--version"],
         "servewatch dump --help": [*sw, "dump", "--help"],
         "servewatch timeline --help": [*sw, "timeline", "--help"],
         "servewatch status --help": [*sw, "status", "--help"],

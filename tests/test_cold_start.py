@@ -131,7 +131,7 @@ def test_the_probe_sees_what_a_command_imports(tmp_path: Path) -> None:
     assert {"agent.config", "pydantic_settings"} <= set(got["heavy"])
 
 
-def test_dump_to_span_files_imports_no_exporter_metrics_sdk_or_torch(spawn, tmp_path: Path) -> None:
+def test_dump_to_span_files_and_its_timeline_import_no_exporter_metrics_sdk_or_torch(spawn, tmp_path: Path) -> None:
     pid = _titled_target(spawn, "coldstart::scheduler_TP0")
     data = tmp_path / "data"
     got = _modules_after(["dump", "--pid", str(pid), "--data-dir", str(data)], tmp_path, (*DUMP_HEAVY, "exporters.spans"))
@@ -140,7 +140,14 @@ def test_dump_to_span_files_imports_no_exporter_metrics_sdk_or_torch(spawn, tmp_
     host_dir = next(data.iterdir())
     assert list((host_dir / "spans").glob("*.jsonl")), "the dump wrote no span file"
     assert not (host_dir / "metrics").exists()  # one-shot: no MeterProvider, no metrics files
-    assert list(host_dir.glob(f"*-manual-*/pyspy-{pid}.json")), "no stack dump in the bundle"
+    bundles = list(host_dir.glob(f"*-manual-*/pyspy-{pid}.json"))
+    assert bundles, "no stack dump in the bundle"
+
+    # reading that bundle back needs no span pipeline at all: no SDK tracer, no sender
+    reader_heavy = (*DUMP_HEAVY, "opentelemetry.sdk.trace", "exporters.transport", "exporters.processor", "exporters.timeline")
+    got = _modules_after(["timeline", bundles[0].parent.name, "--data-dir", str(data)], tmp_path, reader_heavy)
+    assert got["code"] == 0
+    assert got["heavy"] == ["exporters.timeline"]  # it did render the timeline
 
 
 def test_cuda_env_imports_no_heavy_module(tmp_path: Path) -> None:

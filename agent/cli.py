@@ -529,7 +529,13 @@ def cuda_env(
     """
     import shlex
 
-    from agent.actors.coredump import check_dump_dir, cuda_coredump_env, format_exports
+    from agent.cudaenv import (
+        check_dump_dir,
+        cuda_coredump_env,
+        export_lines,
+        flight_recorder_env,
+        format_exports,
+    )
 
     settings = _settings({"coredump": {"folder": folder}}, config, writes=False)
     cfg = settings.coredump
@@ -539,14 +545,11 @@ def cuda_env(
         check = check_dump_dir(plan.host_dir, min_free_bytes=cfg.min_free_bytes)
     else:
         out.print(f"mkdir -p {shlex.quote(str(plan.host_dir))}", markup=False, highlight=False)
-    out.print(format_exports(plan), markup=False, highlight=False)
+    out.print(format_exports(plan), markup=False, highlight=False, end="")
     n_set, n_kept = len(plan.set), len(plan.kept)
     if settings.flightrec.enabled:  # torch's collective Flight Recorder, for the cross-rank verdict
-        from agent.actors.flightrec import flight_recorder_env
-
         fr_set, fr_kept = flight_recorder_env(os.environ, buffer_size=settings.flightrec.buffer_size)
-        lines = [f"export {k}={v}" for k, v in fr_set.items()] + [f"# kept {k} (already set)" for k in fr_kept]
-        out.print("\n".join(lines), markup=False, highlight=False)
+        out.print(export_lines(fr_set, fr_kept), markup=False, highlight=False, end="")
         n_set, n_kept = n_set + len(fr_set), n_kept + len(fr_kept)
     err.print(
         f"servewatch: {n_set} variable(s) set, {n_kept} kept; core files go to '{plan.host_dir}/'"

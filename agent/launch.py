@@ -1,10 +1,11 @@
 """``servewatch launch`` and ``servewatch cuda-env``: start a server armed for diagnostics.
 
-Owns: the launch environment (CUDA coredump variables from :mod:`agent.actors.coredump`, plus
-``MTL_CAPTURE_ENABLED=1`` for MLX targets; the user's environment always wins), starting the
+Owns: the launch environment (CUDA coredump and Flight Recorder variables planned by
+:mod:`agent.cudaenv`, plus ``MTL_CAPTURE_ENABLED=1`` for MLX targets; the user's environment
+always wins), starting the
 server as a child in its own process group (argv, never a shell), forwarding signals to it,
 running the agent beside it, and returning its exit status. May import the stdlib, anyio and
-:mod:`agent.actors.coredump`; the CLI (:mod:`agent.cli`) calls in, never the reverse.
+:mod:`agent.cudaenv`, never an actor; the CLI (:mod:`agent.cli`) calls in, never the reverse.
 
 Exit status convention (what :func:`run_launched` returns, so ``sys.exit`` can pass it on): the
 child's own exit code; a child killed by signal N gives ``128 + N``, as POSIX shells report it.
@@ -26,10 +27,12 @@ from types import MappingProxyType
 import anyio
 from anyio.abc import Process
 
-from agent.actors.coredump import (
+from agent.cudaenv import (
+    FR_BUFFER_ENV,
     SGLANG_PIPE_TEMPLATE,
     CoredumpEnvPlan,
     cuda_coredump_env,
+    flight_recorder_env,
 )
 
 __all__ = [
@@ -175,8 +178,6 @@ def launch_env(
         kept.update(plan.kept)
         env = dict(plan.env)
     if flight_recorder is not None:
-        from agent.actors.flightrec import flight_recorder_env
-
         fr_set, fr_kept = flight_recorder_env(environ, buffer_size=flight_recorder)
         kept.update(fr_kept)
         added.update(fr_set)
@@ -204,10 +205,10 @@ def describe_env(planned: LaunchEnv) -> str:
             f"Armed CUDA coredumps into '{planned.coredump.host_dir}/' (set {len(planned.coredump.set)},"
             f" kept user's: {kept})"
         )
-    if "TORCH_FR_BUFFER_SIZE" in planned.set:
-        parts.append(f"Flight Recorder armed (TORCH_FR_BUFFER_SIZE={planned.set['TORCH_FR_BUFFER_SIZE']})")
-    elif "TORCH_FR_BUFFER_SIZE" in planned.kept:
-        parts.append(f"Flight Recorder: user's TORCH_FR_BUFFER_SIZE={planned.kept['TORCH_FR_BUFFER_SIZE']} kept")
+    if FR_BUFFER_ENV in planned.set:
+        parts.append(f"Flight Recorder armed ({FR_BUFFER_ENV}={planned.set[FR_BUFFER_ENV]})")
+    elif FR_BUFFER_ENV in planned.kept:
+        parts.append(f"Flight Recorder: user's {FR_BUFFER_ENV}={planned.kept[FR_BUFFER_ENV]} kept")
     if "MTL_CAPTURE_ENABLED" in planned.set:
         parts.append("MTL_CAPTURE_ENABLED=1 for Metal captures")
     return "; ".join(parts) or "No diagnostic environment added"

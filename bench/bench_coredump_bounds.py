@@ -35,7 +35,8 @@ from pathlib import Path
 import anyio
 from _common import kill_groups
 
-from agent.actors.coredump import CoredumpActor, CoredumpConfig, cuda_coredump_env
+from agent.actors.coredump import CoredumpActor, CoredumpConfig
+from agent.cudaenv import cuda_coredump_env
 from agent.events import IncidentOpened, Outcome
 from agent.targets import Target
 

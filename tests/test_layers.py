@@ -45,6 +45,9 @@ def _offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
         # incidents pick their ids with agent.ids, never from an exporter
         ("agent/incidents.py", ("exporters", "agent.actors", "agent.watchers")),
         ("agent/ids.py", ("agent.", "exporters")),
+        # CUDA environment planning is one stdlib-only module; launch plans through it, not an actor
+        ("agent/cudaenv.py", ("agent.", "exporters")),
+        ("agent/launch.py", ("agent.actors", "agent.watchers", "exporters")),
         # the step watcher and the judge read the SDK's public counter layout, not a private module
         ("agent/watchers", ("agent.sdk._",)),
         ("agent/judge.py", ("agent.sdk._",)),

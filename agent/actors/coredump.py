@@ -1,10 +1,11 @@
-"""CUDA GPU coredumps: arm a target's environment, trigger its driver's pipe, wait for the dump.
+"""CUDA GPU coredumps: trigger an armed target's driver pipe, wait for the dump.
 
-Owns: the CUDA coredump environment (:func:`cuda_coredump_env`, :func:`format_exports`), the
-dump-directory guard (:func:`check_dump_dir`), finding a target's coredump FIFO from ground truth
-(:func:`locate_pipe`), triggering it without ever blocking (:func:`trigger_pipe`), waiting for the
-core file, and the actor tying them together (:class:`CoredumpActor`, span ``cuda.coredump``).
-May import the stdlib, anyio, pydantic, :func:`agent.actors.act_all`, :mod:`agent.events`,
+Owns: finding a target's coredump FIFO from ground truth (:func:`locate_pipe`), triggering it
+without ever blocking (:func:`trigger_pipe`), waiting for the core file, and the actor tying them
+together (:class:`CoredumpActor`, span ``cuda.coredump``). Arming a target (the environment
+variables, their templates, the dump-folder guard) is :mod:`agent.cudaenv`'s, shared with
+``launch`` and ``cuda-env``. May import the stdlib, anyio, pydantic, :func:`agent.actors.act_all`,
+:mod:`agent.cudaenv`, :mod:`agent.events`,
 :mod:`agent.actors.coredump_target` (the target's own view: environment sources, path templates,
 namespaces), :mod:`agent.procinfo` and :mod:`agent.targets` only.
 
@@ -46,18 +47,14 @@ import glob
 import logging
 import os
 import re
-import shlex
 import socket
 import stat
-import tempfile
 import termios
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
-from typing import NamedTuple
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,6 +66,17 @@ from agent.actors.coredump_target import (
     TargetView,
     effective_env,
     read_environ,
+)
+from agent.cudaenv import (
+    DRIVER_DEFAULT_FILE_TEMPLATE,
+    DRIVER_DEFAULT_PIPE_TEMPLATE,
+    ENV_ENABLE_USER_TRIGGER,
+    ENV_FILE,
+    ENV_PIPE,
+    SGLANG_FILE_TEMPLATE,
+    SGLANG_PIPE_TEMPLATE,
+    DumpDirCheck,
+    check_dump_dir,
 )
 from agent.events import (
     Action,
@@ -84,30 +92,13 @@ from agent.targets import Target
 
 __all__ = [
     "ACTION",
-    "DRIVER_DEFAULT_FILE_TEMPLATE",
-    "DRIVER_DEFAULT_PIPE_TEMPLATE",
-    "ENV_ENABLE_ON_EXCEPTION",
-    "ENV_ENABLE_USER_TRIGGER",
-    "ENV_FILE",
-    "ENV_GENERATION_FLAGS",
-    "ENV_PIPE",
-    "ENV_SHOW_PROGRESS",
-    "ENV_SPT_NOENV",
-    "LIGHTWEIGHT_GENERATION_FLAGS",
-    "SGLANG_FILE_TEMPLATE",
-    "SGLANG_PIPE_TEMPLATE",
     "TRIGGER_PAYLOAD",
     "CoredumpActor",
     "CoredumpConfig",
-    "CoredumpEnvPlan",
-    "DumpDirCheck",
     "PipeLocation",
     "TriggerResult",
-    "check_dump_dir",
     "core_file_glob",
     "core_file_templates",
-    "cuda_coredump_env",
-    "format_exports",
     "locate_pipe",
     "template_glob",
     "trigger_pipe",
@@ -118,33 +109,6 @@ log = logging.getLogger(__name__)
 #: Span name of the action.
 ACTION = Action.CUDA_COREDUMP
 
-#: ``1``: a GPU exception writes a coredump (driver variable).
-ENV_ENABLE_ON_EXCEPTION = "CUDA_ENABLE_COREDUMP_ON_EXCEPTION"
-#: ``1``: the driver creates and reads ``CUDA_COREDUMP_PIPE`` (must be set before CUDA init).
-ENV_ENABLE_USER_TRIGGER = "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"
-#: ``1``: the driver prints coredump progress on the target's stderr.
-ENV_SHOW_PROGRESS = "CUDA_COREDUMP_SHOW_PROGRESS"
-#: Comma-separated ``skip_*`` flags selecting what a coredump contains.
-ENV_GENERATION_FLAGS = "CUDA_COREDUMP_GENERATION_FLAGS"
-#: Core file path template (``%h`` host, ``%p`` pid, ``%t`` time).
-ENV_FILE = "CUDA_COREDUMP_FILE"
-#: Trigger FIFO path template (``%h`` host, ``%p`` pid, ``%t`` time).
-ENV_PIPE = "CUDA_COREDUMP_PIPE"
-#: ``1``: setproctitle leaves ``/proc/PID/environ`` alone (its documented switch).
-ENV_SPT_NOENV = "SPT_NOENV"
-
-#: SGLang's lightweight flag set (CU_COREDUMP_LIGHTWEIGHT_FLAGS spelled as driver words).
-LIGHTWEIGHT_GENERATION_FLAGS = (
-    "skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,skip_constbank_memory"
-)
-#: SGLang's ``CUDA_COREDUMP_FILE`` under ``--crash-dump-folder`` (``{folder}`` is filled in).
-SGLANG_FILE_TEMPLATE = "{folder}/%h/core.cuda.%t.%p"
-#: SGLang's ``CUDA_COREDUMP_PIPE`` (per FIELD-NOTES: under /tmp, not under the folder).
-SGLANG_PIPE_TEMPLATE = "/tmp/corepipe.cuda.%h.%p"
-#: The driver's own pipe name when ``CUDA_COREDUMP_PIPE`` is unset (relative to the target's cwd).
-DRIVER_DEFAULT_PIPE_TEMPLATE = "corepipe.cuda.%h.%p"
-#: The driver's own core file name when ``CUDA_COREDUMP_FILE`` is unset (relative to the cwd).
-DRIVER_DEFAULT_FILE_TEMPLATE = "core_%t_%h_%p.nvcudmp"
 #: What we write into the FIFO; the driver starts a dump on any data.
 TRIGGER_PAYLOAD = b"1"
 
@@ -201,156 +165,6 @@ class CoredumpConfig(BaseModel):
     settle_s: float = Field(default=2.0, ge=0)
     poll_interval_s: float = Field(default=0.1, gt=0)
     delay_s: float = Field(default=0.0, ge=0, le=60)
-
-
-# --- arming ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CoredumpEnvPlan:
-    """The CUDA coredump environment for one crash-dump folder.
-
-    Attributes:
-        folder: the crash-dump folder (absolute).
-        host_dir: ``folder/<host>``, created by :func:`cuda_coredump_env`.
-        set: variables this plan adds (name -> value); the user had not set them.
-        kept: coredump variables the user had already set (name -> the user's value), untouched.
-        env: the complete environment to start the target with (the input plus ``set``).
-    """
-
-    folder: Path
-    host_dir: Path
-    set: Mapping[str, str]
-    kept: Mapping[str, str]
-    env: Mapping[str, str] = field(repr=False)
-
-
-def cuda_coredump_env(
-    folder: str | os.PathLike[str],
-    environ: Mapping[str, str] = os.environ,
-    *,
-    host: str | None = None,
-    pipe_template: str = SGLANG_PIPE_TEMPLATE,
-    create: bool = True,
-) -> CoredumpEnvPlan:
-    """Compute the CUDA coredump environment for ``folder`` with SGLang's defaults.
-
-    Per SGLang's ``--crash-dump-folder`` handling: each variable is set only where ``environ``
-    does not already have it (the user's value wins, even an empty one). Creates
-    ``folder/<host>`` so the driver can write ``%h`` paths, unless ``create`` is false (``servewatch
-    cuda-env`` only prints).
-
-    Args:
-        folder: crash-dump folder; made absolute.
-        environ: the environment to start from (not modified).
-        host: host name ``%h`` expands to; default :func:`socket.gethostname`.
-        pipe_template: ``CUDA_COREDUMP_PIPE`` to set; default SGLang's.
-        create: create ``folder/<host>`` now.
-
-    Returns:
-        The plan: what was set, what was kept, and the full environment.
-
-    Raises:
-        OSError: the per-host folder cannot be created (bad configuration).
-    """
-    folder_path = Path(folder).expanduser().absolute()
-    host_name = host or socket.gethostname()
-    defaults = {
-        ENV_ENABLE_ON_EXCEPTION: "1",
-        ENV_ENABLE_USER_TRIGGER: "1",
-        ENV_SHOW_PROGRESS: "1",
-        ENV_GENERATION_FLAGS: LIGHTWEIGHT_GENERATION_FLAGS,
-        ENV_FILE: SGLANG_FILE_TEMPLATE.format(folder=str(folder_path)),
-        ENV_PIPE: pipe_template,
-        # setproctitle (SGLang's schedulers) would otherwise empty /proc/PID/environ, where the
-        # agent reads this arming back (an empty user value still clears it: kept as the user's).
-        ENV_SPT_NOENV: "1",
-    }
-    added: dict[str, str] = {}
-    kept: dict[str, str] = {}
-    for name, value in defaults.items():
-        if name in environ:
-            kept[name] = environ[name]
-        else:
-            added[name] = value
-    host_dir = folder_path / host_name
-    if create:
-        host_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(environ)
-    env.update(added)
-    return CoredumpEnvPlan(
-        folder=folder_path,
-        host_dir=host_dir,
-        set=MappingProxyType(added),
-        kept=MappingProxyType(kept),
-        env=MappingProxyType(env),
-    )
-
-
-def format_exports(plan: CoredumpEnvPlan) -> str:
-    """Shell lines arming a target started from that shell (``servewatch cuda-env``).
-
-    One ``export NAME=VALUE`` line per variable the plan sets, values quoted with
-    :func:`shlex.quote`; a ``#`` comment line per variable kept from the user's environment.
-
-    Args:
-        plan: from :func:`cuda_coredump_env`.
-
-    Returns:
-        The lines, newline-terminated (empty when nothing is set or kept).
-    """
-    lines = [f"export {name}={shlex.quote(value)}" for name, value in plan.set.items()]
-    lines += [f"# kept {name} (already set)" for name in plan.kept]
-    return "".join(line + "\n" for line in lines)
-
-
-class DumpDirCheck(NamedTuple):
-    """Result of :func:`check_dump_dir`."""
-
-    #: True when a core file can be written there
-    ok: bool
-    #: why not (or the free space found, when ok)
-    reason: str
-
-
-def check_dump_dir(path: str | os.PathLike[str], *, min_free_bytes: int) -> DumpDirCheck:
-    """Check that a core file can be written to directory ``path``.
-
-    The directory must exist or be creatable, be writable (proved by creating and removing a
-    probe file, so root and read-only mounts are judged correctly), and have at least
-    ``min_free_bytes`` available to unprivileged writers (``statvfs`` ``f_bavail``).
-
-    Args:
-        path: the directory the core file will be written to (created when missing).
-        min_free_bytes: required free space, in bytes.
-
-    Returns:
-        ``(ok, reason)``.
-    """
-    directory = Path(path)
-    if directory.exists() and not directory.is_dir():
-        return DumpDirCheck(False, f"dump directory {str(directory)!r} is not a directory")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return DumpDirCheck(False, f"dump directory {str(directory)!r} cannot be created: {exc.strerror or exc}")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".servewatch-probe-", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return DumpDirCheck(False, f"dump directory {str(directory)!r} is not writable: {exc.strerror or exc}")
-    try:
-        vfs = os.statvfs(directory)
-    except OSError as exc:
-        return DumpDirCheck(False, f"cannot read free space of {str(directory)!r}: {exc.strerror or exc}")
-    free_bytes = vfs.f_bavail * vfs.f_frsize
-    if free_bytes < min_free_bytes:
-        return DumpDirCheck(
-            False,
-            f"only {free_bytes} bytes free in {str(directory)!r}, below min_free_bytes={min_free_bytes}",
-        )
-    return DumpDirCheck(True, f"{free_bytes} bytes free in {str(directory)!r}")
 
 
 # --- finding the pipe ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ ancestor (:func:`record_launch`), an ancestor's environ), the driver's path temp
 patterns (:class:`PathTemplate`: ``%h``, ``%p``, ``%t`` matched as wildcards, ``%p`` limited to
 the pids the target may know itself by), and reaching the target's paths from the agent
 (:class:`TargetView`: through ``/proc/PID/root`` when it lives in another mount namespace).
-Imports the stdlib, psutil, :mod:`agent.fsutil`, :mod:`agent.procinfo` and :mod:`agent.safetext`.
+Imports the stdlib, psutil, :mod:`agent.cudaenv` (the variables' names), :mod:`agent.fsutil`, :mod:`agent.procinfo` and :mod:`agent.safetext`.
 
 Facts (FIELD-NOTES, measured here):
 
@@ -31,12 +31,12 @@ from types import MappingProxyType
 
 import psutil
 
+from agent.cudaenv import COREDUMP_VARIABLES
 from agent.fsutil import atomic_write_text, ensure_private_dir
 from agent.procinfo import ns_pid
 from agent.safetext import safe_text
 
 __all__ = [
-    "COREDUMP_VARIABLES",
     "LAUNCH_RECORD_DIR",
     "PathTemplate",
     "TargetEnv",
@@ -47,16 +47,6 @@ __all__ = [
     "record_launch",
 ]
 
-#: The environment variables that arm and direct a CUDA coredump (recorded by launch).
-COREDUMP_VARIABLES = (
-    "CUDA_ENABLE_COREDUMP_ON_EXCEPTION",
-    "CUDA_ENABLE_USER_TRIGGERED_COREDUMP",
-    "CUDA_COREDUMP_SHOW_PROGRESS",
-    "CUDA_COREDUMP_GENERATION_FLAGS",
-    "CUDA_COREDUMP_FILE",
-    "CUDA_COREDUMP_PIPE",
-    "SPT_NOENV",
-)
 #: Folder (under the data dir) where ``servewatch launch`` records what it set for each server.
 LAUNCH_RECORD_DIR = "launched"
 _MAX_ANCESTORS = 32

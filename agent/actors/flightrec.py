@@ -2,8 +2,8 @@
 
 Owns reading torch's collective Flight Recorder (per process group: collective sequence ids, op,
 sizes, state, timestamps) out of every target rank, one bounded action per rank
-(``flightrec.dump``), the artifact ``flightrec-rank<r>-<pid>.json`` per rank, and the launch
-environment that arms the recorder (``TORCH_FR_BUFFER_SIZE``).
+(``flightrec.dump``) and the artifact ``flightrec-rank<r>-<pid>.json`` per rank. The launch
+environment that arms the recorder (``TORCH_FR_BUFFER_SIZE``) is :mod:`agent.cudaenv`'s.
 
 Sources, tried in this order until one answers (per rank, all within ``timeout_s``):
 
@@ -44,6 +44,7 @@ import anyio
 import psutil
 from pydantic import BaseModel, Field
 
+from agent.cudaenv import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
 from agent.events import Action, ActionResult, AttributeValue, IncidentOpened, Outcome, now_ns
 from agent.fsutil import atomic_write_text
 from agent.security import open_trusted, process_uids, trusted_owner
@@ -51,12 +52,9 @@ from agent.targets import Target
 
 __all__ = [
     "ACTION",
-    "FR_BUFFER_DEFAULT",
-    "FR_BUFFER_ENV",
     "SOURCES",
     "FlightRecorderActor",
     "FlightRecorderConfig",
-    "flight_recorder_env",
     "rank_from_title",
     "summarize_trace",
 ]
@@ -65,10 +63,6 @@ log = logging.getLogger("servewatch.flightrec")
 
 #: Span name of one rank's Flight Recorder read.
 ACTION = Action.FLIGHTREC_DUMP
-#: torch's variable sizing the recorder (entries per process); read at ``init_process_group``.
-FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-#: Entries armed by ``launch`` / ``cuda-env`` when the user did not size the buffer.
-FR_BUFFER_DEFAULT = "2000"
 #: Source names, in the order they are tried.
 SOURCES = ("sdk_worker", "sdk_control", "debug_server", "nccl_pipe")
 #: torch's NCCL debug-info pipe stem and dump-file variables (per rank: stem + rank).
@@ -91,17 +85,6 @@ class FlightRecorderConfig(BaseModel):
     buffer_size: int = Field(
         int(FR_BUFFER_DEFAULT), ge=1, description="TORCH_FR_BUFFER_SIZE armed by launch / cuda-env (user values kept)"
     )
-
-
-def flight_recorder_env(environ: Mapping[str, str], *, buffer_size: int = int(FR_BUFFER_DEFAULT)) -> tuple[dict[str, str], dict[str, str]]:
-    """Variables arming the Flight Recorder, the user's values kept.
-
-    Returns:
-        ``(set, kept)``: what to add, and the user's own values left as they are.
-    """
-    if FR_BUFFER_ENV in environ:
-        return {}, {FR_BUFFER_ENV: environ[FR_BUFFER_ENV]}
-    return {FR_BUFFER_ENV: str(buffer_size)}, {}
 
 
 def rank_from_title(title: str) -> int | None:

@@ -23,13 +23,11 @@ from agent.actors.coredump import (
     CoredumpActor,
     CoredumpConfig,
     PipeLocation,
-    check_dump_dir,
-    cuda_coredump_env,
-    format_exports,
     locate_pipe,
     template_glob,
     trigger_pipe,
 )
+from agent.cudaenv import cuda_coredump_env
 from agent.events import IncidentOpened, Outcome
 from agent.targets import Target
 from tests.conftest import PROGRAMS_DIR
@@ -111,73 +109,6 @@ def _wait_unarmed(status: Path) -> dict:
 
 def target_of(proc: subprocess.Popen[bytes]) -> Target:
     return Target(pid=proc.pid, title="fake-cuda")
-
-
-# --- arming ---------------------------------------------------------------------------------
-
-
-def test_env_sets_sglang_defaults_and_creates_host_dir(tmp_path: Path) -> None:
-    plan = cuda_coredump_env(tmp_path / "crash", {"PATH": "/usr/bin"}, host="node-7")
-    assert dict(plan.set) == {
-        "CUDA_ENABLE_COREDUMP_ON_EXCEPTION": "1",
-        "CUDA_ENABLE_USER_TRIGGERED_COREDUMP": "1",
-        "CUDA_COREDUMP_SHOW_PROGRESS": "1",
-        "CUDA_COREDUMP_GENERATION_FLAGS": (
-            "skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
-            "skip_local_memory,skip_constbank_memory"
-        ),
-        "CUDA_COREDUMP_FILE": f"{tmp_path}/crash/%h/core.cuda.%t.%p",
-        "CUDA_COREDUMP_PIPE": "/tmp/corepipe.cuda.%h.%p",
-        "SPT_NOENV": "1",  # setproctitle must leave /proc/PID/environ readable
-    }
-    assert dict(plan.kept) == {}
-    assert plan.env["PATH"] == "/usr/bin"
-    assert plan.host_dir == tmp_path / "crash" / "node-7"
-    assert plan.host_dir.is_dir()
-
-
-def test_env_never_overrides_user_values(tmp_path: Path) -> None:
-    user = {"CUDA_COREDUMP_FILE": "/data/mine/core.%p", "CUDA_COREDUMP_SHOW_PROGRESS": "", "HOME": "/root"}
-    plan = cuda_coredump_env(tmp_path, user, host="h")
-    assert dict(plan.kept) == {"CUDA_COREDUMP_FILE": "/data/mine/core.%p", "CUDA_COREDUMP_SHOW_PROGRESS": ""}
-    assert "CUDA_COREDUMP_FILE" not in plan.set and "CUDA_COREDUMP_SHOW_PROGRESS" not in plan.set
-    assert plan.env["CUDA_COREDUMP_FILE"] == "/data/mine/core.%p"
-    assert plan.env["CUDA_COREDUMP_SHOW_PROGRESS"] == ""
-    assert plan.env["CUDA_ENABLE_USER_TRIGGERED_COREDUMP"] == "1"
-    assert user == {"CUDA_COREDUMP_FILE": "/data/mine/core.%p", "CUDA_COREDUMP_SHOW_PROGRESS": "", "HOME": "/root"}
-
-
-def test_exports_parse_back_in_bash(tmp_path: Path) -> None:
-    folder = tmp_path / "it's a \"dir\" $HOME"
-    plan = cuda_coredump_env(folder, {"CUDA_COREDUMP_PIPE": "/run/p.%p"}, host="h")
-    script = format_exports(plan)
-    assert "# kept CUDA_COREDUMP_PIPE (already set)" in script
-    out = subprocess.run(
-        ["bash", "-c", 'eval "$1"; env -0', "bash", script],
-        env={"PATH": os.environ["PATH"]},
-        capture_output=True,
-        check=True,
-        timeout=30,
-    ).stdout
-    seen = dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
-    for name, value in plan.set.items():
-        assert seen[name] == value
-    assert seen["CUDA_COREDUMP_FILE"] == f"{folder}/%h/core.cuda.%t.%p"
-    assert "CUDA_COREDUMP_PIPE" not in seen
-
-
-def test_dump_dir_guard(tmp_path: Path) -> None:
-    fresh = tmp_path / "a" / "b"
-    ok, reason = check_dump_dir(fresh, min_free_bytes=0)
-    assert ok and fresh.is_dir() and "bytes free" in reason
-    ok, reason = check_dump_dir(fresh, min_free_bytes=1 << 62)
-    assert not ok and "below min_free_bytes" in reason
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    ok, reason = check_dump_dir(blocker / "sub", min_free_bytes=0)
-    assert not ok and "cannot be created" in reason
-    ok, reason = check_dump_dir(blocker, min_free_bytes=0)
-    assert not ok and "not a directory" in reason
 
 
 def test_template_glob_escapes_literals_and_wildcards_time() -> None:

@@ -23,8 +23,9 @@ import anyio
 import psutil
 import pytest
 
-from agent.actors.coredump import CoredumpActor, CoredumpConfig, cuda_coredump_env
+from agent.actors.coredump import CoredumpActor, CoredumpConfig
 from agent.actors.coredump_target import LAUNCH_RECORD_DIR, effective_env, record_launch
+from agent.cudaenv import cuda_coredump_env
 from agent.events import IncidentOpened, Outcome
 from agent.targets import Target
 from tests.conftest import PROGRAMS_DIR

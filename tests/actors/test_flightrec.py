@@ -16,9 +16,9 @@ from agent.actors.flightrec import (
     ACTION,
     FlightRecorderActor,
     FlightRecorderConfig,
-    flight_recorder_env,
     rank_from_title,
 )
+from agent.cudaenv import flight_recorder_env
 from agent.events import IncidentOpened, Outcome
 from agent.sdk.flightrec import worker_path
 from agent.targets import Target

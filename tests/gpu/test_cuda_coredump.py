@@ -18,7 +18,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.actors.coredump import CoredumpActor, CoredumpConfig, cuda_coredump_env, locate_pipe
+from agent.actors.coredump import CoredumpActor, CoredumpConfig, locate_pipe
+from agent.cudaenv import cuda_coredump_env
 from agent.events import IncidentOpened, Outcome
 from agent.targets import Target
 

@@ -725,7 +725,7 @@ def export(
             compression=destination.compression, signal_specific=destination.signal_specific, ledger=ledger,
         )
     except FileNotFoundError as exc:
-        fail(f"no such file or folder: {exc.filename or exc}", ExitCode.USAGE)
+        fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
     except ValueError as exc:
         fail(str(exc), ExitCode.USAGE)
     except OSError as exc:

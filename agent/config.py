@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import socket
 import sys
 import types
@@ -215,17 +216,25 @@ def _unknown_keys(table: Mapping[str, Any], prefix: str = "") -> list[str]:
     return problems
 
 
+#: A message that already quotes the value it got (``expected HOST:PORT, got 'x'``).
+_SAYS_GOT = re.compile(r"\bgot\b")
+
+
 def _format_error(err: ValidationError) -> str:
+    """``invalid setting KEY: what is wrong (got VALUE); KEY2: ...``, each value quoted once.
+
+    A model-wide check (no key of its own) names its keys in its message: it is shown as it is.
+    """
     parts = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "settings"
+        key = ".".join(str(p) for p in e["loc"])
         got = e.get("input")
         msg = str(e["msg"]).removeprefix("Value error, ")
-        shown = "" if isinstance(got, dict) or repr(got) in msg else f" (got {got!r})"
+        shown = "" if not key or isinstance(got, dict) or _SAYS_GOT.search(msg) else f" (got {got!r})"
         if e["type"] == "extra_forbidden":  # a misspelt key: name the closest valid one
             parts.append(_unknown_key(key))
             continue
-        parts.append(f"{key}: {msg}{shown}")
+        parts.append(f"{key}: {msg}{shown}" if key else msg)
     return "invalid setting " + "; ".join(parts)
 
 

@@ -17,6 +17,7 @@ Imports :mod:`agent.fsutil`, :mod:`exporters.otlp_json` and :mod:`exporters.tran
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -221,7 +222,7 @@ def replay(
             if path.name.startswith("metrics-"):
                 continue
             if not path.exists():
-                raise FileNotFoundError(f"no such file: {path}")
+                raise FileNotFoundError(errno.ENOENT, "no such file or folder", str(path))
             if _spool_in_use(path, lock_cache):
                 locked += 1
                 continue

@@ -164,3 +164,19 @@ def test_report_and_timeline_of_a_bundle_write_only_what_was_asked(tmp_path: Pat
     assert page.stdout.startswith("<!DOCTYPE html>") and INCIDENT_ID in page.stdout
     assert _tree(tmp_path) == before  # no file named "-", no folder "no"
     assert _tree(bundle.data_dir) == data_before
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "line"),
+    [
+        (["dump"], {"SERVEWATCH_TARGET__PIDS": "[0]"}, "servewatch: invalid setting target.pids.0: Input should be greater than 0 (got 0)"),
+        (["run", "--pid", "1", "--health-url", "ftp://x"], {}, "servewatch: invalid setting health.url: expected an http(s):// URL, got 'ftp://x'"),
+        (["run", "--pid", "1", "--api-listen", "127.0.0.1:7", "--api-token-file", "/nope"], {}, "servewatch: invalid setting api.token_file: no such file '/nope'"),
+        (["export", "--to", "http://127.0.0.1:1", "/nope"], {}, "servewatch: no such file or folder '/nope'"),
+        (["run", "--pid", "1", "--api-listen", "nope"], {}, "servewatch: invalid setting api.listen: expected HOST:PORT, got 'nope'"),
+    ],
+)
+def test_messages_say_each_thing_once(tmp_path: Path, args: list[str], env: dict[str, str], line: str) -> None:
+    r = sw(tmp_path, *args, **env)
+    assert r.returncode == 2
+    assert r.stderr == line + "\n"

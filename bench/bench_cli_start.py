@@ -15,7 +15,8 @@ Commands run with bytecode caching on (PYTHONDONTWRITEBYTECODE removed) after on
 as an installed servewatch starts; without it every project module is recompiled per start.
 
 The machine may be shared: every ratio compares runs of the same round; the spread (min..max
-of the per-round ratios) is printed with it.
+of the per-round ratios) is printed with it, and so are the median CPU seconds (user + system,
+py-spy's included) of both sides, which the load moves much less than wall time.
 
 Usage: ``python bench/bench_cli_start.py [--repeat 5] [--ks 1,4,8]``
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import select
 import shutil
 import statistics
@@ -59,11 +61,24 @@ BASE_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE
 
 
 def timed(argv: list[str], env: dict[str, str] | None = None, timeout_s: float = 120.0) -> tuple[float, int]:
+    """Run ``argv`` to its end: (wall seconds, exit code). CPU seconds of it and its children
+    are added to :data:`CPU_S` under ``argv[0]``'s run (see :func:`cpu_of`)."""
     env = BASE_ENV if env is None else env
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           env=env, timeout=timeout_s, check=False)
-    return time.perf_counter() - t0, proc.returncode
+    dt = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    global LAST_CPU_S
+    LAST_CPU_S = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return dt, proc.returncode
+
+
+#: CPU seconds (user + system, the process and the children it waited for) of the last
+#: :func:`timed` run. On a shared machine wall time swings with the load; CPU time much less, so
+#: the dump comparison prints both.
+LAST_CPU_S = 0.0
 
 
 def start_targets(k: int) -> list[subprocess.Popen[bytes]]:
@@ -107,24 +122,25 @@ def part1(repeat: int, work: Path) -> None:
         print(f"  {name:28s} {statistics.median(ts):6.3f} / {min(ts):6.3f}")
 
 
-def _baseline(spy: str, pids: list[int]) -> float:
-    """Sequential `py-spy dump --native` of every pid: total seconds."""
-    total = 0.0
+def _baseline(spy: str, pids: list[int]) -> tuple[float, float]:
+    """Sequential `py-spy dump --native` of every pid: (total wall seconds, total CPU seconds)."""
+    total, cpu = 0.0, 0.0
     for pid in pids:
         dt, rc = timed([spy, "dump", "--native", "--pid", str(pid)])
         if rc != 0:
             raise SystemExit(f"py-spy dump exited {rc}")
         total += dt
-    return total
+        cpu += LAST_CPU_S
+    return total, cpu
 
 
-def _whole(sw: list[str], pids: list[int], data: Path) -> float:
-    """One `servewatch dump` of every pid, whole process: seconds."""
+def _whole(sw: list[str], pids: list[int], data: Path) -> tuple[float, float]:
+    """One `servewatch dump` of every pid, whole process: (wall seconds, CPU seconds with py-spy's)."""
     argv = [*sw, "dump", "--data-dir", str(data)] + [a for pid in pids for a in ("--pid", str(pid))]
     dt, rc = timed(argv)
     if rc != 0:
         raise SystemExit(f"servewatch dump exited {rc}")
-    return dt
+    return dt, LAST_CPU_S
 
 
 def part2(ks: list[int], repeat: int, work: Path) -> None:
@@ -134,18 +150,21 @@ def part2(ks: list[int], repeat: int, work: Path) -> None:
         procs = start_targets(k)
         try:
             pids = [p.pid for p in procs]
-            base, ours, ratios = [], [], []
+            base, ours, ratios, cpu_ours, cpu_base = [], [], [], [], []
             _whole(sw, pids, work / f"warm-{k}")  # warm-up (bytecode of the dump path, page cache)
             for r in range(repeat):
                 if r % 2:
-                    o, b = _whole(sw, pids, work / f"data-{k}-{r}"), _baseline(spy, pids)
+                    (o, oc), (b, bc) = _whole(sw, pids, work / f"data-{k}-{r}"), _baseline(spy, pids)
                 else:
-                    b, o = _baseline(spy, pids), _whole(sw, pids, work / f"data-{k}-{r}")
+                    (b, bc), (o, oc) = _baseline(spy, pids), _whole(sw, pids, work / f"data-{k}-{r}")
                 base.append(b)
                 ours.append(o)
                 ratios.append(o / b)
+                cpu_ours.append(oc)
+                cpu_base.append(bc)
             print(f"  K={k}: servewatch dump {statistics.median(ours):6.3f} s, sequential py-spy {statistics.median(base):6.3f} s,"
-                  f" ratio {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}..{max(ratios):.2f})")
+                  f" ratio {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}..{max(ratios):.2f});"
+                  f" CPU {statistics.median(cpu_ours):.3f} s vs {statistics.median(cpu_base):.3f} s")
         finally:
             kill_groups(procs, timeout_s=10)
 

@@ -176,6 +176,8 @@ class IncidentRecord:
     verdict: Any = None
     #: seconds spent making the verdict after the evidence was in
     verdict_duration_s: float = 0.0
+    #: the host it ran on (``host.name`` in the manifest)
+    host_name: str = ""
 
     @property
     def bundle_dir(self) -> Path:
@@ -195,11 +197,11 @@ class IncidentRecord:
             counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
         return counts
 
-    def to_manifest(self, *, host_name: str) -> Manifest:
+    def to_manifest(self, *, host_name: str | None = None) -> Manifest:
         """The incident as its ``manifest.json`` (:class:`agent.manifest.Manifest`), as of now.
 
         Args:
-            host_name: this host (``host.name``).
+            host_name: ``host.name``; ``None``: :attr:`host_name`.
         """
         o = self.opened
         return Manifest(
@@ -207,7 +209,7 @@ class IncidentRecord:
             incident_id=o.incident_id,
             trigger=o.trigger,
             detail=o.detail,
-            host_name=host_name,
+            host_name=self.host_name if host_name is None else host_name,
             trace_id=o.trace_id,
             span_id=o.span_id,
             parent_span_id=o.parent_span_id,
@@ -600,7 +602,7 @@ class IncidentManager:
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
             attributes=frozen_attrs(target_attributes(t.title for t in targets)),
         )
-        record = IncidentRecord(opened=opened, targets=targets, inflight=inflight)
+        record = IncidentRecord(opened=opened, targets=targets, inflight=inflight, host_name=self.host_name)
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         self.current = record
         _RUNNING_HERE.add(incident_id)

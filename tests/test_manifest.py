@@ -240,3 +240,28 @@ def test_timeline_and_report_on_a_corrupt_manifest_say_one_line_and_fail(
         assert len(lines) == 1 and lines[0].startswith(f"servewatch: {path}: ") and message in lines[0], (args, r.stderr)
         assert r.stdout == ""
     assert not (tmp_path / "r.html").exists()
+
+
+def test_summary_reads_the_manifest_the_bundle_holds(tmp_path: Path) -> None:
+    from agent.events import IncidentOpened
+    from agent.incidents import IncidentRecord
+    from agent.summary import incident_summary, summary_lines
+    from agent.targets import Target
+
+    opened = IncidentOpened(incident_id="20261201T000000Z-manual-000002", trigger=Trigger.MANUAL, detail="asked",
+                            bundle_dir=str(tmp_path / "h1" / "inc"), time_unix_nano=OPENED_NS)
+    idle = ActionResult(action=Action.PYSPY_DUMP, outcome=Outcome.OK, pid=5, start_time_unix_nano=OPENED_NS,
+                        end_time_unix_nano=OPENED_NS + 25 * 10**7,
+                        attributes={"servewatch.pyspy.idle_threads": ("MainThread", "worker")})
+    record = IncidentRecord(opened=opened, targets=[Target(pid=5, title="srv --api-key=sk-SECRET")], results=[idle],
+                            closed_time_unix_nano=OPENED_NS + 10**9, host_name="h1", state="closed")
+    lines = summary_lines(record)
+    assert lines[0] == "Incident 20261201T000000Z-manual-000002 (manual): asked"
+    assert lines[1].split() == ["pyspy.dump", "pid", "5", "srv", "--api-key=<redacted>", "ok", "0.25s", "all", "idle",
+                                "(waiting", "for", "work):", "nothing", "is", "stuck;", "stuck", "threads:", "none;",
+                                "idle:", "MainThread,", "worker"]
+    summary = incident_summary(record)
+    assert summary["processes"] == [{"pid": 5, "title": "srv --api-key=<redacted>"}]  # as the bundle holds it
+    assert (summary["trigger"], summary["duration_s"], summary["outcomes"]) == ("manual", 1.0, {"ok": 1})
+    assert json.loads(json.dumps(summary))["actions"][0]["action"] == "pyspy.dump"
+    assert record.to_manifest().host_name == "h1"

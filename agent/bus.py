@@ -18,12 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from agent.events import Event
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = ["BusStatistics", "EventBus", "Publisher", "RecordingBus", "Subscription"]
 
@@ -108,7 +111,7 @@ class Subscription:
         """Unsubscribe; safe to call twice."""
         self.close()
 
-    async def __aenter__(self) -> Subscription:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(

@@ -401,9 +401,9 @@ class IncidentManager:
             return (
                 Trigger.STALL,
                 event.pid,
-                f"busy and no forward progress for {event.stalled_for_s:.1f}s (timeout {event.timeout_s:g}s,"
+                (f"busy and no forward progress for {event.stalled_for_s:.1f}s (timeout {event.timeout_s:g}s,"
                 f" forward_ct={event.forward_ct}{', pid ' + str(event.pid) if event.pid else ''}"
-                f"{', series {' + event.series + '}' if event.series else ''})",
+                f"{', series {' + event.series + '}' if event.series else ''})"),
             )
         if isinstance(event, HealthCheckFailed):
             code = f"HTTP {event.status_code}" if event.status_code else event.error_class

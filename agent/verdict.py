@@ -32,6 +32,7 @@ imported lazily and optionally for ``Op.match``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -353,10 +354,9 @@ def warm_up() -> None:
 
     # torch warns on stderr at import when numpy is absent (a plain `pip install torch`); not ours to show
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    try:
+    # torch is optional on the agent side, and a broken install may raise more than ImportError
+    with contextlib.suppress(Exception):
         import torch.distributed.flight_recorder.components.types  # noqa: F401
-    except Exception:  # noqa: BLE001 - torch is optional on the agent side
-        pass
 
 
 def _mismatch(a: Mapping[str, Any], b: Mapping[str, Any], ranks: set[int]) -> tuple[bool, str]:

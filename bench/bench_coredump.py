@@ -125,10 +125,10 @@ def main() -> None:
             finally:
                 kill_groups(procs, timeout_s=10)
 
-        def med(key: str) -> float:
-            return statistics.median(r[key] for r in runs)
-
-        dumps, triggered, overhead, done = med("dumps_s"), med("triggered_s"), med("trigger_overhead_s"), med("complete_s")
+        dumps, triggered, overhead, done = (
+            statistics.median(r[key] for r in runs)
+            for key in ("dumps_s", "triggered_s", "trigger_overhead_s", "complete_s")
+        )
         sglang_trig = SGLANG_SLEEP_BEFORE_DUMP_S + dumps + overhead
         sglang_done = sglang_trig + SGLANG_WAIT_AFTER_TRIGGER_S
         print(

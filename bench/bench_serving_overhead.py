@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
 
-    work, shm, data, env = bench_workspace("servewatch-overhead-")
+    work, _shm, data, env = bench_workspace("servewatch-overhead-")
     receiver = RemoteReceiver()
     server = DemoServer(tp=args.tp, env=env, title_prefix="overhead").start()
     load = LoadGenerator(server.base_url, clients=args.clients, max_new_tokens=args.max_new_tokens).start()

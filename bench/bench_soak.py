@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--no-ship", action="store_true", help="baseline: the agent does not ship the server's spans")
     args = ap.parse_args()
 
-    work, shm, data, env = bench_workspace("servewatch-soak-")
+    work, _shm, data, env = bench_workspace("servewatch-soak-")
     receiver = None if args.files else RemoteReceiver()
     received = 0
     server = DemoServer(tp=args.tp, env=env, title_prefix="soak").start()

@@ -68,14 +68,13 @@ def write_trace(path: Path, size_bytes: int, gz: bool) -> int:
     """Write a synthetic torch-style trace of about ``size_bytes``; returns its event count."""
     import gzip
 
-    opener = (lambda p: gzip.open(p, "wt", compresslevel=1)) if gz else (lambda p: open(p, "w"))
     pid = tid = 4242
     ts = 5_115_197_297_000.0
     eid = 0
     events = 0
     written = 0
     step = 0
-    with opener(path) as f:
+    with gzip.open(path, "wt", compresslevel=1) if gz else path.open("w") as f:
         head = '{\n  "schemaVersion": 1,\n  "deviceProperties": [],\n  "traceEvents": [\n'
         f.write(head)
         written += len(head)
@@ -101,8 +100,8 @@ def write_trace(path: Path, size_bytes: int, gz: bool) -> int:
             ts += 2100
             step += 1
         tail = (
-            '  {\n    "ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": %.3f\n  }\n'
-            '  ],\n  "baseTimeNanoseconds": 1790857026000000000,\n  "traceName": "%s"\n}\n' % (ts, path.name)
+            f'  {{\n    "ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": {ts:.3f}\n  }}\n'
+            f'  ],\n  "baseTimeNanoseconds": 1790857026000000000,\n  "traceName": "{path.name}"\n}}\n'
         )
         f.write(tail)
         events += 1

@@ -116,9 +116,12 @@ def trim_span(span: Span, max_bytes: int) -> int:
     while span.ByteSize() > target:
         longest = None
         for kv in span.attributes:
-            if kv.value.WhichOneof("value") == "string_value" and len(kv.value.string_value) > 64:
-                if longest is None or len(kv.value.string_value) > len(longest.value.string_value):
-                    longest = kv
+            if (
+                kv.value.WhichOneof("value") == "string_value"
+                and len(kv.value.string_value) > 64
+                and (longest is None or len(kv.value.string_value) > len(longest.value.string_value))
+            ):
+                longest = kv
         if longest is None:
             break
         excess = span.ByteSize() - target

@@ -182,7 +182,7 @@ class Metrics:
         for source in sources:
             try:
                 stats.append(source())
-            except Exception:  # boundary: a callback must not break the metrics export
+            except Exception:  # noqa: BLE001 - a callback must not break the metrics export
                 _log.exception("metric export statistics callback failed")
         for outcome in ("exported", "spooled", "replayed", "lost"):
             yield Observation(sum(getattr(s, outcome) for s in stats), {"servewatch.export.outcome": outcome})
@@ -205,7 +205,7 @@ class Metrics:
         for source in sources:
             try:
                 pairs = list(source())
-            except Exception:  # boundary: as above
+            except Exception:  # noqa: BLE001 - a callback must not break the metrics export
                 _log.exception("watcher status callback failed")
                 continue
             for name, state in pairs:
@@ -222,7 +222,7 @@ class Metrics:
         for source in sources:
             try:
                 out.append(source())
-            except Exception:  # boundary: a callback must not break the metrics export
+            except Exception:  # noqa: BLE001 - a callback must not break the metrics export
                 _log.exception("export statistics callback failed")
         return out
 
@@ -247,6 +247,6 @@ class Metrics:
         for source in sources:
             try:
                 total += int(source())
-            except Exception:  # boundary: as above
+            except Exception:  # noqa: BLE001 - a callback must not break the metrics export
                 _log.exception("bus statistics callback failed")
         yield Observation(total)

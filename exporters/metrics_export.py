@@ -125,7 +125,7 @@ class SpoolingMetricExporter(MetricExporter):
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         try:
             request = encode_metrics(metrics_data)
-        except Exception:  # boundary: an encoder bug must not break the reader thread
+        except Exception:  # noqa: BLE001 - an encoder bug must not break the reader thread
             _log.exception("metrics could not be encoded")
             return MetricExportResult.FAILURE
         points = data_point_count(request)

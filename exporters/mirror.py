@@ -147,7 +147,7 @@ class SpanMirror:
                 self._closed(event)
             elif isinstance(event, IncidentRetraced):
                 self._retraced(event)
-        except Exception:  # boundary: the mirror must never take the agent down
+        except Exception:  # noqa: BLE001 - the mirror must never take the agent down
             _log.exception("could not mirror %s", type(event).__name__)
 
     async def run(self, subscription: Subscription | Iterable[Event]) -> None:
@@ -253,7 +253,7 @@ class SpanMirror:
         if self._export_statistics is not None:
             try:
                 attributes["servewatch.export.spans_lost"] = self._export_statistics().lost
-            except Exception:  # boundary: statistics are a nicety
+            except Exception:  # noqa: BLE001 - statistics are a nicety
                 _log.exception("export statistics unavailable")
         links = _links(opened) + (_links(closed) if closed is not None else [])
         if len(links) > MAX_LINKS:

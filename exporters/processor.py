@@ -222,7 +222,7 @@ class LosslessSpanProcessor(SpanProcessor):
             return
         try:
             request = encode_spans(batch)
-        except Exception:  # boundary: a malformed span; the worker sorts the batch out span by span
+        except Exception:  # noqa: BLE001 - a malformed span; the worker sorts the batch out span by span
             for span in batch:
                 self.on_end(span)
             return
@@ -347,7 +347,7 @@ class LosslessSpanProcessor(SpanProcessor):
                 self._loop()
                 self._drain_on_stop()
                 return
-            except Exception:  # boundary: log, keep the worker alive (shutdown still spools the queue)
+            except Exception:  # noqa: BLE001 - log, keep the worker alive (shutdown still spools the queue)
                 _log.exception("export worker error; continuing")
                 if self._stopping:
                     return
@@ -412,7 +412,7 @@ class LosslessSpanProcessor(SpanProcessor):
         """Send one fresh batch, or spool it when the spool is busy or we are backing off."""
         if not batch:
             return
-        request, count = self._encode(batch)
+        request, _count = self._encode(batch)
         if request is None:
             return
         pieces, trimmed = split_request(request, self._max_bytes)
@@ -454,12 +454,12 @@ class LosslessSpanProcessor(SpanProcessor):
         and counted alone, the rest go on. Returns (request or None, spans in it)."""
         try:
             return encode_spans(batch), len(batch)
-        except Exception:  # boundary: find the bad spans instead of losing the batch
+        except Exception:  # noqa: BLE001 - find the bad spans instead of losing the batch
             good = []
             for span in batch:
                 try:
                     encode_spans([span])
-                except Exception:
+                except Exception:  # noqa: BLE001 - the same boundary, span by span
                     _log.warning("span %r cannot be OTLP-encoded; dropped", span.name)
                     continue
                 good.append(span)

@@ -149,8 +149,8 @@ def _svg_chart(bars: Sequence[_Bar], extent_s: float, *, svg_id: str, label: str
     height = _AXIS_PX + _ROW_PX * max(len(bars), 1) + 8
     scale = _PLOT_PX / extent_ms  # px per ms
 
-    out = [f'<svg class="timeline" id="{_e(svg_id)}" role="img" aria-label="{_e(label)}" '
-           f'width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
+    out = [(f'<svg class="timeline" id="{_e(svg_id)}" role="img" aria-label="{_e(label)}" '
+           f'width="{width}" height="{height}" viewBox="0 0 {width} {height}">')]
     ticks = int(extent_ms // step_ms) + 1
     for i in range(ticks):
         x = _GUTTER_PX + i * step_ms * scale
@@ -256,8 +256,8 @@ def _pid(pid: int | None) -> str:
 
 
 def _stacks_html(s: ProcessStacks, tl: IncidentTimeline) -> str:
-    parts = [f'<article class="process" id="pid-{s.pid}" data-pid="{s.pid}">'
-             f'<h3>pid {s.pid} <span class="title">{_e(s.title)}</span></h3>']
+    parts = [(f'<article class="process" id="pid-{s.pid}" data-pid="{s.pid}">'
+             f'<h3>pid {s.pid} <span class="title">{_e(s.title)}</span></h3>')]
     if s.hung_frame:
         source = "py-spy summary" if s.hung_frame_source == "attribute" else "read from the stacks"
         parts.append(f'<p class="hung">Hung frame: <code class="hung-frame">{_e(s.hung_frame)}</code> '
@@ -325,8 +325,8 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
         evidence = "".join(f"<li>{_e(x)}</li>" for x in (tl.verdict.get("evidence") or [])[:16])
         verdict_html = (f'<section id="verdict"><h2>Verdict</h2><p id="verdict-headline"><strong>'
                         f'{_e(verdict_headline(tl.verdict))}</strong></p><ul>{evidence}</ul></section>')
-    body = [f'<header><h1>servewatch incident <code id="incident-id">{_e(tl.incident_id)}</code></h1>'
-            f'{verdict_html}<dl class="summary">{dl}</dl></header>']
+    body = [(f'<header><h1>servewatch incident <code id="incident-id">{_e(tl.incident_id)}</code></h1>'
+            f'{verdict_html}<dl class="summary">{dl}</dl></header>')]
 
     extent = tl.extent_s
     body.append('<section id="timeline"><h2>Timeline</h2>')

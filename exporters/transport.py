@@ -373,7 +373,7 @@ class GrpcSender:
             return SendResult(delivery, line, cause=cause)
         except grpc.FutureCancelledError:
             return SendResult(Delivery.RETRYABLE, "grpc call aborted", cause=Cause.TIMEOUT)
-        except Exception as exc:  # boundary: a transport bug must not kill the export worker
+        except Exception as exc:  # noqa: BLE001 - a transport bug must not kill the export worker
             _log.exception("gRPC export to %s failed", self.target)
             return SendResult(Delivery.RETRYABLE, f"grpc {type(exc).__name__}", cause=Cause.COLLECTOR)
         finally:
@@ -476,7 +476,7 @@ class HttpSender:
                     parsed = ExportTraceServiceResponse()
                 try:
                     parsed.ParseFromString(response.content)
-                except Exception:  # boundary: a garbled body from a 2xx is still a delivery
+                except Exception:  # noqa: BLE001 - a garbled body from a 2xx is still a delivery
                     _log.debug("unparseable OTLP/HTTP response body from %s", self.target)
                     return SendResult(Delivery.OK)
                 return _partial_success(parsed)

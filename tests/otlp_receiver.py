@@ -32,6 +32,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from typing_extensions import Self
 
 from exporters.otlp_json import message_from_json, message_to_json
 from tests.tls_certs import TlsMaterial
@@ -198,7 +199,7 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
                 else:
                     request = req_type()
                     request.ParseFromString(body)
-            except Exception as exc:  # a malformed body is a 400, as a collector answers
+            except Exception as exc:  # noqa: BLE001 - a malformed body is a 400, as a collector answers
                 self._reply(400, str(exc).encode(), "text/plain")
                 return
             protocol = "http/json" if is_json else "http/protobuf"
@@ -292,7 +293,7 @@ class OtlpReceiver:
     def endpoint(self, protocol: str) -> str:
         return self.grpc_endpoint if protocol == "grpc" else self.http_endpoint
 
-    def start(self) -> OtlpReceiver:
+    def start(self) -> Self:
         """Listen (again) on the same ports. Raises ``RuntimeError`` if a port was taken meanwhile."""
         if self.running:
             return self
@@ -350,7 +351,7 @@ class OtlpReceiver:
             self._http_thread.join(5)
             self._http_thread = None
 
-    def __enter__(self) -> OtlpReceiver:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -26,7 +26,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def _cli(tmp_path: Path, *args: str, timeout_s: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, *args], capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path, env=_env(tmp_path, **env),
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, check=False,
     )
 
 

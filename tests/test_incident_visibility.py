@@ -110,7 +110,7 @@ async def test_manifest_is_open_at_once_and_each_action_is_published_when_it_fin
         # `servewatch timeline latest` shows it, open, while it runs
         r = await anyio.to_thread.run_sync(lambda: subprocess.run(
             [*CLI, "timeline", "latest", "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60,
-            env=_env(tmp_path), cwd=tmp_path))
+            env=_env(tmp_path), cwd=tmp_path, check=False))
         assert r.returncode == 0, r.stderr
         assert "OPEN — still running" in r.stdout and "done: nothing yet" in r.stdout
 
@@ -257,8 +257,8 @@ def test_dump_interrupted_mid_phase_is_written_interrupted_and_closed_on_next_st
 async def test_a_bundle_left_open_by_a_killed_agent_gets_its_root_span_on_next_start(tmp_path: Path) -> None:
     bundle = tmp_path / "h1" / "20261130T000000Z-stall-abc123"
     bundle.mkdir(parents=True)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    async with await anyio.open_process([sys.executable, "-c", "pass"]) as dead:
+        await dead.wait()
     (bundle / "manifest.json").write_text(json.dumps({
         "schema": "servewatch.incident/1", "incident_id": bundle.name, "trigger": "stall", "detail": "stuck",
         "trace_id": "ab" * 16, "span_id": "cd" * 8, "opened_time_unix_nano": now_ns() - 10**9,
@@ -310,7 +310,7 @@ def test_launch_prints_each_incident_summary_as_run_does(tmp_path: Path) -> None
     script = "import time, sys; time.sleep(1.5); sys.exit(3)"
     r = subprocess.run(
         [*CLI, "launch", "--data-dir", "data", "--", sys.executable, "-c", script],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 3, r.stderr
     assert "servewatch: process: " in r.stderr  # watcher status lines, as run prints them
@@ -322,7 +322,7 @@ def test_launch_prints_each_incident_summary_as_run_does(tmp_path: Path) -> None
 def test_launch_exit_zero_is_no_incident(tmp_path: Path) -> None:
     r = subprocess.run(
         [*CLI, "launch", "--data-dir", "data", "--", sys.executable, "-c", "pass"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 0, r.stderr
     assert not list((tmp_path / "data").glob("*/*/manifest.json"))
@@ -353,7 +353,7 @@ def test_an_agent_killed_mid_incident_has_its_bundle_closed_and_root_span_sent_o
 ) -> None:
     server = fake_server.start(spawn, "--title", "sglang::scheduler_TP0", "--freeze-after-steps", "5")
     data = tmp_path / "data"
-    base = dict(SERVEWATCH_HOST_NAME="h1", SERVEWATCH_SHM_DIR=os.environ["SERVEWATCH_SHM_DIR"])
+    base = {"SERVEWATCH_HOST_NAME": "h1", "SERVEWATCH_SHM_DIR": os.environ["SERVEWATCH_SHM_DIR"]}
     env = _env(tmp_path, SERVEWATCH_PYSPY__EXECUTABLE=_hanging_pyspy(tmp_path), SERVEWATCH_PYSPY__TIMEOUT_S="100",
                SERVEWATCH_WATCHDOG__POLL_INTERVAL_S="0.2", **base)
     proc = subprocess.Popen([*CLI, "run", "--pid", str(server.pid), "--watchdog-timeout", "1", "--data-dir", str(data)],
@@ -382,7 +382,7 @@ def test_an_agent_killed_mid_incident_has_its_bundle_closed_and_root_span_sent_o
     # the next start (a normal one) closes it and sends its root span with the same ids
     r = subprocess.run([*CLI, "run", "--pid", str(server.pid), "--watchdog-timeout", "300", "--duration", "2",
                         "--data-dir", str(data)], cwd=tmp_path, env=_env(tmp_path, **base), capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     m = json.loads(manifest.read_text())
     assert m["state"] == "closed" and m["interrupted"] is True and "killed" in m["interrupted_reason"]

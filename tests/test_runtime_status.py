@@ -88,7 +88,7 @@ def test_servewatch_status_shows_what_a_running_agent_cannot_see(tmp_path: Path)
             lines: list[str] = []
             while time.monotonic() < deadline:
                 r = subprocess.run([*CLI, "status", "--data-dir", str(data), "--json"], capture_output=True, text=True,
-                                   timeout=60, cwd=tmp_path, env=_env(tmp_path))
+                                   timeout=60, cwd=tmp_path, env=_env(tmp_path), check=False)
                 if r.returncode in (0, 1) and r.stdout.strip():
                     doc = json.loads(r.stdout)
                     states = {w["name"]: w["state"] for w in doc["watchers"]}
@@ -99,7 +99,7 @@ def test_servewatch_status_shows_what_a_running_agent_cannot_see(tmp_path: Path)
                 pytest.fail(f"no blind status reported: {r.stdout} {r.stderr}")
             assert doc["agent_running"] is True and doc["agent_pid"] == proc.pid
             r = subprocess.run([*CLI, "status", "--data-dir", str(data)], capture_output=True, text=True, timeout=60,
-                               cwd=tmp_path, env=_env(tmp_path))
+                               cwd=tmp_path, env=_env(tmp_path), check=False)
             assert r.returncode == 1  # a watcher is blind
             lines = r.stdout.splitlines()
             assert any(line.startswith("metrics: BLIND — 401 Unauthorized from") for line in lines), lines
@@ -119,7 +119,7 @@ def test_servewatch_status_shows_what_a_running_agent_cannot_see(tmp_path: Path)
     assert "servewatch: pyspy:" in err
     # the agent is gone now: status says so in words and exits 1
     r = subprocess.run([*CLI, "status", "--data-dir", str(data)], capture_output=True, text=True, timeout=60,
-                       cwd=tmp_path, env=_env(tmp_path))
+                       cwd=tmp_path, env=_env(tmp_path), check=False)
     assert r.returncode == 1 and "is NOT running" in r.stderr
 
 

@@ -389,8 +389,8 @@ def _start_sdk_server(spawn: Callable, python: str, shm: Path) -> subprocess.Pop
 async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_them(
     spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path
 ) -> None:
-    from agent.sdk.counter import counter_path
     from agent.sdk.control import control_path
+    from agent.sdk.counter import counter_path
     from agent.sdkclient import read_inflight
 
     server = _start_sdk_server(spawn, python, shared_shm)

@@ -79,7 +79,7 @@ def test_dump_with_root_pid_and_match_dumps_only_that_servers_schedulers(spawn, 
 
     r = subprocess.run(
         [*CLI, "dump", "--root-pid", str(a["main"]), "--match", glob, "--data-dir", "data"],
-        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 0, r.stderr
     assert "process trees" not in r.stderr
@@ -95,7 +95,7 @@ def test_dump_with_root_pid_and_match_dumps_only_that_servers_schedulers(spawn, 
     # host-wide: both servers' schedulers, and ONE warning naming both trees
     r = subprocess.run(
         [*CLI, "dump", "--match", glob, "--data-dir", "data2"],
-        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 0, r.stderr
     warnings = [line for line in r.stderr.splitlines() if "process trees" in line]
@@ -156,7 +156,7 @@ def test_launch_match_filters_the_launched_tree(python, tmp_path: Path) -> None:
 def test_health_url_without_a_target_warns_once_at_start(tmp_path: Path) -> None:
     r = subprocess.run(
         [*CLI, "run", "--health-url", "http://127.0.0.1:9/health", "--duration", "2", "--data-dir", "data"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count(NO_TARGET_WARNING) == 1, r.stderr
@@ -171,7 +171,7 @@ def test_host_wide_match_reports_a_zombie_sibling_of_the_live_ranks_as_dead(spaw
         time.sleep(0.1)
     r = subprocess.run(
         [*CLI, "dump", "--match", f"sglang::scheduler*_{tag}", "--data-dir", "data"],
-        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 0, r.stderr
     (manifest,) = manifests(tmp_path / "data")
@@ -189,7 +189,7 @@ def test_one_shot_dump_reports_a_zombie_rank_of_the_tree_as_dead(spawn, python, 
         time.sleep(0.1)
     r = subprocess.run(
         [*CLI, "dump", "--root-pid", str(a["main"]), "--match", f"sglang::scheduler*_{tag}", "--data-dir", "data"],
-        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 0, r.stderr
     (manifest,) = manifests(tmp_path / "data")

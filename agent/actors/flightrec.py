@@ -103,7 +103,7 @@ def summarize_trace(trace: Mapping[str, Any]) -> dict[str, AttributeValue]:
     status = trace.get("pg_status") or {}
     attrs: dict[str, AttributeValue] = {"servewatch.flightrec.entries": len(entries) if isinstance(entries, list) else 0}
     if isinstance(status, dict) and status:
-        pg = "0" if "0" in status else sorted(status)[0]
+        pg = "0" if "0" in status else min(status)
         st = status.get(pg) or {}
         for key, name in (("last_enqueued_collective", "last_enqueued"), ("last_completed_collective", "last_completed")):
             try:

@@ -379,8 +379,8 @@ class PySpyActor:
         if not exe:
             return (
                 ComponentStatus.PERMANENT_ERROR,
-                "py-spy not found next to the Python interpreter or on PATH: pip install py-spy "
-                "(or set pyspy.executable)",
+                ("py-spy not found next to the Python interpreter or on PATH: pip install py-spy "
+                "(or set pyspy.executable)"),
             )
         if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
             return ComponentStatus.PERMANENT_ERROR, f"py-spy executable {exe!r} is missing or not executable: pip install py-spy"

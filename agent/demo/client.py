@@ -26,11 +26,14 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
 import psutil
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = [
     "DemoServer",
@@ -280,7 +283,7 @@ class DemoServer:
         )
         return ready_file
 
-    def start(self) -> DemoServer:
+    def start(self) -> Self:
         """Start the server and wait until it is ready.
 
         Raises:
@@ -295,7 +298,7 @@ class DemoServer:
             raise
         return self
 
-    async def astart(self) -> DemoServer:
+    async def astart(self) -> Self:
         """Async :meth:`start`."""
         ready_file = self._launch()
         assert self.proc is not None
@@ -351,7 +354,7 @@ class DemoServer:
                     break  # gone (or no longer ours to see)
                 time.sleep(_POLL_S)
 
-    def __enter__(self) -> DemoServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(
@@ -359,7 +362,7 @@ class DemoServer:
     ) -> None:
         self.stop()
 
-    async def __aenter__(self) -> DemoServer:
+    async def __aenter__(self) -> Self:
         return await self.astart()
 
     async def __aexit__(

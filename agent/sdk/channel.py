@@ -392,14 +392,14 @@ class ChannelSpan(trace.Span):
         self._ended = True
         end_ns = end_time if end_time is not None else time.time_ns()
         hb = self._writer.words[_ring.W_HEARTBEAT]
-        if (not hb or _monotonic_ns() - hb >= _stale_ns) and not _fallback_drop:
-            # The agent left while this span was open (its last drain is over): the ring has no
-            # reader any more, so hand the finished span, ids unchanged (an incident may link to
-            # it), to the server's own export instead.
-            if _export_late(self, end_ns):
-                _fallback_spans += 1
-                self._writer.count(_ring.W_FALLBACK)
-                return
+        # The agent left while this span was open (its last drain is over): the ring has no
+        # reader any more, so hand the finished span, ids unchanged (an incident may link to it),
+        # to the server's own export instead.
+        agent_gone = not hb or _monotonic_ns() - hb >= _stale_ns
+        if agent_gone and not _fallback_drop and _export_late(self, end_ns):
+            _fallback_spans += 1
+            self._writer.count(_ring.W_FALLBACK)
+            return
         record = [
             self._name,
             self._kind.value,

@@ -312,7 +312,7 @@ class ControlServer:
         except OSError:
             pass  # the client went away or ran past its deadline
         except Exception:  # noqa: BLE001 - the control socket must outlive any request
-            pass
+            _log.debug("servewatch control request failed", exc_info=True)
         finally:
             self._slots.release()
 

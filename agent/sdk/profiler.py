@@ -35,6 +35,7 @@ forward step plus the loop around it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -285,10 +286,9 @@ class _TorchRun:
         _tracing._set_profiling(False)
         prof, self.prof = self.prof, None
         if prof is not None:
-            try:
+            # already failing; the first error is the one reported
+            with contextlib.suppress(Exception):
                 prof.stop()
-            except Exception:  # noqa: BLE001 - already failing; the first error is reported
-                pass
 
 
 def _mlx_memory(mx: Any) -> dict[str, int]:
@@ -379,10 +379,9 @@ class _MlxRun:
     def abort(self) -> None:
         if self.capturing:
             self.capturing = False
-            try:
+            # already failing; the first error is the one reported
+            with contextlib.suppress(Exception):
                 self.mx.metal.stop_capture()
-            except Exception:  # noqa: BLE001 - already failing; the first error is reported
-                pass
 
 
 # --- state machine ---------------------------------------------------------------------------

@@ -471,9 +471,11 @@ def forward_span(
             span.add_link(ctx, link_attrs)
     torch_range = maybe_record_function(name)
     try:
-        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-            with torch_range:
-                yield span
+        with (
+            trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False),
+            torch_range,
+        ):
+            yield span
     except BaseException as exc:
         span.record_exception(exc)
         span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))

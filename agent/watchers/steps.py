@@ -539,7 +539,7 @@ class PrometheusStepSource:
                 busy_value = matching[0] if matching else gauge_total
             readings.append(
                 StepReading(
-                    forward_ct=int(round(counters[key])),
+                    forward_ct=round(counters[key]),
                     busy=busy_value > 0,
                     last_progress_monotonic_ns=track.last_progress_ns,
                     pid=self.pid,
@@ -569,7 +569,7 @@ class PrometheusStepSource:
             return None
         total = self._total
         return StepReading(
-            forward_ct=int(round(total.value or 0.0)),
+            forward_ct=round(total.value or 0.0),
             busy=any(r.busy for r in readings),
             last_progress_monotonic_ns=total.last_progress_ns,
             pid=self.pid,

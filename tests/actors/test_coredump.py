@@ -170,7 +170,7 @@ async def test_no_reader_is_not_armed_without_blocking(tmp_path: Path, start_fak
 
 
 async def test_full_pipe_reader_that_never_reads_times_out(tmp_path: Path, start_fake: Callable) -> None:
-    proc, state, status = start_fake(mode="full")
+    proc, _state, status = start_fake(mode="full")
     actor = CoredumpActor(fast_config(tmp_path, trigger_timeout_s=0.5), host=HOST)
     ticks = 0
 
@@ -307,7 +307,7 @@ async def test_armed_env_but_no_cuda_init_and_impostor_file(tmp_path: Path, spaw
     proc = spawn([python, "-c", "import time; time.sleep(600)"], env=env, cwd=str(tmp_path))
     deadline = time.monotonic() + 10  # under load /proc may briefly show the pre-exec image
     while "CUDA_COREDUMP_PIPE" not in coredump._read_environ(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
+        await anyio.sleep(0.01)
     location = locate_pipe(proc.pid, host=HOST)
     assert location.path is None and "CUDA not initialised yet" in location.reason
     impostor = tmp_path / f"p.{proc.pid}"
@@ -322,7 +322,8 @@ async def test_armed_env_but_no_cuda_init_and_impostor_file(tmp_path: Path, spaw
 
 
 async def test_exited_process_is_no_such_process(tmp_path: Path, python: str) -> None:
-    done = subprocess.run([python, "-c", "import os; print(os.getpid())"], capture_output=True, check=True, timeout=30)
+    with anyio.fail_after(30):
+        done = await anyio.run_process([python, "-c", "import os; print(os.getpid())"], check=True)
     pid = int(done.stdout)
     actor = CoredumpActor(fast_config(tmp_path), host=HOST)
     result = await actor.act(incident(), Target(pid=pid), timeout_s=5, artifact_dir=tmp_path)

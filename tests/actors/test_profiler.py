@@ -48,7 +48,7 @@ def _opened(**kw: Any) -> IncidentOpened:
 
 
 async def test_sdk_session_captures_exactly_n_steps_and_imports(launch, tmp_path: Path) -> None:
-    proc, line = launch("profiled_model.py")
+    _proc, line = launch("profiled_model.py")
     pid = int(line.split()[1])
     out = tmp_path / "out"
     result = await profile_once(_sdk_config(tmp_path), pid=pid, steps=3, out_dir=out, timeout_s=30)

@@ -36,7 +36,7 @@ def dump(tmp_path: Path, pid: int, *extra: str, data: str = "data", env_extra: d
     env.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), SERVEWATCH_COREDUMP__ENABLED="false", **(env_extra or {}))
     r = subprocess.run(
         [*CLI, "dump", "--pid", str(pid), "--data-dir", data, *extra],
-        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, check=False,
     )
     (manifest_path,) = (tmp_path / data).glob("*/*/manifest.json")
     return r, json.loads(manifest_path.read_text()), file_spans(tmp_path / data)
@@ -77,7 +77,7 @@ def _traced_target_is_dumped(tmp_path: Path, target_pid: int, holder_pid: int) -
 
     # the real failure this avoids: a blocking dump of a traced target fails even as root
     plain = subprocess.run([str(default_executable()), "dump", "--pid", str(target_pid)], capture_output=True, text=True, timeout=60,
-                           env=dict(os.environ, RUST_BACKTRACE="0"))
+                           env=dict(os.environ, RUST_BACKTRACE="0"), check=False)
     assert plain.returncode != 0
 
     r, manifest, spans = dump(tmp_path, target_pid)
@@ -134,7 +134,7 @@ def test_invalid_utf8_names_never_lose_stacks_and_report_works(spawn, python, tm
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     for command in (["report", "-o", "report.html"], ["timeline"]):
         shown = subprocess.run([*CLI, *command, "--data-dir", "data"], capture_output=True, text=True, timeout=60,
-                               cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+                               cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, check=False)
         assert shown.returncode == 0, shown.stderr
     assert "hung_in_bad_names" in (tmp_path / "report.html").read_text(encoding="utf-8")
 
@@ -166,7 +166,7 @@ def test_idle_threads_are_not_hung_and_summary_says_which(spawn, python, tmp_pat
     assert "all idle (waiting for work)" in r.stdout and "idle: " in r.stdout
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     shown = subprocess.run([*CLI, "timeline", "--data-dir", "data"], capture_output=True, text=True, timeout=60,
-                           cwd=tmp_path, env=dict(env, COLUMNS="250"), stdin=subprocess.DEVNULL)
+                           cwd=tmp_path, env=dict(env, COLUMNS="250"), stdin=subprocess.DEVNULL, check=False)
     assert shown.returncode == 0, shown.stderr
     assert "all threads idle (waiting for work)" in shown.stdout and "hung_in_fake_allreduce" in shown.stdout
 

@@ -153,7 +153,7 @@ async def test_run_consumes_a_bus_subscription_and_closes_open_incidents_at_the_
             await bus.aclose()
     names = [s.name for s in sink.spans]
     assert names.count("incident") == 2
-    unclosed = [s for s in sink.named("incident") if s.attributes["servewatch.incident.id"] == "inc-43"][0]
+    unclosed = next(s for s in sink.named("incident") if s.attributes["servewatch.incident.id"] == "inc-43")
     assert unclosed.attributes["servewatch.incident.unclosed"] == "agent stopped"
 
 

@@ -56,7 +56,8 @@ async def test_a_hang_on_one_host_is_one_trace_with_every_hosts_evidence(tmp_pat
         for host, server, port in zip(HOSTS, servers, api_ports):
             log_path = tmp_path / f"{host}.log"
             logs.append(log_path)
-            with open(log_path, "wb") as log:  # the agent keeps its own copy of the descriptor
+            # the agent keeps its own copy of the descriptor
+            with await anyio.to_thread.run_sync(log_path.open, "wb") as log:
                 spawn(
                     [sys.executable, "-m", "agent.cli", "run", "--verbose",
                      "--pid", str(server.scheduler_pids[0]), "--health-url", f"{server.base_url}/health",

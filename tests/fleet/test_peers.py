@@ -70,7 +70,7 @@ def _peer_results(record: IncidentRecord) -> dict[str, Any]:
 async def test_an_incident_on_one_agent_is_captured_by_every_peer_in_one_trace(tmp_path: Path, spawn, python, otlp_receiver) -> None:
     pids = _targets(spawn, python, 3)
     async with job_of_agents(tmp_path, otlp_receiver, pids) as agents:
-        (a, recs_a), (b, recs_b), (c, recs_c) = agents
+        (a, recs_a), (_b, recs_b), (_c, recs_c) = agents
         record = await a.incidents.open_incident("stall", detail="TP0 stopped stepping")
         asked = [(r.outcome.value, r.detail) for r in record.results if r.action == "peer.capture"]
         assert [o for o, _ in asked] == ["ok", "ok"], asked
@@ -195,7 +195,7 @@ async def test_peers_from_a_dns_name(tmp_path: Path, spawn, python, otlp_receive
     [port_b] = free_ports(1)
     settings_b = settings_for(tmp_path, "node-b", port_b, target={"pids": [pid]}, coredump={"enabled": False},
                               fleet={"job": "j"})
-    async with running_agent(settings_b) as (b, recs_b):
+    async with running_agent(settings_b) as (_b, recs_b):
         [port_a] = free_ports(1)
         settings_a = settings_for(tmp_path, "node-a", port_a, fleet={"job": "j", "peers_dns": f"localhost:{port_b}"})
         async with running_agent(settings_a) as (a, recs_a):

@@ -28,7 +28,7 @@ TARGET = str(Path(__file__).with_name("cuda_target.py"))
 
 def _cuda_usable() -> bool:
     try:
-        probe = subprocess.run([sys.executable, TARGET, "--probe"], capture_output=True, timeout=120)
+        probe = subprocess.run([sys.executable, TARGET, "--probe"], capture_output=True, timeout=120, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0
@@ -50,7 +50,7 @@ async def test_real_user_triggered_coredump(tmp_path: Path, spawn: Callable) -> 
     while not ready.exists():
         assert proc.poll() is None, "CUDA target exited before it was ready"
         assert time.monotonic() < deadline, "CUDA target not ready in 120 s"
-        time.sleep(0.1)
+        await anyio.sleep(0.1)
     location = locate_pipe(proc.pid)
     assert location.path is not None, location.reason
     actor = CoredumpActor(CoredumpConfig(folder=tmp_path / "crash", min_free_bytes=0, completion_timeout_s=240))

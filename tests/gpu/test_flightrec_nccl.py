@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _nccl_usable() -> bool:
     try:
-        probe = subprocess.run([sys.executable, PROGRAM, "--probe"], capture_output=True, timeout=180)
+        probe = subprocess.run([sys.executable, PROGRAM, "--probe"], capture_output=True, timeout=180, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0

@@ -26,7 +26,8 @@ def hung_in_bad_names() -> None:
 
 
 namespace: dict[str, object] = {}
-exec(compile("def wrapped(f):\n    f()\n", "/tmp/sched\udcff\udcfe.py", "exec"), namespace)
+code = compile("def wrapped(f):\n    f()\n", "/tmp/sched\udcff\udcfe.py", "exec")
+exec(code, namespace)  # noqa: S102 - a function whose file name does not decode is this target's point
 wrapped = namespace["wrapped"]
 wrapped.__code__ = wrapped.__code__.replace(co_name="wrapped\udcff", co_qualname="wrapped\udcff")  # type: ignore[attr-defined]
 threading.Thread(target=lambda: wrapped(lambda: time.sleep(LIFETIME_S)), name="worker\udcfe", daemon=True).start()  # type: ignore[operator]

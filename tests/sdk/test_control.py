@@ -70,7 +70,7 @@ def test_socket_is_private_and_found_from_the_pid(target, tmp_path: Path) -> Non
 
 
 def test_all_four_commands_against_a_real_model(target, tmp_path: Path) -> None:
-    _, pid, path = target()
+    _, _pid, path = target()
     time.sleep(0.2)  # let a few steps and requests happen
     status, inflight, stop = _ask(path, {"cmd": "status"}, {"cmd": "inflight"}, {"cmd": "profile.stop"})
     assert status["forward_ct"] > 0 and status["inflight"] >= 1
@@ -151,12 +151,12 @@ def test_other_uids_are_refused(target) -> None:
 
 
 def _other_uid_checks(python: str, path: Path) -> None:
-    as_nobody = dict(user=NOBODY, group=NOBODY, capture_output=True, timeout=60, check=True, cwd="/")
+    as_nobody = {"user": NOBODY, "group": NOBODY, "capture_output": True, "timeout": 60, "check": True, "cwd": "/"}
     # the file mode alone keeps another uid out
-    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody)
+    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody, check=False)
     assert out.stdout.decode().strip() == "EACCES"
     # and with the mode opened up, the peer-uid check still refuses it
     path.chmod(0o666)
-    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody)
+    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody, check=False)
     reply = json.loads(out.stdout)
     assert reply == {"ok": False, "error": "permission_denied", "detail": "peer uid not allowed"}

@@ -20,9 +20,12 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
 
 
 def _serve_two_requests() -> tuple[str, str]:
-    with tracing.request_span("r-1", model="tiny", provider="servewatch-demo", parent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01") as a:
-        with tracing.forward_span([a]):
-            pass
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with (
+        tracing.request_span("r-1", model="tiny", provider="servewatch-demo", parent=parent) as a,
+        tracing.forward_span([a]),
+    ):
+        pass
     return a.trace_id, a.span_id
 
 

@@ -106,9 +106,11 @@ def test_maybe_record_function_records_under_a_users_own_torch_profiler() -> Non
 def test_maybe_record_function_records_under_the_legacy_autograd_profiler() -> None:
     import torch
 
-    with torch.autograd.profiler.profile() as prof:
-        with tracing.maybe_record_function("servewatch.test.autograd"):
-            torch.ones(2).sum()
+    with (
+        torch.autograd.profiler.profile() as prof,
+        tracing.maybe_record_function("servewatch.test.autograd"),
+    ):
+        torch.ones(2).sum()
     assert "servewatch.test.autograd" in {e.name for e in prof.function_events}
 
 

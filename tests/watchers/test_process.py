@@ -82,8 +82,8 @@ async def test_non_child_exit_is_reported_without_status(spawn, python, monkeypa
         [
             python,
             "-c",
-            "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
-            " print(p.pid, flush=True); p.wait()",
+            ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+            " print(p.pid, flush=True); p.wait()"),
         ],
         stdout=subprocess.PIPE,
     )

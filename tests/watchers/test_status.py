@@ -353,7 +353,7 @@ def test_metrics_url_without_scheme_is_refused_at_start(tmp_path) -> None:
 
     r = subprocess.run(
         [sys.executable, "-m", "agent.cli", "run", "--metrics-url", "127.0.0.1:30000/metrics", "--data-dir", str(tmp_path / "d")],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [

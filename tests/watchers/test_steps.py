@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from pathlib import Path
@@ -219,4 +220,4 @@ async def test_steps_watcher_publishes_counter_movement(spawn, tmp_path: Path) -
     assert all(e.pid == server.pid and e.delta > 0 and e.busy and e.source == "steps" for e in events)
     counts = [e.forward_ct for e in events]
     assert counts == sorted(counts) and len(set(counts)) == len(counts)
-    assert all(b.forward_ct - a.forward_ct == b.delta for a, b in zip(events, events[1:]))
+    assert all(b.forward_ct - a.forward_ct == b.delta for a, b in itertools.pairwise(events))

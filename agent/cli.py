@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 
 if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load when a command needs them
+    from rich.console import Console
+
     from agent.config import Settings
 
 __all__ = ["ExitCode", "app", "main"]
@@ -66,7 +68,7 @@ def _safe_console(**kwargs: Any) -> Any:
         terminal. Rich's own styling is added after this, so colours still work.
         """
 
-        def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        def print(self, *objects: Any, **kwargs: Any) -> None:
             from agent.security import strip_control
 
             super().print(*(strip_control(o, keep_newlines=True) if isinstance(o, str) else o for o in objects), **kwargs)
@@ -99,6 +101,13 @@ class _LazyConsole:
             stream.flush()
             return
         self.__getattr__("print")(*objects, sep=sep, end=end, markup=markup, highlight=highlight, **kwargs)
+
+    @property
+    def console(self) -> Console:
+        """The rich Console itself (made now if not yet), for code that takes a ``Console``."""
+        if self._console is None:
+            self._console = _safe_console(**self._kwargs)
+        return self._console
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("_kwargs", "_console"):
@@ -508,7 +517,7 @@ def demo(
     from agent.demo.run import run_demo
 
     try:
-        record = run_demo(settings, tp=tp, watchdog_timeout_s=watchdog_timeout, deadline_s=deadline, log=err)
+        record = run_demo(settings, tp=tp, watchdog_timeout_s=watchdog_timeout, deadline_s=deadline, log=err.console)
     except TimeoutError as exc:
         fail(str(exc), ExitCode.FAILURE)
     _print_record(record, as_json=as_json)
@@ -763,7 +772,7 @@ def timeline(
     if as_json:
         out.print_json(json.dumps(timeline_to_dict(tl)))
     else:
-        render_timeline(tl, out)
+        render_timeline(tl, out.console)
 
 
 @app.command()

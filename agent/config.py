@@ -255,10 +255,10 @@ def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"invalid setting config: no such file {str(path)!r}")
-        try:
-            import tomllib  # type: ignore[import-not-found]
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:
+            import tomli as tomllib
         try:
             table = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:

@@ -268,7 +268,7 @@ async def run_launched(
     env: Mapping[str, str],
     agent_main: Callable[[int], Awaitable[None]] | None = None,
     cwd: str | os.PathLike[str] | None = None,
-    forward_signals: Sequence[int] = DEFAULT_FORWARDED_SIGNALS,
+    forward_signals: Sequence[signal.Signals] = DEFAULT_FORWARDED_SIGNALS,
     signal_group: bool = False,
     agent_exit_grace_s: float = 5.0,
     terminate_grace_s: float = 10.0,

@@ -460,11 +460,11 @@ class Agent:
             except Exception as exc:  # the supervisor's boundary: a crash becomes a status
                 if time.monotonic() - began > RESTART_BACKOFF_MAX_S:
                     delay_s = RESTART_BACKOFF_S
-                while len(getattr(exc, "exceptions", ())) == 1:  # an exception group of one
-                    inner_exc = exc.exceptions[0]
-                    if not isinstance(inner_exc, Exception):
+                while True:  # unwrap exception groups of one
+                    group: tuple[BaseException, ...] = getattr(exc, "exceptions", ())
+                    if len(group) != 1 or not isinstance(group[0], Exception):
                         break
-                    exc = inner_exc
+                    exc = group[0]
                 self.restarts[name] = self.restarts.get(name, 0) + 1
                 log.error("watcher %s crashed; restarting in %.0f s", name, delay_s, exc_info=exc)
                 await self._set_status(
@@ -564,7 +564,7 @@ class Agent:
                     await tg.start(Watchdog(ShmStepSource(target.pid), self.settings.watchdog).run, self.bus)
                     await tg.start(StepsWatcher(ShmStepSource(target.pid), interval_s=1.0).run, self.bus)
                     task_status.started(scope)
-                    while process_state(target.pid, create_time_s=target.create_time_s or None) not in (
+                    while process_state(target.pid, create_time_s=target.create_time_s or 0.0) not in (
                         ProcessState.GONE, ProcessState.ZOMBIE
                     ):
                         await anyio.sleep(1.0)

@@ -93,12 +93,13 @@ def _span(span: ReadableSpan) -> Span:
     return Span(
         trace_id=ctx.trace_id.to_bytes(16, "big"),
         span_id=ctx.span_id.to_bytes(8, "big"),
-        trace_state=",".join(f"{k}={v}" for k, v in trace_state.items()) if trace_state is not None else None,
-        parent_span_id=parent.span_id.to_bytes(8, "big") if parent else None,
+        # proto3 scalars: "", b"" and 0 are "unset" (nothing on the wire)
+        trace_state=",".join(f"{k}={v}" for k, v in trace_state.items()) if trace_state is not None else "",
+        parent_span_id=parent.span_id.to_bytes(8, "big") if parent else b"",
         name=span.name,
         kind=_KIND[span.kind.value],
-        start_time_unix_nano=span.start_time,
-        end_time_unix_nano=span.end_time,
+        start_time_unix_nano=span.start_time or 0,
+        end_time_unix_nano=span.end_time or 0,
         attributes=_attributes(span.attributes),
         events=[
             Span.Event(name=e.name, time_unix_nano=e.timestamp, attributes=_attributes(e.attributes),
@@ -111,7 +112,11 @@ def _span(span: ReadableSpan) -> Span:
                       flags=_flags(link.context))
             for link in links
         ] if links else None,
-        status=Status(code=status.status_code.value, message=status.description) if status is not None else None,
+        status=(
+            Status(code=Status.StatusCode.ValueType(status.status_code.value), message=status.description or "")
+            if status is not None
+            else None
+        ),
         dropped_attributes_count=span.dropped_attributes,
         dropped_events_count=span.dropped_events,
         dropped_links_count=span.dropped_links,
@@ -141,7 +146,7 @@ def encode_spans_fast(spans: Sequence[ReadableSpan]) -> ExportTraceServiceReques
     for resource, scopes in groups.items():
         scope_spans = [
             ScopeSpans(scope=_encode_instrumentation_scope(scope), spans=encoded,
-                       schema_url=scope.schema_url if scope else None)
+                       schema_url=(scope.schema_url or "") if scope else "")
             for scope, encoded in scopes.items()
         ]
         resource_spans.append(ResourceSpans(resource=_encode_resource(resource), scope_spans=scope_spans,

@@ -37,6 +37,9 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.metrics import CallbackOptions, Observation
 
 if TYPE_CHECKING:  # the metrics SDK loads in build_meter_provider: Metrics(None) stays light
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricExporter
     from opentelemetry.sdk.resources import Resource
@@ -55,7 +58,7 @@ DETECTION_LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 
 def build_meter_provider(
     resource: Resource,
     *,
-    sender: RequestSender | None = None,
+    sender: RequestSender[ExportMetricsServiceRequest] | None = None,
     timeout_s: float = 3.0,
     interval_s: float = 10.0,
     file_directory: Path | None = None,

@@ -105,7 +105,7 @@ class SpoolingMetricExporter(MetricExporter):
             files is an hour of outage); past it the oldest is deleted and counted lost.
     """
 
-    def __init__(self, sender: RequestSender, spool_dir: Path, *, timeout_s: float = 3.0, max_files: int = 360) -> None:
+    def __init__(self, sender: RequestSender[ExportMetricsServiceRequest], spool_dir: Path, *, timeout_s: float = 3.0, max_files: int = 360) -> None:
         super().__init__()
         self.sender = sender
         self.spool_dir = ensure_private_dir(spool_dir)

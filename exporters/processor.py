@@ -130,7 +130,7 @@ class LosslessSpanProcessor(SpanProcessor):
 
     def __init__(
         self,
-        sender: RequestSender,
+        sender: RequestSender[ExportTraceServiceRequest],
         *,
         spool: Spool | None = None,
         max_queue_spans: int = 65536,

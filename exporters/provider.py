@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # imported where used: `import exporters.provider` (config mo
     from exporters.metrics import Metrics
     from exporters.processor import ExportStatistics, LosslessSpanProcessor
     from exporters.spans import ProcessorSink
-    from exporters.transport import TlsFiles
+    from exporters.transport import GrpcSender, HttpSender, RequestSender, TlsFiles
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",
@@ -199,16 +199,25 @@ class Destination:
     tls: TlsFiles = field(default_factory=lambda: _transport().TlsFiles())
     signal: Signal = "traces"
 
-    def sender_kwargs(self) -> dict[str, object]:
-        """Keyword arguments of :func:`exporters.transport.make_sender` (after endpoint, protocol)."""
-        return {
-            "headers": dict(self.headers),
-            "insecure": self.insecure,
-            "compression": self.compression,
-            "signal_specific": self.signal_specific,
-            "tls": self.tls,
-            "signal": self.signal,
-        }
+    def make_sender(self) -> GrpcSender | HttpSender:
+        """A network sender to :attr:`endpoint` (:func:`exporters.transport.make_sender`).
+
+        Raises:
+            ValueError: no endpoint (the file default has no network sender), or an unknown protocol.
+            OSError: a TLS file cannot be read.
+        """
+        if self.endpoint is None:
+            raise ValueError("no OTLP endpoint: spans go to the embedded files")
+        return _transport().make_sender(
+            self.endpoint,
+            self.protocol,
+            headers=dict(self.headers),
+            insecure=self.insecure,
+            compression=self.compression,
+            signal_specific=self.signal_specific,
+            tls=self.tls,
+            signal=self.signal,
+        )
 
     def describe(self) -> str:
         return f"OTLP {self.protocol} {self.endpoint}" if self.endpoint else "OTLP/JSON files"
@@ -304,7 +313,7 @@ def _tls_files(config: ExportConfig, environ: Mapping[str, str], signal: Signal)
         raise ExportConfigError(
             "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY (mTLS) must be set together"
         )
-    return _transport().TlsFiles(**values)  # type: ignore[arg-type]
+    return _transport().TlsFiles(**values)
 
 
 def _check_endpoint(endpoint: str, key: str) -> None:
@@ -559,13 +568,14 @@ def build_telemetry(
         ExportConfigError: a bad setting (the message names it).
         OSError: the data dir cannot be created.
     """
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.sdk.trace import TracerProvider
 
     from exporters.metrics import Metrics, build_meter_provider
     from exporters.processor import LosslessSpanProcessor
     from exporters.spans import ProcessorSink
     from exporters.spool import Spool
-    from exporters.transport import FileSender, make_sender
+    from exporters.transport import FileSender
     host = host_name or socket.gethostname()
     destination = resolve_destination(config, environ)
     resource = build_resource(config, host_name=host, service_instance_id=service_instance_id or str(uuid.uuid4()), environ=environ)
@@ -573,12 +583,13 @@ def build_telemetry(
     spans_dir: Path | None = None
     spool_dir: Path | None = None
     spool: Spool | None = None
+    sender: RequestSender[ExportTraceServiceRequest]
     if destination.endpoint is None:
         spans_dir = base / "spans"
         sender = FileSender(spans_dir, max_file_bytes=config.file_max_bytes, max_files=config.file_max_files)
     else:
         try:
-            sender = make_sender(destination.endpoint, destination.protocol, **destination.sender_kwargs())  # type: ignore[arg-type]
+            sender = destination.make_sender()
         except (ValueError, OSError) as exc:
             raise ExportConfigError(f"export.endpoint: {exc}") from exc
         spool = Spool(base / "spool", max_bytes=config.spool_max_bytes)
@@ -606,7 +617,7 @@ def build_telemetry(
         metrics_sender = None
         if metrics_dest.endpoint is not None:
             try:
-                metrics_sender = make_sender(metrics_dest.endpoint, metrics_dest.protocol, **metrics_dest.sender_kwargs())  # type: ignore[arg-type]
+                metrics_sender = metrics_dest.make_sender()
             except (ValueError, OSError) as exc:
                 raise ExportConfigError(f"metrics endpoint: {exc}") from exc
         meter_provider, metric_exporter = build_meter_provider(

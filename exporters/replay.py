@@ -144,7 +144,7 @@ def _send_with_retry(sender: RequestSender, request: object, *, timeout_s: float
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        result = sender.send(request, timeout_s=remaining)  # type: ignore[arg-type]
+        result = sender.send(request, timeout_s=remaining)
         if result.delivery is not Delivery.RETRYABLE or attempt == attempts - 1:
             return result
         pause = delay_s * random.uniform(0.8, 1.2)

@@ -30,7 +30,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from exporters.processor import LosslessSpanProcessor
 from exporters.provider import ExportConfig, resolve_batching, resolve_destination
 from exporters.spool import Spool
-from exporters.transport import make_sender
 
 __all__ = ["tracer_provider_from_env"]
 
@@ -59,7 +58,7 @@ def tracer_provider_from_env(
     destination = resolve_destination(ExportConfig(), env, signal="traces")
     if destination.endpoint is None:
         return None
-    sender = make_sender(destination.endpoint, destination.protocol, **destination.sender_kwargs())  # type: ignore[arg-type]
+    sender = destination.make_sender()
     spool = None
     data_dir = env.get("SERVEWATCH_DATA_DIR", "").strip()
     if data_dir:

@@ -203,7 +203,7 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
         context=_ctx(trace_id, span_id),
         parent=_ctx(trace_id, parent_id) if parent_id else None,
         resource=resource,
-        attributes=_clean_attrs(attrs),  # type: ignore[arg-type]
+        attributes=_clean_attrs(attrs),
         events=tuple(evs),
         links=tuple(lks),
         kind=_KINDS[kind],

@@ -125,7 +125,7 @@ def build_span(
         context=_context(trace_id, span_id if span_id is not None else new_span_id()),
         parent=_context(trace_id, parent_span_id) if parent_span_id is not None else None,
         resource=resource if resource is not None else Resource.get_empty(),
-        attributes=bounded,  # type: ignore[arg-type]
+        attributes=bounded,
         links=kept_links,
         kind=kind,
         status=status,

@@ -126,6 +126,7 @@ class Spool:
     """
 
     def __init__(self, directory: Path, *, max_bytes: int) -> None:
+        self._lock_fd: int | None = None
         if max_bytes <= 0:
             raise ValueError(f"spool max_bytes must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
@@ -443,7 +444,7 @@ class Spool:
 
     def close(self) -> None:
         """Release the directory lock; files stay for the next run. Safe twice."""
-        fd = getattr(self, "_lock_fd", None)
+        fd = self._lock_fd
         if fd is not None:
             self._lock_fd = None
             os.close(fd)

@@ -23,7 +23,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, TypeGuard, Union, cast
+from typing import TYPE_CHECKING, Literal, Protocol, TypeGuard, TypeVar, Union, cast
 from urllib.parse import urlsplit
 
 # grpc-core logs handshake and connect failures straight to stderr; servewatch sorts every failure
@@ -75,8 +75,12 @@ _log = logging.getLogger(__name__)
 
 # imported at first use (a gRPC or HTTP sender), so a CLI command writing span files or nothing
 # starts fast; the generated *_pb2_grpc stubs import grpc too and are imported in GrpcSender
-grpc = LazyModule("grpc")
-httpx = LazyModule("httpx")
+if TYPE_CHECKING:
+    import grpc
+    import httpx
+else:
+    grpc = LazyModule("grpc")
+    httpx = LazyModule("httpx")
 
 #: Protocol names, per ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``http/json`` is not supported for export).
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -218,13 +222,21 @@ class SendResult:
         return self.delivery is Delivery.OK
 
 
-class RequestSender(Protocol):
-    """Sends one encoded request; thread-safe for one caller at a time plus :meth:`abort`."""
+_RequestT_contra = TypeVar("_RequestT_contra", contravariant=True)
+
+
+class RequestSender(Protocol[_RequestT_contra]):
+    """Sends one encoded request; thread-safe for one caller at a time plus :meth:`abort`.
+
+    Generic in the request it takes: ``RequestSender[ExportTraceServiceRequest]`` for spans
+    (:class:`FileSender` takes only those), ``RequestSender[ExportMetricsServiceRequest]`` for
+    metrics; :class:`GrpcSender` and :class:`HttpSender` take either (:data:`OtlpRequest`).
+    """
 
     #: where it sends, for logs and summaries
     target: str
 
-    def send(self, request: ExportTraceServiceRequest, *, timeout_s: float) -> SendResult:
+    def send(self, request: _RequestT_contra, *, timeout_s: float) -> SendResult:
         """One attempt, bounded by ``timeout_s`` seconds. Never raises."""
         ...
 
@@ -359,7 +371,7 @@ class GrpcSender:
         self._lock = threading.Lock()
         self._inflight: grpc.Future | None = None
 
-    def send(self, request: OtlpRequest, *, timeout_s: float) -> SendResult:  # type: ignore[override]
+    def send(self, request: OtlpRequest, *, timeout_s: float) -> SendResult:
         try:
             future = self._export.future(request, timeout=max(0.001, timeout_s), metadata=self._metadata or None)
             with self._lock:
@@ -394,9 +406,13 @@ class GrpcSender:
 def _partial_success(response: ExportTraceServiceResponse | ExportMetricsServiceResponse) -> SendResult:
     if not response.HasField("partial_success"):
         return SendResult(Delivery.OK)
-    ps = response.partial_success
-    rejected = ps.rejected_data_points if response.DESCRIPTOR.full_name == _METRICS_RESPONSE else ps.rejected_spans
-    return SendResult(Delivery.OK, ps.error_message if rejected else "", rejected)
+    if response.DESCRIPTOR.full_name == _METRICS_RESPONSE:
+        metrics_ps = cast("ExportMetricsServiceResponse", response).partial_success
+        rejected, message = metrics_ps.rejected_data_points, metrics_ps.error_message
+    else:
+        traces_ps = cast(ExportTraceServiceResponse, response).partial_success
+        rejected, message = traces_ps.rejected_spans, traces_ps.error_message
+    return SendResult(Delivery.OK, message if rejected else "", rejected)
 
 
 def http_traces_url(endpoint: str, *, signal_specific: bool = False, signal: Signal = "traces") -> str:
@@ -450,7 +466,7 @@ class HttpSender:
         self._client = httpx.Client(headers=base, trust_env=False, verify=verify)
         self._closed = False
 
-    def send(self, request: OtlpRequest, *, timeout_s: float) -> SendResult:  # type: ignore[override]
+    def send(self, request: OtlpRequest, *, timeout_s: float) -> SendResult:
         body = request.SerializeToString()
         if self._gzip:
             body = gzip.compress(body, compresslevel=6)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import array
 import errno
 import fcntl
+import functools
 import glob
 import logging
 import os
@@ -346,7 +347,9 @@ def locate_pipe(
     template = env_template or DRIVER_DEFAULT_PIPE_TEMPLATE
     source = "environ" if env_template else "default"
     applicable = PathTemplate(template, view)
-    common = {"pid": pid, "pattern": applicable.absolute, "root": view.root, "env_source": env.source}
+    located = functools.partial(
+        PipeLocation, pid=pid, pattern=applicable.absolute, root=view.root, env_source=env.source
+    )
 
     if scan_fds:
         accepted = [PathTemplate(t, view).regex() for t in _pipe_templates(env, extra_templates)]
@@ -358,7 +361,7 @@ def locate_pipe(
             if _fd_access_mode(pid, fd) not in (os.O_RDONLY, os.O_RDWR):
                 continue
             if any(p.fullmatch(target) for p in accepted) or anywhere.fullmatch(target):
-                return PipeLocation(path=target, source="fd", fd=fd, inode=(st.st_dev, st.st_ino), **common)
+                return located(path=target, source="fd", fd=fd, inode=(st.st_dev, st.st_ino))
 
     fifos: list[tuple[float, str, tuple[int, int]]] = []
     non_fifo = ""
@@ -373,7 +376,7 @@ def locate_pipe(
             non_fifo = candidate
     if fifos:
         _, path, inode = max(fifos)
-        return PipeLocation(path=path, source=source, inode=inode, **common)
+        return located(path=path, source=source, inode=inode)
 
     if env.values.get(ENV_ENABLE_USER_TRIGGER) != "1":
         if env.environ_cleared:
@@ -399,7 +402,7 @@ def locate_pipe(
             f"not armed: {ENV_PIPE} is unset and the driver's default FIFO {applicable.absolute!r} does not exist "
             "(CUDA not initialised yet in the target, or the pipe path differs)"
         )
-    return PipeLocation(path=None, source="", reason=reason, **common)
+    return located(path=None, source="", reason=reason)
 
 
 # --- triggering ---------------------------------------------------------------------------------

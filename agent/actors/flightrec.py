@@ -107,8 +107,8 @@ def summarize_trace(trace: Mapping[str, Any]) -> dict[str, AttributeValue]:
         st = status.get(pg) or {}
         for key, name in (("last_enqueued_collective", "last_enqueued"), ("last_completed_collective", "last_completed")):
             try:
-                attrs[f"servewatch.flightrec.{name}"] = int(st.get(key))
-            except (TypeError, ValueError):
+                attrs[f"servewatch.flightrec.{name}"] = int(st[key])
+            except (KeyError, TypeError, ValueError):
                 pass
         attrs["servewatch.flightrec.process_groups"] = len(status)
     if isinstance(entries, list) and entries and isinstance(entries[-1], dict):
@@ -205,7 +205,9 @@ class FlightRecorderActor:
             return result(Outcome.NO_SOURCE, detail)
         trace = read.trace
         if rank is None:
-            meta = trace.get("servewatch") if isinstance(trace.get("servewatch"), dict) else {}
+            meta = trace.get("servewatch")
+            if not isinstance(meta, dict):
+                meta = {}
             if isinstance(meta.get("rank"), int):
                 rank = meta["rank"]
         attrs["servewatch.flightrec.source"] = read.source
@@ -234,7 +236,9 @@ class FlightRecorderActor:
             try:
                 with anyio.move_on_after(min(1.0, self.config.timeout_s / 2)):
                     reply = await sdk_call(path, {"cmd": "status"}, timeout_s=1.0)
-                    dist = reply.get("dist") if isinstance(reply.get("dist"), dict) else {}
+                    dist = reply.get("dist")
+                    if not isinstance(dist, dict):
+                        dist = {}
                     if isinstance(dist.get("rank"), int):
                         return int(dist["rank"])
             except SdkCallError:

@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.abc
@@ -57,7 +57,10 @@ from agent.lazy import LazyModule
 from agent.sdkclient import SdkCallError, control_path, control_socket_pids, sdk_call
 from agent.targets import Target
 
-httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
+if TYPE_CHECKING:
+    import httpx
+else:
+    httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
 __all__ = [
     "ACTION",

@@ -48,7 +48,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -476,7 +476,15 @@ class PySpyActor:
         start_ns: int,
         base: dict[str, AttributeValue],
     ) -> ActionResult:
-        def result(outcome: Outcome, detail: str, *, retryable: bool = False, paths: tuple[str, ...] = (), **attrs: AttributeValue) -> ActionResult:
+        def result(
+            outcome: Outcome,
+            detail: str,
+            *,
+            retryable: bool = False,
+            paths: tuple[str, ...] = (),
+            extra: Mapping[str, AttributeValue] | None = None,
+            **attrs: AttributeValue,
+        ) -> ActionResult:
             return ActionResult(
                 action=ACTION,
                 outcome=outcome,
@@ -486,11 +494,12 @@ class PySpyActor:
                 start_time_unix_nano=start_ns,
                 end_time_unix_nano=now_ns(),
                 artifact_paths=paths,
-                attributes=frozen_attrs(base, **attrs),
+                attributes=frozen_attrs({**base, **(extra or {})}, **attrs),
             )
 
         def dead(death: Death) -> ActionResult:
-            return result(Outcome.DEAD, f"{death.describe(target.title)}: no stacks to read", **death.attributes())
+            detail = f"{death.describe(target.title)}: no stacks to read"
+            return result(Outcome.DEAD, detail, extra=death.attributes())
 
         death = await anyio.to_thread.run_sync(death_of, target)
         if death is not None:  # a dead rank is evidence (often why the others hang), not an error

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import anyio
 import httpx
@@ -231,7 +231,7 @@ class DemoServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.info: dict[str, Any] = {}
         self._dir: Path | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     # -- what the caller reads --------------------------------------------------------------
 

@@ -368,7 +368,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/metrics":
             self._send(HTTPStatus.OK, generate_latest(fe.registry), CONTENT_TYPE_LATEST)
         elif path == "/server_info":
-            host, port = self.server.server_address[:2]
+            address = self.server.server_address
+            assert isinstance(address, tuple), address  # an AF_INET(6) server
+            host, port = address[:2]
             self._json(HTTPStatus.OK, fe.info(str(host), int(port)))
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no route {path}"})

@@ -132,7 +132,8 @@ def fr_trace(*, stack_traces: bool = False) -> dict[str, Any]:
     Raises:
         ImportError: torch (or its distributed package) is missing.
     """
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    # private binding behind torch.distributed's dump_nccl_trace_json; torch's stubs omit it
+    from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
     data = json.loads(_dump_fr_trace_json(True, stack_traces))
     info = dist_info() or {}

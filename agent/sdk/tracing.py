@@ -70,8 +70,8 @@ class _NoopRange:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: object) -> bool:
-        return False
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 _NOOP = _NoopRange()

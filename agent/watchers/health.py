@@ -18,6 +18,7 @@ import errno
 import http
 import logging
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import anyio
@@ -30,7 +31,10 @@ from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
 from agent.lazy import LazyModule
 from agent.watchers.status import StatusReporter, WatcherState
 
-httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
+if TYPE_CHECKING:
+    import httpx
+else:
+    httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
 _log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import anyio
 import psutil
@@ -36,8 +36,12 @@ from agent.lazy import LazyModule
 from agent.sdk.counter import SIZE_BYTES, counter_files, counter_path, parse_counter, shm_dir
 from agent.security import open_trusted, process_uids
 
-httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
-prometheus_parser = LazyModule("prometheus_client.parser")  # at the first scrape parsed
+if TYPE_CHECKING:
+    import httpx
+    from prometheus_client import parser as prometheus_parser
+else:
+    httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
+    prometheus_parser = LazyModule("prometheus_client.parser")  # at the first scrape parsed
 
 __all__ = [
     "MAX_METRICS_BODY_BYTES",

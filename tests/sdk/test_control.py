@@ -151,12 +151,12 @@ def test_other_uids_are_refused(target) -> None:
 
 
 def _other_uid_checks(python: str, path: Path) -> None:
-    as_nobody = {"user": NOBODY, "group": NOBODY, "capture_output": True, "timeout": 60, "check": True, "cwd": "/"}
+    as_nobody = {"user": NOBODY, "group": NOBODY, "capture_output": True, "timeout": 60, "cwd": "/"}
     # the file mode alone keeps another uid out
-    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody, check=False)
+    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody, check=True)
     assert out.stdout.decode().strip() == "EACCES"
     # and with the mode opened up, the peer-uid check still refuses it
     path.chmod(0o666)
-    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody, check=False)
+    out = subprocess.run([python, "-c", _CLIENT, str(path)], **as_nobody, check=True)
     reply = json.loads(out.stdout)
     assert reply == {"ok": False, "error": "permission_denied", "detail": "peer uid not allowed"}

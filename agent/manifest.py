@@ -14,12 +14,10 @@ are only ever added with a default, so older manifests of the same version still
 On disk the JSON keys are the historic ones (``schema``, ``host.name``); in Python the fields are
 ``schema_version`` and ``host_name``. Every number's name carries its unit.
 
-Imports pydantic and :mod:`agent.events` only (no component).
+Imports pydantic, :mod:`agent.events` and :mod:`agent.errors` only (no component).
 
-Exceptions::
-
-    ValueError
-     └── ManifestError   not JSON, not a manifest, or a version this servewatch cannot read
+Raises :class:`agent.errors.ManifestError` (also a ``ValueError``; the tree is in
+:mod:`agent.errors`) for a manifest that is not JSON, not a manifest, or of an unknown version.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ from pydantic import (
     field_validator,
 )
 
+from agent.errors import ManifestError
 from agent.events import Action, ActionResult, Outcome, StrEnum, Trigger
 
 __all__ = [
@@ -67,11 +66,6 @@ SCHEMA_V1 = "servewatch.incident/1"
 MANIFEST_SCHEMA = SCHEMA_V1
 #: Versions this servewatch reads.
 KNOWN_SCHEMAS: frozenset[str] = frozenset({SCHEMA_V1})
-
-
-class ManifestError(ValueError):
-    """A manifest cannot be read: not JSON, not a servewatch incident manifest, or an unknown
-    version. The message is one line that names the file (when there is one) and the problem."""
 
 
 class IncidentState(StrEnum):

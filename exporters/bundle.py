@@ -15,17 +15,16 @@ Only files inside the bundle folder are opened (symlinks followed and checked). 
 part of the model, even when ``requests.json`` holds it (the user opted in to *capture*, not to
 display).
 
-Imports the standard library, :mod:`agent.manifest` (the manifest model), :mod:`agent.events`
+Imports the standard library, :mod:`agent.errors`, :mod:`agent.manifest` (the manifest model), :mod:`agent.events`
 (names), :mod:`agent.security` (path checks), :mod:`agent.stacks` (the py-spy dump model, its
 parser and its hung-frame rule, so that a bundle is read back by the same rule the actor applied
 when it wrote it) and :mod:`exporters.otlp_json`.
 
-Exceptions::
-
-    BundleError              a bundle cannot be read (one line, says which path and why)
-     ├── BundleNotFoundError  no such incident / directory / manifest
-     └── BundleCorruptError   the manifest is not a servewatch incident manifest this servewatch
-                              reads (not JSON, a field missing or mistyped, an unknown version)
+Raises the :class:`agent.errors.BundleError` family (the tree is in :mod:`agent.errors`), one line
+each: :class:`~agent.errors.BundleNotFoundError` (no such incident / directory / manifest),
+:class:`~agent.errors.BundleCorruptError` (the manifest is not one this servewatch reads: not JSON,
+a field missing or mistyped, an unknown version), :class:`~agent.errors.BundleError` (ambiguous id,
+unreadable).
 """
 
 from __future__ import annotations
@@ -40,8 +39,9 @@ from typing import Any
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from agent.errors import BundleCorruptError, BundleError, BundleNotFoundError, ManifestError
 from agent.events import Action
-from agent.manifest import MANIFEST_NAME, IncidentState, Manifest, ManifestError, load_manifest
+from agent.manifest import MANIFEST_NAME, IncidentState, Manifest, load_manifest
 from agent.security import is_within
 from agent.stacks import Frame, ThreadStack, hung_location, parse_threads
 from exporters.otlp_json import TornLines, iter_span_files, read_span_file
@@ -80,18 +80,6 @@ _COREDUMP_SIZE = "servewatch.coredump.size_bytes"
 _PROFILE_STEPS = "servewatch.profile.steps_captured"
 
 _PYSPY_STACKS = ("servewatch.pyspy.stacks", "servewatch.pyspy.top_frames")
-
-
-class BundleError(Exception):
-    """An incident bundle cannot be read; the message is one line naming the path and the reason."""
-
-
-class BundleNotFoundError(BundleError):
-    """No such incident, directory or manifest."""
-
-
-class BundleCorruptError(BundleError):
-    """The manifest exists but is not a readable servewatch incident manifest."""
 
 
 # --- model ------------------------------------------------------------------------------------

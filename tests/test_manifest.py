@@ -56,7 +56,7 @@ def test_manifest_imports_no_component() -> None:
     tree = ast.parse(Path(manifest_mod.__file__).read_text(encoding="utf-8"))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert {m for m in imported if m.startswith(("agent", "exporters"))} == {"agent.events"}
+    assert {m for m in imported if m.startswith(("agent", "exporters"))} == {"agent.events", "agent.errors"}
 
 
 def _full() -> Manifest:
@@ -265,3 +265,13 @@ def test_summary_reads_the_manifest_the_bundle_holds(tmp_path: Path) -> None:
     assert (summary["trigger"], summary["duration_s"], summary["outcomes"]) == ("manual", 1.0, {"ok": 1})
     assert json.loads(json.dumps(summary))["actions"][0]["action"] == "pyspy.dump"
     assert record.to_manifest().host_name == "h1"
+
+
+def test_manifest_and_bundle_errors_sit_in_the_one_tree() -> None:
+    from agent import errors
+
+    assert issubclass(ManifestError, errors.ServewatchError) and issubclass(ManifestError, ValueError)
+    assert issubclass(BundleCorruptError, errors.BundleError) and issubclass(errors.BundleError, errors.ServewatchError)
+    assert manifest_mod.ManifestError is errors.ManifestError and bundle_mod.BundleError is errors.BundleError
+    for name in ("ManifestError", "BundleError", "BundleNotFoundError", "BundleCorruptError"):
+        assert name in (errors.__doc__ or "")

@@ -31,7 +31,6 @@ Imports :mod:`agent.events`, :mod:`agent.incidents` (types), :mod:`agent.ranks` 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -67,6 +66,7 @@ from agent.fleet.config import (
 from agent.fleet.http import HttpServer
 from agent.fleet.peers import PeerResolver, ask_peer
 from agent.fleet.traceparent import TraceParent
+from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from agent.ranks import rank_label
 
 __all__ = ["FOLDED_SPAN", "Fleet", "JobIncident"]
@@ -542,13 +542,15 @@ class Fleet:
         return out
 
     async def get_incident(self, incident_id: str) -> dict[str, Any] | None:
-        """``GET /v1/incidents/{id}``: the manifest (read without following symlinks), or None."""
+        """``GET /v1/incidents/{id}``: the manifest (read without following symlinks) as
+        :class:`agent.manifest.Manifest` validates it, or None (no such incident, too big, or not
+        a manifest this agent reads)."""
         return await anyio.to_thread.run_sync(self._read_manifest, incident_id)
 
     def _read_manifest(self, incident_id: str) -> dict[str, Any] | None:
         if not INCIDENT_ID_PATTERN.fullmatch(incident_id):
             return None
-        path = self._host_dir() / incident_id / "manifest.json"
+        path = self._host_dir() / incident_id / MANIFEST_NAME
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -561,10 +563,10 @@ class Fleet:
         if len(data) > MAX_MANIFEST_BYTES:
             return None
         try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+            return parse_manifest(data, source=str(path)).to_json_dict()
+        except ManifestError as exc:  # not a manifest this agent reads: not served (listings poll: no warning)
+            log.debug("%s", exc)
             return None
-        return doc if isinstance(doc, dict) else None
 
 
 async def _nothing() -> list[ActionCompleted]:

@@ -739,7 +739,8 @@ class IncidentManager:
                     log.exception("making the verdict failed")
             record.verdict_duration_s = time.monotonic() - t0
             if record.verdict is not None:
-                log.warning("incident %s: %s", incident_id, record.verdict.headline())
+                # INFO: the summary shows it (every command prints one), the bundle and spans hold it
+                log.info("incident %s: %s", incident_id, record.verdict.headline())
 
         for collect in companions:
             with anyio.move_on_after(self.config.phase_timeout_s):

@@ -134,6 +134,7 @@ class Agent:
             host_name=settings.host_name,
             path=status_path(settings.data_dir, settings.host_name),
             on_change=self._status_changed,
+            warn_blind=on_status is None,  # the caller prints each change (the CLI): not twice
         )
         self.bus = EventBus()
         self.telemetry = telemetry

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import PROGRAMS_DIR
 from tests.exporters.bundle_fixture import INCIDENT_ID, Bundle, write_bundle
 
 COMMANDS = ("run", "status", "dump", "demo", "cuda-env", "launch", "export", "timeline", "report", "profile")
@@ -180,3 +185,45 @@ def test_messages_say_each_thing_once(tmp_path: Path, args: list[str], env: dict
     r = sw(tmp_path, *args, **env)
     assert r.returncode == 2
     assert r.stderr == line + "\n"
+
+
+def _titled(spawn, python: str, title: str) -> subprocess.Popen[bytes]:
+    proc = spawn([python, str(PROGRAMS_DIR / "titled_target.py"), title, "--max-lifetime-s", "60"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    assert ready and proc.stdout.readline().startswith(b"ready"), "target did not start"
+    return proc
+
+
+def test_dump_shows_the_verdict_once(tmp_path: Path, spawn, python: str) -> None:
+    prefix = f"convtest{os.getpid()}::scheduler"
+    _titled(spawn, python, f"{prefix}_TP0")
+    _titled(spawn, python, f"{prefix}_TP1")
+    r = sw(tmp_path, "dump", "--match", f"{prefix}_TP*", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("Verdict:") == 1, r.stdout
+    assert "Verdict" not in r.stderr, r.stderr
+
+
+def test_run_shows_each_blind_watcher_once(tmp_path: Path, spawn) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = spawn(
+        [_servewatch(), "run", "--health-url", f"http://127.0.0.1:{port}/health", "--metrics-url",
+         f"http://127.0.0.1:{port}/metrics", "--data-dir", str(tmp_path / "data"), "--duration", "100"],
+        stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=tmp_path / "cwd",
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + 90
+    assert proc.stderr is not None
+    while sum("BLIND" in line for line in lines) < 2 and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 1)
+        if ready:
+            lines.append(proc.stderr.readline())
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=60)
+    text = "".join(lines) + rest
+    assert text.count("health: BLIND") == 1 and text.count("metrics: BLIND") == 1, text
+    assert "servewatch: health: BLIND — connection refused" in text
+    assert "WARNING servewatch.status" not in text

@@ -194,9 +194,10 @@ class StatusBoard:
         host_name: ``host.name`` written in the snapshot.
         path: the status file to keep up to date (atomic writes); ``None`` keeps it in memory.
         on_change: called with each status that changed (after logging and writing).
+        warn_blind: log a change to blind at WARNING (else INFO, like every other change); false
+            when the caller shows each change itself, so it is not shown twice.
 
-    A change is logged at WARNING when it turns blind, INFO otherwise; a status repeated with
-    the same state and reason changes nothing (no log, no write).
+    A status repeated with the same state and reason changes nothing (no log, no write).
     """
 
     def __init__(
@@ -205,8 +206,10 @@ class StatusBoard:
         host_name: str = "",
         path: str | os.PathLike[str] | None = None,
         on_change: Callable[[WatcherStatus], None] | None = None,
+        warn_blind: bool = True,
     ) -> None:
         self.host_name = host_name
+        self.warn_blind = warn_blind
         self.path = Path(path) if path is not None else None
         self.on_change = on_change
         self.started_time_unix_nano = now_ns()
@@ -229,7 +232,8 @@ class StatusBoard:
             self.updated_time_unix_nano = now_ns()
             self.changes += 1
         if log_change:
-            log.log(logging.WARNING if state is WatcherState.BLIND else logging.INFO, "%s", status.line())
+            blind = state is WatcherState.BLIND and self.warn_blind
+            log.log(logging.WARNING if blind else logging.INFO, "%s", status.line())
         self.write()
         if self.on_change is not None:
             self.on_change(status)

@@ -26,7 +26,8 @@ Owns the one decision of what runs, in what order, and when to stop:
    (``watchdog.hard_targets``: ``culprit``, the default, or ``all``) so an orchestrator can
    restart them; each signal is a ``hard.signal`` action (a span).
 
-Imports :mod:`agent.events`, :mod:`agent.bus`, :mod:`agent.targets`, the trace/span id helpers of
+Imports :mod:`agent.events`, :mod:`agent.bus`, :mod:`agent.targets`, :mod:`agent.manifest` (the
+``manifest.json`` model it writes and recovery reads), the trace/span id helpers of
 :mod:`agent.ids` and the SDK client :mod:`agent.sdkclient` (requests in flight); actors are passed
 in as :class:`Phase` callables, so this module never imports an actor, a watcher or an exporter.
 """

@@ -585,7 +585,7 @@ def launch(
 ) -> None:
     """Start a server armed for diagnostics (CUDA coredumps, Metal capture) and watch it; returns its exit code."""
     _logging(verbose)
-    from agent.launch import LaunchError, describe_env, launch_env, run_launched
+    from agent.launch import describe_env, launch_env, run_launched
 
     settings = _settings(
         {
@@ -660,9 +660,7 @@ def launch(
                 on_child_exit=lambda code: child_status.__setitem__("rc", code),
                 on_signal_forwarded=on_signal_forwarded,
             )
-        )
-    except LaunchError as exc:
-        fail(str(exc), exc.exit_code)
+        )  # LaunchError: one line, exit 126/127 (main)
     finally:
         for record in records:  # the server is gone: its record must not arm a reused pid
             record.unlink(missing_ok=True)
@@ -761,14 +759,11 @@ def timeline(
     config: Path | None = ConfigOpt,
 ) -> None:
     """Show an incident as a timeline: trigger, actions, hung frames, coredumps, profile (offline)."""
-    from exporters.bundle import BundleError, load_incident_arg
+    from exporters.bundle import load_incident_arg
     from exporters.timeline import render_timeline, timeline_to_dict
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
-    try:
-        tl = load_incident_arg(incident, data_dir=settings.data_dir)
-    except BundleError as exc:
-        fail(str(exc))
+    tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
     if as_json:
         out.print_json(json.dumps(timeline_to_dict(tl)))
     else:
@@ -783,14 +778,11 @@ def report(
     config: Path | None = ConfigOpt,
 ) -> None:
     """Write one self-contained HTML page (no network) with the incident timeline, stacks and artifacts."""
-    from exporters.bundle import BundleError, load_incident_arg
+    from exporters.bundle import load_incident_arg
     from exporters.report import render_report_html, report_summary, write_report
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
-    try:
-        tl = load_incident_arg(incident, data_dir=settings.data_dir)
-    except BundleError as exc:
-        fail(str(exc))
+    tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
     if str(output) == "-":
         sys.stdout.write(render_report_html(tl))
         sys.stdout.flush()
@@ -1014,7 +1006,13 @@ def _exit_now(code: object) -> NoReturn:
 
 
 def _main(args: list[str]) -> NoReturn:
-    """Parse ``args``, run the command, and raise ``SystemExit`` with its exit code."""
+    """Parse ``args``, run the command, and raise ``SystemExit`` with its exit code.
+
+    A :class:`~agent.errors.ServewatchError` that ends a command is one ``servewatch: ...``
+    stderr line and its :attr:`~agent.errors.ServewatchError.exit_code` (2 for a usage error).
+    """
+    from agent.errors import ServewatchError, one_line
+
     errors = _click_errors()
     command = typer.main.get_command(app)
     _plain_help(command)
@@ -1028,6 +1026,9 @@ def _main(args: list[str]) -> NoReturn:
         raise SystemExit(int(ExitCode.USAGE)) from None
     except errors.ClickException as exc:
         err.print(f"servewatch: {' '.join(exc.format_message().split())}", markup=False, highlight=False)
+        raise SystemExit(exc.exit_code) from None
+    except ServewatchError as exc:  # any error of agent.errors' tree a command lets through
+        err.print(f"servewatch: {one_line(exc)}", markup=False, highlight=False)
         raise SystemExit(exc.exit_code) from None
     except typer.Abort:
         raise SystemExit(130) from None

@@ -44,6 +44,7 @@ from agent.actors.coredump import CoredumpConfig
 from agent.actors.flightrec import FlightRecorderConfig
 from agent.actors.profiler import ProfilerConfig
 from agent.actors.pyspy import PySpyConfig
+from agent.errors import ConfigError
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
 from agent.fsutil import ensure_private_dir
 from agent.incidents import IncidentConfig
@@ -71,10 +72,6 @@ __all__ = [
 ENV_PREFIX = "SERVEWATCH_"
 #: Folder for incident bundles and embedded-default span files (default ``./servewatch-data``).
 ENV_DATA_DIR = "SERVEWATCH_DATA_DIR"
-
-
-class ConfigError(ValueError):
-    """A setting is invalid. ``str()`` is one line naming every bad key."""
 
 
 class TargetConfig(BaseModel):

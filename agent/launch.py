@@ -34,6 +34,7 @@ from agent.cudaenv import (
     cuda_coredump_env,
     flight_recorder_env,
 )
+from agent.errors import LaunchError
 
 __all__ = [
     "DEFAULT_FORWARDED_SIGNALS",
@@ -108,18 +109,6 @@ def _check_command(argv0: str, env: Mapping[str, str], cwd: str | os.PathLike[st
         return
     if shutil.which(argv0, path=env.get("PATH", os.defpath)) is None:
         raise LaunchError(f"command not found: {argv0!r}", exit_code=127)
-
-
-class LaunchError(Exception):
-    """The server command could not be started (a usage error, not a runtime failure).
-
-    Attributes:
-        exit_code: 127 when the command does not exist, 126 when it cannot be executed.
-    """
-
-    def __init__(self, message: str, *, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass(frozen=True, slots=True)

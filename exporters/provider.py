@@ -48,6 +48,8 @@ from urllib.parse import unquote
 from opentelemetry.sdk import environment_variables as _ev
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.errors import ExportConfigError
+
 if TYPE_CHECKING:  # imported where used: `import exporters.provider` (config models) stays light
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import Resource
@@ -112,10 +114,6 @@ PLAUSIBLE_TIMEOUT_MS = (100.0, 60_000.0)
 Signal = Literal["traces", "metrics"]
 
 Protocol = Literal["grpc", "http/protobuf"]
-
-
-class ExportConfigError(ValueError):
-    """A telemetry setting is invalid; the message names the setting (config key or env var)."""
 
 
 class ExportConfig(BaseModel):

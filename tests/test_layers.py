@@ -4,6 +4,8 @@ other, exporters never import an actor, and the pure models import no component.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,7 @@ def _offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
         ("exporters", ("agent.actors",)),
         ("agent/stacks.py", ("agent.actors", "agent.watchers", "exporters")),
         ("agent/sdk", ("agent.actors", "agent.watchers", "agent.runtime", "agent.incidents", "exporters")),
+        ("agent/errors.py", ("agent.actors", "agent.watchers", "agent.incidents", "agent.runtime", "agent.sdk", "exporters")),
         # the profiler and flightrec actors reach the SDK through agent.sdkclient, not incidents
         ("agent/actors", ("agent.incidents", "agent.runtime")),
         # incidents pick their ids with agent.ids, never from an exporter
@@ -56,6 +59,20 @@ def _offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
 )
 def test_layers_import_one_way(folder: str, forbidden: tuple[str, ...]) -> None:
     assert _offenders(folder, forbidden) == {}
+
+
+def test_the_sdk_imports_only_itself_and_the_error_tree() -> None:
+    # the SDK runs inside the user's server: of the agent it may import agent.errors, a stdlib-only leaf
+    reached = {m for path in (ROOT / "agent" / "sdk").rglob("*.py") for m in _imports(path) if m.startswith("agent")}
+    assert {m for m in reached if not m.startswith(("agent.sdk", "agent.errors"))} == set()
+    assert "agent.errors" in reached
+
+
+def test_the_error_tree_loads_no_other_agent_module() -> None:
+    # agent.events is named for type checking only: importing agent.errors runs the stdlib alone
+    code = "import sys, agent.errors; print(sorted(m for m in sys.modules if m.startswith(('agent', 'exporters'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "['agent', 'agent.errors']"
 
 
 def test_the_checker_sees_a_function_level_import(tmp_path: Path) -> None:

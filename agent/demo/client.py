@@ -32,6 +32,8 @@ import anyio
 import httpx
 import psutil
 
+from agent.errors import DemoServerError
+
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
 
@@ -50,10 +52,6 @@ _POLL_S = 0.05
 # The server is node-local: never route its requests through an HTTP(S)_PROXY from the
 # environment (trust_env=False on every request).
 _LOG_TAIL_BYTES = 2000
-
-
-class DemoServerError(RuntimeError):
-    """The demo server exited or was not ready in time (message carries its stderr tail)."""
 
 
 def _read_ready(ready_file: Path) -> dict[str, Any] | None:

@@ -63,6 +63,7 @@ from agent.demo.scheduler import (
     SchedulerArgs,
     run_scheduler,
 )
+from agent.errors import StartupError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MODEL_NAME", "DemoFrontend", "DemoServerConfig", "main"]
 
@@ -116,10 +117,6 @@ class DemoServerConfig(BaseModel):
     def scheduler_title(self, rank: int) -> str:
         """SGLang-style title of rank ``rank``, e.g. ``demo::scheduler_TP0``."""
         return f"{self.title_prefix}::scheduler_TP{rank}"
-
-
-class StartupError(Exception):
-    """A scheduler died or did not report ready within ``startup_timeout_s``."""
 
 
 @dataclass

@@ -19,23 +19,12 @@ from typing import Any
 import anyio
 import h11
 
+from agent.errors import PeerRequestError
+
 __all__ = ["PeerRequestError", "post_json"]
 
 #: Largest answer read, bytes.
 MAX_RESPONSE_BYTES = 256 * 1024
-
-
-class PeerRequestError(Exception):
-    """The request did not get an HTTP answer.
-
-    Attributes:
-        kind: ``unreachable`` (no connection: refused, no route, TLS handshake refused) or
-            ``bad_response`` (the peer answered something that is not HTTP, or too much).
-    """
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 async def post_json(

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from agent.errors import TokenFileError
+
 __all__ = [
     "DEFAULT_API_PORT",
     "ApiConfig",
@@ -31,10 +33,6 @@ __all__ = [
 DEFAULT_API_PORT = 7207
 #: Largest token file read, bytes.
 MAX_TOKEN_BYTES = 4096
-
-
-class TokenFileError(ValueError):
-    """The API token file is missing, unsafe (not 0600, not ours, a symlink) or empty."""
 
 
 class ApiConfig(BaseModel):

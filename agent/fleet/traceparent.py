@@ -11,13 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agent.errors import TraceParentError
+
 __all__ = ["TraceParent", "TraceParentError"]
 
 _HEX = re.compile(r"[0-9a-f]+")
-
-
-class TraceParentError(ValueError):
-    """A ``traceparent`` value is malformed (the message says which part)."""
 
 
 @dataclass(frozen=True, slots=True)

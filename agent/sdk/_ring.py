@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.errors import RingError
 from agent.sdk.counter import shm_dir
 
 __all__ = [
@@ -106,10 +107,6 @@ WRAP = 0xFFFF_FFFF
 _HEADER = struct.Struct(f"<{HEADER_WORDS}q")
 _REC = struct.Struct("<II")
 _WORD = struct.Struct("<q")
-
-
-class RingError(OSError):
-    """A ring file is missing, not ours to trust, or not a span ring."""
 
 
 def ring_path(pid: int, directory: Path | None = None) -> Path:

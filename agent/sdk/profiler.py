@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import agent.sdk as _sdk
+from agent.errors import ProfilerBusyError
 from agent.sdk import tracing as _tracing
 from agent.sdk.counter import W_PROFILING
 
@@ -78,10 +79,6 @@ HISTORY = 16
 _MTL_CAPTURE_AT_LAUNCH = os.environ.get("MTL_CAPTURE_ENABLED", "") == "1"
 
 _FINISHED = frozenset({"completed", "stopped", "expired", "cancelled", "failed"})
-
-
-class ProfilerBusyError(RuntimeError):
-    """A profiling session is already pending or running in this process (start refused)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -721,6 +721,122 @@ def _requests_from_links(raw: Sequence[Span], root_span_id: str) -> tuple[Reques
 # --- load -------------------------------------------------------------------------------------
 
 
+def _actions(
+    m: Manifest, bundle_dir: Path, titles: Mapping[int, str]
+) -> tuple[tuple[ActionRow, ...], tuple[ArtifactRow, ...]]:
+    """The manifest's actions placed on the timeline (ordered by start; timeless ones last), and
+    every artifact they recorded, resolved against the bundle's current location."""
+    opened_ns = m.opened_time_unix_nano
+    actions: list[ActionRow] = []
+    artifacts: list[ArtifactRow] = []
+    for entry in m.actions:
+        attrs = entry.attributes
+        pid = entry.pid if entry.pid is not None else _as_int(attrs.get("process.pid"))
+        start = entry.start_time_unix_nano
+        end = entry.end_time_unix_nano or start
+        name = str(entry.action)
+        resolved = []
+        for recorded in entry.artifact_paths:
+            now = _resolve_artifact(recorded, bundle_dir, m.incident_id)
+            resolved.append(str(now))
+            artifacts.append(ArtifactRow(str(now), recorded, name, pid, _size(now, bundle_dir)))
+        actions.append(
+            ActionRow(
+                action=name,
+                pid=pid,
+                title=titles.get(pid, "") if pid is not None else "",
+                outcome=str(entry.outcome),
+                retryable=entry.retryable,
+                detail=entry.detail,
+                start_offset_s=(start - opened_ns) / 1e9 if start else None,
+                duration_s=entry.duration_s if entry.duration_s is not None else max(0, end - start) / 1e9,
+                artifact_paths=tuple(resolved),
+                attributes=dict(attrs),
+            )
+        )
+    actions.sort(key=lambda r: (r.start_offset_s is None, r.start_offset_s or 0.0))
+    return tuple(actions), tuple(artifacts)
+
+
+def _all_stacks(
+    actions: Sequence[ActionRow], targets: Sequence[TargetRow], bundle_dir: Path, warnings: list[str]
+) -> tuple[ProcessStacks, ...]:
+    """One entry per process with a ``pyspy.dump`` action or a ``pyspy-<pid>.json`` in the
+    bundle, in target order (others after, by pid)."""
+    titles = {t.pid: t.title for t in targets}
+    pyspy_by_pid = {a.pid: a for a in actions if a.action == Action.PYSPY_DUMP and a.pid is not None}
+    stack_pids = list(pyspy_by_pid)
+    for found in sorted(bundle_dir.glob("pyspy-*.json")):
+        pid = _as_int(found.stem.removeprefix("pyspy-"))
+        if pid is not None and pid not in stack_pids:
+            stack_pids.append(pid)
+    order = {t.pid: i for i, t in enumerate(targets)}
+    stack_pids.sort(key=lambda p: (order.get(p, len(order)), p))
+    return tuple(_stacks_for(p, titles.get(p, ""), pyspy_by_pid.get(p), bundle_dir, warnings) for p in stack_pids)
+
+
+def _coredumps(actions: Sequence[ActionRow], bundle_dir: Path, incident_id: str) -> tuple[CoredumpRow, ...]:
+    """The ``cuda.coredump`` actions: core file (span attribute, else the first artifact) and size."""
+    rows = []
+    for a in actions:
+        if a.action != Action.CUDA_COREDUMP:
+            continue
+        core = a.attributes.get(_COREDUMP_PATH)
+        core_path = str(_resolve_artifact(core, bundle_dir, incident_id)) if isinstance(core, str) and core else ""
+        if not core_path and a.artifact_paths:
+            core_path = a.artifact_paths[0]
+        size = _as_int(a.attributes.get(_COREDUMP_SIZE))
+        if size is None and core_path:
+            size = _size(Path(core_path))
+        rows.append(CoredumpRow(a.pid, a.outcome, core_path, size))
+    return tuple(rows)
+
+
+def _profiles(actions: Sequence[ActionRow], bundle_dir: Path) -> tuple[ProfileRow, ...]:
+    """The ``profile.session`` actions: steps captured, trace files and their total size."""
+    rows = []
+    for a in actions:
+        if a.action != Action.PROFILE_SESSION:
+            continue
+        traces = tuple(a.artifact_paths)
+        rows.append(
+            ProfileRow(
+                pid=a.pid,
+                outcome=a.outcome,
+                duration_s=a.duration_s,
+                steps_captured=_as_int(a.attributes.get(_PROFILE_STEPS)),
+                trace_paths=traces,
+                trace_size_bytes=sum(_size(Path(p), bundle_dir) or 0 for p in traces),
+                attributes={k: v for k, v in a.attributes.items() if k.startswith("servewatch.profile.")},
+            )
+        )
+    return tuple(rows)
+
+
+def _incident_spans(
+    m: Manifest, bundle_dir: Path, data_dir: Path | None,
+    span_paths: Sequence[str | os.PathLike[str]] | None, warnings: list[str],
+) -> tuple[list[Span], list[str]]:
+    """The spans of the incident's trace (none without a trace id) and the files they came from;
+    see :func:`load_incident` for where they are looked for."""
+    trace_id = m.trace_id.lower()
+    if not trace_id:
+        return [], []
+    if span_paths is None:
+        search = [bundle_dir]
+        if data_dir is None and m.host_name and bundle_dir.parent.name == m.host_name:
+            data_dir = bundle_dir.parent.parent
+        if data_dir is not None:
+            search.append(data_dir)
+    else:
+        search = [Path(p) for p in span_paths]
+    torn = TornLines()
+    spans, used = _read_trace_spans(_span_files(search), trace_id, torn, warnings)
+    if torn.count:
+        warnings.append(f"{torn.count} torn line(s) in span files skipped (an interrupted write)")
+    return spans, used
+
+
 def load_incident(
     path: str | os.PathLike[str],
     incident_id: str | None = None,
@@ -747,105 +863,16 @@ def load_incident(
     """
     bundle_dir, data_dir = _resolve(path, incident_id)
     m = read_manifest(bundle_dir / MANIFEST_NAME)
-    inc_id = m.incident_id
-    opened_ns = m.opened_time_unix_nano
     warnings: list[str] = []
-
     targets = tuple(
         TargetRow(pid=t.pid, title=t.title, create_time_s=t.create_time_s, cmdline=t.cmdline) for t in m.targets
     )
-    titles = {t.pid: t.title for t in targets}
-
-    actions: list[ActionRow] = []
-    artifacts: list[ArtifactRow] = []
-    for entry in m.actions:
-        attrs = entry.attributes
-        pid = entry.pid if entry.pid is not None else _as_int(attrs.get("process.pid"))
-        start = entry.start_time_unix_nano
-        end = entry.end_time_unix_nano or start
-        name = str(entry.action)
-        resolved = []
-        for recorded in entry.artifact_paths:
-            now = _resolve_artifact(recorded, bundle_dir, inc_id)
-            resolved.append(str(now))
-            artifacts.append(ArtifactRow(str(now), recorded, name, pid, _size(now, bundle_dir)))
-        actions.append(
-            ActionRow(
-                action=name,
-                pid=pid,
-                title=titles.get(pid, "") if pid is not None else "",
-                outcome=str(entry.outcome),
-                retryable=entry.retryable,
-                detail=entry.detail,
-                start_offset_s=(start - opened_ns) / 1e9 if start else None,
-                duration_s=entry.duration_s if entry.duration_s is not None else max(0, end - start) / 1e9,
-                artifact_paths=tuple(resolved),
-                attributes=dict(attrs),
-            )
-        )
-    actions.sort(key=lambda r: (r.start_offset_s is None, r.start_offset_s or 0.0))
-
-    pyspy_by_pid = {a.pid: a for a in actions if a.action == Action.PYSPY_DUMP and a.pid is not None}
-    stack_pids = list(pyspy_by_pid)
-    for found in sorted(bundle_dir.glob("pyspy-*.json")):
-        pid = _as_int(found.stem.removeprefix("pyspy-"))
-        if pid is not None and pid not in stack_pids:
-            stack_pids.append(pid)
-    order = {t.pid: i for i, t in enumerate(targets)}
-    stack_pids.sort(key=lambda p: (order.get(p, len(order)), p))
-    stacks = tuple(_stacks_for(p, titles.get(p, ""), pyspy_by_pid.get(p), bundle_dir, warnings) for p in stack_pids)
-
-    coredumps = []
-    for a in actions:
-        if a.action != Action.CUDA_COREDUMP:
-            continue
-        core = a.attributes.get(_COREDUMP_PATH)
-        core_path = str(_resolve_artifact(core, bundle_dir, inc_id)) if isinstance(core, str) and core else ""
-        if not core_path and a.artifact_paths:
-            core_path = a.artifact_paths[0]
-        size = _as_int(a.attributes.get(_COREDUMP_SIZE))
-        if size is None and core_path:
-            size = _size(Path(core_path))
-        coredumps.append(CoredumpRow(a.pid, a.outcome, core_path, size))
-
-    profiles = []
-    for a in actions:
-        if a.action != Action.PROFILE_SESSION:
-            continue
-        traces = tuple(p for p in a.artifact_paths)
-        profiles.append(
-            ProfileRow(
-                pid=a.pid,
-                outcome=a.outcome,
-                duration_s=a.duration_s,
-                steps_captured=_as_int(a.attributes.get(_PROFILE_STEPS)),
-                trace_paths=traces,
-                trace_size_bytes=sum(_size(Path(p), bundle_dir) or 0 for p in traces),
-                attributes={k: v for k, v in a.attributes.items() if k.startswith("servewatch.profile.")},
-            )
-        )
-
-    trace_id = m.trace_id.lower()
-    root_span_id = m.span_id.lower()
-    raw_spans: list[Span] = []
-    used_files: list[str] = []
-    if trace_id:
-        if span_paths is None:
-            search = [bundle_dir]
-            if data_dir is None and m.host_name and bundle_dir.parent.name == m.host_name:
-                data_dir = bundle_dir.parent.parent
-            if data_dir is not None:
-                search.append(data_dir)
-        else:
-            search = [Path(p) for p in span_paths]
-        torn = TornLines()
-        raw_spans, used_files = _read_trace_spans(_span_files(search), trace_id, torn, warnings)
-        if torn.count:
-            warnings.append(f"{torn.count} torn line(s) in span files skipped (an interrupted write)")
-
+    actions, artifacts = _actions(m, bundle_dir, {t.pid: t.title for t in targets})
+    raw_spans, used_files = _incident_spans(m, bundle_dir, data_dir, span_paths, warnings)
     requests = _requests_from_file(bundle_dir, warnings)
     if requests is None:
-        requests = _requests_from_links(raw_spans, root_span_id)
+        requests = _requests_from_links(raw_spans, m.span_id.lower())
+    opened_ns = m.opened_time_unix_nano
     state = m.state.value
     if m.state is IncidentState.CLOSED and m.interrupted:
         state = IncidentState.INTERRUPTED.value
@@ -855,24 +882,24 @@ def load_incident(
 
     return IncidentTimeline(
         bundle_dir=str(bundle_dir),
-        incident_id=inc_id,
+        incident_id=m.incident_id,
         trigger=str(m.trigger),
         detail=m.detail,
         host_name=m.host_name,
-        trace_id=trace_id,
-        span_id=root_span_id,
+        trace_id=m.trace_id.lower(),
+        span_id=m.span_id.lower(),
         opened_time_unix_nano=opened_ns,
         closed_time_unix_nano=closed_ns,
         duration_s=duration_s if duration_s is not None else max(0, closed_ns - opened_ns) / 1e9,
         targets=targets,
-        actions=tuple(actions),
-        stacks=stacks,
-        coredumps=tuple(coredumps),
-        profiles=tuple(profiles),
+        actions=actions,
+        stacks=_all_stacks(actions, targets, bundle_dir, warnings),
+        coredumps=_coredumps(actions, bundle_dir, m.incident_id),
+        profiles=_profiles(actions, bundle_dir),
         requests=requests,
         inflight_count=m.inflight_requests if m.inflight_requests is not None else len(requests),
         hard_signal_sent=dict(m.hard_signal_sent),
-        artifacts=tuple(artifacts),
+        artifacts=artifacts,
         spans=_span_rows(raw_spans, opened_ns),
         span_files=tuple(used_files),
         warnings=tuple(warnings),

@@ -113,7 +113,7 @@ class SpansConfig(BaseModel):
     (:mod:`exporters.shipper`; the SDK side is :mod:`agent.sdk.channel`)."""
 
     ship: bool = Field(True, description="drain the targets' span rings and export their spans (else servers export themselves)")
-    poll_interval_s: float = Field(0.25, gt=0, le=1.0, description="seconds between ring polls (the SDK falls back after 2 s without one)")
+    poll_interval_s: float = Field(0.5, gt=0, le=1.0, description="seconds between ring polls (the SDK falls back after 2 s without one)")
     directory: Path | None = Field(None, description="folder of span rings (default: the SDK's shm folder)")
 
 

@@ -75,7 +75,7 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = _FILE_MODE) -> int:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = _FILE_MODE, durable: bool = True) -> int:
     """Replace ``path`` with ``data`` atomically (temp + fsync + rename), never following a symlink.
 
     The temp file is created with ``O_EXCL | O_NOFOLLOW`` next to ``path``; on any failure it
@@ -85,6 +85,9 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int =
         path: destination file; its folder must exist.
         data: the whole content.
         mode: permission bits of the new file (default 0600).
+        durable: fsync the file and its folder (default). ``False`` for a file rewritten every
+            few seconds whose loss in a power cut does not matter (the status file): readers
+            still see the old or the new content, never a mix.
 
     Returns:
         The number of bytes written.
@@ -101,7 +104,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int =
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         # rename(2) replaces a symlink at ``dest`` itself, never the file it points to.
@@ -110,11 +114,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int =
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(dest.parent)
+    if durable:
+        _fsync_dir(dest.parent)
     return len(data)
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int = _FILE_MODE) -> int:
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int = _FILE_MODE, durable: bool = True) -> int:
     """:func:`atomic_write_bytes` for UTF-8 text; undecodable surrogates are written escaped.
 
     Returns:
@@ -123,7 +128,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int = _F
     Raises:
         OSError: as :func:`atomic_write_bytes`.
     """
-    return atomic_write_bytes(path, text.encode("utf-8", "backslashreplace"), mode=mode)
+    return atomic_write_bytes(path, text.encode("utf-8", "backslashreplace"), mode=mode, durable=durable)
 
 
 def open_append_nofollow(path: str | os.PathLike[str], *, mode: int = _FILE_MODE) -> int:

@@ -54,6 +54,7 @@ from agent.incidents import (
     recover_interrupted,
 )
 from agent.judge import VerdictJudge
+from agent.memory import limit_arenas, trim
 from agent.procinfo import DEAD_MEMORY_S, death_of
 from agent.targets import (
     NO_TARGET_WARNING,
@@ -84,8 +85,15 @@ log = logging.getLogger("servewatch.runtime")
 REDISCOVER_INTERVAL_S = 2.0
 #: Targets remembered after they were last seen alive (to report a rank that died as dead).
 MAX_REMEMBERED_TARGETS = 4096
+#: Seconds between the event loop's heartbeats to the span rings (the drain thread also beats at
+#: every poll; a server falls back after 2 s without one).
+SPANS_HEARTBEAT_INTERVAL_S = 1.0
+#: Seconds between checks that a target whose SDK step counter is watched still runs.
+TARGET_ALIVE_INTERVAL_S = 2.0
 #: Seconds between updates of the span shipping counts in the status file.
 SPANS_STATUS_INTERVAL_S = 5.0
+#: Seconds between returning the agent's freed heap memory to the OS (:func:`agent.memory.trim`).
+TRIM_INTERVAL_S = 60.0
 #: Upper bound on flushing telemetry at shutdown, seconds.
 SHUTDOWN_DEADLINE_S = 3.0
 #: A crashed watcher is restarted after this many seconds, doubling up to the maximum.
@@ -326,6 +334,7 @@ class Agent:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> AgentStatistics:
         """Run until :meth:`stop` (or cancellation); then shut down within a few seconds."""
         s = self.settings
+        limit_arenas()  # before the export, shipper and worker threads start: a flat RSS over days
         await anyio.to_thread.run_sync(_remove_stale_temps, s.data_dir)
         if self.telemetry is None:
             self.telemetry = build_telemetry(s.export, data_dir=s.data_dir, host_name=s.host_name)
@@ -370,6 +379,7 @@ class Agent:
                         await self._start_watchers(tg)
                         if self.shipper is not None:
                             tg.start_soon(self._ship_spans, self.shipper)
+                        tg.start_soon(_trim_memory, TRIM_INTERVAL_S)
                         self._ready.set()
                         task_status.started()
                         await self._stop.wait()
@@ -498,7 +508,9 @@ class Agent:
         return Watchdog(source, s.watchdog)
     async def _ship_spans(self, shipper: Any) -> None:
         """Drain the span rings on the shipper's low-priority thread (it and the export worker run
-        at nice +10: the served process comes first); heartbeat and status from here."""
+        at nice +10: the served process comes first); heartbeat (every
+        :data:`SPANS_HEARTBEAT_INTERVAL_S`, so a starved drain thread never makes servers fall
+        back) and status from here."""
         from exporters.shipper import lower_thread_priority
 
         interval = self.settings.spans.poll_interval_s
@@ -522,7 +534,7 @@ class Agent:
                     await self._set_status(
                         "spans", WatcherState.WAITING, "no SDK span ring in the targets yet (servers export their own spans)"
                     )
-            await anyio.sleep(interval)
+            await anyio.sleep(max(interval, SPANS_HEARTBEAT_INTERVAL_S))
 
     async def _start_watchers(self, tg: TaskGroup) -> None:
         s = self.settings
@@ -568,7 +580,7 @@ class Agent:
                     while process_state(target.pid, create_time_s=target.create_time_s or 0.0) not in (
                         ProcessState.GONE, ProcessState.ZOMBIE
                     ):
-                        await anyio.sleep(1.0)
+                        await anyio.sleep(TARGET_ALIVE_INTERVAL_S)
                     tg.cancel_scope.cancel("target exited")
             finally:
                 self._step_scopes.pop((target.pid, target.create_time_s), None)
@@ -640,6 +652,13 @@ class Agent:
         elif targets and self._told_no_target:
             self._told_no_target = False
             log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
+
+
+async def _trim_memory(interval_s: float) -> None:
+    """Every ``interval_s``, give the heap memory the agent freed back to the OS (off the loop)."""
+    while True:
+        await anyio.sleep(interval_s)
+        await anyio.to_thread.run_sync(trim)
 
 
 def _remove_stale_temps(data_dir: Path) -> None:

@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=120.0, help="samples before this are left out of slope and CPU")
     ap.add_argument("--files", action="store_true", help="export to the embedded OTLP/JSON files, not a receiver")
     ap.add_argument("--no-ship", action="store_true", help="baseline: the agent does not ship the server's spans")
+    ap.add_argument("--trace-alloc", type=Path, default=None,
+                    help="diagnostic: run the agent under tracemalloc, growth reports to this file (figures then include its cost)")
     args = ap.parse_args()
 
     work, _shm, data, env = bench_workspace("servewatch-soak-")
@@ -88,10 +90,16 @@ def main() -> None:
         agent_env["OTEL_EXPORTER_OTLP_PROTOCOL"] = "grpc"
     if args.no_ship:
         agent_env["SERVEWATCH_SPANS__SHIP"] = "false"
+    entry = ["-m", "agent.cli"]
+    if args.trace_alloc is not None:
+        entry = [str(Path(__file__).resolve().parent / "_traced_agent.py")]
+        agent_env["SOAK_TRACE_OUT"] = str(args.trace_alloc.resolve())
+        agent_env["SOAK_TRACE_WARMUP_S"] = str(args.warmup_s)
+        agent_env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     try:
         agent_log = open(work / "agent.log", "wb")  # noqa: SIM115 - closed below
         agent = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "run", "--root-pid", str(server.pid),
+            [sys.executable, *entry, "run", "--root-pid", str(server.pid),
              "--health-url", f"{server.base_url}/health", "--metrics-url", f"{server.base_url}/metrics",
              "--data-dir", str(data), "--watchdog-timeout", "60"],
             env=agent_env, stdin=subprocess.DEVNULL, stdout=agent_log, stderr=agent_log,

@@ -133,10 +133,16 @@ def encode_spans_fast(spans: Sequence[ReadableSpan]) -> ExportTraceServiceReques
             the batch out span by span).
     """
     groups: dict[Any, dict[Any, list[Span]]] = {}
+    # a Resource hashes by JSON-encoding its attributes: look each distinct object up once
+    by_identity: dict[int, dict[Any, list[Span]]] = {}
     for span in spans:
-        scopes = groups.get(span.resource)
+        resource = span.resource
+        scopes = by_identity.get(id(resource))
         if scopes is None:
-            scopes = groups[span.resource] = {}
+            scopes = groups.get(resource)
+            if scopes is None:
+                scopes = groups[resource] = {}
+            by_identity[id(resource)] = scopes
         scope = span.instrumentation_scope or None
         encoded = scopes.get(scope)
         if encoded is None:

@@ -62,9 +62,12 @@ _INT64 = (-(2**63), 2**63 - 1)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _KINDS = {k.value: k for k in SpanKind}
 _STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
+#: Most pids whose refused ring is remembered (:meth:`SpanShipper.refused`).
+MAX_REFUSED = 256
 #: Nice value of the threads that drain rings and encode/export shipped spans.
 BACKGROUND_NICE = 10
 _PLAIN_STATUS = {StatusCode.UNSET: Status(StatusCode.UNSET), StatusCode.OK: Status(StatusCode.OK)}
+_json_decode = json.JSONDecoder().decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +173,7 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
         ValueError: not a valid span record.
     """
     try:
-        rec = json.loads(payload)
+        rec = _json_decode(payload.decode("utf-8"))  # the SDK writes UTF-8: skip json.loads' sniffing
     except (ValueError, UnicodeDecodeError) as exc:
         raise _Invalid(f"bad JSON: {exc}") from None
     if not isinstance(rec, list) or len(rec) != 12:
@@ -298,7 +301,7 @@ class SpanShipper:
         except RingError as exc:
             reason = str(exc)
             if not reason.startswith("no span ring") and self._refused.get(pid) != reason:
-                self._refused[pid] = reason
+                self._refuse(pid, reason)
                 log.warning("not shipping spans of pid %d: %s", pid, reason)
             return False
         other = reader.claimed_by_other(self._stale_ns)
@@ -306,7 +309,7 @@ class SpanShipper:
             reader.close(detach=False)
             why = f"shipped by another agent (pid {other})"
             if self._refused.get(pid) != why:
-                self._refused[pid] = why
+                self._refuse(pid, why)
                 log.warning("spans of pid %d are shipped by another agent (pid %d)", pid, other)
             return False
         try:
@@ -321,9 +324,21 @@ class SpanShipper:
                 reader.close(detach=pid not in self._rings)
                 return pid in self._rings
             self._rings[pid] = _Attached(reader, resource)
-        self._refused.pop(pid, None)
+        with self._lock:
+            self._refused.pop(pid, None)
         log.info("shipping request spans of pid %d (service.name %s)", pid, resource.attributes.get("service.name"))
         return True
+
+    def _refuse(self, pid: int, reason: str) -> None:
+        """Remember why ``pid``'s ring is not shipped; past :data:`MAX_REFUSED` pids, those of
+        exited processes are forgotten (then the oldest), so the map stays bounded."""
+        with self._lock:
+            self._refused[pid] = reason
+            if len(self._refused) > MAX_REFUSED:
+                for old in [p for p in self._refused if p != pid and not pid_alive(p)]:
+                    del self._refused[old]
+                while len(self._refused) > MAX_REFUSED:
+                    del self._refused[next(iter(self._refused))]
 
     def refused(self) -> dict[int, str]:
         """Rings found but not attached, by pid: why (untrusted owner, another agent...)."""

@@ -369,35 +369,34 @@ class GrpcSender:
         self._export = stub.Export
         self._metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())
         self._lock = threading.Lock()
-        self._inflight: grpc.Future | None = None
+        self._aborted = False
 
     def send(self, request: OtlpRequest, *, timeout_s: float) -> SendResult:
+        # A blocking call runs on the calling (export) thread; ``.future()`` would start grpc's
+        # channel-spin thread for every call (about 2.5x the CPU per export, measured).
         try:
-            future = self._export.future(request, timeout=max(0.001, timeout_s), metadata=self._metadata or None)
-            with self._lock:
-                self._inflight = future
-            response = future.result()
+            response = self._export(request, timeout=max(0.001, timeout_s), metadata=self._metadata or None)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = (exc.details() if hasattr(exc, "details") else "") or ""
+            if self._aborted:
+                return SendResult(Delivery.RETRYABLE, "grpc call aborted", cause=Cause.TIMEOUT)
             delivery, cause = _grpc_cause(code, details)
             line = f"grpc {code.name if code else 'UNKNOWN'}" + (f": {details.splitlines()[0][:200]}" if details else "")
             return SendResult(delivery, line, cause=cause)
-        except grpc.FutureCancelledError:
-            return SendResult(Delivery.RETRYABLE, "grpc call aborted", cause=Cause.TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - a transport bug must not kill the export worker
+            if self._aborted:  # the channel was closed under the call (ValueError from grpc)
+                return SendResult(Delivery.RETRYABLE, "grpc call aborted", cause=Cause.TIMEOUT)
             _log.exception("gRPC export to %s failed", self.target)
             return SendResult(Delivery.RETRYABLE, f"grpc {type(exc).__name__}", cause=Cause.COLLECTOR)
-        finally:
-            with self._lock:
-                self._inflight = None
         return _partial_success(response)
 
     def abort(self) -> None:
+        """End the call in flight now (shutdown past its deadline): the channel is closed, which
+        terminates its active calls; the sender is unusable afterwards."""
         with self._lock:
-            future = self._inflight
-        if future is not None:
-            future.cancel()
+            self._aborted = True
+        self._channel.close()
 
     def close(self) -> None:
         self._channel.close()

@@ -6,7 +6,8 @@ Owns: :class:`ProcessWatcher` and :func:`exit_status` (decoding a wait status). 
 How an exit is noticed, per pid:
 
 * Linux >= 5.3: a pidfd (``os.pidfd_open``) becomes readable when the process exits; the
-  watcher waits on it with ``anyio.wait_readable``, bounded by ``poll_interval_s`` per wait.
+  watcher waits on it with ``anyio.wait_readable`` (re-checked every :data:`PIDFD_RECHECK_S`
+  at most, a safety net: no polling while the process lives).
 * Elsewhere (or when ``pidfd_open`` is refused): polling every ``poll_interval_s``, with the
   process's creation time guarding against pid reuse. A zombie counts as exited.
 
@@ -40,7 +41,11 @@ from agent.events import TargetExited
 from agent.procinfo import note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
 
-__all__ = ["ProcessWatcher", "exit_status", "signal_name"]
+__all__ = ["PIDFD_RECHECK_S", "ProcessWatcher", "exit_status", "signal_name"]
+
+#: Longest wait on a pidfd before its state is checked again, seconds (a safety net only: the
+#: pidfd turns readable at the exit, so a live process costs no wakeups in between).
+PIDFD_RECHECK_S = 10.0
 
 def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
     """Split a ``Popen``-style return code into ``(exit_code, signal)``.
@@ -92,8 +97,7 @@ class ProcessWatcher:
         targets: pids or :class:`~agent.targets.Target` to watch. A ``Target`` with
             ``create_time_s`` set also guards against pid reuse: if the pid already belongs to
             another process, the target is reported as exited.
-        poll_interval_s: longest single wait in seconds (pidfd) and the polling period
-            (fallback). Default 1.0.
+        poll_interval_s: the polling period without a pidfd (fallback), in seconds. Default 1.0.
         children: ``subprocess.Popen`` objects this process owns (launch mode); their exit
             status is read through ``Popen.poll()`` so the owner keeps its ``returncode``.
 
@@ -170,7 +174,7 @@ class ProcessWatcher:
             if _same_process(watched.target):
                 if pidfd is not None:
                     while not _pidfd_exited(pidfd):
-                        with anyio.move_on_after(self.poll_interval_s):
+                        with anyio.move_on_after(max(self.poll_interval_s, PIDFD_RECHECK_S)):
                             await anyio.wait_readable(pidfd)
                 else:
                     while _alive(watched.target):

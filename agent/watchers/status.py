@@ -278,7 +278,9 @@ class StatusBoard:
 
         try:
             ensure_private_dir(self.path.parent)
-            atomic_write_text(self.path, json.dumps(self.snapshot().to_json(), indent=2))
+            # rewritten every few seconds (the span counts): atomic, but no fsync (a lost update
+            # after a power cut is harmless; an fsync per update stalls the event loop on a busy disk)
+            atomic_write_text(self.path, json.dumps(self.snapshot().to_json(), indent=2), durable=False)
         except OSError as exc:
             if not self._write_failed:
                 self._write_failed = True

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
@@ -255,6 +255,10 @@ def _sample_names(name: str) -> frozenset[str]:
 #: Most bytes of a ``/metrics`` answer read; a bigger answer makes the source blind.
 MAX_METRICS_BODY_BYTES = 8 * 1024 * 1024
 
+#: A counter series absent from this many successful scrapes in a row is forgotten (label sets
+#: that come and go, e.g. per-request or per-restart labels, never pile up in the agent).
+SERIES_FORGET_SCRAPES = 60
+
 #: One label set, as sorted ``(name, value)`` pairs.
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -282,12 +286,14 @@ def _similar_names(wanted: str, present: Iterable[str], limit: int = 4) -> list[
 class _SeriesTrack:
     """Progress bookkeeping of one counter series."""
 
-    __slots__ = ("last_progress_ns", "restarts", "value")
+    __slots__ = ("last_progress_ns", "missed", "restarts", "value")
 
     def __init__(self) -> None:
         self.value: float | None = None
         self.last_progress_ns: int | None = None
         self.restarts = 0
+        #: successful scrapes in a row without this series
+        self.missed = 0
 
     def observe(self, value: float, seen_ns: int) -> bool:
         """Record a reading; returns whether the counter went backwards (a restart)."""
@@ -379,6 +385,8 @@ class PrometheusStepSource:
         self.max_body_bytes = max_body_bytes
         self._counter_names = _sample_names(counter_name)
         self._gauge_names = frozenset({gauge_name})
+        # a sample line starts with its name, then labels or a space
+        self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names) for c in "{ \t")
         self._client = client
         self._own_client = client is None
         self._total = _SeriesTrack()
@@ -409,6 +417,38 @@ class PrometheusStepSource:
     def parse_series(self, text: str) -> tuple[dict[LabelKey, float], dict[LabelKey, float]] | None:
         """Counter and gauge values per label set; ``None`` (and a blind status) when the text
         does not parse, a name is absent, or a value is NaN or infinite."""
+        # Only the two metrics' sample lines are parsed (a server's /metrics has hundreds of
+        # others, histograms above all); the whole text only when they are not all there, to
+        # name what is (the blind status's hints) or to report text that does not parse.
+        wanted = self._line_prefixes
+        lines = [line for line in text.splitlines() if line.startswith(wanted)]
+        if lines:
+            parsed = self._parse_samples("\n".join(lines) + "\n")
+            if parsed is not None and parsed[0] and parsed[1]:
+                counters, gauges, _ = parsed
+                return self._checked(counters, gauges)
+        parsed = self._parse_samples(text)
+        if parsed is None:
+            return None
+        counters, gauges, present = parsed
+        missing = [n for n, seen in ((self.counter, counters), (self.busy_gauge, gauges)) if not seen]
+        if missing:
+            preset = f" (preset {self.preset})" if self.preset else ""
+            hints = []
+            for name in missing:
+                similar = _similar_names(name, present)
+                hints.append(f"{name}: " + (f"similar names there: {', '.join(similar)}" if similar else "nothing similar"))
+            self._blind(
+                f"{' and '.join(missing)} absent from {self.url}{preset}; expected counter {self.counter} and"
+                f" gauge {self.busy_gauge}; " + "; ".join(hints)
+                + " (wrong --metrics-preset, or the server renamed its metrics: set metrics.counter / metrics.busy_gauge)"
+            )
+            return None
+        return self._checked(counters, gauges)
+
+    def _parse_samples(self, text: str) -> tuple[dict[LabelKey, float], dict[LabelKey, float], set[str]] | None:
+        """Counter and gauge values per label set and every sample name in ``text``; ``None``
+        (and a blind status) when it does not parse."""
         counters: dict[LabelKey, float] = {}
         gauges: dict[LabelKey, float] = {}
         present: set[str] = set()
@@ -425,19 +465,13 @@ class PrometheusStepSource:
         except (ValueError, TypeError, IndexError) as exc:
             self._blind(f"answer from {self.url} is not Prometheus text ({str(exc)[:120]})")
             return None
-        missing = [n for n, seen in ((self.counter, counters), (self.busy_gauge, gauges)) if not seen]
-        if missing:
-            preset = f" (preset {self.preset})" if self.preset else ""
-            hints = []
-            for name in missing:
-                similar = _similar_names(name, present)
-                hints.append(f"{name}: " + (f"similar names there: {', '.join(similar)}" if similar else "nothing similar"))
-            self._blind(
-                f"{' and '.join(missing)} absent from {self.url}{preset}; expected counter {self.counter} and"
-                f" gauge {self.busy_gauge}; " + "; ".join(hints)
-                + " (wrong --metrics-preset, or the server renamed its metrics: set metrics.counter / metrics.busy_gauge)"
-            )
-            return None
+        return counters, gauges, present
+
+    def _checked(
+        self, counters: dict[LabelKey, float], gauges: dict[LabelKey, float]
+    ) -> tuple[dict[LabelKey, float], dict[LabelKey, float]] | None:
+        """``(counters, gauges)``, or ``None`` (and a blind status) when a value is NaN,
+        infinite, or a counter overflows."""
         for kind, name, values in (("counter", self.counter, counters), ("gauge", self.busy_gauge, gauges)):
             for key, value in values.items():
                 if not math.isfinite(value):
@@ -533,6 +567,7 @@ class PrometheusStepSource:
             track = self._series.get(key)
             if track is None:
                 track = self._series[key] = _SeriesTrack()
+            track.missed = 0
             if track.observe(counters[key], seen_ns):
                 self.restarts += 1
                 restarted.append(series_name(key) or self.counter)
@@ -551,6 +586,8 @@ class PrometheusStepSource:
                     series=series_name(key),
                 )
             )
+        if len(self._series) > len(counters):
+            self._forget_absent(counters)
         if self._total.observe(sum(counters.values()), seen_ns) and not restarted:
             restarted.append(self.counter)
         n = len(counters)
@@ -565,6 +602,24 @@ class PrometheusStepSource:
         else:
             self._state, self._reason = "ready", f"{self.counter} ({label}) and {self.busy_gauge} from {self.url}"
         return readings
+
+    def _forget_absent(self, present: Mapping[LabelKey, float]) -> None:
+        """Count one more miss for each tracked series not in ``present``; forget those missing
+        :data:`SERIES_FORGET_SCRAPES` times in a row."""
+        gone = []
+        for key, track in self._series.items():
+            if key not in present:
+                track.missed += 1
+                if track.missed >= SERIES_FORGET_SCRAPES:
+                    gone.append(key)
+        for key in gone:
+            del self._series[key]
+
+    @property
+    def tracked_series(self) -> int:
+        """Counter series remembered now (present, or absent for fewer than
+        :data:`SERIES_FORGET_SCRAPES` scrapes)."""
+        return len(self._series)
 
     async def read(self) -> StepReading | None:
         """Scrape once; the counter summed over every series (``None`` when the scrape fails)."""

@@ -39,7 +39,10 @@ from agent.events import WatchdogRearmed, WatchdogStalled
 from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
-__all__ = ["Watchdog", "WatchdogConfig"]
+__all__ = ["SERIES_FORGET_READINGS", "Watchdog", "WatchdogConfig"]
+
+#: A series absent from this many successful readings in a row loses its stall bookkeeping.
+SERIES_FORGET_READINGS = 60
 
 
 class WatchdogConfig(BaseModel):
@@ -87,12 +90,14 @@ class WatchdogConfig(BaseModel):
 class _SeriesState:
     """Stall bookkeeping of one series (one counter, or one Prometheus label set)."""
 
-    __slots__ = ("busy_since_ns", "fired_ct", "stalled")
+    __slots__ = ("busy_since_ns", "fired_ct", "missed", "stalled")
 
     def __init__(self) -> None:
         self.busy_since_ns: int | None = None
         self.stalled = False
         self.fired_ct: int | None = None
+        #: readings in a row without this series
+        self.missed = 0
 
 
 class Watchdog:
@@ -133,6 +138,23 @@ class Watchdog:
         """The watched process (from the source), or ``None`` for a server-wide counter."""
         return self.source.pid
 
+    def _forget_absent(self, present: set[str]) -> None:
+        """Forget the series missing from :data:`SERIES_FORGET_READINGS` successful readings in
+        a row (a label set that went away), so churning label sets never pile up."""
+        gone = []
+        for series, st in self._series.items():
+            if series not in present:
+                st.missed += 1
+                if st.missed >= SERIES_FORGET_READINGS:
+                    gone.append(series)
+        for series in gone:
+            del self._series[series]
+
+    @property
+    def tracked_series(self) -> int:
+        """Series with stall bookkeeping now."""
+        return len(self._series)
+
     def _deadline_ns(self, reading: StepReading, st: _SeriesState) -> int | None:
         """Monotonic ns at which this reading becomes a stall, or ``None`` if it cannot."""
         if reading.last_progress_monotonic_ns is None or not reading.busy:
@@ -167,10 +189,13 @@ class Watchdog:
             now = time.monotonic_ns()
             sleep_ns = poll_ns
             fired: list[tuple[StepReading, int]] = []
+            if readings and len(self._series) >= len(readings):
+                self._forget_absent({r.series for r in readings})
             for reading in readings:
                 st = self._series.get(reading.series)
                 if st is None:
                     st = self._series[reading.series] = _SeriesState()
+                st.missed = 0
                 if not reading.busy:
                     st.busy_since_ns = None
                 elif st.busy_since_ns is None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import os
 import socket
+import threading
 from pathlib import Path
 
 import anyio
@@ -15,6 +17,7 @@ from agent.events import StepsAdvanced
 from agent.sdk.counter import W_START, SharedCounter, counter_path
 from agent.watchers.steps import (
     PRESETS,
+    SERIES_FORGET_SCRAPES,
     PrometheusStepSource,
     ShmStepSource,
     StepReading,
@@ -221,3 +224,53 @@ async def test_steps_watcher_publishes_counter_movement(spawn, tmp_path: Path) -
     counts = [e.forward_ct for e in events]
     assert counts == sorted(counts) and len(set(counts)) == len(counts)
     assert all(b.forward_ct - a.forward_ct == b.delta for a, b in itertools.pairwise(events))
+
+
+class _ChurningMetrics(http.server.BaseHTTPRequestHandler):
+    """/metrics whose ``request`` label is new at every scrape (a label set that churns), beside
+    one steady series (``request="steady"``) that progresses."""
+
+    scrapes = 0
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        cls.scrapes += 1
+        n = cls.scrapes
+        body = (
+            "# TYPE sglang:generation_tokens counter\n"
+            f'sglang:generation_tokens_total{{request="steady"}} {n}\n'
+            f'sglang:generation_tokens_total{{request="r{n}"}} 1\n'
+            "sglang:num_running_reqs 1\n"
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+async def test_prometheus_source_forgets_label_sets_that_went_away() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ChurningMetrics)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    source = PrometheusStepSource(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout_s=10.0)
+    try:
+        scrapes = 3 * SERIES_FORGET_SCRAPES
+        sizes = []
+        for _ in range(scrapes):
+            readings = await source.read_series()
+            assert readings is not None and len(readings) == 2
+            sizes.append(source.tracked_series)
+        # one steady series plus the churned ones still inside their forget window, never more
+        assert max(sizes) == SERIES_FORGET_SCRAPES + 1
+        assert sizes[-1] == SERIES_FORGET_SCRAPES + 1
+        steady = next(r for r in readings if r.series == 'request="steady"')
+        assert steady.forward_ct == scrapes  # the steady series kept its track throughout
+        assert steady.last_progress_monotonic_ns == steady.read_monotonic_ns
+    finally:
+        await source.aclose()
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

@@ -13,8 +13,8 @@ import pytest
 
 from agent.bus import RecordingBus
 from agent.events import WatchdogRearmed, WatchdogStalled
-from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepSource
-from agent.watchers.watchdog import Watchdog, WatchdogConfig
+from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepReading, StepSource
+from agent.watchers.watchdog import SERIES_FORGET_READINGS, Watchdog, WatchdogConfig
 from tests.programs import fake_server
 from tests.programs.fake_server import FakeServer
 from tests.watchers import server_env, wait_until
@@ -155,3 +155,52 @@ def test_watchdog_config_defaults_and_signal_validation() -> None:
         WatchdogConfig(signal="SIGNOPE")
     with pytest.raises(pydantic.ValidationError, match="timeout_s"):
         WatchdogConfig(timeout_s=0)
+
+
+class _ChurningSource:
+    """Prometheus-like source double: one steady series that never progresses after its first
+    step (idle until ``busy`` is set), and a new idle label set at every reading (labels that
+    come and go)."""
+
+    name = "prometheus"
+    exact = False
+    pid = None
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.tracked: list[int] = []
+        self.watchdog: Watchdog | None = None
+        self.started_ns = time.monotonic_ns()
+        self.busy = False
+
+    async def read_series(self) -> list[StepReading]:
+        self.reads += 1
+        if self.watchdog is not None:
+            self.tracked.append(self.watchdog.tracked_series)
+        now = time.monotonic_ns()
+        return [
+            StepReading(forward_ct=5, busy=self.busy, last_progress_monotonic_ns=self.started_ns, pid=None,
+                        read_monotonic_ns=now, series='engine="steady"'),
+            StepReading(forward_ct=1, busy=False, last_progress_monotonic_ns=now, pid=None,
+                        read_monotonic_ns=now, series=f'engine="r{self.reads}"'),
+        ]
+
+    async def read(self) -> StepReading | None:
+        raise AssertionError("the watchdog reads per series")
+
+
+async def test_watchdog_forgets_series_that_went_away_and_still_fires_for_the_steady_one() -> None:
+    source = _ChurningSource()
+    watchdog = Watchdog(source, WatchdogConfig(timeout_s=TIMEOUT_S, poll_interval_s=0.001))  # type: ignore[arg-type]
+    source.watchdog = watchdog
+    bus = RecordingBus()
+    async with anyio.create_task_group() as tg:
+        await tg.start(watchdog.run, bus)
+        await wait_until(lambda: source.reads >= 3 * SERIES_FORGET_READINGS)
+        assert not bus.of_type(WatchdogStalled)
+        source.busy = True  # work arrives and the steady series makes no step: a stall of it
+        await wait_until(lambda: bus.of_type(WatchdogStalled))
+        tg.cancel_scope.cancel()
+    assert max(source.tracked) == SERIES_FORGET_READINGS + 1
+    (stall,) = bus.of_type(WatchdogStalled)
+    assert stall.series == 'engine="steady"'

@@ -345,10 +345,13 @@ def request_span(
     span = channel.start_span(
         name, kind=trace.SpanKind.INTERNAL, attributes=attrs, start_time=start_ns, context=_parent_context(parent)
     )
-    ctx = span.get_span_context()
-    recording = bool(ctx.is_valid)
-    trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
-    span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
+    if type(span) is channel.ChannelSpan:  # the agent's path: its ids, without building a SpanContext
+        recording, trace_id, span_id = True, span._trace_id, span._span_id
+    else:
+        ctx = span.get_span_context()
+        recording = bool(ctx.is_valid)
+        trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
+        span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
     entry = InflightRequest(
         request_id=request_id,
         trace_id=f"{trace_id:032x}",

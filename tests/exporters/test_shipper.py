@@ -22,7 +22,7 @@ from agent.runtime import Agent
 from agent.sdk import _ring
 from agent.watchers.status import WatcherState, read_status_file, status_path
 from exporters.provider import ExportConfig, build_telemetry
-from exporters.shipper import SpanShipper, decode_record
+from exporters.shipper import MAX_REFUSED, SpanShipper, decode_record
 from tests.conftest import PROGRAMS_DIR
 from tests.otlp_receiver import OtlpReceiver
 from tests.sdk._helpers import read_line
@@ -241,3 +241,34 @@ async def test_agent_ships_a_watched_servers_spans_and_counts_its_drops(
     assert stats.dropped_full > 0 and server["channel"]["dropped_full"] >= stats.dropped_full
     assert server["channel"]["written"] == stats.shipped + leftover
     assert server["channel"]["attached"] == 0  # the agent detached at stop: the server falls back
+
+
+def test_refused_rings_of_exited_processes_are_forgotten_past_the_bound(spawn, tmp_path: Path) -> None:
+    # rings the shipper will not trust (group-readable) for pids that do not exist any more: the
+    # refusals of exited processes go, a live one (a real process) stays
+    live = spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = [
+        int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True, timeout=60).stdout)
+        for _ in range(3)
+    ]
+    dead = exited + [4_194_304 + i for i in range(MAX_REFUSED + 50)]  # exited pids, then ones above any pid_max
+    for pid in [live.pid, *dead]:
+        path = _ring.ring_path(pid, tmp_path)
+        path.write_bytes(b"\0" * 64)
+        path.chmod(0o644)
+    shipper = SpanShipper(_Discard(), host_name="h", directory=tmp_path)  # type: ignore[arg-type]
+    try:
+        for pid in [live.pid, *dead]:
+            assert not shipper.attach(pid, os.geteuid())
+        refused = shipper.refused()
+        assert len(refused) <= MAX_REFUSED
+        assert "accessible to group/others" in refused[live.pid]
+        assert dead[-1] in refused  # the newest refusal is kept
+    finally:
+        shipper.close()
+
+
+class _Discard:
+    def on_end(self, span) -> None:
+        pass

@@ -29,25 +29,19 @@ def _reporter(out: str, every: float, warmup: float) -> None:
     time.sleep(warmup)
     base = tracemalloc.take_snapshot()
     t0 = time.monotonic()
-    filters = [
-        tracemalloc.Filter(False, tracemalloc.__file__),
-        tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
-    ]
-    base = base.filter_traces(filters)
     while True:
         time.sleep(every)
-        snap = tracemalloc.take_snapshot().filter_traces(filters)
-        diffs = snap.compare_to(base, "traceback")
+        snap = tracemalloc.take_snapshot()
+        diffs = sorted(snap.compare_to(base, "traceback"), key=lambda s: -s.size_diff)[:25]
         total = sum(s.size for s in snap.statistics("filename"))
         with open(out, "a") as f:
             f.write(
                 f"=== +{time.monotonic() - t0:.0f}s after warm-up; traced {total / 1e6:.2f} MB\n"
             )
-            for s in sorted(diffs, key=lambda s: -s.size_diff)[:25]:
-                f.write(
-                    f"{s.size_diff / 1e3:+9.1f} kB {s.count_diff:+7d} blocks (now {s.size / 1e3:8.1f} kB)  {_site(s)}\n"
-                )
-            f.flush()
+            f.writelines(
+                f"{s.size_diff / 1e3:+9.1f} kB {s.count_diff:+7d} blocks (now {s.size / 1e3:8.1f} kB)  {_site(s)}\n"
+                for s in diffs
+            )
 
 
 def main() -> None:

@@ -6,8 +6,9 @@ the incident, the py-spy dumps and Flight Recorder dumps the incident's actions 
 from their artifacts, so the verdict is a function of the bundle plus those readings).
 
 Used by :mod:`agent.incidents` through the two calls of :class:`VerdictJudge`; imports
-:mod:`agent.verdict`, :mod:`agent.events`, :mod:`agent.targets`, the SDK's counter reader, and the
-parsers of :mod:`agent.actors.pyspy` / :mod:`agent.actors.flightrec` (pure functions).
+:mod:`agent.verdict`, :mod:`agent.events`, :mod:`agent.targets`, the SDK's public counter reader
+(:mod:`agent.sdk.counter`), the stack model (:mod:`agent.stacks`) and :func:`agent.ranks.rank_from_title`;
+never an actor, a watcher or an exporter.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 import anyio
 
-from agent.actors.flightrec import rank_from_title
 from agent.events import Action, ActionResult, Event, Outcome, TargetExited
+from agent.ranks import rank_from_title
 from agent.sdk.counter import counter_path, read_counter
 from agent.stacks import parse_dump
 from agent.targets import ProcessState, Target, parent_pid, process_state

@@ -1,6 +1,6 @@
 """Parallel ranks of a server process, read from its process title.
 
-Owns :func:`rank_label` and :func:`target_attributes`. SGLang titles schedulers
+Owns :func:`rank_label`, :func:`rank_from_title` and :func:`target_attributes`. SGLang titles schedulers
 ``sglang::scheduler`` with suffixes ``_DP{d}``, ``_PP{p}``, ``_ATTN_CP{c}``, ``_MOE_DP{m}``,
 ``_TP{t}``, ``_EP{e}`` in that order (FIELD-NOTES); vLLM ``VLLM::Worker_TP0`` and
 ``VLLM::EngineCore_DP0``. In a multi-node server the numbers are global ranks, so the labels
@@ -12,9 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-__all__ = ["rank_label", "target_attributes"]
+__all__ = ["rank_from_title", "rank_label", "target_attributes"]
 
 _RANK = re.compile(r"(?<![A-Za-z])(ATTN_CP|MOE_DP|DP|PP|TP|EP)(\d+)(?![A-Za-z])")
+_TP_RE = re.compile(r"_TP(\d+)(?:_|$)")
 
 
 def rank_label(title: str) -> str:
@@ -23,6 +24,12 @@ def rank_label(title: str) -> str:
     if not sep:
         return ""
     return "_".join(f"{kind}{num}" for kind, num in _RANK.findall(name))
+
+
+def rank_from_title(title: str) -> int | None:
+    """The TP rank in an SGLang-style title (``sglang::scheduler_DP0_TP3`` -> 3), else ``None``."""
+    m = _TP_RE.search(title or "")
+    return int(m.group(1)) if m else None
 
 
 def target_attributes(titles: Iterable[str]) -> dict[str, tuple[str, ...]]:

@@ -1,6 +1,6 @@
 """The agent ships the request and forward spans its servers recorded.
 
-Owns :class:`SpanShipper`: it attaches to the span ring (:mod:`agent.sdk._ring`) of each target
+Owns :class:`SpanShipper`: it attaches to the span ring (:mod:`agent.sdk.ring`) of each target
 running the SDK, keeps its heartbeat fresh (so the server keeps recording into the ring instead
 of exporting itself), drains the ring, validates every record, rebuilds it as a finished
 ``ReadableSpan`` under the SERVER's resource (``service.name`` and the other attributes the
@@ -17,7 +17,7 @@ Counts (:class:`ShipperStatistics`, the ``servewatch.spans.channel`` metric, and
 servers' own ``dropped_full`` (ring full: this agent too slow), ``dropped_no_agent`` and
 ``dropped_too_large``, read from the ring headers and kept after a server exits.
 
-Imports opentelemetry-api/sdk and :mod:`agent.sdk._ring` (stdlib only).
+Imports opentelemetry-api/sdk and :mod:`agent.sdk.ring` (stdlib only).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from opentelemetry.trace import (
 )
 
 from agent.procinfo import pid_alive
-from agent.sdk._ring import RingError, RingReader, RingStatistics
+from agent.sdk.ring import RingError, RingReader, RingStatistics
 
 __all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "decode_record"]
 

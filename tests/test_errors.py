@@ -85,7 +85,7 @@ def test_public_exceptions_are_defined_in_one_module() -> None:
         ("agent.sdkclient", "SdkCallError"),
         ("agent.fleet.client", "PeerRequestError"),
         ("agent.sdk.profiler", "ProfilerBusyError"),
-        ("agent.sdk._ring", "RingError"),
+        ("agent.sdk.ring", "RingError"),
         ("agent.demo.client", "DemoServerError"),
         ("agent.demo.server", "StartupError"),
     ],

@@ -1,5 +1,9 @@
-"""Layers import one way (DESIGN.md "Rooms and doors"): watchers and actors never import each
-other, exporters never import an actor, and the pure models import no component."""
+"""Layers import one way (DESIGN.md "Rooms and doors"), checked on the source (AST: top-level,
+function-level and TYPE_CHECKING imports, ``from pkg import module`` and relative imports):
+watchers and actors never import each other; exporters never import an actor; no component
+imports the orchestration (runtime, incidents, config, cli, judge, summary); incidents import no
+exporter (ids come from agent.ids); the pure models import no component; the SDK imports only
+itself and the error tree; nothing outside the SDK reaches into a private ``agent.sdk._*`` module."""
 
 from __future__ import annotations
 
@@ -13,48 +17,74 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module named by an import statement in ``path`` (top level or inside functions)."""
+def _imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module named by an import statement in ``path`` (top level, inside functions or
+    under ``TYPE_CHECKING``): ``import a.b``, ``from a.b import c`` (``a.b`` and ``a.b.c``: ``c``
+    may be a submodule, as in ``from agent import incidents``), relative imports resolved."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1]) if path.is_relative_to(root) else ""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names if a.name != "*")
     return names
 
 
-def _offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+def _offenders(folder: str, forbidden: tuple[str, ...], root: Path = ROOT) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    files = [ROOT / folder] if folder.endswith(".py") else sorted((ROOT / folder).rglob("*.py"))
+    files = [root / folder] if folder.endswith(".py") else sorted((root / folder).rglob("*.py"))
     for path in files:
-        bad = sorted(m for m in _imports(path) if m.startswith(forbidden))
+        bad = sorted(m for m in _imports(path, root) if m.startswith(forbidden))
         if bad:
-            found[str(path.relative_to(ROOT))] = bad
+            found[str(path.relative_to(root))] = bad
     return found
+
+
+#: The orchestration layer (runtime wires components, incidents decides, config/cli read settings):
+#: no component, model or exporter imports it.
+_ORCHESTRATION = ("agent.runtime", "agent.incidents", "agent.config", "agent.cli", "agent.judge", "agent.summary")
+#: Components: watchers publish, actors act, exporters mirror; none imports another kind.
+_WATCHERS, _ACTORS, _EXPORTERS = ("agent.watchers",), ("agent.actors",), ("exporters",)
+#: The SDK's private modules; their public faces are agent.sdk.counter, .ring, .control, .flightrec.
+_SDK_PRIVATE = ("agent.sdk._",)
 
 
 @pytest.mark.parametrize(
     ("folder", "forbidden"),
     [
-        ("agent/watchers", ("agent.actors",)),
-        ("agent/actors", ("agent.watchers",)),
-        ("exporters", ("agent.actors",)),
-        ("agent/stacks.py", ("agent.actors", "agent.watchers", "exporters")),
-        ("agent/sdk", ("agent.actors", "agent.watchers", "agent.runtime", "agent.incidents", "exporters")),
-        ("agent/errors.py", ("agent.actors", "agent.watchers", "agent.incidents", "agent.runtime", "agent.sdk", "exporters")),
-        # the profiler and flightrec actors reach the SDK through agent.sdkclient, not incidents
-        ("agent/actors", ("agent.incidents", "agent.runtime")),
-        # incidents pick their ids with agent.ids, never from an exporter
-        ("agent/incidents.py", ("exporters", "agent.actors", "agent.watchers")),
+        # DESIGN "Rooms and doors": watchers and actors never import each other
+        ("agent/watchers", _ACTORS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
+        ("agent/actors", _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
+        # exporters mirror and decide nothing: no actor, watcher or orchestration
+        ("exporters", _ACTORS + _WATCHERS + _ORCHESTRATION + _SDK_PRIVATE),
+        ("agent/fleet", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
+        # pure models: import no component
+        ("agent/stacks.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/verdict.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/manifest.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/events.py", ("agent.", "exporters")),
         ("agent/ids.py", ("agent.", "exporters")),
-        # CUDA environment planning is one stdlib-only module; launch plans through it, not an actor
         ("agent/cudaenv.py", ("agent.", "exporters")),
-        ("agent/launch.py", ("agent.actors", "agent.watchers", "exporters")),
-        # the step watcher and the judge read the SDK's public counter layout, not a private module
-        ("agent/watchers", ("agent.sdk._",)),
-        ("agent/judge.py", ("agent.sdk._",)),
-        ("agent/sdkclient.py", ("agent.actors", "agent.watchers", "agent.incidents", "agent.runtime", "exporters")),
+        ("agent/errors.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + ("agent.sdk",)),
+        # the SDK runs inside the server: never the agent side (see also the test below)
+        ("agent/sdk", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        # the SDK client serves actors and incidents alike, so it imports neither
+        ("agent/sdkclient.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
+        # incidents pick ids with agent.ids and read requests with agent.sdkclient: no exporter, no actor
+        ("agent/incidents.py", _ACTORS + _WATCHERS + _EXPORTERS + _SDK_PRIVATE),
+        # the judge reads the SDK's public counter, the stack model and ranks: no actor
+        ("agent/judge.py", _ACTORS + _WATCHERS + _EXPORTERS + _SDK_PRIVATE),
+        # launch plans the CUDA environment through agent.cudaenv, not an actor
+        ("agent/launch.py", _ACTORS + _WATCHERS + _EXPORTERS),
+        ("agent/runtime.py", _SDK_PRIVATE),
+        ("agent/cli.py", _SDK_PRIVATE),
     ],
 )
 def test_layers_import_one_way(folder: str, forbidden: tuple[str, ...]) -> None:
@@ -78,4 +108,14 @@ def test_the_error_tree_loads_no_other_agent_module() -> None:
 def test_the_checker_sees_a_function_level_import(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from agent.actors.pyspy import PySpyActor\n")
-    assert _imports(probe) == {"agent.actors.pyspy"}
+    assert _imports(probe) == {"agent.actors.pyspy", "agent.actors.pyspy.PySpyActor"}
+
+
+def test_the_checker_sees_submodules_named_by_from_imports_and_relative_imports(tmp_path: Path) -> None:
+    probe = tmp_path / "agent" / "watchers" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from agent import incidents\nfrom ..actors import pyspy\nfrom . import health\n")
+    assert {"agent.incidents", "agent.actors.pyspy", "agent.watchers.health"} <= _imports(probe, tmp_path)
+    assert _offenders("agent/watchers", _ACTORS + _ORCHESTRATION, tmp_path) == {
+        "agent/watchers/probe.py": ["agent.actors", "agent.actors.pyspy", "agent.incidents"]
+    }

@@ -47,6 +47,7 @@ from pydantic import BaseModel, Field
 from agent.cudaenv import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
 from agent.events import Action, ActionResult, AttributeValue, IncidentOpened, Outcome, now_ns
 from agent.fsutil import atomic_write_text
+from agent.ranks import rank_from_title
 from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
@@ -55,7 +56,6 @@ __all__ = [
     "SOURCES",
     "FlightRecorderActor",
     "FlightRecorderConfig",
-    "rank_from_title",
     "summarize_trace",
 ]
 
@@ -71,7 +71,6 @@ NCCL_DUMP_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 NCCL_DUMP_DEFAULT = "/tmp/nccl_trace_rank_"
 #: Largest reply or dump read, bytes (a 20k-entry recorder with stacks is a few MiB).
 MAX_TRACE_BYTES = 64 * 1024 * 1024
-_TP_RE = re.compile(r"_TP(\d+)(?:_|$)")
 
 
 class FlightRecorderConfig(BaseModel):
@@ -85,12 +84,6 @@ class FlightRecorderConfig(BaseModel):
     buffer_size: int = Field(
         int(FR_BUFFER_DEFAULT), ge=1, description="TORCH_FR_BUFFER_SIZE armed by launch / cuda-env (user values kept)"
     )
-
-
-def rank_from_title(title: str) -> int | None:
-    """The TP rank in an SGLang-style title (``sglang::scheduler_DP0_TP3`` -> 3), else ``None``."""
-    m = _TP_RE.search(title or "")
-    return int(m.group(1)) if m else None
 
 
 def summarize_trace(trace: Mapping[str, Any]) -> dict[str, AttributeValue]:

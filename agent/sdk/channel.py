@@ -2,7 +2,7 @@
 
 Owns the channel policy (:func:`start_span`), :class:`ChannelSpan` (a recording
 ``opentelemetry.trace.Span`` that, when it ends, becomes one compact JSON record in the span
-ring of :mod:`agent.sdk._ring`) and :func:`statistics`. Imports the standard library and
+ring of :mod:`agent.sdk.ring`) and :func:`statistics`. Imports the standard library and
 opentelemetry-api; never the OTel SDK, protobuf, or the network: with an agent attached the
 served process only records; the agent encodes and exports (its lossless processor, spool,
 TLS) under the server's resource.
@@ -44,7 +44,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from agent.sdk import _ring
+from agent.sdk import ring as _ring
 
 __all__ = [
     "ENV_CHANNEL",

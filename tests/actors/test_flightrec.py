@@ -16,10 +16,10 @@ from agent.actors.flightrec import (
     ACTION,
     FlightRecorderActor,
     FlightRecorderConfig,
-    rank_from_title,
 )
 from agent.cudaenv import flight_recorder_env
 from agent.events import IncidentOpened, Outcome
+from agent.ranks import rank_from_title
 from agent.sdk.flightrec import worker_path
 from agent.targets import Target
 from tests.programs.fault_matrix import start_ranks, stop_ranks, wait_ready

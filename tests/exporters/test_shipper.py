@@ -19,7 +19,7 @@ from opentelemetry.sdk.resources import Resource
 
 from agent.config import load_settings
 from agent.runtime import Agent
-from agent.sdk import _ring
+from agent.sdk import ring as _ring
 from agent.watchers.status import WatcherState, read_status_file, status_path
 from exporters.provider import ExportConfig, build_telemetry
 from exporters.shipper import MAX_REFUSED, SpanShipper, decode_record
@@ -112,7 +112,7 @@ def test_server_spans_reach_the_collector_under_the_server_resource(
 #: A ring writer nobody can run: the system interpreter, stdlib only (the venv may sit behind a
 #: 0700 home). It writes one valid span record a millisecond until killed.
 _NOBODY_WRITER = (
-    "import sys, time, json; from agent.sdk._ring import RingWriter;"
+    "import sys, time, json; from agent.sdk.ring import RingWriter;"
     "w = RingWriter(65536, metadata={'resource': {'service.name': 'nobody-svc'}}); print('ready', flush=True);"
     "i = 0\n"
     "while True:\n"

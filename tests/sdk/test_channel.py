@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from agent import sdk
-from agent.sdk import _ring, channel
+from agent.sdk import channel
+from agent.sdk import ring as _ring
 
 
 @pytest.fixture

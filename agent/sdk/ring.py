@@ -1,6 +1,7 @@
 """The span ring: a bounded shared-memory channel from a server process to its agent.
 
-Owns the file layout, :class:`RingWriter` (the server's side, a memory mapping) and
+Owns the file layout, a public API of both sides: :class:`RingWriter` (the server's side, a
+memory mapping, behind :mod:`agent.sdk.channel`) and
 :class:`RingReader` (the agent's side, ``pread``/``pwrite`` only, so a target that truncates its
 file cannot crash the agent with SIGBUS). Imports only the standard library: it runs inside the
 server, and the agent reads the same layout without importing OpenTelemetry.

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -803,9 +804,9 @@ def profile(
     start_step: int | None = typer.Option(None, "--start-step", min=0, metavar="STEP", help="Start once forward_ct reaches this step."),
     activities: str | None = typer.Option(None, "--activities", metavar="LIST", help="Comma-separated: CPU,GPU,MEM (default CPU,GPU)."),
     out_dir: Path | None = typer.Option(None, "--out", metavar="DIR", help="Where trace files go (default ./profiles)."),
-    pid: int | None = typer.Option(None, "--pid", metavar="PID", help="Target serving the SDK control socket (backend sdk)."),
+    pid: int | None = typer.Option(None, "--pid", metavar="PID", help="Target serving the SDK control socket (backend sdk; default: the only one there is)."),
     url: str | None = typer.Option(None, "--url", metavar="URL", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
-    backend: str | None = typer.Option(None, "--backend", metavar="sdk|sglang|vllm", help="sdk (default), sglang or vllm."),
+    backend: str | None = typer.Option(None, "--backend", metavar="sdk|sglang|vllm", help="sdk (default), sglang or vllm (default with --url: asked from the server)."),
     timeout: float | None = typer.Option(None, "--timeout", min=0.001, metavar="SECONDS", help="Wall-clock bound of the session (default 60)."),
     as_json: bool = typer.Option(False, "--json", help="Print the session result as JSON on stdout."),
     otlp_endpoint: str | None = OtlpEndpointOpt,
@@ -827,6 +828,7 @@ def profile(
     acts = [a.strip().upper() for a in activities.split(",") if a.strip()] if activities else None
     if acts is not None and not set(acts) <= {"CPU", "GPU", "MEM", "CUDA_PROFILER"}:
         fail(f"invalid setting activities: expected CPU, GPU, MEM or CUDA_PROFILER (got {activities!r})", ExitCode.USAGE)
+    settings, pid = _profile_target(settings, pid=pid, url=url, backend=backend)
     _data_dir_ready(settings)
     import anyio
 
@@ -835,7 +837,7 @@ def profile(
     result = anyio.run(
         lambda: profile_once(
             settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=acts,
-            out_dir=(out_dir or Path("profiles")).resolve(), timeout_s=timeout,
+            out_dir=(out_dir or settings.profiler.output_dir or Path("profiles")).resolve(), timeout_s=timeout,
         )
     )
     from exporters.mirror import mirror_profile_session
@@ -856,12 +858,80 @@ def profile(
     err.print(
         f"Profile {result.outcome.value}: {len(result.artifact_paths)} trace file(s)"
         + (f", {captured} step(s) captured" if captured is not None else "")
-        + (f" ({result.detail})" if result.detail else "")
-        + f"; spans in trace {trace_id} ({telemetry.destination.describe()})",
+        + _profile_detail(result.detail, len(result.artifact_paths))
+        + f"; spans in trace {trace_id} ({telemetry.destination.describe()})"
+        + _how_to_open(result.artifact_paths),
         markup=False,
     )
     if result.outcome.value not in ("ok",):
         raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _profile_detail(detail: str, n_files: int) -> str:
+    """`` (why)`` after the file count, or the detail's own ``in DIR ...`` when it repeats the count."""
+    rest = detail.removeprefix(f"{n_files} trace file(s) ")
+    if rest != detail:
+        return f" {rest}"
+    return f" ({detail})" if detail else ""
+
+
+def _how_to_open(paths: Sequence[str]) -> str:
+    """``. Open PATH in https://ui.perfetto.dev (or chrome://tracing)``; Xcode for Metal captures."""
+    traces = [p for p in paths if ".json" in Path(p).name]
+    if traces:
+        return f". Open {traces[0]} in https://ui.perfetto.dev (Open trace file) or chrome://tracing"
+    metal = [p for p in paths if p.endswith(".gputrace")]
+    if metal:
+        return f". Open {metal[0]} in Xcode (a Metal GPU capture)"
+    return ""
+
+
+def _profile_target(settings: Settings, *, pid: int | None, url: str | None, backend: str | None) -> tuple[Settings, int | None]:
+    """Settle what ``profile`` profiles, or exit with one line.
+
+    ``--url`` without ``--backend`` asks the server which one it is; no ``--pid``/``--url`` with
+    the ``sdk`` backend takes the only process serving a control socket, else it is a usage
+    error listing the candidates; a ``--pid`` that serves no control socket (a server's frontend,
+    an SGLang process) says what to pass instead.
+
+    Returns:
+        The settings (the backend inferred) and the target pid (``sdk``; else None).
+    """
+    import psutil
+
+    from agent.profiletargets import (
+        BackendUnknownError,
+        candidates,
+        describe_candidates,
+        infer_backend,
+        pid_problem,
+    )
+    from agent.sdkclient import control_socket_pids
+
+    cfg = settings.profiler
+    if pid is not None and url is not None:
+        fail("give --pid PID (a process serving the SDK control socket) or --url URL (SGLang, vLLM), not both", ExitCode.USAGE)
+    if pid is not None and cfg.backend != "sdk":
+        fail(f"--pid is for the sdk backend; {cfg.backend} is profiled through --url", ExitCode.USAGE)
+    if url is not None and backend is None and cfg.backend == "sdk":
+        try:
+            inferred = infer_backend(url, timeout_s=min(5.0, cfg.request_timeout_s))
+        except BackendUnknownError as exc:
+            fail(str(exc), ExitCode.USAGE if exc.reachable else ExitCode.FAILURE)
+        err.print(f"servewatch: {url} answers as {'SGLang' if inferred == 'sglang' else 'vLLM'}", markup=False, highlight=False)
+        return settings.model_copy(update={"profiler": cfg.model_copy(update={"backend": inferred})}), None
+    if cfg.backend != "sdk":
+        return settings, None
+    if pid is None:
+        pids = control_socket_pids(cfg.socket_dir)
+        if len(pids) == 1:
+            return settings, pids[0]
+        fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); "
+             + describe_candidates(candidates(cfg.socket_dir)), ExitCode.USAGE)
+    problem = pid_problem(pid, cfg.socket_dir)
+    if problem is not None:
+        fail(problem, ExitCode.USAGE if psutil.pid_exists(pid) else ExitCode.FAILURE)
+    return settings, pid
 
 
 def _version(value: bool) -> None:

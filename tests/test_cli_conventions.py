@@ -144,6 +144,8 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Bundle:
         ["dump", "--match", "no-such-title-*"],
         ["launch", "--health-url", "ftp://x/", "--", "true"],
         ["profile", "--steps", "1", "--activities", "XYZ"],
+        ["profile", "--steps", "1"],
+        ["profile", "--steps", "1", "--pid", "1"],
     ],
 )
 def test_read_only_and_failed_commands_create_no_folder(tmp_path: Path, args: list[str]) -> None:

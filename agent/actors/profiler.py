@@ -243,6 +243,23 @@ async def find_new_files(
         await anyio.sleep(min(poll_interval_s, max(0.0, deadline - now)))
 
 
+def _make_private(path: Path) -> None:
+    """Mode 0600 (folders 0700) for a trace, like every file servewatch captures: a trace holds
+    the server's code paths and shapes. Best effort (a file of another user stays as it is)."""
+    try:
+        if path.is_dir() and not path.is_symlink():  # a Metal .gputrace bundle
+            for root, dirs, names in os.walk(path):
+                for name in dirs:
+                    os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
+                for name in names:
+                    os.chmod(os.path.join(root, name), 0o600, follow_symlinks=False)
+            os.chmod(path, 0o700)
+        elif path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o600)
+    except (OSError, NotImplementedError) as exc:
+        logger.debug("cannot make %s private: %s", path, exc)
+
+
 # --- the session -----------------------------------------------------------------------------
 
 
@@ -267,6 +284,8 @@ class _Session:
 
     def result(self, outcome: Outcome, detail: str, files: Sequence[Path] = (), *, retryable: bool = False) -> ActionResult:
         paths = tuple(str(Path(f).resolve()) for f in files)
+        for path in paths:
+            _make_private(Path(path))
         self.attrs["servewatch.profile.files"] = len(paths)
         self.attrs["servewatch.profile.size_bytes"] = sum(max(0, _entry_size(Path(p))) for p in paths)
         return ActionResult(

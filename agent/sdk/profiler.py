@@ -275,6 +275,10 @@ class _TorchRun:
         _tracing._set_profiling(False)
         prof, self.prof = self.prof, None
         prof.stop()
+        # created 0600 first: torch (and gzip) write into it and keep its mode, so the trace
+        # (code paths, shapes) is never readable by other users, not even while written
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         prof.export_chrome_trace(str(self.path))
         return [str(self.path)]
 

@@ -16,9 +16,12 @@ waits for its reply), steps a real MLP, counts ``forward_ct``, starts torch.prof
 ``forward_ct`` reaches ``start_step`` (or at once), calls ``prof.step()`` per forward and stops by
 itself after ``num_steps``, writing ``<output_dir>/[<prefix>-]<profile_id>-TP-0.trace.json.gz``.
 
+* ``GET /get_model_info``: ``{"model_path": ...}`` as SGLang answers it; with ``--flavor vllm``
+  ``GET /version`` (``{"version": ...}``) as vLLM does instead, with ``--flavor none`` neither.
+
 Options: ``--export-delay-s`` (the trace file appears this much later, so a client's stop can arrive
 after the auto-stop), ``--no-profile-endpoints`` (404 on both, like vLLM launched without profiling),
-``--max-runtime-s``. Prints ``{"pid": ..., "port": ...}`` on stdout when serving.
+``--flavor``, ``--max-runtime-s``. Prints ``{"pid": ..., "port": ...}`` on stdout when serving.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> int:
     ap.add_argument("--step-sleep-s", type=float, default=0.01)
     ap.add_argument("--export-delay-s", type=float, default=0.0)
     ap.add_argument("--no-profile-endpoints", action="store_true")
+    ap.add_argument("--flavor", choices=("sglang", "vllm", "none"), default="sglang")
     ap.add_argument("--max-runtime-s", type=float, default=120.0)
     args = ap.parse_args()
     with warnings.catch_warnings():
@@ -74,6 +78,14 @@ def main() -> int:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if args.flavor == "sglang" and self.path == "/get_model_info":
+                self._send(200, json.dumps({"model_path": "fake/mlp", "is_generation": True}))
+            elif args.flavor == "vllm" and self.path == "/version":
+                self._send(200, json.dumps({"version": "0.0.0+fake"}))
+            else:
+                self._send(404, "Not Found")
 
         def do_POST(self) -> None:
             if self.path not in ("/start_profile", "/stop_profile") or args.no_profile_endpoints:

@@ -1,0 +1,236 @@
+"""What ``servewatch profile`` can profile, and which HTTP backend a server URL speaks.
+
+Owns :func:`candidates` (the processes serving the SDK control socket, and the SGLang and vLLM
+processes found by title), :func:`pid_problem` (what is wrong with a ``--pid`` that serves no
+control socket, e.g. a server's frontend) and :func:`infer_backend` (``sglang`` or ``vllm`` from
+the server's own endpoints). Imports psutil, httpx (at first use), :mod:`agent.targets`,
+:mod:`agent.sdkclient` and :mod:`agent.errors`; never an actor, a watcher or an exporter.
+
+How the backends are told apart (their HTTP APIs):
+
+* SGLang serves ``GET /get_model_info`` (``/model_info`` in newer releases): a JSON object with
+  ``model_path``. vLLM has neither.
+* vLLM serves ``GET /version``: ``{"version": "..."}``; its ``/metrics`` names start ``vllm:``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent.errors import ServewatchError
+from agent.lazy import LazyModule
+
+if TYPE_CHECKING:
+    import httpx
+else:
+    httpx = LazyModule("httpx")
+
+__all__ = [
+    "SERVER_TITLES",
+    "BackendUnknownError",
+    "Candidate",
+    "candidates",
+    "describe_candidates",
+    "infer_backend",
+    "pid_problem",
+]
+
+#: Process-title globs of the server ranks ``profile`` reaches through their server's URL.
+SERVER_TITLES: dict[str, tuple[str, ...]] = {
+    "sglang": ("sglang::scheduler*",),
+    "vllm": ("VLLM::EngineCore*", "VLLM::Worker*"),
+}
+#: At most this many candidates are named in one line.
+MAX_SHOWN = 6
+
+
+class BackendUnknownError(ServewatchError):
+    """The server at a URL cannot be told to be SGLang or vLLM, or cannot be reached.
+
+    Attributes:
+        reachable: something answered (then ``--backend`` is the fix), else nothing did.
+    """
+
+    def __init__(self, message: str, *, reachable: bool) -> None:
+        super().__init__(message)
+        self.reachable = reachable
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """A process ``servewatch profile`` could profile.
+
+    Attributes:
+        pid: its pid.
+        title: its process title (or command line).
+        backend: ``sdk`` (it serves the control socket), ``sglang`` or ``vllm``.
+        flag: what to pass to profile it: ``--pid 4242``, ``--url http://127.0.0.1:30000``, or
+            ``--url`` alone when its server's port is not known.
+    """
+
+    pid: int
+    title: str
+    backend: str
+    flag: str
+
+    def describe(self) -> str:
+        """``pid 4242 'demo::scheduler_TP0' (--pid 4242)``."""
+        return f"pid {self.pid} {self.title!r} ({self.flag})"
+
+
+def _listen_url(pid: int) -> str | None:
+    """``http://HOST:PORT`` of the lowest TCP port ``pid`` listens on, or None."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    ports = sorted((c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN and c.laddr)
+    if not ports:
+        return None
+    port, ip = ports[0]
+    host = "127.0.0.1" if ip in ("0.0.0.0", "::", "") else (f"[{ip}]" if ":" in ip else ip)
+    return f"http://{host}:{port}"
+
+
+def _server_url(pid: int) -> str | None:
+    """The HTTP address of the server a rank belongs to: the first ancestor that listens."""
+    from agent.targets import parent_pid
+
+    seen = 0
+    current: int | None = parent_pid(pid)
+    while current and current > 1 and seen < 4:
+        url = _listen_url(current)
+        if url:
+            return url
+        current, seen = parent_pid(current), seen + 1
+    return None
+
+
+def candidates(socket_dir: Path | None = None) -> list[Candidate]:
+    """Every process ``profile`` could reach now (synchronous; a process scan, milliseconds).
+
+    Args:
+        socket_dir: the SDK control sockets' folder (default: the SDK's shm folder).
+
+    Returns:
+        Processes serving an SDK control socket (``--pid``), then SGLang schedulers and vLLM
+        engines (``--url`` of their server, found from the port an ancestor listens on), by pid.
+    """
+    from agent.sdkclient import control_socket_pids
+    from agent.targets import discover
+
+    found: list[Candidate] = []
+    sdk_pids = control_socket_pids(socket_dir)
+    for target in discover(pids=sdk_pids) if sdk_pids else []:
+        found.append(Candidate(pid=target.pid, title=target.title, backend="sdk", flag=f"--pid {target.pid}"))
+    for backend, globs in SERVER_TITLES.items():
+        urls: dict[int, str | None] = {}
+        for target in discover(title_globs=globs):
+            if target.pid in sdk_pids:
+                continue
+            if target.pid not in urls:
+                urls[target.pid] = _server_url(target.pid)
+            url = urls[target.pid]
+            flag = f"--url {url}" if url else "--url of its server"
+            found.append(Candidate(pid=target.pid, title=target.title, backend=backend, flag=flag))
+    return found
+
+
+def describe_candidates(found: Sequence[Candidate]) -> str:
+    """``candidates: pid 1 'a' (--pid 1), ...`` (at most :data:`MAX_SHOWN`), or ``no candidates: ...``."""
+    if not found:
+        return "no candidates: no process serves an SDK control socket (agent.sdk.serve_control()) and no SGLang or vLLM process runs"
+    shown = ", ".join(c.describe() for c in found[:MAX_SHOWN])
+    more = f" and {len(found) - MAX_SHOWN} more" if len(found) > MAX_SHOWN else ""
+    return f"candidates: {shown}{more}"
+
+
+def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
+    """What is wrong with profiling ``pid`` through the SDK, in one line; None when nothing is.
+
+    Args:
+        pid: the ``--pid`` given.
+        socket_dir: the SDK control sockets' folder (default: the SDK's shm folder).
+
+    Returns:
+        None when ``pid`` serves a control socket; else why not and what to pass instead: no
+        such process; a server's frontend whose ranks serve the socket (``--pid RANK``); an
+        SGLang or vLLM process (``--url``); or a process without the SDK.
+    """
+    import fnmatch
+
+    import psutil
+
+    from agent.sdkclient import control_path, control_socket_pids
+    from agent.targets import discover
+
+    if control_path(pid, socket_dir).exists() and pid in control_socket_pids(socket_dir):
+        return None
+    if not psutil.pid_exists(pid):
+        return f"no such process: pid {pid}"
+    title = next((t.title for t in discover(pids=[pid])), "")
+    sockets = set(control_socket_pids(socket_dir))
+    ranks = [t for t in discover(root_pids=[pid], include_roots=False) if t.pid in sockets]
+    if ranks:
+        shown = ", ".join(f"pid {t.pid} {t.title!r}" for t in ranks[:MAX_SHOWN])
+        return (
+            f"pid {pid} {title!r} serves no SDK control socket, but its child processes do: {shown};"
+            f" profile one of them with --pid {ranks[0].pid}"
+        )
+    for backend, globs in SERVER_TITLES.items():
+        tree = [pid, *(t.pid for t in discover(root_pids=[pid], include_roots=False))]
+        titled = [t for t in discover(pids=tree) if any(fnmatch.fnmatchcase(t.title, g) for g in globs)]
+        if titled:
+            url = _listen_url(pid) or _server_url(titled[0].pid)
+            where = f"--url {url}" if url else "--url of its HTTP server"
+            return f"pid {pid} {title!r} is a {'SGLang' if backend == 'sglang' else 'vLLM'} process without the SDK: profile it with {where}"
+    return (
+        f"pid {pid} {title!r} serves no SDK control socket (it does not call agent.sdk.serve_control(),"
+        f" or its SERVEWATCH_SHM_DIR differs from {control_path(pid, socket_dir).parent})"
+    )
+
+
+def _json(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def infer_backend(url: str, *, timeout_s: float = 5.0, transport: httpx.BaseTransport | None = None) -> str:
+    """``sglang`` or ``vllm``: which server answers at ``url`` (a few bounded GET requests).
+
+    Args:
+        url: the server's base URL, e.g. ``http://127.0.0.1:30000``.
+        timeout_s: bound of each request, seconds.
+        transport: httpx transport (tests); default a real connection.
+
+    Raises:
+        BackendUnknownError: nothing answers, or it is neither (one line saying which endpoints
+            were tried and to pass ``--backend``).
+    """
+    try:
+        with httpx.Client(base_url=url, timeout=timeout_s, transport=transport) as client:
+            for path in ("/get_model_info", "/model_info"):
+                body = _json(client.get(path))
+                if isinstance(body, dict) and "model_path" in body:
+                    return "sglang"
+            body = _json(client.get("/version"))
+            if isinstance(body, dict) and isinstance(body.get("version"), str):
+                return "vllm"
+            metrics = client.get("/metrics")
+            if metrics.status_code == 200 and "\nvllm:" in f"\n{metrics.text}":
+                return "vllm"
+    except httpx.HTTPError as exc:
+        raise BackendUnknownError(f"cannot reach {url}: {type(exc).__name__}: {exc}", reachable=False) from None
+    raise BackendUnknownError(
+        f"{url} is neither SGLang (no /get_model_info with a model_path) nor vLLM (no /version):"
+        " pass --backend sglang or --backend vllm",
+        reachable=True,
+    )

@@ -1,0 +1,114 @@
+"""``servewatch profile`` finds its target or says what to pass: candidates when none is given,
+the right rank when a frontend's pid is given, the backend asked from the server behind ``--url``;
+the traces it reports are private (0600) and the closing line says how to open them."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.profiletargets import BackendUnknownError, infer_backend
+from tests.conftest import PROGRAMS_DIR
+from tests.sdk._helpers import ProgramLauncher, read_line
+from tests.test_cli_conventions import sw
+
+
+@pytest.fixture
+def launch(spawn, python: str, tmp_path: Path) -> Iterator[ProgramLauncher]:
+    launcher = ProgramLauncher(spawn, python, tmp_path / "shm")  # the shm folder sw() gives the CLI
+    yield launcher
+    launcher.close()
+
+
+def _mode(path: str) -> int:
+    return stat.S_IMODE(Path(path).stat().st_mode)
+
+
+def test_no_target_is_a_usage_error_listing_the_candidates(tmp_path: Path, launch: ProgramLauncher) -> None:
+    r = sw(tmp_path, "profile", "--steps", "1")
+    assert r.returncode == 2
+    assert r.stderr.startswith("servewatch: profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); ")
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    # an SGLang scheduler (by its title) is a candidate reached through its server's URL
+    proc, line = launch.start("titled_target.py", "sglang::scheduler_TP0", "--max-lifetime-s", "60")
+    assert line.startswith("ready")
+    r = sw(tmp_path, "profile", "--steps", "1")
+    assert r.returncode == 2
+    assert f"pid {proc.pid} 'sglang::scheduler_TP0' (--url of its server)" in r.stderr, r.stderr
+    # and its pid, given as --pid, says to use --url instead of "no such process"
+    r = sw(tmp_path, "profile", "--steps", "1", "--pid", str(proc.pid))
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"servewatch: pid {proc.pid} 'sglang::scheduler_TP0' is a SGLang process without the SDK:"
+        " profile it with --url of its HTTP server\n"
+    )
+
+
+def test_frontend_pid_names_its_ranks_and_the_only_rank_is_taken_by_default(
+    tmp_path: Path, spawn, python: str
+) -> None:
+    env = {"SERVEWATCH_SHM_DIR": str(tmp_path / "shm")}
+    frontend = spawn(
+        [python, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))",
+         python, str(PROGRAMS_DIR / "profiled_model.py"), "--max-runtime-s", "90"],
+        stdout=subprocess.PIPE, env={**os.environ, **env},
+    )
+    ready = read_line(frontend)
+    assert ready.startswith("READY"), ready
+    rank = int(ready.split()[1])
+    r = sw(tmp_path, "profile", "--steps", "2", "--pid", str(frontend.pid))
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"servewatch: pid {frontend.pid} "), r.stderr
+    assert f" serves no SDK control socket, but its child processes do: pid {rank} " in r.stderr
+    assert r.stderr.endswith(f"; profile one of them with --pid {rank}\n") and len(r.stderr.splitlines()) == 1
+    # nothing given: the one process serving a control socket is the target
+    r = sw(tmp_path, "profile", "--steps", "2", "--activities", "CPU", "--out", "prof", "--json", "--data-dir", "data",
+           timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["pid"] == rank and result["outcome"] == "ok"
+    [trace] = result["artifact_paths"]
+    assert _mode(trace) == 0o600  # private, like every file servewatch captures
+    assert r.stderr.rstrip().endswith(f"Open {trace} in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
+
+
+def test_url_without_backend_asks_the_server(tmp_path: Path, launch: ProgramLauncher) -> None:
+    _, line = launch.start("fake_sglang_server.py")
+    url = f"http://127.0.0.1:{json.loads(line)['port']}"
+    r = sw(tmp_path, "profile", "--url", url, "--steps", "3", "--activities", "CPU", "--out", "prof", "--data-dir", "data",
+           timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] == f"servewatch: {url} answers as SGLang"
+    [trace] = r.stdout.split()
+    assert Path(trace).parent == tmp_path / "cwd" / "prof"
+    assert _mode(trace) == 0o600  # SGLang wrote it with its umask (0644): made private
+    assert lines[-1].startswith("Profile ok: 1 trace file(s) in ")  # said once, not "1 trace file(s) (1 trace file(s)"
+    assert lines[-1].endswith(f"Open {trace} in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
+
+
+def test_url_of_neither_server_is_one_line(tmp_path: Path, launch: ProgramLauncher) -> None:
+    _, line = launch.start("fake_sglang_server.py", "--flavor", "none")
+    url = f"http://127.0.0.1:{json.loads(line)['port']}"
+    r = sw(tmp_path, "profile", "--url", url, "--steps", "1")
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"servewatch: {url} is neither SGLang (no /get_model_info with a model_path) nor vLLM (no /version):"
+        " pass --backend sglang or --backend vllm\n"
+    )
+    assert not (tmp_path / "cwd" / "profiles").exists()
+
+
+def test_infer_backend_tells_sglang_from_vllm(launch: ProgramLauncher) -> None:
+    for flavor in ("sglang", "vllm"):
+        _, line = launch.start("fake_sglang_server.py", "--flavor", flavor)
+        assert infer_backend(f"http://127.0.0.1:{json.loads(line)['port']}") == flavor
+    with pytest.raises(BackendUnknownError) as info:
+        infer_backend("http://127.0.0.1:1", timeout_s=2)
+    assert not info.value.reachable and str(info.value).startswith("cannot reach http://127.0.0.1:1: ConnectError")

@@ -226,6 +226,31 @@ OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", metavar="PROTOCOL", help
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
 PySpyOpt = typer.Option(None, "--pyspy/--no-pyspy", help="Dump Python stacks during incidents (default on; env SERVEWATCH_PYSPY__ENABLED).")
 CoredumpDelayOpt = typer.Option(None, "--coredump-delay", min=0.0, max=60.0, metavar="SECONDS", help="Wait this long after the stacks before triggering CUDA coredumps (default 0).")
+# shared by `run` and `launch` (a launched server is watched with the same flags)
+HealthUrlOpt = typer.Option(None, "--health-url", metavar="URL", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health.")
+MetricsUrlOpt = typer.Option(None, "--metrics-url", metavar="URL", help="Prometheus /metrics URL (progress counter + busy gauge).")
+MetricsPresetOpt = typer.Option(None, "--metrics-preset", metavar="sglang|vllm", help="sglang (default) or vllm metric names.")
+WatchdogTimeoutOpt = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall (default 300).")
+HardOpt = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence.")
+HardTargetsOpt = typer.Option(None, "--hard-targets", metavar="culprit|all", help="Hard mode signals the verdict's culprit rank(s) (default) or all ranks.")
+CooldownOpt = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long (default 300).")
+ProfileOnIncidentOpt = typer.Option(None, "--profile-on-incident", min=0, metavar="STEPS", help="After an incident opens, profile the next STEPS forward steps (0: never).")
+ApiListenOpt = typer.Option(None, "--api-listen", metavar="HOST:PORT", help="Serve the agent API (/v1/status, /v1/incidents) here, e.g. 0.0.0.0:7207 (default: off).")
+ApiTokenFileOpt = typer.Option(None, "--api-token-file", metavar="FILE", help="Bearer token of the API and of the job's peers (mode 0600).")
+JobOpt = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node server) this agent belongs to: its incidents are captured by every peer in one trace.")
+PeerOpt = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped).")
+PeersDnsOpt = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service).")
+
+
+def _api_cli(api_listen: str | None, token_file: Path | None) -> dict[str, Any]:
+    """The ``api`` settings given by ``--api-listen HOST:PORT`` and ``--api-token-file``, or exit 2."""
+    from agent.fleet.config import parse_listen
+
+    try:
+        host, port = parse_listen(api_listen) if api_listen else (None, None)
+    except ValueError as exc:
+        fail(f"invalid setting api.listen: {exc}", ExitCode.USAGE)
+    return {"enabled": True if api_listen else None, "host": host, "port": port, "token_file": token_file}
 
 
 def _target(
@@ -302,24 +327,24 @@ def _print_status(status: Any) -> None:
 
 @app.command()
 def run(
-    health_url: str | None = typer.Option(None, "--health-url", metavar="URL", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health."),
-    metrics_url: str | None = typer.Option(None, "--metrics-url", metavar="URL", help="Prometheus /metrics URL (progress counter + busy gauge)."),
-    metrics_preset: str | None = typer.Option(None, "--metrics-preset", metavar="sglang|vllm", help="sglang (default) or vllm metric names."),
+    health_url: str | None = HealthUrlOpt,
+    metrics_url: str | None = MetricsUrlOpt,
+    metrics_preset: str | None = MetricsPresetOpt,
     pid: list[int] | None = PidOpt,
     root_pid: int | None = RootPidOpt,
     match: list[str] | None = MatchOpt,
     uid: list[int] | None = UidOpt,
-    watchdog_timeout: float | None = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall (default 300)."),
-    hard: bool | None = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence."),
-    hard_targets: str | None = typer.Option(None, "--hard-targets", metavar="culprit|all", help="Hard mode signals the verdict's culprit rank(s) (default) or all ranks."),
-    cooldown: float | None = typer.Option(None, "--cooldown", metavar="SECONDS", help="One incident per trigger kind per this long (default 300)."),
-    profile_steps: int | None = typer.Option(None, "--profile-on-incident", min=0, metavar="STEPS", help="After an incident opens, profile the next STEPS forward steps (0: never)."),
+    watchdog_timeout: float | None = WatchdogTimeoutOpt,
+    hard: bool | None = HardOpt,
+    hard_targets: str | None = HardTargetsOpt,
+    cooldown: float | None = CooldownOpt,
+    profile_steps: int | None = ProfileOnIncidentOpt,
     duration: float | None = typer.Option(None, "--duration", min=0.0, metavar="SECONDS", help="Stop after this long (default: until SIGINT/SIGTERM)."),
-    api_listen: str | None = typer.Option(None, "--api-listen", metavar="HOST:PORT", help="Serve the agent API (/v1/status, /v1/incidents) here, e.g. 0.0.0.0:7207 (default: off)."),
-    api_token_file: Path | None = typer.Option(None, "--api-token-file", metavar="FILE", help="Bearer token of the API and of the job's peers (mode 0600)."),
-    job: str | None = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node server) this agent belongs to: its incidents are captured by every peer in one trace."),
-    peer: list[str] | None = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped)."),
-    peers_dns: str | None = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service)."),
+    api_listen: str | None = ApiListenOpt,
+    api_token_file: Path | None = ApiTokenFileOpt,
+    job: str | None = JobOpt,
+    peer: list[str] | None = PeerOpt,
+    peers_dns: str | None = PeersDnsOpt,
     pyspy: bool | None = PySpyOpt,
     coredump_delay: float | None = CoredumpDelayOpt,
     otlp_endpoint: str | None = OtlpEndpointOpt,
@@ -330,12 +355,6 @@ def run(
 ) -> None:
     """Watch a server and capture evidence when it stalls, fails its health check or exits."""
     _logging(verbose)
-    from agent.fleet.config import parse_listen
-
-    try:
-        api_host, api_port = parse_listen(api_listen) if api_listen else (None, None)
-    except ValueError as exc:
-        fail(f"invalid setting api.listen: {exc}", ExitCode.USAGE)
     settings = _settings(
         {
             "data_dir": data_dir,
@@ -346,7 +365,7 @@ def run(
             "incident": {"cooldown_s": cooldown},
             "profiler": {"on_incident_steps": profile_steps},
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
-            "api": {"enabled": True if api_listen else None, "host": api_host, "port": api_port, "token_file": api_token_file},
+            "api": _api_cli(api_listen, api_token_file),
             "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns},
             "pyspy": {"enabled": pyspy},
             "coredump": {"delay_s": coredump_delay},
@@ -574,33 +593,57 @@ def launch(
     cmd: list[str] = typer.Argument(..., metavar="-- CMD [ARGS]...", help="The server command line."),
     crash_dump_folder: Path | None = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ (default: coredump.folder)."),
     mlx: bool = typer.Option(False, "--mlx", help="MLX target: also set MTL_CAPTURE_ENABLED=1 (Metal capture)."),
-    health_url: str | None = typer.Option(None, "--health-url", metavar="URL", help="Health endpoint of the launched server."),
-    metrics_url: str | None = typer.Option(None, "--metrics-url", metavar="URL", help="Prometheus /metrics URL of the launched server."),
+    health_url: str | None = HealthUrlOpt,
+    metrics_url: str | None = MetricsUrlOpt,
+    metrics_preset: str | None = MetricsPresetOpt,
     match: list[str] | None = MatchOpt,
-    watchdog_timeout: float | None = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Stall timeout (default 300)."),
+    uid: list[int] | None = UidOpt,
+    watchdog_timeout: float | None = WatchdogTimeoutOpt,
+    hard: bool | None = HardOpt,
+    hard_targets: str | None = HardTargetsOpt,
+    cooldown: float | None = CooldownOpt,
+    profile_steps: int | None = ProfileOnIncidentOpt,
+    api_listen: str | None = ApiListenOpt,
+    api_token_file: Path | None = ApiTokenFileOpt,
+    job: str | None = JobOpt,
+    peer: list[str] | None = PeerOpt,
+    peers_dns: str | None = PeersDnsOpt,
     pyspy: bool | None = PySpyOpt,
     coredump_delay: float | None = CoredumpDelayOpt,
+    otlp_endpoint: str | None = OtlpEndpointOpt,
+    otlp_protocol: str | None = OtlpProtocolOpt,
     data_dir: Path | None = DataDirOpt,
     config: Path | None = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Start a server armed for diagnostics (CUDA coredumps, Metal capture) and watch it; returns its exit code."""
+    """Start a server armed for diagnostics (CUDA coredumps, Metal capture) and watch it; returns its exit code.
+
+    Takes `run`'s flags except --pid, --root-pid (the launched server's tree is watched) and
+    --duration (it runs as long as the server).
+    """
     _logging(verbose)
     from agent.launch import describe_env, launch_env, run_launched
 
     settings = _settings(
         {
             "data_dir": data_dir,
-            "target": {"match": match or None},
+            "target": {"match": match or None, "uids": uid or None},
             # the server starts with us: "connection refused" is start-up until it listens
             "health": {"url": health_url, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
-            "metrics": {"url": metrics_url, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
-            "watchdog": {"timeout_s": watchdog_timeout},
+            "metrics": {"url": metrics_url, "metrics_preset": metrics_preset, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
+            "watchdog": {"timeout_s": watchdog_timeout, "hard": hard, "hard_targets": hard_targets},
+            "incident": {"cooldown_s": cooldown},
+            "profiler": {"on_incident_steps": profile_steps},
+            "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
+            "api": _api_cli(api_listen, api_token_file),
+            "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns},
             "coredump": {"folder": crash_dump_folder, "delay_s": coredump_delay},
             "pyspy": {"enabled": pyspy},
         },
         config,
     )
+    if settings.api.enabled:
+        _check_bindable(settings.api.host, settings.api.port)
     _data_dir_ready(settings)
     try:
         planned = launch_env(

@@ -229,3 +229,51 @@ def test_run_shows_each_blind_watcher_once(tmp_path: Path, spawn) -> None:
     assert text.count("health: BLIND") == 1 and text.count("metrics: BLIND") == 1, text
     assert "servewatch: health: BLIND — connection refused" in text
     assert "WARNING servewatch.status" not in text
+
+
+def _options(command: str) -> set[str]:
+    import typer
+
+    from agent.cli import app
+
+    group = typer.main.get_command(app)
+    return {opt for p in group.commands[command].params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-")}
+
+
+def test_launch_takes_every_flag_of_run_but_the_target_and_duration() -> None:
+    run, launch = _options("run"), _options("launch")
+    assert run - launch == {"--pid", "--root-pid", "--duration"}
+    assert launch - run == {"--crash-dump-folder", "--mlx"}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--metrics-preset", "tgi"], "servewatch: invalid setting metrics.metrics_preset"),
+        (["--hard", "--hard-targets", "some"], "servewatch: invalid setting watchdog.hard_targets"),
+        (["--cooldown", "0"], "servewatch: invalid setting incident.cooldown_s"),
+        (["--profile-on-incident", "-1"], "servewatch: invalid value for '--profile-on-incident'"),
+        (["--api-listen", "nope"], "servewatch: invalid setting api.listen: expected HOST:PORT, got 'nope'"),
+        (["--api-listen", "127.0.0.1:7207"], "servewatch: invalid setting api.token_file"),
+        (["--job", "j", "--peer", "10.0.0.2:7207"], "servewatch: invalid setting api.enabled"),
+        (["--otlp-protocol", "smtp"], "servewatch: invalid setting export.protocol"),
+        (["--uid", "-1"], "servewatch: invalid value for '--uid'"),
+    ],
+)
+def test_launch_flags_reach_the_same_settings_as_run(tmp_path: Path, args: list[str], expected: str) -> None:
+    data = ["--data-dir", str(tmp_path / "data")]
+    for command in (["run", *data, "--pid", "1", *args], ["launch", *data, *args, "--", sys.executable, "-c", "raise SystemExit(5)"]):
+        r = sw(tmp_path, *command)
+        assert r.returncode == 2, (command, r.stderr)
+        assert r.stderr.startswith(expected) and len(r.stderr.splitlines()) == 1, (command, r.stderr)
+    assert not (tmp_path / "data").exists()
+
+
+def test_launch_runs_the_server_with_run_s_flags(tmp_path: Path) -> None:
+    r = sw(
+        tmp_path, "launch", "--data-dir", str(tmp_path / "data"), "--metrics-preset", "vllm", "--uid", str(os.getuid()),
+        "--hard-targets", "all", "--cooldown", "10", "--profile-on-incident", "0", "--otlp-protocol", "grpc",
+        "--", sys.executable, "-c", "raise SystemExit(0)", timeout_s=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Armed CUDA coredumps" in r.stderr

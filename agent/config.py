@@ -65,6 +65,7 @@ __all__ = [
     "check_data_dir",
     "env_names",
     "load_settings",
+    "settings_reference",
     "unknown_env_warnings",
 ]
 
@@ -379,5 +380,91 @@ def check_data_dir(path: Path) -> None:
         raise ConfigError(f"invalid setting data_dir: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
 
 
+#: Defaults computed when settings load, in words (the reference must not depend on the machine).
+_COMPUTED_DEFAULTS = {
+    "host_name": "this machine's host name",
+    "pyspy.executable": "py-spy next to this Python, else on PATH",
+    "pyspy.max_concurrency": "2 per CPU, at least 8",
+    "coredump.folder": "<data_dir>/cuda_coredumps",
+}
+
+
+def _attribute_docs(model: type[BaseModel]) -> dict[str, str]:
+    """``{field: first sentence}`` from the ``Attributes:`` sections of ``model``'s docstrings."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        text = inspect.getdoc(cls) or ""
+        if "Attributes:" not in text:
+            continue
+        entries: list[tuple[list[str], list[str]]] = []
+        for line in text.split("Attributes:", 1)[1].splitlines():
+            if not line.strip():
+                continue
+            if not line.startswith(" "):
+                break
+            head = re.match(r"^ {4}([a-z_][a-z0-9_ /]*):\s*(.*)$", line)
+            if head:
+                entries.append(([n.strip() for n in head.group(1).split("/")], [head.group(2)]))
+            elif entries:
+                entries[-1][1].append(line.strip())
+        for names, words in entries:
+            sentence = re.split(r"(?<=[a-z0-9)\]`]\.)\s+(?=[A-Z])", " ".join(words), maxsplit=1)[0]
+            for name in names:
+                docs[name] = sentence
+    return docs
+
+
+def _shown_default(dotted: str, info: Any) -> str:
+    if dotted in _COMPUTED_DEFAULTS:
+        return _COMPUTED_DEFAULTS[dotted]
+    if info.default_factory is not None and info.default_factory not in (list, dict, tuple):
+        return "(computed)"
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(f'"{v}"' if isinstance(v, str) else str(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    if isinstance(value, str) and not value:
+        return '""'
+    return str(value.value if hasattr(value, "value") else value)
+
+
+def settings_reference() -> str:
+    """The settings reference of README.md: one Markdown table row per setting.
+
+    Columns: the TOML key (``table.key``), the ``SERVEWATCH_*`` variable, the default and what
+    it does (the field's description, else the first sentence of its model's ``Attributes:``
+    docs). ``python -m agent.config --reference`` prints it; a test keeps README.md equal to it.
+
+    Returns:
+        The table, newline-terminated.
+    """
+    rows = ["| Setting | Environment variable | Default | Meaning |", "| --- | --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], env: str, dotted: str) -> None:
+        docs = _attribute_docs(model)
+        for name, info in model.model_fields.items():
+            nested = _model_of(info.annotation)
+            if nested is not None:
+                walk(nested, f"{env}{name.upper()}__", f"{dotted}{name}.")
+                continue
+            meaning = info.description or docs.get(name) or f"see `{model.__module__}.{model.__name__}`"
+            meaning = meaning.replace("``", "`").replace("|", "\\|")
+            default = _shown_default(f"{dotted}{name}", info).replace("|", "\\|")
+            rows.append(f"| `{dotted}{name}` | `{env}{name.upper()}` | `{default}` | {meaning} |")
+
+    walk(Settings, ENV_PREFIX, "")
+    return "\n".join(rows) + "\n"
+
+
 if __name__ == "__main__":  # pragma: no cover - debugging aid
-    print(load_settings(config_file=Path(sys.argv[1]) if len(sys.argv) > 1 else None).model_dump_json(indent=2))
+    if sys.argv[1:] == ["--reference"]:
+        print(settings_reference(), end="")
+    else:
+        print(load_settings(config_file=Path(sys.argv[1]) if len(sys.argv) > 1 else None).model_dump_json(indent=2))

@@ -149,3 +149,27 @@ def test_unknown_toml_key_names_the_closest_valid_key(tmp_path: Path) -> None:
         "invalid setting data_dirr: unknown key (did you mean data_dir?);"
         " watchdog.timeout_ss: unknown key (did you mean watchdog.timeout_s?)"
     )
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_settings_reference_is_the_generated_one() -> None:
+    from agent.config import settings_reference
+
+    text = README.read_text(encoding="utf-8")
+    start, end = "<!-- settings-reference:start -->\n", "<!-- settings-reference:end -->"
+    assert start in text and end in text
+    block = text.split(start, 1)[1].split(end, 1)[0]
+    assert block == settings_reference(), "README.md is stale: paste `python -m agent.config --reference` between the markers"
+
+
+def test_readme_names_every_setting_and_its_environment_variable() -> None:
+    from agent.config import env_names
+
+    text = README.read_text(encoding="utf-8")
+    tables = {dotted.rpartition(".")[0] for dotted in env_names().values()}
+    for env, dotted in env_names().items():
+        if dotted in tables:  # a table (SERVEWATCH_HEALTH='{...}'), not a setting
+            continue
+        assert f"`{dotted}`" in text and f"`{env}`" in text, dotted

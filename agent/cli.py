@@ -167,6 +167,8 @@ def _say_spooled(telemetry: Any, stats: Any) -> None:
     """After a one-shot command: say how many spans wait in the spool and how to replay them."""
     from exporters.console import spooled_summary
 
+    if telemetry is None or stats is None:  # never built, or its shutdown ran out of time
+        return
     line = spooled_summary(telemetry, stats)
     if line:
         err.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -384,7 +386,7 @@ def run(
     printer = _IncidentPrinter()
 
     async def main() -> None:
-        agent = Agent(settings, on_incident=printer.finished, on_summary=printer.summary, on_status=_print_status)
+        agent = Agent.build(settings, on_incident=printer.finished, on_summary=printer.summary, on_status=_print_status)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, agent)
             if duration is not None:
@@ -492,7 +494,7 @@ def dump(
         fail("no targets: give --pid, --root-pid or --match", ExitCode.USAGE)
     import anyio
 
-    from agent.runtime import dump_once
+    from agent.runtime import Agent
     from agent.targets import discover
 
     if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids, uids=t.uids):
@@ -500,16 +502,10 @@ def dump(
         why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
         fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
     _data_dir_ready(settings)
-    from exporters.provider import build_telemetry
-
-    # one-shot: the agent's own metrics go only to a collector (none configured: no MeterProvider)
-    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name, file_metrics=False)
-    try:
-        record = anyio.run(lambda: dump_once(settings, telemetry=telemetry, handle_signals=True))
-    finally:
-        export_stats = telemetry.shutdown()
+    agent = Agent.build(settings)
+    record = anyio.run(lambda: agent.dump(handle_signals=True))
     _print_record(record, as_json=as_json)
-    _say_spooled(telemetry, export_stats)
+    _say_spooled(agent.telemetry, agent.export_statistics)
     if record.state == "interrupted" or not any(r.outcome.value == "ok" for r in record.results):
         raise typer.Exit(int(ExitCode.FAILURE))
 
@@ -674,8 +670,8 @@ def launch(
     async def agent_main(child_pid: int) -> None:
         records.extend(_record_launch(settings.data_dir, child_pid, planned.env))
         target = settings.target.model_copy(update={"root_pid": child_pid})
-        agent = Agent(settings.model_copy(update={"target": target}), on_incident=printer.finished,
-                      on_summary=printer.summary, on_status=_print_status)
+        agent = Agent.build(settings.model_copy(update={"target": target}), on_incident=printer.finished,
+                            on_summary=printer.summary, on_status=_print_status)
         # watched from its first moment, with the exit status we reap (not rediscovered later)
         agent.process_watcher.watch(child_pid, returncode=lambda: child_status.get("rc"))
         agents.append((agent, child_pid))
@@ -875,23 +871,18 @@ def profile(
     _data_dir_ready(settings)
     import anyio
 
-    from agent.actors.profiler import profile_once
+    from agent.runtime import Agent
 
-    result = anyio.run(
-        lambda: profile_once(
-            settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=acts,
+    agent = Agent.build(settings)
+    result, trace_id = anyio.run(
+        lambda: agent.profile(
+            pid=pid, steps=steps, start_step=start_step, activities=acts,
             out_dir=(out_dir or settings.profiler.output_dir or Path("profiles")).resolve(), timeout_s=timeout,
         )
     )
-    from exporters.mirror import mirror_profile_session
-    from exporters.provider import build_telemetry
-
-    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
-    try:
-        trace_id = mirror_profile_session(telemetry.sink, result)
-    finally:
-        export_stats = telemetry.shutdown()
-    _say_spooled(telemetry, export_stats)
+    telemetry = agent.telemetry
+    assert telemetry is not None  # the otlp exporter built it for the trace
+    _say_spooled(telemetry, agent.export_statistics)
     if as_json:
         out.print_json(json.dumps({**result.to_manifest(), "trace_id": trace_id}))
     for path in result.artifact_paths:

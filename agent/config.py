@@ -95,7 +95,7 @@ class TargetConfig(BaseModel):
 class MetricsConfig(StepsConfig):
     """Prometheus ``/metrics`` scrape used as the forward-progress source when the SDK is absent.
 
-    Adds ``url`` to :class:`~agent.watchers.steps.StepsConfig` (presets, overrides, intervals).
+    Adds ``url`` to :class:`~agent.watchers.steps.StepsConfig` (presets, overrides, timeout).
     """
 
     url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")

@@ -29,7 +29,8 @@ Owns the one decision of what runs, in what order, and when to stop:
 Imports :mod:`agent.events`, :mod:`agent.bus`, :mod:`agent.targets`, :mod:`agent.manifest` (the
 ``manifest.json`` model it writes and recovery reads), the trace/span id helpers of
 :mod:`agent.ids` and the SDK client :mod:`agent.sdkclient` (requests in flight); actors are passed
-in as :class:`Phase` callables, so this module never imports an actor, a watcher or an exporter.
+in through the :class:`agent.actors.Actor` protocol (the registered ones, by the runtime) or as
+:class:`Phase` callables, so this module never imports an actor, a watcher or an exporter.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -87,6 +88,9 @@ from agent.ranks import target_attributes
 from agent.sdkclient import InflightRequest
 from agent.security import redact_cmdline, redact_text
 from agent.targets import Target
+
+if TYPE_CHECKING:
+    from agent.actors import Actor
 
 __all__ = [
     "DEFERRED_PHASES",
@@ -332,8 +336,11 @@ class IncidentManager:
         data_dir: bundles go to ``<data_dir>/<host_name>/<incident_id>/``.
         host_name: this host (``host.name``).
         discover: returns the current targets (process discovery); called at each open.
-        phases: ``(name, phase, event_class)`` run in this order; ``event_class`` (a subclass of
-            ActionCompleted) is published once per result.
+        actors: the incident's phases, run in this order (:class:`agent.actors.Actor`: each
+            one's ``run_phase`` over all targets; ``completed`` published once per result;
+            ``deferred`` ones after the summary point). The runtime passes the registered ones.
+        phases: more phases as ``(name, phase, event_class)``, run after the actors'; a name in
+            :data:`DEFERRED_PHASES` is deferred.
         inflight: optional reader of in-flight requests (SDK control sockets).
         on_incident: optional callback with each finished :class:`IncidentRecord`.
         on_summary: optional callback when the summary's evidence is in (stacks, coredumps):
@@ -353,6 +360,7 @@ class IncidentManager:
         data_dir: Path,
         host_name: str,
         discover: Callable[[], list[Target]],
+        actors: Sequence[Actor] = (),
         phases: Sequence[tuple[str, Phase, type[ActionCompleted]]] = (),
         inflight: InflightProvider | None = None,
         on_incident: Callable[[IncidentRecord], None] | None = None,
@@ -372,7 +380,9 @@ class IncidentManager:
         self.data_dir = Path(data_dir)
         self.host_name = host_name
         self.discover = discover
-        self.phases = list(phases)
+        self.phases = [(str(a.action), a.run_phase, a.completed) for a in actors] + list(phases)
+        #: phases run after the summary point
+        self.deferred = set(DEFERRED_PHASES) | {str(a.action) for a in actors if a.deferred}
         self.inflight = inflight
         self.on_incident = on_incident
         self.hard_signal = hard_signal
@@ -714,7 +724,7 @@ class IncidentManager:
         for name, phase, event_cls in self.phases:
             if not targets:
                 break
-            if name in DEFERRED_PHASES:
+            if name in self.deferred:
                 deferred.append((name, phase, event_cls))
                 continue
             if self._stop_phases(record):

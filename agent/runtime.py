@@ -1,10 +1,15 @@
 """Agent: builds watchers, actors, incidents and exporters from :class:`Settings` and runs them.
 
-Owns wiring and lifecycle only: one anyio task group; watchers are started with ``tg.start``
-so "ready" means ready; targets are re-discovered periodically so a server that starts after
-the agent (or restarts) is picked up; shutdown is bounded and flushes telemetry.
+Owns wiring and lifecycle only. :meth:`Agent.build` is the one wiring path (``run``, ``dump``,
+``launch``, ``profile``): every watcher, actor and exporter comes from its registry
+(:mod:`agent.registry`; :data:`agent.watchers.WATCHERS`, :data:`agent.actors.ACTORS`,
+:data:`exporters.EXPORTERS`), imported only when built. The incident's phases are the registered
+actors, in registration order. One anyio task group; watchers are started with ``tg.start`` so
+"ready" means ready; targets are re-discovered periodically so a server that starts after the
+agent (or restarts) is picked up; shutdown is bounded and flushes telemetry.
 
-Imports every component; nothing imports this module except the CLI and tests.
+Imports the registries, the bus, incidents and targets, never a component module by name;
+nothing imports this module except the CLI and tests.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,10 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from agent.actors.coredump import CoredumpActor
-from agent.actors.coredump_target import LAUNCH_RECORD_DIR
-from agent.actors.flightrec import FlightRecorderActor
-from agent.actors.pyspy import PySpyActor
+from agent.actors import ACTORS, Actor
 from agent.bus import EventBus, Subscription
 from agent.config import Settings
 from agent.events import (
@@ -34,28 +37,22 @@ from agent.events import (
     ActionResult,
     ComponentStatus,
     ComponentStatusChanged,
-    CoredumpTriggered,
-    FlightRecorderDumped,
     IncidentOpened,
-    Outcome,
-    ProfileStopped,
-    StacksDumped,
     Trigger,
     WatchdogStalled,
     WatcherStatusChanged,
-    now_ns,
 )
 from agent.fsutil import remove_stale_temps
 from agent.incidents import (
     IncidentManager,
     IncidentRecord,
     InflightRequest,
-    Phase,
     recover_interrupted,
 )
 from agent.judge import VerdictJudge
 from agent.memory import limit_arenas, trim
 from agent.procinfo import DEAD_MEMORY_S, death_of
+from agent.registry import BuildContext
 from agent.targets import (
     NO_TARGET_WARNING,
     ProcessState,
@@ -66,16 +63,13 @@ from agent.targets import (
     spread_warning,
     zombie_descendants,
 )
-from agent.watchers.health import HealthWatcher
-from agent.watchers.process import ProcessWatcher
-from agent.watchers.status import StatusBoard, WatcherState, WatcherStatus, status_path
-from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepsWatcher
-from agent.watchers.watchdog import Watchdog
-from exporters.mirror import MIRRORED_EVENTS, PROFILE_SPAN, SpanMirror
-from exporters.provider import Telemetry, build_telemetry
+from agent.watchers import WATCHERS, TargetWatchers, Watcher
+from agent.watchers.status import StatusBoard, WatcherState, WatcherStatus
+from exporters import EXPORTERS
 
 if TYPE_CHECKING:
     from exporters.metrics import Metrics
+    from exporters.provider import Telemetry
 
 __all__ = ["Agent", "AgentStatistics"]
 
@@ -137,43 +131,22 @@ class Agent:
         self.settings = settings
         self._stop_reason = "agent stopping"
         self.on_status = on_status
-        #: what every watcher can see (``servewatch status``, ``/v1/status``)
-        self.status = StatusBoard(
-            host_name=settings.host_name,
-            path=status_path(settings.data_dir, settings.host_name),
-            on_change=self._status_changed,
-            warn_blind=on_status is None,  # the caller prints each change (the CLI): not twice
-        )
         self.bus = EventBus()
         self.telemetry = telemetry
         self._own_telemetry = telemetry is None
         self.children = list(children)
-        self.pyspy = PySpyActor(settings.pyspy)
-        self.coredump = (
-            CoredumpActor(
-                settings.coredump,
-                trusted_uids=settings.target.uids,
-                record_dirs=[settings.data_dir / LAUNCH_RECORD_DIR],  # what `launch` armed (setproctitle)
-            )
-            if settings.coredump.enabled
-            else None
+        self.context = BuildContext(
+            children=self.children, stalled=self._stalled,
+            on_status_change=self._status_changed if on_status is not None else None,
         )
-        self.profiler = None
-        if settings.profiler.on_incident_steps > 0:
-            from agent.actors.profiler import ProfilerActor
-
-            self.profiler = ProfilerActor(settings.profiler)
-        fr = settings.flightrec
-        if fr.socket_dir is None and settings.profiler.socket_dir is not None:  # the SDK sockets sit together
-            fr = fr.model_copy(update={"socket_dir": settings.profiler.socket_dir})
-        self.flightrec = FlightRecorderActor(fr) if fr.enabled else None
-        phases: list[tuple[str, Phase, type]] = [(Action.PYSPY_DUMP, self._dump_phase, StacksDumped)]
-        if self.flightrec is not None:
-            phases.append((Action.FLIGHTREC_DUMP, self._flightrec_phase, FlightRecorderDumped))
-        if self.coredump is not None:
-            phases.append((Action.CUDA_COREDUMP, self._coredump_phase, CoredumpTriggered))
-        if self.profiler is not None:
-            phases.append((Action.PROFILE_SESSION, self._profile_phase, ProfileStopped))
+        #: built components by name (registration order); exporters of the ``start`` stage are
+        #: added when the agent runs or dumps
+        self.watchers: dict[str, Any] = WATCHERS.build(settings, self.context)
+        self.actors: dict[str, Actor] = ACTORS.build(settings, self.context)
+        self.exporters: dict[str, Any] = EXPORTERS.build(settings, self.context)
+        #: what every watcher can see (``servewatch status``, ``/v1/status``): the ``status`` exporter
+        status = self.exporters.get("status")
+        self.status: StatusBoard = status if isinstance(status, StatusBoard) else StatusBoard(host_name=settings.host_name)
         wd = settings.watchdog
         self.incidents = IncidentManager(
             bus=self.bus,
@@ -181,7 +154,7 @@ class Agent:
             data_dir=settings.data_dir,
             host_name=settings.host_name,
             discover=self.incident_targets,
-            phases=phases,
+            actors=list(self.actors.values()),
             inflight=self._inflight,
             on_incident=on_incident,
             hard_signal=wd.signal_number if wd.hard else None,
@@ -189,7 +162,6 @@ class Agent:
             hard_targets=wd.hard_targets,
             judge=VerdictJudge(),
         )
-        self.process_watcher = ProcessWatcher(poll_interval_s=0.5, children=self.children)
         #: per-target step watchers, keyed by (pid, create time): cancelled when it exits
         self._step_scopes: dict[tuple[int, float], anyio.CancelScope] = {}
         #: watcher restarts after a crash, by name
@@ -201,9 +173,69 @@ class Agent:
         self._stop = anyio.Event()
         #: the API and job coordinator (:class:`agent.fleet.Fleet`) once running, when ``api.enabled``
         self.fleet: Any = None
-        #: ships the targets' SDK request/forward spans (exporters.shipper), set by run()
+        #: ships the targets' SDK request/forward spans (the ``span_shipper`` exporter), set by run()
         self.shipper: Any = None
         self._spans_printed: tuple[Any, str] | None = None
+        #: the telemetry's counts after a one-shot command closed it (:meth:`dump`, :meth:`profile`)
+        self.export_statistics: Any = None
+
+    @classmethod
+    def build(
+        cls,
+        settings: Settings,
+        *,
+        telemetry: Telemetry | None = None,
+        children: Sequence[subprocess.Popen[Any]] = (),
+        on_incident: Callable[[IncidentRecord], None] | None = None,
+        on_status: Callable[[WatcherStatus], None] | None = None,
+        on_summary: Callable[[IncidentRecord], None] | None = None,
+    ) -> Agent:
+        """Build an agent from ``settings``: every registered watcher, actor and exporter whose
+        factory returns one (the registries' order), the incident manager over the actors.
+
+        Args:
+            settings: merged user settings.
+            telemetry: span export to use (the caller then owns it); default: the ``otlp``
+                exporter builds one from ``settings.export`` and ``OTEL_*`` when the agent starts.
+            children: processes this agent launched (``servewatch launch``): their exit status is
+                read from the ``Popen`` so nothing steals it.
+            on_incident: called with each finished incident record (CLI summaries, the demo).
+            on_status: called with each watcher status change.
+            on_summary: called when an incident's summary evidence is in (before deferred phases).
+
+        Raises:
+            ImportError: a registered factory's module is missing (a packaging error).
+        """
+        return cls(settings, telemetry=telemetry, children=children, on_incident=on_incident,
+                   on_status=on_status, on_summary=on_summary)
+
+    @property
+    def process_watcher(self) -> Any:
+        """The ``process`` watcher (exit of every target; ``launch`` hands it its child)."""
+        return self.watchers["process"]
+
+    def _subscribe_exporters(self) -> list[tuple[Any, Subscription]]:
+        """A bounded bus subscription for every started exporter that mirrors events (it has
+        ``events``, the event types, and ``handle(event)``; e.g. the span ``mirror``)."""
+        return [
+            (exporter, self.bus.subscribe(*exporter.events, name=name, max_buffer=MIRROR_BUFFER))
+            for name, exporter in self.exporters.items()
+            if getattr(exporter, "events", None) and callable(getattr(exporter, "handle", None))
+        ]
+
+    def _start_exporters(self, *, one_shot: bool = False) -> None:
+        """Build the exporters of the ``start`` stage, ``otlp`` first (the others attach to it)."""
+        ctx = replace(self.context, stage="start", one_shot=one_shot, telemetry=self.telemetry)
+        for entry in EXPORTERS:
+            if entry.name in self.exporters:
+                continue
+            component = entry.create(self.settings, ctx)
+            if component is None:
+                continue
+            self.exporters[entry.name] = component
+            if entry.name == "otlp":
+                self.telemetry = component
+                ctx = replace(ctx, telemetry=component)
 
     # -- discovery ----------------------------------------------------------------------------
 
@@ -252,38 +284,12 @@ class Agent:
         ]
         return sorted([*live, *dead], key=lambda t: t.pid)
 
-    # -- phases (actors behind the incident manager) -----------------------------------------
-
-    async def _dump_phase(self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path) -> list[ActionResult]:
-        return await self.pyspy.dump_all(opened, list(targets), artifact_dir=bundle)
-
-    async def _flightrec_phase(
-        self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
-    ) -> list[ActionResult]:
-        assert self.flightrec is not None
-        return await self.flightrec.collect_all(opened, list(targets), artifact_dir=bundle)
-
-    async def _coredump_phase(
-        self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
-    ) -> list[ActionResult]:
-        assert self.coredump is not None
-        return await self.coredump.trigger_all(opened, list(targets), artifact_dir=bundle)
-
-    async def _profile_phase(
-        self, opened: IncidentOpened, targets: Sequence[Target], bundle: Path
-    ) -> list[ActionResult]:
-        assert self.profiler is not None
-        if opened.trigger == Trigger.STALL or self._stalled(targets):
-            # a stalled server takes no steps: waiting for them would only end in a timeout
-            t = now_ns()
-            return [
-                ActionResult(action=PROFILE_SPAN, outcome=Outcome.SKIPPED, detail="no steps: server stalled",
-                             start_time_unix_nano=t, end_time_unix_nano=t)
-            ]
-        return await self.profiler.profile_incident(opened, list(targets), artifact_dir=bundle)
+    # -- hooks the components get (BuildContext) -------------------------------------------
 
     def _stalled(self, targets: Sequence[Target]) -> bool:
         """A target's SDK counter says busy with no step for the watchdog timeout (any trigger)."""
+        from agent.watchers.steps import ShmStepSource
+
         timeout_ns = int(self.settings.watchdog.timeout_s * 1e9)
         now = time.monotonic_ns()
         for target in targets:
@@ -298,6 +304,100 @@ class Agent:
         from agent.sdkclient import read_inflight
 
         return await read_inflight(targets, socket_dir=self.settings.profiler.socket_dir)
+
+    # -- one-shot commands (same build path as run) -----------------------------------------
+
+    async def _close_telemetry(self, deadline_s: float | None = SHUTDOWN_DEADLINE_S) -> None:
+        """Flush and shut down our own telemetry within ``deadline_s`` seconds (``None``:
+        ``export.shutdown_timeout_s``); the counts end up in :attr:`export_statistics` (a
+        caller's own telemetry is left open)."""
+        if self._own_telemetry and self.telemetry is not None:
+            bound_s = (deadline_s if deadline_s is not None else self.settings.export.shutdown_timeout_s) + 1
+            with anyio.CancelScope(shield=True), anyio.move_on_after(bound_s):
+                self.export_statistics = await self.telemetry.aclose(deadline_s)
+
+    async def dump(self, *, handle_signals: bool = False) -> IncidentRecord:
+        """One manual incident now (``servewatch dump``): every registered actor's phase over the
+        targets, bundle and spans written through the registered exporters.
+
+        Telemetry is flushed and shut down within ``export.shutdown_timeout_s`` afterwards (unless
+        the agent was given ``telemetry``, which the caller then owns); its counts are left in
+        :attr:`export_statistics`.
+
+        Args:
+            handle_signals: SIGTERM/SIGINT (main thread only) finish the current phase within
+                ``incident.interrupt_grace_s``, then cut the incident short: the record comes
+                back ``interrupted`` with what was captured, like ``servewatch run``.
+
+        Raises:
+            RuntimeError: interrupted before the incident opened.
+        """
+        await anyio.to_thread.run_sync(_remove_stale_temps, self.settings.data_dir)
+        self._start_exporters(one_shot=True)
+        feeds = self._subscribe_exporters()
+        try:
+            async with anyio.create_task_group() as tg:
+                for exporter, sub in feeds:
+                    tg.start_soon(mirror_events, exporter, sub)
+                await self._check_actors()
+                targets = self.discover()
+                signal_scope = anyio.CancelScope()
+                with anyio.CancelScope() as incident_scope:
+                    if handle_signals:
+                        tg.start_soon(_interrupt_on_signal, self, incident_scope, signal_scope)
+                    await self.incidents.open_incident(
+                        Trigger.MANUAL, detail=f"servewatch dump of {len(targets)} process(es)"
+                    )
+                signal_scope.cancel("dump done")
+                if not self.incidents.records:
+                    raise RuntimeError("servewatch dump was interrupted before its incident opened")
+                record = self.incidents.records[-1]
+                await self.bus.aclose()  # the exporters drain what is buffered, then end
+        finally:
+            for _, sub in feeds:
+                sub.close()
+            await self._close_telemetry(None)
+        return record
+
+    async def profile(
+        self,
+        *,
+        pid: int | None,
+        steps: int,
+        start_step: int | None = None,
+        activities: Sequence[str] | None = None,
+        out_dir: Path,
+        timeout_s: float | None = None,
+    ) -> tuple[ActionResult, str]:
+        """One profiling session now (``servewatch profile``) per ``settings.profiler``, mirrored
+        as a ``profile.session`` trace through the registered exporters (then flushed and shut
+        down, as :meth:`dump`).
+
+        Args:
+            pid: the target serving the SDK control socket (backend ``sdk``; ``None``: the only one).
+            steps: forward steps to capture (``num_steps``).
+            start_step: start once ``forward_ct`` reaches this step.
+            activities: ``CPU``, ``GPU``, ``MEM``... (default: the settings').
+            out_dir: where the trace files go.
+            timeout_s: wall-clock bound of the session, seconds (default: ``profiler.max_duration_s``).
+
+        Returns:
+            The session's result (outcome, trace files) and the hex trace id of its spans.
+        """
+        from agent.actors.profiler import profile_once
+        from exporters.mirror import mirror_profile_session
+
+        result = await profile_once(
+            self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
+            out_dir=out_dir, timeout_s=timeout_s,
+        )
+        self._start_exporters(one_shot=True)
+        assert self.telemetry is not None, "the otlp exporter is registered"
+        try:
+            trace_id = await anyio.to_thread.run_sync(mirror_profile_session, self.telemetry.sink, result)
+        finally:
+            await self._close_telemetry(None)
+        return result, trace_id
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -336,11 +436,9 @@ class Agent:
         s = self.settings
         limit_arenas()  # before the export, shipper and worker threads start: a flat RSS over days
         await anyio.to_thread.run_sync(_remove_stale_temps, s.data_dir)
-        if self.telemetry is None:
-            self.telemetry = build_telemetry(s.export, data_dir=s.data_dir, host_name=s.host_name)
-        mirror = SpanMirror(self.telemetry.sink, host_name=s.host_name,
-                            export_statistics=self.telemetry.processor.statistics)
-        mirror_sub = self.bus.subscribe(*MIRRORED_EVENTS, name="mirror", max_buffer=MIRROR_BUFFER)
+        self._start_exporters()
+        assert self.telemetry is not None, "the otlp exporter is registered"
+        feeds = self._subscribe_exporters()
         metrics_sub = self.bus.subscribe(
             IncidentOpened, ActionCompleted, WatchdogStalled, name="metrics", max_buffer=MIRROR_BUFFER
         )
@@ -349,17 +447,14 @@ class Agent:
         watch_status = getattr(self.telemetry.metrics, "watch_status", None)
         if watch_status is not None:
             watch_status(self.status.states)
-        if s.spans.ship:
-            from exporters.shipper import SpanShipper
-
-            self.shipper = SpanShipper(self.telemetry.processor, host_name=s.host_name, directory=s.spans.directory)
-            self.shipper.register_metrics(self.telemetry.meter_provider)
+        self.shipper = self.exporters.get("span_shipper")
         try:
             async with anyio.create_task_group() as outer:
-                outer.start_soon(mirror_events, mirror, mirror_sub)
+                for exporter, sub in feeds:
+                    outer.start_soon(mirror_events, exporter, sub)
                 outer.start_soon(self._record_metrics, self.telemetry.metrics, metrics_sub)
                 outer.start_soon(self._record_status, status_sub)
-                if self.flightrec is not None:
+                if "flightrec" in self.actors:
                     # torch's Flight Recorder analyzer takes seconds to import: pay it now, off the loop
                     from agent.verdict import warm_up
 
@@ -390,18 +485,17 @@ class Agent:
                             await self.incidents.wait_idle(grace_s)
                         tg.cancel_scope.cancel("agent stopping")
                 finally:
-                    # the mirror drains what the bus still holds, then ends
+                    # the exporters drain what the bus still holds, then end
                     await self.bus.aclose()
         finally:
-            mirror_sub.close()
+            for _, sub in feeds:
+                sub.close()
             metrics_sub.close()
             status_sub.close()
             if self.shipper is not None:  # last drain, then servers fall back to their own path
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S):
                     await anyio.to_thread.run_sync(self.shipper.close, abandon_on_cancel=True)
-            if self._own_telemetry and self.telemetry is not None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S + 1):
-                    await self.telemetry.aclose(SHUTDOWN_DEADLINE_S)
+            await self._close_telemetry()
         stats = AgentStatistics(
             incidents=len(self.incidents.records),
             suppressed=self.incidents.suppressed,
@@ -494,18 +588,6 @@ class Agent:
             await anyio.sleep(delay_s * random.uniform(0.8, 1.2))
             delay_s = min(delay_s * 2, RESTART_BACKOFF_MAX_S)
 
-    def _prometheus_watchdog(self) -> Watchdog:
-        s = self.settings
-        assert s.metrics.url
-        source = PrometheusStepSource(
-            s.metrics.url,
-            preset=s.metrics.metrics_preset,
-            counter=s.metrics.counter,
-            busy_gauge=s.metrics.busy_gauge,
-            timeout_s=s.metrics.scrape_timeout_s,
-            refused_grace_s=s.metrics.refused_grace_s,
-        )
-        return Watchdog(source, s.watchdog)
     async def _ship_spans(self, shipper: Any) -> None:
         """Drain the span rings on the shipper's low-priority thread (it and the export worker run
         at nice +10: the served process comes first); heartbeat (every
@@ -513,7 +595,7 @@ class Agent:
         back) and status from here."""
         from exporters.shipper import lower_thread_priority
 
-        interval = self.settings.spans.poll_interval_s
+        interval = shipper.poll_interval_s
         shipper.start(interval)
         worker = getattr(self.telemetry.processor, "_thread", None) if self.telemetry is not None else None
         if worker is not None and worker.native_id is not None:
@@ -541,18 +623,41 @@ class Agent:
         t = s.target
         if not (t.pids or t.match or t.root_pid or self.children):
             log.warning("%s", NO_TARGET_WARNING)  # a health/metrics-only watch: incidents dump nothing
-        status, detail = self.pyspy.check()
-        await self.bus.publish(ComponentStatusChanged(source="runtime", component="pyspy", status=status, detail=detail))
-        if status is not ComponentStatus.OK:
-            log.warning("py-spy unavailable: %s", detail)
-        if s.health.url:
-            await tg.start(self.supervised, "health", lambda: HealthWatcher(s.health))
-        if s.metrics.url:
-            await tg.start(self.supervised, "metrics", self._prometheus_watchdog)
+        await self._check_actors()
         if self._has_targets():
             await self._set_status("process", WatcherState.WAITING, self._looking_for())
-        await tg.start(self.supervised, "process", lambda: self.process_watcher)
+        for name, watcher in self.watchers.items():
+            if isinstance(watcher, TargetWatchers):
+                continue  # started per target by discovery
+            await tg.start(self.supervised, name, self._maker(name, watcher))
         await tg.start(self._supervise, tg)
+
+    def _maker(self, name: str, first: Watcher) -> Callable[[], Watcher]:
+        """The built watcher first; after a crash a fresh one from the registry (the same one
+        when it sets ``reusable = True``, e.g. ``process``, which holds what it watches)."""
+        built = [first]
+
+        def make() -> Watcher:
+            if built:
+                return built.pop()
+            if getattr(first, "reusable", False):
+                return first
+            fresh = WATCHERS.get(name).create(self.settings, self.context)
+            return fresh if fresh is not None else first
+
+        return make
+
+    async def _check_actors(self) -> None:
+        """Each actor's startup check (``check()``, when it has one: py-spy's binary) becomes its
+        component status, and a status row; the agent keeps running either way."""
+        for name, actor in self.actors.items():
+            check = getattr(actor, "check", None)
+            if check is None:
+                continue
+            status, detail = check()
+            await self.bus.publish(ComponentStatusChanged(source="runtime", component=name, status=status, detail=detail))
+            if status is not ComponentStatus.OK:
+                log.warning("%s unavailable: %s", name, detail)
 
     def _has_targets(self) -> bool:
         t = self.settings.target
@@ -569,13 +674,17 @@ class Agent:
             what.append("titles " + ", ".join(t.match))
         return f"waiting for a target process ({'; '.join(what)}); looking every {REDISCOVER_INTERVAL_S:g} s"
 
-    async def _watch_target_steps(self, target: Target, *, task_status: TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Stall watchdog and step watcher of one target's SDK counter, until it exits."""
+    async def _watch_target_steps(
+        self, target: Target, watchers: Sequence[Watcher], *,
+        task_status: TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run one target's own watchers (the ``steps`` watchdog and step watcher of its SDK
+        counter) until it exits."""
         with anyio.CancelScope() as scope:
             try:
                 async with anyio.create_task_group() as tg:
-                    await tg.start(Watchdog(ShmStepSource(target.pid), self.settings.watchdog).run, self.bus)
-                    await tg.start(StepsWatcher(ShmStepSource(target.pid), interval_s=1.0).run, self.bus)
+                    for watcher in watchers:
+                        await tg.start(watcher.run, self.bus)
                     task_status.started(scope)
                     while process_state(target.pid, create_time_s=target.create_time_s or 0.0) not in (
                         ProcessState.GONE, ProcessState.ZOMBIE
@@ -620,10 +729,13 @@ class Agent:
             key = (target.pid, target.create_time_s)
             if key in self._step_scopes:
                 continue
-            source = ShmStepSource(target.pid)
-            if source.read_now() is None:
+            watchers = [
+                w for per_target in self.watchers.values() if isinstance(per_target, TargetWatchers)
+                for w in (per_target.watchers_for(target) or ())
+            ]
+            if not watchers:
                 continue  # no SDK counter (yet): the Prometheus watchdog, if any, covers it
-            self._step_scopes[key] = await tg.start(self._watch_target_steps, target)
+            self._step_scopes[key] = await tg.start(self._watch_target_steps, target, watchers)
             log.info("watching forward steps of pid %d (%s)", target.pid, target.title)
         n = len(self._step_scopes)
         if n:
@@ -668,73 +780,39 @@ def _remove_stale_temps(data_dir: Path) -> None:
         log.warning("removed %d leftover temp file(s) of an interrupted write under %s", removed, data_dir)
 
 
-async def mirror_events(mirror: SpanMirror, sub: Subscription) -> None:
-    """Feed bus events to the span mirror until the bus closes and drains.
+async def mirror_events(exporter: Any, sub: Subscription) -> None:
+    """Feed bus events to an exporter (``handle(event)``; the span mirror) until the bus closes
+    and drains.
 
-    Also when cancelled: what is still buffered is mirrored synchronously, and incidents left
-    open get their root span, so nothing already captured is lost from the trace.
+    Also when cancelled: what is still buffered is handed over synchronously, and then its
+    ``close_open(reason=...)`` (when it has one: the mirror gives incidents left open their root
+    span), so nothing already captured is lost from the trace.
     """
     try:
         async for event in sub:
-            if isinstance(event, ActionCompleted) and event.result.action == PROFILE_SPAN:
+            if isinstance(event, ActionCompleted) and event.result.action == Action.PROFILE_SESSION:
                 # importing a torch trace is CPU and file work: keep it off the event loop
-                await anyio.to_thread.run_sync(mirror.handle, event)
+                await anyio.to_thread.run_sync(exporter.handle, event)
             else:
-                mirror.handle(event)
+                exporter.handle(event)
     finally:
         while True:
             try:
-                mirror.handle(sub.receive_nowait())
+                exporter.handle(sub.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
-        mirror.close_open(reason="agent stopped")
+        close_open = getattr(exporter, "close_open", None)
+        if close_open is not None:
+            close_open(reason="agent stopped")
         sub.close()
 
 
 async def dump_once(
     settings: Settings, *, telemetry: Telemetry | None = None, handle_signals: bool = False
 ) -> IncidentRecord:
-    """One manual incident now (``servewatch dump``): dump the targets, write bundle and spans.
-
-    Telemetry is flushed and shut down within :data:`SHUTDOWN_DEADLINE_S` afterwards (unless
-    ``telemetry`` was passed in, which the caller then owns).
-
-    Args:
-        handle_signals: SIGTERM/SIGINT (main thread only) finish the current phase within
-            ``incident.interrupt_grace_s``, then cut the incident short: the record comes back
-            ``interrupted`` with what was captured, like ``servewatch run``.
-    """
-    agent = Agent(settings, telemetry=telemetry)
-    await anyio.to_thread.run_sync(_remove_stale_temps, settings.data_dir)
-    own = telemetry is None
-    tel = telemetry or build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
-    mirror = SpanMirror(tel.sink, host_name=settings.host_name, export_statistics=tel.processor.statistics)
-    mirror_sub = agent.bus.subscribe(*MIRRORED_EVENTS, name="mirror", max_buffer=MIRROR_BUFFER)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(mirror_events, mirror, mirror_sub)
-            status, detail = agent.pyspy.check()
-            if status is not ComponentStatus.OK:
-                log.warning("py-spy unavailable: %s", detail)
-            targets = agent.discover()
-            signal_scope = anyio.CancelScope()
-            with anyio.CancelScope() as incident_scope:
-                if handle_signals:
-                    tg.start_soon(_interrupt_on_signal, agent, incident_scope, signal_scope)
-                await agent.incidents.open_incident(
-                    Trigger.MANUAL, detail=f"servewatch dump of {len(targets)} process(es)"
-                )
-            signal_scope.cancel("dump done")
-            if not agent.incidents.records:
-                raise RuntimeError("servewatch dump was interrupted before its incident opened")
-            record = agent.incidents.records[-1]
-            await agent.bus.aclose()  # the mirror drains what is buffered, then ends
-    finally:
-        mirror_sub.close()
-        if own:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_DEADLINE_S + 1):
-                await tel.aclose(SHUTDOWN_DEADLINE_S)
-    return record
+    """One manual incident now: ``await Agent.build(settings, telemetry=telemetry).dump(...)``
+    (see :meth:`Agent.dump`)."""
+    return await Agent.build(settings, telemetry=telemetry).dump(handle_signals=handle_signals)
 
 
 async def _interrupt_on_signal(agent: Agent, incident_scope: anyio.CancelScope, own_scope: anyio.CancelScope) -> None:

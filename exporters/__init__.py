@@ -1,0 +1,23 @@
+"""The OTel side of servewatch: it mirrors what happened and decides nothing.
+
+Owns :data:`EXPORTERS`, the exporter registry (:mod:`agent.registry`): one line per exporter
+below. Exporters are built in two stages (``BuildContext.stage``): with the agent (``build``: the
+watcher status board) and when it starts running or dumping (``start``: the telemetry pipeline
+``otlp`` first, then what attaches to it); a factory returns ``None`` at the stage that is not its
+own, or when the settings turn it off. Importing this package imports no exporter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.registry import Registry
+
+__all__ = ["EXPORTERS"]
+
+#: The exporter registry: name -> (settings read, factory), built in this order.
+EXPORTERS: Registry[Any] = Registry("exporter")
+EXPORTERS.register("status", settings=("data_dir", "host_name"), factory="agent.watchers.status:create_board")
+EXPORTERS.register("otlp", settings=("export", "data_dir", "host_name"), factory="exporters.provider:create")
+EXPORTERS.register("mirror", settings=("host_name",), factory="exporters.mirror:create")
+EXPORTERS.register("span_shipper", settings=("spans", "host_name"), factory="exporters.shipper:create")

@@ -56,6 +56,8 @@ from exporters.torch_trace import import_profile_artifacts
 
 if TYPE_CHECKING:
     from agent.bus import Subscription
+    from agent.config import Settings
+    from agent.registry import BuildContext
     from exporters.processor import ExportStatistics
 
 __all__ = ["INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "mirror_profile_session"]
@@ -110,6 +112,9 @@ class SpanMirror:
             ``servewatch.export.spans_lost`` (dropped + evicted + rejected so far), so a lossy
             pipeline shows up in the trace itself.
     """
+
+    #: the bus events it turns into spans (subscribe to these)
+    events: tuple[type[Event], ...] = MIRRORED_EVENTS
 
     def __init__(
         self,
@@ -345,3 +350,12 @@ def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
     span = action_span(children, result, trace_id=trace_id, parent_span_id=None, default_time_unix_nano=now_ns())
     emit_durable(sink, [*children.spans, span])
     return trace_id_hex(trace_id)
+
+
+def create(settings: Settings, ctx: BuildContext) -> SpanMirror | None:
+    """Registry factory (:data:`exporters.EXPORTERS` ``mirror``), at the ``start`` stage:
+    incident and action events become spans on ``ctx.telemetry``."""
+    if ctx.stage != "start" or ctx.telemetry is None:
+        return None
+    tel = ctx.telemetry
+    return SpanMirror(tel.sink, host_name=settings.host_name, export_statistics=tel.processor.statistics)

@@ -55,6 +55,8 @@ if TYPE_CHECKING:  # imported where used: `import exporters.provider` (config mo
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
+    from agent.config import Settings
+    from agent.registry import BuildContext
     from exporters.metrics import Metrics
     from exporters.processor import ExportStatistics, LosslessSpanProcessor
     from exporters.spans import ProcessorSink
@@ -643,3 +645,13 @@ def build_telemetry(
         shutdown_timeout_s=config.shutdown_timeout_s,
         metric_exporter=metric_exporter,
     )
+
+
+def create(settings: Settings, ctx: BuildContext) -> Telemetry | None:
+    """Registry factory (:data:`exporters.EXPORTERS` ``otlp``), at the ``start`` stage: the
+    pipeline of ``settings.export`` (``ctx.telemetry`` when the caller brought its own)."""
+    if ctx.stage != "start":
+        return None
+    if ctx.telemetry is not None:
+        return ctx.telemetry  # type: ignore[no-any-return]
+    return build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
@@ -45,6 +45,11 @@ from opentelemetry.trace import (
 
 from agent.procinfo import pid_alive
 from agent.sdk.ring import RingError, RingReader, RingStatistics
+
+if TYPE_CHECKING:
+    from agent.config import Settings
+    from agent.registry import BuildContext
+
 
 __all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "decode_record"]
 
@@ -250,6 +255,7 @@ class SpanShipper:
         directory: where ring files are (default: the SDK's shm folder).
         stale_s: another agent that polled a ring within this long owns it (we leave it alone).
         max_records_per_poll: bound on records taken from one ring in one poll.
+        poll_interval_s: seconds between polls once the runtime starts it (``spans.poll_interval_s``).
     """
 
     def __init__(
@@ -260,10 +266,13 @@ class SpanShipper:
         directory: Path | None = None,
         stale_s: float = 2.0,
         max_records_per_poll: int = 8192,
+        poll_interval_s: float = 0.25,
     ) -> None:
         self.processor = processor
         self.host_name = host_name
         self.directory = directory
+        #: seconds between ring polls once started (``spans.poll_interval_s``)
+        self.poll_interval_s = poll_interval_s
         self._stale_ns = int(stale_s * 1e9)
         self._max_records = max_records_per_poll
         self._rings: dict[int, _Attached] = {}
@@ -550,3 +559,17 @@ def _same_file(reader: RingReader) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def create(settings: Settings, ctx: BuildContext) -> SpanShipper | None:
+    """Registry factory (:data:`exporters.EXPORTERS` ``span_shipper``), at the ``start`` stage
+    of a running agent (not a one-shot dump): ships the targets' SDK spans through
+    ``ctx.telemetry``; ``None`` with ``spans.ship`` off."""
+    if ctx.stage != "start" or ctx.one_shot or ctx.telemetry is None or not settings.spans.ship:
+        return None
+    spans = settings.spans
+    shipper = SpanShipper(
+        ctx.telemetry.processor, host_name=settings.host_name, directory=spans.directory, poll_interval_s=spans.poll_interval_s
+    )
+    shipper.register_metrics(ctx.telemetry.meter_provider)
+    return shipper

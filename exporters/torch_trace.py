@@ -77,7 +77,8 @@ _ARGS = re.compile(r'"args":\s*\{[^{}"]*(?:"[^"\\{}]*"[^{}"]*)*\}')
 _ARGS_STRIPPED = '"args":0'
 
 class TorchTraceImportConfig(BaseModel):
-    """Which torch trace events become spans (user config, section ``[torch_trace]``)."""
+    """Which torch trace events become spans (wiring set in code, not a user setting: the
+    mirror imports with these defaults)."""
 
     categories: tuple[str, ...] = Field(
         default=("cpu_op", "kernel", "gpu_memcpy", "gpu_memset"),

@@ -135,16 +135,8 @@ async def test_per_target_step_tasks_end_when_the_target_exits_and_clients_are_c
         "metrics": {"url": server.metrics_url}, "coredump": {"enabled": False},
         "incident": {"on_exit_codes_only_nonzero": True}, "export": {"metrics": False},
     })
-    agent = Agent(settings)
-    sources: list = []
-    make = agent._prometheus_watchdog
-
-    def keep() -> object:
-        wd = make()
-        sources.append(wd.source)
-        return wd
-
-    agent._prometheus_watchdog = keep  # type: ignore[method-assign]
+    agent = Agent.build(settings)
+    sources: list = [agent.watchers["metrics"].source]  # the registered Prometheus watchdog's
     with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)

@@ -1,8 +1,11 @@
 """Actors: consume incident triggers and act on targets, returning :class:`ActionResult`.
 
 Actors never import watchers; :mod:`agent.incidents` decides what runs and when. Owns the
-:class:`Actor` protocol and :func:`act_all` (one actor over many targets at once). Imports anyio,
-:mod:`agent.events` and :mod:`agent.targets`.
+:class:`Actor` protocol (the seam the incident manager calls: one phase of an incident),
+:func:`act_all` (one actor over many targets at once) and :data:`ACTORS`, the actor registry
+(:mod:`agent.registry`): one line per actor below. Registration order is the order of an
+incident's phases; a factory returns ``None`` when the settings turn its actor off. Imports
+anyio, :mod:`agent.events`, :mod:`agent.registry` and :mod:`agent.targets`.
 """
 
 from __future__ import annotations
@@ -13,15 +16,53 @@ from typing import Protocol
 
 import anyio
 
-from agent.events import ActionResult, IncidentOpened
+from agent.events import ActionCompleted, ActionResult, IncidentOpened
 from agent.progress import report_action
+from agent.registry import Registry
 from agent.targets import Target
 
-__all__ = ["Actor", "act_all"]
+__all__ = ["ACTORS", "Actor", "PerTargetActor", "act_all"]
+
+#: The actor registry: name -> (settings read, factory); registration order = phase order.
+ACTORS: Registry[Actor] = Registry("actor")
+ACTORS.register("pyspy", settings=("pyspy",), factory="agent.actors.pyspy:create")
+ACTORS.register("flightrec", settings=("flightrec", "profiler.socket_dir"), factory="agent.actors.flightrec:create")
+ACTORS.register("cuda_coredump", settings=("coredump", "target.uids", "data_dir"), factory="agent.actors.coredump:create")
+ACTORS.register("profiler", settings=("profiler",), factory="agent.actors.profiler:create")
 
 
 class Actor(Protocol):
-    """One kind of evidence gathering (``pyspy``, ``cuda_coredump``, ``profiler``)."""
+    """One kind of evidence gathering (``pyspy``, ``cuda_coredump``, ``profiler``): one phase
+    of every incident, called by :class:`agent.incidents.IncidentManager`.
+
+    Attributes:
+        name: the registry name.
+        action: the phase's name, each result's ``action`` and its span name (an
+            :class:`~agent.events.Action`).
+        completed: the event published for each result (a subclass of ``ActionCompleted``).
+        deferred: the phase runs after the summary point (a profile never delays the summary).
+    """
+
+    name: str
+    action: str
+    completed: type[ActionCompleted]
+    deferred: bool
+
+    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+        """Act on every target for incident ``opened``, writing artifacts under ``artifact_dir``.
+
+        Each result may be handed to :func:`agent.progress.report_action` as soon as it is done
+        (its span goes out then). Bounded by the incident's phase limit (the caller cancels).
+        Never raises for a target's misbehaviour: failures are outcomes on the results.
+
+        Returns:
+            The results, one per action (usually one per target, in ``targets`` order).
+        """
+        ...
+
+
+class PerTargetActor(Protocol):
+    """An actor acting on one target at a time (what :func:`act_all` fans out)."""
 
     name: str
 
@@ -36,7 +77,7 @@ class Actor(Protocol):
 
 
 async def act_all(
-    actor: Actor,
+    actor: PerTargetActor,
     trigger: IncidentOpened,
     targets: Sequence[Target],
     *,

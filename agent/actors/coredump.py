@@ -56,12 +56,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
 from agent.actors.coredump_target import (
+    LAUNCH_RECORD_DIR,
     PathTemplate,
     TargetEnv,
     TargetView,
@@ -83,6 +85,7 @@ from agent.events import (
     Action,
     ActionResult,
     AttributeValue,
+    CoredumpTriggered,
     IncidentOpened,
     Outcome,
     frozen_attrs,
@@ -90,6 +93,11 @@ from agent.events import (
 )
 from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
+
+if TYPE_CHECKING:
+    from agent.config import Settings
+    from agent.registry import BuildContext
+
 
 __all__ = [
     "ACTION",
@@ -121,7 +129,7 @@ _MAX_REMEMBERED_INCIDENTS = 256
 
 
 class CoredumpConfig(BaseModel):
-    """User configuration of the ``cuda_coredump`` actor (TOML table ``[cuda_coredump]``).
+    """User configuration of the ``cuda_coredump`` actor (TOML table ``[coredump]``, env ``SERVEWATCH_COREDUMP__*``).
 
     Attributes:
         enabled: trigger coredumps during incidents. Default ``True`` (targets that were not
@@ -758,6 +766,9 @@ class CoredumpActor:
     """
 
     name = "cuda_coredump"
+    action = ACTION
+    completed = CoredumpTriggered
+    deferred = False
 
     def __init__(
         self,
@@ -801,6 +812,11 @@ class CoredumpActor:
         """Bound of one target's action with this config: delay + trigger + consume + completion."""
         cfg = self.config
         return cfg.delay_s + cfg.trigger_timeout_s + cfg.consume_timeout_s + cfg.completion_timeout_s
+
+    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+        """The incident phase (:class:`agent.actors.Actor`): :meth:`trigger_all`, registered
+        after the stack dumps so it runs right when they finish."""
+        return await self.trigger_all(opened, list(targets), artifact_dir=artifact_dir)
 
     async def trigger_all(
         self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path
@@ -1026,3 +1042,14 @@ class CoredumpActor:
                 False, f"core file folder {str(dump_dir)!r} is outside coredump.folder and missing: not created"
             )
         return None
+
+
+def create(settings: Settings, ctx: BuildContext) -> CoredumpActor | None:
+    """Registry factory (:data:`agent.actors.ACTORS` ``cuda_coredump``): the CUDA coredump
+    trigger of ``settings.coredump``, trusting ``target.uids`` and reading what ``launch`` armed
+    under ``<data_dir>/launched``; ``None`` with ``coredump.enabled`` off."""
+    if not settings.coredump.enabled:
+        return None
+    return CoredumpActor(
+        settings.coredump, trusted_uids=settings.target.uids, record_dirs=[settings.data_dir / LAUNCH_RECORD_DIR]
+    )

@@ -38,18 +38,31 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import psutil
 from pydantic import BaseModel, Field
 
 from agent.cudaenv import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
-from agent.events import Action, ActionResult, AttributeValue, IncidentOpened, Outcome, now_ns
+from agent.events import (
+    Action,
+    ActionResult,
+    AttributeValue,
+    FlightRecorderDumped,
+    IncidentOpened,
+    Outcome,
+    now_ns,
+)
 from agent.fsutil import atomic_write_text
 from agent.ranks import rank_from_title
 from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
+
+if TYPE_CHECKING:
+    from agent.config import Settings
+    from agent.registry import BuildContext
+
 
 __all__ = [
     "ACTION",
@@ -158,10 +171,17 @@ class FlightRecorderActor:
     """
 
     name = "flightrec"
+    action = ACTION
+    completed = FlightRecorderDumped
+    deferred = False
 
     def __init__(self, config: FlightRecorderConfig | None = None, *, environ_of: Any = None) -> None:
         self.config = config or FlightRecorderConfig()
         self._environ_of = environ_of
+
+    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+        """The incident phase (:class:`agent.actors.Actor`): :meth:`collect_all`."""
+        return await self.collect_all(opened, targets, artifact_dir=artifact_dir)
 
     async def collect_all(self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path) -> list[ActionResult]:
         """One read per target, all in parallel; results in target order."""
@@ -441,3 +461,14 @@ def _parse_json(body: bytes, where: str) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _SourceFailed(f"{where}: bad JSON: {exc}") from None
 
+
+def create(settings: Settings, ctx: BuildContext) -> FlightRecorderActor | None:
+    """Registry factory (:data:`agent.actors.ACTORS` ``flightrec``): the Flight Recorder reader of
+    ``settings.flightrec`` (its SDK sockets default to ``profiler.socket_dir``: they sit
+    together), or ``None`` with ``flightrec.enabled`` off."""
+    fr = settings.flightrec
+    if not fr.enabled:
+        return None
+    if fr.socket_dir is None and settings.profiler.socket_dir is not None:
+        fr = fr.model_copy(update={"socket_dir": settings.profiler.socket_dir})
+    return FlightRecorderActor(fr)

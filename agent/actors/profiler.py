@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -50,6 +50,8 @@ from agent.events import (
     AttributeValue,
     IncidentOpened,
     Outcome,
+    ProfileStopped,
+    Trigger,
     frozen_attrs,
     now_ns,
 )
@@ -59,6 +61,9 @@ from agent.targets import Target
 
 if TYPE_CHECKING:
     import httpx
+
+    from agent.config import Settings
+    from agent.registry import BuildContext
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
@@ -310,9 +315,19 @@ class ProfilerActor:
     """
 
     name = "profiler"
+    action = ACTION
+    completed = ProfileStopped
+    deferred = True
 
-    def __init__(self, config: ProfilerConfig | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        config: ProfilerConfig | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        stalled: Callable[[Sequence[Target]], bool] | None = None,
+    ) -> None:
         self.config = config or ProfilerConfig()
+        self._stalled = stalled
         self._transport = transport
         self._busy = anyio.Lock()
 
@@ -349,6 +364,16 @@ class ProfilerActor:
             timeout_s=min(timeout_s, self.config.max_duration_s),
         )
         return await self.profile(req, pid=target.pid)
+
+    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+        """The incident phase (:class:`agent.actors.Actor`): :meth:`profile_incident`, skipped
+        (one ``SKIPPED`` result) for a stall, or when ``stalled(targets)`` says a target is busy
+        with no step: a stalled server takes no steps, so waiting for them would only time out."""
+        if opened.trigger == Trigger.STALL or (self._stalled is not None and self._stalled(targets)):
+            t = now_ns()
+            return [ActionResult(action=ACTION, outcome=Outcome.SKIPPED, detail="no steps: server stalled",
+                                 start_time_unix_nano=t, end_time_unix_nano=t)]
+        return await self.profile_incident(opened, list(targets), artifact_dir=artifact_dir)
 
     async def profile_incident(
         self, opened: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path
@@ -608,3 +633,12 @@ async def profile_once(
             return s.result(Outcome.FAILED, f"{found} SDK control sockets in {folder}: pass --pid")
         pid = pids[0]
     return await actor.profile(req, pid=pid)
+
+
+def create(settings: Settings, ctx: BuildContext) -> ProfilerActor | None:
+    """Registry factory (:data:`agent.actors.ACTORS` ``profiler``): profiles the next
+    ``profiler.on_incident_steps`` steps after an incident (deferred phase); ``None`` when that
+    is 0. ``ctx.stalled`` tells it when a profile could never finish."""
+    if settings.profiler.on_incident_steps <= 0:
+        return None
+    return ProfilerActor(settings.profiler, stalled=ctx.stalled)

@@ -51,7 +51,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import anyio
 from anyio.abc import ByteReceiveStream
@@ -65,6 +65,7 @@ from agent.events import (
     ComponentStatus,
     IncidentOpened,
     Outcome,
+    StacksDumped,
     frozen_attrs,
     now_ns,
 )
@@ -80,6 +81,11 @@ from agent.stacks import (
     summarize,
 )
 from agent.targets import ProcessState, Target, process_state
+
+if TYPE_CHECKING:
+    from agent.config import Settings
+    from agent.registry import BuildContext
+
 
 __all__ = [
     "ACTION",
@@ -341,6 +347,9 @@ class PySpyActor:
     """
 
     name = "pyspy"
+    action = ACTION
+    completed = StacksDumped
+    deferred = False
 
     def __init__(self, config: PySpyConfig | None = None) -> None:
         """Args:
@@ -387,6 +396,10 @@ class PySpyActor:
         return ComponentStatus.OK, f"py-spy at {exe}"
 
     # -- acting -----------------------------------------------------------------------------
+
+    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+        """The incident phase (:class:`agent.actors.Actor`): :meth:`dump_all`."""
+        return await self.dump_all(opened, list(targets), artifact_dir=artifact_dir)
 
     async def dump_all(
         self,
@@ -715,3 +728,8 @@ class PySpyActor:
             attempt.returncode = None
         return attempt
 
+
+def create(settings: Settings, ctx: BuildContext) -> PySpyActor:
+    """Registry factory (:data:`agent.actors.ACTORS` ``pyspy``): the stack dumper of
+    ``settings.pyspy`` (always built: with ``pyspy.enabled`` off its results say so)."""
+    return PySpyActor(settings.pyspy)

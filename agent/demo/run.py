@@ -73,7 +73,7 @@ async def _demo(settings: Settings, tp: int, watchdog_timeout_s: float, deadline
             async with DemoServer(tp=tp) as server:
                 say(f"server pid {server.pid} at {server.base_url}; schedulers {server.scheduler_pids}")
                 demo_settings = _demo_settings(settings, server, watchdog_timeout_s)
-                agent = Agent(demo_settings, on_incident=on_incident)
+                agent = Agent.build(demo_settings, on_incident=on_incident)
                 async with anyio.create_task_group() as tg:
                     await tg.start(agent.run)
                     say(f"servewatch watching: health {server.base_url}/health, step counters of {tp} scheduler(s)")

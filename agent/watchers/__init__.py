@@ -4,18 +4,34 @@ Each watcher is started with ``await tg.start(watcher.run, bus)`` so "ready" mea
 runs supervised by the runtime (a crash is a blind status, then a restart with backoff). A
 watcher says what it can see by publishing ``WatcherStatusChanged`` (ready / waiting / blind
 with a reason; :mod:`agent.watchers.status`) before it is ready and on every change.
+
+Owns the :class:`Watcher` protocol, :class:`TargetWatchers` (watchers started per target
+process) and :data:`WATCHERS`, the watcher registry (:mod:`agent.registry`): one line per watcher
+below. A factory returns a :class:`Watcher` (started once, restarted fresh after a crash unless it
+sets ``reusable = True``) or a :class:`TargetWatchers` (asked for each target discovered).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
 from agent.bus import Publisher
+from agent.registry import Registry
 
-__all__ = ["Watcher"]
+if TYPE_CHECKING:
+    from agent.targets import Target
+
+__all__ = ["WATCHERS", "TargetWatchers", "Watcher"]
+
+#: The watcher registry: name -> (settings read, factory), started in this order.
+WATCHERS: Registry[Any] = Registry("watcher")
+WATCHERS.register("health", settings=("health",), factory="agent.watchers.health:create")
+WATCHERS.register("metrics", settings=("metrics", "watchdog.timeout_s", "watchdog.poll_interval_s"), factory="agent.watchers.watchdog:create_prometheus")
+WATCHERS.register("process", factory="agent.watchers.process:create")
+WATCHERS.register("steps", settings=("watchdog.timeout_s", "watchdog.poll_interval_s"), factory="agent.watchers.watchdog:create_sdk")
 
 
 class Watcher(Protocol):
@@ -25,4 +41,16 @@ class Watcher(Protocol):
 
     async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; call ``task_status.started()`` once ready."""
+        ...
+
+
+@runtime_checkable
+class TargetWatchers(Protocol):
+    """Watchers started for each target process discovered (an SDK step counter), cancelled
+    when it exits. ``status_name`` is the status row the runtime keeps for them."""
+
+    status_name: str
+
+    def watchers_for(self, target: Target) -> list[Watcher] | None:
+        """The watchers of ``target``, or ``None`` when it has nothing to watch (yet)."""
         ...

@@ -33,6 +33,9 @@ from agent.watchers.status import StatusReporter, WatcherState
 
 if TYPE_CHECKING:
     import httpx
+
+    from agent.config import Settings
+    from agent.registry import BuildContext
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
@@ -343,3 +346,9 @@ class HealthWatcher:
             if next_ns <= now:  # the probe overran: skip the missed slots, keep the phase
                 next_ns += ((now - next_ns) // interval_ns + 1) * interval_ns
             await anyio.sleep((next_ns - now) / 1e9)
+
+
+def create(settings: Settings, ctx: BuildContext) -> HealthWatcher | None:
+    """Registry factory (:data:`agent.watchers.WATCHERS` ``health``): a watcher of
+    ``settings.health``, or ``None`` without ``health.url``."""
+    return HealthWatcher(settings.health) if settings.health.url else None

@@ -29,7 +29,7 @@ import select
 import signal as _signal
 import subprocess
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import psutil
@@ -40,6 +40,11 @@ from agent.bus import Publisher
 from agent.events import TargetExited
 from agent.procinfo import note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
+
+if TYPE_CHECKING:
+    from agent.config import Settings
+    from agent.registry import BuildContext
+
 
 __all__ = ["PIDFD_RECHECK_S", "ProcessWatcher", "exit_status", "signal_name"]
 
@@ -105,6 +110,8 @@ class ProcessWatcher:
     """
 
     name = "process"
+    #: restarted as the same instance after a crash: it holds what discovery asked it to watch
+    reusable = True
 
     def __init__(
         self,
@@ -262,3 +269,12 @@ def signal_name(signum: int | None) -> str:
     except ValueError:
         return ""
 
+
+#: Seconds between exit checks of targets the agent did not start (pidfd waits are woken at once).
+POLL_INTERVAL_S = 0.5
+
+
+def create(settings: Settings, ctx: BuildContext) -> ProcessWatcher:
+    """Registry factory (:data:`agent.watchers.WATCHERS` ``process``): watches every target the
+    runtime discovers (and the processes it launched, ``ctx.children``) for exit."""
+    return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children)

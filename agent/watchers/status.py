@@ -35,9 +35,14 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.events import StrEnum, WatcherStatusChanged, now_ns
+
+if TYPE_CHECKING:
+    from agent.config import Settings
+    from agent.registry import BuildContext
+
 
 __all__ = [
     "STATUS_FILE",
@@ -320,3 +325,18 @@ class StatusReporter:
     async def initial(self, bus: Any) -> None:
         """Publish the initial (or current) status."""
         await self.set(bus, self.current.state, self.current.reason)
+
+
+def create_board(settings: Settings, ctx: BuildContext) -> StatusBoard | None:
+    """Registry factory (:data:`exporters.EXPORTERS` ``status``), at the ``build`` stage: what
+    every watcher can see, kept in ``<data_dir>/<host>/status.json`` (and an OTel gauge once the
+    agent runs); ``ctx.on_status_change`` hears each change (without one, a watcher turning
+    blind is logged)."""
+    if ctx.stage != "build":
+        return None
+    return StatusBoard(
+        host_name=settings.host_name,
+        path=status_path(settings.data_dir, settings.host_name),
+        on_change=ctx.on_status_change,
+        warn_blind=ctx.on_status_change is None,  # the caller prints each change (the CLI): not twice
+    )

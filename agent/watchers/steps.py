@@ -646,17 +646,16 @@ class PrometheusStepSource:
 
 
 class StepsConfig(BaseModel):
-    """User settings of the step-counter watcher.
+    """User settings of the Prometheus step-counter source (the ``[metrics]`` table; read every
+    ``watchdog.poll_interval_s``).
 
     Attributes:
-        interval_s: seconds between readings (fixed rate). Default 1.0.
         metrics_preset: ``"sglang"`` (default) or ``"vllm"``, for the Prometheus source.
         counter: override of the preset's progress counter name.
         busy_gauge: override of the preset's busy gauge name.
         scrape_timeout_s: per-scrape timeout of ``/metrics`` in seconds. Default 5.0.
     """
 
-    interval_s: float = Field(default=1.0, gt=0)
     metrics_preset: Literal["sglang", "vllm"] | None = "sglang"
     counter: str | None = None
     busy_gauge: str | None = None

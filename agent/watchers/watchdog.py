@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import signal as _signal
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -38,6 +38,12 @@ from agent.bus import Publisher
 from agent.events import WatchdogRearmed, WatchdogStalled
 from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
+
+if TYPE_CHECKING:
+    from agent.config import Settings
+    from agent.registry import BuildContext
+    from agent.targets import Target
+
 
 __all__ = ["SERIES_FORGET_READINGS", "Watchdog", "WatchdogConfig"]
 
@@ -236,3 +242,47 @@ class Watchdog:
                 )
                 sleep_ns = 0
             await anyio.sleep(max(sleep_ns, 0) / 1e9)
+
+
+def create_prometheus(settings: Settings, ctx: BuildContext) -> Watchdog | None:
+    """Registry factory (:data:`agent.watchers.WATCHERS` ``metrics``): the stall watchdog over
+    the server's Prometheus ``/metrics`` (``settings.metrics``), or ``None`` without
+    ``metrics.url``."""
+    from agent.watchers.steps import PrometheusStepSource
+
+    m = settings.metrics
+    if not m.url:
+        return None
+    source = PrometheusStepSource(
+        m.url, preset=m.metrics_preset, counter=m.counter, busy_gauge=m.busy_gauge,
+        timeout_s=m.scrape_timeout_s, refused_grace_s=m.refused_grace_s,
+    )
+    return Watchdog(source, settings.watchdog)
+
+
+class SdkStepWatchers:
+    """Per-target watchers of an SDK step counter (``agent.sdk.step()``): a stall
+    :class:`Watchdog` and a :class:`~agent.watchers.steps.StepsWatcher` (one reading a second).
+
+    Args:
+        config: the watchdog settings (timeout, poll interval).
+    """
+
+    status_name = "steps"
+
+    def __init__(self, config: WatchdogConfig) -> None:
+        self.config = config
+
+    def watchers_for(self, target: Target) -> list[Any] | None:
+        """The two watchers of ``target``'s counter, or ``None`` when it has no counter (yet)."""
+        from agent.watchers.steps import ShmStepSource, StepsWatcher
+
+        if ShmStepSource(target.pid).read_now() is None:
+            return None
+        return [Watchdog(ShmStepSource(target.pid), self.config), StepsWatcher(ShmStepSource(target.pid), interval_s=1.0)]
+
+
+def create_sdk(settings: Settings, ctx: BuildContext) -> SdkStepWatchers:
+    """Registry factory (:data:`agent.watchers.WATCHERS` ``steps``): per-target SDK step-counter
+    watchers (started by the runtime for each target that has a counter)."""
+    return SdkStepWatchers(settings.watchdog)

@@ -1,0 +1,252 @@
+"""Component registries (agent.registry): lookups, lazy factories, Agent.build wiring, and a new
+component added by one registration line running in real incidents (dump, run, launch, profile)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agent.config import load_settings
+from agent.events import Action
+from agent.registry import BuildContext, Registry, UnknownComponentError, registries
+from agent.runtime import Agent
+from tests import registry_fake
+from tests.conftest import PROGRAMS_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fake_components() -> Iterator[None]:
+    registry_fake.register()
+    try:
+        yield
+    finally:
+        registry_fake.unregister()
+
+
+def _titled(spawn, title: str) -> subprocess.Popen[bytes]:
+    proc = spawn([sys.executable, str(PROGRAMS_DIR / "titled_target.py"), title, "--max-lifetime-s", "90"],
+                 stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().decode().startswith("ready")
+    return proc
+
+
+def _env(tmp_path: Path, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SERVEWATCH_"))}
+    env.update(PYTHONPATH=str(ROOT), HOME=str(tmp_path), **more)
+    return env
+
+
+# --- lookups ------------------------------------------------------------------------------
+
+
+def test_each_kind_lists_its_components_in_registration_order() -> None:
+    regs = registries()
+    assert regs["watcher"].names() == ["health", "metrics", "process", "steps"]
+    assert regs["actor"].names() == ["pyspy", "flightrec", "cuda_coredump", "profiler"]
+    assert regs["exporter"].names() == ["status", "otlp", "mirror", "span_shipper"]
+    assert regs["actor"].get("cuda_coredump").settings == ("coredump", "target.uids", "data_dir")
+    assert regs["actor"].get("pyspy").module == "agent.actors.pyspy"
+
+
+def test_an_unknown_name_is_one_line_listing_the_known_ones() -> None:
+    with pytest.raises(UnknownComponentError) as info:
+        registries()["actor"].get("gdb")
+    assert str(info.value) == "unknown actor 'gdb': expected one of pyspy, flightrec, cuda_coredump, profiler"
+    assert isinstance(info.value, KeyError) and info.value.known[0] == "pyspy"
+    with pytest.raises(UnknownComponentError, match="unknown exporter 'x': expected one of"):
+        registries()["exporter"].unregister("x")
+
+
+def test_register_rejects_a_taken_name_a_bad_name_and_a_bad_factory_path() -> None:
+    reg: Registry[object] = Registry("watcher")
+    reg.register("disk_space", factory="pkg.mod:create")
+    with pytest.raises(ValueError, match="watcher 'disk_space' is already registered"):
+        reg.register("disk_space", factory="pkg.mod:create")
+    for bad in ("DiskSpace", "disk-space", "1disk", ""):
+        with pytest.raises(ValueError, match="lower_snake_case"):
+            reg.register(bad, factory="pkg.mod:create")
+    with pytest.raises(ValueError, match="is not 'package.module:function'"):
+        reg.register("other", factory="pkg.mod.create")
+    assert reg.names() == ["disk_space"]
+
+
+def test_a_factory_module_is_imported_only_when_built(tmp_path: Path) -> None:
+    """Listing the registries imports no component; building one imports its module only."""
+    probe = (
+        "import json, sys\n"
+        "from agent.registry import registries\n"
+        "regs = registries()\n"
+        "modules = sorted({e.module for r in regs.values() for e in r})\n"
+        "before = [m for m in modules if m in sys.modules]\n"
+        "from agent.config import load_settings\n"
+        "regs['watcher'].get('health').create(load_settings({'health': {'url': 'http://127.0.0.1:9/health'}}))\n"
+        "print(json.dumps({'modules': modules, 'before': before,"
+        " 'health': 'agent.watchers.health' in sys.modules, 'mirror': 'exporters.mirror' in sys.modules}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=_env(tmp_path), check=True)
+    got = json.loads(proc.stdout)
+    assert "agent.actors.pyspy" in got["modules"] and "exporters.shipper" in got["modules"]
+    assert got["before"] == []
+    assert got["health"] is True and got["mirror"] is False
+
+
+# --- Agent.build ----------------------------------------------------------------------------
+
+
+def test_build_wires_the_components_the_settings_turn_on(tmp_path: Path) -> None:
+    agent = Agent.build(load_settings({"data_dir": tmp_path, "host_name": "h1", "target": {"pids": [os.getpid()]}}))
+    assert list(agent.watchers) == ["process", "steps"]  # no health or metrics URL
+    assert list(agent.actors) == ["pyspy", "flightrec", "cuda_coredump"]  # profiling on incidents is off
+    assert list(agent.exporters) == ["status"]  # the others attach to telemetry when it starts
+    assert [name for name, _, _ in agent.incidents.phases] == [Action.PYSPY_DUMP, Action.FLIGHTREC_DUMP, Action.CUDA_COREDUMP]
+    assert agent.status is agent.exporters["status"] and agent.status.path == tmp_path / "h1" / "status.json"
+
+    agent = Agent.build(load_settings({
+        "data_dir": tmp_path, "host_name": "h1",
+        "health": {"url": "http://127.0.0.1:9/health"}, "metrics": {"url": "http://127.0.0.1:9/metrics"},
+        "coredump": {"enabled": False}, "flightrec": {"enabled": False}, "profiler": {"on_incident_steps": 3},
+    }))
+    assert list(agent.watchers) == ["health", "metrics", "process", "steps"]
+    assert list(agent.actors) == ["pyspy", "profiler"]
+    assert [name for name, _, _ in agent.incidents.phases] == [Action.PYSPY_DUMP, Action.PROFILE_SESSION]
+    assert agent.incidents.deferred == {Action.PROFILE_SESSION}
+
+
+def test_built_components_carry_the_settings_given(tmp_path: Path) -> None:
+    settings = load_settings({
+        "data_dir": tmp_path, "target": {"uids": [4242]},
+        "pyspy": {"timeout_s": 7.5}, "coredump": {"delay_s": 1.25}, "watchdog": {"timeout_s": 42.0},
+        "health": {"url": "http://127.0.0.1:9/health", "unhealthy_after": 5},
+        "profiler": {"socket_dir": str(tmp_path / "sockets")},
+    })
+    agent = Agent.build(settings)
+    assert agent.actors["pyspy"].config.timeout_s == 7.5  # type: ignore[attr-defined]
+    coredump = agent.actors["cuda_coredump"]
+    assert coredump.config.delay_s == 1.25 and 4242 in coredump.trusted_uids  # type: ignore[attr-defined]
+    assert coredump.record_dirs == (tmp_path / "launched",)  # type: ignore[attr-defined]
+    assert agent.actors["flightrec"].config.socket_dir == tmp_path / "sockets"  # type: ignore[attr-defined]
+    assert agent.watchers["health"].config.unhealthy_after == 5
+    assert agent.watchers["steps"].config.timeout_s == 42.0
+
+
+def test_exporters_of_the_start_stage_attach_to_the_telemetry(tmp_path: Path) -> None:
+    agent = Agent.build(load_settings({"data_dir": tmp_path, "host_name": "h1", "export": {"metrics": False}}))
+    agent._start_exporters(one_shot=False)
+    try:
+        assert list(agent.exporters) == ["status", "otlp", "mirror", "span_shipper"]
+        assert agent.telemetry is agent.exporters["otlp"]
+        assert agent.exporters["mirror"].sink is agent.telemetry.sink
+        assert agent.exporters["span_shipper"].processor is agent.telemetry.processor
+    finally:
+        agent.exporters["span_shipper"].close()
+        agent.telemetry.shutdown()
+    one_shot = Agent.build(load_settings({"data_dir": tmp_path, "host_name": "h1", "export": {"metrics": False}}))
+    one_shot._start_exporters(one_shot=True)
+    try:
+        assert "span_shipper" not in one_shot.exporters  # a dump ships no SDK spans
+    finally:
+        one_shot.telemetry.shutdown()
+    assert BuildContext().stage == "build"
+
+
+# --- a new component: one registration line -------------------------------------------------
+
+
+async def test_a_registered_actor_and_exporter_run_in_a_dump(tmp_path: Path, spawn, fake_components) -> None:
+    target = _titled(spawn, "sglang::scheduler_TP0")
+    settings = load_settings({
+        "data_dir": tmp_path, "host_name": "h1", "target": {"pids": [target.pid]},
+        "coredump": {"enabled": False}, "flightrec": {"enabled": False}, "export": {"metrics": False},
+    })
+    agent = Agent.build(settings)
+    assert [name for name, _, _ in agent.incidents.phases][-1] == registry_fake.PROBE_ACTION
+    with anyio.fail_after(90):
+        record = await agent.dump()
+    probe = [r for r in record.results if r.action == registry_fake.PROBE_ACTION]
+    assert [(r.pid, r.outcome.value) for r in probe] == [(target.pid, "ok")]
+    assert Path(probe[0].artifact_paths[0]).read_text() == "sglang::scheduler_TP0"  # setproctitle rewrote argv
+    manifest = json.loads(record.manifest_path.read_text())
+    assert [a["action"] for a in manifest["actions"]] == [Action.PYSPY_DUMP, registry_fake.PROBE_ACTION]
+    assert (tmp_path / registry_fake.LOG_NAME).read_text().splitlines() == [
+        "built one_shot=True", "IncidentOpened manual", "action pyspy.dump ok", "action probe.read ok",
+        "IncidentClosed manual",
+    ]
+
+
+async def test_a_registered_watcher_opens_an_incident_in_run(tmp_path: Path, spawn, fake_components) -> None:
+    registry_fake.register_watcher()
+    target = _titled(spawn, "sglang::scheduler_TP0")
+    settings = load_settings({
+        "data_dir": tmp_path, "host_name": "h1", "target": {"pids": [target.pid]},
+        "coredump": {"enabled": False}, "flightrec": {"enabled": False}, "export": {"metrics": False},
+        "spans": {"ship": False},
+    })
+    agent = Agent.build(settings)
+    assert "one_failure" in agent.watchers
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            while not agent.incidents.records:
+                await anyio.sleep(0.1)
+            agent.stop()
+    record = agent.incidents.records[0]
+    assert record.opened.trigger == "health"
+    assert [r.action for r in record.results] == [Action.PYSPY_DUMP, registry_fake.PROBE_ACTION]
+    log_lines = (tmp_path / registry_fake.LOG_NAME).read_text().splitlines()
+    assert log_lines[0] == "built one_shot=False" and "action probe.read ok" in log_lines
+
+
+# --- the CLI's one-shot commands build the same way (real `servewatch` subprocesses) ----------
+
+
+def _servewatch_with_fakes(tmp_path: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.registry_fake", *args],
+        capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path, check=False, stdin=subprocess.DEVNULL,
+        env=_env(tmp_path, SERVEWATCH_COREDUMP__ENABLED="false", SERVEWATCH_FLIGHTREC__ENABLED="false",
+                  SERVEWATCH_EXPORT__METRICS="false"),
+    )
+
+
+def test_cli_dump_runs_a_registered_actor_and_exporter(tmp_path: Path, spawn) -> None:
+    target = _titled(spawn, "sglang::scheduler_TP0")
+    data = tmp_path / "data"
+    proc = _servewatch_with_fakes(tmp_path, "dump", "--pid", str(target.pid), "--data-dir", str(data), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert [(a["action"], a["outcome"]) for a in summary["actions"]] == [("pyspy.dump", "ok"), ("probe.read", "ok")]
+    assert (data / registry_fake.LOG_NAME).read_text().splitlines()[0] == "built one_shot=True"
+
+
+def test_cli_launch_runs_a_registered_actor_and_exporter(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    server = [sys.executable, str(PROGRAMS_DIR / "titled_target.py"), "demo::server", "--exit-after-s", "1",
+              "--exit-code", "3", "--max-lifetime-s", "60"]
+    proc = _servewatch_with_fakes(tmp_path, "launch", "--data-dir", str(data), "--", *server)
+    assert proc.returncode == 3, proc.stderr  # the server's own exit code
+    lines = (data / registry_fake.LOG_NAME).read_text().splitlines()
+    assert lines[0] == "built one_shot=False"
+    assert "IncidentOpened exit" in lines and any(line.startswith("action probe.read ") for line in lines)
+
+
+def test_cli_profile_builds_the_registered_exporters(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = _servewatch_with_fakes(
+        tmp_path, "profile", "--steps", "1", "--backend", "sglang", "--url", "http://127.0.0.1:9",
+        "--timeout", "3", "--data-dir", str(data), "--out", str(tmp_path / "profiles"),
+    )
+    assert proc.returncode == 1, proc.stderr  # nothing listens there: the session failed
+    assert "Profile failed" in proc.stderr and "spans in trace" in proc.stderr
+    assert (data / registry_fake.LOG_NAME).read_text().splitlines() == ["built one_shot=True"]
+    assert list((data / os.uname().nodename / "spans").glob("*.jsonl")), "its span went through the otlp exporter"

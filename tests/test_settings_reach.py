@@ -1,0 +1,184 @@
+"""Every Settings field reaches a component: each leaf is declared by the registered component
+(or the agent itself) that reads it, is read in that component's code, and changing it changes
+what Agent.build builds."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import pytest
+from pydantic import BaseModel
+
+from agent.config import ConfigError, Settings, load_settings
+from agent.registry import AGENT_SETTINGS, registries
+from agent.runtime import Agent
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Modules holding the agent's own use of AGENT_SETTINGS (not a component's).
+AGENT_MODULES = ["agent.runtime", "agent.incidents", "agent.targets", "agent.fleet", "agent.cli"]
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _leaves(ann, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+LEAVES = _leaves(Settings)
+
+
+def _declared() -> dict[str, list[str]]:
+    """dotted settings path -> the modules that declared they read it."""
+    found: dict[str, list[str]] = {path: list(AGENT_MODULES) for path in AGENT_SETTINGS}
+    for registry in registries().values():
+        for entry in registry:
+            for path in entry.settings:
+                found.setdefault(path, []).append(entry.module)
+    return found
+
+
+def _covering(leaf: str, declared: dict[str, list[str]]) -> list[str]:
+    return [d for d in declared if leaf == d or leaf.startswith(d + ".")]
+
+
+def test_the_walk_sees_nested_tables() -> None:
+    assert "data_dir" in LEAVES and "health.url" in LEAVES and "coredump.completion_timeout_s" in LEAVES
+    assert "health" not in LEAVES and len(LEAVES) > 100
+
+
+def test_every_settings_field_is_declared_by_a_component_or_the_agent() -> None:
+    declared = _declared()
+    assert [leaf for leaf in LEAVES if not _covering(leaf, declared)] == []
+
+
+def test_every_declared_setting_exists() -> None:
+    tables = {leaf.rsplit(".", 1)[0] for leaf in LEAVES if "." in leaf}
+    assert [d for d in _declared() if d not in LEAVES and d not in tables] == []
+
+
+def _module_files(module: str) -> list[Path]:
+    path = ROOT.joinpath(*module.split("."))
+    if path.is_dir():
+        return sorted(path.rglob("*.py"))
+    return [path.with_suffix(".py")]
+
+
+def _names_read(files: list[Path]) -> set[str]:
+    """Attribute names read (``cfg.timeout_s``) and strings (``getattr(cfg, "client_key")``) in
+    ``files``; a keyword ``f(timeout_s=1)`` is no read of a setting."""
+    names: set[str] = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                names.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.add(node.value)
+    return names
+
+
+def test_every_settings_field_is_read_by_the_code_that_declared_it() -> None:
+    """A field nobody reads is a dead setting: remove it (or make its component use it)."""
+    declared = _declared()
+    unread = []
+    for leaf in LEAVES:
+        modules = sorted({m for d in _covering(leaf, declared) for m in declared[d]})
+        reads = _names_read([f for m in modules for f in _module_files(m)])
+        if leaf.rsplit(".", 1)[-1] not in reads:
+            unread.append(f"{leaf} (declared by {', '.join(modules)})")
+    assert unread == []
+
+
+def test_docstrings_name_only_tables_that_exist() -> None:
+    """A docstring that sends the user to a TOML table ``[x]`` names a real Settings table."""
+    tables = {leaf.rsplit(".", 1)[0] for leaf in LEAVES if "." in leaf}
+    advertised = {
+        f"{path.relative_to(ROOT)}: [{name}]"
+        for folder in ("agent", "exporters")
+        for path in sorted(ROOT.joinpath(folder).rglob("*.py"))
+        for name in re.findall(r"``\[([a-z_][a-z0-9_.]*)\]``", path.read_text(encoding="utf-8"))
+        if name not in tables
+    }
+    assert advertised == set()
+
+
+def test_the_read_check_finds_an_unread_name(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(cfg):\n    return cfg.timeout_s + g(interval_s=1) + getattr(cfg, 'client_key')\n")
+    assert {"timeout_s", "client_key"} <= _names_read([probe])
+    assert "interval_s" not in _names_read([probe]) and "max_body_bytes" not in _names_read([probe])
+
+
+# --- changing a value changes the built component --------------------------------------------
+
+#: Settings under which every registered component is built.
+EVERYTHING_ON: dict[str, Any] = {
+    "host_name": "h1",
+    "health": {"url": "http://127.0.0.1:9/health"},
+    "metrics": {"url": "http://127.0.0.1:9/metrics"},
+    "profiler": {"on_incident_steps": 1},
+    "coredump": {"enabled": True},
+    "flightrec": {"enabled": True},
+}
+
+
+def _other_values(annotation: Any, default: Any) -> list[Any]:
+    """Valid-looking values different from ``default`` for a field of this type."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return [a for a in args if a != default]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return [v for a in args if a is not type(None) for v in _other_values(a, default)]
+    if annotation is bool:
+        return [not default]
+    if annotation is int:
+        return [(default or 0) + 1, max(1, (default or 0) * 2)]
+    if annotation is float:
+        return [(default or 1.0) * 2, (default or 1.0) / 2, 0.5]
+    return []
+
+
+def _components_with_config(settings: Any) -> dict[str, Any]:
+    agent = Agent.build(settings)
+    return {**agent.watchers, **agent.actors, **agent.exporters}
+
+
+@pytest.mark.parametrize("table", ["health", "watchdog", "pyspy", "coredump", "profiler", "flightrec"])
+def test_changing_a_field_changes_the_built_component(table: str, tmp_path: Path) -> None:
+    base = load_settings({**EVERYTHING_ON, "data_dir": tmp_path})
+    model = type(getattr(base, table))
+    holders = [name for name, c in _components_with_config(base).items() if isinstance(getattr(c, "config", None), model)]
+    assert holders, f"no built component holds the {table} settings"
+    checked = 0
+    for field, info in model.model_fields.items():
+        default = getattr(getattr(base, table), field)
+        for value in _other_values(info.annotation, default):
+            overrides = {**EVERYTHING_ON, "data_dir": tmp_path, table: {**EVERYTHING_ON.get(table, {}), field: value}}
+            try:
+                changed = load_settings(overrides)
+            except ConfigError:  # an out-of-range guess: try the next value
+                continue
+            built = _components_with_config(changed)
+            for name in holders:
+                if name in built:
+                    assert getattr(built[name].config, field) == getattr(getattr(changed, table), field), (table, field, name)
+            checked += 1
+            break
+    assert checked >= 2, f"only {checked} field(s) of {table} could be varied"
+
+
+def test_importing_the_factories_resolves_every_registration() -> None:
+    for registry in registries().values():
+        for entry in registry:
+            module, _, attr = entry.factory.partition(":")
+            assert callable(getattr(importlib.import_module(module), attr)), entry.factory

@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -88,9 +88,6 @@ from agent.ranks import target_attributes
 from agent.sdkclient import InflightRequest
 from agent.security import redact_cmdline, redact_text
 from agent.targets import Target
-
-if TYPE_CHECKING:
-    from agent.actors import Actor
 
 __all__ = [
     "DEFERRED_PHASES",
@@ -360,7 +357,7 @@ class IncidentManager:
         data_dir: Path,
         host_name: str,
         discover: Callable[[], list[Target]],
-        actors: Sequence[Actor] = (),
+        actors: Sequence[Any] = (),  # agent.actors.Actor (never imported here: layers)
         phases: Sequence[tuple[str, Phase, type[ActionCompleted]]] = (),
         inflight: InflightProvider | None = None,
         on_incident: Callable[[IncidentRecord], None] | None = None,

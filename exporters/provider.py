@@ -649,9 +649,13 @@ def build_telemetry(
 
 def create(settings: Settings, ctx: BuildContext) -> Telemetry | None:
     """Registry factory (:data:`exporters.EXPORTERS` ``otlp``), at the ``start`` stage: the
-    pipeline of ``settings.export`` (``ctx.telemetry`` when the caller brought its own)."""
+    pipeline of ``settings.export`` (``ctx.telemetry`` when the caller brought its own); for a
+    one-shot command, metrics go only to a collector."""
     if ctx.stage != "start":
         return None
     if ctx.telemetry is not None:
         return ctx.telemetry  # type: ignore[no-any-return]
-    return build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
+    # one-shot commands send the agent's own metrics only to a collector (no metrics files)
+    return build_telemetry(
+        settings.export, data_dir=settings.data_dir, host_name=settings.host_name, file_metrics=not ctx.one_shot
+    )

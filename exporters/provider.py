@@ -654,7 +654,7 @@ def create(settings: Settings, ctx: BuildContext) -> Telemetry | None:
     if ctx.stage != "start":
         return None
     if ctx.telemetry is not None:
-        return ctx.telemetry  # type: ignore[no-any-return]
+        return ctx.telemetry
     # one-shot commands send the agent's own metrics only to a collector (no metrics files)
     return build_telemetry(
         settings.export, data_dir=settings.data_dir, host_name=settings.host_name, file_metrics=not ctx.one_shot

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from agent.registry import BuildContext
     from exporters.processor import ExportStatistics
 
-__all__ = ["INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "mirror_profile_session"]
+__all__ = ["INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "create", "mirror_profile_session"]
 
 _log = logging.getLogger(__name__)
 

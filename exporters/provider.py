@@ -71,6 +71,7 @@ __all__ = [
     "Telemetry",
     "build_resource",
     "build_telemetry",
+    "create",
     "resolve_batching",
     "resolve_destination",
 ]

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from agent.registry import BuildContext
 
 
-__all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "decode_record"]
+__all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "create", "decode_record"]
 
 log = logging.getLogger("servewatch.shipper")
 

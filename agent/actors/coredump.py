@@ -108,6 +108,7 @@ __all__ = [
     "TriggerResult",
     "core_file_glob",
     "core_file_templates",
+    "create",
     "locate_pipe",
     "template_glob",
     "trigger_pipe",

@@ -69,6 +69,7 @@ __all__ = [
     "SOURCES",
     "FlightRecorderActor",
     "FlightRecorderConfig",
+    "create",
     "summarize_trace",
 ]
 

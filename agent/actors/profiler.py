@@ -72,6 +72,7 @@ __all__ = [
     "ProfilerActor",
     "ProfilerConfig",
     "SessionRequest",
+    "create",
     "find_new_files",
     "profile_once",
     "snapshot_dir",

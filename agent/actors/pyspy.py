@@ -95,6 +95,7 @@ __all__ = [
     "PySpyConfig",
     "PySpyStatistics",
     "classify",
+    "create",
     "default_executable",
 ]
 

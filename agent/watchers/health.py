@@ -53,6 +53,7 @@ __all__ = [
     "check_http_url",
     "classify_error",
     "classify_status",
+    "create",
     "http_status_text",
     "read_capped",
 ]

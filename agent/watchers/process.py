@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from agent.registry import BuildContext
 
 
-__all__ = ["PIDFD_RECHECK_S", "ProcessWatcher", "exit_status", "signal_name"]
+__all__ = ["PIDFD_RECHECK_S", "POLL_INTERVAL_S", "ProcessWatcher", "create", "exit_status", "signal_name"]
 
 #: Longest wait on a pidfd before its state is checked again, seconds (a safety net only: the
 #: pidfd turns readable at the exit, so a live process costs no wakeups in between).

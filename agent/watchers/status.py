@@ -32,14 +32,15 @@ import json
 import logging
 import os
 import threading
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agent.events import StrEnum, WatcherStatusChanged, now_ns
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from agent.config import Settings
     from agent.registry import BuildContext
 
@@ -52,6 +53,7 @@ __all__ = [
     "StatusSnapshot",
     "WatcherState",
     "WatcherStatus",
+    "create_board",
     "read_status_file",
     "status_path",
 ]

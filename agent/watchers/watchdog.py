@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from agent.targets import Target
 
 
-__all__ = ["SERIES_FORGET_READINGS", "Watchdog", "WatchdogConfig"]
+__all__ = ["SERIES_FORGET_READINGS", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk"]
 
 #: A series absent from this many successful readings in a row loses its stall bookkeeping.
 SERIES_FORGET_READINGS = 60

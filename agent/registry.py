@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 if TYPE_CHECKING:
+    # re-exported for the factories' annotations: components never import agent.config (layers)
     from agent.config import Settings
     from agent.targets import Target
 

@@ -56,8 +56,7 @@ from exporters.torch_trace import import_profile_artifacts
 
 if TYPE_CHECKING:
     from agent.bus import Subscription
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
     from exporters.processor import ExportStatistics
 
 __all__ = ["INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "create", "mirror_profile_session"]

@@ -55,8 +55,7 @@ if TYPE_CHECKING:  # imported where used: `import exporters.provider` (config mo
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
     from exporters.metrics import Metrics
     from exporters.processor import ExportStatistics, LosslessSpanProcessor
     from exporters.spans import ProcessorSink

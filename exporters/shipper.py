@@ -47,8 +47,7 @@ from agent.procinfo import pid_alive
 from agent.sdk.ring import RingError, RingReader, RingStatistics
 
 if TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
 
 
 __all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "create", "decode_record"]

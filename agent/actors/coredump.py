@@ -95,8 +95,7 @@ from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
 
 if TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
 
 
 __all__ = [

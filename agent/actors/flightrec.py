@@ -60,8 +60,7 @@ from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
 if TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
 
 
 __all__ = [

@@ -83,8 +83,7 @@ from agent.stacks import (
 from agent.targets import ProcessState, Target, process_state
 
 if TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
 
 
 __all__ = [

@@ -34,8 +34,7 @@ from agent.watchers.status import StatusReporter, WatcherState
 if TYPE_CHECKING:
     import httpx
 
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 

@@ -42,8 +42,7 @@ from agent.procinfo import note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
 
 if TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
 
 
 __all__ = ["PIDFD_RECHECK_S", "POLL_INTERVAL_S", "ProcessWatcher", "create", "exit_status", "signal_name"]

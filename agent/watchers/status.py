@@ -41,8 +41,7 @@ from typing import Any
 from agent.events import StrEnum, WatcherStatusChanged, now_ns
 
 if typing.TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
 
 
 __all__ = [

@@ -40,8 +40,7 @@ from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
 if TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.registry import BuildContext
+    from agent.registry import BuildContext, Settings
     from agent.targets import Target
 
 

@@ -454,11 +454,10 @@ class Agent:
                     outer.start_soon(mirror_events, exporter, sub)
                 outer.start_soon(self._record_metrics, self.telemetry.metrics, metrics_sub)
                 outer.start_soon(self._record_status, status_sub)
-                if "flightrec" in self.actors:
-                    # torch's Flight Recorder analyzer takes seconds to import: pay it now, off the loop
-                    from agent.verdict import warm_up
-
-                    outer.start_soon(partial(anyio.to_thread.run_sync, warm_up, abandon_on_cancel=True))
+                for actor in self.actors.values():
+                    warm_up = getattr(actor, "warm_up", None)
+                    if warm_up is not None:  # slow imports paid now, off the loop, not mid-incident
+                        outer.start_soon(partial(anyio.to_thread.run_sync, warm_up, abandon_on_cancel=True))
                 try:
                     async with anyio.create_task_group() as tg:
                         try:
@@ -525,12 +524,12 @@ class Agent:
                 except ValueError:
                     continue
                 self.status.set(event.watcher, state, event.reason)
-            elif isinstance(event, ComponentStatusChanged) and event.component == "pyspy":
-                ok = event.status is ComponentStatus.OK
+            elif isinstance(event, ComponentStatusChanged) and event.component in self.actors:
+                ok = event.status is ComponentStatus.OK  # an actor's startup check (py-spy's binary)
                 self.status.set(
-                    "pyspy",
+                    event.component,
                     WatcherState.READY if ok else WatcherState.BLIND,
-                    "py-spy ready for stack dumps" if ok else (event.detail or event.status.value),
+                    f"ready: {event.detail}" if ok and event.detail else (event.detail or event.status.value),
                 )
 
     async def _set_status(self, name: str, state: WatcherState, reason: str) -> None:

@@ -41,6 +41,10 @@ class Actor(Protocol):
             :class:`~agent.events.Action`).
         completed: the event published for each result (a subclass of ``ActionCompleted``).
         deferred: the phase runs after the summary point (a profile never delays the summary).
+
+    Optional: ``check() -> (ComponentStatus, detail)``, a startup check published as the actor's
+    component status and status row (py-spy's binary); ``warm_up()``, slow imports paid on a
+    worker thread when the agent starts (the Flight Recorder analyzer).
     """
 
     name: str

@@ -54,6 +54,10 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
     return float("nan") if den == 0 else sum((p[0] - mx) * (p[1] - my) for p in points) / den * 3600.0
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
 def spans_line(data_dir: Path) -> str:
     try:
         snap = read_status_file(status_path(data_dir, HOST))
@@ -169,9 +173,10 @@ def main() -> None:
         "destination": "files" if receiver is None else "otlp-grpc",
     }
     print()
-    print(f"RSS slope {rss_slope:+.3f} MB/h (goal < 1 MB/h) over {result['window_s']:.0f} s after {args.warmup_s:.0f} s warm-up;"
-          f" RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB (max {result['rss_mb_max']:.1f})")
-    print(f"agent CPU {cpu_pct:.2f} % of one core (goal <= 1 %)")
+    print(f"RSS slope {rss_slope:+.3f} MB/h (goal < 1 MB/h: {_met(rss_slope < 1.0)}) over {result['window_s']:.0f} s after"
+          f" {args.warmup_s:.0f} s warm-up; RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB"
+          f" (max {result['rss_mb_max']:.1f})")
+    print(f"agent CPU {cpu_pct:.2f} % of one core (goal <= 1 %: {_met(cpu_pct <= 1.0)})")
     print(f"load: {total.completed} requests ({total.errors} errors), {total.throughput_rps:.2f} req/s, p99 {result['p99_ms']:.1f} ms")
     print(f"spans: {final_spans}" + (f"; collector received {received}" if receiver is not None else ""))
     print(json.dumps(result))

@@ -10,6 +10,7 @@ when one reaches it (1 runtime failure, 2 usage error or invalid setting). The t
     │   ├── ConfigError (ValueError)        a setting is invalid; names every bad key
     │   ├── ExportConfigError (ValueError)  a telemetry setting or OTEL_* variable is invalid
     │   ├── TokenFileError (ValueError)     the API token file is missing, unsafe or empty
+    │   ├── UnknownComponentError (KeyError) no registered watcher/actor/exporter has that name
     │   └── LaunchError                     the server command cannot be started (exit 126/127)
     ├── InputError (ValueError)         a file or header we read is not what it must be
     │   ├── ManifestError                   an incident manifest cannot be read
@@ -19,6 +20,7 @@ when one reaches it (1 runtime failure, 2 usage error or invalid setting). The t
     │   └── TraceParentError                a W3C traceparent value is malformed
     ├── SdkCallError                    a control-socket call failed; .outcome sorts it
     ├── PeerRequestError                a peer agent gave no HTTP answer; .kind sorts it
+    ├── BackendUnknownError             a URL's server is neither SGLang nor vLLM, or unreachable
     ├── SdkError                        raised by the in-process SDK into the server's code
     │   ├── ProfilerBusyError (RuntimeError)  a profiling session is already pending or running
     │   └── RingError (OSError)               a span ring file is missing, untrusted or not a ring
@@ -34,12 +36,14 @@ import it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from agent.events import Outcome
 
 __all__ = [
+    "BackendUnknownError",
     "BundleCorruptError",
     "BundleError",
     "BundleNotFoundError",
@@ -59,6 +63,7 @@ __all__ = [
     "StartupError",
     "TokenFileError",
     "TraceParentError",
+    "UnknownComponentError",
     "UsageError",
     "one_line",
 ]
@@ -96,6 +101,19 @@ class ExportConfigError(UsageError, ValueError):
 
 class TokenFileError(UsageError, ValueError):
     """The API token file is missing, unsafe (not 0600, not ours, a symlink) or empty."""
+
+
+class UnknownComponentError(UsageError, KeyError):
+    """No component of this kind has that name. ``str()`` is one line listing the known names."""
+
+    def __init__(self, kind: str, name: str, known: Sequence[str]) -> None:
+        super().__init__(name)
+        self.kind = kind
+        self.name = name
+        self.known = tuple(known)
+
+    def __str__(self) -> str:
+        return f"unknown {self.kind} {self.name!r}: expected one of {', '.join(self.known) or '(none registered)'}"
 
 
 class LaunchError(UsageError):
@@ -170,6 +188,18 @@ class PeerRequestError(ServewatchError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class BackendUnknownError(ServewatchError):
+    """The server at a URL cannot be told to be SGLang or vLLM, or cannot be reached.
+
+    Attributes:
+        reachable: something answered (then ``--backend`` is the fix), else nothing did.
+    """
+
+    def __init__(self, message: str, *, reachable: bool) -> None:
+        super().__init__(message)
+        self.reachable = reachable
 
 
 # --- the SDK, inside the server --------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.errors import ServewatchError
+from agent.errors import BackendUnknownError
 from agent.lazy import LazyModule
 
 if TYPE_CHECKING:
@@ -45,18 +45,6 @@ SERVER_TITLES: dict[str, tuple[str, ...]] = {
 }
 #: At most this many candidates are named in one line.
 MAX_SHOWN = 6
-
-
-class BackendUnknownError(ServewatchError):
-    """The server at a URL cannot be told to be SGLang or vLLM, or cannot be reached.
-
-    Attributes:
-        reachable: something answered (then ``--backend`` is the fix), else nothing did.
-    """
-
-    def __init__(self, message: str, *, reachable: bool) -> None:
-        super().__init__(message)
-        self.reachable = reachable
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

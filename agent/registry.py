@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
+from agent.errors import UnknownComponentError
+
 if TYPE_CHECKING:
     # re-exported for the factories' annotations: components never import agent.config (layers)
     from agent.config import Settings
@@ -67,19 +69,6 @@ AGENT_SETTINGS: tuple[str, ...] = (
 )
 
 T = TypeVar("T")
-
-
-class UnknownComponentError(KeyError):
-    """No component of this kind has that name. ``str()`` is one line listing the known names."""
-
-    def __init__(self, kind: str, name: str, known: Sequence[str]) -> None:
-        super().__init__(name)
-        self.kind = kind
-        self.name = name
-        self.known = tuple(known)
-
-    def __str__(self) -> str:
-        return f"unknown {self.kind} {self.name!r}: expected one of {', '.join(self.known) or '(none registered)'}"
 
 
 def _no_stall(targets: Sequence[Target]) -> bool:

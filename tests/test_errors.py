@@ -88,6 +88,8 @@ def test_public_exceptions_are_defined_in_one_module() -> None:
         ("agent.sdk.ring", "RingError"),
         ("agent.demo.client", "DemoServerError"),
         ("agent.demo.server", "StartupError"),
+        ("agent.registry", "UnknownComponentError"),
+        ("agent.profiletargets", "BackendUnknownError"),
     ],
 )
 def test_the_raising_modules_re_export_the_tree_s_classes(module: str, name: str) -> None:
@@ -99,6 +101,8 @@ def test_usage_errors_exit_2_others_1_and_builtin_bases_still_catch() -> None:
     assert errors.BundleNotFoundError("x").exit_code == errors.SdkError("x").exit_code == ServewatchError.exit_code == 1
     assert LaunchError("gone", exit_code=127).exit_code == 127 and LaunchError.exit_code == 2
     assert isinstance(errors.ConfigError("x"), ValueError) and isinstance(errors.ManifestError("x"), ValueError)
+    assert errors.UnknownComponentError("actor", "x", ["pyspy"]).exit_code == 2
+    assert str(errors.UnknownComponentError("actor", "x", ["pyspy"])) == "unknown actor 'x': expected one of pyspy"
     assert isinstance(errors.RingError("x"), OSError) and isinstance(errors.ProfilerBusyError("x"), RuntimeError)
     assert one_line(errors.BundleError("a\n  b")) == "a b" and one_line(errors.SdkError()) == "SdkError"
 

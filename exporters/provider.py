@@ -157,8 +157,9 @@ class ExportConfig(BaseModel):
     #: bytes per export request (encoded); under the collector's 4 MiB gRPC receive limit. A
     #: request refused as too large anyway is split and retried.
     batch_bytes: int = Field(default=3 * 1024 * 1024, ge=64 * 1024)
-    #: longest a span waits before a partial batch is sent, seconds.
-    schedule_delay_s: float = Field(default=0.5, gt=0)
+    #: longest a span waits before a partial batch is sent, seconds (OTel's default is 5; every
+    #: request costs the agent a fixed amount of CPU, so fewer, fuller ones: bench/bench_soak.py).
+    schedule_delay_s: float = Field(default=2.0, gt=0)
     #: shutdown deadline; what is not delivered by then is spooled, seconds.
     shutdown_timeout_s: float = Field(default=3.0, ge=0)
     #: spool cap, bytes (oldest batches evicted and counted past it).

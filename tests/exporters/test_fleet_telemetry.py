@@ -398,6 +398,6 @@ def test_batch_processor_env_sizes_the_lossless_processor() -> None:
                                                       "export_timeout_s": 2.0}
     # explicit config wins; nothing set: servewatch's defaults (64k queue: the SDK's 2048 drops bursts)
     assert resolve_batching(ExportConfig(batch_spans=64), env)["batch_spans"] == 64
-    assert resolve_batching(ExportConfig(), {}) == {"queue_spans": 65536, "batch_spans": 512, "schedule_delay_s": 0.5}
+    assert resolve_batching(ExportConfig(), {}) == {"queue_spans": 65536, "batch_spans": 512, "schedule_delay_s": 2.0}
     with pytest.raises(ExportConfigError, match="OTEL_BSP_SCHEDULE_DELAY"):
         resolve_batching(ExportConfig(), {"OTEL_BSP_SCHEDULE_DELAY": "soon"})

@@ -51,7 +51,7 @@ from agent.incidents import (
 )
 from agent.judge import VerdictJudge
 from agent.memory import limit_arenas, trim
-from agent.procinfo import DEAD_MEMORY_S, death_of
+from agent.procinfo import DEAD_MEMORY_S, death_of, pid_alive
 from agent.registry import BuildContext
 from agent.targets import (
     NO_TARGET_WARNING,
@@ -77,6 +77,12 @@ log = logging.getLogger("servewatch.runtime")
 
 #: Seconds between target re-discovery scans.
 REDISCOVER_INTERVAL_S = 2.0
+#: Once the same targets were found for :data:`REDISCOVER_STABLE_AFTER_S`, full scans (every
+#: process's parent, host-wide) run this often; in between, every :data:`REDISCOVER_INTERVAL_S`,
+#: only the known targets are checked (a signal 0 each), and one that is gone brings a full scan
+#: at once and the short interval back.
+REDISCOVER_STABLE_INTERVAL_S = 10.0
+REDISCOVER_STABLE_AFTER_S = 30.0
 #: Targets remembered after they were last seen alive (to report a rank that died as dead).
 MAX_REMEMBERED_TARGETS = 4096
 #: Seconds between the event loop's heartbeats to the span rings (the drain thread also beats at
@@ -700,9 +706,15 @@ class Agent:
         runs as usual: discovery never takes the agent down.
         """
         started = False
+        found: frozenset[tuple[int, float]] = frozenset()
+        same_since = time.monotonic()
         while True:
             try:
-                await self._discover_round(tg)
+                targets = await self._discover_round(tg)
+                now = time.monotonic()
+                keys = frozenset((t.pid, t.create_time_s) for t in targets)
+                if keys != found:
+                    found, same_since = keys, now
             except Exception as exc:  # the boundary: a bug in one round must not stop the agent
                 log.exception("target discovery round failed")
                 await self._set_status(
@@ -713,9 +725,14 @@ class Agent:
                 started = True
                 task_status.started()
             await anyio.sleep(REDISCOVER_INTERVAL_S)
+            if found and time.monotonic() - same_since >= REDISCOVER_STABLE_AFTER_S:
+                # a stable set: check the known targets cheaply until the next full scan
+                next_scan = time.monotonic() + REDISCOVER_STABLE_INTERVAL_S - REDISCOVER_INTERVAL_S
+                while time.monotonic() < next_scan and all(pid_alive(pid) for pid, _ in found):
+                    await anyio.sleep(REDISCOVER_INTERVAL_S)
 
-    async def _discover_round(self, tg: TaskGroup) -> None:
-        """One discovery round (see :meth:`_supervise`)."""
+    async def _discover_round(self, tg: TaskGroup) -> list[Target]:
+        """One discovery round (see :meth:`_supervise`); returns the targets found."""
         try:
             targets = await anyio.to_thread.run_sync(self.discover)
         except Exception:  # discovery must never take the agent down
@@ -763,6 +780,7 @@ class Agent:
         elif targets and self._told_no_target:
             self._told_no_target = False
             log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
+        return targets
 
 
 async def _trim_memory(interval_s: float) -> None:

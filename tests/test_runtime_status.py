@@ -203,3 +203,37 @@ async def test_a_bug_handling_one_trigger_does_not_stop_the_incident_loop(tmp_pa
         tg.cancel_scope.cancel()
     assert [r.opened.trigger for r in manager.records] == ["exit"]
     assert manager.exits_handled == {1, 2}
+
+
+async def test_a_stable_target_set_is_rescanned_rarely_and_at_once_when_a_target_goes(
+    tmp_path: Path, spawn, python: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "REDISCOVER_INTERVAL_S", 0.1)
+    monkeypatch.setattr(runtime, "REDISCOVER_STABLE_AFTER_S", 0.5)
+    monkeypatch.setattr(runtime, "REDISCOVER_STABLE_INTERVAL_S", 30.0)
+    a = spawn([python, "-c", "import time; time.sleep(60)"])
+    b = spawn([python, "-c", "import time; time.sleep(60)"])
+    settings = {"data_dir": tmp_path, "target": {"pids": [a.pid, b.pid]}, "export": {"metrics": False}}
+    agent = Agent(load_settings(settings))
+    scans: list[float] = []
+    real_discover = agent.discover
+
+    def counting_discover():  # type: ignore[no-untyped-def]
+        scans.append(time.monotonic())
+        return real_discover()
+
+    agent.discover = counting_discover  # type: ignore[method-assign]
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            await wait_until(lambda: (s := agent.status.get("process")) is not None and "2 target" in s.reason)
+            await anyio.sleep(1.0)  # stable by now
+            before = len(scans)
+            await anyio.sleep(1.5)  # fast mode would scan ~15 times here
+            assert len(scans) - before <= 1
+            b.kill()
+            await anyio.to_thread.run_sync(b.wait)  # reaped: the pid is gone
+            gone_at = time.monotonic()
+            await wait_until(lambda: "1 target" in agent.status.get("process").reason, timeout_s=10)
+            assert any(t >= gone_at for t in scans)  # a full scan right after, not 30 s later
+            agent.stop()

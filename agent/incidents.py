@@ -41,7 +41,7 @@ import os
 import secrets
 import signal as signal_mod
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -399,6 +399,8 @@ class IncidentManager:
         self._expected_exits: set[int] = set()
         #: after hard mode's signal: (until, pids of that server's tree, the incident)
         self._hard_windows: list[tuple[float, frozenset[int], IncidentRecord]] = []
+        # closed incidents whose manifest changed since (a knock-on exit): written off the loop
+        self._unsaved: list[IncidentRecord] = []
         self._lock = anyio.Lock()
 
     # -- triggers ---------------------------------------------------------------------------
@@ -456,13 +458,11 @@ class IncidentManager:
         return None
 
     def _note_exit_after_hard_signal(self, record: IncidentRecord, event: TargetExited) -> None:
-        """Record a knock-on exit on the incident whose hard signal caused it (manifest updated)."""
+        """Record a knock-on exit on the incident whose hard signal caused it (its manifest is
+        rewritten by :meth:`_handle_trigger`, off the loop)."""
         record.exits_after_hard_signal[event.pid] = f"{event.title or 'pid ' + str(event.pid)}: {describe_exit(event)}"
-        if record is not self.current:  # a running incident writes its manifest itself
-            try:
-                self._write_manifest(record)
-            except OSError as exc:
-                log.warning("cannot update %s: %s", record.manifest_path, exc)
+        if record is not self.current and record not in self._unsaved:  # a running one writes its own
+            self._unsaved.append(record)
 
     def interrupt(self, reason: str = "agent stopping") -> bool:
         """Finish the running phase, skip the rest, and write the incident ``interrupted``.
@@ -480,8 +480,11 @@ class IncidentManager:
                 await anyio.sleep(0.05)
         return self.current is None
 
-    def _write_manifest(self, record: IncidentRecord) -> None:
-        _write_json(record.manifest_path, record.to_manifest(host_name=self.host_name))
+    async def _save_manifest(self, record: IncidentRecord) -> None:
+        """Write the record's manifest off the event loop (an atomic write: fsync); the manifest
+        is taken from the record here, on the loop, so the file shows this moment's state."""
+        manifest = record.to_manifest(host_name=self.host_name)
+        await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest)
 
     def _cooling_down(self, trigger: str, pid: int | None) -> bool:
         # One key per trigger kind: TP ranks run in lockstep, so a hang stalls (or a crash
@@ -510,6 +513,8 @@ class IncidentManager:
     async def _handle_trigger(self, event: Event) -> None:
         """Open an incident for one trigger event, unless it is none, cooling down or not admitted."""
         triggered = self.classify(event)
+        while self._unsaved:
+            await self._save_manifest(self._unsaved.pop(0))
         if triggered is None:
             return
         trigger, pid, detail = triggered
@@ -569,11 +574,12 @@ class IncidentManager:
         incident_id = _incident_id(trigger)
         bundle_dir = self.data_dir / self.host_name / incident_id
         try:
-            ensure_private_dir(bundle_dir)  # 0700: stacks and request ids are not for every user
+            # 0700: stacks and request ids are not for every user
+            await anyio.to_thread.run_sync(ensure_private_dir, bundle_dir)
         except OSError as exc:  # disk full, data dir removed: the spans still carry the evidence
             log.error("cannot create bundle folder %s: %s", bundle_dir, exc)
         try:
-            targets = self.discover()
+            targets = await anyio.to_thread.run_sync(self.discover)  # a /proc scan
         except Exception:  # discovery must never take the agent down
             log.exception("target discovery failed")
             targets = []
@@ -624,11 +630,11 @@ class IncidentManager:
                     f"{self._interrupt or 'agent stopped'} during {record.phases_pending[0] if record.phases_pending else 'the incident'}"
                 )
                 record.closed_time_unix_nano = now_ns()
-                self._write_manifest(record)
+                await self._save_manifest(record)
                 with anyio.move_on_after(1.0):
                     await self._publish_closed(record)
                     record.root_published = True
-                    self._write_manifest(record)
+                    await self._save_manifest(record)
                 self.records.append(record)
                 if self.on_incident is not None:
                     try:
@@ -692,7 +698,7 @@ class IncidentManager:
         record.phases_done.append(name)
         if name in record.phases_pending:
             record.phases_pending.remove(name)
-        self._write_manifest(record)
+        await self._save_manifest(record)
 
     def _stop_phases(self, record: IncidentRecord) -> bool:
         """True (and the record marked interrupted) when an interrupt asked to skip what is left."""
@@ -712,7 +718,7 @@ class IncidentManager:
         bundle_dir = record.bundle_dir
         inflight = record.inflight
         targets = record.targets
-        self._write_manifest(record)  # visible at once: state open
+        await self._save_manifest(record)  # visible at once: state open
         await self.bus.publish(opened)
         log.info("incident %s opened: %s: %s", incident_id, trigger, opened.detail)
         companions = [start(opened) for start in self.companions]
@@ -729,14 +735,12 @@ class IncidentManager:
             await self._run_one_phase(record, name, phase, event_cls)
 
         if inflight:
-            _write_json(
-                bundle_dir / "requests.json",
-                {
-                    "incident_id": incident_id,
-                    "captured_time_unix_nano": opened.time_unix_nano,
-                    "requests": [r.to_json(with_prompt=self.config.capture_prompts) for r in inflight],
-                },
-            )
+            requests = {
+                "incident_id": incident_id,
+                "captured_time_unix_nano": opened.time_unix_nano,
+                "requests": [r.to_json(with_prompt=self.config.capture_prompts) for r in inflight],
+            }
+            await anyio.to_thread.run_sync(_write_json, bundle_dir / "requests.json", requests)
 
         if self.judge is not None:
             t0 = time.monotonic()
@@ -757,11 +761,13 @@ class IncidentManager:
                     await self.bus.publish(event)
 
         if self.hard_signal is not None and trigger == Trigger.STALL and not self._interrupt:
-            for result in self._send_hard_signal(record, pid):
+            # the server's tree before the signal (its ranks exit soon after the culprit): a /proc scan
+            tree = await anyio.to_thread.run_sync(_server_tree, record.targets)
+            for result in self._send_hard_signal(record, pid, server_tree=tree):
                 record.results.append(result)
                 await self.bus.publish(HardSignalSent(source="incidents", incident_id=incident_id, result=result))
 
-        self._write_manifest(record)
+        await self._save_manifest(record)
         if self.on_summary is not None:
             self.on_summary(record)  # stacks and coredumps are in: a profile never delays this
         for name, phase, event_cls in deferred:
@@ -772,17 +778,27 @@ class IncidentManager:
         record.closed_time_unix_nano = now_ns()
         if record.state == STATE_OPEN:
             record.state = STATE_CLOSED
-        self._write_manifest(record)
+        # shielded, bounded file writes: an incident written closed is not turned "interrupted"
+        # by a cancellation arriving during the write, nor recorded twice
+        with anyio.CancelScope(shield=True):
+            await self._save_manifest(record)
         self.records.append(record)
         await self._publish_closed(record)
         record.root_published = True
-        self._write_manifest(record)
+        with anyio.CancelScope(shield=True):
+            await self._save_manifest(record)
         if self.on_incident is not None:
             self.on_incident(record)
         return record
 
-    def _send_hard_signal(self, record: IncidentRecord, pid: int | None) -> list[ActionResult]:
-        """Signal the culprit rank(s) (or every target, per ``hard_targets``); one result each."""
+    def _send_hard_signal(
+        self, record: IncidentRecord, pid: int | None, *, server_tree: Iterable[int] = ()
+    ) -> list[ActionResult]:
+        """Signal the culprit rank(s) (or every target, per ``hard_targets``); one result each.
+
+        ``server_tree``: the server's processes (:func:`_server_tree`), whose exits within the
+        grace are knock-on exits of this signal, not new incidents.
+        """
         sig = self.hard_signal
         if sig is None:
             return []
@@ -798,8 +814,7 @@ class IncidentManager:
             why = "no culprit named; the stalled target" if pid is not None else "no culprit named; every target"
         name = signal_mod.Signals(sig).name
         results: list[ActionResult] = []
-        # the server's tree before the signal: its ranks exit soon after the culprit (collectives)
-        tree = frozenset({*pids, *(t.pid for t in record.targets), *_server_tree(record.targets)})
+        tree = frozenset({*pids, *(t.pid for t in record.targets), *server_tree})
         for target_pid in pids:
             start = now_ns()
             try:
@@ -912,7 +927,7 @@ async def recover_interrupted(bus: EventBus, data_dir: Path, host_name: str) -> 
             "root_published": True,
             "recovered_time_unix_nano": now_ns(),
         })
-        _write_json(path, recovered)
+        await anyio.to_thread.run_sync(_write_json, path, recovered)
         log.warning("incident %s was interrupted (%s); its bundle is closed now", m.incident_id, reason)
         closed.append(m.incident_id)
     return closed

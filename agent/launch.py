@@ -306,7 +306,7 @@ async def run_launched(
     """
     if not argv:
         raise ValueError("no server command given (servewatch launch [OPTIONS] -- CMD ...)")
-    _check_command(str(argv[0]), env, cwd)
+    await anyio.to_thread.run_sync(_check_command, str(argv[0]), env, cwd)  # PATH lookup: stats
     with anyio.open_signal_receiver(*forward_signals) as receiver:
         try:
             process = await anyio.open_process(

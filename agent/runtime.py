@@ -32,7 +32,6 @@ from agent.actors import ACTORS, Actor
 from agent.bus import EventBus, Subscription
 from agent.config import Settings
 from agent.events import (
-    Action,
     ActionCompleted,
     ActionResult,
     ComponentStatus,
@@ -339,14 +338,15 @@ class Agent:
             RuntimeError: interrupted before the incident opened.
         """
         await anyio.to_thread.run_sync(_remove_stale_temps, self.settings.data_dir)
-        self._start_exporters(one_shot=True)
+        # the span files, spool and their folders: file system work, off the loop
+        await anyio.to_thread.run_sync(partial(self._start_exporters, one_shot=True))
         feeds = self._subscribe_exporters()
         try:
             async with anyio.create_task_group() as tg:
                 for exporter, sub in feeds:
                     tg.start_soon(mirror_events, exporter, sub)
                 await self._check_actors()
-                targets = self.discover()
+                targets = await anyio.to_thread.run_sync(self.discover)  # a /proc scan
                 signal_scope = anyio.CancelScope()
                 with anyio.CancelScope() as incident_scope:
                     if handle_signals:
@@ -442,7 +442,7 @@ class Agent:
         s = self.settings
         limit_arenas()  # before the export, shipper and worker threads start: a flat RSS over days
         await anyio.to_thread.run_sync(_remove_stale_temps, s.data_dir)
-        self._start_exporters()
+        await anyio.to_thread.run_sync(self._start_exporters)  # span files, spool: off the loop
         assert self.telemetry is not None, "the otlp exporter is registered"
         feeds = self._subscribe_exporters()
         metrics_sub = self.bus.subscribe(
@@ -529,14 +529,19 @@ class Agent:
                     state = WatcherState(event.state)
                 except ValueError:
                     continue
-                self.status.set(event.watcher, state, event.reason)
+                changed = self.status.set(event.watcher, state, event.reason, write=False)
             elif isinstance(event, ComponentStatusChanged) and event.component in self.actors:
                 ok = event.status is ComponentStatus.OK  # an actor's startup check (py-spy's binary)
-                self.status.set(
+                changed = self.status.set(
                     event.component,
                     WatcherState.READY if ok else WatcherState.BLIND,
                     f"ready: {event.detail}" if ok and event.detail else (event.detail or event.status.value),
+                    write=False,
                 )
+            else:
+                continue
+            if changed:
+                await anyio.to_thread.run_sync(self.status.write)  # the status file, off the loop
 
     async def _set_status(self, name: str, state: WatcherState, reason: str) -> None:
         """Publish a status the runtime itself decides (steps, process, a crashed watcher)."""
@@ -659,7 +664,7 @@ class Agent:
             check = getattr(actor, "check", None)
             if check is None:
                 continue
-            status, detail = check()
+            status, detail = await anyio.to_thread.run_sync(check)  # stats a binary: off the loop
             await self.bus.publish(ComponentStatusChanged(source="runtime", component=name, status=status, detail=detail))
             if status is not ComponentStatus.OK:
                 log.warning("%s unavailable: %s", name, detail)
@@ -745,10 +750,14 @@ class Agent:
             key = (target.pid, target.create_time_s)
             if key in self._step_scopes:
                 continue
-            watchers = [
-                w for per_target in self.watchers.values() if isinstance(per_target, TargetWatchers)
-                for w in (per_target.watchers_for(target) or ())
-            ]
+
+            def watchers_for(target: Target = target) -> list[Watcher]:
+                return [
+                    w for per_target in self.watchers.values() if isinstance(per_target, TargetWatchers)
+                    for w in (per_target.watchers_for(target) or ())
+                ]
+
+            watchers = await anyio.to_thread.run_sync(watchers_for)  # they read the shm counter
             if not watchers:
                 continue  # no SDK counter (yet): the Prometheus watchdog, if any, covers it
             self._step_scopes[key] = await tg.start(self._watch_target_steps, target, watchers)
@@ -807,20 +816,26 @@ async def mirror_events(exporter: Any, sub: Subscription) -> None:
     """
     try:
         async for event in sub:
-            if isinstance(event, ActionCompleted) and event.result.action == Action.PROFILE_SESSION:
-                # importing a torch trace is CPU and file work: keep it off the event loop
-                await anyio.to_thread.run_sync(exporter.handle, event)
-            else:
-                exporter.handle(event)
+            # the mirror writes spans write-ahead (span files, the spool) and imports a profile's
+            # torch trace: file and CPU work, kept off the event loop; one event at a time
+            await anyio.to_thread.run_sync(exporter.handle, event)
     finally:
+        pending = []
         while True:
             try:
-                exporter.handle(sub.receive_nowait())
+                pending.append(sub.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
-        close_open = getattr(exporter, "close_open", None)
-        if close_open is not None:
-            close_open(reason="agent stopped")
+
+        def flush() -> None:
+            for event in pending:
+                exporter.handle(event)
+            close_open = getattr(exporter, "close_open", None)
+            if close_open is not None:
+                close_open(reason="agent stopped")
+
+        with anyio.CancelScope(shield=True):  # bounded: the sink's writes of what was captured
+            await anyio.to_thread.run_sync(flush)
         sub.close()
 
 

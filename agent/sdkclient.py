@@ -144,8 +144,9 @@ async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid
             (socket mode or peer-uid refusal), ``TIMED_OUT``, ``FAILED`` (bad reply, over
             :data:`MAX_REPLY_BYTES`).
     """
-    owners = _target_uids(pid)
-    problem = _socket_owner_problem(path, owners)
+    # /proc/PID's owner and the socket's lstat: file system calls, off the loop
+    owners = await anyio.to_thread.run_sync(_target_uids, pid)
+    problem = await anyio.to_thread.run_sync(_socket_owner_problem, path, owners)
     if problem is not None:
         raise SdkCallError(Outcome.PERMISSION_DENIED, f"untrusted control socket: {problem}")
     try:
@@ -220,7 +221,7 @@ async def read_inflight(
 
     async def one(target: Target) -> None:
         path = control_path(target.pid, socket_dir)
-        if not path.exists():
+        if not await anyio.Path(path).exists():
             return
         try:
             reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s, pid=target.pid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.blocking import blocking_checked
 
 TESTS_DIR = Path(__file__).resolve().parent
 PROGRAMS_DIR = TESTS_DIR / "programs"
@@ -70,3 +73,14 @@ def _private_shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
         os.environ.pop("SERVEWATCH_SHM_DIR", None)
     else:
         os.environ["SERVEWATCH_SHM_DIR"] = previous
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_on_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every ``async def`` test runs with blocking calls on the event loop from agent or
+    exporter code made errors (blockbuster; tests/blocking.py says what is checked and allowed)."""
+    if not inspect.iscoroutinefunction(getattr(request.node, "function", None)):
+        yield
+        return
+    with blocking_checked():
+        yield

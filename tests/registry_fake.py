@@ -53,13 +53,14 @@ class ProbeActor:
         for target in targets:
             start = now_ns()
             try:
-                raw = Path(f"/proc/{target.pid}/cmdline").read_bytes()[: self.max_bytes]
+                # file reads off the event loop (tests/blocking.py checks): cmdline waits on the target's mmap lock
+                raw = (await anyio.Path(f"/proc/{target.pid}/cmdline").read_bytes())[: self.max_bytes]
             except OSError as exc:
                 results.append(ActionResult(action=PROBE_ACTION, outcome=Outcome.NO_SUCH_PROCESS, pid=target.pid,
                                             detail=str(exc), start_time_unix_nano=start, end_time_unix_nano=now_ns()))
                 continue
             out = artifact_dir / f"probe-{target.pid}.txt"
-            out.write_bytes(raw.replace(b"\0", b" ").strip())
+            await anyio.Path(out).write_bytes(raw.replace(b"\0", b" ").strip())
             results.append(ActionResult(action=PROBE_ACTION, outcome=Outcome.OK, pid=target.pid,
                                         detail=f"{len(raw)} bytes of cmdline", artifact_paths=(str(out),),
                                         start_time_unix_nano=start, end_time_unix_nano=now_ns()))

@@ -43,10 +43,11 @@ def base_env() -> dict[str, str]:
 
 
 async def wait_for_file(path: Path, *, timeout_s: float = 30) -> str:
+    """Runs as the agent's body inside launch: its file checks stay off the event loop."""
     with anyio.fail_after(timeout_s):
-        while not path.exists():
+        while not await anyio.Path(path).exists():
             await anyio.sleep(0.02)
-    return path.read_text()
+    return await anyio.Path(path).read_text()
 
 
 def test_launch_env_user_values_win(tmp_path: Path) -> None:
@@ -193,7 +194,8 @@ async def test_launch_arms_child_and_agent_triggers_its_coredump(tmp_path: Path,
 
     async def agent_main(pid: int) -> None:
         with anyio.fail_after(30):
-            while not (status_file.exists() and json.loads(status_file.read_text()).get("armed")):
+            status = anyio.Path(status_file)  # the agent's body: file checks off the event loop
+            while not (await status.exists() and json.loads(await status.read_text()).get("armed")):
                 await anyio.sleep(0.02)
         opened = IncidentOpened(incident_id="inc-launch", trigger="manual", pids=(pid,))
         results.extend(await actor.trigger_all(opened, [Target(pid=pid)], artifact_dir=tmp_path))

@@ -252,7 +252,7 @@ class FlightRecorderActor:
         from agent.sdkclient import SdkCallError, control_path, sdk_call
 
         path = control_path(target.pid, self.config.socket_dir)
-        if path.exists():
+        if await anyio.Path(path).exists():
             try:
                 with anyio.move_on_after(min(1.0, self.config.timeout_s / 2)):
                     reply = await sdk_call(path, {"cmd": "status"}, timeout_s=1.0)
@@ -266,7 +266,7 @@ class FlightRecorderActor:
         by_title = rank_from_title(target.title)
         if by_title is not None:
             return by_title
-        env = self._environ(target.pid)
+        env = await anyio.to_thread.run_sync(self._environ, target.pid)  # /proc/PID/environ
         for key in ("RANK", "LOCAL_RANK"):
             if env.get(key, "").isdigit():
                 return int(env[key])
@@ -312,10 +312,11 @@ class FlightRecorderActor:
 
         path = worker_path(target.pid, self.config.socket_dir)
         try:
-            st = os.lstat(path)
+            st = await anyio.to_thread.run_sync(os.lstat, path)
         except FileNotFoundError:
             raise _SourceMissing from None
-        if not stat.S_ISSOCK(st.st_mode) or not trusted_owner(st, process_uids(target.pid)):
+        owners = await anyio.to_thread.run_sync(process_uids, target.pid)
+        if not stat.S_ISSOCK(st.st_mode) or not trusted_owner(st, owners):
             raise _SourceFailed(f"{path} is not a socket owned by the target's user (uid {st.st_uid}): not trusted")
         try:
             stream = await anyio.connect_unix(str(path))
@@ -331,7 +332,7 @@ class FlightRecorderActor:
         from agent.sdkclient import SdkCallError, control_path, sdk_call
 
         path = control_path(target.pid, self.config.socket_dir)
-        if not path.exists():
+        if not await anyio.Path(path).exists():
             raise _SourceMissing
         try:
             reply = await sdk_call(path, {"cmd": "fr_trace"}, timeout_s=self.config.timeout_s)
@@ -364,7 +365,7 @@ class FlightRecorderActor:
         raise _SourceMissing
 
     async def _from_nccl_pipe(self, target: Target, rank: int | None) -> tuple[Any, str]:
-        env = self._environ(target.pid)
+        env = await anyio.to_thread.run_sync(self._environ, target.pid)  # /proc/PID/environ
         stem = env.get(NCCL_PIPE_ENV, "")
         if not stem or rank is None:
             raise _SourceMissing
@@ -372,7 +373,7 @@ class FlightRecorderActor:
         if not pipe.is_absolute():
             pipe = Path(f"/proc/{target.pid}/cwd") / pipe
         try:
-            if not stat.S_ISFIFO(pipe.stat().st_mode):
+            if not stat.S_ISFIFO((await anyio.Path(pipe).stat()).st_mode):
                 raise _SourceFailed(f"{pipe} is not a FIFO")
         except FileNotFoundError:
             raise _SourceMissing from None
@@ -380,34 +381,42 @@ class FlightRecorderActor:
         dump = Path(f"{dump_stem}{rank}")
         if not dump.is_absolute():
             dump = Path(f"/proc/{target.pid}/cwd") / dump
-        before = _mtime_ns(dump)
-        try:
-            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        except OSError as exc:  # ENXIO: nobody reads it (the watchdog thread is gone)
-            raise _SourceFailed(f"{pipe}: {exc.strerror or exc}") from None
-        try:
-            os.write(fd, b"1")
-        finally:
-            os.close(fd)
+        before = await anyio.to_thread.run_sync(_mtime_and_size, dump)
+        await anyio.to_thread.run_sync(_poke_pipe, pipe)
         # the NCCL watchdog polls the pipe about once a second, then writes the dump
         last_size = -1
         while True:
-            now = _mtime_ns(dump)
-            if now is not None and now != before:
-                size = dump.stat().st_size
+            now = await anyio.to_thread.run_sync(_mtime_and_size, dump)
+            if now is not None and (before is None or now[0] != before[0]):
+                size = now[1]
                 if size == last_size and size > 0:
                     break
                 last_size = size
             await anyio.sleep(0.05)
-        data = await anyio.to_thread.run_sync(_read_pickle, dump, process_uids(target.pid))
+        owners = await anyio.to_thread.run_sync(process_uids, target.pid)
+        data = await anyio.to_thread.run_sync(_read_pickle, dump, owners)
         return data, f"{pipe} -> {dump}"
 
 
-def _mtime_ns(path: Path) -> int | None:
+def _poke_pipe(pipe: Path) -> None:
+    """Write one byte to the NCCL debug pipe (non-blocking open: ENXIO when nobody reads it)."""
     try:
-        return path.stat().st_mtime_ns
+        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:  # ENXIO: nobody reads it (the watchdog thread is gone)
+        raise _SourceFailed(f"{pipe}: {exc.strerror or exc}") from None
+    try:
+        os.write(fd, b"1")
+    finally:
+        os.close(fd)
+
+
+def _mtime_and_size(path: Path) -> tuple[int, int] | None:
+    """``(st_mtime_ns, st_size)`` of ``path``, ``None`` when it cannot be stat'ed."""
+    try:
+        st = path.stat()
     except OSError:
         return None
+    return st.st_mtime_ns, st.st_size
 
 
 def _read_pickle(path: Path, owner_uids: Sequence[int]) -> Any:

@@ -37,6 +37,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -223,10 +224,14 @@ async def find_new_files(
     settled: list[Path] = []
     while True:
         now = time.monotonic()
-        current = {directory / n: s for n, s in snapshot_dir(directory).items() if before.get(n) != s}
-        for p in expected:
-            path = Path(p)
-            current[path] = _entry_size(path)
+
+        def scan() -> dict[Path, int]:
+            found = {directory / n: s for n, s in snapshot_dir(directory).items() if before.get(n) != s}
+            for p in expected:
+                found[Path(p)] = _entry_size(Path(p))
+            return found
+
+        current = await anyio.to_thread.run_sync(scan)  # a folder walk: off the loop
         settled = []
         pending = False
         for path, size in current.items():
@@ -286,6 +291,10 @@ class _Session:
             self.attrs["servewatch.profile.start_step"] = req.start_step
         if pid is not None:
             self.attrs["process.pid"] = pid
+
+    async def aresult(self, outcome: Outcome, detail: str, files: Sequence[Path] = (), *, retryable: bool = False) -> ActionResult:
+        """:meth:`result` from a worker thread: it resolves and measures ``files`` (folder walks)."""
+        return await anyio.to_thread.run_sync(partial(self.result, outcome, detail, files, retryable=retryable))
 
     def result(self, outcome: Outcome, detail: str, files: Sequence[Path] = (), *, retryable: bool = False) -> ActionResult:
         paths = tuple(str(Path(f).resolve()) for f in files)
@@ -358,18 +367,23 @@ class ProfilerActor:
 
     async def act(self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path) -> ActionResult:
         """Profile ``target`` for the incident (``on_incident_steps`` steps, else ``num_steps``)."""
-        req = self.request(
+        make_request = partial(
+            self.request,
             num_steps=self.config.on_incident_steps or self.config.num_steps,
             output_dir=self.config.output_dir or artifact_dir,
             timeout_s=min(timeout_s, self.config.max_duration_s),
         )
+        req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
         return await self.profile(req, pid=target.pid)
 
     async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`profile_incident`, skipped
         (one ``SKIPPED`` result) for a stall, or when ``stalled(targets)`` says a target is busy
         with no step: a stalled server takes no steps, so waiting for them would only time out."""
-        if opened.trigger == Trigger.STALL or (self._stalled is not None and self._stalled(targets)):
+        stalled = self._stalled
+        if opened.trigger == Trigger.STALL or (
+            stalled is not None and await anyio.to_thread.run_sync(stalled, targets)  # shm counter reads
+        ):
             t = now_ns()
             return [ActionResult(action=ACTION, outcome=Outcome.SKIPPED, detail="no steps: server stalled",
                                  start_time_unix_nano=t, end_time_unix_nano=t)]
@@ -385,10 +399,11 @@ class ProfilerActor:
         session through the server's HTTP endpoint.
         """
         c = self.config
-        req = self.request(num_steps=c.on_incident_steps or c.num_steps, output_dir=c.output_dir or artifact_dir)
+        make_request = partial(self.request, num_steps=c.on_incident_steps or c.num_steps, output_dir=c.output_dir or artifact_dir)
+        req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
         if c.backend != "sdk":
             return [await self.profile(req)]
-        with_socket = [t for t in targets if self.socket_for(t.pid).exists()]
+        with_socket = [t for t in targets if await anyio.Path(self.socket_for(t.pid)).exists()]
         if not with_socket:
             s = _Session("sdk", req, None)
             return [s.result(Outcome.SKIPPED, "no target serves an SDK control socket (agent.sdk.serve_control())")]
@@ -474,12 +489,14 @@ class ProfilerActor:
             s.attrs["servewatch.profile.metal_trace_captured"] = bool(info["metal_trace_captured"])
         s.attrs["servewatch.profile.profiler"] = str(info.get("backend", c.sdk_profiler))
         # The SDK reports a session finished only after its export returned.
-        files = [Path(f) for f in info.get("files") or () if _entry_size(Path(f)) > 0]
+        reported = [Path(f) for f in info.get("files") or ()]
+        sizes = await anyio.to_thread.run_sync(lambda: [_entry_size(f) for f in reported])  # stats/walks
+        files = [f for f, size in zip(reported, sizes) if size > 0]
         note = f" {info['detail']}" if info.get("detail") else ""
         if not info.get("finished"):
             return s.result(Outcome.TIMED_OUT, f"session {sid} still {state} after the deadline (the model thread has not stepped){note}", retryable=True)
         if state in ("completed", "stopped") and files:
-            return s.result(Outcome.OK, f"{state}: {s.attrs['servewatch.profile.steps_captured']} steps, {len(files)} file(s){note}", files)
+            return await s.aresult(Outcome.OK, f"{state}: {s.attrs['servewatch.profile.steps_captured']} steps, {len(files)} file(s){note}", files)
         if state == "expired":
             steps = s.attrs["servewatch.profile.steps_captured"]
             return s.result(
@@ -493,7 +510,7 @@ class ProfilerActor:
         if state == "cancelled":
             return s.result(Outcome.ALREADY_STOPPED, f"session cancelled before it started{note}")
         err = info.get("error") or "the session produced no trace file"
-        return s.result(Outcome.FAILED, f"{state}: {err}{' (stopped by servewatch)' if stopped_by_us else ''}", files)
+        return await s.aresult(Outcome.FAILED, f"{state}: {err}{' (stopped by servewatch)' if stopped_by_us else ''}", files)
 
     async def _sdk_wait(self, sock: Path, sid: str, timeout_s: float, pid: int | None = None) -> dict[str, Any] | None:
         deadline = time.monotonic() + timeout_s
@@ -521,8 +538,12 @@ class ProfilerActor:
     async def _http_session(self, s: _Session) -> ActionResult:
         c, req = self.config, s.req
         s.attrs["url.full"] = c.base_url
-        req.output_dir.mkdir(parents=True, exist_ok=True)
-        before = snapshot_dir(req.output_dir)
+
+        def prepare() -> dict[str, int]:
+            req.output_dir.mkdir(parents=True, exist_ok=True)
+            return snapshot_dir(req.output_dir)
+
+        before = await anyio.to_thread.run_sync(prepare)  # file system: off the loop
         async with self._client() as client:
             if c.backend == "sglang":
                 body: dict[str, Any] = {
@@ -565,7 +586,7 @@ class ProfilerActor:
                 )
             s.attrs["servewatch.profile.stop"] = stop_status
         if files:
-            return s.result(Outcome.OK, f"{len(files)} trace file(s) in {req.output_dir} (stop: {stop_status})", files)
+            return await s.aresult(Outcome.OK, f"{len(files)} trace file(s) in {req.output_dir} (stop: {stop_status})", files)
         timed_out = time.monotonic() >= deadline
         return s.result(
             Outcome.TIMED_OUT if timed_out else Outcome.FAILED,
@@ -623,10 +644,13 @@ async def profile_once(
         The session's result (``OK`` with the trace paths, or why not).
     """
     actor = ProfilerActor(config)
-    req = actor.request(num_steps=steps, start_step=start_step, activities=activities, output_dir=out_dir, timeout_s=timeout_s)
+    make_request = partial(
+        actor.request, num_steps=steps, start_step=start_step, activities=activities, output_dir=out_dir, timeout_s=timeout_s
+    )
+    req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
     if config.backend == "sdk" and pid is None:
         folder = control_path(0, config.socket_dir).parent
-        pids = control_socket_pids(config.socket_dir)
+        pids = await anyio.to_thread.run_sync(control_socket_pids, config.socket_dir)  # lists the folder
         if len(pids) != 1:
             s = _Session("sdk", req, None)
             found = "no" if not pids else f"{len(pids)} ({', '.join(map(str, pids))})"

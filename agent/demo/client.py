@@ -115,11 +115,11 @@ async def await_ready(
     """Async :func:`wait_ready` (polls with ``anyio.sleep``; same arguments, result and errors)."""
     with anyio.move_on_after(timeout_s):
         while True:
-            doc = _read_ready(ready_file)
+            doc = await anyio.to_thread.run_sync(_read_ready, ready_file)
             if doc is not None:
                 return doc
             if proc is not None and proc.poll() is not None:
-                raise _exited_error(proc, log_path)
+                raise await anyio.to_thread.run_sync(_exited_error, proc, log_path)  # reads the log
             await anyio.sleep(_POLL_S)
     raise DemoServerError(f"demo server not ready after {timeout_s} s")
 
@@ -298,7 +298,7 @@ class DemoServer:
 
     async def astart(self) -> Self:
         """Async :meth:`start`."""
-        ready_file = self._launch()
+        ready_file = await anyio.to_thread.run_sync(self._launch)  # a temporary folder, a log file
         assert self.proc is not None
         try:
             self.info = await await_ready(ready_file, self.ready_timeout_s, proc=self.proc, log_path=self.log_path)

@@ -175,10 +175,12 @@ class Fleet:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start the API (bound when this reports started) and serve until cancelled."""
         api = self.api_config
-        self._token = read_token_file(api.token_file) if api.token_file is not None else None
+        # the token and TLS files: file reads, off the event loop
+        self._token = await anyio.to_thread.run_sync(read_token_file, api.token_file) if api.token_file is not None else None
+        ssl_context = await anyio.to_thread.run_sync(server_ssl_context, api)
         self.api = AgentApi(self, token=self._token, mutual_tls=api.mutual_tls, rate_per_s=api.rate_per_s, rate_burst=api.rate_burst)
         self.server = HttpServer(
-            self.api, host=api.host, port=api.port, ssl_context=server_ssl_context(api), max_body_bytes=api.max_body_bytes,
+            self.api, host=api.host, port=api.port, ssl_context=ssl_context, max_body_bytes=api.max_body_bytes,
             read_timeout_s=api.read_timeout_s, max_connections=api.max_connections,
         )
         cfg = self.config

@@ -210,7 +210,7 @@ class ProcessWatcher:
             return None, None
         status = _waitid_nowait(pidfd, watched.target.pid)
         if status is None:  # not our child: a zombie still shows its status in /proc/PID/stat
-            status = zombie_exit_status(watched.target.pid)
+            status = await anyio.to_thread.run_sync(zombie_exit_status, watched.target.pid)
         return status if status is not None else (None, None)
 
 

@@ -226,8 +226,14 @@ class StatusBoard:
         self.changes = 0
         self._write_failed = False
 
-    def set(self, name: str, state: WatcherState, reason: str = "", *, log_change: bool = True) -> bool:
-        """Record ``name``'s status. Returns whether it changed (state or reason)."""
+    def set(
+        self, name: str, state: WatcherState, reason: str = "", *, log_change: bool = True, write: bool = True
+    ) -> bool:
+        """Record ``name``'s status. Returns whether it changed (state or reason).
+
+        ``write=False`` leaves writing the status file to the caller (:meth:`write`, from a
+        worker thread when the caller runs on the event loop).
+        """
         with self._lock:
             old = self._statuses.get(name)
             if old is not None and old.state is state and old.reason == reason:
@@ -240,7 +246,8 @@ class StatusBoard:
         if log_change:
             blind = state is WatcherState.BLIND and self.warn_blind
             log.log(logging.WARNING if blind else logging.INFO, "%s", status.line())
-        self.write()
+        if write:
+            self.write()
         if self.on_change is not None:
             self.on_change(status)
         return True

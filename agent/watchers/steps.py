@@ -192,7 +192,7 @@ class ShmStepSource:
 
     async def read(self) -> StepReading | None:
         """Read the counter file; ``None`` when missing, stale or its process is gone."""
-        return self.read_now()
+        return await anyio.to_thread.run_sync(self.read_now)
 
     async def aclose(self) -> None:
         """Nothing to release (the file is opened per read)."""

@@ -47,10 +47,15 @@ __all__ = ["ALLOWED", "SCANNED", "UNCHECKED", "blocking_checked"]
 SCANNED = ("agent", "exporters")
 #: Wrapped functions left off (see the module docstring).
 UNCHECKED = ("threading.Lock.acquire", "threading.Lock.acquire_lock")
+#: What reading and finding files calls (an import, ``find_library``): no writes.
+_READS = (
+    "io.BufferedReader.read", "io.TextIOWrapper.read", "os.read", "os.stat", "os.listdir", "os.scandir",
+    "os.getcwd", "os.path.abspath", "os.path.islink", "os.readlink", "os.access",
+)
 #: Bounded blocking calls allowed on the loop: (file suffix, function names) -> wrapped calls.
 ALLOWED: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {
-    ("agent/lazy.py", frozenset({"_load"})): ("io.BufferedReader.read", "os.listdir", "os.stat"),
-    ("agent/memory.py", frozenset({"_glibc"})): ("os.read", "io.BufferedReader.read", "os.stat", "os.listdir"),
+    ("agent/lazy.py", frozenset({"_load"})): _READS,
+    ("agent/memory.py", frozenset({"_glibc"})): _READS,
     ("agent/targets.py", frozenset({"process_state"})): ("io.BufferedReader.read", "os.stat"),
 }
 

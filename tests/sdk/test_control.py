@@ -71,8 +71,12 @@ def test_socket_is_private_and_found_from_the_pid(target, tmp_path: Path) -> Non
 
 def test_all_four_commands_against_a_real_model(target, tmp_path: Path) -> None:
     _, _pid, path = target()
-    time.sleep(0.2)  # let a few steps and requests happen
-    status, inflight, stop = _ask(path, {"cmd": "status"}, {"cmd": "inflight"}, {"cmd": "profile.stop"})
+    deadline = time.monotonic() + 30.0  # until a few steps ran and a request is in flight
+    while True:
+        status, inflight, stop = _ask(path, {"cmd": "status"}, {"cmd": "inflight"}, {"cmd": "profile.stop"})
+        if (status["forward_ct"] > 0 and inflight["requests"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert status["forward_ct"] > 0 and status["inflight"] >= 1
     reqs = inflight["requests"]
     assert reqs and all(r["request_id"].startswith("req-") and len(r["span_id"]) == 16 and len(r["trace_id"]) == 32 for r in reqs)

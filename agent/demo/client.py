@@ -216,7 +216,7 @@ class DemoServer:
         python: str | None = None,
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 120.0,
-        stop_timeout_s: float = 10.0,
+        stop_timeout_s: float = 15.0,
     ) -> None:
         self.tp = tp
         self.port = port

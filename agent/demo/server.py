@@ -242,7 +242,7 @@ class DemoFrontend:
                 self.errors.append(f"TP{msg[1]}: {msg[2]}")
                 print(f"demo server: scheduler TP{msg[1]}: {msg[2]}", file=sys.stderr, flush=True)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float = 4.0) -> None:
         """Stop the ranks: ask, then SIGTERM, then SIGKILL.
 
         A hung rank never reads the request, so asking waits only ``grace_s / 2``; SIGTERM (which a

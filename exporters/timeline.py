@@ -112,7 +112,7 @@ def verdict_headline(verdict: dict[str, Any]) -> str:
 
 
 def _verdict_panel(verdict: dict[str, Any]) -> Panel:
-    body = Text()
+    body = Text(no_wrap=False, overflow="fold")  # wraps at any width: a pasted verdict is never cut
     body.append(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")
     for line in (verdict.get("evidence") or [])[:16]:
         body.append("\n  " + str(line))
@@ -120,7 +120,7 @@ def _verdict_panel(verdict: dict[str, Any]) -> Panel:
 
 
 def _header(tl: IncidentTimeline) -> Panel:
-    body = Text()
+    body = Text(no_wrap=False, overflow="fold")
     body.append("trigger  ", style="bold")
     body.append(tl.trigger, style="bold red" if tl.trigger != Trigger.MANUAL else "bold cyan")
     body.append("  ")
@@ -303,8 +303,10 @@ def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 
     if tl.spans:
         parts.append(_spans_table(tl, max_spans))
     for warning in tl.warnings:
-        parts.append(Text(f"warning: {warning}", style="yellow"))
-    console.print(Group(*parts))
+        parts.append(Text(f"warning: {warning}", style="yellow", no_wrap=False, overflow="fold"))
+    # soft_wrap=False: the CLI's console soft-wraps (no_wrap for every renderable), which would crop
+    # panel text at the console width when stdout is a file or pipe; panels and cells wrap instead.
+    console.print(Group(*parts), soft_wrap=False)
 
 
 def render_timeline_text(tl: IncidentTimeline, *, width: int = 120) -> str:

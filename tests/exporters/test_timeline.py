@@ -388,3 +388,35 @@ async def test_bundle_written_by_the_incident_manager_and_pyspy_actor(tmp_path: 
     again = load_incident(got.bundle_dir)
     assert (again.stacks[0].hung_frame, again.stacks[0].hung_frame_source) == (stacks.hung_frame, "stacks")
     assert stacks.hung_frame in render_timeline_text(got, width=250)
+
+
+def test_piped_timeline_wraps_the_verdict_at_80_columns_never_cuts_it(bundle: Bundle, tmp_path: Path) -> None:
+    """``servewatch timeline ... > tl.txt``: stdout is no terminal; every panel line wraps, nothing is cut."""
+    import os
+    import subprocess
+    import sys
+
+    data_dir = tmp_path / "data"
+    shutil.copytree(bundle.data_dir, data_dir)
+    manifest_path = data_dir / HOST / INCIDENT_ID / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    tp0, tp1 = bundle.pids
+    headline = (f"Verdict: culprit rank 0 (pid {tp0}) -- behind: rank 0 never entered all_reduce seq 41 "
+                f"while rank 1 (pid {tp1}) waits in hung_in_fake_allreduce (model.py:17) [confidence high]")
+    evidence = f"rank 1 (pid {tp1}) waits in all_reduce seq 41 for 31.0 s; rank 0 (pid {tp0}) last completed seq 40"
+    manifest["verdict"] = {"headline": headline, "culprit_ranks": [0], "reason": "behind", "confidence": "high",
+                           "kind": "behind", "hung": True, "evidence": [evidence]}
+    manifest_path.write_text(json.dumps(manifest))
+    env = {**os.environ, "COLUMNS": "80", "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.run([sys.executable, "-m", "agent.cli", "timeline", INCIDENT_ID, "--data-dir", str(data_dir)],
+                          capture_output=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+    text = proc.stdout.decode()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    flat = " ".join(text.replace("│", " ").split())
+    assert " ".join(headline.split()) in flat
+    assert " ".join(evidence.split()) in flat
+    # the Text-level API wraps the same way
+    flat_api = " ".join(render_timeline_text(load_incident(data_dir, INCIDENT_ID), width=80).replace("│", " ").split())
+    assert " ".join(headline.split()) in flat_api

@@ -839,9 +839,9 @@ def report(
 
 @app.command()
 def profile(
-    steps: int = typer.Option(..., "--steps", min=1, metavar="N", help="Profile exactly this many forward steps (num_steps)."),
+    steps: int | None = typer.Option(None, "--steps", min=1, metavar="N", help="Profile exactly this many forward steps (default: profiler.num_steps, 5)."),
     start_step: int | None = typer.Option(None, "--start-step", min=0, metavar="STEP", help="Start once forward_ct reaches this step."),
-    activities: str | None = typer.Option(None, "--activities", metavar="LIST", help="Comma-separated: CPU,GPU,MEM (default CPU,GPU)."),
+    activities: str | None = typer.Option(None, "--activities", metavar="LIST", help="Comma-separated: CPU, GPU, MEM, CUDA_PROFILER (sglang only) (default CPU,GPU)."),
     out_dir: Path | None = typer.Option(None, "--out", metavar="DIR", help="Where trace files go (default ./profiles)."),
     pid: int | None = typer.Option(None, "--pid", metavar="PID", help="Target serving the SDK control socket (backend sdk; default: the only one there is)."),
     url: str | None = typer.Option(None, "--url", metavar="URL", help="Server base URL (backends sglang / vllm), e.g. http://127.0.0.1:30000."),
@@ -859,15 +859,20 @@ def profile(
     settings = _settings(
         {
             "data_dir": data_dir,
-            "profiler": {"backend": backend, "base_url": url},
+            "profiler": {"backend": backend, "base_url": url, "num_steps": steps},
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
         },
         config,
     )
-    acts = [a.strip().upper() for a in activities.split(",") if a.strip()] if activities else None
-    if acts is not None and not set(acts) <= {"CPU", "GPU", "MEM", "CUDA_PROFILER"}:
-        fail(f"invalid setting activities: expected CPU, GPU, MEM or CUDA_PROFILER (got {activities!r})", ExitCode.USAGE)
+    from agent.actors.profiler import activities_problem
+
+    acts = [a.strip().upper() for a in activities.split(",") if a.strip()] if activities is not None else None
+    # unknown names before looking for the target, then what the target's backend takes
+    if acts is not None and (problem := activities_problem(acts, "sglang")):
+        fail(f"invalid --activities {activities!r}: {problem}", ExitCode.USAGE)
     settings, pid = _profile_target(settings, pid=pid, url=url, backend=backend)
+    if acts is not None and (problem := activities_problem(acts, settings.profiler.backend)):
+        fail(f"invalid --activities {activities!r}: {problem}", ExitCode.USAGE)
     _data_dir_ready(settings)
     import anyio
 
@@ -876,7 +881,7 @@ def profile(
     agent = Agent.build(settings)
     result, trace_id = anyio.run(
         lambda: agent.profile(
-            pid=pid, steps=steps, start_step=start_step, activities=acts,
+            pid=pid, steps=settings.profiler.num_steps, start_step=start_step, activities=acts,
             out_dir=(out_dir or settings.profiler.output_dir or Path("profiles")).resolve(), timeout_s=timeout,
         )
     )

@@ -58,7 +58,7 @@ def sw(tmp_path: Path, *args: str, timeout_s: float = 60, **env: str) -> subproc
         (["dump", "--pidx", "3"], "servewatch: no such option: --pidx"),
         (["dump", "--pid", "abc"], "servewatch: invalid value for '--pid'"),
         (["run", "--pid", "1", "--watchdog-timeout", "soon"], "servewatch: invalid value for '--watchdog-timeout'"),
-        (["profile", "--pid", "1"], "servewatch: missing option --steps"),
+        (["profile", "--steps", "5", "--activities", "FOO"], "servewatch: invalid --activities 'FOO': expected one or more of"),
         (["run", "--hard-targets"], "servewatch: option '--hard-targets' requires an argument"),
         (["run", "--pid", "1", "--hard-targets", "some"], "servewatch: invalid setting watchdog.hard_targets"),
         (["demo", "--tp", "9"], "servewatch: invalid value for '--tp'"),

@@ -112,3 +112,49 @@ def test_infer_backend_tells_sglang_from_vllm(launch: ProgramLauncher) -> None:
     with pytest.raises(BackendUnknownError) as info:
         infer_backend("http://127.0.0.1:1", timeout_s=2)
     assert not info.value.reachable and str(info.value).startswith("cannot reach http://127.0.0.1:1: ConnectError")
+
+
+def test_steps_default_to_the_num_steps_setting_and_the_summary_reads_cleanly(
+    tmp_path: Path, launch: ProgramLauncher
+) -> None:
+    """No ``--steps``: ``profiler.num_steps`` from the environment, else TOML (CLI > env > TOML);
+    the closing line lists steps, files and what this torch build skipped as separate clauses."""
+    _, line = launch.start("profiled_model.py")
+    pid = line.split()[1]
+    r = sw(tmp_path, "profile", "--pid", pid, "--out", "prof", "--json", "--data-dir", "data",
+           timeout_s=120, SERVEWATCH_PROFILER__NUM_STEPS="3")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["attributes"]["servewatch.profile.steps_captured"] == 3
+    # CPU-only torch here: the default GPU activity is skipped, said as its own clause
+    assert "(completed: 3 steps, 1 file; GPU activity not supported here, skipped)" in r.stderr, r.stderr
+    (tmp_path / "sw.toml").write_text("[profiler]\nnum_steps = 2\n", encoding="utf-8")
+    r = sw(tmp_path, "profile", "--pid", pid, "--activities", "CPU", "--out", "prof", "--json", "--data-dir", "data",
+           "--config", str(tmp_path / "sw.toml"), timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["attributes"]["servewatch.profile.steps_captured"] == 2
+    assert "(completed: 2 steps, 1 file); spans in trace " in r.stderr, r.stderr
+    r = sw(tmp_path, "profile", "--pid", pid, "--steps", "1", "--activities", "CPU", "--out", "prof", "--json",
+           "--data-dir", "data", "--config", str(tmp_path / "sw.toml"), timeout_s=120, SERVEWATCH_PROFILER__NUM_STEPS="3")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["attributes"]["servewatch.profile.steps_captured"] == 1  # the flag wins
+
+
+def test_bad_activities_name_the_flag_and_every_accepted_value(tmp_path: Path, launch: ProgramLauncher) -> None:
+    r = sw(tmp_path, "profile", "--steps", "5", "--activities", "FOO")
+    assert r.returncode == 2
+    assert r.stderr == (
+        "servewatch: invalid --activities 'FOO': expected one or more of CPU, GPU, MEM, CUDA_PROFILER (sglang only),"
+        " comma-separated\n"
+    )
+    _, line = launch.start("profiled_model.py", "--idle")
+    r = sw(tmp_path, "profile", "--pid", line.split()[1], "--activities", "cpu,CUDA_PROFILER")
+    assert r.returncode == 2
+    assert r.stderr == (
+        "servewatch: invalid --activities 'cpu,CUDA_PROFILER': CUDA_PROFILER is for the sglang backend only"
+        " (this one is sdk)\n"
+    )
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    row = next(x for x in readme.splitlines() if x.startswith("| `profiler.activities` "))
+    assert all(f"`{a}`" in row for a in ("CPU", "GPU", "MEM", "CUDA_PROFILER")), row
+    assert not (tmp_path / "cwd" / "profiles").exists() and not list((tmp_path / "cwd").iterdir())

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.abc
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.events import (
     Action,
@@ -72,6 +72,7 @@ __all__ = [
     "ProfilerActor",
     "ProfilerConfig",
     "SessionRequest",
+    "activities_problem",
     "create",
     "find_new_files",
     "profile_once",
@@ -84,6 +85,9 @@ logger = logging.getLogger(__name__)
 ACTION = Action.PROFILE_SESSION
 #: Trace file name endings a session may write (torch Chrome traces, Metal captures, MLX steps).
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".gputrace", ".mlx-steps.json")
+#: Accepted activities, each backend: ``CUDA_PROFILER`` (cudaProfilerStart/Stop, for nsys) is SGLang's.
+ACTIVITIES = ("CPU", "GPU", "MEM", "CUDA_PROFILER")
+SGLANG_ONLY_ACTIVITIES = ("CUDA_PROFILER",)
 _NOT_IN_PROGRESS = "not in progress"
 _ALREADY_RUNNING = "already in progress"
 
@@ -99,9 +103,11 @@ class ProfilerConfig(BaseModel):
         output_dir: where traces are written; ``None`` = the incident bundle folder (incidents)
             or ``./servewatch-profiles`` (``servewatch profile``). For ``vllm`` set it to the
             folder vLLM was launched with.
-        num_steps: forward steps per session for ``servewatch profile`` (default 5).
+        num_steps: forward steps per session for ``servewatch profile`` when ``--steps`` is not given
+            (default 5).
         start_step: start once the target's ``forward_ct`` reaches this (default: next step).
-        activities: ``CPU``, ``GPU``, ``MEM`` (default CPU and GPU).
+        activities: any of ``CPU``, ``GPU``, ``MEM`` and, with the ``sglang`` backend only,
+            ``CUDA_PROFILER`` (default CPU and GPU).
         with_stack / record_shapes / profile_memory: torch.profiler options (default off).
         on_incident_steps: profile this many steps after an incident opens; 0 (default) = never.
         max_duration_s: wall-clock bound of one session, seconds (default 60): the SDK ends it
@@ -147,10 +153,35 @@ class ProfilerConfig(BaseModel):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         out = tuple(str(v).upper() for v in value)
-        bad = [a for a in out if a not in ("CPU", "GPU", "MEM")]
-        if bad or not out:
-            raise ValueError(f"activities must be a non-empty subset of CPU,GPU,MEM, got {list(value)}")
+        problem = activities_problem(out, "sglang")
+        if problem is not None:
+            raise ValueError(f"{problem}, got {list(value)}")
         return out
+
+    @model_validator(mode="after")
+    def _backend_activities(self) -> ProfilerConfig:
+        problem = activities_problem(self.activities, self.backend)
+        if problem is not None:
+            raise ValueError(f"activities: {problem}")
+        return self
+
+
+def activities_problem(activities: Sequence[str], backend: str) -> str | None:
+    """Why ``activities`` (upper case) cannot be profiled by ``backend``, or ``None`` when they can.
+
+    Returns:
+        One phrase (``expected one or more of CPU, GPU, MEM, CUDA_PROFILER (sglang only)``...).
+    """
+    allowed = [a for a in ACTIVITIES if backend == "sglang" or a not in SGLANG_ONLY_ACTIVITIES]
+    bad = [a for a in activities if a not in ACTIVITIES]
+    if bad or not activities:
+        return "expected one or more of " + ", ".join(
+            f"{a} (sglang only)" if a in SGLANG_ONLY_ACTIVITIES else a for a in ACTIVITIES
+        ) + ", comma-separated"
+    wrong = [a for a in activities if a not in allowed]
+    if wrong:
+        return f"{', '.join(wrong)} is for the sglang backend only (this one is {backend})"
+    return None
 
 
 class SessionRequest(BaseModel):
@@ -492,11 +523,11 @@ class ProfilerActor:
         reported = [Path(f) for f in info.get("files") or ()]
         sizes = await anyio.to_thread.run_sync(lambda: [_entry_size(f) for f in reported])  # stats/walks
         files = [f for f, size in zip(reported, sizes) if size > 0]
-        note = f" {info['detail']}" if info.get("detail") else ""
+        note = f"; {info['detail']}" if info.get("detail") else ""
         if not info.get("finished"):
             return s.result(Outcome.TIMED_OUT, f"session {sid} still {state} after the deadline (the model thread has not stepped){note}", retryable=True)
         if state in ("completed", "stopped") and files:
-            return await s.aresult(Outcome.OK, f"{state}: {s.attrs['servewatch.profile.steps_captured']} steps, {len(files)} file(s){note}", files)
+            return await s.aresult(Outcome.OK, f"{state}: {s.attrs['servewatch.profile.steps_captured']} steps, {len(files)} file{'' if len(files) == 1 else 's'}{note}", files)
         if state == "expired":
             steps = s.attrs["servewatch.profile.steps_captured"]
             return s.result(

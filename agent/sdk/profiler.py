@@ -256,7 +256,7 @@ class _TorchRun:
         self.s.activities_used = tuple(used)
         dropped = [a for a in req.activities if a not in used and a != "MEM"]
         if dropped:
-            self.s.detail = f"activities not supported here and skipped: {dropped}"
+            self.s.detail = f"{', '.join(dropped)} {'activity' if len(dropped) == 1 else 'activities'} not supported here, skipped"
         # A schedule that always records makes torch emit ProfilerStep#k ranges on prof.step().
         self.prof = torch.profiler.profile(
             activities=acts,

@@ -190,7 +190,7 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
     for line in unknown_env_warnings():  # a typo must not pass for a setting that took effect
         err.print(f"servewatch: warning: {line}", markup=False, highlight=False)
     try:
-        settings = load_settings(cli, config_file=config)
+        settings = load_settings(cli, config_file=config, flag_for=_flag_for)
         if writes:
             resolve_destination(settings.export)  # OTEL_* env problems surface now, not mid-run
     except (ConfigError, ExportConfigError) as exc:
@@ -198,9 +198,42 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
     return settings
 
 
+def _flag_for(key: str, value: Any) -> str | None:
+    """The flag of the running command that gave setting ``key`` (dotted) this ``value``
+    (``("metrics.metrics_preset", "foo")`` -> ``"--metrics-preset"``), or None (no command is
+    running, or no flag given on the command line matches)."""
+    import difflib
+    import importlib
+
+    base = typer.BadParameter.__module__.rpartition(".")[0]  # click, or typer's vendored copy
+    ctx = importlib.import_module(f"{base}.globals").get_current_context(silent=True)
+    if ctx is None:
+        return None
+    given = {}
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if param.param_type_name == "option" and source is not None and source.name == "COMMANDLINE":
+            given[param.name] = param
+    by_value = [name for name, _ in given.items() if ctx.params.get(name) == value]
+    wanted = key.replace(".", "_")
+    pick = by_value if len(by_value) == 1 else difflib.get_close_matches(wanted, by_value or list(given), n=1, cutoff=0.5)
+    if not pick:
+        return None
+    opts = [o for o in given[pick[0]].opts if o.startswith("--")]
+    return opts[0] if opts else given[pick[0]].opts[0]
+
+
 def _invalid(exc: Exception) -> NoReturn:
     msg = str(exc)
-    fail(msg if msg.startswith("invalid setting") else f"invalid setting {msg}", ExitCode.USAGE)
+    if not msg.startswith(("invalid setting", "invalid value for")):
+        msg = f"invalid setting {msg}"
+    if "invalid value for --" in msg:  # a flag's value: point at the command's help, as usage errors do
+        import importlib
+
+        base = typer.BadParameter.__module__.rpartition(".")[0]
+        ctx = importlib.import_module(f"{base}.globals").get_current_context(silent=True)
+        msg += f"; see '{ctx.command_path if ctx is not None else 'servewatch'} --help'"
+    fail(msg, ExitCode.USAGE)
 
 
 def _data_dir_ready(settings: Settings) -> None:
@@ -251,7 +284,7 @@ def _api_cli(api_listen: str | None, token_file: Path | None) -> dict[str, Any]:
     try:
         host, port = parse_listen(api_listen) if api_listen else (None, None)
     except ValueError as exc:
-        fail(f"invalid setting api.listen: {exc}", ExitCode.USAGE)
+        _invalid(ValueError(f"invalid value for --api-listen: {exc}"))
     return {"enabled": True if api_listen else None, "host": host, "port": port, "token_file": token_file}
 
 

@@ -20,7 +20,7 @@ import socket
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -217,32 +217,114 @@ def _unknown_keys(table: Mapping[str, Any], prefix: str = "") -> list[str]:
 #: A message that already quotes the value it got (``expected HOST:PORT, got 'x'``).
 _SAYS_GOT = re.compile(r"\bgot\b")
 
+#: ``flag_for(dotted_key, value)``: the command-line flag that gave a setting this value, or None.
+FlagFor = Callable[[str, Any], "str | None"]
 
-def _format_error(err: ValidationError) -> str:
+
+def _given(overrides: Mapping[str, Any], loc: tuple[Any, ...]) -> tuple[str, Any] | None:
+    """The dotted key and value of ``overrides`` (the command line's settings) on the path of an
+    error's ``loc`` (``("target", "pids", 0)`` -> ``("target.pids", [0])``), or None when the
+    command line did not set it."""
+    node: Any = overrides
+    keys: list[str] = []
+    for part in loc:
+        if not isinstance(node, Mapping) or not isinstance(part, str) or part not in node:
+            break
+        node = node[part]
+        keys.append(part)
+    if not keys or isinstance(node, Mapping):
+        return None
+    return ".".join(keys), node
+
+
+def _format_error(err: ValidationError, overrides: Mapping[str, Any] | None = None, flag_for: FlagFor | None = None) -> str:
     """``invalid setting KEY: what is wrong (got VALUE); KEY2: ...``, each value quoted once.
 
+    A value the command line gave (``overrides``) is named by its flag when ``flag_for`` finds
+    one: ``invalid value for --metrics-preset: ...``. A value from the environment names its
+    variable too: ``invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: ...``.
     A model-wide check (no key of its own) names its keys in its message: it is shown as it is.
     """
-    parts = []
+    settings_parts: list[str] = []
+    flag_parts: list[str] = []
+    env_of = {dotted: env for env, dotted in env_names().items()}
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         got = e.get("input")
         msg = str(e["msg"]).removeprefix("Value error, ")
-        shown = "" if not key or isinstance(got, dict) or _SAYS_GOT.search(msg) else f" (got {got!r})"
+        says_got = _SAYS_GOT.search(msg) or (isinstance(got, str) and (repr(got) in msg or repr(got.upper()) in msg))
+        shown = "" if not key or isinstance(got, dict) or says_got else f" (got {got!r})"
         if e["type"] == "extra_forbidden":  # a misspelt key: name the closest valid one
-            parts.append(_unknown_key(key))
+            settings_parts.append(_unknown_key(key))
             continue
-        parts.append(f"{key}: {msg}{shown}" if key else msg)
-    return "invalid setting " + "; ".join(parts)
+        given = _given(overrides or {}, tuple(e["loc"]))
+        flag = flag_for(*given) if given is not None and flag_for is not None else None
+        if flag is not None:
+            flag_parts.append(f"invalid value for {flag}: {msg}{shown}")
+            continue
+        field = ".".join(str(p) for p in e["loc"] if isinstance(p, str))
+        env = env_of.get(field)
+        source = f" from {env}" if given is None and env and env.upper() in {k.upper() for k in os.environ} else ""
+        settings_parts.append(f"{key}{source}: {msg}{shown}" if key else msg)
+    settings_line = "invalid setting " + "; ".join(settings_parts) if settings_parts else ""
+    return "; ".join(p for p in (settings_line, *flag_parts) if p)
 
 
-def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None = None) -> Settings:
+def _env_json_error(exc: SettingsError) -> str:
+    """One line for an env value that is not the JSON its list or table setting needs:
+    ``invalid setting target.pids from SERVEWATCH_TARGET__PIDS: list values are JSON, e.g.
+    SERVEWATCH_TARGET__PIDS='[1, 2]'`` (the example is made of the value given)."""
+    import json
+
+    environ = {k.upper(): v for k, v in os.environ.items()}
+    for env, dotted in env_names().items():
+        raw = environ.get(env)
+        annotation = _annotation_of(dotted)
+        origin = typing.get_origin(annotation)
+        if origin in (typing.Union, types.UnionType):  # list[str] | None
+            inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+            annotation = inner[0] if len(inner) == 1 else annotation
+            origin = typing.get_origin(annotation)
+        if raw is None or (origin not in (list, dict) and _model_of(annotation) is None):
+            continue
+        try:
+            json.loads(raw)
+            continue
+        except ValueError:
+            pass
+        if origin is list:
+            items = [i.strip() for i in (raw or "").split(",") if i.strip()]
+            example = json.dumps([int(i) if i.lstrip("-").isdigit() else i for i in items] or ["..."])
+            return f"invalid setting {dotted} from {env}: list values are JSON, e.g. {env}='{example}'"
+        return f"invalid setting {dotted} from {env}: table values are JSON, e.g. {env}='{{\"key\": \"value\"}}'"
+    return "invalid setting: an environment value is not valid JSON for its list or table setting" + (
+        f" ({str(exc).partition(' from source')[0].removeprefix('error parsing value for field ')})"
+    )
+
+
+def _annotation_of(dotted: str) -> Any:
+    """The type annotation of a setting by its dotted name (``target.pids`` -> ``list[PositiveInt]``)."""
+    model: type[BaseModel] | None = Settings
+    annotation: Any = None
+    for part in dotted.split("."):
+        if model is None or part not in model.model_fields:
+            return None
+        annotation = model.model_fields[part].annotation
+        model = _model_of(annotation)
+    return annotation
+
+
+def load_settings(
+    cli: dict[str, Any] | None = None, *, config_file: Path | None = None, flag_for: FlagFor | None = None
+) -> Settings:
     """Merge CLI values (highest), ``SERVEWATCH_*`` env, the TOML file and defaults.
 
     Args:
         cli: nested dict of values given on the command line; ``None`` values and empty lists
             mean "not given" and are dropped.
         config_file: TOML file (``--config``); must exist when given.
+        flag_for: names the flag that gave a ``cli`` value (``("metrics.metrics_preset", "foo")``
+            -> ``"--metrics-preset"``), so that its error names the flag; None: name the setting.
 
     Raises:
         ConfigError: one line naming every invalid setting, or the unreadable config file.
@@ -268,12 +350,9 @@ def load_settings(cli: dict[str, Any] | None = None, *, config_file: Path | None
     try:
         return cls(**overrides)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(_format_error(exc, overrides, flag_for)) from None
     except SettingsError as exc:  # an env value that is not valid JSON for a list/table field
-        raise ConfigError(
-            f"invalid setting {exc}; list values are JSON in the environment, e.g."
-            """ SERVEWATCH_TARGET__MATCH='["sglang::scheduler*"]'"""
-        ) from None
+        raise ConfigError(_env_json_error(exc)) from None
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

@@ -49,7 +49,7 @@ def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "env", "expected"),
     [
-        (["run", "--pid", "1", "--watchdog-timeout", "-1"], {}, "servewatch: invalid setting watchdog.timeout_s"),
+        (["run", "--pid", "1", "--watchdog-timeout", "-1"], {}, "servewatch: invalid value for --watchdog-timeout"),
         (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__TIMEOUT_S": "soon"}, "servewatch: invalid setting watchdog.timeout_s"),
         (["run", "--pid", "1"], {"SERVEWATCH_INCIDENT__COOLDOWN_S": "0"}, "servewatch: invalid setting incident.cooldown_s"),
         (["run"], {}, "servewatch: nothing to watch"),
@@ -57,13 +57,13 @@ def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
         (["run", "--pid", "1", "--config", "missing.toml"], {}, "servewatch: invalid setting config: no such file"),
         (["export", "--to", "http://127.0.0.1:1", "--protocol", "carrier-pigeon"], {}, "servewatch: invalid setting protocol"),
         (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}, "servewatch: invalid setting"),
-        (["run", "--pid", "1", "--otlp-protocol", "smtp"], {}, "servewatch: invalid setting export.protocol"),
+        (["run", "--pid", "1", "--otlp-protocol", "smtp"], {}, "servewatch: invalid value for --otlp-protocol"),
         (["run", "--pid", "1", "--data-dir", "/proc/nope"], {}, "servewatch: invalid setting data_dir: '/proc/nope' is not a writable folder"),
         (["dump", "--pid", "1"], {"SERVEWATCH_DATA_DIR": "/proc/nope"}, "servewatch: invalid setting data_dir"),
-        (["run", "--pid", "-1"], {}, "servewatch: invalid setting target.pids.0"),
+        (["run", "--pid", "-1"], {}, "servewatch: invalid value for --pid"),
         (["run", "--pid", "1"], {"SERVEWATCH_TARGET__MATCH": "sglang*"}, "servewatch: invalid setting"),
         (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:99999"}, "servewatch: invalid setting OTEL_EXPORTER_OTLP_ENDPOINT"),
-        (["run", "--health-url", "ftp://x/"], {}, "servewatch: invalid setting health.url"),
+        (["run", "--health-url", "ftp://x/"], {}, "servewatch: invalid value for --health-url"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], env: dict[str, str], expected: str) -> None:

@@ -60,7 +60,7 @@ def sw(tmp_path: Path, *args: str, timeout_s: float = 60, **env: str) -> subproc
         (["run", "--pid", "1", "--watchdog-timeout", "soon"], "servewatch: invalid value for '--watchdog-timeout'"),
         (["profile", "--steps", "5", "--activities", "FOO"], "servewatch: invalid --activities 'FOO': expected one or more of"),
         (["run", "--hard-targets"], "servewatch: option '--hard-targets' requires an argument"),
-        (["run", "--pid", "1", "--hard-targets", "some"], "servewatch: invalid setting watchdog.hard_targets"),
+        (["run", "--pid", "1", "--hard-targets", "some"], "servewatch: invalid value for --hard-targets"),
         (["demo", "--tp", "9"], "servewatch: invalid value for '--tp'"),
         (["timeline", "a", "b"], "servewatch: got unexpected extra argument"),
         (["launch"], "servewatch: missing argument"),
@@ -176,17 +176,32 @@ def test_report_and_timeline_of_a_bundle_write_only_what_was_asked(tmp_path: Pat
 @pytest.mark.parametrize(
     ("args", "env", "line"),
     [
-        (["dump"], {"SERVEWATCH_TARGET__PIDS": "[0]"}, "servewatch: invalid setting target.pids.0: Input should be greater than 0 (got 0)"),
-        (["run", "--pid", "1", "--health-url", "ftp://x"], {}, "servewatch: invalid setting health.url: expected an http(s):// URL, got 'ftp://x'"),
+        (["dump"], {"SERVEWATCH_TARGET__PIDS": "[0]"}, "servewatch: invalid setting target.pids.0 from SERVEWATCH_TARGET__PIDS: Input should be greater than 0 (got 0)"),
+        (["run"], {"SERVEWATCH_TARGET__PIDS": "1,2"}, "servewatch: invalid setting target.pids from SERVEWATCH_TARGET__PIDS: list values are JSON, e.g. SERVEWATCH_TARGET__PIDS='[1, 2]'"),
+        (["run"], {"SERVEWATCH_TARGET__MATCH": "a*,b"}, """servewatch: invalid setting target.match from SERVEWATCH_TARGET__MATCH: list values are JSON, e.g. SERVEWATCH_TARGET__MATCH='["a*", "b"]'"""),
+        (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "SIGFOO"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'SIGFOO'"),
+        (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "foo"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'foo'"),
+        (["run", "--pid", "1", "--health-url", "ftp://x"], {}, "servewatch: invalid value for --health-url: expected an http(s):// URL, got 'ftp://x'; see 'servewatch run --help'"),
+        (["run", "--pid", "1", "--metrics-preset", "foo"], {}, "servewatch: invalid value for --metrics-preset: Input should be 'sglang' or 'vllm' (got 'foo'); see 'servewatch run --help'"),
+        (["run", "--pid", "1", "--watchdog-timeout", "-5"], {}, "servewatch: invalid value for --watchdog-timeout: Input should be greater than 0 (got -5.0); see 'servewatch run --help'"),
+        (["dump", "--pid", "0"], {}, "servewatch: invalid value for --pid: Input should be greater than 0 (got 0); see 'servewatch dump --help'"),
         (["run", "--pid", "1", "--api-listen", "127.0.0.1:7", "--api-token-file", "/nope"], {}, "servewatch: invalid setting api.token_file: no such file '/nope'"),
         (["export", "--to", "http://127.0.0.1:1", "/nope"], {}, "servewatch: no such file or folder '/nope'"),
-        (["run", "--pid", "1", "--api-listen", "nope"], {}, "servewatch: invalid setting api.listen: expected HOST:PORT, got 'nope'"),
+        (["run", "--pid", "1", "--api-listen", "nope"], {}, "servewatch: invalid value for --api-listen: expected HOST:PORT, got 'nope'; see 'servewatch run --help'"),
     ],
 )
 def test_messages_say_each_thing_once(tmp_path: Path, args: list[str], env: dict[str, str], line: str) -> None:
     r = sw(tmp_path, *args, **env)
     assert r.returncode == 2
     assert r.stderr == line + "\n"
+
+
+def test_a_toml_setting_is_named_by_its_key_and_says_its_value_once(tmp_path: Path) -> None:
+    config = tmp_path / "servewatch.toml"
+    config.write_text('[watchdog]\nsignal = "SIGFOO"\n')
+    r = sw(tmp_path, "run", "--pid", "1", "--config", str(config))
+    assert r.returncode == 2
+    assert r.stderr == "servewatch: invalid setting watchdog.signal: unknown signal 'SIGFOO'\n"
 
 
 def _titled(spawn, python: str, title: str) -> subprocess.Popen[bytes]:
@@ -249,14 +264,14 @@ def test_launch_takes_every_flag_of_run_but_the_target_and_duration() -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--metrics-preset", "tgi"], "servewatch: invalid setting metrics.metrics_preset"),
-        (["--hard", "--hard-targets", "some"], "servewatch: invalid setting watchdog.hard_targets"),
-        (["--cooldown", "0"], "servewatch: invalid setting incident.cooldown_s"),
+        (["--metrics-preset", "tgi"], "servewatch: invalid value for --metrics-preset"),
+        (["--hard", "--hard-targets", "some"], "servewatch: invalid value for --hard-targets"),
+        (["--cooldown", "0"], "servewatch: invalid value for --cooldown"),
         (["--profile-on-incident", "-1"], "servewatch: invalid value for '--profile-on-incident'"),
-        (["--api-listen", "nope"], "servewatch: invalid setting api.listen: expected HOST:PORT, got 'nope'"),
+        (["--api-listen", "nope"], "servewatch: invalid value for --api-listen: expected HOST:PORT, got 'nope'"),
         (["--api-listen", "127.0.0.1:7207"], "servewatch: invalid setting api.token_file"),
         (["--job", "j", "--peer", "10.0.0.2:7207"], "servewatch: invalid setting api.enabled"),
-        (["--otlp-protocol", "smtp"], "servewatch: invalid setting export.protocol"),
+        (["--otlp-protocol", "smtp"], "servewatch: invalid value for --otlp-protocol"),
         (["--uid", "-1"], "servewatch: invalid value for '--uid'"),
     ],
 )

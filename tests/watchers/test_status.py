@@ -357,5 +357,5 @@ def test_metrics_url_without_scheme_is_refused_at_start(tmp_path) -> None:
     )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "servewatch: invalid setting metrics.url: expected an http(s):// URL, got '127.0.0.1:30000/metrics'"
+        "servewatch: invalid value for --metrics-url: expected an http(s):// URL, got '127.0.0.1:30000/metrics'; see 'servewatch run --help'"
     ]

@@ -1078,6 +1078,11 @@ def _usage_line(exc: Any, argv: list[str], command: Any) -> str:
             message = f"missing argument {param.metavar or param.name.upper()}"
         else:
             message = f"missing option {' / '.join(param.opts)}"
+    elif isinstance(exc, errors.NoSuchOption):  # click suggests loosely (--bogus: --verbose): only a close one
+        import difflib
+
+        close = difflib.get_close_matches(exc.option_name, exc.possibilities or [], n=1, cutoff=0.8)
+        message = f"no such option: {exc.option_name}" + (f" (did you mean {close[0]}?)" if close else "")
     else:
         message = " ".join(exc.format_message().split()).rstrip(".")
         message = message[:1].lower() + message[1:]
@@ -1095,7 +1100,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point.
 
     Every usage error, click's own included (unknown option, missing or bad value), is one
-    stderr line and exit 2 (:class:`ExitCode`); ``servewatch`` alone prints the help.
+    stderr line and exit 2 (:class:`ExitCode`); ``servewatch`` alone prints the help on stdout
+    and exits 0, as ``servewatch --help`` does.
 
     Raises:
         SystemExit: with the exit code, always, when ``argv`` is given (in-process callers). As
@@ -1162,7 +1168,8 @@ def _main(args: list[str]) -> NoReturn:
         rc = command.main(args=args, prog_name="servewatch", standalone_mode=False)
     except errors.UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:  # click >= 8.2
-            err.print(exc.ctx.get_help(), markup=False, highlight=False)
+            out.print(exc.ctx.get_help(), markup=False, highlight=False)  # as --help does
+            raise SystemExit(int(ExitCode.OK)) from None
         else:
             err.print(_usage_line(exc, args, command), markup=False, highlight=False)
         raise SystemExit(int(ExitCode.USAGE)) from None

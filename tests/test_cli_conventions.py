@@ -84,8 +84,24 @@ def test_bad_value_error_names_the_value_once_and_where_to_look(tmp_path: Path) 
 
 def test_no_arguments_prints_the_help(tmp_path: Path) -> None:
     r = sw(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == sw(tmp_path, "--help").stdout  # what --help prints, where it prints it
+    assert r.stdout.startswith("Usage: servewatch") and "Commands:" in r.stdout
+    assert r.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["run", "--bogus"], "servewatch: no such option: --bogus; see 'servewatch run --help'"),
+        (["run", "--mach", "x"], "servewatch: no such option: --mach (did you mean --match?); see 'servewatch run --help'"),
+        (["dump", "--pidx", "3"], "servewatch: no such option: --pidx (did you mean --pid?); see 'servewatch dump --help'"),
+    ],
+)
+def test_an_unknown_option_suggests_only_a_close_one(tmp_path: Path, args: list[str], line: str) -> None:
+    r = sw(tmp_path, *args)
     assert r.returncode == 2
-    assert "Usage: servewatch" in r.stderr and "Commands:" in r.stderr
+    assert r.stderr == line + "\n"
 
 
 def test_version_prints_the_installed_version(tmp_path: Path) -> None:

@@ -294,6 +294,28 @@ def _target(
     return {"pids": pid or None, "root_pid": root_pid, "match": match or None, "uids": uid or None}
 
 
+def _data_dir_source(flag: Path | None, config: Path | None) -> str:
+    """Where the data dir setting came from, by the settings' precedence: ``--data-dir``,
+    ``SERVEWATCH_DATA_DIR``, ``data_dir in FILE`` (``--config``) or ``the default``."""
+    from agent.config import ENV_DATA_DIR
+
+    if flag is not None:
+        return "--data-dir"
+    if any(k.upper() == ENV_DATA_DIR for k in os.environ):
+        return ENV_DATA_DIR
+    if config is not None:
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:
+            import tomli as tomllib
+        try:
+            if "data_dir" in tomllib.loads(config.read_text()):
+                return f"data_dir in {config}"
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # read fine a moment ago
+            pass
+    return "the default"
+
+
 def _pid_alive(pid: int) -> bool:
     import psutil
 
@@ -474,7 +496,10 @@ def status(
         if len(others) == 1:
             path = others[0]
         else:
-            fail(f"no agent status in {str(settings.data_dir)!r} (expected {path}); is `servewatch run` using this --data-dir?")
+            fail(
+                f"no agent status in data dir {str(settings.data_dir)!r} (from {_data_dir_source(data_dir, config)};"
+                f" expected {path}); is `servewatch run` using this data dir?"
+            )
     try:
         snap = read_status_file(path)
     except (OSError, ValueError) as exc:

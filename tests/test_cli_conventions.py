@@ -220,6 +220,24 @@ def test_a_toml_setting_is_named_by_its_key_and_says_its_value_once(tmp_path: Pa
     assert r.stderr == "servewatch: invalid setting watchdog.signal: unknown signal 'SIGFOO'\n"
 
 
+@pytest.mark.parametrize("source", ["flag", "env", "config", "default"])
+def test_status_without_an_agent_names_the_data_dir_and_where_it_came_from(tmp_path: Path, source: str) -> None:
+    data = tmp_path / "elsewhere"
+    config = tmp_path / "servewatch.toml"
+    config.write_text(f'data_dir = "{data}"\n')
+    args, env, named = {
+        "flag": (["--data-dir", str(data)], {}, "--data-dir"),
+        "env": ([], {"SERVEWATCH_DATA_DIR": str(data)}, "SERVEWATCH_DATA_DIR"),
+        "config": (["--config", str(config)], {}, f"data_dir in {config}"),
+        "default": ([], {}, "the default"),
+    }[source]
+    r = sw(tmp_path, "status", *args, **env)
+    assert r.returncode == 1
+    shown = "servewatch-data" if source == "default" else str(data)
+    assert r.stderr.startswith(f"servewatch: no agent status in data dir '{shown}' (from {named}; expected "), r.stderr
+    assert r.stderr.rstrip().endswith("is `servewatch run` using this data dir?") and "--data-dir?" not in r.stderr
+
+
 def _titled(spawn, python: str, title: str) -> subprocess.Popen[bytes]:
     proc = spawn([python, str(PROGRAMS_DIR / "titled_target.py"), title, "--max-lifetime-s", "60"], stdout=subprocess.PIPE)
     assert proc.stdout is not None

@@ -814,11 +814,18 @@ async def mirror_events(exporter: Any, sub: Subscription) -> None:
     ``close_open(reason=...)`` (when it has one: the mirror gives incidents left open their root
     span), so nothing already captured is lost from the trace.
     """
+    from exporters.mirror import SpanMirror
+
+    # the span mirror writes spans write-ahead (span files, the spool) and imports a profile's
+    # torch trace: file and CPU work, kept off the event loop, one event at a time; other
+    # exporters may touch loop-bound state and are handed events on the loop
+    off_loop = isinstance(exporter, SpanMirror)
     try:
         async for event in sub:
-            # the mirror writes spans write-ahead (span files, the spool) and imports a profile's
-            # torch trace: file and CPU work, kept off the event loop; one event at a time
-            await anyio.to_thread.run_sync(exporter.handle, event)
+            if off_loop:
+                await anyio.to_thread.run_sync(exporter.handle, event)
+            else:
+                exporter.handle(event)
     finally:
         pending = []
         while True:
@@ -834,8 +841,11 @@ async def mirror_events(exporter: Any, sub: Subscription) -> None:
             if close_open is not None:
                 close_open(reason="agent stopped")
 
-        with anyio.CancelScope(shield=True):  # bounded: the sink's writes of what was captured
-            await anyio.to_thread.run_sync(flush)
+        if off_loop:
+            with anyio.CancelScope(shield=True):  # bounded: the sink's writes of what was captured
+                await anyio.to_thread.run_sync(flush)
+        else:
+            flush()
         sub.close()
 
 

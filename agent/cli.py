@@ -676,7 +676,7 @@ def launch(
     --duration (it runs as long as the server).
     """
     _logging(verbose)
-    from agent.launch import describe_env, launch_env, run_launched
+    from agent.launch import check_command, describe_env, launch_env, run_launched
 
     settings = _settings(
         {
@@ -698,6 +698,7 @@ def launch(
     )
     if settings.api.enabled:
         _check_bindable(settings.api.host, settings.api.port)
+    check_command(cmd[0], os.environ)  # LaunchError (127/126) before any folder exists or anything is armed
     _data_dir_ready(settings)
     try:
         planned = launch_env(
@@ -708,7 +709,6 @@ def launch(
         )
     except OSError as exc:
         fail(f"cannot create crash-dump folder {str(settings.coredump.folder)!r}: {exc.strerror or exc}")
-    err.print(f"servewatch: {describe_env(planned)}", markup=False)
     import anyio
 
     from agent.runtime import Agent
@@ -726,6 +726,7 @@ def launch(
     records: list[Path] = []
 
     async def agent_main(child_pid: int) -> None:
+        err.print(f"servewatch: {describe_env(planned)}", markup=False)  # the child started: it is armed
         records.extend(_record_launch(settings.data_dir, child_pid, planned.env))
         target = settings.target.model_copy(update={"root_pid": child_pid})
         agent = Agent.build(settings.model_copy(update={"target": target}), on_incident=printer.finished,

@@ -41,6 +41,7 @@ __all__ = [
     "MLX_CAPTURE_ENV",
     "LaunchEnv",
     "LaunchError",
+    "check_command",
     "describe_env",
     "exit_status",
     "launch_env",
@@ -98,8 +99,12 @@ def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *argv]
 
 
-def _check_command(argv0: str, env: Mapping[str, str], cwd: str | os.PathLike[str] | None) -> None:
-    """Raise :class:`LaunchError` (127 / 126) when ``argv0`` cannot be executed, as a shell would."""
+def check_command(argv0: str, env: Mapping[str, str], cwd: str | os.PathLike[str] | None = None) -> None:
+    """Raise :class:`LaunchError` (127 / 126) when ``argv0`` cannot be executed, as a shell would.
+
+    ``servewatch launch`` calls it before it creates any folder or arms anything; a bare name is
+    looked up on ``env["PATH"]``, a path relative to ``cwd`` (default ours).
+    """
     if os.sep in argv0:
         path = argv0 if os.path.isabs(argv0) or cwd is None else os.path.join(os.fspath(cwd), argv0)
         if not os.path.exists(path):
@@ -306,7 +311,7 @@ async def run_launched(
     """
     if not argv:
         raise ValueError("no server command given (servewatch launch [OPTIONS] -- CMD ...)")
-    await anyio.to_thread.run_sync(_check_command, str(argv[0]), env, cwd)  # PATH lookup: stats
+    await anyio.to_thread.run_sync(check_command, str(argv[0]), env, cwd)  # PATH lookup: stats
     with anyio.open_signal_receiver(*forward_signals) as receiver:
         try:
             process = await anyio.open_process(

@@ -326,3 +326,28 @@ def test_launch_runs_the_server_with_run_s_flags(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "Armed CUDA coredumps" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("cmd", "line", "rc"),
+    [
+        (["/nonexistent/cmd"], "servewatch: command not found: '/nonexistent/cmd'", 127),
+        (["servewatch-no-such-command"], "servewatch: command not found: 'servewatch-no-such-command'", 127),
+        (["/"], "servewatch: command not executable: '/'", 126),
+    ],
+)
+def test_a_launch_that_cannot_start_arms_nothing_and_creates_no_folder(tmp_path: Path, cmd: list[str], line: str, rc: int) -> None:
+    _env(tmp_path)  # its home and cwd folders
+    before = _tree(tmp_path)
+    r = sw(tmp_path, "launch", "--data-dir", str(tmp_path / "x" / "ld"), "--", *cmd)
+    assert r.returncode == rc
+    assert r.stderr == line + "\n"  # no "Armed ..." for a server that never started
+    assert not (tmp_path / "x").exists()
+    assert _tree(tmp_path) == before
+
+
+def test_launch_says_armed_once_the_server_started(tmp_path: Path) -> None:
+    r = sw(tmp_path, "launch", "--data-dir", str(tmp_path / "data"), "--", sys.executable, "-c", "print('child up', flush=True)", timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "child up\n"
+    assert r.stderr.count("servewatch: Armed CUDA coredumps into ") == 1, r.stderr

@@ -94,6 +94,7 @@ __all__ = [
     "STATE_CLOSED",
     "STATE_INTERRUPTED",
     "STATE_OPEN",
+    "STOP_SIGNALS",
     "TRIGGER_EVENTS",
     "IncidentConfig",
     "IncidentManager",
@@ -102,6 +103,7 @@ __all__ = [
     "Phase",
     "describe_exit",
     "recover_interrupted",
+    "stop_signal_of",
 ]
 
 #: ``manifest.json`` ``state`` values (:class:`agent.manifest.IncidentState`).
@@ -131,6 +133,10 @@ class IncidentConfig(BaseModel):
     capture_prompts: bool = Field(False, description="include prompt text in requests.json (off: may hold secrets)")
     operator_stop_is_incident: bool = Field(
         False, description="a target that exits after the operator's signal (forwarded by launch) opens an incident"
+    )
+    signal_stop_is_incident: bool = Field(
+        False, description="a target that exits by SIGTERM or SIGINT (signal 15/2, or exit code 143/130) opens an"
+        " incident; off: someone asked it to stop (an orderly shutdown), one log line and no incident"
     )
     hard_mode_exit_is_incident: bool = Field(
         False, description="a target that exits because hard mode signalled it opens a new incident"
@@ -306,6 +312,24 @@ def _unfinished(
     return unfinished
 
 
+#: signals that ask a process to stop (an operator, systemd, a job scheduler), not crash it
+STOP_SIGNALS: dict[int, str] = {int(signal_mod.SIGTERM): "SIGTERM", int(signal_mod.SIGINT): "SIGINT"}
+
+
+def stop_signal_of(event: TargetExited) -> str | None:
+    """``"SIGTERM"`` or ``"SIGINT"`` when the target ended because it was asked to stop, else ``None``.
+
+    Either the signal itself ended it (``signal`` 15 or 2, a ``-15`` return code), or it caught the
+    signal and exited with the shell convention ``128 + N`` (``exit_code`` 143 or 130).
+    SIGKILL (9, exit code 137: the OOM killer, ``kill -9``) and crash signals are never a stop.
+    """
+    if event.signal is not None:
+        return STOP_SIGNALS.get(event.signal)
+    if event.exit_code is not None and event.exit_code > 128:
+        return STOP_SIGNALS.get(event.exit_code - 128)
+    return None
+
+
 def describe_exit(event: TargetExited) -> str:
     """``exit code 3``, ``signal 9 (SIGKILL)``, or the unknown status in words (never ``None``)."""
     if event.signal is not None:
@@ -436,6 +460,11 @@ class IncidentManager:
                     return None  # the stall incident that signalled it already holds the evidence
             if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
                 return None
+            stop = stop_signal_of(event)
+            if stop is not None and not self.config.signal_stop_is_incident:
+                log.info("pid %d %r stopped by %s (%s): no incident", event.pid, event.title, stop,
+                         describe_exit(event))
+                return None  # asked to stop from outside: an orderly shutdown, not a crash
             return (Trigger.EXIT, event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
         return None
 

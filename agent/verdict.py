@@ -9,7 +9,9 @@ Rules, first match wins:
 
 1. ``dead``: a rank's process ended (the incident's trigger names it, or its exit status is
    known): ``dead: rank 2 exited with SIGSEGV``. The ranks that then failed in their
-   collectives are its victims, not culprits.
+   collectives are its victims, not culprits. A rank ended by SIGTERM/SIGINT (or exit code
+   143/130) was asked to stop from outside: never a dead culprit; when its exit is the trigger,
+   ``dead`` at ``low`` confidence, ``terminated by a signal: rank 1 was terminated by SIGTERM``.
 2. ``desync``: at some collective sequence id of a process group that every rank recorded,
    the ranks issued different ops / sizes / dtypes (compared with
    ``torch.distributed.flight_recorder``'s ``Op.match`` when torch is importable). The odd rank
@@ -246,6 +248,16 @@ def _verdict(kind: str, culprits: Iterable[int], reason: str, confidence: str, e
         stragglers=tuple(sorted(set(stragglers))),
         ranks=tuple(sorted(by_rank)),
     )
+
+
+def _stopped(e: RankEvidence) -> str | None:
+    """``SIGTERM``/``SIGINT`` when the rank ended because it was asked to stop (the signal itself,
+    or exit code 143/130 after catching it), else ``None``."""
+    if e.alive:
+        return None
+    if e.exit_signal is not None:
+        return e.exit_signal if e.exit_signal in ("SIGTERM", "SIGINT") else None
+    return {143: "SIGTERM", 130: "SIGINT"}.get(e.exit_code) if e.exit_code is not None else None
 
 
 def _evidence_line(e: RankEvidence) -> str:
@@ -499,9 +511,10 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
     if not ev:
         return _verdict("unknown", (), "no rank to judge", "low", ev, hung=False)
 
-    # 1. a rank died
-    first = [e for e in ev if e.exited_first]
-    dead = first or [e for e in ev if not e.alive and (e.exit_signal or (e.exit_code not in (None, 0)))]
+    # 1. a rank died (a rank stopped by SIGTERM/SIGINT was asked to stop from outside: no crash)
+    first = [e for e in ev if e.exited_first and not _stopped(e)]
+    dead = first or [e for e in ev if not e.alive and not _stopped(e)
+                     and (e.exit_signal or (e.exit_code not in (None, 0)))]
     if dead:
         how = "; ".join(
             f"rank {e.rank} exited"
@@ -517,6 +530,11 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
         if gone:
             reason += f"; {_ranks_text(gone)} exited after it"
         return _verdict("dead", [e.rank for e in dead], reason, "high" if first else "medium", ev)
+    stopped = [e for e in ev if not e.alive and _stopped(e)]
+    if any(e.exited_first for e in stopped):
+        how = "; ".join(f"rank {e.rank} was terminated by {_stopped(e)}" for e in stopped)
+        return _verdict("dead", [e.rank for e in stopped if e.exited_first],
+                        f"terminated by a signal: {how} (asked to stop from outside, not a crash)", "low", ev)
 
     frs = {e.rank: fr for e in ev if e.alive and (fr := _FR.of(e)) is not None and (fr.entries or fr.groups)}
     complete_fr = len(frs) == len(ev) and len(ev) > 1

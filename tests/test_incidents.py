@@ -295,3 +295,71 @@ async def test_hard_mode_signals_per_policy_and_verdict(tmp_path: Path, spawn, p
             assert proc.poll() is None
     manifest = json.loads(record.manifest_path.read_text())
     assert manifest["verdict"]["reason"] == "test"
+
+
+# a server rank that shuts down cleanly on SIGTERM the way servers do: it exits with 128 + 15
+CATCH_SIGTERM = ("import signal, sys, time\n"
+                 "signal.signal(signal.SIGTERM, lambda n, f: sys.exit(128 + n))\n"
+                 "print('ready', flush=True)\n"
+                 "time.sleep(60)\n")
+SEGFAULT = "import ctypes; ctypes.string_at(0)"
+
+
+async def test_sigterm_and_sigint_exits_are_orderly_stops_sigkill_and_crashes_are_incidents(
+        tmp_path: Path, spawn, python, caplog: pytest.LogCaptureFixture) -> None:
+    import os
+    import select
+
+    from agent.watchers.process import ProcessWatcher
+
+    def started(code: str) -> subprocess.Popen:
+        proc = spawn([python, "-c", code], stdout=subprocess.PIPE)
+        assert proc.stdout is not None  # signalled only once up (a SIGINT at startup is a traceback, exit 1)
+        assert select.select([proc.stdout], [], [], 60)[0] and proc.stdout.readline() == b"ready\n"
+        return proc
+
+    caught = started(CATCH_SIGTERM)
+    termed, interrupted, killed = (started("import time; print('ready', flush=True); time.sleep(60)")
+                                   for _ in range(3))
+    crashed = spawn([python, "-c", SEGFAULT])
+    procs = [caught, termed, interrupted, killed, crashed]
+    watch_bus = RecordingBus()
+    watcher = ProcessWatcher(children=procs, poll_interval_s=0.2)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run, watch_bus)
+        for proc, sig in ((caught, signal.SIGTERM), (termed, signal.SIGTERM), (interrupted, signal.SIGINT),
+                          (killed, signal.SIGKILL)):
+            os.kill(proc.pid, sig)
+        with anyio.fail_after(60):
+            while len(watch_bus.of_type(TargetExited)) < len(procs):
+                await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    exits = {e.pid: e for e in watch_bus.of_type(TargetExited)}
+    assert (exits[caught.pid].exit_code, exits[caught.pid].signal) == (143, None)
+    assert exits[termed.pid].signal == signal.SIGTERM and exits[interrupted.pid].signal == signal.SIGINT
+    assert exits[killed.pid].signal == signal.SIGKILL and exits[crashed.pid].signal == signal.SIGSEGV
+
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl, discover=list)
+    caplog.set_level("INFO", logger="servewatch.incidents")
+    async with anyio.create_task_group() as tg:
+        await tg.start(mgr.run)
+        for proc in (caught, termed, interrupted, killed):  # the stops first: handled before the kill
+            await bus.publish(exits[proc.pid])
+        with anyio.fail_after(30):
+            while not mgr.records:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert [r.opened.trigger for r in mgr.records] == ["exit"]
+    assert f"pid {killed.pid} " in mgr.records[0].opened.detail and "SIGKILL" in mgr.records[0].opened.detail
+    assert mgr.suppressed == 0  # the stops were no incidents, not incidents held back by the cooldown
+    stops = [r.getMessage() for r in caplog.records if "stopped by" in r.getMessage()]
+    assert len(stops) == 3, stops
+    assert f"pid {caught.pid} " in stops[0] and "stopped by SIGTERM (exit code 143): no incident" in stops[0]
+    assert "stopped by SIGTERM (signal 15 (SIGTERM))" in stops[1] and "stopped by SIGINT" in stops[2]
+    assert mgr.classify(exits[crashed.pid])[:2] == ("exit", crashed.pid)
+
+    # the on-call who wants every SIGTERM exit investigated turns the setting on
+    strict = _manager(tmp_path, RecordingBus(), tl, config=IncidentConfig(cooldown_s=60, signal_stop_is_incident=True))
+    for proc in (caught, termed, interrupted):
+        assert strict.classify(exits[proc.pid])[:2] == ("exit", proc.pid)

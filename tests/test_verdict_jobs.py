@@ -70,3 +70,34 @@ def test_targets_of_one_tree_stay_one_job() -> None:
     me = Target(pid=os.getpid())
     assert job_groups([me]) == [[os.getpid()]]
     assert job_groups([]) == []
+
+
+def test_a_rank_stopped_by_sigterm_is_never_a_dead_culprit_with_high_confidence(spawn, python, tmp_path) -> None:
+    """A real rank that caught SIGTERM and exited 143 (or died of the signal): low confidence,
+    "terminated by a signal"; a real crash exit of the same rank stays ``dead``, high."""
+    tag = uuid.uuid4().hex[:8]
+    tree = start_tree(spawn, python, tag, "--exit", "scheduler_TP1=143@0.5")
+    deadline = time.monotonic() + 60
+    while not _zombie(tree["scheduler_TP1"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _zombie(tree["scheduler_TP1"])
+    glob = f"sglang::scheduler*_{tag}"
+    targets = discover(title_globs=[glob]) + zombie_descendants([tree["main"]], [glob])
+    pid = tree["scheduler_TP1"]
+    judge = VerdictJudge(shm_dir=tmp_path)
+    for cause, how in ((TargetExited(pid=pid, exit_code=143), "SIGTERM"), (TargetExited(pid=pid, signal=15), "SIGTERM"),
+                       (TargetExited(pid=pid, signal=2), "SIGINT")):
+        v = judge._decide(targets, [], cause, {})
+        assert v is not None
+        assert (v.kind, v.culprit_ranks, v.confidence) == ("dead", (1,), "low"), v
+        assert v.reason.startswith(f"terminated by a signal: rank 1 was terminated by {how}"), v.reason
+    v = judge._decide(targets, [], TargetExited(pid=pid, signal=9), {})
+    assert v is not None and (v.kind, v.culprit_ranks, v.confidence) == ("dead", (1,), "high"), v
+    assert v.reason.startswith("dead: rank 1 exited with SIGKILL"), v.reason
+
+
+def test_a_rank_gone_by_sigterm_during_a_stall_is_no_culprit() -> None:
+    ev = [RankEvidence(rank=0, pid=5, frame_class=FrameClass.COLLECTIVE, frame="all_reduce"),
+          RankEvidence(rank=1, pid=6, alive=False, exit_code=143)]
+    v = decide(ev)
+    assert v.kind != "dead" and 1 not in v.culprit_ranks, v

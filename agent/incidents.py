@@ -461,7 +461,9 @@ class IncidentManager:
             if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
                 return None
             stop = stop_signal_of(event)
-            if stop is not None and not self.config.signal_stop_is_incident:
+            ours = (event.pid in self._expected_exits or event.pid in self._hard_signalled
+                    or self._hard_window_of(event.pid) is not None)  # settings above decided those
+            if stop is not None and not ours and not self.config.signal_stop_is_incident:
                 log.info("pid %d %r stopped by %s (%s): no incident", event.pid, event.title, stop,
                          describe_exit(event))
                 return None  # asked to stop from outside: an orderly shutdown, not a crash

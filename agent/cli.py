@@ -151,9 +151,20 @@ def fail(message: str, code: int = ExitCode.FAILURE) -> NoReturn:
     raise typer.Exit(int(code))
 
 
+class _CliFormatter(_SafeFormatter):
+    """Log lines shaped as the CLI's own: ``servewatch: warning: no target process found yet ...``."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return f"servewatch: {record.levelname.lower()}: {record.message}"
+
+
 def _logging(verbose: bool) -> None:
+    """Log to stderr: warnings and errors as ``servewatch: warning: ...`` lines, like the CLI's
+    own; with ``--verbose``, everything from INFO, with timestamps and logger names."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        _SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s") if verbose else _CliFormatter()
+    )
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         handlers=[handler],

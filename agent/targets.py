@@ -302,17 +302,25 @@ class ProcessTree:
 
     Attributes:
         pgid: the process group id.
-        leader_title: the group leader's title (``"?"`` when it is gone or unreadable).
+        leader_title: the group leader's title (``""`` when it is gone or unreadable).
         pids: the targets in that group, sorted.
+        member_title: the title of the group's first target (what is known of a group whose
+            leader is gone or unreadable); ``""`` when unknown.
     """
 
     pgid: int
     leader_title: str
     pids: tuple[int, ...]
+    member_title: str = ""
 
     def describe(self) -> str:
-        """``group 1234 'python -m sglang.launch_server' (pids 1240, 1241)``."""
-        return f"group {self.pgid} {self.leader_title!r} (pids {', '.join(map(str, self.pids))})"
+        """``group 1234 'python -m sglang.launch_server' (pids 1240, 1241)``; without a leader:
+        ``group 1234 (leader gone or unreadable; pid 1240 'sglang::scheduler_TP0') (pids 1240, 1241)``."""
+        pids = f"(pids {', '.join(map(str, self.pids))})"
+        if self.leader_title:
+            return f"group {self.pgid} {self.leader_title!r} {pids}"
+        member = f"; pid {self.pids[0]} {self.member_title!r}" if self.pids and self.member_title else ""
+        return f"group {self.pgid} (leader gone or unreadable{member}) {pids}"
 
 
 def process_trees(targets: Iterable[Target]) -> list[ProcessTree]:
@@ -322,16 +330,21 @@ def process_trees(targets: Iterable[Target]) -> list[ProcessTree]:
         One tree per process group, sorted by pgid.
     """
     groups: dict[int, list[int]] = {}
+    titles: dict[int, str] = {}
     for target in targets:
         try:
             pgid = os.getpgid(target.pid)
         except (ProcessLookupError, PermissionError):
             continue
         groups.setdefault(pgid, []).append(target.pid)
+        titles[target.pid] = target.title
     trees = []
     for pgid, pids in sorted(groups.items()):
         leader = target_of(pgid)
-        trees.append(ProcessTree(pgid=pgid, leader_title=leader.title if leader else "?", pids=tuple(sorted(pids))))
+        first = min(pids)
+        trees.append(ProcessTree(
+            pgid=pgid, leader_title=leader.title if leader else "", pids=tuple(sorted(pids)), member_title=titles.get(first, ""),
+        ))
     return trees
 
 

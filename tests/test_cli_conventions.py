@@ -351,3 +351,19 @@ def test_launch_says_armed_once_the_server_started(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout == "child up\n"
     assert r.stderr.count("servewatch: Armed CUDA coredumps into ") == 1, r.stderr
+
+
+#: A timestamped logging line (``2026-12-01 03:47:24,480 WARNING servewatch.runtime: ...``).
+TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+
+
+def test_run_logs_warnings_as_servewatch_lines_and_timestamps_only_with_verbose(tmp_path: Path) -> None:
+    glob = f"servewatch-test-nothing-{os.getpid()}*"
+    quiet = sw(tmp_path, "run", "--match", glob, "--data-dir", str(tmp_path / "data"), "--duration", "5", timeout_s=90)
+    assert quiet.returncode == 0, quiet.stderr
+    lines = quiet.stderr.splitlines()
+    assert all(line.startswith("servewatch: ") for line in lines), quiet.stderr
+    assert any(line.startswith("servewatch: warning: no target process found yet") for line in lines), quiet.stderr
+    loud = sw(tmp_path, "run", "-v", "--match", glob, "--data-dir", str(tmp_path / "data"), "--duration", "5", timeout_s=90)
+    assert loud.returncode == 0, loud.stderr
+    assert any(TIMESTAMPED.match(line) and "WARNING servewatch." in line for line in loud.stderr.splitlines()), loud.stderr

@@ -203,3 +203,15 @@ def test_one_shot_dump_reports_a_zombie_rank_of_the_tree_as_dead(spawn, python, 
                if s["name"] == "pyspy.dump" and s["attributes"]["process.pid"] == a["scheduler_TP1"]]
     assert span["attributes"]["servewatch.outcome"] == "dead"
     assert "Dead: 1" in r.stdout
+
+
+def test_a_tree_whose_leader_is_gone_is_named_by_what_is_known(spawn, python) -> None:
+    from agent.targets import ProcessTree, Target
+
+    child = spawn([python, "-c", "import time; time.sleep(60)"])  # its own group: pgid == its pid
+    leaderless = ProcessTree(pgid=child.pid, leader_title="", pids=(child.pid + 1,), member_title="sglang::scheduler_TP0")
+    assert leaderless.describe() == f"group {child.pid} (leader gone or unreadable; pid {child.pid + 1} 'sglang::scheduler_TP0') (pids {child.pid + 1})"
+    unknown = ProcessTree(pgid=7, leader_title="", pids=(8,))
+    assert unknown.describe() == "group 7 (leader gone or unreadable) (pids 8)"
+    (tree,) = process_trees([Target(pid=child.pid, title="worker")])
+    assert "?" not in tree.describe() and tree.leader_title  # a live leader is named by its title

@@ -943,7 +943,6 @@ def profile(
     settings, pid = _profile_target(settings, pid=pid, url=url, backend=backend)
     if acts is not None and (problem := activities_problem(acts, settings.profiler.backend)):
         fail(f"invalid --activities {activities!r}: {problem}", ExitCode.USAGE)
-    _data_dir_ready(settings)
     import anyio
 
     from agent.runtime import Agent
@@ -953,11 +952,13 @@ def profile(
         lambda: agent.profile(
             pid=pid, steps=settings.profiler.num_steps, start_step=start_step, activities=acts,
             out_dir=(out_dir or settings.profiler.output_dir or Path("profiles")).resolve(), timeout_s=timeout,
+            before_export=lambda: _data_dir_ready(settings),  # only a session with trace files writes
         )
     )
     telemetry = agent.telemetry
-    assert telemetry is not None  # the otlp exporter built it for the trace
-    _say_spooled(telemetry, agent.export_statistics)
+    if trace_id is not None:
+        assert telemetry is not None  # the otlp exporter built it for the trace
+        _say_spooled(telemetry, agent.export_statistics)
     if as_json:
         out.print_json(json.dumps({**result.to_manifest(), "trace_id": trace_id}))
     for path in result.artifact_paths:
@@ -968,7 +969,7 @@ def profile(
         f"Profile {result.outcome.value}: {len(result.artifact_paths)} trace file(s)"
         + (f", {captured} step(s) captured" if captured is not None else "")
         + _profile_detail(result.detail, len(result.artifact_paths))
-        + f"; spans in trace {trace_id} ({telemetry.destination.describe()})"
+        + (f"; spans in trace {trace_id} ({telemetry.destination.describe()})" if trace_id and telemetry else "")
         + _how_to_open(result.artifact_paths),
         markup=False,
     )

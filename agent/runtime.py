@@ -374,7 +374,8 @@ class Agent:
         activities: Sequence[str] | None = None,
         out_dir: Path,
         timeout_s: float | None = None,
-    ) -> tuple[ActionResult, str]:
+        before_export: Callable[[], None] | None = None,
+    ) -> tuple[ActionResult, str | None]:
         """One profiling session now (``servewatch profile``) per ``settings.profiler``, mirrored
         as a ``profile.session`` trace through the registered exporters (then flushed and shut
         down, as :meth:`dump`).
@@ -386,9 +387,13 @@ class Agent:
             activities: ``CPU``, ``GPU``, ``MEM``... (default: the settings').
             out_dir: where the trace files go.
             timeout_s: wall-clock bound of the session, seconds (default: ``profiler.max_duration_s``).
+            before_export: called (in a worker thread) before the exporters start, only when the
+                session wrote trace files: the CLI creates and checks the data dir there.
 
         Returns:
-            The session's result (outcome, trace files) and the hex trace id of its spans.
+            The session's result (outcome, trace files) and the hex trace id of its spans;
+            ``None`` when the session wrote no trace file: then nothing is exported and no
+            folder is created (a failed profile leaves nothing behind).
         """
         from agent.actors.profiler import profile_once
         from exporters.mirror import mirror_profile_session
@@ -397,6 +402,10 @@ class Agent:
             self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
             out_dir=out_dir, timeout_s=timeout_s,
         )
+        if not result.artifact_paths:
+            return result, None
+        if before_export is not None:
+            await anyio.to_thread.run_sync(before_export)  # the data dir: file system
         self._start_exporters(one_shot=True)
         assert self.telemetry is not None, "the otlp exporter is registered"
         try:

@@ -3,13 +3,15 @@
 Owns :func:`sdk_call` (one JSON-lines request to a server's control socket, served by
 :mod:`agent.sdk.control` inside the server), :class:`SdkCallError` (a failed call, sorted into
 an :class:`~agent.events.Outcome`), :func:`control_socket_pids` (the live servers whose sockets
-are in a folder) and :func:`read_inflight` with its :class:`InflightRequest` items (span links
+are in a folder), :func:`read_step_counter` (a server's forward-step counter file, checked to be
+its own) and :func:`read_inflight` with its :class:`InflightRequest` items (span links
 and ``requests.json`` of an incident).
 
 Used by the actors (:mod:`agent.actors.profiler`, :mod:`agent.actors.flightrec`) and by the
 incident layer (:mod:`agent.incidents`, through :mod:`agent.runtime`). May import the stdlib,
 anyio, :mod:`agent.events`, :mod:`agent.errors`, :mod:`agent.procinfo`, :mod:`agent.security`,
-:mod:`agent.targets` and the SDK's path helper :func:`agent.sdk.control.control_path`; never an
+:mod:`agent.targets`, the SDK's path helper :func:`agent.sdk.control.control_path` and its public
+counter layout (:mod:`agent.sdk.counter`); never an
 actor, a watcher, the incident layer or an exporter (``tests/test_layers.py`` checks it).
 """
 
@@ -35,7 +37,8 @@ from agent.errors import SdkCallError
 from agent.events import Outcome
 from agent.procinfo import pid_alive
 from agent.sdk.control import control_path
-from agent.security import process_uids, trusted_owner
+from agent.sdk.counter import SIZE_BYTES, CounterSnapshot, counter_path, parse_counter
+from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "control_path",
     "control_socket_pids",
     "read_inflight",
+    "read_step_counter",
     "sdk_call",
 ]
 
@@ -181,6 +185,18 @@ async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid
     if reply.get("error") == "permission_denied":
         raise SdkCallError(Outcome.PERMISSION_DENIED, f"control socket {path}: {reply.get('detail', '')}")
     return reply
+
+
+def read_step_counter(pid: int, directory: Path | None = None) -> CounterSnapshot | None:
+    """The forward-step counter of ``pid`` (``<directory>/servewatch-steps.<pid>``, default the
+    SDK's shm folder), or ``None`` when it is missing, not owned by the process's user, or
+    written by another pid. Blocking (a tmpfs read, microseconds)."""
+    uids = process_uids(pid)
+    if not uids:
+        return None
+    raw = open_trusted(counter_path(pid, directory), uids, max_bytes=SIZE_BYTES)
+    snap = None if raw is None else parse_counter(raw)
+    return snap if snap is not None and snap.pid == pid else None
 
 
 def control_socket_pids(socket_dir: Path | None = None) -> list[int]:

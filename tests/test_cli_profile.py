@@ -158,3 +158,35 @@ def test_bad_activities_name_the_flag_and_every_accepted_value(tmp_path: Path, l
     row = next(x for x in readme.splitlines() if x.startswith("| `profiler.activities` "))
     assert all(f"`{a}`" in row for a in ("CPU", "GPU", "MEM", "CUDA_PROFILER")), row
     assert not (tmp_path / "cwd" / "profiles").exists() and not list((tmp_path / "cwd").iterdir())
+
+
+def test_a_stalled_rank_ends_the_profile_early_and_a_failed_profile_leaves_no_folder(
+    tmp_path: Path, launch: ProgramLauncher
+) -> None:
+    """Hung in its forward with work pending: ``no steps: server stalled`` well before the 60 s
+    session bound, exit 1, and neither ``./profiles`` nor the data dir is left behind; an idle
+    server (nothing pending) keeps the idle wording."""
+    _, line = launch.start("profiled_model.py", "--hang-after-steps", "3")
+    pid = line.split()[1]
+    r = sw(tmp_path, "profile", "--pid", pid, "--steps", "5", "--out", "./profiles", "--timeout", "100", timeout_s=90)
+    assert r.returncode == 1, r.stderr
+    assert "no steps: server stalled (work pending and no forward step for 10 s)" in r.stderr, r.stderr
+    assert "idle server" not in r.stderr
+    assert list((tmp_path / "cwd").iterdir()) == []  # no ./profiles, no ./servewatch-data
+    _, line = launch.start("profiled_model.py", "--idle")
+    r = sw(tmp_path, "profile", "--pid", line.split()[1], "--steps", "1", "--out", "a/b", "--timeout", "1",
+           timeout_s=90, SERVEWATCH_PROFILER__FIND_TIMEOUT_S="1")
+    assert r.returncode == 1, r.stderr
+    assert "with 0 steps captured (idle server: no step came, no profiler was started)" in r.stderr, r.stderr
+    assert list((tmp_path / "cwd").iterdir()) == []  # a/b removed, a too
+
+
+def test_an_unsupported_http_profile_leaves_no_folder(tmp_path: Path, launch: ProgramLauncher) -> None:
+    _, line = launch.start("fake_sglang_server.py", "--no-profile-endpoints")
+    url = f"http://127.0.0.1:{json.loads(line)['port']}"
+    out = tmp_path / "x" / "pf3"
+    r = sw(tmp_path, "profile", "--url", url, "--backend", "sglang", "--steps", "1", "--out", str(out))
+    assert r.returncode == 1, r.stderr
+    assert "Profile unsupported" in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
+    assert list((tmp_path / "cwd").iterdir()) == []  # no ./servewatch-data/<host>/spans

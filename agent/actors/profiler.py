@@ -57,7 +57,13 @@ from agent.events import (
     now_ns,
 )
 from agent.lazy import LazyModule
-from agent.sdkclient import SdkCallError, control_path, control_socket_pids, sdk_call
+from agent.sdkclient import (
+    SdkCallError,
+    control_path,
+    control_socket_pids,
+    read_step_counter,
+    sdk_call,
+)
 from agent.targets import Target
 
 if TYPE_CHECKING:
@@ -88,6 +94,9 @@ TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".gputrace", ".mlx-step
 #: Accepted activities, each backend: ``CUDA_PROFILER`` (cudaProfilerStart/Stop, for nsys) is SGLang's.
 ACTIVITIES = ("CPU", "GPU", "MEM", "CUDA_PROFILER")
 SGLANG_ONLY_ACTIVITIES = ("CUDA_PROFILER",)
+#: A session that has not started ends as ``no steps: server stalled`` once its target has had
+#: work pending (SDK ``pending > 0``) and taken no forward step for this long, seconds.
+STALL_WINDOW_S = 10.0
 _NOT_IN_PROGRESS = "not in progress"
 _ALREADY_RUNNING = "already in progress"
 
@@ -301,6 +310,46 @@ def _make_private(path: Path) -> None:
         logger.debug("cannot make %s private: %s", path, exc)
 
 
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    out: list[Path] = []
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove the folders a session created (deepest first) while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (something else wrote there), or already gone
+            return
+
+
+class _StallWatch:
+    """Work pending on the target and its ``forward_ct`` not moving for ``window_s``: a session
+    waiting for the next step would never start (read from the SDK counter file)."""
+
+    def __init__(self, pid: int, directory: Path | None, window_s: float = STALL_WINDOW_S) -> None:
+        self.pid, self.directory, self.window_ns = pid, directory, int(window_s * 1e9)
+        self.forward_ct: int | None = None
+        self.since_ns = 0
+
+    def stalled(self) -> bool:
+        """Blocking (a tmpfs read): true once busy with no step for the window."""
+        snap = read_step_counter(self.pid, self.directory)
+        now = time.monotonic_ns()
+        if snap is None or snap.pending <= 0:
+            self.forward_ct = None  # idle (or no counter): not a stall
+            return False
+        if snap.forward_ct != self.forward_ct:
+            self.forward_ct, self.since_ns = snap.forward_ct, now
+        last = snap.last_step_monotonic_ns if snap.forward_ct > 0 and snap.last_step_monotonic_ns > 0 else 0
+        return now - (last or self.since_ns) >= self.window_ns  # never stepped: since first seen busy
+
+
 # --- the session -----------------------------------------------------------------------------
 
 
@@ -453,15 +502,20 @@ class ProfilerActor:
         """Run one session and return its result; never raises for the target's misbehaviour."""
         backend = self.config.backend
         s = _Session(backend, req, pid)
+        missing = await anyio.to_thread.run_sync(_missing_dirs, req.output_dir)
         try:
             if backend == "sdk":
                 if pid is None:
                     return s.result(Outcome.FAILED, "the sdk backend needs a target pid")
-                return await self._sdk_session(s, self.socket_for(pid))
-            return await self._http_session(s)
+                result = await self._sdk_session(s, self.socket_for(pid))
+            else:
+                result = await self._http_session(s)
         except Exception as exc:
             logger.exception("profiling session failed")
-            return s.result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+            result = s.result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+        if not result.artifact_paths:  # a session with no trace leaves no folder behind
+            await anyio.to_thread.run_sync(_remove_empty, missing)
+        return result
 
     # -- sdk ----------------------------------------------------------------------------------
 
@@ -497,7 +551,20 @@ class ProfilerActor:
         sid = str(reply["session_id"])
         s.attrs["servewatch.profile.session_id"] = sid
         # The SDK ends the session itself (steps or its own deadline); allow for the export.
-        info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s, pid=s.pid)
+        watch = _StallWatch(s.pid, c.socket_dir) if s.pid is not None else None
+        info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s, pid=s.pid, stall=watch)
+        if info is not None and info.get("stalled"):
+            try:  # cancels the pending session
+                await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=c.request_timeout_s, pid=s.pid)
+            except SdkCallError:
+                pass
+            s.attrs["servewatch.profile.state"] = "stalled"
+            s.attrs["servewatch.profile.steps_captured"] = 0
+            return s.result(
+                Outcome.SKIPPED,
+                f"no steps: server stalled (work pending and no forward step for {STALL_WINDOW_S:g} s)",
+                retryable=True,
+            )
         stopped_by_us = False
         if info is None or not info.get("finished"):
             stopped_by_us = True
@@ -543,7 +610,11 @@ class ProfilerActor:
         err = info.get("error") or "the session produced no trace file"
         return await s.aresult(Outcome.FAILED, f"{state}: {err}{' (stopped by servewatch)' if stopped_by_us else ''}", files)
 
-    async def _sdk_wait(self, sock: Path, sid: str, timeout_s: float, pid: int | None = None) -> dict[str, Any] | None:
+    async def _sdk_wait(
+        self, sock: Path, sid: str, timeout_s: float, pid: int | None = None, stall: _StallWatch | None = None
+    ) -> dict[str, Any] | None:
+        """Poll the session's status until it finished or ``timeout_s`` passed; with ``stall``,
+        a session still pending on a stalled target comes back at once with ``stalled: True``."""
         deadline = time.monotonic() + timeout_s
         info: dict[str, Any] | None = None
         while True:
@@ -555,6 +626,8 @@ class ProfilerActor:
                 info = reply["session"]
                 if info.get("finished"):
                     return info
+                if stall is not None and info.get("state") == "pending" and await anyio.to_thread.run_sync(stall.stalled):
+                    return {**info, "stalled": True}
             if time.monotonic() >= deadline:
                 return info
             await anyio.sleep(self.config.poll_interval_s)

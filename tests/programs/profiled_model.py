@@ -6,7 +6,7 @@ requests (each request lives ``--request-steps`` steps, in a ``request_span``). 
 ``READY <pid> <socket path>`` on stdout once the socket is up. Exits after ``--max-runtime-s``
 seconds whatever happens (a test target must never outlive its test).
 
-    python tests/programs/profiled_model.py [--step-sleep-s 0.01] [--idle] [--socket PATH]
+    python tests/programs/profiled_model.py [--step-sleep-s 0.01] [--idle] [--hang-after-steps N] [--socket PATH]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--request-steps", type=int, default=5, help="steps each simulated request lives")
     ap.add_argument("--concurrency", type=int, default=2, help="requests in flight at a time")
     ap.add_argument("--idle", action="store_true", help="serve the socket but never step (an idle server)")
+    ap.add_argument("--hang-after-steps", type=int, default=0,
+                    help="after this many steps, hang inside the next forward with work pending (a stalled rank)")
     ap.add_argument("--socket", default=None, help="control socket path (default: from the pid)")
     ap.add_argument("--max-runtime-s", type=float, default=120.0)
     args = ap.parse_args()
@@ -63,6 +65,10 @@ def main() -> int:
         admit()
         while time.monotonic() < deadline:
             sdk.set_pending(len(active))
+            if args.hang_after_steps and sdk.forward_ct() >= args.hang_after_steps:
+                while time.monotonic() < deadline:  # hung in its forward: busy, no step
+                    time.sleep(0.05)
+                break
             with torch.no_grad(), tracing.maybe_record_function("forward"):
                 net(x)
             done = []

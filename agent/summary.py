@@ -129,10 +129,12 @@ def summary_lines(record: IncidentRecord) -> list[str]:
     dumps = [a for a in m.actions if a.action == Action.PYSPY_DUMP]
     ok = sum(1 for a in dumps if a.outcome == Outcome.OK)
     dead = sum(1 for a in dumps if a.outcome == Outcome.DEAD)
+    skipped = sum(1 for a in dumps if a.outcome == Outcome.SKIPPED)  # switched off by configuration: no error
     lines.append(
         f"Wrote {ok} stack dump(s) to '{record.bundle_dir}/'. Processes: {len(m.targets)}"
         + (f" Dead: {dead}" if dead else "")
-        + f" Errors: {len(dumps) - ok - dead}"
+        + (f" Skipped: {skipped}" if skipped else "")
+        + f" Errors: {len(dumps) - ok - dead - skipped}"
     )
     if m.state is IncidentState.INTERRUPTED:
         lines.append(f"Interrupted: {m.interrupted_reason or 'the agent stopped mid-incident'}; what was captured is kept")

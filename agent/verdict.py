@@ -590,4 +590,21 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
         return _verdict("unknown", (), f"no collective wait ({', '.join(f'rank {e.rank} {e.frame_class.value}' for e in known)})", "low", ev)
     if complete_fr and waiting and len(waiting) == len(ev):
         return _verdict("unknown", (), "every rank entered the same collective and waits in it (communication layer?)", "low", ev)
-    return _verdict("unknown", (), "no conclusive evidence (no Flight Recorder and no stacks)", "low", ev, hung=True)
+    return _verdict("unknown", (), f"no conclusive evidence ({_what_was_read(ev, frs, complete_fr, known)})", "low", ev,
+                    hung=True)
+
+
+def _what_was_read(ev: Sequence[RankEvidence], frs: Mapping[int, _FR], complete_fr: bool,
+                   known: Sequence[RankEvidence]) -> str:
+    """What the inconclusive verdict had: ``no Flight Recorder`` only when no rank's record was read."""
+    if not any(isinstance(e.fr, Mapping) for e in ev):
+        fr_text = "no Flight Recorder"
+    elif not frs:
+        fr_text = "Flight Recorder empty"
+    elif not complete_fr:
+        fr_text = f"Flight Recorder of {_ranks_text(sorted(frs))} only"
+    else:
+        fr_text = "the Flight Recorders show no rank behind and no mismatch"
+    if not known:
+        return f"{fr_text} and no stacks"
+    return f"{fr_text}; stacks: " + ", ".join(f"rank {e.rank} {e.frame_class.value}" for e in known)

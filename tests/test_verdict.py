@@ -156,3 +156,11 @@ def test_the_rank_whose_steps_stopped_in_compute_is_named_among_advancing_ones()
           RankEvidence(rank=1, frame_class=FrameClass.COMPUTE, frame="b (m.py:2)", steps_before=3, steps_after=5)]
     v = decide(ev)
     assert (v.kind, v.culprit_ranks) == ("compute", (0,))
+
+
+def test_inconclusive_verdict_says_whether_the_recorders_were_read_empty_or_missing() -> None:
+    assert decide([RankEvidence(rank=0), RankEvidence(rank=1)]).reason == \
+        "no conclusive evidence (no Flight Recorder and no stacks)"
+    empty = {"entries": [{"is_p2p": True}], "pg_status": {}}  # read, but nothing of a collective in it
+    assert decide([RankEvidence(rank=0, fr=empty), RankEvidence(rank=1, fr=empty)]).reason == \
+        "no conclusive evidence (Flight Recorder empty and no stacks)"

@@ -181,3 +181,29 @@ async def test_a_worker_socket_of_another_user_is_not_trusted(tmp_path: Path, sp
         shutil.rmtree(shared, ignore_errors=True)
     assert r.outcome is Outcome.NO_SOURCE
     assert "not trusted" in r.detail and "uid 65534" in r.detail
+
+
+async def test_dump_with_pyspy_off_counts_no_errors_and_the_verdict_says_what_the_recorders_held(
+        ranks: list[Target], tmp_path: Path) -> None:
+    """``SERVEWATCH_PYSPY__ENABLED=false servewatch dump`` of two real gloo ranks: the skipped py-spy
+    rows are no errors, and an inconclusive verdict never says "no Flight Recorder" when it read them."""
+    import subprocess
+
+    await _wait_steps(ranks, 2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env.update(SERVEWATCH_PYSPY__ENABLED="false", SERVEWATCH_COREDUMP__ENABLED="false",
+               SERVEWATCH_SHM_DIR=os.environ.get("SERVEWATCH_SHM_DIR", "/dev/shm"))
+    argv = [sys.executable, "-m", "agent.cli", "dump", "--data-dir", str(tmp_path / "data"),
+            *(a for t in ranks for a in ("--pid", str(t.pid)))]
+    r = await anyio.to_thread.run_sync(lambda: subprocess.run(argv, capture_output=True, text=True, timeout=110,
+                                                              cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, check=False))
+    (manifest_path,) = (tmp_path / "data").glob("*/*/manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    outcomes = sorted((a["action"], a["outcome"]) for a in manifest["actions"] if a["action"] in ("pyspy.dump", ACTION))
+    assert outcomes == [(ACTION, "ok"), (ACTION, "ok"), ("pyspy.dump", "skipped"), ("pyspy.dump", "skipped")], r.stderr
+    text = r.stdout + r.stderr
+    assert "Processes: 2 Skipped: 2 Errors: 0" in text, text
+    verdict = manifest["verdict"]
+    assert "no Flight Recorder" not in verdict["reason"], verdict
+    if verdict["kind"] == "unknown":  # healthy ranks may step on: then "progressing", which is fine too
+        assert "the Flight Recorders show no rank behind and no mismatch and no stacks" in verdict["reason"], verdict

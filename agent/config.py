@@ -217,6 +217,9 @@ def _unknown_keys(table: Mapping[str, Any], prefix: str = "") -> list[str]:
 #: A message that already quotes the value it got (``expected HOST:PORT, got 'x'``).
 _SAYS_GOT = re.compile(r"\bgot\b")
 
+#: A setting's dotted name (``api.token_file``).
+_DOTTED = re.compile(r"[a-z_]+(?:\.[a-z_]+)*")
+
 #: ``flag_for(dotted_key, value)``: the command-line flag that gave a setting this value, or None.
 FlagFor = Callable[[str, Any], "str | None"]
 
@@ -256,6 +259,13 @@ def _format_error(err: ValidationError, overrides: Mapping[str, Any] | None = No
         shown = "" if not key or isinstance(got, dict) or says_got else f" (got {got!r})"
         if e["type"] == "extra_forbidden":  # a misspelt key: name the closest valid one
             settings_parts.append(_unknown_key(key))
+            continue
+        if not key:  # a model-wide check: "api.token_file: no such file '/x'; fleet.job: ..."
+            for problem in msg.split("; "):
+                named, sep, what = problem.partition(": ")
+                given = _given(overrides or {}, tuple(named.split("."))) if sep and _DOTTED.fullmatch(named) else None
+                flag = flag_for(*given) if given is not None and flag_for is not None else None
+                (flag_parts if flag else settings_parts).append(f"invalid value for {flag}: {what}" if flag else problem)
             continue
         given = _given(overrides or {}, tuple(e["loc"]))
         flag = flag_for(*given) if given is not None and flag_for is not None else None

@@ -240,7 +240,7 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path: Path)
     ("args", "message"),
     [
         (["--api-listen", "127.0.0.1:0"], "api.token_file: the API needs a bearer token file"),
-        (["--api-listen", "127.0.0.1"], "api.listen: expected HOST:PORT"),
+        (["--api-listen", "127.0.0.1"], "invalid value for --api-listen: expected HOST:PORT"),
         (["--job", "j", "--peer", "127.0.0.1:7207"], "api.enabled: a job's agents reach each other through the API"),
         (["--api-listen", "127.0.0.1:0", "--api-token-file", "{loose}"], "chmod 600"),
     ],

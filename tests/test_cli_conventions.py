@@ -196,6 +196,7 @@ def test_report_and_timeline_of_a_bundle_write_only_what_was_asked(tmp_path: Pat
         (["run"], {"SERVEWATCH_TARGET__PIDS": "1,2"}, "servewatch: invalid setting target.pids from SERVEWATCH_TARGET__PIDS: list values are JSON, e.g. SERVEWATCH_TARGET__PIDS='[1, 2]'"),
         (["run"], {"SERVEWATCH_TARGET__MATCH": "a*,b"}, """servewatch: invalid setting target.match from SERVEWATCH_TARGET__MATCH: list values are JSON, e.g. SERVEWATCH_TARGET__MATCH='["a*", "b"]'"""),
         (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "SIGFOO"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'SIGFOO'"),
+        (["dump", "--pid", "1"], {"SERVEWATCH_HOST_NAME": ".."}, "servewatch: invalid setting host_name from SERVEWATCH_HOST_NAME: host name '..' cannot be a folder name"),
         (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "foo"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'foo'"),
         (["run", "--pid", "1", "--health-url", "ftp://x"], {}, "servewatch: invalid value for --health-url: expected an http(s):// URL, got 'ftp://x'; see 'servewatch run --help'"),
         (["run", "--pid", "1", "--metrics-preset", "foo"], {}, "servewatch: invalid value for --metrics-preset: Input should be 'sglang' or 'vllm' (got 'foo'); see 'servewatch run --help'"),

@@ -168,6 +168,14 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     assert all(x["outcome"] == "ok" for x in summary["actions"] if x["action"] == "flightrec.dump")
     bundle = tmp_path / summary["bundle_path"]
     assert (bundle / "manifest.json").is_file()
+    # it says where the bundle and the spans are; the spans folder holds the incident's trace
+    (bundle_line,) = [ln for ln in r.stderr.splitlines() if "] bundle: " in ln]
+    assert bundle_line.split("] bundle: ", 1)[1].rstrip("/").endswith(summary["bundle_path"].rstrip("/"))
+    (spans_line,) = [ln for ln in r.stderr.splitlines() if "] spans: " in ln]
+    spans_dir = tmp_path / spans_line.split("] spans: ", 1)[1].split("/ (", 1)[0]
+    assert spans_dir.is_dir() and spans_dir.name == "spans", spans_line
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert any(manifest["trace_id"] in f.read_text() for f in spans_dir.iterdir() if f.is_file()), spans_line
     # nothing of the demo is left running
     import psutil
 

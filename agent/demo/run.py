@@ -3,8 +3,8 @@
 Starts the demo server (HTTP frontend + TP scheduler subprocesses running a torch model), runs
 the agent watching it (health, SDK step counters, process titles), sends a few requests, makes
 scheduler TP0 hang on purpose with a request in flight, waits for the stall incident (stacks of
-every scheduler, bundle, spans), then shuts everything down. Everything is bounded by
-``deadline_s``.
+every scheduler, bundle, spans), then shuts everything down and says where the bundle and the
+spans are. Everything is bounded by ``deadline_s``.
 
 Imports the agent runtime and :mod:`agent.demo.client`; nothing imports this module but the CLI.
 """
@@ -93,7 +93,19 @@ async def _demo(settings: Settings, tp: int, watchdog_timeout_s: float, deadline
                     tg.cancel_scope.cancel()
     except TimeoutError:
         raise TimeoutError(f"no incident captured within {deadline_s:g}s") from None
-    return records[0]
+    record = records[0]
+    say(f"bundle: {record.bundle_dir}/")
+    say(f"spans: {_spans_where(agent.telemetry)}")
+    return record
+
+
+def _spans_where(telemetry: Any) -> str:
+    """Where the demo's spans went: the embedded default's folder, or the OTLP endpoint."""
+    if telemetry is None:
+        return "not exported (span export is off)"
+    if telemetry.spans_dir is not None:
+        return f"{telemetry.spans_dir}/ (OTLP/JSON lines; replay with servewatch export)"
+    return f"exported to {telemetry.destination.endpoint}"
 
 
 async def _request_in_flight(base_url: str) -> None:

@@ -79,7 +79,9 @@ def _private_shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 def no_blocking_on_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every ``async def`` test runs with blocking calls on the event loop from agent or
     exporter code made errors (blockbuster; tests/blocking.py says what is checked and allowed)."""
-    if not inspect.iscoroutinefunction(getattr(request.node, "function", None)):
+    if not inspect.iscoroutinefunction(getattr(request.node, "function", None)) or request.node.get_closest_marker(
+        "blocking_unchecked"
+    ):
         yield
         return
     with blocking_checked():

@@ -823,12 +823,10 @@ async def mirror_events(exporter: Any, sub: Subscription) -> None:
     ``close_open(reason=...)`` (when it has one: the mirror gives incidents left open their root
     span), so nothing already captured is lost from the trace.
     """
-    from exporters.mirror import SpanMirror
-
-    # the span mirror writes spans write-ahead (span files, the spool) and imports a profile's
-    # torch trace: file and CPU work, kept off the event loop, one event at a time; other
-    # exporters may touch loop-bound state and are handed events on the loop
-    off_loop = isinstance(exporter, SpanMirror)
+    # handle() is file and CPU work (the span mirror writes spans write-ahead and imports a
+    # profile's torch trace): kept off the event loop, one event at a time. An exporter whose
+    # handle() touches loop-bound state says so with ``handles_on_loop = True``.
+    off_loop = not getattr(exporter, "handles_on_loop", False)
     try:
         async for event in sub:
             if off_loop:

@@ -19,6 +19,7 @@ from agent.registry import BuildContext, Registry, UnknownComponentError, regist
 from agent.runtime import Agent
 from tests import registry_fake
 from tests.conftest import PROGRAMS_DIR
+from tests.sdk._helpers import ProgramLauncher
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -210,12 +211,14 @@ async def test_a_registered_watcher_opens_an_incident_in_run(tmp_path: Path, spa
 # --- the CLI's one-shot commands build the same way (real `servewatch` subprocesses) ----------
 
 
-def _servewatch_with_fakes(tmp_path: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+def _servewatch_with_fakes(
+    tmp_path: Path, *args: str, timeout_s: float = 120, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tests.registry_fake", *args],
         capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path, check=False, stdin=subprocess.DEVNULL,
         env=_env(tmp_path, SERVEWATCH_COREDUMP__ENABLED="false", SERVEWATCH_FLIGHTREC__ENABLED="false",
-                  SERVEWATCH_EXPORT__METRICS="false"),
+                  SERVEWATCH_EXPORT__METRICS="false", **(extra_env or {})),
     )
 
 
@@ -240,13 +243,20 @@ def test_cli_launch_runs_a_registered_actor_and_exporter(tmp_path: Path) -> None
     assert "IncidentOpened exit" in lines and any(line.startswith("action probe.read ") for line in lines)
 
 
-def test_cli_profile_builds_the_registered_exporters(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    proc = _servewatch_with_fakes(
-        tmp_path, "profile", "--steps", "1", "--backend", "sglang", "--url", "http://127.0.0.1:9",
-        "--timeout", "3", "--data-dir", str(data), "--out", str(tmp_path / "profiles"),
-    )
-    assert proc.returncode == 1, proc.stderr  # nothing listens there: the session failed
-    assert "Profile failed" in proc.stderr and "spans in trace" in proc.stderr
-    assert (data / registry_fake.LOG_NAME).read_text().splitlines() == ["built one_shot=True"]
+def test_cli_profile_builds_the_registered_exporters(tmp_path: Path, spawn, python: str) -> None:
+    shm = tmp_path / "shm"
+    launcher = ProgramLauncher(spawn, python, shm)
+    try:
+        _, line = launcher.start("profiled_model.py")
+        pid = line.split()[1]
+        data = tmp_path / "data"
+        proc = _servewatch_with_fakes(
+            tmp_path, "profile", "--pid", pid, "--steps", "1", "--activities", "CPU", "--timeout", "60",
+            "--data-dir", str(data), "--out", str(tmp_path / "profiles"), extra_env={"SERVEWATCH_SHM_DIR": str(shm)},
+        )
+    finally:
+        launcher.close()
+    assert proc.returncode == 0, proc.stderr  # a real session on a real SDK target
+    assert "spans in trace" in proc.stderr, proc.stderr
+    assert (data / registry_fake.LOG_NAME).read_text().splitlines()[0] == "built one_shot=True"
     assert list((data / os.uname().nodename / "spans").glob("*.jsonl")), "its span went through the otlp exporter"

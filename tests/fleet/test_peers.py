@@ -130,7 +130,7 @@ async def test_peer_failures_are_recorded_per_peer_and_never_delay_local_capture
         async with job_of_agents(tmp_path, otlp_receiver, pids, extra_peers=extra) as agents:
             (a, recs_a), (b, recs_b) = agents
             await a.incidents.open_incident("manual")
-            await _until(lambda: bool(recs_a) and bool(recs_b))  # both incidents closed: every span ended
+            await _until(lambda: bool(recs_b))
         tg.cancel_scope.cancel()
     [ra] = recs_a
     peers = _peer_results(ra)
@@ -149,7 +149,7 @@ async def test_peer_failures_are_recorded_per_peer_and_never_delay_local_capture
     assert dump.start_time_unix_nano < slow.end_time_unix_nano
     manifest = json.loads(ra.manifest_path.read_text())
     outcomes = sorted(x["outcome"] for x in manifest["actions"] if x["action"] == "peer.capture")
-    assert outcomes == ["failed", "ok", "refused", "timed_out"]
+    assert outcomes == ["failed", "ok", "refused", "timed_out"], (outcomes, manifest["state"], manifest.get("interrupted"))
     assert otlp_receiver.wait_for_spans(8, timeout_s=20)
     peer_spans = [s for s in otlp_receiver.spans() if s.name == "peer.capture" and s.trace_id == ra.opened.trace_id]
     assert sorted(s.attributes["servewatch.outcome"] for s in peer_spans) == outcomes

@@ -144,6 +144,8 @@ async def test_per_target_step_tasks_end_when_the_target_exits_and_clients_are_c
             # every bus subscription is bounded (the span mirror's too); drops are counted by the bus
             subs = agent.bus._subscriptions
             assert subs and all(s._send.statistics().max_buffer_size != float("inf") for s in subs)
+            # the status row follows through the bus (written off the loop): wait for it, bounded
+            await wait_until(lambda: (row := agent.status.get("steps")) is not None and row.line() == "steps: 1 rank via shm counter", timeout_s=30)
             assert agent.status.get("steps").line() == "steps: 1 rank via shm counter"
             os.killpg(server.pid, signal.SIGKILL)
             await wait_until(lambda: server.pid not in agent.watched_step_pids, timeout_s=30)

@@ -1182,6 +1182,9 @@ def _exit_now(code: object) -> NoReturn:
     else:
         print(code, file=sys.stderr)
         status = int(ExitCode.FAILURE)
+    from agent import early
+
+    early.discard_all()  # early py-spy runs nobody claimed (e.g. the command failed first)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -63,7 +63,7 @@ def probe_exit(code):
     report(code)
     real_exit(code)
 os._exit = probe_exit
-from agent.cli import main
+from agent.entry import main
 try:
     main()
 except SystemExit as exc:

@@ -72,6 +72,8 @@ _SDK_PRIVATE = ("agent.sdk._",)
         ("agent/events.py", ("agent.", "exporters")),
         ("agent/ids.py", ("agent.", "exporters")),
         ("agent/cudaenv.py", ("agent.", "exporters")),
+        # early py-spy runs start before every other import: the standard library only
+        ("agent/early.py", ("agent.", "exporters")),
         ("agent/errors.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + ("agent.sdk",)),
         # the SDK runs inside the server: never the agent side (see also the test below)
         ("agent/sdk", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),

@@ -44,10 +44,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,16 @@ from anyio.abc import ByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
+from agent.early import (
+    EarlyRun,
+    claim,
+    default_executable,
+    discard_all,
+    is_early_tracer,
+    pending,
+    pyspy_argv,
+    pyspy_env,
+)
 from agent.events import (
     Action,
     ActionResult,
@@ -113,19 +122,6 @@ PERMISSION_HINT = (
 
 _MAX_STDERR_BYTES = 64 * 1024
 _MAX_DETAIL_CHARS = 300
-
-
-def default_executable() -> str | None:
-    """The py-spy binary servewatch uses unless configured: next to ``sys.executable`` (the
-    PyPI wheel installs it into the same ``bin/``), else the first ``py-spy`` on ``PATH``.
-
-    Returns:
-        An absolute path, or ``None`` when py-spy is not installed.
-    """
-    beside = Path(sys.executable).parent / "py-spy"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("py-spy")
 
 
 class PySpyConfig(BaseModel):
@@ -311,6 +307,7 @@ class _Attempt:
     timed_out: bool = False
     killed: bool = False
     launch_error: OSError | None = None
+    early: bool = False
 
 
 async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: int) -> bool:
@@ -330,6 +327,12 @@ async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: 
 async def _probe(target: Target) -> ProcessState:
     """:func:`process_state` of the target, off the event loop (psutil reads /proc files)."""
     return await anyio.to_thread.run_sync(functools.partial(process_state, target.pid, create_time_s=target.create_time_s))
+
+
+def _tracer_but_early(pid: int) -> Tracer | None:
+    """:func:`tracer_of` ``pid``, except our own early py-spy run reading it (:mod:`agent.early`)."""
+    tracer = tracer_of(pid)
+    return None if tracer is not None and is_early_tracer(tracer.pid) else tracer
 
 
 def _kill_group(pgid: int) -> None:
@@ -423,7 +426,12 @@ class PySpyActor:
             One result per target, in the order of ``targets``.
         """
         budget_s = timeout_s if timeout_s is not None else 2 * self.config.timeout_s
-        return await act_all(self, trigger, targets, timeout_s=budget_s, artifact_dir=artifact_dir)
+        try:
+            return await act_all(self, trigger, targets, timeout_s=budget_s, artifact_dir=artifact_dir)
+        finally:
+            if pending():  # early runs (agent.early) no dump claimed: not needed any more
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(discard_all, self.config.kill_grace_s)
 
     async def act(
         self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path
@@ -534,7 +542,7 @@ class PySpyActor:
         try:
             async with lock:
                 async with self._limiter:
-                    tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
+                    tracer = await anyio.to_thread.run_sync(_tracer_but_early, target.pid)
                     attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
                     verdict = attempts[-1][1]
                     if tracer is None and verdict.outcome is Outcome.PERMISSION_DENIED:
@@ -569,6 +577,8 @@ class PySpyActor:
         last, verdict = attempts[-1]
         base["servewatch.pyspy.attempts"] = len(attempts)
         base["servewatch.pyspy.native"] = last.native
+        if last.early:
+            base["servewatch.pyspy.early_start"] = True
         if any(a.killed for a, _ in attempts):
             base["servewatch.pyspy.killed"] = True
         await anyio.to_thread.run_sync(ensure_private_dir, artifact_dir)
@@ -675,16 +685,13 @@ class PySpyActor:
     async def _run_once(self, target: Target, exe: str, *, native: bool, timeout_s: float, nonblocking: bool = False) -> _Attempt:
         """One bounded py-spy run in its own process group; killed (group and all) on timeout
         or cancellation, and the target continued if it was left stopped."""
-        argv = [exe, "dump", "--json", "--pid", str(target.pid)]
-        if native:
-            argv.append("--native")
-        if self.config.nonblocking or nonblocking:
-            argv.append("--nonblocking")
-        if self.config.locals:
-            argv.append("--locals")
+        argv = pyspy_argv(exe, target.pid, native=native, nonblocking=self.config.nonblocking or nonblocking, locals_=self.config.locals)
         attempt = _Attempt(argv=argv, native=native)
-        env = dict(os.environ, RUST_BACKTRACE="0")  # one-line errors, no Rust backtrace
         self._attempts += 1
+        early = claim(argv)  # the same run, started before the CLI's imports (agent.early)
+        if early is not None:
+            return await self._adopt(early, attempt, target, timeout_s)
+        env = pyspy_env()
         stdout = bytearray()
         stderr = bytearray()
         try:
@@ -726,6 +733,33 @@ class PySpyActor:
         attempt.stderr = stderr.decode("utf-8", "replace")
         if attempt.timed_out:
             attempt.returncode = None
+        return attempt
+
+
+    async def _adopt(self, early: EarlyRun, attempt: _Attempt, target: Target, timeout_s: float) -> _Attempt:
+        """Finish ``attempt`` from an early run of its argv: wait for it (``timeout_s`` counts from
+        its start), and on a timeout or cancellation kill its group, reap it and continue the
+        target, as :meth:`_run_once` does for its own runs."""
+        attempt.early = True
+        remaining_s = timeout_s - (time.monotonic() - early.started_s)
+        returncode: int | None = None
+        try:
+            returncode = await anyio.to_thread.run_sync(early.wait, remaining_s, abandon_on_cancel=True)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if returncode is None:
+                    attempt.killed = True
+                    self._groups_killed += 1
+                    if await anyio.to_thread.run_sync(early.kill, self.config.kill_grace_s):
+                        self._targets_continued += 1
+                        logger.warning("pyspy: pid %d was left stopped by a killed py-spy; sent SIGCONT", target.pid)
+                else:
+                    early.close()
+        attempt.timed_out = returncode is None
+        attempt.returncode = returncode
+        attempt.stdout = bytes(early.stdout)
+        attempt.stdout_truncated = early.stdout_truncated
+        attempt.stderr = early.stderr.decode("utf-8", "replace")
         return attempt
 
 

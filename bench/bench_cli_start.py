@@ -9,7 +9,9 @@ hung in a fake all-reduce). Per round, in alternating order: the SEQUENTIAL base
 ``py-spy dump --native --pid P`` after the other, what SGLang's in-process helper costs per
 process) and ONE ``servewatch dump --pid ...`` of all K (start, discovery, parallel dumps,
 bundle, spans, exit). Medians over ``--repeat`` rounds and the ratio servewatch / baseline.
-Targets: <= 2x at K=1, <= 0.6x at K=8.
+Targets: <= 2x at K=1, <= 0.6x at K=8. A third side, in the same rounds, is the same dump with
+the early py-spy runs off (``--config`` of an empty file: no setting changes, but only the plain
+``dump --pid`` form starts py-spy before the imports, see agent/early.py).
 
 Commands run with bytecode caching on (PYTHONDONTWRITEBYTECODE removed) after one warm-up run,
 as an installed servewatch starts; without it every project module is recompiled per start.
@@ -134,9 +136,9 @@ def _baseline(spy: str, pids: list[int]) -> tuple[float, float]:
     return total, cpu
 
 
-def _whole(sw: list[str], pids: list[int], data: Path) -> tuple[float, float]:
+def _whole(sw: list[str], pids: list[int], data: Path, *extra: str) -> tuple[float, float]:
     """One `servewatch dump` of every pid, whole process: (wall seconds, CPU seconds with py-spy's)."""
-    argv = [*sw, "dump", "--data-dir", str(data)] + [a for pid in pids for a in ("--pid", str(pid))]
+    argv = [*sw, "dump", "--data-dir", str(data), *extra] + [a for pid in pids for a in ("--pid", str(pid))]
     dt, rc = timed(argv)
     if rc != 0:
         raise SystemExit(f"servewatch dump exited {rc}")
@@ -145,26 +147,35 @@ def _whole(sw: list[str], pids: list[int], data: Path) -> tuple[float, float]:
 
 def part2(ks: list[int], repeat: int, work: Path) -> None:
     sw, spy = servewatch(), pyspy()
-    print(f"whole-process dump vs sequential `py-spy dump --native`, {repeat} rounds (medians):")
+    # `--config EMPTY` changes no setting but turns the early py-spy runs off (agent.early starts
+    # them only for the plain `dump --pid` form): the same dump, py-spy started after the imports
+    empty = work / "empty.toml"
+    empty.write_text("")
+    print(f"whole-process dump vs sequential `py-spy dump --native`, {repeat} rounds (medians);"
+          " 'late': the same dump with the early py-spy runs off")
     for k in ks:
         procs = start_targets(k)
         try:
             pids = [p.pid for p in procs]
-            base, ours, ratios, cpu_ours, cpu_base = [], [], [], [], []
+            runs: dict[str, list[tuple[float, float]]] = {"base": [], "ours": [], "late": []}
             _whole(sw, pids, work / f"warm-{k}")  # warm-up (bytecode of the dump path, page cache)
+            _whole(sw, pids, work / f"warm-late-{k}", "--config", str(empty))
+            sides = {
+                "base": lambda _r, pids=pids: _baseline(spy, pids),
+                "ours": lambda r, pids=pids, k=k: _whole(sw, pids, work / f"data-{k}-{r}"),
+                "late": lambda r, pids=pids, k=k: _whole(sw, pids, work / f"late-{k}-{r}", "--config", str(empty)),
+            }
+            order = list(sides)
             for r in range(repeat):
-                if r % 2:
-                    (o, oc), (b, bc) = _whole(sw, pids, work / f"data-{k}-{r}"), _baseline(spy, pids)
-                else:
-                    (b, bc), (o, oc) = _baseline(spy, pids), _whole(sw, pids, work / f"data-{k}-{r}")
-                base.append(b)
-                ours.append(o)
-                ratios.append(o / b)
-                cpu_ours.append(oc)
-                cpu_base.append(bc)
-            print(f"  K={k}: servewatch dump {statistics.median(ours):6.3f} s, sequential py-spy {statistics.median(base):6.3f} s,"
-                  f" ratio {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}..{max(ratios):.2f});"
-                  f" CPU {statistics.median(cpu_ours):.3f} s vs {statistics.median(cpu_base):.3f} s")
+                for name in order[r % 3:] + order[: r % 3]:  # rotate who goes first each round
+                    runs[name].append(sides[name](r))
+            base = [b for b, _ in runs["base"]]
+            for name, label in (("ours", "servewatch dump"), ("late", "  (no early py-spy)")):
+                ratios = [o / b for (o, _), b in zip(runs[name], base)]
+                print(f"  K={k}: {label} {statistics.median(o for o, _ in runs[name]):6.3f} s,"
+                      f" sequential py-spy {statistics.median(base):6.3f} s,"
+                      f" ratio {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}..{max(ratios):.2f});"
+                      f" CPU {statistics.median(c for _, c in runs[name]):.3f} s vs {statistics.median(c for _, c in runs['base']):.3f} s")
         finally:
             kill_groups(procs, timeout_s=10)
 

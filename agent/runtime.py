@@ -387,22 +387,25 @@ class Agent:
             activities: ``CPU``, ``GPU``, ``MEM``... (default: the settings').
             out_dir: where the trace files go.
             timeout_s: wall-clock bound of the session, seconds (default: ``profiler.max_duration_s``).
-            before_export: called (in a worker thread) before the exporters start, only when the
-                session wrote trace files: the CLI creates and checks the data dir there.
+            before_export: called (in a worker thread) before the exporters start, only when
+                something is exported: the CLI creates and checks the data dir there.
 
         Returns:
             The session's result (outcome, trace files) and the hex trace id of its spans;
-            ``None`` when the session wrote no trace file: then nothing is exported and no
-            folder is created (a failed profile leaves nothing behind).
+            ``None`` when the session wrote no trace file and spans go to the embedded files:
+            then nothing is exported and no folder is created (a failed profile leaves nothing
+            behind). With a collector configured a failed session is exported too (its
+            ``profile.session`` span says why), through the spool in the data dir as any export.
         """
         from agent.actors.profiler import profile_once
         from exporters.mirror import mirror_profile_session
+        from exporters.provider import resolve_destination
 
         result = await profile_once(
             self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
             out_dir=out_dir, timeout_s=timeout_s,
         )
-        if not result.artifact_paths:
+        if not result.artifact_paths and resolve_destination(self.settings.export).endpoint is None:
             return result, None
         if before_export is not None:
             await anyio.to_thread.run_sync(before_export)  # the data dir: file system

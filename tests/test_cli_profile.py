@@ -15,6 +15,7 @@ import pytest
 
 from agent.profiletargets import BackendUnknownError, infer_backend
 from tests.conftest import PROGRAMS_DIR
+from tests.otlp_receiver import OtlpReceiver
 from tests.sdk._helpers import ProgramLauncher, read_line
 from tests.test_cli_conventions import sw
 
@@ -190,3 +191,24 @@ def test_an_unsupported_http_profile_leaves_no_folder(tmp_path: Path, launch: Pr
     assert "Profile unsupported" in r.stderr, r.stderr
     assert not (tmp_path / "x").exists()
     assert list((tmp_path / "cwd").iterdir()) == []  # no ./servewatch-data/<host>/spans
+
+
+def test_a_failed_profile_is_still_exported_to_a_configured_collector(tmp_path: Path, launch: ProgramLauncher) -> None:
+    """With a collector set, the record of a failed session is not lost: its ``profile.session``
+    span reaches the collector (over real OTLP/gRPC) saying why; no profile folder is left, and
+    the data dir holds only the export spool, as for any export to a collector."""
+    receiver = OtlpReceiver().start()
+    try:
+        _, line = launch.start("profiled_model.py", "--idle")
+        r = sw(tmp_path, "profile", "--pid", line.split()[1], "--steps", "1", "--out", "a/b", "--timeout", "1",
+               "--otlp-endpoint", receiver.grpc_endpoint, timeout_s=90, SERVEWATCH_PROFILER__FIND_TIMEOUT_S="1")
+        assert r.returncode == 1, r.stderr
+        assert receiver.wait_for_spans(1, timeout_s=30), r.stderr
+        (session,) = [s for s in receiver.spans() if s.name == "profile.session"]
+        assert session.attributes["servewatch.outcome"] != "ok"
+        assert "idle server" in str(session.attributes), session.attributes
+        assert f"spans in trace {session.trace_id}" in r.stderr, r.stderr
+        assert [p.name for p in (tmp_path / "cwd").iterdir()] == ["servewatch-data"]  # a/b removed, a too
+        assert [p.name for p in (tmp_path / "cwd" / "servewatch-data").glob("*/*")] == ["spool"]
+    finally:
+        receiver.stop()

@@ -164,14 +164,15 @@ def test_bad_activities_name_the_flag_and_every_accepted_value(tmp_path: Path, l
 def test_a_stalled_rank_ends_the_profile_early_and_a_failed_profile_leaves_no_folder(
     tmp_path: Path, launch: ProgramLauncher
 ) -> None:
-    """Hung in its forward with work pending: ``no steps: server stalled`` well before the 60 s
-    session bound, exit 1, and neither ``./profiles`` nor the data dir is left behind; an idle
+    """Hung in its forward with work pending: ``no steps: server stalled`` after the
+    ``profiler.stall_window_s`` window (set to 4 s here), well before the 60 s session bound, exit 1, and neither ``./profiles`` nor the data dir is left behind; an idle
     server (nothing pending) keeps the idle wording."""
     _, line = launch.start("profiled_model.py", "--hang-after-steps", "3")
     pid = line.split()[1]
-    r = sw(tmp_path, "profile", "--pid", pid, "--steps", "5", "--out", "./profiles", "--timeout", "100", timeout_s=90)
+    r = sw(tmp_path, "profile", "--pid", pid, "--steps", "5", "--out", "./profiles", "--timeout", "100", timeout_s=90,
+           SERVEWATCH_PROFILER__STALL_WINDOW_S="4")
     assert r.returncode == 1, r.stderr
-    assert "no steps: server stalled (work pending and no forward step for 10 s)" in r.stderr, r.stderr
+    assert "no steps: server stalled (work pending and no forward step for 4 s)" in r.stderr, r.stderr
     assert "idle server" not in r.stderr
     assert list((tmp_path / "cwd").iterdir()) == []  # no ./profiles, no ./servewatch-data
     _, line = launch.start("profiled_model.py", "--idle")

@@ -94,8 +94,9 @@ TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".gputrace", ".mlx-step
 #: Accepted activities, each backend: ``CUDA_PROFILER`` (cudaProfilerStart/Stop, for nsys) is SGLang's.
 ACTIVITIES = ("CPU", "GPU", "MEM", "CUDA_PROFILER")
 SGLANG_ONLY_ACTIVITIES = ("CUDA_PROFILER",)
-#: A session that has not started ends as ``no steps: server stalled`` once its target has had
-#: work pending (SDK ``pending > 0``) and taken no forward step for this long, seconds.
+#: Default of ``profiler.stall_window_s``: a session that has not started ends as ``no steps:
+#: server stalled`` once its target has had work pending (SDK ``pending > 0``) and taken no
+#: forward step for this long, seconds.
 STALL_WINDOW_S = 10.0
 _NOT_IN_PROGRESS = "not in progress"
 _ALREADY_RUNNING = "already in progress"
@@ -129,6 +130,9 @@ class ProfilerConfig(BaseModel):
         request_timeout_s: bound of one control-socket or HTTP request, seconds (default 10;
             SGLang's ``/start_profile`` waits for the scheduler).
         vllm_duration_s: how long a ``vllm`` session records before the stop, seconds (default 5).
+        stall_window_s: a session not yet started ends as ``no steps: server stalled`` once the
+            target (``sdk`` backend) has had work pending and taken no forward step for this
+            long, seconds (default 10; the watchdog's stall rule, applied to one session).
         socket_dir: folder of the SDK control sockets (default: the SDK's shm folder).
         sdk_profiler: the in-process profiler the ``sdk`` backend asks for: ``torch`` (default)
             or ``mlx`` (a Metal ``.gputrace`` where Metal capture works; elsewhere per-step MLX
@@ -153,6 +157,7 @@ class ProfilerConfig(BaseModel):
     poll_interval_s: float = Field(default=0.1, gt=0)
     request_timeout_s: float = Field(default=10.0, gt=0)
     vllm_duration_s: float = Field(default=5.0, gt=0)
+    stall_window_s: float = Field(default=STALL_WINDOW_S, gt=0)
     socket_dir: Path | None = None
     sdk_profiler: Literal["torch", "mlx"] = "torch"
 
@@ -551,7 +556,7 @@ class ProfilerActor:
         sid = str(reply["session_id"])
         s.attrs["servewatch.profile.session_id"] = sid
         # The SDK ends the session itself (steps or its own deadline); allow for the export.
-        watch = _StallWatch(s.pid, c.socket_dir) if s.pid is not None else None
+        watch = _StallWatch(s.pid, c.socket_dir, c.stall_window_s) if s.pid is not None else None
         info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s, pid=s.pid, stall=watch)
         if info is not None and info.get("stalled"):
             try:  # cancels the pending session
@@ -562,7 +567,7 @@ class ProfilerActor:
             s.attrs["servewatch.profile.steps_captured"] = 0
             return s.result(
                 Outcome.SKIPPED,
-                f"no steps: server stalled (work pending and no forward step for {STALL_WINDOW_S:g} s)",
+                f"no steps: server stalled (work pending and no forward step for {c.stall_window_s:g} s)",
                 retryable=True,
             )
         stopped_by_us = False

@@ -21,6 +21,11 @@ as the median with the spread (min..max over rounds) and a trend-adjusted estima
 squares of the metric on time plus configuration, ratio at the mean time). Targets (issue 15):
 C/A >= 0.99 throughput and p99 <= 1.05x.
 
+Also per window: the CPU seconds the served process tree (the server and its ranks, psutil
+user + system) spent per request served, in ms. On a shared machine throughput moves with
+everyone else's load; the server's own CPU per request much less, so its C/A ratio shows what the
+served process pays for telemetry (recording only, when the agent ships) more steadily.
+
 Usage: ``python bench/bench_serving_overhead.py [--rounds 6] [--window-s 30] [--clients 4]``
 """
 
@@ -38,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import psutil
 from _load import LoadGenerator, bench_workspace
 from bench_export import RemoteReceiver
 
@@ -74,6 +80,19 @@ def trend_adjusted(rows: list[tuple[float, str, float]], config: str) -> float:
         return float("nan")
     base = a + b * statistics.mean(t for t, _, _ in rows)
     return (base + (cb if config == "B" else cc)) / base
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) so far of ``pid`` and its descendants alive now (psutil)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 class AgentProc:
@@ -124,6 +143,7 @@ def main() -> None:
     server = DemoServer(tp=args.tp, env=env, title_prefix="overhead").start()
     load = LoadGenerator(server.base_url, clients=args.clients, max_new_tokens=args.max_new_tokens).start()
     rows: list[tuple[float, str, float, float]] = []  # (t, config, throughput, p99)
+    cpu_per_request_ms: list[tuple[float, str, float]] = []  # (t, config, server CPU ms per request)
     received: dict[str, int] = {"A": 0, "B": 0, "C": 0}
     t0 = time.monotonic()
     # Both agents start once and stay: a window resumes the one it needs (SIGCONT) and pauses the
@@ -146,16 +166,20 @@ def main() -> None:
                 try:
                     time.sleep(args.settle_s)
                     receiver.clear()
-                    w0 = time.monotonic()
+                    w0, c0 = time.monotonic(), tree_cpu_s(server.pid)
                     time.sleep(args.window_s)
-                    w = load.window(w0, time.monotonic())
+                    w1, c1 = time.monotonic(), tree_cpu_s(server.pid)
+                    w = load.window(w0, w1)
                     received[config] += receiver.span_count
                 finally:
                     if agent is not None:
                         agent.pause()
                 rows.append(((w0 - t0), config, w.throughput_rps, w.p99_s))
+                served = w.throughput_rps * (w1 - w0)
+                cpu_ms = (c1 - c0) * 1000 / served if served else float("nan")
+                cpu_per_request_ms.append(((w0 - t0), config, cpu_ms))
                 print(f"  round {r + 1} {config}: {w.throughput_rps:6.2f} req/s  p99 {w.p99_s * 1000:6.1f} ms"
-                      f"  max {w.max_s * 1000:6.1f} ms  errors {w.errors}", flush=True)
+                      f"  max {w.max_s * 1000:6.1f} ms  errors {w.errors}  server CPU {cpu_ms:6.2f} ms/request", flush=True)
     finally:
         load.stop()
         for a in agents.values():
@@ -175,6 +199,13 @@ def main() -> None:
               f" trend-adjusted {tthr:.3f}")
         print(f"{config}/A p99:        median {statistics.median(p99):.3f} (rounds {min(p99):.3f}..{max(p99):.3f}),"
               f" trend-adjusted {tp99:.3f}")
+        cpu = []
+        for r in range(args.rounds):
+            got_cpu = {c: v for _, c, v in cpu_per_request_ms[r * 3 : r * 3 + 3]}
+            cpu.append(got_cpu[config] / got_cpu["A"])
+        tcpu = trend_adjusted(cpu_per_request_ms, config)
+        print(f"{config}/A server CPU per request: median {statistics.median(cpu):.3f}"
+              f" (rounds {min(cpu):.3f}..{max(cpu):.3f}), trend-adjusted {tcpu:.3f}")
     print(f"spans received by the collector: A {received['A']}, B {received['B']}, C {received['C']}"
           " (only C ships the server's spans; B/C also send the agent's own telemetry)")
     print("targets: C/A >= 0.99 throughput, p99 <= 1.05x")

@@ -14,7 +14,9 @@ reports success on failure, and shutdown with the collector down blocks ~30 s de
   spool holds anything, fresh batches queue behind it (disk order = span order) and the head is
   replayed after a jittered exponential backoff, oldest first, removed only once delivered: every
   span arrives exactly once, with its original ids and times.
-* ``force_flush`` and ``shutdown`` are bounded by OUR deadline. At the deadline whatever is not
+* ``force_flush`` and ``shutdown`` are bounded by OUR deadline. Shutdown replays the spool (the
+  written-ahead spans of the last actions wait there) and then sends the queue, oldest first, until
+  a send fails or the deadline nears. At the deadline whatever is not
   delivered is written to the spool (a local write) and the worker is abandoned; the next run
   replays the spool. The one case that can duplicate: a network send still in flight when the
   deadline passes that completes afterwards (gRPC calls are cancelled, so only HTTP can).
@@ -587,6 +589,15 @@ class LosslessSpanProcessor(SpanProcessor):
         return self._stopping and self._deadline - time.monotonic() < _SPOOL_ONLY_MARGIN_S
 
     def _drain_on_stop(self) -> None:
+        """Stopping: deliver the spool first (it holds the written-ahead spans of the last actions,
+        older than anything queued), then the queue, while the deadline allows. A failed replay
+        (the collector is down) ends the replay: the rest stays spooled for the next run."""
+        spool = self.spool
+        while spool is not None and len(spool) and not self._spool_only() and time.monotonic() >= self._retry_at:
+            with self._state:
+                if self._abandoned:
+                    return
+            self._replay_head()
         while self._queue:
             with self._state:
                 if self._abandoned:

@@ -147,6 +147,29 @@ def test_shutdown_while_receiver_down_is_bounded_spools_and_next_run_delivers(
     assert second.statistics().replayed == 5_000
 
 
+def test_shutdown_delivers_spans_written_ahead_just_before_it(otlp_receiver: OtlpReceiver, protocol: str, tmp_path: Path) -> None:
+    """The last actions of an incident are written ahead to the spool right before the agent stops:
+    with the collector up, shutdown replays the spool before it ends, it does not leave them for a
+    next run that may never come."""
+    resource = Resource.create({"service.name": "servewatch"})
+    processor = _processor(otlp_receiver.endpoint(protocol), protocol, tmp_path / "spool")
+    base = now_ns()
+    spans = [
+        build_span("peer.capture", trace_id=new_trace_id(), start_time_unix_nano=base + i, end_time_unix_nano=base + i + 1,
+                   attributes={"servewatch.peer.address": f"peer-{i}"}, resource=resource)
+        for i in range(30)
+    ]
+    for span in spans:  # one spool file each, like one finished action each
+        processor.persist([span])
+    processor.shutdown(HANG_GUARD_S)
+    stats = processor.statistics()
+    assert (stats.spool_spans, stats.dropped) == (0, 0), stats
+    received = _received(otlp_receiver)
+    assert set(received) == {(trace_id_hex(s.context.trace_id), span_id_hex(s.context.span_id)) for s in spans}
+    assert max(received.values()) == 1
+    assert not list((tmp_path / "spool").glob("*.binpb"))
+
+
 @pytest.fixture
 def blackhole() -> Iterator[str]:
     """A TCP port that completes the handshake (kernel backlog) and never answers: a hung collector."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import signal as signal_mod
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -28,9 +29,9 @@ from agent.ranks import rank_from_title
 from agent.sdk.counter import counter_path, read_counter
 from agent.stacks import parse_dump
 from agent.targets import ProcessState, Target, parent_pid, process_state
-from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide
+from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide, warm_up
 
-__all__ = ["VerdictJudge", "job_groups", "pick_incident_verdict", "read_steps", "signal_name"]
+__all__ = ["VerdictJudge", "job_groups", "pick_incident_verdict", "read_steps", "signal_name", "warm_up_analyzer"]
 
 log = logging.getLogger("servewatch.judge")
 
@@ -46,6 +47,22 @@ def signal_name(number: int | None) -> str | None:
         return signal_mod.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+_warm_up_lock = threading.Lock()
+_warm_up_thread: threading.Thread | None = None
+
+
+def warm_up_analyzer() -> threading.Thread:
+    """Start importing torch's Flight Recorder analyzer (:func:`agent.verdict.warm_up`) on a
+    daemon thread, once per process; later calls return the same thread (alive or finished).
+    Never raises: torch is optional and a failed import only leaves ``Op.match`` out of a verdict."""
+    global _warm_up_thread
+    with _warm_up_lock:
+        if _warm_up_thread is None:
+            _warm_up_thread = threading.Thread(target=warm_up, name="servewatch-fr-analyzer", daemon=True)
+            _warm_up_thread.start()
+        return _warm_up_thread
 
 
 def read_steps(pids: Sequence[int], socket_dir: Path | None = None) -> dict[int, int]:
@@ -79,7 +96,16 @@ class VerdictJudge:
         self.shm_dir = shm_dir
 
     def opened(self, targets: Sequence[Target]) -> dict[int, int]:
-        """Step counters when the incident opens (microseconds; called on the event loop)."""
+        """Step counters when the incident opens (microseconds; called on the event loop).
+
+        With more than one target, also starts importing torch's Flight Recorder analyzer
+        (:func:`agent.verdict.warm_up`, seconds, once per process) on a daemon thread, so it is
+        loaded while the incident's evidence is gathered rather than in :meth:`decide`. A single
+        process never needs it (no cross-rank comparison), and an agent that only watches never
+        imports torch (about 200 MB of RSS and a larger heap for the garbage collector to walk).
+        """
+        if len(targets) > 1:
+            warm_up_analyzer()
         return read_steps([t.pid for t in targets], self.shm_dir)
 
     async def decide(

@@ -44,7 +44,9 @@ class Actor(Protocol):
 
     Optional: ``check() -> (ComponentStatus, detail)``, a startup check published as the actor's
     component status and status row (py-spy's binary); ``warm_up()``, slow imports paid on a
-    worker thread when the agent starts (the Flight Recorder analyzer).
+    worker thread when the agent starts. (torch's Flight Recorder analyzer is not one: the
+    judge imports it only when an incident spans several ranks, see
+    :meth:`agent.judge.VerdictJudge.opened`, so a watching agent never carries torch.)
     """
 
     name: str

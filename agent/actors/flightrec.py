@@ -179,13 +179,6 @@ class FlightRecorderActor:
         self.config = config or FlightRecorderConfig()
         self._environ_of = environ_of
 
-    def warm_up(self) -> None:
-        """Import torch's Flight Recorder analyzer now (seconds, once; the runtime calls this on a
-        worker thread at start) rather than in the incident's verdict."""
-        from agent.verdict import warm_up
-
-        warm_up()
-
     async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`collect_all`."""
         return await self.collect_all(opened, targets, artifact_dir=artifact_dir)

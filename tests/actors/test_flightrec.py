@@ -207,3 +207,55 @@ async def test_dump_with_pyspy_off_counts_no_errors_and_the_verdict_says_what_th
     assert "no Flight Recorder" not in verdict["reason"], verdict
     if verdict["kind"] == "unknown":  # healthy ranks may step on: then "progressing", which is fine too
         assert "the Flight Recorders show no rank behind and no mismatch and no stacks" in verdict["reason"], verdict
+
+
+_WATCH_THEN_OPEN = r"""
+import json, sys, time
+import anyio
+from agent.config import load_settings
+from agent.runtime import Agent
+from agent.targets import Target
+from agent import judge as judge_mod
+
+a, b, data = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+out = {}
+
+async def main() -> None:
+    agent = Agent(load_settings({"data_dir": data, "target": {"pids": [a, b]}, "export": {"metrics": False}}))
+    out["actors"] = sorted(agent.actors)
+    async with anyio.create_task_group() as tg:
+        await tg.start(agent.run)
+        await anyio.sleep(1.5)  # the old start-up warm-up had begun importing torch by now
+        out["watching"] = "torch" in sys.modules
+        agent.incidents.judge.opened([Target(pid=a)])  # one process: no cross-rank comparison
+        out["one_target"] = "torch" in sys.modules or judge_mod._warm_up_thread is not None
+        agent.incidents.judge.opened([Target(pid=a), Target(pid=b)])
+        thread = judge_mod.warm_up_analyzer()
+        await anyio.to_thread.run_sync(thread.join, 90)
+        out["two_targets"] = "torch.distributed.flight_recorder.components.types" in sys.modules
+        agent.stop()
+    print(json.dumps(out))
+
+anyio.run(main)
+"""
+
+
+def test_a_watching_agent_never_imports_torch_and_a_multi_rank_incident_loads_the_analyzer(
+        tmp_path: Path, spawn, python: str) -> None:
+    """A real agent watching two processes with the Flight Recorder actor on: torch stays out of
+    the agent (about 200 MB of RSS); an incident over both starts importing torch's analyzer for
+    the verdict, a one-process incident does not."""
+    import subprocess
+
+    pytest.importorskip("torch.distributed.flight_recorder.components.types")
+    a = spawn([python, "-c", "import time; time.sleep(120)"])
+    b = spawn([python, "-c", "import time; time.sleep(120)"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env["SERVEWATCH_SHM_DIR"] = os.environ.get("SERVEWATCH_SHM_DIR", "/dev/shm")
+    r = subprocess.run([python, "-c", _WATCH_THEN_OPEN, str(a.pid), str(b.pid), str(tmp_path / "data")],
+                       capture_output=True, text=True, timeout=110, cwd=tmp_path, env=env,
+                       stdin=subprocess.DEVNULL, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "flightrec" in out["actors"], out
+    assert out == {"actors": out["actors"], "watching": False, "one_target": False, "two_targets": True}, r.stderr

@@ -577,7 +577,7 @@ class PySpyActor:
         last, verdict = attempts[-1]
         base["servewatch.pyspy.attempts"] = len(attempts)
         base["servewatch.pyspy.native"] = last.native
-        if last.early:
+        if any(a.early for a, _ in attempts):  # the first attempt started before the CLI's imports
             base["servewatch.pyspy.early_start"] = True
         if any(a.killed for a, _ in attempts):
             base["servewatch.pyspy.killed"] = True

@@ -148,7 +148,7 @@ class ProcessWatcher:
                 ``-N`` for signal N), e.g. ``popen.poll``.
         """
         if isinstance(target, int):
-            target = Target(pid=target, title=_title_of(target))
+            target = _target_of(target)
         existing = self._watched.get(target.pid)
         if existing is not None and not existing.reported and _same_identity(existing.target, target):
             if returncode is not None and existing.returncode is None:
@@ -165,7 +165,8 @@ class ProcessWatcher:
             self._tg, self._bus = tg, bus
             try:
                 for watched in tuple(self._watched.values()):
-                    tg.start_soon(self._watch_one, bus, watched)
+                    if not watched.reported:  # restarted after a crash: an exit is reported once
+                        tg.start_soon(self._watch_one, bus, watched)
                 task_status.started()
                 await anyio.sleep_forever()
             finally:
@@ -179,7 +180,9 @@ class ProcessWatcher:
             # A pid already gone (or reused by another process) is reported at once.
             if _same_process(watched.target):
                 if pidfd is not None:
-                    while not _pidfd_exited(pidfd):
+                    # each recheck also asks whether the pid is still our process: a pidfd opened
+                    # on a pid already reaped and reused would otherwise follow the newcomer
+                    while not _pidfd_exited(pidfd) and _same_process(watched.target):
                         with anyio.move_on_after(max(self.poll_interval_s, PIDFD_RECHECK_S)):
                             await anyio.wait_readable(pidfd)
                 else:
@@ -223,13 +226,26 @@ def _same_identity(a: Target, b: Target) -> bool:
     return True
 
 
-def _title_of(pid: int) -> str:
+def _target_of(pid: int) -> Target:
+    """A bare pid as a :class:`Target`: its title and, above all, its creation time, read now.
+
+    The creation time is what tells this process from a later one that reuses the pid: without it
+    a pid reaped (by its owner) before the watcher opened its pidfd would be watched as the new
+    process, and the exit would never be reported. A pid already gone gets neither (reported as
+    exited at once).
+    """
     try:
         proc = psutil.Process(pid)
-        cmdline = [part for part in proc.cmdline() if part]
-        return cmdline[0] if cmdline else proc.name()
+        create_time_s = proc.create_time()  # a zombie has one too
     except (psutil.Error, OSError):
-        return ""
+        return Target(pid=pid)
+    title = ""
+    try:
+        cmdline = [part for part in proc.cmdline() if part]
+        title = cmdline[0] if cmdline else proc.name()
+    except (psutil.Error, OSError):  # a zombie has no cmdline left
+        pass
+    return Target(pid=pid, title=title, create_time_s=create_time_s)
 
 
 def _open_pidfd(pid: int) -> int | None:

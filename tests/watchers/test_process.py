@@ -128,6 +128,19 @@ async def test_gone_and_reused_pids_are_reported_at_once_and_pids_can_be_added(s
     assert len(events) == 3
 
 
+def test_a_bare_pid_is_watched_with_its_creation_time_so_a_reused_pid_is_not_mistaken_for_it(spawn, python) -> None:
+    # Read when watch() is called: by the time the watcher opens its pidfd the owner may have
+    # reaped the process and the pid may belong to another one, which must not be watched instead.
+    proc = spawn([python, "-c", WAIT_FOR_STDIN, "0"], stdin=subprocess.PIPE)
+    watcher = ProcessWatcher([proc.pid], poll_interval_s=0.2)
+    watcher.watch(proc.pid)  # the same process: still one entry
+    [watched] = watcher._watched.values()
+    assert watched.target.create_time_s == psutil.Process(proc.pid).create_time()
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+
+
 def test_exit_status_decodes_popen_return_codes() -> None:
     assert exit_status(None) == (None, None)
     assert exit_status(0) == (0, None)

@@ -237,7 +237,8 @@ def classify(
         native: whether the attempt passed ``--native``.
         timed_out: the attempt passed its timeout and was killed.
         target_state: the target's state probed right after the failure (py-spy prints the
-            same message for a dead pid and a zombie).
+            same message for a dead pid and a zombie, and a bare "Failed to get stack traces"
+            for a stopped one: ``STOPPED`` makes the detail say so, without a plain retry).
         pid: the target, for the detail line.
         launch_error: why py-spy could not be started at all (then the other arguments are
             ignored).
@@ -282,6 +283,15 @@ def classify(
         return Classification(Outcome.NOT_PYTHON, f"pid {pid} is not a Python process ({error})")
     if "unsupported version of python" in lowered:
         return Classification(Outcome.UNSUPPORTED, f"{what}: {error}; upgrade py-spy")
+    if target_state is ProcessState.STOPPED:
+        # py-spy must suspend (ptrace) the target; a job-control stop makes that fail with
+        # "Failed to suspend process" / "Failed to get stack traces", which says nothing of the stop
+        return Classification(
+            Outcome.FAILED,
+            f"pid {pid} is stopped (state T: SIGSTOP or a debugger): py-spy cannot suspend it"
+            f" ({error or 'no error output'}); `kill -CONT {pid}` resumes it",
+            retryable=True,
+        )
     if "no such process" in lowered or "check that the process is running" in lowered or "check if it is running" in lowered:
         return Classification(Outcome.NO_SUCH_PROCESS, f"pid {pid} is not running ({error})")
     status = "killed" if returncode is None else (f"signal {-returncode}" if returncode < 0 else f"exit {returncode}")

@@ -316,6 +316,24 @@ async def test_stopped_target_is_continued_after_a_killed_attempt(spawn, python,
     assert actor.statistics().targets_continued == 1
 
 
+async def test_a_target_stopped_by_sigstop_is_said_to_be_stopped_and_left_stopped(spawn, python, tmp_path: Path) -> None:
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    os.kill(target.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while process_state(target.pid) is not ProcessState.STOPPED and time.monotonic() < deadline:
+            await anyio.sleep(0.02)
+        assert process_state(target.pid) is ProcessState.STOPPED
+        result = await PySpyActor().act(TRIGGER, target, timeout_s=30, artifact_dir=tmp_path)  # real py-spy
+        assert result.outcome is Outcome.FAILED, result.detail
+        assert f"pid {target.pid} is stopped (state T" in result.detail
+        assert f"kill -CONT {target.pid}" in result.detail
+        assert result.attributes["servewatch.pyspy.attempts"] == 1  # no plain retry: it cannot help
+        assert process_state(target.pid) is ProcessState.STOPPED  # the operator's stop is theirs to end
+    finally:
+        os.kill(target.pid, signal.SIGCONT)
+
+
 async def test_native_unsupported_is_retried_plain_and_remembered(spawn, python, tmp_path: Path) -> None:
     target = _titled(spawn, python, "sglang::scheduler_TP0")
     exe, log = _stub(tmp_path, "native-unsupported")
@@ -441,6 +459,11 @@ _TOO_NEW = "Error: Unsupported version of Python: 3.99.0\n"
 # Seen in the field: root without CAP_SYS_PTRACE, and a pid that exited during the dump.
 _PERM_ROOT = "Error: Failed to copy Py_Version symbol\n\nCaused by:\n    0: Permission denied (os error 13)\n"
 _ESRCH = "Error: No such process (os error 3)\n"
+# py-spy 0.4 on a SIGSTOPped target (as root)
+_SUSPEND = (
+    "Error: Failed to get stack traces\n\nCaused by:\n    0: Failed to suspend process\n"
+    "    1: unexpected waitpid result PtraceEvent(Pid(42), SIGSTOP, 128) to 42\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -464,6 +487,8 @@ _ESRCH = "Error: No such process (os error 3)\n"
         (1, "Error: Failed to copy PyThreadState\n", True, False, ProcessState.RUNNING, (Outcome.FAILED, True, False, True)),
         (1, "Error: Failed to copy PyThreadState\n", False, False, ProcessState.RUNNING, (Outcome.FAILED, False, False, True)),
         (-9, "", False, False, ProcessState.RUNNING, (Outcome.FAILED, False, False, True)),
+        (1, _SUSPEND, True, False, ProcessState.STOPPED, (Outcome.FAILED, False, False, True)),
+        (1, _SUSPEND, True, False, ProcessState.RUNNING, (Outcome.FAILED, True, False, True)),
     ],
 )
 def test_classify_table(rc, stderr, native, timed_out, state, expected) -> None:

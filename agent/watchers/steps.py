@@ -48,6 +48,7 @@ __all__ = [
     "PRESETS",
     "MetricsPreset",
     "PrometheusStepSource",
+    "RecentReading",
     "ShmStepSource",
     "StepReading",
     "StepSource",
@@ -146,6 +147,8 @@ class ShmStepSource:
         self.path = counter_path(pid, directory)
         # start_time_unix_nano of the counter file already checked against the process start
         self._verified_start_ns: int | None = None
+        #: the last reading :meth:`read` returned that was not ``None`` (:class:`RecentReading`)
+        self.last: StepReading | None = None
 
     def _belongs_to_live_process(self, start_time_unix_nano: int) -> bool:
         if self._verified_start_ns == start_time_unix_nano:
@@ -192,10 +195,52 @@ class ShmStepSource:
 
     async def read(self) -> StepReading | None:
         """Read the counter file; ``None`` when missing, stale or its process is gone."""
-        return await anyio.to_thread.run_sync(self.read_now)
+        reading = await anyio.to_thread.run_sync(self.read_now)
+        if reading is not None:
+            self.last = reading
+        return reading
 
     async def aclose(self) -> None:
         """Nothing to release (the file is opened per read)."""
+
+
+class RecentReading:
+    """A second reader of one :class:`ShmStepSource`: :meth:`read` returns the reading the
+    source's other reader took at most ``max_age_s`` ago, and reads the file itself only when
+    there is none that recent. The per-target watchdog and step watcher share one counter read
+    a second this way (one worker-thread hop and file open instead of two).
+
+    Args:
+        source: the shared source (its owner closes it).
+        max_age_s: oldest reading reused, seconds (> 0).
+
+    Raises:
+        ValueError: ``max_age_s`` is not > 0.
+    """
+
+    exact = True
+
+    def __init__(self, source: ShmStepSource, *, max_age_s: float) -> None:
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
+        self.source = source
+        self.name = source.name
+        self.pid = source.pid
+        self.max_age_ns = int(max_age_s * 1e9)
+        #: readings taken from the file by this reader (the others were shared)
+        self.own_reads = 0
+
+    async def read(self) -> StepReading | None:
+        """The shared source's last reading when recent enough, else a fresh one (``None`` when
+        the counter is missing, stale or its process is gone)."""
+        last = self.source.last
+        if last is not None and time.monotonic_ns() - last.read_monotonic_ns <= self.max_age_ns:
+            return last
+        self.own_reads += 1
+        return await self.source.read()
+
+    async def aclose(self) -> None:
+        """Nothing to release (the shared source's owner closes it)."""
 
 
 def discover_shm_counters(pids: Iterable[int] | None = None, *, directory: Path | None = None) -> dict[int, Path]:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from agent.targets import Target
 
 
-__all__ = ["SERIES_FORGET_READINGS", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk"]
+__all__ = ["SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk"]
 
 #: A series absent from this many successful readings in a row loses its stall bookkeeping.
 SERIES_FORGET_READINGS = 60
@@ -259,6 +259,11 @@ def create_prometheus(settings: Settings, ctx: BuildContext) -> Watchdog | None:
     return Watchdog(source, settings.watchdog)
 
 
+#: Oldest watchdog reading of an SDK counter the step watcher reuses, seconds (the watchdog reads
+#: it every ``watchdog.poll_interval_s``, 1 s by default, and the step watcher every second).
+STEPS_SHARED_MAX_AGE_S = 1.5
+
+
 class SdkStepWatchers:
     """Per-target watchers of an SDK step counter (``agent.sdk.step()``): a stall
     :class:`Watchdog` and a :class:`~agent.watchers.steps.StepsWatcher` (one reading a second).
@@ -273,12 +278,18 @@ class SdkStepWatchers:
         self.config = config
 
     def watchers_for(self, target: Target) -> list[Any] | None:
-        """The two watchers of ``target``'s counter, or ``None`` when it has no counter (yet)."""
-        from agent.watchers.steps import ShmStepSource, StepsWatcher
+        """The two watchers of ``target``'s counter, or ``None`` when it has no counter (yet).
 
-        if ShmStepSource(target.pid).read_now() is None:
+        They share one reading a second: the step watcher reuses the watchdog's last reading
+        when it is at most :data:`STEPS_SHARED_MAX_AGE_S` old (a ``StepsAdvanced`` is then at
+        most that late), and reads the file itself otherwise."""
+        from agent.watchers.steps import RecentReading, ShmStepSource, StepsWatcher
+
+        source = ShmStepSource(target.pid)
+        if source.read_now() is None:
             return None
-        return [Watchdog(ShmStepSource(target.pid), self.config), StepsWatcher(ShmStepSource(target.pid), interval_s=1.0)]
+        shared = RecentReading(source, max_age_s=STEPS_SHARED_MAX_AGE_S)
+        return [Watchdog(source, self.config), StepsWatcher(shared, interval_s=1.0)]
 
 
 def create_sdk(settings: Settings, ctx: BuildContext) -> SdkStepWatchers:

@@ -19,6 +19,7 @@ from agent.watchers.steps import (
     PRESETS,
     SERIES_FORGET_SCRAPES,
     PrometheusStepSource,
+    RecentReading,
     ShmStepSource,
     StepReading,
     StepsWatcher,
@@ -274,3 +275,49 @@ async def test_prometheus_source_forgets_label_sets_that_went_away() -> None:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+async def test_sdk_watchdog_and_step_watcher_share_one_counter_read(spawn, tmp_path: Path) -> None:
+    """A target's SDK watchdog and step watcher read its counter file once between them: the step
+    watcher reuses the watchdog's recent reading and still publishes every movement."""
+    from agent.targets import Target
+    from agent.watchers.watchdog import (
+        STEPS_SHARED_MAX_AGE_S,
+        SdkStepWatchers,
+        Watchdog,
+        WatchdogConfig,
+    )
+
+    server = fake_server.start(spawn, env=dict(os.environ))  # the test run's private shm dir
+    await wait_until(lambda: ShmStepSource(server.pid).read_now() is not None)
+    watchers = SdkStepWatchers(WatchdogConfig(timeout_s=60, poll_interval_s=0.2)).watchers_for(Target(pid=server.pid))
+    assert watchers is not None
+    dog, steps = watchers
+    assert isinstance(dog, Watchdog) and isinstance(steps, StepsWatcher)
+    assert isinstance(steps.source, RecentReading) and steps.source.source is dog.source
+    bus = RecordingBus()
+    async with anyio.create_task_group() as tg:
+        await tg.start(dog.run, bus)
+        await tg.start(steps.run, bus)
+        await wait_until(lambda: len(bus.of_type(StepsAdvanced)) >= 3)
+        tg.cancel_scope.cancel()
+    events = bus.of_type(StepsAdvanced)
+    assert all(e.pid == server.pid and e.delta > 0 for e in events)
+    assert all(b.forward_ct - a.forward_ct == b.delta for a, b in itertools.pairwise(events))
+    assert steps.source.own_reads <= 1  # at most its first reading, before the watchdog's first
+    assert STEPS_SHARED_MAX_AGE_S > 1.0  # above both readers' periods (1 s), or it would read itself
+
+
+async def test_recent_reading_reads_the_file_itself_when_the_shared_reading_is_old(spawn, tmp_path: Path) -> None:
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    source = ShmStepSource(server.pid, directory=tmp_path)
+    first = await _reading(source)
+    recent = RecentReading(source, max_age_s=60)
+    assert await recent.read() is first and recent.own_reads == 0  # recent enough: reused
+    shared = RecentReading(source, max_age_s=0.001)
+    await anyio.sleep(0.01)
+    fresh = await shared.read()
+    assert shared.own_reads == 1 and fresh is not None and fresh.read_monotonic_ns > first.read_monotonic_ns
+    assert source.last is fresh
+    with pytest.raises(ValueError, match="max_age_s"):
+        RecentReading(source, max_age_s=0)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["EarlyRun", "claim", "default_executable", "discard_all", "is_early_tracer", "pending", "plan", "pyspy_argv", "pyspy_env", "start"]
+__all__ = ["EarlyRun", "claim", "default_executable", "discard_all", "discard_pid", "is_early_tracer", "pending", "plan", "pyspy_argv", "pyspy_env", "start"]
 
 #: Most early runs started at once: the py-spy actor's default ``max_concurrency`` (twice the
 #: CPUs, at least 8), so early runs never exceed what the actor itself would run at once.
@@ -140,6 +140,7 @@ class EarlyRun:
         argv: the command line.
         pid: the target pid.
         started_s: ``time.monotonic()`` at the start, in seconds.
+        started_unix_ns: wall-clock time of the start, ns since the epoch.
         stdout, stderr: what was kept (at most :data:`MAX_STDOUT_BYTES` / :data:`MAX_STDERR_BYTES`).
         stdout_truncated: stdout passed its bound (the rest was dropped).
     """
@@ -149,6 +150,7 @@ class EarlyRun:
         self.argv = argv
         self.pid = pid
         self.started_s = time.monotonic()
+        self.started_unix_ns = time.time_ns()
         self.stdout = bytearray()
         self.stderr = bytearray()
         self.stdout_truncated = False
@@ -286,6 +288,22 @@ def claim(argv: Sequence[str]) -> EarlyRun | None:
     """The early run of exactly ``argv``, taken (the caller now owns it), or ``None``."""
     with _LOCK:
         return _RUNS.pop(tuple(argv), None)
+
+
+def discard_pid(pid: int, grace_s: float = 2.0) -> int:
+    """Kill and reap the unclaimed early runs of target ``pid`` (an attempt of another argv is
+    about to run: two py-spy must not attach to one target at once).
+
+    Returns:
+        How many were discarded.
+    """
+    with _LOCK:
+        runs = [run for key, run in _RUNS.items() if run.pid == pid]
+        for run in runs:
+            del _RUNS[tuple(run.argv)]
+    for run in runs:
+        run.kill(grace_s)
+    return len(runs)
 
 
 def discard_all(grace_s: float = 2.0) -> int:

@@ -98,6 +98,7 @@ def test_the_actor_takes_over_the_early_run_of_its_own_argv(spawn, tmp_path: Pat
     (result,) = anyio.run(main)
     assert result.outcome is Outcome.OK, result.detail
     assert result.attributes["servewatch.pyspy.early_start"] is True
+    assert result.start_time_unix_nano == run.started_unix_ns  # the span covers py-spy's whole run
     assert actor.statistics().attempts == 1 and early.pending() == 0
     assert run.process.returncode == 0  # reaped: the one py-spy process of this dump
     threads = json.loads((tmp_path / f"pyspy-{pid}.json").read_text())

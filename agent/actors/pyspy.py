@@ -62,6 +62,7 @@ from agent.early import (
     claim,
     default_executable,
     discard_all,
+    discard_pid,
     is_early_tracer,
     pending,
     pyspy_argv,
@@ -318,6 +319,8 @@ class _Attempt:
     killed: bool = False
     launch_error: OSError | None = None
     early: bool = False
+    #: wall-clock start of an early run, ns since the epoch (0: started by this actor)
+    early_start_ns: int = 0
 
 
 async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: int) -> bool:
@@ -337,6 +340,32 @@ async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: 
 async def _probe(target: Target) -> ProcessState:
     """:func:`process_state` of the target, off the event loop (psutil reads /proc files)."""
     return await anyio.to_thread.run_sync(functools.partial(process_state, target.pid, create_time_s=target.create_time_s))
+
+
+#: Longest wait for another py-spy attached to a target to let go before dumping it, seconds
+#: (a py-spy dump of a torch process takes ~0.1-2 s).
+TRACER_WAIT_S = 5.0
+#: Pause before the one retry of a py-spy that was denied while nobody is attached any more
+#: (another tool's attach may have come and gone), seconds.
+TRANSIENT_RETRY_S = 0.3
+
+
+def _is_pyspy(tracer: Tracer) -> bool:
+    """Whether the tracer's command is a py-spy (another dump of the same target)."""
+    first = tracer.title.split(" ", 1)[0] if tracer.title else ""
+    return os.path.basename(first).strip("'\"") == "py-spy"
+
+
+async def _wait_untraced(pid: int, timeout_s: float) -> Tracer | None:
+    """Poll (every 50 ms, at most ``timeout_s`` seconds) until nobody is ptrace-attached to
+    ``pid``; returns the tracer still attached then, or ``None``."""
+    with anyio.move_on_after(timeout_s):
+        while True:
+            tracer = await anyio.to_thread.run_sync(_tracer_but_early, pid)
+            if tracer is None:
+                return None
+            await anyio.sleep(0.05)
+    return await anyio.to_thread.run_sync(_tracer_but_early, pid)
 
 
 def _tracer_but_early(pid: int) -> Tracer | None:
@@ -553,13 +582,31 @@ class PySpyActor:
             async with lock:
                 async with self._limiter:
                     tracer = await anyio.to_thread.run_sync(_tracer_but_early, target.pid)
+                    if tracer is not None and _is_pyspy(tracer):
+                        # another dump (a second servewatch, SGLang's own helper): it detaches
+                        # within its dump, so wait for it rather than read a running target
+                        base["servewatch.pyspy.waited_for_pid"] = tracer.pid
+                        tracer = await _wait_untraced(target.pid, TRACER_WAIT_S)
                     attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
                     verdict = attempts[-1][1]
                     if tracer is None and verdict.outcome is Outcome.PERMISSION_DENIED:
                         # attached by another tool since (or between) our probes: ask who, once
                         tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
-                        if tracer is not None:
+                        if tracer is not None and _is_pyspy(tracer):
+                            base["servewatch.pyspy.waited_for_pid"] = tracer.pid
+                            tracer = await _wait_untraced(target.pid, TRACER_WAIT_S)
+                            attempts += await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
+                        elif tracer is not None:
                             attempts += await self._attempts_for(target, exe, timeout_s, nonblocking=True)
+                        else:
+                            # a tracer may have come and gone between py-spy's attach and this
+                            # check (two dumps at once): one retry tells it from a real denial
+                            await anyio.sleep(TRANSIENT_RETRY_S)
+                            base["servewatch.pyspy.retried_after_denial"] = True
+                            attempts += await self._attempts_for(target, exe, timeout_s)
+                early_ns = attempts[0][0].early_start_ns
+                if early_ns:  # the dump began with the early run: its span says so (time and duration)
+                    start_ns = min(start_ns, early_ns)
                 if attempts[-1][1].outcome in (Outcome.NO_SUCH_PROCESS, Outcome.ZOMBIE):
                     death = await anyio.to_thread.run_sync(death_of, target)
                     if death is not None:
@@ -701,6 +748,8 @@ class PySpyActor:
         early = claim(argv)  # the same run, started before the CLI's imports (agent.early)
         if early is not None:
             return await self._adopt(early, attempt, target, timeout_s)
+        if pending():  # an early run of another argv for this pid must not attach beside ours
+            await anyio.to_thread.run_sync(discard_pid, target.pid, self.config.kill_grace_s)
         env = pyspy_env()
         stdout = bytearray()
         stderr = bytearray()
@@ -751,6 +800,7 @@ class PySpyActor:
         its start), and on a timeout or cancellation kill its group, reap it and continue the
         target, as :meth:`_run_once` does for its own runs."""
         attempt.early = True
+        attempt.early_start_ns = early.started_unix_ns
         remaining_s = timeout_s - (time.monotonic() - early.started_s)
         returncode: int | None = None
         try:

@@ -247,7 +247,9 @@ async def test_permission_denied_for_real_as_unprivileged_user(spawn, python, tm
     result = await PySpyActor(PySpyConfig(executable=str(wrapper))).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
     assert result.outcome is Outcome.PERMISSION_DENIED, result.detail
     assert "CAP_SYS_PTRACE" in result.detail and "--cap-add SYS_PTRACE" in result.detail
-    assert result.attributes["servewatch.pyspy.attempts"] == 1  # no useless retry without --native
+    # no retry without --native; one retry after a pause (nobody attached: a tracer may have gone)
+    assert result.attributes["servewatch.pyspy.attempts"] == 2
+    assert result.attributes["servewatch.pyspy.retried_after_denial"] is True
 
 
 # --- stubs for the failure classes -----------------------------------------------------------
@@ -363,15 +365,29 @@ async def test_native_failure_falls_back_without_forgetting_native(spawn, python
     assert ["--native" in r["argv"] for r in _runs(log)] == [True, False]
 
 
-async def test_permission_denied_message_is_classified_with_hint_and_not_retried(spawn, python, tmp_path: Path) -> None:
+async def test_permission_denied_message_is_classified_with_hint_and_retried_once(spawn, python, tmp_path: Path) -> None:
     target = _titled(spawn, python, "sglang::scheduler_TP0")
     exe, log = _stub(tmp_path, "permission-denied")
     result = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
     assert result.outcome is Outcome.PERMISSION_DENIED
     assert PERMISSION_HINT in result.detail
     assert result.retryable is False
-    assert len(_runs(log)) == 1
+    # a denial with nobody attached is retried once (a tracer may have come and gone), no more
+    assert len(_runs(log)) == 2
+    assert result.attributes["servewatch.pyspy.retried_after_denial"] is True
     assert "Permission Denied" in Path(result.artifact_paths[0]).read_text(encoding="utf-8")
+
+
+async def test_a_denial_with_nobody_attached_any_more_is_retried_and_dumps(spawn, python, tmp_path: Path) -> None:
+    """Two dumps of one target at once: the other's py-spy held it at our attach and had let go
+    by the time we asked who: one retry gets the stacks."""
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "permission-denied-once")
+    result = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.pyspy.retried_after_denial"] is True
+    assert HUNG in result.detail
+    assert len(_runs(log)) == 2
 
 
 async def test_exit_zero_with_unreadable_json_is_failed(spawn, python, tmp_path: Path) -> None:

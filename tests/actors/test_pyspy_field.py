@@ -212,3 +212,49 @@ def test_pyspy_switched_off_records_skipped(spawn, python, tmp_path: Path) -> No
     assert action["outcome"] == "skipped" and "pyspy.enabled = false" in action["detail"]
     assert not action["artifact_paths"]
     assert pyspy_span(spans, target.pid)["attributes"]["servewatch.outcome"] == "skipped"
+
+
+def test_a_target_held_by_another_py_spy_is_waited_for_then_dumped_blocking(spawn, python, tmp_path: Path) -> None:
+    """Another py-spy attached (a second servewatch, SGLang's own helper): its attachment ends
+    within its dump, so the dump waits for it and then reads a paused target (``--native``),
+    instead of reading a running one. The holder is a real PTRACE_SEIZE whose command is py-spy."""
+    target = spawn([python, str(PROGRAMS_DIR / "titled_target.py"), "sglang::scheduler_TP0", "--max-lifetime-s", "90"],
+                   stdout=subprocess.PIPE)
+    ready(target)
+    as_pyspy = tmp_path / "bin" / "py-spy"  # argv[0] of the holder reads py-spy, as a real one's does
+    as_pyspy.parent.mkdir()
+    as_pyspy.symlink_to(python)
+    holder = spawn([str(as_pyspy), str(PROGRAMS_DIR / "ptrace_holder.py"), str(target.pid), "--max-lifetime-s", "1.5"],
+                   stdout=subprocess.PIPE)
+    ready(holder)
+    assert (tracer := tracer_of(target.pid)) is not None and tracer.pid == holder.pid
+    r, manifest, spans = dump(tmp_path, target.pid)
+    assert r.returncode == 0, r.stderr
+    action = pyspy_action(manifest, target.pid)
+    assert action["outcome"] == "ok", action
+    attrs = pyspy_span(spans, target.pid)["attributes"]
+    assert attrs["servewatch.pyspy.waited_for_pid"] == holder.pid
+    assert "servewatch.pyspy.nonblocking" not in attrs and attrs["servewatch.pyspy.native"] is True
+
+
+def test_two_dumps_of_one_target_at_once_both_capture_its_stacks(spawn, python, tmp_path: Path) -> None:
+    """Two `servewatch dump` of the same process started together (an operator's dump while
+    `run` captures an incident): each py-spy may find the other attached; both dumps succeed."""
+    target = spawn([python, str(PROGRAMS_DIR / "titled_target.py"), "sglang::scheduler_TP0", "--max-lifetime-s", "90"],
+                   stdout=subprocess.PIPE)
+    ready(target)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), SERVEWATCH_COREDUMP__ENABLED="false")
+    for round_ in range(3):
+        runs = [
+            subprocess.Popen([*CLI, "dump", "--pid", str(target.pid), "--data-dir", f"d{round_}-{i}"], cwd=tmp_path, env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)
+        ]
+        for i, run in enumerate(runs):
+            _out, err = run.communicate(timeout=110)
+            assert run.returncode == 0, err
+            (manifest_path,) = (tmp_path / f"d{round_}-{i}").glob("*/*/manifest.json")
+            action = pyspy_action(json.loads(manifest_path.read_text()), target.pid)
+            assert action["outcome"] == "ok", action
+    assert Path(f"/proc/{target.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("R", "S")

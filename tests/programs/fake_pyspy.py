@@ -14,6 +14,8 @@ the py-spy arguments it was given). Modes:
 * ``native-fails``: with ``--native``, leaves a partial header on stdout, prints an error and
   exits 1 (success is exit code 0 only); without it, runs the real py-spy.
 * ``permission-denied``: prints py-spy's non-root permission message and exits 1.
+* ``permission-denied-once``: the first run (an empty LOGFILE before it) is denied as above, as
+  when another tracer held the target at that moment; later runs are the real py-spy.
 * ``garbage``: exits 0 with stdout that is not JSON.
 * ``slow``: logs ``start``/``end`` wall times around a 0.3 s sleep, then runs the real py-spy
   (to observe overlapping dumps).
@@ -60,7 +62,13 @@ def main() -> None:
         time.sleep(0.3)
         log(log_path, mode=mode, pid=os.getpid(), argv=args, event="end", time_ns=time.time_ns())
         run_real(args)
+    first = not Path(log_path).exists()
     log(log_path, mode=mode, pid=os.getpid(), argv=args)
+    if mode == "permission-denied-once":
+        if first:
+            print(PERMISSION_DENIED, file=sys.stderr)
+            sys.exit(1)
+        run_real(args)
     if mode == "native-unsupported":
         if native:
             print(NATIVE_UNSUPPORTED, file=sys.stderr)

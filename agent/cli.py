@@ -806,12 +806,12 @@ def export(
 ) -> None:
     """Replay spool or embedded-default span files to a collector (spans keep their ids and times).
 
-    What the collector acknowledged is recorded in <data_dir>/export-ledger.json: a re-run to the
-    same endpoint never sends a span twice. TLS, headers and compression come from the standard
-    OTEL_EXPORTER_OTLP_* variables.
+    What the collector acknowledged is recorded in export-ledger.json of the data dir the files
+    are in (whatever the current folder): a re-run to the same endpoint never sends a span twice.
+    TLS, headers and compression come from the standard OTEL_EXPORTER_OTLP_* variables.
     """
     from exporters.provider import ExportConfigError, resolve_destination
-    from exporters.replay import replay
+    from exporters.replay import ledger_path, replay
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     if to is not None and "://" not in to:
@@ -832,14 +832,12 @@ def export(
     if "://" not in destination.endpoint:
         fail(f"invalid endpoint {destination.endpoint!r}: it needs a scheme, e.g. http://{destination.endpoint}", ExitCode.USAGE)
     sources = list(paths or [settings.data_dir])
-    ledger = None if resend else settings.data_dir / "export-ledger.json"
-    if ledger is not None and not ledger.parent.is_dir():
-        ledger = None
     try:
         result = replay(
             sources, endpoint=destination.endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
             headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
-            compression=destination.compression, signal_specific=destination.signal_specific, ledger=ledger,
+            compression=destination.compression, signal_specific=destination.signal_specific,
+            ledger=None if resend else ledger_path,
         )
     except FileNotFoundError as exc:
         fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)

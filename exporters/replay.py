@@ -6,9 +6,12 @@ trace/span ids and times. Files are sent in name order (spool and rotated file n
 order). One deadline per request, jittered exponential backoff between attempts; when the
 collector stays unreachable the rest is counted failed without waiting on each request.
 
-Idempotent across re-runs: with a ``ledger`` file, every request the collector acknowledged is
-recorded (per endpoint, file and request index; files are append-only or immutable) and a re-run
-to the same endpoint skips it, so running ``servewatch export`` twice never sends a span twice.
+Idempotent across re-runs: with a ledger, every request the collector acknowledged is recorded
+(per endpoint, file and request index; files are append-only or immutable) and a re-run to the
+same endpoint skips it, so running ``servewatch export`` twice never sends a span twice. The
+ledger belongs to the data, not to the caller's folder: :func:`ledger_path` finds it from each
+span file (``<data_dir>/export-ledger.json`` of the data dir the file is in), so a re-run from
+another folder, or naming the spool instead of the whole data dir, still skips what was sent.
 A failure is explained in operator terms (refused, protocol mismatch, TLS, auth: see
 :class:`exporters.transport.Cause`).
 
@@ -24,7 +27,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,9 +42,39 @@ from exporters.transport import (
     span_count,
 )
 
-__all__ = ["ReplayResult", "replay"]
+__all__ = ["LEDGER_NAME", "ReplayResult", "ledger_path", "replay"]
 
 _log = logging.getLogger(__name__)
+
+#: file name of the export ledger, in the data dir it belongs to
+LEDGER_NAME = "export-ledger.json"
+#: the folders under ``<data_dir>/<host>/`` that hold span files (embedded default, spool)
+_SPAN_FOLDERS = ("spans", "spool")
+
+
+def ledger_path(span_file: str | os.PathLike[str]) -> Path:
+    """The export ledger a span file's acknowledgements are recorded in, whatever the cwd.
+
+    A file under ``<data_dir>/<host>/spans/`` or ``<data_dir>/<host>/spool/`` (at any depth:
+    ``spool/rejected/``) belongs to ``<data_dir>/export-ledger.json``; any other file (a copied
+    span file) to ``export-ledger.json`` in its own folder. The same file maps to the same ledger
+    however it was named (the data dir, the spool folder, the file itself, a relative path).
+
+    Args:
+        span_file: path of one span file (need not exist).
+
+    Returns:
+        The absolute ledger path (the file may not exist yet).
+    """
+    file = Path(os.path.abspath(span_file))
+    try:
+        file = file.parent.resolve() / file.name
+    except OSError:
+        pass
+    for folder in file.parents:
+        if folder.name in _SPAN_FOLDERS and len(folder.parents) >= 3:  # never the root folder
+            return folder.parent.parent / LEDGER_NAME
+    return file.parent / LEDGER_NAME
 
 
 class ReplayResult(NamedTuple):
@@ -169,7 +202,7 @@ def replay(
     tls: TlsFiles | None = None,
     compression: str | None = None,
     signal_specific: bool = False,
-    ledger: Path | None = None,
+    ledger: Path | Callable[[Path], Path | None] | None = None,
 ) -> ReplayResult:
     """Send every span in ``paths`` (span files, or folders of them) to an OTLP collector.
 
@@ -189,7 +222,9 @@ def replay(
         sender: use this sender instead of building one (tests).
         tls / compression / signal_specific: transport settings (see :func:`make_sender`).
         ledger: JSON file recording what this endpoint acknowledged; requests found there are
-            skipped (``already_sent``) and new acknowledgements are added. ``None``: no ledger.
+            skipped (``already_sent``) and new acknowledgements are added. A callable maps each
+            span file to its ledger (:func:`ledger_path`: the ledger of the data dir the file is
+            in; ``None`` from it: no ledger for that file). ``None``: no ledger.
 
     Files of a spool that a running agent holds (its ``.lock``) are skipped and counted in
     ``locked_files``: that agent replays them itself.
@@ -210,7 +245,14 @@ def replay(
     if sender is None:
         sender = make_sender(endpoint, protocol, headers=headers, insecure=insecure, tls=tls,
                              compression=compression, signal_specific=signal_specific)
-    book = _Ledger(ledger, f"{protocol} {endpoint}")
+    books: dict[Path | None, _Ledger] = {}
+
+    def book_for(file: Path) -> _Ledger:
+        where = ledger(file) if callable(ledger) else ledger
+        if where not in books:
+            books[where] = _Ledger(where, f"{protocol} {endpoint}")
+        return books[where]
+
     already = 0
     sent = failed = files = bad = removed = locked = 0
     detail = ""
@@ -235,6 +277,7 @@ def replay(
                 detail = str(exc)
                 _log.warning("skipping %s: %s", path, exc)
                 continue
+            book = book_for(path)
             key = book.key(path)
             done = book.acked(key)
             for index, request in enumerate(requests):
@@ -266,7 +309,8 @@ def replay(
                 book.forget(key)
                 removed += 1
     finally:
-        book.save()
+        for book in books.values():
+            book.save()
         if own_sender:
             sender.close()
     if torn.count:

@@ -54,6 +54,44 @@ def test_export_twice_sends_each_span_once_to_the_env_endpoint(otlp_receiver: Ot
     assert third.returncode == 0 and "Sent 25 span(s)" in third.stderr
 
 
+def _export_from(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`servewatch export ARGS` run in ``cwd``, without --data-dir (its default ./servewatch-data)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env.update(PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "export", *args],
+        capture_output=True, text=True, timeout=90, cwd=cwd, env=env, stdin=subprocess.DEVNULL, check=False,
+    )
+
+
+def test_export_from_another_folder_keeps_the_ledger_of_the_data_it_sends(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:
+    _write_span_files(tmp_path, 25)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    to = ["--to", otlp_receiver.http_endpoint, "--protocol", "http/protobuf"]
+    first = _export_from(elsewhere, *to, str(tmp_path / "data"))
+    assert first.returncode == 0, first.stderr
+    assert "Sent 25 span(s)" in first.stderr
+    assert (tmp_path / "data" / "export-ledger.json").is_file()
+    assert not (elsewhere / "servewatch-data").exists() and not (elsewhere / "export-ledger.json").exists()
+    # again from another folder, naming the data dir, its spans folder (relative) or one file
+    span_file = next((tmp_path / "data" / "h" / "spans").glob("*.jsonl"))
+    for cwd, path in [(elsewhere, str(tmp_path / "data")), (tmp_path, "data/h/spans"), (elsewhere, str(span_file))]:
+        again = _export_from(cwd, *to, path)
+        assert again.returncode == 0, again.stderr
+        assert "Sent 0 span(s)" in again.stderr and "Already sent earlier: 25" in again.stderr, (path, again.stderr)
+    assert otlp_receiver.span_count == 25
+    # a span file copied out of any data dir keeps its ledger beside it
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "copied.jsonl").write_bytes(span_file.read_bytes())
+    assert "Sent 25 span(s)" in _export_from(elsewhere, *to, str(loose / "copied.jsonl")).stderr
+    again = _export_from(tmp_path, *to, "loose")
+    assert "Sent 0 span(s)" in again.stderr and "Already sent earlier: 25" in again.stderr, again.stderr
+    assert (loose / "export-ledger.json").is_file()
+    assert otlp_receiver.span_count == 50
+
+
 def test_export_refuses_an_endpoint_without_scheme_or_any_endpoint(tmp_path: Path) -> None:
     r = _export(tmp_path, "--to", "127.0.0.1:4317")
     assert r.returncode == 2 and "needs a scheme" in r.stderr and "http://127.0.0.1:4317" in r.stderr
@@ -114,8 +152,16 @@ def test_dump_with_the_collector_down_says_spooled_with_the_replay_command_and_n
     argv = shlex.split(command)
     assert argv[:3] == ["servewatch", "export", "--to"]
     otlp_receiver.start()
-    again = subprocess.run([sys.executable, "-m", "agent.cli", *argv[1:], "--data-dir", str(tmp_path / "data")],
-                           capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL, check=False)
+    elsewhere = tmp_path / "elsewhere"  # the printed command works as it is, from any folder
+    elsewhere.mkdir()
+    again = subprocess.run([sys.executable, "-m", "agent.cli", *argv[1:]],
+                           capture_output=True, text=True, timeout=90, cwd=elsewhere, env=base, stdin=subprocess.DEVNULL, check=False)
     assert again.returncode == 0, again.stderr
     names = {s.name for s in otlp_receiver.spans()}
     assert {"incident", "pyspy.dump"} <= names
+    received = otlp_receiver.span_count
+    twice = subprocess.run([sys.executable, "-m", "agent.cli", *argv[1:]],
+                           capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL, check=False)
+    assert twice.returncode == 0, twice.stderr
+    assert "Sent 0 span(s)" in twice.stderr and otlp_receiver.span_count == received
+    assert not (elsewhere / "servewatch-data").exists()

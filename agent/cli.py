@@ -236,9 +236,9 @@ def _flag_for(key: str, value: Any) -> str | None:
 
 def _invalid(exc: Exception) -> NoReturn:
     msg = str(exc)
-    if not msg.startswith(("invalid setting", "invalid value for")):
+    if not msg.startswith(("invalid setting", "invalid value for", "invalid config file")):
         msg = f"invalid setting {msg}"
-    if "invalid value for --" in msg:  # a flag's value: point at the command's help, as usage errors do
+    if not msg.endswith("--help'"):  # point at the command's help, as usage errors do
         import importlib
 
         base = typer.BadParameter.__module__.rpartition(".")[0]
@@ -513,8 +513,10 @@ def status(
             )
     try:
         snap = read_status_file(path)
-    except (OSError, ValueError) as exc:
-        fail(f"cannot read {path}: {exc}")
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}")
+    except ValueError as exc:  # its message starts with the path: say it once
+        fail(f"cannot read {path}: {str(exc).removeprefix(f'{path}: ')}")
     running = snap.host_name != settings.host_name or _pid_alive(snap.agent_pid)
     if as_json:
         out.print_json(json.dumps({**snap.to_json(), "agent_running": running}))

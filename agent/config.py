@@ -240,12 +240,16 @@ def _given(overrides: Mapping[str, Any], loc: tuple[Any, ...]) -> tuple[str, Any
     return ".".join(keys), node
 
 
-def _format_error(err: ValidationError, overrides: Mapping[str, Any] | None = None, flag_for: FlagFor | None = None) -> str:
+def _format_error(
+    err: ValidationError, overrides: Mapping[str, Any] | None = None, flag_for: FlagFor | None = None,
+    config_file: Path | None = None,
+) -> str:
     """``invalid setting KEY: what is wrong (got VALUE); KEY2: ...``, each value quoted once.
 
     A value the command line gave (``overrides``) is named by its flag when ``flag_for`` finds
     one: ``invalid value for --metrics-preset: ...``. A value from the environment names its
-    variable too: ``invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: ...``.
+    variable too: ``invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: ...``, and
+    one from the TOML file ``config_file`` names the file: ``watchdog.signal in ./sw.toml: ...``.
     A model-wide check (no key of its own) names its keys in its message: it is shown as it is.
     """
     settings_parts: list[str] = []
@@ -274,7 +278,11 @@ def _format_error(err: ValidationError, overrides: Mapping[str, Any] | None = No
             continue
         field = ".".join(str(p) for p in e["loc"] if isinstance(p, str))
         env = env_of.get(field)
-        source = f" from {env}" if given is None and env and env.upper() in {k.upper() for k in os.environ} else ""
+        source = ""
+        if given is None and env and env.upper() in {k.upper() for k in os.environ}:
+            source = f" from {env}"
+        elif given is None and config_file is not None:  # not a flag, not the env, never a default
+            source = f" in {config_file}"
         settings_parts.append(f"{key}{source}: {msg}{shown}" if key else msg)
     settings_line = "invalid setting " + "; ".join(settings_parts) if settings_parts else ""
     return "; ".join(p for p in (settings_line, *flag_parts) if p)
@@ -344,7 +352,7 @@ def load_settings(
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
-            raise ConfigError(f"invalid setting config: no such file {str(path)!r}")
+            raise ConfigError(f"invalid value for --config: no such file {str(path)!r}")
         if sys.version_info >= (3, 11):
             import tomllib
         else:
@@ -352,15 +360,15 @@ def load_settings(
         try:
             table = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"invalid setting config: {path}: {exc}") from None
-        unknown = _unknown_keys(table)
+            raise ConfigError(f"invalid config file {str(path)!r}: {exc}") from None
+        unknown = [key.replace(": ", f" in {path}: ", 1) for key in _unknown_keys(table)]
         if unknown:  # nested tables ignore extra keys: a typo there would pass silently
             raise ConfigError("invalid setting " + "; ".join(unknown))
         cls = type("FileSettings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}})
     try:
         return cls(**overrides)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc, overrides, flag_for)) from None
+        raise ConfigError(_format_error(exc, overrides, flag_for, config_file)) from None
     except SettingsError as exc:  # an env value that is not valid JSON for a list/table field
         raise ConfigError(_env_json_error(exc)) from None
 

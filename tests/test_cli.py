@@ -54,7 +54,7 @@ def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
         (["run", "--pid", "1"], {"SERVEWATCH_INCIDENT__COOLDOWN_S": "0"}, "servewatch: invalid setting incident.cooldown_s"),
         (["run"], {}, "servewatch: nothing to watch"),
         (["dump"], {}, "servewatch: no targets"),
-        (["run", "--pid", "1", "--config", "missing.toml"], {}, "servewatch: invalid setting config: no such file"),
+        (["run", "--pid", "1", "--config", "missing.toml"], {}, "servewatch: invalid value for --config: no such file"),
         (["export", "--to", "http://127.0.0.1:1", "--protocol", "carrier-pigeon"], {}, "servewatch: invalid setting protocol"),
         (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}, "servewatch: invalid setting"),
         (["run", "--pid", "1", "--otlp-protocol", "smtp"], {}, "servewatch: invalid value for --otlp-protocol"),

@@ -192,18 +192,18 @@ def test_report_and_timeline_of_a_bundle_write_only_what_was_asked(tmp_path: Pat
 @pytest.mark.parametrize(
     ("args", "env", "line"),
     [
-        (["dump"], {"SERVEWATCH_TARGET__PIDS": "[0]"}, "servewatch: invalid setting target.pids.0 from SERVEWATCH_TARGET__PIDS: Input should be greater than 0 (got 0)"),
-        (["run"], {"SERVEWATCH_TARGET__PIDS": "1,2"}, "servewatch: invalid setting target.pids from SERVEWATCH_TARGET__PIDS: list values are JSON, e.g. SERVEWATCH_TARGET__PIDS='[1, 2]'"),
-        (["run"], {"SERVEWATCH_TARGET__MATCH": "a*,b"}, """servewatch: invalid setting target.match from SERVEWATCH_TARGET__MATCH: list values are JSON, e.g. SERVEWATCH_TARGET__MATCH='["a*", "b"]'"""),
-        (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "SIGFOO"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'SIGFOO'"),
-        (["dump", "--pid", "1"], {"SERVEWATCH_HOST_NAME": ".."}, "servewatch: invalid setting host_name from SERVEWATCH_HOST_NAME: host name '..' cannot be a folder name"),
-        (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "foo"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'foo'"),
+        (["dump"], {"SERVEWATCH_TARGET__PIDS": "[0]"}, "servewatch: invalid setting target.pids.0 from SERVEWATCH_TARGET__PIDS: Input should be greater than 0 (got 0); see 'servewatch dump --help'"),
+        (["run"], {"SERVEWATCH_TARGET__PIDS": "1,2"}, "servewatch: invalid setting target.pids from SERVEWATCH_TARGET__PIDS: list values are JSON, e.g. SERVEWATCH_TARGET__PIDS='[1, 2]'; see 'servewatch run --help'"),
+        (["run"], {"SERVEWATCH_TARGET__MATCH": "a*,b"}, """servewatch: invalid setting target.match from SERVEWATCH_TARGET__MATCH: list values are JSON, e.g. SERVEWATCH_TARGET__MATCH='["a*", "b"]'; see 'servewatch run --help'"""),
+        (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "SIGFOO"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'SIGFOO'; see 'servewatch run --help'"),
+        (["dump", "--pid", "1"], {"SERVEWATCH_HOST_NAME": ".."}, "servewatch: invalid setting host_name from SERVEWATCH_HOST_NAME: host name '..' cannot be a folder name; see 'servewatch dump --help'"),
+        (["run", "--pid", "1"], {"SERVEWATCH_WATCHDOG__SIGNAL": "foo"}, "servewatch: invalid setting watchdog.signal from SERVEWATCH_WATCHDOG__SIGNAL: unknown signal 'foo'; see 'servewatch run --help'"),
         (["run", "--pid", "1", "--health-url", "ftp://x"], {}, "servewatch: invalid value for --health-url: expected an http(s):// URL, got 'ftp://x'; see 'servewatch run --help'"),
         (["run", "--pid", "1", "--metrics-preset", "foo"], {}, "servewatch: invalid value for --metrics-preset: Input should be 'sglang' or 'vllm' (got 'foo'); see 'servewatch run --help'"),
         (["run", "--pid", "1", "--watchdog-timeout", "-5"], {}, "servewatch: invalid value for --watchdog-timeout: Input should be greater than 0 (got -5.0); see 'servewatch run --help'"),
         (["dump", "--pid", "0"], {}, "servewatch: invalid value for --pid: Input should be greater than 0 (got 0); see 'servewatch dump --help'"),
         (["run", "--pid", "1", "--api-listen", "127.0.0.1:7", "--api-token-file", "/nope"], {}, "servewatch: invalid value for --api-token-file: no such file '/nope'; see 'servewatch run --help'"),
-        (["run", "--pid", "1", "--api-listen", "127.0.0.1:7"], {"SERVEWATCH_API__TOKEN_FILE": "/nope"}, "servewatch: invalid setting api.token_file: no such file '/nope'"),
+        (["run", "--pid", "1", "--api-listen", "127.0.0.1:7"], {"SERVEWATCH_API__TOKEN_FILE": "/nope"}, "servewatch: invalid setting api.token_file: no such file '/nope'; see 'servewatch run --help'"),
         (["export", "--to", "http://127.0.0.1:1", "/nope"], {}, "servewatch: no such file or folder '/nope'"),
         (["run", "--pid", "1", "--api-listen", "nope"], {}, "servewatch: invalid value for --api-listen: expected HOST:PORT, got 'nope'; see 'servewatch run --help'"),
     ],
@@ -219,7 +219,34 @@ def test_a_toml_setting_is_named_by_its_key_and_says_its_value_once(tmp_path: Pa
     config.write_text('[watchdog]\nsignal = "SIGFOO"\n')
     r = sw(tmp_path, "run", "--pid", "1", "--config", str(config))
     assert r.returncode == 2
-    assert r.stderr == "servewatch: invalid setting watchdog.signal: unknown signal 'SIGFOO'\n"
+    assert r.stderr == f"servewatch: invalid setting watchdog.signal in {config}: unknown signal 'SIGFOO'; see 'servewatch run --help'\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('data_dir = "x"\n[watchdog]\ntimeout_s = abc\n', "invalid config file '{config}': Invalid value (at line 3, column 13)"),
+        ("[watchdog]\ntimeout_s = 'abc'\n", "invalid setting watchdog.timeout_s in {config}: Input should be a valid number"),
+        ("[watchdogg]\ntimeout_s = 3\n", "invalid setting watchdogg in {config}: unknown key (did you mean watchdog?)"),
+    ],
+)
+def test_a_config_file_error_names_the_file_the_setting_and_the_help(tmp_path: Path, text: str, says: str) -> None:
+    config = tmp_path / "bad1.toml"
+    config.write_text(text)
+    r = sw(tmp_path, "status", "--config", str(config))
+    assert r.returncode == 2
+    assert r.stderr.startswith("servewatch: " + says.format(config=config)), r.stderr
+    assert r.stderr.endswith("; see 'servewatch status --help'\n") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_corrupt_status_file_is_named_once(tmp_path: Path) -> None:
+    host_dir = tmp_path / "data" / "h"
+    host_dir.mkdir(parents=True)
+    (host_dir / "status.json").write_text("{x")
+    r = sw(tmp_path, "status", "--data-dir", str(tmp_path / "data"), SERVEWATCH_HOST_NAME="h")
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"servewatch: cannot read {host_dir / 'status.json'}: not valid JSON"), r.stderr
+    assert r.stderr.count("status.json") == 1 and r.stderr.count("\n") == 1, r.stderr
 
 
 @pytest.mark.parametrize("source", ["flag", "env", "config", "default"])

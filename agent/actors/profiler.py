@@ -334,25 +334,29 @@ def _remove_empty(folders: Sequence[Path]) -> None:
 
 
 class _StallWatch:
-    """Work pending on the target and its ``forward_ct`` not moving for ``window_s``: a session
-    waiting for the next step would never start (read from the SDK counter file)."""
+    """Work pending on the target and no forward step for ``window_s`` seconds of that busy
+    time: a session waiting for the next step would never start (read from the SDK counter).
+
+    The window counts from the later of the last step and the first read that saw work pending
+    since the target was last idle: a server idle for minutes that gets a request is not
+    stalled until its next step is ``window_s`` late (the counter says when the last step was,
+    not when work arrived)."""
 
     def __init__(self, pid: int, directory: Path | None, window_s: float = STALL_WINDOW_S) -> None:
         self.pid, self.directory, self.window_ns = pid, directory, int(window_s * 1e9)
-        self.forward_ct: int | None = None
-        self.since_ns = 0
+        self.busy_since_ns = 0
 
     def stalled(self) -> bool:
         """Blocking (a tmpfs read): true once busy with no step for the window."""
         snap = read_step_counter(self.pid, self.directory)
         now = time.monotonic_ns()
         if snap is None or snap.pending <= 0:
-            self.forward_ct = None  # idle (or no counter): not a stall
+            self.busy_since_ns = 0  # idle (or no counter): not a stall
             return False
-        if snap.forward_ct != self.forward_ct:
-            self.forward_ct, self.since_ns = snap.forward_ct, now
-        last = snap.last_step_monotonic_ns if snap.forward_ct > 0 and snap.last_step_monotonic_ns > 0 else 0
-        return now - (last or self.since_ns) >= self.window_ns  # never stepped: since first seen busy
+        if not self.busy_since_ns:
+            self.busy_since_ns = now
+        last = snap.last_step_monotonic_ns if snap.forward_ct > 0 else 0
+        return now - max(last, self.busy_since_ns) >= self.window_ns
 
 
 # --- the session -----------------------------------------------------------------------------

@@ -222,3 +222,34 @@ def test_config_validates_and_defaults() -> None:
     for bad in ({"backend": "tgi"}, {"activities": "tpu"}, {"num_steps": 0}, {"find_timeout_s": 0}, {"typo": 1}):
         with pytest.raises(pydantic.ValidationError):
             ProfilerConfig(**bad)
+
+
+def test_the_stall_window_counts_busy_time_only_not_an_idle_spell_before_work_came(tmp_path: Path) -> None:
+    """An idle server (last step long ago) that gets work is not stalled at once: the window
+    starts when work is first seen pending; no step for the whole window is a stall; a step
+    restarts it. A real counter file, written as the SDK writes it."""
+    import os
+    import time
+
+    from agent.actors.profiler import _StallWatch
+    from agent.sdk.counter import W_FORWARD_CT, W_LAST_STEP, W_PENDING, SharedCounter, counter_path
+
+    counter = SharedCounter(counter_path(os.getpid(), tmp_path))
+    try:
+        words = counter.words
+        words[W_FORWARD_CT], words[W_LAST_STEP], words[W_PENDING] = 7, time.monotonic_ns(), 0
+        watch = _StallWatch(os.getpid(), tmp_path, window_s=1.0)
+        assert not watch.stalled()  # idle
+        time.sleep(1.5)  # idle for longer than the window
+        words[W_PENDING] = 3  # a request arrives (the SDK's set_pending)
+        busy_at = time.monotonic()
+        assert not watch.stalled()  # the old rule saw a step 1.5 s old and said stalled here
+        deadline = busy_at + 20
+        while not watch.stalled():
+            assert time.monotonic() < deadline, "never called stalled"
+            time.sleep(0.05)
+        assert time.monotonic() - busy_at >= 1.0  # a whole window of busy time, not less
+        words[W_FORWARD_CT], words[W_LAST_STEP] = 8, time.monotonic_ns()  # a step: the window restarts
+        assert not watch.stalled()
+    finally:
+        counter.close()

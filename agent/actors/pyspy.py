@@ -13,14 +13,20 @@ How one dump runs (per target, see :meth:`PySpyActor.act`):
    without starting py-spy.
 2. At most one dump per pid at a time (a per-pid :class:`anyio.Lock`), and at most
    ``max_concurrency`` py-spy processes at once (one :class:`anyio.CapacityLimiter`).
-3. ``py-spy dump --json --pid N --native`` runs as an argv list in its own session/process group,
+3. Another py-spy attached to the target (a second dump at the same moment) is waited for, at most
+   :data:`TRACER_WAIT_S`; any other tracer means one ``--nonblocking`` attempt. A run of the same
+   argv that the console entry started early (:mod:`agent.early`) is taken over instead of
+   starting a new one.
+4. ``py-spy dump --json --pid N --native`` runs as an argv list in its own session/process group,
    bounded by ``timeout_s``. Success is exit code 0 only (a failed ``--native`` run can leave a
    partial header on stdout). On a timeout or cancellation the whole process group is killed, and
    a target left stopped (psutil status ``stopped`` / ``tracing-stop``) gets ``SIGCONT``; that
    cleanup is shielded from cancellation and bounded by its own short timeout.
-4. A failure is sorted into an :class:`~agent.events.Outcome` by :func:`classify` (exit code,
+5. A failure is sorted into an :class:`~agent.events.Outcome` by :func:`classify` (exit code,
    stderr, and the target's state after the failure). Only failures a plain run may fix are retried
    without ``--native``; ``--native`` unsupported on this host is remembered for the actor's life.
+   A denial while nobody is attached any more is retried once after :data:`TRANSIENT_RETRY_S`
+   (another tracer may have come and gone).
 
 Messages matched (py-spy 0.4.x, ``src/main.rs``, ``src/config.rs``,
 ``src/python_process_info.rs``; the first three seen by running py-spy 0.4.3 here against a

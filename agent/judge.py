@@ -142,13 +142,15 @@ class VerdictJudge:
         steps_before: dict[int, int],
         steps_after: dict[int, int],
     ) -> Verdict | None:
-        """The verdict of one job (one process tree's ranks); ``None``: a lone process without
-        distributed evidence."""
+        """The verdict of one job (one process tree's ranks); ``None``: a lone process with
+        neither a stack nor a Flight Recorder result. A lone process known by pid alone (no rank
+        from torch.distributed, its title or ``RANK``) is judged as one process, not as rank 0
+        of a job (:func:`agent.verdict.decide`, rule 0)."""
         pids = {t.pid for t, _ in everyone}
         dumps = {r.pid: r for r in results if r.action == Action.PYSPY_DUMP and r.pid in pids}
         frs = {r.pid: r for r in results if r.action == Action.FLIGHTREC_DUMP and r.pid in pids}
-        if len(everyone) < 2 and not frs:
-            return None  # not a distributed job as far as we can see
+        if len(everyone) < 2 and not frs and not dumps:
+            return None  # nothing read of it
         ranks: dict[int, int] = {}
         for target, _ in everyone:
             fr = frs.get(target.pid)
@@ -157,6 +159,7 @@ class VerdictJudge:
                 rank = rank_from_title(target.title)
             if isinstance(rank, int) and rank not in ranks.values():
                 ranks[target.pid] = rank
+        ranked = set(ranks)  # the others are numbered here, not ranks the job gave them
         free = (r for r in range(10**6) if r not in ranks.values())
         for target, _ in everyone:
             if target.pid not in ranks:
@@ -197,6 +200,7 @@ class VerdictJudge:
                     steps_before=steps_before.get(target.pid),
                     steps_after=steps_after.get(target.pid),
                     fr=fr_dump,
+                    ranked=target.pid in ranked,
                 )
             )
         return decide(evidence)
@@ -244,7 +248,7 @@ def job_groups(targets: Sequence[Target]) -> list[list[int]]:
 
 #: Which job's verdict is the incident's when no trigger pid picks it: a hung one with a
 #: culprit first, strongest kind first.
-_KIND_ORDER = ("dead", "desync", "behind", "compute", "unknown", "progressing")
+_KIND_ORDER = ("dead", "desync", "behind", "compute", "single", "unknown", "progressing")
 
 
 def pick_incident_verdict(verdicts: Sequence[tuple[Sequence[int], Verdict]], trigger_pid: int | None, jobs: int) -> Verdict:

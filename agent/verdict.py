@@ -7,6 +7,12 @@ one :class:`Verdict`. No I/O, no clock, no subprocess: the caller gathers the ev
 
 Rules, first match wins:
 
+0. ``single``: one process that is not a rank of a distributed job (no rank from
+   torch.distributed, its title or ``RANK``; no Flight Recorder read; not in a collective):
+   nothing to compare it with, so nobody is a culprit; the verdict says where it is:
+   ``1 process (pid 42), not a distributed job: in inner_work (busy.py:6)`` (``medium``, from its stack),
+   ``idle (waiting for work) in ...``, or how it exited (``high`` when its exit opened the
+   incident); ``low`` without a stack.
 1. ``dead``: a rank's process ended (the incident's trigger names it, or its exit status is
    known): ``dead: rank 2 exited with SIGSEGV``. The ranks that then failed in their
    collectives are its victims, not culprits. A rank ended by SIGTERM/SIGINT (or exit code
@@ -145,6 +151,10 @@ class RankEvidence:
         steps_before / steps_after: its forward-step counter when the incident opened and when
             the evidence was complete (``None``: no counter).
         fr: its Flight Recorder dump (``entries``, ``pg_status``), or ``None``.
+        ranked: the process is known as a rank of a distributed job (a rank from
+            torch.distributed, its title or ``RANK``). ``False`` only for a process known by pid
+            alone; with no other rank, no Flight Recorder and no collective wait it gets the
+            ``single`` verdict.
     """
 
     rank: int
@@ -158,6 +168,7 @@ class RankEvidence:
     steps_before: int | None = None
     steps_after: int | None = None
     fr: Mapping[str, Any] | None = None
+    ranked: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,8 +176,10 @@ class Verdict:
     """The incident's cross-rank verdict.
 
     Attributes:
-        kind: ``dead``, ``desync``, ``behind``, ``compute``, ``progressing`` or ``unknown``.
-        hung: whether the group is stuck (``progressing`` is not).
+        kind: ``dead``, ``desync``, ``behind``, ``compute``, ``progressing``, ``single`` (one
+            process, not a distributed job) or ``unknown``.
+        hung: whether the group is stuck (``progressing`` is not; ``single``: unless its step
+            counter advanced).
         culprit_ranks / culprit_pids: the rank(s) named (empty when none can be).
         reason: one line, e.g. ``behind: rank 1 never entered all_reduce #42 of pg 0; ranks 0 wait in it``.
         confidence: ``high``, ``medium`` or ``low``.
@@ -186,7 +199,11 @@ class Verdict:
     ranks: tuple[int, ...] = ()
 
     def headline(self) -> str:
-        """The summary's first line: ``Verdict: culprit rank 1 (pid 42) -- behind: ... [high]``."""
+        """The summary's first line: ``Verdict: culprit rank 1 (pid 42) -- behind: ... [high]``;
+        ``Verdict: 1 process (pid 42), not a distributed job: in f (m.py:3) [confidence medium]``
+        for a ``single`` verdict (no culprit wording: there is nothing to blame it against)."""
+        if self.kind == "single":
+            return f"Verdict: {self.reason} [confidence {self.confidence}]"
         if self.culprit_ranks:
             who = ", ".join(
                 f"rank {r}" + (f" (pid {p})" if p else "") for r, p in zip(self.culprit_ranks, self._pids_padded())
@@ -511,6 +528,10 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
     if not ev:
         return _verdict("unknown", (), "no rank to judge", "low", ev, hung=False)
 
+    # 0. one process that is not a rank of a distributed job: nothing to blame it against
+    if len(ev) == 1 and not ev[0].ranked and ev[0].fr is None and ev[0].frame_class is not FrameClass.COLLECTIVE:
+        return _single(ev[0])
+
     # 1. a rank died (a rank stopped by SIGTERM/SIGINT was asked to stop from outside: no crash)
     first = [e for e in ev if e.exited_first and not _stopped(e)]
     dead = first or [e for e in ev if not e.alive and not _stopped(e)
@@ -592,6 +613,45 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
         return _verdict("unknown", (), "every rank entered the same collective and waits in it (communication layer?)", "low", ev)
     return _verdict("unknown", (), f"no conclusive evidence ({_what_was_read(ev, frs, complete_fr, known)})", "low", ev,
                     hung=True)
+
+
+def _single(e: RankEvidence) -> Verdict:
+    """Rule 0: where one non-distributed process is, or how it ended; never a culprit (hard
+    mode then signals the stalled target itself)."""
+    confidence = "medium"
+    advanced = e.steps_before is not None and e.steps_after is not None and e.steps_after > e.steps_before
+    hung = not advanced  # as for ranks: only steps seen advancing say "not hung" (hard mode reads it)
+    if not e.alive:
+        stopped = _stopped(e)
+        if stopped:
+            where, confidence = f"terminated by {stopped} (asked to stop from outside, not a crash)", "low"
+        else:
+            how = e.exit_signal or (f"exit code {e.exit_code}" if e.exit_code is not None else "")
+            where = "exited" + (f" with {how}" if how else "")
+            confidence = "high" if e.exited_first else "medium"
+        hung = True
+    elif e.frame_class is FrameClass.IDLE:
+        where = f"idle (waiting for work) in {e.frame}" if e.frame else "idle (waiting for work)"
+    elif e.frame_class is FrameClass.COMPUTE:
+        where = f"in {e.frame}" if e.frame else "in its own code"
+    else:
+        where, confidence = "no stack", "low"
+    if advanced and e.alive:
+        where += f" (steps {e.steps_before}->{e.steps_after}: progressing)"
+    evidence = [f"pid {e.pid}" if e.pid else "1 process"]
+    if e.frame_class is not FrameClass.UNKNOWN:
+        evidence.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
+    if e.steps_before is not None and e.steps_after is not None:
+        evidence.append(f"steps {e.steps_before}->{e.steps_after}")
+    return Verdict(
+        kind="single",
+        hung=hung,
+        culprit_ranks=(),
+        culprit_pids=(),
+        reason=f"1 process{f' (pid {e.pid})' if e.pid else ''}, not a distributed job: {where}",
+        confidence=confidence,
+        evidence=("; ".join(evidence),),
+    )
 
 
 def _what_was_read(ev: Sequence[RankEvidence], frs: Mapping[int, _FR], complete_fr: bool,

@@ -164,3 +164,28 @@ def test_inconclusive_verdict_says_whether_the_recorders_were_read_empty_or_miss
     empty = {"entries": [{"is_p2p": True}], "pg_status": {}}  # read, but nothing of a collective in it
     assert decide([RankEvidence(rank=0, fr=empty), RankEvidence(rank=1, fr=empty)]).reason == \
         "no conclusive evidence (Flight Recorder empty and no stacks)"
+
+
+def test_one_process_that_is_not_a_rank_is_located_not_blamed() -> None:
+    where = decide([RankEvidence(rank=0, pid=7, ranked=False, frame_class=FrameClass.COMPUTE, frame="inner_work (busy.py:6)")])
+    assert (where.kind, where.culprit_ranks, where.culprit_pids, where.hung, where.confidence) == ("single", (), (), True, "medium")
+    assert where.reason == "1 process (pid 7), not a distributed job: in inner_work (busy.py:6)"
+    assert where.headline() == f"Verdict: {where.reason} [confidence medium]"
+    assert "culprit" not in where.headline() and "rank" not in where.headline()
+
+    idle = decide([RankEvidence(rank=0, pid=7, ranked=False, frame_class=FrameClass.IDLE, frame="select (s.py:1)",
+                                steps_before=2, steps_after=9)])
+    assert (idle.kind, idle.hung) == ("single", False)
+    assert idle.reason == "1 process (pid 7), not a distributed job: idle (waiting for work) in select (s.py:1) (steps 2->9: progressing)"
+
+    crashed = decide([RankEvidence(rank=0, pid=7, ranked=False, alive=False, exited_first=True, exit_signal="SIGSEGV")])
+    assert (crashed.kind, crashed.culprit_ranks, crashed.confidence) == ("single", (), "high")
+    assert crashed.reason.endswith("not a distributed job: exited with SIGSEGV")
+    assert decide([RankEvidence(rank=0, ranked=False)]).confidence == "low"
+
+    # a rank (its title, RANK or torch.distributed), a Flight Recorder read or a collective wait: rank rules
+    assert decide([RankEvidence(rank=0, pid=7, frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")]).culprit_ranks == (0,)
+    assert decide([RankEvidence(rank=0, pid=7, ranked=False, fr={"entries": [], "pg_status": {}},
+                                frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")]).kind == "compute"
+    assert decide([RankEvidence(rank=0, pid=7, ranked=False, frame_class=FrameClass.COLLECTIVE,
+                                frame="all_reduce (d.py:1)")]).kind != "single"

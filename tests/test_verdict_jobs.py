@@ -4,6 +4,10 @@ other's stall (real process trees from tests/programs/server_tree.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import select
+import subprocess
 import time
 import uuid
 
@@ -11,6 +15,7 @@ from agent.events import TargetExited, WatchdogStalled
 from agent.judge import VerdictJudge, job_groups, pick_incident_verdict
 from agent.targets import Target, discover, zombie_descendants
 from agent.verdict import FrameClass, RankEvidence, decide
+from tests.test_cli_conventions import _titled, sw
 from tests.test_targeting import start_tree
 
 
@@ -101,3 +106,44 @@ def test_a_rank_gone_by_sigterm_during_a_stall_is_no_culprit() -> None:
           RankEvidence(rank=1, pid=6, alive=False, exit_code=143)]
     v = decide(ev)
     assert v.kind != "dead" and 1 not in v.culprit_ranks, v
+
+
+_BUSY = """import sys, time
+
+
+def inner_work():
+    time.sleep(0.05)
+
+
+print("ready", flush=True)
+while True:
+    inner_work()
+"""
+
+
+def test_dump_of_one_plain_process_says_where_it_is_and_blames_no_rank(spawn, python, tmp_path) -> None:
+    """`servewatch dump --pid` of a plain Python loop (no rank, no collective): no culprit
+    wording; a titled scheduler rank alone (TP=1) keeps the rank verdict."""
+    script = tmp_path / "busy.py"
+    script.write_text(_BUSY, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    busy = spawn([python, str(script)], stdout=subprocess.PIPE, env=env)
+    assert busy.stdout is not None
+    ready, _, _ = select.select([busy.stdout], [], [], 30)
+    assert ready and busy.stdout.readline() == b"ready\n"
+
+    r = sw(tmp_path, "dump", "--pid", str(busy.pid), "--data-dir", str(tmp_path / "data"), timeout_s=90)
+    assert r.returncode == 0, r.stderr
+    (headline,) = [line for line in r.stdout.splitlines() if line.startswith("Verdict:")]
+    assert headline == (
+        f"Verdict: 1 process (pid {busy.pid}), not a distributed job: in inner_work (busy.py:5) [confidence medium]"
+    ), r.stdout
+    assert "culprit" not in r.stdout
+    (manifest,) = (tmp_path / "data").glob("*/*/manifest.json")
+    verdict = json.loads(manifest.read_text(encoding="utf-8"))["verdict"]
+    assert (verdict["kind"], verdict["culprit_ranks"], verdict["culprit_pids"]) == ("single", [], [])
+
+    rank = _titled(spawn, python, f"single{os.getpid()}::scheduler_TP0")
+    r = sw(tmp_path, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data2"), timeout_s=90)
+    assert r.returncode == 0, r.stderr
+    assert f"Verdict: culprit rank 0 (pid {rank.pid}) -- all ranks in compute" in r.stdout, r.stdout

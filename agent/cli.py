@@ -421,7 +421,11 @@ def run(
     config: Path | None = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Watch a server and capture evidence when it stalls, fails its health check or exits."""
+    """Watch a server and capture evidence when it stalls, fails its health check or exits.
+
+    A --pid or --root-pid that is not running at start exits 1; --match waits for a server that
+    has not started yet.
+    """
     _logging(verbose)
     settings = _settings(
         {
@@ -442,6 +446,10 @@ def run(
     )
     if not (settings.health.url or settings.metrics.url or settings.target.pids or settings.target.match or settings.target.root_pid):
         fail("nothing to watch: give --health-url, --metrics-url, --pid, --root-pid or --match", ExitCode.USAGE)
+    gone = [p for p in [*settings.target.pids, *([settings.target.root_pid] if settings.target.root_pid else [])] if not _pid_alive(p)]
+    if gone:  # a pid is a running process: waiting for it to appear would wait forever (--match waits)
+        fail(f"no such process: {', '.join(map(str, gone))} (--pid/--root-pid watch a running process;"
+             " --match TITLE waits for a server that is not started yet)", ExitCode.FAILURE)
     if settings.api.enabled:
         _check_bindable(settings.api.host, settings.api.port)
     _data_dir_ready(settings)
@@ -550,7 +558,12 @@ def dump(
     config: Path | None = ConfigOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """One-shot incident now: dump matching processes, write bundle + spans, print a summary."""
+    """One-shot incident now: dump matching processes, write bundle + spans, print a summary.
+
+    Exits 1 when a rank's stacks could not be captured for an error (the summary's Errors: N:
+    timed out, permission denied, not Python) or nothing matched; a dead rank is evidence, not an
+    error.
+    """
     _logging(verbose)
     settings = _settings(
         {
@@ -577,7 +590,11 @@ def dump(
     record = anyio.run(lambda: agent.dump(handle_signals=True))
     _print_record(record, as_json=as_json)
     _say_spooled(agent.telemetry, agent.export_statistics)
-    if record.state == "interrupted" or not any(r.outcome.value == "ok" for r in record.results):
+    from agent.summary import stack_dump_errors
+
+    # exit 1 when a rank's stacks could not be captured for an error (the summary's Errors: N); a
+    # dead rank is evidence, not an error
+    if record.state == "interrupted" or stack_dump_errors(record) or not record.results:
         raise typer.Exit(int(ExitCode.FAILURE))
 
 

@@ -117,6 +117,29 @@ def late_result_lines(record: IncidentRecord, already: int) -> list[str]:
     return lines
 
 
+#: outcomes of a target that exited before or while it was dumped (a dead rank, not an error)
+_GONE = (Outcome.DEAD, Outcome.NO_SUCH_PROCESS, Outcome.ZOMBIE)
+
+
+def stack_dump_errors(record: IncidentRecord) -> int:
+    """Targets whose stacks could not be captured for an error: the ``Errors: N`` of the summary
+    and what makes ``servewatch dump`` exit 1.
+
+    A ``pyspy.dump`` that ended ``ok``, ``dead`` / ``no_such_process`` / ``zombie`` (the target
+    exited: that is evidence, not an error) or ``skipped`` (py-spy switched off) is no error;
+    every other outcome (timed out, permission denied, not Python, py-spy missing or failed) is
+    one.
+
+    Returns:
+        The number of such targets (0 when every rank's stacks are in, or explained).
+    """
+    return sum(
+        1 for a in record.to_manifest().actions
+        if a.action == Action.PYSPY_DUMP and a.outcome not in (Outcome.OK, Outcome.SKIPPED, *_GONE)
+    )
+
+
+
 def summary_lines(record: IncidentRecord) -> list[str]:
     """A short human summary: trigger, what ran, where the artifacts are, how to view them."""
     m = record.to_manifest()
@@ -128,13 +151,13 @@ def summary_lines(record: IncidentRecord) -> list[str]:
         lines.append(f"  {m.inflight_requests} request(s) in flight, listed in requests.json")
     dumps = [a for a in m.actions if a.action == Action.PYSPY_DUMP]
     ok = sum(1 for a in dumps if a.outcome == Outcome.OK)
-    dead = sum(1 for a in dumps if a.outcome == Outcome.DEAD)
+    dead = sum(1 for a in dumps if a.outcome in _GONE)
     skipped = sum(1 for a in dumps if a.outcome == Outcome.SKIPPED)  # switched off by configuration: no error
     lines.append(
         f"Wrote {ok} stack dump(s) to '{record.bundle_dir}/'. Processes: {len(m.targets)}"
         + (f" Dead: {dead}" if dead else "")
         + (f" Skipped: {skipped}" if skipped else "")
-        + f" Errors: {len(dumps) - ok - dead - skipped}"
+        + f" Errors: {stack_dump_errors(record)}"
     )
     if m.state is IncidentState.INTERRUPTED:
         lines.append(f"Interrupted: {m.interrupted_reason or 'the agent stopped mid-incident'}; what was captured is kept")

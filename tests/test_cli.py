@@ -146,6 +146,53 @@ def test_run_exits_within_seconds_with_the_collector_unreachable(tmp_path: Path,
     assert "watching" in r.stderr
 
 
+@pytest.mark.parametrize("case", ["timed_out", "not_python"])
+def test_dump_exits_1_when_a_rank_s_stacks_could_not_be_captured(tmp_path: Path, spawn, python: str, case: str) -> None:
+    ok = _titled(spawn, python, f"exit{os.getpid()}::scheduler_TP0")
+    env: dict[str, str] = {}
+    if case == "timed_out":  # py-spy cannot read a process in 20 ms
+        pids, env = [ok.pid], {"SERVEWATCH_PYSPY__TIMEOUT_S": "0.02"}
+    else:  # a real process that is not Python, beside a Python rank that dumps fine
+        other = spawn(["sleep", "60"])
+        pids = [other.pid, ok.pid]
+    args = [a for p in pids for a in ("--pid", str(p))]
+    r = _cli(tmp_path, "dump", *args, "--data-dir", str(tmp_path / "data"), timeout_s=90, **env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert case in r.stdout and "Errors: 1" in r.stdout, r.stdout
+    if case == "not_python":
+        assert "Wrote 1 stack dump(s)" in r.stdout
+
+
+def test_dump_of_ranks_that_all_dumped_exits_0(tmp_path: Path, spawn, python: str) -> None:
+    ok = _titled(spawn, python, f"exit{os.getpid()}::scheduler_TP0")
+    r = _cli(tmp_path, "dump", "--pid", str(ok.pid), "--data-dir", str(tmp_path / "data"), timeout_s=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Wrote 1 stack dump(s)" in r.stdout and "Errors: 0" in r.stdout
+
+
+def _gone_pid() -> int:
+    """The pid of a process that ran and was reaped (no process has it now)."""
+    proc = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+def test_run_and_dump_of_a_pid_that_does_not_exist_exit_1_at_once_with_one_line(tmp_path: Path) -> None:
+    pid = _gone_pid()
+    run = _cli(tmp_path, "run", "--pid", str(pid), "--duration", "40", "--data-dir", str(tmp_path / "data"), timeout_s=90)
+    assert run.returncode == 1, run.stderr  # not a 40 s wait ending in 0
+    assert run.stderr.startswith(f"servewatch: no such process: {pid} ") and run.stderr.count("\n") == 1, run.stderr
+    assert "--match" in run.stderr and not (tmp_path / "data").exists()
+    dump = _cli(tmp_path, "dump", "--pid", str(pid), "--data-dir", str(tmp_path / "data"))
+    assert dump.returncode == 1 and f"no such process: {pid}" in dump.stderr and dump.stderr.count("\n") == 1
+
+
+def test_run_by_title_waits_for_a_server_not_started_yet(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "run", "--match", f"notyet{os.getpid()}::*", "--duration", "2", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 0, r.stderr
+    assert "still looking" in r.stderr
+
+
 @pytest.mark.slow
 def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     r = _cli(tmp_path, "demo", "--json", timeout_s=150)

@@ -561,8 +561,8 @@ def dump(
     """One-shot incident now: dump matching processes, write bundle + spans, print a summary.
 
     Exits 1 when a rank's stacks could not be captured for an error (the summary's Errors: N:
-    timed out, permission denied, not Python) or nothing matched; a dead rank is evidence, not an
-    error.
+    timed out, permission denied, not Python), nothing matched or nothing was captured; a dead
+    rank is evidence, not an error.
     """
     _logging(verbose)
     settings = _settings(
@@ -590,11 +590,13 @@ def dump(
     record = anyio.run(lambda: agent.dump(handle_signals=True))
     _print_record(record, as_json=as_json)
     _say_spooled(agent.telemetry, agent.export_statistics)
-    from agent.summary import stack_dump_errors
+    from agent.events import Outcome
+    from agent.summary import GONE_OUTCOMES, stack_dump_errors
 
-    # exit 1 when a rank's stacks could not be captured for an error (the summary's Errors: N); a
-    # dead rank is evidence, not an error
-    if record.state == "interrupted" or stack_dump_errors(record) or not record.results:
+    # exit 1 when a rank's stacks could not be captured for an error (the summary's Errors: N) or
+    # nothing was captured at all (py-spy off, no other evidence); a dead rank is evidence
+    captured = any(r.outcome is Outcome.OK or r.outcome in GONE_OUTCOMES for r in record.results)
+    if record.state == "interrupted" or stack_dump_errors(record) or not captured:
         raise typer.Exit(int(ExitCode.FAILURE))
 
 

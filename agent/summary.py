@@ -118,7 +118,7 @@ def late_result_lines(record: IncidentRecord, already: int) -> list[str]:
 
 
 #: outcomes of a target that exited before or while it was dumped (a dead rank, not an error)
-_GONE = (Outcome.DEAD, Outcome.NO_SUCH_PROCESS, Outcome.ZOMBIE)
+GONE_OUTCOMES = (Outcome.DEAD, Outcome.NO_SUCH_PROCESS, Outcome.ZOMBIE)
 
 
 def stack_dump_errors(record: IncidentRecord) -> int:
@@ -135,7 +135,7 @@ def stack_dump_errors(record: IncidentRecord) -> int:
     """
     return sum(
         1 for a in record.to_manifest().actions
-        if a.action == Action.PYSPY_DUMP and a.outcome not in (Outcome.OK, Outcome.SKIPPED, *_GONE)
+        if a.action == Action.PYSPY_DUMP and a.outcome not in (Outcome.OK, Outcome.SKIPPED, *GONE_OUTCOMES)
     )
 
 
@@ -151,7 +151,7 @@ def summary_lines(record: IncidentRecord) -> list[str]:
         lines.append(f"  {m.inflight_requests} request(s) in flight, listed in requests.json")
     dumps = [a for a in m.actions if a.action == Action.PYSPY_DUMP]
     ok = sum(1 for a in dumps if a.outcome == Outcome.OK)
-    dead = sum(1 for a in dumps if a.outcome in _GONE)
+    dead = sum(1 for a in dumps if a.outcome in GONE_OUTCOMES)
     skipped = sum(1 for a in dumps if a.outcome == Outcome.SKIPPED)  # switched off by configuration: no error
     lines.append(
         f"Wrote {ok} stack dump(s) to '{record.bundle_dir}/'. Processes: {len(m.targets)}"

@@ -150,8 +150,8 @@ def test_run_exits_within_seconds_with_the_collector_unreachable(tmp_path: Path,
 def test_dump_exits_1_when_a_rank_s_stacks_could_not_be_captured(tmp_path: Path, spawn, python: str, case: str) -> None:
     ok = _titled(spawn, python, f"exit{os.getpid()}::scheduler_TP0")
     env: dict[str, str] = {}
-    if case == "timed_out":  # py-spy cannot read a process in 20 ms
-        pids, env = [ok.pid], {"SERVEWATCH_PYSPY__TIMEOUT_S": "0.02"}
+    if case == "timed_out":  # py-spy cannot even start within 1 ms
+        pids, env = [ok.pid], {"SERVEWATCH_PYSPY__TIMEOUT_S": "0.001"}
     else:  # a real process that is not Python, beside a Python rank that dumps fine
         other = spawn(["sleep", "60"])
         pids = [other.pid, ok.pid]

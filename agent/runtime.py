@@ -89,8 +89,9 @@ MAX_REMEMBERED_TARGETS = 4096
 SPANS_HEARTBEAT_INTERVAL_S = 1.0
 #: Seconds between checks that a target whose SDK step counter is watched still runs.
 TARGET_ALIVE_INTERVAL_S = 2.0
-#: Seconds between updates of the span shipping counts in the status file.
-SPANS_STATUS_INTERVAL_S = 5.0
+#: Least seconds between two updates of the span shipping counts in the status file (it is
+#: rewritten when they change, checked at every heartbeat).
+SPANS_STATUS_INTERVAL_S = 1.0
 #: Seconds between returning the agent's freed heap memory to the OS (:func:`agent.memory.trim`).
 TRIM_INTERVAL_S = 60.0
 #: Upper bound on flushing telemetry at shutdown, seconds.
@@ -623,21 +624,23 @@ class Agent:
         if worker is not None and worker.native_id is not None:
             lower_thread_priority(native_id=worker.native_id)
         next_status = 0.0
+        shown: tuple[WatcherState, str] | None = None
         while True:
             shipper.heartbeat_all()
             now = anyio.current_time()
             if now >= next_status:  # `servewatch status` shows the counts (both sides' drops)
-                next_status = now + SPANS_STATUS_INTERVAL_S
                 stats, refused = shipper.statistics(), shipper.refused()
-                if stats.rings or stats.shipped or stats.dropped:
-                    await self._set_status("spans", WatcherState.READY, stats.line())
+                if stats.rings or stats.shipped or stats.dropped or stats.fallback_spans:
+                    status = (WatcherState.READY, stats.line())
                 elif refused:
                     pid, why = next(iter(refused.items()))
-                    await self._set_status("spans", WatcherState.BLIND, f"span ring of pid {pid} not shipped: {why}")
+                    status = (WatcherState.BLIND, f"span ring of pid {pid} not shipped: {why}")
                 else:
-                    await self._set_status(
-                        "spans", WatcherState.WAITING, "no SDK span ring in the targets yet (servers export their own spans)"
-                    )
+                    status = (WatcherState.WAITING, "no SDK span ring in the targets yet (servers export their own spans)")
+                if status != shown:  # written when the counts change, at most every SPANS_STATUS_INTERVAL_S
+                    shown = status
+                    next_status = now + SPANS_STATUS_INTERVAL_S
+                    await self._set_status("spans", *status)
             await anyio.sleep(max(interval, SPANS_HEARTBEAT_INTERVAL_S))
 
     async def _start_watchers(self, tg: TaskGroup) -> None:

@@ -206,6 +206,58 @@ class LosslessSpanProcessor(SpanProcessor):
         if len(queue) >= self._batch and not self._wakeup.is_set():
             self._wakeup.set()
 
+    def submit(self, spans: Sequence[ReadableSpan]) -> int | None:
+        """Queue ``spans`` like :meth:`on_end` and say when they are safe: a ticket.
+
+        Once :meth:`settled` reaches the ticket, each of these spans was exported, written to
+        the spool, or counted in ``dropped`` (queue full, spool write failed): never in memory
+        only. A caller that keeps its own copy until then (the span shipper keeps the ring
+        records) loses nothing when this process is killed. Never blocks.
+
+        Returns:
+            The ticket (a count of spans ever queued), or ``None`` when the processor is shut
+            down (the spans are counted dropped; the caller should keep its copy).
+        """
+        batch = list(spans)
+        queue = self._queue
+        with self._cv:
+            if self._closed:
+                self._dropped += len(batch)
+                return None
+            room = max(0, self._max_queue - len(queue))
+            if len(batch) > room:
+                self._dropped += len(batch) - room
+                batch = batch[:room]
+            queue.extend(batch)
+            ticket = self._taken + len(queue)
+        if len(queue) >= self._batch and not self._wakeup.is_set():
+            self._wakeup.set()
+        return ticket
+
+    def room(self) -> int:
+        """Spans the memory queue can take now (``max_queue_spans`` minus those queued)."""
+        return max(0, self._max_queue - len(self._queue))
+
+    def settled(self) -> int:
+        """Spans ever queued that are settled: exported, spooled, or counted dropped (compare
+        with a :meth:`submit` ticket)."""
+        with self._cv:
+            return self._settled
+
+    def wait_settled(self, ticket: int, timeout_s: float) -> bool:
+        """Send what is queued up to ``ticket`` now (no schedule delay) and wait until it is
+        settled, at most ``timeout_s`` seconds. Returns whether it is."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cv:
+            self._flush_target = max(self._flush_target, ticket)
+            self._wakeup.set()
+            while self._settled < ticket:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+        return True
+
     def persist(self, spans: Sequence[ReadableSpan]) -> None:
         """Write-ahead: put ``spans`` on disk now, before any export is attempted.
 

@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +46,7 @@ from opentelemetry.trace import (
 )
 
 from agent.procinfo import pid_alive
-from agent.sdk.ring import RingError, RingReader, RingStatistics
+from agent.sdk.ring import RingBatch, RingError, RingReader, RingStatistics
 
 if TYPE_CHECKING:
     from agent.registry import BuildContext, Settings
@@ -106,12 +108,15 @@ class ShipperStatistics:
         return {**asdict(self), "dropped": self.dropped}
 
     def line(self) -> str:
-        """One line for ``servewatch status``."""
+        """One line for ``servewatch status``: shipped, every drop by cause, and the spans the
+        servers sent to their own OTel path (``fallback``: not counted as dropped, since a server
+        with the OTel SDK exports them, but a server without one drops them)."""
         return (
             f"shipping request spans of {self.rings} server process{'es' if self.rings != 1 else ''}: "
             f"{self.shipped} shipped; dropped {self.dropped} (ring full {self.dropped_full}, "
             f"no agent {self.dropped_no_agent}, too large {self.dropped_too_large}, corrupt {self.corrupt}, "
-            f"invalid {self.invalid})"
+            f"invalid {self.invalid}); fallback {self.fallback_spans} (sent to the server's own OTel path while "
+            f"no agent was attached: lost unless it installed the OTel SDK)"
         )
 
 
@@ -236,12 +241,14 @@ def _server_resource(metadata: Mapping[str, Any], pid: int, host_name: str) -> R
 
 
 class _Attached:
-    __slots__ = ("last", "reader", "resource")
+    __slots__ = ("last", "pending", "reader", "resource")
 
     def __init__(self, reader: RingReader, resource: Resource) -> None:
         self.reader = reader
         self.resource = resource
         self.last: RingStatistics | None = None
+        #: (processor ticket, ring position) of batches taken and not yet committed, oldest first
+        self.pending: deque[tuple[int, int]] = deque()
 
 
 class SpanShipper:
@@ -286,6 +293,8 @@ class SpanShipper:
         self._closed = False
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        #: the processor's ``submit`` when it says when spans are safe (the lossless one)
+        self._submit = getattr(processor, "submit", None)
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -327,11 +336,16 @@ class SpanShipper:
             log.warning("not shipping spans of pid %d: %s", pid, exc)
             return False
         resource = _server_resource(reader.metadata, pid, self.host_name)
+        ring = _Attached(reader, resource)
+        try:  # the server's counters so far (drops before we came) count from the first status on
+            ring.last = reader.statistics()
+        except OSError:
+            pass
         with self._lock:
             if self._closed or pid in self._rings:
                 reader.close(detach=pid not in self._rings)
                 return pid in self._rings
-            self._rings[pid] = _Attached(reader, resource)
+            self._rings[pid] = ring
         with self._lock:
             self._refused.pop(pid, None)
         log.info("shipping request spans of pid %d (service.name %s)", pid, resource.attributes.get("service.name"))
@@ -357,13 +371,16 @@ class SpanShipper:
         with self._lock:
             return sorted(self._rings)
 
-    def detach(self, pid: int) -> None:
-        """Drain and let go of ``pid``'s ring (the server falls back to its own path at once)."""
+    def detach(self, pid: int, *, timeout_s: float = 2.0) -> None:
+        """Drain and let go of ``pid``'s ring (the server falls back to its own path at once).
+        Waits up to ``timeout_s`` seconds for the drained spans to be exported or spooled
+        before releasing their records; past that they stay in the ring for the next agent."""
         with self._poll_lock:
             with self._lock:
                 ring = self._rings.get(pid)
             if ring is not None:
                 self._drain(pid, ring)
+                self._settle_wait(ring, time.monotonic() + timeout_s)
                 self._retire(pid, detach=True)
 
     # -- polling -----------------------------------------------------------------------------
@@ -385,30 +402,55 @@ class SpanShipper:
                         gone = True
                 shipped += self._drain(pid, ring)
                 if gone:
+                    if ring.pending and _same_file(ring.reader):
+                        continue  # the file holds the records until their spans are exported or spooled
                     if dead and _same_file(ring.reader):
                         # a server killed before its exit handler leaves its ring in tmpfs: the
-                        # agent drained it, so remove it (unlink never follows a symlink)
+                        # agent drained it and its spans are safe, so remove it (unlink never
+                        # follows a symlink)
                         _unlink_quiet(ring.reader.path)
                     self._retire(pid, detach=False)
         return shipped
 
     def _drain(self, pid: int, ring: _Attached) -> int:
+        """Take what the ring holds past our cursor, hand the spans to the processor, and
+        release (commit) the ring space of every earlier batch the processor has settled."""
+        reader = ring.reader
+        submit = self._submit
+        max_records = self._max_records
+        if submit is not None:
+            max_records = min(max_records, self.processor.room())  # type: ignore[attr-defined]
+        start = reader.cursor
         try:
-            payloads = ring.reader.read(self._max_records)
-            ring.last = ring.reader.statistics() or ring.last
+            if max_records > 0:
+                batch = reader.take(max_records)
+            else:  # the processor's queue is full: the records wait in the ring (a full ring is counted)
+                batch = RingBatch([], -1)
+            ring.last = reader.statistics() or ring.last
         except OSError as exc:
             log.warning("span ring of pid %d unreadable: %s", pid, exc)
             return 0
-        emit = self.processor.on_end
-        shipped = invalid = 0
-        for payload in payloads:
+        spans: list[ReadableSpan] = []
+        invalid = 0
+        for payload in batch.payloads:
             try:
-                span = decode_record(payload, ring.resource)
+                spans.append(decode_record(payload, ring.resource))
             except ValueError:
                 invalid += 1
-                continue
-            emit(span)
-            shipped += 1
+        shipped = len(spans)
+        if batch.end >= 0 and (batch.payloads or batch.end != start):
+            if submit is None:  # a plain SpanProcessor: no way to know when a span is safe
+                for span in spans:
+                    self.processor.on_end(span)
+                ticket: int | None = 0
+            else:
+                ticket = submit(spans) if spans else (ring.pending[-1][0] if ring.pending else 0)
+            if ticket is None:  # the processor is shut down: the records stay for the next agent
+                reader.rewind(start)
+                shipped = invalid = 0
+            else:
+                ring.pending.append((ticket, batch.end))
+        self._commit_settled(pid, ring)
         with self._lock:
             self._received += shipped
             self._shipped += shipped
@@ -416,6 +458,32 @@ class SpanShipper:
         if invalid:
             log.warning("%d invalid span record(s) from pid %d", invalid, pid)
         return shipped
+
+    def _commit_settled(self, pid: int, ring: _Attached) -> None:
+        """Release the ring space of the oldest batches whose spans the processor settled."""
+        pending = ring.pending
+        if not pending:
+            return
+        settled = self._settled()
+        end = -1
+        while pending and pending[0][0] <= settled:
+            end = pending.popleft()[1]
+        if end >= 0:
+            try:
+                ring.reader.commit(end)
+            except OSError as exc:
+                log.warning("span ring of pid %d: cannot commit its read position: %s", pid, exc)
+
+    def _settled(self) -> int:
+        settled = getattr(self.processor, "settled", None)
+        return settled() if settled is not None else 2**63
+
+    def _settle_wait(self, ring: _Attached, deadline: float) -> None:
+        """Wait (until ``deadline``, monotonic) for the spans taken from ``ring`` to be settled,
+        then commit them."""
+        if ring.pending and self._submit is not None:
+            self.processor.wait_settled(ring.pending[-1][0], max(0.0, deadline - time.monotonic()))  # type: ignore[attr-defined]
+        self._commit_settled(ring.reader.pid, ring)
 
     def _retire(self, pid: int, *, detach: bool) -> None:
         with self._lock:
@@ -511,8 +579,12 @@ class SpanShipper:
             description="Server request/forward spans through the local channel, by outcome (drops counted on both sides).",
         )
 
-    def close(self) -> ShipperStatistics:
-        """Drain every ring one last time and detach (servers fall back at once); safe twice."""
+    def close(self, timeout_s: float = 2.0) -> ShipperStatistics:
+        """Drain every ring one last time and detach (servers fall back at once); safe twice.
+
+        Waits up to ``timeout_s`` seconds for the processor to export or spool the spans
+        taken; the records of those it has not settled by then stay in the rings (the next
+        agent ships them again: a duplicate is possible, a loss is not)."""
         self._stopping.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -528,6 +600,9 @@ class SpanShipper:
                     pass
             for pid, ring in rings:
                 self._drain(pid, ring)
+            deadline = time.monotonic() + timeout_s
+            for pid, ring in rings:  # release only what is exported or spooled
+                self._settle_wait(ring, deadline)
                 self._retire(pid, detach=True)
         return self.statistics()
 

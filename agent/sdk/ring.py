@@ -26,7 +26,7 @@ word   name                 writer  meaning
 2      pid                  server  the server's pid
 3      capacity             server  ring bytes (multiple of 8)
 4      write_pos            server  bytes ever written (monotonic; offset = pos % capacity)
-5      read_pos             agent   bytes ever consumed
+5      read_pos             agent   bytes ever released (committed once their spans are durable)
 6      written              server  records written
 7      dropped_full         server  spans dropped because the ring was full (agent too slow)
 8      dropped_no_agent     server  spans dropped because no agent was attached (fallback "drop")
@@ -44,6 +44,14 @@ payload, padded to 8 bytes. A header whose length is ``WRAP`` means "continue at
 writer never overwrites unread bytes: when the record does not fit it counts a drop and returns
 (never blocks). The writer publishes ``write_pos`` after the bytes; the CRC lets the reader
 reject a record it saw torn (counted ``corrupt``), so a bad record never becomes a bad span.
+
+At-least-once: the agent reads with :meth:`RingReader.take` (its own cursor, ``read_pos``
+unchanged) and moves ``read_pos`` with :meth:`RingReader.commit` only once the spans built from
+those records are exported, spooled or counted. Until then the writer treats them as unread (it
+never overwrites them), so an agent killed in between leaves them to the next agent, which
+starts reading at ``read_pos``: a span exported just before the kill may be shipped twice, none
+is lost. Records written in the ~``SERVEWATCH_SPAN_STALE_S`` after an agent died (its heartbeat
+still fresh) wait in the ring the same way.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ __all__ = [
     "MAGIC",
     "META_BYTES",
     "VERSION",
+    "RingBatch",
     "RingError",
     "RingReader",
     "RingStatistics",
@@ -159,6 +168,16 @@ def _stats_from_words(words: Any) -> RingStatistics:
         unread_bytes=max(0, int(words[W_WRITE]) - int(words[W_READ])),
         capacity=cap,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RingBatch:
+    """Records taken from a ring and not yet released (:meth:`RingReader.take`)."""
+
+    #: the valid records' payloads, oldest first (torn ones are counted ``corrupt``, left out)
+    payloads: list[bytes]
+    #: ring position just past them: :meth:`RingReader.commit` of it releases their space
+    end: int
 
 
 class RingWriter:
@@ -344,6 +363,7 @@ class RingReader:
         self.capacity = cap
         self.uid = st.st_uid
         self.corrupt = 0
+        self._cursor: int | None = None  # end of the last take (None: start at read_pos)
         self.metadata = self._metadata(min(max(0, words[W_META_LEN]), META_BYTES))
 
     @staticmethod
@@ -388,19 +408,39 @@ class RingReader:
         return None if words is None else _stats_from_words(words)
 
     def read(self, max_records: int = 4096, max_bytes: int = 8 * 1024 * 1024) -> list[bytes]:
-        """Take up to ``max_records`` records (their payloads) and release their space."""
+        """Take up to ``max_records`` records (their payloads) and release their space at once
+        (:meth:`take` then :meth:`commit`; a reader that must not lose them takes and commits
+        later)."""
+        batch = self.take(max_records, max_bytes)
+        self.commit(batch.end)
+        return batch.payloads
+
+    def take(self, max_records: int = 4096, max_bytes: int = 8 * 1024 * 1024) -> RingBatch:
+        """Read up to ``max_records`` records (or ``max_bytes`` of payload) past this reader's
+        cursor WITHOUT releasing their space: the server cannot overwrite them until
+        :meth:`commit` moves ``read_pos`` past them. A reader that dies before committing leaves
+        them to the next one (which re-reads from ``read_pos``: at-least-once). The first take
+        starts at ``read_pos``; each next one where the previous ended.
+
+        Returns:
+            The valid payloads and the ring position just past them (``end``, to commit).
+        """
         words = self._header(self.fd)
         if words is None:
             self.corrupt += 1
-            return []
+            return RingBatch([], self._cursor if self._cursor is not None else 0)
         cap = self.capacity
-        w, r = words[W_WRITE], words[W_READ]
+        w, committed = words[W_WRITE], words[W_READ]
+        cursor = self._cursor
+        # start where the last take ended, unless read_pos moved past it (or we are new)
+        r = committed if cursor is None or not committed <= cursor <= w else cursor
         if w == r:
-            return []
-        if r > w or w - r > cap:
+            self._cursor = r
+            return RingBatch([], r)
+        if r > w or w - r > cap:  # a writer that lies about its positions: skip all of it
             self.corrupt += 1
-            self._commit(w)
-            return []
+            self._cursor = w
+            return RingBatch([], w)
         start_off = r % cap
         span = w - r
         # one or two preads cover everything unread
@@ -411,8 +451,8 @@ class RingReader:
             chunk = first + os.pread(self.fd, span - len(first), HEADER_BYTES + META_BYTES)
         if len(chunk) != span:
             self.corrupt += 1
-            self._commit(w)
-            return []
+            self._cursor = w
+            return RingBatch([], w)
         out: list[bytes] = []
         i = 0
         taken = 0
@@ -438,11 +478,26 @@ class RingReader:
                 continue
             out.append(payload)
             taken += length
-        self._commit(r + min(i, span))
-        return out
+        end = r + min(i, span)
+        self._cursor = end
+        return RingBatch(out, end)
 
-    def _commit(self, pos: int) -> None:
-        os.pwrite(self.fd, _WORD.pack(pos), W_READ * 8)
+    def commit(self, pos: int) -> None:
+        """Release the ring space before position ``pos`` (an ``end`` of :meth:`take`) to the
+        server; a position at or behind ``read_pos`` is ignored (commits only move forward)."""
+        words = self._header(self.fd)
+        if words is not None and pos > words[W_READ]:
+            os.pwrite(self.fd, _WORD.pack(pos), W_READ * 8)
+
+    @property
+    def cursor(self) -> int | None:
+        """Ring position where the next :meth:`take` starts (``None``: at ``read_pos``)."""
+        return self._cursor
+
+    def rewind(self, pos: int | None = None) -> None:
+        """Move the cursor back to ``pos`` (a :attr:`cursor` or ``end`` seen before; ``None``:
+        to ``read_pos``): the next :meth:`take` reads those records again."""
+        self._cursor = pos
 
     def close(self, *, detach: bool = True) -> None:
         """Tell the server this agent left (it falls back at once) and close the file; safe twice."""

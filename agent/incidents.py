@@ -654,6 +654,8 @@ class IncidentManager:
         try:
             return await self._run_phases(record, trigger, pid, cause=cause, steps_at_open=steps_at_open)
         except BaseException:
+            if any(r is record for r in self.records):
+                raise  # already written closed and recorded (see _run_phases)
             # cancelled mid-phase (agent stopping past the grace): keep what was captured
             with anyio.CancelScope(shield=True):
                 record.state = STATE_INTERRUPTED
@@ -814,12 +816,21 @@ class IncidentManager:
         with anyio.CancelScope(shield=True):
             await self._save_manifest(record)
         self.records.append(record)
-        await self._publish_closed(record)
-        record.root_published = True
-        with anyio.CancelScope(shield=True):
-            await self._save_manifest(record)
-        if self.on_incident is not None:
-            self.on_incident(record)
+        try:
+            await self._publish_closed(record)
+            record.root_published = True
+        finally:
+            # cancelled while the end waited for room on the bus (the agent stopping): the incident
+            # stays closed and recorded once (never rewritten "interrupted"); its end gets one more
+            # bounded try, and the manifest says whether it went out
+            with anyio.CancelScope(shield=True):
+                if not record.root_published:
+                    with anyio.move_on_after(1.0):
+                        await self._publish_closed(record)
+                        record.root_published = True
+                await self._save_manifest(record)
+            if self.on_incident is not None:
+                self.on_incident(record)
         return record
 
     def _send_hard_signal(

@@ -376,3 +376,31 @@ async def test_sigterm_and_sigint_exits_are_orderly_stops_sigkill_and_crashes_ar
     strict = _manager(tmp_path, RecordingBus(), tl, config=IncidentConfig(cooldown_s=60, signal_stop_is_incident=True))
     for proc in (caught, termed, interrupted):
         assert strict.classify(exits[proc.pid])[:2] == ("exit", proc.pid)
+
+
+async def test_an_incident_written_closed_stays_closed_and_recorded_once_when_cancelled_while_publishing_its_end(
+        tmp_path: Path) -> None:
+    # the agent stops (its task group cancelled) while IncidentClosed waits for room on a full
+    # subscriber: the incident was already written closed with all its evidence
+    bus, tl = RecordingBus(), Timeline()
+    finished: list[object] = []
+    mgr = _manager(tmp_path, bus, tl, on_incident=finished.append)
+    stuck = bus.subscribe(IncidentClosed, name="stuck", max_buffer=1)  # never read
+    try:
+        await bus.publish(IncidentClosed(incident_id="earlier", trigger="stall", bundle_dir="/b",
+                                         manifest_path="/b/manifest.json"))  # its buffer is full now
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(mgr.open_incident, "stall")
+            with anyio.fail_after(30):
+                while not mgr.records:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    finally:
+        stuck.close()
+    [record] = mgr.records
+    assert record.state == "closed"
+    manifest = json.loads(record.manifest_path.read_text())
+    assert (manifest["state"], manifest.get("interrupted_reason", "")) == ("closed", "")
+    assert [r["action"] for r in manifest["actions"]].count("pyspy.dump") == 2
+    assert not record.root_published and manifest["root_published"] is False  # the end never went out
+    assert finished == [record]

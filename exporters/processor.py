@@ -31,6 +31,9 @@ reports success on failure, and shutdown with the collector down blocks ~30 s de
   incident actions) in the spool BEFORE any export is attempted; they leave the disk only once
   the collector acknowledged them, so a SIGKILL at any moment loses none of them.
 * Stranded spool folders of processes that are gone are adopted every ``adopt_interval_s``.
+* :meth:`submit` queues spans and returns a ticket; once :meth:`settled` reaches it, those spans
+  are exported, spooled or counted dropped. The span shipper keeps the ring records of spans
+  until then, so a SIGKILLed agent loses none of them (the next agent re-reads the ring).
 
 Imports opentelemetry-sdk, :mod:`exporters.transport`, :mod:`exporters.spool`.
 """

@@ -109,6 +109,7 @@ def test_a_sigkilled_agent_loses_no_span_the_next_one_ships_or_counts_them(
     _serve(server, 10)  # the heartbeat is still fresh for ~2 s: these go to the ring, or are counted
     _wait_attached(server, 0)
     _serve(server, 10)  # nobody attached: counted dropped (no agent)
+    no_agent = _stats(server)["dropped_no_agent"]
     second = _agent(spawn, tmp_path, shm, server.pid, endpoint)
     _wait_attached(server, 1, second)
     _serve(server, 15)
@@ -118,6 +119,9 @@ def test_a_sigkilled_agent_loses_no_span_the_next_one_ships_or_counts_them(
     second.send_signal(signal.SIGTERM)
     _, err = second.communicate(timeout=60)
     assert second.returncode == 0, err[-3000:]
+    # its first spans line already counts the drops from before it came
+    first_line = next(x for x in err.splitlines() if "spans: shipping request spans" in x)
+    assert f"no agent {no_agent}," in first_line and no_agent >= 20, first_line
     server_stats = _stats(server)
 
     if receiver is None:

@@ -357,6 +357,9 @@ class IncidentManager:
         data_dir: bundles go to ``<data_dir>/<host_name>/<incident_id>/``.
         host_name: this host (``host.name``).
         discover: returns the current targets (process discovery); called at each open.
+        discover_for: when given, called instead of ``discover`` with the pid whose stall or exit
+            opens the incident (``None`` for health and manual ones), so the dead ranks it adds
+            are that pid's job's (the runtime's :meth:`~agent.runtime.Agent.incident_targets`).
         actors: the incident's phases, run in this order (:class:`agent.actors.Actor`: each
             one's ``run_phase`` over all targets; ``completed`` published once per result;
             ``deferred`` ones after the summary point). The runtime passes the registered ones.
@@ -389,6 +392,7 @@ class IncidentManager:
         on_summary: Callable[[IncidentRecord], None] | None = None,
         hard_targets: str = "culprit",
         judge: Any = None,
+        discover_for: Callable[[int | None], list[Target]] | None = None,
     ) -> None:
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
@@ -401,6 +405,7 @@ class IncidentManager:
         self.data_dir = Path(data_dir)
         self.host_name = host_name
         self.discover = discover
+        self.discover_for = discover_for
         self.phases = [(str(a.action), a.run_phase, a.completed) for a in actors] + list(phases)
         #: phases run after the summary point
         self.deferred = set(DEFERRED_PHASES) | {str(a.action) for a in actors if a.deferred}
@@ -610,7 +615,10 @@ class IncidentManager:
         except OSError as exc:  # disk full, data dir removed: the spans still carry the evidence
             log.error("cannot create bundle folder %s: %s", bundle_dir, exc)
         try:
-            targets = await anyio.to_thread.run_sync(self.discover)  # a /proc scan
+            if self.discover_for is not None:
+                targets = await anyio.to_thread.run_sync(self.discover_for, pid)  # a /proc scan
+            else:
+                targets = await anyio.to_thread.run_sync(self.discover)
         except Exception:  # discovery must never take the agent down
             log.exception("target discovery failed")
             targets = []

@@ -28,7 +28,7 @@ from agent.events import Action, ActionResult, Event, Outcome, TargetExited
 from agent.ranks import rank_from_title
 from agent.sdk.counter import counter_path, read_counter
 from agent.stacks import parse_dump
-from agent.targets import ProcessState, Target, parent_pid, process_state
+from agent.targets import ProcessState, Target, process_state, server_of
 from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide, warm_up
 
 __all__ = ["VerdictJudge", "job_groups", "pick_incident_verdict", "read_steps", "signal_name", "warm_up_analyzer"]
@@ -206,23 +206,12 @@ class VerdictJudge:
         return decide(evidence)
 
 
-def _server_of(pid: int, targets: set[int]) -> int | None:
-    """The process a rank's job hangs off: its nearest ancestor that is not itself a target
-    (a server's main process, torchrun's agent, the launcher), ``None`` when unreadable."""
-    seen: set[int] = set()
-    parent = parent_pid(pid)
-    while parent is not None and parent in targets and parent not in seen:
-        seen.add(parent)
-        parent = parent_pid(parent)
-    return parent
-
-
 def job_groups(targets: Sequence[Target]) -> list[list[int]]:
     """The targets' pids grouped into jobs: ranks of one server, never of two.
 
     A host-wide ``--match`` can pick the ranks of two servers; numbering them as one job mixes
     pids of both and blames one server's rank for another's stall. Ranks are grouped by the
-    process they hang off (:func:`_server_of`: a server's workers are its children, each server
+    process they hang off (:func:`agent.targets.server_of`: a server's workers are its children, each server
     its own tree); a target whose tree is unreadable (gone and reaped) joins the one job when
     there is only one, else stands alone.
 
@@ -233,7 +222,7 @@ def job_groups(targets: Sequence[Target]) -> list[list[int]]:
     by_server: dict[int, list[int]] = {}
     orphans: list[int] = []
     for target in targets:
-        server = _server_of(target.pid, pids)
+        server = server_of(target.pid, pids)
         if server is None:
             orphans.append(target.pid)
         else:

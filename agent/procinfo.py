@@ -32,6 +32,7 @@ __all__ = [
     "Death",
     "Tracer",
     "death_of",
+    "exit_noted_at",
     "note_exit",
     "ns_pid",
     "pid_alive",
@@ -120,6 +121,19 @@ def _noted(pid: int, create_time_s: float) -> tuple[int | None, int | None] | No
     if create_time_s and noted_ct and abs(noted_ct - create_time_s) > 1.0:
         return None
     return code, sig
+
+
+def exit_noted_at(pid: int, create_time_s: float = 0.0) -> float | None:
+    """When the process watcher noted ``pid``'s exit (:func:`time.monotonic` seconds), ``None``
+    when it did not (or the note is older than :data:`DEAD_MEMORY_S`, or was of a reused pid)."""
+    with _exits_lock:
+        entry = _exits.get(pid)
+    if entry is None:
+        return None
+    noted_ct, _, _, when = entry
+    if time.monotonic() - when > DEAD_MEMORY_S or (create_time_s and noted_ct and abs(noted_ct - create_time_s) > 1.0):
+        return None
+    return when
 
 
 def zombie_exit_status(pid: int) -> tuple[int | None, int | None] | None:

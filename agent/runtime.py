@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +51,7 @@ from agent.incidents import (
 )
 from agent.judge import VerdictJudge
 from agent.memory import limit_arenas, trim
-from agent.procinfo import DEAD_MEMORY_S, death_of, pid_alive
+from agent.procinfo import DEAD_MEMORY_S, Death, death_of, exit_noted_at, pid_alive
 from agent.registry import BuildContext
 from agent.targets import (
     NO_TARGET_WARNING,
@@ -59,6 +60,7 @@ from agent.targets import (
     discover,
     parent_pid,
     process_state,
+    server_of,
     spread_warning,
     zombie_descendants,
 )
@@ -84,6 +86,10 @@ REDISCOVER_STABLE_INTERVAL_S = 10.0
 REDISCOVER_STABLE_AFTER_S = 30.0
 #: Targets remembered after they were last seen alive (to report a rank that died as dead).
 MAX_REMEMBERED_TARGETS = 4096
+#: A dead rank is evidence of an incident when it died at most ``2 * watchdog.timeout_s`` plus
+#: this many seconds before it (its siblings hang from its death, and the watchdog fires one
+#: timeout later), or, for a crash (not exit 0 / SIGTERM / SIGINT), since the previous incident.
+DEAD_RANK_MARGIN_S = 60.0
 #: Seconds between the event loop's heartbeats to the span rings (the drain thread also beats at
 #: every poll; a server falls back after 2 s without one).
 SPANS_HEARTBEAT_INTERVAL_S = 1.0
@@ -160,6 +166,7 @@ class Agent:
             data_dir=settings.data_dir,
             host_name=settings.host_name,
             discover=self.incident_targets,
+            discover_for=self.incident_targets,
             actors=list(self.actors.values()),
             inflight=self._inflight,
             on_incident=on_incident,
@@ -175,6 +182,8 @@ class Agent:
         self._told_no_target = False
         self._warned_spread = False
         self._seen: dict[int, tuple[Target, float]] = {}
+        #: each remembered target's job: the process it hung off when first seen (its server)
+        self._job_of: dict[int, int | None] = {}
         self._ready = anyio.Event()
         self._stop = anyio.Event()
         #: the API and job coordinator (:class:`agent.fleet.Fleet`) once running, when ``api.enabled``
@@ -259,32 +268,86 @@ class Agent:
         return found
 
     def _remember(self, found: Sequence[Target]) -> None:
-        """Keep the targets seen alive (bounded), so one that dies is still reported in incidents."""
+        """Keep the targets seen alive (bounded), so one that dies is still reported in incidents,
+        with its job (:func:`~agent.targets.server_of`, read once, when it is first seen)."""
         now = time.monotonic()
+        pids = [t.pid for t in found]
         for target in found:
+            known = self._seen.get(target.pid)
+            if known is None or known[0].create_time_s != target.create_time_s:
+                self._job_of[target.pid] = server_of(target.pid, pids)
             self._seen[target.pid] = (target, now)
         if len(self._seen) > MAX_REMEMBERED_TARGETS:
             for pid, _ in sorted(self._seen.items(), key=lambda item: item[1][1])[: len(self._seen) - MAX_REMEMBERED_TARGETS]:
                 del self._seen[pid]
+                self._job_of.pop(pid, None)
 
-    def incident_targets(self) -> list[Target]:
-        """Targets of an incident: the live ones, plus those seen alive within
-        :data:`~agent.procinfo.DEAD_MEMORY_S` that have died since (a dead or zombie rank is reported
-        as dead, with its exit status when known)."""
+    def _incident_jobs(self, live: Sequence[Target], subject: int | None) -> set[int] | None:
+        """The jobs (servers) whose dead ranks belong to an incident: the subject's (the stalled
+        or exited pid), else every job with a live target; ``None`` (no filter) when neither is
+        known (every target is gone)."""
+        job = self._job_of.get(subject) if subject is not None else None
+        if job is not None:
+            return {job}
+        pids = [t.pid for t in live]
+        jobs = {job for t in live if (job := self._job_of.get(t.pid) or server_of(t.pid, pids)) is not None}
+        return jobs or None
+
+    def _previous_incident_mono(self) -> float:
+        """When this agent's last incident opened, on :func:`time.monotonic`'s clock (-inf: none)."""
+        records = self.incidents.records
+        if not records:
+            return float("-inf")
+        age_s = (time.time_ns() - records[-1].opened.time_unix_nano) / 1e9
+        return time.monotonic() - max(0.0, age_s)
+
+    def _dead_rank_counts(self, target: Target, death: Death, seen: float, now: float) -> bool:
+        """Whether a dead target of the incident's job died recently enough to be its evidence
+        (see :data:`DEAD_RANK_MARGIN_S`): an orderly exit (0, SIGTERM, SIGINT, 143, 130) only
+        within the window, a crash also when it came after the previous incident."""
+        died = exit_noted_at(target.pid, target.create_time_s) or seen  # else: after it was last seen alive
+        if died >= now - (2 * self.settings.watchdog.timeout_s + DEAD_RANK_MARGIN_S):
+            return True
+        orderly = death.signal in (signal.SIGTERM, signal.SIGINT) or (
+            death.signal is None and death.exit_code in (0, 128 + signal.SIGTERM, 128 + signal.SIGINT)
+        )
+        return not orderly and died >= self._previous_incident_mono()
+
+    def incident_targets(self, subject: int | None = None) -> list[Target]:
+        """Targets of an incident: the live ones, plus the dead ranks that are its evidence.
+
+        A target seen alive within :data:`~agent.procinfo.DEAD_MEMORY_S` that died since (or a
+        zombie of the watched trees) is in the incident, reported as dead with its exit status,
+        when it is of the incident's job (:meth:`_incident_jobs`: the tree of ``subject``, the
+        pid whose stall or exit opened it, else of the live targets) and died recently enough
+        (:meth:`_dead_rank_counts`). A host-wide ``--match`` thus never adds other servers' dead
+        processes, nor a rank that stopped in order long ago.
+
+        Args:
+            subject: the pid whose stall or exit opens the incident (``None``: health, manual).
+        """
         live = self.discover()
         pids = {t.pid for t in live}
-        horizon = time.monotonic() - DEAD_MEMORY_S
-        dead = [
-            target
-            for pid, (target, seen) in list(self._seen.items())
-            if pid not in pids and seen >= horizon and death_of(target) is not None
-        ]
+        now = time.monotonic()
+        horizon = now - DEAD_MEMORY_S
+        jobs = self._incident_jobs(live, subject)
+        dead: list[Target] = []
+        for pid, (target, seen) in list(self._seen.items()):
+            if pid in pids or seen < horizon:
+                continue
+            if pid != subject and jobs is not None and self._job_of.get(pid) not in jobs:
+                continue  # another server's process
+            death = death_of(target)
+            if death is not None and (pid == subject or self._dead_rank_counts(target, death, seen, now)):
+                dead.append(target)
         t = self.settings.target
         roots = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
         if not roots and t.match:
             # host-wide --match: a dead rank is a zombie beside its live siblings, under their parent
             roots = sorted({ppid for ppid in (parent_pid(x.pid) for x in live) if ppid and ppid > 1})
-        known = pids | {d.pid for d in dead}
+            if jobs is not None:
+                roots = [r for r in roots if r in jobs]
+        known = pids | set(self._seen)  # a zombie seen alive was judged above
         dead += [  # never seen alive by this agent (`servewatch dump`): zombies of the watched trees
             z for z in zombie_descendants(roots, t.match) if z.pid not in known and (not t.uids or z.uid in t.uids)
         ]
@@ -872,8 +935,6 @@ async def dump_once(
 
 async def _interrupt_on_signal(agent: Agent, incident_scope: anyio.CancelScope, own_scope: anyio.CancelScope) -> None:
     """SIGTERM/SIGINT during ``servewatch dump``: let the phase finish (bounded), then cut short."""
-    import signal
-
     with own_scope, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name

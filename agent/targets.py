@@ -35,6 +35,7 @@ __all__ = [
     "process_state",
     "process_trees",
     "psutil_errors",
+    "server_of",
     "spread_warning",
     "target_of",
     "zombie_descendants",
@@ -393,6 +394,19 @@ def parent_pid(pid: int) -> int | None:
         return int(fields[1])
     except (IndexError, ValueError):
         return None
+
+
+def server_of(pid: int, targets: Iterable[int]) -> int | None:
+    """The process a rank's job hangs off: its nearest ancestor that is not itself one of
+    ``targets`` (a server's main process, torchrun's agent, the launcher); ``None`` when
+    ``pid`` or an ancestor is unreadable. Two ranks with the same server are one job."""
+    among = set(targets)
+    seen: set[int] = set()
+    parent = parent_pid(pid)
+    while parent is not None and parent in among and parent not in seen:
+        seen.add(parent)
+        parent = parent_pid(parent)
+    return parent
 
 
 def zombie_descendants(root_pids: Iterable[int], title_globs: Iterable[str] = ()) -> list[Target]:

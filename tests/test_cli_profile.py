@@ -76,6 +76,7 @@ def test_frontend_pid_names_its_ranks_and_the_only_rank_is_taken_by_default(
     assert result["pid"] == rank and result["outcome"] == "ok"
     [trace] = result["artifact_paths"]
     assert _mode(trace) == 0o600  # private, like every file servewatch captures
+    assert Path(trace).parent == tmp_path / "cwd" / "prof" and _mode(tmp_path / "cwd" / "prof") == 0o700  # its folder too
     assert r.stderr.rstrip().endswith(f"Open {trace} in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
 
 
@@ -90,6 +91,7 @@ def test_url_without_backend_asks_the_server(tmp_path: Path, launch: ProgramLaun
     [trace] = r.stdout.split()
     assert Path(trace).parent == tmp_path / "cwd" / "prof"
     assert _mode(trace) == 0o600  # SGLang wrote it with its umask (0644): made private
+    assert _mode(tmp_path / "cwd" / "prof") == 0o700  # the folder servewatch created for it too
     assert lines[-1].startswith("Profile ok: 1 trace file(s) in ")  # said once, not "1 trace file(s) (1 trace file(s)"
     assert lines[-1].endswith(f"Open {trace} in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
 

@@ -56,6 +56,7 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
+from agent.fsutil import ensure_private_dir
 from agent.lazy import LazyModule
 from agent.sdkclient import (
     SdkCallError,
@@ -545,8 +546,9 @@ class ProfilerActor:
         if req.start_step is not None:
             body["start_step"] = req.start_step
         try:
-            # the SDK writes only into folders that exist or that it allows: make ours exist
-            await anyio.to_thread.run_sync(lambda: req.output_dir.mkdir(parents=True, exist_ok=True))
+            # the SDK writes only into folders that exist or that it allows: make ours exist,
+            # private (0700) like every folder servewatch creates
+            await anyio.to_thread.run_sync(ensure_private_dir, req.output_dir)
         except OSError as exc:
             return s.result(Outcome.FAILED, f"cannot create {str(req.output_dir)!r}: {exc.strerror or exc}")
         try:
@@ -653,7 +655,7 @@ class ProfilerActor:
         s.attrs["url.full"] = c.base_url
 
         def prepare() -> dict[str, int]:
-            req.output_dir.mkdir(parents=True, exist_ok=True)
+            ensure_private_dir(req.output_dir)  # 0700, as every folder servewatch creates
             return snapshot_dir(req.output_dir)
 
         before = await anyio.to_thread.run_sync(prepare)  # file system: off the loop

@@ -181,7 +181,7 @@ class Verdict:
         hung: whether the group is stuck (``progressing`` is not; ``single``: unless its step
             counter advanced).
         culprit_ranks / culprit_pids: the rank(s) named (empty when none can be).
-        reason: one line, e.g. ``behind: rank 1 never entered all_reduce #42 of pg 0; ranks 0 wait in it``.
+        reason: one line, e.g. ``behind: rank 1 never entered all_reduce #42 of pg 0; rank 0 waits in it``.
         confidence: ``high``, ``medium`` or ``low``.
         evidence: short facts behind it (one per rank).
         stragglers: ranks slower than the rest while all progress (``progressing`` only).
@@ -248,6 +248,12 @@ class Verdict:
 def _ranks_text(ranks: Iterable[int]) -> str:
     rs = sorted(ranks)
     return ("rank " if len(rs) == 1 else "ranks ") + ",".join(str(r) for r in rs)
+
+
+def _ranks_wait(ranks: Iterable[int]) -> str:
+    """``rank 1 waits`` / ``ranks 0,2 wait``: the subject and its verb agree."""
+    rs = sorted(ranks)
+    return f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'}"
 
 
 def _verdict(kind: str, culprits: Iterable[int], reason: str, confidence: str, ev: Sequence[RankEvidence],
@@ -475,7 +481,7 @@ def _behind(frs: Mapping[int, _FR], ev: Sequence[RankEvidence]) -> Verdict | Non
         how = "never entered" if all(g == 1 for g in gaps.values()) else "is behind at"
         reason = (
             f"behind: {_ranks_text(behind)} {how} {op} #{top} of {pg_text}; "
-            f"{_ranks_text(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it"
+            f"{_ranks_wait(waiting)} in it"
         )
         consistent = all(classes.get(r) is not FrameClass.COLLECTIVE for r in behind) and all(
             classes.get(r) in (FrameClass.COLLECTIVE, FrameClass.UNKNOWN) for r in waiting
@@ -547,7 +553,7 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
         gone = [e.rank for e in others if not e.alive]
         reason = f"dead: {how}"
         if waiting:
-            reason += f"; {_ranks_text(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in a collective"
+            reason += f"; {_ranks_wait(waiting)} in a collective"
         if gone:
             reason += f"; {_ranks_text(gone)} exited after it"
         return _verdict("dead", [e.rank for e in dead], reason, "high" if first else "medium", ev)
@@ -593,7 +599,7 @@ def decide(evidence: Sequence[RankEvidence]) -> Verdict:
     outside = [e for e in known if e.frame_class is not FrameClass.COLLECTIVE]
     if waiting and outside:
         frames = "; ".join(f"rank {e.rank} in {e.frame_class.value}: {e.frame}" for e in outside)
-        reason = f"behind: {_ranks_text(e.rank for e in outside)} not in a collective ({frames}); {_ranks_text(waiting)} wait in one"
+        reason = f"behind: {_ranks_text(e.rank for e in outside)} not in a collective ({frames}); {_ranks_wait(waiting)} in one"
         return _verdict("behind", [e.rank for e in outside], reason, "medium", ev)
     if known and not waiting:
         compute = [e.rank for e in known if e.frame_class is FrameClass.COMPUTE]

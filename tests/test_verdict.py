@@ -93,6 +93,15 @@ def test_stacks_alone_name_the_rank_outside_the_collective() -> None:
           RankEvidence(rank=1, frame_class=FrameClass.COMPUTE, frame="hot_loop (model.py:3)")]
     v = decide(ev)
     assert (v.kind, v.culprit_ranks, v.confidence) == ("behind", (1,), "medium")
+    assert v.reason == "behind: rank 1 not in a collective (rank 1 in compute: hot_loop (model.py:3)); rank 0 waits in one"
+    ev.append(RankEvidence(rank=2, frame_class=FrameClass.COLLECTIVE, frame="all_reduce (c10d.py:1)"))
+    assert decide(ev).reason.endswith("; ranks 0,2 wait in one")  # subject and verb agree
+
+
+def test_one_waiting_rank_beside_a_dead_one_waits() -> None:
+    ev = [RankEvidence(rank=1, pid=7, alive=False, exited_first=True, exit_signal="SIGSEGV"),
+          RankEvidence(rank=0, frame_class=FrameClass.COLLECTIVE)]
+    assert decide(ev).reason == "dead: rank 1 exited with SIGSEGV; rank 0 waits in a collective"
 
 
 def test_all_ranks_in_compute_names_nobody() -> None:

@@ -622,11 +622,15 @@ def demo(
     _data_dir_ready(settings)
     from agent.demo.run import run_demo
 
+    def captured(record: Any) -> None:  # the incident as soon as it is in, verdict first; where it went last
+        _print_record(record, as_json=as_json)
+        sys.stdout.flush()
+
     try:
-        record = run_demo(settings, tp=tp, watchdog_timeout_s=watchdog_timeout, deadline_s=deadline, log=err.console)
+        run_demo(settings, tp=tp, watchdog_timeout_s=watchdog_timeout, deadline_s=deadline, log=err.console,
+                 on_captured=captured)
     except TimeoutError as exc:
         fail(str(exc), ExitCode.FAILURE)
-    _print_record(record, as_json=as_json)
 
 
 # --- launch / cuda-env ----------------------------------------------------------------------

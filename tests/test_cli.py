@@ -194,6 +194,23 @@ def test_run_by_title_waits_for_a_server_not_started_yet(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_demo_prints_the_incident_verdict_first_as_soon_as_it_is_captured(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [*CLI, "demo"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150, cwd=tmp_path,
+        env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    lines = r.stdout.splitlines()  # what a terminal shows: progress (stderr) and the incident (stdout) as they came
+    captured = next(i for i, ln in enumerate(lines) if ln.endswith("] incident captured:"))
+    assert lines[captured + 1].startswith("Verdict: culprit rank 0 "), lines[captured:captured + 3]
+    assert lines[captured + 2].startswith("Incident ") and "(stall)" in lines[captured + 2]
+    view = next(i for i, ln in enumerate(lines) if ln.startswith("View: servewatch timeline "))
+    bundle = next(i for i, ln in enumerate(lines) if "] bundle: " in ln)
+    spans = next(i for i, ln in enumerate(lines) if "] spans: " in ln)
+    assert captured < view < bundle < spans == len(lines) - 1  # where the bundle and spans are comes last
+
+
+@pytest.mark.slow
 def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     r = _cli(tmp_path, "demo", "--json", timeout_s=150)
     assert r.returncode == 0, r.stderr[-3000:]

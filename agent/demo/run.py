@@ -12,6 +12,7 @@ Imports the agent runtime and :mod:`agent.demo.client`; nothing imports this mod
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -35,8 +36,12 @@ def run_demo(
     watchdog_timeout_s: float = 3.0,
     deadline_s: float = 90.0,
     log: Console | None = None,
+    on_captured: Callable[[IncidentRecord], None] | None = None,
 ) -> IncidentRecord:
     """Run the demo and return the stall incident it captured.
+
+    The progress lines go to ``log``; the incident is handed to ``on_captured`` as soon as it is
+    captured (before the shutdown), and where its bundle and spans are comes last.
 
     Args:
         settings: base settings (data dir, export); targets, health and watchdog are set here.
@@ -44,14 +49,19 @@ def run_demo(
         watchdog_timeout_s: stall timeout, seconds.
         deadline_s: upper bound on the whole demo, seconds.
         log: progress console (stderr).
+        on_captured: called once with the finished incident, before the server is stopped (the
+            CLI prints it: the verdict first).
 
     Raises:
         TimeoutError: no incident was captured within ``deadline_s``.
     """
-    return anyio.run(_demo, settings, tp, watchdog_timeout_s, deadline_s, log or Console(stderr=True))
+    return anyio.run(_demo, settings, tp, watchdog_timeout_s, deadline_s, log or Console(stderr=True), on_captured)
 
 
-async def _demo(settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Console) -> IncidentRecord:
+async def _demo(
+    settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Console,
+    on_captured: Callable[[IncidentRecord], None] | None,
+) -> IncidentRecord:
     from agent.demo.client import DemoServer, agenerate, ainject_hang
     from agent.runtime import Agent
 
@@ -88,7 +98,10 @@ async def _demo(settings: Settings, tp: int, watchdog_timeout_s: float, deadline
                     tg.start_soon(_request_in_flight, server.base_url)
                     say(f"waiting for the watchdog (busy, no forward progress for {watchdog_timeout_s:g}s)")
                     await got_incident.wait()
-                    say("incident captured; shutting down")
+                    say("incident captured:")
+                    if on_captured is not None:
+                        on_captured(records[0])
+                    say("shutting down")
                     agent.stop()
                     tg.cancel_scope.cancel()
     except TimeoutError:

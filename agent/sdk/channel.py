@@ -150,12 +150,26 @@ def statistics() -> dict[str, int]:
 
 
 def close() -> None:
-    """Remove this process's ring (also run at exit); later spans take the fallback path."""
-    global _writer, _state
+    """Remove this process's ring (also run at exit); later spans take the fallback path.
+
+    Records still in the ring while no agent is attached (one was killed before it shipped
+    them, or recorded in the seconds before its heartbeat went stale) go with the ring: they are
+    counted ``dropped_no_agent`` and logged (``servewatch.sdk`` logger), never lost silently.
+    With an agent attached they are left to it (it holds the file open and drains it)."""
+    global _writer, _state, _dropped_no_agent
     with _lock:
         writer, _writer = _writer, None
         _state = -1
     if writer is not None:
+        left = 0 if writer.attached(_stale_ns) else writer.unread_records()
+        if left:
+            _dropped_no_agent += left
+            writer.count(_ring.W_DROPPED_NO_AGENT, left)
+            import logging
+
+            logging.getLogger("servewatch.sdk").warning(
+                "%d span(s) left unshipped in the span ring at exit: no servewatch agent attached (counted dropped_no_agent)", left
+            )
         writer.close()
 
 

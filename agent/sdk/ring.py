@@ -264,6 +264,28 @@ class RingWriter:
             w[W_WRITE] = pos + rec  # publish after the bytes
         return True
 
+    def unread_records(self) -> int:
+        """Records written and not yet released by an agent (taken, maybe, but not committed)."""
+        cap = self.capacity
+        with self._lock:
+            if self._closed:
+                return 0
+            w = self.words
+            pos, end = w[W_READ], w[W_WRITE]
+            if pos > end or end - pos > cap:
+                return 0
+            data = self._data
+            n = 0
+            while end - pos >= 8:
+                off = pos % cap
+                length = _REC.unpack_from(data, off)[0]
+                if length == WRAP:
+                    pos += cap - off
+                    continue
+                pos += 8 + _pad8(length)
+                n += 1
+            return n
+
     def count(self, word: int, n: int = 1) -> None:
         """Add ``n`` to a server-side counter word (``W_DROPPED_NO_AGENT``, ``W_FALLBACK``)."""
         with self._lock:

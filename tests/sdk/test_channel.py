@@ -222,3 +222,34 @@ def test_forked_child_does_not_write_the_parent_ring(fresh_channel: Path) -> Non
     finally:
         reader.close()
         _ring.ring_path(pid, fresh_channel).unlink(missing_ok=True)
+
+
+def test_records_no_agent_shipped_are_counted_when_the_server_closes_its_ring(fresh_channel: Path, exporter) -> None:
+    """An agent took records but was killed before releasing them: while no agent is attached
+    they are counted dropped_no_agent when the ring goes away (at exit), never silently."""
+    channel.ring()
+    reader = _attach()
+    for i in range(3):
+        with sdk.request_span(f"r-{i}"):
+            pass
+    assert len(reader.take().payloads) == 3  # taken, never committed: the agent dies here
+    reader.close()  # its heartbeat is gone (a SIGKILLed one goes stale after SERVEWATCH_SPAN_STALE_S)
+    writer = channel.ring()
+    assert writer is not None and writer.unread_records() == 3
+    before = channel._dropped_no_agent  # this process's count, kept after the ring is gone
+    channel.close()
+    assert channel.statistics()["dropped_no_agent"] == before + 3
+
+
+def test_an_attached_agent_keeps_the_records_at_close(fresh_channel: Path, exporter) -> None:
+    channel.ring()
+    reader = _attach()
+    try:
+        with sdk.request_span("r-kept"):
+            pass
+        before = channel._dropped_no_agent  # this process's count, kept after the ring is gone
+        channel.close()
+        assert channel.statistics()["dropped_no_agent"] == before
+        assert len(reader.read()) == 1  # the agent drains the file it holds open
+    finally:
+        reader.close()

@@ -605,7 +605,11 @@ class Agent:
                     state = WatcherState(event.state)
                 except ValueError:
                     continue
-                changed = self.status.set(event.watcher, state, event.reason, write=False)
+                before = self.status.get(event.watcher)
+                # the spans line changes with every count (up to once a second): logged when
+                # its state changes, not at each new count
+                counts_only = event.watcher == "spans" and before is not None and before.state is state is WatcherState.READY
+                changed = self.status.set(event.watcher, state, event.reason, write=False, log_change=not counts_only)
             elif isinstance(event, ComponentStatusChanged) and event.component in self.actors:
                 ok = event.status is ComponentStatus.OK  # an actor's startup check (py-spy's binary)
                 changed = self.status.set(

@@ -499,10 +499,11 @@ def status(
     data_dir: Path | None = DataDirOpt,
     config: Path | None = ConfigOpt,
 ) -> None:
-    """Show what a running agent can see: each watcher ready, waiting (why) or BLIND (why).
+    """Show what a running agent can see: each watcher ready, waiting (why) or BLIND (why),
+    then any stalled target and the incidents (open, last written, suppressed by cooldown).
 
     Reads <data_dir>/<host>/status.json, which the agent rewrites on every change. Exits 1 when
-    a watcher is blind or the agent is not running.
+    a watcher is blind, a target is stalled or the agent is not running.
     """
     import time as _time
 
@@ -531,6 +532,8 @@ def status(
     else:
         for w in snap.watchers:
             out.print(w.line(), markup=False, highlight=False)
+        for line in snap.incident_lines():
+            out.print(line, markup=False, highlight=False)
         age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
         err.print(
             f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}"
@@ -538,7 +541,7 @@ def status(
             + f"; {len(snap.watchers)} watcher(s), {len(snap.blind)} blind; last change {age_s:.0f} s ago ({path})",
             markup=False,
         )
-    if snap.blind or not running:
+    if snap.blind or not running or (running and snap.stalled):
         raise typer.Exit(int(ExitCode.FAILURE))
 
 

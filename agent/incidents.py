@@ -65,6 +65,7 @@ from agent.events import (
     Outcome,
     TargetExited,
     Trigger,
+    WatchdogRearmed,
     WatchdogStalled,
     frozen_attrs,
     now_ns,
@@ -424,7 +425,15 @@ class IncidentManager:
         self.companions: list[Companion] = []
         #: triggers ignored because the same cause is cooling down
         self.suppressed = 0
+        #: awaited with :meth:`state` whenever it changes (an incident opens or closes, a trigger
+        #: is suppressed, a target stalls or resumes): the runtime shows it in `servewatch status`
+        self.on_state: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self._last_open: dict[tuple[str, int | None], float] = {}
+        #: the incident that opened each cooldown window, and the window whose suppression was told
+        self._cooldown_ids: dict[tuple[str, int | None], str] = {}
+        self._suppression_told: dict[tuple[str, int | None], float] = {}
+        #: stalls not yet over (no WatchdogRearmed, no exit), by (pid, series)
+        self._stalled: dict[tuple[int | None, str], dict[str, Any]] = {}
         self._expected_exits: set[int] = set()
         #: after hard mode's signal: (until, pids of that server's tree, the incident)
         self._hard_windows: list[tuple[float, frozenset[int], IncidentRecord]] = []
@@ -522,10 +531,14 @@ class IncidentManager:
         manifest = record.to_manifest(host_name=self.host_name)
         await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest)
 
-    def _cooling_down(self, trigger: str, pid: int | None) -> bool:
+    @staticmethod
+    def _cooldown_key(trigger: str, pid: int | None) -> tuple[str, int | None]:
         # One key per trigger kind: TP ranks run in lockstep, so a hang stalls (or a crash
         # ends) every rank at once, and one incident already dumps every target.
-        key = (trigger, None)
+        return (trigger, None)
+
+    def _cooling_down(self, trigger: str, pid: int | None) -> bool:
+        key = self._cooldown_key(trigger, pid)
         now = time.monotonic()
         last = self._last_open.get(key)
         if last is not None and now - last < self.config.cooldown_s:
@@ -535,7 +548,7 @@ class IncidentManager:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consume trigger events from the bus and open incidents, one at a time, until cancelled."""
-        async with self.bus.subscribe(*TRIGGER_EVENTS, name="incidents") as sub:
+        async with self.bus.subscribe(*TRIGGER_EVENTS, WatchdogRearmed, name="incidents") as sub:
             task_status.started()
             async for event in sub:
                 try:
@@ -548,20 +561,93 @@ class IncidentManager:
 
     async def _handle_trigger(self, event: Event) -> None:
         """Open an incident for one trigger event, unless it is none, cooling down or not admitted."""
+        stall = self._track_stall(event)
         triggered = self.classify(event)
         while self._unsaved:
             await self._save_manifest(self._unsaved.pop(0))
         if triggered is None:
+            if isinstance(event, (WatchdogRearmed, TargetExited)):
+                await self._notify()
             return
         trigger, pid, detail = triggered
+        key = self._cooldown_key(trigger, pid)
         if self._cooling_down(trigger, pid):
             self.suppressed += 1
-            log.info("incident %s for pid %s suppressed (cooldown)", trigger, pid)
+            self._say_suppressed(key, detail)
+            if stall is not None:
+                stall.update(incident=self._cooldown_ids.get(key, ""), suppressed=True)
+            await self._notify()
             return
         if self.admit is not None and not self.admit(trigger, detail):
             self.suppressed += 1
+            await self._notify()
             return
-        await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
+        record = await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
+        self._cooldown_ids[key] = record.opened.incident_id
+        if stall is not None:
+            stall.update(incident=record.opened.incident_id, suppressed=False)
+        await self._notify()
+
+    def _track_stall(self, event: Event) -> dict[str, Any] | None:
+        """Keep the stalls that are not over (for :meth:`state`); the entry of a new stall."""
+        if isinstance(event, WatchdogStalled):
+            entry: dict[str, Any] = {
+                "pid": event.pid, "series": event.series, "timeout_s": event.timeout_s,
+                "since_time_unix_nano": event.time_unix_nano - int(event.stalled_for_s * 1e9),
+                "incident": "", "suppressed": False,
+            }
+            self._stalled[(event.pid, event.series)] = entry
+            return entry
+        if isinstance(event, (WatchdogRearmed, TargetExited)):
+            for key in [k for k in self._stalled if k[0] == event.pid]:
+                del self._stalled[key]
+        return None
+
+    def _say_suppressed(self, key: tuple[str, int | None], detail: str) -> None:
+        """Say a suppressed trigger once per cooldown window (a warning: `run` prints it); the
+        others in that window are only counted (:attr:`suppressed`, `servewatch status`)."""
+        window = self._last_open.get(key, 0.0)
+        if self._suppression_told.get(key) == window:
+            log.info("%s detected (%s), suppressed by cooldown", key[0], detail)
+            return
+        self._suppression_told[key] = window
+        age_s = time.monotonic() - window
+        incident = self._cooldown_ids.get(key, "")
+        log.warning(
+            "%s detected (%s), suppressed by cooldown (%s opened %.0f s ago; no new %s incident for %.0f s more,"
+            " incident.cooldown_s %g); more within this window are counted in `servewatch status`",
+            key[0], detail, f"incident {incident}" if incident else f"the last {key[0]} incident", age_s, key[0],
+            max(0.0, self.config.cooldown_s - age_s), self.config.cooldown_s,
+        )
+
+    def state(self) -> dict[str, Any]:
+        """What `servewatch status` shows of incidents (JSON-ready): ``open`` (the running
+        incident: ``id``, ``trigger``, ``detail``, ``opened_time_unix_nano``; ``None`` when none),
+        ``last`` (the last written one, same keys), ``written`` (count), ``suppressed`` (triggers
+        ignored while their cause cooled down) and ``stalled`` (stalls not over: ``pid``,
+        ``series``, ``timeout_s``, ``since_time_unix_nano`` (no progress since), ``incident``
+        (the one that holds its evidence), ``suppressed`` (it opened none: cooldown))."""
+        def brief(record: IncidentRecord | None) -> dict[str, Any] | None:
+            if record is None:
+                return None
+            o = record.opened
+            return {"id": o.incident_id, "trigger": o.trigger, "detail": o.detail, "opened_time_unix_nano": o.time_unix_nano}
+
+        return {
+            "open": brief(self.current),
+            "last": brief(self.records[-1] if self.records else None),
+            "written": len(self.records),
+            "suppressed": self.suppressed,
+            "stalled": [dict(v) for v in self._stalled.values()],
+        }
+
+    async def _notify(self) -> None:
+        if self.on_state is None:
+            return
+        try:
+            await self.on_state(self.state())
+        except Exception:  # status is a view; the incident goes on
+            log.exception("reporting the incident state failed")
 
     # -- one incident -----------------------------------------------------------------------
 
@@ -585,7 +671,9 @@ class IncidentManager:
                 ``traceparent``): the root span joins that trace under that span.
         """
         async with self._lock:
-            return await self._run_incident(trigger, detail, pid, cause, parent)
+            record = await self._run_incident(trigger, detail, pid, cause, parent)
+        await self._notify()
+        return record
 
     async def retrace(self, incident_id: str, trace_id: str, parent_span_id: str) -> bool:
         """Move the running incident ``incident_id`` into another trace (see :class:`IncidentRetraced`).
@@ -659,6 +747,7 @@ class IncidentManager:
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         self.current = record
         _RUNNING_HERE.add(incident_id)
+        await self._notify()
         try:
             return await self._run_phases(record, trigger, pid, cause=cause, steps_at_open=steps_at_open)
         except BaseException:

@@ -513,6 +513,11 @@ class Agent:
     async def wait_ready(self) -> None:
         await self._ready.wait()
 
+    async def _show_incidents(self, state: dict[str, Any]) -> None:
+        """The incidents' state (open, stalled, suppressed) into the status file, off the loop."""
+        self.status.set_incidents(state)
+        await anyio.to_thread.run_sync(self.status.write)
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> AgentStatistics:
         """Run until :meth:`stop` (or cancellation); then shut down within a few seconds."""
         s = self.settings
@@ -546,6 +551,7 @@ class Agent:
                             await recover_interrupted(self.bus, s.data_dir, s.host_name)
                         except Exception:  # a bad old bundle must not stop the agent
                             log.exception("closing interrupted incidents failed")
+                        self.incidents.on_state = self._show_incidents
                         await tg.start(self.incidents.run)
                         if s.api.enabled:
                             from agent.fleet import Fleet

@@ -127,6 +127,9 @@ class StatusSnapshot:
         agent_pid: the agent's pid (``servewatch status`` says when it is gone).
         started_time_unix_nano / updated_time_unix_nano: agent start and last change.
         watchers: statuses in the order they were first reported.
+        incidents: the agent's incidents as :meth:`agent.incidents.IncidentManager.state` gives
+            them (``open``, ``last``, ``written``, ``suppressed``, ``stalled``); ``None`` before
+            the agent reported any (or from an older agent).
     """
 
     host_name: str
@@ -134,6 +137,7 @@ class StatusSnapshot:
     started_time_unix_nano: int
     updated_time_unix_nano: int
     watchers: tuple[WatcherStatus, ...] = ()
+    incidents: Mapping[str, Any] | None = None
 
     @property
     def blind(self) -> tuple[WatcherStatus, ...]:
@@ -145,8 +149,48 @@ class StatusSnapshot:
                 return w
         return None
 
+    @property
+    def stalled(self) -> tuple[Mapping[str, Any], ...]:
+        """The stalls not over (busy, no forward progress): ``incidents["stalled"]``."""
+        raw = (self.incidents or {}).get("stalled")
+        return tuple(x for x in raw if isinstance(x, Mapping)) if isinstance(raw, list) else ()
+
+    def incident_lines(self, now_unix_nano: int | None = None) -> list[str]:
+        """Lines for people on stalls and incidents, e.g. ``stalled: pid 42 busy, no forward
+        progress for 37 s (timeout 20 s); stall suppressed by cooldown (incident X)``,
+        ``incident: OPEN X (stall: ...)``, ``incidents: 1 written (last X, stall, 3 min ago);
+        1 trigger suppressed by cooldown``; none before any stall or incident."""
+        inc = self.incidents or {}
+        now = now_ns() if now_unix_nano is None else now_unix_nano
+        lines: list[str] = []
+        for st in self.stalled:
+            who = f"pid {st.get('pid')}" if st.get("pid") is not None else "server"
+            if st.get("series"):
+                who += f" {{{st['series']}}}"
+            age_s = max(0.0, (now - int(st.get("since_time_unix_nano") or now)) / 1e9)
+            line = f"stalled: {who} busy, no forward progress for {age_s:.0f} s (timeout {st.get('timeout_s', 0):g} s)"
+            if st.get("suppressed"):
+                line += f"; stall suppressed by cooldown (incident {st.get('incident') or '?'})"
+            elif st.get("incident"):
+                line += f"; incident {st['incident']}"
+            lines.append(line)
+        opened = inc.get("open")
+        if isinstance(opened, Mapping):
+            lines.append(f"incident: OPEN {opened.get('id')} ({opened.get('trigger')}: {opened.get('detail')})")
+        last, written, suppressed = inc.get("last"), int(inc.get("written") or 0), int(inc.get("suppressed") or 0)
+        if written or suppressed:
+            line = f"incidents: {written} written"
+            if isinstance(last, Mapping):
+                ago_s = max(0.0, (now - int(last.get("opened_time_unix_nano") or now)) / 1e9)
+                ago = f"{ago_s:.0f} s" if ago_s < 120 else f"{ago_s / 60:.0f} min"
+                line += f" (last {last.get('id')}, {last.get('trigger')}, {ago} ago)"
+            if suppressed:
+                line += f"; {suppressed} trigger{'s' if suppressed != 1 else ''} suppressed by cooldown"
+            lines.append(line)
+        return lines
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "schema": STATUS_SCHEMA,
             "host.name": self.host_name,
             "agent_pid": self.agent_pid,
@@ -154,6 +198,9 @@ class StatusSnapshot:
             "updated_time_unix_nano": self.updated_time_unix_nano,
             "watchers": [w.to_json() for w in self.watchers],
         }
+        if self.incidents is not None:
+            doc["incidents"] = dict(self.incidents)
+        return doc
 
     @classmethod
     def from_json(cls, data: Any) -> StatusSnapshot:
@@ -169,6 +216,7 @@ class StatusSnapshot:
             started_time_unix_nano=int(data.get("started_time_unix_nano") or 0),
             updated_time_unix_nano=int(data.get("updated_time_unix_nano") or 0),
             watchers=tuple(WatcherStatus.from_json(w) for w in raw),
+            incidents=data["incidents"] if isinstance(data.get("incidents"), dict) else None,
         )
 
 
@@ -225,6 +273,14 @@ class StatusBoard:
         #: status changes recorded so far
         self.changes = 0
         self._write_failed = False
+        self._incidents: Mapping[str, Any] | None = None
+
+    def set_incidents(self, state: Mapping[str, Any]) -> None:
+        """Keep the agent's incident state (:attr:`StatusSnapshot.incidents`); the caller writes
+        the file (:meth:`write`, off the event loop)."""
+        with self._lock:
+            self._incidents = state
+            self.updated_time_unix_nano = now_ns()
 
     def set(
         self, name: str, state: WatcherState, reason: str = "", *, log_change: bool = True, write: bool = True
@@ -276,6 +332,7 @@ class StatusBoard:
                 started_time_unix_nano=self.started_time_unix_nano,
                 updated_time_unix_nano=self.updated_time_unix_nano,
                 watchers=tuple(self._statuses.values()),
+                incidents=self._incidents,
             )
 
     def states(self) -> Iterable[tuple[str, WatcherState]]:

@@ -11,7 +11,9 @@ process) and ONE ``servewatch dump --pid ...`` of all K (start, discovery, paral
 bundle, spans, exit). Medians over ``--repeat`` rounds and the ratio servewatch / baseline.
 Targets: <= 2x at K=1, <= 0.6x at K=8. A third side, in the same rounds, is the same dump with
 the early py-spy runs off (``--config`` of an empty file: no setting changes, but only the plain
-``dump --pid`` form starts py-spy before the imports, see agent/early.py).
+``dump --pid`` form starts py-spy before the imports, see agent/early.py). With K=1, part 3: the
+import floor, a fresh interpreter importing only the third-party libraries a dump is built on
+(:data:`FLOOR_IMPORTS`), against one py-spy dump in the same rounds.
 
 Commands run with bytecode caching on (PYTHONDONTWRITEBYTECODE removed) after one warm-up run,
 as an installed servewatch starts; without it every project module is recompiled per start.
@@ -145,6 +147,31 @@ def _whole(sw: list[str], pids: list[int], data: Path, *extra: str) -> tuple[flo
     return dt, LAST_CPU_S
 
 
+#: The third-party libraries every `servewatch dump` needs (CLI parsing, settings, the span
+#: pipeline to OTLP/JSON files, the event loop, process scans): importing them alone, in a fresh
+#: interpreter, is the floor under any dump built on them (see part 2's K=1 target).
+FLOOR_IMPORTS = ("typer, typer._adapters, pydantic_settings, anyio, psutil, opentelemetry.sdk.trace,"
+                 " google.protobuf.json_format, opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+
+
+def _floor(repeat: int, pid: int) -> None:
+    """Part 3: the import floor against one `py-spy dump --native`, interleaved, same run."""
+    spy = pyspy()
+    floor, base, floor_cpu = [], [], []
+    timed([sys.executable, "-c", f"import {FLOOR_IMPORTS}"])  # warm-up
+    for _ in range(repeat):
+        dt, rc = timed([sys.executable, "-c", f"import {FLOOR_IMPORTS}"])
+        if rc != 0:
+            raise SystemExit("the floor imports failed")
+        floor.append(dt)
+        floor_cpu.append(LAST_CPU_S)
+        base.append(_baseline(spy, [pid])[0])
+    ratios = [f / b for f, b in zip(floor, base)]
+    print(f"import floor (python + {FLOOR_IMPORTS.count(',') + 1} libraries, no servewatch code):"
+          f" {statistics.median(floor):6.3f} s (CPU {statistics.median(floor_cpu):.3f} s),"
+          f" {statistics.median(ratios):.2f}x one `py-spy dump --native` ({statistics.median(base):.3f} s)")
+
+
 def part2(ks: list[int], repeat: int, work: Path) -> None:
     sw, spy = servewatch(), pyspy()
     # `--config EMPTY` changes no setting but turns the early py-spy runs off (agent.early starts
@@ -176,6 +203,8 @@ def part2(ks: list[int], repeat: int, work: Path) -> None:
                       f" sequential py-spy {statistics.median(base):6.3f} s,"
                       f" ratio {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}..{max(ratios):.2f});"
                       f" CPU {statistics.median(c for _, c in runs[name]):.3f} s vs {statistics.median(c for _, c in runs['base']):.3f} s")
+            if k == 1:
+                _floor(repeat, pids[0])
         finally:
             kill_groups(procs, timeout_s=10)
 

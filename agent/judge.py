@@ -92,8 +92,15 @@ class VerdictJudge:
         shm_dir: folder of the SDK's counter files (default: the SDK's).
     """
 
-    def __init__(self, *, shm_dir: Path | None = None) -> None:
+    def __init__(self, *, shm_dir: Path | None = None, warm_up: bool = True) -> None:
+        """Args:
+        shm_dir: folder of the SDK counter files (default: the SDK's).
+        warm_up: start loading torch's analyzer when a multi-target incident opens (a watching
+            agent); a one-shot ``dump`` sets it off: it ends in a second, and ``Op.match`` is
+            only asked when two ranks' signatures differ (then it is imported on the spot).
+        """
         self.shm_dir = shm_dir
+        self.warm_up = warm_up
 
     def opened(self, targets: Sequence[Target]) -> dict[int, int]:
         """Step counters when the incident opens (microseconds; called on the event loop).
@@ -104,7 +111,7 @@ class VerdictJudge:
         process never needs it (no cross-rank comparison), and an agent that only watches never
         imports torch (about 200 MB of RSS and a larger heap for the garbage collector to walk).
         """
-        if len(targets) > 1:
+        if self.warm_up and len(targets) > 1:
             warm_up_analyzer()
         return read_steps([t.pid for t in targets], self.shm_dir)
 

@@ -404,6 +404,8 @@ class Agent:
         await anyio.to_thread.run_sync(_remove_stale_temps, self.settings.data_dir)
         # the span files, spool and their folders: file system work, off the loop
         await anyio.to_thread.run_sync(partial(self._start_exporters, one_shot=True))
+        if self.incidents.judge is not None:  # one-shot: no torch import racing the dump's own CPU
+            self.incidents.judge.warm_up = False
         feeds = self._subscribe_exporters()
         try:
             async with anyio.create_task_group() as tg:

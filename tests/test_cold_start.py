@@ -132,9 +132,12 @@ def test_the_probe_sees_what_a_command_imports(tmp_path: Path) -> None:
 
 
 def test_dump_to_span_files_and_its_timeline_import_no_exporter_metrics_sdk_or_torch(spawn, tmp_path: Path) -> None:
+    # two ranks: a multi-target incident, where a watching agent starts loading torch's analyzer
     pid = _titled_target(spawn, "coldstart::scheduler_TP0")
+    pid1 = _titled_target(spawn, "coldstart::scheduler_TP1")
     data = tmp_path / "data"
-    got = _modules_after(["dump", "--pid", str(pid), "--data-dir", str(data)], tmp_path, (*DUMP_HEAVY, "exporters.spans"))
+    got = _modules_after(["dump", "--pid", str(pid), "--pid", str(pid1), "--data-dir", str(data)], tmp_path,
+                         (*DUMP_HEAVY, "exporters.spans"))
     assert got["code"] == 0
     assert got["heavy"] == ["exporters.spans"]  # it did build spans, through nothing heavier
     host_dir = next(data.iterdir())

@@ -328,8 +328,12 @@ async def test_sigterm_and_sigint_exits_are_orderly_stops_sigkill_and_crashes_ar
         return proc
 
     caught = started(CATCH_SIGTERM)
-    termed, interrupted, killed = (started("import time; print('ready', flush=True); time.sleep(60)")
-                                   for _ in range(3))
+    # SIGINT back to its default in the children: a suite run from a background job (nohup, `&`
+    # in a script) inherits SIGINT ignored, and then the "interrupted" child would just sleep on
+    termed, interrupted, killed = (
+        started("import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); print('ready', flush=True); time.sleep(60)")
+        for _ in range(3)
+    )
     crashed = spawn([python, "-c", SEGFAULT])
     procs = [caught, termed, interrupted, killed, crashed]
     watch_bus = RecordingBus()

@@ -299,21 +299,37 @@ async def find_new_files(
         await anyio.sleep(min(poll_interval_s, max(0.0, deadline - now)))
 
 
+def _chmod_nofollow(path: str, mode: int) -> None:
+    """chmod ``path`` through a file descriptor opened with ``O_NOFOLLOW``: a symlink (planted
+    in a trace folder, say) raises ``OSError`` (ELOOP) instead of changing what it points to.
+    Portable where ``chmod(..., follow_symlinks=False)`` is not (no ``lchmod``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def _make_private(path: Path) -> None:
     """Mode 0600 (folders 0700) for a trace, like every file servewatch captures: a trace holds
-    the server's code paths and shapes. Best effort (a file of another user stays as it is)."""
-    try:
-        if path.is_dir() and not path.is_symlink():  # a Metal .gputrace bundle
-            for root, dirs, names in os.walk(path):
-                for name in dirs:
-                    os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
-                for name in names:
-                    os.chmod(os.path.join(root, name), 0o600, follow_symlinks=False)
-            os.chmod(path, 0o700)
-        elif path.is_file() and not path.is_symlink():
-            os.chmod(path, 0o600)
-    except (OSError, NotImplementedError) as exc:
-        logger.debug("cannot make %s private: %s", path, exc)
+    the server's code paths and shapes. Best effort: a file of another user, or a symlink (never
+    followed), stays as it is."""
+
+    def private(target: str, mode: int) -> None:
+        try:
+            _chmod_nofollow(target, mode)
+        except OSError as exc:
+            logger.debug("cannot make %s private: %s", target, exc)
+
+    if path.is_dir() and not path.is_symlink():  # a Metal .gputrace bundle
+        for root, dirs, names in os.walk(path):  # never descends into a symlinked folder
+            for name in dirs:
+                private(os.path.join(root, name), 0o700)
+            for name in names:
+                private(os.path.join(root, name), 0o600)
+        private(str(path), 0o700)
+    elif path.is_file() and not path.is_symlink():
+        private(str(path), 0o600)
 
 
 def _missing_dirs(path: Path) -> list[Path]:

@@ -27,14 +27,19 @@ def _zombie(pid: int) -> bool:
         return False
 
 
+def _await_zombie(pid: int, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until ``pid`` has exited and is left unreaped, a dead rank's shape."""
+    deadline = time.monotonic() + timeout_s
+    while not _zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _zombie(pid), f"pid {pid} is not a zombie after {timeout_s} s"
+
+
 def test_two_servers_matched_host_wide_are_judged_as_two_jobs(spawn, python, tmp_path) -> None:
     tag = uuid.uuid4().hex[:8]
     a = start_tree(spawn, python, tag)
     b = start_tree(spawn, python, tag, "--exit", "scheduler_TP1=9@0.5")
-    deadline = time.monotonic() + 60
-    while not _zombie(b["scheduler_TP1"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _zombie(b["scheduler_TP1"])
+    _await_zombie(b["scheduler_TP1"])
     glob = f"sglang::scheduler*_{tag}"
     targets = discover(title_globs=[glob]) + zombie_descendants([a["main"], b["main"]], [glob])
     assert {t.pid for t in targets} == {a["scheduler_TP0"], a["scheduler_TP1"], b["scheduler_TP0"], b["scheduler_TP1"]}
@@ -82,10 +87,7 @@ def test_a_rank_stopped_by_sigterm_is_never_a_dead_culprit_with_high_confidence(
     "terminated by a signal"; a real crash exit of the same rank stays ``dead``, high."""
     tag = uuid.uuid4().hex[:8]
     tree = start_tree(spawn, python, tag, "--exit", "scheduler_TP1=143@0.5")
-    deadline = time.monotonic() + 60
-    while not _zombie(tree["scheduler_TP1"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _zombie(tree["scheduler_TP1"])
+    _await_zombie(tree["scheduler_TP1"])
     glob = f"sglang::scheduler*_{tag}"
     targets = discover(title_globs=[glob]) + zombie_descendants([tree["main"]], [glob])
     pid = tree["scheduler_TP1"]

@@ -15,7 +15,7 @@ Imports opentelemetry-proto and the OTLP exporter's common encoder (for the rare
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.exporter.otlp.proto.common._internal import (
     _encode_attributes,
@@ -31,14 +31,38 @@ from opentelemetry.proto.trace.v1.trace_pb2 import (
     SpanFlags,
     Status,
 )
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-__all__ = ["encode_spans_fast"]
+__all__ = ["EncodedSpan", "encode_spans_fast"]
 
 _HAS_IS_REMOTE = SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _IS_REMOTE = SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
 _KIND = {0: Span.SPAN_KIND_INTERNAL, 1: Span.SPAN_KIND_SERVER, 2: Span.SPAN_KIND_CLIENT,
          3: Span.SPAN_KIND_PRODUCER, 4: Span.SPAN_KIND_CONSUMER}
+
+
+class EncodedSpan:
+    """A shipped span already encoded: the protobuf bytes of one OTLP ``Span`` and what it is
+    exported under (its server's resource, the SDK's scope). The lossless processor queues it
+    like a ``ReadableSpan``; :func:`exporters.encode.encode_spans_fast` writes its bytes as they are.
+
+    Attributes:
+        name: the span's name (for log lines about it).
+        data: the serialized ``opentelemetry.proto.trace.v1.Span``.
+    """
+
+    __slots__ = ("data", "instrumentation_scope", "name", "resource")
+
+    def __init__(self, name: str, data: bytes, resource: Resource, instrumentation_scope: InstrumentationScope) -> None:
+        self.name = name
+        self.data = data
+        self.resource = resource
+        self.instrumentation_scope = instrumentation_scope
+
+    def __repr__(self) -> str:
+        return f"EncodedSpan({self.name!r}, {len(self.data)} bytes)"
 
 
 #: Encoded key/values seen recently (model names, operation names, kinds repeat on every span).
@@ -124,17 +148,20 @@ def _span(span: ReadableSpan) -> Span:
     )
 
 
-def encode_spans_fast(spans: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
+def encode_spans_fast(spans: Sequence[ReadableSpan | EncodedSpan]) -> ExportTraceServiceRequest:
     """Encode finished spans as one ``ExportTraceServiceRequest``, grouped by resource and scope
-    in first-seen order, as the SDK's ``encode_spans`` does (same bytes).
+    in first-seen order, as the SDK's ``encode_spans`` does (same bytes). An
+    :class:`EncodedSpan`'s bytes are taken as they are: the spans of one resource and scope are
+    parsed once, together (C code), instead of being rebuilt field by field.
 
     Raises:
-        Exception: whatever the SDK's encoder would raise on a malformed span (the caller sorts
-            the batch out span by span).
+        Exception: whatever the SDK's encoder would raise on a malformed span, or
+            ``google.protobuf.message.DecodeError`` for bytes that are not a ``Span`` (the
+            caller sorts the batch out span by span).
     """
-    groups: dict[Any, dict[Any, list[Span]]] = {}
+    groups: dict[Any, dict[Any, list[Span | bytes]]] = {}
     # a Resource hashes by JSON-encoding its attributes: look each distinct object up once
-    by_identity: dict[int, dict[Any, list[Span]]] = {}
+    by_identity: dict[int, dict[Any, list[Span | bytes]]] = {}
     for span in spans:
         resource = span.resource
         scopes = by_identity.get(id(resource))
@@ -147,15 +174,35 @@ def encode_spans_fast(spans: Sequence[ReadableSpan]) -> ExportTraceServiceReques
         encoded = scopes.get(scope)
         if encoded is None:
             encoded = scopes[scope] = []
-        encoded.append(_span(span))
+        encoded.append(span.data if isinstance(span, EncodedSpan) else _span(span))
     resource_spans = []
     for resource, scopes in groups.items():
-        scope_spans = [
-            ScopeSpans(scope=_encode_instrumentation_scope(scope), spans=encoded,
-                       schema_url=(scope.schema_url or "") if scope else "")
-            for scope, encoded in scopes.items()
-        ]
+        scope_spans = [_scope_spans(scope, encoded) for scope, encoded in scopes.items()]
         resource_spans.append(ResourceSpans(resource=_encode_resource(resource), scope_spans=scope_spans,
                                             schema_url=resource.schema_url))
     return ExportTraceServiceRequest(resource_spans=resource_spans)
 
+
+def _scope_spans(scope: Any, encoded: list[Span | bytes]) -> ScopeSpans:
+    """One ``ScopeSpans``: message spans as they are, pre-encoded ones parsed in one go."""
+    if all(type(s) is bytes for s in encoded):
+        # ScopeSpans.spans is field 2: each span is tag 0x12, its length, its bytes
+        out = ScopeSpans.FromString(b"".join(_SPANS_TAG + _varint(len(s)) + s for s in cast("list[bytes]", encoded)))
+    else:
+        out = ScopeSpans(spans=[Span.FromString(s) if isinstance(s, bytes) else s for s in encoded])
+    out.scope.CopyFrom(_encode_instrumentation_scope(scope))  # present even when empty, as the SDK's
+    if scope and scope.schema_url:
+        out.schema_url = scope.schema_url
+    return out
+
+
+_SPANS_TAG = b"\x12"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

@@ -53,6 +53,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from exporters.batching import halve_request, split_request
+from exporters.encode import EncodedSpan
 from exporters.encode import encode_spans_fast as encode_spans
 from exporters.spool import Spool, SpoolEntry
 from exporters.transport import Delivery, RequestSender, SendResult
@@ -167,7 +168,7 @@ class LosslessSpanProcessor(SpanProcessor):
         self._backoff_max_s = retry_max_backoff_s
         self._shutdown_timeout_s = shutdown_timeout_s
 
-        self._queue: deque[ReadableSpan] = deque()
+        self._queue: deque[ReadableSpan | EncodedSpan] = deque()
         self._wakeup = threading.Event()
         self._cv = threading.Condition()  # guards _taken/_settled/_flush_target and the counters
         self._state = threading.Lock()  # guards _inflight/_abandoned
@@ -200,6 +201,9 @@ class LosslessSpanProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         """Queue a finished span. O(1), never blocks, never raises."""
+        self._enqueue(span)
+
+    def _enqueue(self, span: ReadableSpan | EncodedSpan) -> None:
         queue = self._queue
         if self._closed or len(queue) >= self._max_queue:
             with self._cv:
@@ -209,7 +213,7 @@ class LosslessSpanProcessor(SpanProcessor):
         if len(queue) >= self._batch and not self._wakeup.is_set():
             self._wakeup.set()
 
-    def submit(self, spans: Sequence[ReadableSpan]) -> int | None:
+    def submit(self, spans: Sequence[ReadableSpan | EncodedSpan]) -> int | None:
         """Queue ``spans`` like :meth:`on_end` and say when they are safe: a ticket.
 
         Once :meth:`settled` reaches the ticket, each of these spans was exported, written to
@@ -261,7 +265,7 @@ class LosslessSpanProcessor(SpanProcessor):
                 self._cv.wait(remaining)
         return True
 
-    def persist(self, spans: Sequence[ReadableSpan]) -> None:
+    def persist(self, spans: Sequence[ReadableSpan | EncodedSpan]) -> None:
         """Write-ahead: put ``spans`` on disk now, before any export is attempted.
 
         With a spool, the spans are encoded and written to it (atomic, fsync'd) before this
@@ -281,7 +285,7 @@ class LosslessSpanProcessor(SpanProcessor):
             request = encode_spans(batch)
         except Exception:  # noqa: BLE001 - a malformed span; the worker sorts the batch out span by span
             for span in batch:
-                self.on_end(span)
+                self._enqueue(span)
             return
         try:
             if self.spool is None:
@@ -304,7 +308,7 @@ class LosslessSpanProcessor(SpanProcessor):
         except OSError as exc:
             _log.error("write-ahead of %d spans failed (%s); queued in memory instead", len(batch), exc)
             for span in batch:
-                self.on_end(span)
+                self._enqueue(span)
             return
         self._wakeup.set()
 
@@ -448,9 +452,9 @@ class LosslessSpanProcessor(SpanProcessor):
             return
         self._wakeup.wait(max(0.001, timeout_s))
 
-    def _take(self) -> list[ReadableSpan]:
+    def _take(self) -> list[ReadableSpan | EncodedSpan]:
         queue = self._queue
-        batch: list[ReadableSpan] = []
+        batch: list[ReadableSpan | EncodedSpan] = []
         with self._cv:
             for _ in range(min(self._batch, len(queue))):
                 batch.append(queue.popleft())
@@ -465,7 +469,7 @@ class LosslessSpanProcessor(SpanProcessor):
             self._dropped += dropped
             self._cv.notify_all()
 
-    def _ship(self, batch: list[ReadableSpan]) -> None:
+    def _ship(self, batch: list[ReadableSpan | EncodedSpan]) -> None:
         """Send one fresh batch, or spool it when the spool is busy or we are backing off."""
         if not batch:
             return
@@ -506,7 +510,7 @@ class LosslessSpanProcessor(SpanProcessor):
             self._failed(result)
             self._to_spool(request, count)
 
-    def _encode(self, batch: list[ReadableSpan]) -> tuple[ExportTraceServiceRequest | None, int]:
+    def _encode(self, batch: list[ReadableSpan | EncodedSpan]) -> tuple[ExportTraceServiceRequest | None, int]:
         """Encode a batch; a span the OTLP encoder raises on (malformed: no context...) is dropped
         and counted alone, the rest go on. Returns (request or None, spans in it)."""
         try:

@@ -2,10 +2,13 @@
 
 Owns :class:`SpanShipper`: it attaches to the span ring (:mod:`agent.sdk.ring`) of each target
 running the SDK, keeps its heartbeat fresh (so the server keeps recording into the ring instead
-of exporting itself), drains the ring, validates every record, rebuilds it as a finished
-``ReadableSpan`` under the SERVER's resource (``service.name`` and the other attributes the
-server declared, ``host.name``, ``process.pid`` of the server) and hands it to the agent's span
-processor (the lossless one: spool, replay, TLS, size-aware batches).
+of exporting itself), drains the ring, validates every record, encodes it straight to OTLP
+bytes (:func:`exporters.wire.encode_record`: no ``ReadableSpan``, no protobuf objects; half the
+agent's CPU per shipped span of the ``ReadableSpan`` path, ``bench/bench_ship.py --grpc``) under
+the SERVER's resource (``service.name`` and the other attributes the server declared,
+``host.name``, ``process.pid`` of the server) and hands it to the agent's span processor (the
+lossless one: spool, replay, TLS, size-aware batches). A plain ``SpanProcessor`` gets
+``ReadableSpan`` objects (:func:`decode_record`, the reference the encoder is tested against).
 
 Trust: a ring is opened only when it is a regular file (never through a symlink), owned by the
 target's uid or root, mode 0600, with one link, and its header names the target's pid. Records
@@ -17,7 +20,7 @@ Counts (:class:`ShipperStatistics`, the ``servewatch.spans.channel`` metric, and
 servers' own ``dropped_full`` (ring full: this agent too slow), ``dropped_no_agent`` and
 ``dropped_too_large``, read from the ring headers and kept after a server exits.
 
-Imports opentelemetry-api/sdk and :mod:`agent.sdk.ring` (stdlib only).
+Imports opentelemetry-api/sdk, :mod:`exporters.wire` and :mod:`agent.sdk.ring` (stdlib only).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     Link,
     SpanContext,
@@ -47,6 +49,19 @@ from opentelemetry.trace import (
 
 from agent.procinfo import pid_alive
 from agent.sdk.ring import RingBatch, RingError, RingReader, RingStatistics
+from exporters.wire import (
+    _INT64,
+    MAX_ATTRIBUTES,
+    MAX_EVENTS,
+    MAX_LINKS,
+    MAX_NAME,
+    MAX_STRING,
+    SDK_SCOPE,
+    _clean_attrs,
+    _int,
+    _Invalid,
+    encode_record,
+)
 
 if TYPE_CHECKING:
     from agent.registry import BuildContext, Settings
@@ -56,15 +71,6 @@ __all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "create", "decode_re
 
 log = logging.getLogger("servewatch.shipper")
 
-#: Instrumentation scope of shipped spans (the SDK's tracer name).
-SDK_SCOPE = InstrumentationScope("servewatch.sdk", "0.1.0")
-#: Limits applied to every shipped record (OTel SDK defaults where it has one).
-MAX_ATTRIBUTES = 128
-MAX_EVENTS = 128
-MAX_LINKS = 128
-MAX_STRING = 8192
-MAX_NAME = 1024
-_INT64 = (-(2**63), 2**63 - 1)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _KINDS = {k.value: k for k in SpanKind}
 _STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
@@ -118,57 +124,6 @@ class ShipperStatistics:
             f"invalid {self.invalid}); fallback {self.fallback_spans} (sent to the server's own OTel path while "
             f"no agent was attached: lost unless it installed the OTel SDK)"
         )
-
-
-class _Invalid(ValueError):
-    pass
-
-
-def _clean_value(value: Any) -> Any:
-    if isinstance(value, (bool, float)):
-        return value
-    if isinstance(value, int):
-        if not _INT64[0] <= value <= _INT64[1]:
-            raise _Invalid("int attribute out of range")
-        return value
-    if isinstance(value, str):
-        return value[:MAX_STRING]
-    if isinstance(value, list):
-        if len(value) > MAX_ATTRIBUTES:
-            value = value[:MAX_ATTRIBUTES]
-        items = [_clean_value(v) for v in value]
-        if any(isinstance(v, list) for v in items) or len({type(v) for v in items}) > 1:
-            raise _Invalid("attribute sequence not homogeneous")
-        return tuple(items)
-    raise _Invalid(f"attribute value of type {type(value).__name__}")
-
-
-def _clean_attrs(attrs: Any) -> dict[str, Any]:
-    if type(attrs) is not dict:
-        raise _Invalid("attributes are not an object")
-    if len(attrs) <= MAX_ATTRIBUTES:  # fast path: the usual flat str/int/float/bool values
-        for key, value in attrs.items():
-            t = type(value)
-            if len(key) > 256 or (t is str and len(value) > MAX_STRING) or (t is int and not _INT64[0] <= value <= _INT64[1]):
-                break
-            if t is not str and t is not int and t is not float and t is not bool:
-                break
-        else:
-            return attrs  # JSON object keys are always strings
-    out: dict[str, Any] = {}
-    for key, value in attrs.items():
-        if len(out) >= MAX_ATTRIBUTES:
-            break
-        if value is None:
-            continue
-        out[str(key)[:256]] = _clean_value(value)
-    return out
-
-
-def _int(value: Any, lo: int, hi: int) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise _Invalid("bad integer field")
-    return value
 
 
 def _ctx(trace_id: int, span_id: int) -> SpanContext:
@@ -430,11 +385,15 @@ class SpanShipper:
         except OSError as exc:
             log.warning("span ring of pid %d unreadable: %s", pid, exc)
             return 0
-        spans: list[ReadableSpan] = []
+        # the lossless processor takes encoded spans (exporters.wire: no ReadableSpan, no protobuf
+        # objects); a plain SpanProcessor gets ReadableSpans
+        decode = encode_record if submit is not None else decode_record
+        spans: list[Any] = []
         invalid = 0
+        resource = ring.resource
         for payload in batch.payloads:
             try:
-                spans.append(decode_record(payload, ring.resource))
+                spans.append(decode(payload, resource))
             except ValueError:
                 invalid += 1
         shipped = len(spans)

@@ -3,7 +3,9 @@
 A real server process (``tests/programs/span_server.py``: agent.sdk request + forward spans at
 ``--rate`` iterations/s, two spans each) records into its span ring; a child process runs the
 agent side alone: :class:`exporters.shipper.SpanShipper` polling every ``--poll-s`` seconds into
-the lossless processor writing OTLP/JSON span files (the embedded default). The child measures
+the lossless processor writing OTLP/JSON span files (the embedded default), or with ``--grpc``
+exporting over OTLP/gRPC to a real receiver in its own process (what a watching agent with a
+collector does; the soak's configuration). The child measures
 its own CPU time (user + system, every thread: drain, decode, encode, write) over ``--window-s``
 seconds after a warm-up and the spans shipped in that window, and prints CPU microseconds per
 shipped span.
@@ -13,7 +15,7 @@ this one): rounds alternate A, B, A, B... (``--rounds`` each) so a shared machin
 both; it prints each tree's median and the paired ratio B/A per round with its median.
 Printed, not asserted.
 
-Usage: ``python bench/bench_ship.py [--src DIR]... [--rate 1000] [--window-s 20] [--rounds 3]``
+Usage: ``python bench/bench_ship.py [--src DIR]... [--grpc] [--rate 1000] [--window-s 20] [--rounds 3]``
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -53,7 +56,8 @@ def child(args: argparse.Namespace) -> None:
             line = server.stdout.readline().decode()
             if not line.startswith("ready"):
                 raise SystemExit(f"server did not start: {line!r}")
-            telemetry = build_telemetry(ExportConfig(metrics=False), data_dir=Path(tmp) / "data", host_name="bench")
+            config = ExportConfig(metrics=False, endpoint=args.endpoint, protocol="grpc") if args.endpoint else ExportConfig(metrics=False)
+            telemetry = build_telemetry(config, data_dir=Path(tmp) / "data", host_name="bench")
             shipper = SpanShipper(telemetry.processor, host_name="bench", directory=shm, poll_interval_s=args.poll_s)
             if not shipper.attach(server.pid, os.geteuid()):
                 raise SystemExit("could not attach to the server's ring")
@@ -84,26 +88,47 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--grpc", action="store_true", help="export over OTLP/gRPC to a real receiver (not span files)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
     srcs = [str(Path(s).resolve()) for s in args.src] or [str(ROOT)]
+    receiver = None
+    if args.grpc:
+        sys.path.insert(0, str(HERE))
+        from bench_export import RemoteReceiver
+
+        receiver = RemoteReceiver()
+    try:
+        _rounds(args, srcs, receiver)
+    finally:
+        if receiver is not None:
+            receiver.close()
+
+
+def _rounds(args: argparse.Namespace, srcs: list[str], receiver: Any) -> None:
     results: dict[str, list[dict[str, float]]] = {s: [] for s in srcs}
     for rnd in range(args.rounds):
         for src in srcs:
             out = subprocess.run(
                 [sys.executable, str(HERE / "bench_ship.py"), "--child", "--rate", str(args.rate), "--poll-s", str(args.poll_s),
-                 "--warmup-s", str(args.warmup_s), "--window-s", str(args.window_s)],
+                 "--warmup-s", str(args.warmup_s), "--window-s", str(args.window_s),
+                 *(["--endpoint", receiver.grpc_endpoint] if receiver is not None else [])],
                 check=False, env={**os.environ, "PYTHONPATH": src}, cwd=src, capture_output=True, text=True, timeout=args.window_s + 120,
             )
             if out.returncode:
                 raise SystemExit(f"child failed ({src}):\n{out.stderr[-3000:]}")
             res = json.loads(out.stdout.strip().splitlines()[-1])
+            if receiver is not None:
+                res["received"] = receiver.span_count
+                receiver.clear()
             results[src].append(res)
             print(f"round {rnd + 1} {src}: {res['us_per_span']:.1f} us CPU/span "
-                  f"({res['shipped']} spans, {res['spans_per_s']:.0f}/s, dropped {res['dropped']})", flush=True)
+                  f"({res['shipped']} spans, {res['spans_per_s']:.0f}/s, dropped {res['dropped']}"
+                  + (f", collector received {res['received']}" if receiver is not None else "") + ")", flush=True)
     for src, rows in results.items():
         print(f"{src}: median {statistics.median(r['us_per_span'] for r in rows):.1f} us CPU per shipped span")
     if len(srcs) > 1:

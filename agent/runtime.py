@@ -95,9 +95,10 @@ DEAD_RANK_MARGIN_S = 60.0
 SPANS_HEARTBEAT_INTERVAL_S = 1.0
 #: Seconds between checks that a target whose SDK step counter is watched still runs.
 TARGET_ALIVE_INTERVAL_S = 2.0
-#: Least seconds between two updates of the span shipping counts in the status file (it is
-#: rewritten when they change, checked at every heartbeat).
-SPANS_STATUS_INTERVAL_S = 1.0
+#: Least seconds between two updates of the span shipping COUNTS in the status file (checked at
+#: every heartbeat; a change of state, e.g. a ring refused, is written at once). Under load the
+#: counts change every second: each rewrite of the status file is agent CPU (soak, issue 15).
+SPANS_STATUS_INTERVAL_S = 5.0
 #: Seconds between returning the agent's freed heap memory to the OS (:func:`agent.memory.trim`).
 TRIM_INTERVAL_S = 60.0
 #: Upper bound on flushing telemetry at shutdown, seconds.
@@ -703,19 +704,20 @@ class Agent:
         while True:
             shipper.heartbeat_all()
             now = anyio.current_time()
-            if now >= next_status:  # `servewatch status` shows the counts (both sides' drops)
-                stats, refused = shipper.statistics(), shipper.refused()
-                if stats.rings or stats.shipped or stats.dropped or stats.fallback_spans:
-                    status = (WatcherState.READY, stats.line())
-                elif refused:
-                    pid, why = next(iter(refused.items()))
-                    status = (WatcherState.BLIND, f"span ring of pid {pid} not shipped: {why}")
-                else:
-                    status = (WatcherState.WAITING, "no SDK span ring in the targets yet (servers export their own spans)")
-                if status != shown:  # written when the counts change, at most every SPANS_STATUS_INTERVAL_S
-                    shown = status
-                    next_status = now + SPANS_STATUS_INTERVAL_S
-                    await self._set_status("spans", *status)
+            # `servewatch status` shows the counts (both sides' drops)
+            stats, refused = shipper.statistics(), shipper.refused()
+            if stats.rings or stats.shipped or stats.dropped or stats.fallback_spans:
+                status = (WatcherState.READY, stats.line())
+            elif refused:
+                pid, why = next(iter(refused.items()))
+                status = (WatcherState.BLIND, f"span ring of pid {pid} not shipped: {why}")
+            else:
+                status = (WatcherState.WAITING, "no SDK span ring in the targets yet (servers export their own spans)")
+            # a new state at once; new counts at most every SPANS_STATUS_INTERVAL_S
+            if status != shown and (shown is None or status[0] is not shown[0] or now >= next_status):
+                shown = status
+                next_status = now + SPANS_STATUS_INTERVAL_S
+                await self._set_status("spans", *status)
             await anyio.sleep(max(interval, SPANS_HEARTBEAT_INTERVAL_S))
 
     async def _start_watchers(self, tg: TaskGroup) -> None:

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
 
 __all__ = [
+    "MEMORY_FILESYSTEMS",
     "TEMP_SUFFIX",
     "atomic_write_bytes",
     "atomic_write_text",
     "ensure_private_dir",
+    "memory_backed",
     "open_append_nofollow",
     "remove_stale_temps",
 ]
@@ -163,3 +166,32 @@ def remove_stale_temps(directory: str | os.PathLike[str], *, recursive: bool = T
                     os.unlink(os.path.join(folder, name))
                     removed += 1
     return removed
+
+
+#: Filesystems whose files live in memory: reading one never waits for a disk.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def memory_backed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is on a memory filesystem (tmpfs, ramfs), per the mount that holds it in
+    ``/proc/self/mountinfo`` (the last one mounted on the longest matching mount point). ``False``
+    when that cannot be read. Blocking (reads procfs): not on the event loop."""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    best, fstype = "", ""
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right:
+            continue
+        # mount points escape space, tab, newline and backslash as \ooo octal
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, right.split()[0]
+    return fstype in MEMORY_FILESYSTEMS
+

@@ -22,6 +22,11 @@ process; never a disk write or a scan over all processes, which stay errors:
   (state D) cannot hang the reader; the process watcher and the runtime poll it once a second per
   target. ``cmdline``, ``environ``, ``maps`` and fd reads take that lock or grow with the target,
   and scans over all pids grow with the host: those stay errors and run on worker threads.
+- :meth:`agent.watchers.steps.ShmStepSource.read_now` (``os.read``): ``ShmStepSource.read``
+  reads an SDK step counter (64 bytes) on the loop only once the file was found on a memory
+  filesystem (:func:`agent.fsutil.memory_backed`, checked on a worker thread): a read of tmpfs
+  pages, a few microseconds, against ~100 us of CPU for a worker-thread hop, several times a second
+  per rank (a first reading, or one that needs ``/proc``, is taken on a worker thread).
 - :meth:`agent.lazy.LazyModule._load`: the first use of a lazily imported module imports it, once
   per process (``prometheus_client`` reads ``/proc/self/stat`` at import). Imports at the top of
   a function are not flagged at all (blockbuster allows importlib's own file reads).
@@ -57,6 +62,7 @@ ALLOWED: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {
     ("agent/lazy.py", frozenset({"_load"})): _READS,
     ("agent/memory.py", frozenset({"_glibc"})): _READS,
     ("agent/targets.py", frozenset({"process_state"})): ("io.BufferedReader.read", "os.stat"),
+    ("agent/watchers/steps.py", frozenset({"read_now"})): ("os.read",),
 }
 
 _ASYNC_FLAGS = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +74,46 @@ def test_remove_stale_temps_removes_only_ours(tmp_path):
     (tmp_path / "keep.json").write_text("y")
     assert fsutil.remove_stale_temps(tmp_path) == 1
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["keep.json", "sub"]
+
+
+def _statfs_type(path) -> str:
+    """The filesystem type coreutils' ``stat -f`` names (an independent oracle: statfs(2))."""
+    return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+
+
+def test_memory_backed_agrees_with_statfs(tmp_path):
+    paths = [tmp_path, tmp_path / "not-yet-created", "/", "/proc/self"]
+    if os.path.isdir("/dev/shm"):
+        paths.append("/dev/shm")
+    for path in paths:
+        existing = path if os.path.exists(path) else os.path.dirname(path)
+        assert fsutil.memory_backed(path) is (_statfs_type(existing) in ("tmpfs", "ramfs")), path
+
+
+def test_memory_backed_sees_a_tmpfs_mounted_over_a_disk_folder(tmp_path):
+    """In its own mount namespace (real ``unshare -m``), a tmpfs mounted on a folder of a disk
+    filesystem: files under it are memory-backed, its sibling is not, and a folder name with a
+    space (escaped in mountinfo) is matched."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and util-linux unshare")
+    if _statfs_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("the temp folder is already on tmpfs")
+    mounted = tmp_path / "shm dir"
+    sibling = tmp_path / "disk"
+    mounted.mkdir()
+    sibling.mkdir()
+    code = (
+        "import sys; from agent.fsutil import memory_backed; "
+        "print(memory_backed(sys.argv[1]), memory_backed(sys.argv[1] + '/servewatch-steps.1'), memory_backed(sys.argv[2]))"
+    )
+    script = f'mount -t tmpfs -o size=1m servewatch-test "$1" && exec "{sys.executable}" -c "$0" "$1" "$2"'
+    out = subprocess.run(
+        [unshare, "-m", "--propagation", "private", "sh", "-c", script, code, str(mounted), str(sibling)],
+        capture_output=True, text=True, timeout=60, check=False, cwd=Path(__file__).resolve().parent.parent,
+    )
+    if out.returncode and "Operation not permitted" in out.stderr:
+        pytest.skip(f"mount namespaces not allowed here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "False"]
+    assert fsutil.memory_backed(mounted) is False  # this process's namespace has no such mount

@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 
 from agent.bus import Publisher
 from agent.events import StepsAdvanced
+from agent.fsutil import memory_backed
 from agent.lazy import LazyModule
 from agent.sdk.counter import SIZE_BYTES, counter_files, counter_path, parse_counter, shm_dir
 from agent.security import open_trusted, process_uids
@@ -117,6 +118,10 @@ class StepSource(Protocol):
 # --- (a) the SDK's shared-memory counter ----------------------------------------------------
 
 
+class _OffTheLoop(Exception):
+    """A counter reading needs a ``/proc`` read: take it on a worker thread."""
+
+
 class ShmStepSource:
     """Reads the counter file ``agent.sdk.step()`` maintains in process ``pid``.
 
@@ -147,10 +152,12 @@ class ShmStepSource:
         self.path = counter_path(pid, directory)
         # start_time_unix_nano of the counter file already checked against the process start
         self._verified_start_ns: int | None = None
+        # the file is on a memory filesystem and was read once: later reads on the loop
+        self._on_loop = False
         #: the last reading :meth:`read` returned that was not ``None`` (:class:`RecentReading`)
         self.last: StepReading | None = None
 
-    def _belongs_to_live_process(self, start_time_unix_nano: int) -> bool:
+    def _belongs_to_live_process(self, start_time_unix_nano: int, *, on_loop: bool = False) -> bool:
         if self._verified_start_ns == start_time_unix_nano:
             try:
                 os.kill(self._pid, 0)
@@ -159,6 +166,8 @@ class ShmStepSource:
             except PermissionError:
                 return True
             return True
+        if on_loop:  # a new counter file: its check reads /proc, off the loop
+            raise _OffTheLoop
         try:
             create_time_s = psutil.Process(self._pid).create_time()
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
@@ -170,9 +179,16 @@ class ShmStepSource:
         self._verified_start_ns = start_time_unix_nano
         return True
 
-    def read_now(self) -> StepReading | None:
-        """Synchronous :meth:`read` (tmpfs read, microseconds); see the class docstring."""
+    def read_now(self, *, on_loop: bool = False) -> StepReading | None:
+        """Synchronous :meth:`read` (tmpfs read, microseconds); see the class docstring.
+
+        Raises:
+            _OffTheLoop: with ``on_loop``, when the reading needs more than the counter file
+                (the process's uids, or a new file checked against the process's start).
+        """
         read_ns = time.monotonic_ns()
+        if on_loop and self._uids is None:
+            raise _OffTheLoop
         if self._uids is None:
             self._uids = process_uids(self._pid)
             if not self._uids:
@@ -182,7 +198,7 @@ class ShmStepSource:
         snap = None if raw is None else parse_counter(raw)
         if snap is None or snap.pid != self._pid:
             return None
-        if not self._belongs_to_live_process(snap.start_time_unix_nano):
+        if not self._belongs_to_live_process(snap.start_time_unix_nano, on_loop=on_loop):
             return None
         last = snap.last_step_monotonic_ns if snap.forward_ct > 0 and snap.last_step_monotonic_ns > 0 else None
         return StepReading(
@@ -194,10 +210,30 @@ class ShmStepSource:
         )
 
     async def read(self) -> StepReading | None:
-        """Read the counter file; ``None`` when missing, stale or its process is gone."""
-        reading = await anyio.to_thread.run_sync(self.read_now)
+        """Read the counter file; ``None`` when missing, stale or its process is gone.
+
+        On a memory filesystem (``/dev/shm`` is tmpfs), once a first reading verified the file,
+        the read is done on the event loop: an ``open``/``fstat``/``read`` of 64 bytes of memory
+        and a ``kill(pid, 0)``, a few microseconds, where a worker-thread hop costs ~100 us of
+        CPU (measured here), several times a second per watched rank. Elsewhere, and for the
+        first reading of a file, on a worker thread.
+        """
+        reading: StepReading | None
+        if self._on_loop:
+            try:
+                reading = self.read_now(on_loop=True)
+            except _OffTheLoop:
+                reading = await anyio.to_thread.run_sync(self._read_off_loop)
+        else:
+            reading = await anyio.to_thread.run_sync(self._read_off_loop)
         if reading is not None:
             self.last = reading
+        return reading
+
+    def _read_off_loop(self) -> StepReading | None:
+        reading = self.read_now()
+        if reading is not None and not self._on_loop:
+            self._on_loop = memory_backed(self.path)
         return reading
 
     async def aclose(self) -> None:

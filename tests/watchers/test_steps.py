@@ -5,7 +5,9 @@ from __future__ import annotations
 import http.server
 import itertools
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -321,3 +323,40 @@ async def test_recent_reading_reads_the_file_itself_when_the_shared_reading_is_o
     assert source.last is fresh
     with pytest.raises(ValueError, match="max_age_s"):
         RecentReading(source, max_age_s=0)
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["tmpfs", "disk"])
+async def test_shm_source_reads_on_the_loop_only_from_a_memory_filesystem(spawn, tmp_path: Path, monkeypatch, memory: bool) -> None:
+    """A counter on tmpfs (``/dev/shm``): the first reading takes a worker thread (it reads /proc to
+    verify the file), the next ones are read on the loop (no ~100 us thread hop each; blockbuster
+    checks nothing else blocks). On a disk folder every reading takes a worker thread."""
+    from agent.fsutil import memory_backed
+
+    if memory:
+        if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):
+            pytest.skip("no tmpfs /dev/shm")
+        directory = Path(tempfile.mkdtemp(prefix="servewatch-test-", dir="/dev/shm"))
+    else:
+        if memory_backed(tmp_path):
+            pytest.skip("the temp folder is on tmpfs")
+        directory = tmp_path
+    try:
+        server = fake_server.start(spawn, env=server_env(directory))
+        source = ShmStepSource(server.pid, directory=directory)
+        await _reading(source)
+        hops = 0
+        real = anyio.to_thread.run_sync
+
+        async def counted(*args, **kwargs):
+            nonlocal hops
+            hops += 1
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+        readings = [await source.read() for _ in range(20)]
+        assert all(r is not None and r.pid == server.pid for r in readings)
+        assert readings[-1].forward_ct >= readings[0].forward_ct  # type: ignore[union-attr]
+        assert hops == (0 if memory else 20)
+    finally:
+        if memory:
+            shutil.rmtree(directory, ignore_errors=True)

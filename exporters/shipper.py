@@ -51,6 +51,7 @@ from agent.procinfo import pid_alive
 from agent.sdk.ring import RingBatch, RingError, RingReader, RingStatistics
 from exporters.wire import (
     _INT64,
+    _SCALARS,
     MAX_ATTRIBUTES,
     MAX_EVENTS,
     MAX_LINKS,
@@ -138,7 +139,7 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
     """
     try:
         rec = _json_decode(payload.decode("utf-8"))  # the SDK writes UTF-8: skip json.loads' sniffing
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: arrays nested ~1000 deep
         raise _Invalid(f"bad JSON: {exc}") from None
     if not isinstance(rec, list) or len(rec) != 12:
         raise _Invalid("a record is a 12-item array")
@@ -150,7 +151,7 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
     parent_id = _int(parent_id, 0, 2**64 - 1)
     start = _int(start, 0, _INT64[1])
     end = _int(end, 0, _INT64[1])
-    if kind not in _KINDS or status not in _STATUS:
+    if type(kind) not in _SCALARS or type(status) not in _SCALARS or kind not in _KINDS or status not in _STATUS:
         raise _Invalid("bad kind or status")
     if not isinstance(events, list) or not isinstance(links, list):
         raise _Invalid("events/links not arrays")
@@ -394,8 +395,8 @@ class SpanShipper:
         for payload in batch.payloads:
             try:
                 spans.append(decode(payload, resource))
-            except ValueError:
-                invalid += 1
+            except Exception:  # noqa: BLE001 - untrusted input (an unhashable kind, JSON nested past the
+                invalid += 1  # recursion limit...): one bad record is counted, never loses its batch
         shipped = len(spans)
         if batch.end >= 0 and (batch.payloads or batch.end != start):
             if submit is None:  # a plain SpanProcessor: no way to know when a span is safe

@@ -48,6 +48,8 @@ _INT64 = (-(2**63), 2**63 - 1)
 #: valid ``kind`` (the OTel API's ``SpanKind`` values) and ``status`` (``StatusCode``) of a record
 _KINDS = frozenset(range(5))
 _STATUS = frozenset(range(3))
+#: JSON types a kind or status may have (``true``/``1.0`` compare equal to 1, as in a dict lookup)
+_SCALARS = (int, bool, float)
 _json_decode = json.JSONDecoder().decode
 _FIXED64 = struct.Struct("<Q").pack
 _DOUBLE = struct.Struct("<d").pack
@@ -75,8 +77,12 @@ def _clean_value(value: Any) -> Any:
     if isinstance(value, list):
         if len(value) > MAX_ATTRIBUTES:
             value = value[:MAX_ATTRIBUTES]
+        # an OTel attribute value is a scalar or a flat homogeneous sequence: refuse nesting
+        # before looking inside (a deeply nested array must not recurse)
+        if any(isinstance(v, (list, dict)) for v in value):
+            raise _Invalid("attribute sequence nested")
         items = [_clean_value(v) for v in value]
-        if any(isinstance(v, list) for v in items) or len({type(v) for v in items}) > 1:
+        if len({type(v) for v in items}) > 1:
             raise _Invalid("attribute sequence not homogeneous")
         return tuple(items)
     raise _Invalid(f"attribute value of type {type(value).__name__}")
@@ -189,6 +195,11 @@ def _any_value(value: Any) -> bytes:
     raise _Invalid(f"attribute value of type {kind.__name__}")
 
 
+def _key(key: str) -> bytes:
+    """``KeyValue.key`` (proto3: an empty string is not written, as protobuf itself does)."""
+    return _field(_KV_KEY, key.encode()) if key else b""
+
+
 def _attributes(tag: bytes, attrs: dict[str, Any]) -> bytes:
     """Every attribute as a repeated ``KeyValue`` field ``tag``, in the record's order."""
     if not attrs:
@@ -198,12 +209,12 @@ def _attributes(tag: bytes, attrs: dict[str, Any]) -> bytes:
     for key, value in attrs.items():
         kind = type(value)
         if kind is float or kind is tuple:
-            parts.append(_field(tag, _field(_KV_KEY, key.encode()) + _field(_KV_VALUE, _any_value(value))))
+            parts.append(_field(tag, _key(key) + _field(_KV_VALUE, _any_value(value))))
             continue
         ck = (tag, key, kind, value)
         kv = cache.get(ck)
         if kv is None:
-            kv = _field(tag, _field(_KV_KEY, key.encode()) + _field(_KV_VALUE, _any_value(value)))
+            kv = _field(tag, _key(key) + _field(_KV_VALUE, _any_value(value)))
             if kind is not str or len(value) <= 64:
                 if len(cache) >= _KV_CACHE_MAX:
                     cache.clear()
@@ -225,7 +236,7 @@ def encode_record(payload: bytes, resource: Resource) -> EncodedSpan:
     """
     try:
         rec = _json_decode(payload.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: arrays nested ~1000 deep
         raise _Invalid(f"bad JSON: {exc}") from None
     if type(rec) is not list or len(rec) != 12:
         raise _Invalid("a record is a 12-item array")
@@ -237,7 +248,7 @@ def encode_record(payload: bytes, resource: Resource) -> EncodedSpan:
     parent_id = _int(parent_id, 0, 2**64 - 1)
     start = _int(start, 0, _INT64[1])
     end = _int(end, 0, _INT64[1])
-    if kind not in _KINDS or status not in _STATUS:
+    if type(kind) not in _SCALARS or type(status) not in _SCALARS or kind not in _KINDS or status not in _STATUS:
         raise _Invalid("bad kind or status")
     if type(events) is not list or type(links) is not list:
         raise _Invalid("events/links not arrays")

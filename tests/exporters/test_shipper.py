@@ -15,12 +15,14 @@ from pathlib import Path
 
 import anyio
 import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.resources import Resource
 
 from agent.config import load_settings
 from agent.runtime import Agent
 from agent.sdk import ring as _ring
 from agent.watchers.status import WatcherState, read_status_file, status_path
+from exporters.encode import EncodedSpan
 from exporters.provider import ExportConfig, build_telemetry
 from exporters.shipper import MAX_REFUSED, SpanShipper, decode_record
 from tests.conftest import PROGRAMS_DIR
@@ -152,16 +154,30 @@ def test_ring_of_another_uid_is_refused_and_the_targets_uid_accepted(spawn, requ
     assert {s.resource.attributes["service.name"] for s in collected} == {"nobody-svc"}
 
 
-def test_invalid_records_are_counted_never_exported(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lossless", [False, True], ids=["span-processor", "lossless-submit"])
+def test_invalid_records_are_counted_never_exported(tmp_path: Path, lossless: bool) -> None:
+    """Through a plain SpanProcessor (``decode_record``: ReadableSpans) and through the lossless
+    processor's ``submit`` (``exporters.wire.encode_record``: encoded spans)."""
     path = _ring.ring_path(os.getpid(), tmp_path)
-    writer = _ring.RingWriter(8192, path=path, metadata={"resource": {"service.name": "x", "process.pid": 1}})
+    writer = _ring.RingWriter(65536, path=path, metadata={"resource": {"service.name": "x", "process.pid": 1}})
     sent: list = []
 
     class Collect:
         def on_end(self, span) -> None:
             sent.append(span)
 
-    shipper = SpanShipper(Collect(), host_name="h", directory=tmp_path)  # type: ignore[arg-type]
+    class Submit(Collect):  # the lossless processor's side of the shipper's contract
+        def submit(self, spans) -> int:
+            sent.extend(spans)
+            return len(sent)
+
+        def room(self) -> int:
+            return 1 << 20
+
+        def settled(self) -> int:
+            return len(sent)
+
+    shipper = SpanShipper(Submit() if lossless else Collect(), host_name="h", directory=tmp_path)  # type: ignore[arg-type]
     try:
         assert shipper.attach(os.getpid(), os.geteuid())
         good = [["ok", 0, 5, 6, 0, 10, 20, {"a": [1, 2]}, 0, "", [], []]]
@@ -169,13 +185,22 @@ def test_invalid_records_are_counted_never_exported(tmp_path: Path) -> None:
             json.dumps(good[0]), "not json", json.dumps(["short"]), json.dumps(["n", 0, 0, 6, 0, 1, 2, {}, 0, "", [], []]),
             json.dumps(["n", 9, 5, 6, 0, 1, 2, {}, 0, "", [], []]), json.dumps(["n", 0, 5, 6, 0, 1, 2, {"x": {"y": 1}}, 0, "", [], []]),
             json.dumps(["n", 0, 5, 6, 0, 1, 2, {"x": [1, "a"]}, 0, "", [], []]),
+            json.dumps(["n", [], 5, 6, 0, 1, 2, {}, 0, "", [], []]),  # unhashable kind (was a TypeError)
+            '["n",0,5,6,0,1,2,{"x":' + "[" * 3000 + "1" + "]" * 3000 + '},0,"",[],[]]',  # JSON past the recursion limit
+            json.dumps(["ok2", 0, 5, 7, 0, 10, 20, {}, 0, "", [], []]),
         ):
             assert writer.write(payload.encode())
         shipper.poll()
         stats = shipper.statistics()
-        assert [s.name for s in sent] == ["ok"] and stats.invalid == 6 and stats.shipped == 1
+        # one bad record never loses its batch: the good ones around it are shipped
+        assert [s.name for s in sent] == ["ok", "ok2"] and stats.invalid == 8 and stats.shipped == 2
         assert sent[0].resource.attributes["process.pid"] == os.getpid()  # not what the file claims
-        assert sent[0].attributes["a"] == (1, 2)
+        if lossless:
+            assert isinstance(sent[0], EncodedSpan)
+            values = {kv.key: kv.value for kv in Span.FromString(sent[0].data).attributes}
+            assert [v.int_value for v in values["a"].array_value.values] == [1, 2]
+        else:
+            assert sent[0].attributes["a"] == (1, 2)
     finally:
         shipper.close()
         writer.close()

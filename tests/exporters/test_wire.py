@@ -217,6 +217,8 @@ def test_generated_records_are_accepted_refused_and_encoded_exactly_as_the_refer
             surrogate_refused += 1
         else:
             assert got == expected, payload[:300]
+            data = encode_record(payload, RESOURCE).data
+            assert Span.FromString(data).SerializeToString() == data, payload[:300]  # canonical bytes
             accepted += 1
     print(f"accepted {accepted}, refused {refused}, refused for a lone surrogate {surrogate_refused}")
     assert accepted > 1000 and refused > 300 and surrogate_refused > 0  # every side of the rule was exercised
@@ -240,3 +242,25 @@ def test_a_batch_mixing_encoded_and_object_spans_keeps_groups_and_order() -> Non
     assert request.SerializeToString() == reference.SerializeToString()
     names = [[s.name for s in rs.scope_spans[0].spans] for rs in request.resource_spans]
     assert names == [["s0", "s2", "s3", "s5"], ["s1", "s4"]]
+
+
+@pytest.mark.parametrize("depth", [2, 60, 400, 5000])
+def test_nested_arrays_and_unhashable_fields_are_invalid_on_both_paths(depth: int) -> None:
+    """An OTel attribute value is flat: an array nested at any depth is refused before it is
+    walked (no RecursionError, no protobuf decode error later), as is a kind or status that is not
+    a number (a JSON array or object)."""
+    nested = b'["n",1,1,2,0,10,20,{"a":' + b"[" * depth + b"1" + b"]" * depth + b'},0,"",[],[]]'
+    for payload in (nested, b'["n",[],1,2,0,10,20,{},0,"",[],[]]', b'["n",1,1,2,0,10,20,{},{},"",[],[]]'):
+        with pytest.raises(ValueError):
+            encode_record(payload, RESOURCE)
+        with pytest.raises(ValueError):
+            decode_record(payload, RESOURCE)
+
+
+def test_encoded_bytes_are_canonical() -> None:
+    """The bytes are what protobuf itself writes for the same message (an empty key is not
+    written, fields in number order), not only something that parses to it."""
+    for rec in (_record(attrs={"": 0, "k": ""}), _record(parent=3, status=2, desc="boom",
+                events=[["", 0, {"": ""}]], links=[[1, 2, {}]])):
+        data = encode_record(_payload(rec), RESOURCE).data
+        assert Span.FromString(data).SerializeToString() == data

@@ -200,6 +200,11 @@ _SPANS_TAG = b"\x12"
 
 
 def _varint(value: int) -> bytes:
+    """Protobuf base-128 varint (a negative int64 is first taken modulo 2**64, as protobuf does)."""
+    if value < 0:
+        value &= 0xFFFF_FFFF_FFFF_FFFF
+    if value < 0x80:
+        return bytes((value,))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)

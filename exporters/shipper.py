@@ -25,7 +25,6 @@ Imports opentelemetry-api/sdk, :mod:`exporters.wire` and :mod:`agent.sdk.ring` (
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -51,7 +50,6 @@ from agent.procinfo import pid_alive
 from agent.sdk.ring import RingBatch, RingError, RingReader, RingStatistics
 from exporters.wire import (
     _INT64,
-    _SCALARS,
     MAX_ATTRIBUTES,
     MAX_EVENTS,
     MAX_LINKS,
@@ -62,6 +60,7 @@ from exporters.wire import (
     _int,
     _Invalid,
     encode_record,
+    parse_record,
 )
 
 if TYPE_CHECKING:
@@ -80,7 +79,6 @@ MAX_REFUSED = 256
 #: Nice value of the threads that drain rings and encode/export shipped spans.
 BACKGROUND_NICE = 10
 _PLAIN_STATUS = {StatusCode.UNSET: Status(StatusCode.UNSET), StatusCode.OK: Status(StatusCode.OK)}
-_json_decode = json.JSONDecoder().decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,24 +135,7 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
     Raises:
         ValueError: not a valid span record.
     """
-    try:
-        rec = _json_decode(payload.decode("utf-8"))  # the SDK writes UTF-8: skip json.loads' sniffing
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: arrays nested ~1000 deep
-        raise _Invalid(f"bad JSON: {exc}") from None
-    if not isinstance(rec, list) or len(rec) != 12:
-        raise _Invalid("a record is a 12-item array")
-    name, kind, trace_id, span_id, parent_id, start, end, attrs, status, desc, events, links = rec
-    if not isinstance(name, str) or not isinstance(desc, str):
-        raise _Invalid("name/description not strings")
-    trace_id = _int(trace_id, 1, 2**128 - 1)
-    span_id = _int(span_id, 1, 2**64 - 1)
-    parent_id = _int(parent_id, 0, 2**64 - 1)
-    start = _int(start, 0, _INT64[1])
-    end = _int(end, 0, _INT64[1])
-    if type(kind) not in _SCALARS or type(status) not in _SCALARS or kind not in _KINDS or status not in _STATUS:
-        raise _Invalid("bad kind or status")
-    if not isinstance(events, list) or not isinstance(links, list):
-        raise _Invalid("events/links not arrays")
+    name, kind, trace_id, span_id, parent_id, start, end, attrs, status, desc, events, links = parse_record(payload)
     evs: list[Event] = []
     for ev in events[:MAX_EVENTS]:
         if not isinstance(ev, list) or len(ev) != 3 or not isinstance(ev[0], str):

@@ -32,9 +32,9 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from exporters.encode import EncodedSpan
+from exporters.encode import EncodedSpan, _varint
 
-__all__ = ["MAX_ATTRIBUTES", "MAX_EVENTS", "MAX_LINKS", "MAX_NAME", "MAX_STRING", "SDK_SCOPE", "encode_record"]
+__all__ = ["MAX_ATTRIBUTES", "MAX_EVENTS", "MAX_LINKS", "MAX_NAME", "MAX_STRING", "SDK_SCOPE", "encode_record", "parse_record"]
 
 #: Instrumentation scope of shipped spans (the SDK's tracer name).
 SDK_SCOPE = InstrumentationScope("servewatch.sdk", "0.1.0")
@@ -58,7 +58,6 @@ _DOUBLE = struct.Struct("<d").pack
 _FLAGS_LOCAL = struct.pack("<I", 0x100)
 #: the OTel API's ``SpanKind`` value -> trace.proto ``Span.SpanKind`` (INTERNAL is 1 there)
 _PROTO_KIND = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
-_U64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
 class _Invalid(ValueError):
@@ -118,20 +117,6 @@ def _int(value: Any, lo: int, hi: int) -> int:
 
 def _tag(field: int, wire_type: int) -> bytes:
     return _varint((field << 3) | wire_type)
-
-
-def _varint(value: int) -> bytes:
-    """Unsigned LEB128 (a negative int64 is first taken modulo 2**64, as protobuf does)."""
-    if value < 0:
-        value &= _U64
-    if value < 0x80:
-        return bytes((value,))
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 # Span
@@ -223,16 +208,14 @@ def _attributes(tag: bytes, attrs: dict[str, Any]) -> bytes:
     return b"".join(parts)
 
 
-def encode_record(payload: bytes, resource: Resource) -> EncodedSpan:
-    """One ring record (:mod:`agent.sdk.channel` format) as an encoded OTLP span.
-
-    Same rules and result as :func:`exporters.shipper.decode_record` followed by the OTLP
-    encoder: names truncated to ``MAX_NAME`` characters, strings to ``MAX_STRING``, at most
-    ``MAX_ATTRIBUTES``/``MAX_EVENTS``/``MAX_LINKS``; ``end`` is at least ``start``; the status
-    message is kept only for ERROR.
+def parse_record(payload: bytes) -> tuple[Any, ...]:
+    """The 12 fields of one ring record, its top level checked: ``(name, kind, trace_id, span_id,
+    parent_id, start, end, attrs, status, desc, events, links)``; ids and times are ints in their
+    ranges, ``name``/``desc`` strings, ``kind``/``status`` known numbers, ``events``/``links``
+    lists (their items and every attribute are checked by the caller, with ``_clean_attrs``).
 
     Raises:
-        ValueError: not a valid span record (nothing is returned half-built).
+        ValueError: not a valid span record.
     """
     try:
         rec = _json_decode(payload.decode("utf-8"))
@@ -252,6 +235,21 @@ def encode_record(payload: bytes, resource: Resource) -> EncodedSpan:
         raise _Invalid("bad kind or status")
     if type(events) is not list or type(links) is not list:
         raise _Invalid("events/links not arrays")
+    return name, kind, trace_id, span_id, parent_id, start, end, attrs, status, desc, events, links
+
+
+def encode_record(payload: bytes, resource: Resource) -> EncodedSpan:
+    """One ring record (:mod:`agent.sdk.channel` format) as an encoded OTLP span.
+
+    Same rules and result as :func:`exporters.shipper.decode_record` followed by the OTLP
+    encoder: names truncated to ``MAX_NAME`` characters, strings to ``MAX_STRING``, at most
+    ``MAX_ATTRIBUTES``/``MAX_EVENTS``/``MAX_LINKS``; ``end`` is at least ``start``; the status
+    message is kept only for ERROR.
+
+    Raises:
+        ValueError: not a valid span record (nothing is returned half-built).
+    """
+    name, kind, trace_id, span_id, parent_id, start, end, attrs, status, desc, events, links = parse_record(payload)
     try:
         data = _span_bytes(name[:MAX_NAME], int(kind), trace_id, span_id, parent_id, start, end, attrs,
                            int(status), desc, events, links)

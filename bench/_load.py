@@ -9,9 +9,11 @@ windows afterwards. Imports the standard library only.
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -26,12 +28,19 @@ def bench_workspace(prefix: str) -> tuple[Path, Path, Path, dict[str, str]]:
     """A private work folder for one serving bench: ``(work dir, shm dir, data dir, server environment)``.
 
     The environment points the SDK at the private shm dir, names the demo service, and drops any
-    inherited OTLP endpoint (the bench decides where spans go).
+    inherited OTLP endpoint (the bench decides where spans go). The shm dir is a private folder
+    in ``/dev/shm`` (tmpfs, the SDK's default and what a real deployment uses; removed at exit),
+    else in the work folder.
     """
     work = Path(tempfile.mkdtemp(prefix=prefix))
-    shm, data = work / "shm", work / "data"
-    shm.mkdir(mode=0o700)
+    data = work / "data"
     data.mkdir(mode=0o700)
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        shm = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+        atexit.register(shutil.rmtree, shm, True)
+    else:
+        shm = work / "shm"
+        shm.mkdir(mode=0o700)
     env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "OTEL_SERVICE_NAME": "servewatch-demo"}
     for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         env.pop(k, None)

@@ -152,8 +152,8 @@ class ShmStepSource:
         self.path = counter_path(pid, directory)
         # start_time_unix_nano of the counter file already checked against the process start
         self._verified_start_ns: int | None = None
-        # the file is on a memory filesystem and was read once: later reads on the loop
-        self._on_loop = False
+        # whether the counter file is on a memory filesystem (decided once, at the first reading)
+        self._memory_backed: bool | None = None
         #: the last reading :meth:`read` returned that was not ``None`` (:class:`RecentReading`)
         self.last: StepReading | None = None
 
@@ -219,7 +219,7 @@ class ShmStepSource:
         first reading of a file, on a worker thread.
         """
         reading: StepReading | None
-        if self._on_loop:
+        if self._memory_backed:
             try:
                 reading = self.read_now(on_loop=True)
             except _OffTheLoop:
@@ -232,8 +232,8 @@ class ShmStepSource:
 
     def _read_off_loop(self) -> StepReading | None:
         reading = self.read_now()
-        if reading is not None and not self._on_loop:
-            self._on_loop = memory_backed(self.path)
+        if reading is not None and self._memory_backed is None:
+            self._memory_backed = memory_backed(self.path)  # one mountinfo read per source
         return reading
 
     async def aclose(self) -> None:

@@ -341,6 +341,17 @@ async def test_shm_source_reads_on_the_loop_only_from_a_memory_filesystem(spawn,
             pytest.skip("the temp folder is on tmpfs")
         directory = tmp_path
     try:
+        from agent.watchers import steps
+
+        mounts_read = 0
+        real_memory_backed = steps.memory_backed
+
+        def counted_memory_backed(path):
+            nonlocal mounts_read
+            mounts_read += 1
+            return real_memory_backed(path)
+
+        monkeypatch.setattr(steps, "memory_backed", counted_memory_backed)
         server = fake_server.start(spawn, env=server_env(directory))
         source = ShmStepSource(server.pid, directory=directory)
         await _reading(source)
@@ -357,6 +368,7 @@ async def test_shm_source_reads_on_the_loop_only_from_a_memory_filesystem(spawn,
         assert all(r is not None and r.pid == server.pid for r in readings)
         assert readings[-1].forward_ct >= readings[0].forward_ct  # type: ignore[union-attr]
         assert hops == (0 if memory else 20)
+        assert mounts_read == 1  # the filesystem is decided once per source, not at every reading
     finally:
         if memory:
             shutil.rmtree(directory, ignore_errors=True)

@@ -185,6 +185,11 @@ def _key(key: str) -> bytes:
     return _field(_KV_KEY, key.encode()) if key else b""
 
 
+def _kv(tag: bytes, key: str, value: Any) -> bytes:
+    """One ``KeyValue`` as field ``tag``: tag, length, key, value."""
+    return _field(tag, _key(key) + _field(_KV_VALUE, _any_value(value)))
+
+
 def _attributes(tag: bytes, attrs: dict[str, Any]) -> bytes:
     """Every attribute as a repeated ``KeyValue`` field ``tag``, in the record's order."""
     if not attrs:
@@ -193,17 +198,16 @@ def _attributes(tag: bytes, attrs: dict[str, Any]) -> bytes:
     parts = []
     for key, value in attrs.items():
         kind = type(value)
-        if kind is float or kind is tuple:
-            parts.append(_field(tag, _key(key) + _field(_KV_VALUE, _any_value(value))))
+        if kind is float or kind is tuple or (kind is str and len(value) > 64):  # rarely repeated: not cached
+            parts.append(_kv(tag, key, value))
             continue
         ck = (tag, key, kind, value)
         kv = cache.get(ck)
         if kv is None:
-            kv = _field(tag, _key(key) + _field(_KV_VALUE, _any_value(value)))
-            if kind is not str or len(value) <= 64:
-                if len(cache) >= _KV_CACHE_MAX:
-                    cache.clear()
-                cache[ck] = kv
+            kv = _kv(tag, key, value)
+            if len(cache) >= _KV_CACHE_MAX:
+                cache.clear()
+            cache[ck] = kv
         parts.append(kv)
     return b"".join(parts)
 

@@ -443,7 +443,7 @@ def unknown_env_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
         if name.upper() in known:
             continue
         close = _closest(name.upper().removeprefix(ENV_PREFIX), [k.removeprefix(ENV_PREFIX) for k in known])
-        hint = f"did you mean {ENV_PREFIX}{close}?" if close else "see the settings reference in README.md"
+        hint = f"did you mean {ENV_PREFIX}{close}?" if close else "see the settings reference in docs/settings.md"
         lines.append(f"unknown variable {name} is ignored ({hint})")
     return lines
 
@@ -533,11 +533,11 @@ def _shown_default(dotted: str, info: Any) -> str:
 
 
 def settings_reference() -> str:
-    """The settings reference of README.md: one Markdown table row per setting.
+    """The settings reference of docs/settings.md: one Markdown table row per setting.
 
     Columns: the TOML key (``table.key``), the ``SERVEWATCH_*`` variable, the default and what
     it does (the field's description, else the first sentence of its model's ``Attributes:``
-    docs). ``python -m agent.config --reference`` prints it; a test keeps README.md equal to it.
+    docs). ``python -m agent.config --reference`` prints it; a test keeps docs/settings.md equal to it.
 
     Returns:
         The table, newline-terminated.

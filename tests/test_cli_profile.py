@@ -157,8 +157,8 @@ def test_bad_activities_name_the_flag_and_every_accepted_value(tmp_path: Path, l
         "servewatch: invalid --activities 'cpu,CUDA_PROFILER': CUDA_PROFILER is for the sglang backend only"
         " (this one is sdk)\n"
     )
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    row = next(x for x in readme.splitlines() if x.startswith("| `profiler.activities` "))
+    settings_doc = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text(encoding="utf-8")
+    row = next(x for x in settings_doc.splitlines() if x.startswith("| `profiler.activities` "))
     assert all(f"`{a}`" in row for a in ("CPU", "GPU", "MEM", "CUDA_PROFILER")), row
     assert not (tmp_path / "cwd" / "profiles").exists() and not list((tmp_path / "cwd").iterdir())
 

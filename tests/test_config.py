@@ -136,7 +136,7 @@ def test_unknown_servewatch_variables_are_named_with_the_closest_valid_name() ->
     assert unknown_env_warnings(env) == [
         "unknown variable SERVEWATCH_HEALTH__URLL is ignored (did you mean SERVEWATCH_HEALTH__URL?)",
         "unknown variable SERVEWATCH_SPAN_FALBACK is ignored (did you mean SERVEWATCH_SPAN_FALLBACK?)",
-        "unknown variable SERVEWATCH_ZZZQQQ is ignored (see the settings reference in README.md)",
+        "unknown variable SERVEWATCH_ZZZQQQ is ignored (see the settings reference in docs/settings.md)",
     ]
     assert unknown_env_warnings({"SERVEWATCH_WATCHDOG__TIMEOUT_S": "3", "PATH": "/bin"}) == []
 
@@ -151,23 +151,23 @@ def test_unknown_toml_key_names_the_closest_valid_key(tmp_path: Path) -> None:
     )
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SETTINGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
 
-def test_readme_settings_reference_is_the_generated_one() -> None:
+def test_settings_doc_is_the_generated_reference() -> None:
     from agent.config import settings_reference
 
-    text = README.read_text(encoding="utf-8")
+    text = SETTINGS_DOC.read_text(encoding="utf-8")
     start, end = "<!-- settings-reference:start -->\n", "<!-- settings-reference:end -->"
     assert start in text and end in text
     block = text.split(start, 1)[1].split(end, 1)[0]
-    assert block == settings_reference(), "README.md is stale: paste `python -m agent.config --reference` between the markers"
+    assert block == settings_reference(), "docs/settings.md is stale: paste `python -m agent.config --reference` between the markers"
 
 
-def test_readme_names_every_setting_and_its_environment_variable() -> None:
+def test_settings_doc_names_every_setting_and_its_environment_variable() -> None:
     from agent.config import env_names
 
-    text = README.read_text(encoding="utf-8")
+    text = SETTINGS_DOC.read_text(encoding="utf-8")
     tables = {dotted.rpartition(".")[0] for dotted in env_names().values()}
     for env, dotted in env_names().items():
         if dotted in tables:  # a table (SERVEWATCH_HEALTH='{...}'), not a setting

@@ -112,7 +112,7 @@ class ProfilerConfig(BaseModel):
         base_url: the server's HTTP address for ``sglang``/``vllm`` (default
             ``http://127.0.0.1:30000``, SGLang's default port).
         output_dir: where traces are written; ``None`` = the incident bundle folder (incidents)
-            or ``./servewatch-profiles`` (``servewatch profile``). For ``vllm`` set it to the
+            or ``./profiles`` (``servewatch profile``). For ``vllm`` set it to the
             folder vLLM was launched with.
         num_steps: forward steps per session for ``servewatch profile`` when ``--steps`` is not given
             (default 5).
@@ -467,7 +467,7 @@ class ProfilerActor:
             num_steps=num_steps or c.num_steps,
             start_step=start_step if start_step is not None else c.start_step,
             activities=tuple(activities or c.activities),
-            output_dir=Path(output_dir or c.output_dir or Path("servewatch-profiles")).resolve(),
+            output_dir=Path(output_dir or c.output_dir or Path("profiles")).resolve(),
             timeout_s=timeout_s or c.max_duration_s,
         )
 

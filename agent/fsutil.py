@@ -22,11 +22,16 @@ import os
 import re
 import secrets
 import stat
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "MEMORY_FILESYSTEMS",
     "TEMP_SUFFIX",
+    "Claimed",
+    "SessionFolder",
     "atomic_write_bytes",
     "atomic_write_text",
     "ensure_private_dir",
@@ -195,3 +200,257 @@ def memory_backed(path: str | os.PathLike[str]) -> bool:
             best, fstype = point, right.split()[0]
     return fstype in MEMORY_FILESYSTEMS
 
+
+
+# --- session folders: the only place root takes files a target names --------------------------
+
+#: Bounds of one :meth:`SessionFolder.claim` walk (a ``.gputrace`` bundle is a folder tree).
+_CLAIM_MAX_DEPTH = 16
+_CLAIM_MAX_ENTRIES = 10_000
+_O_PATH = getattr(os, "O_PATH", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+OUTSIDE_SESSION = "outside the session folder, ignored"
+
+
+class _Refused(Exception):
+    """One reported entry that is not taken (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What :meth:`SessionFolder.claim` took.
+
+    Attributes:
+        paths: the entries taken, as paths inside the session folder (never resolved): files
+            0600, folders 0700, all owned by the agent now.
+        size_bytes: their total size in bytes (folders: the files in them).
+        ignored: one ``"<path as reported>: <why>"`` per entry not taken (outside the session
+            folder, a symlink, a device or FIFO, owned by another uid, more than one link).
+    """
+
+    paths: tuple[str, ...]
+    size_bytes: int
+    ignored: tuple[str, ...]
+
+
+class SessionFolder:
+    """A folder the agent created for one session: the one place it takes files a target names.
+
+    A profiled server (another uid, or any process a ``--match`` glob picked) answers with the
+    paths of the trace files it wrote. Root never resolves, opens, chmods, reads or copies such
+    a path unless it lies (lexically) inside this folder; each component is then opened relative
+    to the folder's descriptor with ``O_NOFOLLOW`` (``openat``), only regular files and folders
+    owned by the writer's uid (with one link) are taken, and taking one means: the agent's own
+    owner, mode 0600 (folders 0700), set through the descriptor. Once taken, the tree is the
+    agent's alone: the target can no longer change what a later reader (the trace import, the
+    report) opens.
+
+    Create one with :meth:`create`; ``path`` is where the target is told to write.
+    """
+
+    def __init__(self, path: Path, writer_uid: int, *, created: tuple[Path, ...] = ()) -> None:
+        self.path = path
+        self.writer_uid = writer_uid
+        self._created = created
+
+    @classmethod
+    def create(cls, base: str | os.PathLike[str], *, writer_uid: int | None = None, prefix: str = "session") -> SessionFolder:
+        """A new session folder for ``base`` (the ``--out`` folder, or an incident's bundle).
+
+        ``base`` itself is the session folder when the agent creates it now, or when it is
+        already the agent's own private folder (owned by the agent's uid, not writable by group
+        or others) and the writer is the agent's uid. Otherwise a fresh ``<prefix>-<UTC time>-
+        <random>`` folder is made inside it (``mkdir``: never an existing one). A writer of
+        another uid gets the session folder as its owner (mode 0700) so that it can write
+        there; :meth:`claim` takes it back.
+
+        Args:
+            base: absolute folder path (missing parents are created 0700).
+            writer_uid: the uid of the process that will write into it (default: the agent's).
+            prefix: name prefix of a fresh sub-folder.
+
+        Raises:
+            NotADirectoryError: ``base`` exists and is a symlink or not a folder.
+            OSError: a folder could not be created (or given to ``writer_uid``).
+        """
+        euid = os.geteuid()
+        writer = euid if writer_uid is None else writer_uid
+        base = Path(base)
+        missing: list[Path] = []
+        probe = base
+        while not os.path.lexists(probe) and probe != probe.parent:
+            missing.append(probe)
+            probe = probe.parent
+        st_before = None if missing else os.lstat(base)
+        ensure_private_dir(base)
+        if missing or (st_before is not None and writer == euid and st_before.st_uid == euid and not st_before.st_mode & 0o022):
+            path = base
+        else:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            path = base / f"{prefix}-{stamp}-{secrets.token_hex(3)}"
+            old = os.umask(0o077)
+            try:
+                os.mkdir(path, _DIR_MODE)  # FileExistsError rather than reuse
+            finally:
+                os.umask(old)
+            missing.insert(0, path)
+        if writer != euid:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC)
+            try:
+                os.fchown(fd, writer, -1)
+                os.fchmod(fd, _DIR_MODE)
+            finally:
+                os.close(fd)
+        return cls(path, writer, created=tuple(missing))
+
+    def remove_if_empty(self) -> None:
+        """Remove the folders :meth:`create` made (deepest first) while they are empty."""
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty, or gone
+                return
+
+    def relative_parts(self, reported: str | os.PathLike[str]) -> tuple[str, ...] | None:
+        """The components of ``reported`` below this folder, lexically (``..`` collapsed, no
+        symlink resolved); ``None`` when it is not an absolute path strictly inside it."""
+        text = os.fspath(reported)
+        if not isinstance(text, str) or "\0" in text or not os.path.isabs(text):
+            return None
+        norm = os.path.normpath(text)
+        root = os.path.normpath(str(self.path))
+        if not norm.startswith(root.rstrip(os.sep) + os.sep):
+            return None
+        parts = tuple(norm[len(root.rstrip(os.sep)) + 1 :].split(os.sep))
+        return parts if all(parts) else None
+
+    def claim(self, reported: Iterable[str | os.PathLike[str]]) -> Claimed:
+        """Take the entries a target reported, safely (see the class docstring).
+
+        Blocking (file system): call it off the event loop.
+
+        Args:
+            reported: paths as the target (or a folder scan) gave them.
+
+        Returns:
+            What was taken and what was ignored, and why. Never raises for a hostile entry.
+        """
+        kept: list[str] = []
+        ignored: list[str] = []
+        total = 0
+        try:
+            dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as exc:
+            return Claimed((), 0, tuple(f"{p}: session folder {self.path}: {exc.strerror or exc}" for p in reported))
+        try:
+            try:
+                self._take(dir_fd, os.fstat(dir_fd), allow_agent=True)
+            except _Refused as exc:
+                return Claimed((), 0, tuple(f"{p}: session folder: {exc}" for p in reported))
+            for p in dict.fromkeys(os.fspath(r) for r in reported):
+                parts = self.relative_parts(p)
+                if parts is None:
+                    ignored.append(f"{p}: {OUTSIDE_SESSION}")
+                    continue
+                try:
+                    total += self._claim_at(dir_fd, parts, ignored, p)
+                except _Refused as exc:
+                    ignored.append(f"{p}: {exc}")
+                    continue
+                kept.append(os.path.join(str(self.path), *parts))
+        finally:
+            os.close(dir_fd)
+        return Claimed(tuple(kept), total, tuple(ignored))
+
+    # -- the walk, one descriptor at a time -----------------------------------------------------
+
+    def _take(self, fd: int, st: os.stat_result, *, allow_agent: bool = False) -> None:
+        """Make the entry behind ``fd`` the agent's, private: owner check, then chown + chmod."""
+        euid = os.geteuid()
+        owners = {self.writer_uid, euid} if allow_agent else {self.writer_uid}
+        if st.st_uid not in owners:
+            raise _Refused(f"owned by uid {st.st_uid}, not the writer's ({self.writer_uid}), ignored")
+        if stat.S_ISREG(st.st_mode) and st.st_nlink != 1:
+            raise _Refused(f"a file with {st.st_nlink} links (a hard link to another file?), ignored")
+        try:
+            if st.st_uid != euid:
+                os.fchown(fd, euid, -1)
+            os.fchmod(fd, _DIR_MODE if stat.S_ISDIR(st.st_mode) else _FILE_MODE)
+        except OSError as exc:
+            raise _Refused(f"cannot make it private: {exc.strerror or exc}") from None
+
+    def _open_entry(self, dir_fd: int, name: str) -> tuple[int, os.stat_result]:
+        """Open ``name`` in ``dir_fd`` without following a symlink or opening a device/FIFO."""
+        if name in (".", "..") or os.sep in name:
+            raise _Refused(OUTSIDE_SESSION)
+        try:
+            probe = os.open(name, (_O_PATH or os.O_RDONLY | os.O_NONBLOCK) | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            raise _Refused("a symlink, never followed" if exc.errno == 40 else (exc.strerror or str(exc))) from None
+        try:
+            st = os.fstat(probe)
+            if stat.S_ISLNK(st.st_mode):
+                raise _Refused("a symlink, never followed")
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise _Refused("not a regular file or folder, ignored")
+            if not _O_PATH:
+                return probe, st
+            flags = os.O_RDONLY | _O_CLOEXEC | (os.O_DIRECTORY if stat.S_ISDIR(st.st_mode) else os.O_NONBLOCK)
+            fd = os.open(f"/proc/self/fd/{probe}", flags)  # the same inode, now open for real
+        except _Refused:
+            os.close(probe)
+            raise
+        except OSError as exc:
+            os.close(probe)
+            raise _Refused(exc.strerror or str(exc)) from None
+        os.close(probe)
+        st2 = os.fstat(fd)
+        if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
+            os.close(fd)
+            raise _Refused("changed while it was opened, ignored")
+        return fd, st2
+
+    def _claim_at(self, dir_fd: int, parts: tuple[str, ...], ignored: list[str], reported: str) -> int:
+        """Take ``parts`` below ``dir_fd`` (folders on the way are taken too); its size in bytes."""
+        fds: list[int] = []
+        try:
+            cur = dir_fd
+            for name in parts[:-1]:
+                fd, st = self._open_entry(cur, name)
+                fds.append(fd)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise _Refused("a path through something that is not a folder, ignored")
+                self._take(fd, st)
+                cur = fd
+            fd, st = self._open_entry(cur, parts[-1])
+            fds.append(fd)
+            self._take(fd, st)
+            if stat.S_ISDIR(st.st_mode):
+                budget = [_CLAIM_MAX_ENTRIES]
+                return self._claim_tree(fd, 1, ignored, reported, budget)
+            return st.st_size
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _claim_tree(self, dir_fd: int, depth: int, ignored: list[str], where: str, budget: list[int]) -> int:
+        """Take everything in a reported folder (a ``.gputrace`` bundle), bounded; its size."""
+        total = 0
+        for name in sorted(os.listdir(dir_fd)):
+            budget[0] -= 1
+            if budget[0] < 0 or depth > _CLAIM_MAX_DEPTH:
+                ignored.append(f"{where}: more than {_CLAIM_MAX_ENTRIES} entries or {_CLAIM_MAX_DEPTH} levels, the rest ignored")
+                return total
+            try:
+                fd, st = self._open_entry(dir_fd, name)
+            except _Refused as exc:
+                ignored.append(f"{where}/{name}: {exc}")
+                continue
+            try:
+                self._take(fd, st)
+                total += self._claim_tree(fd, depth + 1, ignored, f"{where}/{name}", budget) if stat.S_ISDIR(st.st_mode) else st.st_size
+            except _Refused as exc:
+                ignored.append(f"{where}/{name}: {exc}")
+            finally:
+                os.close(fd)
+        return total

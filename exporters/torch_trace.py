@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import gzip
 import heapq
+import io
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -147,10 +149,44 @@ def _text_id(value: Any) -> str:
 # --- reading ---------------------------------------------------------------------------------
 
 
+def _open_binary(path: Path) -> IO[bytes]:
+    """Open a trace file for reading without following a symlink as its last component, and
+    only if it is a regular file (never a FIFO or a device a target planted).
+
+    Raises:
+        OSError: missing, a symlink (``ELOOP``), or unreadable.
+        ValueError: not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _OwnedGzip(gzip.GzipFile):
+    """A :class:`gzip.GzipFile` over a file object it closes with itself."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__(fileobj=raw, mode="rb")
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
 def _open_text(path: Path) -> IO[str]:
+    raw = _open_binary(path)
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return io.TextIOWrapper(_OwnedGzip(raw), encoding="utf-8")
+    return io.TextIOWrapper(raw, encoding="utf-8")
 
 
 class _Reader:
@@ -301,12 +337,12 @@ def find_base_time_ns(path: str | Path) -> int | None:
         return int(m.group(1))
     if p.name.endswith(".gz"):
         tail = b""
-        with gzip.open(p, "rb") as g:
+        with _OwnedGzip(_open_binary(p)) as g:
             while block := g.read(1 << 20):
                 tail = (tail + block)[-_TAIL_BYTES:]
     else:
-        with open(p, "rb") as b:
-            b.seek(max(0, os.path.getsize(p) - _TAIL_BYTES))
+        with _open_binary(p) as b:
+            b.seek(max(0, os.fstat(b.fileno()).st_size - _TAIL_BYTES))
             tail = b.read()
     found = _BASE_RE.findall(tail.decode("utf-8", errors="replace"))
     return int(found[-1]) if found else None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -56,7 +57,7 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
-from agent.fsutil import ensure_private_dir
+from agent.fsutil import OUTSIDE_SESSION, Claimed, SessionFolder
 from agent.lazy import LazyModule
 from agent.sdkclient import (
     SdkCallError,
@@ -215,18 +216,20 @@ class SessionRequest(BaseModel):
 
 
 def _entry_size(path: Path) -> int:
-    """Size of a file, or the total of a bundle folder (``.gputrace``), in bytes."""
+    """Size of a file, or the total of a bundle folder (``.gputrace``), in bytes; ``-1`` when it
+    cannot be read. Symlinks are never followed (``lstat``; a symlink counts as 0)."""
     try:
-        if path.is_dir():
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
             total = 0
-            for root, _dirs, files in os.walk(path):
+            for root, _dirs, files in os.walk(path):  # never descends into a symlinked folder
                 for name in files:
                     try:
-                        total += os.path.getsize(os.path.join(root, name))
+                        total += os.lstat(os.path.join(root, name)).st_size
                     except OSError:
                         continue
             return total
-        return path.stat().st_size
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
     except OSError:
         return -1
 
@@ -247,7 +250,6 @@ async def find_new_files(
     timeout_s: float,
     settle_s: float = 0.5,
     poll_interval_s: float = 0.1,
-    expected: Sequence[str] = (),
 ) -> list[Path]:
     """Wait (bounded) for new trace files in ``directory`` and for them to stop growing.
 
@@ -258,8 +260,6 @@ async def find_new_files(
         timeout_s: the bound of the whole wait, seconds.
         settle_s: a file is complete once its size is unchanged for this long, seconds.
         poll_interval_s: poll period, seconds.
-        expected: paths the backend reported (SDK); they are waited for even if outside
-            ``directory``.
 
     Returns:
         The new, non-empty files/bundles whose size was stable for ``settle_s`` (possibly fewer
@@ -272,10 +272,7 @@ async def find_new_files(
         now = time.monotonic()
 
         def scan() -> dict[Path, int]:
-            found = {directory / n: s for n, s in snapshot_dir(directory).items() if before.get(n) != s}
-            for p in expected:
-                found[Path(p)] = _entry_size(Path(p))
-            return found
+            return {directory / n: s for n, s in snapshot_dir(directory).items() if before.get(n) != s}
 
         current = await anyio.to_thread.run_sync(scan)  # a folder walk: off the loop
         settled = []
@@ -299,55 +296,16 @@ async def find_new_files(
         await anyio.sleep(min(poll_interval_s, max(0.0, deadline - now)))
 
 
-def _chmod_nofollow(path: str, mode: int) -> None:
-    """chmod ``path`` through a file descriptor opened with ``O_NOFOLLOW``: a symlink (planted
-    in a trace folder, say) raises ``OSError`` (ELOOP) instead of changing what it points to.
-    Portable where ``chmod(..., follow_symlinks=False)`` is not (no ``lchmod``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+def _writer_uid(pid: int) -> int | None:
+    """The effective uid ``pid`` creates files with (``/proc/PID/status``), ``None`` if gone."""
     try:
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-
-
-def _make_private(path: Path) -> None:
-    """Mode 0600 (folders 0700) for a trace, like every file servewatch captures: a trace holds
-    the server's code paths and shapes. Best effort: a file of another user, or a symlink (never
-    followed), stays as it is."""
-
-    def private(target: str, mode: int) -> None:
-        try:
-            _chmod_nofollow(target, mode)
-        except OSError as exc:
-            logger.debug("cannot make %s private: %s", target, exc)
-
-    if path.is_dir() and not path.is_symlink():  # a Metal .gputrace bundle
-        for root, dirs, names in os.walk(path):  # never descends into a symlinked folder
-            for name in dirs:
-                private(os.path.join(root, name), 0o700)
-            for name in names:
-                private(os.path.join(root, name), 0o600)
-        private(str(path), 0o700)
-    elif path.is_file() and not path.is_symlink():
-        private(str(path), 0o600)
-
-
-def _missing_dirs(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, deepest first."""
-    out: list[Path] = []
-    while not path.exists() and path != path.parent:
-        out.append(path)
-        path = path.parent
-    return out
-
-
-def _remove_empty(folders: Sequence[Path]) -> None:
-    """Remove the folders a session created (deepest first) while they are empty."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:  # not empty (something else wrote there), or already gone
-            return
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class _StallWatch:
@@ -387,6 +345,8 @@ class _Session:
         self.req = req
         self.pid = pid
         self.start_ns = now_ns()
+        #: The folder this session's files are taken from (set once it exists).
+        self.folder: SessionFolder | None = None
         self.attrs: dict[str, AttributeValue] = {
             "servewatch.profile.backend": backend,
             "servewatch.profile.num_steps": req.num_steps,
@@ -399,15 +359,26 @@ class _Session:
             self.attrs["process.pid"] = pid
 
     async def aresult(self, outcome: Outcome, detail: str, files: Sequence[Path] = (), *, retryable: bool = False) -> ActionResult:
-        """:meth:`result` from a worker thread: it resolves and measures ``files`` (folder walks)."""
+        """:meth:`result` from a worker thread: it takes ``files`` into the session folder (walks)."""
         return await anyio.to_thread.run_sync(partial(self.result, outcome, detail, files, retryable=retryable))
 
     def result(self, outcome: Outcome, detail: str, files: Sequence[Path] = (), *, retryable: bool = False) -> ActionResult:
-        paths = tuple(str(Path(f).resolve()) for f in files)
-        for path in paths:
-            _make_private(Path(path))
-        self.attrs["servewatch.profile.files"] = len(paths)
-        self.attrs["servewatch.profile.size_bytes"] = sum(max(0, _entry_size(Path(p))) for p in paths)
+        """The session's result. ``files`` (as the target reported them, or a scan found them)
+        are taken only from inside the session folder (:meth:`SessionFolder.claim`); the rest is
+        said, never touched. An ``OK`` session none of whose files could be taken is ``FAILED``."""
+        if files:
+            claimed = self.folder.claim(files) if self.folder is not None else Claimed(
+                (), 0, tuple(f"{f}: {OUTSIDE_SESSION}" for f in files))
+        else:
+            claimed = Claimed((), 0, ())
+        if claimed.ignored:
+            self.attrs["servewatch.profile.ignored"] = claimed.ignored[:20]
+            logger.warning("profile session: %d reported file(s) not taken: %s", len(claimed.ignored), "; ".join(claimed.ignored[:5]))
+            detail += f"; {len(claimed.ignored)} reported file(s) not taken ({claimed.ignored[0]})"
+            if outcome is Outcome.OK and not claimed.paths:
+                outcome = Outcome.FAILED
+        self.attrs["servewatch.profile.files"] = len(claimed.paths)
+        self.attrs["servewatch.profile.size_bytes"] = claimed.size_bytes
         return ActionResult(
             action=ACTION,
             outcome=outcome,
@@ -416,7 +387,7 @@ class _Session:
             detail=detail,
             start_time_unix_nano=self.start_ns,
             end_time_unix_nano=now_ns(),
-            artifact_paths=paths,
+            artifact_paths=claimed.paths,
             attributes=frozen_attrs(self.attrs),
         )
 
@@ -525,22 +496,33 @@ class ProfilerActor:
         return [r for r in results if r is not None]
 
     async def profile(self, req: SessionRequest, *, pid: int | None = None) -> ActionResult:
-        """Run one session and return its result; never raises for the target's misbehaviour."""
+        """Run one session and return its result; never raises for the target's misbehaviour.
+
+        The target writes into a session folder the agent creates (:class:`SessionFolder`:
+        ``req.output_dir`` itself when the agent makes it now or it is the agent's own private
+        folder, else a fresh sub-folder); its files are taken only from there."""
         backend = self.config.backend
         s = _Session(backend, req, pid)
-        missing = await anyio.to_thread.run_sync(_missing_dirs, req.output_dir)
+        if backend == "sdk" and pid is None:
+            return s.result(Outcome.FAILED, "the sdk backend needs a target pid")
+        writer = await anyio.to_thread.run_sync(_writer_uid, pid) if backend == "sdk" and pid is not None else None
+        try:
+            s.folder = await anyio.to_thread.run_sync(partial(SessionFolder.create, req.output_dir, writer_uid=writer))
+        except OSError as exc:
+            return s.result(Outcome.FAILED, f"cannot create {str(req.output_dir)!r}: {exc.strerror or exc}")
+        if s.folder.path != req.output_dir:
+            s.req = req.model_copy(update={"output_dir": s.folder.path})
+            s.attrs["servewatch.profile.output_dir"] = str(s.folder.path)
         try:
             if backend == "sdk":
-                if pid is None:
-                    return s.result(Outcome.FAILED, "the sdk backend needs a target pid")
-                result = await self._sdk_session(s, self.socket_for(pid))
+                result = await self._sdk_session(s, self.socket_for(pid))  # type: ignore[arg-type]
             else:
                 result = await self._http_session(s)
         except Exception as exc:
             logger.exception("profiling session failed")
             result = s.result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
         if not result.artifact_paths:  # a session with no trace leaves no folder behind
-            await anyio.to_thread.run_sync(_remove_empty, missing)
+            await anyio.to_thread.run_sync(s.folder.remove_if_empty)
         return result
 
     # -- sdk ----------------------------------------------------------------------------------
@@ -561,12 +543,6 @@ class ProfilerActor:
         }
         if req.start_step is not None:
             body["start_step"] = req.start_step
-        try:
-            # the SDK writes only into folders that exist or that it allows: make ours exist,
-            # private (0700) like every folder servewatch creates
-            await anyio.to_thread.run_sync(ensure_private_dir, req.output_dir)
-        except OSError as exc:
-            return s.result(Outcome.FAILED, f"cannot create {str(req.output_dir)!r}: {exc.strerror or exc}")
         try:
             reply = await sdk_call(sock, body, timeout_s=c.request_timeout_s, pid=s.pid)
         except SdkCallError as exc:
@@ -613,10 +589,10 @@ class ProfilerActor:
         if "metal_trace_captured" in info:
             s.attrs["servewatch.profile.metal_trace_captured"] = bool(info["metal_trace_captured"])
         s.attrs["servewatch.profile.profiler"] = str(info.get("backend", c.sdk_profiler))
-        # The SDK reports a session finished only after its export returned.
-        reported = [Path(f) for f in info.get("files") or ()]
-        sizes = await anyio.to_thread.run_sync(lambda: [_entry_size(f) for f in reported])  # stats/walks
-        files = [f for f, size in zip(reported, sizes) if size > 0]
+        # The SDK reports a session finished only after its export returned. What it reports is
+        # taken only from inside the session folder (the target chose these strings).
+        reported = info.get("files") or ()
+        files = [Path(f) for f in reported if isinstance(f, str)] if isinstance(reported, list) else []
         note = f"; {info['detail']}" if info.get("detail") else ""
         if not info.get("finished"):
             return s.result(Outcome.TIMED_OUT, f"session {sid} still {state} after the deadline (the model thread has not stepped){note}", retryable=True)
@@ -624,7 +600,7 @@ class ProfilerActor:
             return await s.aresult(Outcome.OK, f"{state}: {s.attrs['servewatch.profile.steps_captured']} steps, {len(files)} file{'' if len(files) == 1 else 's'}{note}", files)
         if state == "expired":
             steps = s.attrs["servewatch.profile.steps_captured"]
-            return s.result(
+            return await s.aresult(
                 Outcome.TIMED_OUT,
                 f"session expired after {req.timeout_s} s with {steps} steps captured"
                 + (" (idle server: no step came, no profiler was started)" if steps == 0 else "")
@@ -670,11 +646,7 @@ class ProfilerActor:
         c, req = self.config, s.req
         s.attrs["url.full"] = c.base_url
 
-        def prepare() -> dict[str, int]:
-            ensure_private_dir(req.output_dir)  # 0700, as every folder servewatch creates
-            return snapshot_dir(req.output_dir)
-
-        before = await anyio.to_thread.run_sync(prepare)  # file system: off the loop
+        before = await anyio.to_thread.run_sync(snapshot_dir, req.output_dir)  # file system: off the loop
         async with self._client() as client:
             if c.backend == "sglang":
                 body: dict[str, Any] = {

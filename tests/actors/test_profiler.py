@@ -256,31 +256,34 @@ def test_the_stall_window_counts_busy_time_only_not_an_idle_spell_before_work_ca
 
 
 def test_a_trace_bundle_is_made_private_without_following_a_symlink_in_it(tmp_path: Path) -> None:
-    """A Metal ``.gputrace`` is a folder: every file in it becomes 0600 and every folder 0700,
-    and a symlink inside (planted, or part of the bundle) never changes the file it points to."""
+    """A Metal ``.gputrace`` is a folder: taken from the session folder, every file in it becomes
+    0600 and every folder 0700, and a symlink inside (planted, or part of the bundle) never
+    changes the file it points to."""
     import os
     import stat
 
-    from agent.actors.profiler import _make_private
+    from agent.fsutil import SessionFolder
 
     outside = tmp_path / "outside.txt"
     outside.write_text("not ours to change")
     outside.chmod(0o644)
-    bundle = tmp_path / "capture.gputrace"
+    folder = SessionFolder.create(tmp_path / "session")
+    bundle = folder.path / "capture.gputrace"
     (bundle / "sub").mkdir(parents=True)
     (bundle / "sub" / "part.bin").write_bytes(b"x")
     (bundle / "index").write_bytes(b"y")
     for p in (bundle, bundle / "sub", bundle / "sub" / "part.bin", bundle / "index"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     os.symlink(outside, bundle / "link")
-    _make_private(bundle)
-    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode)
+    single = folder.path / "trace.json"
+    single.write_text("{}")
+    single.chmod(0o644)
+    claimed = folder.claim([bundle, single])
+    assert claimed.paths == (str(bundle), str(single)) and claimed.size_bytes == 4
+    assert claimed.ignored == (f"{bundle}/link: a symlink, never followed",)
+    modes = {str(p.relative_to(folder.path)): stat.S_IMODE(p.stat().st_mode)
              for p in (bundle, bundle / "sub", bundle / "sub" / "part.bin", bundle / "index")}
     assert modes == {"capture.gputrace": 0o700, "capture.gputrace/sub": 0o700,
                      "capture.gputrace/sub/part.bin": 0o600, "capture.gputrace/index": 0o600}
     assert stat.S_IMODE(outside.stat().st_mode) == 0o644
-    single = tmp_path / "trace.json"
-    single.write_text("{}")
-    single.chmod(0o644)
-    _make_private(single)
     assert stat.S_IMODE(single.stat().st_mode) == 0o600

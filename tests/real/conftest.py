@@ -1,0 +1,125 @@
+"""Fixtures for tests on the real vLLM server (see ``tests/real/__init__.py``).
+
+- ``vllm_tp1`` / ``vllm_tp2``: the shared server at TP=1 / TP=2 (started on first use, kept for the
+  next test; restarted only when a test left it not serving — a destructive fault). At teardown the
+  fault trigger is removed, stopped processes get SIGCONT and the server must serve a completion
+  within 60 s, else it is stopped and the next test gets a new one.
+- ``real_vllm``: the session's :class:`RealVllm`, for a test that needs its own server(s)
+  (``real_vllm.dedicated(tp=1)``; killed at that test's end, even when it fails), e.g. to SIGKILL a
+  worker, shut one down, or run two on one host.
+
+Only one server runs at a time besides a test's dedicated ones (a dedicated one stops the shared
+one first). The whole session holds the machine-wide lock (``/tmp/servewatch-realvllm.lock``)
+from its first real test on. Without an install (``python -m tests.real.install``) the tests skip,
+naming the reason; with ``SERVEWATCH_REALVLLM_REQUIRED=1`` (what ``.ci/run`` sets after a
+successful install) they fail instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.real import install as installer
+from tests.real.server import VllmServer, server_lock
+
+REAL_DIR = Path(__file__).resolve().parent
+#: Env var: "1" makes a missing install a failure instead of a skip (CI sets it).
+REQUIRED_ENV = "SERVEWATCH_REALVLLM_REQUIRED"
+#: Per-test timeout (s) for real-server tests: a first use may wait for the lock and a start.
+REAL_TEST_TIMEOUT_S = 1800
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_DIR in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.realvllm)
+            item.add_marker(pytest.mark.slow)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(REAL_TEST_TIMEOUT_S))
+
+
+class RealVllm:
+    """The session's servers: one shared server (by TP size) and tests' dedicated ones."""
+
+    def __init__(self, inst: installer.Install) -> None:
+        self.install = inst
+        self._shared: VllmServer | None = None
+        self._dedicated: list[VllmServer] = []
+
+    def shared(self, tp: int = 1) -> VllmServer:
+        """The shared server at ``tp``, started (or restarted) if it is not the right one."""
+        if self._shared is not None and (self._shared.tp != tp or not self._shared.alive):
+            self._shared.stop()
+            self._shared = None
+        if self._shared is None:
+            self._shared = VllmServer.start(self.install, tp=tp)
+        return self._shared
+
+    def dedicated(self, tp: int = 1, extra_args: tuple[str, ...] = ()) -> VllmServer:
+        """A new server only the calling test uses; the shared one is stopped first."""
+        self.drop_shared()
+        server = VllmServer.start(self.install, tp=tp, extra_args=extra_args)
+        self._dedicated.append(server)
+        return server
+
+    def drop_shared(self) -> None:
+        if self._shared is not None:
+            self._shared.stop()
+            self._shared = None
+
+    def end_test(self) -> None:
+        """After each test: stop its dedicated servers; keep the shared one only if it serves."""
+        while self._dedicated:
+            self._dedicated.pop().stop(grace_s=10.0)
+        if self._shared is not None:
+            self._shared.clear_fault()
+            self._shared.resume_all()
+            if not self._shared.serves(timeout_s=60.0):
+                self.drop_shared()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.end_test()
+        self.drop_shared()
+
+
+@pytest.fixture(scope="session")
+def _real_vllm_session() -> Iterator[RealVllm]:
+    inst = installer.ready()
+    if inst is None:
+        why = installer.unavailable_reason() or f"not installed at {installer.cache_dir()} (run `python -m tests.real.install`)"
+        if os.environ.get(REQUIRED_ENV) == "1":
+            pytest.fail(f"real vLLM required but {why}")
+        pytest.skip(f"real vLLM: {why}")
+    with server_lock():
+        pool = RealVllm(inst)
+        try:
+            yield pool
+        finally:
+            pool.close()
+
+
+@pytest.fixture
+def real_vllm(_real_vllm_session: RealVllm) -> Iterator[RealVllm]:
+    """The session's servers; whatever this test started or faulted is cleaned up after it."""
+    try:
+        yield _real_vllm_session
+    finally:
+        _real_vllm_session.end_test()
+
+
+@pytest.fixture
+def vllm_tp1(real_vllm: RealVllm) -> VllmServer:
+    """The shared real vLLM server at TP=1 (``VLLM::EngineCore`` + ``VLLM::Worker``)."""
+    return real_vllm.shared(tp=1)
+
+
+@pytest.fixture
+def vllm_tp2(real_vllm: RealVllm) -> VllmServer:
+    """The shared real vLLM server at TP=2 (``VLLM::Worker_TP0``, ``VLLM::Worker_TP1``)."""
+    return real_vllm.shared(tp=2)

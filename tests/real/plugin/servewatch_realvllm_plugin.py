@@ -1,0 +1,88 @@
+"""A vLLM general plugin (entry point group ``vllm.general_plugins``) that injects faults into the
+model's forward, inside the real worker processes.
+
+vLLM loads general plugins in every one of its processes (API server, EngineCore, workers). This
+one wraps ``LlamaForCausalLM.forward``: before each forward, a worker whose tensor-parallel rank is
+selected reads the trigger file named by ``SERVEWATCH_REALVLLM_FAULT_FILE`` and
+
+- ``mode=hang`` (the default): blocks, polling every 50 ms, for as long as the file exists — a
+  forward that never returns while the trigger is there, with the real call stack above it;
+- ``mode=slow``: sleeps ``delay_s`` seconds once per forward (a slow step, the engine still steps).
+
+The file holds ``key=value`` lines: ``mode``, ``ranks`` (comma-separated TP ranks, or ``all``, the
+default) and ``delay_s``. No file: the forward runs untouched (one ``stat`` per forward).
+Installed into the vLLM venv by ``tests/real/install.py``; only test servers set the variable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+FAULT_FILE_ENV = "SERVEWATCH_REALVLLM_FAULT_FILE"
+_POLL_S = 0.05
+
+
+def _read_fault(path: str) -> dict[str, str] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fault: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            fault[key.strip()] = value.strip()
+    return fault
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialised (no TP group): rank 0
+        return 0
+
+
+def _selected(fault: dict[str, str]) -> bool:
+    ranks = fault.get("ranks", "all")
+    if ranks in ("", "all"):
+        return True
+    return _tp_rank() in {int(r) for r in ranks.split(",") if r.strip()}
+
+
+def fault_point(path: str) -> None:
+    """Apply the fault the trigger file describes to this forward, if this rank is selected."""
+    fault = _read_fault(path)
+    if fault is None or not _selected(fault):
+        return
+    if fault.get("mode", "hang") == "slow":
+        time.sleep(float(fault.get("delay_s", "1.0")))
+        return
+    while os.path.exists(path):
+        time.sleep(_POLL_S)
+
+
+def register() -> None:
+    """The plugin's entry point: wrap the Llama forward when a fault file is configured."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path:
+        return
+    from vllm.model_executor.models import llama
+
+    cls: Any = llama.LlamaForCausalLM
+    if getattr(cls.forward, "_servewatch_fault", False):
+        return
+    inner = cls.forward
+
+    @functools.wraps(inner)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fault_point(path)
+        return inner(self, *args, **kwargs)
+
+    forward._servewatch_fault = True  # type: ignore[attr-defined]
+    cls.forward = forward

@@ -546,6 +546,23 @@ class IncidentManager:
         self._last_open[key] = now
         return False
 
+    def claim_cooldown(self, trigger: str, detail: str = "") -> tuple[float, str]:
+        """Start ``trigger``'s cooldown window for an incident opened outside the bus (a manual
+        one over the API), as every trigger event does: ``(0.0, "")`` when one may open now, else
+        ``(seconds left, id of the incident that opened the window)``; a refusal is counted in
+        ``suppressed`` and told once per window."""
+        key = self._cooldown_key(trigger, None)
+        if not self._cooling_down(trigger, None):
+            return 0.0, ""
+        self.suppressed += 1
+        self._say_suppressed(key, detail or trigger)
+        left_s = self.config.cooldown_s - (time.monotonic() - self._last_open.get(key, 0.0))
+        return max(0.0, left_s), self._cooldown_ids.get(key, "")
+
+    def cooldown_opened(self, trigger: str, incident_id: str) -> None:
+        """Name the incident that opened ``trigger``'s current cooldown window (see :meth:`claim_cooldown`)."""
+        self._cooldown_ids[self._cooldown_key(trigger, None)] = incident_id
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consume trigger events from the bus and open incidents, one at a time, until cancelled."""
         async with self.bus.subscribe(*TRIGGER_EVENTS, WatchdogRearmed, name="incidents") as sub:

@@ -15,6 +15,13 @@ Order of checks on every request: rate limit (429, before authentication, so gue
 slow too), then authentication (401 without a valid bearer token when a token is configured;
 under mutual TLS a client without a certificate never completes the handshake), then routing.
 
+Token guesses are limited twice: per client address (the request rate limit), and for all
+clients together (``guess_rate_per_s``/``guess_burst``: failed authentications), since any
+local user can send from every address of 127/8. While the shared bucket is empty, every request
+on a connection that has not shown valid credentials before is answered 429 *before* its token
+is compared (a right guess must look like a wrong one); connections that already authenticated
+(keep-alive) go on being served.
+
 Imports :mod:`agent.fleet.http`, :mod:`agent.fleet.traceparent` and the standard library.
 """
 
@@ -81,6 +88,18 @@ class RateLimiter:
             self._buckets.popitem(last=False)
         return wait
 
+    def _tokens(self, client: str) -> float:
+        tokens, last = self._buckets.get(client, (float(self.burst), self._clock()))
+        return min(float(self.burst), tokens + (self._clock() - last) * self.rate_per_s)
+
+    def empty(self, client: str) -> bool:
+        """Whether ``client`` has no whole token now (nothing is taken)."""
+        return self._tokens(client) < 1.0
+
+    def wait_s(self, client: str) -> float:
+        """Seconds until ``client`` has a whole token (0 when it has one)."""
+        return max(0.0, (1.0 - self._tokens(client)) / self.rate_per_s)
+
 
 def _error(status: int, message: str, headers: list[tuple[str, str]] | None = None) -> Response:
     return json_response(status, {"error": message}, headers)
@@ -94,7 +113,7 @@ class AgentApi:
         token: the bearer token (``None``: no token check, only allowed under mutual TLS).
         mutual_tls: the server requires client certificates (checked again per request).
         rate_per_s / rate_burst: per-client rate limit.
-        max_body_bytes: largest accepted body (also enforced by the server).
+        guess_rate_per_s / guess_burst: failed authentications allowed, all clients together.
     """
 
     def __init__(
@@ -105,6 +124,8 @@ class AgentApi:
         mutual_tls: bool = False,
         rate_per_s: float = 5.0,
         rate_burst: int = 20,
+        guess_rate_per_s: float = 1.0,
+        guess_burst: int = 30,
     ) -> None:
         if token is None and not mutual_tls:
             raise ValueError("the API needs a bearer token or mutual TLS")
@@ -112,10 +133,13 @@ class AgentApi:
         self._token = token
         self.mutual_tls = mutual_tls
         self.limiter = RateLimiter(rate_per_s, rate_burst)
+        #: failed authentications of all clients together (one bucket)
+        self.guesses = RateLimiter(guess_rate_per_s, guess_burst)
         #: requests refused for lack of valid credentials
         self.unauthorized = 0
 
-    def _authorized(self, request: Request) -> bool:
+    def authorized(self, request: Request) -> bool:
+        """Whether ``request`` (its head suffices) carries valid credentials."""
         if self.mutual_tls and not request.client_certificate:
             return False
         if self._token is None:
@@ -129,8 +153,13 @@ class AgentApi:
         wait_s = self.limiter.allow(request.client)
         if wait_s > 0:
             return _error(429, "rate limited", [("retry-after", str(max(1, round(wait_s + 0.5))))])
-        if not self._authorized(request):
+        if not request.proven_connection and self.guesses.empty(""):
+            self.guesses.limited += 1
+            wait_s = self.guesses.wait_s("")
+            return _error(429, "rate limited: too many failed authentications", [("retry-after", str(max(1, round(wait_s + 0.5))))])
+        if not self.authorized(request):
             self.unauthorized += 1
+            self.guesses.allow("")
             return _error(401, "unauthorized: send 'Authorization: Bearer <token>'", [("www-authenticate", 'Bearer realm="servewatch"')])
         path = request.path.rstrip("/") or "/"
         if path == "/v1/status":
@@ -185,4 +214,6 @@ class AgentApi:
             except TraceParentError as exc:
                 return _error(400, str(exc))
         status, body = await self.backend.post_incident(join, agent_id=request.headers.get("x-servewatch-agent", ""))
+        if status == 429 and isinstance(body.get("retry_after_s"), (int, float)):
+            return json_response(status, body, [("retry-after", str(max(1, round(body["retry_after_s"] + 0.5))))])
         return json_response(status, body)

@@ -56,7 +56,19 @@ class ApiConfig(BaseModel):
     rate_burst: int = Field(20, ge=1, description="requests a client may send at once before rate limiting")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="largest request body, bytes")
     read_timeout_s: float = Field(10.0, gt=0, description="a request must arrive whole within this, seconds")
-    max_connections: int = Field(128, ge=1, description="open connections at most")
+    max_connections: int = Field(128, ge=2, description="open connections at most")
+    max_connections_per_client: int = Field(16, ge=1, description="open connections from one client address at most")
+    reserved_for_authenticated: int = Field(
+        32, ge=1, description="connection slots only clients that authenticated may hold (less than max_connections)"
+    )
+    header_timeout_s: float = Field(
+        5.0, gt=0, description="a TLS handshake, and each request head of a client not yet authenticated, must arrive within this, seconds"
+    )
+    idle_timeout_s: float = Field(30.0, gt=0, description="an authenticated keep-alive connection may idle this long, seconds")
+    guess_rate_per_s: float = Field(
+        1.0, gt=0, description="failed authentications per second allowed, all client addresses together (token guessing)"
+    )
+    guess_burst: int = Field(30, ge=1, description="failed authentications allowed at once, all client addresses together")
 
     @property
     def tls(self) -> bool:

@@ -8,9 +8,18 @@ event loop, no signal handlers or logging set-up taken over, no framework. It se
 JSON routes to peers and operators; h11 does the protocol (framing, keep-alive, malformed input)
 and this module bounds everything around it:
 
-* connections: at most ``max_connections`` at once (more are closed at accept);
-* time: a request must arrive whole within ``read_timeout_s`` (slow-loris), TLS handshakes
-  likewise; a handler gets ``handler_timeout_s``;
+* connections: at most ``max_connections`` at once, ``max_connections_per_client`` of them from
+  one address (more are closed at accept). A connection is *unproven* until a request head on it
+  passes ``authenticate`` (valid credentials); unproven connections may hold at most
+  ``max_connections - reserved_for_authenticated`` slots, and when they hold them all a new
+  connection takes the slot of the oldest unproven one (closed), so idle or slow unauthenticated
+  connections, even from many source addresses (any local user can use all of 127/8), never lock
+  out a client with credentials; a proven connection is never closed to make room;
+* time: the TLS handshake and every request head of an unproven connection must arrive within
+  ``header_timeout_s``; a proven connection may idle ``idle_timeout_s`` between requests; a
+  request must arrive whole within ``read_timeout_s`` (slow-loris); a handler gets
+  ``handler_timeout_s``;
+* pipelining: requests sent back to back on one connection are answered in order;
 * size: headers by h11's ``max_incomplete_event_size``, bodies by ``max_body_bytes`` (413);
 * TLS: an ``ssl.SSLContext`` (server certificate; with ``CERT_REQUIRED`` and a client CA, mutual
   TLS: a client without a certificate from that CA never gets past the handshake).
@@ -23,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -55,6 +65,7 @@ class Request:
         client: the peer's IP address.
         client_certificate: the verified client certificate (``ssl.getpeercert()``) under mutual
             TLS, else ``None``.
+        proven_connection: an earlier request on this connection passed ``authenticate``.
     """
 
     method: str
@@ -64,6 +75,7 @@ class Request:
     body: bytes
     client: str
     client_certificate: dict[str, Any] | None = None
+    proven_connection: bool = False
 
 
 @dataclass(slots=True)
@@ -84,15 +96,37 @@ def json_response(status: int, doc: Any, headers: list[tuple[str, str]] | None =
 class HttpStatistics(NamedTuple):
     """Counters of one server."""
 
-    connections: int  # accepted connections
-    rejected_connections: int  # closed at accept: too many open already
-    requests: int  # requests answered
-    bad_requests: int  # malformed, too large or too slow
-    tls_failures: int  # handshakes that failed (no or bad client certificate, plain HTTP...)
-    open_connections: int  # open now
+    #: accepted connections
+    connections: int
+    #: closed at accept: too many open already (in all, or from that address)
+    rejected_connections: int
+    #: requests answered
+    requests: int
+    #: malformed, too large or too slow
+    bad_requests: int
+    #: handshakes that failed or timed out (no or bad client certificate, plain HTTP, silence)
+    tls_failures: int
+    #: open now
+    open_connections: int
+    #: unproven connections closed to make room for a new one
+    evicted_connections: int = 0
+    #: open now that passed authentication
+    proven_connections: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Conn:
+    """One open connection's bookkeeping."""
+
+    client: str
+    scope: anyio.CancelScope
+    proven: bool = False
+    evicted: bool = False
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+#: Whether a request (its head; the body is empty) carries valid credentials.
+Authenticator = Callable[[Request], bool]
 
 
 class _Closed(Exception):
@@ -106,7 +140,14 @@ class HttpServer:
         handler: called once per request; its exceptions become 500s (logged).
         host / port: where to listen; port 0 picks a free one (see :attr:`port` once started).
         ssl_context: serve HTTPS with it (mutual TLS when it requires client certificates).
-        max_body_bytes / read_timeout_s / handler_timeout_s / max_connections: bounds, above.
+        authenticate: says whether a request head carries valid credentials (the connection is
+            then proven); ``None``: every connection counts as proven (no reservation).
+        max_body_bytes / read_timeout_s / handler_timeout_s / max_connections /
+        max_connections_per_client / reserved_for_authenticated / header_timeout_s /
+        idle_timeout_s: bounds, above (seconds, bytes, connections).
+
+    Raises:
+        ValueError: ``reserved_for_authenticated`` leaves no slot for a new connection.
     """
 
     def __init__(
@@ -121,8 +162,22 @@ class HttpServer:
         handler_timeout_s: float = 30.0,
         max_connections: int = 64,
         server_header: str = "servewatch",
+        authenticate: Authenticator | None = None,
+        max_connections_per_client: int = 16,
+        reserved_for_authenticated: int | None = None,
+        header_timeout_s: float = 5.0,
+        idle_timeout_s: float = 30.0,
     ) -> None:
+        reserved = max_connections // 4 if reserved_for_authenticated is None else reserved_for_authenticated
+        if not 0 <= reserved < max_connections:
+            raise ValueError(f"reserved_for_authenticated must be in [0, {max_connections}), got {reserved}")
         self.handler = handler
+        self.authenticate = authenticate
+        self.max_connections_per_client = max_connections_per_client
+        #: slots unproven connections may hold at most
+        self.max_unproven = max_connections - reserved
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.host = host
         self.port = port
         self.ssl_context = ssl_context
@@ -136,10 +191,20 @@ class HttpServer:
         self._requests = 0
         self._bad = 0
         self._tls_failures = 0
-        self._open = 0
+        self._evicted = 0
+        #: open connections by client address
+        self._per_client: dict[str, int] = {}
+        #: open unproven connections, oldest first (the first to give up its slot)
+        self._unproven: OrderedDict[int, _Conn] = OrderedDict()
+        self._proven = 0
+
+    @property
+    def _open(self) -> int:
+        return len(self._unproven) + self._proven
 
     def statistics(self) -> HttpStatistics:
-        return HttpStatistics(self._connections, self._rejected, self._requests, self._bad, self._tls_failures, self._open)
+        return HttpStatistics(self._connections, self._rejected, self._requests, self._bad, self._tls_failures, self._open,
+                              self._evicted, self._proven)
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen, report started (``tg.start``) once bound, and serve until cancelled.
@@ -156,29 +221,68 @@ class HttpServer:
 
     # --- one connection ---------------------------------------------------------------------
 
+    def _admit(self, client: str) -> bool:
+        """Make room for a new connection from ``client``: ``False`` when it must be refused
+        (its address holds its share, or every slot is held by a proven connection)."""
+        if self._per_client.get(client, 0) >= self.max_connections_per_client:
+            return False
+        if len(self._unproven) >= self.max_unproven or self._open >= self.max_connections:
+            if not self._unproven:
+                return False
+            _, oldest = self._unproven.popitem(last=False)  # the oldest unproven gives up its slot
+            self._release(oldest)
+            oldest.evicted = True
+            oldest.scope.cancel("evicted: its slot went to a newer connection")
+            self._evicted += 1
+        return True
+
+    def _release(self, conn: _Conn) -> None:
+        left = self._per_client.get(conn.client, 0) - 1
+        if left > 0:
+            self._per_client[conn.client] = left
+        else:
+            self._per_client.pop(conn.client, None)
+
+    def _prove(self, conn: _Conn) -> None:
+        if not conn.proven and not conn.evicted:
+            self._unproven.pop(id(conn), None)
+            conn.proven = True
+            self._proven += 1
+
     async def _accepted(self, stream: ByteStream) -> None:
         try:
             client = str(stream.extra(SocketAttribute.remote_address)[0])
         except (anyio.TypedAttributeLookupError, TypeError, IndexError):
             client = "?"
-        if self._open >= self.max_connections:
+        if not self._admit(client):
             self._rejected += 1
             await anyio.aclose_forcefully(stream)
             return
         self._connections += 1
-        self._open += 1
+        conn = _Conn(client, anyio.CancelScope())
+        self._per_client[client] = self._per_client.get(client, 0) + 1
+        self._unproven[id(conn)] = conn
+        if self.authenticate is None:
+            self._prove(conn)
         try:
-            await self._connection(stream, client)
+            with conn.scope:
+                await self._connection(stream, conn)
         except Exception:  # boundary: one connection never takes the agent down
             log.exception("API connection from %s failed", client)
         finally:
-            self._open -= 1
+            if not conn.evicted:
+                self._release(conn)
+                if conn.proven:
+                    self._proven -= 1
+                else:
+                    self._unproven.pop(id(conn), None)
             await anyio.aclose_forcefully(stream)
 
-    async def _connection(self, stream: ByteStream, client: str) -> None:
+    async def _connection(self, stream: ByteStream, conn: _Conn) -> None:
+        client = conn.client
         certificate: dict[str, Any] | None = None
         if self.ssl_context is not None:
-            with anyio.move_on_after(self.read_timeout_s) as scope:
+            with anyio.move_on_after(self.header_timeout_s) as scope:
                 try:
                     stream = await TLSStream.wrap(stream, server_side=True, ssl_context=self.ssl_context, standard_compatible=False)
                 except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
@@ -189,15 +293,15 @@ class HttpServer:
                 self._tls_failures += 1
                 return
             certificate = stream.extra(TLSAttribute.peer_certificate, None) or None
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        h11conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         while True:
             try:
-                request = await self._read_request(conn, stream, client, certificate)
+                request = await self._read_request(h11conn, stream, conn, certificate)
             except _Closed:
                 return
             if isinstance(request, Response):  # malformed / too big / too slow: answer and close
                 self._bad += 1
-                await self._send(conn, stream, request, close=True)
+                await self._send(h11conn, stream, request, close=True)
                 return
             response: Response
             with anyio.move_on_after(self.handler_timeout_s) as scope:
@@ -209,21 +313,28 @@ class HttpServer:
             if scope.cancelled_caught:
                 response = json_response(503, {"error": "handler timed out"})
             self._requests += 1
-            if not await self._send(conn, stream, response, close=False):
+            if not await self._send(h11conn, stream, response, close=False):
                 return
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+            if h11conn.our_state is h11.MUST_CLOSE or h11conn.their_state is h11.MUST_CLOSE:
                 return
             try:
-                conn.start_next_cycle()
+                h11conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return
 
     async def _read_request(
-        self, conn: h11.Connection, stream: ByteStream, client: str, certificate: dict[str, Any] | None
+        self, conn: h11.Connection, stream: ByteStream, owner: _Conn, certificate: dict[str, Any] | None
     ) -> Request | Response:
+        """Read one whole request. The head must arrive within ``header_timeout_s`` on an
+        unproven connection (``idle_timeout_s`` on a proven one), the whole request within
+        ``read_timeout_s`` of its first byte; a head with valid credentials proves the connection."""
         head: h11.Request | None = None
         body = bytearray()
-        with anyio.move_on_after(self.read_timeout_s) as scope:
+        client = owner.client
+        proven_before = owner.proven
+        started: float | None = None  # anyio time of the request's first byte
+        head_limit_s = self.idle_timeout_s if owner.proven else self.header_timeout_s
+        with anyio.CancelScope(deadline=anyio.current_time() + head_limit_s) as scope:
             while True:
                 try:
                     event = conn.next_event()
@@ -236,6 +347,9 @@ class HttpServer:
                         data = b""
                     if not data and head is None and conn.their_state is h11.IDLE:
                         raise _Closed  # the client closed a keep-alive connection
+                    if started is None and data:  # a request began: whole within read_timeout_s
+                        started = anyio.current_time()
+                        scope.deadline = min(scope.deadline, started + self.read_timeout_s)
                     try:
                         conn.receive_data(data)
                     except h11.RemoteProtocolError as exc:
@@ -243,6 +357,12 @@ class HttpServer:
                     continue
                 if isinstance(event, h11.Request):
                     head = event
+                    if not owner.proven and self.authenticate is not None and self.authenticate(
+                        _request(event, b"", client, certificate, False)
+                    ):
+                        self._prove(owner)
+                    # the rest of the request: within read_timeout_s of its first byte
+                    scope.deadline = (started if started is not None else anyio.current_time()) + self.read_timeout_s
                     length = _content_length(event.headers)
                     if length is not None and length > self.max_body_bytes:
                         return json_response(413, {"error": f"body larger than {self.max_body_bytes} bytes"})
@@ -255,14 +375,12 @@ class HttpServer:
                 elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                     raise _Closed
         if scope.cancelled_caught:
-            if head is None and conn.their_state is h11.IDLE:
+            if head is None and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
                 raise _Closed  # an idle keep-alive connection: close it quietly
-            return json_response(408, {"error": f"request not received within {self.read_timeout_s:g} s"})
+            limit_s = head_limit_s if head is None else self.read_timeout_s
+            return json_response(408, {"error": f"request not received within {limit_s:g} s"})
         assert head is not None
-        target = head.target.decode("ascii", "replace")
-        path, _, query = target.partition("?")
-        headers = {name.decode("ascii", "replace").lower(): value.decode("latin-1") for name, value in head.headers}
-        return Request(head.method.decode("ascii", "replace"), path, query, headers, bytes(body), client, certificate)
+        return _request(head, bytes(body), client, certificate, proven_before)
 
     async def _send(self, conn: h11.Connection, stream: ByteStream, response: Response, *, close: bool) -> bool:
         headers = [
@@ -286,6 +404,13 @@ class HttpServer:
         except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ssl.SSLError):
             return False
         return True
+
+
+def _request(head: h11.Request, body: bytes, client: str, certificate: dict[str, Any] | None, proven: bool) -> Request:
+    target = head.target.decode("ascii", "replace")
+    path, _, query = target.partition("?")
+    headers = {name.decode("ascii", "replace").lower(): value.decode("latin-1") for name, value in head.headers}
+    return Request(head.method.decode("ascii", "replace"), path, query, headers, body, client, certificate, proven)
 
 
 def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:

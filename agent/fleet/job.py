@@ -178,10 +178,14 @@ class Fleet:
         # the token and TLS files: file reads, off the event loop
         self._token = await anyio.to_thread.run_sync(read_token_file, api.token_file) if api.token_file is not None else None
         ssl_context = await anyio.to_thread.run_sync(server_ssl_context, api)
-        self.api = AgentApi(self, token=self._token, mutual_tls=api.mutual_tls, rate_per_s=api.rate_per_s, rate_burst=api.rate_burst)
+        self.api = AgentApi(self, token=self._token, mutual_tls=api.mutual_tls, rate_per_s=api.rate_per_s, rate_burst=api.rate_burst,
+                            guess_rate_per_s=api.guess_rate_per_s, guess_burst=api.guess_burst)
         self.server = HttpServer(
             self.api, host=api.host, port=api.port, ssl_context=ssl_context, max_body_bytes=api.max_body_bytes,
-            read_timeout_s=api.read_timeout_s, max_connections=api.max_connections,
+            read_timeout_s=api.read_timeout_s, max_connections=api.max_connections, authenticate=self.api.authorized,
+            max_connections_per_client=api.max_connections_per_client,
+            reserved_for_authenticated=min(api.reserved_for_authenticated, api.max_connections - 1),
+            header_timeout_s=api.header_timeout_s, idle_timeout_s=api.idle_timeout_s,
         )
         cfg = self.config
         self._client_ssl = client_ssl_context(api)
@@ -380,9 +384,17 @@ class Fleet:
             current = manager.current
             if current is not None:
                 return 409, {"error": "an incident is running", **self._incident_doc(current.opened), "status": "busy"}
+            # a manual incident pauses every rank (py-spy): it shares the cooldown of every trigger
+            left_s, last_id = manager.claim_cooldown(Trigger.MANUAL, detail or "requested over the agent API")
+            if left_s > 0:
+                return 429, {"error": f"cooling down: incident {last_id or '(the last manual one)'} opened less than"
+                             f" incident.cooldown_s ago; retry in {left_s:.0f} s", "status": "cooldown",
+                             "incident_id": last_id, "retry_after_s": round(left_s, 1), "host.name": self.host_name}
             since = now_ns()
             opened = await self._open_and_wait(lambda o: not o.parent_span_id and o.time_unix_nano >= since,
                                                Trigger.MANUAL, detail or "requested over the agent API", None)
+            if opened is not None:
+                manager.cooldown_opened(Trigger.MANUAL, opened.incident_id)
             return 202, {"status": "opened" if opened else "accepted", **self._incident_doc(opened)}
         job_name = request.get("job")
         if job_name is not None and job_name != self.config.job:

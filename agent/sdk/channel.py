@@ -174,9 +174,12 @@ def close() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The child must not write its parent's ring: it opens its own at its first span.
+    # The child must not write its parent's ring: it opens its own at its first span. Its id
+    # generator is reseeded (from os.urandom): a copy of the parent's state would give the child's
+    # spans the very trace and span ids the parent goes on to use.
     global _writer, _state, _lock
     _writer, _state, _lock = None, 0, threading.Lock()
+    _rng.seed()
 
 
 if hasattr(os, "register_at_fork"):

@@ -219,6 +219,7 @@ def _after_fork_in_child() -> None:
     _registry.clear()
     _registry_lock = threading.Lock()
     _profiling = False
+    _rng.seed()  # from os.urandom: the child's ids are its own, never a copy of the parent's
 
 
 if hasattr(os, "register_at_fork"):

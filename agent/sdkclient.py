@@ -39,7 +39,7 @@ from agent.procinfo import pid_alive
 from agent.sdk.control import control_path
 from agent.sdk.counter import SIZE_BYTES, CounterSnapshot, counter_path, parse_counter
 from agent.security import open_trusted, process_uids, trusted_owner
-from agent.targets import Target
+from agent.targets import ProcessState, Target, process_state
 
 __all__ = [
     "MAX_INFLIGHT_PER_TARGET",
@@ -144,9 +144,10 @@ async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid
         The reply object (``ok`` false replies other than ``permission_denied`` included).
 
     Raises:
-        SdkCallError: ``NO_SUCH_PROCESS`` (no socket / nobody listening), ``PERMISSION_DENIED``
-            (socket mode or peer-uid refusal), ``TIMED_OUT``, ``FAILED`` (bad reply, over
-            :data:`MAX_REPLY_BYTES`).
+        SdkCallError: ``NO_SUCH_PROCESS`` (no socket / nobody listening, or ``pid`` exited
+            during the call), ``PERMISSION_DENIED`` (socket mode or peer-uid refusal),
+            ``TIMED_OUT``, ``FAILED`` (bad reply, over :data:`MAX_REPLY_BYTES`, the connection
+            closed mid-call).
     """
     # /proc/PID's owner and the socket's lstat: file system calls, off the loop
     owners = await anyio.to_thread.run_sync(_target_uids, pid)
@@ -174,7 +175,16 @@ async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid
         raise SdkCallError(Outcome.NO_SUCH_PROCESS, f"no SDK control socket at {path} (agent.sdk.serve_control() not called?)") from None
     except PermissionError:
         raise SdkCallError(Outcome.PERMISSION_DENIED, f"permission denied on {path} (run servewatch as the server's user or root)") from None
-    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound) as exc:
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, anyio.IncompleteRead) as exc:
+        # the server went away mid-call (a rank that died, or was killed, while we waited)
+        gone = pid is not None and await anyio.to_thread.run_sync(_exited_soon, pid)
+        why = f"pid {pid} exited during the call" if gone else "the server closed the connection mid-call"
+        cause = exc.__cause__ or exc
+        raise SdkCallError(
+            Outcome.NO_SUCH_PROCESS if gone else Outcome.FAILED,
+            f"control socket {path}: {why} ({type(cause).__name__}{': ' + str(cause) if str(cause) else ''})",
+        ) from None
+    except (OSError, anyio.DelimiterNotFound) as exc:
         raise SdkCallError(Outcome.FAILED, f"control socket {path}: {type(exc).__name__}: {exc}") from None
     try:
         reply = json.loads(line)
@@ -185,6 +195,18 @@ async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid
     if reply.get("error") == "permission_denied":
         raise SdkCallError(Outcome.PERMISSION_DENIED, f"control socket {path}: {reply.get('detail', '')}")
     return reply
+
+
+def _exited_soon(pid: int, within_s: float = 0.2) -> bool:
+    """Whether ``pid`` is gone or a zombie now or within ``within_s`` seconds (a process killed
+    closes its sockets a moment before it becomes a zombie). Blocking."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if process_state(pid) in (ProcessState.GONE, ProcessState.ZOMBIE):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def read_step_counter(pid: int, directory: Path | None = None) -> CounterSnapshot | None:
@@ -222,8 +244,9 @@ async def read_inflight(
 ) -> list[InflightRequest]:
     """Requests in flight in every target that serves an SDK control socket (bounded, parallel).
 
-    Targets without a socket, or that do not answer within ``timeout_s``, contribute nothing;
-    at most :data:`MAX_INFLIGHT_PER_TARGET` requests are kept per target.
+    Targets without a socket, that do not answer within ``timeout_s``, or that fail mid-call
+    (a rank dying while it is asked) contribute nothing, with one warning line each: the others'
+    requests are kept. At most :data:`MAX_INFLIGHT_PER_TARGET` requests are kept per target.
 
     Args:
         targets: the processes to ask.
@@ -243,6 +266,9 @@ async def read_inflight(
             reply = await sdk_call(path, {"cmd": "inflight"}, timeout_s=timeout_s, pid=target.pid)
         except SdkCallError as exc:
             log.warning("in-flight requests of pid %d unavailable: %s", target.pid, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - one target's boundary: a rank that misbehaves costs its own links only
+            log.warning("in-flight requests of pid %d unavailable: %s: %s", target.pid, type(exc).__name__, exc)
             return
         now = time.time_ns()  # after the reply: a request admitted meanwhile has a real age
         requests = reply.get("requests") or ()

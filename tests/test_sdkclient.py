@@ -7,8 +7,11 @@ answers what a broken or foreign server could answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +22,7 @@ from pathlib import Path
 import anyio
 import pytest
 from anyio.abc import SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from agent.errors import SdkCallError, ServewatchError
 from agent.events import Outcome
@@ -126,3 +130,45 @@ async def test_inflight_requests_are_read_from_each_target_socket(tmp_path: Path
     ]
     assert 2.0 <= inflight[0].age_s < 600
     assert inflight[0].to_json(with_prompt=True)["age_s"] == round(inflight[0].age_s, 6)
+
+
+async def test_a_rank_dying_mid_read_loses_only_its_own_inflight_requests(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two real SDK ranks with requests in flight; one hangs (SIGSTOP: the kernel still accepts
+    the connection and the request) and is SIGKILLed while the agent waits for its answer (a
+    connection reset). The live rank's requests are kept; the dead one is one warning line."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SERVEWATCH_SHM_DIR": str(tmp_path), "PYTHONPATH": str(repo)}
+    procs = []
+    try:
+        pids = []
+        for _ in range(2):
+            proc = await anyio.open_process([sys.executable, "-m", "tests.programs.inflight_rank", "3"], env=env, cwd=repo)
+            procs.append(proc)
+            assert proc.stdout is not None
+            with anyio.fail_after(30):
+                line = await BufferedByteReceiveStream(proc.stdout).receive_until(b"\n", 1024)
+            pids.append(int(line.split()[1]))
+        live, dying = pids
+        os.kill(dying, signal.SIGSTOP)
+
+        async def kill_mid_read() -> None:
+            await anyio.sleep(0.3)
+            os.kill(dying, signal.SIGKILL)
+
+        caplog.set_level(logging.WARNING)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_mid_read)
+            inflight = await read_inflight([Target(pid=p, title="rank") for p in pids], timeout_s=5.0, socket_dir=tmp_path)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for proc in procs:
+                if proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):  # the killed one may be reaped already
+                        proc.kill()
+                await proc.aclose()
+    assert sorted(r.request_id for r in inflight) == [f"req-{live}-{k}" for k in range(3)]
+    assert not [r for r in caplog.records if r.exc_info], "a dying rank must not print a traceback"
+    said = [r.getMessage() for r in caplog.records if str(dying) in r.getMessage()]
+    assert len(said) == 1 and "exited during the call" in said[0], said

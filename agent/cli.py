@@ -878,12 +878,13 @@ def export(
         + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
         + (f" Bad files: {result.bad_files}" if result.bad_files else "")
         + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else "")
-        + (f" Torn lines skipped: {result.torn_lines}" if result.torn_lines else ""),
+        + (f" Torn lines skipped: {result.torn_lines}" if result.torn_lines else "")
+        + (f" Corrupt lines skipped: {result.corrupt_lines} (first: {result.first_corrupt})" if result.corrupt_lines else ""),
         markup=False,
     )
     if result.failed and result.detail:
         err.print(f"servewatch: send failed: {result.detail}", markup=False)
-    if result.failed or result.bad_files:
+    if result.failed or result.bad_files or result.corrupt_lines:
         raise typer.Exit(int(ExitCode.FAILURE))
 
 

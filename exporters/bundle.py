@@ -643,7 +643,7 @@ def _read_trace_spans(
     """Spans of ``trace_id`` (hex) from span files, read by :func:`exporters.otlp_json.read_span_file`.
 
     A span repeated (a replay) is kept once. A torn last line (a writer killed mid-line, a full
-    disk) is skipped and counted in ``torn``; a file that is not a span file adds a warning and
+    disk) or a corrupt line is skipped and counted in ``torn``; a ``.binpb`` file that does not parse adds a warning and
     keeps the spans read before the bad line.
 
     Returns:
@@ -834,6 +834,8 @@ def _incident_spans(
     spans, used = _read_trace_spans(_span_files(search), trace_id, torn, warnings)
     if torn.count:
         warnings.append(f"{torn.count} torn line(s) in span files skipped (an interrupted write)")
+    if torn.corrupt:
+        warnings.append(f"{torn.corrupt} corrupt line(s) in span files skipped, the rest read (first: {torn.first_corrupt})")
     return spans, used
 
 

@@ -117,13 +117,18 @@ def request_from_json(line: str | bytes) -> ExportTraceServiceRequest:
 
 
 class TornLines:
-    """Counts lines skipped because a writer was interrupted mid-line (disk full, kill)."""
+    """Counts the lines a reader skipped: torn last lines (a writer interrupted mid-line: disk
+    full, kill) and corrupt lines elsewhere (a damaged file: bit rot, a concurrent foreign write)."""
 
-    __slots__ = ("count",)
+    __slots__ = ("corrupt", "count", "first_corrupt")
 
     def __init__(self) -> None:
         #: torn (unterminated, undecodable) last lines skipped
         self.count = 0
+        #: undecodable lines before the last one, skipped
+        self.corrupt = 0
+        #: ``file:line: why`` of the first corrupt line (``""`` when none)
+        self.first_corrupt = ""
 
 
 def read_otlp_json_lines(
@@ -132,16 +137,18 @@ def read_otlp_json_lines(
     """Yield each trace request of an OTLP/JSON lines file, in file order.
 
     Blank lines are skipped; a truncated last line (a writer killed mid-line, a full disk) is
-    skipped too and counted in ``torn``: it costs that line only.
+    skipped too and counted in ``torn``: it costs that line only. With ``torn`` given, a corrupt
+    line elsewhere is skipped and counted too (``torn.corrupt``): the rest of the file is read.
 
     Args:
         path: the file.
-        torn: counts the truncated last line, if any.
+        torn: counts the truncated last line and the corrupt ones; ``None``: a corrupt line raises.
         contains: when given, lines without these bytes are skipped unparsed (a hex trace id:
             reading one trace out of a large file; a torn last line is still counted).
 
     Raises:
-        ValueError: a line that is not an OTLP/JSON trace request (other than a truncated last one).
+        ValueError: without ``torn``, a line that is not an OTLP/JSON trace request (other than a
+            truncated last one).
     """
     with open(path, "rb") as fh:
         lines = fh.read().split(b"\n")
@@ -154,13 +161,18 @@ def read_otlp_json_lines(
                 torn.count += 1
             continue
         try:
-            yield request_from_json(line)
+            request = request_from_json(line)
         except ValueError as exc:
             if number == last:  # no trailing newline: an interrupted write
                 if torn is not None:
                     torn.count += 1
                 return
-            raise ValueError(f"{path}:{number + 1}: {exc}") from exc
+            if torn is None:
+                raise ValueError(f"{path}:{number + 1}: {exc}") from exc
+            torn.corrupt += 1
+            torn.first_corrupt = torn.first_corrupt or f"{path}:{number + 1}: {exc}"
+            continue
+        yield request
 
 
 def _is_json(line: bytes) -> bool:

@@ -99,6 +99,10 @@ class ReplayResult(NamedTuple):
     already_sent: int = 0
     #: torn last lines skipped (a writer killed mid-line or a full disk; only that line is lost)
     torn_lines: int = 0
+    #: corrupt lines skipped inside span files (their spans cannot be sent; the rest of the file is)
+    corrupt_lines: int = 0
+    #: ``file:line: why`` of the first corrupt line (``""`` when none)
+    first_corrupt: str = ""
 
 
 class _Ledger:
@@ -269,7 +273,8 @@ def replay(
                 locked += 1
                 continue
             files += 1
-            file_failed = False
+            file_failed = keep = False
+            corrupt_before = torn.corrupt
             try:
                 requests = list(read_span_file(path, torn))
             except ValueError as exc:
@@ -277,6 +282,14 @@ def replay(
                 detail = str(exc)
                 _log.warning("skipping %s: %s", path, exc)
                 continue
+            if torn.corrupt > corrupt_before:
+                if not requests:  # not one line reads: not a span file at all
+                    bad += 1
+                    torn.corrupt = corrupt_before
+                    detail = f"{path}: not an OTLP/JSON span file"
+                    _log.warning("skipping %s: no line is an OTLP/JSON trace request", path)
+                    continue
+                keep = True  # what the corrupt lines held cannot be sent: the file is kept, never removed
             book = book_for(path)
             key = book.key(path)
             done = book.acked(key)
@@ -304,7 +317,7 @@ def replay(
                     unreachable = result.delivery is Delivery.RETRYABLE
             # a delivered spool batch is removed always: left there, the next agent would adopt
             # and send it again
-            if (remove_sent or path.suffix == ".binpb") and not file_failed:
+            if (remove_sent or path.suffix == ".binpb") and not file_failed and not keep:
                 Path(path).unlink(missing_ok=True)
                 book.forget(key)
                 removed += 1
@@ -315,5 +328,8 @@ def replay(
             sender.close()
     if torn.count:
         _log.warning("skipped %d torn last line(s) of interrupted writes", torn.count)
+    if torn.corrupt:
+        _log.warning("skipped %d corrupt line(s), the rest of their files was sent; first: %s", torn.corrupt, torn.first_corrupt)
     return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail,
-                        locked_files=locked, already_sent=already, torn_lines=torn.count)
+                        locked_files=locked, already_sent=already, torn_lines=torn.count,
+                        corrupt_lines=torn.corrupt, first_corrupt=torn.first_corrupt)

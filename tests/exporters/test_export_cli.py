@@ -165,3 +165,25 @@ def test_dump_with_the_collector_down_says_spooled_with_the_replay_command_and_n
     assert twice.returncode == 0, twice.stderr
     assert "Sent 0 span(s)" in twice.stderr and otlp_receiver.span_count == received
     assert not (elsewhere / "servewatch-data").exists()
+
+
+def test_one_corrupt_line_in_a_span_file_is_skipped_and_counted_the_rest_delivered(
+    otlp_receiver: OtlpReceiver, tmp_path: Path
+) -> None:
+    for _ in range(3):  # three lines (requests) of span files, 4 spans each
+        _write_span_files(tmp_path, 4)
+    files = sorted((tmp_path / "data" / "h" / "spans").glob("*.jsonl"))
+    lines = b"".join(f.read_bytes() for f in files).splitlines(keepends=True)
+    assert len(lines) == 3
+    for f in files[1:]:
+        f.unlink()
+    middle = lines[1][:40] + b"\x00garbage" + lines[1][60:]  # damaged in the middle of the file
+    files[0].write_bytes(lines[0] + middle + lines[2])
+    r = _export(tmp_path, "--to", otlp_receiver.grpc_endpoint)
+    assert "Sent 8 span(s) from 1 file(s)" in r.stderr, r.stderr
+    assert f"Corrupt lines skipped: 1 (first: {files[0]}:2:" in r.stderr, r.stderr
+    assert r.returncode == 1  # the spans of that line cannot be sent: said, and the exit status says it
+    assert otlp_receiver.span_count == 8
+    again = _export(tmp_path, "--to", otlp_receiver.grpc_endpoint)
+    assert "Sent 0 span(s)" in again.stderr and "Already sent earlier: 8" in again.stderr, again.stderr
+    assert otlp_receiver.span_count == 8

@@ -30,7 +30,8 @@ def record(count: int) -> None:
     records = [json.loads(p) for p in reader.read()]
     reader.close()
     ids = [[f"{r[2]:032x}", f"{r[3]:016x}"] for r in records]
-    print(json.dumps({"pid": os.getpid(), "ids": ids}), flush=True)
+    # one write per line: the parent and the child share the pipe
+    os.write(1, (json.dumps({"pid": os.getpid(), "ids": ids}) + "\n").encode())
 
 
 def main() -> int:
@@ -42,8 +43,8 @@ def main() -> int:
             record(count)
         finally:
             os._exit(0)
+    _, status = os.waitpid(pid, 0)  # the child's line first, then the parent's: never interleaved
     record(count)
-    _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
 
 

@@ -17,6 +17,7 @@ dropped by the bus when a subscriber is slow; all others are delivered to every 
 from __future__ import annotations
 
 import enum
+import signal as _signal
 import sys
 import time
 from collections.abc import Mapping
@@ -33,6 +34,9 @@ __all__ = [
     "ComponentStatusChanged",
     "CoredumpTriggered",
     "Event",
+    "ExitFact",
+    "ExitKind",
+    "ExitSource",
     "FlightRecorderDumped",
     "HardSignalSent",
     "HealthCheckFailed",
@@ -279,14 +283,194 @@ class WatchdogRearmed(Event):
     forward_ct: int
 
 
+class ExitKind(StrEnum):
+    """How a process ended, as far as it could be learnt (:attr:`ExitFact.kind`).
+
+    Only ``code``, ``signal`` and ``oom`` are failures; ``orderly`` is a stop someone asked for;
+    ``unknown`` is never read as a crash (nor as an orderly stop).
+    """
+
+    ORDERLY = "orderly"  # exit code 0, or ended by SIGTERM/SIGINT (the signal itself or exit code 128+N)
+    CODE = "code"  # a non-zero exit code that is not a caught stop signal
+    SIGNAL = "signal"  # killed by a signal that is not a stop request (SIGSEGV, SIGABRT, kill -9, ...)
+    OOM = "oom"  # killed by the kernel's OOM killer (SIGKILL, and the kernel or the cgroup says so)
+    UNKNOWN = "unknown"  # the status could not be learnt (reaped by its parent before anyone read it)
+
+
+class ExitSource(StrEnum):
+    """How an exit status was learnt (:attr:`ExitFact.source`), most direct first."""
+
+    OWNER = "owner"  # the process is ours: its Popen returncode (``servewatch launch``)
+    WAITID = "waitid"  # waitid(WNOWAIT) on our child, or an orphan adopted as child subreaper
+    KERNEL = "kernel"  # the kernel's own exit event (proc connector, whoever reaped the process)
+    ZOMBIE = "zombie"  # /proc/PID/stat of the zombie, before its parent reaped it
+    NONE = "none"  # nothing: the status is unknown
+
+
+#: Signals that ask a process to stop (an operator, systemd, a job scheduler), not crash it.
+STOP_SIGNALS: Mapping[int, str] = MappingProxyType({int(_signal.SIGTERM): "SIGTERM", int(_signal.SIGINT): "SIGINT"})
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return _signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExitFact:
+    """How one process ended, when, and how that was learnt: the one exit model the incident
+    admission policy, the verdict and every printed line read.
+
+    Attributes:
+        pid: the process.
+        kind: :class:`ExitKind` (from ``exit_code``/``signal``/``oom`` by :meth:`of`).
+        exit_code: its exit code when it exited (``None``: killed by a signal, or unknown).
+        signal: the signal that killed it (``None``: it exited, or unknown).
+        oom: the kernel's OOM killer killed it (``oom_evidence`` says how that is known).
+        source: how the status was learnt.
+        ended_time_unix_nano: when it ended, ns since the epoch (0: unknown); ``ended_source``
+            says how exact: ``kernel`` (the exit event's own clock), ``seen`` (when the agent
+            saw it gone: an upper bound), ``last_ran`` (a zombie's last time on a CPU, from
+            ``/proc/PID/sched``: an estimate, good for ordering deaths), ``""`` unknown.
+        started_time_unix_nano: when the process started (its creation time), 0 when unknown.
+        oom_evidence: where the OOM kill was read (``kernel log: ...``, ``cgroup ... oom_kill 0->1``).
+        stop_signal: ``SIGTERM``/``SIGINT`` when a stop signal ended it (directly or as 128+N).
+        tree_stopped: the status is unknown, but its whole process tree went down with it
+            (the server stopped as a whole: ``orderly_reason`` says what was seen).
+        orderly_reason: why it counts as an orderly stop, in words (``""`` when it does not).
+    """
+
+    pid: int
+    kind: ExitKind = ExitKind.UNKNOWN
+    exit_code: int | None = None
+    signal: int | None = None
+    oom: bool = False
+    source: ExitSource = ExitSource.NONE
+    ended_time_unix_nano: int = 0
+    ended_source: str = ""
+    started_time_unix_nano: int = 0
+    oom_evidence: str = ""
+    stop_signal: str = ""
+    tree_stopped: bool = False
+    orderly_reason: str = ""
+
+    @classmethod
+    def of(cls, pid: int, exit_code: int | None, signal: int | None, *, oom: bool = False,
+           source: ExitSource | None = None, **more: object) -> ExitFact:
+        """The fact for a status read from ``source``; ``kind`` follows from the status:
+        ``oom`` wins, then a stop signal (15/2, or exit code 143/130) or exit code 0 is
+        ``orderly``, another signal ``signal``, another code ``code``, neither ``unknown``."""
+        stop = ""
+        if signal is not None:
+            stop = STOP_SIGNALS.get(signal, "")
+        elif exit_code is not None and exit_code > 128:
+            stop = STOP_SIGNALS.get(exit_code - 128, "")
+        if oom:
+            kind = ExitKind.OOM
+        elif stop or (signal is None and exit_code == 0):
+            kind = ExitKind.ORDERLY
+        elif signal is not None:
+            kind = ExitKind.SIGNAL
+        elif exit_code is not None:
+            kind = ExitKind.CODE
+        else:
+            kind = ExitKind.UNKNOWN
+        if source is None:
+            source = ExitSource.NONE if kind is ExitKind.UNKNOWN and not oom else ExitSource.OWNER
+        reason = (f"stopped by {stop}" if stop else "exit code 0") if kind is ExitKind.ORDERLY else ""
+        fields: dict[str, object] = {"orderly_reason": reason, **more}
+        return cls(pid=pid, kind=kind, exit_code=exit_code, signal=signal, oom=oom, source=source,
+                   stop_signal=stop, **fields)  # type: ignore[arg-type]
+
+    @property
+    def failed(self) -> bool:
+        """A failure (non-zero code, a crash or kill signal, the OOM killer); never ``unknown``."""
+        return self.kind in (ExitKind.CODE, ExitKind.SIGNAL, ExitKind.OOM)
+
+    @property
+    def signal_name(self) -> str:
+        """``SIGSEGV``; ``""`` when no signal ended it."""
+        return _signal_name(self.signal) if self.signal is not None else ""
+
+    def status(self) -> str:
+        """The status alone: ``exit code 1``, ``killed by SIGSEGV``, ``killed by the OOM killer``,
+        ``exit status unknown``."""
+        if self.oom:
+            return "killed by the OOM killer"
+        if self.signal is not None:
+            return f"killed by {self.signal_name}"
+        if self.exit_code is not None:
+            return f"exit code {self.exit_code}"
+        return "exit status unknown"
+
+    def describe(self) -> str:
+        """One line for logs and summaries: the status, whether that is a stop, and its source.
+
+        ``killed by SIGSEGV``; ``exit code 0 (stopped in order)``; ``killed by the OOM killer
+        (SIGKILL; kernel log: Killed process 42 (python))``; ``exit status unknown (reaped by its
+        parent before it could be read; its whole process tree went down with it)``.
+        """
+        text = self.status()
+        notes: list[str] = []
+        if self.oom:
+            notes.append(", ".join(x for x in (self.signal_name, self.oom_evidence) if x))
+        elif self.kind is ExitKind.ORDERLY:
+            notes.append("stopped in order")
+        elif self.kind is ExitKind.UNKNOWN:
+            notes.append("reaped by its parent before it could be read" if self.source is ExitSource.NONE else "")
+            if self.tree_stopped:
+                notes.append(self.orderly_reason or "its whole process tree went down with it")
+        notes = [n for n in notes if n]
+        return text + (f" ({'; '.join(notes)})" if notes else "")
+
+    def attributes(self) -> dict[str, str | int | bool]:
+        """Span attributes (OTel ``process.exit.code``; the rest ``servewatch.process.exit.*``)."""
+        attrs: dict[str, str | int | bool] = {
+            "servewatch.process.exit.kind": self.kind.value,
+            "servewatch.process.exit.source": self.source.value,
+        }
+        if self.exit_code is not None:
+            attrs["process.exit.code"] = self.exit_code
+        if self.signal is not None:
+            attrs["servewatch.process.exit_signal"] = self.signal
+        if self.oom:
+            attrs["servewatch.process.exit.oom"] = True
+        if self.ended_time_unix_nano:
+            attrs["servewatch.process.exit.time_unix_nano"] = self.ended_time_unix_nano
+            attrs["servewatch.process.exit.time_source"] = self.ended_source
+        return attrs
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready dict (manifests, ``status.json``)."""
+        return {
+            "pid": self.pid, "kind": self.kind.value, "exit_code": self.exit_code, "signal": self.signal,
+            "signal_name": self.signal_name, "oom": self.oom, "source": self.source.value,
+            "ended_time_unix_nano": self.ended_time_unix_nano, "ended_source": self.ended_source,
+            "started_time_unix_nano": self.started_time_unix_nano, "oom_evidence": self.oom_evidence,
+            "tree_stopped": self.tree_stopped, "orderly_reason": self.orderly_reason, "status": self.describe(),
+        }
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TargetExited(Event):
-    """A watched process ended. ``exit_code`` or ``signal`` is set when known."""
+    """A watched process ended. ``exit_code`` or ``signal`` is set when known; ``fact`` is the
+    whole :class:`ExitFact` (how, when, learnt how) when the process watcher published it."""
 
     pid: int
     exit_code: int | None = None
     signal: int | None = None
     title: str = ""
+    fact: ExitFact | None = None
+
+    @property
+    def exit(self) -> ExitFact:
+        """The :class:`ExitFact` (``fact``, else derived from ``exit_code``/``signal``)."""
+        if self.fact is not None:
+            return self.fact
+        return ExitFact.of(self.pid, self.exit_code, self.signal,
+                           source=None if self.exit_code is not None or self.signal is not None else ExitSource.NONE)
 
 
 # --- incidents and actions ------------------------------------------------------------------

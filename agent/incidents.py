@@ -53,10 +53,15 @@ from pydantic import BaseModel, Field
 
 from agent.bus import EventBus
 from agent.events import (
+    STOP_SIGNALS as EVENT_STOP_SIGNALS,
+)
+from agent.events import (
     Action,
     ActionCompleted,
     ActionResult,
     Event,
+    ExitFact,
+    ExitKind,
     HardSignalSent,
     HealthCheckFailed,
     IncidentClosed,
@@ -103,6 +108,7 @@ __all__ = [
     "InflightRequest",
     "Phase",
     "describe_exit",
+    "exit_admission",
     "recover_interrupted",
     "stop_signal_of",
 ]
@@ -314,7 +320,7 @@ def _unfinished(
 
 
 #: signals that ask a process to stop (an operator, systemd, a job scheduler), not crash it
-STOP_SIGNALS: dict[int, str] = {int(signal_mod.SIGTERM): "SIGTERM", int(signal_mod.SIGINT): "SIGINT"}
+STOP_SIGNALS: dict[int, str] = dict(EVENT_STOP_SIGNALS)
 
 
 def stop_signal_of(event: TargetExited) -> str | None:
@@ -324,24 +330,46 @@ def stop_signal_of(event: TargetExited) -> str | None:
     signal and exited with the shell convention ``128 + N`` (``exit_code`` 143 or 130).
     SIGKILL (9, exit code 137: the OOM killer, ``kill -9``) and crash signals are never a stop.
     """
-    if event.signal is not None:
-        return STOP_SIGNALS.get(event.signal)
-    if event.exit_code is not None and event.exit_code > 128:
-        return STOP_SIGNALS.get(event.exit_code - 128)
-    return None
+    return event.exit.stop_signal or None
 
 
 def describe_exit(event: TargetExited) -> str:
-    """``exit code 3``, ``signal 9 (SIGKILL)``, or the unknown status in words (never ``None``)."""
-    if event.signal is not None:
+    """``exit code 3``, ``signal 9 (SIGKILL)``, ``killed by the OOM killer (signal 9 (SIGKILL);
+    kernel log: ...)``, or the unknown status in words with what was seen (never ``None``)."""
+    return _status_words(event.exit)
+
+
+def _status_words(fact: ExitFact) -> str:
+    if fact.signal is not None:
         try:
-            name = signal_mod.Signals(event.signal).name
+            name = signal_mod.Signals(fact.signal).name
         except ValueError:
             name = ""
-        return f"signal {event.signal}" + (f" ({name})" if name else "")
-    if event.exit_code is not None:
-        return f"exit code {event.exit_code}"
-    return "exit status unknown: not a child of the agent, so its exit code cannot be read"
+        text = f"signal {fact.signal}" + (f" ({name})" if name else "")
+        if fact.oom:
+            return f"killed by the OOM killer ({text}; {fact.oom_evidence})" if fact.oom_evidence else f"killed by the OOM killer ({text})"
+        return text
+    if fact.exit_code is not None:
+        return f"exit code {fact.exit_code}"
+    return fact.describe()
+
+
+def exit_admission(fact: ExitFact, *, exit_zero_is_incident: bool, signal_stop_is_incident: bool) -> str:
+    """Whether an exit opens an incident on its own facts: ``""`` when it does, else why not.
+
+    The exit policy, in order: an orderly exit (code 0, SIGTERM/SIGINT or 143/130) is a stop
+    someone asked for; an unknown status whose whole process tree went down with it is the
+    server stopping as a whole; a failure (non-zero code, a crash or kill signal, the OOM killer)
+    opens one; so does an unknown status while the rest of its tree runs on (the verdict then
+    says "exit status unknown", never a crash at high confidence).
+    """
+    if fact.kind is ExitKind.ORDERLY:
+        if fact.stop_signal:
+            return "" if signal_stop_is_incident else f"stopped by {fact.stop_signal} ({_status_words(fact)})"
+        return "" if exit_zero_is_incident else f"exited in order ({_status_words(fact)})"
+    if fact.kind is ExitKind.UNKNOWN and fact.tree_stopped:
+        return f"stopped with its whole server ({fact.describe()})"
+    return ""
 
 
 def _incident_id(trigger: str) -> str:
@@ -472,15 +500,16 @@ class IncidentManager:
                     if knock_on is not None:
                         self._note_exit_after_hard_signal(knock_on, event)
                     return None  # the stall incident that signalled it already holds the evidence
-            if event.signal is None and event.exit_code == 0 and self.config.on_exit_codes_only_nonzero:
-                return None
-            stop = stop_signal_of(event)
+            fact = event.exit
             ours = (event.pid in self._expected_exits or event.pid in self._hard_signalled
                     or self._hard_window_of(event.pid) is not None)  # settings above decided those
-            if stop is not None and not ours and not self.config.signal_stop_is_incident:
-                log.info("pid %d %r stopped by %s (%s): no incident", event.pid, event.title, stop,
-                         describe_exit(event))
-                return None  # asked to stop from outside: an orderly shutdown, not a crash
+            why_not = exit_admission(
+                fact, exit_zero_is_incident=not self.config.on_exit_codes_only_nonzero,
+                signal_stop_is_incident=self.config.signal_stop_is_incident or ours,
+            )
+            if why_not:
+                log.info("pid %d %r %s: no incident", event.pid, event.title, why_not)
+                return None  # asked to stop, or stopped with its server: not a crash
             return (Trigger.EXIT, event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
         return None
 

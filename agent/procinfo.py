@@ -19,12 +19,12 @@ Facts (Linux, measured here):
 from __future__ import annotations
 
 import os
-import signal as _signal
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from agent.events import ExitFact, ExitSource
 from agent.safetext import safe_text
 from agent.targets import ProcessState, Target, process_state, target_of
 
@@ -32,6 +32,7 @@ __all__ = [
     "Death",
     "Tracer",
     "death_of",
+    "exit_fact_of",
     "exit_noted_at",
     "note_exit",
     "ns_pid",
@@ -46,7 +47,7 @@ _MAX_REMEMBERED_EXITS = 4096
 #: How long a noted exit counts as "this target died" for an incident, in seconds.
 DEAD_MEMORY_S = 3600.0
 
-_exits: OrderedDict[int, tuple[float, int | None, int | None, float]] = OrderedDict()
+_exits: OrderedDict[int, tuple[float, ExitFact, float]] = OrderedDict()
 _exits_lock = threading.Lock()
 
 
@@ -59,24 +60,25 @@ class Death:
         state: ``"zombie"`` (exited, not reaped by its parent) or ``"exited"`` (gone).
         exit_code: its exit code when known.
         signal: the signal that killed it, when known.
+        fact: the whole :class:`~agent.events.ExitFact` (OOM, when, how learnt), when known.
     """
 
     pid: int
     state: str
     exit_code: int | None = None
     signal: int | None = None
+    fact: ExitFact | None = None
+
+    def exit(self) -> ExitFact:
+        """Its :class:`~agent.events.ExitFact` (derived from the status when none was noted)."""
+        if self.fact is not None:
+            return self.fact
+        known = self.exit_code is not None or self.signal is not None
+        return ExitFact.of(self.pid, self.exit_code, self.signal, source=ExitSource.ZOMBIE if known else ExitSource.NONE)
 
     def status(self) -> str:
-        """``exit code 7``, ``killed by SIGKILL`` or ``exit status unknown``."""
-        if self.signal is not None:
-            try:
-                name = _signal.Signals(self.signal).name
-            except ValueError:
-                name = f"signal {self.signal}"
-            return f"killed by {name}"
-        if self.exit_code is not None:
-            return f"exit code {self.exit_code}"
-        return "exit status unknown"
+        """``exit code 7``, ``killed by SIGKILL``, ``killed by the OOM killer`` or ``exit status unknown``."""
+        return self.exit().status()
 
     def describe(self, title: str = "") -> str:
         """One line: ``pid 42 'sglang::scheduler_TP1' is dead (exit code 7; zombie, not reaped)``."""
@@ -84,17 +86,15 @@ class Death:
         how = self.status() + ("; zombie, not reaped by its parent" if self.state == "zombie" else "")
         return f"{who} is dead ({how})"
 
-    def attributes(self) -> dict[str, str | int]:
-        """Span attributes: ``servewatch.target.state`` and the exit status when known."""
-        attrs: dict[str, str | int] = {"servewatch.target.state": self.state}
-        if self.exit_code is not None:
-            attrs["process.exit.code"] = self.exit_code
-        if self.signal is not None:
-            attrs["servewatch.process.exit_signal"] = self.signal
+    def attributes(self) -> dict[str, str | int | bool]:
+        """Span attributes: ``servewatch.target.state`` and the exit fact's (status, kind, source)."""
+        attrs: dict[str, str | int | bool] = {"servewatch.target.state": self.state}
+        attrs.update(self.exit().attributes())
         return attrs
 
 
-def note_exit(pid: int, *, create_time_s: float = 0.0, exit_code: int | None = None, signal: int | None = None) -> None:
+def note_exit(pid: int, *, create_time_s: float = 0.0, exit_code: int | None = None, signal: int | None = None,
+              fact: ExitFact | None = None) -> None:
     """Remember that ``pid`` exited (the process watcher calls this for every exit it reports).
 
     Args:
@@ -102,25 +102,35 @@ def note_exit(pid: int, *, create_time_s: float = 0.0, exit_code: int | None = N
         create_time_s: its creation time, so a reused pid is not taken for it (0 = unknown).
         exit_code: exit code when known.
         signal: killing signal when known.
+        fact: the whole exit fact (wins over ``exit_code``/``signal``).
     """
+    if fact is None:
+        known = exit_code is not None or signal is not None
+        fact = ExitFact.of(pid, exit_code, signal, source=None if known else ExitSource.NONE)
     with _exits_lock:
-        _exits[pid] = (create_time_s, exit_code, signal, time.monotonic())
+        _exits[pid] = (create_time_s, fact, time.monotonic())
         _exits.move_to_end(pid)
         while len(_exits) > _MAX_REMEMBERED_EXITS:
             _exits.popitem(last=False)
 
 
-def _noted(pid: int, create_time_s: float) -> tuple[int | None, int | None] | None:
+def _noted(pid: int, create_time_s: float) -> ExitFact | None:
     with _exits_lock:
         entry = _exits.get(pid)
     if entry is None:
         return None
-    noted_ct, code, sig, when = entry
+    noted_ct, fact, when = entry
     if time.monotonic() - when > DEAD_MEMORY_S:
         return None
     if create_time_s and noted_ct and abs(noted_ct - create_time_s) > 1.0:
         return None
-    return code, sig
+    return fact
+
+
+def exit_fact_of(pid: int, create_time_s: float = 0.0) -> ExitFact | None:
+    """The exit fact the process watcher noted for ``pid`` (``None``: none noted, too old, or of
+    another process that had the pid)."""
+    return _noted(pid, create_time_s)
 
 
 def exit_noted_at(pid: int, create_time_s: float = 0.0) -> float | None:
@@ -130,7 +140,7 @@ def exit_noted_at(pid: int, create_time_s: float = 0.0) -> float | None:
         entry = _exits.get(pid)
     if entry is None:
         return None
-    noted_ct, _, _, when = entry
+    noted_ct, _, when = entry
     if time.monotonic() - when > DEAD_MEMORY_S or (create_time_s and noted_ct and abs(noted_ct - create_time_s) > 1.0):
         return None
     return when
@@ -170,12 +180,18 @@ def death_of(target: Target) -> Death | None:
     """
     state = process_state(target.pid, create_time_s=target.create_time_s)
     if state is ProcessState.ZOMBIE:
-        status = zombie_exit_status(target.pid) or _noted(target.pid, target.create_time_s) or (None, None)
-        return Death(target.pid, "zombie", *status)
+        noted = _noted(target.pid, target.create_time_s)
+        if noted is None or noted.source is ExitSource.NONE:
+            from agent.exits import zombie_fact  # /proc/PID/stat and /proc/PID/sched
+
+            noted = zombie_fact(target.pid, target.create_time_s) or noted
+        if noted is None:
+            return Death(target.pid, "zombie")
+        return Death(target.pid, "zombie", noted.exit_code, noted.signal, noted)
     if state is ProcessState.GONE:
         noted = _noted(target.pid, target.create_time_s)
         if noted is not None:
-            return Death(target.pid, "exited", *noted)
+            return Death(target.pid, "exited", noted.exit_code, noted.signal, noted)
         if target.create_time_s:
             return Death(target.pid, "exited")
     return None

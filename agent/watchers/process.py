@@ -11,24 +11,34 @@ How an exit is noticed, per pid:
 * Elsewhere (or when ``pidfd_open`` is refused): polling every ``poll_interval_s``, with the
   process's creation time guarding against pid reuse. A zombie counts as exited.
 
-How the exit status is learnt without stealing it from whoever owns the child:
+How the exit status is learnt without stealing it from whoever owns the child (the result is
+one :class:`~agent.events.ExitFact`: kind, status, OOM, when, and which source said so):
 
 * a ``subprocess.Popen`` (or any ``returncode`` callable) registered for the pid: its owner's
   API reaps and reports it (launch mode);
-* otherwise, for a child of this process, ``waitid(P_PIDFD, …, WEXITED | WNOWAIT)`` reads the
-  status and leaves the zombie for its owner to reap;
-* for a process that is not our child, while it is a zombie (its parent has not reaped it), the
-  status from ``/proc/PID/stat`` (:func:`agent.procinfo.zombie_exit_status`); once reaped it is
-  unknowable: ``exit_code`` and ``signal`` are ``None``.
+* otherwise, for a child of this process (or an orphan adopted as child subreaper, as
+  ``launch`` is), ``waitid(P_PIDFD, …, WEXITED | WNOWAIT)`` reads the status and leaves the
+  zombie for its owner to reap;
+* for a process that is not our child: the kernel's own exit event
+  (:class:`agent.exits.KernelExits`, root in the host network namespace), which a server
+  reaping its rank at once cannot hide; else, while it is a zombie, ``/proc/PID/stat``;
+* a SIGKILL (or an unknown status) is checked against the OOM killer's record (the kernel log,
+  else the cgroup's ``oom_kill`` counter read when the watch began): "killed by the OOM killer";
+* still unknown: the watcher waits up to :data:`TREE_SETTLE_S` to see whether the process's
+  parent and its watched siblings go down too (``tree_stopped``: the server stopped as a whole).
+  The status stays ``unknown``: never a crash, never an orderly exit on no evidence.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal as _signal
 import subprocess
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -37,7 +47,8 @@ from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.bus import Publisher
-from agent.events import TargetExited
+from agent.events import ExitFact, ExitKind, ExitSource, TargetExited, now_ns
+from agent.exits import KernelExits, OomCounter, OomWatch, oom_counter_of
 from agent.procinfo import note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
 
@@ -45,7 +56,13 @@ if TYPE_CHECKING:
     from agent.registry import BuildContext, Settings
 
 
-__all__ = ["PIDFD_RECHECK_S", "POLL_INTERVAL_S", "ProcessWatcher", "create", "exit_status", "signal_name"]
+__all__ = ["PIDFD_RECHECK_S", "POLL_INTERVAL_S", "TREE_SETTLE_S", "ProcessWatcher", "create", "exit_status", "signal_name"]
+
+log = logging.getLogger("servewatch.process")
+
+#: Longest wait, after an exit whose status is unknown, for its parent and watched siblings to
+#: go down too (the server stopping as a whole), seconds.
+TREE_SETTLE_S = 3.0
 
 #: Longest wait on a pidfd before its state is checked again, seconds (a safety net only: the
 #: pidfd turns readable at the exit, so a live process costs no wakeups in between).
@@ -86,12 +103,24 @@ def _waitid_nowait(pidfd: int | None, pid: int) -> tuple[int | None, int | None]
 
 
 class _Watched:
-    """One watched pid."""
+    """One watched pid, and what was read of it while it lived."""
 
     def __init__(self, target: Target, returncode: Callable[[], int | None] | None) -> None:
         self.target = target
         self.returncode = returncode
         self.reported = False
+        #: its parent when the watch began (the one that reaps it)
+        self.parent_pid = 0
+        #: its memory cgroup's OOM-kill counter when the watch began
+        self.oom_counter: OomCounter | None = None
+
+    def read_lineage(self) -> None:
+        """Parent and OOM counter, read once while the process lives (a thread: /proc reads)."""
+        try:
+            self.parent_pid = psutil.Process(self.target.pid).ppid()
+        except (psutil.Error, OSError):
+            self.parent_pid = 0
+        self.oom_counter = oom_counter_of(self.target.pid)
 
 
 class ProcessWatcher:
@@ -125,6 +154,12 @@ class ProcessWatcher:
         self._watched: dict[int, _Watched] = {}
         self._tg: TaskGroup | None = None
         self._bus: Publisher | None = None
+        self._kernel: KernelExits | None = None
+        self._oom: OomWatch | None = None
+        #: every exit reported, in order (``servewatch run``/``launch`` print them when they stop)
+        self.exits: list[tuple[Target, ExitFact]] = []
+        #: why the kernel's exit events cannot be read here (``""``: they are)
+        self.kernel_exits_unavailable = ""
         for child in children:
             self.watch(child.pid, returncode=child.poll)
         for target in targets:
@@ -164,6 +199,7 @@ class ProcessWatcher:
         async with anyio.create_task_group() as tg:
             self._tg, self._bus = tg, bus
             try:
+                await self._open_sources(tg)
                 for watched in tuple(self._watched.values()):
                     if not watched.reported:  # restarted after a crash: an exit is reported once
                         tg.start_soon(self._watch_one, bus, watched)
@@ -171,6 +207,23 @@ class ProcessWatcher:
                 await anyio.sleep_forever()
             finally:
                 self._tg = self._bus = None
+                if self._oom is not None:
+                    self._oom.close()
+                    self._oom = None
+                if self._kernel is not None:
+                    self._kernel.close()
+                    self._kernel = None
+
+    async def _open_sources(self, tg: TaskGroup) -> None:
+        """Subscribe to the kernel's exit events and follow its log (both optional)."""
+        self._kernel = await anyio.to_thread.run_sync(KernelExits.open)
+        if self._kernel is None:
+            self.kernel_exits_unavailable = KernelExits.unavailable
+            log.info("process: %s; the exit status of a process reaped by its own parent at once stays unknown",
+                     KernelExits.unavailable)
+        elif hasattr(anyio, "wait_readable"):
+            await tg.start(self._kernel.run)
+        self._oom = await anyio.to_thread.run_sync(OomWatch.open)
 
     async def _watch_one(self, bus: Publisher, watched: _Watched) -> None:
         pid = watched.target.pid
@@ -179,6 +232,7 @@ class ProcessWatcher:
         try:
             # A pid already gone (or reused by another process) is reported at once.
             if _same_process(watched.target):
+                await anyio.to_thread.run_sync(watched.read_lineage)
                 if pidfd is not None:
                     # each recheck also asks whether the pid is still our process: a pidfd opened
                     # on a pid already reaped and reused would otherwise follow the newcomer
@@ -188,19 +242,44 @@ class ProcessWatcher:
                 else:
                     while _alive(watched.target):
                         await anyio.sleep(self.poll_interval_s)
-            exit_code, sig = await self._status(watched, pidfd)
+            seen_ns = now_ns()
+            fact = await self._fact(watched, pidfd, seen_ns)
         finally:
             if pidfd is not None:
                 os.close(pidfd)
+        if fact.kind is ExitKind.UNKNOWN and not watched.reported:
+            fact = await self._settle_tree(watched, fact)
         if watched.reported:
             return
         watched.reported = True
-        note_exit(pid, create_time_s=watched.target.create_time_s, exit_code=exit_code, signal=sig)
+        note_exit(pid, create_time_s=watched.target.create_time_s, fact=fact)
+        self.exits.append((watched.target, fact))
         await bus.publish(
-            TargetExited(source=self.name, pid=pid, exit_code=exit_code, signal=sig, title=watched.target.title)
+            TargetExited(source=self.name, pid=pid, exit_code=fact.exit_code, signal=fact.signal,
+                         title=watched.target.title, fact=fact)
         )
 
-    async def _status(self, watched: _Watched, pidfd: int | None) -> tuple[int | None, int | None]:
+    async def _fact(self, watched: _Watched, pidfd: int | None, seen_ns: int) -> ExitFact:
+        """How the process ended, from the most direct source that knows (module docstring)."""
+        pid = watched.target.pid
+        started = int(watched.target.create_time_s * 1e9) if watched.target.create_time_s else 0
+        status, source, ended, ended_source = await self._status(watched, pidfd)
+        if not ended:
+            ended, ended_source = seen_ns, "seen"
+        code, sig = status if status is not None else (None, None)
+        oom = ""
+        if self._oom is not None and (sig == _signal.SIGKILL or status is None):
+            oom = await anyio.to_thread.run_sync(self._oom.killed, pid, watched.oom_counter)
+        if oom and sig is None and code is None:
+            sig = int(_signal.SIGKILL)  # the OOM killer's signal
+        return ExitFact.of(pid, code, sig, oom=bool(oom), oom_evidence=oom,
+                           source=source if status is not None else (ExitSource.KERNEL if oom else ExitSource.NONE),
+                           ended_time_unix_nano=ended, ended_source=ended_source, started_time_unix_nano=started)
+
+    async def _status(
+        self, watched: _Watched, pidfd: int | None
+    ) -> tuple[tuple[int | None, int | None] | None, ExitSource, int, str]:
+        """``(status, source, ended_time_unix_nano, ended_source)``; ``status`` ``None``: unknown."""
         if watched.returncode is not None:
             # The owner's poll() reaps and keeps the code; the exit may take a moment to show
             # (longer on a loaded machine): the code must be known, not "None".
@@ -208,13 +287,41 @@ class ProcessWatcher:
                 while True:
                     code = watched.returncode()
                     if code is not None:
-                        return exit_status(code)
+                        return exit_status(code), ExitSource.OWNER, 0, ""
                     await anyio.sleep(0.01)
-            return None, None
         status = _waitid_nowait(pidfd, watched.target.pid)
-        if status is None:  # not our child: a zombie still shows its status in /proc/PID/stat
-            status = await anyio.to_thread.run_sync(zombie_exit_status, watched.target.pid)
-        return status if status is not None else (None, None)
+        if status is not None:
+            return status, ExitSource.WAITID, 0, ""
+        started = int(watched.target.create_time_s * 1e9) if watched.target.create_time_s else 0
+        kernel = self._kernel
+        if kernel is not None:
+            found = await anyio.to_thread.run_sync(kernel.get, watched.target.pid, started)
+            if found is not None:
+                return (found.exit_code, found.signal), ExitSource.KERNEL, found.time_unix_nano, "kernel"
+        # not our child: a zombie still shows its status in /proc/PID/stat
+        status = await anyio.to_thread.run_sync(zombie_exit_status, watched.target.pid)
+        if status is not None:
+            return status, ExitSource.ZOMBIE, 0, ""
+        return None, ExitSource.NONE, 0, ""
+
+    async def _settle_tree(self, watched: _Watched, fact: ExitFact) -> ExitFact:
+        """For an unknown status: wait (at most :data:`TREE_SETTLE_S`) for the parent and the
+        watched siblings to go down too; the fact then says the tree stopped as a whole."""
+        parent = watched.parent_pid
+        if parent <= 1 or parent == os.getpid():
+            return fact
+        siblings = [w for w in self._watched.values() if w is not watched and w.parent_pid == parent]
+        t0 = time.monotonic()
+        with anyio.move_on_after(TREE_SETTLE_S):
+            while True:
+                parent_gone = not _pid_running(parent)
+                if parent_gone and all(not _alive(w.target) for w in siblings):
+                    took = time.monotonic() - t0
+                    reason = (f"its parent pid {parent}" + (f" and {len(siblings)} watched sibling(s)" if siblings else "")
+                              + f" went down with it within {took:.1f} s: the server stopped as a whole")
+                    return replace(fact, tree_stopped=True, orderly_reason=reason)
+                await anyio.sleep(0.1)
+        return fact
 
 
 def _same_identity(a: Target, b: Target) -> bool:
@@ -268,6 +375,11 @@ def _pidfd_exited(pidfd: int) -> bool:
 def _same_process(target: Target) -> bool:
     """The pid still belongs to the process ``target`` describes (a zombie does: not reaped yet)."""
     return process_state(target.pid, create_time_s=target.create_time_s) is not ProcessState.GONE
+
+
+def _pid_running(pid: int) -> bool:
+    """The pid exists and is not a zombie (whoever has it)."""
+    return process_state(pid) not in (ProcessState.GONE, ProcessState.ZOMBIE)
 
 
 def _alive(target: Target) -> bool:

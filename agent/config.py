@@ -116,6 +116,10 @@ class SpansConfig(BaseModel):
     ship: bool = Field(True, description="drain the targets' span rings and export their spans (else servers export themselves)")
     poll_interval_s: float = Field(0.5, gt=0, le=1.0, description="seconds between ring polls (the SDK falls back after 2 s without one)")
     directory: Path | None = Field(None, description="folder of span rings (default: the SDK's shm folder)")
+    max_ring_bytes: int = Field(
+        64 * 1024 * 1024, ge=4096, le=64 * 1024 * 1024,
+        description="largest span ring the agent attaches, bytes (a bigger one is refused, said in the spans status)",
+    )
 
 
 class Settings(BaseSettings):

@@ -11,9 +11,17 @@ lossless one: spool, replay, TLS, size-aware batches). A plain ``SpanProcessor``
 ``ReadableSpan`` objects (:func:`decode_record`, the reference the encoder is tested against).
 
 Trust: a ring is opened only when it is a regular file (never through a symlink), owned by the
-target's uid or root, mode 0600, with one link, and its header names the target's pid. Records
-are untrusted input: sizes, types and ranges are checked; a bad record is counted
-(``invalid``/``corrupt``), never exported half-built.
+target's uid or root, mode 0600, with one link, no larger than ``spans.max_ring_bytes``, and its
+header names the target's pid. Records are untrusted input: sizes, types and ranges are
+checked; a bad record is counted (``invalid``/``corrupt``), never exported half-built.
+
+Identity: a shipped span's resource is the server's, but who wrote it is what the agent knows
+first-hand: ``process.pid``, ``process.user.id`` (the writer's uid) and ``host.name`` are set by
+the agent and win over anything the ring declares; declared ``servewatch.*`` resource keys are
+dropped, and a ring declaring the agent's own ``service.name`` is refused (said in the
+``spans`` status). A record that uses servewatch's span names (``incident``, ``pyspy.dump``...),
+a ``servewatch.*`` attribute the SDK does not set, or an identity key as a span attribute is
+refused and counted (``refused``), so a span under the agent's name is always the agent's.
 
 Counts (:class:`ShipperStatistics`, the ``servewatch.spans.channel`` metric, and
 ``servewatch status``): ``received``/``shipped`` here, ``corrupt``/``invalid`` records, and the
@@ -47,15 +55,17 @@ from opentelemetry.trace import (
 )
 
 from agent.procinfo import pid_alive
-from agent.sdk.ring import RingBatch, RingError, RingReader, RingStatistics
+from agent.sdk.ring import MAX_CAPACITY, RingBatch, RingError, RingReader, RingStatistics
 from exporters.wire import (
     _INT64,
+    IDENTITY_KEYS,
     MAX_ATTRIBUTES,
     MAX_EVENTS,
     MAX_LINKS,
     MAX_NAME,
     MAX_STRING,
     SDK_SCOPE,
+    Reserved,
     _clean_attrs,
     _int,
     _Invalid,
@@ -103,11 +113,13 @@ class ShipperStatistics:
     dropped_too_large: int
     #: spans the servers sent to their own OTel path while no agent was attached
     fallback_spans: int
+    #: records refused for claiming servewatch's span names, attributes or identity keys
+    refused: int = 0
 
     @property
     def dropped(self) -> int:
         """Spans lost between the servers and the processor."""
-        return self.dropped_full + self.dropped_no_agent + self.dropped_too_large + self.corrupt + self.invalid
+        return self.dropped_full + self.dropped_no_agent + self.dropped_too_large + self.corrupt + self.invalid + self.refused
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "dropped": self.dropped}
@@ -120,7 +132,7 @@ class ShipperStatistics:
             f"shipping request spans of {self.rings} server process{'es' if self.rings != 1 else ''}: "
             f"{self.shipped} shipped; dropped {self.dropped} (ring full {self.dropped_full}, "
             f"no agent {self.dropped_no_agent}, too large {self.dropped_too_large}, corrupt {self.corrupt}, "
-            f"invalid {self.invalid}); fallback {self.fallback_spans} (sent to the server's own OTel path while "
+            f"invalid {self.invalid}{f', refused {self.refused} (servewatch reserved names)' if self.refused else ''}); fallback {self.fallback_spans} (sent to the server's own OTel path while "
             f"no agent was attached: lost unless it installed the OTel SDK)"
         )
 
@@ -163,16 +175,22 @@ def decode_record(payload: bytes, resource: Resource) -> ReadableSpan:
     )
 
 
-def _server_resource(metadata: Mapping[str, Any], pid: int, host_name: str) -> Resource:
+def _server_resource(metadata: Mapping[str, Any], pid: int, host_name: str, uid: int | None) -> Resource:
+    """The resource of a server's shipped spans: what its ring declares, except ``servewatch.*``
+    keys, under the identity the agent knows first-hand (pid, uid, host), which always wins."""
     declared = metadata.get("resource")
     attrs: dict[str, Any] = {}
     if isinstance(declared, dict):
         for key, value in list(declared.items())[:MAX_ATTRIBUTES]:
+            key = str(key)[:256]
+            if key.startswith("servewatch") or key in IDENTITY_KEYS - {"service.name"}:
+                continue
             if isinstance(value, (str, bool, int, float)) and not (isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]):
-                attrs[str(key)[:256]] = value[:MAX_STRING] if isinstance(value, str) else value
+                attrs[key] = value[:MAX_STRING] if isinstance(value, str) else value
     attrs.setdefault("service.name", "unknown_service")
-    # what the agent knows first-hand wins over what the file says
     attrs["process.pid"] = pid
+    if uid is not None:
+        attrs["process.user.id"] = uid
     attrs["host.name"] = host_name
     return Resource(attrs)
 
@@ -199,6 +217,8 @@ class SpanShipper:
         stale_s: another agent that polled a ring within this long owns it (we leave it alone).
         max_records_per_poll: bound on records taken from one ring in one poll.
         poll_interval_s: seconds between polls once the runtime starts it (``spans.poll_interval_s``).
+        reserved_service_names: ``service.name`` values a ring may not declare (the agent's own).
+        max_ring_bytes: largest ring attached, bytes (``spans.max_ring_bytes``).
     """
 
     def __init__(
@@ -210,7 +230,11 @@ class SpanShipper:
         stale_s: float = 2.0,
         max_records_per_poll: int = 8192,
         poll_interval_s: float = 0.25,
+        reserved_service_names: Iterable[str] = ("servewatch",),
+        max_ring_bytes: int = MAX_CAPACITY,
     ) -> None:
+        self.reserved_service_names = frozenset(reserved_service_names)
+        self.max_ring_bytes = max_ring_bytes
         self.processor = processor
         self.host_name = host_name
         self.directory = directory
@@ -224,6 +248,7 @@ class SpanShipper:
         self._received = 0
         self._shipped = 0
         self._invalid = 0
+        self._refused_spans = 0
         self._corrupt_retired = 0
         self._server_retired = RingStatistics(0, 0, 0, 0, 0, 0, 0)
         self._refused: dict[int, str] = {}
@@ -251,7 +276,12 @@ class SpanShipper:
                 return True
         trusted = {0} | ({uid} if uid is not None else set())
         try:
-            reader = RingReader(pid, trusted_uids=trusted, directory=self.directory)
+            reader = RingReader(pid, trusted_uids=trusted, directory=self.directory, max_capacity=self.max_ring_bytes)
+            declared = reader.metadata.get("resource")
+            service = declared.get("service.name") if isinstance(declared, dict) else None
+            if isinstance(service, str) and service in self.reserved_service_names:
+                reader.close(detach=False)
+                raise RingError(f"it declares service.name {service[:64]!r}, the agent's own")
         except RingError as exc:
             reason = str(exc)
             if not reason.startswith("no span ring") and self._refused.get(pid) != reason:
@@ -272,7 +302,7 @@ class SpanShipper:
             reader.close(detach=False)
             log.warning("not shipping spans of pid %d: %s", pid, exc)
             return False
-        resource = _server_resource(reader.metadata, pid, self.host_name)
+        resource = _server_resource(reader.metadata, pid, self.host_name, uid if uid is not None else reader.uid)
         ring = _Attached(reader, resource)
         try:  # the server's counters so far (drops before we came) count from the first status on
             ring.last = reader.statistics()
@@ -371,11 +401,13 @@ class SpanShipper:
         # objects); a plain SpanProcessor gets ReadableSpans
         decode = encode_record if submit is not None else decode_record
         spans: list[Any] = []
-        invalid = 0
+        invalid = refused = 0
         resource = ring.resource
         for payload in batch.payloads:
             try:
                 spans.append(decode(payload, resource))
+            except Reserved:
+                refused += 1
             except Exception:  # noqa: BLE001 - untrusted input (an unhashable kind, JSON nested past the
                 invalid += 1  # recursion limit...): one bad record is counted, never loses its batch
         shipped = len(spans)
@@ -388,7 +420,7 @@ class SpanShipper:
                 ticket = submit(spans) if spans else (ring.pending[-1][0] if ring.pending else 0)
             if ticket is None:  # the processor is shut down: the records stay for the next agent
                 reader.rewind(start)
-                shipped = invalid = 0
+                shipped = invalid = refused = 0
             else:
                 ring.pending.append((ticket, batch.end))
         self._commit_settled(pid, ring)
@@ -396,8 +428,11 @@ class SpanShipper:
             self._received += shipped
             self._shipped += shipped
             self._invalid += invalid
+            self._refused_spans += refused
         if invalid:
             log.warning("%d invalid span record(s) from pid %d", invalid, pid)
+        if refused:
+            log.warning("%d span record(s) from pid %d refused: they use servewatch's reserved names", refused, pid)
         return shipped
 
     def _commit_settled(self, pid: int, ring: _Attached) -> None:
@@ -495,11 +530,12 @@ class SpanShipper:
                 dropped_no_agent=r.dropped_no_agent + sum(s.dropped_no_agent for s in lasts),
                 dropped_too_large=r.dropped_too_large + sum(s.dropped_too_large for s in lasts),
                 fallback_spans=r.fallback_spans + sum(s.fallback_spans for s in lasts),
+                refused=self._refused_spans,
             )
 
     def register_metrics(self, meter_provider: Any) -> None:
         """Report :meth:`statistics` as the ``servewatch.spans.channel`` counter (``{span}``),
-        attribute ``servewatch.channel.outcome`` = ``shipped | corrupt | invalid | dropped_full
+        attribute ``servewatch.channel.outcome`` = ``shipped | corrupt | invalid | refused | dropped_full
         | dropped_no_agent | dropped_too_large | fallback``."""
         if meter_provider is None:
             return
@@ -508,7 +544,7 @@ class SpanShipper:
         def observe(options: Any) -> Iterable[Observation]:
             s = self.statistics()
             for outcome, value in (
-                ("shipped", s.shipped), ("corrupt", s.corrupt), ("invalid", s.invalid),
+                ("shipped", s.shipped), ("corrupt", s.corrupt), ("invalid", s.invalid), ("refused", s.refused),
                 ("dropped_full", s.dropped_full), ("dropped_no_agent", s.dropped_no_agent),
                 ("dropped_too_large", s.dropped_too_large), ("fallback", s.fallback_spans),
             ):
@@ -583,8 +619,11 @@ def create(settings: Settings, ctx: BuildContext) -> SpanShipper | None:
     if ctx.stage != "start" or ctx.one_shot or ctx.telemetry is None or not settings.spans.ship:
         return None
     spans = settings.spans
+    own_service = ctx.telemetry.resource.attributes.get("service.name") if getattr(ctx.telemetry, "resource", None) else None
     shipper = SpanShipper(
-        ctx.telemetry.processor, host_name=settings.host_name, directory=spans.directory, poll_interval_s=spans.poll_interval_s
+        ctx.telemetry.processor, host_name=settings.host_name, directory=spans.directory, poll_interval_s=spans.poll_interval_s,
+        reserved_service_names={"servewatch", *([own_service] if isinstance(own_service, str) else [])},
+        max_ring_bytes=spans.max_ring_bytes,
     )
     shipper.register_metrics(ctx.telemetry.meter_provider)
     return shipper

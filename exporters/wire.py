@@ -19,8 +19,8 @@ same way.
 Also owns the rules of a valid record (``MAX_*`` limits, ``_clean_attrs``), which
 :func:`exporters.shipper.decode_record` applies too; untrusted input never becomes half a span.
 
-Imports the standard library, opentelemetry-sdk's ``Resource``/``InstrumentationScope`` types
-and :mod:`exporters.encode`.
+Imports the standard library, opentelemetry-sdk's ``Resource``/``InstrumentationScope`` types,
+:mod:`agent.events` (the action names servewatch reserves) and :mod:`exporters.encode`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,23 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from agent.events import Action
 from exporters.encode import EncodedSpan, _varint
 
-__all__ = ["MAX_ATTRIBUTES", "MAX_EVENTS", "MAX_LINKS", "MAX_NAME", "MAX_STRING", "SDK_SCOPE", "encode_record", "parse_record"]
+__all__ = [
+    "IDENTITY_KEYS",
+    "MAX_ATTRIBUTES",
+    "MAX_EVENTS",
+    "MAX_LINKS",
+    "MAX_NAME",
+    "MAX_STRING",
+    "RESERVED_SPAN_NAMES",
+    "SDK_ATTRIBUTES",
+    "SDK_SCOPE",
+    "Reserved",
+    "encode_record",
+    "parse_record",
+]
 
 #: Instrumentation scope of shipped spans (the SDK's tracer name).
 SDK_SCOPE = InstrumentationScope("servewatch.sdk", "0.1.0")
@@ -62,6 +76,38 @@ _PROTO_KIND = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
 
 class _Invalid(ValueError):
     pass
+
+
+class Reserved(_Invalid):
+    """A record that claims what only servewatch may say (its span names, ``servewatch.*``
+    attributes, or an identity the agent sets itself): refused, never shipped."""
+
+
+#: Span names servewatch's own spans carry (the incident and its actions): a server's ring may
+#: not use them, so a span under such a name in a trace is always the agent's.
+RESERVED_SPAN_NAMES = frozenset({"incident", *(a.value for a in Action)})
+#: The ``servewatch.*`` attributes the SDK itself puts on the spans it records; every other
+#: ``servewatch.*`` name is the agent's.
+SDK_ATTRIBUTES = frozenset({"servewatch.forward_ct", "servewatch.forward.batch_size", "servewatch.profile.session_id"})
+#: Resource keys the agent sets from what it knows first-hand about the writer (never from the
+#: ring): a span attribute of the same name is refused too.
+IDENTITY_KEYS = frozenset({"service.name", "host.name", "process.pid", "process.owner", "process.user.id", "process.real_user.id"})
+
+
+def check_reserved(name: str, attrs: Any) -> None:
+    """Refuse a span record that claims servewatch's names or an identity the agent sets.
+
+    Raises:
+        Reserved: ``name`` is one of :data:`RESERVED_SPAN_NAMES` (or ``servewatch.*``), or an
+            attribute is ``servewatch.*`` (other than :data:`SDK_ATTRIBUTES`) or one of
+            :data:`IDENTITY_KEYS`.
+    """
+    if name in RESERVED_SPAN_NAMES or name.startswith("servewatch"):
+        raise Reserved(f"span name {name[:64]!r} is servewatch's")
+    if type(attrs) is dict:
+        for key in attrs:
+            if (key.startswith("servewatch") and key not in SDK_ATTRIBUTES) or key in IDENTITY_KEYS:
+                raise Reserved(f"attribute {key[:64]!r} is servewatch's to set")
 
 
 def _clean_value(value: Any) -> Any:
@@ -219,6 +265,7 @@ def parse_record(payload: bytes) -> tuple[Any, ...]:
     lists (their items and every attribute are checked by the caller, with ``_clean_attrs``).
 
     Raises:
+        Reserved: a valid record that claims servewatch's names (:func:`check_reserved`).
         ValueError: not a valid span record.
     """
     try:
@@ -239,6 +286,7 @@ def parse_record(payload: bytes) -> tuple[Any, ...]:
         raise _Invalid("bad kind or status")
     if type(events) is not list or type(links) is not list:
         raise _Invalid("events/links not arrays")
+    check_reserved(name, attrs)
     return name, kind, trace_id, span_id, parent_id, start, end, attrs, status, desc, events, links
 
 

@@ -94,7 +94,9 @@ META_BYTES = 4096
 #: Default ring size, bytes (a few thousand spans; the agent drains it several times a second).
 DEFAULT_CAPACITY = 2 * 1024 * 1024
 MIN_CAPACITY = 4096
-MAX_CAPACITY = 256 * 1024 * 1024
+#: Largest ring, bytes: the writer clamps to it, the agent refuses a bigger file (a ring claiming
+#: hundreds of MiB is another user's way to make the agent allocate them).
+MAX_CAPACITY = 64 * 1024 * 1024
 WRAP = 0xFFFF_FFFF
 (
     W_MAGIC,
@@ -184,7 +186,7 @@ class RingWriter:
     """The server's side: creates the ring file and appends records without ever blocking.
 
     Args:
-        capacity: ring bytes (rounded up to 8; clamped to [4 KiB, 256 MiB]).
+        capacity: ring bytes (rounded up to 8; clamped to [4 KiB, 64 MiB]).
         metadata: JSON-ready mapping stored in the metadata area (truncated keys are dropped
             until it fits ``META_BYTES``).
         path: file path (default :func:`ring_path` of this pid).
@@ -343,13 +345,21 @@ class RingReader:
         trusted_uids: file owners accepted (the target's uid and root); ``None`` accepts the
             target uid check being done by the caller (tests).
         directory: where ring files are (default :func:`agent.sdk.counter.shm_dir`).
+        max_capacity: largest ring accepted, bytes (default and at most :data:`MAX_CAPACITY`).
 
     Raises:
         RingError: no such ring, not a regular file, a symlink, an untrusted owner, group/other
-            access, or not a valid ring of ``pid``.
+            access, larger than ``max_capacity``, or not a valid ring of ``pid``.
     """
 
-    def __init__(self, pid: int, *, trusted_uids: set[int] | frozenset[int] | None = None, directory: Path | None = None) -> None:
+    def __init__(
+        self,
+        pid: int,
+        *,
+        trusted_uids: set[int] | frozenset[int] | None = None,
+        directory: Path | None = None,
+        max_capacity: int = MAX_CAPACITY,
+    ) -> None:
         self.pid = pid
         self.path = ring_path(pid, directory)
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -375,7 +385,10 @@ class RingReader:
             if words[W_PID] != pid:
                 raise RingError(f"{self.path} says pid {words[W_PID]}, not {pid}")
             cap = words[W_CAPACITY]
-            if cap < MIN_CAPACITY or cap > MAX_CAPACITY or cap % 8 or st.st_size != HEADER_BYTES + META_BYTES + cap:
+            limit = min(max_capacity, MAX_CAPACITY)
+            if cap > limit:
+                raise RingError(f"{self.path} claims a {cap / 2**20:.0f} MiB ring, more than the agent accepts ({limit / 2**20:.0f} MiB)")
+            if cap < MIN_CAPACITY or cap % 8 or st.st_size != HEADER_BYTES + META_BYTES + cap:
                 raise RingError(f"{self.path} has a bad size")
         except BaseException:
             os.close(fd)
@@ -444,6 +457,10 @@ class RingReader:
         them to the next one (which re-reads from ``read_pos``: at-least-once). The first take
         starts at ``read_pos``; each next one where the previous ended.
 
+        Memory is bounded whatever the file claims: one take reads at most ``max_bytes`` (plus
+        one record header) of the ring, or one record when the first one is larger (at most half
+        the ring, itself at most ``max_capacity``); the rest waits for the next take.
+
         Returns:
             The valid payloads and the ring position just past them (``end``, to commit).
         """
@@ -463,15 +480,9 @@ class RingReader:
             self.corrupt += 1
             self._cursor = w
             return RingBatch([], w)
-        start_off = r % cap
         span = w - r
-        # one or two preads cover everything unread
-        if start_off + span <= cap:
-            chunk = os.pread(self.fd, span, HEADER_BYTES + META_BYTES + start_off)
-        else:
-            first = os.pread(self.fd, cap - start_off, HEADER_BYTES + META_BYTES + start_off)
-            chunk = first + os.pread(self.fd, span - len(first), HEADER_BYTES + META_BYTES)
-        if len(chunk) != span:
+        chunk = self._read_at(r, min(span, max(8, max_bytes) + 8))
+        if chunk is None:
             self.corrupt += 1
             self._cursor = w
             return RingBatch([], w)
@@ -484,15 +495,26 @@ class RingReader:
                 self.corrupt += 1
                 i = span
                 break
+            if len(chunk) - i < 8:
+                break  # past this take's window: the next take goes on here
             length, crc = _REC.unpack_from(chunk, i)
             if length == WRAP:
                 i += cap - off
                 continue
             rec = 8 + _pad8(length)
-            if rec > cap - off or i + rec > span:
+            if rec > cap - off or i + rec > span or rec > cap // 2:
                 self.corrupt += 1
                 i = span
                 break
+            if i + rec > len(chunk):
+                if out or i:
+                    break  # the next take reads it
+                record = self._read_at(r + i, rec)  # one record larger than the window
+                if record is None:
+                    self.corrupt += 1
+                    i = span
+                    break
+                chunk, i = record, 0
             payload = chunk[i + 8 : i + 8 + length]
             i += rec
             if zlib.crc32(payload) != crc:
@@ -503,6 +525,19 @@ class RingReader:
         end = r + min(i, span)
         self._cursor = end
         return RingBatch(out, end)
+
+    def _read_at(self, pos: int, n: int) -> bytes | None:
+        """``n`` bytes of the ring from position ``pos`` (two preads across the end); ``None``
+        when the file is shorter than its header says."""
+        cap = self.capacity
+        off = pos % cap
+        base = HEADER_BYTES + META_BYTES
+        if off + n <= cap:
+            data = os.pread(self.fd, n, base + off)
+        else:
+            first = os.pread(self.fd, cap - off, base + off)
+            data = first + os.pread(self.fd, n - len(first), base)
+        return data if len(data) == n else None
 
     def commit(self, pos: int) -> None:
         """Release the ring space before position ``pos`` (an ``end`` of :meth:`take`) to the

@@ -94,6 +94,7 @@ from agent.ranks import target_attributes
 from agent.sdkclient import InflightRequest
 from agent.security import redact_cmdline, redact_text
 from agent.targets import Target
+from agent.verdict import hard_signal_plan
 
 __all__ = [
     "DEFERRED_PHASES",
@@ -400,8 +401,10 @@ class IncidentManager:
             before deferred phases (a profile) run, so printing it never waits for them.
         hard_signal: hard mode (``WatchdogConfig.hard``): after a stall incident's evidence is
             captured, send this signal number; ``None`` = soft.
-        hard_targets: who gets it: ``culprit`` (the verdict's culprit rank(s); without one, the
-            stalled target) or ``all`` (every target).
+        hard_targets: who gets it: ``culprit`` (the verdict's culprit(s), only when named at high
+            confidence; a lone stalled process that is no distributed job is its own culprit;
+            never every target for want of one: :func:`agent.verdict.hard_signal_plan`) or ``all``
+            (every target).
         judge: makes the cross-rank verdict (:class:`agent.judge.VerdictJudge`); ``None``: none.
     """
 
@@ -987,16 +990,11 @@ class IncidentManager:
         sig = self.hard_signal
         if sig is None:
             return []
-        verdict = record.verdict
-        if self.hard_targets == "all":
-            pids, why = [t.pid for t in record.targets], "every rank (hard_targets=all)"
-        elif verdict is not None and verdict.hung and verdict.culprit_pids:
-            pids, why = [p for p in verdict.culprit_pids if p], f"culprit per verdict: {verdict.reason}"
-        elif verdict is not None and not verdict.hung:
-            return []  # progressing: nothing to restart
-        else:
-            pids = [pid] if pid is not None else [t.pid for t in record.targets]
-            why = "no culprit named; the stalled target" if pid is not None else "no culprit named; every target"
+        pids, why = hard_signal_plan(record.verdict, target_pids=[t.pid for t in record.targets], stalled_pid=pid,
+                                     policy=self.hard_targets)
+        if not pids:
+            log.warning("hard mode: no signal sent (%s)", why)
+            return []
         name = signal_mod.Signals(sig).name
         results: list[ActionResult] = []
         tree = frozenset({*pids, *(t.pid for t in record.targets), *server_tree})

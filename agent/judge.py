@@ -1,42 +1,74 @@
-"""Gathers an incident's per-rank evidence and asks :mod:`agent.verdict` for the verdict.
+"""Gathers an incident's evidence, server by server, and asks :mod:`agent.verdict` for the verdict.
 
 Owns the I/O around the pure verdict: forward-step counters read when the incident opens and
-again once the evidence is in, process states, the exit status of the rank whose exit triggered
-the incident, the py-spy dumps and Flight Recorder dumps the incident's actions wrote (read back
-from their artifacts, so the verdict is a function of the bundle plus those readings).
+again once the evidence is in, process states, the exit facts of the process whose exit
+triggered the incident, the py-spy dumps and Flight Recorder dumps the incident's actions wrote
+(read back from their artifacts, so the verdict is a function of the bundle plus those readings),
+and the server boundaries (:func:`agent.servers.server_groups`): each server is judged apart, and
+the incident's verdict is the server of the process (or the endpoint) that opened it.
 
 Used by :mod:`agent.incidents` through the two calls of :class:`VerdictJudge`; imports
-:mod:`agent.verdict`, :mod:`agent.events`, :mod:`agent.targets`, the SDK's public counter reader
-(:mod:`agent.sdk.counter`), the stack model (:mod:`agent.stacks`) and :func:`agent.ranks.rank_from_title`;
-never an actor, a watcher or an exporter.
+:mod:`agent.verdict`, :mod:`agent.events`, :mod:`agent.targets`, :mod:`agent.servers`, the SDK's
+public counter reader (:mod:`agent.sdk.counter`), the stack model (:mod:`agent.stacks`) and
+:mod:`agent.ranks`; never an actor, a watcher or an exporter.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import signal as signal_mod
 import threading
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 
-from agent.events import Action, ActionResult, Event, Outcome, TargetExited
-from agent.ranks import rank_from_title
-from agent.sdk.counter import counter_path, read_counter
-from agent.stacks import parse_dump
-from agent.targets import ProcessState, Target, process_state, server_of
-from agent.verdict import FrameClass, RankEvidence, Verdict, classify_stack, decide, warm_up
+from agent.events import (
+    Action,
+    ActionResult,
+    Event,
+    HealthCheckFailed,
+    Outcome,
+    TargetExited,
+    WatchdogStalled,
+)
+from agent.ranks import parse_title, world_ranks
+from agent.sdk.counter import CounterSnapshot, counter_path, read_counter
+from agent.servers import ServerGroup, ancestors, listener_of_port, server_groups
+from agent.stacks import ThreadStack, parse_dump
+from agent.targets import ProcessState, Target, process_state
+from agent.verdict import (
+    Evidence,
+    FrameClass,
+    RankEvidence,
+    Role,
+    Verdict,
+    classify_stack,
+    decide,
+    warm_up,
+)
 
-__all__ = ["VerdictJudge", "job_groups", "pick_incident_verdict", "read_steps", "signal_name", "warm_up_analyzer"]
+__all__ = [
+    "VerdictJudge",
+    "job_groups",
+    "pick_incident_verdict",
+    "read_steps",
+    "signal_name",
+    "trigger_of",
+    "warm_up_analyzer",
+]
 
 log = logging.getLogger("servewatch.judge")
 
 #: Largest artifact read back for the verdict, bytes.
 _MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+#: Attribute of a ``pyspy.dump`` result that says what happened reading the stack, when not plain.
+PYSPY_NOTE_ATTR = "servewatch.pyspy.note"
 
 
 def signal_name(number: int | None) -> str | None:
@@ -65,14 +97,18 @@ def warm_up_analyzer() -> threading.Thread:
         return _warm_up_thread
 
 
-def read_steps(pids: Sequence[int], socket_dir: Path | None = None) -> dict[int, int]:
-    """Forward-step counters of ``pids`` that have an SDK counter file (tmpfs reads)."""
-    out: dict[int, int] = {}
+def _snapshots(pids: Sequence[int], socket_dir: Path | None) -> dict[int, CounterSnapshot]:
+    out: dict[int, CounterSnapshot] = {}
     for pid in pids:
         snap = read_counter(counter_path(pid, socket_dir))
         if snap is not None and snap.pid == pid:
-            out[pid] = snap.forward_ct
+            out[pid] = snap
     return out
+
+
+def read_steps(pids: Sequence[int], socket_dir: Path | None = None) -> dict[int, int]:
+    """Forward-step counters of ``pids`` that have an SDK counter file (tmpfs reads)."""
+    return {pid: snap.forward_ct for pid, snap in _snapshots(pids, socket_dir).items()}
 
 
 def _read_json(path: str) -> Any:
@@ -85,22 +121,53 @@ def _read_json(path: str) -> Any:
         return None
 
 
+def trigger_of(cause: Event | None) -> str:
+    """``stall``, ``exit``, ``health`` or ``manual`` (no cause) for the event that opened an incident."""
+    if isinstance(cause, WatchdogStalled):
+        return "stall"
+    if isinstance(cause, TargetExited):
+        return "exit"
+    if isinstance(cause, HealthCheckFailed):
+        return "health"
+    return "manual" if cause is None else type(cause).__name__
+
+
+#: Frames of a coordinator that waits on its workers' answer (vLLM's executor RPC).
+_WAITS_ON_WORKERS = re.compile(r"vllm/v1/executor/|collective_rpc|execute_model")
+
+
+@dataclass(slots=True)
+class _Readings:
+    """What was read for every process of the incident once."""
+
+    results: list[ActionResult]
+    cause: Event | None
+    steps_before: dict[int, int]
+    after: dict[int, CounterSnapshot]
+
+
 class VerdictJudge:
     """The two calls :class:`agent.incidents.IncidentManager` makes around an incident.
 
     Args:
         shm_dir: folder of the SDK's counter files (default: the SDK's).
+        warm_up: start loading torch's analyzer when a multi-target incident opens.
+        endpoint_urls: the server URLs the agent watches (``/metrics``, ``/health``): a stall or a
+            health failure without a pid is attributed to the server listening on that URL's port.
     """
 
-    def __init__(self, *, shm_dir: Path | None = None, warm_up: bool = True) -> None:
+    def __init__(self, *, shm_dir: Path | None = None, warm_up: bool = True,
+                 endpoint_urls: Sequence[str] = ()) -> None:
         """Args:
         shm_dir: folder of the SDK counter files (default: the SDK's).
         warm_up: start loading torch's analyzer when a multi-target incident opens (a watching
             agent); a one-shot ``dump`` sets it off: it ends in a second, and ``Op.match`` is
             only asked when two ranks' signatures differ (then it is imported on the spot).
+        endpoint_urls: see the class docstring.
         """
         self.shm_dir = shm_dir
         self.warm_up = warm_up
+        self.endpoint_urls = tuple(u for u in endpoint_urls if u)
 
     def opened(self, targets: Sequence[Target]) -> dict[int, int]:
         """Step counters when the incident opens (microseconds; called on the event loop).
@@ -124,146 +191,244 @@ class VerdictJudge:
     def _decide(
         self, targets: list[Target], results: list[ActionResult], cause: Event | None, steps_before: dict[int, int]
     ) -> Verdict | None:
-        steps_after = read_steps([t.pid for t in targets], self.shm_dir)
         exited_pid = cause.pid if isinstance(cause, TargetExited) else None
-        everyone: list[tuple[Target, bool]] = [(t, t.pid == exited_pid) for t in targets]
-        if isinstance(cause, TargetExited) and all(t.pid != cause.pid for t in targets):
-            everyone.insert(0, (Target(pid=cause.pid, title=cause.title), True))
-        groups = job_groups([t for t, _ in everyone])
-        verdicts: list[tuple[list[int], Verdict]] = []
-        for pids in groups:
-            members = [(t, exited) for t, exited in everyone if t.pid in pids]
-            verdict = self._decide_group(members, results, cause, steps_before, steps_after)
+        everyone = list(targets)
+        if isinstance(cause, TargetExited):
+            # the title the process had (a zombie's own is its comm, cut at 15 characters)
+            everyone = [replace(t, title=cause.title) if t.pid == cause.pid and cause.title else t for t in everyone]
+            if all(t.pid != cause.pid for t in targets):
+                everyone.insert(0, Target(pid=cause.pid, title=cause.title))
+        readings = _Readings(results=results, cause=cause, steps_before=steps_before,
+                             after=_snapshots([t.pid for t in everyone], self.shm_dir))
+        groups = server_groups(everyone)
+        verdicts: list[tuple[ServerGroup, Verdict]] = []
+        for group in groups:
+            members = [t for t in everyone if t.pid in group.pids]
+            verdict = self._decide_group(members, readings, exited_pid)
             if verdict is not None:
-                verdicts.append((pids, verdict))
+                verdicts.append((group, verdict))
         if not verdicts:
             return None
-        trigger = getattr(cause, "pid", None)
-        return pick_incident_verdict(verdicts, trigger if isinstance(trigger, int) else None, len(groups))
+        return pick_incident_verdict(verdicts, self._trigger_pids(cause), len(groups))
 
-    def _decide_group(
-        self,
-        everyone: list[tuple[Target, bool]],
-        results: list[ActionResult],
-        cause: Event | None,
-        steps_before: dict[int, int],
-        steps_after: dict[int, int],
-    ) -> Verdict | None:
-        """The verdict of one job (one process tree's ranks); ``None``: a lone process with
-        neither a stack nor a Flight Recorder result. A lone process known by pid alone (no rank
-        from torch.distributed, its title or ``RANK``) is judged as one process, not as rank 0
-        of a job (:func:`agent.verdict.decide`, rule 0)."""
-        pids = {t.pid for t, _ in everyone}
-        dumps = {r.pid: r for r in results if r.action == Action.PYSPY_DUMP and r.pid in pids}
-        frs = {r.pid: r for r in results if r.action == Action.FLIGHTREC_DUMP and r.pid in pids}
-        if len(everyone) < 2 and not frs and not dumps:
-            return None  # nothing read of it
-        ranks: dict[int, int] = {}
-        for target, _ in everyone:
-            fr = frs.get(target.pid)
-            rank = fr.attributes.get("servewatch.flightrec.rank") if fr is not None else None
-            if not isinstance(rank, int):
-                rank = rank_from_title(target.title)
-            if isinstance(rank, int) and rank not in ranks.values():
-                ranks[target.pid] = rank
-        ranked = set(ranks)  # the others are numbered here, not ranks the job gave them
-        free = (r for r in range(10**6) if r not in ranks.values())
-        for target, _ in everyone:
-            if target.pid not in ranks:
-                ranks[target.pid] = next(free)
+    def _trigger_pids(self, cause: Event | None) -> set[int]:
+        """The pids that opened the incident: the stalled or exited pid, else the server listening
+        on the port of the endpoint that stalled (``/metrics``) or failed (``/health``)."""
+        pid = getattr(cause, "pid", None)
+        if isinstance(pid, int):
+            return {pid}
+        urls: list[str] = []
+        if isinstance(cause, HealthCheckFailed):
+            urls = [cause.url]
+        elif isinstance(cause, WatchdogStalled) and cause.counter_source == "prometheus":
+            urls = list(self.endpoint_urls)
+        found: set[int] = set()
+        for url in urls:
+            port = _port(url)
+            owner = listener_of_port(port) if port else None
+            if owner is not None:
+                found.add(owner)
+        return found
 
-        evidence: list[RankEvidence] = []
-        for target, exited in everyone:
-            frame_class, frame = FrameClass.UNKNOWN, ""
-            dump = dumps.get(target.pid)
-            if dump is not None and dump.outcome is Outcome.OK:
-                path = next((p for p in dump.artifact_paths if p.endswith(".json")), None)
-                if path is not None:
-                    try:
-                        frame_class, frame = classify_stack(parse_dump(Path(path).read_bytes()))
-                    except (OSError, ValueError) as exc:
-                        log.warning("cannot read %s for the verdict: %s", path, exc)
-            fr_dump = None
-            fr = frs.get(target.pid)
-            if fr is not None and fr.outcome is Outcome.OK and fr.artifact_paths:
-                doc = _read_json(fr.artifact_paths[0])
-                if isinstance(doc, dict) and isinstance(doc.get("trace"), dict):
-                    fr_dump = doc["trace"]
-            if exited:
-                alive = False
-            else:
-                state = process_state(target.pid, create_time_s=target.create_time_s)
-                alive = state not in (ProcessState.GONE, ProcessState.ZOMBIE)
-            evidence.append(
-                RankEvidence(
-                    rank=ranks[target.pid],
-                    pid=target.pid,
-                    alive=alive,
-                    exited_first=exited,
-                    exit_signal=signal_name(cause.signal) if exited and isinstance(cause, TargetExited) else None,
-                    exit_code=cause.exit_code if exited and isinstance(cause, TargetExited) else None,
-                    frame_class=frame_class,
-                    frame=frame,
-                    steps_before=steps_before.get(target.pid),
-                    steps_after=steps_after.get(target.pid),
-                    fr=fr_dump,
-                    ranked=target.pid in ranked,
-                )
-            )
-        return decide(evidence)
+    def _decide_group(self, members: list[Target], readings: _Readings, exited_pid: int | None) -> Verdict | None:
+        """The verdict of one server; ``None``: a lone process with neither a stack nor a Flight
+        Recorder result (nothing read of it)."""
+        pids = {t.pid for t in members}
+        dumps = {r.pid: r for r in readings.results if r.action == Action.PYSPY_DUMP and r.pid in pids}
+        frs = {r.pid: r for r in readings.results if r.action == Action.FLIGHTREC_DUMP and r.pid in pids}
+        if len(members) < 2 and not frs and not dumps:
+            return None
+        ranks = _ranks(members, frs)
+        evidence = [self._evidence(t, ranks.get(t.pid), dumps.get(t.pid), frs.get(t.pid), readings, exited_pid)
+                    for t in members]
+        evidence = _with_waits(evidence, members, dumps)
+        return decide(Evidence.of(evidence, trigger=trigger_of(readings.cause), world_size=_world_size(members)))
+
+    def _evidence(self, target: Target, rank: int | None, dump: ActionResult | None, fr: ActionResult | None,
+                  readings: _Readings, exited_pid: int | None) -> RankEvidence:
+        threads = _threads(dump)
+        frame_class, frame = classify_stack(threads) if threads else (FrameClass.UNKNOWN, "")
+        exited = target.pid == exited_pid
+        cause = readings.cause if exited and isinstance(readings.cause, TargetExited) else None
+        alive = not exited and process_state(target.pid, create_time_s=target.create_time_s) not in (
+            ProcessState.GONE, ProcessState.ZOMBIE)
+        info = parse_title(target.title)
+        role = _role(info.role if info is not None else "", rank)
+        snap = readings.after.get(target.pid)
+        return RankEvidence(
+            rank=rank if role is Role.RANK else None,
+            pid=target.pid,
+            role=role,
+            title=target.title,
+            label=info.label if info is not None else "",
+            alive=alive,
+            exited_first=exited,
+            exit_signal=signal_name(cause.signal) if cause is not None else None,
+            exit_code=cause.exit_code if cause is not None else None,
+            oom_killed=bool(getattr(cause, "oom_killed", False)),
+            exit_time_ns=_exit_time(cause),
+            exit_detail=str(getattr(cause, "exit_detail", "") or ""),
+            frame_class=frame_class,
+            frame=frame,
+            stack_note=str(dump.attributes.get(PYSPY_NOTE_ATTR, "")) if dump is not None else "",
+            steps_before=readings.steps_before.get(target.pid),
+            steps_after=snap.forward_ct if snap is not None else None,
+            pending=snap.pending if snap is not None else None,
+            fr=_fr_dump(fr),
+        )
+
+
+def _port(url: str) -> int | None:
+    try:
+        parts = urlsplit(url)
+        return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+
+
+def _role(title_role: str, rank: int | None) -> Role:
+    if title_role == "coordinator":
+        return Role.COORDINATOR
+    if title_role == "frontend":
+        return Role.FRONTEND
+    return Role.RANK if rank is not None else Role.PROCESS
+
+
+def _exit_time(cause: TargetExited | None) -> int | None:
+    """When the process ended, when the exit facts say (``exit_time_unix_nano``), else ``None``."""
+    t = getattr(cause, "exit_time_unix_nano", None) if cause is not None else None
+    return t if isinstance(t, int) and t > 0 else None
+
+
+def _threads(dump: ActionResult | None) -> list[ThreadStack]:
+    if dump is None or dump.outcome is not Outcome.OK:
+        return []
+    path = next((p for p in dump.artifact_paths if p.endswith(".json")), None)
+    if path is None:
+        return []
+    try:
+        return parse_dump(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read %s for the verdict: %s", path, exc)
+        return []
+
+
+def _fr_dump(fr: ActionResult | None) -> Mapping[str, Any] | None:
+    if fr is None or fr.outcome is not Outcome.OK or not fr.artifact_paths:
+        return None
+    doc = _read_json(fr.artifact_paths[0])
+    if isinstance(doc, dict) and isinstance(doc.get("trace"), dict):
+        return doc["trace"]
+    return None
+
+
+def _ranks(members: list[Target], frs: Mapping[int, ActionResult]) -> dict[int, int]:
+    """Each rank's number: torch.distributed's (its Flight Recorder read), else its title's in this
+    server's world (:func:`agent.ranks.world_ranks`). A process that is no rank, or whose number
+    another process already holds, gets none (never a made-up number)."""
+    by_title = dict(zip((t.pid for t in members), world_ranks([t.title for t in members])))
+    ranks: dict[int, int] = {}
+    for target in members:
+        fr = frs.get(target.pid)
+        rank = fr.attributes.get("servewatch.flightrec.rank") if fr is not None else None
+        if not isinstance(rank, int):
+            rank = by_title.get(target.pid)
+        if isinstance(rank, int) and rank not in ranks.values():
+            ranks[target.pid] = rank
+    return ranks
+
+
+def _with_waits(evidence: list[RankEvidence], members: list[Target], dumps: Mapping[int, ActionResult]) -> list[RankEvidence]:
+    """A coordinator whose main thread waits in its executor's RPC waits on its descendant ranks."""
+    out = []
+    for e in evidence:
+        if e.role is Role.COORDINATOR and e.pid is not None:
+            threads = _threads(dumps.get(e.pid))
+            main = next((t for t in threads if t.is_main), None)
+            if main is not None and any(_WAITS_ON_WORKERS.search(f"{f.filename} {f.name}") for f in main.frames):
+                workers = tuple(r.pid for r in evidence if r.is_rank and r.pid and e.pid in ancestors(r.pid))
+                e = replace(e, waits_on=workers)
+        out.append(e)
+    return out
+
+
+_WORLD_FLAG = re.compile(r"^--world[-_]size(?:=(\d+))?$")
+
+
+def _world_size(members: Sequence[Target]) -> int | None:
+    """The world size the ranks were started with: ``WORLD_SIZE`` in a rank's environment, else a
+    ``--world-size N`` argument; ``None`` when neither is readable."""
+    for t in members:
+        size = _env_world_size(t.pid) or _argv_world_size(t.cmdline)
+        if size:
+            return size
+    return None
+
+
+def _env_world_size(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read(1 << 20)
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(b"WORLD_SIZE="):
+            value = item.split(b"=", 1)[1]
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def _argv_world_size(argv: Sequence[str]) -> int | None:
+    for i, arg in enumerate(argv):
+        m = _WORLD_FLAG.match(arg)
+        if not m:
+            continue
+        value = m.group(1) or (argv[i + 1] if i + 1 < len(argv) else "")
+        return int(value) if value.isdigit() else None
+    return None
 
 
 def job_groups(targets: Sequence[Target]) -> list[list[int]]:
-    """The targets' pids grouped into jobs: ranks of one server, never of two.
-
-    A host-wide ``--match`` can pick the ranks of two servers; numbering them as one job mixes
-    pids of both and blames one server's rank for another's stall. Ranks are grouped by the
-    process they hang off (:func:`agent.targets.server_of`: a server's workers are its children, each server
-    its own tree); a target whose tree is unreadable (gone and reaped) joins the one job when
-    there is only one, else stands alone.
-
-    Returns:
-        Lists of pids (dump order within a job), jobs ordered by their first pid.
-    """
-    pids = {t.pid for t in targets}
-    by_server: dict[int, list[int]] = {}
-    orphans: list[int] = []
-    for target in targets:
-        server = server_of(target.pid, pids)
-        if server is None:
-            orphans.append(target.pid)
-        else:
-            by_server.setdefault(server, []).append(target.pid)
-    groups = list(by_server.values())
-    if len(groups) == 1:
-        groups[0] = orphans + groups[0]
-    else:
-        groups += [[pid] for pid in orphans]
-    return sorted(groups, key=min) if groups else []
+    """The targets' pids grouped by server (:func:`agent.servers.server_groups`), groups ordered
+    by their first pid."""
+    return [list(g.pids) for g in server_groups(targets)]
 
 
-#: Which job's verdict is the incident's when no trigger pid picks it: a hung one with a
+#: Which server's verdict is the incident's when no trigger pid picks it: a hung one with a
 #: culprit first, strongest kind first.
-_KIND_ORDER = ("dead", "desync", "behind", "compute", "single", "unknown", "progressing")
+_KIND_ORDER = ("dead", "cascade", "desync", "cycle", "behind", "deadlock", "rendezvous", "compute", "single",
+               "unknown", "idle", "stopped", "progressing")
 
 
-def pick_incident_verdict(verdicts: Sequence[tuple[Sequence[int], Verdict]], trigger_pid: int | None, jobs: int) -> Verdict:
-    """The incident's verdict among its jobs' verdicts.
+def pick_incident_verdict(verdicts: Sequence[tuple[ServerGroup | Sequence[int], Verdict]], trigger: int | set[int] | None,
+                          jobs: int) -> Verdict:
+    """The incident's verdict among its servers' verdicts.
 
-    The job of the process whose exit or stall opened the incident, when known; else the job
-    that stalled (hung, with a culprit, strongest kind). With more than one job the reason says
-    which one was judged.
+    The server of the process whose exit or stall opened the incident (or the server listening on
+    the endpoint that stalled), when known; else the server that stalled (hung, with a culprit,
+    strongest kind). With more than one server the evidence says which one was judged and how it
+    was told apart.
     """
-    chosen = next(((pids, v) for pids, v in verdicts if trigger_pid is not None and trigger_pid in pids), None)
+    wanted = {trigger} if isinstance(trigger, int) else set(trigger or ())
+
+    def pids_of(g: ServerGroup | Sequence[int]) -> tuple[int, ...]:
+        return g.pids if isinstance(g, ServerGroup) else tuple(g)
+
+    def holds(g: ServerGroup | Sequence[int]) -> bool:
+        pids = set(pids_of(g))
+        return bool(wanted & pids) or any(w in ancestors(p) for p in pids for w in wanted)
+
+    chosen = next(((g, v) for g, v in verdicts if wanted and holds(g)), None)
     if chosen is None:
-        def rank(item: tuple[Sequence[int], Verdict]) -> tuple[int, int, int]:
+        def order(item: tuple[Any, Verdict]) -> tuple[int, int, int]:
             v = item[1]
             kind = _KIND_ORDER.index(v.kind) if v.kind in _KIND_ORDER else len(_KIND_ORDER)
-            return (not v.hung, not v.culprit_ranks, kind)
+            return (not v.hung, not v.culprit_pids, kind)
 
-        chosen = min(verdicts, key=rank)
-    pids, verdict = chosen
+        chosen = min(verdicts, key=order)
+    group, verdict = chosen
     if jobs < 2:
         return verdict
-    note = f"job of pids {','.join(map(str, sorted(pids)))} (1 of {jobs} process trees matched)"
+    how = f"; {group.how}" if isinstance(group, ServerGroup) else ""
+    note = f"job of pids {','.join(map(str, sorted(pids_of(group))))} (1 of {jobs} process trees matched{how})"
     return replace(verdict, evidence=(*verdict.evidence, note))

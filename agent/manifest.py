@@ -165,7 +165,9 @@ class ManifestVerdict(_Part):
     """The cross-rank verdict (``verdict``), per :meth:`agent.verdict.Verdict.to_json`.
 
     Attributes:
-        kind: ``dead``, ``desync``, ``behind``, ``compute``, ``progressing`` or ``unknown``.
+        kind: what was concluded (``dead``, ``cascade``, ``stopped``, ``desync``, ``progressing``,
+            ``rendezvous``, ``cycle``, ``behind``, ``deadlock``, ``idle``, ``compute``, ``single``,
+            ``unknown``: ``docs/verdict-rules.md``).
         hung: whether the group is stuck.
         culprit_ranks / culprit_pids: the rank(s) named and their pids (empty when none).
         reason: one line.
@@ -174,6 +176,7 @@ class ManifestVerdict(_Part):
         stragglers: ranks slower than the rest while all progress.
         ranks: every rank considered.
         headline: the summary's first line (``Verdict: culprit rank 1 (pid 42) -- ...``).
+        rule: the rule that concluded (``docs/verdict-rules.md``), ``""`` before it was recorded.
         duration_s: seconds spent making it after the evidence was in.
     """
 
@@ -187,6 +190,7 @@ class ManifestVerdict(_Part):
     stragglers: tuple[int, ...] = ()
     ranks: tuple[int, ...] = ()
     headline: str = ""
+    rule: str = ""
     duration_s: float = 0.0
 
 

@@ -174,7 +174,7 @@ class Agent:
             hard_signal=wd.signal_number if wd.hard else None,
             on_summary=on_summary,
             hard_targets=wd.hard_targets,
-            judge=VerdictJudge(),
+            judge=VerdictJudge(endpoint_urls=(settings.metrics.url or "", settings.health.url or "")),
         )
         #: per-target step watchers, keyed by (pid, create time): cancelled when it exits
         self._step_scopes: dict[tuple[int, float], anyio.CancelScope] = {}

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from agent.safetext import safe_text
 
 __all__ = [
+    "COMMUNICATION_LAYERS",
     "MAX_ATTR_CHARS",
+    "CommLayer",
     "Frame",
     "ThreadStack",
     "clip",
+    "comm_layer",
     "hung_frame",
     "hung_location",
     "idle_and_stuck",
@@ -220,12 +223,96 @@ def render_text(threads: Sequence[ThreadStack], *, header: str = "") -> str:
 _STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
 
 #: Where a thread waits for work (its innermost Python frame outside ``threading``): the stdlib's
-#: queues, selectors and sockets, asyncio's loop, executor and multiprocessing workers, and ZeroMQ
-#: (SGLang's schedulers and detokenizer idle in ``zmq`` ``recv``).
+#: queues, selectors and sockets, asyncio's loop, executor and multiprocessing workers, ZeroMQ
+#: (SGLang's schedulers and detokenizer idle in ``zmq`` ``recv``), and the serving frameworks'
+#: message queues (:data:`COMMUNICATION_LAYERS` of kind ``message_queue``).
 _WORK_WAIT_PATH = re.compile(
     r"/(queue|selectors|socket|ssl|sched)\.py$|/asyncio/|/concurrent/futures/|"
     r"/multiprocessing/(connection|queues|pool|managers|synchronize)\.py$|/zmq/"
 )
+
+#: ``threading`` primitives a parked thread waits in (py-spy names them ``Class.method`` on 3.11+).
+_PARK_NAMES = frozenset({"wait", "Event.wait", "Condition.wait", "Semaphore.acquire", "BoundedSemaphore.acquire",
+                         "Barrier.wait", "_wait_for_tstate_lock"})
+#: A thread's own frames above a park that still make it a parked helper: its run function, and
+#: at most one helper it calls (``SignalCallback._run`` -> ``Event.wait``; tqdm's ``TMonitor.run``).
+_PARK_MAX_OWN_FRAMES = 2
+_BOOTSTRAP_NAMES = frozenset({"run", "Thread.run", "_bootstrap", "_bootstrap_inner", "Thread._bootstrap",
+                              "Thread._bootstrap_inner"})
+
+
+@dataclass(frozen=True, slots=True)
+class CommLayer:
+    """One serving framework's communication layer, as its frames appear in a py-spy stack.
+
+    Attributes:
+        name: what it is (``vLLM device communicators``).
+        kind: ``collective`` (the thread waits for its peers: a rank there is in a collective),
+            ``rendezvous`` (the job is still forming: ``init_process_group``, the TCPStore) or
+            ``message_queue`` (a process waits for a message: idle unless work is pending).
+        python: regex on a Python frame's file name (``filename`` or ``short_filename``), or ``""``.
+        native: regex on a native frame's symbol, or ``""``.
+        function: regex on a Python frame's function name (with ``python``, both must match), or ``""``.
+        source: where the fact comes from.
+    """
+
+    name: str
+    kind: str
+    python: str = ""
+    native: str = ""
+    function: str = ""
+    source: str = ""
+
+    def matches(self, frame: Frame) -> bool:
+        """Whether ``frame`` is in this layer."""
+        if frame.native:
+            return bool(self.native) and re.search(self.native, frame.name or "", re.IGNORECASE) is not None
+        if not self.python:
+            return False
+        where = f"{frame.filename} {frame.short_filename}"
+        if re.search(self.python, where) is None:
+            return False
+        return not self.function or re.search(self.function, frame.name or "") is not None
+
+
+#: The communication layers a stack is read against, first match wins (the table in
+#: ``docs/verdict-rules.md``). Rendezvous comes before the collectives of the same library
+#: (``init_process_group`` is in ``torch/distributed/`` too); a framework's message queue before
+#: its collectives (vLLM's ``shm_broadcast`` lives among its device communicators).
+COMMUNICATION_LAYERS: tuple[CommLayer, ...] = (
+    CommLayer("torch.distributed rendezvous", "rendezvous", python=r"torch/distributed/",
+              function=r"(^|\.)(init_process_group|_store_based_barrier|rendezvous|_create_c10d_store|"
+                       r"_(env|tcp|file)_rendezvous_handler|init_device_mesh)$",
+              source="torch/distributed/distributed_c10d.py, rendezvous.py"),
+    CommLayer("torch elastic rendezvous", "rendezvous", python=r"torch/distributed/elastic/rendezvous/",
+              source="torch/distributed/elastic/rendezvous/"),
+    CommLayer("TCPStore / FileStore wait", "rendezvous", native=r"c10d::(TCPStore|FileStore)|TCPStore::|"
+              r"detail::TCPClient|c10d::detail::", source="torch/csrc/distributed/c10d/TCPStore.cpp"),
+    CommLayer("vLLM shared-memory message queue", "message_queue",
+              python=r"vllm/distributed/device_communicators/shm_broadcast\.py$",
+              source="vllm/distributed/device_communicators/shm_broadcast.py (MessageQueue.dequeue)"),
+    CommLayer("vLLM device communicators", "collective", python=r"vllm/distributed/device_communicators/",
+              source="cpu_communicator.py, pynccl.py, custom_all_reduce.py, quick_all_reduce.py, all2all.py"),
+    CommLayer("vLLM parallel state / communication ops", "collective",
+              python=r"vllm/distributed/(parallel_state|communication_op)\.py$",
+              source="vllm/distributed/parallel_state.py (GroupCoordinator)"),
+    CommLayer("SGLang distributed", "collective", python=r"sglang/srt/distributed/",
+              source="sglang/srt/distributed/ (parallel_state.py, device_communicators/)"),
+    CommLayer("vLLM/SGLang native all-reduce", "collective",
+              native=r"shm_allreduce|shm_all_reduce|wait_for_all|custom_ar|cross_device_reduce|"
+                     r"quickreduce|all_reduce_(one|two)_shot",
+              source="vLLM csrc/cpu/shm.cpp (torch.ops._C.shm_allreduce), csrc/custom_all_reduce.cuh"),
+    CommLayer("NCCL", "collective", native=r"nccl", source="libnccl (pynccl, ProcessGroupNCCL)"),
+    CommLayer("torch.distributed collectives", "collective", python=r"torch/distributed/",
+              source="torch/distributed/distributed_c10d.py"),
+    CommLayer("c10d / gloo native waits", "collective",
+              native=r"c10d::|gloo::|ProcessGroup(Gloo|NCCL)|Work::wait", source="libtorch_cpu.so"),
+)
+
+
+def comm_layer(frame: Frame) -> CommLayer | None:
+    """The communication layer ``frame`` is in (:data:`COMMUNICATION_LAYERS`), or ``None``."""
+    return next((layer for layer in COMMUNICATION_LAYERS if layer.matches(frame)), None)
 
 
 def _is_plumbing(frame: Frame) -> bool:
@@ -234,22 +321,52 @@ def _is_plumbing(frame: Frame) -> bool:
     return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
 
 
+def _parked_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
+    """A helper thread (not the main one) whose whole job is to wait on an ``Event`` or a
+    ``Condition``: innermost a ``threading`` park, above it at most :data:`_PARK_MAX_OWN_FRAMES`
+    frames of its own, then the thread's bootstrap (vLLM's ``SignalCallback._run``, tqdm's
+    ``TMonitor.run``, a timer). A model's forward that waits in ``Event.wait`` is many frames deep,
+    or on the main thread: stuck, not parked."""
+    if thread.is_main or not python:
+        return False
+    i = 0
+    while i < len(python) and python[i].filename.endswith("/threading.py") and python[i].name in _PARK_NAMES:
+        i += 1
+    if i == 0:
+        return False
+    own = [f for f in python[i:] if not (f.filename.endswith("/threading.py") and f.name in _BOOTSTRAP_NAMES)]
+    return len(own) <= _PARK_MAX_OWN_FRAMES
+
+
+def _waits_for_message(python: Sequence[Frame]) -> bool:
+    """The innermost Python frame outside ``threading`` is a work source or a framework's
+    message queue."""
+    for frame in python:
+        if frame.filename.endswith("/threading.py") or frame.filename.startswith("<frozen"):
+            continue
+        layer = comm_layer(frame)
+        return bool(_WORK_WAIT_PATH.search(frame.filename)) or (layer is not None and layer.kind == "message_queue")
+    return bool(python)  # only threading frames (a Timer, a bare Event.wait): idle
+
+
 def thread_is_idle(thread: ThreadStack) -> bool:
     """Whether a thread is idle: waiting for work, not stuck.
 
     Idle means py-spy saw it waiting (not ``active``) and the innermost Python frame outside
     ``threading`` is a work source (a queue, selector, socket, event loop, executor or
-    multiprocessing worker, ZeroMQ). A thread waiting in the program's own code (a collective, a
-    lock, ``Event.wait`` called from a model) is stuck, not idle; a running thread is never idle.
+    multiprocessing worker, ZeroMQ); or it is a parked helper thread (:func:`_parked_helper`:
+    vLLM's ``signal-callback``, tqdm's monitor). A framework's message queue (vLLM's
+    ``shm_broadcast`` ``MessageQueue.dequeue``, which spins before it sleeps) is a wait for work
+    even while py-spy sees it on CPU. A thread waiting in the program's own code (a collective,
+    a lock, ``Event.wait`` called from a model) is stuck, not idle; any other running thread is
+    never idle.
     """
-    if thread.active:
-        return False
     python = [f for f in thread.frames if not f.native]
-    for frame in python:
-        if frame.filename.endswith("/threading.py") or frame.filename.startswith("<frozen"):
-            continue
-        return bool(_WORK_WAIT_PATH.search(frame.filename))
-    return bool(python)  # only threading frames (a Timer, a bare Event.wait): idle
+    if thread.active:
+        first = next((f for f in python if not f.filename.endswith("/threading.py")), None)
+        layer = comm_layer(first) if first is not None else None
+        return layer is not None and layer.kind == "message_queue"
+    return _parked_helper(thread, python) or _waits_for_message(python)
 
 
 def _main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:

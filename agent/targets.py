@@ -55,6 +55,8 @@ class Target:
         cmdline: the full argv as the kernel reports it (empty strings removed).
         uid: the process's real uid (``None`` when unknown); the agent trusts files and sockets
             of a target only when they belong to this uid or root.
+        ppid: its parent pid when discovered (``None`` when unknown): which server a process
+            belonged to is still known after it is gone and reaped.
     """
 
     pid: int
@@ -62,6 +64,7 @@ class Target:
     create_time_s: float = 0.0
     cmdline: tuple[str, ...] = ()
     uid: int | None = None
+    ppid: int | None = None
 
 
 class ProcessState(StrEnum):
@@ -180,7 +183,9 @@ def _target_from(proc: psutil.Process) -> Target:
         cmdline = tuple(safe_text(arg) for arg in proc.cmdline() if arg)
         create_time_s = proc.create_time()
         uid = proc.uids().real
-    return Target(pid=proc.pid, title=_title_of(cmdline, name), create_time_s=create_time_s, cmdline=cmdline, uid=uid)
+        ppid = proc.ppid()
+    return Target(pid=proc.pid, title=_title_of(cmdline, name), create_time_s=create_time_s, cmdline=cmdline, uid=uid,
+                  ppid=ppid)
 
 
 def target_of(pid: int, errors: ScanErrors | None = None) -> Target | None:
@@ -435,5 +440,6 @@ def zombie_descendants(root_pids: Iterable[int], title_globs: Iterable[str] = ()
                     for g in globs
                 ):
                     continue
-                found[proc.pid] = Target(pid=proc.pid, title=name, create_time_s=proc.create_time(), uid=proc.uids().real)
+                found[proc.pid] = Target(pid=proc.pid, title=name, create_time_s=proc.create_time(), uid=proc.uids().real,
+                                         ppid=proc.ppid())
     return [found[pid] for pid in sorted(found)]

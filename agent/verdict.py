@@ -1,59 +1,59 @@
-"""The cross-rank verdict of a distributed incident: which rank(s) caused it, why, how sure.
+"""The verdict of an incident: which rank(s) or process(es) caused it, why, and how sure.
 
-Owns the pure analysis that turns per-rank evidence (process state and exit, Flight Recorder
-entries, the py-spy stack's class: compute / collective wait / idle, forward-step counters) into
-one :class:`Verdict`. No I/O, no clock, no subprocess: the caller gathers the evidence
-(:mod:`agent.runtime` from an incident's results) and passes it in.
+Owns the evidence model (:class:`RankEvidence` per process, :class:`Evidence` for one server),
+the :class:`Verdict`, and the ordered table of named rules (:data:`RULES`) that turns one into
+the other. Each rule is a small function with a documented *when*, *concludes* and
+*confidence*; the first rule that applies decides. The table is the documentation:
+:func:`rules_markdown` renders it into ``docs/verdict-rules.md`` (a test keeps the file equal to
+it), with the communication layers a stack is read against
+(:data:`agent.stacks.COMMUNICATION_LAYERS`).
 
-Rules, first match wins:
+Confidence is honest: ``high`` only when the evidence agrees (a Flight Recorder finding no
+stack or step counter contradicts; a crash whose status is known and which came first), ``medium``
+from one source (stacks of one instant), ``low`` when a status is unknown or the evidence is
+thin. Hard mode acts only on a high-confidence culprit (:func:`hard_signal_plan`).
 
-0. ``single``: one process that is not a rank of a distributed job (no rank from
-   torch.distributed, its title or ``RANK``; no Flight Recorder read; not in a collective):
-   nothing to compare it with, so nobody is a culprit; the verdict says where it is:
-   ``1 process (pid 42), not a distributed job: in inner_work (busy.py:6)`` (``medium``, from its stack),
-   ``idle (waiting for work) in ...``, or how it exited (``high`` when its exit opened the
-   incident); ``low`` without a stack.
-1. ``dead``: a rank's process ended (the incident's trigger names it, or its exit status is
-   known): ``dead: rank 2 exited with SIGSEGV``. The ranks that then failed in their
-   collectives are its victims, not culprits. A rank ended by SIGTERM/SIGINT (or exit code
-   143/130) was asked to stop from outside: never a dead culprit; when its exit is the trigger,
-   ``dead`` at ``low`` confidence, ``terminated by a signal: rank 1 was terminated by SIGTERM``.
-2. ``desync``: at some collective sequence id of a process group that every rank recorded,
-   the ranks issued different ops / sizes / dtypes (compared with
-   ``torch.distributed.flight_recorder``'s ``Op.match`` when torch is importable). The odd rank
-   out is the culprit: the minority when there is a strict majority, else the rank whose entry
-   breaks the group's own repeating pattern before that id, else every rank involved.
-3. ``progressing``: every rank's step counter advanced during the incident: slow, not hung.
-   Nobody is named a culprit; the rank not waiting in a collective is reported as a straggler.
-4. ``behind``: the Flight Recorders disagree on the last collective enqueued in a group: the
-   ranks behind never entered it while the others wait in it:
-   ``behind: rank 1 never entered all_reduce #42 of pg 0; ranks 0,2,3 wait in it``.
-5. stacks only: some ranks wait in a collective and the others do not: those others are
-   behind (medium confidence); ``all ranks in compute: no collective wait`` when no rank waits,
-   naming the rank(s) whose steps stopped while the others advanced, or the only rank (TP=1).
-6. ``unknown`` otherwise.
+A process that is not a rank (a coordinator such as ``VLLM::EngineCore`` or SGLang's data-parallel
+controller, a frontend, a plain program) is evidence, never given a rank number.
 
-Imports nothing from the agent at import time (plain data in, plain data out) but py-spy's
-stuck-vs-idle rule, lazily, so the verdict and the py-spy summary never disagree; torch is
-imported lazily and optionally for ``Op.match``.
+No I/O, no clock, no subprocess: the caller (:mod:`agent.judge`) gathers the evidence of one
+server and passes it in. Imports the stack model (:mod:`agent.stacks`) and the Flight Recorder
+view (:mod:`agent.flightrec_view`); torch only lazily and optionally (torch's analyzer).
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.flightrec_view import (
+    RankRecorder,
+    find_behind,
+    find_cycle,
+    find_desync,
+    late_arrivals,
+)
+from agent.flightrec_view import warm_up as _warm_up_analyzer
+from agent.stacks import comm_layer
+
 __all__ = [
+    "RULES",
     "VERDICT_ATTR_PREFIX",
+    "Evidence",
+    "ExitKind",
     "FrameClass",
     "RankEvidence",
+    "Role",
+    "Rule",
     "Verdict",
     "classify_stack",
     "decide",
+    "exit_kind",
+    "hard_signal_plan",
+    "rules_markdown",
     "warm_up",
 ]
 
@@ -62,35 +62,897 @@ VERDICT_ATTR_PREFIX = "servewatch.verdict."
 
 
 class FrameClass(str, enum.Enum):
-    """Where a rank's main thread is, per its py-spy stack."""
+    """Where a process's main thread is, per its py-spy stack."""
 
     COMPUTE = "compute"  # running its own code (a kernel launch, a model forward, a busy loop)
-    COLLECTIVE = "collective"  # inside a torch.distributed collective (waiting for peers)
-    IDLE = "idle"  # every thread waits for work (queue, selector, socket, event loop): nothing is stuck
+    COLLECTIVE = "collective"  # inside a collective of torch.distributed or a framework's layer (waiting for peers)
+    RENDEZVOUS = "rendezvous"  # forming the job: init_process_group, the TCPStore
+    IDLE = "idle"  # every thread waits for a message (queue, selector, socket, ZeroMQ, a message queue)
     UNKNOWN = "unknown"  # no stack
 
     def __str__(self) -> str:
         return self.value
 
 
-#: torch.distributed source folders; a frame there means the thread is inside a collective call.
-_DIST_PATH = re.compile(r"torch/distributed/")
-#: Native symbols of a collective wait (gloo, NCCL, c10d work waits).
-_NATIVE_COLLECTIVE = re.compile(r"c10d::|gloo::|ncclKernel|ProcessGroup(Gloo|NCCL)|Work::wait", re.IGNORECASE)
-#: The standard library's files (``time.sleep``'s caller, not ``threading``, is where a thread is).
+class Role(str, enum.Enum):
+    """What a process is to its server."""
+
+    RANK = "rank"  # a rank of the server's torch.distributed world (a worker, a scheduler)
+    COORDINATOR = "coordinator"  # drives the ranks: VLLM::EngineCore, DPCoordinator, SGLang's DP controller
+    FRONTEND = "frontend"  # API server, tokenizer, detokenizer
+    PROCESS = "process"  # known by pid alone
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ExitKind(str, enum.Enum):
+    """How a process ended (see :func:`exit_kind`)."""
+
+    ORDERLY = "orderly"  # exit code 0, or asked to stop (SIGTERM/SIGINT, exit code 143/130)
+    CRASH = "crash"  # a fatal signal (SIGSEGV, SIGABRT, SIGKILL, ...), or exit code 128+N for one
+    OOM = "oom"  # killed by the kernel's OOM killer
+    ERROR = "error"  # a non-zero exit code (an exception, a collective timeout)
+    UNKNOWN = "unknown"  # gone, status not known
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_STOPS = {"SIGTERM", "SIGINT"}
+_STOP_CODES = {143: "SIGTERM", 130: "SIGINT"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankEvidence:
+    """What is known about one process of a server.
+
+    Attributes:
+        rank: its rank in the server's world (torch.distributed's, else from its title), ``None``
+            for a process that is not a rank (never a made-up number).
+        pid: its process.
+        role: rank, coordinator, frontend or plain process.
+        title: its process title (``VLLM::Worker_TP0``), for naming a process without a rank.
+        label: its parallel coordinates (``DP1_TP0``), ``""`` when none.
+        alive: the process still exists (not gone, not a zombie) when the verdict is made.
+        exited_first: its exit opened the incident.
+        exit_signal / exit_code: how it ended, when known (``"SIGSEGV"``; ``1``).
+        oom_killed: the kernel's OOM killer ended it.
+        exit_time_ns: when it ended (wall clock, ns), when known: deaths are ordered by it.
+        exit_detail: how its end was learnt, in words (``memory.events oom_kill``), or ``""``.
+        frame_class / frame: its py-spy stack's class and the frame it is in.
+        stack_note: what happened reading its stack, when not plain (``stack too deep for py-spy``).
+        steps_before / steps_after: its forward-step counter when the incident opened and when the
+            evidence was complete (``None``: no counter).
+        pending: work items it had pending when the incident opened (SDK counter), ``None`` unknown.
+        fr: its Flight Recorder dump (``entries``, ``pg_status``), or ``None``.
+        waits_on: for a coordinator blocked on its workers: their pids.
+    """
+
+    rank: int | None = None
+    pid: int | None = None
+    role: Role = Role.RANK
+    title: str = ""
+    label: str = ""
+    alive: bool = True
+    exited_first: bool = False
+    exit_signal: str | None = None
+    exit_code: int | None = None
+    oom_killed: bool = False
+    exit_time_ns: int | None = None
+    exit_detail: str = ""
+    frame_class: FrameClass = FrameClass.UNKNOWN
+    frame: str = ""
+    stack_note: str = ""
+    steps_before: int | None = None
+    steps_after: int | None = None
+    pending: int | None = None
+    fr: Mapping[str, Any] | None = None
+    waits_on: tuple[int, ...] = ()
+
+    @property
+    def is_rank(self) -> bool:
+        return self.rank is not None and self.role is Role.RANK
+
+    @property
+    def number(self) -> int:
+        """Its rank, ``-1`` for a process that is no rank (for sorting and typing; never shown)."""
+        return self.rank if self.rank is not None else -1
+
+    @property
+    def name(self) -> str:
+        """``rank 2`` for a rank, else ``pid 42 'VLLM::EngineCore'``."""
+        if self.is_rank:
+            return f"rank {self.rank}"
+        return f"pid {self.pid}" + (f" {self.title!r}" if self.title else "")
+
+    @property
+    def stalled(self) -> bool | None:
+        """Its step counter did not advance (``None``: no counter)."""
+        if self.steps_before is None or self.steps_after is None:
+            return None
+        return self.steps_after == self.steps_before
+
+    @property
+    def advanced(self) -> bool:
+        return self.stalled is False
+
+
+def exit_kind(e: RankEvidence) -> ExitKind | None:
+    """How ``e`` ended, ``None`` while it is alive.
+
+    The OOM killer's mark wins; a stop signal or exit code 0/143/130 is orderly; any other signal
+    (or exit code 128+N) a crash; any other non-zero code an error; nothing known: unknown.
+    """
+    if e.alive:
+        return None
+    if e.oom_killed:
+        return ExitKind.OOM
+    if e.exit_signal is not None:
+        return ExitKind.ORDERLY if e.exit_signal in _STOPS else ExitKind.CRASH
+    if e.exit_code is None:
+        return ExitKind.UNKNOWN
+    if e.exit_code == 0 or e.exit_code in _STOP_CODES:
+        return ExitKind.ORDERLY
+    return ExitKind.CRASH if e.exit_code > 128 else ExitKind.ERROR
+
+
+def _how_exited(e: RankEvidence) -> str:
+    """``exited with SIGSEGV`` / ``was killed by the OOM killer`` / ``exited (exit status unknown)``."""
+    kind = exit_kind(e)
+    if kind is ExitKind.OOM:
+        return "was killed by the OOM killer"
+    if e.exit_signal:
+        return f"exited with {e.exit_signal}"
+    if e.exit_code is not None:
+        return f"exited with exit code {e.exit_code}"
+    return "exited (exit status unknown)"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evidence:
+    """Everything known about one server's incident: the input of every rule.
+
+    Build it with :meth:`of`; the views (``ranks``, ``others``, ``recorders``) are computed once.
+
+    Attributes:
+        processes: every process considered, ranks first (by rank), then the others (by pid).
+        ranks: the ranks (one per rank number; the first seen wins).
+        others: coordinators, frontends and processes without a rank.
+        recorders: the live ranks' non-empty Flight Recorders, by rank.
+        trigger: what opened the incident (``stall``, ``exit``, ``health``, ``manual``, ``""``).
+        work_pending: whether work was pending (a stall means busy; the SDK's pending count; the
+            server's running/waiting requests); ``None`` when nothing tells.
+        world_size: the world size the ranks were started with, when known (rendezvous).
+    """
+
+    processes: tuple[RankEvidence, ...]
+    ranks: tuple[RankEvidence, ...] = ()
+    others: tuple[RankEvidence, ...] = ()
+    recorders: Mapping[int, RankRecorder] = field(default_factory=dict)
+    trigger: str = ""
+    work_pending: bool | None = None
+    world_size: int | None = None
+
+    @staticmethod
+    def of(items: Iterable[RankEvidence], *, trigger: str = "", work_pending: bool | None = None,
+           world_size: int | None = None) -> Evidence:
+        """The evidence of one server from its processes (any order; a rank seen twice keeps the first)."""
+        seen: dict[int, RankEvidence] = {}
+        others: list[RankEvidence] = []
+        for e in items:
+            if e.is_rank:
+                seen.setdefault(e.rank, e)  # type: ignore[arg-type]
+            else:
+                others.append(e)
+        ranks = tuple(seen[r] for r in sorted(seen))
+        others_t = tuple(sorted(others, key=lambda e: e.pid or 0))
+        recorders: dict[int, RankRecorder] = {}
+        for e in ranks:
+            fr = RankRecorder.of(e.fr) if e.alive else None
+            if fr is not None and not fr.empty:
+                recorders[e.number] = fr
+        if work_pending is None and trigger == "stall":
+            work_pending = True  # the watchdog fires only while busy
+        counted = [e.pending for e in (*ranks, *others_t) if e.pending is not None]
+        if work_pending is None and counted:
+            work_pending = any(counted)
+        return Evidence(processes=ranks + others_t, ranks=ranks, others=others_t, recorders=recorders,
+                        trigger=trigger, work_pending=work_pending, world_size=world_size)
+
+    @property
+    def complete_fr(self) -> bool:
+        """Every rank's recorder was read (and there are two ranks or more to compare)."""
+        return len(self.recorders) == len(self.ranks) and len(self.ranks) > 1
+
+    def rank(self, r: int) -> RankEvidence | None:
+        return next((e for e in self.ranks if e.rank == r), None)
+
+    def dead(self, *kinds: ExitKind) -> list[RankEvidence]:
+        """Gone processes whose end is one of ``kinds``, first death first (:func:`_death_order`)."""
+        return sorted((e for e in self.processes if exit_kind(e) in kinds), key=_death_order)
+
+
+def _death_order(e: RankEvidence) -> tuple[int, int, int]:
+    """Known time first (earliest first), then the exit that opened the incident, then rank/pid."""
+    known = e.exit_time_ns is not None
+    return (0 if known else 1, e.exit_time_ns or 0, 0 if e.exited_first else 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """The incident's verdict.
+
+    Attributes:
+        kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``desync``, ``progressing``,
+            ``rendezvous``, ``cycle``, ``behind``, ``deadlock``, ``idle``, ``compute``, ``single``
+            (one process, not a distributed job) or ``unknown`` (see :data:`RULES`).
+        hung: whether the server is stuck (``progressing``, ``idle`` and ``stopped`` are not).
+        culprit_ranks: the rank(s) named (empty when none can be).
+        culprit_pids: the culprit ranks' pids (rank order), then any culprit process without a
+            rank; a rank that never started has no pid.
+        reason: one line, e.g. ``behind: rank 1 never entered all_reduce #42 of pg 0; rank 0 waits in it``.
+        confidence: ``high``, ``medium`` or ``low``.
+        evidence: short facts behind it (one per process).
+        stragglers: ranks slower than the rest while all progress (``progressing`` only).
+        ranks: every rank considered.
+        rule: the name of the rule that concluded (:data:`RULES`).
+    """
+
+    kind: str
+    hung: bool
+    culprit_ranks: tuple[int, ...]
+    culprit_pids: tuple[int, ...]
+    reason: str
+    confidence: str
+    evidence: tuple[str, ...] = ()
+    stragglers: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
+    rule: str = ""
+    culprit_names: tuple[str, ...] = ()
+
+    def headline(self) -> str:
+        """The summary's first line: ``Verdict: culprit rank 1 (pid 42) -- behind: ... [confidence high]``;
+        ``Verdict: 1 process (pid 42), not a distributed job: in f (m.py:3) [confidence medium]``
+        for a ``single`` verdict (no culprit wording: there is nothing to blame it against)."""
+        if self.kind == "single":
+            return f"Verdict: {self.reason} [confidence {self.confidence}]"
+        if self.culprit_names:
+            return f"Verdict: culprit {', '.join(self.culprit_names)} -- {self.reason} [confidence {self.confidence}]"
+        return f"Verdict: no culprit rank -- {self.reason} [confidence {self.confidence}]"
+
+    def attributes(self) -> dict[str, Any]:
+        """``servewatch.verdict.*`` span attributes."""
+        p = VERDICT_ATTR_PREFIX
+        return {
+            f"{p}kind": self.kind,
+            f"{p}hung": self.hung,
+            f"{p}culprit_ranks": tuple(self.culprit_ranks),
+            f"{p}culprit_pids": tuple(self.culprit_pids),
+            f"{p}reason": self.reason,
+            f"{p}confidence": self.confidence,
+            f"{p}stragglers": tuple(self.stragglers),
+            f"{p}ranks": tuple(self.ranks),
+            f"{p}rule": self.rule,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (the manifest's ``verdict``)."""
+        return {
+            "kind": self.kind,
+            "hung": self.hung,
+            "culprit_ranks": list(self.culprit_ranks),
+            "culprit_pids": list(self.culprit_pids),
+            "reason": self.reason,
+            "confidence": self.confidence,
+            "evidence": list(self.evidence),
+            "stragglers": list(self.stragglers),
+            "ranks": list(self.ranks),
+            "rule": self.rule,
+            "headline": self.headline(),
+        }
+
+
+# --- wording --------------------------------------------------------------------------------------
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    rs = sorted(ranks)
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(str(r) for r in rs)
+
+
+def _ranks_wait(ranks: Iterable[int]) -> str:
+    """``rank 1 waits`` / ``ranks 0,2 wait``: the subject and its verb agree."""
+    rs = sorted(ranks)
+    return f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'}"
+
+
+def _names(es: Sequence[RankEvidence]) -> str:
+    """``rank 1`` / ``ranks 0,2`` / ``rank 0, pid 42 'VLLM::EngineCore'``."""
+    ranks = [e.rank for e in es if e.is_rank]
+    parts = [_ranks_text(ranks)] if ranks else []  # type: ignore[arg-type]
+    parts += [e.name for e in es if not e.is_rank]
+    return ", ".join(parts)
+
+
+def _culprit_name(e: RankEvidence) -> str:
+    if e.is_rank:
+        return f"rank {e.rank}" + (f" (pid {e.pid})" if e.pid else " (no process)")
+    return e.name
+
+
+def _evidence_line(e: RankEvidence) -> str:
+    parts = [e.name + (f" pid {e.pid}" if e.pid and e.is_rank else "")]
+    if e.label:
+        parts[0] += f" [{e.label}]"
+    if e.role not in (Role.RANK, Role.PROCESS):
+        parts.append(e.role.value)
+    if not e.alive:
+        parts.append(f"gone ({_how_exited(e).removeprefix('exited ').removeprefix('with ')})")
+    if e.frame_class is not FrameClass.UNKNOWN:
+        parts.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
+    if e.stack_note:
+        parts.append(e.stack_note)
+    if e.steps_before is not None and e.steps_after is not None:
+        parts.append(f"steps {e.steps_before}->{e.steps_after}")
+    fr = RankRecorder.of(e.fr)
+    if fr is not None and fr.groups:
+        for pg, st in sorted(fr.groups.items())[:2]:
+            parts.append(f"pg {pg}: enqueued #{st[0]}, completed #{st[1]}")
+    return "; ".join(parts)
+
+
+def _verdict(ev: Evidence, kind: str, culprits: Sequence[RankEvidence], reason: str, confidence: str, *,
+             hung: bool = True, stragglers: Iterable[int] = (), extra: Sequence[str] = ()) -> Verdict:
+    ranked = sorted((c for c in culprits if c.is_rank), key=lambda c: c.rank)  # type: ignore[arg-type, return-value]
+    rest = [c for c in culprits if not c.is_rank]
+    return Verdict(
+        kind=kind,
+        hung=hung,
+        culprit_ranks=tuple(c.rank for c in ranked),  # type: ignore[misc]
+        culprit_pids=tuple(c.pid for c in (*ranked, *rest) if c.pid),
+        reason=reason,
+        confidence=confidence,
+        evidence=tuple(_evidence_line(e) for e in ev.processes) + tuple(extra),
+        stragglers=tuple(sorted(set(stragglers))),
+        ranks=tuple(e.rank for e in ev.ranks),  # type: ignore[misc]
+        culprit_names=tuple(_culprit_name(c) for c in (*ranked, *rest)),
+    )
+
+
+def _missing_rank(r: int) -> RankEvidence:
+    """A rank of the world with no process seen (it never started, or was not matched)."""
+    return RankEvidence(rank=r, alive=False)
+
+
+# --- confidence ----------------------------------------------------------------------------------
+
+
+def _contradicted(culprits: Sequence[RankEvidence], waiting: Sequence[RankEvidence]) -> bool:
+    """A stack or a step counter says otherwise: a culprit waits in a collective or advanced, or
+    a rank said to wait runs its own code."""
+    if any(c.frame_class is FrameClass.COLLECTIVE or c.advanced for c in culprits):
+        return True
+    return any(w.frame_class in (FrameClass.COMPUTE, FrameClass.IDLE) for w in waiting)
+
+
+def _recorder_confidence(culprits: Sequence[RankEvidence], waiting: Sequence[RankEvidence]) -> str:
+    """A Flight Recorder finding: ``high`` unless a stack or step counter contradicts it."""
+    return "medium" if _contradicted(culprits, waiting) else "high"
+
+
+# --- the rules -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One rule of the verdict.
+
+    Attributes:
+        name: ``lower_snake_case``, recorded as the verdict's ``rule``.
+        kind: the verdict kind it concludes.
+        when: when it applies (one sentence).
+        concludes: what it names and says.
+        confidence: at what confidence, and why.
+        check: the rule itself: the verdict, or ``None`` when it does not apply.
+    """
+
+    name: str
+    kind: str
+    when: str
+    concludes: str
+    confidence: str
+    check: Callable[[Evidence], Verdict | None]
+
+
+#: The rules in order; the first whose ``check`` returns a verdict decides.
+RULES: list[Rule] = []
+
+
+def _rule(name: str, *, kind: str, when: str, concludes: str, confidence: str) -> Callable[
+        [Callable[[Evidence], Verdict | None]], Callable[[Evidence], Verdict | None]]:
+    """Register a rule at the end of :data:`RULES` (definition order is rule order)."""
+
+    def register(check: Callable[[Evidence], Verdict | None]) -> Callable[[Evidence], Verdict | None]:
+        RULES.append(Rule(name=name, kind=kind, when=when, concludes=concludes, confidence=confidence, check=check))
+        return check
+
+    return register
+
+
+@_rule("no_process", kind="unknown", when="no process to judge", concludes="nobody", confidence="low")
+def _no_process(ev: Evidence) -> Verdict | None:
+    if ev.processes:
+        return None
+    return _verdict(ev, "unknown", (), "no rank to judge", "low", hung=False)
+
+
+@_rule("single", kind="single",
+       when="one process that is not a rank (no rank from torch.distributed, its title or RANK; no Flight "
+            "Recorder; not in a collective)",
+       concludes="where it is (`1 process (pid 42), not a distributed job: in inner_work (busy.py:6)`), idle, "
+                 "or how it exited; never a culprit: there is nothing to blame it against",
+       confidence="medium from its stack; high for the exit that opened the incident; low without a stack or for a stop")
+def _single_process(ev: Evidence) -> Verdict | None:
+    if len(ev.processes) != 1:
+        return None
+    e = ev.processes[0]
+    if e.is_rank or e.fr is not None or e.frame_class is FrameClass.COLLECTIVE:
+        return None
+    return _single(e)
+
+
+def _single_where(e: RankEvidence) -> tuple[str, str]:
+    if not e.alive:
+        kind = exit_kind(e)
+        if kind is ExitKind.ORDERLY and (e.exit_signal in _STOPS or e.exit_code in _STOP_CODES):
+            stop = e.exit_signal or _STOP_CODES[e.exit_code]  # type: ignore[index]
+            return f"terminated by {stop} (asked to stop from outside, not a crash)", "low"
+        how = _how_exited(e)
+        confidence = "high" if e.exited_first and kind is not ExitKind.UNKNOWN else "medium"
+        return how.replace("exited with ", "exited with ", 1), confidence
+    if e.frame_class is FrameClass.IDLE:
+        return (f"idle (waiting for work) in {e.frame}" if e.frame else "idle (waiting for work)"), "medium"
+    if e.frame_class in (FrameClass.COMPUTE, FrameClass.RENDEZVOUS):
+        return (f"in {e.frame}" if e.frame else "in its own code"), "medium"
+    return "no stack", "low"
+
+
+def _single(e: RankEvidence) -> Verdict:
+    """Where one non-distributed process is, or how it ended; never a culprit."""
+    where, confidence = _single_where(e)
+    advanced = e.advanced
+    if advanced and e.alive:
+        where += f" (steps {e.steps_before}->{e.steps_after}: progressing)"
+    if e.stack_note:
+        where += f"; {e.stack_note}"
+    evidence = [f"pid {e.pid}" if e.pid else "1 process"]
+    if e.frame_class is not FrameClass.UNKNOWN:
+        evidence.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
+    if e.steps_before is not None and e.steps_after is not None:
+        evidence.append(f"steps {e.steps_before}->{e.steps_after}")
+    return Verdict(
+        kind="single",
+        hung=not (advanced and e.alive),  # only steps seen advancing say "not hung" (hard mode reads it)
+        culprit_ranks=(),
+        culprit_pids=(),
+        reason=f"1 process{f' (pid {e.pid})' if e.pid else ''}, not a distributed job: {where}",
+        confidence=confidence,
+        evidence=("; ".join(evidence),),
+    )
+
+
+def _dead_reason(first: RankEvidence, ev: Evidence) -> str:
+    others = [e for e in ev.ranks if e is not first]
+    waiting = [e.rank for e in others if e.alive and e.frame_class is FrameClass.COLLECTIVE]
+    after = [e for e in others if not e.alive and exit_kind(e) is not ExitKind.ORDERLY]
+    reason = f"dead: {first.name} {_how_exited(first)}"
+    if waiting:
+        reason += f"; {_ranks_wait(waiting)} in a collective"  # type: ignore[arg-type]
+    if after:
+        reason += f"; {_names(after)} exited after it"
+    return reason
+
+
+@_rule("crash", kind="dead",
+       when="a process died of a fatal signal (SIGSEGV, SIGABRT, SIGKILL...) or the OOM killer",
+       concludes="the first such death (by exit time, else the exit that opened the incident) is the culprit; "
+                 "ranks that failed in their collectives after it are its victims",
+       confidence="high when it is the only crash or its exit time is known and first; medium when several "
+                  "crashes cannot be ordered")
+def _crash(ev: Evidence) -> Verdict | None:
+    crashed = ev.dead(ExitKind.CRASH, ExitKind.OOM)
+    if not crashed:
+        return None
+    first = crashed[0]
+    ordered = len(crashed) == 1 or first.exit_time_ns is not None or (first.exited_first and not any(
+        c.exited_first for c in crashed[1:]))
+    if not ordered:
+        reason = "dead: " + "; ".join(f"{c.name} {_how_exited(c)}" for c in crashed) + " (order unknown)"
+        return _verdict(ev, "dead", crashed, reason, "medium")
+    return _verdict(ev, "dead", [first], _dead_reason(first, ev), "high")
+
+
+def _outside_collective(e: RankEvidence) -> bool:
+    """A live rank running its own code (not waiting for peers): its stack says compute and, when
+    counted, its steps stopped."""
+    return e.alive and e.frame_class is FrameClass.COMPUTE and not e.advanced
+
+
+@_rule("cascade", kind="cascade",
+       when="ranks exited with an error (a collective timeout: exit code, no fatal signal) while a live rank runs "
+            "its own code outside the collective",
+       concludes="the live rank outside the collective is the culprit; the exits are consequences of its hang",
+       confidence="high when its stack, its stopped step counter and its Flight Recorder (nothing in flight) "
+                  "agree; medium from its stack alone")
+def _cascade(ev: Evidence) -> Verdict | None:
+    gone = ev.dead(ExitKind.ERROR, ExitKind.UNKNOWN)
+    if not gone:
+        return None
+    hung = [e for e in ev.ranks if _outside_collective(e)]
+    if not hung:
+        return None
+    sources = [all(e.stalled for e in hung)]
+    sources.append(all(_nothing_in_flight(ev.recorders.get(e.rank)) for e in hung))  # type: ignore[arg-type]
+    frames = "; ".join(f"{e.name} in {e.frame}" for e in hung if e.frame)
+    codes = sorted({_how_exited(e).removeprefix("exited ") for e in gone})
+    reason = (f"collective timeout cascade: {_names(hung)} alive outside the collective"
+              + (f" ({frames})" if frames else "")
+              + f"; {_names(gone)} exited after it ({', '.join(codes)}): consequences, not causes")
+    return _verdict(ev, "cascade", hung, reason, "high" if all(sources) else "medium")
+
+
+def _nothing_in_flight(fr: RankRecorder | None) -> bool:
+    """The rank's recorder shows every collective it enqueued completed (it is not in one)."""
+    return fr is not None and all(enq <= done for enq, done in fr.groups.values())
+
+
+@_rule("exited", kind="dead",
+       when="a rank exited with an error or an unknown status, and no live rank explains it",
+       concludes="the first exit (by exit time, else the one that opened the incident) is the culprit",
+       confidence="high for a known error exit that came first; low when its exit status is unknown (never a "
+                  "crash at high confidence)")
+def _exited(ev: Evidence) -> Verdict | None:
+    gone = ev.dead(ExitKind.ERROR, ExitKind.UNKNOWN)
+    gone = [e for e in gone if e.exited_first or exit_kind(e) is ExitKind.ERROR]
+    if not gone:
+        return None
+    first = gone[0]
+    confidence = "low" if exit_kind(first) is ExitKind.UNKNOWN else "high"
+    if confidence == "high" and first.exit_time_ns is None and not first.exited_first:
+        confidence = "medium"
+    return _verdict(ev, "dead", [first], _dead_reason(first, ev), confidence)
+
+
+@_rule("stopped", kind="stopped",
+       when="the exit that opened the incident was orderly (exit code 0, SIGTERM/SIGINT or 143/130)",
+       concludes="nobody: it was asked to stop (`terminated by a signal: rank 1 was terminated by SIGTERM`)",
+       confidence="high: the exit status says so")
+def _stopped(ev: Evidence) -> Verdict | None:
+    stopped = [e for e in ev.processes if e.exited_first and exit_kind(e) is ExitKind.ORDERLY]
+    if not stopped:
+        return None
+    parts = []
+    for e in stopped:
+        stop = e.exit_signal if e.exit_signal in _STOPS else _STOP_CODES.get(e.exit_code or 0)
+        parts.append(f"{e.name} was terminated by {stop}" if stop else f"{e.name} exited with exit code 0")
+    signal_words = any("terminated" in p for p in parts)
+    head = "terminated by a signal" if signal_words else "orderly exit"
+    reason = f"{head}: {'; '.join(parts)} (asked to stop from outside, not a crash)" if signal_words else \
+        f"{head}: {'; '.join(parts)} (not a crash)"
+    return _verdict(ev, "stopped", (), reason, "high", hung=False)
+
+
+@_rule("desync", kind="desync",
+       when="every rank's Flight Recorder was read and, at one sequence id of a group, the ranks issued different "
+            "ops/sizes/dtypes (torch's `Op.match`)",
+       concludes="the odd rank out: the minority, else the rank breaking the group's repeating pattern",
+       confidence="high when a majority or the pattern settles it; low when every rank involved is named")
+def _desync(ev: Evidence) -> Verdict | None:
+    if not ev.complete_fr:
+        return None
+    found = find_desync(ev.recorders)
+    if found is None:
+        return None
+    reason = f"desync: ranks issued different ops/sizes at #{found.seq} of {found.pg_text} ({found.parts})"
+    extra = [f"torch flight_recorder: {found.torch_words}"] if found.torch_words else []
+    culprits = [e for e in ev.ranks if e.rank in found.culprits]
+    return _verdict(ev, "desync", culprits, reason, "high" if found.settled else "low", extra=extra)
+
+
+@_rule("progressing", kind="progressing",
+       when="every rank's step counter advanced during the incident",
+       concludes="not hung, nobody to blame; the rank entering collectives last is reported as the straggler",
+       confidence="high: the counters moved")
+def _progressing(ev: Evidence) -> Verdict | None:
+    if not ev.ranks or not all(e.advanced for e in ev.ranks):
+        return None
+    stragglers = late_arrivals(ev.recorders) if ev.complete_fr else []
+    if not stragglers:  # no recorder: the stacks of this instant
+        waiting = [e.number for e in ev.ranks if e.frame_class is FrameClass.COLLECTIVE]
+        stragglers = [e.number for e in ev.ranks if e.frame_class is not FrameClass.COLLECTIVE] if waiting else []
+    rate = ", ".join(f"rank {e.rank} +{e.steps_after - e.steps_before}" for e in ev.ranks)  # type: ignore[operator]
+    reason = f"progressing: every rank advanced ({rate}); not hung"
+    if stragglers and len(stragglers) < len(ev.ranks):
+        reason += f"; slowest: {_ranks_text(stragglers)} (enters collectives last; the others wait for it)"
+    else:
+        stragglers = []
+    return _verdict(ev, "progressing", (), reason, "high", hung=False, stragglers=stragglers)
+
+
+@_rule("rendezvous", kind="rendezvous",
+       when="ranks wait in the job's rendezvous (`init_process_group`, the TCPStore) before their first step",
+       concludes="the ranks that never arrived: the world's ranks with no process, and live ranks elsewhere",
+       confidence="medium: stacks and the world size; low when the world size is unknown and nobody is missing")
+def _rendezvous(ev: Evidence) -> Verdict | None:
+    waiting = [e for e in ev.ranks if e.alive and e.frame_class is FrameClass.RENDEZVOUS]
+    if not waiting or any(e.steps_after for e in ev.ranks):
+        return None
+    elsewhere = [e for e in ev.ranks if e not in waiting and (not e.alive or e.frame_class is not FrameClass.UNKNOWN)]
+    present = {e.rank for e in ev.ranks}
+    missing = [_missing_rank(r) for r in range(ev.world_size or 0) if r not in present]
+    never = sorted([*elsewhere, *missing], key=lambda e: e.rank)  # type: ignore[arg-type, return-value]
+    where = waiting[0].frame.split(" (", 1)[0] or "the rendezvous"
+    world = f"world size {ev.world_size}" if ev.world_size else "world size unknown"
+    if not never:
+        reason = f"rendezvous: {_ranks_wait(e.rank for e in waiting)} in {where} ({world}); no rank is known missing"  # type: ignore[misc]
+        return _verdict(ev, "rendezvous", (), reason, "low")
+    parts = [f"{_ranks_text(e.rank for e in missing)} never started" if missing else ""]  # type: ignore[misc]
+    parts += [f"{e.name} is elsewhere ({e.frame_class.value}: {e.frame})" if e.alive else f"{e.name} {_how_exited(e)}"
+              for e in elsewhere]
+    reason = (f"rendezvous: {_ranks_text(e.rank for e in never)} never arrived "  # type: ignore[misc]
+              f"({'; '.join(p for p in parts if p)}); {_ranks_wait(e.rank for e in waiting)} in {where} ({world})")  # type: ignore[misc]
+    return _verdict(ev, "rendezvous", never, reason, "medium")
+
+
+@_rule("cycle", kind="cycle",
+       when="every rank's Flight Recorder was read and ranks wait in collectives of different process groups, each "
+            "for a rank waiting in another group (torch's analyzer gives each collective's missing ranks)",
+       concludes="the cycle, named: every rank in it (`rank 0 waits in all_reduce #4 of pg 1 for rank 1; ...`)",
+       confidence="high when the stacks agree (each rank of the cycle waits in a collective); medium otherwise")
+def _cycle(ev: Evidence) -> Verdict | None:
+    if not ev.complete_fr:
+        return None
+    found = find_cycle(ev.recorders)
+    if found is None:
+        return None
+    members = [e for e in ev.ranks if e.rank in found.ranks]
+    agree = all(e.frame_class in (FrameClass.COLLECTIVE, FrameClass.UNKNOWN) for e in members) and not any(
+        e.advanced for e in members)
+    source = "torch flight_recorder missing ranks" if found.by_torch else "Flight Recorder pg_status"
+    reason = f"cycle: ordering deadlock across process groups: {found.describe()}"
+    return _verdict(ev, "cycle", members, reason, "high" if agree else "medium", extra=[f"cycle from {source}"])
+
+
+@_rule("behind", kind="behind",
+       when="every rank's Flight Recorder was read and, in one group, some ranks never entered the collective "
+            "the others wait in",
+       concludes="the ranks behind (`behind: rank 1 never entered all_reduce #42 of pg 0; ranks 0,2,3 wait in it`)",
+       confidence="high unless a stack or step counter contradicts it (the rank behind waits in a collective or "
+                  "advanced, a waiting rank runs its own code): then medium")
+def _behind(ev: Evidence) -> Verdict | None:
+    if not ev.complete_fr:
+        return None
+    found = find_behind(ev.recorders)
+    if found is None:
+        return None
+    behind = [e for e in ev.ranks if e.rank in found.behind]
+    waiting = [e for e in ev.ranks if e.rank in found.waiting]
+    how = "never entered" if found.never_entered else "is behind at"
+    reason = (f"behind: {_ranks_text(found.behind)} {how} {found.op} #{found.seq} of {found.pg_text}; "
+              f"{_ranks_wait(found.waiting)} in it")
+    frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in behind if e.frame)
+    if frames:
+        reason += f" ({frames})"
+    return _verdict(ev, "behind", behind, reason, _recorder_confidence(behind, waiting))
+
+
+@_rule("stacks_behind", kind="behind",
+       when="no Flight Recorder decides; some ranks wait in a collective (torch.distributed or a serving "
+            "framework's communication layer) and others do not",
+       concludes="the ranks outside the collective (`behind: rank 1 not in a collective (...); rank 0 waits in one`)",
+       confidence="medium: the stacks of one instant")
+def _stacks_behind(ev: Evidence) -> Verdict | None:
+    known = [e for e in ev.ranks if e.alive and e.frame_class is not FrameClass.UNKNOWN]
+    waiting = [e.rank for e in known if e.frame_class is FrameClass.COLLECTIVE]
+    outside = [e for e in known if e.frame_class in (FrameClass.COMPUTE, FrameClass.RENDEZVOUS)]
+    if not waiting or not outside:
+        return None
+    frames = "; ".join(f"rank {e.rank} in {e.frame_class.value}: {e.frame}" for e in outside)
+    reason = (f"behind: {_ranks_text(e.rank for e in outside)} not in a collective ({frames}); "  # type: ignore[misc]
+              f"{_ranks_wait(waiting)} in one")  # type: ignore[arg-type]
+    return _verdict(ev, "behind", outside, reason, "medium")
+
+
+@_rule("coordinator_waits", kind="behind",
+       when="no rank's stack was read, and a coordinator (VLLM::EngineCore, a DP controller) is blocked waiting on "
+            "its workers",
+       concludes="the workers it waits on",
+       confidence="low: one process's stack points at others")
+def _coordinator_waits(ev: Evidence) -> Verdict | None:
+    if any(e.frame_class is not FrameClass.UNKNOWN for e in ev.ranks):
+        return None
+    waiters = [e for e in ev.others if e.waits_on]
+    if not waiters:
+        return None
+    pids = {p for w in waiters for p in w.waits_on}
+    named = [e for e in ev.processes if e.pid in pids] or [RankEvidence(pid=p, role=Role.PROCESS) for p in sorted(pids)]
+    frames = "; ".join(f"{w.name} in {w.frame}" for w in waiters)
+    reason = f"behind: {_names(waiters)} waits on {_names(named)} ({frames})"
+    return _verdict(ev, "behind", named, reason, "low")
+
+
+def _waiting_processes(ev: Evidence) -> list[RankEvidence]:
+    return [e for e in ev.processes if e.alive and e.frame_class is not FrameClass.UNKNOWN]
+
+
+@_rule("ipc_deadlock", kind="deadlock",
+       when="every process with a stack waits for a message (ZeroMQ, a pipe, a queue, a message queue) while "
+            "work is pending (a stall while busy, pending requests)",
+       concludes="a deadlock between those processes, named with where each waits; none is more to blame",
+       confidence="medium: stacks and the pending work agree, but which message was lost is not known")
+def _ipc_deadlock(ev: Evidence) -> Verdict | None:
+    known = _waiting_processes(ev)
+    if not known or ev.work_pending is not True or any(e.frame_class is not FrameClass.IDLE for e in known):
+        return None
+    if len(known) < 2 and not ev.ranks:
+        return None
+    where = "; ".join(f"{e.name} in {e.frame}" for e in known)
+    reason = f"deadlock: {_names(known)} all wait for a message while work is pending ({where})"
+    return _verdict(ev, "deadlock", known, reason, "medium")
+
+
+@_rule("idle", kind="idle",
+       when="every process with a stack waits for work, and no work is known to be pending",
+       concludes="nobody: the server is idle (`all idle (waiting for work): nothing is stuck`)",
+       confidence="high when no work was pending; low when nothing tells whether work was pending")
+def _idle(ev: Evidence) -> Verdict | None:
+    known = _waiting_processes(ev)
+    if not known or any(e.frame_class is not FrameClass.IDLE for e in known) or ev.work_pending:
+        return None
+    note = "" if ev.work_pending is False else " (no reading of pending work)"
+    reason = f"all idle (waiting for work): nothing is stuck{note}"
+    return _verdict(ev, "idle", (), reason, "high" if ev.work_pending is False else "low", hung=False)
+
+
+@_rule("compute", kind="compute",
+       when="no rank waits in a collective and every rank runs its own code",
+       concludes="the rank(s) whose steps stopped while the others advanced, or the only rank (TP=1); nobody when "
+                 "all stopped alike (`all ranks in compute: no collective wait`)",
+       confidence="high for the only rank when its stopped step counter agrees with its stack; medium otherwise")
+def _compute(ev: Evidence) -> Verdict | None:
+    known = [e for e in ev.ranks if e.frame_class is not FrameClass.UNKNOWN]
+    if not known or len(known) != len(ev.ranks) or any(e.frame_class is not FrameClass.COMPUTE for e in known):
+        return None
+    stalled = [e for e in ev.ranks if e.stalled]
+    confidence = "medium"
+    if len(ev.ranks) == 1:  # the only rank is stuck in its own code: it is the culprit
+        confidence = "high" if stalled else "medium"
+        stalled = list(ev.ranks)
+    elif len(stalled) == len(ev.ranks):
+        stalled = []  # every rank stopped in compute: nothing tells one apart
+    reason = "all ranks in compute: no collective wait"
+    if stalled:
+        frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in stalled if e.frame)
+        reason += f"; {_ranks_text(e.rank for e in stalled)} stuck" + (f" ({frames})" if frames else "")  # type: ignore[misc]
+    return _verdict(ev, "compute", stalled, reason, confidence)
+
+
+@_rule("inconclusive", kind="unknown", when="no rule above applies",
+       concludes="nobody; says what was read (`no conclusive evidence (no Flight Recorder and no stacks)`)",
+       confidence="low")
+def _inconclusive(ev: Evidence) -> Verdict:
+    known = [e for e in ev.ranks if e.frame_class is not FrameClass.UNKNOWN]
+    if known and not any(e.frame_class is FrameClass.COLLECTIVE for e in known):
+        words = ", ".join(f"rank {e.rank} {e.frame_class.value}" for e in known)
+        return _verdict(ev, "unknown", (), f"no collective wait ({words})", "low")
+    if ev.complete_fr and known and all(e.frame_class is FrameClass.COLLECTIVE for e in ev.ranks):
+        return _verdict(ev, "unknown", (), "every rank entered the same collective and waits in it "
+                        "(communication layer?)", "low")
+    return _verdict(ev, "unknown", (), f"no conclusive evidence ({_what_was_read(ev, known)})", "low")
+
+
+def _what_was_read(ev: Evidence, known: Sequence[RankEvidence]) -> str:
+    """What the inconclusive verdict had: ``no Flight Recorder`` only when no rank's record was read."""
+    if not any(isinstance(e.fr, Mapping) for e in ev.ranks):
+        fr_text = "no Flight Recorder"
+    elif not ev.recorders:
+        fr_text = "Flight Recorder empty"
+    elif not ev.complete_fr:
+        fr_text = f"Flight Recorder of {_ranks_text(sorted(ev.recorders))} only"
+    else:
+        fr_text = "the Flight Recorders show no rank behind and no mismatch"
+    if not known:
+        return f"{fr_text} and no stacks"
+    return f"{fr_text}; stacks: " + ", ".join(f"rank {e.rank} {e.frame_class.value}" for e in known)
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+
+def judge(ev: Evidence) -> Verdict:
+    """The verdict of one server's evidence: the first rule of :data:`RULES` that applies."""
+    for rule in RULES:
+        found = rule.check(ev)
+        if found is not None:
+            return replace(found, rule=rule.name)
+    raise AssertionError("the last rule always applies")  # pragma: no cover
+
+
+def decide(evidence: Sequence[RankEvidence] | Evidence, *, trigger: str = "", work_pending: bool | None = None,
+           world_size: int | None = None) -> Verdict:
+    """The verdict for one server's incident (rules in :data:`RULES`).
+
+    Args:
+        evidence: one entry per process (any order; a rank seen twice keeps the first), or an
+            already built :class:`Evidence` (then the keywords are ignored).
+        trigger / work_pending / world_size: see :class:`Evidence`.
+
+    Returns:
+        The :class:`Verdict`; ``kind="unknown"`` with no culprit when nothing is conclusive.
+    """
+    ev = evidence if isinstance(evidence, Evidence) else Evidence.of(
+        evidence, trigger=trigger, work_pending=work_pending, world_size=world_size)
+    return judge(ev)
+
+
+def warm_up() -> None:
+    """Import torch's Flight Recorder analyzer now (seconds, once) rather than during an incident."""
+    _warm_up_analyzer()
+
+
+# --- stacks ----------------------------------------------------------------------------------------
+
+
+def _label(frame: Any) -> str:
+    return str(getattr(frame, "label", getattr(frame, "name", "")))
+
+
+def _pick_thread(with_frames: Sequence[Any], is_idle: Callable[[Any], bool]) -> tuple[Any, bool]:
+    """The thread the stall is read from (main unless idle, else the first active, else any not
+    idle) and whether every thread is idle."""
+    for pick in (lambda t: getattr(t, "is_main", False), lambda t: getattr(t, "active", False), lambda t: True):
+        chosen = next((t for t in with_frames if pick(t) and not is_idle(t)), None)
+        if chosen is not None:
+            return chosen, False
+    return next((t for t in with_frames if getattr(t, "is_main", False)), with_frames[0]), True
+
+
+def _layer_class(frames: Sequence[Any]) -> tuple[FrameClass, str] | None:
+    """The communication layer the thread is in (:data:`agent.stacks.COMMUNICATION_LAYERS`):
+    a Python frame names it best, else a native one."""
+    for python in (True, False):
+        for f in frames:
+            if bool(getattr(f, "native", False)) == python:
+                continue
+            layer = comm_layer(f)
+            if layer is None or layer.kind == "message_queue":
+                continue
+            return (FrameClass.RENDEZVOUS if layer.kind == "rendezvous" else FrameClass.COLLECTIVE), _label(f)
+    return None
+
+
 _STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
 
 
-def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | None = None) -> tuple[FrameClass, str]:
-    """Class and innermost frame label of a process's stalled thread.
+def _is_plumbing(frame: Any) -> bool:
+    """A Python frame of the standard library or a frozen module (``time.sleep``'s caller is the answer)."""
+    filename = getattr(frame, "filename", "") or ""
+    return filename.startswith("<frozen") or bool(_STDLIB_PATH.search(filename))
 
-    The stuck-vs-idle rule is py-spy summary's (:func:`agent.stacks.thread_is_idle`): a
-    thread is idle only when it waits for work (a queue, selector, socket, event loop, executor,
-    ZeroMQ). py-spy's own ``active`` flag (on CPU or not) is not that: a forward pass stuck in a
-    ``time.sleep`` loop, a lock or an ``Event.wait`` in the model's code is stuck, so ``COMPUTE``.
-    The thread read is the one the summary's hung frame comes from: the main thread unless it is
-    idle, else the first active one, else the first other thread that is not idle; ``IDLE`` only
-    when every thread with frames is idle.
+
+def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | None = None) -> tuple[FrameClass, str]:
+    """Class and frame label of a process's stalled thread.
+
+    The stuck-vs-idle rule is py-spy summary's (:func:`agent.stacks.thread_is_idle`): a thread is
+    idle only when it waits for work (a queue, selector, socket, event loop, executor, ZeroMQ, a
+    framework's message queue) or is a parked helper thread. The thread read is the one the
+    summary's hung frame comes from: the main thread unless it is idle, else the first active
+    one, else the first other thread that is not idle; ``IDLE`` only when every thread with frames
+    is idle. Its frames are read against the communication layers
+    (:data:`agent.stacks.COMMUNICATION_LAYERS`): a rendezvous (``RENDEZVOUS``), a collective of
+    torch.distributed, vLLM, SGLang, NCCL or a custom all-reduce (``COLLECTIVE``); else
+    ``COMPUTE`` at its innermost frame of its own code.
 
     Args:
         threads: py-spy threads (objects with ``frames`` (innermost first; each with ``name``,
@@ -108,569 +970,94 @@ def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | N
     with_frames = [t for t in threads if getattr(t, "frames", ())]
     if not with_frames:
         return FrameClass.UNKNOWN, ""
-    main = None
-    for pick in (lambda t: getattr(t, "is_main", False), lambda t: getattr(t, "active", False), lambda t: True):
-        main = next((t for t in with_frames if pick(t) and not is_idle(t)), None)
-        if main is not None:
-            break
-    all_idle = main is None
-    main = main or next((t for t in with_frames if getattr(t, "is_main", False)), with_frames[0])
-    frames = main.frames
-    label = next((getattr(f, "label", f.name) for f in frames if getattr(f, "module", None) is None), getattr(frames[0], "label", frames[0].name))
-    for f in frames:  # a Python frame in torch.distributed names the collective best
-        where = f"{getattr(f, 'filename', '')} {getattr(f, 'short_filename', '')}"
-        if getattr(f, "module", None) is None and _DIST_PATH.search(where):
-            return FrameClass.COLLECTIVE, getattr(f, "label", f.name)
-    for f in frames:
-        if getattr(f, "module", None) is not None and _NATIVE_COLLECTIVE.search(f.name or ""):
-            return FrameClass.COLLECTIVE, getattr(f, "label", f.name)
+    thread, all_idle = _pick_thread(with_frames, is_idle)
+    frames = thread.frames
+    label = next((_label(f) for f in frames if getattr(f, "module", None) is None), _label(frames[0]))
     if all_idle:
         return FrameClass.IDLE, label
+    found = _layer_class(frames)
+    if found is not None:
+        return found
     mine = next((f for f in frames if getattr(f, "module", None) is None and not _is_plumbing(f)), None)
-    return FrameClass.COMPUTE, (getattr(mine, "label", mine.name) if mine is not None else label)
+    return FrameClass.COMPUTE, (_label(mine) if mine is not None else label)
 
 
-def _is_plumbing(frame: Any) -> bool:
-    """A Python frame of the standard library or a frozen module (``time.sleep``'s caller is the answer)."""
-    filename = getattr(frame, "filename", "") or ""
-    return filename.startswith("<frozen") or bool(_STDLIB_PATH.search(filename))
+# --- hard mode -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankEvidence:
-    """What is known about one rank.
+def hard_signal_plan(verdict: Verdict | None, *, target_pids: Sequence[int], stalled_pid: int | None,
+                     policy: str = "culprit") -> tuple[list[int], str]:
+    """Whom hard mode signals after an incident, and why (``([], why)``: nobody).
 
-    Attributes:
-        rank: the rank (torch.distributed's, else the TP index of the title).
-        pid: its process.
-        alive: the process still exists (not gone, not a zombie) when the verdict is made.
-        exited_first: its exit triggered the incident.
-        exit_signal: signal name that ended it (``"SIGSEGV"``), when known.
-        exit_code: its exit code, when known.
-        frame_class / frame: its py-spy stack's class and innermost frame.
-        steps_before / steps_after: its forward-step counter when the incident opened and when
-            the evidence was complete (``None``: no counter).
-        fr: its Flight Recorder dump (``entries``, ``pg_status``), or ``None``.
-        ranked: the process is known as a rank of a distributed job (a rank from
-            torch.distributed, its title or ``RANK``). ``False`` only for a process known by pid
-            alone; with no other rank, no Flight Recorder and no collective wait it gets the
-            ``single`` verdict.
+    ``policy="all"`` (the operator's explicit choice): every target. Otherwise only a culprit
+    named at high confidence by a hung verdict; one process that is no distributed job and
+    stalled (a ``single`` verdict, or no verdict for the only target) is itself the one to
+    restart. Never "every target" for want of a culprit.
     """
-
-    rank: int
-    pid: int | None = None
-    alive: bool = True
-    exited_first: bool = False
-    exit_signal: str | None = None
-    exit_code: int | None = None
-    frame_class: FrameClass = FrameClass.UNKNOWN
-    frame: str = ""
-    steps_before: int | None = None
-    steps_after: int | None = None
-    fr: Mapping[str, Any] | None = None
-    ranked: bool = True
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Verdict:
-    """The incident's cross-rank verdict.
-
-    Attributes:
-        kind: ``dead``, ``desync``, ``behind``, ``compute``, ``progressing``, ``single`` (one
-            process, not a distributed job) or ``unknown``.
-        hung: whether the group is stuck (``progressing`` is not; ``single``: unless its step
-            counter advanced).
-        culprit_ranks / culprit_pids: the rank(s) named (empty when none can be).
-        reason: one line, e.g. ``behind: rank 1 never entered all_reduce #42 of pg 0; rank 0 waits in it``.
-        confidence: ``high``, ``medium`` or ``low``.
-        evidence: short facts behind it (one per rank).
-        stragglers: ranks slower than the rest while all progress (``progressing`` only).
-        ranks: every rank considered.
-    """
-
-    kind: str
-    hung: bool
-    culprit_ranks: tuple[int, ...]
-    culprit_pids: tuple[int, ...]
-    reason: str
-    confidence: str
-    evidence: tuple[str, ...] = ()
-    stragglers: tuple[int, ...] = ()
-    ranks: tuple[int, ...] = ()
-
-    def headline(self) -> str:
-        """The summary's first line: ``Verdict: culprit rank 1 (pid 42) -- behind: ... [high]``;
-        ``Verdict: 1 process (pid 42), not a distributed job: in f (m.py:3) [confidence medium]``
-        for a ``single`` verdict (no culprit wording: there is nothing to blame it against)."""
-        if self.kind == "single":
-            return f"Verdict: {self.reason} [confidence {self.confidence}]"
-        if self.culprit_ranks:
-            who = ", ".join(
-                f"rank {r}" + (f" (pid {p})" if p else "") for r, p in zip(self.culprit_ranks, self._pids_padded())
-            )
-            return f"Verdict: culprit {who} -- {self.reason} [confidence {self.confidence}]"
-        return f"Verdict: no culprit rank -- {self.reason} [confidence {self.confidence}]"
-
-    def _pids_padded(self) -> list[int | None]:
-        pids: list[int | None] = list(self.culprit_pids)
-        return pids + [None] * (len(self.culprit_ranks) - len(pids))
-
-    def attributes(self) -> dict[str, Any]:
-        """``servewatch.verdict.*`` span attributes."""
-        p = VERDICT_ATTR_PREFIX
-        return {
-            f"{p}kind": self.kind,
-            f"{p}hung": self.hung,
-            f"{p}culprit_ranks": tuple(self.culprit_ranks),
-            f"{p}culprit_pids": tuple(self.culprit_pids),
-            f"{p}reason": self.reason,
-            f"{p}confidence": self.confidence,
-            f"{p}stragglers": tuple(self.stragglers),
-            f"{p}ranks": tuple(self.ranks),
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict (the manifest's ``verdict``)."""
-        return {
-            "kind": self.kind,
-            "hung": self.hung,
-            "culprit_ranks": list(self.culprit_ranks),
-            "culprit_pids": list(self.culprit_pids),
-            "reason": self.reason,
-            "confidence": self.confidence,
-            "evidence": list(self.evidence),
-            "stragglers": list(self.stragglers),
-            "ranks": list(self.ranks),
-            "headline": self.headline(),
-        }
-
-
-def _ranks_text(ranks: Iterable[int]) -> str:
-    rs = sorted(ranks)
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(str(r) for r in rs)
-
-
-def _ranks_wait(ranks: Iterable[int]) -> str:
-    """``rank 1 waits`` / ``ranks 0,2 wait``: the subject and its verb agree."""
-    rs = sorted(ranks)
-    return f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'}"
-
-
-def _verdict(kind: str, culprits: Iterable[int], reason: str, confidence: str, ev: Sequence[RankEvidence],
-             *, hung: bool = True, stragglers: Iterable[int] = ()) -> Verdict:
-    by_rank = {e.rank: e for e in ev}
-    cr = tuple(sorted(set(culprits)))
-    return Verdict(
-        kind=kind,
-        hung=hung,
-        culprit_ranks=cr,
-        culprit_pids=tuple(by_rank[r].pid or 0 for r in cr if r in by_rank),
-        reason=reason,
-        confidence=confidence,
-        evidence=tuple(_evidence_line(e) for e in sorted(ev, key=lambda e: e.rank)),
-        stragglers=tuple(sorted(set(stragglers))),
-        ranks=tuple(sorted(by_rank)),
-    )
-
-
-def _stopped(e: RankEvidence) -> str | None:
-    """``SIGTERM``/``SIGINT`` when the rank ended because it was asked to stop (the signal itself,
-    or exit code 143/130 after catching it), else ``None``."""
-    if e.alive:
-        return None
-    if e.exit_signal is not None:
-        return e.exit_signal if e.exit_signal in ("SIGTERM", "SIGINT") else None
-    return {143: "SIGTERM", 130: "SIGINT"}.get(e.exit_code) if e.exit_code is not None else None
-
-
-def _evidence_line(e: RankEvidence) -> str:
-    parts = [f"rank {e.rank}" + (f" pid {e.pid}" if e.pid else "")]
-    if not e.alive:
-        how = e.exit_signal or (f"exit code {e.exit_code}" if e.exit_code is not None else "exited")
-        parts.append(f"gone ({how})")
-    if e.frame_class is not FrameClass.UNKNOWN:
-        parts.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
-    if e.steps_before is not None and e.steps_after is not None:
-        parts.append(f"steps {e.steps_before}->{e.steps_after}")
-    fr = _FR.of(e)
-    if fr is not None and fr.groups:
-        for pg, st in sorted(fr.groups.items())[:2]:
-            parts.append(f"pg {pg}: enqueued #{st[0]}, completed #{st[1]}")
-    return "; ".join(parts)
-
-
-# --- Flight Recorder views ---------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _FR:
-    """One rank's recorder: per process group, its entries by seq id and (enqueued, completed)."""
-
-    entries: dict[str, dict[int, Mapping[str, Any]]] = field(default_factory=dict)
-    groups: dict[str, tuple[int, int]] = field(default_factory=dict)
-    names: dict[str, str] = field(default_factory=dict)
-
-    @staticmethod
-    def of(e: RankEvidence) -> _FR | None:
-        dump = e.fr
-        if not isinstance(dump, Mapping):
-            return None
-        fr = _FR()
-        for entry in dump.get("entries") or ():
-            if not isinstance(entry, Mapping) or entry.get("is_p2p"):
-                continue
-            pg = str(entry.get("pg_id", (entry.get("process_group") or ["?"])[0]))
-            seq = entry.get("collective_seq_id")
-            if isinstance(seq, int) and seq > 0:
-                fr.entries.setdefault(pg, {})[seq] = entry
-                pgname = entry.get("process_group")
-                if isinstance(pgname, (list, tuple)) and len(pgname) == 2:
-                    fr.names[pg] = str(pgname[1] or pgname[0])
-        status = dump.get("pg_status") or {}
-        if isinstance(status, Mapping):
-            for pg, st in status.items():
-                if not isinstance(st, Mapping):
-                    continue
-                try:
-                    enq = int(st.get("last_enqueued_collective", -1))
-                    done = int(st.get("last_completed_collective", -1))
-                except (TypeError, ValueError):
-                    continue
-                fr.groups[str(pg)] = (enq, done)
-        for pg, by_seq in fr.entries.items():
-            if pg not in fr.groups and by_seq:
-                last = max(by_seq)
-                fr.groups[pg] = (last, last if by_seq[last].get("state") == "completed" else last - 1)
-        return fr
-
-
-def _op_name(entry: Mapping[str, Any]) -> str:
-    name = str(entry.get("profiling_name") or "?")
-    return name.split(":", 1)[1] if ":" in name else name
-
-
-def _signature(entry: Mapping[str, Any]) -> tuple[Any, ...]:
-    def norm(v: Any) -> Any:
-        return tuple(norm(x) for x in v) if isinstance(v, (list, tuple)) else v
-
-    return (_op_name(entry), norm(entry.get("input_sizes")), norm(entry.get("output_sizes")),
-            norm(entry.get("input_dtypes")), norm(entry.get("output_dtypes")))
-
-
-def _describe(entry: Mapping[str, Any]) -> str:
-    return f"{_op_name(entry)} {list(entry.get('input_sizes') or [])}"
-
-
-def _torch_match(a: Mapping[str, Any], b: Mapping[str, Any], ranks: set[int]) -> tuple[bool, str] | None:
-    """torch's own comparison of two entries (``Op.match`` of ``torch.distributed.flight_recorder``).
-
-    States are set equal first (a hang leaves them apart by design). Returns
-    ``(mismatch, torch's description)``, or ``None`` when torch's analyzer is not importable or
-    cannot read the entries.
-    """
-    try:
-        from torch.distributed.flight_recorder.components.types import MatchState, Op
-    except Exception:  # noqa: BLE001 - torch is optional on the agent side
-        return None
-    try:
-        pg = "pg"
-        memberships = {pg: set(ranks)}
-        base = {"p2p_seq_id": 0, "input_dtypes": [], "output_dtypes": [], "time_created_ns": 0}
-        ea, eb = {**base, **a, "state": "completed"}, {**base, **b, "state": "completed"}
-        info = Op(ea, memberships, pg).match(Op(eb, memberships, pg))
-    except Exception:  # noqa: BLE001 - an entry torch's analyzer does not know
-        return None
-    return info.state not in (MatchState.FULLY_MATCHED, MatchState.UNDECIDED), str(info)
-
-
-def warm_up() -> None:
-    """Import torch's Flight Recorder analyzer now (seconds, once) rather than during an incident."""
-    import warnings
-
-    # torch warns on stderr at import when numpy is absent (a plain `pip install torch`); not ours to show
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    # torch is optional on the agent side, and a broken install may raise more than ImportError
-    with contextlib.suppress(Exception):
-        import torch.distributed.flight_recorder.components.types  # noqa: F401
-
-
-def _mismatch(a: Mapping[str, Any], b: Mapping[str, Any], ranks: set[int]) -> tuple[bool, str]:
-    """Whether two ranks' entries at one sequence id disagree, and torch's words for it.
-
-    Equal signatures (op, sizes, dtypes) match without asking torch; different ones are
-    confirmed by torch's ``Op.match`` when importable (it knows which differences are legal,
-    e.g. all_to_all sizes).
-    """
-    if _signature(a) == _signature(b):
-        return False, ""
-    by_torch = _torch_match(a, b, ranks)
-    if by_torch is None:
-        return True, ""
-    mismatch, words = by_torch
-    return mismatch or _signature(a)[0] != _signature(b)[0], words
-
-
-def _expected(seq: int, agreed: Mapping[int, tuple[Any, ...]]) -> tuple[Any, ...] | None:
-    """The signature the group's repeating pattern predicts at ``seq`` (from agreed ids before it)."""
-    before = sorted(s for s in agreed if s < seq)
-    for period in range(1, 9):
-        window = [s for s in before if s >= seq - 3 * period]
-        if len(window) < 2 * period or (seq - period) not in agreed:
-            continue
-        if all((s - period) not in agreed or agreed[s] == agreed[s - period] for s in window):
-            return agreed[seq - period]
-    return None
-
-
-def _desync(frs: Mapping[int, _FR], ev: Sequence[RankEvidence]) -> Verdict | None:
-    pgs = set.intersection(*(set(fr.entries) for fr in frs.values())) if frs else set()
-    for pg in sorted(pgs):
-        common = set.intersection(*(set(fr.entries[pg]) for fr in frs.values()))
-        agreed: dict[int, tuple[Any, ...]] = {}
-        for seq in sorted(common):
-            by_rank = {r: fr.entries[pg][seq] for r, fr in frs.items()}
-            ranks = set(by_rank)
-            ref_rank = min(by_rank)
-            checks = {r: _mismatch(by_rank[ref_rank], by_rank[r], ranks) for r in by_rank}
-            odd = [r for r, (bad, _) in checks.items() if bad]
-            if not odd:
-                agreed[seq] = _signature(by_rank[ref_rank])
-                continue
-            groups: dict[tuple[Any, ...], list[int]] = {}
-            for r, entry in by_rank.items():
-                groups.setdefault(_signature(entry), []).append(r)
-            ordered = sorted(groups.values(), key=len, reverse=True)
-            culprits: list[int]
-            confidence = "high"
-            if len(ordered) > 1 and len(ordered[0]) > len(ordered[1]) and len(ordered[0]) * 2 > len(by_rank):
-                culprits = [r for g in ordered[1:] for r in g]
-            else:
-                expected = _expected(seq, agreed)
-                culprits = [r for r, e in by_rank.items() if expected is not None and _signature(e) != expected]
-                if not culprits or len(culprits) == len(by_rank):
-                    culprits, confidence = sorted(by_rank), "low"
-            parts = "; ".join(
-                f"{_ranks_text(g)}: {_describe(by_rank[g[0]])}" for g in sorted(groups.values(), key=lambda g: min(g))
-            )
-            name = frs[ref_rank].names.get(pg, "")
-            pg_text = f"pg {pg}" + (f" ({name})" if name and name not in (pg, "default_pg") else "")
-            reason = f"desync: ranks issued different ops/sizes at #{seq} of {pg_text} ({parts})"
-            torch_words = next((w for r in odd if (w := checks[r][1])), "")
-            found = _verdict("desync", culprits, reason, confidence, ev)
-            if torch_words:  # torch's analyzer's own classification, e.g. SIZE_OR_SYNTAX_MISMATCH
-                found = replace(found, evidence=(*found.evidence, f"torch flight_recorder: {torch_words}"))
-            return found
-    return None
-
-
-def _behind(frs: Mapping[int, _FR], ev: Sequence[RankEvidence]) -> Verdict | None:
-    pgs = set.intersection(*(set(fr.groups) for fr in frs.values())) if frs else set()
-    classes = {e.rank: e.frame_class for e in ev}
-    for pg in sorted(pgs, key=lambda p: (p != "0", p)):
-        enq = {r: fr.groups[pg][0] for r, fr in frs.items()}
-        top = max(enq.values())
-        behind = sorted(r for r, s in enq.items() if s < top)
-        if not behind:
-            continue
-        waiting = sorted(r for r, s in enq.items() if s == top)
-        entry = next((frs[r].entries.get(pg, {}).get(top) for r in waiting if frs[r].entries.get(pg, {}).get(top)), None)
-        op = _op_name(entry) if entry else "collective"
-        name = next((frs[r].names.get(pg) for r in waiting if frs[r].names.get(pg)), "")
-        pg_text = f"pg {pg}" + (f" ({name})" if name and name not in (pg, "default_pg") else "")
-        gaps = {r: top - enq[r] for r in behind}
-        how = "never entered" if all(g == 1 for g in gaps.values()) else "is behind at"
-        reason = (
-            f"behind: {_ranks_text(behind)} {how} {op} #{top} of {pg_text}; "
-            f"{_ranks_wait(waiting)} in it"
-        )
-        consistent = all(classes.get(r) is not FrameClass.COLLECTIVE for r in behind) and all(
-            classes.get(r) in (FrameClass.COLLECTIVE, FrameClass.UNKNOWN) for r in waiting
-        )
-        frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in ev if e.rank in behind and e.frame)
-        if frames:
-            reason += f" ({frames})"
-        return _verdict("behind", behind, reason, "high" if consistent else "medium", ev)
-    return None
-
-
-def _late_arrivals(frs: Mapping[int, _FR], window: int = 32) -> list[int]:
-    """The rank that enters the group's collectives last, by far (recorder creation times).
-
-    Over the last ``window`` sequence ids every rank recorded, each rank's lateness is the sum of
-    how long after the first rank it entered; the latest rank is a straggler when its lateness
-    is over twice everyone else's and at least 50 ms in all.
-    """
-    pgs = set.intersection(*(set(fr.entries) for fr in frs.values())) if frs else set()
-    late: dict[int, int] = dict.fromkeys(frs, 0)
-    for pg in pgs:
-        common = sorted(set.intersection(*(set(fr.entries[pg]) for fr in frs.values())))[-window:]
-        for seq in common:
-            created = {r: fr.entries[pg][seq].get("time_created_ns") for r, fr in frs.items()}
-            if not all(isinstance(t, int) for t in created.values()):
-                continue
-            first = min(created.values())  # type: ignore[type-var]
-            for r, t in created.items():
-                late[r] += t - first  # type: ignore[operator]
-    if len(late) < 2:
-        return []
-    ordered = sorted(late.items(), key=lambda kv: kv[1], reverse=True)
-    (top, top_ns), (_, next_ns) = ordered[0], ordered[1]
-    return [top] if top_ns >= 50_000_000 and top_ns > 2 * next_ns else []
-
-
-def decide(evidence: Sequence[RankEvidence]) -> Verdict:
-    """The verdict for one incident (rules in the module docstring).
-
-    Args:
-        evidence: one entry per rank (any order; duplicate ranks keep the first).
-
-    Returns:
-        The :class:`Verdict`; ``kind="unknown"`` with no culprit when nothing is conclusive.
-    """
-    seen: dict[int, RankEvidence] = {}
-    for e in evidence:
-        seen.setdefault(e.rank, e)
-    ev = [seen[r] for r in sorted(seen)]
-    if not ev:
-        return _verdict("unknown", (), "no rank to judge", "low", ev, hung=False)
-
-    # 0. one process that is not a rank of a distributed job: nothing to blame it against
-    if len(ev) == 1 and not ev[0].ranked and ev[0].fr is None and ev[0].frame_class is not FrameClass.COLLECTIVE:
-        return _single(ev[0])
-
-    # 1. a rank died (a rank stopped by SIGTERM/SIGINT was asked to stop from outside: no crash)
-    first = [e for e in ev if e.exited_first and not _stopped(e)]
-    dead = first or [e for e in ev if not e.alive and not _stopped(e)
-                     and (e.exit_signal or (e.exit_code not in (None, 0)))]
-    if dead:
-        how = "; ".join(
-            f"rank {e.rank} exited"
-            + (f" with {e.exit_signal}" if e.exit_signal else f" with exit code {e.exit_code}" if e.exit_code is not None else "")
-            for e in dead
-        )
-        others = [e for e in ev if e not in dead]
-        waiting = [e.rank for e in others if e.frame_class is FrameClass.COLLECTIVE]
-        gone = [e.rank for e in others if not e.alive]
-        reason = f"dead: {how}"
-        if waiting:
-            reason += f"; {_ranks_wait(waiting)} in a collective"
-        if gone:
-            reason += f"; {_ranks_text(gone)} exited after it"
-        return _verdict("dead", [e.rank for e in dead], reason, "high" if first else "medium", ev)
-    stopped = [e for e in ev if not e.alive and _stopped(e)]
-    if any(e.exited_first for e in stopped):
-        how = "; ".join(f"rank {e.rank} was terminated by {_stopped(e)}" for e in stopped)
-        return _verdict("dead", [e.rank for e in stopped if e.exited_first],
-                        f"terminated by a signal: {how} (asked to stop from outside, not a crash)", "low", ev)
-
-    frs = {e.rank: fr for e in ev if e.alive and (fr := _FR.of(e)) is not None and (fr.entries or fr.groups)}
-    complete_fr = len(frs) == len(ev) and len(ev) > 1
-
-    # 2. the ranks issued different collectives
-    if complete_fr:
-        found = _desync(frs, ev)
-        if found is not None:
-            return found
-
-    # 3. slow but progressing
-    stepped = [e for e in ev if e.steps_before is not None and e.steps_after is not None]
-    if stepped and len(stepped) == len(ev) and all(e.steps_after > e.steps_before for e in stepped):  # type: ignore[operator]
-        stragglers = _late_arrivals(frs) if complete_fr else []
-        if not stragglers:  # no recorder: the stacks of this instant
-            waiting = [e.rank for e in ev if e.frame_class is FrameClass.COLLECTIVE]
-            stragglers = [e.rank for e in ev if e.frame_class is not FrameClass.COLLECTIVE] if waiting else []
-        rate = ", ".join(f"rank {e.rank} +{e.steps_after - e.steps_before}" for e in stepped)  # type: ignore[operator]
-        reason = f"progressing: every rank advanced ({rate}); not hung"
-        if stragglers and len(stragglers) < len(ev):
-            reason += f"; slowest: {_ranks_text(stragglers)} (enters collectives last; the others wait for it)"
-        else:
-            stragglers = []
-        return _verdict("progressing", (), reason, "high", ev, hung=False, stragglers=stragglers)
-
-    # 4. a rank never entered the collective the others wait in
-    if complete_fr:
-        found = _behind(frs, ev)
-        if found is not None:
-            return found
-
-    # 5. stacks only
-    known = [e for e in ev if e.frame_class is not FrameClass.UNKNOWN]
-    waiting = [e.rank for e in known if e.frame_class is FrameClass.COLLECTIVE]
-    outside = [e for e in known if e.frame_class is not FrameClass.COLLECTIVE]
-    if waiting and outside:
-        frames = "; ".join(f"rank {e.rank} in {e.frame_class.value}: {e.frame}" for e in outside)
-        reason = f"behind: {_ranks_text(e.rank for e in outside)} not in a collective ({frames}); {_ranks_wait(waiting)} in one"
-        return _verdict("behind", [e.rank for e in outside], reason, "medium", ev)
-    if known and not waiting:
-        compute = [e.rank for e in known if e.frame_class is FrameClass.COMPUTE]
-        if len(compute) == len(known) and len(known) == len(ev):
-            stalled = [e.rank for e in ev if e.steps_before is not None and e.steps_after == e.steps_before]
-            if len(ev) == 1:  # the only rank is stuck in its own code: it is the culprit
-                stalled = [ev[0].rank]
-            elif len(stalled) == len(ev):
-                stalled = []  # every rank stopped in compute: nothing tells one apart
-            reason = "all ranks in compute: no collective wait"
-            if stalled:
-                frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in ev if e.rank in stalled and e.frame)
-                reason += f"; {_ranks_text(stalled)} stuck" + (f" ({frames})" if frames else "")
-            return _verdict("compute", stalled, reason, "medium", ev)
-        return _verdict("unknown", (), f"no collective wait ({', '.join(f'rank {e.rank} {e.frame_class.value}' for e in known)})", "low", ev)
-    if complete_fr and waiting and len(waiting) == len(ev):
-        return _verdict("unknown", (), "every rank entered the same collective and waits in it (communication layer?)", "low", ev)
-    return _verdict("unknown", (), f"no conclusive evidence ({_what_was_read(ev, frs, complete_fr, known)})", "low", ev,
-                    hung=True)
-
-
-def _single(e: RankEvidence) -> Verdict:
-    """Rule 0: where one non-distributed process is, or how it ended; never a culprit (hard
-    mode then signals the stalled target itself)."""
-    confidence = "medium"
-    advanced = e.steps_before is not None and e.steps_after is not None and e.steps_after > e.steps_before
-    hung = not advanced  # as for ranks: only steps seen advancing say "not hung" (hard mode reads it)
-    if not e.alive:
-        stopped = _stopped(e)
-        if stopped:
-            where, confidence = f"terminated by {stopped} (asked to stop from outside, not a crash)", "low"
-        else:
-            how = e.exit_signal or (f"exit code {e.exit_code}" if e.exit_code is not None else "")
-            where = "exited" + (f" with {how}" if how else "")
-            confidence = "high" if e.exited_first else "medium"
-        hung = True
-    elif e.frame_class is FrameClass.IDLE:
-        where = f"idle (waiting for work) in {e.frame}" if e.frame else "idle (waiting for work)"
-    elif e.frame_class is FrameClass.COMPUTE:
-        where = f"in {e.frame}" if e.frame else "in its own code"
-    else:
-        where, confidence = "no stack", "low"
-    if advanced and e.alive:
-        where += f" (steps {e.steps_before}->{e.steps_after}: progressing)"
-    evidence = [f"pid {e.pid}" if e.pid else "1 process"]
-    if e.frame_class is not FrameClass.UNKNOWN:
-        evidence.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
-    if e.steps_before is not None and e.steps_after is not None:
-        evidence.append(f"steps {e.steps_before}->{e.steps_after}")
-    return Verdict(
-        kind="single",
-        hung=hung,
-        culprit_ranks=(),
-        culprit_pids=(),
-        reason=f"1 process{f' (pid {e.pid})' if e.pid else ''}, not a distributed job: {where}",
-        confidence=confidence,
-        evidence=("; ".join(evidence),),
-    )
-
-
-def _what_was_read(ev: Sequence[RankEvidence], frs: Mapping[int, _FR], complete_fr: bool,
-                   known: Sequence[RankEvidence]) -> str:
-    """What the inconclusive verdict had: ``no Flight Recorder`` only when no rank's record was read."""
-    if not any(isinstance(e.fr, Mapping) for e in ev):
-        fr_text = "no Flight Recorder"
-    elif not frs:
-        fr_text = "Flight Recorder empty"
-    elif not complete_fr:
-        fr_text = f"Flight Recorder of {_ranks_text(sorted(frs))} only"
-    else:
-        fr_text = "the Flight Recorders show no rank behind and no mismatch"
-    if not known:
-        return f"{fr_text} and no stacks"
-    return f"{fr_text}; stacks: " + ", ".join(f"rank {e.rank} {e.frame_class.value}" for e in known)
+    if policy == "all":
+        return list(target_pids), "every rank (hard_targets=all)"
+    lone = len(target_pids) == 1 and stalled_pid is not None and target_pids[0] == stalled_pid
+    if verdict is None:
+        return ([stalled_pid], "the only target, stalled") if lone and stalled_pid else (
+            [], "no verdict: hard mode acts only on a high-confidence culprit")
+    if not verdict.hung:
+        return [], f"not hung ({verdict.kind}): nothing to restart"
+    if verdict.kind == "single":
+        return ([stalled_pid], f"the only target, stalled: {verdict.reason}") if lone and stalled_pid else (
+            [], "one process, not a distributed job, and not the stalled target")
+    pids = [p for p in verdict.culprit_pids if p]
+    if pids and verdict.confidence == "high":
+        return pids, f"culprit per verdict: {verdict.reason}"
+    if not pids:
+        return [], "no culprit named: hard mode acts only on a high-confidence culprit"
+    return [], f"verdict confidence {verdict.confidence}: hard mode acts only on a high-confidence culprit"
+
+
+# --- documentation ---------------------------------------------------------------------------------
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def rules_markdown() -> str:
+    """``docs/verdict-rules.md``: the rule table and the communication-layer table, generated
+    from :data:`RULES` and :data:`agent.stacks.COMMUNICATION_LAYERS` (a test keeps the file equal)."""
+    from agent.stacks import COMMUNICATION_LAYERS
+
+    lines = [
+        "# The verdict's rules",
+        "",
+        "Generated from `agent/verdict.py` (`RULES`) and `agent/stacks.py` (`COMMUNICATION_LAYERS`) by",
+        "`python -m agent.verdict > docs/verdict-rules.md`; `tests/test_verdict.py` checks this file is current.",
+        "",
+        "The verdict judges one server at a time (processes grouped by process tree, torch.distributed",
+        "world and parallel coordinates: `agent/judge.py`). The rules are tried in this order; the first",
+        "that applies decides. A verdict records its rule (`servewatch.verdict.rule`, `verdict.rule` in",
+        "`manifest.json`). Hard mode (`--hard`) signals only a culprit named at **high** confidence.",
+        "",
+        "| # | rule | kind | applies when | concludes | confidence |",
+        "|---|------|------|--------------|-----------|------------|",
+    ]
+    for i, r in enumerate(RULES, 1):
+        lines.append(f"| {i} | `{r.name}` | `{r.kind}` | {_cell(r.when)} | {_cell(r.concludes)} | {_cell(r.confidence)} |")
+    lines += [
+        "",
+        "## Communication layers",
+        "",
+        "A rank's stack is read against these layers, first match wins: a rank inside a `collective` layer",
+        "waits for its peers; `rendezvous` means the job is still forming; a `message_queue` is a wait for",
+        "work (idle, unless work is pending: then the `ipc_deadlock` rule).",
+        "",
+        "| layer | kind | Python file | native symbol | source |",
+        "|-------|------|-------------|---------------|--------|",
+    ]
+    for layer in COMMUNICATION_LAYERS:
+        py = f"`{layer.python}`" + (f" function `{layer.function}`" if layer.function else "") if layer.python else ""
+        native = f"`{layer.native}`" if layer.native else ""
+        lines.append(f"| {layer.name} | `{layer.kind}` | {_cell(py)} | {_cell(native)} | {_cell(layer.source)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m agent.verdict > docs/verdict-rules.md`
+    print(rules_markdown(), end="")

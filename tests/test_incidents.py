@@ -271,7 +271,7 @@ class _FixedJudge:
 @pytest.mark.parametrize(("policy", "named", "hung", "signalled"), [
     ("culprit", True, True, {"culprit"}),    # the verdict's culprit, not the rank that tripped first
     ("all", True, True, {"first", "culprit"}),
-    ("culprit", False, True, {"first"}),     # no culprit named: the stalled target, as before
+    ("culprit", False, True, set()),         # no culprit named: nobody (never "the stalled target" of a job)
     ("culprit", False, False, set()),        # progressing: nothing to restart
 ])
 async def test_hard_mode_signals_per_policy_and_verdict(tmp_path: Path, spawn, python, policy: str, named: bool,

@@ -68,6 +68,8 @@ _SDK_PRIVATE = ("agent.sdk._",)
         # pure models: import no component
         ("agent/stacks.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
         ("agent/verdict.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/flightrec_view.py", ("agent.", "exporters")),
+        ("agent/servers.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
         ("agent/manifest.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
         ("agent/events.py", ("agent.", "exporters")),
         ("agent/ids.py", ("agent.", "exporters")),

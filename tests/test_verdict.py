@@ -176,25 +176,221 @@ def test_inconclusive_verdict_says_whether_the_recorders_were_read_empty_or_miss
 
 
 def test_one_process_that_is_not_a_rank_is_located_not_blamed() -> None:
-    where = decide([RankEvidence(rank=0, pid=7, ranked=False, frame_class=FrameClass.COMPUTE, frame="inner_work (busy.py:6)")])
+    where = decide([RankEvidence(pid=7, frame_class=FrameClass.COMPUTE, frame="inner_work (busy.py:6)")])
     assert (where.kind, where.culprit_ranks, where.culprit_pids, where.hung, where.confidence) == ("single", (), (), True, "medium")
     assert where.reason == "1 process (pid 7), not a distributed job: in inner_work (busy.py:6)"
     assert where.headline() == f"Verdict: {where.reason} [confidence medium]"
     assert "culprit" not in where.headline() and "rank" not in where.headline()
 
-    idle = decide([RankEvidence(rank=0, pid=7, ranked=False, frame_class=FrameClass.IDLE, frame="select (s.py:1)",
+    idle = decide([RankEvidence(pid=7, frame_class=FrameClass.IDLE, frame="select (s.py:1)",
                                 steps_before=2, steps_after=9)])
     assert (idle.kind, idle.hung) == ("single", False)
     assert idle.reason == "1 process (pid 7), not a distributed job: idle (waiting for work) in select (s.py:1) (steps 2->9: progressing)"
 
-    crashed = decide([RankEvidence(rank=0, pid=7, ranked=False, alive=False, exited_first=True, exit_signal="SIGSEGV")])
+    crashed = decide([RankEvidence(pid=7, alive=False, exited_first=True, exit_signal="SIGSEGV")])
     assert (crashed.kind, crashed.culprit_ranks, crashed.confidence) == ("single", (), "high")
     assert crashed.reason.endswith("not a distributed job: exited with SIGSEGV")
-    assert decide([RankEvidence(rank=0, ranked=False)]).confidence == "low"
+    assert decide([RankEvidence(pid=None)]).confidence == "low"
 
     # a rank (its title, RANK or torch.distributed), a Flight Recorder read or a collective wait: rank rules
     assert decide([RankEvidence(rank=0, pid=7, frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")]).culprit_ranks == (0,)
-    assert decide([RankEvidence(rank=0, pid=7, ranked=False, fr={"entries": [], "pg_status": {}},
-                                frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")]).kind == "compute"
-    assert decide([RankEvidence(rank=0, pid=7, ranked=False, frame_class=FrameClass.COLLECTIVE,
+    assert decide([RankEvidence(pid=7, fr={"entries": [], "pg_status": {}},
+                                frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")]).kind != "single"
+    assert decide([RankEvidence(pid=7, frame_class=FrameClass.COLLECTIVE,
                                 frame="all_reduce (d.py:1)")]).kind != "single"
+
+
+# --- the rule table -------------------------------------------------------------------------------
+
+
+def test_the_rule_table_is_the_documentation_and_it_is_current() -> None:
+    from pathlib import Path
+
+    names = [r.name for r in verdict_mod.RULES]
+    assert len(names) == len(set(names)) and names[-1] == "inconclusive"
+    assert all(r.when and r.concludes and r.confidence and r.kind for r in verdict_mod.RULES)
+    doc = Path(__file__).resolve().parents[1] / "docs" / "verdict-rules.md"
+    assert doc.read_text(encoding="utf-8") == verdict_mod.rules_markdown(), (
+        "docs/verdict-rules.md is stale: python -m agent.verdict > docs/verdict-rules.md")
+    # every verdict records its rule
+    assert decide([RankEvidence(rank=0), RankEvidence(rank=1)]).rule == "inconclusive"
+
+
+def test_a_cascade_blames_the_live_rank_outside_the_collective_not_the_first_exit() -> None:
+    hung_fr = _fr(_pattern(41), 41, 41)  # nothing in flight: it never entered #42
+    ev = [RankEvidence(rank=2, pid=12, frame_class=FrameClass.COMPUTE, frame="_hang_in_compute (d.py:40)",
+                       steps_before=20, steps_after=20, fr=hung_fr),
+          RankEvidence(rank=1, pid=11, alive=False, exited_first=True, exit_code=1, exit_time_ns=100),
+          RankEvidence(rank=0, pid=10, alive=False, exit_code=1, exit_time_ns=110),
+          RankEvidence(rank=3, pid=13, alive=False, exit_code=1, exit_time_ns=120)]
+    v = decide(ev, trigger="exit")
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence, v.rule) == ("cascade", (2,), (12,), "high", "cascade")
+    assert v.reason.startswith("collective timeout cascade: rank 2 alive outside the collective (rank 2 in _hang_in_compute")
+    assert "ranks 0,1,3 exited after it (with exit code 1): consequences, not causes" in v.reason
+    # the same exits with no live rank outside a collective: the first exit is blamed
+    alone = [e for e in ev if e.rank != 2] + [RankEvidence(rank=2, pid=12, frame_class=FrameClass.COLLECTIVE)]
+    v = decide(alone, trigger="exit")
+    assert (v.kind, v.culprit_ranks, v.confidence) == ("dead", (1,), "high")
+
+
+def test_deaths_are_ordered_by_when_they_happened_not_when_they_were_seen() -> None:
+    ev = [RankEvidence(rank=0, pid=10, alive=False, exited_first=True, exit_code=1, exit_time_ns=300),
+          RankEvidence(rank=2, pid=12, alive=False, exit_code=1, exit_time_ns=310),
+          RankEvidence(rank=3, pid=13, alive=False, exit_signal="SIGSEGV", exit_time_ns=200),
+          RankEvidence(rank=1, pid=11, alive=False, exit_code=1)]
+    v = decide(ev, trigger="exit")
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence, v.rule) == ("dead", (3,), (13,), "high", "crash")
+    assert v.reason == "dead: rank 3 exited with SIGSEGV; ranks 0,1,2 exited after it"
+    oom = decide([RankEvidence(rank=0, pid=5, alive=False, exited_first=True, oom_killed=True, exit_signal="SIGKILL"),
+                  RankEvidence(rank=1, pid=6, frame_class=FrameClass.COLLECTIVE)])
+    assert oom.reason == "dead: rank 0 was killed by the OOM killer; rank 1 waits in a collective"
+
+
+def test_an_unknown_exit_status_is_never_high_confidence_and_an_orderly_exit_never_a_culprit() -> None:
+    unknown = decide([RankEvidence(rank=0, pid=5, alive=False, exited_first=True),
+                      RankEvidence(rank=1, pid=6, frame_class=FrameClass.IDLE)], trigger="exit")
+    assert (unknown.kind, unknown.culprit_ranks, unknown.confidence) == ("dead", (0,), "low")
+    assert unknown.reason.startswith("dead: rank 0 exited (exit status unknown)")
+    for how in ({"exit_code": 0}, {"exit_code": 143}, {"exit_signal": "SIGINT"}):
+        v = decide([RankEvidence(rank=0, pid=5, alive=False, exited_first=True, **how),  # type: ignore[arg-type]
+                    RankEvidence(rank=1, pid=6, frame_class=FrameClass.COLLECTIVE)], trigger="exit")
+        assert (v.kind, v.culprit_ranks, v.culprit_pids, v.hung) == ("stopped", (), (), False), v
+
+
+def _status(**groups: tuple[int, int]) -> dict[str, Any]:
+    return {pg: {"last_enqueued_collective": str(e), "last_completed_collective": str(c)} for pg, (e, c) in groups.items()}
+
+
+def test_an_ordering_deadlock_across_two_groups_is_named_as_a_cycle() -> None:
+    """rank 0 all-reduces on pg 1 then pg 2, rank 1 on pg 2 then pg 1 (gloo's recorders, as read)."""
+    def dump(first_pg: int) -> dict[str, Any]:
+        entries = [_entry(s, pg=pg) for s in (1, 2, 3) for pg in (0, 1, 2)] + [_entry(4, pg=first_pg)]
+        for i, e in enumerate(entries):
+            e.update(process_group=[str(e["pg_id"]), "undefined"], record_id=i, p2p_seq_id=0, op_id=i)
+        enq = {"0": (3, 3), "1": (4 if first_pg == 1 else 3, 3), "2": (4 if first_pg == 2 else 3, 3)}
+        return {"entries": entries, "pg_status": _status(**enq), "version": "2.10"}
+
+    ev = [RankEvidence(rank=0, pid=10, fr=dump(1), frame_class=FrameClass.COLLECTIVE, frame="all_reduce (c10d.py:1)"),
+          RankEvidence(rank=1, pid=11, fr=dump(2), frame_class=FrameClass.COLLECTIVE, frame="all_reduce (c10d.py:1)")]
+    v = decide(ev, trigger="stall")
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence, v.rule) == ("cycle", (0, 1), (10, 11), "high", "cycle")
+    assert v.reason == ("cycle: ordering deadlock across process groups: rank 0 waits in all_reduce #4 of pg 1 for "
+                        "rank 1; rank 1 waits in all_reduce #4 of pg 2 for rank 0")
+    assert "cycle from torch flight_recorder missing ranks" in v.evidence  # torch's analyzer found the missing ranks
+
+
+def test_a_rendezvous_hang_names_the_ranks_that_never_arrived() -> None:
+    waiting = [RankEvidence(rank=r, pid=10 + r, frame_class=FrameClass.RENDEZVOUS,
+                            frame="init_process_group (torch/distributed/distributed_c10d.py:1)") for r in range(3)]
+    v = decide(waiting, world_size=4, trigger="manual")
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence) == ("rendezvous", (3,), (), "medium")
+    assert v.reason == ("rendezvous: rank 3 never arrived (rank 3 never started); ranks 0,1,2 wait in "
+                        "init_process_group (world size 4)")
+    assert v.headline().startswith("Verdict: culprit rank 3 (no process) -- rendezvous:")
+    late = [*waiting, RankEvidence(rank=3, pid=13, frame_class=FrameClass.COMPUTE, frame="load_weights (m.py:3)")]
+    v = decide(late, world_size=4)
+    assert (v.culprit_ranks, v.culprit_pids) == ((3,), (13,))
+    assert "rank 3 is elsewhere (compute: load_weights (m.py:3))" in v.reason
+    assert decide(waiting).confidence == "low"  # world size unknown, nobody known missing
+
+
+def test_everyone_waiting_for_a_message_is_a_deadlock_with_work_pending_and_idle_without() -> None:
+    ev = [RankEvidence(rank=0, pid=11, frame_class=FrameClass.IDLE, frame="recv (worker.py:9)"),
+          RankEvidence(pid=10, role=verdict_mod.Role.COORDINATOR, title="eng::engine",
+                       frame_class=FrameClass.IDLE, frame="recv (engine.py:5)")]
+    stuck = decide(ev, trigger="stall")
+    assert (stuck.kind, stuck.culprit_ranks, stuck.culprit_pids, stuck.hung) == ("deadlock", (0,), (11, 10), True)
+    assert stuck.reason == ("deadlock: rank 0, pid 10 'eng::engine' all wait for a message while work is pending "
+                            "(rank 0 in recv (worker.py:9); pid 10 'eng::engine' in recv (engine.py:5))")
+    assert decide(ev, work_pending=False).kind == "idle" and not decide(ev, work_pending=False).hung
+    unknown = decide(ev)
+    assert (unknown.kind, unknown.confidence) == ("idle", "low")
+    assert unknown.reason == "all idle (waiting for work): nothing is stuck (no reading of pending work)"
+    # pending work from an SDK counter (no stall): still a deadlock
+    assert decide([*ev[:1], verdict_mod.replace(ev[1], pending=1)]).kind == "deadlock"
+
+
+def test_a_coordinator_is_evidence_never_a_rank() -> None:
+    ev = [RankEvidence(pid=10, role=verdict_mod.Role.COORDINATOR, title="VLLM::EngineCore",
+                       frame_class=FrameClass.IDLE, frame="dequeue (shm_broadcast.py:5)"),
+          RankEvidence(rank=0, pid=11, title="VLLM::Worker", frame_class=FrameClass.COMPUTE,
+                       frame="forward (llama.py:9)", steps_before=3, steps_after=3)]
+    v = decide(ev, trigger="stall")
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.ranks) == ("compute", (0,), (11,), (0,))
+    # no worker stack: the coordinator waiting on its worker points at it
+    blind = [verdict_mod.replace(ev[0], waits_on=(11,)), RankEvidence(rank=0, pid=11, title="VLLM::Worker")]
+    v = decide(blind, trigger="stall")
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.rule, v.confidence) == ("behind", (0,), (11,), "coordinator_waits", "low")
+
+
+def test_hard_mode_acts_only_on_a_high_confidence_culprit() -> None:
+    plan = verdict_mod.hard_signal_plan
+    behind = decide([RankEvidence(rank=0, pid=5, frame_class=FrameClass.COLLECTIVE),
+                     RankEvidence(rank=1, pid=6, frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")])
+    assert behind.confidence == "medium"
+    assert plan(behind, target_pids=[5, 6], stalled_pid=5) == (
+        [], "verdict confidence medium: hard mode acts only on a high-confidence culprit")
+    assert plan(behind, target_pids=[5, 6], stalled_pid=5, policy="all")[0] == [5, 6]
+    high = verdict_mod.replace(behind, confidence="high")
+    assert plan(high, target_pids=[5, 6], stalled_pid=5)[0] == [6]
+    assert plan(None, target_pids=[5, 6], stalled_pid=5)[0] == []
+    assert plan(None, target_pids=[5], stalled_pid=5)[0] == [5]  # one process that stalled: itself
+    idle = decide([RankEvidence(rank=0, pid=5, frame_class=FrameClass.IDLE)], work_pending=False)
+    assert plan(idle, target_pids=[5], stalled_pid=5)[0] == []
+
+
+# --- stacks: the communication layers and the idle helpers ----------------------------------------
+
+
+def _f(name: str, path: str, line: int = 1, native: bool = False) -> Frame:
+    short = path.split("site-packages/")[-1]
+    if native:
+        return Frame(name=name, filename=path, module=path.rsplit("/", 1)[-1])
+    return Frame(name=name, filename=path, short_filename=short, line=line)
+
+
+_SP = "/v/lib/python3.11/site-packages/"
+_TH = "/usr/lib/python3.11/threading.py"
+
+
+def test_serving_frameworks_communication_layers_are_collective_waits() -> None:
+    """vLLM TP=2 on CPU: the waiting rank sits in parallel_state -> cpu_communicator -> shm_allreduce."""
+    vllm = [_f("wait_for_all", "_C.abi3.so", native=True), _f("shm_allreduce", "_C.abi3.so", native=True),
+            _f("CpuCommunicator.all_reduce", _SP + "vllm/distributed/device_communicators/cpu_communicator.py", 80),
+            _f("GroupCoordinator.all_reduce", _SP + "vllm/distributed/parallel_state.py", 500),
+            _f("RowParallelLinear.forward", _SP + "vllm/model_executor/layers/linear.py", 1400)]
+    assert classify_stack([_thread(vllm)]) == (
+        FrameClass.COLLECTIVE, "CpuCommunicator.all_reduce (vllm/distributed/device_communicators/cpu_communicator.py:80)")
+    sglang = [_f("all_reduce", _SP + "sglang/srt/distributed/parallel_state.py", 7), _f("forward", "/app/m.py", 3)]
+    assert classify_stack([_thread(sglang)])[0] is FrameClass.COLLECTIVE
+    pynccl = [_f("ncclAllReduce", "libnccl.so.2", native=True), _f("forward", "/app/m.py", 3)]
+    assert classify_stack([_thread(pynccl)])[0] is FrameClass.COLLECTIVE
+    rdzv = [_f("TCPStore.__init__", "libtorch_python.so", native=True),
+            _f("_create_c10d_store", _SP + "torch/distributed/rendezvous.py", 189),
+            _f("init_process_group", _SP + "torch/distributed/distributed_c10d.py", 1600),
+            _f("main", "/app/train.py", 9)]
+    assert classify_stack([_thread(rdzv)]) == (FrameClass.RENDEZVOUS, "_create_c10d_store (torch/distributed/rendezvous.py:189)")
+
+
+def test_parked_helper_threads_and_message_queues_are_idle_not_stuck() -> None:
+    """A healthy idle vLLM process: signal-callback and tqdm's monitor park on an Event; the
+    worker's main thread spins in shm_broadcast's dequeue (on CPU to py-spy)."""
+    from agent.stacks import hung_frame, idle_and_stuck, thread_is_idle
+
+    park = [_f("Condition.wait", _TH, 355), _f("Event.wait", _TH, 655)]
+    boot = [_f("Thread.run", _TH, 1010), _f("Thread._bootstrap_inner", _TH, 1073), _f("Thread._bootstrap", _TH, 1030)]
+    signal_cb = ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="signal-callback", frames=(*park, _f("SignalCallback._run", _SP + "vllm/v1/engine/utils.py", 395), *boot))
+    tqdm = ThreadStack(pid=1, thread_id=3, os_thread_id=3, thread_name="Thread-1", frames=(*park, _f("TMonitor.run", _SP + "tqdm/_monitor.py", 60), *boot[1:]))
+    main = ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True, frames=(
+        _f("SpinCondition.wait", _SP + "vllm/distributed/device_communicators/shm_broadcast.py", 200),
+        _f("MessageQueue.acquire_read", _SP + "vllm/distributed/device_communicators/shm_broadcast.py", 864),
+        _f("MessageQueue.dequeue", _SP + "vllm/distributed/device_communicators/shm_broadcast.py", 971),
+        _f("WorkerProc.worker_busy_loop", _SP + "vllm/v1/executor/multiproc_executor.py", 1000)))
+    threads = [main, signal_cb, tqdm]
+    assert all(thread_is_idle(t) for t in threads)
+    assert idle_and_stuck(threads) == (("MainThread", "signal-callback", "Thread-1"), ())
+    assert hung_frame(threads) == "" and classify_stack(threads)[0] is FrameClass.IDLE
+    # a forward that waits in Event.wait deep in the model is stuck, on any thread
+    deep = ThreadStack(pid=1, thread_id=4, os_thread_id=4, thread_name="fwd", frames=(*park, _f("hook", "/app/m.py", 1), _f("layer", "/app/m.py", 2), _f("forward", "/app/m.py", 3), *boot))
+    assert not thread_is_idle(deep)
+    assert classify_stack([*threads, deep]) == (FrameClass.COMPUTE, "hook (/app/m.py:1)")

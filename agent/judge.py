@@ -37,6 +37,7 @@ from agent.events import (
     TargetExited,
     WatchdogStalled,
 )
+from agent.exits import zombie_fact
 from agent.ranks import parse_title, world_ranks
 from agent.sdk.counter import CounterSnapshot, counter_path, read_counter
 from agent.servers import ServerGroup, ancestors, listener_of_port, server_groups
@@ -250,8 +251,10 @@ class VerdictJudge:
         frame_class, frame = classify_stack(threads) if threads else (FrameClass.UNKNOWN, "")
         exited = target.pid == exited_pid
         cause = readings.cause if exited and isinstance(readings.cause, TargetExited) else None
-        alive = not exited and process_state(target.pid, create_time_s=target.create_time_s) not in (
-            ProcessState.GONE, ProcessState.ZOMBIE)
+        state = ProcessState.GONE if exited else process_state(target.pid, create_time_s=target.create_time_s)
+        alive = state not in (ProcessState.GONE, ProcessState.ZOMBIE)
+        fact = cause.exit if cause is not None else (
+            zombie_fact(target.pid, target.create_time_s) if state is ProcessState.ZOMBIE else None)
         info = parse_title(target.title)
         role = _role(info.role if info is not None else "", rank)
         snap = readings.after.get(target.pid)
@@ -263,11 +266,12 @@ class VerdictJudge:
             label=info.label if info is not None else "",
             alive=alive,
             exited_first=exited,
-            exit_signal=signal_name(cause.signal) if cause is not None else None,
-            exit_code=cause.exit_code if cause is not None else None,
-            oom_killed=bool(getattr(cause, "oom_killed", False)),
-            exit_time_ns=_exit_time(cause),
-            exit_detail=str(getattr(cause, "exit_detail", "") or ""),
+            exit_signal=fact.signal_name or None if fact is not None else None,
+            exit_code=fact.exit_code if fact is not None else None,
+            oom_killed=fact.oom if fact is not None else False,
+            exit_time_ns=(fact.ended_time_unix_nano or None) if fact is not None else None,
+            exit_detail=fact.describe() if fact is not None else "",
+            exit_fact=fact,
             frame_class=frame_class,
             frame=frame,
             stack_note=str(dump.attributes.get(PYSPY_NOTE_ATTR, "")) if dump is not None else "",
@@ -292,12 +296,6 @@ def _role(title_role: str, rank: int | None) -> Role:
     if title_role == "frontend":
         return Role.FRONTEND
     return Role.RANK if rank is not None else Role.PROCESS
-
-
-def _exit_time(cause: TargetExited | None) -> int | None:
-    """When the process ended, when the exit facts say (``exit_time_unix_nano``), else ``None``."""
-    t = getattr(cause, "exit_time_unix_nano", None) if cause is not None else None
-    return t if isinstance(t, int) and t > 0 else None
 
 
 def _threads(dump: ActionResult | None) -> list[ThreadStack]:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import enum
 import re
+import signal as signal_mod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.events import ExitFact, ExitKind
 from agent.flightrec_view import (
     RankRecorder,
     find_behind,
@@ -43,7 +45,6 @@ __all__ = [
     "RULES",
     "VERDICT_ATTR_PREFIX",
     "Evidence",
-    "ExitKind",
     "FrameClass",
     "RankEvidence",
     "Role",
@@ -52,6 +53,7 @@ __all__ = [
     "classify_stack",
     "decide",
     "exit_kind",
+    "fact_of",
     "hard_signal_plan",
     "rules_markdown",
     "warm_up",
@@ -86,23 +88,6 @@ class Role(str, enum.Enum):
         return self.value
 
 
-class ExitKind(str, enum.Enum):
-    """How a process ended (see :func:`exit_kind`)."""
-
-    ORDERLY = "orderly"  # exit code 0, or asked to stop (SIGTERM/SIGINT, exit code 143/130)
-    CRASH = "crash"  # a fatal signal (SIGSEGV, SIGABRT, SIGKILL, ...), or exit code 128+N for one
-    OOM = "oom"  # killed by the kernel's OOM killer
-    ERROR = "error"  # a non-zero exit code (an exception, a collective timeout)
-    UNKNOWN = "unknown"  # gone, status not known
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_STOPS = {"SIGTERM", "SIGINT"}
-_STOP_CODES = {143: "SIGTERM", 130: "SIGINT"}
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankEvidence:
     """What is known about one process of a server.
@@ -120,6 +105,8 @@ class RankEvidence:
         oom_killed: the kernel's OOM killer ended it.
         exit_time_ns: when it ended (wall clock, ns), when known: deaths are ordered by it.
         exit_detail: how its end was learnt, in words (``memory.events oom_kill``), or ``""``.
+        exit_fact: the process watcher's whole :class:`~agent.events.ExitFact` (kind, status, time,
+            source), when known: it wins over the fields above.
         frame_class / frame: its py-spy stack's class and the frame it is in.
         stack_note: what happened reading its stack, when not plain (``stack too deep for py-spy``).
         steps_before / steps_after: its forward-step counter when the incident opened and when the
@@ -141,6 +128,7 @@ class RankEvidence:
     oom_killed: bool = False
     exit_time_ns: int | None = None
     exit_detail: str = ""
+    exit_fact: ExitFact | None = None
     frame_class: FrameClass = FrameClass.UNKNOWN
     frame: str = ""
     stack_note: str = ""
@@ -178,34 +166,51 @@ class RankEvidence:
         return self.stalled is False
 
 
-def exit_kind(e: RankEvidence) -> ExitKind | None:
-    """How ``e`` ended, ``None`` while it is alive.
+def _signum(name: str | None) -> int | None:
+    if name is None:
+        return None
+    try:
+        return int(signal_mod.Signals[name])
+    except KeyError:
+        m = re.match(r"signal (\d+)$", name)
+        return int(m.group(1)) if m else 0
 
-    The OOM killer's mark wins; a stop signal or exit code 0/143/130 is orderly; any other signal
-    (or exit code 128+N) a crash; any other non-zero code an error; nothing known: unknown.
-    """
+
+def fact_of(e: RankEvidence) -> ExitFact | None:
+    """``e``'s :class:`~agent.events.ExitFact` (the watcher's, else one derived from its fields);
+    ``None`` while it is alive."""
     if e.alive:
         return None
-    if e.oom_killed:
-        return ExitKind.OOM
-    if e.exit_signal is not None:
-        return ExitKind.ORDERLY if e.exit_signal in _STOPS else ExitKind.CRASH
-    if e.exit_code is None:
-        return ExitKind.UNKNOWN
-    if e.exit_code == 0 or e.exit_code in _STOP_CODES:
-        return ExitKind.ORDERLY
-    return ExitKind.CRASH if e.exit_code > 128 else ExitKind.ERROR
+    if e.exit_fact is not None:
+        return e.exit_fact
+    return ExitFact.of(e.pid or 0, e.exit_code, _signum(e.exit_signal), oom=e.oom_killed,
+                       ended_time_unix_nano=e.exit_time_ns or 0)
+
+
+def exit_kind(e: RankEvidence) -> ExitKind | None:
+    """How ``e`` ended (:class:`agent.events.ExitKind`: the OOM killer wins; a stop signal or exit
+    code 0/143/130 is orderly; another signal ``signal``; another code ``code``; else unknown),
+    ``None`` while it is alive."""
+    fact = fact_of(e)
+    return fact.kind if fact is not None else None
+
+
+def _exit_time(e: RankEvidence) -> int | None:
+    fact = fact_of(e)
+    return (fact.ended_time_unix_nano or None) if fact is not None else None
 
 
 def _how_exited(e: RankEvidence) -> str:
     """``exited with SIGSEGV`` / ``was killed by the OOM killer`` / ``exited (exit status unknown)``."""
-    kind = exit_kind(e)
-    if kind is ExitKind.OOM:
+    fact = fact_of(e)
+    if fact is None:
+        return "is alive"
+    if fact.oom:
         return "was killed by the OOM killer"
-    if e.exit_signal:
-        return f"exited with {e.exit_signal}"
-    if e.exit_code is not None:
-        return f"exited with exit code {e.exit_code}"
+    if fact.signal is not None:
+        return f"exited with {fact.signal_name}"
+    if fact.exit_code is not None:
+        return f"exited with exit code {fact.exit_code}"
     return "exited (exit status unknown)"
 
 
@@ -275,8 +280,8 @@ class Evidence:
 
 def _death_order(e: RankEvidence) -> tuple[int, int, int]:
     """Known time first (earliest first), then the exit that opened the incident, then rank/pid."""
-    known = e.exit_time_ns is not None
-    return (0 if known else 1, e.exit_time_ns or 0, 0 if e.exited_first else 1)
+    t = _exit_time(e)
+    return (0 if t is not None else 1, t or 0, 0 if e.exited_first else 1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -387,8 +392,9 @@ def _evidence_line(e: RankEvidence) -> str:
         parts[0] += f" [{e.label}]"
     if e.role not in (Role.RANK, Role.PROCESS):
         parts.append(e.role.value)
-    if not e.alive:
-        parts.append(f"gone ({_how_exited(e).removeprefix('exited ').removeprefix('with ')})")
+    fact = fact_of(e)
+    if fact is not None:
+        parts.append(f"gone ({fact.describe()})")
     if e.frame_class is not FrameClass.UNKNOWN:
         parts.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
     if e.stack_note:
@@ -503,14 +509,12 @@ def _single_process(ev: Evidence) -> Verdict | None:
 
 
 def _single_where(e: RankEvidence) -> tuple[str, str]:
-    if not e.alive:
-        kind = exit_kind(e)
-        if kind is ExitKind.ORDERLY and (e.exit_signal in _STOPS or e.exit_code in _STOP_CODES):
-            stop = e.exit_signal or _STOP_CODES[e.exit_code]  # type: ignore[index]
-            return f"terminated by {stop} (asked to stop from outside, not a crash)", "low"
-        how = _how_exited(e)
-        confidence = "high" if e.exited_first and kind is not ExitKind.UNKNOWN else "medium"
-        return how.replace("exited with ", "exited with ", 1), confidence
+    fact = fact_of(e)
+    if fact is not None:
+        if fact.stop_signal:
+            return f"terminated by {fact.stop_signal} (asked to stop from outside, not a crash)", "low"
+        confidence = "high" if e.exited_first and fact.kind is not ExitKind.UNKNOWN else "medium"
+        return _how_exited(e), confidence
     if e.frame_class is FrameClass.IDLE:
         return (f"idle (waiting for work) in {e.frame}" if e.frame else "idle (waiting for work)"), "medium"
     if e.frame_class in (FrameClass.COMPUTE, FrameClass.RENDEZVOUS):
@@ -561,11 +565,11 @@ def _dead_reason(first: RankEvidence, ev: Evidence) -> str:
        confidence="high when it is the only crash or its exit time is known and first; medium when several "
                   "crashes cannot be ordered")
 def _crash(ev: Evidence) -> Verdict | None:
-    crashed = ev.dead(ExitKind.CRASH, ExitKind.OOM)
+    crashed = ev.dead(ExitKind.SIGNAL, ExitKind.OOM)
     if not crashed:
         return None
     first = crashed[0]
-    ordered = len(crashed) == 1 or first.exit_time_ns is not None or (first.exited_first and not any(
+    ordered = len(crashed) == 1 or _exit_time(first) is not None or (first.exited_first and not any(
         c.exited_first for c in crashed[1:]))
     if not ordered:
         reason = "dead: " + "; ".join(f"{c.name} {_how_exited(c)}" for c in crashed) + " (order unknown)"
@@ -586,7 +590,7 @@ def _outside_collective(e: RankEvidence) -> bool:
        confidence="high when its stack, its stopped step counter and its Flight Recorder (nothing in flight) "
                   "agree; medium from its stack alone")
 def _cascade(ev: Evidence) -> Verdict | None:
-    gone = ev.dead(ExitKind.ERROR, ExitKind.UNKNOWN)
+    gone = ev.dead(ExitKind.CODE, ExitKind.UNKNOWN)
     if not gone:
         return None
     hung = [e for e in ev.ranks if _outside_collective(e)]
@@ -613,13 +617,13 @@ def _nothing_in_flight(fr: RankRecorder | None) -> bool:
        confidence="high for a known error exit that came first; low when its exit status is unknown (never a "
                   "crash at high confidence)")
 def _exited(ev: Evidence) -> Verdict | None:
-    gone = ev.dead(ExitKind.ERROR, ExitKind.UNKNOWN)
-    gone = [e for e in gone if e.exited_first or exit_kind(e) is ExitKind.ERROR]
+    gone = ev.dead(ExitKind.CODE, ExitKind.UNKNOWN)
+    gone = [e for e in gone if e.exited_first or exit_kind(e) is ExitKind.CODE]
     if not gone:
         return None
     first = gone[0]
     confidence = "low" if exit_kind(first) is ExitKind.UNKNOWN else "high"
-    if confidence == "high" and first.exit_time_ns is None and not first.exited_first:
+    if confidence == "high" and _exit_time(first) is None and not first.exited_first:
         confidence = "medium"
     return _verdict(ev, "dead", [first], _dead_reason(first, ev), confidence)
 
@@ -634,7 +638,7 @@ def _stopped(ev: Evidence) -> Verdict | None:
         return None
     parts = []
     for e in stopped:
-        stop = e.exit_signal if e.exit_signal in _STOPS else _STOP_CODES.get(e.exit_code or 0)
+        stop = fact_of(e).stop_signal  # type: ignore[union-attr]
         parts.append(f"{e.name} was terminated by {stop}" if stop else f"{e.name} exited with exit code 0")
     signal_words = any("terminated" in p for p in parts)
     head = "terminated by a signal" if signal_words else "orderly exit"

@@ -467,9 +467,25 @@ def run(
                 tg.start_soon(_stop_after, agent, duration)
             await agent.run()
             tg.cancel_scope.cancel()
+        _print_seen(agent)
 
     err.print(f"servewatch: watching (data dir {settings.data_dir}); Ctrl-C to stop", markup=False)
     anyio.run(main)
+
+
+def _print_seen(agent: Any) -> None:
+    """What the agent saw of its targets' ends, on stderr, once it stopped (``run``, ``launch``)."""
+    from agent.summary import exit_lines
+
+    exits = list(agent.process_watcher.exits)
+    written = len(agent.incidents.records)
+    head = f"servewatch: stopped; {written} incident(s) written; {len(exits)} target exit(s) seen"
+    err.print(head + (":" if exits else ""), markup=False)
+    for line in exit_lines(exits, agent.incidents.exit_outcomes):
+        err.print(f"  {line}", markup=False)
+    why = agent.process_watcher.kernel_exits_unavailable
+    if why and any(f.source.value == "none" for _, f in exits):
+        err.print(f"  (exit statuses unknown: {why})", markup=False)
 
 
 async def _stop_on_signal(agent: Any) -> None:
@@ -786,10 +802,13 @@ def launch(
                     await anyio.sleep(0.1)
             agent.stop()
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_when_done)
-            await agent.run()
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop_when_done)
+                await agent.run()
+                tg.cancel_scope.cancel()
+        finally:
+            _print_seen(agent)
 
     try:
         rc = anyio.run(

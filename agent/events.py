@@ -472,6 +472,21 @@ class TargetExited(Event):
         return ExitFact.of(self.pid, self.exit_code, self.signal,
                            source=None if self.exit_code is not None or self.signal is not None else ExitSource.NONE)
 
+    @property
+    def oom_killed(self) -> bool:
+        """The kernel's OOM killer killed it (``exit.oom``)."""
+        return self.exit.oom
+
+    @property
+    def exit_time_unix_nano(self) -> int | None:
+        """When it ended, ns since the epoch (``exit.ended_time_unix_nano``), ``None`` when unknown."""
+        return self.exit.ended_time_unix_nano or None
+
+    @property
+    def exit_detail(self) -> str:
+        """How it ended, in words, with where that was read (``exit.describe()``)."""
+        return self.exit.describe()
+
 
 # --- incidents and actions ------------------------------------------------------------------
 

@@ -369,7 +369,7 @@ def exit_admission(fact: ExitFact, *, exit_zero_is_incident: bool, signal_stop_i
             return "" if signal_stop_is_incident else f"stopped by {fact.stop_signal} ({_status_words(fact)})"
         return "" if exit_zero_is_incident else f"exited in order ({_status_words(fact)})"
     if fact.kind is ExitKind.UNKNOWN and fact.tree_stopped:
-        return f"stopped with its whole server ({fact.describe()})"
+        return "stopped with its whole server (exit status unknown)"
     return ""
 
 
@@ -432,6 +432,8 @@ class IncidentManager:
         self._hard_signalled: set[int] = set()
         #: pids whose TargetExited was handled (an incident written, or none needed)
         self.exits_handled: set[int] = set()
+        #: what each exit led to, in words (``incident <id>``, ``no incident: stopped by SIGTERM ...``)
+        self.exit_outcomes: dict[int, str] = {}
         self.bus = bus
         self.config = config
         self.data_dir = Path(data_dir)
@@ -494,12 +496,14 @@ class IncidentManager:
         if isinstance(event, TargetExited):
             if event.pid in self._expected_exits and not self.config.operator_stop_is_incident:
                 log.info("pid %d exited after the operator's stop (%s): no incident", event.pid, describe_exit(event))
+                self.exit_outcomes[event.pid] = "no incident: the operator's stop"
                 return None  # stopped on purpose (an operator's signal passed on by launch)
             if not self.config.hard_mode_exit_is_incident:
                 knock_on = self._hard_window_of(event.pid)
                 if knock_on is not None or event.pid in self._hard_signalled:
                     log.info("pid %d exited after hard mode's signal (%s): no new incident", event.pid,
                              describe_exit(event))
+                    self.exit_outcomes[event.pid] = "no new incident: after hard mode's signal"
                     if knock_on is not None:
                         self._note_exit_after_hard_signal(knock_on, event)
                     return None  # the stall incident that signalled it already holds the evidence
@@ -512,6 +516,7 @@ class IncidentManager:
             )
             if why_not:
                 log.info("pid %d %r %s: no incident", event.pid, event.title, why_not)
+                self.exit_outcomes[event.pid] = f"no incident: {why_not}"
                 return None  # asked to stop, or stopped with its server: not a crash
             return (Trigger.EXIT, event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
         return None
@@ -623,6 +628,8 @@ class IncidentManager:
         if self._cooling_down(trigger, pid):
             self.suppressed += 1
             self._say_suppressed(key, detail)
+            if isinstance(event, TargetExited):
+                self.exit_outcomes[event.pid] = f"no new incident: cooldown of {self._cooldown_ids.get(key) or 'the last'}"
             if stall is not None:
                 stall.update(incident=self._cooldown_ids.get(key, ""), suppressed=True)
             await self._notify()
@@ -633,6 +640,8 @@ class IncidentManager:
             return
         record = await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
         self._cooldown_ids[key] = record.opened.incident_id
+        if isinstance(event, TargetExited):
+            self.exit_outcomes[event.pid] = f"incident {record.opened.incident_id}"
         if stall is not None:
             stall.update(incident=record.opened.incident_id, suppressed=False)
         await self._notify()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.events import Action, Outcome
+from agent.events import Action, ExitFact, Outcome
 from agent.incidents import IncidentRecord
 from agent.manifest import IncidentState, Manifest, ManifestAction
 
-__all__ = ["HUNG_FRAME_ATTR", "incident_summary", "late_result_lines", "summary_lines"]
+__all__ = ["HUNG_FRAME_ATTR", "exit_lines", "incident_summary", "late_result_lines", "summary_lines"]
 
 #: Span attribute of a ``pyspy.dump`` result holding the innermost frame of the active thread.
 HUNG_FRAME_ATTR = "servewatch.pyspy.hung_frame"
@@ -164,4 +164,32 @@ def summary_lines(record: IncidentRecord) -> list[str]:
     elif m.phases_pending:
         lines.append(f"Still running: {', '.join(map(str, m.phases_pending))} (appended when it ends)")
     lines.append(f"View: servewatch timeline {m.incident_id} --data-dir {record.bundle_dir.parent.parent}")
+    return lines
+
+
+#: How an exit status was learnt, in words (``ExitFact.source``).
+_SOURCE_WORDS = {
+    "owner": "reaped by servewatch",
+    "waitid": "read with waitid",
+    "kernel": "the kernel's exit event",
+    "zombie": "/proc while a zombie",
+    "none": "no source could tell",
+}
+
+
+def exit_lines(exits: list[tuple[Any, ExitFact]], outcomes: dict[int, str]) -> list[str]:
+    """What ``run``/``launch`` saw of its targets' exits, printed when they stop: one line each,
+    ``pid 42 'sglang::scheduler_TP0': exit code 0 (stopped in order) [the kernel's exit event]
+    -> no incident: exited in order (exit code 0)``.
+
+    Args:
+        exits: ``(target, fact)`` in the order seen (:attr:`ProcessWatcher.exits`).
+        outcomes: pid -> what the exit led to (:attr:`IncidentManager.exit_outcomes`).
+    """
+    lines = []
+    for target, fact in exits:
+        title = f" {target.title!r}" if getattr(target, "title", "") else ""
+        led = outcomes.get(fact.pid, "")
+        lines.append(f"pid {fact.pid}{title}: {fact.describe()} [{_SOURCE_WORDS.get(fact.source.value, fact.source.value)}]"
+                     + (f" -> {led}" if led else ""))
     return lines

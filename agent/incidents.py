@@ -153,6 +153,10 @@ class IncidentConfig(BaseModel):
         60.0, gt=0, description="after hard mode's signal, exits of that incident's other targets and their process"
         " trees within this many seconds are knock-on exits: recorded on it, no new incident"
     )
+    exit_followup_s: float = Field(
+        120.0, ge=0, description="a health failure, or a stall of the same server's ranks, within this many seconds"
+        " of an exit incident is the same failure: recorded on that incident (logged), no second incident"
+    )
     interrupt_grace_s: float = Field(
         10.0, gt=0, description="on SIGTERM/SIGINT, seconds the running phase may take to finish before the incident is cut short"
     )
@@ -625,6 +629,16 @@ class IncidentManager:
             return
         trigger, pid, detail = triggered
         key = self._cooldown_key(trigger, pid)
+        followed = self._exit_incident_before(trigger, pid)
+        if followed is not None:
+            self.suppressed += 1
+            age_s = max(0.0, (now_ns() - followed.opened.time_unix_nano) / 1e9)
+            log.warning("%s detected (%s) %.0f s after exit incident %s (%s): the same failure, no second incident",
+                        trigger, detail, age_s, followed.opened.incident_id, followed.opened.detail)
+            if stall is not None:
+                stall.update(incident=followed.opened.incident_id, suppressed=True)
+            await self._notify()
+            return
         if self._cooling_down(trigger, pid):
             self.suppressed += 1
             self._say_suppressed(key, detail)
@@ -645,6 +659,21 @@ class IncidentManager:
         if stall is not None:
             stall.update(incident=record.opened.incident_id, suppressed=False)
         await self._notify()
+
+    def _exit_incident_before(self, trigger: str, pid: int | None) -> IncidentRecord | None:
+        """The exit incident (running, or opened within ``exit_followup_s``) that a health failure
+        or a stall of one of its targets follows from: one death, one incident."""
+        if trigger not in (Trigger.HEALTH, Trigger.STALL) or self.config.exit_followup_s <= 0:
+            return None
+        now = now_ns()
+        for record in [*([self.current] if self.current is not None else []), *reversed(self.records)]:
+            if record.opened.trigger != Trigger.EXIT:
+                continue
+            if (now - record.opened.time_unix_nano) / 1e9 > self.config.exit_followup_s:
+                continue
+            if trigger == Trigger.HEALTH or pid is None or pid in {t.pid for t in record.targets}:
+                return record
+        return None
 
     def _track_stall(self, event: Event) -> dict[str, Any] | None:
         """Keep the stalls that are not over (for :meth:`state`); the entry of a new stall."""

@@ -62,6 +62,7 @@ from agent.targets import (
     process_state,
     server_of,
     spread_warning,
+    target_of,
     zombie_descendants,
 )
 from agent.watchers import WATCHERS, TargetWatchers, Watcher
@@ -181,6 +182,8 @@ class Agent:
         #: watcher restarts after a crash, by name
         self.restarts: dict[str, int] = {}
         self._told_no_target = False
+        #: the ``--root-pid`` process as identified at start (its exit ends the watch)
+        self._root: Target | None = None
         self._warned_spread = False
         self._seen: dict[int, tuple[Target, float]] = {}
         #: each remembered target's job: the process it hung off when first seen (its server)
@@ -821,12 +824,39 @@ class Agent:
             if not started:
                 started = True
                 task_status.started()
+            if await self._root_is_done():
+                return
             await anyio.sleep(REDISCOVER_INTERVAL_S)
             if found and time.monotonic() - same_since >= REDISCOVER_STABLE_AFTER_S:
                 # a stable set: check the known targets cheaply until the next full scan
                 next_scan = time.monotonic() + REDISCOVER_STABLE_INTERVAL_S - REDISCOVER_INTERVAL_S
                 while time.monotonic() < next_scan and all(pid_alive(pid) for pid, _ in found):
                     await anyio.sleep(REDISCOVER_INTERVAL_S)
+
+    async def _root_is_done(self) -> bool:
+        """With ``--root-pid`` alone: once the root process is gone, every target's exit handled
+        and no incident running, say so and stop the agent (nothing is left to watch; waiting
+        for a pid that cannot come back would wait forever). ``launch`` stops on its own."""
+        t = self.settings.target
+        if not t.root_pid or t.pids or t.match or self.children:
+            return False
+        if self._root is None:
+            self._root = await anyio.to_thread.run_sync(_identify, t.root_pid)
+            return False
+        root = self._root
+        if process_state(root.pid, create_time_s=root.create_time_s) is not ProcessState.GONE:
+            return False
+        watcher = self.process_watcher
+        if watcher.pids or self.incidents.current is not None or any(
+            pid not in self.incidents.exits_handled for pid in (f.pid for _, f in watcher.exits)
+        ):
+            return False
+        fact = next((f for tgt, f in watcher.exits if tgt.pid == root.pid), None)
+        how = fact.describe() if fact is not None else "exit status unknown"
+        log.warning("root pid %d %s ended (%s): nothing left to watch, stopping", root.pid,
+                    repr(root.title) if root.title else "", how)
+        self.stop(f"root pid {root.pid} ended")
+        return True
 
     async def _discover_round(self, tg: TaskGroup) -> list[Target]:
         """One discovery round (see :meth:`_supervise`); returns the targets found."""
@@ -882,6 +912,11 @@ class Agent:
             self._told_no_target = False
             log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
         return targets
+
+
+def _identify(pid: int) -> Target:
+    """``pid`` as a :class:`Target` with its creation time (a bare pid when it is gone already)."""
+    return target_of(pid) or Target(pid=pid)
 
 
 async def _trim_memory(interval_s: float) -> None:

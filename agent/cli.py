@@ -816,6 +816,7 @@ def launch(
                 cmd, env=planned.env, agent_main=agent_main,
                 on_child_exit=lambda code: child_status.__setitem__("rc", code),
                 on_signal_forwarded=on_signal_forwarded,
+                subreaper=True,  # ranks the server orphans become ours: their exit status is read
             )
         )  # LaunchError: one line, exit 126/127 (main)
     finally:

@@ -154,6 +154,13 @@ class EarlyRun:
         self.stdout = bytearray()
         self.stderr = bytearray()
         self.stdout_truncated = False
+        #: the target's pidfd, taken now (when it was named): SIGCONT never reaches a reused pid
+        self._pidfd: int | None = None
+        if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError:
+                self._pidfd = None
         self.process = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, env=pyspy_env(),
@@ -198,7 +205,11 @@ class EarlyRun:
             return None
 
     def close(self) -> None:
-        """Close the run's pipes (once it ended and was drained, or was killed)."""
+        """Close the run's pipes (once it ended and was drained, or was killed) and the target's pidfd."""
+        self._close_pipes()
+        self._close_pidfd()
+
+    def _close_pipes(self) -> None:
         for stream in (self.process.stdout, self.process.stderr):
             if stream is not None:
                 stream.close()
@@ -219,14 +230,21 @@ class EarlyRun:
         except subprocess.TimeoutExpired:
             pass
         self._drained.wait(grace_s)
-        self.close()
-        if _stopped(self.pid):
+        self._close_pipes()
+        continued = False
+        if _stopped(self.pid) and self._pidfd is not None:
             try:
-                os.kill(self.pid, signal.SIGCONT)
-                return True
+                signal.pidfd_send_signal(self._pidfd, signal.SIGCONT)  # ESRCH once reaped: never a newcomer
+                continued = True
             except (ProcessLookupError, PermissionError):
                 pass
-        return False
+        self._close_pidfd()
+        return continued
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def _stopped(pid: int) -> bool:

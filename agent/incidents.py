@@ -51,6 +51,7 @@ import anyio
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, Field
 
+from agent import pidfds
 from agent.bus import EventBus
 from agent.events import (
     STOP_SIGNALS as EVENT_STOP_SIGNALS,
@@ -616,6 +617,7 @@ class IncidentManager:
                 finally:
                     if isinstance(event, TargetExited):
                         self.exits_handled.add(event.pid)
+                        pidfds.release_exited(event.pid, event.exit.started_time_unix_nano)
 
     async def _handle_trigger(self, event: Event) -> None:
         """Open an incident for one trigger event, unless it is none, cooling down or not admitted."""
@@ -1036,14 +1038,18 @@ class IncidentManager:
         name = signal_mod.Signals(sig).name
         results: list[ActionResult] = []
         tree = frozenset({*pids, *(t.pid for t in record.targets), *server_tree})
+        by_pid = {t.pid: t for t in record.targets}
         for target_pid in pids:
             start = now_ns()
             try:
-                os.kill(target_pid, sig)
+                # only the process judged: through its pidfd (taken when it was identified)
+                pidfds.send_signal(by_pid.get(target_pid) or Target(pid=target_pid), sig)
             except (ProcessLookupError, PermissionError) as exc:
                 record.hard_signal_sent[target_pid] = f"failed: {type(exc).__name__}"
                 outcome = Outcome.NO_SUCH_PROCESS if isinstance(exc, ProcessLookupError) else Outcome.PERMISSION_DENIED
-                detail = f"{name} to pid {target_pid} failed: {type(exc).__name__}"
+                detail = f"{name} to pid {target_pid} failed: {type(exc).__name__}" + (
+                    " (the process judged is gone; its pid may belong to another process now: not signalled)"
+                    if isinstance(exc, ProcessLookupError) else "")
             else:
                 record.hard_signal_sent[target_pid] = name
                 self._hard_signalled.add(target_pid)

@@ -4,8 +4,18 @@ Owns: the launch environment (CUDA coredump and Flight Recorder variables planne
 :mod:`agent.cudaenv`, plus ``MTL_CAPTURE_ENABLED=1`` for MLX targets; the user's environment
 always wins), starting the
 server as a child in its own process group (argv, never a shell), forwarding signals to it,
-running the agent beside it, and returning its exit status. May import the stdlib, anyio and
-:mod:`agent.cudaenv`, never an actor; the CLI (:mod:`agent.cli`) calls in, never the reverse.
+running the agent beside it, and returning its exit status. May import the stdlib, anyio,
+:mod:`agent.cudaenv` and :mod:`agent.procinfo`, never an actor; the CLI (:mod:`agent.cli`) calls
+in, never the reverse.
+
+Nothing of the server outlives servewatch unwatched: the server gets ``PR_SET_PDEATHSIG``
+(SIGKILL) before its exec, and a small keeper process (its own session, stdlib only) holds the
+read end of a pipe from servewatch: when servewatch dies without saying goodbye (``kill -9``, the
+OOM killer), the pipe ends and the keeper stops every process still in the server's process group
+(SIGTERM, then SIGKILL after :data:`KEEPER_GRACE_S`), each through a pidfd verified to be a
+member. With ``subreaper`` (the CLI), servewatch is the child subreaper of the server's tree:
+ranks orphaned by their server become servewatch's children, so their exit status is read with
+``waitid`` (noted for the process watcher) and they are reaped.
 
 Exit status convention (what :func:`run_launched` returns, so ``sys.exit`` can pass it on): the
 child's own exit code; a child killed by signal N gives ``128 + N``, as POSIX shells report it.
@@ -19,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,9 +46,11 @@ from agent.cudaenv import (
     flight_recorder_env,
 )
 from agent.errors import LaunchError
+from agent.procinfo import note_exit
 
 __all__ = [
     "DEFAULT_FORWARDED_SIGNALS",
+    "KEEPER_GRACE_S",
     "MLX_CAPTURE_ENV",
     "LaunchEnv",
     "LaunchError",
@@ -85,6 +98,126 @@ except OSError as exc:
     sys.stderr.write("servewatch: cannot execute %r: %s\\n" % (argv[0], exc))
     os._exit(126)
 """
+
+
+#: Seconds the keeper waits after SIGTERM before it SIGKILLs what is left of the server's group.
+KEEPER_GRACE_S = 5.0
+
+#: The keeper (``python -I -S -c``, stdlib only). argv: pipe fd, process group id, grace seconds.
+#: EOF on the pipe without ``done``: the launcher died; stop the group's members, each through a
+#: pidfd whose process is checked (after opening it) to still be in the group.
+_KEEPER = r"""
+import os, signal, sys, time
+fd, pgid, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+data = b""
+while True:
+    try:
+        chunk = os.read(fd, 64)
+    except InterruptedError:
+        continue
+    if not chunk:
+        break
+    data += chunk
+if b"done" in data:
+    sys.exit(0)
+
+def group_of(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None, b""
+    return int(fields[2]), fields[0]
+
+def members():
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            group, state = group_of(int(name))
+            if group == pgid and state != b"Z":
+                found.append(int(name))
+    return found
+
+def signal_all(sig):
+    for pid in members():
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            if group_of(pid)[0] == pgid:
+                signal.pidfd_send_signal(pidfd, sig)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+
+left = members()
+if left:
+    sys.stderr.write("servewatch: the launcher died; stopping the server's process group %d (%d processes)\n"
+                     % (pgid, len(left)))
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while members() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    signal_all(signal.SIGKILL)
+"""
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _set_subreaper(on: bool) -> bool:
+    """``prctl(PR_SET_CHILD_SUBREAPER)`` on this process (Linux); False elsewhere or when refused."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _reap_adopted(server_pid: int, session: int) -> int:
+    """Reap our zombie children of the server's session other than the server itself (ranks it
+    orphaned, adopted by us as subreaper), noting each exit status first; returns how many."""
+    import psutil
+
+    reaped = 0
+    try:
+        children = psutil.Process().children()
+    except (psutil.Error, OSError):
+        return 0
+    for child in children:
+        if child.pid == server_pid:
+            continue
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE or os.getsid(child.pid) != session:
+                continue
+            create_time_s = child.create_time()
+        except (psutil.Error, OSError):
+            continue
+        try:
+            info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            continue
+        if info is not None:
+            code, sig = (info.si_status, None) if info.si_code == os.CLD_EXITED else (None, info.si_status)
+            note_exit(child.pid, create_time_s=create_time_s, exit_code=code, signal=sig)
+        try:
+            os.waitpid(child.pid, os.WNOHANG)
+            reaped += 1
+        except ChildProcessError:
+            pass
+    return reaped
+
+
+async def _reap_adopted_forever(server_pid: int, session: int, interval_s: float = 1.0) -> None:
+    """Every ``interval_s``, reap the orphans we adopted, each exit status noted first
+    (:func:`agent.procinfo.note_exit`: the process watcher reads it there if it comes later)."""
+    while True:
+        await anyio.sleep(interval_s)
+        await anyio.to_thread.run_sync(_reap_adopted, server_pid, session)
 
 
 def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
@@ -213,22 +346,37 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _signal_child(process: Process, pidfd: int | None, sig: int, *, to_group: bool) -> None:
+    """Signal our child (or its process group) while it is not reaped.
+
+    The child alone: through its pidfd (taken at its start). Its group: ``killpg`` only while
+    the child (the group's leader) is unreaped: its pid, hence the group id, cannot belong to
+    anyone else then. Once reaped, nothing is sent (raises ``ProcessLookupError``).
+    """
+    if process.returncode is not None:
+        raise ProcessLookupError(f"pid {process.pid} was reaped")
+    if to_group:
+        os.killpg(process.pid, sig)
+    elif pidfd is not None:
+        signal.pidfd_send_signal(pidfd, sig)
+    else:
+        os.kill(process.pid, sig)  # our unreaped child: its pid cannot be reused
+
+
 async def _forward_signals(
     receiver: AsyncIterator[signal.Signals],
     process: Process,
     *,
     to_group: bool,
     on_forwarded: Callable[[int], None] | None = None,
+    pidfd: int | None = None,
 ) -> None:
     """Pass every signal servewatch receives on to the child (or its process group)."""
     async for signum in receiver:
         if on_forwarded is not None:
             on_forwarded(int(signum))  # before it is sent: the tree is still whole
         try:
-            if to_group:
-                os.killpg(process.pid, signum)
-            else:
-                os.kill(process.pid, signum)
+            _signal_child(process, pidfd, signum, to_group=to_group)
         except ProcessLookupError:
             return  # the server is gone; its exit status is on its way
         except PermissionError:
@@ -245,10 +393,11 @@ async def _run_agent(agent_main: Callable[[int], Awaitable[None]], pid: int, sco
 
 
 async def _stop(process: Process, *, grace_s: float) -> None:
-    """SIGTERM the child's process group, SIGKILL it after ``grace_s`` seconds."""
+    """SIGTERM the child's process group, SIGKILL it after ``grace_s`` seconds (only while the
+    child is unreaped: see :func:`_signal_child`)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
-            os.killpg(process.pid, sig)
+            _signal_child(process, None, sig, to_group=True)
         except ProcessLookupError:
             pass
         with anyio.move_on_after(wait_s):
@@ -268,6 +417,8 @@ async def run_launched(
     terminate_grace_s: float = 10.0,
     on_child_exit: Callable[[int], None] | None = None,
     on_signal_forwarded: Callable[[int], None] | None = None,
+    subreaper: bool = False,
+    keeper: bool = True,
 ) -> int:
     """Run the server ``argv`` as a child with ``env`` and the agent beside it; return its status.
 
@@ -301,6 +452,10 @@ async def run_launched(
         on_signal_forwarded: called with each signal number about to be passed on to the child,
             just before it is sent (an operator's stop is then an expected exit of the whole
             launched tree, not an incident).
+        subreaper: make this process the child subreaper of the server's tree while it runs
+            (the CLI: orphaned ranks become ours, their exit status read and noted, then reaped).
+        keeper: start the keeper that stops the server's process group if this process dies
+            without finishing (``kill -9``).
 
     Returns:
         The child's exit status (``128 + N`` when killed by signal N).
@@ -312,6 +467,73 @@ async def run_launched(
     if not argv:
         raise ValueError("no server command given (servewatch launch [OPTIONS] -- CMD ...)")
     await anyio.to_thread.run_sync(check_command, str(argv[0]), env, cwd)  # PATH lookup: stats
+    if subreaper and not _set_subreaper(True):
+        log.info("launch: cannot become the child subreaper; ranks orphaned by the server are reaped by init")
+        subreaper = False
+    try:
+        return await _launch(argv, env, agent_main, cwd, forward_signals, signal_group, agent_exit_grace_s,
+                             terminate_grace_s, on_child_exit, on_signal_forwarded, subreaper=subreaper, keeper=keeper)
+    finally:
+        if subreaper:
+            _set_subreaper(False)
+
+
+async def _start_keeper(pgid: int) -> tuple[Process, int] | None:
+    """Start the keeper of process group ``pgid``; returns it and the pipe end to say ``done`` on."""
+    if not sys.platform.startswith("linux"):
+        return None
+    read_fd, write_fd = os.pipe()  # both close-on-exec: only the keeper gets the read end
+    try:
+        keeper = await anyio.open_process(
+            [sys.executable, "-I", "-S", "-c", _KEEPER, str(read_fd), str(pgid), str(KEEPER_GRACE_S)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None, pass_fds=(read_fd,),
+            start_new_session=True,  # a terminal's Ctrl-C for the server is not the keeper's
+        )
+    except OSError as exc:
+        os.close(write_fd)
+        log.warning("launch: cannot start the keeper (%s): a kill -9 of servewatch would leave the ranks running", exc)
+        return None
+    finally:
+        os.close(read_fd)
+    return keeper, write_fd
+
+
+async def _stop_keeper(started: tuple[Process, int] | None) -> None:
+    """Tell the keeper all went in order and reap it (bounded)."""
+    if started is None:
+        return
+    keeper, write_fd = started
+    def goodbye() -> None:
+        try:
+            os.write(write_fd, b"done")
+        except OSError:
+            pass
+        os.close(write_fd)
+
+    await anyio.to_thread.run_sync(goodbye)
+    with anyio.move_on_after(5):
+        await keeper.wait()
+    if keeper.returncode is None:
+        keeper.kill()
+    with anyio.move_on_after(2):
+        await keeper.aclose()
+
+
+async def _launch(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    agent_main: Callable[[int], Awaitable[None]] | None,
+    cwd: str | os.PathLike[str] | None,
+    forward_signals: Sequence[signal.Signals],
+    signal_group: bool,
+    agent_exit_grace_s: float,
+    terminate_grace_s: float,
+    on_child_exit: Callable[[int], None] | None,
+    on_signal_forwarded: Callable[[int], None] | None,
+    *,
+    subreaper: bool,
+    keeper: bool,
+) -> int:
     with anyio.open_signal_receiver(*forward_signals) as receiver:
         try:
             process = await anyio.open_process(
@@ -327,18 +549,32 @@ async def run_launched(
             raise LaunchError(f"command not found: {argv[0]!r}", exit_code=127) from exc
         except PermissionError as exc:
             raise LaunchError(f"command not executable: {argv[0]!r}", exit_code=126) from exc
+        pidfd: int | None = None
+        if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+            try:
+                pidfd = os.pidfd_open(process.pid)  # our unreaped child: it is the server
+            except OSError:
+                pidfd = None
+        kept = await _start_keeper(process.pid) if keeper else None
         try:
             async with anyio.create_task_group() as tg:
                 forwarding = anyio.CancelScope()
                 agent_scope = anyio.CancelScope()
+                reaping = anyio.CancelScope()
 
                 async def forward() -> None:
                     with forwarding:
                         await _forward_signals(
-                            receiver, process, to_group=signal_group, on_forwarded=on_signal_forwarded
+                            receiver, process, to_group=signal_group, on_forwarded=on_signal_forwarded, pidfd=pidfd
                         )
 
+                async def reap() -> None:
+                    with reaping:
+                        await _reap_adopted_forever(process.pid, process.pid)
+
                 tg.start_soon(forward)
+                if subreaper:
+                    tg.start_soon(reap)
                 if agent_main is not None:
                     tg.start_soon(_run_agent, agent_main, process.pid, agent_scope)
                 returncode = await process.wait()
@@ -346,6 +582,7 @@ async def run_launched(
                     on_child_exit(returncode)
                 forwarding.cancel()
                 agent_scope.deadline = min(agent_scope.deadline, anyio.current_time() + agent_exit_grace_s)
+                reaping.deadline = agent_scope.deadline
             return exit_status(returncode)
         finally:
             if process.returncode is None:
@@ -353,3 +590,9 @@ async def run_launched(
                     await _stop(process, grace_s=terminate_grace_s)
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await process.aclose()
+            with anyio.CancelScope(shield=True):
+                await _stop_keeper(kept)
+                if subreaper:
+                    await anyio.to_thread.run_sync(_reap_adopted, process.pid, process.pid)
+            if pidfd is not None:
+                os.close(pidfd)

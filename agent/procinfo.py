@@ -106,7 +106,7 @@ def note_exit(pid: int, *, create_time_s: float = 0.0, exit_code: int | None = N
     """
     if fact is None:
         known = exit_code is not None or signal is not None
-        fact = ExitFact.of(pid, exit_code, signal, source=None if known else ExitSource.NONE)
+        fact = ExitFact.of(pid, exit_code, signal, source=ExitSource.WAITID if known else ExitSource.NONE)
     with _exits_lock:
         _exits[pid] = (create_time_s, fact, time.monotonic())
         _exits.move_to_end(pid)

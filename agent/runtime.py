@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from agent import pidfds
 from agent.actors import ACTORS, Actor
 from agent.bus import EventBus, Subscription
 from agent.config import Settings
@@ -865,6 +866,8 @@ class Agent:
         except Exception:  # discovery must never take the agent down
             log.exception("target discovery failed")
             targets = []
+        # identified: signals to them go through these pidfds, never to a reused pid
+        await anyio.to_thread.run_sync(lambda: [pidfds.hold(t) for t in targets])
         for target in targets:
             self.process_watcher.watch(target)
             if self.shipper is not None:

@@ -62,6 +62,7 @@ import anyio
 from anyio.abc import ByteReceiveStream
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent import pidfds
 from agent.actors import act_all
 from agent.early import (
     EarlyRun,
@@ -788,7 +789,7 @@ class PySpyActor:
                     await proc.wait()
                     if await _probe(target) is ProcessState.STOPPED:
                         try:
-                            os.kill(target.pid, signal.SIGCONT)
+                            pidfds.send_signal(target, signal.SIGCONT)  # only the process dumped
                             self._targets_continued += 1
                             logger.warning("pyspy: pid %d was left stopped by a killed py-spy; sent SIGCONT", target.pid)
                         except (ProcessLookupError, PermissionError):

@@ -49,7 +49,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from agent.bus import Publisher
 from agent.events import ExitFact, ExitKind, ExitSource, TargetExited, now_ns
 from agent.exits import KernelExits, OomCounter, OomWatch, oom_counter_of
-from agent.procinfo import note_exit, zombie_exit_status
+from agent.procinfo import exit_fact_of, note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
 
 if TYPE_CHECKING:
@@ -302,6 +302,9 @@ class ProcessWatcher:
         status = await anyio.to_thread.run_sync(zombie_exit_status, watched.target.pid)
         if status is not None:
             return status, ExitSource.ZOMBIE, 0, ""
+        noted = exit_fact_of(watched.target.pid, watched.target.create_time_s)  # launch reaped an orphan it adopted
+        if noted is not None and noted.source is not ExitSource.NONE:
+            return (noted.exit_code, noted.signal), noted.source, noted.ended_time_unix_nano, noted.ended_source
         return None, ExitSource.NONE, 0, ""
 
     async def _settle_tree(self, watched: _Watched, fact: ExitFact) -> ExitFact:

@@ -29,10 +29,11 @@ def bench_workspace(prefix: str) -> tuple[Path, Path, Path, dict[str, str]]:
 
     The environment points the SDK at the private shm dir, names the demo service, and drops any
     inherited OTLP endpoint (the bench decides where spans go). The shm dir is a private folder
-    in ``/dev/shm`` (tmpfs, the SDK's default and what a real deployment uses; removed at exit),
-    else in the work folder.
+    in ``/dev/shm`` (tmpfs, the SDK's default and what a real deployment uses), else in the work
+    folder. Both folders are removed at exit (logs included: a failing run prints their tail).
     """
     work = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, work, True)
     data = work / "data"
     data.mkdir(mode=0o700)
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):

@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
 
-    work, _shm, data, env = bench_workspace("servewatch-overhead-")
+    _work, _shm, data, env = bench_workspace("servewatch-overhead-")
     receiver = RemoteReceiver()
     server = DemoServer(tp=args.tp, env=env, title_prefix="overhead").start()
     load = LoadGenerator(server.base_url, clients=args.clients, max_new_tokens=args.max_new_tokens).start()
@@ -154,7 +154,7 @@ def main() -> None:
         time.sleep(max(15.0, args.settle_s))  # both agents up; the server warm under load
         for a in agents.values():
             if a.proc.poll() is not None:
-                raise SystemExit(f"agent exited early ({a.proc.returncode}); see {work}")
+                raise SystemExit(f"agent exited early ({a.proc.returncode}); its log ends:\n{Path(a.log.name).read_text(errors='replace')[-3000:]}")
             a.pause()
         print(f"demo server pid {server.pid} (tp {args.tp}), {args.clients} closed-loop clients x {args.max_new_tokens} tokens; "
               f"{args.rounds} rounds of A/B/C windows of {args.window_s:.0f} s", flush=True)

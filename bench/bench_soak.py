@@ -130,7 +130,7 @@ def main() -> None:
             print(f"t={t:7.0f}s rss={samples[-1][1]:7.2f}MB cpu={samples[-1][2]:7.2f}s "
                   f"load={w.throughput_rps:5.2f}rps p99={w.p99_s * 1000:6.1f}ms received={received}", flush=True)
             if agent.poll() is not None:
-                raise SystemExit(f"agent exited with {agent.returncode}; see {work / 'agent.log'}")
+                raise SystemExit(f"agent exited with {agent.returncode}; its log ends:\n{(work / 'agent.log').read_text(errors='replace')[-3000:]}")
             if t >= args.duration:
                 break
             time.sleep(min(args.sample_s, max(0.0, args.duration - t)))

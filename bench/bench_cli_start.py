@@ -11,9 +11,15 @@ process) and ONE ``servewatch dump --pid ...`` of all K (start, discovery, paral
 bundle, spans, exit). Medians over ``--repeat`` rounds and the ratio servewatch / baseline.
 Targets: <= 2x at K=1, <= 0.6x at K=8. A third side, in the same rounds, is the same dump with
 the early py-spy runs off (``--config`` of an empty file: no setting changes, but only the plain
-``dump --pid`` form starts py-spy before the imports, see agent/early.py). With K=1, part 3: the
-import floor, a fresh interpreter importing only the third-party libraries a dump is built on
-(:data:`FLOOR_IMPORTS`), against one py-spy dump in the same rounds.
+``dump --pid`` form starts py-spy before the imports, see agent/early.py). With K=1, part 3: a
+fourth side, the import floor (a fresh interpreter importing only the third-party libraries a
+dump is built on, :data:`FLOOR_IMPORTS`); the K=1 dump is compared with the floor plus one
+py-spy dump of the same round (target: at most 1x).
+
+Every child is timed exactly (:func:`_common.run_timed`: its exit is awaited on a pidfd and
+reaped with ``wait4``, whose rusage gives its CPU seconds, its reaped children's included).
+``subprocess.run(timeout=...)`` would poll for the exit at 0.5 ms doubling up to 50 ms and round
+every figure up to the next poll, K times on the sequential side.
 
 Commands run with bytecode caching on (PYTHONDONTWRITEBYTECODE removed) after one warm-up run,
 as an installed servewatch starts; without it every project module is recompiled per start.
@@ -29,21 +35,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import select
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import kill_groups
+from _common import emit_result, kill_groups, run_timed
 
 TARGET = REPO / "tests" / "programs" / "titled_target.py"
 
@@ -65,18 +69,13 @@ BASE_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE
 
 
 def timed(argv: list[str], env: dict[str, str] | None = None, timeout_s: float = 120.0) -> tuple[float, int]:
-    """Run ``argv`` to its end: (wall seconds, exit code). CPU seconds of it and its children
-    are added to :data:`CPU_S` under ``argv[0]``'s run (see :func:`cpu_of`)."""
-    env = BASE_ENV if env is None else env
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          env=env, timeout=timeout_s, check=False)
-    dt = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run ``argv`` to its end, timed exactly (:func:`_common.run_timed`: the exit is awaited on
+    a pidfd, not polled): (wall seconds, exit code). Its CPU seconds, its reaped children's
+    included, are left in :data:`LAST_CPU_S`."""
     global LAST_CPU_S
-    LAST_CPU_S = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return dt, proc.returncode
+    run = run_timed(argv, env=BASE_ENV if env is None else env, timeout_s=timeout_s)
+    LAST_CPU_S = run.cpu_s
+    return run.wall_s, run.returncode
 
 
 #: CPU seconds (user + system, the process and the children it waited for) of the last
@@ -124,6 +123,12 @@ def part1(repeat: int, work: Path) -> None:
     print(f"cold start, {repeat} rounds (median / min seconds):")
     for name, ts in times.items():
         print(f"  {name:28s} {statistics.median(ts):6.3f} / {min(ts):6.3f}")
+    base = times["python -c pass"]
+    for name in ("servewatch --help", "servewatch cuda-env"):
+        ratios = [t / b for t, b in zip(times[name], base)]
+        emit_result(f"`{name}`, wall", ours=statistics.median(times[name]), baseline=statistics.median(base), unit="s",
+                    baseline_name="`python -c pass` (the interpreter's own start)", ratio=statistics.median(ratios),
+                    spread=_spread(ratios), note=f"{repeat} rounds" + ("; target <= 0.2 s" if name.endswith("--help") else ""))
 
 
 def _baseline(spy: str, pids: list[int]) -> tuple[float, float]:
@@ -154,22 +159,16 @@ FLOOR_IMPORTS = ("typer, typer._adapters, pydantic_settings, anyio, psutil, open
                  " google.protobuf.json_format, opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
 
-def _floor(repeat: int, pid: int) -> None:
-    """Part 3: the import floor against one `py-spy dump --native`, interleaved, same run."""
-    spy = pyspy()
-    floor, base, floor_cpu = [], [], []
-    timed([sys.executable, "-c", f"import {FLOOR_IMPORTS}"])  # warm-up
-    for _ in range(repeat):
-        dt, rc = timed([sys.executable, "-c", f"import {FLOOR_IMPORTS}"])
-        if rc != 0:
-            raise SystemExit("the floor imports failed")
-        floor.append(dt)
-        floor_cpu.append(LAST_CPU_S)
-        base.append(_baseline(spy, [pid])[0])
-    ratios = [f / b for f, b in zip(floor, base)]
-    print(f"import floor (python + {FLOOR_IMPORTS.count(',') + 1} libraries, no servewatch code):"
-          f" {statistics.median(floor):6.3f} s (CPU {statistics.median(floor_cpu):.3f} s),"
-          f" {statistics.median(ratios):.2f}x one `py-spy dump --native` ({statistics.median(base):.3f} s)")
+def _floor_once() -> tuple[float, float]:
+    """One fresh interpreter importing :data:`FLOOR_IMPORTS`: (wall seconds, CPU seconds)."""
+    dt, rc = timed([sys.executable, "-c", f"import {FLOOR_IMPORTS}"])
+    if rc != 0:
+        raise SystemExit("the floor imports failed")
+    return dt, LAST_CPU_S
+
+
+def _spread(ratios: list[float]) -> tuple[float, float]:
+    return min(ratios), max(ratios)
 
 
 def part2(ks: list[int], repeat: int, work: Path) -> None:
@@ -184,29 +183,67 @@ def part2(ks: list[int], repeat: int, work: Path) -> None:
         procs = start_targets(k)
         try:
             pids = [p.pid for p in procs]
-            runs: dict[str, list[tuple[float, float]]] = {"base": [], "ours": [], "late": []}
+            runs: dict[str, list[tuple[float, float]]] = {"base": [], "ours": [], "late": [], "floor": []}
             _whole(sw, pids, work / f"warm-{k}")  # warm-up (bytecode of the dump path, page cache)
             _whole(sw, pids, work / f"warm-late-{k}", "--config", str(empty))
+            _floor_once()
             sides = {
                 "base": lambda _r, pids=pids: _baseline(spy, pids),
                 "ours": lambda r, pids=pids, k=k: _whole(sw, pids, work / f"data-{k}-{r}"),
                 "late": lambda r, pids=pids, k=k: _whole(sw, pids, work / f"late-{k}-{r}", "--config", str(empty)),
+                "floor": lambda _r: _floor_once(),
             }
-            order = list(sides)
+            order = list(sides) if k == 1 else ["base", "ours", "late"]
             for r in range(repeat):
-                for name in order[r % 3:] + order[: r % 3]:  # rotate who goes first each round
+                for name in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first each round
                     runs[name].append(sides[name](r))
             base = [b for b, _ in runs["base"]]
+            base_cpu = [c for _, c in runs["base"]]
             for name, label in (("ours", "servewatch dump"), ("late", "  (no early py-spy)")):
                 ratios = [o / b for (o, _), b in zip(runs[name], base)]
-                print(f"  K={k}: {label} {statistics.median(o for o, _ in runs[name]):6.3f} s,"
+                cpu_ratios = [o / b for (_, o), b in zip(runs[name], base_cpu)]
+                wall = statistics.median(o for o, _ in runs[name])
+                cpu = statistics.median(c for _, c in runs[name])
+                print(f"  K={k}: {label} {wall:6.3f} s,"
                       f" sequential py-spy {statistics.median(base):6.3f} s,"
                       f" ratio {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}..{max(ratios):.2f});"
-                      f" CPU {statistics.median(c for _, c in runs[name]):.3f} s vs {statistics.median(c for _, c in runs['base']):.3f} s")
+                      f" CPU {cpu:.3f} s vs {statistics.median(base_cpu):.3f} s ({statistics.median(cpu_ratios):.2f}x)")
+                if name == "ours":
+                    baseline_name = f"{k} sequential `py-spy dump --native` (SGLang's crash helper)"
+                    emit_result(f"dump of K={k} torch processes, wall", ours=wall, baseline=statistics.median(base), unit="s",
+                                baseline_name=baseline_name, ratio=statistics.median(ratios), spread=_spread(ratios),
+                                note=f"{repeat} rounds, exact child timing")
+                    emit_result(f"dump of K={k} torch processes, CPU (user+sys, py-spy included)", ours=cpu,
+                                baseline=statistics.median(base_cpu), unit="s", baseline_name=baseline_name,
+                                ratio=statistics.median(cpu_ratios), spread=_spread(cpu_ratios), note=f"{repeat} rounds")
             if k == 1:
-                _floor(repeat, pids[0])
+                _report_floor(runs, repeat)
         finally:
             kill_groups(procs, timeout_s=10)
+
+
+def _report_floor(runs: dict[str, list[tuple[float, float]]], repeat: int) -> None:
+    """Part 3: the K=1 dump against the import floor plus one py-spy dump, same rounds."""
+    floor = [f for f, _ in runs["floor"]]
+    floor_cpu = [c for _, c in runs["floor"]]
+    floor_plus = [f + b for (f, _), (b, _) in zip(runs["floor"], runs["base"])]
+    floor_plus_cpu = [f + b for (_, f), (_, b) in zip(runs["floor"], runs["base"])]
+    ratios = [o / fp for (o, _), fp in zip(runs["ours"], floor_plus)]
+    cpu_ratios = [o / fp for (_, o), fp in zip(runs["ours"], floor_plus_cpu)]
+    n_libs = FLOOR_IMPORTS.count(",") + 1
+    print(f"import floor (python + {n_libs} libraries, no servewatch code): {statistics.median(floor):6.3f} s"
+          f" (CPU {statistics.median(floor_cpu):.3f} s); + one py-spy dump: {statistics.median(floor_plus):.3f} s"
+          f" (CPU {statistics.median(floor_plus_cpu):.3f} s)")
+    print(f"  K=1 dump / (floor + one py-spy dump): wall {statistics.median(ratios):.2f}x"
+          f" (rounds {min(ratios):.2f}..{max(ratios):.2f}), CPU {statistics.median(cpu_ratios):.2f}x"
+          f" (rounds {min(cpu_ratios):.2f}..{max(cpu_ratios):.2f})")
+    name = f"import floor ({n_libs} libraries, fresh python) + one `py-spy dump --native`"
+    emit_result("dump of 1 torch process vs import floor + one py-spy dump, wall", ours=statistics.median(o for o, _ in runs["ours"]),
+                baseline=statistics.median(floor_plus), unit="s", baseline_name=name, ratio=statistics.median(ratios),
+                spread=_spread(ratios), note=f"{repeat} rounds; target <= 1x")
+    emit_result("dump of 1 torch process vs import floor + one py-spy dump, CPU", ours=statistics.median(c for _, c in runs["ours"]),
+                baseline=statistics.median(floor_plus_cpu), unit="s", baseline_name=name, ratio=statistics.median(cpu_ratios),
+                spread=_spread(cpu_ratios), note=f"{repeat} rounds")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ Exit codes (:class:`ExitCode`): 0 success, 1 runtime failure, 2 usage error or i
 
 from __future__ import annotations
 
+import copy
 import enum
 import gc
 import json
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
+
+from agent.entry import one_shot as _one_shot
 
 if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load when a command needs them
     from rich.console import Console
@@ -1190,32 +1193,17 @@ def main(argv: list[str] | None = None) -> None:
 
     Raises:
         SystemExit: with the exit code, always, when ``argv`` is given (in-process callers). As
-            the console script (``argv`` None) a one-shot command (:data:`ONE_SHOT_COMMANDS`)
+            the console script (``argv`` None) a one-shot command (:data:`agent.entry.ONE_SHOT_COMMANDS`)
             ends the process with :func:`os._exit` instead, after flushing.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if argv is not None or not _one_shot(args):
         _main(args)
-    gc.disable()  # see ONE_SHOT_COMMANDS
+    gc.disable()  # see agent.entry.ONE_SHOT_COMMANDS (its console entry did so before the imports)
     try:
         _main(args)
     except SystemExit as exc:
         _exit_now(exc.code)
-
-
-#: Commands that end within seconds on their own (and the bare ``--help`` / ``--version``). They
-#: run with the cyclic garbage collector off: start-up imports build ~10^5 long-lived objects, and
-#: each collection would only walk them again; what such a command leaves is bounded and freed
-#: at exit. They also end with :func:`_exit_now`, skipping the interpreter's module teardown (tens
-#: of ms of freeing the same objects). ``run``, ``launch``, ``demo``, ``profile`` and ``export``
-#: keep the collector and the normal exit.
-ONE_SHOT_COMMANDS = frozenset({"dump", "status", "timeline", "report", "cuda-env"})
-
-
-def _one_shot(args: list[str]) -> bool:
-    """Whether ``args`` (argv without the program) name a one-shot command or no command."""
-    command = next((a for a in args if not a.startswith("-")), None)
-    return command is None or command in ONE_SHOT_COMMANDS
 
 
 def _exit_now(code: object) -> NoReturn:
@@ -1241,6 +1229,24 @@ def _exit_now(code: object) -> NoReturn:
     os._exit(status)
 
 
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app to build for ``args``: when they name a command, a copy of :data:`app` holding
+    that command only (typer builds every registered command's click parameters, ~5 ms of
+    each start); otherwise (no command, an unknown one, a bare ``--help``) :data:`app` itself."""
+    name = next((a for a in args if not a.startswith("-")), None)
+    if name is None:
+        return app
+    chosen = [
+        info for info in app.registered_commands
+        if (info.name or typer.main.get_command_name(info.callback.__name__ if info.callback else "")) == name
+    ]  # fmt: skip
+    if not chosen:
+        return app
+    one = copy.copy(app)
+    one.registered_commands = chosen
+    return one
+
+
 def _main(args: list[str]) -> NoReturn:
     """Parse ``args``, run the command, and raise ``SystemExit`` with its exit code.
 
@@ -1250,7 +1256,7 @@ def _main(args: list[str]) -> NoReturn:
     from agent.errors import ServewatchError, one_line
 
     errors = _click_errors()
-    command = typer.main.get_command(app)
+    command = typer.main.get_command(_app_for(args))
     _plain_help(command)
     try:
         rc = command.main(args=args, prog_name="servewatch", standalone_mode=False)

@@ -294,11 +294,12 @@ def _server_tree(targets: Sequence[Target]) -> set[int]:
     return parents | _descendants([*parents, *(t.pid for t in targets)])
 
 
-def _write_json(path: Path, data: dict[str, Any] | Manifest) -> bool:
+def _write_json(path: Path, data: dict[str, Any] | Manifest, durable: bool = True) -> bool:
     """Write a bundle file atomically (0600, never through a symlink); a full or vanished disk
-    is logged, never raised (the agent goes on) and leaves the previous complete file or none."""
+    is logged, never raised (the agent goes on) and leaves the previous complete file or none.
+    ``durable`` (default) fsyncs the file and its folder (see :func:`atomic_write_bytes`)."""
     try:
-        atomic_write_text(path, data.to_json() if isinstance(data, Manifest) else json.dumps(data, indent=2))
+        atomic_write_text(path, data.to_json() if isinstance(data, Manifest) else json.dumps(data, indent=2), durable=durable)
     except OSError as exc:
         log.error("cannot write %s: %s", path, exc)
         return False
@@ -567,11 +568,19 @@ class IncidentManager:
                 await anyio.sleep(0.05)
         return self.current is None
 
-    async def _save_manifest(self, record: IncidentRecord) -> None:
-        """Write the record's manifest off the event loop (an atomic write: fsync); the manifest
-        is taken from the record here, on the loop, so the file shows this moment's state."""
+    async def _save_manifest(self, record: IncidentRecord, *, durable: bool = True) -> None:
+        """Write the record's manifest off the event loop (an atomic write); the manifest is
+        taken from the record here, on the loop, so the file shows this moment's state.
+
+        Args:
+            durable: fsync it (default). The snapshots an incident writes while it runs (open,
+                after each phase) pass ``False``: readers see each at once all the same (the
+                rename is atomic, and a killed agent loses nothing from the page cache), and
+                only the incident's last write, always durable, must survive a power cut. Each
+                fsync pair waits for a journal commit: several ms each on a busy disk.
+        """
         manifest = record.to_manifest(host_name=self.host_name)
-        await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest)
+        await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest, durable)
 
     @staticmethod
     def _cooldown_key(trigger: str, pid: int | None) -> tuple[str, int | None]:
@@ -917,7 +926,7 @@ class IncidentManager:
         record.phases_done.append(name)
         if name in record.phases_pending:
             record.phases_pending.remove(name)
-        await self._save_manifest(record)
+        await self._save_manifest(record, durable=False)
 
     def _stop_phases(self, record: IncidentRecord) -> bool:
         """True (and the record marked interrupted) when an interrupt asked to skip what is left."""
@@ -937,7 +946,7 @@ class IncidentManager:
         bundle_dir = record.bundle_dir
         inflight = record.inflight
         targets = record.targets
-        await self._save_manifest(record)  # visible at once: state open
+        await self._save_manifest(record, durable=False)  # visible at once: state open
         await self.bus.publish(opened)
         log.info("incident %s opened: %s: %s", incident_id, trigger, opened.detail)
         companions = [start(opened) for start in self.companions]
@@ -986,7 +995,7 @@ class IncidentManager:
                 record.results.append(result)
                 await self.bus.publish(HardSignalSent(source="incidents", incident_id=incident_id, result=result))
 
-        await self._save_manifest(record)
+        await self._save_manifest(record, durable=False)
         if self.on_summary is not None:
             self.on_summary(record)  # stacks and coredumps are in: a profile never delays this
         for name, phase, event_cls in deferred:
@@ -1000,7 +1009,7 @@ class IncidentManager:
         # shielded, bounded file writes: an incident written closed is not turned "interrupted"
         # by a cancellation arriving during the write, nor recorded twice
         with anyio.CancelScope(shield=True):
-            await self._save_manifest(record)
+            await self._save_manifest(record, durable=False)  # the last write below is durable
         self.records.append(record)
         try:
             await self._publish_closed(record)

@@ -52,7 +52,6 @@ from exporters.spans import (
     span_id_hex,
     trace_id_hex,
 )
-from exporters.torch_trace import import_profile_artifacts
 
 if TYPE_CHECKING:
     from agent.bus import Subscription
@@ -311,6 +310,9 @@ def action_span(
         attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
     span_id = new_span_id()
     if result.action == PROFILE_SPAN and result.artifact_paths:
+        # profiles only: a dump does not import the trace reader
+        from exporters.torch_trace import import_profile_artifacts
+
         start_ns = result.start_time_unix_nano or default_time_unix_nano
         attributes.update(
             import_profile_artifacts(

@@ -1,0 +1,122 @@
+"""Real torch profiler traces for the trace-import bench, made at bench time.
+
+Owns :func:`torch_trace` (``torch.profiler`` around a small model's training steps on the CPU,
+in one of the layouts :data:`TORCH_LAYOUTS`, written by torch's own ``export_chrome_trace``) and
+:func:`vllm_trace` (a real vLLM 0.32 CPU server, ``tests/real``'s fixture, profiled through its
+``/start_profile`` and ``/stop_profile`` while it serves completions; the trace its worker
+writes). Run as a script, :func:`torch_trace` runs in the interpreter given (one with torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: layout name -> ``torch.profiler.profile`` keyword arguments (CPU activity only).
+TORCH_LAYOUTS: dict[str, dict[str, bool]] = {
+    "torch-cpu": {},
+    "torch-stacks": {"with_stack": True},
+    "torch-shapes": {"record_shapes": True},
+}
+
+
+def _profile(layout: str, steps: int, out: Path) -> None:
+    """In this process: profile ``steps`` training steps of a small MLP, export the trace."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU())], nn.Linear(64, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 64), torch.randint(0, 8, (16,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **TORCH_LAYOUTS[layout]) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("servewatch.bench.step"):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+            prof.step()
+    prof.export_chrome_trace(str(out))
+
+
+def torch_trace(layout: str, dest: Path, *, steps: int, timeout_s: float = 1800.0) -> Path:
+    """Write a real torch trace of ``layout`` (:data:`TORCH_LAYOUTS`) to ``dest`` (a fresh
+    interpreter with torch: this one). Returns ``dest``.
+
+    Raises:
+        subprocess.CalledProcessError, subprocess.TimeoutExpired: the profiling run failed.
+    """
+    subprocess.run([sys.executable, __file__, "--layout", layout, "--steps", str(steps), "--out", str(dest)],
+                   check=True, timeout=timeout_s, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=ROOT)  # fmt: skip
+    return dest
+
+
+def vllm_trace(dest: Path, *, requests: int = 24, max_tokens: int = 32) -> tuple[Path | None, str]:
+    """A real vLLM trace (gzip JSON, as vLLM writes it), or why there is none.
+
+    Starts ``tests/real``'s vLLM server (TP=1, its cached install; under its machine-wide lock),
+    starts the torch profiler over HTTP, sends ``requests`` completions, stops the profiler and
+    copies the worker's trace (``rank0.*.pt.trace.json.gz``) to ``dest``. The server is stopped
+    whatever happens.
+
+    Returns:
+        (``dest`` or ``None``, a one-line note: the trace's size, or why none was made).
+    """
+    sys.path.insert(0, str(ROOT))
+    try:
+        from tests.real import install as real_install
+        from tests.real.server import VllmServer, server_lock
+    except ImportError as exc:  # httpx/psutil missing: not this project's venv
+        return None, f"no vLLM trace: {exc}"
+    inst = real_install.ready()
+    if inst is None:
+        return None, "no vLLM trace: the real vLLM install is not ready (tests/real/install.py builds it)"
+    import httpx
+
+    with server_lock():
+        server = VllmServer.start(inst)
+        try:
+            with httpx.Client(base_url=server.url, timeout=120.0, trust_env=False) as client:
+                client.post("/start_profile").raise_for_status()
+                for i in range(requests):
+                    server.complete(f"request {i}: the quick brown fox", max_tokens=max_tokens)
+                client.post("/stop_profile", timeout=300.0).raise_for_status()
+            deadline = time.monotonic() + 120
+            found: list[Path] = []
+            while time.monotonic() < deadline and not found:
+                found = sorted(server.profile_dir.glob("rank0*.pt.trace.json*"))
+                time.sleep(0.5)
+            if not found:
+                return None, f"no vLLM trace: none written to {server.profile_dir}"
+            src = found[-1]
+            if src.name.endswith(".gz"):
+                shutil.copyfile(src, dest)
+            else:
+                with src.open("rb") as fi, gzip.open(dest, "wb") as fo:
+                    shutil.copyfileobj(fi, fo)
+        finally:
+            server.stop()
+            shutil.rmtree(server.workdir, ignore_errors=True)
+    return dest, f"vLLM 0.32 CPU, tiny Llama, {requests} completions x {max_tokens} tokens"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", choices=sorted(TORCH_LAYOUTS), required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    _profile(args.layout, args.steps, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1011,16 +1011,19 @@ def profile(
         _say_spooled(telemetry, agent.export_statistics)
     if as_json:
         out.print_json(json.dumps({**result.to_manifest(), "trace_id": trace_id}))
-    for path in result.artifact_paths:
+    # vLLM writes into its own launch-time folder: those files are listed, not taken
+    server_files = result.attributes.get("servewatch.profile.server_files") or ()
+    paths = [*result.artifact_paths, *(str(f) for f in server_files)] if isinstance(server_files, tuple) else list(result.artifact_paths)
+    for path in paths:
         if not as_json:
             out.print(path, markup=False, highlight=False)
     captured = result.attributes.get("servewatch.profile.steps_captured")
     err.print(
-        f"Profile {result.outcome.value}: {len(result.artifact_paths)} trace file(s)"
+        f"Profile {result.outcome.value}: {len(paths)} trace file(s)"
         + (f", {captured} step(s) captured" if captured is not None else "")
-        + _profile_detail(result.detail, len(result.artifact_paths))
+        + _profile_detail(result.detail, len(paths))
         + (f"; spans in trace {trace_id} ({telemetry.destination.describe()})" if trace_id and telemetry else "")
-        + _how_to_open(result.artifact_paths),
+        + _how_to_open(paths),
         markup=False,
     )
     if result.outcome.value not in ("ok",):

@@ -11,6 +11,18 @@ How the backends are told apart (their HTTP APIs):
 * SGLang serves ``GET /get_model_info`` (``/model_info`` in newer releases): a JSON object with
   ``model_path``. vLLM has neither.
 * vLLM serves ``GET /version``: ``{"version": "..."}``; its ``/metrics`` names start ``vllm:``.
+
+Where a server's HTTP port is: a rank (``VLLM::Worker_TP0``, an SGLang scheduler) listens on its
+own TCP ports too (gloo pairs, the TCPStore, ZeroMQ), never the HTTP one. The HTTP server is the
+ancestor whose command line names the ``--port`` it listens on (``vllm serve --port``, SGLang's
+``--port``), else the outermost ancestor of the server that listens (the API server is the root of
+vLLM's and SGLang's trees).
+
+Where a vLLM server writes its torch traces (:func:`vllm_trace_dir`): the folder it was launched
+with, ``--profiler-config '{"profiler": "torch", "torch_profiler_dir": DIR}'`` (or the dotted
+``--profiler-config.torch_profiler_dir DIR``; vLLM before 0.11: env ``VLLM_TORCH_PROFILER_DIR``),
+made absolute against the server's working folder as vLLM does. Its ``/start_profile`` body takes no
+folder (vLLM 0.32: ``profile_prefix``, ``delay_iterations``, ``max_iterations`` only).
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ __all__ = [
     "describe_candidates",
     "infer_backend",
     "pid_problem",
+    "server_pid",
+    "vllm_trace_dir",
 ]
 
 #: Process-title globs of the server ranks ``profile`` reaches through their server's URL.
@@ -69,35 +83,135 @@ class Candidate:
         return f"pid {self.pid} {self.title!r} ({self.flag})"
 
 
-def _listen_url(pid: int) -> str | None:
-    """``http://HOST:PORT`` of the lowest TCP port ``pid`` listens on, or None."""
+def _listening(pid: int) -> list[tuple[int, str]]:
+    """``(port, ip)`` of the TCP sockets ``pid`` listens on, by port; empty when unreadable."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
         conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
     except (psutil.Error, OSError):
-        return None
-    ports = sorted((c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN and c.laddr)
-    if not ports:
-        return None
-    port, ip = ports[0]
+        return []
+    return sorted((c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN and c.laddr)
+
+
+def _url(port: int, ip: str) -> str:
     host = "127.0.0.1" if ip in ("0.0.0.0", "::", "") else (f"[{ip}]" if ":" in ip else ip)
     return f"http://{host}:{port}"
 
 
+def _port_flag(pid: int) -> int | None:
+    """The ``--port N`` / ``--port=N`` of ``pid``'s command line, or None."""
+    import psutil
+
+    try:
+        argv = psutil.Process(pid).cmdline()
+    except (psutil.Error, OSError):
+        return None
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--port" and i + 1 < len(argv) else arg.removeprefix("--port=") if arg.startswith("--port=") else None
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
 def _server_url(pid: int) -> str | None:
-    """The HTTP address of the server a rank belongs to: the first ancestor that listens."""
+    """The HTTP address of the server ``pid`` (a rank, an engine, or the API server itself)
+    belongs to: the listening port a process of its ancestry names with ``--port``, else the
+    lowest port of the outermost listening ancestor (ranks' own gloo/TCPStore/ZeroMQ ports are
+    never it). ``None`` when no process of the ancestry listens."""
     from agent.targets import parent_pid
 
-    seen = 0
-    current: int | None = parent_pid(pid)
-    while current and current > 1 and seen < 4:
-        url = _listen_url(current)
-        if url:
-            return url
-        current, seen = parent_pid(current), seen + 1
+    chain: list[int] = []
+    current: int | None = pid
+    while current and current > 1 and len(chain) < 6:
+        chain.append(current)
+        current = parent_pid(current)
+    outermost: str | None = None
+    for p in chain:
+        ports = _listening(p)
+        if not ports:
+            continue
+        flag = _port_flag(p)
+        named = [(port, ip) for port, ip in ports if port == flag]
+        if named:
+            return _url(*named[0])
+        outermost = _url(*ports[0])
+    return outermost
+
+
+def server_pid(url: str) -> int | None:
+    """The pid of the local process listening on ``url``'s port (a system-wide socket scan:
+    milliseconds; other users' sockets need root), or None (a remote server, or not found)."""
+    import urllib.parse
+
+    import psutil
+
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            return int(c.pid)
     return None
+
+
+def _profiler_dir_arg(argv: Sequence[str]) -> str | None:
+    """``torch_profiler_dir`` from vLLM's ``--profiler-config`` (JSON, or the dotted form)."""
+    import json
+
+    for i, arg in enumerate(argv):
+        key, eq, inline = arg.partition("=")
+        value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if key == "--profiler-config.torch_profiler_dir" and value:
+            return value
+        if key == "--profiler-config" and value:
+            try:
+                cfg = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(cfg, dict) and isinstance(cfg.get("torch_profiler_dir"), str) and cfg["torch_profiler_dir"]:
+                return str(cfg["torch_profiler_dir"])
+    return None
+
+
+def vllm_trace_dir(url: str) -> tuple[Path | None, str]:
+    """The folder the vLLM server at ``url`` writes its torch traces to (blocking: a socket scan
+    and ``/proc`` reads).
+
+    Returns:
+        ``(folder, "")``, or ``(None, why)`` when it cannot be read from here (a remote server,
+        another user's process without root, no torch profiler configured, a URI folder).
+    """
+    import os
+
+    import psutil
+
+    pid = server_pid(url)
+    if pid is None:
+        return None, f"no local process listens on {url}"
+    try:
+        proc = psutil.Process(pid)
+        argv = proc.cmdline()
+        raw = _profiler_dir_arg(argv)
+        if raw is None:
+            raw = proc.environ().get("VLLM_TORCH_PROFILER_DIR") or None
+        if raw is None:
+            return None, f"pid {pid} was not launched with --profiler-config torch_profiler_dir"
+        if "://" in raw:
+            return None, f"pid {pid} writes traces to {raw} (not a local folder)"
+        if raw.startswith("~"):
+            home = proc.environ().get("HOME")
+            raw = raw.replace("~", home, 1) if home else raw
+        folder = Path(raw)
+        if not folder.is_absolute():
+            folder = Path(proc.cwd()) / folder
+    except (psutil.Error, OSError) as exc:
+        return None, f"cannot read pid {pid}'s command line: {type(exc).__name__}"
+    return Path(os.path.normpath(folder)), ""
 
 
 def candidates(socket_dir: Path | None = None) -> list[Candidate]:
@@ -175,7 +289,7 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
         tree = [pid, *(t.pid for t in discover(root_pids=[pid], include_roots=False))]
         titled = [t for t in discover(pids=tree) if any(fnmatch.fnmatchcase(t.title, g) for g in globs)]
         if titled:
-            url = _listen_url(pid) or _server_url(titled[0].pid)
+            url = _server_url(pid)
             where = f"--url {url}" if url else "--url of its HTTP server"
             return f"pid {pid} {title!r} is a {'SGLang' if backend == 'sglang' else 'vLLM'} process without the SDK: profile it with {where}"
     return (

@@ -12,15 +12,19 @@ Sources, tried in this order until one answers (per rank, all within ``timeout_s
    threads, so also while the rank's Python thread is stuck);
 2. ``sdk_control``: the SDK control socket's ``fr_trace`` command (``_dump_fr_trace_json``);
 3. ``debug_server``: torch's own per-rank worker server, where the server started it
-   (``torch.distributed.debug.start_debug_server``; found among the target's listening TCP
-   ports);
+   (``torch.distributed.debug.start_debug_server``). Only a port that can be one is asked: torch's
+   ``_WorkerServer`` listens on the IPv6 wildcard ``::`` (``WorkerServer.cpp``: "Server listening
+   to TCP :::PORT"), gloo's pairs on an interface address (a vLLM worker at TP=2 listens on 13
+   such ``127.0.0.1`` ports), so only ``::`` listeners are asked, less the job's TCPStore
+   (``MASTER_PORT``, which binds ``::`` too);
 4. ``nccl_pipe``: the NCCL debug-info pipe (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``, per rank
    ``<stem><rank>.pipe``), where armed: one byte written makes the NCCL watchdog dump the
    recorder to ``TORCH_FR_DUMP_TEMP_FILE`` / ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` + rank (pickle,
    read with an unpickler that builds plain containers only).
 
 Outcomes, one per rank: ``ok``; ``not_enabled`` (a source answered with an empty recorder: the
-buffer is 0); ``no_source`` (no socket, debug server or armed pipe); ``timed_out``; ``failed``.
+buffer is 0); ``no_source`` ("not available": no socket, debug server or armed pipe — not an
+error); ``timed_out``; ``failed``.
 
 Imports anyio, psutil, :mod:`agent.events`, :mod:`agent.targets`, :mod:`agent.fsutil`, the SDK's
 path helpers and the control-socket client :mod:`agent.sdkclient`.
@@ -214,7 +218,7 @@ class FlightRecorderActor:
         if scope.cancelled_caught:
             return result(Outcome.TIMED_OUT, f"no Flight Recorder dump within {timeout_s:g}s (tried: {', '.join(tried) or '-'})", retryable=True)
         if read is None:
-            detail = "no source: " + ("; ".join(tried) if tried else "no SDK socket, debug server or NCCL pipe")
+            detail = "not available: " + ("; ".join(tried) if tried else "no SDK socket, torch debug server or armed NCCL pipe")
             return result(Outcome.NO_SOURCE, detail)
         trace = read.trace
         if rank is None:
@@ -338,7 +342,7 @@ class FlightRecorderActor:
         return reply.get("trace"), ""
 
     async def _from_debug_server(self, target: Target, rank: int | None) -> tuple[Any, str]:
-        ports = await anyio.to_thread.run_sync(_listening_ports, target.pid)
+        ports = await anyio.to_thread.run_sync(_debug_server_ports, target.pid, self._environ)
         if not ports:
             raise _SourceMissing
         for port in ports:
@@ -427,12 +431,26 @@ def _read_pickle(path: Path, owner_uids: Sequence[int]) -> Any:
         raise _SourceFailed(f"{path}: cannot read the dump: {exc}") from None
 
 
-def _listening_ports(pid: int) -> list[int]:
+def _debug_server_ports(pid: int, environ_of: Any) -> list[int]:
+    """The ports of ``pid`` that can be torch's debug worker server: TCP listeners on the IPv6
+    wildcard ``::`` (how ``_WorkerServer`` binds), less ``MASTER_PORT`` (the job's TCPStore binds
+    ``::`` as well) from its environment or its parent's. Never gloo's interface-bound ports."""
     try:
-        conns = psutil.Process(pid).net_connections(kind="tcp")
+        proc = psutil.Process(pid)
+        conns = proc.net_connections(kind="tcp")
     except (psutil.Error, OSError):
         return []
-    return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr})
+    ports = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.ip == "::"}
+    if not ports:
+        return []
+    store = environ_of(pid).get("MASTER_PORT", "")
+    if not store:
+        try:
+            parent = proc.ppid()
+        except (psutil.Error, OSError):
+            parent = 0
+        store = environ_of(parent).get("MASTER_PORT", "") if parent > 1 else ""
+    return sorted(p for p in ports if str(p) != store)
 
 
 async def _http_post(stream: Any, handler: str) -> bytes:

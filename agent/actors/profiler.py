@@ -23,9 +23,21 @@ A session, per backend:
     ``POST /stop_profile``. SGLang answers a stop with nothing running with an error ("Profiling
     is not in progress", an HTTP 500): that is ``already_stopped``, not a failure.
 ``vllm``
-    vLLM's ``POST /start_profile`` / ``POST /stop_profile`` (enabled at launch; its API has no
-    step bound), so the actor profiles for ``vllm_duration_s`` and then stops. Traces land in
-    the folder vLLM was launched with; set ``output_dir`` to it.
+    vLLM's ``POST /start_profile`` with ``{"max_iterations": N, "profile_prefix": P}`` (vLLM
+    0.32's body: its workers record exactly N engine steps and stop by themselves), then always
+    ``POST /stop_profile`` (which also ends the API server's own profiler). Traces land in the
+    folder vLLM was launched with (``--profiler-config`` ``torch_profiler_dir``), read from the
+    server's command line (:func:`agent.profiletargets.vllm_trace_dir`); the session's files are
+    the ones named with its unique prefix. They stay the server's: listed
+    (``servewatch.profile.server_files``), never taken. Where the folder cannot be read (a remote
+    server), the steps are followed on ``/metrics`` (``vllm:iteration_tokens_total_count``, one per
+    engine step) and the result says where to look.
+
+Every started or maybe-started session is stopped, always, bounded (``stop_timeout_s``, shielded
+from cancellation): a ``/start_profile`` that timed out may still take effect when a stalled
+engine resumes (vLLM: "A cancelled start may still take effect"), and an unstopped vLLM profile
+records until the worker runs out of memory. A start the server refused (already profiling) is
+never followed by a stop: servewatch stops only what it started.
 
 In every backend the result is ``OK`` only when at least one new, complete trace file exists; a
 session that produced no file is ``FAILED`` (or ``TIMED_OUT`` when the deadline ended it).
@@ -131,7 +143,10 @@ class ProfilerConfig(BaseModel):
         poll_interval_s: status/file poll period, seconds (default 0.1).
         request_timeout_s: bound of one control-socket or HTTP request, seconds (default 10;
             SGLang's ``/start_profile`` waits for the scheduler).
-        vllm_duration_s: how long a ``vllm`` session records before the stop, seconds (default 5).
+        stop_timeout_s: bound of ``POST /stop_profile``, seconds (default 60: vLLM 0.32 answers
+            only once its traces are written, 20 s for a 5 s profile on 2 CPU cores).
+        vllm_duration_s: how long a ``vllm`` session records before the stop when neither the
+            server's trace folder nor its ``/metrics`` can be read, seconds (default 5).
         stall_window_s: a session not yet started ends as ``no steps: server stalled`` once the
             target (``sdk`` backend) has had work pending and taken no forward step for this
             long, seconds (default 10; the watchdog's stall rule, applied to one session).
@@ -158,6 +173,7 @@ class ProfilerConfig(BaseModel):
     settle_s: float = Field(default=0.5, ge=0)
     poll_interval_s: float = Field(default=0.1, gt=0)
     request_timeout_s: float = Field(default=10.0, gt=0)
+    stop_timeout_s: float = Field(default=60.0, gt=0)
     vllm_duration_s: float = Field(default=5.0, gt=0)
     stall_window_s: float = Field(default=STALL_WINDOW_S, gt=0)
     socket_dir: Path | None = None
@@ -505,6 +521,12 @@ class ProfilerActor:
         s = _Session(backend, req, pid)
         if backend == "sdk" and pid is None:
             return s.result(Outcome.FAILED, "the sdk backend needs a target pid")
+        if backend == "vllm":  # vLLM writes to its own launch-time folder: nothing to create
+            try:
+                return await self._http_session(s)
+            except Exception as exc:
+                logger.exception("profiling session failed")
+                return s.result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
         writer = await anyio.to_thread.run_sync(_writer_uid, pid) if backend == "sdk" and pid is not None else None
         try:
             s.folder = await anyio.to_thread.run_sync(partial(SessionFolder.create, req.output_dir, writer_uid=writer))
@@ -643,51 +665,73 @@ class ProfilerActor:
         )
 
     async def _http_session(self, s: _Session) -> ActionResult:
-        c, req = self.config, s.req
-        s.attrs["url.full"] = c.base_url
-
-        before = await anyio.to_thread.run_sync(snapshot_dir, req.output_dir)  # file system: off the loop
+        s.attrs["url.full"] = self.config.base_url
         async with self._client() as client:
-            if c.backend == "sglang":
-                body: dict[str, Any] = {
-                    "output_dir": str(req.output_dir),
-                    "num_steps": req.num_steps,
-                    "activities": list(req.activities),
-                    "with_stack": c.with_stack,
-                    "record_shapes": c.record_shapes,
-                    "profile_prefix": "servewatch",
-                }
-                if req.start_step is not None:
-                    body["start_step"] = req.start_step
-                start = await self._post(client, "/start_profile", body)
-            else:
-                start = await self._post(client, "/start_profile", None)
-            if isinstance(start, str):
-                return s.result(Outcome.FAILED, f"POST /start_profile: {start}", retryable=True)
-            if start.status_code == 404:
-                hint = " (vLLM enables it only when launched with a profiler dir)" if c.backend == "vllm" else ""
-                return s.result(Outcome.UNSUPPORTED, f"the server has no /start_profile endpoint{hint}")
-            if start.status_code >= 400:
-                text = start.text.strip()[:300]
-                outcome = Outcome.REFUSED if _ALREADY_RUNNING in text.lower() else Outcome.FAILED
-                return s.result(outcome, f"POST /start_profile -> {start.status_code}: {text}", retryable=outcome is Outcome.REFUSED)
-            deadline = time.monotonic() + req.timeout_s
-            files: list[Path] = []
-            if c.backend == "sglang":
-                # SGLang stops itself after num_steps and writes the trace: wait for it.
-                files = await find_new_files(
-                    req.output_dir, before, timeout_s=req.timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
-                )
-            else:
-                await anyio.sleep(min(c.vllm_duration_s, req.timeout_s))
-            stop_status = "not_sent"
-            if not files:
-                stop = await self._post(client, "/stop_profile", None)
-                stop_status = _stop_status(stop)
-                files = await find_new_files(
-                    req.output_dir, before, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
-                )
-            s.attrs["servewatch.profile.stop"] = stop_status
+            if self.config.backend == "sglang":
+                return await self._sglang_session(s, client)
+            return await self._vllm_session(s, client)
+
+    async def _start(self, s: _Session, client: httpx.AsyncClient, body: dict[str, Any]) -> ActionResult | bool:
+        """``POST /start_profile``. Returns ``True`` (started), ``False`` (maybe started: no
+        answer in time, the connection broke) or the result that ends the session (never
+        reached, no endpoint, refused: nothing of ours runs)."""
+        c = self.config
+        start = await self._post(client, "/start_profile", body, timeout_s=c.request_timeout_s)
+        if isinstance(start, httpx.HTTPError):
+            if isinstance(start, (httpx.ConnectError, httpx.ConnectTimeout)):
+                return s.result(Outcome.FAILED, f"POST /start_profile: {_error_text(start)}", retryable=True)
+            s.attrs["servewatch.profile.start"] = "no_answer"
+            return False
+        if start.status_code == 404:
+            hint = " (vLLM enables it only when launched with --profiler-config)" if c.backend == "vllm" else ""
+            return s.result(Outcome.UNSUPPORTED, f"the server has no /start_profile endpoint{hint}")
+        if start.status_code >= 400:
+            text = start.text.strip()[:300]
+            already = _ALREADY_RUNNING in text.lower() or "already active" in text.lower() or start.status_code == 409
+            outcome = Outcome.REFUSED if already else Outcome.FAILED
+            why = f"the server is already profiling (not ours: left running): {text}" if already else text
+            return s.result(outcome, f"POST /start_profile -> {start.status_code}: {why}", retryable=already)
+        s.attrs["servewatch.profile.start"] = "started"
+        return True
+
+    async def _stop(self, s: _Session, client: httpx.AsyncClient) -> str:
+        """``POST /stop_profile``, bounded by ``stop_timeout_s`` and shielded from cancellation
+        (a session cancelled by its incident's deadline still stops what it started)."""
+        with anyio.CancelScope(shield=True):
+            reply = await self._post(client, "/stop_profile", None, timeout_s=self.config.stop_timeout_s)
+        status = _stop_status(reply, self.config.stop_timeout_s)
+        s.attrs["servewatch.profile.stop"] = status
+        return status
+
+    async def _sglang_session(self, s: _Session, client: httpx.AsyncClient) -> ActionResult:
+        c, req = self.config, s.req
+        before = await anyio.to_thread.run_sync(snapshot_dir, req.output_dir)  # file system: off the loop
+        body: dict[str, Any] = {
+            "output_dir": str(req.output_dir),
+            "num_steps": req.num_steps,
+            "activities": list(req.activities),
+            "with_stack": c.with_stack,
+            "record_shapes": c.record_shapes,
+            "profile_prefix": "servewatch",
+        }
+        if req.start_step is not None:
+            body["start_step"] = req.start_step
+        started = await self._start(s, client, body)
+        if isinstance(started, ActionResult):
+            return started
+        deadline = time.monotonic() + req.timeout_s
+        files: list[Path] = []
+        try:
+            # SGLang stops itself after num_steps and writes the trace: wait for it.
+            files = await find_new_files(
+                req.output_dir, before, timeout_s=req.timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
+            )
+        finally:
+            stop_status = await self._stop(s, client)  # "not in progress" once it stopped itself
+        if not files:
+            files = await find_new_files(
+                req.output_dir, before, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
+            )
         if files:
             return await s.aresult(Outcome.OK, f"{len(files)} trace file(s) in {req.output_dir} (stop: {stop_status})", files)
         timed_out = time.monotonic() >= deadline
@@ -697,24 +741,144 @@ class ProfilerActor:
             retryable=True,
         )
 
+    async def _vllm_session(self, s: _Session, client: httpx.AsyncClient) -> ActionResult:
+        from agent.profiletargets import vllm_trace_dir
+
+        c, req = self.config, s.req
+        folder, why = await anyio.to_thread.run_sync(vllm_trace_dir, c.base_url)  # socket scan, /proc
+        if folder is None and c.output_dir is not None:
+            folder, why = c.output_dir, ""  # the user said where the server writes
+        s.attrs["servewatch.profile.output_dir"] = str(folder) if folder is not None else ""
+        if req.start_step is not None:
+            s.attrs["servewatch.profile.start_step_ignored"] = True
+        prefix = f"servewatch-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.urandom(3).hex()}"
+        s.attrs["servewatch.profile.prefix"] = prefix
+        steps_before = await self._vllm_steps(client)
+        started = await self._start(s, client, {"max_iterations": req.num_steps, "profile_prefix": prefix})
+        if isinstance(started, ActionResult):
+            return started
+        worker: list[Path] = []
+        try:
+            if started:
+                worker = await self._vllm_wait(client, folder, prefix, steps_before, req)
+        finally:
+            stop_status = await self._stop(s, client)
+        files = worker
+        if folder is not None:
+            files = await _prefixed_files(folder, prefix, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_s=c.poll_interval_s)
+        steps_after = await self._vllm_steps(client)
+        stepped = steps_after - steps_before if steps_before is not None and steps_after is not None else None
+        if stepped is not None:
+            s.attrs["servewatch.profile.engine_steps_seen"] = stepped
+        traces = [f for f in files if ".async_llm." not in f.name]
+        if traces:
+            s.attrs["servewatch.profile.steps_captured"] = req.num_steps  # vLLM's max_iterations bound
+        s.attrs["servewatch.profile.server_files"] = tuple(str(f) for f in files)[:50]
+        where = (f"{folder}" if folder is not None else
+                 f"the folder vLLM was launched with (--profiler-config torch_profiler_dir; not readable from here: {why})")
+        if traces:
+            return s.result(Outcome.OK, f"vLLM wrote {len(files)} trace file(s) to {where} (its own folder; prefix {prefix}; stop: {stop_status})")
+        if folder is None and stepped is not None and stepped > req.num_steps:
+            s.attrs["servewatch.profile.steps_captured"] = req.num_steps
+            return s.result(Outcome.OK, f"{req.num_steps} engine steps profiled; vLLM wrote the traces (prefix {prefix}) to {where} (stop: {stop_status})")
+        if not started:
+            return s.result(Outcome.TIMED_OUT, f"POST /start_profile: no answer in {c.request_timeout_s:g} s (engine stalled?); stop: {stop_status}", retryable=True)
+        idle = " (no engine step: idle server?)" if stepped == 0 else ""
+        return s.result(Outcome.TIMED_OUT, f"no trace of {req.num_steps} steps in {where} within {req.timeout_s:g} s{idle}; stop: {stop_status}", retryable=True)
+
+    async def _vllm_wait(
+        self, client: httpx.AsyncClient, folder: Path | None, prefix: str, steps_before: float | None, req: SessionRequest
+    ) -> list[Path]:
+        """Wait (bounded by ``req.timeout_s``) until the workers wrote their traces (they stop by
+        themselves after ``max_iterations``), or, with no readable folder, until ``/metrics`` counted
+        more than N engine steps; without either, ``vllm_duration_s``."""
+        c = self.config
+        deadline = time.monotonic() + req.timeout_s
+        if folder is None and steps_before is None:
+            await anyio.sleep(min(c.vllm_duration_s, req.timeout_s))
+            return []
+        while time.monotonic() < deadline:
+            if folder is not None:
+                names = await anyio.to_thread.run_sync(_prefixed_names, folder, prefix)
+                if any(".async_llm." not in n for n in names):
+                    return await _prefixed_files(folder, prefix, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_s=c.poll_interval_s)
+            else:
+                now = await self._vllm_steps(client)
+                if now is not None and steps_before is not None and now - steps_before > req.num_steps:
+                    return []
+            await anyio.sleep(max(c.poll_interval_s, 0.25))
+        return []
+
+    async def _vllm_steps(self, client: httpx.AsyncClient) -> float | None:
+        """Engine steps so far: ``vllm:iteration_tokens_total_count`` summed over engines (one
+        observation per engine step, prefill-only steps too), or None when not readable."""
+        reply = await self._post(client, "/metrics", None, timeout_s=self.config.request_timeout_s, method="GET")
+        if isinstance(reply, httpx.HTTPError) or reply.status_code != 200:
+            return None
+        total, seen = 0.0, False
+        for line in reply.text.splitlines():
+            if line.startswith("vllm:iteration_tokens_total_count"):
+                try:
+                    total += float(line.rsplit(None, 1)[-1])
+                    seen = True
+                except ValueError:
+                    continue
+        return total if seen else None
+
     @staticmethod
-    async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any] | None) -> httpx.Response | str:
+    async def _post(
+        client: httpx.AsyncClient, path: str, body: dict[str, Any] | None, *, timeout_s: float, method: str = "POST"
+    ) -> httpx.Response | httpx.HTTPError:
         try:
             if body is None:
-                return await client.post(path)
-            return await client.post(path, json=body)
+                return await client.request(method, path, timeout=timeout_s)
+            return await client.request(method, path, json=body, timeout=timeout_s)
         except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return exc
 
 
-def _stop_status(reply: httpx.Response | str) -> str:
-    """``stopping`` (accepted), ``already_stopped`` (nothing was running) or ``failed:<why>``.
+def _error_text(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {exc}"[:160]
+
+
+def _prefixed_names(folder: Path, prefix: str) -> list[str]:
+    """Names of trace files in ``folder`` that a session with ``prefix`` wrote (a listing only)."""
+    return sorted(n for n in snapshot_dir(folder) if n.startswith(f"{prefix}_"))
+
+
+async def _prefixed_files(folder: Path, prefix: str, *, timeout_s: float, settle_s: float, poll_s: float) -> list[Path]:
+    """The session's files in the server's folder once their sizes held still for ``settle_s``
+    (bounded by ``timeout_s``; what has settled by then)."""
+    deadline = time.monotonic() + timeout_s
+    seen: dict[str, tuple[int, float]] = {}
+    while True:
+        sizes = await anyio.to_thread.run_sync(snapshot_dir, folder)
+        now = time.monotonic()
+        ours = {n: z for n, z in sizes.items() if n.startswith(f"{prefix}_")}
+        settled = []
+        for name, size in ours.items():
+            prev = seen.get(name)
+            if prev is None or prev[0] != size:
+                seen[name] = (size, now)
+            elif size > 0 and now - prev[1] >= settle_s:
+                settled.append(name)
+        if ours and len(settled) == len(ours) or now >= deadline:
+            return [folder / n for n in sorted(settled)]
+        await anyio.sleep(poll_s)
+
+
+def _stop_status(reply: httpx.Response | httpx.HTTPError, timeout_s: float) -> str:
+    """``stopping`` (accepted), ``already_stopped`` (nothing was running), ``sent_no_answer``
+    (no answer within ``timeout_s``: the server applies it when its engine gets to it) or
+    ``failed:<why>``.
 
     SGLang raises "Profiling is not in progress. Call /start_profile first." when nothing runs,
     which reaches the client as an HTTP error (500): that is ``already_stopped``.
     """
-    if isinstance(reply, str):
-        return f"failed:{reply[:120]}"
+    if isinstance(reply, httpx.TimeoutException) and not isinstance(reply, httpx.ConnectTimeout):
+        return f"sent_no_answer_in_{timeout_s:g}s"
+    if isinstance(reply, httpx.HTTPError):
+        return f"failed:{_error_text(reply)}"
     if reply.status_code < 400:
         return "stopping"
     if _NOT_IN_PROGRESS in reply.text.lower():

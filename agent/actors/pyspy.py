@@ -594,7 +594,10 @@ class PySpyActor:
                         # within its dump, so wait for it rather than read a running target
                         base["servewatch.pyspy.waited_for_pid"] = tracer.pid
                         tracer = await _wait_untraced(target.pid, TRACER_WAIT_S)
-                    attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
+                    # a stopped process (SIGSTOP, state T) cannot be suspended by py-spy, but it
+                    # does not run either: --nonblocking reads it whole, without ptrace
+                    stopped = state is ProcessState.STOPPED and tracer is None
+                    attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None or stopped)
                     verdict = attempts[-1][1]
                     if tracer is None and verdict.outcome is Outcome.PERMISSION_DENIED:
                         # attached by another tool since (or between) our probes: ask who, once
@@ -618,11 +621,14 @@ class PySpyActor:
                     death = await anyio.to_thread.run_sync(death_of, target)
                     if death is not None:
                         return dead(death)
+                if stopped:
+                    base["servewatch.pyspy.target_stopped"] = True
+                    base["servewatch.pyspy.nonblocking"] = True
                 if tracer is not None:
                     base["servewatch.pyspy.traced_by_pid"] = tracer.pid
                     base["servewatch.pyspy.traced_by"] = clip(tracer.describe())
                     base["servewatch.pyspy.nonblocking"] = True
-                return await self._report(target, attempts, artifact_dir, result, base, tracer=tracer)
+                return await self._report(target, attempts, artifact_dir, result, base, tracer=tracer, stopped=stopped)
         finally:
             self._release_pid_lock(target.pid)
 
@@ -635,9 +641,12 @@ class PySpyActor:
         base: dict[str, AttributeValue],
         *,
         tracer: Tracer | None = None,
+        stopped: bool = False,
     ) -> ActionResult:
         """Write the artifacts of a finished dump and build its result (under the pid's lock,
-        so a second dump of the same pid picks the next free file name)."""
+        so a second dump of the same pid picks the next free file name). ``stopped``: the target
+        was stopped (state T) and dumped with ``--nonblocking``; the detail says so."""
+        said_stopped = f"pid {target.pid} is stopped (state T: SIGSTOP or a debugger; `kill -CONT {target.pid}` resumes it): dumped with --nonblocking"
         last, verdict = attempts[-1]
         base["servewatch.pyspy.attempts"] = len(attempts)
         base["servewatch.pyspy.native"] = last.native
@@ -679,6 +688,8 @@ class PySpyActor:
         json_path = stem.with_name(stem.name + ".json")
         txt_path = stem.with_name(stem.name + ".txt")
         header = safe_text(f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n")
+        if stopped:
+            header += f"# {said_stopped}\n"
         if tracer is not None:
             header += f"# ptrace-attached by {tracer.describe()}: dumped with --nonblocking (not paused; stacks may be torn)\n"
         await anyio.to_thread.run_sync(atomic_write_bytes, json_path, last.stdout)
@@ -693,6 +704,8 @@ class PySpyActor:
             detail = f"{len(threads)} threads, all idle (waiting for work): nothing is stuck"
         if idle:
             detail += f"; stuck: {', '.join(stuck) or 'none'}; idle: {', '.join(idle)}"
+        if stopped:
+            detail = f"{said_stopped}; {detail}"
         if tracer is not None:
             detail = (
                 f"pid {target.pid} is ptrace-attached by {tracer.describe()}: dumped with --nonblocking "

@@ -163,6 +163,18 @@ def classify_status(status_code: int) -> str:
     return ERROR_OTHER
 
 
+#: Seconds an idle probe connection is kept for reuse: below uvicorn's default keep-alive
+#: timeout (5 s; vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, SGLang's ``--timeout-keep-alive``).
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def _closed_by_server(exc: httpx.HTTPError) -> bool:
+    """The request died on a connection the server closed (kept-alive, closed as we sent): the
+    server disconnected without an answer, or the read/write hit a reset. A fresh connection is
+    worth one more try; a timeout, a refused connection or a bad answer are not."""
+    return isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
+
+
 def classify_error(exc: BaseException) -> str:
     """Error class of a failed request: ``refused``, ``timeout`` or ``error``.
 
@@ -227,16 +239,20 @@ class HealthWatcher:
         start_ns = time.monotonic_ns()
         self._error_detail = ""
         with anyio.move_on_after(timeout_s):
-            try:
-                # streamed and capped: a server that answers without end costs bounded memory
-                async with client.stream("GET", url, timeout=timeout_s) as response:
-                    status_code = response.status_code
-                    error_class = classify_status(status_code)
-                    await read_capped(response, self.config.max_body_bytes)
-            except httpx.HTTPError as exc:
-                if status_code is None:
-                    error_class = classify_error(exc)
-                    self._error_detail = f"{type(exc).__name__}: {exc}"[:200]
+            for attempt in (1, 2):
+                try:
+                    # streamed and capped: a server that answers without end costs bounded memory
+                    async with client.stream("GET", url, timeout=timeout_s) as response:
+                        status_code = response.status_code
+                        error_class = classify_status(status_code)
+                        await read_capped(response, self.config.max_body_bytes)
+                except httpx.HTTPError as exc:
+                    if status_code is None:
+                        error_class = classify_error(exc)
+                        self._error_detail = f"{type(exc).__name__}: {exc}"[:200]
+                        if attempt == 1 and _closed_by_server(exc):
+                            continue  # a kept-alive connection the server closed as we sent: once more
+                break
         latency_s = (time.monotonic_ns() - start_ns) / 1e9
         self.probes += 1
         return HealthProbed(
@@ -331,7 +347,10 @@ class HealthWatcher:
         if self._client is not None:
             await self._loop(self._client, bus, task_status)
             return
-        async with httpx.AsyncClient(trust_env=False) as client:
+        # idle connections are dropped before uvicorn's keep-alive timeout (5 s, vLLM's and
+        # SGLang's default) closes them: a 5 s probe interval would otherwise race it
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        async with httpx.AsyncClient(trust_env=False, limits=limits) as client:
             await self._loop(client, bus, task_status)
 
     async def _loop(self, client: httpx.AsyncClient, bus: Publisher, task_status: TaskStatus[None]) -> None:

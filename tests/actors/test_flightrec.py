@@ -103,7 +103,7 @@ async def test_torch_debug_server_is_found_on_the_targets_tcp_ports(ranks: list[
 async def test_no_source_is_an_outcome_not_an_error(ranks: list[Target], tmp_path: Path) -> None:
     [r] = await FlightRecorderActor().collect_all(_opened(tmp_path), ranks[:1], artifact_dir=tmp_path)
     assert r.outcome is Outcome.NO_SOURCE and not r.artifact_paths
-    assert "no SDK socket, debug server or NCCL pipe" in r.detail
+    assert r.detail == "not available: no SDK socket, torch debug server or armed NCCL pipe"
 
 
 @pytest.mark.parametrize("ranks", [(["--fr-buffer", "0"], "none")], indirect=True)

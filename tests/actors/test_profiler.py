@@ -150,7 +150,8 @@ async def test_sglang_session_stops_itself_after_n_steps(launch, tmp_path: Path)
     out = tmp_path / "traces"
     result = await profile_once(_http_config(port), steps=4, start_step=None, out_dir=out, timeout_s=30)
     assert result.outcome is Outcome.OK, result.detail
-    assert result.attributes["servewatch.profile.stop"] == "not_sent"
+    # the stop is always sent (bounded); SGLang stopped itself after num_steps
+    assert result.attributes["servewatch.profile.stop"] == "already_stopped"
     (path,) = result.artifact_paths
     assert path.endswith("-TP-0.trace.json.gz") and Path(path).name.startswith("servewatch-")
     assert len(profiler_steps(load_trace(path))) == 4
@@ -182,16 +183,6 @@ async def test_sglang_busy_is_refused(launch, tmp_path: Path) -> None:
         assert (await c.post("/stop_profile")).status_code == 200
         again = await c.post("/stop_profile")
         assert again.status_code == 500 and "not in progress" in again.text
-
-
-async def test_vllm_backend_profiles_for_a_duration_then_stops(launch, tmp_path: Path) -> None:
-    out = tmp_path / "vllm"
-    _, line = launch("fake_sglang_server.py", env={"SGLANG_TORCH_PROFILER_DIR": str(out)})
-    port = json.loads(line)["port"]
-    result = await profile_once(_http_config(port, "vllm", vllm_duration_s=0.3), out_dir=out, timeout_s=30)
-    assert result.outcome is Outcome.OK, result.detail
-    assert result.attributes["servewatch.profile.stop"] == "stopping"
-    assert len(profiler_steps(load_trace(result.artifact_paths[0]))) >= 1
 
 
 async def test_server_without_profiling_is_unsupported(launch, tmp_path: Path) -> None:

@@ -318,7 +318,7 @@ async def test_stopped_target_is_continued_after_a_killed_attempt(spawn, python,
     assert actor.statistics().targets_continued == 1
 
 
-async def test_a_target_stopped_by_sigstop_is_said_to_be_stopped_and_left_stopped(spawn, python, tmp_path: Path) -> None:
+async def test_a_target_stopped_by_sigstop_is_dumped_nonblocking_said_stopped_and_left_stopped(spawn, python, tmp_path: Path) -> None:
     target = _titled(spawn, python, "sglang::scheduler_TP0")
     os.kill(target.pid, signal.SIGSTOP)
     try:
@@ -327,10 +327,14 @@ async def test_a_target_stopped_by_sigstop_is_said_to_be_stopped_and_left_stoppe
             await anyio.sleep(0.02)
         assert process_state(target.pid) is ProcessState.STOPPED
         result = await PySpyActor().act(TRIGGER, target, timeout_s=30, artifact_dir=tmp_path)  # real py-spy
-        assert result.outcome is Outcome.FAILED, result.detail
-        assert f"pid {target.pid} is stopped (state T" in result.detail
-        assert f"kill -CONT {target.pid}" in result.detail
-        assert result.attributes["servewatch.pyspy.attempts"] == 1  # no plain retry: it cannot help
+        # py-spy cannot suspend a stopped process, but --nonblocking reads it (it does not run)
+        assert result.outcome is Outcome.OK, result.detail
+        assert result.detail.startswith(f"pid {target.pid} is stopped (state T")
+        assert f"kill -CONT {target.pid}" in result.detail and "dumped with --nonblocking" in result.detail
+        assert result.attributes["servewatch.pyspy.target_stopped"] is True
+        assert result.attributes["servewatch.pyspy.nonblocking"] is True
+        assert result.attributes["servewatch.pyspy.attempts"] == 1
+        assert "--nonblocking" in Path(result.artifact_paths[0]).with_suffix(".txt").read_text()
         assert process_state(target.pid) is ProcessState.STOPPED  # the operator's stop is theirs to end
     finally:
         os.kill(target.pid, signal.SIGCONT)

@@ -34,13 +34,25 @@ REQUIRED_ENV = "SERVEWATCH_REALVLLM_REQUIRED"
 REAL_TEST_TIMEOUT_S = 1800
 
 
+def _server_order(item: pytest.Item) -> int:
+    """Shared TP=1 tests first, then tests with their own servers, then shared TP=2: each shared
+    server starts once per run."""
+    names = getattr(item, "fixturenames", ())
+    return 0 if "vllm_tp1" in names else 2 if "vllm_tp2" in names else 1
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
+    slots = []
+    for i, item in enumerate(items):
         if REAL_DIR in Path(str(item.path)).resolve().parents:
+            slots.append(i)
             item.add_marker(pytest.mark.realvllm)
             item.add_marker(pytest.mark.slow)
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(REAL_TEST_TIMEOUT_S))
+    ordered = sorted((items[i] for i in slots), key=_server_order)  # stable: file order within a group
+    for i, item in zip(slots, ordered, strict=True):
+        items[i] = item
 
 
 class RealVllm:

@@ -182,3 +182,52 @@ def test_health_config_defaults_and_validation() -> None:
     assert config.wait_for_ready
     with pytest.raises(pydantic.ValidationError, match="unhealthy_after"):
         HealthConfig(unhealthy_after=0)
+
+
+def _keepalive_server_that_closes_the_second_request() -> tuple[socket.socket, threading.Thread]:
+    """A real TCP server: the first connection answers one request with keep-alive, then reads
+    the next request on it and closes without answering (a server closing an idle kept-alive
+    connection just as the client reuses it, as uvicorn does at its 5 s keep-alive timeout);
+    every later connection answers 200."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+
+    def serve() -> None:
+        first = True
+        listener.settimeout(20)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(10)
+                try:
+                    conn.recv(65536)
+                    conn.sendall(ok)
+                    if first:
+                        first = False
+                        conn.recv(65536)  # the reused connection's request: closed unanswered
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+async def test_probe_retries_once_on_a_kept_alive_connection_the_server_closed() -> None:
+    import httpx
+
+    listener, thread = _keepalive_server_that_closes_the_second_request()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/health"
+    watcher = HealthWatcher(HealthConfig(url=url, timeout_s=5.0))
+    try:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            first = await watcher.probe(client)
+            second = await watcher.probe(client)  # reuses the connection the server then closes
+    finally:
+        listener.close()
+        thread.join(timeout=5)
+    assert first.ok and second.ok, (first, second, watcher._error_detail)
+    assert second.status_code == 200

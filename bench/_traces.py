@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,13 +61,13 @@ def torch_trace(layout: str, dest: Path, *, steps: int, timeout_s: float = 1800.
     return dest
 
 
-def vllm_trace(dest: Path, *, requests: int = 24, max_tokens: int = 32) -> tuple[Path | None, str]:
+def vllm_trace(dest: Path, *, requests: int = 24, max_tokens: int = 32, lock_timeout_s: float = 900.0) -> tuple[Path | None, str]:
     """A real vLLM trace (gzip JSON, as vLLM writes it), or why there is none.
 
     Starts ``tests/real``'s vLLM server (TP=1, its cached install; under its machine-wide lock),
     starts the torch profiler over HTTP, sends ``requests`` completions, stops the profiler and
     copies the worker's trace (``rank0.*.pt.trace.json.gz``) to ``dest``. The server is stopped
-    whatever happens.
+    whatever happens. Waits at most ``lock_timeout_s`` for another session's server.
 
     Returns:
         (``dest`` or ``None``, a one-line note: the trace's size, or why none was made).
@@ -80,32 +81,38 @@ def vllm_trace(dest: Path, *, requests: int = 24, max_tokens: int = 32) -> tuple
     inst = real_install.ready()
     if inst is None:
         return None, "no vLLM trace: the real vLLM install is not ready (tests/real/install.py builds it)"
+    try:
+        with server_lock(lock_timeout_s):
+            return _profile_vllm(VllmServer.start(inst), dest, requests, max_tokens)
+    except TimeoutError as exc:
+        return None, f"no vLLM trace: {exc}"
+
+
+def _profile_vllm(server: Any, dest: Path, requests: int, max_tokens: int) -> tuple[Path | None, str]:
     import httpx
 
-    with server_lock():
-        server = VllmServer.start(inst)
-        try:
-            with httpx.Client(base_url=server.url, timeout=120.0, trust_env=False) as client:
-                client.post("/start_profile").raise_for_status()
-                for i in range(requests):
-                    server.complete(f"request {i}: the quick brown fox", max_tokens=max_tokens)
-                client.post("/stop_profile", timeout=300.0).raise_for_status()
-            deadline = time.monotonic() + 120
-            found: list[Path] = []
-            while time.monotonic() < deadline and not found:
-                found = sorted(server.profile_dir.glob("rank0*.pt.trace.json*"))
-                time.sleep(0.5)
-            if not found:
-                return None, f"no vLLM trace: none written to {server.profile_dir}"
-            src = found[-1]
-            if src.name.endswith(".gz"):
-                shutil.copyfile(src, dest)
-            else:
-                with src.open("rb") as fi, gzip.open(dest, "wb") as fo:
-                    shutil.copyfileobj(fi, fo)
-        finally:
-            server.stop()
-            shutil.rmtree(server.workdir, ignore_errors=True)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120.0, trust_env=False) as client:
+            client.post("/start_profile").raise_for_status()
+            for i in range(requests):
+                server.complete(f"request {i}: the quick brown fox", max_tokens=max_tokens)
+            client.post("/stop_profile", timeout=300.0).raise_for_status()
+        deadline = time.monotonic() + 120
+        found: list[Path] = []
+        while time.monotonic() < deadline and not found:
+            found = sorted(server.profile_dir.glob("rank0*.pt.trace.json*"))
+            time.sleep(0.5)
+        if not found:
+            return None, f"no vLLM trace: none written to {server.profile_dir}"
+        src = found[-1]
+        if src.name.endswith(".gz"):
+            shutil.copyfile(src, dest)
+        else:
+            with src.open("rb") as fi, gzip.open(dest, "wb") as fo:
+                shutil.copyfileobj(fi, fo)
+    finally:
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
     return dest, f"vLLM 0.32 CPU, tiny Llama, {requests} completions x {max_tokens} tokens"
 
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import anyio
-from _common import kill_groups
+from _common import emit_result, kill_groups
 
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
 from agent.cudaenv import cuda_coredump_env
@@ -111,6 +111,11 @@ def main() -> None:
             value = statistics.median(measured)
             label = "detected" if mode == "normal" else mode
             print(f"{k:>3} {label:<11} {value:>8.3f}s {bound:>6.1f}s {value / bound:>6.3f}x  {', '.join(sorted(stages))}")
+            what = "action end - core file's last write" if mode == "normal" else "the whole coredump phase"
+            emit_result(f"coredump bounds K={k}, {label}: {what}", ours=value, baseline=bound, unit="s",
+                        baseline_name=("bound settle_s + 1" if mode == "normal" else "bound trigger_timeout_s + 1")
+                        + " (the old wait: completion_timeout_s, 120 s)",
+                        spread=(min(measured), max(measured)), note=f"median of {args.repeat}, default CoredumpConfig")
     print(
         "never-read/full: whole coredump phase, bound trigger_timeout_s + 1; detected: action end - core file's"
         f" last write, bound settle_s + 1; medians of {args.repeat}; the old wait was completion_timeout_s (120 s)",

@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import emit_result
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
     OTLPSpanExporter as GrpcSpanExporter,
 )
@@ -225,13 +227,28 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {kind:<28} {statistics.median(rates[kind]):>14,.0f}   {lost[kind]}")
             ratio = statistics.median(rates["servewatch"]) / statistics.median(rates["default"])
             print(f"  throughput servewatch/default: {ratio:.2f}x   (target >= 1.0x with 0 lost)")
+            paired = [b / a for a, b in zip(rates["default"], rates["servewatch"], strict=True)]
+            default_name = "the OTel SDK's BatchSpanProcessor at its defaults (queue 2048, batch 512)"
+            emit_result(f"span export burst ({args.spans} spans, OTLP {args.protocol}), delivered spans/s", ours=statistics.median(rates["servewatch"]),
+                        baseline=statistics.median(rates["default"]), baseline_name=default_name, unit="spans/s", spread=(min(paired), max(paired)),
+                        note=f"{args.repeat} paired runs; target >= 1x")
+            emit_result(f"span export burst ({args.spans} spans), spans lost", ours=max(lost["servewatch"]), baseline=max(lost["default"]),
+                        baseline_name=default_name, unit="spans", ratio=None, note="worst run; target 0")
 
             print("\noutage (receiver down during burst and exit)   exit s   delivered once back   s to deliver")
             kinds = ("servewatch",) if args.skip_default_outage else ("default", "servewatch")
+            outage: dict[str, tuple[float, int]] = {}
             for kind in kinds:
                 exit_s, delivered, deliver_s = run_outage(kind, receiver, args.protocol, args.spans, workdir)
                 pct = 100.0 * delivered / args.spans
+                outage[kind] = (exit_s, delivered)
                 print(f"  {kind:<44} {exit_s:>6.2f}   {delivered:>7} ({pct:5.1f}%)   {deliver_s:>10.2f}")
+            if "default" in outage:
+                default_name = "the OTel SDK's BatchSpanProcessor at its defaults"
+                emit_result("collector down: exit (shutdown) time", ours=outage["servewatch"][0], baseline=outage["default"][0],
+                            baseline_name=default_name, unit="s", note="target <= 3 s")
+                emit_result("collector down: spans delivered once it is back", ours=100.0 * outage["servewatch"][1] / args.spans,
+                            baseline=100.0 * outage["default"][1] / args.spans, baseline_name=default_name, unit="%", note="target 100 %")
             print("  targets: servewatch exit <= 3 s and 100% delivered once back")
     finally:
         receiver.close()

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
+from _common import emit_result
 from _load import LoadGenerator, bench_workspace
 from bench_export import RemoteReceiver
 
@@ -206,6 +207,12 @@ def main() -> None:
         tcpu = trend_adjusted(cpu_per_request_ms, config)
         print(f"{config}/A server CPU per request: median {statistics.median(cpu):.3f}"
               f" (rounds {min(cpu):.3f}..{max(cpu):.3f}), trend-adjusted {tcpu:.3f}")
+        what = "agent shipping the server's spans" if config == "C" else "agent attached, not shipping"
+        for name, values, trend, unit in (("throughput", thr, tthr, "x"), ("p99 latency", p99, tp99, "x"),
+                                          ("server tree CPU per request", cpu, tcpu, "x")):
+            emit_result(f"serving overhead, {what}: {name}", ours=statistics.median(values), unit=unit,
+                        baseline_name="the same server, same run, no agent (A)", ratio=statistics.median(values),
+                        spread=(min(values), max(values)), note=f"{args.rounds} balanced rounds of {args.window_s:g} s; trend-adjusted {trend:.3f}")
     print(f"spans received by the collector: A {received['A']}, B {received['B']}, C {received['C']}"
           " (only C ships the server's spans; B/C also send the agent's own telemetry)")
     print("targets: C/A >= 0.99 throughput, p99 <= 1.05x")

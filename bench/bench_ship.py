@@ -130,7 +130,17 @@ def _rounds(args: argparse.Namespace, srcs: list[str], receiver: Any) -> None:
                   f"({res['shipped']} spans, {res['spans_per_s']:.0f}/s, dropped {res['dropped']}"
                   + (f", collector received {res['received']}" if receiver is not None else "") + ")", flush=True)
     for src, rows in results.items():
-        print(f"{src}: median {statistics.median(r['us_per_span'] for r in rows):.1f} us CPU per shipped span")
+        per_span = [r["us_per_span"] for r in rows]
+        print(f"{src}: median {statistics.median(per_span):.1f} us CPU per shipped span")
+        if src == srcs[-1]:
+            sys.path.insert(0, str(HERE))
+            from _common import emit_result
+
+            emit_result(f"agent CPU per shipped span ({'OTLP/gRPC' if receiver is not None else 'span files'}, ~{2 * args.rate:.0f} spans/s)",
+                        ours=statistics.median(per_span), unit="us", spread=(min(per_span), max(per_span)),
+                        baseline=statistics.median(r["us_per_span"] for r in results[srcs[0]]) if len(srcs) > 1 else None,
+                        baseline_name=f"--src {srcs[0]}" if len(srcs) > 1 else "(none: --src OLD compares a tree)",
+                        note=f"{args.rounds} rounds of {args.window_s:g} s")
     if len(srcs) > 1:
         base = results[srcs[0]]
         for src in srcs[1:]:

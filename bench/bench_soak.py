@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
+from _common import emit_result
 from _load import LoadGenerator, bench_workspace
 from bench_export import RemoteReceiver
 
@@ -180,6 +181,11 @@ def main() -> None:
     print(f"load: {total.completed} requests ({total.errors} errors), {total.throughput_rps:.2f} req/s, p99 {result['p99_ms']:.1f} ms")
     print(f"spans: {final_spans}" + (f"; collector received {received}" if receiver is not None else ""))
     print(json.dumps(result))
+    soak = f"soak {result['window_s']:.0f} s, {args.rate:g} req/s, {'shipping to ' + result['destination'] if result['shipping'] else 'not shipping'}"
+    emit_result(f"{soak}: agent RSS slope", ours=rss_slope, unit="MB/h", baseline_name="(target < 1 MB/h)",
+                note=f"RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB after {args.warmup_s:.0f} s warm-up")
+    emit_result(f"{soak}: agent CPU", ours=cpu_pct, unit="% of a core", baseline_name="(target <= 1 %)",
+                note=f"{result['requests']} requests, {result['errors']} errors")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import anyio
-from _common import kill_groups
+from _common import emit_result, kill_groups, run_timed
 
 from agent.actors.pyspy import PySpyActor, PySpyConfig, default_executable
 from agent.events import IncidentOpened, Outcome
@@ -74,16 +74,19 @@ def start_targets(k: int, procs: list[subprocess.Popen[bytes]]) -> list[Target]:
 
 
 def sequential_dump(exe: str, pid: int, timeout_s: float) -> float:
-    """One dump the SGLang way: --native, then plain on failure; returns seconds taken."""
-    t0 = time.perf_counter()
+    """One dump the SGLang way: --native, then plain on failure; returns seconds taken (each
+    attempt timed exactly: :func:`_common.run_timed`, no polling wait)."""
+    total = 0.0
     for extra in (["--native"], []):
         argv = [exe, "dump", "--json", "--pid", str(pid), *extra]
         try:
-            done = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
+            done = run_timed(argv, timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
+            total += timeout_s
             continue
+        total += done.wall_s
         if done.returncode == 0:
-            return time.perf_counter() - t0
+            return total
     raise RuntimeError(f"sequential dump of {pid} failed")
 
 
@@ -154,6 +157,11 @@ def main() -> None:
                     ours_s.append(ours)
                     ratios.append(ours / total)
                     cpu_s.append(cpu)
+                emit_result(f"all stacks of K={k} torch processes, wall", ours=statistics.median(ours_s),
+                            baseline=statistics.median(seq_s), unit="s",
+                            baseline_name="sequential `py-spy dump --json --native` (SGLang's crash-dump helper's order)",
+                            ratio=statistics.median(ratios), spread=(min(ratios), max(ratios)),
+                            note=f"{args.repeat} pairs; CPU floor {statistics.median(cpu_s) / cpus:.3f} s" + ("; target <= 0.55x" if k == 8 else ""))
                 rows.append(
                     (
                         k,

@@ -13,6 +13,11 @@ import os
 import sys
 import tempfile
 import timeit
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit_result
 
 TARGET_NS = 300.0
 
@@ -43,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calls per run: {args.calls}, best of {args.repeat}, python {sys.version.split()[0]}")
     for label, ns in results.items():
         print(f"  {label:<17} {ns:8.1f} ns/call   {ns / base:5.2f}x empty()")
+    for label in ("step()", "step(pending=3)"):
+        emit_result(f"agent.sdk.{label} per call", ours=results[label], baseline=base, unit="ns/call",
+                    baseline_name="an empty Python function call", note=f"best of {args.repeat} x {args.calls}; target <= {TARGET_NS:.0f} ns")
     worst = max(results["step()"], results["step(pending=3)"])
     verdict = "meets" if worst <= TARGET_NS else "MISSES"
     print(f"step() worst {worst:.1f} ns/call: {verdict} the {TARGET_NS:.0f} ns target")

@@ -28,6 +28,10 @@ import anyio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit_result
+
 from tests.programs.fault_matrix import EXPECTED, run_case
 
 FAULTS = ("hang", "kill", "skip", "shape", "slow")
@@ -70,6 +74,9 @@ def _run(args: argparse.Namespace) -> int:
         adds = [row[3] for row in mine]
         print(f"TP={tp}: right {sum(1 for row in mine if row[2])}/{len(mine)}; added s max {max(adds):.3f} "
               f"mean {statistics.mean(adds):.3f} (target <= 1 s at TP=4)")
+        emit_result(f"fault matrix TP={tp}: time the verdict adds to an incident, worst case", ours=max(adds), unit="s",
+                    baseline_name="(target <= 1 s at TP=4)", spread=(min(adds), max(adds)),
+                    note=f"right {sum(1 for row in mine if row[2])}/{len(mine)} cases")
     expected = {f: EXPECTED[f][1] for f in FAULTS}
     print(f"expected kinds: {expected}")
     return 0

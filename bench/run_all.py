@@ -1,0 +1,276 @@
+"""Run every bench in bench/ in one go and print one table: metric, baseline, ours, ratio, spread,
+load during the run.
+
+Each bench runs in its own process, one after the other, with ``SERVEWATCH_BENCH_RESULTS=1``:
+it then prints one ``BENCH-RESULT {json}`` line per figure (:func:`_common.emit_result`) beside
+its own report. While a bench runs, the 1-minute load average and the runnable tasks
+(``/proc/loadavg``) are sampled every second; every row of the table carries the mean and max
+load of its bench's run, so a figure taken on a busy machine says so. The benches' own output
+goes to ``--log`` (default: ``bench-logs/<time>/<bench>.log`` under the current folder, kept).
+
+    python bench/run_all.py                       # every bench, the sizes below (~50 min)
+    python bench/run_all.py --only stacks,cli_start --markdown docs/bench-table.md
+    python bench/run_all.py --quick               # every bench at a tiny size (a smoke run, minutes)
+    python bench/run_all.py --list
+
+The sizes (:data:`BENCHES`) are each bench's defaults unless noted; the soak runs 10 minutes
+(``--soak-s 3600`` for the 1-hour one). Nothing is asserted: a bench that fails is a row saying
+so, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import selectors
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from _common import RESULT_PREFIX, RESULTS_ENV
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One bench: its script and its arguments for the full table and for ``--quick``."""
+
+    name: str
+    args: tuple[str, ...] = ()
+    quick: tuple[str, ...] = ()
+    #: seconds the full run may take before it is stopped
+    timeout_s: float = 1800.0
+
+
+#: Every bench, in the order the table shows them (the CLI and stack capture first).
+BENCHES: tuple[Bench, ...] = (
+    Bench("cli_start", ("--repeat", "7", "--ks", "1,4,8"), ("--repeat", "1", "--ks", "1")),
+    Bench("stacks", ("--k", "1", "4", "8", "--repeat", "9"), ("--k", "1", "--repeat", "1")),
+    Bench("stall_latency", ("--runs", "20", "--timeout-s", "2.0"), ("--runs", "1", "--timeout-s", "0.5")),
+    Bench("coredump", ("--k", "1", "8", "--repeat", "2"), ("--k", "1", "--repeat", "1", "--sglang-sleep-s", "0.2", "--sglang-wait-s", "0.5")),
+    Bench("coredump_bounds", ("--k", "1", "4", "--repeat", "3"), ("--k", "1", "--repeat", "1")),
+    Bench("fanout", ("--peers", "2,8,16,32,64", "--runs", "5"), ("--peers", "2,4", "--runs", "1")),
+    Bench("verdict", ("--tp", "2", "4"), ("--tp", "2"), timeout_s=2400.0),
+    Bench("export", ("--spans", "10000", "--repeat", "3"), ("--spans", "500", "--repeat", "1", "--skip-default-outage")),
+    Bench("ship", ("--grpc", "--rounds", "3", "--window-s", "20"), ("--rounds", "1", "--window-s", "2", "--warmup-s", "1")),
+    Bench("step", (), ("--calls", "10000", "--repeat", "1")),
+    Bench("record_function", (), ("--calls", "2000", "--repeat", "1")),
+    Bench("trace_import", ("--repeat", "3"), ("--layouts", "torch-cpu,synthetic", "--steps", "5", "--size-mb", "1", "--repeat", "1")),
+    Bench("serving_overhead", ("--rounds", "4", "--window-s", "20"), ("--rounds", "1", "--window-s", "2", "--settle-s", "1")),
+    Bench("soak", ("--duration", "600", "--warmup-s", "120"), ("--duration", "20", "--warmup-s", "5", "--sample-s", "5"), timeout_s=5400.0),
+)
+
+
+@dataclass
+class LoadSampler:
+    """Samples ``/proc/loadavg`` every ``interval_s`` in a thread while a bench runs."""
+
+    interval_s: float = 1.0
+    load1: list[float] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        try:
+            with open("/proc/loadavg", encoding="ascii") as fh:
+                parts = fh.read().split()
+            self.load1.append(float(parts[0]))
+            self.running.append(int(parts[3].split("/")[0]) - 1)  # runnable tasks, this sampler's own excluded
+        except (OSError, ValueError, IndexError):
+            self.load1.append(os.getloadavg()[0])
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> LoadSampler:  # noqa: PYI034 - not subclassed
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, name="load-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._sample()
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "load1_mean": statistics.fmean(self.load1) if self.load1 else float("nan"),
+            "load1_max": max(self.load1, default=float("nan")),
+            "runnable_mean": statistics.fmean(self.running) if self.running else float("nan"),
+        }
+
+
+def run_bench(bench: Bench, args: tuple[str, ...], log_path: Path, timeout_s: float, echo: bool) -> tuple[int | None, float, list[dict[str, Any]], dict[str, float]]:
+    """Run one bench; returns (exit code or None if stopped at its timeout, seconds, result rows, load)."""
+    argv = [sys.executable, str(HERE / f"bench_{bench.name}.py"), *args]
+    env = {**os.environ, RESULTS_ENV: "1", "PYTHONUNBUFFERED": "1"}
+    rows: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    with LoadSampler() as load, log_path.open("w", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True, text=True, bufsize=1)  # fmt: skip
+        assert proc.stdout is not None
+        code: int | None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            deadline = t0 + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if not sel.select(min(left, 5.0)):
+                    continue
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith(RESULT_PREFIX):
+                    rows.append(json.loads(line[len(RESULT_PREFIX):]))
+                else:
+                    log.write(line)
+                    log.flush()
+                    if echo:
+                        print(f"  [{bench.name}] {line}", end="", flush=True)
+        if proc.poll() is None and time.monotonic() >= t0 + timeout_s:
+            os.killpg(proc.pid, 9)
+            proc.wait(30)
+            code = None
+        else:
+            code = proc.wait(60)
+        proc.stdout.close()
+    return code, time.monotonic() - t0, rows, load.summary()
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None or math.isnan(value):
+        return ""
+    a = abs(value)
+    text = f"{value:,.0f}" if a >= 1000 else f"{value:.1f}" if a >= 100 else f"{value:.3g}" if a >= 0.001 else f"{value:.2e}"
+    return f"{text} {unit}".strip()
+
+
+def table(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Rows of the table: bench, metric, baseline (named), ours, baseline, ratio, spread, load."""
+    out = []
+    for r in rows:
+        spread = r.get("spread")
+        ratio = r.get("ratio")
+        spread_text = f"{spread[0]:.3g}..{spread[1]:.3g}" if spread else ""
+        out.append([
+            r["bench"], r["metric"], r.get("baseline_name", ""), _fmt(r["ours"], r.get("unit", "")),
+            _fmt(r.get("baseline"), r.get("unit", "")), f"{ratio:.3g}x" if ratio is not None else "", spread_text,
+            f"{r['load']['load1_mean']:.1f} (max {r['load']['load1_max']:.1f})",
+        ])  # fmt: skip
+    return out
+
+
+HEADER = ["bench", "metric", "baseline", "ours", "baseline value", "ratio", "spread", "load 1-min mean (max)"]
+
+
+def markdown(rows: list[list[str]]) -> str:
+    def esc(cell: str) -> str:
+        return cell.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plain(rows: list[list[str]]) -> str:
+    widths = [min(60, max(len(h), *(len(r[i]) for r in rows))) if rows else len(h) for i, h in enumerate(HEADER)]
+
+    def fit(cell: str, w: int) -> str:
+        return cell if len(cell) <= w else cell[: w - 1] + "~"
+
+    lines = ["  ".join(fit(h, w).ljust(w) for h, w in zip(HEADER, widths, strict=True))]
+    lines += ["  ".join(fit(c, w).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10, check=False).stdout.strip()  # fmt: skip
+        return out.stdout.strip() + ("+changes" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="every bench at a tiny size (a smoke run)")
+    ap.add_argument("--only", default="", help="comma-separated bench names (see --list)")
+    ap.add_argument("--skip", default="", help="comma-separated bench names to leave out")
+    ap.add_argument("--soak-s", type=float, default=None, help="the soak's duration, SECONDS (default 600)")
+    ap.add_argument("--log", type=Path, default=None, help="folder for the benches' own output (default bench-logs/<time>)")
+    ap.add_argument("--json", type=Path, default=None, help="also write every result row, with its load, to this JSON file")
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown to this file")
+    ap.add_argument("--echo", action="store_true", help="echo the benches' own output while they run")
+    ap.add_argument("--list", action="store_true", help="list the benches and their arguments, then exit")
+    args = ap.parse_args()
+    known = {b.name: b for b in BENCHES}
+    missing = sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py") if p.stem[len("bench_"):] not in known)
+    if missing:
+        ap.error(f"bench(es) not in run_all's list: {', '.join(missing)}")
+    chosen = [b for b in BENCHES if not args.only or b.name in args.only.split(",")]
+    chosen = [b for b in chosen if b.name not in args.skip.split(",")]
+    bad = [n for n in (args.only + "," + args.skip).split(",") if n and n not in known]
+    if bad:
+        ap.error(f"--only/--skip: unknown bench(es) {', '.join(bad)} (see --list)")
+    if args.list:
+        for b in chosen:
+            print(f"{b.name:<18} full: {' '.join(b.args) or '(defaults)'}   quick: {' '.join(b.quick) or '(defaults)'}")
+        return 0
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    log_dir = args.log or Path("bench-logs") / stamp
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now().astimezone()
+    print(f"run_all {stamp}: {len(chosen)} bench(es), {'quick' if args.quick else 'full'} sizes; commit {_commit()};"
+          f" {platform.node()} {os.cpu_count()} CPUs, python {platform.python_version()}; logs in {log_dir}", flush=True)
+    all_rows: list[dict[str, Any]] = []
+    for b in chosen:
+        bench_args = b.quick if args.quick else b.args
+        if b.name == "soak" and args.soak_s is not None and not args.quick:
+            bench_args = ("--duration", f"{args.soak_s:g}", "--warmup-s", f"{min(300.0, args.soak_s / 5):g}")
+        timeout_s = 600.0 if args.quick else b.timeout_s + (args.soak_s or 0.0 if b.name == "soak" else 0.0)
+        print(f"- {b.name} {' '.join(bench_args)} ...", end="", flush=True)
+        code, took_s, rows, load = run_bench(b, tuple(bench_args), log_dir / f"{b.name}.log", timeout_s, args.echo)
+        status = "ok" if code == 0 else f"stopped at {timeout_s:.0f} s" if code is None else f"FAILED (exit {code})"
+        print(f" {status}, {took_s:.0f} s, {len(rows)} figure(s), load {load['load1_mean']:.1f} (max {load['load1_max']:.1f})", flush=True)
+        if code != 0:
+            rows.append({"metric": f"(bench {status}; see {log_dir / (b.name + '.log')})", "ours": None, "unit": ""})
+        for r in rows:
+            r["bench"] = b.name
+            r["load"] = load
+        all_rows.extend(rows)
+    cells = table(all_rows)
+    print()
+    print(plain(cells))
+    when = f"{started:%Y-%m-%d %H:%M %Z}, commit {_commit()}, {platform.node()} ({os.cpu_count()} CPUs)"
+    if args.json is not None:
+        args.json.write_text(json.dumps({"when": when, "rows": all_rows}, indent=1) + "\n", encoding="utf-8")
+    if args.markdown is not None:
+        args.markdown.write_text(f"<!-- bench/run_all.py {' '.join(sys.argv[1:])} -->\nMeasured {when}.\n\n" + markdown(cells), encoding="utf-8")
+    return 0 if all(r.get("ours") is not None for r in all_rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,13 +25,13 @@ import fcntl
 import json
 import logging
 import os
-import random
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
 from agent.fsutil import atomic_write_text
+from exporters.backoff import Backoff
 from exporters.otlp_json import TornLines, iter_span_files, read_span_file
 from exporters.transport import (
     Delivery,
@@ -174,7 +174,10 @@ def _spool_in_use(path: Path, cache: dict[Path, bool]) -> bool:
 
 
 def _send_with_retry(sender: RequestSender, request: object, *, timeout_s: float, attempts: int) -> SendResult:
-    delay_s = 0.2
+    """Up to ``attempts`` tries of one request within ``timeout_s`` seconds; between tries the
+    backoff (at least the collector's ``Retry-After`` / ``RetryInfo``). A wait that would pass
+    the deadline ends the tries: the last result comes back."""
+    backoff = Backoff(0.2, 5.0)
     result = SendResult(Delivery.RETRYABLE, "not sent")
     deadline = time.monotonic() + timeout_s
     for attempt in range(attempts):
@@ -184,11 +187,10 @@ def _send_with_retry(sender: RequestSender, request: object, *, timeout_s: float
         result = sender.send(request, timeout_s=remaining)
         if result.delivery is not Delivery.RETRYABLE or attempt == attempts - 1:
             return result
-        pause = delay_s * random.uniform(0.8, 1.2)
+        pause = backoff.next_delay_s(result.retry_after_s)
         if time.monotonic() + pause >= deadline:
             break
         time.sleep(pause)
-        delay_s *= 2
     return result
 
 

@@ -17,10 +17,12 @@ Imports grpcio, httpx, opentelemetry-proto and :mod:`exporters.otlp_json`.
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeGuard, TypeVar, Union, cast
@@ -138,13 +140,22 @@ class Cause(StrEnum):
     TLS = "tls"
     #: the collector refused our credentials (gRPC UNAUTHENTICATED/PERMISSION_DENIED, HTTP 401/403)
     AUTH = "auth"
+    #: nothing serves OTLP at that URL path (HTTP 404/405): a wrong or doubled ``/v1/traces``
+    NOT_FOUND = "not_found"
+    #: the collector could not take the request as sent (HTTP 400/415, gRPC INVALID_ARGUMENT)
+    BAD_REQUEST = "bad_request"
+    #: the collector (or a proxy before it) says it cannot serve now (gRPC UNAVAILABLE, HTTP
+    #: 502/503/504) although the connection was made
+    UNAVAILABLE = "unavailable"
+    #: the collector asks us to slow down (HTTP 429, gRPC RESOURCE_EXHAUSTED)
+    THROTTLED = "throttled"
     #: the request exceeded the collector's size limit
     TOO_LARGE = "too_large"
     #: the collector is up but refused or failed the request (other status codes)
     COLLECTOR = "collector"
 
 
-#: One line per cause: what to check.
+#: One line per cause: what to check (a sender adds a more precise fix to a result when it knows one).
 CAUSE_HINTS: dict[Cause, str] = {
     Cause.REFUSED: "connection refused: is the collector running and the endpoint/port right?",
     Cause.TIMEOUT: "no answer within the timeout: collector hung, overloaded or unreachable (firewall)",
@@ -153,10 +164,19 @@ CAUSE_HINTS: dict[Cause, str] = {
     Cause.TLS: "TLS handshake failed or the peer hung up: check https:// vs http://, OTEL_EXPORTER_OTLP_CERTIFICATE (CA) "
     "and the client certificate/key for mTLS",
     Cause.AUTH: "the collector refused our credentials: check OTEL_EXPORTER_OTLP_HEADERS",
+    Cause.NOT_FOUND: "no OTLP receiver at this URL path: OTLP/HTTP traces are served at /v1/traces",
+    Cause.BAD_REQUEST: "the collector could not take the request: is this an OTLP endpoint of the protocol set "
+    "(OTEL_EXPORTER_OTLP_PROTOCOL)?",
+    Cause.UNAVAILABLE: "the collector answered but is unavailable (overloaded, restarting, or a proxy before it has no "
+    "healthy collector); retrying",
+    Cause.THROTTLED: "the collector asks us to slow down; retrying later",
     Cause.TOO_LARGE: "request larger than the collector accepts",
     Cause.COLLECTOR: "the collector refused the request",
 }
 
+#: Longest wait a collector's ``Retry-After`` / gRPC ``RetryInfo`` is honoured for, seconds (a
+#: bigger value, or a date far ahead, is cut to this).
+MAX_RETRY_AFTER_S = 600.0
 
 @dataclass(frozen=True, slots=True)
 class TlsFiles:
@@ -199,23 +219,36 @@ class SendResult:
 
     Attributes:
         delivery: how it ended.
-        detail: one line (status code, error class) when not OK.
+        detail: the status in a few words when not OK (``http 401 Unauthorized``, ``grpc
+            UNAVAILABLE: ...``, ``http ConnectError: ...``).
         rejected_spans: items (spans or data points) the collector accepted the request for but
             dropped (OTLP partial success).
         cause: why it failed, in operator terms (:class:`Cause`).
+        message: the collector's own words (an HTTP error body's ``google.rpc.Status`` message or
+            text, a partial success's ``error_message``), one line, ``""`` when it gave none.
+        hint: what to fix, when the sender knows better than :data:`CAUSE_HINTS` (a doubled
+            ``/v1/traces``, no authorization header sent).
+        retry_after_s: the wait the collector asked for (HTTP ``Retry-After``, gRPC
+            ``RetryInfo``), seconds, at most :data:`MAX_RETRY_AFTER_S`; ``None`` when it asked none.
     """
 
     delivery: Delivery
     detail: str = ""
     rejected_spans: int = 0
     cause: Cause = Cause.NONE
+    message: str = ""
+    hint: str = ""
+    retry_after_s: float | None = None
 
     def explain(self) -> str:
-        """One line: the detail plus what to check."""
-        hint = CAUSE_HINTS.get(self.cause, "")
+        """One line: what to fix, then the status and the collector's own words."""
+        hint = self.hint or CAUSE_HINTS.get(self.cause, "")
+        said = f"{self.detail}: {self.message}" if self.detail and self.message and self.message not in self.detail else (
+            self.detail or self.message
+        )
         if not hint:
-            return self.detail
-        return f"{hint} ({self.detail})" if self.detail else hint
+            return said
+        return f"{hint} ({said})" if said else hint
 
     @property
     def ok(self) -> bool:
@@ -265,12 +298,15 @@ def item_count(request: OtlpRequest) -> int:
 
 def _grpc_cause(code: grpc.StatusCode | None, details: str) -> tuple[Delivery, Cause]:
     """Sort a gRPC status into (delivery, cause). grpc-core's own wording is matched for the
-    cases a status code alone does not tell apart (refused vs TLS vs HTTP port)."""
+    cases a status code alone does not tell apart (refused vs TLS vs HTTP port): an
+    ``UNAVAILABLE`` is "connection refused" only when grpc-core says it could not connect."""
     text = details.lower()
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and ("larger than" in text or "too large" in text or "message size" in text):
         return Delivery.TOO_LARGE, Cause.TOO_LARGE
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return Delivery.PERMANENT, Cause.AUTH
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return Delivery.PERMANENT, Cause.BAD_REQUEST
     if code is grpc.StatusCode.DEADLINE_EXCEEDED or "timed out" in text or "timeout" in text:
         return Delivery.RETRYABLE, Cause.TIMEOUT
     if any(m in text for m in ("ssl", "tls", "handshake", "certificate", "x509", "alpn")):
@@ -283,14 +319,92 @@ def _grpc_cause(code: grpc.StatusCode | None, details: str) -> tuple[Delivery, C
                                "unexpected http status", "received http2 header with status")):
         return Delivery.RETRYABLE, Cause.PROTOCOL_MISMATCH
     if any(m in text for m in ("connection refused", "failed to connect", "connect failed", "dns", "no route",
-                               "name resolution", "network is unreachable")):
+                               "name resolution", "network is unreachable", "domain name not found")):
         return Delivery.RETRYABLE, Cause.REFUSED
     if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
         # an HTTP server answering a gRPC call shows up as one of these
         return Delivery.PERMANENT if code is grpc.StatusCode.UNIMPLEMENTED else Delivery.RETRYABLE, Cause.PROTOCOL_MISMATCH
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return Delivery.RETRYABLE, Cause.UNAVAILABLE
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Delivery.RETRYABLE, Cause.THROTTLED
     if code is not None and code.name in _GRPC_RETRYABLE_NAMES:
-        return Delivery.RETRYABLE, Cause.COLLECTOR if code is not grpc.StatusCode.UNAVAILABLE else Cause.REFUSED
+        return Delivery.RETRYABLE, Cause.COLLECTOR
     return Delivery.PERMANENT, Cause.COLLECTOR
+
+
+#: gRPC trailing-metadata key of the rich status (a binary ``google.rpc.Status``).
+_GRPC_STATUS_DETAILS = "grpc-status-details-bin"
+#: ``Any`` type URL of ``google.rpc.RetryInfo`` (the OTLP spec's throttling signal for gRPC).
+_RETRY_INFO_TYPE = "type.googleapis.com/google.rpc.RetryInfo"
+
+
+def _grpc_retry_info(exc: grpc.RpcError) -> float | None:
+    """The delay of a ``google.rpc.RetryInfo`` in the call's rich status, seconds (``None``
+    when the server sent none or it does not parse)."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    try:
+        metadata = trailing() if callable(trailing) else None
+    except Exception:  # noqa: BLE001 - a call object without metadata
+        return None
+    raw = next((v for k, v in (metadata or ()) if k == _GRPC_STATUS_DETAILS), None)
+    if not isinstance(raw, bytes):
+        return None
+    from google.rpc import error_details_pb2, status_pb2
+
+    try:
+        status = status_pb2.Status.FromString(raw)
+        for detail in status.details:
+            if detail.type_url == _RETRY_INFO_TYPE:
+                info = error_details_pb2.RetryInfo.FromString(detail.value)
+                delay_s = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+                return min(MAX_RETRY_AFTER_S, max(0.0, delay_s))
+    except Exception:  # noqa: BLE001 - a malformed rich status is no retry hint, not an error
+        return None
+    return None
+
+
+def _retry_after(value: str | None) -> float | None:
+    """HTTP ``Retry-After``: delta-seconds or an HTTP-date (RFC 9110 10.2.3), as seconds from
+    now, at most :data:`MAX_RETRY_AFTER_S`; ``None`` when absent or malformed."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(MAX_RETRY_AFTER_S, float(value))
+    from email.utils import parsedate_to_datetime
+
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return min(MAX_RETRY_AFTER_S, max(0.0, when.timestamp() - time.time()))
+
+
+def _has_auth(headers: dict[str, str] | tuple[tuple[str, str], ...]) -> bool:
+    keys = headers.keys() if isinstance(headers, dict) else (k for k, _ in headers)
+    return any(k.lower() in ("authorization", "x-api-key", "api-key") or "token" in k.lower() for k in keys)
+
+
+def _auth_hint(*, sent_auth: bool) -> str:
+    """What to fix for a credentials refusal (401/403, UNAUTHENTICATED/PERMISSION_DENIED)."""
+    if not sent_auth:
+        return (
+            "the collector refused our credentials: no authorization header is sent; set "
+            "OTEL_EXPORTER_OTLP_HEADERS='authorization=Bearer <token>' (or the header its auth extension expects)"
+        )
+    return (
+        "the collector refused our credentials: the authorization header from OTEL_EXPORTER_OTLP_HEADERS "
+        "was not accepted; check the token and that it is for this collector"
+    )
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """The first line of a collector's message, bounded, without control characters."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return "".join(ch for ch in first if ch.isprintable())[:limit]
 
 
 def _http_error_cause(exc: BaseException) -> Cause:
@@ -382,8 +496,14 @@ class GrpcSender:
             if self._aborted:
                 return SendResult(Delivery.RETRYABLE, "grpc call aborted", cause=Cause.TIMEOUT)
             delivery, cause = _grpc_cause(code, details)
-            line = f"grpc {code.name if code else 'UNKNOWN'}" + (f": {details.splitlines()[0][:200]}" if details else "")
-            return SendResult(delivery, line, cause=cause)
+            name = code.name if code else "UNKNOWN"
+            hint = ""
+            if cause is Cause.AUTH:
+                hint = _auth_hint(sent_auth=_has_auth(self._metadata))
+            return SendResult(
+                delivery, f"grpc {name}", cause=cause, message=_one_line(details), hint=hint,
+                retry_after_s=_grpc_retry_info(exc) if delivery is Delivery.RETRYABLE else None,
+            )
         except Exception as exc:  # noqa: BLE001 - a transport bug must not kill the export worker
             if self._aborted:  # the channel was closed under the call (ValueError from grpc)
                 return SendResult(Delivery.RETRYABLE, "grpc call aborted", cause=Cause.TIMEOUT)
@@ -411,7 +531,49 @@ def _partial_success(response: ExportTraceServiceResponse | ExportMetricsService
     else:
         traces_ps = cast(ExportTraceServiceResponse, response).partial_success
         rejected, message = traces_ps.rejected_spans, traces_ps.error_message
-    return SendResult(Delivery.OK, message if rejected else "", rejected)
+    return SendResult(Delivery.OK, rejected_spans=rejected, message=_one_line(message) if rejected else "")
+
+
+def _error_message(body: bytes, content_type: str) -> str:
+    """The collector's own words in an OTLP/HTTP error body: a protobuf ``google.rpc.Status``
+    (the OTLP/HTTP spec), its JSON form, or plain text; one bounded line (``""`` when none)."""
+    if not body:
+        return ""
+    if "protobuf" in content_type:
+        from google.rpc import status_pb2
+
+        try:
+            return _one_line(status_pb2.Status.FromString(body).message)
+        except Exception:  # noqa: BLE001 - not a Status after all: read it as text below
+            _log.debug("OTLP/HTTP error body is not a google.rpc.Status")
+    if "json" in content_type:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("message"), str):
+            return _one_line(data["message"])
+    return _one_line(body[:4096].decode("utf-8", "replace"))
+
+
+def _path_hint(url: str, signal: Signal) -> str:
+    """What to fix for a 404/405 from ``url``: a doubled ``/v1/<signal>`` (a base endpoint given
+    with the path already), another path, or the right path on something that is not OTLP/HTTP."""
+    path = urlsplit(url).path
+    suffix = f"/v1/{signal}"
+    env = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+    if path.endswith(suffix + suffix):
+        base = url[: len(url) - 2 * len(suffix)]
+        return (
+            f"wrong URL path: {suffix} is doubled in {url}: OTEL_EXPORTER_OTLP_ENDPOINT (and --otlp-endpoint) is the "
+            f"base URL, servewatch appends {suffix}; set it to {base}, or give the full URL in {env}"
+        )
+    if not path.endswith(suffix):
+        return (
+            f"wrong URL path: {url} is not an OTLP/HTTP {signal} path ({suffix}); give the base URL (e.g. "
+            f"http://collector:4318) in OTEL_EXPORTER_OTLP_ENDPOINT, or the full URL ending in {suffix} in {env}"
+        )
+    return f"nothing serves OTLP/HTTP at {url}: is this the collector's OTLP HTTP port (4318), with the otlp receiver's http protocol on?"
 
 
 def http_traces_url(endpoint: str, *, signal_specific: bool = False, signal: Signal = "traces") -> str:
@@ -496,14 +658,32 @@ class HttpSender:
                     return SendResult(Delivery.OK)
                 return _partial_success(parsed)
             return SendResult(Delivery.OK)
+        return self._refusal(response)
+
+    def _refusal(self, response: httpx.Response) -> SendResult:
+        """Sort a non-2xx answer: delivery, cause, the collector's own message, the fix."""
+        status = response.status_code
+        reason = response.reason_phrase or ""
+        detail = f"http {status}" + (f" {reason}" if reason else "")
+        content_type = response.headers.get("content-type", "")
+        if content_type.startswith("application/grpc"):
+            return SendResult(Delivery.PERMANENT, detail, cause=Cause.PROTOCOL_MISMATCH)
+        message = _error_message(response.content, content_type)
         if status == 413:
-            return SendResult(Delivery.TOO_LARGE, "http 413", cause=Cause.TOO_LARGE)
+            return SendResult(Delivery.TOO_LARGE, detail, cause=Cause.TOO_LARGE, message=message)
         if status in (401, 403):
-            return SendResult(Delivery.PERMANENT, f"http {status}", cause=Cause.AUTH)
-        if status in (404, 405) or response.headers.get("content-type", "").startswith("application/grpc"):
-            return SendResult(Delivery.PERMANENT, f"http {status}", cause=Cause.PROTOCOL_MISMATCH)
-        delivery = Delivery.RETRYABLE if status in _HTTP_RETRYABLE else Delivery.PERMANENT
-        return SendResult(delivery, f"http {status}", cause=Cause.COLLECTOR)
+            hint = _auth_hint(sent_auth=_has_auth(dict(self._client.headers)))
+            return SendResult(Delivery.PERMANENT, detail, cause=Cause.AUTH, message=message, hint=hint)
+        if status in (404, 405):
+            return SendResult(Delivery.PERMANENT, detail, cause=Cause.NOT_FOUND, message=message, hint=_path_hint(self.target, self.signal))
+        if status in (400, 415):
+            return SendResult(Delivery.PERMANENT, detail, cause=Cause.BAD_REQUEST, message=message)
+        retry_after_s = _retry_after(response.headers.get("retry-after"))
+        if status == 429:
+            return SendResult(Delivery.RETRYABLE, detail, cause=Cause.THROTTLED, message=message, retry_after_s=retry_after_s)
+        if status in _HTTP_RETRYABLE:
+            return SendResult(Delivery.RETRYABLE, detail, cause=Cause.UNAVAILABLE, message=message, retry_after_s=retry_after_s)
+        return SendResult(Delivery.PERMANENT, detail, cause=Cause.COLLECTOR, message=message)
 
     def abort(self) -> None:
         # httpx cannot cancel a request from another thread; the per-call timeout bounds it.

@@ -17,6 +17,7 @@ Use the ``otlp_receiver`` fixture (``tests/exporters/conftest.py``) or the class
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import socket
 import ssl
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
@@ -116,14 +118,39 @@ class _Store:
             self.cond.notify_all()
 
 
+def _rich_status(code: int, message: str, retry_delay_s: float | None) -> bytes:
+    """A ``google.rpc.Status`` (with a ``RetryInfo`` detail when a delay is given), serialized."""
+    status = status_pb2.Status(code=code, message=message)
+    if retry_delay_s is not None:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.FromTimedelta(datetime.timedelta(seconds=retry_delay_s))
+        status.details.add().Pack(info)
+    return status.SerializeToString()
+
+
+def _span_total(request: trace_service_pb2.ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, receiver: OtlpReceiver) -> None:
         self.receiver = receiver
 
     def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
-        if self.receiver.grpc_error is not None:
-            context.abort(self.receiver.grpc_error, "refused by test receiver")
-        self.receiver._store.add_trace("grpc", request, {k: v for k, v in context.invocation_metadata()})
+        receiver = self.receiver
+        receiver.attempts += 1
+        if receiver.grpc_error is not None:
+            if receiver.retry_delay_s is not None:
+                context.set_trailing_metadata(
+                    (("grpc-status-details-bin", _rich_status(receiver.grpc_error.value[0], receiver.error_message, receiver.retry_delay_s)),)
+                )
+            context.abort(receiver.grpc_error, receiver.error_message)
+        if receiver.reject_all is not None:  # OTLP partial success: every span of the request rejected
+            response = trace_service_pb2.ExportTraceServiceResponse()
+            response.partial_success.rejected_spans = _span_total(request)
+            response.partial_success.error_message = receiver.reject_all
+            return response
+        receiver._store.add_trace("grpc", request, {k: v for k, v in context.invocation_metadata()})
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -180,8 +207,17 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length)
             if self.headers.get("Content-Encoding", "") == "gzip":
                 body = gzip.decompress(body)
+            receiver.attempts += 1
             if receiver.http_status is not None:
-                self._reply(receiver.http_status, b"refused by test receiver", "text/plain")
+                # as the collector answers: a protobuf google.rpc.Status with its message
+                body = status_pb2.Status(code=2, message=receiver.error_message).SerializeToString()
+                self.send_response(receiver.http_status)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(body)))
+                if receiver.retry_delay_s is not None:
+                    self.send_header("Retry-After", str(int(receiver.retry_delay_s)))
+                self.end_headers()
+                self.wfile.write(body)
                 return
             content_type = self.headers.get("Content-Type", "")
             is_json = content_type.startswith("application/json")
@@ -203,7 +239,10 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
                 self._reply(400, str(exc).encode(), "text/plain")
                 return
             protocol = "http/json" if is_json else "http/protobuf"
-            if path == "/v1/traces":
+            if path == "/v1/traces" and receiver.reject_all is not None:
+                resp.partial_success.rejected_spans = _span_total(request)
+                resp.partial_success.error_message = receiver.reject_all
+            elif path == "/v1/traces":
                 receiver._store.add_trace(protocol, request, dict(self.headers.items()))
             else:
                 receiver._store.add_metrics(protocol, request, dict(self.headers.items()))
@@ -236,7 +275,15 @@ class OtlpReceiver:
 
     Attributes:
         grpc_error: when set, gRPC exports are answered with this status (and not stored).
-        http_status: when set, HTTP exports are answered with this status (and not stored).
+        http_status: when set, HTTP exports are answered with this status (and not stored), the
+            body a protobuf ``google.rpc.Status`` carrying :attr:`error_message`, as the
+            collector answers.
+        error_message: the message of those refusals.
+        retry_delay_s: with a refusal, ask for this delay: HTTP ``Retry-After`` (whole seconds),
+            gRPC ``google.rpc.RetryInfo`` in the rich status.
+        reject_all: when set, trace exports are answered as OTLP partial success with every
+            span rejected and this ``error_message`` (nothing stored).
+        attempts: export calls answered (refused ones included).
     """
 
     def __init__(
@@ -257,6 +304,10 @@ class OtlpReceiver:
         self.http_port = 0
         self.grpc_error: grpc.StatusCode | None = None
         self.http_status: int | None = None
+        self.error_message = "refused by test receiver"
+        self.retry_delay_s: float | None = None
+        self.reject_all: str | None = None
+        self.attempts = 0
         self._store = _Store()
         self._grpc: grpc.Server | None = None
         self._http: ThreadingHTTPServer | None = None

@@ -177,15 +177,21 @@ def _logging(verbose: bool) -> None:
     quiet_sdk_logs(verbose=verbose)  # the OTel SDK's own log lines are counted, not printed
 
 
-def _say_spooled(telemetry: Any, stats: Any) -> None:
-    """After a one-shot command: say how many spans wait in the spool and how to replay them."""
-    from exporters.console import spooled_summary
+def _say_spooled(telemetry: Any, stats: Any) -> bool:
+    """After a one-shot command: say how many spans wait in the spool and how to replay them,
+    and how many were refused or lost. Returns whether every span was delivered or is safe in
+    the spool (``False``: some were refused or lost; the command exits 1)."""
+    from exporters.console import spooled_summary, undelivered_summary
 
     if telemetry is None or stats is None:  # never built, or its shutdown ran out of time
-        return
+        return True
     line = spooled_summary(telemetry, stats)
     if line:
         err.print(line, markup=False, highlight=False, soft_wrap=True)
+    lost = undelivered_summary(telemetry, stats)
+    if lost:
+        err.print(f"servewatch: {lost}", markup=False, highlight=False, soft_wrap=True)
+    return lost is None
 
 
 def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) -> Settings:
@@ -583,8 +589,10 @@ def dump(
     """One-shot incident now: dump matching processes, write bundle + spans, print a summary.
 
     Exits 1 when a rank's stacks could not be captured for an error (the summary's Errors: N:
-    timed out, permission denied, not Python), nothing matched or nothing was captured; a dead
-    rank is evidence, not an error.
+    timed out, permission denied, not Python), nothing matched or nothing was captured, or the
+    collector refused the incident's spans (401, 404, 400...: said on stderr with the fix; the
+    spans are kept under spool/rejected/); a dead rank is evidence, not an error, and spans
+    spooled while the collector is unreachable are safe (the next agent sends them).
     """
     _logging(verbose)
     settings = _settings(
@@ -611,14 +619,16 @@ def dump(
     agent = Agent.build(settings)
     record = anyio.run(lambda: agent.dump(handle_signals=True))
     _print_record(record, as_json=as_json)
-    _say_spooled(agent.telemetry, agent.export_statistics)
+    delivered = _say_spooled(agent.telemetry, agent.export_statistics)
     from agent.events import Outcome
     from agent.summary import GONE_OUTCOMES, stack_dump_errors
 
-    # exit 1 when a rank's stacks could not be captured for an error (the summary's Errors: N) or
-    # nothing was captured at all (py-spy off, no other evidence); a dead rank is evidence
+    # exit 1 when a rank's stacks could not be captured for an error (the summary's Errors: N),
+    # nothing was captured at all (py-spy off, no other evidence), or the collector refused the
+    # incident's spans (or they were lost); a dead rank is evidence, and spans spooled through an
+    # outage are safe (the next agent sends them)
     captured = any(r.outcome is Outcome.OK or r.outcome in GONE_OUTCOMES for r in record.results)
-    if record.state == "interrupted" or stack_dump_errors(record) or not captured:
+    if record.state == "interrupted" or stack_dump_errors(record) or not captured or not delivered:
         raise typer.Exit(int(ExitCode.FAILURE))
 
 
@@ -1006,9 +1016,10 @@ def profile(
         )
     )
     telemetry = agent.telemetry
+    delivered = True
     if trace_id is not None:
         assert telemetry is not None  # the otlp exporter built it for the trace
-        _say_spooled(telemetry, agent.export_statistics)
+        delivered = _say_spooled(telemetry, agent.export_statistics)
     if as_json:
         out.print_json(json.dumps({**result.to_manifest(), "trace_id": trace_id}))
     # vLLM writes into its own launch-time folder: those files are listed, not taken
@@ -1026,7 +1037,7 @@ def profile(
         + _how_to_open(paths),
         markup=False,
     )
-    if result.outcome.value not in ("ok",):
+    if result.outcome.value not in ("ok",) or not delivered:
         raise typer.Exit(int(ExitCode.FAILURE))
 
 

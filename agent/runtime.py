@@ -101,6 +101,9 @@ TARGET_ALIVE_INTERVAL_S = 2.0
 #: every heartbeat; a change of state, e.g. a ring refused, is written at once). Under load the
 #: counts change every second: each rewrite of the status file is agent CPU (soak, issue 15).
 SPANS_STATUS_INTERVAL_S = 5.0
+#: Seconds between checks of span delivery (the ``export`` row of the status board: a refusal
+#: shows there within this long; the console line is said by the processor at once).
+DELIVERY_STATUS_INTERVAL_S = 1.0
 #: Seconds between returning the agent's freed heap memory to the OS (:func:`agent.memory.trim`).
 TRIM_INTERVAL_S = 60.0
 #: Upper bound on flushing telemetry at shutdown, seconds.
@@ -496,6 +499,8 @@ class Agent:
         return frozenset(pid for pid, _ in self._step_scopes)
 
     def _status_changed(self, status: WatcherStatus) -> None:
+        if status.name == "export":
+            return  # said by the span processor when it happened (once per cause), not twice
         if status.name == "spans":
             # the shipped count moves every few seconds: print when anything else changes
             key = (status.state, re.sub(r"\d+ shipped", "", status.reason))
@@ -568,6 +573,7 @@ class Agent:
                         await self._start_watchers(tg)
                         if self.shipper is not None:
                             tg.start_soon(self._ship_spans, self.shipper)
+                        tg.start_soon(self._watch_delivery, self.telemetry)
                         tg.start_soon(_trim_memory, TRIM_INTERVAL_S)
                         self._ready.set()
                         task_status.started()
@@ -622,7 +628,9 @@ class Agent:
                 # the spans line changes with every count (up to once a second): logged when
                 # its state changes, not at each new count
                 counts_only = event.watcher == "spans" and before is not None and before.state is state is WatcherState.READY
-                changed = self.status.set(event.watcher, state, event.reason, write=False, log_change=not counts_only)
+                # the export row: the span processor says a refusal itself, once, at once
+                said = event.watcher == "export"
+                changed = self.status.set(event.watcher, state, event.reason, write=False, log_change=not (counts_only or said))
             elif isinstance(event, ComponentStatusChanged) and event.component in self.actors:
                 ok = event.status is ComponentStatus.OK  # an actor's startup check (py-spy's binary)
                 changed = self.status.set(
@@ -635,6 +643,25 @@ class Agent:
                 continue
             if changed:
                 await anyio.to_thread.run_sync(self.status.write)  # the status file, off the loop
+
+    async def _watch_delivery(self, telemetry: Telemetry) -> None:
+        """Keep the ``export`` row of the status board current: ``blind`` while the collector
+        refuses or rejects spans (with its words and the fix), ``waiting`` while it is
+        unreachable, ``ready`` otherwise; a new state at once, new counts at most every
+        :data:`SPANS_STATUS_INTERVAL_S`."""
+        delivery_status = getattr(telemetry, "delivery_status", None)
+        if delivery_status is None:
+            return
+        shown: tuple[str, str] | None = None
+        next_counts = 0.0
+        while True:
+            state, reason = delivery_status()
+            now = anyio.current_time()
+            if (state, reason) != shown and (shown is None or state != shown[0] or state != "ready" or now >= next_counts):
+                shown = (state, reason)
+                next_counts = now + SPANS_STATUS_INTERVAL_S
+                await self._set_status("export", WatcherState(state), reason)
+            await anyio.sleep(DELIVERY_STATUS_INTERVAL_S)
 
     async def _set_status(self, name: str, state: WatcherState, reason: str) -> None:
         """Publish a status the runtime itself decides (steps, process, a crashed watcher)."""

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from exporters.processor import ExportStatistics
     from exporters.provider import Telemetry
 
-__all__ = ["SdkLogCounter", "quiet_sdk_logs", "spooled_summary"]
+__all__ = ["SdkLogCounter", "quiet_sdk_logs", "spooled_summary", "undelivered_summary"]
 
 #: Loggers of the OTel SDK and its exporters.
 SDK_LOGGERS = ("opentelemetry",)
@@ -75,13 +75,27 @@ def spooled_summary(telemetry: Telemetry, stats: ExportStatistics) -> str | None
     return (
         f"{waiting} span(s) spooled under '{telemetry.spool_dir}' (collector {dest.endpoint}: {why}). "
         f"The next servewatch agent on this data dir sends them; or replay them now with: "
-        f"servewatch export --to {_with_scheme(dest.endpoint, dest.insecure)} --protocol {dest.protocol} {telemetry.spool_dir}"
+        f"{dest.replay_command(telemetry.spool_dir)}"
     )
 
 
-def _with_scheme(endpoint: str | None, insecure: bool | None) -> str | None:
-    """``export --to`` takes a URL: a bare gRPC ``host:port`` (accepted by the OTLP exporters)
-    gets the scheme it was used with (``https`` unless insecure)."""
-    if endpoint is None or "://" in endpoint:
-        return endpoint
-    return ("http://" if insecure is not False else "https://") + endpoint
+def undelivered_summary(telemetry: Telemetry, stats: ExportStatistics) -> str | None:
+    """One line when a one-shot command's spans were refused or lost (never to be delivered by
+    the next agent), else ``None``: how many and why, in short (the collector's refusal itself
+    was said in full when it happened). The command then exits 1.
+
+    Example: ``12 span(s) not delivered to OTLP http/protobuf http://otel:4318: 12 refused or
+    rejected by the collector (said above), kept under '/var/lib/servewatch/h1/spool/rejected'``
+    """
+    if not stats.lost:
+        return None
+    parts = []
+    refused = stats.rejected + stats.partially_rejected
+    if refused:
+        kept = f", kept under '{telemetry.spool_dir / 'rejected'}'" if telemetry.spool_dir is not None and stats.rejected else ""
+        parts.append(f"{refused} refused or rejected by the collector (said above){kept}")
+    if stats.dropped:
+        parts.append(f"{stats.dropped} dropped (memory queue full, or the spool could not be written)")
+    if stats.evicted:
+        parts.append(f"{stats.evicted} evicted from the full spool (export.spool_max_bytes)")
+    return f"{stats.lost} span(s) not delivered to {telemetry.destination.describe()}: {'; '.join(parts)}"

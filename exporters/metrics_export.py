@@ -27,7 +27,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult,
 
 from agent.fsutil import atomic_write_bytes, ensure_private_dir, remove_stale_temps
 from exporters.otlp_json import RotatingJsonLinesWriter, message_to_json
-from exporters.transport import Delivery, RequestSender
+from exporters.transport import Delivery, RequestSender, SendResult
 
 __all__ = ["MetricExportStatistics", "OtlpJsonMetricExporter", "SpoolingMetricExporter", "data_point_count"]
 
@@ -119,6 +119,7 @@ class SpoolingMetricExporter(MetricExporter):
         self._seq = _seq_from_name(self._files[-1][0]) + 1 if self._files else 1
         self._exported = self._spooled = self._replayed = self._lost = self._failures = 0
         self._last_detail = ""
+        self._said: set[str] = set()
 
     # --- MetricExporter -------------------------------------------------------------------
 
@@ -140,11 +141,11 @@ class SpoolingMetricExporter(MetricExporter):
                 self._lost += result.rejected_spans
                 return MetricExportResult.SUCCESS
             self._failures += 1
-            self._note(result.explain())
             if result.delivery is Delivery.RETRYABLE:
+                self._note(result.explain())
                 self._spool(request, points)
             else:
-                self._lost += points
+                self._refused(result, points)
             return MetricExportResult.FAILURE
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -175,6 +176,15 @@ class SpoolingMetricExporter(MetricExporter):
             _log.warning("metrics export to %s failed (%s); spooling", self.sender.target, detail)
         self._last_detail = detail
 
+    def _refused(self, result: SendResult, points: int) -> None:
+        """A permanent refusal: the data points are lost (counted); each cause said once."""
+        self._lost += points
+        line = result.explain()
+        if line not in self._said:
+            self._said.add(line)
+            _log.error("collector %s refused servewatch's metrics (%d data point(s) lost, counted): %s", self.sender.target, points, line)
+        self._last_detail = line
+
     def _replay(self, deadline: float) -> bool:
         """Send spooled exports oldest first. ``False`` when one failed (the rest stay)."""
         while self._files:
@@ -200,6 +210,7 @@ class SpoolingMetricExporter(MetricExporter):
                 return False
             else:
                 self._failures += 1
+                self._refused(result, 0)
                 self._drop_head(lost=True)
         return True
 

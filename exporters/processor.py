@@ -41,24 +41,25 @@ Imports opentelemetry-sdk, :mod:`exporters.transport`, :mod:`exporters.spool`.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 from opentelemetry.context import Context
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
+from exporters.backoff import Backoff
 from exporters.batching import halve_request, split_request
 from exporters.encode import EncodedSpan
 from exporters.encode import encode_spans_fast as encode_spans
 from exporters.spool import Spool, SpoolEntry
 from exporters.transport import Delivery, RequestSender, SendResult
 
-__all__ = ["ExportStatistics", "LosslessSpanProcessor"]
+__all__ = ["DeliveryProblem", "ExportStatistics", "LosslessSpanProcessor"]
 
 _log = logging.getLogger(__name__)
 
@@ -110,6 +111,20 @@ class ExportStatistics(NamedTuple):
         return self.dropped + self.evicted + self.rejected + self.partially_rejected
 
 
+class DeliveryProblem(NamedTuple):
+    """Why spans are not reaching the collector now (:meth:`LosslessSpanProcessor.problem`)."""
+
+    #: ``refused``: the collector refused them (401/403/404/400, gRPC UNAUTHENTICATED...): kept
+    #: under ``rejected/``, nothing retries them; ``rejected``: it accepted requests but rejected
+    #: spans in them (OTLP partial success); ``unreachable``: sends fail and are retried, the
+    #: spans wait in the spool
+    kind: str
+    #: one line: what happened, the collector's own words, and the fix
+    line: str
+    #: when this problem was first seen (ns since the epoch)
+    since_time_unix_nano: int
+
+
 class _Inflight(NamedTuple):
     replay: bool
     request: ExportTraceServiceRequest
@@ -129,9 +144,12 @@ class LosslessSpanProcessor(SpanProcessor):
         schedule_delay_s: longest a span waits in the queue before a partial batch is sent, seconds.
         export_timeout_s: bound on one send attempt, seconds (also capped by the shutdown deadline).
         retry_initial_backoff_s / retry_max_backoff_s: replay backoff after a failure, doubling,
-            +-20% jitter, seconds.
+            +-20% jitter, seconds (:class:`~exporters.backoff.Backoff`); a collector's
+            ``Retry-After`` / ``RetryInfo`` makes the wait at least that long.
         shutdown_timeout_s: default deadline of :meth:`shutdown`, seconds.
         adopt_interval_s: how often stranded spool folders are looked for, seconds.
+        replay_command: the ``servewatch export ...`` command line that sends a folder of span
+            files to this destination (said with a refusal, for the spans kept under ``rejected/``).
     """
 
     def __init__(
@@ -149,6 +167,7 @@ class LosslessSpanProcessor(SpanProcessor):
         shutdown_timeout_s: float = 3.0,
         adopt_interval_s: float = 30.0,
         name: str = "servewatch-export",
+        replay_command: Callable[[Path], str] | None = None,
     ) -> None:
         if max_queue_spans < 1 or max_batch_spans < 1:
             raise ValueError("max_queue_spans and max_batch_spans must be >= 1")
@@ -164,8 +183,7 @@ class LosslessSpanProcessor(SpanProcessor):
         self._send_lock = threading.Lock()  # one send at a time (worker, or persist without spool)
         self._delay_s = schedule_delay_s
         self._timeout_s = export_timeout_s
-        self._backoff_initial_s = retry_initial_backoff_s
-        self._backoff_max_s = retry_max_backoff_s
+        self._backoff = Backoff(retry_initial_backoff_s, max(retry_initial_backoff_s, retry_max_backoff_s))
         self._shutdown_timeout_s = shutdown_timeout_s
 
         self._queue: deque[ReadableSpan | EncodedSpan] = deque()
@@ -182,7 +200,6 @@ class LosslessSpanProcessor(SpanProcessor):
         self._rejected = 0
         self._partial = 0
         self._failures = 0
-        self._backoff_s = 0.0
         self._retry_at = 0.0
         self._closed = False
         self._stopping = False
@@ -191,6 +208,9 @@ class LosslessSpanProcessor(SpanProcessor):
         self._inflight: _Inflight | None = None
         self._last_detail = ""
         self._last_explained = ""
+        self._replay_command = replay_command
+        self._problem: DeliveryProblem | None = None
+        self._said: set[tuple[str, str, str]] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -335,6 +355,28 @@ class LosslessSpanProcessor(SpanProcessor):
     def last_error(self) -> str:
         """One line on the last failed send and what to check (``""`` when none)."""
         return self._last_explained or self._last_detail
+
+    def problem(self) -> DeliveryProblem | None:
+        """Why spans are not reaching the collector now, or ``None`` while they are (or nothing
+        was sent yet). A refusal stands until a later request is accepted whole."""
+        return self._problem
+
+    def _note_problem(self, kind: str, line: str, *, key: tuple[str, str, str], level: int) -> None:
+        """Keep ``line`` as the current problem and say it once per ``key`` (at once, on the
+        worker thread: the command line shows it as ``servewatch: error: ...``)."""
+        if self._problem is None or self._problem.kind != kind or self._problem.line != line:
+            self._problem = DeliveryProblem(kind, line, time.time_ns())
+        if key not in self._said:
+            self._said.add(key)
+            _log.log(level, "%s", line)
+
+    def _kept_note(self) -> str:
+        """Where refused spans are kept and the command that sends them once the cause is fixed."""
+        if self.spool is None:
+            return "counted as lost (no spool with the embedded file default)"
+        rejected = self.spool.directory / "rejected"
+        command = self._replay_command(rejected) if self._replay_command is not None else f"servewatch export {rejected}"
+        return f"kept under {rejected}; send them once fixed with: {command}"
 
     def flush(self, timeout_s: float) -> bool:
         """Deliver every span queued so far, and the spool, within ``timeout_s`` seconds.
@@ -499,8 +541,10 @@ class LosslessSpanProcessor(SpanProcessor):
             for piece, n in pieces:
                 self._ship_request(piece, n, depth + 1)
             return
-        if result.ok:
-            self._succeeded()
+        if result.ok and result.rejected_spans >= count:
+            self._all_rejected(request, count, result)
+        elif result.ok:
+            self._succeeded(result, count)
             with self._cv:
                 self._partial += result.rejected_spans
             self._settle(count, exported=count - result.rejected_spans)
@@ -550,14 +594,18 @@ class LosslessSpanProcessor(SpanProcessor):
                 return
             self._split_entry(entry, halve_request(request))
             return
-        if result.ok:
-            self._succeeded()
+        if result.ok and result.rejected_spans >= entry.spans:
+            self._say_rejected(entry.spans, result)
+            spool.reject(entry)  # kept whole under rejected/: replayable once the cause is fixed
+        elif result.ok:
+            self._succeeded(result, entry.spans)
             spool.remove(entry)
             with self._cv:
                 self._replayed += entry.spans - result.rejected_spans
                 self._partial += result.rejected_spans
         elif result.delivery is Delivery.PERMANENT:
             self._last_detail = result.detail
+            self._say_refused(entry.spans, result)
             spool.reject(entry)
         else:
             self._failed(result)
@@ -600,9 +648,38 @@ class LosslessSpanProcessor(SpanProcessor):
         # here could only duplicate it.
         return None if abandoned else result
 
-    def _succeeded(self) -> None:
-        self._backoff_s = 0.0
+    def _succeeded(self, result: SendResult | None = None, spans: int = 0) -> None:
+        self._backoff.reset()
         self._retry_at = 0.0
+        if result is not None and result.rejected_spans:
+            # some (not all) spans of the request rejected: which ones, OTLP does not say, so they
+            # cannot be kept apart from those accepted (re-sending the request would duplicate them)
+            line = (
+                f"collector {self.sender.target} rejected {result.rejected_spans} of {spans} span(s) of a request "
+                f"(OTLP partial success: {result.message or 'no reason given'}); it does not say which, so they are "
+                "counted (servewatch.export.spans, outcome rejected), not kept"
+            )
+            self._note_problem("rejected", line, key=("partial", self.sender.target, result.message), level=logging.WARNING)
+            return
+        if self._problem is not None:
+            _log.info("collector %s accepts spans again", self.sender.target)
+            self._problem = None
+
+    def _say_refused(self, spans: int, result: SendResult) -> None:
+        line = f"collector {self.sender.target} refused {spans} span(s): {result.explain()}; {self._kept_note()}"
+        self._note_problem("refused", line, key=("refused", result.detail, result.message), level=logging.ERROR)
+
+    def _say_rejected(self, spans: int, result: SendResult) -> None:
+        line = (
+            f"collector {self.sender.target} rejected all {spans} span(s) of a request (OTLP partial success: "
+            f"{result.message or 'no reason given'}); {self._kept_note()}"
+        )
+        self._note_problem("rejected", line, key=("all_rejected", self.sender.target, result.message), level=logging.ERROR)
+
+    def _all_rejected(self, request: ExportTraceServiceRequest, spans: int, result: SendResult) -> None:
+        """Every span of a fresh request rejected (OTLP partial success): kept like a refusal."""
+        self._say_rejected(spans, result)
+        self._keep_rejected(request, spans)
 
     def _failed(self, result: SendResult) -> None:
         with self._cv:
@@ -611,15 +688,22 @@ class LosslessSpanProcessor(SpanProcessor):
             _log.warning("export to %s failed (%s); spooling and retrying", self.sender.target, result.explain())
         self._last_detail = result.detail
         self._last_explained = result.explain()
-        self._backoff_s = min(self._backoff_max_s, self._backoff_s * 2 if self._backoff_s else self._backoff_initial_s)
-        self._retry_at = time.monotonic() + self._backoff_s * random.uniform(0.8, 1.2)
+        if self._problem is None or self._problem.kind == "unreachable":
+            line = f"collector {self.sender.target} not reachable: {result.explain()}; spans wait in the spool and are retried"
+            if self._problem is None or self._problem.line != line:
+                self._problem = DeliveryProblem("unreachable", line, time.time_ns())
+        # the collector's Retry-After / RetryInfo, when it sent one, is the least wait
+        self._retry_at = time.monotonic() + self._backoff.next_delay_s(result.retry_after_s)
 
     def _reject(self, request: ExportTraceServiceRequest, spans: int, result: SendResult) -> None:
         with self._cv:
             self._failures += 1
-        if result.detail != self._last_detail:  # count every refusal, log each new cause once
-            _log.warning("collector %s refused %d spans permanently (%s); kept under rejected/", self.sender.target, spans, result.detail)
         self._last_detail = result.detail
+        self._last_explained = result.explain()
+        self._say_refused(spans, result)  # every refusal counted, each cause said once
+        self._keep_rejected(request, spans)
+
+    def _keep_rejected(self, request: ExportTraceServiceRequest, spans: int) -> None:
         if self.spool is not None:
             try:
                 self.spool.add_rejected(request, spans)

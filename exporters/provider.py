@@ -223,6 +223,13 @@ class Destination:
     def describe(self) -> str:
         return f"OTLP {self.protocol} {self.endpoint}" if self.endpoint else "OTLP/JSON files"
 
+    def replay_command(self, folder: Path) -> str:
+        """The ``servewatch export`` command line that sends ``folder``'s span files here."""
+        endpoint = self.endpoint
+        if endpoint is not None and "://" not in endpoint:  # a bare gRPC host:port: export takes a URL
+            endpoint = ("http://" if self.insecure is not False else "https://") + endpoint
+        return f"servewatch export --to {endpoint} --protocol {self.protocol} {folder}"
+
 
 _log = logging.getLogger(__name__)
 _warned_timeouts: set[tuple[str, str]] = set()
@@ -510,6 +517,17 @@ class Telemetry:
     def statistics(self) -> ExportStatistics:
         return self.processor.statistics()
 
+    def delivery_status(self) -> tuple[str, str]:
+        """``(state, reason)`` of span delivery for the status board (row ``export``):
+        ``blind`` while the collector refuses or rejects spans (the reason says why and the fix),
+        ``waiting`` while it is unreachable (spans spooled, retried), ``ready`` otherwise."""
+        problem = self.processor.problem()
+        if problem is None:
+            stats = self.processor.statistics()
+            waiting = f"; {stats.spool_spans} span(s) in the spool" if stats.spool_spans else ""
+            return "ready", f"spans to {self.destination.describe()}: {stats.exported + stats.replayed} delivered{waiting}"
+        return ("waiting" if problem.kind == "unreachable" else "blind"), problem.line
+
     def shutdown(self, timeout_s: float | None = None) -> ExportStatistics:
         """Flush what fits in ``timeout_s`` seconds (default: config), spool the rest, stop.
 
@@ -600,6 +618,7 @@ def build_telemetry(
     processor = LosslessSpanProcessor(
         sender,
         spool=spool,
+        replay_command=destination.replay_command,
         max_queue_spans=int(batching["queue_spans"]),
         max_batch_spans=int(batching["batch_spans"]),
         max_batch_bytes=config.batch_bytes,

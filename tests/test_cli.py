@@ -343,11 +343,14 @@ def test_api_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_replay_command_always_has_a_scheme() -> None:
-    from exporters.console import _with_scheme
+    from exporters.provider import Destination
 
-    assert _with_scheme("127.0.0.1:4317", None) == "http://127.0.0.1:4317"
-    assert _with_scheme("otel:4317", False) == "https://otel:4317"
-    assert _with_scheme("https://otel:4318", True) == "https://otel:4318"
+    folder = Path("/d/spool")
+    assert Destination("127.0.0.1:4317", "grpc").replay_command(folder) == "servewatch export --to http://127.0.0.1:4317 --protocol grpc /d/spool"
+    assert Destination("otel:4317", "grpc", insecure=False).replay_command(folder).startswith("servewatch export --to https://otel:4317 ")
+    assert Destination("https://otel:4318", "http/protobuf", insecure=True).replay_command(folder).startswith(
+        "servewatch export --to https://otel:4318 --protocol http/protobuf"
+    )
 
 
 def test_cuda_env_counts_every_export_it_prints(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections import Counter
@@ -274,3 +275,58 @@ def test_unencodable_span_is_dropped_alone_and_counted(otlp_receiver: OtlpReceiv
     assert (stats.exported, stats.dropped) == (10, 1)
     assert set(_received(otlp_receiver)) == set(good)
     assert "'bad'" in caplog.text
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_the_collectors_retry_delay_is_honoured(otlp_receiver: OtlpReceiver, protocol: str, tmp_path: Path) -> None:
+    """A collector answering 503 + ``Retry-After: 30`` (gRPC UNAVAILABLE + ``RetryInfo`` 30 s) is
+    not asked again within those 30 s, where the processor's own backoff (0.05 s doubling) would
+    have retried five times; the spans wait in the spool meanwhile."""
+    if protocol == "grpc":
+        otlp_receiver.grpc_error = grpc.StatusCode.UNAVAILABLE
+    else:
+        otlp_receiver.http_status = 503
+    otlp_receiver.retry_delay_s = 30
+    processor = _processor(otlp_receiver.endpoint(protocol), protocol, tmp_path / "spool")
+    try:
+        _request_spans(processor, 10, Resource.create({}))
+        _settle(processor, 10)
+        deadline = time.monotonic() + 10
+        while otlp_receiver.attempts < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.5)  # long enough for 5 retries of the processor's own backoff
+        assert otlp_receiver.attempts == 1
+        assert processor.statistics().spool_spans == 10
+        assert processor.problem() is not None and processor.problem().kind == "unreachable"
+    finally:
+        processor.shutdown(0.5)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_request_with_every_span_rejected_is_kept_said_once_and_replayable(
+    otlp_receiver: OtlpReceiver, protocol: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OTLP partial success rejecting every span: the request is kept under ``rejected/`` (not
+    counted as delivered), said once with the collector's message, and replays whole once the
+    cause is fixed."""
+    otlp_receiver.reject_all = "spans of service x are not allowed"
+    caplog.set_level(logging.WARNING, logger="exporters.processor")
+    processor = _processor(otlp_receiver.endpoint(protocol), protocol, tmp_path / "spool", max_batch_spans=5)
+    try:
+        produced = _request_spans(processor, 20, Resource.create({}))
+        assert processor.flush(10.0) is True
+    finally:
+        processor.shutdown(2.0)
+    stats = processor.statistics()
+    assert (stats.rejected, stats.exported, stats.partially_rejected) == (20, 0, 0)
+    problem = processor.problem()
+    assert problem is not None and problem.kind == "rejected" and "spans of service x are not allowed" in problem.line
+    said = [r for r in caplog.records if "rejected all" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
+    assert otlp_receiver.span_count == 0
+    otlp_receiver.reject_all = None  # the cause fixed: the kept spans replay whole
+    from exporters.replay import replay
+
+    result = replay([tmp_path / "spool" / "rejected"], endpoint=otlp_receiver.endpoint(protocol), protocol=protocol)
+    assert result.sent == 20 and result.failed == 0
+    assert set(_received(otlp_receiver)) == set(produced)

@@ -99,3 +99,14 @@ def test_spool_of_a_running_agent_is_skipped_not_sent_twice(otlp_receiver: OtlpR
     finally:
         telemetry.shutdown(3.0)
     assert len(Counter(s.span_id for s in otlp_receiver.spans())) == otlp_receiver.span_count == 30
+
+
+def test_replay_honours_the_collectors_retry_after(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:
+    """``servewatch export`` to a collector answering 429 + ``Retry-After: 30``: the next try
+    would pass the request's deadline, so it is not made (3 quick tries without the header)."""
+    _write_embedded(tmp_path, 5)
+    otlp_receiver.http_status = 429
+    otlp_receiver.retry_delay_s = 30
+    result = replay([tmp_path], endpoint=otlp_receiver.http_endpoint, protocol="http/protobuf", timeout_s=3.0, attempts=3)
+    assert result.failed == 5 and otlp_receiver.attempts == 1
+    assert "slow down" in result.detail

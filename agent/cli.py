@@ -295,6 +295,9 @@ ApiTokenFileOpt = typer.Option(None, "--api-token-file", metavar="FILE", help="B
 JobOpt = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node server) this agent belongs to: its incidents are captured by every peer in one trace.")
 PeerOpt = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped).")
 PeersDnsOpt = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service).")
+InsecurePeersOpt = typer.Option(
+    None, "--allow-insecure-peers", help="Send the API token to peers over plain HTTP (default: peers need TLS when a token is set)."
+)
 
 
 def _api_cli(api_listen: str | None, token_file: Path | None) -> dict[str, Any]:
@@ -422,6 +425,7 @@ def run(
     job: str | None = JobOpt,
     peer: list[str] | None = PeerOpt,
     peers_dns: str | None = PeersDnsOpt,
+    allow_insecure_peers: bool | None = InsecurePeersOpt,
     pyspy: bool | None = PySpyOpt,
     coredump_delay: float | None = CoredumpDelayOpt,
     otlp_endpoint: str | None = OtlpEndpointOpt,
@@ -447,7 +451,7 @@ def run(
             "profiler": {"on_incident_steps": profile_steps},
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
             "api": _api_cli(api_listen, api_token_file),
-            "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns},
+            "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns, "allow_insecure_peers": allow_insecure_peers},
             "pyspy": {"enabled": pyspy},
             "coredump": {"delay_s": coredump_delay},
         },
@@ -730,6 +734,7 @@ def launch(
     job: str | None = JobOpt,
     peer: list[str] | None = PeerOpt,
     peers_dns: str | None = PeersDnsOpt,
+    allow_insecure_peers: bool | None = InsecurePeersOpt,
     pyspy: bool | None = PySpyOpt,
     coredump_delay: float | None = CoredumpDelayOpt,
     otlp_endpoint: str | None = OtlpEndpointOpt,
@@ -758,7 +763,7 @@ def launch(
             "profiler": {"on_incident_steps": profile_steps},
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
             "api": _api_cli(api_listen, api_token_file),
-            "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns},
+            "fleet": {"job": job, "peers": peer or None, "peers_dns": peers_dns, "allow_insecure_peers": allow_insecure_peers},
             "coredump": {"folder": crash_dump_folder, "delay_s": coredump_delay},
             "pyspy": {"enabled": pyspy},
         },

@@ -45,6 +45,7 @@ __all__ = [
     "IncidentClosed",
     "IncidentOpened",
     "IncidentRetraced",
+    "JobIncidentClosed",
     "Outcome",
     "ProfileStarted",
     "ProfileStopped",
@@ -137,6 +138,8 @@ class Action(StrEnum):
     PEER_CAPTURE = "peer.capture"  # a job peer asked to capture (agent.fleet.peers)
     PEER_RESOLVE = "peer.resolve"  # resolving the job's peers failed (agent.fleet.peers)
     DETECTION_FOLDED = "fleet.detection_folded"  # a local detection folded into a job incident
+    FANOUT = "fleet.fanout"  # the coordinator asked the job's hosts that did not detect (agent.fleet.job)
+    REPORT = "fleet.report"  # this host reported its detection to the job's coordinator
 
 
 class ComponentStatus(StrEnum):
@@ -576,6 +579,30 @@ class IncidentClosed(Event):
     #: ``closed``, or ``interrupted`` (the agent stopped mid-incident; what was captured is kept)
     state: str = "closed"
     #: extra attributes of the incident's root span (the cross-rank verdict, ``servewatch.verdict.*``)
+    attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobIncidentClosed(Event):
+    """The coordinator of a job made the job's verdict: the job's root span ``job.incident``,
+    under which every host's ``incident`` span hangs (:mod:`agent.fleet.job`).
+
+    Attributes:
+        job: the job's name.
+        trace_id / span_id: the job's trace and root span (hex, derived by every host alike).
+        start_time_unix_nano: the first detection of the job incident.
+        incident_id: the coordinator's own incident in it.
+        attributes: the job verdict (``servewatch.job.verdict.*``) and the job's counts.
+    """
+
+    job: str
+    trace_id: str
+    span_id: str
+    start_time_unix_nano: int
+    incident_id: str = ""
+    #: ``""``: the job's root span; else the root it hangs under (a coordinator that reached no
+    #: other host made a partial verdict, ``job.verdict``, and leaves the root to the one that did)
+    parent_span_id: str = ""
     attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
 
 

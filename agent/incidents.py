@@ -170,6 +170,10 @@ InflightProvider = Callable[[Sequence[Target]], Awaitable[list[InflightRequest]]
 #: Started right after an incident opens, beside its phases (e.g. asking a job's peers to
 #: capture); returns how to collect its action events before the manifest is written.
 Companion = Callable[[IncidentOpened], Callable[[], Awaitable[list[ActionCompleted]]]]
+#: Names the trace of an incident about to open (trigger, targets): ``(trace_id, parent_span_id)``
+#: hex, or ``None`` for a trace of its own (e.g. a job's agents derive one trace from the stuck
+#: collective, :mod:`agent.fleet.identity`). Bounded by the caller's own timeout.
+Placement = Callable[[str, Sequence[Target]], Awaitable[tuple[str, str] | None]]
 
 
 @dataclass(slots=True)
@@ -462,6 +466,8 @@ class IncidentManager:
         self.admit: Callable[[str, str], bool] | None = None
         #: started beside the phases of every incident (see :data:`Companion`)
         self.companions: list[Companion] = []
+        #: names the trace of an incident opened without a parent (see :data:`Placement`)
+        self.place: Placement | None = None
         #: triggers ignored because the same cause is cooling down
         self.suppressed = 0
         #: awaited with :meth:`state` whenever it changes (an incident opens or closes, a trigger
@@ -819,6 +825,13 @@ class IncidentManager:
                 steps_at_open = self.judge.opened(targets)
             except Exception:  # the verdict is a nicety; the evidence comes first
                 log.exception("reading step counters for the verdict failed")
+
+        if parent is None and self.place is not None:
+            with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
+                try:
+                    parent = await self.place(trigger, targets)
+                except Exception:  # the trace's name is a nicety; the evidence comes first
+                    log.exception("placing the incident in its job's trace failed")
 
         inflight: list[InflightRequest] = []
         if self.inflight is not None and targets:

@@ -566,9 +566,12 @@ class Agent:
                         self.incidents.on_state = self._show_incidents
                         await tg.start(self.incidents.run)
                         if s.api.enabled:
+                            from agent.actors.flightrec import FlightRecorderActor
                             from agent.fleet import Fleet
 
-                            self.fleet = Fleet(self, s.api, s.fleet)
+                            # the stuck collective names a job incident's trace: read with the Flight Recorder actor
+                            fr = self.actors.get("flightrec")
+                            self.fleet = Fleet(self, s.api, s.fleet, fr_reader=fr if isinstance(fr, FlightRecorderActor) else None)
                             await tg.start(self.fleet.run)
                         await self._start_watchers(tg)
                         if self.shipper is not None:

@@ -3,7 +3,9 @@
 Owns :class:`SpanMirror`. It decides nothing: an ``IncidentOpened`` is remembered, each
 ``ActionCompleted`` (``StacksDumped``, ``CoredumpTriggered``, ``ProfileStopped`` ...) becomes a
 child span named after ``result.action`` with the action's own start/end times, and
-``IncidentClosed`` emits the root span ``incident`` spanning open to close. Ids come from the
+``IncidentClosed`` emits the root span ``incident`` spanning open to close; a job coordinator's
+``JobIncidentClosed`` emits the job's root span ``job.incident`` (every host's ``incident`` hangs
+under it, with the job verdict on it). Ids come from the
 events (hex, chosen by :mod:`agent.incidents` with :mod:`agent.ids`), so the
 trace can be referenced before it is exported. Span links to in-flight requests are read from a
 ``links`` attribute of the open/close events when present (``((trace_id_hex, span_id_hex), ...)``).
@@ -37,6 +39,7 @@ from agent.events import (
     IncidentClosed,
     IncidentOpened,
     IncidentRetraced,
+    JobIncidentClosed,
     Outcome,
     now_ns,
 )
@@ -58,14 +61,18 @@ if TYPE_CHECKING:
     from agent.registry import BuildContext, Settings
     from exporters.processor import ExportStatistics
 
-__all__ = ["INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "create", "mirror_profile_session"]
+__all__ = ["INCIDENT_SPAN", "JOB_INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "create", "mirror_profile_session"]
 
 _log = logging.getLogger(__name__)
 
 #: Name of the root span of an incident trace.
 INCIDENT_SPAN = "incident"
+#: Name of a job incident's root span (the job verdict), emitted by the job's coordinator.
+JOB_INCIDENT_SPAN = "job.incident"
+#: Name of a partial job verdict (a coordinator that reached no other host), under the job's root.
+JOB_VERDICT_SPAN = "job.verdict"
 #: Event types to subscribe the mirror to.
-MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced)
+MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced, JobIncidentClosed)
 #: Name of a profiling session's span (its torch trace is imported under it).
 PROFILE_SPAN = Action.PROFILE_SESSION
 #: Outcomes that are facts about the target, not failures: their spans keep status UNSET (an
@@ -150,6 +157,8 @@ class SpanMirror:
                 self._closed(event)
             elif isinstance(event, IncidentRetraced):
                 self._retraced(event)
+            elif isinstance(event, JobIncidentClosed):
+                self._job_closed(event)
         except Exception:  # noqa: BLE001 - the mirror must never take the agent down
             _log.exception("could not mirror %s", type(event).__name__)
 
@@ -223,6 +232,20 @@ class SpanMirror:
             )
             inc = _OpenIncident(new_trace_id(), new_span_id(), opened)
         self._emit_root(inc, end_time_unix_nano=event.time_unix_nano, closed=event, unclosed_reason="")
+
+    def _job_closed(self, event: JobIncidentClosed) -> None:
+        trace_id, span_id = parse_trace_id(event.trace_id), parse_span_id(event.span_id)
+        if trace_id is None or span_id is None:
+            return
+        attributes: dict[str, object] = {**event.attributes, "servewatch.job": event.job, "host.name": self.host_name}
+        if event.incident_id:
+            attributes["servewatch.incident.id"] = event.incident_id
+        parent = parse_span_id(event.parent_span_id) if event.parent_span_id else None
+        self._emit(build_span(
+            JOB_INCIDENT_SPAN if parent is None else JOB_VERDICT_SPAN, trace_id=trace_id, span_id=span_id, parent_span_id=parent,
+            start_time_unix_nano=min(event.start_time_unix_nano or event.time_unix_nano, event.time_unix_nano),
+            end_time_unix_nano=event.time_unix_nano, attributes=attributes, resource=self.sink.resource,
+        ))
 
     def _emit_root(
         self, inc: _OpenIncident, *, end_time_unix_nano: int, closed: IncidentClosed | None, unclosed_reason: str

@@ -7,13 +7,22 @@ Owns :class:`AgentApi` (a :class:`~agent.fleet.http.HttpServer` handler) and the
 * ``GET /v1/incidents``: this host's incidents, newest first (summaries);
 * ``GET /v1/incidents/{id}``: one incident's ``manifest.json``;
 * ``POST /v1/incidents``: open a manual incident, or join a trace begun elsewhere: body
-  ``{"incident_id", "job", "origin_host", "origin_time_unix_nano", "detail"}`` (all optional)
-  with a W3C ``traceparent`` header (or a ``"traceparent"`` body field) naming the trace and the
-  span to hang under. Answers 202 with this agent's incident once it opened (capture started).
+  ``{"incident_id", "job", "origin_host", "origin_time_unix_nano", "detail", "coordinator",
+  "relay"}`` (all optional) with a W3C ``traceparent`` header (or a ``"traceparent"`` body
+  field) naming the trace and the span to hang under; ``coordinator``: where the job's
+  coordinator takes this host's evidence; ``relay``: peers this agent asks in turn (a
+  tree-shaped fan-out). Answers 202 with this agent's incident once it opened (capture started); every
+  answer to a join names the trace (``trace_id``).
+* ``POST /v1/job/announce``, ``/v1/job/report``, ``/v1/job/evidence``: the job's coordination
+  (:mod:`agent.fleet.messages`): the coordinator presents itself, a host reports a detection to
+  it, a host sends it its evidence summary.
 
 Order of checks on every request: rate limit (429, before authentication, so guessing tokens is
 slow too), then authentication (401 without a valid bearer token when a token is configured;
 under mutual TLS a client without a certificate never completes the handshake), then routing.
+An authenticated request that carries a nonce (:data:`agent.fleet.proof.NONCE_HEADER`) gets
+the proof of its answer (:data:`agent.fleet.proof.PROOF_HEADER`): the caller knows the answer
+comes from a holder of the job's token.
 
 Token guesses are limited twice: per client address (the request rate limit), and for all
 clients together (``guess_rate_per_s``/``guess_burst``: failed authentications), since any
@@ -22,7 +31,8 @@ on a connection that has not shown valid credentials before is answered 429 *bef
 is compared (a right guess must look like a wrong one); connections that already authenticated
 (keep-alive) go on being served.
 
-Imports :mod:`agent.fleet.http`, :mod:`agent.fleet.traceparent` and the standard library.
+Imports :mod:`agent.fleet.http`, :mod:`agent.fleet.traceparent`, :mod:`agent.fleet.proof`,
+:mod:`agent.fleet.messages` and the standard library.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ from collections import OrderedDict
 from typing import Any, Protocol
 
 from agent.fleet.http import Request, Response, json_response
+from agent.fleet.messages import Announce, Evidence, Report, ValidationError, first_error
+from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, answer_proof
 from agent.fleet.traceparent import TraceParent, TraceParentError
 
 __all__ = ["INCIDENT_ID_PATTERN", "AgentApi", "ApiBackend", "JoinRequest", "RateLimiter"]
@@ -46,6 +58,12 @@ log = logging.getLogger("servewatch.fleet.api")
 INCIDENT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: Client addresses whose buckets are remembered (least recently seen forgotten first).
 MAX_CLIENTS = 4096
+#: Most peers one join may ask this agent to relay to.
+MAX_RELAY = 4096
+#: The job routes and the message model of each body.
+JOB_ROUTES: dict[str, type[Announce | Report | Evidence]] = {
+    "/v1/job/announce": Announce, "/v1/job/report": Report, "/v1/job/evidence": Evidence,
+}
 
 
 class JoinRequest(dict[str, Any]):
@@ -59,6 +77,7 @@ class ApiBackend(Protocol):
     async def list_incidents(self) -> list[dict[str, Any]]: ...
     async def get_incident(self, incident_id: str) -> dict[str, Any] | None: ...
     async def post_incident(self, request: JoinRequest, *, agent_id: str) -> tuple[int, dict[str, Any]]: ...
+    async def job_message(self, message: Announce | Report | Evidence, *, client: str) -> tuple[int, dict[str, Any]]: ...
 
 
 class RateLimiter:
@@ -161,7 +180,18 @@ class AgentApi:
             self.unauthorized += 1
             self.guesses.allow("")
             return _error(401, "unauthorized: send 'Authorization: Bearer <token>'", [("www-authenticate", 'Bearer realm="servewatch"')])
+        response = await self._route(request)
+        nonce = request.headers.get(NONCE_HEADER, "")
+        if self._token is not None and nonce and len(nonce) <= 64:
+            response.headers.append((PROOF_HEADER, answer_proof(self._token, nonce, response.status, response.body)))
+        return response
+
+    async def _route(self, request: Request) -> Response:
         path = request.path.rstrip("/") or "/"
+        if path in JOB_ROUTES:
+            if request.method != "POST":
+                return _error(405, "use POST", [("allow", "POST")])
+            return await self._job_message(request, JOB_ROUTES[path])
         if path == "/v1/status":
             if request.method != "GET":
                 return _error(405, "use GET", [("allow", "GET")])
@@ -184,6 +214,14 @@ class AgentApi:
             return json_response(200, manifest)
         return _error(404, "not found")
 
+    async def _job_message(self, request: Request, model: type[Announce | Report | Evidence]) -> Response:
+        try:
+            message = model.model_validate_json(request.body or b"{}")
+        except ValidationError as exc:
+            return _error(400, first_error(exc))
+        status, body = await self.backend.job_message(message, client=request.client)
+        return json_response(status, body)
+
     async def _post_incident(self, request: Request) -> Response:
         if request.body.strip():
             try:
@@ -195,7 +233,7 @@ class AgentApi:
         if not isinstance(doc, dict):
             return _error(400, "body must be a JSON object")
         join = JoinRequest()
-        for key in ("incident_id", "job", "origin_host", "detail"):
+        for key in ("incident_id", "job", "origin_host", "detail", "coordinator"):
             value = doc.get(key)
             if value is not None and (not isinstance(value, str) or len(value) > 512):
                 return _error(400, f"{key} must be a string of at most 512 characters")
@@ -204,6 +242,10 @@ class AgentApi:
         if origin_time is not None and (not isinstance(origin_time, int) or isinstance(origin_time, bool) or origin_time < 0):
             return _error(400, "origin_time_unix_nano must be a non-negative integer")
         join["origin_time_unix_nano"] = origin_time
+        relay = doc.get("relay") or []
+        if not isinstance(relay, list) or len(relay) > MAX_RELAY or not all(isinstance(r, str) and len(r) <= 300 for r in relay):
+            return _error(400, f"relay must be a list of at most {MAX_RELAY} peer addresses")
+        join["relay"] = relay
         raw = request.headers.get("traceparent") or doc.get("traceparent")
         join["traceparent"] = None
         if raw is not None:

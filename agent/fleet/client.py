@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 client for the fan-out: one request per connection, h11 on anyio streams.
 
-Owns :func:`post_json` and :class:`PeerRequestError`. Why not httpx (used elsewhere): a fan-out
+Owns :func:`post_json`, :class:`PeerAnswer` and :class:`PeerRequestError`. Why not httpx (used elsewhere): a fan-out
 sends one small request to each of N peers at once, and httpx's connection pool costs grow
 faster than linearly with that many concurrent requests (measured here: 64 concurrent POSTs to
 a trivial server took 250-840 ms through one ``AsyncClient``, against ~2 ms each one after the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import ssl
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -21,10 +22,28 @@ import h11
 
 from agent.errors import PeerRequestError
 
-__all__ = ["PeerRequestError", "post_json"]
+__all__ = ["PeerAnswer", "PeerRequestError", "post_json"]
 
 #: Largest answer read, bytes.
 MAX_RESPONSE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAnswer:
+    """One HTTP answer.
+
+    Attributes:
+        status / reason: the status line.
+        doc: the body as a JSON object, or ``None`` (empty, not JSON, not an object).
+        headers: header names lower-cased; a repeated header keeps its last value.
+        body: the raw body (what an answer's proof covers, :mod:`agent.fleet.proof`).
+    """
+
+    status: int
+    reason: str
+    doc: dict[str, Any] | None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
 
 
 async def post_json(
@@ -35,11 +54,11 @@ async def post_json(
     *,
     headers: dict[str, str],
     ssl_context: ssl.SSLContext | None = None,
-) -> tuple[int, str, dict[str, Any] | None]:
+) -> PeerAnswer:
     """POST ``body`` as JSON and read the answer. Unbounded in time: the caller bounds it.
 
     Returns:
-        ``(status code, reason, JSON object answer or None)``.
+        The answer (:class:`PeerAnswer`).
 
     Raises:
         PeerRequestError: no connection, or not an HTTP answer.
@@ -63,6 +82,7 @@ async def post_json(
             data += conn.send(h11.EndOfMessage()) or b""
             await stream.send(data)
             status, reason, answer = 0, "", bytearray()
+            answer_headers: dict[str, str] = {}
             while True:
                 event = conn.next_event()
                 if event is h11.NEED_DATA:
@@ -74,6 +94,7 @@ async def post_json(
                     continue
                 if isinstance(event, h11.Response):
                     status, reason = event.status_code, event.reason.decode("latin-1")
+                    answer_headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
                 elif isinstance(event, h11.Data):
                     answer += event.data
                     if len(answer) > MAX_RESPONSE_BYTES:
@@ -90,4 +111,4 @@ async def post_json(
         doc = json.loads(answer) if answer else None
     except (ValueError, UnicodeDecodeError):
         doc = None
-    return status, reason, doc if isinstance(doc, dict) else None
+    return PeerAnswer(status, reason, doc if isinstance(doc, dict) else None, answer_headers, bytes(answer))

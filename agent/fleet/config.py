@@ -80,10 +80,13 @@ class ApiConfig(BaseModel):
 
 
 class FleetConfig(BaseModel):
-    """A job: the agents of one multi-node server, which capture together.
+    """A job: the agents of one multi-node server, which capture together, in one trace.
 
-    When an incident opens on one agent, it asks every peer (``POST /v1/incidents`` with a W3C
-    ``traceparent``) to capture at once into the same trace.
+    Every host derives the incident's trace from facts all ranks agree on (the stuck collective,
+    else a detection time bucket: :mod:`agent.fleet.identity`), reports its detection to the
+    job's coordinator (the host of global rank 0, else the lowest live host), which asks the
+    hosts that did not detect to capture (``POST /v1/incidents`` with a W3C ``traceparent``),
+    collects every host's evidence summary and makes the job's verdict (:mod:`agent.fleet.job`).
     """
 
     job: str | None = Field(None, min_length=1, max_length=128, description="job name; peers refuse joins for another job")
@@ -100,6 +103,28 @@ class FleetConfig(BaseModel):
     accept_timeout_s: float = Field(
         1.0, gt=0, description="a peer answers a join once its incident opened, or after this many seconds"
     )
+    allow_insecure_peers: bool = Field(
+        False, description="send the bearer token to plain-HTTP peers (otherwise peers need TLS when a token is set)"
+    )
+    time_bucket_s: float = Field(
+        10.0, gt=0, description="without a Flight Recorder, detections in the same bucket of this many seconds share a trace"
+    )
+    key_timeout_s: float = Field(
+        0.5, gt=0, description="bound on reading the local ranks' Flight Recorder status that names the trace, seconds"
+    )
+    report_grace_s: float = Field(
+        0.05, ge=0, description="the coordinator waits this long for detecting hosts' reports before asking the others, seconds"
+    )
+    fanout_concurrency: int = Field(32, ge=1, le=1024, description="peers the coordinator asks at once")
+    tree_threshold: int = Field(
+        64, ge=2, description="above this many peers to ask, the coordinator asks relays that each ask a share of them"
+    )
+    announce_interval_s: float = Field(
+        30.0, gt=0, description="the host of global rank 0 presents itself to every peer this often, seconds"
+    )
+    evidence_timeout_s: float = Field(
+        60.0, gt=0, description="the coordinator waits this long for every host's evidence before its job verdict, seconds"
+    )
 
 
 def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
@@ -113,6 +138,7 @@ def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
         problems.append("api.tls_client_ca_file: mutual TLS needs api.tls_cert_file and api.tls_key_file")
     if (fleet.peers or fleet.peers_dns) and not fleet.job:
         problems.append("fleet.job: peers need a job name (--job)")
+    problems += _insecure_peers(api, fleet)
     if fleet.job and not api.enabled:
         problems.append("api.enabled: a job's agents reach each other through the API (--api-listen)")
     if api.token_file is not None and api.enabled:
@@ -125,6 +151,20 @@ def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
         if api.enabled and path is not None and not Path(path).is_file():
             problems.append(f"{key}: no such file {str(path)!r}")
     return problems
+
+
+def _insecure_peers(api: ApiConfig, fleet: FleetConfig) -> list[str]:
+    """A token set and a peer reached over plain HTTP: it would receive the token in clear."""
+    if api.token_file is None or fleet.allow_insecure_peers or not (fleet.peers or fleet.peers_dns):
+        return []
+    plain = [p for p in fleet.peers if p.strip().lower().startswith("http://")]
+    if not api.tls:
+        plain = plain or fleet.peers or [fleet.peers_dns or ""]
+    if not plain:
+        return []
+    why = (f"fleet.allow_insecure_peers: peer {plain[0]!r} is reached over plain HTTP and would receive the job's bearer token"
+           " in clear; serve the API over TLS (api.tls_cert_file, api.tls_key_file) or pass --allow-insecure-peers")
+    return [why]
 
 
 def parse_listen(value: str) -> tuple[str, int]:

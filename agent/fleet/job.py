@@ -1,43 +1,58 @@
-"""One incident, one trace across every host of a job: the fleet coordinator.
+"""One incident, one trace across every host of a job, one coordinator, one verdict.
 
-Owns :class:`Fleet`: it serves the agent API (:mod:`agent.fleet.api` on
-:mod:`agent.fleet.http`), asks the job's peers to capture when an incident opens here, opens a
-joined incident when a peer asks, and keeps a job that detects one stall on several hosts to
-one trace. It plugs into :class:`~agent.incidents.IncidentManager` through two hooks only:
-``companions`` (started beside an incident's phases; the fan-out) and ``admit`` (a local
-detection may be folded into a job incident).
+Owns :class:`Fleet`: it serves the agent API (:mod:`agent.fleet.api` on :mod:`agent.fleet.http`)
+and runs a job's protocol. It plugs into :class:`~agent.incidents.IncidentManager` through three
+hooks: ``admit`` (a local detection inside a job incident's window is folded), ``place`` (names
+an incident's trace before it opens) and ``companions`` (runs beside an incident's phases).
 
-Deduplication, per agent, with one "job incident" remembered for ``dedup_window_s``:
+The protocol, per job incident:
 
-* a join (``POST /v1/incidents`` with a ``traceparent``) with no job incident in the window opens
-  a joined incident: its root span hangs under the caller's root span, in the caller's trace;
-* a join for the trace we are already in attaches (no second capture);
-* a local detection inside the window is folded (no new incident; a ``fleet.detection_folded``
-  span under the running incident records it), except a target exit after our incident in the
-  job closed: a process that died later is a new fact, so it opens its own incident, placed in
-  the job's trace under the origin's root span (no new fan-out: the peers are in that trace);
-* two origins at once (two hosts detect within the network's round trip): the earlier origin
-  (opened time, then host name) wins everywhere. A host whose own incident is the later one moves
-  it into the earlier trace (:meth:`IncidentManager.retrace`) when the earlier origin's join
-  reaches it, or when a peer answers its own join with "attached" and the earlier trace.
+1. **Trace identity without messages.** A host that detects derives the trace id from facts all
+   ranks agree on (:mod:`agent.fleet.identity`): the job and the stuck collective read from its
+   own ranks' Flight Recorders (bounded by ``key_timeout_s``), else the detection time bucket.
+   Its incident opens under the job's root span ``job.incident``, whose id is derived from the
+   trace id: every host's incident hangs under one root, whoever detects first.
+2. **One coordinator.** The host of global rank 0 (it announces itself to every peer every
+   ``announce_interval_s``; the answers tell it every host's name and ranks), else the lowest
+   live host in the job's member list (every host sorts the same list alike). A host that
+   detects reports to the coordinator (``POST /v1/job/report``), trying the next candidate when
+   one is unreachable, and coordinating itself when its own turn comes. The coordinator's answer
+   names the job's trace: a host whose key differed moves its running incident into it, only
+   when the answer is verified (mutual TLS, or the token's proof: :mod:`agent.fleet.proof`).
+3. **Fan-out only for hosts that did not detect**, from the coordinator only, after
+   ``report_grace_s`` (reports of a lockstep hang arrive within milliseconds): at most
+   ``fanout_concurrency`` at once, through about sqrt(N) relays above ``tree_threshold`` peers
+   (:mod:`agent.fleet.fanout`). Requests per job incident: one report per detecting host, one
+   join per other host: at most 2N.
+4. **A job verdict.** When its capture is done, every host sends the coordinator a compact
+   evidence summary (:mod:`agent.fleet.evidence`); the coordinator judges the whole job
+   (:mod:`agent.fleet.jobverdict`) once every member's summary arrived or ``evidence_timeout_s``
+   passed, writes ``job-verdict.json`` into its bundle and emits the job's root span with the
+   verdict (:class:`~agent.events.JobIncidentClosed`).
 
-The fan-out never delays local capture: it runs in the fleet's own task group, each peer bounded
-by ``peer_timeout_s``; its ``peer.capture`` results (one per peer: ok, refused, timed out,
-unreachable) are collected when the incident's phases are done, into the manifest and spans.
+Deduplication: one job incident is remembered for ``dedup_window_s``; a local detection inside
+it is folded (a ``fleet.detection_folded`` span), a join or a manual request attaches (the
+answer always names the trace). A target exit after our part of the job incident closed is a
+new fact: its own incident, in the job's trace.
+
+The trace stays bounded: the coordinator's fan-out is one ``fleet.fanout`` span (per-peer
+``peer.capture`` spans only for small jobs and for failures, at most :data:`MAX_PEER_SPANS`);
+every peer's outcome is in the bundle's ``fanout.json``.
 
 Imports :mod:`agent.events`, :mod:`agent.incidents` (types), :mod:`agent.ranks` and the other
-:mod:`agent.fleet` modules; never a watcher or an actor.
+:mod:`agent.fleet` modules; never a watcher or an actor (the Flight Recorder reader is handed in).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
-import ssl
+import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,6 +65,7 @@ from agent.events import (
     ActionResult,
     ComponentStatusChanged,
     IncidentOpened,
+    JobIncidentClosed,
     Outcome,
     Trigger,
     frozen_attrs,
@@ -63,13 +79,27 @@ from agent.fleet.config import (
     read_token_file,
     server_ssl_context,
 )
+from agent.fleet.evidence import fit, host_evidence, local_rank
+from agent.fleet.fanout import bounded, plan
 from agent.fleet.http import HttpServer
-from agent.fleet.peers import PeerResolver, ask_peer
+from agent.fleet.identity import (
+    JobKey,
+    job_trace,
+    repeat_trace,
+    root_span_of,
+    stuck_collective,
+    time_bucket_key,
+)
+from agent.fleet.jobstate import Announced, JobIncident, PeerOutcome
+from agent.fleet.jobverdict import JobVerdict, MissingHost, judge_job
+from agent.fleet.messages import Announce, Evidence, MemberInfo, RelayedPeer, Report
+from agent.fleet.peers import Peer, PeerCredentials, PeerReply, PeerResolver, call_peer, parse_peer
 from agent.fleet.traceparent import TraceParent
+from agent.fsutil import atomic_write_text
 from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from agent.ranks import rank_label
 
-__all__ = ["FOLDED_SPAN", "Fleet", "JobIncident"]
+__all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "FlightRecorderReader", "JobIncident"]
 
 log = logging.getLogger("servewatch.fleet")
 
@@ -79,6 +109,18 @@ FOLDED_SPAN = Action.DETECTION_FOLDED
 MAX_LISTED = 200
 #: Largest manifest served, bytes.
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+#: Most per-peer ``peer.capture`` spans one fan-out emits (the rest are in ``fanout.json``).
+MAX_PEER_SPANS = 16
+#: The coordinator's job verdict, in its bundle.
+JOB_VERDICT_FILE = "job-verdict.json"
+#: Every peer's outcome of a fan-out, in the coordinator's bundle.
+FANOUT_FILE = "fanout.json"
+#: Trace ids of closed job incidents remembered (a repeated key gets a fresh trace).
+MAX_PAST_TRACES = 1024
+#: Most hosts whose evidence one job incident holds.
+MAX_EVIDENCE_HOSTS = 100_000
+#: Coordinator candidates a detecting host tries before it coordinates its own view.
+MAX_COORDINATOR_TRIES = 3
 
 
 class AgentView(Protocol):
@@ -94,76 +136,67 @@ class AgentView(Protocol):
     def watched_step_pids(self) -> frozenset[int]: ...
 
 
-@dataclass
-class JobIncident:
-    """The job incident this agent takes part in (one at a time, remembered for the window).
+class FlightRecorderReader(Protocol):
+    """Reads one rank's Flight Recorder now (:meth:`agent.actors.flightrec.FlightRecorderActor.read_status`)."""
 
-    Attributes:
-        trace_id / root_span_id: the job's trace and the origin's root span (what joined
-            incidents hang under); ``None`` while our own incident is still opening.
-        origin_host / origin_time_unix_nano / origin_incident_id: who opened it first, when.
-        local_incident_id: our incident in it (``None`` until it opened).
-        started: monotonic time we learnt of it (the window runs from here).
-        opened: set once our incident in it opened.
-        move_local: our own incident (opening now) must move into this trace once it opens.
-        extras: more action events for our incident (folded detections), collected at its end.
-    """
-
-    trace_id: str | None
-    root_span_id: str | None
-    origin_host: str
-    origin_time_unix_nano: int
-    origin_incident_id: str = ""
-    local_incident_id: str | None = None
-    started: float = field(default_factory=time.monotonic)
-    opened: anyio.Event = field(default_factory=anyio.Event)
-    move_local: bool = False
-    extras: list[ActionCompleted] = field(default_factory=list)
-
-    def origin_key(self) -> tuple[int, str]:
-        return (self.origin_time_unix_nano, self.origin_host)
-
-    def summary(self) -> dict[str, Any]:
-        return {"trace_id": self.trace_id, "origin_host": self.origin_host, "origin_incident_id": self.origin_incident_id,
-                "origin_time_unix_nano": self.origin_time_unix_nano, "local_incident_id": self.local_incident_id}
+    async def read_status(self, target: Any, *, timeout_s: float) -> dict[str, Any] | None: ...
 
 
 class Fleet:
-    """Serve the API and coordinate the job's peers for ``agent``; run it in the agent's task group.
+    """Serve the API and run the job's protocol for ``agent``; run it in the agent's task group.
 
     Args:
         agent: the running agent (settings, incident manager, discovery, bus).
         api: API settings (enabled, bind, auth, limits).
         fleet: job settings (name, peers, timeouts, window).
+        fr_reader: reads a rank's Flight Recorder status (names the trace by the stuck
+            collective); ``None``: the time bucket names it.
     """
 
-    def __init__(self, agent: AgentView, api: ApiConfig, fleet: FleetConfig) -> None:
+    def __init__(self, agent: AgentView, api: ApiConfig, fleet: FleetConfig, *, fr_reader: FlightRecorderReader | None = None) -> None:
         self.agent = agent
         self.api_config = api
         self.config = fleet
+        self.fr_reader = fr_reader
         self.host_name: str = agent.settings.host_name
         self.data_dir = Path(agent.settings.data_dir)
         #: random per run; a peer that answers with it is ourselves (an address we did not know)
         self.agent_id = secrets.token_hex(8)
         self.job: JobIncident | None = None
+        self.announced: Announced | None = None
+        #: this host's global ranks, as of the last look (announce loop)
+        self.local_ranks: tuple[int, ...] = ()
+        self.world_size: int | None = None
+        #: what each member said of itself (the announce's answers): address -> info
+        self.members: dict[str, MemberInfo] = {}
+        #: the last announce reached every member of the job (this host then coordinates as rank 0's)
+        self.announce_complete = False
         self.server: HttpServer | None = None
         self.api: AgentApi | None = None
         self.resolver: PeerResolver | None = None
+        self.credentials = PeerCredentials()
         self._tg: TaskGroup | None = None
-        self._client_ssl: ssl.SSLContext | None = None
-        self._token: bytes | None = None
         self._opened_waiters: list[tuple[Callable[[IncidentOpened], bool], anyio.Event, list[IncidentOpened]]] = []
         self._components: dict[str, tuple[str, str]] = {}
+        self._past_traces: OrderedDict[str, int] = OrderedDict()
+        self._self_peer: Peer | None = None
         self._started_s = time.time()
         #: local detections folded into a job incident
         self.folded = 0
         #: joins received (opened + attached + moved)
         self.joins = 0
-        #: our incidents moved into an earlier origin's trace
+        #: our incidents moved into the coordinator's trace
         self.moved = 0
-        #: fan-outs done, and peers asked in all
+        #: fan-outs run (as coordinator), peers asked in all, reports sent and received
         self.fanouts = 0
         self.peers_asked = 0
+        self.reports_sent = 0
+        self.reports_received = 0
+        self.evidence_received = 0
+        #: answers that could not be verified (never acted on)
+        self.unverified_answers = 0
+        #: job verdicts made (as coordinator)
+        self.verdicts = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -172,13 +205,17 @@ class Fleet:
         """The API's bound port (after start)."""
         return self.server.port if self.server is not None else self.api_config.port
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.api_config.tls else "http"
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start the API (bound when this reports started) and serve until cancelled."""
         api = self.api_config
         # the token and TLS files: file reads, off the event loop
-        self._token = await anyio.to_thread.run_sync(read_token_file, api.token_file) if api.token_file is not None else None
+        token = await anyio.to_thread.run_sync(read_token_file, api.token_file) if api.token_file is not None else None
         ssl_context = await anyio.to_thread.run_sync(server_ssl_context, api)
-        self.api = AgentApi(self, token=self._token, mutual_tls=api.mutual_tls, rate_per_s=api.rate_per_s, rate_burst=api.rate_burst,
+        self.api = AgentApi(self, token=token, mutual_tls=api.mutual_tls, rate_per_s=api.rate_per_s, rate_burst=api.rate_burst,
                             guess_rate_per_s=api.guess_rate_per_s, guess_burst=api.guess_burst)
         self.server = HttpServer(
             self.api, host=api.host, port=api.port, ssl_context=ssl_context, max_body_bytes=api.max_body_bytes,
@@ -188,19 +225,21 @@ class Fleet:
             header_timeout_s=api.header_timeout_s, idle_timeout_s=api.idle_timeout_s,
         )
         cfg = self.config
-        self._client_ssl = client_ssl_context(api)
+        self.credentials = PeerCredentials(token=token, ssl_context=client_ssl_context(api), job_ca=api.mutual_tls,
+                                           allow_insecure=cfg.allow_insecure_peers, agent_id=self.agent_id)
         manager = self.agent.incidents
         status_sub = self.agent.bus.subscribe(ComponentStatusChanged, name="fleet-status", max_buffer=float("inf"))
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 await tg.start(self.server.serve)
-                scheme = "https" if api.tls else "http"
-                self.resolver = PeerResolver(cfg.peers, dns_name=cfg.peers_dns, own_port=self.server.port,
-                                             default_port=api.port or self.server.port, scheme=scheme, timeout_s=cfg.peer_timeout_s)
+                self.resolver = PeerResolver(cfg.peers, dns_name=cfg.peers_dns, own_port=self.server.port, own_host=api.host,
+                                             default_port=api.port or self.server.port, scheme=self.scheme, timeout_s=cfg.peer_timeout_s)
                 manager.companions.append(self._companion)
                 if cfg.job:
                     manager.admit = self._admit
+                    manager.place = self._place
+                    tg.start_soon(self._announce_loop)
                 tg.start_soon(self._watch_status, status_sub)
                 task_status.started()
                 await anyio.sleep_forever()
@@ -210,19 +249,69 @@ class Fleet:
                 manager.companions.remove(self._companion)
             if manager.admit == self._admit:
                 manager.admit = None
+            if manager.place == self._place:
+                manager.place = None
 
     async def _watch_status(self, sub: Any) -> None:
         async for event in sub:
             self._components[event.component] = (str(event.status), event.detail)
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"x-servewatch-agent": self.agent_id, "user-agent": "servewatch-fleet"}
-        if self._token is not None:
-            headers["authorization"] = f"Bearer {self._token.decode()}"
-        return headers
-
     def _in_window(self, job: JobIncident | None) -> bool:
-        return job is not None and time.monotonic() - job.started < self.config.dedup_window_s
+        return job is not None and job.in_window(self.config.dedup_window_s)
+
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn, *args)
+
+    # -- who is who ---------------------------------------------------------------------------
+
+    def _local_ranks_now(self) -> tuple[int, ...]:
+        """This host's global ranks (a /proc scan: a worker thread)."""
+        import psutil
+
+        ranks: set[int] = set()
+        for target in self.agent.discover():
+            try:
+                env = psutil.Process(target.pid).environ()
+            except (psutil.Error, OSError):
+                env = {}
+            rank = local_rank(target.title or "", env)
+            if rank is not None:
+                ranks.add(rank)
+        return tuple(sorted(ranks))
+
+    async def _self_address(self, members: Sequence[Peer]) -> Peer:
+        """This agent as the job's member list names it; when the list leaves it out, its address
+        towards the first member (what that member sees), at its API port."""
+        assert self.resolver is not None
+        for p in members:
+            if self.resolver.is_self(p):
+                return p
+        if self._self_peer is None:
+            host = await anyio.to_thread.run_sync(_route_address, [(p.host, p.port) for p in members[:4]])
+            self._self_peer = Peer(host, self.port, self.scheme)
+        return self._self_peer
+
+    async def _coordinator_order(self) -> tuple[list[Peer], Peer]:
+        """Candidates for coordinator, first first: the announced host of global rank 0, then the
+        job's members, lowest first (this agent among them); and this agent's own entry."""
+        assert self.resolver is not None
+        members, _ = await self.resolver.resolve_all()
+        me = await self._self_address(members)
+        if me not in members:
+            members = [*members, me]
+        order = PeerResolver.candidates(members)
+        if 0 in self.local_ranks and self.announce_complete:
+            return [me], me  # every live member knows this host holds global rank 0
+        a = self.announced
+        if a is not None and a.peer != me and time.monotonic() - a.time_s < 3 * self.config.announce_interval_s:
+            order = [a.peer, *(p for p in order if p != a.peer)]
+        return order, me
+
+    async def _head(self, skip: Sequence[str]) -> tuple[Peer, Peer]:
+        """The first coordinator candidate not in ``skip`` (URLs), and this agent's own entry."""
+        order, me = await self._coordinator_order()
+        return next((p for p in order if p.url not in skip), me), me
 
     # -- hooks into the incident manager ---------------------------------------------------------
 
@@ -233,10 +322,10 @@ class Fleet:
         running = job is not None and current is not None and current.opened.incident_id == job.local_incident_id
         # a hang's symptoms (stall, failed health) on this host are the job incident's; a process
         # that exits after the job incident closed is a new fact and gets its own incident
-        if self._in_window(job) and (running or trigger != Trigger.EXIT):
+        if self._in_window(job) and (running or trigger != Trigger.EXIT or not job.placed.is_set()):  # type: ignore[union-attr]
             assert job is not None
             self.folded += 1
-            log.info("%s detection folded into job incident %s (trace %s)", trigger, job.origin_incident_id, job.trace_id)
+            log.info("%s detection folded into job incident (trace %s)", trigger, job.trace_id or "being placed")
             if running:
                 t = now_ns()
                 job.extras.append(ActionCompleted(
@@ -246,15 +335,49 @@ class Fleet:
                                         attributes=frozen_attrs({"servewatch.incident.trigger": trigger})),
                 ))
             return False
-        if self._in_window(job) and job is not None and job.trace_id and job.root_span_id:
-            # a target exit after our part of the job incident closed: its own incident, in the
-            # job's trace (a child of the origin's root span), with no new fan-out
-            job.local_incident_id = None
-            job.move_local = True
-            job.opened = anyio.Event()
-            return True
-        self.job = JobIncident(trace_id=None, root_span_id=None, origin_host=self.host_name, origin_time_unix_nano=now_ns())
+        if not self._in_window(job):
+            self.job = JobIncident(detected_time_unix_nano=now_ns())  # claimed: placed before it opens
         return True
+
+    async def _place(self, trigger: str, targets: Sequence[Any]) -> tuple[str, str] | None:
+        """The trace of an incident about to open here (:data:`agent.incidents.Placement`)."""
+        job = self.job
+        if self._in_window(job) and job is not None and job.placed.is_set():
+            if job.move_to is not None:
+                return job.move_to
+            return job.trace_id, job.root_span_id  # a follow-up (an exit after our part closed)
+        if job is None or not self._in_window(job):
+            job = self.job = JobIncident(detected_time_unix_nano=now_ns())  # a manual incident
+        key = await self._read_key(targets)
+        if key is None:
+            key = time_bucket_key(job.detected_time_unix_nano or now_ns(), self.config.time_bucket_s)
+        trace_id, root = job_trace(self.config.job or "", key)
+        if not job.placed.is_set():
+            job.trace_id, job.root_span_id, job.key = trace_id, root, str(key)
+            job.placed.set()
+        return job.move_to or (job.trace_id, job.root_span_id)
+
+    async def _read_key(self, targets: Sequence[Any]) -> JobKey | None:
+        reader = self.fr_reader
+        if reader is None or not targets:
+            return None
+        traces: list[dict[str, Any]] = []
+        budget = self.config.key_timeout_s
+
+        async def one(target: Any) -> None:
+            try:
+                trace = await reader.read_status(target, timeout_s=budget)
+            except Exception:  # a boundary: the key is a nicety, the bucket names it otherwise
+                log.debug("reading pid %s's Flight Recorder status failed", getattr(target, "pid", "?"), exc_info=True)
+                return
+            if trace is not None:
+                traces.append(trace)
+
+        with anyio.move_on_after(budget):
+            async with anyio.create_task_group() as tg:
+                for target in targets:
+                    tg.start_soon(one, target)
+        return stuck_collective(traces)
 
     def _companion(self, opened: IncidentOpened) -> Callable[[], Awaitable[list[ActionCompleted]]]:
         """Called by the incident manager right after ``opened`` was published."""
@@ -263,180 +386,534 @@ class Fleet:
                 box.append(opened)
                 event.set()
         job = self.job
-        if opened.parent_span_id:  # a joined incident (a peer asked, or a user's traceparent)
-            if job is not None and job.trace_id == opened.trace_id and job.local_incident_id is None:
-                job.local_incident_id = opened.incident_id
-                job.opened.set()
-            return self._collector(job, opened, None)
-        if not self.config.job:
-            return _nothing
-        if job is None or job.local_incident_id is not None or not self._in_window(job) or (job.trace_id and not job.move_local):
-            # a manual incident, or a trigger that bypassed admit: a new job incident, ours
-            job = JobIncident(trace_id=None, root_span_id=None, origin_host=self.host_name, origin_time_unix_nano=opened.time_unix_nano)
-            self.job = job
+        if job is None or not job.placed.is_set() or job.local_incident_id is not None:
+            return _nothing  # not a job incident, or a follow-up in its trace (no new report or fan-out)
+        if opened.trace_id not in (job.trace_id, (job.move_to or ("",))[0]):
+            return _nothing  # another trace (a user's own traceparent)
         job.local_incident_id = opened.incident_id
         job.opened.set()
-        job.origin_incident_id = job.origin_incident_id or opened.incident_id
-        if job.move_local:  # an earlier origin's join arrived while ours was opening: join it
-            done = anyio.Event()
-            assert self._tg is not None and job.trace_id and job.root_span_id
-            self._tg.start_soon(self._move, opened.incident_id, job.trace_id, job.root_span_id, done)
-            return self._collector(job, opened, done)
-        job.trace_id, job.root_span_id = opened.trace_id, opened.span_id
-        results: list[ActionResult] = []
-        done = anyio.Event()
-        assert self._tg is not None
-        self._tg.start_soon(self._fanout, opened, job, results, done)
-        return self._collector(job, opened, done, results)
+        if job.move_to is not None and job.move_to[0] != opened.trace_id:
+            self._spawn(self._move, opened.incident_id, *job.move_to)
+        if job.move_to is not None:
+            job.trace_id, job.root_span_id = job.move_to
+            job.move_to = None
+        if job.joined:
+            if job.relay:
+                self._spawn(self._relay, job)
+            else:
+                job.done.set()
+        else:
+            self._spawn(self._start_job, job, opened)
+        return self._collector(job, opened)
 
-    def _collector(
-        self, job: JobIncident | None, opened: IncidentOpened, done: anyio.Event | None, results: list[ActionResult] | None = None
-    ) -> Callable[[], Awaitable[list[ActionCompleted]]]:
+    def _collector(self, job: JobIncident, opened: IncidentOpened) -> Callable[[], Awaitable[list[ActionCompleted]]]:
         async def collect() -> list[ActionCompleted]:
-            if done is not None:
-                await done.wait()
-            events = [ActionCompleted(source="fleet", incident_id=opened.incident_id, result=r) for r in results or ()]
-            if job is not None and job.local_incident_id == opened.incident_id:
-                events += job.extras
-                job.extras = []
+            with anyio.move_on_after(self.config.peer_timeout_s * 3 + self.config.report_grace_s + 5):
+                await job.done.wait()
+            events = [ActionCompleted(source="fleet", incident_id=opened.incident_id, result=r) for r in job.results]
+            events += job.extras
+            job.extras = []
+            record = self.agent.incidents.current
+            if record is not None and record.opened.incident_id == opened.incident_id:
+                self._spawn(self._share_evidence, job, record.opened.incident_id, str(record.bundle_dir),
+                            list(record.targets), [*record.results, *(e.result for e in events)], record.verdict)
             return events
 
         return collect
 
-    async def _move(self, incident_id: str, trace_id: str, parent_span_id: str, done: anyio.Event | None = None) -> bool:
+    async def _move(self, incident_id: str, trace_id: str, parent_span_id: str) -> bool:
+        moved = await self.agent.incidents.retrace(incident_id, trace_id, parent_span_id)
+        if moved:
+            self.moved += 1
+            log.warning("incident %s moved into the job's trace %s (under span %s)", incident_id, trace_id, parent_span_id)
+        return bool(moved)
+
+    # -- a detecting host: report, or coordinate ---------------------------------------------------
+
+    async def _start_job(self, job: JobIncident, opened: IncidentOpened) -> None:
         try:
-            moved = await self.agent.incidents.retrace(incident_id, trace_id, parent_span_id)
-            if moved:
-                self.moved += 1
-                log.warning("incident %s moved into the job's trace %s (under span %s)", incident_id, trace_id, parent_span_id)
-            return moved
+            if job.coordinating:
+                await self._fanout(job)
+                return
+            order, me = await self._coordinator_order()
+            unreachable: list[str] = []
+            job.reporting = anyio.Event()
+            try:
+                for candidate in order:
+                    if job.coordinating or candidate == me or (self.resolver is not None and self.resolver.is_self(candidate)):
+                        break
+                    if await self._report(job, opened, candidate, me, unreachable):
+                        return
+                    if len(unreachable) >= MAX_COORDINATOR_TRIES:  # a partitioned host coordinates its own view
+                        break
+            finally:
+                job.reporting.set()
+            job.coordinating = True
+            job.cut_off = bool(unreachable)
+            log.info("coordinating job incident %s (trace %s)%s", opened.incident_id, job.trace_id,
+                     f"; unreachable: {', '.join(unreachable)}" if unreachable else "")
+            await self._fanout(job)
+        except Exception:  # boundary: the protocol never takes the agent down
+            log.exception("job protocol of incident %s failed", opened.incident_id)
         finally:
-            if done is not None:
-                done.set()
+            job.done.set()
 
-    # -- fan-out ------------------------------------------------------------------------------------
+    async def _report(self, job: JobIncident, opened: IncidentOpened, candidate: Peer, me: Peer, unreachable: list[str]) -> bool:
+        """Report our detection to ``candidate``. True when it coordinates (or named who does and
+        that one answered); False: try the next one."""
+        body = Report.model_validate({
+            "job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id, "api_port": self.port,
+            "scheme": self.scheme, "incident_id": opened.incident_id, "trace_id": job.trace_id, "key": job.key,
+            "detected_time_unix_nano": job.detected_time_unix_nano or opened.time_unix_nano, "trigger": opened.trigger,
+            "ranks": list(self.local_ranks), "world_size": self.world_size, "unreachable": unreachable, "address": me.url,
+        }).model_dump(by_alias=True)
+        for _hop in range(2):  # one redirect at most
+            self.reports_sent += 1
+            reply = await call_peer(candidate, "/v1/job/report", body, credentials=self.credentials,
+                                    timeout_s=self.config.peer_timeout_s, action=Action.REPORT)
+            doc = reply.doc or {}
+            if reply.result.outcome is not Outcome.OK:
+                unreachable.append(candidate.url)
+                job.results.append(reply.result)
+                return False
+            if not reply.verified:
+                self.unverified_answers += 1
+                log.warning("%s answered our report without proof of the job's token: ignored", candidate)
+                unreachable.append(candidate.url)
+                job.results.append(_with(reply.result, outcome=Outcome.REFUSED, detail=f"{candidate}: answer not verified (ignored)"))
+                return False
+            if doc.get("status") == "redirect":
+                target = self._redirect_target(doc)
+                if target is None or target == me:
+                    return False
+                candidate = target
+                continue
+            job.coordinator, job.coordinator_host = candidate, str(doc.get("host.name") or candidate)
+            job.results.append(reply.result)
+            await self._follow(job, doc)
+            return True
+        return False
 
-    async def _fanout(self, opened: IncidentOpened, job: JobIncident, results: list[ActionResult], done: anyio.Event) -> None:
+    def _redirect_target(self, doc: dict[str, Any]) -> Peer | None:
+        raw = doc.get("coordinator")
+        if not isinstance(raw, str):
+            return None
+        try:
+            return parse_peer(raw, default_port=self.port, scheme=self.scheme)
+        except ValueError:
+            return None
+
+    async def _follow(self, job: JobIncident, doc: dict[str, Any]) -> None:
+        """A verified coordinator's answer names the job's trace: move ours there if it differs."""
+        try:
+            tp = TraceParent.parse(str(doc.get("traceparent", "")))
+        except ValueError:
+            return
+        if tp.trace_id == job.trace_id:
+            return
+        job.trace_id, job.root_span_id = tp.trace_id, tp.parent_id
+        if job.local_incident_id is not None:
+            await self._move(job.local_incident_id, tp.trace_id, tp.parent_id)
+
+    # -- the coordinator's fan-out ------------------------------------------------------------------
+
+    async def _fanout(self, job: JobIncident) -> None:
+        """Ask every member that did not report to capture into the job's trace (bounded, maybe
+        through relays); one ``fleet.fanout`` result (and a few ``peer.capture`` ones)."""
+        await anyio.sleep(self.config.report_grace_s)  # a lockstep hang's reports arrive within ms
+        assert self.resolver is not None
+        start = now_ns()
+        members, problems = await self.resolver.resolve_all()
+        job.results.extend(problems)
+        me = await self._self_address(members)
+        job.members = [p.url for p in members if p != me and not self.resolver.is_self(p)] + [me.url]
+        to_ask = [p for p in members if p != me and not self.resolver.is_self(p) and p.url not in job.reported]
+        self.fanouts += 1
+        self.peers_asked += len(to_ask)
+        shape = plan(to_ask, threshold=self.config.tree_threshold)
+        replies: list[tuple[Peer, PeerReply, int]] = []
+
+        async def ask(item: tuple[Peer, list[Peer]]) -> None:
+            peer, relay = item
+            reply = await call_peer(peer, "/v1/incidents", self._join_body(job, me, relay), credentials=self.credentials,
+                                    timeout_s=self.config.peer_timeout_s,
+                                    headers={"traceparent": TraceParent(job.trace_id, job.root_span_id).header()})
+            replies.append((peer, reply, len(relay)))
+            self._note_answer(job, peer, reply)
+
+        await bounded(shape, ask, limit=self.config.fanout_concurrency)
+        await anyio.to_thread.run_sync(lambda: self._fanout_results(job, replies, start, relays=sum(1 for _, r in shape if r)))
+
+    def _join_body(self, job: JobIncident, me: Peer, relay: Sequence[Peer]) -> dict[str, Any]:
+        return {"job": self.config.job, "origin_host": self.host_name, "incident_id": job.local_incident_id,
+                "origin_time_unix_nano": job.detected_time_unix_nano, "detail": f"job incident {job.key}"[:500],
+                "coordinator": me.url, "relay": [p.url for p in relay]}
+
+    def _note_answer(self, job: JobIncident, peer: Peer, reply: PeerReply) -> None:
+        doc = reply.doc or {}
+        host = str(doc.get("host.name") or "")
+        ranks = tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
+        job.asked[peer.url] = PeerOutcome(peer.url, reply.result.outcome, reply.result.detail, host, ranks)
+        if reply.verified and host and reply.result.outcome is Outcome.OK:
+            job.member_info[peer.url] = MemberInfo.model_validate({"job": self.config.job or "-", "host.name": host, "ranks": list(ranks)})
+        if reply.doc is not None and not reply.verified:
+            self.unverified_answers += 1
+
+    def _fanout_results(self, job: JobIncident, replies: list[tuple[Peer, PeerReply, int]], start: int, *, relays: int) -> None:
+        results = [r.result for _, r, _ in replies]
+        failed = [r for r in results if r.outcome is not Outcome.OK]
+        path = ""
+        if job.local_incident_id is not None:
+            folder = self.data_dir / self.host_name / job.local_incident_id
+            doc = {"trace_id": job.trace_id, "reported": job.reported, "asked": [r.to_manifest() for r in results]}
+            try:
+                atomic_write_text(folder / FANOUT_FILE, json.dumps(doc))
+                path = str(folder / FANOUT_FILE)
+            except OSError as exc:
+                log.warning("cannot write %s: %s", folder / FANOUT_FILE, exc)
+        attrs: dict[str, Any] = {"servewatch.fanout.asked": len(results), "servewatch.fanout.ok": len(results) - len(failed),
+                                 "servewatch.fanout.failed": len(failed), "servewatch.fanout.relays": relays,
+                                 "servewatch.fanout.reported": len(job.reported),
+                                 "servewatch.fanout.failures": tuple(r.detail[:200] for r in failed[:MAX_PEER_SPANS])}
+        outcome = Outcome.OK if not failed else Outcome.FAILED
+        detail = (f"asked {len(results)} host(s) that did not report ({relays} relays): {len(results) - len(failed)} ok,"
+                  f" {len(failed)} failed; {len(job.reported)} reported on their own")
+        job.results.append(ActionResult(action=Action.FANOUT, outcome=outcome, detail=detail, start_time_unix_nano=start,
+                                        end_time_unix_nano=now_ns(), artifact_paths=(path,) if path else (),
+                                        attributes=frozen_attrs(attrs)))
+        shown = results if len(results) <= MAX_PEER_SPANS else failed[:MAX_PEER_SPANS]
+        job.results.extend(shown)
+        log.info("job %s: asked %d host(s): %d ok, %d failed", self.config.job, len(results), len(results) - len(failed), len(failed))
+
+    async def _relay(self, job: JobIncident) -> None:
+        """Ask the peers the coordinator handed us (members of our own peer list only)."""
         try:
             assert self.resolver is not None
-            peers, problems = await self.resolver.resolve()
-            results.extend(problems)
-            self.fanouts += 1
-            self.peers_asked += len(peers)
-            traceparent = TraceParent(opened.trace_id, opened.span_id)
-            body = {
-                "job": self.config.job, "incident_id": opened.incident_id, "origin_host": self.host_name,
-                "origin_time_unix_nano": job.origin_time_unix_nano, "detail": f"{opened.trigger}: {opened.detail}"[:500],
-            }
-            headers = self._headers()
-            slots: list[ActionResult | None] = [None] * len(peers)
+            members, _ = await self.resolver.resolve_all()
+            known = {p.url: p for p in members}
+            targets: list[Peer] = []
+            for raw in job.relay:
+                try:
+                    peer = parse_peer(raw, default_port=self.port, scheme=self.scheme)
+                except ValueError:
+                    peer = None
+                if peer is None or peer.url not in known:
+                    job.relayed.append(PeerOutcome(raw[:300], Outcome.REFUSED, "not a member of this agent's peer list: not asked"))
+                    continue
+                targets.append(peer)
+            coordinator = job.coordinator or Peer("127.0.0.1", self.port)
 
-            async def one(i: int) -> None:
-                result, answer = await ask_peer(peers[i], traceparent=traceparent, body=body, headers=headers,
-                                                timeout_s=self.config.peer_timeout_s, ssl_context=self._client_ssl)
-                if answer is not None and answer.get("error") == "self":
-                    assert self.resolver is not None
-                    self.resolver.self_peers.add(peers[i])
-                    return
-                slots[i] = result
-                if answer is not None and answer.get("status") == "attached":
-                    await self._maybe_yield(job, answer)
+            async def ask(peer: Peer) -> None:
+                body = self._join_body(job, coordinator, ())
+                body["origin_host"] = job.coordinator_host or body["origin_host"]
+                reply = await call_peer(peer, "/v1/incidents", body, credentials=self.credentials, timeout_s=self.config.peer_timeout_s,
+                                        headers={"traceparent": TraceParent(job.trace_id, job.root_span_id).header()})
+                doc = reply.doc or {}
+                ranks = tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
+                job.relayed.append(PeerOutcome(peer.url, reply.result.outcome, reply.result.detail[:300], str(doc.get("host.name") or ""), ranks))
 
-            async with anyio.create_task_group() as tg:
-                for i in range(len(peers)):
-                    tg.start_soon(one, i)
-            results.extend(r for r in slots if r is not None)
-            failed = sum(1 for r in results if r.outcome is not Outcome.OK)
-            log.info("asked %d peer(s) of job %s to capture incident %s: %d ok, %d failed",
-                     len(peers), self.config.job, opened.incident_id, len(peers) - failed, failed)
-        except Exception:  # boundary: the fan-out never takes the agent down
-            log.exception("fan-out of incident %s failed", opened.incident_id)
+            await bounded(targets, ask, limit=self.config.fanout_concurrency)
+        except Exception:  # boundary
+            log.exception("relaying the job's join failed")
         finally:
-            done.set()
+            job.done.set()
 
-    async def _maybe_yield(self, job: JobIncident, answer: dict[str, Any]) -> None:
-        """A peer attached our join to another trace: if its origin is earlier, move ours there."""
+    # -- evidence and the job verdict --------------------------------------------------------------
+
+    async def _share_evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, targets: list[Any],
+                              results: list[ActionResult], verdict: Any) -> None:
         try:
-            theirs = (int(answer["origin_time_unix_nano"]), str(answer["origin_host"]))
-            tp = TraceParent.parse(str(answer["traceparent"]))
-        except (KeyError, TypeError, ValueError):
-            return
-        if self.job is not job or job.trace_id == tp.trace_id or theirs >= job.origin_key():
-            return
-        local = job.local_incident_id
-        self.job = JobIncident(trace_id=tp.trace_id, root_span_id=tp.parent_id, origin_host=theirs[1],
-                               origin_time_unix_nano=theirs[0], origin_incident_id=str(answer.get("origin_incident_id", "")),
-                               local_incident_id=local, started=job.started, extras=job.extras)
-        self.job.opened.set()
-        if local is not None:
-            await self._move(local, tp.trace_id, tp.parent_id)
+            evidence = await anyio.to_thread.run_sync(self._evidence, job, incident_id, bundle_dir, targets, results, verdict)
+            if job.coordinating:
+                job.add_evidence(evidence)
+                if not job.verdict_started:
+                    job.verdict_started = True
+                    await self._job_verdict(job, bundle_dir)
+                return
+            if job.coordinator is None:
+                return  # nobody to tell (a follow-up, or the coordinator never answered)
+            body = json.loads(fit(evidence, self.api_config.max_body_bytes - 1024))
+            reply = await call_peer(job.coordinator, "/v1/job/evidence", body, credentials=self.credentials,
+                                    timeout_s=self.config.peer_timeout_s, action="fleet.evidence")
+            if reply.result.outcome is not Outcome.OK:
+                log.warning("sending our evidence to the coordinator failed: %s", reply.result.detail)
+        except Exception:  # boundary
+            log.exception("sharing the evidence of incident %s failed", incident_id)
+
+    def _evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, targets: list[Any],
+                  results: list[ActionResult], verdict: Any) -> Evidence:
+        from agent.targets import ProcessState, process_state
+
+        alive = {t.pid: process_state(t.pid, create_time_s=getattr(t, "create_time_s", 0.0)) not in (ProcessState.GONE, ProcessState.ZOMBIE)
+                 for t in targets}
+        evidence = host_evidence(job=self.config.job or "-", host_name=self.host_name, agent_id=self.agent_id, trace_id=job.trace_id,
+                                 incident_id=incident_id, bundle_dir=bundle_dir, targets=targets, results=results,
+                                 verdict=verdict, alive=alive)
+        if evidence.world_size is not None:
+            self.world_size = evidence.world_size
+        relayed = [RelayedPeer.model_validate({"address": o.address, "outcome": str(o.outcome) if str(o.outcome) in
+                                               ("ok", "refused", "timed_out", "failed") else "failed", "detail": o.detail,
+                                               "host.name": o.host_name, "ranks": list(o.ranks)}) for o in job.relayed]
+        return evidence.model_copy(update={"relayed": relayed}) if relayed else evidence
+
+    async def _job_verdict(self, job: JobIncident, bundle_dir: str) -> None:
+        """Wait for every member's evidence (bounded), judge the job, emit its root span."""
+        deadline = job.started + self.config.evidence_timeout_s
+        while len(job.evidence) < job.expected_hosts() and time.monotonic() < deadline:
+            changed = job.evidence_changed
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                await changed.wait()
+        verdict = await anyio.to_thread.run_sync(self._judge, job)
+        job.verdict = verdict
+        self.verdicts += 1
+        doc = {"job": self.config.job, "trace_id": job.trace_id, "root_span_id": job.root_span_id, "key": job.key,
+               "coordinator": self.host_name, "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
+               "reported": sorted(job.reported.values()),
+               "verdict": verdict.to_json(), "bundles": {h: e.bundle_dir for h, e in sorted(job.evidence.items())}}
+        try:
+            await anyio.to_thread.run_sync(atomic_write_text, Path(bundle_dir) / JOB_VERDICT_FILE, json.dumps(doc, indent=1))
+        except OSError as exc:
+            log.warning("cannot write %s: %s", Path(bundle_dir) / JOB_VERDICT_FILE, exc)
+        log.warning("job %s: %s", self.config.job, verdict.headline())
+        attrs: dict[str, Any] = {**verdict.attributes(), "servewatch.job.trace_key": job.key,
+                                 "servewatch.job.hosts": job.expected_hosts(), "servewatch.job.hosts_with_evidence": len(job.evidence),
+                                 "servewatch.job.reported": len(job.reported), "servewatch.job.verdict_path": str(Path(bundle_dir) / JOB_VERDICT_FILE)}
+        # one root by construction: a coordinator cut off from every other host (partitioned, or
+        # the only one left) says what it saw under the root, which the reachable side emits
+        cut_off = job.cut_off and not job.reported and not any(o.outcome is Outcome.OK for o in job.asked.values())
+        await self.agent.bus.publish(JobIncidentClosed(
+            source="fleet", job=self.config.job or "", trace_id=job.trace_id,
+            span_id=secrets.token_hex(8) if cut_off else job.root_span_id,
+            parent_span_id=job.root_span_id if cut_off else "",
+            start_time_unix_nano=job.detected_time_unix_nano or now_ns(), incident_id=job.local_incident_id or "",
+            attributes=frozen_attrs({**attrs, "servewatch.job.partial": cut_off}),
+        ))
+        self._past_traces[job.trace_id] = self._past_traces.get(job.trace_id, 0) + 1
+        while len(self._past_traces) > MAX_PAST_TRACES:
+            self._past_traces.popitem(last=False)
+
+    def _judge(self, job: JobIncident) -> JobVerdict:
+        missing: list[MissingHost] = []
+        have = set(job.evidence)
+        for address, outcome in sorted(job.asked.items()):
+            info = job.member_info.get(address) or self.members.get(address)
+            host = outcome.host_name or (info.host_name if info else "") or address
+            if host in have:
+                continue
+            ranks = outcome.ranks or (tuple(info.ranks) if info else ())
+            if outcome.outcome is Outcome.OK:
+                why = "no evidence (its agent answered the join, then nothing)"
+            else:
+                why = {Outcome.TIMED_OUT: "agent unreachable (timed out: host down or partitioned)",
+                       Outcome.REFUSED: "agent refused"}.get(outcome.outcome, "agent unreachable (connection failed)")
+            missing.append(MissingHost(host, tuple(sorted(ranks)), why))
+        for address, host in job.reported.items():
+            if host not in have and address not in job.asked:
+                missing.append(MissingHost(host, tuple(sorted(job.member_info[address].ranks)) if address in job.member_info else (),
+                                           "no evidence (reported a detection, then nothing)"))
+        return judge_job(list(job.evidence.values()), missing_hosts=missing, world_size=self.world_size)
+
+    # -- announce -----------------------------------------------------------------------------------
+
+    async def _announce_loop(self) -> None:
+        """Look at this host's ranks every ``announce_interval_s``; the host of global rank 0
+        announces itself, sooner again (every 2 s at most) until every member acknowledged it."""
+        while True:
+            try:
+                ranks = await anyio.to_thread.run_sync(self._local_ranks_now)
+                self.local_ranks = ranks
+                if 0 in ranks:
+                    await self._announce(ranks)
+                else:
+                    self.announce_complete = False
+            except Exception:  # boundary: membership is a nicety; detection and capture go on
+                log.exception("announcing this agent to the job failed")
+            interval = self.config.announce_interval_s
+            await anyio.sleep(interval if self.announce_complete or 0 not in self.local_ranks else min(interval, 2.0))
+
+    async def _announce(self, ranks: tuple[int, ...]) -> None:
+        assert self.resolver is not None
+        members, _ = await self.resolver.resolve_all()
+        me = await self._self_address(members)
+        peers = [p for p in members if p != me and not self.resolver.is_self(p)]
+        body = Announce.model_validate({"job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id,
+                                        "api_port": self.port, "scheme": self.scheme, "ranks": list(ranks),
+                                        "address": me.url}).model_dump(by_alias=True)
+
+        missed: list[str] = []
+
+        async def one(peer: Peer) -> None:
+            reply = await call_peer(peer, "/v1/job/announce", body, credentials=self.credentials,
+                                    timeout_s=self.config.peer_timeout_s, action="fleet.announce")
+            if reply.result.outcome is Outcome.OK and reply.verified and reply.doc is not None:
+                try:
+                    self.members[peer.url] = MemberInfo.model_validate(reply.doc)
+                except ValueError:
+                    missed.append(peer.url)
+            else:
+                missed.append(peer.url)  # it may not know us: until every member does, the lowest host coordinates
+
+        await bounded(peers, one, limit=self.config.fanout_concurrency)
+        self.announce_complete = not missed
 
     # -- API backend ----------------------------------------------------------------------------------
 
+    async def job_message(self, message: Announce | Report | Evidence, *, client: str) -> tuple[int, dict[str, Any]]:
+        """``POST /v1/job/announce|report|evidence`` (bodies validated by :mod:`agent.fleet.messages`)."""
+        if message.job != self.config.job:
+            return 409, {"error": f"job mismatch: this agent is in job {self.config.job!r}", "host.name": self.host_name}
+        if message.agent_id and message.agent_id == self.agent_id:
+            return 409, {"error": "self", "host.name": self.host_name}
+        if isinstance(message, Announce):
+            return await self._on_announce(message, client)
+        if isinstance(message, Report):
+            return await self._on_report(message, client)
+        return self._on_evidence(message)
+
+    async def _sender(self, message: Announce | Report, client: str) -> Peer:
+        """Who sent ``message``: its entry in our own member list when it names one we list,
+        else the address it called from at its API port."""
+        if message.address and self.resolver is not None:
+            members, _ = await self.resolver.resolve_all()
+            listed = next((p for p in members if p.url == message.address), None)
+            if listed is not None:
+                return listed
+        return Peer(client, message.api_port, message.scheme)
+
+    async def _on_announce(self, message: Announce, client: str) -> tuple[int, dict[str, Any]]:
+        peer = await self._sender(message, client)
+        self.announced = Announced(peer, message.host_name, tuple(message.ranks), time.monotonic())
+        return 200, {"job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id,
+                     "ranks": list(self.local_ranks), "world_size": self.world_size, "status": "member"}
+
+    async def _on_report(self, report: Report, client: str) -> tuple[int, dict[str, Any]]:
+        self.reports_received += 1
+        reporter = await self._sender(report, client)
+        job = self.job
+        if self._in_window(job) and job is not None and not job.placed.is_set():
+            with anyio.move_on_after(self.config.accept_timeout_s):
+                await job.placed.wait()  # ours is being placed right now
+        if self._in_window(job) and job is not None and job.placed.is_set():
+            if not job.coordinating and job.reporting is not None:
+                with anyio.move_on_after(self.config.peer_timeout_s * 2):
+                    await job.reporting.wait()  # our own report is on its way: its answer says who coordinates
+            if not job.coordinating and job.coordinator is not None and job.coordinator.url not in report.unreachable:
+                return 200, {"status": "redirect", "coordinator": job.coordinator.url, "host.name": self.host_name,
+                             **self._trace_doc(job)}
+            job.coordinating = True
+        else:
+            # no job incident here yet: coordinate only when first in this host's own order (the
+            # candidates before us unreachable for the reporter), else say who is
+            head, me = await self._head([*report.unreachable, reporter.url])
+            if head != me and not (self.resolver is not None and self.resolver.is_self(head)):
+                return 200, {"status": "redirect", "coordinator": head.url, "host.name": self.host_name, "trace_id": None}
+            trace_id, root = report.trace_id, root_span_of(report.trace_id)
+            if trace_id in self._past_traces:  # a restarted job hanging at the same collective: a new trace
+                trace_id, root = repeat_trace(trace_id, self._past_traces[trace_id])
+            job = self.job = JobIncident(trace_id=trace_id, root_span_id=root, key=report.key, coordinating=True,
+                                         detected_time_unix_nano=report.detected_time_unix_nano)
+            job.placed.set()
+            why = f"job {self.config.job}: {report.host_name} detected {report.trigger or 'a hang'} ({report.key})"
+            self._spawn(self._open_joined, why[:500], TraceParent(trace_id, root))
+        job.reported[reporter.url] = report.host_name
+        job.detected_time_unix_nano = min(job.detected_time_unix_nano or report.detected_time_unix_nano, report.detected_time_unix_nano)
+        job.member_info[reporter.url] = MemberInfo.model_validate({"job": report.job, "host.name": report.host_name,
+                                                                   "ranks": report.ranks, "world_size": report.world_size})
+        self.world_size = self.world_size or report.world_size
+        return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", **self._trace_doc(job)}
+
+    def _on_evidence(self, evidence: Evidence) -> tuple[int, dict[str, Any]]:
+        job = self.job
+        if job is None or not job.coordinating or evidence.trace_id != job.trace_id:
+            return 409, {"error": "not the job incident this agent coordinates", "host.name": self.host_name,
+                         **(self._trace_doc(job) if job is not None else {})}
+        if len(job.evidence) >= MAX_EVIDENCE_HOSTS and evidence.host_name not in job.evidence:
+            return 413, {"error": "too many hosts"}
+        self.evidence_received += 1
+        job.add_evidence(evidence)
+        return 200, {"status": "received", "host.name": self.host_name, **self._trace_doc(job)}
+
+    def _trace_doc(self, job: JobIncident) -> dict[str, Any]:
+        doc: dict[str, Any] = {"trace_id": job.trace_id or None}
+        if job.trace_id and job.root_span_id:
+            doc["traceparent"] = TraceParent(job.trace_id, job.root_span_id).header()
+        return doc
+
     async def post_incident(self, request: JoinRequest, *, agent_id: str) -> tuple[int, dict[str, Any]]:
-        """``POST /v1/incidents``: a manual incident, or a join of a trace begun elsewhere."""
+        """``POST /v1/incidents``: a manual incident, or a join of the job's trace (or a user's)."""
         if agent_id and agent_id == self.agent_id:
             return 409, {"error": "self", "host.name": self.host_name}
-        manager = self.agent.incidents
         tp: TraceParent | None = request.get("traceparent")
-        detail = request.get("detail") or ""
         if tp is None:
-            current = manager.current
-            if current is not None:
-                return 409, {"error": "an incident is running", **self._incident_doc(current.opened), "status": "busy"}
-            # a manual incident pauses every rank (py-spy): it shares the cooldown of every trigger
-            left_s, last_id = manager.claim_cooldown(Trigger.MANUAL, detail or "requested over the agent API")
-            if left_s > 0:
-                return 429, {"error": f"cooling down: incident {last_id or '(the last manual one)'} opened less than"
-                             f" incident.cooldown_s ago; retry in {left_s:.0f} s", "status": "cooldown",
-                             "incident_id": last_id, "retry_after_s": round(left_s, 1), "host.name": self.host_name}
-            since = now_ns()
-            opened = await self._open_and_wait(lambda o: not o.parent_span_id and o.time_unix_nano >= since,
-                                               Trigger.MANUAL, detail or "requested over the agent API", None)
-            if opened is not None:
-                manager.cooldown_opened(Trigger.MANUAL, opened.incident_id)
-            return 202, {"status": "opened" if opened else "accepted", **self._incident_doc(opened)}
+            return await self._manual(request)
         job_name = request.get("job")
         if job_name is not None and job_name != self.config.job:
             return 409, {"error": f"job mismatch: this agent is in job {self.config.job!r}", "host.name": self.host_name}
         self.joins += 1
-        origin_host = request.get("origin_host") or "?"
-        origin_time = request.get("origin_time_unix_nano") or now_ns()
-        origin_id = request.get("incident_id") or ""
         job = self.job
-        theirs = (origin_time, origin_host)
-        if self._in_window(job):
-            assert job is not None
+        if self._in_window(job) and job is not None:
+            if not job.placed.is_set() or (job.local_incident_id is None and job.trace_id != tp.trace_id and not job.joined):
+                # ours is being placed or opened: the coordinator's trace wins, once it opened
+                job.move_to = (tp.trace_id, tp.parent_id)
+                with anyio.move_on_after(self.config.accept_timeout_s):
+                    await job.opened.wait()
+                self._adopt_coordinator(job, request)
+                return 202, self._answer("joined", job)
+            self._adopt_coordinator(job, request)
             if job.trace_id == tp.trace_id:
                 return 200, self._answer("attached", job)
-            if theirs >= job.origin_key():
-                return 200, self._answer("attached", job)  # ours is earlier: the caller moves into ours
-            # theirs is earlier: everything of ours in this job moves into their trace
-            local = job.local_incident_id
-            moved_job = JobIncident(trace_id=tp.trace_id, root_span_id=tp.parent_id, origin_host=origin_host,
-                                    origin_time_unix_nano=origin_time, origin_incident_id=origin_id,
-                                    local_incident_id=local, started=job.started, extras=job.extras)
-            self.job = moved_job
-            if local is None:  # ours is still opening: it moves once it opened
-                moved_job.move_local = True
-                with anyio.move_on_after(self.config.accept_timeout_s):
-                    await moved_job.opened.wait()
-                return 202, self._answer("joined", moved_job)
-            moved_job.opened.set()
-            current = manager.current
-            if current is not None and current.opened.incident_id == local:
-                await self._move(local, tp.trace_id, tp.parent_id)
-                return 200, self._answer("joined", moved_job)
-            return 200, self._answer("attached", moved_job)  # ours already closed: its evidence stands
-        job = JobIncident(trace_id=tp.trace_id, root_span_id=tp.parent_id, origin_host=origin_host,
-                          origin_time_unix_nano=origin_time, origin_incident_id=origin_id)
-        self.job = job
-        why = f"job {self.config.job or '-'}: {origin_host} opened {origin_id or 'an incident'}" + (f" ({detail})" if detail else "")
-        assert self._tg is not None
-        self._tg.start_soon(self._open_joined, why[:500], tp)
+            # a request that passed authentication names another trace: the coordinator's wins
+            job.trace_id, job.root_span_id = tp.trace_id, tp.parent_id
+            current = self.agent.incidents.current
+            if job.local_incident_id is not None and current is not None and current.opened.incident_id == job.local_incident_id:
+                await self._move(job.local_incident_id, tp.trace_id, tp.parent_id)
+                return 200, self._answer("moved", job)
+            return 200, self._answer("attached", job)
+        job = self.job = JobIncident(trace_id=tp.trace_id, root_span_id=tp.parent_id, joined=True, key="join",
+                                     detected_time_unix_nano=request.get("origin_time_unix_nano") or now_ns())
+        job.placed.set()
+        job.relay = list(request.get("relay") or [])
+        self._adopt_coordinator(job, request)
+        origin = request.get("origin_host") or "?"
+        detail = request.get("detail") or ""
+        why = f"job {self.config.job or '-'}: {origin} opened {request.get('incident_id') or 'an incident'}" + (f" ({detail})" if detail else "")
+        self._spawn(self._open_joined, why[:500], tp)
         with anyio.move_on_after(self.config.accept_timeout_s):
             await job.opened.wait()
         return 202, self._answer("opened" if job.local_incident_id else "accepted", job)
+
+    def _adopt_coordinator(self, job: JobIncident, request: JoinRequest) -> None:
+        raw = request.get("coordinator")
+        if job.coordinating or job.coordinator is not None or not isinstance(raw, str):
+            return
+        try:
+            job.coordinator = parse_peer(raw, default_port=self.port, scheme=self.scheme)
+            job.coordinator_host = request.get("origin_host") or ""
+        except ValueError:
+            pass
+
+    async def _manual(self, request: JoinRequest) -> tuple[int, dict[str, Any]]:
+        manager = self.agent.incidents
+        job = self.job
+        if self.config.job and self._in_window(job) and job is not None:
+            with anyio.move_on_after(self.config.accept_timeout_s):
+                await job.placed.wait()
+            return 200, self._answer("attached", job)  # the job incident holds this host's evidence already
+        current = manager.current
+        if current is not None:
+            return 409, {"error": "an incident is running", **self._incident_doc(current.opened), "status": "busy"}
+        detail = request.get("detail") or "requested over the agent API"
+        # a manual incident pauses every rank (py-spy): it shares the cooldown of every trigger
+        left_s, last_id = manager.claim_cooldown(Trigger.MANUAL, detail)
+        if left_s > 0:
+            return 429, {"error": f"cooling down: incident {last_id or '(the last manual one)'} opened less than"
+                         f" incident.cooldown_s ago; retry in {left_s:.0f} s", "status": "cooldown",
+                         "incident_id": last_id, "retry_after_s": round(left_s, 1), "host.name": self.host_name}
+        since = now_ns()
+        opened = await self._open_and_wait(lambda o: o.time_unix_nano >= since, Trigger.MANUAL, detail, None)
+        if opened is not None:
+            manager.cooldown_opened(Trigger.MANUAL, opened.incident_id)
+        return 202, {"status": "opened" if opened else "accepted", **self._incident_doc(opened)}
 
     async def _open_joined(self, detail: str, tp: TraceParent) -> None:
         try:
@@ -451,15 +928,13 @@ class Fleet:
         waiter = (predicate, event, box)
         self._opened_waiters.append(waiter)
         try:
-            assert self._tg is not None
-
             async def run() -> None:
                 try:
                     await self.agent.incidents.open_incident(trigger, detail=detail, parent=parent)
                 except Exception:
                     log.exception("incident requested over the API failed")
 
-            self._tg.start_soon(run)
+            self._spawn(run)
             with anyio.move_on_after(self.config.accept_timeout_s):
                 await event.wait()
         finally:
@@ -472,14 +947,8 @@ class Fleet:
         return [label for label in (rank_label(t.title) for t in targets) if label]
 
     def _answer(self, status: str, job: JobIncident) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "status": status, "host.name": self.host_name, "job": self.config.job, "incident_id": job.local_incident_id,
-            "trace_id": job.trace_id, "origin_host": job.origin_host, "origin_time_unix_nano": job.origin_time_unix_nano,
-            "origin_incident_id": job.origin_incident_id, "ranks": self._ranks(),
-        }
-        if job.trace_id and job.root_span_id:
-            doc["traceparent"] = TraceParent(job.trace_id, job.root_span_id).header()
-        return doc
+        return {"status": status, "host.name": self.host_name, "job": self.config.job, "incident_id": job.local_incident_id,
+                "ranks": list(self.local_ranks), "rank_labels": self._ranks(), "agent_id": self.agent_id, **self._trace_doc(job)}
 
     def _incident_doc(self, opened: IncidentOpened | None) -> dict[str, Any]:
         if opened is None:
@@ -502,6 +971,7 @@ class Fleet:
         current = manager.current
         board = getattr(agent, "status", None)  # the watchers' status model (ready / waiting / blind)
         watchers: dict[str, Any] = board.snapshot().to_json() if board is not None else {}
+        announced = self.announced
         doc: dict[str, Any] = {
             **watchers,
             "host.name": self.host_name,
@@ -519,9 +989,16 @@ class Fleet:
                 "api_port": self.port,
                 "peers": [str(p) for p in (self.resolver.static if self.resolver else [])],
                 "peers_dns": self.config.peers_dns,
+                "ranks": list(self.local_ranks),
+                "coordinator": ({"address": announced.peer.url, "host.name": announced.host_name}
+                                if announced is not None else None),
+                "members_known": len(self.members),
                 "job_incident": self.job.summary() if self._in_window(self.job) and self.job else None,
                 "folded": self.folded, "joins": self.joins, "moved": self.moved,
-                "fanouts": self.fanouts, "peers_asked": self.peers_asked,
+                "fanouts": self.fanouts, "peers_asked": self.peers_asked, "reports_sent": self.reports_sent,
+                "reports_received": self.reports_received, "evidence_received": self.evidence_received,
+                "unverified_answers": self.unverified_answers,
+                "verdicts": self.verdicts,
             },
             "api": self.server.statistics()._asdict() if self.server else None,
             "bus": agent.bus.statistics()._asdict(),
@@ -583,5 +1060,25 @@ class Fleet:
             return None
 
 
+def _route_address(destinations: Sequence[tuple[str, int]]) -> str:
+    """This machine's address on the route to the first reachable destination (a UDP socket
+    connected, no packet sent); ``127.0.0.1`` when there is none."""
+    for host, port in destinations:
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, port))
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+def _with(result: ActionResult, **changes: Any) -> ActionResult:
+    from dataclasses import replace
+
+    return replace(result, **changes)
+
+
 async def _nothing() -> list[ActionCompleted]:
     return []
+

@@ -2,11 +2,13 @@
 
 Owns :class:`Peer`, :func:`parse_peer`, :class:`PeerResolver` (static peers plus every address a
 DNS name resolves to, e.g. a Kubernetes headless service; this agent's own address is skipped) and
-:func:`ask_peer` (one ``POST /v1/incidents`` with the trace context, bounded, its outcome sorted
-into our terms: ``ok``, ``refused`` (HTTP 4xx/5xx), ``timed_out`` (slow), ``failed`` (unreachable,
-or not answering HTTP)).
+:func:`call_peer` (one bounded ``POST`` to a peer, its outcome sorted into our terms: ``ok``,
+``refused`` (HTTP 4xx/5xx, or not asked: the token never goes over plain HTTP unless allowed),
+``timed_out`` (slow), ``failed`` (unreachable, or not answering HTTP)) with
+:class:`PeerCredentials` (what we send, and whether an answer provably comes from a member of the
+job: mutual TLS, or the token's proof of :mod:`agent.fleet.proof`).
 
-Imports anyio, psutil, :mod:`agent.fleet.client`, :mod:`agent.events` and :mod:`agent.fleet.traceparent`.
+Imports anyio, psutil, :mod:`agent.fleet.client`, :mod:`agent.fleet.proof` and :mod:`agent.events`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,20 @@ import anyio
 import psutil
 
 from agent.events import Action, ActionResult, Outcome, frozen_attrs, now_ns
-from agent.fleet.client import PeerRequestError, post_json
-from agent.fleet.traceparent import TraceParent
+from agent.fleet.client import PeerAnswer, PeerRequestError, post_json
+from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, new_nonce, verify_answer
 
-__all__ = ["PEER_SPAN", "RESOLVE_SPAN", "Peer", "PeerResolver", "ask_peer", "local_addresses", "parse_peer"]
+__all__ = [
+    "PEER_SPAN",
+    "RESOLVE_SPAN",
+    "Peer",
+    "PeerCredentials",
+    "PeerReply",
+    "PeerResolver",
+    "call_peer",
+    "local_addresses",
+    "parse_peer",
+]
 
 log = logging.getLogger("servewatch.fleet.peers")
 
@@ -99,6 +111,7 @@ class PeerResolver:
         dns_name: ``name[:port]`` resolving to every peer (resolved at each call, so pods that
             came or went are seen), or ``None``.
         own_port: this agent's API port (an address of this machine on this port is us).
+        own_host: the API's bind address (when not a wildcard, that address on our port is us).
         default_port: port for peers given without one.
         scheme: ``http`` or ``https``.
         timeout_s: bound on DNS resolution, seconds.
@@ -110,6 +123,7 @@ class PeerResolver:
         *,
         dns_name: str | None,
         own_port: int,
+        own_host: str = "",
         default_port: int,
         scheme: str = "http",
         timeout_s: float = 2.0,
@@ -117,6 +131,7 @@ class PeerResolver:
         self.static = [parse_peer(s, default_port=default_port, scheme=scheme) for s in static]
         self.dns_name = dns_name
         self.own_port = own_port
+        self.own_host = own_host
         self.default_port = default_port
         self.scheme = scheme
         self.timeout_s = timeout_s
@@ -127,11 +142,23 @@ class PeerResolver:
     def is_self(self, peer: Peer) -> bool:
         if peer in self.self_peers:
             return True
-        return peer.port == self.own_port and (peer.host in self._local or peer.host == "localhost")
+        if peer.port != self.own_port:
+            return False
+        if self.own_host and self.own_host not in ("0.0.0.0", "::") and _is_ip(peer.host) and _is_ip(self.own_host):
+            return peer.host == self.own_host or (peer.host in ("127.0.0.1", "::1") and self.own_host in ("127.0.0.1", "::1"))
+        return peer.host in self._local or peer.host == "localhost"
 
     async def resolve(self) -> tuple[list[Peer], list[ActionResult]]:
-        """Peers to ask now, and a failed ``peer.resolve`` result when the DNS name did not resolve."""
-        peers = [p for p in self.static if not self.is_self(p)]
+        """Peers to ask now (this agent left out), and a failed ``peer.resolve`` result when the
+        DNS name did not resolve."""
+        members, problems = await self.resolve_all()
+        return [p for p in members if not self.is_self(p)], problems
+
+    async def resolve_all(self) -> tuple[list[Peer], list[ActionResult]]:
+        """Every member of the job as listed (static peers, then what the DNS name resolves to),
+        this agent's own address included when listed: the order every host of the job computes
+        alike (:meth:`candidates`)."""
+        peers = list(dict.fromkeys(self.static))
         problems: list[ActionResult] = []
         if self.dns_name:
             start = now_ns()
@@ -149,7 +176,7 @@ class PeerResolver:
             seen = set(peers)
             for info in infos:
                 peer = Peer(str(info[4][0]).split("%")[0], port, self.scheme)
-                if peer not in seen and not self.is_self(peer):
+                if peer not in seen:
                     seen.add(peer)
                     peers.append(peer)
             if error:
@@ -160,57 +187,139 @@ class PeerResolver:
                 )
         return peers, problems
 
+    @staticmethod
+    def candidates(members: list[Peer]) -> list[Peer]:
+        """The job's members in coordinator order (lowest first): by host, then port. Every host
+        that lists the same members computes the same order."""
+        ips = sorted((p for p in members if _is_ip(p.host)), key=lambda p: (ipaddress.ip_address(p.host).version,
+                                                                            int(ipaddress.ip_address(p.host)), p.port))
+        names = sorted((p for p in members if not _is_ip(p.host)), key=lambda p: (p.host, p.port))
+        return ips + names
 
-async def ask_peer(
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    """How this agent authenticates to its peers and checks who answered.
+
+    Attributes:
+        token: the job's bearer token (``None``: mutual TLS only).
+        ssl_context: TLS context for ``https`` peers (our certificate; theirs verified).
+        job_ca: ``ssl_context`` verifies peers' certificates against the job CA (mutual TLS):
+            an answer over TLS then comes from a member of the job.
+        allow_insecure: send the token to plain-HTTP peers too (``--allow-insecure-peers``).
+        agent_id: this agent's random id (a peer answering with it is ourselves).
+    """
+
+    token: bytes | None = None
+    ssl_context: ssl.SSLContext | None = None
+    job_ca: bool = False
+    allow_insecure: bool = False
+    agent_id: str = ""
+
+    def refusal(self, peer: Peer) -> str:
+        """Why ``peer`` must not be asked (``""``: it may): the token never goes over plain HTTP
+        unless allowed."""
+        if self.token is not None and peer.scheme != "https" and not self.allow_insecure:
+            return (f"{peer} not asked: plain HTTP would send the job's bearer token in clear"
+                    " (serve the API over TLS, or --allow-insecure-peers)")
+        return ""
+
+    def headers(self, peer: Peer, nonce: str) -> dict[str, str]:
+        headers = {"x-servewatch-agent": self.agent_id, "user-agent": "servewatch-fleet", NONCE_HEADER: nonce}
+        if self.token is not None and not self.refusal(peer):
+            headers["authorization"] = f"Bearer {self.token.decode()}"
+        return headers
+
+    def verified(self, peer: Peer, answer: PeerAnswer, nonce: str) -> bool:
+        """Whether ``answer`` provably comes from a member of the job: over TLS verified against
+        the job CA, or carrying the proof of the token (:mod:`agent.fleet.proof`)."""
+        if peer.scheme == "https" and self.job_ca and self.ssl_context is not None:
+            return True
+        if self.token is None:
+            return False
+        return verify_answer(self.token, nonce, answer.status, answer.body, answer.headers.get(PROOF_HEADER))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReply:
+    """A peer's answer to one request.
+
+    Attributes:
+        result: the request as an action result (``action`` as asked; outcome ``ok``,
+            ``refused`` (an HTTP error, or not asked), ``timed_out``, ``failed``).
+        doc: the peer's JSON answer (``None``: none).
+        verified: the answer provably comes from a member of the job (:meth:`PeerCredentials.verified`).
+    """
+
+    result: ActionResult
+    doc: dict[str, Any] | None
+    verified: bool = False
+
+
+async def call_peer(
     peer: Peer,
-    *,
-    traceparent: TraceParent,
+    path: str,
     body: dict[str, Any],
-    headers: dict[str, str],
+    *,
+    credentials: PeerCredentials,
     timeout_s: float,
-    ssl_context: ssl.SSLContext | None = None,
-) -> tuple[ActionResult, dict[str, Any] | None]:
-    """Ask one peer to capture (``POST /v1/incidents``), bounded by ``timeout_s``.
+    action: str = PEER_SPAN,
+    headers: dict[str, str] | None = None,
+) -> PeerReply:
+    """POST ``body`` to one peer's ``path``, bounded by ``timeout_s``; never raises for the peer.
 
     Returns:
-        The ``peer.capture`` result (outcome: ``ok``; ``refused`` for an HTTP error answer;
-        ``timed_out``; ``failed`` when unreachable or not answering HTTP) and the peer's JSON
-        answer (``None`` if none).
+        The :class:`PeerReply`: its result's attributes name the peer (``servewatch.peer.address``,
+        ``server.address``, ``server.port``), the answering host (``servewatch.peer.host.name``),
+        its status and trace id, whether the answer was verified
+        (``servewatch.peer.verified``), the error kind and the latency.
     """
     start = now_ns()
     t0 = time.monotonic()
     attributes: dict[str, Any] = {"servewatch.peer.address": peer.url, "server.address": peer.host, "server.port": peer.port}
-    answer: dict[str, Any] | None = None
+    doc: dict[str, Any] | None = None
+    verified = False
     outcome, detail, retryable = Outcome.OK, "", False
+    refusal = credentials.refusal(peer)
+    nonce = new_nonce()
     with anyio.move_on_after(timeout_s) as scope:
-        try:
-            status, reason, answer = await post_json(
-                peer.host, peer.port, "/v1/incidents", body, headers={**headers, "traceparent": traceparent.header()},
-                ssl_context=ssl_context if peer.scheme == "https" else None,
-            )
-        except PeerRequestError as exc:
-            outcome, detail, retryable = Outcome.FAILED, f"{peer} {exc.kind.replace('_', ' ')}: {exc}", True
-            attributes["servewatch.peer.error"] = exc.kind
+        if refusal:
+            outcome, detail = Outcome.REFUSED, refusal
+            attributes["servewatch.peer.error"] = "insecure"
         else:
-            attributes["http.response.status_code"] = status
-            if status >= 400:
-                why = (answer or {}).get("error") or reason
-                outcome, detail = Outcome.REFUSED, f"{peer} refused: HTTP {status} {why}"
-                retryable = status in (408, 429) or status >= 500
-                attributes["servewatch.peer.error"] = "refused"
-            elif answer is not None:
-                for key, attr in (("host.name", "servewatch.peer.host.name"), ("incident_id", "servewatch.peer.incident.id"),
-                                  ("status", "servewatch.peer.status"), ("trace_id", "servewatch.peer.trace_id")):
-                    if isinstance(answer.get(key), str):
-                        attributes[attr] = answer[key]
-                ranks = answer.get("ranks")
-                if isinstance(ranks, list) and all(isinstance(r, str) for r in ranks):
-                    attributes["servewatch.peer.ranks"] = tuple(ranks)
-                detail = f"{answer.get('host.name', peer)}: {answer.get('status', 'accepted')}"
+            try:
+                answer = await post_json(
+                    peer.host, peer.port, path, body, headers={**credentials.headers(peer, nonce), **(headers or {})},
+                    ssl_context=credentials.ssl_context if peer.scheme == "https" else None,
+                )
+            except PeerRequestError as exc:
+                outcome, detail, retryable = Outcome.FAILED, f"{peer} {exc.kind.replace('_', ' ')}: {exc}", True
+                attributes["servewatch.peer.error"] = exc.kind
+            else:
+                doc = answer.doc
+                verified = credentials.verified(peer, answer, nonce)
+                attributes["http.response.status_code"] = answer.status
+                attributes["servewatch.peer.verified"] = verified
+                if answer.status >= 400:
+                    why = (doc or {}).get("error") or answer.reason
+                    outcome, detail = Outcome.REFUSED, f"{peer} refused: HTTP {answer.status} {why}"
+                    retryable = answer.status in (408, 429) or answer.status >= 500
+                    attributes["servewatch.peer.error"] = "refused"
+                elif doc is not None:
+                    for key, attr in (("host.name", "servewatch.peer.host.name"), ("incident_id", "servewatch.peer.incident.id"),
+                                      ("status", "servewatch.peer.status"), ("trace_id", "servewatch.peer.trace_id")):
+                        if isinstance(doc.get(key), str):
+                            attributes[attr] = doc[key]
+                    ranks = doc.get("ranks")
+                    if isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                        attributes["servewatch.peer.ranks"] = tuple(ranks)
+                    detail = f"{doc.get('host.name', peer)}: {doc.get('status', 'accepted')}"
+                    if not verified:
+                        detail += " (answer not verified)"
     if scope.cancelled_caught:
         outcome, detail, retryable = Outcome.TIMED_OUT, f"{peer} did not answer within {timeout_s:g} s", True
         attributes["servewatch.peer.error"] = "timeout"
     attributes["servewatch.peer.latency_s"] = round(time.monotonic() - t0, 6)
-    result = ActionResult(action=PEER_SPAN, outcome=outcome, retryable=retryable, detail=detail,
+    result = ActionResult(action=action, outcome=outcome, retryable=retryable, detail=detail,
                           start_time_unix_nano=start, end_time_unix_nano=now_ns(), attributes=frozen_attrs(attributes))
-    return result, answer
+    return PeerReply(result, doc, verified)

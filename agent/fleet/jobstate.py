@@ -1,0 +1,138 @@
+"""The state of one job incident on one agent, and of the job's members as this agent knows them.
+
+Owns :class:`JobIncident` (trace, key, who coordinates, what this agent did in it; on the
+coordinator also who reported, who was asked, whose evidence arrived) and :class:`Announced`
+(the coordinator that presented itself). Plain data plus small bookkeeping; the protocol is in
+:mod:`agent.fleet.job`. Imports anyio, :mod:`agent.events` and the fleet's message and peer types.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from agent.events import ActionCompleted, ActionResult, Outcome
+from agent.fleet.messages import Evidence, MemberInfo
+from agent.fleet.peers import Peer
+
+__all__ = ["Announced", "JobIncident", "PeerOutcome"]
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """The host that presented itself as the job's coordinator (it holds global rank 0).
+
+    Attributes:
+        peer: its API address (the address its announce came from, its API port).
+        host_name / ranks: as it said.
+        time_s: monotonic time of its last announce.
+    """
+
+    peer: Peer
+    host_name: str
+    ranks: tuple[int, ...]
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOutcome:
+    """What asking one host gave (direct, or through a relay)."""
+
+    address: str
+    outcome: Outcome
+    detail: str = ""
+    host_name: str = ""
+    ranks: tuple[int, ...] = ()
+    via: str = ""
+
+
+@dataclass
+class JobIncident:
+    """The job incident this agent takes part in (one at a time, remembered for the window).
+
+    Attributes:
+        trace_id / root_span_id: the job's trace and root span (hex); ``""`` while placing.
+        key: what the trace was derived from (:class:`agent.fleet.identity.JobKey` as text).
+        started: monotonic time this agent learnt of it (the dedup window runs from here).
+        detected_time_unix_nano: the earliest detection known here.
+        placed: set once the trace is decided (joins that arrive while it is decided wait).
+        local_incident_id: this agent's incident in it (``None`` until it opened).
+        opened: set once that incident opened.
+        coordinating: this agent coordinates the job incident.
+        joined: this agent's incident opened because the coordinator asked.
+        coordinator: where to send evidence (``None`` while unknown, or when coordinating).
+        move_to: a join from the coordinator named another trace while ours was being placed.
+        extras: more action events for our incident (folded detections), collected at its end.
+        done: set when this agent's part of the protocol (report or fan-out) ended.
+        results: that part's action results (bounded before they become spans).
+        relay: peers this agent was asked to relay the join to.
+    """
+
+    trace_id: str = ""
+    root_span_id: str = ""
+    key: str = ""
+    started: float = field(default_factory=time.monotonic)
+    detected_time_unix_nano: int = 0
+    placed: anyio.Event = field(default_factory=anyio.Event)
+    local_incident_id: str | None = None
+    opened: anyio.Event = field(default_factory=anyio.Event)
+    coordinating: bool = False
+    joined: bool = False
+    coordinator: Peer | None = None
+    coordinator_host: str = ""
+    #: this agent coordinates because no candidate before it answered (maybe partitioned)
+    cut_off: bool = False
+    #: set while this agent's own report is on its way (None: it never reported)
+    reporting: anyio.Event | None = None
+    move_to: tuple[str, str] | None = None
+    extras: list[ActionCompleted] = field(default_factory=list)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    results: list[ActionResult] = field(default_factory=list)
+    relay: list[str] = field(default_factory=list)
+    relayed: list[PeerOutcome] = field(default_factory=list)
+    # -- the coordinator's view -----------------------------------------------------------------
+    #: hosts that reported a detection: address -> host name
+    reported: dict[str, str] = field(default_factory=dict)
+    #: hosts asked: address -> outcome (direct asks, and what relays said of theirs)
+    asked: dict[str, PeerOutcome] = field(default_factory=dict)
+    #: members as listed when the fan-out ran (addresses)
+    members: list[str] = field(default_factory=list)
+    #: evidence summaries by host name
+    evidence: dict[str, Evidence] = field(default_factory=dict)
+    evidence_changed: anyio.Event = field(default_factory=anyio.Event)
+    verdict_started: bool = False
+    verdict: Any = None
+    #: what each member said of itself (announce answers, join answers, reports): address -> info
+    member_info: dict[str, MemberInfo] = field(default_factory=dict)
+
+    def in_window(self, window_s: float) -> bool:
+        return time.monotonic() - self.started < window_s
+
+    def traceparent_ids(self) -> tuple[str, str]:
+        return self.trace_id, self.root_span_id
+
+    def add_evidence(self, evidence: Evidence) -> None:
+        self.evidence[evidence.host_name] = evidence
+        for r in evidence.relayed:
+            self.asked.setdefault(r.address, PeerOutcome(r.address, Outcome(r.outcome), r.detail, r.host_name,
+                                                        tuple(r.ranks), via=evidence.host_name))
+        self.evidence_changed.set()
+        self.evidence_changed = anyio.Event()
+
+    def failed_addresses(self) -> set[str]:
+        return {a for a, o in self.asked.items() if o.outcome is not Outcome.OK}
+
+    def expected_hosts(self) -> int:
+        """How many hosts' evidence the verdict waits for: every member and reporter, less those
+        that could not be asked."""
+        everyone = set(self.members) | set(self.reported)
+        return max(1, len(everyone - self.failed_addresses()))
+
+    def summary(self) -> dict[str, Any]:
+        return {"trace_id": self.trace_id, "root_span_id": self.root_span_id, "key": self.key,
+                "local_incident_id": self.local_incident_id, "coordinating": self.coordinating,
+                "coordinator": self.coordinator.url if self.coordinator else None,
+                "reported": len(self.reported), "asked": len(self.asked), "evidence": len(self.evidence)}

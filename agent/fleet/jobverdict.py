@@ -1,0 +1,312 @@
+"""The job's verdict, made on the coordinator from every host's evidence summary.
+
+Owns :class:`MissingHost`, :class:`JobVerdict` and :func:`judge_job`. A host judges only its own
+ranks: the host without the culprit can only say "every rank waits in a collective". The
+coordinator has every host's summary (:class:`agent.fleet.messages.Evidence`), so it judges the
+whole job at once:
+
+1. every host's ranks become one evidence list by global rank and go through the same rules as
+   a host's own verdict (:func:`agent.verdict.decide`): a dead rank, a desync, a rank behind, a
+   rank stuck in compute while the others wait;
+2. torch's own Flight Recorder analyzer (``torch.distributed.flight_recorder``'s ``build_db``, on
+   the recorder windows the hosts sent) confirms it or names what the rules could not: "Not all
+   ranks joining collective #8: missing ranks {2}";
+3. captured ranks are checked against the world size (the default process group's size): ranks
+   nobody captured are named with their host when the coordinator knows it ("host node-2 (ranks
+   4,5): agent unreachable"); when every captured rank waits in the same collective, the culprit
+   is among the ranks nobody could capture;
+4. the culprit ranks are named with their hosts.
+
+Pure apart from torch's analyzer (imported lazily, optional; its log output is silenced). No
+I/O. Imports :mod:`agent.verdict` and :mod:`agent.fleet.messages`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.fleet.messages import Evidence, RankSummary
+from agent.verdict import FrameClass, RankEvidence, decide
+
+__all__ = ["JOB_VERDICT_ATTR_PREFIX", "JobVerdict", "MissingHost", "judge_job", "torch_missing_ranks"]
+
+log = logging.getLogger("servewatch.fleet.verdict")
+
+#: Prefix of the job verdict's attributes on the job's root span.
+JOB_VERDICT_ATTR_PREFIX = "servewatch.job.verdict."
+
+
+@dataclass(frozen=True, slots=True)
+class MissingHost:
+    """A host of the job whose evidence the coordinator does not have.
+
+    Attributes:
+        host: its host name when known, else its API address.
+        ranks: its global ranks when known (from its last answer to the coordinator).
+        why: ``agent unreachable``, ``timed out``, ``refused``, ``no evidence``.
+    """
+
+    host: str
+    ranks: tuple[int, ...] = ()
+    why: str = "agent unreachable"
+
+    def __str__(self) -> str:
+        ranks = f" (rank{'s' if len(self.ranks) != 1 else ''} {','.join(map(str, self.ranks))})" if self.ranks else ""
+        return f"host {self.host}{ranks}: {self.why}"
+
+
+@dataclass(frozen=True, slots=True)
+class JobVerdict:
+    """The job-level verdict.
+
+    Attributes:
+        kind: the rule's kind (:class:`agent.verdict.Verdict`), or ``missing`` (the culprit is
+            among ranks nobody could capture).
+        culprit_ranks / culprit_hosts: global ranks named, and each one's host (same order).
+        reason / confidence: as for a host's verdict.
+        hosts: hosts whose evidence was judged.
+        missing_hosts: hosts without evidence, with their ranks.
+        world_size / captured_ranks / missing_ranks: the world-size check.
+        torch_analysis: what torch's Flight Recorder analyzer said (one line per finding).
+        evidence: the rule's evidence lines.
+    """
+
+    kind: str
+    hung: bool
+    culprit_ranks: tuple[int, ...]
+    culprit_hosts: tuple[str, ...]
+    reason: str
+    confidence: str
+    hosts: tuple[str, ...] = ()
+    missing_hosts: tuple[MissingHost, ...] = ()
+    world_size: int | None = None
+    captured_ranks: tuple[int, ...] = ()
+    missing_ranks: tuple[int, ...] = ()
+    torch_analysis: tuple[str, ...] = ()
+    evidence: tuple[str, ...] = field(default_factory=tuple)
+
+    def headline(self) -> str:
+        """``Job verdict: culprit rank 2 on node-b -- behind: ... [confidence high]``."""
+        if self.culprit_ranks:
+            who = ", ".join(f"rank {r} on {h}" for r, h in zip(self.culprit_ranks, self.culprit_hosts))
+            return f"Job verdict: culprit {who} -- {self.reason} [confidence {self.confidence}]"
+        return f"Job verdict: no culprit rank -- {self.reason} [confidence {self.confidence}]"
+
+    def attributes(self) -> dict[str, Any]:
+        """``servewatch.job.verdict.*`` span attributes (bounded lists)."""
+        p = JOB_VERDICT_ATTR_PREFIX
+        attrs: dict[str, Any] = {
+            f"{p}kind": self.kind,
+            f"{p}hung": self.hung,
+            f"{p}culprit_ranks": tuple(self.culprit_ranks),
+            f"{p}culprit_hosts": tuple(self.culprit_hosts),
+            f"{p}reason": self.reason[:2000],
+            f"{p}confidence": self.confidence,
+            f"{p}hosts": len(self.hosts),
+            f"{p}missing_hosts": tuple(str(m) for m in self.missing_hosts[:32]),
+            f"{p}captured_ranks": len(self.captured_ranks),
+            f"{p}missing_ranks": tuple(self.missing_ranks[:256]),
+            f"{p}headline": self.headline()[:2000],
+        }
+        if self.world_size is not None:
+            attrs[f"{p}world_size"] = self.world_size
+        if self.torch_analysis:
+            attrs[f"{p}torch_analysis"] = tuple(line[:500] for line in self.torch_analysis[:8])
+        return attrs
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "hung": self.hung, "culprit_ranks": list(self.culprit_ranks),
+            "culprit_hosts": list(self.culprit_hosts), "reason": self.reason, "confidence": self.confidence,
+            "hosts": list(self.hosts), "missing_hosts": [{"host": m.host, "ranks": list(m.ranks), "why": m.why} for m in self.missing_hosts],
+            "world_size": self.world_size, "captured_ranks": list(self.captured_ranks), "missing_ranks": list(self.missing_ranks),
+            "torch_analysis": list(self.torch_analysis), "evidence": list(self.evidence), "headline": self.headline(),
+        }
+
+
+def _rank_evidence(r: RankSummary) -> RankEvidence:
+    return RankEvidence(
+        rank=r.rank, pid=r.pid, alive=r.alive, exited_first=r.exited_first, exit_signal=r.exit_signal,
+        exit_code=r.exit_code, frame_class=FrameClass(r.frame_class), frame=r.frame,
+        steps_before=r.steps_before, steps_after=r.steps_after, fr=r.fr, ranked=r.ranked,
+    )
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    rs = sorted(set(ranks))
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
+
+
+def _pg_config_for_torch(trace: Mapping[str, Any]) -> dict[str, Any]:
+    """``pg_config`` keyed by the names the entries use (gloo's default group is keyed ``""``)."""
+    names = {}
+    for e in trace.get("entries") or ():
+        pg = e.get("process_group") if isinstance(e, Mapping) else None
+        if isinstance(pg, (list, tuple)) and len(pg) == 2:
+            names[str(pg[0])] = str(pg[1])
+    out: dict[str, Any] = {}
+    for key, value in (trace.get("pg_config") or {}).items():
+        if not isinstance(value, Mapping):
+            continue
+        name = str(value.get("name") or key or "")
+        if not name:
+            name = "0" if "0" in names or not names else next(iter(names))
+        ranks = value.get("ranks")
+        out[name] = {"desc": value.get("desc") or names.get(name, ""),
+                     "ranks": ranks if isinstance(ranks, str) else json.dumps(list(ranks or []))}
+    return out
+
+
+def torch_missing_ranks(windows: Mapping[int, Mapping[str, Any]]) -> tuple[dict[int, set[int]], list[str]]:
+    """torch's Flight Recorder analyzer on per-rank recorder windows.
+
+    Args:
+        windows: global rank -> recorder window (``version``, ``pg_config``, ``pg_status``, ``entries``).
+
+    Returns:
+        ``({collective seq id: missing ranks}, [one line per finding])``; empty when torch's
+        analyzer is not importable, has too little to read (fewer than 2 ranks), or fails.
+    """
+    if len(windows) < 2:
+        return {}, []
+    details = {}
+    version = ""
+    for rank, w in windows.items():
+        if not w.get("entries"):
+            continue
+        version = version or str(w.get("version") or "")
+        details[f"rank{rank}"] = {"rank": rank, "entries": [dict(e) for e in w["entries"]], "version": str(w.get("version") or ""),
+                                  "pg_config": _pg_config_for_torch(w)}
+    if len(details) < 2 or not version:
+        return {}, []
+    fr_log = logging.getLogger("Flight Recorder")  # torch's analyzer logs its findings at INFO to stderr
+    fr_log.disabled = True
+    try:
+        from torch.distributed.flight_recorder.components.builder import build_db
+        from torch.distributed.flight_recorder.components.config_manager import JobConfig
+
+        with contextlib.redirect_stdout(None):
+            db = build_db(details, JobConfig().parse_args(["-", "--allow-incomplete-ranks"]), version)
+    except Exception as exc:  # noqa: BLE001 - torch is optional; an analyzer that cannot read our windows says nothing
+        log.debug("torch's Flight Recorder analyzer failed: %s", exc)
+        return {}, []
+    finally:
+        fr_log.disabled = False
+    missing: dict[int, set[int]] = {}
+    lines: list[str] = []
+    for c in db.collectives:
+        if c.missing_ranks:
+            missing[c.collective_seq_id] = set(c.missing_ranks)
+            lines.append(f"torch flight_recorder: not all ranks joined {c.collective_name} #{c.collective_seq_id}"
+                         f" of pg {c.pg_desc}: missing ranks {sorted(c.missing_ranks)}")
+        elif not c.pass_check and c.type_of_mismatch is not None:
+            lines.append(f"torch flight_recorder: #{c.collective_seq_id} of pg {c.pg_desc}: {c.type_of_mismatch}")
+    return missing, lines
+
+
+def _all_wait_same(ev: Sequence[RankEvidence]) -> str:
+    """``"all_reduce #8 of pg 0"`` when every captured rank's recorder shows it enqueued, not
+    completed, the same collective (or, without recorders, every stack waits in a collective)."""
+    tops: set[tuple[str, int]] = set()
+    names: dict[tuple[str, int], str] = {}
+    for e in ev:
+        st = (e.fr or {}).get("pg_status") if isinstance(e.fr, Mapping) else None
+        if not isinstance(st, Mapping) or "0" not in st:
+            tops = set()
+            break
+        try:
+            enq, done = int(st["0"]["last_enqueued_collective"]), int(st["0"]["last_completed_collective"])
+        except (KeyError, TypeError, ValueError):
+            tops = set()
+            break
+        if enq <= done:
+            return ""
+        tops.add(("0", enq))
+        for entry in (e.fr or {}).get("entries") or ():
+            if isinstance(entry, Mapping) and entry.get("collective_seq_id") == enq:
+                names[("0", enq)] = str(entry.get("profiling_name") or "collective").split(":")[-1]
+    if len(tops) == 1:
+        pg, seq = next(iter(tops))
+        return f"{names.get((pg, seq), 'collective')} #{seq} of pg {pg}"
+    if ev and all(e.frame_class is FrameClass.COLLECTIVE for e in ev):
+        return "a collective"
+    return ""
+
+
+def judge_job(
+    evidence: Sequence[Evidence],
+    *,
+    missing_hosts: Sequence[MissingHost] = (),
+    world_size: int | None = None,
+) -> JobVerdict:
+    """The job's verdict from every host's summary (rules in the module docstring).
+
+    Args:
+        evidence: one summary per host that sent one.
+        missing_hosts: hosts the coordinator asked (or knows) that sent none.
+        world_size: the job's world size when the coordinator knows it otherwise (else the
+            hosts' recorders say it).
+
+    Returns:
+        The :class:`JobVerdict`.
+    """
+    host_of: dict[int, str] = {}
+    summaries: dict[int, RankSummary] = {}
+    for ev in evidence:
+        world_size = world_size or ev.world_size
+        for summary in ev.ranks:
+            if summary.rank not in summaries:
+                summaries[summary.rank] = summary
+                host_of[summary.rank] = ev.host_name
+    ranks_ev = [_rank_evidence(summaries[r]) for r in sorted(summaries)]
+    captured = tuple(sorted(summaries))
+    known_missing = {r for m in missing_hosts for r in m.ranks}
+    missing_ranks = tuple(sorted(set(range(world_size)) - set(captured))) if world_size else tuple(sorted(known_missing - set(captured)))
+    missing_list = list(missing_hosts)
+    unknown = sorted(set(missing_ranks) - known_missing)
+    unnamed = [m for m in missing_list if not m.ranks]
+    if unknown and len(unnamed) == 1:  # one host without a known rank list: the ranks nobody captured are its
+        idx = missing_list.index(unnamed[0])
+        missing_list[idx] = MissingHost(unnamed[0].host, tuple(unknown), unnamed[0].why)
+        for r in unknown:
+            host_of[r] = unnamed[0].host
+    for m in missing_list:
+        for r in m.ranks:
+            host_of.setdefault(r, m.host)
+
+    windows = {e.rank: e.fr for e in ranks_ev if isinstance(e.fr, Mapping) and e.fr.get("entries")}
+    torch_missing, torch_lines = torch_missing_ranks(windows)
+    base = decide(ranks_ev) if ranks_ev else None
+    kind, reason, confidence, hung = "unknown", "no evidence from any host", "low", True
+    culprits: tuple[int, ...] = ()
+    lines: tuple[str, ...] = ()
+    if base is not None:
+        kind, culprits, reason, confidence, hung, lines = (base.kind, base.culprit_ranks, base.reason, base.confidence,
+                                                          base.hung, base.evidence)
+    flagged = sorted({r for rs in torch_missing.values() for r in rs})
+    if culprits and flagged and set(culprits) <= set(flagged) and confidence == "medium":
+        confidence = "high"  # torch's analyzer agrees
+    waiting_in = _all_wait_same(ranks_ev)
+    if not culprits and missing_ranks and (waiting_in or not ranks_ev):
+        kind, culprits, confidence = "missing", missing_ranks, "medium" if waiting_in else "low"
+        where = f"every captured rank waits in {waiting_in}" if waiting_in else "no rank was captured"
+        reason = f"missing: {_ranks(missing_ranks)} not captured ({where}); the culprit is among them"
+    elif not culprits and flagged:
+        kind, culprits, confidence = "behind", tuple(flagged), "medium"
+        reason = f"behind: {_ranks(flagged)} never joined the collective the others wait in (torch's Flight Recorder analyzer)"
+    if missing_list:
+        reason += "; " + "; ".join(str(m) for m in missing_list[:8]) + (f"; {len(missing_list) - 8} more hosts" if len(missing_list) > 8 else "")
+    elif missing_ranks:
+        reason += f"; {_ranks(missing_ranks)} of world size {world_size} not captured"
+    culprit_hosts = tuple(host_of.get(r, "?") for r in culprits)
+    return JobVerdict(
+        kind=kind, hung=hung, culprit_ranks=tuple(culprits), culprit_hosts=culprit_hosts, reason=reason,
+        confidence=confidence, hosts=tuple(sorted(ev.host_name for ev in evidence)), missing_hosts=tuple(missing_list),
+        world_size=world_size, captured_ranks=captured, missing_ranks=missing_ranks, torch_analysis=tuple(torch_lines),
+        evidence=tuple(lines),
+    )

@@ -1,0 +1,155 @@
+"""What the agents of a job send each other, validated (pydantic).
+
+Owns the bodies of the job routes (:mod:`agent.fleet.api`):
+
+* :class:`Announce` (``POST /v1/job/announce``): the host of global rank 0 tells every peer it
+  coordinates the job; each answers with its host name and ranks (:class:`MemberInfo`).
+* :class:`Report` (``POST /v1/job/report``): a host that detected the job's hang tells the
+  coordinator (its trace, key, ranks); the answer (:class:`ReportAnswer`) names the job's trace.
+* :class:`Evidence` (``POST /v1/job/evidence``): a host's compact evidence summary once its
+  capture is done: per rank (global rank, process state, the stack's class and hung frame, step
+  counters, a window of its Flight Recorder), its own verdict and where its bundle is.
+
+Every field is bounded (lengths, list sizes), so a peer's body never grows the coordinator's
+memory beyond the API's body limit. Field names on the wire follow the rest of the API
+(``host.name``). Imports pydantic and the standard library only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "Announce",
+    "Evidence",
+    "MemberInfo",
+    "RankSummary",
+    "RelayedPeer",
+    "Report",
+    "ValidationError",
+    "first_error",
+]
+
+_HEX32 = r"^[0-9a-f]{32}$"
+_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Most ranks one host may report.
+MAX_RANKS_PER_HOST = 1024
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, frozen=True)
+
+
+class _FromHost(_Wire):
+    job: str = Field(min_length=1, max_length=128)
+    host_name: str = Field(alias="host.name", min_length=1, max_length=255)
+    agent_id: str = Field("", max_length=64)
+
+
+class MemberInfo(_FromHost):
+    """A member's answer to an announce (and what the coordinator remembers of it)."""
+
+    ranks: list[int] = Field(default_factory=list, max_length=MAX_RANKS_PER_HOST)
+    world_size: int | None = Field(None, ge=1)
+
+
+class Announce(_FromHost):
+    """The coordinator (host of global rank 0) presents itself; peers answer with :class:`MemberInfo`."""
+
+    api_port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    ranks: list[int] = Field(default_factory=list, max_length=MAX_RANKS_PER_HOST)
+    #: its own entry in the job's member list (used when the receiver lists it too)
+    address: str = Field("", max_length=300)
+
+
+class Report(_FromHost):
+    """A detection, sent to the coordinator.
+
+    Attributes:
+        api_port / scheme: where the reporter's API listens (joins and answers go there).
+        incident_id: the reporter's incident.
+        trace_id: the trace the reporter derived (:mod:`agent.fleet.identity`).
+        key: the key it was derived from (``fr:0:8``, ``time:1796138300``).
+        detected_time_unix_nano: when the reporter's incident opened.
+        ranks: the reporter's global ranks.
+        unreachable: coordinators (URLs) the reporter tried first and could not reach: the
+            receiver then coordinates itself instead of redirecting.
+    """
+
+    api_port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    incident_id: str = Field(pattern=_ID)
+    trace_id: str = Field(pattern=_HEX32)
+    key: str = Field(max_length=80)
+    detected_time_unix_nano: int = Field(ge=0)
+    trigger: str = Field("", max_length=32)
+    ranks: list[int] = Field(default_factory=list, max_length=MAX_RANKS_PER_HOST)
+    world_size: int | None = Field(None, ge=1)
+    unreachable: list[str] = Field(default_factory=list, max_length=16)
+    #: its own entry in the job's member list (used when the receiver lists it too)
+    address: str = Field("", max_length=300)
+
+
+class RankSummary(_Wire):
+    """One rank's evidence, compact (what :class:`agent.verdict.RankEvidence` holds, on the wire).
+
+    Attributes:
+        rank: the global rank.
+        fr: a window of its Flight Recorder around the stuck collective (``version``,
+            ``pg_config``, ``pg_status``, ``entries`` without stack frames), or ``None``.
+    """
+
+    rank: int = Field(ge=0)
+    ranked: bool = True
+    pid: int | None = Field(None, ge=1)
+    title: str = Field("", max_length=255)
+    alive: bool = True
+    exited_first: bool = False
+    exit_signal: str | None = Field(None, max_length=32)
+    exit_code: int | None = None
+    frame_class: Literal["compute", "collective", "idle", "unknown"] = "unknown"
+    frame: str = Field("", max_length=512)
+    steps_before: int | None = None
+    steps_after: int | None = None
+    fr: dict[str, Any] | None = None
+
+
+class RelayedPeer(_Wire):
+    """What a relay got from one peer it asked on the coordinator's behalf."""
+
+    address: str = Field(max_length=300)
+    outcome: Literal["ok", "refused", "timed_out", "failed"]
+    detail: str = Field("", max_length=300)
+    host_name: str = Field("", alias="host.name", max_length=255)
+    ranks: list[int] = Field(default_factory=list, max_length=MAX_RANKS_PER_HOST)
+
+
+class Evidence(_FromHost):
+    """A host's compact evidence summary for the job verdict.
+
+    Attributes:
+        trace_id / incident_id: the job's trace and the host's incident in it.
+        bundle_dir: the host's bundle (the bulky evidence stays there; the span links it).
+        ranks: one summary per rank the host captured.
+        verdict: the host's own verdict (``kind``, ``reason``, ``confidence``, ``culprit_ranks``), if any.
+        world_size: the job's world size as the host's ranks know it (default group's size).
+        relayed: when the host relayed the coordinator's join, what each peer it asked gave.
+    """
+
+    trace_id: str = Field(pattern=_HEX32)
+    incident_id: str = Field(pattern=_ID)
+    bundle_dir: str = Field("", max_length=4096)
+    ranks: list[RankSummary] = Field(default_factory=list, max_length=MAX_RANKS_PER_HOST)
+    verdict: dict[str, Any] | None = None
+    world_size: int | None = Field(None, ge=1)
+    relayed: list[RelayedPeer] = Field(default_factory=list, max_length=1024)
+
+
+def first_error(exc: ValidationError) -> str:
+    """``field: what is wrong`` of a validation error's first problem (a 400's one line)."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+    return f"{where}: {err.get('msg', 'invalid')}"

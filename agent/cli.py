@@ -296,7 +296,7 @@ JobOpt = typer.Option(None, "--job", metavar="NAME", help="Job (multi-node serve
 PeerOpt = typer.Option(None, "--peer", metavar="HOST:PORT", help="A peer agent of the job (repeatable; this agent is skipped).")
 PeersDnsOpt = typer.Option(None, "--peers-dns", metavar="NAME[:PORT]", help="DNS name resolving to every peer (Kubernetes headless service).")
 InsecurePeersOpt = typer.Option(
-    None, "--allow-insecure-peers", help="Send the API token to peers over plain HTTP (default: peers need TLS when a token is set)."
+    None, "--allow-insecure-peers", help="Talk to the job's peers over plain HTTP although a token is set (default: peers need TLS)."
 )
 
 

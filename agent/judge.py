@@ -169,6 +169,9 @@ class VerdictJudge:
         self.shm_dir = shm_dir
         self.warm_up = warm_up
         self.endpoint_urls = tuple(u for u in endpoint_urls if u)
+        #: the evidence of each server judged by the last :meth:`decide` (a job's coordinator
+        #: judges every host's together: :mod:`agent.fleet.evidence` sends it on)
+        self.last_evidence: list[Evidence] = []
 
     def opened(self, targets: Sequence[Target]) -> dict[int, int]:
         """Step counters when the incident opens (microseconds; called on the event loop).
@@ -202,6 +205,7 @@ class VerdictJudge:
         readings = _Readings(results=results, cause=cause, steps_before=steps_before,
                              after=_snapshots([t.pid for t in everyone], self.shm_dir))
         groups = server_groups(everyone)
+        self.last_evidence = []
         verdicts: list[tuple[ServerGroup, Verdict]] = []
         for group in groups:
             members = [t for t in everyone if t.pid in group.pids]
@@ -243,7 +247,9 @@ class VerdictJudge:
         evidence = [self._evidence(t, ranks.get(t.pid), dumps.get(t.pid), frs.get(t.pid), readings, exited_pid)
                     for t in members]
         evidence = _with_waits(evidence, members, dumps)
-        return decide(Evidence.of(evidence, trigger=trigger_of(readings.cause), world_size=_world_size(members)))
+        judged = Evidence.of(evidence, trigger=trigger_of(readings.cause), world_size=_world_size(members))
+        self.last_evidence.append(judged)
+        return decide(judged)
 
     def _evidence(self, target: Target, rank: int | None, dump: ActionResult | None, fr: ActionResult | None,
                   readings: _Readings, exited_pid: int | None) -> RankEvidence:

@@ -18,8 +18,10 @@ Owns :class:`AgentApi` (a :class:`~agent.fleet.http.HttpServer` handler) and the
   it, a host sends it its evidence summary.
 
 Order of checks on every request: rate limit (429, before authentication, so guessing tokens is
-slow too), then authentication (401 without a valid bearer token when a token is configured;
-under mutual TLS a client without a certificate never completes the handshake), then routing.
+slow too), then authentication (401 without a valid bearer token, or a peer's signature made with
+it (:mod:`agent.fleet.proof`: fresh, not replayed, over this very body), when a token is
+configured; under mutual TLS a client without a certificate never completes the handshake), then
+routing.
 An authenticated request that carries a nonce (:data:`agent.fleet.proof.NONCE_HEADER`) gets
 the proof of its answer (:data:`agent.fleet.proof.PROOF_HEADER`): the caller knows the answer
 comes from a holder of the job's token.
@@ -47,7 +49,7 @@ from typing import Any, Protocol
 
 from agent.fleet.http import Request, Response, json_response
 from agent.fleet.messages import Announce, Evidence, Report, ValidationError, first_error
-from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, answer_proof
+from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, NonceCache, RequestSignature, answer_proof
 from agent.fleet.traceparent import TraceParent, TraceParentError
 
 __all__ = ["INCIDENT_ID_PATTERN", "AgentApi", "ApiBackend", "JoinRequest", "RateLimiter"]
@@ -154,19 +156,37 @@ class AgentApi:
         self.limiter = RateLimiter(rate_per_s, rate_burst)
         #: failed authentications of all clients together (one bucket)
         self.guesses = RateLimiter(guess_rate_per_s, guess_burst)
+        #: nonces of signed peer requests seen recently (replays refused)
+        self.nonces = NonceCache()
+        #: the port this API is served on, once bound (a peer's signature names it)
+        self.port: int | None = None
         #: requests refused for lack of valid credentials
         self.unauthorized = 0
 
     def authorized(self, request: Request) -> bool:
-        """Whether ``request`` (its head suffices) carries valid credentials."""
+        """Whether ``request`` (its head suffices) carries valid credentials: the bearer token, or
+        a peer's signature made with it (:mod:`agent.fleet.proof`; its body and nonce are checked
+        once the whole request is in, :meth:`_signed_body_ok`)."""
         if self.mutual_tls and not request.client_certificate:
             return False
         if self._token is None:
             return True
-        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not presented:
-            return False
-        return hmac.compare_digest(presented.strip().encode("latin-1", "replace"), self._token)
+        header = request.headers.get("authorization", "")
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() == "bearer" and presented:
+            return hmac.compare_digest(presented.strip().encode("latin-1", "replace"), self._token)
+        signature = RequestSignature.parse(header)
+        host = request.headers.get("host", "")
+        if signature is None or (self.port is not None and host.rpartition(":")[2] != str(self.port)):
+            return False  # a signature made for another agent's port: captured and replayed here
+        return signature.valid(self._token, request.method, host, request.path)
+
+    def _signed_body_ok(self, request: Request) -> bool:
+        """A signed request: its body is the signed one and its nonce is new (no replay)."""
+        signature = RequestSignature.parse(request.headers.get("authorization", ""))
+        if signature is None:
+            return True  # bearer (or mutual TLS alone)
+        return signature.covers(request.body) and self.nonces.first_use(signature.nonce)
 
     async def __call__(self, request: Request) -> Response:
         wait_s = self.limiter.allow(request.client)
@@ -176,7 +196,7 @@ class AgentApi:
             self.guesses.limited += 1
             wait_s = self.guesses.wait_s("")
             return _error(429, "rate limited: too many failed authentications", [("retry-after", str(max(1, round(wait_s + 0.5))))])
-        if not self.authorized(request):
+        if not self.authorized(request) or not self._signed_body_ok(request):
             self.unauthorized += 1
             self.guesses.allow("")
             return _error(401, "unauthorized: send 'Authorization: Bearer <token>'", [("www-authenticate", 'Bearer realm="servewatch"')])

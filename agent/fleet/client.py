@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +55,12 @@ async def post_json(
     *,
     headers: dict[str, str],
     ssl_context: ssl.SSLContext | None = None,
+    sign: Callable[[bytes], dict[str, str]] | None = None,
 ) -> PeerAnswer:
     """POST ``body`` as JSON and read the answer. Unbounded in time: the caller bounds it.
+
+    Args:
+        sign: headers that sign the encoded body (:func:`agent.fleet.proof.sign_request`).
 
     Returns:
         The answer (:class:`PeerAnswer`).
@@ -64,6 +69,8 @@ async def post_json(
         PeerRequestError: no connection, or not an HTTP answer.
     """
     payload = json.dumps(body, separators=(",", ":")).encode()
+    if sign is not None:
+        headers = {**headers, **sign(payload)}
     try:
         if ssl_context is None:
             stream: Any = await anyio.connect_tcp(host, port)

@@ -104,7 +104,7 @@ class FleetConfig(BaseModel):
         1.0, gt=0, description="a peer answers a join once its incident opened, or after this many seconds"
     )
     allow_insecure_peers: bool = Field(
-        False, description="send the bearer token to plain-HTTP peers (otherwise peers need TLS when a token is set)"
+        False, description="talk to peers over plain HTTP although a token is set (requests stay signed, never carry the token)"
     )
     time_bucket_s: float = Field(
         10.0, gt=0, description="without a Flight Recorder, detections in the same bucket of this many seconds share a trace"
@@ -162,8 +162,9 @@ def _insecure_peers(api: ApiConfig, fleet: FleetConfig) -> list[str]:
         plain = plain or fleet.peers or [fleet.peers_dns or ""]
     if not plain:
         return []
-    why = (f"fleet.allow_insecure_peers: peer {plain[0]!r} is reached over plain HTTP and would receive the job's bearer token"
-           " in clear; serve the API over TLS (api.tls_cert_file, api.tls_key_file) or pass --allow-insecure-peers")
+    why = (f"fleet.allow_insecure_peers: peer {plain[0]!r} is reached over plain HTTP (job data in clear, answers"
+           " spoofable by whoever holds its address); serve the API over TLS (api.tls_cert_file, api.tls_key_file)"
+           " or pass --allow-insecure-peers")
     return [why]
 
 

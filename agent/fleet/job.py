@@ -79,7 +79,7 @@ from agent.fleet.config import (
     read_token_file,
     server_ssl_context,
 )
-from agent.fleet.evidence import fit, host_evidence, local_rank
+from agent.fleet.evidence import fit, host_evidence
 from agent.fleet.fanout import bounded, plan
 from agent.fleet.http import HttpServer
 from agent.fleet.identity import (
@@ -97,7 +97,7 @@ from agent.fleet.peers import Peer, PeerCredentials, PeerReply, PeerResolver, ca
 from agent.fleet.traceparent import TraceParent
 from agent.fsutil import atomic_write_text
 from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
-from agent.ranks import rank_label
+from agent.ranks import rank_label, world_ranks
 
 __all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "FlightRecorderReader", "JobIncident"]
 
@@ -233,6 +233,7 @@ class Fleet:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 await tg.start(self.server.serve)
+                self.api.port = self.server.port
                 self.resolver = PeerResolver(cfg.peers, dns_name=cfg.peers_dns, own_port=self.server.port, own_host=api.host,
                                              default_port=api.port or self.server.port, scheme=self.scheme, timeout_s=cfg.peer_timeout_s)
                 manager.companions.append(self._companion)
@@ -266,16 +267,18 @@ class Fleet:
     # -- who is who ---------------------------------------------------------------------------
 
     def _local_ranks_now(self) -> tuple[int, ...]:
-        """This host's global ranks (a /proc scan: a worker thread)."""
+        """This host's global ranks: ``RANK`` in a target's environment, else its title's rank in
+        this server's world (:func:`agent.ranks.world_ranks`). A /proc scan: a worker thread."""
         import psutil
 
+        targets = self.agent.discover()
         ranks: set[int] = set()
-        for target in self.agent.discover():
+        for target, by_title in zip(targets, world_ranks([t.title or "" for t in targets])):
             try:
-                env = psutil.Process(target.pid).environ()
+                raw = psutil.Process(target.pid).environ().get("RANK", "")
             except (psutil.Error, OSError):
-                env = {}
-            rank = local_rank(target.title or "", env)
+                raw = ""
+            rank = int(raw) if raw.isdigit() else by_title
             if rank is not None:
                 ranks.add(rank)
         return tuple(sorted(ranks))
@@ -415,8 +418,9 @@ class Fleet:
             job.extras = []
             record = self.agent.incidents.current
             if record is not None and record.opened.incident_id == opened.incident_id:
-                self._spawn(self._share_evidence, job, record.opened.incident_id, str(record.bundle_dir),
-                            list(record.targets), [*record.results, *(e.result for e in events)], record.verdict)
+                judge = getattr(self.agent.incidents, "judge", None)
+                judged = list(judge.last_evidence) if judge is not None and record.verdict is not None else []
+                self._spawn(self._share_evidence, job, record.opened.incident_id, str(record.bundle_dir), judged, record.verdict)
             return events
 
         return collect
@@ -538,6 +542,10 @@ class Fleet:
             reply = await call_peer(peer, "/v1/incidents", self._join_body(job, me, relay), credentials=self.credentials,
                                     timeout_s=self.config.peer_timeout_s,
                                     headers={"traceparent": TraceParent(job.trace_id, job.root_span_id).header()})
+            if reply.result.outcome is Outcome.OK and not reply.verified:  # an impostor at a member's address
+                reply = PeerReply(_with(reply.result, outcome=Outcome.REFUSED, detail=f"{peer}: answer not verified (ignored)"),
+                                  None, False)
+                self.unverified_answers += 1
             replies.append((peer, reply, len(relay)))
             self._note_answer(job, peer, reply)
 
@@ -620,10 +628,9 @@ class Fleet:
 
     # -- evidence and the job verdict --------------------------------------------------------------
 
-    async def _share_evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, targets: list[Any],
-                              results: list[ActionResult], verdict: Any) -> None:
+    async def _share_evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, judged: list[Any], verdict: Any) -> None:
         try:
-            evidence = await anyio.to_thread.run_sync(self._evidence, job, incident_id, bundle_dir, targets, results, verdict)
+            evidence = await anyio.to_thread.run_sync(self._evidence, job, incident_id, bundle_dir, judged, verdict)
             if job.coordinating:
                 job.add_evidence(evidence)
                 if not job.verdict_started:
@@ -640,15 +647,9 @@ class Fleet:
         except Exception:  # boundary
             log.exception("sharing the evidence of incident %s failed", incident_id)
 
-    def _evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, targets: list[Any],
-                  results: list[ActionResult], verdict: Any) -> Evidence:
-        from agent.targets import ProcessState, process_state
-
-        alive = {t.pid: process_state(t.pid, create_time_s=getattr(t, "create_time_s", 0.0)) not in (ProcessState.GONE, ProcessState.ZOMBIE)
-                 for t in targets}
+    def _evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, judged: list[Any], verdict: Any) -> Evidence:
         evidence = host_evidence(job=self.config.job or "-", host_name=self.host_name, agent_id=self.agent_id, trace_id=job.trace_id,
-                                 incident_id=incident_id, bundle_dir=bundle_dir, targets=targets, results=results,
-                                 verdict=verdict, alive=alive)
+                                 incident_id=incident_id, bundle_dir=bundle_dir, judged=judged, verdict=verdict)
         if evidence.world_size is not None:
             self.world_size = evidence.world_size
         relayed = [RelayedPeer.model_validate({"address": o.address, "outcome": str(o.outcome) if str(o.outcome) in

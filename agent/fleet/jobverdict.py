@@ -17,23 +17,24 @@ whole job at once:
    is among the ranks nobody could capture;
 4. the culprit ranks are named with their hosts.
 
-Pure apart from torch's analyzer (imported lazily, optional; its log output is silenced). No
-I/O. Imports :mod:`agent.verdict` and :mod:`agent.fleet.messages`.
+Pure apart from torch's analyzer (imported lazily and optionally by :mod:`agent.flightrec_view`).
+No I/O. Imports :mod:`agent.verdict`, :mod:`agent.flightrec_view` and :mod:`agent.fleet.messages`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.events import Trigger
 from agent.fleet.messages import Evidence, RankSummary
-from agent.verdict import FrameClass, RankEvidence, decide
+from agent.flightrec_view import RankRecorder, torch_missing_ranks
+from agent.verdict import Evidence as ServerEvidence
+from agent.verdict import FrameClass, RankEvidence, Role, decide
 
-__all__ = ["JOB_VERDICT_ATTR_PREFIX", "JobVerdict", "MissingHost", "judge_job", "torch_missing_ranks"]
+__all__ = ["JOB_VERDICT_ATTR_PREFIX", "JobVerdict", "MissingHost", "judge_job", "torch_findings"]
 
 log = logging.getLogger("servewatch.fleet.verdict")
 
@@ -131,9 +132,10 @@ class JobVerdict:
 
 def _rank_evidence(r: RankSummary) -> RankEvidence:
     return RankEvidence(
-        rank=r.rank, pid=r.pid, alive=r.alive, exited_first=r.exited_first, exit_signal=r.exit_signal,
-        exit_code=r.exit_code, frame_class=FrameClass(r.frame_class), frame=r.frame,
-        steps_before=r.steps_before, steps_after=r.steps_after, fr=r.fr, ranked=r.ranked,
+        rank=r.rank, pid=r.pid, role=Role.RANK, title=r.title, label=r.label, alive=r.alive, exited_first=r.exited_first,
+        exit_signal=r.exit_signal, exit_code=r.exit_code, oom_killed=r.oom_killed, exit_time_ns=r.exit_time_ns,
+        frame_class=FrameClass(r.frame_class), frame=r.frame, steps_before=r.steps_before, steps_after=r.steps_after,
+        pending=r.pending, fr=r.fr,
     )
 
 
@@ -142,70 +144,16 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
 
 
-def _pg_config_for_torch(trace: Mapping[str, Any]) -> dict[str, Any]:
-    """``pg_config`` keyed by the names the entries use (gloo's default group is keyed ``""``)."""
-    names = {}
-    for e in trace.get("entries") or ():
-        pg = e.get("process_group") if isinstance(e, Mapping) else None
-        if isinstance(pg, (list, tuple)) and len(pg) == 2:
-            names[str(pg[0])] = str(pg[1])
-    out: dict[str, Any] = {}
-    for key, value in (trace.get("pg_config") or {}).items():
-        if not isinstance(value, Mapping):
-            continue
-        name = str(value.get("name") or key or "")
-        if not name:
-            name = "0" if "0" in names or not names else next(iter(names))
-        ranks = value.get("ranks")
-        out[name] = {"desc": value.get("desc") or names.get(name, ""),
-                     "ranks": ranks if isinstance(ranks, str) else json.dumps(list(ranks or []))}
-    return out
-
-
-def torch_missing_ranks(windows: Mapping[int, Mapping[str, Any]]) -> tuple[dict[int, set[int]], list[str]]:
-    """torch's Flight Recorder analyzer on per-rank recorder windows.
-
-    Args:
-        windows: global rank -> recorder window (``version``, ``pg_config``, ``pg_status``, ``entries``).
-
-    Returns:
-        ``({collective seq id: missing ranks}, [one line per finding])``; empty when torch's
-        analyzer is not importable, has too little to read (fewer than 2 ranks), or fails.
-    """
-    if len(windows) < 2:
-        return {}, []
-    details = {}
-    version = ""
-    for rank, w in windows.items():
-        if not w.get("entries"):
-            continue
-        version = version or str(w.get("version") or "")
-        details[f"rank{rank}"] = {"rank": rank, "entries": [dict(e) for e in w["entries"]], "version": str(w.get("version") or ""),
-                                  "pg_config": _pg_config_for_torch(w)}
-    if len(details) < 2 or not version:
-        return {}, []
-    fr_log = logging.getLogger("Flight Recorder")  # torch's analyzer logs its findings at INFO to stderr
-    fr_log.disabled = True
-    try:
-        from torch.distributed.flight_recorder.components.builder import build_db
-        from torch.distributed.flight_recorder.components.config_manager import JobConfig
-
-        with contextlib.redirect_stdout(None):
-            db = build_db(details, JobConfig().parse_args(["-", "--allow-incomplete-ranks"]), version)
-    except Exception as exc:  # noqa: BLE001 - torch is optional; an analyzer that cannot read our windows says nothing
-        log.debug("torch's Flight Recorder analyzer failed: %s", exc)
-        return {}, []
-    finally:
-        fr_log.disabled = False
-    missing: dict[int, set[int]] = {}
-    lines: list[str] = []
-    for c in db.collectives:
-        if c.missing_ranks:
-            missing[c.collective_seq_id] = set(c.missing_ranks)
-            lines.append(f"torch flight_recorder: not all ranks joined {c.collective_name} #{c.collective_seq_id}"
-                         f" of pg {c.pg_desc}: missing ranks {sorted(c.missing_ranks)}")
-        elif not c.pass_check and c.type_of_mismatch is not None:
-            lines.append(f"torch flight_recorder: #{c.collective_seq_id} of pg {c.pg_desc}: {c.type_of_mismatch}")
+def torch_findings(recorders: Mapping[int, RankRecorder]) -> tuple[set[int], list[str]]:
+    """torch's Flight Recorder analyzer (``build_db``, via :func:`agent.flightrec_view.torch_missing_ranks`)
+    on the hosts' recorder windows: the ranks it finds missing from a collective, and one line per
+    finding; empty without torch or with fewer than two recorders."""
+    if len(recorders) < 2:
+        return set(), []
+    found = torch_missing_ranks(recorders) or []
+    missing = {r for _, _, _, gone in found for r in gone}
+    lines = [f"torch flight_recorder: not all ranks joined #{seq} of pg {pg}: missing ranks {sorted(gone)}"
+             for pg, seq, _, gone in found]
     return missing, lines
 
 
@@ -279,16 +227,16 @@ def judge_job(
         for r in m.ranks:
             host_of.setdefault(r, m.host)
 
-    windows = {e.rank: e.fr for e in ranks_ev if isinstance(e.fr, Mapping) and e.fr.get("entries")}
-    torch_missing, torch_lines = torch_missing_ranks(windows)
-    base = decide(ranks_ev) if ranks_ev else None
+    server = ServerEvidence.of(ranks_ev, trigger=Trigger.STALL, world_size=world_size)
+    flagged_set, torch_lines = torch_findings(server.recorders)
+    base = decide(server) if ranks_ev else None
     kind, reason, confidence, hung = "unknown", "no evidence from any host", "low", True
     culprits: tuple[int, ...] = ()
     lines: tuple[str, ...] = ()
     if base is not None:
         kind, culprits, reason, confidence, hung, lines = (base.kind, base.culprit_ranks, base.reason, base.confidence,
                                                           base.hung, base.evidence)
-    flagged = sorted({r for rs in torch_missing.values() for r in rs})
+    flagged = sorted(flagged_set)
     if culprits and flagged and set(culprits) <= set(flagged) and confidence == "medium":
         confidence = "high"  # torch's analyzer agrees
     waiting_in = _all_wait_same(ranks_ev)

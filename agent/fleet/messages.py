@@ -103,17 +103,20 @@ class RankSummary(_Wire):
     """
 
     rank: int = Field(ge=0)
-    ranked: bool = True
     pid: int | None = Field(None, ge=1)
     title: str = Field("", max_length=255)
+    label: str = Field("", max_length=64)
     alive: bool = True
     exited_first: bool = False
     exit_signal: str | None = Field(None, max_length=32)
     exit_code: int | None = None
-    frame_class: Literal["compute", "collective", "idle", "unknown"] = "unknown"
+    oom_killed: bool = False
+    exit_time_ns: int | None = None
+    frame_class: Literal["compute", "collective", "rendezvous", "idle", "unknown"] = "unknown"
     frame: str = Field("", max_length=512)
     steps_before: int | None = None
     steps_after: int | None = None
+    pending: int | None = None
     fr: dict[str, Any] | None = None
 
 

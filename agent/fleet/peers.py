@@ -18,6 +18,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,7 +28,7 @@ import psutil
 
 from agent.events import Action, ActionResult, Outcome, frozen_attrs, now_ns
 from agent.fleet.client import PeerAnswer, PeerRequestError, post_json
-from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, new_nonce, verify_answer
+from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, new_nonce, sign_request, verify_answer
 
 __all__ = [
     "PEER_SPAN",
@@ -58,9 +59,14 @@ class Peer:
     scheme: str = "http"
 
     @property
-    def url(self) -> str:
+    def authority(self) -> str:
+        """``host:port`` as the ``Host`` header names it."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}"
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.authority}"
 
     def __str__(self) -> str:
         return self.url
@@ -217,18 +223,22 @@ class PeerCredentials:
     agent_id: str = ""
 
     def refusal(self, peer: Peer) -> str:
-        """Why ``peer`` must not be asked (``""``: it may): the token never goes over plain HTTP
-        unless allowed."""
+        """Why ``peer`` must not be asked (``""``: it may): a job with a token talks TLS unless
+        plain HTTP is allowed."""
         if self.token is not None and peer.scheme != "https" and not self.allow_insecure:
-            return (f"{peer} not asked: plain HTTP would send the job's bearer token in clear"
+            return (f"{peer} not asked: a plain-HTTP peer of a job with a token"
                     " (serve the API over TLS, or --allow-insecure-peers)")
         return ""
 
     def headers(self, peer: Peer, nonce: str) -> dict[str, str]:
-        headers = {"x-servewatch-agent": self.agent_id, "user-agent": "servewatch-fleet", NONCE_HEADER: nonce}
-        if self.token is not None and not self.refusal(peer):
-            headers["authorization"] = f"Bearer {self.token.decode()}"
-        return headers
+        return {"x-servewatch-agent": self.agent_id, "user-agent": "servewatch-fleet", NONCE_HEADER: nonce}
+
+    def signer(self, peer: Peer, method: str, path: str) -> Callable[[bytes], dict[str, str]] | None:
+        """Signs a request to ``peer`` with the token (the token itself is never sent to a peer)."""
+        token = self.token
+        if token is None:
+            return None
+        return lambda body: {"authorization": sign_request(token, method, peer.authority, path, body)}
 
     def verified(self, peer: Peer, answer: PeerAnswer, nonce: str) -> bool:
         """Whether ``answer`` provably comes from a member of the job: over TLS verified against
@@ -291,6 +301,7 @@ async def call_peer(
                 answer = await post_json(
                     peer.host, peer.port, path, body, headers={**credentials.headers(peer, nonce), **(headers or {})},
                     ssl_context=credentials.ssl_context if peer.scheme == "https" else None,
+                    sign=credentials.signer(peer, "POST", path),
                 )
             except PeerRequestError as exc:
                 outcome, detail, retryable = Outcome.FAILED, f"{peer} {exc.kind.replace('_', ' ')}: {exc}", True

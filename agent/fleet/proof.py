@@ -1,31 +1,127 @@
-"""Proof that an answer comes from a holder of the job's token, without sending the token.
+"""Peers prove they hold the job's token without ever sending it: signed requests, proven answers.
 
-Owns :func:`new_nonce`, :func:`answer_proof` and :func:`verify_answer`. A caller sends a fresh
-random nonce with its request (header :data:`NONCE_HEADER`); a peer that holds the job's bearer
-token answers with ``HMAC-SHA256(token, nonce || status || body)`` (header
-:data:`PROOF_HEADER`). Whoever took over a peer's address (a rescheduled pod's IP, a spoofed
-DNS answer) can answer, but cannot forge the proof, so its answer is never trusted to move an
-incident into another trace. Under mutual TLS the peer's certificate, verified against the job
-CA, proves the same; the proof is then optional. Imports the standard library only.
+Owns :func:`sign_request` / :class:`RequestSignature` (a request signed with the token) and
+:func:`answer_proof` / :func:`verify_answer` (an answer proven with it).
+
+* **Requests between peers** carry ``Authorization: Servewatch-Sig ts=<unix s>,nonce=<hex>,
+  sha256=<body digest>,sig=<HMAC-SHA256(token, "v1", method, host, path, ts, nonce, digest)>``
+  (newline-joined) instead of the bearer token: whoever listens at a peer's address (a
+  rescheduled pod's IP, a port another user took over, a plain-HTTP wire) learns nothing that
+  lets it call other agents. The receiver accepts a signature whose time is within
+  :data:`MAX_SKEW_S` of its clock, made for its own port (the ``Host`` header is signed: a
+  request captured at one agent cannot be replayed to another) and whose nonce it has not seen
+  (replays refused), and checks the body against the signed digest.
+* **Answers** carry ``x-servewatch-proof: HMAC-SHA256(token, nonce "\\n" status "\\n" body)`` for
+  the nonce the caller sent (:data:`NONCE_HEADER`): a forged answer from an impostor is never
+  acted on (:mod:`agent.fleet.job` moves a running incident only on a proven answer). Under
+  mutual TLS the peer's certificate, verified against the job CA, proves the same.
+
+Operators keep using the bearer token (``Authorization: Bearer``). Imports the standard library only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
-__all__ = ["NONCE_HEADER", "PROOF_HEADER", "answer_proof", "new_nonce", "verify_answer"]
+__all__ = [
+    "MAX_SKEW_S",
+    "NONCE_HEADER",
+    "PROOF_HEADER",
+    "SIGNATURE_SCHEME",
+    "NonceCache",
+    "RequestSignature",
+    "answer_proof",
+    "new_nonce",
+    "sign_request",
+    "verify_answer",
+]
 
 #: Request header carrying the caller's nonce (32 hex digits).
 NONCE_HEADER = "x-servewatch-nonce"
 #: Response header carrying the answer's proof (64 hex digits).
 PROOF_HEADER = "x-servewatch-proof"
+#: ``Authorization`` scheme of a signed peer request.
+SIGNATURE_SCHEME = "Servewatch-Sig"
+#: Largest difference between a signed request's time and the receiver's clock, seconds.
+MAX_SKEW_S = 60.0
+
+_FIELDS = re.compile(r"(ts|nonce|sha256|sig)=([0-9a-f]{1,128})")
 
 
 def new_nonce() -> str:
     """A fresh nonce (128 random bits, hex)."""
     return secrets.token_hex(16)
+
+
+def _mac(token: bytes, *parts: str) -> str:
+    return hmac.new(token, "\n".join(parts).encode("utf-8", "replace"), hashlib.sha256).hexdigest()
+
+
+def sign_request(token: bytes, method: str, host: str, path: str, body: bytes, *, nonce: str | None = None,
+                 now_s: float | None = None) -> str:
+    """The ``Authorization`` header value of a request to ``host`` (its ``Host`` header) signed with ``token``."""
+    ts = str(int(time.time() if now_s is None else now_s))
+    nonce = nonce or new_nonce()
+    digest = hashlib.sha256(body).hexdigest()
+    sig = _mac(token, "v1", method.upper(), host.lower(), path, ts, nonce, digest)
+    return f"{SIGNATURE_SCHEME} ts={ts},nonce={nonce},sha256={digest},sig={sig}"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSignature:
+    """A parsed ``Servewatch-Sig`` header."""
+
+    ts: int
+    nonce: str
+    sha256: str
+    sig: str
+
+    @classmethod
+    def parse(cls, header: str) -> RequestSignature | None:
+        scheme, _, rest = header.partition(" ")
+        if scheme != SIGNATURE_SCHEME:
+            return None
+        fields = dict(_FIELDS.findall(rest))
+        if set(fields) != {"ts", "nonce", "sha256", "sig"} or len(fields["nonce"]) < 16:
+            return None
+        return cls(int(fields["ts"]), fields["nonce"], fields["sha256"], fields["sig"])
+
+    def valid(self, token: bytes, method: str, host: str, path: str, *, now_s: float | None = None) -> bool:
+        """The signature is the token's over this method, host, path, time, nonce and digest, and
+        its time is within :data:`MAX_SKEW_S` (the body is checked against the digest separately)."""
+        now = time.time() if now_s is None else now_s
+        if abs(now - self.ts) > MAX_SKEW_S:
+            return False
+        expected = _mac(token, "v1", method.upper(), host.lower(), path, str(self.ts), self.nonce, self.sha256)
+        return hmac.compare_digest(expected, self.sig)
+
+    def covers(self, body: bytes) -> bool:
+        return hmac.compare_digest(hashlib.sha256(body).hexdigest(), self.sha256)
+
+
+class NonceCache:
+    """Nonces of signed requests seen within twice the allowed skew (a replay is refused)."""
+
+    def __init__(self, *, keep_s: float = 2 * MAX_SKEW_S, max_items: int = 100_000) -> None:
+        self.keep_s = keep_s
+        self.max_items = max_items
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def first_use(self, nonce: str, *, now_s: float | None = None) -> bool:
+        """Record ``nonce``; False when it was seen already (a replay)."""
+        now = time.monotonic() if now_s is None else now_s
+        while self._seen and (next(iter(self._seen.values())) < now - self.keep_s or len(self._seen) >= self.max_items):
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now
+        return True
 
 
 def answer_proof(token: bytes, nonce: str, status: int, body: bytes) -> str:

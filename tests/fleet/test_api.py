@@ -274,7 +274,10 @@ async def test_peers_of_a_job_talk_over_mutual_tls(tmp_path: Path) -> None:
         with anyio.fail_after(30):
             while not recs_b:
                 await anyio.sleep(0.05)
-    [peer] = [r for r in record.results if r.action == "peer.capture"]
+    # node-a either asked node-b (it coordinates) or reported to it (node-b coordinates): over TLS,
+    # the answer verified by node-b's certificate from the job CA
+    [peer] = [r for r in record.results if r.action in ("peer.capture", "fleet.report")]
     assert peer.outcome.value == "ok", peer.detail
     assert peer.attributes["servewatch.peer.address"] == f"https://127.0.0.1:{ports[1]}"
+    assert peer.attributes["servewatch.peer.verified"] is True
     assert recs_b[0].opened.trace_id == record.opened.trace_id

@@ -153,12 +153,15 @@ def test_manifests_cover_sidecar_agent_and_gateway() -> None:
         "ConfigMap/otel-agent-config",
         "ConfigMap/otel-gateway-config",
         "DaemonSet/otel-agent",
+        "DaemonSet/servewatch-fleet",
         "Deployment/otel-gateway",
         "Deployment/sglang",
         "Namespace/inference",
         "Namespace/observability",
         "Service/otel-agent",
         "Service/otel-gateway",
+        "Service/otel-gateway-headless",
+        "Service/servewatch-fleet",
         "Service/sglang-multinode",
         "StatefulSet/sglang-multinode",
     ]
@@ -258,8 +261,8 @@ def test_agent_forwards_to_the_gateway_service_and_port() -> None:
     config = collector_config(agent)
     assert collector_problems(config) == []
     (exporter_ref, exporter), = iter_exporters(config, "otlp_grpc")
-    for pipeline in config["service"]["pipelines"].values():
-        assert pipeline["exporters"] == [exporter_ref]
+    # metrics go to the gateway Service; traces through the loadbalancing exporter (test_kubernetes_fleet)
+    assert config["service"]["pipelines"]["metrics"]["exporters"] == [exporter_ref]
     service, port = service_for(exporter["endpoint"], agent["metadata"]["namespace"])
     assert service["metadata"]["name"] == "otel-gateway"
     gateway = backing_workload(service)

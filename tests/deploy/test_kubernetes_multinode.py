@@ -91,24 +91,12 @@ def test_the_token_is_a_0600_plain_file_from_a_secret(statefulset: dict[str, Any
 
 
 def test_the_sidecar_settings_load_with_the_real_loader(statefulset: dict[str, Any], tmp_path: Path) -> None:
-    """What `servewatch run` would build from these flags (token file made locally, 0600)."""
-    import os
+    """What `servewatch run` would build from these flags and the sidecar's environment (token
+    and TLS files made locally at the paths the Secrets are mounted on)."""
+    from tests.deploy.test_kubernetes_fleet import agent_settings
 
-    from agent.config import load_settings
-
-    params = _run_params(_container(statefulset, "servewatch")["args"])
-    token = tmp_path / "api-token"
-    token.write_text("x" * 32)
-    os.chmod(token, 0o600)
-    host, port = parse_listen(params["api_listen"])
-    settings = load_settings({
-        "data_dir": tmp_path / "data",
-        "health": {"url": params["health_url"]},
-        "metrics": {"url": params["metrics_url"]},
-        "target": {"match": params["match"]},
-        "api": {"enabled": True, "host": host, "port": port, "token_file": token},
-        "fleet": {"job": params["job"], "peers_dns": params["peers_dns"]},
-    })
+    settings, _ = agent_settings(statefulset, "servewatch", tmp_path)
     assert settings.api.enabled and settings.fleet.job == "sglang-multinode"
+    assert settings.api.tls and settings.api.mutual_tls and not settings.fleet.allow_insecure_peers
     # both sidecars watch the whole server's progress at pod 0 (the frontend), so both detect a stall
     assert "sglang-multinode-0.sglang-multinode" in settings.metrics.url

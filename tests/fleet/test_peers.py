@@ -103,7 +103,7 @@ async def test_a_detection_on_one_host_is_captured_by_every_host_in_one_trace_un
 ) -> None:
     pids = _targets(spawn, python, 3)
     async with job_of_agents(tmp_path, otlp_receiver, pids) as agents:
-        (a, recs_a), (b, recs_b), (c, recs_c) = agents
+        (a, recs_a), (b, recs_b), (_c, recs_c) = agents
         assert a.fleet.local_ranks == (0,) and b.fleet.announced.host_name == "node-a"
         before = _requests(agents)
         await b.bus.publish(_stalled(pids[1]))  # node-b detects; node-a (rank 0) coordinates

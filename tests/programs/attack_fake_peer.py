@@ -58,7 +58,7 @@ def main() -> int:
     while time.monotonic() < deadline:
         try:
             conn, _ = srv.accept()
-        except socket.timeout:
+        except TimeoutError:
             continue
         threading.Thread(target=serve, args=(conn, log, answer), daemon=True).start()
     return 0

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.events import ExitFact, ExitKind
+from agent.events import ExitFact, ExitKind, Trigger
 from agent.flightrec_view import (
     RankRecorder,
     find_behind,
@@ -257,7 +257,7 @@ class Evidence:
             fr = RankRecorder.of(e.fr) if e.alive else None
             if fr is not None and not fr.empty:
                 recorders[e.number] = fr
-        if work_pending is None and trigger == "stall":
+        if work_pending is None and trigger == Trigger.STALL:
             work_pending = True  # the watchdog fires only while busy
         counted = [e.pending for e in (*ranks, *others_t) if e.pending is not None]
         if work_pending is None and counted:

@@ -133,13 +133,20 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 # --- torch's analyzer ---------------------------------------------------------------------------
 
 
+def _quiet(record: logging.LogRecord) -> bool:
+    """Filter dropping every record of torch's analyzer's logger (its findings are worded here)."""
+    return False
+
+
 def _analyzer() -> tuple[Any, Any, Any] | None:
     """torch's analyzer: ``(build_db, MatchState, Op)``, or ``None`` when torch (optional on the
     agent side) is absent or broken. Its import-time chatter is not ours to show: torch warns when
     numpy is absent (a plain ``pip install torch``), the analyzer logs "tabulate is not installed"."""
     import warnings
 
-    logging.getLogger("Flight Recorder").setLevel(logging.ERROR)
+    analyzer_log = logging.getLogger("Flight Recorder")  # its own stderr handler logs every finding
+    if _quiet not in analyzer_log.filters:
+        analyzer_log.addFilter(_quiet)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -199,8 +206,8 @@ def torch_missing_ranks(frs: Mapping[int, RankRecorder]) -> list[tuple[str, int,
     analyzer is not importable or cannot read the dumps.
 
     gloo's recorder leaves ``pg_config`` empty, so each group's members are the ranks whose
-    recorder has it (a rank with no entry of a group is then no member: the finding stays
-    conservative).
+    recorder has it (an entry, or the group in ``pg_status``); a group only one rank recorded
+    (its peers never issued a collective on it) is taken to span every rank read.
     """
     analyzer = _analyzer()
     if analyzer is None:
@@ -209,8 +216,12 @@ def torch_missing_ranks(frs: Mapping[int, RankRecorder]) -> list[tuple[str, int,
     members: dict[str, set[int]] = {}
     names: dict[str, tuple[str, str]] = {}
     for rank, fr in frs.items():
-        for pg, by_seq in fr.entries.items():
+        for pg in (*fr.entries, *fr.groups):  # a group in pg_status: a member, entries or not
             members.setdefault(pg, set()).add(rank)
+    for pg, ranks in members.items():
+        if len(ranks) == 1:  # recorded by one rank only: its peers never touched it; all ranks may be
+            members[pg] = set(frs)
+        for pg, by_seq in fr.entries.items():
             entry = next(iter(by_seq.values()))
             pgname = entry.get("process_group")
             if isinstance(pgname, (list, tuple)) and len(pgname) == 2:
@@ -223,15 +234,10 @@ def torch_missing_ranks(frs: Mapping[int, RankRecorder]) -> list[tuple[str, int,
 
     args = argparse.Namespace(verbose=False, just_print_entries=False, allow_incomplete_ranks=True, mismatch_cap=10,
                               selected_ranks=None, pg_filters=None)
-    analyzer_log = logging.getLogger("Flight Recorder")
-    level = analyzer_log.level
-    analyzer_log.setLevel(logging.ERROR)  # it logs every finding at INFO: they are ours to word
     try:
         db = build_db(details, args, version)
     except (Exception, SystemExit):  # noqa: BLE001 - dumps torch's analyzer does not accept
         return None
-    finally:
-        analyzer_log.setLevel(level)
     out = []
     for c in db.collectives:
         missing = frozenset(int(r) for r in (c.missing_ranks or ()))
@@ -408,6 +414,8 @@ def _missing_from_status(frs: Mapping[int, RankRecorder]) -> list[tuple[str, int
     pgs = {pg for fr in frs.values() for pg in fr.groups}
     for pg in pgs:
         enq = {r: fr.groups[pg][0] for r, fr in frs.items() if pg in fr.groups}
+        if len(enq) == 1:  # one rank recorded it (see torch_missing_ranks): every rank read is a member
+            enq = {r: frs[r].groups.get(pg, (0, 0))[0] for r in frs}
         top = max(enq.values())
         missing = frozenset(r for r, s in enq.items() if s < top)
         if missing:

@@ -68,7 +68,8 @@ log = logging.getLogger("servewatch.judge")
 
 #: Largest artifact read back for the verdict, bytes.
 _MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
-#: Attribute of a ``pyspy.dump`` result that says what happened reading the stack, when not plain.
+#: Attribute of a ``pyspy.dump`` result that says what happened reading the stack, when not plain
+#: (:data:`agent.actors.pyspy.NOTE_ATTR`: the judge reads results, it imports no actor).
 PYSPY_NOTE_ATTR = "servewatch.pyspy.note"
 
 
@@ -434,5 +435,5 @@ def pick_incident_verdict(verdicts: Sequence[tuple[ServerGroup | Sequence[int], 
     if jobs < 2:
         return verdict
     how = f"; {group.how}" if isinstance(group, ServerGroup) else ""
-    note = f"job of pids {','.join(map(str, sorted(pids_of(group))))} (1 of {jobs} process trees matched{how})"
+    note = f"job of pids {','.join(map(str, sorted(pids_of(group))))} (1 of {jobs} servers matched{how})"
     return replace(verdict, evidence=(*verdict.evidence, note))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
     "SCHEMA_V1",
+    "STACK_NOT_ERRORS",
     "ActionName",
     "IncidentState",
     "Manifest",
@@ -56,6 +58,7 @@ __all__ = [
     "TriggerName",
     "load_manifest",
     "parse_manifest",
+    "stack_errors",
 ]
 
 #: File name of the manifest inside a bundle (``<data_dir>/<host>/<incident_id>/manifest.json``).
@@ -349,3 +352,22 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     if p.is_dir():
         p = p / MANIFEST_NAME
     return parse_manifest(p.read_bytes(), source=str(p))
+
+
+#: ``pyspy.dump`` outcomes that are no error: captured, switched off by configuration, or the
+#: target exited (a dead rank is evidence, often why the others hang).
+STACK_NOT_ERRORS = frozenset({"ok", "skipped", "dead", "no_such_process", "zombie"})
+
+
+def stack_errors(actions: Iterable[Any]) -> int:
+    """The ``Errors: N`` every view of an incident prints (``dump``'s summary, ``timeline``, the
+    HTML report; what makes ``servewatch dump`` exit 1): targets whose stacks could not be captured
+    for an error (timed out, permission denied, not Python, py-spy missing or failed).
+
+    Args:
+        actions: objects with ``action`` and ``outcome`` (manifest actions, timeline rows).
+
+    Returns:
+        The count (0 when every process's stacks are in, or explained).
+    """
+    return sum(1 for a in actions if str(a.action) == "pyspy.dump" and str(a.outcome) not in STACK_NOT_ERRORS)

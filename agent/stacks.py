@@ -27,10 +27,12 @@ __all__ = [
     "hung_location",
     "idle_and_stuck",
     "parse_dump",
+    "parse_faulthandler",
     "parse_threads",
     "render_text",
     "summarize",
     "thread_is_idle",
+    "threads_to_json",
 ]
 
 #: Longest string put in one span attribute of a stack summary, characters.
@@ -473,3 +475,68 @@ def summarize(threads: Sequence[ThreadStack], *, max_threads: int = 16, max_fram
             picked = list(thread.frames)
         out.extend(clip(f"{thread.label}: {frame.describe()}") for frame in picked[:max_frames])
     return tuple(out)
+
+
+# --- faulthandler's tracebacks --------------------------------------------------------------------
+
+_FH_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
+_FH_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)')
+
+
+def parse_faulthandler(text: str, *, pid: int) -> tuple[list[ThreadStack], bool]:
+    """Threads of a :mod:`faulthandler` traceback (``faulthandler.dump_traceback``; what torch's
+    worker server's ``dump_traceback`` handler returns), innermost frame first, as py-spy's would be.
+
+    faulthandler prints at most 100 frames per thread, innermost first, then ``...``; it names no
+    thread, so the thread whose outermost frame is ``<module>`` is taken for the main thread, else
+    (its bottom cut off) the last one listed: CPython lists threads newest first, the main thread
+    last. Threads with no Python frame (the C++ thread that answered) are left out.
+
+    Returns:
+        ``(threads, truncated)``: ``truncated`` when a thread's stack was cut (``...``).
+    """
+    threads: list[ThreadStack] = []
+    frames: list[Frame] = []
+    tid: int | None = None
+    truncated = False
+
+    def flush() -> None:
+        if tid is not None and frames:
+            main = frames[-1].name == "<module>"
+            threads.append(ThreadStack(pid=pid, thread_id=tid, os_thread_id=pid if main else None,
+                                       thread_name="MainThread" if main else "", frames=tuple(frames)))
+
+    for line in text.splitlines():
+        m = _FH_THREAD.match(line)
+        if m:
+            flush()
+            tid, frames = int(m.group(1), 16), []
+            continue
+        f = _FH_FRAME.match(line)
+        if f and tid is not None:
+            path = safe_text(f.group("file"))
+            short = path.split("-packages/", 1)[-1] if "-packages/" in path else path.rsplit("/", 1)[-1]
+            frames.append(Frame(name=safe_text(f.group("name")), filename=path, short_filename=short,
+                                line=int(f.group("line"))))
+        elif line.strip() == "...":
+            truncated = True
+    flush()
+    if threads and not any(t.is_main for t in threads):
+        last = threads[-1]
+        threads[-1] = ThreadStack(pid=pid, thread_id=last.thread_id, os_thread_id=pid, thread_name="MainThread",
+                                  frames=last.frames)
+    threads.sort(key=lambda t: not t.is_main)
+    return threads, truncated
+
+
+def threads_to_json(threads: Sequence[ThreadStack]) -> list[dict[str, object]]:
+    """Threads as ``py-spy dump --json`` writes them (what :func:`parse_dump` reads back)."""
+    return [
+        {
+            "pid": t.pid, "thread_id": t.thread_id, "thread_name": t.thread_name, "os_thread_id": t.os_thread_id,
+            "active": t.active, "owns_gil": t.owns_gil,
+            "frames": [{"name": f.name, "filename": f.filename, "short_filename": f.short_filename, "line": f.line,
+                        "module": f.module} for f in t.frames],
+        }
+        for t in threads
+    ]

@@ -13,7 +13,7 @@ from typing import Any
 
 from agent.events import Action, ExitFact, Outcome
 from agent.incidents import IncidentRecord
-from agent.manifest import IncidentState, Manifest, ManifestAction
+from agent.manifest import IncidentState, Manifest, ManifestAction, stack_errors
 
 __all__ = ["HUNG_FRAME_ATTR", "exit_lines", "incident_summary", "late_result_lines", "summary_lines"]
 
@@ -133,10 +133,7 @@ def stack_dump_errors(record: IncidentRecord) -> int:
     Returns:
         The number of such targets (0 when every rank's stacks are in, or explained).
     """
-    return sum(
-        1 for a in record.to_manifest().actions
-        if a.action == Action.PYSPY_DUMP and a.outcome not in (Outcome.OK, Outcome.SKIPPED, *GONE_OUTCOMES)
-    )
+    return stack_errors(record.to_manifest().actions)  # the one rule timeline and report print too
 
 
 

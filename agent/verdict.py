@@ -588,7 +588,7 @@ def _outside_collective(e: RankEvidence) -> bool:
             "its own code outside the collective",
        concludes="the live rank outside the collective is the culprit; the exits are consequences of its hang",
        confidence="high when its stack, its stopped step counter and its Flight Recorder (nothing in flight) "
-                  "agree; medium from its stack alone")
+                  "agree and an exit status says error; medium otherwise")
 def _cascade(ev: Evidence) -> Verdict | None:
     gone = ev.dead(ExitKind.CODE, ExitKind.UNKNOWN)
     if not gone:
@@ -596,13 +596,13 @@ def _cascade(ev: Evidence) -> Verdict | None:
     hung = [e for e in ev.ranks if _outside_collective(e)]
     if not hung:
         return None
-    sources = [all(e.stalled for e in hung)]
-    sources.append(all(_nothing_in_flight(ev.recorders.get(e.rank)) for e in hung))  # type: ignore[arg-type]
+    sources = [all(e.stalled for e in hung), any(exit_kind(e) is ExitKind.CODE for e in gone)]
+    sources.append(all(_nothing_in_flight(ev.recorders.get(e.number)) for e in hung))
     frames = "; ".join(f"{e.name} in {e.frame}" for e in hung if e.frame)
-    codes = sorted({_how_exited(e).removeprefix("exited ") for e in gone})
+    codes = sorted({fact.status() for e in gone if (fact := fact_of(e)) is not None})
     reason = (f"collective timeout cascade: {_names(hung)} alive outside the collective"
               + (f" ({frames})" if frames else "")
-              + f"; {_names(gone)} exited after it ({', '.join(codes)}): consequences, not causes")
+              + f"; {_names(gone)} exited after it ({'; '.join(codes)}): consequences, not causes")
     return _verdict(ev, "cascade", hung, reason, "high" if all(sources) else "medium")
 
 
@@ -696,7 +696,7 @@ def _rendezvous(ev: Evidence) -> Verdict | None:
     present = {e.rank for e in ev.ranks}
     missing = [_missing_rank(r) for r in range(ev.world_size or 0) if r not in present]
     never = sorted([*elsewhere, *missing], key=lambda e: e.rank)  # type: ignore[arg-type, return-value]
-    where = waiting[0].frame.split(" (", 1)[0] or "the rendezvous"
+    where = "the rendezvous (init_process_group)"
     world = f"world size {ev.world_size}" if ev.world_size else "world size unknown"
     if not never:
         reason = f"rendezvous: {_ranks_wait(e.rank for e in waiting)} in {where} ({world}); no rank is known missing"  # type: ignore[misc]
@@ -802,7 +802,8 @@ def _ipc_deadlock(ev: Evidence) -> Verdict | None:
     if len(known) < 2 and not ev.ranks:
         return None
     where = "; ".join(f"{e.name} in {e.frame}" for e in known)
-    reason = f"deadlock: {_names(known)} all wait for a message while work is pending ({where})"
+    between = " and ".join(_culprit_name(e) for e in known)
+    reason = f"deadlock between {between}: each waits for a message while work is pending ({where})"
     return _verdict(ev, "deadlock", known, reason, "medium")
 
 
@@ -923,16 +924,23 @@ def _pick_thread(with_frames: Sequence[Any], is_idle: Callable[[Any], bool]) -> 
 
 
 def _layer_class(frames: Sequence[Any]) -> tuple[FrameClass, str] | None:
-    """The communication layer the thread is in (:data:`agent.stacks.COMMUNICATION_LAYERS`):
-    a Python frame names it best, else a native one."""
+    """The communication layer the thread is in (:data:`agent.stacks.COMMUNICATION_LAYERS`).
+
+    A rendezvous anywhere on the stack wins (``init_process_group`` calls into the collectives'
+    own code while the job forms); else the innermost collective layer, a Python frame naming it
+    best, else a native one.
+    """
+    layers = [(f, comm_layer(f)) for f in frames]
+    rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"
+                       and not getattr(f, "native", False)), None)
+    if rendezvous is None:
+        rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"), None)
+    if rendezvous is not None:
+        return FrameClass.RENDEZVOUS, _label(rendezvous)
     for python in (True, False):
-        for f in frames:
-            if bool(getattr(f, "native", False)) == python:
-                continue
-            layer = comm_layer(f)
-            if layer is None or layer.kind == "message_queue":
-                continue
-            return (FrameClass.RENDEZVOUS if layer.kind == "rendezvous" else FrameClass.COLLECTIVE), _label(f)
+        for f, layer in layers:
+            if layer is not None and layer.kind == "collective" and bool(getattr(f, "native", False)) != python:
+                return FrameClass.COLLECTIVE, _label(f)
     return None
 
 

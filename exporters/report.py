@@ -27,6 +27,7 @@ from pathlib import Path
 
 from agent.events import Action, Trigger
 from agent.fsutil import atomic_write_text
+from agent.manifest import stack_errors
 from exporters.bundle import ActionRow, IncidentTimeline, ProcessStacks, SpanRow
 from exporters.timeline import format_size, verdict_headline
 
@@ -450,11 +451,11 @@ def report_summary(tl: IncidentTimeline, path: str | os.PathLike[str]) -> str:
 
     Returns:
         e.g. ``Wrote report of incident 2025...-stall-a1b2c3 to '/tmp/r.html' (31.20 KiB). Actions: 6
-        Processes: 3 Errors: 1. Open it in a browser (works offline).`` Errors count failed
-        actions (not ``timed_out`` nor the not-applicable outcomes).
+        Processes: 3 Errors: 1. Open it in a browser (works offline).`` Errors are
+        :func:`agent.manifest.stack_errors`, the count ``dump`` and ``timeline`` print too.
     """
     size = Path(path).stat().st_size
-    errors = sum(1 for a in tl.actions if _outcome_class(a.outcome) == "bad")
+    errors = stack_errors(tl.actions)
     return (
         f"Wrote report of incident {tl.incident_id} to '{path}' ({format_size(size)}). "
         f"Actions: {len(tl.actions)} Processes: {len(tl.stacks)} Errors: {errors}. "

@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent.events import Trigger
+from agent.manifest import stack_errors
 from agent.security import sanitize
 from agent.stacks import thread_is_idle
 from exporters.bundle import IncidentTimeline
@@ -140,6 +141,9 @@ def _header(tl: IncidentTimeline) -> Panel:
         body.append(", ".join(f"{sig} -> {pid}" for pid, sig in tl.hard_signal_sent.items()), style="bold red")
     body.append("\nbundle   ", style="bold")
     body.append(tl.bundle_dir)
+    errors = stack_errors(tl.actions)  # the Errors: N of dump's summary and the report
+    body.append("\nerrors   ", style="bold")
+    body.append(f"{errors} (processes whose stacks could not be captured)", style="bold red" if errors else "")
     if tl.state == "open":
         body.append("\nstate    ", style="bold")
         body.append("OPEN — still running", style="bold yellow")

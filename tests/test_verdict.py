@@ -226,7 +226,7 @@ def test_a_cascade_blames_the_live_rank_outside_the_collective_not_the_first_exi
     v = decide(ev, trigger="exit")
     assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence, v.rule) == ("cascade", (2,), (12,), "high", "cascade")
     assert v.reason.startswith("collective timeout cascade: rank 2 alive outside the collective (rank 2 in _hang_in_compute")
-    assert "ranks 0,1,3 exited after it (with exit code 1): consequences, not causes" in v.reason
+    assert "ranks 0,1,3 exited after it (exit code 1): consequences, not causes" in v.reason
     # the same exits with no live rank outside a collective: the first exit is blamed
     alone = [e for e in ev if e.rank != 2] + [RankEvidence(rank=2, pid=12, frame_class=FrameClass.COLLECTIVE)]
     v = decide(alone, trigger="exit")
@@ -285,7 +285,7 @@ def test_a_rendezvous_hang_names_the_ranks_that_never_arrived() -> None:
     v = decide(waiting, world_size=4, trigger="manual")
     assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence) == ("rendezvous", (3,), (), "medium")
     assert v.reason == ("rendezvous: rank 3 never arrived (rank 3 never started); ranks 0,1,2 wait in "
-                        "init_process_group (world size 4)")
+                        "the rendezvous (init_process_group) (world size 4)")
     assert v.headline().startswith("Verdict: culprit rank 3 (no process) -- rendezvous:")
     late = [*waiting, RankEvidence(rank=3, pid=13, frame_class=FrameClass.COMPUTE, frame="load_weights (m.py:3)")]
     v = decide(late, world_size=4)
@@ -300,8 +300,8 @@ def test_everyone_waiting_for_a_message_is_a_deadlock_with_work_pending_and_idle
                        frame_class=FrameClass.IDLE, frame="recv (engine.py:5)")]
     stuck = decide(ev, trigger="stall")
     assert (stuck.kind, stuck.culprit_ranks, stuck.culprit_pids, stuck.hung) == ("deadlock", (0,), (11, 10), True)
-    assert stuck.reason == ("deadlock: rank 0, pid 10 'eng::engine' all wait for a message while work is pending "
-                            "(rank 0 in recv (worker.py:9); pid 10 'eng::engine' in recv (engine.py:5))")
+    assert stuck.reason == ("deadlock between rank 0 (pid 11) and pid 10 'eng::engine': each waits for a message "
+                            "while work is pending (rank 0 in recv (worker.py:9); pid 10 'eng::engine' in recv (engine.py:5))")
     assert decide(ev, work_pending=False).kind == "idle" and not decide(ev, work_pending=False).hung
     unknown = decide(ev)
     assert (unknown.kind, unknown.confidence) == ("idle", "low")

@@ -55,7 +55,7 @@ def test_two_servers_matched_host_wide_are_judged_as_two_jobs(spawn, python, tmp
     assert v is not None
     assert v.ranks == (0, 1), v
     assert v.kind != "dead" and b["scheduler_TP1"] not in v.culprit_pids, v
-    assert any("2 process trees" in line and str(a["scheduler_TP0"]) in line for line in v.evidence), v.evidence
+    assert any("2 servers" in line and str(a["scheduler_TP0"]) in line for line in v.evidence), v.evidence
     # server b's rank exited: the verdict is b's, naming its rank 1 only
     exited = TargetExited(pid=b["scheduler_TP1"], exit_code=9, title=f"sglang::scheduler_TP1_{tag}")
     v = judge._decide(targets, [], exited, {})

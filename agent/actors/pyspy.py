@@ -48,9 +48,11 @@ and field logs):
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import signal
+import stat as stat_mod
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -89,13 +91,16 @@ from agent.events import (
 from agent.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
 from agent.procinfo import Death, Tracer, death_of, tracer_of
 from agent.safetext import safe_text
+from agent.security import process_uids, trusted_owner
 from agent.stacks import (
     clip,
     hung_frame,
     idle_and_stuck,
     parse_dump,
+    parse_faulthandler,
     render_text,
     summarize,
+    threads_to_json,
 )
 from agent.targets import ProcessState, Target, process_state
 
@@ -105,7 +110,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACTION",
+    "NOTE_ATTR",
     "PERMISSION_HINT",
+    "PYSPY_MAX_DEPTH",
     "Classification",
     "PySpyActor",
     "PySpyConfig",
@@ -113,6 +120,7 @@ __all__ = [
     "classify",
     "create",
     "default_executable",
+    "is_python_process",
 ]
 
 logger = logging.getLogger(__name__)
@@ -663,6 +671,8 @@ class PySpyActor:
             serial += 1
             stem = Path(artifact_dir) / f"pyspy-{target.pid}-{serial}"
 
+        if verdict.outcome is Outcome.NOT_PYTHON and await anyio.to_thread.run_sync(is_python_process, target.pid):
+            return await self._too_deep(target, attempts, stem, result)
         if verdict.outcome is not Outcome.OK:
             err_path = stem.with_name(stem.name + ".err.txt")
             report = "".join(
@@ -723,6 +733,40 @@ class PySpyActor:
                 "servewatch.pyspy.idle_threads": tuple(clip(x) for x in idle[:cap]),
                 "servewatch.pyspy.stuck_threads": tuple(clip(x) for x in stuck[:cap]),
             },
+        )
+
+    async def _too_deep(
+        self, target: Target, attempts: list[tuple[_Attempt, Classification]], stem: Path,
+        result: Callable[..., ActionResult],
+    ) -> ActionResult:
+        """py-spy says "not a Python process" of a process that runs Python: its stack is deeper
+        than py-spy reads (about 4096 frames: py-spy then fails to validate the interpreter). Say
+        so, and keep what can be read: the innermost frames of every thread from torch's worker
+        server (``dump_traceback``, faulthandler's 100 innermost frames per thread), where the
+        process serves one (:func:`agent.sdk.serve_torch_worker`)."""
+        err_path = stem.with_name(stem.name + ".err.txt")
+        report = "".join(f"$ {' '.join(a.argv)}\n-> {v.outcome.value}: {v.detail}\n{a.stderr}\n" for a, v in attempts)
+        await anyio.to_thread.run_sync(atomic_write_text, err_path, report)
+        why = (f"py-spy could not read the stack of Python process pid {target.pid}: most likely deeper than py-spy "
+               f"reads (about {PYSPY_MAX_DEPTH} frames; it then reports 'Failed to find a python interpreter')")
+        text = await _dump_traceback(target.pid)
+        if text is None:
+            note = "stack too deep for py-spy; no partial stack (no torch worker server: agent.sdk.serve_torch_worker())"
+            return result(Outcome.FAILED, f"{why}; no torch worker server to ask for a partial stack",
+                          paths=(str(err_path),), **{NOTE_ATTR: note})
+        threads, truncated = parse_faulthandler(text, pid=target.pid)
+        json_path, txt_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".txt")
+        await anyio.to_thread.run_sync(atomic_write_bytes, json_path, json.dumps(threads_to_json(threads)).encode())
+        header = f"Process {target.pid}: {target.title or '?'}\n# {why}\n# partial stack: torch dump_traceback\n"
+        await anyio.to_thread.run_sync(atomic_write_text, txt_path, safe_text(header) + text)
+        hung = hung_frame(threads)
+        part = "innermost 100 frames per thread" if truncated else "every frame"
+        note = f"stack too deep for py-spy; partial stack ({part}) from torch dump_traceback"
+        return result(
+            Outcome.OK, f"{why}; {note}" + (f"; hung frame: {hung}" if hung else ""),
+            paths=(str(json_path), str(txt_path), str(err_path)),
+            **{NOTE_ATTR: note, "servewatch.pyspy.partial": truncated, "servewatch.pyspy.source": "torch_dump_traceback",
+               "servewatch.pyspy.thread_count": len(threads), "servewatch.pyspy.hung_frame": clip(hung)},
         )
 
     async def _attempts_for(
@@ -841,6 +885,53 @@ class PySpyActor:
         attempt.stdout_truncated = early.stdout_truncated
         attempt.stderr = early.stderr.decode("utf-8", "replace")
         return attempt
+
+
+#: py-spy reads at most this many frames of a thread (its interpreter check fails past it).
+PYSPY_MAX_DEPTH = 4096
+#: Attribute saying what happened reading a stack, when not plain (read by the verdict).
+NOTE_ATTR = "servewatch.pyspy.note"
+#: Longest reply read from torch's worker server's ``dump_traceback``, bytes.
+_MAX_TRACEBACK_BYTES = 8 * 1024 * 1024
+
+
+def is_python_process(pid: int) -> bool:
+    """Whether ``pid`` runs a Python interpreter: its executable is ``python*`` or it maps
+    ``libpython`` (an embedded interpreter)."""
+    try:
+        if Path(os.readlink(f"/proc/{pid}/exe")).name.startswith("python"):
+            return True
+        with open(f"/proc/{pid}/maps", "rb") as fh:
+            return b"libpython" in fh.read(4 * 1024 * 1024)
+    except OSError:
+        return False
+
+
+async def _dump_traceback(pid: int, timeout_s: float = 5.0) -> str | None:
+    """faulthandler's traceback of every thread of ``pid`` from torch's worker server on the SDK
+    socket (``POST /handler/dump_traceback``, answered on C++ threads); ``None`` when there is no
+    such server, it is not the target's user's, or it does not answer in time."""
+    import httpx
+
+    from agent.sdk.flightrec import worker_path
+
+    path = worker_path(pid)
+    owners = await anyio.to_thread.run_sync(process_uids, pid)
+    try:
+        st = await anyio.to_thread.run_sync(os.lstat, path)
+    except OSError:
+        return None
+    if not stat_mod.S_ISSOCK(st.st_mode) or not trusted_owner(st, owners):
+        return None
+    transport = httpx.AsyncHTTPTransport(uds=str(path))
+    try:
+        async with httpx.AsyncClient(transport=transport, timeout=timeout_s) as client:
+            reply = await client.post("http://localhost/handler/dump_traceback")
+    except httpx.HTTPError:
+        return None
+    if reply.status_code != 200 or len(reply.content) > _MAX_TRACEBACK_BYTES:
+        return None
+    return reply.content.decode("utf-8", "surrogateescape")
 
 
 def create(settings: Settings, ctx: BuildContext) -> PySpyActor:

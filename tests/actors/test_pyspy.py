@@ -447,7 +447,8 @@ def test_exports_match_all() -> None:
     public = {n for n in dir(pyspy_module) if not n.startswith("_")}
     exported = {n for n in public if getattr(getattr(pyspy_module, n), "__module__", None) == "agent.actors.pyspy"}
     # default_executable lives in agent.early (the console entry needs it before any import)
-    assert exported | {"ACTION", "PERMISSION_HINT", "default_executable"} == set(pyspy_module.__all__)
+    assert exported | {"ACTION", "NOTE_ATTR", "PERMISSION_HINT", "PYSPY_MAX_DEPTH", "default_executable"} == set(
+        pyspy_module.__all__)
 
 
 def test_default_config_is_valid_and_finds_pyspy() -> None:

@@ -15,12 +15,17 @@ Faults (on ``--fault-rank`` at step ``--fault-step``):
 * ``shape``: the rank all-reduces its tensor viewed as [16, 16] (same bytes, so gloo carries on:
   a desync only the Flight Recorder shows).
 * ``slow``: from that step on the rank takes 0.3 s more per step (slow, still progressing).
+* ``cycle``: two more process groups (both ranks, made at start); at the fault step the faulty rank
+  all-reduces on group A then B, the others on B then A: an ordering deadlock across groups.
+* ``deep``: the rank recurses ``--deep-frames`` frames deep (over py-spy's ~4096-frame limit) and
+  spins in compute at the bottom; the others wait in the step's ``all_reduce``.
 
-A rank whose collective fails (a peer died) stays in place ``--linger-s`` seconds, as NCCL peers
-sit in the collective until its timeout, then exits 1.
+A rank whose collective fails (a peer died, the group timed out) stays in place ``--linger-s``
+seconds (``--linger-rank R:S`` for one rank), as NCCL peers sit in the collective until its
+timeout, then exits 1.
 
-Prints ``READY <rank> <pid>`` once the process group is up, ``FAULT <rank> <fault>`` when the
-fault fires.
+Prints ``INIT <rank> <pid>`` before ``init_process_group``, ``READY <rank> <pid>`` once the process
+group is up, ``FAULT <rank> <fault>`` when the fault fires.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ import signal
 import sys
 import time
 
+
+def _say(line: str) -> None:
+    """One line on stdout in one write (several processes share the pipe: lines never interleave)."""
+    os.write(1, (line + "\n").encode())
 
 def _hang_in_compute(x, deadline: float) -> None:
     """The injected hang: busy compute that never finishes (until the runtime cap)."""
@@ -50,22 +59,35 @@ def _slow_compute(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _deep(n: int, deadline: float) -> None:
+    """The injected deep stack: ``n`` more frames, then busy compute at the bottom."""
+    if n <= 0:
+        _hang_in_compute(None, deadline)
+        return
+    _deep(n - 1, deadline)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
     ap.add_argument("--title", default="faultjob::scheduler")
-    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow"])
+    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep"])
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--step-sleep-s", type=float, default=0.05)
     ap.add_argument("--timeout-s", type=float, default=60.0, help="process group timeout")
     ap.add_argument("--max-runtime-s", type=float, default=90.0)
     ap.add_argument("--linger-s", type=float, default=5.0)
+    ap.add_argument("--linger-rank", default="", help="R:S: rank R lingers S seconds instead")
+    ap.add_argument("--deep-frames", type=int, default=5000)
     ap.add_argument("--fr-buffer", default=None, help="TORCH_FR_BUFFER_SIZE (default: 200 unless set)")
     ap.add_argument("--no-sdk", action="store_true", help="no SDK sockets (the Flight Recorder has no source)")
     ap.add_argument("--debug-server", action="store_true", help="start torch's per-rank debug worker server (TCP)")
+    ap.add_argument("--no-counter", action="store_true", help="no SDK step counter (progress only from --metrics-port)")
+    ap.add_argument("--metrics-port", type=int, default=0,
+                    help="rank 0 serves Prometheus /metrics on 127.0.0.1:PORT: fm_steps_total, fm_busy")
     args = ap.parse_args()
 
     import setproctitle
@@ -87,10 +109,13 @@ def main() -> int:
     if not args.no_sdk:
         sdk.serve_control()
         sdk.serve_torch_worker()
+    _say(f"INIT {args.rank} {os.getpid()}")
     dist.init_process_group(
         "gloo", init_method=args.init, rank=args.rank, world_size=args.world_size,
         timeout=datetime.timedelta(seconds=args.timeout_s),
     )
+    groups = (dist.new_group(list(range(args.world_size))), dist.new_group(list(range(args.world_size)))) \
+        if args.fault == "cycle" else ()
     worker = None
     if args.debug_server:
         # what torch.distributed.debug.start_debug_server() starts on every rank (its rank-0 HTTP
@@ -98,8 +123,15 @@ def main() -> int:
         from torch._C._distributed_c10d import _WorkerServer
 
         worker = _WorkerServer("::", 0)
-    print(f"READY {args.rank} {os.getpid()}", flush=True)
+    _say(f"READY {args.rank} {os.getpid()}")
     deadline = time.monotonic() + args.max_runtime_s
+    steps_total = None
+    if args.metrics_port and args.rank == 0:  # the server's own /metrics, as SGLang's and vLLM's frontends serve
+        from prometheus_client import Counter, Gauge, start_http_server
+
+        steps_total = Counter("fm_steps", "forward steps of the job")
+        Gauge("fm_busy", "requests running").set(1)
+        start_http_server(args.metrics_port, addr="127.0.0.1")
     b = torch.zeros(4, 16)
     w = torch.ones(32, 32) / 32
     mine = args.rank == args.fault_rank
@@ -109,8 +141,9 @@ def main() -> int:
             step += 1
             fire = mine and step == args.fault_step
             if fire:
-                print(f"FAULT {args.rank} {args.fault}", flush=True)
-            sdk.set_pending(1)
+                _say(f"FAULT {args.rank} {args.fault}")
+            if not args.no_counter:
+                sdk.set_pending(1)
             if not (fire and args.fault == "skip"):
                 dist.broadcast(b, 0)
             x = torch.ones(8, 32) @ w
@@ -118,14 +151,24 @@ def main() -> int:
                 _hang_in_compute(x, deadline)
             if fire and args.fault == "kill":
                 os.kill(os.getpid(), signal.SIGSEGV)
+            if fire and args.fault == "deep":
+                sys.setrecursionlimit(args.deep_frames + 1000)
+                _deep(args.deep_frames, deadline)
+            if args.fault == "cycle" and step == args.fault_step:
+                for g in (groups if mine else groups[::-1]):
+                    dist.all_reduce(x, group=g)
             if mine and args.fault == "slow" and step >= args.fault_step:
                 _slow_compute(0.3)
             dist.all_reduce(x.view(16, 16) if fire and args.fault == "shape" else x)
-            sdk.step(pending=1)
+            if not args.no_counter:
+                sdk.step(pending=1)
+            if steps_total is not None:
+                steps_total.inc()
             time.sleep(args.step_sleep_s)
     except RuntimeError as exc:
         print(f"COLLECTIVE-ERROR {args.rank}: {str(exc).splitlines()[0][:200]}", file=sys.stderr, flush=True)
-        time.sleep(args.linger_s)
+        rank, _, seconds = args.linger_rank.partition(":")
+        time.sleep(float(seconds) if rank and int(rank) == args.rank else args.linger_s)
         return 1
     finally:
         del worker

@@ -13,11 +13,13 @@ on; ``slow``: nothing is stuck).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,7 +98,9 @@ def start_ranks(tp: int, workdir: Path, *, fault: str = "none", fault_rank: int 
         argv = [sys.executable, str(PROGRAM), "--rank", str(rank), "--world-size", str(tp), "--init", f"file://{store}",
                 "--title", title, "--fault", fault, "--fault-rank", str(fault_rank), "--fault-step", str(FAULT_STEP),
                 *(extra or [])]
+        # unbuffered: select() on the pipe must see every line, none left in a reader's buffer
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                      bufsize=0,
                                       env=_env(Path(os.environ.get("SERVEWATCH_SHM_DIR", "/dev/shm"))),
                                       start_new_session=True, cwd=workdir))
     return procs
@@ -201,3 +205,322 @@ async def run_case(tp: int, fault: str, fault_rank: int, *, workdir: Path | None
 
             shutil.rmtree(wd, ignore_errors=True)
     return result
+
+
+# --- the shapes real hangs take (issue 22): one function per shape ------------------------------
+
+LAUNCHER = Path(__file__).with_name("rank_launcher.py")
+IPC_ENGINE = Path(__file__).with_name("ipc_engine.py")
+
+
+@dataclass
+class ShapeResult:
+    """What one shape produced and what its verdict must say.
+
+    Attributes:
+        name: the shape.
+        record: the incident (``None`` for a shape read from a ``servewatch dump`` manifest).
+        verdict: the verdict as JSON (``Verdict.to_json()`` or the manifest's ``verdict``).
+        kind / ranks / pids / confidence: what the verdict must conclude.
+        forbidden_pids: pids no line of the verdict may name (another server's processes).
+        added_s: seconds the Flight Recorder reads plus the verdict added.
+    """
+
+    name: str
+    record: Any = None
+    verdict: dict[str, Any] = field(default_factory=dict)
+    kind: str = ""
+    ranks: tuple[int, ...] = ()
+    pids: tuple[int, ...] = ()
+    confidence: str = ""
+    forbidden_pids: tuple[int, ...] = ()
+    added_s: float = 0.0
+
+    def problems(self) -> list[str]:
+        """Every way the verdict differs from what it must say (empty: right)."""
+        v = self.verdict
+        out = []
+        got = (v.get("kind"), tuple(v.get("culprit_ranks", ())), tuple(v.get("culprit_pids", ())), v.get("confidence"))
+        want = (self.kind, self.ranks, self.pids, self.confidence)
+        if got != want:
+            out.append(f"(kind, culprit_ranks, culprit_pids, confidence) = {got}, expected {want}")
+        text = " ".join([v.get("reason", ""), *v.get("evidence", ())])
+        out += [f"names pid {p} of another server" for p in self.forbidden_pids if re.search(rf"\b{p}\b", text)]
+        return out
+
+    @property
+    def correct(self) -> bool:
+        return not self.problems()
+
+
+def _tag() -> str:
+    return f"fm{os.getpid() % 1000}{time.monotonic_ns() % 1000}"
+
+
+def _rank_argv(rank: int, world: int, init: str, title: str, fault: str = "none", fault_rank: int = 1,
+               extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, str(PROGRAM), "--rank", str(rank), "--world-size", str(world), "--init", init,
+            "--title", title, "--fault", fault, "--fault-rank", str(fault_rank), "--fault-step", str(FAULT_STEP),
+            *extra]
+
+
+def _start(argv: list[str], workdir: Path) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own session, stdout piped (stop with :func:`stop_ranks`)."""
+    env = _env(Path(os.environ.get("SERVEWATCH_SHM_DIR", "/dev/shm")))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True, cwd=workdir, bufsize=0)
+
+
+def _launch(specs: list[dict[str, Any]], workdir: Path) -> subprocess.Popen[bytes]:
+    """A :mod:`tests.programs.rank_launcher` starting ``specs`` (its own session; stop with :func:`stop_ranks`)."""
+    import json
+
+    return _start([sys.executable, str(LAUNCHER), json.dumps(specs)], workdir)
+
+
+def _read_lines(proc: subprocess.Popen[bytes], want: Callable[[dict[str, list[list[str]]]], bool],
+                timeout_s: float = 90.0) -> dict[str, list[list[str]]]:
+    """Read ``WORD args...`` lines from ``proc`` until ``want(lines by word)`` (bounded)."""
+    import select
+
+    assert proc.stdout is not None
+    seen: dict[str, list[list[str]]] = {}
+    deadline = time.monotonic() + timeout_s
+    while not want(seen):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"pid {proc.pid}: not ready after {timeout_s} s (saw {seen})")
+        ready, _, _ = select.select([proc.stdout], [], [], min(left, 1.0))
+        if ready:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"pid {proc.pid} exited {proc.returncode} (saw {seen})")
+            words = line.decode(errors="replace").split()
+            if words:
+                seen.setdefault(words[0], []).append(words[1:])
+    return seen
+
+
+def _ready_pids(seen: dict[str, list[list[str]]], word: str = "READY") -> dict[int, int]:
+    """``{rank: pid}`` from ``READY <rank> <pid>`` lines."""
+    return {int(r): int(p) for r, p, *_ in seen.get(word, [])}
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return False
+
+
+async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any] = (),  # type: ignore[assignment]
+                 manual_when: Callable[[], bool] | None = None, wait_trigger: str | None = None,
+                 deadline_s: float = 100.0) -> Any:
+    """Run the real agent on ``settings_extra`` targets until its first incident (of trigger
+    ``wait_trigger`` when given; a manual one opened once ``manual_when()``); the incident."""
+    from agent.config import load_settings
+    from agent.runtime import Agent
+    from exporters.provider import build_telemetry
+
+    base: dict[str, Any] = {
+        "data_dir": wd / "data", "host_name": "faults", "coredump": {"enabled": False},
+        "incident": {"cooldown_s": 300.0},
+        "watchdog": {"timeout_s": 2.0, "poll_interval_s": 0.25},
+    }
+    for key, value in settings_extra.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    settings = load_settings(base)
+    records: list[Any] = []
+    got = anyio.Event()
+
+    def on_incident(record: Any) -> None:
+        if wait_trigger is None or record.opened.trigger == wait_trigger:
+            records.append(record)
+            got.set()
+
+    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
+    agent = Agent(settings, telemetry=telemetry, children=list(children), on_incident=on_incident)
+    with anyio.fail_after(deadline_s):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            if manual_when is not None:
+                while not manual_when():
+                    await anyio.sleep(0.2)
+                await agent.incidents.open_incident("manual", detail="fault matrix")
+            await got.wait()
+            agent.stop()
+            tg.cancel_scope.cancel()
+    await telemetry.aclose(3.0)
+    return records[0]
+
+
+def _result(name: str, record: Any, **expected: Any) -> ShapeResult:
+    v = record.verdict
+    return ShapeResult(name=name, record=record, verdict=v.to_json() if v is not None else {},
+                       added_s=_added_s(record), **expected)
+
+
+async def shape_cascade(wd: Path) -> ShapeResult:
+    """Rank 2 of 3 hangs in its forward; ranks 0 and 1 time out in the collective (gloo, 4 s) and
+    exit 1. The exit incident blames the live rank outside the collective, not the first exit."""
+    procs = start_ranks(3, wd, fault="hang", fault_rank=2, extra=["--timeout-s", "4", "--linger-s", "0"])
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}, "watchdog": {"timeout_s": 120.0}}, wd,
+                              children=procs, wait_trigger="exit")
+        return _result("cascade", record, kind="cascade", ranks=(2,), pids=(procs[2].pid,), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
+async def shape_crash_late(wd: Path) -> ShapeResult:
+    """Rank 2 of 3 dies of SIGSEGV; rank 1 fails in its collective and exits 1; rank 0 lingers.
+    Nobody reaps them (zombies). ``servewatch dump --match`` only afterwards: the first death,
+    rank 2's crash, is blamed (not the exit it sees first), and the job is still a job."""
+    import json
+
+    tag = _tag()
+    init = f"file://{wd}/store-{tag}"
+    extra = ("--linger-s", "0", "--linger-rank", "0:120")
+    launcher = _launch([{"argv": _rank_argv(r, 3, init, f"{tag}::s", "kill", 2, extra)} for r in range(3)], wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(launcher, lambda s: len(s.get("READY", [])) == 3))
+        pids = _ready_pids(seen)
+        deadline = time.monotonic() + 60
+        while not (_zombie(pids[2]) and _zombie(pids[1])) and time.monotonic() < deadline:
+            await anyio.sleep(0.2)
+        out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+            [sys.executable, "-m", "agent.entry", "dump", "--match", f"{tag}::*", "--data-dir", str(wd / "data"),
+             "--json"], capture_output=True, text=True, timeout=120, env=_env(Path(os.environ.get(
+                 "SERVEWATCH_SHM_DIR", "/dev/shm"))), check=False, cwd=wd))
+        manifests = sorted((wd / "data").glob("*/*/manifest.json"))
+        if not manifests:
+            raise RuntimeError(f"dump wrote no bundle: {out.returncode} {out.stderr[-2000:]}")
+        doc = json.loads(manifests[-1].read_text())
+        return ShapeResult(name="crash_late", verdict=doc.get("verdict") or {}, kind="dead", ranks=(2,),
+                           pids=(pids[2],), confidence="high",
+                           added_s=float((doc.get("verdict") or {}).get("duration_s", 0.0)))
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+async def shape_two_servers(wd: Path) -> ShapeResult:
+    """Two servers on one host with the same titles (two launchers, TP=2 each, both hung on rank 1);
+    the agent watches server B's ``/metrics`` (served by B's rank 0) and matches host-wide. The
+    stall comes from B's endpoint (no pid): the verdict is B's, and names nothing of A."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tag = _tag()
+    servers = []
+    for name, extra in (("a", ("--no-counter",)), ("b", ("--no-counter", "--metrics-port", str(port)))):
+        init = f"file://{wd}/store-{tag}-{name}"
+        servers.append(_launch([{"argv": _rank_argv(r, 2, init, f"{tag}::scheduler", "hang", 1, extra)}
+                                for r in range(2)], wd))
+    try:
+        a, b = [_ready_pids(await anyio.to_thread.run_sync(
+            lambda s=s: _read_lines(s, lambda x: len(x.get("READY", [])) == 2))) for s in servers]
+        metrics = {"url": f"http://127.0.0.1:{port}/metrics", "metrics_preset": None, "counter": "fm_steps_total",
+                   "busy_gauge": "fm_busy"}
+        record = await _watch({"target": {"match": [f"{tag}::*"]}, "metrics": metrics}, wd, wait_trigger="stall")
+        return _result("two_servers", record, kind="behind", ranks=(1,), pids=(b[1],), confidence="high",
+                       forbidden_pids=tuple(a.values()))
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, servers)
+
+
+async def shape_dp_replicas(wd: Path) -> ShapeResult:
+    """SGLang ``--dp 2`` without DP attention: two replicas (two gloo worlds of TP=2) under one
+    controller, titled ``scheduler_DP0_TP*`` and ``scheduler_DP1_TP*``; replica 1's rank 1 hangs.
+    Only the hung replica is judged; the healthy one is never named."""
+    tag = _tag()
+    specs = [{"argv": _rank_argv(r, 2, f"file://{wd}/store-{tag}-dp{dp}", f"{tag}::scheduler_DP{dp}",
+                                 "hang" if dp == 1 else "none", 1)} for dp in (0, 1) for r in range(2)]
+    launcher = _launch(specs, wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(launcher, lambda s: len(s.get("READY", [])) == 4))
+        children = {int(i): int(p) for i, p in seen["CHILD"]}  # spec order: DP0 TP0, DP0 TP1, DP1 TP0, DP1 TP1
+        record = await _watch({"target": {"match": [f"{tag}::*"]}}, wd, wait_trigger="stall")
+        return _result("dp_replicas", record, kind="behind", ranks=(1,), pids=(children[3],), confidence="high",
+                       forbidden_pids=(children[0], children[1]))
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+async def shape_ipc_deadlock(wd: Path) -> ShapeResult:
+    """An engine and its worker over a pipe; the worker loses one answer with a request running:
+    both wait in ``recv`` forever. Not "idle": a deadlock between the two, named."""
+    tag = _tag()
+    proc = _start([sys.executable, str(IPC_ENGINE), "--title", tag, "--lose-at", "8"], wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(proc, lambda s: "READY" in s))
+        engine, worker = (int(x) for x in seen["READY"][0])
+        record = await _watch({"target": {"match": [f"{tag}::*"]}}, wd, wait_trigger="stall")
+        return _result("ipc_deadlock", record, kind="deadlock", ranks=(0,), pids=(worker, engine), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [proc])
+
+
+async def shape_rendezvous(wd: Path) -> ShapeResult:
+    """A world of 3 whose rank 2 never starts: ranks 0 and 1 wait in ``init_process_group`` on
+    the TCPStore. The verdict names rank 2 as never arrived (no process to name)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tag = _tag()
+    env = {"WORLD_SIZE": "3", "SPT_NOENV": "1"}
+    launcher = _launch([{"argv": _rank_argv(r, 3, f"tcp://127.0.0.1:{port}", f"{tag}::scheduler"), "env": env}
+                        for r in range(2)], wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(launcher, lambda x: len(x.get("INIT", [])) == 2))
+        pids = _ready_pids(seen, "INIT")
+        inside = time.monotonic() + 3.0  # both are inside init_process_group by now
+        record = await _watch({"target": {"pids": list(pids.values())}}, wd,
+                              manual_when=lambda: time.monotonic() > inside)
+        return _result("rendezvous", record, kind="rendezvous", ranks=(2,), pids=(), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+async def shape_pg_cycle(wd: Path) -> ShapeResult:
+    """Two process groups used in opposite orders: rank 0 all-reduces on group A then B, rank 1 on
+    B then A. Each waits for the other: the cycle is named, both ranks in it."""
+    procs = start_ranks(2, wd, fault="cycle", fault_rank=0)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}}, wd, children=procs, wait_trigger="stall")
+        return _result("pg_cycle", record, kind="cycle", ranks=(0, 1), pids=(procs[0].pid, procs[1].pid),
+                       confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
+async def shape_deep(wd: Path) -> ShapeResult:
+    """Rank 1 of 2 recurses 5000 frames deep (over py-spy's limit) and spins there; rank 0 waits
+    in the all-reduce. py-spy cannot read rank 1; the dump says so and keeps the partial stack
+    from torch's dump_traceback; the verdict still names rank 1."""
+    procs = start_ranks(2, wd, fault="deep", fault_rank=1)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}}, wd, children=procs, wait_trigger="stall")
+        return _result("deep", record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
+#: The shapes, by name: ``await SHAPES[name](workdir)``.
+SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
+    "cascade": shape_cascade,
+    "crash_late": shape_crash_late,
+    "two_servers": shape_two_servers,
+    "dp_replicas": shape_dp_replicas,
+    "ipc_deadlock": shape_ipc_deadlock,
+    "rendezvous": shape_rendezvous,
+    "pg_cycle": shape_pg_cycle,
+    "deep": shape_deep,
+}

@@ -118,6 +118,8 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         assert v["ranks"] == [0, 1, 2]
     elif shape in ("two_servers", "dp_replicas"):
         assert v["ranks"] == [0, 1] and reason.startswith("behind: rank 1 never entered all_reduce")
+    elif shape == "dp_attention":  # one world: not split by its DP coordinates
+        assert v["ranks"] == [0, 1, 2, 3] and "ranks 0,1,2 wait in it" in reason
     elif shape == "ipc_deadlock":
         assert reason.startswith("deadlock between rank 0 (pid ") and v["hung"] and v["kind"] != "idle"
         # the Errors counts of dump's summary, timeline and report agree (no Flight Recorder source

@@ -671,22 +671,8 @@ class PySpyActor:
             serial += 1
             stem = Path(artifact_dir) / f"pyspy-{target.pid}-{serial}"
 
-        if verdict.outcome is Outcome.NOT_PYTHON and await anyio.to_thread.run_sync(is_python_process, target.pid):
-            return await self._too_deep(target, attempts, stem, result)
         if verdict.outcome is not Outcome.OK:
-            err_path = stem.with_name(stem.name + ".err.txt")
-            report = "".join(
-                f"$ {' '.join(a.argv)}\n-> {v.outcome.value}"
-                f"{'' if a.returncode is None else f' (exit {a.returncode})'}: {v.detail}\n{a.stderr}\n"
-                for a, v in attempts
-            )
-            await anyio.to_thread.run_sync(atomic_write_text, err_path, report)
-            if last.returncode is not None:
-                base["servewatch.pyspy.exit_code"] = last.returncode
-            detail = verdict.detail
-            if tracer is not None:
-                detail = f"pid {target.pid} is ptrace-attached by {tracer.describe()}; {detail}"
-            return result(verdict.outcome, detail, retryable=verdict.retryable, paths=(str(err_path),))
+            return await self._report_failure(target, attempts, stem, result, base, tracer=tracer)
 
         if last.stdout_truncated:
             return result(Outcome.FAILED, f"py-spy output for pid {target.pid} exceeded {self.config.max_output_bytes} bytes", retryable=False)
@@ -734,6 +720,35 @@ class PySpyActor:
                 "servewatch.pyspy.stuck_threads": tuple(clip(x) for x in stuck[:cap]),
             },
         )
+
+    async def _report_failure(
+        self,
+        target: Target,
+        attempts: list[tuple[_Attempt, Classification]],
+        stem: Path,
+        result: Callable[..., ActionResult],
+        base: dict[str, AttributeValue],
+        *,
+        tracer: Tracer | None,
+    ) -> ActionResult:
+        """The result of a dump that failed: its attempts in ``pyspy-<pid>.err.txt``; a Python
+        process py-spy calls "not Python" is a stack too deep for py-spy (:meth:`_too_deep`)."""
+        last, verdict = attempts[-1]
+        if verdict.outcome is Outcome.NOT_PYTHON and await anyio.to_thread.run_sync(is_python_process, target.pid):
+            return await self._too_deep(target, attempts, stem, result)
+        err_path = stem.with_name(stem.name + ".err.txt")
+        report = "".join(
+            f"$ {' '.join(a.argv)}\n-> {v.outcome.value}"
+            f"{'' if a.returncode is None else f' (exit {a.returncode})'}: {v.detail}\n{a.stderr}\n"
+            for a, v in attempts
+        )
+        await anyio.to_thread.run_sync(atomic_write_text, err_path, report)
+        if last.returncode is not None:
+            base["servewatch.pyspy.exit_code"] = last.returncode
+        detail = verdict.detail
+        if tracer is not None:
+            detail = f"pid {target.pid} is ptrace-attached by {tracer.describe()}; {detail}"
+        return result(verdict.outcome, detail, retryable=verdict.retryable, paths=(str(err_path),))
 
     async def _too_deep(
         self, target: Target, attempts: list[tuple[_Attempt, Classification]], stem: Path,

@@ -67,6 +67,38 @@ def _deep(n: int, deadline: float) -> None:
     _deep(n - 1, deadline)
 
 
+def _serve_metrics(port: int) -> object:
+    """The job's own ``/metrics`` (as SGLang's and vLLM's frontends serve): ``fm_steps_total``
+    (one per step) and ``fm_busy`` (1); returns the counter."""
+    from prometheus_client import Counter, Gauge, start_http_server
+
+    steps_total = Counter("fm_steps", "forward steps of the job")
+    Gauge("fm_busy", "requests running").set(1)
+    start_http_server(port, addr="127.0.0.1")
+    return steps_total
+
+
+def _between_collectives(args: argparse.Namespace, step: int, x: object, groups: tuple[object, ...],
+                         deadline: float) -> None:
+    """The faults that fire between the step's broadcast and its all-reduce."""
+    import torch.distributed as dist
+
+    mine = args.rank == args.fault_rank
+    fire = mine and step == args.fault_step
+    if fire and args.fault == "hang":
+        _hang_in_compute(x, deadline)
+    if fire and args.fault == "kill":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if fire and args.fault == "deep":
+        sys.setrecursionlimit(args.deep_frames + 1000)
+        _deep(args.deep_frames, deadline)
+    if args.fault == "cycle" and step == args.fault_step:
+        for g in (groups if mine else groups[::-1]):
+            dist.all_reduce(x, group=g)
+    if mine and args.fault == "slow" and step >= args.fault_step:
+        _slow_compute(0.3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -125,13 +157,7 @@ def main() -> int:
         worker = _WorkerServer("::", 0)
     _say(f"READY {args.rank} {os.getpid()}")
     deadline = time.monotonic() + args.max_runtime_s
-    steps_total = None
-    if args.metrics_port and args.rank == 0:  # the server's own /metrics, as SGLang's and vLLM's frontends serve
-        from prometheus_client import Counter, Gauge, start_http_server
-
-        steps_total = Counter("fm_steps", "forward steps of the job")
-        Gauge("fm_busy", "requests running").set(1)
-        start_http_server(args.metrics_port, addr="127.0.0.1")
+    steps_total = _serve_metrics(args.metrics_port) if args.metrics_port and args.rank == 0 else None
     b = torch.zeros(4, 16)
     w = torch.ones(32, 32) / 32
     mine = args.rank == args.fault_rank
@@ -147,23 +173,12 @@ def main() -> int:
             if not (fire and args.fault == "skip"):
                 dist.broadcast(b, 0)
             x = torch.ones(8, 32) @ w
-            if fire and args.fault == "hang":
-                _hang_in_compute(x, deadline)
-            if fire and args.fault == "kill":
-                os.kill(os.getpid(), signal.SIGSEGV)
-            if fire and args.fault == "deep":
-                sys.setrecursionlimit(args.deep_frames + 1000)
-                _deep(args.deep_frames, deadline)
-            if args.fault == "cycle" and step == args.fault_step:
-                for g in (groups if mine else groups[::-1]):
-                    dist.all_reduce(x, group=g)
-            if mine and args.fault == "slow" and step >= args.fault_step:
-                _slow_compute(0.3)
+            _between_collectives(args, step, x, groups, deadline)
             dist.all_reduce(x.view(16, 16) if fire and args.fault == "shape" else x)
             if not args.no_counter:
                 sdk.step(pending=1)
             if steps_total is not None:
-                steps_total.inc()
+                steps_total.inc()  # type: ignore[attr-defined]
             time.sleep(args.step_sleep_s)
     except RuntimeError as exc:
         print(f"COLLECTIVE-ERROR {args.rank}: {str(exc).splitlines()[0][:200]}", file=sys.stderr, flush=True)

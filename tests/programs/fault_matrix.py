@@ -450,6 +450,22 @@ async def shape_dp_replicas(wd: Path) -> ShapeResult:
         await anyio.to_thread.run_sync(stop_ranks, [launcher])
 
 
+async def shape_dp_attention(wd: Path) -> ShapeResult:
+    """SGLang ``--dp 2 --enable-dp-attention``: the same ``scheduler_DP*`` titles, but one world of
+    4 ranks (TP numbers unique across DP: ``DP0_TP0, DP0_TP1, DP1_TP2, DP1_TP3``); rank 3 hangs.
+    One group (the ranks are connected), judged whole: rank 3 named, its peers waiting."""
+    tag = _tag()
+    init = f"file://{wd}/store-{tag}"
+    launcher = _launch([{"argv": _rank_argv(r, 4, init, f"{tag}::scheduler_DP{r // 2}", "hang", 3)} for r in range(4)], wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(launcher, lambda s: len(s.get("READY", [])) == 4))
+        pids = _ready_pids(seen)
+        record = await _watch({"target": {"match": [f"{tag}::*"]}}, wd, wait_trigger="stall")
+        return _result("dp_attention", record, kind="behind", ranks=(3,), pids=(pids[3],), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
 async def shape_ipc_deadlock(wd: Path) -> ShapeResult:
     """An engine and its worker over a pipe; the worker loses one answer with a request running:
     both wait in ``recv`` forever. Not "idle": a deadlock between the two, named."""
@@ -519,6 +535,7 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "crash_late": shape_crash_late,
     "two_servers": shape_two_servers,
     "dp_replicas": shape_dp_replicas,
+    "dp_attention": shape_dp_attention,
     "ipc_deadlock": shape_ipc_deadlock,
     "rendezvous": shape_rendezvous,
     "pg_cycle": shape_pg_cycle,

@@ -353,10 +353,12 @@ class OomWatch:
             if not record:
                 return
             _, _, message = record.partition(b";")
-            match = _KILLED.search(message.split(b"\n", 1)[0])
+            first = message.split(b"\n", 1)[0]
+            match = _KILLED.search(first)
             if match is not None:
                 pid = int(match.group(1) or match.group(3))
-                line = message.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+                # up to the victim's name: "Memory cgroup out of memory: Killed process 42 (python)"
+                line = first[: match.end()].decode("utf-8", "replace").strip().rstrip(",")
                 self._killed[pid] = f"kernel log: {line[:160]}"
                 while len(self._killed) > 4096:
                     self._killed.popitem(last=False)

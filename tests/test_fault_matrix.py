@@ -2,7 +2,10 @@
 agent, and the verdict of the incident (tests/programs/fault_matrix.py drives it); then the shapes
 real hangs take (a collective-timeout cascade, a crash seen late, two servers on one host, DP
 replicas, an IPC deadlock with a request running, a rendezvous hang, an ordering deadlock across
-two process groups, a stack too deep for py-spy).
+two process groups, a stack too deep for py-spy). Lifecycle cases
+(tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
+agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
+(a memory-limited cgroup) is named, a crash seen late (zombies at dump time) is blamed first.
 
 Every case must name exactly the faulty rank (none for the slow but progressing one) and no
 innocent rank, at the confidence its evidence supports. bench/bench_verdict.py prints the same
@@ -17,11 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from agent.events import ExitKind, ExitSource
 from agent.summary import summary_lines
 from exporters.bundle import load_incident
 from exporters.report import render_report_html, report_summary
 from exporters.timeline import render_timeline_text
 from tests.programs.fault_matrix import EXPECTED, SHAPES, run_case
+from tests.programs.lifecycle_cases import LIFECYCLE_EXPECTED, run_lifecycle_case
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +147,46 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         assert dump.attributes["servewatch.pyspy.source"] == "torch_dump_traceback"
         assert any("stack too deep for py-spy; partial stack" in line for line in v["evidence"])
         assert "_hang_in_compute (" in reason
+
+
+# --- lifecycle: ranks owned (and reaped at once) by their server, the agent watching by title -----
+
+LIFECYCLE_CASES = list(LIFECYCLE_EXPECTED)
+
+
+@pytest.mark.parametrize("case", LIFECYCLE_CASES)
+async def test_lifecycle_orderly_stops_open_nothing_and_failures_name_their_cause(case: str, tmp_path: Path) -> None:
+    result = await run_lifecycle_case(case, workdir=tmp_path)
+    trigger, culprit_rank = LIFECYCLE_EXPECTED[case]
+    facts = {f.pid: f for _, f in result.exits}
+    if trigger is None:
+        # a clean exit / the tree's SIGTERM, each rank reaped by its server at once: no incident,
+        # and each status read from the kernel (never "unknown", never a crash)
+        assert result.records == [], [r.opened.detail for r in result.records]
+        assert set(facts) == set(result.ranks.values())
+        for pid, fact in facts.items():
+            assert fact.kind is ExitKind.ORDERLY and fact.source is ExitSource.KERNEL, fact
+            assert fact.exit_code == 0 if case == "clean" else fact.signal == signal.SIGTERM, fact
+            assert result.outcomes[pid].startswith("no incident"), result.outcomes
+        return
+    assert [r.opened.trigger for r in result.records] == [trigger], [r.opened.detail for r in result.records]
+    record = result.records[0]
+    v = record.verdict
+    assert v is not None and v.kind == "dead", v
+    culprit_pid = result.ranks[culprit_rank]  # type: ignore[index]
+    assert v.culprit_pids == (culprit_pid,), v.reason
+    assert v.confidence == "high", v.reason
+    if case == "oom":
+        # the kernel's OOM killer, named from its own record; one incident for the whole collapse
+        assert v.culprit_ranks == (culprit_rank,), v.reason
+        fact = facts[culprit_pid]
+        assert fact.kind is ExitKind.OOM and fact.signal == signal.SIGKILL and fact.oom_evidence, fact
+        assert "killed by the OOM killer" in record.opened.detail and "killed by the OOM killer" in v.reason
+        assert all(f.kind is not ExitKind.UNKNOWN for f in facts.values()), facts
+    else:
+        # rank 3 crashed first (SIGSEGV), ranks 0 and 2 died after it (exit code 1): all zombies when
+        # the dump ran, their titles gone with them; the crash is the culprit, not a victim's exit
+        assert v.culprit_ranks in ((culprit_rank,), ()), v.reason  # a zombie's rank is known only if a source outlives it
+        assert "SIGSEGV" in v.reason and "1 process" not in v.reason, v.reason
+        victims = {result.ranks[0], result.ranks[2]}
+        assert not victims & set(v.culprit_pids)

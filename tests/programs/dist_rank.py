@@ -19,6 +19,11 @@ Faults (on ``--fault-rank`` at step ``--fault-step``):
   all-reduces on group A then B, the others on B then A: an ordering deadlock across groups.
 * ``deep``: the rank recurses ``--deep-frames`` frames deep (over py-spy's ~4096-frame limit) and
   spins in compute at the bottom; the others wait in the step's ``all_reduce``.
+* ``oom``: the rank allocates and touches memory (64 MiB at a time) until the kernel's OOM killer
+  ends it (run it in a memory-limited cgroup: :mod:`tests.programs.rank_server`).
+
+``--steps N`` ends every rank in order after N steps (the last collective done by all, the process
+group destroyed, exit 0): a job or server that finishes cleanly.
 
 A rank whose collective fails (a peer died, the group timed out) stays in place ``--linger-s``
 seconds (``--linger-rank R:S`` for one rank), as NCCL peers sit in the collective until its
@@ -55,6 +60,16 @@ def _hang_in_compute(x, deadline: float) -> None:
         time.sleep(0.001)  # mostly compute, with room for the 2 shared cores of CI
 
 
+def _allocate_until_killed(limit_bytes: int) -> None:
+    """The injected OOM: keep 64 MiB blocks, every page written, until the kernel kills us (or,
+    outside a memory-limited cgroup, ``limit_bytes`` are held: never more, on a shared machine)."""
+    held = []
+    while len(held) * (64 << 20) < limit_bytes:
+        block = bytearray(64 << 20)
+        block[::4096] = b"\x01" * (len(block) // 4096)
+        held.append(block)
+
+
 def _slow_compute(seconds: float) -> None:
     time.sleep(seconds)
 
@@ -89,6 +104,8 @@ def _between_collectives(args: argparse.Namespace, step: int, x: object, groups:
         _hang_in_compute(x, deadline)
     if fire and args.fault == "kill":
         os.kill(os.getpid(), signal.SIGSEGV)
+    if fire and args.fault == "oom":
+        _allocate_until_killed(args.oom_limit_mib << 20)
     if fire and args.fault == "deep":
         sys.setrecursionlimit(args.deep_frames + 1000)
         _deep(args.deep_frames, deadline)
@@ -105,7 +122,7 @@ def main() -> int:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
     ap.add_argument("--title", default="faultjob::scheduler")
-    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep"])
+    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "oom"])
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--step-sleep-s", type=float, default=0.05)
@@ -114,6 +131,8 @@ def main() -> int:
     ap.add_argument("--linger-s", type=float, default=5.0)
     ap.add_argument("--linger-rank", default="", help="R:S: rank R lingers S seconds instead")
     ap.add_argument("--deep-frames", type=int, default=5000)
+    ap.add_argument("--oom-limit-mib", type=int, default=2048, help="most memory the oom fault takes")
+    ap.add_argument("--steps", type=int, default=0, help="exit 0 in order after this many steps (0: run on)")
     ap.add_argument("--fr-buffer", default=None, help="TORCH_FR_BUFFER_SIZE (default: 200 unless set)")
     ap.add_argument("--no-sdk", action="store_true", help="no SDK sockets (the Flight Recorder has no source)")
     ap.add_argument("--debug-server", action="store_true", help="start torch's per-rank debug worker server (TCP)")
@@ -179,6 +198,10 @@ def main() -> int:
                 sdk.step(pending=1)
             if steps_total is not None:
                 steps_total.inc()  # type: ignore[attr-defined]
+            if args.steps and step >= args.steps:
+                dist.barrier()
+                dist.destroy_process_group()
+                return 0
             time.sleep(args.step_sleep_s)
     except RuntimeError as exc:
         print(f"COLLECTIVE-ERROR {args.rank}: {str(exc).splitlines()[0][:200]}", file=sys.stderr, flush=True)

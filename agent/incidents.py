@@ -125,6 +125,11 @@ DEFERRED_PHASES = frozenset({Action.PROFILE_SESSION})
 log = logging.getLogger("servewatch.incidents")
 
 
+#: Health failures that may be a server stopping in order (its port closed, or 503 while it shuts
+#: down): judged once its processes' exits are in, at most this many seconds later.
+HEALTH_SETTLE_S = 10.0
+HEALTH_SETTLE_CLASSES = frozenset({"refused", "5xx"})
+
 #: Events that can open an incident.
 TRIGGER_EVENTS: tuple[type[Event], ...] = (HealthCheckFailed, WatchdogStalled, TargetExited)
 
@@ -369,17 +374,19 @@ def exit_admission(fact: ExitFact, *, exit_zero_is_incident: bool, signal_stop_i
     """Whether an exit opens an incident on its own facts: ``""`` when it does, else why not.
 
     The exit policy, in order: an orderly exit (code 0, SIGTERM/SIGINT or 143/130) is a stop
-    someone asked for; an unknown status whose whole process tree went down with it is the
-    server stopping as a whole; a failure (non-zero code, a crash or kill signal, the OOM killer)
-    opens one; so does an unknown status while the rest of its tree runs on (the verdict then
-    says "exit status unknown", never a crash at high confidence).
+    someone asked for; an exit during its server's orderly stop (``tree_stopped``: the parent
+    stopped in order right after, or, status unknown, the whole tree went down with it; never a
+    crash signal nor the OOM killer) is part of that stop; a failure (non-zero code, a crash or
+    kill signal, the OOM killer) opens one; so does an unknown status while the rest of its tree
+    runs on (the verdict then says "exit status unknown", never a crash at high confidence).
     """
     if fact.kind is ExitKind.ORDERLY:
         if fact.stop_signal:
             return "" if signal_stop_is_incident else f"stopped by {fact.stop_signal} ({_status_words(fact)})"
         return "" if exit_zero_is_incident else f"exited in order ({_status_words(fact)})"
-    if fact.kind is ExitKind.UNKNOWN and fact.tree_stopped:
-        return "stopped with its whole server (exit status unknown)"
+    if fact.tree_stopped and not fact.oom:
+        return f"stopped with its whole server ({_status_words(fact)}; {fact.orderly_reason})" \
+            if fact.kind is not ExitKind.UNKNOWN else "stopped with its whole server (exit status unknown)"
     return ""
 
 
@@ -444,6 +451,9 @@ class IncidentManager:
         self.exits_handled: set[int] = set()
         #: what each exit led to, in words (``incident <id>``, ``no incident: stopped by SIGTERM ...``)
         self.exit_outcomes: dict[int, str] = {}
+        #: (monotonic time, one line) of the last exit admitted as an orderly stop; time of the last failing exit
+        self._last_orderly_stop: tuple[float, str] = (0.0, "")
+        self._last_failed_exit = 0.0
         self.bus = bus
         self.config = config
         self.data_dir = Path(data_dir)
@@ -509,6 +519,7 @@ class IncidentManager:
             if event.pid in self._expected_exits and not self.config.operator_stop_is_incident:
                 log.info("pid %d exited after the operator's stop (%s): no incident", event.pid, describe_exit(event))
                 self.exit_outcomes[event.pid] = "no incident: the operator's stop"
+                self._last_orderly_stop = (time.monotonic(), f"pid {event.pid} stopped by the operator")
                 return None  # stopped on purpose (an operator's signal passed on by launch)
             if not self.config.hard_mode_exit_is_incident:
                 knock_on = self._hard_window_of(event.pid)
@@ -529,7 +540,9 @@ class IncidentManager:
             if why_not:
                 log.info("pid %d %r %s: no incident", event.pid, event.title, why_not)
                 self.exit_outcomes[event.pid] = f"no incident: {why_not}"
+                self._last_orderly_stop = (time.monotonic(), f"pid {event.pid} {why_not}")
                 return None  # asked to stop, or stopped with its server: not a crash
+            self._last_failed_exit = time.monotonic()
             return (Trigger.EXIT, event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
         return None
 
@@ -622,17 +635,36 @@ class IncidentManager:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consume trigger events from the bus and open incidents, one at a time, until cancelled."""
-        async with self.bus.subscribe(*TRIGGER_EVENTS, WatchdogRearmed, name="incidents") as sub:
+        async with anyio.create_task_group() as tg, self.bus.subscribe(
+            *TRIGGER_EVENTS, WatchdogRearmed, name="incidents"
+        ) as sub:
             task_status.started()
             async for event in sub:
-                try:
-                    await self._handle_trigger(event)
-                except Exception:  # a bug here must not stop the agent: log it, take the next trigger
-                    log.exception("handling %s failed", type(event).__name__)
-                finally:
-                    if isinstance(event, TargetExited):
-                        self.exits_handled.add(event.pid)
-                        pidfds.release_exited(event.pid, event.exit.started_time_unix_nano)
+                if isinstance(event, HealthCheckFailed) and event.error_class in HEALTH_SETTLE_CLASSES:
+                    tg.start_soon(self._settled_health, event)  # the exits of a stopping server first
+                    continue
+                await self._handle_one(event)
+            tg.cancel_scope.cancel()
+
+    async def _handle_one(self, event: Event) -> None:
+        try:
+            await self._handle_trigger(event)
+        except Exception:  # a bug here must not stop the agent: log it, take the next trigger
+            log.exception("handling %s failed", type(event).__name__)
+        finally:
+            if isinstance(event, TargetExited):
+                self.exits_handled.add(event.pid)
+                pidfds.release_exited(event.pid, event.exit.started_time_unix_nano)
+
+    async def _settled_health(self, event: HealthCheckFailed) -> None:
+        """A health check refused or answered 5xx: a server stopping in order closes its port
+        (or says 503) before its ranks end. Wait up to :data:`HEALTH_SETTLE_S` for the watched
+        processes' exits (their own checks run meanwhile), then judge it: no incident when they
+        all stopped in order, the exit incident's when one failed, else a health incident."""
+        with anyio.move_on_after(HEALTH_SETTLE_S):
+            while not await self._server_stopped_in_order():
+                await anyio.sleep(0.2)
+        await self._handle_one(event)
 
     async def _handle_trigger(self, event: Event) -> None:
         """Open an incident for one trigger event, unless it is none, cooling down or not admitted."""
@@ -656,6 +688,11 @@ class IncidentManager:
                 stall.update(incident=followed.opened.incident_id, suppressed=True)
             await self._notify()
             return
+        if trigger == Trigger.HEALTH and await self._server_stopped_in_order():
+            log.warning("health detected (%s) after every watched process stopped in order (last: %s): the server"
+                        " was stopped, no incident", detail, self._last_orderly_stop[1])
+            await self._notify()
+            return
         if self._cooling_down(trigger, pid):
             self.suppressed += 1
             self._say_suppressed(key, detail)
@@ -676,6 +713,22 @@ class IncidentManager:
         if stall is not None:
             stall.update(incident=record.opened.incident_id, suppressed=False)
         await self._notify()
+
+    async def _server_stopped_in_order(self) -> bool:
+        """The watched processes all ended, the last exits being orderly stops (within
+        ``exit_followup_s``, no failing exit since): a health check failing now is the stopped
+        server's port, not an incident."""
+        when, _ = self._last_orderly_stop
+        if not when or time.monotonic() - when > max(self.config.exit_followup_s, 1.0):
+            return False
+        if self._last_failed_exit >= when:
+            return False
+        try:
+            live = await anyio.to_thread.run_sync(self.discover)
+        except Exception:  # discovery failing is no reason to drop a health incident
+            log.exception("discovery for the health check's incident failed")
+            return False
+        return not live
 
     def _exit_incident_before(self, trigger: str, pid: int | None) -> IncidentRecord | None:
         """The exit incident (running, or opened within ``exit_followup_s``) that a health failure

@@ -43,10 +43,34 @@ def open_verified(target: Target) -> int | None:
         fd = os.pidfd_open(target.pid)
     except OSError:
         return None
-    if process_state(target.pid, create_time_s=target.create_time_s) is ProcessState.GONE:
+    if process_state(target.pid, create_time_s=target.create_time_s) is ProcessState.GONE or not _same_start(target):
         os.close(fd)
         return None
     return fd
+
+
+def _same_start(target: Target) -> bool:
+    """The pid's process started when ``target`` did, to the clock tick.
+
+    :func:`~agent.targets.process_state` allows a second (psutil's wall-clock creation time moves
+    with /proc/stat's ``btime``, in whole seconds); here the start since boot (``/proc/PID/stat``,
+    exact) is compared with ``create_time_s`` less the boot time now: equal within 50 ms, or off
+    by whole seconds only (``btime`` stepped). A newcomer on a reused pid starts later, by a
+    fraction of a second in a busy pid namespace.
+    """
+    if not target.create_time_s:
+        return True  # nothing to compare: process_state decided
+    import psutil
+
+    try:
+        with open(f"/proc/{target.pid}/stat", "rb") as fh:
+            ticks = int(fh.read().rsplit(b")", 1)[1].split()[19])  # field 22: starttime, clock ticks since boot
+        started_s = ticks / os.sysconf("SC_CLK_TCK")
+        expected_s = target.create_time_s - psutil.boot_time()
+    except (OSError, ValueError, IndexError):
+        return False  # gone meanwhile
+    diff = abs(started_s - expected_s)
+    return min(diff % 1.0, 1.0 - diff % 1.0) < 0.05 and diff < 2.05
 
 
 def hold(target: Target) -> bool:

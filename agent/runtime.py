@@ -267,6 +267,8 @@ class Agent:
         t = self.settings.target
         root_pids = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
         found = discover(root_pids=root_pids, title_globs=t.match, pids=t.pids, uids=t.uids)
+        for target in found:  # identified: signals to them go through these pidfds, never to a reused pid
+            pidfds.hold(target)
         self._remember(found)
         if not self._warned_spread:
             warning = spread_warning(found, title_globs=t.match, root_pids=root_pids)
@@ -875,7 +877,7 @@ class Agent:
             self._root = await anyio.to_thread.run_sync(_identify, t.root_pid)
             return False
         root = self._root
-        if process_state(root.pid, create_time_s=root.create_time_s) is not ProcessState.GONE:
+        if process_state(root.pid, create_time_s=root.create_time_s) not in (ProcessState.GONE, ProcessState.ZOMBIE):
             return False
         watcher = self.process_watcher
         if watcher.pids or self.incidents.current is not None or any(
@@ -896,8 +898,6 @@ class Agent:
         except Exception:  # discovery must never take the agent down
             log.exception("target discovery failed")
             targets = []
-        # identified: signals to them go through these pidfds, never to a reused pid
-        await anyio.to_thread.run_sync(lambda: [pidfds.hold(t) for t in targets])
         for target in targets:
             self.process_watcher.watch(target)
             if self.shipper is not None:

@@ -24,9 +24,11 @@ one :class:`~agent.events.ExitFact`: kind, status, OOM, when, and which source s
   reaping its rank at once cannot hide; else, while it is a zombie, ``/proc/PID/stat``;
 * a SIGKILL (or an unknown status) is checked against the OOM killer's record (the kernel log,
   else the cgroup's ``oom_kill`` counter read when the watch began): "killed by the OOM killer";
-* still unknown: the watcher waits up to :data:`TREE_SETTLE_S` to see whether the process's
-  parent and its watched siblings go down too (``tree_stopped``: the server stopped as a whole).
-  The status stays ``unknown``: never a crash, never an orderly exit on no evidence.
+* an exit that may be part of its server's stop (unknown status, non-zero code, a SIGKILL not
+  from the OOM killer; never a crash signal): the watcher waits up to :data:`TREE_SETTLE_S` for
+  its parent to go down. When the parent stops in order (its own exit event or zombie), or, for
+  an unknown status, when the parent and the watched siblings all go down, ``tree_stopped`` says
+  the server stopped as a whole. The status itself stays what was read (``unknown`` included).
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ class _Watched:
         self.target = target
         self.returncode = returncode
         self.reported = False
-        #: its parent when the watch began (the one that reaps it)
+        #: its parent when the watch began (the one that reaps it), and the parent's start (ns)
         self.parent_pid = 0
+        self.parent_started_ns = 0
         #: its memory cgroup's OOM-kill counter when the watch began
         self.oom_counter: OomCounter | None = None
 
@@ -118,8 +121,9 @@ class _Watched:
         """Parent and OOM counter, read once while the process lives (a thread: /proc reads)."""
         try:
             self.parent_pid = psutil.Process(self.target.pid).ppid()
-        except (psutil.Error, OSError):
-            self.parent_pid = 0
+            self.parent_started_ns = int(psutil.Process(self.parent_pid).create_time() * 1e9)
+        except (psutil.Error, OSError, ValueError):
+            self.parent_started_ns = 0
         self.oom_counter = oom_counter_of(self.target.pid)
 
 
@@ -247,7 +251,7 @@ class ProcessWatcher:
         finally:
             if pidfd is not None:
                 os.close(pidfd)
-        if fact.kind is ExitKind.UNKNOWN and not watched.reported:
+        if _may_be_part_of_a_stop(fact) and not watched.reported:
             fact = await self._settle_tree(watched, fact)
         if watched.reported:
             return
@@ -308,23 +312,58 @@ class ProcessWatcher:
         return None, ExitSource.NONE, 0, ""
 
     async def _settle_tree(self, watched: _Watched, fact: ExitFact) -> ExitFact:
-        """For an unknown status: wait (at most :data:`TREE_SETTLE_S`) for the parent and the
-        watched siblings to go down too; the fact then says the tree stopped as a whole."""
+        """An exit that may be part of its server's stop (an unknown status, a non-zero code, a
+        SIGKILL that is not the OOM killer's): wait (at most :data:`TREE_SETTLE_S`) for its parent
+        to go down. The fact then says the tree stopped (``tree_stopped``) when the parent stopped
+        in order (exit 0, SIGTERM/SIGINT, 143/130: its exit event or zombie status), or, for an
+        unknown status only, when the parent and every watched sibling went down with it."""
         parent = watched.parent_pid
         if parent <= 1 or parent == os.getpid():
-            return fact
+            return fact  # our own child's status is ours to read: nothing to infer
         siblings = [w for w in self._watched.values() if w is not watched and w.parent_pid == parent]
         t0 = time.monotonic()
         with anyio.move_on_after(TREE_SETTLE_S):
-            while True:
-                parent_gone = not _pid_running(parent)
-                if parent_gone and all(not _alive(w.target) for w in siblings):
-                    took = time.monotonic() - t0
-                    reason = (f"its parent pid {parent}" + (f" and {len(siblings)} watched sibling(s)" if siblings else "")
-                              + f" went down with it within {took:.1f} s: the server stopped as a whole")
-                    return replace(fact, tree_stopped=True, orderly_reason=reason)
+            while _pid_running(parent):
                 await anyio.sleep(0.1)
+            took = time.monotonic() - t0
+            stopped = await self._parent_exit(parent, watched.parent_started_ns)
+            if stopped is not None and stopped.kind is ExitKind.ORDERLY:
+                return replace(fact, tree_stopped=True, orderly_reason=(
+                    f"its server (parent pid {parent}) stopped in order ({stopped.status()}) within {took:.1f} s"))
+            if fact.kind is not ExitKind.UNKNOWN:
+                return fact  # the parent died too, not in order (or how is unknown): a failure stays one
+            while not all(not _alive(w.target) for w in siblings):
+                await anyio.sleep(0.1)
+            took = time.monotonic() - t0
+            reason = (f"its parent pid {parent}" + (f" and {len(siblings)} watched sibling(s)" if siblings else "")
+                      + f" went down with it within {took:.1f} s: the server stopped as a whole")
+            return replace(fact, tree_stopped=True, orderly_reason=reason)
         return fact
+
+    async def _parent_exit(self, pid: int, started_ns: int) -> ExitFact | None:
+        """How the parent ended, when the kernel's exit event or its zombie says (else ``None``)."""
+        kernel = self._kernel
+        if kernel is not None:
+            found = await anyio.to_thread.run_sync(kernel.get, pid, started_ns)
+            if found is not None:
+                return ExitFact.of(pid, found.exit_code, found.signal, source=ExitSource.KERNEL)
+        status = await anyio.to_thread.run_sync(zombie_exit_status, pid)
+        if status is not None:
+            return ExitFact.of(pid, *status, source=ExitSource.ZOMBIE)
+        return None
+
+
+#: Signals of a crash: an exit by one of them is never read as part of an orderly stop.
+CRASH_SIGNALS = frozenset(int(s) for s in (_signal.SIGSEGV, _signal.SIGBUS, _signal.SIGILL, _signal.SIGFPE,
+                                            _signal.SIGABRT, _signal.SIGSYS, _signal.SIGTRAP))
+
+
+def _may_be_part_of_a_stop(fact: ExitFact) -> bool:
+    """An unknown status, a non-zero exit code, or a kill signal that is not a crash and not the
+    OOM killer's (servers SIGKILL their ranks when they stop: SGLang's kill_process_tree)."""
+    if fact.kind is ExitKind.UNKNOWN or fact.kind is ExitKind.CODE:
+        return True
+    return fact.kind is ExitKind.SIGNAL and fact.signal not in CRASH_SIGNALS
 
 
 def _same_identity(a: Target, b: Target) -> bool:

@@ -1,0 +1,178 @@
+"""A server's lifecycle as `servewatch run` and `launch` see it, on real processes: the README's demo
+server stopped with Ctrl-C (its ranks reaped by their own frontend at once) opens no incident, with
+and without the kernel's exit events (a real network namespace refuses them); a rank killed -9
+opens one incident and its server's failing health check no second one; `run --root-pid` stops
+once its server ended; `kill -9` of `launch` leaves no rank running; a real OOM kill is named from
+the cgroup's counter when the kernel log cannot be read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent.exits import OomWatch, oom_counter_of
+from tests.programs.lifecycle_cases import MemoryCgroup
+from tests.test_targeting import CLI, cli_env, manifests, start_tree
+
+pytestmark = pytest.mark.slow
+
+
+def _start_demo(spawn, python: str, tmp_path: Path, prefix: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], dict]:
+    """The README's demo server (its own process group, like a terminal's foreground job)."""
+    ready = tmp_path / f"ready-{prefix}.json"
+    proc = spawn([python, "-m", "agent.demo.server", "--tp", "2", "--port", "0", "--title-prefix", prefix,
+                  "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "demo server did not start"
+        time.sleep(0.1)
+    return proc, json.loads(ready.read_text())
+
+
+def _wait_for(path: Path, text: bytes, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_bytes():
+        assert proc.poll() is None, path.read_text()
+        assert time.monotonic() < deadline, path.read_text()
+        time.sleep(0.1)
+
+
+def _run_cli(spawn, tmp_path: Path, argv: list[str], err: Path, env: dict[str, str], *, prefix: list[str] = ()) -> subprocess.Popen[bytes]:
+    with err.open("wb") as fh:
+        return spawn([*prefix, *CLI, *argv], stdout=subprocess.PIPE, stderr=fh, cwd=tmp_path, env=env)
+
+
+@pytest.mark.parametrize("netns", [False, True], ids=["kernel-exit-events", "own-netns"])
+def test_ctrl_c_of_the_demo_server_while_run_watches_opens_no_incident(spawn, python, tmp_path: Path, netns: bool) -> None:
+    if netns and shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    # probes every 0.5 s, unhealthy after 2: a health incident for the stopped server would open within ~1 s
+    env = {**cli_env(tmp_path), "SERVEWATCH_HEALTH__INTERVAL_S": "0.5", "SERVEWATCH_HEALTH__UNHEALTHY_AFTER": "2"}
+    runs = 3 if not netns else 1
+    for n in range(runs):
+        prefix = f"life{uuid.uuid4().hex[:6]}"
+        server, info = _start_demo(spawn, python, tmp_path, prefix, env)
+        err = tmp_path / f"run-{n}.err"
+        data = tmp_path / f"data-{n}"
+        # in its own network namespace (a container's), the kernel's exit events are refused and
+        # the agent cannot reach the server's HTTP port: it watches the ranks by title only
+        http = [] if netns else ["--health-url", info["base_url"] + "/health", "--metrics-url", info["base_url"] + "/metrics"]
+        run = _run_cli(spawn, tmp_path, ["run", *http, "--match", f"{prefix}::scheduler*", "--watchdog-timeout", "5",
+                                         "--data-dir", str(data)], err, env,
+                       prefix=["unshare", "--net"] if netns else [])
+        _wait_for(err, b"watching 2 target processes", run)
+        time.sleep(1.0)
+        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C in the server's terminal: its whole foreground group
+        assert server.wait(timeout=60) == 0
+        time.sleep(8.0)  # both ends (each settles up to 3 s), and any health failure that would follow
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
+        printed = err.read_text()
+        assert manifests(data) == [], printed
+        seen = [line for line in printed.splitlines() if line.startswith("  pid ") and f"{prefix}::scheduler_TP" in line]
+        assert len(seen) == 2 and all("-> no incident" in line for line in seen), printed
+        if netns:  # no source could tell the status: the tree went down together, said as such
+            assert "stopped with its whole server (exit status unknown)" in printed, printed
+            assert "not in the host's network namespace" in printed, printed
+        else:
+            assert all("[the kernel's exit event]" in line or "[/proc while a zombie]" in line for line in seen), printed
+            assert "exit status unknown" not in printed, printed
+
+
+def test_a_rank_killed_9_opens_one_incident_and_the_failing_health_check_none(spawn, python, tmp_path: Path) -> None:
+    env = {**cli_env(tmp_path), "SERVEWATCH_HEALTH__INTERVAL_S": "0.5", "SERVEWATCH_HEALTH__UNHEALTHY_AFTER": "2"}
+    prefix = f"life{uuid.uuid4().hex[:6]}"
+    _server, info = _start_demo(spawn, python, tmp_path, prefix, env)
+    err = tmp_path / "run.err"
+    run = _run_cli(spawn, tmp_path, ["run", "--health-url", info["base_url"] + "/health", "--match",
+                                     f"{prefix}::scheduler*", "--data-dir", "data"], err, env)
+    _wait_for(err, b"watching 2 target processes", run)
+    _wait_for(err, b"health: 200 OK", run)
+    victim = info["scheduler_pids"][1]
+    os.kill(victim, signal.SIGKILL)  # a worker SIGKILLed; the frontend reaps it and /health turns 503
+    _wait_for(err, b"the same failure, no second incident", run, timeout_s=60)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    printed = err.read_text()
+    found = manifests(tmp_path / "data")
+    assert [m["trigger"] for m in found] == ["exit"], printed
+    assert f"pid {victim} " in found[0]["detail"] and "signal 9 (SIGKILL)" in found[0]["detail"], found[0]["detail"]
+    assert "health detected" in printed and found[0]["incident_id"] in printed.split("health detected", 1)[1], printed
+
+
+def test_run_root_pid_stops_once_its_server_ended(spawn, python, tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    tree = start_tree(spawn, python, tag)
+    err = tmp_path / "run.err"
+    run = _run_cli(spawn, tmp_path, ["run", "--root-pid", str(tree["main"]), "--data-dir", "data"], err, cli_env(tmp_path))
+    _wait_for(err, b"watching 4 target processes", run)
+    os.kill(tree["main"], signal.SIGTERM)  # the server stops (its children with it)
+    assert run.wait(timeout=60) == 0, err.read_text()
+    printed = err.read_text()
+    assert f"root pid {tree['main']} " in printed and "nothing left to watch, stopping" in printed, printed
+    assert "4 target exit(s) seen" in printed, printed
+
+
+def test_kill_9_of_launch_leaves_no_rank_running(spawn, python, tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    err = tmp_path / "launch.err"
+    launch = _run_cli(spawn, tmp_path, ["launch", "--data-dir", "data", "--", python,
+                                        str(Path(__file__).with_name("programs") / "server_tree.py"), tag, "--tp", "2"],
+                      err, cli_env(tmp_path))
+    _wait_for(err, b"watching 3 target processes", launch)
+    ranks = [p for p in psutil.process_iter(["cmdline"]) if any(tag in part for part in (p.info["cmdline"] or [])[:1])
+             and "scheduler" in (p.info["cmdline"] or [""])[0]]
+    assert len(ranks) == 2, ranks
+    launch.kill()  # kill -9 of servewatch: the server dies with it (PR_SET_PDEATHSIG); its ranks must too
+    launch.wait(timeout=10)
+    _gone, alive = psutil.wait_procs(ranks, timeout=20)
+    assert not alive, f"ranks left running unwatched: {alive}"
+    assert b"the launcher died; stopping the server's process group" in err.read_bytes(), err.read_text()
+
+
+def test_an_oom_kill_is_named_from_the_cgroup_counter_without_the_kernel_log(tmp_path: Path) -> None:
+    cgroup, why = MemoryCgroup.create(64 << 20)
+    if cgroup is None:
+        pytest.skip(f"no writable memory cgroup here: {why}")
+    hog = "import sys; sys.stdin.readline(); held = [bytearray(8 << 20) for _ in range(64)]"
+    proc = subprocess.Popen([sys.executable, "-c", hog], stdin=subprocess.PIPE)
+    try:
+        (cgroup.path / "cgroup.procs").write_text(str(proc.pid))
+        counter = oom_counter_of(proc.pid)
+        assert counter is not None and counter.path == str(cgroup.path / cgroup.counter) and counter.oom_kills == 0
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == -signal.SIGKILL  # the kernel's memory-cgroup OOM killer
+        evidence = OomWatch(None).killed(proc.pid, counter)  # no kernel log: the counter alone says it
+        assert evidence == f"cgroup {counter.path}: oom_kill 0->1", evidence
+        assert OomWatch(None).killed(proc.pid, counter.read()) == ""  # read after the kill: nothing new
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        cgroup.remove()
+
+
+def test_the_keeper_stays_quiet_when_launch_ends_in_order(spawn, python, tmp_path: Path) -> None:
+    err = tmp_path / "launch.err"
+    launch = _run_cli(spawn, tmp_path, ["launch", "--data-dir", "data", "--", python, "-c", "import time; time.sleep(1)"],
+                      err, cli_env(tmp_path))
+    assert launch.wait(timeout=60) == 0, err.read_text()
+    printed = err.read_text()
+    assert "launcher died" not in printed and "0 incident(s) written" in printed, printed

@@ -44,6 +44,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +126,12 @@ DEFERRED_PHASES = frozenset({Action.PROFILE_SESSION})
 log = logging.getLogger("servewatch.incidents")
 
 
-#: Health failures that may be a server stopping in order (its port closed, or 503 while it shuts
-#: down): judged once its processes' exits are in, at most this many seconds later.
-HEALTH_SETTLE_S = 10.0
-HEALTH_SETTLE_CLASSES = frozenset({"refused", "5xx"})
+#: Health failures that may be a server stopping in order, judged once its processes' exits are
+#: in, at most this many seconds later (by the probe's error class): a closed port (``refused``:
+#: a frontend closes it first, then stops its ranks, which may take their grace periods) or a 5xx
+#: (SGLang answers 503 while it shuts down).
+HEALTH_SETTLE_S: dict[str, float] = {"refused": 30.0, "5xx": 5.0}
+HEALTH_SETTLE_CLASSES = frozenset(HEALTH_SETTLE_S)
 
 #: Events that can open an incident.
 TRIGGER_EVENTS: tuple[type[Event], ...] = (HealthCheckFailed, WatchdogStalled, TargetExited)
@@ -658,12 +661,24 @@ class IncidentManager:
 
     async def _settled_health(self, event: HealthCheckFailed) -> None:
         """A health check refused or answered 5xx: a server stopping in order closes its port
-        (or says 503) before its ranks end. Wait up to :data:`HEALTH_SETTLE_S` for the watched
+        (or says 503) before its ranks end. Wait (:data:`HEALTH_SETTLE_S`) for the watched
         processes' exits (their own checks run meanwhile), then judge it: no incident when they
         all stopped in order, the exit incident's when one failed, else a health incident."""
-        with anyio.move_on_after(HEALTH_SETTLE_S):
-            while not await self._server_stopped_in_order():
-                await anyio.sleep(0.2)
+        try:
+            live = await anyio.to_thread.run_sync(self.discover)
+        except Exception:  # judged at once, as any other trigger
+            log.exception("discovery for the health check's incident failed")
+            live = []
+        if live or self._last_orderly_stop[0]:  # processes to watch end: give their exits a moment
+            since = time.monotonic()
+            with anyio.move_on_after(HEALTH_SETTLE_S.get(event.error_class, 5.0)):
+                while not await self._server_stopped_in_order():
+                    if self._last_failed_exit > since:
+                        # a failure: the health failure follows from its exit incident, once open
+                        while self._exit_incident_before(Trigger.HEALTH, None) is None:
+                            await anyio.sleep(0.05)
+                        break
+                    await anyio.sleep(0.2)
         await self._handle_one(event)
 
     async def _handle_trigger(self, event: Event) -> None:
@@ -1057,7 +1072,9 @@ class IncidentManager:
         if self.hard_signal is not None and trigger == Trigger.STALL and not self._interrupt:
             # the server's tree before the signal (its ranks exit soon after the culprit): a /proc scan
             tree = await anyio.to_thread.run_sync(_server_tree, record.targets)
-            for result in self._send_hard_signal(record, pid, server_tree=tree):
+            # a thread: a pidfd not held is opened and verified against /proc (blocking reads)
+            sent = await anyio.to_thread.run_sync(partial(self._send_hard_signal, record, pid, server_tree=tree))
+            for result in sent:
                 record.results.append(result)
                 await self.bus.publish(HardSignalSent(source="incidents", incident_id=incident_id, result=result))
 

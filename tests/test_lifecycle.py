@@ -130,8 +130,13 @@ def test_kill_9_of_launch_leaves_no_rank_running(spawn, python, tmp_path: Path) 
                                         str(Path(__file__).with_name("programs") / "server_tree.py"), tag, "--tp", "2"],
                       err, cli_env(tmp_path))
     _wait_for(err, b"watching 3 target processes", launch)
-    ranks = [p for p in psutil.process_iter(["cmdline"]) if any(tag in part for part in (p.info["cmdline"] or [])[:1])
-             and "scheduler" in (p.info["cmdline"] or [""])[0]]
+    deadline = time.monotonic() + 60
+    while True:  # the ranks, once titled
+        ranks = [p for p in psutil.process_iter(["cmdline"])
+                 if (p.info["cmdline"] or [""])[0].startswith("sglang::scheduler") and tag in p.info["cmdline"][0]]
+        if len(ranks) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert len(ranks) == 2, ranks
     launch.kill()  # kill -9 of servewatch: the server dies with it (PR_SET_PDEATHSIG); its ranks must too
     launch.wait(timeout=10)

@@ -861,7 +861,8 @@ class PySpyActor:
                     await proc.wait()
                     if await _probe(target) is ProcessState.STOPPED:
                         try:
-                            pidfds.send_signal(target, signal.SIGCONT)  # only the process dumped
+                            # only the process dumped (its pidfd; a /proc read when not held: off the loop)
+                            await anyio.to_thread.run_sync(pidfds.send_signal, target, signal.SIGCONT)
                             self._targets_continued += 1
                             logger.warning("pyspy: pid %d was left stopped by a killed py-spy; sent SIGCONT", target.pid)
                         except (ProcessLookupError, PermissionError):

@@ -110,7 +110,7 @@ class FleetConfig(BaseModel):
         10.0, gt=0, description="without a Flight Recorder, detections in the same bucket of this many seconds share a trace"
     )
     key_timeout_s: float = Field(
-        0.5, gt=0, description="bound on reading the local ranks' Flight Recorder status that names the trace, seconds"
+        2.0, gt=0, description="bound on reading the local ranks' Flight Recorder status that names the trace, seconds"
     )
     report_grace_s: float = Field(
         0.05, ge=0, description="the coordinator waits this long for detecting hosts' reports before asking the others, seconds"

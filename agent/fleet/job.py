@@ -225,6 +225,8 @@ class Fleet:
             header_timeout_s=api.header_timeout_s, idle_timeout_s=api.idle_timeout_s,
         )
         cfg = self.config
+        # the Flight Recorder status read that names a job incident's trace: imported now, not mid-incident
+        await anyio.to_thread.run_sync(_warm_imports)
         self.credentials = PeerCredentials(token=token, ssl_context=client_ssl_context(api), job_ca=api.mutual_tls,
                                            allow_insecure=cfg.allow_insecure_peers, agent_id=self.agent_id)
         manager = self.agent.incidents
@@ -376,11 +378,15 @@ class Fleet:
             if trace is not None:
                 traces.append(trace)
 
+        t0 = time.monotonic()
         with anyio.move_on_after(budget):
             async with anyio.create_task_group() as tg:
                 for target in targets:
                     tg.start_soon(one, target)
-        return stuck_collective(traces)
+        key = stuck_collective(traces)
+        log.info("job key %s from %d of %d rank(s)' Flight Recorder in %.0f ms", key or "none", len(traces), len(targets),
+                 (time.monotonic() - t0) * 1000)
+        return key
 
     def _companion(self, opened: IncidentOpened) -> Callable[[], Awaitable[list[ActionCompleted]]]:
         """Called by the incident manager right after ``opened`` was published."""
@@ -696,8 +702,13 @@ class Fleet:
     def _judge(self, job: JobIncident) -> JobVerdict:
         missing: list[MissingHost] = []
         have = set(job.evidence)
+        known = dict(self.members)
+        a = self.announced
+        if a is not None:  # the coordinator that announced itself said who it is
+            known.setdefault(a.peer.url, MemberInfo.model_validate({"job": self.config.job or "-", "host.name": a.host_name,
+                                                                     "ranks": list(a.ranks)}))
         for address, outcome in sorted(job.asked.items()):
-            info = job.member_info.get(address) or self.members.get(address)
+            info = job.member_info.get(address) or known.get(address)
             host = outcome.host_name or (info.host_name if info else "") or address
             if host in have:
                 continue
@@ -1059,6 +1070,11 @@ class Fleet:
         except ManifestError as exc:  # not a manifest this agent reads: not served (listings poll: no warning)
             log.debug("%s", exc)
             return None
+
+
+def _warm_imports() -> None:
+    import agent.sdk.flightrec
+    import agent.sdkclient  # noqa: F401
 
 
 def _route_address(destinations: Sequence[tuple[str, int]]) -> str:

@@ -14,7 +14,8 @@ whole job at once:
 3. captured ranks are checked against the world size (the default process group's size): ranks
    nobody captured are named with their host when the coordinator knows it ("host node-2 (ranks
    4,5): agent unreachable"); when every captured rank waits in the same collective, the culprit
-   is among the ranks nobody could capture;
+   is among the ranks nobody could capture; likewise when the ranks the rules name wait in a
+   collective themselves (a broadcast's root waiting for the ranks it cannot reach);
 4. the culprit ranks are named with their hosts.
 
 Pure apart from torch's analyzer (imported lazily and optionally by :mod:`agent.flightrec_view`).
@@ -157,6 +158,18 @@ def torch_findings(recorders: Mapping[int, RankRecorder]) -> tuple[set[int], lis
     return missing, lines
 
 
+def _in_collective(e: RankEvidence) -> bool:
+    """The rank is inside a collective: its stack says so, or its recorder shows one enqueued and
+    not completed in the default group."""
+    if e.frame_class is FrameClass.COLLECTIVE:
+        return True
+    st = (e.fr or {}).get("pg_status") if isinstance(e.fr, Mapping) else None
+    try:
+        return bool(st) and int(st["0"]["last_enqueued_collective"]) > int(st["0"]["last_completed_collective"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def _all_wait_same(ev: Sequence[RankEvidence]) -> str:
     """``"all_reduce #8 of pg 0"`` when every captured rank's recorder shows it enqueued, not
     completed, the same collective (or, without recorders, every stack waits in a collective)."""
@@ -237,10 +250,15 @@ def judge_job(
         kind, culprits, reason, confidence, hung, lines = (base.kind, base.culprit_ranks, base.reason, base.confidence,
                                                           base.hung, base.evidence)
     flagged = sorted(flagged_set)
-    if culprits and flagged and set(culprits) <= set(flagged) and confidence == "medium":
-        confidence = "high"  # torch's analyzer agrees
     waiting_in = _all_wait_same(ranks_ev)
-    if not culprits and missing_ranks and (waiting_in or not ranks_ev):
+    by_rank = {e.rank: e for e in ranks_ev}
+    if missing_ranks and culprits and all(r in by_rank and _in_collective(by_rank[r]) for r in culprits):
+        # the ranks the captured evidence points at wait in a collective themselves: what they
+        # wait for is past them, among the ranks nobody captured
+        kind, culprits, confidence = "missing", missing_ranks, "medium"
+        reason = (f"missing: {_ranks(missing_ranks)} not captured; the captured ranks all wait in collectives"
+                  f" ({base.reason if base is not None else ''}); the culprit is among the ranks not captured")
+    elif not culprits and missing_ranks and (waiting_in or not ranks_ev):
         kind, culprits, confidence = "missing", missing_ranks, "medium" if waiting_in else "low"
         where = f"every captured rank waits in {waiting_in}" if waiting_in else "no rank was captured"
         reason = f"missing: {_ranks(missing_ranks)} not captured ({where}); the culprit is among them"

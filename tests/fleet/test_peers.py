@@ -297,3 +297,33 @@ async def test_a_detection_after_a_join_is_folded_but_a_later_crash_is_its_own_i
     # a follow-up of the job incident: in its trace, under the job's root span
     assert (exit_incident.opened.trace_id, exit_incident.opened.parent_span_id) == (trace, parent)
     assert not [r for r in exit_incident.results if r.action in ("peer.capture", "fleet.report", "fleet.fanout")]
+
+
+async def test_above_the_tree_threshold_the_coordinator_asks_relays_and_each_host_is_asked_once(
+    tmp_path: Path, spawn, python, otlp_receiver
+) -> None:
+    pids = _targets(spawn, python, 5)
+    hosts = tuple(f"node-{c}" for c in "abcde")
+    addresses = tuple(f"127.0.0.{31 + i}" for i in range(5))
+    ports = free_ports(5)
+    peers = [f"{a}:{p}" for a, p in zip(addresses, ports)]
+    async with AsyncExitStack() as stack:
+        agents = []
+        for host, address, port, pid in zip(hosts, addresses, ports, pids):
+            settings = settings_for(
+                tmp_path, host, port, api={"host": address}, target={"pids": [pid]}, coredump={"enabled": False},
+                export={"endpoint": otlp_receiver.http_endpoint, "protocol": "http/protobuf", "metrics": False, "schedule_delay_s": 0.1},
+                fleet={"job": "big", "peers": peers, "tree_threshold": 2, "announce_interval_s": 600, "evidence_timeout_s": 20},
+            )
+            agents.append(await stack.enter_async_context(running_agent(settings)))
+        a = agents[0][0]
+        await a.incidents.open_incident("manual", detail="a hang seen only here")
+        await _until(lambda: all(recs for _, recs in agents) and a.fleet.verdicts == 1, timeout_s=90)
+        joins = [ag.fleet.joins for ag, _ in agents]
+    records = [recs[0] for _, recs in agents]
+    assert len({r.opened.trace_id for r in records}) == 1
+    assert joins == [0, 1, 1, 1, 1]  # every other host asked exactly once: by the coordinator or by a relay
+    [fanout] = [r for r in records[0].results if r.action == "fleet.fanout"]
+    assert fanout.attributes["servewatch.fanout.relays"] == 2 and fanout.attributes["servewatch.fanout.asked"] == 2
+    verdict = json.loads((records[0].bundle_dir / "job-verdict.json").read_text())
+    assert verdict["hosts_with_evidence"] == 5 and sorted(verdict["bundles"]) == list(hosts)

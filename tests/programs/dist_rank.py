@@ -125,6 +125,7 @@ def main() -> int:
     ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "oom"])
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
+    ap.add_argument("--fault-file", default=None, help="the fault fires at the first step after this file exists (else at --fault-step)")
     ap.add_argument("--step-sleep-s", type=float, default=0.05)
     ap.add_argument("--timeout-s", type=float, default=60.0, help="process group timeout")
     ap.add_argument("--max-runtime-s", type=float, default=90.0)
@@ -184,7 +185,12 @@ def main() -> int:
     try:
         while time.monotonic() < deadline:
             step += 1
-            fire = mine and step == args.fault_step
+            if args.fault_file is not None:
+                fire = mine and os.path.exists(args.fault_file) and args.fault_step > 0
+                if fire:
+                    args.fault_step = -step  # once
+            else:
+                fire = mine and step == args.fault_step
             if fire:
                 _say(f"FAULT {args.rank} {args.fault}")
             if not args.no_counter:

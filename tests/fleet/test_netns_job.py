@@ -49,6 +49,8 @@ def _ranks(hosts: Hosts, spawn, tmp_path: Path, fault: str, fault_rank: int, go:
         procs.append(spawn(argv, env={**os.environ, "GLOO_SOCKET_IFNAME": hosts.ifname}, stdout=subprocess.PIPE))
     for proc in procs:
         line = proc.stdout.readline().decode()
+        while line.startswith("INIT"):  # before init_process_group
+            line = proc.stdout.readline().decode()
         assert line.startswith("READY"), line
         pids.append(int(line.split()[2]))
     return pids

@@ -182,15 +182,15 @@ def main() -> int:
     w = torch.ones(32, 32) / 32
     mine = args.rank == args.fault_rank
     step = 0
+    fault_at: int | None = None
     try:
         while time.monotonic() < deadline:
             step += 1
-            if args.fault_file is not None:
-                fire = mine and os.path.exists(args.fault_file) and args.fault_step > 0
-                if fire:
-                    args.fault_step = -step  # once
-            else:
-                fire = mine and step == args.fault_step
+            if args.fault_file is not None and fault_at is None:
+                # the fault's step is the first one after the file exists; none before
+                fault_at = step if os.path.exists(args.fault_file) else None
+                args.fault_step = fault_at if fault_at is not None else 10**9
+            fire = mine and step == args.fault_step
             if fire:
                 _say(f"FAULT {args.rank} {args.fault}")
             if not args.no_counter:

@@ -223,8 +223,8 @@ class ProcessWatcher:
         self._kernel = await anyio.to_thread.run_sync(KernelExits.open)
         if self._kernel is None:
             self.kernel_exits_unavailable = KernelExits.unavailable
-            log.info("process: %s; the exit status of a process reaped by its own parent at once stays unknown",
-                     KernelExits.unavailable)
+            log.warning("process: %s; the exit status of a process its own parent reaps at once can only be"
+                        " said unknown here", KernelExits.unavailable)
         elif hasattr(anyio, "wait_readable"):
             await tg.start(self._kernel.run)
         self._oom = await anyio.to_thread.run_sync(OomWatch.open)

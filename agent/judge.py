@@ -38,6 +38,7 @@ from agent.events import (
     WatchdogStalled,
 )
 from agent.exits import zombie_fact
+from agent.procinfo import exit_fact_of
 from agent.ranks import parse_title, world_ranks
 from agent.sdk.counter import CounterSnapshot, counter_path, read_counter
 from agent.servers import ServerGroup, ancestors, listener_of_port, server_groups
@@ -261,7 +262,9 @@ class VerdictJudge:
         state = ProcessState.GONE if exited else process_state(target.pid, create_time_s=target.create_time_s)
         alive = state not in (ProcessState.GONE, ProcessState.ZOMBIE)
         fact = cause.exit if cause is not None else (
-            zombie_fact(target.pid, target.create_time_s) if state is ProcessState.ZOMBIE else None)
+            zombie_fact(target.pid, target.create_time_s) if state is ProcessState.ZOMBIE
+            # gone (reaped): the fact the process watcher noted (the kernel's status and time of death)
+            else exit_fact_of(target.pid, target.create_time_s) if state is ProcessState.GONE else None)
         info = parse_title(target.title)
         role = _role(info.role if info is not None else "", rank)
         snap = readings.after.get(target.pid)

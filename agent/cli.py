@@ -904,6 +904,7 @@ def export(
             headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
             compression=destination.compression, signal_specific=destination.signal_specific,
             ledger=None if resend else ledger_path,
+            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes,
         )
     except FileNotFoundError as exc:
         fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
@@ -912,7 +913,8 @@ def export(
     except OSError as exc:
         fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
     err.print(
-        f"Sent {result.sent} span(s) from {result.files} file(s) to {destination.endpoint} ({destination.protocol}). Failed: {result.failed}"
+        f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {destination.endpoint} "
+        f"({destination.protocol}). Failed: {result.failed}"
         + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
         + (f" Bad files: {result.bad_files}" if result.bad_files else "")
         + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else "")

@@ -166,6 +166,9 @@ class ActionResult:
         start_time_unix_nano / end_time_unix_nano: wall-clock bounds, ns since the epoch.
         artifact_paths: files written (absolute paths).
         attributes: bounded span attributes summarising the result.
+        span_id: 16 hex digits of the action's span, chosen by the incident layer when it records
+            the result (so the manifest names the span and a later agent can re-send exactly that
+            span); ``""`` until then (the mirror then picks one).
     """
 
     action: str
@@ -177,6 +180,7 @@ class ActionResult:
     end_time_unix_nano: int = 0
     artifact_paths: tuple[str, ...] = ()
     attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
+    span_id: str = ""
 
     @property
     def duration_s(self) -> float:
@@ -580,6 +584,9 @@ class IncidentClosed(Event):
     state: str = "closed"
     #: extra attributes of the incident's root span (the cross-rank verdict, ``servewatch.verdict.*``)
     attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
+    #: ``False`` when the root span is already durable (a later agent finishing an interrupted
+    #: incident): the mirror then closes the incident without emitting its root again
+    emit_root: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

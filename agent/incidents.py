@@ -82,6 +82,7 @@ from agent.ids import new_span_id_hex, new_trace_id_hex
 from agent.manifest import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
+    SPANS_DURABLE_NAME,
     IncidentState,
     Manifest,
     ManifestAction,
@@ -96,7 +97,7 @@ from agent.ranks import target_attributes
 from agent.sdkclient import InflightRequest
 from agent.security import redact_cmdline, redact_text
 from agent.targets import Target
-from agent.verdict import hard_signal_plan
+from agent.verdict import Verdict, hard_signal_plan
 
 __all__ = [
     "DEFERRED_PHASES",
@@ -264,6 +265,7 @@ class IncidentRecord:
             phases_pending=tuple(self.phases_pending),
             interrupted_reason=self.interrupted_reason,
             root_published=self.root_published,
+            spans_tracked=True,
             agent_pid=os.getpid(),
             updated_time_unix_nano=now_ns(),
             verdict=(
@@ -981,6 +983,7 @@ class IncidentManager:
 
         async def report(result: ActionResult) -> None:
             reported.append(result)
+            result = _with_span_id(result)
             record.results.append(result)
             await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
 
@@ -1002,6 +1005,7 @@ class IncidentManager:
         for result in results:
             if any(result is r for r in reported):
                 continue  # already published when it finished
+            result = _with_span_id(result)
             record.results.append(result)
             await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
         record.phases_done.append(name)
@@ -1066,6 +1070,7 @@ class IncidentManager:
         for collect in companions:
             with anyio.move_on_after(self.config.phase_timeout_s):
                 for event in await collect():
+                    event = replace(event, result=_with_span_id(event.result))
                     record.results.append(event.result)
                     await self.bus.publish(event)
 
@@ -1075,6 +1080,7 @@ class IncidentManager:
             # a thread: a pidfd not held is opened and verified against /proc (blocking reads)
             sent = await anyio.to_thread.run_sync(partial(self._send_hard_signal, record, pid, server_tree=tree))
             for result in sent:
+                result = _with_span_id(result)
                 record.results.append(result)
                 await self.bus.publish(HardSignalSent(source="incidents", incident_id=incident_id, result=result))
 
@@ -1160,15 +1166,27 @@ class IncidentManager:
         return results
 
 
+def _with_span_id(result: ActionResult) -> ActionResult:
+    """``result`` with the span id of its span chosen now (kept when it has one): recorded in
+    the manifest, so a later agent can re-send exactly this span if it never became durable."""
+    return result if result.span_id else replace(result, span_id=new_span_id_hex())
+
+
 #: incidents running in this process right now (several agents may share one process in tests
 #: and demos): never "recovered" by another agent's start
 _RUNNING_HERE: set[str] = set()
 
 
-def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, Manifest]]:
-    """Manifests under ``<data_dir>/<host_name>/`` left ``open`` or ``interrupted`` by an agent
-    that is gone (a live agent's running incident is left alone). A manifest that does not read
-    (corrupt, an unknown version) is logged and left as it is."""
+#: ``durable(keys, since_time_unix_nano) -> the durable subset``: which write-ahead span groups
+#: (keyed by their span id, hex) are on disk or delivered (the telemetry's ``durable_keys``).
+DurableKeys = Callable[[set[str], int], set[str]]
+
+
+def _unfinished_bundles(data_dir: Path, host_name: str, *, tracked: bool = False) -> list[tuple[Path, Manifest]]:
+    """Manifests under ``<data_dir>/<host_name>/`` of an agent that is gone, left ``open`` or
+    ``interrupted`` (and with ``tracked``, also closed ones whose spans were never all marked
+    durable: :data:`agent.manifest.SPANS_DURABLE_NAME`). A live agent's running incident is left
+    alone. A manifest that does not read (corrupt, an unknown version) is logged and left as it is."""
     found: list[tuple[Path, Manifest]] = []
     host_dir = Path(data_dir) / host_name
     try:
@@ -1183,7 +1201,8 @@ def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, Mani
         except ManifestError as exc:
             log.warning("not recovering %s", exc)
             continue
-        if m.state not in (IncidentState.OPEN, IncidentState.INTERRUPTED):
+        unfinished = m.state in (IncidentState.OPEN, IncidentState.INTERRUPTED)
+        if not unfinished and not (tracked and m.spans_tracked and not (path.parent / SPANS_DURABLE_NAME).exists()):
             continue
         owner = m.agent_pid
         if owner is not None and owner != os.getpid() and pid_alive(owner):
@@ -1194,24 +1213,93 @@ def _unfinished_bundles(data_dir: Path, host_name: str) -> list[tuple[Path, Mani
     return found
 
 
-async def recover_interrupted(bus: EventBus, data_dir: Path, host_name: str) -> list[str]:
-    """Close the bundles a previous agent left ``open`` (killed) or ``interrupted`` (stopped
-    mid-incident), and send their root spans when they were never published.
+def _read_links(bundle_dir: Path) -> tuple[tuple[str, str], ...]:
+    """The in-flight requests' span links recorded in ``requests.json`` (none when absent)."""
+    try:
+        data = json.loads((bundle_dir / "requests.json").read_text())
+        return tuple(
+            (str(r["trace_id"]), str(r["span_id"])) for r in data.get("requests", ()) if r.get("trace_id") and r.get("span_id")
+        )
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return ()
 
-    Each such manifest becomes ``state: closed`` with ``interrupted: true`` and the reason in
-    words; the root span keeps the incident's trace and span ids, so the action spans already
-    sent join it. Never raises for a bad bundle (one that does not read is left alone).
+
+def _verdict_attributes(m: Manifest) -> dict[str, Any]:
+    v = m.verdict
+    if v is None:
+        return {}
+    return Verdict(
+        kind=v.kind, hung=v.hung, culprit_ranks=v.culprit_ranks, culprit_pids=v.culprit_pids, reason=v.reason,
+        confidence=v.confidence, evidence=v.evidence, stragglers=v.stragglers, ranks=v.ranks, rule=v.rule,
+    ).attributes()
+
+
+async def _resend(bus: EventBus, path: Path, m: Manifest, durable: DurableKeys) -> int:
+    """Publish again, with their recorded ids, the spans of ``m`` that are not durable (root and
+    actions); the mirror writes them ahead and marks the bundle once all are. Returns how many
+    groups were re-sent."""
+    actions = [a for a in m.actions if a.span_id]
+    keys = {a.span_id for a in actions} | ({m.span_id} if m.span_id else set())
+    have = await anyio.to_thread.run_sync(durable, keys, m.opened_time_unix_nano)
+    missing = [a for a in actions if a.span_id not in have]
+    root_missing = bool(m.span_id) and m.span_id not in have
+    bundle = str(path.parent)
+    await bus.publish(
+        IncidentOpened(
+            source="incidents", time_unix_nano=m.opened_time_unix_nano, incident_id=m.incident_id, trigger=m.trigger,
+            detail=m.detail, pids=tuple(t.pid for t in m.targets), bundle_dir=bundle, trace_id=m.trace_id,
+            span_id=m.span_id, parent_span_id=m.parent_span_id,
+            links=await anyio.to_thread.run_sync(_read_links, path.parent) if root_missing else (),
+            attributes=frozen_attrs(target_attributes(t.title for t in m.targets)),
+        )
+    )
+    for action in missing:
+        await bus.publish(ActionCompleted(source="incidents", incident_id=m.incident_id, result=action.to_result()))
+    end_ns = next((v for v in (m.closed_time_unix_nano, m.updated_time_unix_nano) if v), now_ns())
+    await bus.publish(
+        IncidentClosed(
+            source="incidents", time_unix_nano=end_ns, incident_id=m.incident_id, trigger=m.trigger, bundle_dir=bundle,
+            manifest_path=str(path), outcomes=tuple((str(a.action), str(a.outcome)) for a in m.actions),
+            state=STATE_CLOSED if m.state is IncidentState.CLOSED else STATE_INTERRUPTED,
+            attributes=frozen_attrs(_verdict_attributes(m)), emit_root=root_missing,
+        )
+    )
+    return len(missing) + int(root_missing)
+
+
+async def recover_interrupted(bus: EventBus, data_dir: Path, host_name: str, *, durable: DurableKeys | None = None) -> list[str]:
+    """Finish what a previous agent left: close the bundles it left ``open`` (killed) or
+    ``interrupted`` (stopped mid-incident), and re-send the incident spans that never became
+    durable.
+
+    Each open or interrupted manifest becomes ``state: closed`` with ``interrupted: true`` and
+    the reason in words. With ``durable`` (the telemetry's ``durable_keys``), every bundle whose
+    spans are tracked (``spans_tracked``) and not marked durable is checked span by span: the
+    root and each action the manifest records are re-sent, with their recorded trace and span
+    ids, exactly when they are neither in the spool nor delivered; together with the
+    delivered-keys ledger this sends each span once. Older bundles (and without ``durable``):
+    the root is sent when it was never published. Never raises for a bad bundle (one that does
+    not read is left alone).
 
     Returns:
-        The incident ids closed.
+        The incident ids closed or completed.
     """
-    closed: list[str] = []
-    for path, m in await anyio.to_thread.run_sync(_unfinished_bundles, Path(data_dir), host_name):
+    done: list[str] = []
+    found = await anyio.to_thread.run_sync(partial(_unfinished_bundles, Path(data_dir), host_name, tracked=durable is not None))
+    for path, m in found:
         end_ns = next((v for v in (m.closed_time_unix_nano, m.updated_time_unix_nano) if v), now_ns())
+        unfinished = m.state in (IncidentState.OPEN, IncidentState.INTERRUPTED)
         reason = m.interrupted_reason or (
             "the agent stopped before the incident finished (killed?); closed on its next start"
         )
-        if not m.root_published:
+        if durable is not None and m.spans_tracked:
+            if (path.parent / SPANS_DURABLE_NAME).exists():
+                resent = 0  # every span durable (the mirror marked it): only the manifest to close
+            else:
+                resent = await _resend(bus, path, m, durable)
+            if resent:
+                log.warning("incident %s: %d span group(s) were not durable when its agent stopped; sent again", m.incident_id, resent)
+        elif not m.root_published:
             await bus.publish(
                 IncidentOpened(
                     source="incidents",
@@ -1238,15 +1326,16 @@ async def recover_interrupted(bus: EventBus, data_dir: Path, host_name: str) -> 
                     state=STATE_INTERRUPTED,
                 )
             )
-        recovered = m.model_copy(update={
-            "state": IncidentState.CLOSED,
-            "interrupted": True,
-            "interrupted_reason": reason,
-            "closed_time_unix_nano": m.closed_time_unix_nano or end_ns,
-            "root_published": True,
-            "recovered_time_unix_nano": now_ns(),
-        })
-        await anyio.to_thread.run_sync(_write_json, path, recovered)
-        log.warning("incident %s was interrupted (%s); its bundle is closed now", m.incident_id, reason)
-        closed.append(m.incident_id)
-    return closed
+        if unfinished:
+            recovered = m.model_copy(update={
+                "state": IncidentState.CLOSED,
+                "interrupted": True,
+                "interrupted_reason": reason,
+                "closed_time_unix_nano": m.closed_time_unix_nano or end_ns,
+                "root_published": True,
+                "recovered_time_unix_nano": now_ns(),
+            })
+            await anyio.to_thread.run_sync(_write_json, path, recovered)
+            log.warning("incident %s was interrupted (%s); its bundle is closed now", m.incident_id, reason)
+        done.append(m.incident_id)
+    return done

@@ -46,6 +46,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
     "SCHEMA_V1",
+    "SPANS_DURABLE_NAME",
     "STACK_NOT_ERRORS",
     "ActionName",
     "IncidentState",
@@ -63,6 +64,11 @@ __all__ = [
 
 #: File name of the manifest inside a bundle (``<data_dir>/<host>/<incident_id>/manifest.json``).
 MANIFEST_NAME = "manifest.json"
+#: Marker file in a bundle, written by the span mirror once every span of the incident (root and
+#: actions) is durable (in the spool, written ahead and fsynced, or acknowledged by the collector,
+#: or in the embedded span files). A bundle without it, whose agent is gone, is checked at the next
+#: agent start and its missing spans re-sent from the manifest.
+SPANS_DURABLE_NAME = "spans.durable"
 #: Version 1: the manifest as written since the first release (fields added with defaults since).
 SCHEMA_V1 = "servewatch.incident/1"
 #: The version this servewatch writes.
@@ -127,6 +133,8 @@ class ManifestAction(_Part):
             :attr:`elapsed_s`).
         artifact_paths: files written, as recorded (absolute paths where the bundle was written).
         attributes: the span attributes (JSON values; tuples are written as lists).
+        span_id: 16 hex digits of the action's span (``""`` in bundles from before it was
+            recorded): a later agent re-sends exactly that span when it was never made durable.
     """
 
     action: ActionName
@@ -139,6 +147,7 @@ class ManifestAction(_Part):
     duration_s: float | None = None
     artifact_paths: tuple[str, ...] = ()
     attributes: dict[str, JsonValue] = Field(default_factory=dict)
+    span_id: str = ""
 
     @classmethod
     def from_result(cls, result: ActionResult) -> ManifestAction:
@@ -154,6 +163,27 @@ class ManifestAction(_Part):
             duration_s=round(result.duration_s, 6),
             artifact_paths=tuple(result.artifact_paths),
             attributes={k: list(v) if isinstance(v, tuple) else v for k, v in result.attributes.items()},
+            span_id=result.span_id,
+        )
+
+    def to_result(self) -> ActionResult:
+        """The action's result again (lists become tuples, an unknown outcome ``failed``), to
+        re-send its span with the same id."""
+        try:
+            outcome = Outcome(str(self.outcome))
+        except ValueError:
+            outcome = Outcome.FAILED
+        attributes: dict[str, Any] = {}
+        for key, value in self.attributes.items():
+            if isinstance(value, list):
+                if all(isinstance(v, (str, bool, int, float)) for v in value):
+                    attributes[key] = tuple(value)
+            elif isinstance(value, (str, bool, int, float)):
+                attributes[key] = value
+        return ActionResult(
+            action=str(self.action), outcome=outcome, pid=self.pid, retryable=self.retryable, detail=self.detail,
+            start_time_unix_nano=self.start_time_unix_nano, end_time_unix_nano=self.end_time_unix_nano,
+            artifact_paths=tuple(self.artifact_paths), attributes=attributes, span_id=self.span_id,
         )
 
     @property
@@ -219,7 +249,11 @@ class Manifest(_Part):
         phases_done / phases_pending: phases (action names) finished / still to run.
         interrupted_reason: why it was cut short, in words.
         interrupted: set when the next agent start closed a bundle left open or interrupted.
-        root_published: the root span (IncidentClosed) was published.
+        root_published: the root span's event (IncidentClosed) was published on the bus; the
+            span itself is durable once the bundle holds :data:`SPANS_DURABLE_NAME`.
+        spans_tracked: the actions carry their span ids and the bundle gets
+            :data:`SPANS_DURABLE_NAME` once all its spans are durable (written by this version
+            on; older bundles are recovered by ``root_published`` alone).
         agent_pid: the agent process that wrote it (``None`` when not recorded).
         updated_time_unix_nano: when it was last written (``None`` when not recorded).
         recovered_time_unix_nano: when a later agent closed it (``None`` unless it did).
@@ -252,6 +286,7 @@ class Manifest(_Part):
     interrupted_reason: str = ""
     interrupted: bool = False
     root_published: bool = False
+    spans_tracked: bool = False
     agent_pid: int | None = None
     updated_time_unix_nano: int | None = None
     recovered_time_unix_nano: int | None = None

@@ -562,7 +562,9 @@ class Agent:
                 try:
                     async with anyio.create_task_group() as tg:
                         try:
-                            await recover_interrupted(self.bus, s.data_dir, s.host_name)
+                            # what a killed agent left: bundles to close, spans that never became durable
+                            durable = getattr(self.telemetry, "durable_keys", None)
+                            await recover_interrupted(self.bus, s.data_dir, s.host_name, durable=durable)
                         except Exception:  # a bad old bundle must not stop the agent
                             log.exception("closing interrupted incidents failed")
                         self.incidents.on_state = self._show_incidents

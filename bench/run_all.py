@@ -64,6 +64,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("fanout", ("--peers", "2,8,16,32,64", "--runs", "5"), ("--peers", "2,4", "--runs", "1")),
     Bench("verdict", ("--tp", "2", "4"), ("--tp", "2"), timeout_s=2400.0),
     Bench("export", ("--spans", "10000", "--repeat", "3"), ("--spans", "500", "--repeat", "1", "--skip-default-outage")),
+    Bench("kill_loop", ("--kills", "30", "--outage-rounds", "3"), ("--kills", "2", "--outage-rounds", "1", "--outage-incidents", "1")),
     Bench("ship", ("--grpc", "--rounds", "3", "--window-s", "20"), ("--rounds", "1", "--window-s", "2", "--warmup-s", "1")),
     Bench("step", (), ("--calls", "10000", "--repeat", "1")),
     Bench("record_function", (), ("--calls", "2000", "--repeat", "1")),

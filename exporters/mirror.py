@@ -14,8 +14,13 @@ A ``profile.session`` result's torch traces are imported as child spans of its s
 (:mod:`exporters.torch_trace`, streaming and capped), so the profile sits inside the incident.
 
 Every span of a finished action (with its imported children) and every incident root is handed
-to the sink write-ahead (:func:`exporters.spans.emit_durable`): with the agent's pipeline it is on
-disk in the spool before the mirror returns, so a SIGKILL afterwards cannot lose it.
+to the sink write-ahead (:func:`exporters.spans.emit_durable`), keyed by its span id (the action's
+id comes from the incident layer and is in the manifest): with the agent's pipeline it is on disk
+in the spool before the mirror returns, so a SIGKILL afterwards cannot lose it. Once the root of
+an incident is durable and every action group before it was, the bundle gets
+:data:`agent.manifest.SPANS_DURABLE_NAME`; a bundle without it (the agent was killed first) is
+checked by the next agent, which re-sends from the manifest exactly the spans that are not
+durable (:func:`agent.incidents.recover_interrupted`).
 
 Imports :mod:`agent.events`, :mod:`agent.bus` (types only), :mod:`exporters.spans` and
 :mod:`exporters.torch_trace`.
@@ -23,9 +28,11 @@ Imports :mod:`agent.events`, :mod:`agent.bus` (types only), :mod:`exporters.span
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -43,7 +50,9 @@ from agent.events import (
     Outcome,
     now_ns,
 )
+from agent.fsutil import atomic_write_text
 from agent.ids import parse_span_id, parse_trace_id
+from agent.manifest import MANIFEST_NAME, SPANS_DURABLE_NAME
 from exporters.spans import (
     CollectingSink,
     SpanSink,
@@ -89,6 +98,10 @@ class _OpenIncident:
     opened: IncidentOpened
     actions: int = 0
     failed_actions: int = 0
+    #: every group of spans emitted for it so far is durable (written ahead, on disk)
+    durable: bool = True
+    #: spans emitted for it (root excluded)
+    spans: int = 0
     #: the span the root hangs under (a trace joined from a peer), or None for a trace root
     parent_span_id: int | None = None
     #: the trace this incident had before it joined a peer's (hex), if it moved
@@ -221,10 +234,19 @@ class SpanMirror:
             default_time_unix_nano=event.time_unix_nano,
             extra_attributes={"servewatch.incident.id": event.incident_id},
         )
-        self._emit_all([*children.spans, span])
+        durable = self._emit_all([*children.spans, span], key=span_id_hex(span.context.span_id))
+        if inc is not None:
+            inc.durable = inc.durable and durable
+            inc.spans += len(children.spans) + 1
 
     def _closed(self, event: IncidentClosed) -> None:
         inc = self._open.pop(event.incident_id, None)
+        if not event.emit_root:
+            # a later agent finishing an interrupted incident whose root is already durable: the
+            # actions it re-sent were the only spans missing
+            if inc is not None and inc.durable:
+                self._mark_durable(event.bundle_dir, inc.spans)
+            return
         if inc is None:
             # Never saw it open (mirror started late): still emit a root, from the close alone.
             opened = IncidentOpened(
@@ -285,7 +307,7 @@ class SpanMirror:
         if len(links) > MAX_LINKS:
             attributes["servewatch.links.dropped"] = len(links) - MAX_LINKS
             links = links[:MAX_LINKS]
-        self._emit(
+        durable = self._emit_all([
             build_span(
                 INCIDENT_SPAN,
                 trace_id=inc.trace_id,
@@ -297,14 +319,27 @@ class SpanMirror:
                 links=links,
                 resource=self.sink.resource,
             )
-        )
+        ], key=span_id_hex(inc.span_id))
+        if durable and inc.durable:
+            self._mark_durable(bundle_dir, inc.spans + 1)
 
-    def _emit(self, span: ReadableSpan) -> None:
-        self._emit_all([span])
-
-    def _emit_all(self, spans: list[ReadableSpan]) -> None:
-        emit_durable(self.sink, spans)
+    def _emit_all(self, spans: list[ReadableSpan], *, key: str = "") -> bool:
+        durable = emit_durable(self.sink, spans, key=key)
         self.emitted += len(spans)
+        return durable
+
+    def _mark_durable(self, bundle_dir: str, spans: int) -> None:
+        """Every span of the incident in ``bundle_dir`` is durable: say so in the bundle
+        (:data:`agent.manifest.SPANS_DURABLE_NAME`), so a later agent never checks it again."""
+        if not bundle_dir:
+            return
+        folder = Path(bundle_dir)
+        if not (folder / MANIFEST_NAME).is_file():
+            return  # not a bundle (a test, an incident without one)
+        try:
+            atomic_write_text(folder / SPANS_DURABLE_NAME, json.dumps({"spans": spans, "time_unix_nano": now_ns()}))
+        except OSError as exc:  # the next agent checks the bundle and finds its spans durable
+            _log.warning("could not mark the spans of %s durable: %s", folder, exc)
 
 
 def action_span(
@@ -331,7 +366,7 @@ def action_span(
         attributes["servewatch.detail"] = result.detail
     if result.artifact_paths:
         attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
-    span_id = new_span_id()
+    span_id = parse_span_id(result.span_id) or new_span_id()  # the incident layer's choice, in the manifest
     if result.action == PROFILE_SPAN and result.artifact_paths:
         # profiles only: a dump does not import the trace reader
         from exporters.torch_trace import import_profile_artifacts

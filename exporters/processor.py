@@ -285,7 +285,7 @@ class LosslessSpanProcessor(SpanProcessor):
                 self._cv.wait(remaining)
         return True
 
-    def persist(self, spans: Sequence[ReadableSpan | EncodedSpan]) -> None:
+    def persist(self, spans: Sequence[ReadableSpan | EncodedSpan], *, key: str = "") -> bool:
         """Write-ahead: put ``spans`` on disk now, before any export is attempted.
 
         With a spool, the spans are encoded and written to it (atomic, fsync'd) before this
@@ -293,20 +293,29 @@ class LosslessSpanProcessor(SpanProcessor):
         collector acknowledged them. Without a spool (the embedded file default) they are written
         to the span file before this returns. If the write fails they go through the memory
         queue instead (:meth:`on_end`). Never raises; call it from any thread.
+
+        Args:
+            spans: one group (an incident action's span and its children, or an incident root).
+            key: the group's key (its main span's id, 16 hex digits): kept in the spool file's
+                name and, once delivered, in the delivered-keys ledger, so a later agent can tell
+                whether the group is durable (:func:`exporters.spool.durable_keys`).
+
+        Returns:
+            Whether the spans are durable now (on disk); ``False``: only in memory (or dropped).
         """
         batch = list(spans)
         if not batch:
-            return
+            return True
         if self._closed and self.spool is None:
             with self._cv:
                 self._dropped += len(batch)
-            return
+            return False
         try:
             request = encode_spans(batch)
         except Exception:  # noqa: BLE001 - a malformed span; the worker sorts the batch out span by span
             for span in batch:
                 self._enqueue(span)
-            return
+            return False
         try:
             if self.spool is None:
                 with self._send_lock:
@@ -316,10 +325,10 @@ class LosslessSpanProcessor(SpanProcessor):
                 with self._cv:
                     self._exported += len(batch)
                     self._written_ahead += len(batch)
-                return
+                return True
             pieces, trimmed = split_request(request, self._max_bytes)
             for piece, count in pieces:
-                evicted = self.spool.append(piece, count)
+                evicted = self.spool.append(piece, count, key=key)
                 if evicted:
                     _log.warning("spool full: %d oldest spans evicted", evicted)
             with self._cv:
@@ -329,8 +338,9 @@ class LosslessSpanProcessor(SpanProcessor):
             _log.error("write-ahead of %d spans failed (%s); queued in memory instead", len(batch), exc)
             for span in batch:
                 self._enqueue(span)
-            return
+            return False
         self._wakeup.set()
+        return True
 
     def statistics(self) -> ExportStatistics:
         """A consistent snapshot of the counters."""
@@ -577,6 +587,11 @@ class LosslessSpanProcessor(SpanProcessor):
         entry = spool.head()
         if entry is None:
             return
+        if spool.delivered(entry):
+            # its key is in the delivered-keys ledger: a sender was killed between recording the
+            # collector's acknowledgement and removing the file; sending it again would duplicate it
+            self._remove_delivered(entry)
+            return
         request = spool.load(entry)
         if request is None:
             return
@@ -599,7 +614,7 @@ class LosslessSpanProcessor(SpanProcessor):
             spool.reject(entry)  # kept whole under rejected/: replayable once the cause is fixed
         elif result.ok:
             self._succeeded(result, entry.spans)
-            spool.remove(entry)
+            self._remove_delivered(entry)
             with self._cv:
                 self._replayed += entry.spans - result.rejected_spans
                 self._partial += result.rejected_spans
@@ -609,6 +624,14 @@ class LosslessSpanProcessor(SpanProcessor):
             spool.reject(entry)
         else:
             self._failed(result)
+
+    def _remove_delivered(self, entry: SpoolEntry) -> None:
+        assert self.spool is not None
+        try:
+            self.spool.remove(entry)
+        except OSError as exc:  # the delivered-keys ledger: the file stays, sent again later (once more)
+            _log.error("could not record delivered spool batch %s (%s); it will be sent again", entry.path.name, exc)
+            self._retry_at = time.monotonic() + self._backoff.next_delay_s()
 
     def _split_entry(self, entry: SpoolEntry, split: tuple[list[tuple[ExportTraceServiceRequest, int]], int]) -> None:
         pieces, trimmed = split

@@ -517,6 +517,22 @@ class Telemetry:
     def statistics(self) -> ExportStatistics:
         return self.processor.statistics()
 
+    def durable_keys(self, keys: set[str], since_time_unix_nano: int = 0) -> set[str]:
+        """Which of ``keys`` (write-ahead groups: the span id of an incident action's or root's
+        span, 16 hex) are durable: in the spool (any folder of it, ``rejected/`` included) or
+        recorded as delivered (:func:`exporters.spool.durable_keys`); for the embedded default,
+        written in a span file changed since ``since_time_unix_nano`` (a hex span id search).
+        Blocking (file names, and span files for the embedded default)."""
+        if not keys:
+            return set()
+        if self.spool_dir is not None:
+            from exporters.spool import durable_keys, spool_root_of
+
+            return durable_keys(spool_root_of(self.spool_dir / "x") or self.spool_dir, keys)
+        if self.spans_dir is None:
+            return set()
+        return _keys_in_span_files(self.spans_dir, keys, since_time_unix_nano)
+
     def delivery_status(self) -> tuple[str, str]:
         """``(state, reason)`` of span delivery for the status board (row ``export``):
         ``blind`` while the collector refuses or rejects spans (the reason says why and the fix),
@@ -559,6 +575,27 @@ class Telemetry:
         import anyio
 
         return await anyio.to_thread.run_sync(self.shutdown, deadline_s, abandon_on_cancel=True)
+
+
+def _keys_in_span_files(folder: Path, keys: set[str], since_time_unix_nano: int) -> set[str]:
+    """Keys (span ids, hex) found as a span's ``"spanId"`` in the OTLP/JSON span files of
+    ``folder`` modified since ``since_time_unix_nano`` (a second of slack)."""
+    found: set[str] = set()
+    needles = {key: f'"spanId":"{key}"'.encode("ascii") for key in keys}
+    since_s = since_time_unix_nano / 1e9 - 1.0
+    try:
+        files = [p for p in folder.glob("*.jsonl") if p.stat().st_mtime >= since_s]
+    except OSError:
+        return found
+    for path in files:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        found |= {key for key, needle in needles.items() if key not in found and needle in data}
+        if found == keys:
+            break
+    return found
 
 
 def build_telemetry(

@@ -1,10 +1,12 @@
 """Replay span files (spool ``.binpb`` or embedded-default OTLP/JSON lines) to a collector.
 
 Owns :func:`replay` and :class:`ReplayResult`, behind ``servewatch export --to ENDPOINT [PATHS]``.
-Each line is sent as the same ``ExportTraceServiceRequest`` it was written as, so spans keep their
-trace/span ids and times. Files are sent in name order (spool and rotated file names sort in write
-order). One deadline per request, jittered exponential backoff between attempts; when the
-collector stays unreachable the rest is counted failed without waiting on each request.
+Spans keep their trace/span ids and times: the requests as written (one per line, one per spool
+batch) are merged into batches by size, as the live path batches (``export.batch_spans`` spans,
+``export.batch_bytes`` bytes). Files are sent in name order (spool and rotated file names sort in
+write order). One deadline per request, jittered exponential backoff between attempts (at least
+the collector's ``Retry-After`` / ``RetryInfo``); when the collector stays unreachable the rest is
+counted failed without waiting on each request.
 
 Idempotent across re-runs: with a ledger, every request the collector acknowledged is recorded
 (per endpoint, file and request index; files are append-only or immutable) and a re-run to the
@@ -27,13 +29,19 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
 from agent.fsutil import atomic_write_text
 from exporters.backoff import Backoff
+from exporters.batching import halve_request
 from exporters.otlp_json import TornLines, iter_span_files, read_span_file
+from exporters.spool import DeliveredKeys, spool_root_of
 from exporters.transport import (
+    Cause,
     Delivery,
     RequestSender,
     SendResult,
@@ -103,6 +111,8 @@ class ReplayResult(NamedTuple):
     corrupt_lines: int = 0
     #: ``file:line: why`` of the first corrupt line (``""`` when none)
     first_corrupt: str = ""
+    #: export requests sent (batches; a retry of one counts once)
+    requests: int = 0
 
 
 class _Ledger:
@@ -150,27 +160,81 @@ class _Ledger:
             _log.warning("could not write export ledger %s: %s", self.path, exc)
 
 
-def _spool_in_use(path: Path, cache: dict[Path, bool]) -> bool:
-    """Whether ``path`` lies in a spool folder whose ``.lock`` a live process holds."""
-    folder = path.parent.parent if path.parent.name == "rejected" else path.parent
-    if folder not in cache:
-        lock = folder / ".lock"
-        held = False
-        if lock.exists():
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                fd = -1
-            if fd >= 0:
+class _SpoolLocks:
+    """The ``.lock`` of every spool folder a replay sends from, held until it ends: an agent
+    starting meanwhile takes a spool folder of its own and never sends these files too. A
+    folder whose lock a live process holds (a running agent) is skipped: it sends its files
+    itself."""
+
+    def __init__(self) -> None:
+        self._held: dict[Path, int | None] = {}
+
+    @staticmethod
+    def folder_of(path: Path) -> Path:
+        return path.parent.parent if path.parent.name == "rejected" else path.parent
+
+    def available(self, path: Path) -> bool:
+        """Whether ``path`` may be sent: not in a spool folder, or in one we now hold."""
+        folder = self.folder_of(path)
+        if folder not in self._held:
+            lock = folder / ".lock"
+            fd: int | None = -1  # -1: no lock file, not a spool folder of an agent
+            if lock.exists():
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                except BlockingIOError:
-                    held = True
-                finally:
-                    os.close(fd)
-        cache[folder] = held
-    return cache[folder]
+                    fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError:
+                    fd = -1
+                else:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        os.close(fd)
+                        fd = None  # a live process holds it
+            self._held[folder] = fd
+        return self._held[folder] is not None
+
+    def release(self) -> None:
+        for fd in self._held.values():
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._held.clear()
+
+
+@dataclass
+class _File:
+    """One span file being replayed."""
+
+    path: Path
+    book: _Ledger
+    key: str
+    #: requests queued for sending (not yet answered)
+    queued: int = 0
+    #: every request of the file was read (queued, skipped or counted failed)
+    read: bool = False
+    failed: bool = False
+    #: corrupt lines: what they held cannot be sent; the file is never removed
+    keep: bool = False
+    #: the write-ahead group a spool batch holds (its name), recorded as delivered before removal
+    group: str = ""
+
+
+@dataclass
+class _Item:
+    """One request of a file, waiting in the current batch."""
+
+    file: _File
+    index: int
+    request: ExportTraceServiceRequest
+    spans: int
+
+
+def _merge(items: list[_Item]) -> ExportTraceServiceRequest:
+    if len(items) == 1:
+        return items[0].request
+    merged = ExportTraceServiceRequest()
+    for item in items:
+        merged.resource_spans.extend(item.request.resource_spans)
+    return merged
 
 
 def _send_with_retry(sender: RequestSender, request: object, *, timeout_s: float, attempts: int) -> SendResult:
@@ -209,6 +273,8 @@ def replay(
     compression: str | None = None,
     signal_specific: bool = False,
     ledger: Path | Callable[[Path], Path | None] | None = None,
+    batch_spans: int = 512,
+    batch_bytes: int = 3 * 1024 * 1024,
 ) -> ReplayResult:
     """Send every span in ``paths`` (span files, or folders of them) to an OTLP collector.
 
@@ -231,9 +297,15 @@ def replay(
             skipped (``already_sent``) and new acknowledgements are added. A callable maps each
             span file to its ledger (:func:`ledger_path`: the ledger of the data dir the file is
             in; ``None`` from it: no ledger for that file). ``None``: no ledger.
+        batch_spans / batch_bytes: requests of consecutive files are merged into batches of at
+            most this many spans and encoded bytes (``export.batch_spans`` / ``batch_bytes``, as
+            the live path); a batch the collector refuses as too large is sent request by request.
 
     Files of a spool that a running agent holds (its ``.lock``) are skipped and counted in
-    ``locked_files``: that agent replays them itself.
+    ``locked_files``: that agent replays them itself. The spool folders sent from are locked
+    for the whole replay (an agent starting meanwhile takes a folder of its own). A spool batch
+    holding a write-ahead group (its name carries the group's key) is recorded in the spool's
+    delivered-keys ledger before it is removed, so the next agent knows those spans went out.
 
     Returns:
         Counts of spans sent and failed, files read. Never raises for collector failures.
@@ -251,6 +323,8 @@ def replay(
     if sender is None:
         sender = make_sender(endpoint, protocol, headers=headers, insecure=insecure, tls=tls,
                              compression=compression, signal_specific=signal_specific)
+    run = _Replay(sender, timeout_s=timeout_s, attempts=attempts, remove_sent=remove_sent,
+                  batch_spans=max(1, batch_spans), batch_bytes=max(1024, batch_bytes))
     books: dict[Path | None, _Ledger] = {}
 
     def book_for(file: Path) -> _Ledger:
@@ -259,71 +333,40 @@ def replay(
             books[where] = _Ledger(where, f"{protocol} {endpoint}")
         return books[where]
 
-    already = 0
-    sent = failed = files = bad = removed = locked = 0
-    detail = ""
-    lock_cache: dict[Path, bool] = {}
+    locks = _SpoolLocks()
     torn = TornLines()
-    unreachable = False
     try:
         for path in iter_span_files(paths):
             if path.name.startswith("metrics-"):
                 continue
             if not path.exists():
                 raise FileNotFoundError(errno.ENOENT, "no such file or folder", str(path))
-            if _spool_in_use(path, lock_cache):
-                locked += 1
+            if not locks.available(path):
+                run.locked += 1
                 continue
-            files += 1
-            file_failed = keep = False
+            run.files += 1
             corrupt_before = torn.corrupt
             try:
                 requests = list(read_span_file(path, torn))
             except ValueError as exc:
-                bad += 1
-                detail = str(exc)
+                run.bad += 1
+                run.detail = str(exc)
                 _log.warning("skipping %s: %s", path, exc)
                 continue
+            book = book_for(path)
+            file = _File(path, book, book.key(path), group=_group_of(path))
             if torn.corrupt > corrupt_before:
                 if not requests:  # not one line reads: not a span file at all
-                    bad += 1
+                    run.bad += 1
                     torn.corrupt = corrupt_before
-                    detail = f"{path}: not an OTLP/JSON span file"
+                    run.detail = f"{path}: not an OTLP/JSON span file"
                     _log.warning("skipping %s: no line is an OTLP/JSON trace request", path)
                     continue
-                keep = True  # what the corrupt lines held cannot be sent: the file is kept, never removed
-            book = book_for(path)
-            key = book.key(path)
-            done = book.acked(key)
-            for index, request in enumerate(requests):
-                spans = span_count(request)
-                if index < done:
-                    already += spans
-                    continue
-                if spans == 0:
-                    continue
-                if unreachable:
-                    failed += spans
-                    file_failed = True
-                    continue
-                result = _send_with_retry(sender, request, timeout_s=timeout_s, attempts=attempts)
-                if result.ok:
-                    sent += spans - result.rejected_spans
-                    failed += result.rejected_spans
-                    if not file_failed:
-                        book.record(key, index + 1)
-                else:
-                    failed += spans
-                    file_failed = True
-                    detail = f"{path.name}: {result.explain()}"
-                    unreachable = result.delivery is Delivery.RETRYABLE
-            # a delivered spool batch is removed always: left there, the next agent would adopt
-            # and send it again
-            if (remove_sent or path.suffix == ".binpb") and not file_failed and not keep:
-                Path(path).unlink(missing_ok=True)
-                book.forget(key)
-                removed += 1
+                file.keep = True  # what the corrupt lines held cannot be sent: the file is kept, never removed
+            run.add_file(file, requests)
+        run.flush()
     finally:
+        locks.release()
         for book in books.values():
             book.save()
         if own_sender:
@@ -332,6 +375,145 @@ def replay(
         _log.warning("skipped %d torn last line(s) of interrupted writes", torn.count)
     if torn.corrupt:
         _log.warning("skipped %d corrupt line(s), the rest of their files was sent; first: %s", torn.corrupt, torn.first_corrupt)
-    return ReplayResult(sent=sent, failed=failed, files=files, bad_files=bad, removed=removed, detail=detail,
-                        locked_files=locked, already_sent=already, torn_lines=torn.count,
-                        corrupt_lines=torn.corrupt, first_corrupt=torn.first_corrupt)
+    return ReplayResult(sent=run.sent, failed=run.failed, files=run.files, bad_files=run.bad, removed=run.removed,
+                        detail=run.detail, locked_files=run.locked, already_sent=run.already, torn_lines=torn.count,
+                        corrupt_lines=torn.corrupt, first_corrupt=torn.first_corrupt, requests=run.requests)
+
+
+def _group_of(path: Path) -> str:
+    """The write-ahead group key in a spool batch's name (``""`` for other files)."""
+    if path.suffix != ".binpb":
+        return ""
+    stem = path.name.removesuffix(".binpb")
+    parts = stem.split("-")
+    return parts[2] if len(parts) == 3 and len(parts[2]) == 16 else ""
+
+
+class _Replay:
+    """The sending side of :func:`replay`: requests of consecutive files merged into batches of
+    at most ``batch_spans`` spans and ``batch_bytes`` bytes (as the live path batches), each
+    acknowledged batch recorded in the files' ledgers, a file removed once all of it went."""
+
+    def __init__(self, sender: RequestSender, *, timeout_s: float, attempts: int, remove_sent: bool,
+                 batch_spans: int, batch_bytes: int) -> None:
+        self.sender = sender
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self.remove_sent = remove_sent
+        self.batch_spans = batch_spans
+        self.batch_bytes = batch_bytes
+        self.pending: list[_Item] = []
+        self.pending_spans = 0
+        self.pending_bytes = 0
+        self.sent = self.failed = self.files = self.bad = self.removed = self.locked = self.already = self.requests = 0
+        self.detail = ""
+        self.unreachable = False
+        self._delivered: dict[Path, set[str]] = {}
+
+    def _delivered_keys(self, path: Path) -> tuple[Path | None, set[str]]:
+        root = spool_root_of(path)
+        if root is None:
+            return None, set()
+        if root not in self._delivered:
+            self._delivered[root] = DeliveredKeys(root).load()
+        return root, self._delivered[root]
+
+    def add_file(self, file: _File, requests: list[ExportTraceServiceRequest]) -> None:
+        done = file.book.acked(file.key)
+        if file.group and file.group in self._delivered_keys(file.path)[1]:
+            # delivered already: a sender killed after recording it, before removing the file
+            self.already += sum(span_count(r) for r in requests)
+            file.read = True
+            self._finish(file)
+            return
+        for index, request in enumerate(requests):
+            spans = span_count(request)
+            if index < done:
+                self.already += spans
+                continue
+            if self.unreachable or file.failed:
+                self.failed += spans
+                file.failed = True
+                continue
+            size = request.ByteSize()
+            if self.pending and (self.pending_spans + spans > self.batch_spans or self.pending_bytes + size > self.batch_bytes):
+                self.flush()
+                if self.unreachable or file.failed:
+                    self.failed += spans
+                    file.failed = True
+                    continue
+            self.pending.append(_Item(file, index, request, spans))
+            self.pending_spans += spans
+            self.pending_bytes += size
+            file.queued += 1
+        file.read = True
+        if not file.queued:
+            self._finish(file)
+
+    def flush(self) -> None:
+        items, self.pending = self.pending, []
+        self.pending_spans = self.pending_bytes = 0
+        if not items:
+            return
+        spans = sum(i.spans for i in items)
+        if spans == 0:
+            result = SendResult(Delivery.OK)
+        else:
+            result = self._send(_merge(items), spans)
+        if result.delivery is Delivery.TOO_LARGE and len(items) > 1:
+            for item in items:  # the collector's limit is below ours: each request on its own
+                self.pending = [item]
+                self.pending_spans, self.pending_bytes = item.spans, 0
+                self.flush()
+            return
+        if result.ok and result.rejected_spans < spans:
+            self.sent += spans - result.rejected_spans
+            self.failed += result.rejected_spans
+            for item in items:
+                if not item.file.failed:
+                    item.file.book.record(item.file.key, item.index + 1)
+        else:
+            self.failed += spans
+            self.detail = f"{items[0].file.path.name}: {result.explain()}"
+            self.unreachable = result.delivery is Delivery.RETRYABLE
+            for item in items:
+                item.file.failed = True
+        for item in items:
+            item.file.queued -= 1
+            if item.file.read and not item.file.queued:
+                self._finish(item.file)
+
+    def _send(self, request: ExportTraceServiceRequest, spans: int) -> SendResult:
+        self.requests += 1
+        result = _send_with_retry(self.sender, request, timeout_s=self.timeout_s, attempts=self.attempts)
+        if result.delivery is Delivery.TOO_LARGE and spans > 0:
+            # one request alone over the collector's limit: halves (a span alone: trimmed)
+            pieces, _ = halve_request(request)
+            if len(pieces) > 1 or pieces[0][0] is not request:
+                outcomes = [self._send(piece, n) for piece, n in pieces]
+                bad = next((o for o in outcomes if not o.ok), None)
+                return bad or SendResult(Delivery.OK, rejected_spans=sum(o.rejected_spans for o in outcomes))
+        if result.ok and result.rejected_spans >= spans > 0:
+            # every span rejected (OTLP partial success): not delivered; the file stays
+            return SendResult(Delivery.PERMANENT, "every span rejected (OTLP partial success)", message=result.message,
+                              cause=Cause.COLLECTOR)
+        return result
+
+    def _finish(self, file: _File) -> None:
+        """All of ``file`` was answered: remove it when asked (a spool batch always), after
+        recording its write-ahead group as delivered."""
+        if file.failed or file.keep or not (self.remove_sent or file.path.suffix == ".binpb"):
+            return
+        if file.group:
+            root, delivered = self._delivered_keys(file.path)
+            if root is not None and file.group not in delivered:
+                try:
+                    DeliveredKeys(root).add([file.group])
+                except OSError as exc:  # kept: the next sender sends it again (once more), never loses it
+                    _log.warning("could not record %s as delivered (%s); kept", file.path, exc)
+                    return
+                delivered.add(file.group)
+        # a delivered spool batch is removed always: left there, the next agent would adopt and send it again
+        Path(file.path).unlink(missing_ok=True)
+        file.book.forget(file.key)
+        self.removed += 1

@@ -138,8 +138,8 @@ def build_span(
 class SpanSink(Protocol):
     """Where finished spans go. ``emit`` never blocks on the network and never raises.
 
-    A sink may also offer ``emit_durable(spans)``: the spans are on disk when it returns
-    (write-ahead); use :func:`emit_durable` to call it with a fallback to ``emit``.
+    A sink may also offer ``emit_durable(spans, key=...) -> bool``: the spans are on disk when it
+    returns ``True`` (write-ahead); use :func:`emit_durable` to call it with a fallback to ``emit``.
     """
 
     resource: Resource
@@ -147,15 +147,22 @@ class SpanSink(Protocol):
     def emit(self, span: ReadableSpan) -> None: ...
 
 
-def emit_durable(sink: SpanSink, spans: Sequence[ReadableSpan]) -> None:
-    """Hand ``spans`` (one finished action and its children) to ``sink`` write-ahead when it can
-    (``sink.emit_durable``), else one by one with ``emit``."""
+def emit_durable(sink: SpanSink, spans: Sequence[ReadableSpan], *, key: str = "") -> bool:
+    """Hand ``spans`` (one finished action and its children, or an incident root) to ``sink``
+    write-ahead when it can (``sink.emit_durable``), else one by one with ``emit``.
+
+    Args:
+        key: the group's key (its main span's id, 16 hex digits), recorded with it on disk.
+
+    Returns:
+        Whether the spans are durable now (on disk); ``False`` for a sink that cannot say.
+    """
     durable = getattr(sink, "emit_durable", None)
     if durable is not None:
-        durable(spans)
-        return
+        return bool(durable(spans, key=key))
     for span in spans:
         sink.emit(span)
+    return False
 
 
 class CollectingSink:
@@ -180,14 +187,15 @@ class ProcessorSink:
     def emit(self, span: ReadableSpan) -> None:
         self.processor.on_end(span)
 
-    def emit_durable(self, spans: Sequence[ReadableSpan]) -> None:
-        """On disk before this returns (the processor's ``persist``), when the processor can."""
+    def emit_durable(self, spans: Sequence[ReadableSpan], *, key: str = "") -> bool:
+        """On disk before this returns (the processor's ``persist``), when the processor can.
+        Returns whether they are (``False``: a processor without write-ahead)."""
         persist = getattr(self.processor, "persist", None)
         if persist is not None:
-            persist(spans)
-            return
+            return bool(persist(spans, key=key))
         for span in spans:
             self.processor.on_end(span)
+        return False
 
 
 class InMemorySink:

@@ -30,16 +30,22 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agent.fsutil import atomic_write_bytes, ensure_private_dir, remove_stale_temps
+from agent.fsutil import (
+    atomic_write_bytes,
+    ensure_private_dir,
+    open_append_nofollow,
+    remove_stale_temps,
+)
 from exporters.otlp_json import read_span_file
 
-__all__ = ["Spool", "SpoolEntry", "SpoolStatistics"]
+__all__ = ["DeliveredKeys", "Spool", "SpoolEntry", "SpoolStatistics", "durable_keys", "spool_root_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -57,6 +63,9 @@ class SpoolEntry(NamedTuple):
     size_bytes: int
     #: piece number after a split (0: never split)
     part: int = 0
+    #: the write-ahead group it holds (the span id of its main span, 16 hex digits; ``""`` for an
+    #: ordinary batch): :func:`durable_keys` reads it from the name
+    key: str = ""
 
 
 class SpoolStatistics(NamedTuple):
@@ -86,20 +95,134 @@ class SpoolStatistics(NamedTuple):
 SUFFIX = ".binpb"
 
 
-def _parse_name(path: Path) -> tuple[int, int, int] | None:
-    """(seq, spans, part) from ``<seq>[.<part>]-<spans>.binpb``; ``None`` for other names."""
+def _is_key(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
+
+
+def _parse_name(path: Path) -> tuple[int, int, int, str] | None:
+    """(seq, spans, part, key) from ``<seq>[.<part>]-<spans>[-<key>].binpb``; ``None`` for other
+    names."""
     if not path.name.endswith(SUFFIX) or path.name.endswith(".metrics" + SUFFIX) or path.name.startswith("."):
         return None
     stem = path.name.removesuffix(SUFFIX)
-    head, _, spans = stem.partition("-")
+    head, _, rest = stem.partition("-")
+    spans, _, key = rest.partition("-")
     seq, _, part = head.partition(".")
-    if not (seq.isdigit() and spans.isdigit() and (part.isdigit() or not part)):
+    if not (seq.isdigit() and spans.isdigit() and (part.isdigit() or not part) and (not key or _is_key(key))):
         return None
-    return int(seq), int(spans), int(part or 0)
+    return int(seq), int(spans), int(part or 0), key
 
 
-def _entry_name(seq: int, spans: int, part: int = 0) -> str:
-    return f"{seq:016d}.{part:06d}-{spans}{SUFFIX}" if part else f"{seq:016d}-{spans}{SUFFIX}"
+def _entry_name(seq: int, spans: int, part: int = 0, key: str = "") -> str:
+    tail = f"-{key}" if key else ""
+    return f"{seq:016d}.{part:06d}-{spans}{tail}{SUFFIX}" if part else f"{seq:016d}-{spans}{tail}{SUFFIX}"
+
+
+#: File of the delivered-keys ledger, in the spool's root folder.
+DELIVERED_KEYS_NAME = "delivered-keys"
+#: A delivered key older than this is dropped when the ledger is compacted, seconds (30 days: a
+#: bundle is checked at the next agent start after its incident).
+DELIVERED_KEYS_MAX_AGE_S = 30 * 24 * 3600.0
+#: The ledger is compacted at spool open once it is bigger than this, bytes.
+DELIVERED_KEYS_COMPACT_BYTES = 1 << 20
+
+
+class DeliveredKeys:
+    """The keys of written-ahead span groups the collector acknowledged (``<spool root>/delivered-keys``).
+
+    A group written ahead (an incident action's spans, an incident root) is durable while its
+    spool file exists (the key is in the name) and, after it was delivered, because its key is
+    here: the key is appended and fsynced *before* the file is removed, so a kill between the
+    two leaves both, and the next sender skips the file instead of sending it twice. Lines are
+    ``<key> <unix seconds>``; appends are ``O_APPEND`` (agents and ``servewatch export`` share it).
+
+    Args:
+        root: the spool's root folder (``<data_dir>/<host>/spool``).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root) / DELIVERED_KEYS_NAME
+
+    def add(self, keys: list[str] | tuple[str, ...]) -> None:
+        """Record ``keys`` as delivered, on disk (fsynced) before this returns.
+
+        Raises:
+            OSError: the write failed (the caller keeps the file: a duplicate later, never a loss).
+        """
+        if not keys:
+            return
+        stamp = int(time.time())
+        data = "".join(f"{key} {stamp}\n" for key in keys).encode("ascii")
+        fd = open_append_nofollow(self.path)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def load(self) -> set[str]:
+        """Every key recorded (an unreadable ledger reads as empty, logged)."""
+        try:
+            with open(self.path, "rb") as fh:
+                text = fh.read().decode("ascii", "replace")
+        except FileNotFoundError:
+            return set()
+        except OSError as exc:
+            _log.warning("delivered-keys ledger %s unreadable: %s", self.path, exc)
+            return set()
+        return {line.split(" ", 1)[0] for line in text.splitlines() if _is_key(line.split(" ", 1)[0])}
+
+    def compact(self, *, max_age_s: float = DELIVERED_KEYS_MAX_AGE_S) -> None:
+        """Drop keys older than ``max_age_s`` when the ledger is over
+        :data:`DELIVERED_KEYS_COMPACT_BYTES` (atomic rewrite). Never raises."""
+        try:
+            if self.path.stat().st_size <= DELIVERED_KEYS_COMPACT_BYTES:
+                return
+            cutoff = time.time() - max_age_s
+            kept = []
+            for line in self.path.read_text(encoding="ascii", errors="replace").splitlines():
+                key, _, stamp = line.partition(" ")
+                if _is_key(key) and stamp.isdigit() and int(stamp) >= cutoff:
+                    kept.append(line + "\n")
+            atomic_write_bytes(self.path, "".join(kept).encode("ascii"))
+        except OSError as exc:
+            _log.warning("could not compact %s: %s", self.path, exc)
+
+
+def spool_root_of(path: Path) -> Path | None:
+    """The spool root folder a spool file lies in (``.../<host>/spool``, also for files under
+    ``pid-*/`` and ``rejected/``), or ``None`` when it is not in a spool."""
+    for folder in Path(path).parents:
+        if folder.name == "spool":
+            return folder
+    return None
+
+
+def durable_keys(root: Path, keys: set[str]) -> set[str]:
+    """Which of ``keys`` (write-ahead group keys) are durable under the spool ``root``: in a
+    spool file (the root, a ``pid-*`` folder of another agent, or a ``rejected/`` folder) or
+    recorded as delivered. Reads file names only (and the delivered-keys ledger)."""
+    if not keys:
+        return set()
+    found: set[str] = set()
+    folders = [root, root / "rejected"]
+    try:
+        folders += [p for p in root.glob("pid-*") if p.is_dir() and not p.is_symlink()]
+        folders += [p / "rejected" for p in list(folders[2:])]
+    except OSError:
+        pass
+    for folder in folders:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            parsed = _parse_name(folder / name)
+            if parsed is not None and parsed[3] in keys:
+                found.add(parsed[3])
+    if found != keys:
+        found |= keys & DeliveredKeys(root).load()
+    return found
 
 
 def _try_lock(folder: Path) -> int | None:
@@ -148,7 +271,7 @@ class Spool:
         for path in self.directory.glob("*" + SUFFIX):
             parsed = _parse_name(path)
             if parsed is not None:
-                found.append(SpoolEntry(parsed[0], path, parsed[1], path.stat().st_size, parsed[2]))
+                found.append(SpoolEntry(parsed[0], path, parsed[1], path.stat().st_size, parsed[2], parsed[3]))
         for entry in sorted(found, key=lambda e: (e.seq, e.part)):
             self._entries.append(entry)
             self._size_bytes += entry.size_bytes
@@ -156,6 +279,11 @@ class Spool:
             self._next_part = max(self._next_part, entry.part + 1)
         self._recovered = self._spans
         self._next_seq = max((e.seq for e in self._entries), default=0) + 1
+        #: keys of delivered write-ahead groups (shared by every spool folder of this root)
+        self.ledger = DeliveredKeys(self._root)
+        self._delivered_keys: set[str] | None = None
+        if self.directory == self._root:
+            self.ledger.compact()
         self.adopt_stranded()
 
     def _claim(self, directory: Path) -> Path:
@@ -212,16 +340,16 @@ class Spool:
         for path in folder.glob("*" + SUFFIX):
             parsed = _parse_name(path)
             if parsed is not None:
-                found.append((parsed[0], parsed[2], path, parsed[1]))
+                found.append((parsed[0], parsed[2], path, parsed[1], parsed[3]))
         spans_total = 0
-        for _, _, path, spans in sorted(found, key=lambda t: (t[0], t[1])):
+        for _, _, path, spans, key in sorted(found, key=lambda t: (t[0], t[1])):
             with self._lock:
                 seq = self._next_seq
                 self._next_seq += 1
-                target = self.directory / _entry_name(seq, spans)
+                target = self.directory / _entry_name(seq, spans, key=key)
                 os.replace(path, target)
                 size = target.stat().st_size
-                self._entries.append(SpoolEntry(seq, target, spans, size))
+                self._entries.append(SpoolEntry(seq, target, spans, size, key=key))
                 self._size_bytes += size
                 self._spans += spans
                 self._adopted += spans
@@ -250,12 +378,14 @@ class Spool:
         """Spans waiting for replay."""
         return self._spans
 
-    def append(self, request: ExportTraceServiceRequest, spans: int) -> int:
+    def append(self, request: ExportTraceServiceRequest, spans: int, *, key: str = "") -> int:
         """Write one batch at the tail, evicting the oldest batches past ``max_bytes``.
 
         Args:
             request: the encoded batch.
             spans: spans in it.
+            key: the write-ahead group it holds (16 hex digits), kept in the file name and,
+                once delivered, in the delivered-keys ledger (:func:`durable_keys`).
 
         Returns:
             Spans evicted to make room (the new batch itself when it alone exceeds the cap).
@@ -270,9 +400,9 @@ class Spool:
             if len(data) > self.max_bytes:
                 self._evicted += spans
                 return spans
-            path = self.directory / _entry_name(seq, spans)
+            path = self.directory / _entry_name(seq, spans, key=key)
             atomic_write_bytes(path, data)  # complete or absent, whatever kills us
-            self._entries.append(SpoolEntry(seq, path, spans, len(data)))
+            self._entries.append(SpoolEntry(seq, path, spans, len(data), key=key))
             self._size_bytes += len(data)
             self._spans += spans
             self._written += spans
@@ -336,9 +466,9 @@ class Spool:
                     part = self._next_part
                     self._next_part += 1
                 data = request.SerializeToString()
-                path = self.directory / _entry_name(entry.seq, spans, part)
+                path = self.directory / _entry_name(entry.seq, spans, part, entry.key)
                 atomic_write_bytes(path, data)
-                written.append(SpoolEntry(entry.seq, path, spans, len(data), part))
+                written.append(SpoolEntry(entry.seq, path, spans, len(data), part, entry.key))
         except OSError:
             for piece in written:
                 self._unlink(piece.path)
@@ -360,7 +490,18 @@ class Spool:
         return written
 
     def remove(self, entry: SpoolEntry) -> bool:
-        """Drop a delivered batch. Returns ``False`` when it was already evicted."""
+        """Drop a delivered batch. Returns ``False`` when it was already evicted.
+
+        A write-ahead group's key goes to the delivered-keys ledger first (fsynced): a kill
+        between the two leaves the file, and :meth:`delivered` says it needs no second send.
+
+        Raises:
+            OSError: the ledger could not be written (the batch stays; sent again later).
+        """
+        if entry.key and not self.delivered(entry):
+            self.ledger.add([entry.key])
+            assert self._delivered_keys is not None
+            self._delivered_keys.add(entry.key)
         with self._lock:
             if not self._entries or self._entries[0] != entry:
                 if entry not in self._entries:
@@ -372,6 +513,21 @@ class Spool:
             self._delivered += entry.spans
         self._unlink(entry.path)
         return True
+
+    def delivered(self, entry: SpoolEntry) -> bool:
+        """Whether ``entry`` holds a write-ahead group already delivered (its key is in the
+        ledger: a sender killed between recording it and removing the file). The ledger is read
+        once, at the first keyed entry (another sender cannot deliver this spool's files: it
+        holds the spool's lock)."""
+        if not entry.key:
+            return False
+        if self._delivered_keys is None:
+            self._delivered_keys = self.ledger.load()
+        return entry.key in self._delivered_keys
+
+    def durable_keys(self, keys: set[str]) -> set[str]:
+        """Which of ``keys`` are durable under this spool's root (:func:`durable_keys`)."""
+        return durable_keys(self._root, keys)
 
     def reject(self, entry: SpoolEntry) -> None:
         """Move a batch the collector refused permanently to ``rejected/``."""
@@ -386,9 +542,9 @@ class Spool:
             os.replace(entry.path, target)
         except FileNotFoundError:
             return
-        self._keep_rejected(SpoolEntry(entry.seq, target, entry.spans, entry.size_bytes))
+        self._keep_rejected(SpoolEntry(entry.seq, target, entry.spans, entry.size_bytes, key=entry.key))
 
-    def add_rejected(self, request: ExportTraceServiceRequest, spans: int) -> None:
+    def add_rejected(self, request: ExportTraceServiceRequest, spans: int, *, key: str = "") -> None:
         """Keep a fresh batch the collector refused permanently in ``rejected/`` (never replayed
         automatically; ``servewatch export`` can send it once the cause is fixed).
 
@@ -400,9 +556,9 @@ class Spool:
             seq = self._next_seq
             self._next_seq += 1
             self._rejected += spans
-        path = self._rejected_dir() / _entry_name(seq, spans)
+        path = self._rejected_dir() / _entry_name(seq, spans, key=key)
         atomic_write_bytes(path, data)
-        self._keep_rejected(SpoolEntry(seq, path, spans, len(data)))
+        self._keep_rejected(SpoolEntry(seq, path, spans, len(data), key=key))
 
     def _rejected_dir(self) -> Path:
         return ensure_private_dir(self.directory / "rejected")
@@ -418,7 +574,7 @@ class Spool:
                     parsed = _parse_name(path)
                     if parsed is not None and path != entry.path:
                         size = path.stat().st_size
-                        self._rejected_entries.append(SpoolEntry(parsed[0], path, parsed[1], size))
+                        self._rejected_entries.append(SpoolEntry(parsed[0], path, parsed[1], size, key=parsed[3]))
                         self._rejected_bytes += size
             self._rejected_entries.append(entry)
             self._rejected_bytes += entry.size_bytes

@@ -180,10 +180,32 @@ def test_one_corrupt_line_in_a_span_file_is_skipped_and_counted_the_rest_deliver
     middle = lines[1][:40] + b"\x00garbage" + lines[1][60:]  # damaged in the middle of the file
     files[0].write_bytes(lines[0] + middle + lines[2])
     r = _export(tmp_path, "--to", otlp_receiver.grpc_endpoint)
-    assert "Sent 8 span(s) from 1 file(s)" in r.stderr, r.stderr
+    assert "Sent 8 span(s) from 1 file(s) in 1 request(s)" in r.stderr, r.stderr
     assert f"Corrupt lines skipped: 1 (first: {files[0]}:2:" in r.stderr, r.stderr
     assert r.returncode == 1  # the spans of that line cannot be sent: said, and the exit status says it
     assert otlp_receiver.span_count == 8
     again = _export(tmp_path, "--to", otlp_receiver.grpc_endpoint)
     assert "Sent 0 span(s)" in again.stderr and "Already sent earlier: 8" in again.stderr, again.stderr
     assert otlp_receiver.span_count == 8
+
+
+def test_export_batches_one_span_lines_by_size_like_the_live_path(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:
+    """Span files of one span per line (what write-ahead groups and a slow trickle leave) go out
+    in batches of ``export.batch_spans`` (512) spans, not one request per line."""
+    telemetry = build_telemetry(ExportConfig(metrics=False, batch_spans=1), data_dir=tmp_path / "data", host_name="h", environ={})
+    try:
+        trace_id = new_trace_id()
+        for i in range(1200):
+            telemetry.sink.emit(build_span("trickle", trace_id=trace_id, start_time_unix_nano=1 + i, end_time_unix_nano=2 + i))
+        assert telemetry.processor.flush(30.0)
+    finally:
+        telemetry.shutdown(3.0)
+    lines = sum(len(f.read_bytes().splitlines()) for f in (tmp_path / "data" / "h" / "spans").glob("*.jsonl"))
+    assert lines == 1200
+    r = _export(tmp_path, "--to", otlp_receiver.grpc_endpoint)
+    assert r.returncode == 0, r.stderr
+    assert "Sent 1200 span(s) from 1 file(s) in 3 request(s)" in r.stderr, r.stderr
+    assert [sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans) for _, req in otlp_receiver.trace_requests] == [512, 512, 176]
+    assert len({s.span_id for s in otlp_receiver.spans()}) == 1200
+    again = _export(tmp_path, "--to", otlp_receiver.grpc_endpoint)
+    assert "Already sent earlier: 1200" in again.stderr and otlp_receiver.span_count == 1200

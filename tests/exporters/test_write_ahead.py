@@ -8,6 +8,7 @@ new processor replay that spool to a real receiver.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import select
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,3 +118,80 @@ def test_sigkill_at_a_random_moment_loses_no_finished_action(
     received = [s.name for s in otlp_receiver.spans()]
     assert sorted(n for n in received if n.startswith("action.")) == sorted(n for n in on_disk if n.startswith("action."))
     assert finished <= set(received)
+
+
+def _tracked_bundle(data_dir: Path, host: str, *, trace_id: str, root: str, actions: dict[str, str], dead_pid: int) -> Path:
+    """A bundle as a killed agent leaves it: spans tracked, state open, the agent gone."""
+    bundle = data_dir / host / "20261201T000000Z-stall-aaaaaa"
+    bundle.mkdir(parents=True)
+    t0 = time.time_ns() - 5 * 10**9
+    (bundle / "manifest.json").write_text(json.dumps({
+        "schema": "servewatch.incident/1", "incident_id": bundle.name, "trigger": "stall", "detail": "stuck",
+        "trace_id": trace_id, "span_id": root, "opened_time_unix_nano": t0, "updated_time_unix_nano": t0 + 10**9,
+        "targets": [{"pid": 7, "title": "sglang::scheduler_TP0"}], "state": "open", "agent_pid": dead_pid,
+        "spans_tracked": True,
+        "actions": [
+            {"action": name, "pid": 7, "outcome": "ok", "start_time_unix_nano": t0, "end_time_unix_nano": t0 + 1000,
+             "attributes": {"servewatch.test.list": [1, 2]}, "span_id": span_id}
+            for name, span_id in actions.items()
+        ],
+    }))
+    return bundle
+
+
+def test_the_next_agent_resends_exactly_the_spans_that_never_became_durable(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:
+    """Of an incident a killed agent left, the next one re-sends (same ids) the root and the
+    actions that are neither in the spool nor recorded as delivered, and nothing else; then the
+    bundle is marked, and a further start re-sends nothing."""
+    import anyio
+
+    from agent.bus import RecordingBus
+    from agent.events import ActionCompleted, IncidentClosed, IncidentOpened
+    from agent.incidents import recover_interrupted
+    from exporters.mirror import SpanMirror
+    from exporters.provider import ExportConfig, build_telemetry
+    from exporters.spans import build_span, span_id_hex
+    from exporters.spool import DeliveredKeys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    trace_id, root = "ab" * 16, "0123456789abcdef"
+    actions = {"pyspy.dump": "1111111111111111", "flightrec.dump": "2222222222222222", "cuda.coredump": "3333333333333333"}
+    bundle = _tracked_bundle(tmp_path, "h1", trace_id=trace_id, root=root, actions=actions, dead_pid=int(dead.stdout))
+    endpoint = otlp_receiver.grpc_endpoint
+    otlp_receiver.stop()  # a spooled group stays in the spool
+    telemetry = build_telemetry(ExportConfig(metrics=False), data_dir=tmp_path, host_name="h1",
+                                environ={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    try:
+        # pyspy.dump was written ahead (in the spool); flightrec.dump was delivered (its key recorded)
+        spooled = build_span("pyspy.dump", trace_id=int(trace_id, 16), span_id=int(actions["pyspy.dump"], 16),
+                             parent_span_id=int(root, 16), start_time_unix_nano=1, end_time_unix_nano=2)
+        assert telemetry.processor.persist([spooled], key=actions["pyspy.dump"]) is True
+        assert telemetry.spool_dir is not None
+        DeliveredKeys(telemetry.spool_dir).add([actions["flightrec.dump"]])
+        assert telemetry.durable_keys({root, *actions.values()}) == {actions["pyspy.dump"], actions["flightrec.dump"]}
+
+        bus = RecordingBus()
+        assert anyio.run(lambda: recover_interrupted(bus, tmp_path, "h1", durable=telemetry.durable_keys)) == [bundle.name]
+        [opened] = bus.of_type(IncidentOpened)
+        assert (opened.trace_id, opened.span_id) == (trace_id, root)
+        resent = [e.result for e in bus.of_type(ActionCompleted)]
+        assert [(r.action, r.span_id) for r in resent] == [("cuda.coredump", actions["cuda.coredump"])]
+        assert resent[0].attributes["servewatch.test.list"] == (1, 2)
+        [closed] = bus.of_type(IncidentClosed)
+        assert closed.emit_root is True
+        mirror = SpanMirror(telemetry.sink, host_name="h1")
+        for event in bus.events:
+            mirror.handle(event)
+        assert (bundle / "spans.durable").is_file()
+        otlp_receiver.start()
+        assert telemetry.processor.flush(30.0) is True
+    finally:
+        telemetry.shutdown(3.0)
+    got = Counter(s.span_id for s in otlp_receiver.spans())
+    assert got == Counter({actions["pyspy.dump"]: 1, actions["cuda.coredump"]: 1, root: 1})
+    assert {s.trace_id for s in otlp_receiver.spans()} == {trace_id}
+    assert json.loads((bundle / "manifest.json").read_text())["state"] == "closed"
+    again = RecordingBus()  # marked: the next start reads nothing to send
+    assert anyio.run(lambda: recover_interrupted(again, tmp_path, "h1", durable=lambda keys, since: set())) == []
+    assert not again.events
+    assert span_id_hex(spooled.context.span_id) == actions["pyspy.dump"]

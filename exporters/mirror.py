@@ -263,11 +263,11 @@ class SpanMirror:
         if event.incident_id:
             attributes["servewatch.incident.id"] = event.incident_id
         parent = parse_span_id(event.parent_span_id) if event.parent_span_id else None
-        self._emit(build_span(
+        self._emit_all([build_span(
             JOB_INCIDENT_SPAN if parent is None else JOB_VERDICT_SPAN, trace_id=trace_id, span_id=span_id, parent_span_id=parent,
             start_time_unix_nano=min(event.start_time_unix_nano or event.time_unix_nano, event.time_unix_nano),
             end_time_unix_nano=event.time_unix_nano, attributes=attributes, resource=self.sink.resource,
-        ))
+        )], key=span_id_hex(span_id))
 
     def _emit_root(
         self, inc: _OpenIncident, *, end_time_unix_nano: int, closed: IncidentClosed | None, unclosed_reason: str

@@ -181,3 +181,34 @@ def test_the_keeper_stays_quiet_when_launch_ends_in_order(spawn, python, tmp_pat
     assert launch.wait(timeout=60) == 0, err.read_text()
     printed = err.read_text()
     assert "launcher died" not in printed and "0 incident(s) written" in printed, printed
+
+
+SUBREAPER_PROBE = """
+import json, os, subprocess, sys, time
+from agent.launch import _reap_adopted, _set_subreaper
+from agent.procinfo import exit_fact_of
+assert _set_subreaper(True)
+# a server (its own session) that starts a rank and exits without waiting for it: the rank is orphaned
+server = subprocess.Popen([sys.executable, "-c",
+    "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1); raise SystemExit(5)']);"
+    " print(p.pid, flush=True)"], stdout=subprocess.PIPE, start_new_session=True)
+rank = int(server.stdout.readline())
+server.wait()
+time.sleep(0.3)
+adopted = open(f"/proc/{rank}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline and open(f"/proc/{rank}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+    time.sleep(0.05)
+reaped = _reap_adopted(server.pid, server.pid)
+fact = exit_fact_of(rank)
+print(json.dumps({"adopted": adopted, "reaped": reaped, "gone": not os.path.exists(f"/proc/{rank}"),
+                  "code": fact.exit_code if fact else None, "source": fact.source.value if fact else None}))
+"""
+
+
+def test_launch_as_subreaper_adopts_an_orphaned_rank_reads_its_status_and_reaps_it(python: str) -> None:
+    out = subprocess.run([python, "-c", SUBREAPER_PROBE], capture_output=True, text=True, timeout=60, check=False,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"adopted": True, "reaped": 1, "gone": True, "code": 5, "source": "waitid"}, got

@@ -21,7 +21,12 @@ import psutil
 import pytest
 
 from agent.exits import OomWatch, oom_counter_of
-from tests.programs.lifecycle_cases import MemoryCgroup
+from tests.programs.lifecycle_cases import (
+    MemoryCgroup,
+    start_server,
+    stop_server,
+    wait_server_ready,
+)
 from tests.test_targeting import CLI, cli_env, manifests, start_tree
 
 pytestmark = pytest.mark.slow
@@ -81,9 +86,10 @@ def test_ctrl_c_of_the_demo_server_while_run_watches_opens_no_incident(spawn, py
         assert manifests(data) == [], printed
         seen = [line for line in printed.splitlines() if line.startswith("  pid ") and f"{prefix}::scheduler_TP" in line]
         assert len(seen) == 2 and all("-> no incident" in line for line in seen), printed
-        if netns:  # no source could tell the status: the tree went down together, said as such
-            assert "stopped with its whole server (exit status unknown)" in printed, printed
+        if netns:  # no kernel events: a zombie's /proc when the agent is first, else said unknown
             assert "not in the host's network namespace" in printed, printed
+            assert all("[/proc while a zombie]" in line or "stopped with its whole server (exit status unknown)" in line
+                       for line in seen), printed
         else:
             assert all("[the kernel's exit event]" in line or "[/proc while a zombie]" in line for line in seen), printed
             assert "exit status unknown" not in printed, printed
@@ -212,3 +218,32 @@ def test_launch_as_subreaper_adopts_an_orphaned_rank_reads_its_status_and_reaps_
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"adopted": True, "reaped": 1, "gone": True, "code": 5, "source": "waitid"}, got
+
+
+def test_ranks_reaped_at_once_with_no_kernel_events_are_unknown_and_their_servers_stop_is_no_incident(
+        spawn, tmp_path: Path) -> None:
+    """The real gloo server shape (tests/programs/rank_server.py reaps each rank the moment it
+    exits) watched from a network namespace of its own (a container's: no kernel exit events):
+    the ranks' statuses are unknown, the server going down with them says it was a stop."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    server, title = start_server(tmp_path, 2)
+    try:
+        wait_server_ready(server, 2)
+        err = tmp_path / "run.err"
+        run = _run_cli(spawn, tmp_path, ["run", "--match", f"{title}_TP*", "--data-dir", "data"], err,
+                       cli_env(tmp_path), prefix=["unshare", "--net"])
+        _wait_for(err, b"watching 2 target processes", run)
+        os.killpg(server.pid, signal.SIGTERM)  # systemd stopping the whole tree
+        assert server.wait(timeout=60) == 0
+        time.sleep(8.0)  # the settle (5 s at most) and a margin
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
+    finally:
+        stop_server(server)
+    printed = err.read_text()
+    assert manifests(tmp_path / "data") == [], printed
+    seen = [line for line in printed.splitlines() if line.startswith("  pid ") and f"{title}_TP" in line]
+    assert len(seen) == 2, printed
+    assert all("exit status unknown" in line and "went down with it" in line and "-> no incident: stopped with its"
+               " whole server (exit status unknown)" in line for line in seen), printed

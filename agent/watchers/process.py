@@ -40,7 +40,7 @@ import signal as _signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -64,7 +64,7 @@ log = logging.getLogger("servewatch.process")
 
 #: Longest wait, after an exit whose status is unknown, for its parent and watched siblings to
 #: go down too (the server stopping as a whole), seconds.
-TREE_SETTLE_S = 3.0
+TREE_SETTLE_S = 5.0
 
 #: Longest wait on a pidfd before its state is checked again, seconds (a safety net only: the
 #: pidfd turns readable at the exit, so a live process costs no wakeups in between).
@@ -104,6 +104,30 @@ def _waitid_nowait(pidfd: int | None, pid: int) -> tuple[int | None, int | None]
     return None
 
 
+#: How many ancestors of a target are followed up (the ranks' parent, the engine, the API server).
+MAX_ANCESTORS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Ancestor:
+    """A process above a target when its watch began."""
+
+    pid: int
+    started_ns: int
+    #: TCP ports it listened on then (its HTTP frontend)
+    listening: frozenset[int]
+
+
+def _listening_ports(pid: int) -> frozenset[int]:
+    """TCP ports ``pid`` listens on now (empty when none, or unreadable)."""
+    try:
+        proc = psutil.Process(pid)
+        conns = proc.net_connections(kind="inet") if hasattr(proc, "net_connections") else proc.connections(kind="inet")
+    except (psutil.Error, OSError):
+        return frozenset()
+    return frozenset(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr)
+
+
 class _Watched:
     """One watched pid, and what was read of it while it lived."""
 
@@ -111,19 +135,35 @@ class _Watched:
         self.target = target
         self.returncode = returncode
         self.reported = False
-        #: its parent when the watch began (the one that reaps it), and the parent's start (ns)
-        self.parent_pid = 0
-        self.parent_started_ns = 0
+        #: its ancestors when the watch began, parent first (up to :data:`MAX_ANCESTORS`; never
+        #: init or this agent and its own ancestors)
+        self.ancestors: tuple[_Ancestor, ...] = ()
         #: its memory cgroup's OOM-kill counter when the watch began
         self.oom_counter: OomCounter | None = None
 
+    @property
+    def parent_pid(self) -> int:
+        return self.ancestors[0].pid if self.ancestors else 0
+
     def read_lineage(self) -> None:
-        """Parent and OOM counter, read once while the process lives (a thread: /proc reads)."""
+        """Ancestors (with the ports they listen on) and OOM counter, read once while the process
+        lives (a thread: /proc reads)."""
+        mine = {os.getpid()}
         try:
-            self.parent_pid = psutil.Process(self.target.pid).ppid()
-            self.parent_started_ns = int(psutil.Process(self.parent_pid).create_time() * 1e9)
-        except (psutil.Error, OSError, ValueError):
-            self.parent_started_ns = 0
+            mine.update(p.pid for p in psutil.Process().parents())
+            chain = psutil.Process(self.target.pid).parents()
+        except (psutil.Error, OSError):
+            chain = []
+        found = []
+        for proc in chain[:MAX_ANCESTORS]:
+            if proc.pid <= 1 or proc.pid in mine:
+                break
+            try:
+                started_ns = int(proc.create_time() * 1e9)
+            except (psutil.Error, OSError):
+                break
+            found.append(_Ancestor(proc.pid, started_ns, _listening_ports(proc.pid)))
+        self.ancestors = tuple(found)
         self.oom_counter = oom_counter_of(self.target.pid)
 
 
@@ -313,26 +353,47 @@ class ProcessWatcher:
 
     async def _settle_tree(self, watched: _Watched, fact: ExitFact) -> ExitFact:
         """An exit that may be part of its server's stop (an unknown status, a non-zero code, a
-        SIGKILL that is not the OOM killer's): wait (at most :data:`TREE_SETTLE_S`) for its parent
-        to go down. The fact then says the tree stopped (``tree_stopped``) when the parent stopped
-        in order (exit 0, SIGTERM/SIGINT, 143/130: its exit event or zombie status), or, for an
-        unknown status only, when the parent and every watched sibling went down with it."""
-        parent = watched.parent_pid
-        if parent <= 1 or parent == os.getpid():
-            return fact  # our own child's status is ours to read: nothing to infer
-        siblings = [w for w in self._watched.values() if w is not watched and w.parent_pid == parent]
+        SIGKILL that is not the OOM killer's): is its server stopping?
+
+        A server that still listens on the port it served when the watch began was not stopping
+        (an HTTP frontend closes its port first, then stops its engine and ranks): a failure.
+        Otherwise its ancestors are followed up (each may take what is left of
+        :data:`TREE_SETTLE_S` to end): one that stops in order (exit 0, SIGTERM/SIGINT, 143/130:
+        its exit event or zombie) makes the whole chain below it part of that stop (the engine
+        SIGKILLs its workers, the API server its engine: vLLM on Ctrl-C); one that crashes (or
+        is still running at the deadline) leaves the fact a failure. Status unknown and nothing
+        told: the parent and the watched siblings all going down together still say so."""
+        ancestors = watched.ancestors
+        if not ancestors:
+            return fact  # our own child (its status is ours to read), or an orphan: nothing to infer
+        serving = await anyio.to_thread.run_sync(_still_serving, ancestors)
+        if serving:
+            return fact  # its server did not stop first: this exit is a failure of its own
         t0 = time.monotonic()
         with anyio.move_on_after(TREE_SETTLE_S):
-            while _pid_running(parent):
-                await anyio.sleep(0.1)
-            took = time.monotonic() - t0
-            stopped = await self._parent_exit(parent, watched.parent_started_ns)
-            if stopped is not None and stopped.kind is ExitKind.ORDERLY:
-                return replace(fact, tree_stopped=True, orderly_reason=(
-                    f"its server (parent pid {parent}) stopped in order ({stopped.status()}) within {took:.1f} s"))
+            for ancestor in ancestors:
+                while _pid_running(ancestor.pid):
+                    await anyio.sleep(0.1)
+                ended = await self._parent_exit(ancestor.pid, ancestor.started_ns)
+                if ended is not None and ended.kind is ExitKind.ORDERLY:
+                    took = time.monotonic() - t0
+                    who = "its server" if ancestor is ancestors[0] else "its server's ancestor"
+                    return replace(fact, tree_stopped=True, orderly_reason=(
+                        f"{who} (pid {ancestor.pid}) stopped in order ({ended.status()}) within {took:.1f} s"))
+                if ended is not None and not _may_be_part_of_a_stop(ended):
+                    return fact  # it crashed (or the OOM killer): no orderly stop up there
             if fact.kind is not ExitKind.UNKNOWN:
-                return fact  # the parent died too, not in order (or how is unknown): a failure stays one
-            while not all(not _alive(w.target) for w in siblings):
+                return fact
+        if fact.kind is ExitKind.UNKNOWN:
+            return await self._whole_tree_down(watched, fact, t0)
+        return fact
+
+    async def _whole_tree_down(self, watched: _Watched, fact: ExitFact, t0: float) -> ExitFact:
+        """Status unknown: the parent and every watched sibling gone within :data:`TREE_SETTLE_S`."""
+        parent = watched.parent_pid
+        siblings = [w for w in self._watched.values() if w is not watched and w.parent_pid == parent]
+        with anyio.move_on_after(max(0.0, TREE_SETTLE_S - (time.monotonic() - t0))):
+            while _pid_running(parent) or any(_alive(w.target) for w in siblings):
                 await anyio.sleep(0.1)
             took = time.monotonic() - t0
             reason = (f"its parent pid {parent}" + (f" and {len(siblings)} watched sibling(s)" if siblings else "")
@@ -356,6 +417,11 @@ class ProcessWatcher:
 #: Signals of a crash: an exit by one of them is never read as part of an orderly stop.
 CRASH_SIGNALS = frozenset(int(s) for s in (_signal.SIGSEGV, _signal.SIGBUS, _signal.SIGILL, _signal.SIGFPE,
                                             _signal.SIGABRT, _signal.SIGSYS, _signal.SIGTRAP))
+
+
+def _still_serving(ancestors: Iterable[_Ancestor]) -> bool:
+    """An ancestor that listened on TCP ports when the watch began still listens on one of them."""
+    return any(a.listening and (a.listening & _listening_ports(a.pid)) for a in ancestors)
 
 
 def _may_be_part_of_a_stop(fact: ExitFact) -> bool:

@@ -19,6 +19,9 @@ COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 COLLECTOR_CONFIG = REPO_ROOT / "otel-collector" / "config.yaml"
 TEMPO_CONFIG = REPO_ROOT / "otel-collector" / "tempo.yaml"
 GRAFANA_DATASOURCES = REPO_ROOT / "otel-collector" / "grafana" / "provisioning" / "datasources" / "datasources.yaml"
+GRAFANA_DASHBOARDS = REPO_ROOT / "otel-collector" / "grafana" / "provisioning" / "dashboards"
+PROMETHEUS_CONFIG = REPO_ROOT / "otel-collector" / "prometheus.yaml"
+PROMETHEUS_RULES = REPO_ROOT / "otel-collector" / "prometheus-rules.yaml"
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 
 #: Component kinds a collector config defines (each a mapping of ``type[/name]`` -> settings).
@@ -111,3 +114,50 @@ def published_container_ports(ports: Iterable[str | int | dict[str, Any]]) -> di
         fields = spec.split(":")
         out[int(fields[-1])] = int(fields[-2]) if len(fields) >= 2 else int(fields[-1])
     return out
+
+
+#: Exporters that push to another collector or a backend: each must queue on disk.
+PUSH_EXPORTERS = ("otlp_grpc", "otlp_http", "loadbalancing", "load_balancing")
+
+
+def persistent_queue_problems(config: dict[str, Any]) -> list[str]:
+    """Every way a collector config could lose data it acknowledged, all at once (empty: none).
+
+    Each exporter that pushes to another collector or a backend (:data:`PUSH_EXPORTERS`) has a
+    ``sending_queue`` whose ``storage`` is a ``file_storage`` extension the service runs, and
+    retries that never give up (``max_elapsed_time: 0s``); no pipeline feeding such an exporter
+    has a ``batch`` processor before it unless a ``tail_sampling`` (which holds traces in memory
+    anyway) is there too.
+    """
+    problems: list[str] = []
+    extensions = set((config.get("service") or {}).get("extensions") or [])
+    pushing = set()
+    for ref, settings in (config.get("exporters") or {}).items():
+        if component_type(ref) not in PUSH_EXPORTERS:
+            continue
+        pushing.add(ref)
+        queue = (settings or {}).get("sending_queue") or {}
+        storage = queue.get("storage")
+        if not queue.get("enabled") or not storage:
+            problems.append(f"exporter {ref!r}: sending_queue is not persistent (no storage)")
+        elif component_type(storage) != "file_storage" or storage not in (config.get("extensions") or {}):
+            problems.append(f"exporter {ref!r}: storage {storage!r} is not a defined file_storage extension")
+        elif storage not in extensions:
+            problems.append(f"exporter {ref!r}: storage {storage!r} is not in service.extensions")
+        retry = (settings or {}).get("retry_on_failure") or {}
+        if not retry.get("enabled") or str(retry.get("max_elapsed_time")) not in ("0", "0s"):
+            problems.append(f"exporter {ref!r}: retries give up (retry_on_failure.max_elapsed_time is not 0s)")
+    for name, pipeline in ((config.get("service") or {}).get("pipelines") or {}).items():
+        types = [component_type(p) for p in pipeline.get("processors") or []]
+        if set(pipeline.get("exporters") or []) & pushing and "batch" in types and "tail_sampling" not in types:
+            problems.append(f"pipeline {name!r}: a batch processor holds acknowledged data in memory before the queue")
+    return problems
+
+
+def file_storage_dirs(config: dict[str, Any]) -> dict[str, str]:
+    """{file_storage extension: its directory} of a collector config."""
+    return {
+        ref: settings["directory"]
+        for ref, settings in (config.get("extensions") or {}).items()
+        if component_type(ref) == "file_storage"
+    }

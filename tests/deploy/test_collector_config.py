@@ -1,8 +1,9 @@
 """otel-collector/: the collector config, Tempo's config and Grafana's datasources agree.
 
 The demo chain is servewatch -> otel-collector:4317 -> jaeger:4317 / tempo:4317, read back by
-Grafana from tempo:3200 and jaeger:16686. Each hop's port is asserted against the config of the
-component on the other side, not against a copy of the number.
+Grafana from tempo:3200 and jaeger:16686; servewatch's own metrics -> the collector's Prometheus
+exporter -> Prometheus (alert "servewatch is losing spans") -> Grafana. Each hop's port is
+asserted against the config of the component on the other side, not against a copy of the number.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import pytest
 
 from tests.deploy import (
     COLLECTOR_CONFIG,
+    GRAFANA_DASHBOARDS,
     GRAFANA_DATASOURCES,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_RULES,
     TEMPO_CONFIG,
     collector_problems,
     component_type,
@@ -21,6 +25,7 @@ from tests.deploy import (
     iter_exporters,
     load_yaml,
     otlp_receiver_ports,
+    persistent_queue_problems,
 )
 
 
@@ -53,8 +58,8 @@ def test_collector_pipelines_reference_only_defined_components_and_use_all(colle
          "pipeline 'traces' uses undefined exporter 'otlp_grpc/zipkin'"),
         (lambda c: c["exporters"].update({"otlp_grpc/unused": {"endpoint": "x:4317"}}),
          "exporter 'otlp_grpc/unused' is defined but not used"),
-        (lambda c: c["service"]["pipelines"]["metrics"]["processors"].reverse(),
-         "pipeline 'metrics': memory_limiter is not the first processor (['batch', 'memory_limiter'])"),
+        (lambda c: c["service"]["pipelines"]["metrics"].update(processors=[]),
+         "pipeline 'metrics': memory_limiter is not the first processor ([])"),
         (lambda c: c["service"]["extensions"].append("pprof"), "service uses undefined extension 'pprof'"),
         (lambda c: c["receivers"].update({"otlp/2": c["receivers"]["otlp"]}), "receiver 'otlp/2' is defined but not used"),
     ],
@@ -65,9 +70,11 @@ def test_collector_lint_reports_broken_configs(collector: dict, mutate, expected
     assert collector_problems(broken) == [expected]
 
 
-def test_memory_limiter_runs_first_then_batch_in_every_pipeline(collector: dict) -> None:
+def test_memory_limiter_is_the_only_processor_of_every_pipeline(collector: dict) -> None:
+    # no batch processor: it would hold spans the receiver acknowledged in memory, in front of
+    # the persistent queues (servewatch's requests are batched already)
     for name, pipeline in collector["service"]["pipelines"].items():
-        assert [component_type(p) for p in pipeline["processors"]] == ["memory_limiter", "batch"], name
+        assert [component_type(p) for p in pipeline["processors"]] == ["memory_limiter"], name
     limiter = collector["processors"]["memory_limiter"]
     assert limiter["check_interval"] == "1s"
     assert 0 < limiter["spike_limit_percentage"] < limiter["limit_percentage"] <= 90
@@ -106,13 +113,13 @@ def test_traces_go_to_jaeger_tempo_and_debug_over_insecure_otlp_grpc(collector: 
     assert targets == {"otlp_grpc/jaeger": ("jaeger", 4317), "otlp_grpc/tempo": ("tempo", tempo_grpc_port)}
     for ref, cfg in iter_exporters(collector, "otlp_grpc"):
         assert cfg["tls"] == {"insecure": True}, ref
-    assert collector["service"]["pipelines"]["metrics"]["exporters"] == ["debug"]
+    assert collector["service"]["pipelines"]["metrics"]["exporters"] == ["prometheus"]
 
 
 def test_collector_uses_current_component_names(collector: dict) -> None:
     types = {component_type(ref) for kind in ("receivers", "processors", "exporters") for ref in collector[kind]}
     # `logging` was removed for `debug`; `otlp`/`otlphttp` exporters are deprecated aliases.
-    assert types == {"otlp", "memory_limiter", "batch", "otlp_grpc", "debug"}
+    assert types == {"otlp", "memory_limiter", "otlp_grpc", "debug", "prometheus"}
     assert not {component_type(ref) for ref in collector["exporters"]} & {"logging", "otlp", "otlphttp"}
     assert collector["exporters"]["debug"]["verbosity"] in {"basic", "normal", "detailed"}
 
@@ -128,11 +135,128 @@ def test_tempo_takes_otlp_grpc_on_4317_and_serves_its_api_on_3200(tempo: dict) -
     assert not {"ingester", "compactor", "ingester_client"} & set(tempo)
 
 
-def test_grafana_datasources_point_at_tempo_api_and_jaeger_ui(datasources: dict[str, dict], tempo: dict) -> None:
-    assert set(datasources) == {"tempo", "jaeger"}
+def test_grafana_datasources_point_at_tempo_api_jaeger_ui_and_prometheus(datasources: dict[str, dict], tempo: dict) -> None:
+    assert set(datasources) == {"tempo", "jaeger", "prometheus"}
     assert datasources["tempo"]["url"] == f"http://tempo:{tempo['server']['http_listen_port']}"
     assert host_port(datasources["jaeger"]["url"]) == ("jaeger", 16686)
+    assert host_port(datasources["prometheus"]["url"]) == ("prometheus", 9090)
     assert [ds["type"] for ds in datasources.values() if ds.get("isDefault")] == ["tempo"]
-    assert len({ds["uid"] for ds in datasources.values()}) == 2
+    assert len({ds["uid"] for ds in datasources.values()}) == 3
     for ds in datasources.values():
         assert ds["access"] == "proxy"
+
+
+def test_backend_exporters_queue_on_disk_and_never_give_up(collector: dict) -> None:
+    assert persistent_queue_problems(collector) == []
+    # the linter itself: a memory-only queue, a missing extension, retries that stop, a batch in front
+    broken = copy.deepcopy(collector)
+    broken["exporters"]["otlp_grpc/jaeger"]["sending_queue"].pop("storage")
+    broken["exporters"]["otlp_grpc/tempo"]["retry_on_failure"]["max_elapsed_time"] = "300s"
+    broken["service"]["extensions"].remove("file_storage/queue")
+    broken["service"]["pipelines"]["traces"]["processors"].append("batch")
+    assert persistent_queue_problems(broken) == [
+        "exporter 'otlp_grpc/jaeger': sending_queue is not persistent (no storage)",
+        "exporter 'otlp_grpc/tempo': storage 'file_storage/queue' is not in service.extensions",
+        "exporter 'otlp_grpc/tempo': retries give up (retry_on_failure.max_elapsed_time is not 0s)",
+        "pipeline 'traces': a batch processor holds acknowledged data in memory before the queue",
+    ]
+
+
+def test_prometheus_scrapes_the_collectors_prometheus_exporter() -> None:
+    collector = load_yaml(COLLECTOR_CONFIG)
+    (ref, exporter), = iter_exporters(collector, "prometheus")
+    assert collector["service"]["pipelines"]["metrics"]["exporters"] == [ref]
+    assert exporter["resource_to_telemetry_conversion"]["enabled"] is True  # host.name is a label
+    prometheus = load_yaml(PROMETHEUS_CONFIG)
+    targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == [f"otel-collector:{host_port(exporter['endpoint'])[1]}"]
+    assert prometheus["rule_files"] == ["/etc/prometheus/rules/*.yaml"]
+
+
+def _servewatch_series() -> dict[str, set[str]]:
+    """The Prometheus series servewatch's own metrics become (through the collector's Prometheus
+    exporter: dots to underscores, ``_total`` on counters), each with its label names and values
+    ``label=value``: read from the real instruments, recording into an in-memory reader."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from exporters.metrics import Metrics
+    from exporters.processor import ExportStatistics
+    from exporters.shipper import SpanShipper
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    metrics = Metrics(provider)
+    metrics.watch_export(lambda: ExportStatistics(*([0] * 10)))
+    metrics.watch_metric_export(lambda: type("S", (), {"exported": 0, "spooled": 0, "replayed": 0, "lost": 0})())
+
+    class _NoProcessor:
+        def on_end(self, span: object) -> None:
+            return None
+
+    SpanShipper(_NoProcessor(), host_name="h").register_metrics(provider)  # type: ignore[arg-type]
+    series: dict[str, set[str]] = {}
+    data = reader.get_metrics_data()
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                name = metric.name.replace(".", "_")
+                if getattr(metric.data, "is_monotonic", False):
+                    name += "_total"
+                labels = series.setdefault(name, set())
+                for point in metric.data.data_points:
+                    labels.update(f"{k.replace('.', '_')}={v}" for k, v in point.attributes.items())
+    provider.shutdown()
+    return series
+
+
+def _selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
+    """``name{label=~"a|b"}`` selectors of a PromQL expression: (metric, {label: regex})."""
+    import re
+
+    out = []
+    for name, body in re.findall(r"([a-z_][a-z0-9_]*)\{([^}]*)\}", expr):
+        matchers = dict(re.findall(r'([a-z_][a-z0-9_]*)=~?"([^"]*)"', body))
+        out.append((name, matchers))
+    return out
+
+
+def test_the_alert_servewatch_is_losing_spans_names_series_servewatch_exports() -> None:
+    import re
+
+    rules = load_yaml(PROMETHEUS_RULES)
+    (group,) = rules["groups"]
+    (rule,) = group["rules"]
+    assert rule["alert"] == "ServewatchLosingSpans"
+    assert "servewatch is losing spans" in rule["annotations"]["summary"]
+    series = _servewatch_series()
+    selectors = _selectors(rule["expr"])
+    assert {name for name, _ in selectors} == {
+        "servewatch_export_spans_total", "servewatch_spans_channel_total", "servewatch_export_metric_points_total",
+    }
+    for name, matchers in selectors:
+        assert name in series, f"{name} is not a series servewatch exports ({sorted(series)})"
+        for label, pattern in matchers.items():
+            values = {lv.split("=", 1)[1] for lv in series[name] if lv.startswith(label + "=")}
+            assert values, f"{name} has no label {label}"
+            for wanted in pattern.split("|"):
+                assert wanted in values, f"{name}{{{label}}} never takes {wanted!r} ({sorted(values)})"
+            lost = {v for v in values if re.fullmatch(pattern, v)}
+            assert not lost & {"exported", "spooled", "replayed", "shipped", "fallback"}, (name, lost)
+    assert "host_name" in rule["expr"]  # one alert per host (the resource attribute host.name)
+
+
+def test_the_grafana_dashboard_graphs_series_servewatch_exports() -> None:
+    import json
+
+    provider = load_yaml(GRAFANA_DASHBOARDS / "dashboards.yaml")
+    assert provider["providers"][0]["options"]["path"] == "/etc/grafana/provisioning/dashboards"
+    dashboard = json.loads((GRAFANA_DASHBOARDS / "servewatch-delivery.json").read_text())
+    series = _servewatch_series()
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert exprs
+    for expr in exprs:
+        for name, _ in _selectors(expr) or [(expr.split("(")[-1].split(")")[0], {})]:
+            assert name in series, f"the dashboard graphs {name}, not a series servewatch exports"
+    uids = {t["datasource"]["uid"] for panel in dashboard["panels"] for t in panel["targets"]}
+    assert uids == {ds["uid"] for ds in load_yaml(GRAFANA_DATASOURCES)["datasources"] if ds["type"] == "prometheus"}

@@ -18,10 +18,15 @@ import pytest
 from tests.deploy import (
     COLLECTOR_CONFIG,
     COMPOSE_FILE,
+    GRAFANA_DASHBOARDS,
     GRAFANA_DATASOURCES,
     PINNED_IMAGE,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_RULES,
     REPO_ROOT,
     TEMPO_CONFIG,
+    component_type,
+    file_storage_dirs,
     host_port,
     load_yaml,
     otlp_receiver_ports,
@@ -73,7 +78,7 @@ def test_compose_spec_validation_rejects_a_broken_service(compose: dict, compose
 
 
 def test_stack_has_the_demo_services(services: dict[str, dict]) -> None:
-    assert set(services) == {"otel-collector", "jaeger", "tempo", "grafana", "install", "demo", "servewatch"}
+    assert set(services) == {"otel-collector", "jaeger", "tempo", "grafana", "prometheus", "install", "demo", "servewatch"}
 
 
 def test_every_image_is_pinned_to_a_version(services: dict[str, dict]) -> None:
@@ -85,6 +90,7 @@ def test_every_image_is_pinned_to_a_version(services: dict[str, dict]) -> None:
     assert images["jaeger"].startswith("jaegertracing/jaeger:2.")  # Jaeger v2 all-in-one
     assert images["tempo"].startswith("grafana/tempo:3.")  # tempo.yaml is a Tempo 3 config
     assert images["grafana"].startswith("grafana/grafana:")
+    assert images["prometheus"].startswith("prom/prometheus:v3.")
     assert images["demo"] == images["servewatch"] == images["install"]
     assert images["demo"].startswith("python:3.11.")
 
@@ -111,6 +117,12 @@ def test_bind_mounted_files_exist_and_reach_the_configured_paths(services: dict[
     assert tempo["command"] == ["-target=all", f"-config.file={mounted[TEMPO_CONFIG.resolve()]}"]
     grafana_dirs = {(REPO_ROOT / src).resolve(): dst for dst, src in bind_mounts(services["grafana"]).items()}
     assert grafana_dirs[GRAFANA_DATASOURCES.parent.resolve()] == "/etc/grafana/provisioning/datasources"
+    assert grafana_dirs[GRAFANA_DASHBOARDS.resolve()] == "/etc/grafana/provisioning/dashboards"
+    prometheus = services["prometheus"]
+    mounted = {(REPO_ROOT / src).resolve(): dst for dst, src in bind_mounts(prometheus).items()}
+    assert f"--config.file={mounted[PROMETHEUS_CONFIG.resolve()]}" in prometheus["command"]
+    rules_glob = load_yaml(PROMETHEUS_CONFIG)["rule_files"][0]
+    assert PurePosixPath(mounted[PROMETHEUS_RULES.resolve()]).match(rules_glob)
 
 
 def test_tempo_storage_lives_on_its_volume(services: dict[str, dict], compose: dict) -> None:
@@ -131,6 +143,7 @@ def test_published_ports_match_the_configs(services: dict[str, dict]) -> None:
     assert published["jaeger"] == {host_port(datasources["jaeger"]["url"])[1]: 16686}
     assert published["tempo"] == {tempo_cfg["server"]["http_listen_port"]: 3200}
     assert published["grafana"] == {3000: 3000}
+    assert published["prometheus"] == {9090: 9090}
     # Jaeger's and Tempo's OTLP ports stay internal: the host's 4317 belongs to the collector.
     assert all(4317 not in published[name].values() for name in services if name != "otel-collector")
 
@@ -138,7 +151,7 @@ def test_published_ports_match_the_configs(services: dict[str, dict]) -> None:
 def test_published_ports_are_loopback_only(services: dict[str, dict]) -> None:
     # Anonymous Grafana admin and the demo's /debug/hang stay off the network.
     entries = [str(port) for svc in services.values() for port in svc.get("ports", [])]
-    assert len(entries) == 7
+    assert len(entries) == 8
     for entry in entries:
         assert entry.startswith("127.0.0.1:"), entry
 
@@ -146,7 +159,7 @@ def test_published_ports_are_loopback_only(services: dict[str, dict]) -> None:
 def test_collector_exports_to_compose_services(services: dict[str, dict]) -> None:
     collector_cfg = load_yaml(COLLECTOR_CONFIG)
     for ref, exporter in collector_cfg["exporters"].items():
-        if "endpoint" in exporter:
+        if "endpoint" in exporter and component_type(ref) != "prometheus":  # a pull exporter listens
             host, _ = host_port(exporter["endpoint"])
             assert host in services, f"{ref} sends to {host}, not a compose service"
     # Jaeger v2 binds its receivers to localhost unless JAEGER_LISTEN_HOST says otherwise.
@@ -238,3 +251,15 @@ def test_python_services_install_cpu_torch_then_servewatch_from_a_copy(services:
         assert venv_volume in services[name]["volumes"]
         assert services[name]["environment"]["PATH"].startswith("/opt/venv/bin:")
         assert services[name]["environment"]["SERVEWATCH_DATA_DIR"] == "/var/lib/servewatch"
+
+
+def test_the_collectors_persistent_queues_live_on_its_volume(services: dict[str, dict], compose: dict) -> None:
+    collector = services["otel-collector"]
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in collector["volumes"]}
+    dirs = file_storage_dirs(load_yaml(COLLECTOR_CONFIG))
+    assert dirs
+    for ref, directory in dirs.items():
+        mount = next((t for t in volumes if PurePosixPath(directory) == PurePosixPath(t) or PurePosixPath(t) in PurePosixPath(directory).parents), None)
+        assert mount is not None, f"{ref}: {directory} is not on a volume (a container restart would lose the queue)"
+        assert volumes[mount] in compose["volumes"], f"{ref}: {volumes[mount]} is not a named volume"
+    assert collector["user"] == "0:0"  # a named volume is created owned by root

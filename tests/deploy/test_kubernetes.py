@@ -3,7 +3,9 @@
 Schemas come from the kubernetes-validate package (schemas for each Kubernetes minor version ship
 inside it; strict mode rejects unknown fields). The path checked end to end:
 servewatch sidecar -> Service otel-agent -> agent DaemonSet's OTLP receiver -> its exporter ->
-Service otel-gateway -> gateway Deployment's OTLP receiver.
+Service otel-gateway -> gateway StatefulSet's OTLP receiver; every exporter between collectors
+and to the backend queues on disk (file_storage) on a volume of its pod, and servewatch's own
+metrics reach the gateway's Prometheus exporter, with the alert rule and dashboard beside it.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ import yaml
 
 from tests.deploy import (
     COMPOSE_FILE,
+    GRAFANA_DASHBOARDS,
     KUBERNETES_DIR,
     PINNED_IMAGE,
+    PROMETHEUS_RULES,
     REPO_ROOT,
     collector_problems,
+    file_storage_dirs,
     host_port,
     iter_exporters,
     load_yaml,
     load_yaml_documents,
     otlp_receiver_ports,
+    persistent_queue_problems,
 )
 
 #: Kubernetes minor the manifests target (kubernetes-validate 1.37 ships its schemas).
@@ -152,9 +158,10 @@ def test_manifests_cover_sidecar_agent_and_gateway() -> None:
     assert kinds == [
         "ConfigMap/otel-agent-config",
         "ConfigMap/otel-gateway-config",
+        "ConfigMap/servewatch-grafana-dashboard",
+        "ConfigMap/servewatch-prometheus-rules",
         "DaemonSet/otel-agent",
         "DaemonSet/servewatch-fleet",
-        "Deployment/otel-gateway",
         "Deployment/sglang",
         "Namespace/inference",
         "Namespace/observability",
@@ -163,6 +170,7 @@ def test_manifests_cover_sidecar_agent_and_gateway() -> None:
         "Service/otel-gateway-headless",
         "Service/servewatch-fleet",
         "Service/sglang-multinode",
+        "StatefulSet/otel-gateway",
         "StatefulSet/sglang-multinode",
     ]
     namespaces = {doc["metadata"]["name"] for _, doc in DOCS if doc["kind"] == "Namespace"}
@@ -266,7 +274,7 @@ def test_agent_forwards_to_the_gateway_service_and_port() -> None:
     service, port = service_for(exporter["endpoint"], agent["metadata"]["namespace"])
     assert service["metadata"]["name"] == "otel-gateway"
     gateway = backing_workload(service)
-    assert gateway["kind"] == "Deployment" and gateway["spec"]["replicas"] >= 2
+    assert gateway["kind"] == "StatefulSet" and gateway["spec"]["replicas"] >= 2
     gateway_grpc = otlp_receiver_ports(collector_config(gateway))["grpc"]
     assert gateway_grpc[0] == "0.0.0.0"
     assert target_container_port(service, port, gateway) == gateway_grpc[1]
@@ -283,7 +291,7 @@ def test_gateway_service_ports_match_the_gateway_receivers() -> None:
 
 
 def test_collectors_are_probed_on_their_health_check_extension() -> None:
-    for kind, name in (("DaemonSet", "otel-agent"), ("Deployment", "otel-gateway")):
+    for kind, name in (("DaemonSet", "otel-agent"), ("StatefulSet", "otel-gateway")):
         workload = find(kind, name, "observability")
         (c,) = pod_spec(workload)["containers"]
         health_port = host_port(collector_config(workload)["extensions"]["health_check"]["endpoint"])[1]
@@ -298,3 +306,58 @@ def test_sidecar_image_is_built_from_the_pinned_python_base() -> None:
     (base,) = re.findall(r"^FROM\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert base == load_yaml(COMPOSE_FILE)["x-python"]["image"]
     assert re.search(r'^ENTRYPOINT \["servewatch"\]$', dockerfile, flags=re.MULTILINE)
+
+
+def _volume_at(workload: dict[str, Any], directory: str) -> dict[str, Any]:
+    """The pod volume (or claim template) the collector's ``directory`` lives on."""
+    (c,) = pod_spec(workload)["containers"]
+    mount = next((m for m in c["volumeMounts"] if Path(directory) == Path(m["mountPath"]) or Path(m["mountPath"]) in Path(directory).parents), None)
+    assert mount is not None, f"{directory} is on no volume: the queue would be in the container's own layer"
+    for volume in pod_spec(workload).get("volumes", []):
+        if volume["name"] == mount["name"]:
+            return volume
+    (claim,) = [t for t in workload["spec"].get("volumeClaimTemplates", []) if t["metadata"]["name"] == mount["name"]]
+    return {"persistentVolumeClaim": claim}
+
+
+def test_node_agent_and_gateway_queue_on_disk_and_never_give_up() -> None:
+    agent = find("DaemonSet", "otel-agent", "observability")
+    gateway = find("StatefulSet", "otel-gateway", "observability")
+    for workload in (agent, gateway):
+        config = collector_config(workload)
+        assert persistent_queue_problems(config) == [], workload["metadata"]["name"]
+        assert file_storage_dirs(config)
+    # the agent's loadbalancing exporter queues at its own level (outliving per-replica exporters)
+    lb = collector_config(agent)["exporters"]["loadbalancing/gateway"]
+    assert lb["sending_queue"]["storage"] == "file_storage/queue"
+    # the agent (baseline Pod Security: no hostPath) keeps its queue on an emptyDir: a container restart
+    (agent_dir,) = file_storage_dirs(collector_config(agent)).values()
+    assert "emptyDir" in _volume_at(agent, agent_dir)
+    assert find("Namespace", "observability")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+    # each gateway replica on its own claim, writable by the collector's user
+    (gateway_dir,) = file_storage_dirs(collector_config(gateway)).values()
+    claim = _volume_at(gateway, gateway_dir)["persistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+    assert pod_spec(gateway)["securityContext"]["fsGroup"] == 10001
+    assert gateway["spec"]["serviceName"] == "otel-gateway-headless"
+
+
+def test_the_gateway_serves_servewatch_metrics_to_prometheus_with_the_alert_and_dashboard() -> None:
+    gateway = find("StatefulSet", "otel-gateway", "observability")
+    config = collector_config(gateway)
+    (ref, exporter), = iter_exporters(config, "prometheus")
+    assert config["service"]["pipelines"]["metrics"]["exporters"] == [ref]
+    port = host_port(exporter["endpoint"])[1]
+    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == port
+    (c,) = pod_spec(gateway)["containers"]
+    assert port in {p["containerPort"] for p in c["ports"]}
+    # the agents send servewatch's metrics to the gateway (otlp_grpc/gateway in their metrics pipeline)
+    agent = collector_config(find("DaemonSet", "otel-agent", "observability"))
+    assert agent["service"]["pipelines"]["metrics"]["exporters"] == ["otlp_grpc/gateway"]
+    # the alert rule and the dashboard are the demo stack's own files
+    rules = find("ConfigMap", "servewatch-prometheus-rules", "observability")
+    assert rules["data"]["servewatch.yaml"] == PROMETHEUS_RULES.read_text()
+    dashboard = find("ConfigMap", "servewatch-grafana-dashboard", "observability")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["servewatch-delivery.json"] == (GRAFANA_DASHBOARDS / "servewatch-delivery.json").read_text()

@@ -165,12 +165,12 @@ def test_node_agents_route_traces_by_trace_id_to_the_gateway_replicas() -> None:
     service = find("Service", labels[0], labels[1])
     assert service["spec"]["clusterIP"] == "None"  # resolves to every replica, not one virtual IP
     gateway = backing_workload(service)
-    assert gateway["kind"] == "Deployment" and gateway["spec"]["replicas"] >= 2
+    assert gateway["kind"] == "StatefulSet" and gateway["spec"]["replicas"] >= 2
     assert target_container_port(service, int(dns["port"]), gateway) == otlp_receiver_ports(collector_config(gateway))["grpc"][1]
 
 
 def test_the_gateway_tail_samples_and_keeps_every_incident_trace() -> None:
-    gateway = find("Deployment", "otel-gateway", "observability")
+    gateway = find("StatefulSet", "otel-gateway", "observability")
     config = collector_config(gateway)
     assert collector_problems(config) == []
     traces = config["service"]["pipelines"]["traces"]

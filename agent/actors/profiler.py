@@ -632,6 +632,8 @@ class ProfilerActor:
             )
         if state == "cancelled":
             return s.result(Outcome.ALREADY_STOPPED, f"session cancelled before it started{note}")
+        if state == "refused":  # the server's own profiler ran at the start step: left alone
+            return s.result(Outcome.REFUSED, str(info.get("error") or "the server is already profiling"), retryable=True)
         err = info.get("error") or "the session produced no trace file"
         return await s.aresult(Outcome.FAILED, f"{state}: {err}{' (stopped by servewatch)' if stopped_by_us else ''}", files)
 

@@ -17,6 +17,7 @@ Session life (``state``)::
        |                                                 '--(deadline: next step)-------> expired
        |--(request_stop, any thread)---> cancelled        (no profiler was ever started)
        '--(deadline passed, no step came)--> expired       (steps_captured=0, no profiler started)
+       |--(another torch profiler runs at the start step)--> refused   (nothing started)
     any start/stop/export error, or no file written ---> failed
 
 Wall-clock bound (``max_duration_s``, from the request): a session that has not started when
@@ -26,6 +27,15 @@ marked ``stopping`` and is stopped and exported at the next step on its own thre
 server never steps again the profiler stays open - no API can stop it elsewhere. Deadlines are
 evaluated at each step and whenever a client looks (:func:`status`, :func:`wait`,
 :func:`request_profile`, :func:`request_stop`); no extra thread is started.
+
+Never take down the server profiled: a torch profiler already running in this process (the
+server's own, e.g. SGLang's ``/start_profile`` in progress or an always-on
+``torch.profiler.profile()``) is never joined, ended or stopped. :func:`request_profile` refuses
+("the server is already profiling") while one runs (``torch.autograd.profiler._is_profiler_enabled``
+or the autograd/kineto state ``torch.autograd._profiler_enabled()``), and a pending session whose
+start step finds one ends as ``refused`` without starting anything. Only the profiler this module
+started is ever stopped (starting a second kineto session ends the first one; stopping the
+operator's later crashed the server with SIGSEGV).
 
 Counting: the session starts in the hook of step ``s`` (``forward_ct == s``); each later step
 is one captured step; in the hook of step ``s + N`` the profiler is stopped instead of stepped.
@@ -441,6 +451,9 @@ def _on_step(n: int) -> None:
                 return
             if s.request.start_step is not None and n < s.request.start_step:
                 return
+            if s.request.backend == "torch" and foreign_profiler_active():
+                _finish_locked(s, "refused", error=ALREADY_PROFILING)
+                return
             s.owner_thread = me
             s.forward_ct_at_start = n
             s.state = "running"
@@ -494,6 +507,28 @@ def _on_step(n: int) -> None:
             _finish_locked(s, final)
 
 
+#: Why a session is refused while the server's own profiler runs (control-socket error detail).
+ALREADY_PROFILING = "the server is already profiling (a torch profiler servewatch did not start is running); not started"
+
+
+def foreign_profiler_active() -> bool:
+    """Whether a torch profiler this module did not start runs in this process (torch imported
+    only if the server already did): ``torch.autograd.profiler._is_profiler_enabled`` (set by
+    ``profile.__enter__``/``start``) or autograd's profiler state (kineto, per
+    ``torch.autograd._profiler_enabled()``). Call with no session of ours running."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
+            return True
+        return bool(torch.autograd._profiler_enabled())
+    except Exception:  # noqa: BLE001 - a torch without these: cannot tell, assume none
+        return False
+
+
 def _nonempty(path: str) -> bool:
     try:
         p = Path(path)
@@ -519,7 +554,8 @@ def request_profile(req: ProfileRequest) -> str:
 
     Raises:
         ProfilerBusyError: a session is already pending or running (start while running is
-            refused; stop it first).
+            refused; stop it first), or a torch profiler servewatch did not start runs in this
+            process (the server is already profiling: never joined nor stopped).
         ImportError: the backend's library (torch / mlx) is not importable in this process.
     """
     global _current
@@ -535,6 +571,8 @@ def request_profile(req: ProfileRequest) -> str:
             raise ProfilerBusyError(
                 f"profiling session {cur.session_id} is already {cur.state}; stop it first (profile.stop)"
             )
+        if req.backend == "torch" and foreign_profiler_active():
+            raise ProfilerBusyError(ALREADY_PROFILING)
         sid = f"{next(_seq)}-{os.urandom(4).hex()}"
         s = _Session(
             session_id=sid,

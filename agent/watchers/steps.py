@@ -308,20 +308,45 @@ class MetricsPreset(BaseModel):
     """Metric names of one server's ``/metrics``.
 
     Attributes:
-        counter: a counter that grows while the server makes progress (full sample name,
-            ``_total`` included, as the server exposes it).
+        counter: a counter that grows on every engine step while the server makes progress (full
+            sample name, ``_total`` / ``_count`` included, as the server exposes it).
+        fallback_counters: counters tried in order when ``counter`` is absent (older releases).
         busy_gauge: a gauge that is ``> 0`` while work is running.
+        queued_gauge: a gauge of requests waiting to be scheduled, added to ``busy_gauge``: a
+            server with queued requests and no step is stalled too.
+        summed_labels: labels of the counter summed over (a category label such as SGLang's
+            ``mode``: one progress series per engine, not per category).
     """
 
     counter: str
+    fallback_counters: tuple[str, ...] = ()
     busy_gauge: str
+    queued_gauge: str | None = None
+    summed_labels: tuple[str, ...] = ()
 
 
 #: Built-in presets, per SGLang's and vLLM's ``/metrics`` (SGLang needs ``--enable-metrics``).
-#: SGLang has no forward-step metric, so generated tokens stand in for progress.
+#: Progress is a series that advances on every engine step, prefill-only steps too: a long
+#: chunked prefill (minutes; vLLM #25677) generates no token while the engine works, and is no
+#: stall. vLLM: ``vllm:iteration_tokens_total`` is a histogram with one observation per engine
+#: step (its ``_count``). SGLang: ``sglang:cuda_graph_passes_total{mode}`` counts forward passes
+#: (prefill and decode, with or without CUDA graphs); before it existed,
+#: ``sglang:realtime_tokens_total{mode}`` (prefill and decode tokens, per log interval), then
+#: generated tokens. Busy is running plus queued (waiting) requests, for both.
 PRESETS: dict[str, MetricsPreset] = {
-    "sglang": MetricsPreset(counter="sglang:generation_tokens_total", busy_gauge="sglang:num_running_reqs"),
-    "vllm": MetricsPreset(counter="vllm:generation_tokens_total", busy_gauge="vllm:num_requests_running"),
+    "sglang": MetricsPreset(
+        counter="sglang:cuda_graph_passes_total",
+        fallback_counters=("sglang:realtime_tokens_total", "sglang:generation_tokens_total"),
+        busy_gauge="sglang:num_running_reqs",
+        queued_gauge="sglang:num_queue_reqs",
+        summed_labels=("mode",),
+    ),
+    "vllm": MetricsPreset(
+        counter="vllm:iteration_tokens_total_count",
+        fallback_counters=("vllm:generation_tokens_total",),
+        busy_gauge="vllm:num_requests_running",
+        queued_gauge="vllm:num_requests_waiting",
+    ),
 }
 
 
@@ -460,12 +485,20 @@ class PrometheusStepSource:
         self.url = url
         self.pid = pid
         self.preset = preset
+        #: the progress counter in use (the first of the candidates the server exposes)
         self.counter = counter_name
-        self.busy_gauge = gauge_name
         self.timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
-        self._counter_names = _sample_names(counter_name)
-        self._gauge_names = frozenset({gauge_name})
+        #: counter names tried in order; an explicit ``counter`` is the only one
+        self.counters: tuple[str, ...] = (counter_name,) if counter or base is None else (counter_name, *base.fallback_counters)
+        gauges = [gauge_name] + ([base.queued_gauge] if base is not None and not busy_gauge and base.queued_gauge else [])
+        #: busy = the sum of these gauges (running, and queued where the preset has it)
+        self.busy_gauges: tuple[str, ...] = tuple(gauges)
+        self.busy_gauge = " + ".join(gauges)
+        self._summed_labels = frozenset(base.summed_labels if base is not None and not counter else ())
+        self._canonical = {name: c for c in self.counters for name in _sample_names(c)}
+        self._counter_names = frozenset(self._canonical)
+        self._gauge_names = frozenset(gauges)
         # a sample line starts with its name, then labels or a space
         self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names) for c in "{ \t")
         self._client = client
@@ -512,15 +545,17 @@ class PrometheusStepSource:
         if parsed is None:
             return None
         counters, gauges, present = parsed
-        missing = [n for n, seen in ((self.counter, counters), (self.busy_gauge, gauges)) if not seen]
+        wanted_names = ((self.counters, counters), (self.busy_gauges[:1], gauges))
+        missing = [names for names, seen in wanted_names if not seen]
         if missing:
             preset = f" (preset {self.preset})" if self.preset else ""
             hints = []
-            for name in missing:
-                similar = _similar_names(name, present)
-                hints.append(f"{name}: " + (f"similar names there: {', '.join(similar)}" if similar else "nothing similar"))
+            for names in missing:
+                similar = list(dict.fromkeys(n for name in names for n in _similar_names(name, present)))[:4]
+                hints.append(f"{names[-1]}: " + (f"similar names there: {', '.join(similar)}" if similar else "nothing similar"))
+            said = " and ".join(names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})" for names in missing)
             self._blind(
-                f"{' and '.join(missing)} absent from {self.url}{preset}; expected counter {self.counter} and"
+                f"{said} absent from {self.url}{preset}; expected counter {' or '.join(self.counters)} and"
                 f" gauge {self.busy_gauge}; " + "; ".join(hints)
                 + " (wrong --metrics-preset, or the server renamed its metrics: set metrics.counter / metrics.busy_gauge)"
             )
@@ -530,7 +565,7 @@ class PrometheusStepSource:
     def _parse_samples(self, text: str) -> tuple[dict[LabelKey, float], dict[LabelKey, float], set[str]] | None:
         """Counter and gauge values per label set and every sample name in ``text``; ``None``
         (and a blind status) when it does not parse."""
-        counters: dict[LabelKey, float] = {}
+        by_name: dict[str, dict[LabelKey, float]] = {}
         gauges: dict[LabelKey, float] = {}
         present: set[str] = set()
         try:
@@ -538,15 +573,19 @@ class PrometheusStepSource:
                 for sample in family.samples:
                     present.add(sample.name)
                     if sample.name in self._counter_names:
-                        key = tuple(sorted(sample.labels.items()))
-                        counters[key] = counters.get(key, 0.0) + float(sample.value)
+                        key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in self._summed_labels))
+                        values = by_name.setdefault(self._canonical[sample.name], {})
+                        values[key] = values.get(key, 0.0) + float(sample.value)
                     elif sample.name in self._gauge_names:
                         key = tuple(sorted(sample.labels.items()))
                         gauges[key] = gauges.get(key, 0.0) + float(sample.value)
         except (ValueError, TypeError, IndexError) as exc:
             self._blind(f"answer from {self.url} is not Prometheus text ({str(exc)[:120]})")
             return None
-        return counters, gauges, present
+        chosen = next((c for c in self.counters if by_name.get(c)), None)
+        if chosen is not None:
+            self.counter = chosen
+        return by_name.get(chosen, {}) if chosen else {}, gauges, present
 
     def _checked(
         self, counters: dict[LabelKey, float], gauges: dict[LabelKey, float]

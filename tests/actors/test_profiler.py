@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pydantic
 import pytest
 
@@ -278,3 +279,24 @@ def test_a_trace_bundle_is_made_private_without_following_a_symlink_in_it(tmp_pa
                      "capture.gputrace/sub/part.bin": 0o600, "capture.gputrace/index": 0o600}
     assert stat.S_IMODE(outside.stat().st_mode) == 0o644
     assert stat.S_IMODE(single.stat().st_mode) == 0o600
+
+
+async def test_sdk_never_starts_or_stops_a_profiler_the_server_is_running_itself(launch, tmp_path: Path) -> None:
+    # the server's own torch.profiler runs (an always-on profile, SGLang's /start_profile): the
+    # SDK refuses and leaves it alone; the server later stops it and exports its trace, alive
+    own = tmp_path / "own.trace.json"
+    proc, line = launch("profiled_model.py", "--own-profiler-steps", "400", "--own-trace", str(own), "--max-runtime-s", "60")
+    pid = int(line.split()[1])
+    assert proc.stdout is not None
+    assert (await anyio.to_thread.run_sync(proc.stdout.readline)).decode().strip() == "OWN-PROFILING"
+    result = await profile_once(_sdk_config(tmp_path), pid=pid, steps=2, out_dir=tmp_path / "out", timeout_s=20)
+    assert result.outcome is Outcome.REFUSED, result.detail
+    assert "the server is already profiling" in result.detail
+    assert not result.artifact_paths
+    with anyio.fail_after(60):
+        said = (await anyio.to_thread.run_sync(proc.stdout.readline)).decode().strip()
+    assert said == f"OWN-TRACE {own}" and proc.poll() is None  # its own stop and export worked
+    assert '"traceEvents"' in own.read_text()
+    # once its profiler is done, servewatch may profile
+    after = await profile_once(_sdk_config(tmp_path), pid=pid, steps=2, out_dir=tmp_path / "out2", timeout_s=30)
+    assert after.outcome is Outcome.OK, after.detail

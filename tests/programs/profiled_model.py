@@ -7,6 +7,11 @@ requests (each request lives ``--request-steps`` steps, in a ``request_span``). 
 seconds whatever happens (a test target must never outlive its test).
 
     python tests/programs/profiled_model.py [--step-sleep-s 0.01] [--idle] [--hang-after-steps N] [--socket PATH]
+        [--own-profiler-steps N --own-trace PATH]
+
+``--own-profiler-steps N``: the server's own code runs a ``torch.profiler.profile()`` from the start
+(prints ``OWN-PROFILING``) until step N, then stops it and exports ``--own-trace`` (prints
+``OWN-TRACE <path>``), as an operator's always-on profiler or SGLang's ``/start_profile`` does.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def main() -> int:
                     help="after this many steps, hang inside the next forward with work pending (a stalled rank)")
     ap.add_argument("--socket", default=None, help="control socket path (default: from the pid)")
     ap.add_argument("--max-runtime-s", type=float, default=120.0)
+    ap.add_argument("--own-profiler-steps", type=int, default=0, help="the server's own profiler runs until this step")
+    ap.add_argument("--own-trace", default="", help="where the server's own profiler exports its trace")
     args = ap.parse_args()
 
     with warnings.catch_warnings():
@@ -61,6 +68,11 @@ def main() -> int:
             span = tracing.request_span(rid, model="tiny-mlp", max_tokens=args.request_steps, input_tokens=8)
             active.append((stack, stack.enter_context(span), 0))
 
+    own = None
+    if args.own_profiler_steps:
+        own = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        own.start()
+        print("OWN-PROFILING", flush=True)
     try:
         admit()
         while time.monotonic() < deadline:
@@ -81,6 +93,11 @@ def main() -> int:
                 active.pop(i)[0].close()
             admit()
             sdk.step(pending=len(active))
+            if own is not None and sdk.forward_ct() >= args.own_profiler_steps:
+                own.stop()
+                own.export_chrome_trace(args.own_trace)
+                own = None
+                print(f"OWN-TRACE {args.own_trace}", flush=True)
             time.sleep(args.step_sleep_s)
     finally:
         for stack, _, _ in active:

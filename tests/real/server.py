@@ -2,7 +2,8 @@
 ``bench/bench_real_vllm.py``).
 
 A :class:`VllmServer` is one server: ``vllm serve <tiny model>`` on ``127.0.0.1:<free port>``
-with ``--max-model-len 256 --enforce-eager --dtype float32 --max-num-seqs 8``, the torch
+with ``--max-model-len 256 --enforce-eager --dtype float32 --max-num-seqs 8
+--max-num-batched-tokens 32`` (a 200-token prompt is a chunked prefill of 7 steps), the torch
 profiler configured (``--profiler-config``, traces in :attr:`VllmServer.profile_dir`),
 ``VLLM_CPU_KVCACHE_SPACE=1``, tensor parallel ``tp`` (1 or 2), its own session (``setsid``) and a
 log file. float32, not bfloat16: on a CPU that reports ``amx_tile`` without ``amx_bf16`` (these
@@ -140,6 +141,8 @@ class VllmServer:
             str(install.vllm), "serve", str(install.model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
             "--max-model-len", "256", "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "8",
+            # chunked prefill in steps of 32 tokens: a long prompt is several prefill-only steps
+            "--max-num-batched-tokens", "32",
             "--tensor-parallel-size", str(tp),
             "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(workdir / "profiles")}),
             *extra_args,
@@ -328,6 +331,12 @@ class VllmServer:
             stop.set()
             for t in threads:
                 t.join(timeout=request_timeout_s + 5)
+
+    def tokens(self, text: str, timeout_s: float = 30.0) -> int:
+        """How many tokens ``text`` is for the served model (``POST /tokenize``)."""
+        r = httpx.post(f"{self.url}/tokenize", json={"model": MODEL_NAME, "prompt": text}, timeout=timeout_s)
+        r.raise_for_status()
+        return int(r.json()["count"])
 
     def metrics(self, timeout_s: float = 10.0) -> str:
         r = httpx.get(f"{self.url}/metrics", timeout=timeout_s)

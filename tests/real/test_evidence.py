@@ -1,17 +1,22 @@
-"""Evidence servewatch gathers from a real vLLM worker: the Flight Recorder step asks only a real
-debug endpoint (issue 21 item 7), and ``profile --pid <worker>`` points at the server's HTTP port,
-not a gloo port (item 8)."""
+"""Evidence servewatch gathers from a real vLLM server: the Flight Recorder step asks only a real
+debug endpoint (issue 21 item 7), ``profile --pid <worker>`` points at the server's HTTP port, not
+a gloo port (item 8), and a SIGSTOPped EngineCore is dumped with ``py-spy --nonblocking`` and said
+to be stopped (item 12)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import anyio
+
 from agent.actors.flightrec import FlightRecorderActor, FlightRecorderConfig
+from agent.actors.pyspy import PySpyActor
 from agent.events import IncidentOpened, Outcome, Trigger, now_ns
-from agent.targets import discover
+from agent.targets import ProcessState, discover, process_state
 from tests.real.server import VllmServer
 
 
@@ -28,6 +33,24 @@ def test_profile_pid_of_a_vllm_worker_suggests_the_servers_http_port(vllm_tp1: V
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert f"is a vLLM process without the SDK: profile it with --url {vllm_tp1.url}" in proc.stderr, proc.stderr
+
+
+async def test_a_sigstopped_engine_core_is_dumped_nonblocking_and_said_stopped(vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    core = vllm_tp1.engine_core()
+    vllm_tp1.sigstop(core)  # SIGCONT at the test's end (the fixture)
+    deadline = time.monotonic() + 10
+    while process_state(core.pid) is not ProcessState.STOPPED:
+        assert time.monotonic() < deadline
+        await anyio.sleep(0.05)
+    (target,) = discover(pids=[core.pid])
+    result = await PySpyActor().act(_opened(), target, timeout_s=30, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.detail.startswith(f"pid {core.pid} is stopped (state T: SIGSTOP or a debugger")
+    assert result.attributes["servewatch.pyspy.target_stopped"] is True
+    assert result.attributes["servewatch.pyspy.nonblocking"] is True
+    stacks = Path(result.artifact_paths[0]).with_suffix(".txt").read_text()
+    assert "VLLM::EngineCore" in stacks and "vllm/v1/engine/core.py" in stacks
+    assert process_state(core.pid) is ProcessState.STOPPED  # left as the operator left it
 
 
 async def test_flight_recorder_on_vllm_workers_is_not_available_not_an_error(vllm_tp2: VllmServer, tmp_path: Path) -> None:

@@ -165,7 +165,10 @@ async def test_wrong_preset_names_the_expected_metrics_and_similar_ones_that_exi
         statuses, _ = await _metrics_blind(srv.base, preset="sglang")
     blind = statuses[1]
     assert blind.state == "blind"
-    assert "sglang:generation_tokens_total and sglang:num_running_reqs absent" in blind.reason
+    assert (
+        "sglang:cuda_graph_passes_total (or sglang:realtime_tokens_total, sglang:generation_tokens_total)"
+        " and sglang:num_running_reqs absent"
+    ) in blind.reason
     assert "similar names there: vllm:generation_tokens_total" in blind.reason
     assert "preset sglang" in blind.reason
 
@@ -175,7 +178,7 @@ async def test_wrong_preset_names_the_expected_metrics_and_similar_ones_that_exi
     [
         ({"counter_value": "NaN"}, "counter sglang:generation_tokens_total is NaN"),
         ({"counter_value": "+Inf"}, "counter sglang:generation_tokens_total is +Inf"),
-        ({"gauge_value": "+Inf"}, "gauge sglang:num_running_reqs is +Inf"),
+        ({"gauge_value": "+Inf"}, "gauge sglang:num_running_reqs + sglang:num_queue_reqs is +Inf"),
         ({"counter_value": "1e300"}, "counter sglang:generation_tokens_total overflows"),
     ],
 )

@@ -126,8 +126,9 @@ async def test_discover_shm_counters_finds_live_writers_only(spawn, python, tmp_
 @pytest.mark.parametrize(
     ("kwargs", "counter", "gauge"),
     [
-        ({"preset": "sglang"}, "sglang:generation_tokens_total", "sglang:num_running_reqs"),
-        ({"preset": "vllm"}, "vllm:generation_tokens_total", "vllm:num_requests_running"),
+        # the fake server has no per-step series: the presets fall back to generated tokens
+        ({"preset": "sglang"}, "sglang:generation_tokens_total", "sglang:num_running_reqs + sglang:num_queue_reqs"),
+        ({"preset": "vllm"}, "vllm:generation_tokens_total", "vllm:num_requests_running + vllm:num_requests_waiting"),
         ({"preset": None, "counter": "fake:progress_total", "busy_gauge": "fake:busy"}, "fake:progress_total", "fake:busy"),
         # the family name without "_total" (as prometheus_client's parser reports counters)
         ({"preset": "sglang", "counter": "fake:progress", "busy_gauge": "fake:busy"}, "fake:progress", "fake:busy"),
@@ -138,8 +139,8 @@ async def test_prometheus_source_reads_the_fake_servers_metrics(spawn, tmp_path:
     server = fake_server.start(spawn, env=server_env(tmp_path))
     source = PrometheusStepSource(server.metrics_url, **kwargs)
     try:
-        assert (source.counter, source.busy_gauge) == (counter, gauge)
         first = await _reading(source)
+        assert (source.counter, source.busy_gauge) == (counter, gauge)
         assert first.busy
         assert first.pid is None
         assert first.last_progress_monotonic_ns == first.read_monotonic_ns  # clock starts at first scrape
@@ -372,3 +373,44 @@ async def test_shm_source_reads_on_the_loop_only_from_a_memory_filesystem(spawn,
     finally:
         if memory:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+# SGLang's /metrics as its documentation lays it out (production_metrics: scheduler labels,
+# `sglang:cuda_graph_passes_total{mode}` one per forward pass, running and queued gauges).
+_SGLANG_METRICS = """\
+# HELP sglang:cuda_graph_passes_total Forward passes categorized by graph use.
+# TYPE sglang:cuda_graph_passes_total counter
+sglang:cuda_graph_passes_total{{engine_type="unified",mode="prefill_none",model_name="m",tp_rank="0"}} {prefill}
+sglang:cuda_graph_passes_total{{engine_type="unified",mode="decode_cuda_graph",model_name="m",tp_rank="0"}} {decode}
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{{engine_type="unified",model_name="m",tp_rank="0"}} 40.0
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{engine_type="unified",model_name="m",tp_rank="0"}} {running}
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{engine_type="unified",model_name="m",tp_rank="0"}} {queued}
+"""
+
+
+async def test_sglang_preset_counts_forward_passes_of_every_mode_as_one_series_and_queued_as_busy() -> None:
+    from tests.watchers.scripted_http import scripted_http
+
+    state = {"prefill": 3.0, "decode": 10.0, "running": 0.0, "queued": 2.0}
+    with scripted_http() as srv:
+        srv.route("/metrics", lambda _req: (200, {}, _SGLANG_METRICS.format(**state).encode()))
+        source = PrometheusStepSource(srv.base + "/metrics", preset="sglang", timeout_s=5.0)
+        try:
+            first = await source.read_series()
+            state["prefill"] = 4.0  # a prefill-only pass: no token generated, still progress
+            second = await source.read_series()
+        finally:
+            await source.aclose()
+    assert first is not None and second is not None
+    assert source.counter == "sglang:cuda_graph_passes_total"
+    assert [r.series for r in second] == ['engine_type="unified",model_name="m",tp_rank="0"']  # modes summed
+    assert (first[0].forward_ct, second[0].forward_ct) == (13, 14)
+    assert second[0].last_progress_monotonic_ns == second[0].read_monotonic_ns
+    # nothing running but requests queued: busy (a server that schedules nothing is stalled)
+    assert first[0].busy and second[0].busy

@@ -70,6 +70,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("record_function", (), ("--calls", "2000", "--repeat", "1")),
     Bench("trace_import", ("--repeat", "3"), ("--layouts", "torch-cpu,synthetic", "--steps", "5", "--size-mb", "1", "--repeat", "1")),
     Bench("serving_overhead", ("--rounds", "4", "--window-s", "20"), ("--rounds", "1", "--window-s", "2", "--settle-s", "1")),
+    Bench("real_vllm", ("--rounds", "3", "--window-s", "20"), ("--rounds", "1", "--window-s", "3", "--watch-s", "5"), timeout_s=2400.0),
     Bench("soak", ("--duration", "600", "--warmup-s", "120"), ("--duration", "20", "--warmup-s", "5", "--sample-s", "5"), timeout_s=5400.0),
 )
 

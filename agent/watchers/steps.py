@@ -316,6 +316,8 @@ class MetricsPreset(BaseModel):
             server with queued requests and no step is stalled too.
         summed_labels: labels of the counter summed over (a category label such as SGLang's
             ``mode``: one progress series per engine, not per category).
+        step_gauges: gauges the engine republishes at every step: any change of one is a step
+            even when the counter stands still.
     """
 
     counter: str
@@ -323,13 +325,18 @@ class MetricsPreset(BaseModel):
     busy_gauge: str
     queued_gauge: str | None = None
     summed_labels: tuple[str, ...] = ()
+    step_gauges: tuple[str, ...] = ()
 
 
 #: Built-in presets, per SGLang's and vLLM's ``/metrics`` (SGLang needs ``--enable-metrics``).
 #: Progress is a series that advances on every engine step, prefill-only steps too: a long
 #: chunked prefill (minutes; vLLM #25677) generates no token while the engine works, and is no
 #: stall. vLLM: ``vllm:iteration_tokens_total`` is a histogram with one observation per engine
-#: step (its ``_count``). SGLang: ``sglang:cuda_graph_passes_total{mode}`` counts forward passes
+#: step that produced output (its ``_count``; measured on vLLM 0.32: a 198-token prompt prefilled
+#: in 7 chunks of 32 tokens counts once, at its first token). Its scheduler statistics, though,
+#: reach ``/metrics`` after every step, outputs or not (``Scheduler.update_from_output``: "we must
+#: return the stats even if there are no request outputs this step"), and a prefill chunk
+#: allocates KV blocks: a change of ``vllm:kv_cache_usage_perc`` is a step too. SGLang: ``sglang:cuda_graph_passes_total{mode}`` counts forward passes
 #: (prefill and decode, with or without CUDA graphs); before it existed,
 #: ``sglang:realtime_tokens_total{mode}`` (prefill and decode tokens, per log interval), then
 #: generated tokens. Busy is running plus queued (waiting) requests, for both.
@@ -346,6 +353,7 @@ PRESETS: dict[str, MetricsPreset] = {
         fallback_counters=("vllm:generation_tokens_total",),
         busy_gauge="vllm:num_requests_running",
         queued_gauge="vllm:num_requests_waiting",
+        step_gauges=("vllm:kv_cache_usage_perc",),
     ),
 }
 
@@ -392,19 +400,27 @@ def _similar_names(wanted: str, present: Iterable[str], limit: int = 4) -> list[
 class _SeriesTrack:
     """Progress bookkeeping of one counter series."""
 
-    __slots__ = ("last_progress_ns", "missed", "restarts", "value")
+    __slots__ = ("last_progress_ns", "mark", "missed", "restarts", "value")
 
     def __init__(self) -> None:
         self.value: float | None = None
+        #: the step gauges' values at the last reading (a change is a step)
+        self.mark: tuple[float, ...] | None = None
         self.last_progress_ns: int | None = None
         self.restarts = 0
         #: successful scrapes in a row without this series
         self.missed = 0
 
-    def observe(self, value: float, seen_ns: int) -> bool:
-        """Record a reading; returns whether the counter went backwards (a restart)."""
+    def observe(self, value: float, seen_ns: int, mark: tuple[float, ...] | None = None) -> bool:
+        """Record a reading (``mark``: the step gauges' values, a change of which is a step with
+        the counter unchanged); returns whether the counter went backwards (a restart)."""
         previous = self.value
         self.value = value
+        previous_mark, self.mark = self.mark, mark
+        if previous is not None and value == previous and mark is not None and previous_mark is not None and mark != previous_mark:
+            if value > 0 or self.last_progress_ns is not None:
+                self.last_progress_ns = seen_ns
+            return False
         if previous is None:
             if value > 0:
                 self.last_progress_ns = seen_ns
@@ -496,11 +512,14 @@ class PrometheusStepSource:
         self.busy_gauges: tuple[str, ...] = tuple(gauges)
         self.busy_gauge = " + ".join(gauges)
         self._summed_labels = frozenset(base.summed_labels if base is not None and not counter else ())
+        #: gauges whose change is a step (preset only; not with an explicit counter)
+        self.step_gauges: tuple[str, ...] = base.step_gauges if base is not None and not counter else ()
+        self._marks: dict[LabelKey, tuple[float, ...]] = {}
         self._canonical = {name: c for c in self.counters for name in _sample_names(c)}
         self._counter_names = frozenset(self._canonical)
         self._gauge_names = frozenset(gauges)
         # a sample line starts with its name, then labels or a space
-        self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names) for c in "{ \t")
+        self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names | set(self.step_gauges)) for c in "{ \t")
         self._client = client
         self._own_client = client is None
         self._total = _SeriesTrack()
@@ -566,6 +585,7 @@ class PrometheusStepSource:
         """Counter and gauge values per label set and every sample name in ``text``; ``None``
         (and a blind status) when it does not parse."""
         by_name: dict[str, dict[LabelKey, float]] = {}
+        marks: dict[LabelKey, dict[str, float]] = {}
         gauges: dict[LabelKey, float] = {}
         present: set[str] = set()
         try:
@@ -579,12 +599,16 @@ class PrometheusStepSource:
                     elif sample.name in self._gauge_names:
                         key = tuple(sorted(sample.labels.items()))
                         gauges[key] = gauges.get(key, 0.0) + float(sample.value)
+                    if sample.name in self.step_gauges:
+                        key = tuple(sorted(sample.labels.items()))
+                        marks.setdefault(key, {})[sample.name] = float(sample.value)
         except (ValueError, TypeError, IndexError) as exc:
             self._blind(f"answer from {self.url} is not Prometheus text ({str(exc)[:120]})")
             return None
         chosen = next((c for c in self.counters if by_name.get(c)), None)
         if chosen is not None:
             self.counter = chosen
+        self._marks = {k: tuple(v[n] for n in sorted(v)) for k, v in marks.items()}
         return by_name.get(chosen, {}) if chosen else {}, gauges, present
 
     def _checked(
@@ -688,7 +712,7 @@ class PrometheusStepSource:
             if track is None:
                 track = self._series[key] = _SeriesTrack()
             track.missed = 0
-            if track.observe(counters[key], seen_ns):
+            if track.observe(counters[key], seen_ns, self._mark_for(key)):
                 self.restarts += 1
                 restarted.append(series_name(key) or self.counter)
             busy_value = gauges.get(key)
@@ -708,7 +732,8 @@ class PrometheusStepSource:
             )
         if len(self._series) > len(counters):
             self._forget_absent(counters)
-        if self._total.observe(sum(counters.values()), seen_ns) and not restarted:
+        all_marks = tuple(v for k in sorted(self._marks) for v in self._marks[k]) or None
+        if self._total.observe(sum(counters.values()), seen_ns, all_marks) and not restarted:
             restarted.append(self.counter)
         n = len(counters)
         label = f"{n} series" if n > 1 or (n == 1 and next(iter(counters))) else "1 series"
@@ -722,6 +747,17 @@ class PrometheusStepSource:
         else:
             self._state, self._reason = "ready", f"{self.counter} ({label}) and {self.busy_gauge} from {self.url}"
         return readings
+
+    def _mark_for(self, key: LabelKey) -> tuple[float, ...] | None:
+        """The step gauges' values of a counter series: same labels, else the gauge whose labels
+        all match, else none (a gauge that cannot be told apart is no evidence)."""
+        if not self._marks:
+            return None
+        mark = self._marks.get(key)
+        if mark is not None:
+            return mark
+        matching = [m for g, m in self._marks.items() if g and set(g) <= set(key)]
+        return matching[0] if len(matching) == 1 else None
 
     def _forget_absent(self, present: Mapping[LabelKey, float]) -> None:
         """Count one more miss for each tracked series not in ``present``; forget those missing

@@ -3,7 +3,8 @@
 
 A :class:`VllmServer` is one server: ``vllm serve <tiny model>`` on ``127.0.0.1:<free port>``
 with ``--max-model-len 256 --enforce-eager --dtype float32 --max-num-seqs 8
---max-num-batched-tokens 32`` (a 200-token prompt is a chunked prefill of 7 steps), the torch
+--max-num-batched-tokens 32 --block-size 32`` (a 200-token prompt is a chunked prefill of 7
+steps, one KV block each), the torch
 profiler configured (``--profiler-config``, traces in :attr:`VllmServer.profile_dir`),
 ``VLLM_CPU_KVCACHE_SPACE=1``, tensor parallel ``tp`` (1 or 2), its own session (``setsid``) and a
 log file. float32, not bfloat16: on a CPU that reports ``amx_tile`` without ``amx_bf16`` (these
@@ -141,8 +142,10 @@ class VllmServer:
             str(install.vllm), "serve", str(install.model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
             "--max-model-len", "256", "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "8",
-            # chunked prefill in steps of 32 tokens: a long prompt is several prefill-only steps
-            "--max-num-batched-tokens", "32",
+            # chunked prefill in steps of 32 tokens: a long prompt is several prefill-only steps,
+            # each allocating a KV block of 32 (as in production, where a prefill chunk of
+            # thousands of tokens spans many 16-token blocks)
+            "--max-num-batched-tokens", "32", "--block-size", "32",
             "--tensor-parallel-size", str(tp),
             "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(workdir / "profiles")}),
             *extra_args,

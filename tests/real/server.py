@@ -43,7 +43,8 @@ import psutil
 from tests.real.install import Install
 
 LOCK_PATH = Path("/tmp/servewatch-realvllm.lock")
-#: Env var: seconds to wait for another session's real server (default 2700).
+#: Env var: seconds to wait for another session's real server (default 1500, under the 1800 s
+#: per-test timeout of the real-server tests).
 LOCK_TIMEOUT_ENV = "SERVEWATCH_REALVLLM_LOCK_TIMEOUT_S"
 #: Env var: seconds a server may take to start serving (default 420).
 START_TIMEOUT_ENV = "SERVEWATCH_REALVLLM_START_TIMEOUT_S"
@@ -69,7 +70,7 @@ _held_here = 0
 @contextlib.contextmanager
 def server_lock(timeout_s: float | None = None) -> Iterator[None]:
     """Hold the machine-wide real-vLLM lock; wait at most ``timeout_s`` (default from
-    ``$SERVEWATCH_REALVLLM_LOCK_TIMEOUT_S``, else 2700 s) for another holder. Re-entrant within
+    ``$SERVEWATCH_REALVLLM_LOCK_TIMEOUT_S``, else 1500 s) for another holder. Re-entrant within
     one process.
 
     Raises:
@@ -84,7 +85,7 @@ def server_lock(timeout_s: float | None = None) -> Iterator[None]:
             _held_here -= 1
         return
     if timeout_s is None:
-        timeout_s = float(os.environ.get(LOCK_TIMEOUT_ENV, "2700"))
+        timeout_s = float(os.environ.get(LOCK_TIMEOUT_ENV, "1500"))
     fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         deadline = time.monotonic() + timeout_s

@@ -414,3 +414,38 @@ async def test_sglang_preset_counts_forward_passes_of_every_mode_as_one_series_a
     assert second[0].last_progress_monotonic_ns == second[0].read_monotonic_ns
     # nothing running but requests queued: busy (a server that schedules nothing is stalled)
     assert first[0].busy and second[0].busy
+
+
+# vLLM 0.32's /metrics during a chunked prefill: no counter moves, the scheduler's KV usage does.
+_VLLM_METRICS = """\
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_count{{engine="0",model_name="tiny"}} 2.0
+vllm:iteration_tokens_total_sum{{engine="0",model_name="tiny"}} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="tiny"}} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="tiny"}} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="tiny"}} {kv}
+"""
+
+
+async def test_vllm_preset_takes_a_kv_usage_change_as_a_step_when_no_counter_moves() -> None:
+    from tests.watchers.scripted_http import scripted_http
+
+    state = {"kv": 6.1e-05}
+    with scripted_http() as srv:
+        srv.route("/metrics", lambda _req: (200, {}, _VLLM_METRICS.format(**state).encode()))
+        source = PrometheusStepSource(srv.base + "/metrics", preset="vllm", timeout_s=5.0)
+        try:
+            first = await source.read_series()
+            state["kv"] = 1.22e-04  # a prefill chunk allocated a block: the engine stepped
+            second = await source.read_series()
+            third = await source.read_series()  # nothing changed: no step
+        finally:
+            await source.aclose()
+    assert first is not None and second is not None and third is not None
+    assert source.counter == "vllm:iteration_tokens_total_count"
+    assert [r.forward_ct for r in (*first, *second, *third)] == [2, 2, 2]
+    assert second[0].last_progress_monotonic_ns == second[0].read_monotonic_ns > first[0].read_monotonic_ns
+    assert third[0].last_progress_monotonic_ns == second[0].read_monotonic_ns

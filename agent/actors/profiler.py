@@ -765,27 +765,33 @@ class ProfilerActor:
                 worker = await self._vllm_wait(client, folder, prefix, steps_before, req)
         finally:
             stop_status = await self._stop(s, client)
-        files = worker
-        if folder is not None:
+        # traces there before the stop: vLLM's workers stopped by themselves after N steps
+        auto_stopped = bool(worker)
+        files: list[Path] = worker
+        if folder is not None and started:
             files = await _prefixed_files(folder, prefix, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_s=c.poll_interval_s)
+        elif folder is not None:  # the start is still queued in a stalled engine: nothing to wait for
+            files = [folder / n for n in await anyio.to_thread.run_sync(_prefixed_names, folder, prefix)]
         steps_after = await self._vllm_steps(client)
         stepped = steps_after - steps_before if steps_before is not None and steps_after is not None else None
         if stepped is not None:
             s.attrs["servewatch.profile.engine_steps_seen"] = stepped
         traces = [f for f in files if ".async_llm." not in f.name]
-        if traces:
-            s.attrs["servewatch.profile.steps_captured"] = req.num_steps  # vLLM's max_iterations bound
         s.attrs["servewatch.profile.server_files"] = tuple(str(f) for f in files)[:50]
         where = (f"{folder}" if folder is not None else
                  f"the folder vLLM was launched with (--profiler-config torch_profiler_dir; not readable from here: {why})")
-        if traces:
-            return s.result(Outcome.OK, f"vLLM wrote {len(files)} trace file(s) to {where} (its own folder; prefix {prefix}; stop: {stop_status})")
+        wrote = f"vLLM wrote {len(files)} trace file(s) to {where} (its own folder; prefix {prefix}; stop: {stop_status})"
+        if traces and auto_stopped:
+            s.attrs["servewatch.profile.steps_captured"] = req.num_steps  # vLLM's max_iterations bound
+            return s.result(Outcome.OK, wrote)
         if folder is None and stepped is not None and stepped > req.num_steps:
             s.attrs["servewatch.profile.steps_captured"] = req.num_steps
             return s.result(Outcome.OK, f"{req.num_steps} engine steps profiled; vLLM wrote the traces (prefix {prefix}) to {where} (stop: {stop_status})")
         if not started:
             return s.result(Outcome.TIMED_OUT, f"POST /start_profile: no answer in {c.request_timeout_s:g} s (engine stalled?); stop: {stop_status}", retryable=True)
         idle = " (no engine step: idle server?)" if stepped == 0 else ""
+        if traces:  # cut short by our stop at the deadline: fewer than N steps in them
+            return s.result(Outcome.TIMED_OUT, f"{req.num_steps} steps not reached within {req.timeout_s:g} s{idle}; {wrote}", retryable=True)
         return s.result(Outcome.TIMED_OUT, f"no trace of {req.num_steps} steps in {where} within {req.timeout_s:g} s{idle}; stop: {stop_status}", retryable=True)
 
     async def _vllm_wait(

@@ -84,3 +84,14 @@ def _swallow(server: VllmServer) -> None:
         server.complete("hello", max_tokens=4, timeout_s=120)
     except httpx.HTTPError:
         pass
+
+
+def test_profile_of_an_idle_vllm_server_is_timed_out_with_no_steps_and_stopped(vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "4", "--json", "--data-dir", str(tmp_path / "d"))
+    result = json.loads(proc.stdout)
+    attrs = result["attributes"]
+    assert proc.returncode == 1 and result["outcome"] == "timed_out", result
+    assert "(no engine step: idle server?)" in result["detail"]
+    assert "servewatch.profile.steps_captured" not in attrs
+    assert attrs["servewatch.profile.engine_steps_seen"] == 0
+    assert attrs["servewatch.profile.stop"] == "stopping"  # what it started, it stopped

@@ -9,8 +9,10 @@
   worker, shut one down, or run two on one host.
 
 Only one server runs at a time besides a test's dedicated ones (a dedicated one stops the shared
-one first). The whole session holds the machine-wide lock (``/tmp/servewatch-realvllm.lock``)
-from its first real test on. Without an install (``python -m tests.real.install``) the tests skip,
+one first). The machine-wide lock (``/tmp/servewatch-realvllm.lock``) is held from the first
+real-server test that needs a server to the last of the run of such tests (they are collected
+together): then the servers stop and the lock is let go, so a full suite does not keep it while
+its other tests run. Without an install (``python -m tests.real.install``) the tests skip,
 naming the reason; with ``SERVEWATCH_REALVLLM_REQUIRED=1`` (what ``.ci/run`` sets after a
 successful install) they fail instead.
 """
@@ -100,29 +102,61 @@ class RealVllm:
         self.drop_shared()
 
 
-@pytest.fixture(scope="session")
-def _real_vllm_session() -> Iterator[RealVllm]:
-    inst = installer.ready()
-    if inst is None:
-        why = installer.unavailable_reason() or f"not installed at {installer.cache_dir()} (run `python -m tests.real.install`)"
-        if os.environ.get(REQUIRED_ENV) == "1":
-            pytest.fail(f"real vLLM required but {why}")
-        pytest.skip(f"real vLLM: {why}")
-    with server_lock():
-        pool = RealVllm(inst)
+class _Holder:
+    """The run's servers and the lock, from the first test that needs them to the last of the
+    consecutive real-server tests (:func:`pytest_runtest_teardown`) or the session's end."""
+
+    def __init__(self) -> None:
+        self.pool: RealVllm | None = None
+        self._stack = contextlib.ExitStack()
+
+    def acquire(self) -> RealVllm:
+        if self.pool is None:
+            inst = installer.ready()
+            if inst is None:
+                why = installer.unavailable_reason() or f"not installed at {installer.cache_dir()} (run `python -m tests.real.install`)"
+                if os.environ.get(REQUIRED_ENV) == "1":
+                    pytest.fail(f"real vLLM required but {why}")
+                pytest.skip(f"real vLLM: {why}")
+            self._stack.enter_context(server_lock())
+            self.pool = RealVllm(inst)
+        return self.pool
+
+    def release(self) -> None:
+        pool, self.pool = self.pool, None
         try:
-            yield pool
+            if pool is not None:
+                pool.close()
         finally:
-            pool.close()
+            self._stack.close()
+
+
+_HOLDER = _Holder()
+
+
+def _is_real(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("realvllm") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the test's own fixtures are torn down first
+    if _is_real(item) and not _is_real(nextitem):
+        _HOLDER.release()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _HOLDER.release()
 
 
 @pytest.fixture
-def real_vllm(_real_vllm_session: RealVllm) -> Iterator[RealVllm]:
-    """The session's servers; whatever this test started or faulted is cleaned up after it."""
+def real_vllm() -> Iterator[RealVllm]:
+    """The run's servers; whatever this test started or faulted is cleaned up after it."""
+    pool = _HOLDER.acquire()
     try:
-        yield _real_vllm_session
+        yield pool
     finally:
-        _real_vllm_session.end_test()
+        pool.end_test()
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import ClassVar
 
 __all__ = [
+    "TRACE_DETAIL_ATTR",
     "Action",
     "ActionCompleted",
     "ActionResult",
@@ -61,6 +62,10 @@ __all__ = [
     "frozen_attrs",
     "now_ns",
 ]
+
+#: IncidentOpened attribute: ``linked`` sends the incident's action spans to a trace of its own,
+#: linked from its root span (a large job's hosts, :mod:`agent.fleet.job`; read by the span mirror).
+TRACE_DETAIL_ATTR = "servewatch.trace.detail"
 
 #: A value an OTel span attribute may hold.
 AttributeValue = str | bool | int | float | tuple[str, ...] | tuple[int, ...] | tuple[float, ...]

@@ -41,7 +41,7 @@ import os
 import secrets
 import signal as signal_mod
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from functools import partial
@@ -61,6 +61,7 @@ from agent.events import (
     Action,
     ActionCompleted,
     ActionResult,
+    AttributeValue,
     Event,
     ExitFact,
     ExitKind,
@@ -179,10 +180,12 @@ InflightProvider = Callable[[Sequence[Target]], Awaitable[list[InflightRequest]]
 #: Started right after an incident opens, beside its phases (e.g. asking a job's peers to
 #: capture); returns how to collect its action events before the manifest is written.
 Companion = Callable[[IncidentOpened], Callable[[], Awaitable[list[ActionCompleted]]]]
-#: Names the trace of an incident about to open (trigger, targets): ``(trace_id, parent_span_id)``
-#: hex, or ``None`` for a trace of its own (e.g. a job's agents derive one trace from the stuck
-#: collective, :mod:`agent.fleet.identity`). Bounded by the caller's own timeout.
-Placement = Callable[[str, Sequence[Target]], Awaitable[tuple[str, str] | None]]
+#: Names the trace of an incident about to open (trigger, targets, detection time in ns: the
+#: trigger event's, the parent it was opened with or ``None``): ``(trace_id, parent_span_id,
+#: root attributes)`` hex, or ``None`` for a trace of its own (e.g. a job's agents derive one
+#: trace from the stuck collective, :mod:`agent.fleet.identity`). Bounded by the caller's own timeout.
+Placement = Callable[[str, Sequence[Target], int, tuple[str, str] | None],
+                     Awaitable[tuple[str, str, Mapping[str, AttributeValue]] | None]]
 
 
 @dataclass(slots=True)
@@ -896,10 +899,13 @@ class IncidentManager:
             except Exception:  # the verdict is a nicety; the evidence comes first
                 log.exception("reading step counters for the verdict failed")
 
-        if parent is None and self.place is not None:
+        placed_attributes: Mapping[str, AttributeValue] = {}
+        if self.place is not None:
             with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
                 try:
-                    parent = await self.place(trigger, targets)
+                    placed = await self.place(trigger, targets, cause.time_unix_nano if cause is not None else now_ns(), parent)
+                    if placed is not None:
+                        parent, placed_attributes = (placed[0], placed[1]), placed[2]
                 except Exception:  # the trace's name is a nicety; the evidence comes first
                     log.exception("placing the incident in its job's trace failed")
 
@@ -922,7 +928,7 @@ class IncidentManager:
             span_id=new_span_id_hex(),
             parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
-            attributes=frozen_attrs(target_attributes(t.title for t in targets)),
+            attributes=frozen_attrs({**target_attributes(t.title for t in targets), **placed_attributes}),
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight, host_name=self.host_name)
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []

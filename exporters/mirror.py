@@ -3,7 +3,10 @@
 Owns :class:`SpanMirror`. It decides nothing: an ``IncidentOpened`` is remembered, each
 ``ActionCompleted`` (``StacksDumped``, ``CoredumpTriggered``, ``ProfileStopped`` ...) becomes a
 child span named after ``result.action`` with the action's own start/end times, and
-``IncidentClosed`` emits the root span ``incident`` spanning open to close; a job coordinator's
+``IncidentClosed`` emits the root span ``incident`` spanning open to close (in a large job, an
+incident opened with ``servewatch.trace.detail=linked`` sends its action spans to a trace of
+its own, rooted at ``incident.detail`` and linked both ways, and its ``incident`` span stays in the
+job's trace as the host's summary); a job coordinator's
 ``JobIncidentClosed`` emits the job's root span ``job.incident`` (every host's ``incident`` hangs
 under it, with the job verdict on it). Ids come from the
 events (hex, chosen by :mod:`agent.incidents` with :mod:`agent.ids`), so the
@@ -28,6 +31,7 @@ Imports :mod:`agent.events`, :mod:`agent.bus` (types only), :mod:`exporters.span
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -39,6 +43,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Link
 
 from agent.events import (
+    TRACE_DETAIL_ATTR,
     Action,
     ActionCompleted,
     ActionResult,
@@ -80,6 +85,8 @@ INCIDENT_SPAN = "incident"
 JOB_INCIDENT_SPAN = "job.incident"
 #: Name of a partial job verdict (a coordinator that reached no other host), under the job's root.
 JOB_VERDICT_SPAN = "job.verdict"
+#: Name of the root of an incident's linked detail trace (its action spans, in a large job).
+DETAIL_SPAN = "incident.detail"
 #: Event types to subscribe the mirror to.
 MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced, JobIncidentClosed)
 #: Name of a profiling session's span (its torch trace is imported under it).
@@ -106,6 +113,14 @@ class _OpenIncident:
     parent_span_id: int | None = None
     #: the trace this incident had before it joined a peer's (hex), if it moved
     retraced_from: str = ""
+    #: (trace id, root span id) of the trace its action spans go to when linked (a large job), else None
+    detail: tuple[int, int] | None = None
+
+
+def _detail_ids(incident_id: str) -> tuple[int, int]:
+    """The linked detail trace of an incident: ids derived from the incident id (stable across a retrace)."""
+    digest = hashlib.sha256(f"servewatch/detail/{incident_id}".encode()).digest()
+    return int.from_bytes(digest[:16], "big") or 1, int.from_bytes(digest[16:24], "big") or 1
 
 
 def _links(event: Event) -> list[Link]:
@@ -203,7 +218,8 @@ class SpanMirror:
         trace_id = parse_trace_id(event.trace_id) or new_trace_id()
         span_id = parse_span_id(event.span_id) or new_span_id()
         parent = parse_span_id(event.parent_span_id) if event.trace_id else None
-        self._open[event.incident_id] = _OpenIncident(trace_id, span_id, event, parent_span_id=parent)
+        detail = _detail_ids(event.incident_id) if event.attributes.get(TRACE_DETAIL_ATTR) == "linked" else None
+        self._open[event.incident_id] = _OpenIncident(trace_id, span_id, event, parent_span_id=parent, detail=detail)
 
     def _retraced(self, event: IncidentRetraced) -> None:
         inc = self._open.get(event.incident_id)
@@ -221,7 +237,7 @@ class SpanMirror:
             self.orphans += 1
             trace_id, parent = new_trace_id(), None
         else:
-            trace_id, parent = inc.trace_id, inc.span_id
+            trace_id, parent = inc.detail if inc.detail is not None else (inc.trace_id, inc.span_id)
             inc.actions += 1
             if result.outcome is not Outcome.OK:
                 inc.failed_actions += 1
@@ -307,6 +323,10 @@ class SpanMirror:
         if len(links) > MAX_LINKS:
             attributes["servewatch.links.dropped"] = len(links) - MAX_LINKS
             links = links[:MAX_LINKS]
+        if inc.detail is not None:
+            attributes["servewatch.trace.detail_trace_id"] = trace_id_hex(inc.detail[0])
+            links.insert(0, link_to(trace_id_hex(inc.detail[0]), span_id_hex(inc.detail[1])))
+            self._emit_detail_root(inc, end_time_unix_nano, attributes)
         durable = self._emit_all([
             build_span(
                 INCIDENT_SPAN,
@@ -322,6 +342,19 @@ class SpanMirror:
         ], key=span_id_hex(inc.span_id))
         if durable and inc.durable:
             self._mark_durable(bundle_dir, inc.spans + 1)
+
+    def _emit_detail_root(self, inc: _OpenIncident, end_time_unix_nano: int, attributes: dict[str, object]) -> None:
+        """The root of a linked detail trace (``incident.detail``): the incident's action spans
+        hang under it, and it links back to the incident span in the job's trace."""
+        assert inc.detail is not None
+        keep = ("servewatch.incident.id", "servewatch.incident.trigger", "host.name", "servewatch.bundle.dir",
+                "servewatch.target.ranks", "servewatch.incident.actions", "servewatch.incident.failed_actions")
+        self._emit_all([build_span(
+            DETAIL_SPAN, trace_id=inc.detail[0], span_id=inc.detail[1], parent_span_id=None,
+            start_time_unix_nano=inc.opened.time_unix_nano, end_time_unix_nano=end_time_unix_nano,
+            attributes={k: attributes[k] for k in keep if k in attributes},
+            links=[link_to(trace_id_hex(inc.trace_id), span_id_hex(inc.span_id))], resource=self.sink.resource,
+        )], key=span_id_hex(inc.detail[1]))
 
     def _emit_all(self, spans: list[ReadableSpan], *, key: str = "") -> bool:
         durable = emit_durable(self.sink, spans, key=key)

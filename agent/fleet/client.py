@@ -56,11 +56,13 @@ async def post_json(
     headers: dict[str, str],
     ssl_context: ssl.SSLContext | None = None,
     sign: Callable[[bytes], dict[str, str]] | None = None,
+    local_host: str | None = None,
 ) -> PeerAnswer:
     """POST ``body`` as JSON and read the answer. Unbounded in time: the caller bounds it.
 
     Args:
         sign: headers that sign the encoded body (:func:`agent.fleet.proof.sign_request`).
+        local_host: the source address (this host's API address: the peer sees us where we listen).
 
     Returns:
         The answer (:class:`PeerAnswer`).
@@ -73,9 +75,9 @@ async def post_json(
         headers = {**headers, **sign(payload)}
     try:
         if ssl_context is None:
-            stream: Any = await anyio.connect_tcp(host, port)
+            stream: Any = await anyio.connect_tcp(host, port, local_host=local_host)
         else:
-            stream = await anyio.connect_tcp(host, port, ssl_context=ssl_context, tls_standard_compatible=False)
+            stream = await anyio.connect_tcp(host, port, local_host=local_host, ssl_context=ssl_context, tls_standard_compatible=False)
     except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
         raise PeerRequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)

@@ -113,7 +113,10 @@ class FleetConfig(BaseModel):
         2.0, gt=0, description="bound on reading the local ranks' Flight Recorder status that names the trace, seconds"
     )
     report_grace_s: float = Field(
-        0.05, ge=0, description="the coordinator waits this long for detecting hosts' reports before asking the others, seconds"
+        0.05, ge=0, description="the coordinator asks the hosts that did not report once no report came for this long, seconds"
+    )
+    report_window_s: float = Field(
+        0.5, ge=0, description="the coordinator waits for reports at most this long while they keep coming, seconds"
     )
     fanout_concurrency: int = Field(32, ge=1, le=1024, description="peers the coordinator asks at once")
     tree_threshold: int = Field(
@@ -121,6 +124,9 @@ class FleetConfig(BaseModel):
     )
     announce_interval_s: float = Field(
         30.0, gt=0, description="the host of global rank 0 presents itself to every peer this often, seconds"
+    )
+    trace_detail_max_hosts: int = Field(
+        64, ge=1, description="in a larger job each host's action spans go to a trace of its own, linked from its incident span"
     )
     evidence_timeout_s: float = Field(
         60.0, gt=0, description="the coordinator waits this long for every host's evidence before its job verdict, seconds"

@@ -19,8 +19,9 @@ The protocol, per job incident:
    one is unreachable, and coordinating itself when its own turn comes. The coordinator's answer
    names the job's trace: a host whose key differed moves its running incident into it, only
    when the answer is verified (mutual TLS, or the token's proof: :mod:`agent.fleet.proof`).
-3. **Fan-out only for hosts that did not detect**, from the coordinator only, after
-   ``report_grace_s`` (reports of a lockstep hang arrive within milliseconds): at most
+3. **Fan-out only for hosts that did not detect**, from the coordinator only, once reports stop
+   coming (``report_grace_s`` without one, at most ``report_window_s``: the reports of a lockstep
+   hang arrive within milliseconds of each other): at most
    ``fanout_concurrency`` at once, through about sqrt(N) relays above ``tree_threshold`` peers
    (:mod:`agent.fleet.fanout`). Requests per job incident: one report per detecting host, one
    join per other host: at most 2N.
@@ -37,7 +38,11 @@ new fact: its own incident, in the job's trace.
 
 The trace stays bounded: the coordinator's fan-out is one ``fleet.fanout`` span (per-peer
 ``peer.capture`` spans only for small jobs and for failures, at most :data:`MAX_PEER_SPANS`);
-every peer's outcome is in the bundle's ``fanout.json``.
+every peer's outcome is in the bundle's ``fanout.json``. In a job of more than
+``trace_detail_max_hosts`` hosts each host's action spans (stacks, recorder reads, coredumps) go
+to a trace of that host's incident, linked from its ``incident`` span, which stays in the job's
+trace as the host's summary (outcome counts, verdict, bundle path): 1,000 hosts of 8 ranks stay
+under a backend's per-trace limit (Tempo: 5 MB), every host's detail one click away.
 
 Imports :mod:`agent.events`, :mod:`agent.incidents` (types), :mod:`agent.ranks` and the other
 :mod:`agent.fleet` modules; never a watcher or an actor (the Flight Recorder reader is handed in).
@@ -60,6 +65,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.events import (
+    TRACE_DETAIL_ATTR,
     Action,
     ActionCompleted,
     ActionResult,
@@ -123,6 +129,7 @@ MAX_EVIDENCE_HOSTS = 100_000
 MAX_COORDINATOR_TRIES = 3
 
 
+
 class AgentView(Protocol):
     """What the fleet reads from the agent (:class:`agent.runtime.Agent`)."""
 
@@ -180,6 +187,8 @@ class Fleet:
         self._components: dict[str, tuple[str, str]] = {}
         self._past_traces: OrderedDict[str, int] = OrderedDict()
         self._self_peer: Peer | None = None
+        #: members of the job as last resolved (static peers and the DNS name's addresses)
+        self._members_seen = 0
         self._started_s = time.time()
         #: local detections folded into a job incident
         self.folded = 0
@@ -228,7 +237,8 @@ class Fleet:
         # the Flight Recorder status read that names a job incident's trace: imported now, not mid-incident
         await anyio.to_thread.run_sync(_warm_imports)
         self.credentials = PeerCredentials(token=token, ssl_context=client_ssl_context(api), job_ca=api.mutual_tls,
-                                           allow_insecure=cfg.allow_insecure_peers, agent_id=self.agent_id)
+                                           allow_insecure=cfg.allow_insecure_peers, agent_id=self.agent_id,
+                                           local_host=_concrete_ip(api.host))
         manager = self.agent.incidents
         status_sub = self.agent.bus.subscribe(ComponentStatusChanged, name="fleet-status", max_buffer=float("inf"))
         try:
@@ -260,6 +270,8 @@ class Fleet:
             self._components[event.component] = (str(event.status), event.detail)
 
     def _in_window(self, job: JobIncident | None) -> bool:
+        """A job incident is remembered ``dedup_window_s`` from its start, or from the last report
+        its coordinator received (a job whose hosts keep reporting stays one incident)."""
         return job is not None and job.in_window(self.config.dedup_window_s)
 
     def _spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
@@ -302,6 +314,7 @@ class Fleet:
         job's members, lowest first (this agent among them); and this agent's own entry."""
         assert self.resolver is not None
         members, _ = await self.resolver.resolve_all()
+        self._members_seen = len(members)
         me = await self._self_address(members)
         if me not in members:
             members = [*members, me]
@@ -344,18 +357,34 @@ class Fleet:
             self.job = JobIncident(detected_time_unix_nano=now_ns())  # claimed: placed before it opens
         return True
 
-    async def _place(self, trigger: str, targets: Sequence[Any]) -> tuple[str, str] | None:
-        """The trace of an incident about to open here (:data:`agent.incidents.Placement`)."""
+    def _detail(self) -> dict[str, Any]:
+        """Root attributes of this host's incidents in a job too large for every action span in
+        the job's trace: they go to a trace of the host's own, linked (:data:`TRACE_DETAIL_ATTR`)."""
+        hosts = max(len(self.resolver.static) if self.resolver is not None else 0, self._members_seen)
+        return {TRACE_DETAIL_ATTR: "linked"} if hosts > self.config.trace_detail_max_hosts else {}
+
+    async def _place(self, trigger: str, targets: Sequence[Any], detected_ns: int,
+                     parent: tuple[str, str] | None) -> tuple[str, str, dict[str, Any]] | None:
+        """The trace of an incident about to open here (:data:`agent.incidents.Placement`);
+        ``detected_ns``: the trigger event's time (the time bucket's, without a Flight Recorder);
+        ``parent``: the trace it was opened in (a join), kept."""
+        if parent is not None:
+            return (*parent, self._detail())
+        placed = await self._placed(targets, detected_ns)
+        return (*placed, self._detail()) if placed is not None else None
+
+    async def _placed(self, targets: Sequence[Any], detected_ns: int) -> tuple[str, str] | None:
         job = self.job
         if self._in_window(job) and job is not None and job.placed.is_set():
             if job.move_to is not None:
                 return job.move_to
             return job.trace_id, job.root_span_id  # a follow-up (an exit after our part closed)
         if job is None or not self._in_window(job):
-            job = self.job = JobIncident(detected_time_unix_nano=now_ns())  # a manual incident
+            job = self.job = JobIncident(detected_time_unix_nano=detected_ns)  # a manual incident
+        job.detected_time_unix_nano = detected_ns
         key = await self._read_key(targets)
         if key is None:
-            key = time_bucket_key(job.detected_time_unix_nano or now_ns(), self.config.time_bucket_s)
+            key = time_bucket_key(detected_ns, self.config.time_bucket_s)
         trace_id, root = job_trace(self.config.job or "", key)
         if not job.placed.is_set():
             job.trace_id, job.root_span_id, job.key = trace_id, root, str(key)
@@ -480,7 +509,7 @@ class Fleet:
         for _hop in range(2):  # one redirect at most
             self.reports_sent += 1
             reply = await call_peer(candidate, "/v1/job/report", body, credentials=self.credentials,
-                                    timeout_s=self.config.peer_timeout_s, action=Action.REPORT)
+                                    timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
             doc = reply.doc or {}
             if reply.result.outcome is not Outcome.OK:
                 unreachable.append(candidate.url)
@@ -530,10 +559,11 @@ class Fleet:
     async def _fanout(self, job: JobIncident) -> None:
         """Ask every member that did not report to capture into the job's trace (bounded, maybe
         through relays); one ``fleet.fanout`` result (and a few ``peer.capture`` ones)."""
-        await anyio.sleep(self.config.report_grace_s)  # a lockstep hang's reports arrive within ms
+        await self._quiet(job)  # a lockstep hang's reports arrive within a few ms of each other
         assert self.resolver is not None
         start = now_ns()
         members, problems = await self.resolver.resolve_all()
+        self._members_seen = len(members)
         job.results.extend(problems)
         me = await self._self_address(members)
         job.members = [p.url for p in members if p != me and not self.resolver.is_self(p)] + [me.url]
@@ -546,7 +576,7 @@ class Fleet:
         async def ask(item: tuple[Peer, list[Peer]]) -> None:
             peer, relay = item
             reply = await call_peer(peer, "/v1/incidents", self._join_body(job, me, relay), credentials=self.credentials,
-                                    timeout_s=self.config.peer_timeout_s,
+                                    timeout_s=self.config.peer_timeout_s, attempts=2,
                                     headers={"traceparent": TraceParent(job.trace_id, job.root_span_id).header()})
             if reply.result.outcome is Outcome.OK and not reply.verified:  # an impostor at a member's address
                 reply = PeerReply(_with(reply.result, outcome=Outcome.REFUSED, detail=f"{peer}: answer not verified (ignored)"),
@@ -557,6 +587,16 @@ class Fleet:
 
         await bounded(shape, ask, limit=self.config.fanout_concurrency)
         await anyio.to_thread.run_sync(lambda: self._fanout_results(job, replies, start, relays=sum(1 for _, r in shape if r)))
+
+    async def _quiet(self, job: JobIncident) -> None:
+        """Until no report came for ``report_grace_s``, at most ``report_window_s``."""
+        cfg = self.config
+        start = time.monotonic()
+        while True:
+            until = min(max(job.last_report_s, start) + cfg.report_grace_s, start + cfg.report_window_s)
+            if until <= time.monotonic():
+                return
+            await anyio.sleep(until - time.monotonic())
 
     def _join_body(self, job: JobIncident, me: Peer, relay: Sequence[Peer]) -> dict[str, Any]:
         return {"job": self.config.job, "origin_host": self.host_name, "incident_id": job.local_incident_id,
@@ -647,7 +687,7 @@ class Fleet:
                 return  # nobody to tell (a follow-up, or the coordinator never answered)
             body = json.loads(fit(evidence, self.api_config.max_body_bytes - 1024))
             reply = await call_peer(job.coordinator, "/v1/job/evidence", body, credentials=self.credentials,
-                                    timeout_s=self.config.peer_timeout_s, action="fleet.evidence")
+                                    timeout_s=self.config.peer_timeout_s, action="fleet.evidence", attempts=4)
             if reply.result.outcome is not Outcome.OK:
                 log.warning("sending our evidence to the coordinator failed: %s", reply.result.detail)
         except Exception:  # boundary
@@ -828,6 +868,7 @@ class Fleet:
             why = f"job {self.config.job}: {report.host_name} detected {report.trigger or 'a hang'} ({report.key})"
             self._spawn(self._open_joined, why[:500], TraceParent(trace_id, root))
         job.reported[reporter.url] = report.host_name
+        job.last_report_s = time.monotonic()
         job.detected_time_unix_nano = min(job.detected_time_unix_nano or report.detected_time_unix_nano, report.detected_time_unix_nano)
         job.member_info[reporter.url] = MemberInfo.model_validate({"job": report.job, "host.name": report.host_name,
                                                                    "ranks": report.ranks, "world_size": report.world_size})
@@ -1070,6 +1111,17 @@ class Fleet:
         except ManifestError as exc:  # not a manifest this agent reads: not served (listings poll: no warning)
             log.debug("%s", exc)
             return None
+
+
+def _concrete_ip(host: str) -> str | None:
+    """``host`` when it is one IP address (not a wildcard, not loopback's default), else ``None``."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return None if ip.is_unspecified or str(ip) in ("127.0.0.1", "::1") else str(ip)
 
 
 def _warm_imports() -> None:

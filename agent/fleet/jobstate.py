@@ -96,6 +96,8 @@ class JobIncident:
     # -- the coordinator's view -----------------------------------------------------------------
     #: hosts that reported a detection: address -> host name
     reported: dict[str, str] = field(default_factory=dict)
+    #: monotonic time of the last report (0: none)
+    last_report_s: float = 0.0
     #: hosts asked: address -> outcome (direct asks, and what relays said of theirs)
     asked: dict[str, PeerOutcome] = field(default_factory=dict)
     #: members as listed when the fan-out ran (addresses)
@@ -109,7 +111,7 @@ class JobIncident:
     member_info: dict[str, MemberInfo] = field(default_factory=dict)
 
     def in_window(self, window_s: float) -> bool:
-        return time.monotonic() - self.started < window_s
+        return time.monotonic() - max(self.started, self.last_report_s) < window_s
 
     def traceparent_ids(self) -> tuple[str, str]:
         return self.trace_id, self.root_span_id

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import random
 import socket
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -212,8 +213,9 @@ class PeerCredentials:
         ssl_context: TLS context for ``https`` peers (our certificate; theirs verified).
         job_ca: ``ssl_context`` verifies peers' certificates against the job CA (mutual TLS):
             an answer over TLS then comes from a member of the job.
-        allow_insecure: send the token to plain-HTTP peers too (``--allow-insecure-peers``).
+        allow_insecure: talk to plain-HTTP peers too (``--allow-insecure-peers``).
         agent_id: this agent's random id (a peer answering with it is ourselves).
+        local_host: source address of requests (the API's bind address when it is one IP).
     """
 
     token: bytes | None = None
@@ -221,6 +223,13 @@ class PeerCredentials:
     job_ca: bool = False
     allow_insecure: bool = False
     agent_id: str = ""
+    local_host: str | None = None
+
+    def source(self, peer: Peer) -> str | None:
+        """The source address towards ``peer`` (same address family only)."""
+        if not self.local_host or not _is_ip(peer.host):
+            return None
+        return self.local_host if (":" in self.local_host) == (":" in peer.host) else None
 
     def refusal(self, peer: Peer) -> str:
         """Why ``peer`` must not be asked (``""``: it may): a job with a token talks TLS unless
@@ -266,6 +275,10 @@ class PeerReply:
     verified: bool = False
 
 
+#: A failure this fast is a refusal at the door (a busy peer shedding connections), worth a retry.
+QUICK_FAILURE_S = 1.0
+
+
 async def call_peer(
     peer: Peer,
     path: str,
@@ -275,15 +288,46 @@ async def call_peer(
     timeout_s: float,
     action: str = PEER_SPAN,
     headers: dict[str, str] | None = None,
+    attempts: int = 1,
 ) -> PeerReply:
-    """POST ``body`` to one peer's ``path``, bounded by ``timeout_s``; never raises for the peer.
+    """POST ``body`` to one peer's ``path``, bounded by ``timeout_s`` per attempt; never raises for the peer.
+
+    Args:
+        attempts: tries in all; a try that failed fast (connection refused or shed at accept, HTTP
+            429/503) is retried after a jittered backoff (a coordinator that 1,000 hosts report to
+            at once sheds the excess at accept); a timeout never is.
 
     Returns:
         The :class:`PeerReply`: its result's attributes name the peer (``servewatch.peer.address``,
         ``server.address``, ``server.port``), the answering host (``servewatch.peer.host.name``),
         its status and trace id, whether the answer was verified
-        (``servewatch.peer.verified``), the error kind and the latency.
+        (``servewatch.peer.verified``), the error kind, the latency and the attempts.
     """
+    reply = await _call_once(peer, path, body, credentials=credentials, timeout_s=timeout_s, action=action, headers=headers)
+    for attempt in range(1, attempts):
+        attrs = reply.result.attributes
+        latency = attrs.get("servewatch.peer.latency_s")
+        fast = isinstance(latency, (int, float)) and latency < QUICK_FAILURE_S
+        shed = attrs.get("http.response.status_code") in (429, 503) or (reply.result.outcome is Outcome.FAILED and fast)
+        if not shed:
+            break
+        await anyio.sleep(random.uniform(0.05, 0.15) * (2 ** (attempt - 1)))
+        reply = await _call_once(peer, path, body, credentials=credentials, timeout_s=timeout_s, action=action, headers=headers)
+        reply = PeerReply(replace(reply.result, attributes=frozen_attrs({**reply.result.attributes, "servewatch.peer.attempts": attempt + 1})),
+                          reply.doc, reply.verified)
+    return reply
+
+
+async def _call_once(
+    peer: Peer,
+    path: str,
+    body: dict[str, Any],
+    *,
+    credentials: PeerCredentials,
+    timeout_s: float,
+    action: str,
+    headers: dict[str, str] | None,
+) -> PeerReply:
     start = now_ns()
     t0 = time.monotonic()
     attributes: dict[str, Any] = {"servewatch.peer.address": peer.url, "server.address": peer.host, "server.port": peer.port}
@@ -301,7 +345,7 @@ async def call_peer(
                 answer = await post_json(
                     peer.host, peer.port, path, body, headers={**credentials.headers(peer, nonce), **(headers or {})},
                     ssl_context=credentials.ssl_context if peer.scheme == "https" else None,
-                    sign=credentials.signer(peer, "POST", path),
+                    sign=credentials.signer(peer, "POST", path), local_host=credentials.source(peer),
                 )
             except PeerRequestError as exc:
                 outcome, detail, retryable = Outcome.FAILED, f"{peer} {exc.kind.replace('_', ' ')}: {exc}", True

@@ -327,3 +327,59 @@ async def test_above_the_tree_threshold_the_coordinator_asks_relays_and_each_hos
     assert fanout.attributes["servewatch.fanout.relays"] == 2 and fanout.attributes["servewatch.fanout.asked"] == 2
     verdict = json.loads((records[0].bundle_dir / "job-verdict.json").read_text())
     assert verdict["hosts_with_evidence"] == 5 and sorted(verdict["bundles"]) == list(hosts)
+
+
+async def test_manual_incidents_posted_to_every_agent_at_once_are_one_incident_per_host_in_one_trace(
+    tmp_path: Path, spawn, python, otlp_receiver
+) -> None:
+    import httpx
+
+    from tests.fleet._fleet import TOKEN
+
+    pids = _targets(spawn, python, 3)
+    async with job_of_agents(tmp_path, otlp_receiver, pids, wait_coordinator=False, announce_interval_s=600.0) as agents:
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client, anyio.create_task_group() as tg:
+            answers: list[httpx.Response] = []
+
+            async def post(agent: Agent) -> None:
+                address = agent.settings.api.host
+                answers.append(await client.post(f"http://{address}:{agent.fleet.port}/v1/incidents", json={"detail": "on-call"},
+                                                 headers={"authorization": f"Bearer {TOKEN}"}))
+
+            for agent, _ in agents:
+                tg.start_soon(post, agent)
+        await _until(lambda: all(recs for _, recs in agents) and sum(ag.fleet.verdicts for ag, _ in agents) == 1, timeout_s=60)
+        await anyio.sleep(0.5)
+    records = [r for _, recs in agents for r in recs]
+    assert len(records) == 3, [r.opened.trigger for r in records]  # not 3 manual + joins
+    assert len({r.opened.trace_id for r in records}) == 1
+    assert all(a.status_code in (200, 202) and a.json()["trace_id"] == records[0].opened.trace_id for a in answers), \
+        [a.text for a in answers]
+
+
+async def test_in_a_large_job_each_hosts_action_spans_go_to_a_linked_trace_of_its_own(
+    tmp_path: Path, spawn, python, otlp_receiver
+) -> None:
+    pids = _targets(spawn, python, 3)
+    # "large" above 2 hosts here (trace_detail_max_hosts): every host's detail is linked, not inline
+    async with job_of_agents(tmp_path, otlp_receiver, pids, trace_detail_max_hosts=2) as agents:
+        (a, _), (b, recs_b), _ = agents
+        await b.bus.publish(_stalled(pids[1]))
+        await _until(lambda: all(recs for _, recs in agents) and a.fleet.verdicts == 1, timeout_s=90)
+    trace = recs_b[0].opened.trace_id
+    with anyio.fail_after(30):
+        while not (any(s.name == "job.incident" for s in otlp_receiver.spans())
+                   and sum(1 for s in otlp_receiver.spans() if s.name == "incident.detail") == 3):
+            await anyio.sleep(0.1)
+    in_job = [s for s in otlp_receiver.spans() if s.trace_id == trace]
+    assert sorted(s.name for s in in_job) == ["incident", "incident", "incident", "job.incident"]  # one summary span per host
+    _one_trace_one_root(otlp_receiver, trace, HOSTS)
+    for incident in (s for s in in_job if s.name == "incident"):
+        detail_trace = incident.attributes["servewatch.trace.detail_trace_id"]
+        [link] = [lk for lk in incident.span.links if lk.trace_id.hex() == detail_trace]
+        detail = [s for s in otlp_receiver.spans() if s.trace_id == detail_trace]
+        [root] = [s for s in detail if s.parent_span_id == ""]
+        assert root.name == "incident.detail" and link.span_id.hex() == root.span_id
+        assert root.span.links[0].span_id.hex() == incident.span_id  # and back
+        assert any(s.name == "pyspy.dump" and s.parent_span_id == root.span_id for s in detail)
+        assert incident.attributes["servewatch.incident.actions"] >= 1  # the summary: counts and outcomes

@@ -61,11 +61,14 @@ def torch_trace(layout: str, dest: Path, *, steps: int, timeout_s: float = 1800.
     return dest
 
 
-def vllm_trace(dest: Path, *, requests: int = 8, max_tokens: int = 16, lock_timeout_s: float = 900.0) -> tuple[Path | None, str]:
+def vllm_trace(
+    dest: Path, *, requests: int = 8, max_tokens: int = 16, max_iterations: int = 32, lock_timeout_s: float = 900.0
+) -> tuple[Path | None, str]:
     """A real vLLM trace (gzip JSON, as vLLM writes it), or why there is none.
 
     Starts ``tests/real``'s vLLM server (TP=1, its cached install; under its machine-wide lock),
-    starts the torch profiler over HTTP, sends ``requests`` completions, stops the profiler and
+    starts the torch profiler over HTTP for at most ``max_iterations`` engine steps, sends
+    ``requests`` completions, stops the profiler and
     copies the worker's trace (``rank0.*.pt.trace.json.gz``) to ``dest``. The server is stopped
     whatever happens. Waits at most ``lock_timeout_s`` for another session's server.
 
@@ -83,17 +86,19 @@ def vllm_trace(dest: Path, *, requests: int = 8, max_tokens: int = 16, lock_time
         return None, "no vLLM trace: the real vLLM install is not ready (tests/real/install.py builds it)"
     try:
         with server_lock(lock_timeout_s):
-            return _profile_vllm(VllmServer.start(inst), dest, requests, max_tokens)
+            return _profile_vllm(VllmServer.start(inst), dest, requests, max_tokens, max_iterations)
     except TimeoutError as exc:
         return None, f"no vLLM trace: {exc}"
 
 
-def _profile_vllm(server: Any, dest: Path, requests: int, max_tokens: int) -> tuple[Path | None, str]:
+def _profile_vllm(server: Any, dest: Path, requests: int, max_tokens: int, max_iterations: int) -> tuple[Path | None, str]:
     import httpx
 
     try:
         with httpx.Client(base_url=server.url, timeout=120.0, trust_env=False) as client:
-            client.post("/start_profile").raise_for_status()
+            # vLLM's /start_profile body: stop by itself after max_iterations engine steps (a
+            # with_stack trace of an idle engine loop grows by ~10^5 events a second)
+            client.post("/start_profile", json={"max_iterations": max_iterations}).raise_for_status()
             for i in range(requests):
                 server.complete(f"request {i}: the quick brown fox", max_tokens=max_tokens)
             try:  # vLLM 0.32 on CPU may answer late (or not at all): the trace file is what counts
@@ -111,7 +116,7 @@ def _profile_vllm(server: Any, dest: Path, requests: int, max_tokens: int) -> tu
     finally:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
-    return dest, f"vLLM 0.32 CPU worker, tiny Llama, {requests} completions x {max_tokens} tokens"
+    return dest, f"vLLM 0.32 CPU worker, tiny Llama, {requests} completions x {max_tokens} tokens, <= {max_iterations} engine steps"
 
 
 def _settled(folder: Path, pattern: str, *, timeout_s: float) -> Path | None:

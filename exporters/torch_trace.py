@@ -77,6 +77,11 @@ _decoder = json.JSONDecoder()
 #: a JSON string an unescaped ``"args":`` cannot occur, so this never matches within a string.
 _ARGS = re.compile(r'"args":\s*\{[^{}"]*(?:"[^"\\{}]*"[^{}"]*)*\}')
 _ARGS_STRIPPED = '"args":0'
+#: Characters read per chunk by default. 64 Ki: measured on real torch 2.13 traces (CPU-only, with
+#: stacks, with shapes) by bench/bench_trace_import.py, 64 Ki chunks read 10-15 % faster than 1 Mi
+#: ones (each batch's copies stay in the CPU caches) and peak memory grows by ~1 MiB instead of
+#: ~12 MiB; 16 Ki is no faster.
+CHUNK_CHARS = 1 << 16
 
 class TorchTraceImportConfig(BaseModel):
     """Which torch trace events become spans (wiring set in code, not a user setting: the
@@ -89,7 +94,9 @@ class TorchTraceImportConfig(BaseModel):
     min_duration_us: float = Field(default=10.0, ge=0, description="Ops/kernels shorter than this (µs) are dropped.")
     max_spans: int = Field(default=5000, ge=0, description="Cap on op/kernel spans per trace (user annotations are not capped).")
     reorder_window: int = Field(default=4096, ge=1, description="Events per thread held to restore start-time order.")
-    chunk_chars: int = Field(default=1 << 20, ge=4096, description="Characters read from the trace per chunk.")
+    chunk_chars: int = Field(
+        default=CHUNK_CHARS, ge=4096, description="Characters read from the trace per chunk (see CHUNK_CHARS)."
+    )
 
 
 class ImportStatistics(NamedTuple):
@@ -285,7 +292,7 @@ class _Reader:
 
 
 def iter_trace_events(
-    path: str | Path, *, chunk_chars: int = 1 << 20, on_field: Callable[[str, Any], None] | None = None
+    path: str | Path, *, chunk_chars: int = CHUNK_CHARS, on_field: Callable[[str, Any], None] | None = None
 ) -> Iterator[list[dict[str, Any]]]:
     """Stream the ``traceEvents`` of a Chrome trace as batches of event dicts, in file order.
 

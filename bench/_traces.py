@@ -78,17 +78,19 @@ def vllm_trace(
     sys.path.insert(0, str(ROOT))
     try:
         from tests.real import install as real_install
-        from tests.real.server import VllmServer, server_lock
+        from tests.real.server import ServerStartError, VllmServer, server_lock
     except ImportError as exc:  # httpx/psutil missing: not this project's venv
         return None, f"no vLLM trace: {exc}"
     inst = real_install.ready()
     if inst is None:
         return None, "no vLLM trace: the real vLLM install is not ready (tests/real/install.py builds it)"
+    import httpx
+
     try:
         with server_lock(lock_timeout_s):
             return _profile_vllm(VllmServer.start(inst), dest, requests, max_tokens, max_iterations)
-    except TimeoutError as exc:
-        return None, f"no vLLM trace: {exc}"
+    except (TimeoutError, ServerStartError, OSError, httpx.HTTPError) as exc:
+        return None, f"no vLLM trace: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _profile_vllm(server: Any, dest: Path, requests: int, max_tokens: int, max_iterations: int) -> tuple[Path | None, str]:
@@ -100,7 +102,10 @@ def _profile_vllm(server: Any, dest: Path, requests: int, max_tokens: int, max_i
             # with_stack trace of an idle engine loop grows by ~10^5 events a second)
             client.post("/start_profile", json={"max_iterations": max_iterations}).raise_for_status()
             for i in range(requests):
-                server.complete(f"request {i}: the quick brown fox", max_tokens=max_tokens)
+                try:  # the profiler's own stop (after max_iterations) may stall a request on a busy box
+                    server.complete(f"request {i}: the quick brown fox", max_tokens=max_tokens, timeout_s=300.0)
+                except httpx.HTTPError:
+                    break
             try:  # vLLM 0.32 on CPU may answer late (or not at all): the trace file is what counts
                 client.post("/stop_profile", timeout=60.0)
             except httpx.HTTPError:

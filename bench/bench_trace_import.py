@@ -8,8 +8,9 @@ Layouts (``--layouts``), each a real trace made at bench time unless noted:
   args), written by torch's own ``export_chrome_trace`` (bench/_traces.py);
 * ``vllm``: a real vLLM 0.32 CPU server (``tests/real``'s fixture, tiny Llama) profiled through
   ``/start_profile`` / ``/stop_profile`` while serving completions: the ``.pt.trace.json.gz`` its
-  worker writes (skipped, with the reason, when the real vLLM install is not there);
-  ``--vllm-trace PATH`` uses a trace made before;
+  worker writes (skipped, with the reason, when the real vLLM install is not there or another
+  session holds it); made once and kept in ``--trace-cache`` (``~/.cache/servewatch/bench-traces``)
+  for later runs (``--fresh-vllm`` makes a new one); ``--vllm-trace PATH`` uses a given trace;
 * ``synthetic``: the generator this bench used before (GPU-style kernels with heavy args,
   ``baseTimeNanoseconds`` after ``traceEvents``), ``--size-mb``.
 
@@ -26,7 +27,7 @@ least), wall seconds and peak RSS (the interpreter with its imports, ~35 MiB, in
 
 Prints, per layout, events per CPU-second and peak RSS of each, and the ratios ours / ijson and
 ours / json.load (medians of ``--repeat`` fresh runs; spread = min..max of the per-run ratios).
-The traces are written to a temporary folder and removed.
+The torch and synthetic traces are written to a temporary folder and removed.
 
     python bench/bench_trace_import.py [--layouts torch-cpu,torch-stacks,torch-shapes,vllm,synthetic]
         [--steps 200] [--size-mb 64] [--repeat 3] [--vllm-trace PATH]
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -52,6 +54,8 @@ sys.path.insert(0, str(HERE))
 
 from _common import emit_result
 
+#: File name of the cached vLLM trace in ``--trace-cache``.
+VLLM_CACHED = "vllm-0.32-cpu-worker.pt.trace.json.gz"
 LAYOUTS = ("torch-cpu", "torch-stacks", "torch-shapes", "vllm", "synthetic")
 MODES = ("walk-ours", "walk-ijson", "import-ours", "import-ijson", "json.load")
 
@@ -210,7 +214,16 @@ def _make(layout: str, work: Path, args: argparse.Namespace) -> tuple[Path | Non
     if layout == "vllm":
         if args.vllm_trace is not None:
             return args.vllm_trace, f"given: {args.vllm_trace}"
-        return vllm_trace(work / "vllm.pt.trace.json.gz")
+        cached = args.trace_cache / VLLM_CACHED
+        if cached.is_file() and not args.fresh_vllm:
+            made = time.strftime("%Y-%m-%d %H:%M", time.localtime(cached.stat().st_mtime))
+            return cached, f"real vLLM 0.32 CPU worker trace made {made}, cached in {args.trace_cache}"
+        args.trace_cache.mkdir(parents=True, exist_ok=True)
+        path, how = vllm_trace(work / "vllm.pt.trace.json.gz")
+        if path is None:
+            return None, how
+        os.replace(path, cached)  # the next run reuses it: making one needs the real server (minutes, a machine-wide lock)
+        return cached, how
     n = write_synthetic(work / "synthetic.trace.json", int(args.size_mb * 2**20))
     return work / "synthetic.trace.json", f"synthetic generator, {n} events"
 
@@ -226,6 +239,9 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=64.0, help="synthetic trace size, MiB")
     ap.add_argument("--repeat", type=int, default=3, help="fresh runs of each mode per layout")
     ap.add_argument("--vllm-trace", type=Path, default=None, help="use this vLLM trace instead of making one")
+    ap.add_argument("--trace-cache", type=Path, default=Path.home() / ".cache" / "servewatch" / "bench-traces",
+                    help="folder keeping the vLLM trace the bench made, for the next run (default ~/.cache/servewatch/bench-traces)")
+    ap.add_argument("--fresh-vllm", action="store_true", help="make a new vLLM trace even if one is cached")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per-run limit, SECONDS")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -6,10 +6,11 @@ it then prints one ``BENCH-RESULT {json}`` line per figure (:func:`_common.emit_
 its own report. While a bench runs, the 1-minute load average and the runnable tasks
 (``/proc/loadavg``) are sampled every second; every row of the table carries the mean and max
 load of its bench's run, so a figure taken on a busy machine says so. The benches' own output
-goes to ``--log`` (default: ``bench-logs/<time>/<bench>.log`` under the current folder, kept).
+goes to ``--log DIR`` (``DIR/<bench>.log``; by default a temporary folder, removed at the end, and a
+failing bench's last lines are printed).
 
     python bench/run_all.py                       # every bench, the sizes below (~50 min)
-    python bench/run_all.py --only stacks,cli_start --markdown docs/bench-table.md
+    python bench/run_all.py --write-into README.md --write-into docs/performance.md
     python bench/run_all.py --quick               # every bench at a tiny size (a smoke run, minutes)
     python bench/run_all.py --list
 
@@ -30,6 +31,7 @@ import selectors
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -207,6 +209,24 @@ def plain(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+TABLE_START = "<!-- run_all table -->"
+TABLE_END = "<!-- /run_all table -->"
+
+
+def write_into(path: Path, block: str) -> None:
+    """Replace what lies between the :data:`TABLE_START` and :data:`TABLE_END` lines of ``path``.
+
+    Raises:
+        SystemExit: ``path`` has no such pair of lines.
+    """
+    text = path.read_text(encoding="utf-8")
+    start, end = text.find(TABLE_START + "\n"), text.find(TABLE_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"--write-into {path}: no {TABLE_START} ... {TABLE_END} lines")
+    head = text[: start + len(TABLE_START) + 1]
+    path.write_text(head + block + text[end:], encoding="utf-8")
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
@@ -223,9 +243,13 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated bench names (see --list)")
     ap.add_argument("--skip", default="", help="comma-separated bench names to leave out")
     ap.add_argument("--soak-s", type=float, default=None, help="the soak's duration, SECONDS (default 600)")
-    ap.add_argument("--log", type=Path, default=None, help="folder for the benches' own output (default bench-logs/<time>)")
+    ap.add_argument("--log", type=Path, default=None,
+                    help="keep the benches' own output in this folder (default: a temporary one, removed; a failing bench's tail is printed)")
     ap.add_argument("--json", type=Path, default=None, help="also write every result row, with its load, to this JSON file")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown to this file")
+    ap.add_argument("--write-into", type=Path, action="append", default=[],
+                    help=f"replace the table between the {TABLE_START} and {TABLE_END} lines of this file (README.md,"
+                         " docs/performance.md); repeatable")
     ap.add_argument("--echo", action="store_true", help="echo the benches' own output while they run")
     ap.add_argument("--list", action="store_true", help="list the benches and their arguments, then exit")
     args = ap.parse_args()
@@ -243,8 +267,13 @@ def main() -> int:
             print(f"{b.name:<18} full: {' '.join(b.args) or '(defaults)'}   quick: {' '.join(b.quick) or '(defaults)'}")
         return 0
     stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
-    log_dir = args.log or Path("bench-logs") / stamp
-    log_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="servewatch-run-all-") as tmp:
+        log_dir = args.log or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        return _run_all(args, chosen, stamp, log_dir)
+
+
+def _run_all(args: argparse.Namespace, chosen: list[Bench], stamp: str, log_dir: Path) -> int:
     started = datetime.datetime.now().astimezone()
     print(f"run_all {stamp}: {len(chosen)} bench(es), {'quick' if args.quick else 'full'} sizes; commit {_commit()};"
           f" {platform.node()} {os.cpu_count()} CPUs, python {platform.python_version()}; logs in {log_dir}", flush=True)
@@ -259,7 +288,9 @@ def main() -> int:
         status = "ok" if code == 0 else f"stopped at {timeout_s:.0f} s" if code is None else f"FAILED (exit {code})"
         print(f" {status}, {took_s:.0f} s, {len(rows)} figure(s), load {load['load1_mean']:.1f} (max {load['load1_max']:.1f})", flush=True)
         if code != 0:
-            rows.append({"metric": f"(bench {status}; see {log_dir / (b.name + '.log')})", "ours": None, "unit": ""})
+            tail = (log_dir / f"{b.name}.log").read_text(encoding="utf-8", errors="replace").splitlines()[-40:]
+            print("\n".join(f"    | {line}" for line in tail), flush=True)
+            rows.append({"metric": f"(bench {status})", "ours": None, "unit": ""})
         for r in rows:
             r["bench"] = b.name
             r["load"] = load
@@ -270,8 +301,11 @@ def main() -> int:
     when = f"{started:%Y-%m-%d %H:%M %Z}, commit {_commit()}, {platform.node()} ({os.cpu_count()} CPUs)"
     if args.json is not None:
         args.json.write_text(json.dumps({"when": when, "rows": all_rows}, indent=1) + "\n", encoding="utf-8")
+    block = f"Measured {when}, by `python bench/run_all.py{' --quick' if args.quick else ''}`.\n\n" + markdown(cells)
     if args.markdown is not None:
-        args.markdown.write_text(f"<!-- bench/run_all.py {' '.join(sys.argv[1:])} -->\nMeasured {when}.\n\n" + markdown(cells), encoding="utf-8")
+        args.markdown.write_text(block, encoding="utf-8")
+    for path in args.write_into:
+        write_into(path, block)
     return 0 if all(r.get("ours") is not None for r in all_rows) else 1
 
 

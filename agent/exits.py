@@ -2,9 +2,9 @@
 
 Owns: :class:`KernelExits` (the kernel's exit events, proc connector), :class:`OomWatch` (OOM
 kills: the process's memory cgroup counters and the kernel log), :func:`last_ran_unix_nano` (a
-zombie's last time on a CPU) and :func:`resolve_exit` (every source in order, into one
-:class:`~agent.events.ExitFact`). Imports the stdlib, anyio, :mod:`agent.events`,
-:mod:`agent.procinfo` and :mod:`agent.targets`.
+zombie's last time on a CPU) and :func:`zombie_fact` (a zombie's :class:`~agent.events.ExitFact`);
+the process watcher (:mod:`agent.watchers.process`) puts the sources in order. Imports the
+stdlib, anyio, :mod:`agent.events` and (lazily) :mod:`agent.procinfo`.
 
 Why: a server's rank is reaped by its own parent at once, so ``waitid`` (ours only) and
 ``/proc/PID/stat`` (while a zombie) usually miss its status: an orderly exit then read as
@@ -38,7 +38,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -54,6 +54,7 @@ __all__ = [
     "decode_wait_status",
     "last_ran_unix_nano",
     "oom_counter_of",
+    "zombie_fact",
 ]
 
 log = logging.getLogger("servewatch.exits")
@@ -410,13 +411,6 @@ def last_ran_unix_nano(pid: int) -> int:
 
 def _started_unix_nano(create_time_s: float) -> int:
     return int(create_time_s * 1e9) if create_time_s else 0
-
-
-def with_time(fact: ExitFact, *, ended_unix_nano: int, source: str) -> ExitFact:
-    """``fact`` with its end time (unless it has a more exact one)."""
-    if fact.ended_time_unix_nano and fact.ended_source in ("kernel", "seen"):
-        return fact
-    return replace(fact, ended_time_unix_nano=ended_unix_nano, ended_source=source)
 
 
 def zombie_fact(pid: int, create_time_s: float = 0.0) -> ExitFact | None:

@@ -900,10 +900,10 @@ class Agent:
         except Exception:  # discovery must never take the agent down
             log.exception("target discovery failed")
             targets = []
+        if self.shipper is not None:  # declared watched, their rings attached (now and at each poll)
+            await anyio.to_thread.run_sync(self.shipper.watch, {t.pid: t.uid for t in targets})
         for target in targets:
             self.process_watcher.watch(target)
-            if self.shipper is not None:
-                self.shipper.attach(target.pid, target.uid)
             key = (target.pid, target.create_time_s)
             if key in self._step_scopes:
                 continue

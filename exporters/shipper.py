@@ -55,6 +55,7 @@ from opentelemetry.trace import (
 )
 
 from agent.procinfo import pid_alive
+from agent.sdk import presence as _presence
 from agent.sdk.ring import MAX_CAPACITY, RingBatch, RingError, RingReader, RingStatistics
 from exporters.wire import (
     _INT64,
@@ -252,6 +253,12 @@ class SpanShipper:
         self._corrupt_retired = 0
         self._server_retired = RingStatistics(0, 0, 0, 0, 0, 0, 0)
         self._refused: dict[int, str] = {}
+        #: the targets (pid -> uid) the agent watches: their rings are attached as soon as they
+        #: appear (at the next poll), and they are declared watched (agent.sdk.presence)
+        self._targets: dict[int, int | None] = {}
+        self._declared: frozenset[int] | None = None
+        self._said_declaration = False
+        self._declare_lock = threading.Lock()
         self._closed = False
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -352,11 +359,50 @@ class SpanShipper:
 
     # -- polling -----------------------------------------------------------------------------
 
+    def watch(self, targets: Mapping[int, int | None]) -> None:
+        """The agent's targets now (pid -> uid), from its discovery. Each poll attaches the ring
+        of any of them that has one (a server creates it at its first span: attached within a
+        poll interval, not at the next discovery round) and keeps this agent's declaration that
+        it watches them (:mod:`agent.sdk.presence`) current, so a server holds its first spans in
+        the ring for us instead of sending them to its own fallback. Declares and attaches now
+        too (file system calls: call it off the event loop); any thread."""
+        with self._lock:
+            self._targets = dict(targets)
+        if not self._closed:
+            self._watch_targets()
+
+    def _watch_targets(self) -> None:
+        """Declare the targets (when they changed) and attach the rings of the ones not attached
+        yet (:meth:`watch`, and each poll)."""
+        with self._lock:
+            targets = dict(self._targets)
+            attached = set(self._rings)
+        pids = frozenset(targets)
+        with self._declare_lock:
+            if pids != self._declared:
+                self._declare(pids)
+        for pid, uid in targets.items():
+            if pid not in attached and pid_alive(pid):
+                self.attach(pid, uid)
+
+    def _declare(self, pids: frozenset[int]) -> None:
+        if pids != self._declared and not self._closed:
+            try:
+                _presence.write_declaration(pids, self.directory)
+                self._declared = pids
+            except OSError as exc:  # the servers then fall back until we attach: said once
+                if not self._said_declaration:
+                    log.warning("cannot declare the watched servers in %s: %s", self.directory or "the shm folder", exc)
+                    self._said_declaration = True
+
     def poll(self) -> int:
-        """Heartbeat and drain every attached ring once; rings of exited servers are drained and
-        dropped. Returns the spans shipped by this poll. Never raises for one bad ring."""
+        """Attach the rings of new targets (:meth:`watch`), heartbeat and drain every attached ring
+        once; rings of exited servers are drained and dropped. Returns the spans shipped by this
+        poll. Never raises for one bad ring."""
         shipped = 0
         with self._poll_lock:
+            if not self._closed:
+                self._watch_targets()
             with self._lock:
                 rings = list(self._rings.items())
             for pid, ring in rings:
@@ -494,6 +540,8 @@ class SpanShipper:
                 reader.heartbeat()
             except (OSError, ValueError):
                 pass  # the next poll retires a ring that went away
+        if self._declared is not None:
+            _presence.touch_declaration(self.directory)
 
     def start(self, interval_s: float, *, nice: int = BACKGROUND_NICE) -> threading.Thread:
         """Drain the rings every ``interval_s`` seconds on a dedicated thread running at
@@ -570,6 +618,10 @@ class SpanShipper:
             with self._lock:
                 self._closed = True
                 rings = list(self._rings.items())
+            with self._declare_lock:
+                if self._declared is not None:  # servers no longer wait for us
+                    _presence.remove_declaration(self.directory)
+                    self._declared = None
             for _, ring in rings:  # detach first: new spans take the servers' own path at once
                 try:
                     ring.reader.heartbeat(detach=True)

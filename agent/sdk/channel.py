@@ -12,6 +12,11 @@ Policy, per span at its start:
 * an agent is attached (it polled the ring within ``SERVEWATCH_SPAN_STALE_S``, default 2 s): a
   :class:`ChannelSpan`; on end it is appended to the ring, or dropped and counted when the ring
   is full (``dropped_full``). Never blocks.
+* no agent attached yet, but a live agent declares it watches this process
+  (:mod:`agent.sdk.presence`) and the ring is younger than ``SERVEWATCH_SPAN_HOLD_S`` (default
+  10 s): a :class:`ChannelSpan` too; the ring holds it (bounded by its capacity, a full ring is
+  counted) until the agent attaches at its next ring poll, so the first request's spans are not
+  lost. Should no agent attach, they are counted ``dropped_no_agent`` at exit (never silent).
 * no agent: ``SERVEWATCH_SPAN_FALLBACK=otel`` (default) uses the opentelemetry-api tracer (the
   server's own SDK and exporter if it installed one, else a no-op), counted ``fallback_spans``;
   ``drop`` drops the span and counts it (``dropped_no_agent``). Either way bounded.
@@ -44,11 +49,13 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from agent.sdk import presence as _presence
 from agent.sdk import ring as _ring
 
 __all__ = [
     "ENV_CHANNEL",
     "ENV_FALLBACK",
+    "ENV_HOLD_S",
     "ENV_RING_BYTES",
     "ENV_STALE_S",
     "ChannelSpan",
@@ -66,6 +73,9 @@ ENV_FALLBACK = "SERVEWATCH_SPAN_FALLBACK"
 ENV_RING_BYTES = "SERVEWATCH_SPAN_RING_BYTES"
 #: An agent that has not polled for this many seconds is gone (default 2).
 ENV_STALE_S = "SERVEWATCH_SPAN_STALE_S"
+#: A new ring holds its spans this many seconds for an agent that declares it watches this
+#: process but has not attached yet (default 10; 0: never hold).
+ENV_HOLD_S = "SERVEWATCH_SPAN_HOLD_S"
 
 #: Longest exception stack trace kept on a span event, characters.
 MAX_STACKTRACE_CHARS = 4096
@@ -75,6 +85,13 @@ _writer: _ring.RingWriter | None = None
 _state = 0  # 0: not tried, 1: ring open, -1: off or failed
 _fallback_drop = False
 _stale_ns = 2_000_000_000
+_hold_ns = int(_presence.HOLD_S * 1e9)
+#: monotonic ns when this process's ring was opened (0: not yet)
+_opened_ns = 0
+#: (monotonic ns of the last look, whether an agent declared it watches us)
+_declared: tuple[int, bool] = (0, False)
+#: Least time between two looks at the agents' declarations, ns.
+_DECLARED_TTL_NS = 500_000_000
 _rng = random.Random()
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _encode = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False).encode
@@ -108,7 +125,7 @@ def _resource_attributes() -> dict[str, Any]:
 
 
 def _open() -> _ring.RingWriter | None:
-    global _writer, _state, _fallback_drop, _stale_ns
+    global _writer, _state, _fallback_drop, _stale_ns, _hold_ns, _opened_ns
     with _lock:
         if _state:
             return _writer
@@ -122,13 +139,33 @@ def _open() -> _ring.RingWriter | None:
         except ValueError:
             capacity = _ring.DEFAULT_CAPACITY
         try:
+            _hold_ns = max(0, int(float(os.environ.get(ENV_HOLD_S, str(_presence.HOLD_S))) * 1e9))
+        except ValueError:
+            _hold_ns = int(_presence.HOLD_S * 1e9)
+        try:
             _writer = _ring.RingWriter(capacity, metadata={"resource": _resource_attributes(), "pid": os.getpid()})
         except OSError:
             _writer = None
             return None
         _state = 1
+        _opened_ns = _monotonic_ns()
         atexit.register(close)
         return _writer
+
+
+def _holding() -> bool:
+    """The ring is new and a live agent declares it watches this process, though it has not
+    attached yet: spans wait for it in the ring (the declarations are read at most every
+    0.5 s, and only in this window)."""
+    global _declared
+    now = _monotonic_ns()
+    if not _opened_ns or now - _opened_ns >= _hold_ns:
+        return False
+    checked, watched = _declared
+    if now - checked >= _DECLARED_TTL_NS:
+        watched = _presence.watched(os.getpid())
+        _declared = (now, watched)
+    return watched
 
 
 def ring() -> _ring.RingWriter | None:
@@ -177,8 +214,8 @@ def _after_fork_in_child() -> None:
     # The child must not write its parent's ring: it opens its own at its first span. Its id
     # generator is reseeded (from os.urandom): a copy of the parent's state would give the child's
     # spans the very trace and span ids the parent goes on to use.
-    global _writer, _state, _lock
-    _writer, _state, _lock = None, 0, threading.Lock()
+    global _writer, _state, _lock, _opened_ns, _declared
+    _writer, _state, _lock, _opened_ns, _declared = None, 0, threading.Lock(), 0, (0, False)
     _rng.seed()
 
 
@@ -211,6 +248,8 @@ def start_span(
     if writer is not None:
         hb = writer.words[_ring.W_HEARTBEAT]
         if hb and _monotonic_ns() - hb < _stale_ns:
+            return ChannelSpan(writer, name, kind, attributes, start_time, context)
+        if not hb and _holding():  # an agent is coming for this new ring: the span waits in it
             return ChannelSpan(writer, name, kind, attributes, start_time, context)
         if _fallback_drop:
             _dropped_no_agent += 1
@@ -412,7 +451,7 @@ class ChannelSpan(trace.Span):
         # The agent left while this span was open (its last drain is over): the ring has no
         # reader any more, so hand the finished span, ids unchanged (an incident may link to it),
         # to the server's own export instead.
-        agent_gone = not hb or _monotonic_ns() - hb >= _stale_ns
+        agent_gone = (not hb and not _holding()) or (hb and _monotonic_ns() - hb >= _stale_ns)
         if agent_gone and not _fallback_drop and _export_late(self, end_ns):
             _fallback_spans += 1
             self._writer.count(_ring.W_FALLBACK)

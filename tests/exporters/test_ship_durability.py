@@ -65,10 +65,11 @@ def _wait_attached(server: subprocess.Popen[bytes], attached: int, agent: subpro
         time.sleep(0.1)
 
 
-def _agent(spawn, tmp_path: Path, shm: Path, server_pid: int, endpoint: str | None) -> subprocess.Popen[str]:
+def _agent(spawn, tmp_path: Path, shm: Path, server_pid: int, endpoint: str | None,
+           schedule_delay_s: float = 60.0) -> subprocess.Popen[str]:
     # partial batches wait up to 60 s in the agent's memory queue: a kill finds them there
     env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "SERVEWATCH_HOST_NAME": HOST, "PYTHONPATH": REPO,
-           "SERVEWATCH_EXPORT__SCHEDULE_DELAY_S": "60"}
+           "SERVEWATCH_EXPORT__SCHEDULE_DELAY_S": str(schedule_delay_s)}
     argv = [*CLI, "run", "--pid", str(server_pid), "--data-dir", str(tmp_path / "data")]
     if endpoint:
         argv += ["--otlp-endpoint", endpoint, "--otlp-protocol", "http/protobuf"]
@@ -81,6 +82,16 @@ def _spans_status(tmp_path: Path) -> str:
     except (OSError, ValueError):
         return ""
     return spans.reason if spans is not None and spans.state is WatcherState.READY else ""
+
+
+def _watching(tmp_path: Path) -> bool:
+    """The agent's status file says it watches its target process (and its spans row is up)."""
+    try:
+        snap = read_status_file(status_path(tmp_path / "data", HOST))
+    except (OSError, ValueError):
+        return False
+    process, spans = snap.get("process"), snap.get("spans")
+    return process is not None and process.state is WatcherState.READY and spans is not None
 
 
 def _wait_status(tmp_path: Path, agent: subprocess.Popen[str], want: str) -> None:
@@ -159,3 +170,32 @@ def test_status_counts_fallback_spans_and_the_drops_before_the_agent_came(spawn,
     assert _stats(server)["fallback_spans"] == 20
     assert re.search(r": 0 shipped; dropped 0 \(.*\); fallback 20 \(sent to the server's own OTel path", line), line
     assert shipper.statistics().to_dict()["fallback_spans"] == 20
+
+
+def test_the_first_requests_spans_reach_the_collector_while_an_agent_already_watches(
+    spawn, tmp_path: Path, otlp_receiver: OtlpReceiver
+) -> None:
+    """A server whose first request is its first span (no ring before it), watched by an agent
+    from the start: the first spans are not sent to the server's own (no-op) OTel path and lost;
+    the SDK sees the agent that declares it watches this pid and holds them in the ring until the
+    agent attaches, which it does at its next ring poll."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "OTEL_SERVICE_NAME": "tiny-llm", "PYTHONPATH": REPO,
+           "SERVEWATCH_SPAN_FALLBACK": "otel"}
+    server = spawn([sys.executable, SPAN_SERVER, "--paused", "--lazy-ring", "--max-lifetime-s", "110"], env=env,
+                   stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    assert read_line(server).startswith("ready")
+    agent = _agent(spawn, tmp_path, shm, server.pid, otlp_receiver.http_endpoint, schedule_delay_s=0.5)
+    deadline = time.monotonic() + 60
+    while not _watching(tmp_path):  # the agent watches the server, which has no ring yet
+        assert agent.poll() is None, agent.communicate(timeout=10)
+        assert time.monotonic() < deadline, "the agent never watched the server"
+        time.sleep(0.1)
+    assert not list(shm.glob("servewatch-spans.*"))
+    _serve(server, 5)  # the first request creates the ring
+    stats = _stats(server)
+    assert otlp_receiver.wait_for_spans(10, timeout_s=60), (otlp_receiver.span_count, stats, _spans_status(tmp_path))
+    assert stats["fallback_spans"] == 0 and stats["dropped_no_agent"] == 0, stats
+    seqs = Counter(s.attributes.get("test.seq") for s in otlp_receiver.spans())
+    assert seqs == Counter({i: 2 for i in range(1, 6)})  # request + forward span of each of the 5

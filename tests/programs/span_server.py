@@ -13,6 +13,8 @@ while an agent ships its spans). ``stop`` (or EOF) ends it.
 
 ``--paused`` serves nothing on its own: each ``serve N`` line serves N more requests one at a
 time (both spans carry ``test.seq``, the request's number from 1) and prints ``served <total>``.
+``--lazy-ring``: the ring is created at the first span, as in a server whose first request is
+its first use of the SDK (``ready`` is printed before it exists).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--max-lifetime-s", type=float, default=120.0)
     parser.add_argument("--error-every", type=int, default=0)
     parser.add_argument("--paused", action="store_true")
+    parser.add_argument("--lazy-ring", action="store_true", help="no ring before the first span (as a server that never called the SDK yet)")
     args = parser.parse_args()
     stop = threading.Event()
     served = [0]
@@ -61,7 +64,8 @@ def main() -> None:
             one(i)
             time.sleep(period)
 
-    channel.ring()
+    if not args.lazy_ring:
+        channel.ring()
     thread = threading.Thread(target=serve, daemon=True)
     if not args.paused:
         thread.start()

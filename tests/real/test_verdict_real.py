@@ -1,0 +1,106 @@
+"""The verdict on the real vLLM server (issue 21 items 1-4, issue 22's server boundaries).
+
+- TP=2, TP0 hangs in its forward: TP1 waits in vLLM's own all-reduce (``parallel_state`` ->
+  ``cpu_communicator`` -> ``shm_allreduce``), a collective wait: the culprit is rank 0, TP0's pid;
+- TP=1, the Worker hangs: the Worker is named (rank 0); ``VLLM::EngineCore`` is evidence, no rank;
+- an idle server's dump says idle, and no thread is "stuck" (``signal-callback``, tqdm's monitor,
+  the worker's message queue are waits for work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.real.server import VllmServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _until(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s")
+        time.sleep(0.5)
+
+
+def _stack(pid: int) -> str:
+    py_spy = Path(sys.executable).with_name("py-spy")
+    out = subprocess.run([str(py_spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60, check=False)
+    return out.stdout + out.stderr
+
+
+def _request_in_background(server: VllmServer) -> threading.Thread:
+    def go() -> None:
+        try:
+            server.complete("hello", max_tokens=4, timeout_s=180)
+        except httpx.HTTPError:
+            pass
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def _dump(server: VllmServer, data_dir: Path) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """``servewatch dump --root-pid <API server> --match 'VLLM::*'``: (verdict, manifest, stdout)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+    out = subprocess.run(
+        [sys.executable, "-m", "agent.entry", "dump", "--root-pid", str(server.pid), "--match", "VLLM::*",
+         "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=180, check=False, cwd=ROOT, env=env,
+    )
+    manifests = sorted(data_dir.glob("*/*/manifest.json"))
+    assert manifests, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    doc = json.loads(manifests[-1].read_text())
+    assert doc.get("verdict"), out.stdout
+    return doc["verdict"], doc, out.stdout
+
+
+def test_tp2_hang_in_tp0_forward_names_rank_0_and_its_pid(vllm_tp2: VllmServer, tmp_path: Path) -> None:
+    tp0, tp1 = vllm_tp2.workers()
+    vllm_tp2.hang(ranks=(0,))
+    t = _request_in_background(vllm_tp2)
+    _until(lambda: "fault_point" in _stack(tp0.pid), 90, "TP0 hung in the forward")
+    _until(lambda: "cpu_communicator" in _stack(tp1.pid), 90, "TP1 waiting in the all-reduce")
+    v, _, stdout = _dump(vllm_tp2, tmp_path / "data")
+    assert (v["culprit_ranks"], v["culprit_pids"], v["kind"]) == ([0], [tp0.pid], "behind"), v
+    assert v["ranks"] == [0, 1] and v["confidence"] == "medium", v  # stacks of one instant, no Flight Recorder
+    assert "rank 1 waits in one" in v["reason"] and "fault_point" in v["reason"], v["reason"]
+    assert stdout.startswith(f"Verdict: culprit rank 0 (pid {tp0.pid}) -- behind:"), stdout[:400]
+    vllm_tp2.clear_fault()
+    t.join(timeout=120)
+
+
+def test_tp1_hang_names_the_worker_and_the_engine_core_is_no_rank(vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    (worker,) = vllm_tp1.workers()
+    engine = vllm_tp1.engine_core()
+    vllm_tp1.hang(ranks=None)
+    t = _request_in_background(vllm_tp1)
+    _until(lambda: "fault_point" in _stack(worker.pid), 90, "the Worker hung in the forward")
+    v, _, _ = _dump(vllm_tp1, tmp_path / "data")
+    assert (v["culprit_ranks"], v["culprit_pids"], v["kind"], v["ranks"]) == ([0], [worker.pid], "compute", [0]), v
+    engine_line = next(line for line in v["evidence"] if line.startswith(f"pid {engine.pid} "))
+    assert "'VLLM::EngineCore'" in engine_line and "coordinator" in engine_line, v["evidence"]
+    vllm_tp1.clear_fault()
+    t.join(timeout=120)
+
+
+def test_an_idle_server_s_dump_says_idle_and_nothing_is_stuck(vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    v, doc, stdout = _dump(vllm_tp1, tmp_path / "data")
+    assert (v["kind"], v["hung"], v["culprit_ranks"], v["culprit_pids"]) == ("idle", False, [], []), v
+    assert v["reason"].startswith("all idle (waiting for work): nothing is stuck"), v["reason"]
+    dumps = [a for a in doc["actions"] if a["action"] == "pyspy.dump"]
+    assert len(dumps) == 2 and all(a["outcome"] == "ok" for a in dumps), dumps
+    for a in dumps:  # every thread is a wait for work: signal-callback, tqdm's monitor, the message queue
+        assert "all idle (waiting for work): nothing is stuck; stuck: none" in a["detail"], a["detail"]
+    assert "hung frame" not in stdout

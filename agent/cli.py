@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import enum
 import gc
-import json
 import logging
 import os
 import signal
@@ -119,6 +118,15 @@ class _LazyConsole:
         if self._console is None:
             self._console = _safe_console(**self._kwargs)
         return getattr(self._console, name)
+
+
+def _print_json(doc: Any) -> None:
+    """A result as JSON on stdout: readable UTF-8, every control and bidi character a ``\\u``
+    escape (:func:`agent.security.dumps_safe`), so a target's chosen text never acts on a terminal."""
+    from agent.security import dumps_safe
+
+    sys.stdout.write(dumps_safe(doc) + "\n")
+    sys.stdout.flush()
 
 
 class _SafeFormatter(logging.Formatter):
@@ -275,7 +283,8 @@ DataDirOpt = typer.Option(None, "--data-dir", metavar="DIR", help="Bundles and s
 PidOpt = typer.Option(None, "--pid", metavar="PID", help="Target pid (repeatable).")
 RootPidOpt = typer.Option(None, "--root-pid", metavar="PID", help="Watch this pid and all its descendants.")
 MatchOpt = typer.Option(None, "--match", metavar="GLOB", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
-UidOpt = typer.Option(None, "--uid", min=0, metavar="UID", help="Only processes of this real uid are targets (repeatable; default any uid).")
+UidOpt = typer.Option(None, "--uid", min=0, metavar="UID", help="The server's real uid: only its processes are targets (repeatable; default: the uid of --root-pid/--pid, else servewatch's own).")
+AnyUidOpt = typer.Option(False, "--any-uid", help="Act on matched processes of any uid (default: only the server's uid; another user's process titled like the glob is refused and named).")
 OtlpEndpointOpt = typer.Option(None, "--otlp-endpoint", metavar="URL", help="OTLP collector, e.g. http://127.0.0.1:4317 (env OTEL_EXPORTER_OTLP_ENDPOINT; default: span files in the data dir).")
 OtlpProtocolOpt = typer.Option(None, "--otlp-protocol", metavar="PROTOCOL", help="grpc or http/protobuf (env OTEL_EXPORTER_OTLP_PROTOCOL; default grpc).")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")
@@ -312,9 +321,9 @@ def _api_cli(api_listen: str | None, token_file: Path | None) -> dict[str, Any]:
 
 
 def _target(
-    pid: list[int] | None, root_pid: int | None, match: list[str] | None, uid: list[int] | None = None
+    pid: list[int] | None, root_pid: int | None, match: list[str] | None, uid: list[int] | None = None, any_uid: bool = False
 ) -> dict[str, Any]:
-    return {"pids": pid or None, "root_pid": root_pid, "match": match or None, "uids": uid or None}
+    return {"pids": pid or None, "root_pid": root_pid, "match": match or None, "uids": uid or None, "any_uid": any_uid or None}
 
 
 def _data_dir_source(flag: Path | None, config: Path | None) -> str:
@@ -349,7 +358,7 @@ def _print_record(record: Any, *, as_json: bool) -> None:
     from agent.summary import incident_summary, summary_lines
 
     if as_json:
-        out.print_json(json.dumps(incident_summary(record)))
+        _print_json(incident_summary(record))
         return
     from agent.security import strip_control
 
@@ -414,6 +423,7 @@ def run(
     root_pid: int | None = RootPidOpt,
     match: list[str] | None = MatchOpt,
     uid: list[int] | None = UidOpt,
+    any_uid: bool = AnyUidOpt,
     watchdog_timeout: float | None = WatchdogTimeoutOpt,
     hard: bool | None = HardOpt,
     hard_targets: str | None = HardTargetsOpt,
@@ -443,7 +453,7 @@ def run(
     settings = _settings(
         {
             "data_dir": data_dir,
-            "target": _target(pid, root_pid, match, uid),
+            "target": _target(pid, root_pid, match, uid, any_uid),
             "health": {"url": health_url},
             "metrics": {"url": metrics_url, "metrics_preset": metrics_preset},
             "watchdog": {"timeout_s": watchdog_timeout, "hard": hard, "hard_targets": hard_targets},
@@ -557,7 +567,7 @@ def status(
         fail(f"cannot read {path}: {str(exc).removeprefix(f'{path}: ')}")
     running = snap.host_name != settings.host_name or _pid_alive(snap.agent_pid)
     if as_json:
-        out.print_json(json.dumps({**snap.to_json(), "agent_running": running}))
+        _print_json({**snap.to_json(), "agent_running": running})
     else:
         for w in snap.watchers:
             out.print(w.line(), markup=False, highlight=False)
@@ -583,6 +593,7 @@ def dump(
     root_pid: int | None = RootPidOpt,
     match: list[str] | None = MatchOpt,
     uid: list[int] | None = UidOpt,
+    any_uid: bool = AnyUidOpt,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     otlp_endpoint: str | None = OtlpEndpointOpt,
     otlp_protocol: str | None = OtlpProtocolOpt,
@@ -602,7 +613,7 @@ def dump(
     settings = _settings(
         {
             "data_dir": data_dir,
-            "target": _target(pid, root_pid, match, uid),
+            "target": _target(pid, root_pid, match, uid, any_uid),
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
         },
         config,
@@ -613,11 +624,16 @@ def dump(
     import anyio
 
     from agent.runtime import Agent
+    from agent.security import strip_control
     from agent.targets import discover
 
-    if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids, uids=t.uids):
+    refused: dict[int, str] = {}
+    if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids, uids=t.uids,
+                    any_uid=t.any_uid, refused=refused):
         gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
         why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
+        if refused:
+            why += f"; refused {len(refused)} of another user: " + "; ".join(strip_control(r) for r in list(refused.values())[:5])
         fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
     _data_dir_ready(settings)
     agent = Agent.build(settings)
@@ -724,6 +740,7 @@ def launch(
     metrics_preset: str | None = MetricsPresetOpt,
     match: list[str] | None = MatchOpt,
     uid: list[int] | None = UidOpt,
+    any_uid: bool = AnyUidOpt,
     watchdog_timeout: float | None = WatchdogTimeoutOpt,
     hard: bool | None = HardOpt,
     hard_targets: str | None = HardTargetsOpt,
@@ -754,7 +771,7 @@ def launch(
     settings = _settings(
         {
             "data_dir": data_dir,
-            "target": {"match": match or None, "uids": uid or None},
+            "target": {"match": match or None, "uids": uid or None, "any_uid": any_uid or None},
             # the server starts with us: "connection refused" is start-up until it listens
             "health": {"url": health_url, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
             "metrics": {"url": metrics_url, "metrics_preset": metrics_preset, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
@@ -773,6 +790,19 @@ def launch(
         _check_bindable(settings.api.host, settings.api.port)
     check_command(cmd[0], os.environ)  # LaunchError (127/126) before any folder exists or anything is armed
     _data_dir_ready(settings)
+    if settings.coredump.enabled:
+        # the server's driver writes cores there: the data dir's checks (0700 when created, ours or
+        # root's all the way up, nobody else may write), for the folder and its per-host folder
+        import socket
+
+        from agent.config import ConfigError, check_data_dir
+
+        folder = Path(settings.coredump.folder).expanduser().absolute()
+        try:
+            check_data_dir(folder, setting="coredump.folder")
+            check_data_dir(folder / socket.gethostname(), setting="coredump.folder")  # the driver's %h
+        except ConfigError as exc:
+            _invalid(exc)
     try:
         planned = launch_env(
             crash_dump_folder=settings.coredump.folder if settings.coredump.enabled else None,
@@ -942,7 +972,7 @@ def timeline(
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
     if as_json:
-        out.print_json(json.dumps(timeline_to_dict(tl)))
+        _print_json(timeline_to_dict(tl))
     else:
         render_timeline(tl, out.console)
 
@@ -961,7 +991,7 @@ def report(
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
     if str(output) == "-":
-        sys.stdout.write(render_report_html(tl))
+        sys.stdout.write(render_report_html(tl))  # no control character in it: a terminal may show it
         sys.stdout.flush()
         return
     try:
@@ -1028,7 +1058,7 @@ def profile(
         assert telemetry is not None  # the otlp exporter built it for the trace
         delivered = _say_spooled(telemetry, agent.export_statistics)
     if as_json:
-        out.print_json(json.dumps({**result.to_manifest(), "trace_id": trace_id}))
+        _print_json({**result.to_manifest(), "trace_id": trace_id})
     # vLLM writes into its own launch-time folder: those files are listed, not taken
     server_files = result.attributes.get("servewatch.profile.server_files") or ()
     paths = [*result.artifact_paths, *(str(f) for f in server_files)] if isinstance(server_files, tuple) else list(result.artifact_paths)

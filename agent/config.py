@@ -87,8 +87,11 @@ class TargetConfig(BaseModel):
     match: list[str] = Field(default_factory=list, description="process-title globs (fnmatch)")
     uids: list[int] = Field(
         default_factory=list,
-        description="only processes whose real uid is one of these are targets (empty: any uid);"
-        " coredumps of these uids may also go outside coredump.folder",
+        description="the server's real uids: only processes of these (or root) are targets (empty: the uid of root_pid and"
+        " pids, else servewatch's own); coredumps of these uids may also go outside coredump.folder",
+    )
+    any_uid: bool = Field(
+        False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
     )
 
 
@@ -452,33 +455,38 @@ def unknown_env_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
     return lines
 
 
-def check_data_dir(path: Path) -> None:
+def check_data_dir(path: Path, *, setting: str = "data_dir") -> None:
     """Make sure the data dir exists (created 0700 if needed), is writable, and is safe.
 
     Safe (:func:`agent.security.unsafe_dir_reason`): it and every folder above it belong to us
     or root, and none can be changed by another local user (the sticky bit, as on ``/tmp``,
-    is fine above it), so nobody can plant a symlink or swap a folder where root writes.
+    is fine above it), so nobody can plant a symlink or swap a folder where root writes. The
+    same check guards every other folder root writes into (``launch``'s crash-dump folder).
+
+    Args:
+        path: the folder.
+        setting: the setting named in the error (``data_dir``, ``coredump.folder``).
 
     Raises:
-        ConfigError: one line naming ``data_dir`` and the reason.
+        ConfigError: one line naming ``setting`` and the reason.
     """
     try:
         if not os.path.lexists(path):  # an existing one (a trusted symlink too) is judged below
             ensure_private_dir(path)
     except OSError as exc:
-        raise ConfigError(f"invalid setting data_dir: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
+        raise ConfigError(f"invalid setting {setting}: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
     problem = unsafe_dir_reason(path)
     if problem is None and not path.is_dir():
         problem = f"{str(path)!r} is not a folder"
     if problem is not None:
-        raise ConfigError(f"invalid setting data_dir: unsafe folder: {problem}")
+        raise ConfigError(f"invalid setting {setting}: unsafe folder: {problem}")
     try:
         probe = path / f".servewatch-write-test.{os.getpid()}"
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.close(fd)
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"invalid setting data_dir: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
+        raise ConfigError(f"invalid setting {setting}: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
 
 
 #: Defaults computed when settings load, in words (the reference must not depend on the machine).

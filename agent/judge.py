@@ -40,7 +40,7 @@ from agent.events import (
 from agent.exits import zombie_fact
 from agent.procinfo import exit_fact_of
 from agent.ranks import parse_title, world_ranks
-from agent.sdk.counter import CounterSnapshot, counter_path, read_counter
+from agent.sdk.counter import CounterSnapshot
 from agent.servers import ServerGroup, ancestors, listener_of_port, server_groups
 from agent.stacks import ThreadStack, parse_dump
 from agent.targets import ProcessState, Target, process_state
@@ -101,9 +101,12 @@ def warm_up_analyzer() -> threading.Thread:
 
 
 def _snapshots(pids: Sequence[int], socket_dir: Path | None) -> dict[int, CounterSnapshot]:
+    """Counters of ``pids`` from their own user's SDK folder and owned by it (never another user's forgery)."""
+    from agent.sdkclient import read_step_counter
+
     out: dict[int, CounterSnapshot] = {}
     for pid in pids:
-        snap = read_counter(counter_path(pid, socket_dir))
+        snap = read_step_counter(pid, socket_dir)
         if snap is not None and snap.pid == pid:
             out[pid] = snap
     return out

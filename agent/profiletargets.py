@@ -269,6 +269,7 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
 
     import psutil
 
+    from agent.sdk.folders import shm_dir
     from agent.sdkclient import control_path, control_socket_pids
     from agent.targets import discover
 
@@ -294,7 +295,7 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
             return f"pid {pid} {title!r} is a {'SGLang' if backend == 'sglang' else 'vLLM'} process without the SDK: profile it with {where}"
     return (
         f"pid {pid} {title!r} serves no SDK control socket (it does not call agent.sdk.serve_control(),"
-        f" or its SERVEWATCH_SHM_DIR differs from {control_path(pid, socket_dir).parent})"
+        f" or its SERVEWATCH_SHM_DIR differs from {socket_dir or shm_dir()})"
     )
 
 

@@ -62,6 +62,7 @@ from agent.targets import (
     parent_pid,
     process_state,
     server_of,
+    server_uids,
     spread_warning,
     target_of,
     zombie_descendants,
@@ -118,6 +119,14 @@ MIRROR_BUFFER = 4096
 
 class AgentStatistics(dict[str, Any]):
     """Counters of a finished run (``incidents``, ``suppressed``, bus statistics...)."""
+
+
+def _sdk_folder_refusals(targets: Sequence[Target]) -> list[str]:
+    """Why the SDK folder name of a target's user was not trusted (another user took it), one
+    line each (:func:`agent.sdk.folders.refusals`). Blocking: ``lstat`` calls."""
+    from agent.sdk.folders import refusals
+
+    return refusals(sorted({t.uid for t in targets if t.uid is not None}))
 
 
 class Agent:
@@ -189,6 +198,9 @@ class Agent:
         #: the ``--root-pid`` process as identified at start (its exit ends the watch)
         self._root: Target | None = None
         self._warned_spread = False
+        #: processes discovery left out for their uid, ``{pid: why}`` (the last round)
+        self.refused_targets: dict[int, str] = {}
+        self._refused_told: dict[int, str] = {}
         self._seen: dict[int, tuple[Target, float]] = {}
         #: each remembered target's job: the process it hung off when first seen (its server)
         self._job_of: dict[int, int | None] = {}
@@ -266,7 +278,13 @@ class Agent:
         """Current targets per ``settings.target`` (plus launched children)."""
         t = self.settings.target
         root_pids = list(filter(None, [t.root_pid])) + [c.pid for c in self.children]
-        found = discover(root_pids=root_pids, title_globs=t.match, pids=t.pids, uids=t.uids)
+        refused: dict[int, str] = {}
+        found = discover(root_pids=root_pids, title_globs=t.match, pids=t.pids, uids=t.uids, any_uid=t.any_uid, refused=refused)
+        for pid, why in refused.items():
+            if self._refused_told.get(pid) != why:
+                log.warning("not a target: %s", why)  # once per process: discovery says whom it refused and why
+        self.refused_targets = refused
+        self._refused_told = {pid: refused[pid] for pid in refused}
         for target in found:  # identified: signals to them go through these pidfds, never to a reused pid
             pidfds.hold(target)
         self._remember(found)
@@ -359,7 +377,8 @@ class Agent:
                 roots = [r for r in roots if r in jobs]
         known = pids | set(self._seen)  # a zombie seen alive was judged above
         dead += [  # never seen alive by this agent (`servewatch dump`): zombies of the watched trees
-            z for z in zombie_descendants(roots, t.match) if z.pid not in known and (not t.uids or z.uid in t.uids)
+            z for z in zombie_descendants(roots, t.match)
+            if z.pid not in known and (t.any_uid or z.uid in server_uids(uids=t.uids, root_pids=roots, pids=t.pids))
         ]
         return sorted([*live, *dead], key=lambda t: t.pid)
 
@@ -920,22 +939,29 @@ class Agent:
             self._step_scopes[key] = await tg.start(self._watch_target_steps, target, watchers)
             log.info("watching forward steps of pid %d (%s)", target.pid, target.title)
         n = len(self._step_scopes)
+        refused = await anyio.to_thread.run_sync(_sdk_folder_refusals, targets) if targets else []
+        said = f"; counter refused: {'; '.join(refused)}" if refused else ""
         if n:
-            await self._set_status("steps", WatcherState.READY, f"{n} rank{'s' if n != 1 else ''} via shm counter")
-        elif (targets and not self.settings.metrics.url) or self.status.get("steps") is not None:
+            await self._set_status("steps", WatcherState.READY, f"{n} rank{'s' if n != 1 else ''} via shm counter{said}")
+        elif (targets and not self.settings.metrics.url) or self.status.get("steps") is not None or refused:
             await self._set_status(
                 "steps", WatcherState.WAITING,
                 "no SDK step counter in the targets now"
-                + ("" if self.settings.metrics.url else "; stalls need agent.sdk.step() or --metrics-url"),
+                + ("" if self.settings.metrics.url else "; stalls need agent.sdk.step() or --metrics-url") + said,
             )
         if self._has_targets():
+            others = self.refused_targets
+            said = ""
+            if others:
+                shown = "; ".join(list(others.values())[:3]) + ("; ..." if len(others) > 3 else "")
+                said = f"; refused {len(others)} process{'es' if len(others) != 1 else ''} of another uid: {shown}"
             if targets:
                 await self._set_status(
                     "process", WatcherState.READY,
-                    f"watching {len(targets)} target process{'es' if len(targets) != 1 else ''}",
+                    f"watching {len(targets)} target process{'es' if len(targets) != 1 else ''}{said}",
                 )
             else:
-                await self._set_status("process", WatcherState.WAITING, self._looking_for())
+                await self._set_status("process", WatcherState.WAITING, self._looking_for() + said)
         t = self.settings.target
         if self._has_targets() and not targets and not self._told_no_target:
             self._told_no_target = True

@@ -38,6 +38,7 @@ from agent.events import Outcome
 from agent.procinfo import pid_alive
 from agent.sdk.control import control_path
 from agent.sdk.counter import SIZE_BYTES, CounterSnapshot, counter_path, parse_counter
+from agent.sdk.folders import sdk_folders
 from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import ProcessState, Target, process_state
 
@@ -171,7 +172,7 @@ async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid
                 line = await reader.receive_until(b"\n", MAX_REPLY_BYTES)
     except TimeoutError:
         raise SdkCallError(Outcome.TIMED_OUT, f"control socket {path} did not answer within {timeout_s} s") from None
-    except (FileNotFoundError, ConnectionRefusedError):
+    except (FileNotFoundError, NotADirectoryError, ConnectionRefusedError):  # NotADirectory: see agent.sdk.folders
         raise SdkCallError(Outcome.NO_SUCH_PROCESS, f"no SDK control socket at {path} (agent.sdk.serve_control() not called?)") from None
     except PermissionError:
         raise SdkCallError(Outcome.PERMISSION_DENIED, f"permission denied on {path} (run servewatch as the server's user or root)") from None
@@ -210,8 +211,8 @@ def _exited_soon(pid: int, within_s: float = 0.2) -> bool:
 
 
 def read_step_counter(pid: int, directory: Path | None = None) -> CounterSnapshot | None:
-    """The forward-step counter of ``pid`` (``<directory>/servewatch-steps.<pid>``, default the
-    SDK's shm folder), or ``None`` when it is missing, not owned by the process's user, or
+    """The forward-step counter of ``pid`` (``servewatch-steps.<pid>`` in its user's private folder
+    in ``directory``, default the SDK's shm folder: :mod:`agent.sdk.folders`), or ``None`` when it is missing, not owned by the process's user, or
     written by another pid. Blocking (a tmpfs read, microseconds)."""
     uids = process_uids(pid)
     if not uids:
@@ -222,7 +223,8 @@ def read_step_counter(pid: int, directory: Path | None = None) -> CounterSnapsho
 
 
 def control_socket_pids(socket_dir: Path | None = None) -> list[int]:
-    """Pids of the live processes whose control socket file is in ``socket_dir``, ascending.
+    """Pids of the live processes whose control socket file is in a user's private folder in
+    ``socket_dir`` (:func:`agent.sdk.folders.sdk_folders`), ascending.
 
     A killed server leaves its socket file behind: only pids still alive count. Names only (a
     directory listing); :func:`sdk_call` decides whether a socket is trusted.
@@ -230,11 +232,12 @@ def control_socket_pids(socket_dir: Path | None = None) -> list[int]:
     Args:
         socket_dir: the sockets' folder; default the SDK's shm folder.
     """
-    folder = control_path(0, socket_dir).parent
-    try:
-        names = [p.name for p in folder.glob(_SOCKET_GLOB)]
-    except OSError:
-        return []
+    names: list[str] = []
+    for _uid, folder in sdk_folders(socket_dir):
+        try:
+            names += [p.name for p in folder.glob(_SOCKET_GLOB)]
+        except OSError:
+            continue
     pids = sorted({int(part) for name in names if (part := name.split(".")[1]).isdigit()})
     return [p for p in pids if pid_alive(p)]
 
@@ -259,7 +262,7 @@ async def read_inflight(
     out: list[InflightRequest] = []
 
     async def one(target: Target) -> None:
-        path = control_path(target.pid, socket_dir)
+        path = await anyio.to_thread.run_sync(control_path, target.pid, socket_dir)  # lists folders, reads /proc
         if not await anyio.Path(path).exists():
             return
         try:

@@ -7,17 +7,19 @@ Owns:
 - :func:`validate_host_name`: a host name used as one path component;
 - :func:`trusted_owner` / :func:`open_trusted`: a file or socket planted by someone else (wrong
   owner, symlink) is not the target's;
-- :func:`redact_cmdline`: secrets in command lines (``--api-key X``, ``--token=X``,
-  ``HF_TOKEN=X``) never reach a manifest;
+- :func:`redact_cmdline`: secrets in command lines (``--api-key X``, ``--auth=X``, ``-k X``,
+  ``HF_TOKEN=X``, ``https://u:PASSWORD@h``, ``Authorization: Bearer X``, ``sk-...``) never reach
+  a manifest, by pattern families (listed above the function), not a list of flags;
 - :func:`strip_control`: text a target chose (titles, thread, function and file names, request
   ids) never carries terminal escape sequences to an operator's terminal.
 
-Imports: stdlib only.
+Imports: stdlib only (and :mod:`agent.sdk.folders`, stdlib only too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import stat
@@ -25,13 +27,17 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agent.sdk.folders import process_uids as _process_uids
+
 __all__ = [
     "REDACTED",
+    "dumps_safe",
     "is_within",
     "open_trusted",
     "process_uids",
     "redact_cmdline",
     "redact_text",
+    "redact_value",
     "sanitize",
     "strip_control",
     "trusted_owner",
@@ -136,17 +142,7 @@ def is_within(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> b
 def process_uids(pid: int) -> tuple[int, ...]:
     """The uids a process's own files may carry: its ``/proc/PID`` owner and its real and
     effective uids (``/proc/PID/status``); empty when it is gone."""
-    uids: list[int] = []
-    try:
-        uids.append(os.stat(f"/proc/{pid}").st_uid)
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("Uid:"):
-                    uids.extend(int(x) for x in line.split()[1:3])
-                    break
-    except (OSError, ValueError):
-        return tuple(uids)
-    return tuple(dict.fromkeys(uids))
+    return _process_uids(pid)
 
 
 def trusted_owner(st: os.stat_result, owner_uids: Iterable[int | None]) -> bool:
@@ -181,50 +177,125 @@ def open_trusted(path: str | os.PathLike[str], owner_uids: Iterable[int | None],
 
 # --- what leaves the process -------------------------------------------------------------------
 
-#: Flags whose value is a secret: ``--api-key``, ``--token``, ``--password`` and any
-#: ``--*-key``, ``--*-secret``, ``--*-token``, ``--*-password`` (case-insensitive, ``_`` or ``-``).
-_SECRET_FLAG = re.compile(
-    r"^--?(?:api[-_]?key|token|password|passwd|secret|(?:[a-z0-9]+[-_])+(?:key|secret|token|password|passwd))$",
+# Secrets are recognised by pattern families, not a list of flags; each family is one rule below
+# (README "Security model" names them):
+#
+# 1. a flag whose last word is a secret word (:data:`SECRET_WORDS`: ``--api-key``, ``--hf-token``,
+#    ``--db-password``, ``--auth``, ``--bearer``, ``--credentials``, ``--client-secret``...), or
+#    ``-k``: its value (the next argument, or after ``=``);
+# 2. ``NAME=value`` whose NAME holds a secret word (``HF_TOKEN=``, ``AWS_SECRET_ACCESS_KEY=``);
+# 3. a password in a URL (``scheme://user:PASSWORD@host``) and secret-named query parameters
+#    (``?token=``, ``&api_key=``);
+# 4. a credential header (``Authorization:``, ``Proxy-Authorization:``, ``Cookie:``,
+#    ``X-Api-Key:`` and any ``X-...-Token:``): everything after the colon;
+# 5. well-known token shapes anywhere (OpenAI ``sk-``, Hugging Face ``hf_``, GitHub ``ghp_``...,
+#    Slack ``xox?-``, AWS ``AKIA...`` access key ids, JWTs ``eyJ...``).
+
+#: Words that make a flag, variable, query parameter or header name a secret's (compared per
+#: ``-``/``_``/``.`` separated word, case-insensitive; ``--tokenizer``, ``--max-tokens`` and
+#: ``--keyboard`` are not secrets).
+SECRET_WORDS = frozenset({
+    "key", "apikey", "token", "secret", "password", "passwd", "pass", "pwd", "auth", "authorization",
+    "bearer", "credential", "credentials", "creds", "cookie", "session", "signature", "sig", "privatekey",
+})
+#: Short flags whose value is a secret (``-k KEY``).
+SECRET_SHORT_FLAGS = frozenset({"-k"})
+_WORD_SPLIT = re.compile(r"[-_.]+")
+_ENV_ARG = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=")
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<pw>[^/@\s]+)@")
+_QUERY_PARAM = re.compile(r"(?P<sep>[?&;])(?P<name>[A-Za-z0-9_.-]+)=(?P<value>[^&#\s]*)")
+_HEADER = re.compile(
+    r"^(?P<name>(?:proxy-)?authorization|cookie|set-cookie|x-api-key|api-key|x-[a-z0-9-]*(?:token|key|secret|auth))\s*:\s*.+$",
     re.IGNORECASE,
 )
-#: ``NAME=value`` arguments whose name looks like a secret (``HF_TOKEN=``, ``AWS_SECRET_ACCESS_KEY=``, ``API_KEY=``).
-_SECRET_ENV = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)[A-Za-z0-9_]*)=", re.IGNORECASE)
+_TOKEN_SHAPES = re.compile(
+    r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+    r"|xox[abposr]-[A-Za-z0-9-]{10,}|A[KS]IA[0-9A-Z]{16}|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"
+)
+
+
+def _secret_name(name: str, *, anywhere: bool = False) -> bool:
+    """Whether a name names a secret: its last word (or last two joined: ``api-key``) is a
+    secret word; with ``anywhere`` (variables, query parameters), any of its words is."""
+    words = [w for w in _WORD_SPLIT.split(name.lower().lstrip("-")) if w]
+    if not words:
+        return False
+    pairs = ["".join(words[i:i + 2]) for i in range(len(words) - 1)]
+    if anywhere:
+        return any(w in SECRET_WORDS for w in (*words, *pairs))
+    return words[-1] in SECRET_WORDS or (bool(pairs) and pairs[-1] in SECRET_WORDS)
+
+
+def _is_secret_flag(flag: str) -> bool:
+    if flag in SECRET_SHORT_FLAGS:
+        return True
+    return flag.startswith("--") and _secret_name(flag)
+
+
+def redact_value(text: str) -> str:
+    """``text`` with the secrets of families 3, 4 and 5 replaced by :data:`REDACTED` (a URL's
+    password and secret query parameters, a credential header's value, token shapes)."""
+    header = _HEADER.match(text.strip())
+    if header:
+        return f"{header.group('name')}: {REDACTED}"
+    text = _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{m.group('user')}:{REDACTED}@", text)
+    if "=" in text and ("?" in text or "&" in text or ";" in text):
+        text = _QUERY_PARAM.sub(
+            lambda m: f"{m.group('sep')}{m.group('name')}={REDACTED}" if _secret_name(m.group("name"), anywhere=True) else m.group(0),
+            text,
+        )
+    return _TOKEN_SHAPES.sub(REDACTED, text)
 
 
 def redact_cmdline(argv: Sequence[str]) -> list[str]:
-    """A copy of ``argv`` with secret values replaced by :data:`REDACTED`.
-
-    Redacts the value after ``--api-key``, ``--token``, ``--password``, ``--*-key``,
-    ``--*-secret`` (also ``--flag=value``), and the value of ``KEY=…``-style arguments whose name
-    contains KEY, TOKEN, SECRET or PASSWORD.
+    """A copy of ``argv`` with secret values replaced by :data:`REDACTED`, by the pattern
+    families above: the value of a secret flag (``--api-key X``, ``--auth=X``, ``-k X``; a next
+    argument that is itself a ``--flag`` is not taken as the value), ``NAME=value`` of a secret
+    NAME, passwords in URLs, secret query parameters, credential headers (``-H 'Authorization:
+    Bearer X'``) and known token shapes anywhere.
     """
     out: list[str] = []
     redact_next = False
     for arg in argv:
         if redact_next:
-            out.append(REDACTED)
             redact_next = False
-            continue
+            if not arg.startswith("--"):
+                out.append(REDACTED)
+                continue
         flag, eq, _value = arg.partition("=")
-        if flag.startswith("-") and _SECRET_FLAG.match(flag):
+        if flag.startswith("-") and _is_secret_flag(flag):
             if eq:
                 out.append(f"{flag}={REDACTED}")
             else:
                 out.append(arg)
                 redact_next = True
             continue
-        m = _SECRET_ENV.match(arg)
-        if m:
+        m = _ENV_ARG.match(arg)
+        if m and not arg.startswith("-") and _secret_name(m.group(1), anywhere=True):
             out.append(f"{m.group(1)}={REDACTED}")
             continue
-        out.append(arg)
+        out.append(redact_value(arg))
     return out
 
 
 # C0 controls except tab/newline, DEL, C1 controls (0x80-0x9f: 8-bit CSI/OSC), and the
-# Unicode bidi overrides that can reorder what an operator reads.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-_CONTROL_NO_NEWLINE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# Unicode bidi marks, overrides and isolates that can reorder what an operator reads.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_NO_NEWLINE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+#: What JSON output escapes beyond what :func:`json.dumps` does with ``ensure_ascii=False``: C1
+#: controls, DEL, bidi embeddings/overrides/isolates, line/paragraph separators, BOM/zero widths.
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def dumps_safe(obj: Any, *, indent: int | None = 2) -> str:
+    """``json.dumps`` for output a terminal may show: UTF-8 text stays readable, but every
+    control character (C0 as JSON always does, plus C1, DEL) and every character that reorders
+    or hides text (bidi overrides such as U+202E, zero-width marks) is written as a ``\\uXXXX``
+    escape, so the JSON means the same and shows no raw control to whoever reads it."""
+    text = json.dumps(obj, ensure_ascii=False, indent=indent, default=str)
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group(0)):04x}", text)
 
 
 def strip_control(text: object, *, keep_newlines: bool = False) -> str:

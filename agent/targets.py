@@ -36,6 +36,7 @@ __all__ = [
     "process_trees",
     "psutil_errors",
     "server_of",
+    "server_uids",
     "spread_warning",
     "target_of",
     "zombie_descendants",
@@ -209,6 +210,28 @@ def _matches(target: Target, name: str, globs: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(target.title, g) or fnmatch.fnmatchcase(name, g) for g in globs)
 
 
+def _uid_of(pid: int) -> int | None:
+    uid: int | None = None
+    with psutil_errors():
+        uid = psutil.Process(pid).uids().real
+    return uid
+
+
+def server_uids(*, uids: Iterable[int] = (), root_pids: Iterable[int] = (), pids: Iterable[int] = ()) -> frozenset[int]:
+    """The uids a server's processes may run as: ``uids`` (``--uid``), the uids of the trees'
+    roots (``--root-pid``, a launched server) and of explicit pids (``--pid``); when none of
+    these is given, the agent's own effective uid. Root (0) is always one of them: only root
+    can make a process of root's, and root could do anything anyway."""
+    found = {*uids}
+    for pid in (*root_pids, *pids):
+        uid = _uid_of(pid)
+        if uid is not None:
+            found.add(uid)
+    if not found:
+        found.add(os.geteuid())
+    return frozenset({0, *found})
+
+
 def discover(
     *,
     root_pids: Iterable[int] = (),
@@ -217,6 +240,8 @@ def discover(
     include_roots: bool = True,
     errors: ScanErrors | None = None,
     uids: Iterable[int] = (),
+    any_uid: bool = False,
+    refused: dict[int, str] | None = None,
 ) -> list[Target]:
     """Find the processes to act on (synchronous; a full scan takes milliseconds).
 
@@ -236,8 +261,12 @@ def discover(
         pids: explicit pids.
         include_roots: include each root pid itself, not only its descendants.
         errors: counters of skipped processes, updated in place.
-        uids: when given, keep only processes whose real uid is one of these (a process of
-            another user that names itself like a scheduler is then never a target).
+        uids: the server's uids (``--uid``); with the uids of ``root_pids`` and ``pids`` they
+            make :func:`server_uids`. A process found by its tree or its title whose real uid
+            is not one of those is not a target (a title alone never lets another user's
+            process steer root); explicit ``pids`` always are.
+        any_uid: keep processes of any uid (``--any-uid``: the operator's explicit choice).
+        refused: filled with ``{pid: why}`` for each process left out for its uid.
 
     Returns:
         Live targets, deduplicated by pid, sorted by pid.
@@ -290,8 +319,19 @@ def discover(
         with psutil_errors(counts):
             add(psutil.Process(pid))
 
-    allowed = frozenset(uids)
-    return [found[pid] for pid in sorted(found) if not allowed or found[pid].uid in allowed]
+    explicit = frozenset(pids)
+    allowed = server_uids(uids=uids, root_pids=roots, pids=explicit)
+    kept: list[Target] = []
+    for pid in sorted(found):
+        target = found[pid]
+        if any_uid or pid in explicit or target.uid in allowed:
+            kept.append(target)
+        elif refused is not None:
+            refused[pid] = (
+                f"pid {pid} {target.title!r} runs as uid {target.uid}, not the server's"
+                f" (uid {', '.join(map(str, sorted(allowed)))}): add --uid {target.uid} or --any-uid to act on it"
+            )
+    return kept
 
 
 #: Logged once at start when only a health/metrics URL is watched: an incident has nothing to dump.

@@ -11,7 +11,7 @@ bundle — titles, frames, details, paths — is HTML-escaped.
 
 Like everything in ``exporters/``, it mirrors the bundle and decides nothing.
 
-Imports the standard library, :mod:`agent.events` (names), :mod:`agent.fsutil`, :mod:`exporters.bundle`
+Imports the standard library, :mod:`agent.events` (names), :mod:`agent.fsutil`, :mod:`agent.security` (control characters), :mod:`exporters.bundle`
 (the model read from a bundle, the one loader ``timeline`` uses too) and :mod:`exporters.timeline`'s
 shared formatters.
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 from agent.events import Action, Trigger
 from agent.fsutil import atomic_write_text
 from agent.manifest import stack_errors
+from agent.security import strip_control
 from exporters.bundle import ActionRow, IncidentTimeline, ProcessStacks, SpanRow
 from exporters.timeline import format_size, verdict_headline
 
@@ -410,12 +411,14 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
         footer += f" at {_iso(generated_time_unix_nano)}"
     body.append(f"<footer>{_e(footer)} from the bundle {_e(tl.bundle_dir)}. Offline page: nothing is loaded.</footer>")
 
-    return (
+    # no control or bidi character a target chose reaches the page (nor a terminal, with -o -)
+    return strip_control(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="Content-Security-Policy" content="{_e(CSP)}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>servewatch incident {_e(tl.incident_id)}</title><style>{_STYLE}</style></head>"
-        f"<body>{''.join(body)}</body></html>\n"
+        f"<body>{''.join(body)}</body></html>\n",
+        keep_newlines=True,
     )
 
 

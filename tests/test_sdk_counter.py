@@ -177,10 +177,13 @@ def test_read_counter_rejects_missing_short_and_foreign_files(tmp_path: Path) ->
 
 def test_counter_files_are_found_by_the_pid_in_their_name(tmp_path: Path) -> None:
     from agent.sdk.counter import FILE_PREFIX, counter_files
+    from agent.sdk.folders import own_dir
 
+    folder = own_dir(tmp_path)  # files live in their user's private folder
     for name in (f"{FILE_PREFIX}12", f"{FILE_PREFIX}7", f"{FILE_PREFIX}x", f"{FILE_PREFIX}12.tmp", "servewatch-ctl.5.sock"):
-        (tmp_path / name).write_bytes(b"")
-    assert counter_files(tmp_path) == {12: counter_path(12, tmp_path), 7: counter_path(7, tmp_path)}
+        (folder / name).write_bytes(b"")
+    (tmp_path / f"{FILE_PREFIX}9").write_bytes(b"")  # the old flat layout: not looked at
+    assert counter_files(tmp_path) == {12: folder / f"{FILE_PREFIX}12", 7: folder / f"{FILE_PREFIX}7"}
     assert counter_files(tmp_path / "absent") == {}
 
 

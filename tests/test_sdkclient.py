@@ -106,9 +106,12 @@ async def test_a_silent_server_times_out(tmp_path: Path) -> None:
 def test_socket_pids_are_the_live_ones_named_in_the_folder(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
     dead_pid = int(dead.stdout)
+    from agent.sdk.folders import own_dir
+
+    folder = own_dir(tmp_path)
     for name in (f"servewatch-ctl.{os.getpid()}.sock", f"servewatch-ctl.{dead_pid}.sock", "servewatch-ctl.x.sock",
                  f"servewatch-steps.{os.getppid()}"):
-        (tmp_path / name).write_text("")
+        (folder / name).write_text("")
     assert control_socket_pids(tmp_path) == [os.getpid()]
     assert control_socket_pids(tmp_path / "absent") == []
 

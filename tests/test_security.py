@@ -88,10 +88,10 @@ def titled_as_nobody(spawn: Callable, python: str, title: str, lifetime_s: float
 def test_uid_filter_keeps_only_given_uids(spawn: Callable, python: str) -> None:
     title = f"sglang::scheduler_TP0_{uuid.uuid4().hex[:6]}"
     titled_as_nobody(spawn, python, title)
-    found = discover(title_globs=[title])
-    assert [t.uid for t in found] == [NOBODY]
+    assert discover(title_globs=[title]) == []  # not the server's uid (ours, with a title only): refused
     assert discover(title_globs=[title], uids=[0]) == []
     assert [t.uid for t in discover(title_globs=[title], uids=[0, NOBODY])] == [NOBODY]
+    assert [t.uid for t in discover(title_globs=[title], any_uid=True)] == [NOBODY]
 
 
 def _start_nobody_driver(spawn: Callable, python: str, home: Path, core_template: str) -> tuple[int, Path]:
@@ -322,9 +322,10 @@ def _as_nobody(*argv: str, timeout_s: float = 30) -> None:
 
 
 _FORGE_COUNTER = """
-import struct, sys, time
+import os, struct, sys, time
 from agent.sdk.counter import MAGIC
 pid = int(sys.argv[2])
+os.makedirs(os.path.dirname(sys.argv[1]), mode=0o777, exist_ok=True)  # the victim user's folder name, taken
 # busy, one step long ago: a stall as soon as anyone believes it
 words = [MAGIC, pid, time.time_ns(), 5, 1, 7, 0, 0]
 with open(sys.argv[1], "xb") as f:
@@ -337,27 +338,33 @@ def test_counter_forged_by_another_user_is_ignored(spawn: Callable, python: str,
     from agent.watchers.steps import ShmStepSource, discover_shm_counters
 
     victim = spawn([python, "-c", "import time; time.sleep(60)"])  # a root server without the SDK
-    path = counter_path(victim.pid, shared_shm)
+    path = shared_shm / "servewatch-0" / f"servewatch-steps.{victim.pid}"  # where root's counter would be
     _as_nobody("env", f"PYTHONPATH={REPO}", NOBODY_PYTHON, "-c", _FORGE_COUNTER, str(path), str(victim.pid))
     assert path.stat().st_uid == NOBODY and read_counter(path) is not None  # a well-formed forgery
     assert ShmStepSource(victim.pid, directory=shared_shm).read_now() is None
     assert discover_shm_counters(directory=shared_shm) == {}
+    assert str(counter_path(victim.pid, shared_shm)).startswith(os.devnull + "/")  # never a path through nobody's folder
 
 
-def test_counter_symlink_is_not_followed(spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path) -> None:
+def test_counter_folder_symlink_is_not_followed(spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path) -> None:
+    from agent.judge import read_steps
     from agent.watchers.steps import ShmStepSource
 
     victim = spawn([python, "-c", "import time; time.sleep(60)"])
-    forged = nobody_dir / "forged"
+    forged = nobody_dir / "forged" / f"servewatch-steps.{victim.pid}"
     _as_nobody("env", f"PYTHONPATH={REPO}", NOBODY_PYTHON, "-c", _FORGE_COUNTER, str(forged), str(victim.pid))
-    os.chown(forged, 0, 0)  # even a root-owned target behind the link is not read through it
-    _as_nobody("ln", "-s", str(forged), str(shared_shm / f"servewatch-steps.{victim.pid}"))
+    os.chown(forged, 0, 0)  # even a root-owned file behind the link is not read through it
+    os.chown(forged.parent, 0, 0)
+    forged.parent.chmod(0o700)
+    _as_nobody("ln", "-s", str(forged.parent), str(shared_shm / "servewatch-0"))
     assert ShmStepSource(victim.pid, directory=shared_shm).read_now() is None
+    assert read_steps([victim.pid], shared_shm) == {}  # nor by the verdict's step reader
 
 
 _SQUAT_SOCKET = """
-import json, socket, sys, time
+import json, os, socket, sys, time
 path, log = sys.argv[1], sys.argv[2]
+os.makedirs(os.path.dirname(path), mode=0o777, exist_ok=True)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.bind(path)
 s.listen(8)
@@ -394,35 +401,37 @@ async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_the
     from agent.sdkclient import read_inflight
 
     server = _start_sdk_server(spawn, python, shared_shm)
-    counter, sock = counter_path(server.pid, shared_shm), control_path(server.pid, shared_shm)
-    _as_nobody("touch", str(counter))
+    squatted = shared_shm / "servewatch-0"  # the name of root's private SDK folder, taken first
     log = nobody_dir / "connections.log"
+    sock = squatted / f"servewatch-ctl.{server.pid}.sock"
     squatter = spawn([*AS_NOBODY, NOBODY_PYTHON, "-c", _SQUAT_SOCKET, str(sock), str(log)], stdout=subprocess.PIPE)
     _ready(squatter)
+    _as_nobody("touch", str(squatted / f"servewatch-steps.{server.pid}"))
     assert server.stdin is not None and server.stdout is not None
     server.stdin.write(b"go\n")
     server.stdin.flush()
     state = json.loads(server.stdout.readline())
     assert state["forward_ct"] == 1  # the server stepped and runs on
-    assert state["published"] is False and state["control_running"] is False
-    assert "not ours" in state["control_error"]
+    assert state["published"] is True and state["control_running"] is True  # in a folder nobody could squat
+    own = Path(state["counter"]).parent
+    assert own.name.startswith("servewatch-0.") and own.stat().st_uid == 0 and stat.S_IMODE(own.stat().st_mode) == 0o700
     await anyio.sleep(0.3)
     assert server.poll() is None
-    assert counter.stat().st_uid == NOBODY and counter.stat().st_size == 0  # left alone
+    assert counter_path(server.pid, shared_shm).parent == own and control_path(server.pid, shared_shm).parent == own
     target = target_of(server.pid)
     assert target is not None
     with anyio.fail_after(30):
         inflight = await read_inflight([target], socket_dir=shared_shm)
-    assert inflight == []
+    assert inflight == []  # the server's own answer (no requests), not the squatter's 100001
     assert not log.exists()  # the agent never even connected to the squatted socket
 
 
 def test_sdk_replaces_its_own_stale_files(spawn: Callable, python: str, shared_shm: Path) -> None:
     # a file of our own uid at our pid's path is a stale one (pid reuse): replaced, not an error
-    server = _start_sdk_server(spawn, python, shared_shm)
-    from agent.sdk.counter import counter_path
+    from agent.sdk.folders import own_dir
 
-    counter_path(server.pid, shared_shm).write_bytes(b"stale")
+    server = _start_sdk_server(spawn, python, shared_shm)
+    (own_dir(shared_shm) / f"servewatch-steps.{server.pid}").write_bytes(b"stale")  # root's folder: the server's too
     assert server.stdin is not None and server.stdout is not None
     server.stdin.write(b"go\n")
     server.stdin.flush()
@@ -535,7 +544,7 @@ def test_hostile_title_never_reaches_the_terminal_and_is_escaped_in_html(
     title = f"sglang::scheduler_TP0_{tag}\x1b]0;pwned\x07\x1b[41m<script>alert(1)</script>"
     titled_as_nobody(spawn, python, title)
     data = tmp_path / "data"
-    dump = _cli(tmp_path, "dump", "--match", f"sglang::scheduler_TP0_{tag}*", "--data-dir", str(data),
+    dump = _cli(tmp_path, "dump", "--match", f"sglang::scheduler_TP0_{tag}*", "--uid", str(NOBODY), "--data-dir", str(data),
                 SERVEWATCH_COREDUMP__ENABLED="false")
     assert dump.returncode == 0, dump.stderr
     assert f"scheduler_TP0_{tag}" in dump.stdout  # the title is shown...
@@ -685,7 +694,8 @@ def test_hostile_title_never_reaches_the_terminal_from_run(spawn: Callable, pyth
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run = _cli(
-        tmp_path, "run", "-v", "--match", f"sglang::scheduler_TP0_{tag}*", "--health-url", f"http://127.0.0.1:{port}/health",
+        tmp_path, "run", "-v", "--match", f"sglang::scheduler_TP0_{tag}*", "--uid", str(NOBODY),
+        "--health-url", f"http://127.0.0.1:{port}/health",
         "--duration", "15", "--data-dir", str(tmp_path / "data"),
         SERVEWATCH_COREDUMP__ENABLED="false", SERVEWATCH_HEALTH__INTERVAL_S="0.2",
         SERVEWATCH_HEALTH__UNHEALTHY_AFTER="1", SERVEWATCH_HEALTH__STARTUP_TIMEOUT_S="0.1",

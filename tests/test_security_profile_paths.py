@@ -21,7 +21,6 @@ import pytest
 from agent.actors.profiler import ProfilerConfig, profile_once
 from agent.events import Outcome
 from agent.fsutil import SessionFolder
-from agent.sdk.control import control_path
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups"]
@@ -36,6 +35,7 @@ _HOSTILE_SDK = r"""
 import json, os, socket, sys
 path = sys.argv[1].replace("{pid}", str(os.getpid()))
 victims = json.loads(sys.argv[2])
+os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # its user's private SDK folder
 srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 srv.bind(path)
 srv.listen(8)
@@ -109,7 +109,7 @@ async def test_a_target_naming_root_files_gets_nothing_chmodded(spawn: Callable,
     shm.chmod(0o1777)
     victims = _victim_tree(public_dir)
     before = _modes(victims["dir"])
-    template = str(control_path(4242424, shm)).replace("4242424", "{pid}")
+    template = str(shm / f"servewatch-{NOBODY}" / "servewatch-ctl.{pid}.sock")  # where nobody's SDK serves it
     proc = spawn([*AS_NOBODY, NOBODY_PYTHON, "-c", _HOSTILE_SDK, template,
                   json.dumps({k: str(v) for k, v in victims.items()})], stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")

@@ -8,7 +8,7 @@ environment that arms the recorder (``TORCH_FR_BUFFER_SIZE``) is :mod:`agent.cud
 Sources, tried in this order until one answers (per rank, all within ``timeout_s``):
 
 1. ``sdk_worker``: torch's C++ worker server that :func:`agent.sdk.serve_torch_worker` serves on
-   ``<socket_dir>/servewatch-torch.<pid>.sock`` (``POST /handler/fr_trace_json``; answered on C++
+   ``<socket_dir>/servewatch-<uid>/servewatch-torch.<pid>.sock`` (``POST /handler/fr_trace_json``; answered on C++
    threads, so also while the rank's Python thread is stuck);
 2. ``sdk_control``: the SDK control socket's ``fr_trace`` command (``_dump_fr_trace_json``);
 3. ``debug_server``: torch's own per-rank worker server, where the server started it
@@ -269,7 +269,7 @@ class FlightRecorderActor:
         """The target's rank: the SDK's ``status`` (torch.distributed), else its title, else RANK."""
         from agent.sdkclient import SdkCallError, control_path, sdk_call
 
-        path = control_path(target.pid, self.config.socket_dir)
+        path = await anyio.to_thread.run_sync(control_path, target.pid, self.config.socket_dir)  # file system
         if await anyio.Path(path).exists():
             try:
                 with anyio.move_on_after(min(1.0, self.config.timeout_s / 2)):
@@ -328,10 +328,10 @@ class FlightRecorderActor:
     async def _from_worker(self, target: Target, rank: int | None) -> tuple[Any, str]:
         from agent.sdk.flightrec import worker_path
 
-        path = worker_path(target.pid, self.config.socket_dir)
+        path = await anyio.to_thread.run_sync(worker_path, target.pid, self.config.socket_dir)  # file system
         try:
             st = await anyio.to_thread.run_sync(os.lstat, path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # NotADirectory: its user's SDK folder name was taken
             raise _SourceMissing from None
         owners = await anyio.to_thread.run_sync(process_uids, target.pid)
         if not stat.S_ISSOCK(st.st_mode) or not trusted_owner(st, owners):
@@ -349,7 +349,7 @@ class FlightRecorderActor:
     async def _from_control(self, target: Target, rank: int | None) -> tuple[Any, str]:
         from agent.sdkclient import SdkCallError, control_path, sdk_call
 
-        path = control_path(target.pid, self.config.socket_dir)
+        path = await anyio.to_thread.run_sync(control_path, target.pid, self.config.socket_dir)  # file system
         if not await anyio.Path(path).exists():
             raise _SourceMissing
         try:

@@ -10,7 +10,7 @@ pydantic, :mod:`agent.events`, :mod:`agent.targets` and the SDK control-socket c
 A session, per backend:
 
 ``sdk``
-    ``profile.start`` on ``<shm_dir>/servewatch-ctl.<pid>.sock``; the SDK starts torch.profiler
+    ``profile.start`` on ``<shm_dir>/servewatch-<uid>/servewatch-ctl.<pid>.sock``; the SDK starts torch.profiler
     on the model thread at its next ``step()`` and stops it by itself after exactly
     ``num_steps`` steps. The actor polls ``status`` (bounded) and takes the files, the steps
     captured and the state the SDK reports. At the deadline it sends ``profile.stop``
@@ -71,6 +71,7 @@ from agent.events import (
 )
 from agent.fsutil import OUTSIDE_SESSION, Claimed, SessionFolder
 from agent.lazy import LazyModule
+from agent.sdk.folders import shm_dir
 from agent.sdkclient import (
     SdkCallError,
     control_path,
@@ -436,8 +437,11 @@ class ProfilerActor:
     # -- entry points -------------------------------------------------------------------------
 
     def socket_for(self, pid: int) -> Path:
-        """The SDK control socket path of ``pid``."""
+        """The SDK control socket path of ``pid`` (blocking: reads ``/proc`` and folders)."""
         return control_path(pid, self.config.socket_dir)
+
+    def _has_socket(self, pid: int) -> bool:
+        return self.socket_for(pid).exists()
 
     def request(
         self,
@@ -496,7 +500,7 @@ class ProfilerActor:
         req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
         if c.backend != "sdk":
             return [await self.profile(req)]
-        with_socket = [t for t in targets if await anyio.Path(self.socket_for(t.pid)).exists()]
+        with_socket = [t for t in targets if await anyio.to_thread.run_sync(self._has_socket, t.pid)]
         if not with_socket:
             s = _Session("sdk", req, None)
             return [s.result(Outcome.SKIPPED, "no target serves an SDK control socket (agent.sdk.serve_control())")]
@@ -537,7 +541,8 @@ class ProfilerActor:
             s.attrs["servewatch.profile.output_dir"] = str(s.folder.path)
         try:
             if backend == "sdk":
-                result = await self._sdk_session(s, self.socket_for(pid))  # type: ignore[arg-type]
+                sock = await anyio.to_thread.run_sync(self.socket_for, pid)  # type: ignore[arg-type]  # file system
+                result = await self._sdk_session(s, sock)
             else:
                 result = await self._http_session(s)
         except Exception as exc:
@@ -924,7 +929,7 @@ async def profile_once(
     )
     req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
     if config.backend == "sdk" and pid is None:
-        folder = control_path(0, config.socket_dir).parent
+        folder = config.socket_dir or shm_dir()
         pids = await anyio.to_thread.run_sync(control_socket_pids, config.socket_dir)  # lists the folder
         if len(pids) != 1:
             s = _Session("sdk", req, None)

@@ -22,7 +22,7 @@ Policy, per span at its start:
   ``drop`` drops the span and counts it (``dropped_no_agent``). Either way bounded.
 * ``SERVEWATCH_SPAN_CHANNEL=0`` turns the channel off: always the OTel path, no ring file.
 
-The ring is created at the first span (``<shm_dir>/servewatch-spans.<pid>``, 0600,
+The ring is created at the first span (``<shm_dir>/servewatch-<uid>/servewatch-spans.<pid>``, 0600,
 ``O_EXCL | O_NOFOLLOW``), sized ``SERVEWATCH_SPAN_RING_BYTES`` (default 2 MiB), and removed at
 exit. Its metadata holds the server's resource attributes: those of the tracer provider given to
 :func:`agent.sdk.tracing.set_tracer_provider` when it has a resource, else ``OTEL_SERVICE_NAME``

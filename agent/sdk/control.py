@@ -54,7 +54,7 @@ from typing import Any
 
 from agent.sdk import flightrec, profiler, tracing
 from agent.sdk._files import remove_if_ours
-from agent.sdk.counter import shm_dir
+from agent.sdk.folders import sdk_path, writer_path
 
 __all__ = [
     "ENV_PROFILE_ALLOWED_DIRS",
@@ -77,12 +77,10 @@ _log = logging.getLogger("servewatch.sdk")
 
 
 def control_path(pid: int | None = None, directory: Path | None = None) -> Path:
-    """Socket path of process ``pid`` (default: this one): ``<shm_dir>/servewatch-ctl.<pid>.sock``.
-
-    ``shm_dir`` is the counter files' folder (``$SERVEWATCH_SHM_DIR``, else ``/dev/shm``), so
-    the agent finds a server's socket from its pid alone.
-    """
-    return (directory or shm_dir()) / f"servewatch-ctl.{os.getpid() if pid is None else pid}.sock"
+    """Socket path of process ``pid`` (default: this one): ``servewatch-ctl.<pid>.sock`` in the
+    private folder of its user, beside its step counter (:func:`agent.sdk.folders.sdk_path`),
+    so the agent finds a server's socket from its pid alone."""
+    return sdk_path(pid, f"servewatch-ctl.{os.getpid() if pid is None else pid}.sock", directory)
 
 
 #: Most forward steps one ``profile.start`` over the socket may ask for.
@@ -218,7 +216,7 @@ class ControlServer:
         poll_s: float = 0.2,
         max_connections: int = 256,
     ) -> None:
-        self.path = Path(path) if path is not None else control_path()
+        self.path = Path(path) if path is not None else writer_path(f"servewatch-ctl.{os.getpid()}.sock")
         self.request_timeout_s = request_timeout_s
         self.poll_s = poll_s
         self.max_connections = max_connections
@@ -250,7 +248,7 @@ class ControlServer:
         """
         if self._thread is not None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         remove_if_ours(self.path)  # our own stale socket (same pid, earlier process) only
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

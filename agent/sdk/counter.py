@@ -5,9 +5,10 @@ Owns the file layout, a public API: the SDK writes it (:class:`SharedCounter`, b
 judge and anyone else read it with :func:`read_counter` / :func:`parse_counter` and find the
 files with :func:`counter_files`. Imports only the standard library (it runs inside the server).
 
-Layout: ``SLOTS`` little-endian signed 64-bit words (:data:`SIZE_BYTES`, 64 bytes), at
-``<shm_dir>/servewatch-steps.<pid>`` (:data:`FILE_PREFIX` + pid) where ``shm_dir`` is
-``$SERVEWATCH_SHM_DIR``, else ``/dev/shm`` when it exists, else the temp dir. The word
+Layout: ``SLOTS`` little-endian signed 64-bit words (:data:`SIZE_BYTES`, 64 bytes), in file
+``servewatch-steps.<pid>`` (:data:`FILE_PREFIX` + pid) of the server user's private folder
+``<shm_dir>/servewatch-<uid>/`` (:mod:`agent.sdk.folders`; ``shm_dir`` is
+``$SERVEWATCH_SHM_DIR``, else ``/dev/shm`` when it exists, else the temp dir). The word
 indexes are :data:`W_MAGIC` ... :data:`W_PROFILING`:
 
 ====  =======================  ==========================================================
@@ -34,12 +35,12 @@ import logging
 import mmap
 import os
 import struct
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.sdk._files import create_exclusive, remove_if_ours
+from agent.sdk.folders import ENV_SHM_DIR, sdk_folders, sdk_path, shm_dir, writer_path
 
 __all__ = [
     "ENV_SHM_DIR",
@@ -63,8 +64,6 @@ __all__ = [
     "shm_dir",
 ]
 
-#: Environment variable naming the folder of counter files (default ``/dev/shm``).
-ENV_SHM_DIR = "SERVEWATCH_SHM_DIR"
 #: File name of a counter file without its pid: ``servewatch-steps.<pid>``.
 FILE_PREFIX = "servewatch-steps."
 #: Word 0 of a complete counter file: ``b"SWSTEP01"`` little-endian (file type and layout version).
@@ -78,37 +77,29 @@ W_MAGIC, W_PID, W_START, W_FORWARD_CT, W_LAST_STEP, W_PENDING, W_PROFILING, _W_R
 _FMT = f"<{SLOTS}q"
 
 
-def shm_dir() -> Path:
-    """Folder holding counter files: ``$SERVEWATCH_SHM_DIR``, ``/dev/shm`` or the temp dir."""
-    env = os.environ.get(ENV_SHM_DIR)
-    if env:
-        return Path(env)
-    if os.path.isdir("/dev/shm"):
-        return Path("/dev/shm")
-    return Path(tempfile.gettempdir())
-
-
 def counter_path(pid: int, directory: Path | None = None) -> Path:
-    """Path of the counter file of process ``pid`` in ``directory`` (default :func:`shm_dir`)."""
-    return (directory or shm_dir()) / f"{FILE_PREFIX}{pid}"
+    """Path of the counter file of process ``pid``: in the private folder of its user in
+    ``directory`` (default :func:`shm_dir`; :func:`agent.sdk.folders.sdk_path`)."""
+    return sdk_path(pid, f"{FILE_PREFIX}{pid}", directory)
 
 
 def counter_files(directory: Path | None = None) -> dict[int, Path]:
-    """Counter files in ``directory`` (default :func:`shm_dir`) by the pid their name carries.
+    """Counter files in every user's private folder in ``directory`` (default :func:`shm_dir`)
+    by the pid their name carries.
 
-    Names only (one directory listing): whether a file is complete, trusted and its process
-    alive is for the reader to decide. ``{}`` when the folder cannot be listed.
+    Names only (directory listings): whether a file is complete, trusted and its process alive
+    is for the reader to decide. ``{}`` when nothing can be listed.
     """
-    folder = directory or shm_dir()
-    try:
-        paths = list(folder.glob(f"{FILE_PREFIX}*"))
-    except OSError:
-        return {}
     found: dict[int, Path] = {}
-    for path in paths:
-        suffix = path.name[len(FILE_PREFIX):]
-        if suffix.isdigit():
-            found[int(suffix)] = path
+    for _uid, folder in sdk_folders(directory):
+        try:
+            paths = list(folder.glob(f"{FILE_PREFIX}*"))
+        except OSError:
+            continue
+        for path in paths:
+            suffix = path.name[len(FILE_PREFIX):]
+            if suffix.isdigit():
+                found.setdefault(int(suffix), path)
     return found
 
 
@@ -187,19 +178,19 @@ class SharedCounter:
     ``words`` is a ``memoryview`` of ``SLOTS`` int64 over the mapping; item assignment is a plain
     memory store (no syscall), which is what keeps :func:`agent.sdk.step` cheap.
 
-    The file is created with ``O_EXCL | O_NOFOLLOW`` (mode 0644: the agent reads it). When
-    another user pre-created the path (or planted a symlink), the counter lives in private
-    memory instead (``published`` is ``False``): the server keeps running, unseen by the
-    agent's step watchdog, and one warning is logged.
+    The file is created with ``O_EXCL | O_NOFOLLOW`` in this user's private folder (mode 0644
+    inside a 0700 folder: the agent, root, reads it). When it cannot be created (no folder, no
+    space) the counter lives in private memory instead (``published`` is ``False``): the
+    server keeps running, unseen by the agent's step watchdog, and one warning is logged.
     """
 
     def __init__(self, path: Path | None = None, pid: int | None = None) -> None:
         self.pid = os.getpid() if pid is None else pid
-        self.path = path or counter_path(self.pid)
+        self.path = path or writer_path(f"{FILE_PREFIX}{self.pid}")
         #: whether the counter is visible to the agent (file created), else private memory
         self.published = True
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = create_exclusive(self.path, 0o644)
         except OSError as exc:
             self.published = False

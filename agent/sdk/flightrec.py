@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.sdk._files import remove_if_ours
-from agent.sdk.counter import shm_dir
+from agent.sdk.folders import sdk_path, writer_path
 
 __all__ = [
     "FR_BUFFER_ENV",
@@ -46,12 +46,10 @@ _lock = threading.Lock()
 
 
 def worker_path(pid: int | None = None, directory: Path | None = None) -> Path:
-    """Socket of torch's worker server for ``pid``: ``<shm_dir>/servewatch-torch.<pid>.sock``.
-
-    It sits next to the SDK control socket (:func:`agent.sdk.control.control_path`), so the agent
-    finds it from the pid alone.
-    """
-    return (directory or shm_dir()) / f"servewatch-torch.{os.getpid() if pid is None else pid}.sock"
+    """Socket of torch's worker server for ``pid``: ``servewatch-torch.<pid>.sock`` in its user's
+    private folder, next to the SDK control socket (:func:`agent.sdk.control.control_path`), so
+    the agent finds it from the pid alone."""
+    return sdk_path(pid, f"servewatch-torch.{os.getpid() if pid is None else pid}.sock", directory)
 
 
 def serve_torch_worker(path: str | Path | None = None) -> Path | None:
@@ -74,8 +72,8 @@ def serve_torch_worker(path: str | Path | None = None) -> Path | None:
             from torch._C._distributed_c10d import _WorkerServer
         except ImportError:
             return None
-        target = Path(path) if path is not None else worker_path()
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target = Path(path) if path is not None else writer_path(f"servewatch-torch.{os.getpid()}.sock")
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         remove_if_ours(target)  # a stale socket of ours (FileExistsError, an OSError, for anyone else's)
         old_umask = os.umask(0o177)  # the socket file is created 0600, no window where others may connect
         try:

@@ -6,8 +6,8 @@ memory mapping, behind :mod:`agent.sdk.channel`) and
 file cannot crash the agent with SIGBUS). Imports only the standard library: it runs inside the
 server, and the agent reads the same layout without importing OpenTelemetry.
 
-File ``<shm_dir>/servewatch-spans.<pid>`` (``shm_dir`` as for the step counter:
-``$SERVEWATCH_SHM_DIR``, else ``/dev/shm``, else the temp dir), created by the server with
+File ``servewatch-spans.<pid>`` in the server user's private folder ``<shm_dir>/servewatch-<uid>/``
+(:mod:`agent.sdk.folders`, as for the step counter), created by the server with
 ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600, so only the server's uid (and root) can open it.
 
 ====================  ====================================================================
@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import RingError
-from agent.sdk.counter import shm_dir
+from agent.sdk.folders import sdk_path, writer_path
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -122,8 +122,8 @@ _WORD = struct.Struct("<q")
 
 
 def ring_path(pid: int, directory: Path | None = None) -> Path:
-    """Path of the span ring of process ``pid``."""
-    return (directory or shm_dir()) / f"servewatch-spans.{pid}"
+    """Path of the span ring of process ``pid`` (in its user's private folder, :func:`agent.sdk.folders.sdk_path`)."""
+    return sdk_path(pid, f"servewatch-spans.{pid}", directory)
 
 
 def _pad8(n: int) -> int:
@@ -197,7 +197,7 @@ class RingWriter:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, *, metadata: Mapping[str, Any] | None = None, path: Path | None = None) -> None:
         self.pid = os.getpid()
-        self.path = path or ring_path(self.pid)
+        self.path = path or writer_path(f"servewatch-spans.{self.pid}")
         cap = _pad8(min(MAX_CAPACITY, max(MIN_CAPACITY, int(capacity))))
         meta = json.dumps(dict(metadata or {}), separators=(",", ":"), default=str).encode()
         if len(meta) > META_BYTES:
@@ -344,7 +344,7 @@ class RingReader:
         pid: the server's pid (the header must say the same).
         trusted_uids: file owners accepted (the target's uid and root); ``None`` accepts the
             target uid check being done by the caller (tests).
-        directory: where ring files are (default :func:`agent.sdk.counter.shm_dir`).
+        directory: the base folder of the SDK's files (default :func:`agent.sdk.folders.shm_dir`).
         max_capacity: largest ring accepted, bytes (default and at most :data:`MAX_CAPACITY`).
 
     Raises:
@@ -365,7 +365,7 @@ class RingReader:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(self.path, flags)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # NotADirectory: its user's folder name was taken
             raise RingError(f"no span ring at {self.path}") from None
         except OSError as exc:  # ELOOP: a symlink; EACCES: not ours
             raise RingError(f"cannot open {self.path}: {exc.strerror or exc}") from None

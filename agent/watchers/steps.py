@@ -46,6 +46,7 @@ else:
 
 __all__ = [
     "MAX_METRICS_BODY_BYTES",
+    "MAX_SERIES",
     "PRESETS",
     "MetricsPreset",
     "PrometheusStepSource",
@@ -132,8 +133,10 @@ class ShmStepSource:
     stepping), when it was written by another pid, when the process is gone, or when the file
     predates the process now holding the pid (pid reuse, stale file of a dead process). It is
     also ``None`` when the file is a symlink or is owned by anyone but the process's uid or
-    root: another local user can create ``/dev/shm/servewatch-steps.<pid>`` for a server that
-    does not use the SDK, and a forged stall must never dump, let alone signal, that server.
+    root, or sits in a folder that is not its user's private one (:mod:`agent.sdk.folders`):
+    another local user can create ``/dev/shm/servewatch-<uid>/servewatch-steps.<pid>`` first for
+    a server that does not use the SDK, and a forged stall must never dump, let alone signal,
+    that server.
 
     Args:
         pid: the stepping (scheduler) process.
@@ -372,6 +375,13 @@ MAX_METRICS_BODY_BYTES = 8 * 1024 * 1024
 #: A counter series absent from this many successful scrapes in a row is forgotten (label sets
 #: that come and go, e.g. per-request or per-restart labels, never pile up in the agent).
 SERIES_FORGET_SCRAPES = 60
+#: Most label sets of the progress counter (or the busy gauge) one scrape may hold: more make the
+#: source blind ("too many series"), since a label whose value changes every scrape (a request
+#: id, a timestamp) makes every series new and would only fill the agent's memory.
+MAX_SERIES = 512
+#: Most counter series remembered at once (present or recently absent); past it the longest
+#: absent are forgotten first.
+MAX_TRACKED_SERIES = 2 * MAX_SERIES
 
 #: One label set, as sorted ``(name, value)`` pairs.
 LabelKey = tuple[tuple[str, str], ...]
@@ -704,6 +714,16 @@ class PrometheusStepSource:
             self.failed_scrapes += 1
             return None
         counters, gauges = parsed
+        if max(len(counters), len(gauges)) > MAX_SERIES:
+            # a label that changes every scrape: watching each series would only fill memory
+            self._series.clear()
+            self._blind(
+                f"too many series: {len(counters)} label sets of {self.counter} and {len(gauges)} of {self.busy_gauge}"
+                f" at {self.url} (at most {MAX_SERIES}); a label whose value changes every scrape cannot be watched"
+                " (set metrics.counter / metrics.busy_gauge to metrics without it)"
+            )
+            self.failed_scrapes += 1
+            return None
         gauge_total = sum(gauges.values())
         readings: list[StepReading] = []
         restarted: list[str] = []
@@ -770,6 +790,9 @@ class PrometheusStepSource:
                     gone.append(key)
         for key in gone:
             del self._series[key]
+        if len(self._series) > MAX_TRACKED_SERIES:  # the longest absent go first
+            for key, _ in sorted(self._series.items(), key=lambda item: -item[1].missed)[: len(self._series) - MAX_TRACKED_SERIES]:
+                del self._series[key]
 
     @property
     def tracked_series(self) -> int:

@@ -48,6 +48,9 @@ __all__ = ["SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers"
 
 #: A series absent from this many successful readings in a row loses its stall bookkeeping.
 SERIES_FORGET_READINGS = 60
+#: Most series with stall bookkeeping at once; past it the longest absent are forgotten first
+#: (a source caps one reading's series itself: ``agent.watchers.steps.MAX_SERIES``).
+MAX_TRACKED_SERIES = 1024
 
 
 class WatchdogConfig(BaseModel):
@@ -154,6 +157,9 @@ class Watchdog:
                     gone.append(series)
         for series in gone:
             del self._series[series]
+        if len(self._series) > MAX_TRACKED_SERIES:
+            for series, _ in sorted(self._series.items(), key=lambda item: -item[1].missed)[: len(self._series) - MAX_TRACKED_SERIES]:
+                del self._series[series]
 
     @property
     def tracked_series(self) -> int:

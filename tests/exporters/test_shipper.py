@@ -278,6 +278,9 @@ def test_refused_rings_of_exited_processes_are_forgotten_past_the_bound(spawn, t
         for _ in range(3)
     ]
     dead = exited + [4_194_304 + i for i in range(MAX_REFUSED + 50)]  # exited pids, then ones above any pid_max
+    from agent.sdk.folders import own_dir
+
+    own_dir(tmp_path)  # our user's private folder: where the rings of our uid (and of gone pids) are looked for
     for pid in [live.pid, *dead]:
         path = _ring.ring_path(pid, tmp_path)
         path.write_bytes(b"\0" * 64)

@@ -23,22 +23,26 @@ def main() -> int:
     p.add_argument("--token-file")
     p.add_argument("--rotate", action="store_true")
     p.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
+    p.add_argument("--body", action="store_true", help='print {"status": counts, "body": the last body}')
     args = p.parse_args()
     token = None
     if args.token_file:
         with open(args.token_file) as fh:
             token = fh.read().strip()
     counts: dict[str, int] = {}
+    body = ""
     for i in range(1, args.count + 1):
         source = (f"127.{(i >> 16) & 255}.{(i >> 8) & 255}.{max(1, i & 255)}", 0) if args.rotate else None
         conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=10, source_address=source)
         headers = {"authorization": f"Bearer {token if token else f'guess-{i:06d}'}", "connection": "close"}
-        body = b"{}" if args.method == "POST" else None
-        if body is not None:
+        payload = b"{}" if args.method == "POST" else None
+        if payload is not None:
             headers["content-type"] = "application/json"
         try:
-            conn.request(args.method, args.path, body=body, headers=headers)
-            status = str(conn.getresponse().status)
+            conn.request(args.method, args.path, body=payload, headers=headers)
+            response = conn.getresponse()
+            status = str(response.status)
+            body = response.read().decode("utf-8", "replace")
         except (OSError, http.client.HTTPException):
             status = "error"
         finally:
@@ -46,7 +50,7 @@ def main() -> int:
         counts[status] = counts.get(status, 0) + 1
         if args.interval:
             time.sleep(args.interval)
-    print(json.dumps(counts), flush=True)
+    print(json.dumps({"status": counts, "body": body} if args.body else counts), flush=True)
     return 0
 
 

@@ -145,7 +145,7 @@ def test_full_ring_drops_and_counts_never_blocks(fresh_channel: Path, monkeypatc
 
 
 def test_torn_record_is_counted_corrupt_and_skipped(tmp_path: Path) -> None:
-    path = tmp_path / f"servewatch-spans.{os.getpid()}"
+    path = _ring.ring_path(os.getpid(), tmp_path)  # in this user's private folder
     writer = _ring.RingWriter(8192, path=path)
     try:
         reader = _ring.RingReader(os.getpid(), trusted_uids={os.geteuid()}, directory=tmp_path)
@@ -161,8 +161,9 @@ def test_torn_record_is_counted_corrupt_and_skipped(tmp_path: Path) -> None:
 
 def test_reader_trusts_only_a_private_regular_file_of_the_target(tmp_path: Path) -> None:
     pid = os.getpid()
-    path = tmp_path / f"servewatch-spans.{pid}"
-    real = tmp_path / "elsewhere"
+    path = _ring.ring_path(pid, tmp_path)  # in this user's private folder (agent.sdk.folders)
+    folder = path.parent
+    real = folder / "elsewhere"
     writer = _ring.RingWriter(8192, path=real)
     try:
         path.symlink_to(real)
@@ -183,10 +184,10 @@ def test_reader_trusts_only_a_private_regular_file_of_the_target(tmp_path: Path)
         with pytest.raises(_ring.RingError, match="group/others"):
             _ring.RingReader(pid, trusted_uids={os.geteuid()}, directory=tmp_path)
         os.chmod(path, 0o600)
-        os.rename(path, tmp_path / "servewatch-spans.1")  # a ring claiming another pid
+        os.rename(path, folder / "servewatch-spans.1")  # a ring claiming another pid (pid 1: root's, as we are)
         with pytest.raises(_ring.RingError, match="not 1"):
             _ring.RingReader(1, trusted_uids={os.geteuid()}, directory=tmp_path)
-        writer.path = tmp_path / "servewatch-spans.1"
+        writer.path = folder / "servewatch-spans.1"
     finally:
         writer.close()
 

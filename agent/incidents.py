@@ -895,7 +895,8 @@ class IncidentManager:
         steps_at_open: dict[int, int] = {}
         if self.judge is not None:
             try:
-                steps_at_open = self.judge.opened(targets)
+                # /proc and the SDK's folders: a worker thread (microseconds of reading, not the loop's)
+                steps_at_open = await anyio.to_thread.run_sync(self.judge.opened, targets)
             except Exception:  # the verdict is a nicety; the evidence comes first
                 log.exception("reading step counters for the verdict failed")
 

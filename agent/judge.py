@@ -179,7 +179,8 @@ class VerdictJudge:
         self.last_evidence: list[Evidence] = []
 
     def opened(self, targets: Sequence[Target]) -> dict[int, int]:
-        """Step counters when the incident opens (microseconds; called on the event loop).
+        """Step counters when the incident opens (microseconds; blocking: each counter is found in
+        its user's private folder and checked against its owner, ``/proc`` reads).
 
         With more than one target, also starts importing torch's Flight Recorder analyzer
         (:func:`agent.verdict.warm_up`, seconds, once per process) on a daemon thread, so it is

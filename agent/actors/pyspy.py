@@ -931,7 +931,7 @@ async def _dump_traceback(pid: int, timeout_s: float = 5.0) -> str | None:
 
     from agent.sdk.flightrec import worker_path
 
-    path = worker_path(pid)
+    path = await anyio.to_thread.run_sync(worker_path, pid)  # /proc and the SDK's folders: off the loop
     owners = await anyio.to_thread.run_sync(process_uids, pid)
     try:
         st = await anyio.to_thread.run_sync(os.lstat, path)

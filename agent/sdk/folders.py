@@ -93,7 +93,7 @@ def _ours(path: Path, uid: int) -> bool:
         return False
     if st.st_mode & 0o077:
         try:
-            os.chmod(path, 0o700, follow_symlinks=False)
+            os.chmod(path, 0o700)  # a real folder of ours (lstat): in a sticky base only we may replace it
         except OSError:
             return False
     return True

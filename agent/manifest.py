@@ -405,4 +405,4 @@ def stack_errors(actions: Iterable[Any]) -> int:
     Returns:
         The count (0 when every process's stacks are in, or explained).
     """
-    return sum(1 for a in actions if str(a.action) == "pyspy.dump" and str(a.outcome) not in STACK_NOT_ERRORS)
+    return sum(1 for a in actions if str(a.action) == Action.PYSPY_DUMP and str(a.outcome) not in STACK_NOT_ERRORS)

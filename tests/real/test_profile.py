@@ -87,11 +87,13 @@ def _swallow(server: VllmServer) -> None:
 
 
 def test_profile_of_an_idle_vllm_server_is_timed_out_with_no_steps_and_stopped(vllm_tp1: VllmServer, tmp_path: Path) -> None:
-    proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "4", "--json", "--data-dir", str(tmp_path / "d"))
+    env = {"SERVEWATCH_PROFILER__STOP_TIMEOUT_S": "10"}
+    proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "4", "--json", "--data-dir", str(tmp_path / "d"), env=env)
     result = json.loads(proc.stdout)
     attrs = result["attributes"]
     assert proc.returncode == 1 and result["outcome"] == "timed_out", result
     assert "(no engine step: idle server?)" in result["detail"]
     assert "servewatch.profile.steps_captured" not in attrs
     assert attrs["servewatch.profile.engine_steps_seen"] == 0
-    assert attrs["servewatch.profile.stop"] == "stopping"  # what it started, it stopped
+    # what it started, it stopped (vLLM may take longer than 10 s to answer on a loaded machine)
+    assert attrs["servewatch.profile.stop"] in ("stopping", "sent_no_answer_in_10s"), attrs

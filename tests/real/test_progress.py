@@ -42,7 +42,7 @@ def _watch(server: VllmServer, data_dir: Path, **env: str) -> tuple[subprocess.P
         assert proc.stderr is not None
         lines.extend(proc.stderr)  # one line at a time, as the agent writes them
 
-    threading.Thread(target=pump, daemon=True).start()
+    threading.Thread(target=pump, daemon=True, name=f"stderr-of-{proc.pid}").start()
     return proc, lines
 
 
@@ -76,6 +76,12 @@ def test_a_long_chunked_prefill_is_progress_not_a_stall(vllm_tp1: VllmServer, tm
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        for t in threading.enumerate():  # the stderr pumps end at EOF; then their pipes close
+            if t.name in (f"stderr-of-{steps.pid}", f"stderr-of-{tokens.pid}"):
+                t.join(timeout=10)
+        for proc in (steps, tokens):
+            if proc.stderr is not None:
+                proc.stderr.close()
     assert done.get("usage", {}).get("prompt_tokens", 0) >= 180, done
     # the old progress series (generated tokens) sees a stall in the same window ...
     assert "stall" in _triggers(tmp_path / "tokens"), "".join(tokens_err)

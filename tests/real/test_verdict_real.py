@@ -4,7 +4,9 @@
   ``cpu_communicator`` -> ``shm_allreduce``), a collective wait: the culprit is rank 0, TP0's pid;
 - TP=1, the Worker hangs: the Worker is named (rank 0); ``VLLM::EngineCore`` is evidence, no rank;
 - an idle server's dump says idle, and no thread is "stuck" (``signal-callback``, tqdm's monitor,
-  the worker's message queue are waits for work).
+  the worker's message queue are waits for work);
+- two servers on one host, ``--match 'VLLM::*'``, both hung: the stall seen on one server's
+  ``/metrics`` gives that server's verdict, naming none of the other's processes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 
 from tests.real.server import VllmServer
@@ -104,3 +107,108 @@ def test_an_idle_server_s_dump_says_idle_and_nothing_is_stuck(vllm_tp1: VllmServ
     for a in dumps:  # every thread is a wait for work: signal-callback, tqdm's monitor, the message queue
         assert "all idle (waiting for work): nothing is stuck; stuck: none" in a["detail"], a["detail"]
     assert "hung frame" not in stdout
+
+
+async def _watch_stall(metrics_url: str, data_dir: Path, make_it_stall: Any) -> Any:
+    """The real agent, host-wide ``--match 'VLLM::*'``, stalls read from ``metrics_url``; once it
+    runs, ``make_it_stall()`` (in a thread) makes that server progress then hang. Its first stall
+    incident."""
+    from agent.config import load_settings
+    from agent.runtime import Agent
+    from exporters.provider import build_telemetry
+
+    settings = load_settings({
+        "data_dir": data_dir, "host_name": "real", "target": {"match": ["VLLM::*"]},
+        "metrics": {"url": metrics_url, "metrics_preset": "vllm"},
+        "watchdog": {"timeout_s": 5.0, "poll_interval_s": 0.5}, "coredump": {"enabled": False},
+    })
+    records: list[Any] = []
+    got = anyio.Event()
+
+    def on_incident(record: Any) -> None:
+        if record.opened.trigger == "stall":
+            records.append(record)
+            got.set()
+
+    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
+    agent = Agent(settings, telemetry=telemetry, on_incident=on_incident)
+    with anyio.fail_after(300):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            await anyio.sleep(2.0)  # the first scrapes
+            await anyio.to_thread.run_sync(make_it_stall)
+            await got.wait()
+            agent.stop()
+            tg.cancel_scope.cancel()
+    await telemetry.aclose(3.0)
+    return records[0]
+
+
+def _hung(server: VllmServer) -> None:
+    (worker,) = server.workers()
+    _until(lambda: "fault_point" in _stack(worker.pid), 120, "the Worker hung in the forward")
+
+
+def _metric(server: VllmServer, name: str) -> float:
+    """The sum of ``name``'s samples on the server's /metrics."""
+    total = 0.0
+    for line in server.metrics().splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _long_request(server: VllmServer) -> threading.Thread:
+    """A request generating 200 tokens (EOS ignored), in the background, seen running on /metrics:
+    a hang then falls inside a running request (vLLM publishes its scheduler statistics after each
+    step, so a forward hung in a request's first step never shows it running)."""
+    def go() -> None:
+        try:
+            server.complete("hello", max_tokens=200, timeout_s=600, ignore_eos=True)
+        except httpx.HTTPError:
+            pass
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    _until(lambda: _metric(server, "vllm:num_requests_running") >= 1, 120, "the request running")
+    return t
+
+
+def _hang_mid_request(server: VllmServer) -> None:
+    """Hang the Worker's next forward once the running request has made progress on /metrics."""
+    steps = _metric(server, "vllm:iteration_tokens_total_count")
+    _until(lambda: _metric(server, "vllm:iteration_tokens_total_count") > steps, 120, "a step seen on /metrics")
+    server.hang(ranks=None)
+    _hung(server)
+
+
+def test_two_servers_each_stall_gets_its_own_server_s_verdict(real_vllm: Any, tmp_path: Path) -> None:
+    """Both servers end up hung inside a running request; the agent watches one server's
+    /metrics at a time (a stall there has no pid): the verdict is that server's, naming none of
+    the other's processes."""
+    a: VllmServer = real_vllm.dedicated(tp=1)
+    b: VllmServer = real_vllm.dedicated(tp=1)
+    threads: list[threading.Thread] = []
+
+    def both_hang() -> None:
+        for server in (a, b):
+            threads.append(_long_request(server))
+            _hang_mid_request(server)
+
+    def a_progresses_then_hangs() -> None:
+        a.clear_fault()  # a's request goes on: progress on a's /metrics, then a hangs again
+        _hang_mid_request(a)
+
+    for mine, other, make_it_stall in ((b, a, both_hang), (a, b, a_progresses_then_hangs)):
+        record = anyio.run(_watch_stall, f"{mine.url}/metrics", tmp_path / f"data-{mine.port}", make_it_stall)
+        v = record.verdict.to_json()
+        (worker,) = mine.workers()
+        assert (v["culprit_ranks"], v["culprit_pids"]) == ([0], [worker.pid]), v
+        text = " ".join([v["reason"], *v["evidence"]])
+        theirs = {p.pid for p in other.tree()}
+        assert not any(str(p) in text.replace(",", " ").replace(";", " ").split() or f"pid {p}" in text
+                       for p in theirs), (theirs, v)
+    for server in (a, b):
+        server.clear_fault()
+    for t in threads:
+        t.join(timeout=300)

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -82,6 +83,17 @@ def _manifests(data_dir: Path) -> list[dict]:
     return out
 
 
+def _wait_manifest(data_dir: Path, pred: Callable[[dict], bool], timeout_s: float) -> dict | None:
+    """The first manifest in ``data_dir`` for which ``pred`` holds, polled every 0.1 s (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for m in _manifests(data_dir):
+            if pred(m):
+                return m
+        time.sleep(0.1)
+    return None
+
+
 def hang_to_incident(server: VllmServer, rounds: int, timeout_s: float) -> None:
     opened, captured = [], []
     for r in range(rounds):
@@ -91,21 +103,16 @@ def hang_to_incident(server: VllmServer, rounds: int, timeout_s: float) -> None:
             time.sleep(4.0)  # the agent is up and has scraped the idle server
             server.hang(ranks=None)
             t0 = time.time_ns()
-            with server.load(concurrency=1, max_tokens=4, request_timeout_s=timeout_s + 60, max_requests=1):
-                deadline = time.monotonic() + timeout_s + 60
-                found = None
-                while time.monotonic() < deadline:
-                    done = [m for m in _manifests(data) if m.get("state") == "closed"]
-                    if done:
-                        found = done[0]
-                        break
-                    time.sleep(0.1)
+            with server.load(concurrency=1, max_tokens=4, request_timeout_s=timeout_s + 120, max_requests=1):
+                found = _wait_manifest(data, lambda m: m.get("trigger") == "stall", timeout_s + 60)
+                if found is not None:  # the stacks are taken while the forward still hangs
+                    found = _wait_manifest(data, lambda m: "pyspy.dump" in m.get("phases_done", ()) or m.get("state") == "closed", 60) or found
                 server.clear_fault()
             if found is None:
-                print(f"round {r}: no incident within {timeout_s + 60:.0f} s", file=sys.stderr)
+                print(f"round {r}: no stall incident within {timeout_s + 60:.0f} s", file=sys.stderr)
                 continue
             opened.append((found["opened_time_unix_nano"] - t0) / 1e9)
-            dumps = [a["end_time_unix_nano"] for a in found.get("actions", []) if a["action"] == "pyspy.dump"]
+            dumps = [a["end_time_unix_nano"] for a in found.get("actions", []) if a["action"] == "pyspy.dump" and a["end_time_unix_nano"]]
             if dumps:
                 captured.append((max(dumps) - t0) / 1e9)
         finally:

@@ -237,6 +237,28 @@ def _commit() -> str:
         return "unknown"
 
 
+def _from_json(args: argparse.Namespace) -> int:
+    """The table from earlier runs' ``--json`` files: a later file's rows replace an earlier
+    file's rows of the same bench."""
+    rows: list[dict[str, Any]] = []
+    whens = []
+    for path in args.from_json:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        benches = {r["bench"] for r in doc["rows"]}
+        rows = [r for r in rows if r["bench"] not in benches] + doc["rows"]
+        whens.append(f"{doc['when']} ({', '.join(sorted(benches)) if len(args.from_json) > 1 else 'every bench'})")
+    order = {b.name: i for i, b in enumerate(BENCHES)}
+    rows.sort(key=lambda r: order.get(r["bench"], len(order)))
+    cells = table(rows)
+    print(plain(cells))
+    block = "Measured " + "; ".join(whens) + ", by `python bench/run_all.py`.\n\n" + markdown(cells)
+    if args.markdown is not None:
+        args.markdown.write_text(block, encoding="utf-8")
+    for path in args.write_into:
+        write_into(path, block)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="every bench at a tiny size (a smoke run)")
@@ -251,6 +273,9 @@ def main() -> int:
                     help=f"replace the table between the {TABLE_START} and {TABLE_END} lines of this file (README.md,"
                          " docs/performance.md); repeatable")
     ap.add_argument("--echo", action="store_true", help="echo the benches' own output while they run")
+    ap.add_argument("--from-json", type=Path, action="append", default=[],
+                    help="run nothing: make the table from the rows of earlier runs' --json files, in order (a bench"
+                         " rerun alone later replaces its rows of an earlier file); repeatable")
     ap.add_argument("--list", action="store_true", help="list the benches and their arguments, then exit")
     args = ap.parse_args()
     known = {b.name: b for b in BENCHES}
@@ -262,6 +287,8 @@ def main() -> int:
     bad = [n for n in (args.only + "," + args.skip).split(",") if n and n not in known]
     if bad:
         ap.error(f"--only/--skip: unknown bench(es) {', '.join(bad)} (see --list)")
+    if args.from_json:
+        return _from_json(args)
     if args.list:
         for b in chosen:
             print(f"{b.name:<18} full: {' '.join(b.args) or '(defaults)'}   quick: {' '.join(b.quick) or '(defaults)'}")

@@ -167,6 +167,8 @@ def _fmt(value: float | None, unit: str = "") -> str:
     if value is None or math.isnan(value):
         return ""
     a = abs(value)
+    if a == 0:
+        return f"0 {unit}".strip()
     text = f"{value:,.0f}" if a >= 1000 else f"{value:.1f}" if a >= 100 else f"{value:.3g}" if a >= 0.001 else f"{value:.2e}"
     return f"{text} {unit}".strip()
 

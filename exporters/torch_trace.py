@@ -26,6 +26,12 @@ by time containment on its own ``(pid, tid)``; the outermost ranges are children
 ``profile.session`` span. GPU rows (``kernel``, ``gpu_memcpy``...) carry ``gpu.device`` /
 ``gpu.stream`` from torch's ``pid``/``tid`` there; host rows carry ``process.pid``/``thread.id``.
 
+Why not ``ijson``: ``bench/bench_trace_import.py`` walks real traces (torch 2.13 CPU-only, with
+stacks, with shapes; a real vLLM 0.32 worker's trace) with this reader and with ijson's C backend
+doing the same walk and the same import: this reader needs 1.8-3.4x fewer CPU-seconds per event
+for the import, with less peak memory (issue 28: a library unless a bench shows a gain worth
+owning the parser).
+
 ``baseTimeNanoseconds`` may come before or after ``traceEvents`` in a file: the head is checked
 first (torch 2.13 writes it there); otherwise one cheap extra pass reads the tail (a plain file
 is seeked; a gzip file is decompressed without parsing, keeping only the last 64 KiB).

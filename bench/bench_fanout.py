@@ -333,11 +333,13 @@ def _host_sample_bytes(k: int) -> tuple[int, int]:
 
 
 def _tls_material(base: Path) -> dict[str, str]:
+    """A job CA and one agent certificate good for server and client auth (what every host uses)."""
     sys.path.insert(0, str(ROOT))
-    from tests.tls_certs import make_tls_material
+    from tests.fleet.test_api import _pki
 
-    pki = make_tls_material(base / "pki")
-    return {"tls_cert_file": str(pki.server_cert), "tls_key_file": str(pki.server_key), "tls_client_ca_file": str(pki.ca_cert)}
+    (base / "pki").mkdir(mode=0o700, exist_ok=True)
+    pki = _pki(base / "pki")
+    return {"tls_cert_file": str(pki["server"]), "tls_key_file": str(pki["server-key"]), "tls_client_ca_file": str(pki["ca"])}
 
 
 def _summary(n: int, mode: str, tls_name: str, rows: list[dict[str, Any]], sample: tuple[int, int], k: int) -> dict[str, Any]:

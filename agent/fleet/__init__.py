@@ -1,9 +1,14 @@
-"""Fleet: the agent HTTP API and a job's peers (one incident, one trace across every host).
+"""Fleet: the agent HTTP API and a job's agents (one incident, one trace, one verdict across every host).
 
 Modules: :mod:`~agent.fleet.config` (settings, token file, TLS), :mod:`~agent.fleet.http` (h11
 server on anyio), :mod:`~agent.fleet.api` (routes, auth, rate limit),
-:mod:`~agent.fleet.traceparent` (W3C trace context), :mod:`~agent.fleet.peers` (who the peers
-are, asking one), :mod:`~agent.fleet.job` (the coordinator: fan-out, joins, deduplication).
+:mod:`~agent.fleet.proof` (signed requests, proven answers), :mod:`~agent.fleet.traceparent`
+(W3C trace context), :mod:`~agent.fleet.peers` (who the peers are, asking one),
+:mod:`~agent.fleet.identity` (a job incident's trace from the stuck collective),
+:mod:`~agent.fleet.messages` (the job routes' bodies), :mod:`~agent.fleet.fanout` (bounded,
+tree-shaped), :mod:`~agent.fleet.evidence` (a host's compact evidence summary),
+:mod:`~agent.fleet.jobverdict` (the job's verdict), :mod:`~agent.fleet.jobstate` and
+:mod:`~agent.fleet.job` (the protocol: coordinator, reports, joins, deduplication).
 Nothing here imports a watcher or an actor; :mod:`agent.runtime` starts :class:`Fleet`.
 """
 

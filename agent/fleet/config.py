@@ -115,6 +115,9 @@ class FleetConfig(BaseModel):
     report_grace_s: float = Field(
         0.05, ge=0, description="the coordinator asks the hosts that did not report once no report came for this long, seconds"
     )
+    first_report_wait_s: float = Field(
+        0.2, ge=0, description="a coordinator that detected the hang itself waits this long for the others' first report, seconds"
+    )
     report_window_s: float = Field(
         0.5, ge=0, description="the coordinator waits for reports at most this long while they keep coming, seconds"
     )

@@ -125,6 +125,8 @@ FANOUT_FILE = "fanout.json"
 MAX_PAST_TRACES = 1024
 #: Most hosts whose evidence one job incident holds.
 MAX_EVIDENCE_HOSTS = 100_000
+#: Judged job incidents remembered for late reports and evidence.
+MAX_JUDGED = 16
 #: Coordinator candidates a detecting host tries before it coordinates its own view.
 MAX_COORDINATOR_TRIES = 3
 
@@ -186,6 +188,8 @@ class Fleet:
         self._opened_waiters: list[tuple[Callable[[IncidentOpened], bool], anyio.Event, list[IncidentOpened]]] = []
         self._components: dict[str, tuple[str, str]] = {}
         self._past_traces: OrderedDict[str, int] = OrderedDict()
+        #: job incidents this agent coordinated and judged, by trace (late reports and evidence)
+        self._judged: OrderedDict[str, JobIncident] = OrderedDict()
         self._self_peer: Peer | None = None
         #: members of the job as last resolved (static peers and the DNS name's addresses)
         self._members_seen = 0
@@ -388,6 +392,7 @@ class Fleet:
         trace_id, root = job_trace(self.config.job or "", key)
         if not job.placed.is_set():
             job.trace_id, job.root_span_id, job.key = trace_id, root, str(key)
+            job.detected_here = True
             job.placed.set()
         return job.move_to or (job.trace_id, job.root_span_id)
 
@@ -474,11 +479,15 @@ class Fleet:
             if job.coordinating:
                 await self._fanout(job)
                 return
+            if job.coordinator is not None:
+                return  # the coordinator's join reached us first: it knows we are in (no report needed)
             order, me = await self._coordinator_order()
             unreachable: list[str] = []
             job.reporting = anyio.Event()
             try:
                 for candidate in order:
+                    if job.coordinator is not None and not unreachable:
+                        return  # asked by the coordinator while we were about to report
                     if job.coordinating or candidate == me or (self.resolver is not None and self.resolver.is_self(candidate)):
                         break
                     if await self._report(job, opened, candidate, me, unreachable):
@@ -589,11 +598,15 @@ class Fleet:
         await anyio.to_thread.run_sync(lambda: self._fanout_results(job, replies, start, relays=sum(1 for _, r in shape if r)))
 
     async def _quiet(self, job: JobIncident) -> None:
-        """Until no report came for ``report_grace_s``, at most ``report_window_s``."""
+        """Until no report came for ``report_grace_s`` (before the first one: ``first_report_wait_s``
+        when this host detected the hang itself: the others did too, most likely), at most
+        ``report_window_s``."""
         cfg = self.config
         start = time.monotonic()
+        first = cfg.first_report_wait_s if job.detected_here else cfg.report_grace_s
         while True:
-            until = min(max(job.last_report_s, start) + cfg.report_grace_s, start + cfg.report_window_s)
+            since_last = max(job.last_report_s, start) + cfg.report_grace_s if job.last_report_s else start + first
+            until = min(since_last, start + cfg.report_window_s)
             if until <= time.monotonic():
                 return
             await anyio.sleep(until - time.monotonic())
@@ -738,6 +751,9 @@ class Fleet:
         self._past_traces[job.trace_id] = self._past_traces.get(job.trace_id, 0) + 1
         while len(self._past_traces) > MAX_PAST_TRACES:
             self._past_traces.popitem(last=False)
+        self._judged[job.trace_id] = job
+        while len(self._judged) > MAX_JUDGED:
+            self._judged.popitem(last=False)
 
     def _judge(self, job: JobIncident) -> JobVerdict:
         missing: list[MissingHost] = []
@@ -859,6 +875,13 @@ class Fleet:
             head, me = await self._head([*report.unreachable, reporter.url])
             if head != me and not (self.resolver is not None and self.resolver.is_self(head)):
                 return 200, {"status": "redirect", "coordinator": head.url, "host.name": self.host_name, "trace_id": None}
+            judged = self._judged.get(report.trace_id)
+            if judged is not None and abs(report.detected_time_unix_nano - judged.detected_time_unix_nano) < self.config.dedup_window_s * 1e9:
+                # a late report of the job incident already judged (its host detected it as the
+                # others did, then took long): the same trace, no new incident
+                judged.reported[reporter.url] = report.host_name
+                return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", "late": True,
+                             **self._trace_doc(judged)}
             trace_id, root = report.trace_id, root_span_of(report.trace_id)
             if trace_id in self._past_traces:  # a restarted job hanging at the same collective: a new trace
                 trace_id, root = repeat_trace(trace_id, self._past_traces[trace_id])
@@ -877,6 +900,12 @@ class Fleet:
 
     def _on_evidence(self, evidence: Evidence) -> tuple[int, dict[str, Any]]:
         job = self.job
+        judged = self._judged.get(evidence.trace_id)
+        if judged is not None and judged is not job:  # after the verdict: kept, said, not re-judged
+            self.evidence_received += 1
+            judged.add_evidence(evidence)
+            log.info("job %s: evidence of %s came after the job verdict (kept, not judged)", self.config.job, evidence.host_name)
+            return 200, {"status": "late", "host.name": self.host_name, **self._trace_doc(judged)}
         if job is None or not job.coordinating or evidence.trace_id != job.trace_id:
             return 409, {"error": "not the job incident this agent coordinates", "host.name": self.host_name,
                          **(self._trace_doc(job) if job is not None else {})}

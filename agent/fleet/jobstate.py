@@ -81,6 +81,8 @@ class JobIncident:
     opened: anyio.Event = field(default_factory=anyio.Event)
     coordinating: bool = False
     joined: bool = False
+    #: this host detected the hang itself (not told by a report or a join)
+    detected_here: bool = False
     coordinator: Peer | None = None
     coordinator_host: str = ""
     #: this agent coordinates because no candidate before it answered (maybe partitioned)

@@ -60,12 +60,22 @@ from _common import emit_result, kill_groups
 
 JOB = "bench-job"
 TOKEN = "bench-fanout-token-0123456789abcdef"
-PORT = 17207
+#: the hosts' API port (each on its own address): a free one, picked once per run (``--port``)
+PORT = 0
 BUCKET_S = 10.0
 #: a job incident is remembered this long: longer than a run's capture spread, shorter than the runs' spacing
 DEDUP_WINDOW_S = 10.0
 TARGET_SPREAD_MS_AT_64 = 200.0
 TEMPO_TRACE_LIMIT_BYTES = 5 * 1024 * 1024
+
+
+def _free_port() -> int:
+    """A port free on the coordinator's address (another bench run on this machine may hold another)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((_address(0), 0))
+        return int(s.getsockname()[1])
 
 
 def _address(i: int) -> str:
@@ -194,7 +204,7 @@ def _start_workers(n: int, workers: int, base: Path, tls: dict[str, str]) -> lis
         if chunk:
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--worker", "--n", str(n), "--base", str(base), "--indices", ",".join(map(str, chunk)),
-                 "--tls-json", json.dumps(tls)],
+                 "--tls-json", json.dumps(tls), "--port", str(PORT)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
             ))
     for proc in procs:
@@ -375,7 +385,10 @@ def main() -> int:
     parser.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--indices", help=argparse.SUPPRESS)
     parser.add_argument("--tls-json", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global PORT
+    PORT = args.port or _free_port()
     if args.worker:
         anyio.run(_worker, [int(i) for i in args.indices.split(",")], args.n, args.base, json.loads(args.tls_json))
         return 0

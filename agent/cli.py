@@ -366,16 +366,56 @@ def _print_record(record: Any, *, as_json: bool) -> None:
         out.print(strip_control(line), markup=False, highlight=False)
 
 
+def _duration_words(seconds: float) -> str:
+    """``12 s``, ``3 min 4 s``, ``2 h 5 min``."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def _counts(items: Any) -> list[tuple[str, int]]:
+    """``[(item, count)]`` in first-seen order."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return list(counts.items())
+
+
 class _IncidentPrinter:
     """Prints each incident's summary on stderr when its stacks and coredumps are in, then what
     came after (a profile) when it ends — for `run` and `launch` alike."""
 
     def __init__(self) -> None:
+        import time
+
         self.shown: dict[str, int] = {}
+        #: incident id -> (trigger, bundle folder), every incident seen, in order
+        self.seen: dict[str, tuple[str, str]] = {}
+        self.started_monotonic_s = time.monotonic()
+
+    def _saw(self, record: Any) -> None:
+        self.seen.setdefault(record.opened.incident_id, (str(record.opened.trigger), str(record.bundle_dir)))
+
+    def stopped_line(self, data_dir: Path, host_name: str) -> str:
+        """The one line ``run``/``launch`` end with: how long, incidents opened, where they are."""
+        import time
+
+        took = _duration_words(time.monotonic() - self.started_monotonic_s)
+        where = Path(next(iter(self.seen.values()))[1]).parent if self.seen else data_dir / host_name
+        if not self.seen:
+            return f"servewatch: stopped after {took}: no incident opened (bundles would go to {where}/)"
+        ids = list(self.seen)
+        kinds = ", ".join(f"{n} {k}" for k, n in _counts(t for t, _ in self.seen.values()))
+        return (f"servewatch: stopped after {took}: {len(ids)} incident(s) opened ({kinds}), last {ids[-1]};"
+                f" bundles in {where}/ (read one: servewatch timeline latest --data-dir {data_dir})")
 
     def summary(self, record: Any) -> None:
         from agent.summary import summary_lines
 
+        self._saw(record)
         self.shown[record.opened.incident_id] = len(record.results)
         for line in summary_lines(record):
             err.print(line, markup=False, highlight=False)
@@ -383,6 +423,7 @@ class _IncidentPrinter:
     def finished(self, record: Any) -> None:
         from agent.summary import late_result_lines, summary_lines
 
+        self._saw(record)
         shown = self.shown.pop(record.opened.incident_id, None)
         if shown is None:  # no summary point reached (no phases ran): the whole summary now
             lines = summary_lines(record)
@@ -493,7 +534,10 @@ def run(
         _print_seen(agent)
 
     err.print(f"servewatch: watching (data dir {settings.data_dir}); Ctrl-C to stop", markup=False)
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    finally:
+        err.print(printer.stopped_line(settings.data_dir, settings.host_name), markup=False)
 
 
 def _print_seen(agent: Any) -> None:
@@ -870,6 +914,8 @@ def launch(
     finally:
         for record in records:  # the server is gone: its record must not arm a reused pid
             record.unlink(missing_ok=True)
+        if agents:  # the server started and was watched
+            err.print(printer.stopped_line(settings.data_dir, settings.host_name), markup=False)
     raise typer.Exit(rc)
 
 
@@ -906,12 +952,12 @@ def export(
     are in (whatever the current folder): a re-run to the same endpoint never sends a span twice.
     TLS, headers and compression come from the standard OTEL_EXPORTER_OTLP_* variables.
     """
-    from exporters.provider import ExportConfigError, resolve_destination
+    from exporters.provider import ExportConfigError, resolve_destination, scheme_problem
     from exporters.replay import ledger_path, replay
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
-    if to is not None and "://" not in to:
-        fail(f"invalid --to {to!r}: the endpoint needs a scheme, e.g. http://{to} (plaintext) or https://{to} (TLS)", ExitCode.USAGE)
+    if to is not None and (problem := scheme_problem(to)):
+        fail(f"invalid value for --to: {problem} (got {to!r}); see 'servewatch export --help'", ExitCode.USAGE)
     if protocol is not None and protocol not in ("grpc", "http/protobuf"):
         fail(f"invalid setting protocol: expected grpc or http/protobuf (got {protocol!r})", ExitCode.USAGE)
     overrides: dict[str, object] = {}
@@ -923,14 +969,18 @@ def export(
         destination = resolve_destination(settings.export.model_copy(update=overrides))
     except ExportConfigError as exc:
         fail(f"invalid setting {exc}", ExitCode.USAGE)
-    if destination.endpoint is None:
+    endpoint = destination.endpoint
+    if endpoint is None:
         fail("no collector endpoint: pass --to http://HOST:4317 or set OTEL_EXPORTER_OTLP_ENDPOINT", ExitCode.USAGE)
-    if "://" not in destination.endpoint:
-        fail(f"invalid endpoint {destination.endpoint!r}: it needs a scheme, e.g. http://{destination.endpoint}", ExitCode.USAGE)
+    if scheme_problem(endpoint):
+        # a bare host:port from OTEL_EXPORTER_OTLP_*ENDPOINT: the OTLP spec's gRPC form, read as
+        # `run` reads it (TLS when OTEL_EXPORTER_OTLP_INSECURE=false or TLS files are set)
+        secure = destination.insecure is False or (destination.insecure is None and destination.tls.configured)
+        endpoint = ("https://" if secure else "http://") + endpoint
     sources = list(paths or [settings.data_dir])
     try:
         result = replay(
-            sources, endpoint=destination.endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
+            sources, endpoint=endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
             headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
             compression=destination.compression, signal_specific=destination.signal_specific,
             ledger=None if resend else ledger_path,
@@ -943,7 +993,7 @@ def export(
     except OSError as exc:
         fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
     err.print(
-        f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {destination.endpoint} "
+        f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {endpoint} "
         f"({destination.protocol}). Failed: {result.failed}"
         + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
         + (f" Bad files: {result.bad_files}" if result.bad_files else "")
@@ -973,8 +1023,10 @@ def timeline(
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
     if as_json:
         _print_json(timeline_to_dict(tl))
-    else:
-        render_timeline(tl, out.console)
+        return
+    # a terminal: its width; a file or pipe: $COLUMNS, else 120 (rich's 80 would wrap what has room)
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120
+    render_timeline(tl, _safe_console(soft_wrap=True, width=width))
 
 
 @app.command()
@@ -1045,13 +1097,24 @@ def profile(
     from agent.runtime import Agent
 
     agent = Agent.build(settings)
-    result, trace_id = anyio.run(
-        lambda: agent.profile(
-            pid=pid, steps=settings.profiler.num_steps, start_step=start_step, activities=acts,
-            out_dir=(out_dir or settings.profiler.output_dir or Path("profiles")).resolve(), timeout_s=timeout,
-            before_export=lambda: _data_dir_ready(settings),  # only a session with trace files writes
-        )
-    )
+    progress = _ProgressLine(sys.stderr)
+
+    async def session() -> tuple[Any, str | None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(progress.tick)
+            try:
+                done = await agent.profile(
+                    pid=pid, steps=settings.profiler.num_steps, start_step=start_step, activities=acts,
+                    out_dir=(out_dir or settings.profiler.output_dir or Path("profiles")).resolve(), timeout_s=timeout,
+                    before_export=lambda: _data_dir_ready(settings),  # only a session with trace files writes
+                    progress=progress,
+                )
+            finally:
+                tg.cancel_scope.cancel()
+                progress.done()
+        return done
+
+    result, trace_id = anyio.run(session)
     telemetry = agent.telemetry
     delivered = True
     if trace_id is not None:
@@ -1076,6 +1139,65 @@ def profile(
     )
     if result.outcome.value not in ("ok",) or not delivered:
         raise typer.Exit(int(ExitCode.FAILURE))
+
+
+class _ProgressLine:
+    """What a long wait waits for, on stderr: on a terminal one line rewritten in place with
+    the seconds waited so far (``servewatch: waiting for ... (12 s)``), erased when the wait
+    ends; in a file or pipe each new line once, no rewriting."""
+
+    def __init__(self, stream: Any) -> None:
+        import time
+
+        self._stream = stream
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._line = ""
+        self._since = time.monotonic()
+        self._shown = False
+
+    def __call__(self, line: str) -> None:
+        import time
+
+        if line == self._line:
+            return
+        self._line, self._since = line, time.monotonic()
+        if self._tty:
+            self._draw()
+        else:
+            self._stream.write(f"servewatch: {line}\n")
+            self._stream.flush()
+
+    def _draw(self) -> None:
+        import shutil
+        import time
+
+        from agent.security import strip_control
+
+        waited = time.monotonic() - self._since
+        line = strip_control(f"servewatch: {self._line}")
+        suffix = f" ({waited:.0f} s)" if waited >= 1 else ""
+        room = shutil.get_terminal_size((80, 24)).columns - 1 - len(suffix)
+        if len(line) > room:  # one screen line, so \r can rewrite it; the seconds always show
+            line = line[: max(0, room - 1)] + "…"
+        text = line + suffix
+        self._stream.write("\r" + text + "\x1b[K")
+        self._stream.flush()
+        self._shown = True
+
+    async def tick(self) -> None:
+        """Redraw every second on a terminal (the seconds move); nothing to do elsewhere."""
+        import anyio
+
+        while self._tty:
+            await anyio.sleep(1.0)
+            if self._line:
+                self._draw()
+
+    def done(self) -> None:
+        """Erase the line (terminal) before the result is printed."""
+        if self._tty and self._shown:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
 
 
 def _profile_detail(detail: str, n_files: int) -> str:

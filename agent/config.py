@@ -94,6 +94,15 @@ class TargetConfig(BaseModel):
         False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
     )
 
+    @field_validator("match")
+    @classmethod
+    def _globs_name_something(cls, value: list[str]) -> list[str]:
+        """An empty (or blank) glob matches no process title: a mistake (an unset shell
+        variable), never a way to watch nothing."""
+        if any(not glob.strip() for glob in value):
+            raise ValueError("an empty title glob matches no process; give one such as 'sglang::scheduler*'")
+        return value
+
 
 class MetricsConfig(StepsConfig):
     """Prometheus ``/metrics`` scrape used as the forward-progress source when the SDK is absent.

@@ -37,12 +37,14 @@ __all__ = [
     "FR_BUFFER_DEFAULT",
     "FR_BUFFER_ENV",
     "LIGHTWEIGHT_GENERATION_FLAGS",
+    "NO_CUDA_DRIVER",
     "SGLANG_FILE_TEMPLATE",
     "SGLANG_PIPE_TEMPLATE",
     "CoredumpEnvPlan",
     "DumpDirCheck",
     "check_dump_dir",
     "cuda_coredump_env",
+    "cuda_driver_present",
     "export_lines",
     "flight_recorder_env",
     "format_exports",
@@ -226,6 +228,32 @@ class DumpDirCheck(NamedTuple):
     ok: bool
     #: why not (or the free space found, when ok)
     reason: str
+
+
+#: The ``cuda.coredump`` detail of a target that is not armed on a host without a CUDA driver:
+#: nothing to arm there (no arming hint: there is nothing to fix).
+NO_CUDA_DRIVER = "no GPU: no NVIDIA/CUDA driver on this host, nothing to dump"
+
+#: Where an NVIDIA driver shows itself: its kernel module's proc folder and its control device.
+_DRIVER_MARKS = ("/proc/driver/nvidia", "/dev/nvidiactl")
+
+
+def cuda_driver_present(pid: int | None = None) -> bool:
+    """Whether a CUDA driver can be there: the NVIDIA kernel module or its device on this host
+    (``/proc/driver/nvidia``, ``/dev/nvidiactl``), or ``libcuda.so`` mapped into ``pid``.
+
+    A CPU-only host has none of them; a container with GPUs sees the device nodes. Never raises
+    (an unreadable ``/proc/PID/maps`` counts as no library seen).
+    """
+    if any(os.path.exists(mark) for mark in _DRIVER_MARKS):
+        return True
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as fh:
+            return any(b"libcuda.so" in line for line in fh)
+    except OSError:
+        return False
 
 
 def check_dump_dir(path: str | os.PathLike[str], *, min_free_bytes: int) -> DumpDirCheck:

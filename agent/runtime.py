@@ -470,6 +470,7 @@ class Agent:
         out_dir: Path,
         timeout_s: float | None = None,
         before_export: Callable[[], None] | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> tuple[ActionResult, str | None]:
         """One profiling session now (``servewatch profile``) per ``settings.profiler``, mirrored
         as a ``profile.session`` trace through the registered exporters (then flushed and shut
@@ -484,6 +485,8 @@ class Agent:
             timeout_s: wall-clock bound of the session, seconds (default: ``profiler.max_duration_s``).
             before_export: called (in a worker thread) before the exporters start, only when
                 something is exported: the CLI creates and checks the data dir there.
+            progress: called with one line on what the session waits for now (the CLI's
+                progress line).
 
         Returns:
             The session's result (outcome, trace files) and the hex trace id of its spans;
@@ -498,7 +501,7 @@ class Agent:
 
         result = await profile_once(
             self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
-            out_dir=out_dir, timeout_s=timeout_s,
+            out_dir=out_dir, timeout_s=timeout_s, progress=progress,
         )
         if not result.artifact_paths and resolve_destination(self.settings.export).endpoint is None:
             return result, None
@@ -971,7 +974,8 @@ class Agent:
             )
         elif targets and self._told_no_target:
             self._told_no_target = False
-            log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
+            # good news, said by the process watcher's status line ("watching N target processes")
+            log.info("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
         return targets
 
 

@@ -19,6 +19,8 @@ __all__ = ["HUNG_FRAME_ATTR", "exit_lines", "incident_summary", "late_result_lin
 
 #: Span attribute of a ``pyspy.dump`` result holding the innermost frame of the active thread.
 HUNG_FRAME_ATTR = "servewatch.pyspy.hung_frame"
+#: Span attribute of a ``cuda.coredump`` result not armed because the host has no CUDA driver.
+NO_GPU_ATTR = "servewatch.coredump.no_gpu"
 #: Span attributes of a ``pyspy.dump`` result: labels of the idle (waiting for work) and stuck threads.
 IDLE_THREADS_ATTR = "servewatch.pyspy.idle_threads"
 STUCK_THREADS_ATTR = "servewatch.pyspy.stuck_threads"
@@ -142,8 +144,12 @@ def summary_lines(record: IncidentRecord) -> list[str]:
     m = record.to_manifest()
     lines = [m.verdict.headline] if m.verdict is not None else []  # the verdict comes first
     lines.append(f"Incident {m.incident_id} ({m.trigger!s}): {m.detail}")
+    no_gpu = [a for a in m.actions if a.action == Action.CUDA_COREDUMP and a.attributes.get(NO_GPU_ATTR)]
     for a in m.actions:
-        lines.append(_result_line(m, a))
+        if a not in no_gpu:
+            lines.append(_result_line(m, a))
+    if no_gpu:  # a CPU-only host: one quiet line, not an arming hint per rank (nothing to fix)
+        lines.append(f"  cuda.coredump   none: no GPU/CUDA driver on this host ({len(no_gpu)} process(es))")
     if m.inflight_requests:
         lines.append(f"  {m.inflight_requests} request(s) in flight, listed in requests.json")
     dumps = [a for a in m.actions if a.action == Action.PYSPY_DUMP]

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote
 
 from opentelemetry.sdk import environment_variables as _ev
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.errors import ExportConfigError
 
@@ -118,11 +118,33 @@ Signal = Literal["traces", "metrics"]
 Protocol = Literal["grpc", "http/protobuf"]
 
 
+def scheme_problem(endpoint: str) -> str | None:
+    """The one rule for an OTLP endpoint given to servewatch itself (``--otlp-endpoint``,
+    ``export --to``, ``export.endpoint`` / ``SERVEWATCH_EXPORT__ENDPOINT``): it says its scheme,
+    ``http://`` (plaintext) or ``https://`` (TLS). The standard ``OTEL_EXPORTER_OTLP_*ENDPOINT``
+    variables keep the OTLP spec's bare gRPC ``host:port`` (plaintext unless
+    ``OTEL_EXPORTER_OTLP_INSECURE=false`` or TLS files are set), for every command alike.
+
+    Returns:
+        ``None`` when it has a scheme, else the one-line problem (with both fixes spelled out).
+    """
+    if "://" in endpoint:
+        return None
+    return f"the endpoint needs a scheme, e.g. http://{endpoint} (plaintext) or https://{endpoint} (TLS)"
+
+
 class ExportConfig(BaseModel):
     """User config of the telemetry export. Unset (``None``) fields fall back to the ``OTEL_*``
     env, then to the defaults documented here."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_has_a_scheme(cls, value: str | None) -> str | None:
+        if value and (problem := scheme_problem(value.strip())):
+            raise ValueError(problem)
+        return value
 
     #: OTLP endpoint (``http://host:4317`` for gRPC, ``http://host:4318`` for HTTP); ``None``:
     #: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``; neither: write

@@ -23,15 +23,17 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rich.console import Console, Group
+from rich.padding import Padding
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from agent.events import Trigger
 from agent.manifest import stack_errors
+from agent.ranks import rank_from_title
 from agent.security import sanitize
 from agent.stacks import thread_is_idle
-from exporters.bundle import IncidentTimeline
+from exporters.bundle import ActionRow, IncidentTimeline, ProcessStacks
 
 __all__ = [
     "format_size",
@@ -120,24 +122,30 @@ def _verdict_panel(verdict: dict[str, Any]) -> Panel:
     return Panel(body, title="verdict", title_align="left", border_style="red" if verdict.get("hung", True) else "green")
 
 
+def _local(ns: int) -> str:
+    """The viewer's local wall-clock time of ``ns``, with its zone name (``16:17:29 CET``)."""
+    local = datetime.fromtimestamp(ns / 1e9).astimezone()
+    return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or ''}".rstrip()
+
+
 def _header(tl: IncidentTimeline) -> Panel:
     body = Text(no_wrap=False, overflow="fold")
     body.append("trigger  ", style="bold")
     body.append(tl.trigger, style="bold red" if tl.trigger != Trigger.MANUAL else "bold cyan")
     body.append("  ")
     body.append(tl.detail)
+    body.append("\nopened   ", style="bold")
+    body.append(f"{_iso(tl.opened_time_unix_nano)} (local {_local(tl.opened_time_unix_nano)})")
     body.append("\nhost     ", style="bold")
     body.append(tl.host_name or "?")
-    body.append("   opened ", style="bold")
-    body.append(_iso(tl.opened_time_unix_nano))
     body.append("   duration ", style="bold")
     body.append(f"{tl.duration_s * 1e3:,.1f} ms")
-    body.append("\ntrace    ", style="bold")
-    body.append(tl.trace_id or "-")
     body.append("   in flight ", style="bold")
     body.append(str(tl.inflight_count))
+    body.append("\ntrace    ", style="bold")
+    body.append(tl.trace_id or "-")
     if tl.hard_signal_sent:
-        body.append("   hard signal ", style="bold")
+        body.append("\nhard     ", style="bold")
         body.append(", ".join(f"{sig} -> {pid}" for pid, sig in tl.hard_signal_sent.items()), style="bold red")
     body.append("\nbundle   ", style="bold")
     body.append(tl.bundle_dir)
@@ -158,45 +166,100 @@ def _header(tl: IncidentTimeline) -> Panel:
     return Panel(body, title=Text(f"incident {tl.incident_id}", style="bold"), title_align="left")
 
 
-def _actions_table(tl: IncidentTimeline) -> Table:
-    table = Table(title="Actions", title_justify="left", expand=False)
-    table.add_column("start ms", justify="right")
-    table.add_column("dur ms", justify="right")
-    table.add_column("action")
-    table.add_column("pid", justify="right")
-    table.add_column("title")
-    table.add_column("outcome")
-    table.add_column("detail", overflow="fold")
+def _rank_of(tl: IncidentTimeline, pid: int) -> int | None:
+    """The rank of ``pid``: what its Flight Recorder said, else its title's (``_TP1`` -> 1)."""
     for a in tl.actions:
-        table.add_row(
-            _ms(a.start_offset_s),
-            _ms(a.duration_s),
-            Text(a.action),
-            _pid(a.pid),
-            Text(a.title),
-            Text(a.outcome, style=outcome_style(a.outcome)),
-            Text(a.detail),
-        )
-    return table
+        rank = a.attributes.get("servewatch.flightrec.rank") if a.pid == pid else None
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            return rank
+    return rank_from_title(tl.title_of(pid)) if tl.title_of(pid) else None
 
 
-def _stacks_table(tl: IncidentTimeline) -> Table:
-    table = Table(title="Hung frames", title_justify="left")
-    table.add_column("pid", justify="right")
-    table.add_column("title")
-    table.add_column("threads", justify="right")
-    table.add_column("hung frame", overflow="fold")
-    for s in tl.stacks:
-        if s.hung_frame:
-            hung = Text(s.hung_frame, style="bold yellow")
-        elif s.threads and all(thread_is_idle(t) for t in s.threads if t.frames):
-            hung = Text("none: all threads idle (waiting for work)", style="dim")
-        else:
-            hung = Text("unknown", style="dim")
-        if s.error:
-            hung.append(f"  (stacks unreadable: {s.error})", style="red")
-        table.add_row(str(s.pid), Text(s.title), "-" if s.thread_count is None else str(s.thread_count), hung)
-    return table
+def _who(tl: IncidentTimeline, pid: int) -> Text:
+    """``rank 0 · pid 42 · sglang::scheduler_TP0`` (the parts known)."""
+    rank = _rank_of(tl, pid)
+    parts = ([f"rank {rank}"] if rank is not None else []) + [f"pid {pid}"]
+    who = Text(" · ".join(parts), style="bold")
+    if tl.title_of(pid):
+        who.append(" · " + tl.title_of(pid))
+    return who
+
+
+def _hung_text(s: ProcessStacks | None) -> Text:
+    if s is None:
+        return Text("no stack captured", style="dim")
+    if s.hung_frame:
+        hung = Text(s.hung_frame, style="bold yellow")
+    elif s.threads and all(thread_is_idle(t) for t in s.threads if t.frames):
+        hung = Text("none: all threads idle (waiting for work)", style="dim")
+    else:
+        hung = Text("unknown", style="dim")
+    if s.error:
+        hung.append(f"  (stacks unreadable: {s.error})", style="red")
+    return hung
+
+
+def _action_line(a: ActionRow) -> Group:
+    """One action: offset, name, outcome and duration on one line; its detail below, indented
+    and wrapped at word boundaries (it is a sentence, never cut into a narrow column)."""
+    line = Text(f"{_ms(a.start_offset_s):>10} ms  ")
+    line.append(f"{a.action:<15} ")
+    line.append(f"{a.outcome:<12}", style=outcome_style(a.outcome))
+    line.append(f"{_ms(a.duration_s):>10} ms")
+    if a.pid is not None and not a.title:
+        line.append(f"  pid {a.pid}")
+    if not a.detail:
+        return Group(line)
+    return Group(line, Padding(Text(a.detail, style="dim" if a.outcome in _QUIET else ""), (0, 0, 0, 14)))
+
+
+#: outcomes that are no news: their detail is shown dim
+_QUIET = frozenset({"skipped", "not_armed", "already_stopped", "no_gpu"})
+
+
+def _processes(tl: IncidentTimeline) -> Group:
+    """One block per target process: who it is, its hung frame, then the actions run on it in
+    time order; actions bound to no target follow."""
+    stacks = {s.pid: s for s in tl.stacks}
+    pids = list(dict.fromkeys([t.pid for t in tl.targets] + [s.pid for s in tl.stacks]))
+    blocks: list[Any] = [Text("Processes", style="bold italic")]
+    for pid in pids:
+        who = _who(tl, pid)
+        blocks.append(who)
+        hung = Text("  hung frame  ", style="bold")
+        hung.append_text(_hung_text(stacks.get(pid)))
+        blocks.append(Padding(hung, (0, 0, 0, 0)))
+        blocks.extend(_action_line(a) for a in tl.actions if a.pid == pid)
+    rest = [a for a in tl.actions if a.pid not in pids]
+    if rest:
+        blocks.append(Text("Other actions", style="bold italic"))
+        blocks.extend(_action_line(a) for a in rest)
+    return Group(*blocks)
+
+
+def _closing_panel(tl: IncidentTimeline) -> Panel:
+    """What to read last (the screen a paged engineer is left with): the verdict, then each
+    process's hung frame, culprits marked."""
+    verdict = tl.verdict or {}
+    culprits = {int(p) for p in verdict.get("culprit_pids") or () if isinstance(p, int)}
+    headline = Text(no_wrap=False, overflow="fold")
+    if verdict:
+        headline.append(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")
+    else:
+        headline.append("no verdict recorded", style="dim")
+    frames = Table.grid(padding=(0, 1))
+    frames.add_column(no_wrap=True)
+    frames.add_column(overflow="fold")  # a long frame wraps in its own column, under itself
+    stacks = {s.pid: s for s in tl.stacks}
+    for pid in dict.fromkeys([t.pid for t in tl.targets] + [s.pid for s in tl.stacks]):
+        rank = _rank_of(tl, pid)
+        who = Text((f"rank {rank} " if rank is not None else "") + f"pid {pid}",
+                   style="bold red" if pid in culprits else "bold")
+        who.append(" (culprit):" if pid in culprits else ":", style="bold red" if pid in culprits else "")
+        frames.add_row(who, _hung_text(stacks.get(pid)))
+    title = f"verdict · {tl.trigger} · {tl.incident_id}" if verdict else f"hung frames · {tl.trigger} · {tl.incident_id}"
+    return Panel(Group(headline, frames), title=title, title_align="left",
+                 border_style="red" if verdict.get("hung", True) else "green")
 
 
 def _coredump_table(tl: IncidentTimeline) -> Table:
@@ -234,33 +297,40 @@ def _profile_table(tl: IncidentTimeline) -> Table:
 
 def _requests_table(tl: IncidentTimeline) -> Table:
     table = Table(title=f"In-flight requests ({tl.inflight_count})", title_justify="left")
-    table.add_column("request id")
+    table.add_column("request id / trace id", no_wrap=True, min_width=32)
     table.add_column("pid", justify="right")
     table.add_column("age s", justify="right")
-    table.add_column("prompt tok", justify="right")
-    table.add_column("generated tok", justify="right")
-    table.add_column("trace", overflow="fold")
+    table.add_column("prompt", justify="right")
+    table.add_column("generated", justify="right")
     for r in tl.requests:
+        cell = Text(r.request_id or "-")
+        if r.trace_id:
+            cell.append("\n" + r.trace_id, style="dim")
         table.add_row(
-            Text(r.request_id or "-"),
+            cell,
             _pid(r.pid),
             "-" if r.age_s is None else f"{r.age_s:.3f}",
             "-" if r.prompt_tokens is None else str(r.prompt_tokens),
             "-" if r.generated_tokens is None else str(r.generated_tokens),
-            Text(r.trace_id or "-"),
         )
     return table
 
 
+def _in_bundle(tl: IncidentTimeline, path: str) -> str:
+    """``path`` relative to the bundle folder (shown in the header) when it is inside it."""
+    prefix = tl.bundle_dir.rstrip("/") + "/"
+    return path.removeprefix(prefix)
+
+
 def _artifacts_table(tl: IncidentTimeline) -> Table:
-    table = Table(title="Artifacts", title_justify="left")
+    table = Table(title="Artifacts (in the bundle folder unless a path says otherwise)", title_justify="left")
     table.add_column("action")
     table.add_column("pid", justify="right")
     table.add_column("size", justify="right")
-    table.add_column("path", overflow="fold")
+    table.add_column("file", overflow="fold")
     for f in tl.artifacts:
         size = Text(format_size(f.size_bytes), style="" if f.exists else "red")
-        table.add_row(Text(f.action), _pid(f.pid), size, Text(f.path))
+        table.add_row(Text(f.action), _pid(f.pid), size, Text(_in_bundle(tl, f.path)))
     return table
 
 
@@ -280,8 +350,11 @@ def _spans_table(tl: IncidentTimeline, limit: int) -> Table:
 
 
 def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 40) -> None:
-    """Print the incident as a timeline: header, actions, hung frames, coredumps, profiles,
-    in-flight requests, artifacts, trace spans (when any) and warnings.
+    """Print the incident as a timeline, readable at 80 columns: the verdict and its evidence,
+    the header (trigger, when in UTC and local time, bundle), then per process its hung frame
+    and the actions run on it (details wrapped at word boundaries under each action), coredumps,
+    profiles, in-flight requests, artifacts, trace spans (when any) and warnings; last, the
+    verdict again with every process's hung frame, so a terminal is left showing them.
 
     All text from the bundle is printed literally (never read as rich markup).
 
@@ -291,12 +364,11 @@ def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 
         max_spans: most trace spans listed.
     """
     tl = sanitize(tl)  # a target's title, frames or request ids never carry escapes to a terminal
-    parts: list[Any] = [_header(tl), _actions_table(tl)]
+    parts: list[Any] = []
     if tl.verdict:
-        parts.insert(0, _verdict_panel(tl.verdict))  # the verdict first: who is to blame
-    if tl.stacks:
-        parts.append(_stacks_table(tl))
-    if tl.coredumps:
+        parts.append(_verdict_panel(tl.verdict))  # the verdict first: who is to blame
+    parts += [_header(tl), _processes(tl)]
+    if any(c.path or c.size_bytes for c in tl.coredumps):
         parts.append(_coredump_table(tl))
     if tl.profiles:
         parts.append(_profile_table(tl))
@@ -308,6 +380,8 @@ def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 
         parts.append(_spans_table(tl, max_spans))
     for warning in tl.warnings:
         parts.append(Text(f"warning: {warning}", style="yellow", no_wrap=False, overflow="fold"))
+    if tl.verdict or tl.stacks:
+        parts.append(_closing_panel(tl))  # repeated last: what the screen shows when it ends
     # soft_wrap=False: the CLI's console soft-wraps (no_wrap for every renderable), which would crop
     # panel text at the console width when stdout is a file or pipe; panels and cells wrap instead.
     console.print(Group(*parts), soft_wrap=False)

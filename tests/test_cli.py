@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -191,6 +192,24 @@ def test_run_by_title_waits_for_a_server_not_started_yet(tmp_path: Path) -> None
     r = _cli(tmp_path, "run", "--match", f"notyet{os.getpid()}::*", "--duration", "2", "--data-dir", str(tmp_path / "data"))
     assert r.returncode == 0, r.stderr
     assert "still looking" in r.stderr
+    # it ends with one line: how long, what it opened, where bundles go
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("servewatch: stopped after 2 s: no incident opened (bundles would go to "), r.stderr
+
+
+def test_a_target_that_appears_is_said_by_the_status_line_not_as_a_warning(tmp_path: Path, spawn, python: str) -> None:
+    title = f"later{os.getpid()}::scheduler_TP0"
+    run = spawn([*CLI, "run", "--match", f"later{os.getpid()}::*", "--duration", "7", "--data-dir", str(tmp_path / "data")],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=_env(tmp_path))
+    time.sleep(2.5)
+    _titled(spawn, python, title)
+    _, err = run.communicate(timeout=60)
+    text = err.decode()
+    assert run.returncode == 0, text
+    assert "warning: no target process found yet" in text  # nothing to watch: worth a warning
+    assert "servewatch: process: watching 1 target process" in text, text  # found: the status line says it
+    assert "warning: found" not in text and "found 1 target" not in text, text
+    assert text.splitlines()[-1].startswith("servewatch: stopped after "), text
 
 
 @pytest.mark.slow
@@ -208,6 +227,37 @@ def test_demo_prints_the_incident_verdict_first_as_soon_as_it_is_captured(tmp_pa
     bundle = next(i for i, ln in enumerate(lines) if "] bundle: " in ln)
     spans = next(i for i, ln in enumerate(lines) if "] spans: " in ln)
     assert captured < view < bundle < spans == len(lines) - 1  # where the bundle and spans are comes last
+    from agent.cudaenv import cuda_driver_present
+
+    if not cuda_driver_present():  # a CPU-only host: one quiet line for the coredumps, no arming hint
+        assert [ln for ln in lines if "cuda.coredump" in ln] == [
+            "  cuda.coredump   none: no GPU/CUDA driver on this host (2 process(es))"
+        ], lines
+        assert "SPT_NOENV" not in r.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_demo_server_starts_says_it_stops_it_at_once(tmp_path: Path, spawn) -> None:
+    """SIGINT during the demo server's start: "stopping the demo server…" at once (its start
+    takes seconds to unwind), then it stops; exit 130 and no scheduler left behind."""
+    import psutil
+
+    demo = spawn([*CLI, "demo"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=_env(tmp_path))
+    assert demo.stderr is not None
+    first = demo.stderr.readline().decode()
+    assert "starting the demo inference server" in first, first
+    time.sleep(1.0)  # the server is importing and spawning its schedulers
+    children = [c.pid for c in psutil.Process(demo.pid).children(recursive=True)]
+    sent = time.monotonic()
+    demo.send_signal(signal.SIGINT)
+    ready, _, _ = select.select([demo.stderr], [], [], 5)
+    said = demo.stderr.readline().decode() if ready else ""
+    assert said.startswith("SIGINT received: stopping the demo server"), said
+    assert time.monotonic() - sent < 5
+    rest = demo.stderr.read().decode()
+    assert demo.wait(timeout=60) == 130, rest
+    assert "demo server stopped" in rest, rest
+    assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.slow

@@ -66,6 +66,16 @@ def sw(tmp_path: Path, *args: str, timeout_s: float = 60, **env: str) -> subproc
         (["launch"], "servewatch: missing argument"),
         (["nope"], "servewatch: no such command 'nope'"),
         (["--nope"], "servewatch: no such option: --nope"),
+        # an empty title glob matches nothing: a mistake (an unset shell variable), not "watch nothing"
+        (["run", "--match", ""], "servewatch: invalid value for --match: an empty title glob matches no process"),
+        (["dump", "--match", " "], "servewatch: invalid value for --match: an empty title glob matches no process"),
+        # one rule for an endpoint given on the command line: it says its scheme
+        (["run", "--match", "x", "--otlp-endpoint", "127.0.0.1:4317"],
+         "servewatch: invalid value for --otlp-endpoint: the endpoint needs a scheme, e.g. http://127.0.0.1:4317 (plaintext)"),
+        (["dump", "--pid", "1", "--otlp-endpoint", "otel:4317"],
+         "servewatch: invalid value for --otlp-endpoint: the endpoint needs a scheme, e.g. http://otel:4317 (plaintext)"),
+        (["export", "--to", "127.0.0.1:4317"],
+         "servewatch: invalid value for --to: the endpoint needs a scheme, e.g. http://127.0.0.1:4317 (plaintext)"),
     ],
 )
 def test_every_usage_error_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:

@@ -318,8 +318,10 @@ def test_readme_walkthrough_runs_as_written_and_really_hangs_the_server(tmp_path
     assert status["rc"] in (0, 1), _show(status)
     doc = json.loads(status["stdout"])
     assert doc["agent_running"] is True and doc["incidents"], _show(status)
-    # Ctrl-C (SIGINT) stops `run` cleanly
+    # Ctrl-C (SIGINT) stops `run` cleanly, with one line: incidents opened, where the bundles are
     assert watch["rc"] == 0, _show(watch)
+    last = said.rstrip().splitlines()[-1]
+    assert re.match(r"servewatch: stopped after .*: 1 incident\(s\) opened \(1 stall\), last \S+-stall-\S+; bundles in servewatch-data/", last), last
 
 
 @pytest.mark.slow

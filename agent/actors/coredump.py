@@ -76,10 +76,12 @@ from agent.cudaenv import (
     ENV_ENABLE_USER_TRIGGER,
     ENV_FILE,
     ENV_PIPE,
+    NO_CUDA_DRIVER,
     SGLANG_FILE_TEMPLATE,
     SGLANG_PIPE_TEMPLATE,
     DumpDirCheck,
     check_dump_dir,
+    cuda_driver_present,
 )
 from agent.events import (
     Action,
@@ -777,6 +779,7 @@ class CoredumpActor:
         host: str | None = None,
         trusted_uids: Sequence[int] = (),
         record_dirs: Sequence[str | os.PathLike[str]] = (),
+        driver_present: Callable[[int], bool] = cuda_driver_present,
     ) -> None:
         """Create the actor.
 
@@ -788,8 +791,15 @@ class CoredumpActor:
             trusted_uids: uids (besides root and the agent's own) whose targets may have their
                 core files written outside ``config.folder`` (the ``target.uids`` setting).
             record_dirs: folders holding ``servewatch launch`` records (``<data_dir>/launched``).
+            driver_present: whether a CUDA driver can be there for a pid (default
+                :func:`~agent.cudaenv.cuda_driver_present`: the NVIDIA module, its device, or
+                ``libcuda.so`` in the target). A target not armed where it is absent ends
+                ``not_armed`` with :data:`~agent.cudaenv.NO_CUDA_DRIVER` and the attribute
+                ``servewatch.coredump.no_gpu`` instead of the arming hint. Tests that stand in
+                for the CUDA driver (its FIFO) say a GPU host is there.
         """
         self.config = config or CoredumpConfig()
+        self._driver_present = driver_present
         self.host = host or socket.gethostname()
         self.trusted_uids = frozenset({0, os.geteuid(), *trusted_uids})
         self.record_dirs = tuple(record_dirs)
@@ -920,6 +930,9 @@ class CoredumpActor:
         if view.root:
             attrs["servewatch.coredump.root"] = view.root
         if location.path is None:
+            if not await anyio.to_thread.run_sync(self._driver_present, pid):  # /proc reads
+                attrs["servewatch.coredump.no_gpu"] = True
+                return result(Outcome.NOT_ARMED, NO_CUDA_DRIVER)
             return result(Outcome.NOT_ARMED, location.reason)
         attrs["servewatch.coredump.pipe"] = location.path
         attrs["servewatch.coredump.dump_dir"] = str(prepared.dump_dir)

@@ -415,6 +415,11 @@ class ProfilerActor:
     Args:
         config: user settings (default :class:`ProfilerConfig`).
         transport: httpx transport for the HTTP backends (tests may pass one; default: real).
+        stalled: tells whether the targets' watchdog saw them stalled (an incident's profile
+            then ends at once).
+        progress: called with one line saying what the session waits for now, each time that
+            changes or the step count moves (``servewatch profile`` shows it); never for
+            incidents.
     """
 
     name = "profiler"
@@ -428,9 +433,11 @@ class ProfilerActor:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         stalled: Callable[[Sequence[Target]], bool] | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config or ProfilerConfig()
         self._stalled = stalled
+        self._progress = progress
         self._transport = transport
         self._busy = anyio.Lock()
 
@@ -570,6 +577,7 @@ class ProfilerActor:
         }
         if req.start_step is not None:
             body["start_step"] = req.start_step
+        self._say(f"asking pid {s.pid} to profile its next {req.num_steps} forward step(s)")
         try:
             reply = await sdk_call(sock, body, timeout_s=c.request_timeout_s, pid=s.pid)
         except SdkCallError as exc:
@@ -656,6 +664,7 @@ class ProfilerActor:
                 reply = {}
             if isinstance(reply.get("session"), dict):
                 info = reply["session"]
+                self._say_session(info, pid)
                 if info.get("finished"):
                     return info
                 if stall is not None and info.get("state") == "pending" and await anyio.to_thread.run_sync(stall.stalled):
@@ -663,6 +672,20 @@ class ProfilerActor:
             if time.monotonic() >= deadline:
                 return info
             await anyio.sleep(self.config.poll_interval_s)
+
+    def _say(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress(line)
+
+    def _say_session(self, info: dict[str, Any], pid: int | None) -> None:
+        """What a pending or running SDK session waits for, in words."""
+        state, captured = info.get("state"), info.get("steps_captured") or 0
+        if state == "pending":
+            self._say(f"waiting for the next forward step of pid {pid} (no traffic? a hung rank?)")
+        elif state == "running":
+            self._say(f"recording pid {pid}: {captured}/{info.get('num_steps') or '?'} forward step(s)")
+        elif state in ("exporting", "stopping"):
+            self._say(f"pid {pid} is writing its trace")
 
     # -- sglang / vllm ------------------------------------------------------------------------
 
@@ -730,6 +753,8 @@ class ProfilerActor:
         files: list[Path] = []
         try:
             # SGLang stops itself after num_steps and writes the trace: wait for it.
+            self._say(f"waiting for SGLang at {c.base_url} to run {req.num_steps} forward step(s) and write its trace"
+                      " (no traffic on the server?)")
             files = await find_new_files(
                 req.output_dir, before, timeout_s=req.timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
             )
@@ -767,6 +792,8 @@ class ProfilerActor:
         worker: list[Path] = []
         try:
             if started:
+                self._say(f"waiting for vLLM at {c.base_url} to profile {req.num_steps} engine step(s) and write its trace"
+                          " (no traffic on the server?)")
                 worker = await self._vllm_wait(client, folder, prefix, steps_before, req)
         finally:
             stop_status = await self._stop(s, client)
@@ -911,6 +938,7 @@ async def profile_once(
     activities: Sequence[str] | None = None,
     out_dir: Path | None = None,
     timeout_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ActionResult:
     """``servewatch profile --steps N [--start-step S] [--activities CPU,GPU] [--out DIR]``.
 
@@ -919,11 +947,12 @@ async def profile_once(
         pid: the target (``sdk`` backend); ``None`` picks the only SDK control socket in the
             socket folder (``FAILED`` when there are none or several).
         steps / start_step / activities / out_dir / timeout_s: override the config.
+        progress: called with what the session waits for now (:class:`ProfilerActor`).
 
     Returns:
         The session's result (``OK`` with the trace paths, or why not).
     """
-    actor = ProfilerActor(config)
+    actor = ProfilerActor(config, progress=progress)
     make_request = partial(
         actor.request, num_steps=steps, start_step=start_step, activities=activities, output_dir=out_dir, timeout_s=timeout_s
     )

@@ -121,6 +121,7 @@ __all__ = [
     "create",
     "default_executable",
     "is_python_process",
+    "permission_hint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,13 +129,60 @@ logger = logging.getLogger(__name__)
 #: Span name of a py-spy dump (one per target process).
 ACTION = Action.PYSPY_DUMP
 
-#: How to grant what py-spy needs to read another process (one line, shown on PERMISSION_DENIED).
+#: How to grant what py-spy needs to read another process (one line, shown on PERMISSION_DENIED
+#: when servewatch does not run as root).
 PERMISSION_HINT = (
     "py-spy needs CAP_SYS_PTRACE to read another process: run servewatch as root in the target's "
     "PID namespace, or grant the capability (docker: --cap-add SYS_PTRACE; Kubernetes: "
     "securityContext.capabilities.add: [SYS_PTRACE]; see "
     "https://github.com/benfred/py-spy#how-do-i-run-py-spy-in-docker)"
 )
+_GRANT = "docker: --cap-add SYS_PTRACE; Kubernetes: securityContext.capabilities.add: [SYS_PTRACE]"
+#: bit of CAP_SYS_PTRACE in /proc/PID/status CapEff (linux/capability.h)
+_CAP_SYS_PTRACE_BIT = 19
+
+
+def _own_ptrace_facts() -> tuple[bool | None, str | None]:
+    """``(CAP_SYS_PTRACE in this process's effective set, Yama's ptrace_scope)``; ``None`` unknown."""
+    cap: bool | None = None
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    cap = bool(int(line.split()[1], 16) >> _CAP_SYS_PTRACE_BIT & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope", encoding="ascii") as fh:
+            scope: str | None = fh.read().strip()
+    except OSError:
+        scope = None
+    return cap, scope
+
+
+def permission_hint(*, euid: int | None = None, cap_sys_ptrace: bool | None = None, ptrace_scope: str | None = None) -> str:
+    """What to do about a ptrace refusal, for who servewatch runs as (one line).
+
+    Not root: :data:`PERMISSION_HINT` (run as root or grant CAP_SYS_PTRACE). Root: never "run as
+    root" again; root without CAP_SYS_PTRACE (a container's default) is told to grant it, root with
+    it is told what else refuses ptrace (Yama's ``ptrace_scope`` 3, a seccomp/LSM policy, a target
+    in another user namespace).
+
+    Args:
+        euid / cap_sys_ptrace / ptrace_scope: this process's facts (read from ``/proc`` when ``None``).
+    """
+    if euid is None:
+        euid = os.geteuid()
+    if euid != 0:
+        return PERMISSION_HINT
+    if cap_sys_ptrace is None and ptrace_scope is None:
+        cap_sys_ptrace, ptrace_scope = _own_ptrace_facts()
+    if cap_sys_ptrace is False:
+        return f"servewatch runs as root but without CAP_SYS_PTRACE, which py-spy needs: grant it ({_GRANT})"
+    scope = f"Yama ptrace_scope is {ptrace_scope}" + (" (3: ptrace is off for everyone, until reboot)" if ptrace_scope == "3" else "")
+    return (f"servewatch runs as root with CAP_SYS_PTRACE and was still refused: {scope if ptrace_scope else 'check Yama ptrace_scope'},"
+            " or a seccomp/AppArmor/SELinux policy forbids ptrace, or the target is in another user namespace")
+
 
 _MAX_STDERR_BYTES = 64 * 1024
 _MAX_DETAIL_CHARS = 300
@@ -294,7 +342,7 @@ def classify(
             native_unsupported=True,
         )
     if "permission denied" in lowered or "operation not permitted" in lowered:
-        return Classification(Outcome.PERMISSION_DENIED, f"{what}: permission denied. {PERMISSION_HINT}")
+        return Classification(Outcome.PERMISSION_DENIED, f"{what}: permission denied. {permission_hint()}")
     if "failed to find python version" in lowered or "failed to find a python interpreter" in lowered:
         return Classification(Outcome.NOT_PYTHON, f"pid {pid} is not a Python process ({error})")
     if "unsupported version of python" in lowered:

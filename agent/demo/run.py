@@ -54,8 +54,44 @@ def run_demo(
 
     Raises:
         TimeoutError: no incident was captured within ``deadline_s``.
+        KeyboardInterrupt: SIGINT or SIGTERM arrived (Ctrl-C); the demo server was stopped first,
+            saying so at once (its start can take many seconds to unwind).
     """
-    return anyio.run(_demo, settings, tp, watchdog_timeout_s, deadline_s, log or Console(stderr=True), on_captured)
+    return anyio.run(_demo_until_signal, settings, tp, watchdog_timeout_s, deadline_s, log or Console(stderr=True),
+                     on_captured)
+
+
+async def _demo_until_signal(
+    settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Console,
+    on_captured: Callable[[IncidentRecord], None] | None,
+) -> IncidentRecord:
+    """:func:`_demo`, ended by SIGINT/SIGTERM: the first says "stopping the demo server…" at
+    once, cancels the demo (the server's own cleanup runs shielded), then raises KeyboardInterrupt."""
+    import signal
+
+    got: list[int] = []
+    result: list[IncidentRecord] = []
+
+    async def watch_signals(scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                got.append(signum)
+                log.print(f"{signal.Signals(signum).name} received: stopping the demo server…", markup=False,
+                          highlight=False)
+                scope.cancel()
+                return
+
+    async def demo(scope: anyio.CancelScope) -> None:
+        result.append(await _demo(settings, tp, watchdog_timeout_s, deadline_s, log, on_captured))
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_signals, tg.cancel_scope)
+        tg.start_soon(demo, tg.cancel_scope)
+    if got:
+        log.print("demo server stopped", markup=False, highlight=False)
+        raise KeyboardInterrupt
+    return result[0]
 
 
 async def _demo(

@@ -268,7 +268,8 @@ async def test_two_triggers_in_one_incident_write_once(tmp_path: Path, start_fak
 async def test_trigger_all_dumps_every_armed_target(tmp_path: Path, start_fake: Callable) -> None:
     fakes = [start_fake() for _ in range(3)]
     plain, _, _ = start_fake(armed=False)
-    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    # the fake driver stands for a GPU host: the unarmed target gets the arming hint
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST, driver_present=lambda _pid: True)
     targets = [target_of(p) for p, _, _ in fakes] + [target_of(plain)]
     with anyio.fail_after(HANG_GUARD_S):
         results = await actor.trigger_all(incident(), targets, artifact_dir=tmp_path)
@@ -334,3 +335,25 @@ async def test_disabled_actor_skips(tmp_path: Path) -> None:
     actor = CoredumpActor(fast_config(tmp_path, enabled=False))
     result = await actor.act(incident(), Target(pid=os.getpid()), timeout_s=5, artifact_dir=tmp_path)
     assert result.outcome is Outcome.SKIPPED
+
+
+async def test_on_a_host_without_a_cuda_driver_an_unarmed_target_is_one_quiet_fact(tmp_path: Path, start_fake: Callable) -> None:
+    """This CPU-only host (no /proc/driver/nvidia, no /dev/nvidiactl, no libcuda in the target):
+    ``not_armed`` says there is no GPU, with ``servewatch.coredump.no_gpu``, not how to arm it."""
+    from agent.cudaenv import NO_CUDA_DRIVER, cuda_driver_present
+
+    plain, _, _ = start_fake(armed=False)
+    if cuda_driver_present(plain.pid):
+        pytest.skip("this host has an NVIDIA driver")
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    with anyio.fail_after(HANG_GUARD_S):
+        result = await actor.act(incident(), target_of(plain), timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.NOT_ARMED
+    assert result.detail == NO_CUDA_DRIVER and "SPT_NOENV" not in result.detail
+    assert result.attributes["servewatch.coredump.no_gpu"] is True
+    # with a driver there (a GPU host), the same target gets the arming hint
+    gpu_host = CoredumpActor(fast_config(tmp_path), host=HOST, driver_present=lambda _pid: True)
+    with anyio.fail_after(HANG_GUARD_S):
+        hinted = await gpu_host.act(incident("inc-B"), target_of(plain), timeout_s=20, artifact_dir=tmp_path)
+    assert hinted.outcome is Outcome.NOT_ARMED and "not armed:" in hinted.detail
+    assert "servewatch.coredump.no_gpu" not in hinted.attributes

@@ -19,12 +19,12 @@ import pytest
 
 import agent.actors.pyspy as pyspy_module
 from agent.actors.pyspy import (
-    PERMISSION_HINT,
     Classification,
     PySpyActor,
     PySpyConfig,
     classify,
     default_executable,
+    permission_hint,
 )
 from agent.events import ComponentStatus, IncidentOpened, Outcome
 from agent.stacks import hung_frame, parse_dump, render_text, summarize
@@ -246,7 +246,9 @@ async def test_permission_denied_for_real_as_unprivileged_user(spawn, python, tm
     wrapper.chmod(0o755)
     result = await PySpyActor(PySpyConfig(executable=str(wrapper))).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
     assert result.outcome is Outcome.PERMISSION_DENIED, result.detail
-    assert "CAP_SYS_PTRACE" in result.detail and "--cap-add SYS_PTRACE" in result.detail
+    # servewatch itself is root here: the hint is about root's ptrace (never "run as root")
+    assert "CAP_SYS_PTRACE" in result.detail and permission_hint() in result.detail
+    assert "run servewatch as root" not in result.detail
     # no retry without --native; one retry after a pause (nobody attached: a tracer may have gone)
     assert result.attributes["servewatch.pyspy.attempts"] == 2
     assert result.attributes["servewatch.pyspy.retried_after_denial"] is True
@@ -374,7 +376,9 @@ async def test_permission_denied_message_is_classified_with_hint_and_retried_onc
     exe, log = _stub(tmp_path, "permission-denied")
     result = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
     assert result.outcome is Outcome.PERMISSION_DENIED
-    assert PERMISSION_HINT in result.detail
+    assert permission_hint() in result.detail
+    if os.geteuid() == 0:  # already root: no "run as root" advice
+        assert "run servewatch as root" not in result.detail
     assert result.retryable is False
     # a denial with nobody attached is retried once (a tracer may have come and gone), no more
     assert len(_runs(log)) == 2
@@ -567,3 +571,17 @@ def test_parse_render_and_summary_of_a_recorded_dump() -> None:
 def test_parse_dump_rejects_what_is_not_a_thread_list(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_dump(bad)
+
+
+@pytest.mark.parametrize(
+    ("euid", "cap", "scope", "says", "never"),
+    [
+        (1000, None, None, "run servewatch as root", "runs as root"),
+        (0, False, "1", "runs as root but without CAP_SYS_PTRACE", "run servewatch as root"),
+        (0, True, "3", "Yama ptrace_scope is 3 (3: ptrace is off for everyone", "run servewatch as root"),
+        (0, True, "1", "seccomp/AppArmor/SELinux", "run servewatch as root"),
+    ],
+)
+def test_permission_hint_never_tells_root_to_run_as_root(euid: int, cap: bool | None, scope: str | None, says: str, never: str) -> None:
+    hint = permission_hint(euid=euid, cap_sys_ptrace=cap, ptrace_scope=scope)
+    assert says in hint and never not in hint

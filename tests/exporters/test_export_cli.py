@@ -92,6 +92,17 @@ def test_export_from_another_folder_keeps_the_ledger_of_the_data_it_sends(otlp_r
     assert otlp_receiver.span_count == 50
 
 
+def test_a_bare_otel_endpoint_variable_is_the_spec_s_grpc_form_as_for_run(tmp_path: Path, otlp_receiver: OtlpReceiver) -> None:
+    """``OTEL_EXPORTER_OTLP_ENDPOINT=host:port`` (the OTLP spec allows it for gRPC) is read by
+    `export` as by `run`: plaintext gRPC, unless OTEL_EXPORTER_OTLP_INSECURE=false."""
+    _write_span_files(tmp_path, 3)
+    bare = otlp_receiver.grpc_endpoint.removeprefix("http://")
+    r = _export(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=bare)
+    assert r.returncode == 0, r.stderr
+    assert "Sent 3 span(s) from 1 file(s)" in r.stderr and f"to http://{bare} (grpc)" in r.stderr, r.stderr
+    assert otlp_receiver.span_count == 3
+
+
 def test_export_refuses_an_endpoint_without_scheme_or_any_endpoint(tmp_path: Path) -> None:
     r = _export(tmp_path, "--to", "127.0.0.1:4317")
     assert r.returncode == 2 and "needs a scheme" in r.stderr and "http://127.0.0.1:4317" in r.stderr

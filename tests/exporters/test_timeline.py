@@ -183,8 +183,49 @@ def test_render_shows_trigger_offsets_outcomes_hung_frames_and_sizes(tl: Inciden
     assert EVIL_TITLE in text  # printed literally: no markup was interpreted
     assert "\x1b[1;32mok" in styled and "\x1b[1;33mtimed_out" in styled and "\x1b[1;31mpermission_denied" in styled
     assert SECRET_PROMPT not in text
-    line = next(ln for ln in text.splitlines() if "cuda.coredump" in ln and str(tp1) in ln and "timed_out" in ln)
+    tp1_block = text[text.index(f"pid {tp1} · "):]  # the process block of TP1 (its actions under it)
+    line = next(ln for ln in tp1_block.splitlines() if "cuda.coredump" in ln and "timed_out" in ln)
     assert "926.0" in line and "5,000.0" in line
+
+
+def _unboxed(text: str) -> str:
+    """The words of a rendering without panel borders and line breaks (what a reader sees)."""
+    return " ".join(text.replace("│", " ").replace("╭", " ").replace("╰", " ").split())
+
+
+def test_at_80_columns_lines_fit_and_the_last_screen_shows_the_verdict_and_every_hung_frame(
+    tl: IncidentTimeline, bundle: Bundle
+) -> None:
+    """A terminal of 80 columns: nothing wider, no detail cut into a narrow column (whole words),
+    and the last 24 lines (one screen) hold the verdict and each process's hung frame."""
+    import dataclasses
+
+    tp0, tp1 = bundle.pids
+    headline = f"Verdict: culprit rank 1 (pid {tp1}) -- behind: rank 1 never entered all_reduce #7 of pg 0; rank 0 waits in it [confidence high]"
+    judged = dataclasses.replace(tl, verdict={"kind": "behind", "hung": True, "culprit_ranks": [1], "culprit_pids": [tp1],
+                                              "reason": "behind", "confidence": "high", "headline": headline,
+                                              "evidence": [f"rank 0 pid {tp0}; collective", f"rank 1 pid {tp1}; compute"]})
+    text = render_timeline_text(judged, width=80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    last_screen = _unboxed("\n".join(text.splitlines()[-24:]))
+    assert headline in last_screen
+    assert f"pid {tp1} (culprit): {bundle.hung_frames[tp1]}" in last_screen
+    assert f"pid {tp0}: {bundle.hung_frames[tp0]}" in last_screen
+    assert f"pid {EVIL_PID}: unknown" in last_screen
+    # every action's detail is whole: a sentence wrapped at word boundaries, never a 10-column strip
+    for action in judged.actions:
+        if action.detail:
+            assert action.detail in _unboxed(text), action.detail
+    # the verdict also opens it (above the header), as in the summary and the report
+    assert _unboxed(text).index(headline) < _unboxed(text).index("trigger stall")
+
+
+def test_without_a_verdict_the_last_screen_still_lists_every_hung_frame(tl: IncidentTimeline, bundle: Bundle) -> None:
+    text = render_timeline_text(tl, width=80)
+    last_screen = _unboxed("\n".join(text.splitlines()[-12:]))
+    assert "hung frames · stall" in last_screen and "no verdict recorded" in last_screen
+    for pid in bundle.pids:
+        assert f"pid {pid}: {bundle.hung_frames[pid]}" in last_screen
 
 
 def test_plain_text_form_has_no_escape_codes(tl: IncidentTimeline) -> None:

@@ -88,6 +88,7 @@ from agent.manifest import (
     Manifest,
     ManifestAction,
     ManifestError,
+    ManifestHistoryPoint,
     ManifestTarget,
     ManifestVerdict,
     load_manifest,
@@ -215,6 +216,8 @@ class IncidentRecord:
     verdict_duration_s: float = 0.0
     #: the host it ran on (``host.name`` in the manifest)
     host_name: str = ""
+    #: the server's history before it opened (:class:`agent.history.HistoryPoint`), oldest first
+    history: list[Any] = field(default_factory=list)
 
     @property
     def bundle_dir(self) -> Path:
@@ -274,6 +277,11 @@ class IncidentRecord:
             verdict=(
                 ManifestVerdict.model_validate({**self.verdict.to_json(), "duration_s": round(self.verdict_duration_s, 6)})
                 if self.verdict is not None else None
+            ),
+            history=tuple(
+                ManifestHistoryPoint(time_unix_nano=p.time_unix_nano, kind=p.kind, pid=p.pid, forward_ct=p.forward_ct,
+                                     detail=redact_text(p.detail))
+                for p in self.history
             ),
         )
 
@@ -431,6 +439,9 @@ class IncidentManager:
             never every target for want of one: :func:`agent.verdict.hard_signal_plan`) or ``all``
             (every target).
         judge: makes the cross-rank verdict (:class:`agent.judge.VerdictJudge`); ``None``: none.
+        history: the server's recent history (:class:`agent.history.ProgressHistory`: its
+            ``snapshot(until_unix_nano=, cause=)``), recorded into each incident at open;
+            ``None``: none.
     """
 
     def __init__(
@@ -450,6 +461,7 @@ class IncidentManager:
         hard_targets: str = "culprit",
         judge: Any = None,
         discover_for: Callable[[int | None], list[Target]] | None = None,
+        history: Any = None,
     ) -> None:
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
@@ -476,6 +488,7 @@ class IncidentManager:
         self.hard_signal = hard_signal
         self.hard_targets = hard_targets
         self.judge = judge
+        self.history = history
         self.records: list[IncidentRecord] = []
         #: the incident running now, if any
         self.current: IncidentRecord | None = None
@@ -932,6 +945,11 @@ class IncidentManager:
             attributes=frozen_attrs({**target_attributes(t.title for t in targets), **placed_attributes}),
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight, host_name=self.host_name)
+        if self.history is not None:
+            try:
+                record.history = list(self.history.snapshot(until_unix_nano=opened.time_unix_nano, cause=cause))
+            except Exception:  # the history is context; the evidence comes first
+                log.exception("reading the server's history failed")
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         self.current = record
         _RUNNING_HERE.add(incident_id)

@@ -53,6 +53,7 @@ __all__ = [
     "Manifest",
     "ManifestAction",
     "ManifestError",
+    "ManifestHistoryPoint",
     "ManifestTarget",
     "ManifestVerdict",
     "OutcomeName",
@@ -227,6 +228,26 @@ class ManifestVerdict(_Part):
     duration_s: float = 0.0
 
 
+class ManifestHistoryPoint(_Part):
+    """One moment of the server's history before the incident (``history``), per
+    :class:`agent.history.HistoryPoint`.
+
+    Attributes:
+        time_unix_nano: when, ns since the epoch.
+        kind: ``step``, ``progress_stopped``, ``stall``, ``health_failed``, ``health_recovered``,
+            ``exit`` (another string from a newer agent still reads).
+        pid: the process (``None``: the server as a whole).
+        forward_ct: the step counter's value, when the point is about steps.
+        detail: one line in words.
+    """
+
+    time_unix_nano: int
+    kind: str
+    pid: int | None = None
+    forward_ct: int | None = None
+    detail: str = ""
+
+
 class Manifest(_Part):
     """``manifest.json``: what an incident did, written at open and rewritten after each phase.
 
@@ -258,6 +279,9 @@ class Manifest(_Part):
         updated_time_unix_nano: when it was last written (``None`` when not recorded).
         recovered_time_unix_nano: when a later agent closed it (``None`` unless it did).
         verdict: the cross-rank verdict, when a judge made one.
+        history: the server's recent history as the agent saw it before the incident opened
+            (step readings, when progress stopped, the watchdog firing, health, exits), oldest
+            first; empty when none was recorded (``dump``, an older agent).
     """
 
     schema_version: str = Field(
@@ -291,6 +315,7 @@ class Manifest(_Part):
     updated_time_unix_nano: int | None = None
     recovered_time_unix_nano: int | None = None
     verdict: ManifestVerdict | None = None
+    history: tuple[ManifestHistoryPoint, ...] = ()
 
     @field_validator("schema_version")
     @classmethod

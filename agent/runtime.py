@@ -44,6 +44,7 @@ from agent.events import (
     WatcherStatusChanged,
 )
 from agent.fsutil import remove_stale_temps
+from agent.history import ProgressHistory
 from agent.incidents import (
     IncidentManager,
     IncidentRecord,
@@ -175,6 +176,8 @@ class Agent:
         status = self.exporters.get("status")
         self.status: StatusBoard = status if isinstance(status, StatusBoard) else StatusBoard(host_name=settings.host_name)
         wd = settings.watchdog
+        #: the server's recent history from the bus (step readings, stalls, health, exits)
+        self.history = ProgressHistory()
         self.incidents = IncidentManager(
             bus=self.bus,
             config=settings.incident,
@@ -189,6 +192,7 @@ class Agent:
             on_summary=on_summary,
             hard_targets=wd.hard_targets,
             judge=VerdictJudge(endpoint_urls=(settings.metrics.url or "", settings.health.url or "")),
+            history=self.history,
         )
         #: per-target step watchers, keyed by (pid, create time): cancelled when it exits
         self._step_scopes: dict[tuple[int, float], anyio.CancelScope] = {}
@@ -590,6 +594,7 @@ class Agent:
                         except Exception:  # a bad old bundle must not stop the agent
                             log.exception("closing interrupted incidents failed")
                         self.incidents.on_state = self._show_incidents
+                        await tg.start(self.history.run, self.bus)  # before the watchers publish
                         await tg.start(self.incidents.run)
                         if s.api.enabled:
                             from agent.actors.flightrec import FlightRecorderActor

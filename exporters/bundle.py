@@ -56,6 +56,7 @@ __all__ = [
     "BundleNotFoundError",
     "CoredumpRow",
     "Frame",
+    "HistoryRow",
     "IncidentTimeline",
     "ProcessStacks",
     "ProfileRow",
@@ -275,6 +276,27 @@ class SpanRow:
 
 
 @dataclass(frozen=True, slots=True)
+class HistoryRow:
+    """One moment of the server's history before the incident (manifest ``history``).
+
+    Attributes:
+        time_unix_nano: when, ns since the epoch.
+        offset_s: ``time_unix_nano`` minus the incident's open, seconds (negative: before it).
+        kind: ``step``, ``progress_stopped``, ``stall``, ``health_failed``, ``health_recovered``, ``exit``.
+        pid: the process (``None``: the server as a whole).
+        forward_ct: the step counter's value, when about steps.
+        detail: one line in words.
+    """
+
+    time_unix_nano: int
+    offset_s: float
+    kind: str
+    pid: int | None
+    forward_ct: int | None
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class IncidentTimeline:
     """One incident, read back from its bundle.
 
@@ -328,6 +350,8 @@ class IncidentTimeline:
     #: the cross-rank verdict as the manifest holds it (``kind``, ``culprit_ranks``, ``reason``,
     #: ``confidence``, ``headline``, ``evidence`` ...), or ``None``
     verdict: dict[str, Any] | None = None
+    #: the server's history before the incident (the manifest's ``history``), oldest first
+    history: tuple[HistoryRow, ...] = ()
 
     @property
     def extent_s(self) -> float:
@@ -910,6 +934,11 @@ def load_incident(
         phases_pending=tuple(str(p) for p in m.phases_pending),
         interrupted_reason=m.interrupted_reason,
         verdict=m.verdict.model_dump(mode="json") if m.verdict is not None else None,
+        history=tuple(
+            HistoryRow(time_unix_nano=p.time_unix_nano, offset_s=(p.time_unix_nano - opened_ns) / 1e9, kind=p.kind,
+                       pid=p.pid, forward_ct=p.forward_ct, detail=p.detail)
+            for p in m.history
+        ),
     )
 
 

@@ -1,33 +1,40 @@
 """The incident report: one self-contained HTML page drawn from an :class:`IncidentTimeline`.
 
-Owns :func:`render_report_html` and :func:`write_report`. The page needs no network and loads
-nothing: CSS is inline, the timeline is inline SVG (one bar per action, placed by its start offset
-from the incident's open and as wide as its duration, labelled with action, pid, outcome and
-duration), there is no script, and a Content-Security-Policy ``default-src 'none'`` forbids any
-fetch. Sections: summary, timeline (plus the trace spans when span files were found), stacks per
-process (every thread and frame of the py-spy JSON, hung frame highlighted), CUDA coredumps,
-profiles, in-flight requests (never prompt text), artifacts and warnings. Every string from the
-bundle — titles, frames, details, paths — is HTML-escaped.
+Owns :func:`render_report_html` and :func:`write_report`. The page is a Jinja2 template
+(``exporters/templates/report.html``, autoescaped: every string from the bundle — titles,
+frames, details, paths — is HTML-escaped by the template engine, never by hand) fed a view model
+built here. It needs no network and loads nothing: CSS is inline, charts are inline SVG, there
+is no script, and a Content-Security-Policy ``default-src 'none'`` forbids any fetch.
+
+Order, for the engineer who has 30 seconds: the verdict and each rank's evidence (hung frame,
+threads), a short summary, then the **timeline of the server** (its last forward steps as the
+agent saw them, when progress stopped, the requests in flight, when the watchdog fired, then
+the evidence captured, each at its time in UTC and local time), then servewatch's own capture
+chart, stacks per process, CUDA coredumps, profiles, in-flight requests (never prompt text),
+artifacts and warnings. Local time is the time zone of whoever runs ``servewatch report``
+(``TZ`` chooses it): the page has no script to ask the browser.
 
 Like everything in ``exporters/``, it mirrors the bundle and decides nothing.
 
-Imports the standard library, :mod:`agent.events` (names), :mod:`agent.fsutil`, :mod:`agent.security` (control characters), :mod:`exporters.bundle`
-(the model read from a bundle, the one loader ``timeline`` uses too) and :mod:`exporters.timeline`'s
-shared formatters.
+Imports the standard library, jinja2, :mod:`agent.events` (names), :mod:`agent.fsutil`,
+:mod:`agent.ranks`, :mod:`agent.security` (control characters), :mod:`exporters.bundle` (the model read from a bundle, the one loader
+``timeline`` uses too) and :mod:`exporters.timeline`'s shared formatters.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 from agent.events import Action, Trigger
 from agent.fsutil import atomic_write_text
 from agent.manifest import stack_errors
+from agent.ranks import rank_from_title
 from agent.security import strip_control
 from exporters.bundle import ActionRow, IncidentTimeline, ProcessStacks, SpanRow
 from exporters.timeline import format_size, verdict_headline
@@ -67,10 +74,23 @@ body { margin: 0 auto; max-width: 1180px; padding: 20px 24px 40px; color: var(--
 h1 { font-size: 20px; margin: 0 0 10px; } h2 { font-size: 16px; margin: 28px 0 8px;
      border-bottom: 1px solid var(--line); padding-bottom: 4px; } h3 { font-size: 14px; margin: 14px 0 6px; }
 code, .mono, td.num, svg text { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace; }
-dl.summary { display: grid; grid-template-columns: max-content 1fr; gap: 2px 14px; margin: 0;
-             background: var(--panel); padding: 10px 14px; border-radius: 6px; }
+dl.summary { display: grid; grid-template-columns: max-content 1fr max-content 1fr; gap: 2px 14px; margin: 12px 0 0;
+             background: var(--panel); padding: 8px 14px; border-radius: 6px; font-size: 13px; }
 dl.summary dt { font-weight: 600; color: var(--muted); } dl.summary dd { margin: 0; word-break: break-all; }
-.trigger { font-weight: 700; text-transform: uppercase; color: var(--bad); }
+dl.summary dd.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
+#verdict { border-left: 6px solid var(--bad); background: #fdecea; padding: 6px 14px 8px; border-radius: 6px; }
+#verdict.not-hung { border-left-color: var(--ok); background: #e8f5e9; }
+#verdict h2 { border: 0; margin: 4px 0; } #verdict p { margin: 4px 0; font-size: 15px; }
+#verdict ul.evidence { margin: 4px 0; padding-left: 20px; font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
+#ranks h2 { margin-top: 14px; } tr.culprit td { background: #fdecea; } .badge.culprit { background: var(--bad); color: #fff; }
+code.hung-frame { background: #fff3cd; padding: 1px 4px; border-radius: 3px; }
+td.dim, code.dim, tr.dim td { color: var(--muted); }
+#history td:nth-child(4) { word-break: break-word; } #history tr.key td { font-weight: 700; }
+#history tr.h-stall td, #history tr.h-progress_stopped td { color: var(--bad); } #history tr.h-opened td { border-top: 2px solid var(--bad); }
+#history tr.evidence.ok td:nth-child(4) { color: var(--fg); } #history tr.evidence.dim td:nth-child(4) { color: var(--dim); }
+#history tr.evidence.bad td:nth-child(4) { color: var(--bad); } #history tr.h-request td { color: var(--span); }
+p.note { color: var(--muted); font-size: 12px; margin: 0 0 6px; }
+.trigger { font-weight: 700; text-transform: uppercase; color: var(--bad); font-size: 14px; margin-left: 6px; }
 .trigger.manual { color: var(--span); }
 table { border-collapse: collapse; width: 100%; font-size: 13px; }
 th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid var(--line); vertical-align: top; }
@@ -100,11 +120,6 @@ ol.frames .loc { color: var(--muted); }
 """
 
 
-def _e(value: object) -> str:
-    """HTML-escape anything (quotes too: values also land in attributes)."""
-    return html.escape("" if value is None else str(value), quote=True)
-
-
 def _outcome_class(outcome: str) -> str:
     return _OUTCOME_CLASS.get(outcome, "bad")
 
@@ -117,6 +132,22 @@ def _iso(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _utc(ns: int) -> str:
+    """``2026-12-01 15:17:29.180`` (UTC)."""
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _local(ns: int) -> str:
+    """``16:17:29.180 CET``: the time zone of whoever renders the page (``TZ``)."""
+    local = datetime.fromtimestamp(ns / 1e9).astimezone()
+    return f"{local:%H:%M:%S}.{local.microsecond // 1000:03d} {local.tzname() or ''}".rstrip()
+
+
+def _offset(seconds: float) -> str:
+    """``-3.204 s`` / ``+0.061 s`` / ``0``: time relative to the incident's open."""
+    return "0" if abs(seconds) < 5e-4 else f"{seconds:+.3f} s"
+
+
 def _tick_step_ms(extent_ms: float) -> float:
     """A 1/2/5 x 10^k step giving about 8 ticks over ``extent_ms``."""
     raw = max(extent_ms, 1e-3) / 8
@@ -127,92 +158,73 @@ def _tick_step_ms(extent_ms: float) -> float:
     return 10 * power
 
 
-class _Bar:
-    """One row of a timeline chart."""
-
-    __slots__ = ("css", "data", "duration_s", "label", "name", "start_s", "tooltip")
-
-    def __init__(self, name: str, label: str, start_s: float, duration_s: float, css: str,
-                 data: dict[str, str], tooltip: str) -> None:
-        self.name = name
-        self.label = label
-        self.start_s = start_s
-        self.duration_s = duration_s
-        self.css = css
-        self.data = data
-        self.tooltip = tooltip
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _svg_chart(bars: Sequence[_Bar], extent_s: float, *, svg_id: str, label: str,
-               closed_s: float | None = None) -> str:
+def _pid(pid: int | None) -> str:
+    return "-" if pid is None else str(pid)
+
+
+# --- charts -------------------------------------------------------------------------------------
+
+
+def _chart(bars: Sequence[dict[str, Any]], extent_s: float, *, svg_id: str, label: str,
+           closed_s: float | None = None) -> dict[str, Any]:
+    """Geometry of one inline-SVG bar chart: bars placed by start offset, as wide as their duration.
+
+    Each bar dict holds ``name``, ``label``, ``start_s``, ``duration_s``, ``css``, ``data`` (the
+    ``data-*`` attributes) and ``tooltip``; this adds the pixel positions the template draws.
+    """
     extent_ms = max(extent_s * 1e3, 1e-3)
     step_ms = _tick_step_ms(extent_ms)
     width = _GUTTER_PX + _PLOT_PX + _RIGHT_PX
     height = _AXIS_PX + _ROW_PX * max(len(bars), 1) + 8
     scale = _PLOT_PX / extent_ms  # px per ms
-
-    out = [(f'<svg class="timeline" id="{_e(svg_id)}" role="img" aria-label="{_e(label)}" '
-           f'width="{width}" height="{height}" viewBox="0 0 {width} {height}">')]
-    ticks = int(extent_ms // step_ms) + 1
-    for i in range(ticks):
-        x = _GUTTER_PX + i * step_ms * scale
-        out.append(f'<line class="tick" x1="{x:.1f}" y1="{_AXIS_PX - 6}" x2="{x:.1f}" y2="{height - 4}"/>')
-        out.append(f'<text class="tick-label" x="{x:.1f}" y="{_AXIS_PX - 10}" text-anchor="middle">'
-                   f'{_e(f"{i * step_ms:g} ms")}</text>')
-    if closed_s is not None:
-        x = _GUTTER_PX + closed_s * 1e3 * scale
-        out.append(f'<line class="closed" x1="{x:.1f}" y1="{_AXIS_PX - 6}" x2="{x:.1f}" y2="{height - 4}">'
-                   "<title>incident closed</title></line>")
+    ticks = [{"x": f"{_GUTTER_PX + i * step_ms * scale:.1f}", "label": f"{i * step_ms:g} ms"}
+             for i in range(int(extent_ms // step_ms) + 1)]
+    placed = []
     for row, bar in enumerate(bars):
         y = _AXIS_PX + row * _ROW_PX
-        x = _GUTTER_PX + max(bar.start_s, 0.0) * 1e3 * scale
-        w = max(bar.duration_s * 1e3 * scale, _MIN_BAR_PX)
-        data = " ".join(f'data-{_e(k)}="{_e(v)}"' for k, v in bar.data.items())
-        label_px = len(bar.label) * _CHAR_PX
+        x = _GUTTER_PX + max(bar["start_s"], 0.0) * 1e3 * scale
+        w = max(bar["duration_s"] * 1e3 * scale, _MIN_BAR_PX)
+        label_px = len(bar["label"]) * _CHAR_PX
         label_css = "bar-label"
         if x + w + 6 + label_px <= width:  # after the bar
             lx, anchor = x + w + 6, "start"
         elif w >= label_px + 8:  # inside the bar
-            lx, anchor, label_css = x + 4, "start", f"bar-label inside {bar.css}"
+            lx, anchor, label_css = x + 4, "start", f"bar-label inside {bar['css']}"
         else:  # before the bar
             lx, anchor = x - 6, "end"
-        out.append(
-            f'<g class="bar" {data}><title>{_e(bar.tooltip)}</title>'
-            f'<text class="row-name" x="6" y="{y + _BAR_PX - 3}">{_e(bar.name)}</text>'
-            f'<rect class="{_e(bar.css)}" x="{x:.1f}" y="{y}" width="{w:.1f}" height="{_BAR_PX}" rx="2"/>'
-            f'<text class="{_e(label_css)}" x="{lx:.1f}" y="{y + _BAR_PX - 3}" text-anchor="{anchor}">{_e(bar.label)}</text>'
-            "</g>"
-        )
-    out.append("</svg>")
-    return "".join(out)
+        placed.append({**bar, "y": y, "text_y": y + _BAR_PX - 3, "x": f"{x:.1f}", "w": f"{w:.1f}",
+                       "lx": f"{lx:.1f}", "anchor": anchor, "label_css": label_css})
+    closed_x = None if closed_s is None else f"{_GUTTER_PX + closed_s * 1e3 * scale:.1f}"
+    return {"id": svg_id, "label": label, "width": width, "height": height, "axis_y": _AXIS_PX, "bar_px": _BAR_PX,
+            "ticks": ticks, "closed_x": closed_x, "bars": placed}
 
 
-def _short(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _action_bars(actions: Iterable[ActionRow]) -> list[_Bar]:
+def _action_bars(actions: Iterable[ActionRow]) -> list[dict[str, Any]]:
     bars = []
     for a in actions:
         if a.start_offset_s is None:
             continue
         pid = "" if a.pid is None else f" pid {a.pid}"
         who = f" {_short(a.title, 22)}" if a.title else ""
-        bars.append(_Bar(
-            name=_short(f"{a.action}{pid}{who}", 42),
-            label=f"{a.action}{pid} · {a.outcome} · {_ms(a.duration_s)} ms",
-            start_s=a.start_offset_s,
-            duration_s=a.duration_s,
-            css=_outcome_class(a.outcome),
-            data={"action": a.action, "pid": "" if a.pid is None else str(a.pid), "outcome": a.outcome,
-                  "start-ms": f"{a.start_offset_s * 1e3:.1f}", "duration-ms": f"{a.duration_s * 1e3:.1f}"},
-            tooltip=f"{a.action}{pid} {a.title}\n+{_ms(a.start_offset_s)} ms for {_ms(a.duration_s)} ms: "
-                    f"{a.outcome}\n{a.detail}",
-        ))
+        bars.append({
+            "name": _short(f"{a.action}{pid}{who}", 42),
+            "label": f"{a.action}{pid} · {a.outcome} · {_ms(a.duration_s)} ms",
+            "start_s": a.start_offset_s,
+            "duration_s": a.duration_s,
+            "css": _outcome_class(a.outcome),
+            "data": {"action": a.action, "pid": "" if a.pid is None else str(a.pid), "outcome": a.outcome,
+                     "start-ms": f"{a.start_offset_s * 1e3:.1f}", "duration-ms": f"{a.duration_s * 1e3:.1f}"},
+            "tooltip": f"{a.action}{pid} {a.title}\n+{_ms(a.start_offset_s)} ms for {_ms(a.duration_s)} ms: "
+                       f"{a.outcome}\n{a.detail}",
+        })
     return bars
 
 
-def _span_bars(spans: Iterable[SpanRow]) -> list[_Bar]:
+def _span_bars(spans: Iterable[SpanRow]) -> list[dict[str, Any]]:
     by_id = {s.span_id: s for s in spans}
     bars = []
     for s in spans:
@@ -220,79 +232,228 @@ def _span_bars(spans: Iterable[SpanRow]) -> list[_Bar]:
         while parent is not None and depth < 8:
             depth, parent = depth + 1, by_id.get(parent.parent_span_id)
         status = {0: "unset", 1: "ok", 2: "error"}.get(s.status_code, str(s.status_code))
-        bars.append(_Bar(
-            name=_short("\u00a0\u00a0" * depth + s.name, 42),
-            label=f"{s.name} · {_ms(s.duration_s)} ms" + (" · error" if s.status_code == 2 else ""),
-            start_s=s.start_offset_s,
-            duration_s=s.duration_s,
-            css="span bad" if s.status_code == 2 else "span",
-            data={"span": s.name, "span-id": s.span_id, "status": status,
-                  "start-ms": f"{s.start_offset_s * 1e3:.1f}", "duration-ms": f"{s.duration_s * 1e3:.1f}"},
-            tooltip=f"{s.name} ({s.span_id})\n+{_ms(s.start_offset_s)} ms for {_ms(s.duration_s)} ms, {status}",
-        ))
+        bars.append({
+            "name": _short("\u00a0\u00a0" * depth + s.name, 42),
+            "label": f"{s.name} · {_ms(s.duration_s)} ms" + (" · error" if s.status_code == 2 else ""),
+            "start_s": s.start_offset_s,
+            "duration_s": s.duration_s,
+            "css": "span bad" if s.status_code == 2 else "span",
+            "data": {"span": s.name, "span-id": s.span_id, "status": status,
+                     "start-ms": f"{s.start_offset_s * 1e3:.1f}", "duration-ms": f"{s.duration_s * 1e3:.1f}"},
+            "tooltip": f"{s.name} ({s.span_id})\n+{_ms(s.start_offset_s)} ms for {_ms(s.duration_s)} ms, {status}",
+        })
     return bars
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, table_id: str, num: Sequence[int] = ()) -> str:
-    """A table; ``rows`` hold already-escaped cell HTML; columns in ``num`` are right-aligned numbers."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = []
-    for row in rows:
-        cells = "".join(f'<td class="num">{c}</td>' if i in num else f"<td>{c}</td>" for i, c in enumerate(row))
-        body.append(f"<tr>{cells}</tr>")
-    return f'<table id="{_e(table_id)}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+# --- the view model -----------------------------------------------------------------------------
 
 
-def _outcome_html(outcome: str) -> str:
-    return f'<span class="outcome {_outcome_class(outcome)}">{_e(outcome)}</span>'
+def _rank_of(tl: IncidentTimeline, pid: int) -> int | None:
+    """The rank of ``pid``: its Flight Recorder's, else its title's (``_TP1`` -> 1)."""
+    for a in tl.actions:
+        rank = a.attributes.get("servewatch.flightrec.rank") if a.pid == pid else None
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            return rank
+    title = tl.title_of(pid)
+    return rank_from_title(title) if title else None
 
 
-def _size_html(size_bytes: int | None) -> str:
-    if size_bytes is None:
-        return '<span class="missing">missing</span>'
-    return f'<span title="{size_bytes:,} bytes">{_e(format_size(size_bytes))}</span>'
+def _threads(tl: IncidentTimeline, pid: int, key: str) -> str:
+    for a in tl.actions:
+        if a.pid == pid and a.action == Action.PYSPY_DUMP:
+            value = a.attributes.get(key)
+            if isinstance(value, (list, tuple)):
+                return ", ".join(map(str, value))
+    return ""
 
 
-def _pid(pid: int | None) -> str:
-    return "-" if pid is None else str(pid)
+def _ranks(tl: IncidentTimeline) -> list[dict[str, Any]]:
+    """Per process the evidence a reader wants first: rank, hung frame, stuck and idle threads."""
+    culprits = set((tl.verdict or {}).get("culprit_pids") or ())
+    stacks = {s.pid: s for s in tl.stacks}
+    rows = []
+    for pid in dict.fromkeys([t.pid for t in tl.targets] + [s.pid for s in tl.stacks]):
+        s = stacks.get(pid)
+        if s is not None and s.hung_frame:
+            hung, hung_css = s.hung_frame, "hung-frame"
+        elif s is not None and s.threads and not s.hung_frame:
+            hung, hung_css = "none (no thread stuck)", "dim"
+        else:
+            dumps = [a for a in tl.actions if a.action == Action.PYSPY_DUMP and a.pid == pid]
+            hung, hung_css = "no stacks: " + ("; ".join(a.outcome for a in dumps) or "no py-spy dump"), "dim"
+        rank = _rank_of(tl, pid)
+        rows.append({"pid": pid, "rank": "-" if rank is None else str(rank), "title": tl.title_of(pid),
+                     "hung": hung, "hung_css": hung_css, "culprit": pid in culprits,
+                     "stuck": _threads(tl, pid, "servewatch.pyspy.stuck_threads"),
+                     "idle": _threads(tl, pid, "servewatch.pyspy.idle_threads")})
+    return rows
 
 
-def _stacks_html(s: ProcessStacks, tl: IncidentTimeline) -> str:
-    parts = [(f'<article class="process" id="pid-{s.pid}" data-pid="{s.pid}">'
-             f'<h3>pid {s.pid} <span class="title">{_e(s.title)}</span></h3>')]
-    if s.hung_frame:
-        source = "py-spy summary" if s.hung_frame_source == "attribute" else "read from the stacks"
-        parts.append(f'<p class="hung">Hung frame: <code class="hung-frame">{_e(s.hung_frame)}</code> '
-                     f'<span class="badge">{_e(source)}</span></p>')
+#: step readings shown per process in the timeline; earlier ones are summed up in one row
+_STEPS_SHOWN = 3
+
+_HISTORY_WORDS = {
+    "step": "forward step",
+    "progress_stopped": "progress stopped",
+    "stall": "watchdog fired",
+    "health_failed": "health check failing",
+    "health_recovered": "health check good",
+    "exit": "process exited",
+}
+
+
+def _row(tl: IncidentTimeline, ns: int, kind: str, what: str, *, css: str = "", pid: int | None = None) -> dict[str, Any]:
+    return {"utc": _utc(ns), "local": _local(ns), "offset": _offset((ns - tl.opened_time_unix_nano) / 1e9), "ns": ns,
+            "kind": kind, "what": what, "css": css, "pid": "" if pid is None else str(pid)}
+
+
+def _who(tl: IncidentTimeline, pid: int | None) -> str:
+    if pid is None:
+        return "the server"
+    rank = _rank_of(tl, pid)
+    return (f"rank {rank} " if rank is not None else "") + f"pid {pid}"
+
+
+def _server_timeline(tl: IncidentTimeline) -> list[dict[str, Any]]:
+    """The server's story in time order: its last forward steps, when progress stopped, the
+    requests in flight (when each arrived), when the watchdog fired and the incident opened,
+    then each piece of evidence as it was captured, and the close."""
+    rows: list[dict[str, Any]] = []
+    steps: dict[int | None, list[Any]] = {}
+    for h in tl.history:
+        if h.kind == "step":
+            steps.setdefault(h.pid, []).append(h)
+            continue
+        word = _HISTORY_WORDS.get(h.kind, h.kind)
+        css = "key" if h.kind in ("progress_stopped", "stall", "exit", "health_failed") else ""
+        rows.append(_row(tl, h.time_unix_nano, h.kind, f"{word}: {h.detail}" if h.detail else word, css=css, pid=h.pid))
+    for pid, readings in steps.items():
+        shown = readings[-_STEPS_SHOWN:]
+        earlier = readings[: -_STEPS_SHOWN]
+        if earlier:
+            first, last = earlier[0], earlier[-1]
+            rows.append(_row(tl, first.time_unix_nano, "steps",
+                             f"{_who(tl, pid)}: {len(earlier)} earlier readings, forward_ct {first.forward_ct} to {last.forward_ct}"
+                             f" (until {_offset((last.time_unix_nano - tl.opened_time_unix_nano) / 1e9)})", css="dim", pid=pid))
+        for h in shown:
+            rows.append(_row(tl, h.time_unix_nano, "step", f"{_who(tl, pid)}: forward step, forward_ct={h.forward_ct} ({h.detail})",
+                             pid=pid))
+    for r in tl.requests:
+        if r.age_s is None:
+            continue
+        ns = tl.opened_time_unix_nano - int(r.age_s * 1e9)
+        tokens = ", ".join(x for x in (
+            f"{r.prompt_tokens} prompt tokens" if r.prompt_tokens is not None else "",
+            f"{r.generated_tokens} generated" if r.generated_tokens is not None else "") if x)
+        rows.append(_row(tl, ns, "request", f"request {r.request_id or '?'} arrived ({_who(tl, r.pid)}"
+                         + (f"; {tokens}" if tokens else "") + "): still in flight when the incident opened", pid=r.pid))
+    rows.append(_row(tl, tl.opened_time_unix_nano, "opened", f"incident opened ({tl.trigger}): {tl.detail}", css="key"))
+    for a in tl.actions:
+        if a.start_offset_s is None:
+            continue
+        ns = tl.opened_time_unix_nano + int(a.start_offset_s * 1e9)
+        row = _row(tl, ns, "evidence", f"{a.action} {_who(tl, a.pid) if a.pid is not None else ''}: {a.outcome}"
+                   + (f" ({_ms(a.duration_s)} ms)" if a.duration_s else "") + (f" — {a.detail}" if a.detail else ""),
+                   css=f"evidence {_outcome_class(a.outcome)}", pid=a.pid)
+        row["outcome"] = a.outcome
+        rows.append(row)
+    if tl.state != "open":
+        rows.append(_row(tl, tl.opened_time_unix_nano + int(tl.duration_s * 1e9), "closed",
+                         f"incident {tl.state}" + (f": {tl.interrupted_reason}" if tl.interrupted_reason else ""), css="dim"))
+    order = {"steps": 0, "step": 1, "health_failed": 2, "request": 3, "progress_stopped": 4, "stall": 5, "exit": 5,
+             "opened": 6, "evidence": 7, "closed": 8}
+    rows.sort(key=lambda r: (r["ns"], order.get(r["kind"], 5)))
+    return rows
+
+
+def _stacks_view(s: ProcessStacks, tl: IncidentTimeline) -> dict[str, Any]:
     dumps = [a for a in tl.actions if a.action == Action.PYSPY_DUMP and a.pid == s.pid]
-    if not s.threads:
-        why = "; ".join(f"{a.outcome}: {a.detail}" if a.detail else a.outcome for a in dumps) or "no py-spy dump"
-        parts.append(f'<p class="no-stacks">No stacks: {_e(why)}</p>')
-        if s.summary:
-            items = "".join(f"<li>{_e(line)}</li>" for line in s.summary)
-            parts.append(f'<p>Summary from the span:</p><ol class="frames summary">{items}</ol>')
-    if s.error:
-        parts.append(f'<p class="warning">Stacks file unreadable: {_e(s.error)}</p>')
-    threads = sorted(s.threads, key=lambda t: t.thread_id != s.hung_thread_id)  # the hung thread first
-    for t in threads:
+    threads = []
+    for t in sorted(s.threads, key=lambda t: t.thread_id != s.hung_thread_id):  # the hung thread first
         hung_thread = t.thread_id == s.hung_thread_id
-        badges = "".join([
-            '<span class="badge active">active</span>' if t.active else '<span class="badge">idle</span>',
-            '<span class="badge gil">holds GIL</span>' if t.owns_gil else "",
-            '<span class="badge">hung thread</span>' if hung_thread else "",
-        ])
-        tid = t.os_thread_id if t.os_thread_id is not None else t.thread_id
-        parts.append(f'<details class="thread" open data-thread-id="{t.thread_id}" data-thread-name="{_e(t.thread_name)}">'
-                     f'<summary>Thread {tid} "{_e(t.thread_name)}" ({len(t.frames)} frames){badges}</summary>'
-                     '<ol class="frames">')
-        for i, f in enumerate(t.frames):
-            hung = hung_thread and i == s.hung_frame_index
-            where = f.short_filename or f.filename or "?"
-            parts.append(f'<li class="frame{" hung" if hung else ""}" title="{_e(f.filename)}">'
-                         f'<span class="fn">{_e(f.name)}</span> <span class="loc">({_e(where)}:{f.line})</span></li>')
-        parts.append("</ol></details>")
-    parts.append("</article>")
-    return "".join(parts)
+        threads.append({
+            "thread_id": t.thread_id, "name": t.thread_name, "active": t.active, "owns_gil": t.owns_gil,
+            "hung_thread": hung_thread, "tid": t.os_thread_id if t.os_thread_id is not None else t.thread_id,
+            "frames": [{"name": f.name, "where": f.short_filename or f.filename or "?", "line": f.line,
+                        "filename": f.filename, "hung": hung_thread and i == s.hung_frame_index}
+                       for i, f in enumerate(t.frames)],
+        })
+    return {
+        "pid": s.pid, "title": s.title, "hung_frame": s.hung_frame,
+        "hung_source": "py-spy summary" if s.hung_frame_source == "attribute" else "read from the stacks",
+        "no_stacks": None if s.threads else ("; ".join(f"{a.outcome}: {a.detail}" if a.detail else a.outcome for a in dumps)
+                                             or "no py-spy dump"),
+        "summary": list(s.summary), "error": s.error, "threads": threads,
+    }
+
+
+def _view(tl: IncidentTimeline, generated_time_unix_nano: int | None) -> dict[str, Any]:
+    verdict = None
+    if tl.verdict:
+        verdict = {"headline": verdict_headline(tl.verdict), "evidence": list(tl.verdict.get("evidence") or [])[:16],
+                   "hung": tl.verdict.get("hung", True)}
+    summary = [
+        ("Detail", tl.detail, "detail"),
+        ("Host", tl.host_name or "?", ""),
+        ("Opened", f"{_utc(tl.opened_time_unix_nano)} UTC (local {_local(tl.opened_time_unix_nano)})", ""),
+        ("Duration", f"{_ms(tl.duration_s)} ms", ""),
+        ("Trace id", tl.trace_id or "-", "mono"),
+        ("In flight", str(tl.inflight_count), ""),
+        ("Targets", ", ".join(f"{t.pid} {t.title}" for t in tl.targets) or "-", ""),
+        ("Bundle", tl.bundle_dir, "mono"),
+    ]
+    if tl.hard_signal_sent:
+        summary.append(("Hard signal", ", ".join(f"{sig} to pid {pid}" for pid, sig in tl.hard_signal_sent.items()), ""))
+    bars = _action_bars(tl.actions)
+    footer = "Generated by servewatch"
+    if generated_time_unix_nano is not None:
+        footer += f" at {_iso(generated_time_unix_nano)}"
+    return {
+        "tl": tl, "csp": CSP, "style": _STYLE, "verdict": verdict, "ranks": _ranks(tl), "summary": summary,
+        "trigger_css": "trigger manual" if tl.trigger == Trigger.MANUAL else "trigger",
+        "server": _server_timeline(tl), "has_history": bool(tl.history),
+        "capture": _chart(bars, tl.extent_s, svg_id="timeline-svg", label="actions by start offset from incident open",
+                          closed_s=tl.duration_s) if bars else None,
+        "actions": [{"start": _ms(a.start_offset_s), "duration": _ms(a.duration_s), "action": a.action, "pid": _pid(a.pid),
+                     "title": a.title, "outcome": a.outcome, "css": _outcome_class(a.outcome),
+                     "retryable": "yes" if a.retryable else "no", "detail": a.detail} for a in tl.actions],
+        "stacks": [_stacks_view(s, tl) for s in tl.stacks],
+        "coredumps": [{"pid": _pid(c.pid), "outcome": c.outcome, "css": _outcome_class(c.outcome),
+                       "size": format_size(c.size_bytes) if c.size_bytes is not None else "-",
+                       "bytes": f"{c.size_bytes:,}" if c.size_bytes is not None else "-", "path": c.path or "-"}
+                      for c in tl.coredumps],
+        "profiles": [{"pid": _pid(p.pid), "outcome": p.outcome, "css": _outcome_class(p.outcome), "duration": _ms(p.duration_s),
+                      "steps": "-" if p.steps_captured is None else str(p.steps_captured), "traces": list(p.trace_paths),
+                      "size": format_size(p.trace_size_bytes) if p.trace_paths else "",
+                      "attributes": [f"{k.removeprefix('servewatch.profile.')}={v}" for k, v in p.attributes.items()]}
+                     for p in tl.profiles],
+        "requests": [{"id": r.request_id or "-", "pid": _pid(r.pid), "age": "-" if r.age_s is None else f"{r.age_s:.3f}",
+                      "prompt": "-" if r.prompt_tokens is None else str(r.prompt_tokens),
+                      "generated": "-" if r.generated_tokens is None else str(r.generated_tokens),
+                      "trace_id": r.trace_id or "-", "span_id": r.span_id or "-"} for r in tl.requests],
+        "show_requests": bool(tl.requests or tl.inflight_count),
+        "artifacts": [{"action": f.action, "pid": _pid(f.pid), "size": None if f.size_bytes is None else format_size(f.size_bytes),
+                       "bytes": f.size_bytes, "path": f.path} for f in tl.artifacts],
+        "spans": _chart(_span_bars(tl.spans), tl.extent_s, svg_id="spans-svg", label="spans of the incident trace")
+        if tl.spans else None,
+        "span_files": ", ".join(tl.span_files),
+        "footer": footer,
+    }
+
+
+@cache
+def _template() -> Any:
+    """The page template (loaded once; jinja2 imported only by ``servewatch report``)."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("exporters", "templates"),
+        autoescape=True,  # every value is HTML-escaped unless the template says otherwise (it never does)
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    return env.get_template("report.html")
 
 
 def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | None = None) -> str:
@@ -306,120 +467,8 @@ def render_report_html(tl: IncidentTimeline, *, generated_time_unix_nano: int | 
     Returns:
         A complete ``<!DOCTYPE html>`` document.
     """
-    trig_class = "trigger manual" if tl.trigger == Trigger.MANUAL else "trigger"
-    summary = [
-        ("Trigger", f'<span class="{trig_class}" id="trigger">{_e(tl.trigger)}</span>'),
-        ("Detail", f'<span id="detail">{_e(tl.detail)}</span>'),
-        ("Host", _e(tl.host_name or "?")),
-        ("Opened", _e(_iso(tl.opened_time_unix_nano))),
-        ("Duration", f"{_e(_ms(tl.duration_s))} ms"),
-        ("Trace id", f"<code>{_e(tl.trace_id or '-')}</code>"),
-        ("Targets", _e(", ".join(f"{t.pid} {t.title}" for t in tl.targets) or "-")),
-        ("In flight", _e(tl.inflight_count)),
-        ("Bundle", f"<code>{_e(tl.bundle_dir)}</code>"),
-    ]
-    if tl.hard_signal_sent:
-        summary.append(("Hard signal", _e(", ".join(f"{sig} to pid {pid}" for pid, sig in tl.hard_signal_sent.items()))))
-    dl = "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in summary)
-
-    verdict_html = ""
-    if tl.verdict:  # the cross-rank verdict tops the page
-        evidence = "".join(f"<li>{_e(x)}</li>" for x in (tl.verdict.get("evidence") or [])[:16])
-        verdict_html = (f'<section id="verdict"><h2>Verdict</h2><p id="verdict-headline"><strong>'
-                        f'{_e(verdict_headline(tl.verdict))}</strong></p><ul>{evidence}</ul></section>')
-    body = [(f'<header><h1>servewatch incident <code id="incident-id">{_e(tl.incident_id)}</code></h1>'
-            f'{verdict_html}<dl class="summary">{dl}</dl></header>')]
-
-    extent = tl.extent_s
-    body.append('<section id="timeline"><h2>Timeline</h2>')
-    bars = _action_bars(tl.actions)
-    if bars:
-        body.append(_svg_chart(bars, extent, svg_id="timeline-svg", label="actions by start offset from incident open",
-                               closed_s=tl.duration_s))
-    else:
-        body.append("<p>No actions ran.</p>")
-    body.append(_table(
-        ["start ms", "duration ms", "action", "pid", "title", "outcome", "retryable", "detail"],
-        ([_e(_ms(a.start_offset_s)), _e(_ms(a.duration_s)), _e(a.action), _e(_pid(a.pid)), _e(a.title),
-          _outcome_html(a.outcome), "yes" if a.retryable else "no", _e(a.detail)] for a in tl.actions),
-        table_id="actions", num=(0, 1, 3),
-    ))
-    body.append("</section>")
-
-    if tl.stacks:
-        body.append('<section id="stacks"><h2>Stacks per process</h2>')
-        body.extend(_stacks_html(s, tl) for s in tl.stacks)
-        body.append("</section>")
-
-    if tl.coredumps:
-        body.append('<section id="coredumps"><h2>CUDA coredumps</h2>')
-        body.append(_table(
-            ["pid", "outcome", "size", "bytes", "path"],
-            ([_e(_pid(c.pid)), _outcome_html(c.outcome),
-              _e(format_size(c.size_bytes)) if c.size_bytes is not None else "-",
-              f"{c.size_bytes:,}" if c.size_bytes is not None else "-", _e(c.path or "-")] for c in tl.coredumps),
-            table_id="coredump-table", num=(0, 2, 3),
-        ))
-        body.append("</section>")
-
-    if tl.profiles:
-        body.append('<section id="profiles"><h2>Profiles</h2>')
-        body.append(_table(
-            ["pid", "outcome", "duration ms", "steps captured", "trace files", "attributes"],
-            ([_e(_pid(p.pid)), _outcome_html(p.outcome), _e(_ms(p.duration_s)),
-              "-" if p.steps_captured is None else _e(p.steps_captured),
-              "<br>".join(_e(t) for t in p.trace_paths) + (f" ({_e(format_size(p.trace_size_bytes))})" if p.trace_paths else "-"),
-              "<br>".join(f"{_e(k.removeprefix('servewatch.profile.'))}={_e(v)}" for k, v in p.attributes.items())]
-             for p in tl.profiles),
-            table_id="profile-table", num=(0, 2, 3),
-        ))
-        body.append("</section>")
-
-    if tl.requests or tl.inflight_count:
-        body.append(f'<section id="requests"><h2>In-flight requests ({_e(tl.inflight_count)})</h2>')
-        body.append(_table(
-            ["request id", "pid", "age s", "prompt tokens", "generated tokens", "trace id", "span id"],
-            ([_e(r.request_id or "-"), _e(_pid(r.pid)), "-" if r.age_s is None else f"{r.age_s:.3f}",
-              "-" if r.prompt_tokens is None else _e(r.prompt_tokens),
-              "-" if r.generated_tokens is None else _e(r.generated_tokens),
-              f"<code>{_e(r.trace_id or '-')}</code>", f"<code>{_e(r.span_id or '-')}</code>"] for r in tl.requests),
-            table_id="request-table", num=(1, 2, 3, 4),
-        ))
-        body.append("</section>")
-
-    if tl.artifacts:
-        body.append('<section id="artifacts"><h2>Artifacts</h2>')
-        body.append(_table(
-            ["action", "pid", "size", "path"],
-            ([_e(f.action), _e(_pid(f.pid)), _size_html(f.size_bytes), _e(f.path)] for f in tl.artifacts),
-            table_id="artifact-table", num=(1, 2),
-        ))
-        body.append("</section>")
-
-    if tl.spans:
-        body.append(f'<section id="spans"><h2>Trace spans ({len(tl.spans)})</h2>')
-        body.append(_svg_chart(_span_bars(tl.spans), extent, svg_id="spans-svg", label="spans of the incident trace"))
-        body.append(f'<p class="mono">from {_e(", ".join(tl.span_files))}</p></section>')
-
-    if tl.warnings:
-        body.append('<section id="warnings"><h2>Warnings</h2><ul>')
-        body.extend(f'<li class="warning">{_e(w)}</li>' for w in tl.warnings)
-        body.append("</ul></section>")
-
-    footer = "Generated by servewatch"
-    if generated_time_unix_nano is not None:
-        footer += f" at {_iso(generated_time_unix_nano)}"
-    body.append(f"<footer>{_e(footer)} from the bundle {_e(tl.bundle_dir)}. Offline page: nothing is loaded.</footer>")
-
     # no control or bidi character a target chose reaches the page (nor a terminal, with -o -)
-    return strip_control(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f'<meta http-equiv="Content-Security-Policy" content="{_e(CSP)}">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>servewatch incident {_e(tl.incident_id)}</title><style>{_STYLE}</style></head>"
-        f"<body>{''.join(body)}</body></html>\n",
-        keep_newlines=True,
-    )
+    return strip_control(str(_template().render(**_view(tl, generated_time_unix_nano))), keep_newlines=True)
 
 
 def write_report(tl: IncidentTimeline, out_path: str | os.PathLike[str], *,

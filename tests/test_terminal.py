@@ -113,7 +113,7 @@ def test_paged_engineer_path_at_80_columns_ends_with_the_verdict_and_every_hung_
 
         # traffic, then rank 1 hangs inside its forward at the next request
         tmux.type(shell, "clear")
-        tmux.type(shell, f"for i in 1 2 3; do curl -s -o /dev/null -XPOST {url}/generate -d '{{\"text\": \"hi\", \"max_new_tokens\": 8}}'; done")
+        tmux.type(shell, f"for i in $(seq 20); do curl -s -o /dev/null -XPOST {url}/generate -d '{{\"text\": \"hi\", \"max_new_tokens\": 64}}'; done")
         tmux.type(shell, f"curl -s -XPOST {url}/debug/hang -d '{{\"tp_rank\": 1, \"seconds\": null}}'; echo")
         tmux.type(shell, f"curl -s -m 60 -XPOST {url}/generate -d '{{\"text\": \"this one hangs\", \"max_new_tokens\": 4}}' >/dev/null &")
         tmux.wait(watch, r"^View: servewatch timeline ", 90, history=True)
@@ -129,6 +129,11 @@ def test_paged_engineer_path_at_80_columns_ends_with_the_verdict_and_every_hung_
         assert f"rank 1 pid {tp1} (culprit): _injected_hang_in_forward (agent/demo/model.py:" in seen, screen
         assert re.search(rf"rank 0 pid {tp0}: all_reduce \(torch/distributed/distributed_c10d\.py:\d+\)", seen), screen
 
+        # the report to hand on: the server's story before the evidence, from what the agent saw
+        tmux.type(shell, "clear; servewatch report latest -o report.html")
+        tmux.wait(shell, r"Wrote report of incident ", 60)
+        _check_report(tmp_path / "cwd" / "report.html", tp0, tp1)
+
         # Ctrl-C: `run` stops and says, on one line, what it opened and where the bundles are
         tmux("send-keys", "-t", watch, "C-c")
         stopped = tmux.wait(watch, r"servewatch: stopped after .*", 60, history=True)
@@ -137,3 +142,30 @@ def test_paged_engineer_path_at_80_columns_ends_with_the_verdict_and_every_hung_
         assert "tabulate" not in stopped and "Traceback" not in stopped, stopped  # no library chatter
     manifest = json.loads(next((tmp_path / "cwd" / "servewatch-data").glob("*/*/manifest.json")).read_text())
     assert manifest["verdict"]["culprit_pids"] == [tp1]
+    # the history the agent kept: both ranks' last steps, then rank 1's progress stopping, then the watchdog
+    kinds = [(h["kind"], h["pid"]) for h in manifest["history"]]
+    assert ("step", tp0) in kinds and ("step", tp1) in kinds
+    hung = [k for k, pid in kinds if pid == tp1]
+    assert "progress_stopped" in hung and "stall" in hung, kinds
+    assert hung.index("step") < hung.index("progress_stopped") < hung.index("stall"), kinds
+    assert all(h["time_unix_nano"] <= manifest["opened_time_unix_nano"] for h in manifest["history"])
+
+
+def _check_report(page: Path, tp0: int, tp1: int) -> None:
+    """The report of the real incident: verdict, each rank's evidence and the summary come
+    first; the timeline tells the server's story (steps, progress stopping, the request in
+    flight, the watchdog) before the evidence."""
+    from tests.exporters.test_report import parse_dom
+
+    root = parse_dom(page.read_text(encoding="utf-8"))
+    order: dict[str, int] = {}
+    for i, node in enumerate(root.iter()):
+        key = node.attrs.get("id") or ("summary" if node.tag == "dl" else "")
+        order.setdefault(key, i)
+    assert order["verdict"] < order["rank-table"] < order["summary"] < order["history"] < order["capture"]
+    culprit = next(r for r in root.by_id("rank-table").find_all("tr", "rank") if "culprit" in r.classes)
+    assert culprit.attrs["data-pid"] == str(tp1) and "_injected_hang_in_forward" in culprit.text
+    kinds = [r.attrs["data-kind"] for r in root.by_id("history").find_all("tr")[1:]]
+    first = {k: kinds.index(k) for k in ("step", "progress_stopped", "request", "stall", "opened", "evidence")}
+    assert first["step"] < first["progress_stopped"] < first["stall"] <= first["opened"] < first["evidence"]
+    assert first["request"] < first["opened"]

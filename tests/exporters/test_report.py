@@ -3,6 +3,7 @@ and what the page shows — bars, hung frames, outcomes, no network — is asser
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -173,7 +174,8 @@ def test_page_is_one_file_with_nothing_to_fetch(report: Path, tl: IncidentTimeli
     assert "://" not in markup  # no URL of any scheme: no http(s), no file, no CDN fonts
     assert not re.search(r"<(script|link|img|iframe|object|embed)\b", markup, re.IGNORECASE)
     assert "url(" not in markup and "@import" not in markup
-    assert f'content="{CSP}"'.replace("'", "&#x27;") in markup
+    (content,) = re.findall(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', markup)
+    assert html.unescape(content) == CSP
     assert markup == render_report_html(tl)  # a pure function of the bundle (no time in the footer)
     assert not list(report.parent.glob(".*.tmp"))
 
@@ -308,3 +310,81 @@ def test_write_report_into_a_missing_folder_fails_and_creates_nothing(tl: Incide
     with pytest.raises(FileNotFoundError):
         write_report(tl, tmp_path / "missing" / "report.html")
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the server's timeline: history, requests, the watchdog, then the evidence ---------------------
+
+
+def _with_history(tl: IncidentTimeline, bundle: Bundle) -> IncidentTimeline:
+    """The fixture incident as an agent that watched the server records it: the last step
+    readings, when progress stopped, the watchdog firing, and a verdict naming TP0."""
+    from dataclasses import replace
+
+    from exporters.bundle import HistoryRow
+
+    tp0, tp1 = bundle.pids
+    o = tl.opened_time_unix_nano
+    ms = 1_000_000
+
+    def row(at_ms: int, kind: str, pid: int | None, ct: int | None, detail: str) -> HistoryRow:
+        return HistoryRow(time_unix_nano=o + at_ms * ms, offset_s=at_ms / 1e3, kind=kind, pid=pid, forward_ct=ct, detail=detail)
+
+    history = (
+        *(row(-40_000 + 1000 * i, "step", tp0, 1228 + i, "+1 step(s); work pending") for i in range(5)),
+        *(row(-40_000 + 1000 * i, "step", tp1, 1228 + i, "+1 step(s); work pending") for i in range(5)),
+        row(-36_000, "progress_stopped", tp0, 1232, f"last forward step of pid {tp0} (forward_ct=1232); busy from then on"),
+        row(-5, "stall", tp0, 1234, "watchdog fired: busy and no forward progress for 31.0 s (timeout 30 s)"),
+    )
+    headline = f"Verdict: culprit rank 0 (pid {tp0}) -- behind: rank 0 never entered all_reduce #9 of pg 0 [confidence high]"
+    verdict = {"kind": "behind", "hung": True, "culprit_ranks": [0], "culprit_pids": [tp0], "reason": "behind",
+               "confidence": "high", "headline": headline, "evidence": [f"rank 0 pid {tp0}; compute", f"rank 1 pid {tp1}; collective"]}
+    return replace(tl, history=history, verdict=verdict)
+
+
+def _document_order(root: Node) -> dict[str, int]:
+    order: dict[str, int] = {}
+    for i, node in enumerate(root.iter()):
+        key = node.attrs.get("id") or ("summary" if "summary" in node.classes and node.tag == "dl" else "")
+        if key and key not in order:
+            order[key] = i
+    return order
+
+
+def _check_server_timeline(root: Node, bundle: Bundle) -> None:
+    tp0, tp1 = bundle.pids
+    order = _document_order(root)
+    # the 30-second read comes first: the verdict, each rank's evidence, the summary, then the timeline
+    assert order["verdict"] < order["rank-table"] < order["summary"] < order["history"] < order["capture"] < order["stacks"]
+    ranks = root.by_id("rank-table").find_all("tr", "rank")
+    assert [r.attrs["data-pid"] for r in ranks][:2] == [str(tp0), str(tp1)]
+    assert "culprit" in ranks[0].classes and "culprit" not in ranks[1].classes
+    assert ranks[0].find_all("code", "hung-frame")[0].text == bundle.hung_frames[tp0]
+    rows = root.by_id("history").find_all("tr")[1:]
+    kinds = [r.attrs["data-kind"] for r in rows]
+    # the server's story, in time order: earlier readings summed up, the last steps, progress
+    # stopping, the requests in flight, the watchdog, the open, then the evidence as captured
+    first = {k: kinds.index(k) for k in ("steps", "step", "progress_stopped", "request", "stall", "opened", "evidence")}
+    assert first["steps"] < first["step"] < first["progress_stopped"] < first["request"] < first["stall"] < first["opened"] < first["evidence"]
+    assert kinds.count("step") == 6 and kinds.count("steps") == 2  # the last 3 readings per rank shown, the rest summed
+    assert kinds[-1] == "closed"
+    evidence = [r for r in rows if r.attrs["data-kind"] == "evidence"]
+    assert [r.attrs["data-outcome"] for r in evidence] == ["ok", "ok", "permission_denied", "ok", "timed_out", "ok"]
+    stopped = rows[kinds.index("progress_stopped")].find_all("td")
+    # every moment in UTC, local time and from the open
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}", stopped[0].text)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3}( \S+)?", stopped[1].text)
+    assert stopped[2].text == "-36.000 s" and f"pid {tp0}" in stopped[3].text
+    requests = [r for r in rows if r.attrs["data-kind"] == "request"]
+    assert len(requests) == len(REQUESTS) and all("still in flight" in r.text for r in requests)
+
+
+def test_the_timeline_tells_the_server_s_story_before_the_evidence(tl: IncidentTimeline, bundle: Bundle) -> None:
+    _check_server_timeline(parse_dom(render_report_html(_with_history(tl, bundle))), bundle)
+
+
+@needs_chromium
+def test_the_rendered_page_keeps_that_order(tl: IncidentTimeline, bundle: Bundle, tmp_path: Path) -> None:
+    page = write_report(_with_history(tl, bundle), tmp_path / "report.html")
+    done = run_chromium(page, tmp_path / "profile", *LOGGING, "--dump-dom")
+    _check_server_timeline(parse_dom(done.stdout), bundle)
+    assert CSP_VIOLATION not in done.stderr

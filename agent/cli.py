@@ -399,18 +399,20 @@ class _IncidentPrinter:
     def _saw(self, record: Any) -> None:
         self.seen.setdefault(record.opened.incident_id, (str(record.opened.trigger), str(record.bundle_dir)))
 
-    def stopped_line(self, data_dir: Path, host_name: str) -> str:
-        """The one line ``run``/``launch`` end with: how long, incidents opened, where they are."""
+    def stopped_line(self, data_dir: Path, host_name: str, *, written: int, exits: int) -> str:
+        """The one line ``run``/``launch`` end with: how long, the incidents written (by trigger,
+        the last one) and where their bundles are, the target exits seen."""
         import time
 
         took = _duration_words(time.monotonic() - self.started_monotonic_s)
         where = Path(next(iter(self.seen.values()))[1]).parent if self.seen else data_dir / host_name
-        if not self.seen:
-            return f"servewatch: stopped after {took}: no incident opened (bundles would go to {where}/)"
+        seen = f"{exits} target exit(s) seen"
+        if not self.seen and not written:
+            return f"servewatch: stopped after {took}; 0 incident(s) written (bundles would go to {where}/); {seen}"
         ids = list(self.seen)
         kinds = ", ".join(f"{n} {k}" for k, n in _counts(t for t, _ in self.seen.values()))
-        return (f"servewatch: stopped after {took}: {len(ids)} incident(s) opened ({kinds}), last {ids[-1]};"
-                f" bundles in {where}/ (read one: servewatch timeline latest --data-dir {data_dir})")
+        return (f"servewatch: stopped after {took}; {max(written, len(ids))} incident(s) written ({kinds}), last {ids[-1]};"
+                f" bundles in {where}/ (read one: servewatch timeline latest --data-dir {data_dir}); {seen}")
 
     def summary(self, record: Any) -> None:
         from agent.summary import summary_lines
@@ -531,22 +533,20 @@ def run(
                 tg.start_soon(_stop_after, agent, duration)
             await agent.run()
             tg.cancel_scope.cancel()
-        _print_seen(agent)
+        _print_seen(agent, printer, settings)
 
     err.print(f"servewatch: watching (data dir {settings.data_dir}); Ctrl-C to stop", markup=False)
-    try:
-        anyio.run(main)
-    finally:
-        err.print(printer.stopped_line(settings.data_dir, settings.host_name), markup=False)
+    anyio.run(main)
 
 
-def _print_seen(agent: Any) -> None:
-    """What the agent saw of its targets' ends, on stderr, once it stopped (``run``, ``launch``)."""
+def _print_seen(agent: Any, printer: _IncidentPrinter, settings: Settings) -> None:
+    """The one line ``run`` and ``launch`` end with (how long, the incidents written and where
+    their bundles are, the target exits seen), then one line per exit, on stderr."""
     from agent.summary import exit_lines
 
     exits = list(agent.process_watcher.exits)
-    written = len(agent.incidents.records)
-    head = f"servewatch: stopped; {written} incident(s) written; {len(exits)} target exit(s) seen"
+    head = printer.stopped_line(settings.data_dir, settings.host_name, written=len(agent.incidents.records),
+                                exits=len(exits))
     err.print(head + (":" if exits else ""), markup=False)
     for line in exit_lines(exits, agent.incidents.exit_outcomes):
         err.print(f"  {line}", markup=False)
@@ -900,7 +900,7 @@ def launch(
                 await agent.run()
                 tg.cancel_scope.cancel()
         finally:
-            _print_seen(agent)
+            _print_seen(agent, printer, settings)
 
     try:
         rc = anyio.run(
@@ -914,8 +914,6 @@ def launch(
     finally:
         for record in records:  # the server is gone: its record must not arm a reused pid
             record.unlink(missing_ok=True)
-        if agents:  # the server started and was watched
-            err.print(printer.stopped_line(settings.data_dir, settings.host_name), markup=False)
     raise typer.Exit(rc)
 
 

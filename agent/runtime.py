@@ -593,6 +593,8 @@ class Agent:
                             await recover_interrupted(self.bus, s.data_dir, s.host_name, durable=durable)
                         except Exception:  # a bad old bundle must not stop the agent
                             log.exception("closing interrupted incidents failed")
+                        # SDK files (counters, sockets) that processes of our uid left when they died
+                        await anyio.to_thread.run_sync(_remove_dead_sdk_files, s.profiler.socket_dir)
                         self.incidents.on_state = self._show_incidents
                         await tg.start(self.history.run, self.bus)  # before the watchers publish
                         await tg.start(self.incidents.run)
@@ -987,6 +989,16 @@ class Agent:
 def _identify(pid: int) -> Target:
     """``pid`` as a :class:`Target` with its creation time (a bare pid when it is gone already)."""
     return target_of(pid) or Target(pid=pid)
+
+
+def _remove_dead_sdk_files(directory: Path | None) -> None:
+    """Housekeeping at start: the step counters and control sockets dead processes of the
+    agent's uid left in the SDK folder (:func:`agent.sdk.counter.remove_dead_sdk_files`)."""
+    from agent.sdk.counter import remove_dead_sdk_files
+
+    removed = remove_dead_sdk_files(directory)
+    if removed:
+        log.info("removed %d SDK file(s) of dead processes: %s", len(removed), ", ".join(p.name for p in removed))
 
 
 async def _trim_memory(interval_s: float) -> None:

@@ -194,7 +194,8 @@ def test_run_by_title_waits_for_a_server_not_started_yet(tmp_path: Path) -> None
     assert "still looking" in r.stderr
     # it ends with one line: how long, what it opened, where bundles go
     last = r.stderr.splitlines()[-1]
-    assert last.startswith("servewatch: stopped after 2 s: no incident opened (bundles would go to "), r.stderr
+    assert last.startswith("servewatch: stopped after 2 s; 0 incident(s) written (bundles would go to "), r.stderr
+    assert last.endswith("; 0 target exit(s) seen"), r.stderr
 
 
 def test_a_target_that_appears_is_said_by_the_status_line_not_as_a_warning(tmp_path: Path, spawn, python: str) -> None:

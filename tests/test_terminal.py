@@ -138,7 +138,7 @@ def test_paged_engineer_path_at_80_columns_ends_with_the_verdict_and_every_hung_
         tmux("send-keys", "-t", watch, "C-c")
         stopped = tmux.wait(watch, r"servewatch: stopped after .*", 60, history=True)
         last = _unboxed(stopped.split("servewatch: stopped after", 1)[1])
-        assert "1 incident(s) opened (1 stall)" in last and "bundles in servewatch-data/" in last, stopped
+        assert "1 incident(s) written (1 stall)" in last and "bundles in servewatch-data/" in last, stopped
         assert "tabulate" not in stopped and "Traceback" not in stopped, stopped  # no library chatter
     manifest = json.loads(next((tmp_path / "cwd" / "servewatch-data").glob("*/*/manifest.json")).read_text())
     assert manifest["verdict"]["culprit_pids"] == [tp1]

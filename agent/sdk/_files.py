@@ -6,11 +6,18 @@ what is our own. Private to :mod:`agent.sdk`; imports only the standard library.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
+import socket
 import stat
 from pathlib import Path
 
-__all__ = ["create_exclusive", "remove_if_ours"]
+__all__ = ["create_exclusive", "hold_lock", "remove_dead_files", "remove_if_ours"]
+
+#: SDK files named by the pid of the process that made them (the span ring, drained and removed
+#: by the agent, is not among them: its records may still be unshipped).
+_PID_FILES = re.compile(r"servewatch-steps\.(\d+)|servewatch-(?:ctl|torch)\.(\d+)\.sock")
 
 
 def create_exclusive(path: Path, mode: int) -> int:
@@ -48,3 +55,98 @@ def remove_if_ours(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def hold_lock(fd: int) -> None:
+    """Take a shared ``flock`` on ``fd`` for as long as the file is open in this process: while
+    it is held, :func:`remove_dead_files` of any process (in any pid namespace sharing the
+    folder) leaves the file alone. Never raises (no lock is no worse than before)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _counter_unheld(path: Path) -> bool:
+    """Nobody holds the counter's lock (its writer is gone): take it, exclusively, to be sure."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # a live writer holds it (perhaps in another pid namespace)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _socket_unserved(path: Path) -> bool:
+    """Nobody listens on the socket: connecting is refused at once (a live server accepts, even
+    while its model thread hangs: the control server has its own thread)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
+
+
+def remove_dead_files(directory: Path) -> list[Path]:
+    """Remove the SDK files (step counters, control and torch worker sockets) in ``directory``
+    that processes of our own uid left when they died without closing them (a crash, SIGKILL).
+
+    A file is removed only when all hold: its name carries a pid that is not alive here; it is
+    a regular file or socket (never a symlink) of our effective uid; nobody holds a counter's
+    lock (:func:`hold_lock`, so a live writer in another pid namespace sharing the folder keeps
+    its file) or listens on a socket. Bounded (one listing, a few syscalls per file); never
+    raises.
+
+    Returns:
+        The files removed.
+    """
+    removed: list[Path] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    me, euid = os.getpid(), os.geteuid()
+    for name in names:
+        m = _PID_FILES.fullmatch(name)
+        if m is None:
+            continue
+        pid = int(m.group(1) or m.group(2))
+        path = directory / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if pid == me or st.st_uid != euid or _pid_alive(pid):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            stale = _counter_unheld(path)
+        elif stat.S_ISSOCK(st.st_mode):
+            stale = _socket_unserved(path)
+        else:
+            continue
+        if stale:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.sdk._files import create_exclusive, remove_if_ours
+from agent.sdk._files import create_exclusive, hold_lock, remove_dead_files, remove_if_ours
 from agent.sdk.folders import ENV_SHM_DIR, sdk_folders, sdk_path, shm_dir, writer_path
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "counter_path",
     "parse_counter",
     "read_counter",
+    "remove_dead_sdk_files",
     "shm_dir",
 ]
 
@@ -170,6 +171,37 @@ def parse_counter(raw: bytes) -> CounterSnapshot | None:
 
 
 _log = logging.getLogger("servewatch.sdk")
+_swept: set[Path] = set()
+
+
+def remove_dead_sdk_files(directory: Path | None = None) -> list[Path]:
+    """Remove the step counters and control/worker sockets that processes of this uid left when
+    they died without closing them: in this uid's private folders in ``directory`` (default
+    :func:`shm_dir`; :func:`agent.sdk.folders.sdk_folders`) and loose in ``directory`` itself
+    (where SDKs before the private folders wrote). Files of live processes (in any pid
+    namespace), of other uids, and span rings are left alone. Never raises.
+
+    Returns:
+        The files removed.
+    """
+    base = directory or shm_dir()
+    euid = os.geteuid()
+    removed = remove_dead_files(base)
+    for uid, folder in sdk_folders(base):
+        if uid == euid:
+            removed += remove_dead_files(folder)
+    return removed
+
+
+def _sweep_once(directory: Path) -> None:
+    """At this process's first counter: remove the files dead processes of our uid left behind
+    (:func:`agent.sdk._files.remove_dead_files`), once per folder."""
+    if directory in _swept:
+        return
+    _swept.add(directory)
+    removed = remove_dead_files(directory)
+    if removed:
+        _log.info("removed %d SDK file(s) of dead processes from %s", len(removed), directory)
 
 
 class SharedCounter:
@@ -200,8 +232,13 @@ class SharedCounter:
             try:
                 os.ftruncate(fd, SIZE_BYTES)
                 self._mmap = mmap.mmap(fd, SIZE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            # kept open for the lock: while this process lives, no sweep removes its counter
+            hold_lock(fd)
+            self._fd: int | None = fd
+            _sweep_once(self.path.parent)
         self.words = memoryview(self._mmap).cast("B").cast("q")
         self.words[W_PID] = self.pid
         self.words[W_START] = time.time_ns()
@@ -213,6 +250,9 @@ class SharedCounter:
         if words is not None:
             words.release()
             self._mmap.close()
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
         if unlink and self.published:
             self.published = False
             try:

@@ -73,6 +73,7 @@ __all__ = [
     "create",
     "resolve_batching",
     "resolve_destination",
+    "scheme_problem",
 ]
 
 #: service.name when neither config nor ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` set one.

@@ -89,10 +89,11 @@ def test_files_of_another_uid_are_left_alone(spawn, tmp_path: Path) -> None:
         assert json.loads(proc.stdout.readline())["published"]
         proc.kill()
         proc.wait(timeout=10)
-        theirs = counter_path(pid, shm)
-        assert theirs.stat().st_uid == 65534
+        left = sorted((shm / "servewatch-65534").glob(f"servewatch-*{pid}*"))  # their private folder
+        assert [p.name for p in left] == [f"servewatch-ctl.{pid}.sock", f"servewatch-steps.{pid}"], left
+        assert all(p.lstat().st_uid == 65534 for p in left)
         assert remove_dead_sdk_files(shm) == []  # root, but not the owner: not ours to remove
-        assert theirs.exists() and control_path(pid, shm).exists()
+        assert all(os.path.lexists(p) for p in left)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 

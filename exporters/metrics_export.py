@@ -120,6 +120,7 @@ class SpoolingMetricExporter(MetricExporter):
         self._exported = self._spooled = self._replayed = self._lost = self._failures = 0
         self._last_detail = ""
         self._said: set[str] = set()
+        self._retry_at = 0.0
 
     # --- MetricExporter -------------------------------------------------------------------
 
@@ -132,6 +133,9 @@ class SpoolingMetricExporter(MetricExporter):
         points = data_point_count(request)
         deadline = time.monotonic() + min(self._timeout_s, timeout_millis / 1000)
         with self._lock:
+            if time.monotonic() < self._retry_at:  # the collector asked us to wait (Retry-After, RetryInfo)
+                self._spool(request, points)
+                return MetricExportResult.FAILURE
             if not self._replay(deadline):
                 self._spool(request, points)
                 return MetricExportResult.FAILURE
@@ -143,6 +147,7 @@ class SpoolingMetricExporter(MetricExporter):
             self._failures += 1
             if result.delivery is Delivery.RETRYABLE:
                 self._note(result.explain())
+                self._wait_as_asked(result)
                 self._spool(request, points)
             else:
                 self._refused(result, points)
@@ -176,6 +181,12 @@ class SpoolingMetricExporter(MetricExporter):
             _log.warning("metrics export to %s failed (%s); spooling", self.sender.target, detail)
         self._last_detail = detail
 
+    def _wait_as_asked(self, result: SendResult) -> None:
+        """Send nothing before the wait the collector asked for (HTTP ``Retry-After``, gRPC
+        ``RetryInfo``): exports meanwhile go to the spool."""
+        if result.retry_after_s:
+            self._retry_at = time.monotonic() + result.retry_after_s
+
     def _refused(self, result: SendResult, points: int) -> None:
         """A permanent refusal: the data points are lost (counted); each cause said once."""
         self._lost += points
@@ -207,6 +218,7 @@ class SpoolingMetricExporter(MetricExporter):
             elif result.delivery is Delivery.RETRYABLE:
                 self._failures += 1
                 self._note(result.explain())
+                self._wait_as_asked(result)
                 return False
             else:
                 self._failures += 1

@@ -401,3 +401,25 @@ def test_batch_processor_env_sizes_the_lossless_processor() -> None:
     assert resolve_batching(ExportConfig(), {}) == {"queue_spans": 65536, "batch_spans": 512, "schedule_delay_s": 2.0}
     with pytest.raises(ExportConfigError, match="OTEL_BSP_SCHEDULE_DELAY"):
         resolve_batching(ExportConfig(), {"OTEL_BSP_SCHEDULE_DELAY": "soon"})
+
+
+def test_metrics_honour_the_collectors_retry_after(otlp_receiver: OtlpReceiver, tmp_path: Path) -> None:
+    """servewatch's metrics exporter, told ``503 Retry-After: 30``, sends nothing more for those
+    30 s (exports at its 0.2 s interval go to the spool meanwhile)."""
+    import time
+
+    otlp_receiver.http_status = 503
+    otlp_receiver.retry_delay_s = 30
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    telemetry = build_telemetry(ExportConfig(metrics_interval_s=0.2), data_dir=tmp_path, host_name="h", environ=env)
+    try:
+        telemetry.metrics.incident_opened("manual")
+        deadline = time.monotonic() + 30
+        while otlp_receiver.attempts < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.5)  # ~7 more export intervals
+        stats = telemetry.metric_statistics()
+        assert otlp_receiver.attempts == 1
+        assert stats.spooled > 0 and stats.lost == 0  # type: ignore[union-attr]
+    finally:
+        telemetry.shutdown(1.0)

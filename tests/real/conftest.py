@@ -13,7 +13,7 @@ one first). The machine-wide lock (``/tmp/servewatch-realvllm.lock``) is held fr
 real-server test that needs a server to the last of the run of such tests (they are collected
 together): then the servers stop and the lock is let go, so a full suite does not keep it while
 its other tests run. Without an install (``python -m tests.real.install``) the tests skip,
-naming the reason; with ``SERVEWATCH_REALVLLM_REQUIRED=1`` (what ``.ci/run`` sets after a
+naming the reason; with ``REALVLLM_REQUIRED=1`` (what ``.ci/run`` sets after a
 successful install) they fail instead.
 """
 
@@ -31,7 +31,7 @@ from tests.real.server import VllmServer, server_lock
 
 REAL_DIR = Path(__file__).resolve().parent
 #: Env var: "1" makes a missing install a failure instead of a skip (CI sets it).
-REQUIRED_ENV = "SERVEWATCH_REALVLLM_REQUIRED"
+REQUIRED_ENV = "REALVLLM_REQUIRED"
 #: Per-test timeout (s) for real-server tests: a first use may wait for the lock and a start.
 REAL_TEST_TIMEOUT_S = 1800
 
@@ -119,6 +119,7 @@ class _Holder:
                     pytest.fail(f"real vLLM required but {why}")
                 pytest.skip(f"real vLLM: {why}")
             self._stack.enter_context(server_lock())
+            installer.refresh_plugin(inst)
             self.pool = RealVllm(inst)
         return self.pool
 

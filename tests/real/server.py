@@ -45,10 +45,10 @@ from tests.real.install import Install
 LOCK_PATH = Path("/tmp/servewatch-realvllm.lock")
 #: Env var: seconds to wait for another session's real server (default 1500, under the 1800 s
 #: per-test timeout of the real-server tests).
-LOCK_TIMEOUT_ENV = "SERVEWATCH_REALVLLM_LOCK_TIMEOUT_S"
+LOCK_TIMEOUT_ENV = "REALVLLM_LOCK_TIMEOUT_S"
 #: Env var: seconds a server may take to start serving (default 420).
-START_TIMEOUT_ENV = "SERVEWATCH_REALVLLM_START_TIMEOUT_S"
-FAULT_FILE_ENV = "SERVEWATCH_REALVLLM_FAULT_FILE"
+START_TIMEOUT_ENV = "REALVLLM_START_TIMEOUT_S"
+FAULT_FILE_ENV = "REALVLLM_FAULT_FILE"
 MODEL_NAME = "tiny"
 #: Seconds a clean SIGTERM shutdown may take before the tree is killed.
 STOP_GRACE_S = 30.0
@@ -70,7 +70,7 @@ _held_here = 0
 @contextlib.contextmanager
 def server_lock(timeout_s: float | None = None) -> Iterator[None]:
     """Hold the machine-wide real-vLLM lock; wait at most ``timeout_s`` (default from
-    ``$SERVEWATCH_REALVLLM_LOCK_TIMEOUT_S``, else 1500 s) for another holder. Re-entrant within
+    ``$REALVLLM_LOCK_TIMEOUT_S``, else 1500 s) for another holder. Re-entrant within
     one process.
 
     Raises:
@@ -132,7 +132,7 @@ class VllmServer:
 
         Raises:
             ServerStartError: it exited, or was not serving after ``timeout_s`` (default
-                ``$SERVEWATCH_REALVLLM_START_TIMEOUT_S`` or 420 s); the tree is killed first.
+                ``$REALVLLM_START_TIMEOUT_S`` or 420 s); the tree is killed first.
         """
         if timeout_s is None:
             timeout_s = float(os.environ.get(START_TIMEOUT_ENV, "420"))

@@ -3,7 +3,7 @@ model's forward, inside the real worker processes.
 
 vLLM loads general plugins in every one of its processes (API server, EngineCore, workers). This
 one wraps ``LlamaForCausalLM.forward``: before each forward, a worker whose tensor-parallel rank is
-selected reads the trigger file named by ``SERVEWATCH_REALVLLM_FAULT_FILE`` and
+selected reads the trigger file named by ``REALVLLM_FAULT_FILE`` and
 
 - ``mode=hang`` (the default): blocks, polling every 50 ms, for as long as the file exists — a
   forward that never returns while the trigger is there, with the real call stack above it;
@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-FAULT_FILE_ENV = "SERVEWATCH_REALVLLM_FAULT_FILE"
+FAULT_FILE_ENV = "REALVLLM_FAULT_FILE"
 _POLL_S = 0.05
 
 

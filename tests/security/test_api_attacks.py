@@ -8,6 +8,7 @@ the legitimate client holding the token.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import pytest
 
 from agent.config import load_settings
 from tests.fleet._fleet import TOKEN, free_ports, running_agent, settings_for, token_file
-from tests.security._attack import NOBODY_PYTHON, needs_root, ready_line, run_as_nobody
+from tests.security._attack import NOBODY, NOBODY_PYTHON, needs_root, ready_line, run_as_nobody
 
 pytestmark = needs_root
 
@@ -147,6 +148,7 @@ async def test_manual_incidents_over_the_api_share_the_cooldown(
     [port] = free_ports(1)
     shared_token = nobody_dir / "token"  # a token holder of another uid
     shared_token.write_text(TOKEN)
+    os.chown(shared_token, NOBODY, NOBODY)  # the holder's own token, whatever the umask
     settings = settings_for(tmp_path, "node-a", port, target={"pids": [target.pid]}, coredump={"enabled": False})
     async with running_agent(settings) as (agent, records):
         holder = run_as_nobody(spawn, [NOBODY_PYTHON, str(attack_programs / "attack_api_requests.py"), "--port", str(port),

@@ -95,6 +95,7 @@ async def test_secrets_in_a_targets_command_line_never_reach_a_token_holder(
     [port] = free_ports(1)
     token = nobody_dir / "token"  # a token holder of another uid reads manifests over the API
     token.write_text(TOKEN)
+    os.chown(token, NOBODY, NOBODY)  # the holder's own token, whatever the umask
     settings = settings_for(tmp_path, "node-a", port, target={"pids": [pid]}, coredump={"enabled": False})
     async with running_agent(settings) as (agent, _records):
         record = await agent.incidents.open_incident("manual")

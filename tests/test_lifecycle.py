@@ -248,3 +248,69 @@ def test_ranks_reaped_at_once_with_no_kernel_events_are_unknown_and_their_server
     # why it was a stop: the server's own status (its zombie, when read first) or the tree going down
     assert all("exit status unknown" in line and ("went down with it" in line or "stopped in order" in line)
                and "-> no incident: stopped with its whole server (exit status unknown)" in line for line in seen), printed
+
+
+ENGINE_SERVER = Path(__file__).with_name("programs") / "engine_server.py"
+
+
+def _start_engine_server(spawn, python: str, tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], dict]:
+    """tests/programs/engine_server.py: vLLM 0.32's process shape and its stop/crash order."""
+    ready = tmp_path / "engine-ready.json"
+    proc = spawn([python, str(ENGINE_SERVER), "--ready-file", str(ready), *args], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "engine server did not start"
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+def _watch_engine_server(spawn, tmp_path: Path, info: dict) -> tuple[subprocess.Popen[bytes], Path]:
+    env = {**cli_env(tmp_path), "SERVEWATCH_HEALTH__INTERVAL_S": "0.5", "SERVEWATCH_HEALTH__UNHEALTHY_AFTER": "2"}
+    err = tmp_path / "run.err"
+    run = _run_cli(spawn, tmp_path, ["run", "--root-pid", str(info["frontend"]), "--health-url",
+                                     f"http://127.0.0.1:{info['port']}/health", "--data-dir", "data"], err, env)
+    _wait_for(err, b"watching 4 target processes", run)
+    _wait_for(err, b"health: 200 OK", run)
+    return run, err
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_server_that_kills_its_engine_before_it_closes_its_port_stopped_in_order(spawn, python, tmp_path: Path,
+                                                                                   how: int) -> None:
+    """vLLM 0.32's stop order on a loaded machine: the frontend SIGKILLs the engine's workers and
+    the engine while its port still listens, closes the port 3 s later, exits 0. The engine went
+    down as a whole while its server still served, and the server then stopped in order: a stop,
+    not a crash (before: "an exit while its server still serves its port is a failure at once")."""
+    server, info = _start_engine_server(spawn, python, tmp_path, "--tp", "2", "--close-delay-s", "3")
+    run, err = _watch_engine_server(spawn, tmp_path, info)
+    os.kill(server.pid, how)
+    assert server.wait(timeout=60) == 0
+    assert run.wait(timeout=90) == 0, err.read_text()  # --root-pid: it stops once every exit is handled
+    printed = err.read_text()
+    assert manifests(tmp_path / "data") == [], printed
+    seen = [line for line in printed.splitlines() if line.startswith("  pid ")]
+    assert len(seen) == 4 and all("-> no incident" in line for line in seen), printed
+    engine_line = next(line for line in seen if line.startswith(f"  pid {info['engine']} "))
+    assert "killed by SIGKILL" in engine_line and "took its engine down" in engine_line, printed
+
+
+@pytest.mark.parametrize("victim", ["worker", "engine"])
+def test_a_process_killed_while_its_server_serves_is_one_incident_though_the_server_then_exits_0(
+        spawn, python, tmp_path: Path, victim: str) -> None:
+    """The crash side of the same shape: a worker (or the engine alone) SIGKILLed by someone else;
+    the frontend reacts within 0.3 s (port first, then the engine), and exits 0 like a stop. The
+    rest of the engine was still running when the port closed: one incident, for the victim."""
+    server, info = _start_engine_server(spawn, python, tmp_path, "--tp", "2", "--react-delay-s", "0.3")
+    run, err = _watch_engine_server(spawn, tmp_path, info)
+    pid = info["workers"][1] if victim == "worker" else info["engine"]
+    os.kill(pid, signal.SIGKILL)
+    assert server.wait(timeout=60) == 0
+    assert run.wait(timeout=90) == 0, err.read_text()
+    printed = err.read_text()
+    found = manifests(tmp_path / "data")
+    assert [m["trigger"] for m in found] == ["exit"], printed
+    assert found[0]["detail"].startswith(f"pid {pid} ") and "signal 9 (SIGKILL)" in found[0]["detail"], found[0]["detail"]
+    verdict = found[0].get("verdict") or {}
+    assert pid in verdict.get("culprit_pids", []), verdict
+    others = [line for line in printed.splitlines() if line.startswith("  pid ") and not line.startswith(f"  pid {pid} ")]
+    assert len(others) == 3 and all("-> no incident" in line or "-> no new incident" in line for line in others), printed

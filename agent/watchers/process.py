@@ -25,14 +25,33 @@ one :class:`~agent.events.ExitFact`: kind, status, OOM, when, and which source s
 * a SIGKILL (or an unknown status) is checked against the OOM killer's record (the kernel log,
   else the cgroup's ``oom_kill`` counter read when the watch began): "killed by the OOM killer";
 * an exit that may be part of its server's stop (unknown status, non-zero code, a SIGKILL not
-  from the OOM killer; never a crash signal): the watcher waits up to :data:`TREE_SETTLE_S` for
-  its parent to go down. When the parent stops in order (its own exit event or zombie), or, for
-  an unknown status, when the parent and the watched siblings all go down, ``tree_stopped`` says
-  the server stopped as a whole. The status itself stays what was read (``unknown`` included).
+  from the OOM killer; never a crash signal) is judged by the order of what happened, never by
+  how fast the agent saw it (:meth:`ProcessWatcher._settle_tree`):
+
+  - its server (the nearest ancestor that listened on a TCP port when the watch began) still
+    serves: a server that stops its engine before its HTTP port (vLLM 0.32: SIGKILL to the
+    EngineCore's workers, then to the EngineCore, then the port, seconds later on a loaded
+    machine) takes the whole branch below it down at once, while a crash leaves the rest of the
+    branch running until the server reacts (vLLM closes its port first, then stops the engine).
+    So: the rest of the branch (the ancestors below the server, their watched descendants and
+    the processes below the dead one) must be down — dead, a zombie, or with a SIGKILL pending —
+    within :data:`SWEEP_WINDOW_S` while the port still listens, then the server must stop
+    serving (:data:`SWEEP_STOP_S`) and end in order (:data:`SERVER_END_S`). A lone process (no
+    branch around it), a branch member still running when the port closes or the window ends,
+    one that ended on its own (an exit code, a crash signal, the OOM killer), or a server that
+    keeps serving or crashes: a failure.
+  - its server no longer serves, or it has none: its ancestors are followed up (up to
+    :data:`SERVER_END_S` once a server closed its port, :data:`TREE_SETTLE_S` without one); one
+    that stops in order makes the chain below it part of that stop; for an unknown status, the
+    parent and the watched siblings all going down says the server stopped as a whole.
+
+  ``tree_stopped`` and ``orderly_reason`` say so; the status itself stays what was read
+  (``unknown`` included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -63,8 +82,30 @@ __all__ = ["PIDFD_RECHECK_S", "POLL_INTERVAL_S", "TREE_SETTLE_S", "ProcessWatche
 log = logging.getLogger("servewatch.process")
 
 #: Longest wait, after an exit whose status is unknown, for its parent and watched siblings to
-#: go down too (the server stopping as a whole), seconds.
+#: go down too (the server stopping as a whole), seconds; also the bound on following up the
+#: ancestors of a process that had no server port above it.
 TREE_SETTLE_S = 5.0
+
+#: After an exit while its server still served: how long the rest of its branch may take to go
+#: down (dead, zombie, or a SIGKILL pending), seconds. A server's own kill sends every SIGKILL
+#: within microseconds, and a SIGKILLed process shows it pending (``/proc/PID/status``) until it
+#: runs again, so this only covers the killer being preempted between two kills; a crash leaves
+#: the rest running until the server reacts (vLLM 0.32: 2-4 s, measured).
+SWEEP_WINDOW_S = 1.0
+#: Between two looks at the branch and the server's port during that window, seconds.
+SWEEP_SAMPLE_S = 0.05
+#: Deaths of one kill sweep lie this close together (the kernel's exit times), seconds: used
+#: only when the port closed between two looks, to tell the sweep from a reaction.
+SWEEP_SPREAD_S = 0.5
+#: After its branch went down: how long the server may still serve before that counts as a
+#: crash it survived, seconds.
+SWEEP_STOP_S = 10.0
+#: How long a server that stopped serving may take to end (a loaded machine's interpreter
+#: teardown takes seconds), seconds.
+SERVER_END_S = 60.0
+
+#: ``/proc/PID/status`` pending-signal masks: bit 8 is SIGKILL (signal 9).
+_SIGKILL_BIT = 1 << (int(_signal.SIGKILL) - 1)
 
 #: Longest wait on a pidfd before its state is checked again, seconds (a safety net only: the
 #: pidfd turns readable at the exit, so a live process costs no wakeups in between).
@@ -128,6 +169,14 @@ def _listening_ports(pid: int) -> frozenset[int]:
     return frozenset(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr)
 
 
+@dataclass(frozen=True, slots=True)
+class _Member:
+    """A process of a dead one's branch: pid and creation time (seconds; 0 unknown)."""
+
+    pid: int
+    create_time_s: float
+
+
 class _Watched:
     """One watched pid, and what was read of it while it lived."""
 
@@ -138,6 +187,8 @@ class _Watched:
         #: its ancestors when the watch began, parent first (up to :data:`MAX_ANCESTORS`; never
         #: init or this agent and its own ancestors)
         self.ancestors: tuple[_Ancestor, ...] = ()
+        #: its descendants when the watch began (an engine's workers, watched or not)
+        self.descendants: tuple[_Member, ...] = ()
         #: its memory cgroup's OOM-kill counter when the watch began
         self.oom_counter: OomCounter | None = None
 
@@ -164,6 +215,14 @@ class _Watched:
                 break
             found.append(_Ancestor(proc.pid, started_ns, _listening_ports(proc.pid)))
         self.ancestors = tuple(found)
+        members = []
+        try:
+            for proc in psutil.Process(self.target.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error, OSError):
+                    members.append(_Member(proc.pid, proc.create_time()))
+        except (psutil.Error, OSError):
+            pass
+        self.descendants = tuple(members)
         self.oom_counter = oom_counter_of(self.target.pid)
 
 
@@ -353,24 +412,26 @@ class ProcessWatcher:
 
     async def _settle_tree(self, watched: _Watched, fact: ExitFact) -> ExitFact:
         """An exit that may be part of its server's stop (an unknown status, a non-zero code, a
-        SIGKILL that is not the OOM killer's): is its server stopping?
+        SIGKILL that is not the OOM killer's): is its server stopping? (The module docstring
+        says how; :meth:`_settle_serving` while the server still serves.)
 
-        A server that still listens on the port it served when the watch began was not stopping
-        (an HTTP frontend closes its port first, then stops its engine and ranks): a failure.
-        Otherwise its ancestors are followed up (each may take what is left of
-        :data:`TREE_SETTLE_S` to end): one that stops in order (exit 0, SIGTERM/SIGINT, 143/130:
-        its exit event or zombie) makes the whole chain below it part of that stop (the engine
-        SIGKILLs its workers, the API server its engine: vLLM on Ctrl-C); one that crashes (or
-        is still running at the deadline) leaves the fact a failure. Status unknown and nothing
-        told: the parent and the watched siblings all going down together still say so."""
+        Its server no longer serving (an HTTP frontend that closes its port first, then stops
+        its engine and ranks), or none: its ancestors are followed up (each may take what is left
+        of the bound to end): one that stops in order (exit 0, SIGTERM/SIGINT, 143/130: its exit
+        event or zombie) makes the whole chain below it part of that stop (the engine SIGKILLs
+        its workers, the API server its engine: vLLM on Ctrl-C); one that crashes (or is still
+        running at the deadline) leaves the fact a failure. Status unknown and nothing told: the
+        parent and the watched siblings all going down together still say so."""
         ancestors = watched.ancestors
         if not ancestors:
             return fact  # our own child (its status is ours to read), or an orphan: nothing to infer
-        serving = await anyio.to_thread.run_sync(_still_serving, ancestors)
-        if serving:
-            return fact  # its server did not stop first: this exit is a failure of its own
+        at = _server_index(ancestors)
+        looked_ns = time.time_ns()
+        if at is not None and await anyio.to_thread.run_sync(_serves, ancestors[at]):
+            return await self._settle_serving(watched, fact, at, looked_ns)
+        bound_s = SERVER_END_S if at is not None else TREE_SETTLE_S  # a server that closed its port is stopping
         t0 = time.monotonic()
-        with anyio.move_on_after(TREE_SETTLE_S):
+        with anyio.move_on_after(bound_s):
             for ancestor in ancestors:
                 while _pid_running(ancestor.pid):
                     await anyio.sleep(0.1)
@@ -387,6 +448,123 @@ class ProcessWatcher:
         if fact.kind is ExitKind.UNKNOWN:
             return await self._whole_tree_down(watched, fact, t0)
         return fact
+
+    def _branch(self, watched: _Watched, at: int) -> list[_Member]:
+        """The processes that go down with ``watched`` when its server (``ancestors[at]``) takes
+        its engine down: the ancestors below the server, the processes below the dead one, and
+        every watched process (and what was below it) under the branch's root."""
+        ancestors = watched.ancestors
+        root = ancestors[at - 1] if at > 0 else None
+        found: dict[int, _Member] = {m.pid: m for m in watched.descendants}
+        found.update((a.pid, _Member(a.pid, a.started_ns / 1e9)) for a in ancestors[:at])
+        root_pid = root.pid if root is not None else watched.target.pid
+        for other in self._watched.values():
+            if other is watched:
+                continue
+            if other.target.pid == root_pid or any(a.pid == root_pid for a in other.ancestors):
+                found.setdefault(other.target.pid, _Member(other.target.pid, other.target.create_time_s))
+                found.update((m.pid, m) for m in other.descendants if m.pid not in found)
+        found.pop(watched.target.pid, None)
+        found.pop(ancestors[at].pid, None)
+        return list(found.values())
+
+    async def _settle_serving(self, watched: _Watched, fact: ExitFact, at: int, open_ns: int) -> ExitFact:
+        """The exit happened while its server (``ancestors[at]``) still served (seen serving at
+        ``open_ns`` or later, wall-clock ns): part of the
+        server's stop only when the rest of its branch went down with it while the port still
+        listened (a server killing its engine first), and the server then stopped serving and
+        ended in order. Anything else is a failure (the module docstring)."""
+        pid = watched.target.pid
+        server = watched.ancestors[at]
+        if fact.kind is ExitKind.CODE:
+            return fact  # it ended on its own while its server served: a server's kill is a signal
+        members = self._branch(watched, at)
+        if not members:
+            log.info("process: pid %d ended while its server (pid %d) served, alone: a failure", pid, server.pid)
+            return fact  # a lone process killed while its server serves on: nothing says "stop"
+        t0 = time.monotonic()
+        last_open_ns = open_ns
+        while True:
+            alive, serving, at_ns = await anyio.to_thread.run_sync(_look, members, server)
+            if serving:
+                last_open_ns = at_ns
+            if not alive:
+                break
+            if not serving:
+                log.info("process: pid %d ended while its server (pid %d) served, which then closed its port while"
+                         " pid %d still ran: it reacted to a failure", pid, server.pid, alive[0])
+                return fact
+            if time.monotonic() - t0 > SWEEP_WINDOW_S:
+                log.info("process: pid %d ended while its server (pid %d) served on and pid %d ran on: a failure",
+                         pid, server.pid, alive[0])
+                return fact
+            await anyio.sleep(SWEEP_SAMPLE_S)
+        deaths = await anyio.to_thread.run_sync(self._branch_deaths, members)
+        complete = len(deaths) == len(members)  # every member's end known (else the port's order decides alone)
+        if fact.ended_source == "kernel":  # what died well before this exit was no part of its sweep
+            earliest_ns = fact.ended_time_unix_nano - int(2 * SWEEP_SPREAD_S * 1e9)
+            deaths = [f for f in deaths if not f.ended_time_unix_nano or f.ended_time_unix_nano >= earliest_ns]
+        bad = next((f"pid {f.pid} {f.status()}" for f in deaths if not _killed_or_stopped(f)), "")
+        if bad:
+            log.info("process: pid %d: %s in its branch ended on its own: a failure", pid, bad)
+            return fact
+        times = [f.ended_time_unix_nano for f in deaths if f.ended_time_unix_nano]
+        if fact.ended_source == "kernel":
+            times.append(fact.ended_time_unix_nano)
+        complete = complete and len(times) == len(deaths) + (fact.ended_source == "kernel") and bool(times)
+        if not serving and complete and max(times) > last_open_ns and max(times) - min(times) > SWEEP_SPREAD_S * 1e9:
+            log.info("process: pid %d: its server (pid %d) closed its port while its branch went down over %.2f s:"
+                     " a reaction, a failure", pid, server.pid, (max(times) - min(times)) / 1e9)
+            return fact
+        spread = f" within {(max(times) - min(times)) / 1e9:.2f} s" if complete else ""
+        return await self._server_ends(fact, server, f"took its engine down while it served ({len(members) + 1}"
+                                                      f" processes{spread})")
+
+    async def _server_ends(self, fact: ExitFact, server: _Ancestor, what: str) -> ExitFact:
+        """After its branch went down: the server must stop serving within :data:`SWEEP_STOP_S`
+        and end in order within :data:`SERVER_END_S` (else the fact stays a failure)."""
+        t0 = time.monotonic()
+        serving = True
+        with anyio.move_on_after(SERVER_END_S):
+            while _pid_running(server.pid):
+                if serving and time.monotonic() - t0 > SWEEP_STOP_S:
+                    serving = await anyio.to_thread.run_sync(_serves, server)
+                    if serving:
+                        log.info("process: pid %d: its server (pid %d) %s and served on: a failure", fact.pid,
+                                 server.pid, what)
+                        return fact
+                await anyio.sleep(0.1)
+            ended = await self._parent_exit(server.pid, server.started_ns)
+            took = time.monotonic() - t0
+            if ended is not None and ended.kind is ExitKind.ORDERLY:
+                return replace(fact, tree_stopped=True, orderly_reason=(
+                    f"its server (pid {server.pid}) {what} and stopped in order ({ended.status()}) within {took:.1f} s"))
+            if ended is None and fact.kind is ExitKind.UNKNOWN:
+                return replace(fact, tree_stopped=True, orderly_reason=(
+                    f"its server (pid {server.pid}) {what} and went down within {took:.1f} s: the server stopped as a whole"))
+            log.info("process: pid %d: its server (pid %d) %s, then ended %s: a failure", fact.pid, server.pid, what,
+                     ended.status() if ended is not None else "with its status unknown")
+            return fact
+        log.info("process: pid %d: its server (pid %d) %s and had not ended after %.0f s: a failure", fact.pid,
+                 server.pid, what, SERVER_END_S)
+        return fact
+
+    def _branch_deaths(self, members: list[_Member]) -> list[ExitFact]:
+        """How the branch's processes ended, where the kernel's exit event or a zombie says
+        (a thread: /proc reads); those with neither are left out."""
+        found = []
+        for m in members:
+            started_ns = int(m.create_time_s * 1e9)
+            if self._kernel is not None:
+                event = self._kernel.get(m.pid, started_ns)
+                if event is not None:
+                    found.append(ExitFact.of(m.pid, event.exit_code, event.signal, source=ExitSource.KERNEL,
+                                             ended_time_unix_nano=event.time_unix_nano, ended_source="kernel"))
+                    continue
+            status = zombie_exit_status(m.pid)
+            if status is not None:
+                found.append(ExitFact.of(m.pid, *status, source=ExitSource.ZOMBIE))
+        return found
 
     async def _whole_tree_down(self, watched: _Watched, fact: ExitFact, t0: float) -> ExitFact:
         """Status unknown: the parent and every watched sibling gone within :data:`TREE_SETTLE_S`."""
@@ -419,9 +597,47 @@ CRASH_SIGNALS = frozenset(int(s) for s in (_signal.SIGSEGV, _signal.SIGBUS, _sig
                                             _signal.SIGABRT, _signal.SIGSYS, _signal.SIGTRAP))
 
 
-def _still_serving(ancestors: Iterable[_Ancestor]) -> bool:
-    """An ancestor that listened on TCP ports when the watch began still listens on one of them."""
-    return any(a.listening and (a.listening & _listening_ports(a.pid)) for a in ancestors)
+def _server_index(ancestors: tuple[_Ancestor, ...]) -> int | None:
+    """Index of the nearest ancestor that listened on a TCP port when the watch began (the
+    server: vLLM's API server, SGLang's main process, torchrun's rendezvous), ``None`` if none."""
+    return next((i for i, a in enumerate(ancestors) if a.listening), None)
+
+
+def _serves(server: _Ancestor) -> bool:
+    """The server still runs, is not being killed, and listens on a port it listened on then."""
+    return _pid_running(server.pid) and not _kill_pending(server.pid) \
+        and bool(server.listening & _listening_ports(server.pid))
+
+
+def _kill_pending(pid: int) -> bool:
+    """A SIGKILL is pending for ``pid`` (``/proc/PID/status`` ``SigPnd``/``ShdPnd``): it has been
+    killed and dies as soon as it runs."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
+                    return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def _look(members: list[_Member], server: _Ancestor) -> tuple[list[int], bool, int]:
+    """One look at a dead process's branch, then at its server (in this order: a branch seen down
+    and then the port seen open were both so at that second moment): ``(pids of the branch still
+    running and not being killed, whether the server still serves, wall-clock ns just before the
+    look at the port: a serving server served then or later)``."""
+    alive = [m.pid for m in members
+             if process_state(m.pid, create_time_s=m.create_time_s) in (ProcessState.RUNNING, ProcessState.STOPPED)
+             and not _kill_pending(m.pid)]
+    before_ns = time.time_ns()
+    return alive, _serves(server), before_ns
+
+
+def _killed_or_stopped(fact: ExitFact) -> bool:
+    """Ended as a server's stop ends a process: in order, or by a signal that is not a crash nor
+    the OOM killer (an exit code of its own is a reaction)."""
+    return fact.kind is ExitKind.ORDERLY or (fact.kind is ExitKind.SIGNAL and fact.signal not in CRASH_SIGNALS)
 
 
 def _may_be_part_of_a_stop(fact: ExitFact) -> bool:

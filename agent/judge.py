@@ -20,7 +20,7 @@ import logging
 import re
 import signal as signal_mod
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -249,11 +249,13 @@ class VerdictJudge:
         frs = {r.pid: r for r in readings.results if r.action == Action.FLIGHTREC_DUMP and r.pid in pids}
         if len(members) < 2 and not frs and not dumps:
             return None
-        ranks = _ranks(members, frs)
-        evidence = [self._evidence(t, ranks.get(t.pid), dumps.get(t.pid), frs.get(t.pid), readings, exited_pid)
+        world_size = _world_size(members) or _fr_world_size(frs.values())
+        ranks, how = _ranks(members, frs, readings.after, world_size)
+        evidence = [replace(self._evidence(t, ranks.get(t.pid), dumps.get(t.pid), frs.get(t.pid), readings, exited_pid),
+                            rank_source=how.get(t.pid, ""))
                     for t in members]
         evidence = _with_waits(evidence, members, dumps)
-        judged = Evidence.of(evidence, trigger=trigger_of(readings.cause), world_size=_world_size(members))
+        judged = Evidence.of(evidence, trigger=trigger_of(readings.cause), world_size=world_size)
         self.last_evidence.append(judged)
         return decide(judged)
 
@@ -334,20 +336,71 @@ def _fr_dump(fr: ActionResult | None) -> Mapping[str, Any] | None:
     return None
 
 
-def _ranks(members: list[Target], frs: Mapping[int, ActionResult]) -> dict[int, int]:
-    """Each rank's number: torch.distributed's (its Flight Recorder read), else its title's in this
-    server's world (:func:`agent.ranks.world_ranks`). A process that is no rank, or whose number
-    another process already holds, gets none (never a made-up number)."""
+def _ranks(members: list[Target], frs: Mapping[int, ActionResult], counters: Mapping[int, CounterSnapshot],
+           world_size: int | None) -> tuple[dict[int, int], dict[int, str]]:
+    """Each rank's number, and for those not read from the process itself how it was found.
+
+    Sources, in order: torch.distributed's (its Flight Recorder read), its title's in this
+    server's world (:func:`agent.ranks.world_ranks`), torch.distributed's as the SDK recorded it
+    in the process's step counter (it outlives the title: a zombie keeps no command line and 15
+    characters of its title in ``comm``, ``VLLM::Worker_TP``), else :func:`_inferred_ranks`. A
+    process that is no rank, or whose number another process already holds, gets none (never a
+    made-up number).
+
+    Returns:
+        ``({pid: rank}, {pid: how})``; ``how`` is ``"sdk"`` (the step counter) or the words of
+        an inference (the verdict then lowers its confidence).
+    """
     by_title = dict(zip((t.pid for t in members), world_ranks([t.title for t in members])))
     ranks: dict[int, int] = {}
+    how: dict[int, str] = {}
     for target in members:
         fr = frs.get(target.pid)
         rank = fr.attributes.get("servewatch.flightrec.rank") if fr is not None else None
         if not isinstance(rank, int):
             rank = by_title.get(target.pid)
+        if not isinstance(rank, int) and (snap := counters.get(target.pid)) is not None and snap.rank is not None:
+            rank = snap.rank
+            how[target.pid] = "sdk"
         if isinstance(rank, int) and rank not in ranks.values():
             ranks[target.pid] = rank
-    return ranks
+        else:
+            how.pop(target.pid, None)
+    for pid, (rank, words) in _inferred_ranks(members, ranks, world_size).items():
+        ranks[pid] = rank
+        how[pid] = words
+    return ranks, how
+
+
+#: ``comm`` keeps this many characters of a process's name (TASK_COMM_LEN - 1).
+_COMM_LEN = 15
+
+
+def _inferred_ranks(members: Sequence[Target], ranks: Mapping[int, int],
+                    world_size: int | None) -> dict[int, tuple[int, str]]:
+    """The rank of a dead process whose title is gone, when only one can be its: the world size
+    is known (``WORLD_SIZE`` / ``--world-size`` of a rank, else a live rank's Flight Recorder
+    read: torch.distributed's ``get_world_size()``), exactly one rank of it is held by no
+    process, and exactly one dead process is left without a rank whose ``comm`` (its title cut to
+    15 characters) begins the titles of ranked processes.
+
+    Returns:
+        ``{pid: (rank, how, in words)}`` (empty when the world size is unknown, or nothing or
+        more than one fits).
+    """
+    if not world_size:
+        return {}
+    titles = [t.title for t in members if t.pid in ranks]
+    candidates = [t for t in members if t.pid not in ranks and len(t.title) == _COMM_LEN
+                  and process_state(t.pid, create_time_s=t.create_time_s) in (ProcessState.ZOMBIE, ProcessState.GONE)
+                  and any(title.startswith(t.title) and len(title) > _COMM_LEN for title in titles)]
+    missing = sorted(set(range(world_size)) - set(ranks.values()))
+    if len(candidates) != 1 or len(missing) != 1:
+        return {}
+    [dead], [rank] = candidates, missing
+    words = (f"rank {rank} inferred: its title went with it ({dead.title!r} left) and rank {rank} is the one rank"
+             f" of the world (size {world_size}) no other process holds")
+    return {dead.pid: (rank, words)}
 
 
 def _with_waits(evidence: list[RankEvidence], members: list[Target], dumps: Mapping[int, ActionResult]) -> list[RankEvidence]:
@@ -374,6 +427,33 @@ def _world_size(members: Sequence[Target]) -> int | None:
         size = _env_world_size(t.pid) or _argv_world_size(t.cmdline)
         if size:
             return size
+    return None
+
+
+def _fr_world_size(frs: Iterable[ActionResult]) -> int | None:
+    """The default process group's size as a live rank's Flight Recorder read names it: the
+    SDK's ``servewatch.world_size`` (torch.distributed's ``get_world_size()``), else the ranks of
+    the default group in the dump's ``pg_config`` (``desc`` ``default_pg``, or the only group
+    there); ``None`` when none does. A titled process has neither ``--world-size`` nor, often,
+    ``WORLD_SIZE`` left to read."""
+    for fr in frs:
+        trace = _fr_dump(fr)
+        if trace is None:
+            continue
+        meta = trace.get("servewatch")
+        size = meta.get("world_size") if isinstance(meta, dict) else None
+        if isinstance(size, int) and size > 0:
+            return size
+        config = trace.get("pg_config")
+        groups = [g for g in config.values() if isinstance(g, dict)] if isinstance(config, dict) else []
+        default = [g for g in groups if g.get("desc") == "default_pg"] or (groups if len(groups) == 1 else [])
+        if default:
+            try:
+                ranks = json.loads(default[0].get("ranks", ""))
+            except (TypeError, ValueError):
+                continue
+            if isinstance(ranks, list) and ranks:
+                return len(ranks)
     return None
 
 

@@ -114,6 +114,10 @@ class RankEvidence:
         pending: work items it had pending when the incident opened (SDK counter), ``None`` unknown.
         fr: its Flight Recorder dump (``entries``, ``pg_status``), or ``None``.
         waits_on: for a coordinator blocked on its workers: their pids.
+        rank_source: how ``rank`` was found when not from torch.distributed's Flight Recorder or
+            the title: ``"sdk"`` (the SDK's step counter: torch.distributed's rank, recorded by
+            the process), or an inference in words (a culprit whose rank is inferred is named
+            at medium confidence at most); ``""`` otherwise.
     """
 
     rank: int | None = None
@@ -137,6 +141,7 @@ class RankEvidence:
     pending: int | None = None
     fr: Mapping[str, Any] | None = None
     waits_on: tuple[int, ...] = ()
+    rank_source: str = ""
 
     @property
     def is_rank(self) -> bool:
@@ -390,6 +395,8 @@ def _evidence_line(e: RankEvidence) -> str:
     parts = [e.name + (f" pid {e.pid}" if e.pid and e.is_rank else "")]
     if e.label:
         parts[0] += f" [{e.label}]"
+    if e.is_rank and e.rank_source:
+        parts.append("rank from its SDK step counter" if e.rank_source == "sdk" else e.rank_source)
     if e.role not in (Role.RANK, Role.PROCESS):
         parts.append(e.role.value)
     fact = fact_of(e)
@@ -412,6 +419,8 @@ def _verdict(ev: Evidence, kind: str, culprits: Sequence[RankEvidence], reason: 
              hung: bool = True, stragglers: Iterable[int] = (), extra: Sequence[str] = ()) -> Verdict:
     ranked = sorted((c for c in culprits if c.is_rank), key=lambda c: c.rank)  # type: ignore[arg-type, return-value]
     rest = [c for c in culprits if not c.is_rank]
+    if confidence == "high" and any(c.rank_source not in ("", "sdk") for c in ranked):
+        confidence = "medium"  # a culprit's rank was inferred, not read (RankEvidence.rank_source)
     return Verdict(
         kind=kind,
         hung=hung,
@@ -1047,6 +1056,12 @@ def rules_markdown() -> str:
         "world and parallel coordinates: `agent/judge.py`). The rules are tried in this order; the first",
         "that applies decides. A verdict records its rule (`servewatch.verdict.rule`, `verdict.rule` in",
         "`manifest.json`). Hard mode (`--hard`) signals only a culprit named at **high** confidence.",
+        "",
+        "A rank's number comes from torch.distributed (its Flight Recorder), else its title, else the",
+        "SDK's step counter (torch.distributed's rank, recorded by the process: it outlives the title of a",
+        "zombie, whose `comm` keeps 15 characters). Failing those, a dead rank's number may be inferred —",
+        "the world size is known and it is the one rank no other process holds — and the evidence says",
+        "so; a culprit whose rank is inferred is named at **medium** confidence at most.",
         "",
         "| # | rule | kind | applies when | concludes | confidence |",
         "|---|------|------|--------------|-----------|------------|",

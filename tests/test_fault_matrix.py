@@ -1,8 +1,8 @@
 """The fault matrix on real processes: a gloo job (TP=2 and TP=4) with one faulty rank, the real
 agent, and the verdict of the incident (tests/programs/fault_matrix.py drives it); then the shapes
-real hangs take (a collective-timeout cascade, a crash seen late, two servers on one host, DP
-replicas, an IPC deadlock with a request running, a rendezvous hang, an ordering deadlock across
-two process groups, a stack too deep for py-spy). Lifecycle cases
+real hangs take (a collective-timeout cascade, a crash seen late with and without the SDK's step
+counter, two servers on one host, DP replicas, an IPC deadlock with a request running, a rendezvous
+hang, an ordering deadlock across two process groups, a stack too deep for py-spy). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
 (a memory-limited cgroup) is named, a crash seen late (zombies at dump time) is blamed first.
@@ -121,6 +121,11 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
     elif shape == "crash_late":
         assert reason.startswith("dead: rank 2 exited with SIGSEGV") and "not a distributed job" not in reason
         assert v["ranks"] == [0, 1, 2]
+        assert any(line.startswith("rank 2 pid ") and "rank from its SDK step counter" in line for line in v["evidence"])
+    elif shape == "crash_late_no_sdk":  # inferred, said so, and not at high confidence
+        assert reason.startswith("dead: rank 1 exited with SIGSEGV"), reason
+        assert any(line.startswith("rank 1 pid ") and "rank 1 inferred: its title went with it" in line
+                   and "(size 2)" in line for line in v["evidence"]), v["evidence"]
     elif shape in ("two_servers", "dp_replicas"):
         assert v["ranks"] == [0, 1] and reason.startswith("behind: rank 1 never entered all_reduce")
     elif shape == "dp_attention":  # one world: not split by its DP coordinates
@@ -185,8 +190,9 @@ async def test_lifecycle_orderly_stops_open_nothing_and_failures_name_their_caus
         assert all(f.kind is not ExitKind.UNKNOWN for f in facts.values()), facts
     else:
         # rank 3 crashed first (SIGSEGV), ranks 0 and 2 died after it (exit code 1): all zombies when
-        # the dump ran, their titles gone with them; the crash is the culprit, not a victim's exit
-        assert v.culprit_ranks in ((culprit_rank,), ()), v.reason  # a zombie's rank is known only if a source outlives it
+        # the dump ran, their titles gone with them; the crash is the culprit, not a victim's exit,
+        # and its rank is known from its SDK step counter (torch.distributed's rank)
+        assert v.culprit_ranks == (culprit_rank,), (v.reason, v.evidence)
         assert "SIGSEGV" in v.reason and "1 process" not in v.reason, v.reason
         victims = {result.ranks[0], result.ranks[2]}
         assert not victims & set(v.culprit_pids)

@@ -201,3 +201,61 @@ def test_the_layout_constants_describe_what_the_writer_writes(tmp_path: Path) ->
         counter.close()
     assert SIZE_BYTES == SLOTS * 8
     assert (words[W_MAGIC], words[W_PID], words[W_FORWARD_CT], words[W_PENDING]) == (MAGIC, os.getpid(), 41, 3)
+
+
+# Two ranks of a real gloo job: one step before init_process_group (no rank yet), then steps
+# until a look at step 64, then "go" on stdin ends them. Each prints its pid after the first step
+# and "stepped" once the rank can be recorded.
+GLOO_RANK = r"""
+import os, sys
+import agent.sdk as sdk
+import torch.distributed as dist
+rank, store = int(sys.argv[1]), sys.argv[2]
+sdk.step()
+print("pid", os.getpid(), flush=True)
+sys.stdin.readline()
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+for _ in range(70):
+    sdk.step()
+print("stepped", flush=True)
+sys.stdin.readline()
+dist.destroy_process_group()
+"""
+
+
+def test_the_counter_records_torch_distributed_s_rank_once_the_group_is_up(spawn, python, tmp_path: Path) -> None:
+    """A zombie keeps no title to read its rank from; its counter file keeps torch.distributed's."""
+    env = dict(os.environ, **{ENV_SHM_DIR: str(tmp_path)})
+    ranks = [spawn([python, "-c", GLOO_RANK, str(r), str(tmp_path / "store")], stdin=subprocess.PIPE,
+                   stdout=subprocess.PIPE, env=env) for r in (0, 1)]
+    try:
+        pids = [int(_line(p).split()[1]) for p in ranks]
+        before = [read_counter(counter_path(pid, tmp_path)) for pid in pids]
+        assert [(s.forward_ct, s.rank) for s in before if s is not None] == [(1, None), (1, None)]
+        for p in ranks:
+            _say(p, b"init\n")
+        assert [_line(p, 120) for p in ranks] == ["stepped", "stepped"]
+        after = [read_counter(counter_path(pid, tmp_path)) for pid in pids]
+        assert [(s.forward_ct, s.rank) for s in after if s is not None] == [(71, 0), (71, 1)]
+        for p in ranks:
+            _say(p, b"go\n")
+        assert [p.wait(timeout=60) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    stream.close()
+
+
+def _say(proc: subprocess.Popen[bytes], data: bytes) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(data)
+    proc.stdin.flush()
+
+
+def _line(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> str:
+    """One line of ``proc``'s stdout (bounded)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, f"pid {proc.pid}: no line within {timeout_s} s"
+    return proc.stdout.readline().decode().strip()

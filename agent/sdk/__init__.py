@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from agent.sdk.counter import (
     W_FORWARD_CT,
     W_LAST_STEP,
     W_PENDING,
+    W_RANK,
     CounterSnapshot,
     SharedCounter,
     counter_path,
@@ -66,6 +68,26 @@ _words = None  # memoryview of the counter words; None until the first step
 _hooks: list[Callable[[int], None]] = []
 _lock = threading.Lock()
 _monotonic_ns = time.monotonic_ns
+#: steps left during which the rank is looked for (torch.distributed initialised after the
+#: first step); 0 once found or given up
+_rank_tries = 1 << 12
+
+
+def _learn_rank(w: memoryview, n: int) -> None:
+    """Record torch.distributed's rank in the counter (word ``rank_plus_one``) once its default
+    process group is up: at the first step, then every 64th, for the first 4096 steps. torch is
+    never imported here (only looked up if the server imported it)."""
+    global _rank_tries
+    _rank_tries -= 1
+    if n != 1 and n & 63:
+        return
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            w[W_RANK] = int(dist.get_rank()) + 1
+            _rank_tries = 0
+    except Exception:  # noqa: BLE001 - a server's torch must never break its step
+        _rank_tries = 0
 
 
 def _open() -> memoryview:
@@ -82,8 +104,9 @@ def step(pending: int | None = None) -> int:
     """Count one forward step (one scheduler batch) of this process.
 
     The hot path is three stores into a shared memory mapping and a vDSO clock read: no
-    syscall, no lock, no allocation beyond the int. Step hooks (the SDK profiler) run after
-    the count, on this thread.
+    syscall, no lock, no allocation beyond the int. Until torch.distributed's rank is recorded
+    (at most the first 4096 steps) every 64th step also looks it up. Step hooks (the SDK
+    profiler) run after the count, on this thread.
 
     Args:
         pending: work items still pending after this step (>0 means the server is busy);
@@ -100,6 +123,8 @@ def step(pending: int | None = None) -> int:
     w[W_LAST_STEP] = _monotonic_ns()
     if pending is not None:
         w[W_PENDING] = pending
+    if _rank_tries:
+        _learn_rank(w, n)
     if _hooks:
         for hook in tuple(_hooks):
             hook(n)
@@ -150,8 +175,9 @@ def close() -> None:
 
 def _after_fork_in_child() -> None:
     # The child must not bump its parent's counter: start its own at its first step.
-    global _counter, _words, _lock
+    global _counter, _words, _lock, _rank_tries
     _counter, _words, _lock = None, None, threading.Lock()
+    _rank_tries = 1 << 12
     _hooks.clear()
 
 

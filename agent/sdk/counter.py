@@ -9,7 +9,7 @@ Layout: ``SLOTS`` little-endian signed 64-bit words (:data:`SIZE_BYTES`, 64 byte
 ``servewatch-steps.<pid>`` (:data:`FILE_PREFIX` + pid) of the server user's private folder
 ``<shm_dir>/servewatch-<uid>/`` (:mod:`agent.sdk.folders`; ``shm_dir`` is
 ``$SERVEWATCH_SHM_DIR``, else ``/dev/shm`` when it exists, else the temp dir). The word
-indexes are :data:`W_MAGIC` ... :data:`W_PROFILING`:
+indexes are :data:`W_MAGIC` ... :data:`W_RANK`:
 
 ====  =======================  ==========================================================
 word  name                     meaning
@@ -21,7 +21,9 @@ word  name                     meaning
 4     last_step_monotonic_ns   CLOCK_MONOTONIC of the last step, ns (0 before the first)
 5     pending                  work items pending after the last step/``set_pending``; >0 = busy
 6     profiling                1 while an SDK profiling session is active, else 0
-7     reserved                 0
+7     rank_plus_one            torch.distributed's rank of the writer + 1 once known, 0 before
+                               (it outlives the process's title: a zombie keeps 15 characters
+                               of it in ``comm`` and no command line)
 ====  =======================  ==========================================================
 
 The writer only stores whole aligned words (atomic on the platforms we run on); readers take a
@@ -54,6 +56,7 @@ __all__ = [
     "W_PENDING",
     "W_PID",
     "W_PROFILING",
+    "W_RANK",
     "W_START",
     "CounterSnapshot",
     "SharedCounter",
@@ -74,7 +77,7 @@ SLOTS = 8
 #: Size of a counter file, bytes.
 SIZE_BYTES = SLOTS * 8
 #: Word indexes (see the table above).
-W_MAGIC, W_PID, W_START, W_FORWARD_CT, W_LAST_STEP, W_PENDING, W_PROFILING, _W_RESERVED = range(SLOTS)
+W_MAGIC, W_PID, W_START, W_FORWARD_CT, W_LAST_STEP, W_PENDING, W_PROFILING, W_RANK = range(SLOTS)
 _FMT = f"<{SLOTS}q"
 
 
@@ -115,6 +118,8 @@ class CounterSnapshot:
         last_step_monotonic_ns: CLOCK_MONOTONIC of the last step in ns, 0 before the first step.
         pending: pending work items (>0 means busy).
         profiling: an SDK profiling session is active.
+        rank: the writer's torch.distributed rank, ``None`` until the SDK saw the process group
+            initialised (and in files of writers older than this word).
     """
 
     pid: int
@@ -123,6 +128,7 @@ class CounterSnapshot:
     last_step_monotonic_ns: int
     pending: int
     profiling: bool
+    rank: int | None = None
 
     @property
     def busy(self) -> bool:
@@ -167,6 +173,7 @@ def parse_counter(raw: bytes) -> CounterSnapshot | None:
         last_step_monotonic_ns=words[W_LAST_STEP],
         pending=words[W_PENDING],
         profiling=bool(words[W_PROFILING]),
+        rank=words[W_RANK] - 1 if words[W_RANK] > 0 else None,
     )
 
 

@@ -374,21 +374,25 @@ async def shape_cascade(wd: Path) -> ShapeResult:
         await anyio.to_thread.run_sync(stop_ranks, procs)
 
 
-async def shape_crash_late(wd: Path) -> ShapeResult:
-    """Rank 2 of 3 dies of SIGSEGV; rank 1 fails in its collective and exits 1; rank 0 lingers.
-    Nobody reaps them (zombies). ``servewatch dump --match`` only afterwards: the first death,
-    rank 2's crash, is blamed (not the exit it sees first), and the job is still a job."""
+async def _crash_seen_late(wd: Path, name: str, world: int, *, counter: bool, confidence: str) -> ShapeResult:
+    """The last rank of ``world`` dies of SIGSEGV; the ranks between fail in their collective and
+    exit 1; rank 0 lingers. Nobody reaps them (zombies: no command line left, their real titles
+    ``<tag>::scheduler_TP<r>`` cut to 15 characters in ``comm``). ``servewatch dump --match`` only
+    afterwards. Without ``counter`` the ranks run with no SDK step counter (a server without the
+    SDK, as vLLM)."""
     import json
 
     tag = _tag()
     init = f"file://{wd}/store-{tag}"
-    extra = ("--linger-s", "0", "--linger-rank", "0:120")
-    launcher = _launch([{"argv": _rank_argv(r, 3, init, f"{tag}::s", "kill", 2, extra)} for r in range(3)], wd)
+    crash = world - 1
+    extra = ("--linger-s", "0", "--linger-rank", "0:120", *(() if counter else ("--no-counter",)))
+    launcher = _launch([{"argv": _rank_argv(r, world, init, f"{tag}::scheduler", "kill", crash, extra)}
+                        for r in range(world)], wd)
     try:
-        seen = await anyio.to_thread.run_sync(lambda: _read_lines(launcher, lambda s: len(s.get("READY", [])) == 3))
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(launcher, lambda s: len(s.get("READY", [])) == world))
         pids = _ready_pids(seen)
         deadline = time.monotonic() + 60
-        while not (_zombie(pids[2]) and _zombie(pids[1])) and time.monotonic() < deadline:
+        while not all(_zombie(pids[r]) for r in range(1, world)) and time.monotonic() < deadline:
             await anyio.sleep(0.2)
         out = await anyio.to_thread.run_sync(lambda: subprocess.run(
             [sys.executable, "-m", "agent.entry", "dump", "--match", f"{tag}::*", "--data-dir", str(wd / "data"),
@@ -398,11 +402,26 @@ async def shape_crash_late(wd: Path) -> ShapeResult:
         if not manifests:
             raise RuntimeError(f"dump wrote no bundle: {out.returncode} {out.stderr[-2000:]}")
         doc = json.loads(manifests[-1].read_text())
-        return ShapeResult(name="crash_late", verdict=doc.get("verdict") or {}, kind="dead", ranks=(2,),
-                           pids=(pids[2],), confidence="high",
+        return ShapeResult(name=name, verdict=doc.get("verdict") or {}, kind="dead", ranks=(crash,),
+                           pids=(pids[crash],), confidence=confidence,
                            added_s=float((doc.get("verdict") or {}).get("duration_s", 0.0)))
     finally:
         await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+async def shape_crash_late(wd: Path) -> ShapeResult:
+    """Rank 2 of 3 dies of SIGSEGV; rank 1 fails in its collective and exits 1; rank 0 lingers;
+    all seen only afterwards by ``servewatch dump``: the first death, rank 2's crash, is blamed
+    (not the exit it sees first), the job is still a job, and rank 2 is named although its title
+    is gone (its SDK step counter recorded torch.distributed's rank)."""
+    return await _crash_seen_late(wd, "crash_late", 3, counter=True, confidence="high")
+
+
+async def shape_crash_late_no_sdk(wd: Path) -> ShapeResult:
+    """Rank 1 of 2 dies of SIGSEGV, rank 0 lingers, no SDK step counter: rank 1's number is
+    inferred (the one rank of the world, size 2 from rank 0's ``--world-size``, no live title
+    holds), said so, at medium confidence."""
+    return await _crash_seen_late(wd, "crash_late_no_sdk", 2, counter=False, confidence="medium")
 
 
 async def shape_two_servers(wd: Path) -> ShapeResult:
@@ -533,6 +552,7 @@ async def shape_deep(wd: Path) -> ShapeResult:
 SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "cascade": shape_cascade,
     "crash_late": shape_crash_late,
+    "crash_late_no_sdk": shape_crash_late_no_sdk,
     "two_servers": shape_two_servers,
     "dp_replicas": shape_dp_replicas,
     "dp_attention": shape_dp_attention,

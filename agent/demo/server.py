@@ -339,11 +339,14 @@ class _Handler(BaseHTTPRequestHandler):
         """Silence per-request access logs (request bodies are never logged either)."""
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except ConnectionError:  # the client gave up (`curl -m 60` on a hung rank): nobody to answer
+            self.close_connection = True
 
     def _json(self, status: int, doc: Any) -> None:
         self._send(status, json.dumps(doc).encode())

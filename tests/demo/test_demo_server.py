@@ -326,3 +326,26 @@ async def test_async_start_failure_raises_with_the_server_error() -> None:
     with pytest.raises(DemoServerError, match="--max-batch-size"):
         await srv.astart()
     assert srv.proc is not None and srv.proc.returncode == 2
+
+
+def test_a_client_that_gave_up_costs_no_traceback() -> None:
+    """The README's `curl -m 60` on a hung rank gives up before the server's 504: the server's
+    late answer meets a closed socket, which must not print a traceback on its stderr."""
+    import socket
+    import struct
+    import time
+
+    with DemoServer(tp=1, extra_args=["--request-timeout", "1"]) as srv:
+        generate(srv.base_url, "warm", max_new_tokens=2)
+        inject_hang(srv.base_url, tp_rank=0, seconds=3)
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        body = json.dumps({"text": "this one hangs", "max_new_tokens": 2}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.3)  # the server has read the request and waits for rank 0
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        time.sleep(2.0)  # the 504 was due 1 s after the request, to a client that is gone
+        assert generate(srv.base_url, "after", max_new_tokens=2)["output_ids"]
+        log = srv.log_path.read_text() if srv.log_path else ""
+    assert "Traceback" not in log and "BrokenPipeError" not in log and "ConnectionResetError" not in log, log

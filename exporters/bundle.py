@@ -33,6 +33,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -397,11 +398,17 @@ def _bundles(data_dir: Path) -> list[Path]:
 
 
 def _opened_ns(bundle: Path) -> int:
-    """When the incident opened (ns), else the manifest's modification time (an unreadable one)."""
+    """When the incident opened (ns); for an unreadable manifest, the UTC time its id starts with
+    (``20261201T190156Z-manual-...``), else the manifest's modification time. The id's time keeps
+    an old bundle damaged (or copied) today from passing for the latest incident."""
     try:
         return load_manifest(bundle / MANIFEST_NAME).opened_time_unix_nano
     except (OSError, ManifestError):
-        return (bundle / MANIFEST_NAME).stat().st_mtime_ns
+        try:
+            stamp = datetime.strptime(bundle.name[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+        except ValueError:
+            return (bundle / MANIFEST_NAME).stat().st_mtime_ns
+        return int(stamp.timestamp()) * 10**9
 
 
 def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -> Path:

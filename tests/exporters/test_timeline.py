@@ -295,6 +295,19 @@ def test_latest_is_the_last_opened_and_prefixes_must_be_unique(tmp_path: Path) -
     assert not isinstance(excinfo.value, (BundleNotFoundError, BundleCorruptError))
 
 
+def test_latest_is_not_an_older_bundle_damaged_today(tmp_path: Path) -> None:
+    """An older bundle whose manifest is unreadable (a hand edit, a copy, a disk error) is dated by
+    its id, not by the manifest's mtime (now): `latest` is still the last incident, readable."""
+    opened = 1_796_151_600 * 10**9  # 2026-12-01T19:00:00Z
+    older = _minimal(tmp_path, "20261201T185000Z-manual-aaaaaa", opened - 600 * 10**9)
+    _minimal(tmp_path, "20261201T190000Z-stall-bbbbbb", opened)
+    (older / "manifest.json").write_text("{")  # damaged after the newer one was written
+    assert find_bundle(tmp_path, "latest").name == "20261201T190000Z-stall-bbbbbb"
+    assert load_incident(tmp_path, "latest").incident_id == "20261201T190000Z-stall-bbbbbb"
+    with pytest.raises(BundleCorruptError, match="not valid JSON"):  # asked for by name: refused
+        load_incident(tmp_path, "aaaaaa")
+
+
 def test_requests_come_from_span_links_without_requests_json(tmp_path: Path) -> None:
     trace_id, root = "1" * 32, "2" * 16
     bundle_dir = _minimal(tmp_path, "20261129T100000Z-health-cccccc", 10**18, trace_id=trace_id, span_id=root)

@@ -187,6 +187,18 @@ def test_bundle_text_is_escaped(report: Path) -> None:
     assert SECRET_PROMPT not in markup
 
 
+def test_a_hung_thread_is_never_badged_idle(tl: IncidentTimeline, bundle: Bundle) -> None:
+    """The summary's "idle" means waiting for work; py-spy's per-thread flag only says whether the
+    thread was on a CPU when sampled. A hung MainThread off the CPU reads "off CPU", not "idle"."""
+    root = parse_dom(render_report_html(tl))
+    for pid in bundle.pids:
+        main = next(t for t in root.by_id(f"pid-{pid}").find_all("details", "thread")
+                    if t.attrs["data-thread-name"] == "MainThread")
+        badges = [b.text for b in main.find_all("span", "badge")]
+        assert "hung thread" in badges and "idle" not in badges, badges
+        assert "off CPU" in badges or "on CPU" in badges, badges
+
+
 def test_footer_time_is_optional(tl: IncidentTimeline) -> None:
     assert "at 2025-11-29T17:35:01.000Z" in render_report_html(tl, generated_time_unix_nano=1_764_437_701_000_000_000)
 

@@ -613,17 +613,22 @@ def status(
     if as_json:
         _print_json({**snap.to_json(), "agent_running": running})
     else:
+        age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
+        header = (
+            f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}"
+            + ("" if running else " is NOT running (status below is its last word; stall times as of then)")
+            + f"; {len(snap.watchers)} watcher(s), {len(snap.blind)} blind; last change {age_s:.0f} s ago ({path})"
+        )
+        if not running:  # the fact that qualifies every line below comes first
+            err.print(header, markup=False)
         for w in snap.watchers:
             out.print(w.line(), markup=False, highlight=False)
-        for line in snap.incident_lines():
+        # a gone agent saw nothing since its last word: a stall is as long as it was then
+        stall_now = None if running else snap.updated_time_unix_nano or None
+        for line in snap.incident_lines(stalled_as_of_unix_nano=stall_now):
             out.print(line, markup=False, highlight=False)
-        age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
-        err.print(
-            f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}"
-            + ("" if running else " is NOT running (status below is its last word)")
-            + f"; {len(snap.watchers)} watcher(s), {len(snap.blind)} blind; last change {age_s:.0f} s ago ({path})",
-            markup=False,
-        )
+        if running:
+            err.print(header, markup=False)
     if snap.blind or not running or (running and snap.stalled):
         raise typer.Exit(int(ExitCode.FAILURE))
 
@@ -957,7 +962,8 @@ def export(
     if to is not None and (problem := scheme_problem(to)):
         fail(f"invalid value for --to: {problem} (got {to!r}); see 'servewatch export --help'", ExitCode.USAGE)
     if protocol is not None and protocol not in ("grpc", "http/protobuf"):
-        fail(f"invalid setting protocol: expected grpc or http/protobuf (got {protocol!r})", ExitCode.USAGE)
+        fail(f"invalid value for --protocol: expected grpc or http/protobuf (got {protocol!r}); see 'servewatch export --help'",
+             ExitCode.USAGE)
     overrides: dict[str, object] = {}
     if to is not None:
         overrides["endpoint"] = to
@@ -1073,6 +1079,13 @@ def profile(
 ) -> None:
     """Profile the next N forward steps of a running server (torch.profiler / Metal) and list the traces."""
     _logging(verbose)
+    if url is not None:
+        from agent.watchers.health import check_http_url
+
+        try:
+            check_http_url(url)
+        except ValueError as exc:
+            fail(f"invalid value for --url: {exc}; see 'servewatch profile --help'", ExitCode.USAGE)
     settings = _settings(
         {
             "data_dir": data_dir,

@@ -56,7 +56,7 @@ def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
         (["run"], {}, "servewatch: nothing to watch"),
         (["dump"], {}, "servewatch: no targets"),
         (["run", "--pid", "1", "--config", "missing.toml"], {}, "servewatch: invalid value for --config: no such file"),
-        (["export", "--to", "http://127.0.0.1:1", "--protocol", "carrier-pigeon"], {}, "servewatch: invalid setting protocol"),
+        (["export", "--to", "http://127.0.0.1:1", "--protocol", "carrier-pigeon"], {}, "servewatch: invalid value for --protocol"),
         (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}, "servewatch: invalid setting"),
         (["run", "--pid", "1", "--otlp-protocol", "smtp"], {}, "servewatch: invalid value for --otlp-protocol"),
         (["run", "--pid", "1", "--data-dir", "/proc/nope"], {}, "servewatch: invalid setting data_dir: '/proc/nope' is not a writable folder"),
@@ -65,6 +65,8 @@ def test_help_lists_every_command_and_the_exit_codes(tmp_path: Path) -> None:
         (["run", "--pid", "1"], {"SERVEWATCH_TARGET__MATCH": "sglang*"}, "servewatch: invalid setting"),
         (["run", "--pid", "1"], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:99999"}, "servewatch: invalid setting OTEL_EXPORTER_OTLP_ENDPOINT"),
         (["run", "--health-url", "ftp://x/"], {}, "servewatch: invalid value for --health-url"),
+        (["profile", "--url", "127.0.0.1:30000", "--steps", "5"], {}, "servewatch: invalid value for --url"),
+        (["profile", "--url", "notaurl"], {}, "servewatch: invalid value for --url"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], env: dict[str, str], expected: str) -> None:

@@ -123,6 +123,52 @@ def test_servewatch_status_shows_what_a_running_agent_cannot_see(tmp_path: Path)
     assert r.returncode == 1 and "is NOT running" in r.stderr
 
 
+def test_status_of_a_gone_agent_says_so_first_and_does_not_grow_its_stalls(tmp_path: Path) -> None:
+    """On a terminal the "NOT running" line comes before the lines it qualifies, and a stall the
+    agent last saw 12 s long is not reported as 10 min long because the agent stopped 10 min ago."""
+    import pty
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)  # a real pid, not running any more
+    now = time.time_ns()
+    last_word = now - 600 * 10**9
+    doc = {
+        "schema": "servewatch.status/1", "host.name": "h1", "agent_pid": gone.pid,
+        "started_time_unix_nano": last_word - 60 * 10**9, "updated_time_unix_nano": last_word,
+        "watchers": [{"name": "steps", "state": "ready", "reason": "2 ranks via shm counter",
+                      "since_time_unix_nano": last_word - 50 * 10**9}],
+        "incidents": {"open": None, "last": None, "written": 0, "suppressed": 0,
+                      "stalled": [{"pid": 4242, "series": "", "timeout_s": 10.0, "incident": "", "suppressed": False,
+                                   "since_time_unix_nano": last_word - 12 * 10**9}]},
+    }
+    (tmp_path / "data" / "h1").mkdir(parents=True)
+    (tmp_path / "data" / "h1" / "status.json").write_text(json.dumps(doc))
+    main_fd, tty_fd = pty.openpty()
+    try:
+        proc = subprocess.Popen([*CLI, "status", "--data-dir", str(tmp_path / "data")], stdin=subprocess.DEVNULL,
+                                stdout=tty_fd, stderr=tty_fd, cwd=tmp_path,
+                                env={**_env(tmp_path), "SERVEWATCH_HOST_NAME": "h1", "COLUMNS": "400"})
+        os.close(tty_fd)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=60) == 1  # the agent is gone
+    finally:
+        os.close(main_fd)
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())  # the terminal's colours
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert lines[0].startswith(f"servewatch: agent pid {gone.pid} on h1 is NOT running (status below"), lines
+    assert "stalled: pid 4242 busy, no forward progress for 12 s (timeout 10 s)" in lines, lines
+
+
 # --- runtime hygiene ------------------------------------------------------------------------------
 
 

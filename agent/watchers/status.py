@@ -155,19 +155,24 @@ class StatusSnapshot:
         raw = (self.incidents or {}).get("stalled")
         return tuple(x for x in raw if isinstance(x, Mapping)) if isinstance(raw, list) else ()
 
-    def incident_lines(self, now_unix_nano: int | None = None) -> list[str]:
+    def incident_lines(self, now_unix_nano: int | None = None, stalled_as_of_unix_nano: int | None = None) -> list[str]:
         """Lines for people on stalls and incidents, e.g. ``stalled: pid 42 busy, no forward
         progress for 37 s (timeout 20 s); stall suppressed by cooldown (incident X)``,
         ``incident: OPEN X (stall: ...)``, ``incidents: 1 written (last X, stall, 3 min ago);
-        1 trigger suppressed by cooldown``; none before any stall or incident."""
+        1 trigger suppressed by cooldown``; none before any stall or incident.
+
+        ``now_unix_nano`` (default: now) dates the ``ago``s; ``stalled_as_of_unix_nano`` (default:
+        the same) is when the stall durations are measured to: a stopped agent's last word, whose
+        stalls nobody watched since."""
         inc = self.incidents or {}
         now = now_ns() if now_unix_nano is None else now_unix_nano
+        stall_end = now if stalled_as_of_unix_nano is None else stalled_as_of_unix_nano
         lines: list[str] = []
         for st in self.stalled:
             who = f"pid {st.get('pid')}" if st.get("pid") is not None else "server"
             if st.get("series"):
                 who += f" {{{st['series']}}}"
-            age_s = max(0.0, (now - int(st.get("since_time_unix_nano") or now)) / 1e9)
+            age_s = max(0.0, (stall_end - int(st.get("since_time_unix_nano") or stall_end)) / 1e9)
             line = f"stalled: {who} busy, no forward progress for {age_s:.0f} s (timeout {st.get('timeout_s', 0):g} s)"
             if st.get("suppressed"):
                 line += f"; stall suppressed by cooldown (incident {st.get('incident') or '?'})"

@@ -877,6 +877,9 @@ def _what_was_read(ev: Evidence, known: Sequence[RankEvidence]) -> str:
     else:
         fr_text = "the Flight Recorders show no rank behind and no mismatch"
     if not known:
+        stacked = [e for e in ev.processes if e.frame_class is not FrameClass.UNKNOWN]
+        if not ev.ranks and stacked:  # stacks were read, of processes that are no job's ranks
+            return f"{fr_text}; {len(ev.processes)} processes, none a rank of a distributed job"
         return f"{fr_text} and no stacks"
     return f"{fr_text}; stacks: " + ", ".join(f"rank {e.rank} {e.frame_class.value}" for e in known)
 

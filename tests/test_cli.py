@@ -76,6 +76,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], env: 
     assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
 
 
+def test_dump_of_processes_that_are_no_ranks_does_not_say_no_stacks(tmp_path: Path, spawn, python: str) -> None:
+    """Two hung processes that are no distributed job's ranks: their stacks are read and the
+    verdict's reason must not claim there were none."""
+    prefix = f"norank{os.getpid()}::worker"
+    a = _titled(spawn, python, f"{prefix}_a")
+    b = _titled(spawn, python, f"{prefix}_b")
+    r = _cli(tmp_path, "dump", "--pid", str(a.pid), "--pid", str(b.pid), "--json", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 0, r.stderr
+    verdict = json.loads(r.stdout)["verdict"]
+    assert (verdict["kind"], verdict["culprit_pids"], verdict["confidence"]) == ("unknown", [], "low")
+    assert len(verdict["evidence"]) == 2  # both stacks are there
+    assert "no stacks" not in verdict["reason"] and "2 processes, none a rank of a distributed job" in verdict["reason"]
+
+
 def test_out_of_range_option_is_a_usage_error(tmp_path: Path) -> None:
     r = _cli(tmp_path, "run", "--pid", "1", "--duration", "-1")
     assert r.returncode == 2

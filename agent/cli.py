@@ -1125,7 +1125,14 @@ def profile(
                 progress.done()
         return done
 
-    result, trace_id = anyio.run(session)
+    try:
+        result, trace_id = anyio.run(session)
+    except KeyboardInterrupt:  # the session was stopped on the way out (the actor's cancel path)
+        where = f"the profiling session of pid {pid}" if pid is not None else f"profiling at {settings.profiler.base_url}"
+        err.print(f"servewatch: interrupted (SIGINT): {where} was stopped; a trace written before the stop is"
+                  f" under {(out_dir or settings.profiler.output_dir or Path('profiles')).resolve()}"
+                  + (" or the server's own profiler folder" if pid is None else ""), markup=False, highlight=False)
+        raise SystemExit(130) from None
     telemetry = agent.telemetry
     delivered = True
     if trace_id is not None:

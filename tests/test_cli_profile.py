@@ -185,6 +185,45 @@ def test_a_stalled_rank_ends_the_profile_early_and_a_failed_profile_leaves_no_fo
     assert list((tmp_path / "cwd").iterdir()) == []  # a/b removed, a too
 
 
+def test_ctrl_c_stops_the_session_it_started_and_says_so(tmp_path: Path, launch: ProgramLauncher) -> None:
+    """Ctrl-C while `profile` waits for an idle server's next step: exit 130 with one line, and
+    the session it asked for is stopped in the server, so the next `profile` is not refused
+    as busy (it was, until the SDK's own 60 s bound)."""
+    import select
+    import signal
+    import time
+
+    from tests.test_cli_conventions import _env, _servewatch
+
+    _, line = launch.start("profiled_model.py", "--idle")
+    pid = line.split()[1]
+    proc = subprocess.Popen([_servewatch(), "profile", "--pid", pid, "--steps", "2", "--out", "prof"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path / "cwd", env=_env(tmp_path))
+    try:
+        assert proc.stderr is not None
+        said = ""
+        deadline = time.monotonic() + 60
+        while "waiting for the next forward step" not in said and time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stderr], [], [], 1)
+            if ready:
+                said += proc.stderr.readline()
+        assert "waiting for the next forward step" in said, said
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 130, rest
+    assert f"servewatch: interrupted (SIGINT): the profiling session of pid {pid} was stopped" in rest, rest
+    assert "Traceback" not in rest
+    r = sw(tmp_path, "profile", "--pid", pid, "--steps", "1", "--out", "prof", "--timeout", "1", timeout_s=90,
+           SERVEWATCH_PROFILER__FIND_TIMEOUT_S="1")
+    assert "refused (busy)" not in r.stderr, r.stderr
+    assert "idle server: no step came" in r.stderr, r.stderr
+
+
 def test_an_unsupported_http_profile_leaves_no_folder(tmp_path: Path, launch: ProgramLauncher) -> None:
     _, line = launch.start("fake_sglang_server.py", "--no-profile-endpoints")
     url = f"http://127.0.0.1:{json.loads(line)['port']}"

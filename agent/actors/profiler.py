@@ -588,6 +588,21 @@ class ProfilerActor:
             return s.result(outcome, f"profile.start refused ({code}): {reply.get('detail', '')}", retryable=code == "busy")
         sid = str(reply["session_id"])
         s.attrs["servewatch.profile.session_id"] = sid
+        try:
+            return await self._sdk_follow(s, sock, sid)
+        except anyio.get_cancelled_exc_class():
+            # Ctrl-C / shutdown: a session left pending would start at the server's next step and
+            # refuse every other profile as busy until its own deadline; stop it, bounded
+            with anyio.CancelScope(shield=True), anyio.move_on_after(c.request_timeout_s):
+                try:
+                    await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=c.request_timeout_s, pid=s.pid)
+                except SdkCallError:
+                    pass
+            raise
+
+    async def _sdk_follow(self, s: _Session, sock: Path, sid: str) -> ActionResult:
+        """Wait for the started session ``sid`` to end (steps, stall, deadline) and read its result."""
+        c, req = self.config, s.req
         # The SDK ends the session itself (steps or its own deadline); allow for the export.
         watch = _StallWatch(s.pid, c.socket_dir, c.stall_window_s) if s.pid is not None else None
         info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s, pid=s.pid, stall=watch)

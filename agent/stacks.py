@@ -234,6 +234,25 @@ _WORK_WAIT_PATH = re.compile(
 )
 
 #: ``threading`` primitives a parked thread waits in (py-spy names them ``Class.method`` on 3.11+).
+#: Yield helpers a spin loop calls: the frame that decides is their caller. vLLM's
+#: ``vllm/distributed/utils.py`` ``sched_yield`` (``os.sched_yield``), which ``shm_broadcast``'s
+#: ``SpinCondition.wait`` calls while a worker waits for work (seen innermost on an idle vLLM
+#: 0.32 CPU worker right after a request).
+_SPIN_HELPERS = re.compile(r"vllm/distributed/utils\.py$")
+
+
+def _decider(python: Sequence[Frame]) -> Frame | None:
+    """The innermost Python frame outside ``threading``, frozen modules and spin helpers
+    (:data:`_SPIN_HELPERS`): the frame whose code decides what the thread waits for."""
+    for frame in python:
+        if frame.filename.endswith("/threading.py") or frame.filename.startswith("<frozen"):
+            continue
+        if frame.name in ("sched_yield", "spinloop") and _SPIN_HELPERS.search(frame.filename):
+            continue
+        return frame
+    return None
+
+
 _PARK_NAMES = frozenset({"wait", "Event.wait", "Condition.wait", "Semaphore.acquire", "BoundedSemaphore.acquire",
                          "Barrier.wait", "_wait_for_tstate_lock"})
 #: A thread's own frames above a park that still make it a parked helper: its run function, and
@@ -343,12 +362,11 @@ def _parked_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
 def _waits_for_message(python: Sequence[Frame]) -> bool:
     """The innermost Python frame outside ``threading`` is a work source or a framework's
     message queue."""
-    for frame in python:
-        if frame.filename.endswith("/threading.py") or frame.filename.startswith("<frozen"):
-            continue
-        layer = comm_layer(frame)
-        return bool(_WORK_WAIT_PATH.search(frame.filename)) or (layer is not None and layer.kind == "message_queue")
-    return bool(python)  # only threading frames (a Timer, a bare Event.wait): idle
+    frame = _decider(python)
+    if frame is None:
+        return bool(python)  # only threading frames (a Timer, a bare Event.wait): idle
+    layer = comm_layer(frame)
+    return bool(_WORK_WAIT_PATH.search(frame.filename)) or (layer is not None and layer.kind == "message_queue")
 
 
 def thread_is_idle(thread: ThreadStack) -> bool:
@@ -365,7 +383,7 @@ def thread_is_idle(thread: ThreadStack) -> bool:
     """
     python = [f for f in thread.frames if not f.native]
     if thread.active:
-        first = next((f for f in python if not f.filename.endswith("/threading.py")), None)
+        first = _decider(python)
         layer = comm_layer(first) if first is not None else None
         return layer is not None and layer.kind == "message_queue"
     return _parked_helper(thread, python) or _waits_for_message(python)

@@ -390,6 +390,15 @@ def test_parked_helper_threads_and_message_queues_are_idle_not_stuck() -> None:
     assert all(thread_is_idle(t) for t in threads)
     assert idle_and_stuck(threads) == (("MainThread", "signal-callback", "Thread-1"), ())
     assert hung_frame(threads) == "" and classify_stack(threads)[0] is FrameClass.IDLE
+    # right after a request the worker spins through vLLM's own sched_yield helper (innermost on
+    # the real vLLM 0.32 CPU worker: 'sched_yield (vllm/distributed/utils.py:46)'): still idle
+    spinning = ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True,
+                           frames=(_f("sched_yield", _SP + "vllm/distributed/utils.py", 46), *main.frames))
+    assert thread_is_idle(spinning) and classify_stack([spinning, signal_cb, tqdm])[0] is FrameClass.IDLE
+    # the helper alone proves nothing: called from a model's own loop it is that loop that spins
+    own_spin = ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True,
+                           frames=(_f("sched_yield", _SP + "vllm/distributed/utils.py", 46), _f("forward", "/app/m.py", 3)))
+    assert not thread_is_idle(own_spin)
     # a forward that waits in Event.wait deep in the model is stuck, on any thread
     deep = ThreadStack(pid=1, thread_id=4, os_thread_id=4, thread_name="fwd", frames=(*park, _f("hook", "/app/m.py", 1), _f("layer", "/app/m.py", 2), _f("forward", "/app/m.py", 3), *boot))
     assert not thread_is_idle(deep)

@@ -119,8 +119,7 @@ def _profile_vllm(server: Any, dest: Path, requests: int, max_tokens: int, max_i
             with src.open("rb") as fi, gzip.open(dest, "wb") as fo:
                 shutil.copyfileobj(fi, fo)
     finally:
-        server.stop()
-        shutil.rmtree(server.workdir, ignore_errors=True)
+        server.discard()
     return dest, f"vLLM 0.32 CPU worker, tiny Llama, {requests} completions x {max_tokens} tokens, <= {max_iterations} engine steps"
 
 

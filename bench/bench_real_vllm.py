@@ -266,7 +266,7 @@ def main() -> int:
             server_overhead(server, args.rounds, args.window_s)
             profile_wall(server, args.rounds, args.steps)
         finally:
-            server.stop()
+            server.discard()
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0
 

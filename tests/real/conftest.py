@@ -68,7 +68,7 @@ class RealVllm:
     def shared(self, tp: int = 1) -> VllmServer:
         """The shared server at ``tp``, started (or restarted) if it is not the right one."""
         if self._shared is not None and (self._shared.tp != tp or not self._shared.alive):
-            self._shared.stop()
+            self._shared.discard()
             self._shared = None
         if self._shared is None:
             self._shared = VllmServer.start(self.install, tp=tp)
@@ -83,13 +83,13 @@ class RealVllm:
 
     def drop_shared(self) -> None:
         if self._shared is not None:
-            self._shared.stop()
+            self._shared.discard()
             self._shared = None
 
     def end_test(self) -> None:
         """After each test: stop its dedicated servers; keep the shared one only if it serves."""
         while self._dedicated:
-            self._dedicated.pop().stop(grace_s=10.0)
+            self._dedicated.pop().discard(grace_s=10.0)
         if self._shared is not None:
             self._shared.clear_fault()
             self._shared.resume_all()

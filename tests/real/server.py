@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,8 @@ LOCK_PATH = Path("/tmp/servewatch-realvllm.lock")
 LOCK_TIMEOUT_ENV = "REALVLLM_LOCK_TIMEOUT_S"
 #: Env var: seconds a server may take to start serving (default 420).
 START_TIMEOUT_ENV = "REALVLLM_START_TIMEOUT_S"
+#: Env var: "1" keeps each server's work folder (log, profiles, temp files) after it is discarded.
+KEEP_ENV = "REALVLLM_KEEP_WORKDIRS"
 FAULT_FILE_ENV = "REALVLLM_FAULT_FILE"
 MODEL_NAME = "tiny"
 #: Seconds a clean SIGTERM shutdown may take before the tree is killed.
@@ -138,6 +141,7 @@ class VllmServer:
             timeout_s = float(os.environ.get(START_TIMEOUT_ENV, "420"))
         workdir = Path(tempfile.mkdtemp(prefix=f"realvllm-tp{tp}-"))
         (workdir / "profiles").mkdir()
+        (workdir / "tmp").mkdir()
         port = _free_port()
         argv = [
             str(install.vllm), "serve", str(install.model),
@@ -161,6 +165,9 @@ class VllmServer:
             TRANSFORMERS_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
+            # torch's export_chrome_trace stages a .json.gz trace in a temp file: a worker killed
+            # while writing one leaves GBs behind; here it goes with the work folder
+            TMPDIR=str(workdir / "tmp"),
             **{FAULT_FILE_ENV: str(workdir / "fault")},
         )
         log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
@@ -172,7 +179,7 @@ class VllmServer:
         try:
             server._wait_serving(timeout_s)
         except BaseException:
-            server.stop(grace_s=5.0)
+            server.discard(grace_s=5.0)
             raise
         server.known_pids.update(p.pid for p in server.tree())
         return server
@@ -212,6 +219,15 @@ class VllmServer:
             self.proc.wait(timeout=10)
         psutil.wait_procs(procs, timeout=10)
         return self.proc.returncode
+
+    def discard(self, sig: int = signal.SIGTERM, *, grace_s: float = STOP_GRACE_S) -> int | None:
+        """:meth:`stop`, then remove the work folder (server log, profiles, temp files) unless
+        ``$REALVLLM_KEEP_WORKDIRS`` is ``1``. Returns what :meth:`stop` returns."""
+        try:
+            return self.stop(sig, grace_s=grace_s)
+        finally:
+            if os.environ.get(KEEP_ENV) != "1":
+                shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _session_procs(self) -> list[psutil.Process]:
         """Every live process of the server's session (``setsid`` at start: sid = API server pid),

@@ -100,7 +100,7 @@ def test_tp1_hang_names_the_worker_and_the_engine_core_is_no_rank(vllm_tp1: Vllm
 
 def test_an_idle_server_s_dump_says_idle_and_nothing_is_stuck(vllm_tp1: VllmServer, tmp_path: Path) -> None:
     v, doc, stdout = _dump(vllm_tp1, tmp_path / "data")
-    assert (v["kind"], v["hung"], v["culprit_ranks"], v["culprit_pids"]) == ("idle", False, [], []), v
+    assert (v["kind"], v["hung"], v["culprit_ranks"], v["culprit_pids"]) == ("idle", False, [], []), (v["reason"], v["evidence"])
     assert v["reason"].startswith("all idle (waiting for work): nothing is stuck"), v["reason"]
     dumps = [a for a in doc["actions"] if a["action"] == "pyspy.dump"]
     assert len(dumps) == 2 and all(a["outcome"] == "ok" for a in dumps), dumps
@@ -158,19 +158,33 @@ def _metric(server: VllmServer, name: str) -> float:
     return total
 
 
+#: Seconds each forward of a server with a long request sleeps first (the fault plugin's slow
+#: mode): 200 tokens then take >= 40 s, so the hang is always set inside the running request (a
+#: tiny model on a quiet box otherwise finishes the 200 tokens in about a second).
+_STEP_S = 0.2
+
+
 def _long_request(server: VllmServer) -> threading.Thread:
     """A request generating 200 tokens (EOS ignored), in the background, seen running on /metrics:
     a hang then falls inside a running request (vLLM publishes its scheduler statistics after each
     step, so a forward hung in a request's first step never shows it running)."""
+    outcome: list[object] = []
+
     def go() -> None:
         try:
-            server.complete("hello", max_tokens=200, timeout_s=600, ignore_eos=True)
-        except httpx.HTTPError:
-            pass
+            outcome.append(server.complete("hello", max_tokens=200, timeout_s=600, ignore_eos=True)["usage"])
+        except httpx.HTTPError as exc:
+            outcome.append(exc)
 
+    def running() -> bool:
+        if outcome:  # it ended before it was seen running: say how, not "not running"
+            raise AssertionError(f"the long request to {server.url} ended before /metrics showed it running: {outcome[0]!r}")
+        return _metric(server, "vllm:num_requests_running") >= 1
+
+    server.slow(_STEP_S)  # every forward takes >= _STEP_S: the request is still running when we look
     t = threading.Thread(target=go, daemon=True)
     t.start()
-    _until(lambda: _metric(server, "vllm:num_requests_running") >= 1, 120, "the request running")
+    _until(running, 120, "the request running")
     return t
 
 
@@ -196,7 +210,7 @@ def test_two_servers_each_stall_gets_its_own_server_s_verdict(real_vllm: Any, tm
             _hang_mid_request(server)
 
     def a_progresses_then_hangs() -> None:
-        a.clear_fault()  # a's request goes on: progress on a's /metrics, then a hangs again
+        a.slow(_STEP_S)  # a's request goes on: progress on a's /metrics, then a hangs again
         _hang_mid_request(a)
 
     for mine, other, make_it_stall in ((b, a, both_hang), (a, b, a_progresses_then_hangs)):

@@ -5,8 +5,9 @@ vLLM loads general plugins in every one of its processes (API server, EngineCore
 one wraps ``LlamaForCausalLM.forward``: before each forward, a worker whose tensor-parallel rank is
 selected reads the trigger file named by ``REALVLLM_FAULT_FILE`` and
 
-- ``mode=hang`` (the default): blocks, polling every 50 ms, for as long as the file exists — a
-  forward that never returns while the trigger is there, with the real call stack above it;
+- ``mode=hang`` (the default): blocks, polling every 50 ms, for as long as the file exists and
+  still asks this rank to hang — a forward that never returns while the trigger is there, with
+  the real call stack above it (rewriting the file to ``mode=slow`` lets it go on slowly);
 - ``mode=slow``: sleeps ``delay_s`` seconds once per forward (a slow step, the engine still steps).
 
 The file holds ``key=value`` lines: ``mode``, ``ranks`` (comma-separated TP ranks, or ``all``, the
@@ -63,8 +64,11 @@ def fault_point(path: str) -> None:
     if fault.get("mode", "hang") == "slow":
         time.sleep(float(fault.get("delay_s", "1.0")))
         return
-    while os.path.exists(path):
+    while True:  # until the file is gone, or no longer asks this rank to hang
         time.sleep(_POLL_S)
+        now = _read_fault(path)
+        if now is None or now.get("mode", "hang") != "hang" or not _selected(now):
+            return
 
 
 def register() -> None:

@@ -1,10 +1,12 @@
 """servewatch against a real vLLM 0.32 CPU server (``tests/real``'s fixture: its cached venv and
 tiny Llama, TP=1, under the machine-wide real-vLLM lock), four figures in one run:
 
-1. **hang -> incident**: the fault plugin hangs the worker's forward while a request runs;
+1. **hang -> incident**: the fault plugin hangs the worker's forward inside a request seen running
+   and stepping on ``/metrics`` (vLLM publishes its scheduler statistics after each step: a forward
+   hung in a request's first step never shows it running, so no watchdog on /metrics sees it);
    ``servewatch run --metrics-url .../metrics --metrics-preset vllm --root-pid <server>
-   --watchdog-timeout T`` watches. Latency from the hang (the request sent into the hung
-   forward) to the incident's ``opened_time_unix_nano``, and to its last ``pyspy.dump`` ending
+   --watchdog-timeout T`` watches. Latency from the hang (the trigger written: the worker's
+   next forward blocks) to the incident's ``opened_time_unix_nano``, and to its last ``pyspy.dump`` ending
    (stacks captured). Target: opened <= T + 2 s. Ratio: latency / (T + 2 s).
 2. **agent CPU and RSS** while it watches the server under a closed-loop load (health, /metrics
    and process watchers, defaults): CPU seconds per wall second (a fraction of one core) and the
@@ -22,7 +24,8 @@ tiny Llama, TP=1, under the machine-wide real-vLLM lock), four figures in one ru
 Nothing is asserted; the figures print as a table (and result rows for ``bench/run_all.py``).
 Needs ``python -m tests.real.install`` first (exits 2 saying so otherwise).
 
-Usage: ``python bench/bench_real_vllm.py [--rounds 3] [--window-s 20] [--watch-s 40] [--timeout-s 5]``
+Usage: ``python bench/bench_real_vllm.py [--rounds 3] [--window-s 20] [--watch-s 40] [--timeout-s 5]
+[--only hang|agent|overhead|profile ...]``
 """
 
 from __future__ import annotations
@@ -94,6 +97,33 @@ def _wait_manifest(data_dir: Path, pred: Callable[[dict], bool], timeout_s: floa
     return None
 
 
+def _metric(server: VllmServer, name: str) -> float:
+    """The sum of ``name``'s samples on the server's /metrics (0 when the scrape fails)."""
+    try:
+        text = server.metrics()
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
+def _hang_mid_request(server: VllmServer, timeout_s: float = 60.0) -> int:
+    """Once a request is seen running and a step of it is seen on /metrics, hang the worker's
+    next forward (the fault plugin): the wall-clock ns of the hang, 0 if the request was not
+    seen within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _metric(server, "vllm:num_requests_running") < 1:
+        if time.monotonic() > deadline:
+            return 0
+        time.sleep(0.05)
+    steps = _metric(server, "vllm:iteration_tokens_total_count")
+    while _metric(server, "vllm:iteration_tokens_total_count") <= steps:
+        if time.monotonic() > deadline:
+            return 0
+        time.sleep(0.05)
+    server.hang(ranks=None)
+    return time.time_ns()
+
+
 def hang_to_incident(server: VllmServer, rounds: int, timeout_s: float) -> None:
     opened, captured = [], []
     for r in range(rounds):
@@ -101,15 +131,18 @@ def hang_to_incident(server: VllmServer, rounds: int, timeout_s: float) -> None:
         agent = _agent(server, data, "--watchdog-timeout", str(timeout_s))
         try:
             time.sleep(4.0)  # the agent is up and has scraped the idle server
-            server.hang(ranks=None)
-            t0 = time.time_ns()
-            with server.load(concurrency=1, max_tokens=4, request_timeout_s=timeout_s + 120, max_requests=1):
-                found = _wait_manifest(data, lambda m: m.get("trigger") == "stall", timeout_s + 60)
+            with server.load(concurrency=2, max_tokens=200, request_timeout_s=timeout_s + 120):
+                # vLLM publishes its scheduler statistics after each step: a forward hung in a
+                # request's first step never shows it running. Hang inside running requests (two
+                # in a closed loop: one is running whenever the other has just ended).
+                t0 = _hang_mid_request(server)
+                found = _wait_manifest(data, lambda m: m.get("trigger") == "stall", timeout_s + 60) if t0 else None
                 if found is not None:  # the stacks are taken while the forward still hangs
                     found = _wait_manifest(data, lambda m: "pyspy.dump" in m.get("phases_done", ()) or m.get("state") == "closed", 60) or found
                 server.clear_fault()
             if found is None:
-                print(f"round {r}: no stall incident within {timeout_s + 60:.0f} s", file=sys.stderr)
+                print(f"round {r}: no stall incident within {timeout_s + 60:.0f} s" if t0 else
+                      f"round {r}: the request was not seen running and stepping on /metrics within 60 s", file=sys.stderr)
                 continue
             opened.append((found["opened_time_unix_nano"] - t0) / 1e9)
             dumps = [a["end_time_unix_nano"] for a in found.get("actions", []) if a["action"] == "pyspy.dump" and a["end_time_unix_nano"]]
@@ -244,27 +277,38 @@ def profile_wall(server: VllmServer, rounds: int, steps: int) -> None:
                 unit="s", spread=(min(ours) / p, max(ours) / p), note=f"{len(ours)} rounds, CLI start included")  # fmt: skip
 
 
+#: The figures, in the order they run (``--only``).
+FIGURES = ("hang", "agent", "overhead", "profile")
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="servewatch against a real vLLM 0.32 CPU server (tests/real's fixture, TP=1): hang -> incident, agent CPU/RSS, server CPU per request attached vs paused, profile wall time.")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the hang, overhead and profile figures")
     ap.add_argument("--window-s", type=float, default=20.0, help="SECONDS per overhead window")
     ap.add_argument("--watch-s", type=float, default=40.0, help="SECONDS the agent's own cost is sampled")
     ap.add_argument("--timeout-s", type=float, default=5.0, help="watchdog timeout, SECONDS, for the hang figure")
     ap.add_argument("--steps", type=int, default=5, help="steps per profile")
+    ap.add_argument("--only", choices=list(FIGURES), action="append", help="run only this figure (repeatable); default all")
     args = ap.parse_args()
     inst = real_install.ready()
     if inst is None:
         print(f"bench_real_vllm: no real vLLM install ({real_install.unavailable_reason() or 'run python -m tests.real.install'})", file=sys.stderr)
         return 2
     with server_lock():
+        real_install.refresh_plugin(inst)  # this checkout's fault plugin, as the test session does
         t0 = time.monotonic()
         server = VllmServer.start(inst, tp=1)
         print(f"real vLLM 0.32.0 (CPU) TP=1 serving after {time.monotonic() - t0:.0f} s at {server.url}; load average {os.getloadavg()[0]:.1f}")
         try:
-            hang_to_incident(server, args.rounds, args.timeout_s)
-            agent_cost(server, args.watch_s)
-            server_overhead(server, args.rounds, args.window_s)
-            profile_wall(server, args.rounds, args.steps)
+            only = args.only or list(FIGURES)
+            if "hang" in only:
+                hang_to_incident(server, args.rounds, args.timeout_s)
+            if "agent" in only:
+                agent_cost(server, args.watch_s)
+            if "overhead" in only:
+                server_overhead(server, args.rounds, args.window_s)
+            if "profile" in only:
+                profile_wall(server, args.rounds, args.steps)
         finally:
             server.discard()
     print(f"load average at the end {os.getloadavg()[0]:.1f}")

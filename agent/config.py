@@ -1,14 +1,21 @@
 """Settings: CLI > ``SERVEWATCH_*`` environment > TOML file (``--config``) > defaults.
 
-Owns :class:`Settings` (the user's configuration, one nested model per component) and
-:func:`load_settings`, which merges the sources and turns any invalid value into one
-:class:`ConfigError` line naming the setting. Telemetry uses the standard ``OTEL_*`` variables
-(read by :mod:`exporters.provider`), not ``SERVEWATCH_*`` ones.
+Owns :class:`AgentSettings` (the agent's own tables: where data goes, which processes are targets,
+the stall rule, the incident logic, the API and the job's peers), :func:`settings_model` (the
+whole settings: the agent's tables plus one table per registered component's settings model,
+assembled from the registries, :mod:`agent.registry`), :func:`registries` and :func:`load_settings`,
+which merges the sources and turns any invalid value into one :class:`ConfigError` line naming
+the setting. Telemetry uses the standard ``OTEL_*`` variables (read by :mod:`exporters.provider`),
+not ``SERVEWATCH_*`` ones.
 
 Environment names: ``SERVEWATCH_<FIELD>`` for top-level fields and
 ``SERVEWATCH_<SECTION>__<FIELD>`` for nested ones, e.g. ``SERVEWATCH_DATA_DIR``,
 ``SERVEWATCH_HEALTH__URL``, ``SERVEWATCH_WATCHDOG__TIMEOUT_S``. The TOML file uses the same
 names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
+
+Imports the registries (the light package ``__init__`` of each kind) and the agent's own settings
+models (:mod:`agent.stall`, :mod:`agent.incidents`, :mod:`agent.fleet.config`); a component's
+settings model is imported by the path its registration line names, never a component module.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import (
     BaseModel,
     Field,
     PositiveInt,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -40,31 +48,26 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
-from agent.actors.coredump import CoredumpConfig
-from agent.actors.flightrec import FlightRecorderConfig
-from agent.actors.profiler import ProfilerConfig
-from agent.actors.pyspy import PySpyConfig
 from agent.errors import ConfigError
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
 from agent.fsutil import ensure_private_dir
 from agent.incidents import IncidentConfig
+from agent.registry import AgentValues, Kind, Registry
 from agent.security import unsafe_dir_reason, validate_host_name
-from agent.watchers.health import HealthConfig, check_http_url
-from agent.watchers.steps import StepsConfig
-from agent.watchers.watchdog import WatchdogConfig
-from exporters.provider import ExportConfig
+from agent.stall import WatchdogConfig
 
 __all__ = [
     "ENV_DATA_DIR",
     "ENV_PREFIX",
+    "AgentSettings",
     "ConfigError",
-    "MetricsConfig",
     "Settings",
-    "SpansConfig",
     "TargetConfig",
     "check_data_dir",
     "env_names",
     "load_settings",
+    "registries",
+    "settings_model",
     "settings_reference",
     "unknown_env_warnings",
 ]
@@ -104,38 +107,15 @@ class TargetConfig(BaseModel):
         return value
 
 
-class MetricsConfig(StepsConfig):
-    """Prometheus ``/metrics`` scrape used as the forward-progress source when the SDK is absent.
+class AgentSettings(BaseSettings):
+    """The agent's own settings; :func:`settings_model` adds one table per registered component
+    (see the module docstring for sources and names).
 
-    Adds ``url`` to :class:`~agent.watchers.steps.StepsConfig` (presets, overrides, timeout).
+    A component's settings model may define ``with_agent_values(values) -> model`` (a default
+    that depends on an agent-wide value, e.g. ``coredump.folder`` under ``data_dir``) and
+    ``provides``, a mapping of :class:`~agent.registry.AgentValues` fields to its own fields
+    (``{"sdk_socket_dir": "socket_dir"}``: the agent-wide value is set in that table).
     """
-
-    url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")
-    refused_grace_s: float = Field(
-        0.0, ge=0, description="seconds after start in which 'connection refused' means the server is starting (launch sets it)"
-    )
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        return check_http_url(value)
-
-
-class SpansConfig(BaseModel):
-    """Request and forward spans recorded by servers running the SDK, shipped by the agent
-    (:mod:`exporters.shipper`; the SDK side is :mod:`agent.sdk.channel`)."""
-
-    ship: bool = Field(True, description="drain the targets' span rings and export their spans (else servers export themselves)")
-    poll_interval_s: float = Field(0.5, gt=0, le=1.0, description="seconds between ring polls (the SDK falls back after 2 s without one)")
-    directory: Path | None = Field(None, description="folder of span rings (default: the SDK's shm folder)")
-    max_ring_bytes: int = Field(
-        64 * 1024 * 1024, ge=4096, le=64 * 1024 * 1024,
-        description="largest span ring the agent attaches, bytes (a bigger one is refused, said in the spans status)",
-    )
-
-
-class Settings(BaseSettings):
-    """Everything a user can set. See the module docstring for sources and names."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -144,24 +124,25 @@ class Settings(BaseSettings):
         validate_default=True,
     )
 
+    #: the tables of the registered components (set on the assembled model)
+    component_tables: ClassVar[tuple[str, ...]] = ()
+
     data_dir: Path = Field(Path("servewatch-data"), description="bundles and embedded-default span files")
-    host_name: str = Field(default_factory=socket.gethostname, description="host.name on spans and bundle paths")
+    host_name: str = Field(
+        default_factory=socket.gethostname, description="host.name on spans and bundle paths",
+        json_schema_extra={"shown_default": "this machine's host name"},
+    )
     target: TargetConfig = Field(default_factory=TargetConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
-    pyspy: PySpyConfig = Field(default_factory=PySpyConfig)
-    coredump: CoredumpConfig = Field(default_factory=CoredumpConfig)
-    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
-    flightrec: FlightRecorderConfig = Field(default_factory=FlightRecorderConfig)
     incident: IncidentConfig = Field(default_factory=IncidentConfig)
-    export: ExportConfig = Field(default_factory=ExportConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
-    spans: SpansConfig = Field(default_factory=SpansConfig)
+
+    if TYPE_CHECKING:  # a registered component's table, by its name (settings.pyspy)
+        def __getattr__(self, name: str) -> Any: ...
 
     @model_validator(mode="after")
-    def _fleet_consistent(self) -> Settings:
+    def _fleet_consistent(self) -> AgentSettings:
         problems = check_fleet_settings(self.api, self.fleet)
         if problems:
             raise ValueError("; ".join(problems))
@@ -174,11 +155,38 @@ class Settings(BaseSettings):
         return validate_host_name(value)
 
     @model_validator(mode="after")
-    def _coredump_folder_under_data_dir(self) -> Settings:
-        # Core files go beside the bundles unless a folder was given explicitly.
-        if "folder" not in self.coredump.model_fields_set:
-            self.coredump = self.coredump.model_copy(update={"folder": self.data_dir / "cuda_coredumps"})
+    def _defaults_from_agent_values(self) -> AgentSettings:
+        # e.g. core files go beside the bundles unless a folder was given explicitly
+        values = self.agent_values()
+        for table in self.component_tables:
+            resolve = getattr(getattr(self, table), "with_agent_values", None)
+            if resolve is not None:
+                setattr(self, table, resolve(values))
         return self
+
+    def table(self, name: str) -> BaseModel:
+        """A table by name (``"pyspy"``, ``"watchdog"``).
+
+        Raises:
+            AttributeError: no such table.
+        """
+        value = getattr(self, name)
+        if not isinstance(value, BaseModel):
+            raise AttributeError(f"{name!r} is a setting, not a table")
+        return value
+
+    def agent_values(self) -> AgentValues:
+        """The agent-wide values components read besides their own table (:class:`AgentValues`)."""
+        provided: dict[str, Any] = {}
+        for table in self.component_tables:
+            config = getattr(self, table)
+            for value, field in getattr(type(config), "provides", {}).items():
+                provided[value] = getattr(config, field)
+        return AgentValues(
+            data_dir=self.data_dir, host_name=self.host_name, watchdog_timeout_s=self.watchdog.timeout_s,
+            watchdog_poll_interval_s=self.watchdog.poll_interval_s, target_uids=tuple(self.target.uids),
+            **provided,
+        )
 
     @classmethod
     def settings_customise_sources(
@@ -194,6 +202,60 @@ class Settings(BaseSettings):
         if toml_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
+
+
+def registries() -> dict[Kind, Registry[Any]]:
+    """The three registries, each with every component registered (imports only the light
+    package ``__init__`` modules, never a component)."""
+    from agent.actors import ACTORS
+    from agent.watchers import WATCHERS
+    from exporters import EXPORTERS
+
+    return {"watcher": WATCHERS, "actor": ACTORS, "exporter": EXPORTERS}
+
+
+#: assembled settings models, by the tables registered (the same registrations, the same model)
+_assembled: dict[tuple[tuple[str, str, str], ...], type[AgentSettings]] = {}
+
+
+def settings_model() -> type[AgentSettings]:
+    """The whole settings model: :class:`AgentSettings` plus, for each registered component
+    with a settings model, its table (registries' order: watchers, actors, exporters), each
+    defaulting to the component's :meth:`~agent.registry.Factory.default_config`. The same
+    registrations give the same model; a change (tests register components of their own) gives
+    another.
+
+    Raises:
+        ValueError: two components (or a component and the agent) claim the same table.
+    """
+    regs = registries()
+    key = tuple((e.table, e.config, f"{kind} {e.name!r}") for kind, r in regs.items() for e in r if e.table and e.config)
+    model = _assembled.get(key)
+    if model is not None:
+        return model
+    owners: dict[str, str] = {name: "the agent" for name in AgentSettings.model_fields}
+    tables: dict[str, Any] = {}
+    for kind, registry in regs.items():
+        for entry in registry:
+            if entry.table is None:
+                continue
+            if entry.table in owners:
+                raise ValueError(f"{kind} {entry.name!r}: settings table {entry.table!r} is taken by {owners[entry.table]}")
+            owners[entry.table] = f"{kind} {entry.name!r}"
+            tables[entry.table] = (entry.config_model(), Field(default_factory=entry.default_config))
+    model = create_model("Settings", __base__=AgentSettings, __module__=__name__, **tables)
+    model.component_tables = tuple(tables)
+    _assembled[key] = model
+    return model
+
+
+if TYPE_CHECKING:
+    Settings = AgentSettings
+else:
+    def __getattr__(name: str) -> Any:
+        if name == "Settings":  # the assembled model (see settings_model)
+            return settings_model()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
@@ -338,7 +400,7 @@ def _env_json_error(exc: SettingsError) -> str:
 
 def _annotation_of(dotted: str) -> Any:
     """The type annotation of a setting by its dotted name (``target.pids`` -> ``list[PositiveInt]``)."""
-    model: type[BaseModel] | None = Settings
+    model: type[BaseModel] | None = settings_model()
     annotation: Any = None
     for part in dotted.split("."):
         if model is None or part not in model.model_fields:
@@ -350,7 +412,7 @@ def _annotation_of(dotted: str) -> Any:
 
 def load_settings(
     cli: dict[str, Any] | None = None, *, config_file: Path | None = None, flag_for: FlagFor | None = None
-) -> Settings:
+) -> AgentSettings:
     """Merge CLI values (highest), ``SERVEWATCH_*`` env, the TOML file and defaults.
 
     Args:
@@ -364,7 +426,7 @@ def load_settings(
         ConfigError: one line naming every invalid setting, or the unreadable config file.
     """
     overrides = _drop_none(cli or {})
-    cls: type[Settings] = Settings
+    cls = settings_model()
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
@@ -380,7 +442,7 @@ def load_settings(
         unknown = [key.replace(": ", f" in {path}: ", 1) for key in _unknown_keys(table)]
         if unknown:  # nested tables ignore extra keys: a typo there would pass silently
             raise ConfigError("invalid setting " + "; ".join(unknown))
-        cls = type("FileSettings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}})
+        cls = type("FileSettings", (cls,), {"model_config": {**cls.model_config, "toml_file": path}})
     try:
         return cls(**overrides)
     except ValidationError as exc:
@@ -399,8 +461,9 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def env_names(model: type[BaseModel] = Settings, *, _env: str = ENV_PREFIX, _dotted: str = "") -> dict[str, str]:
-    """Every environment variable :class:`Settings` reads, mapped to its dotted setting name.
+def env_names(model: type[BaseModel] | None = None, *, _env: str = ENV_PREFIX, _dotted: str = "") -> dict[str, str]:
+    """Every environment variable the settings (``model``, default :func:`settings_model`) read,
+    mapped to its dotted setting name.
 
     Returns:
         ``{"SERVEWATCH_DATA_DIR": "data_dir", "SERVEWATCH_HEALTH": "health",
@@ -408,7 +471,7 @@ def env_names(model: type[BaseModel] = Settings, *, _env: str = ENV_PREFIX, _dot
         each of its fields, in declaration order.
     """
     names: dict[str, str] = {}
-    for field_name, info in model.model_fields.items():
+    for field_name, info in (model or settings_model()).model_fields.items():
         env = f"{_env}{field_name.upper()}"
         names[env] = f"{_dotted}{field_name}"
         nested = _model_of(info.annotation)
@@ -437,7 +500,7 @@ def _sdk_env_names() -> set[str]:
 def unknown_env_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
     """One warning line per ``SERVEWATCH_*`` variable that nothing reads (a typo, usually).
 
-    Names are compared case-insensitively, as :class:`Settings` reads them. Variables of the SDK
+    Names are compared case-insensitively, as the settings read them. Variables of the SDK
     (read inside the served process) are known too. Only a variable that is not a setting name
     costs the SDK's import.
 
@@ -498,15 +561,6 @@ def check_data_dir(path: Path, *, setting: str = "data_dir") -> None:
         raise ConfigError(f"invalid setting {setting}: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
 
 
-#: Defaults computed when settings load, in words (the reference must not depend on the machine).
-_COMPUTED_DEFAULTS = {
-    "host_name": "this machine's host name",
-    "pyspy.executable": "py-spy next to this Python, else on PATH",
-    "pyspy.max_concurrency": "2 per CPU, at least 8",
-    "coredump.folder": "<data_dir>/cuda_coredumps",
-}
-
-
 def _attribute_docs(model: type[BaseModel]) -> dict[str, str]:
     """``{field: first sentence}`` from the ``Attributes:`` sections of ``model``'s docstrings."""
     import inspect
@@ -535,8 +589,11 @@ def _attribute_docs(model: type[BaseModel]) -> dict[str, str]:
 
 
 def _shown_default(dotted: str, info: Any) -> str:
-    if dotted in _COMPUTED_DEFAULTS:
-        return _COMPUTED_DEFAULTS[dotted]
+    # a default computed when the settings load, in words (the reference must not depend on the
+    # machine): the field's json_schema_extra "shown_default"
+    shown = info.json_schema_extra.get("shown_default") if isinstance(info.json_schema_extra, dict) else None
+    if isinstance(shown, str):
+        return shown
     if info.default_factory is not None and info.default_factory not in (list, dict, tuple):
         return "(computed)"
     value = info.get_default(call_default_factory=True)
@@ -577,7 +634,7 @@ def settings_reference() -> str:
             default = _shown_default(f"{dotted}{name}", info).replace("|", "\\|")
             rows.append(f"| `{dotted}{name}` | `{env}{name.upper()}` | `{default}` | {meaning} |")
 
-    walk(Settings, ENV_PREFIX, "")
+    walk(settings_model(), ENV_PREFIX, "")
     return "\n".join(rows) + "\n"
 
 

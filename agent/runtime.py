@@ -32,7 +32,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from agent import pidfds
 from agent.actors import ACTORS, Actor
 from agent.bus import EventBus, Subscription
-from agent.config import Settings
+from agent.config import AgentSettings as Settings
 from agent.events import (
     ActionCompleted,
     ActionResult,
@@ -164,7 +164,7 @@ class Agent:
         self._own_telemetry = telemetry is None
         self.children = list(children)
         self.context = BuildContext(
-            children=self.children, stalled=self._stalled,
+            agent=settings.agent_values(), children=self.children, stalled=self._stalled,
             on_status_change=self._status_changed if on_status is not None else None,
         )
         #: built components by name (registration order); exporters of the ``start`` stage are
@@ -268,7 +268,7 @@ class Agent:
         for entry in EXPORTERS:
             if entry.name in self.exporters:
                 continue
-            component = entry.create(self.settings, ctx)
+            component = entry.build(self.settings, ctx)
             if component is None:
                 continue
             self.exporters[entry.name] = component
@@ -405,7 +405,7 @@ class Agent:
     async def _inflight(self, targets: Sequence[Target]) -> list[InflightRequest]:
         from agent.sdkclient import read_inflight
 
-        return await read_inflight(targets, socket_dir=self.settings.profiler.socket_dir)
+        return await read_inflight(targets, socket_dir=self.context.agent.sdk_socket_dir)
 
     # -- one-shot commands (same build path as run) -----------------------------------------
 
@@ -811,7 +811,7 @@ class Agent:
                 return built.pop()
             if getattr(first, "reusable", False):
                 return first
-            fresh = WATCHERS.get(name).create(self.settings, self.context)
+            fresh = WATCHERS.get(name).build(self.settings, self.context)
             return fresh if fresh is not None else first
 
         return make

@@ -15,9 +15,9 @@ from agent.registry import Registry
 
 __all__ = ["EXPORTERS"]
 
-#: The exporter registry: name -> (settings read, factory), built in this order.
+#: The exporter registry: name -> (settings model, factory), built in this order.
 EXPORTERS: Registry[Any] = Registry("exporter")
-EXPORTERS.register("status", settings=("data_dir", "host_name"), factory="agent.watchers.status:create_board")
-EXPORTERS.register("otlp", settings=("export", "data_dir", "host_name"), factory="exporters.provider:create")
-EXPORTERS.register("mirror", settings=("host_name",), factory="exporters.mirror:create")
-EXPORTERS.register("span_shipper", settings=("spans", "host_name"), factory="exporters.shipper:create")
+EXPORTERS.register("status", factory="agent.watchers.status:create_board")
+EXPORTERS.register("otlp", config="exporters.config:ExportConfig", table="export", factory="exporters.provider:create")
+EXPORTERS.register("mirror", factory="exporters.mirror:create")
+EXPORTERS.register("span_shipper", config="exporters.config:SpansConfig", table="spans", factory="exporters.shipper:create")

@@ -72,7 +72,7 @@ from exporters.spans import (
 
 if TYPE_CHECKING:
     from agent.bus import Subscription
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
     from exporters.processor import ExportStatistics
 
 __all__ = ["INCIDENT_SPAN", "JOB_INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "create", "mirror_profile_session"]
@@ -444,10 +444,10 @@ def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
     return trace_id_hex(trace_id)
 
 
-def create(settings: Settings, ctx: BuildContext) -> SpanMirror | None:
+def create(config: None, ctx: BuildContext) -> SpanMirror | None:
     """Registry factory (:data:`exporters.EXPORTERS` ``mirror``), at the ``start`` stage:
     incident and action events become spans on ``ctx.telemetry``."""
     if ctx.stage != "start" or ctx.telemetry is None:
         return None
     tel = ctx.telemetry
-    return SpanMirror(tel.sink, host_name=settings.host_name, export_statistics=tel.processor.statistics)
+    return SpanMirror(tel.sink, host_name=ctx.agent.host_name, export_statistics=tel.processor.statistics)

@@ -1,6 +1,6 @@
 """Telemetry set-up: resource, span pipeline and meter provider, from config and the standard env.
 
-Owns :class:`ExportConfig` (user config), :func:`resolve_destination` (config > ``OTEL_*`` env >
+Owns (for the user settings :class:`~exporters.config.ExportConfig`) :func:`resolve_destination` (config > ``OTEL_*`` env >
 embedded default) and :func:`build_telemetry`, which returns a :class:`Telemetry` holding the
 ``TracerProvider``, the :class:`~exporters.spans.SpanSink` the mirror emits to, the
 ``MeterProvider`` and :class:`~exporters.metrics.Metrics`, with a bounded :meth:`Telemetry.shutdown`
@@ -46,16 +46,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote
 
 from opentelemetry.sdk import environment_variables as _ev
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.errors import ExportConfigError
+from exporters.config import ExportConfig, Protocol, scheme_problem
 
 if TYPE_CHECKING:  # imported where used: `import exporters.provider` (config models) stays light
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
     from exporters.metrics import Metrics
     from exporters.processor import ExportStatistics, LosslessSpanProcessor
     from exporters.spans import ProcessorSink
@@ -116,89 +116,6 @@ PLAUSIBLE_TIMEOUT_MS = (100.0, 60_000.0)
 
 Signal = Literal["traces", "metrics"]
 
-Protocol = Literal["grpc", "http/protobuf"]
-
-
-def scheme_problem(endpoint: str) -> str | None:
-    """The one rule for an OTLP endpoint given to servewatch itself (``--otlp-endpoint``,
-    ``export --to``, ``export.endpoint`` / ``SERVEWATCH_EXPORT__ENDPOINT``): it says its scheme,
-    ``http://`` (plaintext) or ``https://`` (TLS). The standard ``OTEL_EXPORTER_OTLP_*ENDPOINT``
-    variables keep the OTLP spec's bare gRPC ``host:port`` (plaintext unless
-    ``OTEL_EXPORTER_OTLP_INSECURE=false`` or TLS files are set), for every command alike.
-
-    Returns:
-        ``None`` when it has a scheme, else the one-line problem (with both fixes spelled out).
-    """
-    if "://" in endpoint:
-        return None
-    return f"the endpoint needs a scheme, e.g. http://{endpoint} (plaintext) or https://{endpoint} (TLS)"
-
-
-class ExportConfig(BaseModel):
-    """User config of the telemetry export. Unset (``None``) fields fall back to the ``OTEL_*``
-    env, then to the defaults documented here."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint_has_a_scheme(cls, value: str | None) -> str | None:
-        if value and (problem := scheme_problem(value.strip())):
-            raise ValueError(problem)
-        return value
-
-    #: OTLP endpoint (``http://host:4317`` for gRPC, ``http://host:4318`` for HTTP); ``None``:
-    #: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``; neither: write
-    #: OTLP/JSON lines files under the data dir (the embedded default).
-    endpoint: str | None = None
-    #: ``grpc`` or ``http/protobuf``; ``None``: ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``, else grpc.
-    protocol: Protocol | None = None
-    #: extra request headers / gRPC metadata, merged over ``OTEL_EXPORTER_OTLP_HEADERS``.
-    headers: dict[str, str] = Field(default_factory=dict)
-    #: plaintext gRPC for an endpoint without scheme; ``None``: env, else plaintext (TLS when a
-    #: certificate is configured).
-    insecure: bool | None = None
-    #: PEM file of the CA(s) trusted for the collector; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE``.
-    certificate: str | None = None
-    #: PEM client certificate for mTLS; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]CLIENT_CERTIFICATE``.
-    client_certificate: str | None = None
-    #: PEM client key for mTLS; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]CLIENT_KEY``.
-    client_key: str | None = None
-    #: ``gzip`` or ``none``; ``None``: env, else none.
-    compression: Literal["gzip", "none"] | None = None
-    #: bound on one export call, seconds; ``None``: ``OTEL_EXPORTER_OTLP_[SIGNAL_]TIMEOUT``
-    #: (milliseconds there), else 3 s.
-    timeout_s: float | None = Field(default=None, gt=0)
-    #: service.name; ``None``: ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, else servewatch.
-    service_name: str | None = None
-    #: extra resource attributes, over ``OTEL_RESOURCE_ATTRIBUTES``.
-    resource_attributes: dict[str, str] = Field(default_factory=dict)
-    #: in-memory span queue, spans (a burst bigger than this is dropped and counted).
-    queue_spans: int = Field(default=65536, ge=1)
-    #: spans per export request.
-    batch_spans: int = Field(default=512, ge=1)
-    #: bytes per export request (encoded); under the collector's 4 MiB gRPC receive limit. A
-    #: request refused as too large anyway is split and retried.
-    batch_bytes: int = Field(default=3 * 1024 * 1024, ge=64 * 1024)
-    #: longest a span waits before a partial batch is sent, seconds (OTel's default is 5; every
-    #: request costs the agent a fixed amount of CPU, so fewer, fuller ones: bench/bench_soak.py).
-    schedule_delay_s: float = Field(default=2.0, gt=0)
-    #: shutdown deadline; what is not delivered by then is spooled, seconds.
-    shutdown_timeout_s: float = Field(default=3.0, ge=0)
-    #: spool cap, bytes (oldest batches evicted and counted past it).
-    spool_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
-    #: first replay backoff after a failed export, seconds (doubles up to the max).
-    retry_initial_backoff_s: float = Field(default=0.25, gt=0)
-    #: longest replay backoff, seconds.
-    retry_max_backoff_s: float = Field(default=5.0, gt=0)
-    #: embedded default: rotate span files at this size, bytes.
-    file_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    #: embedded default: keep at most this many span files per run (0: all).
-    file_max_files: int = Field(default=32, ge=0)
-    #: export servewatch's own metrics.
-    metrics: bool = True
-    #: metrics export interval, seconds.
-    metrics_interval_s: float = Field(default=10.0, gt=0)
 
 
 @dataclass(frozen=True)
@@ -727,15 +644,13 @@ def build_telemetry(
     )
 
 
-def create(settings: Settings, ctx: BuildContext) -> Telemetry | None:
+def create(config: ExportConfig, ctx: BuildContext) -> Telemetry | None:
     """Registry factory (:data:`exporters.EXPORTERS` ``otlp``), at the ``start`` stage: the
-    pipeline of ``settings.export`` (``ctx.telemetry`` when the caller brought its own); for a
-    one-shot command, metrics go only to a collector."""
+    pipeline of ``config`` (``[export]``; ``ctx.telemetry`` when the caller brought its own); for
+    a one-shot command, metrics go only to a collector."""
     if ctx.stage != "start":
         return None
     if ctx.telemetry is not None:
         return ctx.telemetry
     # one-shot commands send the agent's own metrics only to a collector (no metrics files)
-    return build_telemetry(
-        settings.export, data_dir=settings.data_dir, host_name=settings.host_name, file_metrics=not ctx.one_shot
-    )
+    return build_telemetry(config, data_dir=ctx.agent.data_dir, host_name=ctx.agent.host_name, file_metrics=not ctx.one_shot)

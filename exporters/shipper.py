@@ -75,7 +75,8 @@ from exporters.wire import (
 )
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
+    from exporters.config import SpansConfig
 
 
 __all__ = ["SDK_SCOPE", "ShipperStatistics", "SpanShipper", "create", "decode_record"]
@@ -664,18 +665,18 @@ def _same_file(reader: RingReader) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def create(settings: Settings, ctx: BuildContext) -> SpanShipper | None:
+def create(config: SpansConfig, ctx: BuildContext) -> SpanShipper | None:
     """Registry factory (:data:`exporters.EXPORTERS` ``span_shipper``), at the ``start`` stage
     of a running agent (not a one-shot dump): ships the targets' SDK spans through
-    ``ctx.telemetry``; ``None`` with ``spans.ship`` off."""
-    if ctx.stage != "start" or ctx.one_shot or ctx.telemetry is None or not settings.spans.ship:
+    ``ctx.telemetry``; ``None`` with ``ship`` off (``[spans]``)."""
+    if ctx.stage != "start" or ctx.one_shot or ctx.telemetry is None or not config.ship:
         return None
-    spans = settings.spans
     own_service = ctx.telemetry.resource.attributes.get("service.name") if getattr(ctx.telemetry, "resource", None) else None
     shipper = SpanShipper(
-        ctx.telemetry.processor, host_name=settings.host_name, directory=spans.directory, poll_interval_s=spans.poll_interval_s,
+        ctx.telemetry.processor, host_name=ctx.agent.host_name, directory=config.directory,
+        poll_interval_s=config.poll_interval_s,
         reserved_service_names={"servewatch", *([own_service] if isinstance(own_service, str) else [])},
-        max_ring_bytes=spans.max_ring_bytes,
+        max_ring_bytes=config.max_ring_bytes,
     )
     shipper.register_metrics(ctx.telemetry.meter_provider)
     return shipper

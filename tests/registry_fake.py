@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
+from pydantic import BaseModel, Field
 
 from agent.actors import ACTORS
 from agent.events import (
@@ -67,8 +68,18 @@ class ProbeActor:
         return results
 
 
-def create_actor(settings: Any, ctx: Any) -> ProbeActor:
+class ProbeLimits(BaseModel):
+    """Settings of the ``limited_probe`` actor (its own table, ``[probe_limits]``)."""
+
+    max_bytes: int = Field(4096, gt=0, description="most bytes of a target's cmdline read")
+
+
+def create_actor(config: Any, ctx: Any) -> ProbeActor:
     return ProbeActor(max_bytes=4096)
+
+
+def create_limited_actor(config: ProbeLimits, ctx: Any) -> ProbeActor:
+    return ProbeActor(max_bytes=config.max_bytes)
 
 
 class ProbeLog:
@@ -89,10 +100,10 @@ class ProbeLog:
             self._write(f"{type(event).__name__} {event.trigger}")
 
 
-def create_exporter(settings: Any, ctx: Any) -> ProbeLog | None:
+def create_exporter(config: Any, ctx: Any) -> ProbeLog | None:
     if ctx.stage != "start":
         return None
-    return ProbeLog(Path(settings.data_dir) / LOG_NAME, one_shot=ctx.one_shot)
+    return ProbeLog(Path(ctx.agent.data_dir) / LOG_NAME, one_shot=ctx.one_shot)
 
 
 class OneFailure:
@@ -105,7 +116,7 @@ class OneFailure:
         await anyio.sleep_forever()
 
 
-def create_watcher(settings: Any, ctx: Any) -> OneFailure:
+def create_watcher(config: Any, ctx: Any) -> OneFailure:
     return OneFailure()
 
 
@@ -119,8 +130,15 @@ def register() -> None:
     EXPORTERS.register("probe_log", factory="tests.registry_fake:create_exporter")
 
 
+def register_configured() -> None:
+    """An actor with settings of its own: one registration line naming its model and table."""
+    ACTORS.register("limited_probe", config="tests.registry_fake:ProbeLimits", table="probe_limits",
+                    factory="tests.registry_fake:create_limited_actor")
+
+
 def unregister() -> None:
-    for registry, name in ((ACTORS, "probe"), (EXPORTERS, "probe_log"), (WATCHERS, "one_failure")):
+    for registry, name in ((ACTORS, "probe"), (EXPORTERS, "probe_log"), (WATCHERS, "one_failure"),
+                           (ACTORS, "limited_probe"), (ACTORS, "twin")):
         if name in registry:
             registry.unregister(name)
 

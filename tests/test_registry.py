@@ -1,4 +1,4 @@
-"""Component registries (agent.registry): lookups, lazy factories, Agent.build wiring, and a new
+"""Component registries (agent.registry, assembled by agent.config): lookups, lazy factories, Agent.build wiring, and a new
 component added by one registration line running in real incidents (dump, run, launch, profile)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.config import load_settings
+from agent.actors.config import CoredumpConfig
+from agent.config import ConfigError, env_names, load_settings, registries, settings_model
 from agent.events import Action
-from agent.registry import BuildContext, Registry, UnknownComponentError, registries
+from agent.registry import BuildContext, Registry, UnknownComponentError
 from agent.runtime import Agent
 from tests import registry_fake
 from tests.conftest import PROGRAMS_DIR
@@ -51,19 +52,25 @@ def _env(tmp_path: Path, **more: str) -> dict[str, str]:
 
 
 def test_each_kind_lists_its_components_in_registration_order() -> None:
+    reg: Registry[object] = Registry("actor")
+    for name in ("zeta", "alpha", "mid"):
+        reg.register(name, factory=f"pkg.{name}:create")
+    assert reg.names() == ["zeta", "alpha", "mid"] == [e.name for e in reg]
     regs = registries()
-    assert regs["watcher"].names() == ["health", "metrics", "process", "steps"]
-    assert regs["actor"].names() == ["pyspy", "flightrec", "cuda_coredump", "profiler"]
-    assert regs["exporter"].names() == ["status", "otlp", "mirror", "span_shipper"]
-    assert regs["actor"].get("cuda_coredump").settings == ("coredump", "target.uids", "data_dir")
+    assert set(regs) == {"watcher", "actor", "exporter"} and all(len(r) for r in regs.values())
+    for kind, registry in regs.items():
+        assert all(entry.kind == kind for entry in registry)
+    coredump = regs["actor"].get("cuda_coredump")
+    assert coredump.table == "coredump" and coredump.config_model() is CoredumpConfig  # a table named apart
     assert regs["actor"].get("pyspy").module == "agent.actors.pyspy"
 
 
 def test_an_unknown_name_is_one_line_listing_the_known_ones() -> None:
+    actors = registries()["actor"]
     with pytest.raises(UnknownComponentError) as info:
-        registries()["actor"].get("gdb")
-    assert str(info.value) == "unknown actor 'gdb': expected one of pyspy, flightrec, cuda_coredump, profiler"
-    assert isinstance(info.value, KeyError) and info.value.known[0] == "pyspy"
+        actors.get("gdb")
+    assert str(info.value) == f"unknown actor 'gdb': expected one of {', '.join(actors.names())}"
+    assert isinstance(info.value, KeyError) and info.value.known == tuple(actors.names())
     with pytest.raises(UnknownComponentError, match="unknown exporter 'x': expected one of"):
         registries()["exporter"].unregister("x")
 
@@ -78,19 +85,47 @@ def test_register_rejects_a_taken_name_a_bad_name_and_a_bad_factory_path() -> No
             reg.register(bad, factory="pkg.mod:create")
     with pytest.raises(ValueError, match="is not 'package.module:function'"):
         reg.register("other", factory="pkg.mod.create")
+    with pytest.raises(ValueError, match="is not 'package.module:Class'"):
+        reg.register("other", factory="pkg.mod:create", config="pkg.mod.Config")
+    with pytest.raises(ValueError, match="settings table 'Disk' is not lower_snake_case"):
+        reg.register("other", factory="pkg.mod:create", config="pkg.mod:Config", table="Disk")
+    with pytest.raises(ValueError, match="a settings table needs a config model"):
+        reg.register("other", factory="pkg.mod:create", table="disk")
     assert reg.names() == ["disk_space"]
 
 
+def test_a_component_owns_its_settings_table(tmp_path: Path) -> None:
+    """A registered config model is a table of the settings (env, TOML, defaults), handed to its
+    component's factory; a second claim on a table is refused."""
+    registry_fake.register_configured()
+    try:
+        settings = load_settings({"data_dir": tmp_path, "probe_limits": {"max_bytes": 77}})
+        assert settings.probe_limits == registry_fake.ProbeLimits(max_bytes=77)
+        agent = Agent.build(settings)
+        assert agent.actors["limited_probe"].max_bytes == 77  # type: ignore[attr-defined]
+        assert "SERVEWATCH_PROBE_LIMITS__MAX_BYTES" in env_names()
+        with pytest.raises(ConfigError, match=r"invalid setting probe_limits.max_bytes: Input should be greater than 0"):
+            load_settings({"data_dir": tmp_path, "probe_limits": {"max_bytes": 0}})
+        registries()["actor"].register("twin", factory="tests.registry_fake:create_actor",
+                                       config="tests.registry_fake:ProbeLimits", table="probe_limits")
+        with pytest.raises(ValueError, match="actor 'twin': settings table 'probe_limits' is taken by actor 'limited_probe'"):
+            settings_model()
+    finally:
+        registry_fake.unregister()
+    assert "probe_limits" not in settings_model().model_fields
+
+
 def test_a_factory_module_is_imported_only_when_built(tmp_path: Path) -> None:
-    """Listing the registries imports no component; building one imports its module only."""
+    """Listing the registries and loading the settings import no component; building one
+    imports its module only."""
     probe = (
         "import json, sys\n"
-        "from agent.registry import registries\n"
+        "from agent.config import load_settings, registries\n"
         "regs = registries()\n"
         "modules = sorted({e.module for r in regs.values() for e in r})\n"
+        "settings = load_settings({'health': {'url': 'http://127.0.0.1:9/health'}})\n"
         "before = [m for m in modules if m in sys.modules]\n"
-        "from agent.config import load_settings\n"
-        "regs['watcher'].get('health').create(load_settings({'health': {'url': 'http://127.0.0.1:9/health'}}))\n"
+        "regs['watcher'].get('health').build(settings)\n"
         "print(json.dumps({'modules': modules, 'before': before,"
         " 'health': 'agent.watchers.health' in sys.modules, 'mirror': 'exporters.mirror' in sys.modules}))\n"
     )
@@ -105,12 +140,23 @@ def test_a_factory_module_is_imported_only_when_built(tmp_path: Path) -> None:
 # --- Agent.build ----------------------------------------------------------------------------
 
 
+def test_registered_actors_run_in_registration_order(tmp_path: Path) -> None:
+    agent = Agent.build(load_settings({
+        "data_dir": tmp_path, "host_name": "h1", "profiler": {"on_incident_steps": 3},
+    }))
+    order = registries()["actor"].names()
+    assert list(agent.actors) == [name for name in order if name in agent.actors]
+    assert [name for name, _, _ in agent.incidents.phases] == [a.action for a in agent.actors.values()]
+    assert agent.incidents.deferred == {a.action for a in agent.actors.values() if a.deferred}
+    assert list(agent.watchers) == [n for n in registries()["watcher"].names() if n in agent.watchers]
+
+
 def test_build_wires_the_components_the_settings_turn_on(tmp_path: Path) -> None:
     agent = Agent.build(load_settings({"data_dir": tmp_path, "host_name": "h1", "target": {"pids": [os.getpid()]}}))
-    assert list(agent.watchers) == ["process", "steps"]  # no health or metrics URL
-    assert list(agent.actors) == ["pyspy", "flightrec", "cuda_coredump"]  # profiling on incidents is off
-    assert list(agent.exporters) == ["status"]  # the others attach to telemetry when it starts
-    assert [name for name, _, _ in agent.incidents.phases] == [Action.PYSPY_DUMP, Action.FLIGHTREC_DUMP, Action.CUDA_COREDUMP]
+    assert "health" not in agent.watchers and "metrics" not in agent.watchers  # no health or metrics URL
+    assert {"process", "steps"} <= set(agent.watchers)
+    assert "profiler" not in agent.actors and {"pyspy", "flightrec", "cuda_coredump"} <= set(agent.actors)
+    assert "otlp" not in agent.exporters and "status" in agent.exporters  # the others attach when it starts
     assert agent.status is agent.exporters["status"] and agent.status.path == tmp_path / "h1" / "status.json"
 
     agent = Agent.build(load_settings({
@@ -118,10 +164,9 @@ def test_build_wires_the_components_the_settings_turn_on(tmp_path: Path) -> None
         "health": {"url": "http://127.0.0.1:9/health"}, "metrics": {"url": "http://127.0.0.1:9/metrics"},
         "coredump": {"enabled": False}, "flightrec": {"enabled": False}, "profiler": {"on_incident_steps": 3},
     }))
-    assert list(agent.watchers) == ["health", "metrics", "process", "steps"]
-    assert list(agent.actors) == ["pyspy", "profiler"]
-    assert [name for name, _, _ in agent.incidents.phases] == [Action.PYSPY_DUMP, Action.PROFILE_SESSION]
-    assert agent.incidents.deferred == {Action.PROFILE_SESSION}
+    assert {"health", "metrics"} <= set(agent.watchers)
+    assert "cuda_coredump" not in agent.actors and "flightrec" not in agent.actors and "profiler" in agent.actors
+    assert Action.PROFILE_SESSION in agent.incidents.deferred
 
 
 def test_built_components_carry_the_settings_given(tmp_path: Path) -> None:
@@ -145,7 +190,8 @@ def test_exporters_of_the_start_stage_attach_to_the_telemetry(tmp_path: Path) ->
     agent = Agent.build(load_settings({"data_dir": tmp_path, "host_name": "h1", "export": {"metrics": False}}))
     agent._start_exporters(one_shot=False)
     try:
-        assert list(agent.exporters) == ["status", "otlp", "mirror", "span_shipper"]
+        assert list(agent.exporters) == [n for n in registries()["exporter"].names() if n in agent.exporters]
+        assert {"status", "otlp", "mirror", "span_shipper"} <= set(agent.exporters)
         assert agent.telemetry is agent.exporters["otlp"]
         assert agent.exporters["mirror"].sink is agent.telemetry.sink
         assert agent.exporters["span_shipper"].processor is agent.telemetry.processor

@@ -1,6 +1,6 @@
-"""Every Settings field reaches a component: each leaf is declared by the registered component
-(or the agent itself) that reads it, is read in that component's code, and changing it changes
-what Agent.build builds."""
+"""Every Settings field reaches what reads it: each table belongs to the agent or to the one
+registered component whose settings model it is, each field is read by the code that owns it, and
+changing it changes what Agent.build builds."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from agent.config import ConfigError, Settings, load_settings
-from agent.registry import AGENT_SETTINGS, registries
+from agent.config import AgentSettings, ConfigError, load_settings, registries, settings_model
 from agent.runtime import Agent
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Modules holding the agent's own use of AGENT_SETTINGS (not a component's).
-AGENT_MODULES = ["agent.runtime", "agent.incidents", "agent.targets", "agent.fleet", "agent.cli"]
+#: Modules holding the agent's own use of its tables (and of the few component settings that
+#: configure what the CLI starts: launch's Flight Recorder buffer, the crash-dump folder).
+AGENT_MODULES = ["agent.config", "agent.runtime", "agent.incidents", "agent.targets", "agent.fleet", "agent.cli",
+                 "agent.launch"]
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -35,21 +36,17 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
     return out
 
 
-LEAVES = _leaves(Settings)
+LEAVES = _leaves(settings_model())
 
 
-def _declared() -> dict[str, list[str]]:
-    """dotted settings path -> the modules that declared they read it."""
-    found: dict[str, list[str]] = {path: list(AGENT_MODULES) for path in AGENT_SETTINGS}
+def _owners() -> dict[str, list[str]]:
+    """table (or top-level setting) -> the modules that own it: the registered component's
+    factory module for its table, the agent's modules for the agent's own."""
+    found: dict[str, list[str]] = {name: list(AGENT_MODULES) for name in AgentSettings.model_fields}
     for registry in registries().values():
-        for entry in registry:
-            for path in entry.settings:
-                found.setdefault(path, []).append(entry.module)
+        for table, entry in registry.tables().items():
+            found[table] = [entry.module]
     return found
-
-
-def _covering(leaf: str, declared: dict[str, list[str]]) -> list[str]:
-    return [d for d in declared if leaf == d or leaf.startswith(d + ".")]
 
 
 def test_the_walk_sees_nested_tables() -> None:
@@ -57,14 +54,19 @@ def test_the_walk_sees_nested_tables() -> None:
     assert "health" not in LEAVES and len(LEAVES) > 100
 
 
-def test_every_settings_field_is_declared_by_a_component_or_the_agent() -> None:
-    declared = _declared()
-    assert [leaf for leaf in LEAVES if not _covering(leaf, declared)] == []
+def test_every_table_is_the_agents_or_one_registered_components() -> None:
+    owners = _owners()
+    assert [leaf for leaf in LEAVES if leaf.split(".")[0] not in owners] == []
+    assert set(owners) == set(settings_model().model_fields)
 
 
-def test_every_declared_setting_exists() -> None:
-    tables = {leaf.rsplit(".", 1)[0] for leaf in LEAVES if "." in leaf}
-    assert [d for d in _declared() if d not in LEAVES and d not in tables] == []
+def test_each_component_table_is_the_settings_model_its_registration_names() -> None:
+    model = settings_model()
+    for registry in registries().values():
+        for table, entry in registry.tables().items():
+            assert model.model_fields[table].annotation is entry.config_model()
+            default = entry.default_config()
+            assert default == entry.config_model()() and default is not entry.default_config()  # a new one each call
 
 
 def _module_files(module: str) -> list[Path]:
@@ -87,15 +89,15 @@ def _names_read(files: list[Path]) -> set[str]:
     return names
 
 
-def test_every_settings_field_is_read_by_the_code_that_declared_it() -> None:
+def test_every_settings_field_is_read_by_the_code_that_owns_it() -> None:
     """A field nobody reads is a dead setting: remove it (or make its component use it)."""
-    declared = _declared()
+    owners = _owners()
     unread = []
     for leaf in LEAVES:
-        modules = sorted({m for d in _covering(leaf, declared) for m in declared[d]})
-        reads = _names_read([f for m in modules for f in _module_files(m)])
+        modules = owners[leaf.split(".")[0]]
+        reads = _names_read([f for m in [*modules, *AGENT_MODULES] for f in _module_files(m)])
         if leaf.rsplit(".", 1)[-1] not in reads:
-            unread.append(f"{leaf} (declared by {', '.join(modules)})")
+            unread.append(f"{leaf} (owned by {', '.join(modules)})")
     assert unread == []
 
 
@@ -153,7 +155,7 @@ def _components_with_config(settings: Any) -> dict[str, Any]:
     return {**agent.watchers, **agent.actors, **agent.exporters}
 
 
-@pytest.mark.parametrize("table", ["health", "watchdog", "pyspy", "coredump", "profiler", "flightrec"])
+@pytest.mark.parametrize("table", sorted({t for r in registries().values() for t in r.tables()} - {"export", "spans", "metrics"}))
 def test_changing_a_field_changes_the_built_component(table: str, tmp_path: Path) -> None:
     base = load_settings({**EVERYTHING_ON, "data_dir": tmp_path})
     model = type(getattr(base, table))
@@ -177,8 +179,18 @@ def test_changing_a_field_changes_the_built_component(table: str, tmp_path: Path
     assert checked >= 2, f"only {checked} field(s) of {table} could be varied"
 
 
+def test_the_stall_rule_reaches_the_watchdogs(tmp_path: Path) -> None:
+    """The agent's [watchdog] timing reaches every watchdog the agent builds (its own table)."""
+    settings = load_settings({**EVERYTHING_ON, "data_dir": tmp_path, "watchdog": {"timeout_s": 42.0, "poll_interval_s": 0.25}})
+    agent = Agent.build(settings)
+    assert agent.watchers["metrics"].config.timeout_s == 42.0 and agent.watchers["metrics"].config.poll_interval_s == 0.25
+    assert agent.watchers["steps"].config.timeout_s == 42.0 and agent.watchers["steps"].config.poll_interval_s == 0.25
+
+
 def test_importing_the_factories_resolves_every_registration() -> None:
     for registry in registries().values():
         for entry in registry:
             module, _, attr = entry.factory.partition(":")
             assert callable(getattr(importlib.import_module(module), attr)), entry.factory
+            if entry.config is not None:
+                assert issubclass(entry.config_model(), BaseModel), entry.config

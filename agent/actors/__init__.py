@@ -23,12 +23,13 @@ from agent.targets import Target
 
 __all__ = ["ACTORS", "Actor", "PerTargetActor", "act_all"]
 
-#: The actor registry: name -> (settings read, factory); registration order = phase order.
+#: The actor registry: name -> (settings model, factory); registration order = phase order.
 ACTORS: Registry[Actor] = Registry("actor")
-ACTORS.register("pyspy", settings=("pyspy",), factory="agent.actors.pyspy:create")
-ACTORS.register("flightrec", settings=("flightrec", "profiler.socket_dir"), factory="agent.actors.flightrec:create")
-ACTORS.register("cuda_coredump", settings=("coredump", "target.uids", "data_dir"), factory="agent.actors.coredump:create")
-ACTORS.register("profiler", settings=("profiler",), factory="agent.actors.profiler:create")
+ACTORS.register("pyspy", config="agent.actors.config:PySpyConfig", factory="agent.actors.pyspy:create")
+ACTORS.register("flightrec", config="agent.actors.config:FlightRecorderConfig", factory="agent.actors.flightrec:create")
+ACTORS.register("cuda_coredump", config="agent.actors.config:CoredumpConfig", table="coredump",
+                factory="agent.actors.coredump:create")
+ACTORS.register("profiler", config="agent.actors.config:ProfilerConfig", factory="agent.actors.profiler:create")
 
 
 class Actor(Protocol):

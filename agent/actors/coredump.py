@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
 
 from agent.actors import act_all
+from agent.actors.config import CoredumpConfig
 from agent.actors.coredump_target import (
     LAUNCH_RECORD_DIR,
     PathTemplate,
@@ -97,7 +97,7 @@ from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
 
 
 __all__ = [
@@ -128,54 +128,6 @@ _MAX_REMEMBERED_INCIDENTS = 256
 
 
 # --- configuration ----------------------------------------------------------------------------
-
-
-class CoredumpConfig(BaseModel):
-    """User configuration of the ``cuda_coredump`` actor (TOML table ``[coredump]``, env ``SERVEWATCH_COREDUMP__*``).
-
-    Attributes:
-        enabled: trigger coredumps during incidents. Default ``True`` (targets that were not
-            armed simply report ``not_armed``).
-        folder: crash-dump folder; core files go to ``{folder}/<host>/core.cuda.<time>.<pid>``
-            when servewatch arms the target. Default ``/var/lib/servewatch/cuda_coredumps``.
-        pipe_template: ``CUDA_COREDUMP_PIPE`` servewatch sets when arming, and a name the FIFO
-            scan accepts. Default SGLang's ``/tmp/corepipe.cuda.%h.%p``.
-        min_free_bytes: refuse to trigger when the dump directory has less free space, in
-            bytes. Default 2 GiB (a lightweight dump is far smaller; a full one can be GBs).
-        trigger_timeout_s: bound on opening and writing the FIFO, in seconds. Default 5.
-        consume_timeout_s: the driver must read the trigger (the pipe empty again, ``FIONREAD``)
-            within this long, else ``not consumed``, in seconds. Default 1 (a driver thread reads
-            it at once).
-        start_timeout_s: after the trigger was read, a new core file must appear (or be opened
-            by the target) within this long, else ``not started``, in seconds. Default 30.
-        stall_timeout_s: a core file the target still holds open whose size has not changed for
-            this long is ``stalled at N bytes``, in seconds. Default 20.
-        completion_timeout_s: outer bound on waiting for a steadily growing core file, in
-            seconds. Default 100, so that ``delay_s + trigger_timeout_s + consume_timeout_s +
-            completion_timeout_s`` (:attr:`CoredumpActor.budget_s`, 106 s) fits the incident's
-            phase limit (``incident.phase_timeout_s``, 120 s).
-        settle_s: the core file counts as complete once its size has not changed for this long
-            and the target no longer holds it open, in seconds. Default 2.
-        poll_interval_s: how often the core file is checked, in seconds. Default 0.1.
-        delay_s: wait this long after the stacks were dumped before triggering (SGLang's
-            ``SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS`` analogue: time for in-flight GPU
-            work to reach the state worth dumping), in seconds. Default 0, at most 60.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    folder: Path = Path("/var/lib/servewatch/cuda_coredumps")
-    pipe_template: str = SGLANG_PIPE_TEMPLATE
-    min_free_bytes: int = Field(default=2 * 1024**3, ge=0)
-    trigger_timeout_s: float = Field(default=5.0, gt=0)
-    consume_timeout_s: float = Field(default=1.0, gt=0)
-    start_timeout_s: float = Field(default=30.0, gt=0)
-    stall_timeout_s: float = Field(default=20.0, gt=0)
-    completion_timeout_s: float = Field(default=100.0, gt=0)
-    settle_s: float = Field(default=2.0, ge=0)
-    poll_interval_s: float = Field(default=0.1, gt=0)
-    delay_s: float = Field(default=0.0, ge=0, le=60)
 
 
 # --- finding the pipe ---------------------------------------------------------------------------
@@ -1057,12 +1009,10 @@ class CoredumpActor:
         return None
 
 
-def create(settings: Settings, ctx: BuildContext) -> CoredumpActor | None:
+def create(config: CoredumpConfig, ctx: BuildContext) -> CoredumpActor | None:
     """Registry factory (:data:`agent.actors.ACTORS` ``cuda_coredump``): the CUDA coredump
-    trigger of ``settings.coredump``, trusting ``target.uids`` and reading what ``launch`` armed
-    under ``<data_dir>/launched``; ``None`` with ``coredump.enabled`` off."""
-    if not settings.coredump.enabled:
+    trigger of ``config`` (``[coredump]``), trusting the server's uids (``ctx.agent.target_uids``)
+    and reading what ``launch`` armed under ``<data_dir>/launched``; ``None`` with ``enabled`` off."""
+    if not config.enabled:
         return None
-    return CoredumpActor(
-        settings.coredump, trusted_uids=settings.target.uids, record_dirs=[settings.data_dir / LAUNCH_RECORD_DIR]
-    )
+    return CoredumpActor(config, trusted_uids=ctx.agent.target_uids, record_dirs=[ctx.agent.data_dir / LAUNCH_RECORD_DIR])

@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import psutil
-from pydantic import BaseModel, Field
 
-from agent.cudaenv import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
+from agent.actors.config import FlightRecorderConfig
+from agent.cudaenv import FR_BUFFER_ENV
 from agent.events import (
     Action,
     ActionResult,
@@ -64,7 +64,7 @@ from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
 
 
 __all__ = [
@@ -88,19 +88,6 @@ NCCL_DUMP_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 NCCL_DUMP_DEFAULT = "/tmp/nccl_trace_rank_"
 #: Largest reply or dump read, bytes (a 20k-entry recorder with stacks is a few MiB).
 MAX_TRACE_BYTES = 64 * 1024 * 1024
-
-
-class FlightRecorderConfig(BaseModel):
-    """User settings of the Flight Recorder actor."""
-
-    enabled: bool = Field(True, description="read every rank's collective Flight Recorder during an incident")
-    timeout_s: float = Field(2.0, gt=0, description="budget of one rank's read, all sources together, seconds")
-    socket_dir: Path | None = Field(None, description="folder of the SDK sockets (default: the SDK's shm folder)")
-    debug_server: bool = Field(True, description="also look for torch's debug worker server on the target's TCP ports")
-    nccl_pipe: bool = Field(True, description="also trigger the NCCL debug-info pipe where the target armed it")
-    buffer_size: int = Field(
-        int(FR_BUFFER_DEFAULT), ge=1, description="TORCH_FR_BUFFER_SIZE armed by launch / cuda-env (user values kept)"
-    )
 
 
 def summarize_trace(trace: Mapping[str, Any]) -> dict[str, AttributeValue]:
@@ -510,13 +497,12 @@ def _parse_json(body: bytes, where: str) -> Any:
         raise _SourceFailed(f"{where}: bad JSON: {exc}") from None
 
 
-def create(settings: Settings, ctx: BuildContext) -> FlightRecorderActor | None:
+def create(config: FlightRecorderConfig, ctx: BuildContext) -> FlightRecorderActor | None:
     """Registry factory (:data:`agent.actors.ACTORS` ``flightrec``): the Flight Recorder reader of
-    ``settings.flightrec`` (its SDK sockets default to ``profiler.socket_dir``: they sit
-    together), or ``None`` with ``flightrec.enabled`` off."""
-    fr = settings.flightrec
-    if not fr.enabled:
+    ``config`` (``[flightrec]``; its SDK sockets default to the agent's SDK socket folder,
+    ``ctx.agent.sdk_socket_dir``: they sit together), or ``None`` with ``enabled`` off."""
+    if not config.enabled:
         return None
-    if fr.socket_dir is None and settings.profiler.socket_dir is not None:
-        fr = fr.model_copy(update={"socket_dir": settings.profiler.socket_dir})
-    return FlightRecorderActor(fr)
+    if config.socket_dir is None and ctx.agent.sdk_socket_dir is not None:
+        config = config.model_copy(update={"socket_dir": ctx.agent.sdk_socket_dir})
+    return FlightRecorderActor(config)

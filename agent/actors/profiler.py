@@ -1,6 +1,7 @@
 """The profiler actor: one step-bounded profiling session of a live server, files found after.
 
-Owns :class:`ProfilerConfig`, :class:`ProfilerActor`, the three backends (the SDK control socket,
+Owns :class:`ProfilerActor` (its settings model, :class:`~agent.actors.config.ProfilerConfig`,
+is in :mod:`agent.actors.config`), the three backends (the SDK control socket,
 SGLang's and vLLM's HTTP endpoints), the bounded search for the trace files a session wrote
 (:func:`find_new_files`) and :func:`profile_once` (``servewatch profile``). Imports anyio, httpx,
 pydantic, :mod:`agent.events`, :mod:`agent.targets` and the SDK control-socket client
@@ -52,12 +53,17 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
+from agent.actors.config import (
+    STALL_WINDOW_S,
+    ProfilerConfig,
+    activities_problem,
+)
 from agent.events import (
     Action,
     ActionResult,
@@ -84,7 +90,7 @@ from agent.targets import Target
 if TYPE_CHECKING:
     import httpx
 
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
@@ -106,115 +112,8 @@ logger = logging.getLogger(__name__)
 ACTION = Action.PROFILE_SESSION
 #: Trace file name endings a session may write (torch Chrome traces, Metal captures, MLX steps).
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".gputrace", ".mlx-steps.json")
-#: Accepted activities, each backend: ``CUDA_PROFILER`` (cudaProfilerStart/Stop, for nsys) is SGLang's.
-ACTIVITIES = ("CPU", "GPU", "MEM", "CUDA_PROFILER")
-SGLANG_ONLY_ACTIVITIES = ("CUDA_PROFILER",)
-#: Default of ``profiler.stall_window_s``: a session that has not started ends as ``no steps:
-#: server stalled`` once its target has had work pending (SDK ``pending > 0``) and taken no
-#: forward step for this long, seconds.
-STALL_WINDOW_S = 10.0
 _NOT_IN_PROGRESS = "not in progress"
 _ALREADY_RUNNING = "already in progress"
-
-
-class ProfilerConfig(BaseModel):
-    """User settings of the profiler actor (TOML table ``[profiler]``, env ``SERVEWATCH_PROFILER__*``).
-
-    Attributes:
-        backend: ``sdk`` (the SDK control socket of each target, default), ``sglang`` or ``vllm``
-            (the server's HTTP endpoints at ``base_url``).
-        base_url: the server's HTTP address for ``sglang``/``vllm`` (default
-            ``http://127.0.0.1:30000``, SGLang's default port).
-        output_dir: where traces are written; ``None`` = the incident bundle folder (incidents)
-            or ``./profiles`` (``servewatch profile``). For ``vllm`` set it to the
-            folder vLLM was launched with.
-        num_steps: forward steps per session for ``servewatch profile`` when ``--steps`` is not given
-            (default 5).
-        start_step: start once the target's ``forward_ct`` reaches this (default: next step).
-        activities: any of ``CPU``, ``GPU``, ``MEM`` and, with the ``sglang`` backend only,
-            ``CUDA_PROFILER`` (default CPU and GPU).
-        with_stack / record_shapes / profile_memory: torch.profiler options (default off).
-        on_incident_steps: profile this many steps after an incident opens; 0 (default) = never.
-        max_duration_s: wall-clock bound of one session, seconds (default 60): the SDK ends it
-            itself then; the actor stops waiting and sends a stop.
-        find_timeout_s: how long to wait for trace files after the session ended, seconds
-            (default 30; big traces take a while to export and gzip).
-        settle_s: a file counts as complete when its size has not changed for this long,
-            seconds (default 0.5).
-        poll_interval_s: status/file poll period, seconds (default 0.1).
-        request_timeout_s: bound of one control-socket or HTTP request, seconds (default 10;
-            SGLang's ``/start_profile`` waits for the scheduler).
-        stop_timeout_s: bound of ``POST /stop_profile``, seconds (default 60: vLLM 0.32 answers
-            only once its traces are written, 20 s for a 5 s profile on 2 CPU cores).
-        vllm_duration_s: how long a ``vllm`` session records before the stop when neither the
-            server's trace folder nor its ``/metrics`` can be read, seconds (default 5).
-        stall_window_s: a session not yet started ends as ``no steps: server stalled`` once the
-            target (``sdk`` backend) has had work pending and taken no forward step for this
-            long, seconds (default 10; the watchdog's stall rule, applied to one session).
-        socket_dir: folder of the SDK control sockets (default: the SDK's shm folder).
-        sdk_profiler: the in-process profiler the ``sdk`` backend asks for: ``torch`` (default)
-            or ``mlx`` (a Metal ``.gputrace`` where Metal capture works; elsewhere per-step MLX
-            memory counters, and the result says no Metal trace was captured).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: Literal["sdk", "sglang", "vllm"] = "sdk"
-    base_url: str = "http://127.0.0.1:30000"
-    output_dir: Path | None = None
-    num_steps: int = Field(default=5, ge=1)
-    start_step: int | None = Field(default=None, ge=0)
-    activities: tuple[str, ...] = ("CPU", "GPU")
-    with_stack: bool = False
-    record_shapes: bool = False
-    profile_memory: bool = False
-    on_incident_steps: int = Field(default=0, ge=0)
-    max_duration_s: float = Field(default=60.0, gt=0)
-    find_timeout_s: float = Field(default=30.0, gt=0)
-    settle_s: float = Field(default=0.5, ge=0)
-    poll_interval_s: float = Field(default=0.1, gt=0)
-    request_timeout_s: float = Field(default=10.0, gt=0)
-    stop_timeout_s: float = Field(default=60.0, gt=0)
-    vllm_duration_s: float = Field(default=5.0, gt=0)
-    stall_window_s: float = Field(default=STALL_WINDOW_S, gt=0)
-    socket_dir: Path | None = None
-    sdk_profiler: Literal["torch", "mlx"] = "torch"
-
-    @field_validator("activities", mode="before")
-    @classmethod
-    def _split_activities(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        out = tuple(str(v).upper() for v in value)
-        problem = activities_problem(out, "sglang")
-        if problem is not None:
-            raise ValueError(f"{problem}, got {list(value)}")
-        return out
-
-    @model_validator(mode="after")
-    def _backend_activities(self) -> ProfilerConfig:
-        problem = activities_problem(self.activities, self.backend)
-        if problem is not None:
-            raise ValueError(f"activities: {problem}")
-        return self
-
-
-def activities_problem(activities: Sequence[str], backend: str) -> str | None:
-    """Why ``activities`` (upper case) cannot be profiled by ``backend``, or ``None`` when they can.
-
-    Returns:
-        One phrase (``expected one or more of CPU, GPU, MEM, CUDA_PROFILER (sglang only)``...).
-    """
-    allowed = [a for a in ACTIVITIES if backend == "sglang" or a not in SGLANG_ONLY_ACTIVITIES]
-    bad = [a for a in activities if a not in ACTIVITIES]
-    if bad or not activities:
-        return "expected one or more of " + ", ".join(
-            f"{a} (sglang only)" if a in SGLANG_ONLY_ACTIVITIES else a for a in ACTIVITIES
-        ) + ", comma-separated"
-    wrong = [a for a in activities if a not in allowed]
-    if wrong:
-        return f"{', '.join(wrong)} is for the sglang backend only (this one is {backend})"
-    return None
 
 
 class SessionRequest(BaseModel):
@@ -983,10 +882,10 @@ async def profile_once(
     return await actor.profile(req, pid=pid)
 
 
-def create(settings: Settings, ctx: BuildContext) -> ProfilerActor | None:
+def create(config: ProfilerConfig, ctx: BuildContext) -> ProfilerActor | None:
     """Registry factory (:data:`agent.actors.ACTORS` ``profiler``): profiles the next
-    ``profiler.on_incident_steps`` steps after an incident (deferred phase); ``None`` when that
-    is 0. ``ctx.stalled`` tells it when a profile could never finish."""
-    if settings.profiler.on_incident_steps <= 0:
+    ``on_incident_steps`` steps after an incident (deferred phase); ``None`` when that is 0.
+    ``ctx.stalled`` tells it when a profile could never finish."""
+    if config.on_incident_steps <= 0:
         return None
-    return ProfilerActor(settings.profiler, stalled=ctx.stalled)
+    return ProfilerActor(config, stalled=ctx.stalled)

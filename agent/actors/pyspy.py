@@ -1,6 +1,6 @@
 """The py-spy actor: Python (and native) stacks of every target process, captured concurrently.
 
-Owns :class:`PySpyConfig`, :class:`PySpyActor`, the py-spy failure classifier
+Owns :class:`PySpyActor` (settings: :class:`~agent.actors.config.PySpyConfig`), the py-spy failure classifier
 (:func:`classify`), the parsing/rendering of ``py-spy dump --json`` output
 (:func:`parse_dump`, :func:`parse_threads`, :func:`render_text`) and the hung-frame rule
 (:func:`hung_location`, :func:`hung_frame`), which :mod:`exporters.bundle` also reads
@@ -62,10 +62,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import anyio
 from anyio.abc import ByteReceiveStream
-from pydantic import BaseModel, ConfigDict, Field
 
 from agent import pidfds
 from agent.actors import act_all
+from agent.actors.config import PySpyConfig
 from agent.early import (
     EarlyRun,
     claim,
@@ -105,7 +105,7 @@ from agent.stacks import (
 from agent.targets import ProcessState, Target, process_state
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
 
 
 __all__ = [
@@ -186,56 +186,6 @@ def permission_hint(*, euid: int | None = None, cap_sys_ptrace: bool | None = No
 
 _MAX_STDERR_BYTES = 64 * 1024
 _MAX_DETAIL_CHARS = 300
-
-
-class PySpyConfig(BaseModel):
-    """User settings of the py-spy actor (TOML table ``[pyspy]``, env ``SERVEWATCH_PYSPY__*``).
-
-    Attributes:
-        enabled: dump stacks during incidents (default True). ``False`` (SGLang's
-            ``SGLANG_PYSPY_DUMP_BEFORE_CRASH=0`` analogue, env ``SERVEWATCH_PYSPY__ENABLED``)
-            records each target as ``skipped`` without running py-spy; a dead target is still
-            reported as ``dead``.
-        executable: path of the py-spy binary; default: the one installed next to the Python
-            running servewatch, else ``py-spy`` on ``PATH``. ``None`` (not found) makes every dump
-            ``MISSING_TOOL`` and :meth:`PySpyActor.check` ``PERMANENT_ERROR``.
-        timeout_s: bound of one py-spy attempt, in seconds (default 10). A hung py-spy is killed
-            with its whole process group when it passes.
-        native: try ``--native`` first (C/C++/CUDA frames of extensions) and fall back to a plain
-            dump when it fails (default True, as SGLang does it).
-        nonblocking: pass ``--nonblocking`` (don't pause the target; stacks may be torn). py-spy
-            cannot combine it with ``--native``, so it disables ``native`` (default False).
-        locals: pass ``--locals`` so the dump files hold each frame's local variables (default
-            False: locals can hold secrets and request payloads; never put in span attributes).
-        max_concurrency: py-spy processes running at once across all targets (default: twice
-            the number of CPUs, at least 8). At least 8 so that every scheduler of a TP8 node is
-            sampled at about the same moment (a collective hang reads best from simultaneous
-            stacks) and the CPUs stay busy even on a 2-CPU sidecar, where the agent's own event
-            loop competes with py-spy to start the next dump. Measured here (py-spy 0.4.3,
-            torch-importing targets, ``--native``): a dump costs ~0.1 CPU-second and ~100 MB RSS
-            (libtorch's symbols); K=8 on 2 CPUs took 0.54-0.59x the sequential time with 8 at
-            once, 0.59-0.64x with 4.
-        max_output_bytes: most stdout kept from one attempt, in bytes (default 32 MiB); more is
-            read and discarded, and the dump is reported ``FAILED``.
-        max_threads: threads summarised in span attributes (default 16); all go to the files.
-        max_frames: innermost frames per thread summarised in span attributes (default 5).
-        kill_grace_s: bound of the cleanup after a timeout (kill the group, reap it, continue
-            the target), in seconds (default 2).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    executable: str | None = Field(default_factory=default_executable)
-    timeout_s: float = Field(default=10.0, gt=0)
-    native: bool = True
-    nonblocking: bool = False
-    locals: bool = False
-    max_concurrency: int = Field(default_factory=lambda: max(8, 2 * (os.cpu_count() or 1)), ge=1)
-    max_output_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
-    max_threads: int = Field(default=16, ge=1)
-    max_frames: int = Field(default=5, ge=1)
-    kill_grace_s: float = Field(default=2.0, gt=0)
 
 
 class PySpyStatistics(NamedTuple):
@@ -998,7 +948,7 @@ async def _dump_traceback(pid: int, timeout_s: float = 5.0) -> str | None:
     return reply.content.decode("utf-8", "surrogateescape")
 
 
-def create(settings: Settings, ctx: BuildContext) -> PySpyActor:
-    """Registry factory (:data:`agent.actors.ACTORS` ``pyspy``): the stack dumper of
-    ``settings.pyspy`` (always built: with ``pyspy.enabled`` off its results say so)."""
-    return PySpyActor(settings.pyspy)
+def create(config: PySpyConfig, ctx: BuildContext) -> PySpyActor:
+    """Registry factory (:data:`agent.actors.ACTORS` ``pyspy``): the stack dumper of ``config``
+    (``[pyspy]``; always built: with ``enabled`` off its results say so)."""
+    return PySpyActor(config)

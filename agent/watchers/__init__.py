@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 
 __all__ = ["WATCHERS", "TargetWatchers", "Watcher"]
 
-#: The watcher registry: name -> (settings read, factory), started in this order.
+#: The watcher registry: name -> (settings model, factory), started in this order.
 WATCHERS: Registry[Any] = Registry("watcher")
-WATCHERS.register("health", settings=("health",), factory="agent.watchers.health:create")
-WATCHERS.register("metrics", settings=("metrics", "watchdog.timeout_s", "watchdog.poll_interval_s"), factory="agent.watchers.watchdog:create_prometheus")
+WATCHERS.register("health", config="agent.watchers.config:HealthConfig", factory="agent.watchers.health:create")
+WATCHERS.register("metrics", config="agent.watchers.config:MetricsConfig", factory="agent.watchers.watchdog:create_prometheus")
 WATCHERS.register("process", factory="agent.watchers.process:create")
-WATCHERS.register("steps", settings=("watchdog.timeout_s", "watchdog.poll_interval_s"), factory="agent.watchers.watchdog:create_sdk")
+WATCHERS.register("steps", factory="agent.watchers.watchdog:create_sdk")
 
 
 class Watcher(Protocol):

@@ -1,6 +1,6 @@
 """The health-check watcher: polls a URL and reports unhealthy/healthy transitions.
 
-Owns: :class:`HealthConfig`, :class:`HealthWatcher`, :func:`classify_status` and
+Owns: :class:`HealthWatcher` (settings: :class:`~agent.watchers.config.HealthConfig`), :func:`classify_status` and
 :func:`classify_error` (the one place httpx's failures become our error classes). May import
 :mod:`agent.events`, :mod:`agent.bus` (``Publisher``), anyio, httpx and pydantic.
 
@@ -19,22 +19,21 @@ import http
 import logging
 import time
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
-from pydantic import BaseModel, Field, field_validator
 
 from agent.bus import Publisher
 from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
 from agent.lazy import LazyModule
+from agent.watchers.config import MAX_HEALTH_BODY_BYTES, HealthConfig, check_http_url
 from agent.watchers.status import StatusReporter, WatcherState
 
 if TYPE_CHECKING:
     import httpx
 
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
@@ -57,73 +56,12 @@ __all__ = [
     "read_capped",
 ]
 
-#: Most bytes of a health answer read (the status code is what counts); the rest is not read.
-MAX_HEALTH_BODY_BYTES = 64 * 1024
-
 #: Error classes carried by ``HealthProbed.error_class`` / ``HealthCheckFailed.error_class``.
 ERROR_REFUSED = "refused"
 ERROR_TIMEOUT = "timeout"
 ERROR_5XX = "5xx"
 ERROR_4XX = "4xx"
 ERROR_OTHER = "error"
-
-
-class HealthConfig(BaseModel):
-    """User settings of the health watcher.
-
-    Attributes:
-        url: the health URL, e.g. ``http://127.0.0.1:30000/health`` (SGLang's default port).
-            Default ``None``: no health watcher runs.
-        interval_s: seconds between probe starts (fixed rate). Default 5.0.
-        timeout_s: per-probe timeout in seconds, for the whole request. Default 5.0. SGLang's
-            ``/health`` and ``/health_generate`` run a one-token generation and may wait up to
-            20 s (``SGLANG_HEALTH_CHECK_TIMEOUT``) before answering 503; raise it to ~21 s to
-            see SGLang's own verdict instead of our timeout.
-        unhealthy_after: consecutive failed probes before ``HealthCheckFailed``. Default 3.
-        healthy_after: consecutive good probes before ``HealthRecovered``. Default 2.
-        wait_for_ready: do not count failures until the first good probe. SGLang answers 503
-            while it loads the model, which can take minutes. Default ``True``.
-        startup_timeout_s: with ``wait_for_ready``, failures count anyway once no probe has
-            succeeded for this long since the watcher started, so a server stuck in start-up
-            (weights loading, NCCL init) still opens a health incident. ``None`` waits forever.
-            Default 1800 s.
-        max_body_bytes: most bytes of an answer read; a server that streams without end costs
-            at most this much memory per probe. Default 64 KiB.
-        refused_grace_s: for this long after the watcher starts, and before the first good
-            answer, "connection refused" means the server is still starting (status waiting)
-            rather than a wrong address (blind). 0 (default) for ``run``; ``launch`` sets it,
-            since it starts the server itself.
-    """
-
-    url: str | None = None
-    interval_s: float = Field(default=5.0, gt=0)
-    timeout_s: float = Field(default=5.0, gt=0)
-    unhealthy_after: int = Field(default=3, ge=1)
-    healthy_after: int = Field(default=2, ge=1)
-    wait_for_ready: bool = True
-    startup_timeout_s: float | None = Field(default=1800.0, gt=0)
-    max_body_bytes: int = Field(default=MAX_HEALTH_BODY_BYTES, ge=0)
-    refused_grace_s: float = Field(default=0.0, ge=0)
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        return check_http_url(value)
-
-
-def check_http_url(value: str | None) -> str | None:
-    """Validate a probe URL (health, /metrics): ``http(s)://host[:port]/...``; ``None`` passes.
-
-    Raises:
-        ValueError: no http/https scheme or no host (``127.0.0.1:30000/metrics`` is refused at
-            start rather than failing every probe later).
-    """
-    if value is None:
-        return None
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected an http(s):// URL, got {value!r}")
-    return value
 
 
 def http_status_text(status_code: int) -> str:
@@ -367,7 +305,7 @@ class HealthWatcher:
             await anyio.sleep((next_ns - now) / 1e9)
 
 
-def create(settings: Settings, ctx: BuildContext) -> HealthWatcher | None:
-    """Registry factory (:data:`agent.watchers.WATCHERS` ``health``): a watcher of
-    ``settings.health``, or ``None`` without ``health.url``."""
-    return HealthWatcher(settings.health) if settings.health.url else None
+def create(config: HealthConfig, ctx: BuildContext) -> HealthWatcher | None:
+    """Registry factory (:data:`agent.watchers.WATCHERS` ``health``): a watcher of ``config``
+    (``[health]``), or ``None`` without a ``url``."""
+    return HealthWatcher(config) if config.url else None

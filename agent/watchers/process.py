@@ -74,7 +74,7 @@ from agent.procinfo import exit_fact_of, note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
 
 
 __all__ = ["PIDFD_RECHECK_S", "POLL_INTERVAL_S", "TREE_SETTLE_S", "ProcessWatcher", "create", "exit_status", "signal_name"]
@@ -725,7 +725,7 @@ def signal_name(signum: int | None) -> str:
 POLL_INTERVAL_S = 0.5
 
 
-def create(settings: Settings, ctx: BuildContext) -> ProcessWatcher:
+def create(config: None, ctx: BuildContext) -> ProcessWatcher:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``process``): watches every target the
     runtime discovers (and the processes it launched, ``ctx.children``) for exit."""
     return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children)

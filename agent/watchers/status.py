@@ -41,7 +41,7 @@ from typing import Any
 from agent.events import StrEnum, WatcherStatusChanged, now_ns
 
 if typing.TYPE_CHECKING:
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
 
 
 __all__ = [
@@ -397,7 +397,7 @@ class StatusReporter:
         await self.set(bus, self.current.state, self.current.reason)
 
 
-def create_board(settings: Settings, ctx: BuildContext) -> StatusBoard | None:
+def create_board(config: None, ctx: BuildContext) -> StatusBoard | None:
     """Registry factory (:data:`exporters.EXPORTERS` ``status``), at the ``build`` stage: what
     every watcher can see, kept in ``<data_dir>/<host>/status.json`` (and an OTel gauge once the
     agent runs); ``ctx.on_status_change`` hears each change (without one, a watcher turning
@@ -405,8 +405,8 @@ def create_board(settings: Settings, ctx: BuildContext) -> StatusBoard | None:
     if ctx.stage != "build":
         return None
     return StatusBoard(
-        host_name=settings.host_name,
-        path=status_path(settings.data_dir, settings.host_name),
+        host_name=ctx.agent.host_name,
+        path=status_path(ctx.agent.data_dir, ctx.agent.host_name),
         on_change=ctx.on_status_change,
         warn_blind=ctx.on_status_change is None,  # the caller prints each change (the CLI): not twice
     )

@@ -28,7 +28,7 @@ import anyio
 import psutil
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from agent.bus import Publisher
 from agent.events import StepsAdvanced
@@ -36,6 +36,7 @@ from agent.fsutil import memory_backed
 from agent.lazy import LazyModule
 from agent.sdk.counter import SIZE_BYTES, counter_files, counter_path, parse_counter, shm_dir
 from agent.security import open_trusted, process_uids
+from agent.watchers.config import StepsConfig
 
 if TYPE_CHECKING:
     import httpx
@@ -822,23 +823,6 @@ class PrometheusStepSource:
 
 
 # --- the watcher ----------------------------------------------------------------------------
-
-
-class StepsConfig(BaseModel):
-    """User settings of the Prometheus step-counter source (the ``[metrics]`` table; read every
-    ``watchdog.poll_interval_s``).
-
-    Attributes:
-        metrics_preset: ``"sglang"`` (default) or ``"vllm"``, for the Prometheus source.
-        counter: override of the preset's progress counter name.
-        busy_gauge: override of the preset's busy gauge name.
-        scrape_timeout_s: per-scrape timeout of ``/metrics`` in seconds. Default 5.0.
-    """
-
-    metrics_preset: Literal["sglang", "vllm"] | None = "sglang"
-    counter: str | None = None
-    busy_gauge: str | None = None
-    scrape_timeout_s: float = Field(default=5.0, gt=0)
 
 
 class StepsWatcher:

@@ -1,6 +1,6 @@
 """The stall watchdog: busy, and no forward progress for ``timeout_s``.
 
-Owns: :class:`WatchdogConfig` and :class:`Watchdog`, which publishes ``WatchdogStalled`` and
+Owns: :class:`Watchdog` (timing: :class:`~agent.stall.WatchdogConfig`), which publishes ``WatchdogStalled`` and
 ``WatchdogRearmed``. May import :mod:`agent.events`, :mod:`agent.bus` (``Publisher``),
 :mod:`agent.watchers.steps` (the ``StepSource`` protocol), anyio and pydantic.
 
@@ -25,23 +25,23 @@ the target so an orchestrator restarts it.
 
 from __future__ import annotations
 
-import signal as _signal
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
-from pydantic import BaseModel, Field, field_validator
 
 from agent.bus import Publisher
 from agent.events import WatchdogRearmed, WatchdogStalled
+from agent.stall import WatchdogConfig
 from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext, Settings
+    from agent.registry import BuildContext
     from agent.targets import Target
+    from agent.watchers.config import MetricsConfig
 
 
 __all__ = ["SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk"]
@@ -51,48 +51,6 @@ SERIES_FORGET_READINGS = 60
 #: Most series with stall bookkeeping at once; past it the longest absent are forgotten first
 #: (a source caps one reading's series itself: ``agent.watchers.steps.MAX_SERIES``).
 MAX_TRACKED_SERIES = 1024
-
-
-class WatchdogConfig(BaseModel):
-    """User settings of the stall watchdog.
-
-    Attributes:
-        timeout_s: seconds busy without forward progress before a stall is reported. Default
-            300, like SGLang's ``--watchdog-timeout``; a single decode step of a large model
-            can take seconds, so keep it well above the slowest legitimate step (and above
-            SGLang's own watchdog if you want our evidence first, set it *below* SGLang's).
-        poll_interval_s: ceiling in seconds on the time between two readings while waiting
-            (idle, warming up, or far from the deadline). Near the deadline the watchdog sleeps
-            exactly until it. For a Prometheus source it is also the resolution of the
-            last-progress time. Default 1.0.
-        hard: after the stall incident has captured its evidence, send ``signal`` to the
-            target (executed by the incident code, not here). Default ``False`` (soft).
-        signal: signal name for hard mode, e.g. ``"SIGABRT"`` (default: a core dump and a
-            non-zero exit an orchestrator restarts on), ``"SIGKILL"``, ``"SIGTERM"``.
-        hard_targets: who hard mode signals: ``"culprit"`` (default: the cross-rank verdict's
-            culprit rank(s), never just the rank whose watchdog fired first) or ``"all"``.
-    """
-
-    timeout_s: float = Field(default=300.0, gt=0)
-    poll_interval_s: float = Field(default=1.0, gt=0)
-    hard: bool = False
-    signal: str = "SIGABRT"
-    hard_targets: Literal["culprit", "all"] = "culprit"
-
-    @field_validator("signal")
-    @classmethod
-    def _known_signal(cls, value: str) -> str:
-        name = value.upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        if not isinstance(getattr(_signal, name, None), _signal.Signals):
-            raise ValueError(f"unknown signal {value!r}")
-        return name
-
-    @property
-    def signal_number(self) -> int:
-        """The hard-mode signal as a number (``signal.Signals``)."""
-        return int(getattr(_signal, self.signal))
 
 
 class _SeriesState:
@@ -249,20 +207,24 @@ class Watchdog:
             await anyio.sleep(max(sleep_ns, 0) / 1e9)
 
 
-def create_prometheus(settings: Settings, ctx: BuildContext) -> Watchdog | None:
+def stall_rule(ctx: BuildContext) -> WatchdogConfig:
+    """The stall rule's timing from the agent-wide values (``watchdog.timeout_s``,
+    ``watchdog.poll_interval_s``)."""
+    return WatchdogConfig(timeout_s=ctx.agent.watchdog_timeout_s, poll_interval_s=ctx.agent.watchdog_poll_interval_s)
+
+
+def create_prometheus(config: MetricsConfig, ctx: BuildContext) -> Watchdog | None:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``metrics``): the stall watchdog over
-    the server's Prometheus ``/metrics`` (``settings.metrics``), or ``None`` without
-    ``metrics.url``."""
+    the server's Prometheus ``/metrics`` (``config``: ``[metrics]``), or ``None`` without a ``url``."""
     from agent.watchers.steps import PrometheusStepSource
 
-    m = settings.metrics
-    if not m.url:
+    if not config.url:
         return None
     source = PrometheusStepSource(
-        m.url, preset=m.metrics_preset, counter=m.counter, busy_gauge=m.busy_gauge,
-        timeout_s=m.scrape_timeout_s, refused_grace_s=m.refused_grace_s,
+        config.url, preset=config.metrics_preset, counter=config.counter, busy_gauge=config.busy_gauge,
+        timeout_s=config.scrape_timeout_s, refused_grace_s=config.refused_grace_s,
     )
-    return Watchdog(source, settings.watchdog)
+    return Watchdog(source, stall_rule(ctx))
 
 
 #: Oldest watchdog reading of an SDK counter the step watcher reuses, seconds (the watchdog reads
@@ -298,7 +260,7 @@ class SdkStepWatchers:
         return [Watchdog(source, self.config), StepsWatcher(shared, interval_s=1.0)]
 
 
-def create_sdk(settings: Settings, ctx: BuildContext) -> SdkStepWatchers:
+def create_sdk(config: None, ctx: BuildContext) -> SdkStepWatchers:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``steps``): per-target SDK step-counter
     watchers (started by the runtime for each target that has a counter)."""
-    return SdkStepWatchers(settings.watchdog)
+    return SdkStepWatchers(stall_rule(ctx))

@@ -56,6 +56,7 @@ __all__ = [
     "StrEnum",
     "TargetExited",
     "Trigger",
+    "TriggerEvent",
     "WatchdogRearmed",
     "WatchdogStalled",
     "WatcherStatusChanged",
@@ -218,6 +219,36 @@ class Event:
     source: str = ""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TriggerEvent(Event):
+    """Base of the events that can open an incident: the incident manager subscribes to this
+    base, so a watcher that opens incidents of a new kind publishes a subclass of its own (its
+    module and one registration line, nothing else).
+
+    A subclass names its trigger in ``TRIGGER`` (``lower_snake_case``: the incident's
+    ``trigger``, part of its id, the ``servewatch.incident.trigger`` span attribute and the
+    cooldown key: one incident per trigger per ``incident.cooldown_s``), and may say in one line
+    what happened (:meth:`describe`) and which process it is about (:attr:`subject_pid`).
+    """
+
+    TRIGGER: ClassVar[str] = ""
+
+    @property
+    def trigger(self) -> str:
+        """The trigger's name (``TRIGGER``)."""
+        return self.TRIGGER
+
+    @property
+    def subject_pid(self) -> int | None:
+        """The process whose trouble this is (acted on first; the dead ranks of its job are the
+        incident's evidence), ``None`` for the server as a whole."""
+        return None
+
+    def describe(self) -> str:
+        """One line on what happened (the incident's ``detail``)."""
+        return f"{self.trigger} detected"
+
+
 # --- watchers -------------------------------------------------------------------------------
 
 
@@ -238,14 +269,19 @@ class HealthProbed(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class HealthCheckFailed(Event):
+class HealthCheckFailed(TriggerEvent):
     """The health check turned unhealthy after ``consecutive_failures`` failed probes."""
 
+    TRIGGER: ClassVar[str] = "health"
     url: str
     status_code: int | None
     latency_s: float
     error_class: str
     consecutive_failures: int
+
+    def describe(self) -> str:
+        code = f"HTTP {self.status_code}" if self.status_code else self.error_class
+        return f"{self.url} failed {self.consecutive_failures} probes in a row ({code})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,9 +311,10 @@ class StepsAdvanced(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WatchdogStalled(Event):
+class WatchdogStalled(TriggerEvent):
     """Busy with no forward progress for ``stalled_for_s`` >= ``timeout_s`` seconds."""
 
+    TRIGGER: ClassVar[str] = "stall"
     pid: int | None
     forward_ct: int
     stalled_for_s: float
@@ -285,6 +322,15 @@ class WatchdogStalled(Event):
     counter_source: str = ""
     #: the Prometheus label set that stalled (``engine="1"``); ``""`` for a whole counter
     series: str = ""
+
+    @property
+    def subject_pid(self) -> int | None:
+        return self.pid
+
+    def describe(self) -> str:
+        return (f"busy and no forward progress for {self.stalled_for_s:.1f}s (timeout {self.timeout_s:g}s,"
+                f" forward_ct={self.forward_ct}{', pid ' + str(self.pid) if self.pid else ''}"
+                f"{', series {' + self.series + '}' if self.series else ''})")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -417,6 +463,19 @@ class ExitFact:
             return f"exit code {self.exit_code}"
         return "exit status unknown"
 
+    def status_words(self) -> str:
+        """The status as an incident's detail says it: ``exit code 3``, ``signal 9 (SIGKILL)``,
+        ``killed by the OOM killer (signal 9 (SIGKILL); kernel log: ...)``, else :meth:`describe`."""
+        if self.signal is not None:
+            name = self.signal_name if not self.signal_name.startswith("signal ") else ""
+            text = f"signal {self.signal}" + (f" ({name})" if name else "")
+            if self.oom:
+                return f"killed by the OOM killer ({text}; {self.oom_evidence})" if self.oom_evidence else f"killed by the OOM killer ({text})"
+            return text
+        if self.exit_code is not None:
+            return f"exit code {self.exit_code}"
+        return self.describe()
+
     def describe(self) -> str:
         """One line for logs and summaries: the status, whether that is a stop, and its source.
 
@@ -466,10 +525,11 @@ class ExitFact:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TargetExited(Event):
+class TargetExited(TriggerEvent):
     """A watched process ended. ``exit_code`` or ``signal`` is set when known; ``fact`` is the
     whole :class:`ExitFact` (how, when, learnt how) when the process watcher published it."""
 
+    TRIGGER: ClassVar[str] = "exit"
     pid: int
     exit_code: int | None = None
     signal: int | None = None
@@ -483,6 +543,13 @@ class TargetExited(Event):
             return self.fact
         return ExitFact.of(self.pid, self.exit_code, self.signal,
                            source=None if self.exit_code is not None or self.signal is not None else ExitSource.NONE)
+
+    @property
+    def subject_pid(self) -> int | None:
+        return self.pid
+
+    def describe(self) -> str:
+        return f"pid {self.pid} {self.title!r} exited ({self.exit.status_words()})"
 
     @property
     def oom_killed(self) -> bool:

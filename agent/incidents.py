@@ -55,29 +55,33 @@ from pydantic import BaseModel, Field
 from agent import pidfds
 from agent.bus import EventBus
 from agent.events import (
-    STOP_SIGNALS as EVENT_STOP_SIGNALS,
-)
-from agent.events import (
     Action,
     ActionCompleted,
     ActionResult,
     AttributeValue,
     Event,
-    ExitFact,
-    ExitKind,
     HardSignalSent,
-    HealthCheckFailed,
     IncidentClosed,
     IncidentOpened,
     IncidentRetraced,
     Outcome,
     TargetExited,
     Trigger,
+    TriggerEvent,
     WatchdogRearmed,
     WatchdogStalled,
     frozen_attrs,
     now_ns,
 )
+from agent.exitpolicy import (
+    STOP_SIGNALS,
+    ExitPolicy,
+    TriggerPolicy,
+    describe_exit,
+    exit_admission,
+    stop_signal_of,
+)
+from agent.exitpolicy import server_tree as _server_tree
 from agent.fsutil import atomic_write_text, ensure_private_dir
 from agent.ids import new_span_id_hex, new_trace_id_hex
 from agent.manifest import (
@@ -129,15 +133,8 @@ DEFERRED_PHASES = frozenset({Action.PROFILE_SESSION})
 log = logging.getLogger("servewatch.incidents")
 
 
-#: Health failures that may be a server stopping in order, judged once its processes' exits are
-#: in, at most this many seconds later (by the probe's error class): a closed port (``refused``:
-#: a frontend closes it first, then stops its ranks, which may take their grace periods) or a 5xx
-#: (SGLang answers 503 while it shuts down).
-HEALTH_SETTLE_S: dict[str, float] = {"refused": 30.0, "5xx": 5.0}
-HEALTH_SETTLE_CLASSES = frozenset(HEALTH_SETTLE_S)
-
-#: Events that can open an incident.
-TRIGGER_EVENTS: tuple[type[Event], ...] = (HealthCheckFailed, WatchdogStalled, TargetExited)
+#: Events that can open an incident: the base of every trigger event (a new kind subclasses it).
+TRIGGER_EVENTS: tuple[type[Event], ...] = (TriggerEvent,)
 
 
 class IncidentConfig(BaseModel):
@@ -286,39 +283,6 @@ class IncidentRecord:
         )
 
 
-def _descendants(pids: Sequence[int]) -> set[int]:
-    """All live descendants of ``pids`` (zombies included: their exits are still to come)."""
-    import psutil
-
-    found: set[int] = set()
-    for pid in pids:
-        try:
-            found.update(child.pid for child in psutil.Process(pid).children(recursive=True))
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def _server_tree(targets: Sequence[Target]) -> set[int]:
-    """The targets' parents (not this agent nor its ancestors) and all their descendants."""
-    import psutil
-
-    ours = {os.getpid()}
-    try:
-        ours.update(p.pid for p in psutil.Process().parents())
-    except (psutil.Error, OSError):
-        pass
-    parents: set[int] = set()
-    for target in targets:
-        try:
-            ppid = psutil.Process(target.pid).ppid()
-        except (psutil.Error, OSError):
-            continue
-        if ppid not in ours and ppid > 1:
-            parents.add(ppid)
-    return parents | _descendants([*parents, *(t.pid for t in targets)])
-
-
 def _write_json(path: Path, data: dict[str, Any] | Manifest, durable: bool = True) -> bool:
     """Write a bundle file atomically (0600, never through a symlink); a full or vanished disk
     is logged, never raised (the agent goes on) and leaves the previous complete file or none.
@@ -349,61 +313,6 @@ def _unfinished(
         unfinished.append(ActionResult(action=name, outcome=Outcome.TIMED_OUT, detail=f"phase exceeded {limit_s:g}s",
                                        start_time_unix_nano=started_ns, end_time_unix_nano=t))
     return unfinished
-
-
-#: signals that ask a process to stop (an operator, systemd, a job scheduler), not crash it
-STOP_SIGNALS: dict[int, str] = dict(EVENT_STOP_SIGNALS)
-
-
-def stop_signal_of(event: TargetExited) -> str | None:
-    """``"SIGTERM"`` or ``"SIGINT"`` when the target ended because it was asked to stop, else ``None``.
-
-    Either the signal itself ended it (``signal`` 15 or 2, a ``-15`` return code), or it caught the
-    signal and exited with the shell convention ``128 + N`` (``exit_code`` 143 or 130).
-    SIGKILL (9, exit code 137: the OOM killer, ``kill -9``) and crash signals are never a stop.
-    """
-    return event.exit.stop_signal or None
-
-
-def describe_exit(event: TargetExited) -> str:
-    """``exit code 3``, ``signal 9 (SIGKILL)``, ``killed by the OOM killer (signal 9 (SIGKILL);
-    kernel log: ...)``, or the unknown status in words with what was seen (never ``None``)."""
-    return _status_words(event.exit)
-
-
-def _status_words(fact: ExitFact) -> str:
-    if fact.signal is not None:
-        try:
-            name = signal_mod.Signals(fact.signal).name
-        except ValueError:
-            name = ""
-        text = f"signal {fact.signal}" + (f" ({name})" if name else "")
-        if fact.oom:
-            return f"killed by the OOM killer ({text}; {fact.oom_evidence})" if fact.oom_evidence else f"killed by the OOM killer ({text})"
-        return text
-    if fact.exit_code is not None:
-        return f"exit code {fact.exit_code}"
-    return fact.describe()
-
-
-def exit_admission(fact: ExitFact, *, exit_zero_is_incident: bool, signal_stop_is_incident: bool) -> str:
-    """Whether an exit opens an incident on its own facts: ``""`` when it does, else why not.
-
-    The exit policy, in order: an orderly exit (code 0, SIGTERM/SIGINT or 143/130) is a stop
-    someone asked for; an exit during its server's orderly stop (``tree_stopped``: the parent
-    stopped in order right after, or, status unknown, the whole tree went down with it; never a
-    crash signal nor the OOM killer) is part of that stop; a failure (non-zero code, a crash or
-    kill signal, the OOM killer) opens one; so does an unknown status while the rest of its tree
-    runs on (the verdict then says "exit status unknown", never a crash at high confidence).
-    """
-    if fact.kind is ExitKind.ORDERLY:
-        if fact.stop_signal:
-            return "" if signal_stop_is_incident else f"stopped by {fact.stop_signal} ({_status_words(fact)})"
-        return "" if exit_zero_is_incident else f"exited in order ({_status_words(fact)})"
-    if fact.tree_stopped and not fact.oom:
-        return f"stopped with its whole server ({_status_words(fact)}; {fact.orderly_reason})" \
-            if fact.kind is not ExitKind.UNKNOWN else "stopped with its whole server (exit status unknown)"
-    return ""
 
 
 def _incident_id(trigger: str) -> str:
@@ -442,6 +351,12 @@ class IncidentManager:
         history: the server's recent history (:class:`agent.history.ProgressHistory`: its
             ``snapshot(until_unix_nano=, cause=)``), recorded into each incident at open;
             ``None``: none.
+        policies: more admission policies (:class:`~agent.exitpolicy.TriggerPolicy`), asked
+            after the exit policy (:class:`~agent.exitpolicy.ExitPolicy`, always first).
+
+    Attributes:
+        exits: the exit policy (``launch`` tells it which exits it expects).
+        policies: the admission policies asked for every trigger event, in order.
     """
 
     def __init__(
@@ -462,18 +377,18 @@ class IncidentManager:
         judge: Any = None,
         discover_for: Callable[[int | None], list[Target]] | None = None,
         history: Any = None,
+        policies: Sequence[TriggerPolicy] = (),
     ) -> None:
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
         self._interrupt: str = ""
-        self._hard_signalled: set[int] = set()
+        self.exits = ExitPolicy(config)
+        self.policies: list[TriggerPolicy] = [self.exits, *policies]
         #: pids whose TargetExited was handled (an incident written, or none needed)
-        self.exits_handled: set[int] = set()
+        self.exits_handled: set[int] = self.exits.exits_handled
         #: what each exit led to, in words (``incident <id>``, ``no incident: stopped by SIGTERM ...``)
-        self.exit_outcomes: dict[int, str] = {}
-        #: (monotonic time, one line) of the last exit admitted as an orderly stop; time of the last failing exit
-        self._last_orderly_stop: tuple[float, str] = (0.0, "")
-        self._last_failed_exit = 0.0
+        self.exit_outcomes: dict[int, str] = self.exits.exit_outcomes
+        self._hard_signalled: set[int] = self.exits.hard_signalled_pids
         self.bus = bus
         self.config = config
         self.data_dir = Path(data_dir)
@@ -504,68 +419,27 @@ class IncidentManager:
         #: awaited with :meth:`state` whenever it changes (an incident opens or closes, a trigger
         #: is suppressed, a target stalls or resumes): the runtime shows it in `servewatch status`
         self.on_state: Callable[[dict[str, Any]], Awaitable[None]] | None = None
-        self._last_open: dict[tuple[str, int | None], float] = {}
-        #: the incident that opened each cooldown window, and the window whose suppression was told
-        self._cooldown_ids: dict[tuple[str, int | None], str] = {}
-        self._suppression_told: dict[tuple[str, int | None], float] = {}
+        #: by trigger (one cooldown per trigger: TP ranks run in lockstep, so a hang stalls, or a
+        #: crash ends, every rank at once, and one incident already dumps every target): when its
+        #: window opened, the incident that opened it, and the window whose suppression was told
+        self._last_open: dict[str, float] = {}
+        self._cooldown_ids: dict[str, str] = {}
+        self._suppression_told: dict[str, float] = {}
         #: stalls not yet over (no WatchdogRearmed, no exit), by (pid, series)
         self._stalled: dict[tuple[int | None, str], dict[str, Any]] = {}
-        self._expected_exits: set[int] = set()
-        #: after hard mode's signal: (until, pids of that server's tree, the incident)
-        self._hard_windows: list[tuple[float, frozenset[int], IncidentRecord]] = []
-        # closed incidents whose manifest changed since (a knock-on exit): written off the loop
-        self._unsaved: list[IncidentRecord] = []
         self._lock = anyio.Lock()
 
     # -- triggers ---------------------------------------------------------------------------
 
     def classify(self, event: Event) -> tuple[str, int | None, str] | None:
-        """Map a trigger event to ``(trigger, pid, detail)``, or ``None`` when it is no incident."""
-        if isinstance(event, WatchdogStalled):
-            return (
-                Trigger.STALL,
-                event.pid,
-                (f"busy and no forward progress for {event.stalled_for_s:.1f}s (timeout {event.timeout_s:g}s,"
-                f" forward_ct={event.forward_ct}{', pid ' + str(event.pid) if event.pid else ''}"
-                f"{', series {' + event.series + '}' if event.series else ''})"),
-            )
-        if isinstance(event, HealthCheckFailed):
-            code = f"HTTP {event.status_code}" if event.status_code else event.error_class
-            return (
-                Trigger.HEALTH,
-                None,
-                f"{event.url} failed {event.consecutive_failures} probes in a row ({code})",
-            )
-        if isinstance(event, TargetExited):
-            if event.pid in self._expected_exits and not self.config.operator_stop_is_incident:
-                log.info("pid %d exited after the operator's stop (%s): no incident", event.pid, describe_exit(event))
-                self.exit_outcomes[event.pid] = "no incident: the operator's stop"
-                self._last_orderly_stop = (time.monotonic(), f"pid {event.pid} stopped by the operator")
-                return None  # stopped on purpose (an operator's signal passed on by launch)
-            if not self.config.hard_mode_exit_is_incident:
-                knock_on = self._hard_window_of(event.pid)
-                if knock_on is not None or event.pid in self._hard_signalled:
-                    log.info("pid %d exited after hard mode's signal (%s): no new incident", event.pid,
-                             describe_exit(event))
-                    self.exit_outcomes[event.pid] = "no new incident: after hard mode's signal"
-                    if knock_on is not None:
-                        self._note_exit_after_hard_signal(knock_on, event)
-                    return None  # the stall incident that signalled it already holds the evidence
-            fact = event.exit
-            ours = (event.pid in self._expected_exits or event.pid in self._hard_signalled
-                    or self._hard_window_of(event.pid) is not None)  # settings above decided those
-            why_not = exit_admission(
-                fact, exit_zero_is_incident=not self.config.on_exit_codes_only_nonzero,
-                signal_stop_is_incident=self.config.signal_stop_is_incident or ours,
-            )
-            if why_not:
-                log.info("pid %d %r %s: no incident", event.pid, event.title, why_not)
-                self.exit_outcomes[event.pid] = f"no incident: {why_not}"
-                self._last_orderly_stop = (time.monotonic(), f"pid {event.pid} {why_not}")
-                return None  # asked to stop, or stopped with its server: not a crash
-            self._last_failed_exit = time.monotonic()
-            return (Trigger.EXIT, event.pid, f"pid {event.pid} {event.title!r} exited ({describe_exit(event)})")
-        return None
+        """Map a trigger event to ``(trigger, pid, detail)``, or ``None`` when it opens no incident
+        on its own facts (not a :class:`~agent.events.TriggerEvent`, or a policy refuses it)."""
+        if not isinstance(event, TriggerEvent):
+            return None
+        for policy in self.policies:
+            if policy.refuses(event) is not None:
+                return None
+        return event.trigger, event.subject_pid, event.describe()
 
     def expect_exit(self, pid: int, *, tree: bool = False) -> None:
         """The exit of ``pid`` is expected (it was asked to stop): it opens no incident.
@@ -573,24 +447,7 @@ class IncidentManager:
         With ``tree``, so are the exits of all its descendants now (launch's server and its
         ranks, which exit because the server stops them).
         """
-        self._expected_exits.add(pid)
-        if tree:
-            self._expected_exits.update(_descendants([pid]))
-
-    def _hard_window_of(self, pid: int) -> IncidentRecord | None:
-        now = time.monotonic()
-        self._hard_windows = [w for w in self._hard_windows if w[0] > now]
-        for _, pids, record in self._hard_windows:
-            if pid in pids:
-                return record
-        return None
-
-    def _note_exit_after_hard_signal(self, record: IncidentRecord, event: TargetExited) -> None:
-        """Record a knock-on exit on the incident whose hard signal caused it (its manifest is
-        rewritten by :meth:`_handle_trigger`, off the loop)."""
-        record.exits_after_hard_signal[event.pid] = f"{event.title or 'pid ' + str(event.pid)}: {describe_exit(event)}"
-        if record is not self.current and record not in self._unsaved:  # a running one writes its own
-            self._unsaved.append(record)
+        self.exits.expect_exit(pid, tree=tree)
 
     def interrupt(self, reason: str = "agent stopping") -> bool:
         """Finish the running phase, skip the rest, and write the incident ``interrupted``.
@@ -622,19 +479,12 @@ class IncidentManager:
         manifest = record.to_manifest(host_name=self.host_name)
         await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest, durable)
 
-    @staticmethod
-    def _cooldown_key(trigger: str, pid: int | None) -> tuple[str, int | None]:
-        # One key per trigger kind: TP ranks run in lockstep, so a hang stalls (or a crash
-        # ends) every rank at once, and one incident already dumps every target.
-        return (trigger, None)
-
-    def _cooling_down(self, trigger: str, pid: int | None) -> bool:
-        key = self._cooldown_key(trigger, pid)
+    def _cooling_down(self, trigger: str) -> bool:
         now = time.monotonic()
-        last = self._last_open.get(key)
+        last = self._last_open.get(trigger)
         if last is not None and now - last < self.config.cooldown_s:
             return True
-        self._last_open[key] = now
+        self._last_open[trigger] = now
         return False
 
     def claim_cooldown(self, trigger: str, detail: str = "") -> tuple[float, str]:
@@ -642,17 +492,16 @@ class IncidentManager:
         one over the API), as every trigger event does: ``(0.0, "")`` when one may open now, else
         ``(seconds left, id of the incident that opened the window)``; a refusal is counted in
         ``suppressed`` and told once per window."""
-        key = self._cooldown_key(trigger, None)
-        if not self._cooling_down(trigger, None):
+        if not self._cooling_down(trigger):
             return 0.0, ""
         self.suppressed += 1
-        self._say_suppressed(key, detail or trigger)
-        left_s = self.config.cooldown_s - (time.monotonic() - self._last_open.get(key, 0.0))
-        return max(0.0, left_s), self._cooldown_ids.get(key, "")
+        self._say_suppressed(trigger, detail or trigger)
+        left_s = self.config.cooldown_s - (time.monotonic() - self._last_open.get(trigger, 0.0))
+        return max(0.0, left_s), self._cooldown_ids.get(trigger, "")
 
     def cooldown_opened(self, trigger: str, incident_id: str) -> None:
         """Name the incident that opened ``trigger``'s current cooldown window (see :meth:`claim_cooldown`)."""
-        self._cooldown_ids[self._cooldown_key(trigger, None)] = incident_id
+        self._cooldown_ids[trigger] = incident_id
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consume trigger events from the bus and open incidents, one at a time, until cancelled."""
@@ -661,8 +510,8 @@ class IncidentManager:
         ) as sub:
             task_status.started()
             async for event in sub:
-                if isinstance(event, HealthCheckFailed) and event.error_class in HEALTH_SETTLE_CLASSES:
-                    tg.start_soon(self._settled_health, event)  # the exits of a stopping server first
+                if isinstance(event, TriggerEvent) and any(p.settles(event) for p in self.policies):
+                    tg.start_soon(self._settled, event)  # e.g. the exits of a stopping server first
                     continue
                 await self._handle_one(event)
             tg.cancel_scope.cancel()
@@ -673,66 +522,40 @@ class IncidentManager:
         except Exception:  # a bug here must not stop the agent: log it, take the next trigger
             log.exception("handling %s failed", type(event).__name__)
         finally:
-            if isinstance(event, TargetExited):
-                self.exits_handled.add(event.pid)
-                pidfds.release_exited(event.pid, event.exit.started_time_unix_nano)
+            if isinstance(event, TriggerEvent):
+                for policy in self.policies:
+                    policy.handled(event)
 
-    async def _settled_health(self, event: HealthCheckFailed) -> None:
-        """A health check refused or answered 5xx: a server stopping in order closes its port
-        (or says 503) before its ranks end. Wait (:data:`HEALTH_SETTLE_S`) for the watched
-        processes' exits (their own checks run meanwhile), then judge it: no incident when they
-        all stopped in order, the exit incident's when one failed, else a health incident."""
-        try:
-            live = await anyio.to_thread.run_sync(self.discover)
-        except Exception:  # judged at once, as any other trigger
-            log.exception("discovery for the health check's incident failed")
-            live = []
-        if live or self._last_orderly_stop[0]:  # processes to watch end: give their exits a moment
-            since = time.monotonic()
-            with anyio.move_on_after(HEALTH_SETTLE_S.get(event.error_class, 5.0)):
-                while not await self._server_stopped_in_order():
-                    if self._last_failed_exit > since:
-                        # a failure: the health failure follows from its exit incident, once open
-                        while self._exit_incident_before(Trigger.HEALTH, None) is None:
-                            await anyio.sleep(0.05)
-                        break
-                    await anyio.sleep(0.2)
+    async def _settled(self, event: TriggerEvent) -> None:
+        """Judge ``event`` once the policies that wait for something (a health check refused
+        while the server stops: its processes' exits) have settled it."""
+        for policy in self.policies:
+            if policy.settles(event):
+                await policy.settle(event, self)
         await self._handle_one(event)
 
     async def _handle_trigger(self, event: Event) -> None:
-        """Open an incident for one trigger event, unless it is none, cooling down or not admitted."""
+        """Open an incident for one trigger event, unless a policy refuses or folds it, its
+        trigger is cooling down or the job does not admit it."""
         stall = self._track_stall(event)
         triggered = self.classify(event)
-        while self._unsaved:
-            await self._save_manifest(self._unsaved.pop(0))
-        if triggered is None:
-            if isinstance(event, (WatchdogRearmed, TargetExited)):
-                await self._notify()
+        for record in self.exits.changed:  # knock-on exits noted on written incidents
+            if record is not self.current:  # a running one writes its own
+                await self._save_manifest(record)
+        self.exits.changed.clear()
+        if triggered is None or not isinstance(event, TriggerEvent):
+            await self._notify()
             return
         trigger, pid, detail = triggered
-        key = self._cooldown_key(trigger, pid)
-        followed = self._exit_incident_before(trigger, pid)
-        if followed is not None:
-            self.suppressed += 1
-            age_s = max(0.0, (now_ns() - followed.opened.time_unix_nano) / 1e9)
-            log.warning("%s detected (%s) %.0f s after exit incident %s (%s): the same failure, no second incident",
-                        trigger, detail, age_s, followed.opened.incident_id, followed.opened.detail)
-            if stall is not None:
-                stall.update(incident=followed.opened.incident_id, suppressed=True)
-            await self._notify()
+        if await self._folded(event, stall):
             return
-        if trigger == Trigger.HEALTH and await self._server_stopped_in_order():
-            log.warning("health detected (%s) after every watched process stopped in order (last: %s): the server"
-                        " was stopped, no incident", detail, self._last_orderly_stop[1])
-            await self._notify()
-            return
-        if self._cooling_down(trigger, pid):
+        if self._cooling_down(trigger):
             self.suppressed += 1
-            self._say_suppressed(key, detail)
-            if isinstance(event, TargetExited):
-                self.exit_outcomes[event.pid] = f"no new incident: cooldown of {self._cooldown_ids.get(key) or 'the last'}"
+            self._say_suppressed(trigger, detail)
+            cooldown_id = self._cooldown_ids.get(trigger, "")
+            self._decided(event, f"no new incident: cooldown of {cooldown_id or 'the last'}")
             if stall is not None:
-                stall.update(incident=self._cooldown_ids.get(key, ""), suppressed=True)
+                stall.update(incident=cooldown_id, suppressed=True)
             await self._notify()
             return
         if self.admit is not None and not self.admit(trigger, detail):
@@ -740,43 +563,29 @@ class IncidentManager:
             await self._notify()
             return
         record = await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
-        self._cooldown_ids[key] = record.opened.incident_id
-        if isinstance(event, TargetExited):
-            self.exit_outcomes[event.pid] = f"incident {record.opened.incident_id}"
+        self._cooldown_ids[trigger] = record.opened.incident_id
+        self._decided(event, f"incident {record.opened.incident_id}")
         if stall is not None:
             stall.update(incident=record.opened.incident_id, suppressed=False)
         await self._notify()
 
-    async def _server_stopped_in_order(self) -> bool:
-        """The watched processes all ended, the last exits being orderly stops (within
-        ``exit_followup_s``, no failing exit since): a health check failing now is the stopped
-        server's port, not an incident."""
-        when, _ = self._last_orderly_stop
-        if not when or time.monotonic() - when > max(self.config.exit_followup_s, 1.0):
-            return False
-        if self._last_failed_exit >= when:
-            return False
-        try:
-            live = await anyio.to_thread.run_sync(self.discover)
-        except Exception:  # discovery failing is no reason to drop a health incident
-            log.exception("discovery for the health check's incident failed")
-            return False
-        return not live
+    async def _folded(self, event: TriggerEvent, stall: dict[str, Any] | None) -> bool:
+        """Whether a policy folds ``event`` into what is already known (said and counted)."""
+        for policy in self.policies:
+            fold = await policy.folds(event, self)
+            if fold is None:
+                continue
+            if fold.counted:
+                self.suppressed += 1
+                if stall is not None:
+                    stall.update(incident=fold.incident_id, suppressed=True)
+            await self._notify()
+            return True
+        return False
 
-    def _exit_incident_before(self, trigger: str, pid: int | None) -> IncidentRecord | None:
-        """The exit incident (running, or opened within ``exit_followup_s``) that a health failure
-        or a stall of one of its targets follows from: one death, one incident."""
-        if trigger not in (Trigger.HEALTH, Trigger.STALL) or self.config.exit_followup_s <= 0:
-            return None
-        now = now_ns()
-        for record in [*([self.current] if self.current is not None else []), *reversed(self.records)]:
-            if record.opened.trigger != Trigger.EXIT:
-                continue
-            if (now - record.opened.time_unix_nano) / 1e9 > self.config.exit_followup_s:
-                continue
-            if trigger == Trigger.HEALTH or pid is None or pid in {t.pid for t in record.targets}:
-                return record
-        return None
+    def _decided(self, event: TriggerEvent, outcome: str) -> None:
+        for policy in self.policies:
+            policy.decided(event, outcome)
 
     def _track_stall(self, event: Event) -> dict[str, Any] | None:
         """Keep the stalls that are not over (for :meth:`state`); the entry of a new stall."""
@@ -793,20 +602,20 @@ class IncidentManager:
                 del self._stalled[key]
         return None
 
-    def _say_suppressed(self, key: tuple[str, int | None], detail: str) -> None:
+    def _say_suppressed(self, trigger: str, detail: str) -> None:
         """Say a suppressed trigger once per cooldown window (a warning: `run` prints it); the
         others in that window are only counted (:attr:`suppressed`, `servewatch status`)."""
-        window = self._last_open.get(key, 0.0)
-        if self._suppression_told.get(key) == window:
-            log.info("%s detected (%s), suppressed by cooldown", key[0], detail)
+        window = self._last_open.get(trigger, 0.0)
+        if self._suppression_told.get(trigger) == window:
+            log.info("%s detected (%s), suppressed by cooldown", trigger, detail)
             return
-        self._suppression_told[key] = window
+        self._suppression_told[trigger] = window
         age_s = time.monotonic() - window
-        incident = self._cooldown_ids.get(key, "")
+        incident = self._cooldown_ids.get(trigger, "")
         log.warning(
             "%s detected (%s), suppressed by cooldown (%s opened %.0f s ago; no new %s incident for %.0f s more,"
             " incident.cooldown_s %g); more within this window are counted in `servewatch status`",
-            key[0], detail, f"incident {incident}" if incident else f"the last {key[0]} incident", age_s, key[0],
+            trigger, detail, f"incident {incident}" if incident else f"the last {trigger} incident", age_s, trigger,
             max(0.0, self.config.cooldown_s - age_s), self.config.cooldown_s,
         )
 
@@ -1175,12 +984,11 @@ class IncidentManager:
                     if isinstance(exc, ProcessLookupError) else "")
             else:
                 record.hard_signal_sent[target_pid] = name
-                self._hard_signalled.add(target_pid)
+                self.exits.hard_signalled_pids.add(target_pid)
                 outcome, detail = Outcome.OK, f"sent {name} to pid {target_pid} ({why})"
                 log.warning("hard mode: sent %s to pid %d (%s)", name, target_pid, why)
-            if target_pid in self._hard_signalled and not any(w[2] is record for w in self._hard_windows):
-                until = time.monotonic() + self.config.hard_mode_exit_grace_s
-                self._hard_windows.append((until, tree, record))
+            if target_pid in self.exits.hard_signalled_pids:  # its server's exits now are knock-on exits
+                self.exits.knock_on_window(record, tree)
             results.append(
                 ActionResult(
                     action=Action.HARD_SIGNAL, outcome=outcome, pid=target_pid, detail=detail,

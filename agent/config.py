@@ -20,6 +20,7 @@ settings model is imported by the path its registration line names, never a comp
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
@@ -34,7 +35,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import (
     BaseModel,
     Field,
-    PositiveInt,
     ValidationError,
     create_model,
     field_validator,
@@ -55,6 +55,7 @@ from agent.incidents import IncidentConfig
 from agent.registry import AgentValues, Kind, Registry
 from agent.security import unsafe_dir_reason, validate_host_name
 from agent.stall import WatchdogConfig
+from agent.targets import TargetConfig
 
 __all__ = [
     "ENV_DATA_DIR",
@@ -78,24 +79,8 @@ ENV_PREFIX = "SERVEWATCH_"
 ENV_DATA_DIR = "SERVEWATCH_DATA_DIR"
 
 
-class TargetConfig(BaseModel):
-    """Which processes to watch and act on (discovery).
-
-    Any combination: explicit ``pids``, descendants of ``root_pid``, and every process whose
-    title matches one of the ``match`` globs (e.g. ``sglang::scheduler*``, ``VLLM::Worker*``).
-    """
-
-    pids: list[PositiveInt] = Field(default_factory=list, description="explicit target pids")
-    root_pid: PositiveInt | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
-    match: list[str] = Field(default_factory=list, description="process-title globs (fnmatch)")
-    uids: list[int] = Field(
-        default_factory=list,
-        description="the server's real uids: only processes of these (or root) are targets (empty: the uid of root_pid and"
-        " pids, else servewatch's own); coredumps of these uids may also go outside coredump.folder",
-    )
-    any_uid: bool = Field(
-        False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
-    )
+#: :class:`AgentValues` fields that collect every providing table's value (a tuple)
+_COLLECTED_VALUES = frozenset(f.name for f in dataclasses.fields(AgentValues) if isinstance(f.default, tuple))
 
     @field_validator("match")
     @classmethod
@@ -114,7 +99,8 @@ class AgentSettings(BaseSettings):
     A component's settings model may define ``with_agent_values(values) -> model`` (a default
     that depends on an agent-wide value, e.g. ``coredump.folder`` under ``data_dir``) and
     ``provides``, a mapping of :class:`~agent.registry.AgentValues` fields to its own fields
-    (``{"sdk_socket_dir": "socket_dir"}``: the agent-wide value is set in that table).
+    (``{"sdk_socket_dir": "socket_dir"}``: the agent-wide value is set in that table; a tuple
+    value such as ``server_urls`` collects every table's, unset ones left out).
     """
 
     model_config = SettingsConfigDict(
@@ -181,7 +167,11 @@ class AgentSettings(BaseSettings):
         for table in self.component_tables:
             config = getattr(self, table)
             for value, field in getattr(type(config), "provides", {}).items():
-                provided[value] = getattr(config, field)
+                given = getattr(config, field)
+                if value in _COLLECTED_VALUES:  # collected from every table
+                    provided[value] = (*provided.get(value, ()), *([given] if given else []))
+                else:
+                    provided[value] = given
         return AgentValues(
             data_dir=self.data_dir, host_name=self.host_name, watchdog_timeout_s=self.watchdog.timeout_s,
             watchdog_poll_interval_s=self.watchdog.poll_interval_s, target_uids=tuple(self.target.uids),

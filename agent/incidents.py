@@ -65,11 +65,9 @@ from agent.events import (
     IncidentOpened,
     IncidentRetraced,
     Outcome,
-    TargetExited,
     Trigger,
     TriggerEvent,
     WatchdogRearmed,
-    WatchdogStalled,
     frozen_attrs,
     now_ns,
 )
@@ -98,10 +96,11 @@ from agent.manifest import (
     load_manifest,
 )
 from agent.procinfo import pid_alive
-from agent.progress import reporting_to
+from agent.progress import ActionSink, action_stream
 from agent.ranks import target_attributes
 from agent.sdkclient import InflightRequest
 from agent.security import redact_cmdline, redact_text
+from agent.stall import StallBoard
 from agent.targets import Target
 from agent.verdict import Verdict, hard_signal_plan
 
@@ -171,8 +170,9 @@ class IncidentConfig(BaseModel):
     )
 
 
-#: One phase of an incident: act on all targets, return one result per action.
-Phase = Callable[[IncidentOpened, Sequence[Target], Path], Awaitable[list[ActionResult]]]
+#: One phase of an incident: act on all targets, sending each result to the stream as soon as it
+#: is done (:mod:`agent.progress`), and return one result per action.
+Phase = Callable[[IncidentOpened, Sequence[Target], Path, ActionSink], Awaitable[list[ActionResult]]]
 #: Reads the requests in flight in the targets (bounded by the caller).
 InflightProvider = Callable[[Sequence[Target]], Awaitable[list[InflightRequest]]]
 #: Started right after an incident opens, beside its phases (e.g. asking a job's peers to
@@ -353,6 +353,8 @@ class IncidentManager:
             ``None``: none.
         policies: more admission policies (:class:`~agent.exitpolicy.TriggerPolicy`), asked
             after the exit policy (:class:`~agent.exitpolicy.ExitPolicy`, always first).
+        stalls: the stalls not over (:class:`~agent.stall.StallBoard`; the runtime's, fed from
+            the bus); default: one fed by the trigger events this manager handles.
 
     Attributes:
         exits: the exit policy (``launch`` tells it which exits it expects).
@@ -378,6 +380,7 @@ class IncidentManager:
         discover_for: Callable[[int | None], list[Target]] | None = None,
         history: Any = None,
         policies: Sequence[TriggerPolicy] = (),
+        stalls: StallBoard | None = None,
     ) -> None:
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
@@ -425,8 +428,8 @@ class IncidentManager:
         self._last_open: dict[str, float] = {}
         self._cooldown_ids: dict[str, str] = {}
         self._suppression_told: dict[str, float] = {}
-        #: stalls not yet over (no WatchdogRearmed, no exit), by (pid, series)
-        self._stalled: dict[tuple[int | None, str], dict[str, Any]] = {}
+        #: the stalls not over (the watchdogs' word on the bus), shown in :meth:`state`
+        self.stalls = stalls if stalls is not None else StallBoard()
         self._lock = anyio.Lock()
 
     # -- triggers ---------------------------------------------------------------------------
@@ -537,7 +540,7 @@ class IncidentManager:
     async def _handle_trigger(self, event: Event) -> None:
         """Open an incident for one trigger event, unless a policy refuses or folds it, its
         trigger is cooling down or the job does not admit it."""
-        stall = self._track_stall(event)
+        stall = self.stalls.observe(event)
         triggered = self.classify(event)
         for record in self.exits.changed:  # knock-on exits noted on written incidents
             if record is not self.current:  # a running one writes its own
@@ -587,21 +590,6 @@ class IncidentManager:
         for policy in self.policies:
             policy.decided(event, outcome)
 
-    def _track_stall(self, event: Event) -> dict[str, Any] | None:
-        """Keep the stalls that are not over (for :meth:`state`); the entry of a new stall."""
-        if isinstance(event, WatchdogStalled):
-            entry: dict[str, Any] = {
-                "pid": event.pid, "series": event.series, "timeout_s": event.timeout_s,
-                "since_time_unix_nano": event.time_unix_nano - int(event.stalled_for_s * 1e9),
-                "incident": "", "suppressed": False,
-            }
-            self._stalled[(event.pid, event.series)] = entry
-            return entry
-        if isinstance(event, (WatchdogRearmed, TargetExited)):
-            for key in [k for k in self._stalled if k[0] == event.pid]:
-                del self._stalled[key]
-        return None
-
     def _say_suppressed(self, trigger: str, detail: str) -> None:
         """Say a suppressed trigger once per cooldown window (a warning: `run` prints it); the
         others in that window are only counted (:attr:`suppressed`, `servewatch status`)."""
@@ -637,7 +625,7 @@ class IncidentManager:
             "last": brief(self.records[-1] if self.records else None),
             "written": len(self.records),
             "suppressed": self.suppressed,
-            "stalled": [dict(v) for v in self._stalled.values()],
+            "stalled": self.stalls.entries(),
         }
 
     async def _notify(self) -> None:
@@ -810,38 +798,43 @@ class IncidentManager:
     async def _run_one_phase(
         self, record: IncidentRecord, name: str, phase: Phase, event_cls: type[ActionCompleted]
     ) -> None:
-        """Run one phase; each action is published when it finishes, the manifest when it ends."""
+        """Run one phase; each action is published when it finishes (sent on the phase's stream),
+        the manifest when it ends."""
         opened = record.opened
-        incident_id = opened.incident_id
         reported: list[ActionResult] = []
 
-        async def report(result: ActionResult) -> None:
-            reported.append(result)
+        async def publish(result: ActionResult) -> None:
             result = _with_span_id(result)
             record.results.append(result)
-            await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
+            await self.bus.publish(event_cls(source=name, incident_id=opened.incident_id, result=result))
+
+        async def receive_reports() -> None:
+            async with source:
+                async for result in source:
+                    reported.append(result)
+                    await publish(result)
 
         results: list[ActionResult] = []
         phase_started_ns = now_ns()
-        with anyio.move_on_after(self.config.phase_timeout_s) as scope, reporting_to(report):
-            try:
-                results = await phase(opened, record.targets, record.bundle_dir)
-            except Exception as exc:  # an actor's boundary: an outcome, never a crash
-                log.exception("phase %s failed", name)
-                t = now_ns()
-                results = [
-                    ActionResult(action=name, outcome=Outcome.FAILED, detail=f"{type(exc).__name__}: {exc}",
-                                 start_time_unix_nano=t, end_time_unix_nano=t)
-                ]
+        sink, source = action_stream()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive_reports)  # ends once the sink is closed and what it holds is published
+            with anyio.move_on_after(self.config.phase_timeout_s) as scope, sink:
+                try:
+                    results = await phase(opened, record.targets, record.bundle_dir, sink)
+                except Exception as exc:  # an actor's boundary: an outcome, never a crash
+                    log.exception("phase %s failed", name)
+                    t = now_ns()
+                    results = [
+                        ActionResult(action=name, outcome=Outcome.FAILED, detail=f"{type(exc).__name__}: {exc}",
+                                     start_time_unix_nano=t, end_time_unix_nano=t)
+                    ]
         if scope.cancelled_caught:
             # keep what finished (already reported); one timed-out result per unfinished target
             results = _unfinished(name, record.targets, reported, self.config.phase_timeout_s, started_ns=phase_started_ns)
         for result in results:
-            if any(result is r for r in reported):
-                continue  # already published when it finished
-            result = _with_span_id(result)
-            record.results.append(result)
-            await self.bus.publish(event_cls(source=name, incident_id=incident_id, result=result))
+            if not any(result is r for r in reported):  # else already published when it finished
+                await publish(result)
         record.phases_done.append(name)
         if name in record.phases_pending:
             record.phases_pending.remove(name)

@@ -1,43 +1,35 @@
-"""Report each action's result the moment it finishes, not when its whole phase ends.
+"""The explicit stream an incident phase reports its actions' results through, each the moment it
+is done (not when the whole phase ends).
 
-Owns :func:`report_action` and :func:`reporting_to`. The incident manager sets a reporter (a
-context variable, so it follows the tasks a phase starts) while a phase runs; actors and
-:func:`agent.actors.act_all` call :func:`report_action` with each result as it is done, and the
-manager publishes it at once (its span goes out, ``manifest.json`` can show it). Outside an
-incident (``servewatch profile``) reporting does nothing.
+Owns :data:`ActionSink` and :func:`action_stream`. The incident manager opens one stream per phase
+(:func:`action_stream`) and hands its sending end to the phase (an actor's ``run_phase``, or
+:func:`agent.actors.act_all` for one action per target); it publishes each result it receives at
+once (its span goes out, ``manifest.json`` can show it), and keeps the results sent before a
+phase is cut by its time limit. Outside an incident (``servewatch profile``) nobody reports.
 
-Imports only :mod:`agent.events` and the standard library, so actors and incidents can both use
-it without importing each other.
+Imports only anyio, :mod:`agent.events` and the standard library, so actors and incidents can
+both use it without importing each other.
 """
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+import math
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from agent.events import ActionResult
 
-__all__ = ["Reporter", "report_action", "reporting_to"]
+__all__ = ["ActionSink", "ActionSource", "action_stream"]
 
-#: Receives one finished action's result.
-Reporter = Callable[[ActionResult], Awaitable[None]]
-
-_reporter: contextvars.ContextVar[Reporter | None] = contextvars.ContextVar("servewatch_action_reporter", default=None)
-
-
-async def report_action(result: ActionResult) -> None:
-    """Hand ``result`` to the running incident now (no-op outside one)."""
-    reporter = _reporter.get()
-    if reporter is not None:
-        await reporter(result)
+#: Where a phase sends each finished action's result (``await sink.send(result)``).
+ActionSink = ObjectSendStream[ActionResult]
+#: Where the incident manager receives them.
+ActionSource = ObjectReceiveStream[ActionResult]
 
 
-@contextmanager
-def reporting_to(reporter: Reporter) -> Iterator[None]:
-    """Within the block (and tasks started in it), :func:`report_action` calls ``reporter``."""
-    token = _reporter.set(reporter)
-    try:
-        yield
-    finally:
-        _reporter.reset(token)
+def action_stream() -> tuple[MemoryObjectSendStream[ActionResult], MemoryObjectReceiveStream[ActionResult]]:
+    """A new stream for one phase: unbounded (a phase sends one result per action, and sending
+    never waits on the bus); closing the sending end ends the receiving one once drained."""
+    return anyio.create_memory_object_stream[ActionResult](math.inf)

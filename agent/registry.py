@@ -78,6 +78,8 @@ class AgentValues:
         target_uids: the server's uids (``target.uids``; empty: derived from the targets).
         sdk_socket_dir: folder of the SDK's control sockets, ``None``: the SDK's shm folder (set by
             the table that provides it: ``profiler.socket_dir``).
+        server_urls: the served process's URLs the agent probes (``health.url``, ``metrics.url``:
+            the tables that provide one), so the verdict can tell the server's own processes.
     """
 
     data_dir: Path = Path("servewatch-data")
@@ -86,6 +88,7 @@ class AgentValues:
     watchdog_poll_interval_s: float = 1.0
     target_uids: tuple[int, ...] = ()
     sdk_socket_dir: Path | None = None
+    server_urls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

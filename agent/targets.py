@@ -1,9 +1,9 @@
 """Process discovery: which processes servewatch watches and acts on.
 
-Owns :class:`Target`, discovery (descendants of a root pid, process-title globs, explicit pids)
-and the one place where psutil's exceptions are sorted into servewatch's terms
-(:func:`psutil_errors`, :func:`process_state`). Imports psutil, :mod:`agent.events` and
-:mod:`agent.safetext` only.
+Owns :class:`Target`, :class:`TargetConfig` (the ``[target]`` settings), discovery (descendants
+of a root pid, process-title globs, explicit pids) and the one place where psutil's exceptions are
+sorted into servewatch's terms (:func:`psutil_errors`, :func:`process_state`). Imports psutil,
+pydantic, :mod:`agent.events` and :mod:`agent.safetext` only.
 
 Titles: inference servers name their workers with setproctitle (SGLang ``sglang::scheduler_TP0``,
 vLLM ``VLLM::Worker_TP0``). setproctitle overwrites the argv area, so ``/proc/PID/cmdline`` reads
@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psutil
+from pydantic import BaseModel, Field, PositiveInt
 
 from agent.events import StrEnum
 from agent.safetext import safe_text
@@ -30,6 +31,7 @@ __all__ = [
     "ProcessTree",
     "ScanErrors",
     "Target",
+    "TargetConfig",
     "discover",
     "parent_pid",
     "process_state",
@@ -41,6 +43,27 @@ __all__ = [
     "target_of",
     "zombie_descendants",
 ]
+
+
+class TargetConfig(BaseModel):
+    """Which processes to watch and act on (discovery).
+
+    Any combination: explicit ``pids``, descendants of ``root_pid``, and every process whose
+    title matches one of the ``match`` globs (e.g. ``sglang::scheduler*``, ``VLLM::Worker*``).
+    """
+
+    pids: list[PositiveInt] = Field(default_factory=list, description="explicit target pids")
+    root_pid: PositiveInt | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
+    match: list[str] = Field(default_factory=list, description="process-title globs (fnmatch)")
+    uids: list[int] = Field(
+        default_factory=list,
+        description="the server's real uids: only processes of these (or root) are targets (empty: the uid of root_pid and"
+        " pids, else servewatch's own); coredumps of these uids may also go outside coredump.folder",
+    )
+    any_uid: bool = Field(
+        False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
+    )
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,7 +21,7 @@ Instruments (units per the OTel metric conventions):
   ``servewatch.watcher.state`` (``ready | waiting | blind``): 1 for each watcher's current
   state, 0 for the others (alert on ``state="blind" == 1``).
 
-Imports the OpenTelemetry metrics API; the metrics SDK and :mod:`exporters.metrics_export` only when
+Imports the OpenTelemetry metrics API and :mod:`agent.events`; the metrics SDK and :mod:`exporters.metrics_export` only when
 :func:`build_meter_provider` runs (a ``Metrics(None)`` recorder, as ``servewatch dump`` without a
 collector uses, imports neither).
 """
@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
+
+from agent.events import ActionCompleted, Event, IncidentOpened, WatchdogStalled
 
 if TYPE_CHECKING:  # the metrics SDK loads in build_meter_provider: Metrics(None) stays light
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -47,7 +49,10 @@ if TYPE_CHECKING:  # the metrics SDK loads in build_meter_provider: Metrics(None
     from exporters.processor import ExportStatistics
     from exporters.transport import RequestSender
 
-__all__ = ["DETECTION_LATENCY_BUCKETS_S", "Metrics", "build_meter_provider"]
+__all__ = ["DETECTION_LATENCY_BUCKETS_S", "RECORDED_EVENTS", "Metrics", "build_meter_provider"]
+
+#: The bus events :meth:`Metrics.record_events` counts.
+RECORDED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, WatchdogStalled)
 
 _log = logging.getLogger(__name__)
 
@@ -167,6 +172,18 @@ class Metrics:
         """Record how long a trigger took to be detected, in seconds."""
         if self._latency is not None:
             self._latency.record(max(0.0, seconds), {"servewatch.incident.trigger": trigger} if trigger else None)
+
+    async def record_events(self, events: AsyncIterable[Event]) -> None:
+        """Count from bus events (a subscription to :data:`RECORDED_EVENTS`) until they end:
+        incidents by trigger, action outcomes, and each stall's detection latency (how late it
+        was reported after it became one: last progress + timeout)."""
+        async for event in events:
+            if isinstance(event, IncidentOpened):
+                self.incident_opened(event.trigger)
+            elif isinstance(event, ActionCompleted):
+                self.action_done(event.result.action, event.result.outcome.value)
+            elif isinstance(event, WatchdogStalled):
+                self.detection_latency(event.stalled_for_s - event.timeout_s, trigger=event.trigger)
 
     def watch_export(self, statistics: Callable[[], ExportStatistics]) -> None:
         """Report a span processor's counters (e.g. ``processor.statistics``)."""

@@ -52,7 +52,7 @@ from opentelemetry.context import Context
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
-from exporters.backoff import Backoff
+from agent.backoff import Backoff
 from exporters.batching import halve_request, split_request
 from exporters.encode import EncodedSpan
 from exporters.encode import encode_spans_fast as encode_spans
@@ -144,7 +144,7 @@ class LosslessSpanProcessor(SpanProcessor):
         schedule_delay_s: longest a span waits in the queue before a partial batch is sent, seconds.
         export_timeout_s: bound on one send attempt, seconds (also capped by the shutdown deadline).
         retry_initial_backoff_s / retry_max_backoff_s: replay backoff after a failure, doubling,
-            +-20% jitter, seconds (:class:`~exporters.backoff.Backoff`); a collector's
+            +-20% jitter, seconds (:class:`~agent.backoff.Backoff`); a collector's
             ``Retry-After`` / ``RetryInfo`` makes the wait at least that long.
         shutdown_timeout_s: default deadline of :meth:`shutdown`, seconds.
         adopt_interval_s: how often stranded spool folders are looked for, seconds.

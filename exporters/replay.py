@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from agent.backoff import Backoff
 from agent.fsutil import atomic_write_text
-from exporters.backoff import Backoff
 from exporters.batching import halve_request
 from exporters.otlp_json import TornLines, iter_span_files, read_span_file
 from exporters.spool import DeliveredKeys, spool_root_of

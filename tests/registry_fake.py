@@ -49,7 +49,9 @@ class ProbeActor:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
 
-    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+    async def run_phase(
+        self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: Any
+    ) -> list[ActionResult]:
         results = []
         for target in targets:
             start = now_ns()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-import agent.runtime as runtime_mod
+import agent.evidence as evidence_mod
 from agent.config import load_settings
 from agent.runtime import Agent
 from tests.test_targeting import CLI, cli_env, manifests, start_tree
@@ -44,7 +44,7 @@ def test_an_incident_takes_dead_ranks_of_its_own_job_and_orderly_exits_only_whil
     settings = load_settings(
         {"data_dir": tmp_path / "data", "target": {"match": [f"sglang::scheduler*_{tag}"]}, "watchdog": {"timeout_s": 5.0}}
     )
-    monkeypatch.setattr(runtime_mod, "DEAD_RANK_MARGIN_S", 0.0)  # window: 2 x 5 s
+    monkeypatch.setattr(evidence_mod, "DEAD_RANK_MARGIN_S", 0.0)  # window: 2 x 5 s
     agent = Agent(settings)
     assert {t.pid for t in agent.discover()} == {*a_ranks, b["scheduler_TP0"], b["scheduler_TP1"]}
 

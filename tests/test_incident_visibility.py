@@ -31,6 +31,7 @@ from agent.events import (
     now_ns,
 )
 from agent.incidents import IncidentConfig, IncidentManager, IncidentRecord, recover_interrupted
+from agent.progress import ActionSink
 from agent.runtime import Agent
 from agent.targets import Target
 from tests.conftest import PROGRAMS_DIR
@@ -75,10 +76,10 @@ async def test_manifest_is_open_at_once_and_each_action_is_published_when_it_fin
     actor = SlowActor(os.getppid())
     profile_gate = anyio.Event()
 
-    async def dump(opened: IncidentOpened, ts: Sequence[Target], bundle: Path) -> list[ActionResult]:
-        return await act_all(actor, opened, ts, timeout_s=10, artifact_dir=bundle)
+    async def dump(opened: IncidentOpened, ts: Sequence[Target], bundle: Path, report: ActionSink) -> list[ActionResult]:
+        return await act_all(actor, opened, ts, timeout_s=10, artifact_dir=bundle, report=report)
 
-    async def profile(opened: IncidentOpened, ts: Sequence[Target], bundle: Path) -> list[ActionResult]:
+    async def profile(opened: IncidentOpened, ts: Sequence[Target], bundle: Path, report: ActionSink) -> list[ActionResult]:
         await profile_gate.wait()
         t = now_ns()
         return [ActionResult(action="profile.session", outcome=Outcome.OK, start_time_unix_nano=t, end_time_unix_nano=t)]

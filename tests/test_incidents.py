@@ -39,7 +39,7 @@ class Timeline:
         self.marks: list[tuple[str, int]] = []
 
     def phase(self, name: str, *, sleep_s: float = 0.0, outcome: Outcome = Outcome.OK):
-        async def run(opened: IncidentOpened, targets: Sequence[Target], bundle: Path) -> list[ActionResult]:
+        async def run(opened: IncidentOpened, targets: Sequence[Target], bundle: Path, report: object) -> list[ActionResult]:
             results = []
 
             async def one(t: Target) -> None:
@@ -138,7 +138,7 @@ async def test_exit_code_zero_is_not_an_incident_but_a_signal_is(tmp_path: Path)
 async def test_failing_and_hanging_phases_become_outcomes(tmp_path: Path) -> None:
     bus, tl = RecordingBus(), Timeline()
 
-    async def broken(opened, targets, bundle):
+    async def broken(opened, targets, bundle, report):
         raise RuntimeError("actor bug")
 
     mgr = _manager(
@@ -171,8 +171,8 @@ async def test_phase_time_limit_keeps_finished_results_and_times_out_only_the_re
             return ActionResult(action="pyspy.dump", outcome=Outcome.OK, pid=target.pid, detail="dumped",
                                 start_time_unix_nano=t, end_time_unix_nano=t)
 
-    async def phase(opened, targets, bundle):
-        return await act_all(HalfHung(), opened, targets, timeout_s=60, artifact_dir=bundle)
+    async def phase(opened, targets, bundle, report):
+        return await act_all(HalfHung(), opened, targets, timeout_s=60, artifact_dir=bundle, report=report)
 
     bus, tl = RecordingBus(), Timeline()
     mgr = _manager(tmp_path, bus, tl, config=IncidentConfig(cooldown_s=60, phase_timeout_s=0.5),

@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent import runtime
+from agent import supervision
 from agent.config import load_settings
 from agent.events import WatcherStatusChanged
 from agent.runtime import Agent
@@ -40,7 +40,7 @@ class Exploding:
 async def test_a_crashing_watcher_turns_blind_with_its_exception_and_is_restarted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime, "RESTART_BACKOFF_S", 0.05)
+    monkeypatch.setattr(supervision, "RESTART_BACKOFF_S", 0.05)
     agent = Agent(load_settings({"data_dir": tmp_path}))
     sub = agent.bus.subscribe(WatcherStatusChanged, max_buffer=1000)
     Exploding.runs = 0
@@ -256,9 +256,9 @@ async def test_a_bug_handling_one_trigger_does_not_stop_the_incident_loop(tmp_pa
 async def test_a_stable_target_set_is_rescanned_rarely_and_at_once_when_a_target_goes(
     tmp_path: Path, spawn, python: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime, "REDISCOVER_INTERVAL_S", 0.1)
-    monkeypatch.setattr(runtime, "REDISCOVER_STABLE_AFTER_S", 0.5)
-    monkeypatch.setattr(runtime, "REDISCOVER_STABLE_INTERVAL_S", 30.0)
+    monkeypatch.setattr(supervision, "REDISCOVER_INTERVAL_S", 0.1)
+    monkeypatch.setattr(supervision, "REDISCOVER_STABLE_AFTER_S", 0.5)
+    monkeypatch.setattr(supervision, "REDISCOVER_STABLE_INTERVAL_S", 30.0)
     a = spawn([python, "-c", "import time; time.sleep(60)"])
     b = spawn([python, "-c", "import time; time.sleep(60)"])
     settings = {"data_dir": tmp_path, "target": {"pids": [a.pid, b.pid]}, "export": {"metrics": False}}

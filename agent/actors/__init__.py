@@ -5,7 +5,8 @@ Actors never import watchers; :mod:`agent.incidents` decides what runs and when.
 :func:`act_all` (one actor over many targets at once) and :data:`ACTORS`, the actor registry
 (:mod:`agent.registry`): one line per actor below. Registration order is the order of an
 incident's phases; a factory returns ``None`` when the settings turn its actor off. Imports
-anyio, :mod:`agent.events`, :mod:`agent.registry` and :mod:`agent.targets`.
+anyio, :mod:`agent.events`, :mod:`agent.progress` (the results' stream), :mod:`agent.registry` and
+:mod:`agent.targets`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Protocol
 import anyio
 
 from agent.events import ActionCompleted, ActionResult, IncidentOpened
-from agent.progress import report_action
+from agent.progress import ActionSink
 from agent.registry import Registry
 from agent.targets import Target
 
@@ -55,11 +56,13 @@ class Actor(Protocol):
     completed: type[ActionCompleted]
     deferred: bool
 
-    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+    async def run_phase(
+        self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: ActionSink
+    ) -> list[ActionResult]:
         """Act on every target for incident ``opened``, writing artifacts under ``artifact_dir``.
 
-        Each result may be handed to :func:`agent.progress.report_action` as soon as it is done
-        (its span goes out then). Bounded by the incident's phase limit (the caller cancels).
+        Each result may be sent to ``report`` as soon as it is done (its span goes out then; the
+        results returned may include those sent: each is published once). Bounded by the incident's phase limit (the caller cancels).
         Never raises for a target's misbehaviour: failures are outcomes on the results.
 
         Returns:
@@ -90,6 +93,7 @@ async def act_all(
     *,
     timeout_s: float,
     artifact_dir: Path,
+    report: ActionSink | None = None,
 ) -> list[ActionResult]:
     """Run ``actor.act`` for every target concurrently (one task each) and wait for all.
 
@@ -99,8 +103,7 @@ async def act_all(
         targets: processes to act on; each entry is acted on, duplicates included.
         timeout_s: budget of each target's action, in seconds (passed to ``act``).
         artifact_dir: where the actions write their artifacts.
-
-    Each result is also handed to :func:`agent.progress.report_action` as soon as it is done.
+        report: where each result is sent as soon as it is done (the incident's stream).
 
     Returns:
         One result per target, in the order of ``targets``.
@@ -110,7 +113,8 @@ async def act_all(
     async def one(index: int, target: Target) -> None:
         result = await actor.act(trigger, target, timeout_s=timeout_s, artifact_dir=artifact_dir)
         results[index] = result
-        await report_action(result)  # its span goes out now, not when the slowest target is done
+        if report is not None:
+            await report.send(result)  # its span goes out now, not when the slowest target is done
 
     async with anyio.create_task_group() as tg:
         for index, target in enumerate(targets):

@@ -97,6 +97,7 @@ from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
 
 if TYPE_CHECKING:
+    from agent.progress import ActionSink
     from agent.registry import BuildContext
 
 
@@ -775,13 +776,15 @@ class CoredumpActor:
         cfg = self.config
         return cfg.delay_s + cfg.trigger_timeout_s + cfg.consume_timeout_s + cfg.completion_timeout_s
 
-    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+    async def run_phase(
+        self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: ActionSink
+    ) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`trigger_all`, registered
         after the stack dumps so it runs right when they finish."""
-        return await self.trigger_all(opened, list(targets), artifact_dir=artifact_dir)
+        return await self.trigger_all(opened, list(targets), artifact_dir=artifact_dir, report=report)
 
     async def trigger_all(
-        self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path
+        self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path, report: ActionSink | None = None
     ) -> list[ActionResult]:
         """Trigger every armed target at once, then wait (bounded) for all core files.
 
@@ -793,6 +796,7 @@ class CoredumpActor:
             trigger: the incident.
             targets: processes to dump (duplicates by pid are dumped once).
             artifact_dir: the incident bundle directory.
+            report: where each result is sent as soon as it is done (an incident's stream).
 
         Returns:
             One result per target, in ``targets`` order.
@@ -800,7 +804,7 @@ class CoredumpActor:
         if self.config.delay_s > 0 and self.config.enabled:
             await anyio.sleep(self.config.delay_s)
         timeout_s = self.budget_s - self.config.delay_s
-        return await act_all(self, trigger, targets, timeout_s=timeout_s, artifact_dir=artifact_dir)
+        return await act_all(self, trigger, targets, timeout_s=timeout_s, artifact_dir=artifact_dir, report=report)
 
     async def act(
         self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path

@@ -64,6 +64,7 @@ from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
 if TYPE_CHECKING:
+    from agent.progress import ActionSink
     from agent.registry import BuildContext
 
 
@@ -170,15 +171,21 @@ class FlightRecorderActor:
         self.config = config or FlightRecorderConfig()
         self._environ_of = environ_of
 
-    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+    async def run_phase(
+        self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: ActionSink
+    ) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`collect_all`."""
-        return await self.collect_all(opened, targets, artifact_dir=artifact_dir)
+        return await self.collect_all(opened, targets, artifact_dir=artifact_dir, report=report)
 
-    async def collect_all(self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path) -> list[ActionResult]:
-        """One read per target, all in parallel; results in target order."""
+    async def collect_all(
+        self, trigger: IncidentOpened, targets: Sequence[Target], *, artifact_dir: Path, report: ActionSink | None = None
+    ) -> list[ActionResult]:
+        """One read per target, all in parallel; results in target order (each also sent to
+        ``report`` as soon as it is done)."""
         from agent.actors import act_all
 
-        return await act_all(self, trigger, targets, timeout_s=self.config.timeout_s, artifact_dir=artifact_dir)
+        return await act_all(self, trigger, targets, timeout_s=self.config.timeout_s, artifact_dir=artifact_dir,
+                             report=report)
 
     async def act(self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path) -> ActionResult:
         start = now_ns()

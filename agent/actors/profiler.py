@@ -85,11 +85,13 @@ from agent.sdkclient import (
     read_step_counter,
     sdk_call,
 )
+from agent.stall import StallClock
 from agent.targets import Target
 
 if TYPE_CHECKING:
     import httpx
 
+    from agent.progress import ActionSink
     from agent.registry import BuildContext
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
@@ -234,20 +236,16 @@ class _StallWatch:
     not when work arrived)."""
 
     def __init__(self, pid: int, directory: Path | None, window_s: float = STALL_WINDOW_S) -> None:
-        self.pid, self.directory, self.window_ns = pid, directory, int(window_s * 1e9)
-        self.busy_since_ns = 0
+        self.pid, self.directory = pid, directory
+        #: the stall rule (agent.stall) with T = the window; a target that never stepped stalls too
+        self.clock = StallClock(window_s, before_first_step=True)
 
     def stalled(self) -> bool:
         """Blocking (a tmpfs read): true once busy with no step for the window."""
         snap = read_step_counter(self.pid, self.directory)
-        now = time.monotonic_ns()
-        if snap is None or snap.pending <= 0:
-            self.busy_since_ns = 0  # idle (or no counter): not a stall
-            return False
-        if not self.busy_since_ns:
-            self.busy_since_ns = now
-        last = snap.last_step_monotonic_ns if snap.forward_ct > 0 else 0
-        return now - max(last, self.busy_since_ns) >= self.window_ns
+        busy = snap is not None and snap.pending > 0  # idle (or no counter): not a stall
+        last = snap.last_step_monotonic_ns if snap is not None and snap.forward_ct > 0 else None
+        return self.clock.stalled(busy=busy, last_progress_ns=last, read_ns=time.monotonic_ns())
 
 
 # --- the session -----------------------------------------------------------------------------
@@ -379,7 +377,9 @@ class ProfilerActor:
         req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
         return await self.profile(req, pid=target.pid)
 
-    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+    async def run_phase(
+        self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: ActionSink
+    ) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`profile_incident`, skipped
         (one ``SKIPPED`` result) for a stall, or when ``stalled(targets)`` says a target is busy
         with no step: a stalled server takes no steps, so waiting for them would only time out."""

@@ -105,6 +105,7 @@ from agent.stacks import (
 from agent.targets import ProcessState, Target, process_state
 
 if TYPE_CHECKING:
+    from agent.progress import ActionSink
     from agent.registry import BuildContext
 
 
@@ -452,9 +453,11 @@ class PySpyActor:
 
     # -- acting -----------------------------------------------------------------------------
 
-    async def run_phase(self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path) -> list[ActionResult]:
+    async def run_phase(
+        self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: ActionSink
+    ) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`dump_all`."""
-        return await self.dump_all(opened, list(targets), artifact_dir=artifact_dir)
+        return await self.dump_all(opened, list(targets), artifact_dir=artifact_dir, report=report)
 
     async def dump_all(
         self,
@@ -463,6 +466,7 @@ class PySpyActor:
         *,
         artifact_dir: Path,
         timeout_s: float | None = None,
+        report: ActionSink | None = None,
     ) -> list[ActionResult]:
         """Dump every target concurrently (bounded by ``max_concurrency``, one dump per pid at
         a time).
@@ -473,13 +477,14 @@ class PySpyActor:
             artifact_dir: where ``pyspy-<pid>.json`` / ``.txt`` go.
             timeout_s: budget of each target's attempts in seconds, counted once its dump starts
                 (default: twice ``PySpyConfig.timeout_s``, room for ``--native`` and a fallback).
+            report: where each result is sent as soon as it is done (an incident's stream).
 
         Returns:
             One result per target, in the order of ``targets``.
         """
         budget_s = timeout_s if timeout_s is not None else 2 * self.config.timeout_s
         try:
-            return await act_all(self, trigger, targets, timeout_s=budget_s, artifact_dir=artifact_dir)
+            return await act_all(self, trigger, targets, timeout_s=budget_s, artifact_dir=artifact_dir, report=report)
         finally:
             if pending():  # early runs (agent.early) no dump claimed: not needed any more
                 with anyio.CancelScope(shield=True):

@@ -59,7 +59,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -145,6 +145,7 @@ class AgentView(Protocol):
     def watched_step_pids(self) -> frozenset[int]: ...
 
 
+@runtime_checkable
 class FlightRecorderReader(Protocol):
     """Reads one rank's Flight Recorder now (:meth:`agent.actors.flightrec.FlightRecorderActor.read_status`)."""
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import random
 import socket
 import ssl
 import time
@@ -27,6 +26,7 @@ from urllib.parse import urlsplit
 import anyio
 import psutil
 
+from agent.backoff import Backoff
 from agent.events import Action, ActionResult, Outcome, frozen_attrs, now_ns
 from agent.fleet.client import PeerAnswer, PeerRequestError, post_json
 from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, new_nonce, sign_request, verify_answer
@@ -304,6 +304,7 @@ async def call_peer(
         (``servewatch.peer.verified``), the error kind, the latency and the attempts.
     """
     reply = await _call_once(peer, path, body, credentials=credentials, timeout_s=timeout_s, action=action, headers=headers)
+    backoff = Backoff(0.1, 6.4, jitter=0.5)  # 0.05-0.15 s, doubling
     for attempt in range(1, attempts):
         attrs = reply.result.attributes
         latency = attrs.get("servewatch.peer.latency_s")
@@ -311,7 +312,7 @@ async def call_peer(
         shed = attrs.get("http.response.status_code") in (429, 503) or (reply.result.outcome is Outcome.FAILED and fast)
         if not shed:
             break
-        await anyio.sleep(random.uniform(0.05, 0.15) * (2 ** (attempt - 1)))
+        await anyio.sleep(backoff.next_delay_s())
         reply = await _call_once(peer, path, body, credentials=credentials, timeout_s=timeout_s, action=action, headers=headers)
         reply = PeerReply(replace(reply.result, attributes=frozen_attrs({**reply.result.attributes, "servewatch.peer.attempts": attempt + 1})),
                           reply.doc, reply.verified)

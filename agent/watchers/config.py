@@ -9,7 +9,8 @@ agent's: :class:`agent.stall.WatchdogConfig`. Imports pydantic and the standard 
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator
@@ -46,6 +47,9 @@ class HealthConfig(BaseModel):
             rather than a wrong address (blind). 0 (default) for ``run``; ``launch`` sets it,
             since it starts the server itself.
     """
+
+    #: agent-wide values set in this table (:class:`~agent.registry.AgentValues`)
+    provides: ClassVar[Mapping[str, str]] = {"server_urls": "url"}
 
     url: str | None = None
     interval_s: float = Field(default=5.0, gt=0)
@@ -100,6 +104,9 @@ class MetricsConfig(StepsConfig):
 
     Adds ``url`` to :class:`StepsConfig` (presets, overrides, timeout).
     """
+
+    #: agent-wide values set in this table (:class:`~agent.registry.AgentValues`)
+    provides: ClassVar[Mapping[str, str]] = {"server_urls": "url"}
 
     url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")
     refused_grace_s: float = Field(

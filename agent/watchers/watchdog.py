@@ -34,7 +34,7 @@ from anyio.abc import TaskStatus
 
 from agent.bus import Publisher
 from agent.events import WatchdogRearmed, WatchdogStalled
-from agent.stall import WatchdogConfig
+from agent.stall import StallClock, WatchdogConfig
 from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
@@ -56,10 +56,10 @@ MAX_TRACKED_SERIES = 1024
 class _SeriesState:
     """Stall bookkeeping of one series (one counter, or one Prometheus label set)."""
 
-    __slots__ = ("busy_since_ns", "fired_ct", "missed", "stalled")
+    __slots__ = ("clock", "fired_ct", "missed", "stalled")
 
-    def __init__(self) -> None:
-        self.busy_since_ns: int | None = None
+    def __init__(self, timeout_s: float) -> None:
+        self.clock = StallClock(timeout_s)
         self.stalled = False
         self.fired_ct: int | None = None
         #: readings in a row without this series
@@ -124,15 +124,6 @@ class Watchdog:
         """Series with stall bookkeeping now."""
         return len(self._series)
 
-    def _deadline_ns(self, reading: StepReading, st: _SeriesState) -> int | None:
-        """Monotonic ns at which this reading becomes a stall, or ``None`` if it cannot."""
-        if reading.last_progress_monotonic_ns is None or not reading.busy:
-            return None
-        start = reading.last_progress_monotonic_ns
-        if st.busy_since_ns is not None and st.busy_since_ns > start:
-            start = st.busy_since_ns
-        return start + int(self.config.timeout_s * 1e9)
-
     async def _readings(self, bus: Publisher) -> list[StepReading]:
         read_series = getattr(self.source, "read_series", None)
         if callable(read_series):
@@ -163,13 +154,11 @@ class Watchdog:
             for reading in readings:
                 st = self._series.get(reading.series)
                 if st is None:
-                    st = self._series[reading.series] = _SeriesState()
+                    st = self._series[reading.series] = _SeriesState(self.config.timeout_s)
                 st.missed = 0
-                if not reading.busy:
-                    st.busy_since_ns = None
-                elif st.busy_since_ns is None:
-                    # Busy first seen now: an idle spell before it is not a stall.
-                    st.busy_since_ns = reading.read_monotonic_ns
+                # the stall rule (busy first seen now: an idle spell before it is not a stall)
+                deadline = st.clock.deadline_ns(busy=reading.busy, last_progress_ns=reading.last_progress_monotonic_ns,
+                                                read_ns=reading.read_monotonic_ns)
                 if st.stalled:
                     if reading.forward_ct != st.fired_ct:
                         st.stalled = False
@@ -179,7 +168,6 @@ class Watchdog:
                         )
                         sleep_ns = 0
                     continue
-                deadline = self._deadline_ns(reading, st)
                 if deadline is None:
                     continue
                 if reading.read_monotonic_ns >= deadline:

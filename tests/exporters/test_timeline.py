@@ -417,8 +417,8 @@ async def test_bundle_written_by_the_incident_manager_and_pyspy_actor(tmp_path: 
     targets = discover(pids=[proc.pid])
     actor = PySpyActor()
 
-    async def dump_phase(opened, phase_targets, bundle_dir):  # type: ignore[no-untyped-def]
-        return await actor.dump_all(opened, list(phase_targets), artifact_dir=bundle_dir)
+    async def dump_phase(opened, phase_targets, bundle_dir, report):  # type: ignore[no-untyped-def]
+        return await actor.dump_all(opened, list(phase_targets), artifact_dir=bundle_dir, report=report)
 
     manager = IncidentManager(bus=EventBus(), config=IncidentConfig(), data_dir=tmp_path, host_name="h1",
                               discover=lambda: targets, phases=[("pyspy.dump", dump_phase, StacksDumped)])

@@ -26,7 +26,7 @@ from exporters.mirror import SpanMirror
 from exporters.spans import InMemorySink, new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
 
-async def _dump(opened: IncidentOpened, targets: Sequence[Target], bundle: Path) -> list[ActionResult]:
+async def _dump(opened: IncidentOpened, targets: Sequence[Target], bundle: Path, report: object) -> list[ActionResult]:
     t = now_ns()
     await anyio.sleep(0.05)
     return [ActionResult(action="pyspy.dump", outcome=Outcome.OK, pid=x.pid, start_time_unix_nano=t, end_time_unix_nano=now_ns())

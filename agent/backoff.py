@@ -1,7 +1,8 @@
-"""One retry backoff for every sender loop: jittered exponential, and the collector's word wins.
+"""One retry backoff for every retrying loop: jittered exponential, and the server's word wins.
 
-Owns :class:`Backoff`, used by the span processor's spool replay (:mod:`exporters.processor`)
-and by ``servewatch export`` (:mod:`exporters.replay`): after a failed attempt the next one waits
+Owns :class:`Backoff`, used by the span processor's spool replay (:mod:`exporters.processor`),
+``servewatch export`` (:mod:`exporters.replay`), the restart of a crashed watcher
+(:mod:`agent.supervision`) and a job peer's retried report (:mod:`agent.fleet.peers`): after a failed attempt the next one waits
 ``initial_s`` doubling up to ``max_s``, each wait jittered by +-``jitter`` (so agents restarted
 together do not retry together), as the OTLP exporters' retry does; when the collector said how
 long to wait (HTTP ``Retry-After``, gRPC ``google.rpc.RetryInfo``: ``SendResult.retry_after_s``),

@@ -1,0 +1,94 @@
+"""Open extension points: a watcher of a new kind of trouble (tests/plugin_disk.py) and an actor
+(tests/registry_fake.py) are each their module plus one registration line; nothing in ``agent/``
+or ``exporters/`` names them, and the new trigger opens real incidents like a built-in one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agent.config import env_names, load_settings, registries
+from agent.events import Action, TriggerEvent
+from agent.incidents import IncidentRecord
+from agent.runtime import Agent
+from tests import plugin_disk
+from tests.conftest import PROGRAMS_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def disk_watcher() -> Iterator[None]:
+    plugin_disk.register()
+    try:
+        yield
+    finally:
+        registries()["watcher"].unregister("disk_space")
+
+
+def _sources_naming(*words: str) -> list[str]:
+    found = []
+    for folder in ("agent", "exporters"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            found += [f"{path.relative_to(ROOT)}: {w}" for w in words if w in text]
+    return found
+
+
+def test_nothing_in_the_agent_names_the_added_watcher_or_actor() -> None:
+    assert _sources_naming("plugin_disk", "disk_low", "DiskSpace", "registry_fake", "limited_probe", "probe.read") == []
+
+
+def test_the_added_watcher_brings_its_own_settings_table(disk_watcher: None, tmp_path: Path) -> None:
+    assert "SERVEWATCH_DISK_SPACE__MIN_FREE_BYTES" in env_names()
+    settings = load_settings({"data_dir": tmp_path, "disk_space": {"folder": tmp_path}})
+    assert settings.disk_space.folder == tmp_path and settings.disk_space.min_free_bytes == 1024**3
+    assert issubclass(plugin_disk.DiskSpaceLow, TriggerEvent)
+
+
+async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher: None, tmp_path: Path, spawn) -> None:
+    """A real file system under a floor it cannot meet, a real titled target: one incident of the
+    new trigger, every registered actor on the target, the next detections cooled down."""
+    proc = spawn([sys.executable, str(PROGRAMS_DIR / "titled_target.py"), "sglang::scheduler_TP0", "--max-lifetime-s", "90"],
+                 stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().decode().startswith("ready")
+    free = shutil.disk_usage(tmp_path).free
+    settings = load_settings({
+        "data_dir": tmp_path / "data", "host_name": "h1", "target": {"pids": [proc.pid]},
+        "disk_space": {"folder": tmp_path, "min_free_bytes": free * 4, "interval_s": 0.2},
+        "coredump": {"enabled": False}, "flightrec": {"enabled": False}, "export": {"metrics": False},
+        "spans": {"ship": False},
+    })
+    records: list[IncidentRecord] = []
+    agent = Agent.build(settings, on_incident=records.append)
+    assert "disk_space" in agent.watchers
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            while not records or agent.incidents.suppressed < 2:
+                await anyio.sleep(0.1)
+            agent.stop()
+    [record] = records
+    assert record.opened.trigger == plugin_disk.TRIGGER and f"-{plugin_disk.TRIGGER}-" in record.opened.incident_id
+    assert record.opened.detail.startswith(f"{tmp_path}: ") and record.opened.detail.endswith(f"under {free * 4}")
+    assert [(r.action, r.pid) for r in record.results] == [(Action.PYSPY_DUMP, proc.pid)]
+    manifest = json.loads(record.manifest_path.read_text())
+    assert manifest["trigger"] == plugin_disk.TRIGGER and manifest["state"] == "closed"
+
+    # reading the bundle back knows nothing of the trigger either: a plain string
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SERVEWATCH_"))}
+    r = await anyio.run_process(
+        [sys.executable, "-m", "agent.entry", "timeline", "latest", "--data-dir", str(tmp_path / "data")],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, check=False,
+    )
+    out = r.stdout.decode()
+    assert r.returncode == 0, r.stderr.decode()
+    assert plugin_disk.TRIGGER in out

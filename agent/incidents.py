@@ -689,45 +689,10 @@ class IncidentManager:
             await anyio.to_thread.run_sync(ensure_private_dir, bundle_dir)
         except OSError as exc:  # disk full, data dir removed: the spans still carry the evidence
             log.error("cannot create bundle folder %s: %s", bundle_dir, exc)
-        try:
-            if self.discover_for is not None:
-                targets = await anyio.to_thread.run_sync(self.discover_for, pid)  # a /proc scan
-            else:
-                targets = await anyio.to_thread.run_sync(self.discover)
-        except Exception:  # discovery must never take the agent down
-            log.exception("target discovery failed")
-            targets = []
-        # An exited target stays in the incident when discovery returns it: its actions report it
-        # dead (with its exit status), which is often why the other ranks hang.
-        if pid is not None:  # the culprit first
-            targets.sort(key=lambda t: t.pid != pid)
-
-        steps_at_open: dict[int, int] = {}
-        if self.judge is not None:
-            try:
-                # /proc and the SDK's folders: a worker thread (microseconds of reading, not the loop's)
-                steps_at_open = await anyio.to_thread.run_sync(self.judge.opened, targets)
-            except Exception:  # the verdict is a nicety; the evidence comes first
-                log.exception("reading step counters for the verdict failed")
-
-        placed_attributes: Mapping[str, AttributeValue] = {}
-        if self.place is not None:
-            with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
-                try:
-                    placed = await self.place(trigger, targets, cause.time_unix_nano if cause is not None else now_ns(), parent)
-                    if placed is not None:
-                        parent, placed_attributes = (placed[0], placed[1]), placed[2]
-                except Exception:  # the trace's name is a nicety; the evidence comes first
-                    log.exception("placing the incident in its job's trace failed")
-
-        inflight: list[InflightRequest] = []
-        if self.inflight is not None and targets:
-            with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
-                try:
-                    inflight = await self.inflight(targets)
-                except Exception:
-                    log.exception("reading in-flight requests failed")
-
+        targets = await self._targets_of(pid)
+        steps_at_open = await self._steps_at_open(targets)
+        parent, placed_attributes = await self._placement(trigger, targets, cause, parent)
+        inflight = await self._inflight_of(targets)
         opened = IncidentOpened(
             source="incidents",
             incident_id=incident_id,
@@ -754,31 +719,87 @@ class IncidentManager:
         try:
             return await self._run_phases(record, trigger, pid, cause=cause, steps_at_open=steps_at_open)
         except BaseException:
-            if any(r is record for r in self.records):
-                raise  # already written closed and recorded (see _run_phases)
-            # cancelled mid-phase (agent stopping past the grace): keep what was captured
-            with anyio.CancelScope(shield=True):
-                record.state = STATE_INTERRUPTED
-                record.interrupted_reason = record.interrupted_reason or (
-                    f"{self._interrupt or 'agent stopped'} during {record.phases_pending[0] if record.phases_pending else 'the incident'}"
-                )
-                record.closed_time_unix_nano = now_ns()
-                await self._save_manifest(record)
-                with anyio.move_on_after(1.0):
-                    await self._publish_closed(record)
-                    record.root_published = True
-                    await self._save_manifest(record)
-                self.records.append(record)
-                if self.on_incident is not None:
-                    try:
-                        self.on_incident(record)
-                    except Exception:  # a printing callback must not hide the cancellation
-                        log.exception("incident callback failed")
+            if not any(r is record for r in self.records):  # else already written closed and recorded
+                with anyio.CancelScope(shield=True):
+                    await self._write_interrupted(record)
             raise
         finally:
             _RUNNING_HERE.discard(incident_id)
             self.current = None
             self._interrupt = ""
+
+    async def _targets_of(self, pid: int | None) -> list[Target]:
+        """The incident's targets (with the dead ranks of ``pid``'s job when the runtime says
+        which), the culprit first. An exited target stays in the incident when discovery returns
+        it: its actions report it dead (with its exit status), which is often why the others hang."""
+        try:
+            if self.discover_for is not None:
+                targets = await anyio.to_thread.run_sync(self.discover_for, pid)  # a /proc scan
+            else:
+                targets = await anyio.to_thread.run_sync(self.discover)
+        except Exception:  # discovery must never take the agent down
+            log.exception("target discovery failed")
+            return []
+        if pid is not None:  # the culprit first
+            targets.sort(key=lambda t: t.pid != pid)
+        return targets
+
+    async def _steps_at_open(self, targets: Sequence[Target]) -> dict[int, int]:
+        """The targets' step counters now, for the verdict (``{}`` without a judge)."""
+        if self.judge is None:
+            return {}
+        try:
+            # /proc and the SDK's folders: a worker thread (microseconds of reading, not the loop's)
+            return await anyio.to_thread.run_sync(self.judge.opened, targets)
+        except Exception:  # the verdict is a nicety; the evidence comes first
+            log.exception("reading step counters for the verdict failed")
+            return {}
+
+    async def _placement(
+        self, trigger: str, targets: Sequence[Target], cause: Event | None, parent: tuple[str, str] | None,
+    ) -> tuple[tuple[str, str] | None, Mapping[str, AttributeValue]]:
+        """The trace the incident joins (``parent``, or the one :attr:`place` names) and the
+        root-span attributes that came with it; bounded."""
+        if self.place is None:
+            return parent, {}
+        with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
+            try:
+                placed = await self.place(trigger, targets, cause.time_unix_nano if cause is not None else now_ns(), parent)
+                if placed is not None:
+                    return (placed[0], placed[1]), placed[2]
+            except Exception:  # the trace's name is a nicety; the evidence comes first
+                log.exception("placing the incident in its job's trace failed")
+        return parent, {}
+
+    async def _inflight_of(self, targets: Sequence[Target]) -> list[InflightRequest]:
+        """The requests in flight in the targets (bounded; ``[]`` when they cannot be read)."""
+        if self.inflight is None or not targets:
+            return []
+        with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
+            try:
+                return await self.inflight(targets)
+            except Exception:
+                log.exception("reading in-flight requests failed")
+        return []
+
+    async def _write_interrupted(self, record: IncidentRecord) -> None:
+        """Cancelled mid-phase (agent stopping past the grace): keep what was captured, written
+        ``interrupted``, its root span out if it can be within a second, recorded once."""
+        record.state = STATE_INTERRUPTED
+        during = record.phases_pending[0] if record.phases_pending else "the incident"
+        record.interrupted_reason = record.interrupted_reason or f"{self._interrupt or 'agent stopped'} during {during}"
+        record.closed_time_unix_nano = now_ns()
+        await self._save_manifest(record)
+        with anyio.move_on_after(1.0):
+            await self._publish_closed(record)
+            record.root_published = True
+            await self._save_manifest(record)
+        self.records.append(record)
+        if self.on_incident is not None:
+            try:
+                self.on_incident(record)
+            except Exception:  # a printing callback must not hide the cancellation
+                log.exception("incident callback failed")
 
     async def _publish_closed(self, record: IncidentRecord) -> None:
         o = record.opened
@@ -854,63 +875,16 @@ class IncidentManager:
         cause: Event | None = None, steps_at_open: dict[int, int] | None = None,
     ) -> IncidentRecord:
         opened = record.opened
-        incident_id = opened.incident_id
-        bundle_dir = record.bundle_dir
-        inflight = record.inflight
-        targets = record.targets
         await self._save_manifest(record, durable=False)  # visible at once: state open
         await self.bus.publish(opened)
-        log.info("incident %s opened: %s: %s", incident_id, trigger, opened.detail)
+        log.info("incident %s opened: %s: %s", opened.incident_id, trigger, opened.detail)
         companions = [start(opened) for start in self.companions]
-
-        deferred = []
-        for name, phase, event_cls in self.phases:
-            if not targets:
-                break
-            if name in self.deferred:
-                deferred.append((name, phase, event_cls))
-                continue
-            if self._stop_phases(record):
-                break
-            await self._run_one_phase(record, name, phase, event_cls)
-
-        if inflight:
-            requests = {
-                "incident_id": incident_id,
-                "captured_time_unix_nano": opened.time_unix_nano,
-                "requests": [r.to_json(with_prompt=self.config.capture_prompts) for r in inflight],
-            }
-            await anyio.to_thread.run_sync(_write_json, bundle_dir / "requests.json", requests)
-
-        if self.judge is not None:
-            t0 = time.monotonic()
-            with anyio.move_on_after(min(10.0, self.config.phase_timeout_s)):
-                try:
-                    record.verdict = await self.judge.decide(targets, record.results, cause, steps_at_open or {})
-                except Exception:  # the verdict is a nicety; the evidence comes first
-                    log.exception("making the verdict failed")
-            record.verdict_duration_s = time.monotonic() - t0
-            if record.verdict is not None:
-                # INFO: the summary shows it (every command prints one), the bundle and spans hold it
-                log.info("incident %s: %s", incident_id, record.verdict.headline())
-
-        for collect in companions:
-            with anyio.move_on_after(self.config.phase_timeout_s):
-                for event in await collect():
-                    event = replace(event, result=_with_span_id(event.result))
-                    record.results.append(event.result)
-                    await self.bus.publish(event)
-
+        deferred = await self._run_phases_before_summary(record)
+        await self._write_requests(record)
+        await self._judge(record, cause, steps_at_open or {})
+        await self._collect(record, companions)
         if self.hard_signal is not None and trigger == Trigger.STALL and not self._interrupt:
-            # the server's tree before the signal (its ranks exit soon after the culprit): a /proc scan
-            tree = await anyio.to_thread.run_sync(_server_tree, record.targets)
-            # a thread: a pidfd not held is opened and verified against /proc (blocking reads)
-            sent = await anyio.to_thread.run_sync(partial(self._send_hard_signal, record, pid, server_tree=tree))
-            for result in sent:
-                result = _with_span_id(result)
-                record.results.append(result)
-                await self.bus.publish(HardSignalSent(source="incidents", incident_id=incident_id, result=result))
-
+            await self._hard_mode(record, pid)
         await self._save_manifest(record, durable=False)
         if self.on_summary is not None:
             self.on_summary(record)  # stacks and coredumps are in: a profile never delays this
@@ -918,7 +892,73 @@ class IncidentManager:
             if self._stop_phases(record):
                 break
             await self._run_one_phase(record, name, phase, event_cls)
+        await self._close(record)
+        return record
 
+    async def _run_phases_before_summary(self, record: IncidentRecord) -> list[tuple[str, Phase, type[ActionCompleted]]]:
+        """Run the phases before the summary point in order (an interrupt skips the rest); the
+        deferred ones are returned, to run after it."""
+        later = []
+        for name, phase, event_cls in self.phases:
+            if not record.targets:
+                break
+            if name in self.deferred:
+                later.append((name, phase, event_cls))
+                continue
+            if self._stop_phases(record):
+                break
+            await self._run_one_phase(record, name, phase, event_cls)
+        return later
+
+    async def _write_requests(self, record: IncidentRecord) -> None:
+        """``requests.json``: the requests in flight when it opened (prompts only when asked)."""
+        if not record.inflight:
+            return
+        opened = record.opened
+        requests = {
+            "incident_id": opened.incident_id,
+            "captured_time_unix_nano": opened.time_unix_nano,
+            "requests": [r.to_json(with_prompt=self.config.capture_prompts) for r in record.inflight],
+        }
+        await anyio.to_thread.run_sync(_write_json, record.bundle_dir / "requests.json", requests)
+
+    async def _judge(self, record: IncidentRecord, cause: Event | None, steps_at_open: dict[int, int]) -> None:
+        """The cross-rank verdict from the evidence, bounded (none without a judge)."""
+        if self.judge is None:
+            return
+        t0 = time.monotonic()
+        with anyio.move_on_after(min(10.0, self.config.phase_timeout_s)):
+            try:
+                record.verdict = await self.judge.decide(record.targets, record.results, cause, steps_at_open)
+            except Exception:  # the verdict is a nicety; the evidence comes first
+                log.exception("making the verdict failed")
+        record.verdict_duration_s = time.monotonic() - t0
+        if record.verdict is not None:
+            # INFO: the summary shows it (every command prints one), the bundle and spans hold it
+            log.info("incident %s: %s", record.opened.incident_id, record.verdict.headline())
+
+    async def _collect(self, record: IncidentRecord, companions: Sequence[Callable[[], Awaitable[list[ActionCompleted]]]]) -> None:
+        """The companions' action events (a job's peers' captures), each bounded by the phase limit."""
+        for collect in companions:
+            with anyio.move_on_after(self.config.phase_timeout_s):
+                for event in await collect():
+                    event = replace(event, result=_with_span_id(event.result))
+                    record.results.append(event.result)
+                    await self.bus.publish(event)
+
+    async def _hard_mode(self, record: IncidentRecord, pid: int | None) -> None:
+        """Hard mode, once the evidence is in: signal the culprit rank(s), one ``hard.signal`` action each."""
+        # the server's tree before the signal (its ranks exit soon after the culprit): a /proc scan
+        tree = await anyio.to_thread.run_sync(_server_tree, record.targets)
+        # a thread: a pidfd not held is opened and verified against /proc (blocking reads)
+        sent = await anyio.to_thread.run_sync(partial(self._send_hard_signal, record, pid, server_tree=tree))
+        for result in sent:
+            result = _with_span_id(result)
+            record.results.append(result)
+            await self.bus.publish(HardSignalSent(source="incidents", incident_id=record.opened.incident_id, result=result))
+
+    async def _close(self, record: IncidentRecord) -> None:
+        """Write the incident closed, record it once and publish its end (see below)."""
         record.closed_time_unix_nano = now_ns()
         if record.state == STATE_OPEN:
             record.state = STATE_CLOSED
@@ -942,7 +982,6 @@ class IncidentManager:
                 await self._save_manifest(record)
             if self.on_incident is not None:
                 self.on_incident(record)
-        return record
 
     def _send_hard_signal(
         self, record: IncidentRecord, pid: int | None, *, server_tree: Iterable[int] = ()

@@ -294,56 +294,64 @@ def discover(
     Returns:
         Live targets, deduplicated by pid, sorted by pid.
     """
-    own_pid = os.getpid()
-    counts = errors if errors is not None else ScanErrors()
-    found: dict[int, Target] = {}
-
-    def add(proc: psutil.Process) -> None:
-        if proc.pid == own_pid or proc.pid in found:
-            return
-        target: Target | None = None
-        with psutil_errors(counts):
-            target = _target_from(proc)
-        if target is not None:
-            found[target.pid] = target
-
-    globs = tuple(title_globs)
+    scan = _Scan(errors if errors is not None else ScanErrors(), tuple(title_globs))
     roots = tuple(root_pids)
     for root in roots:
+        scan.tree(root, include_root=include_roots)
+    if scan.globs and not roots:
+        for proc in psutil.process_iter():
+            scan.add(proc)
+    for pid in pids:
+        scan.add_pid(pid)
+    explicit = frozenset(pids)
+    return _of_server(scan.found, server_uids(uids=uids, root_pids=roots, pids=explicit), explicit=explicit,
+                      any_uid=any_uid, refused=refused)
+
+
+class _Scan:
+    """The targets one discovery scan found, by pid (servewatch's own pid never among them);
+    a process that vanishes, turns zombie or denies access is skipped and counted."""
+
+    def __init__(self, counts: ScanErrors, globs: tuple[str, ...]) -> None:
+        self.counts = counts
+        self.globs = globs
+        self.own_pid = os.getpid()
+        self.found: dict[int, Target] = {}
+
+    def add(self, proc: psutil.Process, *, match: bool = True) -> None:
+        """``proc`` when its title matches the globs (any title without globs, or unless ``match`` is off)."""
+        if proc.pid == self.own_pid or proc.pid in self.found:
+            return
+        with psutil_errors(self.counts):
+            target = _target_from(proc)
+            if not (match and self.globs) or _matches(target, proc.name(), self.globs):
+                self.found[target.pid] = target
+
+    def tree(self, root: int, *, include_root: bool) -> None:
+        """The processes of ``root``'s tree (every descendant; the root itself too when asked)."""
         members: list[psutil.Process] = []
-        with psutil_errors(counts):
+        with psutil_errors(self.counts):
             root_proc = psutil.Process(root)
             members = root_proc.children(recursive=True)
-            if include_roots:
+            if include_root:
                 members.insert(0, root_proc)
         for member in members:
-            if not globs:
-                add(member)
-                continue
-            if member.pid == own_pid or member.pid in found:
-                continue
-            with psutil_errors(counts):
-                target = _target_from(member)
-                if _matches(target, member.name(), globs):
-                    found[target.pid] = target
+            self.add(member)
 
-    if globs and not roots:
-        for proc in psutil.process_iter():
-            if proc.pid == own_pid or proc.pid in found:
-                continue
-            with psutil_errors(counts):
-                target = _target_from(proc)
-                if _matches(target, proc.name(), globs):
-                    found[target.pid] = target
+    def add_pid(self, pid: int) -> None:
+        """An explicit pid, whatever its title."""
+        if pid == self.own_pid or pid in self.found:
+            return
+        with psutil_errors(self.counts):
+            self.add(psutil.Process(pid), match=False)
 
-    for pid in pids:
-        if pid == own_pid or pid in found:
-            continue
-        with psutil_errors(counts):
-            add(psutil.Process(pid))
 
-    explicit = frozenset(pids)
-    allowed = server_uids(uids=uids, root_pids=roots, pids=explicit)
+def _of_server(
+    found: dict[int, Target], allowed: frozenset[int], *, explicit: frozenset[int], any_uid: bool,
+    refused: dict[int, str] | None,
+) -> list[Target]:
+    """The targets found that the server may own (``allowed`` uids; explicit pids and
+    ``any_uid`` always), by pid; each one left out said in ``refused``."""
     kept: list[Target] = []
     for pid in sorted(found):
         target = found[pid]

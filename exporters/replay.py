@@ -258,6 +258,26 @@ def _send_with_retry(sender: RequestSender, request: object, *, timeout_s: float
     return result
 
 
+def _read_requests(path: Path, torn: TornLines, run: _Replay) -> list[ExportTraceServiceRequest] | None:
+    """The trace requests of one span file; ``None`` (counted bad, said once) when it cannot be
+    read or not one of its lines is an OTLP/JSON trace request."""
+    corrupt_before = torn.corrupt
+    try:
+        requests = list(read_span_file(path, torn))
+    except ValueError as exc:
+        run.bad += 1
+        run.detail = str(exc)
+        _log.warning("skipping %s: %s", path, exc)
+        return None
+    if torn.corrupt > corrupt_before and not requests:  # not one line reads: not a span file at all
+        run.bad += 1
+        torn.corrupt = corrupt_before
+        run.detail = f"{path}: not an OTLP/JSON span file"
+        _log.warning("skipping %s: no line is an OTLP/JSON trace request", path)
+        return None
+    return requests
+
+
 def replay(
     paths: Iterable[str | os.PathLike[str]],
     *,
@@ -346,23 +366,13 @@ def replay(
                 continue
             run.files += 1
             corrupt_before = torn.corrupt
-            try:
-                requests = list(read_span_file(path, torn))
-            except ValueError as exc:
-                run.bad += 1
-                run.detail = str(exc)
-                _log.warning("skipping %s: %s", path, exc)
+            requests = _read_requests(path, torn, run)
+            if requests is None:
                 continue
             book = book_for(path)
             file = _File(path, book, book.key(path), group=_group_of(path))
-            if torn.corrupt > corrupt_before:
-                if not requests:  # not one line reads: not a span file at all
-                    run.bad += 1
-                    torn.corrupt = corrupt_before
-                    run.detail = f"{path}: not an OTLP/JSON span file"
-                    _log.warning("skipping %s: no line is an OTLP/JSON trace request", path)
-                    continue
-                file.keep = True  # what the corrupt lines held cannot be sent: the file is kept, never removed
+            # what corrupt lines held cannot be sent: the file is kept, never removed
+            file.keep = torn.corrupt > corrupt_before
             run.add_file(file, requests)
         run.flush()
     finally:

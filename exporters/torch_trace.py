@@ -381,6 +381,79 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
+class _Emitter:
+    """Turns one thread's ranges, in start order, into spans nested by time (a range inside
+    another is its child; top-level ones are the session span's); a range that starts before
+    the last one emitted (past the reorder window) goes under the session span, counted."""
+
+    __slots__ = ("first_start", "last_end", "out_of_order", "parent_span_id", "resource", "sink", "trace_id")
+
+    def __init__(self, sink: SpanSink, *, trace_id: int, parent_span_id: int) -> None:
+        self.sink = sink
+        self.resource = sink.resource
+        self.trace_id = trace_id
+        self.parent_span_id = parent_span_id
+        self.out_of_order = 0
+        self.first_start = 0
+        self.last_end = 0
+
+    def flush(self, th: _Thread, down_to: int) -> None:
+        """Emit the thread's earliest ranges until ``down_to`` are left waiting."""
+        heap = th.heap
+        while len(heap) > down_to:
+            start, neg_end, _, ev = heapq.heappop(heap)
+            self.emit(th, start, -neg_end, ev)
+
+    def emit(self, th: _Thread, start: int, end: int, ev: dict[str, Any]) -> None:
+        stack = th.stack
+        if start < th.last_start:
+            self.out_of_order += 1
+            parent = self.parent_span_id
+            push = False
+        else:
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            parent = stack[-1][1] if stack else self.parent_span_id
+            push = True
+            th.last_start = start
+        sid = new_span_id()
+        cat = str(ev.get("cat", ""))
+        self.sink.emit(
+            build_span(
+                str(ev.get("name", "")),
+                trace_id=self.trace_id,
+                span_id=sid,
+                parent_span_id=parent,
+                start_time_unix_nano=start,
+                end_time_unix_nano=end,
+                attributes=_range_attributes(cat, _as_int(ev.get("pid")), _as_int(ev.get("tid"))),
+                resource=self.resource,
+            )
+        )
+        if push:
+            stack.append((end, sid))
+        if self.first_start == 0 or start < self.first_start:
+            self.first_start = start
+        self.last_end = max(self.last_end, end)
+
+
+def _range_attributes(cat: str, pid: int | None, tid: int | None) -> dict[str, Any]:
+    """A range's span attributes: its category, and where it ran (a GPU's device and stream, or a
+    process and thread)."""
+    attrs: dict[str, Any] = {"torch.category": cat}
+    if cat in GPU_CATEGORIES:
+        if pid is not None:
+            attrs["gpu.device"] = pid
+        if tid is not None:
+            attrs["gpu.stream"] = tid
+    else:
+        if pid is not None:
+            attrs["process.pid"] = pid
+        if tid is not None:
+            attrs["thread.id"] = tid
+    return attrs
+
+
 def import_torch_trace(
     path: str | Path,
     sink: SpanSink,
@@ -405,69 +478,14 @@ def import_torch_trace(
         ValueError: not a Chrome trace / truncated. OSError: unreadable.
     """
     cfg = config or TorchTraceImportConfig()
-    base = find_base_time_ns(path)
-    base_ns = base or 0
+    base_ns = find_base_time_ns(path) or 0
     categories = frozenset(cfg.categories)
     min_dur = cfg.min_duration_us
     cap = cfg.max_spans
     window = cfg.reorder_window
-    resource = sink.resource
+    out = _Emitter(sink, trace_id=trace_id, parent_span_id=parent_span_id)
     threads: dict[tuple[str, str], _Thread] = {}
-    c = {"events": 0, "kept": 0, "ann": 0, "steps": 0, "cat": 0, "min": 0, "cap": 0, "phase": 0, "ooo": 0, "ops": 0}
-    bounds = [0, 0]
-    seq = 0
-
-    def emit(th: _Thread, start: int, end: int, ev: dict[str, Any]) -> None:
-        stack = th.stack
-        if start < th.last_start:
-            c["ooo"] += 1
-            parent = parent_span_id
-            push = False
-        else:
-            while stack and stack[-1][0] <= start:
-                stack.pop()
-            parent = stack[-1][1] if stack else parent_span_id
-            push = True
-            th.last_start = start
-        sid = new_span_id()
-        cat = str(ev.get("cat", ""))
-        attrs: dict[str, Any] = {"torch.category": cat}
-        pid, tid = _as_int(ev.get("pid")), _as_int(ev.get("tid"))
-        if cat in GPU_CATEGORIES:
-            if pid is not None:
-                attrs["gpu.device"] = pid
-            if tid is not None:
-                attrs["gpu.stream"] = tid
-        else:
-            if pid is not None:
-                attrs["process.pid"] = pid
-            if tid is not None:
-                attrs["thread.id"] = tid
-        sink.emit(
-            build_span(
-                str(ev.get("name", "")),
-                trace_id=trace_id,
-                span_id=sid,
-                parent_span_id=parent,
-                start_time_unix_nano=start,
-                end_time_unix_nano=end,
-                attributes=attrs,
-                resource=resource,
-            )
-        )
-        if push:
-            stack.append((end, sid))
-        if bounds[0] == 0 or start < bounds[0]:
-            bounds[0] = start
-        bounds[1] = max(bounds[1], end)
-
-    def flush(th: _Thread, down_to: int) -> None:
-        heap = th.heap
-        while len(heap) > down_to:
-            start, neg_end, _, ev = heapq.heappop(heap)
-            emit(th, start, -neg_end, ev)
-
-    events = phase = ann = steps = d_cat = d_min = d_cap = ops = kept = 0
+    seq = events = phase = ann = steps = d_cat = d_min = d_cap = ops = kept = 0
     always = ALWAYS_KEPT_CATEGORIES
     for batch in iter_trace_events(path, chunk_chars=cfg.chunk_chars):
         events += len(batch)
@@ -501,24 +519,23 @@ def import_torch_trace(
             kept += 1
             heapq.heappush(th.heap, (start, -end, seq, ev))
             if len(th.heap) > window:
-                flush(th, window)
+                out.flush(th, window)
     for th in threads.values():
-        flush(th, 0)
-    c.update(events=events, kept=kept, ann=ann, steps=steps, cat=d_cat, min=d_min, cap=d_cap, phase=phase)
+        out.flush(th, 0)
     return ImportStatistics(
-        events=c["events"],
-        kept=c["kept"],
-        kept_annotations=c["ann"],
-        profiler_steps=c["steps"],
-        dropped_category=c["cat"],
-        dropped_min_duration=c["min"],
-        dropped_cap=c["cap"],
-        dropped_phase=c["phase"],
-        out_of_order=c["ooo"],
+        events=events,
+        kept=kept,
+        kept_annotations=ann,
+        profiler_steps=steps,
+        dropped_category=d_cat,
+        dropped_min_duration=d_min,
+        dropped_cap=d_cap,
+        dropped_phase=phase,
+        out_of_order=out.out_of_order,
         threads=len(threads),
         base_time_unix_nano=base_ns,
-        first_start_unix_nano=bounds[0],
-        last_end_unix_nano=bounds[1],
+        first_start_unix_nano=out.first_start,
+        last_end_unix_nano=out.last_end,
     )
 
 

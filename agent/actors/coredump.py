@@ -707,6 +707,29 @@ def _proc_errors(pid: int) -> Iterator[list[tuple[Outcome, str]]]:
         )
 
 
+
+def _note_prepared(attrs: dict[str, AttributeValue], prepared: _Prepared) -> None:
+    """The span attributes of what was learnt before triggering: where a core file goes, the
+    pipe and where it was found, the target's namespace pid and root."""
+    assert prepared.view is not None
+    attrs["servewatch.coredump.file_pattern"] = tuple(t.absolute for t in prepared.templates)
+    attrs["servewatch.coredump.pipe_source"] = prepared.location.source
+    attrs["servewatch.coredump.env_source"] = prepared.env.source or "none"
+    attrs["servewatch.coredump.ns_pid"] = prepared.view.ns_pid
+    if prepared.view.root:
+        attrs["servewatch.coredump.root"] = prepared.view.root
+
+
+def _note_fired(attrs: dict[str, AttributeValue], fired: TriggerResult) -> None:
+    """The span attributes of the trigger: whether it was written, read by the driver, and when."""
+    attrs["servewatch.coredump.triggered"] = bool(fired.time_unix_nano)
+    if fired.consumed is not None:
+        attrs["servewatch.coredump.consumed"] = fired.consumed
+    if fired.time_unix_nano:
+        attrs["servewatch.coredump.trigger_time_unix_nano"] = fired.time_unix_nano
+    if fired.outcome is not Outcome.OK and fired.consumed is False:
+        attrs["servewatch.coredump.stage"] = "not_consumed"
+
 class CoredumpActor:
     """Triggers CUDA user coredumps of incident targets and waits for the core files.
 
@@ -879,12 +902,7 @@ class CoredumpActor:
             return result(*failure[0])
         assert prepared is not None and prepared.view is not None
         location, view = prepared.location, prepared.view
-        attrs["servewatch.coredump.file_pattern"] = tuple(t.absolute for t in prepared.templates)
-        attrs["servewatch.coredump.pipe_source"] = location.source
-        attrs["servewatch.coredump.env_source"] = prepared.env.source or "none"
-        attrs["servewatch.coredump.ns_pid"] = view.ns_pid
-        if view.root:
-            attrs["servewatch.coredump.root"] = view.root
+        _note_prepared(attrs, prepared)
         if location.path is None:
             if not await anyio.to_thread.run_sync(self._driver_present, pid):  # /proc reads
                 attrs["servewatch.coredump.no_gpu"] = True
@@ -903,14 +921,8 @@ class CoredumpActor:
             poll_interval_s=min(0.01, cfg.poll_interval_s),
             consume_timeout_s=cfg.consume_timeout_s,
         )
-        attrs["servewatch.coredump.triggered"] = bool(fired.time_unix_nano)
-        if fired.consumed is not None:
-            attrs["servewatch.coredump.consumed"] = fired.consumed
-        if fired.time_unix_nano:
-            attrs["servewatch.coredump.trigger_time_unix_nano"] = fired.time_unix_nano
+        _note_fired(attrs, fired)
         if fired.outcome is not Outcome.OK:
-            if fired.consumed is False:
-                attrs["servewatch.coredump.stage"] = "not_consumed"
             return result(fired.outcome, fired.detail, retryable=fired.outcome is Outcome.TIMED_OUT)
 
         wait_s = min(cfg.completion_timeout_s, max(0.0, deadline - anyio.current_time()))

@@ -251,6 +251,41 @@ class _StallWatch:
 # --- the session -----------------------------------------------------------------------------
 
 
+
+def _start_body(config: ProfilerConfig, req: SessionRequest) -> dict[str, Any]:
+    """The SDK control socket's ``profile.start`` request for one session."""
+    body: dict[str, Any] = {
+        "cmd": "profile.start",
+        "num_steps": req.num_steps,
+        "activities": list(req.activities),
+        "output_dir": str(req.output_dir),
+        "with_stack": config.with_stack,
+        "record_shapes": config.record_shapes,
+        "profile_memory": config.profile_memory,
+        "max_duration_s": req.timeout_s,
+        "backend": config.sdk_profiler,
+    }
+    if req.start_step is not None:
+        body["start_step"] = req.start_step
+    return body
+
+
+def _sdk_status_attributes(info: dict[str, Any], *, default_profiler: str) -> dict[str, AttributeValue]:
+    """The span attributes of a session's status as the SDK reports it (``profile.status``)."""
+    attrs: dict[str, AttributeValue] = {
+        "servewatch.profile.state": str(info.get("state", "")),
+        "servewatch.profile.steps_captured": int(info.get("steps_captured") or 0),
+        "servewatch.profile.stop_reason": str(info.get("stop_reason", "")),
+    }
+    if info.get("forward_ct_at_start") is not None:
+        attrs["servewatch.profile.forward_ct_at_start"] = int(info["forward_ct_at_start"])
+    if info.get("activities_used"):
+        attrs["servewatch.profile.activities_used"] = tuple(info["activities_used"])
+    if "metal_trace_captured" in info:
+        attrs["servewatch.profile.metal_trace_captured"] = bool(info["metal_trace_captured"])
+    attrs["servewatch.profile.profiler"] = str(info.get("backend", default_profiler))
+    return attrs
+
 class _Session:
     """Collects what one session did, then becomes an :class:`ActionResult`."""
 
@@ -463,22 +498,9 @@ class ProfilerActor:
     async def _sdk_session(self, s: _Session, sock: Path) -> ActionResult:
         c, req = self.config, s.req
         s.attrs["servewatch.profile.socket"] = str(sock)
-        body: dict[str, Any] = {
-            "cmd": "profile.start",
-            "num_steps": req.num_steps,
-            "activities": list(req.activities),
-            "output_dir": str(req.output_dir),
-            "with_stack": c.with_stack,
-            "record_shapes": c.record_shapes,
-            "profile_memory": c.profile_memory,
-            "max_duration_s": req.timeout_s,
-            "backend": c.sdk_profiler,
-        }
-        if req.start_step is not None:
-            body["start_step"] = req.start_step
         self._say(f"asking pid {s.pid} to profile its next {req.num_steps} forward step(s)")
         try:
-            reply = await sdk_call(sock, body, timeout_s=c.request_timeout_s, pid=s.pid)
+            reply = await sdk_call(sock, _start_body(c, req), timeout_s=c.request_timeout_s, pid=s.pid)
         except SdkCallError as exc:
             return s.result(exc.outcome, exc.detail, retryable=exc.outcome is Outcome.TIMED_OUT)
         if not reply.get("ok"):
@@ -528,16 +550,7 @@ class ProfilerActor:
         if info is None:
             return s.result(Outcome.FAILED, f"session {sid} vanished from the target's status")
         state = str(info.get("state", ""))
-        s.attrs["servewatch.profile.state"] = state
-        s.attrs["servewatch.profile.steps_captured"] = int(info.get("steps_captured") or 0)
-        s.attrs["servewatch.profile.stop_reason"] = str(info.get("stop_reason", ""))
-        if info.get("forward_ct_at_start") is not None:
-            s.attrs["servewatch.profile.forward_ct_at_start"] = int(info["forward_ct_at_start"])
-        if info.get("activities_used"):
-            s.attrs["servewatch.profile.activities_used"] = tuple(info["activities_used"])
-        if "metal_trace_captured" in info:
-            s.attrs["servewatch.profile.metal_trace_captured"] = bool(info["metal_trace_captured"])
-        s.attrs["servewatch.profile.profiler"] = str(info.get("backend", c.sdk_profiler))
+        s.attrs.update(_sdk_status_attributes(info, default_profiler=c.sdk_profiler))
         # The SDK reports a session finished only after its export returned. What it reports is
         # taken only from inside the session folder (the target chose these strings).
         reported = info.get("files") or ()

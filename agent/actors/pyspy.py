@@ -609,22 +609,9 @@ class PySpyActor:
                     # does not run either: --nonblocking reads it whole, without ptrace
                     stopped = state is ProcessState.STOPPED and tracer is None
                     attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None or stopped)
-                    verdict = attempts[-1][1]
-                    if tracer is None and verdict.outcome is Outcome.PERMISSION_DENIED:
-                        # attached by another tool since (or between) our probes: ask who, once
-                        tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
-                        if tracer is not None and _is_pyspy(tracer):
-                            base["servewatch.pyspy.waited_for_pid"] = tracer.pid
-                            tracer = await _wait_untraced(target.pid, TRACER_WAIT_S)
-                            attempts += await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
-                        elif tracer is not None:
-                            attempts += await self._attempts_for(target, exe, timeout_s, nonblocking=True)
-                        else:
-                            # a tracer may have come and gone between py-spy's attach and this
-                            # check (two dumps at once): one retry tells it from a real denial
-                            await anyio.sleep(TRANSIENT_RETRY_S)
-                            base["servewatch.pyspy.retried_after_denial"] = True
-                            attempts += await self._attempts_for(target, exe, timeout_s)
+                    if tracer is None and attempts[-1][1].outcome is Outcome.PERMISSION_DENIED:
+                        tracer, more = await self._after_denial(target, exe, timeout_s, base)
+                        attempts += more
                 early_ns = attempts[0][0].early_start_ns
                 if early_ns:  # the dump began with the early run: its span says so (time and duration)
                     start_ns = min(start_ns, early_ns)
@@ -642,6 +629,28 @@ class PySpyActor:
                 return await self._report(target, attempts, artifact_dir, result, base, tracer=tracer, stopped=stopped)
         finally:
             self._release_pid_lock(target.pid)
+
+    async def _after_denial(
+        self, target: Target, exe: str, timeout_s: float, base: dict[str, AttributeValue],
+    ) -> tuple[Tracer | None, list[tuple[_Attempt, Classification]]]:
+        """py-spy was denied though nobody traced the target before: attached by another tool
+        since (or between) our probes. Ask who, once: another py-spy is waited for, another
+        tracer means a ``--nonblocking`` attempt; nobody means one retry after
+        :data:`TRANSIENT_RETRY_S` (a tracer may have come and gone: two dumps at once).
+
+        Returns:
+            The tracer (``None``: none now) and the attempts made.
+        """
+        tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
+        if tracer is not None and _is_pyspy(tracer):
+            base["servewatch.pyspy.waited_for_pid"] = tracer.pid
+            tracer = await _wait_untraced(target.pid, TRACER_WAIT_S)
+            return tracer, await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
+        if tracer is not None:
+            return tracer, await self._attempts_for(target, exe, timeout_s, nonblocking=True)
+        await anyio.sleep(TRANSIENT_RETRY_S)
+        base["servewatch.pyspy.retried_after_denial"] = True
+        return None, await self._attempts_for(target, exe, timeout_s)
 
     async def _report(
         self,

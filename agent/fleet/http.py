@@ -341,19 +341,9 @@ class HttpServer:
                 except h11.RemoteProtocolError as exc:
                     return json_response(exc.error_status_hint, {"error": f"bad request: {exc}"})
                 if event is h11.NEED_DATA:
-                    try:
-                        data = await stream.receive(RECEIVE_BYTES)
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ssl.SSLError):
-                        data = b""
-                    if not data and head is None and conn.their_state is h11.IDLE:
-                        raise _Closed  # the client closed a keep-alive connection
-                    if started is None and data:  # a request began: whole within read_timeout_s
-                        started = anyio.current_time()
-                        scope.deadline = min(scope.deadline, started + self.read_timeout_s)
-                    try:
-                        conn.receive_data(data)
-                    except h11.RemoteProtocolError as exc:
-                        return json_response(400, {"error": f"bad request: {exc}"})
+                    started, refused = await self._receive_more(conn, stream, scope, started, head=head)
+                    if refused is not None:
+                        return refused
                     continue
                 if isinstance(event, h11.Request):
                     head = event
@@ -381,6 +371,32 @@ class HttpServer:
             return json_response(408, {"error": f"request not received within {limit_s:g} s"})
         assert head is not None
         return _request(head, bytes(body), client, certificate, proven_before)
+
+    async def _receive_more(
+        self, conn: h11.Connection, stream: ByteStream, scope: anyio.CancelScope, started: float | None, *,
+        head: h11.Request | None,
+    ) -> tuple[float | None, Response | None]:
+        """Feed h11 the next bytes of the request; the time of its first byte (once a request
+        began it must arrive whole within ``read_timeout_s``: ``scope``'s deadline) and the
+        answer to bytes that are no HTTP (``None``: go on).
+
+        Raises:
+            _Closed: the client closed a keep-alive connection between requests.
+        """
+        try:
+            data = await stream.receive(RECEIVE_BYTES)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ssl.SSLError):
+            data = b""
+        if not data and head is None and conn.their_state is h11.IDLE:
+            raise _Closed
+        if started is None and data:
+            started = anyio.current_time()
+            scope.deadline = min(scope.deadline, started + self.read_timeout_s)
+        try:
+            conn.receive_data(data)
+        except h11.RemoteProtocolError as exc:
+            return started, json_response(400, {"error": f"bad request: {exc}"})
+        return started, None
 
     async def _send(self, conn: h11.Connection, stream: ByteStream, response: Response, *, close: bool) -> bool:
         headers = [

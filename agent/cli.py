@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from agent.entry import one_shot as _one_shot
+from agent.early import one_shot as _one_shot
 
 if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load when a command needs them
     from rich.console import Console
@@ -1384,13 +1384,13 @@ def main(argv: list[str] | None = None) -> None:
 
     Raises:
         SystemExit: with the exit code, always, when ``argv`` is given (in-process callers). As
-            the console script (``argv`` None) a one-shot command (:data:`agent.entry.ONE_SHOT_COMMANDS`)
+            the console script (``argv`` None) a one-shot command (:data:`agent.early.ONE_SHOT_COMMANDS`)
             ends the process with :func:`os._exit` instead, after flushing.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if argv is not None or not _one_shot(args):
         _main(args)
-    gc.disable()  # see agent.entry.ONE_SHOT_COMMANDS (its console entry did so before the imports)
+    gc.disable()  # see agent.early.ONE_SHOT_COMMANDS (its console entry did so before the imports)
     try:
         _main(args)
     except SystemExit as exc:

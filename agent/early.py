@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["EarlyRun", "claim", "default_executable", "discard_all", "discard_pid", "is_early_tracer", "pending", "plan", "pyspy_argv", "pyspy_env", "start"]
+__all__ = ["ONE_SHOT_COMMANDS", "EarlyRun", "claim", "default_executable", "discard_all", "discard_pid", "is_early_tracer", "one_shot", "pending", "plan", "pyspy_argv", "pyspy_env", "start"]
 
 #: Most early runs started at once: the py-spy actor's default ``max_concurrency`` (twice the
 #: CPUs, at least 8), so early runs never exceed what the actor itself would run at once.
@@ -51,6 +51,21 @@ _FLAGS = frozenset({"--json", "-v", "--verbose"})
 #: Environment prefix of the settings that may change the py-spy argv (``SERVEWATCH_PYSPY__*``):
 #: any present, no early run (settings come only from ``--config``, env and flags).
 _ENV_PREFIXES = ("SERVEWATCH_PYSPY",)
+
+
+#: Commands that end within seconds on their own (and the bare ``--help`` / ``--version``). They
+#: run with the cyclic garbage collector off, from before their imports: start-up imports build
+#: ~10^5 long-lived objects, and each collection would only walk them again; what such a command
+#: leaves is bounded and freed at exit. They also end with :func:`agent.cli._exit_now`, skipping
+#: the interpreter's module teardown (tens of ms of freeing the same objects). ``run``,
+#: ``launch``, ``demo``, ``profile`` and ``export`` keep the collector and the normal exit.
+ONE_SHOT_COMMANDS = frozenset({"dump", "status", "timeline", "report", "cuda-env"})
+
+
+def one_shot(args: Sequence[str]) -> bool:
+    """Whether ``args`` (argv without the program) name a one-shot command or no command."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    return command is None or command in ONE_SHOT_COMMANDS
 
 
 def default_executable() -> str | None:

@@ -16,8 +16,8 @@ exits (the exit rules of a server's life, measured on real servers):
 * a refused health check (or a 5xx) is judged once the watched processes' exits are in
   (:meth:`ExitPolicy.settle`).
 
-Imports :mod:`agent.events`, :mod:`agent.pidfds`, psutil (lazily) and the standard library; the
-incident manager is named for type checking only.
+Imports :mod:`agent.events`, :mod:`agent.pidfds`, psutil (lazily) and the standard library; it
+reads the incident manager through :class:`Incidents` (never imports it).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from agent.events import (
 )
 
 if TYPE_CHECKING:
-    from agent.incidents import IncidentConfig, IncidentManager, IncidentRecord
+    from agent.events import IncidentOpened
     from agent.targets import Target
 
 __all__ = [
@@ -51,7 +51,10 @@ __all__ = [
     "HEALTH_SETTLE_S",
     "STOP_SIGNALS",
     "ExitPolicy",
+    "ExitRules",
     "Fold",
+    "Incident",
+    "Incidents",
     "TriggerPolicy",
     "describe_exit",
     "exit_admission",
@@ -85,6 +88,42 @@ class Fold:
     counted: bool = True
 
 
+class ExitRules(Protocol):
+    """The incident settings the exit policy follows (:class:`agent.incidents.IncidentConfig`)."""
+
+    on_exit_codes_only_nonzero: bool
+    signal_stop_is_incident: bool
+    operator_stop_is_incident: bool
+    hard_mode_exit_is_incident: bool
+    hard_mode_exit_grace_s: float
+    exit_followup_s: float
+
+
+class Incident(Protocol):
+    """One incident as a policy reads it (:class:`agent.incidents.Incident`)."""
+
+    @property
+    def opened(self) -> IncidentOpened: ...
+
+    @property
+    def targets(self) -> Sequence[Target]: ...
+
+    @property
+    def exits_after_hard_signal(self) -> dict[int, str]: ...
+
+
+class Incidents(Protocol):
+    """The incident manager as a policy reads it (:class:`agent.incidents.IncidentManager`)."""
+
+    @property
+    def current(self) -> Incident | None: ...
+
+    @property
+    def records(self) -> Sequence[Incident]: ...
+
+    def discover(self) -> list[Target]: ...
+
+
 class TriggerPolicy(Protocol):
     """One concern of admission, asked by the incident manager for every trigger event, in the
     order of its ``policies`` (then the cooldown, then the job's own admission)."""
@@ -93,7 +132,7 @@ class TriggerPolicy(Protocol):
         """Whether ``event`` is judged only after :meth:`settle` (the manager goes on meanwhile)."""
         ...
 
-    async def settle(self, event: TriggerEvent, manager: IncidentManager) -> None:
+    async def settle(self, event: TriggerEvent, manager: Incidents) -> None:
         """Wait, bounded, until ``event`` can be judged."""
         ...
 
@@ -101,7 +140,7 @@ class TriggerPolicy(Protocol):
         """Why ``event`` opens no incident on its own facts (said by the policy), else ``None``."""
         ...
 
-    async def folds(self, event: TriggerEvent, manager: IncidentManager) -> Fold | None:
+    async def folds(self, event: TriggerEvent, manager: Incidents) -> Fold | None:
         """The :class:`Fold` when ``event`` belongs to an incident already opened or to an orderly
         stop (said by the policy), else ``None``."""
         ...
@@ -200,7 +239,7 @@ class ExitPolicy:
         hard_signalled_pids: pids hard mode signalled (their exits open no new incident).
     """
 
-    def __init__(self, config: IncidentConfig) -> None:
+    def __init__(self, config: ExitRules) -> None:
         self.config = config
         self.exits_handled: set[int] = set()
         self.exit_outcomes: dict[int, str] = {}
@@ -210,9 +249,9 @@ class ExitPolicy:
         self.last_failed_exit = 0.0
         self._expected: set[int] = set()
         #: after hard mode's signal: (until, pids of that server's tree, the incident)
-        self._hard_windows: list[tuple[float, frozenset[int], IncidentRecord]] = []
+        self._hard_windows: list[tuple[float, frozenset[int], Incident]] = []
         #: incidents whose manifest changed since they were written (a knock-on exit noted)
-        self.changed: list[IncidentRecord] = []
+        self.changed: list[Incident] = []
 
     # -- what the manager tells it --------------------------------------------------------------
 
@@ -226,7 +265,7 @@ class ExitPolicy:
         if tree:
             self._expected.update(_descendants([pid]))
 
-    def knock_on_window(self, record: IncidentRecord, tree: Iterable[int]) -> None:
+    def knock_on_window(self, record: Incident, tree: Iterable[int]) -> None:
         """Hard mode signalled for ``record``: exits of ``tree`` (the server's processes) within
         ``hard_mode_exit_grace_s`` are knock-on exits of it, noted on ``record`` (one window per
         incident)."""
@@ -238,7 +277,7 @@ class ExitPolicy:
     def settles(self, event: TriggerEvent) -> bool:
         return isinstance(event, HealthCheckFailed) and event.error_class in HEALTH_SETTLE_CLASSES
 
-    async def settle(self, event: TriggerEvent, manager: IncidentManager) -> None:
+    async def settle(self, event: TriggerEvent, manager: Incidents) -> None:
         """A health check refused or answered 5xx: a server stopping in order closes its port
         (or says 503) before its ranks end. Wait (:data:`HEALTH_SETTLE_S`) for the watched
         processes' exits (their own checks run meanwhile), so that it is judged with them: no
@@ -294,7 +333,7 @@ class ExitPolicy:
             return why_not  # asked to stop, or stopped with its server: not a crash
         return None
 
-    async def folds(self, event: TriggerEvent, manager: IncidentManager) -> Fold | None:
+    async def folds(self, event: TriggerEvent, manager: Incidents) -> Fold | None:
         followed = self._exit_incident_before(event, manager)
         if followed is not None:
             age_s = max(0.0, (time.time_ns() - followed.opened.time_unix_nano) / 1e9)
@@ -318,7 +357,7 @@ class ExitPolicy:
 
     # -- the rules ------------------------------------------------------------------------------
 
-    def _hard_window_of(self, pid: int) -> IncidentRecord | None:
+    def _hard_window_of(self, pid: int) -> Incident | None:
         now = time.monotonic()
         self._hard_windows = [w for w in self._hard_windows if w[0] > now]
         for _, pids, record in self._hard_windows:
@@ -326,14 +365,14 @@ class ExitPolicy:
                 return record
         return None
 
-    def _note_knock_on(self, record: IncidentRecord, event: TargetExited) -> None:
+    def _note_knock_on(self, record: Incident, event: TargetExited) -> None:
         """Record a knock-on exit on the incident whose hard signal caused it (its manifest is
         rewritten by the manager, off the loop)."""
         record.exits_after_hard_signal[event.pid] = f"{event.title or 'pid ' + str(event.pid)}: {describe_exit(event)}"
         if record not in self.changed:
             self.changed.append(record)
 
-    async def _server_stopped_in_order(self, manager: IncidentManager) -> bool:
+    async def _server_stopped_in_order(self, manager: Incidents) -> bool:
         """The watched processes all ended, the last exits being orderly stops (within
         ``exit_followup_s``, no failing exit since): a health check failing now is the stopped
         server's port, not an incident."""
@@ -349,7 +388,7 @@ class ExitPolicy:
             return False
         return not live
 
-    def _exit_incident_before(self, event: TriggerEvent, manager: IncidentManager) -> IncidentRecord | None:
+    def _exit_incident_before(self, event: TriggerEvent, manager: Incidents) -> Incident | None:
         """The exit incident (running, or opened within ``exit_followup_s``) that another trigger
         (a health failure; a stall of one of its targets) follows from: one death, one incident."""
         if isinstance(event, TargetExited) or self.config.exit_followup_s <= 0:

@@ -4,7 +4,7 @@ Owns: :class:`KernelExits` (the kernel's exit events, proc connector), :class:`O
 kills: the process's memory cgroup counters and the kernel log), :func:`last_ran_unix_nano` (a
 zombie's last time on a CPU) and :func:`zombie_fact` (a zombie's :class:`~agent.events.ExitFact`);
 the process watcher (:mod:`agent.watchers.process`) puts the sources in order. Imports the
-stdlib, anyio, :mod:`agent.events` and (lazily) :mod:`agent.procinfo`.
+stdlib, anyio and :mod:`agent.events`.
 
 Why: a server's rank is reaped by its own parent at once, so ``waitid`` (ours only) and
 ``/proc/PID/stat`` (while a zombie) usually miss its status: an orderly exit then read as
@@ -54,6 +54,7 @@ __all__ = [
     "decode_wait_status",
     "last_ran_unix_nano",
     "oom_counter_of",
+    "zombie_exit_status",
     "zombie_fact",
 ]
 
@@ -413,11 +414,31 @@ def _started_unix_nano(create_time_s: float) -> int:
     return int(create_time_s * 1e9) if create_time_s else 0
 
 
+def zombie_exit_status(pid: int) -> tuple[int | None, int | None] | None:
+    """``(exit_code, signal)`` of a zombie from ``/proc/PID/stat``; ``None`` if not readable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw.rsplit(b")", 1)[-1].split()
+    # after the comm: field 3 (state) is fields[0]; field 52 (exit_code) is fields[49]
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    try:
+        status = int(fields[49])
+    except ValueError:
+        return None
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return None
+
+
 def zombie_fact(pid: int, create_time_s: float = 0.0) -> ExitFact | None:
     """The fact of a zombie seen now (status from ``/proc/PID/stat``, time from
     ``/proc/PID/sched``), ``None`` when ``pid`` is not a zombie."""
-    from agent.procinfo import zombie_exit_status
-
     status = zombie_exit_status(pid)
     if status is None:
         return None

@@ -543,7 +543,7 @@ class IncidentManager:
         stall = self.stalls.observe(event)
         triggered = self.classify(event)
         for record in self.exits.changed:  # knock-on exits noted on written incidents
-            if record is not self.current:  # a running one writes its own
+            if isinstance(record, IncidentRecord) and record is not self.current:  # a running one writes its own
                 await self._save_manifest(record)
         self.exits.changed.clear()
         if triggered is None or not isinstance(event, TriggerEvent):

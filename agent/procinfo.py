@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from agent.events import ExitFact, ExitSource
+from agent.exits import zombie_exit_status, zombie_fact
 from agent.safetext import safe_text
 from agent.targets import ProcessState, Target, process_state, target_of
 
@@ -146,28 +147,6 @@ def exit_noted_at(pid: int, create_time_s: float = 0.0) -> float | None:
     return when
 
 
-def zombie_exit_status(pid: int) -> tuple[int | None, int | None] | None:
-    """``(exit_code, signal)`` of a zombie from ``/proc/PID/stat``; ``None`` if not readable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    fields = raw.rsplit(b")", 1)[-1].split()
-    # after the comm: field 3 (state) is fields[0]; field 52 (exit_code) is fields[49]
-    if len(fields) < 50 or fields[0] != b"Z":
-        return None
-    try:
-        status = int(fields[49])
-    except ValueError:
-        return None
-    if os.WIFSIGNALED(status):
-        return None, os.WTERMSIG(status)
-    if os.WIFEXITED(status):
-        return os.WEXITSTATUS(status), None
-    return None
-
-
 def death_of(target: Target) -> Death | None:
     """Whether ``target`` died, and how.
 
@@ -182,7 +161,6 @@ def death_of(target: Target) -> Death | None:
     if state is ProcessState.ZOMBIE:
         noted = _noted(target.pid, target.create_time_s)
         if noted is None or noted.source is ExitSource.NONE:
-            from agent.exits import zombie_fact  # /proc/PID/stat and /proc/PID/sched
 
             noted = zombie_fact(target.pid, target.create_time_s) or noted
         if noted is None:

@@ -5,8 +5,8 @@ Owns :class:`RunStatus`: the board fed from the watchers' and actors' status eve
 (:meth:`RunStatus.record`), the rows the runtime decides (``process``, ``steps``, a crashed
 watcher: :meth:`RunStatus.set`), span delivery (``export``: :meth:`RunStatus.watch_delivery`), the
 SDK span shipper (``spans``: :meth:`RunStatus.ship_spans`, which also heartbeats the span rings),
-the incidents' state (:meth:`RunStatus.show_incidents`), and which changes reach the CLI's
-printer (:meth:`RunStatus.changed`). Imports anyio, :mod:`agent.bus`, :mod:`agent.events` and the
+the incidents' state (:meth:`RunStatus.show_incidents`), the actors' startup checks
+(:meth:`RunStatus.check_actors`), and which changes reach the CLI's printer (:meth:`RunStatus.changed`). Imports anyio, :mod:`agent.bus`, :mod:`agent.events` and the
 status board (:mod:`agent.watchers.status`).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import anyio
@@ -114,6 +114,18 @@ class RunStatus:
                 f"ready: {event.detail}" if ok and event.detail else (event.detail or event.status.value), write=False,
             )
         return False
+
+    async def check_actors(self, actors: Mapping[str, Any]) -> None:
+        """Each actor's startup check (``check()``, when it has one: py-spy's binary) becomes its
+        component status, and a status row; the agent keeps running either way."""
+        for name, actor in actors.items():
+            check = getattr(actor, "check", None)
+            if check is None:
+                continue
+            status, detail = await anyio.to_thread.run_sync(check)  # stats a binary: off the loop
+            await self.bus.publish(ComponentStatusChanged(source="runtime", component=name, status=status, detail=detail))
+            if status is not ComponentStatus.OK:
+                log.warning("%s unavailable: %s", name, detail)
 
     async def record(self, sub: Subscription) -> None:
         """Keep the board current from the watchers' status events (and the actors' checks)."""

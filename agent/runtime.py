@@ -2,18 +2,17 @@
 
 Owns wiring and lifecycle only; it decides nothing. :meth:`Agent.build` is the one wiring path
 (``run``, ``dump``, ``launch``, ``profile``): every watcher, actor and exporter comes from its
-registry (:mod:`agent.registry`; :data:`agent.watchers.WATCHERS`, :data:`agent.actors.ACTORS`,
-:data:`exporters.EXPORTERS`), imported only when built, and gets its own settings table and the
-agent-wide values. The incident's phases are the registered actors, in registration order. Which
+registry (:mod:`agent.registry`), imported only when built, with its own settings table and the
+agent-wide values; the incident's phases are the registered actors, in registration order. Which
 processes an incident is about is :class:`agent.evidence.TargetFinder`'s; which triggers open
-one, the incident manager's policies; whether a target is stalled, the bus's (a
-:class:`agent.stall.StallBoard`). One anyio task group; watchers are started with ``tg.start`` so
-"ready" means ready, supervised and restarted after a crash (:mod:`agent.supervision`); targets
-are re-discovered periodically so a server that starts after the agent (or restarts) is picked
-up; shutdown is bounded and flushes telemetry.
+one, the incident manager's policies; whether a target is stalled, the bus's
+(:class:`agent.stall.StallBoard`). One anyio task group; watchers are started with ``tg.start``
+so "ready" means ready, restarted after a crash and targets re-discovered
+(:mod:`agent.supervision`); shutdown is bounded and flushes telemetry.
 
-Imports the registries, the bus, incidents, the stall board, discovery and the status rows, never a
-component module by name; nothing imports this module except the CLI and tests.
+Imports the registries, the bus, incidents, the stall board, discovery and the status rows; a
+component module only for ``servewatch profile`` (the profiler's session, the mirror's span);
+nothing imports this module except the CLI and tests.
 """
 
 from __future__ import annotations
@@ -31,11 +30,10 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.actors import ACTORS, Actor
-from agent.bus import EventBus, Subscription
+from agent.bus import EventBus
 from agent.config import AgentSettings as Settings
 from agent.events import (
     ActionResult,
-    ComponentStatus,
     ComponentStatusChanged,
     Trigger,
     WatcherStatusChanged,
@@ -49,12 +47,12 @@ from agent.registry import BuildContext
 from agent.runstatus import RunStatus
 from agent.sdkclient import read_step_counter
 from agent.stall import StallBoard
-from agent.supervision import TargetWatch, supervise
+from agent.supervision import TargetWatch, restartable, supervise
 from agent.targets import Target
-from agent.watchers import WATCHERS, TargetWatchers, Watcher
+from agent.watchers import WATCHERS, TargetWatchers
 from agent.watchers.status import StatusBoard, WatcherStatus
 from exporters import EXPORTERS
-from exporters.feed import mirror_events
+from exporters.feed import mirror_events, subscribe_mirrors
 
 if TYPE_CHECKING:
     from exporters.provider import Telemetry
@@ -188,11 +186,6 @@ class Agent:
         """Pids whose SDK step counter is being watched for stalls."""
         return frozenset(pid for pid, _ in self.target_watch.step_scopes)
 
-    @property
-    def refused_targets(self) -> dict[int, str]:
-        """Processes discovery left out for their uid, ``{pid: why}`` (the last round)."""
-        return self.targets.refused
-
     # -- what the incidents read ----------------------------------------------------------------
 
     def discover(self) -> list[Target]:
@@ -218,15 +211,6 @@ class Agent:
         return await read_inflight(targets, socket_dir=self.context.agent.sdk_socket_dir)
 
     # -- exporters and telemetry ----------------------------------------------------------------
-
-    def _subscribe_exporters(self) -> list[tuple[Any, Subscription]]:
-        """A bounded bus subscription for every started exporter that mirrors events (it has
-        ``events``, the event types, and ``handle(event)``; e.g. the span ``mirror``)."""
-        return [
-            (exporter, self.bus.subscribe(*exporter.events, name=name, max_buffer=MIRROR_BUFFER))
-            for name, exporter in self.exporters.items()
-            if getattr(exporter, "events", None) and callable(getattr(exporter, "handle", None))
-        ]
 
     def _start_exporters(self, *, one_shot: bool = False) -> None:
         """Build the exporters of the ``start`` stage, ``otlp`` first (the others attach to it)."""
@@ -274,12 +258,12 @@ class Agent:
         await anyio.to_thread.run_sync(partial(self._start_exporters, one_shot=True))
         if self.incidents.judge is not None:  # one-shot: no torch import racing the dump's own CPU
             self.incidents.judge.warm_up = False
-        feeds = self._subscribe_exporters()
+        feeds = subscribe_mirrors(self.bus, self.exporters, max_buffer=MIRROR_BUFFER)
         try:
             async with anyio.create_task_group() as tg:
                 for exporter, sub in feeds:
                     tg.start_soon(mirror_events, exporter, sub)
-                await self._check_actors()
+                await self.run_status.check_actors(self.actors)
                 record = await self._dump_incident(tg, handle_signals)
                 await self.bus.aclose()  # the exporters drain what is buffered, then end
         finally:
@@ -302,12 +286,57 @@ class Agent:
             raise RuntimeError("servewatch dump was interrupted before its incident opened")
         return self.incidents.records[-1]
 
-    async def profile(self, **session: Any) -> tuple[ActionResult, str | None]:
-        """One profiling session now (``servewatch profile``), mirrored through the registered
-        exporters (:func:`agent.profilesession.profile_session`, which takes ``session``)."""
-        from agent.profilesession import profile_session
+    async def profile(
+        self,
+        *,
+        pid: int | None,
+        steps: int,
+        start_step: int | None = None,
+        activities: Sequence[str] | None = None,
+        out_dir: Path,
+        timeout_s: float | None = None,
+        before_export: Callable[[], None] | None = None,
+    ) -> tuple[ActionResult, str | None]:
+        """One profiling session now (``servewatch profile``) per ``settings.profiler``, mirrored
+        as a ``profile.session`` trace through the registered exporters (then flushed and shut
+        down, as :meth:`dump`).
 
-        return await profile_session(self, **session)
+        Args:
+            pid: the target serving the SDK control socket (backend ``sdk``; ``None``: the only one).
+            steps: forward steps to capture (``num_steps``).
+            start_step: start once ``forward_ct`` reaches this step.
+            activities: ``CPU``, ``GPU``, ``MEM``... (default: the settings').
+            out_dir: where the trace files go.
+            timeout_s: wall-clock bound of the session, seconds (default: ``profiler.max_duration_s``).
+            before_export: called (in a worker thread) before the exporters start, only when
+                something is exported: the CLI creates and checks the data dir there.
+
+        Returns:
+            The session's result (outcome, trace files) and the hex trace id of its spans;
+            ``None`` when the session wrote no trace file and spans go to the embedded files:
+            then nothing is exported and no folder is created (a failed profile leaves nothing
+            behind). With a collector configured a failed session is exported too (its
+            ``profile.session`` span says why), through the spool in the data dir as any export.
+        """
+        from agent.actors.profiler import profile_once
+        from exporters.mirror import mirror_profile_session
+        from exporters.provider import resolve_destination
+
+        result = await profile_once(
+            self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
+            out_dir=out_dir, timeout_s=timeout_s,
+        )
+        if not result.artifact_paths and resolve_destination(self.settings.export).endpoint is None:
+            return result, None
+        if before_export is not None:
+            await anyio.to_thread.run_sync(before_export)  # the data dir: file system
+        self._start_exporters(one_shot=True)
+        assert self.telemetry is not None, "the otlp exporter is registered"
+        try:
+            trace_id = await anyio.to_thread.run_sync(mirror_profile_session, self.telemetry.sink, result)
+        finally:
+            await self._close_telemetry(None)
+        return result, trace_id
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -335,7 +364,7 @@ class Agent:
         assert telemetry is not None, "the otlp exporter is registered"
         from exporters.metrics import RECORDED_EVENTS
 
-        feeds = self._subscribe_exporters()
+        feeds = subscribe_mirrors(self.bus, self.exporters, max_buffer=MIRROR_BUFFER)
         metrics_sub = self.bus.subscribe(*RECORDED_EVENTS, name="metrics", max_buffer=MIRROR_BUFFER)
         status_sub = self.bus.subscribe(WatcherStatusChanged, ComponentStatusChanged, name="status", max_buffer=MIRROR_BUFFER)
         telemetry.metrics.watch_bus(lambda: self.bus.statistics().dropped)
@@ -427,40 +456,14 @@ class Agent:
         await supervise(name, make, self.bus, restarts=self.restarts, task_status=task_status)
 
     async def _start_watchers(self, tg: TaskGroup) -> None:
-        await self._check_actors()
+        await self.run_status.check_actors(self.actors)
         await self.target_watch.announce()
         for name, watcher in self.watchers.items():
             if isinstance(watcher, TargetWatchers):
                 continue  # started per target by discovery
-            await tg.start(self.supervised, name, self._maker(name, watcher))
+            rebuild = partial(WATCHERS.get(name).build, self.settings, self.context)
+            await tg.start(self.supervised, name, restartable(watcher, rebuild))
         await tg.start(self.target_watch.run, tg)
-
-    def _maker(self, name: str, first: Watcher) -> Callable[[], Watcher]:
-        """The built watcher first; after a crash a fresh one from the registry (the same one
-        when it sets ``reusable = True``, e.g. ``process``, which holds what it watches)."""
-        built = [first]
-
-        def make() -> Watcher:
-            if built:
-                return built.pop()
-            if getattr(first, "reusable", False):
-                return first
-            fresh = WATCHERS.get(name).build(self.settings, self.context)
-            return fresh if fresh is not None else first
-
-        return make
-
-    async def _check_actors(self) -> None:
-        """Each actor's startup check (``check()``, when it has one: py-spy's binary) becomes its
-        component status, and a status row; the agent keeps running either way."""
-        for name, actor in self.actors.items():
-            check = getattr(actor, "check", None)
-            if check is None:
-                continue
-            status, detail = await anyio.to_thread.run_sync(check)  # stats a binary: off the loop
-            await self.bus.publish(ComponentStatusChanged(source="runtime", component=name, status=status, detail=detail))
-            if status is not ComponentStatus.OK:
-                log.warning("%s unavailable: %s", name, detail)
 
 
 async def _trim_memory(interval_s: float) -> None:
@@ -480,8 +483,7 @@ def _remove_stale_temps(data_dir: Path) -> None:
 async def dump_once(
     settings: Settings, *, telemetry: Telemetry | None = None, handle_signals: bool = False
 ) -> IncidentRecord:
-    """One manual incident now: ``await Agent.build(settings, telemetry=telemetry).dump(...)``
-    (see :meth:`Agent.dump`)."""
+    """One manual incident now: ``Agent.build(settings, telemetry=telemetry).dump(...)`` (:meth:`Agent.dump`)."""
     return await Agent.build(settings, telemetry=telemetry).dump(handle_signals=handle_signals)
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -30,8 +30,17 @@ from agent.watchers.status import WatcherState
 
 if TYPE_CHECKING:
     from agent.evidence import TargetFinder
-    from agent.incidents import IncidentManager
     from agent.runstatus import RunStatus
+
+
+class IncidentState(Protocol):
+    """What discovery reads of the incident manager (:class:`agent.incidents.IncidentManager`)."""
+
+    @property
+    def current(self) -> object | None: ...
+
+    @property
+    def exits_handled(self) -> Collection[int]: ...
 
 __all__ = [
     "REDISCOVER_INTERVAL_S",
@@ -40,7 +49,9 @@ __all__ = [
     "RESTART_BACKOFF_MAX_S",
     "RESTART_BACKOFF_S",
     "TARGET_ALIVE_INTERVAL_S",
+    "IncidentState",
     "TargetWatch",
+    "restartable",
     "supervise",
 ]
 
@@ -121,6 +132,23 @@ async def supervise(
         await anyio.sleep(delay_s)
 
 
+def restartable(first: Any, rebuild: Callable[[], Any | None]) -> Callable[[], Any]:
+    """What :func:`supervise` starts: the built watcher ``first``; after a crash a fresh one
+    (``rebuild()``, its registry factory), or the same one when it sets ``reusable = True``
+    (e.g. ``process``, which holds what it watches)."""
+    built = [first]
+
+    def make() -> Any:
+        if built:
+            return built.pop()
+        if getattr(first, "reusable", False):
+            return first
+        fresh = rebuild()
+        return fresh if fresh is not None else first
+
+    return make
+
+
 def _identify(pid: int) -> Target:
     """``pid`` as a :class:`Target` with its creation time (a bare pid when it is gone already)."""
     return target_of(pid) or Target(pid=pid)
@@ -158,7 +186,7 @@ class TargetWatch:
 
     def __init__(
         self, *, discover: Callable[[], list[Target]], finder: TargetFinder, watchers: Mapping[str, Any],
-        process_watcher: Any, bus: Publisher, status: RunStatus, incidents: IncidentManager,
+        process_watcher: Any, bus: Publisher, status: RunStatus, incidents: IncidentState,
         shipper: Callable[[], Any], scraped: bool, stop: Callable[[str], None],
     ) -> None:
         self.discover = discover

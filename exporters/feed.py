@@ -1,6 +1,6 @@
 """Feeding bus events to an exporter that mirrors them (the span mirror, a test's recorder).
 
-Owns :func:`mirror_events`: an exporter with ``events`` (the event types it mirrors) and
+Owns :func:`subscribe_mirrors` (one bounded subscription per mirroring exporter) and :func:`mirror_events`: an exporter with ``events`` (the event types it mirrors) and
 ``handle(event)`` gets each of them in bus order, off the event loop unless it says
 ``handles_on_loop = True``; what is still buffered when the feed is cancelled is handed over
 anyway, then its ``close_open(reason=...)`` runs (when it has one: the mirror gives incidents left
@@ -10,13 +10,24 @@ open their root span), so nothing already captured is lost from the trace. Impor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
 
-from agent.bus import Subscription
+from agent.bus import EventBus, Subscription
 
-__all__ = ["mirror_events"]
+__all__ = ["mirror_events", "subscribe_mirrors"]
+
+
+def subscribe_mirrors(bus: EventBus, exporters: Mapping[str, Any], *, max_buffer: int) -> list[tuple[Any, Subscription]]:
+    """A bounded bus subscription for every exporter that mirrors events (it has ``events``, the
+    event types, and ``handle(event)``; e.g. the span ``mirror``), named after it."""
+    return [
+        (exporter, bus.subscribe(*exporter.events, name=name, max_buffer=max_buffer))
+        for name, exporter in exporters.items()
+        if getattr(exporter, "events", None) and callable(getattr(exporter, "handle", None))
+    ]
 
 
 def _drain(sub: Subscription) -> list[Any]:

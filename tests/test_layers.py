@@ -87,6 +87,16 @@ _SDK_PRIVATE = ("agent.sdk._",)
         ("agent/judge.py", _ACTORS + _WATCHERS + _EXPORTERS + _SDK_PRIVATE),
         # launch plans the CUDA environment through agent.cudaenv, not an actor
         ("agent/launch.py", _ACTORS + _WATCHERS + _EXPORTERS),
+        # the incidents' policies and the stall rule: no component, no orchestration (issue 28)
+        ("agent/stall.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/exitpolicy.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/evidence.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/progress.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/backoff.py", ("agent.", "exporters")),
+        ("agent/registry.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        # the runtime's helpers: supervision and its own status rows, never an actor
+        ("agent/supervision.py", _ACTORS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/runstatus.py", _ACTORS + _ORCHESTRATION),
         ("agent/runtime.py", _SDK_PRIVATE),
         ("agent/cli.py", _SDK_PRIVATE),
     ],

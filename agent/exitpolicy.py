@@ -359,7 +359,7 @@ class ExitPolicy:
 
     def _hard_window_of(self, pid: int) -> Incident | None:
         now = time.monotonic()
-        self._hard_windows = [w for w in self._hard_windows if w[0] > now]
+        self._hard_windows[:] = [w for w in self._hard_windows if w[0] > now]
         for _, pids, record in self._hard_windows:
             if pid in pids:
                 return record

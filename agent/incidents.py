@@ -392,6 +392,7 @@ class IncidentManager:
         #: what each exit led to, in words (``incident <id>``, ``no incident: stopped by SIGTERM ...``)
         self.exit_outcomes: dict[int, str] = self.exits.exit_outcomes
         self._hard_signalled: set[int] = self.exits.hard_signalled_pids
+        self._hard_windows = self.exits._hard_windows
         self.bus = bus
         self.config = config
         self.data_dir = Path(data_dir)

@@ -5,6 +5,7 @@ changing it changes what Agent.build builds."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import typing
@@ -21,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Modules holding the agent's own use of its tables (and of the few component settings that
 #: configure what the CLI starts: launch's Flight Recorder buffer, the crash-dump folder).
-AGENT_MODULES = ["agent.config", "agent.runtime", "agent.incidents", "agent.targets", "agent.fleet", "agent.cli",
-                 "agent.launch"]
+AGENT_MODULES = ["agent.config", "agent.runtime", "agent.incidents", "agent.exitpolicy", "agent.evidence", "agent.stall",
+                 "agent.targets", "agent.fleet", "agent.cli", "agent.launch"]
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -76,17 +77,21 @@ def _module_files(module: str) -> list[Path]:
     return [path.with_suffix(".py")]
 
 
+@functools.cache
+def _names_read_in(path: Path) -> frozenset[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return frozenset(names)
+
+
 def _names_read(files: list[Path]) -> set[str]:
     """Attribute names read (``cfg.timeout_s``) and strings (``getattr(cfg, "client_key")``) in
     ``files``; a keyword ``f(timeout_s=1)`` is no read of a setting."""
-    names: set[str] = set()
-    for path in files:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                names.add(node.attr)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                names.add(node.value)
-    return names
+    return set().union(*(_names_read_in(path) for path in files))
 
 
 def test_every_settings_field_is_read_by_the_code_that_owns_it() -> None:

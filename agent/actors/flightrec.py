@@ -26,8 +26,9 @@ Outcomes, one per rank: ``ok``; ``not_enabled`` (a source answered with an empty
 buffer is 0); ``no_source`` ("not available": no socket, debug server or armed pipe — not an
 error); ``timed_out``; ``failed``.
 
-Imports anyio, psutil, :mod:`agent.events`, :mod:`agent.targets`, :mod:`agent.fsutil`, the SDK's
-path helpers and the control-socket client :mod:`agent.sdkclient`.
+Imports anyio, psutil, httpx (at first use: the worker and debug servers' HTTP), :mod:`agent.events`,
+:mod:`agent.targets`, :mod:`agent.fsutil`, the SDK's path helpers and the control-socket client
+:mod:`agent.sdkclient`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -59,13 +59,18 @@ from agent.events import (
     now_ns,
 )
 from agent.fsutil import atomic_write_text
+from agent.lazy import LazyModule
 from agent.ranks import rank_from_title
 from agent.security import open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
 if TYPE_CHECKING:
+    import httpx
+
     from agent.progress import ActionSink
     from agent.registry import BuildContext
+else:
+    httpx = LazyModule("httpx")  # imported at first use: a dump without torch worker servers never imports it
 
 
 __all__ = [
@@ -331,13 +336,11 @@ class FlightRecorderActor:
         if not stat.S_ISSOCK(st.st_mode) or not trusted_owner(st, owners):
             raise _SourceFailed(f"{path} is not a socket owned by the target's user (uid {st.st_uid}): not trusted")
         try:
-            stream = await anyio.connect_unix(str(path))
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            body = await _http_post("fr_trace_json", uds=str(path))
+        except httpx.ConnectError as exc:  # refused, or gone since: no server there
             raise _SourceMissing from exc
-        except OSError as exc:
-            raise _SourceFailed(f"{path}: {exc.strerror or exc}") from None
-        async with stream:
-            body = await _http_post(stream, "fr_trace_json")
+        except httpx.TransportError as exc:
+            raise _SourceFailed(f"{path}: {exc}") from None
         return _parse_json(body, str(path)), ""
 
     async def _from_control(self, target: Target, rank: int | None) -> tuple[Any, str]:
@@ -363,10 +366,8 @@ class FlightRecorderActor:
         for port in ports:
             try:
                 with anyio.fail_after(min(0.5, self.config.timeout_s / 2)):
-                    stream = await anyio.connect_tcp("127.0.0.1", port)
-                    async with stream:
-                        body = await _http_post(stream, "fr_trace_json")
-            except (TimeoutError, OSError, _SourceFailed):
+                    body = await _http_post("fr_trace_json", port=port)
+            except (TimeoutError, httpx.TransportError, _SourceFailed):
                 continue
             try:
                 trace = json.loads(body)
@@ -468,33 +469,26 @@ def _debug_server_ports(pid: int, environ_of: Any) -> list[int]:
     return sorted(p for p in ports if str(p) != store)
 
 
-async def _http_post(stream: Any, handler: str) -> bytes:
-    """``POST /handler/<handler>`` over an open stream (HTTP/1.1, one request); the body."""
-    request = (
-        f"POST /handler/{handler} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    await stream.send(request)
-    buf = bytearray()
-    while True:
-        try:
-            chunk = await stream.receive(65536)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            break
-        buf += chunk
-        if len(buf) > MAX_TRACE_BYTES:
-            raise _SourceFailed(f"reply larger than {MAX_TRACE_BYTES} bytes")
-        head, sep, body = bytes(buf).partition(b"\r\n\r\n")
-        if sep:
-            m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-            if m and len(body) >= int(m.group(1)):
-                break
-    head, sep, body = bytes(buf).partition(b"\r\n\r\n")
-    status = head.split(b"\r\n", 1)[0].split()
-    if not sep or len(status) < 2 or status[1] != b"200":
-        raise _SourceFailed(f"HTTP {status[1].decode(errors='replace') if len(status) > 1 else '?'} from the worker server")
-    m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-    return body[: int(m.group(1))] if m else body
+async def _http_post(handler: str, *, uds: str | None = None, port: int | None = None) -> bytes:
+    """``POST /handler/<handler>`` to torch's worker server (over its unix socket ``uds``, else on
+    ``127.0.0.1:port``), one request with httpx; the body (at most :data:`MAX_TRACE_BYTES`). The
+    caller bounds it in time.
+
+    Raises:
+        _SourceFailed: not an HTTP 200 answer, or a body too large.
+        httpx.TransportError: no connection (refused, reset).
+    """
+    url = f"http://localhost/handler/{handler}" if uds is not None else f"http://127.0.0.1:{port}/handler/{handler}"
+    transport = httpx.AsyncHTTPTransport(uds=uds) if uds is not None else None
+    async with httpx.AsyncClient(transport=transport, timeout=None) as client, client.stream("POST", url) as response:
+        if response.status_code != 200:
+            raise _SourceFailed(f"HTTP {response.status_code} from the worker server")
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > MAX_TRACE_BYTES:
+                raise _SourceFailed(f"reply larger than {MAX_TRACE_BYTES} bytes")
+    return bytes(body)
 
 
 def _parse_json(body: bytes, where: str) -> Any:

@@ -82,15 +82,6 @@ ENV_DATA_DIR = "SERVEWATCH_DATA_DIR"
 #: :class:`AgentValues` fields that collect every providing table's value (a tuple)
 _COLLECTED_VALUES = frozenset(f.name for f in dataclasses.fields(AgentValues) if isinstance(f.default, tuple))
 
-    @field_validator("match")
-    @classmethod
-    def _globs_name_something(cls, value: list[str]) -> list[str]:
-        """An empty (or blank) glob matches no process title: a mistake (an unset shell
-        variable), never a way to watch nothing."""
-        if any(not glob.strip() for glob in value):
-            raise ValueError("an empty title glob matches no process; give one such as 'sglang::scheduler*'")
-        return value
-
 
 class AgentSettings(BaseSettings):
     """The agent's own settings; :func:`settings_model` adds one table per registered component

@@ -39,10 +39,11 @@ from agent.events import (
     WatcherStatusChanged,
 )
 from agent.evidence import TargetFinder
-from agent.fsutil import remove_stale_temps
+from agent.history import ProgressHistory
+from agent.housekeeping import remove_dead_sdk_files, remove_stale_temps, trim_memory
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, recover_interrupted
 from agent.judge import VerdictJudge
-from agent.memory import limit_arenas, trim
+from agent.memory import limit_arenas
 from agent.registry import BuildContext
 from agent.runstatus import RunStatus
 from agent.sdkclient import read_step_counter
@@ -124,6 +125,8 @@ class Agent:
         status = self.exporters.get("status")
         self.status: StatusBoard = status if isinstance(status, StatusBoard) else StatusBoard(host_name=settings.host_name)
         self.run_status = RunStatus(self.bus, self.status, actors=list(self.actors), on_status=on_status)
+        #: the server's recent history from the bus (step readings, stalls, health, exits)
+        self.history = ProgressHistory()
         self.incidents = self._build_incidents(on_incident, on_summary)
         self.targets = TargetFinder(settings.target, self.children, stall_timeout_s=settings.watchdog.timeout_s,
                                     last_incident_unix_nano=self._last_incident_unix_nano)
@@ -152,7 +155,7 @@ class Agent:
             host_name=self.settings.host_name, discover=self.discover, discover_for=self.incident_targets,
             actors=list(self.actors.values()), inflight=self._inflight, on_incident=on_incident,
             hard_signal=wd.signal_number if wd.hard else None, hard_targets=wd.hard_targets, on_summary=on_summary,
-            judge=VerdictJudge(endpoint_urls=self.context.agent.server_urls), stalls=self.stalls,
+            judge=VerdictJudge(endpoint_urls=self.context.agent.server_urls), stalls=self.stalls, history=self.history,
         )
 
     @classmethod
@@ -253,7 +256,7 @@ class Agent:
         Raises:
             RuntimeError: interrupted before the incident opened.
         """
-        await anyio.to_thread.run_sync(_remove_stale_temps, self.settings.data_dir)
+        await anyio.to_thread.run_sync(remove_stale_temps, self.settings.data_dir)
         # the span files, spool and their folders: file system work, off the loop
         await anyio.to_thread.run_sync(partial(self._start_exporters, one_shot=True))
         if self.incidents.judge is not None:  # one-shot: no torch import racing the dump's own CPU
@@ -296,6 +299,7 @@ class Agent:
         out_dir: Path,
         timeout_s: float | None = None,
         before_export: Callable[[], None] | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> tuple[ActionResult, str | None]:
         """One profiling session now (``servewatch profile``) per ``settings.profiler``, mirrored
         as a ``profile.session`` trace through the registered exporters (then flushed and shut
@@ -310,6 +314,7 @@ class Agent:
             timeout_s: wall-clock bound of the session, seconds (default: ``profiler.max_duration_s``).
             before_export: called (in a worker thread) before the exporters start, only when
                 something is exported: the CLI creates and checks the data dir there.
+            progress: called with one line on what the session waits for now (the CLI's progress line).
 
         Returns:
             The session's result (outcome, trace files) and the hex trace id of its spans;
@@ -324,7 +329,7 @@ class Agent:
 
         result = await profile_once(
             self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
-            out_dir=out_dir, timeout_s=timeout_s,
+            out_dir=out_dir, timeout_s=timeout_s, progress=progress,
         )
         if not result.artifact_paths and resolve_destination(self.settings.export).endpoint is None:
             return result, None
@@ -358,7 +363,7 @@ class Agent:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> AgentStatistics:
         """Run until :meth:`stop` (or cancellation); then shut down within a few seconds."""
         limit_arenas()  # before the export, shipper and worker threads start: a flat RSS over days
-        await anyio.to_thread.run_sync(_remove_stale_temps, self.settings.data_dir)
+        await anyio.to_thread.run_sync(remove_stale_temps, self.settings.data_dir)
         await anyio.to_thread.run_sync(self._start_exporters)  # span files, spool: off the loop
         telemetry = self.telemetry
         assert telemetry is not None, "the otlp exporter is registered"
@@ -414,6 +419,9 @@ class Agent:
             await recover_interrupted(self.bus, s.data_dir, s.host_name, durable=getattr(telemetry, "durable_keys", None))
         except Exception:  # a bad old bundle must not stop the agent
             log.exception("closing interrupted incidents failed")
+        # SDK files (counters, sockets) that processes of our uid left when they died
+        await anyio.to_thread.run_sync(remove_dead_sdk_files, self.context.agent.sdk_socket_dir)
+        await tg.start(self.history.run, self.bus)  # before the watchers publish
         await tg.start(self.stalls.run, self.bus)
         self.incidents.on_state = self.run_status.show_incidents
         await tg.start(self.incidents.run)
@@ -423,7 +431,7 @@ class Agent:
         if self.shipper is not None:
             tg.start_soon(self.run_status.ship_spans, self.shipper, telemetry)
         tg.start_soon(self.run_status.watch_delivery, telemetry)
-        tg.start_soon(_trim_memory, TRIM_INTERVAL_S)
+        tg.start_soon(trim_memory, TRIM_INTERVAL_S)
         self._ready.set()
 
     async def _start_fleet(self, tg: TaskGroup) -> None:
@@ -464,20 +472,6 @@ class Agent:
             rebuild = partial(WATCHERS.get(name).build, self.settings, self.context)
             await tg.start(self.supervised, name, restartable(watcher, rebuild))
         await tg.start(self.target_watch.run, tg)
-
-
-async def _trim_memory(interval_s: float) -> None:
-    """Every ``interval_s``, give the heap memory the agent freed back to the OS (off the loop)."""
-    while True:
-        await anyio.sleep(interval_s)
-        await anyio.to_thread.run_sync(trim)
-
-
-def _remove_stale_temps(data_dir: Path) -> None:
-    """Remove the temp files of writers killed mid-write (a previous agent's) under the data dir."""
-    removed = remove_stale_temps(data_dir)
-    if removed:
-        log.warning("removed %d leftover temp file(s) of an interrupted write under %s", removed, data_dir)
 
 
 async def dump_once(

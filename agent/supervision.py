@@ -374,4 +374,5 @@ class TargetWatch:
             )
         elif targets and self._told_no_target:
             self._told_no_target = False
-            log.warning("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))
+            # good news, said by the process watcher's status line ("watching N target processes")
+            log.info("found %d target process(es): %s", len(targets), ", ".join(str(x.pid) for x in targets))

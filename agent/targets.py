@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psutil
-from pydantic import BaseModel, Field, PositiveInt
+from pydantic import BaseModel, Field, PositiveInt, field_validator
 
 from agent.events import StrEnum
 from agent.safetext import safe_text
@@ -63,6 +63,15 @@ class TargetConfig(BaseModel):
     any_uid: bool = Field(
         False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
     )
+
+    @field_validator("match")
+    @classmethod
+    def _globs_name_something(cls, value: list[str]) -> list[str]:
+        """An empty (or blank) glob matches no process title: a mistake (an unset shell
+        variable), never a way to watch nothing."""
+        if any(not glob.strip() for glob in value):
+            raise ValueError("an empty title glob matches no process; give one such as 'sglang::scheduler*'")
+        return value
 
 
 

@@ -10,19 +10,12 @@ from pathlib import Path
 
 from tests.importgraph import ROOT, back_imports, circles, figures, layers, module_graph, unit_graph
 
-#: The SDK runs inside the served process; its package re-exports its modules and two of them
-#: import each other lazily (inside functions), so importing it stays cheap: its circle is its own.
-SDK = "agent.sdk"
-
-
 def test_no_circle_between_units() -> None:
     assert circles(unit_graph(module_graph())) == []
 
 
-def test_no_circle_between_modules_outside_the_sdk() -> None:
-    graph = module_graph()
-    outside = {m: {t for t in ts if not t.startswith(SDK)} for m, ts in graph.items() if not m.startswith(SDK)}
-    assert circles(outside) == []
+def test_no_circle_between_modules() -> None:
+    assert circles(module_graph()) == []
 
 
 def test_at_most_one_import_runs_back_up_a_layer() -> None:

@@ -1,9 +1,10 @@
 """servewatch in-process SDK, imported by an inference server.
 
-Owns: the exact forward-step counter (:func:`step`, :func:`set_pending`), and the hooks other
-SDK parts (profiler) run on the model thread at each step. Imports only the standard library
-here; opentelemetry-api, torch and mlx are imported lazily by the parts that need them. It
-never imports the agent side.
+The SDK's public face: the exact forward-step counter (:func:`step`, :func:`set_pending`, from
+:mod:`agent.sdk.steps`, with the hooks other SDK parts run on the model thread at each step),
+profiling, ranges, request spans and the control socket, re-exported from their modules. Imports
+only the standard library here; opentelemetry-api, torch and mlx are imported lazily by the parts
+that need them. It never imports the agent side.
 
 Typical use in a scheduler loop::
 
@@ -17,23 +18,13 @@ Typical use in a scheduler loop::
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-import threading
-import time
-from collections.abc import Callable
-
-from agent.sdk.counter import (
-    W_FORWARD_CT,
-    W_LAST_STEP,
-    W_PENDING,
-    W_RANK,
-    CounterSnapshot,
-    SharedCounter,
-    counter_path,
-    read_counter,
-)
+from agent.sdk.control import control_path, serve_control, stop_control
+from agent.sdk.counter import CounterSnapshot, counter_path, read_counter
+from agent.sdk.flightrec import serve_torch_worker, stop_torch_worker
+from agent.sdk.profiler import ProfilerBusyError, ProfileRequest, request_profile, request_stop
+from agent.sdk.profiler import status as profile_status
+from agent.sdk.steps import add_step_hook, close, forward_ct, remove_step_hook, set_pending, step
+from agent.sdk.tracing import forward_span, inflight, maybe_record_function, request_span
 
 __all__ = [
     "CounterSnapshot",
@@ -62,132 +53,3 @@ __all__ = [
     "stop_control",
     "stop_torch_worker",
 ]
-
-_counter: SharedCounter | None = None
-_words = None  # memoryview of the counter words; None until the first step
-_hooks: list[Callable[[int], None]] = []
-_lock = threading.Lock()
-_monotonic_ns = time.monotonic_ns
-#: steps left during which the rank is looked for (torch.distributed initialised after the
-#: first step); 0 once found or given up
-_rank_tries = 1 << 12
-
-
-def _learn_rank(w: memoryview, n: int) -> None:
-    """Record torch.distributed's rank in the counter (word ``rank_plus_one``) once its default
-    process group is up: at the first step, then every 64th, for the first 4096 steps. torch is
-    never imported here (only looked up if the server imported it)."""
-    global _rank_tries
-    _rank_tries -= 1
-    if n != 1 and n & 63:
-        return
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            w[W_RANK] = int(dist.get_rank()) + 1
-            _rank_tries = 0
-    except Exception:  # noqa: BLE001 - a server's torch must never break its step
-        _rank_tries = 0
-
-
-def _open() -> memoryview:
-    global _counter, _words
-    with _lock:
-        if _words is None:
-            _counter = SharedCounter()
-            _words = _counter.words
-            atexit.register(close)
-    return _words
-
-
-def step(pending: int | None = None) -> int:
-    """Count one forward step (one scheduler batch) of this process.
-
-    The hot path is three stores into a shared memory mapping and a vDSO clock read: no
-    syscall, no lock, no allocation beyond the int. Until torch.distributed's rank is recorded
-    (at most the first 4096 steps) every 64th step also looks it up. Step hooks (the SDK
-    profiler) run after the count, on this thread.
-
-    Args:
-        pending: work items still pending after this step (>0 means the server is busy);
-            ``None`` leaves the last value.
-
-    Returns:
-        The new ``forward_ct``.
-    """
-    w = _words
-    if w is None:
-        w = _open()
-    n = w[W_FORWARD_CT] + 1
-    w[W_FORWARD_CT] = n
-    w[W_LAST_STEP] = _monotonic_ns()
-    if pending is not None:
-        w[W_PENDING] = pending
-    if _rank_tries:
-        _learn_rank(w, n)
-    if _hooks:
-        for hook in tuple(_hooks):
-            hook(n)
-    return n
-
-
-def set_pending(pending: int) -> None:
-    """Record how many work items are pending (>0 = busy) without counting a step.
-
-    Call it when work arrives at an idle loop, so a hang in the very next forward is seen as
-    "busy and no progress".
-    """
-    w = _words
-    if w is None:
-        w = _open()
-    w[W_PENDING] = pending
-
-
-def forward_ct() -> int:
-    """Steps counted so far in this process (0 before the first)."""
-    w = _words
-    return 0 if w is None else int(w[W_FORWARD_CT])
-
-
-def add_step_hook(hook: Callable[[int], None]) -> None:
-    """Run ``hook(forward_ct)`` on the stepping thread after every step (SDK-internal)."""
-    with _lock:
-        _hooks.append(hook)
-
-
-def remove_step_hook(hook: Callable[[int], None]) -> None:
-    """Remove a hook added by :func:`add_step_hook`; a no-op when absent."""
-    with _lock:
-        try:
-            _hooks.remove(hook)
-        except ValueError:
-            pass
-
-
-def close() -> None:
-    """Unmap and remove this process's counter file (also run at exit); safe twice."""
-    global _counter, _words
-    with _lock:
-        counter, _counter, _words = _counter, None, None
-    if counter is not None:
-        counter.close()
-
-
-def _after_fork_in_child() -> None:
-    # The child must not bump its parent's counter: start its own at its first step.
-    global _counter, _words, _lock, _rank_tries
-    _counter, _words, _lock = None, None, threading.Lock()
-    _rank_tries = 1 << 12
-    _hooks.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# Re-exports, imported last: these modules use the step hooks defined above.
-from agent.sdk.control import control_path, serve_control, stop_control
-from agent.sdk.flightrec import serve_torch_worker, stop_torch_worker
-from agent.sdk.profiler import ProfilerBusyError, ProfileRequest, request_profile, request_stop
-from agent.sdk.profiler import status as profile_status
-from agent.sdk.tracing import forward_span, inflight, maybe_record_function, request_span

@@ -102,9 +102,9 @@ _fallback_spans = 0
 
 
 def _resource_attributes() -> dict[str, Any]:
-    from agent.sdk import tracing
+    from agent.sdk.provider import tracer_provider
 
-    provider = tracing._tracer_provider
+    provider = tracer_provider()
     resource = getattr(provider, "resource", None)
     attrs = getattr(resource, "attributes", None)
     if attrs:
@@ -261,7 +261,7 @@ def start_span(
         _dropped_no_agent += 1
         return trace.INVALID_SPAN
     if tracer is None:
-        from agent.sdk.tracing import get_tracer
+        from agent.sdk.provider import get_tracer
 
         tracer = get_tracer()
     return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
@@ -272,9 +272,9 @@ def _export_late(span: ChannelSpan, end_ns: int) -> bool:
     (the provider :func:`agent.sdk.tracing.set_tracer_provider` installed, else the global one),
     with its ids, times, attributes, events, links and status. ``False`` when no SDK pipeline is
     installed (the OTel API's no-op): the record then goes to the ring as before."""
-    from agent.sdk import tracing
+    from agent.sdk.provider import tracer_provider
 
-    provider = tracing._tracer_provider or trace.get_tracer_provider()
+    provider = tracer_provider() or trace.get_tracer_provider()
     processor = getattr(provider, "_active_span_processor", None)
     if processor is None:
         return False

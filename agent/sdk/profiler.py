@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import agent.sdk as _sdk
 from agent.errors import ProfilerBusyError
+from agent.sdk import steps as _sdk
 from agent.sdk import tracing as _tracing
 from agent.sdk.counter import W_PROFILING
 

@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.sdk.provider import get_tracer, set_tracer_provider
+
 __all__ = [
     "InflightRequest",
     "RequestHandle",
@@ -57,9 +59,6 @@ __all__ = [
 #: True while an SDK torch profiling session is recording (set on the model thread only).
 _profiling = False
 
-#: Instrumentation scope name of request spans.
-TRACER_NAME = "servewatch.sdk"
-_tracer_provider: Any = None
 
 
 class _NoopRange:
@@ -135,23 +134,6 @@ def maybe_record_function(name: str, enabled: bool = True) -> Any:
     from torch.profiler import record_function
 
     return record_function(name)
-
-
-def set_tracer_provider(provider: Any) -> None:
-    """Use ``provider`` (an OTel ``TracerProvider``) for SDK spans instead of the global one.
-
-    ``None`` goes back to opentelemetry-api's global provider (a no-op one unless the server
-    installed an SDK).
-    """
-    global _tracer_provider
-    _tracer_provider = provider
-
-
-def get_tracer() -> Any:
-    """The tracer SDK spans are made with (``servewatch.sdk`` scope)."""
-    from opentelemetry import trace
-
-    return trace.get_tracer(TRACER_NAME, tracer_provider=_tracer_provider)
 
 
 # --- in-flight registry ----------------------------------------------------------------------
@@ -459,7 +441,8 @@ def forward_span(
     """
     from opentelemetry import trace
 
-    from agent.sdk import channel, forward_ct
+    from agent.sdk import channel
+    from agent.sdk.steps import forward_ct
 
     batch = requests if isinstance(requests, (list, tuple)) else list(requests)
     attrs: dict[str, Any] = {ATTR_FORWARD_BATCH_SIZE: len(batch), ATTR_FORWARD_CT: forward_ct() + 1}

@@ -15,7 +15,7 @@ import sys
 import time
 
 from agent import sdk
-from agent.sdk import control
+from agent.sdk import control, steps
 
 
 def main() -> int:
@@ -23,7 +23,7 @@ def main() -> int:
     sys.stdin.readline()
     sdk.step(pending=1)
     server = control.serve_control()
-    counter = sdk._counter
+    counter = steps._counter
     print(json.dumps({
         "published": bool(counter is not None and counter.published),
         "control_running": server.running,

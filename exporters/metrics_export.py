@@ -5,12 +5,13 @@ Owns the network side of servewatch's own metrics. It sends through the same sen
 (:mod:`exporters.transport`: TLS/mTLS, gzip, lower-cased gRPC metadata, one attempt per call), so
 ``OTEL_EXPORTER_OTLP_HEADERS='Authorization=...'`` works for metrics exactly as for traces. An
 export the collector does not take (down, timing out) is written to ``<data_dir>/<host>/metrics-spool/``
-as one ``ExportMetricsServiceRequest`` file (atomic, 0600) and replayed oldest first before the
-next export; past ``max_files`` the oldest is deleted and its data points counted as lost. A
+as one ``ExportMetricsServiceRequest`` file (atomic, 0600; the spans' :class:`~exporters.spool.Spool`,
+the one persistent queue) and replayed oldest first before the next export; past ``max_files`` the
+oldest is deleted and its data points counted as lost. A
 request refused permanently is counted as lost. :meth:`statistics` reports all of it, and
 :class:`~exporters.metrics.Metrics` exports those counts as ``servewatch.export.metric_points``.
 
-Imports opentelemetry-sdk/proto, :mod:`agent.fsutil`, :mod:`exporters.otlp_json` and :mod:`exporters.transport`.
+Imports opentelemetry-sdk/proto, :mod:`exporters.otlp_json`, :mod:`exporters.spool` and :mod:`exporters.transport`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from google.protobuf.message import DecodeError
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
-from agent.fsutil import atomic_write_bytes, ensure_private_dir, remove_stale_temps
 from exporters.otlp_json import RotatingJsonLinesWriter, message_to_json
+from exporters.spool import Spool, SpoolEntry
 from exporters.transport import Delivery, RequestSender, SendResult
 
 __all__ = ["MetricExportStatistics", "OtlpJsonMetricExporter", "SpoolingMetricExporter", "data_point_count"]
@@ -95,7 +97,9 @@ def data_point_count(request: ExportMetricsServiceRequest) -> int:
 
 
 class SpoolingMetricExporter(MetricExporter):
-    """A ``MetricExporter`` over a :class:`~exporters.transport.RequestSender` with a disk spool.
+    """A ``MetricExporter`` over a :class:`~exporters.transport.RequestSender` with a disk spool
+    (the same :class:`~exporters.spool.Spool` as spans: one file per failed export, locked by its
+    process, replayed oldest first).
 
     Args:
         sender: a metrics sender (``make_sender(..., signal="metrics")``).
@@ -103,20 +107,17 @@ class SpoolingMetricExporter(MetricExporter):
         timeout_s: bound on one export call (replays included), seconds.
         max_files: spool cap in files (one per failed export; at the default 10 s interval 360
             files is an hour of outage); past it the oldest is deleted and counted lost.
+        max_bytes: spool cap in bytes, likewise.
     """
 
-    def __init__(self, sender: RequestSender[ExportMetricsServiceRequest], spool_dir: Path, *, timeout_s: float = 3.0, max_files: int = 360) -> None:
+    def __init__(self, sender: RequestSender[ExportMetricsServiceRequest], spool_dir: Path, *, timeout_s: float = 3.0,
+                 max_files: int = 360, max_bytes: int = 64 * 1024 * 1024) -> None:
         super().__init__()
         self.sender = sender
-        self.spool_dir = ensure_private_dir(spool_dir)
-        remove_stale_temps(self.spool_dir, recursive=False)
+        self.spool = Spool(spool_dir, max_bytes=max_bytes, suffix=SUFFIX, max_entries=max(1, max_files))
+        self.spool_dir = self.spool.directory
         self._timeout_s = timeout_s
-        self._max_files = max(1, max_files)
         self._lock = threading.Lock()
-        self._files: list[tuple[Path, int]] = []
-        for path in sorted(self.spool_dir.glob("*" + SUFFIX)):
-            self._files.append((path, _points_from_name(path)))
-        self._seq = _seq_from_name(self._files[-1][0]) + 1 if self._files else 1
         self._exported = self._spooled = self._replayed = self._lost = self._failures = 0
         self._last_detail = ""
         self._said: set[str] = set()
@@ -158,6 +159,7 @@ class SpoolingMetricExporter(MetricExporter):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self.sender.close()
+        self.spool.close()
 
     # --- ours -----------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class SpoolingMetricExporter(MetricExporter):
                 spooled=self._spooled,
                 replayed=self._replayed,
                 lost=self._lost,
-                spool_points=sum(n for _, n in self._files),
+                spool_points=self.spool.pending_spans,
                 export_failures=self._failures,
             )
 
@@ -197,24 +199,28 @@ class SpoolingMetricExporter(MetricExporter):
         self._last_detail = line
 
     def _replay(self, deadline: float) -> bool:
-        """Send spooled exports oldest first. ``False`` when one failed (the rest stay)."""
-        while self._files:
-            path, points = self._files[0]
+        """Send spooled exports oldest first, those of a dead agent's spool folder (moved here by
+        the span spool that adopted it) included. ``False`` when one failed (the rest stay)."""
+        self.spool.adopt_stranded()
+        while (entry := self.spool.head()) is not None:
+            request = ExportMetricsServiceRequest()
             try:
-                request = ExportMetricsServiceRequest()
-                request.ParseFromString(path.read_bytes())
-            except (OSError, ValueError):
-                _log.warning("unreadable metrics spool file %s; dropped", path)
-                self._drop_head(lost=True)
+                data = self.spool.read(entry)
+                if data is None:
+                    raise ValueError("gone")
+                request.ParseFromString(data)
+            except (ValueError, DecodeError):
+                _log.warning("unreadable metrics spool file %s; dropped", entry.path)
+                self._drop(entry, lost=True)
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             result = self.sender.send(request, timeout_s=remaining)
             if result.ok:
-                self._replayed += points - result.rejected_spans
+                self._replayed += entry.spans - result.rejected_spans
                 self._lost += result.rejected_spans
-                self._drop_head(lost=False)
+                self._drop(entry, lost=False)
             elif result.delivery is Delivery.RETRYABLE:
                 self._failures += 1
                 self._note(result.explain())
@@ -223,38 +229,19 @@ class SpoolingMetricExporter(MetricExporter):
             else:
                 self._failures += 1
                 self._refused(result, 0)
-                self._drop_head(lost=True)
+                self._drop(entry, lost=True)
         return True
 
-    def _drop_head(self, *, lost: bool) -> None:
-        path, points = self._files.pop(0)
-        if lost:
-            self._lost += points
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+    def _drop(self, entry: SpoolEntry, *, lost: bool) -> None:
+        if self.spool.remove(entry) and lost:
+            self._lost += entry.spans
 
     def _spool(self, request: ExportMetricsServiceRequest, points: int) -> None:
-        path = self.spool_dir / f"{self._seq:016d}-{points}{SUFFIX}"
-        self._seq += 1
         try:
-            atomic_write_bytes(path, request.SerializeToString())
+            evicted = self.spool.append(request, points)
         except OSError as exc:
             _log.error("metrics spool write failed (%s); %d data points lost", exc, points)
             self._lost += points
             return
-        self._files.append((path, points))
         self._spooled += points
-        while len(self._files) > self._max_files:
-            self._drop_head(lost=True)
-
-
-def _seq_from_name(path: Path) -> int:
-    head = path.name.split("-", 1)[0]
-    return int(head) if head.isdigit() else 0
-
-
-def _points_from_name(path: Path) -> int:
-    middle = path.name.removesuffix(SUFFIX).partition("-")[2]
-    return int(middle) if middle.isdigit() else 0
+        self._lost += evicted  # past the cap: the oldest (or this one, alone too big) counted lost

@@ -21,6 +21,11 @@ never through a symlink), so a batch on disk is complete or absent whatever kill
 the processor's write-ahead of finished actions' spans relies on it. A batch refused as too large
 is split in place (:meth:`Spool.split`): its pieces ``<seq>.<part>-<spans>.binpb`` keep its place.
 
+The same class is servewatch's metrics spool (``suffix=".metrics.binpb"``, capped in files too:
+:class:`exporters.metrics_export.SpoolingMetricExporter`, under the span spool's folder as
+``metrics/``); a stranded folder's ``metrics/`` files move over as ``adopted-pid-<pid>-<name>`` and
+join the metrics spool's tail at its next :meth:`Spool.adopt_stranded` (each export).
+
 Imports :mod:`agent.fsutil`, :mod:`exporters.otlp_json` and opentelemetry-proto only.
 """
 
@@ -35,6 +40,7 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
+from google.protobuf.message import Message
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from agent.fsutil import (
@@ -99,12 +105,14 @@ def _is_key(text: str) -> bool:
     return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
-def _parse_name(path: Path) -> tuple[int, int, int, str] | None:
-    """(seq, spans, part, key) from ``<seq>[.<part>]-<spans>[-<key>].binpb``; ``None`` for other
-    names."""
-    if not path.name.endswith(SUFFIX) or path.name.endswith(".metrics" + SUFFIX) or path.name.startswith("."):
+def _parse_name(path: Path, suffix: str = SUFFIX) -> tuple[int, int, int, str] | None:
+    """(seq, spans, part, key) from ``<seq>[.<part>]-<spans>[-<key>]<suffix>``; ``None`` for other
+    names (a span spool's ``.binpb`` is never a metrics spool's ``.metrics.binpb``)."""
+    if not path.name.endswith(suffix) or path.name.startswith("."):
         return None
-    stem = path.name.removesuffix(SUFFIX)
+    stem = path.name.removesuffix(suffix)
+    if "." in stem.partition("-")[2]:  # another kind's suffix: <seq>-<n>.metrics.binpb
+        return None
     head, _, rest = stem.partition("-")
     spans, _, key = rest.partition("-")
     seq, _, part = head.partition(".")
@@ -113,10 +121,13 @@ def _parse_name(path: Path) -> tuple[int, int, int, str] | None:
     return int(seq), int(spans), int(part or 0), key
 
 
-def _entry_name(seq: int, spans: int, part: int = 0, key: str = "") -> str:
+def _entry_name(seq: int, spans: int, part: int = 0, key: str = "", suffix: str = SUFFIX) -> str:
     tail = f"-{key}" if key else ""
-    return f"{seq:016d}.{part:06d}-{spans}{tail}{SUFFIX}" if part else f"{seq:016d}-{spans}{tail}{SUFFIX}"
+    return f"{seq:016d}.{part:06d}-{spans}{tail}{suffix}" if part else f"{seq:016d}-{spans}{tail}{suffix}"
 
+
+#: Name prefix of a stranded folder's sub-spool file moved here (``adopted-pid-<pid>-<name>``).
+ADOPTED_PREFIX = "adopted-"
 
 #: File of the delivered-keys ledger, in the spool's root folder.
 DELIVERED_KEYS_NAME = "delivered-keys"
@@ -178,6 +189,12 @@ class DeliveredKeys:
         try:
             if self.path.stat().st_size <= DELIVERED_KEYS_COMPACT_BYTES:
                 return
+        except FileNotFoundError:  # nothing delivered yet
+            return
+        except OSError as exc:
+            _log.warning("could not compact %s: %s", self.path, exc)
+            return
+        try:
             cutoff = time.time() - max_age_s
             kept = []
             for line in self.path.read_text(encoding="ascii", errors="replace").splitlines():
@@ -240,19 +257,26 @@ def _try_lock(folder: Path) -> int | None:
 
 
 class Spool:
-    """Size-capped FIFO of failed export batches on disk. Thread-safe.
+    """Size-capped FIFO of failed export batches on disk, the one persistent queue of traces and
+    metrics (:class:`exporters.metrics_export.SpoolingMetricExporter`). Thread-safe.
 
     Args:
         directory: the spool folder (created); batches left there by an earlier run are recovered
             and replayed first.
         max_bytes: cap on the bytes the spool holds; the oldest batches are evicted to stay under it.
+        suffix: the batches' file suffix (``.binpb``: trace requests; ``.metrics.binpb``: metrics).
+        max_entries: cap on the batches it holds too (``None``: bytes only), the oldest evicted.
+
+    A batch counts ``spans`` (the items in it: spans, or a metrics batch's data points).
     """
 
-    def __init__(self, directory: Path, *, max_bytes: int) -> None:
+    def __init__(self, directory: Path, *, max_bytes: int, suffix: str = SUFFIX, max_entries: int | None = None) -> None:
         self._lock_fd: int | None = None
         if max_bytes <= 0:
             raise ValueError(f"spool max_bytes must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.suffix = suffix
+        self.max_entries = max_entries
         self.directory = self._claim(Path(directory))
         self._lock = threading.Lock()
         self._entries: deque[SpoolEntry] = deque()
@@ -268,8 +292,8 @@ class Spool:
         self._next_part = 1
         remove_stale_temps(self.directory, recursive=False)
         found = []
-        for path in self.directory.glob("*" + SUFFIX):
-            parsed = _parse_name(path)
+        for path in self.directory.glob("*" + self.suffix):
+            parsed = _parse_name(path, self.suffix)
             if parsed is not None:
                 found.append(SpoolEntry(parsed[0], path, parsed[1], path.stat().st_size, parsed[2], parsed[3]))
         for entry in sorted(found, key=lambda e: (e.seq, e.part)):
@@ -302,13 +326,15 @@ class Spool:
         """Take over the batches of ``pid-*`` spool folders whose owner is gone.
 
         A folder whose ``.lock`` no live process holds is stranded: its batches (and its
-        ``rejected/`` and ``metrics/`` files) move to this spool's tail with new sequence
-        numbers, and the folder is removed. Folders of live processes are left alone.
+        ``rejected/`` and ``metrics/`` files, as ``adopted-<folder>-<name>``) move to this
+        spool's tail with new sequence numbers, and the folder is removed. Folders of live
+        processes are left alone. Files named ``adopted-pid-*`` in this spool's own folder (the
+        metrics spool under a span spool that adopted) join its tail here too.
 
         Returns:
             Spans adopted.
         """
-        adopted = 0
+        adopted = self._take_adopted()
         try:
             candidates = sorted(p for p in self._root.glob("pid-*") if p.is_dir() and not p.is_symlink() and p != self.directory)
         except OSError:
@@ -337,30 +363,20 @@ class Spool:
 
     def _adopt_folder(self, folder: Path) -> int:
         found = []
-        for path in folder.glob("*" + SUFFIX):
-            parsed = _parse_name(path)
+        for path in folder.glob("*" + self.suffix):
+            parsed = _parse_name(path, self.suffix)
             if parsed is not None:
                 found.append((parsed[0], parsed[2], path, parsed[1], parsed[3]))
-        spans_total = 0
-        for _, _, path, spans, key in sorted(found, key=lambda t: (t[0], t[1])):
-            with self._lock:
-                seq = self._next_seq
-                self._next_seq += 1
-                target = self.directory / _entry_name(seq, spans, key=key)
-                os.replace(path, target)
-                size = target.stat().st_size
-                self._entries.append(SpoolEntry(seq, target, spans, size, key=key))
-                self._size_bytes += size
-                self._spans += spans
-                self._adopted += spans
-            spans_total += spans
+        spans_total = self._take(found)
         for sub in ("rejected", "metrics"):
             src = folder / sub
             if src.is_dir() and not src.is_symlink():
                 dest = ensure_private_dir(self.directory / sub)
                 for path in sorted(src.iterdir()):
-                    if path.is_file() and not path.is_symlink():
-                        os.replace(path, dest / f"adopted-{folder.name}-{path.name}")
+                    if path.name.startswith("."):  # the sub-spool's lock, a killed writer's temp file
+                        path.unlink(missing_ok=True)
+                    elif path.is_file() and not path.is_symlink():
+                        os.replace(path, dest / f"{ADOPTED_PREFIX}{folder.name}-{path.name}")
                 try:
                     src.rmdir()
                 except OSError:
@@ -368,6 +384,40 @@ class Spool:
         for leftover in folder.iterdir():
             if leftover.name.endswith(".swtmp") or leftover.name.endswith(".tmp"):
                 leftover.unlink(missing_ok=True)
+        return spans_total
+
+    def _take_adopted(self) -> int:
+        """Batches another spool moved into this folder from a stranded one
+        (``adopted-pid-<pid>-<name>``: the metrics spool of a dead agent's span spool folder),
+        renumbered to this spool's tail. Returns their spans."""
+        found = []
+        try:
+            paths = list(self.directory.glob(ADOPTED_PREFIX + "pid-*" + self.suffix))
+        except OSError:
+            return 0
+        for path in paths:
+            _, _, name = path.name.removeprefix(ADOPTED_PREFIX + "pid-").partition("-")
+            parsed = _parse_name(path.with_name(name), self.suffix)
+            if parsed is not None:
+                found.append((parsed[0], parsed[2], path, parsed[1], parsed[3]))
+        return self._take(found)
+
+    def _take(self, found: list[tuple[int, int, Path, int, str]]) -> int:
+        """Move ``(seq, part, path, spans, key)`` batches of another folder to this spool's tail,
+        in their order, with new sequence numbers. Returns their spans."""
+        spans_total = 0
+        for _, _, path, spans, key in sorted(found, key=lambda t: (t[0], t[1])):
+            with self._lock:
+                seq = self._next_seq
+                self._next_seq += 1
+                target = self.directory / _entry_name(seq, spans, key=key, suffix=self.suffix)
+                os.replace(path, target)
+                size = target.stat().st_size
+                self._entries.append(SpoolEntry(seq, target, spans, size, key=key))
+                self._size_bytes += size
+                self._spans += spans
+                self._adopted += spans
+            spans_total += spans
         return spans_total
 
     def __len__(self) -> int:
@@ -378,7 +428,7 @@ class Spool:
         """Spans waiting for replay."""
         return self._spans
 
-    def append(self, request: ExportTraceServiceRequest, spans: int, *, key: str = "") -> int:
+    def append(self, request: Message, spans: int, *, key: str = "") -> int:
         """Write one batch at the tail, evicting the oldest batches past ``max_bytes``.
 
         Args:
@@ -400,14 +450,16 @@ class Spool:
             if len(data) > self.max_bytes:
                 self._evicted += spans
                 return spans
-            path = self.directory / _entry_name(seq, spans, key=key)
+            path = self.directory / _entry_name(seq, spans, key=key, suffix=self.suffix)
             atomic_write_bytes(path, data)  # complete or absent, whatever kills us
             self._entries.append(SpoolEntry(seq, path, spans, len(data), key=key))
             self._size_bytes += len(data)
             self._spans += spans
             self._written += spans
             evicted = 0
-            while self._size_bytes > self.max_bytes and len(self._entries) > 1:
+            while len(self._entries) > 1 and (
+                self._size_bytes > self.max_bytes or (self.max_entries is not None and len(self._entries) > self.max_entries)
+            ):
                 old = self._entries.popleft()
                 self._forget(old)
                 self._unlink(old.path)
@@ -430,6 +482,15 @@ class Spool:
         """The oldest batch, or ``None`` when the spool is empty."""
         with self._lock:
             return self._entries[0] if self._entries else None
+
+    def read(self, entry: SpoolEntry) -> bytes | None:
+        """A spooled batch's bytes (one binary protobuf message); ``None`` when its file is gone
+        or unreadable (the caller drops it)."""
+        try:
+            return entry.path.read_bytes()
+        except OSError as exc:
+            _log.warning("unreadable spool file %s (%s)", entry.path, exc)
+            return None
 
     def load(self, entry: SpoolEntry) -> ExportTraceServiceRequest | None:
         """Read a spooled batch back; ``None`` (and the file dropped from the spool, moved to
@@ -466,7 +527,7 @@ class Spool:
                     part = self._next_part
                     self._next_part += 1
                 data = request.SerializeToString()
-                path = self.directory / _entry_name(entry.seq, spans, part, entry.key)
+                path = self.directory / _entry_name(entry.seq, spans, part, entry.key, suffix=self.suffix)
                 atomic_write_bytes(path, data)
                 written.append(SpoolEntry(entry.seq, path, spans, len(data), part, entry.key))
         except OSError:
@@ -556,7 +617,7 @@ class Spool:
             seq = self._next_seq
             self._next_seq += 1
             self._rejected += spans
-        path = self._rejected_dir() / _entry_name(seq, spans, key=key)
+        path = self._rejected_dir() / _entry_name(seq, spans, key=key, suffix=self.suffix)
         atomic_write_bytes(path, data)
         self._keep_rejected(SpoolEntry(seq, path, spans, len(data), key=key))
 
@@ -570,8 +631,8 @@ class Spool:
             if self._rejected_entries is None:
                 self._rejected_entries = deque()
                 self._rejected_bytes = 0
-                for path in sorted(self._rejected_dir().glob("*" + SUFFIX)):
-                    parsed = _parse_name(path)
+                for path in sorted(self._rejected_dir().glob("*" + self.suffix)):
+                    parsed = _parse_name(path, self.suffix)
                     if parsed is not None and path != entry.path:
                         size = path.stat().st_size
                         self._rejected_entries.append(SpoolEntry(parsed[0], path, parsed[1], size, key=parsed[3]))

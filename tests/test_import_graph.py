@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tests.importgraph import ROOT, back_imports, circles, figures, layers, module_graph, unit_graph
 
+
 def test_no_circle_between_units() -> None:
     assert circles(unit_graph(module_graph())) == []
 

@@ -338,6 +338,58 @@ def test_a_live_agents_spool_folder_is_never_adopted(tmp_path: Path) -> None:
         third.close()
 
 
+def test_a_dead_agents_metrics_spool_is_replayed_by_the_next_one(otlp_receiver: OtlpReceiver, protocol: str, tmp_path: Path) -> None:
+    """A second agent's metrics spool (``pid-<pid>/metrics``) outlives it: the running agent's
+    span spool adopts the folder, and its metrics exporter sends those exports, counted."""
+    import subprocess
+    import sys
+
+    from opentelemetry.sdk.resources import Resource
+
+    from exporters.metrics import build_meter_provider
+
+    root = tmp_path / "h" / "spool"
+    main = Spool(root, max_bytes=1 << 30)  # a `run` agent holds the main folder
+    otlp_receiver.stop()
+    try:
+        code = (
+            "import os, sys; from pathlib import Path\n"
+            "from opentelemetry.sdk.resources import Resource\n"
+            "from exporters.metrics import build_meter_provider\n"
+            "from exporters.spool import Spool\n"
+            "from exporters.transport import make_sender\n"
+            "s = Spool(Path(sys.argv[1]), max_bytes=1 << 30)\n"
+            "provider, exporter = build_meter_provider(Resource.create({}), sender=make_sender(sys.argv[2], sys.argv[3], signal='metrics'),\n"
+            "    timeout_s=0.5, interval_s=3600, spool_dir=s.directory / 'metrics')\n"
+            "provider.get_meter('t').create_counter('stranded.points').add(3)\n"
+            "provider.force_flush()\n"
+            "print(s.directory.name, exporter.statistics().spooled, flush=True)\n"
+            "os._exit(0)  # dies without a shutdown\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, str(root), otlp_receiver.endpoint(protocol), protocol], capture_output=True,
+                             text=True, timeout=60, cwd=Path(__file__).resolve().parents[2], check=True).stdout.split()
+        folder, stranded = out[0], int(out[1])
+        assert folder.startswith("pid-") and stranded > 0
+        main.adopt_stranded()  # the processor does this periodically
+        assert not (root / folder).exists()
+        otlp_receiver.start()
+        provider, exporter = build_meter_provider(Resource.create({}), sender=make_sender(otlp_receiver.endpoint(protocol), protocol, signal="metrics"),
+                                                  interval_s=3600, spool_dir=main.directory / "metrics")
+        try:
+            assert exporter.statistics().spool_points == stranded  # type: ignore[attr-defined]
+            provider.get_meter("t").create_counter("fresh.points").add(1)  # an export: replay first
+            assert provider.force_flush(10_000)
+            after = exporter.statistics()  # type: ignore[attr-defined]
+        finally:
+            provider.shutdown()
+        assert (after.replayed, after.lost, after.spool_points) == (stranded, 0, 0)
+        names = {m.name for _, req in otlp_receiver.metrics_requests for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        assert "stranded.points" in names
+        assert not [p for p in (main.directory / "metrics").iterdir() if p.name.startswith("adopted-")]
+    finally:
+        main.close()
+
+
 # --- metrics during an outage ---------------------------------------------------------------
 
 

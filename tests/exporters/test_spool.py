@@ -111,3 +111,57 @@ def test_rejected_batches_have_their_own_cap(tmp_path: Path) -> None:
     assert len(kept) == 2
     assert [_names(next(read_span_file(p)))[0] for p in kept] == ["c-0", "d-0"]  # the oldest went
     spool.close()
+
+
+def test_metrics_spool_is_the_same_queue_capped_in_files_and_locked_per_process(tmp_path: Path) -> None:
+    """servewatch's own metrics wait in a Spool of their own kind (``.metrics.binpb``): past its
+    file cap the oldest export is dropped and its points counted lost; a second exporter on the
+    same folder gets a folder of its own; the span spool never takes a metrics file."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    from exporters.metrics_export import SpoolingMetricExporter
+    from exporters.transport import make_sender
+
+    folder = tmp_path / "metrics-spool"
+    first = SpoolingMetricExporter(make_sender("http://127.0.0.1:9", "grpc", signal="metrics"), folder, max_files=2)
+    second = SpoolingMetricExporter(make_sender("http://127.0.0.1:9", "grpc", signal="metrics"), folder, max_files=2)
+    try:
+        assert isinstance(first.spool, Spool) and second.spool_dir != first.spool_dir  # each its own lock
+        for points in (5, 6, 7):
+            first._spool(ExportMetricsServiceRequest(), points)
+        stats = first.statistics()
+        assert (stats.spooled, stats.lost, stats.spool_points) == (18, 5, 13)
+        assert sorted(p.name.split("-", 1)[1] for p in first.spool_dir.glob("*.metrics.binpb")) == ["6.metrics.binpb", "7.metrics.binpb"]
+    finally:
+        first.shutdown()
+        second.shutdown()
+    spans = Spool(first.spool_dir, max_bytes=10**7)  # a span spool there: no metrics file is a span batch
+    assert len(spans) == 0
+    spans.close()
+    again = Spool(folder, max_bytes=10**7, suffix=".metrics.binpb")  # the next start finds both
+    assert len(again) == 2 and again.pending_spans == 13
+    again.close()
+
+
+def test_an_unreadable_metrics_spool_file_is_dropped_and_its_points_counted_lost(tmp_path: Path) -> None:
+    """A spooled metrics export that no longer parses (disk corruption) must not block the
+    exports behind it: dropped, its data points (from its name) counted lost."""
+    import time
+
+    from exporters.metrics_export import SpoolingMetricExporter
+    from exporters.transport import make_sender
+
+    folder = tmp_path / "metrics-spool"
+    folder.mkdir(mode=0o700)
+    (folder / "0000000000000001-4.metrics.binpb").write_bytes(b"\xff\xff\xff\xff")
+    exporter = SpoolingMetricExporter(make_sender("http://127.0.0.1:9", "grpc", signal="metrics"), folder)
+    try:
+        assert exporter.statistics().spool_points == 4
+        assert exporter._replay(time.monotonic() + 1.0)  # nothing left to send
+        stats = exporter.statistics()
+        assert (stats.lost, stats.spool_points) == (4, 0)
+        assert not list(folder.glob("*.metrics.binpb"))
+    finally:
+        exporter.shutdown()

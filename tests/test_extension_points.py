@@ -1,6 +1,7 @@
 """Open extension points: a watcher of a new kind of trouble (tests/plugin_disk.py) and an actor
 (tests/registry_fake.py) are each their module plus one registration line; nothing in ``agent/``
-or ``exporters/`` names them, and the new trigger opens real incidents like a built-in one."""
+or ``exporters/`` names them, and the new trigger opens real incidents like a built-in one, on
+which the added actor runs after the built-in ones."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from agent.config import env_names, load_settings, registries
 from agent.events import Action, TriggerEvent
 from agent.incidents import IncidentRecord
 from agent.runtime import Agent
-from tests import plugin_disk
+from tests import plugin_disk, registry_fake
 from tests.conftest import PROGRAMS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +33,15 @@ def disk_watcher() -> Iterator[None]:
         yield
     finally:
         registries()["watcher"].unregister("disk_space")
+
+
+@pytest.fixture
+def probe_actor() -> Iterator[None]:
+    registries()["actor"].register("probe", factory="tests.registry_fake:create_actor")  # its one registration line
+    try:
+        yield
+    finally:
+        registries()["actor"].unregister("probe")
 
 
 def _sources_naming(*words: str) -> list[str]:
@@ -54,9 +64,10 @@ def test_the_added_watcher_brings_its_own_settings_table(disk_watcher: None, tmp
     assert issubclass(plugin_disk.DiskSpaceLow, TriggerEvent)
 
 
-async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher: None, tmp_path: Path, spawn) -> None:
+async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher: None, probe_actor: None, tmp_path: Path, spawn) -> None:
     """A real file system under a floor it cannot meet, a real titled target: one incident of the
-    new trigger, every registered actor on the target, the next detections cooled down."""
+    new trigger, every registered actor on the target (the added one last), the next detections
+    cooled down."""
     proc = spawn([sys.executable, str(PROGRAMS_DIR / "titled_target.py"), "sglang::scheduler_TP0", "--max-lifetime-s", "90"],
                  stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().decode().startswith("ready")
@@ -79,7 +90,9 @@ async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher
     [record] = records
     assert record.opened.trigger == plugin_disk.TRIGGER and f"-{plugin_disk.TRIGGER}-" in record.opened.incident_id
     assert record.opened.detail.startswith(f"{tmp_path}: ") and record.opened.detail.endswith(f"under {free * 4}")
-    assert [(r.action, r.pid) for r in record.results] == [(Action.PYSPY_DUMP, proc.pid)]
+    assert [(r.action, r.pid) for r in record.results] == [(Action.PYSPY_DUMP, proc.pid), (registry_fake.PROBE_ACTION, proc.pid)]
+    probe = record.results[-1]
+    assert probe.outcome.value == "ok" and Path(probe.artifact_paths[0]).read_text() == "sglang::scheduler_TP0"
     manifest = json.loads(record.manifest_path.read_text())
     assert manifest["trigger"] == plugin_disk.TRIGGER and manifest["state"] == "closed"
 

@@ -450,8 +450,9 @@ async def test_locals_are_opt_in(spawn, python, tmp_path: Path) -> None:
 def test_exports_match_all() -> None:
     public = {n for n in dir(pyspy_module) if not n.startswith("_")}
     exported = {n for n in public if getattr(getattr(pyspy_module, n), "__module__", None) == "agent.actors.pyspy"}
-    # default_executable lives in agent.early (the console entry needs it before any import)
-    assert exported | {"ACTION", "NOTE_ATTR", "PERMISSION_HINT", "PYSPY_MAX_DEPTH", "default_executable"} == set(
+    # default_executable lives in agent.early (the console entry needs it before any import);
+    # PySpyConfig in agent.actors.config (the settings model the registry names, light to import)
+    assert exported | {"ACTION", "NOTE_ATTR", "PERMISSION_HINT", "PYSPY_MAX_DEPTH", "default_executable", "PySpyConfig"} == set(
         pyspy_module.__all__)
 
 

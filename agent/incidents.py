@@ -728,6 +728,10 @@ class IncidentManager:
             _RUNNING_HERE.discard(incident_id)
             self.current = None
             self._interrupt = ""
+            # the status file says it is over (else `servewatch status` shows it OPEN, 0 written,
+            # until something else rewrites the file); bounded, and never in a cancellation's way
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                await self._notify()
 
     async def _targets_of(self, pid: int | None) -> list[Target]:
         """The incident's targets (with the dead ranks of ``pid``'s job when the runtime says

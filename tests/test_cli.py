@@ -244,6 +244,11 @@ def test_demo_prints_the_incident_verdict_first_as_soon_as_it_is_captured(tmp_pa
     bundle = next(i for i, ln in enumerate(lines) if "] bundle: " in ln)
     spans = next(i for i, ln in enumerate(lines) if "] spans: " in ln)
     assert captured < view < bundle < spans == len(lines) - 1  # where the bundle and spans are comes last
+    # the agent stopped right after the incident: its status file says it closed and was written
+    # (before: 'incident: OPEN', '0 written' -- the last rewrite was cancelled by the stop)
+    status = _cli(tmp_path, "status", "--json")
+    incidents = json.loads(status.stdout)["incidents"]
+    assert (incidents["open"], incidents["written"], incidents["last"]["trigger"]) == (None, 1, "stall"), incidents
     from agent.cudaenv import cuda_driver_present
 
     if not cuda_driver_present():  # a CPU-only host: one quiet line for the coredumps, no arming hint

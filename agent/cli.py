@@ -644,6 +644,10 @@ def dump(
     uid: list[int] | None = UidOpt,
     any_uid: bool = AnyUidOpt,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
+    metrics_url: str | None = typer.Option(
+        None, "--metrics-url", metavar="URL",
+        help="The server's Prometheus /metrics URL, read twice (2 s apart or more): tells a hang from work."),
+    metrics_preset: str | None = MetricsPresetOpt,
     otlp_endpoint: str | None = OtlpEndpointOpt,
     otlp_protocol: str | None = OtlpProtocolOpt,
     data_dir: Path | None = DataDirOpt,
@@ -651,6 +655,10 @@ def dump(
     verbose: bool = VerboseOpt,
 ) -> None:
     """One-shot incident now: dump matching processes, write bundle + spans, print a summary.
+
+    One snapshot of stacks cannot tell a rank hung in its forward from one busy in it: give the
+    server's /metrics with --metrics-url (its progress counter is read when the dump starts and
+    again before the verdict), or watch it with `servewatch run`; an SDK step counter does it too.
 
     Exits 1 when a rank's stacks could not be captured for an error (the summary's Errors: N:
     timed out, permission denied, not Python), nothing matched or nothing was captured, or the
@@ -663,6 +671,7 @@ def dump(
         {
             "data_dir": data_dir,
             "target": _target(pid, root_pid, match, uid, any_uid),
+            "metrics": {"url": metrics_url, "metrics_preset": metrics_preset},
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
         },
         config,
@@ -816,6 +825,7 @@ def launch(
     """
     _logging(verbose)
     from agent.launch import check_command, describe_env, launch_env, run_launched
+    from agent.watchers.process import launched_target
 
     settings = _settings(
         {
@@ -884,7 +894,8 @@ def launch(
         agent = Agent.build(settings.model_copy(update={"target": target}), on_incident=printer.finished,
                             on_summary=printer.summary, on_status=_print_status)
         # watched from its first moment, with the exit status we reap (not rediscovered later)
-        agent.process_watcher.watch(child_pid, returncode=lambda: child_status.get("rc"))
+        # its title: the one it set, else the command launched (an exit at start still names it)
+        agent.process_watcher.watch(launched_target(child_pid, cmd), returncode=lambda: child_status.get("rc"))
         agents.append((agent, child_pid))
 
         async def stop_when_done() -> None:

@@ -20,10 +20,11 @@ import logging
 import re
 import signal as signal_mod
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -56,6 +57,8 @@ from agent.verdict import (
 )
 
 __all__ = [
+    "MIN_PROGRESS_INTERVAL_S",
+    "ProgressSource",
     "VerdictJudge",
     "job_groups",
     "pick_incident_verdict",
@@ -138,6 +141,29 @@ def trigger_of(cause: Event | None) -> str:
     return "manual" if cause is None else type(cause).__name__
 
 
+#: Least time between the two readings of a server's progress counter in a one-shot dump, seconds
+#: (a busy vLLM or SGLang steps many times a second; its step gauges move at every step).
+MIN_PROGRESS_INTERVAL_S = 2.0
+
+
+class _Reading(Protocol):
+    forward_ct: int
+    busy: bool
+    last_progress_monotonic_ns: int | None
+    read_monotonic_ns: int
+
+
+class ProgressSource(Protocol):
+    """A server-wide progress counter the judge reads twice around a one-shot incident
+    (:class:`agent.watchers.steps.PrometheusStepSource`: its ``read`` says when the counter or a
+    step gauge last moved; ``None`` when the scrape failed)."""
+
+    url: str
+    counter: str
+
+    async def read(self) -> _Reading | None: ...
+
+
 #: Frames of a coordinator that waits on its workers' answer (vLLM's executor RPC).
 _WAITS_ON_WORKERS = re.compile(r"vllm/v1/executor/|collective_rpc|execute_model")
 
@@ -150,6 +176,12 @@ class _Readings:
     cause: Event | None
     steps_before: dict[int, int]
     after: dict[int, CounterSnapshot]
+    #: processes stopped (state T/t) when the incident opened and still when the evidence was in
+    stopped: frozenset[int] = frozenset()
+    #: the server's progress counter: (advanced, in words, busy, the pid listening on its URL)
+    progress: tuple[bool, str, bool, int | None] | None = None
+    #: no target was found: the only process is the one whose exit opened the incident
+    no_targets: bool = False
 
 
 class VerdictJudge:
@@ -174,6 +206,14 @@ class VerdictJudge:
         self.shm_dir = shm_dir
         self.warm_up = warm_up
         self.endpoint_urls = tuple(u for u in endpoint_urls if u)
+        #: a one-shot incident's progress source (``servewatch dump --metrics-url``): read when
+        #: the incident opens and again, at least :data:`MIN_PROGRESS_INTERVAL_S` later, before
+        #: the verdict; ``None``: none (a watching agent has its watchdog)
+        self.progress_source: ProgressSource | None = None
+        self._progress_at_open: _Reading | None = None
+        #: pids stopped (state T/t) when the last incident opened
+        self._stopped_at_open: frozenset[int] = frozenset()
+        self._groups: list[ServerGroup] = []
         #: the evidence of each server judged by the last :meth:`decide` (a job's coordinator
         #: judges every host's together: :mod:`agent.fleet.evidence` sends it on)
         self.last_evidence: list[Evidence] = []
@@ -190,7 +230,40 @@ class VerdictJudge:
         """
         if self.warm_up and len(targets) > 1:
             warm_up_analyzer()
+        self._stopped_at_open = _stopped(targets)
+        self._progress_at_open = self._read_progress()
         return read_steps([t.pid for t in targets], self.shm_dir)
+
+    def _read_progress(self) -> _Reading | None:
+        """One reading of :attr:`progress_source` from this worker thread (``None``: no source,
+        a failed scrape, or not called from an anyio worker thread). Never raises."""
+        if self.progress_source is None:
+            return None
+        try:
+            return anyio.from_thread.run(self.progress_source.read)
+        except RuntimeError as exc:  # not from an anyio worker thread (a direct call): no reading
+            log.warning("reading %s for the verdict failed: %s", self.progress_source.url, exc)
+            return None
+
+    def _progress(self) -> tuple[bool, str, bool, int | None] | None:
+        """The server's counter read again, at least :data:`MIN_PROGRESS_INTERVAL_S` after the
+        first reading: (advanced, in words, busy, the pid listening on its URL), or ``None``."""
+        first, source = self._progress_at_open, self.progress_source
+        if first is None or source is None:
+            return None
+        wait_s = MIN_PROGRESS_INTERVAL_S - (time.monotonic_ns() - first.read_monotonic_ns) / 1e9
+        if wait_s > 0:
+            time.sleep(wait_s)
+        second = self._read_progress()
+        if second is None:
+            return None
+        moved = second.last_progress_monotonic_ns is not None and second.last_progress_monotonic_ns > first.read_monotonic_ns
+        dt_s = (second.read_monotonic_ns - first.read_monotonic_ns) / 1e9
+        words = f"{source.counter} {first.forward_ct}->{second.forward_ct} in {dt_s:.1f} s at {source.url}"
+        if moved and second.forward_ct == first.forward_ct:
+            words += " (its step gauges moved)"
+        port = _port(source.url)
+        return moved, words, second.busy, listener_of_port(port) if port else None
 
     async def decide(
         self, targets: Sequence[Target], results: Sequence[ActionResult], cause: Event | None, steps_before: dict[int, int]
@@ -209,8 +282,11 @@ class VerdictJudge:
             if all(t.pid != cause.pid for t in targets):
                 everyone.insert(0, Target(pid=cause.pid, title=cause.title))
         readings = _Readings(results=results, cause=cause, steps_before=steps_before,
-                             after=_snapshots([t.pid for t in everyone], self.shm_dir))
+                             after=_snapshots([t.pid for t in everyone], self.shm_dir),
+                             stopped=self._stopped_at_open & _stopped(everyone), progress=self._progress(),
+                             no_targets=exited_pid is not None and not targets)
         groups = server_groups(everyone)
+        self._groups = groups
         self.last_evidence = []
         verdicts: list[tuple[ServerGroup, Verdict]] = []
         for group in groups:
@@ -243,11 +319,12 @@ class VerdictJudge:
 
     def _decide_group(self, members: list[Target], readings: _Readings, exited_pid: int | None) -> Verdict | None:
         """The verdict of one server; ``None``: a lone process with neither a stack nor a Flight
-        Recorder result (nothing read of it)."""
+        Recorder result (nothing read of it), unless its exit opened the incident (its exit
+        status is evidence: a server that died before any rank started)."""
         pids = {t.pid for t in members}
         dumps = {r.pid: r for r in readings.results if r.action == Action.PYSPY_DUMP and r.pid in pids}
         frs = {r.pid: r for r in readings.results if r.action == Action.FLIGHTREC_DUMP and r.pid in pids}
-        if len(members) < 2 and not frs and not dumps:
+        if len(members) < 2 and not frs and not dumps and exited_pid not in pids:
             return None
         world_size = _world_size(members) or _fr_world_size(frs.values())
         ranks, how = _ranks(members, frs, readings.after, world_size)
@@ -255,7 +332,13 @@ class VerdictJudge:
                             rank_source=how.get(t.pid, ""))
                     for t in members]
         evidence = _with_waits(evidence, members, dumps)
-        judged = Evidence.of(evidence, trigger=trigger_of(readings.cause), world_size=world_size)
+        trigger = trigger_of(readings.cause)
+        progress = readings.progress if _serves(members, readings.progress, single=len(self._groups) == 1) else None
+        judged = Evidence.of(
+            evidence, trigger=trigger, world_size=world_size,
+            server_progress=progress[0] if progress else None, server_progress_detail=progress[1] if progress else "",
+            work_pending=progress[2] if progress and trigger != "stall" else None,
+            no_targets=readings.no_targets)
         self.last_evidence.append(judged)
         return decide(judged)
 
@@ -295,7 +378,25 @@ class VerdictJudge:
             steps_after=snap.forward_ct if snap is not None else None,
             pending=snap.pending if snap is not None else None,
             fr=_fr_dump(fr),
+            stopped=alive and target.pid in readings.stopped,
         )
+
+
+def _stopped(targets: Iterable[Target]) -> frozenset[int]:
+    """The targets stopped now (``/proc`` state T or t: SIGSTOP, a debugger, or a tracer's brief stop)."""
+    return frozenset(t.pid for t in targets
+                     if process_state(t.pid, create_time_s=t.create_time_s) is ProcessState.STOPPED)
+
+
+def _serves(members: Sequence[Target], progress: tuple[bool, str, bool, int | None] | None, *, single: bool) -> bool:
+    """The server progress reading belongs to this group: its URL's listener is a member or an
+    ancestor of one; else, with one group only, it is that group's."""
+    if progress is None:
+        return False
+    owner = progress[3]
+    if owner is None:
+        return single
+    return any(t.pid == owner or owner in ancestors(t.pid) for t in members)
 
 
 def _port(url: str) -> int | None:
@@ -488,7 +589,7 @@ def job_groups(targets: Sequence[Target]) -> list[list[int]]:
 
 #: Which server's verdict is the incident's when no trigger pid picks it: a hung one with a
 #: culprit first, strongest kind first.
-_KIND_ORDER = ("dead", "cascade", "desync", "cycle", "behind", "deadlock", "rendezvous", "compute", "single",
+_KIND_ORDER = ("dead", "cascade", "suspended", "desync", "cycle", "behind", "deadlock", "rendezvous", "compute", "single",
                "unknown", "idle", "stopped", "progressing")
 
 

@@ -24,6 +24,8 @@ NO_GPU_ATTR = "servewatch.coredump.no_gpu"
 #: Span attributes of a ``pyspy.dump`` result: labels of the idle (waiting for work) and stuck threads.
 IDLE_THREADS_ATTR = "servewatch.pyspy.idle_threads"
 STUCK_THREADS_ATTR = "servewatch.pyspy.stuck_threads"
+#: Span attribute of a ``pyspy.dump`` result: the target was stopped (state T) and read --nonblocking.
+TARGET_STOPPED_ATTR = "servewatch.pyspy.target_stopped"
 
 
 def _title(m: Manifest, pid: int | None) -> str:
@@ -95,6 +97,8 @@ def _result_line(m: Manifest, a: ManifestAction) -> str:
     line = f"  {a.action!s:<15} {who:<32} {a.outcome!s:<17} {a.elapsed_s:6.2f}s"
     hung = a.attributes.get(HUNG_FRAME_ATTR)
     idle = a.attributes.get(IDLE_THREADS_ATTR) or []
+    if a.attributes.get(TARGET_STOPPED_ATTR) and a.pid is not None:  # why it does not run: first
+        line += f"  stopped (state T: SIGSTOP or a debugger; `kill -CONT {a.pid}` resumes it);"
     if hung:
         line += f"  hung frame: {hung}"
     elif a.outcome == Outcome.OK and a.action == Action.PYSPY_DUMP and idle:

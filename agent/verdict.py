@@ -118,6 +118,9 @@ class RankEvidence:
             the title: ``"sdk"`` (the SDK's step counter: torch.distributed's rank, recorded by
             the process), or an inference in words (a culprit whose rank is inferred is named
             at medium confidence at most); ``""`` otherwise.
+        stopped: it is stopped (``/proc`` state ``T`` or ``t``: SIGSTOP or a debugger), seen so
+            when the incident opened and again once the evidence was in (py-spy's own brief
+            ptrace stop while it reads a stack is not seen twice).
     """
 
     rank: int | None = None
@@ -142,6 +145,7 @@ class RankEvidence:
     fr: Mapping[str, Any] | None = None
     waits_on: tuple[int, ...] = ()
     rank_source: str = ""
+    stopped: bool = False
 
     @property
     def is_rank(self) -> bool:
@@ -234,6 +238,14 @@ class Evidence:
         work_pending: whether work was pending (a stall means busy; the SDK's pending count; the
             server's running/waiting requests); ``None`` when nothing tells.
         world_size: the world size the ranks were started with, when known (rendezvous).
+        server_progress: the server's own progress counter (its ``/metrics``, read when the
+            incident opened and again once the evidence was in) advanced (``True``), stood still
+            (``False``), or was not read (``None``).
+        server_progress_detail: that reading in words (``vllm:iteration_tokens_total_count
+            120->131 in 2.0 s at http://...``), ``""`` when not read.
+        no_targets: no target process was found for the incident: its only process is the one
+            whose exit opened it, watched as the server (a launched command, a ``--root-pid``),
+            not matched as a rank.
     """
 
     processes: tuple[RankEvidence, ...]
@@ -243,10 +255,14 @@ class Evidence:
     trigger: str = ""
     work_pending: bool | None = None
     world_size: int | None = None
+    server_progress: bool | None = None
+    server_progress_detail: str = ""
+    no_targets: bool = False
 
     @staticmethod
     def of(items: Iterable[RankEvidence], *, trigger: str = "", work_pending: bool | None = None,
-           world_size: int | None = None) -> Evidence:
+           world_size: int | None = None, server_progress: bool | None = None,
+           server_progress_detail: str = "", no_targets: bool = False) -> Evidence:
         """The evidence of one server from its processes (any order; a rank seen twice keeps the first)."""
         seen: dict[int, RankEvidence] = {}
         others: list[RankEvidence] = []
@@ -268,7 +284,24 @@ class Evidence:
         if work_pending is None and counted:
             work_pending = any(counted)
         return Evidence(processes=ranks + others_t, ranks=ranks, others=others_t, recorders=recorders,
-                        trigger=trigger, work_pending=work_pending, world_size=world_size)
+                        trigger=trigger, work_pending=work_pending, world_size=world_size,
+                        server_progress=server_progress, server_progress_detail=server_progress_detail,
+                        no_targets=no_targets)
+
+    @property
+    def progress_known(self) -> bool:
+        """Something tells a hang from work: a stall trigger (the watchdog saw no progress while
+        busy), a rank's step counter read twice, or the server's own progress counter read twice.
+        One snapshot of stacks alone cannot: a busy forward and a hung one look the same."""
+        return (self.trigger == Trigger.STALL or self.server_progress is not None
+                or any(e.stalled is not None for e in self.ranks))
+
+    @property
+    def no_progress(self) -> bool:
+        """Progress is known to have stopped: a stall trigger, the server's counter stood still,
+        or every rank's counter stood still."""
+        return (self.trigger == Trigger.STALL or self.server_progress is False
+                or bool(self.ranks) and all(e.stalled for e in self.ranks))
 
     @property
     def complete_fr(self) -> bool:
@@ -294,10 +327,11 @@ class Verdict:
     """The incident's verdict.
 
     Attributes:
-        kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``desync``, ``progressing``,
-            ``rendezvous``, ``cycle``, ``behind``, ``deadlock``, ``idle``, ``compute``, ``single``
-            (one process, not a distributed job) or ``unknown`` (see :data:`RULES`).
-        hung: whether the server is stuck (``progressing``, ``idle`` and ``stopped`` are not).
+        kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``suspended``, ``desync``,
+            ``progressing``, ``rendezvous``, ``cycle``, ``behind``, ``deadlock``, ``idle``, ``compute``,
+            ``single`` (one process, not a distributed job) or ``unknown`` (see :data:`RULES`).
+        hung: whether the server is known to be stuck (``progressing``, ``idle`` and ``stopped``
+            are not, nor ``compute`` when nothing tells a hang from work).
         culprit_ranks: the rank(s) named (empty when none can be).
         culprit_pids: the culprit ranks' pids (rank order), then any culprit process without a
             rank; a rank that never started has no pid.
@@ -399,6 +433,8 @@ def _evidence_line(e: RankEvidence) -> str:
         parts.append("rank from its SDK step counter" if e.rank_source == "sdk" else e.rank_source)
     if e.role not in (Role.RANK, Role.PROCESS):
         parts.append(e.role.value)
+    if e.stopped and e.alive:
+        parts.append("stopped (state T: SIGSTOP or a debugger)")
     fact = fact_of(e)
     if fact is not None:
         parts.append(f"gone ({fact.describe()})")
@@ -500,6 +536,23 @@ def _no_process(ev: Evidence) -> Verdict | None:
     if ev.processes:
         return None
     return _verdict(ev, "unknown", (), "no rank to judge", "low", hung=False)
+
+
+@_rule("server_exited", kind="dead",
+       when="the incident's only process is the server whose exit opened it (a launched command, a --root-pid), "
+            "and no target process (no rank) was ever found: it ended with an error or an unknown status",
+       concludes="the server, named by its title or command line: `the server (pid 42 'python -m "
+                 "sglang.launch_server') exited with exit code 1 before any rank started`",
+       confidence="high for a known exit status (reaped by servewatch, the kernel's record); low when unknown")
+def _server_exited(ev: Evidence) -> Verdict | None:
+    if not ev.no_targets or len(ev.processes) != 1:
+        return None
+    e = ev.processes[0]
+    kind = exit_kind(e)
+    if e.is_rank or not e.exited_first or kind is None or kind is ExitKind.ORDERLY:
+        return None
+    reason = f"the server ({e.name}) {_how_exited(e)} before any rank started"
+    return _verdict(ev, "dead", [e], reason, "low" if kind is ExitKind.UNKNOWN else "high")
 
 
 @_rule("single", kind="single",
@@ -656,6 +709,27 @@ def _stopped(ev: Evidence) -> Verdict | None:
     return _verdict(ev, "stopped", (), reason, "high", hung=False)
 
 
+@_rule("suspended", kind="suspended",
+       when="a live process of the server is stopped (`/proc` state T or t: SIGSTOP or a debugger), seen so when the "
+            "incident opened and again once the evidence was in (py-spy's own brief ptrace stop is never seen twice)",
+       concludes="the stopped process is the culprit: it cannot run, and the others wait for it (`rank 0 (pid 42) is "
+                 "stopped (SIGSTOP or a debugger; kill -CONT 42 resumes it)`); hard mode never signals it",
+       confidence="high for the one stopped rank while progress is known to have stopped (a stall, counters standing "
+                  "still); medium otherwise (several stopped, a process that is no rank, or no progress reading)")
+def _suspended(ev: Evidence) -> Verdict | None:
+    stopped = [e for e in ev.processes if e.alive and e.stopped]
+    if not stopped:
+        return None
+    parts = [f"{_culprit_name(e)} is stopped (SIGSTOP or a debugger; kill -CONT {e.pid} resumes it)" for e in stopped]
+    waiting = [e for e in ev.processes if e.alive and not e.stopped and e.frame_class in (
+        FrameClass.COLLECTIVE, FrameClass.IDLE)]
+    reason = "; ".join(parts)
+    if waiting:
+        reason += "; waiting for it: " + "; ".join(f"{e.name} in {e.frame}" if e.frame else e.name for e in waiting)
+    sure = len(stopped) == 1 and stopped[0].is_rank and ev.no_progress
+    return _verdict(ev, "suspended", stopped, reason, "high" if sure else "medium")
+
+
 @_rule("desync", kind="desync",
        when="every rank's Flight Recorder was read and, at one sequence id of a group, the ranks issued different "
             "ops/sizes/dtypes (torch's `Op.match`)",
@@ -674,12 +748,14 @@ def _desync(ev: Evidence) -> Verdict | None:
 
 
 @_rule("progressing", kind="progressing",
-       when="every rank's step counter advanced during the incident",
+       when="every rank's step counter advanced during the incident, or (no rank's counter stood still and no "
+            "stall opened it) the server's own progress counter on its /metrics advanced",
        concludes="not hung, nobody to blame; the rank entering collectives last is reported as the straggler",
-       confidence="high: the counters moved")
+       confidence="high: the ranks' counters moved; medium for the server's counter alone (one counter for the "
+                  "whole server)")
 def _progressing(ev: Evidence) -> Verdict | None:
     if not ev.ranks or not all(e.advanced for e in ev.ranks):
-        return None
+        return _server_progressing(ev)
     stragglers = late_arrivals(ev.recorders) if ev.complete_fr else []
     if not stragglers:  # no recorder: the stacks of this instant
         waiting = [e.number for e in ev.ranks if e.frame_class is FrameClass.COLLECTIVE]
@@ -691,6 +767,15 @@ def _progressing(ev: Evidence) -> Verdict | None:
     else:
         stragglers = []
     return _verdict(ev, "progressing", (), reason, "high", hung=False, stragglers=stragglers)
+
+
+def _server_progressing(ev: Evidence) -> Verdict | None:
+    """The server's own counter advanced while the evidence was gathered, and nothing says a rank
+    stopped (no stall trigger, no rank's counter standing still)."""
+    if ev.server_progress is not True or ev.trigger == Trigger.STALL or any(e.stalled for e in ev.ranks):
+        return None
+    reason = f"progressing: the server's progress counter advanced ({ev.server_progress_detail}); not hung"
+    return _verdict(ev, "progressing", (), reason, "medium", hung=False)
 
 
 @_rule("rendezvous", kind="rendezvous",
@@ -829,19 +914,32 @@ def _idle(ev: Evidence) -> Verdict | None:
     return _verdict(ev, "idle", (), reason, "high" if ev.work_pending is False else "low", hung=False)
 
 
+#: The compute verdict's words when nothing tells a hang from work (:attr:`Evidence.progress_known`).
+NO_PROGRESS_SOURCE = ("one snapshot without a progress source cannot tell a hang from work (give `dump` the "
+                      "server's /metrics with --metrics-url, or watch it with `servewatch run`)")
+
+
 @_rule("compute", kind="compute",
        when="no rank waits in a collective and every rank runs its own code",
        concludes="the rank(s) whose steps stopped while the others advanced, or the only rank (TP=1); nobody when "
-                 "all stopped alike (`all ranks in compute: no collective wait`)",
-       confidence="high for the only rank when its stopped step counter agrees with its stack; medium otherwise")
+                 "all stopped alike (`all ranks in compute: no collective wait`), and nobody when nothing tells a "
+                 "hang from work (a one-shot dump with no step counter, no /metrics reading and no stall trigger: "
+                 "`...; one snapshot without a progress source cannot tell a hang from work`, not hung)",
+       confidence="high for the only rank when its stopped step counter agrees with its stack; medium otherwise; "
+                  "low without a progress source")
 def _compute(ev: Evidence) -> Verdict | None:
     known = [e for e in ev.ranks if e.frame_class is not FrameClass.UNKNOWN]
     if not known or len(known) != len(ev.ranks) or any(e.frame_class is not FrameClass.COMPUTE for e in known):
         return None
+    if not ev.progress_known:  # busy and hung look the same in one snapshot: blame nobody
+        frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in ev.ranks if e.frame)
+        reason = ("all ranks in compute: no collective wait" + (f" ({frames})" if frames else "")
+                  + f"; {NO_PROGRESS_SOURCE}")
+        return _verdict(ev, "compute", (), reason, "low", hung=False)
     stalled = [e for e in ev.ranks if e.stalled]
     confidence = "medium"
     if len(ev.ranks) == 1:  # the only rank is stuck in its own code: it is the culprit
-        confidence = "high" if stalled else "medium"
+        confidence = "high" if stalled and ev.server_progress is not True else "medium"
         stalled = list(ev.ranks)
     elif len(stalled) == len(ev.ranks):
         stalled = []  # every rank stopped in compute: nothing tells one apart
@@ -1026,6 +1124,8 @@ def hard_signal_plan(verdict: Verdict | None, *, target_pids: Sequence[int], sta
             [], "no verdict: hard mode acts only on a high-confidence culprit")
     if not verdict.hung:
         return [], f"not hung ({verdict.kind}): nothing to restart"
+    if verdict.kind == "suspended":  # an operator's SIGSTOP or a debugger: resume it, do not kill it
+        return [], f"the culprit is stopped, not hung: {verdict.reason}"
     if verdict.kind == "single":
         return ([stalled_pid], f"the only target, stalled: {verdict.reason}") if lone and stalled_pid else (
             [], "one process, not a distributed job, and not the stalled target")

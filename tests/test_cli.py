@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -368,6 +369,28 @@ def test_launch_arms_the_child_and_returns_its_exit_code(tmp_path: Path) -> None
     # the server's death is an incident, with the exit status servewatch reaped
     [manifest] = [json.loads(p.read_text()) for p in (tmp_path / "data").glob("*/*/manifest.json")]
     assert manifest["trigger"] == "exit" and manifest["detail"].endswith("exited (exit code 3)")
+
+
+def test_launch_of_a_server_dying_at_start_has_a_verdict_naming_its_command(tmp_path: Path) -> None:
+    """New-user trial F8: the launched server exits 1 at start, before any rank (`--match`) appears:
+    the exit incident's summary starts with a verdict naming the server by its command line (it
+    set no title), and the manifest holds it."""
+    script = "import sys, time; time.sleep(1.0); sys.exit(1)"
+    r = _cli(tmp_path, "launch", "--match", "sglang::scheduler*", "--crash-dump-folder", str(tmp_path / "crash"),
+             "--data-dir", "data", "--", sys.executable, "-c", script)
+    assert r.returncode == 1, r.stderr
+    [manifest] = [json.loads(p.read_text()) for p in (tmp_path / "data").glob("*/*/manifest.json")]
+    pid = int(manifest["detail"].split()[1])
+    v = manifest["verdict"]
+    assert v is not None, manifest
+    assert (v["kind"], v["rule"], v["culprit_ranks"], v["culprit_pids"], v["confidence"]) == (
+        "dead", "server_exited", [], [pid], "high"), v
+    command = f"{sys.executable} -c {shlex.quote(script)}"
+    assert v["reason"] == f"the server (pid {pid} {command!r}) exited with exit code 1 before any rank started", v
+    assert manifest["detail"] == f"pid {pid} {command!r} exited (exit code 1)", manifest["detail"]
+    said = (r.stdout + r.stderr).splitlines()  # the verdict first, then the incident's line
+    first = next(i for i, line in enumerate(said) if line.startswith(("Verdict:", "Incident ")))
+    assert said[first] == v["headline"] and said[first + 1].startswith(f"Incident {manifest['incident_id']} (exit)"), said
 
 
 def test_launch_forwards_sigterm_to_the_server(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import agent.verdict as verdict_mod
 from agent.stacks import Frame, ThreadStack
-from agent.verdict import FrameClass, RankEvidence, classify_stack, decide
+from agent.verdict import Evidence, FrameClass, RankEvidence, classify_stack, decide
 
 
 def _entry(seq: int, op: str = "all_reduce", sizes: Any = ((8, 32),), pg: int = 0) -> dict[str, Any]:
@@ -106,8 +106,63 @@ def test_one_waiting_rank_beside_a_dead_one_waits() -> None:
 
 def test_all_ranks_in_compute_names_nobody() -> None:
     ev = [RankEvidence(rank=r, frame_class=FrameClass.COMPUTE, frame="loop (m.py:1)") for r in range(2)]
-    v = decide(ev)
+    v = decide(ev, trigger="stall")
     assert (v.kind, v.culprit_ranks, v.reason) == ("compute", (), "all ranks in compute: no collective wait")
+
+
+def test_one_shot_dump_of_a_busy_rank_without_a_progress_source_blames_nobody() -> None:
+    """New-user trial F7: `dump` of a healthy, busy vLLM (TP=1: the Worker in a torch op, the
+    EngineCore waiting on it) has one snapshot of stacks and nothing else: no SDK step counter,
+    no /metrics reading, no stall. A busy forward and a hung one look the same: no culprit."""
+    worker = RankEvidence(rank=0, pid=21040, title="VLLM::Worker", frame_class=FrameClass.COMPUTE,
+                          frame="OpOverloadPacket.__call__ (torch/_ops.py:1279)")
+    engine = RankEvidence(pid=20928, role=verdict_mod.Role.COORDINATOR, title="VLLM::EngineCore",
+                          frame_class=FrameClass.COMPUTE, frame="step (vllm/v1/engine/core.py:300)")
+    v = decide([worker, engine], trigger="manual")
+    assert (v.kind, v.rule, v.culprit_ranks, v.culprit_pids, v.hung, v.confidence) == (
+        "compute", "compute", (), (), False, "low"), v
+    assert v.reason.startswith("all ranks in compute: no collective wait (rank 0 in OpOverloadPacket.__call__"), v.reason
+    assert "cannot tell a hang from work" in v.reason and "--metrics-url" in v.reason, v.reason
+    assert v.headline().startswith("Verdict: no culprit rank -- all ranks in compute"), v.headline()
+    # evidence of no progress keeps the culprit: a stall, the rank's counter or the server's standing still
+    for stalled in (decide([worker, engine], trigger="stall"),
+                    decide([verdict_mod.replace(worker, steps_before=3, steps_after=3), engine], trigger="manual"),
+                    decide(Evidence.of([worker, engine], trigger="manual", server_progress=False,
+                                       server_progress_detail="vllm:iteration_tokens_total_count 7->7 in 2.0 s"))):
+        assert (stalled.kind, stalled.culprit_ranks, stalled.culprit_pids, stalled.hung) == ("compute", (0,), (21040,), True)
+    # the server's own counter advanced across the dump: progressing, not hung
+    moving = decide(Evidence.of([worker, engine], trigger="manual", server_progress=True,
+                                server_progress_detail="vllm:iteration_tokens_total_count 7->19 in 2.0 s"))
+    assert (moving.kind, moving.rule, moving.culprit_ranks, moving.hung, moving.confidence) == (
+        "progressing", "progressing", (), False, "medium"), moving
+    assert "7->19" in moving.reason, moving.reason
+    # ... but a stall trigger wins over it (the watchdog saw no progress for its whole timeout)
+    assert decide(Evidence.of([worker, engine], trigger="stall", server_progress=True)).culprit_ranks == (0,)
+
+
+def test_a_stopped_rank_is_named_before_the_deadlock_it_causes() -> None:
+    """New-user trial F6: a SIGSTOPped vLLM Worker under `run` (stall on /metrics): py-spy reads it
+    --nonblocking where it stopped (its message queue: idle), the EngineCore waits for its answer.
+    Every process "waits for a message while work is pending" -- but the Worker cannot run at all."""
+    worker = RankEvidence(rank=0, pid=21040, title="VLLM::Worker", frame_class=FrameClass.IDLE,
+                          frame="dequeue (vllm/distributed/device_communicators/shm_broadcast.py:500)", stopped=True)
+    engine = RankEvidence(pid=20928, role=verdict_mod.Role.COORDINATOR, title="VLLM::EngineCore",
+                          frame_class=FrameClass.IDLE, frame="get_response (vllm/v1/executor/multiproc_executor.py:250)")
+    v = decide([worker, engine], trigger="stall")
+    assert (v.kind, v.rule, v.culprit_ranks, v.culprit_pids, v.hung) == ("suspended", "suspended", (0,), (21040,), True), v
+    assert v.reason.startswith("rank 0 (pid 21040) is stopped (SIGSTOP or a debugger; kill -CONT 21040 resumes it)"), v.reason
+    assert "pid 20928 'VLLM::EngineCore' in get_response" in v.reason, v.reason
+    assert v.confidence == "high"  # the kernel says it cannot run, and the server made no progress
+    assert any("stopped (state T" in line for line in v.evidence), v.evidence
+    assert verdict_mod.hard_signal_plan(v, target_pids=[21040, 20928], stalled_pid=None)[0] == []  # resume, never kill
+    # not stopped (py-spy's own brief ptrace stop is not seen twice): the deadlock rule as before
+    assert decide([verdict_mod.replace(worker, stopped=False), engine], trigger="stall").kind == "deadlock"
+    # no progress reading (a one-shot dump): still named, at medium
+    assert (decide([worker, engine], trigger="manual").kind, decide([worker, engine], trigger="manual").confidence) == (
+        "suspended", "medium")
+    # a stopped coordinator is named by its pid and title, never given a rank
+    v = decide([verdict_mod.replace(worker, stopped=False), verdict_mod.replace(engine, stopped=True)], trigger="stall")
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence) == ("suspended", (), (20928,), "medium"), v
 
 
 def test_no_evidence_is_unknown() -> None:
@@ -193,7 +248,7 @@ def test_one_process_that_is_not_a_rank_is_located_not_blamed() -> None:
     assert decide([RankEvidence(pid=None)]).confidence == "low"
 
     # a rank (its title, RANK or torch.distributed), a Flight Recorder read or a collective wait: rank rules
-    assert decide([RankEvidence(rank=0, pid=7, frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")]).culprit_ranks == (0,)
+    assert decide([RankEvidence(rank=0, pid=7, frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")], trigger="stall").culprit_ranks == (0,)
     assert decide([RankEvidence(pid=7, fr={"entries": [], "pg_status": {}},
                                 frame_class=FrameClass.COMPUTE, frame="f (m.py:1)")]).kind != "single"
     assert decide([RankEvidence(pid=7, frame_class=FrameClass.COLLECTIVE,

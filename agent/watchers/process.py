@@ -1,7 +1,8 @@
 """The process watcher: reports each watched process's exit once, with its status when known.
 
 Owns: :class:`ProcessWatcher` and :func:`exit_status` (decoding a wait status). May import
-:mod:`agent.events`, :mod:`agent.bus` (``Publisher``), :mod:`agent.targets`, :mod:`agent.procinfo`, anyio and psutil.
+:mod:`agent.events`, :mod:`agent.bus` (``Publisher``), :mod:`agent.targets`, :mod:`agent.procinfo`,
+:mod:`agent.security` (a launched command's title, redacted), anyio and psutil.
 
 How an exit is noticed, per pid:
 
@@ -58,7 +59,7 @@ import select
 import signal as _signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,10 @@ if TYPE_CHECKING:
     from agent.registry import BuildContext
 
 
-__all__ = ["PIDFD_RECHECK_S", "POLL_INTERVAL_S", "TREE_SETTLE_S", "ProcessWatcher", "create", "exit_status", "signal_name"]
+__all__ = [
+    "PIDFD_RECHECK_S", "POLL_INTERVAL_S", "TREE_SETTLE_S", "ProcessWatcher", "create", "exit_status", "launched_target",
+    "signal_name",
+]
 
 log = logging.getLogger("servewatch.process")
 
@@ -264,7 +268,9 @@ class ProcessWatcher:
         #: why the kernel's exit events cannot be read here (``""``: they are)
         self.kernel_exits_unavailable = ""
         for child in children:
-            self.watch(child.pid, returncode=child.poll)
+            args = child.args
+            self.watch(launched_target(child.pid, [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)),
+                       returncode=child.poll)
         for target in targets:
             self.watch(target)
 
@@ -677,6 +683,29 @@ def _target_of(pid: int) -> Target:
     except (psutil.Error, OSError):  # a zombie has no cmdline left
         pass
     return Target(pid=pid, title=title, create_time_s=create_time_s)
+
+
+#: Longest title a launched command's command line gives, characters.
+_COMMAND_TITLE_MAX = 120
+
+
+def launched_target(pid: int, argv: Sequence[Any]) -> Target:
+    """A launched server as a :class:`Target`: its title is the one it set, else (its argv as
+    launched, or nothing left to read: it already exited) its command line ``argv``, secrets
+    redacted and clipped to :data:`_COMMAND_TITLE_MAX` characters (``python -m
+    sglang.launch_server --port 30000``): an exit seen later names what was launched."""
+    import shlex
+
+    from agent.security import redact_cmdline, strip_control
+
+    target = _target_of(pid)
+    args = [os.fsdecode(a) for a in argv]
+    if args and target.title in ("", args[0], os.path.basename(args[0])):  # no title of its own
+        command = strip_control(shlex.join(redact_cmdline(args)))
+        if len(command) > _COMMAND_TITLE_MAX:
+            command = command[: _COMMAND_TITLE_MAX - 3] + "..."
+        target = replace(target, title=command)
+    return target
 
 
 def _open_pidfd(pid: int) -> int | None:

@@ -54,12 +54,12 @@ def _request_in_background(server: VllmServer) -> threading.Thread:
     return t
 
 
-def _dump(server: VllmServer, data_dir: Path) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """``servewatch dump --root-pid <API server> --match 'VLLM::*'``: (verdict, manifest, stdout)."""
+def _dump(server: VllmServer, data_dir: Path, *extra: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """``servewatch dump --root-pid <API server> --match 'VLLM::*' [extra]``: (verdict, manifest, stdout)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
     out = subprocess.run(
         [sys.executable, "-m", "agent.entry", "dump", "--root-pid", str(server.pid), "--match", "VLLM::*",
-         "--data-dir", str(data_dir)],
+         "--data-dir", str(data_dir), *extra],
         capture_output=True, text=True, timeout=180, check=False, cwd=ROOT, env=env,
     )
     manifests = sorted(data_dir.glob("*/*/manifest.json"))
@@ -90,12 +90,63 @@ def test_tp1_hang_names_the_worker_and_the_engine_core_is_no_rank(vllm_tp1: Vllm
     vllm_tp1.hang(ranks=None)
     t = _request_in_background(vllm_tp1)
     _until(lambda: "fault_point" in _stack(worker.pid), 90, "the Worker hung in the forward")
-    v, _, _ = _dump(vllm_tp1, tmp_path / "data")
+    # one snapshot cannot tell a hung forward from a busy one: the server's /metrics, read twice, can
+    v, _, _ = _dump(vllm_tp1, tmp_path / "data", "--metrics-url", f"{vllm_tp1.url}/metrics", "--metrics-preset", "vllm")
     assert (v["culprit_ranks"], v["culprit_pids"], v["kind"], v["ranks"]) == ([0], [worker.pid], "compute", [0]), v
     engine_line = next(line for line in v["evidence"] if line.startswith(f"pid {engine.pid} "))
     assert "'VLLM::EngineCore'" in engine_line and "coordinator" in engine_line, v["evidence"]
     vllm_tp1.clear_fault()
     t.join(timeout=120)
+
+
+def test_one_shot_dump_of_a_busy_server_blames_nobody_and_its_metrics_say_progressing(vllm_tp1: VllmServer,
+                                                                                   tmp_path: Path) -> None:
+    """New-user trial F7: requests flowing, every step in the Worker's forward (0.2 s each, so the
+    snapshot finds it there): a one-shot dump has no progress source and names no culprit; with
+    the server's /metrics it reads the counter twice and says progressing."""
+    (worker,) = vllm_tp1.workers()
+    vllm_tp1.slow(_STEP_S)
+    with vllm_tp1.load(concurrency=2, max_tokens=200) as stats:
+        steps = _metric(vllm_tp1, "vllm:iteration_tokens_total_count")
+        _until(lambda: _metric(vllm_tp1, "vllm:iteration_tokens_total_count") > steps, 120, "a step seen on /metrics")
+        _until(lambda: "fault_point" in _stack(worker.pid), 60, "the Worker in its forward")
+        v, _, stdout = _dump(vllm_tp1, tmp_path / "data")
+        assert (v["kind"], v["culprit_ranks"], v["culprit_pids"], v["hung"]) == ("compute", [], [], False), v
+        assert "cannot tell a hang from work" in v["reason"] and "--metrics-url" in v["reason"], v["reason"]
+        assert stdout.startswith("Verdict: no culprit rank -- all ranks in compute"), stdout[:400]
+        v, _, _ = _dump(vllm_tp1, tmp_path / "data2", "--metrics-url", f"{vllm_tp1.url}/metrics", "--metrics-preset", "vllm")
+        assert (v["kind"], v["culprit_ranks"], v["culprit_pids"], v["hung"]) == ("progressing", [], [], False), v
+        assert "vllm:" in v["reason"] and "->" in v["reason"], v["reason"]
+        vllm_tp1.clear_fault()
+    assert stats["ok"] >= 1 and stats["failed"] == 0, stats
+
+
+def test_a_sigstopped_worker_under_run_is_the_culprit_said_stopped(vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    """New-user trial F6: a request running, the Worker SIGSTOPped, `run` sees the stall on
+    /metrics: the verdict names the stopped rank (not a deadlock of everyone waiting for a
+    message), and the summary line of its dump keeps "stopped"."""
+    from agent.summary import summary_lines
+
+    (worker,) = vllm_tp1.workers()
+    threads: list[threading.Thread] = []
+
+    def stop_the_worker() -> None:
+        threads.append(_long_request(vllm_tp1))
+        steps = _metric(vllm_tp1, "vllm:iteration_tokens_total_count")
+        _until(lambda: _metric(vllm_tp1, "vllm:iteration_tokens_total_count") > steps, 120, "a step seen on /metrics")
+        vllm_tp1.sigstop(worker)  # SIGCONT by the fixture at the test's end
+
+    record = anyio.run(_watch_stall, f"{vllm_tp1.url}/metrics", tmp_path / "data", stop_the_worker)
+    v = record.verdict.to_json()
+    assert (v["kind"], v["rule"], v["culprit_ranks"], v["culprit_pids"]) == ("suspended", "suspended", [0], [worker.pid]), v
+    assert v["reason"].startswith(f"rank 0 (pid {worker.pid}) is stopped (SIGSTOP or a debugger; kill -CONT {worker.pid}"), v
+    assert v["confidence"] == "high", v  # the kernel says it cannot run; /metrics says nothing moved
+    (line,) = [x for x in summary_lines(record) if "pyspy.dump" in x and f"pid {worker.pid} " in x]
+    assert f"stopped (state T: SIGSTOP or a debugger; `kill -CONT {worker.pid}` resumes it)" in line, line
+    vllm_tp1.resume_all()
+    vllm_tp1.clear_fault()
+    for t in threads:
+        t.join(timeout=300)
 
 
 def test_an_idle_server_s_dump_says_idle_and_nothing_is_stuck(vllm_tp1: VllmServer, tmp_path: Path) -> None:

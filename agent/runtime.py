@@ -52,7 +52,7 @@ from agent.supervision import TargetWatch, restartable, supervise
 from agent.targets import Target
 from agent.watchers import WATCHERS, TargetWatchers
 from agent.watchers.status import StatusBoard, WatcherStatus
-from agent.watchers.steps import PrometheusStepSource
+from agent.watchers.watchdog import progress_source
 from exporters import EXPORTERS
 from exporters.feed import mirror_events, subscribe_mirrors
 
@@ -264,7 +264,7 @@ class Agent:
         if self.incidents.judge is not None:  # one-shot: no torch import racing the dump's own CPU
             self.incidents.judge.warm_up = False
             # one snapshot cannot tell a hang from work: the server's /metrics read twice can
-            progress = self.incidents.judge.progress_source = self._progress_source()
+            progress = self.incidents.judge.progress_source = progress_source(self.settings.metrics)
         feeds = subscribe_mirrors(self.bus, self.exporters, max_buffer=MIRROR_BUFFER)
         try:
             async with anyio.create_task_group() as tg:
@@ -294,14 +294,6 @@ class Agent:
         if not self.incidents.records:
             raise RuntimeError("servewatch dump was interrupted before its incident opened")
         return self.incidents.records[-1]
-
-    def _progress_source(self) -> PrometheusStepSource | None:
-        """The server's ``/metrics`` progress counter for a one-shot verdict (``metrics.url``), or ``None``."""
-        m = self.settings.metrics
-        if not m.url:
-            return None
-        return PrometheusStepSource(m.url, preset=m.metrics_preset, counter=m.counter, busy_gauge=m.busy_gauge,
-                                    timeout_s=m.scrape_timeout_s)
 
     async def profile(
         self,

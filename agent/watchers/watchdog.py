@@ -42,9 +42,11 @@ if TYPE_CHECKING:
     from agent.registry import BuildContext
     from agent.targets import Target
     from agent.watchers.config import MetricsConfig
+    from agent.watchers.steps import PrometheusStepSource
 
 
-__all__ = ["SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk"]
+__all__ = ["SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk",
+           "progress_source"]
 
 #: A series absent from this many successful readings in a row loses its stall bookkeeping.
 SERIES_FORGET_READINGS = 60
@@ -213,6 +215,18 @@ def create_prometheus(config: MetricsConfig, ctx: BuildContext) -> Watchdog | No
         timeout_s=config.scrape_timeout_s, refused_grace_s=config.refused_grace_s,
     )
     return Watchdog(source, stall_rule(ctx))
+
+
+def progress_source(config: MetricsConfig) -> PrometheusStepSource | None:
+    """The server's ``/metrics`` progress counter for a one-shot verdict (``servewatch dump
+    --metrics-url``: :attr:`agent.judge.VerdictJudge.progress_source` reads it twice), or
+    ``None`` without a ``url``. The caller closes it (``aclose``)."""
+    from agent.watchers.steps import PrometheusStepSource
+
+    if not config.url:
+        return None
+    return PrometheusStepSource(config.url, preset=config.metrics_preset, counter=config.counter,
+                                busy_gauge=config.busy_gauge, timeout_s=config.scrape_timeout_s)
 
 
 #: Oldest watchdog reading of an SDK counter the step watcher reuses, seconds (the watchdog reads

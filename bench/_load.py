@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["LoadGenerator", "WindowStats", "bench_workspace", "percentile"]
+__all__ = ["LoadGenerator", "WindowStats", "agent_env_of", "bench_workspace", "percentile"]
 
 
 def bench_workspace(prefix: str) -> tuple[Path, Path, Path, dict[str, str]]:
@@ -46,6 +46,14 @@ def bench_workspace(prefix: str) -> tuple[Path, Path, Path, dict[str, str]]:
     for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         env.pop(k, None)
     return work, shm, data, env
+
+
+def agent_env_of(env: dict[str, str]) -> dict[str, str]:
+    """The environment for the agent watching the bench's server: ``env`` without the server's
+    ``OTEL_SERVICE_NAME`` (an agent refuses to ship a span ring that declares the agent's own
+    ``service.name``; inheriting the server's name made every bench agent refuse the server's
+    spans, and ship none)."""
+    return {k: v for k, v in env.items() if k != "OTEL_SERVICE_NAME"}
 
 
 def percentile(values: list[float], q: float) -> float:

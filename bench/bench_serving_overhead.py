@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
 from _common import emit_result
-from _load import LoadGenerator, bench_workspace
+from _load import LoadGenerator, agent_env_of, bench_workspace
 from bench_export import RemoteReceiver
 
 from agent.demo.client import DemoServer
@@ -100,7 +100,7 @@ class AgentProc:
     """`servewatch run` watching the server, started and stopped per window."""
 
     def __init__(self, server: DemoServer, env: dict[str, str], data: Path, ship: bool, receiver: RemoteReceiver) -> None:
-        agent_env = {**env, "SERVEWATCH_SPANS__SHIP": "true" if ship else "false",
+        agent_env = {**agent_env_of(env), "SERVEWATCH_SPANS__SHIP": "true" if ship else "false",
                      "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
         self.log = open(data.parent / f"agent-{'C' if ship else 'B'}.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -216,6 +216,9 @@ def main() -> None:
     print(f"spans received by the collector: A {received['A']}, B {received['B']}, C {received['C']}"
           " (only C ships the server's spans; B/C also send the agent's own telemetry)")
     print("targets: C/A >= 0.99 throughput, p99 <= 1.05x")
+    if received["C"] == 0:  # C measured an agent that shipped nothing: not the figure it claims
+        print("FAIL: no span of the server reached the collector in C (the agent did not ship)", file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
 from _common import emit_result
-from _load import LoadGenerator, bench_workspace
+from _load import LoadGenerator, agent_env_of, bench_workspace
 from bench_export import RemoteReceiver
 
 from agent.demo.client import DemoServer
@@ -89,7 +89,7 @@ def main() -> None:
     server = DemoServer(tp=args.tp, env=env, title_prefix="soak").start()
     procs: list[subprocess.Popen[bytes]] = []
     load = None
-    agent_env = {**env, "SERVEWATCH_HOST_NAME": HOST}
+    agent_env = {**agent_env_of(env), "SERVEWATCH_HOST_NAME": HOST}
     if receiver is not None:
         agent_env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.grpc_endpoint
         agent_env["OTEL_EXPORTER_OTLP_PROTOCOL"] = "grpc"
@@ -181,6 +181,9 @@ def main() -> None:
     print(f"load: {total.completed} requests ({total.errors} errors), {total.throughput_rps:.2f} req/s, p99 {result['p99_ms']:.1f} ms")
     print(f"spans: {final_spans}" + (f"; collector received {received}" if receiver is not None else ""))
     print(json.dumps(result))
+    if result["shipping"] and receiver is not None and not received:  # an agent that shipped nothing
+        print("FAIL: the agent was to ship the server's spans and none reached the collector", file=sys.stderr)
+        raise SystemExit(1)
     soak = f"soak {result['window_s']:.0f} s, {args.rate:g} req/s, {'shipping to ' + result['destination'] if result['shipping'] else 'not shipping'}"
     emit_result(f"{soak}: agent RSS slope", ours=rss_slope, unit="MB/h", baseline_name="(target < 1 MB/h)",
                 note=f"RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB after {args.warmup_s:.0f} s warm-up")

@@ -36,6 +36,7 @@ from agent.events import (
     HealthCheckFailed,
     Outcome,
     TargetExited,
+    Trigger,
     WatchdogStalled,
 )
 from agent.exits import zombie_fact
@@ -337,7 +338,7 @@ class VerdictJudge:
         judged = Evidence.of(
             evidence, trigger=trigger, world_size=world_size,
             server_progress=progress[0] if progress else None, server_progress_detail=progress[1] if progress else "",
-            work_pending=progress[2] if progress and trigger != "stall" else None,
+            work_pending=progress[2] if progress and trigger != Trigger.STALL else None,
             no_targets=readings.no_targets)
         self.last_evidence.append(judged)
         return decide(judged)

@@ -292,7 +292,7 @@ _JSON_UNSAFE = re.compile("[\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufe
 def dumps_safe(obj: Any, *, indent: int | None = 2) -> str:
     """``json.dumps`` for output a terminal may show: UTF-8 text stays readable, but every
     control character (C0 as JSON always does, plus C1, DEL) and every character that reorders
-    or hides text (bidi overrides such as U+202E, zero-width marks) is written as a ``\\uXXXX``
+    or hides text (bidi overrides such as U+202E, zero-width marks) is written as a four-hex-digit ``\\u``
     escape, so the JSON means the same and shows no raw control to whoever reads it."""
     text = json.dumps(obj, ensure_ascii=False, indent=indent, default=str)
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group(0)):04x}", text)

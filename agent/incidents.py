@@ -658,10 +658,8 @@ class IncidentManager:
             parent: ``(trace_id, parent_span_id)`` hex of a trace begun elsewhere (a W3C
                 ``traceparent``): the root span joins that trace under that span.
         """
-        async with self._lock:
-            record = await self._run_incident(trigger, detail, pid, cause, parent)
-        await self._notify()
-        return record
+        async with self._lock:  # the run's end rewrites the status file itself (its finally)
+            return await self._run_incident(trigger, detail, pid, cause, parent)
 
     async def retrace(self, incident_id: str, trace_id: str, parent_span_id: str) -> bool:
         """Move the running incident ``incident_id`` into another trace (see :class:`IncidentRetraced`).

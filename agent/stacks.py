@@ -247,7 +247,7 @@ def _decider(python: Sequence[Frame]) -> Frame | None:
     for frame in python:
         if frame.filename.endswith("/threading.py") or frame.filename.startswith("<frozen"):
             continue
-        if frame.name in ("sched_yield", "spinloop") and _SPIN_HELPERS.search(frame.filename):
+        if frame.name == "sched_yield" and _SPIN_HELPERS.search(frame.filename):
             continue
         return frame
     return None

@@ -1114,6 +1114,14 @@ def profile(
     settings, pid = _profile_target(settings, pid=pid, url=url, backend=backend)
     if acts is not None and (problem := activities_problem(acts, settings.profiler.backend)):
         fail(f"invalid --activities {activities!r}: {problem}", ExitCode.USAGE)
+    # lexical, never resolved: a symlink another user planted on the way is refused, not followed
+    out_path = Path(os.path.abspath(out_dir or settings.profiler.output_dir or "profiles"))
+    if settings.profiler.backend != "vllm":  # vLLM writes to its own folder: nothing is created
+        from agent.fsutil import unsafe_folder_reason
+
+        if (why := unsafe_folder_reason(out_path)) is not None:
+            key = "--out" if out_dir is not None else "profiler.output_dir" if settings.profiler.output_dir else "the default ./profiles"
+            fail(f"{key} {str(out_path)!r} refused: {why}", ExitCode.USAGE)
     import anyio
 
     from agent.runtime import Agent
@@ -1127,7 +1135,7 @@ def profile(
             try:
                 done = await agent.profile(
                     pid=pid, steps=settings.profiler.num_steps, start_step=start_step, activities=acts,
-                    out_dir=(out_dir or settings.profiler.output_dir or Path("profiles")).resolve(), timeout_s=timeout,
+                    out_dir=out_path, timeout_s=timeout,
                     before_export=lambda: _data_dir_ready(settings),  # only a session with trace files writes
                     progress=progress,
                 )
@@ -1141,7 +1149,7 @@ def profile(
     except KeyboardInterrupt:  # the session was stopped on the way out (the actor's cancel path)
         where = f"the profiling session of pid {pid}" if pid is not None else f"profiling at {settings.profiler.base_url}"
         err.print(f"servewatch: interrupted (SIGINT): {where} was stopped; a trace written before the stop is"
-                  f" under {(out_dir or settings.profiler.output_dir or Path('profiles')).resolve()}"
+                  f" under {out_path}"
                   + (" or the server's own profiler folder" if pid is None else ""), markup=False, highlight=False)
         raise SystemExit(130) from None
     telemetry = agent.telemetry

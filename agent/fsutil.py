@@ -32,12 +32,15 @@ __all__ = [
     "TEMP_SUFFIX",
     "Claimed",
     "SessionFolder",
+    "UnsafeFolderError",
     "atomic_write_bytes",
     "atomic_write_text",
     "ensure_private_dir",
     "memory_backed",
     "open_append_nofollow",
+    "open_trusted_dir",
     "remove_stale_temps",
+    "unsafe_folder_reason",
 ]
 
 #: Suffix of the temp files :func:`atomic_write_bytes` creates (and :func:`remove_stale_temps` removes).
@@ -45,6 +48,8 @@ TEMP_SUFFIX = ".swtmp"
 
 _FILE_MODE = 0o600
 _DIR_MODE = 0o700
+_O_PATH = getattr(os, "O_PATH", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def ensure_private_dir(path: str | os.PathLike[str]) -> Path:
@@ -202,13 +207,176 @@ def memory_backed(path: str | os.PathLike[str]) -> bool:
 
 
 
+# --- trusted folders: every component opened without following a planted symlink --------------
+
+#: Most symlinks one :func:`open_trusted_dir` walk follows (Linux's own limit is 40).
+_MAX_LINKS = 40
+
+
+class UnsafeFolderError(OSError):
+    """A folder root must not write into (its one-line reason is ``str(exc)``): a component is
+    owned by another user, a symlink another user planted, writable by others without the sticky
+    bit, or not a folder."""
+
+
+def _component_problem(where: str, st: os.stat_result, *, last: bool) -> str | None:
+    """Why one component of a trusted walk is refused, or ``None`` (see :func:`open_trusted_dir`)."""
+    euid = os.geteuid()
+    if st.st_uid not in (0, euid):
+        what = "a symlink owned" if stat.S_ISLNK(st.st_mode) else "owned"
+        return f"{where!r} is {what} by uid {st.st_uid}, not by root or the agent's uid {euid}: not used"
+    if stat.S_ISLNK(st.st_mode):
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{where!r} is not a folder"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        which = "the folder asked for" if last else "a folder on its way"
+        return f"{where!r} ({which}) is writable by other users without the sticky bit (mode {mode:o}): not used"
+    return None
+
+
+class _Walk:
+    """One :func:`open_trusted_dir` walk: the descriptor reached so far and what it created."""
+
+    def __init__(self, create: bool) -> None:
+        self.create = create
+        self.fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        self.where = "/"
+        self.created: list[str] = []
+        self.links = 0
+
+    def restart(self) -> None:
+        os.close(self.fd)
+        self.fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        self.where = "/"
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """``name`` in the current folder (not followed); created 0700 when missing and asked to."""
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            if not self.create:
+                raise
+        try:
+            os.mkdir(name, _DIR_MODE, dir_fd=self.fd)
+            self.created.append(os.path.join(self.where, name))
+        except FileExistsError:  # made meanwhile: judged like any other
+            pass
+        return None
+
+    def _step(self, fd: int, where: str, st: os.stat_result | None, *, last: bool) -> None:
+        """Make ``fd`` (just opened, ``where``) the current folder once it passes the checks."""
+        try:
+            got = os.fstat(fd)
+            if st is not None and (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+                raise UnsafeFolderError(f"{where!r} changed while it was opened: not used")
+            if where in self.created:
+                os.fchmod(fd, _DIR_MODE)  # whatever the umask
+                got = os.fstat(fd)
+            problem = _component_problem(where, got, last=last)
+            if problem is not None:
+                raise UnsafeFolderError(problem)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(self.fd)
+        self.fd, self.where = fd, where
+
+    def enter_parent(self, *, last: bool) -> None:
+        """Step up (``..`` in a symlink's target), judged like any folder on the way."""
+        fd = os.open("..", os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC, dir_fd=self.fd)
+        self._step(fd, os.path.dirname(self.where) or "/", None, last=last)
+
+    def enter(self, name: str, *, last: bool) -> list[str]:
+        """Step into ``name``; a trusted symlink's target parts are returned to walk instead."""
+        where = os.path.join(self.where, name)
+        st = self.lstat(name)
+        if st is not None:
+            problem = _component_problem(where, st, last=last)
+            if problem is not None:
+                raise UnsafeFolderError(problem)
+            if stat.S_ISLNK(st.st_mode):
+                self.links += 1
+                if self.links > _MAX_LINKS:
+                    raise UnsafeFolderError(f"{where!r}: more than {_MAX_LINKS} symlinks on the way")
+                target = os.readlink(name, dir_fd=self.fd)
+                if target.startswith("/"):
+                    self.restart()
+                return [p for p in target.split("/") if p and p != "."]
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=self.fd)
+        self._step(fd, where, st, last=last)
+        return []
+
+
+def open_trusted_dir(path: str | os.PathLike[str], *, create: bool = False) -> tuple[int, tuple[Path, ...]]:
+    """Open the folder ``path`` one component at a time from ``/``, never through a symlink or
+    folder another user controls.
+
+    ``path`` is made absolute and normalised lexically (``..`` collapsed, nothing resolved).
+    Each component is looked at with ``lstat`` relative to the folder above it and opened with
+    ``O_NOFOLLOW`` relative to that folder's descriptor (``openat``); it must be owned by root
+    or the agent's effective uid, and a folder must not be writable by other users unless it has
+    the sticky bit (``/tmp``). A symlink owned by root or the agent (``/var/run``) is followed
+    by walking its target the same way; one owned by anyone else is refused, never followed.
+
+    Args:
+        path: the folder.
+        create: make missing components, 0700, owned by the agent (``mkdirat``).
+
+    Returns:
+        ``(fd, created)``: a descriptor of the folder (``O_RDONLY | O_DIRECTORY``; the caller
+        closes it) and the folders made now, deepest first.
+
+    Raises:
+        UnsafeFolderError: a component is refused (one line: which one and why), a symlink
+            loop, or a component that is not a folder.
+        FileNotFoundError: a component is missing and ``create`` is false.
+        OSError: any other failure to open or create.
+    """
+    text = os.fspath(path)
+    if "\0" in text:
+        raise UnsafeFolderError(f"{text!r}: a NUL byte in the path")
+    todo = [p for p in os.path.normpath(os.path.abspath(text)).split("/") if p]
+    walk = _Walk(create)
+    try:
+        while todo:
+            name = todo.pop(0)
+            if name == "..":
+                walk.enter_parent(last=not todo)
+                continue
+            todo[:0] = walk.enter(name, last=not todo)
+    except BaseException:
+        walk.close()
+        raise
+    return walk.fd, tuple(Path(p) for p in reversed(walk.created))
+
+
+def unsafe_folder_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why :func:`open_trusted_dir` would refuse ``path`` (or the part of it that exists: the
+    rest would be created 0700 by the agent), in one line; ``None`` when it would not. Checks
+    only (it creates nothing): the walk at use stays the authority."""
+    probe = os.path.normpath(os.path.abspath(os.fspath(path)))
+    while not os.path.lexists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    try:
+        fd, _ = open_trusted_dir(probe)
+    except UnsafeFolderError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{probe!r}: {exc.strerror or exc}"
+    os.close(fd)
+    return None
+
+
 # --- session folders: the only place root takes files a target names --------------------------
 
 #: Bounds of one :meth:`SessionFolder.claim` walk (a ``.gputrace`` bundle is a folder tree).
 _CLAIM_MAX_DEPTH = 16
 _CLAIM_MAX_ENTRIES = 10_000
-_O_PATH = getattr(os, "O_PATH", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 OUTSIDE_SESSION = "outside the session folder, ignored"
 
 
@@ -257,51 +425,51 @@ class SessionFolder:
     def create(cls, base: str | os.PathLike[str], *, writer_uid: int | None = None, prefix: str = "session") -> SessionFolder:
         """A new session folder for ``base`` (the ``--out`` folder, or an incident's bundle).
 
-        ``base`` itself is the session folder when the agent creates it now, or when it is
-        already the agent's own private folder (owned by the agent's uid, not writable by group
-        or others) and the writer is the agent's uid. Otherwise a fresh ``<prefix>-<UTC time>-
-        <random>`` folder is made inside it (``mkdir``: never an existing one). A writer of
-        another uid gets the session folder as its owner (mode 0700) so that it can write
-        there; :meth:`claim` takes it back.
+        ``base`` is reached with :func:`open_trusted_dir` (every component opened with
+        ``O_NOFOLLOW`` from ``/``, owned by root or the agent, no folder on the way writable by
+        others without the sticky bit; missing ones created 0700), so a symlink or folder
+        another user planted is refused, never followed. ``base`` itself is the session folder
+        when the agent creates it now, or when it is already the agent's own private folder
+        (owned by the agent's uid, mode 0700: no group or other bits) and the writer is the
+        agent's uid. Otherwise a fresh ``<prefix>-<UTC time>-<random>`` folder is made inside it
+        (``mkdirat``: never an existing one). A writer of another uid gets the session folder
+        as its owner (mode 0700) so that it can write there; :meth:`claim` takes it back.
 
         Args:
-            base: absolute folder path (missing parents are created 0700).
+            base: folder path (made absolute lexically: symlinks are not resolved first).
             writer_uid: the uid of the process that will write into it (default: the agent's).
             prefix: name prefix of a fresh sub-folder.
 
         Raises:
-            NotADirectoryError: ``base`` exists and is a symlink or not a folder.
+            UnsafeFolderError: ``base`` or a folder above it is refused (one line saying which
+                and why: another user's folder or symlink, writable by others, not a folder).
             OSError: a folder could not be created (or given to ``writer_uid``).
         """
         euid = os.geteuid()
         writer = euid if writer_uid is None else writer_uid
-        base = Path(base)
-        missing: list[Path] = []
-        probe = base
-        while not os.path.lexists(probe) and probe != probe.parent:
-            missing.append(probe)
-            probe = probe.parent
-        st_before = None if missing else os.lstat(base)
-        ensure_private_dir(base)
-        if missing or (st_before is not None and writer == euid and st_before.st_uid == euid and not st_before.st_mode & 0o022):
-            path = base
-        else:
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            path = base / f"{prefix}-{stamp}-{secrets.token_hex(3)}"
-            old = os.umask(0o077)
-            try:
-                os.mkdir(path, _DIR_MODE)  # FileExistsError rather than reuse
-            finally:
-                os.umask(old)
-            missing.insert(0, path)
-        if writer != euid:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC)
-            try:
+        base = Path(os.path.normpath(os.path.abspath(base)))
+        base_fd, made = open_trusted_dir(base, create=True)
+        try:
+            st = os.fstat(base_fd)
+            own_private = st.st_uid == euid and not stat.S_IMODE(st.st_mode) & 0o077
+            made_now = bool(made) and os.path.samestat(os.stat(made[0], follow_symlinks=False), st)
+            if made_now or (writer == euid and own_private):
+                path, fd = base, os.dup(base_fd)
+            else:
+                name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+                os.mkdir(name, _DIR_MODE, dir_fd=base_fd)  # FileExistsError rather than reuse
+                path = base / name
+                made = (path, *made)
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=base_fd)
+        finally:
+            os.close(base_fd)
+        try:
+            if writer != euid:
                 os.fchown(fd, writer, -1)
-                os.fchmod(fd, _DIR_MODE)
-            finally:
-                os.close(fd)
-        return cls(path, writer, created=tuple(missing))
+            os.fchmod(fd, _DIR_MODE)
+        finally:
+            os.close(fd)
+        return cls(path, writer, created=made)
 
     def remove_if_empty(self) -> None:
         """Remove the folders :meth:`create` made (deepest first) while they are empty."""
@@ -339,7 +507,7 @@ class SessionFolder:
         ignored: list[str] = []
         total = 0
         try:
-            dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC)
+            dir_fd = self._open()
         except OSError as exc:
             return Claimed((), 0, tuple(f"{p}: session folder {self.path}: {exc.strerror or exc}" for p in reported))
         try:
@@ -363,6 +531,15 @@ class SessionFolder:
         return Claimed(tuple(kept), total, tuple(ignored))
 
     # -- the walk, one descriptor at a time -----------------------------------------------------
+
+    def _open(self) -> int:
+        """The session folder's descriptor: its parent through :func:`open_trusted_dir`, the
+        folder itself with ``O_NOFOLLOW`` (it may be the writer's until it is taken)."""
+        parent_fd, _ = open_trusted_dir(self.path.parent)
+        try:
+            return os.open(self.path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=parent_fd)
+        finally:
+            os.close(parent_fd)
 
     def _take(self, fd: int, st: os.stat_result, *, allow_agent: bool = False) -> None:
         """Make the entry behind ``fd`` the agent's, private: owner check, then chown + chmod."""

@@ -75,7 +75,7 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
-from agent.fsutil import OUTSIDE_SESSION, Claimed, SessionFolder
+from agent.fsutil import OUTSIDE_SESSION, Claimed, SessionFolder, UnsafeFolderError
 from agent.lazy import LazyModule
 from agent.sdk.folders import shm_dir
 from agent.sdkclient import (
@@ -391,13 +391,15 @@ class ProfilerActor:
         output_dir: Path | None = None,
         timeout_s: float | None = None,
     ) -> SessionRequest:
-        """A :class:`SessionRequest` with config defaults for what is not given."""
+        """A :class:`SessionRequest` with config defaults for what is not given (the folder made
+        absolute lexically: symlinks are not resolved here, :class:`SessionFolder` judges them)."""
         c = self.config
         return SessionRequest(
             num_steps=num_steps or c.num_steps,
             start_step=start_step if start_step is not None else c.start_step,
             activities=tuple(activities or c.activities),
-            output_dir=Path(output_dir or c.output_dir or Path("profiles")).resolve(),
+            # lexical, never resolved: a symlink planted on the way is refused by SessionFolder.create
+            output_dir=Path(os.path.abspath(output_dir or c.output_dir or "profiles")),
             timeout_s=timeout_s or c.max_duration_s,
         )
 
@@ -409,7 +411,7 @@ class ProfilerActor:
             output_dir=self.config.output_dir or artifact_dir,
             timeout_s=min(timeout_s, self.config.max_duration_s),
         )
-        req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
+        req = await anyio.to_thread.run_sync(make_request)  # makes the folder absolute: reads the cwd
         return await self.profile(req, pid=target.pid)
 
     async def run_phase(
@@ -438,7 +440,7 @@ class ProfilerActor:
         """
         c = self.config
         make_request = partial(self.request, num_steps=c.on_incident_steps or c.num_steps, output_dir=c.output_dir or artifact_dir)
-        req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
+        req = await anyio.to_thread.run_sync(make_request)  # makes the folder absolute: reads the cwd
         if c.backend != "sdk":
             return [await self.profile(req)]
         with_socket = [t for t in targets if await anyio.to_thread.run_sync(self._has_socket, t.pid)]
@@ -475,6 +477,8 @@ class ProfilerActor:
         writer = await anyio.to_thread.run_sync(_writer_uid, pid) if backend == "sdk" and pid is not None else None
         try:
             s.folder = await anyio.to_thread.run_sync(partial(SessionFolder.create, req.output_dir, writer_uid=writer))
+        except UnsafeFolderError as exc:  # another user's folder or symlink on the way: never followed
+            return s.result(Outcome.FAILED, f"output folder {str(req.output_dir)!r} refused: {exc}")
         except OSError as exc:
             return s.result(Outcome.FAILED, f"cannot create {str(req.output_dir)!r}: {exc.strerror or exc}")
         if s.folder.path != req.output_dir:
@@ -883,7 +887,7 @@ async def profile_once(
     make_request = partial(
         actor.request, num_steps=steps, start_step=start_step, activities=activities, output_dir=out_dir, timeout_s=timeout_s
     )
-    req = await anyio.to_thread.run_sync(make_request)  # resolves the folder: file system
+    req = await anyio.to_thread.run_sync(make_request)  # makes the folder absolute: reads the cwd
     if config.backend == "sdk" and pid is None:
         folder = config.socket_dir or shm_dir()
         pids = await anyio.to_thread.run_sync(control_socket_pids, config.socket_dir)  # lists the folder

@@ -1,0 +1,179 @@
+"""Issue 34 item 2: a symlink (or folder) another user planted never makes root create folders
+anywhere.
+
+The attacker is a real other uid (``nobody``, through ``setpriv``): it plants a symlink in the
+sticky ``/tmp`` pointing at root's files (a 0755 tree like ``/etc``), or owns a folder on the way,
+and serves a real SDK control socket whose ``profile.start`` writes a "trace" into the folder it
+is handed (so a folder made for it stays). The surfaces are the real ones: ``servewatch
+profile --out`` run as a subprocess (root), and an incident of a real agent whose configured
+``profiler.output_dir`` is the planted path. Before the fix the path was resolved first: root
+made ``session-*`` inside the link's target and gave it to uid 65534.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.security._attack import (
+    AS_NOBODY,
+    NOBODY,
+    NOBODY_PYTHON,
+    REPO,
+    needs_root,
+    ready_line,
+    run_as_nobody,
+    snapshot,
+)
+
+pytestmark = needs_root
+
+#: A hostile "SDK", stdlib only, run as nobody. argv: socket path template ({pid}). Answers
+#: profile.start by writing a trace into the folder it is handed, and reports it.
+_HOSTILE_SDK = r"""
+import json, os, socket, sys
+path = sys.argv[1].replace("{pid}", str(os.getpid()))
+os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(8)
+print("ready", os.getpid(), flush=True)
+srv.settimeout(90)
+files = []
+while True:
+    try:
+        conn, _ = srv.accept()
+    except OSError:
+        break
+    with conn:
+        req = json.loads(conn.makefile("rb").readline())
+        if req.get("cmd") == "profile.start":
+            out = os.path.join(req["output_dir"], "owned.trace.json")
+            try:
+                with open(out, "w") as f:
+                    f.write('{"traceEvents": []}')
+                files = [out]
+            except OSError:
+                pass
+            reply = {"ok": True, "session_id": "s1"}
+        elif req.get("cmd") == "status":
+            reply = {"ok": True, "pid": os.getpid(), "forward_ct": 1,
+                     "session": {"session_id": "s1", "finished": True, "state": "completed",
+                                 "steps_captured": 1, "files": files}}
+        else:
+            reply = {"ok": True, "status": "stopped"}
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+"""
+
+
+def _hostile_sdk(spawn: Callable, shm: Path) -> int:
+    template = str(shm / f"servewatch-{NOBODY}" / "servewatch-ctl.{pid}.sock")
+    proc = run_as_nobody(spawn, [NOBODY_PYTHON, "-c", _HOSTILE_SDK, template])
+    return int(ready_line(proc).split()[1])
+
+
+@pytest.fixture
+def root_tree() -> Iterator[Path]:
+    """Root's own files like ``/etc``: a 0755 tree in /tmp that anyone may pass through (so a
+    folder root gave to 65534 there is one it can use); asserted unchanged afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="sw-rootetc-", dir="/tmp"))
+    (root / "etc").mkdir()
+    (root / "etc" / "config").write_text("keep\n")
+    for p, mode in ((root, 0o755), (root / "etc", 0o755), (root / "etc" / "config", 0o644)):
+        p.chmod(mode)
+    before = snapshot(root)
+    try:
+        yield root
+        assert snapshot(root) == before, "root's tree changed: a folder was made or given away there"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def planted_link(root_tree: Path) -> Iterator[Path]:
+    """``/tmp/sw-planted-<random>``: a symlink nobody made in the sticky /tmp, pointing at
+    ``root_tree`` (removed afterwards; root may remove it in a sticky folder)."""
+    link = Path(f"/tmp/sw-planted-{secrets.token_hex(6)}")
+    subprocess.run([*AS_NOBODY, "ln", "-s", str(root_tree), str(link)], check=True, timeout=30)
+    assert link.is_symlink() and link.lstat().st_uid == NOBODY
+    try:
+        yield link
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def _names(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _cli(cwd: Path, shm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    env.update(SERVEWATCH_PROFILER__SOCKET_DIR=str(shm), SERVEWATCH_PROFILER__FIND_TIMEOUT_S="2",
+               SERVEWATCH_PROFILER__REQUEST_TIMEOUT_S="5", SERVEWATCH_HOST_NAME="node-a", COLUMNS="400",
+               PYTHONPATH=str(REPO))  # this checkout's agent, whatever the venv installed
+    return subprocess.run([sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd, env=env, check=False)
+
+
+@pytest.mark.parametrize(
+    ("shape", "why"),
+    [
+        ("the planted link", "is a symlink owned by uid 65534, not by root or the agent's uid 0"),
+        ("a folder through the planted link", "is a symlink owned by uid 65534, not by root or the agent's uid 0"),
+        ("a folder inside nobody's folder", "is owned by uid 65534, not by root or the agent's uid 0"),
+    ],
+)
+def test_profile_out_through_another_users_link_or_folder_is_refused_in_one_line(
+    spawn: Callable, tmp_path: Path, shared_tmpfs: Path, root_tree: Path, planted_link: Path, nobody_dir: Path,
+    shape: str, why: str,
+) -> None:
+    pid = _hostile_sdk(spawn, shared_tmpfs)
+    out = {"the planted link": planted_link, "a folder through the planted link": planted_link / "etc",
+           "a folder inside nobody's folder": nobody_dir / "profiles"}[shape]
+    before = _names(root_tree)
+    done = _cli(tmp_path, shared_tmpfs, "profile", "--pid", str(pid), "--steps", "1", "--timeout", "5",
+                "--out", str(out), "--data-dir", str(tmp_path / "data"))
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"servewatch: --out {str(out)!r} refused: "), done.stderr
+    assert why in lines[0], lines[0]
+    assert _names(root_tree) == before  # no session-* in root's etc, nothing given to 65534
+    assert not list(nobody_dir.iterdir())  # nothing made in the attacker's folder either
+    assert done.stdout == ""
+
+
+async def test_an_incident_profile_into_a_planted_output_dir_fails_with_the_reason(
+    spawn: Callable, tmp_path: Path, shared_tmpfs: Path, root_tree: Path, planted_link: Path
+) -> None:
+    from agent.config import load_settings
+    from agent.runtime import dump_once
+
+    pid = await anyio.to_thread.run_sync(_hostile_sdk, spawn, shared_tmpfs)
+    before = _names(root_tree)
+    settings = load_settings({
+        "data_dir": tmp_path / "data", "host_name": "node-a", "target": {"pids": [pid]},
+        "coredump": {"enabled": False}, "export": {"metrics": False},
+        "profiler": {"on_incident_steps": 1, "output_dir": str(planted_link / "etc"), "socket_dir": str(shared_tmpfs),
+                     "find_timeout_s": 2, "request_timeout_s": 5, "max_duration_s": 5},
+    })
+    with anyio.fail_after(120):
+        record = await dump_once(settings)
+    manifest = json.loads(record.manifest_path.read_text())
+    [profile] = [a for a in manifest["actions"] if a["action"] == "profile.session"]
+    assert profile["outcome"] == "failed", profile
+    assert profile["detail"] == (
+        f"output folder {str(planted_link / 'etc')!r} refused: {str(planted_link)!r} is a symlink owned by uid 65534,"
+        " not by root or the agent's uid 0: not used"
+    ), profile
+    assert profile["artifact_paths"] == []
+    assert _names(root_tree) == before

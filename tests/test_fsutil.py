@@ -117,3 +117,56 @@ def test_memory_backed_sees_a_tmpfs_mounted_over_a_disk_folder(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "False"]
     assert fsutil.memory_backed(mounted) is False  # this process's namespace has no such mount
+
+
+def _walk_problem(path: Path) -> str | None:
+    try:
+        fd, _ = fsutil.open_trusted_dir(path)
+    except fsutil.UnsafeFolderError as exc:
+        return str(exc)
+    os.close(fd)
+    return None
+
+
+def test_trusted_walk_creates_0700_follows_own_links_and_refuses_shared_folders(tmp_path):
+    """The rules of open_trusted_dir, as the agent's own uid: missing folders made 0700 whatever
+    the umask; the agent's own symlink followed (its target judged too); a folder on the way
+    writable by others without the sticky bit refused, with the sticky bit allowed."""
+    old = os.umask(0o077)
+    try:
+        fd, made = fsutil.open_trusted_dir(tmp_path / "a" / "b", create=True)
+    finally:
+        os.umask(old)
+    os.close(fd)
+    assert made == (tmp_path / "a" / "b", tmp_path / "a")
+    assert [stat.S_IMODE(p.stat().st_mode) for p in made] == [0o700, 0o700]
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    fd, made = fsutil.open_trusted_dir(tmp_path / "link" / "b")
+    assert made == () and os.path.samestat(os.fstat(fd), (tmp_path / "a" / "b").stat())
+    os.close(fd)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "x").mkdir(mode=0o700)
+    assert _walk_problem(shared / "x") == (
+        f"{str(shared)!r} (a folder on its way) is writable by other users without the sticky bit (mode 777): not used")
+    assert "(the folder asked for) is writable by other users" in (_walk_problem(shared) or "")
+    shared.chmod(0o1777)
+    assert _walk_problem(shared / "x") is None and _walk_problem(shared) is None
+    assert fsutil.unsafe_folder_reason(shared / "x" / "not" / "yet") is None  # would be made 0700
+    (tmp_path / "file").write_text("")
+    assert _walk_problem(tmp_path / "file") == f"{str(tmp_path / 'file')!r} is not a folder"
+    with pytest.raises(FileNotFoundError):
+        fsutil.open_trusted_dir(tmp_path / "missing")
+
+
+def test_session_folder_is_the_base_only_when_it_is_the_agents_0700_folder(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)  # readable by all (like /etc): a fresh 0700 session folder is made inside
+    inside = fsutil.SessionFolder.create(shared)
+    assert inside.path.parent == shared and stat.S_IMODE(inside.path.stat().st_mode) == 0o700
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    assert fsutil.SessionFolder.create(private).path == private

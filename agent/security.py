@@ -8,7 +8,8 @@ Owns:
 - :func:`trusted_owner` / :func:`open_trusted`: a file or socket planted by someone else (wrong
   owner, symlink) is not the target's;
 - :func:`redact_cmdline`: secrets in command lines (``--api-key X``, ``--auth=X``, ``-k X``,
-  ``HF_TOKEN=X``, ``https://u:PASSWORD@h``, ``Authorization: Bearer X``, ``sk-...``) never reach
+  ``"--api-key X"`` as one element, ``--private-key-pem=-----BEGIN...``, ``HF_TOKEN=X``,
+  ``https://u:PASSWORD@h``, ``Authorization: Bearer X``, ``sk-...``, PEM private keys) never reach
   a manifest, by pattern families (listed above the function), not a list of flags;
 - :func:`strip_control`: text a target chose (titles, thread, function and file names, request
   ids) never carries terminal escape sequences to an operator's terminal.
@@ -189,7 +190,15 @@ def open_trusted(path: str | os.PathLike[str], owner_uids: Iterable[int | None],
 # 4. a credential header (``Authorization:``, ``Proxy-Authorization:``, ``Cookie:``,
 #    ``X-Api-Key:`` and any ``X-...-Token:``): everything after the colon;
 # 5. well-known token shapes anywhere (OpenAI ``sk-``, Hugging Face ``hf_``, GitHub ``ghp_``...,
-#    Slack ``xox?-``, AWS ``AKIA...`` access key ids, JWTs ``eyJ...``).
+#    Slack ``xox?-``, AWS ``AKIA...`` access key ids, JWTs ``eyJ...``) and PEM private key blocks
+#    (``-----BEGIN ... PRIVATE KEY-----`` to its ``END`` line, or to the end when cut).
+#
+# One argv element may hold a flag and its value together: ``"--api-key sk-abc"`` (a flag, a
+# space, its value: a launcher that passed one string) and ``"--private-key-pem=-----BEGIN..."``
+# (multi-line) are family 1 too; a value that starts with dashes but is no ``--flag`` (a PEM
+# block after ``--private-key-pem``) is still the secret flag's value. A flag name's trailing
+# format word (``pem``, ``der``, ``b64``, ``base64``, ``hex``, ``value``, ``data``, ``string``,
+# ``raw``) is looked through: ``--private-key-pem`` is a ``key``.
 
 #: Words that make a flag, variable, query parameter or header name a secret's (compared per
 #: ``-``/``_``/``.`` separated word, case-insensitive; ``--tokenizer``, ``--max-tokens`` and
@@ -200,6 +209,13 @@ SECRET_WORDS = frozenset({
 })
 #: Short flags whose value is a secret (``-k KEY``).
 SECRET_SHORT_FLAGS = frozenset({"-k"})
+#: Trailing words of a flag name that say a value's format, not what it is (``--private-key-pem``).
+FORMAT_WORDS = frozenset({"pem", "der", "b64", "base64", "hex", "value", "data", "string", "str", "raw", "text"})
+#: A next argument that is itself a flag (``--port``), not the value of a secret flag before it.
+_FLAG_LIKE = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_.-]*(?:=|$)")
+_PEM_PRIVATE = re.compile(
+    r"-----BEGIN (?P<kind>[A-Z0-9 ]*PRIVATE KEY[A-Z0-9 ]*)-----.*?(?:-----END (?P=kind)-----|\Z)", re.DOTALL
+)
 _WORD_SPLIT = re.compile(r"[-_.]+")
 _ENV_ARG = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=")
 _URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<pw>[^/@\s]+)@")
@@ -218,6 +234,8 @@ def _secret_name(name: str, *, anywhere: bool = False) -> bool:
     """Whether a name names a secret: its last word (or last two joined: ``api-key``) is a
     secret word; with ``anywhere`` (variables, query parameters), any of its words is."""
     words = [w for w in _WORD_SPLIT.split(name.lower().lstrip("-")) if w]
+    while len(words) > 1 and words[-1] in FORMAT_WORDS:
+        words.pop()
     if not words:
         return False
     pairs = ["".join(words[i:i + 2]) for i in range(len(words) - 1)]
@@ -235,6 +253,7 @@ def _is_secret_flag(flag: str) -> bool:
 def redact_value(text: str) -> str:
     """``text`` with the secrets of families 3, 4 and 5 replaced by :data:`REDACTED` (a URL's
     password and secret query parameters, a credential header's value, token shapes)."""
+    text = _PEM_PRIVATE.sub(REDACTED, text)
     header = _HEADER.match(text.strip())
     if header:
         return f"{header.group('name')}: {REDACTED}"
@@ -247,28 +266,49 @@ def redact_value(text: str) -> str:
     return _TOKEN_SHAPES.sub(REDACTED, text)
 
 
+_HEAD = re.compile(r"^(?P<flag>[^\s=]+)(?P<sep>=|\s+)")
+
+
+def _secret_flag_element(arg: str) -> str | None:
+    """``arg`` redacted when it is a secret flag together with its value in one element
+    (``--auth=X``, ``--api-key X``, ``--private-key-pem=<PEM, several lines>``), else ``None``."""
+    m = _HEAD.match(arg)
+    if m is None or not m.group("flag").startswith("-") or not _is_secret_flag(m.group("flag")):
+        return None
+    sep = "=" if m.group("sep") == "=" else " "
+    return f"{m.group('flag')}{sep}{REDACTED}"
+
+
 def redact_cmdline(argv: Sequence[str]) -> list[str]:
     """A copy of ``argv`` with secret values replaced by :data:`REDACTED`, by the pattern
-    families above: the value of a secret flag (``--api-key X``, ``--auth=X``, ``-k X``; a next
-    argument that is itself a ``--flag`` is not taken as the value), ``NAME=value`` of a secret
-    NAME, passwords in URLs, secret query parameters, credential headers (``-H 'Authorization:
-    Bearer X'``) and known token shapes anywhere.
+    families above: the value of a secret flag (``--api-key X``, ``--auth=X``, ``-k X``, and
+    one element holding both: ``"--api-key X"``, ``"--private-key-pem=-----BEGIN..."``; a next
+    argument that is itself a ``--flag`` is not taken as the value, one that merely starts
+    with dashes, a PEM block, is), ``NAME=value`` of a secret NAME, passwords in URLs, secret
+    query parameters, credential headers (``-H 'Authorization: Bearer X'``) and known token
+    shapes (PEM private keys included) anywhere.
+
+    Args:
+        argv: a command line, one string per element (elements may hold spaces and newlines).
+
+    Returns:
+        A new list of the same length.
     """
     out: list[str] = []
     redact_next = False
     for arg in argv:
         if redact_next:
             redact_next = False
-            if not arg.startswith("--"):
+            if not _FLAG_LIKE.match(arg):
                 out.append(REDACTED)
                 continue
-        flag, eq, _value = arg.partition("=")
-        if flag.startswith("-") and _is_secret_flag(flag):
-            if eq:
-                out.append(f"{flag}={REDACTED}")
-            else:
-                out.append(arg)
-                redact_next = True
+        joined = _secret_flag_element(arg)
+        if joined is not None:
+            out.append(joined)
+            continue
+        if arg.startswith("-") and _HEAD.match(arg) is None and _is_secret_flag(arg):  # value next
+            out.append(arg)
+            redact_next = True
             continue
         m = _ENV_ARG.match(arg)
         if m and not arg.startswith("-") and _secret_name(m.group(1), anywhere=True):
@@ -343,7 +383,9 @@ def sanitize(obj: _T, *, keep_newlines: bool = False) -> _T:
 
 
 def redact_text(text: str) -> str:
-    """:func:`redact_cmdline` for a command line held in one string (a title with arguments)."""
+    """:func:`redact_cmdline` for a command line held in one string (a title with arguments);
+    PEM private key blocks are removed whole first (they span spaces and lines)."""
+    text = _PEM_PRIVATE.sub(REDACTED, text)
     if " " not in text:
         return redact_cmdline([text])[0]
     return " ".join(redact_cmdline(text.split(" ")))

@@ -503,6 +503,12 @@ def test_profile_start_over_the_socket_is_bounded(body: dict, error: str) -> Non
         (["env", "HF_TOKEN=hf_x", "API_KEY=1", "AWS_SECRET_ACCESS_KEY=2", "PATH=/bin"],
          ["env", "HF_TOKEN=<redacted>", "API_KEY=<redacted>", "AWS_SECRET_ACCESS_KEY=<redacted>", "PATH=/bin"]),
         (["x", "--keyboard", "us", "--tokenizer", "t"], ["x", "--keyboard", "us", "--tokenizer", "t"]),
+        # a flag and its value in one element; a value that starts with dashes (a PEM block)
+        (["x", "--api-key sk-abc", "--auth\tA", "--tokenizer /m/t"], ["x", "--api-key <redacted>", "--auth <redacted>", "--tokenizer /m/t"]),
+        (["x", "--private-key-pem=-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----"], ["x", "--private-key-pem=<redacted>"]),
+        (["x", "--private-key-pem", "-----BEGIN RSA PRIVATE KEY-----\nMIIE"], ["x", "--private-key-pem", "<redacted>"]),
+        (["x", "--api-key", "--port", "1", "--ssl-cert-pem", "/c.pem"], ["x", "--api-key", "--port", "1", "--ssl-cert-pem", "/c.pem"]),
+        (["x", "cert=-----BEGIN EC PRIVATE KEY-----\nMIIE\n-----END EC PRIVATE KEY----- tail"], ["x", "cert=<redacted> tail"]),
     ],
 )
 def test_redact_cmdline(argv: list[str], expected: list[str]) -> None:

@@ -1121,7 +1121,8 @@ def profile(
 
         if (why := unsafe_folder_reason(out_path)) is not None:
             key = "--out" if out_dir is not None else "profiler.output_dir" if settings.profiler.output_dir else "the default ./profiles"
-            fail(f"{key} {str(out_path)!r} refused: {why}", ExitCode.USAGE)
+            fail(f"{key} {str(out_path)!r} refused: {why}; pass --out a folder that, with every folder above it,"
+                 f" belongs to root or uid {os.geteuid()}", ExitCode.USAGE)
     import anyio
 
     from agent.runtime import Agent

@@ -175,8 +175,11 @@ class ProfilerConfig(BaseModel):
         base_url: the server's HTTP address for ``sglang``/``vllm`` (default
             ``http://127.0.0.1:30000``, SGLang's default port).
         output_dir: where traces are written; ``None`` = the incident bundle folder (incidents)
-            or ``./profiles`` (``servewatch profile``). For ``vllm`` set it to the
-            folder vLLM was launched with.
+            or ``./profiles`` (``servewatch profile``). It and every folder above it must be
+            root's or the agent's user's, with no folder on the way writable by others without
+            the sticky bit and no symlink of another user (never resolved first): else the
+            session is ``FAILED`` with the reason. For ``vllm`` set it to the folder vLLM was
+            launched with (only read, never created).
         num_steps: forward steps per session for ``servewatch profile`` when ``--steps`` is not given
             (default 5).
         start_step: start once the target's ``forward_ct`` reaches this (default: next step).

@@ -257,7 +257,8 @@ class SpanShipper:
         #: the targets (pid -> uid) the agent watches: their rings are attached as soon as they
         #: appear (at the next poll), and they are declared watched (agent.sdk.presence)
         self._targets: dict[int, int | None] = {}
-        self._declared: frozenset[int] | None = None
+        #: this agent's declarations that it watches the targets, in each one's private folder
+        self._presence = _presence.Declarations(directory)
         self._said_declaration = False
         self._declare_lock = threading.Lock()
         self._closed = False
@@ -373,28 +374,25 @@ class SpanShipper:
             self._watch_targets()
 
     def _watch_targets(self) -> None:
-        """Declare the targets (when they changed) and attach the rings of the ones not attached
-        yet (:meth:`watch`, and each poll)."""
+        """Declare the targets not declared yet (withdrawing the ones gone) and attach the rings
+        of the ones not attached yet (:meth:`watch`, and each poll)."""
         with self._lock:
             targets = dict(self._targets)
             attached = set(self._rings)
-        pids = frozenset(targets)
         with self._declare_lock:
-            if pids != self._declared:
-                self._declare(pids)
+            if not self._closed:
+                self._declare(targets)
         for pid, uid in targets.items():
             if pid not in attached and pid_alive(pid):
                 self.attach(pid, uid)
 
-    def _declare(self, pids: frozenset[int]) -> None:
-        if pids != self._declared and not self._closed:
-            try:
-                _presence.write_declaration(pids, self.directory)
-                self._declared = pids
-            except OSError as exc:  # the servers then fall back until we attach: said once
-                if not self._said_declaration:
-                    log.warning("cannot declare the watched servers in %s: %s", self.directory or "the shm folder", exc)
-                    self._said_declaration = True
+    def _declare(self, targets: Mapping[int, int | None]) -> None:
+        """Declare the targets not declared yet, in their servers' private folders (O(1) each
+        once declared; a server whose folder is not there yet is tried again later)."""
+        problems = self._presence.update(targets)
+        if problems and not self._said_declaration:  # the servers then fall back until we attach: said once
+            log.warning("cannot declare the watched servers in %s yet: %s", self.directory or "the shm folder", "; ".join(problems[:3]))
+            self._said_declaration = True
 
     def poll(self) -> int:
         """Attach the rings of new targets (:meth:`watch`), heartbeat and drain every attached ring
@@ -541,8 +539,7 @@ class SpanShipper:
                 reader.heartbeat()
             except (OSError, ValueError):
                 pass  # the next poll retires a ring that went away
-        if self._declared is not None:
-            _presence.touch_declaration(self.directory)
+        self._presence.touch()
 
     def start(self, interval_s: float, *, nice: int = BACKGROUND_NICE) -> threading.Thread:
         """Drain the rings every ``interval_s`` seconds on a dedicated thread running at
@@ -620,9 +617,7 @@ class SpanShipper:
                 self._closed = True
                 rings = list(self._rings.items())
             with self._declare_lock:
-                if self._declared is not None:  # servers no longer wait for us
-                    _presence.remove_declaration(self.directory)
-                    self._declared = None
+                self._presence.withdraw_all()  # servers no longer wait for us
             for _, ring in rings:  # detach first: new spans take the servers' own path at once
                 try:
                     ring.reader.heartbeat(detach=True)

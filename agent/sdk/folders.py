@@ -210,6 +210,13 @@ def sdk_path(pid: int | None, name: str, base: Path | None = None, uids: Iterabl
     owners = tuple(uids) if uids is not None else process_uids(pid)
     if not owners:
         owners = (os.geteuid(),)
+    for uid in owners:  # the usual case without listing the shared folder (another user's files there)
+        canonical = folder_base / f"{FOLDER_PREFIX}{uid}"
+        try:
+            if folder_problem(os.lstat(canonical), owners) is None and os.path.lexists(canonical / name):
+                return canonical / name
+        except OSError:
+            continue
     folders = _trusted_folders(folder_base, owners)
     for folder in folders:
         path = folder / name

@@ -1,6 +1,6 @@
-"""agent.sdk.presence: a server trusts an agent's declaration that it watches it only when the file
-is root's or the server's own, fresh, and its agent alive; another user's planted file never
-makes a server hold its spans."""
+"""agent.sdk.presence: an agent declares the servers it watches in each server's private folder;
+a server trusts a declaration only when the file is root's or its own, fresh, names it, and its
+agent is alive. The agent never writes through a folder another user swapped for a symlink."""
 
 from __future__ import annotations
 
@@ -11,35 +11,124 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from agent.sdk import presence
+from agent.sdk.folders import own_dir
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups"]
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to act as another uid")
 
 
-def test_a_fresh_declaration_of_a_live_agent_names_its_targets(tmp_path: Path) -> None:
-    path = presence.write_declaration([os.getpid(), 4242], tmp_path)
-    assert path.name == f"servewatch-agent.{os.getpid()}" and oct(path.stat().st_mode & 0o777) == "0o644"
-    assert presence.watched(os.getpid(), tmp_path) and presence.watched(4242, tmp_path)
-    assert not presence.watched(4343, tmp_path)
-    # stale: its agent stopped touching it
-    assert not presence.watched(os.getpid(), tmp_path, now_s=time.time() + presence.STALE_S + 1)
-    presence.remove_declaration(tmp_path)
-    assert not presence.watched(os.getpid(), tmp_path)
+def test_a_fresh_declaration_of_a_live_agent_names_its_server(tmp_path: Path) -> None:
+    me = os.getpid()
+    declarations = presence.Declarations(tmp_path)
+    assert declarations.update({me: os.geteuid()}) == [] and declarations.declared == {me}
+    path = own_dir(tmp_path) / f"servewatch-watched.{me}"
+    assert path.parent.name == f"servewatch-{os.geteuid()}" and oct(path.stat().st_mode & 0o777) == "0o644"
+    assert json.loads(path.read_text()) == {"pid": me, "target": me}
+    assert presence.watched(me, tmp_path)
+    assert not presence.watched(4242, tmp_path)  # no declaration of that server
+    # stale: its agent stopped touching it; a touch makes it fresh again
+    assert not presence.watched(me, tmp_path, now_s=time.time() + presence.STALE_S + 1)
+    os.utime(path, (time.time() - presence.STALE_S - 5,) * 2)
+    assert not presence.watched(me, tmp_path)
+    declarations.touch()
+    assert presence.watched(me, tmp_path)
+    declarations.withdraw_all()
+    assert not path.exists() and not presence.watched(me, tmp_path) and declarations.declared == frozenset()
 
 
-def test_the_declaration_of_a_dead_agent_does_not_count(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    pid = int(dead.stdout)
-    (tmp_path / f"servewatch-agent.{pid}").write_text(json.dumps({"pid": pid, "targets": [os.getpid()]}))
-    assert not presence.watched(os.getpid(), tmp_path)
+def test_a_server_no_longer_watched_is_withdrawn_and_a_vanished_declaration_is_written_again(tmp_path: Path) -> None:
+    me = os.getpid()
+    declarations = presence.Declarations(tmp_path)
+    declarations.update({me: None})  # uid read from /proc
+    path = own_dir(tmp_path) / f"servewatch-watched.{me}"
+    path.unlink()  # the server's user may remove what is in its folder
+    declarations.touch()
+    assert declarations.declared == frozenset()
+    declarations.update({me: None})
+    assert path.exists() and presence.watched(me, tmp_path)
+    declarations.update({})
+    assert not path.exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to act as another uid")
+def test_the_declaration_of_a_dead_agent_or_of_another_server_does_not_count(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True, timeout=30)
+    me = os.getpid()
+    path = own_dir(tmp_path) / f"servewatch-watched.{me}"
+    path.write_text(json.dumps({"pid": int(dead.stdout), "target": me}))
+    assert not presence.watched(me, tmp_path)
+    path.write_text(json.dumps({"pid": me, "target": me + 1}))
+    assert not presence.watched(me, tmp_path)
+    path.write_text(json.dumps({"pid": me, "target": me}))
+    assert presence.watched(me, tmp_path)
+
+
+def test_a_server_gone_is_not_declared_and_not_reported(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True, timeout=30)
+    declarations = presence.Declarations(tmp_path)
+    assert declarations.update({int(dead.stdout): None}) == [] and declarations.declared == frozenset()
+
+
+@pytest.fixture
+def nobody_server(spawn: Callable) -> subprocess.Popen[bytes]:
+    """A process of uid 65534 standing for a server of another user."""
+    return spawn([*AS_NOBODY, "sleep", "60"])
+
+
+def _wait_uid(pid: int, uid: int) -> None:
+    deadline = time.monotonic() + 30
+    while os.stat(f"/proc/{pid}").st_uid != uid:  # setpriv execs sleep once it switched
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@needs_root
+def test_a_root_agent_makes_the_folder_of_a_server_that_has_none_yet_for_its_uid(
+    tmp_path: Path, nobody_server: subprocess.Popen[bytes]
+) -> None:
+    base = tmp_path / "shm"
+    base.mkdir()
+    base.chmod(0o1777)
+    _wait_uid(nobody_server.pid, NOBODY)
+    declarations = presence.Declarations(base)
+    assert declarations.update({nobody_server.pid: NOBODY}) == []
+    folder = base / f"servewatch-{NOBODY}"
+    st = folder.stat()
+    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (NOBODY, NOBODY, "0o700")
+    declaration = folder / f"servewatch-watched.{nobody_server.pid}"
+    assert declaration.stat().st_uid == 0
+    assert json.loads(declaration.read_text()) == {"pid": os.getpid(), "target": nobody_server.pid}
+
+
+@needs_root
+def test_a_root_agent_never_writes_through_a_symlink_at_the_servers_folder_name(
+    tmp_path: Path, nobody_server: subprocess.Popen[bytes]
+) -> None:
+    base = tmp_path / "shm"
+    base.mkdir()
+    base.chmod(0o1777)
+    elsewhere = tmp_path / "etc"
+    elsewhere.mkdir(mode=0o700)
+    (base / f"servewatch-{NOBODY}").symlink_to(elsewhere)
+    os.lchown(base / f"servewatch-{NOBODY}", NOBODY, NOBODY)
+    _wait_uid(nobody_server.pid, NOBODY)
+    declarations = presence.Declarations(base)
+    assert declarations.update({nobody_server.pid: NOBODY}) == []
+    assert list(elsewhere.iterdir()) == []  # nothing written through the symlink
+    # the server of that uid takes a mkdtemp folder of its own (agent.sdk.folders): made for it, declared there
+    (folder,) = base.glob(f"servewatch-{NOBODY}.*")
+    st = folder.stat()
+    assert (st.st_uid, oct(st.st_mode & 0o777)) == (NOBODY, "0o700")
+    assert json.loads((folder / f"servewatch-watched.{nobody_server.pid}").read_text())["target"] == nobody_server.pid
+
+
+@needs_root
 def test_a_declaration_planted_by_another_user_is_ignored() -> None:
     shared = Path(tempfile.mkdtemp(prefix="sw-shm-", dir="/tmp"))
     shared.chmod(0o1777)  # like /dev/shm: everyone may create files
@@ -50,8 +139,15 @@ def test_a_declaration_planted_by_another_user_is_ignored() -> None:
 
 
 def _planted(shared: Path) -> None:
-    planted = shared / f"servewatch-agent.{os.getpid()}"  # names a live process (this one) as its agent
-    body = json.dumps({"pid": os.getpid(), "targets": [os.getpid()]})
-    subprocess.run([*AS_NOBODY, sys.executable, "-c", f"open({str(planted)!r}, 'w').write({body!r})"], check=True, timeout=30)
-    assert planted.stat().st_uid == NOBODY
-    assert not presence.watched(os.getpid(), shared)
+    me = os.getpid()
+    body = json.dumps({"pid": me, "target": me, "targets": [me]})  # names a live process (this one) as its agent
+    names = [f"servewatch-agent.{me}", f"servewatch-watched.{me}"]  # the old flat layout's name, and the new name
+    code = f"for n in {names!r}: open({str(shared)!r} + '/' + n, 'w').write({body!r})"
+    subprocess.run([*AS_NOBODY, sys.executable, "-c", code], check=True, timeout=30)
+    assert all((shared / n).stat().st_uid == NOBODY for n in names)
+    assert not presence.watched(me, shared)
+    # nor in the server's own folder, should one be found there (only root could have put it)
+    planted = own_dir(shared) / f"servewatch-watched.{me}"
+    planted.write_text(body)
+    os.chown(planted, NOBODY, NOBODY)
+    assert not presence.watched(me, shared)

@@ -14,7 +14,14 @@ trace can be referenced before it is exported. Span links to in-flight requests 
 ``links`` attribute of the open/close events when present (``((trace_id_hex, span_id_hex), ...)``).
 
 A ``profile.session`` result's torch traces are imported as child spans of its span
-(:mod:`exporters.torch_trace`, streaming and capped), so the profile sits inside the incident.
+(:mod:`exporters.torch_trace`, streaming and capped), so the profile sits inside the incident. The
+files are the server's, so untrusted: a running agent's mirror (built with a
+:class:`~exporters.trace_imports.TraceImporter`) emits the session span at once with
+``servewatch.trace_import.state = deferred`` and imports its files off the span pipeline; when
+the import ends (well, failed, past its deadline or cancelled at shutdown) the ranges and one
+``profile.trace_import`` span with the counts follow, children of the session span. No span
+waits for an import. Without an importer (``servewatch profile``, a one-shot ``dump``) the
+import runs inline, within the same budget, and its counts sit on the session span.
 
 Every span of a finished action (with its imported children) and every incident root is handed
 to the sink write-ahead (:func:`exporters.spans.emit_durable`), keyed by its span id (the action's
@@ -25,8 +32,8 @@ an incident is durable and every action group before it was, the bundle gets
 checked by the next agent, which re-sends from the manifest exactly the spans that are not
 durable (:func:`agent.incidents.recover_interrupted`).
 
-Imports :mod:`agent.events`, :mod:`agent.bus` (types only), :mod:`exporters.spans` and
-:mod:`exporters.torch_trace`.
+Imports :mod:`agent.events`, :mod:`agent.bus` (types only), :mod:`exporters.spans`,
+:mod:`exporters.torch_trace` and :mod:`exporters.trace_imports`.
 """
 
 from __future__ import annotations
@@ -74,8 +81,20 @@ if TYPE_CHECKING:
     from agent.bus import Subscription
     from agent.registry import BuildContext
     from exporters.processor import ExportStatistics
+    from exporters.torch_trace import ImportBudget
+    from exporters.trace_imports import TraceImporter
 
-__all__ = ["INCIDENT_SPAN", "JOB_INCIDENT_SPAN", "MIRRORED_EVENTS", "PROFILE_SPAN", "SpanMirror", "action_span", "create", "mirror_profile_session"]
+__all__ = [
+    "INCIDENT_SPAN",
+    "JOB_INCIDENT_SPAN",
+    "MIRRORED_EVENTS",
+    "PROFILE_SPAN",
+    "TRACE_IMPORT_SPAN",
+    "SpanMirror",
+    "action_span",
+    "create",
+    "mirror_profile_session",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -91,6 +110,10 @@ DETAIL_SPAN = "incident.detail"
 MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced, JobIncidentClosed)
 #: Name of a profiling session's span (its torch trace is imported under it).
 PROFILE_SPAN = Action.PROFILE_SESSION
+#: Name of the span carrying a deferred import's counts, child of its ``profile.session`` span.
+TRACE_IMPORT_SPAN = "profile.trace_import"
+#: Seconds :meth:`SpanMirror.close_open` waits for a running trace import to stop.
+IMPORT_GRACE_S = 2.0
 #: Outcomes that are facts about the target, not failures: their spans keep status UNSET (an
 #: unarmed coredump is the normal case without ``servewatch launch``; no red span in Jaeger).
 NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOPPED, Outcome.NOT_ENABLED, Outcome.NO_SOURCE})
@@ -144,6 +167,8 @@ class SpanMirror:
         export_statistics: optional ``processor.statistics``; when given, the root span carries
             ``servewatch.export.spans_lost`` (dropped + evicted + rejected so far), so a lossy
             pipeline shows up in the trace itself.
+        importer: imports profile traces off the span pipeline (the running agent's); ``None``:
+            inline, within the same budget.
     """
 
     #: the bus events it turns into spans (subscribe to these)
@@ -155,10 +180,12 @@ class SpanMirror:
         *,
         host_name: str,
         export_statistics: Callable[[], ExportStatistics] | None = None,
+        importer: TraceImporter | None = None,
     ) -> None:
         self.sink = sink
         self.host_name = host_name
         self._export_statistics = export_statistics
+        self.importer = importer
         self._open: dict[str, _OpenIncident] = {}
         #: spans emitted
         self.emitted = 0
@@ -199,11 +226,15 @@ class SpanMirror:
             self.close_open(reason="agent stopped")
 
     def close_open(self, *, reason: str, time_unix_nano: int | None = None) -> int:
-        """Emit the root span of every incident still open (agent exiting mid-incident).
+        """Emit the root span of every incident still open (agent exiting mid-incident), after
+        stopping the trace importer (a running import is cancelled and reports what it got,
+        within :data:`IMPORT_GRACE_S`).
 
         Returns:
             How many roots were emitted.
         """
+        if self.importer is not None:
+            self.importer.close(IMPORT_GRACE_S)
         end = time_unix_nano or now_ns()
         count = 0
         for incident_id in list(self._open):
@@ -242,6 +273,7 @@ class SpanMirror:
             if result.outcome is not Outcome.OK:
                 inc.failed_actions += 1
         children = CollectingSink(self.sink.resource)
+        deferred = self.importer is not None and result.action == PROFILE_SPAN and bool(result.artifact_paths)
         span = action_span(
             children,
             result,
@@ -249,8 +281,11 @@ class SpanMirror:
             parent_span_id=parent,
             default_time_unix_nano=event.time_unix_nano,
             extra_attributes={"servewatch.incident.id": event.incident_id},
+            import_artifacts=not deferred,
         )
         durable = self._emit_all([*children.spans, span], key=span_id_hex(span.context.span_id))
+        if deferred:
+            self._defer_import(result, trace_id=trace_id, session_span_id=span.context.span_id, incident_id=event.incident_id)
         if inc is not None:
             inc.durable = inc.durable and durable
             inc.spans += len(children.spans) + 1
@@ -270,6 +305,49 @@ class SpanMirror:
             )
             inc = _OpenIncident(new_trace_id(), new_span_id(), opened)
         self._emit_root(inc, end_time_unix_nano=event.time_unix_nano, closed=event, unclosed_reason="")
+
+    def _defer_import(self, result: ActionResult, *, trace_id: int, session_span_id: int, incident_id: str) -> None:
+        """Hand a profile session's files to the importer; its spans follow when it ends. A
+        refused import (the importer's queue full or closed) is said by its span now."""
+        assert self.importer is not None
+        importer, sink = self.importer, self.sink
+        start_ns = result.start_time_unix_nano or now_ns()
+        window = (start_ns, result.end_time_unix_nano or start_ns)
+        paths = tuple(result.artifact_paths)
+
+        def run(budget: ImportBudget) -> None:
+            from exporters.torch_trace import import_profile_artifacts
+
+            began = now_ns()
+            children = CollectingSink(sink.resource)
+            attributes = import_profile_artifacts(
+                paths, children, trace_id=trace_id, parent_span_id=session_span_id, start_time_unix_nano=window[0],
+                end_time_unix_nano=window[1], budget=budget, ledger=importer.ledger,
+            )
+            if budget.cancelled:
+                attributes["servewatch.trace_import.cancelled"] = True
+            self._emit_import(children.spans, attributes, trace_id=trace_id, parent=session_span_id, incident_id=incident_id,
+                              start_time_unix_nano=began)
+
+        if not importer.submit(run):
+            self._emit_import([], {"servewatch.trace_import.error": "not imported: the trace importer is busy or stopped",
+                                   "servewatch.trace_import.files": 0, "servewatch.trace_import.errors": len(paths)},
+                              trace_id=trace_id, parent=session_span_id, incident_id=incident_id, start_time_unix_nano=now_ns())
+
+    def _emit_import(
+        self, spans: list[ReadableSpan], attributes: dict[str, object], *, trace_id: int, parent: int, incident_id: str,
+        start_time_unix_nano: int,
+    ) -> None:
+        """The imported ranges and the ``profile.trace_import`` span with their counts (any thread)."""
+        failed = bool(attributes.get("servewatch.trace_import.errors")) or bool(attributes.get("servewatch.trace_import.cancelled"))
+        summary = build_span(
+            TRACE_IMPORT_SPAN, trace_id=trace_id, parent_span_id=parent, start_time_unix_nano=start_time_unix_nano,
+            end_time_unix_nano=max(start_time_unix_nano, now_ns()),
+            attributes={**attributes, "servewatch.incident.id": incident_id},
+            error=str(attributes.get("servewatch.trace_import.error") or "import cancelled") if failed else None,
+            ok=not failed, resource=self.sink.resource,
+        )
+        emit_durable(self.sink, [*spans, summary], key=span_id_hex(summary.context.span_id))
 
     def _job_closed(self, event: JobIncidentClosed) -> None:
         trace_id, span_id = parse_trace_id(event.trace_id), parse_span_id(event.span_id)
@@ -383,11 +461,14 @@ def action_span(
     parent_span_id: int | None,
     default_time_unix_nano: int,
     extra_attributes: dict[str, object] | None = None,
+    import_artifacts: bool = True,
 ) -> ReadableSpan:
     """The span of one action result, named ``result.action``; errors unless the outcome is ok.
 
     A ``profile.session`` result's torch traces (and Metal bundle) are imported first, as
-    children of this span, and their counts become its attributes.
+    children of this span, and their counts become its attributes (within the default
+    :class:`~exporters.torch_trace.ImportBudget`); with ``import_artifacts=False`` they are not
+    (the caller imports them later) and the span says ``servewatch.trace_import.state = deferred``.
     """
     attributes: dict[str, object] = dict(result.attributes)
     attributes.update(extra_attributes or {})
@@ -400,7 +481,9 @@ def action_span(
     if result.artifact_paths:
         attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
     span_id = parse_span_id(result.span_id) or new_span_id()  # the incident layer's choice, in the manifest
-    if result.action == PROFILE_SPAN and result.artifact_paths:
+    if result.action == PROFILE_SPAN and result.artifact_paths and not import_artifacts:
+        attributes["servewatch.trace_import.state"] = "deferred"
+    elif result.action == PROFILE_SPAN and result.artifact_paths:
         # profiles only: a dump does not import the trace reader
         from exporters.torch_trace import import_profile_artifacts
 
@@ -446,8 +529,15 @@ def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
 
 def create(config: None, ctx: BuildContext) -> SpanMirror | None:
     """Registry factory (:data:`exporters.EXPORTERS` ``mirror``), at the ``start`` stage:
-    incident and action events become spans on ``ctx.telemetry``."""
+    incident and action events become spans on ``ctx.telemetry``; a running agent's mirror
+    imports profile traces through a :class:`~exporters.trace_imports.TraceImporter` whose ledger
+    lives in ``<data_dir>/trace-imports``."""
     if ctx.stage != "start" or ctx.telemetry is None:
         return None
     tel = ctx.telemetry
-    return SpanMirror(tel.sink, host_name=ctx.agent.host_name, export_statistics=tel.processor.statistics)
+    importer = None
+    if not ctx.one_shot:  # a running agent: profile traces are imported off the span pipeline
+        from exporters.trace_imports import LEDGER_DIR_NAME, TraceImporter, TraceImportLedger
+
+        importer = TraceImporter(ledger=TraceImportLedger(Path(ctx.agent.data_dir) / LEDGER_DIR_NAME))
+    return SpanMirror(tel.sink, host_name=ctx.agent.host_name, export_statistics=tel.processor.statistics, importer=importer)

@@ -43,23 +43,33 @@ import gzip
 import heapq
 import io
 import json
+import logging
+import math
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic import BaseModel, Field
 
 from exporters.spans import SpanSink, build_span, new_span_id
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+
 __all__ = [
     "ALWAYS_KEPT_CATEGORIES",
     "GPU_CATEGORIES",
+    "IMPORT_DEADLINE_S",
+    "ImportBudget",
+    "ImportLedger",
     "ImportStatistics",
     "TorchTraceImportConfig",
+    "TraceImportAborted",
     "find_base_time_ns",
     "gputrace_attributes",
     "import_gputrace",
@@ -67,6 +77,7 @@ __all__ = [
     "import_profile_artifacts",
     "import_torch_trace",
     "is_torch_trace",
+    "iter_json_array",
     "iter_trace_events",
 ]
 
@@ -88,6 +99,91 @@ _ARGS_STRIPPED = '"args":0'
 #: ones (each batch's copies stay in the CPU caches) and peak memory grows by ~1 MiB instead of
 #: ~12 MiB; 16 Ki is no faster.
 CHUNK_CHARS = 1 << 16
+#: Longest single JSON value (one trace event, one top-level field) read before the file is
+#: refused, characters. torch's biggest events (a range with its Python stack or input shapes)
+#: are a few KiB; a writer's unterminated string would otherwise grow the buffer without bound.
+MAX_VALUE_CHARS = 4 << 20
+#: Most characters read from one file (decompressed for ``.json.gz``), and the largest file
+#: opened (apparent size, and blocks allocated), 4 GiB: a 5-step profile of a real vLLM worker with
+#: stacks is ~0.5 GiB.
+MAX_READ_CHARS = 4 << 30
+#: Wall-clock bound of one session's import (every file of it), seconds.
+IMPORT_DEADLINE_S = 120.0
+
+
+class TraceImportAborted(ValueError):
+    """An import stopped by its budget: past its deadline, over its size cap, or cancelled
+    (the agent stopping). A :class:`ValueError`, so callers treat it as a file that failed."""
+
+
+class ImportBudget:
+    """What one import may spend: characters read, wall-clock time, and a cancel flag another
+    thread sets (the importer's ``close``). Checked at every chunk read, so an import stops within
+    one chunk's work (64 Ki characters) of its deadline or of ``cancel()``.
+
+    Args:
+        deadline_s: wall-clock bound from now, seconds (``None``: no deadline).
+        max_read_chars: characters read over all files of the import (decompressed).
+        max_value_chars: longest single JSON value (an event), characters.
+        cancel: a :class:`threading.Event` shared with whoever may stop the import.
+
+    Thread-safe for ``cancel()`` from another thread; the reading is single-threaded.
+    """
+
+    __slots__ = ("_cancel", "_deadline", "max_read_chars", "max_value_chars", "read_chars")
+
+    def __init__(
+        self,
+        *,
+        deadline_s: float | None = IMPORT_DEADLINE_S,
+        max_read_chars: int = MAX_READ_CHARS,
+        max_value_chars: int = MAX_VALUE_CHARS,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        self._cancel = cancel if cancel is not None else threading.Event()
+        self.max_read_chars = max_read_chars
+        self.max_value_chars = max_value_chars
+        #: characters read so far
+        self.read_chars = 0
+
+    def cancel(self) -> None:
+        """Stop the import at its next chunk (any thread)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def check(self) -> None:
+        """Raise :class:`TraceImportAborted` when cancelled or past the deadline."""
+        if self._cancel.is_set():
+            raise TraceImportAborted("import cancelled (the agent is stopping)")
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise TraceImportAborted("import deadline passed")
+
+    def spend(self, chars: int) -> None:
+        """Count ``chars`` read; raise :class:`TraceImportAborted` over the cap, past the
+        deadline or when cancelled."""
+        self.read_chars += chars
+        if self.read_chars > self.max_read_chars:
+            raise TraceImportAborted(f"over the {_size(self.max_read_chars)} read cap")
+        self.check()
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in words (``4.0 GiB``, ``512 B``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+#: A decode error this far (characters) or closer to the end of the buffer may be the value being
+#: cut by the chunk ("tru|e", "1.|5", "\\u00|e9"): refill; farther, the JSON is malformed.
+_TRUNCATION_MARGIN = 64
 
 class TorchTraceImportConfig(BaseModel):
     """Which torch trace events become spans (wiring set in code, not a user setting: the
@@ -98,7 +194,11 @@ class TorchTraceImportConfig(BaseModel):
         description="Event categories imported as spans besides the always-kept user annotations.",
     )
     min_duration_us: float = Field(default=10.0, ge=0, description="Ops/kernels shorter than this (µs) are dropped.")
-    max_spans: int = Field(default=5000, ge=0, description="Cap on op/kernel spans per trace (user annotations are not capped).")
+    max_spans: int = Field(default=5000, ge=0, description="Cap on op/kernel spans per trace (user annotations have their own).")
+    max_annotation_spans: int = Field(
+        default=20_000, ge=0,
+        description="Cap on ProfilerStep#N / record_function spans per trace (a real 5-step profile has tens; the file is the server's).",
+    )
     reorder_window: int = Field(default=4096, ge=1, description="Events per thread held to restore start-time order.")
     chunk_chars: int = Field(
         default=CHUNK_CHARS, ge=4096, description="Characters read from the trace per chunk (see CHUNK_CHARS)."
@@ -120,7 +220,7 @@ class ImportStatistics(NamedTuple):
     dropped_category: int
     #: complete ranges dropped as shorter than ``min_duration_us``
     dropped_min_duration: int
-    #: ranges dropped because ``max_spans`` was reached
+    #: ranges dropped because ``max_spans`` (or ``max_annotation_spans``) was reached
     dropped_cap: int
     #: events that are not complete ranges (metadata, flows, instants, counters)
     dropped_phase: int
@@ -133,6 +233,9 @@ class ImportStatistics(NamedTuple):
     #: earliest start / latest end of the kept spans, ns since the epoch (0 when none)
     first_start_unix_nano: int
     last_end_unix_nano: int
+    #: items that are not events (not an object) or ranges whose times are not finite numbers
+    #: in range: dropped, never a span (a hostile or broken file)
+    dropped_invalid: int = 0
 
     @property
     def dropped(self) -> int:
@@ -151,6 +254,7 @@ class ImportStatistics(NamedTuple):
             "servewatch.trace_import.dropped_min_duration": self.dropped_min_duration,
             "servewatch.trace_import.dropped_cap": self.dropped_cap,
             "servewatch.trace_import.out_of_order": self.out_of_order,
+            "servewatch.trace_import.dropped_invalid": self.dropped_invalid,
         }
 
 
@@ -162,18 +266,28 @@ def _text_id(value: Any) -> str:
 # --- reading ---------------------------------------------------------------------------------
 
 
-def _open_binary(path: Path) -> IO[bytes]:
+def _open_binary(path: Path, budget: ImportBudget | None = None) -> IO[bytes]:
     """Open a trace file for reading without following a symlink as its last component, and
-    only if it is a regular file (never a FIFO or a device a target planted).
+    only if it is a regular file (never a FIFO or a device a target planted) no larger than the
+    budget's read cap, by its apparent size and by the blocks it has allocated (a sparse 1 TiB
+    file costs its writer 4 KiB: it is refused by its size, never read).
 
     Raises:
         OSError: missing, a symlink (``ELOOP``), or unreadable.
-        ValueError: not a regular file.
+        ValueError: not a regular file, or over the cap (:class:`TraceImportAborted`).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path}: not a regular file")
+        cap = budget.max_read_chars if budget is not None else MAX_READ_CHARS
+        allocated = getattr(st, "st_blocks", 0) * 512
+        if max(st.st_size, allocated) > cap:
+            sparse = " (sparse)" if allocated < st.st_size // 2 else ""
+            raise TraceImportAborted(
+                f"{_size(st.st_size)} ({_size(allocated)} allocated{sparse}) is over the {_size(cap)} cap"
+            )
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -195,32 +309,57 @@ class _OwnedGzip(gzip.GzipFile):
             self._raw.close()
 
 
-def _open_text(path: Path) -> IO[str]:
-    raw = _open_binary(path)
+def _open_text(path: Path, budget: ImportBudget | None = None) -> IO[str]:
+    raw = _open_binary(path, budget)
     if path.name.endswith(".gz"):
         return io.TextIOWrapper(_OwnedGzip(raw), encoding="utf-8")
     return io.TextIOWrapper(raw, encoding="utf-8")
 
 
-class _Reader:
-    """A sliding character buffer over a text stream (compacted at each refill)."""
+def _maybe_truncated(exc: json.JSONDecodeError, buf: str) -> bool:
+    """Whether a decode error may only mean the value goes on past the buffer's end (refill and
+    retry) rather than malformed JSON (give up now)."""
+    return exc.msg.startswith("Unterminated string") or exc.pos >= len(buf) - _TRUNCATION_MARGIN
 
-    def __init__(self, f: IO[str], chunk_chars: int) -> None:
+
+class _Reader:
+    """A sliding character buffer over a text stream (compacted at each refill), within a budget.
+
+    One value being decoded may span chunks: a retry reads at least as much again as is pending
+    (so decoding a long value costs linear, not quadratic, time) and a value longer than
+    ``budget.max_value_chars`` is refused. Every read is charged to the budget (read cap,
+    deadline, cancel). Malformed JSON fails at once, not at the end of the file.
+    """
+
+    def __init__(self, f: IO[str], chunk_chars: int, budget: ImportBudget | None = None) -> None:
         self.f = f
         self.chunk = chunk_chars
+        self.budget = budget if budget is not None else ImportBudget(deadline_s=None)
         self.buf = ""
         self.pos = 0
         self.eof = False
         self.offset = 0  # absolute position of buf[0] in the stream
 
-    def fill(self) -> bool:
-        """Read one more chunk; False at end of file."""
+    def fill(self, *, grow: bool = False) -> bool:
+        """Read one more chunk (``grow``: at least as much as is pending); False at end of file.
+
+        Raises:
+            ValueError: the pending value is longer than the budget allows.
+            TraceImportAborted: the budget's cap, deadline or cancel.
+        """
         if self.eof:
             return False
-        data = self.f.read(self.chunk)
+        pending = len(self.buf) - self.pos
+        if pending > self.budget.max_value_chars:
+            raise ValueError(
+                f"a JSON value longer than {_size(self.budget.max_value_chars)} at offset {self.offset + self.pos}"
+                " (an unterminated string?)"
+            )
+        data = self.f.read(max(self.chunk, pending) if grow else self.chunk)
         if not data:
             self.eof = True
             return False
+        self.budget.spend(len(data))
         self.buf = self.buf[self.pos :] + data
         self.offset += self.pos
         self.pos = 0
@@ -244,16 +383,32 @@ class _Reader:
             raise ValueError(f"not a Chrome trace: expected {char!r}, found {got!r}")
         self.pos += 1
 
+    def _decode_one(self, buf: str, pos: int) -> tuple[Any, int] | None:
+        """``raw_decode`` at ``pos``; ``None`` when the value may go on past the buffer.
+
+        Raises:
+            ValueError: malformed JSON, or nested deeper than the decoder allows (its recursion
+                limit, ~1,000 levels: a 200,000-deep array is refused, never a RecursionError).
+        """
+        try:
+            return _decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as exc:
+            if _maybe_truncated(exc, buf):
+                return None
+            raise ValueError(f"malformed JSON at offset {self.offset + exc.pos}: {exc.msg}") from None
+        except RecursionError:
+            raise ValueError(f"JSON nested too deeply at offset {self.offset + pos}") from None
+
     def value(self) -> Any:
         """Decode one JSON value at the cursor (refilling while it is incomplete)."""
         self.skip(_WS)
         while True:
-            try:
-                obj, end = _decoder.raw_decode(self.buf, self.pos)
-            except json.JSONDecodeError:
-                if not self.fill():
-                    raise ValueError("truncated or malformed trace file") from None
+            decoded = self._decode_one(self.buf, self.pos)
+            if decoded is None:
+                if not self.fill(grow=True):
+                    raise ValueError("truncated or malformed trace file")
                 continue
+            obj, end = decoded
             if end >= len(self.buf) and self.fill():
                 continue  # a number may continue in the next chunk
             self.pos = end
@@ -267,7 +422,7 @@ class _Reader:
         JSON being deterministic, that only parses when the cut is a real event boundary;
         otherwise one event is decoded whole by ``JSONDecoder.raw_decode`` and the reader moves
         on, so any valid trace is read correctly. A chunk ending mid-event never parses; the
-        buffer is refilled instead.
+        buffer is refilled instead (within the budget).
         """
         no_batch_before = 0  # absolute position: no batch cut before it (a "}," inside a value)
         sub = _ARGS.sub
@@ -281,42 +436,51 @@ class _Reader:
             if cut > pos and self.offset + cut >= no_batch_before:
                 try:
                     batch = json.loads("[" + sub(_ARGS_STRIPPED, buf[pos : cut + 1]) + "]")
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     no_batch_before = self.offset + cut + 1
                 else:
                     self.pos = cut + 1
                     yield batch
                     continue
-            try:
-                obj, end = _decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if not self.fill():
-                    raise ValueError("truncated or malformed traceEvents") from None
+            decoded = self._decode_one(buf, pos)
+            if decoded is None:
+                if not self.fill(grow=True):
+                    raise ValueError("truncated or malformed traceEvents")
                 continue
-            self.pos = end
-            yield [obj]
+            self.pos = decoded[1]
+            yield [decoded[0]]
 
 
-def iter_trace_events(
-    path: str | Path, *, chunk_chars: int = CHUNK_CHARS, on_field: Callable[[str, Any], None] | None = None
-) -> Iterator[list[dict[str, Any]]]:
-    """Stream the ``traceEvents`` of a Chrome trace as batches of event dicts, in file order.
+def iter_json_array(
+    path: str | Path,
+    array_key: str,
+    *,
+    chunk_chars: int = CHUNK_CHARS,
+    on_field: Callable[[str, Any], None] | None = None,
+    budget: ImportBudget | None = None,
+) -> Iterator[list[Any]]:
+    """Stream the items of the array ``array_key`` of a top-level JSON object as batches, in
+    file order, within ``budget`` (memory stays a few times ``chunk_chars`` plus the longest
+    item, whatever the file's size).
 
     Flat ``args`` objects come back as ``0`` (see :meth:`_Reader.events`); every other field is
     as in the file.
 
     Args:
-        path: ``.json`` or ``.json.gz`` file.
-        chunk_chars: characters read per chunk (memory use is a few times this).
+        path: ``.json`` or ``.json.gz`` file (opened with :func:`_open_binary`'s checks).
+        array_key: the top-level key whose array is streamed (``traceEvents``, ``steps``).
+        chunk_chars: characters read per chunk.
         on_field: called with ``(key, value)`` for each other top-level field, when it is read
-            (a field after ``traceEvents`` is seen only after the last event).
+            (a field after the array is seen only after its last item).
+        budget: read cap, longest value, deadline and cancel flag (default: no deadline).
 
     Raises:
-        ValueError: the file is not a Chrome trace object or is truncated.
+        ValueError: the file is not a JSON object, is malformed, truncated, nested too deeply,
+            or over the budget (:class:`TraceImportAborted`).
         OSError: the file cannot be read.
     """
-    with _open_text(Path(path)) as f:
-        r = _Reader(f, chunk_chars)
+    with _open_text(Path(path), budget) as f:
+        r = _Reader(f, chunk_chars, budget)
         r.expect("{")
         while True:
             r.skip(_WS_COMMA)
@@ -324,9 +488,9 @@ def iter_trace_events(
                 return
             key = r.value()
             if not isinstance(key, str):
-                raise ValueError("not a Chrome trace: top-level key is not a string")
+                raise ValueError("not a JSON object: a top-level key is not a string")
             r.expect(":")
-            if key == "traceEvents":
+            if key == array_key:
                 r.expect("[")
                 yield from r.events()
             else:
@@ -335,30 +499,64 @@ def iter_trace_events(
                     on_field(key, value)
 
 
-def find_base_time_ns(path: str | Path) -> int | None:
+def iter_trace_events(
+    path: str | Path,
+    *,
+    chunk_chars: int = CHUNK_CHARS,
+    on_field: Callable[[str, Any], None] | None = None,
+    budget: ImportBudget | None = None,
+) -> Iterator[list[Any]]:
+    """Stream the ``traceEvents`` of a Chrome trace as batches of events, in file order
+    (:func:`iter_json_array`; an item is normally a dict, but the file decides: check it).
+
+    Raises:
+        ValueError: not a Chrome trace object, malformed, truncated or over the budget.
+        OSError: the file cannot be read.
+    """
+    return iter_json_array(path, "traceEvents", chunk_chars=chunk_chars, on_field=on_field, budget=budget)
+
+
+#: Largest plausible ``baseTimeNanoseconds`` (and span time): what fits OTLP's fixed64 as signed.
+_MAX_TIME_NS = (1 << 63) - 1
+
+
+def find_base_time_ns(path: str | Path, budget: ImportBudget | None = None) -> int | None:
     """``baseTimeNanoseconds`` of a trace without parsing it (head first, then the tail).
 
     Returns:
-        The value in ns since the epoch, or ``None`` when the trace has none.
+        The value in ns since the epoch, or ``None`` when the trace has none or one outside
+        ``0..2**63-1``.
+
+    Raises:
+        OSError / ValueError: as :func:`iter_json_array` (the gzip tail scan is charged to the budget).
     """
     p = Path(path)
-    with _open_text(p) as f:
+    with _open_text(p, budget) as f:
         head = f.read(_TAIL_BYTES)
     events_at = head.find('"traceEvents"')
     m = _BASE_RE.search(head)
     if m and (events_at < 0 or m.start() < events_at):
-        return int(m.group(1))
+        return _base_time(m.group(1))
     if p.name.endswith(".gz"):
         tail = b""
-        with _OwnedGzip(_open_binary(p)) as g:
+        with _OwnedGzip(_open_binary(p, budget)) as g:
             while block := g.read(1 << 20):
+                if budget is not None:
+                    budget.spend(len(block))
                 tail = (tail + block)[-_TAIL_BYTES:]
     else:
-        with _open_binary(p) as b:
+        with _open_binary(p, budget) as b:
             b.seek(max(0, os.fstat(b.fileno()).st_size - _TAIL_BYTES))
             tail = b.read()
     found = _BASE_RE.findall(tail.decode("utf-8", errors="replace"))
-    return int(found[-1]) if found else None
+    return _base_time(found[-1]) if found else None
+
+
+def _base_time(digits: str) -> int | None:
+    if len(digits) > 20:
+        return None
+    value = int(digits)
+    return value if 0 <= value <= _MAX_TIME_NS else None
 
 
 # --- import ----------------------------------------------------------------------------------
@@ -374,11 +572,37 @@ class _Thread:
 
 
 def _as_int(value: Any) -> int | None:
+    """A pid/tid/counter as an int: an int, or a short string of digits; else ``None``."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.isdigit():
+        return value if -_MAX_TIME_NS <= value <= _MAX_TIME_NS else None
+    if isinstance(value, str) and len(value) <= 20 and value.isdigit():
         return int(value)
     return None
+
+
+#: Longest span name (and category) taken from a trace, characters.
+MAX_NAME_CHARS = 512
+
+
+def _number(value: Any) -> float | int | None:
+    """A JSON number a time can be made of (``None``/missing is 0; NaN, infinities, bools and
+    non-numbers are ``None``)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _range_times(ev: dict[str, Any], base_ns: int) -> tuple[int, int] | None:
+    """(start, end) in ns since the epoch of a complete range, or ``None`` when its ``ts``/``dur``
+    are not finite numbers or fall outside ``0..2**63-1`` (a span OTLP could not carry)."""
+    ts, dur = _number(ev.get("ts")), _number(ev.get("dur"))
+    if ts is None or dur is None or dur < 0 or abs(ts) > 1e15 or dur > 1e15:
+        return None
+    start = base_ns + round(ts * 1000)
+    end = start + round(dur * 1000)
+    return (start, end) if 0 <= start <= end <= _MAX_TIME_NS else None
 
 
 class _Emitter:
@@ -396,6 +620,16 @@ class _Emitter:
         self.out_of_order = 0
         self.first_start = 0
         self.last_end = 0
+
+    def add(self, threads: dict[tuple[str, str], _Thread], ev: dict[str, Any], times: tuple[int, int], seq: int, window: int) -> None:
+        """Queue one kept range on its ``(pid, tid)`` thread; emit what leaves its reorder window."""
+        key = (_text_id(ev.get("pid", "")), _text_id(ev.get("tid", "")))
+        th = threads.get(key)
+        if th is None:
+            th = threads[key] = _Thread()
+        heapq.heappush(th.heap, (times[0], -times[1], seq, ev))
+        if len(th.heap) > window:
+            self.flush(th, window)
 
     def flush(self, th: _Thread, down_to: int) -> None:
         """Emit the thread's earliest ranges until ``down_to`` are left waiting."""
@@ -417,10 +651,10 @@ class _Emitter:
             push = True
             th.last_start = start
         sid = new_span_id()
-        cat = str(ev.get("cat", ""))
+        cat = str(ev.get("cat", ""))[:MAX_NAME_CHARS]
         self.sink.emit(
             build_span(
-                str(ev.get("name", "")),
+                str(ev.get("name", ""))[:MAX_NAME_CHARS],
                 trace_id=self.trace_id,
                 span_id=sid,
                 parent_span_id=parent,
@@ -461,65 +695,80 @@ def import_torch_trace(
     trace_id: int,
     parent_span_id: int,
     config: TorchTraceImportConfig | None = None,
+    budget: ImportBudget | None = None,
 ) -> ImportStatistics:
     """Emit the ranges of one torch trace as spans under a ``profile.session`` span.
+
+    The file is untrusted (the server wrote it): it is read within ``budget`` (size cap, longest
+    value, deadline, cancel), items that are not events and ranges whose ``ts``/``dur`` are not
+    finite numbers are dropped and counted (``dropped_invalid``), names are cut at
+    :data:`MAX_NAME_CHARS`. Spans already emitted stay emitted when the import fails part way.
 
     Args:
         path: the trace (``.json`` / ``.json.gz``).
         sink: where finished spans go (spans use ``sink.resource``).
         trace_id / parent_span_id: the session span's ids; top-level ranges become its children.
         config: the keep/drop filter; defaults to :class:`TorchTraceImportConfig`.
+        budget: what the import may spend (default: the caps, no deadline).
 
     Returns:
         Counts of what was read, kept and dropped (put them on the session span with
         :meth:`ImportStatistics.span_attributes`).
 
     Raises:
-        ValueError: not a Chrome trace / truncated. OSError: unreadable.
+        ValueError: not a Chrome trace / malformed / truncated / over the budget
+            (:class:`TraceImportAborted`). OSError: unreadable.
     """
     cfg = config or TorchTraceImportConfig()
-    base_ns = find_base_time_ns(path) or 0
+    base_ns = find_base_time_ns(path, budget) or 0
     categories = frozenset(cfg.categories)
     min_dur = cfg.min_duration_us
     cap = cfg.max_spans
     window = cfg.reorder_window
     out = _Emitter(sink, trace_id=trace_id, parent_span_id=parent_span_id)
     threads: dict[tuple[str, str], _Thread] = {}
-    seq = events = phase = ann = steps = d_cat = d_min = d_cap = ops = kept = 0
+    events = phase = ann = steps = d_cat = d_min = d_cap = ops = kept = invalid = 0
     always = ALWAYS_KEPT_CATEGORIES
-    for batch in iter_trace_events(path, chunk_chars=cfg.chunk_chars):
+    ann_cap = cfg.max_annotation_spans
+    for batch in iter_trace_events(path, chunk_chars=cfg.chunk_chars, budget=budget):
         events += len(batch)
-        for ev in batch:
-            if ev.get("ph") != "X":
-                phase += 1
-                continue
+        objects = [ev for ev in batch if type(ev) is dict]
+        ranges = [ev for ev in objects if ev.get("ph") == "X"]
+        invalid += len(batch) - len(objects)
+        phase += len(objects) - len(ranges)
+        for ev in ranges:
             cat = ev.get("cat")
+            if type(cat) is not str:  # missing, or not a name (a list is not even hashable)
+                d_cat += 1
+                continue
             if cat in always:
+                if ann >= ann_cap:
+                    d_cap += 1
+                    continue
                 ann += 1
                 if str(ev.get("name", "")).startswith("ProfilerStep#"):
                     steps += 1
             elif cat not in categories:
                 d_cat += 1
                 continue
-            elif (ev.get("dur") or 0) < min_dur:
-                d_min += 1
-                continue
-            elif ops >= cap:
-                d_cap += 1
-                continue
             else:
+                dur = ev.get("dur") or 0
+                if type(dur) is not float and type(dur) is not int:
+                    invalid += 1
+                    continue
+                if dur < min_dur:
+                    d_min += 1
+                    continue
+                if ops >= cap:
+                    d_cap += 1
+                    continue
                 ops += 1
-            start = base_ns + round((ev.get("ts") or 0) * 1000)
-            end = start + round((ev.get("dur") or 0) * 1000)
-            key = (_text_id(ev.get("pid", "")), _text_id(ev.get("tid", "")))
-            th = threads.get(key)
-            if th is None:
-                th = threads[key] = _Thread()
-            seq += 1
+            times = _range_times(ev, base_ns)
+            if times is None:
+                invalid += 1
+                continue
             kept += 1
-            heapq.heappush(th.heap, (start, -end, seq, ev))
-            if len(th.heap) > window:
-                out.flush(th, window)
+            out.add(threads, ev, times, kept, window)
     for th in threads.values():
         out.flush(th, 0)
     return ImportStatistics(
@@ -536,26 +785,39 @@ def import_torch_trace(
         base_time_unix_nano=base_ns,
         first_start_unix_nano=out.first_start,
         last_end_unix_nano=out.last_end,
+        dropped_invalid=invalid,
     )
+
+
+#: Most entries (files and folders) walked in a Metal bundle to add up its size.
+MAX_GPUTRACE_ENTRIES = 100_000
 
 
 def gputrace_attributes(path: str | Path) -> dict[str, Any]:
     """Artifact attributes of a Metal ``.gputrace`` bundle (a folder) for its session span.
+
+    The walk never follows a link and stops after :data:`MAX_GPUTRACE_ENTRIES` entries (a
+    bundle the server wrote may hold anything); the size is then a lower bound.
 
     Returns:
         ``servewatch.artifact.path`` and ``servewatch.artifact.size_bytes`` (the bundle's total
         file size; 0 when it does not exist) and ``servewatch.artifact.kind`` = ``gputrace``.
     """
     p = Path(path)
-    size = 0
-    if p.is_dir():
+    size = entries = 0
+    if p.is_dir() and not p.is_symlink():
         for root, _dirs, files in os.walk(p):
+            entries += 1 + len(files)
             for name in files:
                 try:
-                    size += os.path.getsize(os.path.join(root, name))
+                    st = os.lstat(os.path.join(root, name))
                 except OSError:
                     continue
-    elif p.is_file():
+                if stat.S_ISREG(st.st_mode):
+                    size += st.st_size
+            if entries >= MAX_GPUTRACE_ENTRIES:
+                break
+    elif p.is_file() and not p.is_symlink():
         size = p.stat().st_size
     return {
         "servewatch.artifact.path": str(p.resolve()),
@@ -580,50 +842,69 @@ MAX_MLX_STEPS = 100_000
 
 
 def import_mlx_steps(
-    path: str | Path, sink: SpanSink, *, trace_id: int, parent_span_id: int
+    path: str | Path, sink: SpanSink, *, trace_id: int, parent_span_id: int, budget: ImportBudget | None = None
 ) -> dict[str, Any]:
     """Import the SDK's MLX per-step records (``*.mlx-steps.json``, the Linux fallback when no
-    Metal capture is possible) as ``mlx.step`` child spans of ``parent_span_id``.
+    Metal capture is possible) as ``mlx.step`` child spans of ``parent_span_id``, streaming
+    (memory does not grow with the file; reading stops after :data:`MAX_MLX_STEPS` records).
 
     Each record becomes one span with its own start/end times, ``servewatch.forward_ct`` and
-    the MLX memory counters as ``mlx.memory.<name>_bytes``.
+    the MLX memory counters as ``mlx.memory.<name>_bytes``. Format per :mod:`agent.sdk.profiler`:
+    ``{"session_id", "metal_trace_captured", "detail", "steps": [{...}, ...]}``.
 
     Returns:
         Attributes for the session span: ``servewatch.mlx.steps`` (imported), and
         ``servewatch.mlx.metal_trace_captured``.
 
     Raises:
-        OSError / ValueError: unreadable or not the SDK's format.
+        OSError / ValueError: unreadable, not the SDK's format, or over the budget.
     """
-    body = json.loads(Path(path).read_text())
-    if not isinstance(body, dict) or not isinstance(body.get("steps"), list):
-        raise ValueError("not an MLX steps file (no 'steps' list)")
+    fields: dict[str, Any] = {}
     imported = 0
-    for rec in body["steps"][:MAX_MLX_STEPS]:
-        if not isinstance(rec, dict):
-            continue
-        start = _as_int(rec.get("start_time_unix_nano"))
-        end = _as_int(rec.get("end_time_unix_nano"))
-        if start is None or end is None or start <= 0:
-            continue
-        attrs: dict[str, Any] = {}
-        forward_ct = _as_int(rec.get("forward_ct"))
-        if forward_ct is not None:
-            attrs["servewatch.forward_ct"] = forward_ct
-        for key, value in rec.items():
-            if key.endswith("_memory_bytes") and isinstance(value, int) and not isinstance(value, bool):
-                attrs[f"mlx.memory.{key.removesuffix('_memory_bytes')}_bytes"] = value
-        sink.emit(
-            build_span(
-                "mlx.step", trace_id=trace_id, parent_span_id=parent_span_id, start_time_unix_nano=start,
-                end_time_unix_nano=max(start, end), attributes=attrs, resource=sink.resource,
-            )
-        )
-        imported += 1
+    found = False
+
+    def on_field(key: str, value: Any) -> None:
+        if key == "metal_trace_captured":
+            fields[key] = value
+
+    for batch in iter_json_array(path, "steps", on_field=on_field, budget=budget):
+        found = True
+        for rec in batch:
+            if imported >= MAX_MLX_STEPS:
+                break
+            span = _mlx_step_span(rec, sink, trace_id=trace_id, parent_span_id=parent_span_id)
+            if span is not None:
+                sink.emit(span)
+                imported += 1
+        if imported >= MAX_MLX_STEPS:
+            break
+    if not found:
+        raise ValueError("not an MLX steps file (no 'steps' list)")
     return {
         "servewatch.mlx.steps": imported,
-        "servewatch.mlx.metal_trace_captured": bool(body.get("metal_trace_captured", False)),
+        "servewatch.mlx.metal_trace_captured": fields.get("metal_trace_captured") is True,
     }
+
+
+def _mlx_step_span(rec: Any, sink: SpanSink, *, trace_id: int, parent_span_id: int) -> ReadableSpan | None:
+    """One MLX step record as an ``mlx.step`` span; ``None`` for a record that is not one."""
+    if not isinstance(rec, dict):
+        return None
+    start = _as_int(rec.get("start_time_unix_nano"))
+    end = _as_int(rec.get("end_time_unix_nano"))
+    if start is None or end is None or start <= 0:
+        return None
+    attrs: dict[str, Any] = {}
+    forward_ct = _as_int(rec.get("forward_ct"))
+    if forward_ct is not None:
+        attrs["servewatch.forward_ct"] = forward_ct
+    for key, value in list(rec.items())[:64]:
+        if key.endswith("_memory_bytes") and _as_int(value) is not None and not isinstance(value, str):
+            attrs[f"mlx.memory.{key.removesuffix('_memory_bytes')[:MAX_NAME_CHARS]}_bytes"] = value
+    return build_span(
+        "mlx.step", trace_id=trace_id, parent_span_id=parent_span_id, start_time_unix_nano=start,
+        end_time_unix_nano=max(start, end), attributes=attrs, resource=sink.resource,
+    )
 
 
 def import_gputrace(
@@ -646,6 +927,26 @@ def import_gputrace(
     return attrs
 
 
+class ImportLedger(Protocol):
+    """Remembers, across agent restarts, the trace files whose import failed or never finished,
+    so they are never imported again (:class:`exporters.trace_imports.TraceImportLedger`)."""
+
+    def skipped(self, path: Path) -> str | None:
+        """Why ``path`` is not imported (one line), or ``None`` to import it."""
+        ...
+
+    def begin(self, path: Path) -> None:
+        """``path``'s import starts now (a crash from here on leaves it marked)."""
+        ...
+
+    def end(self, path: Path, error: str | None) -> None:
+        """``path``'s import ended: unmarked when ``error`` is ``None``, else marked with it."""
+        ...
+
+
+_log = logging.getLogger(__name__)
+
+
 def import_profile_artifacts(
     paths: Iterable[str | Path],
     sink: SpanSink,
@@ -655,6 +956,8 @@ def import_profile_artifacts(
     config: TorchTraceImportConfig | None = None,
     start_time_unix_nano: int = 0,
     end_time_unix_nano: int = 0,
+    budget: ImportBudget | None = None,
+    ledger: ImportLedger | None = None,
 ) -> dict[str, Any]:
     """Import a ``profile.session``'s artifacts; return attributes for the session span.
 
@@ -662,44 +965,65 @@ def import_profile_artifacts(
     the SDK's MLX per-step records (``.mlx-steps.json``) become ``mlx.step`` child spans
     (:func:`import_mlx_steps`); a Metal ``.gputrace`` capture becomes a ``metal.capture`` child
     span over the session window (``start/end_time_unix_nano``) with its path and size
-    (:func:`import_gputrace`). A file that cannot be read is counted in
-    ``servewatch.trace_import.errors`` with its error, never raised.
+    (:func:`import_gputrace`). Every file is untrusted: all of them share ``budget`` (default: a
+    fresh one with :data:`IMPORT_DEADLINE_S`). A file that cannot be read, is malformed or runs
+    past the budget is counted in ``servewatch.trace_import.errors`` with its error, never raised;
+    with a ``ledger`` it is remembered, and a file the ledger names is skipped (counted in
+    ``servewatch.trace_import.skipped``, logged as ``trace X skipped: <why>``). A cancelled
+    budget imports no further file.
 
     Returns:
-        Span attributes: the ``servewatch.trace_import.*`` counts, ``.files``, ``.errors`` and
-        ``.error`` (the first error), plus ``servewatch.artifact.*`` for a Metal bundle.
+        Span attributes: the ``servewatch.trace_import.*`` counts, ``.files``, ``.errors``,
+        ``.skipped`` and ``.error`` (the first error or skip), plus ``servewatch.artifact.*`` for
+        a Metal bundle.
     """
+    budget = budget if budget is not None else ImportBudget()
     totals: dict[str, Any] = {}
-    files = errors = 0
+    files = errors = skipped = 0
     first_error = ""
     for p in paths:
         path = Path(p)
+        if budget.cancelled:
+            break
         if str(path).endswith(".gputrace"):
             totals.update(import_gputrace(path, sink, trace_id=trace_id, parent_span_id=parent_span_id,
                                           start_time_unix_nano=start_time_unix_nano, end_time_unix_nano=end_time_unix_nano))
             continue
-        if str(path).endswith(MLX_STEPS_SUFFIX):
-            try:
-                totals.update(import_mlx_steps(path, sink, trace_id=trace_id, parent_span_id=parent_span_id))
-            except (OSError, ValueError) as exc:
-                errors += 1
-                first_error = first_error or f"{path.name}: {type(exc).__name__}: {exc}"
-                continue
-            files += 1
+        mlx = str(path).endswith(MLX_STEPS_SUFFIX)
+        if not mlx and not is_torch_trace(path):
             continue
-        if not is_torch_trace(path):
+        why = ledger.skipped(path) if ledger is not None else None
+        if why is not None:
+            skipped += 1
+            _log.warning("trace %s skipped: %s", path, why)
+            first_error = first_error or f"{path.name}: skipped: {why}"
             continue
+        if ledger is not None:
+            ledger.begin(path)
         try:
-            stats = import_torch_trace(path, sink, trace_id=trace_id, parent_span_id=parent_span_id, config=config)
-        except (OSError, ValueError, EOFError) as exc:  # gzip's EOFError: a truncated .gz
+            if mlx:
+                totals.update(import_mlx_steps(path, sink, trace_id=trace_id, parent_span_id=parent_span_id, budget=budget))
+            else:
+                stats = import_torch_trace(
+                    path, sink, trace_id=trace_id, parent_span_id=parent_span_id, config=config, budget=budget
+                )
+                for key, value in stats.span_attributes().items():
+                    totals[key] = totals.get(key, 0) + value
+        except Exception as exc:  # noqa: BLE001 - a file the server wrote: never the agent's failure
+            # OSError (gzip's BadGzipFile), ValueError (malformed, over the budget), EOFError (a
+            # truncated .gz), zlib.error (a corrupt one)...
             errors += 1
-            first_error = first_error or f"{path.name}: {type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            first_error = first_error or f"{path.name}: {error}"
+            if ledger is not None:
+                ledger.end(path, error)
             continue
         files += 1
-        for key, value in stats.span_attributes().items():
-            totals[key] = totals.get(key, 0) + value
+        if ledger is not None:
+            ledger.end(path, None)
     totals["servewatch.trace_import.files"] = files
     totals["servewatch.trace_import.errors"] = errors
+    totals["servewatch.trace_import.skipped"] = skipped
     if first_error:
         totals["servewatch.trace_import.error"] = first_error[:300]
     return totals

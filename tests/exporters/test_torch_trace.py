@@ -290,3 +290,139 @@ def test_mirror_puts_the_profile_inside_the_incident_trace(session: dict[str, An
     assert sorted(s.name for s in imported if s.name.startswith("ProfilerStep#")) == [
         "ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
     assert all(s.context.trace_id == tid for s in sink.spans)
+
+
+# --- untrusted files (issue 34 item 1): bounded, linear, one-line reasons -----------------------
+
+
+class _CountingSink:
+    """Counts spans without keeping them (memory is measured on the import alone)."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.resources import Resource
+
+        self.resource = Resource.get_empty()
+        self.count = 0
+
+    def emit(self, span: Any) -> None:
+        self.count += 1
+
+
+def _fails_with(path: Path, budget: Any = None) -> str:
+    from exporters.torch_trace import ImportBudget
+
+    budget = budget or ImportBudget(deadline_s=None)
+    with pytest.raises(ValueError) as info:
+        import_torch_trace(path, InMemorySink(), trace_id=1, parent_span_id=1, budget=budget)
+    return f"{type(info.value).__name__}: {info.value} (read {budget.read_chars})"
+
+
+def test_hostile_traces_fail_fast_without_reading_the_whole_file(tmp_path: Path) -> None:
+    from exporters.torch_trace import MAX_VALUE_CHARS, ImportBudget
+
+    unterminated = tmp_path / "u.trace.json"
+    unterminated.write_text('{"traceEvents":[{"name":"' + "a" * (20 << 20))
+    budget = ImportBudget(deadline_s=None)
+    why = _fails_with(unterminated, budget)
+    assert "a JSON value longer than 4.0 MiB at offset 16 (an unterminated string?)" in why
+    # linear: the pending value is read in doubling steps up to the cap, never the whole 20 MB
+    assert budget.read_chars <= 2 * MAX_VALUE_CHARS + (1 << 16)
+    deep = tmp_path / "d.trace.json"
+    deep.write_text('{"traceEvents":' + "[" * 200_000 + "]" * 200_000 + "}")
+    assert "JSON nested too deeply at offset 16" in _fails_with(deep)
+    nuls = tmp_path / "n.trace.json"
+    with open(nuls, "w") as f:
+        f.write('{"traceEvents":[{"name":"')
+    os.truncate(nuls, 1 << 30)  # 1 GiB sparse: NULs are no JSON, said at once
+    budget = ImportBudget(deadline_s=None)
+    assert "malformed JSON at offset 25: Invalid control character" in _fails_with(nuls, budget)
+    assert budget.read_chars <= 1 << 17
+    # deeply nested top-level field and a gzip bomb over the read cap
+    field = tmp_path / "f.trace.json"
+    field.write_text('{"deviceProperties":' + "[" * 100_000 + "]" * 100_000 + ',"traceEvents":[]}')
+    assert "nested too deeply" in _fails_with(field)
+    bomb = tmp_path / "b.trace.json.gz"
+    with gzip.open(bomb, "wt") as g:
+        g.write('{"traceEvents":[' + " " * (8 << 20))
+    assert "over the 1.0 MiB read cap" in _fails_with(bomb, ImportBudget(deadline_s=None, max_read_chars=1 << 20))
+    # a deadline already past, and a cancel from another thread, stop at the next chunk
+    assert "import deadline passed" in _fails_with(deep, ImportBudget(deadline_s=0.0))
+    cancelled = ImportBudget(deadline_s=None)
+    cancelled.cancel()
+    assert "import cancelled (the agent is stopping)" in _fails_with(deep, cancelled)
+
+
+def test_items_that_are_not_ranges_are_dropped_and_counted(tmp_path: Path) -> None:
+    good = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 2, "ts": 10.0, "dur": 20.0}
+    rows = [
+        good, [1, 2], 7, "x", None,
+        {**good, "ts": "10"}, {**good, "dur": "20"}, {**good, "ts": 1e300}, {**good, "dur": -5},
+        {**good, "cat": ["cpu_op"]}, {**good, "name": "n" * 10_000},
+    ]
+    path = tmp_path / "t.trace.json"
+    path.write_text(json.dumps({"traceEvents": rows, "baseTimeNanoseconds": 1_700_000_000_000_000_000})
+                    .replace("1e+300", "1e300"))
+    sink, stats, _, _ = _import(path)
+    assert stats.events == 11
+    assert stats.kept == 2  # the good range, and the long name (cut)
+    assert stats.dropped_invalid == 4 + 3  # not objects; ts/dur not numbers, ts out of range
+    assert stats.dropped_min_duration == 1  # a negative duration is shorter than any minimum
+    assert stats.dropped_category == 1  # a category that is not a name
+    names = sorted(s.name for s in sink.spans)
+    assert names == ["aten::mm", "n" * 512]
+    nan = tmp_path / "nan.trace.json"
+    nan.write_text('{"traceEvents":[{"ph":"X","cat":"cpu_op","name":"a","ts":NaN,"dur":Infinity}]}')
+    assert _import(nan)[1].dropped_invalid == 1
+
+
+def test_annotations_are_capped_too(tmp_path: Path) -> None:
+    rows = [{"ph": "X", "cat": "user_annotation", "name": f"r{i}", "pid": 1, "tid": 1, "ts": i, "dur": 0.5}
+            for i in range(50)]
+    path = tmp_path / "a.trace.json"
+    path.write_text(json.dumps({"traceEvents": rows}))
+    _, stats, _, _ = _import(path, TorchTraceImportConfig(max_annotation_spans=20))
+    assert (stats.kept, stats.kept_annotations, stats.dropped_cap) == (20, 20, 30)
+
+
+def test_mlx_steps_are_streamed_not_read_whole(tmp_path: Path) -> None:
+    from exporters.torch_trace import MAX_MLX_STEPS, import_mlx_steps
+
+    path = tmp_path / "big.mlx-steps.json"
+    with open(path, "w") as f:
+        f.write('{"session_id":"s","metal_trace_captured":false,"detail":"","steps":[')
+        f.write(",".join(
+            json.dumps({"forward_ct": i, "start_time_unix_nano": 10 + i, "end_time_unix_nano": 11 + i,
+                        "peak_memory_bytes": 4096, "note": "x" * 200})
+            for i in range(MAX_MLX_STEPS + 20_000)))
+        f.write("]}")
+    size = path.stat().st_size
+    assert size > 30 << 20
+    sink = _CountingSink()
+    tracemalloc.start()
+    try:
+        attrs = import_mlx_steps(path, sink, trace_id=1, parent_span_id=1)  # type: ignore[arg-type]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert attrs == {"servewatch.mlx.steps": MAX_MLX_STEPS, "servewatch.mlx.metal_trace_captured": False}
+    assert sink.count == MAX_MLX_STEPS
+    assert peak < size / 4  # read whole it is several times the file (json.loads of 30+ MB)
+
+
+def test_profile_command_span_survives_hostile_files(tmp_path: Path) -> None:
+    """``servewatch profile``'s inline import: a deep array and an unterminated string are errors
+    on the session span, never a RecursionError that loses it."""
+    from agent.events import ActionResult, Outcome
+    from exporters.mirror import mirror_profile_session
+
+    deep = tmp_path / "deep.pt.trace.json"
+    deep.write_text('{"traceEvents":' + "[" * 200_000 + "]" * 200_000 + "}")
+    cut = tmp_path / "cut.pt.trace.json"
+    cut.write_text('{"traceEvents":[{"name":"' + "a" * (6 << 20))
+    sink = InMemorySink()
+    result = ActionResult(action="profile.session", outcome=Outcome.OK, artifact_paths=(str(deep), str(cut)))
+    trace_id = mirror_profile_session(sink, result)
+    [span] = sink.named("profile.session")
+    assert span.context.trace_id == int(trace_id, 16)
+    assert span.attributes["servewatch.trace_import.errors"] == 2
+    assert "deep.pt.trace.json: ValueError: JSON nested too deeply" in span.attributes["servewatch.trace_import.error"]

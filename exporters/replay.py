@@ -58,6 +58,8 @@ _log = logging.getLogger(__name__)
 LEDGER_NAME = "export-ledger.json"
 #: the folders under ``<data_dir>/<host>/`` that hold span files (embedded default, spool)
 _SPAN_FOLDERS = ("spans", "spool")
+#: Unreadable span files named one warning line each; the rest are summed up in one line at the end.
+_SAY_BAD_FILES = 3
 
 
 def ledger_path(span_file: str | os.PathLike[str]) -> Path:
@@ -267,13 +269,15 @@ def _read_requests(path: Path, torn: TornLines, run: _Replay) -> list[ExportTrac
     except ValueError as exc:
         run.bad += 1
         run.detail = str(exc)
-        _log.warning("skipping %s: %s", path, exc)
+        if run.bad <= _SAY_BAD_FILES:  # the rest in one line at the end (100,000 torn files: not 100,000 lines)
+            _log.warning("skipping %s: %s", path, exc)
         return None
     if torn.corrupt > corrupt_before and not requests:  # not one line reads: not a span file at all
         run.bad += 1
         torn.corrupt = corrupt_before
         run.detail = f"{path}: not an OTLP/JSON span file"
-        _log.warning("skipping %s: no line is an OTLP/JSON trace request", path)
+        if run.bad <= _SAY_BAD_FILES:
+            _log.warning("skipping %s: no line is an OTLP/JSON trace request", path)
         return None
     return requests
 
@@ -381,6 +385,8 @@ def replay(
             book.save()
         if own_sender:
             sender.close()
+    if run.bad > _SAY_BAD_FILES:
+        _log.warning("skipped %d unreadable span file(s) in all (the first %d named above)", run.bad, _SAY_BAD_FILES)
     if torn.count:
         _log.warning("skipped %d torn last line(s) of interrupted writes", torn.count)
     if torn.corrupt:

@@ -8,7 +8,13 @@ File-name order is write order; replay takes the head, and only removes it once 
 so every span leaves exactly once with its original ids and times. The spool is capped in bytes:
 the OLDEST files are evicted first and their spans counted. Batches the collector refused
 permanently go to ``rejected/`` (kept, counted, never retried automatically; capped at
-``max_bytes`` of its own, oldest evicted and counted).
+``max_bytes`` of its own counted in blocks allocated on disk, ``st_blocks * 512``, and at
+``max_rejected_files`` files: a 6-byte batch takes a 4 KiB block, so 100,000 of them held
+406 MB while a byte cap counted 600 KB). Past either cap the oldest rejected files are deleted,
+their spans counted (``evicted_spans``, ``rejected_evicted_spans``) and said in one warning line
+(at most once a minute): ``spool rejected/ over its cap (10000 files, 268435456 bytes on disk):
+deleted the 90000 oldest rejected batch file(s) (90000 spans, 368640000 bytes on disk)``. The cap
+holds at open too, for what an earlier run left there.
 
 A spool directory is owned by one process at a time (``flock`` on ``.lock``); a second agent on
 the same data dir gets ``<directory>/pid-<pid>/`` instead. Such a folder left behind by a process
@@ -34,6 +40,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -51,7 +58,7 @@ from agent.fsutil import (
 )
 from exporters.otlp_json import read_span_file
 
-__all__ = ["DeliveredKeys", "Spool", "SpoolEntry", "SpoolStatistics", "durable_keys", "spool_root_of"]
+__all__ = ["REJECTED_MAX_FILES", "DeliveredKeys", "Spool", "SpoolEntry", "SpoolStatistics", "disk_bytes", "durable_keys", "spool_root_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -95,10 +102,29 @@ class SpoolStatistics(NamedTuple):
     recovered_spans: int
     #: spans taken over from stranded spool folders of processes that are gone
     adopted_spans: int = 0
+    #: files in ``rejected/`` now (``-1``: not looked at yet)
+    rejected_files: int = -1
+    #: bytes ``rejected/``'s files take on disk now (allocated blocks; ``-1``: not looked at yet)
+    rejected_disk_bytes: int = -1
+    #: rejected files deleted past ``rejected/``'s caps since open (their spans are in both
+    #: ``evicted_spans`` and ``rejected_evicted_spans``)
+    rejected_evicted_files: int = 0
+    #: spans of those files
+    rejected_evicted_spans: int = 0
 
 
 #: Suffix of a spooled batch.
 SUFFIX = ".binpb"
+#: Most files kept in ``rejected/`` by default (each takes at least one block on disk), files.
+REJECTED_MAX_FILES = 10_000
+#: Least time between two warnings that rejected files were deleted past the caps, seconds.
+_SAY_EVICTED_EVERY_S = 60.0
+
+
+def disk_bytes(st: os.stat_result) -> int:
+    """Bytes a file takes on disk, from its ``stat``: its allocated blocks (``st_blocks * 512``),
+    at least its size (a sparse file counts what it says it holds)."""
+    return max(st.st_size, getattr(st, "st_blocks", 0) * 512)
 
 
 def _is_key(text: str) -> bool:
@@ -266,15 +292,25 @@ class Spool:
         max_bytes: cap on the bytes the spool holds; the oldest batches are evicted to stay under it.
         suffix: the batches' file suffix (``.binpb``: trace requests; ``.metrics.binpb``: metrics).
         max_entries: cap on the batches it holds too (``None``: bytes only), the oldest evicted.
+        max_rejected_files: cap on the files ``rejected/`` holds; its bytes are capped at
+            ``max_bytes`` counted in blocks allocated on disk. Past either, the oldest go.
 
     A batch counts ``spans`` (the items in it: spans, or a metrics batch's data points).
+
+    Raises:
+        ValueError: ``max_bytes`` or ``max_rejected_files`` is not positive.
+        OSError: the folder cannot be created or is locked by another process.
     """
 
-    def __init__(self, directory: Path, *, max_bytes: int, suffix: str = SUFFIX, max_entries: int | None = None) -> None:
+    def __init__(self, directory: Path, *, max_bytes: int, suffix: str = SUFFIX, max_entries: int | None = None,
+                 max_rejected_files: int = REJECTED_MAX_FILES) -> None:
         self._lock_fd: int | None = None
         if max_bytes <= 0:
             raise ValueError(f"spool max_bytes must be > 0, got {max_bytes}")
+        if max_rejected_files <= 0:
+            raise ValueError(f"spool max_rejected_files must be > 0, got {max_rejected_files}")
         self.max_bytes = max_bytes
+        self.max_rejected_files = max_rejected_files
         self.suffix = suffix
         self.max_entries = max_entries
         self.directory = self._claim(Path(directory))
@@ -286,8 +322,11 @@ class Spool:
         self._delivered = 0
         self._evicted = 0
         self._rejected = 0
-        self._rejected_entries: deque[SpoolEntry] | None = None  # loaded on first use
-        self._rejected_bytes = 0
+        self._rejected_entries: deque[SpoolEntry] | None = None  # loaded at open when the folder exists, else on first use
+        self._rejected_bytes = 0  # on disk (allocated blocks)
+        self._rejected_evicted = (0, 0)  # (files, spans) deleted past rejected/'s caps since open
+        self._unsaid = (0, 0, 0)  # (files, spans, bytes on disk) deleted and not said yet
+        self._said_at = -_SAY_EVICTED_EVERY_S
         self._adopted = 0
         self._next_part = 1
         remove_stale_temps(self.directory, recursive=False)
@@ -309,6 +348,12 @@ class Spool:
         if self.directory == self._root:
             self.ledger.compact()
         self.adopt_stranded()
+        if (self.directory / "rejected").is_dir():  # an earlier run's rejected files are capped now, not at the next refusal
+            remove_stale_temps(self.directory / "rejected", recursive=False)
+            with self._lock:
+                self._load_rejected()
+                self._trim_rejected()
+            self._say_evicted()
 
     def _claim(self, directory: Path) -> Path:
         ensure_private_dir(directory)
@@ -601,9 +646,10 @@ class Spool:
         target = self._rejected_dir() / entry.path.name
         try:
             os.replace(entry.path, target)
+            size = disk_bytes(os.lstat(target))
         except FileNotFoundError:
             return
-        self._keep_rejected(SpoolEntry(entry.seq, target, entry.spans, entry.size_bytes, key=entry.key))
+        self._keep_rejected(SpoolEntry(entry.seq, target, entry.spans, size, key=entry.key))
 
     def add_rejected(self, request: ExportTraceServiceRequest, spans: int, *, key: str = "") -> None:
         """Keep a fresh batch the collector refused permanently in ``rejected/`` (never replayed
@@ -619,31 +665,97 @@ class Spool:
             self._rejected += spans
         path = self._rejected_dir() / _entry_name(seq, spans, key=key, suffix=self.suffix)
         atomic_write_bytes(path, data)
-        self._keep_rejected(SpoolEntry(seq, path, spans, len(data), key=key))
+        try:
+            size = disk_bytes(os.lstat(path))
+        except OSError:
+            size = len(data)
+        self._keep_rejected(SpoolEntry(seq, path, spans, size, key=key))
 
     def _rejected_dir(self) -> Path:
         return ensure_private_dir(self.directory / "rejected")
 
     def _keep_rejected(self, entry: SpoolEntry) -> None:
-        """``rejected/`` has its own ``max_bytes`` budget (a wrong endpoint path refuses
-        everything); past it the oldest rejected files are deleted and counted as evicted."""
+        """``rejected/`` has its own budget (a wrong endpoint path refuses everything): ``max_bytes``
+        on disk (allocated blocks) and ``max_rejected_files`` files; past either the oldest
+        rejected files are deleted, counted and said (:meth:`_say_evicted`)."""
         with self._lock:
-            if self._rejected_entries is None:
-                self._rejected_entries = deque()
-                self._rejected_bytes = 0
-                for path in sorted(self._rejected_dir().glob("*" + self.suffix)):
-                    parsed = _parse_name(path, self.suffix)
-                    if parsed is not None and path != entry.path:
-                        size = path.stat().st_size
-                        self._rejected_entries.append(SpoolEntry(parsed[0], path, parsed[1], size, key=parsed[3]))
-                        self._rejected_bytes += size
+            self._load_rejected(skip=entry.path)
+            assert self._rejected_entries is not None
             self._rejected_entries.append(entry)
             self._rejected_bytes += entry.size_bytes
-            while self._rejected_bytes > self.max_bytes and self._rejected_entries:
-                old = self._rejected_entries.popleft()
-                self._rejected_bytes -= old.size_bytes
-                self._evicted += old.spans
-                self._unlink(old.path)
+            self._trim_rejected()
+        self._say_evicted()
+
+    def _load_rejected(self, skip: Path | None = None) -> None:
+        """Index ``rejected/`` once (under the lock): every regular file there but temp files, oldest first
+        (modification time, then name), each counted by its blocks on disk; a batch's spans from
+        its name (``adopted-<folder>-<name>`` too), 0 for a file of any other name."""
+        if self._rejected_entries is not None:
+            return
+        self._rejected_entries = deque()
+        self._rejected_bytes = 0
+        folder = self.directory / "rejected"
+        found: list[tuple[int, str, SpoolEntry]] = []
+        try:
+            with os.scandir(folder) as it:
+                for item in it:
+                    one = self._rejected_entry(Path(item.path), item, skip)
+                    if one is not None:
+                        found.append(one)
+        except OSError:
+            return
+        for _, _, entry in sorted(found, key=lambda t: (t[0], t[1])):
+            self._rejected_entries.append(entry)
+            self._rejected_bytes += entry.size_bytes
+
+    def _rejected_entry(self, path: Path, item: os.DirEntry[str], skip: Path | None) -> tuple[int, str, SpoolEntry] | None:
+        if path == skip or path.name.startswith("."):  # a write in progress (temp + rename)
+            return None
+        try:
+            st = item.stat(follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        name = path.name
+        if name.startswith(ADOPTED_PREFIX + "pid-"):
+            name = name.removeprefix(ADOPTED_PREFIX + "pid-").partition("-")[2]
+        parsed = _parse_name(path.with_name(name), self.suffix) if name else None
+        seq, spans, part, key = parsed if parsed is not None else (0, 0, 0, "")
+        return st.st_mtime_ns, path.name, SpoolEntry(seq, path, spans, disk_bytes(st), part, key)
+
+    def _trim_rejected(self) -> None:
+        """Delete the oldest rejected files past the caps (under the lock); counted for
+        :meth:`statistics` and :meth:`_say_evicted`."""
+        entries = self._rejected_entries
+        files = spans = size = 0
+        while entries and (self._rejected_bytes > self.max_bytes or len(entries) > self.max_rejected_files):
+            old = entries.popleft()
+            self._rejected_bytes -= old.size_bytes
+            self._unlink(old.path)
+            files, spans, size = files + 1, spans + old.spans, size + old.size_bytes
+        if files:
+            self._evicted += spans
+            done_files, done_spans = self._rejected_evicted
+            self._rejected_evicted = (done_files + files, done_spans + spans)
+            unsaid = self._unsaid
+            self._unsaid = (unsaid[0] + files, unsaid[1] + spans, unsaid[2] + size)
+
+    def _say_evicted(self) -> None:
+        """One warning line with the counts of rejected files deleted since it was last said, at
+        most every :data:`_SAY_EVICTED_EVERY_S` seconds (the counts wait for the next line)."""
+        now = time.monotonic()
+        with self._lock:
+            files, spans, size = self._unsaid
+            if not files or now - self._said_at < _SAY_EVICTED_EVERY_S:
+                return
+            self._unsaid, self._said_at = (0, 0, 0), now
+            kept = len(self._rejected_entries or ())
+        _log.warning(
+            "spool %s/rejected over its cap (%d files, %d bytes on disk): deleted the %d oldest rejected batch file(s) "
+            "(%d spans, %d bytes on disk); %d kept (counted in the spool's evicted spans)",
+            self.directory, self.max_rejected_files, self.max_bytes, files, spans, size, kept,
+        )
 
     def statistics(self) -> SpoolStatistics:
         with self._lock:
@@ -657,6 +769,10 @@ class Spool:
                 rejected_spans=self._rejected,
                 recovered_spans=self._recovered,
                 adopted_spans=self._adopted,
+                rejected_files=len(self._rejected_entries) if self._rejected_entries is not None else -1,
+                rejected_disk_bytes=self._rejected_bytes if self._rejected_entries is not None else -1,
+                rejected_evicted_files=self._rejected_evicted[0],
+                rejected_evicted_spans=self._rejected_evicted[1],
             )
 
     def close(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from exporters.otlp_json import read_span_file
 from exporters.spans import build_span, new_trace_id
-from exporters.spool import Spool
+from exporters.spool import Spool, disk_bytes
 
 
 def _batch(n: int, tag: str):
@@ -101,7 +103,10 @@ def test_rejects_nonpositive_cap(tmp_path: Path) -> None:
 
 
 def test_rejected_batches_have_their_own_cap(tmp_path: Path) -> None:
-    size = len(_batch(4, "x").SerializeToString())
+    sample = tmp_path / "sample"
+    sample.write_bytes(_batch(4, "x").SerializeToString())
+    size = disk_bytes(sample.stat())  # rejected/ counts the blocks its files take on disk
+    sample.unlink()
     spool = Spool(tmp_path, max_bytes=size * 2 + size // 2)
     for tag in ("a", "b", "c", "d"):
         spool.add_rejected(_batch(4, tag), 4)
@@ -165,3 +170,29 @@ def test_an_unreadable_metrics_spool_file_is_dropped_and_its_points_counted_lost
         assert not list(folder.glob("*.metrics.binpb"))
     finally:
         exporter.shutdown()
+
+
+def test_rejected_is_capped_in_files_too_adopted_ones_included_and_the_deletions_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rejected = tmp_path / "rejected"
+    rejected.mkdir(mode=0o700)
+    adopted = rejected / "adopted-pid-77-0000000000000001-3.binpb"  # a dead agent's, moved here: the oldest
+    adopted.write_bytes(_batch(3, "old").SerializeToString())
+    os.utime(adopted, (1, 1))
+    with caplog.at_level(logging.WARNING, logger="exporters.spool"):
+        spool = Spool(tmp_path, max_bytes=10**7, max_rejected_files=2)
+        assert spool.statistics().rejected_files == 1
+        for tag in ("a", "b", "c", "d"):
+            spool.add_rejected(_batch(2, tag), 2)
+    stats = spool.statistics()
+    spool.close()
+    assert not adopted.exists() and stats.rejected_files == 2 == len(list(rejected.iterdir()))
+    assert (stats.rejected_evicted_files, stats.rejected_evicted_spans, stats.evicted_spans) == (3, 3 + 2 + 2, 7)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "deleted the 1 oldest rejected batch file(s) (3 spans" in said[0], said  # the rest waits a minute
+
+
+def test_rejected_cap_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_rejected_files"):
+        Spool(tmp_path, max_bytes=10, max_rejected_files=0)

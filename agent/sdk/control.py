@@ -6,7 +6,8 @@ SDK's own modules (:mod:`agent.sdk.profiler`, :mod:`agent.sdk.tracing`); never t
 The server accepts in one daemon thread and serves each connection in its own short-lived
 daemon thread (one deadline per connection), so a slow client never delays another; it never
 touches torch: profile requests are queued for the model thread by :mod:`agent.sdk.profiler`.
-``profile.start`` is bounded (:func:`check_profile_bounds`: steps, duration, output folder).
+``profile.start`` is bounded (:func:`check_profile_bounds`: steps, duration, and an output folder
+that is the session folder the agent created, or one the server's operator allowed).
 
 Security: the socket file is created with mode 0600 (chmod right after bind; the peer check
 below covers the instant between) and every connection's peer uid is read with ``SO_PEERCRED``;
@@ -67,6 +68,7 @@ __all__ = [
     "control_path",
     "handle_request",
     "serve_control",
+    "session_folder_problem",
     "stop_control",
 ]
 
@@ -87,31 +89,57 @@ def control_path(pid: int | None = None, directory: Path | None = None) -> Path:
 MAX_NUM_STEPS = 100_000
 #: Longest ``max_duration_s`` one ``profile.start`` over the socket may ask for, seconds.
 MAX_DURATION_S = 3600.0
-#: Folders (``os.pathsep``-separated) a ``profile.start`` over the socket may write traces
-#: under; default the SDK's default profile folder and the temp dir.
+#: Folders (``os.pathsep``-separated) a ``profile.start`` over the socket may also write traces
+#: under, set by the server's operator; unset (default): only the session folder the agent
+#: created for this server (:func:`session_folder_problem`).
 ENV_PROFILE_ALLOWED_DIRS = "SERVEWATCH_PROFILE_ALLOWED_DIRS"
 
 
 def allowed_profile_dirs() -> list[str]:
-    """Folders a socket client may direct traces into (see :data:`ENV_PROFILE_ALLOWED_DIRS`)."""
-    import tempfile
+    """Folders (resolved) a socket client may direct traces into besides a session folder: those
+    of :data:`ENV_PROFILE_ALLOWED_DIRS`, none when it is unset."""
+    env = os.environ.get(ENV_PROFILE_ALLOWED_DIRS, "")
+    return [os.path.realpath(p) for p in env.split(os.pathsep) if p]
 
-    env = os.environ.get(ENV_PROFILE_ALLOWED_DIRS)
-    if env:
-        return [os.path.realpath(p) for p in env.split(os.pathsep) if p]
-    return [os.path.realpath(profiler._default_dir()), os.path.realpath(tempfile.gettempdir())]
+
+def session_folder_problem(path: str) -> str | None:
+    """Why ``path`` is not a session folder the agent created for this server, or ``None``.
+
+    The agent (:class:`agent.fsutil.SessionFolder`) hands a server an existing folder, mode
+    0700, owned by the server's effective uid (given to it when the agent runs as another uid),
+    never a symlink. ``/etc`` (0755) or a folder that does not exist is none of that.
+
+    Returns:
+        One phrase (``'/etc' has mode 755, a session folder is 0700``), or ``None``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return f"{path!r} does not exist (a session folder is created by the agent, never by the server)"
+    except OSError as exc:
+        return f"{path!r} cannot be opened as a folder without following a symlink ({exc.strerror or exc})"
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        return f"{path!r} is owned by uid {st.st_uid}, not by this server's uid {euid}"
+    if st.st_mode & 0o077:
+        return f"{path!r} has mode {st.st_mode & 0o7777:o}, a session folder is 0700"
+    return None
 
 
 def check_profile_bounds(request: profiler.ProfileRequest) -> None:
     """Bound what a socket client may ask for: steps, duration, and where traces go.
 
-    ``output_dir`` must be absolute and lie inside an allowed folder
-    (:func:`allowed_profile_dirs`), or already exist as a folder of this process's uid or root
-    that nobody else can write to (the agent's incident bundle): the server never creates a
-    folder elsewhere on a client's word.
+    ``output_dir`` must be absolute and be the session folder the agent created for this server
+    (:func:`session_folder_problem`: existing, 0700, this process's uid, not a symlink), or lie
+    inside a folder the server's operator allowed (:data:`ENV_PROFILE_ALLOWED_DIRS`): the server
+    never writes traces into, nor creates, a folder elsewhere on a client's word (``/etc``).
 
     Raises:
-        ValueError: one line saying which bound was passed.
+        ValueError: one line saying which bound was passed (and, for ``output_dir``, why).
     """
     if request.num_steps > MAX_NUM_STEPS:
         raise ValueError(f"num_steps must be <= {MAX_NUM_STEPS}, got {request.num_steps}")
@@ -121,24 +149,16 @@ def check_profile_bounds(request: profiler.ProfileRequest) -> None:
         return
     if "\0" in request.output_dir or not os.path.isabs(request.output_dir):
         raise ValueError(f"output_dir must be an absolute path, got {request.output_dir!r}")
+    problem = session_folder_problem(request.output_dir)
+    if problem is None:
+        return
     real = os.path.realpath(request.output_dir)
     for base in allowed_profile_dirs():
         if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
             return
-    try:
-        st = os.stat(real)
-    except OSError:
-        st = None
-    if (
-        st is not None
-        and os.path.isdir(real)
-        and st.st_uid in (0, os.geteuid())
-        and not st.st_mode & 0o022
-    ):
-        return
     raise ValueError(
-        f"output_dir {request.output_dir!r} is outside the allowed folders {allowed_profile_dirs()}"
-        f" (set {ENV_PROFILE_ALLOWED_DIRS}) and is not an existing private folder of this server's user"
+        f"output_dir {request.output_dir!r} refused: not the session folder the agent created for this server:"
+        f" {problem}; outside the allowed folders (set {ENV_PROFILE_ALLOWED_DIRS} to allow one)"
     )
 
 

@@ -102,7 +102,10 @@ class ProfileRequest:
         activities: ``CPU``, ``GPU`` (CUDA/XPU when torch supports it here), ``MEM`` (memory
             profiling). Unsupported activities are dropped and reported in the result.
         output_dir: folder for the trace; ``None`` uses ``$SERVEWATCH_PROFILE_DIR``, then
-            ``$SGLANG_TORCH_PROFILER_DIR``, then the temp dir.
+            ``$SGLANG_TORCH_PROFILER_DIR``, then the temp dir. Over the control socket it must
+            be the session folder the agent created for this server (an existing 0700 folder of
+            this process's uid, not a symlink) or lie in ``$SERVEWATCH_PROFILE_ALLOWED_DIRS``
+            (:func:`agent.sdk.control.check_profile_bounds`).
         with_stack / record_shapes / profile_memory: torch.profiler options (off by default).
         max_duration_s: wall-clock bound of the whole session from the request, seconds.
         backend: ``torch`` or ``mlx``.

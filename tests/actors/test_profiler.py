@@ -106,6 +106,8 @@ async def test_sdk_busy_target_refuses_and_missing_socket_is_no_such_process(lau
     pid = int(line.split()[1])
     cfg = _sdk_config(tmp_path)
     sock = ProfilerActor(cfg).socket_for(pid)
+    (tmp_path / "x").mkdir(mode=0o700)  # a session folder's shape: existing, 0700, the server's uid
+    (tmp_path / "x").chmod(0o700)
     reply = await sdk_call(sock, {"cmd": "profile.start", "num_steps": 100000, "activities": ["CPU"], "output_dir": str(tmp_path / "x")}, timeout_s=10)
     assert reply["ok"]
     try:

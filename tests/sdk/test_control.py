@@ -82,7 +82,9 @@ def test_all_four_commands_against_a_real_model(target, tmp_path: Path) -> None:
     assert reqs and all(r["request_id"].startswith("req-") and len(r["span_id"]) == 16 and len(r["trace_id"]) == 32 for r in reqs)
     assert reqs[0]["model"] == "tiny-mlp" and reqs[0]["input_tokens"] == 8
     assert stop == {"ok": True, "status": "already_stopped", "session": None}
-    out = tmp_path / "traces"
+    out = tmp_path / "traces"  # what the agent hands a server: an existing 0700 folder of its uid
+    out.mkdir(mode=0o700)
+    out.chmod(0o700)
     (start,) = _ask(path, {"cmd": "profile.start", "num_steps": 12, "activities": ["CPU"], "output_dir": str(out)})
     assert start["ok"], start
     (busy,) = _ask(path, {"cmd": "profile.start", "num_steps": 1})

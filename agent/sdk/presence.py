@@ -18,11 +18,14 @@ declared watched by a live agent instead holds those spans in the ring for a bou
 (:data:`HOLD_S`, the ring's capacity) until the agent attaches and ships them
 (:mod:`agent.sdk.channel`).
 
-Cost, on the server: :func:`watched` opens one file by name in the server's own private folder:
-O(1) system calls whatever else lies in the shared shm folder (another user's 200,000 files
-there are never listed), and nobody but the server's user or root can create a name in that
-folder, so no other user can slow the check or squat a declaration's name. (Before, every
-agent's declaration was a flat ``<shm dir>/servewatch-agent.<pid>`` that the server listed.)
+Cost, on the server: a look (:func:`look`) opens one file by name in the server's own private
+folder: O(1) system calls whatever else lies in the shared shm folder (another user's 200,000
+files there are never listed), and nobody but the server's user or root can create a name in
+that folder, so no other user can slow the look or squat a declaration's name. (Before, every
+agent's declaration was a flat ``<shm dir>/servewatch-agent.<pid>`` that the server listed on
+its request path.) The request path (:func:`watched`, from the channel) looks once, at a new
+ring's first span; after that a daemon thread looks every :data:`REFRESH_S` seconds while it
+is asked and the request path reads its last answer.
 
 Trust: a declaration counts only when it is a regular file (never through a symlink) owned by
 root or by the server's own user, in the server's own private folder, fresh (touched within
@@ -51,7 +54,7 @@ from pathlib import Path
 
 from agent.sdk.folders import FOLDER_PREFIX, folder_problem, own_dir, shm_dir
 
-__all__ = ["HOLD_S", "PREFIX", "RETRY_S", "STALE_S", "Declarations", "declaration_path", "watched"]
+__all__ = ["HOLD_S", "PREFIX", "REFRESH_S", "RETRY_S", "STALE_S", "Declarations", "declaration_path", "look", "watched"]
 
 #: File name prefix of a declaration, in the watched server's private folder
 #: (``servewatch-watched.<server pid>``).
@@ -61,6 +64,10 @@ STALE_S = 10.0
 #: How long a new ring holds its spans for a declared agent that has not attached yet, seconds
 #: (the agent polls rings every 0.5 s by default; ``SERVEWATCH_SPAN_HOLD_S`` overrides it).
 HOLD_S = 10.0
+#: Seconds between two looks of a server's refresher thread at its declaration (:func:`watched`).
+REFRESH_S = 0.5
+#: The refresher thread ends once :func:`watched` was not asked for this long, seconds.
+_IDLE_S = 2.0
 #: Least time between two tries to declare a server that could not be declared (its folder is
 #: not there yet, or squatted: finding a fallback folder lists the shared folder), seconds.
 RETRY_S = 1.0
@@ -105,11 +112,11 @@ def _read_declaration(path: Path, now_s: float) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def watched(pid: int, directory: Path | None = None, *, now_s: float | None = None) -> bool:
-    """Whether a live agent declares it watches ``pid`` (this process), per the module docstring.
-
-    Opens one file in this process's private folder (:func:`agent.sdk.folders.own_dir`, created
-    when missing): O(1), never a listing of the shared folder. Never raises.
+def look(pid: int, directory: Path | None = None, *, now_s: float | None = None) -> bool:
+    """Whether a live agent declares it watches ``pid`` (this process), per the module docstring,
+    looked at now: opens one file in this process's private folder
+    (:func:`agent.sdk.folders.own_dir`, created when missing): O(1) system calls, never a listing
+    of the shared folder. Never raises.
 
     Args:
         pid: this server's pid (the declaration's name and its ``target``).
@@ -126,6 +133,79 @@ def watched(pid: int, directory: Path | None = None, *, now_s: float | None = No
         return False
     agent = data.get("pid")
     return isinstance(agent, int) and not isinstance(agent, bool) and _alive(agent)
+
+
+class _Answers:
+    """The answers of :func:`watched` (default folder), refreshed off the caller's thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: pid -> the last answer
+        self.known: dict[int, bool] = {}
+        #: pid -> monotonic seconds it was last asked about
+        self.asked: dict[int, float] = {}
+        self.thread: threading.Thread | None = None
+
+
+_answers = _Answers()
+
+
+def _refresh(answers: _Answers) -> None:
+    """Look again every :data:`REFRESH_S` at the pids asked about within :data:`_IDLE_S`; end
+    (forgetting every answer) once none was."""
+    while True:
+        time.sleep(REFRESH_S)
+        with answers.lock:
+            now = time.monotonic()
+            pids = [pid for pid, at in answers.asked.items() if now - at < _IDLE_S]
+            if not pids or answers is not _answers:  # nobody asks any more (or a fork replaced them)
+                answers.known.clear()
+                answers.asked.clear()
+                answers.thread = None
+                return
+        fresh = {pid: look(pid) for pid in pids}
+        with answers.lock:
+            answers.known.update(fresh)
+
+
+def watched(pid: int, directory: Path | None = None, *, now_s: float | None = None) -> bool:
+    """Whether a live agent declares it watches ``pid`` (this process): :func:`look`, but for
+    the default folder the answer of a daemon thread that looks again every :data:`REFRESH_S`
+    seconds while it is asked (ending :data:`_IDLE_S` after the last question). Only the first
+    question (a new ring's first span) looks on the caller's thread: one O(1) look; later ones
+    read the last answer. Never raises.
+
+    Args:
+        pid: this server's pid.
+        directory: a base folder other than the default: looked at now (:func:`look`).
+        now_s: judge freshness at this time, Unix seconds: looked at now (:func:`look`).
+    """
+    if directory is not None or now_s is not None:
+        return look(pid, directory, now_s=now_s)
+    answers = _answers
+    with answers.lock:
+        answers.asked[pid] = time.monotonic()
+        known = answers.known.get(pid)
+        thread = None
+        if answers.thread is None:
+            thread = answers.thread = threading.Thread(target=_refresh, args=(answers,), name="servewatch-presence", daemon=True)
+    if thread is not None:
+        thread.start()
+    if known is not None:
+        return known
+    answer = look(pid)
+    with answers.lock:
+        answers.known.setdefault(pid, answer)
+    return answer
+
+
+def _after_fork_in_child() -> None:
+    global _answers
+    _answers = _Answers()  # the parent's refresher is not in the child, and its answers are of another pid
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- the agent side -------------------------------------------------------------------------

@@ -151,3 +151,39 @@ def _planted(shared: Path) -> None:
     planted.write_text(body)
     os.chown(planted, NOBODY, NOBODY)
     assert not presence.watched(me, shared)
+
+
+def test_only_the_first_question_looks_on_the_callers_thread_a_daemon_thread_refreshes_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The channel asks (default folder) at each span of a new ring's first seconds: one look on
+    the request path, then the refresher's answers."""
+    import threading
+
+    me = os.getpid()
+    looks: list[str] = []
+    real_look = presence.look
+
+    def counting(pid: int, directory: Path | None = None, *, now_s: float | None = None) -> bool:
+        looks.append(threading.current_thread().name)
+        return real_look(pid, directory, now_s=now_s)
+
+    monkeypatch.setattr(presence, "look", counting)
+    monkeypatch.setattr(presence, "_answers", presence._Answers())
+    declarations = presence.Declarations()  # the default folder ($SERVEWATCH_SHM_DIR of the test run)
+    try:
+        assert not presence.watched(me)  # not declared yet: looked at once, here
+        declarations.update({me: os.geteuid()})
+        deadline = time.monotonic() + 30
+        while not presence.watched(me):  # the refresher sees the declaration
+            assert time.monotonic() < deadline, looks
+            time.sleep(0.05)
+        assert looks.count(threading.current_thread().name) == 1, looks
+        assert looks.count("servewatch-presence") >= 1
+    finally:
+        declarations.withdraw_all()
+    deadline = time.monotonic() + 30
+    while presence.watched(me):  # and the withdrawal
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert looks.count(threading.current_thread().name) == 1, looks

@@ -19,9 +19,13 @@ Owns :class:`AgentApi` (a :class:`~agent.fleet.http.HttpServer` handler) and the
 
 Order of checks on every request: rate limit (429, before authentication, so guessing tokens is
 slow too), then authentication (401 without a valid bearer token, or a peer's signature made with
-it (:mod:`agent.fleet.proof`: fresh, not replayed, over this very body), when a token is
-configured; under mutual TLS a client without a certificate never completes the handshake), then
-routing.
+it (:mod:`agent.fleet.proof`: fresh, not replayed, over this very body, made for *this* agent:
+its ``Host`` one of this agent's own addresses or names (:attr:`AgentApi.own_host`) at its port;
+one made for another agent is refused with that reason), when a token is configured; under mutual
+TLS a client without a certificate never completes the handshake), then routing. A caller on the
+operator's unix socket (:class:`agent.fleet.http.HttpServer`'s ``unix_path``), admitted by its
+kernel-proven uid (``SO_PEERCRED``), is authenticated by that uid and never rate limited: no
+TCP flood reaches that path.
 An authenticated request that carries a nonce (:data:`agent.fleet.proof.NONCE_HEADER`) gets
 the proof of its answer (:data:`agent.fleet.proof.PROOF_HEADER`): the caller knows the answer
 comes from a holder of the job's token.
@@ -45,14 +49,24 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.fleet.http import Request, Response, json_response
 from agent.fleet.messages import Announce, Evidence, Report, ValidationError, first_error
-from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, NonceCache, RequestSignature, answer_proof
+from agent.fleet.proof import (
+    NONCE_HEADER,
+    PROOF_HEADER,
+    NonceCache,
+    RequestSignature,
+    answer_proof,
+    authority_host,
+    misdirected,
+)
 from agent.fleet.traceparent import TraceParent, TraceParentError
 
-__all__ = ["INCIDENT_ID_PATTERN", "AgentApi", "ApiBackend", "JoinRequest", "RateLimiter"]
+__all__ = ["INCIDENT_ID_PATTERN", "AgentApi", "ApiBackend", "JoinRequest", "RateLimiter", "Sender"]
 
 log = logging.getLogger("servewatch.fleet.api")
 
@@ -68,6 +82,36 @@ JOB_ROUTES: dict[str, type[Announce | Report | Evidence]] = {
 }
 
 
+#: The answer to a request without valid credentials.
+UNAUTHORIZED = "unauthorized: send 'Authorization: Bearer <token>'"
+
+
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Who sent a request, as far as it is proven.
+
+    Attributes:
+        address: the IP address the request came from (TCP proves it), or ``unix:uid=N``.
+        port: the sender's API port as its signature names it (:mod:`agent.fleet.proof`);
+            ``None``: an operator's request (bearer token), or a ``v1`` signature.
+    """
+
+    address: str
+    port: int | None = None
+
+    @property
+    def identity(self) -> str:
+        """``address:port`` (``address`` alone without a port): what a job binds a host name to."""
+        if self.port is None:
+            return self.address
+        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+
+    @classmethod
+    def of(cls, request: Request) -> Sender:
+        signature = RequestSignature.parse(request.headers.get("authorization", ""))
+        return cls(request.client, signature.port if signature is not None else None)
+
+
 class JoinRequest(dict[str, Any]):
     """Body of ``POST /v1/incidents`` after validation, plus ``traceparent`` (a :class:`TraceParent` or None)."""
 
@@ -78,8 +122,8 @@ class ApiBackend(Protocol):
     async def status(self) -> dict[str, Any]: ...
     async def list_incidents(self) -> list[dict[str, Any]]: ...
     async def get_incident(self, incident_id: str) -> dict[str, Any] | None: ...
-    async def post_incident(self, request: JoinRequest, *, agent_id: str) -> tuple[int, dict[str, Any]]: ...
-    async def job_message(self, message: Announce | Report | Evidence, *, client: str) -> tuple[int, dict[str, Any]]: ...
+    async def post_incident(self, request: JoinRequest, *, agent_id: str, sender: Sender) -> tuple[int, dict[str, Any]]: ...
+    async def job_message(self, message: Announce | Report | Evidence, *, client: str, sender: Sender) -> tuple[int, dict[str, Any]]: ...
 
 
 class RateLimiter:
@@ -160,35 +204,84 @@ class AgentApi:
         self.nonces = NonceCache()
         #: the port this API is served on, once bound (a peer's signature names it)
         self.port: int | None = None
+        #: whether a host (an address or a name, lower-case, no brackets) is this agent's own: a
+        #: peer's signature must name one of them; ``None``: the port alone is checked
+        self.own_host: Callable[[str], bool] | None = None
+        #: how a refusal names this agent (``node-b at 10.0.0.2:7207``)
+        self.own_label = ""
         #: requests refused for lack of valid credentials
         self.unauthorized = 0
+        #: genuine signed requests refused because they were made for another agent
+        self.misdirected = 0
 
     def authorized(self, request: Request) -> bool:
-        """Whether ``request`` (its head suffices) carries valid credentials: the bearer token, or
-        a peer's signature made with it (:mod:`agent.fleet.proof`; its body and nonce are checked
-        once the whole request is in, :meth:`_signed_body_ok`)."""
+        """Whether ``request`` (its head suffices) carries valid credentials (:meth:`refusal`)."""
+        return not self.refusal(request)
+
+    def refusal(self, request: Request) -> str:
+        """Why ``request`` (its head) is not authenticated, one line; ``""`` when it is: the bearer
+        token, or a peer's signature made with it for this agent (:mod:`agent.fleet.proof`; its
+        body and nonce are checked once the whole request is in, :meth:`_body_refusal`), or a
+        unix-socket caller the server admitted by its uid."""
+        if request.peer_uid is not None:
+            return ""  # the server admitted this unix-socket caller by its kernel-proven uid
         if self.mutual_tls and not request.client_certificate:
-            return False
+            return UNAUTHORIZED
         if self._token is None:
-            return True
+            return ""
         header = request.headers.get("authorization", "")
         scheme, _, presented = header.partition(" ")
         if scheme.lower() == "bearer" and presented:
-            return hmac.compare_digest(presented.strip().encode("latin-1", "replace"), self._token)
+            return "" if hmac.compare_digest(presented.strip().encode("latin-1", "replace"), self._token) else UNAUTHORIZED
         signature = RequestSignature.parse(header)
-        host = request.headers.get("host", "")
-        if signature is None or (self.port is not None and host.rpartition(":")[2] != str(self.port)):
-            return False  # a signature made for another agent's port: captured and replayed here
-        return signature.valid(self._token, request.method, host, request.path)
+        authority = request.headers.get("host", "")
+        if signature is None or not signature.valid(self._token, request.method, authority, request.path):
+            return UNAUTHORIZED
+        if not self._addressed_here(authority):
+            return misdirected(authority, self.own_label or f"port {self.port}")
+        return ""
 
-    def _signed_body_ok(self, request: Request) -> bool:
-        """A signed request: its body is the signed one and its nonce is new (no replay)."""
+    def _addressed_here(self, authority: str) -> bool:
+        """The ``Host`` a signature was made for names this agent: its port, and one of its own
+        addresses or names."""
+        host, port = authority_host(authority)
+        if self.port is not None and port != str(self.port):
+            return False
+        return self.own_host is None or self.own_host(host)
+
+    def _body_refusal(self, request: Request) -> str:
+        """A signed request: ``""`` when its body is the signed one and its nonce new here, else why."""
         signature = RequestSignature.parse(request.headers.get("authorization", ""))
-        if signature is None:
-            return True  # bearer (or mutual TLS alone)
-        return signature.covers(request.body) and self.nonces.first_use(signature.nonce)
+        if signature is None or request.peer_uid is not None:
+            return ""  # bearer (or mutual TLS alone, or the operator's socket)
+        if not signature.covers(request.body):
+            return "unauthorized: the body is not the signed one"
+        if not self.nonces.first_use(signature.nonce):
+            return "unauthorized: a replay (this agent accepted that signed request before)"
+        return ""
 
     async def __call__(self, request: Request) -> Response:
+        if request.peer_uid is None:
+            limited = self._limited(request)
+            if limited is not None:
+                return limited
+        refusal = self.refusal(request) or self._body_refusal(request)
+        if refusal:
+            self.unauthorized += 1
+            self.guesses.allow("")
+            if refusal != UNAUTHORIZED:
+                self.misdirected += refusal.startswith("unauthorized: signed for")
+                log.warning("refused %s %s from %s: %s", request.method, request.path, request.client, refusal)
+            return _error(401, refusal, [("www-authenticate", 'Bearer realm="servewatch"')])
+        response = await self._route(request)
+        nonce = request.headers.get(NONCE_HEADER, "")
+        if self._token is not None and nonce and len(nonce) <= 64:
+            response.headers.append((PROOF_HEADER, answer_proof(self._token, nonce, response.status, response.body)))
+        return response
+
+    def _limited(self, request: Request) -> Response | None:
+        """The 429 of a client over its rate, or of an unproven connection while token guesses are
+        limited for everyone; ``None``: go on."""
         wait_s = self.limiter.allow(request.client)
         if wait_s > 0:
             return _error(429, "rate limited", [("retry-after", str(max(1, round(wait_s + 0.5))))])
@@ -196,15 +289,7 @@ class AgentApi:
             self.guesses.limited += 1
             wait_s = self.guesses.wait_s("")
             return _error(429, "rate limited: too many failed authentications", [("retry-after", str(max(1, round(wait_s + 0.5))))])
-        if not self.authorized(request) or not self._signed_body_ok(request):
-            self.unauthorized += 1
-            self.guesses.allow("")
-            return _error(401, "unauthorized: send 'Authorization: Bearer <token>'", [("www-authenticate", 'Bearer realm="servewatch"')])
-        response = await self._route(request)
-        nonce = request.headers.get(NONCE_HEADER, "")
-        if self._token is not None and nonce and len(nonce) <= 64:
-            response.headers.append((PROOF_HEADER, answer_proof(self._token, nonce, response.status, response.body)))
-        return response
+        return None
 
     async def _route(self, request: Request) -> Response:
         path = request.path.rstrip("/") or "/"
@@ -239,7 +324,7 @@ class AgentApi:
             message = model.model_validate_json(request.body or b"{}")
         except ValidationError as exc:
             return _error(400, first_error(exc))
-        status, body = await self.backend.job_message(message, client=request.client)
+        status, body = await self.backend.job_message(message, client=request.client, sender=Sender.of(request))
         return json_response(status, body)
 
     async def _post_incident(self, request: Request) -> Response:
@@ -275,7 +360,8 @@ class AgentApi:
                 join["traceparent"] = TraceParent.parse(raw)
             except TraceParentError as exc:
                 return _error(400, str(exc))
-        status, body = await self.backend.post_incident(join, agent_id=request.headers.get("x-servewatch-agent", ""))
+        status, body = await self.backend.post_incident(join, agent_id=request.headers.get("x-servewatch-agent", ""),
+                                                        sender=Sender.of(request))
         if status == 429 and isinstance(body.get("retry_after_s"), (int, float)):
             return json_response(status, body, [("retry-after", str(max(1, round(body["retry_after_s"] + 0.5))))])
         return json_response(status, body)

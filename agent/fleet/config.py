@@ -69,6 +69,20 @@ class ApiConfig(BaseModel):
         1.0, gt=0, description="failed authentications per second allowed, all client addresses together (token guessing)"
     )
     guess_burst: int = Field(30, ge=1, description="failed authentications allowed at once, all client addresses together")
+    names: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="other names or addresses peers reach this agent by (a DNS name, a NAT address): a peer's signed"
+                    " request must be made for one of this agent's own addresses or names (its interfaces', its host"
+                    " name, these)",
+    )
+    unix_socket: str = Field(
+        "auto", max_length=107,
+        description="the operator's unix socket (no TCP flood reaches it; callers admitted by uid, SO_PEERCRED):"
+                    " 'auto' = <data_dir>/<host name>.api.sock, '' = none, or a path",
+    )
+    unix_socket_uids: list[int] = Field(
+        default_factory=list, max_length=64, description="uids admitted on the unix socket besides root and the agent's own"
+    )
 
     @property
     def tls(self) -> bool:

@@ -9,7 +9,9 @@ JSON routes to peers and operators; h11 does the protocol (framing, keep-alive, 
 and this module bounds everything around it:
 
 * connections: at most ``max_connections`` at once, ``max_connections_per_client`` of them from
-  one address (more are closed at accept). A connection is *unproven* until a request head on it
+  one address (a new one from an address at its share takes the slot of that address's oldest
+  unproven connection; with none, it is closed at accept: an idle flood from 127.0.0.1 never
+  shuts out an operator on 127.0.0.1). A connection is *unproven* until a request head on it
   passes ``authenticate`` (valid credentials); unproven connections may hold at most
   ``max_connections - reserved_for_authenticated`` slots, and when they hold them all a new
   connection takes the slot of the oldest unproven one (closed), so idle or slow unauthenticated
@@ -22,24 +24,34 @@ and this module bounds everything around it:
 * pipelining: requests sent back to back on one connection are answered in order;
 * size: headers by h11's ``max_incomplete_event_size``, bodies by ``max_body_bytes`` (413);
 * TLS: an ``ssl.SSLContext`` (server certificate; with ``CERT_REQUIRED`` and a client CA, mutual
-  TLS: a client without a certificate from that CA never gets past the handshake).
+  TLS: a client without a certificate from that CA never gets past the handshake);
+* the operator's path (``unix_path``): a unix socket (mode 0600, in a folder only the agent's
+  user enters) with slots of its own (``max_unix_connections``), whose callers are admitted only
+  when the kernel says (``SO_PEERCRED``) they run as one of ``unix_uids`` (root and the agent's
+  user): no TCP flood, from any address, takes them; such a connection is proven from its start.
 
 Imports anyio, h11 and the standard library only; the routes live in :mod:`agent.fleet.api`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
+import socket
 import ssl
+import stat
+import struct
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import anyio
 import h11
-from anyio.abc import ByteStream, SocketAttribute, TaskStatus
+from anyio.abc import ByteStream, SocketAttribute, SocketListener, TaskStatus
 from anyio.streams.tls import TLSAttribute, TLSStream
 
 __all__ = ["HttpServer", "HttpStatistics", "Request", "Response", "json_response"]
@@ -66,6 +78,8 @@ class Request:
         client_certificate: the verified client certificate (``ssl.getpeercert()``) under mutual
             TLS, else ``None``.
         proven_connection: an earlier request on this connection passed ``authenticate``.
+        peer_uid: on the unix socket, the caller's uid (``SO_PEERCRED``; admitted: one of
+            ``unix_uids``); ``None`` over TCP.
     """
 
     method: str
@@ -76,6 +90,7 @@ class Request:
     client: str
     client_certificate: dict[str, Any] | None = None
     proven_connection: bool = False
+    peer_uid: int | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +127,10 @@ class HttpStatistics(NamedTuple):
     evicted_connections: int = 0
     #: open now that passed authentication
     proven_connections: int = 0
+    #: open now on the operator's unix socket
+    unix_connections: int = 0
+    #: closed at accept on the unix socket: a caller of another uid, or its slots all held
+    unix_refused: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -122,6 +141,7 @@ class _Conn:
     scope: anyio.CancelScope
     proven: bool = False
     evicted: bool = False
+    peer_uid: int | None = None
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -145,6 +165,10 @@ class HttpServer:
         max_body_bytes / read_timeout_s / handler_timeout_s / max_connections /
         max_connections_per_client / reserved_for_authenticated / header_timeout_s /
         idle_timeout_s: bounds, above (seconds, bytes, connections).
+        unix_path: also serve the operator's unix socket there (created mode 0600; a stale
+            socket of a dead agent is replaced); ``None``: none.
+        unix_uids: uids admitted on it (default: root and this process's effective uid).
+        max_unix_connections: open unix-socket connections at most.
 
     Raises:
         ValueError: ``reserved_for_authenticated`` leaves no slot for a new connection.
@@ -167,6 +191,9 @@ class HttpServer:
         reserved_for_authenticated: int | None = None,
         header_timeout_s: float = 5.0,
         idle_timeout_s: float = 30.0,
+        unix_path: str | None = None,
+        unix_uids: Iterable[int] | None = None,
+        max_unix_connections: int = 16,
     ) -> None:
         reserved = max_connections // 4 if reserved_for_authenticated is None else reserved_for_authenticated
         if not 0 <= reserved < max_connections:
@@ -197,6 +224,11 @@ class HttpServer:
         #: open unproven connections, oldest first (the first to give up its slot)
         self._unproven: OrderedDict[int, _Conn] = OrderedDict()
         self._proven = 0
+        self.unix_path = unix_path
+        self.unix_uids = frozenset(unix_uids if unix_uids is not None else (0, os.geteuid()))
+        self.max_unix_connections = max_unix_connections
+        self._unix_open = 0
+        self._unix_refused = 0
 
     @property
     def _open(self) -> int:
@@ -204,18 +236,32 @@ class HttpServer:
 
     def statistics(self) -> HttpStatistics:
         return HttpStatistics(self._connections, self._rejected, self._requests, self._bad, self._tls_failures, self._open,
-                              self._evicted, self._proven)
+                              self._evicted, self._proven, self._unix_open, self._unix_refused)
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen, report started (``tg.start``) once bound, and serve until cancelled.
 
         Raises:
-            OSError: the address cannot be bound (port in use, no such address).
+            OSError: the address cannot be bound (port in use, no such address). A unix socket
+                that cannot be made (path too long, a live agent's socket there, not a socket) is
+                logged, and the TCP API serves without it.
         """
         listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port, reuse_port=False)
         self.port = int(listener.extra(SocketAttribute.local_port))
         log.info("agent API listening on %s:%d (%s)", self.host, self.port, "https" if self.ssl_context else "http")
-        async with listener:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(listener)
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            if self.unix_path is not None:
+                try:
+                    unix, inode = await _unix_listener(self.unix_path)
+                except OSError as exc:  # the TCP API still serves; the operator is told why there is no socket
+                    log.error("agent API: no unix socket at %s: %s", self.unix_path, exc.strerror or exc)
+                else:
+                    stack.push_async_callback(_unlink_if, self.unix_path, inode)
+                    await stack.enter_async_context(unix)
+                    log.info("agent API for uid(s) %s on %s", ",".join(map(str, sorted(self.unix_uids))), self.unix_path)
+                    tg.start_soon(unix.serve, self._accepted_unix)
             task_status.started()
             await listener.serve(self._accepted)
 
@@ -223,18 +269,25 @@ class HttpServer:
 
     def _admit(self, client: str) -> bool:
         """Make room for a new connection from ``client``: ``False`` when it must be refused
-        (its address holds its share, or every slot is held by a proven connection)."""
+        (its address holds its share in proven connections, or every slot is held by one)."""
         if self._per_client.get(client, 0) >= self.max_connections_per_client:
-            return False
+            # that address's oldest unproven connection gives up its slot (fairness within an address)
+            same = next((c for c in self._unproven.values() if c.client == client), None)
+            if same is None:
+                return False
+            self._evict(same)
         if len(self._unproven) >= self.max_unproven or self._open >= self.max_connections:
             if not self._unproven:
                 return False
-            _, oldest = self._unproven.popitem(last=False)  # the oldest unproven gives up its slot
-            self._release(oldest)
-            oldest.evicted = True
-            oldest.scope.cancel("evicted: its slot went to a newer connection")
-            self._evicted += 1
+            self._evict(next(iter(self._unproven.values())))  # the oldest unproven gives up its slot
         return True
+
+    def _evict(self, conn: _Conn) -> None:
+        self._unproven.pop(id(conn), None)
+        self._release(conn)
+        conn.evicted = True
+        conn.scope.cancel("evicted: its slot went to a newer connection")
+        self._evicted += 1
 
     def _release(self, conn: _Conn) -> None:
         left = self._per_client.get(conn.client, 0) - 1
@@ -278,10 +331,38 @@ class HttpServer:
                     self._unproven.pop(id(conn), None)
             await anyio.aclose_forcefully(stream)
 
+    async def _accepted_unix(self, stream: ByteStream) -> None:
+        """A connection on the operator's unix socket: admitted when its caller's uid (the
+        kernel's word, ``SO_PEERCRED``) is one of ``unix_uids`` and a unix slot is free."""
+        uid: int | None = None
+        try:
+            raw = stream.extra(SocketAttribute.raw_socket)
+            _pid, uid, _gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        except (anyio.TypedAttributeLookupError, OSError, struct.error):
+            uid = None
+        if uid is None or uid not in self.unix_uids or self._unix_open >= self.max_unix_connections:
+            self._unix_refused += 1
+            if uid is not None and uid not in self.unix_uids:
+                log.warning("agent API unix socket: refused a caller running as uid %d (admitted: %s)", uid,
+                            ",".join(map(str, sorted(self.unix_uids))))
+            await anyio.aclose_forcefully(stream)
+            return
+        self._connections += 1
+        self._unix_open += 1
+        conn = _Conn(f"unix:uid={uid}", anyio.CancelScope(), proven=True, peer_uid=uid)
+        try:
+            with conn.scope:
+                await self._connection(stream, conn)
+        except Exception:  # boundary: one connection never takes the agent down
+            log.exception("API connection from %s failed", conn.client)
+        finally:
+            self._unix_open -= 1
+            await anyio.aclose_forcefully(stream)
+
     async def _connection(self, stream: ByteStream, conn: _Conn) -> None:
         client = conn.client
         certificate: dict[str, Any] | None = None
-        if self.ssl_context is not None:
+        if self.ssl_context is not None and conn.peer_uid is None:
             with anyio.move_on_after(self.header_timeout_s) as scope:
                 try:
                     stream = await TLSStream.wrap(stream, server_side=True, ssl_context=self.ssl_context, standard_compatible=False)
@@ -348,7 +429,7 @@ class HttpServer:
                 if isinstance(event, h11.Request):
                     head = event
                     if not owner.proven and self.authenticate is not None and self.authenticate(
-                        _request(event, b"", client, certificate, False)
+                        _request(event, b"", client, certificate, False, None)
                     ):
                         self._prove(owner)
                     # the rest of the request: within read_timeout_s of its first byte
@@ -370,7 +451,7 @@ class HttpServer:
             limit_s = head_limit_s if head is None else self.read_timeout_s
             return json_response(408, {"error": f"request not received within {limit_s:g} s"})
         assert head is not None
-        return _request(head, bytes(body), client, certificate, proven_before)
+        return _request(head, bytes(body), client, certificate, proven_before, owner.peer_uid)
 
     async def _receive_more(
         self, conn: h11.Connection, stream: ByteStream, scope: anyio.CancelScope, started: float | None, *,
@@ -422,11 +503,73 @@ class HttpServer:
         return True
 
 
-def _request(head: h11.Request, body: bytes, client: str, certificate: dict[str, Any] | None, proven: bool) -> Request:
+def _request(head: h11.Request, body: bytes, client: str, certificate: dict[str, Any] | None, proven: bool,
+             peer_uid: int | None) -> Request:
     target = head.target.decode("ascii", "replace")
     path, _, query = target.partition("?")
     headers = {name.decode("ascii", "replace").lower(): value.decode("latin-1") for name, value in head.headers}
-    return Request(head.method.decode("ascii", "replace"), path, query, headers, body, client, certificate, proven)
+    return Request(head.method.decode("ascii", "replace"), path, query, headers, body, client, certificate, proven, peer_uid)
+
+
+async def _unix_listener(path: str) -> tuple[Any, int]:
+    """A listening unix socket at ``path``, mode 0600, and its inode. A socket already there is
+    replaced only when it is a socket owned by this uid that nobody listens on (a dead agent's).
+
+    Raises:
+        OSError: ``path`` is something else, or a live listener holds it, or it is too long.
+    """
+    sock, inode = await anyio.to_thread.run_sync(_bind_unix, path)
+    try:
+        return await SocketListener.from_socket(sock), inode
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _bind_unix(path: str) -> tuple[socket.socket, int]:
+    _clear_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.fchmod(sock.fileno(), 0o600)  # the mode the socket file is created with (no window)
+        sock.bind(path)
+        os.chmod(path, 0o600, follow_symlinks=False)
+        sock.listen(128)
+        sock.setblocking(False)
+        return sock, os.stat(path, follow_symlinks=False).st_ino
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _clear_stale(path: str) -> None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(errno.EEXIST, f"{path} exists and is not this agent's socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a dead agent's
+            return
+    raise OSError(errno.EADDRINUSE, f"another agent serves {path}")
+
+
+async def _unlink_if(path: str, inode: int) -> None:
+    """Remove our socket at ``path`` (only while it is still ours: the same inode)."""
+
+    def unlink() -> None:
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino == inode:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(unlink)
 
 
 def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:

@@ -58,6 +58,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -77,7 +78,7 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
-from agent.fleet.api import INCIDENT_ID_PATTERN, AgentApi, JoinRequest
+from agent.fleet.api import INCIDENT_ID_PATTERN, AgentApi, JoinRequest, Sender
 from agent.fleet.config import (
     ApiConfig,
     FleetConfig,
@@ -99,9 +100,17 @@ from agent.fleet.identity import (
 from agent.fleet.jobstate import Announced, JobIncident, PeerOutcome
 from agent.fleet.jobverdict import JobVerdict, MissingHost, judge_job
 from agent.fleet.messages import Announce, Evidence, MemberInfo, RelayedPeer, Report
-from agent.fleet.peers import Peer, PeerCredentials, PeerReply, PeerResolver, call_peer, parse_peer
+from agent.fleet.peers import (
+    OwnNames,
+    Peer,
+    PeerCredentials,
+    PeerReply,
+    PeerResolver,
+    call_peer,
+    parse_peer,
+)
 from agent.fleet.traceparent import TraceParent
-from agent.fsutil import atomic_write_text
+from agent.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
 from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from agent.ranks import rank_label, world_ranks
 
@@ -129,6 +138,8 @@ MAX_EVIDENCE_HOSTS = 100_000
 MAX_JUDGED = 16
 #: Coordinator candidates a detecting host tries before it coordinates its own view.
 MAX_COORDINATOR_TRIES = 3
+#: Longest unix socket path, bytes (``sun_path`` less its NUL).
+MAX_UNIX_PATH = 107
 
 
 
@@ -211,6 +222,10 @@ class Fleet:
         self.unverified_answers = 0
         #: job verdicts made (as coordinator)
         self.verdicts = 0
+        #: messages refused because their sender claimed an identity another sender proved
+        self.identity_conflicts = 0
+        #: this agent's own addresses and names (a peer's signed request must name one)
+        self.own_names = OwnNames(api.host, [self.host_name, socket.gethostname(), *api.names])
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -237,6 +252,7 @@ class Fleet:
             max_connections_per_client=api.max_connections_per_client,
             reserved_for_authenticated=min(api.reserved_for_authenticated, api.max_connections - 1),
             header_timeout_s=api.header_timeout_s, idle_timeout_s=api.idle_timeout_s,
+            unix_path=await anyio.to_thread.run_sync(self._unix_path), unix_uids={0, os.geteuid(), *api.unix_socket_uids},
         )
         cfg = self.config
         # the Flight Recorder status read that names a job incident's trace: imported now, not mid-incident
@@ -251,6 +267,9 @@ class Fleet:
                 self._tg = tg
                 await tg.start(self.server.serve)
                 self.api.port = self.server.port
+                self.api.own_host = self.own_names
+                self.api.own_label = f"{self.host_name} at {self.own_names.label(self.server.port)}"
+                self.credentials = replace(self.credentials, own_port=self.server.port)
                 self.resolver = PeerResolver(cfg.peers, dns_name=cfg.peers_dns, own_port=self.server.port, own_host=api.host,
                                              default_port=api.port or self.server.port, scheme=self.scheme, timeout_s=cfg.peer_timeout_s)
                 manager.companions.append(self._companion)
@@ -259,6 +278,7 @@ class Fleet:
                     manager.place = self._place
                     tg.start_soon(self._announce_loop)
                 tg.start_soon(self._watch_status, status_sub)
+                tg.start_soon(self._own_member_names)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -269,6 +289,41 @@ class Fleet:
                 manager.admit = None
             if manager.place == self._place:
                 manager.place = None
+
+    def _unix_path(self) -> str | None:
+        """The operator's unix socket (``api.unix_socket``: ``auto`` is ``<data_dir>/<host name>.api.sock``,
+        the data dir made 0700 if missing), or ``None``: off, or (said once) a path too long for a
+        socket, or a folder another user controls (:func:`agent.fsutil.open_trusted_dir`). A file
+        system walk: a worker thread."""
+        raw = self.api_config.unix_socket
+        if not raw:
+            return None
+        path = Path(self.data_dir / f"{self.host_name}.api.sock" if raw == "auto" else raw)
+        if len(os.fsencode(str(path))) > MAX_UNIX_PATH:
+            log.warning("agent API: no unix socket: %s is longer than %d bytes (set api.unix_socket)", path, MAX_UNIX_PATH)
+            return None
+        try:
+            fd, _ = open_trusted_dir(path.parent, create=raw == "auto")
+        except (UnsafeFolderError, OSError) as exc:
+            log.warning("agent API: no unix socket at %s: %s", path, exc)
+            return None
+        os.close(fd)
+        return str(path)
+
+    async def _own_member_names(self) -> None:
+        """Names of the member list that resolve to this agent (at its port) are its own too: a
+        peer that lists it by name signs for that name."""
+        assert self.resolver is not None
+        for peer in self.resolver.static:
+            if peer.port != self.port or self.own_names(peer.host):
+                continue
+            with anyio.move_on_after(self.config.peer_timeout_s):
+                try:
+                    infos = await anyio.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
+                except OSError:
+                    infos = []
+                if any(self.own_names(str(info[4][0]).split("%")[0]) for info in infos):
+                    self.own_names.add(peer.host)
 
     async def _watch_status(self, sub: Any) -> None:
         async for event in sub:
@@ -518,7 +573,7 @@ class Fleet:
         }).model_dump(by_alias=True)
         for _hop in range(2):  # one redirect at most
             self.reports_sent += 1
-            reply = await call_peer(candidate, "/v1/job/report", body, credentials=self.credentials,
+            reply = await call_peer(candidate, "/v1/job/report", body, credentials=self._as_listed(),
                                     timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
             doc = reply.doc or {}
             if reply.result.outcome is not Outcome.OK:
@@ -623,6 +678,8 @@ class Fleet:
         ranks = tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
         job.asked[peer.url] = PeerOutcome(peer.url, reply.result.outcome, reply.result.detail, host, ranks)
         if reply.verified and host and reply.result.outcome is Outcome.OK:
+            if _is_ip_literal(peer.host) and self._claim(job, host, Sender(peer.host, peer.port), "a join's answer"):
+                return  # an answer at one member's address naming another member's host: not believed
             job.member_info[peer.url] = MemberInfo.model_validate({"job": self.config.job or "-", "host.name": host, "ranks": list(ranks)})
         if reply.doc is not None and not reply.verified:
             self.unverified_answers += 1
@@ -700,7 +757,7 @@ class Fleet:
             if job.coordinator is None:
                 return  # nobody to tell (a follow-up, or the coordinator never answered)
             body = json.loads(fit(evidence, self.api_config.max_body_bytes - 1024))
-            reply = await call_peer(job.coordinator, "/v1/job/evidence", body, credentials=self.credentials,
+            reply = await call_peer(job.coordinator, "/v1/job/evidence", body, credentials=self._as_listed(),
                                     timeout_s=self.config.peer_timeout_s, action="fleet.evidence", attempts=4)
             if reply.result.outcome is not Outcome.OK:
                 log.warning("sending our evidence to the coordinator failed: %s", reply.result.detail)
@@ -780,7 +837,7 @@ class Fleet:
             if host not in have and address not in job.asked:
                 missing.append(MissingHost(host, tuple(sorted(job.member_info[address].ranks)) if address in job.member_info else (),
                                            "no evidence (reported a detection, then nothing)"))
-        return judge_job(list(job.evidence.values()), missing_hosts=missing, world_size=self.world_size)
+        return judge_job(list(job.evidence.values()), missing_hosts=missing, world_size=self.world_size, conflicts=job.conflicts)
 
     # -- announce -----------------------------------------------------------------------------------
 
@@ -827,37 +884,82 @@ class Fleet:
 
     # -- API backend ----------------------------------------------------------------------------------
 
-    async def job_message(self, message: Announce | Report | Evidence, *, client: str) -> tuple[int, dict[str, Any]]:
-        """``POST /v1/job/announce|report|evidence`` (bodies validated by :mod:`agent.fleet.messages`)."""
+    async def job_message(self, message: Announce | Report | Evidence, *, client: str,
+                          sender: Sender | None = None) -> tuple[int, dict[str, Any]]:
+        """``POST /v1/job/announce|report|evidence`` (bodies validated by :mod:`agent.fleet.messages`);
+        ``sender``: who sent it as far as it is proven (default: ``client`` alone)."""
         if message.job != self.config.job:
             return 409, {"error": f"job mismatch: this agent is in job {self.config.job!r}", "host.name": self.host_name}
         if message.agent_id and message.agent_id == self.agent_id:
             return 409, {"error": "self", "host.name": self.host_name}
+        who = sender or Sender(client)
         if isinstance(message, Announce):
-            return await self._on_announce(message, client)
+            return await self._on_announce(message, who)
         if isinstance(message, Report):
-            return await self._on_report(message, client)
-        return self._on_evidence(message)
+            return await self._on_report(message, who)
+        return self._on_evidence(message, who)
 
-    async def _sender(self, message: Announce | Report, client: str) -> Peer:
-        """Who sent ``message``: its entry in our own member list when it names one we list,
-        else the address it called from at its API port."""
+    def _as_listed(self) -> PeerCredentials:
+        """Our credentials, sending from this agent's address in the member list when the API is
+        bound to a wildcard (a multi-homed host's report and evidence come from where the
+        coordinator knows it: the identity its answers proved)."""
+        creds = self.credentials
+        if creds.local_host or self.resolver is None:
+            return creds
+        me = next((p for p in self.resolver.static if _is_ip_literal(p.host) and not _is_loopback(p.host)
+                   and self.resolver.is_self(p)), None)
+        return replace(creds, local_host=me.host) if me is not None else creds
+
+    def _claim(self, job: JobIncident, host: str, sender: Sender, what: str) -> str:
+        """``""`` when ``sender`` may speak for ``host`` in ``job`` (the first identity to prove a
+        host name keeps it; this agent's own name is its own), else the conflict (logged, counted,
+        said in the job verdict and the status). A sender whose request names no port (mutual TLS
+        without a token) is the host proven at its address."""
+        job.prove(self.host_name, "this agent")
+        identity = sender.identity
+        known = job.proven.get(host)
+        if sender.port is None and known is not None and _same_ip(known.rpartition(":")[0], sender.address):
+            identity = known
+        line = job.prove(host, identity, what)
+        if line:
+            self.identity_conflicts += 1
+            log.warning("job %s: %s", self.config.job, line)
+        return line
+
+    async def _at(self, peer: Peer, sender: Sender) -> bool:
+        """Whether ``sender`` (its address, and its signed port when it names one) is ``peer``: a
+        name is resolved (bounded by ``peer_timeout_s``)."""
+        if sender.port is not None and sender.port != peer.port:
+            return False
+        if _is_ip_literal(peer.host):
+            return _same_ip(peer.host, sender.address)
+        infos: list[Any] = []
+        with anyio.move_on_after(self.config.peer_timeout_s):
+            try:
+                infos = await anyio.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
+            except OSError:
+                infos = []
+        return any(_same_ip(str(info[4][0]).split("%")[0], sender.address) for info in infos)
+
+    async def _sender(self, message: Announce | Report, sender: Sender) -> Peer:
+        """Who sent ``message``: its entry in our own member list when it names one we list and
+        it came from there, else the address it called from at its API port."""
         if message.address and self.resolver is not None:
             members, _ = await self.resolver.resolve_all()
             listed = next((p for p in members if p.url == message.address), None)
-            if listed is not None:
+            if listed is not None and await self._at(listed, sender):
                 return listed
-        return Peer(client, message.api_port, message.scheme)
+        return Peer(sender.address, message.api_port, message.scheme)
 
-    async def _on_announce(self, message: Announce, client: str) -> tuple[int, dict[str, Any]]:
-        peer = await self._sender(message, client)
+    async def _on_announce(self, message: Announce, sender: Sender) -> tuple[int, dict[str, Any]]:
+        peer = await self._sender(message, sender)
         self.announced = Announced(peer, message.host_name, tuple(message.ranks), time.monotonic())
         return 200, {"job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id,
                      "ranks": list(self.local_ranks), "world_size": self.world_size, "status": "member"}
 
-    async def _on_report(self, report: Report, client: str) -> tuple[int, dict[str, Any]]:
+    async def _on_report(self, report: Report, sender: Sender) -> tuple[int, dict[str, Any]]:
         self.reports_received += 1
-        reporter = await self._sender(report, client)
+        reporter = await self._sender(report, sender)
         job = self.job
         if self._in_window(job) and job is not None and not job.placed.is_set():
             with anyio.move_on_after(self.config.accept_timeout_s):
@@ -891,6 +993,9 @@ class Fleet:
             job.placed.set()
             why = f"job {self.config.job}: {report.host_name} detected {report.trigger or 'a hang'} ({report.key})"
             self._spawn(self._open_joined, why[:500], TraceParent(trace_id, root))
+        conflict = self._claim(job, report.host_name, sender, "a report")
+        if conflict:
+            return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(job)}
         job.reported[reporter.url] = report.host_name
         job.last_report_s = time.monotonic()
         job.detected_time_unix_nano = min(job.detected_time_unix_nano or report.detected_time_unix_nano, report.detected_time_unix_nano)
@@ -899,9 +1004,14 @@ class Fleet:
         self.world_size = self.world_size or report.world_size
         return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", **self._trace_doc(job)}
 
-    def _on_evidence(self, evidence: Evidence) -> tuple[int, dict[str, Any]]:
+    def _on_evidence(self, evidence: Evidence, sender: Sender) -> tuple[int, dict[str, Any]]:
         job = self.job
         judged = self._judged.get(evidence.trace_id)
+        target = judged if judged is not None else job
+        if target is not None and evidence.trace_id == target.trace_id:
+            conflict = self._claim(target, evidence.host_name, sender, "evidence")
+            if conflict:  # a token holder speaking for another host: never judged, said
+                return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(target)}
         if judged is not None and judged is not job:  # after the verdict: kept, said, not re-judged
             self.evidence_received += 1
             judged.add_evidence(evidence)
@@ -922,8 +1032,12 @@ class Fleet:
             doc["traceparent"] = TraceParent(job.trace_id, job.root_span_id).header()
         return doc
 
-    async def post_incident(self, request: JoinRequest, *, agent_id: str) -> tuple[int, dict[str, Any]]:
-        """``POST /v1/incidents``: a manual incident, or a join of the job's trace (or a user's)."""
+    async def post_incident(self, request: JoinRequest, *, agent_id: str, sender: Sender | None = None) -> tuple[int, dict[str, Any]]:
+        """``POST /v1/incidents``: a manual incident, or a join of the job's trace (or a user's).
+
+        ``sender``: who sent it as far as it is proven (``None``: a caller in this process). A
+        join that names another trace than this host's job incident moves it only when it comes
+        from the job's coordinator (:meth:`_may_retrace`); else it is refused (409) and said."""
         if agent_id and agent_id == self.agent_id:
             return 409, {"error": "self", "host.name": self.host_name}
         tp: TraceParent | None = request.get("traceparent")
@@ -935,6 +1049,8 @@ class Fleet:
         self.joins += 1
         job = self.job
         if self._in_window(job) and job is not None:
+            if job.trace_id != tp.trace_id and not await self._may_retrace(job, request, sender):
+                return self._refuse_retrace(job, tp, sender)
             if not job.placed.is_set() or (job.local_incident_id is None and job.trace_id != tp.trace_id and not job.joined):
                 # ours is being placed or opened: the coordinator's trace wins, once it opened
                 job.move_to = (tp.trace_id, tp.parent_id)
@@ -964,6 +1080,32 @@ class Fleet:
         with anyio.move_on_after(self.config.accept_timeout_s):
             await job.opened.wait()
         return 202, self._answer("opened" if job.local_incident_id else "accepted", job)
+
+    async def _may_retrace(self, job: JobIncident, request: JoinRequest, sender: Sender | None) -> bool:
+        """Only the job's coordinator moves this host's job incident into another trace: the
+        coordinator this host knows (its report's answer), else a join naming its own sender as
+        the coordinator; never a coordinating host's (its trace is the job's)."""
+        if sender is None:
+            return True
+        if job.coordinating:
+            return False
+        if job.coordinator is not None:
+            return await self._at(job.coordinator, sender)
+        raw = request.get("coordinator")
+        try:
+            claimed = parse_peer(raw, default_port=self.port, scheme=self.scheme) if isinstance(raw, str) else None
+        except ValueError:
+            claimed = None
+        return claimed is not None and await self._at(claimed, sender)
+
+    def _refuse_retrace(self, job: JobIncident, tp: TraceParent, sender: Sender | None) -> tuple[int, dict[str, Any]]:
+        who = sender.identity if sender is not None else "?"
+        coordinator = "this agent" if job.coordinating else (job.coordinator.url if job.coordinator else "not known yet")
+        line = job.conflict(f"a join from {who} naming trace {tp.trace_id} refused: this job incident's trace is"
+                            f" {job.trace_id or '(being placed)'}, its coordinator {coordinator}")
+        self.identity_conflicts += 1
+        log.warning("job %s: %s", self.config.job, line)
+        return 409, {"error": line, "status": "refused", "host.name": self.host_name, **self._trace_doc(job)}
 
     def _adopt_coordinator(self, job: JobIncident, request: JoinRequest) -> None:
         raw = request.get("coordinator")
@@ -1082,6 +1224,7 @@ class Fleet:
                 "reports_received": self.reports_received, "evidence_received": self.evidence_received,
                 "unverified_answers": self.unverified_answers,
                 "verdicts": self.verdicts,
+                "identity_conflicts": self.identity_conflicts,
             },
             "api": self.server.statistics()._asdict() if self.server else None,
             "bus": agent.bus.statistics()._asdict(),
@@ -1143,6 +1286,31 @@ class Fleet:
             return None
 
 
+def _is_ip_literal(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+
+
+def _same_ip(a: str, b: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(a.strip("[]")) == ipaddress.ip_address(b.strip("[]"))
+    except ValueError:
+        return False
+
+
 def _concrete_ip(host: str) -> str | None:
     """``host`` when it is one IP address (not a wildcard, not loopback's default), else ``None``."""
     import ipaddress
@@ -1173,8 +1341,6 @@ def _route_address(destinations: Sequence[tuple[str, int]]) -> str:
 
 
 def _with(result: ActionResult, **changes: Any) -> ActionResult:
-    from dataclasses import replace
-
     return replace(result, **changes)
 
 

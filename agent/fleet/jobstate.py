@@ -18,7 +18,10 @@ from agent.events import ActionCompleted, ActionResult, Outcome
 from agent.fleet.messages import Evidence, MemberInfo
 from agent.fleet.peers import Peer
 
-__all__ = ["Announced", "JobIncident", "PeerOutcome"]
+__all__ = ["MAX_CONFLICTS", "Announced", "JobIncident", "PeerOutcome"]
+
+#: Identity conflicts one job incident remembers (the first ones; the rest are counted).
+MAX_CONFLICTS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,30 @@ class JobIncident:
     verdict: Any = None
     #: what each member said of itself (announce answers, join answers, reports): address -> info
     member_info: dict[str, MemberInfo] = field(default_factory=dict)
+    #: host name -> the sender identity that proved it first (``address:port``), and back
+    proven: dict[str, str] = field(default_factory=dict)
+    proven_by: dict[str, str] = field(default_factory=dict)
+    #: what was refused because it claimed an identity another sender proved (one line each)
+    conflicts: list[str] = field(default_factory=list)
+    conflicts_total: int = 0
+
+    def prove(self, host: str, identity: str, what: str = "a message") -> str:
+        """Bind ``host`` (a host name) to ``identity`` (who proved it: ``address:port``), first
+        proof wins, both ways (one identity is one host). Returns ``""`` when ``what`` from
+        ``identity`` may speak for ``host``, else the conflict, one line (also remembered)."""
+        known, owner = self.proven.get(host), self.proven_by.get(identity)
+        if known in (None, identity) and owner in (None, host):
+            self.proven[host], self.proven_by[identity] = identity, host
+            return ""
+        why = f"{host} is proven at {known}" if known not in (None, identity) else f"{identity} is {owner}"
+        return self.conflict(f"{what} for host {host} from {identity} refused: {why}")
+
+    def conflict(self, line: str) -> str:
+        """Remember ``line`` (bounded, :data:`MAX_CONFLICTS`); returns it."""
+        self.conflicts_total += 1
+        if len(self.conflicts) < MAX_CONFLICTS:
+            self.conflicts.append(line)
+        return line
 
     def in_window(self, window_s: float) -> bool:
         return time.monotonic() - max(self.started, self.last_report_s) < window_s
@@ -139,4 +166,5 @@ class JobIncident:
         return {"trace_id": self.trace_id, "root_span_id": self.root_span_id, "key": self.key,
                 "local_incident_id": self.local_incident_id, "coordinating": self.coordinating,
                 "coordinator": self.coordinator.url if self.coordinator else None,
-                "reported": len(self.reported), "asked": len(self.asked), "evidence": len(self.evidence)}
+                "reported": len(self.reported), "asked": len(self.asked), "evidence": len(self.evidence),
+                "conflicts": self.conflicts_total, "conflict": self.conflicts[0] if self.conflicts else None}

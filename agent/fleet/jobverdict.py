@@ -76,6 +76,8 @@ class JobVerdict:
         world_size / captured_ranks / missing_ranks: the world-size check.
         torch_analysis: what torch's Flight Recorder analyzer said (one line per finding).
         evidence: the rule's evidence lines.
+        conflicts: what was refused or set aside because a sender claimed another host's
+            identity or ranks (one line each).
     """
 
     kind: str
@@ -91,6 +93,7 @@ class JobVerdict:
     missing_ranks: tuple[int, ...] = ()
     torch_analysis: tuple[str, ...] = ()
     evidence: tuple[str, ...] = field(default_factory=tuple)
+    conflicts: tuple[str, ...] = ()
 
     def headline(self) -> str:
         """``Job verdict: culprit rank 2 on node-b -- behind: ... [confidence high]``."""
@@ -119,6 +122,8 @@ class JobVerdict:
             attrs[f"{p}world_size"] = self.world_size
         if self.torch_analysis:
             attrs[f"{p}torch_analysis"] = tuple(line[:500] for line in self.torch_analysis[:8])
+        if self.conflicts:
+            attrs[f"{p}conflicts"] = tuple(line[:500] for line in self.conflicts[:16])
         return attrs
 
     def to_json(self) -> dict[str, Any]:
@@ -128,6 +133,7 @@ class JobVerdict:
             "hosts": list(self.hosts), "missing_hosts": [{"host": m.host, "ranks": list(m.ranks), "why": m.why} for m in self.missing_hosts],
             "world_size": self.world_size, "captured_ranks": list(self.captured_ranks), "missing_ranks": list(self.missing_ranks),
             "torch_analysis": list(self.torch_analysis), "evidence": list(self.evidence), "headline": self.headline(),
+            "conflicts": list(self.conflicts),
         }
 
 
@@ -199,11 +205,29 @@ def _all_wait_same(ev: Sequence[RankEvidence]) -> str:
     return ""
 
 
+def _by_rank(evidence: Sequence[Evidence]) -> tuple[dict[int, RankSummary], dict[int, str], list[str]]:
+    """Each rank's summary and host (the first host's that sent it), and a line per rank that
+    another host claimed too."""
+    host_of: dict[int, str] = {}
+    summaries: dict[int, RankSummary] = {}
+    said: list[str] = []
+    for ev in evidence:
+        for summary in ev.ranks:
+            if summary.rank not in summaries:
+                summaries[summary.rank] = summary
+                host_of[summary.rank] = ev.host_name
+            elif host_of[summary.rank] != ev.host_name:
+                said.append(f"rank {summary.rank} claimed by {host_of[summary.rank]} and {ev.host_name}:"
+                            f" {host_of[summary.rank]}'s kept")
+    return summaries, host_of, said
+
+
 def judge_job(
     evidence: Sequence[Evidence],
     *,
     missing_hosts: Sequence[MissingHost] = (),
     world_size: int | None = None,
+    conflicts: Sequence[str] = (),
 ) -> JobVerdict:
     """The job's verdict from every host's summary (rules in the module docstring).
 
@@ -212,18 +236,15 @@ def judge_job(
         missing_hosts: hosts the coordinator asked (or knows) that sent none.
         world_size: the job's world size when the coordinator knows it otherwise (else the
             hosts' recorders say it).
+        conflicts: identity conflicts the coordinator refused (one line each); a rank two hosts
+            claim is one more (the first host's summary of it is kept). Said in the reason.
 
     Returns:
         The :class:`JobVerdict`.
     """
-    host_of: dict[int, str] = {}
-    summaries: dict[int, RankSummary] = {}
-    for ev in evidence:
-        world_size = world_size or ev.world_size
-        for summary in ev.ranks:
-            if summary.rank not in summaries:
-                summaries[summary.rank] = summary
-                host_of[summary.rank] = ev.host_name
+    summaries, host_of, said = _by_rank(evidence)
+    said[:0] = conflicts
+    world_size = world_size or next((ev.world_size for ev in evidence if ev.world_size), None)
     ranks_ev = [_rank_evidence(summaries[r]) for r in sorted(summaries)]
     captured = tuple(sorted(summaries))
     known_missing = {r for m in missing_hosts for r in m.ranks}
@@ -269,10 +290,12 @@ def judge_job(
         reason += "; " + "; ".join(str(m) for m in missing_list[:8]) + (f"; {len(missing_list) - 8} more hosts" if len(missing_list) > 8 else "")
     elif missing_ranks:
         reason += f"; {_ranks(missing_ranks)} of world size {world_size} not captured"
+    if said:
+        reason += f"; {len(said)} identity conflict{'s' if len(said) != 1 else ''}: {said[0]}"
     culprit_hosts = tuple(host_of.get(r, "?") for r in culprits)
     return JobVerdict(
         kind=kind, hung=hung, culprit_ranks=tuple(culprits), culprit_hosts=culprit_hosts, reason=reason,
         confidence=confidence, hosts=tuple(sorted(ev.host_name for ev in evidence)), missing_hosts=tuple(missing_list),
         world_size=world_size, captured_ranks=captured, missing_ranks=missing_ranks, torch_analysis=tuple(torch_lines),
-        evidence=tuple(lines),
+        evidence=tuple(lines), conflicts=tuple(said[:16]),
     )

@@ -1,7 +1,9 @@
 """The job's peers: who they are (static list, DNS name) and asking them to capture.
 
 Owns :class:`Peer`, :func:`parse_peer`, :class:`PeerResolver` (static peers plus every address a
-DNS name resolves to, e.g. a Kubernetes headless service; this agent's own address is skipped) and
+DNS name resolves to, e.g. a Kubernetes headless service; this agent's own address is skipped),
+:class:`OwnNames` (this agent's own addresses and names: a peer's signed request must be made for
+one of them) and
 :func:`call_peer` (one bounded ``POST`` to a peer, its outcome sorted into our terms: ``ok``,
 ``refused`` (HTTP 4xx/5xx, or not asked: the token never goes over plain HTTP unless allowed),
 ``timed_out`` (slow), ``failed`` (unreachable, or not answering HTTP)) with
@@ -18,7 +20,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +36,7 @@ from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, new_nonce, sign_reques
 __all__ = [
     "PEER_SPAN",
     "RESOLVE_SPAN",
+    "OwnNames",
     "Peer",
     "PeerCredentials",
     "PeerReply",
@@ -108,6 +111,51 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+class OwnNames:
+    """This agent's own addresses and names (what a peer's signed request may be made for).
+
+    Bound to one address (``api.host`` an IP), that address; bound to a wildcard, every address
+    of this machine's interfaces (looked up again, at most every :attr:`REFRESH_S` seconds, when
+    an unknown address is asked about: a pod's address may change). Always: ``names`` (this
+    agent's host name, the kernel's, ``api.names``, names of the member list that resolve to it).
+
+    Args:
+        bind_host: the API's bind address.
+        names: names (or addresses) that are this agent's too.
+    """
+
+    REFRESH_S = 5.0
+
+    def __init__(self, bind_host: str, names: Iterable[str] = ()) -> None:
+        self.bind = bind_host.strip("[]").lower()
+        self.concrete = _is_ip(self.bind) and not ipaddress.ip_address(self.bind).is_unspecified
+        self.names = {n.strip("[]").lower() for n in names if n}
+        self._local = local_addresses()
+        self._looked = time.monotonic()
+
+    def add(self, name: str) -> None:
+        """``name`` (an address or a name) is this agent's too."""
+        self.names.add(name.strip("[]").lower())
+
+    def __call__(self, host: str) -> bool:
+        """Whether ``host`` (an address or a name) is this agent's."""
+        h = host.strip("[]").lower()
+        if h in self.names:
+            return True
+        if self.concrete:
+            return h == self.bind or (h == "localhost" and ipaddress.ip_address(self.bind).is_loopback)
+        if h == "localhost" or h in self._local:
+            return True
+        if _is_ip(h) and time.monotonic() - self._looked > self.REFRESH_S:
+            self._local, self._looked = local_addresses(), time.monotonic()
+            return h in self._local
+        return False
+
+    def label(self, port: int) -> str:
+        """How a refusal names this agent (``10.0.0.2:7207``, ``*:7207``)."""
+        return f"{self.bind if self.concrete else '*'}:{port}"
 
 
 class PeerResolver:
@@ -216,6 +264,8 @@ class PeerCredentials:
         allow_insecure: talk to plain-HTTP peers too (``--allow-insecure-peers``).
         agent_id: this agent's random id (a peer answering with it is ourselves).
         local_host: source address of requests (the API's bind address when it is one IP).
+        own_port: this agent's API port, bound into every signature (the receiver names the
+            sender by the address the request came from and this port).
     """
 
     token: bytes | None = None
@@ -224,6 +274,7 @@ class PeerCredentials:
     allow_insecure: bool = False
     agent_id: str = ""
     local_host: str | None = None
+    own_port: int | None = None
 
     def source(self, peer: Peer) -> str | None:
         """The source address towards ``peer`` (same address family only)."""
@@ -247,7 +298,8 @@ class PeerCredentials:
         token = self.token
         if token is None:
             return None
-        return lambda body: {"authorization": sign_request(token, method, peer.authority, path, body)}
+        port = self.own_port
+        return lambda body: {"authorization": sign_request(token, method, peer.authority, path, body, sender_port=port)}
 
     def verified(self, peer: Peer, answer: PeerAnswer, nonce: str) -> bool:
         """Whether ``answer`` provably comes from a member of the job: over TLS verified against

@@ -4,13 +4,19 @@ Owns :func:`sign_request` / :class:`RequestSignature` (a request signed with the
 :func:`answer_proof` / :func:`verify_answer` (an answer proven with it).
 
 * **Requests between peers** carry ``Authorization: Servewatch-Sig ts=<unix s>,nonce=<hex>,
-  sha256=<body digest>,sig=<HMAC-SHA256(token, "v1", method, host, path, ts, nonce, digest)>``
-  (newline-joined) instead of the bearer token: whoever listens at a peer's address (a
-  rescheduled pod's IP, a port another user took over, a plain-HTTP wire) learns nothing that
-  lets it call other agents. The receiver accepts a signature whose time is within
-  :data:`MAX_SKEW_S` of its clock, made for its own port (the ``Host`` header is signed: a
-  request captured at one agent cannot be replayed to another) and whose nonce it has not seen
-  (replays refused), and checks the body against the signed digest.
+  sha256=<body digest>,port=<sender's API port>,sig=<HMAC-SHA256(token, "v2", method, host,
+  path, ts, nonce, digest, port)>`` (newline-joined) instead of the bearer token: whoever
+  listens at a peer's address (a rescheduled pod's IP, a port another user took over, a
+  plain-HTTP wire) learns nothing that lets it call other agents. ``host`` is the receiver as
+  the sender names it in its member list (``host:port``, the ``Host`` header): the receiver
+  accepts a signature only when that names *itself* (one of its own addresses or names, and its
+  port: every agent of a job listens on the same port, so a port alone names no one), whose time
+  is within :data:`MAX_SKEW_S` of its clock and whose nonce its own cache has not seen (replays
+  refused), and checks the body against the signed digest. A request signed for another agent
+  is refused with that reason (:func:`misdirected`). ``port`` is the sender's own API port: with
+  the address the request came from (TCP) it names the sender (:mod:`agent.fleet.job` binds a
+  host name to it). A signature without ``port`` (``"v1"``) is still accepted; its sender is
+  named by its address alone.
 * **Answers** carry ``x-servewatch-proof: HMAC-SHA256(token, nonce "\\n" status "\\n" body)`` for
   the nonce the caller sent (:data:`NONCE_HEADER`): a forged answer from an impostor is never
   acted on (:mod:`agent.fleet.job` moves a running incident only on a proven answer). Under
@@ -37,6 +43,8 @@ __all__ = [
     "NonceCache",
     "RequestSignature",
     "answer_proof",
+    "authority_host",
+    "misdirected",
     "new_nonce",
     "sign_request",
     "verify_answer",
@@ -51,7 +59,7 @@ SIGNATURE_SCHEME = "Servewatch-Sig"
 #: Largest difference between a signed request's time and the receiver's clock, seconds.
 MAX_SKEW_S = 60.0
 
-_FIELDS = re.compile(r"(ts|nonce|sha256|sig)=([0-9a-f]{1,128})")
+_FIELDS = re.compile(r"(ts|nonce|sha256|sig|port)=([0-9a-f]{1,128})")
 
 
 def new_nonce() -> str:
@@ -63,14 +71,42 @@ def _mac(token: bytes, *parts: str) -> str:
     return hmac.new(token, "\n".join(parts).encode("utf-8", "replace"), hashlib.sha256).hexdigest()
 
 
+def _signed(token: bytes, method: str, host: str, path: str, ts: str, nonce: str, digest: str, port: int | None) -> str:
+    if port is None:
+        return _mac(token, "v1", method.upper(), host.lower(), path, ts, nonce, digest)
+    return _mac(token, "v2", method.upper(), host.lower(), path, ts, nonce, digest, str(port))
+
+
 def sign_request(token: bytes, method: str, host: str, path: str, body: bytes, *, nonce: str | None = None,
-                 now_s: float | None = None) -> str:
-    """The ``Authorization`` header value of a request to ``host`` (its ``Host`` header) signed with ``token``."""
+                 now_s: float | None = None, sender_port: int | None = None) -> str:
+    """The ``Authorization`` header value of a request to ``host`` signed with ``token``.
+
+    Args:
+        host: the receiver as the sender names it (``host:port``, sent as the ``Host`` header).
+        sender_port: the sender's own API port (bound into the signature); ``None``: a ``v1``
+            signature that names no port.
+    """
     ts = str(int(time.time() if now_s is None else now_s))
     nonce = nonce or new_nonce()
     digest = hashlib.sha256(body).hexdigest()
-    sig = _mac(token, "v1", method.upper(), host.lower(), path, ts, nonce, digest)
-    return f"{SIGNATURE_SCHEME} ts={ts},nonce={nonce},sha256={digest},sig={sig}"
+    sig = _signed(token, method, host, path, ts, nonce, digest, sender_port)
+    port = f",port={sender_port}" if sender_port is not None else ""
+    return f"{SIGNATURE_SCHEME} ts={ts},nonce={nonce},sha256={digest}{port},sig={sig}"
+
+
+def authority_host(authority: str) -> tuple[str, str]:
+    """``(host, port)`` of a ``Host`` header (``[v6]:port`` unbracketed; host lower-cased, port ``""`` when none)."""
+    raw = authority.strip()
+    host, sep, port = raw.rpartition(":")
+    if not sep or not port.isdigit() or (host.count(":") and not host.startswith("[")):
+        host, port = raw, ""
+    return host.strip("[]").lower(), port
+
+
+def misdirected(authority: str, own: str) -> str:
+    """The reason a request genuinely signed for ``authority`` is refused by the agent at ``own``."""
+    return (f"unauthorized: signed for {authority}, not this agent ({own}): a request made for another agent"
+            " is never accepted here (captured and replayed?)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +117,8 @@ class RequestSignature:
     nonce: str
     sha256: str
     sig: str
+    #: the sender's API port (``None``: a ``v1`` signature)
+    port: int | None = None
 
     @classmethod
     def parse(cls, header: str) -> RequestSignature | None:
@@ -88,9 +126,12 @@ class RequestSignature:
         if scheme != SIGNATURE_SCHEME:
             return None
         fields = dict(_FIELDS.findall(rest))
+        port = fields.pop("port", None)
         if set(fields) != {"ts", "nonce", "sha256", "sig"} or len(fields["nonce"]) < 16:
             return None
-        return cls(int(fields["ts"]), fields["nonce"], fields["sha256"], fields["sig"])
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            return None
+        return cls(int(fields["ts"]), fields["nonce"], fields["sha256"], fields["sig"], int(port) if port else None)
 
     def valid(self, token: bytes, method: str, host: str, path: str, *, now_s: float | None = None) -> bool:
         """The signature is the token's over this method, host, path, time, nonce and digest, and
@@ -98,7 +139,7 @@ class RequestSignature:
         now = time.time() if now_s is None else now_s
         if abs(now - self.ts) > MAX_SKEW_S:
             return False
-        expected = _mac(token, "v1", method.upper(), host.lower(), path, str(self.ts), self.nonce, self.sha256)
+        expected = _signed(token, method, host, path, str(self.ts), self.nonce, self.sha256, self.port)
         return hmac.compare_digest(expected, self.sig)
 
     def covers(self, body: bytes) -> bool:

@@ -219,12 +219,27 @@ class UnsafeFolderError(OSError):
     bit, or not a folder."""
 
 
+def trusted_uids() -> frozenset[int]:
+    """The uids whose folders a trusted walk goes through: root, the agent's effective uid and,
+    for an agent run through ``sudo`` as root, the invoking user (``SUDO_UID``: whoever set it for
+    a root process is root already), so ``sudo servewatch profile`` works from the user's home."""
+    euid = os.geteuid()
+    uids = {0, euid}
+    sudo_uid = os.environ.get("SUDO_UID", "")
+    if euid == 0 and sudo_uid.isdigit() and len(sudo_uid) <= 10:
+        uids.add(int(sudo_uid))
+    return frozenset(uids)
+
+
 def _component_problem(where: str, st: os.stat_result, *, last: bool) -> str | None:
     """Why one component of a trusted walk is refused, or ``None`` (see :func:`open_trusted_dir`)."""
-    euid = os.geteuid()
-    if st.st_uid not in (0, euid):
+    uids = trusted_uids()
+    if st.st_uid not in uids:
         what = "a symlink owned" if stat.S_ISLNK(st.st_mode) else "owned"
-        return f"{where!r} is {what} by uid {st.st_uid}, not by root or the agent's uid {euid}: not used"
+        euid = os.geteuid()
+        sudo = sorted(uids - {0, euid})
+        who = f"root, the agent's uid {euid} or sudo's user uid {sudo[0]}" if sudo else f"root or the agent's uid {euid}"
+        return f"{where!r} is {what} by uid {st.st_uid}, not by {who}: not used"
     if stat.S_ISLNK(st.st_mode):
         return None
     if not stat.S_ISDIR(st.st_mode):
@@ -318,8 +333,8 @@ def open_trusted_dir(path: str | os.PathLike[str], *, create: bool = False) -> t
 
     ``path`` is made absolute and normalised lexically (``..`` collapsed, nothing resolved).
     Each component is looked at with ``lstat`` relative to the folder above it and opened with
-    ``O_NOFOLLOW`` relative to that folder's descriptor (``openat``); it must be owned by root
-    or the agent's effective uid, and a folder must not be writable by other users unless it has
+    ``O_NOFOLLOW`` relative to that folder's descriptor (``openat``); it must be owned by root,
+    the agent's effective uid or the user who ran it through ``sudo`` (:func:`trusted_uids`), and a folder must not be writable by other users unless it has
     the sticky bit (``/tmp``). A symlink owned by root or the agent (``/var/run``) is followed
     by walking its target the same way; one owned by anyone else is refused, never followed.
 

@@ -75,6 +75,16 @@ def _private_shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
         os.environ["SERVEWATCH_SHM_DIR"] = previous
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_sudo_user() -> Iterator[None]:
+    """The suite run through ``sudo`` trusts no extra uid's folders (agent.fsutil.trusted_uids):
+    the refusals the tests assert are the same however they were started."""
+    previous = os.environ.pop("SUDO_UID", None)
+    yield
+    if previous is not None:
+        os.environ["SUDO_UID"] = previous
+
+
 @pytest.fixture(autouse=True)
 def no_blocking_on_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every ``async def`` test runs with blocking calls on the event loop from agent or

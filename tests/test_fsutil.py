@@ -170,3 +170,26 @@ def test_session_folder_is_the_base_only_when_it_is_the_agents_0700_folder(tmp_p
     private.mkdir(mode=0o700)
     private.chmod(0o700)
     assert fsutil.SessionFolder.create(private).path == private
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own a folder as another uid")
+def test_trusted_walk_goes_through_the_sudo_users_folders_only(tmp_path, monkeypatch):
+    """``sudo servewatch profile`` from the user's home: that user's folders are trusted (whoever
+    set SUDO_UID for a root process is root already); any other user's stay refused."""
+    tmp_path.chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    os.chown(home, 65534, 65534)
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    assert _walk_problem(home) == f"{str(home)!r} is owned by uid 65534, not by root or the agent's uid 0: not used"
+    monkeypatch.setenv("SUDO_UID", "65534")
+    assert fsutil.trusted_uids() == {0, 65534}
+    fd, made = fsutil.open_trusted_dir(home / "profiles", create=True)
+    os.close(fd)
+    assert made == (home / "profiles",) and (home / "profiles").stat().st_uid == 0
+    monkeypatch.setenv("SUDO_UID", "1000")
+    assert _walk_problem(home) == (
+        f"{str(home)!r} is owned by uid 65534, not by root, the agent's uid 0 or sudo's user uid 1000: not used")
+    monkeypatch.setenv("SUDO_UID", "not-a-uid")
+    assert fsutil.trusted_uids() == {0}

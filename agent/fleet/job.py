@@ -31,6 +31,16 @@ The protocol, per job incident:
    passed, writes ``job-verdict.json`` into its bundle and emits the job's root span with the
    verdict (:class:`~agent.events.JobIncidentClosed`).
 
+Who speaks for a host: every member holds the same token, so a signature says "a member", not
+which one. A request's sender is the address it came from (TCP) and the API port its signature
+names (:class:`~agent.fleet.api.Sender`); per job incident a host name belongs to the first
+identity that proved it (a verified join answer from the address the coordinator asked, a report,
+evidence), and one identity is one host: evidence or a report for a host from another identity is
+refused (409), logged, counted (``identity_conflicts``) and said in the job verdict and the
+status, one line each. Only the coordinator moves a job incident into another trace (the one this
+host reported to, else a join naming its own sender as coordinator); a coordinating host's trace
+is the job's and no join relabels it.
+
 Deduplication: one job incident is remembered for ``dedup_window_s``; a local detection inside
 it is folded (a ``fleet.detection_folded`` span), a join or a manual request attaches (the
 answer always names the trace). A target exit after our part of the job incident closed is a

@@ -275,6 +275,11 @@ def _data_dir_ready(settings: Settings) -> None:
         check_data_dir(settings.data_dir)
     except ConfigError as exc:
         _invalid(exc)
+    if settings.profiler.output_dir is not None:  # said at start, not at the first incident's profile
+        from agent.fsutil import unsafe_folder_reason
+
+        if (why := unsafe_folder_reason(settings.profiler.output_dir)) is not None:
+            fail(f"profiler.output_dir {str(settings.profiler.output_dir)!r} refused: {why}", ExitCode.USAGE)
 
 
 # Options shared by several commands.

@@ -177,3 +177,25 @@ async def test_an_incident_profile_into_a_planted_output_dir_fails_with_the_reas
     ), profile
     assert profile["artifact_paths"] == []
     assert _names(root_tree) == before
+
+
+def test_a_planted_profiler_output_dir_stops_run_and_dump_at_start_in_one_line(
+    tmp_path: Path, shared_tmpfs: Path, root_tree: Path, planted_link: Path
+) -> None:
+    """``profiler.output_dir`` through another user's link is said when the agent starts (exit 2,
+    one line), not at the first incident's profile, hours later."""
+    before = _names(root_tree)
+    for command in (["dump", "--pid", str(os.getpid())], ["run", "--pid", str(os.getpid()), "--duration", "5"]):
+        env_args = ("--data-dir", str(tmp_path / "data"))
+        done = subprocess.run(
+            [sys.executable, "-m", "agent.cli", *command, *env_args], capture_output=True, text=True, timeout=120,
+            cwd=tmp_path, check=False,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))},
+                 "SERVEWATCH_PROFILER__OUTPUT_DIR": str(planted_link / "etc"), "COLUMNS": "400", "PYTHONPATH": str(REPO)},
+        )
+        assert done.returncode == 2, (command, done.returncode, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        want = (f"servewatch: profiler.output_dir {str(planted_link / 'etc')!r} refused: {str(planted_link)!r} is a symlink"
+                " owned by uid 65534, not by root or the agent's uid 0: not used")
+        assert lines == [want], (command, done.stderr)
+    assert _names(root_tree) == before

@@ -21,6 +21,7 @@ import pytest
 from agent.actors.profiler import ProfilerConfig, profile_once
 from agent.events import Outcome
 from agent.fsutil import SessionFolder
+from tests.security._attack import hostile_sdk_source
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups"]
@@ -30,47 +31,23 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to act as another uid"
 )
 
-#: A hostile "SDK": stdlib only, run as nobody. argv: socket path template ({pid}), victims (JSON).
-_HOSTILE_SDK = r"""
-import json, os, socket, sys
-path = sys.argv[1].replace("{pid}", str(os.getpid()))
-victims = json.loads(sys.argv[2])
-os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # its user's private SDK folder
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(8)
-print("ready", flush=True)
-srv.settimeout(60)
-files = []
-while True:
-    try:
-        conn, _ = srv.accept()
+#: A hostile "SDK" (run as nobody; argv[2]: the victims, JSON): plants symlinks in the session
+#: folder it is told to write to and reports root-owned files and folders as its "trace files".
+_HOSTILE_SDK = hostile_sdk_source("""
+    victims = arg
+    try:  # where the folder lets nobody write (it is given to the writer): plant too
+        with open(os.path.join(out, "real.trace.json"), "w") as f:
+            f.write('{"traceEvents": []}')
+        os.symlink(victims["file"], os.path.join(out, "evil-link.trace.json"))
+        os.mkdir(os.path.join(out, "evil.gputrace"))
+        os.symlink(victims["dir"], os.path.join(out, "evil.gputrace", "inner"))
     except OSError:
-        break
-    with conn:
-        req = json.loads(conn.makefile("rb").readline())
-        if req.get("cmd") == "profile.start":
-            out = req["output_dir"]
-            try:  # where the folder lets nobody write (it is given to the writer): plant too
-                with open(os.path.join(out, "real.trace.json"), "w") as f:
-                    f.write('{"traceEvents": []}')
-                os.symlink(victims["file"], os.path.join(out, "evil-link.trace.json"))
-                os.mkdir(os.path.join(out, "evil.gputrace"))
-                os.symlink(victims["dir"], os.path.join(out, "evil.gputrace", "inner"))
-            except OSError:
-                pass
-            files = [victims["dir"], victims["file"], victims["suid"],
-                     os.path.join(out, "..", "..", os.path.basename(victims["dir"])),
-                     os.path.join(out, "evil-link.trace.json"), os.path.join(out, "evil.gputrace"),
-                     os.path.join(out, "real.trace.json")]
-            reply = {"ok": True, "session_id": "s1"}
-        elif req.get("cmd") == "status":
-            reply = {"ok": True, "session": {"session_id": "s1", "finished": True, "state": "completed",
-                                             "steps_captured": 1, "files": files}}
-        else:
-            reply = {"ok": True, "status": "stopped"}
-        conn.sendall(json.dumps(reply).encode() + b"\n")
-"""
+        pass
+    files = [victims["dir"], victims["file"], victims["suid"],
+             os.path.join(out, "..", "..", os.path.basename(victims["dir"])),
+             os.path.join(out, "evil-link.trace.json"), os.path.join(out, "evil.gputrace"),
+             os.path.join(out, "real.trace.json")]
+""")
 
 
 @pytest.fixture

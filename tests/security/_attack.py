@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,6 +30,48 @@ NOBODY_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "p
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to act as another uid"
 )
+
+
+#: The skeleton of a hostile SDK control server (stdlib only, run as nobody): argv[1] is the socket
+#: path template (``{pid}``), argv[2] (optional) a JSON document the attack reads as ``arg``. It
+#: answers ``profile.start`` by running the attack's code with ``out`` = the folder it is handed
+#: (the code sets ``files``, what it then reports), ``status`` with a finished session naming
+#: ``files``, anything else with ``stopped``; it prints ``ready <pid>`` once it listens.
+_HOSTILE_SDK = r"""
+import json, os, socket, sys
+path = sys.argv[1].replace("{pid}", str(os.getpid()))
+arg = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
+os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # its user's private SDK folder
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(8)
+print("ready", os.getpid(), flush=True)
+srv.settimeout(120)
+files = []
+while True:
+    try:
+        conn, _ = srv.accept()
+    except OSError:
+        break
+    with conn:
+        req = json.loads(conn.makefile("rb").readline())
+        if req.get("cmd") == "profile.start":
+            out = req["output_dir"]
+%s
+            reply = {"ok": True, "session_id": "s1"}
+        elif req.get("cmd") == "status":
+            reply = {"ok": True, "pid": os.getpid(), "forward_ct": 1,
+                     "session": {"session_id": "s1", "finished": True, "state": "completed",
+                                 "steps_captured": 1, "files": files}}
+        else:
+            reply = {"ok": True, "status": "stopped"}
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+"""
+
+
+def hostile_sdk_source(on_profile_start: str) -> str:
+    """A hostile SDK's source (:data:`_HOSTILE_SDK`) whose ``profile.start`` runs ``on_profile_start``."""
+    return _HOSTILE_SDK % textwrap.indent(textwrap.dedent(on_profile_start).strip("\n"), " " * 12)
 
 
 def run_as_nobody(spawn: Callable, argv: list[str], **kwargs) -> subprocess.Popen[bytes]:

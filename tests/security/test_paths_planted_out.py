@@ -30,6 +30,7 @@ from tests.security._attack import (
     NOBODY,
     NOBODY_PYTHON,
     REPO,
+    hostile_sdk_source,
     needs_root,
     ready_line,
     run_as_nobody,
@@ -38,42 +39,16 @@ from tests.security._attack import (
 
 pytestmark = needs_root
 
-#: A hostile "SDK", stdlib only, run as nobody. argv: socket path template ({pid}). Answers
-#: profile.start by writing a trace into the folder it is handed, and reports it.
-_HOSTILE_SDK = r"""
-import json, os, socket, sys
-path = sys.argv[1].replace("{pid}", str(os.getpid()))
-os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(8)
-print("ready", os.getpid(), flush=True)
-srv.settimeout(90)
-files = []
-while True:
+#: A hostile "SDK" (run as nobody): answers profile.start by writing a trace into the folder it
+#: is handed, and reports it.
+_HOSTILE_SDK = hostile_sdk_source("""
     try:
-        conn, _ = srv.accept()
+        with open(os.path.join(out, "owned.trace.json"), "w") as f:
+            f.write('{"traceEvents": []}')
+        files = [os.path.join(out, "owned.trace.json")]
     except OSError:
-        break
-    with conn:
-        req = json.loads(conn.makefile("rb").readline())
-        if req.get("cmd") == "profile.start":
-            out = os.path.join(req["output_dir"], "owned.trace.json")
-            try:
-                with open(out, "w") as f:
-                    f.write('{"traceEvents": []}')
-                files = [out]
-            except OSError:
-                pass
-            reply = {"ok": True, "session_id": "s1"}
-        elif req.get("cmd") == "status":
-            reply = {"ok": True, "pid": os.getpid(), "forward_ct": 1,
-                     "session": {"session_id": "s1", "finished": True, "state": "completed",
-                                 "steps_captured": 1, "files": files}}
-        else:
-            reply = {"ok": True, "status": "stopped"}
-        conn.sendall(json.dumps(reply).encode() + b"\n")
-"""
+        pass
+""")
 
 
 def _hostile_sdk(spawn: Callable, shm: Path) -> int:

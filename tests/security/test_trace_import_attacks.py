@@ -29,53 +29,28 @@ from agent.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, 
 from agent.ids import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 from agent.runtime import Agent
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver_fixture
-from tests.security._attack import AS_NOBODY, NOBODY, NOBODY_PYTHON, needs_root
+from tests.security._attack import AS_NOBODY, NOBODY, NOBODY_PYTHON, hostile_sdk_source, needs_root
 
 pytestmark = needs_root
 
 #: A profiled "server" run as nobody: answers the SDK's profile.start by writing hostile trace
-#: files into the folder it is told to use. argv: socket path template ({pid}).
-_HOSTILE_WRITER = r"""
-import json, os, socket, sys
-path = sys.argv[1].replace("{pid}", str(os.getpid()))
-os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(8)
-print("ready", flush=True)
-srv.settimeout(120)
-files = []
-while True:
-    try:
-        conn, _ = srv.accept()
-    except OSError:
-        break
-    with conn:
-        req = json.loads(conn.makefile("rb").readline())
-        if req.get("cmd") == "profile.start":
-            out = req["output_dir"]
-            hang = os.path.join(out, "hang.pt.trace.json")
-            with open(hang, "w") as f:  # 100 MB, the string never closed
-                f.write('{"traceEvents":[{"name":"')
-                block = "a" * (1 << 20)
-                for _ in range(100):
-                    f.write(block)
-            sparse = os.path.join(out, "sparse.pt.trace.json")
-            with open(sparse, "w") as f:
-                f.write('{"traceEvents":[{"name":"')
-            os.truncate(sparse, 1 << 40)  # 1 TiB apparent, one block written
-            deep = os.path.join(out, "deep.pt.trace.json")
-            with open(deep, "w") as f:
-                f.write('{"traceEvents":' + "[" * 200000 + "]" * 200000 + "}")
-            files = [hang, sparse, deep]
-            reply = {"ok": True, "session_id": "s1"}
-        elif req.get("cmd") == "status":
-            reply = {"ok": True, "session": {"session_id": "s1", "finished": True, "state": "completed",
-                                             "steps_captured": 5, "files": files}}
-        else:
-            reply = {"ok": True, "status": "stopped"}
-        conn.sendall(json.dumps(reply).encode() + b"\n")
-"""
+#: files into the folder it is told to use.
+_HOSTILE_WRITER = hostile_sdk_source("""
+    hang = os.path.join(out, "hang.pt.trace.json")
+    with open(hang, "w") as f:  # 100 MB, the string never closed
+        f.write('{"traceEvents":[{"name":"')
+        block = "a" * (1 << 20)
+        for _ in range(100):
+            f.write(block)
+    sparse = os.path.join(out, "sparse.pt.trace.json")
+    with open(sparse, "w") as f:
+        f.write('{"traceEvents":[{"name":"')
+    os.truncate(sparse, 1 << 40)  # 1 TiB apparent, one block written
+    deep = os.path.join(out, "deep.pt.trace.json")
+    with open(deep, "w") as f:
+        f.write('{"traceEvents":' + "[" * 200000 + "]" * 200000 + "}")
+    files = [hang, sparse, deep]
+""")
 
 
 @pytest.fixture

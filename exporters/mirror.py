@@ -17,9 +17,10 @@ A ``profile.session`` result's torch traces are imported as child spans of its s
 (:mod:`exporters.torch_trace`, streaming and capped), so the profile sits inside the incident. The
 files are the server's, so untrusted: a running agent's mirror (built with a
 :class:`~exporters.trace_imports.TraceImporter`) emits the session span at once with
-``servewatch.trace_import.state = deferred`` and imports its files off the span pipeline; when
-the import ends (well, failed, past its deadline or cancelled at shutdown) the ranges and one
-``profile.trace_import`` span with the counts follow, children of the session span. No span
+``servewatch.trace_import.state = deferred`` and imports its files off the span pipeline: the
+ranges follow in groups of 2,000 as they are read, and when the import ends (well, failed, past
+its deadline or cancelled at shutdown) one ``profile.trace_import`` span with the counts, children
+of the session span. No span
 waits for an import. Without an importer (``servewatch profile``, a one-shot ``dump``) the
 import runs inline, within the same budget, and its counts sit on the session span.
 
@@ -67,6 +68,7 @@ from agent.ids import parse_span_id, parse_trace_id
 from agent.manifest import MANIFEST_NAME, SPANS_DURABLE_NAME
 from exporters.spans import (
     CollectingSink,
+    DurableChunkSink,
     SpanSink,
     build_span,
     emit_durable,
@@ -319,14 +321,15 @@ class SpanMirror:
             from exporters.torch_trace import import_profile_artifacts
 
             began = now_ns()
-            children = CollectingSink(sink.resource)
+            children = DurableChunkSink(sink)  # the ranges leave memory in groups as they are read
             attributes = import_profile_artifacts(
                 paths, children, trace_id=trace_id, parent_span_id=session_span_id, start_time_unix_nano=window[0],
                 end_time_unix_nano=window[1], budget=budget, ledger=importer.ledger,
             )
+            children.flush()
             if budget.cancelled:
                 attributes["servewatch.trace_import.cancelled"] = True
-            self._emit_import(children.spans, attributes, trace_id=trace_id, parent=session_span_id, incident_id=incident_id,
+            self._emit_import([], attributes, trace_id=trace_id, parent=session_span_id, incident_id=incident_id,
                               start_time_unix_nano=began)
 
         if not importer.submit(run):

@@ -26,6 +26,7 @@ from agent.ids import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 __all__ = [
     "SCOPE",
     "CollectingSink",
+    "DurableChunkSink",
     "InMemorySink",
     "ProcessorSink",
     "SpanSink",
@@ -175,6 +176,38 @@ class CollectingSink:
 
     def emit(self, span: ReadableSpan) -> None:
         self.spans.append(span)
+
+
+class DurableChunkSink:
+    """Hands spans on to ``sink`` write-ahead (:func:`emit_durable`) in groups of ``chunk``, so a
+    long run of spans (a profile's imported ranges) leaves memory as it comes instead of being
+    held, and encoded, all at once. Call :meth:`flush` at the end.
+
+    Args:
+        sink: where the groups go.
+        chunk: spans per group.
+    """
+
+    def __init__(self, sink: SpanSink, *, chunk: int = 2000) -> None:
+        self.sink = sink
+        self.resource = sink.resource
+        self.chunk = chunk
+        self._pending: list[ReadableSpan] = []
+        #: spans handed on so far
+        self.emitted = 0
+
+    def emit(self, span: ReadableSpan) -> None:
+        self._pending.append(span)
+        if len(self._pending) >= self.chunk:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand on what is pending (one group keyed by its first span's id)."""
+        if not self._pending:
+            return
+        group, self._pending = self._pending, []
+        emit_durable(self.sink, group, key=span_id_hex(group[0].context.span_id))
+        self.emitted += len(group)
 
 
 class ProcessorSink:

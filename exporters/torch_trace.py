@@ -109,6 +109,11 @@ MAX_VALUE_CHARS = 4 << 20
 MAX_READ_CHARS = 4 << 30
 #: Wall-clock bound of one session's import (every file of it), seconds.
 IMPORT_DEADLINE_S = 120.0
+#: Most spans imported from one session, all its files together (a real 5-step profile of a TP=8
+#: server keeps a few thousand; the per-file caps of :class:`TorchTraceImportConfig` apply too).
+MAX_SESSION_SPANS = 25_000
+#: Most artifact files (traces, MLX step files, Metal bundles) imported from one session.
+MAX_SESSION_FILES = 64
 
 
 class TraceImportAborted(ValueError):
@@ -125,12 +130,14 @@ class ImportBudget:
         deadline_s: wall-clock bound from now, seconds (``None``: no deadline).
         max_read_chars: characters read over all files of the import (decompressed).
         max_value_chars: longest single JSON value (an event), characters.
+        max_spans: spans imported over all files of the import.
+        max_files: artifact files imported.
         cancel: a :class:`threading.Event` shared with whoever may stop the import.
 
     Thread-safe for ``cancel()`` from another thread; the reading is single-threaded.
     """
 
-    __slots__ = ("_cancel", "_deadline", "max_read_chars", "max_value_chars", "read_chars")
+    __slots__ = ("_cancel", "_deadline", "files", "max_files", "max_read_chars", "max_spans", "max_value_chars", "read_chars", "spans")
 
     def __init__(
         self,
@@ -138,14 +145,22 @@ class ImportBudget:
         deadline_s: float | None = IMPORT_DEADLINE_S,
         max_read_chars: int = MAX_READ_CHARS,
         max_value_chars: int = MAX_VALUE_CHARS,
+        max_spans: int = MAX_SESSION_SPANS,
+        max_files: int = MAX_SESSION_FILES,
         cancel: threading.Event | None = None,
     ) -> None:
         self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self._cancel = cancel if cancel is not None else threading.Event()
         self.max_read_chars = max_read_chars
         self.max_value_chars = max_value_chars
+        self.max_spans = max_spans
+        self.max_files = max_files
         #: characters read so far
         self.read_chars = 0
+        #: spans imported so far (over every file)
+        self.spans = 0
+        #: artifact files taken so far
+        self.files = 0
 
     def cancel(self) -> None:
         """Stop the import at its next chunk (any thread)."""
@@ -566,7 +581,8 @@ class _Thread:
     __slots__ = ("heap", "last_start", "stack")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[int, int, int, dict[str, Any]]] = []
+        #: (start ns, -end ns, sequence, (name, category, pid, tid)) of ranges not emitted yet
+        self.heap: list[tuple[int, int, int, tuple[str, str, int | None, int | None]]] = []
         self.stack: list[tuple[int, int]] = []  # (end_ns, span_id) of open kept ranges
         self.last_start = -(1 << 62)
 
@@ -622,12 +638,18 @@ class _Emitter:
         self.last_end = 0
 
     def add(self, threads: dict[tuple[str, str], _Thread], ev: dict[str, Any], times: tuple[int, int], seq: int, window: int) -> None:
-        """Queue one kept range on its ``(pid, tid)`` thread; emit what leaves its reorder window."""
-        key = (_text_id(ev.get("pid", "")), _text_id(ev.get("tid", "")))
+        """Queue one kept range on its ``(pid, tid)`` thread; emit what leaves its reorder window.
+
+        Only what the span needs is held (its name and category cut at :data:`MAX_NAME_CHARS`,
+        its pid and tid), never the event itself: an event padded with a megabyte of ``args``
+        costs the window a few hundred bytes, whatever the file holds."""
+        pid, tid = ev.get("pid", ""), ev.get("tid", "")
+        key = (_text_id(pid)[:64], _text_id(tid)[:64])
         th = threads.get(key)
         if th is None:
             th = threads[key] = _Thread()
-        heapq.heappush(th.heap, (times[0], -times[1], seq, ev))
+        held = (str(ev.get("name", ""))[:MAX_NAME_CHARS], str(ev.get("cat", ""))[:MAX_NAME_CHARS], _as_int(pid), _as_int(tid))
+        heapq.heappush(th.heap, (times[0], -times[1], seq, held))
         if len(th.heap) > window:
             self.flush(th, window)
 
@@ -635,10 +657,10 @@ class _Emitter:
         """Emit the thread's earliest ranges until ``down_to`` are left waiting."""
         heap = th.heap
         while len(heap) > down_to:
-            start, neg_end, _, ev = heapq.heappop(heap)
-            self.emit(th, start, -neg_end, ev)
+            start, neg_end, _, held = heapq.heappop(heap)
+            self.emit(th, start, -neg_end, held)
 
-    def emit(self, th: _Thread, start: int, end: int, ev: dict[str, Any]) -> None:
+    def emit(self, th: _Thread, start: int, end: int, held: tuple[str, str, int | None, int | None]) -> None:
         stack = th.stack
         if start < th.last_start:
             self.out_of_order += 1
@@ -651,16 +673,16 @@ class _Emitter:
             push = True
             th.last_start = start
         sid = new_span_id()
-        cat = str(ev.get("cat", ""))[:MAX_NAME_CHARS]
+        name, cat, pid, tid = held
         self.sink.emit(
             build_span(
-                str(ev.get("name", ""))[:MAX_NAME_CHARS],
+                name,
                 trace_id=self.trace_id,
                 span_id=sid,
                 parent_span_id=parent,
                 start_time_unix_nano=start,
                 end_time_unix_nano=end,
-                attributes=_range_attributes(cat, _as_int(ev.get("pid")), _as_int(ev.get("tid"))),
+                attributes=_range_attributes(cat, pid, tid),
                 resource=self.resource,
             )
         )
@@ -730,6 +752,7 @@ def import_torch_trace(
     events = phase = ann = steps = d_cat = d_min = d_cap = ops = kept = invalid = 0
     always = ALWAYS_KEPT_CATEGORIES
     ann_cap = cfg.max_annotation_spans
+    room = budget.max_spans - budget.spans if budget is not None else 1 << 62  # the session's spans left
     for batch in iter_trace_events(path, chunk_chars=cfg.chunk_chars, budget=budget):
         events += len(batch)
         objects = [ev for ev in batch if type(ev) is dict]
@@ -742,7 +765,7 @@ def import_torch_trace(
                 d_cat += 1
                 continue
             if cat in always:
-                if ann >= ann_cap:
+                if ann >= ann_cap or ann + ops >= room:
                     d_cap += 1
                     continue
                 ann += 1
@@ -759,7 +782,7 @@ def import_torch_trace(
                 if dur < min_dur:
                     d_min += 1
                     continue
-                if ops >= cap:
+                if ops >= cap or ann + ops >= room:
                     d_cap += 1
                     continue
                 ops += 1
@@ -771,6 +794,8 @@ def import_torch_trace(
             out.add(threads, ev, times, kept, window)
     for th in threads.values():
         out.flush(th, 0)
+    if budget is not None:
+        budget.spans += kept
     return ImportStatistics(
         events=events,
         kept=kept,
@@ -793,7 +818,7 @@ def import_torch_trace(
 MAX_GPUTRACE_ENTRIES = 100_000
 
 
-def gputrace_attributes(path: str | Path) -> dict[str, Any]:
+def gputrace_attributes(path: str | Path, budget: ImportBudget | None = None) -> dict[str, Any]:
     """Artifact attributes of a Metal ``.gputrace`` bundle (a folder) for its session span.
 
     The walk never follows a link and stops after :data:`MAX_GPUTRACE_ENTRIES` entries (a
@@ -802,11 +827,16 @@ def gputrace_attributes(path: str | Path) -> dict[str, Any]:
     Returns:
         ``servewatch.artifact.path`` and ``servewatch.artifact.size_bytes`` (the bundle's total
         file size; 0 when it does not exist) and ``servewatch.artifact.kind`` = ``gputrace``.
+
+    Raises:
+        TraceImportAborted: the budget's deadline passed or it was cancelled, mid-walk.
     """
     p = Path(path)
     size = entries = 0
     if p.is_dir() and not p.is_symlink():
         for root, _dirs, files in os.walk(p):
+            if budget is not None:
+                budget.check()  # the session's deadline and cancel, at every folder
             entries += 1 + len(files)
             for name in files:
                 try:
@@ -846,7 +876,8 @@ def import_mlx_steps(
 ) -> dict[str, Any]:
     """Import the SDK's MLX per-step records (``*.mlx-steps.json``, the Linux fallback when no
     Metal capture is possible) as ``mlx.step`` child spans of ``parent_span_id``, streaming
-    (memory does not grow with the file; reading stops after :data:`MAX_MLX_STEPS` records).
+    (memory does not grow with the file; reading stops after :data:`MAX_MLX_STEPS` records, or the
+    budget's spans left for the session).
 
     Each record becomes one span with its own start/end times, ``servewatch.forward_ct`` and
     the MLX memory counters as ``mlx.memory.<name>_bytes``. Format per :mod:`agent.sdk.profiler`:
@@ -862,6 +893,7 @@ def import_mlx_steps(
     fields: dict[str, Any] = {}
     imported = 0
     found = False
+    limit = MAX_MLX_STEPS if budget is None else max(0, min(MAX_MLX_STEPS, budget.max_spans - budget.spans))
 
     def on_field(key: str, value: Any) -> None:
         if key == "metal_trace_captured":
@@ -870,14 +902,16 @@ def import_mlx_steps(
     for batch in iter_json_array(path, "steps", on_field=on_field, budget=budget):
         found = True
         for rec in batch:
-            if imported >= MAX_MLX_STEPS:
+            if imported >= limit:
                 break
             span = _mlx_step_span(rec, sink, trace_id=trace_id, parent_span_id=parent_span_id)
             if span is not None:
                 sink.emit(span)
                 imported += 1
-        if imported >= MAX_MLX_STEPS:
+        if imported >= limit:
             break
+    if budget is not None:
+        budget.spans += imported
     if not found:
         raise ValueError("not an MLX steps file (no 'steps' list)")
     return {
@@ -908,7 +942,8 @@ def _mlx_step_span(rec: Any, sink: SpanSink, *, trace_id: int, parent_span_id: i
 
 
 def import_gputrace(
-    path: str | Path, sink: SpanSink, *, trace_id: int, parent_span_id: int, start_time_unix_nano: int, end_time_unix_nano: int
+    path: str | Path, sink: SpanSink, *, trace_id: int, parent_span_id: int, start_time_unix_nano: int, end_time_unix_nano: int,
+    budget: ImportBudget | None = None,
 ) -> dict[str, Any]:
     """A Metal ``.gputrace`` capture as one ``metal.capture`` child span over the session's
     window, carrying the bundle's path, size and kind (the capture itself opens in Xcode).
@@ -916,7 +951,7 @@ def import_gputrace(
     Returns:
         :func:`gputrace_attributes` (also put on the session span).
     """
-    attrs = gputrace_attributes(path)
+    attrs = gputrace_attributes(path, budget)
     start = start_time_unix_nano or time.time_ns()
     sink.emit(
         build_span(
@@ -966,11 +1001,13 @@ def import_profile_artifacts(
     (:func:`import_mlx_steps`); a Metal ``.gputrace`` capture becomes a ``metal.capture`` child
     span over the session window (``start/end_time_unix_nano``) with its path and size
     (:func:`import_gputrace`). Every file is untrusted: all of them share ``budget`` (default: a
-    fresh one with :data:`IMPORT_DEADLINE_S`). A file that cannot be read, is malformed or runs
-    past the budget is counted in ``servewatch.trace_import.errors`` with its error, never raised;
-    with a ``ledger`` it is remembered, and a file the ledger names is skipped (counted in
-    ``servewatch.trace_import.skipped``, logged as ``trace X skipped: <why>``). A cancelled
-    budget imports no further file.
+    fresh one with :data:`IMPORT_DEADLINE_S`): at most :data:`MAX_SESSION_FILES` files and
+    :data:`MAX_SESSION_SPANS` spans for the session, whatever each file's own caps allow. A file
+    that cannot be read, is malformed or runs past the budget is counted in
+    ``servewatch.trace_import.errors`` with its error, never raised; with a ``ledger`` it is
+    remembered, and a file the ledger names is skipped (counted in
+    ``servewatch.trace_import.skipped``, logged as ``trace X skipped: <why>``), as is a file past
+    the session's file cap. A cancelled budget imports no further file.
 
     Returns:
         Span attributes: the ``servewatch.trace_import.*`` counts, ``.files``, ``.errors``,
@@ -983,43 +1020,39 @@ def import_profile_artifacts(
     first_error = ""
     for p in paths:
         path = Path(p)
+        kind = _artifact_kind(path)
+        if kind is None:
+            continue
         if budget.cancelled:
             break
-        if str(path).endswith(".gputrace"):
-            totals.update(import_gputrace(path, sink, trace_id=trace_id, parent_span_id=parent_span_id,
-                                          start_time_unix_nano=start_time_unix_nano, end_time_unix_nano=end_time_unix_nano))
-            continue
-        mlx = str(path).endswith(MLX_STEPS_SUFFIX)
-        if not mlx and not is_torch_trace(path):
-            continue
-        why = ledger.skipped(path) if ledger is not None else None
+        why = ledger.skipped(path) if ledger is not None and kind != "gputrace" else None
+        if why is None and budget.files >= budget.max_files:
+            why = f"over the {budget.max_files} files per session cap"
         if why is not None:
             skipped += 1
             _log.warning("trace %s skipped: %s", path, why)
             first_error = first_error or f"{path.name}: skipped: {why}"
             continue
-        if ledger is not None:
+        budget.files += 1
+        if ledger is not None and kind != "gputrace":
             ledger.begin(path)
         try:
-            if mlx:
-                totals.update(import_mlx_steps(path, sink, trace_id=trace_id, parent_span_id=parent_span_id, budget=budget))
-            else:
-                stats = import_torch_trace(
-                    path, sink, trace_id=trace_id, parent_span_id=parent_span_id, config=config, budget=budget
-                )
-                for key, value in stats.span_attributes().items():
-                    totals[key] = totals.get(key, 0) + value
+            attributes = _import_artifact(kind, path, sink, trace_id=trace_id, parent_span_id=parent_span_id, config=config,
+                                          window=(start_time_unix_nano, end_time_unix_nano), budget=budget)
         except Exception as exc:  # noqa: BLE001 - a file the server wrote: never the agent's failure
             # OSError (gzip's BadGzipFile), ValueError (malformed, over the budget), EOFError (a
             # truncated .gz), zlib.error (a corrupt one)...
             errors += 1
             error = f"{type(exc).__name__}: {exc}"[:300]
             first_error = first_error or f"{path.name}: {error}"
-            if ledger is not None:
+            if ledger is not None and kind != "gputrace":
                 ledger.end(path, error)
             continue
-        files += 1
-        if ledger is not None:
+        for key, value in attributes.items():  # counts add up over files; the rest is the last file's
+            totals[key] = totals.get(key, 0) + value if key.startswith("servewatch.trace_import.") else value
+        if kind != "gputrace":
+            files += 1
+        if ledger is not None and kind != "gputrace":
             ledger.end(path, None)
     totals["servewatch.trace_import.files"] = files
     totals["servewatch.trace_import.errors"] = errors
@@ -1027,3 +1060,27 @@ def import_profile_artifacts(
     if first_error:
         totals["servewatch.trace_import.error"] = first_error[:300]
     return totals
+
+
+def _artifact_kind(path: Path) -> str | None:
+    """``gputrace``, ``mlx`` or ``torch`` by the file's name; ``None``: not imported."""
+    name = str(path)
+    if name.endswith(".gputrace"):
+        return "gputrace"
+    if name.endswith(MLX_STEPS_SUFFIX):
+        return "mlx"
+    return "torch" if is_torch_trace(path) else None
+
+
+def _import_artifact(
+    kind: str, path: Path, sink: SpanSink, *, trace_id: int, parent_span_id: int, config: TorchTraceImportConfig | None,
+    window: tuple[int, int], budget: ImportBudget,
+) -> dict[str, Any]:
+    """One artifact of a session: its spans on ``sink``, its attributes for the session span."""
+    if kind == "gputrace":
+        return import_gputrace(path, sink, trace_id=trace_id, parent_span_id=parent_span_id, start_time_unix_nano=window[0],
+                               end_time_unix_nano=window[1], budget=budget)
+    if kind == "mlx":
+        return import_mlx_steps(path, sink, trace_id=trace_id, parent_span_id=parent_span_id, budget=budget)
+    stats = import_torch_trace(path, sink, trace_id=trace_id, parent_span_id=parent_span_id, config=config, budget=budget)
+    return stats.span_attributes()

@@ -59,8 +59,9 @@ class TraceImportLedger:
     """Marks of trace files not to import again, one small JSON file each under ``folder``
     (0700, root's when the agent is root; never in the session folder the server can write).
 
-    A file is named by ``(st_dev, st_ino)`` and its path, so renaming or rewriting it in place
-    does not clear its mark. Thread-safe. Never raises: a ledger that cannot write only loses
+    A file is named by ``(st_dev, st_ino)`` and its path: rewriting it in place does not clear
+    its mark, and the server cannot rename or re-link a file it handed over (the agent took it:
+    root's now, one link; :class:`agent.fsutil.SessionFolder`). Thread-safe. Never raises: a ledger that cannot write only loses
     its memory (logged once).
 
     Args:

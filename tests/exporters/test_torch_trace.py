@@ -426,3 +426,58 @@ def test_profile_command_span_survives_hostile_files(tmp_path: Path) -> None:
     assert span.context.trace_id == int(trace_id, 16)
     assert span.attributes["servewatch.trace_import.errors"] == 2
     assert "deep.pt.trace.json: ValueError: JSON nested too deeply" in span.attributes["servewatch.trace_import.error"]
+
+
+def test_padded_events_cost_the_reorder_window_nothing(tmp_path: Path) -> None:
+    """Kept events padded with 256 KiB each (a 5 MB .gz of 50 MB): the window holds what a span
+    needs, not the events (before, every padded event sat in it until flushed)."""
+    path = tmp_path / "pad.pt.trace.json.gz"
+    pad = "p" * (256 << 10)
+    with gzip.open(path, "wt") as g:
+        g.write('{"traceEvents":[')
+        g.write(",".join(json.dumps({"ph": "X", "cat": "user_annotation", "name": f"r{i}", "pid": 1, "tid": 1,
+                                     "ts": i, "dur": 0.5, "pad": pad}) for i in range(200)))
+        g.write("]}")
+    sink = _CountingSink()
+    tracemalloc.start()
+    try:
+        stats = import_torch_trace(path, sink, trace_id=1, parent_span_id=1)  # type: ignore[arg-type]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert stats.kept == sink.count == 200
+    assert peak < 16 << 20, peak  # 50 MB of events went through; a few chunks and one event were held
+
+
+def test_a_session_is_capped_over_all_its_files(tmp_path: Path) -> None:
+    """Many files of one session share its caps: spans (not each file's own) and files."""
+    from exporters.torch_trace import ImportBudget
+
+    rows = [{"ph": "X", "cat": "user_annotation", "name": f"r{i}", "pid": 1, "tid": 1, "ts": i, "dur": 0.5}
+            for i in range(4000)]
+    paths = []
+    for n in range(12):
+        path = tmp_path / f"f{n:02}.pt.trace.json"
+        path.write_text(json.dumps({"traceEvents": rows}))
+        paths.append(str(path))
+    sink = _CountingSink()
+    budget = ImportBudget(deadline_s=None, max_spans=10_000, max_files=10)
+    attrs = import_profile_artifacts(paths, sink, trace_id=1, parent_span_id=1, budget=budget)  # type: ignore[arg-type]
+    assert sink.count == attrs["servewatch.trace_import.kept"] == 10_000  # not 12 x 4,000
+    assert attrs["servewatch.trace_import.files"] == 10 and attrs["servewatch.trace_import.skipped"] == 2
+    assert attrs["servewatch.trace_import.dropped_cap"] == 10 * 4000 - 10_000
+    assert "f00.pt.trace.json" not in attrs.get("servewatch.trace_import.error", "")
+    assert "over the 10 files per session cap" in attrs["servewatch.trace_import.error"]
+
+
+def test_a_metal_bundle_walk_keeps_the_sessions_deadline(tmp_path: Path) -> None:
+    from exporters.torch_trace import ImportBudget
+
+    bundle = tmp_path / "cap.gputrace"
+    for i in range(5):
+        (bundle / f"d{i}").mkdir(parents=True)
+        (bundle / f"d{i}" / "x").write_bytes(b"z")
+    attrs = import_profile_artifacts([str(bundle)], InMemorySink(), trace_id=1, parent_span_id=1,
+                                     budget=ImportBudget(deadline_s=0.0))
+    assert attrs["servewatch.trace_import.errors"] == 1
+    assert "import deadline passed" in attrs["servewatch.trace_import.error"]

@@ -179,7 +179,7 @@ def open_trusted(path: str | os.PathLike[str], owner_uids: Iterable[int | None],
 # --- what leaves the process -------------------------------------------------------------------
 
 # Secrets are recognised by pattern families, not a list of flags; each family is one rule below
-# (docs/security.md names them):
+# (README "Security model" names them):
 #
 # 1. a flag whose last word is a secret word (:data:`SECRET_WORDS`: ``--api-key``, ``--hf-token``,
 #    ``--db-password``, ``--auth``, ``--bearer``, ``--credentials``, ``--client-secret``...), or

@@ -10,7 +10,7 @@ goes to ``--log DIR`` (``DIR/<bench>.log``; by default a temporary folder, remov
 failing bench's last lines are printed).
 
     python bench/run_all.py                       # every bench, the sizes below (~50 min)
-    python bench/run_all.py --write-into README.md --write-into docs/performance.md
+    python bench/run_all.py --write-into docs/performance.md
     python bench/run_all.py --quick               # every bench at a tiny size (a smoke run, minutes)
     python bench/run_all.py --list
 
@@ -273,8 +273,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write every result row, with its load, to this JSON file")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown to this file")
     ap.add_argument("--write-into", type=Path, action="append", default=[],
-                    help=f"replace the table between the {TABLE_START} and {TABLE_END} lines of this file (README.md,"
-                         " docs/performance.md); repeatable")
+                    help=f"replace the table between the {TABLE_START} and {TABLE_END} lines of this file"
+                         " (docs/performance.md); repeatable")
     ap.add_argument("--echo", action="store_true", help="echo the benches' own output while they run")
     ap.add_argument("--from-json", type=Path, action="append", default=[],
                     help="run nothing: make the table from the rows of earlier runs' --json files, in order (a bench"

@@ -1,4 +1,4 @@
-"""Every command block of README.md (and deploy/README.md) is run by a test, or checked.
+"""Every command block of README.md (and docs/*.md, deploy/README.md) is run by a test, or checked.
 
 Each shell command line of the docs is classified by :data:`CHECKS` (first match wins; a line
 no entry matches fails :func:`test_every_documented_command_has_a_check`, so a new README line
@@ -36,7 +36,10 @@ import pytest
 
 from tests.readme_blocks import ROOT, Command, commands, read_blocks, servewatch_argvs
 
-DOCS = ("README.md", "deploy/README.md")
+#: every Markdown doc with command blocks, README first (the scenarios run their lines in this order:
+#: the Paged section's traffic lines are the local demo's)
+DOCS = ("README.md", "docs/targeting.md", "docs/collector.md", "docs/multi-node.md", "docs/local-demo.md",
+        "docs/reference.md", "docs/security.md", "docs/performance.md", "docs/layout.md", "deploy/README.md")
 SCENARIO = ROOT / "tests" / "programs" / "readme_scenario.py"
 
 #: (pattern on the bare command, how it is checked, why / what covers it); first match wins
@@ -379,3 +382,32 @@ def test_paged_do_this_commands_run_as_written_on_a_hung_sglang_shaped_server(tm
     assert any(d["stdout"].lstrip().startswith("{") for d in dumps)
     cuda_env = next(s for t, s in by_bare.items() if t.startswith("servewatch cuda-env"))
     assert cuda_env["rc"] == 0 and "export CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1" in cuda_env["stdout"], _show(cuda_env)
+
+
+# --- the README is what a user reads; the reference lives in docs/ ---------------------------------
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub writes it: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_the_readme_is_the_users_part_and_every_doc_link_resolves() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 500
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+    checked = 0
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target) or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            assert file.exists(), f"{doc.relative_to(ROOT)}: link to {target}: no such file"
+            if anchor and file.suffix == ".md":
+                headings = {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", file.read_text(encoding="utf-8"), re.MULTILINE)}
+                assert anchor in headings, f"{doc.relative_to(ROOT)}: link to {target}: no such heading"
+            checked += 1
+    assert checked >= 20

@@ -182,8 +182,11 @@ def open_trusted(path: str | os.PathLike[str], owner_uids: Iterable[int | None],
 # (README "Security model" names them):
 #
 # 1. a flag whose last word is a secret word (:data:`SECRET_WORDS`: ``--api-key``, ``--hf-token``,
-#    ``--db-password``, ``--auth``, ``--bearer``, ``--credentials``, ``--client-secret``...), or
-#    ``-k``: its value (the next argument, or after ``=``);
+#    ``--db-password``, ``--auth``, ``--bearer``, ``--credentials``, ``--client-secret``,
+#    ``--passphrase``...), its plural (``--api-keys``, ``--tokens``, ``--secrets``) unless another
+#    word of the name counts (:data:`COUNT_WORDS`: ``--max-tokens``, ``--num-keys``), or a word
+#    that ends with a long one (``--accessToken``, ``--dbPassword``), or ``-k``: its value (the
+#    next argument, or after ``=``);
 # 2. ``NAME=value`` whose NAME holds a secret word (``HF_TOKEN=``, ``AWS_SECRET_ACCESS_KEY=``);
 # 3. a password in a URL (``scheme://user:PASSWORD@host``) and secret-named query parameters
 #    (``?token=``, ``&api_key=``);
@@ -199,6 +202,14 @@ def open_trusted(path: str | os.PathLike[str], owner_uids: Iterable[int | None],
 # block after ``--private-key-pem``) is still the secret flag's value. A flag name's trailing
 # format word (``pem``, ``der``, ``b64``, ``base64``, ``hex``, ``value``, ``data``, ``string``,
 # ``raw``) is looked through: ``--private-key-pem`` is a ``key``.
+#
+# Secrets hide inside elements too, and every element is redacted as a command line of its own:
+# the value of a ``--flag=value`` (``--header=Authorization:Bearer X``: family 4) or of a
+# ``"--flag value"`` element, and the shell-like words of an element with spaces (``--dsn
+# "host=x password=X"``: family 2; ``sh -c "vllm serve --api-key X"``; ``" --api-key X"``),
+# quotes understood, to a depth of :data:`_MAX_DEPTH` (``bash -c 'sh -c "..."'``).
+# A flag naming where a secret is (``--key-file``, ``--api-key-file``, ``--ssl-keyfile``) is not
+# one: its value is a path (last word ``file``), kept for diagnosis.
 
 #: Words that make a flag, variable, query parameter or header name a secret's (compared per
 #: ``-``/``_``/``.`` separated word, case-insensitive; ``--tokenizer``, ``--max-tokens`` and
@@ -206,7 +217,14 @@ def open_trusted(path: str | os.PathLike[str], owner_uids: Iterable[int | None],
 SECRET_WORDS = frozenset({
     "key", "apikey", "token", "secret", "password", "passwd", "pass", "pwd", "auth", "authorization",
     "bearer", "credential", "credentials", "creds", "cookie", "session", "signature", "sig", "privatekey",
+    "passphrase",
 })
+#: A word ending with one of these is a secret word too (``accesstoken`` from ``--accessToken``,
+#: ``sslpassword=`` in a DSN); short words (``key``, ``pass``) are not, ``--hotkey`` is no secret.
+_SECRET_SUFFIXES = ("password", "passwd", "passphrase", "secret", "token", "apikey", "privatekey")
+#: Words that make a plural secret word a count, not a secret (``--max-tokens``,
+#: ``--max-num-batched-tokens``, ``--num-speculative-tokens``, ``--num-keys``, ``MAX_TOKENS=``).
+COUNT_WORDS = frozenset({"max", "min", "maximum", "minimum", "num", "number", "n", "count", "total", "limit"})
 #: Short flags whose value is a secret (``-k KEY``).
 SECRET_SHORT_FLAGS = frozenset({"-k"})
 #: Trailing words of a flag name that say a value's format, not what it is (``--private-key-pem``).
@@ -230,18 +248,32 @@ _TOKEN_SHAPES = re.compile(
 )
 
 
+def _secret_word(word: str, *, counted: bool) -> bool:
+    """Whether one word (or two joined) is a secret word, one ending with a long secret word, or
+    the plural of either; ``counted``: the name also holds a :data:`COUNT_WORDS` word, so a
+    plural is a count (``max-tokens``)."""
+    if word in SECRET_WORDS or word.endswith(_SECRET_SUFFIXES):
+        return True
+    if counted or len(word) < 4 or not word.endswith("s"):
+        return False
+    singular = word[:-1]
+    return singular in SECRET_WORDS or singular.endswith(_SECRET_SUFFIXES)
+
+
 def _secret_name(name: str, *, anywhere: bool = False) -> bool:
     """Whether a name names a secret: its last word (or last two joined: ``api-key``) is a
-    secret word; with ``anywhere`` (variables, query parameters), any of its words is."""
+    secret word (:func:`_secret_word`); with ``anywhere`` (variables, query parameters), any of
+    its words is."""
     words = [w for w in _WORD_SPLIT.split(name.lower().lstrip("-")) if w]
     while len(words) > 1 and words[-1] in FORMAT_WORDS:
         words.pop()
     if not words:
         return False
+    counted = any(w in COUNT_WORDS for w in words)
     pairs = ["".join(words[i:i + 2]) for i in range(len(words) - 1)]
     if anywhere:
-        return any(w in SECRET_WORDS for w in (*words, *pairs))
-    return words[-1] in SECRET_WORDS or (bool(pairs) and pairs[-1] in SECRET_WORDS)
+        return any(_secret_word(w, counted=counted) for w in (*words, *pairs))
+    return _secret_word(words[-1], counted=counted) or (bool(pairs) and _secret_word(pairs[-1], counted=counted))
 
 
 def _is_secret_flag(flag: str) -> bool:
@@ -279,14 +311,104 @@ def _secret_flag_element(arg: str) -> str | None:
     return f"{m.group('flag')}{sep}{REDACTED}"
 
 
+#: How deep elements are looked into (``--flag=value``, then the shell-like words of the value...).
+_MAX_DEPTH = 4
+#: One shell-like word: quoted parts (closed or cut at the end), escapes, other non-spaces.
+_SHELL_WORD = re.compile(r"""(?:'[^']*'?|"(?:\\.|[^"\\])*"?|\\.?|[^\s'"\\])+""", re.DOTALL)
+_SHELL_QUOTING = re.compile(r"""'([^']*)'?|"((?:\\.|[^"\\])*)"?|\\(.?)""", re.DOTALL)
+_ESCAPED = re.compile(r"\\(.)", re.DOTALL)
+#: What makes a text more than one word as it is: spaces, quotes, escapes.
+_SHELL_SYNTAX = re.compile(r"""[\s'"\\]""")
+#: A word, written as is (no quotes or escapes), that no rule can take alone: not a flag, no ``=``
+#: (``NAME=value``, query), no ``:`` (a header); token shapes and URLs in it were redacted with
+#: the text it came from. Skipping those keeps the look into words cheap (it stays linear).
+_PLAIN_WORD = re.compile(r"[^\s'\"\\=:-][^\s'\"\\=:]*")
+
+
+def _unquote(word: str) -> str:
+    """A shell-like word as the command it runs would see it (quotes removed, escapes undone)."""
+    def one(m: re.Match[str]) -> str:
+        if m.group(1) is not None:
+            return m.group(1)
+        if m.group(2) is not None:
+            return _ESCAPED.sub(r"\1", m.group(2))
+        return m.group(3)
+    return _SHELL_QUOTING.sub(one, word)
+
+
+def _requote(word: str) -> str:
+    return f"'{word}'" if re.search(r"\s", word) and "'" not in word else word
+
+
+def _redact_words(text: str, depth: int) -> str:
+    """``text`` with its shell-like words redacted as a command line (:func:`_redact_argv`);
+    a word that changed is written back in place (quoted again when it holds spaces), the rest
+    of ``text`` (spaces, quotes) as it was."""
+    if depth >= _MAX_DEPTH or _SHELL_SYNTAX.search(text) is None:
+        return text  # one word, as is
+    spans = [m.span() for m in _SHELL_WORD.finditer(text)]
+    words = [_unquote(text[a:b]) for a, b in spans]
+    plain = [text[a:b] == w and _PLAIN_WORD.fullmatch(w) is not None for (a, b), w in zip(spans, words)]
+    redacted = _redact_argv(words, depth + 1, plain)
+    out, last = [], 0
+    for (a, b), before, after in zip(spans, words, redacted):
+        out.append(text[last:a])
+        out.append(text[a:b] if after == before else _requote(after))
+        last = b
+    out.append(text[last:])
+    return "".join(out)
+
+
+def _redact_element(arg: str, depth: int) -> str:
+    """One argv element redacted on its own: a secret flag with its value, ``NAME=value`` of a
+    secret NAME, else the value of a ``--flag=value`` / ``"--flag value"`` redacted as an element
+    of its own, else families 3 to 5 over the element and then its shell-like words. PEM private
+    key blocks go first, whole: they span the spaces and dashes the splitting looks for."""
+    arg = _PEM_PRIVATE.sub(REDACTED, arg)
+    joined = _secret_flag_element(arg)
+    if joined is not None:
+        return joined
+    m = _ENV_ARG.match(arg)
+    if m and _secret_name(m.group(1), anywhere=True):
+        return f"{m.group(1)}={REDACTED}"
+    head = _HEAD.match(arg)
+    if head is not None and head.group("flag").startswith("-") and depth < _MAX_DEPTH:
+        return head.group(0) + _redact_element(arg[head.end():], depth + 1)
+    return _redact_words(redact_value(arg), depth)
+
+
+def _redact_argv(argv: Sequence[str], depth: int, plain: Sequence[bool] = ()) -> list[str]:
+    """:func:`redact_cmdline` at a ``depth``; ``plain[i]``: ``argv[i]`` needs no look of its own
+    (:data:`_PLAIN_WORD`), only the value-of-a-secret-flag rule."""
+    out: list[str] = []
+    redact_next = False
+    for i, arg in enumerate(argv):
+        if redact_next:
+            redact_next = False
+            if not _FLAG_LIKE.match(arg):
+                out.append(REDACTED)
+                continue
+        if i < len(plain) and plain[i]:
+            out.append(arg)
+            continue
+        if arg.startswith("-") and _HEAD.match(arg) is None and _is_secret_flag(arg):  # value next
+            out.append(arg)
+            redact_next = True
+            continue
+        out.append(_redact_element(arg, depth))
+    return out
+
+
 def redact_cmdline(argv: Sequence[str]) -> list[str]:
     """A copy of ``argv`` with secret values replaced by :data:`REDACTED`, by the pattern
-    families above: the value of a secret flag (``--api-key X``, ``--auth=X``, ``-k X``, and
-    one element holding both: ``"--api-key X"``, ``"--private-key-pem=-----BEGIN..."``; a next
-    argument that is itself a ``--flag`` is not taken as the value, one that merely starts
-    with dashes, a PEM block, is), ``NAME=value`` of a secret NAME, passwords in URLs, secret
-    query parameters, credential headers (``-H 'Authorization: Bearer X'``) and known token
-    shapes (PEM private keys included) anywhere.
+    families above: the value of a secret flag (``--api-key X``, ``--auth=X``, ``-k X``,
+    ``--api-keys X``, and one element holding both: ``"--api-key X"``,
+    ``"--private-key-pem=-----BEGIN..."``; a next argument that is itself a ``--flag`` is not
+    taken as the value, one that merely starts with dashes, a PEM block, is), ``NAME=value`` of
+    a secret NAME, passwords in URLs, secret query parameters, credential headers
+    (``-H 'Authorization: Bearer X'``, ``--header=Authorization:Bearer X``) and known token
+    shapes (PEM private keys included) anywhere; inside an element too (the value of a
+    ``--flag=value``, the words of ``sh -c "vllm serve --api-key X"`` or ``--dsn "password=X"``).
 
     Args:
         argv: a command line, one string per element (elements may hold spaces and newlines).
@@ -294,28 +416,7 @@ def redact_cmdline(argv: Sequence[str]) -> list[str]:
     Returns:
         A new list of the same length.
     """
-    out: list[str] = []
-    redact_next = False
-    for arg in argv:
-        if redact_next:
-            redact_next = False
-            if not _FLAG_LIKE.match(arg):
-                out.append(REDACTED)
-                continue
-        joined = _secret_flag_element(arg)
-        if joined is not None:
-            out.append(joined)
-            continue
-        if arg.startswith("-") and _HEAD.match(arg) is None and _is_secret_flag(arg):  # value next
-            out.append(arg)
-            redact_next = True
-            continue
-        m = _ENV_ARG.match(arg)
-        if m and not arg.startswith("-") and _secret_name(m.group(1), anywhere=True):
-            out.append(f"{m.group(1)}={REDACTED}")
-            continue
-        out.append(redact_value(arg))
-    return out
+    return _redact_argv(argv, 0)
 
 
 # C0 controls except tab/newline, DEL, C1 controls (0x80-0x9f: 8-bit CSI/OSC), and the

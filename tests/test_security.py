@@ -509,6 +509,30 @@ def test_profile_start_over_the_socket_is_bounded(body: dict, error: str) -> Non
         (["x", "--private-key-pem", "-----BEGIN RSA PRIVATE KEY-----\nMIIE"], ["x", "--private-key-pem", "<redacted>"]),
         (["x", "--api-key", "--port", "1", "--ssl-cert-pem", "/c.pem"], ["x", "--api-key", "--port", "1", "--ssl-cert-pem", "/c.pem"]),
         (["x", "cert=-----BEGIN EC PRIVATE KEY-----\nMIIE\n-----END EC PRIVATE KEY----- tail"], ["x", "cert=<redacted> tail"]),
+        # family 1: plural secret words (FastChat's --api-keys), passphrases, camelCase compounds
+        (["x", "--api-keys", "a,b", "--secrets", "s", "--tokens", "t", "--passwords", "p", "--keys", "k"],
+         ["x", "--api-keys", "<redacted>", "--secrets", "<redacted>", "--tokens", "<redacted>", "--passwords", "<redacted>",
+          "--keys", "<redacted>"]),
+        (["x", "--passphrase", "p", "--db-passphrase=p", "--accessToken", "t", "--dbPassword=p"],
+         ["x", "--passphrase", "<redacted>", "--db-passphrase=<redacted>", "--accessToken", "<redacted>", "--dbPassword=<redacted>"]),
+        # ...but counts of tokens or keys are not secrets; a key FILE is a path, not the key
+        (["x", "--max-tokens", "64", "--num-tokens", "8", "--max-num-batched-tokens", "8192", "--num-keys", "4",
+          "--max-new-tokens", "9", "--num-speculative-tokens", "5", "--key-file", "/k.pem", "--api-key-file=/a"],
+         ["x", "--max-tokens", "64", "--num-tokens", "8", "--max-num-batched-tokens", "8192", "--num-keys", "4",
+          "--max-new-tokens", "9", "--num-speculative-tokens", "5", "--key-file", "/k.pem", "--api-key-file=/a"]),
+        (["env", "MAX_TOKENS=64", "API_KEYS=a", "TOKENIZERS_PARALLELISM=false"],
+         ["env", "MAX_TOKENS=64", "API_KEYS=<redacted>", "TOKENIZERS_PARALLELISM=false"]),
+        # family 2 inside a value (a libpq DSN), family 4 inside a --flag=value
+        (["x", "--dsn", "host=x password=pw sslpassword=pw2 user=u", "--dsn=host=y password=pw"],
+         ["x", "--dsn", "host=x password=<redacted> sslpassword=<redacted> user=u", "--dsn=host=y password=<redacted>"]),
+        (["x", "--header=Authorization:Bearer abc", "--header X-Api-Key: abc", "--header=Accept: text/plain"],
+         ["x", "--header=Authorization: <redacted>", "--header X-Api-Key: <redacted>", "--header=Accept: text/plain"]),
+        # a flag after leading whitespace; a whole command in one argument (sh -c), quotes and all
+        (["x", " --api-key abc", "\t--token=abc --port 1"], ["x", " --api-key <redacted>", "\t--token=<redacted> --port 1"]),
+        (["sh", "-c", "vllm serve --api-key abc --port 8000 --max-tokens 64"],
+         ["sh", "-c", "vllm serve --api-key <redacted> --port 8000 --max-tokens 64"]),
+        (["sh", "-c", "exec env HF_TOKEN=abc curl -H 'Authorization: Bearer abc' \"$URL\" && bash -c 'x --password \"a b\"'"],
+         ["sh", "-c", "exec env HF_TOKEN=<redacted> curl -H 'Authorization: <redacted>' \"$URL\" && bash -c 'x --password <redacted>'"]),
     ],
 )
 def test_redact_cmdline(argv: list[str], expected: list[str]) -> None:

@@ -215,6 +215,25 @@ class IncidentRecord:
     host_name: str = ""
     #: the server's history before it opened (:class:`agent.history.HistoryPoint`), oldest first
     history: list[Any] = field(default_factory=list)
+    #: :meth:`manifest_targets` once made, with the targets it was made of
+    _manifest_targets: tuple[list[Target], tuple[ManifestTarget, ...]] | None = field(default=None, repr=False)
+
+    def manifest_targets(self) -> tuple[ManifestTarget, ...]:
+        """The targets as the manifest shows them, secrets in titles and argv redacted; made once
+        per target list (a target's argv is up to 2 MB of words it chose: redacting it can take
+        seconds of CPU, so :meth:`IncidentManager._save_manifest` makes it off the event loop)."""
+        cached = self._manifest_targets
+        key = list(self.targets)  # the same Target objects (compared by identity first): reused
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        made = tuple(
+            # secrets in argv never reach a bundle
+            ManifestTarget(pid=t.pid, title=redact_text(t.title), create_time_s=t.create_time_s,
+                           cmdline=tuple(redact_cmdline(t.cmdline)))
+            for t in self.targets
+        )
+        self._manifest_targets = (key, made)
+        return made
 
     @property
     def bundle_dir(self) -> Path:
@@ -253,12 +272,7 @@ class IncidentRecord:
             opened_time_unix_nano=o.time_unix_nano,
             closed_time_unix_nano=self.closed_time_unix_nano,
             duration_s=round(self.duration_s, 6),
-            targets=tuple(
-                # secrets in argv never reach a bundle
-                ManifestTarget(pid=t.pid, title=redact_text(t.title), create_time_s=t.create_time_s,
-                               cmdline=tuple(redact_cmdline(t.cmdline)))
-                for t in self.targets
-            ),
+            targets=self.manifest_targets(),
             actions=tuple(ManifestAction.from_result(r) for r in self.results),
             inflight_requests=len(self.inflight),
             hard_signal_sent={str(pid): sig for pid, sig in self.hard_signal_sent.items()},
@@ -480,6 +494,7 @@ class IncidentManager:
                 only the incident's last write, always durable, must survive a power cut. Each
                 fsync pair waits for a journal commit: several ms each on a busy disk.
         """
+        await anyio.to_thread.run_sync(record.manifest_targets)  # the redaction: CPU, off the loop, once
         manifest = record.to_manifest(host_name=self.host_name)
         await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest, durable)
 

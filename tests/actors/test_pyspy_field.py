@@ -224,7 +224,7 @@ def test_a_target_held_by_another_py_spy_is_waited_for_then_dumped_blocking(spaw
     as_pyspy = tmp_path / "bin" / "py-spy"  # argv[0] of the holder reads py-spy, as a real one's does
     as_pyspy.parent.mkdir()
     as_pyspy.symlink_to(python)
-    holder = spawn([str(as_pyspy), str(PROGRAMS_DIR / "ptrace_holder.py"), str(target.pid), "--max-lifetime-s", "1.5"],
+    holder = spawn([str(as_pyspy), str(PROGRAMS_DIR / "ptrace_holder.py"), str(target.pid), "--max-lifetime-s", "3.0"],
                    stdout=subprocess.PIPE)
     ready(holder)
     assert (tracer := tracer_of(target.pid)) is not None and tracer.pid == holder.pid

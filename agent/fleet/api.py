@@ -21,7 +21,9 @@ Order of checks on every request: rate limit (429, before authentication, so gue
 slow too), then authentication (401 without a valid bearer token, or a peer's signature made with
 it (:mod:`agent.fleet.proof`: fresh, not replayed, over this very body, made for *this* agent:
 its ``Host`` one of this agent's own addresses or names (:attr:`AgentApi.own_host`) at its port;
-one made for another agent is refused with that reason), when a token is configured; under mutual
+one made for another agent is refused with that reason; its nonce, kept in the data dir, never
+seen before, even by this agent before a restart; the port it names one the job's member list
+gives the sender's address (:attr:`AgentApi.check_sender`)), when a token is configured; under mutual
 TLS a client without a certificate never completes the handshake), then routing. A caller on the
 operator's unix socket (:class:`agent.fleet.http.HttpServer`'s ``unix_path``), admitted by its
 kernel-proven uid (``SO_PEERCRED``), is authenticated by that uid and never rate limited: no
@@ -37,7 +39,7 @@ on a connection that has not shown valid credentials before is answered 429 *bef
 is compared (a right guess must look like a wrong one); connections that already authenticated
 (keep-alive) go on being served.
 
-Imports :mod:`agent.fleet.http`, :mod:`agent.fleet.traceparent`, :mod:`agent.fleet.proof`,
+Imports anyio, :mod:`agent.fleet.http`, :mod:`agent.fleet.traceparent`, :mod:`agent.fleet.proof`,
 :mod:`agent.fleet.messages` and the standard library.
 """
 
@@ -49,9 +51,11 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import anyio
 
 from agent.fleet.http import Request, Response, json_response
 from agent.fleet.messages import Announce, Evidence, Report, ValidationError, first_error
@@ -200,8 +204,12 @@ class AgentApi:
         self.limiter = RateLimiter(rate_per_s, rate_burst)
         #: failed authentications of all clients together (one bucket)
         self.guesses = RateLimiter(guess_rate_per_s, guess_burst)
-        #: nonces of signed peer requests seen recently (replays refused)
+        #: nonces of signed peer requests seen recently (replays refused; persisted when it has a path)
         self.nonces = NonceCache()
+        self._nonce_error = ""
+        #: why a signed request's sender may not sign as it did (its address and signed port:
+        #: the job's member list names the ports of an address), ``""`` when it may; ``None``: any
+        self.check_sender: Callable[[Sender], Awaitable[str]] | None = None
         #: the port this API is served on, once bound (a peer's signature names it)
         self.port: int | None = None
         #: whether a host (an address or a name, lower-case, no brackets) is this agent's own: a
@@ -256,16 +264,32 @@ class AgentApi:
             return ""  # bearer (or mutual TLS alone, or the operator's socket)
         if not signature.covers(request.body):
             return "unauthorized: the body is not the signed one"
-        if not self.nonces.first_use(signature.nonce):
+        if not self.nonces.first_use(signature.nonce, ts=signature.ts):
             return "unauthorized: a replay (this agent accepted that signed request before)"
         return ""
+
+    async def _signed_refusal(self, request: Request) -> str:
+        """A signed request whose head and body are good: its nonce persisted (a replay after a
+        restart is refused too), then ``""`` when its sender may sign as it did (:attr:`check_sender`),
+        else why."""
+        signature = RequestSignature.parse(request.headers.get("authorization", ""))
+        if signature is None or request.peer_uid is not None:
+            return ""
+        if self.nonces.path is not None:
+            await anyio.to_thread.run_sync(self.nonces.persist, signature.nonce)
+            if self.nonces.error and self.nonces.error != self._nonce_error:
+                log.warning("agent API: %s (replays are refused until this agent restarts only)", self.nonces.error)
+            self._nonce_error = self.nonces.error
+        if self.check_sender is None:
+            return ""
+        return await self.check_sender(Sender.of(request))
 
     async def __call__(self, request: Request) -> Response:
         if request.peer_uid is None:
             limited = self._limited(request)
             if limited is not None:
                 return limited
-        refusal = self.refusal(request) or self._body_refusal(request)
+        refusal = self.refusal(request) or self._body_refusal(request) or await self._signed_refusal(request)
         if refusal:
             self.unauthorized += 1
             self.guesses.allow("")

@@ -33,11 +33,15 @@ The protocol, per job incident:
 
 Who speaks for a host: every member holds the same token, so a signature says "a member", not
 which one. A request's sender is the address it came from (TCP) and the API port its signature
-names (:class:`~agent.fleet.api.Sender`); per job incident a host name belongs to the first
-identity that proved it (a verified join answer from the address the coordinator asked, a report,
-evidence), and one identity is one host: evidence or a report for a host from another identity is
-refused (409), logged, counted (``identity_conflicts``) and said in the job verdict and the
-status, one line each. Only the coordinator moves a job incident into another trace (the one this
+names (:class:`~agent.fleet.api.Sender`), which must be a port the member list gives that address
+(an address it does not list by IP: the job's API port), else the request is refused (401, why):
+one address is not many identities. A request naming no port stands for that one port. Per job
+incident a host name belongs to the first identity that proved it (a report, evidence, a verified
+join answer), except that the verified join answer of the listed member the coordinator asked
+proves the host name at that address over an earlier claim from another identity: that claim is
+the conflict and what it sent for the host is dropped. One identity is only ever one host:
+evidence or a report for a host from another identity is refused (409), logged, counted
+(``identity_conflicts``) and said in the job verdict and the status, one line each. Only the coordinator moves a job incident into another trace (the one this
 host reported to, else a join naming its own sender as coordinator); a coordinating host's trace
 is the job's and no join relabels it.
 
@@ -63,6 +67,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -119,6 +124,7 @@ from agent.fleet.peers import (
     call_peer,
     parse_peer,
 )
+from agent.fleet.proof import NonceCache
 from agent.fleet.traceparent import TraceParent
 from agent.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
 from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
@@ -256,6 +262,8 @@ class Fleet:
         ssl_context = await anyio.to_thread.run_sync(server_ssl_context, api)
         self.api = AgentApi(self, token=token, mutual_tls=api.mutual_tls, rate_per_s=api.rate_per_s, rate_burst=api.rate_burst,
                             guess_rate_per_s=api.guess_rate_per_s, guess_burst=api.guess_burst)
+        self.api.nonces = await anyio.to_thread.run_sync(self._nonce_cache)
+        self.api.check_sender = self._sender_refusal
         self.server = HttpServer(
             self.api, host=api.host, port=api.port, ssl_context=ssl_context, max_body_bytes=api.max_body_bytes,
             read_timeout_s=api.read_timeout_s, max_connections=api.max_connections, authenticate=self.api.authorized,
@@ -293,12 +301,26 @@ class Fleet:
                 await anyio.sleep_forever()
         finally:
             status_sub.close()
+            self.api.nonces.close()
             if self._companion in manager.companions:
                 manager.companions.remove(self._companion)
             if manager.admit == self._admit:
                 manager.admit = None
             if manager.place == self._place:
                 manager.place = None
+
+    def _nonce_cache(self) -> NonceCache:
+        """The API's nonce cache, kept in ``<data_dir>/fleet/nonces-<host name>`` (0600 in a 0700
+        folder): a signed request accepted before a restart is refused after it. In memory only
+        (said once) when that folder is refused or cannot be written. A worker thread."""
+        folder = self.data_dir / "fleet"
+        try:
+            fd, _ = open_trusted_dir(folder, create=True)
+            os.close(fd)
+            return NonceCache.load(str(folder / f"nonces-{_safe_name(self.host_name)}"))
+        except (UnsafeFolderError, OSError) as exc:
+            log.warning("agent API: replays refused in memory only (a restart forgets them): %s", exc)
+            return NonceCache()
 
     def _unix_path(self) -> str | None:
         """The operator's unix socket (``api.unix_socket``: ``auto`` is ``<data_dir>/<host name>.api.sock``,
@@ -688,7 +710,7 @@ class Fleet:
         ranks = tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
         job.asked[peer.url] = PeerOutcome(peer.url, reply.result.outcome, reply.result.detail, host, ranks)
         if reply.verified and host and reply.result.outcome is Outcome.OK:
-            if _is_ip_literal(peer.host) and self._claim(job, host, Sender(peer.host, peer.port), "a join's answer"):
+            if _is_ip_literal(peer.host) and self._claim(job, host, Sender(peer.host, peer.port), "a join's answer", asked=True):
                 return  # an answer at one member's address naming another member's host: not believed
             job.member_info[peer.url] = MemberInfo.model_validate({"job": self.config.job or "-", "host.name": host, "ranks": list(ranks)})
         if reply.doc is not None and not reply.verified:
@@ -902,7 +924,7 @@ class Fleet:
             return 409, {"error": f"job mismatch: this agent is in job {self.config.job!r}", "host.name": self.host_name}
         if message.agent_id and message.agent_id == self.agent_id:
             return 409, {"error": "self", "host.name": self.host_name}
-        who = sender or Sender(client)
+        who = self._identity(sender or Sender(client))
         if isinstance(message, Announce):
             return await self._on_announce(message, who)
         if isinstance(message, Report):
@@ -920,21 +942,65 @@ class Fleet:
                    and self.resolver.is_self(p)), None)
         return replace(creds, local_host=me.host) if me is not None else creds
 
-    def _claim(self, job: JobIncident, host: str, sender: Sender, what: str) -> str:
+    def _claim(self, job: JobIncident, host: str, sender: Sender, what: str, *, asked: bool = False) -> str:
         """``""`` when ``sender`` may speak for ``host`` in ``job`` (the first identity to prove a
         host name keeps it; this agent's own name is its own), else the conflict (logged, counted,
         said in the job verdict and the status). A sender whose request names no port (mutual TLS
-        without a token) is the host proven at its address."""
+        without a token) is the host proven at its address. ``asked``: the verified answer of the
+        listed member this agent asked (``sender``: the address and port it called): it proves the
+        host name there even against an earlier claim (:meth:`JobIncident.prove`)."""
         job.prove(self.host_name, "this agent")
         identity = sender.identity
         known = job.proven.get(host)
         if sender.port is None and known is not None and _same_ip(known.rpartition(":")[0], sender.address):
             identity = known
-        line = job.prove(host, identity, what)
-        if line:
+        conflicts = job.conflicts_total
+        line = job.prove(host, identity, what, asked=asked)
+        if line or job.conflicts_total > conflicts:
             self.identity_conflicts += 1
-            log.warning("job %s: %s", self.config.job, line)
+            log.warning("job %s: %s", self.config.job, line or job.conflicts[-1])
         return line
+
+    def _static_ports(self, address: str) -> set[int]:
+        """The ports the static member list gives ``address`` (IP literals)."""
+        static = self.resolver.static if self.resolver is not None else []
+        return {p.port for p in static if _is_ip_literal(p.host) and _same_ip(p.host, address)}
+
+    async def _sender_refusal(self, sender: Sender) -> str:
+        """Why a signed request from ``sender`` is refused, ``""`` when it is not: the port its
+        signature names must be one the member list gives its address (else, an address it does
+        not list by IP, the job's API port, or the port of a member listed by a name that resolves
+        there; no member list at all: any port). One address is then one identity per listed agent,
+        not one per port it may name. The member list's DNS name is resolved only when the static
+        list does not settle it."""
+        if sender.port is None or self.resolver is None or sender.address.startswith("unix:"):
+            return ""
+        if not self.resolver.static and not self.resolver.dns_name:
+            return ""  # no member list: nothing names an address's port
+        ports = self._static_ports(sender.address)
+        if sender.port in ports or (not ports and sender.port == self.resolver.default_port):
+            return ""
+        members, _ = await self.resolver.resolve_all()
+        ports |= {p.port for p in members if _is_ip_literal(p.host) and _same_ip(p.host, sender.address)}
+        if sender.port in ports or (not ports and sender.port == self.resolver.default_port):
+            return ""
+        for peer in members:
+            if not _is_ip_literal(peer.host) and peer.port == sender.port and await self._at(peer, sender):
+                return ""
+        allowed = ", ".join(str(p) for p in sorted(ports or {self.resolver.default_port}))
+        return (f"unauthorized: signed as the agent at {sender.identity}, but the job's agent at {sender.address} listens"
+                f" on port {allowed}: a signature naming another port is never accepted (one address, one identity)")
+
+    def _identity(self, sender: Sender) -> Sender:
+        """``sender`` with the port it stands for when its request named none (a ``v1`` signature,
+        a bearer token, mutual TLS alone): the one port the static member list gives its address,
+        else (none listed) the job's API port; several listed ports: its address alone."""
+        if sender.port is not None or self.resolver is None or sender.address.startswith("unix:"):
+            return sender
+        ports = self._static_ports(sender.address)
+        if len(ports) > 1:
+            return sender
+        return Sender(sender.address, ports.pop() if ports else self.resolver.default_port)
 
     async def _at(self, peer: Peer, sender: Sender) -> bool:
         """Whether ``sender`` (its address, and its signed port when it names one) is ``peer``: a
@@ -1007,6 +1073,7 @@ class Fleet:
         if conflict:
             return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(job)}
         job.reported[reporter.url] = report.host_name
+        job.reported_by[reporter.url] = job.proven.get(report.host_name, "")
         job.last_report_s = time.monotonic()
         job.detected_time_unix_nano = min(job.detected_time_unix_nano or report.detected_time_unix_nano, report.detected_time_unix_nano)
         job.member_info[reporter.url] = MemberInfo.model_validate({"job": report.job, "host.name": report.host_name,
@@ -1024,7 +1091,7 @@ class Fleet:
                 return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(target)}
         if judged is not None and judged is not job:  # after the verdict: kept, said, not re-judged
             self.evidence_received += 1
-            judged.add_evidence(evidence)
+            judged.add_evidence(evidence, judged.proven.get(evidence.host_name, ""))
             log.info("job %s: evidence of %s came after the job verdict (kept, not judged)", self.config.job, evidence.host_name)
             return 200, {"status": "late", "host.name": self.host_name, **self._trace_doc(judged)}
         if job is None or not job.coordinating or evidence.trace_id != job.trace_id:
@@ -1033,7 +1100,7 @@ class Fleet:
         if len(job.evidence) >= MAX_EVIDENCE_HOSTS and evidence.host_name not in job.evidence:
             return 413, {"error": "too many hosts"}
         self.evidence_received += 1
-        job.add_evidence(evidence)
+        job.add_evidence(evidence, job.proven.get(evidence.host_name, ""))
         return 200, {"status": "received", "host.name": self.host_name, **self._trace_doc(job)}
 
     def _trace_doc(self, job: JobIncident) -> dict[str, Any]:
@@ -1294,6 +1361,11 @@ class Fleet:
         except ManifestError as exc:  # not a manifest this agent reads: not served (listings poll: no warning)
             log.debug("%s", exc)
             return None
+
+
+def _safe_name(name: str) -> str:
+    """``name`` as one file name component (letters, digits, ``._-``; at most 100)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100].lstrip(".") or "agent"
 
 
 def _is_ip_literal(host: str) -> bool:

@@ -117,20 +117,60 @@ class JobIncident:
     #: host name -> the sender identity that proved it first (``address:port``), and back
     proven: dict[str, str] = field(default_factory=dict)
     proven_by: dict[str, str] = field(default_factory=dict)
+    #: host names proven by the verified answer of the listed member asked at that identity
+    asked_proven: set[str] = field(default_factory=set)
+    #: who sent what was taken: host name -> identity of its evidence; reporter address -> identity
+    evidence_by: dict[str, str] = field(default_factory=dict)
+    reported_by: dict[str, str] = field(default_factory=dict)
     #: what was refused because it claimed an identity another sender proved (one line each)
     conflicts: list[str] = field(default_factory=list)
     conflicts_total: int = 0
 
-    def prove(self, host: str, identity: str, what: str = "a message") -> str:
+    def prove(self, host: str, identity: str, what: str = "a message", *, asked: bool = False) -> str:
         """Bind ``host`` (a host name) to ``identity`` (who proved it: ``address:port``), first
         proof wins, both ways (one identity is one host). Returns ``""`` when ``what`` from
-        ``identity`` may speak for ``host``, else the conflict, one line (also remembered)."""
+        ``identity`` may speak for ``host``, else the conflict, one line (also remembered).
+
+        ``asked``: ``what`` is the verified answer of the listed member asked at ``identity`` (the
+        agent listening there): it proves ``host`` even when another identity claimed it first
+        (that claim is the conflict: what it sent for ``host`` is dropped, and it never speaks for
+        any host again), unless another asked member proved ``host`` already or ``host`` is this
+        agent's own."""
         known, owner = self.proven.get(host), self.proven_by.get(identity)
         if known in (None, identity) and owner in (None, host):
             self.proven[host], self.proven_by[identity] = identity, host
+            if asked:
+                self.asked_proven.add(host)
+            return ""
+        if asked and known != "this agent" and host not in self.asked_proven and owner not in self.asked_proven:
+            self._overrule(host, identity, what, known, owner)
             return ""
         why = f"{host} is proven at {known}" if known not in (None, identity) else f"{identity} is {owner}"
         return self.conflict(f"{what} for host {host} from {identity} refused: {why}")
+
+    def _overrule(self, host: str, identity: str, what: str, known: str | None, owner: str | None) -> None:
+        """``host`` is ``identity``'s (an asked member's answer): the earlier claims (``known``
+        spoke for ``host``; ``identity`` was said to be ``owner``) become the conflict."""
+        stale = {known} if known not in (None, identity) else set()
+        if owner not in (None, host) and self.proven.get(owner) == identity:
+            del self.proven[owner]  # someone else at this address spoke for another host: forgotten
+            self._drop(owner, {identity})
+            stale.add(identity)
+        self._drop(host, stale)
+        self.proven[host], self.proven_by[identity] = identity, host
+        self.asked_proven.add(host)
+        claimed = f"{host} was claimed by {known}" if known not in (None, identity) else f"{identity} was said to be {owner}"
+        self.conflict(f"{claimed}, refused: {what} from {identity} (the member asked there) proves {host} at {identity}")
+
+    def _drop(self, host: str, identities: set[str]) -> None:
+        """Forget what ``identities`` sent for ``host`` (its evidence, their reports)."""
+        if self.evidence_by.get(host) in identities:
+            self.evidence.pop(host, None)
+            self.evidence_by.pop(host, None)
+        for address in [a for a, who in self.reported_by.items() if who in identities and self.reported.get(a) == host]:
+            self.reported.pop(address, None)
+            self.reported_by.pop(address, None)
+            self.member_info.pop(address, None)
 
     def conflict(self, line: str) -> str:
         """Remember ``line`` (bounded, :data:`MAX_CONFLICTS`); returns it."""
@@ -145,8 +185,10 @@ class JobIncident:
     def traceparent_ids(self) -> tuple[str, str]:
         return self.trace_id, self.root_span_id
 
-    def add_evidence(self, evidence: Evidence) -> None:
+    def add_evidence(self, evidence: Evidence, identity: str = "") -> None:
+        """Take ``evidence`` (sent by ``identity``) for its host."""
         self.evidence[evidence.host_name] = evidence
+        self.evidence_by[evidence.host_name] = identity
         for r in evidence.relayed:
             self.asked.setdefault(r.address, PeerOutcome(r.address, Outcome(r.outcome), r.detail, r.host_name,
                                                         tuple(r.ranks), via=evidence.host_name))

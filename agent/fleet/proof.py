@@ -22,22 +22,32 @@ Owns :func:`sign_request` / :class:`RequestSignature` (a request signed with the
   acted on (:mod:`agent.fleet.job` moves a running incident only on a proven answer). Under
   mutual TLS the peer's certificate, verified against the job CA, proves the same.
 
-Operators keep using the bearer token (``Authorization: Bearer``). Imports the standard library only.
+The receiver's nonce cache (:class:`NonceCache`) lives in its data dir too (``fleet/nonces-<host
+name>``, 0600 in a 0700 folder; only nonces whose signature is still fresh, at most ``max_items``):
+a signed request accepted before the agent restarted is refused after it, and a peer whose clock
+differs by up to :data:`MAX_SKEW_S` is refused nothing but a replay.
+
+Operators keep using the bearer token (``Authorization: Bearer``). Imports :mod:`agent.fsutil` and
+the standard library only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from agent.fsutil import atomic_write_text, open_append_nofollow
+
 __all__ = [
     "MAX_SKEW_S",
     "NONCE_HEADER",
+    "NONCE_LOG_SLACK",
     "PROOF_HEADER",
     "SIGNATURE_SCHEME",
     "NonceCache",
@@ -59,6 +69,10 @@ SIGNATURE_SCHEME = "Servewatch-Sig"
 #: Largest difference between a signed request's time and the receiver's clock, seconds.
 MAX_SKEW_S = 60.0
 
+#: Lines the nonce file may hold beyond twice the live nonces before it is rewritten.
+NONCE_LOG_SLACK = 1024
+_NONCE_LINE_MAX = 160
+_NONCE = re.compile(r"[0-9a-f]{16,128}")
 _FIELDS = re.compile(r"(ts|nonce|sha256|sig|port)=([0-9a-f]{1,128})")
 
 
@@ -147,22 +161,90 @@ class RequestSignature:
 
 
 class NonceCache:
-    """Nonces of signed requests seen within twice the allowed skew (a replay is refused)."""
+    """Nonces of signed requests whose signature is still fresh (a replay is refused).
 
-    def __init__(self, *, keep_s: float = 2 * MAX_SKEW_S, max_items: int = 100_000) -> None:
+    A nonce is kept until its signature's time is more than :data:`MAX_SKEW_S` in the past (no
+    receiver accepts it after that), at most ``max_items``. With ``path`` (:meth:`load`) every
+    nonce is also appended there (``<expiry> <nonce>`` lines, 0600; rewritten with only the
+    live ones when it grew to twice as many plus :data:`NONCE_LOG_SLACK`), and the live ones are
+    read back at start: a request accepted before a restart is refused after it too. File work is
+    blocking: :meth:`load` and :meth:`persist` run on a worker thread.
+    """
+
+    def __init__(self, *, keep_s: float = 2 * MAX_SKEW_S, max_items: int = 100_000, path: str | None = None) -> None:
         self.keep_s = keep_s
         self.max_items = max_items
+        self.path = path
+        #: nonce -> wall time after which its signature is stale everywhere
         self._seen: OrderedDict[str, float] = OrderedDict()
+        self._fd: int | None = None
+        self._logged = 0
+        #: the last error writing the file ("" while none)
+        self.error = ""
 
-    def first_use(self, nonce: str, *, now_s: float | None = None) -> bool:
-        """Record ``nonce``; False when it was seen already (a replay)."""
-        now = time.monotonic() if now_s is None else now_s
-        while self._seen and (next(iter(self._seen.values())) < now - self.keep_s or len(self._seen) >= self.max_items):
+    def first_use(self, nonce: str, *, now_s: float | None = None, ts: float | None = None) -> bool:
+        """Record ``nonce`` (of a signature made at ``ts``, wall time; default: now); False when
+        it was seen already (a replay)."""
+        now = time.time() if now_s is None else now_s
+        while self._seen and (next(iter(self._seen.values())) < now or len(self._seen) >= self.max_items):
             self._seen.popitem(last=False)
         if nonce in self._seen:
             return False
-        self._seen[nonce] = now
+        self._seen[nonce] = max(now + self.keep_s / 2, (now if ts is None else ts) + MAX_SKEW_S) + 1.0
         return True
+
+    @classmethod
+    def load(cls, path: str, *, now_s: float | None = None, max_items: int = 100_000) -> NonceCache:
+        """A cache persisted at ``path`` (its folder: a private one the caller made), with the
+        nonces still live there (a missing or unreadable file: none; a symlink is never followed)."""
+        cache = cls(path=path, max_items=max_items)
+        now = time.time() if now_s is None else now_s
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return cache
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(max_items * _NONCE_LINE_MAX)
+        for line in raw.splitlines():
+            expiry, _, nonce = line.decode("ascii", "replace").partition(" ")
+            try:
+                when = float(expiry)
+            except ValueError:
+                continue
+            if when >= now and _NONCE.fullmatch(nonce):
+                cache._seen[nonce] = when
+        cache._seen = OrderedDict(sorted(cache._seen.items(), key=lambda kv: kv[1])[-max_items:])
+        cache._rewrite()
+        return cache
+
+    def persist(self, nonce: str) -> None:
+        """Append ``nonce`` (just recorded) to the file; rewrite the file when it grew too long.
+        An error is remembered (:attr:`error`), never raised: the memory cache still refuses."""
+        expiry = self._seen.get(nonce)
+        if self.path is None or expiry is None:
+            return
+        try:
+            if self._fd is None or self._logged > 2 * len(self._seen) + NONCE_LOG_SLACK:
+                self._rewrite()
+            else:
+                os.write(self._fd, f"{expiry:.0f} {nonce}\n".encode("ascii"))
+                self._logged += 1
+            self.error = ""
+        except OSError as exc:
+            self.error = f"cannot write {self.path}: {exc}"
+
+    def _rewrite(self) -> None:
+        """The file holds the live nonces only; the append descriptor reopened."""
+        assert self.path is not None
+        self.close()
+        atomic_write_text(self.path, "".join(f"{e:.0f} {n}\n" for n, e in self._seen.items()), durable=False)
+        self._fd = open_append_nofollow(self.path)
+        self._logged = len(self._seen)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def answer_proof(token: bytes, nonce: str, status: int, body: bytes) -> str:

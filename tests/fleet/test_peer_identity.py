@@ -3,11 +3,23 @@ agent's own names, a host name bound to the identity that proved it, conflicts s
 
 from __future__ import annotations
 
+import os
+import stat
+import time
+from pathlib import Path
+
 from agent.fleet.jobstate import JobIncident
 from agent.fleet.jobverdict import judge_job
 from agent.fleet.messages import Evidence
 from agent.fleet.peers import OwnNames
-from agent.fleet.proof import RequestSignature, authority_host, sign_request
+from agent.fleet.proof import (
+    MAX_SKEW_S,
+    NONCE_LOG_SLACK,
+    NonceCache,
+    RequestSignature,
+    authority_host,
+    sign_request,
+)
 
 TOKEN = b"t" * 32
 
@@ -64,3 +76,53 @@ def test_a_rank_two_hosts_claim_is_a_conflict_in_the_verdict() -> None:
     assert "2 identity conflicts: evidence for host node-x" in verdict.headline()
     assert verdict.to_json()["conflicts"] == list(verdict.conflicts)
     assert verdict.attributes()["servewatch.job.verdict.conflicts"] == verdict.conflicts
+
+
+def test_the_asked_members_answer_proves_its_host_over_an_earlier_claim() -> None:
+    trace = "a" * 32
+    job = JobIncident()
+    # a token holder at 10.0.0.9 claimed node-x first: its report and evidence were taken
+    assert job.prove("node-x", "10.0.0.9:7207", "a report") == ""
+    job.reported["http://10.0.0.9:7207"], job.reported_by["http://10.0.0.9:7207"] = "node-x", "10.0.0.9:7207"
+    job.add_evidence(Evidence.model_validate({"job": "j", "host.name": "node-x", "trace_id": trace, "incident_id": "forged"}),
+                     "10.0.0.9:7207")
+    # node-x's own verified join answer, at the address the coordinator asked: node-x is there
+    assert job.prove("node-x", "10.0.0.3:7207", "a join's answer", asked=True) == ""
+    assert job.proven["node-x"] == "10.0.0.3:7207" and "node-x" not in job.evidence and not job.reported
+    assert job.conflicts == [("node-x was claimed by 10.0.0.9:7207, refused: a join's answer from 10.0.0.3:7207"
+                             " (the member asked there) proves node-x at 10.0.0.3:7207")]
+    # the earlier claimant speaks for no host any more; a second asked answer for node-x is a conflict
+    assert job.prove("node-x", "10.0.0.9:7207", "evidence").endswith("node-x is proven at 10.0.0.3:7207")
+    assert job.prove("node-y", "10.0.0.9:7207", "evidence").endswith("10.0.0.9:7207 is node-x")
+    assert job.prove("node-x", "10.0.0.4:7207", "a join's answer", asked=True).endswith("node-x is proven at 10.0.0.3:7207")
+    # this agent's own name is never taken
+    job.prove("node-a", "this agent")
+    assert job.prove("node-a", "10.0.0.5:7207", "a join's answer", asked=True).endswith("node-a is proven at this agent")
+
+
+def test_the_nonce_cache_persists_fresh_nonces_only(tmp_path: Path) -> None:
+    path = str(tmp_path / "nonces")
+    now = time.time()
+    cache = NonceCache.load(path, now_s=now)
+    assert cache.first_use("a" * 32, now_s=now, ts=now) and not cache.first_use("a" * 32, now_s=now, ts=now)
+    assert cache.first_use("b" * 32, now_s=now, ts=now - MAX_SKEW_S)
+    cache.persist("a" * 32)
+    cache.persist("b" * 32)
+    cache.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again = NonceCache.load(path, now_s=now + 1)
+    assert not again.first_use("a" * 32, now_s=now + 1, ts=now) and not again.first_use("b" * 32, now_s=now + 1, ts=now)
+    again.close()
+    # once their signatures are stale everywhere they are forgotten, and the file is rewritten without them
+    later = NonceCache.load(path, now_s=now + 2 * MAX_SKEW_S + 5)
+    later.close()
+    assert Path(path).read_text() == ""
+    # a long file is rewritten with the live nonces only
+    cache = NonceCache.load(path, now_s=now)
+    total = 2 * NONCE_LOG_SLACK + 10
+    for i in range(total):
+        nonce, at = f"{i:032x}", now if i < total // 2 else now + 3 * MAX_SKEW_S  # the first half stale by then
+        assert cache.first_use(nonce, now_s=at, ts=at)
+        cache.persist(nonce)
+    cache.close()
+    assert len(Path(path).read_text().splitlines()) < total

@@ -10,6 +10,12 @@ node-y, with the token's proof, as a member would. Then it sends, signed with th
   write winning: the job verdict named "culprit rank 4 on node-x". Now a host name belongs to the
   identity that proved it first (the address its join answer came from, and its API port): the
   forgery is refused (409), said in the job verdict and the status.
+* ``report``: (nothing at node-y's port) a detection reported first as node-x, signed as the agent
+  at node-y's address on another port (a second identity of one address), then node-x's forged
+  evidence. Before the fix the first proof won and the real node-x's join answer and evidence were
+  refused as the conflict: "culprit rank 4 on node-x". Now a signature naming a port the member
+  list does not give its address is refused (401), and the real node-x's own verified join answer
+  proves node-x at its address over the earlier claim, which is the conflict.
 * ``join``: a join naming a trace of its own to the coordinator. Before the fix the coordinator's
   job incident was relabelled into it. Now only the coordinator moves a job incident: refused, said.
 """
@@ -43,6 +49,7 @@ import hashlib, hmac, json, os, secrets, socket, sys, time
 
 mode, host, port, coord, token_file, log, go = sys.argv[1:8]
 port = int(port)
+signed_port = port + 1 if mode == "report" else port  # "report": another identity at the same address
 token = open(token_file).read().strip().encode()
 COLLECTIVE = "all_reduce (torch/distributed/distributed_c10d.py:1)"
 
@@ -69,13 +76,14 @@ def read_message(conn):
 
 def signature(authority, path, body, with_port):
     ts, nonce, digest = str(int(time.time())), secrets.token_hex(16), hashlib.sha256(body).hexdigest()
-    parts = ["v2" if with_port else "v1", "POST", authority.lower(), path, ts, nonce, digest] + ([str(port)] if with_port else [])
+    parts = ["v2" if with_port else "v1", "POST", authority.lower(), path, ts, nonce, digest] + ([str(signed_port)] if with_port else [])
     sig = hmac.new(token, "\n".join(parts).encode(), hashlib.sha256).hexdigest()
-    return f"Servewatch-Sig ts={ts},nonce={nonce},sha256={digest}" + (f",port={port}" if with_port else "") + f",sig={sig}"
+    return f"Servewatch-Sig ts={ts},nonce={nonce},sha256={digest}" + (f",port={signed_port}" if with_port else "") + f",sig={sig}"
 
 
 def post(step, path, doc, headers=()):
     body = json.dumps(doc).encode()
+    tries = []
     for with_port in (True, False):
         authority = f"{coord}:{port}"
         head = (f"POST {path} HTTP/1.1\r\nhost: {authority}\r\ncontent-type: application/json\r\n"
@@ -87,10 +95,12 @@ def post(step, path, doc, headers=()):
             s.sendall(head.encode() + body)
             answer, _ = read_message(s)
         status = int(answer.split(b" ", 2)[1])
+        tries.append([status, answer.partition(b"\r\n\r\n")[2].decode()])
         if status != 401:
             break
     with open(log, "a") as fh:
-        fh.write(json.dumps({"step": step, "status": status, "body": answer.partition(b"\r\n\r\n")[2].decode()}) + "\n")
+        fh.write(json.dumps({"step": step, "status": status, "body": tries[-1][1], "tries": tries}) + "\n")
+    return json.loads(tries[-1][1] or "{}")
 
 
 def evidence(trace, name, ranks):
@@ -98,6 +108,22 @@ def evidence(trace, name, ranks):
             "ranks": ranks, "world_size": 5}
 
 
+def forge_x(trace):
+    forged = [{"rank": 4, "frame_class": "compute", "frame": "matmul (forged_model.py:9)"}]
+    forged += [{"rank": r, "frame_class": "collective", "frame": COLLECTIVE} for r in (1, 3)]
+    post("forged", "/v1/job/evidence", evidence(trace, "node-x", forged))
+
+
+deadline = time.monotonic() + 60
+if mode == "report":  # nothing at node-y's port: it reports first, as node-x, then sends node-x's evidence
+    print("ready", flush=True)
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answer = post("report", "/v1/job/report", {"job": "j", "host.name": "node-x", "api_port": signed_port,
+                  "incident_id": "inc-node-x", "trace_id": secrets.token_hex(16), "key": "time:1",
+                  "detected_time_unix_nano": time.time_ns(), "ranks": [4], "world_size": 5})
+    forge_x(answer.get("trace_id") or "0" * 32)
+    sys.exit(0)
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind((host, port))
@@ -105,7 +131,6 @@ srv.listen(16)
 srv.settimeout(1.0)
 print("ready", flush=True)
 trace = None
-deadline = time.monotonic() + 60
 while trace is None and time.monotonic() < deadline:
     try:
         conn, _ = srv.accept()
@@ -128,9 +153,7 @@ with open(log, "a") as fh:
 while not os.path.exists(go) and time.monotonic() < deadline:
     time.sleep(0.05)
 if mode == "evidence":
-    forged = [{"rank": 4, "frame_class": "compute", "frame": "matmul (forged_model.py:9)"}]
-    forged += [{"rank": r, "frame_class": "collective", "frame": COLLECTIVE} for r in (1, 3)]
-    post("forged", "/v1/job/evidence", evidence(trace, "node-x", forged))
+    forge_x(trace)
     post("own", "/v1/job/evidence", evidence(trace, "node-y", [{"rank": 2, "frame_class": "collective", "frame": COLLECTIVE}]))
 else:
     post("join", "/v1/incidents", {"job": "j", "origin_host": "node-y", "incident_id": "inc-node-y", "detail": "forged",
@@ -224,3 +247,39 @@ async def test_a_token_holder_cannot_relabel_the_job_trace_with_a_join(
     assert records_a[0].opened.trace_id == trace
     assert json.loads(records_a[0].manifest_path.read_text())["trace_id"] == trace
     assert summary["conflicts"] == 1 and FORGED_TRACE in summary["conflict"]
+
+
+async def test_a_token_holder_cannot_take_a_host_name_by_reporting_first_under_another_port(
+    tmp_path: Path, spawn: Callable, nobody_dir: Path, host_files: Path
+) -> None:
+    """The token holder at node-y's address (its port free: nobody answers there) reports a
+    detection first, as node-x with rank 4, signing as the agent at node-y's address on *another*
+    port (a second identity of one address), then sends node-x's forged evidence. Before the fix
+    the first proof won: the coordinator bound node-x to 127.0.0.63:<port+1>, refused the real
+    node-x's join answer and evidence as the conflict and judged "culprit rank 4 on node-x". Now a
+    signature naming a port the member list does not give its address is refused (401, why), and
+    the real node-x's own verified join answer, at the address the coordinator asked, proves
+    node-x there: the earlier claim is the conflict, what it sent is dropped."""
+    [port] = free_ports(1)
+    log, go = _token_holder(spawn, nobody_dir, "report", port)
+    async with running_agent(_job_settings(tmp_path, "node-x", X, port)), \
+            running_agent(_job_settings(tmp_path, "node-a", A, port)) as (agent_a, records_a):
+        go.write_text("")
+        with anyio.fail_after(90):
+            while agent_a.fleet.verdicts < 1:
+                await anyio.sleep(0.05)
+        status = await agent_a.fleet.status()
+    steps = _steps(log)
+    [record] = records_a
+    doc = json.loads((record.bundle_dir / "job-verdict.json").read_text())
+    verdict = doc["verdict"]
+    # the second identity is refused at the door, saying why
+    first_status, first_body = steps["report"]["tries"][0]
+    assert first_status == 401 and f"signed as the agent at {Y}:{port + 1}" in first_body, steps["report"]
+    # node-x is not framed: the real node-x's evidence is judged, the forgery never is
+    assert "node-x" not in verdict["culprit_hosts"] and "rank 4 on node-x" not in verdict["headline"], verdict["headline"]
+    assert FORGED_FRAME not in json.dumps(doc)
+    assert "node-x" in verdict["hosts"], verdict["hosts"]
+    assert any(f"node-x was claimed by {Y}:" in c for c in verdict["conflicts"]), verdict["conflicts"]
+    assert not any(f"from {X}:{port} refused" in c for c in verdict["conflicts"]), verdict["conflicts"]
+    assert status["fleet"]["identity_conflicts"] >= 1

@@ -6,17 +6,28 @@ replays A's signed join, byte for byte, to agent B at B's address. Before the fi
 bound only the port of ``Host`` (the same everywhere) and B's nonce cache had never seen the nonce:
 B opened an incident in the impostor's replay. Now the signature is bound to the receiver as the
 sender named it (its address in the member list): B refuses it, saying why.
+
+The same agent after a restart: a signed request it accepted is replayed to it, byte for byte,
+by another uid, after it restarted on the same data dir (within the signature's time window).
+Before the fix the nonce cache was in memory only: the restarted agent accepted it again. Now the
+receiver's nonces live in its data dir (0600 in a 0700 folder, only those still fresh): refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
+import secrets
+import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 
-from tests.fleet._fleet import free_ports, running_agent, settings_for
+from tests.fleet._fleet import TOKEN, free_ports, running_agent, settings_for
 from tests.security._attack import NOBODY_PYTHON, needs_root, ready_line, run_as_nobody
 
 pytestmark = needs_root
@@ -110,3 +121,73 @@ async def test_a_join_signed_for_one_agent_is_refused_by_another_with_the_reason
     assert status_line.split()[1] == b"401", answer
     assert f"signed for {IMPOSTOR}:{port}" in body["error"] and "not this agent" in body["error"], body
     assert joins_b == 0 and not opened_b and records_b == []
+
+
+#: The replayer of captured bytes (stdlib only, run as nobody): ``SOURCE TARGET PORT RAW LOG GO``.
+#: Each time the file ``GO<n>`` appears (n = 1, 2, 3; 60 s at most), it sends RAW from SOURCE to
+#: TARGET:PORT and appends the answer's status and body, one JSON line, to LOG.
+RESENDER = r'''
+import json, os, socket, sys, time
+
+source, target, port, raw, log, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), open(sys.argv[4], "rb").read(), sys.argv[5], sys.argv[6]
+print("ready", flush=True)
+deadline = time.monotonic() + 60
+for n in (1, 2, 3):
+    while not os.path.exists(go + str(n)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with socket.create_connection((target, port), timeout=10, source_address=(source, 0)) as s:
+        s.settimeout(10)
+        s.sendall(raw)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    with open(log, "a") as fh:
+        fh.write(json.dumps({"n": n, "status": int(data.split(b" ", 2)[1]), "body": data.partition(b"\r\n\r\n")[2].decode()}) + "\n")
+'''
+
+
+def _signed_announce(port: int) -> bytes:
+    """A member's signed announce to A (as an agent of the job sends it), the bytes on the wire."""
+    body = json.dumps({"job": "j", "host.name": "node-b", "api_port": port, "ranks": [2]}).encode()
+    authority, path = f"{A}:{port}", "/v1/job/announce"
+    ts, nonce, digest = str(int(time.time())), secrets.token_hex(16), hashlib.sha256(body).hexdigest()
+    signed = "\n".join(["v2", "POST", authority, path, ts, nonce, digest, str(port)])
+    sig = hmac.new(TOKEN.encode(), signed.encode(), hashlib.sha256).hexdigest()
+    return (f"POST {path} HTTP/1.1\r\nhost: {authority}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n"
+            f"authorization: Servewatch-Sig ts={ts},nonce={nonce},sha256={digest},port={port},sig={sig}\r\n\r\n").encode() + body
+
+
+async def test_a_signed_request_accepted_before_a_restart_is_refused_after_it(
+    tmp_path: Path, spawn: Callable, nobody_dir: Path, host_files: Path
+) -> None:
+    [port] = free_ports(1)
+    raw, program, log, go = (nobody_dir / n for n in ("captured", "resend.py", "answers.log", "go"))
+    raw.write_bytes(_signed_announce(port))
+    program.write_text(RESENDER)
+    for path in (raw, program):
+        path.chmod(0o644)  # whatever the umask
+    resender = run_as_nobody(spawn, [NOBODY_PYTHON, str(program), B, A, str(port), str(raw), str(log), str(go)])
+    ready_line(resender)
+    settings = settings_for(tmp_path, "node-a", port, api={"host": A},
+                            fleet={"job": "j", "peers": [f"{A}:{port}", f"{B}:{port}"], "announce_interval_s": 600})
+
+    async def answer(n: int) -> dict:
+        Path(f"{go}{n}").write_text("")
+        with anyio.fail_after(30):
+            while len(log.read_text().splitlines() if log.exists() else []) < n:
+                await anyio.sleep(0.05)
+        return json.loads(log.read_text().splitlines()[n - 1])
+
+    async with running_agent(settings):
+        first, replay = await answer(1), await answer(2)
+    async with running_agent(settings):  # the same agent, restarted on its data dir
+        after_restart = await answer(3)
+    assert first["status"] == 200 and json.loads(first["body"])["status"] == "member", first
+    assert replay["status"] == 401 and "a replay" in replay["body"], replay
+    assert after_restart["status"] == 401 and "a replay" in after_restart["body"], after_restart
+    # what keeps them: only the receiver can read it
+    folder = settings.data_dir / "fleet"
+    [kept] = list(folder.iterdir())
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert kept.stat().st_uid == os.geteuid() and len(kept.read_text().splitlines()) == 1

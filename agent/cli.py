@@ -279,7 +279,8 @@ def _data_dir_ready(settings: Settings) -> None:
 
 # Options shared by several commands.
 ConfigOpt = typer.Option(None, "--config", metavar="FILE", help="TOML settings file (CLI > SERVEWATCH_* env > file > defaults).")
-DataDirOpt = typer.Option(None, "--data-dir", metavar="DIR", help="Bundles and span files (env SERVEWATCH_DATA_DIR; default ./servewatch-data).")
+DataDirOpt = typer.Option(None, "--data-dir", metavar="DIR", readable=False,  # said with its owner and the fix
+                          help="Bundles and span files (env SERVEWATCH_DATA_DIR; default ./servewatch-data).")
 PidOpt = typer.Option(None, "--pid", metavar="PID", help="Target pid (repeatable).")
 RootPidOpt = typer.Option(None, "--root-pid", metavar="PID", help="Watch this pid and all its descendants.")
 MatchOpt = typer.Option(None, "--match", metavar="GLOB", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
@@ -590,10 +591,14 @@ def status(
     """
     import time as _time
 
+    from agent.security import access_denied
     from agent.watchers.status import STATUS_FILE, read_status_file, status_path
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     path = status_path(settings.data_dir, settings.host_name)
+    denied = access_denied(path)
+    if denied is not None:  # the engineer who forgot sudo: whose it is and what to do, one line
+        fail(f"cannot read the agent status in {settings.data_dir}: {denied}")
     if not path.is_file():
         others = sorted(settings.data_dir.glob(f"*/{STATUS_FILE}")) if settings.data_dir.is_dir() else []
         if len(others) == 1:
@@ -1300,8 +1305,9 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
         fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); "
              + describe_candidates(candidates(cfg.socket_dir)), ExitCode.USAGE)
     problem = pid_problem(pid, cfg.socket_dir)
-    if problem is not None:
-        fail(problem, ExitCode.USAGE if psutil.pid_exists(pid) else ExitCode.FAILURE)
+    if problem is not None:  # a refused socket is no usage error: run as its user
+        usage = psutil.pid_exists(pid) and not problem.startswith("cannot reach")
+        fail(problem, ExitCode.USAGE if usage else ExitCode.FAILURE)
     return settings, pid
 
 

@@ -79,6 +79,41 @@ def _safe_console(**kwargs: Any) -> Any:
     return _SafeConsole(**kwargs)
 
 
+#: Continuation rows of a line wrapped for a terminal are indented this many columns more than
+#: the line itself (a hanging indent: where a line starts stays plain to see).
+HANG_INDENT = 4
+
+
+def _terminal_columns(stream: Any) -> int | None:
+    """Columns of the terminal ``stream`` writes to, or ``None`` when it is none (a file or a
+    pipe: lines stay whole there, for machines to read)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else None
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _wrap_for_terminal(text: str, columns: int | None) -> str:
+    """``text`` with each line longer than ``columns`` broken at spaces, never inside a word (a
+    path, an id), its continuation rows indented :data:`HANG_INDENT` more than the line; as it
+    is when ``columns`` is ``None`` (no terminal). A word wider than a row stays whole."""
+    if columns is None or columns < 2 * HANG_INDENT + 16:
+        return text
+    import textwrap
+
+    rows: list[str] = []
+    for line in text.split("\n"):
+        body = line.lstrip(" ")
+        lead = line[: len(line) - len(body)]
+        if len(line) <= columns or not body:
+            rows.append(line)
+            continue
+        rows += textwrap.wrap(body, width=columns, initial_indent=lead, subsequent_indent=lead + " " * HANG_INDENT,
+                              break_long_words=False, break_on_hyphens=False, expand_tabs=False,
+                              replace_whitespace=False) or [line]
+    return "\n".join(rows)
+
+
 class _LazyConsole:
     """Stands for a :func:`_safe_console` made at its first use."""
 
@@ -88,19 +123,16 @@ class _LazyConsole:
 
     def print(self, *objects: Any, sep: str = " ", end: str = "\n", markup: bool | None = None,
               highlight: bool | None = None, **kwargs: Any) -> None:
-        """Plain text lines (``markup=False``, no highlighting to show) are written as they are,
-        control characters stripped, without importing rich; anything else goes to rich."""
+        """Plain text lines (``markup=False``) are written without importing rich, control
+        characters stripped: on a terminal wrapped at words with a hanging indent
+        (:func:`_wrap_for_terminal`), whole in a file or pipe; anything else goes to rich."""
         stream = sys.stderr if self._kwargs.get("stderr") else sys.stdout
-        if (
-            self._console is None
-            and not kwargs
-            and markup is False
-            and all(isinstance(o, str) for o in objects)
-            and (highlight is False or not stream.isatty())
-        ):
+        if not kwargs and markup is False and all(isinstance(o, str) for o in objects):
+            # plain lines: on a terminal wrapped at words with a hanging indent, whole elsewhere
             from agent.security import strip_control
 
-            stream.write(sep.join(strip_control(o, keep_newlines=True) for o in objects) + end)
+            text = sep.join(strip_control(o, keep_newlines=True) for o in objects)
+            stream.write(_wrap_for_terminal(text, _terminal_columns(stream)) + end)
             stream.flush()
             return
         self.__getattr__("print")(*objects, sep=sep, end=end, markup=markup, highlight=highlight, **kwargs)
@@ -167,6 +199,10 @@ class _CliFormatter(_SafeFormatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         return f"servewatch: {record.levelname.lower()}: {record.message}"
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line, wrapped at words with a hanging indent when stderr is a terminal."""
+        return _wrap_for_terminal(super().format(record), _terminal_columns(sys.stderr))
 
 
 def _logging(verbose: bool) -> None:

@@ -79,6 +79,41 @@ def _safe_console(**kwargs: Any) -> Any:
     return _SafeConsole(**kwargs)
 
 
+#: Continuation rows of a line wrapped for a terminal are indented this many columns more than
+#: the line itself (a hanging indent: where a line starts stays plain to see).
+HANG_INDENT = 4
+
+
+def _terminal_columns(stream: Any) -> int | None:
+    """Columns of the terminal ``stream`` writes to, or ``None`` when it is none (a file or a
+    pipe: lines stay whole there, for machines to read)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else None
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _wrap_for_terminal(text: str, columns: int | None) -> str:
+    """``text`` with each line longer than ``columns`` broken at spaces, never inside a word (a
+    path, an id), its continuation rows indented :data:`HANG_INDENT` more than the line; as it
+    is when ``columns`` is ``None`` (no terminal). A word wider than a row stays whole."""
+    if columns is None or columns < 2 * HANG_INDENT + 16:
+        return text
+    import textwrap
+
+    rows: list[str] = []
+    for line in text.split("\n"):
+        body = line.lstrip(" ")
+        lead = line[: len(line) - len(body)]
+        if len(line) <= columns or not body:
+            rows.append(line)
+            continue
+        rows += textwrap.wrap(body, width=columns, initial_indent=lead, subsequent_indent=lead + " " * HANG_INDENT,
+                              break_long_words=False, break_on_hyphens=False, expand_tabs=False,
+                              replace_whitespace=False) or [line]
+    return "\n".join(rows)
+
+
 class _LazyConsole:
     """Stands for a :func:`_safe_console` made at its first use."""
 
@@ -88,19 +123,16 @@ class _LazyConsole:
 
     def print(self, *objects: Any, sep: str = " ", end: str = "\n", markup: bool | None = None,
               highlight: bool | None = None, **kwargs: Any) -> None:
-        """Plain text lines (``markup=False``, no highlighting to show) are written as they are,
-        control characters stripped, without importing rich; anything else goes to rich."""
+        """Plain text lines (``markup=False``) are written without importing rich, control
+        characters stripped: on a terminal wrapped at words with a hanging indent
+        (:func:`_wrap_for_terminal`), whole in a file or pipe; anything else goes to rich."""
         stream = sys.stderr if self._kwargs.get("stderr") else sys.stdout
-        if (
-            self._console is None
-            and not kwargs
-            and markup is False
-            and all(isinstance(o, str) for o in objects)
-            and (highlight is False or not stream.isatty())
-        ):
+        if not kwargs and markup is False and all(isinstance(o, str) for o in objects):
+            # plain lines: on a terminal wrapped at words with a hanging indent, whole elsewhere
             from agent.security import strip_control
 
-            stream.write(sep.join(strip_control(o, keep_newlines=True) for o in objects) + end)
+            text = sep.join(strip_control(o, keep_newlines=True) for o in objects)
+            stream.write(_wrap_for_terminal(text, _terminal_columns(stream)) + end)
             stream.flush()
             return
         self.__getattr__("print")(*objects, sep=sep, end=end, markup=markup, highlight=highlight, **kwargs)
@@ -167,6 +199,10 @@ class _CliFormatter(_SafeFormatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         return f"servewatch: {record.levelname.lower()}: {record.message}"
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line, wrapped at words with a hanging indent when stderr is a terminal."""
+        return _wrap_for_terminal(super().format(record), _terminal_columns(sys.stderr))
 
 
 def _logging(verbose: bool) -> None:
@@ -284,7 +320,8 @@ def _data_dir_ready(settings: Settings) -> None:
 
 # Options shared by several commands.
 ConfigOpt = typer.Option(None, "--config", metavar="FILE", help="TOML settings file (CLI > SERVEWATCH_* env > file > defaults).")
-DataDirOpt = typer.Option(None, "--data-dir", metavar="DIR", help="Bundles and span files (env SERVEWATCH_DATA_DIR; default ./servewatch-data).")
+DataDirOpt = typer.Option(None, "--data-dir", metavar="DIR", readable=False,  # said with its owner and the fix
+                          help="Bundles and span files (env SERVEWATCH_DATA_DIR; default ./servewatch-data).")
 PidOpt = typer.Option(None, "--pid", metavar="PID", help="Target pid (repeatable).")
 RootPidOpt = typer.Option(None, "--root-pid", metavar="PID", help="Watch this pid and all its descendants.")
 MatchOpt = typer.Option(None, "--match", metavar="GLOB", help="Process-title glob, e.g. 'sglang::scheduler*' (repeatable).")
@@ -595,10 +632,14 @@ def status(
     """
     import time as _time
 
+    from agent.security import access_denied
     from agent.watchers.status import STATUS_FILE, read_status_file, status_path
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     path = status_path(settings.data_dir, settings.host_name)
+    denied = access_denied(path)
+    if denied is not None:  # the engineer who forgot sudo: whose it is and what to do, one line
+        fail(f"cannot read the agent status in {settings.data_dir}: {denied}")
     if not path.is_file():
         others = sorted(settings.data_dir.glob(f"*/{STATUS_FILE}")) if settings.data_dir.is_dir() else []
         if len(others) == 1:
@@ -1305,8 +1346,9 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
         fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); "
              + describe_candidates(candidates(cfg.socket_dir)), ExitCode.USAGE)
     problem = pid_problem(pid, cfg.socket_dir)
-    if problem is not None:
-        fail(problem, ExitCode.USAGE if psutil.pid_exists(pid) else ExitCode.FAILURE)
+    if problem is not None:  # a refused socket is no usage error: run as its user
+        usage = psutil.pid_exists(pid) and not problem.startswith("cannot reach")
+        fail(problem, ExitCode.USAGE if usage else ExitCode.FAILURE)
     return settings, pid
 
 

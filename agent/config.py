@@ -539,7 +539,25 @@ def check_data_dir(path: Path, *, setting: str = "data_dir") -> None:
         os.close(fd)
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"invalid setting {setting}: {str(path)!r} is not a writable folder ({exc.strerror or exc})") from None
+        why = exc.strerror or str(exc)
+        if isinstance(exc, PermissionError):  # whose folder it is and what to do
+            from agent.security import access_denied
+
+            why = access_denied(probe) or f"{why}: {_owner_words(path)}"
+        raise ConfigError(f"invalid setting {setting}: {str(path)!r} is not a writable folder ({why})") from None
+
+
+def _owner_words(path: Path) -> str:
+    """``owned by root (0755): run as root (sudo)`` for a folder this user may read but not write."""
+    import pwd
+
+    st = path.stat()
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    fix = "run as root (sudo)" if owner == "root" else f"run as {owner} or root, or choose another --data-dir"
+    return f"owned by {owner} ({st.st_mode & 0o7777:04o}): {fix}"
 
 
 def _attribute_docs(model: type[BaseModel]) -> dict[str, str]:

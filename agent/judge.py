@@ -374,13 +374,24 @@ class VerdictJudge:
             exit_fact=fact,
             frame_class=frame_class,
             frame=frame,
-            stack_note=str(dump.attributes.get(PYSPY_NOTE_ATTR, "")) if dump is not None else "",
+            stack_note=_stack_note(dump),
             steps_before=readings.steps_before.get(target.pid),
             steps_after=snap.forward_ct if snap is not None else None,
             pending=snap.pending if snap is not None else None,
             fr=_fr_dump(fr),
             stopped=alive and target.pid in readings.stopped,
         )
+
+
+def _stack_note(dump: ActionResult | None) -> str:
+    """What happened reading a stack, for the verdict: py-spy's note, or why it could not read it
+    (``py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE``)."""
+    if dump is None:
+        return ""
+    note = str(dump.attributes.get(PYSPY_NOTE_ATTR, ""))
+    if not note and dump.outcome is Outcome.PERMISSION_DENIED:
+        return "py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE"
+    return note
 
 
 def _stopped(targets: Iterable[Target]) -> frozenset[int]:

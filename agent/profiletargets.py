@@ -263,7 +263,8 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
     Returns:
         None when ``pid`` serves a control socket; else why not and what to pass instead: no
         such process; a server's frontend whose ranks serve the socket (``--pid RANK``); an
-        SGLang or vLLM process (``--url``); or a process without the SDK.
+        SGLang or vLLM process (``--url``); a process without the SDK; or a socket this user may
+        not reach (``... is owned by root (0700): run as root (sudo)``).
     """
     import fnmatch
 
@@ -271,9 +272,14 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
 
     from agent.sdk.folders import shm_dir
     from agent.sdkclient import control_path, control_socket_pids
+    from agent.security import access_denied
     from agent.targets import discover
 
-    if control_path(pid, socket_dir).exists() and pid in control_socket_pids(socket_dir):
+    path = control_path(pid, socket_dir)
+    denied = access_denied(path)
+    if denied is not None:  # the engineer who forgot sudo: not a usage error, one line with the fix
+        return f"cannot reach the SDK control socket of pid {pid}: {denied}"
+    if path.exists() and pid in control_socket_pids(socket_dir):
         return None
     if not psutil.pid_exists(pid):
         return f"no such process: pid {pid}"

@@ -115,14 +115,25 @@ class RunStatus:
             )
         return False
 
-    async def check_actors(self, actors: Mapping[str, Any]) -> None:
+    async def check_actors(self, actors: Mapping[str, Any], blind: Callable[[str, str], str | None] | None = None) -> None:
         """Each actor's startup check (``check()``, when it has one: py-spy's binary) becomes its
-        component status, and a status row; the agent keeps running either way."""
+        component status, and a status row; the agent keeps running either way.
+
+        Args:
+            blind: ``blind(name, detail)`` says why an actor whose check passed cannot act on the
+                targets found (py-spy on another user's ranks without root), or ``None``: its row
+                is then BLIND with that reason from the start, never "ready".
+        """
         for name, actor in actors.items():
             check = getattr(actor, "check", None)
             if check is None:
                 continue
             status, detail = await anyio.to_thread.run_sync(check)  # stats a binary: off the loop
+            why = blind(name, detail) if blind is not None and status is ComponentStatus.OK else None
+            if why is not None:
+                status, detail = ComponentStatus.RECOVERABLE_ERROR, why
+                await self.bus.publish(ComponentStatusChanged(source="runtime", component=name, status=status, detail=detail))
+                continue
             await self.bus.publish(ComponentStatusChanged(source="runtime", component=name, status=status, detail=detail))
             if status is not ComponentStatus.OK:
                 log.warning("%s unavailable: %s", name, detail)

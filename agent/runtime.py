@@ -470,7 +470,6 @@ class Agent:
         await supervise(name, make, self.bus, restarts=self.restarts, task_status=task_status)
 
     async def _start_watchers(self, tg: TaskGroup) -> None:
-        await self.run_status.check_actors(self.actors)
         await self.target_watch.announce()
         for name, watcher in self.watchers.items():
             if isinstance(watcher, TargetWatchers):
@@ -478,6 +477,9 @@ class Agent:
             rebuild = partial(WATCHERS.get(name).build, self.settings, self.context)
             await tg.start(self.supervised, name, restartable(watcher, rebuild))
         await tg.start(self.target_watch.run, tg)
+        # after the first discovery round: an actor that cannot act on the targets found is
+        # BLIND (with the fix) from its first row, never "ready"
+        await self.run_status.check_actors(self.actors, blind=self.target_watch.actor_blind)
 
 
 async def dump_once(

@@ -39,7 +39,7 @@ from agent.procinfo import pid_alive
 from agent.sdk.control import control_path
 from agent.sdk.counter import SIZE_BYTES, CounterSnapshot, counter_path, parse_counter
 from agent.sdk.folders import sdk_folders
-from agent.security import open_trusted, process_uids, trusted_owner
+from agent.security import access_denied, open_trusted, process_uids, trusted_owner
 from agent.targets import ProcessState, Target, process_state
 
 __all__ = [
@@ -263,6 +263,10 @@ async def read_inflight(
 
     async def one(target: Target) -> None:
         path = await anyio.to_thread.run_sync(control_path, target.pid, socket_dir)  # lists folders, reads /proc
+        denied = await anyio.to_thread.run_sync(access_denied, path)
+        if denied is not None:  # another user's folder (root's server, no sudo): one line, no traceback
+            log.warning("in-flight requests of pid %d unavailable: %s", target.pid, denied)
+            return
         if not await anyio.Path(path).exists():
             return
         try:

@@ -32,6 +32,8 @@ from agent.sdk.folders import process_uids as _process_uids
 
 __all__ = [
     "REDACTED",
+    "access_denied",
+    "can_ptrace",
     "dumps_safe",
     "is_within",
     "open_trusted",
@@ -72,6 +74,60 @@ def _dir_problem(path: str, st: os.stat_result, *, is_leaf: bool) -> str | None:
 def _prefixes(path: str) -> list[str]:
     parts = Path(path).parts
     return [str(Path(*parts[: i + 1])) for i in range(len(parts))]
+
+
+def _user_name(uid: int) -> str:
+    """``root``, ``alice``, or ``uid 1234`` when the uid has no name."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _run_as(owner: str) -> str:
+    return "run as root (sudo)" if owner == "root" else f"run as {owner} or root"
+
+
+def access_denied(path: str | os.PathLike[str]) -> str | None:
+    """Why this process may not open ``path``, in one line ending with what to do, or ``None``.
+
+    The folder (or file) that stops it is named with its owner and mode, as the engineer who
+    forgot ``sudo`` needs it said: ``/dev/shm/servewatch-0 is owned by root (0700): run as root
+    (sudo)``. ``None`` when ``path`` can be opened, or is missing for another reason than
+    permissions. Blocking: ``stat`` calls.
+    """
+    p = Path(path)
+    for folder in [*reversed(p.parents), p]:
+        try:
+            st = os.stat(folder)
+        except PermissionError:  # its parent was searchable: an odd mount; name the parent
+            return f"{folder.parent} refuses access to {folder.name}: {_run_as('root')}"
+        except OSError:
+            return None
+        need = os.R_OK | os.X_OK if stat.S_ISDIR(st.st_mode) and folder == p else os.X_OK if stat.S_ISDIR(st.st_mode) else os.R_OK
+        if not os.access(folder, need):
+            owner = _user_name(st.st_uid)
+            return f"{folder} is owned by {owner} ({stat.S_IMODE(st.st_mode):04o}): {_run_as(owner)}"
+    return None
+
+
+#: Bit of CAP_SYS_PTRACE in ``/proc/self/status``'s ``CapEff`` (linux/capability.h).
+_CAP_SYS_PTRACE = 19
+
+
+def can_ptrace(uid: int | None) -> bool:
+    """Whether this process may read the memory of a process of real uid ``uid`` (py-spy needs
+    it): root, the same uid, or CAP_SYS_PTRACE. ``True`` when ``uid`` is unknown. Blocking."""
+    if uid is None or os.geteuid() in (0, uid):
+        return True
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            caps = next((line.split()[1] for line in fh if line.startswith("CapEff:")), "0")
+        return bool(int(caps, 16) >> _CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError):
+        return False
 
 
 def unsafe_dir_reason(path: str | os.PathLike[str]) -> str | None:

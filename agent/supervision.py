@@ -162,6 +162,30 @@ def _sdk_folder_refusals(targets: Sequence[Target]) -> list[str]:
     return refusals(sorted({t.uid for t in targets if t.uid is not None}))
 
 
+def _counters_denied(targets: Sequence[Target]) -> str | None:
+    """``pid 42: /dev/shm/servewatch-0 is owned by root (0700): run as root (sudo)`` when this
+    agent may not open a target's SDK step counter, else ``None``. Blocking: ``stat`` calls."""
+    from agent.sdk.counter import counter_path
+    from agent.security import access_denied
+
+    for t in targets:
+        why = access_denied(counter_path(t.pid))
+        if why is not None:
+            return f"pid {t.pid}: {why}"
+    return None
+
+
+def _unptraceable(targets: Sequence[Target]) -> str | None:
+    """``pid 42 (uid 0): py-spy needs root or CAP_SYS_PTRACE: run as root (sudo)`` for the first
+    target whose memory this agent may not read, else ``None``. Blocking: reads /proc/self."""
+    from agent.security import can_ptrace
+
+    for t in targets:
+        if not can_ptrace(t.uid):
+            return f"pid {t.pid} (uid {t.uid}): py-spy needs root or CAP_SYS_PTRACE: run as root (sudo)"
+    return None
+
+
 def _plural(n: int, word: str, suffix: str = "s") -> str:
     return f"{n} {word}{suffix if n != 1 else ''}"
 
@@ -201,6 +225,10 @@ class TargetWatch:
         self.stop = stop
         #: per-target step watchers, keyed by (pid, create time): cancelled when it exits
         self.step_scopes: dict[tuple[int, float], anyio.CancelScope] = {}
+        #: the ``pyspy`` row's ready reason while it is blind to a target of another user
+        self._pyspy_ready = ""
+        #: the first target of the last round py-spy may not read (why, with the fix), or None
+        self._unptraceable: str | None = None
         #: the ``--root-pid`` process as identified at start (its exit ends the watch)
         self._root: Target | None = None
         self._told_no_target = False
@@ -299,6 +327,7 @@ class TargetWatch:
             self.process_watcher.watch(target)
             await self._watch_steps(tg, target)
         await self._steps_row(targets)
+        await self._pyspy_row(targets)
         await self._process_row(targets)
         return targets
 
@@ -338,18 +367,45 @@ class TargetWatch:
                 self.step_scopes.pop((target.pid, target.create_time_s), None)
 
     async def _steps_row(self, targets: Sequence[Target]) -> None:
-        """The ``steps`` row: how many ranks' counters are watched, or that none is."""
+        """The ``steps`` row: how many ranks' counters are watched, that none is, or that this
+        agent may not open them (``BLIND``: another user's SDK folder, with the fix)."""
         n = len(self.step_scopes)
         refused = await anyio.to_thread.run_sync(_sdk_folder_refusals, targets) if targets else []
         said = f"; counter refused: {'; '.join(refused)}" if refused else ""
+        denied = await anyio.to_thread.run_sync(_counters_denied, targets) if targets and not n else None
         if n:
             await self.status.set("steps", WatcherState.READY, f"{_plural(n, 'rank')} via shm counter{said}")
+        elif denied is not None:
+            await self.status.set("steps", WatcherState.BLIND, f"cannot open the step counter of {denied}")
         elif (targets and not self.scraped) or self.status.board.get("steps") is not None or refused:
             await self.status.set(
                 "steps", WatcherState.WAITING,
                 "no SDK step counter in the targets now"
                 + ("" if self.scraped else "; stalls need agent.sdk.step() or --metrics-url") + said,
             )
+
+    def actor_blind(self, name: str, detail: str) -> str | None:
+        """Why actor ``name``, whose startup check said ``detail``, cannot act on the targets of the
+        last round (py-spy on another user's process without root), or ``None``
+        (:meth:`agent.runstatus.RunStatus.check_actors`)."""
+        if name != "pyspy" or self._unptraceable is None:
+            return None
+        self._pyspy_ready = f"ready: {detail}" if detail else "ready"
+        return f"cannot read the stacks of {self._unptraceable}"
+
+    async def _pyspy_row(self, targets: Sequence[Target]) -> None:
+        """The ``pyspy`` row turns ``BLIND`` (with the fix) while a target is of a user whose
+        memory this agent may not read (no root, no CAP_SYS_PTRACE), and back when none is."""
+        blocked = self._unptraceable = await anyio.to_thread.run_sync(_unptraceable, targets)
+        row = self.status.board.get("pyspy")
+        if row is None or row.state is WatcherState.WAITING:
+            return
+        if blocked is not None and row.state is WatcherState.READY:
+            self._pyspy_ready = row.reason
+            await self.status.set("pyspy", WatcherState.BLIND, f"cannot read the stacks of {blocked}")
+        elif blocked is None and row.state is WatcherState.BLIND and self._pyspy_ready:
+            await self.status.set("pyspy", WatcherState.READY, self._pyspy_ready)
+            self._pyspy_ready = ""
 
     async def _process_row(self, targets: Sequence[Target]) -> None:
         """The ``process`` row (how many targets, whom discovery refused), and a warning when

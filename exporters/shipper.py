@@ -56,7 +56,8 @@ from opentelemetry.trace import (
 
 from agent.procinfo import pid_alive
 from agent.sdk import presence as _presence
-from agent.sdk.ring import MAX_CAPACITY, RingBatch, RingError, RingReader, RingStatistics
+from agent.sdk.ring import MAX_CAPACITY, RingBatch, RingError, RingReader, RingStatistics, ring_path
+from agent.security import access_denied
 from exporters.wire import (
     _INT64,
     IDENTITY_KEYS,
@@ -293,6 +294,9 @@ class SpanShipper:
                 raise RingError(f"it declares service.name {service[:64]!r}, the agent's own")
         except RingError as exc:
             reason = str(exc)
+            if reason.endswith("Permission denied"):  # another user's folder (root's server, no sudo): the fix
+                why = access_denied(ring_path(pid, self.directory))
+                reason = f"cannot open its span ring: {why}" if why else reason
             if not reason.startswith("no span ring") and self._refused.get(pid) != reason:
                 self._refuse(pid, reason)
                 log.warning("not shipping spans of pid %d: %s", pid, reason)

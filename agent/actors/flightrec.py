@@ -61,7 +61,7 @@ from agent.events import (
 from agent.fsutil import atomic_write_text
 from agent.lazy import LazyModule
 from agent.ranks import rank_from_title
-from agent.security import open_trusted, process_uids, trusted_owner
+from agent.security import access_denied, open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
 if TYPE_CHECKING:
@@ -211,6 +211,9 @@ class FlightRecorderActor:
             try:
                 rank = await self._rank(target)
                 read = await self._read(target, rank, tried)
+            except PermissionError as exc:  # another user's SDK folder (root's server, no sudo): say the fix
+                why = await anyio.to_thread.run_sync(access_denied, exc.filename) if exc.filename else None
+                return result(Outcome.PERMISSION_DENIED, why or f"{exc.strerror}: {exc.filename}")
             except Exception as exc:  # an actor's boundary: an outcome, never a crash
                 log.exception("Flight Recorder read of pid %d failed", target.pid)
                 return result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")

@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,6 +91,7 @@ __all__ = [
     "PROFILE_SPAN",
     "TRACE_IMPORT_SPAN",
     "SpanMirror",
+    "action_failed",
     "action_span",
     "create",
     "mirror_profile_session",
@@ -119,6 +120,24 @@ IMPORT_GRACE_S = 2.0
 NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOPPED, Outcome.NOT_ENABLED, Outcome.NO_SOURCE})
 #: Most span links put on one root span (in-flight requests can be thousands).
 MAX_LINKS = 128
+#: Verdict kinds that say the server is dead (``servewatch.verdict.kind``): the incident's root
+#: span is an error for these, as for any verdict that says it is hung (``servewatch.verdict.hung``).
+DEAD_VERDICTS = frozenset({"dead", "cascade"})
+
+
+def action_failed(outcome: Outcome) -> bool:
+    """Whether an action's outcome is a failure: its span is an error and it counts in
+    ``servewatch.incident.failed_actions`` (a fact about the target, :data:`NOT_ERRORS`, is not)."""
+    return outcome is not Outcome.OK and outcome not in NOT_ERRORS
+
+
+def _root_error(attributes: Mapping[str, object]) -> str | None:
+    """The incident root's error description: the verdict's reason when the verdict says the
+    server is dead or hung (``None``: no verdict, or one that says it is not)."""
+    kind = attributes.get("servewatch.verdict.kind")
+    if kind in DEAD_VERDICTS or attributes.get("servewatch.verdict.hung") is True:
+        return f"{kind}: {attributes.get('servewatch.verdict.reason') or 'no reason given'}"
+    return None
 
 
 @dataclass
@@ -270,7 +289,7 @@ class SpanMirror:
         else:
             trace_id, parent = inc.detail if inc.detail is not None else (inc.trace_id, inc.span_id)
             inc.actions += 1
-            if result.outcome is not Outcome.OK:
+            if action_failed(result.outcome):
                 inc.failed_actions += 1
         children = CollectingSink(self.sink.resource)
         deferred = self.importer is not None and result.action == PROFILE_SPAN and bool(result.artifact_paths)
@@ -415,6 +434,7 @@ class SpanMirror:
                 end_time_unix_nano=end_time_unix_nano,
                 attributes=attributes,
                 links=links,
+                error=_root_error(attributes),
                 resource=self.sink.resource,
             )
         ], key=span_id_hex(inc.span_id))
@@ -495,7 +515,7 @@ def action_span(
             )
         )
     ok = result.outcome is Outcome.OK
-    error = None if ok or result.outcome in NOT_ERRORS else (result.detail or str(result.outcome))
+    error = (result.detail or str(result.outcome)) if action_failed(result.outcome) else None
     start = result.start_time_unix_nano or default_time_unix_nano
     return build_span(
         result.action,

@@ -91,7 +91,10 @@ def test_incident_becomes_root_with_one_child_per_action() -> None:
     assert root.attributes["servewatch.incident.trigger"] == "stall"
     assert root.attributes["host.name"] == "gpu-node-3"
     assert root.attributes["servewatch.target.pids"] == (101, 102)
-    assert root.attributes["servewatch.incident.failed_actions"] == 2
+    # the permission refusal only: a coredump not armed (no GPU) is a fact, as the terminal's Errors: says
+    assert root.attributes["servewatch.incident.failed_actions"] == 1
+    assert root.attributes["servewatch.incident.actions"] == 4
+    assert root.status.status_code is StatusCode.UNSET  # no verdict: nothing says the server is dead
     children = [s for s in spans if s.name != "incident"]
     assert all(s.parent is not None and s.parent.span_id == root_id for s in children)
     ok_dump, denied = sink.named("pyspy.dump")
@@ -197,3 +200,36 @@ def test_not_armed_and_skipped_are_not_error_spans_but_failures_are() -> None:
         assert span.attributes["servewatch.outcome"] == outcome.value
     assert statuses == {Outcome.NOT_ARMED: StatusCode.UNSET, Outcome.SKIPPED: StatusCode.UNSET,
                         Outcome.TIMED_OUT: StatusCode.ERROR, Outcome.OK: StatusCode.OK}
+
+
+def _closed_with_verdict(kind: str, hung: bool) -> list:
+    trace_hex, root_hex = trace_id_hex(new_trace_id()), span_id_hex(new_span_id())
+    opened = IncidentOpened(incident_id="inc-v", trigger="exit", trace_id=trace_hex, span_id=root_hex, time_unix_nano=T0)
+    core = ActionResult(action="cuda.coredump", outcome=Outcome.NOT_ARMED, pid=7, start_time_unix_nano=T0, end_time_unix_nano=T0 + 1)
+    verdict = frozen_attrs({"servewatch.verdict.kind": kind, "servewatch.verdict.hung": hung,
+                            "servewatch.verdict.reason": f"{kind} reason"})
+    closed = IncidentClosed(incident_id="inc-v", trigger="exit", bundle_dir="", manifest_path="", time_unix_nano=T0 + 9,
+                            attributes=verdict)
+    return [opened, CoredumpTriggered(incident_id="inc-v", result=core),
+            CoredumpTriggered(incident_id="inc-v", result=core), closed]
+
+
+def test_root_is_an_error_when_the_verdict_says_dead_or_hung_and_not_armed_is_no_failure() -> None:
+    statuses = {}
+    for kind, hung in (("dead", False), ("cascade", False), ("behind", True), ("progressing", False), ("idle", False)):
+        sink = InMemorySink()
+        mirror = SpanMirror(sink, host_name="h")
+        for event in _closed_with_verdict(kind, hung):
+            mirror.handle(event)
+        [root] = sink.named("incident")
+        # a host without a GPU: two coredumps not armed, no failure (the terminal says Errors: 0)
+        assert root.attributes["servewatch.incident.failed_actions"] == 0
+        assert root.attributes["servewatch.incident.actions"] == 2
+        statuses[kind] = (root.status.status_code, root.status.description)
+    assert statuses == {
+        "dead": (StatusCode.ERROR, "dead: dead reason"),
+        "cascade": (StatusCode.ERROR, "cascade: cascade reason"),
+        "behind": (StatusCode.ERROR, "behind: behind reason"),
+        "progressing": (StatusCode.UNSET, None),
+        "idle": (StatusCode.UNSET, None),
+    }

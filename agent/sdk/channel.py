@@ -77,8 +77,41 @@ ENV_STALE_S = "SERVEWATCH_SPAN_STALE_S"
 #: process but has not attached yet (default 10; 0: never hold).
 ENV_HOLD_S = "SERVEWATCH_SPAN_HOLD_S"
 
-#: Longest exception stack trace kept on a span event, characters.
-MAX_STACKTRACE_CHARS = 4096
+#: Longest ``exception.stacktrace`` kept on a span event, UTF-8 bytes: Tempo keeps the first
+#: 2,048 bytes of a string attribute, so a longer trace would lose its last line (the error).
+MAX_STACKTRACE_BYTES = 2048
+
+
+def bounded_stacktrace(exception: BaseException, limit_bytes: int = MAX_STACKTRACE_BYTES) -> str:
+    """``exception``'s traceback in Python's format, at most ``limit_bytes`` UTF-8 bytes.
+
+    What makes it useful is kept whole: the ``Traceback`` header, the innermost frames and the
+    error line(s) at the end (``RuntimeError: boom``); outer frames that do not fit are replaced
+    by one ``  ... N frame(s) omitted ...`` line. An error line longer than the limit is cut at
+    its end, so the exception's type always stays within the limit.
+    """
+    tail = "".join(traceback.format_exception_only(type(exception), exception))
+    frames = traceback.format_tb(exception.__traceback__) if exception.__traceback__ is not None else []
+    full = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
+    if len(full.encode()) <= limit_bytes:
+        return full
+    head = "Traceback (most recent call last):\n" if frames else ""
+    marker = f"  ... {len(frames)} frame(s) omitted ...\n"  # the longest the marker can be
+    budget = limit_bytes - len(head.encode()) - len(tail.encode()) - len(marker.encode())
+    if budget < 0:  # the error line alone is (nearly) over the limit: its start (the type) is what counts
+        return tail.encode()[:limit_bytes].decode("utf-8", "ignore")
+    kept: list[str] = []
+    for frame in reversed(frames):
+        size = len(frame.encode())
+        if size > budget:
+            break
+        budget -= size
+        kept.append(frame)
+    omitted = len(frames) - len(kept)
+    if omitted:
+        kept.append(f"  ... {omitted} frame(s) omitted ...\n")
+    return head + "".join(reversed(kept)) + tail
+
 
 _lock = threading.Lock()
 _writer: _ring.RingWriter | None = None
@@ -430,11 +463,10 @@ class ChannelSpan(trace.Span):
         timestamp: int | None = None,
         escaped: bool = False,
     ) -> None:
-        stacktrace = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
         attrs: dict[str, Any] = {
             "exception.type": type(exception).__qualname__,
             "exception.message": str(exception),
-            "exception.stacktrace": stacktrace[-MAX_STACKTRACE_CHARS:],
+            "exception.stacktrace": bounded_stacktrace(exception),
             "exception.escaped": str(escaped),
         }
         if attributes:

@@ -28,7 +28,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from exporters.processor import LosslessSpanProcessor
-from exporters.provider import ExportConfig, resolve_batching, resolve_destination
+from exporters.provider import ExportConfig, resolve_batching, resolve_destination, sdk_disabled
 from exporters.spool import Spool
 
 __all__ = ["tracer_provider_from_env"]
@@ -43,7 +43,7 @@ def tracer_provider_from_env(
     resource_attributes: Mapping[str, Any] | None = None,
 ) -> TracerProvider | None:
     """A ``TracerProvider`` exporting to ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, or ``None``
-    when no endpoint is set.
+    when no endpoint is set or ``OTEL_SDK_DISABLED=true``.
 
     Args:
         service_name: ``service.name`` unless ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``
@@ -55,6 +55,8 @@ def tracer_provider_from_env(
         exporters.provider.ExportConfigError: a bad ``OTEL_*`` value (names the variable).
     """
     env = os.environ if environ is None else environ
+    if sdk_disabled(env):
+        return None
     destination = resolve_destination(ExportConfig(), env, signal="traces")
     if destination.endpoint is None:
         return None

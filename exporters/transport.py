@@ -722,6 +722,22 @@ class FileSender:
         self.writer.close()
 
 
+class DisabledSender:
+    """Takes every request and sends nothing (``OTEL_SDK_DISABLED=true``: per the OTel spec the
+    SDK is off for every signal, spans as well as metrics); nothing is written either."""
+
+    target = "nowhere (OTEL_SDK_DISABLED=true)"
+
+    def send(self, request: ExportTraceServiceRequest, *, timeout_s: float) -> SendResult:
+        return SendResult(Delivery.OK)
+
+    def abort(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def make_sender(
     endpoint: str,
     protocol: str,

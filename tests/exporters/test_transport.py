@@ -135,7 +135,9 @@ def test_grpc_unauthenticated_says_no_authorization_metadata_is_sent(otlp_receiv
 def test_a_traces_only_receiver_refusing_metrics_is_not_a_protocol_mismatch(protocol: str) -> None:
     # Jaeger and Tempo take OTLP traces only: metrics get gRPC UNIMPLEMENTED ("unknown service
     # ...MetricsService") or HTTP 404 at /v1/metrics, while the trace export on the same endpoint works
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
 
     with OtlpReceiver(traces_only=True) as receiver:
         traces = make_sender(receiver.endpoint(protocol), protocol)

@@ -26,7 +26,8 @@ The ring is created at the first span (``<shm_dir>/servewatch-<uid>/servewatch-s
 ``O_EXCL | O_NOFOLLOW``), sized ``SERVEWATCH_SPAN_RING_BYTES`` (default 2 MiB), and removed at
 exit. Its metadata holds the server's resource attributes: those of the tracer provider given to
 :func:`agent.sdk.tracing.set_tracer_provider` when it has a resource, else ``OTEL_SERVICE_NAME``
-and ``OTEL_RESOURCE_ATTRIBUTES``.
+and ``OTEL_RESOURCE_ATTRIBUTES``, with the name :func:`agent.sdk.provider.set_service_name`
+declared as ``service.name`` when neither names one.
 
 Record (a JSON array): ``[name, kind, trace_id, span_id, parent_span_id (0: root), start_ns,
 end_ns, attributes, status_code, status_description, events, links]`` with ids as integers,
@@ -135,7 +136,7 @@ _fallback_spans = 0
 
 
 def _resource_attributes() -> dict[str, Any]:
-    from agent.sdk.provider import tracer_provider
+    from agent.sdk.provider import service_name, tracer_provider
 
     provider = tracer_provider()
     resource = getattr(provider, "resource", None)
@@ -154,6 +155,8 @@ def _resource_attributes() -> dict[str, Any]:
     name = os.environ.get("OTEL_SERVICE_NAME", "").strip()
     if name:
         out["service.name"] = name
+    elif "service.name" not in out and service_name():
+        out["service.name"] = service_name()
     return out
 
 

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.sdk.provider import get_tracer, set_tracer_provider
+from agent.sdk.provider import get_tracer, set_service_name, set_tracer_provider
 
 __all__ = [
     "InflightRequest",
@@ -52,6 +52,7 @@ __all__ = [
     "maybe_record_function",
     "profiling_active",
     "request_span",
+    "set_service_name",
     "set_tracer_provider",
     "torch_profiler_active",
 ]

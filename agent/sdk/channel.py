@@ -44,7 +44,7 @@ import random
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -259,6 +259,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _noop_tracing() -> bool:
+    """Whether the fallback tracer records nothing: no provider given to the SDK and no global
+    one installed (opentelemetry-api's proxy or no-op provider)."""
+    from agent.sdk.provider import tracer_provider
+
+    provider = tracer_provider() or trace.get_tracer_provider()
+    return isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 def start_span(
     name: str,
     *,
@@ -267,6 +276,7 @@ def start_span(
     start_time: int | None = None,
     tracer: Any = None,
     context: Any = None,
+    parent_ids: Callable[[], tuple[int, int]] | None = None,
 ) -> trace.Span:
     """Start a span per the channel policy (module docstring).
 
@@ -274,6 +284,9 @@ def start_span(
         tracer: the OTel API tracer for the fallback path (default: the SDK's tracer).
         context: parent OTel ``Context`` (e.g. extracted from an incoming W3C ``traceparent``);
             ``None``: the current context.
+        parent_ids: returns ``(trace_id, span_id)`` of the parent span as integers, used
+            instead of ``context`` (the forward-step path: no ``Context`` is built for the
+            channel); called only when the span will record (never under a no-op tracer).
 
     Returns:
         A :class:`ChannelSpan` while an agent is attached; else the fallback tracer's span, or
@@ -284,9 +297,9 @@ def start_span(
     if writer is not None:
         hb = writer.words[_ring.W_HEARTBEAT]
         if hb and _monotonic_ns() - hb < _stale_ns:
-            return ChannelSpan(writer, name, kind, attributes, start_time, context)
+            return ChannelSpan(writer, name, kind, attributes, start_time, context, parent_ids and parent_ids())
         if not hb and _holding():  # an agent is coming for this new ring: the span waits in it
-            return ChannelSpan(writer, name, kind, attributes, start_time, context)
+            return ChannelSpan(writer, name, kind, attributes, start_time, context, parent_ids and parent_ids())
         if _fallback_drop:
             _dropped_no_agent += 1
             writer.count(_ring.W_DROPPED_NO_AGENT)
@@ -300,6 +313,10 @@ def start_span(
         from agent.sdk.provider import get_tracer
 
         tracer = get_tracer()
+    if parent_ids is not None and not _noop_tracing():
+        trace_id, span_id = parent_ids()
+        parent = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+        context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
     return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
 
 
@@ -351,8 +368,8 @@ _SCOPE_NAME = "servewatch.sdk"
 class ChannelSpan(trace.Span):
     """A recording span that the agent exports: on :meth:`end` it is one ring record.
 
-    Its parent is the span of the given context (an incoming ``traceparent``), else the current
-    span when that is valid (same trace), else it starts a trace.
+    Its parent is the given parent ids, else the span of the given context (an incoming
+    ``traceparent``), else the current span when that is valid (same trace), else it starts a trace.
     Thread-safe for the usual use (one thread ends it). Never raises from :meth:`end`.
     """
 
@@ -381,12 +398,14 @@ class ChannelSpan(trace.Span):
         attributes: Mapping[str, Any] | None,
         start_time: int | None,
         context: Any = None,
+        parent_ids: tuple[int, int] | None = None,
     ) -> None:
         self._writer = writer
         self._name = name
         self._kind = kind
-        parent = trace.get_current_span(context).get_span_context()
-        if parent.is_valid:
+        if parent_ids is not None:
+            self._trace_id, self._parent_id = parent_ids
+        elif (parent := trace.get_current_span(context).get_span_context()).is_valid:
             self._trace_id = parent.trace_id
             self._parent_id = parent.span_id
         else:

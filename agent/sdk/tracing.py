@@ -16,8 +16,12 @@ shared no-op context manager (two global reads, no allocation).
 
 ``forward_span(requests)`` traces one batched forward step as an INTERNAL span with one span link
 per request it served (SGLang's ``forward_ct`` and the batch size as attributes), so a request's
-trace can be followed to every step that computed its tokens and back. While the tracer is a
-no-op no link object is built.
+trace can be followed to every step that computed its tokens and back. A step is never a trace of
+its own: it is a child of the current span when the server made one (its own batch span), else of
+the batch's first request's span, in that request's trace. A step that serves no request and has
+no current span has no trace to join: one in :data:`FORWARD_SAMPLE_EVERY` of those is traced
+(``SERVEWATCH_FORWARD_SAMPLE_EVERY``, default 1000: at 20 steps/s, one trace per 50 s), the
+others are counted (:func:`forward_statistics`). While the tracer is a no-op no link object is built.
 
 ``request_span(...)`` opens an OTel span (gen_ai semantic conventions, current names:
 ``gen_ai.operation.name``, ``gen_ai.provider.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
@@ -47,6 +51,7 @@ __all__ = [
     "InflightRequest",
     "RequestHandle",
     "forward_span",
+    "forward_statistics",
     "get_tracer",
     "inflight",
     "maybe_record_function",
@@ -395,6 +400,41 @@ def _link_context(request: RequestHandle | tuple[str, str]) -> tuple[Any, dict[s
     return ctx, attrs
 
 
+#: Environment variable: trace one in this many forward steps that serve no request and have no
+#: current span (``1``: every one; they are each a trace of their own).
+ENV_FORWARD_SAMPLE_EVERY = "SERVEWATCH_FORWARD_SAMPLE_EVERY"
+#: Default of :data:`ENV_FORWARD_SAMPLE_EVERY`.
+FORWARD_SAMPLE_EVERY = 1000
+#: Request-less forward steps seen (traced or not), and how many were not traced.
+_orphan_steps = 0
+_orphan_steps_unsampled = 0
+_sample_every: int | None = None
+
+
+def _orphan_sampled() -> bool:
+    """Whether this request-less, parentless forward step is traced: the first, then one in
+    :data:`FORWARD_SAMPLE_EVERY` (read from the environment once)."""
+    global _orphan_steps, _orphan_steps_unsampled, _sample_every
+    every = _sample_every
+    if every is None:
+        try:
+            every = max(1, int(os.environ.get(ENV_FORWARD_SAMPLE_EVERY, str(FORWARD_SAMPLE_EVERY))))
+        except ValueError:
+            every = FORWARD_SAMPLE_EVERY
+        _sample_every = every
+    sampled = _orphan_steps % every == 0
+    _orphan_steps += 1
+    if not sampled:
+        _orphan_steps_unsampled += 1
+    return sampled
+
+
+def forward_statistics() -> dict[str, int]:
+    """Forward steps that served no request and had no current span: ``orphan_steps`` (all) and
+    ``orphan_steps_unsampled`` (not traced, per ``SERVEWATCH_FORWARD_SAMPLE_EVERY``)."""
+    return {"orphan_steps": _orphan_steps, "orphan_steps_unsampled": _orphan_steps_unsampled}
+
+
 def _link_ids(request: RequestHandle | tuple[str, str]) -> tuple[int, int, dict[str, Any]]:
     """Trace id, span id and link attributes of one served request, as integers."""
     if isinstance(request, RequestHandle):
@@ -416,7 +456,11 @@ def forward_span(
     """Trace ONE batched forward step as an OTel span linked to every request it served.
 
     The span kind is INTERNAL and it is the current span inside the block (spans started there
-    are its children). Attributes: ``servewatch.forward.batch_size`` (requests in the batch) and
+    are its children). It joins a trace, never starts one: its parent is the current span when
+    one is valid (the server's own batch span), else the first request of ``requests``, in that
+    request's trace (so N requests make N traces, however many steps serve them). With neither,
+    only one such step in ``SERVEWATCH_FORWARD_SAMPLE_EVERY`` (default 1000) is traced, as a
+    root; the others are non-recording spans, counted by :func:`forward_statistics`. Attributes: ``servewatch.forward.batch_size`` (requests in the batch) and
     ``servewatch.forward_ct`` (the step number this forward will have once the caller counts it
     with :func:`agent.sdk.step`, i.e. :func:`agent.sdk.forward_ct` + 1 at entry). It does not
     count the step itself. While an SDK profiling session records, the block is also a torch
@@ -446,10 +490,24 @@ def forward_span(
     from agent.sdk.steps import forward_ct
 
     batch = requests if isinstance(requests, (list, tuple)) else list(requests)
+    parent_ids = None
+    traced = True
+    if not trace.get_current_span().get_span_context().is_valid:  # else: a child of the server's span
+        if batch:
+            first = batch[0]
+
+            def parent_ids() -> tuple[int, int]:  # in the first request's trace (only built when recording)
+                parent_trace, parent_span, _ = _link_ids(first)
+                return parent_trace, parent_span
+        else:
+            traced = _orphan_sampled()
     attrs: dict[str, Any] = {ATTR_FORWARD_BATCH_SIZE: len(batch), ATTR_FORWARD_CT: forward_ct() + 1}
     if attributes:
         attrs.update(attributes)
-    span = channel.start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs)
+    span = (
+        channel.start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs, parent_ids=parent_ids)
+        if traced else trace.INVALID_SPAN
+    )
     if type(span) is channel.ChannelSpan:
         for request in batch:
             span.add_link_ids(*_link_ids(request))

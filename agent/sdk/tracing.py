@@ -160,6 +160,8 @@ class InflightRequest:
         input_tokens / output_tokens: token counts known so far.
         max_tokens: ``gen_ai.request.max_tokens`` or ``None``.
         recording: whether the OTel span is exported by an SDK in the server.
+        parent_span_id: hex id of the request span's parent (16 digits; ``""``: a trace root),
+            so an agent can show the request's part up to an incident where the request sits.
     """
 
     request_id: str
@@ -172,6 +174,7 @@ class InflightRequest:
     output_tokens: int | None = None
     max_tokens: int | None = None
     recording: bool = False
+    parent_span_id: str = ""
     thread_id: int = field(default=0, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -187,6 +190,7 @@ class InflightRequest:
             "output_tokens": self.output_tokens,
             "max_tokens": self.max_tokens,
             "recording": self.recording,
+            "parent_span_id": self.parent_span_id,
         }
 
 
@@ -335,12 +339,14 @@ def request_span(
         name, kind=trace.SpanKind.INTERNAL, attributes=attrs, start_time=start_ns, context=_parent_context(parent)
     )
     if type(span) is channel.ChannelSpan:  # the agent's path: its ids, without building a SpanContext
-        recording, trace_id, span_id = True, span._trace_id, span._span_id
+        recording, trace_id, span_id, parent_id = True, span._trace_id, span._span_id, span._parent_id
     else:
         ctx = span.get_span_context()
         recording = bool(ctx.is_valid)
         trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
         span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
+        parent_ctx = getattr(span, "parent", None) if recording else None  # the OTel SDK's span
+        parent_id = parent_ctx.span_id if parent_ctx is not None and getattr(parent_ctx, "is_valid", False) else 0
     entry = InflightRequest(
         request_id=request_id,
         trace_id=f"{trace_id:032x}",
@@ -351,6 +357,7 @@ def request_span(
         input_tokens=None if input_tokens is None else int(input_tokens),
         max_tokens=None if max_tokens is None else int(max_tokens),
         recording=recording,
+        parent_span_id=f"{parent_id:016x}" if parent_id else "",
         thread_id=threading.get_ident(),
     )
     key = id(entry)

@@ -132,6 +132,7 @@ def test_links_attribute_becomes_span_links_on_the_root() -> None:
     mirror.handle(IncidentClosed(incident_id="inc-9", trigger="stall", bundle_dir="", manifest_path="", time_unix_nano=T0 + 5))
     root = sink.named("incident")[0]
     assert [(trace_id_hex(link.context.trace_id), span_id_hex(link.context.span_id)) for link in root.links] == [(req_trace, req_span)]
+    assert dict(root.links[0].attributes) == {"servewatch.link.reason": "request_in_flight"}
 
 
 def test_action_for_unknown_incident_is_still_mirrored_and_counted() -> None:
@@ -232,4 +233,46 @@ def test_root_is_an_error_when_the_verdict_says_dead_or_hung_and_not_armed_is_no
         "behind": (StatusCode.ERROR, "behind: behind reason"),
         "progressing": (StatusCode.UNSET, None),
         "idle": (StatusCode.UNSET, None),
+    }
+
+
+def test_requests_in_flight_get_a_span_in_their_own_trace_at_open_linked_from_the_root_with_why() -> None:
+    from agent.events import InflightSpan
+
+    sink = InMemorySink()
+    mirror = SpanMirror(sink, host_name="h")
+    inc_trace, inc_root = trace_id_hex(new_trace_id()), span_id_hex(new_span_id())
+    root_req = InflightSpan(pid=41, request_id="req-1", trace_id=trace_id_hex(new_trace_id()), span_id=span_id_hex(new_span_id()),
+                            start_time_unix_nano=T0 - 3_000_000_000, name="chat tiny", operation="chat", model="tiny",
+                            input_tokens=8, output_tokens=2, age_s=3.0)
+    caller = span_id_hex(new_span_id())  # this request sits under the caller's HTTP span
+    child_req = InflightSpan(pid=41, request_id="req-2", trace_id=trace_id_hex(new_trace_id()), span_id=span_id_hex(new_span_id()),
+                             parent_span_id=caller, start_time_unix_nano=T0 - 1_000_000_000, name="chat tiny", age_s=1.0)
+    opened = IncidentOpened(incident_id="inc-7", trigger="stall", trace_id=inc_trace, span_id=inc_root, time_unix_nano=T0,
+                            links=((root_req.trace_id, root_req.span_id), (child_req.trace_id, child_req.span_id)),
+                            inflight=(root_req, child_req))
+    mirror.handle(opened)
+    # at once, before the incident closes (the server may be SIGKILLed next)
+    first, second = sink.named("chat tiny (in flight)")
+    assert [trace_id_hex(s.context.trace_id) for s in (first, second)] == [root_req.trace_id, child_req.trace_id]
+    assert first.parent is None and second.parent is not None and span_id_hex(second.parent.span_id) == caller
+    assert (first.start_time, first.end_time) == (T0 - 3_000_000_000, T0)
+    assert dict(first.attributes) == {
+        "servewatch.request.in_flight": True, "servewatch.request.span_id": root_req.span_id,
+        "servewatch.incident.id": "inc-7", "gen_ai.response.id": "req-1", "process.pid": 41,
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": "tiny",
+        "gen_ai.usage.input_tokens": 8, "gen_ai.usage.output_tokens": 2,
+    }
+    [back] = first.links
+    assert (trace_id_hex(back.context.trace_id), span_id_hex(back.context.span_id)) == (inc_trace, inc_root)
+    assert dict(back.attributes) == {"servewatch.link.reason": "incident", "servewatch.incident.id": "inc-7"}
+    assert first.context.span_id != int(root_req.span_id, 16)  # never the request's own span id (it may still end)
+
+    mirror.handle(IncidentClosed(incident_id="inc-7", trigger="stall", bundle_dir="", manifest_path="", time_unix_nano=T0 + 9))
+    [root] = sink.named("incident")
+    assert [(trace_id_hex(lk.context.trace_id), lk.context.span_id) for lk in root.links] == [
+        (root_req.trace_id, first.context.span_id), (child_req.trace_id, second.context.span_id)]
+    assert dict(root.links[0].attributes) == {
+        "servewatch.link.reason": "request_in_flight", "gen_ai.response.id": "req-1", "process.pid": 41,
+        "servewatch.request.age_s": 3.0, "servewatch.request.span_id": root_req.span_id,
     }

@@ -169,6 +169,12 @@ async def test_stall_incident_links_to_the_hung_request_in_flight(
             assert fwd.span.status.code == Status.STATUS_CODE_UNSET
         hung_forward = forwards[-1]
         assert _link_ids(hung_forward) == [(req.trace_id, req.span_id)]
+        # no step is a trace of its own: each is a child of the request it served, in its trace
+        # (2 requests, WARMUP_TOKENS + 1 steps: 2 traces, was WARMUP_TOKENS + 3)
+        for fwd in forwards:
+            [(trace_hex, span_hex)] = _link_ids(fwd)
+            assert (fwd.trace_id, fwd.parent_span_id) == (trace_hex, span_hex)
+        assert {s.trace_id for s in spans} == {warm_span.trace_id, hung_span.trace_id}
         assert hung_forward.span.status.code == Status.STATUS_CODE_ERROR
 
 

@@ -372,7 +372,7 @@ def request_span(
     try:
         yield RequestHandle(entry, span)
     except BaseException as exc:
-        span.record_exception(exc)
+        span.record_exception(exc, attributes={"exception.stacktrace": channel.bounded_stacktrace(exc)})
         span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         raise
     finally:
@@ -530,7 +530,7 @@ def forward_span(
         ):
             yield span
     except BaseException as exc:
-        span.record_exception(exc)
+        span.record_exception(exc, attributes={"exception.stacktrace": channel.bounded_stacktrace(exc)})
         span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         raise
     finally:

@@ -293,3 +293,15 @@ def test_exception_stacktrace_fits_tempo_limit_and_keeps_the_error_line(fresh_ch
     except RuntimeError as exc:
         assert channel.bounded_stacktrace(exc) == "".join(traceback.format_exception(exc))
         assert channel.bounded_stacktrace(RuntimeError("x" * 5000)) == "RuntimeError: " + "x" * (2048 - 14)
+
+
+def test_the_servers_own_otel_export_bounds_the_stacktrace_too(fresh_channel: Path, exporter) -> None:
+    # no agent attached: the span goes through the server's OTel SDK, whose record_exception
+    # writes the whole trace; the SDK gives it the bounded one
+    with pytest.raises(RuntimeError), sdk.request_span("r-deep-otel", model="m"):
+        _raise_deep(60)
+    [span] = exporter.get_finished_spans()
+    [event] = span.events
+    trace_text = event.attributes["exception.stacktrace"]
+    assert len(trace_text.encode()) <= 2048
+    assert trace_text.splitlines()[-1] == "RuntimeError: the final error line, what the on-call reads first"

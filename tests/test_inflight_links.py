@@ -139,6 +139,19 @@ async def test_stall_incident_links_to_the_hung_request_in_flight(
     assert snapshot.attributes["servewatch.request.in_flight"] is True
     assert snapshot.attributes["gen_ai.usage.output_tokens"] == 0
 
+    if not server_tracing:
+        # no OTEL_* in the server (the README's standalone demo): the agent shipped the warm-up's
+        # spans under the demo's name (they arrived as service.name=unknown_service)
+        def warm_spans() -> list[ReceivedSpan]:
+            return [s for s in otlp_receiver.spans() if s.attributes.get("gen_ai.response.id") == warm["meta_info"]["id"]]
+
+        with anyio.fail_after(15):
+            while not warm_spans():
+                await anyio.sleep(0.05)
+        [shipped] = warm_spans()
+        assert shipped.resource["service.name"] == "servewatch-demo"
+        assert (shipped.resource["process.pid"], shipped.resource["host.name"]) == (tp0, "node-a")
+
     if server_tracing:
         # The demo server's own spans. The warm-up request: one forward span per token, each
         # linked to it. The hung request ended (as an error) when the server was stopped, so the

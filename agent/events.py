@@ -46,6 +46,7 @@ __all__ = [
     "IncidentClosed",
     "IncidentOpened",
     "IncidentRetraced",
+    "InflightSpan",
     "JobIncidentClosed",
     "Outcome",
     "ProfileStarted",
@@ -571,6 +572,38 @@ class TargetExited(TriggerEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InflightSpan:
+    """A request in flight in a target when an incident opened, as the SDK reported it: what the
+    span mirror needs to show the request's part up to the incident in the request's own trace
+    (the request's span is only written when the request ends: never, for a server SIGKILLed).
+
+    Attributes:
+        pid: the target serving it.
+        request_id: the server's request id (``gen_ai.response.id``).
+        trace_id / span_id: hex ids of the request's span (32 / 16 digits).
+        parent_span_id: hex id of the request span's parent (``""``: the request is a trace root).
+        start_time_unix_nano: when the request started (0: unknown).
+        name: the request span's name (``"{operation} {model}"``).
+        operation / model: ``gen_ai.operation.name`` / ``gen_ai.request.model`` (``""``: unknown).
+        input_tokens / output_tokens: token counts known at the incident.
+        age_s: the request's age when it was read, seconds.
+    """
+
+    pid: int
+    request_id: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str = ""
+    start_time_unix_nano: int = 0
+    name: str = ""
+    operation: str = ""
+    model: str = ""
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    age_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IncidentOpened(Event):
     """An incident started: one trace, root span ``incident``.
 
@@ -584,6 +617,8 @@ class IncidentOpened(Event):
         parent_span_id: hex id of the span this incident's root hangs under when it joined a
             trace begun elsewhere (a peer's incident, W3C ``traceparent``); ``""``: a trace root.
         links: requests in flight at open time, as (trace_id, span_id) hex pairs.
+        inflight: those requests as the SDK reported them (the mirror emits each one's in-flight
+            span in its trace and links the incident to it); empty when only ``links`` are known.
     """
 
     incident_id: str
@@ -596,6 +631,8 @@ class IncidentOpened(Event):
     parent_span_id: str = ""
     #: (trace_id, span_id) hex pairs of the requests in flight when it opened (span links)
     links: tuple[tuple[str, str], ...] = ()
+    #: the requests in flight, with what their in-flight spans show
+    inflight: tuple[InflightSpan, ...] = ()
     #: more root-span attributes (e.g. ``servewatch.target.ranks``)
     attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
 

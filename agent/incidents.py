@@ -64,6 +64,7 @@ from agent.events import (
     IncidentClosed,
     IncidentOpened,
     IncidentRetraced,
+    InflightSpan,
     Outcome,
     Trigger,
     TriggerEvent,
@@ -718,6 +719,7 @@ class IncidentManager:
             span_id=new_span_id_hex(),
             parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
+            inflight=tuple(_inflight_span(r) for r in inflight if r.trace_id and r.span_id),
             attributes=frozen_attrs({**target_attributes(t.title for t in targets), **placed_attributes}),
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight, host_name=self.host_name)
@@ -1094,6 +1096,17 @@ def _unfinished_bundles(data_dir: Path, host_name: str, *, tracked: bool = False
             continue
         found.append((path, m))
     return found
+
+
+def _inflight_span(r: InflightRequest) -> InflightSpan:
+    """What the span mirror shows of a request in flight (its in-flight span, the root's link)."""
+    name = f"{r.operation} {r.model}" if r.operation and r.model else (r.operation or r.model or "request")
+    return InflightSpan(
+        pid=r.pid, request_id=r.request_id, trace_id=r.trace_id, span_id=r.span_id, parent_span_id=r.parent_span_id,
+        start_time_unix_nano=r.start_time_unix_nano, name=name, operation=r.operation, model=r.model,
+        input_tokens=r.prompt_tokens if isinstance(r.prompt_tokens, int) else None,
+        output_tokens=r.generated_tokens if isinstance(r.generated_tokens, int) else None, age_s=r.age_s,
+    )
 
 
 def _read_links(bundle_dir: Path) -> tuple[tuple[str, str], ...]:

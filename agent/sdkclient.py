@@ -79,6 +79,9 @@ class InflightRequest:
         prompt_tokens: input tokens, when the server reported them.
         generated_tokens: output tokens so far, when the server reported them.
         prompt: the prompt text (only with ``incident.capture_prompts``).
+        start_time_unix_nano: when the request's span started (the server's wall clock; 0: unknown).
+        model / operation: ``gen_ai.request.model`` / ``gen_ai.operation.name`` (``""``: unknown).
+        parent_span_id: hex id of the request span's parent (``""``: a trace root, or unknown).
     """
 
     pid: int
@@ -89,6 +92,10 @@ class InflightRequest:
     prompt_tokens: int | None = None
     generated_tokens: int | None = None
     prompt: str | None = None
+    start_time_unix_nano: int = 0
+    model: str = ""
+    operation: str = ""
+    parent_span_id: str = ""
 
     def to_json(self, *, with_prompt: bool) -> dict[str, Any]:
         """The ``requests.json`` entry (the prompt only when ``with_prompt`` and known)."""
@@ -104,6 +111,17 @@ class InflightRequest:
         if with_prompt and self.prompt is not None:
             out["prompt"] = self.prompt
         return out
+
+
+def _span_hex(value: object) -> str:
+    """A span id as the SDK reports it (16 hex digits, not all zero), else ``""`` (untrusted input)."""
+    text = str(value or "")
+    if len(text) != 16:
+        return ""
+    try:
+        return text.lower() if int(text, 16) else ""
+    except ValueError:
+        return ""
 
 
 def _socket_owner_problem(path: Path, owner_uids: Sequence[int]) -> str | None:
@@ -298,6 +316,10 @@ async def read_inflight(
                     age_s=max(0.0, (now - start) / 1e9),
                     prompt_tokens=r.get("input_tokens"),
                     generated_tokens=r.get("output_tokens"),
+                    start_time_unix_nano=start,
+                    model=str(r.get("model") or ""),
+                    operation=str(r.get("operation") or ""),
+                    parent_span_id=_span_hex(r.get("parent_span_id")),
                 )
             )
 

@@ -734,13 +734,14 @@ def _requests_from_links(raw: Sequence[Span], root_span_id: str) -> tuple[Reques
             continue
         for link in span.links:
             attrs = _attrs(link.attributes)
-            rid = next((str(v) for k, v in attrs.items() if k.endswith(("request.id", "request_id"))), "")
+            rid = next((str(v) for k, v in attrs.items() if k.endswith(("request.id", "request_id", "response.id"))), "")
             rows.append(
                 RequestRow(
                     pid=_as_int(attrs.get("process.pid")),
                     request_id=rid,
                     trace_id=link.trace_id.hex(),
-                    span_id=link.span_id.hex(),
+                    # a link to a request's in-flight span names the request's own span
+                    span_id=str(attrs.get("servewatch.request.span_id") or link.span_id.hex()),
                     age_s=None,
                     prompt_tokens=None,
                     generated_tokens=None,

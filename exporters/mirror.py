@@ -13,6 +13,18 @@ events (hex, chosen by :mod:`agent.incidents` with :mod:`agent.ids`), so the
 trace can be referenced before it is exported. Span links to in-flight requests are read from a
 ``links`` attribute of the open/close events when present (``((trace_id_hex, span_id_hex), ...)``).
 
+Requests in flight (``IncidentOpened.inflight``): a request's span is written only when the request
+ends, so for a server that is SIGKILLed or never recovers it never reaches the backend. When the
+incident opens, the mirror emits (write-ahead) for each of them a span of the request's part up
+to the incident, in the request's own trace: named ``"<request span name> (in flight)"``, a
+sibling of the request's span (same parent; a trace root when the request is one), from the
+request's start to the incident's, with ``servewatch.request.in_flight = true``, the request's
+own span id (``servewatch.request.span_id``), its gen_ai attributes and token counts so far, and
+a link back to the incident. The incident's root links to these spans (they always arrive), each
+link saying why: ``servewatch.link.reason = request_in_flight``, ``gen_ai.response.id``,
+``process.pid``, ``servewatch.request.age_s``. Should the request end after all, its own span
+arrives beside its in-flight one. At most :data:`MAX_LINKS` requests per incident.
+
 A ``profile.session`` result's torch traces are imported as child spans of its span
 (:mod:`exporters.torch_trace`, streaming and capped), so the profile sits inside the incident. The
 files are the server's, so untrusted: a running agent's mirror (built with a
@@ -42,7 +54,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +71,7 @@ from agent.events import (
     IncidentClosed,
     IncidentOpened,
     IncidentRetraced,
+    InflightSpan,
     JobIncidentClosed,
     Outcome,
     now_ns,
@@ -93,6 +106,7 @@ __all__ = [
     "PROFILE_SPAN",
     "TRACE_IMPORT_SPAN",
     "SpanMirror",
+    "action_failed",
     "action_span",
     "create",
     "mirror_profile_session",
@@ -121,6 +135,24 @@ IMPORT_GRACE_S = 2.0
 NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOPPED, Outcome.NOT_ENABLED, Outcome.NO_SOURCE})
 #: Most span links put on one root span (in-flight requests can be thousands).
 MAX_LINKS = 128
+#: Verdict kinds that say the server is dead (``servewatch.verdict.kind``): the incident's root
+#: span is an error for these, as for any verdict that says it is hung (``servewatch.verdict.hung``).
+DEAD_VERDICTS = frozenset({"dead", "cascade"})
+
+
+def action_failed(outcome: Outcome) -> bool:
+    """Whether an action's outcome is a failure: its span is an error and it counts in
+    ``servewatch.incident.failed_actions`` (a fact about the target, :data:`NOT_ERRORS`, is not)."""
+    return outcome is not Outcome.OK and outcome not in NOT_ERRORS
+
+
+def _root_error(attributes: Mapping[str, object]) -> str | None:
+    """The incident root's error description: the verdict's reason when the verdict says the
+    server is dead or hung (``None``: no verdict, or one that says it is not)."""
+    kind = attributes.get("servewatch.verdict.kind")
+    if kind in DEAD_VERDICTS or attributes.get("servewatch.verdict.hung") is True:
+        return f"{kind}: {attributes.get('servewatch.verdict.reason') or 'no reason given'}"
+    return None
 
 
 @dataclass
@@ -148,16 +180,58 @@ def _detail_ids(incident_id: str) -> tuple[int, int]:
     return int.from_bytes(digest[:16], "big") or 1, int.from_bytes(digest[16:24], "big") or 1
 
 
+#: Span link attribute: why a span links to another (``request_in_flight``: a request in flight
+#: when the incident opened; ``incident``: the incident a request's in-flight span belongs to).
+LINK_REASON_ATTR = "servewatch.link.reason"
+#: Span name suffix of a request's in-flight span (its part up to the incident).
+INFLIGHT_SUFFIX = " (in flight)"
+
+
+def _inflight_span_id(incident_id: str, request_span_hex: str) -> int:
+    """The in-flight span of a request in an incident: its id derived from both (stable when the
+    incident's spans are sent again)."""
+    digest = hashlib.sha256(f"servewatch/inflight/{incident_id}/{request_span_hex}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") or 1
+
+
 def _links(event: Event) -> list[Link]:
     raw = getattr(event, "links", ()) or ()
+    incident_id = getattr(event, "incident_id", "")
+    refs = {(r.trace_id, r.span_id): r for r in getattr(event, "inflight", ()) or ()}
     links: list[Link] = []
     for item in raw:
         try:
             trace_hex, span_hex = item[0], item[1]
-            links.append(link_to(trace_hex, span_hex))
+            ref = refs.get((trace_hex, span_hex))
+            if ref is None:  # only the ids are known (a bundle re-sent by a later agent): the request's span
+                links.append(link_to(trace_hex, span_hex, {LINK_REASON_ATTR: "request_in_flight"}))
+                continue
+            links.append(link_to(trace_hex, _inflight_span_id(incident_id, span_hex), {
+                LINK_REASON_ATTR: "request_in_flight", "gen_ai.response.id": ref.request_id, "process.pid": ref.pid,
+                "servewatch.request.age_s": round(ref.age_s, 3), "servewatch.request.span_id": ref.span_id,
+            }))
         except (TypeError, ValueError, IndexError):
             _log.debug("ignoring malformed span link %r", item)
     return links
+
+
+def _inflight_attributes(ref: InflightSpan, incident_id: str) -> dict[str, object]:
+    attributes: dict[str, object] = {
+        "servewatch.request.in_flight": True,
+        "servewatch.request.span_id": ref.span_id,
+        "servewatch.incident.id": incident_id,
+        "gen_ai.response.id": ref.request_id,
+        "process.pid": ref.pid,
+    }
+    if ref.operation:
+        attributes["gen_ai.operation.name"] = ref.operation
+    if ref.model:
+        attributes["gen_ai.request.model"] = ref.model
+    if ref.input_tokens is not None:
+        attributes["gen_ai.usage.input_tokens"] = ref.input_tokens
+    if ref.output_tokens is not None:
+        attributes["gen_ai.usage.output_tokens"] = ref.output_tokens
+    return attributes
 
 
 class SpanMirror:
@@ -253,6 +327,28 @@ class SpanMirror:
         parent = parse_span_id(event.parent_span_id) if event.trace_id else None
         detail = _detail_ids(event.incident_id) if event.attributes.get(TRACE_DETAIL_ATTR) == "linked" else None
         self._open[event.incident_id] = _OpenIncident(trace_id, span_id, event, parent_span_id=parent, detail=detail)
+        if event.inflight:
+            self._emit_inflight(event, trace_id, span_id)
+
+    def _emit_inflight(self, event: IncidentOpened, incident_trace: int, incident_span: int) -> None:
+        """Each request in flight: its part up to the incident, in its own trace, at once and
+        write-ahead (the server may be SIGKILLed next; see the module docstring)."""
+        spans: list[ReadableSpan] = []
+        back = link_to(incident_trace, incident_span, {LINK_REASON_ATTR: "incident", "servewatch.incident.id": event.incident_id})
+        for ref in event.inflight[:MAX_LINKS]:
+            trace_id, request_span = parse_trace_id(ref.trace_id), parse_span_id(ref.span_id)
+            if trace_id is None or request_span is None:
+                continue
+            start = ref.start_time_unix_nano or event.time_unix_nano
+            spans.append(build_span(
+                (ref.name or "request") + INFLIGHT_SUFFIX, trace_id=trace_id,
+                span_id=_inflight_span_id(event.incident_id, ref.span_id),
+                parent_span_id=parse_span_id(ref.parent_span_id) if ref.parent_span_id else None,
+                start_time_unix_nano=min(start, event.time_unix_nano), end_time_unix_nano=event.time_unix_nano,
+                attributes=_inflight_attributes(ref, event.incident_id), links=[back], resource=self.sink.resource,
+            ))
+        if spans:
+            self._emit_all(spans, key=span_id_hex(spans[0].context.span_id))
 
     def _retraced(self, event: IncidentRetraced) -> None:
         inc = self._open.get(event.incident_id)
@@ -272,7 +368,7 @@ class SpanMirror:
         else:
             trace_id, parent = inc.detail if inc.detail is not None else (inc.trace_id, inc.span_id)
             inc.actions += 1
-            if result.outcome is not Outcome.OK:
+            if action_failed(result.outcome):
                 inc.failed_actions += 1
         children = CollectingSink(self.sink.resource)
         deferred = self.importer is not None and result.action == PROFILE_SPAN and bool(result.artifact_paths)
@@ -418,6 +514,7 @@ class SpanMirror:
                 end_time_unix_nano=end_time_unix_nano,
                 attributes=attributes,
                 links=links,
+                error=_root_error(attributes),
                 resource=self.sink.resource,
             )
         ], key=span_id_hex(inc.span_id))
@@ -498,7 +595,7 @@ def action_span(
             )
         )
     ok = result.outcome is Outcome.OK
-    error = None if ok or result.outcome in NOT_ERRORS else (result.detail or str(result.outcome))
+    error = (result.detail or str(result.outcome)) if action_failed(result.outcome) else None
     start = result.start_time_unix_nano or default_time_unix_nano
     return build_span(
         result.action,

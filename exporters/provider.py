@@ -74,6 +74,7 @@ __all__ = [
     "resolve_batching",
     "resolve_destination",
     "scheme_problem",
+    "sdk_disabled",
 ]
 
 #: service.name when neither config nor ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` set one.
@@ -538,6 +539,12 @@ def _keys_in_span_files(folder: Path, keys: set[str], since_time_unix_nano: int)
     return found
 
 
+def sdk_disabled(environ: Mapping[str, str]) -> bool:
+    """``OTEL_SDK_DISABLED`` is ``true`` (case-insensitive; any other value is false, per the OTel
+    SDK environment-variable spec): no telemetry at all, spans as well as metrics."""
+    return environ.get(_ev.OTEL_SDK_DISABLED, "").strip().lower() == "true"
+
+
 def build_telemetry(
     config: ExportConfig,
     *,
@@ -571,8 +578,9 @@ def build_telemetry(
     from exporters.processor import LosslessSpanProcessor
     from exporters.spans import ProcessorSink
     from exporters.spool import Spool
-    from exporters.transport import FileSender
+    from exporters.transport import DisabledSender, FileSender
     host = host_name or socket.gethostname()
+    disabled = sdk_disabled(os.environ if environ is None else environ)
     destination = resolve_destination(config, environ)
     resource = build_resource(config, host_name=host, service_instance_id=service_instance_id or str(uuid.uuid4()), environ=environ)
     base = Path(data_dir) / host
@@ -580,7 +588,10 @@ def build_telemetry(
     spool_dir: Path | None = None
     spool: Spool | None = None
     sender: RequestSender[ExportTraceServiceRequest]
-    if destination.endpoint is None:
+    if disabled:  # spans go nowhere, no file, no spool (metrics are off below)
+        _log.info("OTEL_SDK_DISABLED=true: servewatch exports no spans and no metrics (bundles are still written)")
+        sender = DisabledSender()
+    elif destination.endpoint is None:
         spans_dir = base / "spans"
         sender = FileSender(spans_dir, max_file_bytes=config.file_max_bytes, max_files=config.file_max_files)
     else:
@@ -609,7 +620,7 @@ def build_telemetry(
     tracer_provider.add_span_processor(processor)
     meter_provider: MeterProvider | None = None
     metric_exporter = None
-    metrics_dest = resolve_destination(config, environ, signal="metrics") if config.metrics else None
+    metrics_dest = resolve_destination(config, environ, signal="metrics") if config.metrics and not disabled else None
     if metrics_dest is not None and (file_metrics or metrics_dest.endpoint is not None):
         metrics_sender = None
         if metrics_dest.endpoint is not None:

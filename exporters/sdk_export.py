@@ -10,9 +10,14 @@ collector does not take are spooled under ``<data_dir>/<host>/spool/pid-<pid>/``
 adopts and replays them once this process is gone; without it they are counted as dropped.
 
 This is the fallback path: while an agent is attached to the server, ``agent.sdk`` hands spans
-to the agent over the span channel and this provider exports nothing.
+to the agent over the span channel and this provider exports nothing. Both paths report the
+process under one identity: the resource carries ``host.name`` (``SERVEWATCH_HOST_NAME``, else
+the host name, as the agent's ``host_name`` setting), ``process.pid`` and ``process.user.id``,
+as the agent's shipper puts on the spans it ships; and the service name is declared to the SDK
+(:func:`agent.sdk.provider.set_service_name`) even when no endpoint is set, so the spans an agent
+ships from this server arrive under it, not as ``unknown_service``.
 
-Imports opentelemetry-sdk and :mod:`exporters.provider` / :mod:`exporters.processor`.
+Imports opentelemetry-sdk, :mod:`agent.sdk.provider` and :mod:`exporters.provider` / :mod:`exporters.processor`.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
+from agent.sdk.provider import set_service_name
 from exporters.processor import LosslessSpanProcessor
-from exporters.provider import ExportConfig, resolve_batching, resolve_destination
+from exporters.provider import ExportConfig, resolve_batching, resolve_destination, sdk_disabled
 from exporters.spool import Spool
 
 __all__ = ["tracer_provider_from_env"]
@@ -43,7 +49,7 @@ def tracer_provider_from_env(
     resource_attributes: Mapping[str, Any] | None = None,
 ) -> TracerProvider | None:
     """A ``TracerProvider`` exporting to ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, or ``None``
-    when no endpoint is set.
+    when no endpoint is set or ``OTEL_SDK_DISABLED=true``.
 
     Args:
         service_name: ``service.name`` unless ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``
@@ -55,6 +61,9 @@ def tracer_provider_from_env(
         exporters.provider.ExportConfigError: a bad ``OTEL_*`` value (names the variable).
     """
     env = os.environ if environ is None else environ
+    set_service_name(service_name)  # the span ring's service.name, endpoint or not
+    if sdk_disabled(env):
+        return None
     destination = resolve_destination(ExportConfig(), env, signal="traces")
     if destination.endpoint is None:
         return None
@@ -74,7 +83,13 @@ def tracer_provider_from_env(
     )
     attrs: dict[str, Any] = {"service.name": service_name}
     attrs.update(resource_attributes or {})
-    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME over ours
-    provider = TracerProvider(resource=Resource.create(attrs), shutdown_on_exit=False)
+    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME over ours; the identity
+    # (host, pid, uid) is this process's, as the agent's shipper states it, and wins
+    identity = Resource({
+        "host.name": env.get("SERVEWATCH_HOST_NAME", "").strip() or socket.gethostname(),
+        "process.pid": os.getpid(),
+        "process.user.id": os.geteuid(),
+    })
+    provider = TracerProvider(resource=Resource.create(attrs).merge(identity), shutdown_on_exit=False)
     provider.add_span_processor(processor)
     return provider

@@ -48,9 +48,11 @@ if TYPE_CHECKING:  # the metrics messages load with the first metrics request or
     )
 
 __all__ = [
+    "METRICS_NOT_TAKEN_HINT",
     "PROTOCOLS",
     "Cause",
     "Delivery",
+    "DisabledSender",
     "FileSender",
     "GrpcSender",
     "HttpSender",
@@ -151,6 +153,9 @@ class Cause(StrEnum):
     THROTTLED = "throttled"
     #: the request exceeded the collector's size limit
     TOO_LARGE = "too_large"
+    #: the endpoint takes traces but not this signal (a traces-only receiver such as Jaeger or
+    #: Tempo answering metrics with gRPC UNIMPLEMENTED or HTTP 404 at ``/v1/metrics``)
+    SIGNAL_NOT_TAKEN = "signal_not_taken"
     #: the collector is up but refused or failed the request (other status codes)
     COLLECTOR = "collector"
 
@@ -171,8 +176,17 @@ CAUSE_HINTS: dict[Cause, str] = {
     "healthy collector); retrying",
     Cause.THROTTLED: "the collector asks us to slow down; retrying later",
     Cause.TOO_LARGE: "request larger than the collector accepts",
+    Cause.SIGNAL_NOT_TAKEN: "",  # always said by the sender (:data:`METRICS_NOT_TAKEN_HINT`)
     Cause.COLLECTOR: "the collector refused the request",
 }
+
+#: The fix for metrics sent to an endpoint that takes only traces (Jaeger, Tempo): the trace
+#: export works and must stay as it is.
+METRICS_NOT_TAKEN_HINT = (
+    "this endpoint takes traces but not metrics (a traces-only receiver such as Jaeger or Tempo); "
+    "the span export is unaffected. Turn servewatch's metrics off with export.metrics = false "
+    "(SERVEWATCH_EXPORT__METRICS=false), or send them to a metrics receiver with OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+)
 
 #: Longest wait a collector's ``Retry-After`` / gRPC ``RetryInfo`` is honoured for, seconds (a
 #: bigger value, or a date far ahead, is cut to this).
@@ -498,6 +512,10 @@ class GrpcSender:
             delivery, cause = _grpc_cause(code, details)
             name = code.name if code else "UNKNOWN"
             hint = ""
+            if self.signal == "metrics" and code is grpc.StatusCode.UNIMPLEMENTED and cause is Cause.PROTOCOL_MISMATCH:
+                # a gRPC server that answered (the HTTP-port cases were told apart above) but
+                # serves no MetricsService: "unknown service ...MetricsService"
+                cause, hint = Cause.SIGNAL_NOT_TAKEN, METRICS_NOT_TAKEN_HINT
             if cause is Cause.AUTH:
                 hint = _auth_hint(sent_auth=_has_auth(self._metadata))
             return SendResult(
@@ -674,6 +692,9 @@ class HttpSender:
         if status in (401, 403):
             hint = _auth_hint(sent_auth=_has_auth(dict(self._client.headers)))
             return SendResult(Delivery.PERMANENT, detail, cause=Cause.AUTH, message=message, hint=hint)
+        if status in (404, 405) and self.signal == "metrics" and urlsplit(self.target).path.endswith("/v1/metrics"):
+            # the metrics path is right: whatever answers there takes no metrics
+            return SendResult(Delivery.PERMANENT, detail, cause=Cause.SIGNAL_NOT_TAKEN, message=message, hint=METRICS_NOT_TAKEN_HINT)
         if status in (404, 405):
             return SendResult(Delivery.PERMANENT, detail, cause=Cause.NOT_FOUND, message=message, hint=_path_hint(self.target, self.signal))
         if status in (400, 415):
@@ -720,6 +741,22 @@ class FileSender:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class DisabledSender:
+    """Takes every request and sends nothing (``OTEL_SDK_DISABLED=true``: per the OTel spec the
+    SDK is off for every signal, spans as well as metrics); nothing is written either."""
+
+    target = "nowhere (OTEL_SDK_DISABLED=true)"
+
+    def send(self, request: ExportTraceServiceRequest, *, timeout_s: float) -> SendResult:
+        return SendResult(Delivery.OK)
+
+    def abort(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def make_sender(

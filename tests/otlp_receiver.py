@@ -224,7 +224,7 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?")[0]
             if path == "/v1/traces":
                 req_type, resp = trace_service_pb2.ExportTraceServiceRequest, trace_service_pb2.ExportTraceServiceResponse()
-            elif path == "/v1/metrics":
+            elif path == "/v1/metrics" and not receiver.traces_only:
                 req_type, resp = metrics_service_pb2.ExportMetricsServiceRequest, metrics_service_pb2.ExportMetricsServiceResponse()
             else:
                 self._reply(404, b"not found", "text/plain")
@@ -283,6 +283,8 @@ class OtlpReceiver:
             gRPC ``google.rpc.RetryInfo`` in the rich status.
         reject_all: when set, trace exports are answered as OTLP partial success with every
             span rejected and this ``error_message`` (nothing stored).
+        traces_only: serve traces only, as Jaeger and Tempo do: no gRPC ``MetricsService``
+            (grpc answers ``UNIMPLEMENTED``, unknown service) and HTTP 404 at ``/v1/metrics``.
         attempts: export calls answered (refused ones included).
     """
 
@@ -293,8 +295,10 @@ class OtlpReceiver:
         tls: TlsMaterial | None = None,
         require_client_cert: bool = False,
         max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+        traces_only: bool = False,
     ) -> None:
         self.host = host
+        self.traces_only = traces_only
         self.tls = tls
         self.require_client_cert = require_client_cert
         self.max_receive_bytes = max_receive_bytes
@@ -353,7 +357,8 @@ class OtlpReceiver:
             options=(("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.max_receive_bytes)),
         )
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), server)
+        if not self.traces_only:
+            metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), server)
         if self.tls is not None:
             creds = grpc.ssl_server_credentials(
                 [(self.tls.read("server_key"), self.tls.read("server_cert"))],

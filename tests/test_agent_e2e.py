@@ -151,7 +151,18 @@ async def test_manual_incident_profiles_the_next_steps_and_links_requests_in_fli
              if s["traceId"] == record.opened.trace_id]
     by_id = {s["spanId"]: s for s in spans}
     [root] = [s for s in spans if s["name"] == "incident"]
-    assert {(link["traceId"], link["spanId"]) for link in root["links"]} == set(record.opened.links)
+    # each link goes to the request's in-flight span (its part up to the incident, sent at open in
+    # the request's own trace: the request's own span arrives only if it ever ends)
+    everything = {s["spanId"]: s for req in lines for rs in req["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]}
+    requests = {r.span_id: r.trace_id for r in record.inflight}
+    linked = {}
+    for link in root["links"]:
+        target = everything[link["spanId"]]
+        attrs = {a["key"]: a["value"] for a in target["attributes"]}
+        assert target["traceId"] == link["traceId"] and target["name"] == "chat tiny-mlp (in flight)"
+        assert attrs["servewatch.request.in_flight"] == {"boolValue": True}
+        linked[attrs["servewatch.request.span_id"]["stringValue"]] = link["traceId"]
+    assert linked == requests
     [session] = [s for s in spans if s["name"] == "profile.session"]
     assert session["parentSpanId"] == root["spanId"]
     steps = [s for s in spans if s["name"].startswith("ProfilerStep#")]

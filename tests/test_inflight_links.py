@@ -1,6 +1,8 @@
 """Correlated crash timelines end to end: the demo server hangs with a request in flight; the
-incident lists that request (record, ``requests.json``) and its root span links to the request's
-span; the server's forward-step spans link to the requests they served."""
+incident lists that request (record, ``requests.json``) and its root span links, saying why, to the
+request's in-flight span (its part up to the incident, in its own trace, sent at incident time: a
+hung server SIGKILLed never ends its requests); the server's forward-step spans link to the
+requests they served."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from agent.demo import TORCH_MISSING_MESSAGE, torch_available
 from agent.demo.client import DemoServer, agenerate, ainject_hang
 from agent.incidents import IncidentRecord
 from agent.runtime import Agent
-from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver_fixture
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, attrs_dict, otlp_receiver_fixture
 
 pytestmark = pytest.mark.skipif(not torch_available(), reason=TORCH_MISSING_MESSAGE)
 
@@ -124,7 +126,31 @@ async def test_stall_incident_links_to_the_hung_request_in_flight(
         while (root := incident_root()) is None:
             await anyio.sleep(0.05)
     assert root.span_id == record.opened.span_id
-    assert _link_ids(root) == [(req.trace_id, req.span_id)]
+    # it links to the request's in-flight span (sent at open, in the request's own trace), saying why
+    [(link_trace, link_span)] = _link_ids(root)
+    assert link_trace == req.trace_id and link_span != req.span_id
+    why = attrs_dict(root.span.links[0].attributes)
+    assert why["servewatch.link.reason"] == "request_in_flight" and why["servewatch.request.span_id"] == req.span_id
+    assert why["gen_ai.response.id"] == req.request_id and why["process.pid"] == tp0
+    with anyio.fail_after(15):
+        while (snapshot := next((s for s in otlp_receiver.spans() if s.span_id == link_span), None)) is None:
+            await anyio.sleep(0.05)
+    assert snapshot.trace_id == req.trace_id and snapshot.name == "text_completion demo-tinylm (in flight)"
+    assert snapshot.attributes["servewatch.request.in_flight"] is True
+    assert snapshot.attributes["gen_ai.usage.output_tokens"] == 0
+
+    if not server_tracing:
+        # no OTEL_* in the server (the README's standalone demo): the agent shipped the warm-up's
+        # spans under the demo's name (they arrived as service.name=unknown_service)
+        def warm_spans() -> list[ReceivedSpan]:
+            return [s for s in otlp_receiver.spans() if s.attributes.get("gen_ai.response.id") == warm["meta_info"]["id"]]
+
+        with anyio.fail_after(15):
+            while not warm_spans():
+                await anyio.sleep(0.05)
+        [shipped] = warm_spans()
+        assert shipped.resource["service.name"] == "servewatch-demo"
+        assert (shipped.resource["process.pid"], shipped.resource["host.name"]) == (tp0, "node-a")
 
     if server_tracing:
         # The demo server's own spans. The warm-up request: one forward span per token, each
@@ -156,4 +182,99 @@ async def test_stall_incident_links_to_the_hung_request_in_flight(
             assert fwd.span.status.code == Status.STATUS_CODE_UNSET
         hung_forward = forwards[-1]
         assert _link_ids(hung_forward) == [(req.trace_id, req.span_id)]
+        # no step is a trace of its own: each is a child of the request it served, in its trace
+        # (2 requests, WARMUP_TOKENS + 1 steps: 2 traces, was WARMUP_TOKENS + 3)
+        for fwd in forwards:
+            [(trace_hex, span_hex)] = _link_ids(fwd)
+            assert (fwd.trace_id, fwd.parent_span_id) == (trace_hex, span_hex)
+        assert {s.trace_id for s in spans} == {warm_span.trace_id, hung_span.trace_id}
         assert hung_forward.span.status.code == Status.STATUS_CODE_ERROR
+
+
+async def test_hung_server_sigkilled_its_requests_in_flight_reach_the_backend_in_their_own_traces_linked_from_the_incident(
+    tmp_path: Path, otlp_receiver: OtlpReceiver, spawn, python: str
+) -> None:
+    # A request's span is written when it ends: a hung server that is SIGKILLed never ends its
+    # requests, so the incident's links pointed at spans no backend ever got. The agent now sends,
+    # at incident time, each in-flight request's part up to the incident, in the request's trace.
+    import select
+    import signal
+    import subprocess
+
+    from tests.conftest import PROGRAMS_DIR
+
+    proc = spawn([python, str(PROGRAMS_DIR / "profiled_model.py"), "--hang-after-steps", "40", "--request-steps", "7",
+                  "--concurrency", "2", "--step-sleep-s", "0.02", "--max-runtime-s", "90"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready and proc.stdout.readline().startswith(b"READY")
+    settings = load_settings(
+        {
+            "data_dir": tmp_path,
+            "host_name": "node-k",
+            "target": {"pids": [proc.pid]},
+            "watchdog": {"timeout_s": 1.0, "poll_interval_s": 0.2},
+            "coredump": {"enabled": False},
+            "export": {"endpoint": otlp_receiver.grpc_endpoint, "protocol": "grpc", "metrics": False},
+        }
+    )
+    records: list[IncidentRecord] = []
+    agent = Agent(settings, on_incident=records.append)
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            while not records:
+                await anyio.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGKILL)  # the hung server never recovers: its requests never end
+            await anyio.to_thread.run_sync(proc.wait, 30)
+            agent.stop()
+
+    record = records[0]
+    assert record.opened.trigger == "stall"
+    inflight = record.inflight  # what the SDK reported (requests.json)
+    assert len(inflight) == 2 and {r.pid for r in inflight} == {proc.pid}  # --concurrency 2
+
+    def received() -> dict[str, ReceivedSpan]:
+        return {s.span_id: s for s in otlp_receiver.spans()}
+
+    def incident_root() -> ReceivedSpan | None:
+        return next((s for s in received().values() if s.name == "incident" and s.trace_id == record.opened.trace_id), None)
+
+    with anyio.fail_after(20):
+        while (root := incident_root()) is None:
+            await anyio.sleep(0.05)
+        # and what it links to (sent at open, write-ahead, before the root)
+        while not all(link.span_id.hex() in received() for link in root.span.links):
+            await anyio.sleep(0.05)
+    spans = received()
+    # requests that ended before the hang were shipped by the agent, each its own trace
+    done = [s for s in spans.values() if s.name == "chat tiny-mlp"]
+    assert done and all(s.attributes["gen_ai.usage.output_tokens"] == 7 for s in done)
+    links = {link.span_id.hex(): link for link in root.span.links}
+    assert len(links) == 2
+    for ref in inflight:
+        # the request's own span never arrived (SIGKILLed mid-request) ...
+        assert ref.span_id not in spans
+        # ... its part up to the incident did, in its own trace, marked in flight
+        [snap] = [s for s in spans.values() if s.trace_id == ref.trace_id]
+        assert snap.name == "chat tiny-mlp (in flight)"
+        assert snap.parent_span_id == ""  # the request was a trace root: so is its in-flight span
+        assert snap.attributes["servewatch.request.in_flight"] is True
+        assert snap.attributes["servewatch.request.span_id"] == ref.span_id
+        assert snap.attributes["gen_ai.response.id"] == ref.request_id
+        assert snap.attributes["process.pid"] == proc.pid
+        assert snap.attributes["gen_ai.usage.input_tokens"] == 8
+        assert 0 <= snap.attributes["gen_ai.usage.output_tokens"] < 7
+        age_ns = snap.span.end_time_unix_nano - snap.span.start_time_unix_nano
+        assert age_ns / 1e9 >= ref.age_s - 1e-6 > 0  # from the request's start (its age read before the open)
+        assert snap.span.end_time_unix_nano == record.opened.time_unix_nano
+        [back] = snap.span.links
+        assert (back.trace_id.hex(), back.span_id.hex()) == (record.opened.trace_id, record.opened.span_id)
+        # ... and the incident links to it, saying why
+        link = links[snap.span_id]
+        assert link.trace_id.hex() == ref.trace_id
+        why = attrs_dict(link.attributes)
+        assert why["servewatch.link.reason"] == "request_in_flight"
+        assert why["gen_ai.response.id"] == ref.request_id and why["process.pid"] == proc.pid
+        assert why["servewatch.request.span_id"] == ref.span_id
+        assert why["servewatch.request.age_s"] > 0

@@ -26,7 +26,8 @@ The ring is created at the first span (``<shm_dir>/servewatch-<uid>/servewatch-s
 ``O_EXCL | O_NOFOLLOW``), sized ``SERVEWATCH_SPAN_RING_BYTES`` (default 2 MiB), and removed at
 exit. Its metadata holds the server's resource attributes: those of the tracer provider given to
 :func:`agent.sdk.tracing.set_tracer_provider` when it has a resource, else ``OTEL_SERVICE_NAME``
-and ``OTEL_RESOURCE_ATTRIBUTES``.
+and ``OTEL_RESOURCE_ATTRIBUTES``, with the name :func:`agent.sdk.provider.set_service_name`
+declared as ``service.name`` when neither names one.
 
 Record (a JSON array): ``[name, kind, trace_id, span_id, parent_span_id (0: root), start_ns,
 end_ns, attributes, status_code, status_description, events, links]`` with ids as integers,
@@ -43,7 +44,7 @@ import random
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -77,8 +78,41 @@ ENV_STALE_S = "SERVEWATCH_SPAN_STALE_S"
 #: process but has not attached yet (default 10; 0: never hold).
 ENV_HOLD_S = "SERVEWATCH_SPAN_HOLD_S"
 
-#: Longest exception stack trace kept on a span event, characters.
-MAX_STACKTRACE_CHARS = 4096
+#: Longest ``exception.stacktrace`` kept on a span event, UTF-8 bytes: Tempo keeps the first
+#: 2,048 bytes of a string attribute, so a longer trace would lose its last line (the error).
+MAX_STACKTRACE_BYTES = 2048
+
+
+def bounded_stacktrace(exception: BaseException, limit_bytes: int = MAX_STACKTRACE_BYTES) -> str:
+    """``exception``'s traceback in Python's format, at most ``limit_bytes`` UTF-8 bytes.
+
+    What makes it useful is kept whole: the ``Traceback`` header, the innermost frames and the
+    error line(s) at the end (``RuntimeError: boom``); outer frames that do not fit are replaced
+    by one ``  ... N frame(s) omitted ...`` line. An error line longer than the limit is cut at
+    its end, so the exception's type always stays within the limit.
+    """
+    tail = "".join(traceback.format_exception_only(type(exception), exception))
+    frames = traceback.format_tb(exception.__traceback__) if exception.__traceback__ is not None else []
+    full = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
+    if len(full.encode()) <= limit_bytes:
+        return full
+    head = "Traceback (most recent call last):\n" if frames else ""
+    marker = f"  ... {len(frames)} frame(s) omitted ...\n"  # the longest the marker can be
+    budget = limit_bytes - len(head.encode()) - len(tail.encode()) - len(marker.encode())
+    if budget < 0:  # the error line alone is (nearly) over the limit: its start (the type) is what counts
+        return tail.encode()[:limit_bytes].decode("utf-8", "ignore")
+    kept: list[str] = []
+    for frame in reversed(frames):
+        size = len(frame.encode())
+        if size > budget:
+            break
+        budget -= size
+        kept.append(frame)
+    omitted = len(frames) - len(kept)
+    if omitted:
+        kept.append(f"  ... {omitted} frame(s) omitted ...\n")
+    return head + "".join(reversed(kept)) + tail
+
 
 _lock = threading.Lock()
 _writer: _ring.RingWriter | None = None
@@ -102,7 +136,7 @@ _fallback_spans = 0
 
 
 def _resource_attributes() -> dict[str, Any]:
-    from agent.sdk.provider import tracer_provider
+    from agent.sdk.provider import service_name, tracer_provider
 
     provider = tracer_provider()
     resource = getattr(provider, "resource", None)
@@ -121,6 +155,8 @@ def _resource_attributes() -> dict[str, Any]:
     name = os.environ.get("OTEL_SERVICE_NAME", "").strip()
     if name:
         out["service.name"] = name
+    elif "service.name" not in out and service_name():
+        out["service.name"] = service_name()
     return out
 
 
@@ -223,6 +259,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _noop_tracing() -> bool:
+    """Whether the fallback tracer records nothing: no provider given to the SDK and no global
+    one installed (opentelemetry-api's proxy or no-op provider)."""
+    from agent.sdk.provider import tracer_provider
+
+    provider = tracer_provider() or trace.get_tracer_provider()
+    return isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 def start_span(
     name: str,
     *,
@@ -231,6 +276,7 @@ def start_span(
     start_time: int | None = None,
     tracer: Any = None,
     context: Any = None,
+    parent_ids: Callable[[], tuple[int, int]] | None = None,
 ) -> trace.Span:
     """Start a span per the channel policy (module docstring).
 
@@ -238,6 +284,9 @@ def start_span(
         tracer: the OTel API tracer for the fallback path (default: the SDK's tracer).
         context: parent OTel ``Context`` (e.g. extracted from an incoming W3C ``traceparent``);
             ``None``: the current context.
+        parent_ids: returns ``(trace_id, span_id)`` of the parent span as integers, used
+            instead of ``context`` (the forward-step path: no ``Context`` is built for the
+            channel); called only when the span will record (never under a no-op tracer).
 
     Returns:
         A :class:`ChannelSpan` while an agent is attached; else the fallback tracer's span, or
@@ -248,9 +297,9 @@ def start_span(
     if writer is not None:
         hb = writer.words[_ring.W_HEARTBEAT]
         if hb and _monotonic_ns() - hb < _stale_ns:
-            return ChannelSpan(writer, name, kind, attributes, start_time, context)
+            return ChannelSpan(writer, name, kind, attributes, start_time, context, parent_ids and parent_ids())
         if not hb and _holding():  # an agent is coming for this new ring: the span waits in it
-            return ChannelSpan(writer, name, kind, attributes, start_time, context)
+            return ChannelSpan(writer, name, kind, attributes, start_time, context, parent_ids and parent_ids())
         if _fallback_drop:
             _dropped_no_agent += 1
             writer.count(_ring.W_DROPPED_NO_AGENT)
@@ -264,6 +313,10 @@ def start_span(
         from agent.sdk.provider import get_tracer
 
         tracer = get_tracer()
+    if parent_ids is not None and not _noop_tracing():
+        trace_id, span_id = parent_ids()
+        parent = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+        context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
     return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
 
 
@@ -315,8 +368,8 @@ _SCOPE_NAME = "servewatch.sdk"
 class ChannelSpan(trace.Span):
     """A recording span that the agent exports: on :meth:`end` it is one ring record.
 
-    Its parent is the span of the given context (an incoming ``traceparent``), else the current
-    span when that is valid (same trace), else it starts a trace.
+    Its parent is the given parent ids, else the span of the given context (an incoming
+    ``traceparent``), else the current span when that is valid (same trace), else it starts a trace.
     Thread-safe for the usual use (one thread ends it). Never raises from :meth:`end`.
     """
 
@@ -345,12 +398,14 @@ class ChannelSpan(trace.Span):
         attributes: Mapping[str, Any] | None,
         start_time: int | None,
         context: Any = None,
+        parent_ids: tuple[int, int] | None = None,
     ) -> None:
         self._writer = writer
         self._name = name
         self._kind = kind
-        parent = trace.get_current_span(context).get_span_context()
-        if parent.is_valid:
+        if parent_ids is not None:
+            self._trace_id, self._parent_id = parent_ids
+        elif (parent := trace.get_current_span(context).get_span_context()).is_valid:
             self._trace_id = parent.trace_id
             self._parent_id = parent.span_id
         else:
@@ -430,11 +485,10 @@ class ChannelSpan(trace.Span):
         timestamp: int | None = None,
         escaped: bool = False,
     ) -> None:
-        stacktrace = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
         attrs: dict[str, Any] = {
             "exception.type": type(exception).__qualname__,
             "exception.message": str(exception),
-            "exception.stacktrace": stacktrace[-MAX_STACKTRACE_CHARS:],
+            "exception.stacktrace": bounded_stacktrace(exception),
             "exception.escaped": str(escaped),
         }
         if attributes:

@@ -16,8 +16,12 @@ shared no-op context manager (two global reads, no allocation).
 
 ``forward_span(requests)`` traces one batched forward step as an INTERNAL span with one span link
 per request it served (SGLang's ``forward_ct`` and the batch size as attributes), so a request's
-trace can be followed to every step that computed its tokens and back. While the tracer is a
-no-op no link object is built.
+trace can be followed to every step that computed its tokens and back. A step is never a trace of
+its own: it is a child of the current span when the server made one (its own batch span), else of
+the batch's first request's span, in that request's trace. A step that serves no request and has
+no current span has no trace to join: one in :data:`FORWARD_SAMPLE_EVERY` of those is traced
+(``SERVEWATCH_FORWARD_SAMPLE_EVERY``, default 1000: at 20 steps/s, one trace per 50 s), the
+others are counted (:func:`forward_statistics`). While the tracer is a no-op no link object is built.
 
 ``request_span(...)`` opens an OTel span (gen_ai semantic conventions, current names:
 ``gen_ai.operation.name``, ``gen_ai.provider.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
@@ -41,17 +45,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.sdk.provider import get_tracer, set_tracer_provider
+from agent.sdk.provider import get_tracer, set_service_name, set_tracer_provider
 
 __all__ = [
     "InflightRequest",
     "RequestHandle",
     "forward_span",
+    "forward_statistics",
     "get_tracer",
     "inflight",
     "maybe_record_function",
     "profiling_active",
     "request_span",
+    "set_service_name",
     "set_tracer_provider",
     "torch_profiler_active",
 ]
@@ -154,6 +160,8 @@ class InflightRequest:
         input_tokens / output_tokens: token counts known so far.
         max_tokens: ``gen_ai.request.max_tokens`` or ``None``.
         recording: whether the OTel span is exported by an SDK in the server.
+        parent_span_id: hex id of the request span's parent (16 digits; ``""``: a trace root),
+            so an agent can show the request's part up to an incident where the request sits.
     """
 
     request_id: str
@@ -166,6 +174,7 @@ class InflightRequest:
     output_tokens: int | None = None
     max_tokens: int | None = None
     recording: bool = False
+    parent_span_id: str = ""
     thread_id: int = field(default=0, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,6 +190,7 @@ class InflightRequest:
             "output_tokens": self.output_tokens,
             "max_tokens": self.max_tokens,
             "recording": self.recording,
+            "parent_span_id": self.parent_span_id,
         }
 
 
@@ -329,12 +339,14 @@ def request_span(
         name, kind=trace.SpanKind.INTERNAL, attributes=attrs, start_time=start_ns, context=_parent_context(parent)
     )
     if type(span) is channel.ChannelSpan:  # the agent's path: its ids, without building a SpanContext
-        recording, trace_id, span_id = True, span._trace_id, span._span_id
+        recording, trace_id, span_id, parent_id = True, span._trace_id, span._span_id, span._parent_id
     else:
         ctx = span.get_span_context()
         recording = bool(ctx.is_valid)
         trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
         span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
+        parent_ctx = getattr(span, "parent", None) if recording else None  # the OTel SDK's span
+        parent_id = parent_ctx.span_id if parent_ctx is not None and getattr(parent_ctx, "is_valid", False) else 0
     entry = InflightRequest(
         request_id=request_id,
         trace_id=f"{trace_id:032x}",
@@ -345,6 +357,7 @@ def request_span(
         input_tokens=None if input_tokens is None else int(input_tokens),
         max_tokens=None if max_tokens is None else int(max_tokens),
         recording=recording,
+        parent_span_id=f"{parent_id:016x}" if parent_id else "",
         thread_id=threading.get_ident(),
     )
     key = id(entry)
@@ -359,7 +372,7 @@ def request_span(
     try:
         yield RequestHandle(entry, span)
     except BaseException as exc:
-        span.record_exception(exc)
+        span.record_exception(exc, attributes={"exception.stacktrace": channel.bounded_stacktrace(exc)})
         span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         raise
     finally:
@@ -394,6 +407,41 @@ def _link_context(request: RequestHandle | tuple[str, str]) -> tuple[Any, dict[s
     return ctx, attrs
 
 
+#: Environment variable: trace one in this many forward steps that serve no request and have no
+#: current span (``1``: every one; they are each a trace of their own).
+ENV_FORWARD_SAMPLE_EVERY = "SERVEWATCH_FORWARD_SAMPLE_EVERY"
+#: Default of :data:`ENV_FORWARD_SAMPLE_EVERY`.
+FORWARD_SAMPLE_EVERY = 1000
+#: Request-less forward steps seen (traced or not), and how many were not traced.
+_orphan_steps = 0
+_orphan_steps_unsampled = 0
+_sample_every: int | None = None
+
+
+def _orphan_sampled() -> bool:
+    """Whether this request-less, parentless forward step is traced: the first, then one in
+    :data:`FORWARD_SAMPLE_EVERY` (read from the environment once)."""
+    global _orphan_steps, _orphan_steps_unsampled, _sample_every
+    every = _sample_every
+    if every is None:
+        try:
+            every = max(1, int(os.environ.get(ENV_FORWARD_SAMPLE_EVERY, str(FORWARD_SAMPLE_EVERY))))
+        except ValueError:
+            every = FORWARD_SAMPLE_EVERY
+        _sample_every = every
+    sampled = _orphan_steps % every == 0
+    _orphan_steps += 1
+    if not sampled:
+        _orphan_steps_unsampled += 1
+    return sampled
+
+
+def forward_statistics() -> dict[str, int]:
+    """Forward steps that served no request and had no current span: ``orphan_steps`` (all) and
+    ``orphan_steps_unsampled`` (not traced, per ``SERVEWATCH_FORWARD_SAMPLE_EVERY``)."""
+    return {"orphan_steps": _orphan_steps, "orphan_steps_unsampled": _orphan_steps_unsampled}
+
+
 def _link_ids(request: RequestHandle | tuple[str, str]) -> tuple[int, int, dict[str, Any]]:
     """Trace id, span id and link attributes of one served request, as integers."""
     if isinstance(request, RequestHandle):
@@ -415,7 +463,11 @@ def forward_span(
     """Trace ONE batched forward step as an OTel span linked to every request it served.
 
     The span kind is INTERNAL and it is the current span inside the block (spans started there
-    are its children). Attributes: ``servewatch.forward.batch_size`` (requests in the batch) and
+    are its children). It joins a trace, never starts one: its parent is the current span when
+    one is valid (the server's own batch span), else the first request of ``requests``, in that
+    request's trace (so N requests make N traces, however many steps serve them). With neither,
+    only one such step in ``SERVEWATCH_FORWARD_SAMPLE_EVERY`` (default 1000) is traced, as a
+    root; the others are non-recording spans, counted by :func:`forward_statistics`. Attributes: ``servewatch.forward.batch_size`` (requests in the batch) and
     ``servewatch.forward_ct`` (the step number this forward will have once the caller counts it
     with :func:`agent.sdk.step`, i.e. :func:`agent.sdk.forward_ct` + 1 at entry). It does not
     count the step itself. While an SDK profiling session records, the block is also a torch
@@ -445,10 +497,24 @@ def forward_span(
     from agent.sdk.steps import forward_ct
 
     batch = requests if isinstance(requests, (list, tuple)) else list(requests)
+    parent_ids = None
+    traced = True
+    if not trace.get_current_span().get_span_context().is_valid:  # else: a child of the server's span
+        if batch:
+            first = batch[0]
+
+            def parent_ids() -> tuple[int, int]:  # in the first request's trace (only built when recording)
+                parent_trace, parent_span, _ = _link_ids(first)
+                return parent_trace, parent_span
+        else:
+            traced = _orphan_sampled()
     attrs: dict[str, Any] = {ATTR_FORWARD_BATCH_SIZE: len(batch), ATTR_FORWARD_CT: forward_ct() + 1}
     if attributes:
         attrs.update(attributes)
-    span = channel.start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs)
+    span = (
+        channel.start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs, parent_ids=parent_ids)
+        if traced else trace.INVALID_SPAN
+    )
     if type(span) is channel.ChannelSpan:
         for request in batch:
             span.add_link_ids(*_link_ids(request))
@@ -464,7 +530,7 @@ def forward_span(
         ):
             yield span
     except BaseException as exc:
-        span.record_exception(exc)
+        span.record_exception(exc, attributes={"exception.stacktrace": channel.bounded_stacktrace(exc)})
         span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         raise
     finally:

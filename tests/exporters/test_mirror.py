@@ -91,7 +91,10 @@ def test_incident_becomes_root_with_one_child_per_action() -> None:
     assert root.attributes["servewatch.incident.trigger"] == "stall"
     assert root.attributes["host.name"] == "gpu-node-3"
     assert root.attributes["servewatch.target.pids"] == (101, 102)
-    assert root.attributes["servewatch.incident.failed_actions"] == 2
+    # the permission refusal only: a coredump not armed (no GPU) is a fact, as the terminal's Errors: says
+    assert root.attributes["servewatch.incident.failed_actions"] == 1
+    assert root.attributes["servewatch.incident.actions"] == 4
+    assert root.status.status_code is StatusCode.UNSET  # no verdict: nothing says the server is dead
     children = [s for s in spans if s.name != "incident"]
     assert all(s.parent is not None and s.parent.span_id == root_id for s in children)
     ok_dump, denied = sink.named("pyspy.dump")
@@ -129,6 +132,7 @@ def test_links_attribute_becomes_span_links_on_the_root() -> None:
     mirror.handle(IncidentClosed(incident_id="inc-9", trigger="stall", bundle_dir="", manifest_path="", time_unix_nano=T0 + 5))
     root = sink.named("incident")[0]
     assert [(trace_id_hex(link.context.trace_id), span_id_hex(link.context.span_id)) for link in root.links] == [(req_trace, req_span)]
+    assert dict(root.links[0].attributes) == {"servewatch.link.reason": "request_in_flight"}
 
 
 def test_action_for_unknown_incident_is_still_mirrored_and_counted() -> None:
@@ -197,3 +201,78 @@ def test_not_armed_and_skipped_are_not_error_spans_but_failures_are() -> None:
         assert span.attributes["servewatch.outcome"] == outcome.value
     assert statuses == {Outcome.NOT_ARMED: StatusCode.UNSET, Outcome.SKIPPED: StatusCode.UNSET,
                         Outcome.TIMED_OUT: StatusCode.ERROR, Outcome.OK: StatusCode.OK}
+
+
+def _closed_with_verdict(kind: str, hung: bool) -> list:
+    trace_hex, root_hex = trace_id_hex(new_trace_id()), span_id_hex(new_span_id())
+    opened = IncidentOpened(incident_id="inc-v", trigger="exit", trace_id=trace_hex, span_id=root_hex, time_unix_nano=T0)
+    core = ActionResult(action="cuda.coredump", outcome=Outcome.NOT_ARMED, pid=7, start_time_unix_nano=T0, end_time_unix_nano=T0 + 1)
+    verdict = frozen_attrs({"servewatch.verdict.kind": kind, "servewatch.verdict.hung": hung,
+                            "servewatch.verdict.reason": f"{kind} reason"})
+    closed = IncidentClosed(incident_id="inc-v", trigger="exit", bundle_dir="", manifest_path="", time_unix_nano=T0 + 9,
+                            attributes=verdict)
+    return [opened, CoredumpTriggered(incident_id="inc-v", result=core),
+            CoredumpTriggered(incident_id="inc-v", result=core), closed]
+
+
+def test_root_is_an_error_when_the_verdict_says_dead_or_hung_and_not_armed_is_no_failure() -> None:
+    statuses = {}
+    for kind, hung in (("dead", False), ("cascade", False), ("behind", True), ("progressing", False), ("idle", False)):
+        sink = InMemorySink()
+        mirror = SpanMirror(sink, host_name="h")
+        for event in _closed_with_verdict(kind, hung):
+            mirror.handle(event)
+        [root] = sink.named("incident")
+        # a host without a GPU: two coredumps not armed, no failure (the terminal says Errors: 0)
+        assert root.attributes["servewatch.incident.failed_actions"] == 0
+        assert root.attributes["servewatch.incident.actions"] == 2
+        statuses[kind] = (root.status.status_code, root.status.description)
+    assert statuses == {
+        "dead": (StatusCode.ERROR, "dead: dead reason"),
+        "cascade": (StatusCode.ERROR, "cascade: cascade reason"),
+        "behind": (StatusCode.ERROR, "behind: behind reason"),
+        "progressing": (StatusCode.UNSET, None),
+        "idle": (StatusCode.UNSET, None),
+    }
+
+
+def test_requests_in_flight_get_a_span_in_their_own_trace_at_open_linked_from_the_root_with_why() -> None:
+    from agent.events import InflightSpan
+
+    sink = InMemorySink()
+    mirror = SpanMirror(sink, host_name="h")
+    inc_trace, inc_root = trace_id_hex(new_trace_id()), span_id_hex(new_span_id())
+    root_req = InflightSpan(pid=41, request_id="req-1", trace_id=trace_id_hex(new_trace_id()), span_id=span_id_hex(new_span_id()),
+                            start_time_unix_nano=T0 - 3_000_000_000, name="chat tiny", operation="chat", model="tiny",
+                            input_tokens=8, output_tokens=2, age_s=3.0)
+    caller = span_id_hex(new_span_id())  # this request sits under the caller's HTTP span
+    child_req = InflightSpan(pid=41, request_id="req-2", trace_id=trace_id_hex(new_trace_id()), span_id=span_id_hex(new_span_id()),
+                             parent_span_id=caller, start_time_unix_nano=T0 - 1_000_000_000, name="chat tiny", age_s=1.0)
+    opened = IncidentOpened(incident_id="inc-7", trigger="stall", trace_id=inc_trace, span_id=inc_root, time_unix_nano=T0,
+                            links=((root_req.trace_id, root_req.span_id), (child_req.trace_id, child_req.span_id)),
+                            inflight=(root_req, child_req))
+    mirror.handle(opened)
+    # at once, before the incident closes (the server may be SIGKILLed next)
+    first, second = sink.named("chat tiny (in flight)")
+    assert [trace_id_hex(s.context.trace_id) for s in (first, second)] == [root_req.trace_id, child_req.trace_id]
+    assert first.parent is None and second.parent is not None and span_id_hex(second.parent.span_id) == caller
+    assert (first.start_time, first.end_time) == (T0 - 3_000_000_000, T0)
+    assert dict(first.attributes) == {
+        "servewatch.request.in_flight": True, "servewatch.request.span_id": root_req.span_id,
+        "servewatch.incident.id": "inc-7", "gen_ai.response.id": "req-1", "process.pid": 41,
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": "tiny",
+        "gen_ai.usage.input_tokens": 8, "gen_ai.usage.output_tokens": 2,
+    }
+    [back] = first.links
+    assert (trace_id_hex(back.context.trace_id), span_id_hex(back.context.span_id)) == (inc_trace, inc_root)
+    assert dict(back.attributes) == {"servewatch.link.reason": "incident", "servewatch.incident.id": "inc-7"}
+    assert first.context.span_id != int(root_req.span_id, 16)  # never the request's own span id (it may still end)
+
+    mirror.handle(IncidentClosed(incident_id="inc-7", trigger="stall", bundle_dir="", manifest_path="", time_unix_nano=T0 + 9))
+    [root] = sink.named("incident")
+    assert [(trace_id_hex(lk.context.trace_id), lk.context.span_id) for lk in root.links] == [
+        (root_req.trace_id, first.context.span_id), (child_req.trace_id, second.context.span_id)]
+    assert dict(root.links[0].attributes) == {
+        "servewatch.link.reason": "request_in_flight", "gen_ai.response.id": "req-1", "process.pid": 41,
+        "servewatch.request.age_s": 3.0, "servewatch.request.span_id": root_req.span_id,
+    }

@@ -17,6 +17,7 @@ from exporters.provider import (
     ExportConfigError,
     build_telemetry,
     resolve_destination,
+    sdk_disabled,
 )
 from exporters.spans import build_span, new_trace_id, span_id_hex
 from tests.otlp_receiver import OtlpReceiver, attrs_dict
@@ -202,3 +203,24 @@ async def test_aclose_with_collector_down_returns_promptly_and_spools(otlp_recei
     spooled = {s.span_id.hex() for f in telemetry.spool_dir.glob("*.binpb") for r in read_span_file(f) for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans}
     assert spooled == ids
     assert (await telemetry.aclose()) == stats  # safe twice
+
+
+@pytest.mark.parametrize("to_collector", [True, False], ids=["otlp", "embedded-files"])
+def test_otel_sdk_disabled_turns_off_spans_as_well_as_metrics(otlp_receiver: OtlpReceiver, tmp_path: Path, to_collector: bool) -> None:
+    # the OTel spec: OTEL_SDK_DISABLED=true disables the SDK for every signal (metrics were off, spans went on)
+    env = {"OTEL_SDK_DISABLED": "TRUE"}
+    if to_collector:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_receiver.grpc_endpoint
+    telemetry = build_telemetry(ExportConfig(metrics_interval_s=60.0), data_dir=tmp_path, host_name="h", environ=env)
+    try:
+        _emit(telemetry, 4)
+        with telemetry.tracer_provider.get_tracer("t").start_as_current_span("live"):
+            pass
+        telemetry.metrics.incident_opened("stall")
+        assert telemetry.processor.flush(10.0) is True
+    finally:
+        telemetry.shutdown(3.0)  # what is sent is sent by now (the senders are synchronous)
+    assert telemetry.meter_provider is None and telemetry.spool_dir is None and telemetry.spans_dir is None
+    assert otlp_receiver.spans() == [] and otlp_receiver.metrics_requests == []
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no span file, no spool, no metrics file
+    assert sdk_disabled({"OTEL_SDK_DISABLED": "true"}) and not sdk_disabled({"OTEL_SDK_DISABLED": "1"}) and not sdk_disabled({})

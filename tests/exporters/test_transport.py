@@ -129,3 +129,31 @@ def test_grpc_unauthenticated_says_no_authorization_metadata_is_sent(otlp_receiv
         sender.close()
     assert (result.delivery, result.cause) == (Delivery.PERMANENT, Cause.AUTH)
     assert "no authorization header is sent" in result.explain()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_traces_only_receiver_refusing_metrics_is_not_a_protocol_mismatch(protocol: str) -> None:
+    # Jaeger and Tempo take OTLP traces only: metrics get gRPC UNIMPLEMENTED ("unknown service
+    # ...MetricsService") or HTTP 404 at /v1/metrics, while the trace export on the same endpoint works
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    with OtlpReceiver(traces_only=True) as receiver:
+        traces = make_sender(receiver.endpoint(protocol), protocol)
+        metrics = make_sender(receiver.endpoint(protocol), protocol, signal="metrics")
+        try:
+            trace_result = traces.send(_request(), timeout_s=10)
+            metrics_request = ExportMetricsServiceRequest()
+            metrics_request.resource_metrics.add().scope_metrics.add().metrics.add(name="servewatch.incidents")
+            result = metrics.send(metrics_request, timeout_s=10)
+        finally:
+            traces.close()
+            metrics.close()
+        assert trace_result.delivery is Delivery.OK and receiver.span_count == 3
+    assert (result.delivery, result.cause) == (Delivery.PERMANENT, Cause.SIGNAL_NOT_TAKEN)
+    assert result.detail == ("grpc UNIMPLEMENTED" if protocol == "grpc" else "http 404 Not Found")
+    line = result.explain()
+    assert "protocol mismatch" not in line and "OTEL_EXPORTER_OTLP_PROTOCOL" not in line
+    assert line.startswith("this endpoint takes traces but not metrics")
+    assert "export.metrics = false (SERVEWATCH_EXPORT__METRICS=false)" in line

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -254,3 +255,53 @@ def test_an_attached_agent_keeps_the_records_at_close(fresh_channel: Path, expor
         assert len(reader.read()) == 1  # the agent drains the file it holds open
     finally:
         reader.close()
+
+
+def _raise_deep(depth: int) -> None:
+    if depth:
+        _and_deeper(depth - 1)  # two functions in turn: Python collapses only repeats of one frame
+    raise RuntimeError("the final error line, what the on-call reads first")
+
+
+def _and_deeper(depth: int) -> None:
+    _raise_deep(depth)
+
+
+def test_exception_stacktrace_fits_tempo_limit_and_keeps_the_error_line(fresh_channel: Path) -> None:
+    # Tempo keeps the first 2,048 bytes of a string attribute: a deep trace must fit, with its
+    # header, its innermost frames and the error line at the end.
+    channel.ring()
+    reader = _attach()
+    try:
+        with pytest.raises(RuntimeError), sdk.request_span("r-deep", model="m"):
+            _raise_deep(60)
+        [record] = [json.loads(p) for p in reader.read()]
+    finally:
+        reader.close()
+    [[name, _ts, attrs]] = record[10]
+    trace_text = attrs["exception.stacktrace"]
+    assert name == "exception"
+    assert len(trace_text.encode()) <= channel.MAX_STACKTRACE_BYTES == 2048
+    lines = trace_text.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-1] == "RuntimeError: the final error line, what the on-call reads first"
+    assert any(line.startswith("  ... ") and line.endswith(" frame(s) omitted ...") for line in lines)
+    assert 'raise RuntimeError("the final error line, what the on-call reads first")' in trace_text  # the innermost frame
+    # a short trace is kept whole, in Python's own format
+    try:
+        _raise_deep(1)
+    except RuntimeError as exc:
+        assert channel.bounded_stacktrace(exc) == "".join(traceback.format_exception(exc))
+        assert channel.bounded_stacktrace(RuntimeError("x" * 5000)) == "RuntimeError: " + "x" * (2048 - 14)
+
+
+def test_the_servers_own_otel_export_bounds_the_stacktrace_too(fresh_channel: Path, exporter) -> None:
+    # no agent attached: the span goes through the server's OTel SDK, whose record_exception
+    # writes the whole trace; the SDK gives it the bounded one
+    with pytest.raises(RuntimeError), sdk.request_span("r-deep-otel", model="m"):
+        _raise_deep(60)
+    [span] = exporter.get_finished_spans()
+    [event] = span.events
+    trace_text = event.attributes["exception.stacktrace"]
+    assert len(trace_text.encode()) <= 2048
+    assert trace_text.splitlines()[-1] == "RuntimeError: the final error line, what the on-call reads first"

@@ -3,6 +3,7 @@ same protocol default (grpc), TLS; a server following the README example reaches
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,15 @@ from tests.tls_certs import make_tls_material
 @pytest.fixture
 def otlp_receiver() -> Iterator[OtlpReceiver]:
     yield from otlp_receiver_fixture()
+
+
+@pytest.fixture(autouse=True)
+def _forget_service_name() -> Iterator[None]:
+    """tracer_provider_from_env declares the service name to the SDK: never past its test."""
+    from agent.sdk import provider
+
+    yield
+    provider.set_service_name("")
 
 
 def _serve_two_requests() -> tuple[str, str]:
@@ -73,3 +83,59 @@ def test_server_export_uses_tls_from_env_and_none_without_endpoint(tmp_path: Pat
         assert {s.protocol for s in receiver.spans()} == {"http/protobuf"}
     finally:
         receiver.stop()
+
+
+def test_server_exported_spans_carry_the_same_identity_as_the_spans_the_agent_ships(otlp_receiver: OtlpReceiver) -> None:
+    # one process, one resource: the server's own export states host.name, process.pid and
+    # process.user.id exactly as the agent's shipper does for the same process
+    from exporters.shipper import _server_resource
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.grpc_endpoint, "SERVEWATCH_HOST_NAME": "gpu-node-7"}
+    provider = tracer_provider_from_env("srv", environ=env)
+    assert provider is not None
+    tracing.set_tracer_provider(provider)
+    try:
+        _serve_two_requests()
+        # what the ring declares when this provider is installed, as the agent ships it
+        shipped = _server_resource({"resource": dict(provider.resource.attributes)}, os.getpid(), "gpu-node-7", os.geteuid())
+    finally:
+        tracing.set_tracer_provider(None)
+        provider.shutdown()
+    assert otlp_receiver.wait_for_spans(2, 10.0)
+    [resource] = {tuple(sorted(s.resource.items())) for s in otlp_receiver.spans()}
+    exported = dict(resource)
+    assert exported["host.name"] == "gpu-node-7"
+    assert exported["process.pid"] == os.getpid()
+    assert exported["process.user.id"] == os.geteuid()
+    assert exported["service.name"] == "srv"
+    assert exported == dict(shipped.attributes)
+
+
+def test_a_server_without_endpoint_still_names_its_service_for_the_spans_the_agent_ships(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # the README's standalone server (and the demo): no OTEL endpoint, an agent ships its spans;
+    # they arrived as service.name=unknown_service
+    from agent.sdk import channel, provider
+    from agent.sdk import ring as _ring
+    from exporters.shipper import _server_resource
+
+    monkeypatch.setenv("SERVEWATCH_SHM_DIR", str(tmp_path))
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    channel.close()
+    channel._state = 0
+    try:
+        assert tracer_provider_from_env("my-llm-server", environ={}) is None
+        assert channel.ring() is not None
+        reader = _ring.RingReader(os.getpid(), trusted_uids={os.geteuid()})
+        try:
+            declared = reader.metadata
+        finally:
+            reader.close()
+    finally:
+        channel.close()
+        channel._state = 0
+        provider.set_service_name("")
+    assert declared["resource"]["service.name"] == "my-llm-server"
+    assert _server_resource(declared, os.getpid(), "h", os.geteuid()).attributes["service.name"] == "my-llm-server"

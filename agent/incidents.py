@@ -267,6 +267,7 @@ class IncidentRecord:
             phases_done=tuple(self.phases_done),
             phases_pending=tuple(self.phases_pending),
             interrupted_reason=self.interrupted_reason,
+            interrupted=self.state == STATE_INTERRUPTED,  # never "interrupted": false beside that state
             root_published=self.root_published,
             spans_tracked=True,
             agent_pid=os.getpid(),

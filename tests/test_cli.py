@@ -284,6 +284,38 @@ def test_ctrl_c_while_the_demo_server_starts_says_it_stops_it_at_once(tmp_path: 
 
 
 @pytest.mark.slow
+def test_ctrl_c_mid_incident_in_the_demo_names_the_interrupted_bundle(tmp_path: Path, spawn) -> None:
+    """SIGINT while the demo's incident captures stacks (py-spy hangs): the demo names the bundle
+    it leaves interrupted, and that manifest says ``interrupted: true`` beside its state."""
+    log = tmp_path / "pyspy.log"
+    exe = tmp_path / "py-spy-hangs"
+    exe.write_text(
+        f"#!{sys.executable}\nimport runpy, sys\n"
+        f"sys.argv = [sys.argv[0], 'hang', {str(log)!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({str(PROGRAMS_DIR / 'fake_pyspy.py')!r}, run_name='__main__')\n"
+    )
+    exe.chmod(0o755)
+    env = _env(tmp_path, SERVEWATCH_PYSPY__EXECUTABLE=str(exe), SERVEWATCH_PYSPY__TIMEOUT_S="100",
+               SERVEWATCH_INCIDENT__INTERRUPT_GRACE_S="1", SERVEWATCH_HOST_NAME="h1")
+    demo = spawn([*CLI, "demo", "--data-dir", str(tmp_path / "data")], stdout=subprocess.DEVNULL,
+                 stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+    assert demo.stderr is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not log.exists() and demo.poll() is None:
+        time.sleep(0.1)  # py-spy (hanging) has started: the incident is mid-phase
+    assert log.exists(), "the demo's incident never started py-spy"
+    demo.send_signal(signal.SIGINT)
+    assert demo.wait(timeout=60) == 130
+    text = demo.stderr.read().decode()
+    bundles = list((tmp_path / "data" / "h1").glob("*-stall-*/manifest.json"))
+    assert len(bundles) == 1, text
+    m = json.loads(bundles[0].read_text())
+    assert (m["state"], m["interrupted"]) == ("interrupted", True)
+    said = [ln for ln in text.splitlines() if f"incident {m['incident_id']} was interrupted" in ln]
+    assert said and f"{bundles[0].parent}/" in said[0], text
+
+
+@pytest.mark.slow
 def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     r = _cli(tmp_path, "demo", "--json", timeout_s=150)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -696,6 +696,10 @@ def dump(
     _data_dir_ready(settings)
     agent = Agent.build(settings)
     record = anyio.run(lambda: agent.dump(handle_signals=True))
+    judge = agent.incidents.judge
+    if judge is not None and judge.progress_unread:  # given, not read: said once, before the summary
+        err.print(f"servewatch: {'--metrics-url' if metrics_url else 'metrics.url'}: {judge.progress_unread}",
+                  markup=False, highlight=False, soft_wrap=True)
     _print_record(record, as_json=as_json)
     delivered = _say_spooled(agent.telemetry, agent.export_statistics)
     from agent.events import Outcome

@@ -188,6 +188,24 @@ def test_dump_of_ranks_that_all_dumped_exits_0(tmp_path: Path, spawn, python: st
     assert "Wrote 1 stack dump(s)" in r.stdout and "Errors: 0" in r.stdout
 
 
+def test_dump_says_once_that_its_metrics_url_gave_no_reading(tmp_path: Path, spawn, python: str) -> None:
+    """`dump --metrics-url` to a port nothing listens on: one stderr line says so (before, not a
+    word), and the verdict never advises passing the --metrics-url that was given."""
+    import socket
+
+    rank = _titled(spawn, python, f"murl{os.getpid()}::scheduler_TP0")
+    with socket.socket() as held:  # bound, never listening: a connect is refused
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}/metrics"
+        r = _cli(tmp_path, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data"), "--metrics-url", url,
+                 timeout_s=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("servewatch: --metrics-url: ")]
+    assert said == [(f"servewatch: --metrics-url: no reading: connection refused at {url} (nothing listens there: "
+                     "wrong host or port, or the server is down)")], r.stderr
+    assert "--metrics-url" not in r.stdout, r.stdout
+
+
 def _gone_pid() -> int:
     """The pid of a process that ran and was reaped (no process has it now)."""
     proc = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)

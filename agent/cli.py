@@ -532,8 +532,8 @@ def run(
             if duration is not None:
                 tg.start_soon(_stop_after, agent, duration)
             await agent.run()
+            _print_seen(agent, printer, settings)  # before the signal watcher ends: a Ctrl-C now is taken
             tg.cancel_scope.cancel()
-        _print_seen(agent, printer, settings)
 
     err.print(f"servewatch: watching (data dir {settings.data_dir}); Ctrl-C to stop", markup=False)
     anyio.run(main)
@@ -556,14 +556,24 @@ def _print_seen(agent: Any, printer: _IncidentPrinter, settings: Settings) -> No
 
 
 async def _stop_on_signal(agent: Any) -> None:
+    """The first SIGINT/SIGTERM stops ``agent``; later ones are taken too, until the caller
+    cancels this after its summary: a second Ctrl-C while the agent stops must not raise
+    KeyboardInterrupt in its bounded shutdown (a traceback, the summary lost). Once stopping,
+    SIGINT stays ignored for the interpreter's last steps."""
     import signal
 
     import anyio
 
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            agent.stop(f"{signal.Signals(signum).name} received")
-            return
+    stopping = False
+    try:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if not stopping:
+                    agent.stop(f"{signal.Signals(signum).name} received")
+                    stopping = True
+    finally:
+        if stopping:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 async def _stop_after(agent: Any, seconds: float) -> None:

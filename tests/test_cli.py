@@ -206,6 +206,34 @@ def test_dump_says_once_that_its_metrics_url_gave_no_reading(tmp_path: Path, spa
     assert "--metrics-url" not in r.stdout, r.stdout
 
 
+def test_ctrl_c_of_run_pressed_again_while_it_stops_prints_no_traceback_and_keeps_its_summary(
+    tmp_path: Path, spawn, python: str
+) -> None:
+    """Ctrl-C, then Ctrl-C again every 20 ms while `run` stops (an impatient user, or tmux sending
+    it twice): before, a second SIGINT after the first had been handled raised KeyboardInterrupt
+    in the exporters' flush (an asyncio traceback) and lost the summary line."""
+    target = _titled(spawn, python, f"sigint{os.getpid()}::scheduler_TP0")
+    run = spawn([*CLI, "run", "--pid", str(target.pid), "--data-dir", str(tmp_path / "data")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=_env(tmp_path), bufsize=0)
+    assert run.stderr is not None  # unbuffered: select() sees every line readline() has not taken
+    deadline = time.monotonic() + 60
+    line = b""
+    while b"watching 1 target process" not in line:
+        ready, _, _ = select.select([run.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        line = run.stderr.readline() if ready else b""
+        assert ready and line, "run never said it watches its target"
+    run.send_signal(signal.SIGINT)
+    for _ in range(500):  # bounded: 10 s of presses
+        if run.poll() is not None:
+            break
+        run.send_signal(signal.SIGINT)
+        time.sleep(0.02)
+    text = run.stderr.read().decode()
+    assert run.wait(timeout=60) == 0, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.splitlines()[-1].startswith("servewatch: stopped after "), text
+
+
 def _gone_pid() -> int:
     """The pid of a process that ran and was reaped (no process has it now)."""
     proc = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import typer
 
@@ -705,7 +705,15 @@ def dump(
         fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
     _data_dir_ready(settings)
     agent = Agent.build(settings)
-    record = anyio.run(lambda: agent.dump(handle_signals=True))
+    progress = _DumpProgress(len(t.pids) or None) if sys.stderr.isatty() else None  # a pipe gets nothing extra
+    if progress is not None:
+        agent.incidents.on_phase = progress.phase
+        progress.phase("starting")
+    try:
+        record = anyio.run(lambda: agent.dump(handle_signals=True))
+    finally:
+        if progress is not None:
+            progress.done()
     judge = agent.incidents.judge
     if judge is not None and judge.progress_unread:  # given, not read: said once, before the summary
         err.print(f"servewatch: {'--metrics-url' if metrics_url else 'metrics.url'}: {judge.progress_unread}",
@@ -722,6 +730,29 @@ def dump(
     captured = any(r.outcome is Outcome.OK or r.outcome in GONE_OUTCOMES for r in record.results)
     if record.state == "interrupted" or stack_dump_errors(record) or not captured or not delivered:
         raise typer.Exit(int(ExitCode.FAILURE))
+
+
+class _DumpProgress:
+    """``dump``'s one progress line on a terminal (stderr): what it does now, rewritten in place
+    as each phase starts (``servewatch: dump: pyspy.dump (stacks)…``), erased before the summary."""
+
+    #: what a phase does, in words (an unknown phase: its name)
+    WORDS: ClassVar[dict[str, str]] = {"starting": "finding the processes, opening the incident", "pyspy.dump": "dumping stacks (py-spy)",
+             "flightrec.dump": "reading the Flight Recorder", "cuda.coredump": "GPU coredumps",
+             "verdict": "judging the evidence", "profile.session": "profiling"}
+
+    def __init__(self, n_pids: int | None) -> None:
+        self.of = f" of {n_pids} process(es)" if n_pids else ""
+
+    def phase(self, name: str) -> None:
+        from agent.security import strip_control
+
+        sys.stderr.write(f"\r\x1b[Kservewatch: dump{self.of}: {self.WORDS.get(name) or strip_control(name)}…")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
 
 
 # --- demo ----------------------------------------------------------------------------------

@@ -234,6 +234,57 @@ def test_ctrl_c_of_run_pressed_again_while_it_stops_prints_no_traceback_and_keep
     assert text.splitlines()[-1].startswith("servewatch: stopped after "), text
 
 
+def _read_all(fd: int, proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+    """Everything written to the pty ``fd`` until ``proc`` exits and the pty is drained (bounded)."""
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the other end closed (EIO)
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    return out
+
+
+def test_dump_says_what_it_is_doing_on_a_terminal_and_nothing_extra_on_a_pipe(tmp_path: Path, spawn, python: str) -> None:
+    """Before: a blank screen until the summary. On a terminal, one progress line rewritten in
+    place per phase and erased before the summary; on a pipe, not a byte of it."""
+    import pty
+
+    rank = _titled(spawn, python, f"prog{os.getpid()}::scheduler_TP0")
+    argv = [*CLI, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data")]
+    leader, follower = pty.openpty()
+    try:
+        proc = spawn(argv, stdout=subprocess.PIPE, stderr=follower, cwd=tmp_path, env=_env(tmp_path))
+        os.close(follower)
+        follower = -1
+        screen = _read_all(leader, proc, 90).decode()
+        assert proc.wait(timeout=30) == 0, screen
+        assert proc.stdout is not None
+        assert "Wrote 1 stack dump(s)" in proc.stdout.read().decode()
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    steps = screen.split("\r\x1b[K")
+    assert steps[0] == "" and steps[-1] == "", screen  # rewritten in place, erased at the end
+    said = [s for s in steps if s]
+    assert said[0] == "servewatch: dump of 1 process(es): finding the processes, opening the incident…", said
+    assert "servewatch: dump of 1 process(es): dumping stacks (py-spy)…" in said, said
+    assert "servewatch: dump of 1 process(es): judging the evidence…" in said, said
+
+    piped = _cli(tmp_path, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data"), timeout_s=90)
+    assert piped.returncode == 0, piped.stderr
+    assert "servewatch: dump of" not in piped.stderr and "\x1b" not in piped.stderr, piped.stderr
+
+
 def _gone_pid() -> int:
     """The pid of a process that ran and was reaped (no process has it now)."""
     proc = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)

@@ -181,13 +181,17 @@ class Watchdog:
             if fired:
                 # series that stalled together (TP ranks in lockstep) are one stall
                 reading, start = min(fired, key=lambda f: f[1])
+                # how long without progress: from the counter's own last-step time where it has one
+                # (an agent started after the hang saw it busy only now, but the step is older)
+                last = reading.last_progress_monotonic_ns
+                since = start if last is None else min(start, last)
                 self.stalls += 1
                 await bus.publish(
                     WatchdogStalled(
                         source=self.name,
                         pid=reading.pid,
                         forward_ct=sum(r.forward_ct for r, _ in fired),
-                        stalled_for_s=(reading.read_monotonic_ns - start) / 1e9,
+                        stalled_for_s=(reading.read_monotonic_ns - since) / 1e9,
                         timeout_s=self.config.timeout_s,
                         counter_source=counter_source,
                         series="; ".join(r.series for r, _ in fired if r.series),

@@ -121,6 +121,8 @@ async def test_idle_server_never_stalls_and_the_clock_restarts_when_work_arrives
     (stall,) = bus.of_type(WatchdogStalled)
     assert stall.forward_ct == last.forward_ct  # no step since the idle spell
     assert fired_at_ns - busy_from_ns >= TIMEOUT_S * 1e9  # not fired off the pre-idle step time
+    # and its length counts from when work was pending, not from the step before the idle spell
+    assert stall.stalled_for_s <= (fired_at_ns - busy_from_ns) / 1e9, stall
 
 
 async def test_stall_and_rearm_with_the_prometheus_source(spawn, tmp_path: Path) -> None:

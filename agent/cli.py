@@ -1081,12 +1081,27 @@ def timeline(
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
+    _say_newer_dumps(incident, settings.data_dir, tl)
     if as_json:
         _print_json(timeline_to_dict(tl))
         return
     # a terminal: its width; a file or pipe: $COLUMNS, else 120 (rich's 80 would wrap what has room)
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120
     render_timeline(tl, _safe_console(soft_wrap=True, width=width))
+
+
+def _say_newer_dumps(incident: str | None, data_dir: Path, tl: Any) -> None:
+    """``latest`` is the incident that paged (manual dumps after it do not hide it): one stderr
+    line names the manual dumps taken since, and how to read the newest."""
+    if incident not in (None, "latest"):
+        return
+    from exporters.bundle import newer_manual_dumps
+
+    newer = newer_manual_dumps(data_dir)
+    if newer:
+        err.print(f"servewatch: latest is {tl.incident_id} ({tl.trigger}), the incident that paged; manual dump(s)"
+                  f" since: {', '.join(newer)} (servewatch timeline {newer[-1]} --data-dir {data_dir})",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -1102,6 +1117,7 @@ def report(
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
+    _say_newer_dumps(incident, settings.data_dir, tl)
     if str(output) == "-":
         sys.stdout.write(render_report_html(tl))  # no control character in it: a terminal may show it
         sys.stdout.flush()

@@ -285,6 +285,30 @@ def test_dump_says_what_it_is_doing_on_a_terminal_and_nothing_extra_on_a_pipe(tm
     assert "servewatch: dump of" not in piped.stderr and "\x1b" not in piped.stderr, piped.stderr
 
 
+def test_timeline_latest_after_the_paged_steps_shows_the_paging_incident_and_names_the_dump(tmp_path: Path) -> None:
+    """The Paged section's step 3 (`dump`) made a newer manual incident: `timeline latest` still
+    shows the stall that paged, and one stderr line names the dump and how to read it."""
+    data = tmp_path / "data"
+    for incident_id, trigger, opened_s in (("20261201T190000Z-stall-bbbbbb", "stall", 0),
+                                           ("20261201T191000Z-manual-cccccc", "manual", 600)):
+        bundle = data / "h1" / incident_id
+        bundle.mkdir(parents=True)
+        opened = (1_796_151_600 + opened_s) * 10**9
+        (bundle / "manifest.json").write_text(json.dumps({
+            "schema": "servewatch.incident/1", "incident_id": incident_id, "trigger": trigger, "detail": "d",
+            "host.name": "h1", "trace_id": "", "span_id": "", "opened_time_unix_nano": opened,
+            "closed_time_unix_nano": opened + 10**9, "duration_s": 1.0, "targets": [], "actions": [],
+            "inflight_requests": 0}))
+    r = _cli(tmp_path, "timeline", "latest", "--data-dir", str(data), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["incident_id"] == "20261201T190000Z-stall-bbbbbb"
+    assert r.stderr.splitlines() == [
+        ("servewatch: latest is 20261201T190000Z-stall-bbbbbb (stall), the incident that paged; manual dump(s) since:"
+        f" 20261201T191000Z-manual-cccccc (servewatch timeline 20261201T191000Z-manual-cccccc --data-dir {data})")]
+    named = _cli(tmp_path, "timeline", "cccccc", "--data-dir", str(data), "--json")
+    assert (named.returncode, named.stderr) == (0, ""), named.stderr
+
+
 def _gone_pid() -> int:
     """The pid of a process that ran and was reaped (no process has it now)."""
     proc = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)

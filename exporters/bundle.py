@@ -41,7 +41,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from agent.errors import BundleCorruptError, BundleError, BundleNotFoundError, ManifestError
-from agent.events import Action
+from agent.events import Action, Trigger
 from agent.manifest import MANIFEST_NAME, IncidentState, Manifest, load_manifest
 from agent.security import is_within
 from agent.stacks import Frame, ThreadStack, hung_location, parse_threads
@@ -411,13 +411,13 @@ def _opened_and_manual(bundle: Path) -> tuple[int, bool]:
     try:
         m = load_manifest(bundle / MANIFEST_NAME)
     except (OSError, ManifestError):
-        manual = "-manual-" in bundle.name
+        manual = f"-{Trigger.MANUAL}-" in bundle.name
         try:
             stamp = datetime.strptime(bundle.name[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
         except ValueError:
             return (bundle / MANIFEST_NAME).stat().st_mtime_ns, manual
         return int(stamp.timestamp()) * 10**9, manual
-    return m.opened_time_unix_nano, str(m.trigger) == "manual"
+    return m.opened_time_unix_nano, m.trigger == Trigger.MANUAL
 
 
 def _latest(bundles: Sequence[Path]) -> tuple[Path, list[Path]]:

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -732,14 +732,19 @@ def dump(
         raise typer.Exit(int(ExitCode.FAILURE))
 
 
+def _phase_words() -> dict[str, str]:
+    """What a phase of ``dump`` does, in words (an unknown phase: its name)."""
+    from agent.events import Action
+
+    return {"starting": "finding the processes, opening the incident", Action.PYSPY_DUMP: "dumping stacks (py-spy)",
+            Action.FLIGHTREC_DUMP: "reading the Flight Recorder", Action.CUDA_COREDUMP: "GPU coredumps",
+            "verdict": "judging the evidence", Action.PROFILE_SESSION: "profiling"}
+
+
 class _DumpProgress:
     """``dump``'s one progress line on a terminal (stderr): what it does now, rewritten in place
-    as each phase starts (``servewatch: dump: pyspy.dump (stacks)…``), erased before the summary."""
-
-    #: what a phase does, in words (an unknown phase: its name)
-    WORDS: ClassVar[dict[str, str]] = {"starting": "finding the processes, opening the incident", "pyspy.dump": "dumping stacks (py-spy)",
-             "flightrec.dump": "reading the Flight Recorder", "cuda.coredump": "GPU coredumps",
-             "verdict": "judging the evidence", "profile.session": "profiling"}
+    as each phase starts (``servewatch: dump of 2 process(es): dumping stacks (py-spy)…``), erased
+    before the summary."""
 
     def __init__(self, n_pids: int | None) -> None:
         self.of = f" of {n_pids} process(es)" if n_pids else ""
@@ -747,7 +752,7 @@ class _DumpProgress:
     def phase(self, name: str) -> None:
         from agent.security import strip_control
 
-        sys.stderr.write(f"\r\x1b[Kservewatch: dump{self.of}: {self.WORDS.get(name) or strip_control(name)}…")
+        sys.stderr.write(f"\r\x1b[Kservewatch: dump{self.of}: {_phase_words().get(name) or strip_control(name)}…")
         sys.stderr.flush()
 
     def done(self) -> None:

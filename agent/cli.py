@@ -620,9 +620,15 @@ def status(
     except ValueError as exc:  # its message starts with the path: say it once
         fail(f"cannot read {path}: {str(exc).removeprefix(f'{path}: ')}")
     running = snap.host_name != settings.host_name or _pid_alive(snap.agent_pid)
+    from agent.agentfiles import live_agents
+
+    agents = live_agents(path.parent.parent, path.parent.name)  # every agent on this data dir, first first
     if as_json:
-        _print_json({**snap.to_json(), "agent_running": running})
+        _print_json({**snap.to_json(), "agent_running": running, "agents_running": agents})
     else:
+        if len(agents) > 1:  # they share one status file: say whose lines these are
+            err.print(f"servewatch: {len(agents)} agents use this data dir (pids {', '.join(map(str, agents))}); the lines"
+                      f" below are pid {snap.agent_pid}'s, the last to write {path}", markup=False)
         age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
         header = (
             f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}"

@@ -309,6 +309,46 @@ def test_timeline_latest_after_the_paged_steps_shows_the_paging_incident_and_nam
     assert (named.returncode, named.stderr) == (0, ""), named.stderr
 
 
+def _line_with(stream, needle: bytes, timeout_s: float) -> bytes:
+    """The first line of ``stream`` (unbuffered) holding ``needle``; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([stream], [], [], max(0.0, left))
+        line = stream.readline() if ready else b""
+        assert ready and line, f"no line with {needle!r} within {timeout_s:g} s"
+        if needle in line:
+            return line
+
+
+def test_a_second_agent_on_one_data_dir_says_so_and_status_shows_both(tmp_path: Path, spawn) -> None:
+    """Before: no word, and `status` showed whichever agent wrote last as if it were alone."""
+    data = tmp_path / "data"
+    argv = [*CLI, "run", "--match", f"nothing{os.getpid()}::*", "--data-dir", str(data)]
+    env = _env(tmp_path, SERVEWATCH_HOST_NAME="h1")
+    first = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=env, bufsize=0)
+    _line_with(first.stderr, b"still looking", 60)
+    second = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=env, bufsize=0)
+    said = _line_with(second.stderr, b"another agent", 60).decode().rstrip("\n")
+    assert said == (f"servewatch: warning: another agent (pid {first.pid}) already uses data dir {data}: both write"
+                    " its status and incidents (`servewatch status` shows both); give this one its own --data-dir")
+    _line_with(second.stderr, b"still looking", 60)  # its status is written too
+    try:
+        status = _cli(tmp_path, "status", "--json", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
+        doc = json.loads(status.stdout)
+        assert doc["agents_running"] == [first.pid, second.pid], status.stdout
+        text = _cli(tmp_path, "status", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
+        assert (f"servewatch: 2 agents use this data dir (pids {first.pid}, {second.pid}); the lines below are pid"
+                f" {doc['agent_pid']}'s, the last to write ") in text.stderr, text.stderr
+    finally:
+        for proc in (second, first):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    assert not list((data / "h1" / "agents").iterdir())  # a clean stop removes its presence file
+    alone = _cli(tmp_path, "status", "--json", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
+    assert json.loads(alone.stdout)["agents_running"] == []
+
+
 def _gone_pid() -> int:
     """The pid of a process that ran and was reaped (no process has it now)."""
     proc = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)

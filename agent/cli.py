@@ -226,6 +226,16 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
     return settings
 
 
+def _read_only_settings(data_dir: Path | None, config: Path | None) -> Any:
+    """``data_dir`` and ``host_name`` for a read-only command (``status``, ``timeline``,
+    ``report``): without the full settings model where nothing else could matter
+    (:func:`agent.location.read_only_location`), else the full settings (every problem named)."""
+    from agent.location import read_only_location
+
+    where = read_only_location(data_dir, config)
+    return where if where is not None else _settings({"data_dir": data_dir}, config, writes=False)
+
+
 def _flag_for(key: str, value: Any) -> str | None:
     """The flag of the running command that gave setting ``key`` (dotted) this ``value``
     (``("metrics.metrics_preset", "foo")`` -> ``"--metrics-preset"``), or None (no command is
@@ -329,7 +339,7 @@ def _target(
 def _data_dir_source(flag: Path | None, config: Path | None) -> str:
     """Where the data dir setting came from, by the settings' precedence: ``--data-dir``,
     ``SERVEWATCH_DATA_DIR``, ``data_dir in FILE`` (``--config``) or ``the default``."""
-    from agent.config import ENV_DATA_DIR
+    from agent.location import ENV_DATA_DIR
 
     if flag is not None:
         return "--data-dir"
@@ -602,7 +612,7 @@ def status(
 
     from agent.watchers.status import STATUS_FILE, read_status_file, status_path
 
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    settings = _read_only_settings(data_dir, config)
     path = status_path(settings.data_dir, settings.host_name)
     if not path.is_file():
         others = sorted(settings.data_dir.glob(f"*/{STATUS_FILE}")) if settings.data_dir.is_dir() else []
@@ -1090,7 +1100,7 @@ def timeline(
     from exporters.bundle import load_incident_arg
     from exporters.timeline import render_timeline, timeline_to_dict
 
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    settings = _read_only_settings(data_dir, config)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
     _say_newer_dumps(incident, settings.data_dir, tl)
     if as_json:
@@ -1126,7 +1136,7 @@ def report(
     from exporters.bundle import load_incident_arg
     from exporters.report import render_report_html, report_summary, write_report
 
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    settings = _read_only_settings(data_dir, config)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
     _say_newer_dumps(incident, settings.data_dir, tl)
     if str(output) == "-":

@@ -1,7 +1,8 @@
 """Which watching agents use one data dir: a presence file per running agent.
 
 Owns ``<data_dir>/<host>/agents/<pid>.json`` (``{"pid", "create_time_s", "started_time_unix_nano"}``,
-0600 in a 0700 folder): :func:`register` writes this agent's at start and returns the live
+0600 in a 0700 folder): :func:`register` writes this agent's at start (removing those killed
+agents left) and returns the live
 agents that were there first (a second ``servewatch run`` on the same data dir says so with the
 first's pid: both write the same status file and bundle folder), :func:`unregister` removes it
 at a clean stop, and :func:`live_agents` lists the agents running now (``servewatch status``
@@ -47,9 +48,10 @@ def _create_time_s(pid: int) -> float | None:
         return None
 
 
-def live_agents(data_dir: str | os.PathLike[str], host_name: str) -> list[int]:
+def live_agents(data_dir: str | os.PathLike[str], host_name: str, *, remove_stale: bool = False) -> list[int]:
     """Pids of the agents running on this data dir now, by start time (a file left by a killed
-    agent, or of a reused pid, is skipped). Never raises for a missing or unreadable folder."""
+    agent, or of a reused pid, is skipped; with ``remove_stale``, removed). Never raises for a
+    missing or unreadable folder."""
     found: list[tuple[float, int]] = []
     try:
         files = sorted(agents_dir(data_dir, host_name).glob("*.json"))
@@ -64,6 +66,8 @@ def live_agents(data_dir: str | os.PathLike[str], host_name: str) -> list[int]:
         now = _create_time_s(pid)
         if now is not None and abs(now - started) <= _START_SLACK_S:
             found.append((started, pid))
+        elif remove_stale:  # a killed agent's: no agent
+            path.unlink(missing_ok=True)
     return [pid for _, pid in sorted(found)]
 
 
@@ -77,7 +81,7 @@ def register(data_dir: str | os.PathLike[str], host_name: str) -> tuple[Path | N
     from agent.fsutil import atomic_write_text, ensure_private_dir
 
     me = os.getpid()
-    others = [pid for pid in live_agents(data_dir, host_name) if pid != me]
+    others = [pid for pid in live_agents(data_dir, host_name, remove_stale=True) if pid != me]
     folder = agents_dir(data_dir, host_name)
     path = folder / f"{me}.json"
     doc = {"pid": me, "create_time_s": _create_time_s(me), "started_time_unix_nano": time.time_ns()}

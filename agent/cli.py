@@ -262,6 +262,16 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
     return settings
 
 
+def _read_only_settings(data_dir: Path | None, config: Path | None) -> Any:
+    """``data_dir`` and ``host_name`` for a read-only command (``status``, ``timeline``,
+    ``report``): without the full settings model where nothing else could matter
+    (:func:`agent.location.read_only_location`), else the full settings (every problem named)."""
+    from agent.location import read_only_location
+
+    where = read_only_location(data_dir, config)
+    return where if where is not None else _settings({"data_dir": data_dir}, config, writes=False)
+
+
 def _flag_for(key: str, value: Any) -> str | None:
     """The flag of the running command that gave setting ``key`` (dotted) this ``value``
     (``("metrics.metrics_preset", "foo")`` -> ``"--metrics-preset"``), or None (no command is
@@ -371,7 +381,7 @@ def _target(
 def _data_dir_source(flag: Path | None, config: Path | None) -> str:
     """Where the data dir setting came from, by the settings' precedence: ``--data-dir``,
     ``SERVEWATCH_DATA_DIR``, ``data_dir in FILE`` (``--config``) or ``the default``."""
-    from agent.config import ENV_DATA_DIR
+    from agent.location import ENV_DATA_DIR
 
     if flag is not None:
         return "--data-dir"
@@ -574,8 +584,8 @@ def run(
             if duration is not None:
                 tg.start_soon(_stop_after, agent, duration)
             await agent.run()
+            _print_seen(agent, printer, settings)  # before the signal watcher ends: a Ctrl-C now is taken
             tg.cancel_scope.cancel()
-        _print_seen(agent, printer, settings)
 
     err.print(f"servewatch: watching (data dir {settings.data_dir}); Ctrl-C to stop", markup=False)
     anyio.run(main)
@@ -598,14 +608,24 @@ def _print_seen(agent: Any, printer: _IncidentPrinter, settings: Settings) -> No
 
 
 async def _stop_on_signal(agent: Any) -> None:
+    """The first SIGINT/SIGTERM stops ``agent``; later ones are taken too, until the caller
+    cancels this after its summary: a second Ctrl-C while the agent stops must not raise
+    KeyboardInterrupt in its bounded shutdown (a traceback, the summary lost). Once stopping,
+    SIGINT stays ignored for the interpreter's last steps."""
     import signal
 
     import anyio
 
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            agent.stop(f"{signal.Signals(signum).name} received")
-            return
+    stopping = False
+    try:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if not stopping:
+                    agent.stop(f"{signal.Signals(signum).name} received")
+                    stopping = True
+    finally:
+        if stopping:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 async def _stop_after(agent: Any, seconds: float) -> None:
@@ -635,7 +655,7 @@ def status(
     from agent.security import access_denied
     from agent.watchers.status import STATUS_FILE, read_status_file, status_path
 
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    settings = _read_only_settings(data_dir, config)
     path = status_path(settings.data_dir, settings.host_name)
     denied = access_denied(path)
     if denied is not None:  # the engineer who forgot sudo: whose it is and what to do, one line
@@ -656,9 +676,15 @@ def status(
     except ValueError as exc:  # its message starts with the path: say it once
         fail(f"cannot read {path}: {str(exc).removeprefix(f'{path}: ')}")
     running = snap.host_name != settings.host_name or _pid_alive(snap.agent_pid)
+    from agent.agentfiles import live_agents
+
+    agents = live_agents(path.parent.parent, path.parent.name)  # every agent on this data dir, first first
     if as_json:
-        _print_json({**snap.to_json(), "agent_running": running})
+        _print_json({**snap.to_json(), "agent_running": running, "agents_running": agents})
     else:
+        if len(agents) > 1:  # they share one status file: say whose lines these are
+            err.print(f"servewatch: {len(agents)} agents use this data dir (pids {', '.join(map(str, agents))}); the lines"
+                      f" below are pid {snap.agent_pid}'s, the last to write {path}", markup=False)
         age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
         header = (
             f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}"
@@ -741,7 +767,19 @@ def dump(
         fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
     _data_dir_ready(settings)
     agent = Agent.build(settings)
-    record = anyio.run(lambda: agent.dump(handle_signals=True))
+    progress = _DumpProgress(len(t.pids) or None) if sys.stderr.isatty() else None  # a pipe gets nothing extra
+    if progress is not None:
+        agent.incidents.on_phase = progress.phase
+        progress.phase("starting")
+    try:
+        record = anyio.run(lambda: agent.dump(handle_signals=True))
+    finally:
+        if progress is not None:
+            progress.done()
+    judge = agent.incidents.judge
+    if judge is not None and judge.progress_unread:  # given, not read: said once, before the summary
+        err.print(f"servewatch: {'--metrics-url' if metrics_url else 'metrics.url'}: {judge.progress_unread}",
+                  markup=False, highlight=False, soft_wrap=True)
     _print_record(record, as_json=as_json)
     delivered = _say_spooled(agent.telemetry, agent.export_statistics)
     from agent.events import Outcome
@@ -754,6 +792,34 @@ def dump(
     captured = any(r.outcome is Outcome.OK or r.outcome in GONE_OUTCOMES for r in record.results)
     if record.state == "interrupted" or stack_dump_errors(record) or not captured or not delivered:
         raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _phase_words() -> dict[str, str]:
+    """What a phase of ``dump`` does, in words (an unknown phase: its name)."""
+    from agent.events import Action
+
+    return {"starting": "finding the processes, opening the incident", Action.PYSPY_DUMP: "dumping stacks (py-spy)",
+            Action.FLIGHTREC_DUMP: "reading the Flight Recorder", Action.CUDA_COREDUMP: "GPU coredumps",
+            "verdict": "judging the evidence", Action.PROFILE_SESSION: "profiling"}
+
+
+class _DumpProgress:
+    """``dump``'s one progress line on a terminal (stderr): what it does now, rewritten in place
+    as each phase starts (``servewatch: dump of 2 process(es): dumping stacks (py-spy)…``), erased
+    before the summary."""
+
+    def __init__(self, n_pids: int | None) -> None:
+        self.of = f" of {n_pids} process(es)" if n_pids else ""
+
+    def phase(self, name: str) -> None:
+        from agent.security import strip_control
+
+        sys.stderr.write(f"\r\x1b[Kservewatch: dump{self.of}: {_phase_words().get(name) or strip_control(name)}…")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
 
 
 # --- demo ----------------------------------------------------------------------------------
@@ -1080,14 +1146,29 @@ def timeline(
     from exporters.bundle import load_incident_arg
     from exporters.timeline import render_timeline, timeline_to_dict
 
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    settings = _read_only_settings(data_dir, config)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
+    _say_newer_dumps(incident, settings.data_dir, tl)
     if as_json:
         _print_json(timeline_to_dict(tl))
         return
     # a terminal: its width; a file or pipe: $COLUMNS, else 120 (rich's 80 would wrap what has room)
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120
     render_timeline(tl, _safe_console(soft_wrap=True, width=width))
+
+
+def _say_newer_dumps(incident: str | None, data_dir: Path, tl: Any) -> None:
+    """``latest`` is the incident that paged (manual dumps after it do not hide it): one stderr
+    line names the manual dumps taken since, and how to read the newest."""
+    if incident not in (None, "latest"):
+        return
+    from exporters.bundle import newer_manual_dumps
+
+    newer = newer_manual_dumps(data_dir)
+    if newer:
+        err.print(f"servewatch: latest is {tl.incident_id} ({tl.trigger}), the incident that paged; manual dump(s)"
+                  f" since: {', '.join(newer)} (servewatch timeline {newer[-1]} --data-dir {data_dir})",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -1101,8 +1182,9 @@ def report(
     from exporters.bundle import load_incident_arg
     from exporters.report import render_report_html, report_summary, write_report
 
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    settings = _read_only_settings(data_dir, config)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
+    _say_newer_dumps(incident, settings.data_dir, tl)
     if str(output) == "-":
         sys.stdout.write(render_report_html(tl))  # no control character in it: a terminal may show it
         sys.stdout.flush()

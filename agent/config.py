@@ -52,6 +52,7 @@ from agent.errors import ConfigError
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
 from agent.fsutil import ensure_private_dir
 from agent.incidents import IncidentConfig
+from agent.location import DEFAULT_DATA_DIR, ENV_DATA_DIR, ENV_PREFIX
 from agent.registry import AgentValues, Kind, Registry
 from agent.security import unsafe_dir_reason, validate_host_name
 from agent.stall import WatchdogConfig
@@ -73,10 +74,6 @@ __all__ = [
     "unknown_env_warnings",
 ]
 
-#: Prefix of servewatch's environment variables.
-ENV_PREFIX = "SERVEWATCH_"
-#: Folder for incident bundles and embedded-default span files (default ``./servewatch-data``).
-ENV_DATA_DIR = "SERVEWATCH_DATA_DIR"
 
 
 #: :class:`AgentValues` fields that collect every providing table's value (a tuple)
@@ -104,7 +101,7 @@ class AgentSettings(BaseSettings):
     #: the tables of the registered components (set on the assembled model)
     component_tables: ClassVar[tuple[str, ...]] = ()
 
-    data_dir: Path = Field(Path("servewatch-data"), description="bundles and embedded-default span files")
+    data_dir: Path = Field(DEFAULT_DATA_DIR, description="bundles and embedded-default span files")
     host_name: str = Field(
         default_factory=socket.gethostname, description="host.name on spans and bundle paths",
         json_schema_extra={"shown_default": "this machine's host name"},

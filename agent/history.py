@@ -156,20 +156,37 @@ class ProgressHistory:
                 self.record(event)
 
 
+#: How much later than the last step reading the stall's own start must be to mean an idle spell
+#: came between (step counters are read every second; a busy server's last reading can trail
+#: its exact last step by that much), ns.
+STEP_READ_GAP_NS = 2 * 1_000_000_000
+
+
 def _progress_stopped(stall: HistoryPoint, points: Sequence[HistoryPoint]) -> HistoryPoint:
-    """When progress stopped before ``stall``: the last step reading of that process before it
-    (exact) when one was seen, else the stall's own estimate (its time minus how long it was
-    stalled, from :func:`points_of`)."""
+    """When progress stopped with work pending before ``stall``: the last step reading of that
+    process before it (exact) when one was seen, unless the stall's own start (its time minus how
+    long it was stalled, from :func:`points_of`: when work was pending without progress) is
+    later by more than :data:`STEP_READ_GAP_NS` (an idle spell came between); without step
+    readings, that start."""
     steps = [p for p in points if p.kind == "step" and p.pid == stall.pid and p.time_unix_nano <= stall.time_unix_nano]
-    if steps:
-        last = max(steps, key=lambda p: p.time_unix_nano)
+    estimates = [p for p in points if p.kind == "progress_stopped" and p.pid == stall.pid
+                 and p.time_unix_nano <= stall.time_unix_nano]
+    estimate = max(estimates, key=lambda p: p.time_unix_nano) if estimates else None
+    last = max(steps, key=lambda p: p.time_unix_nano) if steps else None
+    if last is not None and estimate is not None and estimate.time_unix_nano - last.time_unix_nano > STEP_READ_GAP_NS:
+        # the last step came before an idle spell: progress stopped with work pending only when
+        # work arrived again (the stall's own start), not at that step
+        return HistoryPoint(time_unix_nano=estimate.time_unix_nano, kind="progress_stopped", pid=stall.pid,
+                            forward_ct=last.forward_ct,
+                            detail=f"pid {stall.pid}: work pending from here and no forward step (its last step,"
+                                   f" forward_ct={last.forward_ct}, came {(estimate.time_unix_nano - last.time_unix_nano) / 1e9:.1f} s"
+                                   " earlier, before an idle spell)")
+    if last is not None:
         return HistoryPoint(time_unix_nano=last.time_unix_nano, kind="progress_stopped", pid=stall.pid,
                             forward_ct=last.forward_ct,
                             detail=f"pid {stall.pid} last seen stepping (forward_ct={last.forward_ct}; its counter is read"
                                    " every second): no forward step after this, work pending")
-    estimates = [p for p in points if p.kind == "progress_stopped" and p.pid == stall.pid
-                 and p.time_unix_nano <= stall.time_unix_nano]
-    if estimates:
-        return max(estimates, key=lambda p: p.time_unix_nano)
+    if estimate is not None:
+        return estimate
     return HistoryPoint(time_unix_nano=stall.time_unix_nano, kind="progress_stopped", pid=stall.pid,
                         forward_ct=stall.forward_ct, detail="progress stopped (time unknown)")

@@ -282,6 +282,7 @@ class IncidentRecord:
             phases_done=tuple(self.phases_done),
             phases_pending=tuple(self.phases_pending),
             interrupted_reason=self.interrupted_reason,
+            interrupted=self.state == STATE_INTERRUPTED,  # never "interrupted": false beside that state
             root_published=self.root_published,
             spans_tracked=True,
             agent_pid=os.getpid(),
@@ -399,6 +400,9 @@ class IncidentManager:
     ) -> None:
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
+        #: called with what an incident starts doing now (a phase's name, ``verdict``): the CLI's
+        #: progress line on a terminal (``servewatch dump``); ``None``: nobody listens
+        self.on_phase: Callable[[str], None] | None = None
         self._interrupt: str = ""
         self.exits = ExitPolicy(config)
         self.policies: list[TriggerPolicy] = [self.exits, *policies]
@@ -645,6 +649,14 @@ class IncidentManager:
             "stalled": self.stalls.entries(),
         }
 
+    def _say_phase(self, what: str) -> None:
+        if self.on_phase is None:
+            return
+        try:
+            self.on_phase(what)
+        except Exception:  # a progress line is a view; the incident goes on
+            log.exception("reporting the incident's phase failed")
+
     async def _notify(self) -> None:
         if self.on_state is None:
             return
@@ -843,6 +855,7 @@ class IncidentManager:
         the manifest when it ends."""
         opened = record.opened
         reported: list[ActionResult] = []
+        self._say_phase(name)
 
         async def publish(result: ActionResult) -> None:
             result = _with_span_id(result)
@@ -946,6 +959,7 @@ class IncidentManager:
         """The cross-rank verdict from the evidence, bounded (none without a judge)."""
         if self.judge is None:
             return
+        self._say_phase("verdict")
         t0 = time.monotonic()
         with anyio.move_on_after(min(10.0, self.config.phase_timeout_s)):
             try:

@@ -164,6 +164,10 @@ class ProgressSource(Protocol):
 
     async def read(self) -> _Reading | None: ...
 
+    def status(self) -> tuple[str, str]:
+        """``(state, reason)`` after the last read (``blind`` with why it failed)."""
+        ...
+
 
 #: Frames of a coordinator that waits on its workers' answer (vLLM's executor RPC).
 _WAITS_ON_WORKERS = re.compile(r"vllm/v1/executor/|collective_rpc|execute_model")
@@ -183,6 +187,12 @@ class _Readings:
     progress: tuple[bool, str, bool, int | None] | None = None
     #: no target was found: the only process is the one whose exit opened the incident
     no_targets: bool = False
+
+
+def _unread(source: ProgressSource) -> str:
+    """Why ``source`` gave no reading, in words: its ``status()`` reason."""
+    state, reason = source.status()
+    return f"no reading: {reason}" if state != "ready" and reason else f"no reading of {source.url}"
 
 
 class VerdictJudge:
@@ -212,6 +222,9 @@ class VerdictJudge:
         #: the verdict; ``None``: none (a watching agent has its watchdog)
         self.progress_source: ProgressSource | None = None
         self._progress_at_open: _Reading | None = None
+        #: why the given :attr:`progress_source` gave no reading for the last verdict, in words
+        #: (``""``: it was read, or none was given)
+        self.progress_unread = ""
         #: pids stopped (state T/t) when the last incident opened
         self._stopped_at_open: frozenset[int] = frozenset()
         self._groups: list[ServerGroup] = []
@@ -250,13 +263,18 @@ class VerdictJudge:
         """The server's counter read again, at least :data:`MIN_PROGRESS_INTERVAL_S` after the
         first reading: (advanced, in words, busy, the pid listening on its URL), or ``None``."""
         first, source = self._progress_at_open, self.progress_source
-        if first is None or source is None:
+        self.progress_unread = ""
+        if source is None:
+            return None
+        if first is None:
+            self.progress_unread = _unread(source)
             return None
         wait_s = MIN_PROGRESS_INTERVAL_S - (time.monotonic_ns() - first.read_monotonic_ns) / 1e9
         if wait_s > 0:
             time.sleep(wait_s)
         second = self._read_progress()
         if second is None:
+            self.progress_unread = _unread(source)
             return None
         moved = second.last_progress_monotonic_ns is not None and second.last_progress_monotonic_ns > first.read_monotonic_ns
         dt_s = (second.read_monotonic_ns - first.read_monotonic_ns) / 1e9
@@ -337,7 +355,8 @@ class VerdictJudge:
         progress = readings.progress if _serves(members, readings.progress, single=len(self._groups) == 1) else None
         judged = Evidence.of(
             evidence, trigger=trigger, world_size=world_size,
-            server_progress=progress[0] if progress else None, server_progress_detail=progress[1] if progress else "",
+            server_progress=progress[0] if progress else None,
+            server_progress_detail=progress[1] if progress else self.progress_unread,
             work_pending=progress[2] if progress and trigger != Trigger.STALL else None,
             no_targets=readings.no_targets)
         self.last_evidence.append(judged)

@@ -269,7 +269,8 @@ class Manifest(_Part):
         state: ``open``, ``closed`` or ``interrupted``.
         phases_done / phases_pending: phases (action names) finished / still to run.
         interrupted_reason: why it was cut short, in words.
-        interrupted: set when the next agent start closed a bundle left open or interrupted.
+        interrupted: the incident was cut short: set with ``state: interrupted``, and kept when the
+            next agent start closed a bundle left open or interrupted.
         root_published: the root span's event (IncidentClosed) was published on the bus; the
             span itself is durable once the bundle holds :data:`SPANS_DURABLE_NAME`.
         spans_tracked: the actions carry their span ids and the bundle gets

@@ -4,15 +4,14 @@ Owns wiring and lifecycle only; it decides nothing. :meth:`Agent.build` is the o
 (``run``, ``dump``, ``launch``, ``profile``): every watcher, actor and exporter comes from its
 registry (:mod:`agent.registry`), imported only when built, with its own settings table and the
 agent-wide values; the incident's phases are the registered actors, in registration order. Which
-processes an incident is about is :class:`agent.evidence.TargetFinder`'s; which triggers open
-one, the incident manager's policies; whether a target is stalled, the bus's
-(:class:`agent.stall.StallBoard`). One anyio task group; watchers are started with ``tg.start``
-so "ready" means ready, restarted after a crash and targets re-discovered
-(:mod:`agent.supervision`); shutdown is bounded and flushes telemetry.
+processes an incident is about is :class:`agent.evidence.TargetFinder`'s; which triggers open one,
+the incident manager's policies; whether a target is stalled, the bus's (:class:`agent.stall.StallBoard`).
+One anyio task group; watchers are started with ``tg.start`` so "ready" means ready, restarted after a
+crash and targets re-discovered (:mod:`agent.supervision`); shutdown is bounded and flushes telemetry.
 
-Imports the registries, the bus, incidents, the stall board, discovery and the status rows; a
-component module only for ``servewatch profile`` (the profiler's session, the mirror's span);
-nothing imports this module except the CLI and tests.
+Imports the registries, the bus, incidents, the stall board, discovery, the status rows and the data
+dir's agent presence (:mod:`agent.agentfiles`); a component module only for ``servewatch profile`` (the
+profiler's session, the mirror's span); nothing imports this module except the CLI and tests.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.actors import ACTORS, Actor
+from agent.agentfiles import on_data_dir
 from agent.bus import EventBus
 from agent.config import AgentSettings as Settings
 from agent.events import (
@@ -384,7 +384,7 @@ class Agent:
             watch_status(self.status.states)
         self.shipper = self.exporters.get("span_shipper")
         try:
-            async with anyio.create_task_group() as outer:
+            async with on_data_dir(self.settings.data_dir, self.settings.host_name), anyio.create_task_group() as outer:
                 for exporter, sub in feeds:
                     outer.start_soon(mirror_events, exporter, sub)
                 outer.start_soon(telemetry.metrics.record_events, metrics_sub)

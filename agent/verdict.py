@@ -242,7 +242,9 @@ class Evidence:
             incident opened and again once the evidence was in) advanced (``True``), stood still
             (``False``), or was not read (``None``).
         server_progress_detail: that reading in words (``vllm:iteration_tokens_total_count
-            120->131 in 2.0 s at http://...``), ``""`` when not read.
+            120->131 in 2.0 s at http://...``); with ``server_progress`` ``None``, why the given
+            counter gave no reading (``no reading of http://...: connection refused ...``), or
+            ``""`` when none was given.
         no_targets: no target process was found for the incident: its only process is the one
             whose exit opened it, watched as the server (a launched command, a ``--root-pid``),
             not matched as a rank.
@@ -933,8 +935,10 @@ def _compute(ev: Evidence) -> Verdict | None:
         return None
     if not ev.progress_known:  # busy and hung look the same in one snapshot: blame nobody
         frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in ev.ranks if e.frame)
-        reason = ("all ranks in compute: no collective wait" + (f" ({frames})" if frames else "")
-                  + f"; {NO_PROGRESS_SOURCE}")
+        # the user gave a /metrics that could not be read: say that, never advise giving one
+        unread = (f"one snapshot cannot tell a hang from work ({ev.server_progress_detail})"
+                  if ev.server_progress_detail else NO_PROGRESS_SOURCE)
+        reason = ("all ranks in compute: no collective wait" + (f" ({frames})" if frames else "") + f"; {unread}")
         return _verdict(ev, "compute", (), reason, "low", hung=False)
     stalled = [e for e in ev.ranks if e.stalled]
     confidence = "medium"

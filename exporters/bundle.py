@@ -41,7 +41,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from agent.errors import BundleCorruptError, BundleError, BundleNotFoundError, ManifestError
-from agent.events import Action
+from agent.events import Action, Trigger
 from agent.manifest import MANIFEST_NAME, IncidentState, Manifest, load_manifest
 from agent.security import is_within
 from agent.stacks import Frame, ThreadStack, hung_location, parse_threads
@@ -68,6 +68,7 @@ __all__ = [
     "find_bundle",
     "load_incident",
     "load_incident_arg",
+    "newer_manual_dumps",
     "read_manifest",
 ]
 
@@ -401,14 +402,45 @@ def _opened_ns(bundle: Path) -> int:
     """When the incident opened (ns); for an unreadable manifest, the UTC time its id starts with
     (``20261201T190156Z-manual-...``), else the manifest's modification time. The id's time keeps
     an old bundle damaged (or copied) today from passing for the latest incident."""
+    return _opened_and_manual(bundle)[0]
+
+
+def _opened_and_manual(bundle: Path) -> tuple[int, bool]:
+    """(:func:`_opened_ns`, whether it is a manual incident: ``servewatch dump`` or the HTTP API;
+    for an unreadable manifest, whether its id says ``-manual-``)."""
     try:
-        return load_manifest(bundle / MANIFEST_NAME).opened_time_unix_nano
+        m = load_manifest(bundle / MANIFEST_NAME)
     except (OSError, ManifestError):
+        manual = f"-{Trigger.MANUAL}-" in bundle.name
         try:
             stamp = datetime.strptime(bundle.name[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
         except ValueError:
-            return (bundle / MANIFEST_NAME).stat().st_mtime_ns
-        return int(stamp.timestamp()) * 10**9
+            return (bundle / MANIFEST_NAME).stat().st_mtime_ns, manual
+        return int(stamp.timestamp()) * 10**9, manual
+    return m.opened_time_unix_nano, m.trigger == Trigger.MANUAL
+
+
+def _latest(bundles: Sequence[Path]) -> tuple[Path, list[Path]]:
+    """The bundle ``latest`` means, and the manual ones opened after it, oldest first.
+
+    ``latest`` is the incident that would have paged someone: the newest one the agent opened
+    by itself (stall, health, exit...). Manual dumps (``servewatch dump``, the Paged section's
+    step 3) taken after it do not hide it; they are returned, to be named. With only manual
+    incidents, the newest of them."""
+    ordered = sorted(((*_opened_and_manual(b), b.name, b) for b in bundles), key=lambda x: (x[0], x[2]))
+    paging = [i for i, (_, manual, _, _) in enumerate(ordered) if not manual]
+    if not paging:
+        return ordered[-1][3], []
+    at = paging[-1]
+    return ordered[at][3], [b for _, _, _, b in ordered[at + 1:]]
+
+
+def newer_manual_dumps(data_dir: str | os.PathLike[str]) -> list[str]:
+    """Ids of the manual dumps opened after the incident ``latest`` means under ``data_dir``
+    (:func:`find_bundle`), oldest first; ``[]`` when none (or no bundle)."""
+    root = Path(data_dir)
+    bundles = _bundles(root) if root.is_dir() else []
+    return [b.name for b in _latest(bundles)[1]] if bundles else []
 
 
 def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -> Path:
@@ -417,7 +449,8 @@ def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -
     Args:
         data_dir: the agent's data dir; bundles are ``<data_dir>/<host>/<incident_id>/``.
         incident_id: an incident id, a unique prefix or suffix of one (``a1b2c3``), or
-            ``"latest"`` for the bundle opened last.
+            ``"latest"``: the incident opened last by the agent itself (the one that paged you;
+            manual dumps after it do not hide it), else the manual dump opened last.
 
     Returns:
         The bundle folder.
@@ -433,7 +466,7 @@ def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -
     if not bundles:
         raise BundleNotFoundError(f"{root}: no incident bundles (expected <data_dir>/<host>/<id>/{MANIFEST_NAME})")
     if incident_id == "latest":
-        return max(bundles, key=lambda b: (_opened_ns(b), b.name))
+        return _latest(bundles)[0]
     exact = [b for b in bundles if b.name == incident_id]
     matches = exact or [b for b in bundles if b.name.startswith(incident_id) or b.name.endswith(incident_id)]
     if not matches:

@@ -188,6 +188,167 @@ def test_dump_of_ranks_that_all_dumped_exits_0(tmp_path: Path, spawn, python: st
     assert "Wrote 1 stack dump(s)" in r.stdout and "Errors: 0" in r.stdout
 
 
+def test_dump_says_once_that_its_metrics_url_gave_no_reading(tmp_path: Path, spawn, python: str) -> None:
+    """`dump --metrics-url` to a port nothing listens on: one stderr line says so (before, not a
+    word), and the verdict never advises passing the --metrics-url that was given."""
+    import socket
+
+    rank = _titled(spawn, python, f"murl{os.getpid()}::scheduler_TP0")
+    with socket.socket() as held:  # bound, never listening: a connect is refused
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}/metrics"
+        r = _cli(tmp_path, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data"), "--metrics-url", url,
+                 timeout_s=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("servewatch: --metrics-url: ")]
+    assert said == [(f"servewatch: --metrics-url: no reading: connection refused at {url} (nothing listens there: "
+                     "wrong host or port, or the server is down)")], r.stderr
+    assert "--metrics-url" not in r.stdout, r.stdout
+
+
+def test_ctrl_c_of_run_pressed_again_while_it_stops_prints_no_traceback_and_keeps_its_summary(
+    tmp_path: Path, spawn, python: str
+) -> None:
+    """Ctrl-C, then Ctrl-C again every 20 ms while `run` stops (an impatient user, or tmux sending
+    it twice): before, a second SIGINT after the first had been handled raised KeyboardInterrupt
+    in the exporters' flush (an asyncio traceback) and lost the summary line."""
+    target = _titled(spawn, python, f"sigint{os.getpid()}::scheduler_TP0")
+    run = spawn([*CLI, "run", "--pid", str(target.pid), "--data-dir", str(tmp_path / "data")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=_env(tmp_path), bufsize=0)
+    assert run.stderr is not None  # unbuffered: select() sees every line readline() has not taken
+    deadline = time.monotonic() + 60
+    line = b""
+    while b"watching 1 target process" not in line:
+        ready, _, _ = select.select([run.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        line = run.stderr.readline() if ready else b""
+        assert ready and line, "run never said it watches its target"
+    run.send_signal(signal.SIGINT)
+    for _ in range(500):  # bounded: 10 s of presses
+        if run.poll() is not None:
+            break
+        run.send_signal(signal.SIGINT)
+        time.sleep(0.02)
+    text = run.stderr.read().decode()
+    assert run.wait(timeout=60) == 0, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.splitlines()[-1].startswith("servewatch: stopped after "), text
+
+
+def _read_all(fd: int, proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+    """Everything written to the pty ``fd`` until ``proc`` exits and the pty is drained (bounded)."""
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the other end closed (EIO)
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    return out
+
+
+def test_dump_says_what_it_is_doing_on_a_terminal_and_nothing_extra_on_a_pipe(tmp_path: Path, spawn, python: str) -> None:
+    """Before: a blank screen until the summary. On a terminal, one progress line rewritten in
+    place per phase and erased before the summary; on a pipe, not a byte of it."""
+    import pty
+
+    rank = _titled(spawn, python, f"prog{os.getpid()}::scheduler_TP0")
+    argv = [*CLI, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data")]
+    leader, follower = pty.openpty()
+    try:
+        proc = spawn(argv, stdout=subprocess.PIPE, stderr=follower, cwd=tmp_path, env=_env(tmp_path))
+        os.close(follower)
+        follower = -1
+        screen = _read_all(leader, proc, 90).decode()
+        assert proc.wait(timeout=30) == 0, screen
+        assert proc.stdout is not None
+        assert "Wrote 1 stack dump(s)" in proc.stdout.read().decode()
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    steps = screen.split("\r\x1b[K")
+    assert steps[0] == "" and steps[-1] == "", screen  # rewritten in place, erased at the end
+    said = [s for s in steps if s]
+    assert said[0] == "servewatch: dump of 1 process(es): finding the processes, opening the incident…", said
+    assert "servewatch: dump of 1 process(es): dumping stacks (py-spy)…" in said, said
+    assert "servewatch: dump of 1 process(es): judging the evidence…" in said, said
+
+    piped = _cli(tmp_path, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data"), timeout_s=90)
+    assert piped.returncode == 0, piped.stderr
+    assert "servewatch: dump of" not in piped.stderr and "\x1b" not in piped.stderr, piped.stderr
+
+
+def test_timeline_latest_after_the_paged_steps_shows_the_paging_incident_and_names_the_dump(tmp_path: Path) -> None:
+    """The Paged section's step 3 (`dump`) made a newer manual incident: `timeline latest` still
+    shows the stall that paged, and one stderr line names the dump and how to read it."""
+    data = tmp_path / "data"
+    for incident_id, trigger, opened_s in (("20261201T190000Z-stall-bbbbbb", "stall", 0),
+                                           ("20261201T191000Z-manual-cccccc", "manual", 600)):
+        bundle = data / "h1" / incident_id
+        bundle.mkdir(parents=True)
+        opened = (1_796_151_600 + opened_s) * 10**9
+        (bundle / "manifest.json").write_text(json.dumps({
+            "schema": "servewatch.incident/1", "incident_id": incident_id, "trigger": trigger, "detail": "d",
+            "host.name": "h1", "trace_id": "", "span_id": "", "opened_time_unix_nano": opened,
+            "closed_time_unix_nano": opened + 10**9, "duration_s": 1.0, "targets": [], "actions": [],
+            "inflight_requests": 0}))
+    r = _cli(tmp_path, "timeline", "latest", "--data-dir", str(data), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["incident_id"] == "20261201T190000Z-stall-bbbbbb"
+    assert r.stderr.splitlines() == [
+        ("servewatch: latest is 20261201T190000Z-stall-bbbbbb (stall), the incident that paged; manual dump(s) since:"
+        f" 20261201T191000Z-manual-cccccc (servewatch timeline 20261201T191000Z-manual-cccccc --data-dir {data})")]
+    named = _cli(tmp_path, "timeline", "cccccc", "--data-dir", str(data), "--json")
+    assert (named.returncode, named.stderr) == (0, ""), named.stderr
+
+
+def _line_with(stream, needle: bytes, timeout_s: float) -> bytes:
+    """The first line of ``stream`` (unbuffered) holding ``needle``; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([stream], [], [], max(0.0, left))
+        line = stream.readline() if ready else b""
+        assert ready and line, f"no line with {needle!r} within {timeout_s:g} s"
+        if needle in line:
+            return line
+
+
+def test_a_second_agent_on_one_data_dir_says_so_and_status_shows_both(tmp_path: Path, spawn) -> None:
+    """Before: no word, and `status` showed whichever agent wrote last as if it were alone."""
+    data = tmp_path / "data"
+    argv = [*CLI, "run", "--match", f"nothing{os.getpid()}::*", "--data-dir", str(data)]
+    env = _env(tmp_path, SERVEWATCH_HOST_NAME="h1")
+    first = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=env, bufsize=0)
+    _line_with(first.stderr, b"still looking", 60)
+    second = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=env, bufsize=0)
+    said = _line_with(second.stderr, b"another agent", 60).decode().rstrip("\n")
+    assert said == (f"servewatch: warning: another agent (pid {first.pid}) already uses data dir {data}: both write"
+                    " its status and incidents (`servewatch status` shows both); give this one its own --data-dir")
+    _line_with(second.stderr, b"still looking", 60)  # its status is written too
+    try:
+        status = _cli(tmp_path, "status", "--json", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
+        doc = json.loads(status.stdout)
+        assert doc["agents_running"] == [first.pid, second.pid], status.stdout
+        text = _cli(tmp_path, "status", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
+        assert (f"servewatch: 2 agents use this data dir (pids {first.pid}, {second.pid}); the lines below are pid"
+                f" {doc['agent_pid']}'s, the last to write ") in text.stderr, text.stderr
+    finally:
+        for proc in (second, first):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    assert not list((data / "h1" / "agents").iterdir())  # a clean stop removes its presence file
+    alone = _cli(tmp_path, "status", "--json", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
+    assert json.loads(alone.stdout)["agents_running"] == []
+
+
 def _gone_pid() -> int:
     """The pid of a process that ran and was reaped (no process has it now)."""
     proc = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
@@ -281,6 +442,38 @@ def test_ctrl_c_while_the_demo_server_starts_says_it_stops_it_at_once(tmp_path: 
     assert demo.wait(timeout=60) == 130, rest
     assert "demo server stopped" in rest, rest
     assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_incident_in_the_demo_names_the_interrupted_bundle(tmp_path: Path, spawn) -> None:
+    """SIGINT while the demo's incident captures stacks (py-spy hangs): the demo names the bundle
+    it leaves interrupted, and that manifest says ``interrupted: true`` beside its state."""
+    log = tmp_path / "pyspy.log"
+    exe = tmp_path / "py-spy-hangs"
+    exe.write_text(
+        f"#!{sys.executable}\nimport runpy, sys\n"
+        f"sys.argv = [sys.argv[0], 'hang', {str(log)!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({str(PROGRAMS_DIR / 'fake_pyspy.py')!r}, run_name='__main__')\n"
+    )
+    exe.chmod(0o755)
+    env = _env(tmp_path, SERVEWATCH_PYSPY__EXECUTABLE=str(exe), SERVEWATCH_PYSPY__TIMEOUT_S="100",
+               SERVEWATCH_INCIDENT__INTERRUPT_GRACE_S="1", SERVEWATCH_HOST_NAME="h1")
+    demo = spawn([*CLI, "demo", "--data-dir", str(tmp_path / "data")], stdout=subprocess.DEVNULL,
+                 stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+    assert demo.stderr is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not log.exists() and demo.poll() is None:
+        time.sleep(0.1)  # py-spy (hanging) has started: the incident is mid-phase
+    assert log.exists(), "the demo's incident never started py-spy"
+    demo.send_signal(signal.SIGINT)
+    assert demo.wait(timeout=60) == 130
+    text = demo.stderr.read().decode()
+    bundles = list((tmp_path / "data" / "h1").glob("*-stall-*/manifest.json"))
+    assert len(bundles) == 1, text
+    m = json.loads(bundles[0].read_text())
+    assert (m["state"], m["interrupted"]) == ("interrupted", True)
+    said = [ln for ln in text.splitlines() if f"incident {m['incident_id']} was interrupted" in ln]
+    assert said and f"{bundles[0].parent}/" in said[0], text
 
 
 @pytest.mark.slow

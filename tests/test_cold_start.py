@@ -43,6 +43,13 @@ DUMP_HEAVY = (
     "exporters.metrics_export",
 )
 
+#: What the read-only commands (`status`, `timeline`, `report`) must not import: the full settings
+#: model (every component's table: incidents, verdict, SDK client, pydantic-settings) and the
+#: export pipeline's destination checks. They need the data dir and the host name, nothing more
+#: (the protobuf span reader stays: `timeline` enriches the bundle from the span files).
+READ_ONLY_HEAVY = ("grpc", "torch", "httpx", "opentelemetry.sdk", "opentelemetry.exporter", "agent.config", "pydantic_settings", "agent.incidents", "agent.verdict", "agent.sdkclient",
+                   "agent.runtime", "agent.actors", "agent.fleet", "exporters.provider", "exporters.config")
+
 #: What the top-level `--help` must not import: the CLI module and typer are all it needs.
 HELP_HEAVY = (*HEAVY, "pydantic", "pydantic_settings", "anyio", "rich", "psutil", "opentelemetry", "agent.config", "agent.runtime", "exporters")
 
@@ -151,6 +158,48 @@ def test_dump_to_span_files_and_its_timeline_import_no_exporter_metrics_sdk_or_t
     got = _modules_after(["timeline", bundles[0].parent.name, "--data-dir", str(data)], tmp_path, reader_heavy)
     assert got["code"] == 0
     assert got["heavy"] == ["exporters.timeline"]  # it did render the timeline
+
+
+def test_status_and_timeline_import_no_settings_model_and_no_component(tmp_path: Path) -> None:
+    """Read-only commands took 4-7 s on a loaded host (vs 0.7-2.5 s for --version): they loaded
+    the full settings model, which imports every component. They read two settings."""
+    data = tmp_path / "data"
+    bundle = data / "h1" / "20261201T190000Z-stall-bbbbbb"
+    bundle.mkdir(parents=True)
+    (bundle / "manifest.json").write_text(json.dumps({
+        "schema": "servewatch.incident/1", "incident_id": bundle.name, "trigger": "stall", "detail": "d",
+        "host.name": "h1", "trace_id": "", "span_id": "", "opened_time_unix_nano": 10**18,
+        "closed_time_unix_nano": 10**18 + 10**9, "duration_s": 1.0, "targets": [], "actions": [], "inflight_requests": 0}))
+    (data / "h1" / "status.json").write_text(json.dumps({
+        "schema": "servewatch.status/1", "host.name": "h1", "agent_pid": 2147483646, "updated_time_unix_nano": 10**18,
+        "watchers": []}))
+    for args, code in ((["status", "--data-dir", str(data)], 0),  # another host's agent: taken as running
+                       (["timeline", "--data-dir", str(data)], 0),
+                       (["timeline", "latest", "--data-dir", str(data)], 0)):
+        got = _modules_after(args, tmp_path, READ_ONLY_HEAVY)
+        assert (got["code"], got["heavy"]) == (code, []), args
+
+
+def test_read_only_location_resolves_like_the_full_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The light path (no settings model) gives what the full settings give, or defers to them."""
+    from agent.config import load_settings
+    from agent.location import read_only_location
+
+    for key in [k for k in os.environ if k.upper().startswith("SERVEWATCH_")]:
+        monkeypatch.delenv(key)
+    cases = [(None, {}), (tmp_path / "flag", {}), (None, {"SERVEWATCH_DATA_DIR": str(tmp_path / "env")}),
+             (tmp_path / "flag", {"SERVEWATCH_DATA_DIR": str(tmp_path / "env"), "SERVEWATCH_HOST_NAME": "h7"})]
+    for flag, env in cases:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        full = load_settings({"data_dir": flag})
+        assert read_only_location(flag, None) == (full.data_dir, full.host_name), (flag, env)
+        for key in env:
+            monkeypatch.delenv(key)
+    # anything else could matter: the full settings decide (and name every problem)
+    assert read_only_location(None, tmp_path / "servewatch.toml") is None
+    assert read_only_location(None, None, {"SERVEWATCH_WATCHDOG__TIMEOUTS": "3"}) is None
+    assert read_only_location(None, None, {"SERVEWATCH_HOST_NAME": "a/b"}) is None
 
 
 def test_cuda_env_imports_no_heavy_module(tmp_path: Path) -> None:

@@ -37,6 +37,21 @@ def test_the_last_step_before_a_stall_is_when_progress_stopped() -> None:
     assert len([p for p in got if p.pid == 43]) == 4  # the other rank's steps too
 
 
+def test_after_an_idle_spell_progress_stopped_is_when_work_was_pending_without_progress() -> None:
+    """The rank's last step at 4.5 s, idle until work arrived at 14.5 s, the stall at 17.5 s:
+    "progress stopped with work pending" is 14.5 s, not the step 10 s before the hang began."""
+    h = ProgressHistory()
+    for i in range(10):
+        h.record(_step(i * 0.5, 42, i + 1))
+    cause = _stall(17.5, 42, 10, stalled_for_s=3.0)
+    got = h.snapshot(until_unix_nano=T0 + 18 * S, cause=cause)
+    stopped = next(p for p in got if p.kind == "progress_stopped")
+    assert (stopped.time_unix_nano, stopped.forward_ct) == (T0 + int(14.5 * S), 10)
+    assert stopped.detail == ("pid 42: work pending from here and no forward step (its last step, forward_ct=10,"
+                              " came 10.0 s earlier, before an idle spell)")
+    assert [p.kind for p in got][-2:] == ["progress_stopped", "stall"]
+
+
 def test_without_step_readings_progress_stopped_comes_from_the_stall_itself() -> None:
     h = ProgressHistory()
     got = h.snapshot(until_unix_nano=T0 + 10 * S, cause=_stall(10.0, None, 77, stalled_for_s=4.0))

@@ -110,6 +110,17 @@ def test_all_ranks_in_compute_names_nobody() -> None:
     assert (v.kind, v.culprit_ranks, v.reason) == ("compute", (), "all ranks in compute: no collective wait")
 
 
+def test_a_given_progress_source_that_gave_no_reading_is_named_not_advised() -> None:
+    """`dump --metrics-url` to a port nothing listens on: the verdict says what failed, and never
+    advises passing the --metrics-url the user gave."""
+    ranks = [RankEvidence(rank=r, frame_class=FrameClass.COMPUTE, frame="loop (m.py:1)") for r in range(2)]
+    detail = "no reading: connection refused at http://127.0.0.1:9/metrics"
+    v = decide(Evidence.of(ranks, trigger="manual", server_progress=None, server_progress_detail=detail))
+    assert (v.kind, v.culprit_ranks, v.confidence) == ("compute", (), "low")
+    assert v.reason.endswith(f"; one snapshot cannot tell a hang from work ({detail})"), v.reason
+    assert "--metrics-url" not in v.reason
+
+
 def test_one_shot_dump_of_a_busy_rank_without_a_progress_source_blames_nobody() -> None:
     """New-user trial F7: `dump` of a healthy, busy vLLM (TP=1: the Worker in a torch op, the
     EngineCore waiting on it) has one snapshot of stacks and nothing else: no SDK step counter,

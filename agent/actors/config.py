@@ -94,7 +94,7 @@ class FlightRecorderConfig(BaseModel):
     """User settings of the Flight Recorder actor."""
 
     enabled: bool = Field(True, description="read every rank's collective Flight Recorder during an incident")
-    timeout_s: float = Field(2.0, gt=0, description="budget of one rank's read, all sources together, seconds")
+    timeout_s: float = Field(2.0, gt=0, description="budget of one try of one rank's read, all sources together, seconds (scaled up to 4x with its TORCH_FR_BUFFER_SIZE; a try that runs out is made once more)")
     socket_dir: Path | None = Field(None, description="folder of the SDK sockets (default: the SDK's shm folder)")
     debug_server: bool = Field(True, description="also look for torch's debug worker server on the target's TCP ports")
     nccl_pipe: bool = Field(True, description="also trigger the NCCL debug-info pipe where the target armed it")

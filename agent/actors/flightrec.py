@@ -5,7 +5,9 @@ sizes, state, timestamps) out of every target rank, one bounded action per rank
 (``flightrec.dump``) and the artifact ``flightrec-rank<r>-<pid>.json`` per rank. The launch
 environment that arms the recorder (``TORCH_FR_BUFFER_SIZE``) is :mod:`agent.cudaenv`'s.
 
-Sources, tried in this order until one answers (per rank, all within ``timeout_s``):
+Sources, tried in this order until one answers (per rank, all within ``timeout_s`` scaled with the
+rank's recorder size, ``TORCH_FR_BUFFER_SIZE`` over its default, up to 4x; a try that runs out
+of time is tried once more, and a ``timed_out`` detail names the source each try waited on):
 
 1. ``sdk_worker``: torch's C++ worker server that :func:`agent.sdk.serve_torch_worker` serves on
    ``<socket_dir>/servewatch-<uid>/servewatch-torch.<pid>.sock`` (``POST /handler/fr_trace_json``; answered on C++
@@ -48,7 +50,7 @@ import anyio
 import psutil
 
 from agent.actors.config import FlightRecorderConfig
-from agent.cudaenv import FR_BUFFER_ENV
+from agent.cudaenv import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
 from agent.events import (
     Action,
     ActionResult,
@@ -86,6 +88,12 @@ log = logging.getLogger("servewatch.flightrec")
 
 #: Span name of one rank's Flight Recorder read.
 ACTION = Action.FLIGHTREC_DUMP
+#: Tries of a rank's read that timed out before its outcome is ``timed_out`` (each with the whole budget).
+READ_RETRIES = 1
+
+#: The most a rank's read budget is scaled up for a recorder larger than the default.
+MAX_BUDGET_SCALE = 4.0
+
 #: Source names, in the order they are tried.
 SOURCES = ("sdk_worker", "sdk_control", "debug_server", "nccl_pipe")
 #: torch's NCCL debug-info pipe stem and dump-file variables (per rank: stem + rank).
@@ -207,18 +215,27 @@ class FlightRecorderActor:
 
         read: _Read | None = None
         tried: list[str] = []
-        with anyio.move_on_after(timeout_s) as scope:
-            try:
-                rank = await self._rank(target)
-                read = await self._read(target, rank, tried)
-            except PermissionError as exc:  # another user's SDK folder (root's server, no sudo): say the fix
-                why = await anyio.to_thread.run_sync(access_denied, exc.filename) if exc.filename else None
-                return result(Outcome.PERMISSION_DENIED, why or f"{exc.strerror}: {exc.filename}")
-            except Exception as exc:  # an actor's boundary: an outcome, never a crash
-                log.exception("Flight Recorder read of pid %d failed", target.pid)
-                return result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
-        if scope.cancelled_caught:
-            return result(Outcome.TIMED_OUT, f"no Flight Recorder dump within {timeout_s:g}s (tried: {', '.join(tried) or '-'})", retryable=True)
+        budget_s = await anyio.to_thread.run_sync(self._budget_s, target.pid, timeout_s)  # /proc/PID/environ
+        waited_on: list[str] = []  # per timed-out try: the source it was waiting on
+        for _ in range(1 + READ_RETRIES):  # a loaded host answers late, not never: one more try
+            trying: list[str] = []
+            with anyio.move_on_after(budget_s) as scope:
+                try:
+                    rank = await self._rank(target)
+                    read = await self._read(target, rank, tried, trying)
+                except PermissionError as exc:  # another user's SDK folder (root's server, no sudo): say the fix
+                    why = await anyio.to_thread.run_sync(access_denied, exc.filename) if exc.filename else None
+                    return result(Outcome.PERMISSION_DENIED, why or f"{exc.strerror}: {exc.filename}")
+                except Exception as exc:  # an actor's boundary: an outcome, never a crash
+                    log.exception("Flight Recorder read of pid %d failed", target.pid)
+                    return result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+            if not scope.cancelled_caught:
+                break
+            waited_on.append(trying[-1] if trying else "the rank's identity")
+        else:
+            also = f"; also tried: {'; '.join(dict.fromkeys(tried))}" if tried else ""
+            return result(Outcome.TIMED_OUT, f"no Flight Recorder dump within {budget_s:g}s, {len(waited_on)} tries "
+                                             f"(waiting on: {', '.join(waited_on)}){also}", retryable=True)
         if read is None:
             detail = "not available: " + ("; ".join(tried) if tried else "no SDK socket, torch debug server or armed NCCL pipe")
             return result(Outcome.NO_SOURCE, detail)
@@ -307,13 +324,27 @@ class FlightRecorderActor:
 
     # -- sources ------------------------------------------------------------------------------
 
-    async def _read(self, target: Target, rank: int | None, tried: list[str]) -> _Read | None:
+    def _budget_s(self, pid: int, timeout_s: float) -> float:
+        """One try's budget: ``timeout_s`` scaled with the recorder the rank was asked to keep
+        (its ``TORCH_FR_BUFFER_SIZE`` entries over the default's, 1x to :data:`MAX_BUDGET_SCALE`x):
+        a larger recorder is a larger dump to serialize and send."""
+        try:
+            entries = int(self._environ(pid).get(FR_BUFFER_ENV, FR_BUFFER_DEFAULT))
+        except ValueError:
+            entries = int(FR_BUFFER_DEFAULT)
+        return round(timeout_s * min(MAX_BUDGET_SCALE, max(1.0, entries / int(FR_BUFFER_DEFAULT))), 3)
+
+    async def _read(self, target: Target, rank: int | None, tried: list[str], trying: list[str] | None = None) -> _Read | None:
+        """The first source that answers (``tried``: why the others did not; ``trying``: the
+        source asked now, for a caller whose deadline cuts it short)."""
+        trying = [] if trying is None else trying
         readers = [("sdk_worker", self._from_worker), ("sdk_control", self._from_control)]
         if self.config.debug_server:
             readers.append(("debug_server", self._from_debug_server))
         if self.config.nccl_pipe:
             readers.append(("nccl_pipe", self._from_nccl_pipe))
         for source, reader in readers:
+            trying.append(source)
             try:
                 trace, detail = await reader(target, rank)
             except _SourceMissing:

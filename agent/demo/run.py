@@ -20,7 +20,7 @@ import httpx
 from rich.console import Console
 
 from agent.config import Settings, load_settings
-from agent.incidents import IncidentRecord
+from agent.incidents import STATE_INTERRUPTED, IncidentRecord
 
 __all__ = ["run_demo"]
 
@@ -71,6 +71,7 @@ async def _demo_until_signal(
 
     got: list[int] = []
     result: list[IncidentRecord] = []
+    records: list[IncidentRecord] = []  # every incident the demo's agent wrote, interrupted ones too
 
     async def watch_signals(scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -82,7 +83,7 @@ async def _demo_until_signal(
                 return
 
     async def demo(scope: anyio.CancelScope) -> None:
-        result.append(await _demo(settings, tp, watchdog_timeout_s, deadline_s, log, on_captured))
+        result.append(await _demo(settings, tp, watchdog_timeout_s, deadline_s, log, on_captured, records))
         scope.cancel()
 
     async with anyio.create_task_group() as tg:
@@ -90,13 +91,18 @@ async def _demo_until_signal(
         tg.start_soon(demo, tg.cancel_scope)
     if got:
         log.print("demo server stopped", markup=False, highlight=False)
+        for record in records:
+            if record.state == STATE_INTERRUPTED:  # the stop cut it short: what it kept, and where
+                log.print(f"incident {record.opened.incident_id} was interrupted; what it captured is kept in "
+                          f"{record.bundle_dir}/ (View: servewatch timeline {record.opened.incident_id})",
+                          markup=False, highlight=False, soft_wrap=True)
         raise KeyboardInterrupt
     return result[0]
 
 
 async def _demo(
     settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Console,
-    on_captured: Callable[[IncidentRecord], None] | None,
+    on_captured: Callable[[IncidentRecord], None] | None, records: list[IncidentRecord] | None = None,
 ) -> IncidentRecord:
     from agent.demo.client import DemoServer, agenerate, ainject_hang
     from agent.runtime import Agent
@@ -106,7 +112,7 @@ async def _demo(
     def say(msg: str) -> None:
         log.print(f"[{time.monotonic() - t0:5.1f}s] {msg}", markup=False, highlight=False)
 
-    records: list[IncidentRecord] = []
+    records = [] if records is None else records
     got_incident = anyio.Event()
 
     def on_incident(record: IncidentRecord) -> None:

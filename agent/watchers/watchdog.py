@@ -58,10 +58,13 @@ MAX_TRACKED_SERIES = 1024
 class _SeriesState:
     """Stall bookkeeping of one series (one counter, or one Prometheus label set)."""
 
-    __slots__ = ("clock", "fired_ct", "missed", "stalled")
+    __slots__ = ("busy_from_first_reading", "clock", "fired_ct", "missed", "stalled")
 
     def __init__(self, timeout_s: float) -> None:
         self.clock = StallClock(timeout_s)
+        #: busy at every reading since the first: when work arrived is unknown (it may be long
+        #: before this agent looked), so a stall counts from the counter's own last step
+        self.busy_from_first_reading = True
         self.stalled = False
         self.fired_ct: int | None = None
         #: readings in a row without this series
@@ -158,6 +161,7 @@ class Watchdog:
                 if st is None:
                     st = self._series[reading.series] = _SeriesState(self.config.timeout_s)
                 st.missed = 0
+                st.busy_from_first_reading = st.busy_from_first_reading and reading.busy
                 # the stall rule (busy first seen now: an idle spell before it is not a stall)
                 deadline = st.clock.deadline_ns(busy=reading.busy, last_progress_ns=reading.last_progress_monotonic_ns,
                                                 read_ns=reading.read_monotonic_ns)
@@ -175,7 +179,13 @@ class Watchdog:
                 if reading.read_monotonic_ns >= deadline:
                     st.stalled = True
                     st.fired_ct = reading.forward_ct
-                    fired.append((reading, deadline - timeout_ns))
+                    start = deadline - timeout_ns
+                    if st.busy_from_first_reading and reading.last_progress_monotonic_ns is not None:
+                        # an agent started after the hang saw it busy only now, but the step is
+                        # older (a series once seen idle keeps the rule's clock: work pending
+                        # began when it was seen busy again)
+                        start = min(start, reading.last_progress_monotonic_ns)
+                    fired.append((reading, start))
                     continue
                 sleep_ns = min(sleep_ns, deadline - now)
             if fired:

@@ -130,7 +130,68 @@ async def test_a_worker_socket_that_never_answers_times_out(tmp_path: Path, spaw
     finally:
         silent.close()
     assert r.outcome is Outcome.TIMED_OUT and r.retryable
+    assert r.detail == "no Flight Recorder dump within 0.5s, 2 tries (waiting on: sdk_worker, sdk_worker)", r.detail
     assert r.duration_s < 5
+
+
+def _worker_answering_the_second_try(path: Path, body: bytes) -> tuple[socket.socket, list[socket.socket]]:
+    """A worker socket that leaves its first connection unanswered (a loaded host) and answers
+    the next one with ``body`` (HTTP 200); its thread ends with the listener."""
+    import threading
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        try:
+            held.append(listener.accept()[0])  # never answered
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(10)
+            request = b""
+            while b"\r\n\r\n" not in request:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                request += chunk
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n%s" % (len(body), body))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, held
+
+
+async def test_a_read_that_runs_out_of_time_is_tried_once_more_and_a_late_answer_counts(tmp_path: Path, spawn) -> None:
+    """At load 20-30 the worker server answered, just late: one more try reads it (before: one
+    try, `timed_out (tried: -)`, and the verdict lost the recorder)."""
+    proc = spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+    from agent.sdk.folders import own_dir
+
+    own_dir(tmp_path)
+    body = json.dumps({"version": "2.4", "pg_status": {"0": {"last_enqueued_collective": 3}}, "entries": []}).encode()
+    listener, held = _worker_answering_the_second_try(worker_path(proc.pid, tmp_path), body)
+    try:
+        cfg = FlightRecorderConfig(timeout_s=0.5, socket_dir=tmp_path, debug_server=False, nccl_pipe=False)
+        with anyio.fail_after(10):
+            [r] = await FlightRecorderActor(cfg).collect_all(_opened(tmp_path), [Target(pid=proc.pid)], artifact_dir=tmp_path)
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert (r.outcome, r.attributes["servewatch.flightrec.source"]) == (Outcome.OK, "sdk_worker"), r.detail
+
+
+async def test_the_read_budget_scales_with_the_recorder_the_rank_was_asked_to_keep(tmp_path: Path, spawn) -> None:
+    """A rank that keeps 4x the default recorder (TORCH_FR_BUFFER_SIZE=8000) gets 4x the budget."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FR_BUFFER_SIZE"}
+    large = spawn([sys.executable, "-c", "import time; time.sleep(60)"], env={**env, "TORCH_FR_BUFFER_SIZE": "8000"})
+    default = spawn([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    actor = FlightRecorderActor(FlightRecorderConfig(timeout_s=0.25, socket_dir=tmp_path))
+    assert (actor._budget_s(large.pid, 0.25), actor._budget_s(default.pid, 0.25)) == (1.0, 0.25)
 
 
 async def test_nccl_debug_info_pipe_is_triggered_and_its_pickle_read_safely(tmp_path: Path, spawn) -> None:

@@ -19,6 +19,7 @@ from exporters.bundle import (
     find_bundle,
     load_incident,
     load_incident_arg,
+    newer_manual_dumps,
 )
 from exporters.timeline import render_timeline, render_timeline_text, timeline_to_dict
 from tests.exporters.bundle_fixture import (
@@ -293,6 +294,28 @@ def test_latest_is_the_last_opened_and_prefixes_must_be_unique(tmp_path: Path) -
     with pytest.raises(BundleError, match="matches 2 incidents") as excinfo:
         find_bundle(tmp_path, "20261129T")
     assert not isinstance(excinfo.value, (BundleNotFoundError, BundleCorruptError))
+
+
+def test_latest_is_the_incident_that_paged_not_the_manual_dump_taken_after_it(tmp_path: Path) -> None:
+    """The Paged section: 1. status, 2. timeline latest, 3. dump; `timeline latest` again still
+    shows the stall that paged, and the dumps since are named."""
+    opened = 1_796_151_600 * 10**9
+    _minimal(tmp_path, "20261201T185000Z-manual-aaaaaa", opened - 600 * 10**9)
+    _minimal(tmp_path, "20261201T190000Z-stall-bbbbbb", opened, trigger="stall")
+    _minimal(tmp_path, "20261201T191000Z-manual-cccccc", opened + 600 * 10**9)
+    _minimal(tmp_path, "20261201T192000Z-manual-dddddd", opened + 1200 * 10**9)
+    assert find_bundle(tmp_path, "latest").name == "20261201T190000Z-stall-bbbbbb"
+    assert load_incident(tmp_path, "latest").incident_id == "20261201T190000Z-stall-bbbbbb"
+    assert newer_manual_dumps(tmp_path) == ["20261201T191000Z-manual-cccccc", "20261201T192000Z-manual-dddddd"]
+    # a newer incident the agent opened by itself is the latest again
+    _minimal(tmp_path, "20261201T193000Z-health-eeeeee", opened + 1800 * 10**9, trigger="health")
+    assert (find_bundle(tmp_path, "latest").name, newer_manual_dumps(tmp_path)) == ("20261201T193000Z-health-eeeeee", [])
+
+
+def test_with_only_manual_dumps_latest_is_the_last_one(tmp_path: Path) -> None:
+    _minimal(tmp_path, "20261201T185000Z-manual-aaaaaa", 1_000)
+    _minimal(tmp_path, "20261201T186000Z-manual-bbbbbb", 2_000)
+    assert (find_bundle(tmp_path, "latest").name, newer_manual_dumps(tmp_path)) == ("20261201T186000Z-manual-bbbbbb", [])
 
 
 def test_latest_is_not_an_older_bundle_damaged_today(tmp_path: Path) -> None:

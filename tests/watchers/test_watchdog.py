@@ -121,6 +121,8 @@ async def test_idle_server_never_stalls_and_the_clock_restarts_when_work_arrives
     (stall,) = bus.of_type(WatchdogStalled)
     assert stall.forward_ct == last.forward_ct  # no step since the idle spell
     assert fired_at_ns - busy_from_ns >= TIMEOUT_S * 1e9  # not fired off the pre-idle step time
+    # and its length counts from when work was pending, not from the step before the idle spell
+    assert stall.stalled_for_s <= (fired_at_ns - busy_from_ns) / 1e9, stall
 
 
 async def test_stall_and_rearm_with_the_prometheus_source(spawn, tmp_path: Path) -> None:
@@ -204,3 +206,33 @@ async def test_watchdog_forgets_series_that_went_away_and_still_fires_for_the_st
     assert max(source.tracked) == SERIES_FORGET_READINGS + 1
     (stall,) = bus.of_type(WatchdogStalled)
     assert stall.series == 'engine="steady"'
+
+
+class _HungBeforeTheAgentStarted:
+    """SDK-counter-like source double: its last step was 50 s before the watchdog's first reading,
+    and work has been pending since (an agent started long after the hang)."""
+
+    name = "shm"
+    exact = True
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.last_step_ns = time.monotonic_ns() - 50 * 10**9
+
+    async def read(self) -> StepReading | None:
+        return StepReading(forward_ct=7, busy=True, last_progress_monotonic_ns=self.last_step_ns, pid=self.pid,
+                           read_monotonic_ns=time.monotonic_ns())
+
+
+async def test_an_agent_started_after_the_hang_says_how_long_since_the_last_step() -> None:
+    """Before: "no forward progress for 0.5 s" (the rule's own clock, started at the first
+    reading); the counter's exact last-step time says 50 s."""
+    source = _HungBeforeTheAgentStarted()
+    bus = RecordingBus()
+    async with anyio.create_task_group() as tg:
+        await tg.start(Watchdog(source, CONFIG).run, bus)  # type: ignore[arg-type]
+        await wait_until(lambda: bus.of_type(WatchdogStalled))
+        tg.cancel_scope.cancel()
+    (stall,) = bus.of_type(WatchdogStalled)
+    assert 50.0 <= stall.stalled_for_s < 80.0, stall.stalled_for_s
+    assert f"no forward progress for {stall.stalled_for_s:.1f}s" in stall.describe(), stall.describe()

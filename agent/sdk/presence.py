@@ -145,6 +145,9 @@ class _Answers:
         #: pid -> monotonic seconds it was last asked about
         self.asked: dict[int, float] = {}
         self.thread: threading.Thread | None = None
+        #: the refresh thread parks on this between looks (never set): a parked helper to a stack
+        #: reader (agent.stacks), not a thread "stuck" in ``time.sleep`` in the server's dump
+        self.park = threading.Event()
 
 
 _answers = _Answers()
@@ -154,7 +157,7 @@ def _refresh(answers: _Answers) -> None:
     """Look again every :data:`REFRESH_S` at the pids asked about within :data:`_IDLE_S`; end
     (forgetting every answer) once none was."""
     while True:
-        time.sleep(REFRESH_S)
+        answers.park.wait(REFRESH_S)
         with answers.lock:
             now = time.monotonic()
             pids = [pid for pid, at in answers.asked.items() if now - at < _IDLE_S]

@@ -187,3 +187,21 @@ def test_only_the_first_question_looks_on_the_callers_thread_a_daemon_thread_ref
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert looks.count(threading.current_thread().name) == 1, looks
+
+
+def test_the_refresh_thread_reads_as_an_idle_helper_in_a_real_dump(spawn, python) -> None:
+    """py-spy's dump of a server whose presence thread runs: the thread is idle (parked between
+    looks), never one of the server's "stuck threads" in an incident summary."""
+    from agent.stacks import idle_and_stuck, parse_dump
+
+    code = ("import sys, time, os; from agent.sdk import presence; presence.watched(os.getpid()); "
+            "print('ready', flush=True); time.sleep(60)")
+    proc = spawn([python, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+    pyspy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    assert pyspy is not None
+    done = subprocess.run([pyspy, "dump", "--json", "--pid", str(proc.pid)], capture_output=True, timeout=60, check=True)
+    threads = parse_dump(done.stdout)
+    assert "servewatch-presence" in {t.thread_name for t in threads}
+    idle, stuck = idle_and_stuck(threads)
+    assert "servewatch-presence" in idle and "servewatch-presence" not in stuck

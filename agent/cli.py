@@ -8,6 +8,7 @@ Exit codes (:class:`ExitCode`): 0 success, 1 runtime failure, 2 usage error or i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import gc
@@ -15,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -127,15 +128,16 @@ class _LazyConsole:
         characters stripped: on a terminal wrapped at words with a hanging indent
         (:func:`_wrap_for_terminal`), whole in a file or pipe; anything else goes to rich."""
         stream = sys.stderr if self._kwargs.get("stderr") else sys.stdout
-        if not kwargs and markup is False and all(isinstance(o, str) for o in objects):
-            # plain lines: on a terminal wrapped at words with a hanging indent, whole elsewhere
-            from agent.security import strip_control
+        with _progress_aside():  # dump's progress line is erased first, drawn again after
+            if not kwargs and markup is False and all(isinstance(o, str) for o in objects):
+                # plain lines: on a terminal wrapped at words with a hanging indent, whole elsewhere
+                from agent.security import strip_control
 
-            text = sep.join(strip_control(o, keep_newlines=True) for o in objects)
-            stream.write(_wrap_for_terminal(text, _terminal_columns(stream)) + end)
-            stream.flush()
-            return
-        self.__getattr__("print")(*objects, sep=sep, end=end, markup=markup, highlight=highlight, **kwargs)
+                text = sep.join(strip_control(o, keep_newlines=True) for o in objects)
+                stream.write(_wrap_for_terminal(text, _terminal_columns(stream)) + end)
+                stream.flush()
+                return
+            self.__getattr__("print")(*objects, sep=sep, end=end, markup=markup, highlight=highlight, **kwargs)
 
     @property
     def console(self) -> Console:
@@ -205,10 +207,19 @@ class _CliFormatter(_SafeFormatter):
         return _wrap_for_terminal(super().format(record), _terminal_columns(sys.stderr))
 
 
+class _CliHandler(logging.StreamHandler):
+    """Log lines on stderr that never land on ``dump``'s progress line: it is erased before the
+    line is written and drawn again after it (:func:`_progress_aside`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with _progress_aside():
+            super().emit(record)
+
+
 def _logging(verbose: bool) -> None:
     """Log to stderr: warnings and errors as ``servewatch: warning: ...`` lines, like the CLI's
     own; with ``--verbose``, everything from INFO, with timestamps and logger names."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CliHandler(sys.stderr)
     handler.setFormatter(
         _SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s") if verbose else _CliFormatter()
     )
@@ -806,20 +817,67 @@ def _phase_words() -> dict[str, str]:
 class _DumpProgress:
     """``dump``'s one progress line on a terminal (stderr): what it does now, rewritten in place
     as each phase starts (``servewatch: dump of 2 process(es): dumping stacks (py-spy)…``), erased
-    before the summary."""
+    before the summary. Cut to the terminal's width (one row: ``\r`` rewrites only the last), and
+    put aside while a log line or a print reaches the terminal (:func:`_progress_aside`)."""
 
     def __init__(self, n_pids: int | None) -> None:
+        import threading
+
         self.of = f" of {n_pids} process(es)" if n_pids else ""
+        self.line = ""  # what is on the terminal now ("" once erased)
+        self.lock = threading.RLock()  # log lines come from worker threads too
 
     def phase(self, name: str) -> None:
         from agent.security import strip_control
 
-        sys.stderr.write(f"\r\x1b[Kservewatch: dump{self.of}: {_phase_words().get(name) or strip_control(name)}…")
+        global _live_progress
+        line = strip_control(f"servewatch: dump{self.of}: {_phase_words().get(name) or name}…")
+        columns = _terminal_columns(sys.stderr)
+        if columns and len(line) > columns - 1:
+            line = line[: max(1, columns - 2)] + "…"
+        with self.lock:
+            self.line = line
+            _live_progress = self
+            self.draw()
+
+    def draw(self) -> None:
+        sys.stderr.write(f"\r\x1b[K{self.line}")
+        sys.stderr.flush()
+
+    def erase(self) -> None:
+        sys.stderr.write("\r\x1b[K")
         sys.stderr.flush()
 
     def done(self) -> None:
-        sys.stderr.write("\r\x1b[K")
-        sys.stderr.flush()
+        global _live_progress
+        with self.lock:
+            self.erase()
+            self.line = ""
+            if _live_progress is self:
+                _live_progress = None
+
+
+#: ``dump``'s progress line while it is on the terminal.
+_live_progress: _DumpProgress | None = None
+
+
+@contextlib.contextmanager
+def _progress_aside() -> Iterator[None]:
+    """Erase ``dump``'s progress line (when one is shown) for what is written in this block, and
+    draw it again after: a log line or a print never lands on the same row as the progress."""
+    progress = _live_progress
+    if progress is None:
+        yield
+        return
+    with progress.lock:
+        shown = bool(progress.line)
+        if shown:
+            progress.erase()
+        try:
+            yield
+        finally:
+            if shown and progress.line and _live_progress is progress:
+                progress.draw()
 
 
 # --- demo ----------------------------------------------------------------------------------
@@ -1402,6 +1460,7 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
         BackendUnknownError,
         candidates,
         describe_candidates,
+        hidden_sdk_folders,
         infer_backend,
         pid_problem,
     )
@@ -1425,8 +1484,10 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
         pids = control_socket_pids(cfg.socket_dir)
         if len(pids) == 1:
             return settings, pids[0]
-        fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); "
-             + describe_candidates(candidates(cfg.socket_dir)), ExitCode.USAGE)
+        found = candidates(cfg.socket_dir)
+        hidden = hidden_sdk_folders(cfg.socket_dir)  # the engineer who forgot sudo: whose folder may hide them
+        fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); " + describe_candidates(found, hidden),
+             ExitCode.FAILURE if hidden and not found else ExitCode.USAGE)
     problem = pid_problem(pid, cfg.socket_dir)
     if problem is not None:  # a refused socket is no usage error: run as its user
         usage = psutil.pid_exists(pid) and not problem.startswith("cannot reach")

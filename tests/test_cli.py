@@ -285,6 +285,41 @@ def test_dump_says_what_it_is_doing_on_a_terminal_and_nothing_extra_on_a_pipe(tm
     assert "servewatch: dump of" not in piped.stderr and "\x1b" not in piped.stderr, piped.stderr
 
 
+def test_a_warning_during_dump_on_a_terminal_gets_its_own_row_and_the_progress_comes_back(
+        tmp_path: Path, spawn, python: str) -> None:
+    """Before: a warning logged while the progress line showed was written after it, on the same
+    row (``...opening the incident…servewatch: warning: in-flight ...``). Now the progress line is
+    erased before the warning and drawn again after it, then erased before the summary."""
+    import pty
+
+    from agent.sdk.control import control_path
+
+    rank = _titled(spawn, python, f"warn{os.getpid()}::scheduler_TP0")
+    ctl = control_path(rank.pid, tmp_path / "shm")  # not a socket: in-flight requests unavailable (a warning)
+    ctl.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ctl.write_text("")
+    argv = [*CLI, "dump", "--pid", str(rank.pid), "--data-dir", str(tmp_path / "data")]
+    leader, follower = pty.openpty()
+    try:
+        proc = spawn(argv, stdout=subprocess.PIPE, stderr=follower, cwd=tmp_path, env=_env(tmp_path))
+        os.close(follower)
+        follower = -1
+        screen = _read_all(leader, proc, 90).decode()
+        assert proc.wait(timeout=30) == 0, screen
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    rows = screen.split("\r\n")  # the pty ends lines with CR LF
+    at = next(i for i, r in enumerate(rows) if "in-flight requests of pid" in r)
+    shown = rows[at].rsplit("\r\x1b[K", 1)[-1]  # what the row shows: text after the last erase
+    assert shown.startswith(f"servewatch: warning: in-flight requests of pid {rank.pid} unavailable"), repr(rows[at])
+    assert "…servewatch" not in screen, repr(screen)
+    after = "\r\n".join(rows[at + 1:])
+    assert after.startswith("\r\x1b[Kservewatch: dump of 1 process(es): "), repr(after)  # drawn again
+    assert after.endswith("\r\x1b[K"), repr(after)  # and erased at the end
+
+
 def test_timeline_latest_after_the_paged_steps_shows_the_paging_incident_and_names_the_dump(tmp_path: Path) -> None:
     """The Paged section's step 3 (`dump`) made a newer manual incident: `timeline latest` still
     shows the stall that paged, and one stderr line names the dump and how to read it."""

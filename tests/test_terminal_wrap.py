@@ -37,6 +37,18 @@ for i in $(seq 300); do [ -s up.txt ] && break; sleep 0.1; done
 servewatch dump --pid $P --data-dir dd
 kill $P
 """
+# the target's control socket is a plain file: the dump logs "in-flight requests ... unavailable"
+# while its progress line shows (a short shm folder: the path it names fits a row)
+DUMP_WARN_SH = """export SERVEWATCH_SHM_DIR=/tmp/sw-$$; rm -f up.txt; python -c '
+import time
+from agent.sdk.control import control_path
+control_path().write_text("")
+print("up", flush=True)
+time.sleep(120)' > up.txt & P=$!
+for i in $(seq 300); do [ -s up.txt ] && break; sleep 0.1; done
+servewatch dump --pid $P --data-dir dw
+kill $P; rm -rf "$SERVEWATCH_SHM_DIR"
+"""
 STATUS_SH = "servewatch status --data-dir sd\n"
 
 
@@ -170,3 +182,24 @@ def test_status_wraps_at_words_with_a_hanging_indent(shell: tuple[Tmux, Path]) -
     file_lines = (cwd / "file.txt").read_text().splitlines()
     assert any("is NOT running" in ln for ln in file_lines), file_lines
     assert _long(file_lines, columns) and continued > 0
+
+
+@pytest.mark.parametrize("shell", [80, 120], indirect=True, ids=["80cols", "120cols"])
+def test_a_warning_during_dump_is_its_own_wrapped_line_not_glued_to_the_progress_line(shell: tuple[Tmux, Path]) -> None:
+    """Before: ``servewatch: dump: finding the processes, opening the incident…servewatch: warnin``
+    / ``g: in-flight requests ...``: the warning was written on the progress line's row."""
+    t, cwd = shell
+    columns = int(t("display-message", "-p", "#{window_width}"))
+    _compare(t, cwd, DUMP_WARN_SH, columns)
+    file_lines = (cwd / "file.txt").read_text().splitlines()
+    warning = next(ln for ln in file_lines if ln.startswith("servewatch: warning: in-flight requests of pid "))
+    rows = _on_screen(t, 3, "bash case.sh")
+    assert not any("servewatch: dump" in r for r in rows), "\n".join(rows)  # the progress line: erased, never kept
+    at = next((i for i, r in enumerate(rows) if r.startswith("servewatch: warning: in-flight")), None)
+    assert at is not None, "\n".join(rows)
+    got = _words(rows[at])
+    for row in rows[at + 1:]:
+        if _lead(row) != HANG_INDENT:
+            break
+        got += _words(row)
+    assert got == _words(warning), "\n".join(rows)

@@ -43,7 +43,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from agent.errors import BundleCorruptError, BundleError, BundleNotFoundError, ManifestError
 from agent.events import Action, Trigger
 from agent.manifest import MANIFEST_NAME, IncidentState, Manifest, load_manifest
-from agent.security import is_within
+from agent.security import access_denied, is_within
 from agent.stacks import Frame, ThreadStack, hung_location, parse_threads
 from exporters.otlp_json import TornLines, iter_span_files, read_span_file
 
@@ -385,10 +385,32 @@ def read_manifest(path: Path) -> Manifest:
         return load_manifest(path)
     except FileNotFoundError as exc:
         raise BundleNotFoundError(f"{path}: no such file") from exc
+    except PermissionError as exc:
+        raise _unreadable(path) from exc
     except OSError as exc:
         raise BundleError(f"{path}: cannot read ({exc.strerror or type(exc).__name__})") from exc
     except ManifestError as exc:
         raise BundleCorruptError(str(exc)) from exc
+
+
+def _unreadable(path: str | os.PathLike[str], what: str | None = None) -> BundleError:
+    """The one line for ``path`` (or ``what``, the thing looked for in it) this process may not
+    read: the folder that stops it, its owner and what to do (the engineer who forgot ``sudo``)."""
+    why = access_denied(path) or f"{path}: permission denied"
+    return BundleError(f"cannot read {what or path}: {why}")
+
+
+def _hidden_by(data_dir: Path) -> str | None:
+    """Why bundles under ``data_dir`` may be hidden from this process: ``data_dir`` itself or one
+    of its host folders it may not read (:func:`access_denied`'s line), else ``None``. Blocking."""
+    why = access_denied(data_dir)
+    if why is not None:
+        return why
+    try:
+        folders = sorted(d for d in data_dir.iterdir() if d.is_dir())
+    except OSError:
+        return None
+    return next((w for d in folders if (w := access_denied(d)) is not None), None)
 
 
 def _bundles(data_dir: Path) -> list[Path]:
@@ -460,16 +482,26 @@ def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -
         BundleError: the id matches several bundles.
     """
     root = Path(data_dir)
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except PermissionError:
+        is_dir = False
+    if not is_dir:
+        if access_denied(root) is not None:  # a folder above it is closed to this user
+            raise _unreadable(root, f"the incidents in {root}")
         raise BundleNotFoundError(f"{root}: no such data directory")
     bundles = _bundles(root)
     if not bundles:
+        if (why := _hidden_by(root)) is not None:  # root's 0700 data dir, read without sudo
+            raise BundleError(f"cannot read the incidents in {root}: {why}")
         raise BundleNotFoundError(f"{root}: no incident bundles (expected <data_dir>/<host>/<id>/{MANIFEST_NAME})")
     if incident_id == "latest":
         return _latest(bundles)[0]
     exact = [b for b in bundles if b.name == incident_id]
     matches = exact or [b for b in bundles if b.name.startswith(incident_id) or b.name.endswith(incident_id)]
     if not matches:
+        if (why := _hidden_by(root)) is not None:
+            raise BundleError(f"no incident {incident_id!r} readable in {root}: {why}")
         raise BundleNotFoundError(f"{root}: no incident {incident_id!r} ({len(bundles)} bundles; try 'latest')")
     if len(matches) > 1:
         names = ", ".join(str(m.relative_to(root)) for m in matches[:5])
@@ -482,6 +514,18 @@ def _resolve(path: str | os.PathLike[str], incident_id: str | None) -> tuple[Pat
     p = Path(path)
     if incident_id is not None:
         return find_bundle(p, incident_id), p
+    try:
+        return _resolve_path(p)
+    except PermissionError as exc:  # a folder on the way is closed to this user (no sudo)
+        raise _unreadable(p) from exc
+    except BundleNotFoundError:
+        if access_denied(p) is not None:
+            raise _unreadable(p) from None
+        raise
+
+
+def _resolve_path(p: Path) -> tuple[Path, Path | None]:
+    """:func:`_resolve` for a path alone. Raises PermissionError for a folder closed on the way."""
     if p.is_file():
         return p.parent, None
     if (p / MANIFEST_NAME).is_file():
@@ -1002,7 +1046,13 @@ def load_incident_arg(
     """
     if arg is None:
         return load_incident(data_dir, "latest")
-    if Path(arg).exists():
+    try:
+        exists = Path(arg).exists()
+    except PermissionError:
+        exists = False
+    if not exists and access_denied(arg) is not None:  # under root's 0700 data dir, without sudo
+        raise _unreadable(arg)
+    if exists:
         return load_incident(arg)
     return load_incident(data_dir, str(arg))
 

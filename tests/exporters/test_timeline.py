@@ -4,7 +4,10 @@ and rendered."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,82 @@ def test_cli_argument_errors_name_the_data_dir(tmp_path: Path) -> None:
     _minimal(tmp_path, "20261129T100000Z-manual-ffffff", 1)
     with pytest.raises(BundleNotFoundError, match="no incident 'zzz'"):
         load_incident_arg("zzz", data_dir=tmp_path)
+
+
+NOBODY = 65534
+as_root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to read as another uid (nobody)")
+
+
+def _read_as_nobody(read: Callable[[], object]) -> str:
+    """``read()`` in a forked child running as nobody (a real other uid): ``ok``, or the error
+    it raised as ``<type>: <message>``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                read()
+                said = "ok"
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, the test shows it
+                said = f"{type(exc).__name__}: {exc}"
+            os.write(w, said.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        said = fh.read().decode()
+    os.waitpid(pid, 0)
+    return said
+
+
+@pytest.fixture
+def roots_data() -> Iterator[Path]:
+    """Root's 0700 data dir holding one bundle, in a folder anyone may enter."""
+    parent = Path(tempfile.mkdtemp(prefix="sw-roots-data-", dir="/tmp"))
+    try:
+        parent.chmod(0o755)
+        data = parent / "servewatch-data"
+        data.mkdir(mode=0o700)
+        _minimal(data, "20261129T100000Z-stall-abc123", 1)
+        data.chmod(0o700)
+        yield data
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@as_root_only
+@pytest.mark.parametrize("form", ["bundle_dir", "manifest", "missing", "data_dir"])
+def test_a_path_under_roots_data_dir_read_without_sudo_says_whose_folder(roots_data: Path, form: str) -> None:
+    """The engineer who forgot sudo: a path under root's 0700 data dir (existing or not) is one
+    BundleError naming the folder, its owner and what to do, never a PermissionError."""
+    bundle = roots_data / "h1" / "20261129T100000Z-stall-abc123"
+    arg = {"bundle_dir": bundle, "manifest": bundle / "manifest.json", "missing": roots_data / "nope",
+           "data_dir": roots_data}[form]
+    said = _read_as_nobody(lambda: load_incident_arg(str(arg), data_dir="/nonexistent"))
+    assert said == f"BundleError: cannot read {arg}: {roots_data} is owned by root (0700): run as root (sudo)"
+
+
+@as_root_only
+@pytest.mark.parametrize("arg", [None, "latest", "abc123", "20261129T100000Z-stall-abc123"])
+def test_an_id_in_roots_data_dir_read_without_sudo_says_the_permission_not_no_bundles(
+    roots_data: Path, arg: str | None
+) -> None:
+    said = _read_as_nobody(lambda: load_incident_arg(arg, data_dir=roots_data))
+    assert said == (f"BundleError: cannot read the incidents in {roots_data}: {roots_data} is owned by root (0700):"
+                    " run as root (sudo)")
+
+
+@as_root_only
+def test_a_host_folder_closed_to_this_user_is_named_instead_of_no_bundles(roots_data: Path) -> None:
+    roots_data.chmod(0o755)
+    (roots_data / "h1").chmod(0o700)
+    said = _read_as_nobody(lambda: find_bundle(roots_data, "latest"))
+    assert said == (f"BundleError: cannot read the incidents in {roots_data}: {roots_data}/h1 is owned by root (0700):"
+                    " run as root (sudo)")
 
 
 def test_manifest_fields_and_action_offsets(tl: IncidentTimeline, bundle: Bundle) -> None:

@@ -1460,6 +1460,7 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
         BackendUnknownError,
         candidates,
         describe_candidates,
+        hidden_sdk_folders,
         infer_backend,
         pid_problem,
     )
@@ -1483,8 +1484,10 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
         pids = control_socket_pids(cfg.socket_dir)
         if len(pids) == 1:
             return settings, pids[0]
-        fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); "
-             + describe_candidates(candidates(cfg.socket_dir)), ExitCode.USAGE)
+        found = candidates(cfg.socket_dir)
+        hidden = hidden_sdk_folders(cfg.socket_dir)  # the engineer who forgot sudo: whose folder may hide them
+        fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); " + describe_candidates(found, hidden),
+             ExitCode.FAILURE if hidden and not found else ExitCode.USAGE)
     problem = pid_problem(pid, cfg.socket_dir)
     if problem is not None:  # a refused socket is no usage error: run as its user
         usage = psutil.pid_exists(pid) and not problem.startswith("cannot reach")

@@ -46,6 +46,7 @@ __all__ = [
     "Candidate",
     "candidates",
     "describe_candidates",
+    "hidden_sdk_folders",
     "infer_backend",
     "pid_problem",
     "server_pid",
@@ -244,13 +245,29 @@ def candidates(socket_dir: Path | None = None) -> list[Candidate]:
     return found
 
 
-def describe_candidates(found: Sequence[Candidate]) -> str:
-    """``candidates: pid 1 'a' (--pid 1), ...`` (at most :data:`MAX_SHOWN`), or ``no candidates: ...``."""
+def hidden_sdk_folders(socket_dir: Path | None = None) -> list[str]:
+    """The SDK folders in ``socket_dir`` (default: the SDK's shm folder) this user may not list,
+    whose servers' control sockets :func:`candidates` cannot see: one line each, naming the
+    folder, its owner and what to do (``/dev/shm/servewatch-0 is owned by root (0700): run as
+    root (sudo)``). Empty when every folder is readable (root always). Blocking: ``stat`` calls."""
+    from agent.sdk.folders import sdk_folders
+    from agent.security import access_denied
+
+    return [why for _uid, folder in sdk_folders(socket_dir) if (why := access_denied(folder)) is not None]
+
+
+def describe_candidates(found: Sequence[Candidate], hidden: Sequence[str] = ()) -> str:
+    """``candidates: pid 1 'a' (--pid 1), ...`` (at most :data:`MAX_SHOWN`), or ``no candidates: ...``;
+    then, for the SDK folders this user may not list (:func:`hidden_sdk_folders`), that more
+    candidates may be hidden there and what to do."""
+    behind = f"; candidates may be hidden: {'; '.join(hidden)}" if hidden else ""
     if not found:
-        return "no candidates: no process serves an SDK control socket (agent.sdk.serve_control()) and no SGLang or vLLM process runs"
+        sdk = "no process this user can see serves" if hidden else "no process serves"
+        return (f"no candidates: {sdk} an SDK control socket (agent.sdk.serve_control()) and no SGLang or vLLM"
+                f" process runs{behind}")
     shown = ", ".join(c.describe() for c in found[:MAX_SHOWN])
     more = f" and {len(found) - MAX_SHOWN} more" if len(found) > MAX_SHOWN else ""
-    return f"candidates: {shown}{more}"
+    return f"candidates: {shown}{more}{behind}"
 
 
 def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:

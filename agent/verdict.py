@@ -965,7 +965,11 @@ def _inconclusive(ev: Evidence) -> Verdict:
     if ev.complete_fr and known and all(e.frame_class is FrameClass.COLLECTIVE for e in ev.ranks):
         return _verdict(ev, "unknown", (), "every rank entered the same collective and waits in it "
                         "(communication layer?)", "low")
-    return _verdict(ev, "unknown", (), f"no conclusive evidence ({_what_was_read(ev, known)})", "low")
+    reason = f"no conclusive evidence ({_what_was_read(ev, known)})"
+    if not known:  # why no stack was read, when it was said (py-spy denied: run as root)
+        notes = dict.fromkeys(e.stack_note for e in ev.processes if e.stack_note)
+        reason += "".join(f"; {note}" for note in notes)
+    return _verdict(ev, "unknown", (), reason, "low")
 
 
 def _what_was_read(ev: Evidence, known: Sequence[RankEvidence]) -> str:

@@ -91,6 +91,24 @@ def test_dump_of_processes_that_are_no_ranks_does_not_say_no_stacks(tmp_path: Pa
     assert "no stacks" not in verdict["reason"] and "2 processes, none a rank of a distributed job" in verdict["reason"]
 
 
+def test_dump_of_ranks_py_spy_may_not_read_says_why_in_the_summary_verdict(tmp_path: Path, spawn, python: str) -> None:
+    """py-spy denied on every rank (the engineer who forgot sudo): the summary's verdict line says
+    why there is no stack and what to do, not only "no conclusive evidence"."""
+    exe = tmp_path / "py-spy-denied"
+    exe.write_text(
+        f"#!{sys.executable}\nimport runpy, sys\n"
+        f"sys.argv = [sys.argv[0], 'permission-denied', {str(tmp_path / 'pyspy.log')!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({str(PROGRAMS_DIR / 'fake_pyspy.py')!r}, run_name='__main__')\n"
+    )
+    exe.chmod(0o755)
+    ranks = [_titled(spawn, python, f"denied{os.getpid()}::scheduler_TP{rank}") for rank in (0, 1)]
+    args = [a for p in ranks for a in ("--pid", str(p.pid))]
+    r = _cli(tmp_path, "dump", *args, "--data-dir", str(tmp_path / "data"), SERVEWATCH_PYSPY__EXECUTABLE=str(exe))
+    verdict = next((line for line in r.stdout.splitlines() if line.startswith("Verdict:")), r.stdout + r.stderr)
+    assert verdict == ("Verdict: no culprit rank -- no conclusive evidence (no Flight Recorder and no stacks);"
+                       " py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE [confidence low]")
+
+
 def test_out_of_range_option_is_a_usage_error(tmp_path: Path) -> None:
     r = _cli(tmp_path, "run", "--pid", "1", "--duration", "-1")
     assert r.returncode == 2

@@ -9,6 +9,7 @@ nobody can run: this one, else the system's of the same version with this venv's
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -223,3 +224,84 @@ def test_status_as_nobody_on_roots_data_dir_says_owned_by_root(
             f"servewatch: cannot read the agent status in {data}: {data} is owned by root (0700): run as root (sudo)"]
     finally:
         shutil.rmtree(parent, ignore_errors=True)
+
+
+INCIDENT = "20261129T100000Z-stall-abc123"
+
+
+@pytest.fixture
+def roots_data() -> Iterator[Path]:
+    """Root's 0700 data dir ``servewatch-data`` holding one bundle, in a folder anyone may enter."""
+    parent = _public_dir("sw-noroot-data-")
+    try:
+        data = parent / "servewatch-data"
+        bundle = data / "h1" / INCIDENT
+        bundle.mkdir(parents=True)
+        (bundle / "manifest.json").write_text(json.dumps({
+            "schema": "servewatch.incident/1", "incident_id": INCIDENT, "trigger": "stall", "detail": "d",
+            "host.name": "h1", "trace_id": "", "span_id": "", "opened_time_unix_nano": 1, "closed_time_unix_nano": 2,
+            "duration_s": 1.0, "targets": [], "actions": [], "inflight_requests": 0}))
+        data.chmod(0o700)
+        yield data
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("form", ["bundle", "missing", "latest", "id", "none"])
+@pytest.mark.parametrize("command", ["timeline", "report"])
+def test_timeline_and_report_as_nobody_on_roots_data_dir_say_owned_by_root(
+    nobody_cli: tuple[list[str], Path, Path], nobody_home: Path, roots_data: Path, command: str, form: str
+) -> None:
+    """A bundle path, a path that does not exist under it, ``latest``, an id or nothing: one line
+    naming root's folder and the fix, exit 1; never a traceback, never "no incident bundles"."""
+    arg = {"bundle": [str(roots_data / "h1" / INCIDENT)], "missing": [str(roots_data / "nope")], "latest": ["latest"],
+           "id": ["abc123"], "none": []}[form]
+    out = ["-o", "x.html"] if command == "report" else []
+    done = _as_nobody(nobody_cli, Path("/tmp"), nobody_home, command, *arg, *out, "--data-dir", str(roots_data))
+    _no_traceback(done.stdout + done.stderr)
+    assert done.returncode == 1, done.stderr
+    what = arg[0] if form in ("bundle", "missing") else f"the incidents in {roots_data}"
+    assert done.stderr.splitlines() == [
+        f"servewatch: cannot read {what}: {roots_data} is owned by root (0700): run as root (sudo)"]
+    assert not (nobody_home / "x.html").exists()
+
+
+def test_profile_without_pid_as_nobody_says_candidates_may_hide_behind_roots_folder(
+    nobody_cli: tuple[list[str], Path, Path], root_server: tuple[int, Path], nobody_home: Path
+) -> None:
+    """Root's SDK server runs but its folder is closed to nobody: not "no process serves an SDK
+    control socket", but that candidates may be hidden there, whose it is and what to do."""
+    _pid, shm = root_server
+    done = _as_nobody(nobody_cli, shm, nobody_home, "profile", "--steps", "5", "--data-dir", "d")
+    _no_traceback(done.stderr)
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("servewatch: profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); "), line
+    assert line.endswith(f"; candidates may be hidden: {shm}/{ROOT_FOLDER_DENIED}"), line
+    assert "no process serves an SDK control socket" not in line, line
+    assert done.returncode == (1 if "no candidates:" in line else 2), line
+
+
+def test_dump_of_roots_ranks_as_nobody_says_why_no_stack_in_the_verdict_and_no_gpu_quietly(
+    nobody_cli: tuple[list[str], Path, Path], nobody_home: Path, spawn: Callable
+) -> None:
+    """Two ranks py-spy may not read (root's, TP0 and TP1): the summary's verdict line says why
+    there is no stack; on a host without a GPU the coredump line is root's quiet ``none: no GPU``,
+    not a ``permission_denied`` per rank."""
+    from agent.cudaenv import cuda_driver_present
+
+    pids = []
+    for rank in (0, 1):
+        proc = spawn([sys.executable, str(PROGRAMS_DIR / "titled_target.py"), f"noroot{os.getpid()}::scheduler_TP{rank}",
+                      "--max-lifetime-s", "60"], stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+        pids += ["--pid", str(proc.pid)]
+    done = _as_nobody(nobody_cli, Path("/tmp"), nobody_home, "dump", *pids, "--data-dir", "d")
+    text = done.stdout + done.stderr
+    _no_traceback(text)
+    verdict = next(line for line in done.stdout.splitlines() if line.startswith("Verdict:"))
+    assert verdict == ("Verdict: no culprit rank -- no conclusive evidence (no Flight Recorder and no stacks);"
+                       " py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE [confidence low]")
+    coredump = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("cuda.coredump")]
+    if not cuda_driver_present():
+        assert coredump == ["cuda.coredump   none: no GPU/CUDA driver on this host (2 process(es))"], text
+        assert "cannot read /proc/" not in text

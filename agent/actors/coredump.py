@@ -899,7 +899,12 @@ class CoredumpActor:
             # One worker-thread hop for all of /proc and the disk guard: triggers go out fast.
             prepared = await anyio.to_thread.run_sync(self._prepare, pid, target.uid)
         if failure:
-            return result(*failure[0])
+            outcome, detail = failure[0]
+            if outcome is Outcome.PERMISSION_DENIED and not await anyio.to_thread.run_sync(self._driver_present, pid):
+                # no GPU on this host: nothing to dump, whoever runs servewatch (as root sees it)
+                attrs["servewatch.coredump.no_gpu"] = True
+                return result(Outcome.NOT_ARMED, NO_CUDA_DRIVER)
+            return result(outcome, detail)
         assert prepared is not None and prepared.view is not None
         location, view = prepared.location, prepared.view
         _note_prepared(attrs, prepared)

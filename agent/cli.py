@@ -907,7 +907,7 @@ def demo(
         sys.stdout.flush()
 
     try:
-        run_demo(settings, tp=tp, watchdog_timeout_s=watchdog_timeout, deadline_s=deadline, log=err.console,
+        run_demo(settings, tp=tp, watchdog_timeout_s=watchdog_timeout, deadline_s=deadline, log=err,
                  on_captured=captured)
     except TimeoutError as exc:
         fail(str(exc), ExitCode.FAILURE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -527,6 +528,70 @@ def test_ctrl_c_mid_incident_in_the_demo_names_the_interrupted_bundle(tmp_path: 
     assert (m["state"], m["interrupted"]) == ("interrupted", True)
     said = [ln for ln in text.splitlines() if f"incident {m['incident_id']} was interrupted" in ln]
     assert said and f"{bundles[0].parent}/" in said[0], text
+
+
+@pytest.mark.slow
+def test_demo_on_an_80_column_terminal_wraps_its_lines_at_words_with_a_hanging_indent(tmp_path: Path, spawn) -> None:
+    """Before: the demo's step lines were written whole and the terminal broke them mid-word
+    (``(TP=2, a small torch model per sched`` / ``uler)``), and the "interrupted" message's
+    continuation rows were indented 1. Now every row fits 80 columns, and a line's continuation
+    rows are indented 4 (interrupted mid-incident, as Ctrl-C while py-spy hangs)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from agent.cli import HANG_INDENT
+
+    log = tmp_path / "pyspy.log"
+    exe = tmp_path / "py-spy-hangs"
+    exe.write_text(
+        f"#!{sys.executable}\nimport runpy, sys\n"
+        f"sys.argv = [sys.argv[0], 'hang', {str(log)!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({str(PROGRAMS_DIR / 'fake_pyspy.py')!r}, run_name='__main__')\n"
+    )
+    exe.chmod(0o755)
+    env = _env(tmp_path, SERVEWATCH_PYSPY__EXECUTABLE=str(exe), SERVEWATCH_PYSPY__TIMEOUT_S="100",
+               SERVEWATCH_INCIDENT__INTERRUPT_GRACE_S="1", SERVEWATCH_HOST_NAME="h1")
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 80, 0, 0))
+    try:
+        demo = spawn([*CLI, "demo", "--data-dir", str(tmp_path / "data")], stdout=subprocess.DEVNULL,
+                     stderr=follower, cwd=tmp_path, env=env)
+        os.close(follower)
+        follower = -1
+        screen = b""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not log.exists() and demo.poll() is None:
+            ready, _, _ = select.select([leader], [], [], 0.1)  # py-spy (hanging) has started: mid-incident
+            if ready:
+                screen += os.read(leader, 65536)
+        assert log.exists(), screen.decode()
+        demo.send_signal(signal.SIGINT)
+        screen += _read_all(leader, demo, 60)
+        assert demo.wait(timeout=60) == 130, screen.decode()
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    rows = [r for r in screen.decode().split("\r\n") if r]
+    text = "\n".join(rows)
+    # servewatch wrapped them, not the terminal (a word wider than a row, a path, stays whole)
+    assert all(len(r) <= 80 or len(r.split()) == 1 for r in rows), text
+    step = next(i for i, r in enumerate(rows) if "] starting the demo inference server (TP=2, a small" in r)
+    assert rows[step + 1].startswith(" " * HANG_INDENT), text
+    assert f"{rows[step]} {rows[step + 1].strip()}".endswith("(TP=2, a small torch model per scheduler)"), text
+    for i, row in enumerate(rows):
+        if row.startswith(" "):  # a continuation row: under a line's first row, indented 4 more
+            first = next(rows[k] for k in range(i - 1, -1, -1) if not rows[k].startswith(" "))
+            assert row.startswith(" " * HANG_INDENT) and row[HANG_INDENT] != " ", f"{first!r} / {row!r}\n{text}"
+    bundle = next((tmp_path / "data" / "h1").glob("*-stall-*"))
+    at = next(i for i, r in enumerate(rows) if r.startswith(f"incident {bundle.name} was interrupted;"))
+    more = list(itertools.takewhile(lambda r: r.startswith(" " * HANG_INDENT), rows[at + 1:]))
+    assert more, text
+    said = " ".join([rows[at], *(r.strip() for r in more)])
+    assert said == (f"incident {bundle.name} was interrupted; what it captured is kept in {bundle}/ "
+                    f"(View: servewatch timeline {bundle.name})"), text
 
 
 @pytest.mark.slow

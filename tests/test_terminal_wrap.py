@@ -50,6 +50,10 @@ servewatch dump --pid $P --data-dir dw
 kill $P; rm -rf "$SERVEWATCH_SHM_DIR"
 """
 STATUS_SH = "servewatch status --data-dir sd\n"
+# at 120 columns a data dir this long makes the "spans: DIR/ (... replay with servewatch export)"
+# step line wider than a row, while its bundle's path (one word) still fits a row
+DEMO_SH = "SERVEWATCH_HOST_NAME=h servewatch demo --data-dir {data_dir}\n"
+LONG_DATA_DIR = "demo-data-dir-long-enough-that-the-spans-line-passes-120-cols"
 
 
 def _shape(token: str) -> str:
@@ -203,3 +207,19 @@ def test_a_warning_during_dump_is_its_own_wrapped_line_not_glued_to_the_progress
             break
         got += _words(row)
     assert got == _words(warning), "\n".join(rows)
+
+
+@pytest.mark.parametrize("shell", [80, 120], indirect=True, ids=["80cols", "120cols"])
+def test_demo_step_lines_wrap_at_words_with_a_hanging_indent(shell: tuple[Tmux, Path]) -> None:
+    """Before: the demo's step lines were written whole (rich, soft wrap) and the terminal broke
+    them mid-word: ``(TP=2, a small torch model per sched`` / ``uler)``, ``replay with servewat`` /
+    ``ch export)``."""
+    pytest.importorskip("torch")
+    t, cwd = shell
+    columns = int(t("display-message", "-p", "#{window_width}"))
+    continued = _compare(t, cwd, DEMO_SH.format(data_dir="dm" if columns < 120 else LONG_DATA_DIR), columns)
+    file_lines = (cwd / "file.txt").read_text().splitlines()
+    steps = [ln for ln in file_lines if re.match(r"\[ *\d+\.\ds\] ", ln)]
+    assert any("starting the demo inference server" in ln for ln in steps), file_lines
+    assert any("replay with servewatch export" in ln for ln in steps), file_lines
+    assert _long(steps, columns) and continued > 0  # a step line the terminal shows wrapped by servewatch

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
@@ -23,6 +23,14 @@ from agent.config import Settings, load_settings
 from agent.incidents import STATE_INTERRUPTED, IncidentRecord
 
 __all__ = ["run_demo"]
+
+class Log(Protocol):
+    """Where the demo's progress lines go: the CLI's stderr (on a terminal it wraps them at words
+    with a hanging indent), or a rich Console. Each line is printed with ``markup=False,
+    highlight=False`` and nothing else: plain text, never rich markup."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None: ...
+
 
 #: Requests sent before the fault, so every scheduler has stepped (the watchdog clock starts
 #: at the first step: warm-up is never a stall).
@@ -35,7 +43,7 @@ def run_demo(
     tp: int = 2,
     watchdog_timeout_s: float = 3.0,
     deadline_s: float = 90.0,
-    log: Console | None = None,
+    log: Log | None = None,
     on_captured: Callable[[IncidentRecord], None] | None = None,
 ) -> IncidentRecord:
     """Run the demo and return the stall incident it captured.
@@ -48,7 +56,7 @@ def run_demo(
         tp: scheduler processes (TP ranks).
         watchdog_timeout_s: stall timeout, seconds.
         deadline_s: upper bound on the whole demo, seconds.
-        log: progress console (stderr).
+        log: progress lines (stderr): the CLI's, which wraps them at words on a terminal.
         on_captured: called once with the finished incident, before the server is stopped (the
             CLI prints it: the verdict first).
 
@@ -62,7 +70,7 @@ def run_demo(
 
 
 async def _demo_until_signal(
-    settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Console,
+    settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Log,
     on_captured: Callable[[IncidentRecord], None] | None,
 ) -> IncidentRecord:
     """:func:`_demo`, ended by SIGINT/SIGTERM: the first says "stopping the demo server…" at
@@ -95,13 +103,13 @@ async def _demo_until_signal(
             if record.state == STATE_INTERRUPTED:  # the stop cut it short: what it kept, and where
                 log.print(f"incident {record.opened.incident_id} was interrupted; what it captured is kept in "
                           f"{record.bundle_dir}/ (View: servewatch timeline {record.opened.incident_id})",
-                          markup=False, highlight=False, soft_wrap=True)
+                          markup=False, highlight=False)
         raise KeyboardInterrupt
     return result[0]
 
 
 async def _demo(
-    settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Console,
+    settings: Settings, tp: int, watchdog_timeout_s: float, deadline_s: float, log: Log,
     on_captured: Callable[[IncidentRecord], None] | None, records: list[IncidentRecord] | None = None,
 ) -> IncidentRecord:
     from agent.demo.client import DemoServer, agenerate, ainject_hang

@@ -114,12 +114,46 @@ def verdict_headline(verdict: dict[str, Any]) -> str:
     return f"Verdict: {who} -- {verdict.get('reason', '?')} [confidence {verdict.get('confidence', '?')}]"
 
 
+#: Continuation rows of a verdict's line are indented this many columns more than the line
+#: (a hanging indent, as the CLI's own lines on a terminal: where each line starts stays plain).
+HANG_INDENT = 4
+
+
+class _Hanging:
+    """One line of text wrapped at words to the width it is given: its first row indented
+    ``indent``, its continuation rows ``indent + HANG_INDENT``, never left of the line's own
+    text. A word wider than a row is broken (a pasted verdict is never cut), its pieces hanging
+    too. Printed literally (never read as markup)."""
+
+    def __init__(self, text: str, *, indent: int = 0, style: str = "") -> None:
+        self.text, self.indent, self.style = text, indent, style
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        import textwrap
+
+        width = max(options.max_width, self.indent + HANG_INDENT + 1)
+        rows = textwrap.wrap(self.text, width=width, initial_indent=" " * self.indent,
+                             subsequent_indent=" " * (self.indent + HANG_INDENT), break_on_hyphens=False) or [""]
+        for row in rows:
+            body = row.lstrip(" ")
+            line = Text(row[: len(row) - len(body)], no_wrap=False, overflow="fold", end="\n")
+            line.append(body, style=self.style)
+            yield line
+
+    def __rich_measure__(self, console: Console, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        longest = max((len(w) for w in self.text.split()), default=0)
+        return Measurement(min(options.max_width, self.indent + HANG_INDENT + longest),
+                           min(options.max_width, self.indent + len(self.text)))
+
+
 def _verdict_panel(verdict: dict[str, Any]) -> Panel:
-    body = Text(no_wrap=False, overflow="fold")  # wraps at any width: a pasted verdict is never cut
-    body.append(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")
-    for line in (verdict.get("evidence") or [])[:16]:
-        body.append("\n  " + str(line))
-    return Panel(body, title="verdict", title_align="left", border_style="red" if verdict.get("hung", True) else "green")
+    # each line wraps at words under its own text (a hanging indent) at any width
+    lines: list[Any] = [_Hanging(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")]
+    lines += [_Hanging(str(line), indent=2) for line in (verdict.get("evidence") or [])[:16]]
+    return Panel(Group(*lines), title="verdict", title_align="left",
+                 border_style="red" if verdict.get("hung", True) else "green")
 
 
 def _local(ns: int) -> str:
@@ -242,11 +276,8 @@ def _closing_panel(tl: IncidentTimeline) -> Panel:
     process's hung frame, culprits marked."""
     verdict = tl.verdict or {}
     culprits = {int(p) for p in verdict.get("culprit_pids") or () if isinstance(p, int)}
-    headline = Text(no_wrap=False, overflow="fold")
-    if verdict:
-        headline.append(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")
-    else:
-        headline.append("no verdict recorded", style="dim")
+    headline = (_Hanging(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")
+                if verdict else _Hanging("no verdict recorded", style="dim"))
     frames = Table.grid(padding=(0, 1))
     frames.add_column(no_wrap=True)
     frames.add_column(overflow="fold")  # a long frame wraps in its own column, under itself

@@ -363,6 +363,75 @@ def test_timeline_latest_after_the_paged_steps_shows_the_paging_incident_and_nam
     assert (named.returncode, named.stderr) == (0, ""), named.stderr
 
 
+#: A verdict like the demo's, its rank lines longer than a 120-column box.
+VERDICT_HEADLINE = ("Verdict: culprit rank(s) 0 -- compute: rank 0 hung in its forward "
+                    "(_injected_hang_in_forward) while rank 1 waits for it [confidence high]")
+VERDICT_EVIDENCE = [
+    ("rank 0 pid 12454 [TP0]; compute: _injected_hang_in_forward (agent/demo/model.py:62); steps 4->4; "
+     "1 request(s) in flight, the oldest for 9.3 s; no forward progress for 6.0 s"),
+    ("rank 1 pid 12455 [TP1]; collective: all_reduce (torch/distributed/distributed_c10d.py:2050); "
+     "steps 4->4; waiting for rank 0 in the collective for 6.0 s"),
+]
+
+
+def write_verdict_bundle(data: Path) -> str:
+    """An incident under ``data`` whose verdict has :data:`VERDICT_EVIDENCE`; its id."""
+    incident_id = "20261201T190000Z-stall-dddddd"
+    bundle = data / "h1" / incident_id
+    bundle.mkdir(parents=True)
+    opened = 1_796_151_600 * 10**9
+    (bundle / "manifest.json").write_text(json.dumps({
+        "schema": "servewatch.incident/1", "incident_id": incident_id, "trigger": "stall", "detail": "d",
+        "host.name": "h1", "trace_id": "", "span_id": "", "opened_time_unix_nano": opened,
+        "closed_time_unix_nano": opened + 10**9, "duration_s": 1.0, "targets": [], "actions": [],
+        "inflight_requests": 0,
+        "verdict": {"headline": VERDICT_HEADLINE, "culprit_ranks": [0], "reason": "compute", "confidence": "high",
+                    "kind": "compute", "hung": True, "evidence": VERDICT_EVIDENCE}}))
+    return incident_id
+
+
+def assert_verdict_box_lines_hang(screen: str) -> int:
+    """In the top verdict box of ``screen``, each line (headline, then each evidence line) starts
+    a row, and its continuation rows start no further left than its first row's text (before:
+    an evidence line's continuation started at the box's left edge, left of ``  rank 0 ...``).
+    Returns how many continuation rows the evidence lines took."""
+    rows = screen.splitlines()
+    start = next(i for i, r in enumerate(rows) if r.lstrip().startswith("╭─ verdict"))
+    inner = []
+    for row in rows[start + 1:]:
+        if row.lstrip().startswith("╰"):
+            break
+        inner.append(row.strip().removeprefix("│").removesuffix("│")[1:].rstrip())  # the border, its padding
+    continued = 0
+    i = 0
+    for n, line in enumerate([VERDICT_HEADLINE, *VERDICT_EVIDENCE]):
+        first = inner[i]
+        lead = len(first) - len(first.lstrip(" "))
+        assert line.startswith(first.strip()), f"row {first!r} starts no line\n" + "\n".join(inner)
+        got = first.split()
+        i += 1
+        while len(got) < len(line.split()):
+            row = inner[i]
+            assert len(row) - len(row.lstrip(" ")) >= lead, (  # hanging (+4) or aligned, never left of it
+                f"{row!r} continues {first!r} left of its text\n" + "\n".join(inner))
+            got += row.split()
+            continued += 1 if n else 0
+            i += 1
+        assert got == line.split(), "\n".join(inner)
+    return continued
+
+
+def test_timeline_in_a_pipe_hangs_each_verdict_line_s_continuation_under_its_own_text(tmp_path: Path) -> None:
+    """`servewatch timeline ... | less` (120 columns): the top verdict box's rank lines wrap with
+    their continuation rows indented under ``  rank 0 ...``, not at the box's left edge."""
+    data = tmp_path / "data"
+    incident_id = write_verdict_bundle(data)
+    r = _cli(tmp_path, "timeline", incident_id, "--data-dir", str(data))
+    assert r.returncode == 0, r.stderr
+    assert max(len(ln) for ln in r.stdout.splitlines()) == 120, r.stdout
+    assert assert_verdict_box_lines_hang(r.stdout) > 0, r.stdout
+
+
 def _line_with(stream, needle: bytes, timeout_s: float) -> bytes:
     """The first line of ``stream`` (unbuffered) holding ``needle``; fails after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import HANG_INDENT
+from tests.test_cli import assert_verdict_box_lines_hang, write_verdict_bundle
 from tests.test_terminal import Tmux
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -223,3 +224,15 @@ def test_demo_step_lines_wrap_at_words_with_a_hanging_indent(shell: tuple[Tmux, 
     assert any("starting the demo inference server" in ln for ln in steps), file_lines
     assert any("replay with servewatch export" in ln for ln in steps), file_lines
     assert _long(steps, columns) and continued > 0  # a step line the terminal shows wrapped by servewatch
+
+
+@pytest.mark.parametrize("shell", [80, 120], indirect=True, ids=["80cols", "120cols"])
+def test_timeline_verdict_box_lines_hang_under_their_own_text(shell: tuple[Tmux, Path]) -> None:
+    """Before: in `timeline`'s top verdict box a rank line's continuation row started at the box's
+    left edge, left of ``  rank 0 pid ...`` itself."""
+    t, cwd = shell
+    columns = int(t("display-message", "-p", "#{window_width}"))
+    incident_id = write_verdict_bundle(cwd / "tl")
+    rows = _on_screen(t, 1, f"servewatch timeline {incident_id} --data-dir tl")  # on the terminal: its width
+    assert rows and all(len(r) <= columns for r in rows), "\n".join(rows)
+    assert assert_verdict_box_lines_hang("\n".join(rows)) > 0, "\n".join(rows)

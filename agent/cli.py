@@ -129,7 +129,8 @@ class _LazyConsole:
         (:func:`_wrap_for_terminal`), whole in a file or pipe; anything else goes to rich."""
         stream = sys.stderr if self._kwargs.get("stderr") else sys.stdout
         with _progress_aside():  # dump's progress line is erased first, drawn again after
-            if not kwargs and markup is False and all(isinstance(o, str) for o in objects):
+            plain = {k: v for k, v in kwargs.items() if k != "soft_wrap"}  # rich's "never wrap": ours wraps at words
+            if not plain and markup is False and all(isinstance(o, str) for o in objects):
                 # plain lines: on a terminal wrapped at words with a hanging indent, whole elsewhere
                 from agent.security import strip_control
 

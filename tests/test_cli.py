@@ -834,3 +834,17 @@ def test_cuda_env_counts_every_export_it_prints(tmp_path: Path) -> None:
     exports = [line for line in r.stdout.splitlines() if line.startswith("export ")]
     assert "export TORCH_FR_BUFFER_SIZE=2000" in exports
     assert f"servewatch: {len(exports)} variable(s) set, 0 kept;" in r.stderr
+
+
+def test_plain_lines_asking_rich_not_to_wrap_are_still_wrapped_at_words_on_a_terminal(monkeypatch, capsys) -> None:
+    """A plain line printed with rich's ``soft_wrap=True`` (the spool, --metrics-url and newer-dump
+    lines) takes the CLI's own path: on a terminal broken at words, continuation rows hanging by 4."""
+    from agent import cli
+
+    monkeypatch.setattr(cli, "_terminal_columns", lambda stream: 40)
+    line = "servewatch: --metrics-url: no reading: connection refused at http://127.0.0.1:1/metrics (the verdict names it)"
+    cli._LazyConsole(stderr=True, soft_wrap=True).print(line, markup=False, highlight=False, soft_wrap=True)
+    rows = capsys.readouterr().err.rstrip("\n").split("\n")
+    assert len(rows) > 1 and all(len(r) <= 40 or " " not in r.strip() for r in rows), rows
+    assert all(r.startswith("    ") and not r.startswith("     ") for r in rows[1:]), rows
+    assert " ".join(r.strip() for r in rows) == line

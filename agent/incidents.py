@@ -716,6 +716,37 @@ class IncidentManager:
             await anyio.to_thread.run_sync(ensure_private_dir, bundle_dir)
         except OSError as exc:  # disk full, data dir removed: the spans still carry the evidence
             log.error("cannot create bundle folder %s: %s", bundle_dir, exc)
+        try:
+            record, steps_at_open = await self._open_record(incident_id, bundle_dir, trigger, detail, pid, cause, parent)
+        except BaseException:  # stopped before anything was captured: no empty, nameless folder left behind
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_remove_if_empty, bundle_dir)
+            raise
+        self.current = record
+        _RUNNING_HERE.add(incident_id)
+        await self._notify()
+        try:
+            return await self._run_phases(record, trigger, pid, cause=cause, steps_at_open=steps_at_open)
+        except BaseException:
+            if not any(r is record for r in self.records):  # else already written closed and recorded
+                with anyio.CancelScope(shield=True):
+                    await self._write_interrupted(record)
+            raise
+        finally:
+            _RUNNING_HERE.discard(incident_id)
+            self.current = None
+            self._interrupt = ""
+            # the status file says it is over (else `servewatch status` shows it OPEN, 0 written,
+            # until something else rewrites the file); bounded, and never in a cancellation's way
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                await self._notify()
+
+    async def _open_record(
+        self, incident_id: str, bundle_dir: Path, trigger: str, detail: str, pid: int | None, cause: Event | None,
+        parent: tuple[str, str] | None,
+    ) -> tuple[IncidentRecord, dict[int, int]]:
+        """What an incident knows when it opens: its targets, their step counters, the trace it
+        joins, the requests in flight; returns the record and the step counters."""
         targets = await self._targets_of(pid)
         steps_at_open = await self._steps_at_open(targets)
         parent, placed_attributes = await self._placement(trigger, targets, cause, parent)
@@ -741,24 +772,7 @@ class IncidentManager:
             except Exception:  # the history is context; the evidence comes first
                 log.exception("reading the server's history failed")
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
-        self.current = record
-        _RUNNING_HERE.add(incident_id)
-        await self._notify()
-        try:
-            return await self._run_phases(record, trigger, pid, cause=cause, steps_at_open=steps_at_open)
-        except BaseException:
-            if not any(r is record for r in self.records):  # else already written closed and recorded
-                with anyio.CancelScope(shield=True):
-                    await self._write_interrupted(record)
-            raise
-        finally:
-            _RUNNING_HERE.discard(incident_id)
-            self.current = None
-            self._interrupt = ""
-            # the status file says it is over (else `servewatch status` shows it OPEN, 0 written,
-            # until something else rewrites the file); bounded, and never in a cancellation's way
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                await self._notify()
+        return record, steps_at_open
 
     async def _targets_of(self, pid: int | None) -> list[Target]:
         """The incident's targets (with the dead ranks of ``pid``'s job when the runtime says
@@ -1121,6 +1135,14 @@ def _inflight_span(r: InflightRequest) -> InflightSpan:
         input_tokens=r.prompt_tokens if isinstance(r.prompt_tokens, int) else None,
         output_tokens=r.generated_tokens if isinstance(r.generated_tokens, int) else None, age_s=r.age_s,
     )
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` when it holds nothing (an incident stopped before it captured anything)."""
+    try:
+        folder.rmdir()
+    except OSError:  # not empty (keep what is there), or already gone
+        pass
 
 
 def _read_links(bundle_dir: Path) -> tuple[tuple[str, str], ...]:

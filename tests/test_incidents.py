@@ -408,3 +408,25 @@ async def test_an_incident_written_closed_stays_closed_and_recorded_once_when_ca
     assert [r["action"] for r in manifest["actions"]].count("pyspy.dump") == 2
     assert not record.root_published and manifest["root_published"] is False  # the end never went out
     assert finished == [record]
+
+
+async def test_an_incident_stopped_before_it_captured_anything_leaves_no_empty_folder(tmp_path: Path) -> None:
+    """Ctrl-C while the incident is still finding its trace (the demo's race): its bundle folder
+    was made and nothing went in; it is removed, not left as a nameless incident."""
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl)
+    placing = anyio.Event()
+
+    async def place(trigger: str, targets: Sequence[Target], time_unix_nano: int, parent: tuple[str, str] | None):
+        placing.set()
+        await anyio.sleep_forever()
+
+    mgr.place = place
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(mgr.open_incident, "stall")
+        with anyio.fail_after(10):
+            await placing.wait()
+        assert len(list((tmp_path / "h1").iterdir())) == 1  # made, empty
+        tg.cancel_scope.cancel("operator's Ctrl-C")
+    assert list((tmp_path / "h1").iterdir()) == []
+    assert bus.of_type(IncidentOpened) == []

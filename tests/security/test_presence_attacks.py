@@ -45,12 +45,17 @@ WINDOW_S = 3.0
 
 #: Stdlib-only program the attacker runs (as nobody): ``PLANT folder prefix first count suffix``
 #: creates ``count`` empty files ``<prefix><n><suffix>`` for ``n`` from ``first`` (empty: 200,000 of them take no
-#: blocks of the tmpfs, and no check reads another user's file); prints ``ready <created>``.
+#: blocks of the tmpfs, and no check reads another user's file); with ``wrap`` = 1, names past the
+#: kernel's pid_max wrap as pids do (to 300, :func:`_wrapped`); prints ``ready <created>``.
 PLANT = """
 import os, sys
 folder, prefix, first, count, suffix = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+wrap = sys.argv[6] == "1"
+pid_max = int(open("/proc/sys/kernel/pid_max").read())
 made = 0
-for n in range(first, first + count):
+for i in range(count):
+    n = first + i
+    n = n if n < pid_max or not wrap else 300 + (n - pid_max) % (pid_max - 300)
     try:
         os.close(os.open(os.path.join(folder, prefix + str(n) + suffix), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except OSError:
@@ -60,11 +65,19 @@ print("ready", made, flush=True)
 """
 
 
-def _plant(spawn: Callable, folder: Path, prefix: str, first: int, count: int, suffix: str = "") -> int:
-    planter = run_as_nobody(spawn, [NOBODY_PYTHON, "-c", PLANT, str(folder), prefix, str(first), str(count), suffix])
+def _plant(spawn: Callable, folder: Path, prefix: str, first: int, count: int, suffix: str = "", *, wrap: bool = False) -> int:
+    planter = run_as_nobody(spawn, [NOBODY_PYTHON, "-c", PLANT, str(folder), prefix, str(first), str(count), suffix,
+                                    "1" if wrap else "0"])
     made = int(ready_line(planter, b"ready").split()[1])
     assert planter.wait(timeout=300) == 0
     return made
+
+
+def _wrapped(first: int, count: int) -> set[int]:
+    """The ``count`` pids the kernel hands out from ``first`` on, wrapping past ``pid_max`` to 300
+    as Linux does (a busy CI host wraps within a test: its next 30,000 pids are not ``first + n``)."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    return {n if n < pid_max else 300 + (n - pid_max) % (pid_max - 300) for n in range(first, first + count)}
 
 
 def _base(parent: Path, name: str) -> Path:
@@ -141,14 +154,14 @@ def test_squatted_presence_names_do_not_stop_an_agent_declaring_its_server(
     # root agent replaces another user's file in a sticky folder, never its exclusive temp file);
     # and the new layout's name, in the shared folder
     for prefix, suffix in (("servewatch-agent.", ""), (".servewatch-agent.", ".tmp"), ("servewatch-watched.", "")):
-        assert _plant(spawn, base, prefix, first, span, suffix) == span
+        assert _plant(spawn, base, prefix, first, span, suffix, wrap=True) == span
     squat = run_as_nobody(spawn, [NOBODY_PYTHON, str(attack_programs / "attack_shm_squat.py"), "--dir", str(base),
                                   "--pids", "10", "--uids", "0", "--kind", "folder"])  # root's private folder name too
     ready_line(squat)
     assert squat.wait(timeout=60) == 0
     server = _server(spawn, base, "--paused")
     agent = _agent(spawn, tmp_path, base, server.pid)
-    assert first <= agent.pid < first + span and (base / f"servewatch-agent.{agent.pid}").stat().st_uid == NOBODY
+    assert agent.pid in _wrapped(first, span) and (base / f"servewatch-agent.{agent.pid}").stat().st_uid == NOBODY
     deadline = time.monotonic() + 60
     while not _watching(tmp_path):  # the agent watches the server, which has no ring yet
         assert agent.poll() is None, agent.communicate(timeout=10)

@@ -11,13 +11,15 @@ when one reaches it (1 runtime failure, 2 usage error or invalid setting). The t
     │   ├── ExportConfigError (ValueError)  a telemetry setting or OTEL_* variable is invalid
     │   ├── TokenFileError (ValueError)     the API token file is missing, unsafe or empty
     │   ├── UnknownComponentError (KeyError) no registered watcher/actor/exporter has that name
+    │   ├── UnsafeFolderError (OSError)     a folder root must not write into (another user's, a planted link)
     │   └── LaunchError                     the server command cannot be started (exit 126/127)
     ├── InputError (ValueError)         a file or header we read is not what it must be
     │   ├── ManifestError                   an incident manifest cannot be read
     │   ├── BundleError                     an incident bundle cannot be read
     │   │   ├── BundleNotFoundError             no such incident, folder or manifest
     │   │   └── BundleCorruptError              the manifest is not a readable servewatch manifest
-    │   └── TraceParentError                a W3C traceparent value is malformed
+    │   ├── TraceParentError                a W3C traceparent value is malformed
+    │   └── TraceImportAborted              a trace file's import stopped by its budget (size, deadline, stop)
     ├── SdkCallError                    a control-socket call failed; .outcome sorts it
     ├── PeerRequestError                a peer agent gave no HTTP answer; .kind sorts it
     ├── BackendUnknownError             a URL's server is neither SGLang nor vLLM, or unreachable
@@ -62,8 +64,10 @@ __all__ = [
     "ServewatchError",
     "StartupError",
     "TokenFileError",
+    "TraceImportAborted",
     "TraceParentError",
     "UnknownComponentError",
+    "UnsafeFolderError",
     "UsageError",
     "one_line",
 ]
@@ -116,6 +120,12 @@ class UnknownComponentError(UsageError, KeyError):
         return f"unknown {self.kind} {self.name!r}: expected one of {', '.join(self.known) or '(none registered)'}"
 
 
+class UnsafeFolderError(UsageError, OSError):
+    """A folder root must not write into (its one-line reason is ``str(exc)``): a component is
+    owned by another user, a symlink another user planted, writable by others without the sticky
+    bit, or not a folder (raised by :func:`agent.fsutil.open_trusted_dir`)."""
+
+
 class LaunchError(UsageError):
     """The server command could not be started (a usage error, not a runtime failure).
 
@@ -157,6 +167,12 @@ class BundleCorruptError(BundleError):
 
 class TraceParentError(InputError):
     """A ``traceparent`` value is malformed (the message says which part)."""
+
+
+class TraceImportAborted(InputError):
+    """A trace file's import stopped by its budget: past its deadline, over its size cap, or
+    cancelled (the agent stopping); a :class:`ValueError`, so callers treat it as a file that
+    failed (raised by :mod:`exporters.torch_trace`)."""
 
 
 # --- talking to servers and peers ------------------------------------------------------------------

@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.errors import UnsafeFolderError
+
 __all__ = [
     "MEMORY_FILESYSTEMS",
     "TEMP_SUFFIX",
@@ -213,10 +215,6 @@ def memory_backed(path: str | os.PathLike[str]) -> bool:
 _MAX_LINKS = 40
 
 
-class UnsafeFolderError(OSError):
-    """A folder root must not write into (its one-line reason is ``str(exc)``): a component is
-    owned by another user, a symlink another user planted, writable by others without the sticky
-    bit, or not a folder."""
 
 
 def trusted_uids() -> frozenset[int]:

@@ -56,6 +56,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic import BaseModel, Field
 
+from agent.errors import TraceImportAborted
 from exporters.spans import SpanSink, build_span, new_span_id
 
 if TYPE_CHECKING:
@@ -116,9 +117,6 @@ MAX_SESSION_SPANS = 25_000
 MAX_SESSION_FILES = 64
 
 
-class TraceImportAborted(ValueError):
-    """An import stopped by its budget: past its deadline, over its size cap, or cancelled
-    (the agent stopping). A :class:`ValueError`, so callers treat it as a file that failed."""
 
 
 class ImportBudget:

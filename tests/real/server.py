@@ -123,6 +123,8 @@ class VllmServer:
     workdir: Path
     proc: subprocess.Popen[bytes]
     extra_args: tuple[str, ...] = ()
+    #: the processes' title prefix (``VLLM_PROCESS_NAME_PREFIX``; ``VLLM::EngineCore``)
+    title_prefix: str = "VLLM"
     #: pids seen in the tree while it served (API server, EngineCore, workers, helpers).
     known_pids: set[int] = field(default_factory=set)
     _stopped: set[int] = field(default_factory=set)
@@ -130,8 +132,11 @@ class VllmServer:
     # --- life cycle ------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, install: Install, *, tp: int = 1, extra_args: tuple[str, ...] = (), timeout_s: float | None = None) -> VllmServer:
-        """Start ``vllm serve`` and wait until it serves a completion (bounded).
+    def start(cls, install: Install, *, tp: int = 1, extra_args: tuple[str, ...] = (), timeout_s: float | None = None,
+              port: int | None = None, env: dict[str, str] | None = None) -> VllmServer:
+        """Start ``vllm serve`` and wait until it serves a completion (bounded). ``port``: listen
+        there (a restart on the port of a stopped server; default a free one); ``env``: more
+        variables for the server (e.g. ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``).
 
         Raises:
             ServerStartError: it exited, or was not serving after ``timeout_s`` (default
@@ -142,7 +147,7 @@ class VllmServer:
         workdir = Path(tempfile.mkdtemp(prefix=f"realvllm-tp{tp}-"))
         (workdir / "profiles").mkdir()
         (workdir / "tmp").mkdir()
-        port = _free_port()
+        port = port or _free_port()
         argv = [
             str(install.vllm), "serve", str(install.model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
@@ -155,6 +160,7 @@ class VllmServer:
             "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(workdir / "profiles")}),
             *extra_args,
         ]  # fmt: skip
+        extra_env = env
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env.update(
             PATH=f"{install.vllm.parent}:{env.get('PATH', '/usr/bin:/bin')}",
@@ -170,12 +176,14 @@ class VllmServer:
             TMPDIR=str(workdir / "tmp"),
             **{FAULT_FILE_ENV: str(workdir / "fault")},
         )
+        env.update(extra_env or {})
         log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
         finally:
             log.close()
-        server = cls(install=install, tp=tp, port=port, workdir=workdir, proc=proc, extra_args=extra_args)
+        server = cls(install=install, tp=tp, port=port, workdir=workdir, proc=proc, extra_args=extra_args,
+                     title_prefix=env.get("VLLM_PROCESS_NAME_PREFIX", "VLLM"))
         try:
             server._wait_serving(timeout_s)
         except BaseException:
@@ -293,12 +301,12 @@ class VllmServer:
         return [p for _, p in sorted(out, key=lambda t: t[0])]
 
     def engine_core(self) -> psutil.Process:
-        (core,) = self.titled("VLLM::EngineCore")
+        (core,) = self.titled(f"{self.title_prefix}::EngineCore")
         return core
 
     def workers(self) -> list[psutil.Process]:
         """The workers, TP0 first (``VLLM::Worker`` at TP=1, ``VLLM::Worker_TP<n>`` above)."""
-        return self.titled("VLLM::Worker")
+        return self.titled(f"{self.title_prefix}::Worker")
 
     # --- requests --------------------------------------------------------------------------
 

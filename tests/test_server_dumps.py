@@ -1,0 +1,109 @@
+"""The py-spy runs a watched server starts itself (:class:`agent.procinfo.ServerDumpLog`): a
+process that dumps itself through the shell, as SGLang's soft watchdog does, is seen by scanning
+``/proc`` for new processes, named with the process that started it, and said in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from agent.procinfo import ServerDump, ServerDumpLog, server_dump_lines
+from tests.conftest import PROGRAMS_DIR
+
+SELF_DUMPING = str(PROGRAMS_DIR / "self_dumping_target.py")
+
+
+def _pyspy_stand_in(tmp_path: Path) -> Path:
+    """A program named ``py-spy`` that runs 1 s and succeeds (what the scan sees is its name and
+    its ancestry, not what it does)."""
+    exe = tmp_path / "bin" / "py-spy"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\nsleep 1\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_a_server_dumping_itself_through_the_shell_is_seen_once_and_named_with_its_pid(spawn, python, tmp_path: Path) -> None:
+    exe = _pyspy_stand_in(tmp_path)
+    result = tmp_path / "theirs.jsonl"
+    proc = spawn([python, SELF_DUMPING, str(exe), str(result)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().split() == [b"ready", str(proc.pid).encode()]
+    log, stranger = ServerDumpLog(), ServerDumpLog()
+    log.scan([proc.pid])  # what runs before the dump: nothing of the kind
+    stranger.scan([1])
+    t0 = time.time_ns()
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+    found: list[ServerDump] = []
+    deadline = time.monotonic() + 30
+    while not (result.exists() and result.read_text()):
+        assert time.monotonic() < deadline, "the target's own dump never ended"
+        found += log.scan([proc.pid])
+        assert stranger.scan([1]) == []  # not started by the pids scanned for: not a server's run
+        time.sleep(0.05)
+    found += log.scan([proc.pid])
+    (run,) = found  # the shell and the py-spy it started are one run
+    assert run.dumper.started_by[0] == proc.pid, run
+    assert run.dumper.command == f"/bin/sh -c {exe} dump --native --pid {proc.pid}", run
+    assert run.dumper.chain[0] == proc.pid and t0 <= run.seen_unix_nano <= time.time_ns()
+    assert log.between(t0, time.time_ns(), [proc.pid]) == [run]
+    assert log.between(t0, time.time_ns(), [os.getpid() + 10**7]) == []  # another server's incident
+    assert log.between(run.seen_unix_nano + 1, time.time_ns(), [proc.pid]) == []  # before its window
+    (line,) = server_dump_lines([run], {proc.pid: "sglang::scheduler_TP1"})
+    assert line.startswith(f"SGLang's own watchdog fired: pid {proc.pid} 'sglang::scheduler_TP1' ran"
+                           f" '/bin/sh -c {exe} dump --native --pid {proc.pid}' (pid {run.dumper.pid}), seen at "), line
+    assert line.endswith(" UTC"), line
+    (plain,) = server_dump_lines([run, run])
+    assert plain.startswith(f"the server's own watchdog fired: pid {proc.pid} ") and plain.endswith(" UTC, 2 runs"), plain
+
+
+def test_the_agents_own_pyspy_runs_are_never_a_servers(tmp_path: Path) -> None:
+    exe = _pyspy_stand_in(tmp_path)
+    log = ServerDumpLog()
+    log.scan([os.getpid()])
+    ours = subprocess.Popen([str(exe), "dump", "--pid", "1"], stdin=subprocess.DEVNULL)
+    try:
+        assert log.scan([os.getpid()]) == []  # its parent is this process: our own run
+    finally:
+        ours.wait(timeout=10)
+
+
+#: A server whose child is forked first and only later execs ``sh -c '<py-spy> dump --pid <server>'``
+#: (argv: py-spy, go file): between the two the child's command line is the server's own.
+FORK_THEN_EXEC = (
+    "import os, sys, time\n"
+    "exe, go = sys.argv[1], sys.argv[2]\n"
+    "server = os.getpid()\n"
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    deadline = time.monotonic() + 30\n"
+    "    while not os.path.exists(go) and time.monotonic() < deadline:\n"
+    "        time.sleep(0.01)\n"
+    "    os.execv('/bin/sh', ['/bin/sh', '-c', f'{exe} dump --native --pid {server}'])\n"
+    "print('ready', child, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_child_seen_before_its_exec_is_looked_at_again_and_its_pyspy_run_seen(spawn, python, tmp_path: Path) -> None:
+    exe = _pyspy_stand_in(tmp_path)
+    go = tmp_path / "go"
+    log = ServerDumpLog()
+    proc = spawn([python, "-c", FORK_THEN_EXEC, str(exe), str(go)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, child = proc.stdout.readline().split()
+    assert ready == b"ready"
+    assert log.scan([proc.pid]) == []  # the child is still the server's fork: nothing to say yet
+    go.touch()
+    found: list[ServerDump] = []
+    deadline = time.monotonic() + 10
+    while not found:
+        assert time.monotonic() < deadline, "the exec'd shell was never seen"
+        found = log.scan([proc.pid])
+        time.sleep(0.05)
+    (run,) = found
+    assert (run.dumper.pid, run.dumper.command) == (int(child), f"/bin/sh -c {exe} dump --native --pid {proc.pid}"), run
+    assert run.dumper.started_by[0] == proc.pid, run

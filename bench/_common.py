@@ -121,6 +121,7 @@ def emit_result(
     ratio: float | None = None,
     spread: tuple[float, float] | None = None,
     note: str = "",
+    noise: float | None = None,
 ) -> None:
     """Print one result row for ``bench/run_all.py`` (one ``BENCH-RESULT {json}`` line on
     stdout), when :data:`RESULTS_ENV` is set (run_all sets it; a bench run by hand prints only
@@ -137,11 +138,16 @@ def emit_result(
             per-round ratios where the bench pairs rounds.
         spread: min and max of the per-round ratios (or of ``ours`` when there is no ratio).
         note: a few words (rounds, the target).
+        noise: how far ``ours`` moved between repeats within this run, in ``unit`` (half the
+            min..max of its per-window values); given, the row is a cost ``bench/run_all.py``
+            gates: a figure above the last one recorded in ``docs/performance.md`` by more than
+            this noise (and 10 %) is marked a regression.
     """
     if not os.environ.get(RESULTS_ENV):
         return
     if ratio is None and baseline:
         ratio = ours / baseline
     row = {"metric": metric, "ours": ours, "baseline": baseline, "baseline_name": baseline_name, "unit": unit,
-           "ratio": ratio, "spread": list(spread) if spread else None, "note": note, "load1": loadavg()[0]}
+           "ratio": ratio, "spread": list(spread) if spread else None, "note": note, "load1": loadavg()[0],
+           "noise": noise}
     print(RESULT_PREFIX + json.dumps(row), flush=True)

@@ -1,8 +1,14 @@
 """Cold start of each `servewatch` command, and whole-process `servewatch dump` against py-spy.
 
 Part 1: wall time of fresh processes: ``python -c pass`` (the floor), ``servewatch --help``,
-``--version``, ``dump --help``, ``timeline --help``, ``cuda-env`` (prints its exports), ``status --help``,
-interleaved over ``--repeat`` rounds; median and min per command. Target: ``--help`` <= 0.2 s.
+``--version``, ``dump --help``, ``timeline --help``, ``cuda-env`` (prints its exports), ``status --help``
+and the read-only commands on a real bundle (one ``servewatch dump`` of a hung target, made first)
+and a status file: ``status`` (and ``--json``), ``timeline`` (and ``--json``), ``report``;
+interleaved over ``--repeat`` rounds; median and min per command, and the median of the per-round
+ratios to ``python -c pass``. Targets: ``--help`` <= 0.2 s; each read-only command <= 3x
+``python -c pass`` + 0.1 s (issue 38; the goal line is printed with the load average). With
+``--baseline-tree DIR`` (a source tree of an earlier commit, e.g. ``git archive REV agent exporters``)
+the read-only commands of that tree run in the same rounds (``[baseline]`` rows).
 
 Part 2: K = 1, 4, 8 torch-loaded target processes (``tests/programs/titled_target.py --torch``,
 hung in a fake all-reduce). Per round, in alternating order: the SEQUENTIAL baseline (one
@@ -28,12 +34,13 @@ The machine may be shared: every ratio compares runs of the same round; the spre
 of the per-round ratios) is printed with it, and so are the median CPU seconds (user + system,
 py-spy's included) of both sides, which the load moves much less than wall time.
 
-Usage: ``python bench/bench_cli_start.py [--repeat 5] [--ks 1,4,8]``
+Usage: ``python bench/bench_cli_start.py [--repeat 5] [--ks 1,4,8] [--skip-dump] [--skip-read-only] [--baseline-tree DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import select
 import shutil
@@ -41,13 +48,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import emit_result, kill_groups, run_timed
+from _common import emit_result, kill_groups, loadavg, run_timed
 
 TARGET = REPO / "tests" / "programs" / "titled_target.py"
 
@@ -84,11 +92,11 @@ def timed(argv: list[str], env: dict[str, str] | None = None, timeout_s: float =
 LAST_CPU_S = 0.0
 
 
-def start_targets(k: int) -> list[subprocess.Popen[bytes]]:
+def start_targets(k: int, *, torch: bool = True) -> list[subprocess.Popen[bytes]]:
     procs = []
     for i in range(k):
         procs.append(subprocess.Popen(
-            [sys.executable, str(TARGET), f"bench::scheduler_TP{i}", "--torch", "--max-lifetime-s", "900"],
+            [sys.executable, str(TARGET), f"bench::scheduler_TP{i}", *(["--torch"] if torch else []), "--max-lifetime-s", "900"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
         ))  # fmt: skip
     for p in procs:
@@ -100,8 +108,34 @@ def start_targets(k: int) -> list[subprocess.Popen[bytes]]:
     return procs
 
 
-def part1(repeat: int, work: Path) -> None:
+def _read_only_data(work: Path) -> tuple[Path, str]:
+    """A data dir for the read-only commands: one real bundle (a ``servewatch dump`` of a hung
+    target: py-spy stacks, manifest, span file) and a status file: (data dir, incident id)."""
+    data = work / "ro-data"
+    (proc,) = start_targets(1, torch=False)
+    try:
+        _, rc = timed([*servewatch(), "dump", "--pid", str(proc.pid), "--data-dir", str(data)])
+        if rc != 0:
+            raise SystemExit(f"servewatch dump (read-only data) exited {rc}")
+    finally:
+        kill_groups([proc], timeout_s=10)
+    (host_dir,) = [d for d in data.iterdir() if d.is_dir()]
+    (bundle,) = [d for d in host_dir.iterdir() if (d / "manifest.json").is_file()]
+    (host_dir / "status.json").write_text(json.dumps({  # this bench's pid: an agent that is running
+        "schema": "servewatch.status/1", "host.name": host_dir.name, "agent_pid": os.getpid(),
+        "updated_time_unix_nano": time.time_ns(), "watchers": []}))
+    return data, bundle.name
+
+
+#: Read-only commands and their goal: each at most 3x `python -c pass` + 0.1 s (issue 38).
+READ_ONLY = ("servewatch --help", "servewatch --version", "servewatch status", "servewatch status --json",
+             "servewatch timeline", "servewatch timeline --json", "servewatch report")
+
+
+def part1(repeat: int, work: Path, baseline_tree: Path | None = None) -> None:
     sw = servewatch()
+    data, incident = _read_only_data(work)
+    dd = ["--data-dir", str(data)]
     cmds = {
         "python -c pass": [sys.executable, "-c", "pass"],
         "servewatch --help": [*sw, "--help"],
@@ -110,25 +144,51 @@ def part1(repeat: int, work: Path) -> None:
         "servewatch timeline --help": [*sw, "timeline", "--help"],
         "servewatch status --help": [*sw, "status", "--help"],
         "servewatch cuda-env": [*sw, "cuda-env", "--folder", str(work / "cores")],
+        "servewatch status": [*sw, "status", *dd],
+        "servewatch status --json": [*sw, "status", "--json", *dd],
+        "servewatch timeline": [*sw, "timeline", "latest", *dd],
+        "servewatch timeline --json": [*sw, "timeline", incident, "--json", *dd],
+        "servewatch report": [*sw, "report", incident, "-o", str(work / "report.html"), *dd],
     }
+    envs: dict[str, dict[str, str]] = {name: BASE_ENV for name in cmds}
+    if baseline_tree is not None:  # the same commands run from another source tree, same rounds
+        old_env = {**BASE_ENV, "PYTHONPATH": str(baseline_tree)}
+        for name in READ_ONLY:
+            cmds[f"{name} [baseline]"] = [sys.executable, "-P", "-c", "from agent.entry import main; main()", *cmds[name][len(sw):]]
+            envs[f"{name} [baseline]"] = old_env
     times: dict[str, list[float]] = {k: [] for k in cmds}
-    for argv in cmds.values():  # warm-up: the .pyc files exist, as after an install
-        timed(argv)
+    for name, argv in cmds.items():  # warm-up: the .pyc files exist, as after an install
+        timed(argv, envs[name])
     for _ in range(repeat):
         for name, argv in cmds.items():
-            dt, rc = timed(argv)
-            if rc != 0:
+            dt, rc = timed(argv, envs[name])
+            if rc not in (0, 1) or (rc == 1 and "status" not in name):  # status: 1 when a watcher is blind
                 raise SystemExit(f"{name} exited {rc}")
             times[name].append(dt)
-    print(f"cold start, {repeat} rounds (median / min seconds):")
-    for name, ts in times.items():
-        print(f"  {name:28s} {statistics.median(ts):6.3f} / {min(ts):6.3f}")
+    load = loadavg()
     base = times["python -c pass"]
-    for name in ("servewatch --help", "servewatch cuda-env"):
+    print(f"cold start, {repeat} rounds (median / min seconds; ratio: median of per-round ratios to `python -c pass`);"
+          f" load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}:")
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, base)]
+        print(f"  {name:40s} {statistics.median(ts):6.3f} / {min(ts):6.3f}  {statistics.median(ratios):5.2f}x")
+    goal = 3 * statistics.median(base) + 0.1
+    print(f"read-only commands: goal <= 3x `python -c pass` + 0.1 s = {goal:.3f} s (median of {repeat}, this run):")
+    for name in READ_ONLY:
+        median = statistics.median(times[name])
+        was = times.get(f"{name} [baseline]")
+        then = f"; baseline tree {statistics.median(was):6.3f} s" if was else ""
+        print(f"  {name:28s} {median:6.3f} s  {'ok  ' if median <= goal else 'OVER'}{then}")
+    for name in ("servewatch --help", "servewatch cuda-env", *READ_ONLY[1:]):
         ratios = [t / b for t, b in zip(times[name], base)]
+        note = f"{repeat} rounds; load {load[0]:.1f}"
+        if name.endswith("--help"):
+            note += "; target <= 0.2 s"
+        elif name in READ_ONLY:
+            note += f"; goal <= 3x + 0.1 s = {goal:.3f} s"
         emit_result(f"`{name}`, wall", ours=statistics.median(times[name]), baseline=statistics.median(base), unit="s",
                     baseline_name="`python -c pass` (the interpreter's own start)", ratio=statistics.median(ratios),
-                    spread=_spread(ratios), note=f"{repeat} rounds" + ("; target <= 0.2 s" if name.endswith("--help") else ""))
+                    spread=_spread(ratios), note=note)
 
 
 def _baseline(spy: str, pids: list[int]) -> tuple[float, float]:
@@ -143,10 +203,10 @@ def _baseline(spy: str, pids: list[int]) -> tuple[float, float]:
     return total, cpu
 
 
-def _whole(sw: list[str], pids: list[int], data: Path, *extra: str) -> tuple[float, float]:
+def _whole(sw: list[str], pids: list[int], data: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[float, float]:
     """One `servewatch dump` of every pid, whole process: (wall seconds, CPU seconds with py-spy's)."""
     argv = [*sw, "dump", "--data-dir", str(data), *extra] + [a for pid in pids for a in ("--pid", str(pid))]
-    dt, rc = timed(argv)
+    dt, rc = timed(argv, env)
     if rc != 0:
         raise SystemExit(f"servewatch dump exited {rc}")
     return dt, LAST_CPU_S
@@ -171,7 +231,12 @@ def _spread(ratios: list[float]) -> tuple[float, float]:
     return min(ratios), max(ratios)
 
 
-def part2(ks: list[int], repeat: int, work: Path) -> None:
+def _tree_servewatch(tree: Path) -> tuple[list[str], dict[str, str]]:
+    """The console entry of the source tree ``tree`` (``-P``: not the current folder's), and its env."""
+    return [sys.executable, "-P", "-c", "from agent.entry import main; main()"], {**BASE_ENV, "PYTHONPATH": str(tree)}
+
+
+def part2(ks: list[int], repeat: int, work: Path, baseline_tree: Path | None = None) -> None:
     sw, spy = servewatch(), pyspy()
     # `--config EMPTY` changes no setting but turns the early py-spy runs off (agent.early starts
     # them only for the plain `dump --pid` form): the same dump, py-spy started after the imports
@@ -183,7 +248,7 @@ def part2(ks: list[int], repeat: int, work: Path) -> None:
         procs = start_targets(k)
         try:
             pids = [p.pid for p in procs]
-            runs: dict[str, list[tuple[float, float]]] = {"base": [], "ours": [], "late": [], "floor": []}
+            runs: dict[str, list[tuple[float, float]]] = {"base": [], "ours": [], "late": [], "floor": [], "then": []}
             _whole(sw, pids, work / f"warm-{k}")  # warm-up (bytecode of the dump path, page cache)
             _whole(sw, pids, work / f"warm-late-{k}", "--config", str(empty))
             _floor_once()
@@ -193,6 +258,10 @@ def part2(ks: list[int], repeat: int, work: Path) -> None:
                 "late": lambda r, pids=pids, k=k: _whole(sw, pids, work / f"late-{k}-{r}", "--config", str(empty)),
                 "floor": lambda _r: _floor_once(),
             }
+            if baseline_tree is not None and k == 1:  # the dump of an earlier tree, same rounds
+                then_sw, then_env = _tree_servewatch(baseline_tree)
+                _whole(then_sw, pids, work / f"warm-then-{k}", env=then_env)
+                sides["then"] = lambda r, pids=pids, k=k, tsw=then_sw, tenv=then_env: _whole(tsw, pids, work / f"then-{k}-{r}", env=tenv)
             order = list(sides) if k == 1 else ["base", "ours", "late"]
             for r in range(repeat):
                 for name in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first each round
@@ -237,6 +306,13 @@ def _report_floor(runs: dict[str, list[tuple[float, float]]], repeat: int) -> No
     print(f"  K=1 dump / (floor + one py-spy dump): wall {statistics.median(ratios):.2f}x"
           f" (rounds {min(ratios):.2f}..{max(ratios):.2f}), CPU {statistics.median(cpu_ratios):.2f}x"
           f" (rounds {min(cpu_ratios):.2f}..{max(cpu_ratios):.2f})")
+    if runs["then"]:
+        then_ratios = [t / fp for (t, _), fp in zip(runs["then"], floor_plus)]
+        print(f"  baseline tree's K=1 dump: {statistics.median(t for t, _ in runs['then']):6.3f} s"
+              f" (CPU {statistics.median(c for _, c in runs['then']):.3f} s), / (floor + one py-spy dump):"
+              f" {statistics.median(then_ratios):.2f}x (rounds {min(then_ratios):.2f}..{max(then_ratios):.2f})")
+    load = loadavg()
+    print(f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     name = f"import floor ({n_libs} libraries, fresh python) + one `py-spy dump --native`"
     emit_result("dump of 1 torch process vs import floor + one py-spy dump, wall", ours=statistics.median(o for o, _ in runs["ours"]),
                 baseline=statistics.median(floor_plus), unit="s", baseline_name=name, ratio=statistics.median(ratios),
@@ -251,13 +327,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--ks", default="1,4,8")
     ap.add_argument("--skip-dump", action="store_true")
+    ap.add_argument("--skip-read-only", action="store_true", help="skip part 1 (help, --version, the read-only commands)")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="a source tree of servewatch (e.g. `git archive` of an earlier commit): its read-only commands"
+                         " and its K=1 dump run in the same rounds, for a before/after in one run")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="servewatch-clistart-"))
     os.chmod(work, 0o700)
     try:
-        part1(args.repeat, work)
+        if not args.skip_read_only:
+            part1(args.repeat, work, args.baseline_tree)
         if not args.skip_dump:
-            part2([int(x) for x in args.ks.split(",")], args.repeat, work)
+            part2([int(x) for x in args.ks.split(",")], args.repeat, work, args.baseline_tree)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -156,6 +156,10 @@ def main() -> None:
     steady = [s for s in samples if s[0] >= args.warmup_s] or samples
     rss_slope = slope_per_hour([(s[0], s[1]) for s in steady])
     cpu_pct = 100.0 * (steady[-1][2] - steady[0][2]) / max(1e-9, steady[-1][0] - steady[0][0])
+    # the noise: CPU % of each window of about a minute (at least 2 samples each), min..max
+    step = max(1, round(60.0 / args.sample_s))
+    windows = [100.0 * (b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(steady[::step], steady[step::step], strict=False) if b[0] > a[0]]
+    cpu_noise = (max(windows) - min(windows)) / 2 if len(windows) >= 2 else None
     result = {
         "duration_s": samples[-1][0],
         "window_s": steady[-1][0] - steady[0][0],
@@ -164,6 +168,7 @@ def main() -> None:
         "rss_mb_max": max(s[1] for s in steady),
         "rss_slope_mb_per_h": rss_slope,
         "cpu_pct_of_core": cpu_pct,
+        "cpu_pct_windows": windows,
         "requests": total.completed,
         "errors": total.errors,
         "throughput_rps": total.throughput_rps,
@@ -188,7 +193,8 @@ def main() -> None:
     emit_result(f"{soak}: agent RSS slope", ours=rss_slope, unit="MB/h", baseline_name="(target < 1 MB/h)",
                 note=f"RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB after {args.warmup_s:.0f} s warm-up")
     emit_result(f"{soak}: agent CPU", ours=cpu_pct, unit="% of a core", baseline_name="(target <= 1 %)",
-                note=f"{result['requests']} requests, {result['errors']} errors")
+                note=f"{result['requests']} requests, {result['errors']} errors", noise=cpu_noise,
+                spread=(min(windows), max(windows)) if windows else None)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 import selectors
 import statistics
 import subprocess
@@ -75,7 +76,12 @@ BENCHES: tuple[Bench, ...] = (
     Bench("trace_import", ("--repeat", "3"), ("--layouts", "torch-cpu,synthetic", "--steps", "5", "--size-mb", "1", "--repeat", "1")),
     Bench("serving_overhead", ("--rounds", "4", "--window-s", "20"), ("--rounds", "1", "--window-s", "2", "--settle-s", "1")),
     Bench("real_vllm", ("--rounds", "3", "--window-s", "20"), ("--rounds", "1", "--window-s", "3", "--watch-s", "5"), timeout_s=2400.0),
+    Bench("sglang_watchdog", ("--rounds", "2", "--timeout-s", "10"), ("--rounds", "1", "--timeout-s", "10", "--idle-s", "5"), timeout_s=1200.0),
+    Bench("agent_cpu", ("--rates", "0,5", "--rounds", "2", "--window-s", "60"),
+          ("--rates", "0", "--rounds", "2", "--window-s", "5", "--warmup-s", "3"), timeout_s=1800.0),
     Bench("soak", ("--duration", "600", "--warmup-s", "120"), ("--duration", "20", "--warmup-s", "5", "--sample-s", "5"), timeout_s=5400.0),
+    # the day is the size: --quick plays the same day (~6 min)
+    Bench("pagerday", (), (), timeout_s=900.0),
 )
 
 
@@ -174,8 +180,79 @@ def _fmt(value: float | None, unit: str = "") -> str:
     return f"{text} {unit}".strip()
 
 
+def metric_key(bench: str, metric: str) -> str:
+    """A row's identity across runs: its bench and metric, durations left out (``soak 240 s, ...``
+    and ``soak 600 s, ...`` are the same figure)."""
+    return f"{bench}: " + re.sub(r"\b\d+(\.\d+)? s\b", "N s", metric)
+
+
+def _number(cell: str) -> float | None:
+    m = re.match(r"\s*(-?[\d,]*\.?\d+(?:e[-+]?\d+)?)", cell)
+    try:
+        return float(m.group(1).replace(",", "")) if m else None
+    except ValueError:
+        return None
+
+
+def recorded_figures(path: Path) -> dict[str, tuple[float, str]]:
+    """The figures of the table last written into ``path`` (between :data:`TABLE_START` and
+    :data:`TABLE_END`): :func:`metric_key` -> (``ours``, load cell)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
+    if start < 0 or end < start:
+        return {}
+    out: dict[str, tuple[float, str]] = {}
+    header: list[str] | None = None
+    for line in text[start:end].splitlines():
+        if not line.startswith("|") or line.startswith("|---"):
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if header is None:
+            header = cells
+            continue
+        row = dict(zip(header, cells, strict=False))
+        value = _number(row.get("ours", ""))
+        if value is not None and row.get("bench") and row.get("metric"):
+            out[metric_key(row["bench"], row["metric"].strip("`"))] = (value, row.get("load 1-min mean (max)", ""))
+    return out
+
+
+#: A gated figure must also exceed the recorded one by this fraction to be a regression (a run
+#: whose windows happened to agree measures no noise).
+REGRESSION_MIN_FRACTION = 0.10
+
+
+def gate(rows: list[dict[str, Any]], recorded: dict[str, tuple[float, str]]) -> list[str]:
+    """Mark each gated row (one with a ``noise``: a cost, lower is better) against the figure
+    recorded for it: ``r["vs_recorded"]`` says the recorded figure and the verdict. Returns one
+    line per regression: above the recorded figure by more than this run's noise and by more
+    than :data:`REGRESSION_MIN_FRACTION`."""
+    regressions = []
+    for r in rows:
+        if r.get("noise") is None or r.get("ours") is None:
+            continue
+        key = metric_key(r["bench"], r["metric"])
+        if key not in recorded:
+            r["vs_recorded"] = "(none recorded)"
+            continue
+        before, load = recorded[key]
+        ours, noise = float(r["ours"]), float(r["noise"])
+        worse = ours - before > noise and ours > before * (1 + REGRESSION_MIN_FRACTION)
+        better = before - ours > noise and ours < before * (1 - REGRESSION_MIN_FRACTION)
+        verdict = "REGRESSION" if worse else "better" if better else "same within noise"
+        r["vs_recorded"] = f"{_fmt(before)} recorded; noise ±{_fmt(noise)}: {verdict}"
+        if worse:
+            regressions.append(f"REGRESSION {key}: {_fmt(ours, r.get('unit', ''))} against {_fmt(before, r.get('unit', ''))}"
+                               f" recorded (load then {load}); this run's noise ±{_fmt(noise)}")
+    return regressions
+
+
 def table(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """Rows of the table: bench, metric, baseline (named), ours, baseline, ratio, spread, load."""
+    """Rows of the table: bench, metric, baseline (named), ours, baseline, ratio, spread, load,
+    and the gate's verdict against the recorded figure (:func:`gate`)."""
     out = []
     for r in rows:
         spread = r.get("spread")
@@ -184,12 +261,12 @@ def table(rows: list[dict[str, Any]]) -> list[list[str]]:
         out.append([
             r["bench"], r["metric"], r.get("baseline_name", ""), _fmt(r["ours"], r.get("unit", "")),
             _fmt(r.get("baseline"), r.get("unit", "")), f"{ratio:.3g}x" if ratio is not None else "", spread_text,
-            f"{r['load']['load1_mean']:.1f} (max {r['load']['load1_max']:.1f})",
+            f"{r['load']['load1_mean']:.1f} (max {r['load']['load1_max']:.1f})", r.get("vs_recorded", ""),
         ])  # fmt: skip
     return out
 
 
-HEADER = ["bench", "metric", "baseline", "ours", "baseline value", "ratio", "spread", "load 1-min mean (max)"]
+HEADER = ["bench", "metric", "baseline", "ours", "baseline value", "ratio", "spread", "load 1-min mean (max)", "vs recorded"]
 
 
 def markdown(rows: list[list[str]]) -> str:
@@ -279,6 +356,8 @@ def main() -> int:
     ap.add_argument("--from-json", type=Path, action="append", default=[],
                     help="run nothing: make the table from the rows of earlier runs' --json files, in order (a bench"
                          " rerun alone later replaces its rows of an earlier file); repeatable")
+    ap.add_argument("--recorded", type=Path, default=ROOT / "docs" / "performance.md",
+                    help="the figures a cost (agent CPU) is gated against: the table last written into this file")
     ap.add_argument("--list", action="store_true", help="list the benches and their arguments, then exit")
     args = ap.parse_args()
     known = {b.name: b for b in BENCHES}
@@ -325,9 +404,12 @@ def _run_all(args: argparse.Namespace, chosen: list[Bench], stamp: str, log_dir:
             r["bench"] = b.name
             r["load"] = load
         all_rows.extend(rows)
+    regressions = gate(all_rows, recorded_figures(args.recorded))
     cells = table(all_rows)
     print()
     print(plain(cells))
+    for line in regressions:
+        print(line, flush=True)
     when = f"{started:%Y-%m-%d %H:%M %Z}, commit {_commit()}, {platform.node()} ({os.cpu_count()} CPUs)"
     if args.json is not None:
         args.json.write_text(json.dumps({"when": when, "rows": all_rows}, indent=1) + "\n", encoding="utf-8")

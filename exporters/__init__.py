@@ -4,20 +4,43 @@ Owns :data:`EXPORTERS`, the exporter registry (:mod:`agent.registry`): one line 
 below. Exporters are built in two stages (``BuildContext.stage``): with the agent (``build``: the
 watcher status board) and when it starts running or dumping (``start``: the telemetry pipeline
 ``otlp`` first, then what attaches to it); a factory returns ``None`` at the stage that is not its
-own, or when the settings turn it off. Importing this package imports no exporter.
+own, or when the settings turn it off. Importing this package imports no exporter, and no
+registry until :data:`EXPORTERS` is first used.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
-from agent.registry import Registry
+if TYPE_CHECKING:
+    from agent.registry import Registry
+
+    #: The exporter registry: name -> (settings model, factory), built in this order.
+    EXPORTERS: Registry[Any]
 
 __all__ = ["EXPORTERS"]
 
-#: The exporter registry: name -> (settings model, factory), built in this order.
-EXPORTERS: Registry[Any] = Registry("exporter")
-EXPORTERS.register("status", factory="agent.watchers.status:create_board")
-EXPORTERS.register("otlp", config="exporters.config:ExportConfig", table="export", factory="exporters.provider:create")
-EXPORTERS.register("mirror", factory="exporters.mirror:create")
-EXPORTERS.register("span_shipper", config="exporters.config:SpansConfig", table="spans", factory="exporters.shipper:create")
+_MADE = threading.Lock()
+
+
+def _exporters() -> Registry[Any]:
+    from agent.registry import Registry
+
+    registry: Registry[Any] = Registry("exporter")
+    registry.register("status", factory="agent.watchers.status:create_board")
+    registry.register("otlp", config="exporters.config:ExportConfig", table="export", factory="exporters.provider:create")
+    registry.register("mirror", factory="exporters.mirror:create")
+    registry.register("span_shipper", config="exporters.config:SpansConfig", table="spans", factory="exporters.shipper:create")
+    return registry
+
+
+def __getattr__(name: str) -> Any:
+    """:data:`EXPORTERS`, made at its first use: reading a bundle (``servewatch timeline``,
+    ``report``) imports ``exporters.bundle`` and needs no registry (it cost them ~2 ms)."""
+    if name == "EXPORTERS":
+        with _MADE:  # made once: a plugin's registration must land in the one registry
+            if "EXPORTERS" not in globals():
+                globals()["EXPORTERS"] = _exporters()
+        return globals()["EXPORTERS"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """Incident timelines drawn in the terminal: rich (and plain text) rendering of a bundle.
 
 Owns :func:`render_timeline`, :func:`render_timeline_text`, :func:`timeline_to_dict` and the small
-formatters the HTML report shares (:func:`format_size`, :func:`outcome_style`,
-:func:`verdict_headline`). Reading a bundle into the :class:`~exporters.bundle.IncidentTimeline`
+formatters :func:`outcome_style` and :func:`verdict_next` (:func:`format_size` and
+:func:`verdict_headline`, shared with the HTML report, are :mod:`exporters.bundle`'s: the report
+imports no rich). Reading a bundle into the :class:`~exporters.bundle.IncidentTimeline`
 model drawn here is :mod:`exporters.bundle`'s.
 
 Like everything in ``exporters/``, this module decides nothing: it draws what the model holds.
@@ -17,8 +18,6 @@ Imports the standard library, rich, :mod:`agent.events` (names), :mod:`agent.sec
 from __future__ import annotations
 
 import io
-import json
-from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
@@ -28,12 +27,19 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agent.events import Trigger
-from agent.manifest import stack_errors
+from agent.kinds import Trigger
+from agent.manifest_view import stack_errors
 from agent.ranks import rank_from_title
 from agent.security import sanitize
 from agent.stacks import thread_is_idle
-from exporters.bundle import ActionRow, IncidentTimeline, ProcessStacks
+from exporters.bundle import (
+    ActionRow,
+    IncidentTimeline,
+    ProcessStacks,
+    format_size,
+    timeline_to_dict,
+    verdict_headline,
+)
 
 __all__ = [
     "format_size",
@@ -42,26 +48,11 @@ __all__ = [
     "render_timeline_text",
     "timeline_to_dict",
     "verdict_headline",
+    "verdict_next",
 ]
 
 
 # --- output -----------------------------------------------------------------------------------
-
-
-def timeline_to_dict(tl: IncidentTimeline) -> dict[str, Any]:
-    """The timeline as a JSON-ready dict (``servewatch timeline --json``).
-
-    Field names carry units (``start_offset_s``, ``size_bytes``); ``schema`` is
-    ``servewatch.timeline/1``. Derived values are added: ``end_offset_s`` per action, ``exists``
-    per artifact, ``extent_s``.
-    """
-    out = asdict(tl)
-    out = {"schema": "servewatch.timeline/1", **out, "extent_s": tl.extent_s}
-    for row, action in zip(out["actions"], tl.actions):
-        row["end_offset_s"] = action.end_offset_s
-    for row, artifact in zip(out["artifacts"], tl.artifacts):
-        row["exists"] = artifact.exists
-    return json.loads(json.dumps(out, default=str))
 
 
 _OUTCOME_STYLES = {
@@ -81,18 +72,6 @@ def outcome_style(outcome: str) -> str:
     return _OUTCOME_STYLES.get(outcome, "bold red")
 
 
-def format_size(size_bytes: int | None) -> str:
-    """``1.15 GiB`` style size; ``"missing"`` for ``None``."""
-    if size_bytes is None:
-        return "missing"
-    size = float(size_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size_bytes} B" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{size_bytes} B"
-
-
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
 
@@ -103,15 +82,6 @@ def _iso(ns: int) -> str:
 
 def _pid(pid: int | None) -> str:
     return "-" if pid is None else str(pid)
-
-
-def verdict_headline(verdict: dict[str, Any]) -> str:
-    """The verdict's one line (the manifest's ``headline``, else rebuilt from its fields)."""
-    if isinstance(verdict.get("headline"), str) and verdict["headline"]:
-        return str(verdict["headline"])
-    ranks = verdict.get("culprit_ranks") or []
-    who = f"culprit rank(s) {', '.join(str(r) for r in ranks)}" if ranks else "no culprit rank"
-    return f"Verdict: {who} -- {verdict.get('reason', '?')} [confidence {verdict.get('confidence', '?')}]"
 
 
 #: Continuation rows of a verdict's line are indented this many columns more than the line
@@ -148,11 +118,25 @@ class _Hanging:
                            min(options.max_width, self.indent + len(self.text)))
 
 
+def verdict_next(verdict: dict[str, Any]) -> str:
+    """The verdict's ``next: ...`` line (what to run or check next), ``""`` when it has none."""
+    step = verdict.get("next")
+    return f"next: {step}" if isinstance(step, str) and step else ""
+
+
+def _verdict_lines(verdict: dict[str, Any]) -> list[Any]:
+    """The headline, then its ``next:`` line: each wraps at words under its own text."""
+    lines: list[Any] = [_Hanging(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")]
+    if verdict_next(verdict):
+        lines.append(_Hanging(verdict_next(verdict), style="bold"))
+    return lines
+
+
 def _verdict_panel(verdict: dict[str, Any]) -> Panel:
     # each line wraps at words under its own text (a hanging indent) at any width
-    lines: list[Any] = [_Hanging(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")]
+    lines = _verdict_lines(verdict)
     lines += [_Hanging(str(line), indent=2) for line in (verdict.get("evidence") or [])[:16]]
-    return Panel(Group(*lines), title="verdict", title_align="left",
+    return Panel(Group(*lines), title=Text("verdict"), title_align="left",
                  border_style="red" if verdict.get("hung", True) else "green")
 
 
@@ -276,8 +260,7 @@ def _closing_panel(tl: IncidentTimeline) -> Panel:
     process's hung frame, culprits marked."""
     verdict = tl.verdict or {}
     culprits = {int(p) for p in verdict.get("culprit_pids") or () if isinstance(p, int)}
-    headline = (_Hanging(verdict_headline(verdict), style="bold red" if verdict.get("culprit_ranks") else "bold")
-                if verdict else _Hanging("no verdict recorded", style="dim"))
+    headline = _verdict_lines(verdict) if verdict else [_Hanging("no verdict recorded", style="dim")]
     frames = Table.grid(padding=(0, 1))
     frames.add_column(no_wrap=True)
     frames.add_column(overflow="fold")  # a long frame wraps in its own column, under itself
@@ -289,7 +272,8 @@ def _closing_panel(tl: IncidentTimeline) -> Panel:
         who.append(" (culprit):" if pid in culprits else ":", style="bold red" if pid in culprits else "")
         frames.add_row(who, _hung_text(stacks.get(pid)))
     title = f"verdict · {tl.trigger} · {tl.incident_id}" if verdict else f"hung frames · {tl.trigger} · {tl.incident_id}"
-    return Panel(Group(headline, frames), title=title, title_align="left",
+    # a Text: the trigger and id are the bundle's, printed literally (a str title is read as markup)
+    return Panel(Group(*headline, frames), title=Text(title), title_align="left",
                  border_style="red" if verdict.get("hung", True) else "green")
 
 

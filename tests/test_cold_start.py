@@ -29,9 +29,11 @@ HEAVY = (
 )
 
 #: What `dump` to the embedded span files (no collector configured) must not import: the OTLP
-#: network senders, the metrics SDK and its encoders, the Prometheus parser, torch.
+#: network senders, the metrics SDK and its encoders, the Prometheus parser, torch, ctypes (only the
+#: long-running agent trims its heap: agent.memory loads it at first use).
 DUMP_HEAVY = (
     "grpc",
+    "ctypes",
     "httpx",
     "torch",
     "prometheus_client",
@@ -57,11 +59,11 @@ HELP_HEAVY = (*HEAVY, "pydantic", "pydantic_settings", "anyio", "rich", "psutil"
 # main() ends it: SystemExit, or os._exit (one-shot commands skip the interpreter's teardown).
 _PROBE = """
 import json, os, sys
-args, heavy_prefixes = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
+args, heavy_prefixes, heavy_names = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2])), set(json.loads(sys.argv[3]))
 sys.argv = ["servewatch", *args]
 
 def report(code):
-    heavy = sorted(m for m in sys.modules if m.startswith(heavy_prefixes))
+    heavy = sorted(m for m in sys.modules if m.startswith(heavy_prefixes) or m in heavy_names)
     sys.stdout.flush()
     print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr, flush=True)
 
@@ -89,9 +91,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _modules_after(args: list[str], cwd: Path, heavy: tuple[str, ...] = HEAVY) -> dict:
+def _modules_after(args: list[str], cwd: Path, heavy: tuple[str, ...] = HEAVY, names: tuple[str, ...] = ()) -> dict:
+    """What the command ``args`` imported of ``heavy`` (module name prefixes) and ``names``
+    (exact module names: ``agent.manifest`` but not ``agent.manifest_view``)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(args), json.dumps(list(heavy))],
+        [sys.executable, "-c", _PROBE, json.dumps(args), json.dumps(list(heavy)), json.dumps(list(names))],
         capture_output=True, text=True, timeout=120, cwd=cwd, check=False, env=_env(cwd), stdin=subprocess.DEVNULL,
     )
     assert proc.stderr.strip(), f"probe printed nothing (rc {proc.returncode})"
@@ -250,3 +254,74 @@ def test_in_process_callers_get_system_exit_not_a_process_exit(capsys: pytest.Ca
     assert exc.value.code == 0
     assert "servewatch" in capsys.readouterr().out
     assert gc.isenabled()
+
+
+#: What no read-only command (`status`, `timeline`, `report`) imports: the event loop, the OTel
+#: SDK and its senders, the settings model, the agent's runtime, the
+#: event dataclasses (the names a bundle holds are agent.kinds').
+READ_ONLY_NEVER = ("anyio", "sniffio", "opentelemetry.sdk", "opentelemetry.exporter", "grpc", "httpx", "torch",
+                   "pydantic_settings", "agent.config", "agent.runtime", "agent.actors", "agent.bus",
+                   "agent.sdk", "agent.events", "exporters.provider", "exporters.spans")
+#: What no read-only command imports by its exact name: the manifest's pydantic model (a manifest
+#: as the agent writes it is read by agent.manifest_view; the model only sees any other).
+READ_ONLY_NEVER_NAMED = ("agent.manifest",)
+#: What each needs even less: `status` reads one JSON file (no protobuf, no rich, no
+#: exporter); `report` writes HTML and `timeline --json` JSON (no rich); a drawn timeline no
+#: rich emoji table (its titles are Text, its console has no emoji codes).
+READ_ONLY_ALSO = {"status": ("google.protobuf", "opentelemetry", "rich", "jinja2", "exporters"),
+                  "report": ("rich",), "timeline": ("jinja2", "rich._emoji_codes"), "timeline --json": ("jinja2", "rich")}
+
+
+def test_read_only_commands_import_only_what_they_use(tmp_path: Path) -> None:
+    """`status`, `timeline` (terminal and --json) and `report` of a realistic bundle (real py-spy
+    stacks, a span file) import none of the runtime: they read files."""
+    from tests.exporters.bundle_fixture import HOST, write_bundle
+
+    data = tmp_path / "data"
+    bundle = write_bundle(data)
+    (data / HOST / "status.json").write_text(json.dumps({
+        "schema": "servewatch.status/1", "host.name": HOST, "agent_pid": 2147483646, "updated_time_unix_nano": 10**18,
+        "watchers": []}))
+    runs = {"status": ["status", "--data-dir", str(data)], "status --json": ["status", "--json", "--data-dir", str(data)],
+            "timeline": ["timeline", "latest", "--data-dir", str(data)],
+            "timeline --json": ["timeline", "--json", "--data-dir", str(data)],
+            "report": ["report", "-o", str(tmp_path / "r.html"), "--data-dir", str(data)]}
+    for name, args in runs.items():
+        got = _modules_after(args, tmp_path, (*READ_ONLY_NEVER, *READ_ONLY_ALSO.get(name, READ_ONLY_ALSO[name.split()[0]])),
+                             READ_ONLY_NEVER_NAMED)
+        assert got["heavy"] == [], name
+        assert got["code"] in (0, 1), name  # status: 1, its agent is not running
+    assert (tmp_path / "r.html").stat().st_size > 0
+    assert bundle.bundle_dir.is_dir()
+
+
+def test_report_renders_the_template_compiled_ahead_and_a_bad_manifest_still_gets_the_model(tmp_path: Path) -> None:
+    """`report` loads the page template jinja2 compiled ahead (through jinja2.ModuleLoader: no
+    compile at each run), and a manifest that is not as the agent writes it still goes through
+    the pydantic model: its one-line error, exit 1."""
+    from tests.exporters.bundle_fixture import write_bundle
+
+    data = tmp_path / "data"
+    bundle = write_bundle(data)
+    got = _modules_after(["report", "-o", str(tmp_path / "r.html"), "--data-dir", str(data)], tmp_path,
+                         ("_jinja2_module_templates_",), ("agent.manifest",))
+    assert got["code"] == 0
+    import jinja2
+
+    from exporters import report
+
+    # jinja2.ModuleLoader's package module (it drops the template's own module once loaded), unless
+    # this jinja2 is not the one the template was compiled by (then the source is compiled)
+    current = report._COMPILED_STAMP.read_text(encoding="utf-8") == report._stamp(jinja2)
+    assert bool([m for m in got["heavy"] if m.startswith("_jinja2_module_templates_")]) is current, got["heavy"]
+    assert "agent.manifest" not in got["heavy"]
+
+    manifest = bundle.bundle_dir / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"opened_time_unix_nano"', '"opened_time"', 1))
+    for args in (["report", "-o", str(tmp_path / "bad.html")], ["timeline"]):
+        proc = subprocess.run([sys.executable, "-m", "agent.cli", *args, "--data-dir", str(data)], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False)
+        assert proc.returncode == 1, (args, proc.stderr)
+        assert proc.stderr.strip().splitlines() == [
+            f"servewatch: {manifest}: not a servewatch incident manifest: opened_time_unix_nano: field required"], args
+    assert not (tmp_path / "bad.html").exists()

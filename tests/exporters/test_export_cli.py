@@ -220,3 +220,35 @@ def test_export_batches_one_span_lines_by_size_like_the_live_path(otlp_receiver:
     assert len({s.span_id for s in otlp_receiver.spans()}) == 1200
     again = _export(tmp_path, "--to", otlp_receiver.grpc_endpoint)
     assert "Already sent earlier: 1200" in again.stderr and otlp_receiver.span_count == 1200
+
+
+def test_export_dry_run_says_what_would_be_sent_and_sends_writes_and_removes_nothing(
+    otlp_receiver: OtlpReceiver, tmp_path: Path
+) -> None:
+    _write_span_files(tmp_path, 25)
+    to = ["--to", otlp_receiver.http_endpoint, "--protocol", "http/protobuf"]
+    files = sorted((tmp_path / "data").rglob("*.jsonl"))
+    dry = _export(tmp_path, *to, "--dry-run", "--remove-sent")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stderr.startswith("Dry run: would send 25 span(s) from 1 file(s) in 1 request(s) to "), dry.stderr
+    assert "nothing sent." in dry.stderr and "Sent " not in dry.stderr
+    assert otlp_receiver.span_count == 0 and otlp_receiver.request_headers == []  # no request came
+    assert not (tmp_path / "data" / "export-ledger.json").exists()
+    assert sorted((tmp_path / "data").rglob("*.jsonl")) == files  # --remove-sent removed nothing
+    sent = _export(tmp_path, *to)
+    assert sent.returncode == 0 and "Sent 25 span(s)" in sent.stderr, sent.stderr
+    # after a real send, the dry run reads the ledger: nothing left to send
+    again = _export(tmp_path, *to, "--dry-run")
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.startswith("Dry run: would send 0 span(s)") and "Already sent earlier: 25" in again.stderr
+    assert otlp_receiver.span_count == 25
+
+
+def test_export_dry_run_connects_to_nothing(tmp_path: Path) -> None:
+    _write_span_files(tmp_path, 3)
+    with socket.socket() as s:  # a port nothing listens on: a real send would fail
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dry = _export(tmp_path, "--to", f"http://127.0.0.1:{port}", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stderr.startswith("Dry run: would send 3 span(s)"), dry.stderr

@@ -158,7 +158,7 @@ def dom(report: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, s
 
 
 def test_all_matches_public_names() -> None:
-    assert set(report_mod.__all__) == {"CSP", "render_report_html", "write_report", "report_summary"}
+    assert set(report_mod.__all__) == {"CSP", "compile_template", "render_report_html", "write_report", "report_summary"}
 
 
 def test_summary_line_says_what_where_and_how_much(report: Path, tl: IncidentTimeline) -> None:
@@ -400,3 +400,46 @@ def test_the_rendered_page_keeps_that_order(tl: IncidentTimeline, bundle: Bundle
     done = run_chromium(page, tmp_path / "profile", *LOGGING, "--dump-dom")
     _check_server_timeline(parse_dom(done.stdout), bundle)
     assert CSP_VIOLATION not in done.stderr
+
+
+def test_the_template_compiled_ahead_is_current(tmp_path: Path) -> None:
+    """`report` loads the template jinja2 compiled ahead (exporters/templates/compiled/); after an
+    edit of report.html or a jinja2 upgrade, `python -c "from exporters.report import compile_template;
+    compile_template()"` rewrites it (until then `report` compiles the source at each run). Under
+    another jinja2 than the one it was compiled by (jinja2 is not pinned), `report` compiles the
+    source: that is checked instead of the bytes."""
+    import jinja2
+
+    stamped = (report_mod._COMPILED_STAMP.read_text(encoding="utf-8")).split()
+    wanted = report_mod._stamp(jinja2).split()
+    assert stamped[:3] == wanted[:3], "templates/report.html changed: run compile_template()"
+    if stamped != wanted:  # another jinja2 here: the source is compiled at each run, as before
+        report_mod._template.cache_clear()
+        try:
+            assert report_mod._template().environment.loader.__class__.__name__ == "PackageLoader"
+        finally:
+            report_mod._template.cache_clear()
+        return
+    fresh = report_mod.compile_template(tmp_path)
+    shipped = report_mod._COMPILED
+    assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in shipped.iterdir() if p.is_file())
+    for path in fresh.iterdir():
+        assert (shipped / path.name).read_bytes() == path.read_bytes(), f"{path.name} is stale: run compile_template()"
+
+
+def test_the_template_compiled_ahead_renders_what_the_source_renders(tl: IncidentTimeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    import jinja2
+
+    report_mod._template.cache_clear()
+    try:
+        ahead = report_mod._template()
+        current = report_mod._COMPILED_STAMP.read_text(encoding="utf-8") == report_mod._stamp(jinja2)
+        assert ahead.environment.loader.__class__.__name__ == ("ModuleLoader" if current else "PackageLoader")
+        page = render_report_html(tl)
+        report_mod._template.cache_clear()
+        monkeypatch.setattr(report_mod, "_COMPILED_STAMP", report_mod._COMPILED / "no-such.stamp")  # as if stale
+        source = report_mod._template()
+        assert source.environment.loader.__class__.__name__ == "PackageLoader"
+        assert render_report_html(tl) == page
+    finally:
+        report_mod._template.cache_clear()

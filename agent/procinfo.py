@@ -3,8 +3,11 @@ which pid it has in its own namespace, and text from it made safe to write anywh
 
 Owns: the exit registry (:func:`note_exit`, fed by the process watcher) and :func:`death_of`
 (dead or zombie, with the exit status when known), :func:`tracer_of` (``TracerPid``),
-:func:`ns_pid` (``NSpid``), :func:`uts_hostname` (the host name inside the target's uts
-namespace). Imports the stdlib, psutil, :mod:`agent.safetext` and :mod:`agent.targets` only.
+:func:`dumpers_of` (other ``py-spy`` runs aimed at a pid, and which process started them),
+:class:`ServerDumpLog` (the ``py-spy`` runs a watched server started itself, seen as new processes:
+SGLang's soft watchdog), :func:`ns_pid` (``NSpid``), :func:`uts_hostname` (the host name inside
+the target's uts namespace), :func:`deleted_mappings` (mapped files deleted or replaced since).
+Imports the stdlib, psutil, :mod:`agent.safetext` and :mod:`agent.targets` only.
 
 Facts (Linux, measured here):
 
@@ -22,23 +25,30 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.events import ExitFact, ExitSource
 from agent.exits import zombie_exit_status, zombie_fact
 from agent.safetext import safe_text
-from agent.targets import ProcessState, Target, process_state, target_of
+from agent.targets import ProcessState, Target, process_state, runs_pyspy, target_of
 
 __all__ = [
     "Death",
+    "Dumper",
+    "ServerDump",
+    "ServerDumpLog",
     "Tracer",
     "death_of",
+    "dumpers_of",
     "exit_fact_of",
     "exit_noted_at",
     "note_exit",
     "ns_pid",
+    "parent_of",
     "pid_alive",
     "same_uts_namespace",
+    "server_dump_lines",
     "tracer_of",
     "uts_hostname",
     "zombie_exit_status",
@@ -212,6 +222,262 @@ def tracer_of(pid: int) -> Tracer | None:
         return Tracer(tracer_pid, "")
     command = " ".join(found.cmdline) or found.title  # "gdb -p 42", "strace -p 42", "python holder.py 42"
     return Tracer(tracer_pid, safe_text(command if len(command) <= 160 else command[:159] + "…"))
+
+
+@dataclass(frozen=True, slots=True)
+class Dumper:
+    """Another ``py-spy`` run aimed at a target (``py-spy dump --native --pid N``, or the shell
+    that is about to start it: SGLang's watchdog runs ``sh -c 'py-spy dump --native --pid N'``).
+
+    Attributes:
+        pid: the py-spy (or shell) process.
+        command: its command line (at most 160 chars).
+        started_by: its nearest ancestor that is not a shell nor a py-spy: ``(pid, title)``
+            (``(0, "")`` when unknown); SGLang's soft watchdog is the scheduler itself.
+        chain: its ancestors' pids, nearest first (bounded).
+    """
+
+    pid: int
+    command: str
+    started_by: tuple[int, str] = (0, "")
+    chain: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        by = f" started by pid {self.started_by[0]} {self.started_by[1]!r}" if self.started_by[0] else ""
+        return f"py-spy pid {self.pid} {self.command!r}{by}"
+
+
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "busybox"})
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read(64 * 1024)
+    except OSError:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+#: ``/proc/PID/maps`` marks a mapped file removed (or replaced by a new inode) since it was mapped.
+_DELETED = " (deleted)"
+
+
+def deleted_mappings(pid: int, limit: int = 4) -> list[str]:
+    """Files ``pid`` maps that were deleted or replaced since (``/proc/PID/maps`` says
+    ``(deleted)``), executable images first — e.g. a libpython upgraded under a running server,
+    which py-spy then cannot open ("No such file or directory (os error 2)", py-spy #109). At most
+    ``limit`` distinct paths; empty when unreadable (blocking: reads the maps)."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as fh:
+            raw = fh.read(16 * 1024 * 1024)
+    except OSError:
+        return []
+    found: dict[str, bool] = {}
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if not line.endswith(_DELETED):
+            continue
+        fields = line.split(None, 5)
+        if len(fields) < 6 or not fields[5].startswith("/") or fields[5].startswith(("/dev/", "/memfd:", "/SYSV")):
+            continue  # shared memory and memfd regions are "deleted" files by design
+        path = safe_text(fields[5][: -len(_DELETED)])
+        found[path] = found.get(path, False) or "x" in fields[1]
+    ordered = sorted(found, key=lambda path: not found[path])
+    return ordered[:limit]
+
+
+def parent_of(pid: int) -> int | None:
+    """``pid``'s parent pid (``PPid``), ``None`` when unreadable."""
+    value = _status_field(pid, "PPid")
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
+def _aims_at(argv: list[str], pid: int) -> bool:
+    """``argv`` runs py-spy (itself, or a shell's ``-c`` string) on ``pid``."""
+    words = [w for part in argv for w in part.split()]
+    if not any(os.path.basename(w.strip("'\"")) == "py-spy" for w in words):
+        return False
+    want = str(pid)
+    for i, word in enumerate(words):
+        word = word.strip("'\"")
+        if word in ("--pid", "-p") and i + 1 < len(words) and words[i + 1].strip("'\"") == want:
+            return True
+        if word == f"--pid={want}":
+            return True
+    return False
+
+
+def ancestry(pid: int, limit: int = 32) -> list[int]:
+    """``pid``'s ancestors, nearest first (``/proc/PID/status`` ``PPid``; bounded, pid 1 left out)."""
+    chain: list[int] = []
+    parent = parent_of(pid)
+    while parent is not None and parent > 1 and parent not in chain and len(chain) < limit:
+        chain.append(parent)
+        parent = parent_of(parent)
+    return chain
+
+
+def _started_by(chain: list[int]) -> tuple[int, str]:
+    """The nearest of ``chain`` that is not a shell nor a py-spy: ``(pid, command)``; ``(0, "")``."""
+    for ancestor in chain:
+        words = _cmdline(ancestor)
+        base = os.path.basename(words[0]) if words else ""
+        if base in _SHELLS or base == "py-spy":
+            continue
+        title = " ".join(words)
+        return ancestor, safe_text(title if len(title) <= 160 else title[:159] + "…")
+    return 0, ""
+
+
+def dumpers_of(pid: int, *, exclude_parent: int | None = None) -> list[Dumper]:
+    """Other ``py-spy`` runs aimed at ``pid`` now (a scan of ``/proc``: a few ms), with who started
+    them; a shell whose own child is the py-spy counts once (the py-spy). ``exclude_parent``:
+    runs whose parent is this pid are left out (this agent's own)."""
+    found: list[Dumper] = []
+    me = os.getpid()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) in (me, pid):
+            continue
+        candidate = int(name)
+        argv = _cmdline(candidate)
+        if not argv or not _aims_at(argv, pid):
+            continue
+        chain = ancestry(candidate)
+        if exclude_parent is not None and chain[:1] == [exclude_parent]:
+            continue
+        started_by = _started_by(chain)
+        command = " ".join(argv)
+        found.append(Dumper(candidate, safe_text(command if len(command) <= 160 else command[:159] + "…"), started_by, tuple(chain)))
+    # a shell and the py-spy it started are one run: keep the py-spy
+    pids = {d.pid for d in found}
+    return [d for d in found if not any(other.chain[:1] == (d.pid,) for other in found if other.pid in pids and other is not d)]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerDump:
+    """A ``py-spy`` run a watched server started itself (:class:`ServerDumpLog`).
+
+    Attributes:
+        dumper: the run (the shell, or the py-spy when it had no shell), with the server
+            process that started it (``started_by``) and its ancestors.
+        seen_unix_nano: when the scan first saw it running, ns since the epoch (it started at
+            most one scan interval earlier).
+    """
+
+    dumper: Dumper
+    seen_unix_nano: int
+
+
+class ServerDumpLog:
+    """The ``py-spy`` runs the watched servers started themselves: SGLang's soft watchdog
+    (``--soft-watchdog-timeout``) runs ``sh -c 'py-spy dump --native --pid <itself>'`` from the
+    stuck scheduler, its launcher ``py-spy dump`` of every scheduler before a crash.
+
+    Each :meth:`scan` lists ``/proc`` and reads only the processes new since the previous scan
+    (their command line; for a py-spy run, its ancestors): a run that lives longer than the scan
+    interval (a ``py-spy dump`` of a live Python process takes ~0.1-3 s) is seen, whoever else
+    attaches to the target. A run is the server's when one of its ancestors is one of the
+    ``pids`` scanned for; runs started by this agent (its children) never are. Thread-safe;
+    bounded to the last :data:`MAX_KEPT` runs.
+    """
+
+    #: runs remembered (the oldest forgotten first)
+    MAX_KEPT = 256
+    #: scans a forked process not yet exec'd is looked at again (0.25 s apart in the agent)
+    UNSETTLED_SCANS = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: set[int] = set()
+        self._unsettled: dict[int, int] = {}
+        self._runs: OrderedDict[int, ServerDump] = OrderedDict()
+
+    def scan(self, pids: Iterable[int]) -> list[ServerDump]:
+        """One scan (blocking: ``/proc``, ~0.05 ms plus the new processes); returns the runs first
+        seen now. ``pids``: the servers' processes (targets and root pids).
+
+        A new process whose command line is still its parent's (forked, not yet exec'd: the
+        scheduler's shell a moment before it becomes ``sh -c 'py-spy ...'``) is looked at again
+        at the next scans, up to :data:`UNSETTLED_SCANS` of them (a forked worker stays so)."""
+        family = set(pids)
+        try:
+            now = {int(name) for name in os.listdir("/proc") if name.isdigit()}
+        except OSError:
+            return []
+        with self._lock:
+            new, self._known = sorted(now - self._known), now
+            self._unsettled = {pid: n for pid, n in self._unsettled.items() if pid in now}
+        found = []
+        for pid in new:
+            argv = _cmdline(pid)
+            parent = parent_of(pid)
+            if argv and parent is not None and _cmdline(parent) == argv:
+                with self._lock:
+                    scans = self._unsettled[pid] = self._unsettled.get(pid, 0) + 1
+                    if scans < self.UNSETTLED_SCANS:
+                        self._known.discard(pid)
+                continue
+            run = self._run_of(pid, argv, family)
+            if run is not None:
+                found.append(run)
+        return found
+
+    def _run_of(self, pid: int, argv: list[str], family: set[int]) -> ServerDump | None:
+        """``pid`` as a run of the servers' (remembered), or ``None``: not py-spy, ours, a
+        stranger's, or the py-spy of a shell already seen."""
+        if not argv or not runs_pyspy(argv):
+            return None
+        chain = ancestry(pid)
+        if not chain or chain[0] == os.getpid() or not family.intersection(chain):  # ours: our children
+            return None
+        command = " ".join(argv)
+        run = ServerDump(Dumper(pid, safe_text(command if len(command) <= 160 else command[:159] + "…"), _started_by(chain),
+                                tuple(chain)), time.time_ns())
+        with self._lock:
+            if chain[0] in self._runs:  # the py-spy a seen shell started: the same run
+                return None
+            self._runs[pid] = run
+            while len(self._runs) > self.MAX_KEPT:
+                self._runs.popitem(last=False)
+        return run
+
+    def between(self, start_unix_nano: int, end_unix_nano: int, pids: Iterable[int]) -> list[ServerDump]:
+        """The runs seen from ``start_unix_nano`` to ``end_unix_nano`` (ns since the epoch) that one
+        of ``pids`` started (it, or an ancestor of it, is among them), oldest first."""
+        family = set(pids)
+        with self._lock:
+            runs = list(self._runs.values())
+        return [r for r in runs if start_unix_nano <= r.seen_unix_nano <= end_unix_nano
+                and (r.dumper.started_by[0] in family or family.intersection(r.dumper.chain))]
+
+
+def server_dump_lines(runs: Iterable[ServerDump], titles: Mapping[int, str] | None = None) -> list[str]:
+    """One line per server process that ran py-spy itself (its watchdog fired): who, what, when.
+
+    ``SGLang's own watchdog fired: pid 42 'sglang::scheduler' ran 'py-spy dump --native --pid 42'
+    (pid 43), seen at 12:00:01.250 UTC`` (plus ``, 2 runs`` when it ran more than one); "the
+    server's own watchdog" when neither the starter nor its command names SGLang. ``titles``:
+    the starters' titles by pid where known (else their command lines).
+    """
+    by_starter: dict[int, list[ServerDump]] = {}
+    for run in runs:
+        by_starter.setdefault(run.dumper.started_by[0], []).append(run)
+    lines = []
+    for starter, starts in by_starter.items():
+        first = starts[0]
+        title = (titles or {}).get(starter) or first.dumper.started_by[1]
+        who = "SGLang's own watchdog" if "sglang" in title.lower() else "the server's own watchdog"
+        when = time.strftime("%H:%M:%S", time.gmtime(first.seen_unix_nano / 1e9)) + f".{first.seen_unix_nano // 1_000_000 % 1000:03d}"
+        more = f", {len(starts)} runs" if len(starts) > 1 else ""
+        lines.append(f"{who} fired: pid {starter} {title!r} ran {first.dumper.command!r} (pid {first.dumper.pid}), seen at {when} UTC{more}")
+    return lines
 
 
 def ns_pid(pid: int) -> int:

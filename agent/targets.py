@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -32,15 +32,19 @@ __all__ = [
     "ScanErrors",
     "Target",
     "TargetConfig",
+    "UninterruptibleThread",
+    "descendants",
     "discover",
     "parent_pid",
     "process_state",
     "process_trees",
     "psutil_errors",
+    "runs_pyspy",
     "server_of",
     "server_uids",
     "spread_warning",
     "target_of",
+    "uninterruptible_threads",
     "zombie_descendants",
 ]
 
@@ -52,11 +56,14 @@ class TargetConfig(BaseModel):
     title matches one of the ``match`` globs (e.g. ``sglang::scheduler*``, ``VLLM::Worker*``).
     """
 
-    pids: list[PositiveInt] = Field(default_factory=list, description="explicit target pids")
+    # `default=[]`, not `default_factory=list`: pydantic copies a mutable default for each model,
+    # and reads a factory's signature (a builtin's is tokenized from its text: ~0.5 ms a field, at
+    # every start of every command)
+    pids: list[PositiveInt] = Field(default=[], description="explicit target pids")
     root_pid: PositiveInt | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
-    match: list[str] = Field(default_factory=list, description="process-title globs (fnmatch)")
+    match: list[str] = Field(default=[], description="process-title globs (fnmatch)")
     uids: list[int] = Field(
-        default_factory=list,
+        default=[],
         description="the server's real uids: only processes of these (or root) are targets (empty: the uid of root_pid and"
         " pids, else servewatch's own); coredumps of these uids may also go outside coredump.folder",
     )
@@ -193,6 +200,75 @@ def process_state(pid: int, *, create_time_s: float = 0.0) -> ProcessState:
     return state
 
 
+@dataclass(frozen=True, slots=True)
+class UninterruptibleThread:
+    """One thread of a process in uninterruptible sleep (``/proc`` state ``D``).
+
+    Attributes:
+        tid: the thread's id (the process's pid for its main thread).
+        wchan: the kernel function it waits in (``/proc/PID/task/TID/wchan``, e.g. ``kernel_clone``,
+            ``rpc_wait_bit_killable`` for NFS, ``folio_wait_bit_common`` for a page read); ``""`` when
+            the kernel hides it (``0``, or unreadable without privileges).
+        main: it is the process's main thread.
+    """
+
+    tid: int
+    wchan: str
+    main: bool
+
+    def where(self) -> str:
+        """``kernel_clone`` / ``an unknown kernel function`` (the wchan in words)."""
+        return self.wchan or "an unknown kernel function"
+
+
+def _thread_state(path: str) -> str:
+    """The state letter of one ``/proc/.../stat`` file (the field after the last ``)``: a name
+    may hold spaces and parentheses, per proc(5)); ``""`` when unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0].decode("ascii", "replace")
+    except (OSError, IndexError):
+        return ""
+
+
+def _wchan(path: str) -> str:
+    """``/proc/.../wchan``: the kernel symbol a sleeping task waits in; ``""`` for ``0`` or unreadable."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            text = fh.read(256).strip()
+    except OSError:
+        return ""
+    return "" if text in ("", "0") else safe_text(text)
+
+
+def uninterruptible_threads(pid: int, *, max_threads: int = 4096) -> tuple[UninterruptibleThread, ...]:
+    """The threads of ``pid`` in uninterruptible sleep (state ``D``) now, main thread first.
+
+    Read per thread (``/proc/PID/task/TID/stat`` and ``.../wchan``, proc(5)): the process's own
+    ``/proc/PID/stat`` tells only its main thread's state, and a rank may block on a worker
+    thread. A thread in ``D`` (a read from a hung NFS mount, a device, a ``vfork`` whose child
+    never returns) takes no signal before its wait ends, not even ptrace's stop: a blocking
+    ``py-spy dump``, which stops every thread and waits for each, hangs on it (py-spy 0.4.x).
+
+    Args:
+        pid: process id.
+        max_threads: most threads read (a bound on the work; the first ones in ``/proc`` order).
+
+    Returns:
+        The threads in ``D`` (``()`` when none, or the process is gone or unreadable); never raises.
+    """
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit())[:max_threads]
+    except OSError:
+        return ()
+    found = []
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        if _thread_state(f"{base}/stat") == "D":
+            found.append(UninterruptibleThread(tid=tid, wchan=_wchan(f"{base}/wchan"), main=tid == pid))
+    return tuple(sorted(found, key=lambda t: (not t.main, t.tid)))
+
+
 def _title_of(cmdline: Iterable[str], name: str) -> str:
     """First non-empty cmdline element, else the process name (see the module docstring)."""
     for arg in cmdline:
@@ -264,6 +340,31 @@ def server_uids(*, uids: Iterable[int] = (), root_pids: Iterable[int] = (), pids
     return frozenset({0, *found})
 
 
+#: Descendants found per root pid, with the pids in ``/proc`` then (:func:`descendants`).
+_DESCENDANTS: dict[int, tuple[frozenset[str], float, list[psutil.Process]]] = {}
+_DESCENDANTS_MAX = 64
+
+
+def descendants(root: psutil.Process) -> list[psutil.Process]:
+    """``root.children(recursive=True)``, which reads every process's ``/proc/PID/stat`` on the
+    host (its parent), again only when the pids in ``/proc`` changed since the last answer for
+    this root: a new process, an exit (and so any reparenting) changes them; a listing of
+    ``/proc`` costs tens of microseconds where the walk costs milliseconds. Blocking."""
+    try:
+        pids = frozenset(os.listdir("/proc"))
+        born = root.create_time()
+    except (OSError, psutil.Error):
+        return root.children(recursive=True)
+    known = _DESCENDANTS.get(root.pid)
+    if known is not None and known[0] == pids and known[1] == born:
+        return list(known[2])
+    members = root.children(recursive=True)
+    if len(_DESCENDANTS) >= _DESCENDANTS_MAX:
+        _DESCENDANTS.clear()
+    _DESCENDANTS[root.pid] = (pids, born, members)
+    return list(members)
+
+
 def discover(
     *,
     root_pids: Iterable[int] = (),
@@ -284,7 +385,8 @@ def discover(
     whose title matches: "the schedulers of this server", never another server's); with one
     given, that one (globs alone scan the whole host). Each explicit pid is added to that. Processes that vanish, turn zombie or deny
     access during the scan are skipped and counted in ``errors``. servewatch's own pid is never
-    returned.
+    returned, nor a py-spy run found by tree or title (:func:`runs_pyspy`: the server's own
+    watchdog dumping it, e.g. SGLang's ``--soft-watchdog-timeout``; its exit is no incident).
 
     Args:
         root_pids: pids whose process trees to include (e.g. the SGLang main process, whose
@@ -317,6 +419,27 @@ def discover(
                       any_uid=any_uid, refused=refused)
 
 
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "busybox"})
+
+
+def runs_pyspy(cmdline: Sequence[str]) -> bool:
+    """``cmdline`` is a py-spy run: py-spy itself, a script named ``py-spy`` run by its
+    interpreter, or a shell running ``-c 'py-spy ...'`` (SGLang's soft watchdog dumps its
+    scheduler that way, from the scheduler: the run is in the server's tree for a second)."""
+    def base(word: str) -> str:
+        return os.path.basename(word.strip("'\""))
+
+    if not cmdline:
+        return False
+    if base(cmdline[0]) == "py-spy" or (len(cmdline) > 1 and base(cmdline[1]) == "py-spy"):
+        return True
+    if base(cmdline[0]) in _SHELLS and "-c" in cmdline[1:3]:
+        i = cmdline.index("-c")
+        words = cmdline[i + 1].split() if i + 1 < len(cmdline) else []
+        return bool(words) and base(words[0]) == "py-spy"
+    return False
+
+
 class _Scan:
     """The targets one discovery scan found, by pid (servewatch's own pid never among them);
     a process that vanishes, turns zombie or denies access is skipped and counted."""
@@ -333,6 +456,8 @@ class _Scan:
             return
         with psutil_errors(self.counts):
             target = _target_from(proc)
+            if match and runs_pyspy(target.cmdline):  # a server's own watchdog dumping itself: a tool, not the server
+                return
             if not (match and self.globs) or _matches(target, proc.name(), self.globs):
                 self.found[target.pid] = target
 
@@ -341,7 +466,7 @@ class _Scan:
         members: list[psutil.Process] = []
         with psutil_errors(self.counts):
             root_proc = psutil.Process(root)
-            members = root_proc.children(recursive=True)
+            members = descendants(root_proc)
             if include_root:
                 members.insert(0, root_proc)
         for member in members:

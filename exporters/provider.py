@@ -165,10 +165,15 @@ class Destination:
         return f"OTLP {self.protocol} {self.endpoint}" if self.endpoint else "OTLP/JSON files"
 
     def replay_command(self, folder: Path) -> str:
-        """The ``servewatch export`` command line that sends ``folder``'s span files here."""
+        """The ``servewatch export`` command line that sends ``folder``'s span files here (to the
+        base endpoint: a base endpoint given with its ``/v1/<signal>`` path, which HTTP doubles, is
+        given without it)."""
         endpoint = self.endpoint
         if endpoint is not None and "://" not in endpoint:  # a bare gRPC host:port: export takes a URL
             endpoint = ("http://" if self.insecure is not False else "https://") + endpoint
+        suffix = f"/v1/{self.signal}"
+        if endpoint is not None and self.protocol != "grpc" and not self.signal_specific and endpoint.rstrip("/").endswith(suffix):
+            endpoint = endpoint.rstrip("/")[: -len(suffix)]
         return f"servewatch export --to {endpoint} --protocol {self.protocol} {folder}"
 
 
@@ -396,6 +401,11 @@ def build_resource(
         SERVICE_NAME,
     )
     env = os.environ if environ is None else environ
+    pairs = [(item.strip(), item.partition("=")) for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")]
+    bad = [item for item, (key, sep, _) in pairs if item and not (sep and key.strip())]
+    if bad:  # the SDK's own warning is counted, not printed (exporters.console.quiet_sdk_logs)
+        _log.warning("OTEL_RESOURCE_ATTRIBUTES: %s not key=value: dropped (the other pairs are kept)",
+                     ", ".join(repr(b) for b in bad) + (" is" if len(bad) == 1 else " are"))
     attributes: dict[str, object] = {
         SERVICE_NAME: DEFAULT_SERVICE_NAME,
         SERVICE_INSTANCE_ID: service_instance_id,

@@ -122,9 +122,11 @@ class _Ledger:
     file written atomically. Files are append-only (span lines) or immutable (spool batches), so
     "the first N requests of this file" stays true."""
 
-    def __init__(self, path: Path | None, endpoint: str) -> None:
+    def __init__(self, path: Path | None, endpoint: str, *, read_only: bool = False) -> None:
         self.path = path
         self.endpoint = endpoint
+        #: a dry run reads what was acknowledged and writes nothing
+        self.read_only = read_only
         self.data: dict[str, int] = {}
         self._dirty = 0
         if path is not None and path.is_file():
@@ -153,7 +155,7 @@ class _Ledger:
             self._dirty += 1
 
     def save(self) -> None:
-        if self.path is None or not self._dirty:
+        if self.path is None or not self._dirty or self.read_only:
             return
         try:
             atomic_write_text(self.path, json.dumps(self.data, sort_keys=True))
@@ -299,6 +301,7 @@ def replay(
     ledger: Path | Callable[[Path], Path | None] | None = None,
     batch_spans: int = 512,
     batch_bytes: int = 3 * 1024 * 1024,
+    dry_run: bool = False,
 ) -> ReplayResult:
     """Send every span in ``paths`` (span files, or folders of them) to an OTLP collector.
 
@@ -324,6 +327,10 @@ def replay(
         batch_spans / batch_bytes: requests of consecutive files are merged into batches of at
             most this many spans and encoded bytes (``export.batch_spans`` / ``batch_bytes``, as
             the live path); a batch the collector refuses as too large is sent request by request.
+        dry_run: read and batch everything as a replay would, and send nothing: no sender is
+            made (nothing is connected to), the ledger is read but not written, no file is removed
+            or recorded as delivered. ``sent`` and ``requests`` then count what would be sent
+            (as if the collector accepted all of it), ``failed`` is 0.
 
     Files of a spool that a running agent holds (its ``.lock``) are skipped and counted in
     ``locked_files``: that agent replays them itself. The spool folders sent from are locked
@@ -344,17 +351,18 @@ def replay(
             f"endpoint {endpoint!r} has no scheme: write http://{endpoint} (plaintext) or https://{endpoint} (TLS)"
         )
     own_sender = sender is None
-    if sender is None:
-        sender = make_sender(endpoint, protocol, headers=headers, insecure=insecure, tls=tls,
-                             compression=compression, signal_specific=signal_specific)
+    if sender is None or dry_run:  # a dry run sends to nothing, whatever sender it was given
+        sender = _DrySender() if dry_run else make_sender(
+            endpoint, protocol, headers=headers, insecure=insecure, tls=tls, compression=compression,
+            signal_specific=signal_specific)
     run = _Replay(sender, timeout_s=timeout_s, attempts=attempts, remove_sent=remove_sent,
-                  batch_spans=max(1, batch_spans), batch_bytes=max(1024, batch_bytes))
+                  batch_spans=max(1, batch_spans), batch_bytes=max(1024, batch_bytes), dry_run=dry_run)
     books: dict[Path | None, _Ledger] = {}
 
     def book_for(file: Path) -> _Ledger:
         where = ledger(file) if callable(ledger) else ledger
         if where not in books:
-            books[where] = _Ledger(where, f"{protocol} {endpoint}")
+            books[where] = _Ledger(where, f"{protocol} {endpoint}", read_only=dry_run)
         return books[where]
 
     locks = _SpoolLocks()
@@ -396,6 +404,22 @@ def replay(
                         corrupt_lines=torn.corrupt, first_corrupt=torn.first_corrupt, requests=run.requests)
 
 
+class _DrySender:
+    """A dry run's sender (a :class:`~exporters.transport.RequestSender`): every request
+    accepted, nothing sent, no connection made."""
+
+    target = "nothing (dry run)"
+
+    def send(self, request: object, *, timeout_s: float) -> SendResult:
+        return SendResult(Delivery.OK)
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _group_of(path: Path) -> str:
     """The write-ahead group key in a spool batch's name (``""`` for other files)."""
     if path.suffix != ".binpb":
@@ -411,8 +435,9 @@ class _Replay:
     acknowledged batch recorded in the files' ledgers, a file removed once all of it went."""
 
     def __init__(self, sender: RequestSender, *, timeout_s: float, attempts: int, remove_sent: bool,
-                 batch_spans: int, batch_bytes: int) -> None:
+                 batch_spans: int, batch_bytes: int, dry_run: bool = False) -> None:
         self.sender = sender
+        self.dry_run = dry_run
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.remove_sent = remove_sent
@@ -518,7 +543,7 @@ class _Replay:
     def _finish(self, file: _File) -> None:
         """All of ``file`` was answered: remove it when asked (a spool batch always), after
         recording its write-ahead group as delivered."""
-        if file.failed or file.keep or not (self.remove_sent or file.path.suffix == ".binpb"):
+        if self.dry_run or file.failed or file.keep or not (self.remove_sent or file.path.suffix == ".binpb"):
             return
         if file.group:
             root, delivered = self._delivered_keys(file.path)

@@ -2,7 +2,8 @@
 agent, and the verdict of the incident (tests/programs/fault_matrix.py drives it); then the shapes
 real hangs take (a collective-timeout cascade, a crash seen late with and without the SDK's step
 counter, two servers on one host, DP replicas, an IPC deadlock with a request running, a rendezvous
-hang, an ordering deadlock across two process groups, a stack too deep for py-spy). Lifecycle cases
+hang, an ordering deadlock across two process groups, a stack too deep for py-spy, a rank in
+uninterruptible sleep). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
 (a memory-limited cgroup) is named, a crash seen late (zombies at dump time) is blamed first.
@@ -15,6 +16,8 @@ matrix with the time the verdict adds.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 from pathlib import Path
 
@@ -71,13 +74,16 @@ async def test_verdict_reaches_span_manifest_summary_and_hard_mode_signals_only_
     lines = summary_lines(record)
     assert lines[0].startswith("Verdict: culprit rank 2 (pid ") and "behind: rank 2 never entered all_reduce #" in lines[0]
     assert "ranks 0,1,3 wait in it" in lines[0]
+    # then what to do next, on the culprit's pid: the same line in the manifest, the span, timeline and report
+    step = f"py-spy dump --native --pid {culprit_pid} (what it does instead of the collective)"
+    assert lines[1] == f"next: {step}" and v.next_step == step
     # hard mode signalled the culprit only, and the signal is a span of the incident
     assert record.hard_signal_sent == {culprit_pid: "SIGTERM"}
     [sig] = [r for r in record.results if r.action == "hard.signal"]
     assert sig.pid == culprit_pid and sig.outcome.value == "ok" and "culprit per verdict" in sig.detail
     manifest = json.loads(record.manifest_path.read_text())
     assert manifest["verdict"]["culprit_ranks"] == [2] and manifest["verdict"]["kind"] == "behind"
-    assert manifest["verdict"]["headline"] == v.headline()
+    assert manifest["verdict"]["headline"] == v.headline() and manifest["verdict"]["next"] == step
     spans = [json.loads(line) for f in (tmp_path / "data").glob("*/spans/*.jsonl") for line in f.read_text().splitlines()]
     by_name: dict[str, list[dict]] = {}
     for req in spans:
@@ -89,6 +95,7 @@ async def test_verdict_reaches_span_manifest_summary_and_hard_mode_signals_only_
     attrs = {a["key"]: a["value"] for a in root["attributes"]}
     assert attrs["servewatch.verdict.kind"] == {"stringValue": "behind"}
     assert attrs["servewatch.verdict.culprit_ranks"]["arrayValue"]["values"] == [{"intValue": "2"}]
+    assert attrs["servewatch.verdict.next"] == {"stringValue": step}
     assert [s for s in by_name["hard.signal"] if s["traceId"] == record.opened.trace_id]
     assert len([s for s in by_name["flightrec.dump"] if s["traceId"] == record.opened.trace_id]) == 4
     assert signal.SIGTERM  # the innocent ranks were left alone: they are still in the collective
@@ -97,8 +104,9 @@ async def test_verdict_reaches_span_manifest_summary_and_hard_mode_signals_only_
     # the verdict tops `servewatch timeline` and the HTML report of the bundle
     tl = load_incident(record.bundle_dir)
     text = render_timeline_text(tl, width=200)
-    assert text.index(v.headline()[:60]) < text.index("trigger") < text.index("flightrec.dump")
+    assert text.index(v.headline()[:60]) < text.index(f"next: {step}") < text.index("trigger") < text.index("flightrec.dump")
     html = render_report_html(tl)
+    assert f"<code>{step}</code>" in html
     assert html.index('id="verdict"') < html.index('class="summary"') < html.index('id="timeline"')
     assert "Verdict: culprit rank 2 (pid" in html
 
@@ -114,6 +122,9 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
     result = await SHAPES[shape](tmp_path)
     v = result.verdict
     assert result.correct, (result.problems(), v.get("headline"), v.get("evidence"))
+    # what to do next names the culprit's own pid (a rank that never started has none)
+    assert v["next"] and (not v["culprit_pids"] or str(v["culprit_pids"][0]) in re.findall(r"\d+", v["next"])), (
+        shape, v["next"])
     reason = v["reason"]
     if shape == "cascade":  # the exit that opened the incident is a victim, not the culprit
         assert result.record.opened.trigger == "exit" and reason.startswith("collective timeout cascade: rank 2 alive")
@@ -152,6 +163,21 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         assert dump.attributes["servewatch.pyspy.source"] == "torch_dump_traceback"
         assert any("stack too deep for py-spy; partial stack" in line for line in v["evidence"])
         assert "_hang_in_compute (" in reason
+    elif shape == "dstate":  # read --nonblocking at once (a blocking dump would hang to its 20 s timeout)
+        pid = v["culprit_pids"][0]
+        [dump] = [r for r in result.record.results if r.action == "pyspy.dump" and r.pid == pid]
+        wchan = dump.attributes["servewatch.pyspy.uninterruptible_wchan"]
+        assert dump.outcome.value == "ok" and dump.detail.startswith(
+            f"pid {pid} is in uninterruptible sleep (D) in {wchan}: dumped with --nonblocking"), dump.detail
+        assert dump.attributes["servewatch.pyspy.attempts"] == 1 and "servewatch.pyspy.killed" not in dump.attributes
+        assert dump.attributes["servewatch.pyspy.uninterruptible_tids"] == (pid,)  # its main thread
+        if os.geteuid() == 0:  # the kernel shows wchan to root and the owner
+            assert wchan == "kernel_clone", wchan
+        assert reason.startswith(f"rank 1 (pid {pid}) is in uninterruptible sleep (D) in {wchan} at "), reason
+        # its frame: the innermost of its own code (where the syscall is made), under _load_weights
+        assert " at uninterruptible_sleep (" in reason and "waiting for it: rank 0 in all_reduce (" in reason, reason
+        assert any("_load_weights (" in line for line in dump.attributes["servewatch.pyspy.stacks"])
+        assert v["next"].startswith(f"cat /proc/{pid}/stack"), v["next"]
 
 
 # --- lifecycle: ranks owned (and reaped at once) by their server, the agent watching by title -----

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -111,6 +112,37 @@ def test_descendants_of_root_are_found_recursively(spawn, python) -> None:
     assert len(without_root) == 3
 
 
+def test_a_pyspy_run_in_the_tree_is_no_target_unless_named_by_pid(spawn, python, tmp_path) -> None:
+    """SGLang's soft watchdog runs ``sh -c 'py-spy dump --native --pid <scheduler>'`` from the
+    scheduler: that shell and py-spy are in the server's tree for a second, a tool and not the
+    server (no dump of them, no incident when they exit)."""
+    fake = tmp_path / "py-spy"
+    fake.write_text(f"#!{python}\nimport time\ntime.sleep(60)\n")
+    fake.chmod(0o755)
+    code = ("import subprocess, sys\n"
+            "kids = [subprocess.Popen([sys.argv[1], 'dump', '--native', '--pid', '1']),\n"
+            "        subprocess.Popen(['/bin/sh', '-c', sys.argv[1] + ' dump --pid 1; true']),\n"
+            "        subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])]\n"
+            "print('ready', *[k.pid for k in kids], flush=True)\n"
+            "kids[0].wait()\n")  # fmt: skip
+    root = spawn([python, "-c", code, str(fake)], stdout=subprocess.PIPE)
+    assert root.stdout is not None
+    words = root.stdout.readline().split()
+    assert words[0] == b"ready", words
+    pyspy, shell, plain = (int(w) for w in words[1:])
+    deadline = time.monotonic() + 10
+    while len(psutil.Process(root.pid).children(recursive=True)) < 4:  # the shell's own py-spy child too
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    found = {t.pid for t in discover(root_pids=[root.pid])}
+    assert found == {root.pid, plain}, (found, pyspy, shell)
+    assert pyspy in {t.pid for t in discover(pids=[pyspy])}  # an explicit pid is always a target
+    assert targets_module.runs_pyspy(["/bin/sh", "-c", "py-spy dump --native --pid 42"])
+    assert targets_module.runs_pyspy(["/usr/bin/py-spy", "dump", "--pid", "42"])
+    assert not targets_module.runs_pyspy(["python", "-m", "sglang.launch_server"])
+    assert not targets_module.runs_pyspy(["/bin/sh", "-c", "sleep 1"])
+
+
 def test_union_of_sources_is_deduplicated_and_sorted(spawn, python) -> None:
     title = _unique("sglang::scheduler_TP3")
     a = _start_titled(spawn, python, title)
@@ -191,3 +223,79 @@ def test_psutil_errors_lets_other_exceptions_through() -> None:
 def test_target_keeps_its_fields() -> None:
     t = Target(pid=7, title="sglang::scheduler_TP0", create_time_s=1.5, cmdline=("sglang::scheduler_TP0",))
     assert (t.pid, t.title, t.create_time_s, t.cmdline) == (7, "sglang::scheduler_TP0", 1.5, ("sglang::scheduler_TP0",))
+
+
+def test_descendants_are_walked_again_only_when_the_pids_in_proc_change(spawn, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host-wide walk (every process's parent) runs again for a root only once a process
+    came or went; a child started since is found."""
+    import psutil
+
+    from agent import targets as targets_mod
+
+    code = "import sys, subprocess, time; sys.stdin.readline(); subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    parent = spawn([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    root = psutil.Process(parent.pid)
+    walks: list[int] = []
+    real = psutil.Process.children
+
+    def counted(self: psutil.Process, recursive: bool = False) -> list[psutil.Process]:
+        walks.append(self.pid)
+        return real(self, recursive=recursive)
+
+    monkeypatch.setattr(psutil.Process, "children", counted)
+    listdir = os.listdir
+    fixed = listdir("/proc")
+    monkeypatch.setattr(os, "listdir", lambda path=".": list(fixed) if path == "/proc" else listdir(path))
+    assert targets_mod.descendants(root) == []
+    assert targets_mod.descendants(root) == []
+    assert walks == [parent.pid]
+    monkeypatch.undo()
+    assert parent.stdin is not None
+    parent.stdin.write(b"go\n")
+    parent.stdin.flush()
+    deadline = time.monotonic() + 10
+    while not (found := targets_mod.descendants(root)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p.name() for p in found] == ["sleep"]
+
+
+# --- uninterruptible sleep (state D), per thread --------------------------------------------------
+
+
+def test_a_thread_in_uninterruptible_sleep_is_read_with_its_wchan(spawn) -> None:
+    from tests.programs.dstate import start
+
+    pid, tid = start(spawn)
+    found = targets_module.uninterruptible_threads(pid)
+    # the worker thread, not the main one (which waits in join: state S); /proc/PID/stat alone
+    # (the main thread's state) would not tell
+    assert [t.tid for t in found] == [tid] and tid != pid, found
+    assert found[0].main is False
+    if os.geteuid() == 0:  # the kernel hides wchan from others than root and the owner
+        assert found[0].wchan == "kernel_clone", found
+    assert found[0].where() == (found[0].wchan or "an unknown kernel function")
+    assert targets_module.process_state(pid) is ProcessState.RUNNING  # D is not a stop
+
+
+def test_no_thread_in_uninterruptible_sleep_reads_empty_and_a_gone_pid_too(spawn) -> None:
+    proc = spawn([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    proc.stdout.close()
+    assert targets_module.uninterruptible_threads(proc.pid) == ()
+    proc.kill()
+    proc.wait(timeout=10)
+    assert targets_module.uninterruptible_threads(proc.pid) == ()
+
+
+def test_the_state_letter_is_read_after_the_last_parenthesis(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_bytes(b"42 (a (b) D c) D 1 42 42 0 -1\n")
+    assert targets_module._thread_state(str(stat)) == "D"
+    stat.write_bytes(b"42 (weird) name) S 1\n")
+    assert targets_module._thread_state(str(stat)) == "S"
+    assert targets_module._thread_state(str(tmp_path / "missing")) == ""
+    wchan = tmp_path / "wchan"
+    wchan.write_text("0")
+    assert targets_module._wchan(str(wchan)) == ""
+    wchan.write_text("rpc_wait_bit_killable")
+    assert targets_module._wchan(str(wchan)) == "rpc_wait_bit_killable"

@@ -5,18 +5,28 @@ Owns :class:`PySpyActor` (settings: :class:`~agent.actors.config.PySpyConfig`), 
 (:func:`parse_dump`, :func:`parse_threads`, :func:`render_text`) and the hung-frame rule
 (:func:`hung_location`, :func:`hung_frame`), which :mod:`exporters.bundle` also reads
 bundles with. Imports anyio, psutil (through :mod:`agent.targets`), pydantic,
-:func:`agent.actors.act_all`, :mod:`agent.events` and :mod:`agent.targets`; never a watcher.
+:func:`agent.actors.act_all`, :mod:`agent.events`, :mod:`agent.ranks` (titles' roles) and
+:mod:`agent.targets`; never a watcher.
 
 How one dump runs (per target, see :meth:`PySpyActor.act`):
 
 1. The target is probed first: a pid that is gone (or reused) or a zombie is reported at once,
    without starting py-spy.
-2. At most one dump per pid at a time (a per-pid :class:`anyio.Lock`), and at most
+2. The targets are dumped in waves (:func:`dump_waves`): a server's ranks and coordinators
+   together first, its other roles (detokenizer, launcher) once those ended.
+   At most one dump per pid at a time (a per-pid :class:`anyio.Lock`), and at most
    ``max_concurrency`` py-spy processes at once (one :class:`anyio.CapacityLimiter`).
 3. Another py-spy attached to the target (a second dump at the same moment) is waited for, at most
    :data:`TRACER_WAIT_S`; any other tracer means one ``--nonblocking`` attempt. A run of the same
    argv that the console entry started early (:mod:`agent.early`) is taken over instead of
    starting a new one.
+   A target with a thread in uninterruptible sleep (``/proc`` state ``D``: a read from a hung
+   network filesystem or device; any thread, not only the main one, since py-spy stops every
+   thread and waits for each) is never attached blocking: a thread in ``D`` takes no signal, so
+   a blocking dump hangs until its timeout (20 s seen in the field). One ``--nonblocking``
+   attempt reads it at once, and the detail names the kernel function it waits in (its
+   ``wchan``). A blocking attempt that timed out is followed by that attempt too when the target
+   is in ``D`` by then (at most :data:`DSLEEP_NONBLOCKING_S` beyond the budget).
 4. ``py-spy dump --json --pid N --native`` runs as an argv list in its own session/process group,
    bounded by ``timeout_s``. Success is exit code 0 only (a failed ``--native`` run can leave a
    partial header on stdout). On a timeout or cancellation the whole process group is killed, and
@@ -89,7 +99,18 @@ from agent.events import (
     now_ns,
 )
 from agent.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
-from agent.procinfo import Death, Tracer, death_of, tracer_of
+from agent.ownactions import OwnActionLog, stopped_by_us
+from agent.procinfo import (
+    Death,
+    Dumper,
+    Tracer,
+    ancestry,
+    death_of,
+    deleted_mappings,
+    dumpers_of,
+    tracer_of,
+)
+from agent.ranks import parse_title
 from agent.safetext import safe_text
 from agent.security import process_uids, trusted_owner
 from agent.stacks import (
@@ -102,7 +123,13 @@ from agent.stacks import (
     summarize,
     threads_to_json,
 )
-from agent.targets import ProcessState, Target, process_state
+from agent.targets import (
+    ProcessState,
+    Target,
+    UninterruptibleThread,
+    process_state,
+    uninterruptible_threads,
+)
 
 if TYPE_CHECKING:
     from agent.progress import ActionSink
@@ -121,6 +148,7 @@ __all__ = [
     "classify",
     "create",
     "default_executable",
+    "dump_waves",
     "is_python_process",
     "permission_hint",
 ]
@@ -224,6 +252,10 @@ class Classification:
     retry_plain: bool = False
     native_unsupported: bool = False
     retryable: bool = False
+    #: py-spy could read the target but not suspend it: another tracer attached at that moment
+    collided: bool = False
+    #: the target runs but a file py-spy opens is gone (a mapped python/libpython deleted or replaced)
+    missing_file: bool = False
 
 
 def _first_error_line(stderr: str) -> str:
@@ -292,6 +324,16 @@ def classify(
             retry_plain=True,
             native_unsupported=True,
         )
+    if ("failed to suspend process" in lowered and ("eperm" in lowered or "operation not permitted" in lowered)
+            and target_state is not ProcessState.STOPPED):
+        # the memory was readable (py-spy checks that first), only the ptrace attach was refused:
+        # another tracer (a second py-spy, a debugger) held the target at that moment
+        return Classification(
+            Outcome.FAILED,
+            f"{what}: could not suspend it ({error or 'EPERM'}): another tracer was attached at that moment",
+            retryable=True,
+            collided=True,
+        )
     if "permission denied" in lowered or "operation not permitted" in lowered:
         return Classification(Outcome.PERMISSION_DENIED, f"{what}: permission denied. {permission_hint()}")
     if "failed to find python version" in lowered or "failed to find a python interpreter" in lowered:
@@ -309,6 +351,10 @@ def classify(
         )
     if "no such process" in lowered or "check that the process is running" in lowered or "check if it is running" in lowered:
         return Classification(Outcome.NO_SUCH_PROCESS, f"pid {pid} is not running ({error})")
+    if "no such file or directory" in lowered:
+        # the target runs, yet a file py-spy opens is gone: one it maps (its python or libpython)
+        # was deleted or replaced since it started (py-spy #109); no attempt of ours brings it back
+        return Classification(Outcome.FAILED, f"{what} failed: a file it maps is gone ({error})", missing_file=True)
     status = "killed" if returncode is None else (f"signal {-returncode}" if returncode < 0 else f"exit {returncode}")
     return Classification(
         Outcome.FAILED,
@@ -335,6 +381,10 @@ class _Attempt:
     early: bool = False
     #: wall-clock start of an early run, ns since the epoch (0: started by this actor)
     early_start_ns: int = 0
+    #: the target's threads in uninterruptible sleep (state D) that made this a --nonblocking attempt
+    dsleep: tuple[UninterruptibleThread, ...] = ()
+    #: that attempt followed a blocking one that timed out
+    after_timeout: bool = False
 
 
 async def _drain(stream: ByteReceiveStream | None, buf: bytearray, limit_bytes: int) -> bool:
@@ -356,6 +406,24 @@ async def _probe(target: Target) -> ProcessState:
     return await anyio.to_thread.run_sync(functools.partial(process_state, target.pid, create_time_s=target.create_time_s))
 
 
+async def _dsleep(target: Target) -> tuple[UninterruptibleThread, ...]:
+    """:func:`~agent.targets.uninterruptible_threads` of the target, off the event loop."""
+    return await anyio.to_thread.run_sync(uninterruptible_threads, target.pid)
+
+
+def _said_dsleep(pid: int, dsleep: Sequence[UninterruptibleThread]) -> str:
+    """``pid 42 is in uninterruptible sleep (D) in kernel_clone`` (the first thread in ``D``,
+    main thread first; another thread is named by its id, more threads are counted)."""
+    first = dsleep[0]
+    who = f"pid {pid}" if first.main else f"pid {pid} (thread {first.tid})"
+    more = f" (+{len(dsleep) - 1} more threads in D)" if len(dsleep) > 1 else ""
+    return f"{who} is in uninterruptible sleep (D) in {first.where()}{more}"
+
+
+#: Longest time a ``--nonblocking`` attempt of a target found in state D after a blocking attempt
+#: timed out may add beyond the dump's budget, seconds (such an attempt takes ~0.01-0.5 s).
+DSLEEP_NONBLOCKING_S = 5.0
+
 #: Longest wait for another py-spy attached to a target to let go before dumping it, seconds
 #: (a py-spy dump of a torch process takes ~0.1-2 s).
 TRACER_WAIT_S = 5.0
@@ -370,22 +438,86 @@ def _is_pyspy(tracer: Tracer) -> bool:
     return os.path.basename(first).strip("'\"") == "py-spy"
 
 
-async def _wait_untraced(pid: int, timeout_s: float) -> Tracer | None:
+async def _wait_untraced(pid: int, timeout_s: float, seen: dict[int, Dumper] | None = None) -> Tracer | None:
     """Poll (every 50 ms, at most ``timeout_s`` seconds) until nobody is ptrace-attached to
-    ``pid``; returns the tracer still attached then, or ``None``."""
+    ``pid`` and no other py-spy run aims at it (:func:`_others`: one about to attach); returns the
+    tracer still attached then, or ``None``. The py-spy runs met go into ``seen``."""
     with anyio.move_on_after(timeout_s):
         while True:
-            tracer = await anyio.to_thread.run_sync(_tracer_but_early, pid)
-            if tracer is None:
+            tracer, dumpers = await anyio.to_thread.run_sync(_tracer_and_dumpers, pid)
+            if seen is not None:
+                seen.update((d.pid, d) for d in dumpers)
+            if tracer is None and not dumpers:
                 return None
             await anyio.sleep(0.05)
     return await anyio.to_thread.run_sync(_tracer_but_early, pid)
+
+
+async def _clear_of_others(pid: int, base: dict[str, AttributeValue], seen: dict[int, Dumper]) -> Tracer | None:
+    """Before attaching: another dump (a second servewatch, SGLang's own watchdog) attached to
+    ``pid`` or about to attach is waited for (it detaches within its dump), at most
+    :data:`TRACER_WAIT_S`, rather than collided with (of two attaches, the second fails EPERM);
+    returns the tracer still attached (``None``: none), the py-spy runs met go into ``seen``."""
+    tracer, dumpers = await anyio.to_thread.run_sync(_tracer_and_dumpers, pid)
+    seen.update((d.pid, d) for d in dumpers)
+    if (tracer is not None and _is_pyspy(tracer)) or dumpers:
+        base["servewatch.pyspy.waited_for_pid"] = tracer.pid if tracer is not None else dumpers[0].pid
+        tracer = await _wait_untraced(pid, TRACER_WAIT_S, seen)
+    return tracer
+
+
+def _others(pid: int) -> list[Dumper]:
+    """Other py-spy runs aimed at ``pid`` (:func:`agent.procinfo.dumpers_of`), not this agent's own
+    (its children: its runs and its early runs)."""
+    return dumpers_of(pid, exclude_parent=os.getpid())
+
+
+def _tracer_and_dumpers(pid: int) -> tuple[Tracer | None, list[Dumper]]:
+    return _tracer_but_early(pid), _others(pid)
+
+
+def _server_watchdog_note(target: Target, seen: Mapping[int, Dumper]) -> tuple[str, Dumper] | None:
+    """The server's own watchdog dumped ``target`` too (a py-spy run started by the target itself,
+    as SGLang's soft watchdog does, or by one of its ancestors, as SGLang's launcher does before a
+    crash): one line saying so and that run; ``None`` for none or for a stranger's run."""
+    if not seen:
+        return None
+    family = {target.pid, *ancestry(target.pid)}
+    for dumper in seen.values():
+        by_pid, by_title = dumper.started_by
+        if by_pid in family or target.pid in dumper.chain:
+            who = "SGLang's own watchdog" if "sglang" in f"{by_title} {target.title}".lower() else "the server's own watchdog"
+            return f"{who} fired: it ran {dumper.describe()} on this process too", dumper
+    return None
 
 
 def _tracer_but_early(pid: int) -> Tracer | None:
     """:func:`tracer_of` ``pid``, except our own early py-spy run reading it (:mod:`agent.early`)."""
     tracer = tracer_of(pid)
     return None if tracer is not None and is_early_tracer(tracer.pid) else tracer
+
+
+def dump_waves(targets: Sequence[Target]) -> list[list[int]]:
+    """The order :meth:`PySpyActor.dump_all` dumps ``targets`` in: indexes into ``targets``, one
+    list per wave, each wave's dumps concurrent and a wave starting when the one before it ended.
+
+    The first wave holds the processes whose title names a rank or a coordinator
+    (:func:`agent.ranks.parse_title`: ``sglang::scheduler_TP1``, ``VLLM::Worker_TP0``,
+    ``VLLM::EngineCore``): where a hang is, and what the verdict reads first. The second holds the
+    server's other processes (frontends such as ``sglang::detokenizer``, a launcher that kept its
+    command line, untitled helpers). Without any rank or coordinator among the targets (a plain
+    ``torchrun`` job) there is one wave of all of them.
+    """
+    first = [i for i, t in enumerate(targets) if _named_role(t.title)]
+    if not first or len(first) == len(targets):
+        return [list(range(len(targets)))] if targets else []
+    chosen = set(first)
+    return [first, [i for i in range(len(targets)) if i not in chosen]]
+
+
+def _named_role(title: str) -> bool:
+    info = parse_title(title)
+    return info is not None and info.role in ("rank", "coordinator")
 
 
 def _kill_group(pgid: int) -> None:
@@ -412,6 +544,9 @@ class PySpyActor:
         config: settings; defaults when ``None``.
         """
         self.config = config if config is not None else PySpyConfig()
+        #: where each blocking py-spy run is recorded while it holds its target stopped (ptrace),
+        #: so that no rule reads that stop as the server's (memory only until the factory sets it)
+        self.own_actions = OwnActionLog(None)
         self._native_supported = True
         self._limiter: anyio.CapacityLimiter | None = None
         self._pid_locks: dict[int, anyio.Lock] = {}
@@ -469,7 +604,9 @@ class PySpyActor:
         report: ActionSink | None = None,
     ) -> list[ActionResult]:
         """Dump every target concurrently (bounded by ``max_concurrency``, one dump per pid at
-        a time).
+        a time), in the waves of :func:`dump_waves`: a server's ranks and coordinators (the
+        culprit candidates) all at once first, its other roles (detokenizer, launcher, API
+        server) once those are done, so that the ranks' stacks do not share the CPUs with them.
 
         Args:
             trigger: the incident.
@@ -483,8 +620,14 @@ class PySpyActor:
             One result per target, in the order of ``targets``.
         """
         budget_s = timeout_s if timeout_s is not None else 2 * self.config.timeout_s
+        results: list[ActionResult | None] = [None] * len(targets)
         try:
-            return await act_all(self, trigger, targets, timeout_s=budget_s, artifact_dir=artifact_dir, report=report)
+            for wave in dump_waves(targets):  # the ranks first, all at once; the other roles after
+                done = await act_all(self, trigger, [targets[i] for i in wave], timeout_s=budget_s,
+                                     artifact_dir=artifact_dir, report=report)  # fmt: skip
+                for i, result in zip(wave, done, strict=True):
+                    results[i] = result
+            return [r for r in results if r is not None]
         finally:
             if pending():  # early runs (agent.early) no dump claimed: not needed any more
                 with anyio.CancelScope(shield=True):
@@ -599,19 +742,23 @@ class PySpyActor:
         try:
             async with lock:
                 async with self._limiter:
-                    tracer = await anyio.to_thread.run_sync(_tracer_but_early, target.pid)
-                    if tracer is not None and _is_pyspy(tracer):
-                        # another dump (a second servewatch, SGLang's own helper): it detaches
-                        # within its dump, so wait for it rather than read a running target
-                        base["servewatch.pyspy.waited_for_pid"] = tracer.pid
-                        tracer = await _wait_untraced(target.pid, TRACER_WAIT_S)
+                    seen: dict[int, Dumper] = {}
+                    tracer = await _clear_of_others(target.pid, base, seen)
                     # a stopped process (SIGSTOP, state T) cannot be suspended by py-spy, but it
                     # does not run either: --nonblocking reads it whole, without ptrace
-                    stopped = state is ProcessState.STOPPED and tracer is None
-                    attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None or stopped)
-                    if tracer is None and attempts[-1][1].outcome is Outcome.PERMISSION_DENIED:
-                        tracer, more = await self._after_denial(target, exe, timeout_s, base)
-                        attempts += more
+                    stopped = state is ProcessState.STOPPED and tracer is None and not await anyio.to_thread.run_sync(
+                        self._stopped_by_us, target.pid)
+                    # a thread in uninterruptible sleep (D) never stops for a blocking py-spy
+                    dsleep = await _dsleep(target)
+                    nonblocking = tracer is not None or stopped or bool(dsleep)
+                    attempts = await self._attempts_for(target, exe, timeout_s, nonblocking=nonblocking, dsleep=dsleep)
+                    tracer, more = await self._once_more(target, exe, timeout_s, base, seen, attempts[-1][1], tracer=tracer,
+                                                         nonblocking=nonblocking)  # fmt: skip
+                    attempts += more
+                    watchdog = _server_watchdog_note(target, seen)
+                    if watchdog is not None:
+                        base[NOTE_ATTR] = watchdog[0]
+                        base["servewatch.pyspy.server_watchdog_pid"] = watchdog[1].pid
                 early_ns = attempts[0][0].early_start_ns
                 if early_ns:  # the dump began with the early run: its span says so (time and duration)
                     start_ns = min(start_ns, early_ns)
@@ -630,8 +777,27 @@ class PySpyActor:
         finally:
             self._release_pid_lock(target.pid)
 
+    async def _once_more(
+        self, target: Target, exe: str, timeout_s: float, base: dict[str, AttributeValue], seen: dict[int, Dumper],
+        last: Classification, *, tracer: Tracer | None, nonblocking: bool,
+    ) -> tuple[Tracer | None, list[tuple[_Attempt, Classification]]]:
+        """The attempts after a first failure that a second try may mend: a denial with no
+        tracer seen (:meth:`_after_denial`), or "not a Python process" of a Python process (py-spy
+        reads the interpreter's state before it suspends the target, so a thread starting or
+        ending at that instant fails the lookup once; py-spy's own ``record`` retries it; a stack
+        too deep fails every time). Returns the tracer now and the further attempts (none: no
+        second try helps)."""
+        if tracer is None and (last.outcome is Outcome.PERMISSION_DENIED or last.collided):
+            return await self._after_denial(target, exe, timeout_s, base, seen)
+        if last.outcome is Outcome.NOT_PYTHON and await anyio.to_thread.run_sync(is_python_process, target.pid):
+            await anyio.sleep(TRANSIENT_RETRY_S)
+            base["servewatch.pyspy.retried_not_python"] = True
+            return tracer, await self._attempts_for(target, exe, timeout_s, nonblocking=nonblocking)
+        return tracer, []
+
     async def _after_denial(
         self, target: Target, exe: str, timeout_s: float, base: dict[str, AttributeValue],
+        seen: dict[int, Dumper] | None = None,
     ) -> tuple[Tracer | None, list[tuple[_Attempt, Classification]]]:
         """py-spy was denied though nobody traced the target before: attached by another tool
         since (or between) our probes. Ask who, once: another py-spy is waited for, another
@@ -642,9 +808,13 @@ class PySpyActor:
             The tracer (``None``: none now) and the attempts made.
         """
         tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
-        if tracer is not None and _is_pyspy(tracer):
-            base["servewatch.pyspy.waited_for_pid"] = tracer.pid
-            tracer = await _wait_untraced(target.pid, TRACER_WAIT_S)
+        dumpers = await anyio.to_thread.run_sync(_others, target.pid)
+        if seen is not None:
+            seen.update((d.pid, d) for d in dumpers)
+        if (tracer is not None and _is_pyspy(tracer)) or (tracer is None and dumpers):
+            base["servewatch.pyspy.waited_for_pid"] = tracer.pid if tracer is not None else dumpers[0].pid
+            base["servewatch.pyspy.retried_after_collision"] = True
+            tracer = await _wait_untraced(target.pid, TRACER_WAIT_S, seen)
             return tracer, await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
         if tracer is not None:
             return tracer, await self._attempts_for(target, exe, timeout_s, nonblocking=True)
@@ -669,6 +839,7 @@ class PySpyActor:
         said_stopped = f"pid {target.pid} is stopped (state T: SIGSTOP or a debugger; `kill -CONT {target.pid}` resumes it): dumped with --nonblocking"
         last, verdict = attempts[-1]
         base["servewatch.pyspy.attempts"] = len(attempts)
+        said_d = _note_dsleep(target.pid, last, base)
         base["servewatch.pyspy.native"] = last.native
         if any(a.early for a, _ in attempts):  # the first attempt started before the CLI's imports
             base["servewatch.pyspy.early_start"] = True
@@ -684,7 +855,7 @@ class PySpyActor:
             stem = Path(artifact_dir) / f"pyspy-{target.pid}-{serial}"
 
         if verdict.outcome is not Outcome.OK:
-            return await self._report_failure(target, attempts, stem, result, base, tracer=tracer)
+            return await self._report_failure(target, attempts, stem, result, base, tracer=tracer, said=said_d)
 
         if last.stdout_truncated:
             return result(Outcome.FAILED, f"py-spy output for pid {target.pid} exceeded {self.config.max_output_bytes} bytes", retryable=False)
@@ -698,6 +869,8 @@ class PySpyActor:
         header = safe_text(f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n")
         if stopped:
             header += f"# {said_stopped}\n"
+        if said_d:
+            header += f"# {said_d}\n"
         if tracer is not None:
             header += f"# ptrace-attached by {tracer.describe()}: dumped with --nonblocking (not paused; stacks may be torn)\n"
         await anyio.to_thread.run_sync(atomic_write_bytes, json_path, last.stdout)
@@ -714,6 +887,8 @@ class PySpyActor:
             detail += f"; stuck: {', '.join(stuck) or 'none'}; idle: {', '.join(idle)}"
         if stopped:
             detail = f"{said_stopped}; {detail}"
+        if said_d:
+            detail = f"{said_d}; {detail}"
         if tracer is not None:
             detail = (
                 f"pid {target.pid} is ptrace-attached by {tracer.describe()}: dumped with --nonblocking "
@@ -742,9 +917,11 @@ class PySpyActor:
         base: dict[str, AttributeValue],
         *,
         tracer: Tracer | None,
+        said: str = "",
     ) -> ActionResult:
         """The result of a dump that failed: its attempts in ``pyspy-<pid>.err.txt``; a Python
-        process py-spy calls "not Python" is a stack too deep for py-spy (:meth:`_too_deep`)."""
+        process py-spy calls "not Python" is a stack too deep for py-spy (:meth:`_too_deep`).
+        ``said``: what the target's state made of the attempt (uninterruptible sleep), first in the detail."""
         last, verdict = attempts[-1]
         if verdict.outcome is Outcome.NOT_PYTHON and await anyio.to_thread.run_sync(is_python_process, target.pid):
             return await self._too_deep(target, attempts, stem, result)
@@ -758,6 +935,13 @@ class PySpyActor:
         if last.returncode is not None:
             base["servewatch.pyspy.exit_code"] = last.returncode
         detail = verdict.detail
+        if verdict.missing_file and (gone := await anyio.to_thread.run_sync(deleted_mappings, target.pid)):
+            base["servewatch.pyspy.deleted_files"] = tuple(clip(path) for path in gone)
+            detail = (f"py-spy cannot read pid {target.pid}: {gone[0]}, which it maps, was deleted or replaced since it "
+                      "started (e.g. upgraded under the running process; py-spy reads the interpreter from that file, py-spy "
+                      "#109): restore the file or restart the process to dump it")
+        if said:
+            detail = f"{said}; {detail}"
         if tracer is not None:
             detail = f"pid {target.pid} is ptrace-attached by {tracer.describe()}; {detail}"
         return result(verdict.outcome, detail, retryable=verdict.retryable, paths=(str(err_path),))
@@ -797,19 +981,24 @@ class PySpyActor:
         )
 
     async def _attempts_for(
-        self, target: Target, exe: str, timeout_s: float, *, nonblocking: bool = False
+        self, target: Target, exe: str, timeout_s: float, *, nonblocking: bool = False,
+        dsleep: tuple[UninterruptibleThread, ...] = (),
     ) -> list[tuple[_Attempt, Classification]]:
         """Run ``--native`` then, if the failure says it may help, a plain attempt, within
         ``timeout_s`` seconds in all (``nonblocking``: one ``--nonblocking`` attempt, never
-        ``--native``, for a target another tool holds ptrace-attached)."""
+        ``--native``, for a target another tool holds ptrace-attached, stopped, or with
+        ``dsleep``: its threads in uninterruptible sleep). A blocking attempt that timed out on a
+        target in state D now is followed by one ``--nonblocking`` attempt (:data:`DSLEEP_NONBLOCKING_S`)."""
         deadline = anyio.current_time() + max(timeout_s, 0.0)
         native = self.native_enabled and not nonblocking
         done: list[tuple[_Attempt, Classification]] = []
+        after_timeout = False
         while True:
             remaining = deadline - anyio.current_time()
             attempt = await self._run_once(
                 target, exe, native=native, nonblocking=nonblocking, timeout_s=max(0.0, min(self.config.timeout_s, remaining))
             )
+            attempt.dsleep, attempt.after_timeout = (dsleep, after_timeout) if nonblocking else ((), False)
             after = ProcessState.RUNNING
             if attempt.returncode != 0 and attempt.launch_error is None:
                 after = await _probe(target)
@@ -826,6 +1015,11 @@ class PySpyActor:
             if verdict.native_unsupported and self._native_supported:
                 self._native_supported = False
                 logger.warning("pyspy: --native is not supported by %s on this host; dumping without it from now on", exe)
+            if verdict.outcome is Outcome.TIMED_OUT and not nonblocking and (dsleep := await _dsleep(target)):
+                # it hung on a thread in D (which takes no stop): read it without stopping it, once
+                nonblocking, native, after_timeout = True, False, True
+                deadline = max(deadline, anyio.current_time() + DSLEEP_NONBLOCKING_S)
+                continue
             if not (verdict.retry_plain and native) or deadline - anyio.current_time() <= 0:
                 return done
             native = False
@@ -836,9 +1030,16 @@ class PySpyActor:
         argv = pyspy_argv(exe, target.pid, native=native, nonblocking=self.config.nonblocking or nonblocking, locals_=self.config.locals)
         attempt = _Attempt(argv=argv, native=native)
         self._attempts += 1
+        # recorded before py-spy starts (or an early run is taken over): its ptrace stop is ours
+        # from the first moment
+        token = await self._note_stop(target, None, timeout_s, argv)
         early = claim(argv)  # the same run, started before the CLI's imports (agent.early)
         if early is not None:
-            return await self._adopt(early, attempt, target, timeout_s)
+            try:
+                return await self._adopt(early, attempt, target, timeout_s)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._end_stop(token)
         if pending():  # an early run of another argv for this pid must not attach beside ours
             await anyio.to_thread.run_sync(discard_pid, target.pid, self.config.kill_grace_s)
         env = pyspy_env()
@@ -848,7 +1049,37 @@ class PySpyActor:
             proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         except OSError as exc:  # vanished or not executable since check(): classified, not raised
             attempt.launch_error = exc
+            await self._end_stop(token)
             return attempt
+        try:
+            return await self._finish_run(proc, attempt, target, timeout_s, stdout, stderr)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._end_stop(token)
+
+    async def _note_stop(self, target: Target, tracer_pid: int | None, timeout_s: float, argv: Sequence[str]) -> str | None:
+        """Record a blocking run (no ``--nonblocking``) as a ``pyspy_stop`` of ``target`` (by
+        ``tracer_pid`` when already known), bounded by the run's own timeout and kill grace;
+        ``None`` for a non-blocking run (it never stops the target)."""
+        if "--nonblocking" in argv:
+            return None
+        bound_s = timeout_s + self.config.kill_grace_s + 5.0
+        return await anyio.to_thread.run_sync(functools.partial(
+            self.own_actions.begin, "pyspy_stop", pid=target.pid, tracer_pid=tracer_pid, bound_s=bound_s,
+            detail=f"py-spy dump pid {tracer_pid}"))
+
+    def _stopped_by_us(self, pid: int) -> bool:
+        """``pid``'s stop is another servewatch py-spy's dump of it (blocking: reads files)."""
+        return stopped_by_us(pid, self.own_actions.active())
+
+    async def _end_stop(self, token: str | None) -> None:
+        if token is not None:
+            with anyio.move_on_after(2.0):
+                await anyio.to_thread.run_sync(self.own_actions.end, token)
+
+    async def _finish_run(self, proc: anyio.abc.Process, attempt: _Attempt, target: Target, timeout_s: float,
+                          stdout: bytearray, stderr: bytearray) -> _Attempt:
+        """Read a started py-spy run to its end (see :meth:`_run_once`)."""
         scope = anyio.move_on_after(timeout_s)
         try:
             with scope:
@@ -886,7 +1117,6 @@ class PySpyActor:
             attempt.returncode = None
         return attempt
 
-
     async def _adopt(self, early: EarlyRun, attempt: _Attempt, target: Target, timeout_s: float) -> _Attempt:
         """Finish ``attempt`` from an early run of its argv: wait for it (``timeout_s`` counts from
         its start), and on a timeout or cancellation kill its group, reap it and continue the
@@ -913,6 +1143,21 @@ class PySpyActor:
         attempt.stdout_truncated = early.stdout_truncated
         attempt.stderr = early.stderr.decode("utf-8", "replace")
         return attempt
+
+
+def _note_dsleep(pid: int, last: _Attempt, base: dict[str, AttributeValue]) -> str:
+    """Say (in ``base``'s attributes and the returned words) that the last attempt was a
+    ``--nonblocking`` one for threads in uninterruptible sleep; ``""`` when it was not."""
+    if not last.dsleep:
+        return ""
+    first = last.dsleep[0]
+    base["servewatch.pyspy.nonblocking"] = True
+    base["servewatch.pyspy.uninterruptible_wchan"] = clip(first.where())
+    base["servewatch.pyspy.uninterruptible_tids"] = tuple(t.tid for t in last.dsleep)
+    if last.after_timeout:
+        base["servewatch.pyspy.nonblocking_after_timeout"] = True
+        return f"{_said_dsleep(pid, last.dsleep)}: the blocking dump timed out; dumped with --nonblocking"
+    return f"{_said_dsleep(pid, last.dsleep)}: dumped with --nonblocking"
 
 
 #: py-spy reads at most this many frames of a thread (its interpreter check fails past it).
@@ -965,4 +1210,6 @@ async def _dump_traceback(pid: int, timeout_s: float = 5.0) -> str | None:
 def create(config: PySpyConfig, ctx: BuildContext) -> PySpyActor:
     """Registry factory (:data:`agent.actors.ACTORS` ``pyspy``): the stack dumper of ``config``
     (``[pyspy]``; always built: with ``enabled`` off its results say so)."""
-    return PySpyActor(config)
+    actor = PySpyActor(config)
+    actor.own_actions = OwnActionLog(ctx.agent.data_dir, ctx.agent.host_name)
+    return actor

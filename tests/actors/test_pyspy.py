@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,9 +25,11 @@ from agent.actors.pyspy import (
     PySpyConfig,
     classify,
     default_executable,
+    dump_waves,
     permission_hint,
 )
 from agent.events import ComponentStatus, IncidentOpened, Outcome
+from agent.procinfo import dumpers_of
 from agent.stacks import hung_frame, parse_dump, render_text, summarize
 from agent.targets import ProcessState, Target, process_state, target_of
 from tests.conftest import PROGRAMS_DIR
@@ -157,6 +160,92 @@ async def test_dump_all_dumps_every_target_and_keeps_order(spawn, python, tmp_pa
             assert str(result.attributes["servewatch.pyspy.hung_frame"]).startswith(HUNG)
     assert results[1].retryable is False
     assert actor.statistics().attempts == 3  # the gone pid never started py-spy
+
+
+def test_dump_waves_put_ranks_and_coordinators_first_and_keep_one_wave_without_them() -> None:
+    t = [Target(pid=10 + i, title=title) for i, title in enumerate(
+        ["python -m sglang.launch_server --tp 2", "sglang::scheduler_TP1", "sglang::detokenizer", "sglang::scheduler_TP0",
+         "VLLM::EngineCore", "VLLM::APIServer_0"])]  # fmt: skip
+    assert dump_waves(t) == [[1, 3, 4], [0, 2, 5]]
+    plain = [Target(pid=1, title="python train.py"), Target(pid=2, title="torchrun")]
+    assert dump_waves(plain) == [[0, 1]]
+    assert dump_waves([t[1], t[3]]) == [[0, 1]]
+    assert dump_waves([]) == []
+
+
+async def test_dump_all_dumps_the_ranks_together_first_and_the_other_roles_after(spawn, python, tmp_path: Path) -> None:
+    """An SGLang tree: both schedulers' dumps overlap, and every other role's dump starts after
+    the last scheduler's ended (they do not share the CPUs with the ranks' dumps)."""
+    titles = ["sglang::detokenizer", "sglang::scheduler_TP0", "launcher sglang.launch_server", "sglang::scheduler_TP1"]
+    targets = [_titled(spawn, python, title) for title in titles]
+    exe, log = _stub(tmp_path, "slow")
+    actor = PySpyActor(PySpyConfig(executable=exe, native=False))
+    results = await actor.dump_all(TRIGGER, targets, artifact_dir=tmp_path)
+    assert [r.pid for r in results] == [t.pid for t in targets]
+    assert [r.outcome for r in results] == [Outcome.OK] * 4
+    ranks, others = [results[1], results[3]], [results[0], results[2]]
+    assert all(str(r.attributes["servewatch.pyspy.hung_frame"]).startswith(HUNG) for r in results)
+    assert max(r.end_time_unix_nano for r in ranks) <= min(r.start_time_unix_nano for r in others)
+    starts = {int(run["argv"][run["argv"].index("--pid") + 1]): run["time_ns"] for run in _runs(log) if run["event"] == "start"}
+    ends = {int(run["argv"][run["argv"].index("--pid") + 1]): run["time_ns"] for run in _runs(log) if run["event"] == "end"}
+    rank_pids = [targets[1].pid, targets[3].pid]
+    assert max(starts[p] for p in rank_pids) < min(ends[p] for p in rank_pids), "the ranks' dumps did not overlap"
+
+
+async def test_a_dump_waits_for_the_servers_own_pyspy_about_to_attach_neither_fails_and_says_its_watchdog_fired(
+        spawn, python, tmp_path: Path) -> None:  # fmt: skip
+    """SGLang's soft watchdog: the scheduler runs ``sh -c 'py-spy dump --native --pid <itself>'``
+    (here a py-spy that takes 1 s before it attaches, the window in which an attach of ours would
+    make it fail EPERM). servewatch's dump sees that run aimed at its target, waits for it, then
+    dumps: both succeed, and the result says the server's own watchdog fired."""
+    real = default_executable()
+    assert real
+    slow = tmp_path / "bin" / "py-spy"
+    slow.parent.mkdir()
+    slow.write_text(f"#!/bin/sh\nsleep 1\nexec {real} \"$@\"\n")
+    slow.chmod(0o755)
+    theirs = tmp_path / "theirs.jsonl"
+    proc = spawn([python, str(PROGRAMS_DIR / "self_dumping_target.py"), str(slow), str(theirs)], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().split() == [b"ready", str(proc.pid).encode()]
+    found = target_of(proc.pid)
+    assert found is not None
+    target = dataclasses.replace(found, title="sglang::scheduler")
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 10
+    while not (dumpers := dumpers_of(proc.pid)):
+        assert time.monotonic() < deadline, "the target's own py-spy run never showed"
+        await anyio.sleep(0.02)
+    assert dumpers[0].started_by[0] == proc.pid, dumpers
+    actor = PySpyActor(PySpyConfig())
+    # the server's run is a shell, then the py-spy it execs or forks: every pid seen dumping it counts
+    seen = {d.pid for d in dumpers}
+
+    async def watch_dumpers(done: anyio.Event) -> None:
+        while not done.is_set():
+            seen.update(d.pid for d in dumpers_of(proc.pid))
+            await anyio.sleep(0.01)
+
+    done = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_dumpers, done)
+        (result,) = await actor.dump_all(TRIGGER, [target], artifact_dir=tmp_path / "out")
+        done.set()
+    deadline = time.monotonic() + 60
+    while not theirs.exists() or not theirs.read_text():
+        assert time.monotonic() < deadline, "the target's own dump never ended"
+        await anyio.sleep(0.05)
+    runs = [json.loads(line) for line in theirs.read_text().splitlines()]
+    assert [r["returncode"] for r in runs] == [0], runs  # theirs: --native, first try
+    assert result.outcome is Outcome.OK, result.detail
+    assert result.attributes["servewatch.pyspy.waited_for_pid"] in seen | {proc.pid}
+    assert result.attributes["servewatch.pyspy.native"] is True
+    note = str(result.attributes[pyspy_module.NOTE_ATTR])
+    assert note.startswith("SGLang's own watchdog fired: it ran py-spy pid "), note
+    assert f"started by pid {proc.pid}" in note, note
+    assert result.attributes["servewatch.pyspy.server_watchdog_pid"] in seen
 
 
 async def test_same_pid_twice_is_serialized(spawn, python, tmp_path: Path) -> None:
@@ -398,6 +487,20 @@ async def test_a_denial_with_nobody_attached_any_more_is_retried_and_dumps(spawn
     assert len(_runs(log)) == 2
 
 
+async def test_a_failed_interpreter_lookup_of_a_python_process_is_retried_once_and_dumps(spawn, python, tmp_path: Path) -> None:
+    """py-spy reads the interpreter's state before it suspends the target, so a thread starting
+    or ending at that instant fails the lookup ("not a Python process") once: CI saw it on a real
+    vLLM worker, whose dump was then called a stack too deep for py-spy. One retry gets the stacks."""
+    target = _titled(spawn, python, "VLLM::Worker_TP0")
+    exe, log = _stub(tmp_path, "not-python-once")
+    result = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert HUNG in result.detail
+    assert result.attributes["servewatch.pyspy.retried_not_python"] is True
+    assert result.attributes["servewatch.pyspy.attempts"] == 2
+    assert ["--native" in r["argv"] for r in _runs(log)] == [True, True]
+
+
 async def test_exit_zero_with_unreadable_json_is_failed(spawn, python, tmp_path: Path) -> None:
     target = _titled(spawn, python, "sglang::scheduler_TP0")
     exe, _ = _stub(tmp_path, "garbage")
@@ -491,6 +594,13 @@ _SUSPEND = (
     "    1: unexpected waitpid result PtraceEvent(Pid(42), SIGSTOP, 128) to 42\n"
 )
 
+# py-spy 0.4.3 on a target another tracer (py-spy, ptrace_holder.py) holds attached, captured here:
+# the memory read works, the attach does not
+_COLLIDE = (
+    "Error: Failed to get stack traces\n\nCaused by:\n    0: Failed to suspend process\n"
+    "    1: EPERM: Operation not permitted\n    2: EPERM: Operation not permitted\n"
+)
+
 
 @pytest.mark.parametrize(
     ("rc", "stderr", "native", "timed_out", "state", "expected"),
@@ -515,6 +625,8 @@ _SUSPEND = (
         (-9, "", False, False, ProcessState.RUNNING, (Outcome.FAILED, False, False, True)),
         (1, _SUSPEND, True, False, ProcessState.STOPPED, (Outcome.FAILED, False, False, True)),
         (1, _SUSPEND, True, False, ProcessState.RUNNING, (Outcome.FAILED, True, False, True)),
+        (1, _COLLIDE, True, False, ProcessState.RUNNING, (Outcome.FAILED, False, False, True)),
+        (1, _COLLIDE, False, False, ProcessState.RUNNING, (Outcome.FAILED, False, False, True)),
     ],
 )
 def test_classify_table(rc, stderr, native, timed_out, state, expected) -> None:
@@ -524,6 +636,14 @@ def test_classify_table(rc, stderr, native, timed_out, state, expected) -> None:
     else:
         assert (got.outcome, got.retry_plain, got.native_unsupported, got.retryable) == expected
         assert got.detail and "\n" not in got.detail
+
+
+def test_a_refused_attach_is_a_collision_not_a_permission_problem() -> None:
+    got = classify(1, _COLLIDE, native=True, pid=42)
+    assert got.collided and got.outcome is Outcome.FAILED and got.retryable
+    assert "another tracer was attached" in got.detail and "CAP_SYS_PTRACE" not in got.detail
+    assert not classify(1, _COLLIDE, native=True, pid=42, target_state=ProcessState.STOPPED).collided
+    assert not classify(1, _SUSPEND, native=True, pid=42).collided
 
 
 def test_classify_detail_names_the_signal_and_error() -> None:
@@ -586,3 +706,41 @@ def test_parse_dump_rejects_what_is_not_a_thread_list(bad: str) -> None:
 def test_permission_hint_never_tells_root_to_run_as_root(euid: int, cap: bool | None, scope: str | None, says: str, never: str) -> None:
     hint = permission_hint(euid=euid, cap_sys_ptrace=cap, ptrace_scope=scope)
     assert says in hint and never not in hint
+
+
+def _libpython_or_binary() -> Path:
+    """The file this interpreter takes its Python runtime from: its libpython when it links one
+    (py-spy then reads that), else its executable."""
+    with open("/proc/self/maps", encoding="utf-8") as fh:
+        for line in fh:
+            path = line.split(None, 5)[-1].strip()
+            if "/libpython3" in path:
+                return Path(path)
+    return Path(os.path.realpath(sys.executable))
+
+
+async def test_a_python_whose_libpython_was_deleted_since_it_started_is_said_so_once(spawn, tmp_path: Path) -> None:
+    """py-spy #109 on its real shape: the target's libpython (or its python, when static) removed
+    after it started, as an upgrade under a running server does: py-spy fails "No such file or
+    directory (os error 2)", with or without --native. One attempt, and the detail names the file."""
+    runtime = _libpython_or_binary()
+    copy_dir = tmp_path / "gone"
+    copy_dir.mkdir()
+    copy = copy_dir / runtime.name
+    shutil.copy2(runtime, copy)
+    if "libpython" in runtime.name:
+        argv, env = [os.path.realpath(sys.executable)], {**os.environ, "LD_LIBRARY_PATH": str(copy_dir)}
+    else:
+        argv, env = [str(copy)], dict(os.environ)
+    proc = spawn([*argv, "-c", "import sys, time; print('ready', flush=True); time.sleep(60)"], env=env, stdout=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"ready")
+    assert str(copy) in Path(f"/proc/{proc.pid}/maps").read_text(), "the copy is not what the target runs"
+    copy.unlink()
+    target = target_of(proc.pid)
+    assert target is not None
+    result = await PySpyActor().act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.FAILED and result.retryable is False, result.detail
+    assert result.attributes["servewatch.pyspy.attempts"] == 1  # no plain retry: it cannot help
+    assert result.detail.startswith(f"py-spy cannot read pid {proc.pid}: {copy}, which it maps, was deleted or replaced"), result.detail
+    assert result.attributes["servewatch.pyspy.deleted_files"][0] == str(copy)
+    assert "No such file or directory" in Path(result.artifact_paths[0]).read_text(encoding="utf-8")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -224,3 +225,24 @@ def test_otel_sdk_disabled_turns_off_spans_as_well_as_metrics(otlp_receiver: Otl
     assert otlp_receiver.spans() == [] and otlp_receiver.metrics_requests == []
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no span file, no spool, no metrics file
     assert sdk_disabled({"OTEL_SDK_DISABLED": "true"}) and not sdk_disabled({"OTEL_SDK_DISABLED": "1"}) and not sdk_disabled({})
+
+
+def test_an_invalid_otel_resource_attributes_pair_is_said_and_the_others_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The SDK's detector warns on its own logger, which the CLI counts without printing: the
+    agent says it in one line (issue: small lies, an invalid pair dropped without a word)."""
+    from exporters.provider import build_resource
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=staging,oops,=nokey,k8s.pod.name=sgl-0")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    with caplog.at_level(logging.WARNING, logger="exporters.provider"):
+        resource = build_resource(ExportConfig(metrics=False), host_name="h", service_instance_id="i")
+    said = [r.getMessage() for r in caplog.records if r.name == "exporters.provider"]
+    assert said == ["OTEL_RESOURCE_ATTRIBUTES: 'oops', '=nokey' are not key=value: dropped (the other pairs are kept)"], said
+    assert resource.attributes["deployment.environment.name"] == "staging"
+    assert resource.attributes["k8s.pod.name"] == "sgl-0"
+    caplog.clear()
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "a=1,b=2")
+    with caplog.at_level(logging.WARNING, logger="exporters.provider"):
+        build_resource(ExportConfig(metrics=False), host_name="h", service_instance_id="i")
+    assert not [r for r in caplog.records if r.name == "exporters.provider"]

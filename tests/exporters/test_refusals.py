@@ -82,11 +82,19 @@ def test_dump_against_a_refusing_collector_says_it_once_keeps_the_spans_and_exit
     for word in words:
         assert word in said[0], said[0]
     rejected = tmp_path / "data" / os.uname().nodename / "spool" / "rejected"
-    assert f"kept under {rejected}; send them once fixed with: servewatch export --to {endpoint} --protocol {protocol} {rejected}" in said[0]
+    fixed = endpoint.removesuffix(suffix) if suffix == "/v1/traces" else endpoint  # the replay goes to the base endpoint
+    assert f"kept under {rejected}; send them once fixed with: servewatch export --to {fixed} --protocol {protocol} {rejected}" in said[0]
     names = _rejected_spans(tmp_path / "data")
     assert "incident" in names and "pyspy.dump" in names
     assert f"servewatch: {len(names)} span(s) not delivered to OTLP {protocol} {endpoint}: {len(names)} refused or rejected" in r.stderr
     assert otlp_receiver.span_count == 0
+    if case == "404-doubled-path":  # the command said, run as said, delivers them (nothing else was wrong)
+        replay = said[0].split("send them once fixed with: ", 1)[1].split()
+        assert replay[:2] == ["servewatch", "export"], replay
+        sent = subprocess.run([sys.executable, "-m", "agent.cli", *replay[1:]], capture_output=True, text=True, timeout=90,
+                              cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        assert otlp_receiver.span_count == len(names), (sent.stdout, sent.stderr)
 
 
 def test_run_against_a_refusing_collector_shows_the_export_row_blind_in_status(

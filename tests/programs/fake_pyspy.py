@@ -16,6 +16,9 @@ the py-spy arguments it was given). Modes:
 * ``permission-denied``: prints py-spy's non-root permission message and exits 1.
 * ``permission-denied-once``: the first run (an empty LOGFILE before it) is denied as above, as
   when another tracer held the target at that moment; later runs are the real py-spy.
+* ``not-python-once``: the first run is py-spy's failed interpreter lookup (exit 1), as when a
+  thread of the target started or ended while py-spy read the interpreter's state; later runs are
+  the real py-spy.
 * ``garbage``: exits 0 with stdout that is not JSON.
 * ``slow``: logs ``start``/``end`` wall times around a 0.3 s sleep, then runs the real py-spy
   (to observe overlapping dumps).
@@ -34,6 +37,7 @@ from pathlib import Path
 
 # Verbatim from py-spy 0.4 (src/config.rs, src/main.rs), so the classifier sees real messages.
 NATIVE_UNSUPPORTED = "Collecting stack traces from native extensions (`--native`) is not supported on your platform."
+NO_INTERPRETER = "Error: Failed to find a python interpreter in the .data section"
 PERMISSION_DENIED = "Permission Denied: Try running again with elevated permissions by going 'sudo env \"PATH=$PATH\" !!'"
 
 
@@ -67,6 +71,11 @@ def main() -> None:
     if mode == "permission-denied-once":
         if first:
             print(PERMISSION_DENIED, file=sys.stderr)
+            sys.exit(1)
+        run_real(args)
+    if mode == "not-python-once":
+        if first:
+            print(NO_INTERPRETER, file=sys.stderr)
             sys.exit(1)
         run_real(args)
     if mode == "native-unsupported":

@@ -548,6 +548,20 @@ async def shape_deep(wd: Path) -> ShapeResult:
         await anyio.to_thread.run_sync(stop_ranks, procs)
 
 
+async def shape_dstate(wd: Path) -> ShapeResult:
+    """Rank 1 of 2 reads its weights in uninterruptible sleep (state D, as from a hung NFS mount:
+    a real D state, :mod:`tests.programs.dstate`); rank 0 waits in the all-reduce. A blocking
+    py-spy dump of rank 1 would hang to its timeout (20 s): the dump reads the state first and takes
+    one ``--nonblocking`` dump; the verdict names rank 1 in D, with its wchan and frame."""
+    procs = start_ranks(2, wd, fault="dstate", fault_rank=1)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}}, wd, children=procs, wait_trigger="stall")
+        return _result("dstate", record, kind="uninterruptible", ranks=(1,), pids=(procs[1].pid,), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
 #: The shapes, by name: ``await SHAPES[name](workdir)``.
 SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "cascade": shape_cascade,
@@ -560,4 +574,5 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "rendezvous": shape_rendezvous,
     "pg_cycle": shape_pg_cycle,
     "deep": shape_deep,
+    "dstate": shape_dstate,
 }

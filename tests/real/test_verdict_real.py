@@ -154,7 +154,7 @@ def test_an_idle_server_s_dump_says_idle_and_nothing_is_stuck(vllm_tp1: VllmServ
     assert (v["kind"], v["hung"], v["culprit_ranks"], v["culprit_pids"]) == ("idle", False, [], []), (v["reason"], v["evidence"])
     assert v["reason"].startswith("all idle (waiting for work): nothing is stuck"), v["reason"]
     dumps = [a for a in doc["actions"] if a["action"] == "pyspy.dump"]
-    assert len(dumps) == 2 and all(a["outcome"] == "ok" for a in dumps), dumps
+    assert len(dumps) == 2 and all(a["outcome"] == "ok" for a in dumps), [(a["pid"], a["outcome"], a["detail"]) for a in dumps]
     for a in dumps:  # every thread is a wait for work: signal-callback, tqdm's monitor, the message queue
         assert "all idle (waiting for work): nothing is stuck; stuck: none" in a["detail"], a["detail"]
     assert "hung frame" not in stdout

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import anyio
 import psutil
 
 __all__ = ["AGENTS_DIR", "agents_dir", "live_agents", "on_data_dir", "register", "unregister"]
@@ -111,6 +110,8 @@ async def on_data_dir(data_dir: str | os.PathLike[str], host_name: str) -> Async
     """A running agent's presence on its data dir (the runtime's ``run``): registered on entry,
     another agent already there said in one warning line (both would write one status file and
     bundle folder), removed on exit (shielded, off the loop). Yields the other agents' pids."""
+    import anyio  # here: `servewatch status` reads presence files without an event loop
+
     path, others = await anyio.to_thread.run_sync(register, data_dir, host_name)
     if others:
         log.warning("another agent (pid %s) already uses data dir %s: both write its status and incidents"

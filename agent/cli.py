@@ -355,8 +355,8 @@ VerboseOpt = typer.Option(False, "--verbose", "-v", help="Log progress to stderr
 PySpyOpt = typer.Option(None, "--pyspy/--no-pyspy", help="Dump Python stacks during incidents (default on; env SERVEWATCH_PYSPY__ENABLED).")
 CoredumpDelayOpt = typer.Option(None, "--coredump-delay", min=0.0, max=60.0, metavar="SECONDS", help="Wait this long after the stacks before triggering CUDA coredumps (default 0).")
 # shared by `run` and `launch` (a launched server is watched with the same flags)
-HealthUrlOpt = typer.Option(None, "--health-url", metavar="URL", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health.")
-MetricsUrlOpt = typer.Option(None, "--metrics-url", metavar="URL", help="Prometheus /metrics URL (progress counter + busy gauge).")
+HealthUrlOpt = typer.Option(None, "--health-url", metavar="URL", help="Health endpoint to poll, e.g. http://127.0.0.1:30000/health; repeat it for several servers (each tied to its server by its port).")
+MetricsUrlOpt = typer.Option(None, "--metrics-url", metavar="URL", help="Prometheus /metrics URL (progress counter + busy gauge); repeat it for several servers (each tied to its server by its port).")
 MetricsPresetOpt = typer.Option(None, "--metrics-preset", metavar="sglang|vllm", help="sglang (default) or vllm metric names.")
 WatchdogTimeoutOpt = typer.Option(None, "--watchdog-timeout", metavar="SECONDS", help="Busy with no forward progress for this long is a stall (default 300).")
 HardOpt = typer.Option(None, "--hard/--soft", help="Hard mode: signal the stalled target after capturing evidence.")
@@ -523,8 +523,8 @@ def _print_status(status: Any) -> None:
 
 @app.command()
 def run(
-    health_url: str | None = HealthUrlOpt,
-    metrics_url: str | None = MetricsUrlOpt,
+    health_url: list[str] | None = HealthUrlOpt,
+    metrics_url: list[str] | None = MetricsUrlOpt,
     metrics_preset: str | None = MetricsPresetOpt,
     pid: list[int] | None = PidOpt,
     root_pid: int | None = RootPidOpt,
@@ -561,8 +561,8 @@ def run(
         {
             "data_dir": data_dir,
             "target": _target(pid, root_pid, match, uid, any_uid),
-            "health": {"url": health_url},
-            "metrics": {"url": metrics_url, "metrics_preset": metrics_preset},
+            "health": {"url": health_url or None},  # several: one watcher each (agent.watchers.config.split_url_list)
+            "metrics": {"url": metrics_url or None, "metrics_preset": metrics_preset},
             "watchdog": {"timeout_s": watchdog_timeout, "hard": hard, "hard_targets": hard_targets},
             "incident": {"cooldown_s": cooldown},
             "profiler": {"on_incident_steps": profile_steps},
@@ -574,7 +574,7 @@ def run(
         },
         config,
     )
-    if not (settings.health.url or settings.metrics.url or settings.target.pids or settings.target.match or settings.target.root_pid):
+    if not (settings.health.all_urls or settings.metrics.all_urls or settings.target.pids or settings.target.match or settings.target.root_pid):
         fail("nothing to watch: give --health-url, --metrics-url, --pid, --root-pid or --match", ExitCode.USAGE)
     gone = [p for p in [*settings.target.pids, *([settings.target.root_pid] if settings.target.root_pid else [])] if not _pid_alive(p)]
     if gone:  # a pid is a running process: waiting for it to appear would wait forever (--match waits)
@@ -585,12 +585,14 @@ def run(
     _data_dir_ready(settings)
     import anyio
 
+    from agent.lazy import mark_absent
     from agent.runtime import Agent
 
     printer = _IncidentPrinter()
 
     async def main() -> None:
         agent = Agent.build(settings, on_incident=printer.finished, on_summary=printer.summary, on_status=_print_status)
+        mark_absent()  # a watching agent: no sys.path search per HTTP request for a module not installed
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, agent)
             if duration is not None:
@@ -691,6 +693,9 @@ def status(
     from agent.agentfiles import live_agents
 
     agents = live_agents(path.parent.parent, path.parent.name)  # every agent on this data dir, first first
+    # the last writer stopped while another agent on this data dir runs on: that one is watching
+    # (it rewrites the status at its next change); "NOT running" would read as no agent at all
+    others = [pid for pid in agents if pid != snap.agent_pid] if not running else []
     if as_json:
         _print_json({**snap.to_json(), "agent_running": running, "agents_running": agents})
     else:
@@ -698,9 +703,11 @@ def status(
             err.print(f"servewatch: {len(agents)} agents use this data dir (pids {', '.join(map(str, agents))}); the lines"
                       f" below are pid {snap.agent_pid}'s, the last to write {path}", markup=False)
         age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
+        gone = (f" has stopped; agent pid {', '.join(map(str, others))} still runs on this data dir (its lines come with"
+                " its next change; below: the stopped agent's last word)" if others
+                else " is NOT running (status below is its last word; stall times as of then)")
         header = (
-            f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}"
-            + ("" if running else " is NOT running (status below is its last word; stall times as of then)")
+            f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}" + ("" if running else gone)
             + f"; {len(snap.watchers)} watcher(s), {len(snap.blind)} blind; last change {age_s:.0f} s ago ({path})"
         )
         if not running:  # the fact that qualifies every line below comes first
@@ -713,7 +720,7 @@ def status(
             out.print(line, markup=False, highlight=False)
         if running:
             err.print(header, markup=False)
-    if snap.blind or not running or (running and snap.stalled):
+    if snap.blind or (not running and not others) or (running and snap.stalled):
         raise typer.Exit(int(ExitCode.FAILURE))
 
 
@@ -964,8 +971,8 @@ def launch(
     cmd: list[str] = typer.Argument(..., metavar="-- CMD [ARGS]...", help="The server command line."),
     crash_dump_folder: Path | None = typer.Option(None, "--crash-dump-folder", metavar="DIR", help="Arm CUDA coredumps into DIR/<host>/ (default: coredump.folder)."),
     mlx: bool = typer.Option(False, "--mlx", help="MLX target: also set MTL_CAPTURE_ENABLED=1 (Metal capture)."),
-    health_url: str | None = HealthUrlOpt,
-    metrics_url: str | None = MetricsUrlOpt,
+    health_url: list[str] | None = HealthUrlOpt,
+    metrics_url: list[str] | None = MetricsUrlOpt,
     metrics_preset: str | None = MetricsPresetOpt,
     match: list[str] | None = MatchOpt,
     uid: list[int] | None = UidOpt,
@@ -1003,8 +1010,8 @@ def launch(
             "data_dir": data_dir,
             "target": {"match": match or None, "uids": uid or None, "any_uid": any_uid or None},
             # the server starts with us: "connection refused" is start-up until it listens
-            "health": {"url": health_url, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
-            "metrics": {"url": metrics_url, "metrics_preset": metrics_preset, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
+            "health": {"url": health_url or None, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
+            "metrics": {"url": metrics_url or None, "metrics_preset": metrics_preset, "refused_grace_s": LAUNCH_REFUSED_GRACE_S},
             "watchdog": {"timeout_s": watchdog_timeout, "hard": hard, "hard_targets": hard_targets},
             "incident": {"cooldown_s": cooldown},
             "profiler": {"on_incident_steps": profile_steps},
@@ -1044,6 +1051,8 @@ def launch(
         fail(f"cannot create crash-dump folder {str(settings.coredump.folder)!r}: {exc.strerror or exc}")
     import anyio
 
+    from agent.lazy import mark_absent
+    from agent.lifecycle import LEFT_ALIVE_SETTLE_S
     from agent.runtime import Agent
 
     child_status: dict[str, int] = {}
@@ -1064,6 +1073,7 @@ def launch(
         target = settings.target.model_copy(update={"root_pid": child_pid})
         agent = Agent.build(settings.model_copy(update={"target": target}), on_incident=printer.finished,
                             on_summary=printer.summary, on_status=_print_status)
+        mark_absent()  # a watching agent: no sys.path search per HTTP request for a module not installed
         # watched from its first moment, with the exit status we reap (not rediscovered later)
         # its title: the one it set, else the command launched (an exit at start still names it)
         agent.process_watcher.watch(launched_target(child_pid, cmd), returncode=lambda: child_status.get("rc"))
@@ -1079,6 +1089,7 @@ def launch(
             with anyio.move_on_after(inc.phase_timeout_s * 4 + inc.interrupt_grace_s + 30):
                 while child_pid not in agent.incidents.exits_handled or agent.incidents.current is not None:
                     await anyio.sleep(0.1)
+            await agent.lifecycle.wait_idle(LEFT_ALIVE_SETTLE_S + 5.0)  # what it left running, named
             agent.stop()
 
         try:
@@ -1128,6 +1139,7 @@ def export(
     timeout: float = typer.Option(10.0, "--timeout", min=0.001, metavar="SECONDS", help="Bound on each request, retries included."),
     remove_sent: bool = typer.Option(False, "--remove-sent", help="Delete each file once all its spans were delivered (spool batches always are)."),
     resend: bool = typer.Option(False, "--resend", help="Send again what this endpoint already acknowledged (ignore the export ledger)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be sent, connecting to nothing: no span sent, no ledger written, no file removed."),
     data_dir: Path | None = DataDirOpt,
     config: Path | None = ConfigOpt,
 ) -> None:
@@ -1170,7 +1182,7 @@ def export(
             headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
             compression=destination.compression, signal_specific=destination.signal_specific,
             ledger=None if resend else ledger_path,
-            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes,
+            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes, dry_run=dry_run,
         )
     except FileNotFoundError as exc:
         fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
@@ -1178,9 +1190,12 @@ def export(
         fail(str(exc), ExitCode.USAGE)
     except OSError as exc:
         fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
+    head = (f"Dry run: would send {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to"
+            f" {endpoint} ({destination.protocol}); nothing sent." if dry_run else
+            f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {endpoint} "
+            f"({destination.protocol}). Failed: {result.failed}")
     err.print(
-        f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {endpoint} "
-        f"({destination.protocol}). Failed: {result.failed}"
+        head
         + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
         + (f" Bad files: {result.bad_files}" if result.bad_files else "")
         + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else "")
@@ -1202,8 +1217,7 @@ def timeline(
     config: Path | None = ConfigOpt,
 ) -> None:
     """Show an incident as a timeline: trigger, actions, hung frames, coredumps, profile (offline)."""
-    from exporters.bundle import load_incident_arg
-    from exporters.timeline import render_timeline, timeline_to_dict
+    from exporters.bundle import load_incident_arg, timeline_to_dict
 
     settings = _read_only_settings(data_dir, config)
     tl = load_incident_arg(incident, data_dir=settings.data_dir)  # BundleError: one line, exit 1 (main)
@@ -1211,9 +1225,10 @@ def timeline(
     if as_json:
         _print_json(timeline_to_dict(tl))
         return
+    from exporters.timeline import render_timeline  # rich: only a drawn timeline needs it
     # a terminal: its width; a file or pipe: $COLUMNS, else 120 (rich's 80 would wrap what has room)
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120
-    render_timeline(tl, _safe_console(soft_wrap=True, width=width))
+    render_timeline(tl, _safe_console(soft_wrap=True, width=width, emoji=False))
 
 
 def _say_newer_dumps(incident: str | None, data_dir: Path, tl: Any) -> None:

@@ -157,7 +157,8 @@ class AgentSettings(BaseSettings):
             for value, field in getattr(type(config), "provides", {}).items():
                 given = getattr(config, field)
                 if value in _COLLECTED_VALUES:  # collected from every table
-                    provided[value] = (*provided.get(value, ()), *([given] if given else []))
+                    many = given if isinstance(given, tuple) else (given,) if given else ()  # several servers' URLs
+                    provided[value] = (*provided.get(value, ()), *many)
                 else:
                     provided[value] = given
         return AgentValues(

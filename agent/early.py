@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ONE_SHOT_COMMANDS", "EarlyRun", "claim", "default_executable", "discard_all", "discard_pid", "is_early_tracer", "one_shot", "pending", "plan", "pyspy_argv", "pyspy_env", "start"]
+__all__ = ["ONE_SHOT_COMMANDS", "EarlyRun", "claim", "default_executable", "discard_all", "discard_pid", "dumping", "is_early_tracer", "one_shot", "pending", "plan", "pyspy_argv", "pyspy_env", "start"]
 
 #: Most early runs started at once: the py-spy actor's default ``max_concurrency`` (twice the
 #: CPUs, at least 8), so early runs never exceed what the actor itself would run at once.
@@ -318,6 +318,13 @@ def is_early_tracer(pid: int) -> bool:
     with _LOCK:
         runs = list(_RUNS.values())
     return any(run.process.pid == pid or os.path.exists(f"/proc/{run.process.pid}/task/{pid}") for run in runs)
+
+
+def dumping(pid: int) -> bool:
+    """Whether an unclaimed early run of target ``pid`` is still running (it may hold it stopped)."""
+    with _LOCK:
+        runs = list(_RUNS.values())
+    return any(run.pid == pid and run.process.poll() is None for run in runs)
 
 
 def claim(argv: Sequence[str]) -> EarlyRun | None:

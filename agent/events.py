@@ -2,8 +2,9 @@
 
 Owns: every event dataclass (past-tense facts), :class:`Outcome`, :class:`ActionResult`,
 :class:`ComponentStatus`, and the names written into bundles and spans: :class:`Trigger` (why an
-incident opened) and :class:`Action` (what ran; also the span name). Imports nothing from the rest of the agent, so watchers, actors,
-incidents and exporters can all depend on it.
+incident opened) and :class:`Action` (what ran; also the span name), those five names and
+:func:`now_ns` defined in :mod:`agent.kinds` (stdlib only) and re-exported here. Imports nothing
+else from the rest of the agent, so watchers, actors, incidents and exporters can all depend on it.
 
 Every event is ``@dataclass(frozen=True, slots=True, kw_only=True)`` with ``time_unix_nano``
 (wall clock, ns since the Unix epoch) and ``source`` (the component that published it).
@@ -16,14 +17,13 @@ dropped by the bus when a subscriber is slow; all others are delivered to every 
 
 from __future__ import annotations
 
-import enum
 import signal as _signal
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar
+
+from agent.kinds import Action, ComponentStatus, Outcome, StrEnum, Trigger, now_ns
 
 __all__ = [
     "TRACE_DETAIL_ATTR",
@@ -39,6 +39,7 @@ __all__ = [
     "ExitKind",
     "ExitSource",
     "FlightRecorderDumped",
+    "FrontendExited",
     "HardSignalSent",
     "HealthCheckFailed",
     "HealthProbed",
@@ -48,6 +49,7 @@ __all__ = [
     "IncidentRetraced",
     "InflightSpan",
     "JobIncidentClosed",
+    "LifecycleNoted",
     "Outcome",
     "ProfileStarted",
     "ProfileStopped",
@@ -72,23 +74,7 @@ TRACE_DETAIL_ATTR = "servewatch.trace.detail"
 #: A value an OTel span attribute may hold.
 AttributeValue = str | bool | int | float | tuple[str, ...] | tuple[int, ...] | tuple[float, ...]
 
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover - Python 3.10
-
-    class StrEnum(str, enum.Enum):
-        """str-valued enum (stdlib ``enum.StrEnum`` from 3.11)."""
-
-        def __str__(self) -> str:
-            return str(self.value)
-
-
 _EMPTY: Mapping[str, AttributeValue] = MappingProxyType({})
-
-
-def now_ns() -> int:
-    """Wall-clock time in ns since the Unix epoch (``time.time_ns()``)."""
-    return time.time_ns()
 
 
 def frozen_attrs(attrs: Mapping[str, AttributeValue] | None = None, /, **more: AttributeValue) -> Mapping[str, AttributeValue]:
@@ -98,66 +84,6 @@ def frozen_attrs(attrs: Mapping[str, AttributeValue] | None = None, /, **more: A
         for key, value in source.items():
             merged[key] = tuple(value) if isinstance(value, list) else value
     return MappingProxyType(merged)
-
-
-class Outcome(StrEnum):
-    """How an action ended. Outcomes cross the bus; exceptions do not."""
-
-    OK = "ok"
-    TIMED_OUT = "timed_out"
-    PERMISSION_DENIED = "permission_denied"
-    NO_SUCH_PROCESS = "no_such_process"
-    ZOMBIE = "zombie"
-    DEAD = "dead"  # the target exited or is a zombie (exit status in the attributes when known)
-    NOT_PYTHON = "not_python"
-    UNSUPPORTED = "unsupported"
-    MISSING_TOOL = "missing_tool"
-    NOT_ARMED = "not_armed"
-    REFUSED = "refused"
-    ALREADY_STOPPED = "already_stopped"
-    SKIPPED = "skipped"
-    NOT_ENABLED = "not_enabled"  # the target runs without the feature (Flight Recorder buffer 0)
-    NO_SOURCE = "no_source"  # nothing to read the evidence from (no socket, server or pipe)
-    FAILED = "failed"
-
-
-class Trigger(StrEnum):
-    """Why an incident opened (``IncidentOpened.trigger``, manifest ``trigger``, span attribute
-    ``servewatch.incident.trigger``). Values are the strings bundles already hold; a bundle with
-    another value (``unknown``, from a future agent) still loads as a plain string."""
-
-    HEALTH = "health"  # the health check turned unhealthy
-    STALL = "stall"  # busy with no forward progress (watchdog)
-    EXIT = "exit"  # a target process ended
-    MANUAL = "manual"  # `servewatch dump`, or asked over the agent API
-    PEER = "peer"  # a peer of the same job asked us to capture (joins its trace)
-
-
-class Action(StrEnum):
-    """What ran for an incident: ``ActionResult.action``, the action's span name and the manifest's
-    ``actions[].action``. Values are the strings bundles already hold."""
-
-    PYSPY_DUMP = "pyspy.dump"  # Python/native stacks of one process (agent.actors.pyspy)
-    FLIGHTREC_DUMP = "flightrec.dump"  # one rank's collective Flight Recorder (agent.actors.flightrec)
-    CUDA_COREDUMP = "cuda.coredump"  # a CUDA GPU coredump (agent.actors.coredump)
-    PROFILE_SESSION = "profile.session"  # a step-bounded profile (agent.actors.profiler)
-    HARD_SIGNAL = "hard.signal"  # hard mode signalled a rank (agent.incidents)
-    PEER_CAPTURE = "peer.capture"  # a job peer asked to capture (agent.fleet.peers)
-    PEER_RESOLVE = "peer.resolve"  # resolving the job's peers failed (agent.fleet.peers)
-    DETECTION_FOLDED = "fleet.detection_folded"  # a local detection folded into a job incident
-    FANOUT = "fleet.fanout"  # the coordinator asked the job's hosts that did not detect (agent.fleet.job)
-    REPORT = "fleet.report"  # this host reported its detection to the job's coordinator
-
-
-class ComponentStatus(StrEnum):
-    """Component health, after the OTel collector's componentstatus."""
-
-    STARTING = "starting"
-    OK = "ok"
-    RECOVERABLE_ERROR = "recoverable_error"
-    PERMANENT_ERROR = "permanent_error"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -294,6 +220,33 @@ class HealthRecovered(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LifecycleNoted(Event):
+    """Something happened in a watched server's life that is no fault of its own (published by
+    :class:`agent.lifecycle.Lifecycle`, logged, never an incident by itself).
+
+    Attributes:
+        phase: ``stopped`` (its watched processes ended in order), ``started`` (new processes
+            found after a stop), ``recovered`` (``/health`` answers again after a stop),
+            ``ending`` (a process ended after a stall incident: that incident's ending),
+            ``crash_loop`` (the same process exited non-zero again), ``orphans`` (processes of
+            a server left alive after it ended).
+        detail: one line in words.
+        pids: the processes it is about (the new ones for ``started``).
+        incident_id: the incident it was noted on (``""``: none).
+        trace_id / parent_span_id: hex ids of that incident's trace and root span (``""``:
+            none): the span mirror puts a ``server.lifecycle`` span there, so the story of a
+            hang and its ending is one trace.
+    """
+
+    phase: str
+    detail: str
+    pids: tuple[int, ...] = ()
+    incident_id: str = ""
+    trace_id: str = ""
+    parent_span_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepsAdvanced(Event):
     """A forward-step counter moved (high rate; may be dropped).
 
@@ -323,6 +276,8 @@ class WatchdogStalled(TriggerEvent):
     counter_source: str = ""
     #: the Prometheus label set that stalled (``engine="1"``); ``""`` for a whole counter
     series: str = ""
+    #: the ``/metrics`` URL whose counter stalled (its port names the server); ``""``: an SDK counter
+    url: str = ""
 
     @property
     def subject_pid(self) -> int | None:
@@ -566,6 +521,37 @@ class TargetExited(TriggerEvent):
     def exit_detail(self) -> str:
         """How it ended, in words, with where that was read (``exit.describe()``)."""
         return self.exit.describe()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontendExited(TargetExited):
+    """The process a watched server's ranks hang off (its frontend, launcher or API server: not
+    itself a target) ended while some of them live on (reparented to pid 1 or a subreaper,
+    holding memory: vLLM #55510's next start OOMs). ``pid`` and ``title`` are the frontend's;
+    its exit status is unknown when the kernel and its zombie did not say (not the agent's child).
+
+    Attributes:
+        left_alive: the pids of the server still running once its tree had time to go down.
+        left_alive_titles: their titles, in the same order.
+        held_bytes: their resident memory then, bytes.
+        reparented_to: their parent now (1, or a subreaper; 0 unknown).
+    """
+
+    left_alive: tuple[int, ...] = ()
+    left_alive_titles: tuple[str, ...] = ()
+    held_bytes: int = 0
+    reparented_to: int = 0
+
+    def describe(self) -> str:
+        size = self.held_bytes
+        held = f"{size / 1e9:.2f} GB" if size >= 1e7 else f"{size / 1e6:.1f} MB"
+        shown = ", ".join(f"{pid}" + (f" {title!r}" if title else "")
+                          for pid, title in list(zip(self.left_alive, self.left_alive_titles))[:6])
+        more = ", ..." if len(self.left_alive) > 6 else ""
+        under = f" under pid {self.reparented_to}" if self.reparented_to else ""
+        return (f"the server's frontend pid {self.pid}" + (f" {self.title!r}" if self.title else "")
+                + f" exited ({self.exit.status_words()}); {len(self.left_alive)} process(es) of it still alive{under},"
+                f" holding {held}: pids {shown}{more}")
 
 
 # --- incidents and actions ------------------------------------------------------------------

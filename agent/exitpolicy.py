@@ -13,6 +13,9 @@ exits (the exit rules of a server's life, measured on real servers):
 * a later trigger of the same failure (a health check, or a stall of the dead rank's server,
   within ``incident.exit_followup_s`` of an exit incident) is folded into that incident; a health
   check failing after every watched process stopped in order is the stopped server's port;
+* a health failure of a server within hard mode's window of its signal is that
+  signal's consequence: it joins the incident that signalled ("killed by servewatch --hard,
+  incident X", noted on it), never a new incident blaming the server;
 * a refused health check (or a 5xx) is judged once the watched processes' exits are in
   (:meth:`ExitPolicy.settle`).
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -111,12 +114,23 @@ class Incident(Protocol):
     @property
     def exits_after_hard_signal(self) -> dict[int, str]: ...
 
+    @property
+    def after_hard_signal(self) -> list[str]: ...
+
+    @property
+    def server(self) -> int | None: ...
+
 
 class Incidents(Protocol):
     """The incident manager as a policy reads it (:class:`agent.incidents.IncidentManager`)."""
 
     @property
     def current(self) -> Incident | None: ...
+
+    @property
+    def running(self) -> Mapping[str, Incident]: ...
+
+    def event_server(self, event: TriggerEvent) -> int | None: ...
 
     @property
     def records(self) -> Sequence[Incident]: ...
@@ -203,6 +217,14 @@ def _descendants(pids: Sequence[int]) -> set[int]:
     return found
 
 
+def _listener_of_url(url: str) -> int | None:
+    """The pid listening on ``url``'s port, ``None`` when none or unreadable (blocking)."""
+    from agent.servers import listener_of_port, port_of_url
+
+    port = port_of_url(url)
+    return listener_of_port(port) if port is not None else None
+
+
 def server_tree(targets: Sequence[Target]) -> set[int]:
     """The targets' parents (not this agent nor its ancestors) and all their descendants."""
     import psutil
@@ -252,6 +274,9 @@ class ExitPolicy:
         self._hard_windows: list[tuple[float, frozenset[int], Incident]] = []
         #: incidents whose manifest changed since they were written (a knock-on exit noted)
         self.changed: list[Incident] = []
+        #: when the health check last turned healthy again, ns since the epoch (0: never seen;
+        #: set by :class:`agent.lifecycle.Lifecycle`): a failure before it is judged at once
+        self.health_recovered_ns = 0
 
     # -- what the manager tells it --------------------------------------------------------------
 
@@ -293,6 +318,8 @@ class ExitPolicy:
         error_class = event.error_class if isinstance(event, HealthCheckFailed) else ""
         with anyio.move_on_after(HEALTH_SETTLE_S.get(error_class, 5.0)):  # processes to watch end: a moment
             while not await self._server_stopped_in_order(manager):
+                if self.health_recovered_ns > event.time_unix_nano:
+                    return  # healthy again (a restart): judged now, by the lifecycle's rule
                 if self.last_failed_exit > since:
                     # a failure: the health failure follows from its exit incident, once open
                     while self._exit_incident_before(event, manager) is None:
@@ -334,6 +361,14 @@ class ExitPolicy:
         return None
 
     async def folds(self, event: TriggerEvent, manager: Incidents) -> Fold | None:
+        signalled = await self._hard_incident_of(event)
+        if signalled is not None:
+            words = f"killed by servewatch --hard, incident {signalled.opened.incident_id}"
+            log.warning("%s detected (%s): %s; joined to that incident, no new incident", event.trigger, event.describe(), words)
+            signalled.after_hard_signal.append(f"{event.trigger}: {event.describe()}: {words}")
+            if signalled not in self.changed:
+                self.changed.append(signalled)
+            return Fold(signalled.opened.incident_id)
         followed = self._exit_incident_before(event, manager)
         if followed is not None:
             age_s = max(0.0, (time.time_ns() - followed.opened.time_unix_nano) / 1e9)
@@ -365,6 +400,23 @@ class ExitPolicy:
                 return record
         return None
 
+    async def _hard_incident_of(self, event: TriggerEvent) -> Incident | None:
+        """The incident whose hard-mode signal the health failure ``event`` follows (the exits
+        are :meth:`refuses`'s; a stall is the hang's own, never the signal's): a window of it is
+        open and the listener of the health URL's port is in that window's server tree; with no
+        listener (the server gone), the only window open. ``None`` otherwise, or when
+        ``hard_mode_exit_is_incident`` is set."""
+        if not isinstance(event, HealthCheckFailed) or self.config.hard_mode_exit_is_incident:
+            return None
+        now = time.monotonic()
+        self._hard_windows[:] = [w for w in self._hard_windows if w[0] > now]
+        if not self._hard_windows:
+            return None
+        pid = await anyio.to_thread.run_sync(_listener_of_url, event.url)
+        if pid is not None:
+            return next((record for _, pids, record in self._hard_windows if pid in pids), None)
+        return self._hard_windows[0][2] if len(self._hard_windows) == 1 else None
+
     def _note_knock_on(self, record: Incident, event: TargetExited) -> None:
         """Record a knock-on exit on the incident whose hard signal caused it (its manifest is
         rewritten by the manager, off the loop)."""
@@ -390,17 +442,23 @@ class ExitPolicy:
 
     def _exit_incident_before(self, event: TriggerEvent, manager: Incidents) -> Incident | None:
         """The exit incident (running, or opened within ``exit_followup_s``) that another trigger
-        (a health failure; a stall of one of its targets) follows from: one death, one incident."""
+        (a health failure; a stall of one of its targets) follows from: one death, one incident;
+        never another server's (both servers known and not the same)."""
         if isinstance(event, TargetExited) or self.config.exit_followup_s <= 0:
             return None
         pid = event.subject_pid
+        server = manager.event_server(event)
         now = time.time_ns()
-        current = [manager.current] if manager.current is not None else []
-        for record in [*current, *reversed(manager.records)]:
+        running = list(manager.running.values())
+        if manager.current is not None and not any(manager.current is r for r in running):
+            running.append(manager.current)
+        for record in [*reversed(running), *reversed(manager.records)]:
             if record.opened.trigger != Trigger.EXIT:
                 continue
             if (now - record.opened.time_unix_nano) / 1e9 > self.config.exit_followup_s:
                 continue
+            if server is not None and record.server not in (None, server):
+                continue  # another server's death
             if pid is None or pid in {t.pid for t in record.targets}:
                 return record
         return None

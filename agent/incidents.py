@@ -3,7 +3,12 @@
 Owns the one decision of what runs, in what order, and when to stop:
 
 1. a trigger (health failure, watchdog stall, target exit, manual) opens an incident unless the
-   same cause opened one less than ``cooldown_s`` ago;
+   same cause opened one on the same server less than ``cooldown_s`` ago: the incident key is
+   ``(server, trigger)``, the server being the process-tree root its subject hangs off (or, for a
+   URL's event, the server listening on its port: the ``server_of`` callable the runtime passes);
+   ``None`` (a manual incident, a server not known) is the host-wide key. Two servers' faults are
+   two incidents, run concurrently (one worker per server takes its triggers in order; incidents
+   of one server never overlap);
 2. the requests in flight are read (span links, ``requests.json``);
 3. phases run in order, each bounded: ``pyspy.dump`` for every target (in parallel), then
    ``cuda.coredump`` (right after the dumps finish, not after a fixed sleep), then an optional
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import signal as signal_mod
@@ -49,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from pydantic import BaseModel, Field
 
 from agent import pidfds
@@ -96,6 +103,7 @@ from agent.manifest import (
     ManifestVerdict,
     load_manifest,
 )
+from agent.ownactions import OwnActionLog
 from agent.procinfo import pid_alive
 from agent.progress import ActionSink, action_stream
 from agent.ranks import target_attributes
@@ -107,6 +115,7 @@ from agent.verdict import Verdict, hard_signal_plan
 
 __all__ = [
     "DEFERRED_PHASES",
+    "SERVER_ATTRIBUTE",
     "STATE_CLOSED",
     "STATE_INTERRUPTED",
     "STATE_OPEN",
@@ -133,6 +142,15 @@ DEFERRED_PHASES = frozenset({Action.PROFILE_SESSION})
 log = logging.getLogger("servewatch.incidents")
 
 
+#: Root-span attribute naming the incident's server (its process-tree root pid), when it has one.
+SERVER_ATTRIBUTE = "servewatch.server.pid"
+
+#: Cooldown windows kept before those that are over are forgotten (one per server and trigger).
+MAX_COOLDOWN_KEYS = 1024
+
+#: An incident's key: ``(server, trigger)``, the server its tree root pid (``None``: host-wide).
+IncidentKey = tuple[int | None, str]
+
 #: Events that can open an incident: the base of every trigger event (a new kind subclasses it).
 TRIGGER_EVENTS: tuple[type[Event], ...] = (TriggerEvent,)
 
@@ -140,7 +158,8 @@ TRIGGER_EVENTS: tuple[type[Event], ...] = (TriggerEvent,)
 class IncidentConfig(BaseModel):
     """User settings of the incident logic."""
 
-    cooldown_s: float = Field(300.0, gt=0, description="one incident per trigger cause per this many seconds")
+    cooldown_s: float = Field(
+        300.0, gt=0, description="one incident per server and trigger cause per this many seconds")
     phase_timeout_s: float = Field(
         120.0, gt=0, description="upper bound on one phase (all dumps, all coredumps, ...), seconds"
     )
@@ -199,6 +218,8 @@ class IncidentRecord:
     hard_signal_sent: dict[int, str] = field(default_factory=dict)
     #: exits after hard mode's signal that opened no incident (pid -> how it exited)
     exits_after_hard_signal: dict[int, str] = field(default_factory=dict)
+    #: health failures that followed hard mode's signal, each in one line ("killed by servewatch --hard, incident X")
+    after_hard_signal: list[str] = field(default_factory=list)
     #: ``open`` until closed; ``interrupted`` when the agent stopped mid-incident
     state: str = STATE_OPEN
     #: phases finished so far, in order (``phases_pending`` still to run)
@@ -216,6 +237,14 @@ class IncidentRecord:
     host_name: str = ""
     #: the server's history before it opened (:class:`agent.history.HistoryPoint`), oldest first
     history: list[Any] = field(default_factory=list)
+    #: what became of the server after it opened, one line each (:mod:`agent.lifecycle`)
+    lifecycle: list[str] = field(default_factory=list)
+    #: non-zero exits of the same process counted on it (a crash loop); 0: none
+    crash_loop_exits: int = 0
+    #: the server it is about (its process-tree root pid), ``None``: host-wide (manual, unknown)
+    server: int | None = None
+    #: the verdict's lines saying the server's own watchdog fired (its py-spy runs), as last noted
+    server_dump_lines: tuple[str, ...] = ()
     #: :meth:`manifest_targets` once made, with the targets it was made of
     _manifest_targets: tuple[list[Target], tuple[ManifestTarget, ...]] | None = field(default=None, repr=False)
 
@@ -278,6 +307,7 @@ class IncidentRecord:
             inflight_requests=len(self.inflight),
             hard_signal_sent={str(pid): sig for pid, sig in self.hard_signal_sent.items()},
             exits_after_hard_signal={str(pid): how for pid, how in self.exits_after_hard_signal.items()},
+            after_hard_signal=tuple(self.after_hard_signal),
             state=IncidentState(self.state),
             phases_done=tuple(self.phases_done),
             phases_pending=tuple(self.phases_pending),
@@ -296,6 +326,8 @@ class IncidentRecord:
                                      detail=redact_text(p.detail))
                 for p in self.history
             ),
+            lifecycle=tuple(redact_text(line) for line in self.lifecycle),
+            crash_loop_exits=self.crash_loop_exits,
         )
 
 
@@ -346,8 +378,13 @@ class IncidentManager:
         host_name: this host (``host.name``).
         discover: returns the current targets (process discovery); called at each open.
         discover_for: when given, called instead of ``discover`` with the pid whose stall or exit
-            opens the incident (``None`` for health and manual ones), so the dead ranks it adds
-            are that pid's job's (the runtime's :meth:`~agent.runtime.Agent.incident_targets`).
+            opens the incident (``None`` for health and manual ones) and the incident's server
+            (its tree root pid, ``None``: host-wide), so its targets are that server's and the
+            dead ranks it adds that pid's job's (the runtime's
+            :meth:`~agent.runtime.Agent.incident_targets`).
+        server_of: the server of a trigger event (blocking, run on a worker thread; ``None``:
+            host-wide): the first half of the incident key ``(server, trigger)`` (cooldown,
+            dedup, suppression per server). Default: every event host-wide (one key per trigger).
         actors: the incident's phases, run in this order (:class:`agent.actors.Actor`: each
             one's ``run_phase`` over all targets; ``completed`` published once per result;
             ``deferred`` ones after the summary point). The runtime passes the registered ones.
@@ -371,6 +408,10 @@ class IncidentManager:
             after the exit policy (:class:`~agent.exitpolicy.ExitPolicy`, always first).
         stalls: the stalls not over (:class:`~agent.stall.StallBoard`; the runtime's, fed from
             the bus); default: one fed by the trigger events this manager handles.
+        server_dumps: the lines saying a server's own watchdog fired during an incident, given
+            its open time and now (ns since the epoch) and its processes' pids (the runtime's:
+            the py-spy runs those processes started, :class:`agent.procinfo.ServerDumpLog`);
+            added to the verdict's evidence once it is made and again when it closes. ``None``: none.
 
     Attributes:
         exits: the exit policy (``launch`` tells it which exits it expects).
@@ -393,11 +434,14 @@ class IncidentManager:
         on_summary: Callable[[IncidentRecord], None] | None = None,
         hard_targets: str = "culprit",
         judge: Any = None,
-        discover_for: Callable[[int | None], list[Target]] | None = None,
+        discover_for: Callable[[int | None, int | None], list[Target]] | None = None,
         history: Any = None,
         policies: Sequence[TriggerPolicy] = (),
         stalls: StallBoard | None = None,
+        server_of: Callable[[TriggerEvent], int | None] | None = None,
+        server_dumps: Callable[[int, int, Sequence[int]], list[str]] | None = None,
     ) -> None:
+        self.server_dumps = server_dumps
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
         #: called with what an incident starts doing now (a phase's name, ``verdict``): the CLI's
@@ -418,6 +462,7 @@ class IncidentManager:
         self.host_name = host_name
         self.discover = discover
         self.discover_for = discover_for
+        self.server_of = server_of
         self.phases = [(str(a.action), a.run_phase, a.completed) for a in actors] + list(phases)
         #: phases run after the summary point
         self.deferred = set(DEFERRED_PHASES) | {str(a.action) for a in actors if a.deferred}
@@ -428,7 +473,9 @@ class IncidentManager:
         self.judge = judge
         self.history = history
         self.records: list[IncidentRecord] = []
-        #: the incident running now, if any
+        #: the incidents running now, by id, oldest first (several servers' at once)
+        self.running: dict[str, IncidentRecord] = {}
+        #: the incident running now, if any: the most recently opened of :attr:`running`
         self.current: IncidentRecord | None = None
         #: consulted before a detected trigger opens an incident; False: folded elsewhere
         #: (a job's peer already opened this one)
@@ -442,15 +489,27 @@ class IncidentManager:
         #: awaited with :meth:`state` whenever it changes (an incident opens or closes, a trigger
         #: is suppressed, a target stalls or resumes): the runtime shows it in `servewatch status`
         self.on_state: Callable[[dict[str, Any]], Awaitable[None]] | None = None
-        #: by trigger (one cooldown per trigger: TP ranks run in lockstep, so a hang stalls, or a
-        #: crash ends, every rank at once, and one incident already dumps every target): when its
-        #: window opened, the incident that opened it, and the window whose suppression was told
-        self._last_open: dict[str, float] = {}
-        self._cooldown_ids: dict[str, str] = {}
-        self._suppression_told: dict[str, float] = {}
+        #: by incident key ``(server, trigger)`` (one cooldown per server and trigger: TP ranks run
+        #: in lockstep, so a hang stalls, or a crash ends, every rank of a server at once, and one
+        #: incident already dumps every target of that server): when its window opened, the
+        #: incident that opened it, and the window whose suppression was told
+        self._last_open: dict[IncidentKey, float] = {}
+        #: incident id -> how many lifecycle lines its manifest on disk holds (a line noted while its
+        #: last write was under way is written once it is no longer running: :meth:`rewrite` leaves
+        #: a running incident's manifest to the incident itself)
+        self._lines_written: dict[str, int] = {}
+        self._cooldown_ids: dict[IncidentKey, str] = {}
+        self._suppression_told: dict[IncidentKey, float] = {}
         #: the stalls not over (the watchdogs' word on the bus), shown in :meth:`state`
         self.stalls = stalls if stalls is not None else StallBoard()
-        self._lock = anyio.Lock()
+        #: one lock per server: a server's incidents run one at a time, two servers' at once
+        self._locks: dict[int | None, anyio.Lock] = {}
+        #: the server of each trigger event being handled (by ``id``), for the policies
+        self._event_servers: dict[int, int | None] = {}
+        #: one queue per server (its worker takes that server's triggers in order), in :meth:`run`
+        self._queues: dict[int | None, MemoryObjectSendStream[TriggerEvent]] = {}
+        #: the judge is one object: its verdicts are made one at a time
+        self._judge_lock = anyio.Lock()
 
     # -- triggers ---------------------------------------------------------------------------
 
@@ -479,14 +538,25 @@ class IncidentManager:
             Whether an incident was running.
         """
         self._interrupt = reason or "agent stopping"
-        return self.current is not None
+        return bool(self.running) or self.current is not None
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the running incident (if any) to be written; True if idle."""
+        """Wait up to ``timeout_s`` seconds for every running incident (if any) to be written.
+
+        Returns:
+            True when none runs any more.
+        """
         with anyio.move_on_after(timeout_s):
-            while self.current is not None:
+            while self.running or self.current is not None:
                 await anyio.sleep(0.05)
-        return self.current is None
+        return not self.running and self.current is None
+
+    async def rewrite(self, record: IncidentRecord) -> None:
+        """Write ``record``'s manifest again after something was noted on it (durable); a
+        running incident writes its own at its next phase, so it is left to that."""
+        if record is not self.current and not any(record is r for r in self.running.values()):
+            await self._save_manifest(record)
+            self._lines_written.pop(record.opened.incident_id, None)  # kept only while it runs
 
     async def _save_manifest(self, record: IncidentRecord, *, durable: bool = True) -> None:
         """Write the record's manifest off the event loop (an atomic write); the manifest is
@@ -500,52 +570,117 @@ class IncidentManager:
                 fsync pair waits for a journal commit: several ms each on a busy disk.
         """
         await anyio.to_thread.run_sync(record.manifest_targets)  # the redaction: CPU, off the loop, once
+        lines = len(record.lifecycle)
         manifest = record.to_manifest(host_name=self.host_name)
         await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest, durable)
+        self._lines_written[record.opened.incident_id] = lines
 
-    def _cooling_down(self, trigger: str) -> bool:
+    def _cooling_down(self, trigger: str, server: int | None = None) -> bool:
+        """Whether ``(server, trigger)`` opened an incident less than ``cooldown_s`` ago; if not,
+        its window starts now (the caller opens one)."""
+        key = (server, trigger)
         now = time.monotonic()
-        last = self._last_open.get(trigger)
+        last = self._last_open.get(key)
         if last is not None and now - last < self.config.cooldown_s:
             return True
-        self._last_open[trigger] = now
+        self._last_open[key] = now
+        if len(self._last_open) > MAX_COOLDOWN_KEYS:  # servers come and go (restarts): windows over are forgotten
+            for old in [k for k, t in self._last_open.items() if now - t >= self.config.cooldown_s]:
+                for kept in (self._last_open, self._cooldown_ids, self._suppression_told):
+                    kept.pop(old, None)
         return False
 
-    def claim_cooldown(self, trigger: str, detail: str = "") -> tuple[float, str]:
-        """Start ``trigger``'s cooldown window for an incident opened outside the bus (a manual
-        one over the API), as every trigger event does: ``(0.0, "")`` when one may open now, else
-        ``(seconds left, id of the incident that opened the window)``; a refusal is counted in
-        ``suppressed`` and told once per window."""
-        if not self._cooling_down(trigger):
+    def claim_cooldown(self, trigger: str, detail: str = "", *, server: int | None = None) -> tuple[float, str]:
+        """Start the cooldown window of ``(server, trigger)`` for an incident opened outside the
+        bus (a manual one over the API; ``server`` ``None``: host-wide), as every trigger event
+        does: ``(0.0, "")`` when one may open now, else ``(seconds left, id of the incident that
+        opened the window)``; a refusal is counted in ``suppressed`` and told once per window."""
+        if not self._cooling_down(trigger, server):
             return 0.0, ""
+        key = (server, trigger)
         self.suppressed += 1
-        self._say_suppressed(trigger, detail or trigger)
-        left_s = self.config.cooldown_s - (time.monotonic() - self._last_open.get(trigger, 0.0))
-        return max(0.0, left_s), self._cooldown_ids.get(trigger, "")
+        self._say_suppressed(key, detail or trigger)
+        left_s = self.config.cooldown_s - (time.monotonic() - self._last_open.get(key, 0.0))
+        return max(0.0, left_s), self._cooldown_ids.get(key, "")
 
-    def cooldown_opened(self, trigger: str, incident_id: str) -> None:
-        """Name the incident that opened ``trigger``'s current cooldown window (see :meth:`claim_cooldown`)."""
-        self._cooldown_ids[trigger] = incident_id
+    def cooldown_opened(self, trigger: str, incident_id: str, *, server: int | None = None) -> None:
+        """Name the incident that opened the current cooldown window of ``(server, trigger)``
+        (see :meth:`claim_cooldown`)."""
+        self._cooldown_ids[(server, trigger)] = incident_id
+
+    def event_server(self, event: Event) -> int | None:
+        """The server of a trigger event being handled now (its tree root pid), ``None`` when
+        host-wide or not known (read by the admission policies)."""
+        return self._event_servers.get(id(event))
+
+    async def _server_key(self, event: TriggerEvent) -> int | None:
+        """The server of ``event`` (:attr:`server_of` on a worker thread: ``/proc`` reads);
+        ``None`` (host-wide) without one or when it fails."""
+        if self.server_of is None:
+            return None
+        try:
+            return await anyio.to_thread.run_sync(self.server_of, event)
+        except Exception:  # a server not told apart is host-wide, never a crash
+            log.exception("finding the server of %s failed", type(event).__name__)
+            return None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Consume trigger events from the bus and open incidents, one at a time, until cancelled."""
+        """Consume trigger events from the bus and open incidents until cancelled (or the bus
+        closes): one worker per server takes that server's triggers in order, so a server's
+        incidents run one at a time and two servers' at once."""
         async with anyio.create_task_group() as tg, self.bus.subscribe(
             *TRIGGER_EVENTS, WatchdogRearmed, name="incidents"
         ) as sub:
             task_status.started()
-            async for event in sub:
-                if isinstance(event, TriggerEvent) and any(p.settles(event) for p in self.policies):
-                    tg.start_soon(self._settled, event)  # e.g. the exits of a stopping server first
-                    continue
-                await self._handle_one(event)
+            try:
+                async with anyio.create_task_group() as workers:
+                    try:
+                        async for event in sub:
+                            if isinstance(event, TriggerEvent) and any(p.settles(event) for p in self.policies):
+                                tg.start_soon(self._settled, event)  # e.g. the exits of a stopping server first
+                                continue
+                            await self._dispatch(event, workers)
+                    finally:
+                        for queue in self._queues.values():  # each worker ends once its queue is drained
+                            queue.close()
+            finally:
+                self._queues.clear()
             tg.cancel_scope.cancel()
 
-    async def _handle_one(self, event: Event) -> None:
+    async def _dispatch(self, event: Event, workers: TaskGroup) -> None:
+        """Hand ``event`` to its server's worker (started on the server's first trigger)."""
+        self.stalls.observe(event)  # in the bus's order, whichever worker takes it
+        if not isinstance(event, TriggerEvent):
+            await self._handle_one(event)
+            return
+        server = await self._server_key(event)
+        queue = self._queues.get(server)
+        if queue is None:
+            queue, received = anyio.create_memory_object_stream[TriggerEvent](max_buffer_size=math.inf)
+            self._queues[server] = queue
+            workers.start_soon(self._serve, server, received)
+        queue.send_nowait(event)
+
+    async def _serve(self, server: int | None, received: MemoryObjectReceiveStream[TriggerEvent]) -> None:
+        """One server's worker: its triggers, in order, each to its end (an incident included);
+        it ends when none is left (the next trigger of that server starts another)."""
+        async with received:
+            async for event in received:
+                await self._handle_one(event, server=server)
+                if not received.statistics().current_buffer_used:  # no await since: no trigger slips in
+                    queue = self._queues.pop(server, None)
+                    if queue is not None:
+                        queue.close()
+                    break
+
+    async def _handle_one(self, event: Event, *, server: int | None = None) -> None:
+        self._event_servers[id(event)] = server
         try:
-            await self._handle_trigger(event)
+            await self._handle_trigger(event, server=server)
         except Exception:  # a bug here must not stop the agent: log it, take the next trigger
             log.exception("handling %s failed", type(event).__name__)
         finally:
+            self._event_servers.pop(id(event), None)
             if isinstance(event, TriggerEvent):
                 for policy in self.policies:
                     policy.handled(event)
@@ -553,30 +688,32 @@ class IncidentManager:
     async def _settled(self, event: TriggerEvent) -> None:
         """Judge ``event`` once the policies that wait for something (a health check refused
         while the server stops: its processes' exits) have settled it."""
+        server = await self._server_key(event)
+        self._event_servers[id(event)] = server
         for policy in self.policies:
             if policy.settles(event):
                 await policy.settle(event, self)
-        await self._handle_one(event)
+        await self._handle_one(event, server=server)
 
-    async def _handle_trigger(self, event: Event) -> None:
-        """Open an incident for one trigger event, unless a policy refuses or folds it, its
-        trigger is cooling down or the job does not admit it."""
+    async def _handle_trigger(self, event: Event, *, server: int | None = None) -> None:
+        """Open an incident for one trigger event of ``server`` (``None``: host-wide), unless a
+        policy refuses or folds it, its key ``(server, trigger)`` is cooling down or the job does
+        not admit it."""
         stall = self.stalls.observe(event)
         triggered = self.classify(event)
-        for record in self.exits.changed:  # knock-on exits noted on written incidents
-            if isinstance(record, IncidentRecord) and record is not self.current:  # a running one writes its own
-                await self._save_manifest(record)
-        self.exits.changed.clear()
+        await self._save_noted()
         if triggered is None or not isinstance(event, TriggerEvent):
             await self._notify()
             return
         trigger, pid, detail = triggered
         if await self._folded(event, stall):
+            await self._save_noted()  # a health failure joined to the incident whose --hard caused it
             return
-        if self._cooling_down(trigger):
+        key = (server, trigger)
+        if self._cooling_down(trigger, server):
             self.suppressed += 1
-            self._say_suppressed(trigger, detail)
-            cooldown_id = self._cooldown_ids.get(trigger, "")
+            self._say_suppressed(key, detail)
+            cooldown_id = self._cooldown_ids.get(key, "")
             self._decided(event, f"no new incident: cooldown of {cooldown_id or 'the last'}")
             if stall is not None:
                 stall.update(incident=cooldown_id, suppressed=True)
@@ -586,12 +723,20 @@ class IncidentManager:
             self.suppressed += 1
             await self._notify()
             return
-        record = await self.open_incident(trigger, detail=detail, pid=pid, cause=event)
-        self._cooldown_ids[trigger] = record.opened.incident_id
+        record = await self.open_incident(trigger, detail=detail, pid=pid, cause=event, server=server)
+        self._cooldown_ids[key] = record.opened.incident_id
         self._decided(event, f"incident {record.opened.incident_id}")
         if stall is not None:
             stall.update(incident=record.opened.incident_id, suppressed=False)
         await self._notify()
+
+    async def _save_noted(self) -> None:
+        """Rewrite the written incidents the exit policy noted something on (knock-on exits)."""
+        for record in self.exits.changed:
+            # a running one writes its own
+            if isinstance(record, IncidentRecord) and not any(record is r for r in self.running.values()):
+                await self._save_manifest(record)
+        self.exits.changed.clear()
 
     async def _folded(self, event: TriggerEvent, stall: dict[str, Any] | None) -> bool:
         """Whether a policy folds ``event`` into what is already known (said and counted)."""
@@ -611,26 +756,31 @@ class IncidentManager:
         for policy in self.policies:
             policy.decided(event, outcome)
 
-    def _say_suppressed(self, trigger: str, detail: str) -> None:
-        """Say a suppressed trigger once per cooldown window (a warning: `run` prints it); the
-        others in that window are only counted (:attr:`suppressed`, `servewatch status`)."""
-        window = self._last_open.get(trigger, 0.0)
-        if self._suppression_told.get(trigger) == window:
+    def _say_suppressed(self, key: IncidentKey, detail: str) -> None:
+        """Say a suppressed trigger once per cooldown window of its key ``(server, trigger)`` (a
+        warning: `run` prints it); the others in that window are only counted
+        (:attr:`suppressed`, `servewatch status`)."""
+        server, trigger = key
+        window = self._last_open.get(key, 0.0)
+        if self._suppression_told.get(key) == window:
             log.info("%s detected (%s), suppressed by cooldown", trigger, detail)
             return
-        self._suppression_told[trigger] = window
+        self._suppression_told[key] = window
         age_s = time.monotonic() - window
-        incident = self._cooldown_ids.get(trigger, "")
+        incident = self._cooldown_ids.get(key, "")
         log.warning(
             "%s detected (%s), suppressed by cooldown (%s opened %.0f s ago; no new %s incident for %.0f s more,"
             " incident.cooldown_s %g); more within this window are counted in `servewatch status`",
-            trigger, detail, f"incident {incident}" if incident else f"the last {trigger} incident", age_s, trigger,
+            trigger, detail, f"incident {incident}" if incident else f"the last {trigger} incident"
+            + (f" of server pid {server}" if server is not None else ""), age_s, trigger,
             max(0.0, self.config.cooldown_s - age_s), self.config.cooldown_s,
         )
 
     def state(self) -> dict[str, Any]:
         """What `servewatch status` shows of incidents (JSON-ready): ``open`` (the running
-        incident: ``id``, ``trigger``, ``detail``, ``opened_time_unix_nano``; ``None`` when none),
+        incident, the most recently opened when several servers' run: ``id``, ``trigger``,
+        ``detail``, ``opened_time_unix_nano``, ``server`` (its tree root pid, ``None``:
+        host-wide); ``None`` when none), ``running`` (every running one, same keys, oldest first),
         ``last`` (the last written one, same keys), ``written`` (count), ``suppressed`` (triggers
         ignored while their cause cooled down) and ``stalled`` (stalls not over: ``pid``,
         ``series``, ``timeout_s``, ``since_time_unix_nano`` (no progress since), ``incident``
@@ -639,10 +789,12 @@ class IncidentManager:
             if record is None:
                 return None
             o = record.opened
-            return {"id": o.incident_id, "trigger": o.trigger, "detail": o.detail, "opened_time_unix_nano": o.time_unix_nano}
+            return {"id": o.incident_id, "trigger": o.trigger, "detail": o.detail, "opened_time_unix_nano": o.time_unix_nano,
+                    "server": record.server}
 
         return {
             "open": brief(self.current),
+            "running": [brief(r) for r in self.running.values()],
             "last": brief(self.records[-1] if self.records else None),
             "written": len(self.records),
             "suppressed": self.suppressed,
@@ -675,8 +827,11 @@ class IncidentManager:
         pid: int | None = None,
         cause: Event | None = None,
         parent: tuple[str, str] | None = None,
+        server: int | None = None,
     ) -> IncidentRecord:
         """Run one incident to the end and return its record. Never raises for target trouble.
+        Incidents of one server run one at a time (a second waits for the first); two servers'
+        run at once.
 
         Args:
             trigger: ``stall``, ``health``, ``exit``, ``manual`` or ``peer``.
@@ -685,18 +840,21 @@ class IncidentManager:
             cause: the trigger event, kept for the time of detection.
             parent: ``(trace_id, parent_span_id)`` hex of a trace begun elsewhere (a W3C
                 ``traceparent``): the root span joins that trace under that span.
+            server: the server it is about (its process-tree root pid): its targets are that
+                server's processes only; ``None``: host-wide (every target).
         """
-        async with self._lock:  # the run's end rewrites the status file itself (its finally)
-            return await self._run_incident(trigger, detail, pid, cause, parent)
+        lock = self._locks.setdefault(server, anyio.Lock())
+        async with lock:  # the run's end rewrites the status file itself (its finally)
+            return await self._run_incident(trigger, detail, pid, cause, parent, server)
 
     async def retrace(self, incident_id: str, trace_id: str, parent_span_id: str) -> bool:
         """Move the running incident ``incident_id`` into another trace (see :class:`IncidentRetraced`).
 
         Returns:
-            False when that incident is not the one running.
+            False when that incident is not running.
         """
-        record = self.current
-        if record is None or record.opened.incident_id != incident_id:
+        record = self.running.get(incident_id)
+        if record is None:
             return False
         previous = record.opened.trace_id
         record.opened = replace(record.opened, trace_id=trace_id, parent_span_id=parent_span_id)
@@ -707,7 +865,8 @@ class IncidentManager:
         return True
 
     async def _run_incident(
-        self, trigger: str, detail: str, pid: int | None, cause: Event | None, parent: tuple[str, str] | None = None
+        self, trigger: str, detail: str, pid: int | None, cause: Event | None, parent: tuple[str, str] | None = None,
+        server: int | None = None,
     ) -> IncidentRecord:
         incident_id = _incident_id(trigger)
         bundle_dir = self.data_dir / self.host_name / incident_id
@@ -717,11 +876,13 @@ class IncidentManager:
         except OSError as exc:  # disk full, data dir removed: the spans still carry the evidence
             log.error("cannot create bundle folder %s: %s", bundle_dir, exc)
         try:
-            record, steps_at_open = await self._open_record(incident_id, bundle_dir, trigger, detail, pid, cause, parent)
+            record, steps_at_open = await self._open_record(incident_id, bundle_dir, trigger, detail, pid, cause, parent,
+                                                            server)
         except BaseException:  # stopped before anything was captured: no empty, nameless folder left behind
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_remove_if_empty, bundle_dir)
             raise
+        self.running[incident_id] = record
         self.current = record
         _RUNNING_HERE.add(incident_id)
         await self._notify()
@@ -734,8 +895,17 @@ class IncidentManager:
             raise
         finally:
             _RUNNING_HERE.discard(incident_id)
-            self.current = None
-            self._interrupt = ""
+            self.running.pop(incident_id, None)
+            self.current = next(reversed(self.running.values()), None)
+            if not self.running:
+                self._interrupt = ""
+            # a lifecycle line noted while its last write was under way (an orphan's end 0 s after
+            # the open): written now, bounded, never in a cancellation's way
+            written = self._lines_written.pop(incident_id, None)
+            if written is not None and written != len(record.lifecycle) and any(r is record for r in self.records):
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
+                    await self._save_manifest(record)
+                self._lines_written.pop(incident_id, None)
             # the status file says it is over (else `servewatch status` shows it OPEN, 0 written,
             # until something else rewrites the file); bounded, and never in a cancellation's way
             with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
@@ -743,11 +913,11 @@ class IncidentManager:
 
     async def _open_record(
         self, incident_id: str, bundle_dir: Path, trigger: str, detail: str, pid: int | None, cause: Event | None,
-        parent: tuple[str, str] | None,
+        parent: tuple[str, str] | None, server: int | None = None,
     ) -> tuple[IncidentRecord, dict[int, int]]:
-        """What an incident knows when it opens: its targets, their step counters, the trace it
-        joins, the requests in flight; returns the record and the step counters."""
-        targets = await self._targets_of(pid)
+        """What an incident knows when it opens: its targets (``server``'s), their step counters,
+        the trace it joins, the requests in flight; returns the record and the step counters."""
+        targets = await self._targets_of(pid, server)
         steps_at_open = await self._steps_at_open(targets)
         parent, placed_attributes = await self._placement(trigger, targets, cause, parent)
         inflight = await self._inflight_of(targets)
@@ -763,24 +933,30 @@ class IncidentManager:
             parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
             inflight=tuple(_inflight_span(r) for r in inflight if r.trace_id and r.span_id),
-            attributes=frozen_attrs({**target_attributes(t.title for t in targets), **placed_attributes}),
+            attributes=frozen_attrs({**target_attributes(t.title for t in targets), **placed_attributes,
+                                     **({SERVER_ATTRIBUTE: server} if server is not None else {})}),
         )
-        record = IncidentRecord(opened=opened, targets=targets, inflight=inflight, host_name=self.host_name)
+        record = IncidentRecord(opened=opened, targets=targets, inflight=inflight, host_name=self.host_name, server=server)
         if self.history is not None:
             try:
-                record.history = list(self.history.snapshot(until_unix_nano=opened.time_unix_nano, cause=cause))
+                points = self.history.snapshot(until_unix_nano=opened.time_unix_nano, cause=cause)
+                if server is not None:  # this server's processes' story, not another's on the host
+                    pids = {t.pid for t in targets} | ({pid} if pid is not None else set())
+                    points = [p for p in points if p.pid is None or p.pid in pids]
+                record.history = list(points)
             except Exception:  # the history is context; the evidence comes first
                 log.exception("reading the server's history failed")
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         return record, steps_at_open
 
-    async def _targets_of(self, pid: int | None) -> list[Target]:
-        """The incident's targets (with the dead ranks of ``pid``'s job when the runtime says
-        which), the culprit first. An exited target stays in the incident when discovery returns
-        it: its actions report it dead (with its exit status), which is often why the others hang."""
+    async def _targets_of(self, pid: int | None, server: int | None = None) -> list[Target]:
+        """The incident's targets (``server``'s only, with the dead ranks of ``pid``'s job, when
+        the runtime says which), the culprit first. An exited target stays in the incident when
+        discovery returns it: its actions report it dead (with its exit status), which is often
+        why the others hang."""
         try:
             if self.discover_for is not None:
-                targets = await anyio.to_thread.run_sync(self.discover_for, pid)  # a /proc scan
+                targets = await anyio.to_thread.run_sync(self.discover_for, pid, server)  # a /proc scan
             else:
                 targets = await anyio.to_thread.run_sync(self.discover)
         except Exception:  # discovery must never take the agent down
@@ -796,7 +972,8 @@ class IncidentManager:
             return {}
         try:
             # /proc and the SDK's folders: a worker thread (microseconds of reading, not the loop's)
-            return await anyio.to_thread.run_sync(self.judge.opened, targets)
+            async with self._judge_lock:
+                return await anyio.to_thread.run_sync(self.judge.opened, targets)
         except Exception:  # the verdict is a nicety; the evidence comes first
             log.exception("reading step counters for the verdict failed")
             return {}
@@ -977,13 +1154,32 @@ class IncidentManager:
         t0 = time.monotonic()
         with anyio.move_on_after(min(10.0, self.config.phase_timeout_s)):
             try:
-                record.verdict = await self.judge.decide(record.targets, record.results, cause, steps_at_open)
+                async with self._judge_lock:  # one judge: another server's verdict waits its turn
+                    record.verdict = await self.judge.decide(record.targets, record.results, cause, steps_at_open)
             except Exception:  # the verdict is a nicety; the evidence comes first
                 log.exception("making the verdict failed")
         record.verdict_duration_s = time.monotonic() - t0
+        self._note_server_dumps(record)
         if record.verdict is not None:
             # INFO: the summary shows it (every command prints one), the bundle and spans hold it
             log.info("incident %s: %s", record.opened.incident_id, record.verdict.headline())
+
+    def _note_server_dumps(self, record: IncidentRecord) -> None:
+        """The verdict's evidence says whether the server's own watchdog fired (ran py-spy) since
+        the incident's window began: one line per server process that did (see ``server_dumps``)."""
+        if self.server_dumps is None or record.verdict is None:
+            return
+        pids = [t.pid for t in record.targets] + ([record.server] if record.server is not None else [])
+        try:
+            lines = tuple(self.server_dumps(record.opened.time_unix_nano, now_ns(), pids))
+        except Exception:  # a nicety: never in the evidence's way
+            log.exception("reading the server's own py-spy runs failed")
+            return
+        if lines == record.server_dump_lines:
+            return
+        kept = tuple(line for line in record.verdict.evidence if line not in record.server_dump_lines)
+        record.verdict = replace(record.verdict, evidence=kept + lines)
+        record.server_dump_lines = lines
 
     async def _collect(self, record: IncidentRecord, companions: Sequence[Callable[[], Awaitable[list[ActionCompleted]]]]) -> None:
         """The companions' action events (a job's peers' captures), each bounded by the phase limit."""
@@ -1008,6 +1204,7 @@ class IncidentManager:
     async def _close(self, record: IncidentRecord) -> None:
         """Write the incident closed, record it once and publish its end (see below)."""
         record.closed_time_unix_nano = now_ns()
+        self._note_server_dumps(record)  # a run seen since the verdict
         if record.state == STATE_OPEN:
             record.state = STATE_CLOSED
         # shielded, bounded file writes: an incident written closed is not turned "interrupted"
@@ -1065,6 +1262,9 @@ class IncidentManager:
             else:
                 record.hard_signal_sent[target_pid] = name
                 self.exits.hard_signalled_pids.add(target_pid)
+                OwnActionLog(self.data_dir, self.host_name).begin(  # for the other servewatch processes here
+                    "hard_signal", pid=target_pid, incident_id=record.opened.incident_id,
+                    bound_s=self.config.hard_mode_exit_grace_s, detail=name)
                 outcome, detail = Outcome.OK, f"sent {name} to pid {target_pid} ({why})"
                 log.warning("hard mode: sent %s to pid %d (%s)", name, target_pid, why)
             if target_pid in self.exits.hard_signalled_pids:  # its server's exits now are knock-on exits

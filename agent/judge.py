@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal as signal_mod
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import anyio
 
@@ -33,6 +33,7 @@ from agent.events import (
     Action,
     ActionResult,
     Event,
+    FrontendExited,
     HealthCheckFailed,
     Outcome,
     TargetExited,
@@ -40,12 +41,13 @@ from agent.events import (
     WatchdogStalled,
 )
 from agent.exits import zombie_fact
+from agent.ownactions import OwnActionLog, stopped_by_us
 from agent.procinfo import exit_fact_of
 from agent.ranks import parse_title, world_ranks
 from agent.sdk.counter import CounterSnapshot
-from agent.servers import ServerGroup, ancestors, listener_of_port, server_groups
+from agent.servers import ServerGroup, ancestors, listener_of_port, port_of_url, server_groups
 from agent.stacks import ThreadStack, parse_dump
-from agent.targets import ProcessState, Target, process_state
+from agent.targets import ProcessState, Target, process_state, uninterruptible_threads
 from agent.verdict import (
     Evidence,
     FrameClass,
@@ -183,6 +185,9 @@ class _Readings:
     after: dict[int, CounterSnapshot]
     #: processes stopped (state T/t) when the incident opened and still when the evidence was in
     stopped: frozenset[int] = frozenset()
+    #: processes with a thread in uninterruptible sleep (state D) when the incident opened and the
+    #: same thread still when the evidence was in: pid -> the kernel function it waits in ("": unknown)
+    dsleep: Mapping[int, str] = field(default_factory=dict)
     #: the server's progress counter: (advanced, in words, busy, the pid listening on its URL)
     progress: tuple[bool, str, bool, int | None] | None = None
     #: no target was found: the only process is the one whose exit opened the incident
@@ -206,15 +211,18 @@ class VerdictJudge:
     """
 
     def __init__(self, *, shm_dir: Path | None = None, warm_up: bool = True,
-                 endpoint_urls: Sequence[str] = ()) -> None:
+                 endpoint_urls: Sequence[str] = (), own_actions: OwnActionLog | None = None) -> None:
         """Args:
         shm_dir: folder of the SDK counter files (default: the SDK's).
         warm_up: start loading torch's analyzer when a multi-target incident opens (a watching
             agent); a one-shot ``dump`` sets it off: it ends in a second, and ``Op.match`` is
             only asked when two ranks' signatures differ (then it is imported on the spot).
         endpoint_urls: see the class docstring.
+        own_actions: what servewatch itself does to the servers (its py-spy's ptrace stops are
+            never a process "stopped"); ``None``: this process's own actions only.
         """
         self.shm_dir = shm_dir
+        self.own_actions = own_actions or OwnActionLog(None)
         self.warm_up = warm_up
         self.endpoint_urls = tuple(u for u in endpoint_urls if u)
         #: a one-shot incident's progress source (``servewatch dump --metrics-url``): read when
@@ -225,8 +233,10 @@ class VerdictJudge:
         #: why the given :attr:`progress_source` gave no reading for the last verdict, in words
         #: (``""``: it was read, or none was given)
         self.progress_unread = ""
-        #: pids stopped (state T/t) when the last incident opened
+        #: pids stopped (state T/t) when the last incident of their server opened
         self._stopped_at_open: frozenset[int] = frozenset()
+        #: each target's threads in uninterruptible sleep (state D) when its incident opened
+        self._dsleep_at_open: dict[int, frozenset[int]] = {}
         self._groups: list[ServerGroup] = []
         #: the evidence of each server judged by the last :meth:`decide` (a job's coordinator
         #: judges every host's together: :mod:`agent.fleet.evidence` sends it on)
@@ -244,7 +254,10 @@ class VerdictJudge:
         """
         if self.warm_up and len(targets) > 1:
             warm_up_analyzer()
-        self._stopped_at_open = _stopped(targets)
+        # several servers' incidents may be open at once: these targets' states replace only theirs
+        pids = {t.pid for t in targets}
+        self._stopped_at_open = _stopped(targets, self.own_actions) | frozenset(p for p in self._stopped_at_open if p not in pids)
+        self._dsleep_at_open = {**{p: t for p, t in self._dsleep_at_open.items() if p not in pids}, **_in_dsleep(targets)}
         self._progress_at_open = self._read_progress()
         return read_steps([t.pid for t in targets], self.shm_dir)
 
@@ -281,7 +294,7 @@ class VerdictJudge:
         words = f"{source.counter} {first.forward_ct}->{second.forward_ct} in {dt_s:.1f} s at {source.url}"
         if moved and second.forward_ct == first.forward_ct:
             words += " (its step gauges moved)"
-        port = _port(source.url)
+        port = port_of_url(source.url)
         return moved, words, second.busy, listener_of_port(port) if port else None
 
     async def decide(
@@ -302,11 +315,16 @@ class VerdictJudge:
                 everyone.insert(0, Target(pid=cause.pid, title=cause.title))
         readings = _Readings(results=results, cause=cause, steps_before=steps_before,
                              after=_snapshots([t.pid for t in everyone], self.shm_dir),
-                             stopped=self._stopped_at_open & _stopped(everyone), progress=self._progress(),
+                             stopped=self._stopped_at_open & _stopped(everyone, self.own_actions), progress=self._progress(),
+                             dsleep=_still_in_dsleep(everyone, self._dsleep_at_open),
                              no_targets=exited_pid is not None and not targets)
         groups = server_groups(everyone)
         self._groups = groups
         self.last_evidence = []
+        if isinstance(cause, FrontendExited) and cause.left_alive:
+            orphaned = self._orphaned(everyone, readings, cause)
+            if orphaned is not None:
+                return orphaned
         verdicts: list[tuple[ServerGroup, Verdict]] = []
         for group in groups:
             members = [t for t in everyone if t.pid in group.pids]
@@ -316,6 +334,21 @@ class VerdictJudge:
         if not verdicts:
             return None
         return pick_incident_verdict(verdicts, self._trigger_pids(cause), len(groups))
+
+    def _orphaned(self, everyone: list[Target], readings: _Readings, cause: FrontendExited) -> Verdict | None:
+        """The verdict of a server whose frontend died leaving processes alive: the frontend and
+        those processes judged as one server (no longer one process tree: they hang off pid 1
+        now), ``orphaned`` while they live; ``None`` when none is alive any more (then the
+        servers are judged as usual)."""
+        known = {t.pid for t in everyone}
+        titles = dict(zip(cause.left_alive, cause.left_alive_titles))
+        everyone.extend(Target(pid=pid, title=titles.get(pid, "")) for pid in cause.left_alive if pid not in known)
+        members = [t for t in everyone if t.pid == cause.pid or t.pid in cause.left_alive]
+        verdict = self._decide_group(members, readings, cause.pid, orphaned=cause)
+        if verdict is not None and verdict.kind == "orphaned":
+            return verdict
+        self.last_evidence = []
+        return None
 
     def _trigger_pids(self, cause: Event | None) -> set[int]:
         """The pids that opened the incident: the stalled or exited pid, else the server listening
@@ -330,13 +363,14 @@ class VerdictJudge:
             urls = list(self.endpoint_urls)
         found: set[int] = set()
         for url in urls:
-            port = _port(url)
+            port = port_of_url(url)
             owner = listener_of_port(port) if port else None
             if owner is not None:
                 found.add(owner)
         return found
 
-    def _decide_group(self, members: list[Target], readings: _Readings, exited_pid: int | None) -> Verdict | None:
+    def _decide_group(self, members: list[Target], readings: _Readings, exited_pid: int | None, *,
+                      orphaned: FrontendExited | None = None) -> Verdict | None:
         """The verdict of one server; ``None``: a lone process with neither a stack nor a Flight
         Recorder result (nothing read of it), unless its exit opened the incident (its exit
         status is evidence: a server that died before any rank started)."""
@@ -358,7 +392,11 @@ class VerdictJudge:
             server_progress=progress[0] if progress else None,
             server_progress_detail=progress[1] if progress else self.progress_unread,
             work_pending=progress[2] if progress and trigger != Trigger.STALL else None,
-            no_targets=readings.no_targets)
+            no_targets=readings.no_targets,
+            health_url=readings.cause.url if isinstance(readings.cause, HealthCheckFailed) else "",
+            orphaned_pids=orphaned.left_alive if orphaned is not None else (),
+            orphaned_bytes=orphaned.held_bytes if orphaned is not None else 0,
+            orphaned_under=orphaned.reparented_to if orphaned is not None else 0)
         self.last_evidence.append(judged)
         return decide(judged)
 
@@ -399,24 +437,60 @@ class VerdictJudge:
             pending=snap.pending if snap is not None else None,
             fr=_fr_dump(fr),
             stopped=alive and target.pid in readings.stopped,
+            uninterruptible=alive and target.pid in readings.dsleep,
+            wchan=readings.dsleep.get(target.pid, "") if alive else "",
         )
 
 
 def _stack_note(dump: ActionResult | None) -> str:
     """What happened reading a stack, for the verdict: py-spy's note, or why it could not read it
-    (``py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE``)."""
+    (``py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE``; as root, that
+    root was refused, never "run as root", and the ``next:`` line has no ``sudo``)."""
     if dump is None:
         return ""
     note = str(dump.attributes.get(PYSPY_NOTE_ATTR, ""))
     if not note and dump.outcome is Outcome.PERMISSION_DENIED:
+        if os.geteuid() == 0:  # "run as root" would send root to sudo; the py-spy line says what refused it
+            return "py-spy was refused although servewatch runs as root (a ptrace policy or another tracer: see its py-spy line)"
         return "py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE"
     return note
 
 
-def _stopped(targets: Iterable[Target]) -> frozenset[int]:
-    """The targets stopped now (``/proc`` state T or t: SIGSTOP, a debugger, or a tracer's brief stop)."""
-    return frozenset(t.pid for t in targets
-                     if process_state(t.pid, create_time_s=t.create_time_s) is ProcessState.STOPPED)
+def _stopped(targets: Iterable[Target], own: OwnActionLog) -> frozenset[int]:
+    """The targets stopped now (``/proc`` state T or t: SIGSTOP, a debugger, or a tracer's brief
+    stop), less those servewatch's own py-spy holds stopped while it dumps them
+    (:func:`agent.ownactions.stopped_by_us`)."""
+    stopped = [t.pid for t in targets if process_state(t.pid, create_time_s=t.create_time_s) is ProcessState.STOPPED]
+    if not stopped:
+        return frozenset()
+    actions = own.active()
+    return frozenset(pid for pid in stopped if not stopped_by_us(pid, actions))
+
+
+def _in_dsleep(targets: Iterable[Target]) -> dict[int, frozenset[int]]:
+    """The targets with threads in uninterruptible sleep (state D) now: pid -> their thread ids
+    (:func:`~agent.targets.uninterruptible_threads`; blocking, ``/proc`` reads)."""
+    out: dict[int, frozenset[int]] = {}
+    for target in targets:
+        found = uninterruptible_threads(target.pid)
+        if found:
+            out[target.pid] = frozenset(t.tid for t in found)
+    return out
+
+
+def _still_in_dsleep(targets: Iterable[Target], at_open: Mapping[int, frozenset[int]]) -> dict[int, str]:
+    """The targets with a thread in state D when the incident opened (``at_open``) and the same
+    thread in D now: pid -> the kernel function it waits in (its wchan; ``""``: hidden). A brief
+    disk read is never seen twice; blocking (``/proc`` reads)."""
+    out: dict[int, str] = {}
+    for target in targets:
+        tids = at_open.get(target.pid)
+        if not tids:
+            continue
+        same = [t for t in uninterruptible_threads(target.pid) if t.tid in tids]
+        if same:
+            out[target.pid] = same[0].wchan
+    return out
 
 
 def _serves(members: Sequence[Target], progress: tuple[bool, str, bool, int | None] | None, *, single: bool) -> bool:
@@ -428,14 +502,6 @@ def _serves(members: Sequence[Target], progress: tuple[bool, str, bool, int | No
     if owner is None:
         return single
     return any(t.pid == owner or owner in ancestors(t.pid) for t in members)
-
-
-def _port(url: str) -> int | None:
-    try:
-        parts = urlsplit(url)
-        return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-    except ValueError:
-        return None
 
 
 def _role(title_role: str, rank: int | None) -> Role:
@@ -620,7 +686,7 @@ def job_groups(targets: Sequence[Target]) -> list[list[int]]:
 
 #: Which server's verdict is the incident's when no trigger pid picks it: a hung one with a
 #: culprit first, strongest kind first.
-_KIND_ORDER = ("dead", "cascade", "suspended", "desync", "cycle", "behind", "deadlock", "rendezvous", "compute", "single",
+_KIND_ORDER = ("dead", "orphaned", "cascade", "suspended", "uninterruptible", "desync", "cycle", "behind", "deadlock", "rendezvous", "compute", "single",
                "unknown", "idle", "stopped", "progressing")
 
 

@@ -3,8 +3,9 @@
 Owns :class:`Manifest` (and its parts :class:`ManifestTarget`, :class:`ManifestAction`,
 :class:`ManifestVerdict`), the schema version :data:`MANIFEST_SCHEMA`, :func:`load_manifest`,
 :func:`parse_manifest` and :class:`ManifestError`. :mod:`agent.incidents` writes it (at open and
-after each phase); :mod:`exporters.bundle` (``servewatch timeline`` / ``report``) and
-:mod:`agent.summary` read it. Nobody re-validates a manifest by hand.
+after each phase); :mod:`agent.summary` reads it, and so does :mod:`exporters.bundle`
+(``servewatch timeline`` / ``report``) through :mod:`agent.manifest_view`, which reads a manifest
+as the agent writes it without building this model and hands it every other one.
 
 Versions: ``schema`` is ``servewatch.incident/<N>``; a reader accepts every version in
 :data:`KNOWN_SCHEMAS` and refuses any other with :class:`ManifestError`. Within a version, fields
@@ -14,7 +15,9 @@ are only ever added with a default, so older manifests of the same version still
 On disk the JSON keys are the historic ones (``schema``, ``host.name``); in Python the fields are
 ``schema_version`` and ``host_name``. Every number's name carries its unit.
 
-Imports pydantic, :mod:`agent.events` and :mod:`agent.errors` only (no component).
+Imports pydantic, :mod:`agent.kinds`, :mod:`agent.manifest_view` (the constants, and the light
+reader ``timeline`` and ``report`` use: it hands this model every manifest it does not read
+itself) and :mod:`agent.errors` only (no component).
 
 Raises :class:`agent.errors.ManifestError` (also a ``ValueError``; the tree is in
 :mod:`agent.errors`) for a manifest that is not JSON, not a manifest, or of an unknown version.
@@ -24,9 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import (
     AliasChoices,
@@ -39,7 +41,17 @@ from pydantic import (
 )
 
 from agent.errors import ManifestError
-from agent.events import Action, ActionResult, Outcome, StrEnum, Trigger
+from agent.kinds import Action, IncidentState, Outcome, Trigger
+from agent.manifest_view import (
+    KNOWN_SCHEMAS,
+    MANIFEST_NAME,
+    SCHEMA_V1,
+    STACK_NOT_ERRORS,
+    stack_errors,
+)
+
+if TYPE_CHECKING:  # the event dataclasses load only where a result is rebuilt (to_result)
+    from agent.events import ActionResult
 
 __all__ = [
     "KNOWN_SCHEMAS",
@@ -63,28 +75,15 @@ __all__ = [
     "stack_errors",
 ]
 
-#: File name of the manifest inside a bundle (``<data_dir>/<host>/<incident_id>/manifest.json``).
-MANIFEST_NAME = "manifest.json"
 #: Marker file in a bundle, written by the span mirror once every span of the incident (root and
 #: actions) is durable (in the spool, written ahead and fsynced, or acknowledged by the collector,
 #: or in the embedded span files). A bundle without it, whose agent is gone, is checked at the next
 #: agent start and its missing spans re-sent from the manifest.
 SPANS_DURABLE_NAME = "spans.durable"
-#: Version 1: the manifest as written since the first release (fields added with defaults since).
-SCHEMA_V1 = "servewatch.incident/1"
-#: The version this servewatch writes.
+#: The version this servewatch writes. (:data:`KNOWN_SCHEMAS`, :data:`MANIFEST_NAME`,
+#: :data:`SCHEMA_V1` and :func:`stack_errors` live in :mod:`agent.manifest_view`,
+#: :class:`IncidentState` in :mod:`agent.kinds`: the light reader needs them without pydantic.)
 MANIFEST_SCHEMA = SCHEMA_V1
-#: Versions this servewatch reads.
-KNOWN_SCHEMAS: frozenset[str] = frozenset({SCHEMA_V1})
-
-
-class IncidentState(StrEnum):
-    """``state`` of an incident: ``open`` while its phases run, then ``closed``; ``interrupted``
-    when the agent stopped mid-incident (recovered bundles read ``closed`` with ``interrupted``)."""
-
-    OPEN = "open"
-    CLOSED = "closed"
-    INTERRUPTED = "interrupted"
 
 
 #: A trigger name: a :class:`~agent.events.Trigger` member when it is one, else the plain string
@@ -181,6 +180,8 @@ class ManifestAction(_Part):
                     attributes[key] = tuple(value)
             elif isinstance(value, (str, bool, int, float)):
                 attributes[key] = value
+        from agent.events import ActionResult
+
         return ActionResult(
             action=str(self.action), outcome=outcome, pid=self.pid, retryable=self.retryable, detail=self.detail,
             start_time_unix_nano=self.start_time_unix_nano, end_time_unix_nano=self.end_time_unix_nano,
@@ -211,6 +212,9 @@ class ManifestVerdict(_Part):
         ranks: every rank considered.
         headline: the summary's first line (``Verdict: culprit rank 1 (pid 42) -- ...``).
         rule: the rule that concluded (``docs/verdict-rules.md``), ``""`` before it was recorded.
+        next: the ``next:`` line, what to run or check next (``py-spy dump --native --pid 42 (...)``);
+            ``""`` in a manifest written before it existed (readers rebuild it:
+            :func:`agent.verdict.next_step_of`).
         duration_s: seconds spent making it after the evidence was in.
     """
 
@@ -225,6 +229,7 @@ class ManifestVerdict(_Part):
     ranks: tuple[int, ...] = ()
     headline: str = ""
     rule: str = ""
+    next: str = ""
     duration_s: float = 0.0
 
 
@@ -266,6 +271,8 @@ class Manifest(_Part):
         inflight_requests: requests in flight at open (``None`` when not recorded).
         hard_signal_sent: hard mode: pid (a string, JSON keys are) -> signal name or ``failed: ...``.
         exits_after_hard_signal: pid -> how it exited, for exits hard mode's signal caused.
+        after_hard_signal: health failures hard mode's signal caused, one line each
+            (``health: ... failed 3 probes in a row (503): killed by servewatch --hard, incident X``).
         state: ``open``, ``closed`` or ``interrupted``.
         phases_done / phases_pending: phases (action names) finished / still to run.
         interrupted_reason: why it was cut short, in words.
@@ -283,6 +290,11 @@ class Manifest(_Part):
         history: the server's recent history as the agent saw it before the incident opened
             (step readings, when progress stopped, the watchdog firing, health, exits), oldest
             first; empty when none was recorded (``dump``, an older agent).
+        lifecycle: what became of the server after it opened, one line each, oldest first (its
+            ending after a stall, more exits of a crash loop, processes left alive), per
+            :class:`agent.lifecycle.Lifecycle`; empty when nothing was noted.
+        crash_loop_exits: how many non-zero exits of the same process this incident counts (a
+            crash loop: one incident for them all); ``0``: not a crash loop.
     """
 
     schema_version: str = Field(
@@ -305,6 +317,7 @@ class Manifest(_Part):
     inflight_requests: int | None = None
     hard_signal_sent: dict[str, str] = Field(default_factory=dict)
     exits_after_hard_signal: dict[str, str] = Field(default_factory=dict)
+    after_hard_signal: tuple[str, ...] = ()
     state: IncidentState = IncidentState.CLOSED
     phases_done: tuple[ActionName, ...] = ()
     phases_pending: tuple[ActionName, ...] = ()
@@ -317,6 +330,8 @@ class Manifest(_Part):
     recovered_time_unix_nano: int | None = None
     verdict: ManifestVerdict | None = None
     history: tuple[ManifestHistoryPoint, ...] = ()
+    lifecycle: tuple[str, ...] = ()
+    crash_loop_exits: int = 0
 
     @field_validator("schema_version")
     @classmethod
@@ -413,22 +428,3 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     if p.is_dir():
         p = p / MANIFEST_NAME
     return parse_manifest(p.read_bytes(), source=str(p))
-
-
-#: ``pyspy.dump`` outcomes that are no error: captured, switched off by configuration, or the
-#: target exited (a dead rank is evidence, often why the others hang).
-STACK_NOT_ERRORS = frozenset({"ok", "skipped", "dead", "no_such_process", "zombie"})
-
-
-def stack_errors(actions: Iterable[Any]) -> int:
-    """The ``Errors: N`` every view of an incident prints (``dump``'s summary, ``timeline``, the
-    HTML report; what makes ``servewatch dump`` exit 1): targets whose stacks could not be captured
-    for an error (timed out, permission denied, not Python, py-spy missing or failed).
-
-    Args:
-        actions: objects with ``action`` and ``outcome`` (manifest actions, timeline rows).
-
-    Returns:
-        The count (0 when every process's stacks are in, or explained).
-    """
-    return sum(1 for a in actions if str(a.action) == Action.PYSPY_DUMP and str(a.outcome) not in STACK_NOT_ERRORS)

@@ -10,8 +10,6 @@ size flat. On anything but glibc both are no-ops. Imports ctypes only (loaded at
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import sys
 from typing import Any
@@ -35,6 +33,9 @@ def _glibc() -> Any:
     if not _loaded:
         _loaded = True
         if sys.platform.startswith("linux"):
+            import ctypes  # here, not at import: a one-shot command never calls this (~2.5 ms)
+            import ctypes.util
+
             try:
                 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
                 if (

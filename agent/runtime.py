@@ -42,7 +42,9 @@ from agent.history import ProgressHistory
 from agent.housekeeping import remove_dead_sdk_files, remove_stale_temps, trim_memory
 from agent.incidents import IncidentManager, IncidentRecord, InflightRequest, recover_interrupted
 from agent.judge import VerdictJudge
+from agent.lifecycle import Lifecycle
 from agent.memory import limit_arenas
+from agent.ownactions import OwnActionLog
 from agent.registry import BuildContext
 from agent.runstatus import RunStatus
 from agent.sdkclient import read_step_counter
@@ -108,10 +110,9 @@ class Agent:
         self.settings = settings
         self._stop_reason = "agent stopping"
         self.bus = EventBus()
-        self.telemetry = telemetry
-        self._own_telemetry = telemetry is None
-        self.children = list(children)
-        self.stalls = StallBoard()
+        self.telemetry, self._own_telemetry = telemetry, telemetry is None
+        self.children, self.stalls = list(children), StallBoard()  # own_actions: what servewatch does to servers
+        self.own_actions = OwnActionLog(settings.data_dir, settings.host_name)
         self.context = BuildContext(
             agent=settings.agent_values(), children=self.children, stalled=self.stalls.stalled,
             on_status_change=self._status_changed if on_status is not None else None,
@@ -127,6 +128,7 @@ class Agent:
         self.run_status = RunStatus(self.bus, self.status, actors=list(self.actors), on_status=on_status)
         #: the server's recent history from the bus (step readings, stalls, health, exits)
         self.history = ProgressHistory()
+        self.lifecycle = Lifecycle(left_alive=getattr(self.watchers.get("process"), "left_alive", None))  # a policy
         self.incidents = self._build_incidents(on_incident, on_summary)
         self.targets = TargetFinder(settings.target, self.children, stall_timeout_s=settings.watchdog.timeout_s,
                                     last_incident_unix_nano=self._last_incident_unix_nano)
@@ -147,15 +149,17 @@ class Agent:
         self.export_statistics: Any = None
 
     def _build_incidents(
-        self, on_incident: Callable[[IncidentRecord], None] | None, on_summary: Callable[[IncidentRecord], None] | None,
-    ) -> IncidentManager:
+        self, on_incident: Callable[[IncidentRecord], None] | None, on_summary: Callable[[IncidentRecord], None] | None) -> IncidentManager:
         wd = self.settings.watchdog
         return IncidentManager(
             bus=self.bus, config=self.settings.incident, data_dir=self.settings.data_dir,
             host_name=self.settings.host_name, discover=self.discover, discover_for=self.incident_targets,
-            actors=list(self.actors.values()), inflight=self._inflight, on_incident=on_incident,
+            actors=list(self.actors.values()), inflight=self._inflight, on_incident=on_incident, policies=[self.lifecycle],
             hard_signal=wd.signal_number if wd.hard else None, hard_targets=wd.hard_targets, on_summary=on_summary,
-            judge=VerdictJudge(endpoint_urls=self.context.agent.server_urls), stalls=self.stalls, history=self.history,
+            judge=VerdictJudge(endpoint_urls=self.context.agent.server_urls, own_actions=self.own_actions),
+            stalls=self.stalls, history=self.history,
+            server_of=lambda event: self.targets.server_of_event(event, metrics_urls=self.settings.metrics.all_urls),
+            server_dumps=lambda *window: self.targets.server_dump_lines(*window),
         )
 
     @classmethod
@@ -195,14 +199,11 @@ class Agent:
         """Current targets per ``settings.target`` (plus launched children). Blocking."""
         return self.targets.discover()
 
-    def incident_targets(self, subject: int | None = None) -> list[Target]:
-        """Targets of an incident: the live ones, plus the dead ranks that are its evidence
-        (:meth:`agent.evidence.TargetFinder.incident_targets`). Blocking.
-
-        Args:
-            subject: the pid whose stall or exit opens the incident (``None``: health, manual).
-        """
-        return self.targets.incident_targets(self.discover(), subject)
+    def incident_targets(self, subject: int | None = None, server: int | None = None) -> list[Target]:
+        """Targets of an incident: the live ones (``server``'s only, its tree root pid; ``None``:
+        all), plus the dead ranks that are its evidence (of ``subject``'s job, the pid whose stall or
+        exit opens it: :meth:`agent.evidence.TargetFinder.incident_targets`). Blocking."""
+        return self.targets.incident_targets(self.discover(), subject, server)
 
     def _last_incident_unix_nano(self) -> int | None:
         records = self.incidents.records
@@ -334,7 +335,7 @@ class Agent:
 
         result = await profile_once(
             self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
-            out_dir=out_dir, timeout_s=timeout_s, progress=progress,
+            out_dir=out_dir, timeout_s=timeout_s, progress=progress, own_actions=self.own_actions,
         )
         if not result.artifact_paths and resolve_destination(self.settings.export).endpoint is None:
             return result, None
@@ -428,6 +429,7 @@ class Agent:
         await anyio.to_thread.run_sync(remove_dead_sdk_files, self.context.agent.sdk_socket_dir)
         await tg.start(self.history.run, self.bus)  # before the watchers publish
         await tg.start(self.stalls.run, self.bus)
+        await tg.start(self.lifecycle.run, self.bus, self.incidents)
         self.incidents.on_state = self.run_status.show_incidents
         await tg.start(self.incidents.run)
         if s.api.enabled:
@@ -480,9 +482,7 @@ class Agent:
         await self.run_status.check_actors(self.actors, blind=self.target_watch.actor_blind)
 
 
-async def dump_once(
-    settings: Settings, *, telemetry: Telemetry | None = None, handle_signals: bool = False
-) -> IncidentRecord:
+async def dump_once(settings: Settings, *, telemetry: Telemetry | None = None, handle_signals: bool = False) -> IncidentRecord:
     """One manual incident now: ``Agent.build(settings, telemetry=telemetry).dump(...)`` (:meth:`Agent.dump`)."""
     return await Agent.build(settings, telemetry=telemetry).dump(handle_signals=handle_signals)
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.sdk.folders import process_uids as _process_uids
+from agent.lazy import lazy_pattern
 
 __all__ = [
     "REDACTED",
@@ -167,7 +167,7 @@ def unsafe_dir_reason(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-_BAD_HOST_CHARS = re.compile(r"[/\\\x00-\x1f\x7f]")
+_BAD_HOST_CHARS = lazy_pattern(r"[/\\\x00-\x1f\x7f]")
 
 
 def validate_host_name(name: str) -> str:
@@ -199,7 +199,10 @@ def is_within(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> b
 def process_uids(pid: int) -> tuple[int, ...]:
     """The uids a process's own files may carry: its ``/proc/PID`` owner and its real and
     effective uids (``/proc/PID/status``); empty when it is gone."""
-    return _process_uids(pid)
+    # imported here: agent.sdk.folders loads the whole SDK package (read-only commands need none)
+    from agent.sdk.folders import process_uids as sdk_process_uids
+
+    return sdk_process_uids(pid)
 
 
 def trusted_owner(st: os.stat_result, owner_uids: Iterable[int | None]) -> bool:
@@ -286,19 +289,19 @@ SECRET_SHORT_FLAGS = frozenset({"-k"})
 #: Trailing words of a flag name that say a value's format, not what it is (``--private-key-pem``).
 FORMAT_WORDS = frozenset({"pem", "der", "b64", "base64", "hex", "value", "data", "string", "str", "raw", "text"})
 #: A next argument that is itself a flag (``--port``), not the value of a secret flag before it.
-_FLAG_LIKE = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_.-]*(?:=|$)")
-_PEM_PRIVATE = re.compile(
+_FLAG_LIKE = lazy_pattern(r"^--[A-Za-z0-9][A-Za-z0-9_.-]*(?:=|$)")
+_PEM_PRIVATE = lazy_pattern(
     r"-----BEGIN (?P<kind>[A-Z0-9 ]*PRIVATE KEY[A-Z0-9 ]*)-----.*?(?:-----END (?P=kind)-----|\Z)", re.DOTALL
 )
-_WORD_SPLIT = re.compile(r"[-_.]+")
-_ENV_ARG = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=")
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<pw>[^/@\s]+)@")
-_QUERY_PARAM = re.compile(r"(?P<sep>[?&;])(?P<name>[A-Za-z0-9_.-]+)=(?P<value>[^&#\s]*)")
-_HEADER = re.compile(
+_WORD_SPLIT = lazy_pattern(r"[-_.]+")
+_ENV_ARG = lazy_pattern(r"^([A-Za-z_][A-Za-z0-9_]*)=")
+_URL_USERINFO = lazy_pattern(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<pw>[^/@\s]+)@")
+_QUERY_PARAM = lazy_pattern(r"(?P<sep>[?&;])(?P<name>[A-Za-z0-9_.-]+)=(?P<value>[^&#\s]*)")
+_HEADER = lazy_pattern(
     r"^(?P<name>(?:proxy-)?authorization|cookie|set-cookie|x-api-key|api-key|x-[a-z0-9-]*(?:token|key|secret|auth))\s*:\s*.+$",
     re.IGNORECASE,
 )
-_TOKEN_SHAPES = re.compile(
+_TOKEN_SHAPES = lazy_pattern(
     r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
     r"|xox[abposr]-[A-Za-z0-9-]{10,}|A[KS]IA[0-9A-Z]{16}|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"
 )
@@ -354,7 +357,7 @@ def redact_value(text: str) -> str:
     return _TOKEN_SHAPES.sub(REDACTED, text)
 
 
-_HEAD = re.compile(r"^(?P<flag>[^\s=]+)(?P<sep>=|\s+)")
+_HEAD = lazy_pattern(r"^(?P<flag>[^\s=]+)(?P<sep>=|\s+)")
 
 
 def _secret_flag_element(arg: str) -> str | None:
@@ -370,15 +373,15 @@ def _secret_flag_element(arg: str) -> str | None:
 #: How deep elements are looked into (``--flag=value``, then the shell-like words of the value...).
 _MAX_DEPTH = 4
 #: One shell-like word: quoted parts (closed or cut at the end), escapes, other non-spaces.
-_SHELL_WORD = re.compile(r"""(?:'[^']*'?|"(?:\\.|[^"\\])*"?|\\.?|[^\s'"\\])+""", re.DOTALL)
-_SHELL_QUOTING = re.compile(r"""'([^']*)'?|"((?:\\.|[^"\\])*)"?|\\(.?)""", re.DOTALL)
-_ESCAPED = re.compile(r"\\(.)", re.DOTALL)
+_SHELL_WORD = lazy_pattern(r"""(?:'[^']*'?|"(?:\\.|[^"\\])*"?|\\.?|[^\s'"\\])+""", re.DOTALL)
+_SHELL_QUOTING = lazy_pattern(r"""'([^']*)'?|"((?:\\.|[^"\\])*)"?|\\(.?)""", re.DOTALL)
+_ESCAPED = lazy_pattern(r"\\(.)", re.DOTALL)
 #: What makes a text more than one word as it is: spaces, quotes, escapes.
-_SHELL_SYNTAX = re.compile(r"""[\s'"\\]""")
+_SHELL_SYNTAX = lazy_pattern(r"""[\s'"\\]""")
 #: A word, written as is (no quotes or escapes), that no rule can take alone: not a flag, no ``=``
 #: (``NAME=value``, query), no ``:`` (a header); token shapes and URLs in it were redacted with
 #: the text it came from. Skipping those keeps the look into words cheap (it stays linear).
-_PLAIN_WORD = re.compile(r"[^\s'\"\\=:-][^\s'\"\\=:]*")
+_PLAIN_WORD = lazy_pattern(r"[^\s'\"\\=:-][^\s'\"\\=:]*")
 
 
 def _unquote(word: str) -> str:
@@ -477,13 +480,13 @@ def redact_cmdline(argv: Sequence[str]) -> list[str]:
 
 # C0 controls except tab/newline, DEL, C1 controls (0x80-0x9f: 8-bit CSI/OSC), and the
 # Unicode bidi marks, overrides and isolates that can reorder what an operator reads.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-_CONTROL_NO_NEWLINE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL = lazy_pattern("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_NO_NEWLINE = lazy_pattern("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 #: What JSON output escapes beyond what :func:`json.dumps` does with ``ensure_ascii=False``: C1
 #: controls, DEL, bidi embeddings/overrides/isolates, line/paragraph separators, BOM/zero widths.
-_JSON_UNSAFE = re.compile("[\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+_JSON_UNSAFE = lazy_pattern("[\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def dumps_safe(obj: Any, *, indent: int | None = 2) -> str:

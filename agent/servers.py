@@ -21,20 +21,22 @@ A process whose tree is unreadable (gone and reaped, no parent recorded) joins a
 exactly one group has its title's prefix and lacks its coordinates; else it stands alone.
 
 :func:`listener_of_port` finds the process listening on a port (the server whose ``/metrics`` or
-``/health`` endpoint stalled). Imports psutil and :mod:`agent.targets` / :mod:`agent.ranks`.
+``/health`` endpoint stalled; :func:`port_of_url` reads the port off the URL). Imports psutil and :mod:`agent.targets` / :mod:`agent.ranks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import psutil
 
 from agent.ranks import parse_title, world_ranks
 from agent.targets import Target, parent_pid, psutil_errors
 
-__all__ = ["ServerGroup", "ancestors", "listener_of_port", "server_groups", "tcp_components"]
+__all__ = ["ServerGroup", "ancestors", "listener_of_port", "listening_ports", "port_of_url", "server_groups",
+           "tcp_components"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,22 @@ def listener_of_port(port: int) -> int | None:
         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
             return int(c.pid)
     return None
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports ``pid`` listens on, sorted (``[]`` when none or unreadable)."""
+    ports = {laddr[1] for laddr, _, status in _connections(pid) if status == psutil.CONN_LISTEN}
+    return sorted(ports)
+
+
+def port_of_url(url: str) -> int | None:
+    """The TCP port a URL names (its scheme's default when none is written: 80, 443), ``None``
+    when it names none (not http(s), or malformed)."""
+    try:
+        parts = urlsplit(url)
+        return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
 
 
 def _dp(target: Target) -> int | None:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from agent.lazy import lazy_pattern
 from agent.safetext import safe_text
 
 __all__ = [
@@ -222,13 +223,13 @@ def render_text(threads: Sequence[ThreadStack], *, header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-_STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
+_STDLIB_PATH = lazy_pattern(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
 
 #: Where a thread waits for work (its innermost Python frame outside ``threading``): the stdlib's
 #: queues, selectors and sockets, asyncio's loop, executor and multiprocessing workers, ZeroMQ
 #: (SGLang's schedulers and detokenizer idle in ``zmq`` ``recv``), and the serving frameworks'
 #: message queues (:data:`COMMUNICATION_LAYERS` of kind ``message_queue``).
-_WORK_WAIT_PATH = re.compile(
+_WORK_WAIT_PATH = lazy_pattern(
     r"/(queue|selectors|socket|ssl|sched)\.py$|/asyncio/|/concurrent/futures/|"
     r"/multiprocessing/(connection|queues|pool|managers|synchronize)\.py$|/zmq/"
 )
@@ -238,7 +239,7 @@ _WORK_WAIT_PATH = re.compile(
 #: ``vllm/distributed/utils.py`` ``sched_yield`` (``os.sched_yield``), which ``shm_broadcast``'s
 #: ``SpinCondition.wait`` calls while a worker waits for work (seen innermost on an idle vLLM
 #: 0.32 CPU worker right after a request).
-_SPIN_HELPERS = re.compile(r"vllm/distributed/utils\.py$")
+_SPIN_HELPERS = lazy_pattern(r"vllm/distributed/utils\.py$")
 
 
 def _decider(python: Sequence[Frame]) -> Frame | None:
@@ -362,7 +363,7 @@ def _parked_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
 #: A thread the in-process SDK runs for the agent (``servewatch-control``, ``servewatch-presence``,
 #: ``servewatch-torch-worker``...): named so by :mod:`agent.sdk`.
 _SDK_THREAD_PREFIX = "servewatch-"
-_SDK_PATH = re.compile(r"(^|/)agent/sdk/")
+_SDK_PATH = lazy_pattern(r"(^|/)agent/sdk/")
 
 
 def _sdk_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
@@ -517,8 +518,8 @@ def summarize(threads: Sequence[ThreadStack], *, max_threads: int = 16, max_fram
 
 # --- faulthandler's tracebacks --------------------------------------------------------------------
 
-_FH_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
-_FH_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)')
+_FH_THREAD = lazy_pattern(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
+_FH_FRAME = lazy_pattern(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)')
 
 
 def parse_faulthandler(text: str, *, pid: int) -> tuple[list[ThreadStack], bool]:

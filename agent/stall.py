@@ -94,7 +94,8 @@ class StallClock:
         self.before_first_step = before_first_step
         self.busy_since_ns = busy_since_ns
 
-    def deadline_ns(self, *, busy: bool, last_progress_ns: int | None, read_ns: int) -> int | None:
+    def deadline_ns(self, *, busy: bool, last_progress_ns: int | None, read_ns: int,
+                    busy_since_ns: int | None = None) -> int | None:
         """Take one reading; the monotonic time (ns) at which it is a stall, ``None`` while it
         cannot be one (idle, or no step yet without ``before_first_step``).
 
@@ -102,12 +103,15 @@ class StallClock:
             busy: work was pending at the reading.
             last_progress_ns: monotonic ns of the last forward step (``None``: none yet).
             read_ns: monotonic ns of the reading.
+            busy_since_ns: when the reading knows the work became pending (before ``read_ns``:
+                a request the kernel says was received then); the clock of a reading that first
+                sees it busy starts there instead of at ``read_ns``.
         """
         if not busy:
             self.busy_since_ns = None
             return None
         if self.busy_since_ns is None:
-            self.busy_since_ns = read_ns
+            self.busy_since_ns = read_ns if busy_since_ns is None else min(read_ns, busy_since_ns)
         if last_progress_ns is None and not self.before_first_step:
             return None
         return max(last_progress_ns or 0, self.busy_since_ns) + self.timeout_ns

@@ -144,9 +144,14 @@ def stack_dump_errors(record: IncidentRecord) -> int:
 
 
 def summary_lines(record: IncidentRecord) -> list[str]:
-    """A short human summary: trigger, what ran, where the artifacts are, how to view them."""
+    """A short human summary: the verdict and its ``next:`` line (what to run or check next), the
+    trigger, what ran, where the artifacts are, how to view them."""
     m = record.to_manifest()
     lines = [m.verdict.headline] if m.verdict is not None else []  # the verdict comes first
+    if m.verdict is not None and m.verdict.next:  # then what to do about it
+        lines.append(f"next: {m.verdict.next}")
+    if m.verdict is not None:  # the server's own watchdog fired too (its py-spy runs): said, not hidden in the bundle
+        lines += [line for line in m.verdict.evidence if line in record.server_dump_lines]
     lines.append(f"Incident {m.incident_id} ({m.trigger!s}): {m.detail}")
     no_gpu = [a for a in m.actions if a.action == Action.CUDA_COREDUMP and a.attributes.get(NO_GPU_ATTR)]
     for a in m.actions:

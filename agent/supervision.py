@@ -5,7 +5,7 @@ the exception, then a fresh watcher after a jittered backoff, :class:`agent.back
 :class:`TargetWatch` (re-discovery of the targets: every one found is watched for exit by the
 ``process`` watcher and, with an SDK step counter, by watchers of its own, started with it and
 cancelled when it exits; the ``process`` and ``steps`` rows; a ``--root-pid`` server that is gone
-stops the agent). Imports anyio, :mod:`agent.backoff`, :mod:`agent.bus`, :mod:`agent.events`,
+stops the agent; the servers' own py-spy runs scanned for, :data:`SERVER_DUMP_SCAN_S`). Imports anyio, :mod:`agent.backoff`, :mod:`agent.bus`, :mod:`agent.events`,
 :mod:`agent.targets`, :mod:`agent.procinfo`, the watchers' protocols and the status board's
 states; the runtime wires them.
 """
@@ -70,6 +70,9 @@ REDISCOVER_STABLE_INTERVAL_S = 10.0
 REDISCOVER_STABLE_AFTER_S = 30.0
 #: Seconds between checks that a target whose SDK step counter is watched still runs.
 TARGET_ALIVE_INTERVAL_S = 2.0
+#: Seconds between scans for the servers' own py-spy runs (their watchdog firing: a ``py-spy
+#: dump`` runs longer than this, so each is seen).
+SERVER_DUMP_SCAN_S = 0.25
 
 
 def _innermost(exc: Exception) -> Exception:
@@ -232,6 +235,9 @@ class TargetWatch:
         #: the ``--root-pid`` process as identified at start (its exit ends the watch)
         self._root: Target | None = None
         self._told_no_target = False
+        #: the targets the servers line was made of, and that line (``_servers_said``)
+        self._servers_key: frozenset[tuple[int, float]] | None = None
+        self._servers_text = ""
 
     def looking_for(self) -> str:
         """What discovery looks for, in words (the ``process`` row while none is found)."""
@@ -253,7 +259,8 @@ class TargetWatch:
             await self.status.set("process", WatcherState.WAITING, self.looking_for())
 
     async def run(self, tg: TaskGroup, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Re-discover targets until the agent stops; watch new ones in ``tg``.
+        """Re-discover targets until the agent stops; watch new ones in ``tg`` (and scan for the
+        servers' own py-spy runs there: :meth:`scan_server_dumps`).
 
         A failure of one round is logged and reported (``process`` blind) and the next round
         runs as usual: discovery never takes the agent down.
@@ -261,6 +268,7 @@ class TargetWatch:
         started = False
         found: frozenset[tuple[int, float]] = frozenset()
         same_since = time.monotonic()
+        tg.start_soon(self.scan_server_dumps)
         while True:
             try:
                 keys = frozenset((t.pid, t.create_time_s) for t in await self._round(tg))
@@ -280,6 +288,20 @@ class TargetWatch:
             await anyio.sleep(REDISCOVER_INTERVAL_S)
             if found and time.monotonic() - same_since >= REDISCOVER_STABLE_AFTER_S:
                 await self._while_stable(found)
+
+    async def scan_server_dumps(self) -> None:
+        """Until cancelled: every :data:`SERVER_DUMP_SCAN_S`, the servers' own py-spy runs
+        (:meth:`~agent.evidence.TargetFinder.scan_server_dumps`, off the event loop); a failed
+        scan is logged (the first one only: 4 a second would flood the log) and the next one runs."""
+        told = False
+        while True:
+            try:
+                await anyio.to_thread.run_sync(self.finder.scan_server_dumps)
+            except Exception:  # a nicety: never in the watching's way
+                if not told:
+                    told = True
+                    log.exception("scanning for the servers' own py-spy runs failed (said once)")
+            await anyio.sleep(SERVER_DUMP_SCAN_S)
 
     @staticmethod
     async def _while_stable(found: Iterable[tuple[int, float]]) -> None:
@@ -407,6 +429,20 @@ class TargetWatch:
             await self.status.set("pyspy", WatcherState.READY, self._pyspy_ready)
             self._pyspy_ready = ""
 
+    async def _servers_said(self, targets: Sequence[Target]) -> str:
+        """``; 2 servers: pid 1234 (...), pid 1300 (...)`` (which servers the targets are:
+        :meth:`~agent.evidence.TargetFinder.describe_servers`), read again only when the targets
+        change; ``""`` when it cannot be read."""
+        key = frozenset((t.pid, t.create_time_s) for t in targets)
+        if self._servers_key != key:
+            try:
+                said = await anyio.to_thread.run_sync(self.finder.describe_servers, targets)
+            except Exception:  # a view: the watch goes on without it
+                log.exception("describing the watched servers failed")
+                said = ""
+            self._servers_key, self._servers_text = key, f"; {said}" if said else ""
+        return self._servers_text
+
     async def _process_row(self, targets: Sequence[Target]) -> None:
         """The ``process`` row (how many targets, whom discovery refused), and a warning when
         none is found at first (and when one turns up after that)."""
@@ -418,7 +454,9 @@ class TargetWatch:
             shown = "; ".join(list(others.values())[:3]) + ("; ..." if len(others) > 3 else "")
             said = f"; refused {_plural(len(others), 'process', 'es')} of another uid: {shown}"
         if targets:
-            await self.status.set("process", WatcherState.READY, f"watching {_plural(len(targets), 'target process', 'es')}{said}")
+            servers = await self._servers_said(targets)
+            await self.status.set("process", WatcherState.READY,
+                                  f"watching {_plural(len(targets), 'target process', 'es')}{servers}{said}")
         else:
             await self.status.set("process", WatcherState.WAITING, self.looking_for() + said)
         t = self.finder.config

@@ -42,10 +42,12 @@ from agent.flightrec_view import warm_up as _warm_up_analyzer
 from agent.stacks import comm_layer
 
 __all__ = [
+    "NEXT_STEPS",
     "RULES",
     "VERDICT_ATTR_PREFIX",
     "Evidence",
     "FrameClass",
+    "NextStep",
     "RankEvidence",
     "Role",
     "Rule",
@@ -55,6 +57,8 @@ __all__ = [
     "exit_kind",
     "fact_of",
     "hard_signal_plan",
+    "next_step",
+    "next_step_of",
     "rules_markdown",
     "warm_up",
 ]
@@ -121,6 +125,11 @@ class RankEvidence:
         stopped: it is stopped (``/proc`` state ``T`` or ``t``: SIGSTOP or a debugger), seen so
             when the incident opened and again once the evidence was in (py-spy's own brief
             ptrace stop while it reads a stack is not seen twice).
+        uninterruptible: one of its threads is in uninterruptible sleep (``/proc`` state ``D``: a
+            read from a hung network filesystem or device), the same thread seen so when the
+            incident opened and again once the evidence was in (a brief disk read is not seen twice).
+        wchan: the kernel function that thread waits in (``/proc/PID/task/TID/wchan``), ``""``
+            when unknown or not in ``D``.
     """
 
     rank: int | None = None
@@ -146,6 +155,8 @@ class RankEvidence:
     waits_on: tuple[int, ...] = ()
     rank_source: str = ""
     stopped: bool = False
+    uninterruptible: bool = False
+    wchan: str = ""
 
     @property
     def is_rank(self) -> bool:
@@ -248,6 +259,13 @@ class Evidence:
         no_targets: no target process was found for the incident: its only process is the one
             whose exit opened it, watched as the server (a launched command, a ``--root-pid``),
             not matched as a rank.
+        health_url: the health endpoint whose failure opened the incident (``trigger`` ``health``),
+            ``""`` otherwise: the next step of a verdict that blames no rank asks it again.
+        orphaned_pids: the incident opened on the exit of the server's frontend (not a target) and
+            these processes of the server were still alive then
+            (:class:`~agent.events.FrontendExited`'s ``left_alive``); ``()`` otherwise.
+        orphaned_bytes: their resident memory then, bytes (0: unknown).
+        orphaned_under: their parent then (1, or a subreaper; 0: unknown).
     """
 
     processes: tuple[RankEvidence, ...]
@@ -260,11 +278,16 @@ class Evidence:
     server_progress: bool | None = None
     server_progress_detail: str = ""
     no_targets: bool = False
+    health_url: str = ""
+    orphaned_pids: tuple[int, ...] = ()
+    orphaned_bytes: int = 0
+    orphaned_under: int = 0
 
     @staticmethod
     def of(items: Iterable[RankEvidence], *, trigger: str = "", work_pending: bool | None = None,
            world_size: int | None = None, server_progress: bool | None = None,
-           server_progress_detail: str = "", no_targets: bool = False) -> Evidence:
+           server_progress_detail: str = "", no_targets: bool = False, health_url: str = "",
+           orphaned_pids: Iterable[int] = (), orphaned_bytes: int = 0, orphaned_under: int = 0) -> Evidence:
         """The evidence of one server from its processes (any order; a rank seen twice keeps the first)."""
         seen: dict[int, RankEvidence] = {}
         others: list[RankEvidence] = []
@@ -288,7 +311,8 @@ class Evidence:
         return Evidence(processes=ranks + others_t, ranks=ranks, others=others_t, recorders=recorders,
                         trigger=trigger, work_pending=work_pending, world_size=world_size,
                         server_progress=server_progress, server_progress_detail=server_progress_detail,
-                        no_targets=no_targets)
+                        no_targets=no_targets, health_url=health_url, orphaned_pids=tuple(orphaned_pids),
+                        orphaned_bytes=orphaned_bytes, orphaned_under=orphaned_under)
 
     @property
     def progress_known(self) -> bool:
@@ -329,9 +353,11 @@ class Verdict:
     """The incident's verdict.
 
     Attributes:
-        kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``suspended``, ``desync``,
+        kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``suspended``,
+            ``uninterruptible`` (a process in state D), ``desync``,
             ``progressing``, ``rendezvous``, ``cycle``, ``behind``, ``deadlock``, ``idle``, ``compute``,
-            ``single`` (one process, not a distributed job) or ``unknown`` (see :data:`RULES`).
+            ``single`` (one process, not a distributed job), ``orphaned`` (the server's frontend died,
+            its processes live on) or ``unknown`` (see :data:`RULES`).
         hung: whether the server is known to be stuck (``progressing``, ``idle`` and ``stopped``
             are not, nor ``compute`` when nothing tells a hang from work).
         culprit_ranks: the rank(s) named (empty when none can be).
@@ -343,6 +369,9 @@ class Verdict:
         stragglers: ranks slower than the rest while all progress (``progressing`` only).
         ranks: every rank considered.
         rule: the name of the rule that concluded (:data:`RULES`).
+        culprit_names: each culprit in words (``rank 1 (pid 42)``), for the headline.
+        next_step: what to run or check next, one line, concrete to this verdict's facts (its
+            pids, its exit, its frame): :data:`NEXT_STEPS` (filled in by :func:`judge`).
     """
 
     kind: str
@@ -356,12 +385,13 @@ class Verdict:
     ranks: tuple[int, ...] = ()
     rule: str = ""
     culprit_names: tuple[str, ...] = ()
+    next_step: str = ""
 
     def headline(self) -> str:
         """The summary's first line: ``Verdict: culprit rank 1 (pid 42) -- behind: ... [confidence high]``;
         ``Verdict: 1 process (pid 42), not a distributed job: in f (m.py:3) [confidence medium]``
         for a ``single`` verdict (no culprit wording: there is nothing to blame it against)."""
-        if self.kind == "single":
+        if self.kind in ("single", "orphaned"):  # the reason names the processes itself
             return f"Verdict: {self.reason} [confidence {self.confidence}]"
         if self.culprit_names:
             return f"Verdict: culprit {', '.join(self.culprit_names)} -- {self.reason} [confidence {self.confidence}]"
@@ -380,6 +410,7 @@ class Verdict:
             f"{p}stragglers": tuple(self.stragglers),
             f"{p}ranks": tuple(self.ranks),
             f"{p}rule": self.rule,
+            f"{p}next": self.next_step,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -396,6 +427,7 @@ class Verdict:
             "ranks": list(self.ranks),
             "rule": self.rule,
             "headline": self.headline(),
+            "next": self.next_step,
         }
 
 
@@ -437,6 +469,8 @@ def _evidence_line(e: RankEvidence) -> str:
         parts.append(e.role.value)
     if e.stopped and e.alive:
         parts.append("stopped (state T: SIGSTOP or a debugger)")
+    if e.uninterruptible and e.alive:
+        parts.append(f"uninterruptible sleep (D) in {_wchan_words(e)}")
     fact = fact_of(e)
     if fact is not None:
         parts.append(f"gone ({fact.describe()})")
@@ -451,6 +485,10 @@ def _evidence_line(e: RankEvidence) -> str:
         for pg, st in sorted(fr.groups.items())[:2]:
             parts.append(f"pg {pg}: enqueued #{st[0]}, completed #{st[1]}")
     return "; ".join(parts)
+
+
+def _wchan_words(e: RankEvidence) -> str:
+    return e.wchan or "an unknown kernel function"
 
 
 def _verdict(ev: Evidence, kind: str, culprits: Sequence[RankEvidence], reason: str, confidence: str, *,
@@ -540,6 +578,38 @@ def _no_process(ev: Evidence) -> Verdict | None:
     return _verdict(ev, "unknown", (), "no rank to judge", "low", hung=False)
 
 
+def _held(size: int) -> str:
+    """``0.40 GB`` / ``12.3 MB`` (as :meth:`agent.events.FrontendExited.describe` says it)."""
+    return f"{size / 1e9:.2f} GB" if size >= 1e7 else f"{size / 1e6:.1f} MB"
+
+
+@_rule("frontend_exited", kind="orphaned",
+       when="the incident opened on the exit of the server's frontend (its launcher or API server, not a target) "
+            "while processes of the server live on (reparented to pid 1 or a subreaper), still alive when judged",
+       concludes="the processes left alive, by pid and title, with the memory they hold: `server's frontend pid 41 "
+                 "'python -m sglang.launch_server' exited (signal 9 (SIGKILL)); 2 processes of it still alive under "
+                 "pid 1 holding 0.40 GB: pid 42 'sglang::scheduler_TP0', pid 43 'sglang::scheduler_TP1'`; they are "
+                 "the culprits: a restart beside them can run out of memory",
+       confidence="high: the frontend is gone and they were seen alive when judged")
+def _orphaned(ev: Evidence) -> Verdict | None:
+    if not ev.orphaned_pids:
+        return None
+    left = [e for e in ev.processes if e.pid in ev.orphaned_pids and e.alive]
+    if not left:
+        return None  # they ended since: the other rules judge how
+    frontend = next((e for e in ev.processes if e.exited_first and e.pid not in ev.orphaned_pids), None)
+    fact = fact_of(frontend) if frontend is not None else None
+    who = f"frontend {frontend.name}" if frontend is not None else "frontend"
+    status = fact.status_words() if fact is not None else "exit status unknown"
+    n = len(left)
+    under = f" under pid {ev.orphaned_under}" if ev.orphaned_under else ""
+    held = f" holding {_held(ev.orphaned_bytes)}" if ev.orphaned_bytes else ""
+    names = ", ".join(f"pid {e.pid}" + (f" {e.title!r}" if e.title else "") for e in left)
+    reason = (f"server's {who} exited ({status}); {n} process{'es' if n > 1 else ''} of it still alive"
+              f"{under}{held}: {names}")
+    return _verdict(ev, "orphaned", left, reason, "high", hung=False)
+
+
 @_rule("server_exited", kind="dead",
        when="the incident's only process is the server whose exit opened it (a launched command, a --root-pid), "
             "and no target process (no rank) was ever found: it ended with an error or an unknown status",
@@ -594,6 +664,8 @@ def _single(e: RankEvidence) -> Verdict:
         where += f" (steps {e.steps_before}->{e.steps_after}: progressing)"
     if e.stack_note:
         where += f"; {e.stack_note}"
+    if e.uninterruptible and e.alive:
+        where += f"; a thread in uninterruptible sleep (D) in {_wchan_words(e)}"
     evidence = [f"pid {e.pid}" if e.pid else "1 process"]
     if e.frame_class is not FrameClass.UNKNOWN:
         evidence.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
@@ -730,6 +802,35 @@ def _suspended(ev: Evidence) -> Verdict | None:
         reason += "; waiting for it: " + "; ".join(f"{e.name} in {e.frame}" if e.frame else e.name for e in waiting)
     sure = len(stopped) == 1 and stopped[0].is_rank and ev.no_progress
     return _verdict(ev, "suspended", stopped, reason, "high" if sure else "medium")
+
+
+@_rule("uninterruptible", kind="uninterruptible",
+       when="a live process of the server has a thread in uninterruptible sleep (`/proc` state D: a read from a hung "
+            "network filesystem or a device), the same thread seen so when the incident opened and again once the "
+            "evidence was in (a brief disk read is never seen twice), its steps not advancing, while the others wait "
+            "in a collective or for work, or progress is known to have stopped",
+       concludes="the process in D is the culprit, with the kernel function it waits in and its frame: `rank 1 (pid 42) "
+                 "is in uninterruptible sleep (D) in rpc_wait_bit_killable at load_weights (model.py:7): the kernel is "
+                 "waiting on a filesystem or device; waiting for it: rank 0 in barrier (distributed_c10d.py:4881)`; "
+                 "py-spy reads it with --nonblocking (a blocking dump hangs on it)",
+       confidence="high for the one rank in D while progress is known to have stopped (a stall, counters standing "
+                  "still); medium otherwise (several in D, a process that is no rank, or no progress reading)")
+def _uninterruptible(ev: Evidence) -> Verdict | None:
+    sleeping = [e for e in ev.processes if e.alive and e.uninterruptible and not e.advanced]
+    if not sleeping:
+        return None
+    culprits = {e.pid for e in sleeping}
+    waiting = [e for e in ev.processes if e.alive and e.pid not in culprits and not e.stopped and e.frame_class in (
+        FrameClass.COLLECTIVE, FrameClass.IDLE)]
+    if not waiting and not ev.no_progress:
+        return None  # nobody waits for it and nothing says progress stopped: a slow read, not a hang
+    parts = [f"{_culprit_name(e)} is in uninterruptible sleep (D) in {_wchan_words(e)}" + (f" at {e.frame}" if e.frame else "")
+             for e in sleeping]
+    reason = "; ".join(parts) + ": the kernel is waiting on a filesystem or device"
+    if waiting:
+        reason += "; waiting for it: " + "; ".join(f"{e.name} in {e.frame}" if e.frame else e.name for e in waiting)
+    sure = len(sleeping) == 1 and sleeping[0].is_rank and ev.no_progress
+    return _verdict(ev, "uninterruptible", sleeping, reason, "high" if sure else "medium")
 
 
 @_rule("desync", kind="desync",
@@ -990,6 +1091,364 @@ def _what_was_read(ev: Evidence, known: Sequence[RankEvidence]) -> str:
     return f"{fr_text}; stacks: " + ", ".join(f"rank {e.rank} {e.frame_class.value}" for e in known)
 
 
+# --- the next step ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NextStep:
+    """The ``next:`` line of one verdict kind: what to run or check next.
+
+    Attributes:
+        kind: the verdict kind (a :class:`Rule`'s ``kind``).
+        doc: the line in general, with placeholders (``py-spy dump --native --pid <culprit pid>``),
+            for the docs' tables (README's kind table, ``docs/verdict-rules.md``).
+        build: the line for one verdict, from its own fields (pids, ranks, reason, evidence lines)
+            and, when given, the :class:`Evidence` it was made from (exit facts, the health URL);
+            one line, never empty.
+    """
+
+    kind: str
+    doc: str
+    build: Callable[[Verdict, Evidence | None], str]
+
+
+#: The next step of each verdict kind (every kind of :data:`RULES` has one; a test keeps it so).
+NEXT_STEPS: dict[str, NextStep] = {}
+
+
+def _next(kind: str, doc: str) -> Callable[[Callable[[Verdict, Evidence | None], str]],
+                                           Callable[[Verdict, Evidence | None], str]]:
+    """Register the next step of ``kind`` in :data:`NEXT_STEPS`."""
+
+    def register(build: Callable[[Verdict, Evidence | None], str]) -> Callable[[Verdict, Evidence | None], str]:
+        NEXT_STEPS[kind] = NextStep(kind=kind, doc=doc, build=build)
+        return build
+
+    return register
+
+
+_PID_WORDS = re.compile(r"\bpid (\d+)")
+_RANK_PID_WORDS = re.compile(r"^rank (\d+) pid (\d+)")
+#: A title's parallel coordinates (``_TP0``, ``_DP1_TP0``): dropped to match every rank by title.
+_COORDINATES = re.compile(r"(?:[_-]?(?:DP|TP|PP|EP|CP)\d+)+$")
+#: How :func:`_how_exited` words a death, read back from a verdict's reason (an older bundle).
+_EXIT_WORDS = re.compile(r"was killed by the OOM killer|exited with exit code (-?\d+)|exited with (SIG\w+|signal \d+)"
+                         r"|exit status unknown")
+
+
+def _sudo(v: Verdict) -> str:
+    """``sudo `` when py-spy was denied reading a stack (the verdict's words say so), else ``""``."""
+    return "sudo " if any("py-spy was denied" in line for line in (v.reason, *v.evidence)) else ""
+
+
+def _live_pids(v: Verdict, ev: Evidence | None) -> list[int]:
+    """Every live process of the verdict, ranks first: the evidence's, else read off its lines."""
+    if ev is not None:
+        return [e.pid for e in ev.processes if e.pid and e.alive]
+    found = [int(m.group(1)) for line in v.evidence if "gone (" not in line and (m := _PID_WORDS.search(line))]
+    if not found and v.kind == "single" and (m := _PID_WORDS.search(v.reason)):
+        found = [int(m.group(1))]
+    return list(dict.fromkeys(found))
+
+
+def _pid_of_rank(v: Verdict, ev: Evidence | None, rank: int) -> int | None:
+    if ev is not None:
+        e = ev.rank(rank)
+        return e.pid if e is not None else None
+    for line in v.evidence:
+        m = _RANK_PID_WORDS.match(line)
+        if m and int(m.group(1)) == rank:
+            return int(m.group(2))
+    return None
+
+
+def _title_glob(titles: Iterable[str]) -> str:
+    """One ``--match`` glob for every title (``sglang::scheduler_TP0`` -> ``sglang::scheduler*``), ``""``
+    when they do not share one."""
+    globs = {(_COORDINATES.sub("", t) or t) + "*" for t in titles if t}
+    return next(iter(globs)) if len(globs) == 1 else ""
+
+
+def _fresh_stacks(v: Verdict, ev: Evidence | None) -> str:
+    """``servewatch dump --pid 41 --pid 42``: fresh stacks of every live process (by their shared
+    title glob when no pid is known or more than four; ``servewatch status`` when neither is)."""
+    pids = _live_pids(v, ev)
+    glob = _title_glob(e.title for e in ev.processes if e.alive) if ev is not None else ""
+    if glob and (not pids or len(pids) > 4):
+        return f"{_sudo(v)}servewatch dump --match '{glob}'"
+    if not pids:
+        return "servewatch status (which processes it watches), then servewatch dump --match '<rank titles>'"
+    return f"{_sudo(v)}servewatch dump " + " ".join(f"--pid {p}" for p in pids)
+
+
+def _native(v: Verdict, ev: Evidence | None, why: str) -> str:
+    """``py-spy dump --native --pid 42 (why)`` for the first culprit (a culprit rank's pid read off
+    the evidence lines when the verdict lists none); its launcher's log when the evidence shows it
+    has no process; ``""`` when nothing names one."""
+    pid = v.culprit_pids[0] if v.culprit_pids else (
+        _pid_of_rank(v, ev, v.culprit_ranks[0]) if v.culprit_ranks else None)
+    if pid:
+        return f"{_sudo(v)}py-spy dump --native --pid {pid} ({why})"
+    if v.culprit_ranks and ev is not None:
+        return f"rank {v.culprit_ranks[0]} has no process: its launcher's log says why it never started"
+    return ""
+
+
+def _culprit_exit(v: Verdict, ev: Evidence | None) -> tuple[str, str]:
+    """How the first culprit ended: ``("oom", "")``, ``("signal", "SIGSEGV")``, ``("code", "1")`` or
+    ``("unknown", "")``; from its exit fact, else from the reason's words."""
+    e = next((p for p in ev.processes if v.culprit_pids and p.pid == v.culprit_pids[0]), None) if ev else None
+    fact = fact_of(e) if e is not None else None
+    if fact is not None:
+        if fact.oom:
+            return "oom", ""
+        if fact.signal is not None:
+            return "signal", fact.signal_name
+        return ("code", str(fact.exit_code)) if fact.exit_code is not None else ("unknown", "")
+    m = _EXIT_WORDS.search(v.reason)
+    if m is None or m.group(0) == "exit status unknown":
+        return "unknown", ""
+    if m.group(1) is not None:
+        return "code", m.group(1)
+    return ("signal", m.group(2)) if m.group(2) is not None else ("oom", "")
+
+
+def _death_step(pid: int | None, how: str, detail: str) -> str:
+    who = f"pid {pid}" if pid else "it"
+    if how == "oom" or (how == "signal" and detail == "SIGKILL"):
+        return f"dmesg -T | grep -i -e oom -e killed (the kernel's record of who killed {who})"
+    if how == "signal":
+        return (f"coredumpctl info {pid} (the native backtrace of its {detail}; a CUDA coredump is in the bundle "
+                "when armed)" if pid else f"its core file: the native backtrace of its {detail}")
+    if how == "code":
+        where = f"{who}'s log (stderr, or journalctl _PID={pid})" if pid else "its log (stderr)"
+        return f"the last lines of {where}: the error before exit code {detail}"
+    return f"dmesg -T | grep -i -e oom -e killed (its exit status is unknown: did the kernel kill {who}?)"
+
+
+def _health_step(ev: Evidence | None) -> str:
+    return f"curl -sS -m 10 -i {ev.health_url}" if ev is not None and ev.health_url else ""
+
+
+@_next("dead", "by how it ended: `dmesg -T | grep -i -e oom -e killed` (OOM, SIGKILL); `coredumpctl info <pid>` "
+       "(a crash signal); its log's last lines (an exit code)")
+def _next_dead(v: Verdict, ev: Evidence | None) -> str:
+    how, detail = _culprit_exit(v, ev)
+    if v.rule == "server_exited" and how == "code":  # before any rank: its own words say why
+        return (f"the end of the server's own output (its stderr; under servewatch launch, just above): the error "
+                f"before exit code {detail}")
+    return _death_step(v.culprit_pids[0] if v.culprit_pids else None, how, detail)
+
+
+@_next("orphaned", "`kill <pids>` (they hold the server's memory: a restart beside them can run out of memory), "
+       "then restart the server")
+def _next_orphaned(v: Verdict, ev: Evidence | None) -> str:
+    pids = list(v.culprit_pids) or _live_pids(v, ev)
+    if not pids:
+        return "servewatch status (which of the server's processes are still alive), then restart the server"
+    return (f"kill {' '.join(map(str, pids))} (they hold the server's memory: a restart beside them can run out of "
+            "memory), then restart the server")
+
+
+@_next("cascade", "`py-spy dump --native --pid <culprit pid>`: the kernel, lock or loop the live rank sits in")
+def _next_cascade(v: Verdict, ev: Evidence | None) -> str:
+    return _native(v, ev, "the kernel, lock or loop it sits in; the exits followed it") or _fresh_stacks(v, ev)
+
+
+_STOP_WORDS = re.compile(r"terminated by (SIG\w+)")
+
+
+@_next("stopped", "nothing to fix if the stop was planned; else who sent the signal: `journalctl -S -15min`")
+def _next_stopped(v: Verdict, ev: Evidence | None) -> str:
+    m = _STOP_WORDS.search(v.reason)
+    if m is None:
+        return "nothing to fix: it exited in order (exit code 0); start it again if it should still run"
+    return (f"nothing to fix if the stop was planned; else who sent {m.group(1)}: journalctl -S -15min "
+            "(or the orchestrator's events)")
+
+
+@_next("suspended", "`grep TracerPid /proc/<pid>/status` (a debugger?), else `kill -CONT <pid>`")
+def _next_suspended(v: Verdict, ev: Evidence | None) -> str:
+    pids = list(v.culprit_pids) or _live_pids(v, ev)[:1]
+    if not pids:
+        return "kill -CONT <pid> of the stopped process"
+    return f"grep TracerPid /proc/{pids[0]}/status (a debugger attached?), else kill -CONT {' '.join(map(str, pids))}"
+
+
+@_next("uninterruptible", "`cat /proc/<pid>/stack` (where in the kernel it waits, as root), then the filesystem "
+       "behind its open files: `ls -l /proc/<pid>/fd`, `df -h` on those paths (NFS: `dmesg -T | grep -i nfs`)")
+def _next_uninterruptible(v: Verdict, ev: Evidence | None) -> str:
+    pids = list(v.culprit_pids) or _live_pids(v, ev)[:1]
+    pid = str(pids[0]) if pids else "<pid>"
+    return (f"cat /proc/{pid}/stack (where in the kernel it waits, as root), then ls -l /proc/{pid}/fd and df -h on "
+            "those paths: which filesystem or device hangs (NFS: dmesg -T | grep -i nfs)")
+
+
+_AT_SEQ = re.compile(r"at #(\d+) of (.+?) \(")
+
+
+@_next("desync", "compare the odd rank's Flight Recorder entry with a peer's at that sequence id "
+       "(`flightrec-rank<r>-<pid>.json` in the bundle): which call site issued it")
+def _next_desync(v: Verdict, ev: Evidence | None) -> str:
+    m = _AT_SEQ.search(v.reason)
+    where = f"entry #{m.group(1)} of {m.group(2)}" if m else "the mismatched entry"
+    odd = v.culprit_ranks[0] if v.culprit_ranks else None
+    peer = next((r for r in v.ranks if r not in v.culprit_ranks), None)
+
+    def file(r: int | None) -> str:
+        pid = _pid_of_rank(v, ev, r) if r is not None else None
+        return f"flightrec-rank{'*' if r is None else r}-{pid or '*'}.json"
+
+    if odd is None:
+        return f"compare {where} across the ranks' flightrec-rank*.json (the bundle): which rank's differs"
+    return f"compare {where} in {file(odd)} and {file(peer)} (the bundle): which code issued rank {odd}'s op"
+
+
+@_next("progressing", "not hung: `py-spy top --pid <slowest rank's pid>`; with none slower, nothing to fix "
+       "(raise `--watchdog-timeout` if slow steps are normal)")
+def _next_progressing(v: Verdict, ev: Evidence | None) -> str:
+    health = _health_step(ev)
+    if health:
+        return f"{health} (the ranks progress: does the frontend answer?)"
+    slow = next((p for r in v.stragglers if (p := _pid_of_rank(v, ev, r))), None)
+    if slow:
+        return f"{_sudo(v)}py-spy top --pid {slow} (rank {v.stragglers[0]} is slowest: where its time goes)"
+    return "nothing to fix (slow, not hung); raise --watchdog-timeout if such slow steps are normal"
+
+
+@_next("rendezvous", "`py-spy dump --pid <pid>` of a rank elsewhere; for a rank that never started, its "
+       "launcher's log and MASTER_ADDR:MASTER_PORT")
+def _next_rendezvous(v: Verdict, ev: Evidence | None) -> str:
+    if v.culprit_pids:
+        return f"{_sudo(v)}py-spy dump --pid {v.culprit_pids[0]} (it is not in the rendezvous: where is it?)"
+    if v.culprit_ranks:
+        return (f"{_ranks_text(v.culprit_ranks)} never started: its launcher's log, and whether its host reaches "
+                "MASTER_ADDR:MASTER_PORT")
+    return f"{_fresh_stacks(v, ev)} in a minute: do they still wait in init_process_group?"
+
+
+@_next("cycle", "`py-spy dump --pid <pid>` of two ranks of the cycle: each one's call site; every rank must "
+       "enter the groups in one order")
+def _next_cycle(v: Verdict, ev: Evidence | None) -> str:
+    pids = list(v.culprit_pids[:2])
+    if len(pids) < 2:
+        return f"{_fresh_stacks(v, ev)}: each rank's call site; every rank must enter the groups in one order"
+    return (f"{_sudo(v)}py-spy dump --pid {pids[0]}; py-spy dump --pid {pids[1]} (each call site: every rank must "
+            "enter the groups in one order)")
+
+
+@_next("behind", "`py-spy dump --native --pid <culprit pid>`: what the rank does instead of the collective")
+def _next_behind(v: Verdict, ev: Evidence | None) -> str:
+    return _native(v, ev, "what it does instead of the collective") or _fresh_stacks(v, ev)
+
+
+@_next("deadlock", "`py-spy dump --locals --pid <pid>` of each: the queue or socket it waits on")
+def _next_deadlock(v: Verdict, ev: Evidence | None) -> str:
+    pids = list(v.culprit_pids) or _live_pids(v, ev)
+    if not pids:
+        return _fresh_stacks(v, ev)
+    then = f"; then pid {', '.join(map(str, pids[1:3]))}" if len(pids) > 1 else ""
+    return f"{_sudo(v)}py-spy dump --locals --pid {pids[0]} (the queue or socket it waits on{then})"
+
+
+@_next("idle", "nothing is stuck: `curl -sS -m 10 -i <health url>` when /health failed; else the frontend "
+       "and the client")
+def _next_idle(v: Verdict, ev: Evidence | None) -> str:
+    health = _health_step(ev)
+    if health:
+        return f"{health} (the ranks wait for work: does the frontend answer?)"
+    return "nothing is stuck; if clients still wait, the frontend and the client (no work reached the ranks)"
+
+
+_URL = re.compile(r"https?://\S+")
+
+
+@_next("compute", "`py-spy dump --native --pid <culprit pid>`; every rank alike: `nvidia-smi`; no progress "
+       "source: `servewatch dump --metrics-url <server>/metrics`")
+def _next_compute(v: Verdict, ev: Evidence | None) -> str:
+    if not v.hung:  # nothing told a hang from work
+        m = _URL.search(v.reason)
+        if m:
+            return f"curl -sS -m 10 {m.group(0).rstrip(',;:)')} (why the progress counter gave no reading)"
+        dump = _fresh_stacks(v, ev)
+        if dump.startswith(("servewatch dump", "sudo servewatch dump")):
+            return f"{dump} --metrics-url http://HOST:PORT/metrics (tells a hang from work)"
+        return dump
+    if v.culprit_pids or v.culprit_ranks:
+        return _native(v, ev, "the kernel, lock or loop it sits in") or _fresh_stacks(v, ev)
+    first = _live_pids(v, ev)[:1]
+    then = f", then {_sudo(v)}py-spy dump --native --pid {first[0]}" if first else ""
+    return f"nvidia-smi (every rank stuck alike in compute: a GPU hang, an Xid?){then}"
+
+
+_SINGLE_PID = re.compile(r"^1 process \(pid (\d+)\)")
+
+
+@_next("single", "`py-spy dump --native --pid <pid>` (where it is); an exit: as for `dead`")
+def _next_single(v: Verdict, ev: Evidence | None) -> str:
+    m = _SINGLE_PID.match(v.reason)
+    pid = int(m.group(1)) if m else None
+    how, detail = _culprit_exit(replace(v, culprit_pids=(pid,) if pid else ()), ev)
+    if "terminated by" in v.reason:
+        return "nothing to fix if the stop was planned; else who sent it: journalctl -S -15min"
+    if how != "unknown" or "exited" in v.reason:
+        return _death_step(pid, how, detail)
+    if "idle (waiting for work)" in v.reason or ": progressing)" in v.reason:
+        return _health_step(ev) or "nothing is stuck; if clients still wait, the frontend and the client"
+    if pid is None:
+        return _fresh_stacks(v, ev)
+    return f"{_sudo(v)}py-spy dump --native --pid {pid} (where it is, native frames included)"
+
+
+@_next("unknown", "`servewatch dump --pid <pid> ...` for fresh stacks (`sudo` when py-spy was denied); no "
+       "process: `servewatch status`")
+def _next_unknown(v: Verdict, ev: Evidence | None) -> str:
+    if v.rule == "no_process" or (ev is not None and not ev.processes):
+        return "servewatch status (which processes it watches: check --match, --pid, --root-pid)"
+    if "communication layer?" in v.reason:
+        first = _live_pids(v, ev)[:1]
+        if first:
+            return f"{_sudo(v)}py-spy dump --native --pid {first[0]} (where inside the collective: NCCL, a custom all-reduce?)"
+    why = "as root: py-spy was denied" if _sudo(v) else "fresh stacks"
+    return f"{_fresh_stacks(v, ev)} ({why})"
+
+
+def next_step(verdict: Verdict, ev: Evidence | None = None) -> str:
+    """The verdict's ``next:`` line (:data:`NEXT_STEPS`): one command or check, with its real pids.
+
+    Args:
+        verdict: the verdict (its ``rule`` set, as :func:`judge` sets it).
+        ev: the evidence it was made from; ``None`` for a verdict read back from a manifest (its
+            pids and exit then come from its own lines). Evidence without pids (a job's, whose
+            ranks are on several hosts) gives lines by title (``--match``), never by pid.
+
+    Returns:
+        One line; ``""`` only for a kind this servewatch does not know (a newer agent's).
+    """
+    step = NEXT_STEPS.get(verdict.kind)
+    return step.build(verdict, ev) if step is not None else ""
+
+
+def next_step_of(data: Mapping[str, Any]) -> str:
+    """The ``next:`` line of a verdict as a manifest holds it (:meth:`Verdict.to_json`): its own
+    ``next``, else (a bundle written before it existed) built from its kind, culprits, reason and
+    evidence lines; ``""`` for an unknown kind or a malformed dict. Never raises."""
+    given = data.get("next")
+    if isinstance(given, str) and given:
+        return given
+    try:
+        v = Verdict(kind=str(data.get("kind") or "unknown"), hung=bool(data.get("hung", True)),
+                    culprit_ranks=tuple(int(r) for r in data.get("culprit_ranks") or ()),
+                    culprit_pids=tuple(int(p) for p in data.get("culprit_pids") or ()),
+                    reason=str(data.get("reason") or ""), confidence=str(data.get("confidence") or ""),
+                    evidence=tuple(str(e) for e in data.get("evidence") or ()),
+                    stragglers=tuple(int(r) for r in data.get("stragglers") or ()),
+                    ranks=tuple(int(r) for r in data.get("ranks") or ()), rule=str(data.get("rule") or ""))
+        return next_step(v)
+    except (TypeError, ValueError):
+        return ""
+
+
 # --- entry points --------------------------------------------------------------------------------
 
 
@@ -998,7 +1457,8 @@ def judge(ev: Evidence) -> Verdict:
     for rule in RULES:
         found = rule.check(ev)
         if found is not None:
-            return replace(found, rule=rule.name)
+            found = replace(found, rule=rule.name)
+            return replace(found, next_step=next_step(found, ev))
     raise AssertionError("the last rule always applies")  # pragma: no cover
 
 
@@ -1179,6 +1639,21 @@ def rules_markdown() -> str:
     ]
     for i, r in enumerate(RULES, 1):
         lines.append(f"| {i} | `{r.name}` | `{r.kind}` | {_cell(r.when)} | {_cell(r.concludes)} | {_cell(r.confidence)} |")
+    lines += [
+        "",
+        "## The next step",
+        "",
+        "Every verdict ends with one `next:` line: the command or check to run next, with the verdict's own",
+        "pids (`py-spy dump --native --pid 42 (what it does instead of the collective)`). It is printed under",
+        "the verdict by `run`/`dump`, `timeline` and the report, and recorded as `servewatch.verdict.next` on",
+        "the `incident` span and `verdict.next` in `manifest.json` (a bundle written before it existed gets",
+        "it rebuilt from the verdict's kind, culprits and lines). By kind, in general:",
+        "",
+        "| kind | next |",
+        "|------|------|",
+    ]
+    for kind in dict.fromkeys(r.kind for r in RULES):
+        lines.append(f"| `{kind}` | {_cell(NEXT_STEPS[kind].doc)} |")
     lines += [
         "",
         "## Communication layers",

@@ -2,11 +2,12 @@
 
 Owns :class:`IncidentTimeline` (and its row types), :func:`load_incident`,
 :func:`load_incident_arg`, :func:`find_bundle` and the :class:`BundleError` tree. The model is built
-from the bundle alone -- ``manifest.json`` (validated by :class:`agent.manifest.Manifest`, never
-by hand), the optional ``requests.json``, the py-spy stacks and the other artifacts next to them,
-as written by :mod:`agent.incidents` and the actors -- so it works offline on a copied bundle.
-When span files (OTLP/JSON lines, or the spool's binary protobuf) are found, the spans of the
-incident's trace are added as enrichment, read by :mod:`exporters.otlp_json`'s reader; nothing
+from the bundle alone -- ``manifest.json`` (read by :mod:`agent.manifest_view`; one not as the agent
+writes it is validated by :class:`agent.manifest.Manifest`), the
+optional ``requests.json``, the py-spy stacks and the other artifacts next to them, as written
+by :mod:`agent.incidents` and the actors -- so it works offline on a copied bundle. When span
+files (OTLP/JSON lines, or the spool's binary protobuf) are found, the spans of the incident's
+trace are added as enrichment, read by :mod:`exporters.otlp_json`'s reader; nothing
 depends on them. Drawing the model is :mod:`exporters.timeline`'s (terminal) and
 :mod:`exporters.report`'s (HTML).
 
@@ -15,10 +16,12 @@ Only files inside the bundle folder are opened (symlinks followed and checked). 
 part of the model, even when ``requests.json`` holds it (the user opted in to *capture*, not to
 display).
 
-Imports the standard library, :mod:`agent.errors`, :mod:`agent.manifest` (the manifest model), :mod:`agent.events`
+Imports the standard library, :mod:`agent.errors`, :mod:`agent.manifest_view` (the manifest read back;
+:mod:`agent.manifest`, the model, only for a manifest not as the agent writes it), :mod:`agent.events`
 (names), :mod:`agent.security` (path checks), :mod:`agent.stacks` (the py-spy dump model, its
 parser and its hung-frame rule, so that a bundle is read back by the same rule the actor applied
-when it wrote it) and :mod:`exporters.otlp_json`.
+when it wrote it), :mod:`agent.verdict` (an older bundle's verdict gets its ``next:`` line,
+:func:`~agent.verdict.next_step_of`) and :mod:`exporters.otlp_json`.
 
 Raises the :class:`agent.errors.BundleError` family (the tree is in :mod:`agent.errors`), one line
 each: :class:`~agent.errors.BundleNotFoundError` (no such incident / directory / manifest),
@@ -32,7 +35,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from agent.errors import BundleCorruptError, BundleError, BundleNotFoundError, ManifestError
-from agent.events import Action, Trigger
-from agent.manifest import MANIFEST_NAME, IncidentState, Manifest, load_manifest
+from agent.kinds import Action, IncidentState, Trigger
+from agent.manifest_view import MANIFEST_NAME, ManifestView, view_of_json, view_of_model
 from agent.security import access_denied, is_within
 from agent.stacks import Frame, ThreadStack, hung_location, parse_threads
 from exporters.otlp_json import TornLines, iter_span_files, read_span_file
@@ -66,10 +69,13 @@ __all__ = [
     "TargetRow",
     "ThreadStack",
     "find_bundle",
+    "format_size",
     "load_incident",
     "load_incident_arg",
     "newer_manual_dumps",
     "read_manifest",
+    "timeline_to_dict",
+    "verdict_headline",
 ]
 
 #: Name of the in-flight requests file inside a bundle (per :mod:`agent.incidents`).
@@ -350,7 +356,7 @@ class IncidentTimeline:
     phases_pending: tuple[str, ...] = ()
     interrupted_reason: str = ""
     #: the cross-rank verdict as the manifest holds it (``kind``, ``culprit_ranks``, ``reason``,
-    #: ``confidence``, ``headline``, ``evidence`` ...), or ``None``
+    #: ``confidence``, ``headline``, ``evidence``, ``next`` ...), or ``None``
     verdict: dict[str, Any] | None = None
     #: the server's history before the incident (the manifest's ``history``), oldest first
     history: tuple[HistoryRow, ...] = ()
@@ -373,8 +379,10 @@ class IncidentTimeline:
 # --- finding a bundle -------------------------------------------------------------------------
 
 
-def read_manifest(path: Path) -> Manifest:
-    """Read ``manifest.json`` through :func:`agent.manifest.load_manifest`, in this module's terms.
+def read_manifest(path: Path) -> ManifestView:
+    """Read ``manifest.json``: the values :class:`agent.manifest.Manifest` holds
+    (:mod:`agent.manifest_view`), without building that model for a manifest as the agent writes
+    it; any other is validated by the model (:func:`agent.manifest.parse_manifest`).
 
     Raises:
         BundleNotFoundError: no such file.
@@ -382,7 +390,7 @@ def read_manifest(path: Path) -> Manifest:
         BundleError: it cannot be read (permissions, I/O).
     """
     try:
-        return load_manifest(path)
+        return _manifest(path)
     except FileNotFoundError as exc:
         raise BundleNotFoundError(f"{path}: no such file") from exc
     except PermissionError as exc:
@@ -391,6 +399,17 @@ def read_manifest(path: Path) -> Manifest:
         raise BundleError(f"{path}: cannot read ({exc.strerror or type(exc).__name__})") from exc
     except ManifestError as exc:
         raise BundleCorruptError(str(exc)) from exc
+
+
+def _manifest(path: Path) -> ManifestView:
+    """:func:`read_manifest` in :func:`agent.manifest.load_manifest`'s terms (OSError, ManifestError)."""
+    raw = path.read_bytes()
+    view = view_of_json(raw)
+    if view is None:  # not as the agent writes it: the model coerces it, or says what is wrong
+        from agent.manifest import parse_manifest
+
+        view = view_of_model(parse_manifest(raw, source=str(path)))
+    return view
 
 
 def _unreadable(path: str | os.PathLike[str], what: str | None = None) -> BundleError:
@@ -431,7 +450,7 @@ def _opened_and_manual(bundle: Path) -> tuple[int, bool]:
     """(:func:`_opened_ns`, whether it is a manual incident: ``servewatch dump`` or the HTTP API;
     for an unreadable manifest, whether its id says ``-manual-``)."""
     try:
-        m = load_manifest(bundle / MANIFEST_NAME)
+        m = _manifest(bundle / MANIFEST_NAME)
     except (OSError, ManifestError):
         manual = f"-{Trigger.MANUAL}-" in bundle.name
         try:
@@ -831,7 +850,7 @@ def _requests_from_links(raw: Sequence[Span], root_span_id: str) -> tuple[Reques
 
 
 def _actions(
-    m: Manifest, bundle_dir: Path, titles: Mapping[int, str]
+    m: ManifestView, bundle_dir: Path, titles: Mapping[int, str]
 ) -> tuple[tuple[ActionRow, ...], tuple[ArtifactRow, ...]]:
     """The manifest's actions placed on the timeline (ordered by start; timeless ones last), and
     every artifact they recorded, resolved against the bundle's current location."""
@@ -923,7 +942,7 @@ def _profiles(actions: Sequence[ActionRow], bundle_dir: Path) -> tuple[ProfileRo
 
 
 def _incident_spans(
-    m: Manifest, bundle_dir: Path, data_dir: Path | None,
+    m: ManifestView, bundle_dir: Path, data_dir: Path | None,
     span_paths: Sequence[str | os.PathLike[str]] | None, warnings: list[str],
 ) -> tuple[list[Span], list[str]]:
     """The spans of the incident's trace (none without a trace id) and the files they came from;
@@ -1018,13 +1037,25 @@ def load_incident(
         phases_done=tuple(str(p) for p in m.phases_done),
         phases_pending=tuple(str(p) for p in m.phases_pending),
         interrupted_reason=m.interrupted_reason,
-        verdict=m.verdict.model_dump(mode="json") if m.verdict is not None else None,
+        verdict=_verdict_view(m.verdict) if m.verdict is not None else None,
         history=tuple(
             HistoryRow(time_unix_nano=p.time_unix_nano, offset_s=(p.time_unix_nano - opened_ns) / 1e9, kind=p.kind,
                        pid=p.pid, forward_ct=p.forward_ct, detail=p.detail)
             for p in m.history
         ),
     )
+
+
+def _verdict_view(verdict: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's verdict, its ``next`` line rebuilt when a bundle written before it existed has
+    none (:func:`agent.verdict.next_step_of`: from the verdict's kind, culprits and lines; ``""``
+    for a kind this servewatch does not know)."""
+    if not verdict.get("next"):
+        # only for an older bundle: the read-only commands stay light
+        from agent.verdict import next_step_of
+
+        verdict["next"] = next_step_of(verdict)
+    return verdict
 
 
 def load_incident_arg(
@@ -1057,3 +1088,41 @@ def load_incident_arg(
     return load_incident(data_dir, str(arg))
 
 
+# --- words shared by the timeline and the report (no rich: the report draws no terminal) ----
+
+
+def timeline_to_dict(tl: IncidentTimeline) -> dict[str, Any]:
+    """The timeline as a JSON-ready dict (``servewatch timeline --json``).
+
+    Field names carry units (``start_offset_s``, ``size_bytes``); ``schema`` is
+    ``servewatch.timeline/1``. Derived values are added: ``end_offset_s`` per action, ``exists``
+    per artifact, ``extent_s``.
+    """
+    out = asdict(tl)
+    out = {"schema": "servewatch.timeline/1", **out, "extent_s": tl.extent_s}
+    for row, action in zip(out["actions"], tl.actions):
+        row["end_offset_s"] = action.end_offset_s
+    for row, artifact in zip(out["artifacts"], tl.artifacts):
+        row["exists"] = artifact.exists
+    return json.loads(json.dumps(out, default=str))
+
+
+def format_size(size_bytes: int | None) -> str:
+    """``1.15 GiB`` style size; ``"missing"`` for ``None``."""
+    if size_bytes is None:
+        return "missing"
+    size = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size_bytes} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{size_bytes} B"
+
+
+def verdict_headline(verdict: dict[str, Any]) -> str:
+    """The verdict's one line (the manifest's ``headline``, else rebuilt from its fields)."""
+    if isinstance(verdict.get("headline"), str) and verdict["headline"]:
+        return str(verdict["headline"])
+    ranks = verdict.get("culprit_ranks") or []
+    who = f"culprit rank(s) {', '.join(str(r) for r in ranks)}" if ranks else "no culprit rank"
+    return f"Verdict: {who} -- {verdict.get('reason', '?')} [confidence {verdict.get('confidence', '?')}]"

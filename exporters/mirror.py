@@ -73,6 +73,7 @@ from agent.events import (
     IncidentRetraced,
     InflightSpan,
     JobIncidentClosed,
+    LifecycleNoted,
     Outcome,
     now_ns,
 )
@@ -102,6 +103,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INCIDENT_SPAN",
     "JOB_INCIDENT_SPAN",
+    "LIFECYCLE_SPAN",
     "MIRRORED_EVENTS",
     "PROFILE_SPAN",
     "TRACE_IMPORT_SPAN",
@@ -123,7 +125,11 @@ JOB_VERDICT_SPAN = "job.verdict"
 #: Name of the root of an incident's linked detail trace (its action spans, in a large job).
 DETAIL_SPAN = "incident.detail"
 #: Event types to subscribe the mirror to.
-MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced, JobIncidentClosed)
+MIRRORED_EVENTS: tuple[type[Event], ...] = (IncidentOpened, ActionCompleted, IncidentClosed, IncidentRetraced, JobIncidentClosed,
+                                             LifecycleNoted)
+#: Name of the span of what became of a server after an incident (a hang's ending, a crash
+#: loop's exits, processes left alive): a child of that incident's root, in its trace.
+LIFECYCLE_SPAN = "server.lifecycle"
 #: Name of a profiling session's span (its torch trace is imported under it).
 PROFILE_SPAN = Action.PROFILE_SESSION
 #: Name of the span carrying a deferred import's counts, child of its ``profile.session`` span.
@@ -137,7 +143,7 @@ NOT_ERRORS = frozenset({Outcome.NOT_ARMED, Outcome.SKIPPED, Outcome.ALREADY_STOP
 MAX_LINKS = 128
 #: Verdict kinds that say the server is dead (``servewatch.verdict.kind``): the incident's root
 #: span is an error for these, as for any verdict that says it is hung (``servewatch.verdict.hung``).
-DEAD_VERDICTS = frozenset({"dead", "cascade"})
+DEAD_VERDICTS = frozenset({"dead", "cascade", "orphaned"})
 
 
 def action_failed(outcome: Outcome) -> bool:
@@ -290,6 +296,8 @@ class SpanMirror:
                 self._retraced(event)
             elif isinstance(event, JobIncidentClosed):
                 self._job_closed(event)
+            elif isinstance(event, LifecycleNoted):
+                self._lifecycle(event)
         except Exception:  # noqa: BLE001 - the mirror must never take the agent down
             _log.exception("could not mirror %s", type(event).__name__)
 
@@ -447,6 +455,24 @@ class SpanMirror:
             ok=not failed, resource=self.sink.resource,
         )
         emit_durable(self.sink, [*spans, summary], key=span_id_hex(summary.context.span_id))
+
+    def _lifecycle(self, event: LifecycleNoted) -> None:
+        """A ``server.lifecycle`` span under the incident it was noted on (none without one)."""
+        trace_id, parent = parse_trace_id(event.trace_id), parse_span_id(event.parent_span_id)
+        if trace_id is None or parent is None:
+            return
+        attributes: dict[str, object] = {
+            "servewatch.lifecycle.phase": event.phase, "servewatch.detail": event.detail,
+            "servewatch.incident.id": event.incident_id, "servewatch.follows.incident": event.incident_id,
+        }
+        if event.pids:
+            attributes["process.pid"] = event.pids[0]
+        span_id = new_span_id()
+        self._emit_all([build_span(
+            LIFECYCLE_SPAN, trace_id=trace_id, span_id=span_id, parent_span_id=parent,
+            start_time_unix_nano=event.time_unix_nano, end_time_unix_nano=event.time_unix_nano, attributes=attributes,
+            resource=self.sink.resource,
+        )], key=span_id_hex(span_id))
 
     def _job_closed(self, event: JobIncidentClosed) -> None:
         trace_id, span_id = parse_trace_id(event.trace_id), parse_span_id(event.span_id)

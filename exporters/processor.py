@@ -689,7 +689,10 @@ class LosslessSpanProcessor(SpanProcessor):
             self._problem = None
 
     def _say_refused(self, spans: int, result: SendResult) -> None:
-        line = f"collector {self.sender.target} refused {spans} span(s): {result.explain()}; {self._kept_note()}"
+        # said once per cause: the count is this request's; later ones are counted (the one-shot
+        # commands' last line and `servewatch status` give the total)
+        line = (f"collector {self.sender.target} refused a request of {spans} span(s) (the same cause again is counted, "
+                f"not said): {result.explain()}; {self._kept_note()}")
         self._note_problem("refused", line, key=("refused", result.detail, result.message), level=logging.ERROR)
 
     def _say_rejected(self, spans: int, result: SendResult) -> None:

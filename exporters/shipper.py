@@ -56,6 +56,7 @@ from opentelemetry.trace import (
 
 from agent.procinfo import pid_alive
 from agent.sdk import presence as _presence
+from agent.sdk.folders import FOLDER_PREFIX, shm_dir
 from agent.sdk.ring import MAX_CAPACITY, RingBatch, RingError, RingReader, RingStatistics, ring_path
 from agent.security import access_denied
 from exporters.wire import (
@@ -89,6 +90,12 @@ _KINDS = {k.value: k for k in SpanKind}
 _STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
 #: Most pids whose refused ring is remembered (:meth:`SpanShipper.refused`).
 MAX_REFUSED = 256
+#: A target without a span ring is looked for again at the next poll after a change in the SDK's
+#: folders, and at least this often (seconds) without one.
+ABSENT_RETRY_S = 5.0
+#: Folder times this close to now (seconds) are not trusted to show the next change (a coarse
+#: file system clock): a target is then looked for at every poll.
+ABSENT_MTIME_MARGIN_S = 1.0
 #: Nice value of the threads that drain rings and encode/export shipped spans.
 BACKGROUND_NICE = 10
 _PLAIN_STATUS = {StatusCode.UNSET: Status(StatusCode.UNSET), StatusCode.OK: Status(StatusCode.OK)}
@@ -267,6 +274,9 @@ class SpanShipper:
         self._thread: threading.Thread | None = None
         #: the processor's ``submit`` when it says when spans are safe (the lossless one)
         self._submit = getattr(processor, "submit", None)
+        #: targets found with no ring file: pid -> (the SDK folders' signature then, when)
+        self._absent: dict[int, tuple[tuple[int, ...], float]] = {}
+        self._folders_at: tuple[int, list[str]] = (-1, [])
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -279,11 +289,38 @@ class SpanShipper:
         Returns:
             Whether the ring is attached now.
         """
+        return self._attach(pid, uid) == "attached"
+
+    def _folders_signature(self) -> tuple[int, ...] | None:
+        """The modification times (ns) of the SDK's base folder and of every private folder in
+        it: a ring file created, renamed or removed in any of them, or a folder added, changes
+        it. ``None`` when it cannot be read, or when a time is within
+        :data:`ABSENT_MTIME_MARGIN_S` of now (a file system's coarse clock could give a change
+        made just after it the same time)."""
+        base = self.directory or shm_dir()
+        try:
+            st = os.stat(base)
+            if self._folders_at[0] != st.st_mtime_ns:
+                self._folders_at = (st.st_mtime_ns, sorted(e.name for e in os.scandir(base) if e.name.startswith(FOLDER_PREFIX)))
+            sig = [st.st_mtime_ns]
+            for name in self._folders_at[1]:
+                try:
+                    sig.append(os.stat(base / name).st_mtime_ns)
+                except OSError:
+                    sig.append(-1)
+        except OSError:
+            return None
+        if time.time_ns() - max(sig) < ABSENT_MTIME_MARGIN_S * 1e9:
+            return None
+        return tuple(sig)
+
+    def _attach(self, pid: int, uid: int | None) -> str:
+        """:meth:`attach`: ``attached``, ``absent`` (no ring file) or ``refused`` (any other reason)."""
         with self._lock:
             if self._closed:
-                return False
+                return "refused"
             if pid in self._rings:
-                return True
+                return "attached"
         trusted = {0} | ({uid} if uid is not None else set())
         try:
             reader = RingReader(pid, trusted_uids=trusted, directory=self.directory, max_capacity=self.max_ring_bytes)
@@ -300,7 +337,7 @@ class SpanShipper:
             if not reason.startswith("no span ring") and self._refused.get(pid) != reason:
                 self._refuse(pid, reason)
                 log.warning("not shipping spans of pid %d: %s", pid, reason)
-            return False
+            return "absent" if reason.startswith("no span ring") else "refused"
         other = reader.claimed_by_other(self._stale_ns)
         if other:
             reader.close(detach=False)
@@ -308,13 +345,13 @@ class SpanShipper:
             if self._refused.get(pid) != why:
                 self._refuse(pid, why)
                 log.warning("spans of pid %d are shipped by another agent (pid %d)", pid, other)
-            return False
+            return "refused"
         try:
             reader.heartbeat()
         except OSError as exc:
             reader.close(detach=False)
             log.warning("not shipping spans of pid %d: %s", pid, exc)
-            return False
+            return "refused"
         resource = _server_resource(reader.metadata, pid, self.host_name, uid if uid is not None else reader.uid)
         ring = _Attached(reader, resource)
         try:  # the server's counters so far (drops before we came) count from the first status on
@@ -324,12 +361,12 @@ class SpanShipper:
         with self._lock:
             if self._closed or pid in self._rings:
                 reader.close(detach=pid not in self._rings)
-                return pid in self._rings
+                return "attached" if pid in self._rings else "refused"
             self._rings[pid] = ring
         with self._lock:
             self._refused.pop(pid, None)
         log.info("shipping request spans of pid %d (service.name %s)", pid, resource.attributes.get("service.name"))
-        return True
+        return "attached"
 
     def _refuse(self, pid: int, reason: str) -> None:
         """Remember why ``pid``'s ring is not shipped; past :data:`MAX_REFUSED` pids, those of
@@ -386,9 +423,26 @@ class SpanShipper:
         with self._declare_lock:
             if not self._closed:
                 self._declare(targets)
+        sig: tuple[int, ...] | None = None
+        now = time.monotonic()
         for pid, uid in targets.items():
-            if pid not in attached and pid_alive(pid):
-                self.attach(pid, uid)
+            if pid in attached or not pid_alive(pid):
+                continue
+            # a target found without a ring is looked for again once a folder changed (a file
+            # created there), or after ABSENT_RETRY_S: not every poll (each look reads /proc
+            # and lists the folders)
+            if sig is None:
+                sig = self._folders_signature()
+            seen = self._absent.get(pid)
+            if sig is not None and seen is not None and seen[0] == sig and now - seen[1] < ABSENT_RETRY_S:
+                continue
+            if self._attach(pid, uid) == "absent" and sig is not None:
+                self._absent[pid] = (sig, now)
+            else:
+                self._absent.pop(pid, None)
+        if len(self._absent) > len(targets):
+            for pid in [p for p in self._absent if p not in targets]:
+                del self._absent[pid]
 
     def _declare(self, targets: Mapping[int, int | None]) -> None:
         """Declare the targets not declared yet, in their servers' private folders (O(1) each

@@ -96,3 +96,45 @@ def no_blocking_on_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     with blocking_checked():
         yield
+
+
+# -- per-group durations (issue 38 item 5: where CI's time goes) ------------------------------
+
+_GROUP_SECONDS: dict[str, list[float]] = {}
+
+
+def _duration_group(nodeid: str) -> str:
+    """A test's group: its top-level folder under tests/ (``tests/exporters``), else its file."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else path
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Adds each phase's seconds (setup, call, teardown) to its group's total; counts a test once."""
+    seconds = _GROUP_SECONDS.setdefault(_duration_group(report.nodeid), [0.0, 0])
+    seconds[0] += report.duration
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        seconds[1] += 1
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """After ``--durations``: seconds per group (folder or file), slowest first, with the groups'
+    share of the run, so the suite's growth shows where it lands."""
+    if not _GROUP_SECONDS:
+        return
+    total = sum(s for s, _ in _GROUP_SECONDS.values()) or 1.0
+    terminalreporter.write_sep("=", "durations per group (setup + call + teardown)")
+    rows = sorted(_GROUP_SECONDS.items(), key=lambda kv: kv[1][0], reverse=True)
+    for group, (seconds, count) in rows[:25]:
+        terminalreporter.write_line(
+            f"{seconds:9.2f}s {100 * seconds / total:5.1f}% {int(count):5d} tests  {group}"
+        )
+    if len(rows) > 25:
+        rest = rows[25:]
+        terminalreporter.write_line(
+            f"{sum(r[1][0] for r in rest):9.2f}s {100 * sum(r[1][0] for r in rest) / total:5.1f}% "
+            f"{int(sum(r[1][1] for r in rest)):5d} tests  ({len(rest)} more groups)"
+        )
+    terminalreporter.write_line(f"{total:9.2f}s in tests (setup + call + teardown)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import select
 import shlex
 import signal
@@ -106,8 +107,12 @@ def test_dump_of_ranks_py_spy_may_not_read_says_why_in_the_summary_verdict(tmp_p
     args = [a for p in ranks for a in ("--pid", str(p.pid))]
     r = _cli(tmp_path, "dump", *args, "--data-dir", str(tmp_path / "data"), SERVEWATCH_PYSPY__EXECUTABLE=str(exe))
     verdict = next((line for line in r.stdout.splitlines() if line.startswith("Verdict:")), r.stdout + r.stderr)
-    assert verdict == ("Verdict: no culprit rank -- no conclusive evidence (no Flight Recorder and no stacks);"
-                       " py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE [confidence low]")
+    as_root = os.geteuid() == 0  # root refused is told so, never "run as root (sudo)"
+    note = ("py-spy was refused although servewatch runs as root (a ptrace policy or another tracer: see its py-spy line)" if as_root
+            else "py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE")
+    assert verdict == f"Verdict: no culprit rank -- no conclusive evidence (no Flight Recorder and no stacks); {note} [confidence low]"
+    nxt = r.stdout.splitlines()[r.stdout.splitlines().index(verdict) + 1]
+    assert nxt.startswith("next: ") and ("sudo" in nxt) is not as_root, nxt
 
 
 def test_out_of_range_option_is_a_usage_error(tmp_path: Path) -> None:
@@ -374,6 +379,11 @@ VERDICT_EVIDENCE = [
 ]
 
 
+#: The verdict of :func:`write_verdict_bundle` (a manifest from before the ``next`` line: rebuilt on reading)
+VERDICT = {"headline": VERDICT_HEADLINE, "culprit_ranks": [0], "reason": "compute", "confidence": "high",
+           "kind": "compute", "hung": True, "evidence": VERDICT_EVIDENCE}
+
+
 def write_verdict_bundle(data: Path) -> str:
     """An incident under ``data`` whose verdict has :data:`VERDICT_EVIDENCE`; its id."""
     incident_id = "20261201T190000Z-stall-dddddd"
@@ -385,13 +395,12 @@ def write_verdict_bundle(data: Path) -> str:
         "host.name": "h1", "trace_id": "", "span_id": "", "opened_time_unix_nano": opened,
         "closed_time_unix_nano": opened + 10**9, "duration_s": 1.0, "targets": [], "actions": [],
         "inflight_requests": 0,
-        "verdict": {"headline": VERDICT_HEADLINE, "culprit_ranks": [0], "reason": "compute", "confidence": "high",
-                    "kind": "compute", "hung": True, "evidence": VERDICT_EVIDENCE}}))
+        "verdict": VERDICT}))
     return incident_id
 
 
 def assert_verdict_box_lines_hang(screen: str) -> int:
-    """In the top verdict box of ``screen``, each line (headline, then each evidence line) starts
+    """In the top verdict box of ``screen``, each line (headline, its ``next:`` line, then each evidence line) starts
     a row, and its continuation rows start no further left than its first row's text (before:
     an evidence line's continuation started at the box's left edge, left of ``  rank 0 ...``).
     Returns how many continuation rows the evidence lines took."""
@@ -404,7 +413,9 @@ def assert_verdict_box_lines_hang(screen: str) -> int:
         inner.append(row.strip().removeprefix("│").removesuffix("│")[1:].rstrip())  # the border, its padding
     continued = 0
     i = 0
-    for n, line in enumerate([VERDICT_HEADLINE, *VERDICT_EVIDENCE]):
+    from agent.verdict import next_step_of
+
+    for n, line in enumerate([VERDICT_HEADLINE, f"next: {next_step_of(VERDICT)}", *VERDICT_EVIDENCE]):
         first = inner[i]
         lead = len(first) - len(first.lstrip(" "))
         assert line.startswith(first.strip()), f"row {first!r} starts no line\n" + "\n".join(inner)
@@ -415,7 +426,7 @@ def assert_verdict_box_lines_hang(screen: str) -> int:
             assert len(row) - len(row.lstrip(" ")) >= lead, (  # hanging (+4) or aligned, never left of it
                 f"{row!r} continues {first!r} left of its text\n" + "\n".join(inner))
             got += row.split()
-            continued += 1 if n else 0
+            continued += 1 if n > 1 else 0  # the evidence lines (after the headline and next:)
             i += 1
         assert got == line.split(), "\n".join(inner)
     return continued
@@ -463,9 +474,21 @@ def test_a_second_agent_on_one_data_dir_says_so_and_status_shows_both(tmp_path: 
         text = _cli(tmp_path, "status", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
         assert (f"servewatch: 2 agents use this data dir (pids {first.pid}, {second.pid}); the lines below are pid"
                 f" {doc['agent_pid']}'s, the last to write ") in text.stderr, text.stderr
+        # the last writer stops, the other runs on: not "NOT running" (a new-user trial read the
+        # agent as dead), and no failure for it
+        last = second if doc["agent_pid"] == second.pid else first
+        other = first if last is second else second
+        last.send_signal(signal.SIGTERM)
+        last.wait(timeout=60)
+        after = _cli(tmp_path, "status", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
+        if json.loads(_cli(tmp_path, "status", "--json", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1").stdout)["agent_pid"] == last.pid:
+            assert (f"servewatch: agent pid {last.pid} on h1 has stopped; agent pid {other.pid} still runs on this data dir"
+                    in after.stderr), after.stderr
+            assert "NOT running" not in after.stderr and after.returncode == 0, (after.returncode, after.stderr)
     finally:
         for proc in (second, first):
-            proc.send_signal(signal.SIGTERM)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
     assert not list((data / "h1" / "agents").iterdir())  # a clean stop removes its presence file
     alone = _cli(tmp_path, "status", "--json", "--data-dir", str(data), SERVEWATCH_HOST_NAME="h1")
@@ -524,7 +547,11 @@ def test_demo_prints_the_incident_verdict_first_as_soon_as_it_is_captured(tmp_pa
     lines = r.stdout.splitlines()  # what a terminal shows: progress (stderr) and the incident (stdout) as they came
     captured = next(i for i, ln in enumerate(lines) if ln.endswith("] incident captured:"))
     assert lines[captured + 1].startswith("Verdict: culprit rank 0 "), lines[captured:captured + 3]
-    assert lines[captured + 2].startswith("Incident ") and "(stall)" in lines[captured + 2]
+    # then what to do next, on the culprit's own pid
+    culprit = re.match(r"Verdict: culprit rank 0 \(pid (\d+)\) -- behind:", lines[captured + 1])
+    assert culprit is not None, lines[captured + 1]
+    assert lines[captured + 2] == f"next: py-spy dump --native --pid {culprit.group(1)} (what it does instead of the collective)"
+    assert lines[captured + 3].startswith("Incident ") and "(stall)" in lines[captured + 3]
     view = next(i for i, ln in enumerate(lines) if ln.startswith("View: servewatch timeline "))
     bundle = next(i for i, ln in enumerate(lines) if "] bundle: " in ln)
     spans = next(i for i, ln in enumerate(lines) if "] spans: " in ln)
@@ -768,9 +795,11 @@ def test_launch_of_a_server_dying_at_start_has_a_verdict_naming_its_command(tmp_
     command = f"{sys.executable} -c {shlex.quote(script)}"
     assert v["reason"] == f"the server (pid {pid} {command!r}) exited with exit code 1 before any rank started", v
     assert manifest["detail"] == f"pid {pid} {command!r} exited (exit code 1)", manifest["detail"]
-    said = (r.stdout + r.stderr).splitlines()  # the verdict first, then the incident's line
+    said = (r.stdout + r.stderr).splitlines()  # the verdict first, what to do next, then the incident's line
     first = next(i for i, line in enumerate(said) if line.startswith(("Verdict:", "Incident ")))
-    assert said[first] == v["headline"] and said[first + 1].startswith(f"Incident {manifest['incident_id']} (exit)"), said
+    assert said[first] == v["headline"] and said[first + 2].startswith(f"Incident {manifest['incident_id']} (exit)"), said
+    assert said[first + 1] == ("next: the end of the server's own output (its stderr; under servewatch launch, just "
+                               "above): the error before exit code 1") == f"next: {v['next']}", said
 
 
 def test_launch_forwards_sigterm_to_the_server(tmp_path: Path) -> None:

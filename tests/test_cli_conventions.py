@@ -398,11 +398,12 @@ TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 def test_run_logs_warnings_as_servewatch_lines_and_timestamps_only_with_verbose(tmp_path: Path) -> None:
     glob = f"servewatch-test-nothing-{os.getpid()}*"
-    quiet = sw(tmp_path, "run", "--match", glob, "--data-dir", str(tmp_path / "data"), "--duration", "5", timeout_s=90)
+    # the warning comes with the first discovery, at once: 2 s of watching is plenty (5 s was not needed)
+    quiet = sw(tmp_path, "run", "--match", glob, "--data-dir", str(tmp_path / "data"), "--duration", "2", timeout_s=90)
     assert quiet.returncode == 0, quiet.stderr
     lines = quiet.stderr.splitlines()
     assert all(line.startswith("servewatch: ") for line in lines), quiet.stderr
     assert any(line.startswith("servewatch: warning: no target process found yet") for line in lines), quiet.stderr
-    loud = sw(tmp_path, "run", "-v", "--match", glob, "--data-dir", str(tmp_path / "data"), "--duration", "5", timeout_s=90)
+    loud = sw(tmp_path, "run", "-v", "--match", glob, "--data-dir", str(tmp_path / "data"), "--duration", "2", timeout_s=90)
     assert loud.returncode == 0, loud.stderr
     assert any(TIMESTAMPED.match(line) and "WARNING servewatch." in line for line in loud.stderr.splitlines()), loud.stderr

@@ -159,7 +159,9 @@ def test_dump_as_nobody_says_each_denial_in_one_line_and_the_verdict_says_why_no
     verdict = next(line for line in done.stdout.splitlines() if line.startswith("Verdict:"))
     assert verdict == (f"Verdict: 1 process (pid {pid}), not a distributed job: no stack; py-spy was denied:"
                        " run servewatch as root (sudo) or with CAP_SYS_PTRACE [confidence low]")
-    assert len(text.splitlines()) <= 12, text
+    lines = done.stdout.splitlines()
+    assert lines[lines.index(verdict) + 1] == f"next: sudo py-spy dump --native --pid {pid} (where it is, native frames included)"
+    assert len(text.splitlines()) <= 13, text
 
 
 def _lines_until(proc: subprocess.Popen[str], wanted: Callable[[list[str]], bool], timeout_s: float) -> list[str]:
@@ -309,6 +311,8 @@ def test_dump_of_roots_ranks_as_nobody_says_why_no_stack_in_the_verdict_and_no_g
     verdict = next(line for line in done.stdout.splitlines() if line.startswith("Verdict:"))
     assert verdict == ("Verdict: no culprit rank -- no conclusive evidence (no Flight Recorder and no stacks);"
                        " py-spy was denied: run servewatch as root (sudo) or with CAP_SYS_PTRACE [confidence low]")
+    lines = done.stdout.splitlines()
+    assert lines[lines.index(verdict) + 1] == f"next: sudo servewatch dump {' '.join(pids)} (as root: py-spy was denied)"
     coredump = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("cuda.coredump")]
     if not cuda_driver_present():
         assert coredump == ["cuda.coredump   none: no GPU/CUDA driver on this host (2 process(es))"], text

@@ -35,6 +35,16 @@ def test_defaults_validate() -> None:
     assert Settings.model_validate(s.model_dump()) == s
 
 
+def test_list_settings_default_to_a_new_list_each() -> None:
+    """The list settings' `default=[]` (no factory: see TargetConfig.pids) is never shared."""
+    a, b = load_settings(), load_settings()
+    a.target.pids.append(7)
+    a.api.names.append("x")
+    a.fleet.peers.append("h:1")
+    assert b.target.pids == [] and b.api.names == [] and b.fleet.peers == []
+    assert load_settings().target.match == [] and load_settings().api.unix_socket_uids == []
+
+
 def test_precedence_cli_over_env_over_toml_over_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _toml(
         tmp_path,

@@ -34,6 +34,11 @@ def _wait_zombie(*pids: int, timeout_s: float = 30.0) -> None:
             raise AssertionError(f"pid {pid} did not exit")
 
 
+#: The watchdog timeout of the dead-rank window test: the window is twice it (margin 0), long
+#: enough for the first checks after the orderly stop (< 1 s loaded), short enough to wait out.
+STALL_S = 2.5
+
+
 def test_an_incident_takes_dead_ranks_of_its_own_job_and_orderly_exits_only_while_recent(
     spawn, python, tmp_path: Path, monkeypatch
 ) -> None:
@@ -42,9 +47,9 @@ def test_an_incident_takes_dead_ranks_of_its_own_job_and_orderly_exits_only_whil
     b = start_tree(spawn, python, tag)
     a_ranks = [a[f"scheduler_TP{i}"] for i in range(3)]
     settings = load_settings(
-        {"data_dir": tmp_path / "data", "target": {"match": [f"sglang::scheduler*_{tag}"]}, "watchdog": {"timeout_s": 5.0}}
+        {"data_dir": tmp_path / "data", "target": {"match": [f"sglang::scheduler*_{tag}"]}, "watchdog": {"timeout_s": STALL_S}}
     )
-    monkeypatch.setattr(evidence_mod, "DEAD_RANK_MARGIN_S", 0.0)  # window: 2 x 5 s
+    monkeypatch.setattr(evidence_mod, "DEAD_RANK_MARGIN_S", 0.0)  # window: 2 x STALL_S
     agent = Agent(settings)
     assert {t.pid for t in agent.discover()} == {*a_ranks, b["scheduler_TP0"], b["scheduler_TP1"]}
 
@@ -55,7 +60,7 @@ def test_an_incident_takes_dead_ranks_of_its_own_job_and_orderly_exits_only_whil
     # the stall of a's rank 0: a's dead rank is evidence, b's are not
     assert {t.pid for t in agent.incident_targets(a["scheduler_TP0"])} == set(a_ranks)
 
-    time.sleep(2 * 5.0 + 1.0)  # past the window
+    time.sleep(2 * STALL_S + 1.0)  # past the window
     os.kill(a["scheduler_TP1"], signal.SIGKILL)  # a crash in a's job
     _wait_zombie(a["scheduler_TP1"])
     # the orderly stop long before is not a dead rank of this incident; the crash is

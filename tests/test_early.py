@@ -186,3 +186,41 @@ def _no_pyspy_left(pid: int) -> bool:
             if argv and argv[0].endswith(b"py-spy") and str(pid).encode() in argv:
                 return False
     return True
+
+
+#: Run by the console entry (agent.entry.main) with early.start replaced: what is imported when
+#: the early py-spy runs start, and the pids they would dump.
+_AT_START_PROBE = """
+import json, sys
+from agent import early
+def start(args, exe=None):
+    print(json.dumps({"pids": early.plan(args), "modules": sorted(sys.modules)}), flush=True)
+    raise SystemExit(0)
+early.start = start
+sys.argv = ["servewatch", *json.loads(sys.argv[1])]
+from agent.entry import main
+main()
+"""
+
+#: What a one-shot dump imports only after its early py-spy runs started: the CLI framework, the
+#: settings (pydantic, pydantic-settings), the event loop, process scans, the span pipeline (OTel,
+#: protobuf), and (checked apart) every servewatch module but the entry, agent.early and the package.
+_AFTER_EARLY = ("typer", "click", "rich", "pydantic", "pydantic_core", "pydantic_settings", "anyio", "psutil",
+                "opentelemetry", "google", "grpc", "httpx", "torch")
+
+
+def test_the_console_entry_starts_py_spy_before_any_import_but_the_standard_library(tmp_path: Path) -> None:
+    """A dump's py-spy runs (a torch target: ~0.1 s of symbol reading) start while the
+    interpreter has loaded the standard library, agent.entry and agent.early only: everything
+    servewatch itself imports (~0.3 CPU-second) overlaps them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
+    r = subprocess.run(
+        [sys.executable, "-c", _AT_START_PROBE, json.dumps(["dump", "--pid", "2147483646", "--data-dir", "d", "--json"])],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["pids"] == [2147483646]  # the probe saw the real start, for a dump it starts
+    ours = sorted(m for m in got["modules"] if m == "agent" or m.startswith(("agent.", "exporters")))
+    assert ours == ["agent", "agent.early", "agent.entry"]
+    assert [m for m in got["modules"] if m.split(".")[0] in _AFTER_EARLY] == []

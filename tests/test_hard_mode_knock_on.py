@@ -15,24 +15,17 @@ import time
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 from agent.bus import RecordingBus
 from agent.config import load_settings
 from agent.demo import TORCH_MISSING_MESSAGE, torch_available
-from agent.demo.client import DemoServer, agenerate, ainject_hang
+from agent.demo.client import DemoServer
 from agent.incidents import IncidentRecord
 from agent.runtime import Agent
+from tests.demo.hang import hang_a_watched_rank
 
 pytestmark = pytest.mark.skipif(not torch_available(), reason=TORCH_MISSING_MESSAGE)
-
-
-async def _hung_request(base_url: str) -> None:
-    try:
-        await agenerate(base_url, "meets the hang", 4, timeout_s=120.0)
-    except httpx.HTTPError:
-        pass  # the server loses its ranks under it
 
 
 async def test_hard_mode_knock_on_exits_are_recorded_not_a_second_incident(tmp_path: Path) -> None:
@@ -49,11 +42,7 @@ async def test_hard_mode_knock_on_exits_are_recorded_not_a_second_incident(tmp_p
             agent = Agent(settings, on_incident=records.append)
             async with anyio.create_task_group() as tg:
                 await tg.start(agent.run)
-                await agenerate(server.base_url, "warm-up", 2)
-                while not {tp0, tp1} <= set(agent.watched_step_pids):
-                    await anyio.sleep(0.05)
-                await ainject_hang(server.base_url, tp_rank=1)
-                tg.start_soon(_hung_request, server.base_url)
+                await hang_a_watched_rank(agent, server, tg, tp_rank=1)
                 # both ranks exit: the signalled one and, through the broken collective, the other
                 while not {tp0, tp1} <= agent.incidents.exits_handled:
                     await anyio.sleep(0.1)

@@ -25,6 +25,7 @@ from agent.events import (
     now_ns,
 )
 from agent.incidents import IncidentConfig, IncidentManager, InflightRequest
+from agent.summary import summary_lines
 from agent.targets import Target
 
 
@@ -295,6 +296,29 @@ async def test_hard_mode_signals_per_policy_and_verdict(tmp_path: Path, spawn, p
             assert proc.poll() is None
     manifest = json.loads(record.manifest_path.read_text())
     assert manifest["verdict"]["reason"] == "test"
+
+
+async def test_the_verdict_says_the_servers_own_watchdog_fired_in_the_incidents_window_and_again_at_close(tmp_path: Path) -> None:
+    """``server_dumps`` is asked with the incident's open time, now and its targets' pids, once the
+    verdict is made and again when it closes: its lines join the verdict's evidence, a later run's
+    line replacing the earlier set (never twice)."""
+    asked: list[tuple[int, int, list[int]]] = []
+
+    def server_dumps(opened_ns: int, until_ns: int, pids: Sequence[int]) -> list[str]:
+        asked.append((opened_ns, until_ns, list(pids)))
+        lines = [("SGLang's own watchdog fired: pid 101 'sglang::scheduler' ran '/bin/sh -c py-spy dump --native --pid 101'"
+                  " (pid 7), seen at 00:00:01.000 UTC")]
+        return lines if len(asked) == 1 else [lines[0] + ", 2 runs"]
+
+    mgr = _manager(tmp_path, RecordingBus(), Timeline(), judge=_FixedJudge(101), server_dumps=server_dumps)
+    record = await mgr.open_incident("stall", pid=101)
+    opened = record.opened.time_unix_nano
+    assert [(a[0], a[2]) for a in asked] == [(opened, [101, 102])] * 2 and opened <= asked[0][1] <= asked[1][1]
+    evidence = json.loads(record.manifest_path.read_text())["verdict"]["evidence"]
+    assert evidence == [("SGLang's own watchdog fired: pid 101 'sglang::scheduler' ran '/bin/sh -c py-spy dump --native"
+                         " --pid 101' (pid 7), seen at 00:00:01.000 UTC, 2 runs")], evidence
+
+    assert summary_lines(record)[1:2] == evidence  # said right after the verdict's headline
 
 
 def _proc_status(pid: int) -> str:

@@ -79,7 +79,14 @@ def test_ctrl_c_of_the_demo_server_while_run_watches_opens_no_incident(spawn, py
         time.sleep(1.0)
         os.killpg(server.pid, signal.SIGINT)  # Ctrl-C in the server's terminal: its whole foreground group
         assert server.wait(timeout=60) == 0
-        time.sleep(8.0)  # both ends (each settles up to 3 s), and any health failure that would follow
+        # both ends (each settles up to 3 s), and any health failure that would follow: 8 s; with
+        # a health URL, until the agent said what the closed port's failed checks led to ("health
+        # detected (...)": it judges them after the ranks' exits, and says so unless it opens a
+        # health incident) and 1 s more, at most the same 8 s
+        settled = time.monotonic() + 8.0
+        while not netns and b"health detected" not in err.read_bytes() and time.monotonic() < settled:
+            time.sleep(0.1)
+        time.sleep(max(0.0, min(1.0 if not netns else 8.0, settled - time.monotonic())))
         run.send_signal(signal.SIGINT)
         run.communicate(timeout=60)
         printed = err.read_text()
@@ -114,6 +121,43 @@ def test_a_rank_killed_9_opens_one_incident_and_the_failing_health_check_none(sp
     assert [m["trigger"] for m in found] == ["exit"], printed
     assert f"pid {victim} " in found[0]["detail"] and "signal 9 (SIGKILL)" in found[0]["detail"], found[0]["detail"]
     assert "health detected" in printed and found[0]["incident_id"] in printed.split("health detected", 1)[1], printed
+
+
+@pytest.mark.timeout(300)
+def test_a_quick_stop_and_restart_of_the_demo_server_is_said_and_opens_no_incident(spawn, python, tmp_path: Path) -> None:
+    """A deploy: the demo server stopped (Ctrl-C) and started again at once on the same port with
+    new pids. Before: a health incident 30 s later, after /health was 200 again, dumping the new
+    healthy ranks. Now: the stop, the new ranks and the recovery are said, no incident."""
+    env = {**cli_env(tmp_path), "SERVEWATCH_HEALTH__INTERVAL_S": "0.5", "SERVEWATCH_HEALTH__UNHEALTHY_AFTER": "2"}
+    prefix = f"life{uuid.uuid4().hex[:6]}"
+    server, info = _start_demo(spawn, python, tmp_path, prefix, env)
+    port = info["base_url"].rsplit(":", 1)[1]
+    err = tmp_path / "run.err"
+    run = _run_cli(spawn, tmp_path, ["run", "--health-url", info["base_url"] + "/health", "--match",
+                                     f"{prefix}::scheduler*", "--data-dir", "data"], err, env)
+    _wait_for(err, b"watching 2 target processes", run)
+    _wait_for(err, b"health: 200 OK", run)
+    os.killpg(server.pid, signal.SIGINT)
+    assert server.wait(timeout=60) == 0
+    ready = tmp_path / "ready-again.json"
+    spawn([python, "-m", "agent.demo.server", "--tp", "2", "--port", port, "--title-prefix", prefix,
+           "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    _wait_for(err, b"lifecycle: server started again", run, timeout_s=200)
+    deadline = time.monotonic() + 200
+    while not ready.exists():  # the new server serves
+        assert time.monotonic() < deadline and run.poll() is None, err.read_text()
+        time.sleep(0.1)
+    again = json.loads(ready.read_text())
+    time.sleep(5.0)  # /health is 200 again (if it ever failed, the failure is judged by now)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    printed = err.read_text()
+    assert manifests(tmp_path / "data") == [], printed
+    assert "lifecycle: server stopped: none of its watched processes runs any more" in printed, printed
+    failed = [line for line in printed.splitlines() if "health detected" in line]
+    assert all(line.endswith("no incident") for line in failed), printed  # healthy again, or the stopped server
+    started = next(line for line in printed.splitlines() if "lifecycle: server started again" in line)
+    assert all(f"pid {pid} " in started for pid in again["scheduler_pids"]), (started, again)
 
 
 def test_run_root_pid_stops_once_its_server_ended(spawn, python, tmp_path: Path) -> None:
@@ -251,7 +295,8 @@ def test_ranks_reaped_at_once_with_no_kernel_events_are_unknown_and_their_server
     for line in seen:
         unknown = "exit status unknown" in line and "went down with it" in line \
             and "-> no incident: stopped with its whole server (exit status unknown)" in line
-        read = "killed by SIGTERM" in line and "[/proc while a zombie]" in line and "-> no incident: stopped with its whole server" in line
+        read = "killed by SIGTERM" in line and "[/proc while a zombie]" in line \
+            and ("-> no incident: stopped with its whole server" in line or "-> no incident: stopped by SIGTERM" in line)
         assert unknown or read, printed
     assert any("exit status unknown" in line for line in seen) or "[/proc while a zombie]" in printed, printed
 
@@ -320,3 +365,94 @@ def test_a_process_killed_while_its_server_serves_is_one_incident_though_the_ser
     assert pid in verdict.get("culprit_pids", []), verdict
     others = [line for line in printed.splitlines() if line.startswith("  pid ") and not line.startswith(f"  pid {pid} ")]
     assert len(others) == 3 and all("-> no incident" in line or "-> no new incident" in line for line in others), printed
+
+
+def test_an_engine_left_alive_after_its_api_server_was_killed_is_named_with_its_memory(spawn, python,
+                                                                                        tmp_path: Path) -> None:
+    """vLLM #55510's shape: the API server SIGKILLed, EngineCore and its workers live on under pid
+    1 holding memory (the next start OOMs). Before: `run --root-pid` said nothing of them."""
+    server, info = _start_engine_server(spawn, python, tmp_path, "--tp", "2")
+    run, err = _watch_engine_server(spawn, tmp_path, info)
+    os.kill(info["frontend"], signal.SIGKILL)
+    assert server.wait(timeout=60) == -signal.SIGKILL
+    _wait_for(err, b"still alive after it ended", run, timeout_s=60)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    printed = err.read_text()
+    line = next(line for line in printed.splitlines() if "lifecycle: 3 process(es) of pid" in line)
+    assert line.split("lifecycle: ")[1].startswith(f"3 process(es) of pid {info['frontend']} "), line
+    assert "signal 9 (SIGKILL)" in line and " under pid " in line and " holding " in line, line
+    assert all(f"pid {pid} " in line for pid in (info["engine"], *info["workers"])), line
+    frontend = next(row for row in printed.splitlines() if row.startswith(f"  pid {info['frontend']} "))
+    assert "3 process(es)" in frontend and "still alive" in frontend, printed
+    # still its server's processes: still targets, and the API server's exit incident holds them
+    assert f"pid {info['engine']} 'VLLM::EngineCore' outlived its root pid ({info['frontend']} ended)" in printed, printed
+    found = manifests(tmp_path / "data")
+    assert [m["trigger"] for m in found] == ["exit"], printed
+    assert {info["engine"], *info["workers"]} <= {t["pid"] for t in found[0]["targets"]}, found[0]["targets"]
+    assert "before any rank started" not in printed, printed
+
+
+def test_run_root_pid_stops_soon_after_its_servers_whole_tree_ended_under_a_shell_that_lives_on(
+        spawn, python, tmp_path: Path) -> None:
+    """The server started from a shell script that goes on after it (``vllm serve ...; sleep``):
+    its API server SIGKILLed, then its engine and workers. Before: every exit after the API
+    server's waited for the shell above it to end (60 s) before it was reported, and the agent
+    ran on for as long. Now it stops within seconds, saying why, exit 0."""
+    ready = tmp_path / "engine-ready.json"
+    spawn(["/bin/sh", "-c", '"$0" "$@"; sleep 100', python, str(ENGINE_SERVER), "--ready-file", str(ready),
+           "--tp", "2"], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline, "engine server did not start"
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    run, err = _watch_engine_server(spawn, tmp_path, info)
+    os.kill(info["frontend"], signal.SIGKILL)
+    time.sleep(1.0)
+    for pid in (*info["workers"], info["engine"]):  # the operator cleans up what was left
+        os.kill(pid, signal.SIGKILL)
+    ended = time.monotonic()
+    assert run.wait(timeout=90) == 0, err.read_text()
+    took_s = time.monotonic() - ended
+    printed = err.read_text()
+    assert f"root pid {info['frontend']} " in printed and "nothing left to watch, stopping" in printed, printed
+    assert took_s < 30, (took_s, printed)
+
+
+CRASH_LOOP_SUPERVISOR = """
+import subprocess, sys, time
+engine = ("import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); time.sleep(2.5);"
+          " raise SystemExit('engine: CUDA out of memory at start')")
+deadline = time.monotonic() + 90
+while time.monotonic() < deadline:  # systemd's Restart=always, RestartSec=0.5
+    subprocess.run([sys.executable, "-c", engine, sys.argv[1]], stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+"""
+
+
+def test_a_supervisor_restarting_an_engine_that_exits_1_is_one_crash_loop_incident(spawn, python,
+                                                                                   tmp_path: Path) -> None:
+    """Each engine exits 1 after 2.5 s and is started again: `run --match` finds each new one
+    and sees it exit. Before: one incident for the first exit, the others only suppressed by the
+    cooldown; the loop was never named. Now one incident counts them, naming the status."""
+    title = f"VLLM::EngineCore_{uuid.uuid4().hex[:6]}"
+    spawn([python, "-c", CRASH_LOOP_SUPERVISOR, title])
+    err = tmp_path / "run.err"
+    run = _run_cli(spawn, tmp_path, ["run", "--match", title, "--data-dir", "data"], err, cli_env(tmp_path))
+    _wait_for(err, b"lifecycle: crash loop:", run, timeout_s=90)
+    deadline = time.monotonic() + 30
+    while True:  # one more exit, only counted
+        found = manifests(tmp_path / "data")
+        if found and found[0].get("crash_loop_exits", 0) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    printed = err.read_text()
+    found = manifests(tmp_path / "data")
+    assert [m["trigger"] for m in found] == ["exit"], printed
+    assert found[0]["crash_loop_exits"] >= 4, found[0]
+    (loop,) = [line for line in found[0]["lifecycle"] if line.startswith("crash loop:")]
+    assert f"{title!r} exited 3 times" in loop and "(exit code 1," in loop, loop
+    assert "suppressed by cooldown" not in printed, printed

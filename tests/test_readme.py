@@ -281,7 +281,10 @@ def test_readme_walkthrough_runs_as_written_and_really_hangs_the_server(tmp_path
         if c.text.rstrip().endswith("&"):
             extra["timeout_s"] = 10
         if "timeline latest" in c.bare and c.bare.startswith("sleep "):
+            # the README's `sleep 15` is a person's wait for the incident: the step waits for it
+            # (run's verdict line) instead, then runs the rest of the line as written
             extra["wait"] = {"id": _id(watcher), "pattern": r"^Verdict:", "timeout_s": 90}
+            extra["wait_replaces_sleep"] = True
         steps.append(_step(c, **extra))
     results = _run_scenario(tmp_path, {"steps": steps, "stop": [_id(watcher), _id(server)],
                                        "otlp_receiver_port": 4317}, timeout_s=280)
@@ -353,7 +356,11 @@ def test_paged_do_this_commands_run_as_written_on_a_hung_sglang_shaped_server(tm
     steps: list[dict[str, Any]] = [
         setup_server,
         _step(sglang_run, bg=True, ready=r"process: watching \d+ target process", timeout_s=60),
-        {"id": "stop-sglang-run", "cmd": "kill -INT $(pgrep -f -- '--watchdog-timeout 120') && sleep 3"},
+        # Ctrl-C of that run, and wait (5 s at most) until it exited (gone, or a zombie: the
+        # scenario reaps it at the end), not a fixed 3 s (12[0]: not this shell's own command line)
+        {"id": "stop-sglang-run", "cmd": "P=$(pgrep -f -- '--watchdog-timeout 12[0]') && kill -INT $P && for p in $P; do"
+                                         " for i in $(seq 50); do case $(ps -o stat= -p $p) in Z*|'') break;; esac;"
+                                         " sleep 0.1; done; done"},
         agent,
         *[_step(c, timeout_s=30) for c in traffic],
     ]

@@ -42,11 +42,12 @@ LEAVES = _leaves(settings_model())
 
 def _owners() -> dict[str, list[str]]:
     """table (or top-level setting) -> the modules that own it: the registered component's
-    factory module for its table, the agent's modules for the agent's own."""
+    factory module and its settings model's module (whose derived properties, such as
+    ``all_urls``, the factory reads) for its table, the agent's modules for the agent's own."""
     found: dict[str, list[str]] = {name: list(AGENT_MODULES) for name in AgentSettings.model_fields}
     for registry in registries().values():
         for table, entry in registry.tables().items():
-            found[table] = [entry.module]
+            found[table] = list(dict.fromkeys([entry.module, entry.config_model().__module__]))
     return found
 
 

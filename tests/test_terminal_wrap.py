@@ -53,7 +53,7 @@ kill $P; rm -rf "$SERVEWATCH_SHM_DIR"
 STATUS_SH = "servewatch status --data-dir sd\n"
 # at 120 columns a data dir this long makes the "spans: DIR/ (... replay with servewatch export)"
 # step line wider than a row, while its bundle's path (one word) still fits a row
-DEMO_SH = "SERVEWATCH_HOST_NAME=h servewatch demo --data-dir {data_dir}\n"
+DEMO_SH = "SERVEWATCH_HOST_NAME=h servewatch demo --watchdog-timeout 1.5 --data-dir {data_dir}\n"
 LONG_DATA_DIR = "demo-data-dir-long-enough-that-the-spans-line-passes-120-cols"
 
 

@@ -176,6 +176,42 @@ def test_a_stopped_rank_is_named_before_the_deadlock_it_causes() -> None:
     assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence) == ("suspended", (), (20928,), "medium"), v
 
 
+def test_a_rank_in_uninterruptible_sleep_is_named_with_its_wchan_and_frame() -> None:
+    """The field shape: rank 1 reads weights from a hung NFS mount (state D, seen at open and again
+    once the evidence was in), rank 0 waits in barrier(); before the Flight Recorder's `behind`."""
+    sleeper = RankEvidence(rank=1, pid=42, frame_class=FrameClass.COMPUTE, frame="load_weights (model.py:7)",
+                           uninterruptible=True, wchan="rpc_wait_bit_killable", steps_before=4, steps_after=4,
+                           fr=_fr(_pattern(3), 3, 3))
+    waiter = RankEvidence(rank=0, pid=41, frame_class=FrameClass.COLLECTIVE, frame="barrier (distributed_c10d.py:4881)",
+                          steps_before=4, steps_after=4, fr=_fr(_pattern(4), 4, 3))
+    v = decide([waiter, sleeper], trigger="stall")
+    assert (v.kind, v.rule, v.culprit_ranks, v.culprit_pids, v.confidence, v.hung) == (
+        "uninterruptible", "uninterruptible", (1,), (42,), "high", True), v
+    assert v.reason == ("rank 1 (pid 42) is in uninterruptible sleep (D) in rpc_wait_bit_killable at load_weights "
+                        "(model.py:7): the kernel is waiting on a filesystem or device; waiting for it: rank 0 in "
+                        "barrier (distributed_c10d.py:4881)"), v.reason
+    assert any("uninterruptible sleep (D) in rpc_wait_bit_killable" in line for line in v.evidence), v.evidence
+    assert v.next_step.startswith("cat /proc/42/stack (where in the kernel it waits, as root), then ls -l /proc/42/fd")
+    # no progress reading (a one-shot dump): still named, at medium; its wchan hidden: said so
+    v = decide([waiter, verdict_mod.replace(sleeper, wchan="", steps_before=None, steps_after=None, fr=None)], trigger="manual")
+    assert (v.kind, v.culprit_pids, v.confidence) == ("uninterruptible", (42,), "medium"), v
+    assert "in uninterruptible sleep (D) in an unknown kernel function at load_weights" in v.reason
+    # seen once only (a brief disk read: not in D again when the evidence was in): not the culprit
+    assert decide([waiter, verdict_mod.replace(sleeper, uninterruptible=False)], trigger="stall").kind != "uninterruptible"
+    # in D but its steps advance: a slow read, not a hang
+    assert decide([verdict_mod.replace(waiter, steps_after=9),
+                   verdict_mod.replace(sleeper, steps_after=9)], trigger="manual").kind != "uninterruptible"
+    # in D with nobody waiting for it and no progress reading: nothing says it hangs
+    lone = decide([verdict_mod.replace(waiter, frame_class=FrameClass.COMPUTE, frame="f (m.py:1)", fr=None),
+                   verdict_mod.replace(sleeper, steps_before=None, steps_after=None, fr=None)], trigger="manual")
+    assert lone.kind != "uninterruptible", lone
+    # one process, no distributed job: never a culprit, but its D state is said
+    single = decide([RankEvidence(pid=7, role=verdict_mod.Role.PROCESS, frame_class=FrameClass.COMPUTE, frame="main (m.py:3)",
+                                  uninterruptible=True, wchan="kernel_clone")])
+    assert single.kind == "single" and single.reason.endswith(
+        "in main (m.py:3); a thread in uninterruptible sleep (D) in kernel_clone"), single.reason
+
+
 def test_no_evidence_is_unknown() -> None:
     v = decide([RankEvidence(rank=0), RankEvidence(rank=1)])
     assert (v.kind, v.culprit_ranks, v.confidence) == ("unknown", (), "low")
@@ -495,3 +531,74 @@ def test_the_sdks_own_threads_in_the_sdks_code_are_idle_never_stuck() -> None:
     named = ThreadStack(pid=1, thread_id=5, os_thread_id=5, thread_name="worker", active=True, frames=(
         _f("step", _SP + "agent/sdk/steps.py", 50), *boot))
     assert not thread_is_idle(named)
+
+
+def test_a_frontend_that_died_leaving_its_ranks_alive_names_them_and_their_memory() -> None:
+    """The incident of a :class:`~agent.events.FrontendExited` (its real shape: the frontend's pid,
+    title and exit, the survivors' pids and titles, the memory they hold, their new parent).
+    Before: "1 process (pid <frontend>), not a distributed job: exited with SIGKILL" and a dmesg
+    next step. Now: ``orphaned``, the survivors the culprits, ``kill`` them the next step."""
+    import signal
+    import subprocess
+    import sys
+
+    from agent.events import ExitFact, FrontendExited
+    from agent.judge import VerdictJudge
+    from agent.targets import Target
+    from agent.verdict import hard_signal_plan, next_step_of
+
+    # the frontend: a process that was SIGKILLed and is gone; the survivors: two live processes
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone.kill()
+    gone.wait(timeout=10)
+    survivors = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        a, b = (p.pid for p in survivors)
+        cause = FrontendExited(
+            source="process", pid=gone.pid, signal=int(signal.SIGKILL), title="python -m demo.launch_server",
+            fact=ExitFact.of(gone.pid, None, int(signal.SIGKILL)), left_alive=(a, b),
+            left_alive_titles=("demo::scheduler_TP0", "demo::scheduler_TP1"), held_bytes=400_000_000, reparented_to=1)
+        targets = [Target(pid=a, title="demo::scheduler_TP0"), Target(pid=b, title="demo::scheduler_TP1")]
+        v = VerdictJudge(warm_up=False)._decide(targets, [], cause, {})
+    finally:
+        for p in survivors:
+            p.kill()
+            p.wait(timeout=10)
+    assert v is not None
+    assert (v.kind, v.rule, v.confidence, v.hung) == ("orphaned", "frontend_exited", "high", False)
+    assert v.culprit_pids == (a, b)
+    assert v.headline() == (
+        f"Verdict: server's frontend pid {gone.pid} 'python -m demo.launch_server' exited (signal 9 (SIGKILL)); "
+        f"2 processes of it still alive under pid 1 holding 0.40 GB: pid {a} 'demo::scheduler_TP0', "
+        f"pid {b} 'demo::scheduler_TP1' [confidence high]")
+    line = (f"kill {a} {b} (they hold the server's memory: a restart beside them can run out of memory), "
+            "then restart the server")
+    assert v.next_step == line
+    assert next_step_of({**v.to_json(), "next": ""}) == line  # an older bundle's, rebuilt
+    assert hard_signal_plan(v, target_pids=[a, b], stalled_pid=None)[0] == []  # not hung: hard mode leaves them
+
+
+def test_survivors_that_ended_before_the_verdict_are_not_orphans() -> None:
+    """Every process left alive ended before it was judged: no ``orphaned`` verdict."""
+    ev = Evidence.of([RankEvidence(pid=40, role=verdict_mod.Role.PROCESS, title="launcher", alive=False,
+                                   exited_first=True, exit_signal="SIGKILL"),
+                      RankEvidence(rank=0, pid=41, alive=False, exit_code=0)],
+                     trigger="exit", orphaned_pids=(41,), orphaned_bytes=1)
+    assert decide(ev).kind != "orphaned"
+
+
+def test_the_servers_own_watchdog_dumping_a_process_too_reaches_the_verdict(spawn, python) -> None:
+    """The py-spy actor's note that SGLang's own watchdog dumped the process too
+    (``servewatch.pyspy.note``) is said in the verdict of that process."""
+    from agent.actors.pyspy import NOTE_ATTR
+    from agent.events import Action, ActionResult, Outcome, frozen_attrs
+    from agent.judge import VerdictJudge
+    from agent.targets import Target
+
+    proc = spawn([python, "-c", "import time; time.sleep(60)"])
+    note = "SGLang's own watchdog fired: it ran py-spy pid 7 'py-spy dump --native --pid 8' started by pid 8 'sglang::scheduler' on this process too"
+    dump = ActionResult(action=Action.PYSPY_DUMP, outcome=Outcome.OK, pid=proc.pid,
+                        attributes=frozen_attrs({"process.pid": proc.pid, NOTE_ATTR: note}))  # fmt: skip
+    v = VerdictJudge(warm_up=False)._decide([Target(pid=proc.pid, title="python")], [dump], None, {})
+    assert v is not None
+    assert note in v.reason, v.reason

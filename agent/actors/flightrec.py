@@ -249,7 +249,9 @@ class FlightRecorderActor:
         attrs["servewatch.flightrec.source"] = read.source
         attrs.update(summarize_trace(trace))
         if not trace.get("entries") and not trace.get("pg_status"):
-            return result(Outcome.NOT_ENABLED, f"{read.source}: the Flight Recorder is empty (set {FR_BUFFER_ENV} before init_process_group)")
+            # an armed recorder before its first collective reads the same as one never armed
+            return result(Outcome.NOT_ENABLED, f"{read.source}: the Flight Recorder holds no collective: none ran yet since"
+                                               f" init_process_group, or it is off ({FR_BUFFER_ENV} unset before init_process_group)")
         doc = {"pid": target.pid, "title": target.title, "rank": rank, "source": read.source,
                "captured_time_unix_nano": now_ns(), "trace": trace}
         name = f"flightrec-rank{rank if rank is not None else 'x'}-{target.pid}.json"

@@ -22,7 +22,8 @@ A session, per backend:
     per FIELD-NOTES); SGLang stops itself after ``num_steps``. The actor waits for new trace
     files in ``output_dir`` to appear and stop growing; past the deadline it calls
     ``POST /stop_profile``. SGLang answers a stop with nothing running with an error ("Profiling
-    is not in progress", an HTTP 500): that is ``already_stopped``, not a failure.
+    is not in progress", an HTTP 500; SGLang 0.5.23's body is a bare "Internal Server Error"):
+    after its trace was written, that is ``already_stopped``, not a failure.
 ``vllm``
     vLLM's ``POST /start_profile`` with ``{"max_iterations": N, "profile_prefix": P}`` (vLLM
     0.32's body: its workers record exactly N engine steps and stop by themselves), then always
@@ -77,6 +78,7 @@ from agent.events import (
 )
 from agent.fsutil import OUTSIDE_SESSION, Claimed, SessionFolder, UnsafeFolderError
 from agent.lazy import LazyModule
+from agent.ownactions import PROFILE_MARGIN_S, OwnActionLog
 from agent.sdk.folders import shm_dir
 from agent.sdkclient import (
     SdkCallError,
@@ -372,6 +374,9 @@ class ProfilerActor:
         self._progress = progress
         self._transport = transport
         self._busy = anyio.Lock()
+        #: where each session is recorded while it runs (a profile's start, warm-up and trace
+        #: writing stall the server: its stall rule is paused meanwhile); memory only by default
+        self.own_actions = OwnActionLog(None)
 
     # -- entry points -------------------------------------------------------------------------
 
@@ -461,13 +466,34 @@ class ProfilerActor:
     async def profile(self, req: SessionRequest, *, pid: int | None = None) -> ActionResult:
         """Run one session and return its result; never raises for the target's misbehaviour.
 
+        While it runs it is recorded as a ``profile`` own action of ``pid`` (or of the server's
+        port, for the HTTP backends), bounded by the session's own bound (``req.timeout_s`` plus
+        the find and stop bounds) and :data:`agent.ownactions.PROFILE_MARGIN_S`: the server's
+        stall rule is paused meanwhile (:mod:`agent.watchers.watchdog`).
+
         The target writes into a session folder the agent creates (:class:`SessionFolder`:
         ``req.output_dir`` itself when the agent makes it now or it is the agent's own private
         folder, else a fresh sub-folder); its files are taken only from there."""
         backend = self.config.backend
-        s = _Session(backend, req, pid)
         if backend == "sdk" and pid is None:
-            return s.result(Outcome.FAILED, "the sdk backend needs a target pid")
+            return _Session(backend, req, pid).result(Outcome.FAILED, "the sdk backend needs a target pid")
+        c = self.config
+        port = None if backend == "sdk" else _url_port(c.base_url)
+        bound_s = req.timeout_s + c.find_timeout_s + c.stop_timeout_s + PROFILE_MARGIN_S
+        with anyio.CancelScope(shield=True):
+            server = pid if backend == "sdk" else await anyio.to_thread.run_sync(_local_listener, c.base_url)
+            token = await anyio.to_thread.run_sync(partial(
+                self.own_actions.begin, "profile", pid=server, port=port, bound_s=bound_s,
+                detail=f"{req.num_steps} step(s), {backend}"))
+        try:
+            return await self._profile(req, pid=pid)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                await anyio.to_thread.run_sync(self.own_actions.end, token)
+
+    async def _profile(self, req: SessionRequest, *, pid: int | None = None) -> ActionResult:
+        backend = self.config.backend
+        s = _Session(backend, req, pid)
         if backend == "vllm":  # vLLM writes to its own launch-time folder: nothing to create
             try:
                 return await self._http_session(s)
@@ -691,6 +717,11 @@ class ProfilerActor:
             )
         finally:
             stop_status = await self._stop(s, client)  # "not in progress" once it stopped itself
+        if files and stop_status == "failed:500":
+            # SGLang 0.5.23 raises "Profiling is not in progress" inside its handler: the client
+            # gets a bare 500 ("Internal Server Error", the message only in the server's log).
+            # Its trace was written before the stop: it stopped by itself after num_steps.
+            stop_status = s.attrs["servewatch.profile.stop"] = "already_stopped"
         if not files:
             files = await find_new_files(
                 req.output_dir, before, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_interval_s=c.poll_interval_s
@@ -808,6 +839,31 @@ class ProfilerActor:
             return exc
 
 
+def _url_port(url: str | None) -> int | None:
+    """The port of ``url`` (:func:`agent.servers.port_of_url`), ``None`` without one."""
+    from agent.servers import port_of_url
+
+    return port_of_url(url) if url else None
+
+
+def _local_listener(url: str | None) -> int | None:
+    """The process listening on ``url``'s port when ``url`` names this host (loopback or
+    ``localhost``): the server's frontend, whose process group holds its engine and workers;
+    ``None`` for another host or when none is found (blocking: reads the socket table)."""
+    from urllib.parse import urlsplit
+
+    from agent.servers import listener_of_port
+
+    port = _url_port(url)
+    try:
+        host = urlsplit(url or "").hostname or ""
+    except ValueError:
+        return None
+    if port is None or host not in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+        return None
+    return listener_of_port(port)
+
+
 def _error_text(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {exc}"[:160]
 
@@ -870,6 +926,7 @@ async def profile_once(
     out_dir: Path | None = None,
     timeout_s: float | None = None,
     progress: Callable[[str], None] | None = None,
+    own_actions: OwnActionLog | None = None,
 ) -> ActionResult:
     """``servewatch profile --steps N [--start-step S] [--activities CPU,GPU] [--out DIR]``.
 
@@ -879,11 +936,15 @@ async def profile_once(
             socket folder (``FAILED`` when there are none or several).
         steps / start_step / activities / out_dir / timeout_s: override the config.
         progress: called with what the session waits for now (:class:`ProfilerActor`).
+        own_actions: where the session is recorded while it runs (an agent watching the server
+            on the same data dir pauses its stall rule meanwhile); ``None``: memory only.
 
     Returns:
         The session's result (``OK`` with the trace paths, or why not).
     """
     actor = ProfilerActor(config, progress=progress)
+    if own_actions is not None:
+        actor.own_actions = own_actions
     make_request = partial(
         actor.request, num_steps=steps, start_step=start_step, activities=activities, output_dir=out_dir, timeout_s=timeout_s
     )
@@ -905,4 +966,6 @@ def create(config: ProfilerConfig, ctx: BuildContext) -> ProfilerActor | None:
     ``ctx.stalled`` tells it when a profile could never finish."""
     if config.on_incident_steps <= 0:
         return None
-    return ProfilerActor(config, stalled=ctx.stalled)
+    actor = ProfilerActor(config, stalled=ctx.stalled)
+    actor.own_actions = OwnActionLog(ctx.agent.data_dir, ctx.agent.host_name)
+    return actor

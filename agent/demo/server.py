@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -169,6 +170,8 @@ class DemoFrontend:
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        #: monotonic time until which an injected hang may hold a forward (``inf``: for good)
+        self._hang_until = 0.0
         self._dispatcher: threading.Thread | None = None
         self.scheduler_pids: list[int] = []
         self.errors: list[str] = []
@@ -245,9 +248,10 @@ class DemoFrontend:
     def stop(self, grace_s: float = 4.0) -> None:
         """Stop the ranks: ask, then SIGTERM, then SIGKILL.
 
-        A hung rank never reads the request, so asking waits only ``grace_s / 2``; SIGTERM (which a
-        rank turns into a clean exit that removes its step-counter file) and SIGKILL wait at most
-        ``grace_s`` each, in seconds.
+        A hung rank never reads the request, so asking waits only ``grace_s / 2``, and not at all
+        while an injected hang may still hold a forward (its peers wait in the collective: none
+        reads it); SIGTERM (which a rank turns into a clean exit that removes its step-counter
+        file) and SIGKILL wait at most ``grace_s`` each, in seconds.
         """
         self._stop.set()
         for inbox in self._inboxes:
@@ -262,6 +266,8 @@ class DemoFrontend:
             if escalate is not None:
                 for proc in alive:
                     getattr(proc, escalate)()
+            if escalate is None and time.monotonic() < self._hang_until:
+                continue  # hung: asking would only wait out grace_s / 2
             deadline = time.monotonic() + (grace_s / 2 if escalate is None else grace_s)
             for proc in alive:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -303,6 +309,8 @@ class DemoFrontend:
 
     def inject_hang(self, tp_rank: int, seconds: float | None) -> None:
         """Arm a one-shot hang in rank ``tp_rank``'s next forward (``None``: forever)."""
+        until = math.inf if seconds is None else time.monotonic() + seconds + 1.0  # + its forward's start
+        self._hang_until = max(self._hang_until, until)
         self._inboxes[tp_rank].put(("hang", seconds))
 
     def info(self, host: str, port: int) -> dict[str, Any]:
@@ -333,6 +341,10 @@ class _HangBody(BaseModel):
 class _Handler(BaseHTTPRequestHandler):
     server_version = "servewatch-demo/0.1"
     protocol_version = "HTTP/1.1"
+    #: an idle keep-alive connection is closed after 5 s, as uvicorn (vLLM's, SGLang's server)
+    #: does: a connection held open and quiet longer is a request in flight to the agent
+    #: (``metrics.open_request_quiet_s``), never an idle client's
+    timeout = 5.0
     frontend: DemoFrontend  # set on the subclass made by serve()
 
     def log_message(self, format: str, *args: Any) -> None:

@@ -69,8 +69,9 @@ class ApiConfig(BaseModel):
         1.0, gt=0, description="failed authentications per second allowed, all client addresses together (token guessing)"
     )
     guess_burst: int = Field(30, ge=1, description="failed authentications allowed at once, all client addresses together")
+    # `default=[]`, not `default_factory=list` (see agent.targets.TargetConfig.pids)
     names: list[str] = Field(
-        default_factory=list, max_length=64,
+        default=[], max_length=64,
         description="other names or addresses peers reach this agent by (a DNS name, a NAT address): a peer's signed"
                     " request must be made for one of this agent's own addresses or names (its interfaces', its host"
                     " name, these)",
@@ -81,7 +82,7 @@ class ApiConfig(BaseModel):
                     " 'auto' = <data_dir>/<host name>.api.sock, '' = none, or a path",
     )
     unix_socket_uids: list[int] = Field(
-        default_factory=list, max_length=64, description="uids admitted on the unix socket besides root and the agent's own"
+        default=[], max_length=64, description="uids admitted on the unix socket besides root and the agent's own"
     )
 
     @property
@@ -105,7 +106,7 @@ class FleetConfig(BaseModel):
 
     job: str | None = Field(None, min_length=1, max_length=128, description="job name; peers refuse joins for another job")
     peers: list[str] = Field(
-        default_factory=list, description="peer agents: host:port or http(s)://host:port (this agent is skipped)"
+        default=[], description="peer agents: host:port or http(s)://host:port (this agent is skipped)"
     )
     peers_dns: str | None = Field(
         None, description="name[:port] resolving to every peer (a Kubernetes headless service); resolved at each incident"

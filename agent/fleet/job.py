@@ -428,8 +428,7 @@ class Fleet:
     def _admit(self, trigger: str, detail: str) -> bool:
         """A local detection: folded when a job incident is in its window, else it claims one."""
         job = self.job
-        current = self.agent.incidents.current
-        running = job is not None and current is not None and current.opened.incident_id == job.local_incident_id
+        running = job is not None and job.local_incident_id is not None and job.local_incident_id in self.agent.incidents.running
         # a hang's symptoms (stall, failed health) on this host are the job incident's; a process
         # that exits after the job incident closed is a new fact and gets its own incident
         if self._in_window(job) and (running or trigger != Trigger.EXIT or not job.placed.is_set()):  # type: ignore[union-attr]
@@ -544,8 +543,8 @@ class Fleet:
             events = [ActionCompleted(source="fleet", incident_id=opened.incident_id, result=r) for r in job.results]
             events += job.extras
             job.extras = []
-            record = self.agent.incidents.current
-            if record is not None and record.opened.incident_id == opened.incident_id:
+            record = self.agent.incidents.running.get(opened.incident_id)
+            if record is not None:
                 judge = getattr(self.agent.incidents, "judge", None)
                 judged = list(judge.last_evidence) if judge is not None and record.verdict is not None else []
                 self._spawn(self._share_evidence, job, record.opened.incident_id, str(record.bundle_dir), judged, record.verdict)
@@ -1140,8 +1139,7 @@ class Fleet:
                 return 200, self._answer("attached", job)
             # a request that passed authentication names another trace: the coordinator's wins
             job.trace_id, job.root_span_id = tp.trace_id, tp.parent_id
-            current = self.agent.incidents.current
-            if job.local_incident_id is not None and current is not None and current.opened.incident_id == job.local_incident_id:
+            if job.local_incident_id is not None and job.local_incident_id in self.agent.incidents.running:
                 await self._move(job.local_incident_id, tp.trace_id, tp.parent_id)
                 return 200, self._answer("moved", job)
             return 200, self._answer("attached", job)
@@ -1315,9 +1313,9 @@ class Fleet:
         """``GET /v1/incidents``: this host's incidents, newest first (ids start with their UTC
         time); the open one first. Manifests are read on a worker thread."""
         out = await anyio.to_thread.run_sync(self._read_listing)
-        current = self.agent.incidents.current
-        if current is not None and all(i["incident_id"] != current.opened.incident_id for i in out):
-            out.insert(0, {**self._incident_doc(current.opened), "open": True})
+        for current in self.agent.incidents.running.values():  # every server's open one, first
+            if all(i["incident_id"] != current.opened.incident_id for i in out):
+                out.insert(0, {**self._incident_doc(current.opened), "open": True})
         return out
 
     def _read_listing(self) -> list[dict[str, Any]]:

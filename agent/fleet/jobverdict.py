@@ -26,21 +26,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.events import Trigger
 from agent.fleet.messages import Evidence, RankSummary
 from agent.flightrec_view import RankRecorder, torch_missing_ranks
+from agent.verdict import NEXT_STEPS, FrameClass, RankEvidence, Role, Verdict, decide, next_step
 from agent.verdict import Evidence as ServerEvidence
-from agent.verdict import FrameClass, RankEvidence, Role, decide
 
-__all__ = ["JOB_VERDICT_ATTR_PREFIX", "JobVerdict", "MissingHost", "judge_job", "torch_findings"]
+__all__ = ["JOB_KINDS", "JOB_NEXT_STEPS", "JOB_VERDICT_ATTR_PREFIX", "MISSING", "JobVerdict", "MissingHost",
+           "job_next_step", "judge_job", "torch_findings"]
 
 log = logging.getLogger("servewatch.fleet.verdict")
 
 #: Prefix of the job verdict's attributes on the job's root span.
 JOB_VERDICT_ATTR_PREFIX = "servewatch.job.verdict."
+
+#: The job verdict's own kind: the culprit is among the ranks nobody captured.
+MISSING = "missing"
+#: The next step of the job verdict's own kinds, in general (the docs' tables); a host's kind has
+#: its :data:`agent.verdict.NEXT_STEPS` line, said on the culprit's host (:func:`job_next_step`).
+JOB_NEXT_STEPS: dict[str, str] = {
+    MISSING: "on the host without evidence: `servewatch status` (why its agent sent nothing), then "
+             "`servewatch dump --match '<rank titles>'` there",
+}
+#: Every kind a job verdict can have: a host verdict's (:data:`agent.verdict.NEXT_STEPS`) and its own.
+JOB_KINDS: frozenset[str] = frozenset(NEXT_STEPS) | frozenset(JOB_NEXT_STEPS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +90,7 @@ class JobVerdict:
         evidence: the rule's evidence lines.
         conflicts: what was refused or set aside because a sender claimed another host's
             identity or ranks (one line each).
+        next_step: what to run or check next, on which host (:func:`job_next_step`).
     """
 
     kind: str
@@ -94,6 +107,7 @@ class JobVerdict:
     torch_analysis: tuple[str, ...] = ()
     evidence: tuple[str, ...] = field(default_factory=tuple)
     conflicts: tuple[str, ...] = ()
+    next_step: str = ""
 
     def headline(self) -> str:
         """``Job verdict: culprit rank 2 on node-b -- behind: ... [confidence high]``."""
@@ -117,6 +131,7 @@ class JobVerdict:
             f"{p}captured_ranks": len(self.captured_ranks),
             f"{p}missing_ranks": tuple(self.missing_ranks[:256]),
             f"{p}headline": self.headline()[:2000],
+            f"{p}next": self.next_step[:2000],
         }
         if self.world_size is not None:
             attrs[f"{p}world_size"] = self.world_size
@@ -133,8 +148,40 @@ class JobVerdict:
             "hosts": list(self.hosts), "missing_hosts": [{"host": m.host, "ranks": list(m.ranks), "why": m.why} for m in self.missing_hosts],
             "world_size": self.world_size, "captured_ranks": list(self.captured_ranks), "missing_ranks": list(self.missing_ranks),
             "torch_analysis": list(self.torch_analysis), "evidence": list(self.evidence), "headline": self.headline(),
-            "conflicts": list(self.conflicts),
+            "conflicts": list(self.conflicts), "next": self.next_step,
         }
+
+
+def job_next_step(kind: str, base: Verdict | None, server: ServerEvidence, *, culprits: Sequence[int],
+                  culprit_hosts: Sequence[str], hosts: Sequence[str], missing_hosts: Sequence[MissingHost]) -> str:
+    """The job verdict's ``next:`` line: for :data:`MISSING`, the first host without evidence and why;
+    otherwise the host verdict's next step (:func:`agent.verdict.next_step`, with the job's kind
+    and culprits and their pids) said on the first culprit's host, or on each host (by title,
+    since pids are per host) when nobody is named.
+
+    Returns:
+        One line (``on node-b: py-spy dump --native --pid 42 (...)``).
+    """
+    if kind == MISSING:
+        first = next((m for m in missing_hosts if set(m.ranks) & set(culprits)), missing_hosts[0] if missing_hosts else None)
+        if first is None:
+            return (f"find the host of {_ranks(culprits)} (not captured): servewatch status there, then "
+                    "servewatch dump --match '<rank titles>'")
+        ranks = f"{_ranks(first.ranks)}: " if first.ranks else ""
+        return (f"on {first.host} ({ranks}{first.why}): servewatch status (why its agent sent nothing), then "
+                "servewatch dump --match '<rank titles>' there")
+    pids = {e.rank: e.pid for e in server.ranks if e.rank is not None}
+    verdict = base or Verdict(kind=kind, hung=True, culprit_ranks=(), culprit_pids=(), reason="", confidence="low")
+    verdict = replace(verdict, kind=kind, culprit_ranks=tuple(culprits),
+                      culprit_pids=tuple(p for r in culprits if (p := pids.get(r))))
+    if culprits:
+        return f"on {culprit_hosts[0]}: {next_step(verdict, server)}"
+    # nobody named: said on every host, so by title (a pid is one host's)
+    anonymous = [replace(e, pid=None) for e in server.processes]
+    by_title = replace(server, processes=tuple(anonymous), ranks=tuple(e for e in anonymous if e.is_rank),
+                       others=tuple(e for e in anonymous if not e.is_rank))
+    where = f"on each host ({', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''})" if hosts else "on each host"
+    return f"{where}: {next_step(verdict, by_title)}"
 
 
 def _rank_evidence(r: RankSummary) -> RankEvidence:
@@ -276,11 +323,11 @@ def judge_job(
     if missing_ranks and culprits and all(r in by_rank and _in_collective(by_rank[r]) for r in culprits):
         # the ranks the captured evidence points at wait in a collective themselves: what they
         # wait for is past them, among the ranks nobody captured
-        kind, culprits, confidence = "missing", missing_ranks, "medium"
+        kind, culprits, confidence = MISSING, missing_ranks, "medium"
         reason = (f"missing: {_ranks(missing_ranks)} not captured; the captured ranks all wait in collectives"
                   f" ({base.reason if base is not None else ''}); the culprit is among the ranks not captured")
     elif not culprits and missing_ranks and (waiting_in or not ranks_ev):
-        kind, culprits, confidence = "missing", missing_ranks, "medium" if waiting_in else "low"
+        kind, culprits, confidence = MISSING, missing_ranks, "medium" if waiting_in else "low"
         where = f"every captured rank waits in {waiting_in}" if waiting_in else "no rank was captured"
         reason = f"missing: {_ranks(missing_ranks)} not captured ({where}); the culprit is among them"
     elif not culprits and flagged:
@@ -293,9 +340,12 @@ def judge_job(
     if said:
         reason += f"; {len(said)} identity conflict{'s' if len(said) != 1 else ''}: {said[0]}"
     culprit_hosts = tuple(host_of.get(r, "?") for r in culprits)
+    hosts = tuple(sorted(ev.host_name for ev in evidence))
     return JobVerdict(
         kind=kind, hung=hung, culprit_ranks=tuple(culprits), culprit_hosts=culprit_hosts, reason=reason,
-        confidence=confidence, hosts=tuple(sorted(ev.host_name for ev in evidence)), missing_hosts=tuple(missing_list),
+        confidence=confidence, hosts=hosts, missing_hosts=tuple(missing_list),
         world_size=world_size, captured_ranks=captured, missing_ranks=missing_ranks, torch_analysis=tuple(torch_lines),
         evidence=tuple(lines), conflicts=tuple(said[:16]),
+        next_step=job_next_step(kind, base, server, culprits=culprits, culprit_hosts=culprit_hosts, hosts=hosts,
+                                missing_hosts=missing_list),
     )

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from anyio import TASK_STATUS_IGNORED
-from anyio.abc import TaskStatus
-
-from agent.bus import Publisher
 from agent.registry import Registry
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: reading a status file (agent.watchers.status) needs no event loop
+    from anyio.abc import TaskStatus
+
+    from agent.bus import Publisher
     from agent.targets import Target
 
 __all__ = ["WATCHERS", "TargetWatchers", "Watcher"]
@@ -39,7 +38,7 @@ class Watcher(Protocol):
 
     name: str
 
-    async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+    async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = ...) -> None:
         """Run until cancelled; call ``task_status.started()`` once ready."""
         ...
 

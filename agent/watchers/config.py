@@ -3,30 +3,64 @@ by the watcher's registration line in :mod:`agent.watchers`): light, so that the
 without importing a watcher.
 
 Owns :class:`HealthConfig` (``[health]``, with :func:`check_http_url`), :class:`StepsConfig` and
-:class:`MetricsConfig` (``[metrics]``). The stall rule's own settings (``[watchdog]``) are the
+:class:`MetricsConfig` (``[metrics]``). Both URL tables take several servers' URLs (``url`` as a
+list, a repeated ``--health-url``/``--metrics-url``, or ``urls``): one watcher each, each URL tied
+to its server by its port. The stall rule's own settings (``[watchdog]``) are the
 agent's: :class:`agent.stall.WatchdogConfig`. Imports pydantic and the standard library only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-__all__ = ["MAX_HEALTH_BODY_BYTES", "HealthConfig", "MetricsConfig", "StepsConfig", "check_http_url"]
+__all__ = ["MAX_HEALTH_BODY_BYTES", "HealthConfig", "MetricsConfig", "StepsConfig", "check_http_url", "split_url_list"]
 
 #: Most bytes of a health answer read (the status code is what counts); the rest is not read.
 MAX_HEALTH_BODY_BYTES = 64 * 1024
 
 
-class HealthConfig(BaseModel):
+class _ServerUrls(BaseModel):
+    """The ``url``/``urls`` pair of a per-server probe table (health, /metrics): a list given as
+    ``url`` (a repeated option, a TOML array) is split by :func:`split_url_list`, each URL checked
+    by :func:`check_http_url`. The tables declare the two fields themselves (their descriptions)."""
+
+    url: str | None = None
+    urls: tuple[str, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_list(cls, data: Any) -> Any:
+        return split_url_list(data)
+
+    @field_validator("url", check_fields=False)
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return check_http_url(value)
+
+    @field_validator("urls", check_fields=False)
+    @classmethod
+    def _http_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(u for u in (check_http_url(v) for v in value) if u)
+
+    @property
+    def all_urls(self) -> tuple[str, ...]:
+        """``url`` and ``urls``, in order, each once."""
+        return tuple(dict.fromkeys(u for u in (self.url, *self.urls) if u))
+
+
+class HealthConfig(_ServerUrls):
     """User settings of the health watcher.
 
     Attributes:
         url: the health URL, e.g. ``http://127.0.0.1:30000/health`` (SGLang's default port).
-            Default ``None``: no health watcher runs.
+            Default ``None``: no health watcher runs. A list (TOML array, ``--health-url`` given
+            several times) is several servers': the first is ``url``, the others ``urls``.
+        urls: more health URLs, one per server (each probed by its own watcher; a failure opens
+            that server's incident, the server found by the URL's port). Default none.
         interval_s: seconds between probe starts (fixed rate). Default 5.0.
         timeout_s: per-probe timeout in seconds, for the whole request. Default 5.0. SGLang's
             ``/health`` and ``/health_generate`` run a one-token generation and may wait up to
@@ -49,9 +83,10 @@ class HealthConfig(BaseModel):
     """
 
     #: agent-wide values set in this table (:class:`~agent.registry.AgentValues`)
-    provides: ClassVar[Mapping[str, str]] = {"server_urls": "url"}
+    provides: ClassVar[Mapping[str, str]] = {"server_urls": "all_urls"}
 
     url: str | None = None
+    urls: tuple[str, ...] = ()
     interval_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=5.0, gt=0)
     unhealthy_after: int = Field(default=3, ge=1)
@@ -61,10 +96,15 @@ class HealthConfig(BaseModel):
     max_body_bytes: int = Field(default=MAX_HEALTH_BODY_BYTES, ge=0)
     refused_grace_s: float = Field(default=0.0, ge=0)
 
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        return check_http_url(value)
+
+def split_url_list(data: Any) -> Any:
+    """A table's ``url`` given as a list (a TOML array, a repeated ``--health-url``): the first is
+    ``url``, the rest ``urls`` (replacing any given there: the list is the whole set); other
+    input as it is."""
+    if isinstance(data, dict) and isinstance(data.get("url"), (list, tuple)):
+        given = [u for u in data["url"] if u]
+        return {**data, "url": given[0] if given else None, "urls": tuple(given[1:])}
+    return data
 
 
 def check_http_url(value: str | None) -> str | None:
@@ -91,29 +131,37 @@ class StepsConfig(BaseModel):
         counter: override of the preset's progress counter name.
         busy_gauge: override of the preset's busy gauge name.
         scrape_timeout_s: per-scrape timeout of ``/metrics`` in seconds. Default 5.0.
+        open_requests: a request the server accepted and has not answered (read from the
+            kernel's state of the connections to the URL's port, when it is local) is work
+            pending even while the busy gauge says 0: vLLM and SGLang publish their gauges only
+            after an engine step, so a hang in the first forward after an idle spell is a stall
+            only this way. Default ``True``.
+        open_request_quiet_s: a connection to the server quiet both ways for this long and still
+            open holds a request (a streaming response); keep it above the server's HTTP
+            keep-alive timeout (uvicorn's default: 5 s). Default 10.0.
     """
 
     metrics_preset: Literal["sglang", "vllm"] | None = "sglang"
     counter: str | None = None
     busy_gauge: str | None = None
     scrape_timeout_s: float = Field(default=5.0, gt=0)
+    open_requests: bool = True
+    open_request_quiet_s: float = Field(default=10.0, gt=0)
 
 
-class MetricsConfig(StepsConfig):
+class MetricsConfig(StepsConfig, _ServerUrls):
     """Prometheus ``/metrics`` scrape used as the forward-progress source when the SDK is absent.
 
-    Adds ``url`` to :class:`StepsConfig` (presets, overrides, timeout).
+    Adds ``url`` to :class:`StepsConfig` (presets, overrides, timeout); ``url`` as a list (or
+    ``urls``) is several servers' ``/metrics``, one watchdog each (same preset), a stall opening
+    that server's incident (the server found by the URL's port).
     """
 
     #: agent-wide values set in this table (:class:`~agent.registry.AgentValues`)
-    provides: ClassVar[Mapping[str, str]] = {"server_urls": "url"}
+    provides: ClassVar[Mapping[str, str]] = {"server_urls": "all_urls"}
 
     url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")
+    urls: tuple[str, ...] = Field((), description="more servers' /metrics URLs, one watchdog each")
     refused_grace_s: float = Field(
         0.0, ge=0, description="seconds after start in which 'connection refused' means the server is starting (launch sets it)"
     )
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        return check_http_url(value)

@@ -28,6 +28,7 @@ from agent.bus import Publisher
 from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
 from agent.lazy import LazyModule
 from agent.watchers.config import MAX_HEALTH_BODY_BYTES, HealthConfig, check_http_url
+from agent.watchers.group import WatcherGroup, url_label
 from agent.watchers.status import StatusReporter, WatcherState
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ class HealthWatcher:
         config: URL, schedule and thresholds.
         client: HTTP client to use (not closed here); default a private one created in
             :meth:`run` with ``trust_env=False`` (the health URL is node-local; never proxied).
+        status_name: its status row (``health``; one of several servers': ``health HOST:PORT``).
 
     Attributes:
         healthy: current verdict (``True`` until ``unhealthy_after`` failures).
@@ -152,7 +154,7 @@ class HealthWatcher:
 
     name = "health"
 
-    def __init__(self, config: HealthConfig, *, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, config: HealthConfig, *, client: httpx.AsyncClient | None = None, status_name: str = "health") -> None:
         if not config.url:
             raise ValueError("HealthWatcher needs HealthConfig.url")
         self.config = config
@@ -166,7 +168,7 @@ class HealthWatcher:
         self._told_waiting = False
         self._error_detail = ""
         #: what this watcher can see (``health: waiting for first 200 from …``)
-        self.status = StatusReporter("health", WatcherState.WAITING, f"waiting for first 200 from {config.url}")
+        self.status = StatusReporter(status_name, WatcherState.WAITING, f"waiting for first 200 from {config.url}")
 
     async def probe(self, client: httpx.AsyncClient) -> HealthProbed:
         """Run one probe, bounded by ``timeout_s`` in total; never raises for target faults."""
@@ -305,7 +307,14 @@ class HealthWatcher:
             await anyio.sleep((next_ns - now) / 1e9)
 
 
-def create(config: HealthConfig, ctx: BuildContext) -> HealthWatcher | None:
+def create(config: HealthConfig, ctx: BuildContext) -> HealthWatcher | WatcherGroup | None:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``health``): a watcher of ``config``
-    (``[health]``), or ``None`` without a ``url``."""
-    return HealthWatcher(config) if config.url else None
+    (``[health]``); with several URLs (``urls``) one each, run as a :class:`WatcherGroup` (status
+    rows ``health HOST:PORT``); ``None`` without a URL."""
+    urls = config.all_urls
+    if len(urls) <= 1:
+        return HealthWatcher(config.model_copy(update={"url": urls[0], "urls": ()})) if urls else None
+    return WatcherGroup("health", [
+        HealthWatcher(config.model_copy(update={"url": url, "urls": ()}), status_name=url_label("health", url))
+        for url in urls
+    ])

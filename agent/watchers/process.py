@@ -29,13 +29,16 @@ one :class:`~agent.events.ExitFact`: kind, status, OOM, when, and which source s
   from the OOM killer; never a crash signal) is judged by the order of what happened, never by
   how fast the agent saw it (:meth:`ProcessWatcher._settle_tree`):
 
-  - its server (the nearest ancestor that listened on a TCP port when the watch began) still
+  - its server (the nearest ancestor that listened on a TCP port when the watch began, or, for
+    a server found while it started, once it listens: :data:`SERVER_PORT_RECHECK_S`) still
     serves: a server that stops its engine before its HTTP port (vLLM 0.32: SIGKILL to the
     EngineCore's workers, then to the EngineCore, then the port, seconds later on a loaded
     machine) takes the whole branch below it down at once, while a crash leaves the rest of the
     branch running until the server reacts (vLLM closes its port first, then stops the engine).
     So: the rest of the branch (the ancestors below the server, their watched descendants and
-    the processes below the dead one) must be down — dead, a zombie, or with a SIGKILL pending —
+    the processes below the dead one; for a child of the server itself, the server's other
+    watched processes: SGLang's launcher drains, then SIGKILLs all its children at once while its
+    port still listens) must be down — dead, a zombie, or with a SIGKILL pending —
     within :data:`SWEEP_WINDOW_S` while the port still listens, then the server must stop
     serving (:data:`SWEEP_STOP_S`) and end in order (:data:`SERVER_END_S`). A lone process (no
     branch around it), a branch member still running when the port closes or the window ends,
@@ -69,7 +72,7 @@ from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 
 from agent.bus import Publisher
-from agent.events import ExitFact, ExitKind, ExitSource, TargetExited, now_ns
+from agent.events import ExitFact, ExitKind, ExitSource, FrontendExited, TargetExited, now_ns
 from agent.exits import KernelExits, OomCounter, OomWatch, oom_counter_of
 from agent.procinfo import exit_fact_of, note_exit, zombie_exit_status
 from agent.targets import ProcessState, Target, process_state
@@ -79,8 +82,8 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "PIDFD_RECHECK_S", "POLL_INTERVAL_S", "TREE_SETTLE_S", "ProcessWatcher", "create", "exit_status", "launched_target",
-    "signal_name",
+    "PIDFD_RECHECK_S", "POLL_INTERVAL_S", "SERVER_PORT_LOOK_S", "SERVER_PORT_RECHECK_S", "TREE_SETTLE_S", "ProcessWatcher",
+    "create", "exit_status", "launched_target", "signal_name",
 ]
 
 log = logging.getLogger("servewatch.process")
@@ -111,9 +114,20 @@ SERVER_END_S = 60.0
 #: ``/proc/PID/status`` pending-signal masks: bit 8 is SIGKILL (signal 9).
 _SIGKILL_BIT = 1 << (int(_signal.SIGKILL) - 1)
 
+#: After a followed parent (a frontend that is no target) ended: how long its watched processes
+#: may take to go down with it (the demo's ranks see their parent gone within 0.5 s; a server
+#: stopping in order takes its ranks down first) before those still running are its orphans, seconds.
+ORPHAN_SETTLE_S = 5.0
+
 #: Longest wait on a pidfd before its state is checked again, seconds (a safety net only: the
 #: pidfd turns readable at the exit, so a live process costs no wakeups in between).
 PIDFD_RECHECK_S = 10.0
+
+#: While no ancestor of a watched process listens on a port (a server found while it starts:
+#: vLLM forks its EngineCore before its API server binds the port), how often the ancestors'
+#: ports are read again, seconds, and for how long after the watch began (a model's load).
+SERVER_PORT_RECHECK_S = 2.0
+SERVER_PORT_LOOK_S = 900.0
 
 def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
     """Split a ``Popen``-style return code into ``(exit_code, signal)``.
@@ -195,6 +209,23 @@ class _Watched:
         self.descendants: tuple[_Member, ...] = ()
         #: its memory cgroup's OOM-kill counter when the watch began
         self.oom_counter: OomCounter | None = None
+        #: when :meth:`read_lineage` ran (monotonic seconds; 0: not yet)
+        self.lineage_read_s = 0.0
+
+    def looks_for_server_port(self) -> bool:
+        """No ancestor listened yet, within :data:`SERVER_PORT_LOOK_S` of the watch's start: the
+        server may still be starting (its port is read again, :meth:`read_server_ports`)."""
+        return bool(self.ancestors) and _server_index(self.ancestors) is None \
+            and time.monotonic() - self.lineage_read_s < SERVER_PORT_LOOK_S
+
+    def read_server_ports(self) -> None:
+        """The ports the ancestors listen on now, once one does (a thread: /proc reads): an exit
+        during its server's stop is then judged with its server (a restarted vLLM's engine is
+        found before its API server listens; without its port, the API server's drain of its
+        clients after it killed the engine read as the engine's failure)."""
+        found = tuple(replace(a, listening=_listening_ports(a.pid)) if _pid_running(a.pid) else a for a in self.ancestors)
+        if _server_index(found) is not None:
+            self.ancestors = found
 
     @property
     def parent_pid(self) -> int:
@@ -219,6 +250,7 @@ class _Watched:
                 break
             found.append(_Ancestor(proc.pid, started_ns, _listening_ports(proc.pid)))
         self.ancestors = tuple(found)
+        self.lineage_read_s = time.monotonic()
         members = []
         try:
             for proc in psutil.Process(self.target.pid).children(recursive=True):
@@ -265,6 +297,8 @@ class ProcessWatcher:
         self._oom: OomWatch | None = None
         #: every exit reported, in order (``servewatch run``/``launch`` print them when they stop)
         self.exits: list[tuple[Target, ExitFact]] = []
+        #: the non-target parents (frontends) followed, by (pid, start ns): :meth:`_watch_parent`
+        self._parents: set[tuple[int, int]] = set()
         #: why the kernel's exit events cannot be read here (``""``: they are)
         self.kernel_exits_unavailable = ""
         for child in children:
@@ -302,6 +336,32 @@ class ProcessWatcher:
         self._watched[target.pid] = watched
         if self._tg is not None and self._bus is not None:
             self._tg.start_soon(self._watch_one, self._bus, watched)
+
+    def left_alive(self, pid: int) -> list[Target]:
+        """The processes of ``pid``'s tree still running after it ended: those below it when
+        its watch began, and the watched processes it was an ancestor of (an engine and its
+        workers after their API server or launcher died). Blocking (/proc reads); ``[]`` when
+        ``pid`` was never watched.
+
+        Returns:
+            One :class:`~agent.targets.Target` each (pid, title, creation time), pid order.
+        """
+        watched = self._watched.get(pid)
+        if watched is None:
+            return []
+        members = {m.pid: m.create_time_s for m in watched.descendants}
+        for other in self._watched.values():
+            if other is not watched and any(_is_process(a, watched.target) for a in other.ancestors):
+                members.setdefault(other.target.pid, other.target.create_time_s)
+                members.update((m.pid, m.create_time_s) for m in other.descendants if m.pid not in members)
+        found = []
+        for member, created_s in sorted(members.items()):
+            if process_state(member, create_time_s=created_s) not in (ProcessState.RUNNING, ProcessState.STOPPED):
+                continue
+            known = self._watched.get(member)
+            found.append(known.target if known is not None and _same_identity(known.target, Target(pid=member,
+                         create_time_s=created_s)) else _target_of(member))
+        return found
 
     async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         """Watch until cancelled; ready once every initial pid is being watched."""
@@ -342,15 +402,22 @@ class ProcessWatcher:
             # A pid already gone (or reused by another process) is reported at once.
             if _same_process(watched.target):
                 await anyio.to_thread.run_sync(watched.read_lineage)
+                self._follow_parent(bus, watched)
                 if pidfd is not None:
                     # each recheck also asks whether the pid is still our process: a pidfd opened
                     # on a pid already reaped and reused would otherwise follow the newcomer
                     while not _pidfd_exited(pidfd) and _same_process(watched.target):
-                        with anyio.move_on_after(max(self.poll_interval_s, PIDFD_RECHECK_S)):
+                        looking = watched.looks_for_server_port()
+                        with anyio.move_on_after(SERVER_PORT_RECHECK_S if looking
+                                                 else max(self.poll_interval_s, PIDFD_RECHECK_S)):
                             await anyio.wait_readable(pidfd)
+                        if looking and not _pidfd_exited(pidfd):
+                            await anyio.to_thread.run_sync(watched.read_server_ports)
                 else:
                     while _alive(watched.target):
                         await anyio.sleep(self.poll_interval_s)
+                        if watched.looks_for_server_port():
+                            await anyio.to_thread.run_sync(watched.read_server_ports)
             seen_ns = now_ns()
             fact = await self._fact(watched, pidfd, seen_ns)
         finally:
@@ -367,6 +434,88 @@ class ProcessWatcher:
             TargetExited(source=self.name, pid=pid, exit_code=fact.exit_code, signal=fact.signal,
                          title=watched.target.title, fact=fact)
         )
+
+    def _follow_parent(self, bus: Publisher, watched: _Watched) -> None:
+        """Follow the parent of ``watched`` when it is no target itself (a host-wide ``--match``
+        watches the ranks, not their frontend): once, per parent (:meth:`_watch_parent`)."""
+        if not watched.ancestors or self._tg is None:
+            return
+        parent = watched.ancestors[0]
+        key = (parent.pid, parent.started_ns)
+        if key in self._parents or self._watches(parent):
+            return
+        self._parents.add(key)
+        self._tg.start_soon(self._watch_parent, bus, parent)
+
+    def _watches(self, ancestor: _Ancestor) -> bool:
+        """``ancestor`` is itself watched (its own exit is reported, and :meth:`left_alive` names
+        what it leaves)."""
+        known = self._watched.get(ancestor.pid)
+        return known is not None and _is_process(ancestor, known.target)
+
+    def _orphans_of(self, parent: _Ancestor) -> list[Target]:
+        """The watched processes below ``parent`` when their watch began (and what was below
+        them) still running, not being killed. Blocking (/proc reads)."""
+        members: dict[int, float] = {}
+        for other in self._watched.values():
+            if other.reported or not any(a.pid == parent.pid and a.started_ns == parent.started_ns
+                                         for a in other.ancestors):
+                continue
+            members.setdefault(other.target.pid, other.target.create_time_s)
+            members.update((m.pid, m.create_time_s) for m in other.descendants if m.pid not in members)
+        found = []
+        for member, created_s in sorted(members.items()):
+            if process_state(member, create_time_s=created_s) not in (ProcessState.RUNNING, ProcessState.STOPPED) \
+                    or _kill_pending(member):
+                continue
+            known = self._watched.get(member)
+            found.append(known.target if known is not None and _same_identity(known.target, Target(pid=member,
+                         create_time_s=created_s)) else _target_of(member))
+        return found
+
+    async def _watch_parent(self, bus: Publisher, parent: _Ancestor) -> None:
+        """Wait for a followed parent's end; when watched processes of it still run
+        :data:`ORPHAN_SETTLE_S` later (their tree did not go down with it: an engine and its
+        workers under pid 1 after their API server was SIGKILLed), publish one
+        :class:`~agent.events.FrontendExited` naming them and the memory they hold."""
+        pid = parent.pid
+        target = Target(pid=pid, create_time_s=parent.started_ns / 1e9)
+        title = await anyio.to_thread.run_sync(_title_of, pid)  # while it lives: a SIGKILLed one is reaped at once
+        pidfd = _open_pidfd(pid) if hasattr(anyio, "wait_readable") else None
+        try:
+            if pidfd is not None:
+                while not _pidfd_exited(pidfd) and _same_process(target):
+                    with anyio.move_on_after(PIDFD_RECHECK_S):
+                        await anyio.wait_readable(pidfd)
+            else:
+                while _alive(target):
+                    await anyio.sleep(self.poll_interval_s)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        seen_ns = now_ns()
+        ended = await self._parent_exit(pid, parent.started_ns)
+        await anyio.sleep(ORPHAN_SETTLE_S)  # a server that stops its ranks after itself: they are going
+        if self._watches(parent):
+            return  # became a target meanwhile: its own exit says it
+        left = await anyio.to_thread.run_sync(self._orphans_of, parent)
+        if not left:
+            return
+        held = await anyio.to_thread.run_sync(_rss_of, left)
+        reparented = await anyio.to_thread.run_sync(_ppid_of, left[0].pid)
+        if ended is None:
+            fact = ExitFact.of(pid, None, None, source=ExitSource.NONE, ended_time_unix_nano=seen_ns, ended_source="seen",
+                               started_time_unix_nano=parent.started_ns)
+        else:
+            fact = replace(ended, ended_time_unix_nano=ended.ended_time_unix_nano or seen_ns,
+                           ended_source=ended.ended_source or "seen", started_time_unix_nano=parent.started_ns)
+        log.warning("process: the parent pid %d %r of watched processes ended (%s); %d of them still alive: %s", pid,
+                    title, fact.status_words(), len(left), ", ".join(str(t.pid) for t in left))
+        await bus.publish(FrontendExited(
+            source=self.name, pid=pid, exit_code=fact.exit_code, signal=fact.signal, title=title, fact=fact,
+            left_alive=tuple(t.pid for t in left), left_alive_titles=tuple(t.title for t in left), held_bytes=held,
+            reparented_to=reparented,
+        ))
 
     async def _fact(self, watched: _Watched, pidfd: int | None, seen_ns: int) -> ExitFact:
         """How the process ended, from the most direct source that knows (module docstring)."""
@@ -437,11 +586,21 @@ class ProcessWatcher:
             return await self._settle_serving(watched, fact, at, looked_ns)
         bound_s = SERVER_END_S if at is not None else TREE_SETTLE_S  # a server that closed its port is stopping
         t0 = time.monotonic()
+        # never above the server: its parent (a shell, a supervisor) is no part of its stop, and
+        # waiting for it to end would hold the exit (and a --root-pid agent) for the whole bound
+        chain = ancestors[: at + 1] if at is not None else ancestors
         with anyio.move_on_after(bound_s):
-            for ancestor in ancestors:
+            for ancestor in chain:
                 while _pid_running(ancestor.pid):
                     await anyio.sleep(0.1)
                 ended = await self._parent_exit(ancestor.pid, ancestor.started_ns)
+                if ended is not None and ended.kind is ExitKind.ORDERLY and fact.kind is ExitKind.CODE \
+                        and not ended.stop_signal:
+                    # a launcher that exits 0 after its children failed with codes of their own
+                    # (a rank crashed, the others gave up): nobody asked it to stop
+                    log.info("process: pid %d exited %s, then its ancestor pid %d exited %s unasked: a failure,"
+                             " not a stop", watched.target.pid, fact.status(), ancestor.pid, ended.status())
+                    return fact
                 if ended is not None and ended.kind is ExitKind.ORDERLY:
                     took = time.monotonic() - t0
                     who = "its server" if ancestor is ancestors[0] else "its server's ancestor"
@@ -458,12 +617,15 @@ class ProcessWatcher:
     def _branch(self, watched: _Watched, at: int) -> list[_Member]:
         """The processes that go down with ``watched`` when its server (``ancestors[at]``) takes
         its engine down: the ancestors below the server, the processes below the dead one, and
-        every watched process (and what was below it) under the branch's root."""
+        every watched process (and what was below it) under the branch's root. A child of the
+        server itself has the server as its branch's root: the server's other watched processes go
+        down with it (SGLang's launcher SIGKILLs all its children at once, ``kill_process_tree``,
+        while its port still listens)."""
         ancestors = watched.ancestors
-        root = ancestors[at - 1] if at > 0 else None
+        root = ancestors[at - 1] if at > 0 else ancestors[at]
         found: dict[int, _Member] = {m.pid: m for m in watched.descendants}
         found.update((a.pid, _Member(a.pid, a.started_ns / 1e9)) for a in ancestors[:at])
-        root_pid = root.pid if root is not None else watched.target.pid
+        root_pid = root.pid
         for other in self._watched.values():
             if other is watched:
                 continue
@@ -604,7 +766,7 @@ CRASH_SIGNALS = frozenset(int(s) for s in (_signal.SIGSEGV, _signal.SIGBUS, _sig
 
 
 def _server_index(ancestors: tuple[_Ancestor, ...]) -> int | None:
-    """Index of the nearest ancestor that listened on a TCP port when the watch began (the
+    """Index of the nearest ancestor that listened on a TCP port when the watch began or since (the
     server: vLLM's API server, SGLang's main process, torchrun's rendezvous), ``None`` if none."""
     return next((i for i, a in enumerate(ancestors) if a.listening), None)
 
@@ -654,6 +816,13 @@ def _may_be_part_of_a_stop(fact: ExitFact) -> bool:
     return fact.kind is ExitKind.SIGNAL and fact.signal not in CRASH_SIGNALS
 
 
+def _is_process(ancestor: _Ancestor, target: Target) -> bool:
+    """``ancestor`` is the process ``target`` describes (same pid and, when known, creation time)."""
+    if ancestor.pid != target.pid:
+        return False
+    return not target.create_time_s or abs(ancestor.started_ns / 1e9 - target.create_time_s) < 0.05
+
+
 def _same_identity(a: Target, b: Target) -> bool:
     """Same process: same pid and, where both are known, the same creation time (pid reuse)."""
     if a.pid != b.pid:
@@ -694,18 +863,54 @@ def launched_target(pid: int, argv: Sequence[Any]) -> Target:
     launched, or nothing left to read: it already exited) its command line ``argv``, secrets
     redacted and clipped to :data:`_COMMAND_TITLE_MAX` characters (``python -m
     sglang.launch_server --port 30000``): an exit seen later names what was launched."""
+    target = _target_of(pid)
+    args = [os.fsdecode(a) for a in argv]
+    if args and target.title in ("", args[0], os.path.basename(args[0])):  # no title of its own
+        target = replace(target, title=_command_title(args))
+    return target
+
+
+def _command_title(argv: Sequence[str]) -> str:
+    """A command line as a title: secrets redacted (:func:`agent.security.redact_cmdline`),
+    control characters stripped, clipped to :data:`_COMMAND_TITLE_MAX` characters."""
     import shlex
 
     from agent.security import redact_cmdline, strip_control
 
-    target = _target_of(pid)
-    args = [os.fsdecode(a) for a in argv]
-    if args and target.title in ("", args[0], os.path.basename(args[0])):  # no title of its own
-        command = strip_control(shlex.join(redact_cmdline(args)))
-        if len(command) > _COMMAND_TITLE_MAX:
-            command = command[: _COMMAND_TITLE_MAX - 3] + "..."
-        target = replace(target, title=command)
-    return target
+    command = strip_control(shlex.join(redact_cmdline(argv)))
+    if len(command) > _COMMAND_TITLE_MAX:
+        command = command[: _COMMAND_TITLE_MAX - 3] + "..."
+    return command
+
+
+def _title_of(pid: int) -> str:
+    """``pid``'s command line as a title while it is still readable (:func:`_command_title`:
+    secrets redacted, control characters stripped, clipped: a watched server's parent wrote it),
+    else its name (a zombie's), ``""`` when gone."""
+    from agent.security import strip_control
+
+    try:
+        proc = psutil.Process(pid)
+        cmdline = [part for part in proc.cmdline() if part]
+        return _command_title(cmdline) if cmdline else strip_control(proc.name())
+    except (psutil.Error, OSError):
+        return ""
+
+
+def _rss_of(targets: Sequence[Target]) -> int:
+    """Resident memory of ``targets`` now, bytes (those gone or unreadable count 0)."""
+    total = 0
+    for t in targets:
+        with contextlib.suppress(psutil.Error, OSError):
+            total += psutil.Process(t.pid).memory_info().rss
+    return total
+
+
+def _ppid_of(pid: int) -> int:
+    try:
+        return psutil.Process(pid).ppid()
+    except (psutil.Error, OSError):
+        return 0
 
 
 def _open_pidfd(pid: int) -> int | None:

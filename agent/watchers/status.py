@@ -5,7 +5,7 @@ Owns :class:`WatcherState`, :class:`WatcherStatus` (one watcher's status, a plai
 dataclass), :class:`StatusSnapshot` (all of them plus the agent's identity: the content of the
 status file and of issue 14's ``GET /v1/status``), :class:`StatusBoard` (keeps the current
 statuses, logs every change, writes the status file atomically) and :func:`read_status_file`.
-Imports only :mod:`agent.events`, :mod:`agent.fsutil` and the standard library, so the CLI, the
+Imports only :mod:`agent.kinds` (:mod:`agent.events` where it publishes), :mod:`agent.fsutil` and the standard library, so the CLI, the
 runtime, exporters and an HTTP API can all use it.
 
 States, from the SRE's point of view:
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.events import StrEnum, WatcherStatusChanged, now_ns
+from agent.kinds import StrEnum, now_ns
 
 if typing.TYPE_CHECKING:
     from agent.registry import BuildContext
@@ -128,7 +128,7 @@ class StatusSnapshot:
         started_time_unix_nano / updated_time_unix_nano: agent start and last change.
         watchers: statuses in the order they were first reported.
         incidents: the agent's incidents as :meth:`agent.incidents.IncidentManager.state` gives
-            them (``open``, ``last``, ``written``, ``suppressed``, ``stalled``); ``None`` before
+            them (``open``, ``running``, ``last``, ``written``, ``suppressed``, ``stalled``); ``None`` before
             the agent reported any (or from an older agent).
     """
 
@@ -180,8 +180,12 @@ class StatusSnapshot:
                 line += f"; incident {st['incident']}"
             lines.append(line)
         opened = inc.get("open")
-        if isinstance(opened, Mapping):
-            lines.append(f"incident: OPEN {opened.get('id')} ({opened.get('trigger')}: {opened.get('detail')})")
+        running = [r for r in inc.get("running") or () if isinstance(r, Mapping)]
+        if not running and isinstance(opened, Mapping):
+            running = [opened]  # a status file of an agent before several servers' incidents ran at once
+        for one in running:  # every server's open incident
+            server = f" of server pid {one['server']}" if one.get("server") is not None and len(running) > 1 else ""
+            lines.append(f"incident: OPEN {one.get('id')}{server} ({one.get('trigger')}: {one.get('detail')})")
         last, written, suppressed = inc.get("last"), int(inc.get("written") or 0), int(inc.get("suppressed") or 0)
         if written or suppressed:
             line = f"incidents: {written} written"
@@ -389,6 +393,8 @@ class StatusReporter:
         if self._published == key:
             return False
         self._published = key
+        from agent.events import WatcherStatusChanged  # here: reading a status file builds no event
+
         await bus.publish(WatcherStatusChanged(source=self.name, watcher=self.name, state=state.value, reason=reason))
         return True
 

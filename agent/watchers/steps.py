@@ -41,6 +41,8 @@ from agent.watchers.config import StepsConfig
 if TYPE_CHECKING:
     import httpx
     from prometheus_client import parser as prometheus_parser
+
+    from agent.watchers.inflight import OpenRequestsReader
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
     prometheus_parser = LazyModule("prometheus_client.parser")  # at the first scrape parsed
@@ -82,6 +84,9 @@ class StepReading:
         read_monotonic_ns: when this reading was taken (``CLOCK_MONOTONIC``, ns).
         series: the label set of a Prometheus series (``engine="1"``); ``""`` for a whole
             counter (shared memory, or a sum).
+        busy_since_ns: when the work pending became pending, where the reading knows it
+            (``CLOCK_MONOTONIC`` ns): a request the kernel says the server received then, while
+            the server's gauges say idle; ``None`` otherwise.
     """
 
     forward_ct: int
@@ -90,6 +95,7 @@ class StepReading:
     pid: int | None
     read_monotonic_ns: int
     series: str = ""
+    busy_since_ns: int | None = None
 
 
 @runtime_checkable
@@ -479,6 +485,19 @@ class PrometheusStepSource:
         timeout_s: per-scrape timeout in seconds.
         pid: the process the counter belongs to, if known (events carry it).
         max_body_bytes: most bytes of an answer read.
+        open_requests: also count a request the server accepted and has not answered as busy
+            (:mod:`agent.watchers.inflight`: the kernel's state of the connections to the URL's
+            port, when that is a local address). vLLM and SGLang publish their running/waiting
+            gauges only after an engine step: a forward that hangs in the first step after an
+            idle spell leaves them at 0, and only the open connection says work is pending. It
+            makes every series busy only while no series' gauge is busy (a data-parallel engine
+            with nothing to do stays idle while another one works).
+        open_request_quiet_s: a connection quiet both ways for this long and still open is an
+            open request (a streaming response whose headers went out); above the server's
+            keep-alive timeout (uvicorn's: 5 s).
+        open_request_idle_reuse_s: while the gauges say idle, a reading of no open request
+            stands this long (seconds; 0: read at every scrape); a request found at a later
+            reading is dated from when the kernel received it (``StepReading.busy_since_ns``).
 
     Raises:
         ValueError: unknown preset, or a name missing with no preset.
@@ -501,6 +520,9 @@ class PrometheusStepSource:
         pid: int | None = None,
         max_body_bytes: int = MAX_METRICS_BODY_BYTES,
         refused_grace_s: float = 0.0,
+        open_requests: bool = False,
+        open_request_idle_reuse_s: float = 0.0,
+        open_request_quiet_s: float = 10.0,
     ) -> None:
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"unknown metrics preset {preset!r}; known: {sorted(PRESETS)}")
@@ -526,6 +548,10 @@ class PrometheusStepSource:
         #: gauges whose change is a step (preset only; not with an explicit counter)
         self.step_gauges: tuple[str, ...] = base.step_gauges if base is not None and not counter else ()
         self._marks: dict[LabelKey, tuple[float, ...]] = {}
+        #: the last answer that parsed, and what it gave (an idle server answers the same text
+        #: scrape after scrape: it is not parsed again)
+        self._last_text: str | None = None
+        self._last_parsed: tuple[dict[LabelKey, float], dict[LabelKey, float]] | None = None
         self._canonical = {name: c for c in self.counters for name in _sample_names(c)}
         self._counter_names = frozenset(self._canonical)
         self._gauge_names = frozenset(gauges)
@@ -546,6 +572,18 @@ class PrometheusStepSource:
         self.refused_grace_s = refused_grace_s
         self._created_s = time.monotonic()
         self._answered = False
+        from agent.watchers.inflight import local_port_of
+
+        #: the local port whose connections say a request is open (``None``: not watched)
+        self.requests_port: int | None = local_port_of(url) if open_requests else None
+        self.open_request_quiet_s = open_request_quiet_s
+        #: seconds a reading of no open request stands while the gauges say idle (the next one
+        #: dates a request found then from when the kernel received it)
+        self.open_request_idle_reuse_s = open_request_idle_reuse_s
+        #: open requests on :attr:`requests_port` at the last reading (``None``: not known)
+        self.open_requests: int | None = None
+        self._requests_reader: OpenRequestsReader | None = None
+        self._open_since_ns: int | None = None
 
     # -- status ---------------------------------------------------------------------------
 
@@ -710,7 +748,11 @@ class PrometheusStepSource:
         # The time the answer arrived: the counter had its value by then. (The send time could
         # precede the last increment by a round trip and fire the watchdog early.)
         seen_ns = time.monotonic_ns()
-        parsed = self.parse_series(text) if text is not None else None
+        if text is not None and text == self._last_text and self._last_parsed is not None:
+            parsed: tuple[dict[LabelKey, float], dict[LabelKey, float]] | None = self._last_parsed
+        else:
+            parsed = self.parse_series(text) if text is not None else None
+            self._last_text, self._last_parsed = (text, parsed) if parsed is not None else (None, None)
         if parsed is None:
             self.failed_scrapes += 1
             return None
@@ -726,6 +768,8 @@ class PrometheusStepSource:
             self.failed_scrapes += 1
             return None
         gauge_total = sum(gauges.values())
+        pending = await self._open_requests() if gauge_total <= 0 else None
+        pending_since = self._open_since_ns if pending else None
         readings: list[StepReading] = []
         restarted: list[str] = []
         for key in sorted(counters):
@@ -744,11 +788,12 @@ class PrometheusStepSource:
             readings.append(
                 StepReading(
                     forward_ct=round(counters[key]),
-                    busy=busy_value > 0,
+                    busy=busy_value > 0 or bool(pending),
                     last_progress_monotonic_ns=track.last_progress_ns,
                     pid=self.pid,
                     read_monotonic_ns=seen_ns,
                     series=series_name(key),
+                    busy_since_ns=pending_since if busy_value <= 0 else None,
                 )
             )
         if len(self._series) > len(counters):
@@ -766,8 +811,26 @@ class PrometheusStepSource:
             if self._state != "waiting" or "restarted" not in self._reason:
                 self._state, self._reason = "waiting", f"no forward progress yet ({self.counter} is 0 at {self.url})"
         else:
-            self._state, self._reason = "ready", f"{self.counter} ({label}) and {self.busy_gauge} from {self.url}"
+            also = f" (and requests open on port {self.requests_port})" if self.requests_port is not None else ""
+            self._state, self._reason = "ready", f"{self.counter} ({label}) and {self.busy_gauge}{also} from {self.url}"
         return readings
+
+    async def _open_requests(self) -> int | None:
+        """Requests open on :attr:`requests_port` now (``None``: not watched, or not known)."""
+        if self.requests_port is None:
+            return None
+        from agent.watchers.inflight import OpenRequestsReader
+
+        reader = self._requests_reader
+        if reader is None or reader.port != self.requests_port or reader.quiet_s != self.open_request_quiet_s:
+            reader = self._requests_reader = OpenRequestsReader(self.requests_port, quiet_s=self.open_request_quiet_s)
+        reader.idle_reuse_s = self.open_request_idle_reuse_s
+        found = reader.recent()  # a reading that still stands costs no worker-thread hop (~100 us)
+        if found is None:
+            found = await anyio.to_thread.run_sync(reader.read)
+        self.open_requests = None if found is None else found.open
+        self._open_since_ns = None if found is None else found.open_since_ns
+        return self.open_requests
 
     def _mark_for(self, key: LabelKey) -> tuple[float, ...] | None:
         """The step gauges' values of a counter series: same labels, else the gauge whose labels
@@ -810,6 +873,8 @@ class PrometheusStepSource:
         return StepReading(
             forward_ct=round(total.value or 0.0),
             busy=any(r.busy for r in readings),
+            busy_since_ns=None if any(r.busy and r.busy_since_ns is None for r in readings)
+            else min((r.busy_since_ns for r in readings if r.busy_since_ns is not None), default=None),
             last_progress_monotonic_ns=total.last_progress_ns,
             pid=self.pid,
             read_monotonic_ns=readings[0].read_monotonic_ns if readings else time.monotonic_ns(),

@@ -11,6 +11,12 @@ Rules (after SGLang's scheduler watchdog, which counts ``forward_ct`` while a ba
 * An idle target (no pending work) never stalls. When work appears after an idle spell, the
   clock starts when the watchdog first sees it busy, not at the last step before the idle spell.
 * It fires once per stall; it re-arms (``WatchdogRearmed``) when the counter moves again.
+* servewatch's own profile of the server pauses the rule (:mod:`agent.ownactions`: a profile's
+  start, warm-up and trace writing take no step for seconds): while a ``profile`` own action
+  covers the watched pid (its process group: the server's ranks) or the ``/metrics`` port,
+  nothing is a stall; the pause is bounded by the action's own end, said in one log line and on
+  the status board (``stall pid X``), and the rule re-arms after it with a fresh clock, so a
+  genuine hang afterwards is a stall ``timeout_s`` after the window, not before.
 * Deadline scheduling: the watchdog sleeps until exactly ``last_progress + timeout_s`` (capped
   by ``poll_interval_s`` so idle spells are noticed), instead of polling every ``timeout/2``
   as SGLang does, which fires anywhere between 1.0x and 1.5x the timeout. With the exact
@@ -25,6 +31,7 @@ the target so an orchestrator restarts it.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +40,11 @@ from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
 from agent.bus import Publisher
-from agent.events import WatchdogRearmed, WatchdogStalled
+from agent.events import WatchdogRearmed, WatchdogStalled, WatcherStatusChanged
+from agent.ownactions import OwnAction, OwnActionLog, process_group
+from agent.servers import port_of_url
 from agent.stall import StallClock, WatchdogConfig
+from agent.watchers.group import WatcherGroup, url_label
 from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
@@ -47,6 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk",
            "progress_source"]
+
+log = logging.getLogger("servewatch.watchdog")
 
 #: A series absent from this many successful readings in a row loses its stall bookkeeping.
 SERIES_FORGET_READINGS = 60
@@ -82,6 +94,8 @@ class Watchdog:
     Args:
         source: the counter to watch; the caller owns it (and closes it).
         config: timeouts; default :class:`WatchdogConfig`.
+        own_actions: servewatch's own actions on the servers (a ``profile`` covering this
+            source pauses the rule); ``None``: never paused.
 
     Attributes:
         stalled: a stall was reported and progress has not resumed since (any series).
@@ -90,9 +104,17 @@ class Watchdog:
 
     name = "watchdog"
 
-    def __init__(self, source: StepSource, config: WatchdogConfig | None = None) -> None:
+    def __init__(self, source: StepSource, config: WatchdogConfig | None = None, *,
+                 own_actions: OwnActionLog | None = None) -> None:
         self.source = source
         self.config = config or WatchdogConfig()
+        self.own_actions = own_actions
+        #: the profile that pauses the rule now (``None``: not paused)
+        self.paused_by: OwnAction | None = None
+        #: pauses so far
+        self.pauses = 0
+        url = getattr(source, "url", None)
+        self._port = port_of_url(url) if isinstance(url, str) else None
         self.stalls = 0
         self._series: dict[str, _SeriesState] = {}
         self.status: StatusReporter | None = None
@@ -141,6 +163,44 @@ class Watchdog:
             await self.status.set(bus, WatcherState(state), reason)
         return readings or []
 
+    async def _pausing(self) -> OwnAction | None:
+        """The ``profile`` own action covering this source now, or ``None`` (never raises)."""
+        if self.own_actions is None:
+            return None
+        actions = await anyio.to_thread.run_sync(self.own_actions.active)  # reads the data dir's files
+        profiles = [a for a in actions if a.kind == "profile"]
+        if not profiles:
+            return None
+        pid = self.pid
+        pgid = process_group(pid) if pid is not None else None
+        return next((a for a in profiles if a.covers(pid, pgid=pgid, port=self._port)), None)
+
+    def _who(self) -> str:
+        return f"pid {self.pid}" if self.pid is not None else f"{self.source.name} port {self._port}"
+
+    async def _pause_or_resume(self, bus: Publisher, now_ns: int) -> bool:
+        """Apply a profile window: ``True`` while one pauses the rule. When it ends, every
+        series' clock restarts from now (a fresh clock: the window's silence never counts)."""
+        window = await self._pausing()
+        name = f"stall {self._who()}"
+        if window is not None:
+            if self.paused_by is None or self.paused_by.started_unix_s != window.started_unix_s:
+                self.pauses += 1
+                line = f"stall rule paused for {self._who()}: {window.describe()}"
+                log.warning("%s", line)
+                await bus.publish(WatcherStatusChanged(source=self.name, watcher=name, state="waiting", reason=line))
+            self.paused_by = window
+            return True
+        if self.paused_by is not None:
+            self.paused_by = None
+            for st in self._series.values():
+                st.clock = StallClock(self.config.timeout_s, busy_since_ns=now_ns)
+                st.busy_from_first_reading = False
+            line = f"stall rule re-armed for {self._who()} after servewatch's profile: a fresh {self.config.timeout_s:g} s clock"
+            log.warning("%s", line)
+            await bus.publish(WatcherStatusChanged(source=self.name, watcher=name, state="ready", reason=line))
+        return False
+
     async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         """Watch until cancelled. Ready at once (the first reading may come later)."""
         poll_ns = int(self.config.poll_interval_s * 1e9)
@@ -153,6 +213,9 @@ class Watchdog:
             readings = await self._readings(bus)
             now = time.monotonic_ns()
             sleep_ns = poll_ns
+            if await self._pause_or_resume(bus, now):
+                await anyio.sleep(poll_ns / 1e9)
+                continue
             fired: list[tuple[StepReading, int]] = []
             if readings and len(self._series) >= len(readings):
                 self._forget_absent({r.series for r in readings})
@@ -164,7 +227,7 @@ class Watchdog:
                 st.busy_from_first_reading = st.busy_from_first_reading and reading.busy
                 # the stall rule (busy first seen now: an idle spell before it is not a stall)
                 deadline = st.clock.deadline_ns(busy=reading.busy, last_progress_ns=reading.last_progress_monotonic_ns,
-                                                read_ns=reading.read_monotonic_ns)
+                                                read_ns=reading.read_monotonic_ns, busy_since_ns=reading.busy_since_ns)
                 if st.stalled:
                     if reading.forward_ct != st.fired_ct:
                         st.stalled = False
@@ -201,6 +264,7 @@ class Watchdog:
                         timeout_s=self.config.timeout_s,
                         counter_source=counter_source,
                         series="; ".join(r.series for r, _ in fired if r.series),
+                        url=str(getattr(self.source, "url", "") or ""),
                     )
                 )
                 sleep_ns = 0
@@ -213,18 +277,42 @@ def stall_rule(ctx: BuildContext) -> WatchdogConfig:
     return WatchdogConfig(timeout_s=ctx.agent.watchdog_timeout_s, poll_interval_s=ctx.agent.watchdog_poll_interval_s)
 
 
-def create_prometheus(config: MetricsConfig, ctx: BuildContext) -> Watchdog | None:
+#: Longest time a reading of no open request stands while a server's gauges say idle, seconds
+#: (a reading asks the kernel to walk its whole TCP table: ~1 ms of CPU or more per family).
+OPEN_REQUEST_IDLE_REUSE_S = 5.0
+
+
+def open_request_idle_reuse_s(rule: WatchdogConfig) -> float:
+    """How long a reading of no open request stands for the stall rule ``rule``: at most
+    :data:`OPEN_REQUEST_IDLE_REUSE_S` and a quarter of its timeout. A request found later is
+    dated from when the kernel received it (``StepReading.busy_since_ns``), so the stall fires
+    when it would have with a reading at every poll, as long as it is found before the timeout."""
+    return min(OPEN_REQUEST_IDLE_REUSE_S, rule.timeout_s / 4)
+
+
+def create_prometheus(config: MetricsConfig, ctx: BuildContext) -> Watchdog | WatcherGroup | None:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``metrics``): the stall watchdog over
-    the server's Prometheus ``/metrics`` (``config``: ``[metrics]``), or ``None`` without a ``url``."""
+    the server's Prometheus ``/metrics`` (``config``: ``[metrics]``); with several URLs (``urls``)
+    one each, run as a :class:`~agent.watchers.group.WatcherGroup` (status rows ``metrics
+    HOST:PORT``; each stall names its URL, so its server); ``None`` without a URL."""
     from agent.watchers.steps import PrometheusStepSource
 
-    if not config.url:
-        return None
-    source = PrometheusStepSource(
-        config.url, preset=config.metrics_preset, counter=config.counter, busy_gauge=config.busy_gauge,
-        timeout_s=config.scrape_timeout_s, refused_grace_s=config.refused_grace_s,
-    )
-    return Watchdog(source, stall_rule(ctx))
+    urls = config.all_urls
+    watchdogs = []
+    own_actions = OwnActionLog(ctx.agent.data_dir, ctx.agent.host_name, cache_s=0.5)
+    for url in urls:
+        source = PrometheusStepSource(
+            url, preset=config.metrics_preset, counter=config.counter, busy_gauge=config.busy_gauge,
+            timeout_s=config.scrape_timeout_s, refused_grace_s=config.refused_grace_s,
+            open_requests=config.open_requests, open_request_quiet_s=config.open_request_quiet_s,
+            open_request_idle_reuse_s=open_request_idle_reuse_s(stall_rule(ctx)),
+        )
+        if len(urls) > 1:
+            source.status_name = url_label("metrics", url)
+        watchdogs.append(Watchdog(source, stall_rule(ctx), own_actions=own_actions))
+    if len(watchdogs) <= 1:
+        return watchdogs[0] if watchdogs else None
+    return WatcherGroup("metrics", watchdogs)
 
 
 def progress_source(config: MetricsConfig) -> PrometheusStepSource | None:
@@ -236,7 +324,8 @@ def progress_source(config: MetricsConfig) -> PrometheusStepSource | None:
     if not config.url:
         return None
     return PrometheusStepSource(config.url, preset=config.metrics_preset, counter=config.counter,
-                                busy_gauge=config.busy_gauge, timeout_s=config.scrape_timeout_s)
+                                busy_gauge=config.busy_gauge, timeout_s=config.scrape_timeout_s,
+                                open_requests=config.open_requests, open_request_quiet_s=config.open_request_quiet_s)
 
 
 #: Oldest watchdog reading of an SDK counter the step watcher reuses, seconds (the watchdog reads
@@ -250,12 +339,14 @@ class SdkStepWatchers:
 
     Args:
         config: the watchdog settings (timeout, poll interval).
+        own_actions: servewatch's own actions (a profile pauses the stall rule); ``None``: none.
     """
 
     status_name = "steps"
 
-    def __init__(self, config: WatchdogConfig) -> None:
+    def __init__(self, config: WatchdogConfig, own_actions: OwnActionLog | None = None) -> None:
         self.config = config
+        self.own_actions = own_actions
 
     def watchers_for(self, target: Target) -> list[Any] | None:
         """The two watchers of ``target``'s counter, or ``None`` when it has no counter (yet).
@@ -269,10 +360,10 @@ class SdkStepWatchers:
         if source.read_now() is None:
             return None
         shared = RecentReading(source, max_age_s=STEPS_SHARED_MAX_AGE_S)
-        return [Watchdog(source, self.config), StepsWatcher(shared, interval_s=1.0)]
+        return [Watchdog(source, self.config, own_actions=self.own_actions), StepsWatcher(shared, interval_s=1.0)]
 
 
 def create_sdk(config: None, ctx: BuildContext) -> SdkStepWatchers:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``steps``): per-target SDK step-counter
     watchers (started by the runtime for each target that has a counter)."""
-    return SdkStepWatchers(stall_rule(ctx))
+    return SdkStepWatchers(stall_rule(ctx), OwnActionLog(ctx.agent.data_dir, ctx.agent.host_name, cache_s=0.5))

@@ -302,3 +302,31 @@ async def test_sdk_never_starts_or_stops_a_profiler_the_server_is_running_itself
     # once its profiler is done, servewatch may profile
     after = await profile_once(_sdk_config(tmp_path), pid=pid, steps=2, out_dir=tmp_path / "out2", timeout_s=30)
     assert after.outcome is Outcome.OK, after.detail
+
+
+async def test_a_session_by_url_is_recorded_for_the_server_listening_there_while_it_runs(launch, tmp_path: Path) -> None:
+    """``servewatch profile --url`` (SGLang here; vLLM alike, which takes no engine step while it
+    writes its trace) is an own action of the server's port and of the process listening on it
+    (whose process group holds its engine and workers), for as long as the session runs: a
+    running agent on the same data dir pauses that server's stall rule meanwhile."""
+    from agent.ownactions import OwnActionLog
+
+    _, line = launch("fake_sglang_server.py", "--export-delay-s", "2")
+    info = json.loads(line)
+    (tmp_path / "data" / "h").mkdir(parents=True)
+    reader = OwnActionLog(tmp_path / "data", "h")
+    seen: list[tuple[str, int | None, int | None]] = []
+
+    async def watch() -> None:
+        while not seen:
+            seen.extend((a.kind, a.pid, a.port) for a in await anyio.to_thread.run_sync(reader.files))
+            await anyio.sleep(0.05)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        result = await profile_once(_http_config(info["port"]), steps=2, out_dir=tmp_path / "t", timeout_s=30,
+                                    own_actions=OwnActionLog(tmp_path / "data", "h"))
+        tg.cancel_scope.cancel()
+    assert result.outcome is Outcome.OK, result.detail
+    assert seen[:1] == [("profile", info["pid"], info["port"])]
+    assert reader.files() == []

@@ -112,7 +112,8 @@ def test_the_daemonset_agent_sees_the_nodes_processes_and_may_ptrace_them(daemon
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # the node's own server, at the node's address (hostNetwork servers)
     params = _run_params(agent["args"])
-    assert params["metrics_url"].startswith("http://$(HOST_IP):")
+    (metrics_url,) = params["metrics_url"]  # repeatable: one per server of the node; here the one
+    assert metrics_url.startswith("http://$(HOST_IP):")
     assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     data, _ = _mounted(daemonset, agent, env["SERVEWATCH_DATA_DIR"]["value"])
     assert data["hostPath"]["type"] == "DirectoryOrCreate"  # evidence outlives the pod

@@ -72,9 +72,14 @@ def _incident(sink: ProcessorSink) -> tuple[str, str]:
 
 
 def _settle(processor: LosslessSpanProcessor, spooled: int, timeout_s: float = 30.0) -> None:
-    """Wait (bounded) until the worker has spooled ``spooled`` spans (hang guard, not a speed check)."""
+    """Wait (bounded) until ``spooled`` spans went to the spool (hang guard, not a speed check):
+    the worker's failed batches (``spooled``) and the spans written ahead to it by the caller
+    (an incident's, ``written_ahead``), which the worker's count does not hold."""
     deadline = time.monotonic() + timeout_s
-    while processor.statistics().spooled < spooled and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        stats = processor.statistics()
+        if stats.spooled + stats.written_ahead >= spooled:
+            return
         time.sleep(0.01)
 
 

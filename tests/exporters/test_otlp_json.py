@@ -111,3 +111,79 @@ def test_a_line_is_accepted_by_an_otlp_http_json_endpoint(otlp_receiver: OtlpRec
     got = otlp_receiver.spans()
     assert [s.protocol for s in got] == ["http/json", "http/json"]
     assert {s.span_id for s in got} == {format(s.context.span_id, "016x") for s in spans}
+
+
+def _reference_json(message) -> str:
+    """``json_format``'s mapping with the ids rewritten: what message_to_json wrote before it
+    mapped OTLP's fields itself."""
+    from google.protobuf import json_format
+
+    from exporters.otlp_json import _ids_to_hex
+
+    tree = json_format.MessageToDict(message, use_integers_for_enums=True)
+    _ids_to_hex(tree)
+    return json.dumps(tree, separators=(",", ":"))
+
+
+def test_own_mapping_writes_what_json_format_writes() -> None:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import (
+        AnyValue,
+        ArrayValue,
+        KeyValue,
+        KeyValueList,
+    )
+
+    from exporters.otlp_json import _to_dict, message_to_json
+
+    _, request = _request(3)
+    span = request.resource_spans[0].scope_spans[0].spans[0]
+    values = [
+        AnyValue(string_value="s"), AnyValue(bool_value=False), AnyValue(int_value=-(2**63)),
+        AnyValue(int_value=0), AnyValue(double_value=float("nan")), AnyValue(double_value=float("inf")),
+        AnyValue(double_value=float("-inf")), AnyValue(double_value=1e-310), AnyValue(double_value=0.1),
+        AnyValue(bytes_value=b"\x00\xff"), AnyValue(bytes_value=b""), AnyValue(string_value=""),
+        AnyValue(array_value=ArrayValue(values=[AnyValue(int_value=1), AnyValue()])),
+        AnyValue(kvlist_value=KeyValueList(values=[KeyValue(key="traceId", value=AnyValue(bytes_value=b"\x01"))])),
+        AnyValue(),
+    ]
+    span.attributes.extend(KeyValue(key=f"k{i}", value=v) for i, v in enumerate(values))
+    span.status.code = 2
+    span.kind = 3
+    span.flags = 0x301
+    span.trace_state = "a=b"
+    span.dropped_attributes_count = 7
+    event = span.events.add(name="e", time_unix_nano=2**64 - 1)
+    event.attributes.add(key="x", value=AnyValue(double_value=-0.0))
+    request.resource_spans[0].resource.dropped_attributes_count = 1
+    request.resource_spans[0].schema_url = "https://x"
+    request.resource_spans[0].scope_spans[0].scope.name = "scope"
+    request.resource_spans[0].scope_spans[0].scope.version = "1"
+    request.resource_spans.add()  # an empty one
+    _to_dict(request)  # mapped by its own rules, not handed to json_format
+    assert message_to_json(request) == _reference_json(request)
+
+    metrics = ExportMetricsServiceRequest()
+    metric = metrics.resource_metrics.add().scope_metrics.add().metrics.add(name="m", unit="1")
+    point = metric.histogram.data_points.add(count=3, sum=1.5, start_time_unix_nano=1, time_unix_nano=2)
+    point.bucket_counts.extend([1, 2, 0])
+    point.explicit_bounds.extend([0.5, float("inf")])
+    point.exemplars.add(as_double=0.25, span_id=b"\x01" * 8, trace_id=b"\x02" * 16)
+    metric.metadata.add(key="k", value=AnyValue(int_value=5))
+    _to_dict(metrics)
+    assert message_to_json(metrics) == _reference_json(metrics)
+
+
+def test_messages_it_does_not_map_go_to_json_format() -> None:
+    from google.protobuf.struct_pb2 import Struct
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from exporters.otlp_json import message_to_json
+
+    ts = Timestamp(seconds=5, nanos=1)
+    assert message_to_json(ts) == _reference_json(ts)
+    st = Struct()
+    st.update({"a": 1.5, "b": [True, None, "x"]})
+    assert message_to_json(st) == _reference_json(st)

@@ -221,7 +221,9 @@ async def test_agent_ships_a_watched_servers_spans_and_counts_its_drops(
     spawn, tmp_path: Path, otlp_receiver: OtlpReceiver
 ) -> None:
     shm = Path(os.environ["SERVEWATCH_SHM_DIR"])
-    # a tiny ring the agent drains a few times a second: some spans must be dropped, and counted
+    # a tiny ring the agent drains a few times a second: some spans must be dropped, and counted.
+    # 4 KiB holds ~3 records, so each drain ships ~3: 60 shipped is ~20 drains (~10 s), each one
+    # behind a full ring (300 took ~50 s and proved nothing more)
     proc = _start(spawn, shm, "--rate", "400", env={"SERVEWATCH_SPAN_RING_BYTES": "4096"})
     settings = load_settings(
         {
@@ -239,7 +241,7 @@ async def test_agent_ships_a_watched_servers_spans_and_counts_its_drops(
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
             while (
-                agent.shipper.statistics().shipped < 300
+                agent.shipper.statistics().shipped < 60
                 or agent.shipper.statistics().dropped_full == 0
                 or "dropped" not in getattr(agent.status.get("spans"), "reason", "")
             ):
@@ -299,4 +301,56 @@ def test_refused_rings_of_exited_processes_are_forgotten_past_the_bound(spawn, t
 
 class _Discard:
     def on_end(self, span) -> None:
+        pass
+
+
+def test_a_target_without_a_ring_is_looked_for_again_when_a_folder_changes(spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watched server with no span ring is not looked for at every poll (each look reads /proc
+    and lists the SDK's folders): again at the first poll after a file is created in a folder,
+    and at least every ``ABSENT_RETRY_S``."""
+    from agent.sdk.ring import RingError
+    from exporters import shipper as shipper_mod
+
+    server = spawn([sys.executable, "-c", "import time; time.sleep(120)"])
+    folder = tmp_path / f"servewatch-{os.geteuid()}"
+    folder.mkdir(mode=0o700)
+    old = time.time() - 60
+    for path in (folder, tmp_path):
+        os.utime(path, (old, old))
+    looks: list[int] = []
+
+    def no_ring(pid: int, **_: object) -> None:
+        looks.append(pid)
+        raise RingError(f"no span ring at {folder / f'servewatch-spans.{pid}'}")
+
+    monkeypatch.setattr(shipper_mod, "RingReader", no_ring)
+    monkeypatch.setattr(shipper_mod._presence.Declarations, "update", lambda self, targets: [])
+    shipper = SpanShipper(SpanProcessorStub(), host_name="node-a", directory=tmp_path)
+    try:
+        shipper.watch({server.pid: os.geteuid()})
+        for _ in range(5):
+            shipper.poll()
+        assert looks == [server.pid]
+        (folder / "servewatch-spans.other").write_bytes(b"")  # a file created in its folder
+        os.utime(folder, (old + 1, old + 1))
+        shipper.poll()
+        shipper.poll()
+        assert looks == [server.pid] * 2
+        monkeypatch.setattr(shipper_mod, "ABSENT_RETRY_S", 0.0)
+        shipper.poll()
+        assert looks == [server.pid] * 3
+    finally:
+        shipper.close()
+
+
+class SpanProcessorStub:
+    """A span processor that takes nothing (no ring is ever attached here)."""
+
+    def on_end(self, span: object) -> None:
+        raise AssertionError("no span expected")
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+    def shutdown(self) -> None:
         pass

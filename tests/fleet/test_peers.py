@@ -131,6 +131,8 @@ async def test_a_detection_on_one_host_is_captured_by_every_host_in_one_trace_un
     root = shape["root"]
     assert root.resource["host.name"] == "node-a"
     assert root.attributes["servewatch.job.verdict.hosts"] == 3 and root.attributes["servewatch.job.verdict.captured_ranks"] == 3
+    # what to do next, said on the job's root span as in job-verdict.json
+    assert verdict_doc["verdict"]["next"] and root.attributes["servewatch.job.verdict.next"] == verdict_doc["verdict"]["next"]
     assert {h: s.attributes["servewatch.target.ranks"] for h, s in shape["incidents"].items()} == {
         "node-a": ("TP0",), "node-b": ("TP1",), "node-c": ("TP2",)}
     dumps = [s for s in shape["spans"] if s.name == "pyspy.dump"]

@@ -19,6 +19,9 @@ Faults (on ``--fault-rank`` at step ``--fault-step``):
   all-reduces on group A then B, the others on B then A: an ordering deadlock across groups.
 * ``deep``: the rank recurses ``--deep-frames`` frames deep (over py-spy's ~4096-frame limit) and
   spins in compute at the bottom; the others wait in the step's ``all_reduce``.
+* ``dstate``: the rank "loads weights" (``_load_weights``) in uninterruptible sleep (state D, as a
+  read from a hung NFS mount: :mod:`tests.programs.dstate`) until the runtime cap; the others wait
+  in the step's ``all_reduce``. A blocking py-spy dump of it hangs; ``--nonblocking`` reads it.
 * ``oom``: the rank allocates and touches memory (64 MiB at a time) until the kernel's OOM killer
   ends it (run it in a memory-limited cgroup: :mod:`tests.programs.rank_server`).
 
@@ -82,6 +85,15 @@ def _deep(n: int, deadline: float) -> None:
     _deep(n - 1, deadline)
 
 
+def _load_weights(deadline: float) -> None:
+    """The injected uninterruptible sleep: as a weight read from a hung network filesystem, the
+    main thread in state D until ``deadline`` (the child sleeping for it is in the rank's process
+    group: killing the group ends both)."""
+    from tests.programs.dstate import uninterruptible_sleep
+
+    uninterruptible_sleep(max(1, int(deadline - time.monotonic())))
+
+
 def _serve_metrics(port: int) -> object:
     """The job's own ``/metrics`` (as SGLang's and vLLM's frontends serve): ``fm_steps_total``
     (one per step) and ``fm_busy`` (1); returns the counter."""
@@ -106,6 +118,8 @@ def _between_collectives(args: argparse.Namespace, step: int, x: object, groups:
         os.kill(os.getpid(), signal.SIGSEGV)
     if fire and args.fault == "oom":
         _allocate_until_killed(args.oom_limit_mib << 20)
+    if fire and args.fault == "dstate":
+        _load_weights(deadline)
     if fire and args.fault == "deep":
         sys.setrecursionlimit(args.deep_frames + 1000)
         _deep(args.deep_frames, deadline)
@@ -122,7 +136,7 @@ def main() -> int:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
     ap.add_argument("--title", default="faultjob::scheduler")
-    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "oom"])
+    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "dstate", "oom"])
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-file", default=None, help="the fault fires at the first step after this file exists (else at --fault-step)")

@@ -19,7 +19,9 @@ and each STEP is ``{"id", "cmd", "bg": false, "ready": REGEX | null, "timeout_s"
 "wait": {"id", "pattern", "timeout_s"} | null, "env": {}}``: ``cmd`` is run by ``bash -c``
 (a README line is shell), in the foreground (its exit code and output recorded) or in the
 background (``bg``; ``ready``, when given, must appear in its stdout or stderr before the next
-step starts). ``wait`` holds the step until an earlier background step printed ``pattern``.
+step starts). ``wait`` holds the step until an earlier background step printed ``pattern``;
+with ``"wait_replaces_sleep": true`` a leading ``sleep N;`` of ``cmd`` (the README's pause for what
+``wait`` saw) is then dropped, unless the pattern never came.
 Two README placeholders are filled in: ``<scheduler pid>`` (the first of ``scheduler_pids`` a
 demo server printed) and ``<incident-id>`` (the newest bundle under ``./servewatch-data``).
 ``stop`` lists background steps to end with SIGINT (as Ctrl-C would) at the end, in order.
@@ -134,6 +136,8 @@ def main() -> int:
                 w = step["wait"]
                 record["waited_s"] = started[w["id"]].wait_for(w["pattern"], w.get("timeout_s", 60))
             cmd = fill(step["cmd"], cwd, list(started.values()))
+            if step.get("wait_replaces_sleep") and record.get("waited_s") is not None:
+                cmd = re.sub(r"^\s*sleep [0-9.]+\s*;\s*", "", cmd)
             record["ran"] = cmd
             env = {**env_base, **step.get("env", {})}
             t0 = time.monotonic()

@@ -203,11 +203,15 @@ async def test_agent_stop_cancels_a_long_import_within_the_grace(tmp_path: Path,
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
             first = await _incident(agent, profile=result, pid=os.getpid())
-            await anyio.to_thread.run_sync(
-                _wait_for, otlp_receiver, lambda s: any(x.span_id == first[1] for x in s), 30.0)
+            importer = agent.exporters["mirror"].importer
+            # stop as soon as the worker has taken the session (not after the incident's spans
+            # reached the receiver: an export delay let a fast box finish the 210 MB import first)
+            while importer._thread is None or tuple(importer.statistics()) != (0, 0, 0, 0):  # none queued, none ended
+                await anyio.sleep(0.01)
             agent.stop()  # the import of 210 MB is still running: cut within the mirror's grace
-    importer = agent.exporters["mirror"].importer
-    assert importer.statistics().cancelled == 1
+    assert importer.statistics().cancelled == 1, importer.statistics()
+    await anyio.to_thread.run_sync(_wait_for, otlp_receiver, lambda s: any(x.span_id == first[1] for x in s), 10.0)
+    assert any(x.span_id == first[1] for x in otlp_receiver.spans())  # the incident was shipped whole
     assert importer._thread is not None and not importer._thread.is_alive()  # stopped, not left behind
     spans = await anyio.to_thread.run_sync(
         _wait_for, otlp_receiver, lambda s: any(x.name == "profile.trace_import" for x in s), 10.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -227,6 +228,8 @@ async def test_probe_retries_once_on_a_kept_alive_connection_the_server_closed()
             first = await watcher.probe(client)
             second = await watcher.probe(client)  # reuses the connection the server then closes
     finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept(); close() alone does not
         listener.close()
         thread.join(timeout=5)
     assert first.ok and second.ok, (first, second, watcher._error_detail)

@@ -147,6 +147,45 @@ async def test_stall_and_rearm_with_the_prometheus_source(spawn, tmp_path: Path)
     assert stall.forward_ct > 0
 
 
+async def test_a_profile_of_the_server_by_url_pauses_its_prometheus_stall_rule_then_a_fresh_clock(
+    spawn, tmp_path: Path
+) -> None:
+    """``servewatch profile --url`` (vLLM writes its trace for ~20 s and takes no step meanwhile)
+    is recorded for the server's port: the stall rule over that server's ``/metrics`` is paused
+    while the window lasts, and the stall still there after it fires one full timeout after the
+    window ended, not at once."""
+    from urllib.parse import urlsplit
+
+    from agent.ownactions import OwnActionLog
+
+    server = fake_server.start(spawn, env=server_env(tmp_path))
+    source: StepSource = PrometheusStepSource(server.metrics_url, preset="sglang", timeout_s=2.0)
+    (tmp_path / "data" / "h").mkdir(parents=True)
+    profiler = OwnActionLog(tmp_path / "data", "h")  # as the `servewatch profile` process writes it
+    watchdog = Watchdog(source, CONFIG, own_actions=OwnActionLog(tmp_path / "data", "h"))
+    bus = RecordingBus()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(watchdog.run, bus)
+            await wait_until(lambda: ShmStepSource(server.pid, directory=tmp_path).read_now() is not None)
+            port = urlsplit(server.metrics_url).port
+            with profiler.window("profile", port=port, bound_s=60, detail="5 step(s), vllm"):
+                await _control(server, mode="freeze")  # the server writes its trace: no step
+                await anyio.sleep(6 * TIMEOUT_S)
+                assert not bus.of_type(WatchdogStalled)
+                assert watchdog.paused_by is not None and watchdog.pauses == 1
+            ended_ns = time.monotonic_ns()
+            await wait_until(lambda: bus.of_type(WatchdogStalled))
+            fired_ns = time.monotonic_ns()
+            tg.cancel_scope.cancel()
+    finally:
+        await source.aclose()
+    assert fired_ns - ended_ns >= TIMEOUT_S * 1e9
+    paused = [e for e in bus.events if getattr(e, "watcher", "") == f"stall prometheus port {port}"]
+    assert [e.state for e in paused] == ["waiting", "ready"]
+    assert paused[0].reason.startswith(f"stall rule paused for prometheus port {port}: servewatch profile running (pid ")
+
+
 def test_watchdog_config_defaults_and_signal_validation() -> None:
     config = WatchdogConfig()
     assert (config.timeout_s, config.hard, config.signal) == (300.0, False, "SIGABRT")

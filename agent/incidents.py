@@ -247,6 +247,8 @@ class IncidentRecord:
     server_dump_lines: tuple[str, ...] = ()
     #: :meth:`manifest_targets` once made, with the targets it was made of
     _manifest_targets: tuple[list[Target], tuple[ManifestTarget, ...]] | None = field(default=None, repr=False)
+    #: held while its manifest is taken and written: two writes never cross (the later snapshot lands last)
+    _manifest_lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False, compare=False)
 
     def manifest_targets(self) -> tuple[ManifestTarget, ...]:
         """The targets as the manifest shows them, secrets in titles and argv redacted; made once
@@ -569,11 +571,15 @@ class IncidentManager:
                 only the incident's last write, always durable, must survive a power cut. Each
                 fsync pair waits for a journal commit: several ms each on a busy disk.
         """
-        await anyio.to_thread.run_sync(record.manifest_targets)  # the redaction: CPU, off the loop, once
-        lines = len(record.lifecycle)
-        manifest = record.to_manifest(host_name=self.host_name)
-        await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest, durable)
-        self._lines_written[record.opened.incident_id] = lines
+        # one write at a time per record: an incident's own last write and a lifecycle line's
+        # rewrite (an orphan's end noted as the incident closed) both run in threads; unordered,
+        # the older snapshot could be renamed over the newer one and a noted line lost
+        async with record._manifest_lock:
+            await anyio.to_thread.run_sync(record.manifest_targets)  # the redaction: CPU, off the loop, once
+            lines = len(record.lifecycle)
+            manifest = record.to_manifest(host_name=self.host_name)
+            await anyio.to_thread.run_sync(_write_json, record.manifest_path, manifest, durable)
+            self._lines_written[record.opened.incident_id] = lines
 
     def _cooling_down(self, trigger: str, server: int | None = None) -> bool:
         """Whether ``(server, trigger)`` opened an incident less than ``cooldown_s`` ago; if not,

@@ -454,3 +454,38 @@ async def test_an_incident_stopped_before_it_captured_anything_leaves_no_empty_f
         tg.cancel_scope.cancel("operator's Ctrl-C")
     assert list((tmp_path / "h1").iterdir()) == []
     assert bus.of_type(IncidentOpened) == []
+
+
+async def test_two_manifest_writes_of_one_record_land_in_the_order_their_snapshots_were_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lifecycle line noted while the incident's own last write is in its thread (CI: an
+    orphan's end 0 s after the open, under load). Before: the two writes ran in two threads at
+    once, the older snapshot's rename landed last and the manifest lost the newer line."""
+    import time as _time
+
+    from agent import incidents
+
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl)
+    record = await mgr.open_incident("stall", detail="frozen", pid=102)
+    real_write = incidents._write_json
+    calls: list[int] = []
+
+    def slow_first_write(path: Path, data, durable: bool = True) -> bool:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            _time.sleep(0.6)  # the first snapshot's write is slow (a busy disk's fsync)
+        return real_write(path, data, durable)
+
+    monkeypatch.setattr(incidents, "_write_json", slow_first_write)
+    record.lifecycle.append("left alive, then ended: pid 1 (1 of its processes still alive)")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(mgr.rewrite, record)
+        with anyio.fail_after(5):
+            while not calls:  # the first snapshot is taken and its write under way
+                await anyio.sleep(0.01)
+        record.lifecycle.append("left alive, then ended: pid 2 (none of its processes left alive now)")
+        tg.start_soon(mgr.rewrite, record)
+    manifest = json.loads((tmp_path / "h1" / record.opened.incident_id / "manifest.json").read_text())
+    assert manifest["lifecycle"] == record.lifecycle, manifest["lifecycle"]
+    assert len(calls) == 2

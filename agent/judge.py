@@ -686,7 +686,7 @@ def job_groups(targets: Sequence[Target]) -> list[list[int]]:
 
 #: Which server's verdict is the incident's when no trigger pid picks it: a hung one with a
 #: culprit first, strongest kind first.
-_KIND_ORDER = ("dead", "orphaned", "cascade", "suspended", "uninterruptible", "desync", "cycle", "behind", "deadlock", "rendezvous", "compute", "single",
+_KIND_ORDER = ("dead", "orphaned", "cascade", "suspended", "uninterruptible", "desync", "cycle", "behind", "coordinator", "deadlock", "rendezvous", "compute", "single",
                "unknown", "idle", "stopped", "progressing")
 
 

@@ -14,7 +14,8 @@ from one source (stacks of one instant), ``low`` when a status is unknown or the
 thin. Hard mode acts only on a high-confidence culprit (:func:`hard_signal_plan`).
 
 A process that is not a rank (a coordinator such as ``VLLM::EngineCore`` or SGLang's data-parallel
-controller, a frontend, a plain program) is evidence, never given a rank number.
+controller, a frontend, a plain program) is evidence, never given a rank number; a coordinator
+stuck in its own code while every rank idles is itself the culprit (``coordinator``), by its pid.
 
 No I/O, no clock, no subprocess: the caller (:mod:`agent.judge`) gathers the evidence of one
 server and passes it in. Imports the stack model (:mod:`agent.stacks`) and the Flight Recorder
@@ -355,7 +356,8 @@ class Verdict:
     Attributes:
         kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``suspended``,
             ``uninterruptible`` (a process in state D), ``desync``,
-            ``progressing``, ``rendezvous``, ``cycle``, ``behind``, ``deadlock``, ``idle``, ``compute``,
+            ``progressing``, ``rendezvous``, ``cycle``, ``behind``, ``coordinator`` (a coordinator stuck in its
+            own code while every rank idles), ``deadlock``, ``idle``, ``compute``,
             ``single`` (one process, not a distributed job), ``orphaned`` (the server's frontend died,
             its processes live on) or ``unknown`` (see :data:`RULES`).
         hung: whether the server is known to be stuck (``progressing``, ``idle`` and ``stopped``
@@ -983,6 +985,42 @@ def _coordinator_waits(ev: Evidence) -> Verdict | None:
     return _verdict(ev, "behind", named, reason, "low")
 
 
+def _stuck_coordinators(ev: Evidence) -> list[RankEvidence]:
+    """Live coordinators running their own code: not idle, not waiting on their workers, their
+    own step counter (when counted) not advancing."""
+    return [e for e in ev.others if e.role is Role.COORDINATOR and e.alive and e.frame_class is FrameClass.COMPUTE
+            and not e.waits_on and not e.advanced]
+
+
+def _coordinator_words(e: RankEvidence) -> str:
+    """``the engine core`` for vLLM's EngineCore, else ``the coordinator``."""
+    return "the engine core" if "enginecore" in e.title.lower().replace("_", "") else "the coordinator"
+
+
+@_rule("coordinator_stuck", kind="coordinator",
+       when="every rank waits for work (idle, none in a collective or its own code) while a coordinator "
+            "(VLLM::EngineCore, a DP controller) runs its own code (not idle, not waiting on its workers), and "
+            "work is pending (a stall while busy, pending requests)",
+       concludes="the coordinator is the culprit, named with its frame: `the engine core pid 42 'VLLM::EngineCore' "
+                 "is stuck in step (vllm/v1/engine/core.py:300) while every rank idles (waiting for work)`",
+       confidence="high for one coordinator when no progress agrees with its stack (a stall, its own step counter or "
+                  "the server's standing still); medium from stacks and pending work alone")
+def _coordinator_stuck(ev: Evidence) -> Verdict | None:
+    if not ev.ranks or ev.work_pending is not True:
+        return None
+    if any(not e.alive or e.frame_class is not FrameClass.IDLE or e.advanced for e in ev.ranks):
+        return None
+    stuck = _stuck_coordinators(ev)
+    if not stuck:
+        return None
+    parts = [f"{_coordinator_words(e)} {e.name} is stuck in " + (e.frame or "its own code") for e in stuck]
+    where = "; ".join(f"rank {e.rank} in {e.frame}" if e.frame else f"rank {e.rank}" for e in ev.ranks)
+    reason = "; ".join(parts) + f" while every rank idles (waiting for work): {where}"
+    agree = ev.trigger == Trigger.STALL or ev.server_progress is False or stuck[0].stalled is True
+    sure = len(stuck) == 1 and agree and ev.server_progress is not True
+    return _verdict(ev, "coordinator", stuck, reason, "high" if sure else "medium")
+
+
 def _waiting_processes(ev: Evidence) -> list[RankEvidence]:
     return [e for e in ev.processes if e.alive and e.frame_class is not FrameClass.UNKNOWN]
 
@@ -1342,6 +1380,13 @@ def _next_behind(v: Verdict, ev: Evidence | None) -> str:
     return _native(v, ev, "what it does instead of the collective") or _fresh_stacks(v, ev)
 
 
+@_next("coordinator", "`py-spy dump --native --pid <coordinator pid>`: what its own loop is stuck in (its workers "
+       "wait for work)")
+def _next_coordinator(v: Verdict, ev: Evidence | None) -> str:
+    who = "the engine core's" if "the engine core " in v.reason else "the coordinator's"
+    return _native(v, ev, f"what {who} own loop is stuck in; its workers wait for work") or _fresh_stacks(v, ev)
+
+
 @_next("deadlock", "`py-spy dump --locals --pid <pid>` of each: the queue or socket it waits on")
 def _next_deadlock(v: Verdict, ev: Evidence | None) -> str:
     pids = list(v.culprit_pids) or _live_pids(v, ev)
@@ -1582,7 +1627,8 @@ def hard_signal_plan(verdict: Verdict | None, *, target_pids: Sequence[int], sta
     ``policy="all"`` (the operator's explicit choice): every target. Otherwise only a culprit
     named at high confidence by a hung verdict; one process that is no distributed job and
     stalled (a ``single`` verdict, or no verdict for the only target) is itself the one to
-    restart. Never "every target" for want of a culprit.
+    restart. Never "every target" for want of a culprit, and never a culprit that is no target of
+    the incident (a process not identified, whose pidfd was never taken), a rank or a coordinator alike.
     """
     if policy == "all":
         return list(target_pids), "every rank (hard_targets=all)"
@@ -1598,10 +1644,15 @@ def hard_signal_plan(verdict: Verdict | None, *, target_pids: Sequence[int], sta
         return ([stalled_pid], f"the only target, stalled: {verdict.reason}") if lone and stalled_pid else (
             [], "one process, not a distributed job, and not the stalled target")
     pids = [p for p in verdict.culprit_pids if p]
-    if pids and verdict.confidence == "high":
-        return pids, f"culprit per verdict: {verdict.reason}"
     if not pids:
         return [], "no culprit named: hard mode acts only on a high-confidence culprit"
+    known = set(target_pids)
+    outside = [p for p in pids if p not in known]  # never identified as a target: no pidfd, never signalled
+    pids = [p for p in pids if p in known]
+    if not pids:
+        return [], f"culprit pid {', '.join(map(str, outside))} is no target of this incident: never signalled"
+    if verdict.confidence == "high":
+        return pids, f"culprit per verdict: {verdict.reason}"
     return [], f"verdict confidence {verdict.confidence}: hard mode acts only on a high-confidence culprit"
 
 

@@ -7,7 +7,7 @@ Each case runs real processes (``tests/programs/fault_matrix.py``):
   killed, a skipped collective, a collective of another shape, slow but progressing;
 * the shapes real hangs take: a collective-timeout cascade, a crash seen late (``servewatch dump``
   after the fact), two servers on one host, DP replicas, an IPC deadlock with a request running,
-  a rendezvous hang, an ordering deadlock across two process groups, a stack too deep for py-spy,
+  an engine core hung in its own loop while its worker idles (a request running), a rendezvous hang, an ordering deadlock across two process groups, a stack too deep for py-spy,
   a rank in uninterruptible sleep (state D: a weight read from a hung network filesystem).
 
 "Added" is the Flight Recorder phase (all ranks, in parallel) plus making the verdict, the two

@@ -153,6 +153,12 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         assert next(line for line in summary_lines(record) if line.startswith("Wrote ")).endswith(" Errors: 0")
         assert "errors   0 (processes whose stacks could not be captured)" in render_timeline_text(tl, width=200)
         assert " Errors: 0. " in report_summary(tl, report)
+    elif shape == "engine_hang":  # the engine core, by pid and frame; its idle worker is no culprit
+        engine = v["culprit_pids"][0]
+        assert v["rule"] == "coordinator_stuck" and v["hung"] and v["culprit_ranks"] == [] and v["ranks"] == [0], v
+        assert re.match(rf"the engine core pid {engine} '\S+::EngineCore' is stuck in _engine_step_hang \(", reason), reason
+        assert "while every rank idles (waiting for work): rank 0 in " in reason, reason
+        assert v["next"].startswith(f"py-spy dump --native --pid {engine} (what the engine core's own loop"), v["next"]
     elif shape == "rendezvous":
         assert reason.startswith("rendezvous: rank 2 never arrived (rank 2 never started); ranks 0,1 wait")
     elif shape == "pg_cycle":

@@ -425,6 +425,90 @@ def test_a_coordinator_is_evidence_never_a_rank() -> None:
     assert (v.kind, v.culprit_ranks, v.culprit_pids, v.rule, v.confidence) == ("behind", (0,), (11,), "coordinator_waits", "low")
 
 
+def _engine_hang_shape() -> tuple[list[RankEvidence], RankEvidence]:
+    """The real vLLM 0.32 shape of a hang in the EngineCore's own busy loop (TP=2): both Workers
+    idle in their message queue, the EngineCore stuck in its own step (not in the executor's RPC)."""
+    workers = [RankEvidence(rank=r, pid=30101 + r, title=f"VLLM::Worker_TP{r}", frame_class=FrameClass.IDLE,
+                            frame="dequeue (vllm/distributed/device_communicators/shm_broadcast.py:605)")
+               for r in (0, 1)]
+    engine = RankEvidence(pid=30100, role=verdict_mod.Role.COORDINATOR, title="VLLM::EngineCore",
+                          frame_class=FrameClass.COMPUTE, frame="engine_fault_point (servewatch_realvllm_plugin.py:88)")
+    return workers, engine
+
+
+def test_an_engine_core_stuck_in_its_own_loop_while_every_rank_idles_is_the_culprit() -> None:
+    """Issue 32 item 1b: every rank waits for work, the EngineCore is stuck in its own code while
+    the server is busy and not stepping: the engine core is the culprit, named with its frame
+    (before: "no culprit rank -- no collective wait (rank 0 idle, rank 1 idle) [confidence low]")."""
+    workers, engine = _engine_hang_shape()
+    v = decide([*workers, engine], trigger="stall")
+    assert (v.kind, v.rule, v.culprit_ranks, v.culprit_pids, v.hung, v.confidence) == (
+        "coordinator", "coordinator_stuck", (), (30100,), True, "high"), v
+    assert v.culprit_names == ("pid 30100 'VLLM::EngineCore'",), v.culprit_names
+    assert v.reason.startswith("the engine core pid 30100 'VLLM::EngineCore' is stuck in engine_fault_point "
+                               "(servewatch_realvllm_plugin.py:88) while every rank idles (waiting for work)"), v.reason
+    assert "rank 0 in dequeue (" in v.reason and "rank 1 in dequeue (" in v.reason, v.reason
+    assert v.headline().startswith("Verdict: culprit pid 30100 'VLLM::EngineCore' -- the engine core pid 30100 "), v.headline()
+    assert v.headline().endswith("[confidence high]"), v.headline()
+    assert any(line.startswith("pid 30100 'VLLM::EngineCore'; coordinator; compute: engine_fault_point")
+               for line in v.evidence), v.evidence
+    assert v.next_step == "py-spy dump --native --pid 30100 (what the engine core's own loop is stuck in; its " \
+                          "workers wait for work)", v.next_step
+    # its own step counter standing still agrees too; the server's /metrics standing still with work pending
+    counted = verdict_mod.replace(engine, steps_before=7, steps_after=7)
+    assert decide([*workers, counted], work_pending=True).confidence == "high"
+    still = Evidence.of([*workers, engine], work_pending=True, server_progress=False,
+                        server_progress_detail="vllm:iteration_tokens_total_count 7->7 in 2.0 s")
+    assert (decide(still).kind, decide(still).confidence) == ("coordinator", "high")
+    # stacks and pending work alone (no stall, no counter read twice): medium
+    pending = decide([*workers, engine], work_pending=True)
+    assert (pending.kind, pending.culprit_pids, pending.confidence) == ("coordinator", (30100,), "medium"), pending
+    # a DP controller (SGLang) is a coordinator too: "the coordinator", by its title
+    ctl = verdict_mod.replace(engine, title="sglang::data_parallel_controller")
+    v = decide([*workers, ctl], trigger="stall")
+    assert (v.kind, v.culprit_pids) == ("coordinator", (30100,))
+    assert v.reason.startswith("the coordinator pid 30100 'sglang::data_parallel_controller' is stuck in "), v.reason
+
+
+def test_an_engine_core_in_its_own_code_is_no_culprit_without_a_busy_server_or_with_a_rank_at_work() -> None:
+    workers, engine = _engine_hang_shape()
+    # nothing says work was pending: the previous verdict stands (no culprit, low)
+    for ev in (decide([*workers, engine], trigger="manual"), decide([*workers, engine], work_pending=False)):
+        assert (ev.kind, ev.culprit_pids, ev.confidence) == ("unknown", (), "low"), ev
+        assert ev.reason == "no collective wait (rank 0 idle, rank 1 idle)", ev.reason
+    # the engine core waits on its workers (the executor's RPC): not stuck in its own code
+    waiting = verdict_mod.replace(engine, frame_class=FrameClass.IDLE,
+                                  frame="get_response (vllm/v1/executor/multiproc_executor.py:250)")
+    assert decide([*workers, waiting], trigger="stall").kind == "deadlock"
+    assert decide([*workers, verdict_mod.replace(engine, waits_on=(30101, 30102))], trigger="stall").kind != "coordinator"
+    # its own counter advanced: busy, not stuck
+    moving = verdict_mod.replace(engine, steps_before=7, steps_after=9)
+    assert decide([*workers, moving], work_pending=True).kind != "coordinator"
+    # a rank in compute or in a collective: the rank rules decide, as before
+    busy_rank = verdict_mod.replace(workers[1], frame_class=FrameClass.COMPUTE, frame="forward (llama.py:9)")
+    assert decide([workers[0], busy_rank, engine], trigger="stall").kind != "coordinator"
+    # a rank without a stack: not known to idle
+    blind = verdict_mod.replace(workers[1], frame_class=FrameClass.UNKNOWN, frame="")
+    assert decide([workers[0], blind, engine], trigger="stall").kind != "coordinator"
+    # a frontend stuck in its own code is no coordinator
+    api = verdict_mod.replace(engine, role=verdict_mod.Role.FRONTEND, title="VLLM::APIServer")
+    assert decide([*workers, api], trigger="stall").kind == "unknown"
+
+
+def test_hard_mode_treats_a_stuck_engine_core_as_any_culprit() -> None:
+    plan = verdict_mod.hard_signal_plan
+    workers, engine = _engine_hang_shape()
+    targets = [30100, 30101, 30102]
+    high = decide([*workers, engine], trigger="stall")
+    assert plan(high, target_pids=targets, stalled_pid=None) == (
+        [30100], f"culprit per verdict: {high.reason}")  # the engine core only, never its idle workers
+    medium = decide([*workers, engine], work_pending=True)
+    assert plan(medium, target_pids=targets, stalled_pid=None) == (
+        [], "verdict confidence medium: hard mode acts only on a high-confidence culprit")
+    # a culprit that is not one of the incident's targets (never identified: no pidfd) is never signalled
+    assert plan(high, target_pids=[30101, 30102], stalled_pid=None)[0] == []
+
+
 def test_hard_mode_acts_only_on_a_high_confidence_culprit() -> None:
     plan = verdict_mod.hard_signal_plan
     behind = decide([RankEvidence(rank=0, pid=5, frame_class=FrameClass.COLLECTIVE),

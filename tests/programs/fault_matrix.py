@@ -499,6 +499,21 @@ async def shape_ipc_deadlock(wd: Path) -> ShapeResult:
         await anyio.to_thread.run_sync(stop_ranks, [proc])
 
 
+async def shape_engine_hang(wd: Path) -> ShapeResult:
+    """The same engine and worker; the engine hangs in its own loop with a request running (as a
+    hang inside vLLM's EngineCore step): the worker idles in ``recv`` waiting for work. Not "no
+    collective wait (rank 0 idle)": the engine core is the culprit, by its pid (issue 32 item 1b)."""
+    tag = _tag()
+    proc = _start([sys.executable, str(IPC_ENGINE), "--title", tag, "--hang-at", "8"], wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(proc, lambda s: "READY" in s))
+        engine, _worker = (int(x) for x in seen["READY"][0])
+        record = await _watch({"target": {"match": [f"{tag}::*"]}}, wd, wait_trigger="stall")
+        return _result("engine_hang", record, kind="coordinator", ranks=(), pids=(engine,), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [proc])
+
+
 async def shape_rendezvous(wd: Path) -> ShapeResult:
     """A world of 3 whose rank 2 never starts: ranks 0 and 1 wait in ``init_process_group`` on
     the TCPStore. The verdict names rank 2 as never arrived (no process to name)."""
@@ -571,6 +586,7 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "dp_replicas": shape_dp_replicas,
     "dp_attention": shape_dp_attention,
     "ipc_deadlock": shape_ipc_deadlock,
+    "engine_hang": shape_engine_hang,
     "rendezvous": shape_rendezvous,
     "pg_cycle": shape_pg_cycle,
     "deep": shape_deep,

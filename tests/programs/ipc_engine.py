@@ -2,10 +2,12 @@
 engine sends each step to the worker and waits for its answer, counting steps with the SDK (one
 request running: ``pending=1``). With ``--lose-at N`` the worker drops its answer to step N and
 waits for the next step: both wait for a message forever while a request is pending (a deadlock
-over IPC, everyone blocked in ``recv``).
+over IPC, everyone blocked in ``recv``). With ``--hang-at N`` the engine itself hangs in its own
+loop before sending step N (a busy wait in :func:`_engine_step_hang`, as a hang inside vLLM's
+EngineCore step): the worker idles in ``recv`` waiting for work while the request stays pending.
 
 Titles: ``<prefix>::EngineCore`` and ``<prefix>::Worker``. Prints ``READY <engine pid> <worker pid>``
-after the first step, ``LOST <n>`` when the answer is dropped.
+after the first step, ``LOST <n>`` when the answer is dropped, ``HUNG <n>`` when the engine hangs.
 """
 
 from __future__ import annotations
@@ -34,10 +36,18 @@ def worker(conn: Connection, title: str, lose_at: int) -> None:
         conn.send(("done", step))
 
 
+def _engine_step_hang(step: int, until: float) -> None:
+    """The engine's own loop stuck before it sends ``step`` (never waiting on its worker)."""
+    _say(f"HUNG {step}")
+    while time.monotonic() < until:
+        time.sleep(0.01)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--title", required=True)
     ap.add_argument("--lose-at", type=int, default=-1)
+    ap.add_argument("--hang-at", type=int, default=-1)
     ap.add_argument("--max-runtime-s", type=float, default=90.0)
     args = ap.parse_args()
     import setproctitle
@@ -54,6 +64,9 @@ def main() -> int:
     while time.monotonic() < deadline:
         step += 1
         sdk.set_pending(1)
+        if step == args.hang_at:
+            _engine_step_hang(step, deadline)
+            break
         mine.send(step)
         mine.recv()
         sdk.step(pending=1)

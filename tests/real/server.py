@@ -378,6 +378,12 @@ class VllmServer:
         (the fault plugin; takes effect at the next forward)."""
         self._write_fault({"mode": "hang", "ranks": "all" if ranks is None else ",".join(map(str, ranks))})
 
+    def hang_engine(self) -> None:
+        """Make the EngineCore's own busy loop block before its next step until :meth:`clear_fault`
+        (the fault plugin's ``engine_hang``: its workers idle waiting for work; released within
+        50 ms of the clear)."""
+        self._write_fault({"mode": "engine_hang"})
+
     def slow(self, delay_s: float, ranks: tuple[int, ...] | None = None) -> None:
         """Make every forward of the given TP ranks (``None``: all) sleep ``delay_s`` first."""
         self._write_fault({"mode": "slow", "delay_s": str(delay_s), "ranks": "all" if ranks is None else ",".join(map(str, ranks))})
@@ -388,7 +394,7 @@ class VllmServer:
         os.replace(tmp, self.fault_file)
 
     def clear_fault(self) -> None:
-        """Remove the trigger: a hung forward returns within 50 ms."""
+        """Remove the trigger: a hung forward (or engine core step) returns within 50 ms."""
         self.fault_file.unlink(missing_ok=True)
 
     def sigstop(self, proc: psutil.Process) -> None:

@@ -277,3 +277,47 @@ def test_two_servers_each_stall_gets_its_own_server_s_verdict(real_vllm: Any, tm
         server.clear_fault()
     for t in threads:
         t.join(timeout=300)
+
+
+def test_an_engine_core_hung_in_its_own_loop_is_the_culprit_by_pid_and_frame(vllm_tp1: VllmServer,
+                                                                            tmp_path: Path) -> None:
+    """Issue 32 item 1b: a request running, the EngineCore's own busy loop blocks before its next
+    step (the fault plugin wraps ``EngineCore.step`` in the EngineCore process), its Worker idles
+    waiting for work; `run` sees the stall on /metrics. The verdict names the engine core by its
+    pid and frame, at high confidence (the stall and the stacks agree), not "no collective wait
+    (rank 0 idle)"; hard mode would signal it (a target of the incident) and never the Worker."""
+    from agent.verdict import hard_signal_plan
+
+    (worker,) = vllm_tp1.workers()
+    engine = vllm_tp1.engine_core()
+    threads: list[threading.Thread] = []
+
+    def hang_the_engine_core() -> None:
+        threads.append(_long_request(vllm_tp1))
+        steps = _metric(vllm_tp1, "vllm:iteration_tokens_total_count")
+        _until(lambda: _metric(vllm_tp1, "vllm:iteration_tokens_total_count") > steps, 120, "a step seen on /metrics")
+        vllm_tp1.hang_engine()
+        _until(lambda: "engine_fault_point" in _stack(engine.pid), 120, "the EngineCore hung before its step")
+
+    started = time.monotonic()
+    try:
+        record = anyio.run(_watch_stall, f"{vllm_tp1.url}/metrics", tmp_path / "data", hang_the_engine_core)
+    finally:
+        vllm_tp1.clear_fault()
+        for t in threads:
+            t.join(timeout=300)
+    v = record.verdict.to_json()
+    print(f"\n{v['headline']}\nnext: {v['next']}\n(stall to verdict: {time.monotonic() - started:.1f} s in all)")
+    assert (v["kind"], v["rule"], v["culprit_ranks"], v["culprit_pids"], v["hung"], v["confidence"]) == (
+        "coordinator", "coordinator_stuck", [], [engine.pid], True, "high"), v
+    assert v["ranks"] == [0], v
+    assert v["reason"].startswith(f"the engine core pid {engine.pid} 'VLLM::EngineCore' is stuck in engine_fault_point ("), v
+    assert "servewatch_realvllm_plugin.py:" in v["reason"], v["reason"]
+    assert "while every rank idles (waiting for work): rank 0 in " in v["reason"], v["reason"]
+    assert v["headline"].startswith(f"Verdict: culprit pid {engine.pid} 'VLLM::EngineCore' -- the engine core "), v
+    worker_line = next(line for line in v["evidence"] if line.startswith(f"rank 0 pid {worker.pid}"))
+    assert "idle" in worker_line, v["evidence"]
+    assert v["next"].startswith(f"py-spy dump --native --pid {engine.pid} ("), v["next"]
+    pids, _ = hard_signal_plan(record.verdict, target_pids=[t.pid for t in record.targets], stalled_pid=None)
+    assert pids == [engine.pid], (pids, [t.pid for t in record.targets])
+    assert vllm_tp1.serves(timeout_s=120), vllm_tp1.log_tail()  # released: the server answers again

@@ -1,5 +1,5 @@
 """A vLLM general plugin (entry point group ``vllm.general_plugins``) that injects faults into the
-model's forward, inside the real worker processes.
+model's forward, inside the real worker processes, and into the EngineCore's own step.
 
 vLLM loads general plugins in every one of its processes (API server, EngineCore, workers). This
 one wraps ``LlamaForCausalLM.forward``: before each forward, a worker whose tensor-parallel rank is
@@ -8,7 +8,12 @@ selected reads the trigger file named by ``REALVLLM_FAULT_FILE`` and
 - ``mode=hang`` (the default): blocks, polling every 50 ms, for as long as the file exists and
   still asks this rank to hang — a forward that never returns while the trigger is there, with
   the real call stack above it (rewriting the file to ``mode=slow`` lets it go on slowly);
-- ``mode=slow``: sleeps ``delay_s`` seconds once per forward (a slow step, the engine still steps).
+- ``mode=slow``: sleeps ``delay_s`` seconds once per forward (a slow step, the engine still steps);
+- ``mode=engine_hang``: the forward runs untouched; instead the EngineCore's own busy loop blocks
+  (``EngineCore.step`` / ``step_with_batch_queue``, wrapped in the EngineCore process, where vLLM
+  calls ``load_general_plugins()`` from ``EngineCore.__init__``): before its next step it polls
+  every 50 ms for as long as the file still says ``engine_hang``, its workers idle waiting for
+  work (a hang of the engine core itself, with the real busy loop above it).
 
 The file holds ``key=value`` lines: ``mode``, ``ranks`` (comma-separated TP ranks, or ``all``, the
 default) and ``delay_s``. No file: the forward runs untouched (one ``stat`` per forward).
@@ -59,7 +64,7 @@ def _selected(fault: dict[str, str]) -> bool:
 def fault_point(path: str) -> None:
     """Apply the fault the trigger file describes to this forward, if this rank is selected."""
     fault = _read_fault(path)
-    if fault is None or not _selected(fault):
+    if fault is None or fault.get("mode", "hang") not in ("hang", "slow") or not _selected(fault):
         return
     if fault.get("mode", "hang") == "slow":
         time.sleep(float(fault.get("delay_s", "1.0")))
@@ -71,11 +76,50 @@ def fault_point(path: str) -> None:
             return
 
 
+def engine_fault_point(path: str) -> None:
+    """Block the EngineCore's step while the trigger file says ``mode=engine_hang`` (polling every
+    50 ms: released within 50 ms of the file's removal or rewrite)."""
+    fault = _read_fault(path)
+    if fault is None or fault.get("mode") != "engine_hang":
+        return
+    while True:
+        time.sleep(_POLL_S)
+        now = _read_fault(path)
+        if now is None or now.get("mode") != "engine_hang":
+            return
+
+
+def _wrap_engine_steps(path: str) -> None:
+    """Wrap vLLM's ``EngineCore.step`` and ``step_with_batch_queue`` (its busy loop calls one of
+    them, ``self.step_fn``, bound in ``EngineCore.__init__`` after the plugins are loaded)."""
+    try:
+        from vllm.v1.engine import core
+    except Exception:  # noqa: BLE001 - no v1 engine here: nothing to wrap
+        return
+    cls: Any = core.EngineCore
+    for name in ("step", "step_with_batch_queue"):
+        inner = getattr(cls, name, None)
+        if inner is None or getattr(inner, "_servewatch_fault", False):
+            continue
+
+        def make(inner: Any) -> Any:
+            @functools.wraps(inner)
+            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+                engine_fault_point(path)
+                return inner(self, *args, **kwargs)
+
+            step._servewatch_fault = True  # type: ignore[attr-defined]
+            return step
+
+        setattr(cls, name, make(inner))
+
+
 def register() -> None:
     """The plugin's entry point: wrap the Llama forward when a fault file is configured."""
     path = os.environ.get(FAULT_FILE_ENV)
     if not path:
         return
+    _wrap_engine_steps(path)
     from vllm.model_executor.models import llama
 
     cls: Any = llama.LlamaForCausalLM

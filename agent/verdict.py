@@ -37,6 +37,7 @@ from agent.flightrec_view import (
     find_cycle,
     find_desync,
     late_arrivals,
+    pending_p2p,
 )
 from agent.flightrec_view import warm_up as _warm_up_analyzer
 from agent.stacks import comm_layer
@@ -958,8 +959,12 @@ def _behind(ev: Evidence) -> Verdict | None:
 
 
 def _p2p_waits(e: RankEvidence) -> str:
-    """``rank 0 waits in recv``."""
-    return f"{e.name} waits in {e.p2p}"
+    """``rank 0 waits in recv``; ``rank 0 waits in recv from rank 1`` when its Flight Recorder
+    names the peer (NCCL's ``nccl:recv 0<-1``; gloo records no P2P op)."""
+    found = pending_p2p(e.fr) if e.p2p in ("recv", "send") else None
+    if found is None or found[0] != e.p2p:
+        return f"{e.name} waits in {e.p2p}"
+    return f"{e.name} waits in {e.p2p} {'from' if e.p2p == 'recv' else 'to'} rank {found[1]}"
 
 
 def _p2p_tail(ops: set[str], two: bool) -> str:
@@ -978,7 +983,8 @@ def _p2p_tail(ops: set[str], two: bool) -> str:
             "advanced and no rank of the world is unseen",
        concludes="a P2P ordering deadlock between those ranks, each named with where it waits: `P2P ordering "
                  "deadlock: rank 0 waits in recv, rank 1 waits in recv: each waits for the other to send first` "
-                 "(both stages posted their recv first, PyTorch #172668); none is more to blame",
+                 "(both stages posted their recv first, PyTorch #172668), with the peer when its Flight Recorder "
+                 "names it (NCCL's `nccl:recv 0<-1`: `rank 0 waits in recv from rank 1`); none is more to blame",
        confidence="high when every rank waits in the same direction (all recv, or all send), progress is known to "
                   "have stopped (a stall, counters standing still) and no Flight Recorder shows a collective in "
                   "flight; medium otherwise (mixed directions, no progress reading)")

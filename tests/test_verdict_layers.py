@@ -200,3 +200,32 @@ def test_ranks_spinning_in_deepep_dispatch_name_the_rank_that_never_dispatched()
     assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence) == ("behind", (1,), (41,), "medium")
     assert v.reason == ("behind: rank 1 not in a collective (rank 1 in compute: _hang_in_compute (/app/model.py:12)); "
                         "ranks 0,2 wait in one")
+
+
+def _nccl_fr(me: int, op: str, peer: int, *, pg: str = "0", ranks: str = "[0, 1]", state: str = "scheduled") -> dict:
+    """A rank's NCCL Flight Recorder with one all_reduce done, then a P2P op (torch's names:
+    ``nccl:send 0->1``, ``nccl:recv 0<-1``, in group ranks)."""
+    done = {"pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 1, "p2p_seq_id": 0,
+            "is_p2p": False, "profiling_name": "nccl:all_reduce", "state": "completed"}
+    arrow = "->" if op == "send" else "<-"
+    p2p = {"pg_id": int(pg), "process_group": [pg, "pp_group"], "collective_seq_id": 0, "p2p_seq_id": 1,
+           "is_p2p": True, "profiling_name": f"nccl:{op} {me}{arrow}{peer}", "state": state}
+    return {"entries": [done, p2p], "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"},
+                                                  pg: {"name": pg, "desc": "pp_group", "ranks": ranks}},
+            "pg_status": {"0": {"last_enqueued_collective": 1, "last_completed_collective": 1}}}
+
+
+def test_the_peer_of_a_p2p_wait_is_named_from_an_nccl_flight_recorder() -> None:
+    from agent.flightrec_view import pending_p2p
+
+    # the pipeline group of global ranks 1 and 3: group rank 1 is global rank 3
+    assert pending_p2p(_nccl_fr(0, "recv", 1, pg="2", ranks="[1, 3]")) == ("recv", 3)
+    assert pending_p2p(_nccl_fr(1, "send", 0)) == ("send", 0)
+    assert pending_p2p(_nccl_fr(1, "send", 0, state="completed")) is None
+    assert pending_p2p({"entries": [], "pg_status": {}}) is None  # gloo: no P2P entry
+    recv = _main(_py("PyNcclCommunicator.recv", _VLLM_DC + "pynccl.py", 520))
+    ranks = [_rank(r, recv, fr=_nccl_fr(r, "recv", 1 - r)) for r in (0, 1)]
+    v = decide(ranks, trigger="stall")
+    assert (v.kind, v.culprit_ranks, v.confidence) == ("deadlock", (0, 1), "high")
+    assert v.reason == ("P2P ordering deadlock: rank 0 waits in recv from rank 1, rank 1 waits in recv from rank 0: "
+                        "each waits for the other to send first")

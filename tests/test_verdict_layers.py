@@ -229,3 +229,29 @@ def test_the_peer_of_a_p2p_wait_is_named_from_an_nccl_flight_recorder() -> None:
     assert (v.kind, v.culprit_ranks, v.confidence) == ("deadlock", (0, 1), "high")
     assert v.reason == ("P2P ordering deadlock: rank 0 waits in recv from rank 1, rank 1 waits in recv from rank 0: "
                         "each waits for the other to send first")
+
+
+def test_a_p2p_deadlock_across_two_hosts_is_named_by_the_job_verdict() -> None:
+    """Pipeline stages on two nodes, both in recv: the wait's P2P op crosses the wire in each host's
+    evidence summary, and the coordinator's job verdict names the deadlock (an older agent's
+    summary, without it, reads as no P2P wait)."""
+    from agent.fleet.evidence import host_evidence
+    from agent.fleet.jobverdict import judge_job
+    from agent.fleet.messages import Evidence as HostEvidence
+
+    recv = _main(*_GLOO_RECV, _py("recv", _C10D, 2799))
+    hosts = []
+    for r, host in enumerate(("node-a", "node-b")):
+        sent = host_evidence(job="j", host_name=host, agent_id=f"agent-{host}", trace_id="c" * 32,
+                             incident_id=f"inc-{host}", bundle_dir="/b",
+                             judged=[Evidence.of([_rank(r, recv, steps_before=3, steps_after=3)], trigger="stall",
+                                                 world_size=2)])
+        hosts.append(HostEvidence.model_validate_json(sent.model_dump_json(by_alias=True)))
+    assert [h.ranks[0].p2p for h in hosts] == ["recv", "recv"]
+    v = judge_job(hosts, world_size=2)
+    assert (v.kind, v.culprit_ranks, v.confidence) == ("deadlock", (0, 1), "high")
+    assert v.reason.startswith("P2P ordering deadlock: rank 0 waits in recv, rank 1 waits in recv: each waits for the "
+                               "other to send first"), v.reason
+    old = HostEvidence.model_validate({**hosts[0].model_dump(by_alias=True), "ranks": [
+        {k: val for k, val in hosts[0].ranks[0].model_dump().items() if k != "p2p"}]})
+    assert old.ranks[0].p2p == ""

@@ -302,7 +302,9 @@ class CommLayer:
 #: The communication layers a stack is read against, first match wins (the table in
 #: ``docs/verdict-rules.md``). Rendezvous comes before the collectives of the same library
 #: (``init_process_group`` is in ``torch/distributed/`` too); a framework's message queue before
-#: its collectives (vLLM's ``shm_broadcast`` lives among its device communicators).
+#: its collectives (vLLM's ``shm_broadcast`` lives among its device communicators); point-to-point
+#: send/recv before the collectives of the same files (``distributed_c10d.py``, ``parallel_state.py``,
+#: ``pynccl.py``), and their native waits before gloo's and NCCL's.
 COMMUNICATION_LAYERS: tuple[CommLayer, ...] = (
     CommLayer("torch.distributed rendezvous", "rendezvous", python=r"torch/distributed/",
               function=r"(^|\.)(init_process_group|_store_based_barrier|rendezvous|_create_c10d_store|"

@@ -25,6 +25,8 @@ Faults (on ``--fault-rank`` at step ``--fault-step``):
 * ``p2p``: at the fault step every rank, as a pipeline stage, receives from its peer (``rank ^ 1``)
   before it sends (``_stage_receive_first``): both post ``recv`` first, a P2P ordering deadlock
   (PyTorch #172668). Run with an even world size.
+* ``p2p_hang``: at the fault step the faulty rank, a pipeline stage, hangs in compute before it
+  sends; its peer (``rank ^ 1``) waits in ``recv`` for it.
 * ``ep``: at the fault step the faulty rank hangs in compute before the MoE layer's dispatch; the
   others enter DeepEP's ``Buffer.dispatch`` (``deep_ep`` on ``PYTHONPATH``: the stand-in under
   ``tests/programs/standins/``, flags in ``$DEEP_EP_STANDIN_FLAGS``) and spin there on the host,
@@ -151,6 +153,10 @@ def _between_collectives(args: argparse.Namespace, step: int, x: object, groups:
             dist.all_reduce(x, group=g)
     if args.fault == "p2p" and step == args.fault_step:
         _stage_receive_first(x, args.rank ^ 1)
+    if args.fault == "p2p_hang" and step == args.fault_step:
+        if mine:
+            _hang_in_compute(x, deadline)
+        _stage_receive_first(x, args.rank ^ 1)
     if args.fault == "ep" and step == args.fault_step:
         if mine:
             _hang_in_compute(x, deadline)
@@ -166,7 +172,7 @@ def main() -> int:
     ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
     ap.add_argument("--title", default="faultjob::scheduler")
     ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "dstate", "oom",
-                                                   "p2p", "ep"])
+                                                   "p2p", "p2p_hang", "ep"])
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-file", default=None, help="the fault fires at the first step after this file exists (else at --fault-step)")

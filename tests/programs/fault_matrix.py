@@ -577,6 +577,18 @@ async def shape_p2p_deadlock(wd: Path) -> ShapeResult:
         await anyio.to_thread.run_sync(stop_ranks, procs)
 
 
+async def shape_p2p_behind(wd: Path) -> ShapeResult:
+    """Two pipeline stages: rank 1 hangs in its forward before it sends; rank 0 waits in
+    ``dist.recv(src=1)`` for it. The stage that never sends is named, not the one receiving."""
+    procs = start_ranks(2, wd, fault="p2p_hang", fault_rank=1)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}}, wd, children=procs, wait_trigger="stall")
+        return _result("p2p_behind", record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
 #: The stand-in packages (``deep_ep``) a rank imports, put on its ``PYTHONPATH`` only.
 STANDINS = Path(__file__).with_name("standins")
 
@@ -609,5 +621,6 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "deep": shape_deep,
     "dstate": shape_dstate,
     "p2p_deadlock": shape_p2p_deadlock,
+    "p2p_behind": shape_p2p_behind,
     "ep_dispatch": shape_ep_dispatch,
 }

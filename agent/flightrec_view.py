@@ -13,7 +13,9 @@ verdict's rules (:mod:`agent.verdict`) turn into conclusions:
   from torch's own analyzer (``torch.distributed.flight_recorder``'s ``build_db``: a collective's
   ``missing_ranks``); only the wait-for cycle over them is ours;
 * :func:`find_behind`: in one group the ranks disagree on the last collective enqueued;
-* :func:`late_arrivals`: the rank that enters the group's collectives last, by far.
+* :func:`late_arrivals`: the rank that enters the group's collectives last, by far;
+* :func:`pending_p2p`: the point-to-point op a rank has not completed and its peer (NCCL records
+  ``nccl:recv 1<-0``; gloo records no P2P op).
 
 No I/O, no clock; torch is imported lazily and optionally (without it, desyncs are compared by
 signature alone and cycles are read from ``pg_status``). Imports the standard library only.
@@ -36,6 +38,7 @@ __all__ = [
     "find_cycle",
     "find_desync",
     "late_arrivals",
+    "pending_p2p",
     "warm_up",
 ]
 
@@ -491,3 +494,49 @@ def late_arrivals(frs: Mapping[int, RankRecorder], window: int = 32) -> list[int
     ordered = sorted(late.items(), key=lambda kv: kv[1], reverse=True)
     (top, top_ns), (_, next_ns) = ordered[0], ordered[1]
     return [top] if top_ns >= 50_000_000 and top_ns > 2 * next_ns else []
+
+
+def _group_ranks(dump: Mapping[str, Any], pg: str) -> list[int] | None:
+    """The global ranks of group ``pg`` in order (``pg_config``'s ``ranks``, a JSON list or a
+    list), ``None`` when not recorded."""
+    config = dump.get("pg_config")
+    entry = config.get(pg) if isinstance(config, Mapping) else None
+    ranks = entry.get("ranks") if isinstance(entry, Mapping) else None
+    try:
+        ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
+    except ValueError:
+        return None
+    return [int(r) for r in ranks] if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks) else None
+
+
+def pending_p2p(dump: Any) -> tuple[str, int] | None:
+    """The last point-to-point op of a rank's recorder not completed, and its peer's global rank.
+
+    Torch names P2P entries ``<backend>:send <me>-><peer>`` and ``<backend>:recv <me><-<peer>``
+    (``is_p2p``, group ranks; per ``flight_recorder``'s ``Op``); the peer is mapped to its global
+    rank through ``pg_config`` (the default group's ranks are global already).
+
+    Returns:
+        ``("recv", 1)``; ``None`` when the dump holds no such entry (gloo records no P2P op) or the
+        peer's global rank cannot be known.
+    """
+    entries = dump.get("entries") if isinstance(dump, Mapping) else None
+    for entry in reversed(entries if isinstance(entries, list) else []):
+        if not isinstance(entry, Mapping) or not entry.get("is_p2p") or entry.get("state") == "completed":
+            continue
+        name = str(entry.get("profiling_name") or "").partition(":")[2]
+        op, _, meta = name.partition(" ")
+        arrow = {"send": "->", "recv": "<-"}.get(op)
+        if arrow is None or arrow not in meta:
+            return None
+        try:
+            peer = int(meta.split(arrow)[1])
+        except ValueError:
+            return None
+        pgname = entry.get("process_group")
+        pg = str(pgname[0]) if isinstance(pgname, (list, tuple)) and pgname else str(entry.get("pg_id", ""))
+        ranks = _group_ranks(dump, pg)
+        if ranks is not None:
+            return (op, ranks[peer]) if 0 <= peer < len(ranks) else None
+        return (op, peer) if pg == "0" else None
+    return None

@@ -54,7 +54,7 @@ from agent.verdict import (
     RankEvidence,
     Role,
     Verdict,
-    classify_stack,
+    classify_wait,
     decide,
     warm_up,
 )
@@ -403,7 +403,7 @@ class VerdictJudge:
     def _evidence(self, target: Target, rank: int | None, dump: ActionResult | None, fr: ActionResult | None,
                   readings: _Readings, exited_pid: int | None) -> RankEvidence:
         threads = _threads(dump)
-        frame_class, frame = classify_stack(threads) if threads else (FrameClass.UNKNOWN, "")
+        frame_class, frame, p2p = classify_wait(threads) if threads else (FrameClass.UNKNOWN, "", "")
         exited = target.pid == exited_pid
         cause = readings.cause if exited and isinstance(readings.cause, TargetExited) else None
         state = ProcessState.GONE if exited else process_state(target.pid, create_time_s=target.create_time_s)
@@ -431,6 +431,7 @@ class VerdictJudge:
             exit_fact=fact,
             frame_class=frame_class,
             frame=frame,
+            p2p=p2p,
             stack_note=_stack_note(dump),
             steps_before=readings.steps_before.get(target.pid),
             steps_after=snap.forward_ct if snap is not None else None,

@@ -270,8 +270,10 @@ class CommLayer:
     Attributes:
         name: what it is (``vLLM device communicators``).
         kind: ``collective`` (the thread waits for its peers: a rank there is in a collective),
-            ``rendezvous`` (the job is still forming: ``init_process_group``, the TCPStore) or
-            ``message_queue`` (a process waits for a message: idle unless work is pending).
+            ``p2p`` (a point-to-point send or receive: the thread waits for one peer, as a
+            pipeline stage waits for the next or previous one), ``rendezvous`` (the job is still
+            forming: ``init_process_group``, the TCPStore) or ``message_queue`` (a process waits
+            for a message: idle unless work is pending).
         python: regex on a Python frame's file name (``filename`` or ``short_filename``), or ``""``.
         native: regex on a native frame's symbol, or ``""``.
         function: regex on a Python frame's function name (with ``python``, both must match), or ``""``.
@@ -300,7 +302,9 @@ class CommLayer:
 #: The communication layers a stack is read against, first match wins (the table in
 #: ``docs/verdict-rules.md``). Rendezvous comes before the collectives of the same library
 #: (``init_process_group`` is in ``torch/distributed/`` too); a framework's message queue before
-#: its collectives (vLLM's ``shm_broadcast`` lives among its device communicators).
+#: its collectives (vLLM's ``shm_broadcast`` lives among its device communicators); point-to-point
+#: send/recv before the collectives of the same files (``distributed_c10d.py``, ``parallel_state.py``,
+#: ``pynccl.py``), and their native waits before gloo's and NCCL's.
 COMMUNICATION_LAYERS: tuple[CommLayer, ...] = (
     CommLayer("torch.distributed rendezvous", "rendezvous", python=r"torch/distributed/",
               function=r"(^|\.)(init_process_group|_store_based_barrier|rendezvous|_create_c10d_store|"
@@ -313,6 +317,35 @@ COMMUNICATION_LAYERS: tuple[CommLayer, ...] = (
     CommLayer("vLLM shared-memory message queue", "message_queue",
               python=r"vllm/distributed/device_communicators/shm_broadcast\.py$",
               source="vllm/distributed/device_communicators/shm_broadcast.py (MessageQueue.dequeue)"),
+    CommLayer("torch.distributed point-to-point", "p2p", python=r"torch/distributed/distributed_c10d\.py$",
+              function=r"(^|\.)(send|recv|isend|irecv|batch_isend_irecv|send_object_list|recv_object_list)$",
+              source="torch/distributed/distributed_c10d.py (send, recv, isend, irecv, batch_isend_irecv)"),
+    CommLayer("vLLM/SGLang pipeline-parallel send/recv", "p2p",
+              python=r"(vllm|sglang/srt)/distributed/(parallel_state|device_communicators/(?!shm_broadcast)\w+)\.py$",
+              function=r"(^|\.)(i?send|i?recv|send_recv)(_tensor_dict|_object)?$",
+              source="vllm/distributed/parallel_state.py, sglang/srt/distributed/parallel_state.py (GroupCoordinator."
+                     "send_tensor_dict, recv_tensor_dict, send_object, recv_object, send, recv), their "
+                     "device communicators' send/recv (pynccl.py PyNcclCommunicator.send/recv)"),
+    CommLayer("point-to-point native waits", "p2p",
+              native=r"(Send|Recv)Work::wait|UnboundBuffer::wait(Send|Recv)|ncclSend|ncclRecv",
+              source="libtorch_cpu.so (ProcessGroupGloo::RecvWork::wait, gloo UnboundBuffer::waitRecv: "
+                     "Work.wait of irecv/isend, batch_isend_irecv), libnccl (ncclSend, ncclRecv)"),
+    CommLayer("DeepEP expert-parallel dispatch/combine", "collective", python=r"(^|[/ ])deep_ep/",
+              function=r"(^|\.)((low_latency|intranode|internode)_)?(dispatch|combine)$", native=r"deep_ep::",
+              source="deep_ep/buffer.py (Buffer.dispatch, combine, low_latency_dispatch, low_latency_combine: a "
+                     "host-side spin until every expert-parallel rank arrives, no torch.distributed call)"),
+    CommLayer("vLLM/SGLang pynccl", "collective",
+              python=r"(vllm|sglang/srt)/distributed/device_communicators/pynccl(_wrapper)?\.py$",
+              source="vllm/distributed/device_communicators/pynccl.py, sglang/srt/distributed/device_communicators/"
+                     "pynccl.py (PyNcclCommunicator)"),
+    CommLayer("vLLM/SGLang custom all-reduce", "collective",
+              python=r"(vllm|sglang/srt)/distributed/device_communicators/(custom_all_reduce\w*|quick_all_reduce|"
+                     r"aiter_custom_all_reduce)\.py$",
+              source="vllm/distributed/device_communicators/custom_all_reduce.py, sglang/srt/distributed/"
+                     "device_communicators/custom_all_reduce.py (CustomAllreduce)"),
+    CommLayer("NVSHMEM", "collective", python=r"(^|[/ ])nvshmem/", native=r"nvshmem",
+              source="libnvshmem (nvshmem_barrier_all, nvshmem_quiet, nvshmemx_*: a device- or host-side spin on a "
+                     "remote flag), nvshmem4py (nvshmem/core/)"),
     CommLayer("vLLM device communicators", "collective", python=r"vllm/distributed/device_communicators/",
               source="cpu_communicator.py, pynccl.py, custom_all_reduce.py, quick_all_reduce.py, all2all.py"),
     CommLayer("vLLM parallel state / communication ops", "collective",

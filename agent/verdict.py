@@ -29,7 +29,7 @@ import re
 import signal as signal_mod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent.events import ExitFact, ExitKind, Trigger
 from agent.flightrec_view import (
@@ -38,6 +38,7 @@ from agent.flightrec_view import (
     find_cycle,
     find_desync,
     late_arrivals,
+    pending_p2p,
 )
 from agent.flightrec_view import warm_up as _warm_up_analyzer
 from agent.stacks import comm_layer
@@ -52,8 +53,10 @@ __all__ = [
     "RankEvidence",
     "Role",
     "Rule",
+    "StackClass",
     "Verdict",
     "classify_stack",
+    "classify_wait",
     "decide",
     "exit_kind",
     "fact_of",
@@ -113,6 +116,10 @@ class RankEvidence:
         exit_fact: the process watcher's whole :class:`~agent.events.ExitFact` (kind, status, time,
             source), when known: it wins over the fields above.
         frame_class / frame: its py-spy stack's class and the frame it is in.
+        p2p: the point-to-point operation its stack waits in (``recv``, ``send``, ``send/recv``,
+            ``wait``; a ``p2p`` communication layer: ``torch.distributed.recv``, vLLM's and SGLang's
+            ``GroupCoordinator.recv_tensor_dict``...), ``""`` when it waits in none (its
+            ``frame_class`` is then ``collective`` too: a wait for a peer).
         stack_note: what happened reading its stack, when not plain (``stack too deep for py-spy``).
         steps_before / steps_after: its forward-step counter when the incident opened and when the
             evidence was complete (``None``: no counter).
@@ -148,6 +155,7 @@ class RankEvidence:
     exit_fact: ExitFact | None = None
     frame_class: FrameClass = FrameClass.UNKNOWN
     frame: str = ""
+    p2p: str = ""
     stack_note: str = ""
     steps_before: int | None = None
     steps_after: int | None = None
@@ -476,7 +484,9 @@ def _evidence_line(e: RankEvidence) -> str:
     fact = fact_of(e)
     if fact is not None:
         parts.append(f"gone ({fact.describe()})")
-    if e.frame_class is not FrameClass.UNKNOWN:
+    if e.p2p and e.frame_class is FrameClass.COLLECTIVE:
+        parts.append(f"p2p {e.p2p}: {e.frame}" if e.frame else f"p2p {e.p2p}")
+    elif e.frame_class is not FrameClass.UNKNOWN:
         parts.append(f"{e.frame_class.value}: {e.frame}" if e.frame else e.frame_class.value)
     if e.stack_note:
         parts.append(e.stack_note)
@@ -950,9 +960,55 @@ def _behind(ev: Evidence) -> Verdict | None:
     return _verdict(ev, "behind", behind, reason, _recorder_confidence(behind, waiting))
 
 
+def _p2p_waits(e: RankEvidence) -> str:
+    """``rank 0 waits in recv``; ``rank 0 waits in recv from rank 1`` when its Flight Recorder
+    names the peer (NCCL's ``nccl:recv 0<-1``; gloo records no P2P op)."""
+    found = pending_p2p(e.fr) if e.p2p in ("recv", "send") else None
+    if found is None or found[0] != e.p2p:
+        return f"{e.name} waits in {e.p2p}"
+    return f"{e.name} waits in {e.p2p} {'from' if e.p2p == 'recv' else 'to'} rank {found[1]}"
+
+
+def _p2p_tail(ops: set[str], two: bool) -> str:
+    other = "the other" if two else "a peer"
+    if ops == {"recv"}:
+        return f"each waits for {other} to send first"
+    if ops == {"send"}:
+        return f"each waits for {other} to receive first"
+    return "no rank's send meets its peer's receive (mismatched peers or order)"
+
+
+@_rule("p2p_deadlock", kind="deadlock",
+       when="every rank of the server has a stack and waits in a point-to-point layer (torch.distributed `send`/"
+            "`recv`/`isend`/`irecv` and their `Work.wait`, `batch_isend_irecv`, vLLM's or SGLang's pipeline-parallel "
+            "`GroupCoordinator.send_tensor_dict`/`recv_tensor_dict`/`send_object`/`recv_object`), no rank's steps "
+            "advanced and no rank of the world is unseen",
+       concludes="a P2P ordering deadlock between those ranks, each named with where it waits: `P2P ordering "
+                 "deadlock: rank 0 waits in recv, rank 1 waits in recv: each waits for the other to send first` "
+                 "(both stages posted their recv first, PyTorch #172668), with the peer when its Flight Recorder "
+                 "names it (NCCL's `nccl:recv 0<-1`: `rank 0 waits in recv from rank 1`); none is more to blame",
+       confidence="high when every rank waits in the same direction (all recv, or all send), progress is known to "
+                  "have stopped (a stall, counters standing still) and no Flight Recorder shows a collective in "
+                  "flight; medium otherwise (mixed directions, no progress reading)")
+def _p2p_deadlock(ev: Evidence) -> Verdict | None:
+    if len(ev.ranks) < 2 or (ev.world_size is not None and len(ev.ranks) < ev.world_size):
+        return None
+    if not all(e.alive and e.frame_class is FrameClass.COLLECTIVE and e.p2p for e in ev.ranks):
+        return None
+    if any(e.advanced for e in ev.ranks):
+        return None
+    ops = {e.p2p for e in ev.ranks}
+    reason = (f"P2P ordering deadlock: {', '.join(_p2p_waits(e) for e in ev.ranks)}: "
+              f"{_p2p_tail(ops, len(ev.ranks) == 2)}")
+    quiet = all(_nothing_in_flight(fr) for fr in ev.recorders.values())
+    sure = ops in ({"recv"}, {"send"}) and ev.no_progress and quiet
+    return _verdict(ev, "deadlock", list(ev.ranks), reason, "high" if sure else "medium")
+
+
 @_rule("stacks_behind", kind="behind",
        when="no Flight Recorder decides; some ranks wait in a collective (torch.distributed or a serving "
-            "framework's communication layer) and others do not",
+            "framework's communication layer: a P2P send/recv, DeepEP's dispatch/combine, pynccl, a custom "
+            "all-reduce) and others do not",
        concludes="the ranks outside the collective (`behind: rank 1 not in a collective (...); rank 0 waits in one`)",
        confidence="medium: the stacks of one instant")
 def _stacks_behind(ev: Evidence) -> Verdict | None:
@@ -962,8 +1018,11 @@ def _stacks_behind(ev: Evidence) -> Verdict | None:
     if not waiting or not outside:
         return None
     frames = "; ".join(f"rank {e.rank} in {e.frame_class.value}: {e.frame}" for e in outside)
+    p2p = [e.p2p for e in known if e.frame_class is FrameClass.COLLECTIVE]
+    # a pipeline stage waiting in recv for the stage that hangs: the wait is named
+    where = f"a P2P {'/'.join(sorted(set(p2p)))} for it" if all(p2p) else "one"
     reason = (f"behind: {_ranks_text(e.rank for e in outside)} not in a collective ({frames}); "  # type: ignore[misc]
-              f"{_ranks_wait(waiting)} in one")  # type: ignore[arg-type]
+              f"{_ranks_wait(waiting)} in {where}")  # type: ignore[arg-type]
     return _verdict(ev, "behind", outside, reason, "medium")
 
 
@@ -1387,11 +1446,16 @@ def _next_coordinator(v: Verdict, ev: Evidence | None) -> str:
     return _native(v, ev, f"what {who} own loop is stuck in; its workers wait for work") or _fresh_stacks(v, ev)
 
 
-@_next("deadlock", "`py-spy dump --locals --pid <pid>` of each: the queue or socket it waits on")
+@_next("deadlock", "`py-spy dump --locals --pid <pid>` of each: the queue or socket it waits on; a P2P deadlock: "
+       "`py-spy dump --pid <pid>` of two ranks: each one's send/recv call site")
 def _next_deadlock(v: Verdict, ev: Evidence | None) -> str:
     pids = list(v.culprit_pids) or _live_pids(v, ev)
     if not pids:
         return _fresh_stacks(v, ev)
+    if v.rule == "p2p_deadlock" or v.reason.startswith("P2P "):  # the call sites tell the order, no locals needed
+        then = f"; py-spy dump --pid {pids[1]}" if len(pids) > 1 else ""
+        return (f"{_sudo(v)}py-spy dump --pid {pids[0]}{then} (each one's send/recv call site: one stage must "
+                "send before it receives)")
     then = f"; then pid {', '.join(map(str, pids[1:3]))}" if len(pids) > 1 else ""
     return f"{_sudo(v)}py-spy dump --locals --pid {pids[0]} (the queue or socket it waits on{then})"
 
@@ -1546,12 +1610,34 @@ def _pick_thread(with_frames: Sequence[Any], is_idle: Callable[[Any], bool]) -> 
     return next((t for t in with_frames if getattr(t, "is_main", False)), with_frames[0]), True
 
 
-def _layer_class(frames: Sequence[Any]) -> tuple[FrameClass, str] | None:
+def _p2p_op(frame: Any) -> str:
+    """``recv``, ``send``, ``send/recv`` (``batch_isend_irecv``, SGLang's ``send_recv_tensor_dict``)
+    or ``wait``, from the function a P2P layer's frame is in (``recv``, ``GroupCoordinator.recv_tensor_dict``,
+    ``c10d::ProcessGroupGloo::RecvWork::wait``)."""
+    name = str(getattr(frame, "name", "") or "").lower()
+    if "send" in name and "recv" in name:
+        return "send/recv"
+    return "recv" if "recv" in name else "send" if "send" in name else "wait"
+
+
+class StackClass(NamedTuple):
+    """What a process's stalled thread does, per its stack (:func:`classify_wait`)."""
+
+    #: compute, collective, rendezvous, idle or unknown
+    frame_class: FrameClass
+    #: ``function (file:line)`` of the frame that says so, ``""`` without frames
+    frame: str
+    #: the point-to-point operation it waits in (``recv``, ``send``, ``send/recv``, ``wait``), ``""`` for none
+    p2p: str = ""
+
+
+def _layer_class(frames: Sequence[Any]) -> StackClass | None:
     """The communication layer the thread is in (:data:`agent.stacks.COMMUNICATION_LAYERS`).
 
     A rendezvous anywhere on the stack wins (``init_process_group`` calls into the collectives'
-    own code while the job forms); else the innermost collective layer, a Python frame naming it
-    best, else a native one.
+    own code while the job forms); else the innermost collective or point-to-point layer, a Python
+    frame naming it best, else a native one (a point-to-point wait is a ``collective`` class: the
+    rank waits for a peer; ``p2p`` names its operation).
     """
     layers = [(f, comm_layer(f)) for f in frames]
     rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"
@@ -1559,11 +1645,11 @@ def _layer_class(frames: Sequence[Any]) -> tuple[FrameClass, str] | None:
     if rendezvous is None:
         rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"), None)
     if rendezvous is not None:
-        return FrameClass.RENDEZVOUS, _label(rendezvous)
+        return StackClass(FrameClass.RENDEZVOUS, _label(rendezvous))
     for python in (True, False):
         for f, layer in layers:
-            if layer is not None and layer.kind == "collective" and bool(getattr(f, "native", False)) != python:
-                return FrameClass.COLLECTIVE, _label(f)
+            if layer is not None and layer.kind in ("collective", "p2p") and bool(getattr(f, "native", False)) != python:
+                return StackClass(FrameClass.COLLECTIVE, _label(f), _p2p_op(f) if layer.kind == "p2p" else "")
     return None
 
 
@@ -1577,7 +1663,13 @@ def _is_plumbing(frame: Any) -> bool:
 
 
 def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | None = None) -> tuple[FrameClass, str]:
-    """Class and frame label of a process's stalled thread.
+    """Class and frame label of a process's stalled thread (:func:`classify_wait` without its P2P operation)."""
+    found = classify_wait(threads, is_idle=is_idle)
+    return found.frame_class, found.frame
+
+
+def classify_wait(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | None = None) -> StackClass:
+    """Class, frame label and P2P operation of a process's stalled thread.
 
     The stuck-vs-idle rule is py-spy summary's (:func:`agent.stacks.thread_is_idle`): a thread is
     idle only when it waits for work (a queue, selector, socket, event loop, executor, ZeroMQ, a
@@ -1586,8 +1678,9 @@ def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | N
     one, else the first other thread that is not idle; ``IDLE`` only when every thread with frames
     is idle. Its frames are read against the communication layers
     (:data:`agent.stacks.COMMUNICATION_LAYERS`): a rendezvous (``RENDEZVOUS``), a collective of
-    torch.distributed, vLLM, SGLang, NCCL or a custom all-reduce (``COLLECTIVE``); else
-    ``COMPUTE`` at its innermost frame of its own code.
+    torch.distributed, vLLM, SGLang, NCCL, pynccl, a custom all-reduce, DeepEP or NVSHMEM
+    (``COLLECTIVE``), a point-to-point send or receive (``COLLECTIVE`` with its operation in
+    ``p2p``); else ``COMPUTE`` at its innermost frame of its own code.
 
     Args:
         threads: py-spy threads (objects with ``frames`` (innermost first; each with ``name``,
@@ -1596,7 +1689,7 @@ def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | N
         is_idle: the idle rule (default: py-spy's :func:`~agent.stacks.thread_is_idle`).
 
     Returns:
-        ``(class, "function (file:line)")``; ``(UNKNOWN, "")`` without frames.
+        ``(class, "function (file:line)", p2p)``; ``(UNKNOWN, "", "")`` without frames.
     """
     if is_idle is None:
         from agent.stacks import thread_is_idle  # the summary's rule, one copy
@@ -1604,17 +1697,17 @@ def classify_stack(threads: Sequence[Any], *, is_idle: Callable[[Any], bool] | N
         is_idle = thread_is_idle
     with_frames = [t for t in threads if getattr(t, "frames", ())]
     if not with_frames:
-        return FrameClass.UNKNOWN, ""
+        return StackClass(FrameClass.UNKNOWN, "")
     thread, all_idle = _pick_thread(with_frames, is_idle)
     frames = thread.frames
     label = next((_label(f) for f in frames if getattr(f, "module", None) is None), _label(frames[0]))
     if all_idle:
-        return FrameClass.IDLE, label
+        return StackClass(FrameClass.IDLE, label)
     found = _layer_class(frames)
     if found is not None:
         return found
     mine = next((f for f in frames if getattr(f, "module", None) is None and not _is_plumbing(f)), None)
-    return FrameClass.COMPUTE, (_label(mine) if mine is not None else label)
+    return StackClass(FrameClass.COMPUTE, _label(mine) if mine is not None else label)
 
 
 # --- hard mode -------------------------------------------------------------------------------------
@@ -1710,7 +1803,9 @@ def rules_markdown() -> str:
         "## Communication layers",
         "",
         "A rank's stack is read against these layers, first match wins: a rank inside a `collective` layer",
-        "waits for its peers; `rendezvous` means the job is still forming; a `message_queue` is a wait for",
+        "waits for its peers, inside a `p2p` layer for one peer's send or receive (a wait too: all ranks in",
+        "`p2p` is the `p2p_deadlock` rule, one rank outside while the others wait is `stacks_behind`);",
+        "`rendezvous` means the job is still forming; a `message_queue` is a wait for",
         "work (idle, unless work is pending: then the `ipc_deadlock` rule). Whether a thread waits for",
         "work is read off its innermost Python frame outside `threading` and outside spin helpers (vLLM's",
         "`vllm/distributed/utils.py` `sched_yield`, which the message queue's spin loop calls: an idle",

@@ -7,8 +7,12 @@ Each case runs real processes (``tests/programs/fault_matrix.py``):
   killed, a skipped collective, a collective of another shape, slow but progressing;
 * the shapes real hangs take: a collective-timeout cascade, a crash seen late (``servewatch dump``
   after the fact), two servers on one host, DP replicas, an IPC deadlock with a request running,
-  an engine core hung in its own loop while its worker idles (a request running), a rendezvous hang, an ordering deadlock across two process groups, a stack too deep for py-spy,
-  a rank in uninterruptible sleep (state D: a weight read from a hung network filesystem).
+  an engine core hung in its own loop while its worker idles (a request running), a rendezvous
+  hang, an ordering deadlock across two process groups, a stack too deep for py-spy,
+  a rank in uninterruptible sleep (state D: a weight read from a hung network filesystem), two
+  pipeline stages both receiving first (a P2P ordering deadlock), a stage receiving from a stage
+  hung before it sends, a rank hung before DeepEP's
+  dispatch while its peer spins in it (a host-side wait, no torch.distributed call).
 
 "Added" is the Flight Recorder phase (all ranks, in parallel) plus making the verdict, the two
 things the verdict adds to an incident; for the rank faults it is also shown as a share of the

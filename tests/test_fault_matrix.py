@@ -3,7 +3,9 @@ agent, and the verdict of the incident (tests/programs/fault_matrix.py drives it
 real hangs take (a collective-timeout cascade, a crash seen late with and without the SDK's step
 counter, two servers on one host, DP replicas, an IPC deadlock with a request running, a rendezvous
 hang, an ordering deadlock across two process groups, a stack too deep for py-spy, a rank in
-uninterruptible sleep). Lifecycle cases
+uninterruptible sleep, two pipeline stages both receiving first (a P2P ordering deadlock), a stage receiving from a stage
+hung before it sends, a rank
+hung before DeepEP's dispatch while its peer spins in it). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
 (a memory-limited cgroup) is named, a crash seen late (zombies at dump time) is blamed first.
@@ -184,6 +186,25 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         assert " at uninterruptible_sleep (" in reason and "waiting for it: rank 0 in all_reduce (" in reason, reason
         assert any("_load_weights (" in line for line in dump.attributes["servewatch.pyspy.stacks"])
         assert v["next"].startswith(f"cat /proc/{pid}/stack"), v["next"]
+    elif shape == "p2p_deadlock":  # both stages posted recv first: named from their stacks (gloo records no P2P)
+        assert v["rule"] == "p2p_deadlock" and v["hung"], v
+        assert reason == ("P2P ordering deadlock: rank 0 waits in recv, rank 1 waits in recv: each waits for the "
+                          "other to send first"), reason
+        assert all(re.search(r"; p2p recv: recv \(torch/distributed/distributed_c10d\.py:\d+\)", line)
+                   for line in v["evidence"][:2]), v["evidence"]
+        pids = v["culprit_pids"]
+        assert v["next"] == (f"py-spy dump --pid {pids[0]}; py-spy dump --pid {pids[1]} (each one's send/recv call "
+                             "site: one stage must send before it receives)"), v["next"]
+    elif shape == "p2p_behind":  # the stage that never sends is the culprit, the receiving one waits for it
+        assert v["rule"] == "stacks_behind", v
+        assert reason.startswith("behind: rank 1 not in a collective (rank 1 in compute: _hang_in_compute ("), reason
+        assert reason.endswith("rank 0 waits in a P2P recv for it"), reason
+    elif shape == "ep_dispatch":  # rank 0 spins in DeepEP's dispatch (no torch.distributed call) for rank 1
+        assert v["rule"] == "stacks_behind", v
+        assert reason.startswith("behind: rank 1 not in a collective (rank 1 in compute: _hang_in_compute ("), reason
+        assert reason.endswith("rank 0 waits in one"), reason
+        assert any(line.startswith("rank 0 pid ") and "collective: Buffer.dispatch (" in line and "deep_ep/buffer.py:"
+                   in line for line in v["evidence"]), v["evidence"]
 
 
 # --- lifecycle: ranks owned (and reaped at once) by their server, the agent watching by title -----

@@ -98,6 +98,7 @@ def _summary(e: RankEvidence) -> RankSummary:
         rank=e.number, pid=e.pid, title=(e.title or "")[:255], label=(e.label or "")[:64], alive=e.alive,
         exited_first=e.exited_first, exit_signal=e.exit_signal, exit_code=e.exit_code, oom_killed=e.oom_killed,
         exit_time_ns=e.exit_time_ns, frame_class=e.frame_class.value, frame=(e.frame or "")[:512],
+        p2p=e.p2p if e.p2p in ("recv", "send", "send/recv", "wait") else "",
         steps_before=e.steps_before, steps_after=e.steps_after, pending=e.pending,
         fr=fr_window(e.fr) if isinstance(e.fr, Mapping) else None,
     )

@@ -188,7 +188,7 @@ def _rank_evidence(r: RankSummary) -> RankEvidence:
     return RankEvidence(
         rank=r.rank, pid=r.pid, role=Role.RANK, title=r.title, label=r.label, alive=r.alive, exited_first=r.exited_first,
         exit_signal=r.exit_signal, exit_code=r.exit_code, oom_killed=r.oom_killed, exit_time_ns=r.exit_time_ns,
-        frame_class=FrameClass(r.frame_class), frame=r.frame, steps_before=r.steps_before, steps_after=r.steps_after,
+        frame_class=FrameClass(r.frame_class), frame=r.frame, p2p=r.p2p, steps_before=r.steps_before, steps_after=r.steps_after,
         pending=r.pending, fr=r.fr,
     )
 

@@ -114,6 +114,9 @@ class RankSummary(_Wire):
     exit_time_ns: int | None = None
     frame_class: Literal["compute", "collective", "rendezvous", "idle", "unknown"] = "unknown"
     frame: str = Field("", max_length=512)
+    #: the point-to-point op its stack waits in (:attr:`agent.verdict.RankEvidence.p2p`); an older
+    #: agent leaves it out (read as none) and ignores it
+    p2p: Literal["", "recv", "send", "send/recv", "wait"] = ""
     steps_before: int | None = None
     steps_after: int | None = None
     pending: int | None = None

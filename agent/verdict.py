@@ -1442,7 +1442,11 @@ def _next_behind(v: Verdict, ev: Evidence | None) -> str:
 @_next("coordinator", "`py-spy dump --native --pid <coordinator pid>`: what its own loop is stuck in (its workers "
        "wait for work)")
 def _next_coordinator(v: Verdict, ev: Evidence | None) -> str:
-    who = "the engine core's" if "the engine core " in v.reason else "the coordinator's"
+    culprit = next((e for e in ev.processes if e.pid in v.culprit_pids), None) if ev is not None else None
+    if culprit is not None:
+        who = _coordinator_words(culprit) + "'s"
+    else:  # rebuilt from a manifest without its evidence: the reason's own words
+        who = "the engine core's" if "the engine core " in v.reason else "the coordinator's"
     return _native(v, ev, f"what {who} own loop is stuck in; its workers wait for work") or _fresh_stacks(v, ev)
 
 

@@ -115,6 +115,7 @@ from agent.verdict import Verdict, hard_signal_plan
 
 __all__ = [
     "DEFERRED_PHASES",
+    "PLACEMENT_ATTRIBUTE",
     "SERVER_ATTRIBUTE",
     "STATE_CLOSED",
     "STATE_INTERRUPTED",
@@ -144,6 +145,9 @@ log = logging.getLogger("servewatch.incidents")
 
 #: Root-span attribute naming the incident's server (its process-tree root pid), when it has one.
 SERVER_ATTRIBUTE = "servewatch.server.pid"
+#: Root-span attribute said when naming the incident's job trace failed or was cut (it opened in
+#: a trace of its own); absent when it was placed.
+PLACEMENT_ATTRIBUTE = "servewatch.job.placement"
 
 #: Cooldown windows kept before those that are over are forgotten (one per server and trigger).
 MAX_COOLDOWN_KEYS = 1024
@@ -991,13 +995,18 @@ class IncidentManager:
         root-span attributes that came with it; bounded."""
         if self.place is None:
             return parent, {}
-        with anyio.move_on_after(min(5.0, self.config.phase_timeout_s)):
+        bound_s = min(5.0, self.config.phase_timeout_s)
+        with anyio.move_on_after(bound_s) as scope:
             try:
                 placed = await self.place(trigger, targets, cause.time_unix_nano if cause is not None else now_ns(), parent)
                 if placed is not None:
                     return (placed[0], placed[1]), placed[2]
             except Exception:  # the trace's name is a nicety; the evidence comes first
                 log.exception("placing the incident in its job's trace failed")
+                return parent, {PLACEMENT_ATTRIBUTE: "failed: opened in its own trace"}
+        if scope.cancelled_caught:  # said, never silent: the capture goes on in a trace of its own
+            log.warning("placing the %s incident in its job's trace took over %.1f s: it opens in its own trace", trigger, bound_s)
+            return parent, {PLACEMENT_ATTRIBUTE: f"cut after {bound_s:g} s: opened in its own trace"}
         return parent, {}
 
     async def _inflight_of(self, targets: Sequence[Target]) -> list[InflightRequest]:

@@ -443,12 +443,9 @@ class Agent:
 
     async def _start_fleet(self, tg: TaskGroup) -> None:
         from agent.fleet import Fleet
-        from agent.fleet.job import FlightRecorderReader
 
-        # the stuck collective names a job incident's trace: read with the Flight Recorder actor
-        fr = self.actors.get("flightrec")
         s = self.settings
-        self.fleet = Fleet(self, s.api, s.fleet, fr_reader=fr if isinstance(fr, FlightRecorderReader) else None)
+        self.fleet = Fleet(self, s.api, s.fleet)
         await tg.start(self.fleet.run)
 
     async def _finish_incident(self) -> None:

@@ -456,6 +456,28 @@ async def test_an_incident_stopped_before_it_captured_anything_leaves_no_empty_f
     assert bus.of_type(IncidentOpened) == []
 
 
+async def test_a_placement_cut_at_its_bound_is_said_in_a_log_line_and_on_the_incident_and_the_capture_runs(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Naming the job's trace must never be a silent gate: cut at its bound, the incident opens
+    in its own trace, says so (one log line, a root attribute) and captures every target."""
+    from agent.incidents import PLACEMENT_ATTRIBUTE
+
+    bus, tl = RecordingBus(), Timeline()
+    mgr = _manager(tmp_path, bus, tl, config=IncidentConfig(cooldown_s=60, phase_timeout_s=0.5))
+
+    async def place(trigger: str, targets: Sequence[Target], time_unix_nano: int, parent: tuple[str, str] | None):
+        await anyio.sleep(30)  # a peer or a recorder that never answers
+
+    mgr.place = place
+    with caplog.at_level("WARNING", logger="servewatch.incidents"), anyio.fail_after(20):
+        record = await mgr.open_incident("stall", detail="frozen", pid=102)
+    [opened] = bus.of_type(IncidentOpened)
+    assert dict(opened.attributes)[PLACEMENT_ATTRIBUTE] == "cut after 0.5 s: opened in its own trace"
+    assert opened.parent_span_id == "" and len(opened.trace_id) == 32
+    assert [r.action for r in record.results].count("pyspy.dump") == 2  # the capture ran
+    assert any("took over 0.5 s: it opens in its own trace" in r.getMessage() for r in caplog.records)
+
+
 async def test_two_manifest_writes_of_one_record_land_in_the_order_their_snapshots_were_taken(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lifecycle line noted while the incident's own last write is in its thread (CI: an

@@ -263,27 +263,6 @@ class FlightRecorderActor:
         n = attrs.get("servewatch.flightrec.entries", 0)
         return result(Outcome.OK, f"{n} entries via {read.source}{', ' + read.detail if read.detail else ''}", paths=(str(path),))
 
-    async def read_status(self, target: Target, *, timeout_s: float) -> dict[str, Any] | None:
-        """One rank's Flight Recorder dump read now, from the fast sources only (the SDK's worker
-        and control sockets, torch's debug server; not the NCCL pipe, which writes a file),
-        bounded by ``timeout_s``; ``None`` when none answered. What a job's agents name the
-        incident's trace by (:func:`agent.fleet.identity.stuck_collective`), before it opens."""
-        readers = [self._from_worker, self._from_control]
-        if self.config.debug_server:
-            readers.append(self._from_debug_server)
-        with anyio.move_on_after(timeout_s):
-            for reader in readers:
-                try:
-                    trace, _ = await reader(target, None)
-                except (_SourceMissing, _SourceFailed):
-                    continue
-                except Exception:  # a boundary: a hint only
-                    log.debug("Flight Recorder status of pid %d failed", target.pid, exc_info=True)
-                    continue
-                if isinstance(trace, dict):
-                    return trace
-        return None
-
     # -- rank ---------------------------------------------------------------------------------
 
     async def _rank(self, target: Target) -> int | None:

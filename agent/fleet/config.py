@@ -97,8 +97,8 @@ class ApiConfig(BaseModel):
 class FleetConfig(BaseModel):
     """A job: the agents of one multi-node server, which capture together, in one trace.
 
-    Every host derives the incident's trace from facts all ranks agree on (the stuck collective,
-    else a detection time bucket: :mod:`agent.fleet.identity`), reports its detection to the
+    Every host derives the incident's trace from facts that cost nothing at detection (the job
+    and the detection time bucket: :mod:`agent.fleet.identity`), reports its detection to the
     job's coordinator (the host of global rank 0, else the lowest live host), which asks the
     hosts that did not detect to capture (``POST /v1/incidents`` with a W3C ``traceparent``),
     collects every host's evidence summary and makes the job's verdict (:mod:`agent.fleet.job`).
@@ -122,10 +122,7 @@ class FleetConfig(BaseModel):
         False, description="talk to peers over plain HTTP although a token is set (requests stay signed, never carry the token)"
     )
     time_bucket_s: float = Field(
-        10.0, gt=0, description="without a Flight Recorder, detections in the same bucket of this many seconds share a trace"
-    )
-    key_timeout_s: float = Field(
-        2.0, gt=0, description="bound on reading the local ranks' Flight Recorder status that names the trace, seconds"
+        10.0, gt=0, description="detections of the job in the same bucket of this many seconds share a trace"
     )
     report_grace_s: float = Field(
         0.05, ge=0, description="the coordinator asks the hosts that did not report once no report came for this long, seconds"

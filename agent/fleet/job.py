@@ -7,10 +7,11 @@ an incident's trace before it opens) and ``companions`` (runs beside an incident
 
 The protocol, per job incident:
 
-1. **Trace identity without messages.** A host that detects derives the trace id from facts all
-   ranks agree on (:mod:`agent.fleet.identity`): the job and the stuck collective read from its
-   own ranks' Flight Recorders (bounded by ``key_timeout_s``), else the detection time bucket.
-   Its incident opens under the job's root span ``job.incident``, whose id is derived from the
+1. **Capture first; trace identity without messages.** A host that detects derives the trace id
+   from facts that cost nothing at detection (:mod:`agent.fleet.identity`): the job and the
+   detection time bucket. Nothing is read from the ranks first: the local capture starts at once.
+   The stuck collective (from every host's Flight Recorder windows, read by the capture itself)
+   is recorded later, in the job verdict and on its root span. Its incident opens under the job's root span ``job.incident``, whose id is derived from the
    trace id: every host's incident hangs under one root, whoever detects first.
 2. **One coordinator.** The host of global rank 0 (it announces itself to every peer every
    ``announce_interval_s``; the answers tell it every host's name and ranks), else the lowest
@@ -75,7 +76,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -130,7 +131,7 @@ from agent.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
 from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from agent.ranks import rank_label, world_ranks
 
-__all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "FlightRecorderReader", "JobIncident"]
+__all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "JobIncident"]
 
 log = logging.getLogger("servewatch.fleet")
 
@@ -152,6 +153,9 @@ MAX_PAST_TRACES = 1024
 MAX_EVIDENCE_HOSTS = 100_000
 #: Judged job incidents remembered for late reports and evidence.
 MAX_JUDGED = 16
+#: Root-span attribute of a job incident: its stuck collective, ``"<pg>:<seq>"`` (the Flight
+#: Recorder sequence id of the first collective of process group ``pg`` not completed by all ranks).
+STUCK_COLLECTIVE_ATTR = "servewatch.job.stuck_collective"
 #: Coordinator candidates a detecting host tries before it coordinates its own view.
 MAX_COORDINATOR_TRIES = 3
 #: Longest unix socket path, bytes (``sun_path`` less its NUL).
@@ -172,13 +176,6 @@ class AgentView(Protocol):
     def watched_step_pids(self) -> frozenset[int]: ...
 
 
-@runtime_checkable
-class FlightRecorderReader(Protocol):
-    """Reads one rank's Flight Recorder now (:meth:`agent.actors.flightrec.FlightRecorderActor.read_status`)."""
-
-    async def read_status(self, target: Any, *, timeout_s: float) -> dict[str, Any] | None: ...
-
-
 class Fleet:
     """Serve the API and run the job's protocol for ``agent``; run it in the agent's task group.
 
@@ -186,15 +183,12 @@ class Fleet:
         agent: the running agent (settings, incident manager, discovery, bus).
         api: API settings (enabled, bind, auth, limits).
         fleet: job settings (name, peers, timeouts, window).
-        fr_reader: reads a rank's Flight Recorder status (names the trace by the stuck
-            collective); ``None``: the time bucket names it.
     """
 
-    def __init__(self, agent: AgentView, api: ApiConfig, fleet: FleetConfig, *, fr_reader: FlightRecorderReader | None = None) -> None:
+    def __init__(self, agent: AgentView, api: ApiConfig, fleet: FleetConfig) -> None:
         self.agent = agent
         self.api_config = api
         self.config = fleet
-        self.fr_reader = fr_reader
         self.host_name: str = agent.settings.host_name
         self.data_dir = Path(agent.settings.data_dir)
         #: random per run; a peer that answers with it is ourselves (an address we did not know)
@@ -461,10 +455,10 @@ class Fleet:
         ``parent``: the trace it was opened in (a join), kept."""
         if parent is not None:
             return (*parent, self._detail())
-        placed = await self._placed(targets, detected_ns)
+        placed = self._placed(detected_ns)
         return (*placed, self._detail()) if placed is not None else None
 
-    async def _placed(self, targets: Sequence[Any], detected_ns: int) -> tuple[str, str] | None:
+    def _placed(self, detected_ns: int) -> tuple[str, str] | None:
         job = self.job
         if self._in_window(job) and job is not None and job.placed.is_set():
             if job.move_to is not None:
@@ -473,41 +467,14 @@ class Fleet:
         if job is None or not self._in_window(job):
             job = self.job = JobIncident(detected_time_unix_nano=detected_ns)  # a manual incident
         job.detected_time_unix_nano = detected_ns
-        key = await self._read_key(targets)
-        if key is None:
-            key = time_bucket_key(detected_ns, self.config.time_bucket_s)
+        # from what costs nothing at detection: the capture never waits for the trace's name
+        key = time_bucket_key(detected_ns, self.config.time_bucket_s)
         trace_id, root = job_trace(self.config.job or "", key)
         if not job.placed.is_set():
             job.trace_id, job.root_span_id, job.key = trace_id, root, str(key)
             job.detected_here = True
             job.placed.set()
         return job.move_to or (job.trace_id, job.root_span_id)
-
-    async def _read_key(self, targets: Sequence[Any]) -> JobKey | None:
-        reader = self.fr_reader
-        if reader is None or not targets:
-            return None
-        traces: list[dict[str, Any]] = []
-        budget = self.config.key_timeout_s
-
-        async def one(target: Any) -> None:
-            try:
-                trace = await reader.read_status(target, timeout_s=budget)
-            except Exception:  # a boundary: the key is a nicety, the bucket names it otherwise
-                log.debug("reading pid %s's Flight Recorder status failed", getattr(target, "pid", "?"), exc_info=True)
-                return
-            if trace is not None:
-                traces.append(trace)
-
-        t0 = time.monotonic()
-        with anyio.move_on_after(budget):
-            async with anyio.create_task_group() as tg:
-                for target in targets:
-                    tg.start_soon(one, target)
-        key = stuck_collective(traces)
-        log.info("job key %s from %d of %d rank(s)' Flight Recorder in %.0f ms", key or "none", len(traces), len(targets),
-                 (time.monotonic() - t0) * 1000)
-        return key
 
     def _companion(self, opened: IncidentOpened) -> Callable[[], Awaitable[list[ActionCompleted]]]:
         """Called by the incident manager right after ``opened`` was published."""
@@ -815,8 +782,9 @@ class Fleet:
         verdict = await anyio.to_thread.run_sync(self._judge, job)
         job.verdict = verdict
         self.verdicts += 1
+        stuck = _stuck_collective(job)
         doc = {"job": self.config.job, "trace_id": job.trace_id, "root_span_id": job.root_span_id, "key": job.key,
-               "coordinator": self.host_name, "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
+               "stuck_collective": str(stuck.value) if stuck is not None else None, "coordinator": self.host_name, "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
                "reported": sorted(job.reported.values()),
                "verdict": verdict.to_json(), "bundles": {h: e.bundle_dir for h, e in sorted(job.evidence.items())}}
         try:
@@ -825,6 +793,7 @@ class Fleet:
             log.warning("cannot write %s: %s", Path(bundle_dir) / JOB_VERDICT_FILE, exc)
         log.warning("job %s: %s", self.config.job, verdict.headline())
         attrs: dict[str, Any] = {**verdict.attributes(), "servewatch.job.trace_key": job.key,
+                                 **({STUCK_COLLECTIVE_ATTR: stuck.value} if stuck is not None else {}),
                                  "servewatch.job.hosts": job.expected_hosts(), "servewatch.job.hosts_with_evidence": len(job.evidence),
                                  "servewatch.job.reported": len(job.reported), "servewatch.job.verdict_path": str(Path(bundle_dir) / JOB_VERDICT_FILE)}
         # one root by construction: a coordinator cut off from every other host (partitioned, or
@@ -1418,6 +1387,12 @@ def _route_address(destinations: Sequence[tuple[str, int]]) -> str:
         except OSError:
             continue
     return "127.0.0.1"
+
+
+def _stuck_collective(job: JobIncident) -> JobKey | None:
+    """The job's stuck collective (``"<pg>:<seq>"``) from every host's ranks' Flight Recorder
+    windows in their evidence: read after capture, never before it (``None`` without one)."""
+    return stuck_collective([r.fr for e in job.evidence.values() for r in e.ranks if isinstance(r.fr, dict)])
 
 
 def _with(result: ActionResult, **changes: Any) -> ActionResult:

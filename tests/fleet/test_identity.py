@@ -116,3 +116,19 @@ def test_a_host_that_sent_nothing_is_named_with_its_ranks_and_holds_the_culprit(
     # without a name for the missing host: the world size still says which ranks nobody captured
     v = judge_job(hosts, missing_hosts=[MissingHost("http://10.0.0.12:7207")])
     assert v.missing_hosts[0].ranks == (2, 3) and v.culprit_hosts == ("http://10.0.0.12:7207",) * 2
+
+
+def test_the_job_verdict_records_the_stuck_collective_read_from_every_hosts_captured_windows() -> None:
+    """The trace is named by the detection time (it costs nothing: the capture never waits); the
+    stuck collective is derived after the capture from every host's evidence, where the host of
+    the culprit alone would say otherwise for a rank it has not got."""
+    from agent.fleet.job import _stuck_collective
+    from agent.fleet.jobstate import JobIncident
+
+    job = JobIncident(trace_id="b" * 32)
+    job.evidence = {"node-a": _host("node-a", [_rank(0, 8, 7, "collective"), _rank(1, 8, 7, "collective")]),
+                    "node-b": _host("node-b", [_rank(2, 8, 7, "collective"), _rank(3, 7, 7, "compute", "forward (m.py:3)")])}
+    assert str(_stuck_collective(job)) == "fr:0:8"
+    job.evidence["node-c"] = _host("node-c", [RankSummary(rank=4, fr=None), _rank(5, 6, 5, "compute")])  # a rank further behind
+    assert str(_stuck_collective(job)) == "fr:0:6"
+    assert _stuck_collective(JobIncident(trace_id="b" * 32)) is None  # no recorder anywhere: nothing is made up

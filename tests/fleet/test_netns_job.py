@@ -166,11 +166,21 @@ def _one_root(data: Path, trace_id: str, hosts_with_incidents: set[str]) -> dict
     return root
 
 
+def _hogs(spawn) -> None:
+    """One busy loop pinned to each CPU of this machine (spawned: killed at teardown)."""
+    for cpu in sorted(os.sched_getaffinity(0)):
+        spawn([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+
+
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("load", ["quiet", "every-cpu-hogged"])
 def test_a_rank_hung_on_one_host_is_one_trace_one_root_and_a_job_verdict_naming_rank_and_host(
-    hosts: Hosts, spawn, tmp_path: Path
+    hosts: Hosts, spawn, tmp_path: Path, load: str
 ) -> None:
-    data, doc = _run_job(hosts, spawn, tmp_path, fault="hang", fault_rank=3)
+    """Quiet, and with a busy loop pinned to every CPU from before the hang (where reading the
+    ranks' Flight Recorders before the incident opened was cut and split the trace)."""
+    data, doc = _run_job(hosts, spawn, tmp_path, fault="hang", fault_rank=3,
+                         before_fault=(lambda _procs, _hosts: _hogs(spawn)) if load != "quiet" else None)
     manifests = _manifests(data)
     assert sorted(manifests) == ["host-0", "host-1", "host-2"]
     assert all(len(m) == 1 for m in manifests.values()), {h: [x["trigger"] for x in m] for h, m in manifests.items()}
@@ -178,7 +188,10 @@ def test_a_rank_hung_on_one_host_is_one_trace_one_root_and_a_job_verdict_naming_
     assert len(traces) == 1
     [trace] = traces
     assert doc["trace_id"] == trace and doc["coordinator"] == "host-0"
-    assert doc["key"].startswith("fr:0:")  # named by the stuck collective, on every host alike
+    # named by what costs nothing at detection (the capture never waited for it); the stuck
+    # collective is recorded after the capture, from every host's Flight Recorder windows
+    assert doc["key"].startswith("time:"), doc["key"]
+    assert doc["stuck_collective"] is not None and doc["stuck_collective"].startswith("0:"), doc["stuck_collective"]
     verdict = doc["verdict"]
     assert (verdict["culprit_ranks"], verdict["culprit_hosts"]) == ([3], ["host-1"]), verdict
     assert verdict["kind"] == "behind" and verdict["confidence"] == "high", verdict
@@ -187,6 +200,7 @@ def test_a_rank_hung_on_one_host_is_one_trace_one_root_and_a_job_verdict_naming_
     root = _one_root(data, trace, {"host-0", "host-1", "host-2"})
     assert root["host"] == "host-0"
     assert [v.string_value for v in root["attrs"]["servewatch.job.verdict.culprit_hosts"].array_value.values] == ["host-1"]
+    assert root["attrs"]["servewatch.job.stuck_collective"].string_value == doc["stuck_collective"]
 
 
 @pytest.mark.timeout(420)

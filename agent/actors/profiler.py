@@ -30,7 +30,10 @@ A session, per backend:
     ``POST /stop_profile`` (which also ends the API server's own profiler). Traces land in the
     folder vLLM was launched with (``--profiler-config`` ``torch_profiler_dir``), read from the
     server's command line (:func:`agent.profiletargets.vllm_trace_dir`); the session's files are
-    the ones named with its unique prefix. They stay the server's: listed
+    the ones named with its unique prefix. An idle server (``/metrics``: no request running or
+    waiting) is not profiled until a request comes, within the session's timeout: its workers
+    would record their idle loop, a trace the real server took minutes to write, serving
+    nothing meanwhile. They stay the server's: listed
     (``servewatch.profile.server_files``), never taken. Where the folder cannot be read (a remote
     server), the steps are followed on ``/metrics`` (``vllm:iteration_tokens_total_count``, one per
     engine step) and the result says where to look.
@@ -747,6 +750,16 @@ class ProfilerActor:
             s.attrs["servewatch.profile.start_step_ignored"] = True
         prefix = f"servewatch-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.urandom(3).hex()}"
         s.attrs["servewatch.profile.prefix"] = prefix
+        work, waited_s = await self._vllm_wait_for_work(client, req.timeout_s)
+        if waited_s > 0:
+            s.attrs["servewatch.profile.idle_wait_s"] = round(waited_s, 3)
+        if not work:  # nothing started, nothing to stop: the server never recorded its idle loop
+            s.attrs["servewatch.profile.start"] = "not_started_idle"
+            s.attrs["servewatch.profile.engine_steps_seen"] = 0
+            return s.result(Outcome.TIMED_OUT, f"no engine step: idle server (no request running or waiting in {req.timeout_s:g} s);"
+                                               " its profiler was not started", retryable=True)
+        if waited_s > 0:  # the rest of the budget for the steps
+            req = req.model_copy(update={"timeout_s": max(0.001, req.timeout_s - waited_s)})
         steps_before = await self._vllm_steps(client)
         started = await self._start(s, client, {"max_iterations": req.num_steps, "profile_prefix": prefix})
         if isinstance(started, ActionResult):
@@ -785,8 +798,8 @@ class ProfilerActor:
             return s.result(Outcome.TIMED_OUT, f"POST /start_profile: no answer in {c.request_timeout_s:g} s (engine stalled?); stop: {stop_status}", retryable=True)
         idle = " (no engine step: idle server?)" if stepped == 0 else ""
         if traces:  # cut short by our stop at the deadline: fewer than N steps in them
-            return s.result(Outcome.TIMED_OUT, f"{req.num_steps} steps not reached within {req.timeout_s:g} s{idle}; {wrote}", retryable=True)
-        return s.result(Outcome.TIMED_OUT, f"no trace of {req.num_steps} steps in {where} within {req.timeout_s:g} s{idle}; stop: {stop_status}", retryable=True)
+            return s.result(Outcome.TIMED_OUT, f"{req.num_steps} steps not reached within {s.req.timeout_s:g} s{idle}; {wrote}", retryable=True)
+        return s.result(Outcome.TIMED_OUT, f"no trace of {req.num_steps} steps in {where} within {s.req.timeout_s:g} s{idle}; stop: {stop_status}", retryable=True)
 
     async def _vllm_wait(
         self, client: httpx.AsyncClient, folder: Path | None, prefix: str, steps_before: float | None, req: SessionRequest
@@ -814,18 +827,41 @@ class ProfilerActor:
     async def _vllm_steps(self, client: httpx.AsyncClient) -> float | None:
         """Engine steps so far: ``vllm:iteration_tokens_total_count`` summed over engines (one
         observation per engine step, prefill-only steps too), or None when not readable."""
+        return (await self._vllm_metrics(client))[0]
+
+    async def _vllm_metrics(self, client: httpx.AsyncClient) -> tuple[float | None, float | None]:
+        """``(engine steps so far, requests in the server)`` from vLLM's ``/metrics``: steps as
+        :meth:`_vllm_steps`; requests: ``vllm:num_requests_running`` plus
+        ``vllm:num_requests_waiting`` (gauges, summed over engines; per FIELD-NOTES). Each is
+        ``None`` when it cannot be read (no answer, not Prometheus text, the metric absent)."""
         reply = await self._post(client, "/metrics", None, timeout_s=self.config.request_timeout_s, method="GET")
         if isinstance(reply, httpx.HTTPError) or reply.status_code != 200:
-            return None
-        total, seen = 0.0, False
-        for line in reply.text.splitlines():
-            if line.startswith("vllm:iteration_tokens_total_count"):
-                try:
-                    total += float(line.rsplit(None, 1)[-1])
-                    seen = True
-                except ValueError:
-                    continue
-        return total if seen else None
+            return None, None
+        # the parser's first import reads /proc, and a large answer takes a while: off the loop
+        return await anyio.to_thread.run_sync(_vllm_metric_values, reply.text)
+
+    async def _vllm_wait_for_work(self, client: httpx.AsyncClient, timeout_s: float) -> tuple[bool, float]:
+        """Until vLLM has a request running or waiting (``/metrics``), at most ``timeout_s``
+        seconds. Returns ``(work seen, seconds waited)``; ``(True, 0.0)`` when ``/metrics`` says
+        nothing of requests (the start is not held back on a guess).
+
+        Why: vLLM's workers record from ``/start_profile`` on, steps or not. On an idle server
+        that is the workers' idle loop at full Python-stack detail; stopped 16 s later, a
+        worker of the real vLLM 0.32.0 server was still gzipping that trace, taking no engine
+        step, 120 s later. A step-bounded profile starts when there is a step to record."""
+        c = self.config
+        t0 = time.monotonic()
+        _, requests = await self._vllm_metrics(client)
+        if requests is None or requests > 0:
+            return True, 0.0
+        self._say(f"vLLM at {c.base_url} is idle (no request running or waiting): waiting up to {timeout_s:g} s for one"
+                  " before starting its profiler (an idle server's profile records only its idle loop)")
+        while time.monotonic() - t0 < timeout_s:
+            await anyio.sleep(min(max(c.poll_interval_s, 0.25), max(0.0, timeout_s - (time.monotonic() - t0))))
+            _, requests = await self._vllm_metrics(client)
+            if requests is None or requests > 0:
+                return True, time.monotonic() - t0
+        return False, time.monotonic() - t0
 
     @staticmethod
     async def _post(
@@ -837,6 +873,25 @@ class ProfilerActor:
             return await client.request(method, path, json=body, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
+
+
+def _vllm_metric_values(text: str) -> tuple[float | None, float | None]:
+    """``(engine steps, requests running + waiting)`` in vLLM's Prometheus ``text``
+    (:meth:`ProfilerActor._vllm_metrics`); ``(None, None)`` when it does not parse."""
+    from prometheus_client import parser as prometheus_parser
+
+    steps: float | None = None
+    requests: float | None = None
+    try:
+        for family in prometheus_parser.text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:iteration_tokens_total_count":
+                    steps = (steps or 0.0) + float(sample.value)
+                elif sample.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                    requests = (requests or 0.0) + float(sample.value)
+    except (ValueError, TypeError, IndexError):
+        return None, None
+    return steps, requests
 
 
 def _url_port(url: str | None) -> int | None:

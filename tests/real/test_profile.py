@@ -55,9 +55,11 @@ def test_profile_url_steps_5_records_exactly_5_engine_steps_and_stops(vllm_tp1: 
 
 
 def test_profile_stops_vllm_even_when_start_got_no_answer(vllm_tp1: VllmServer, tmp_path: Path) -> None:
-    vllm_tp1.hang(ranks=None)
-    blocked = threading.Thread(target=lambda: _swallow(vllm_tp1), daemon=True)
-    blocked.start()  # a request whose forward hangs: the engine is stalled in a step
+    vllm_tp1.slow(0.2)  # a request that is still running when the hang comes
+    blocked = threading.Thread(target=lambda: _swallow(vllm_tp1, max_tokens=200), daemon=True)
+    blocked.start()
+    _wait_running(vllm_tp1)  # the engine stepped with it (vLLM's gauges move at engine steps only)
+    vllm_tp1.hang(ranks=None)  # its next forward hangs: the engine is stalled in a step
     time.sleep(2.0)
     env = {"SERVEWATCH_PROFILER__REQUEST_TIMEOUT_S": "3", "SERVEWATCH_PROFILER__STOP_TIMEOUT_S": "3"}
     proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "10", "--json", "--data-dir", str(tmp_path / "d"), env=env)
@@ -76,24 +78,62 @@ def test_profile_stops_vllm_even_when_start_got_no_answer(vllm_tp1: VllmServer, 
     r = httpx.post(f"{vllm_tp1.url}/start_profile", json={"max_iterations": 1}, timeout=60)
     assert r.status_code == 200, r.text
     assert httpx.post(f"{vllm_tp1.url}/stop_profile", timeout=120).status_code == 200
-    blocked.join(timeout=60)
+    blocked.join(timeout=150)
 
 
-def _swallow(server: VllmServer) -> None:
+def _swallow(server: VllmServer, max_tokens: int = 4) -> None:
     try:
-        server.complete("hello", max_tokens=4, timeout_s=120)
+        server.complete("hello", max_tokens=max_tokens, timeout_s=180, ignore_eos=True)
     except httpx.HTTPError:
         pass
 
 
-def test_profile_of_an_idle_vllm_server_is_timed_out_with_no_steps_and_stopped(vllm_tp1: VllmServer, tmp_path: Path) -> None:
+def _wait_running(server: VllmServer, timeout_s: float = 60.0) -> None:
+    """Until vLLM's ``/metrics`` says a request is running (bounded)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        running = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:num_requests_running")
+        if running > 0:
+            return
+        assert time.monotonic() < deadline, "no request running in vLLM's /metrics"
+        time.sleep(0.2)
+
+
+def test_profile_of_an_idle_vllm_server_starts_nothing_and_leaves_it_serving(vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    """Before: the profile was started on the idle server and stopped at the timeout; its worker
+    had recorded 16 s of its idle loop and was still gzipping that trace 120 s later, taking no
+    engine step (the harness's next completion timed out and the server was restarted)."""
     env = {"SERVEWATCH_PROFILER__STOP_TIMEOUT_S": "10"}
     proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "4", "--json", "--data-dir", str(tmp_path / "d"), env=env)
     result = json.loads(proc.stdout)
     attrs = result["attributes"]
     assert proc.returncode == 1 and result["outcome"] == "timed_out", result
-    assert "(no engine step: idle server?)" in result["detail"]
-    assert "servewatch.profile.steps_captured" not in attrs
-    assert attrs["servewatch.profile.engine_steps_seen"] == 0
-    # what it started, it stopped (vLLM may take longer than 10 s to answer on a loaded machine)
-    assert attrs["servewatch.profile.stop"] in ("stopping", "sent_no_answer_in_10s"), attrs
+    assert "no engine step: idle server" in result["detail"] and "not started" in result["detail"], result["detail"]
+    assert attrs["servewatch.profile.start"] == "not_started_idle" and "servewatch.profile.stop" not in attrs, attrs
+    assert attrs["servewatch.profile.engine_steps_seen"] == 0 and attrs["servewatch.profile.idle_wait_s"] >= 4
+    assert not [n for n in os.listdir(vllm_tp1.profile_dir) if n.startswith(attrs["servewatch.profile.prefix"])]
+    assert "is idle (no request running or waiting)" in proc.stderr
+    vllm_tp1.complete("hello", max_tokens=2, timeout_s=60)  # serving as before (raises when not)
+
+
+def test_profile_of_an_idle_vllm_server_waits_for_a_request_then_records_exactly_n_steps(
+        vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    def later() -> None:
+        time.sleep(3.0)
+        with vllm_tp1.load(concurrency=1, max_tokens=32):
+            time.sleep(15.0)
+
+    traffic = threading.Thread(target=later, daemon=True)
+    traffic.start()
+    proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "90", "--json", "--data-dir", str(tmp_path / "d"))
+    traffic.join(timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    attrs = result["attributes"]
+    assert result["outcome"] == "ok" and attrs["servewatch.profile.start"] == "started", result
+    assert attrs["servewatch.profile.idle_wait_s"] > 0, attrs  # it waited for the request, then started
+    (worker,) = [Path(f) for f in attrs["servewatch.profile.server_files"] if ".async_llm." not in f]
+    assert _engine_steps(worker) == 3

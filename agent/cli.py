@@ -642,6 +642,23 @@ async def _stop_on_signal(agent: Any) -> None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+async def _cancel_on_sigint(scope: Any, interrupted: list[str]) -> None:
+    """On SIGINT, cancel ``scope`` (a one-shot command's session: its actor's cancel path stops
+    what it started, bounded and shielded) and note it in ``interrupted``; a second SIGINT is
+    taken too until the scope ends. Deterministic where asyncio's own Ctrl-C (a native cancel of
+    the main task) could land inside a shielded stop and be lost: the session then ran to its
+    deadline and the KeyboardInterrupt surfaced at interpreter exit."""
+    import signal
+
+    import anyio
+
+    with anyio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            if not interrupted:
+                interrupted.append("SIGINT")
+                scope.cancel()
+
+
 async def _stop_after(agent: Any, seconds: float) -> None:
     import anyio
 
@@ -1332,9 +1349,13 @@ def profile(
     agent = Agent.build(settings)
     progress = _ProgressLine(sys.stderr)
 
-    async def session() -> tuple[Any, str | None]:
+    interrupted: list[str] = []
+
+    async def session() -> tuple[Any, str | None] | None:
+        done: tuple[Any, str | None] | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(progress.tick)
+            tg.start_soon(_cancel_on_sigint, tg.cancel_scope, interrupted)
             try:
                 done = await agent.profile(
                     pid=pid, steps=settings.profiler.num_steps, start_step=start_step, activities=acts,
@@ -1348,7 +1369,10 @@ def profile(
         return done
 
     try:
-        result, trace_id = anyio.run(session)
+        done = anyio.run(session)
+        if interrupted or done is None:
+            raise KeyboardInterrupt
+        result, trace_id = done
     except KeyboardInterrupt:  # the session was stopped on the way out (the actor's cancel path)
         where = f"the profiling session of pid {pid}" if pid is not None else f"profiling at {settings.profiler.base_url}"
         err.print(f"servewatch: interrupted (SIGINT): {where} was stopped; a trace written before the stop is"

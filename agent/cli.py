@@ -1319,7 +1319,8 @@ def profile(
     settings = _settings(
         {
             "data_dir": data_dir,
-            "profiler": {"backend": backend, "base_url": url, "num_steps": steps},
+            # --out is also where a vLLM server writes, when its launch arguments are not readable
+            "profiler": {"backend": backend, "base_url": url, "num_steps": steps, "output_dir": out_dir},
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
         },
         config,

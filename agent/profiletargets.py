@@ -27,6 +27,7 @@ folder (vLLM 0.32: ``profile_prefix``, ``delay_iterations``, ``max_iterations`` 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,13 +180,32 @@ def _profiler_dir_arg(argv: Sequence[str]) -> str | None:
     return None
 
 
+#: Processes walked from the listening one up its parents for vLLM's launch arguments (an API
+#: server child of ``vllm serve --api-server-count N``, a launcher wrapper).
+MAX_PARENTS_WALKED = 4
+
+
+def _retitled(argv: Sequence[str]) -> bool:
+    """Whether a command line is a title set by setproctitle in the serving frameworks' form
+    (``VLLM::APIServer_0``, ``sglang::scheduler_TP0``): nothing, or one word with ``::`` (the
+    real setproctitle pads the old arguments' room with NULs: empty arguments after it)."""
+    words = [a for a in argv if a]
+    return not words or (len(words) == 1 and "::" in words[0])
+
+
 def vllm_trace_dir(url: str) -> tuple[Path | None, str]:
     """The folder the vLLM server at ``url`` writes its torch traces to (blocking: a socket scan
     and ``/proc`` reads).
 
+    Read from ``--profiler-config`` (``torch_profiler_dir``) in the command line, else
+    ``VLLM_TORCH_PROFILER_DIR`` in the environment, of the listening process and then of its
+    parents (at most :data:`MAX_PARENTS_WALKED`): an API server retitled by setproctitle
+    (``VLLM::APIServer_0``) has neither readable, its ``vllm serve`` parent has both.
+
     Returns:
         ``(folder, "")``, or ``(None, why)`` when it cannot be read from here (a remote server,
-        another user's process without root, no torch profiler configured, a URI folder).
+        another user's process without root, no torch profiler configured, a URI folder, a
+        retitled process whose parents do not say); ``why`` says how to pass the folder.
     """
     import os
 
@@ -194,16 +214,31 @@ def vllm_trace_dir(url: str) -> tuple[Path | None, str]:
     pid = server_pid(url)
     if pid is None:
         return None, f"no local process listens on {url}"
+    retitled: list[str] = []
     try:
-        proc = psutil.Process(pid)
-        argv = proc.cmdline()
-        raw = _profiler_dir_arg(argv)
-        if raw is None:
-            raw = proc.environ().get("VLLM_TORCH_PROFILER_DIR") or None
-        if raw is None:
-            return None, f"pid {pid} was not launched with --profiler-config torch_profiler_dir"
+        proc: psutil.Process | None = psutil.Process(pid)
+        raw: str | None = None
+        for _ in range(MAX_PARENTS_WALKED + 1):
+            if proc is None or proc.pid <= 1:
+                break
+            argv = proc.cmdline()
+            raw = _profiler_dir_arg(argv)
+            if raw is None:
+                with contextlib.suppress(psutil.Error, OSError):
+                    raw = proc.environ().get("VLLM_TORCH_PROFILER_DIR") or None
+            if raw is not None:
+                break
+            if _retitled(argv):
+                retitled.append(f"pid {proc.pid} {' '.join(a for a in argv if a)[:60]!r}")
+            proc = proc.parent()
+        if raw is None or proc is None:
+            how = "; pass that folder with --out DIR (profiler.output_dir) to have the traces listed"
+            if retitled:
+                return None, (f"{', '.join(retitled)} is retitled (setproctitle): its launch arguments and environment"
+                              f" are not readable, nor --profiler-config torch_profiler_dir in its parents{how}")
+            return None, f"pid {pid} was not launched with --profiler-config torch_profiler_dir (nor its parents){how}"
         if "://" in raw:
-            return None, f"pid {pid} writes traces to {raw} (not a local folder)"
+            return None, f"pid {proc.pid} writes traces to {raw} (not a local folder)"
         if raw.startswith("~"):
             home = proc.environ().get("HOME")
             raw = raw.replace("~", home, 1) if home else raw

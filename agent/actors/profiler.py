@@ -744,7 +744,7 @@ class ProfilerActor:
         c, req = self.config, s.req
         folder, why = await anyio.to_thread.run_sync(vllm_trace_dir, c.base_url)  # socket scan, /proc
         if folder is None and c.output_dir is not None:
-            folder, why = c.output_dir, ""  # the user said where the server writes
+            folder, why = Path(os.path.abspath(c.output_dir)), ""  # the user said where the server writes (--out)
         s.attrs["servewatch.profile.output_dir"] = str(folder) if folder is not None else ""
         if req.start_step is not None:
             s.attrs["servewatch.profile.start_step_ignored"] = True

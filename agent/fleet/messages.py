@@ -143,6 +143,10 @@ class Evidence(_FromHost):
         verdict: the host's own verdict (``kind``, ``reason``, ``confidence``, ``culprit_ranks``), if any.
         world_size: the job's world size as the host's ranks know it (default group's size).
         relayed: when the host relayed the coordinator's join, what each peer it asked gave.
+        partial: the host reached no other host of the job for a while (partitioned): sent late,
+            what it saw alone (never a verdict of its own).
+        backed_down: the host coordinated the job incident for a while (its first choice did not
+            answer in time), then learnt that the receiver does and backed down.
     """
 
     trace_id: str = Field(pattern=_HEX32)
@@ -152,6 +156,8 @@ class Evidence(_FromHost):
     verdict: dict[str, Any] | None = None
     world_size: int | None = Field(None, ge=1)
     relayed: list[RelayedPeer] = Field(default_factory=list, max_length=1024)
+    partial: bool = False
+    backed_down: bool = False
 
 
 def first_error(exc: ValidationError) -> str:

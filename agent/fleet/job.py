@@ -16,10 +16,19 @@ The protocol, per job incident:
 2. **One coordinator.** The host of global rank 0 (it announces itself to every peer every
    ``announce_interval_s``; the answers tell it every host's name and ranks), else the lowest
    live host in the job's member list (every host sorts the same list alike). A host that
-   detects reports to the coordinator (``POST /v1/job/report``), trying the next candidate when
-   one is unreachable, and coordinating itself when its own turn comes. The coordinator's answer
+   detects reports to the coordinator (``POST /v1/job/report``): a report whose answer times out
+   is sent again to the first candidate (:data:`REPORT_TRIES`; a report is idempotent there),
+   then the next candidate is tried, and this host coordinates itself when its own turn comes.
+   A host that knows its coordinator redirects every report there. The coordinator's answer
    names the job's trace: a host whose key differed moves its running incident into it, only
    when the answer is verified (mutual TLS, or the token's proof: :mod:`agent.fleet.proof`).
+   A host that coordinates only because the candidates before it did not answer is provisional
+   (``JobIncident.ahead``): a verified join answer saying one of them coordinates the trace (or
+   follows one), or a join from one of them, makes it back down (no verdict; its evidence goes
+   there, marked ``backed_down``, recorded by the coordinator). A host that reached no other
+   host while a candidate before it may be alive is cut off: its view is partial, said on its own
+   incident (``servewatch.job.partial``, hosts named as they proved themselves), never a job
+   verdict; its evidence is retried there until ``dedup_window_s``, marked ``partial``.
 3. **Fan-out only for hosts that did not detect**, from the coordinator only, once reports stop
    coming (``report_grace_s`` without one, at most ``report_window_s``: the reports of a lockstep
    hang arrive within milliseconds of each other): at most
@@ -30,7 +39,8 @@ The protocol, per job incident:
    evidence summary (:mod:`agent.fleet.evidence`); the coordinator judges the whole job
    (:mod:`agent.fleet.jobverdict`) once every member's summary arrived or ``evidence_timeout_s``
    passed, writes ``job-verdict.json`` into its bundle and emits the job's root span with the
-   verdict (:class:`~agent.events.JobIncidentClosed`).
+   verdict (:class:`~agent.events.JobIncidentClosed`): one ``job.incident`` per trace, from the
+   one coordinator. Evidence after the verdict is kept, not judged (``late_evidence``).
 
 Who speaks for a host: every member holds the same token, so a signature says "a member", not
 which one. A request's sender is the address it came from (TCP) and the API port its signature
@@ -624,6 +634,10 @@ class Fleet:
                 candidate = target
                 continue
             job.coordinator, job.coordinator_host = candidate, str(doc.get("host.name") or candidate)
+            if job.coordinating:  # a report reached us meanwhile and we took it: one coordinator, theirs
+                job.coordinating, job.backed_down = False, True
+                log.warning("job %s: %s coordinates trace %s: backing down (reports sent to us are redirected there)",
+                            self.config.job, job.coordinator_host, job.trace_id)
             job.results.append(reply.result)
             await self._follow(job, doc)
             return True
@@ -723,6 +737,34 @@ class Fleet:
             job.member_info[peer.url] = MemberInfo.model_validate({"job": self.config.job or "-", "host.name": host, "ranks": list(ranks)})
         if reply.doc is not None and not reply.verified:
             self.unverified_answers += 1
+
+    async def _recheck(self, job: JobIncident) -> None:
+        """Before a provisional coordinator's verdict: ask its first choice (``job.ahead[0]``)
+        whether it coordinates this trace after all (a report marked ``provisional``, tried
+        :data:`REPORT_TRIES` times while it times out); a verified ``coordinating`` answer for the
+        same trace makes this host back down."""
+        assert self.resolver is not None
+        try:
+            first = parse_peer(job.ahead[0], default_port=self.port, scheme=self.scheme)
+        except ValueError:
+            return
+        members, _ = await self.resolver.resolve_all()
+        me = await self._self_address(members)
+        body = Report.model_validate({
+            "job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id, "api_port": self.port,
+            "scheme": self.scheme, "incident_id": job.local_incident_id or "unknown", "trace_id": job.trace_id, "key": job.key[:80],
+            "detected_time_unix_nano": job.detected_time_unix_nano, "ranks": list(self.local_ranks), "world_size": self.world_size,
+            "address": me.url, "provisional": True,
+        }).model_dump(by_alias=True)
+        for _ in range(REPORT_TRIES):
+            self.reports_sent += 1
+            reply = await call_peer(first, "/v1/job/report", body, credentials=self._as_listed(),
+                                    timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
+            if reply.result.outcome is not Outcome.TIMED_OUT:
+                break
+        doc = reply.doc or {}
+        if reply.result.outcome is Outcome.OK and reply.verified and doc.get("status") == "coordinating" and doc.get("trace_id") == job.trace_id:
+            self._back_down(job, first, str(doc.get("host.name") or ""), f"{doc.get('host.name') or first} answered late: it coordinates")
 
     def _back_down(self, job: JobIncident, coordinator: Peer, host: str, why: str) -> None:
         """A provisional coordinator (``job.ahead``) learnt that one before it coordinates the same
@@ -891,8 +933,10 @@ class Fleet:
             changed = job.evidence_changed
             with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await changed.wait()
+        if job.coordinating and job.ahead:
+            await self._recheck(job)
         if not job.coordinating:
-            return  # backed down while waiting: our evidence goes to the coordinator (the caller sends it)
+            return  # backed down: our evidence goes to the coordinator (the caller sends it)
         verdict = await anyio.to_thread.run_sync(self._judge, job)
         job.verdict = verdict
         self.verdicts += 1
@@ -1124,14 +1168,16 @@ class Fleet:
     async def _on_report(self, report: Report, sender: Sender) -> tuple[int, dict[str, Any]]:
         self.reports_received += 1
         reporter = await self._sender(report, sender)
+        if report.provisional:
+            return self._on_provisional(report, reporter, sender)
         job = self.job
         if self._in_window(job) and job is not None and not job.placed.is_set():
             with anyio.move_on_after(self.config.accept_timeout_s):
                 await job.placed.wait()  # ours is being placed right now
         if self._in_window(job) and job is not None and job.placed.is_set():
             if not job.coordinating and job.reporting is not None:
-                with anyio.move_on_after(self.config.peer_timeout_s * 2):
-                    await job.reporting.wait()  # our own report is on its way: its answer says who coordinates
+                with anyio.move_on_after(self.config.peer_timeout_s * (REPORT_TRIES + 1)):
+                    await job.reporting.wait()  # our own report is on its way (tried again on timeouts): its answer says who coordinates
             if not job.coordinating and job.coordinator is not None:
                 # one coordinator: even one the reporter could not reach (it tries once more, then
                 # its evidence goes there later); never a second one here
@@ -1174,6 +1220,26 @@ class Fleet:
                                                                    "ranks": report.ranks, "world_size": report.world_size})
         self.world_size = self.world_size or report.world_size
         return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", **self._trace_doc(job)}
+
+    def _on_provisional(self, report: Report, reporter: Peer, sender: Sender) -> tuple[int, dict[str, Any]]:
+        """A host coordinated ``report``'s trace because we did not answer it in time, and asks
+        whether we coordinate it: ``coordinating`` (it backs down; recorded here) when we do (or
+        judged it already), else ``not_coordinating``; never a new job incident."""
+        job = self.job
+        target = self._judged.get(report.trace_id)
+        if target is None and job is not None and self._in_window(job) and job.trace_id == report.trace_id and job.coordinating and not job.ahead:
+            target = job
+        if target is None:
+            return 200, {"status": "not_coordinating", "host.name": self.host_name, "trace_id": report.trace_id}
+        conflict = self._claim(target, report.host_name, sender, "a report")
+        if conflict:
+            return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(target)}
+        target.reported.setdefault(reporter.url, report.host_name)
+        if report.host_name not in target.backed_down_hosts:
+            target.backed_down_hosts.append(report.host_name)
+        log.warning("job %s: %s coordinated trace %s while we did not answer it in time: it backs down to us", self.config.job,
+                    report.host_name, report.trace_id)
+        return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", **self._trace_doc(target)}
 
     def _on_evidence(self, evidence: Evidence, sender: Sender) -> tuple[int, dict[str, Any]]:
         job = self.job

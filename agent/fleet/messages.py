@@ -77,6 +77,10 @@ class Report(_FromHost):
         ranks: the reporter's global ranks.
         unreachable: coordinators (URLs) the reporter tried first and could not reach: the
             receiver then coordinates itself instead of redirecting.
+        provisional: the reporter coordinates this job incident because the receiver did not
+            answer in time, and asks before its verdict whether the receiver coordinates it: the
+            receiver answers ``coordinating`` (then the reporter backs down) or
+            ``not_coordinating``, and never starts a job incident for it.
     """
 
     api_port: int = Field(ge=1, le=65535)
@@ -91,6 +95,7 @@ class Report(_FromHost):
     unreachable: list[str] = Field(default_factory=list, max_length=16)
     #: its own entry in the job's member list (used when the receiver lists it too)
     address: str = Field("", max_length=300)
+    provisional: bool = False
 
 
 class RankSummary(_Wire):

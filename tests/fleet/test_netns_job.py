@@ -6,7 +6,9 @@ two ranks, talking to the others over the hosts' network.
 Faults: a rank hangs in compute (every host's watchdog fires within milliseconds: one trace, one
 root, a job verdict naming the culprit rank and its host); the culprit's host has no agent (the
 verdict names that host and its ranks); a host is cut off the network (namespaces only: the
-verdict names it as unreachable, and the cut-off host's own view hangs under the same root).
+verdict names it as unreachable; the cut-off host adds no second verdict, its incident under the
+same root says its view is partial, and its evidence reaches the coordinator once the partition
+heals, marked partial).
 """
 
 from __future__ import annotations

@@ -582,8 +582,8 @@ class Fleet:
                 # no other host answered, and a candidate before us may be alive behind a
                 # partition: our view is partial (candidates that all refused us, or the
                 # connection, are no coordinators: then we are the job's, and judge it)
-                first = next(p for p in order if p.url == silent[0])
-                self._cut_off(job, first, unreachable)
+                first = next((p for p in order if p.url == silent[0]), None)  # else a redirect's target
+                self._cut_off(job, first or parse_peer(silent[0], default_port=self.port, scheme=self.scheme), unreachable)
         except Exception:  # boundary: the protocol never takes the agent down
             log.exception("job protocol of incident %s failed", opened.incident_id)
         finally:

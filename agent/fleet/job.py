@@ -24,8 +24,10 @@ The protocol, per job incident:
    when the answer is verified (mutual TLS, or the token's proof: :mod:`agent.fleet.proof`).
    A host that coordinates only because the candidates before it did not answer is provisional
    (``JobIncident.ahead``): a verified join answer saying one of them coordinates the trace (or
-   follows one), or a join from one of them, makes it back down (no verdict; its evidence goes
-   there, marked ``backed_down``, recorded by the coordinator). A host that reached no other
+   follows one), a join from one of them, or its first choice answering a ``provisional`` report
+   (after its fan-out, and before its verdict) makes it back down (no verdict; its evidence goes
+   there, marked ``backed_down``, recorded by the coordinator; evidence sent to it is redirected
+   there, answered 503 until it is settled). A host that reached no other
    host while a candidate before it may be alive is cut off: its view is partial, said on its own
    incident (``servewatch.job.partial``, hosts named as they proved themselves), never a job
    verdict; its evidence is retried there until ``dedup_window_s``, marked ``partial``.
@@ -522,7 +524,7 @@ class Fleet:
         async def collect() -> list[ActionCompleted]:
             cfg = self.config
             # reports (the first candidate's timeouts retried), then the fan-out: bounded
-            with anyio.move_on_after(cfg.peer_timeout_s * (REPORT_TRIES + 2 * MAX_COORDINATOR_TRIES + 3) + cfg.report_window_s + 5):
+            with anyio.move_on_after(cfg.peer_timeout_s * (2 * REPORT_TRIES + 2 * MAX_COORDINATOR_TRIES + 3) + cfg.report_window_s + 5):
                 await job.done.wait()
             events = [ActionCompleted(source="fleet", incident_id=opened.incident_id, result=r) for r in job.results]
             events += job.extras
@@ -550,6 +552,8 @@ class Fleet:
         try:
             if job.coordinating:
                 await self._fanout(job)
+                if job.coordinating and job.ahead:
+                    await self._recheck(job)  # provisional (a reporter could not reach those before us)
                 return
             if job.coordinator is not None:
                 return  # the coordinator's join reached us first: it knows we are in (no report needed)
@@ -584,6 +588,8 @@ class Fleet:
                 # connection, are no coordinators: then we are the job's, and judge it)
                 first = next((p for p in order if p.url == silent[0]), None)  # else a redirect's target
                 self._cut_off(job, first or parse_peer(silent[0], default_port=self.port, scheme=self.scheme), unreachable)
+            elif job.coordinating and job.ahead:
+                await self._recheck(job)  # before any evidence comes here: a back-down now redirects it all
         except Exception:  # boundary: the protocol never takes the agent down
             log.exception("job protocol of incident %s failed", opened.incident_id)
         finally:
@@ -739,10 +745,10 @@ class Fleet:
             self.unverified_answers += 1
 
     async def _recheck(self, job: JobIncident) -> None:
-        """Before a provisional coordinator's verdict: ask its first choice (``job.ahead[0]``)
-        whether it coordinates this trace after all (a report marked ``provisional``, tried
-        :data:`REPORT_TRIES` times while it times out); a verified ``coordinating`` answer for the
-        same trace makes this host back down."""
+        """After a provisional coordinator's fan-out, and again before its verdict: ask its first
+        choice (``job.ahead[0]``) whether it coordinates this trace after all (a report marked
+        ``provisional``, tried :data:`REPORT_TRIES` times while it times out); a verified
+        ``coordinating`` answer for the same trace makes this host back down."""
         assert self.resolver is not None
         try:
             first = parse_peer(job.ahead[0], default_port=self.port, scheme=self.scheme)
@@ -887,9 +893,10 @@ class Fleet:
     async def _send_evidence(self, job: JobIncident, evidence: Evidence) -> None:
         """Send our evidence to the job's coordinator (``job.coordinator``; a redirect to the one it
         follows is taken once), marked partial or backed down as this host is. A coordinator that
-        does not answer is tried again (backoff up to :data:`EVIDENCE_RETRY_MAX_S`) until
-        ``dedup_window_s`` from the job incident's start: a partitioned host's evidence arrives
-        when the partition heals. A refusal is final (logged)."""
+        does not answer, or answers busy (HTTP 503: a provisional one not settled yet), is tried
+        again (backoff up to :data:`EVIDENCE_RETRY_MAX_S`) until ``dedup_window_s`` from the job
+        incident's start: a partitioned host's evidence arrives when the partition heals. Any
+        other refusal is final (logged)."""
         assert job.coordinator is not None
         evidence = evidence.model_copy(update={"partial": job.partial, "backed_down": job.backed_down})
         body = json.loads(fit(evidence, self.api_config.max_body_bytes - 1024))
@@ -908,7 +915,7 @@ class Fleet:
                 if job.partial:
                     log.warning("job %s: our partial evidence reached %s", self.config.job, job.coordinator_host or target)
                 return
-            if reply.result.outcome is Outcome.REFUSED or time.monotonic() + delay_s > deadline:
+            if (reply.result.outcome is Outcome.REFUSED and not reply.result.retryable) or time.monotonic() + delay_s > deadline:
                 log.warning("sending our evidence to the coordinator failed: %s", reply.result.detail)
                 return
             log.info("job %s: the coordinator %s did not take our evidence (%s): again in %.0f s", self.config.job,
@@ -1261,6 +1268,10 @@ class Fleet:
                 and self._in_window(job)):
             # we backed down (or never coordinated): the coordinator we follow takes it
             return 200, {"status": "redirect", "coordinator": job.coordinator.url, "host.name": self.host_name, **self._trace_doc(job)}
+        if job is not None and job.coordinating and job.ahead and not job.done.is_set() and evidence.trace_id == job.trace_id:
+            # provisional, not settled yet (we may back down): the sender tries again shortly
+            return 503, {"error": "this agent coordinates provisionally and is asking the coordinator before it; retry",
+                         "status": "retry", "retry_after_s": 1, "host.name": self.host_name, **self._trace_doc(job)}
         if job is None or not job.coordinating or evidence.trace_id != job.trace_id:
             return 409, {"error": "not the job incident this agent coordinates", "host.name": self.host_name,
                          **(self._trace_doc(job) if job is not None else {})}

@@ -436,3 +436,62 @@ async def test_a_report_answered_past_the_peer_timeout_leaves_one_coordinator_an
     shape = _one_trace_one_root(otlp_receiver, trace, HOSTS)
     assert [s.resource["host.name"] for s in shape["spans"] if s.name in ("job.incident", "job.verdict")] == ["node-a"]
     assert shape["root"].attributes["servewatch.job.hosts_with_evidence"] == 3
+
+
+async def test_a_coordinator_whose_report_and_join_answers_all_come_late_is_still_the_only_one(
+    tmp_path: Path, spawn, python, otlp_receiver
+) -> None:
+    """node-a (rank 0) takes every report and join at once but answers each 2.5 s later, past the
+    others' bound (``peer_timeout_s`` 1 s). node-b and node-c detect together: node-b reports to
+    node-a (3 tries, all late), then coordinates for a while; node-c, after its own 3 late
+    tries, reports to node-b; node-b's join to node-a times out too. Before it judges anything,
+    node-b asks node-a once more (a report marked provisional, which node-a answers at once):
+    node-a coordinates, node-b backs down, and node-c's evidence sent to node-b is redirected to
+    node-a. One ``job.incident``, node-a's, judged from all three hosts' evidence."""
+    pids = _targets(spawn, python, 3)
+    async with job_of_agents(tmp_path, otlp_receiver, pids, peer_timeout_s=1.0) as agents:
+        (a, recs_a), (b, recs_b), (c, recs_c) = agents
+        on_report, on_join = a.fleet._on_report, a.fleet.post_incident
+        late: list[str] = []
+
+        async def report_late(message: Any, sender: Any) -> tuple[int, dict[str, Any]]:
+            answer = await on_report(message, sender)
+            if not getattr(message, "provisional", False):
+                late.append(f"report from {message.host_name}")
+                await anyio.sleep(2.5)
+            return answer
+
+        async def join_late(request: Any, **kw: Any) -> tuple[int, dict[str, Any]]:
+            answer = await on_join(request, **kw)
+            late.append(f"join from {request.get('origin_host')}")
+            await anyio.sleep(2.5)
+            return answer
+
+        a.fleet._on_report = report_late  # type: ignore[method-assign]
+        a.fleet.post_incident = join_late  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.bus.publish, _stalled(pids[1]))
+            tg.start_soon(c.bus.publish, _stalled(pids[2]))
+
+        def settled() -> bool:
+            jobs = [ag.fleet.job for ag, _ in agents[1:]]
+            return (bool(recs_a and recs_b and recs_c) and a.fleet.verdicts >= 1 and all(j is not None and j.done.is_set() for j in jobs)
+                    and all(not j.coordinating or ag.fleet.verdicts >= 1 for j, (ag, _) in zip(jobs, agents[1:])))  # type: ignore[union-attr]
+
+        await _until(settled, timeout_s=120)
+        verdicts = (a.fleet.verdicts, b.fleet.verdicts, c.fleet.verdicts)
+    assert "report from node-b" in late and "join from node-b" in late, late
+    assert verdicts == (1, 0, 0), verdicts
+    [ra], [rb], [rc] = recs_a, recs_b, recs_c
+    trace = ra.opened.trace_id
+    assert rb.opened.trace_id == rc.opened.trace_id == trace
+    doc = json.loads((ra.bundle_dir / "job-verdict.json").read_text())
+    assert doc["coordinator"] == "node-a" and doc["hosts_with_evidence"] == 3 and set(doc["bundles"]) == set(HOSTS)
+    assert doc["backed_down"] == ["node-b"] and doc["election"] == "", doc
+    with anyio.fail_after(20):
+        while not any(s.name == "job.incident" for s in otlp_receiver.spans()):
+            await anyio.sleep(0.1)
+    assert otlp_receiver.wait_for_spans(3 * 2 + 1, timeout_s=20)
+    shape = _one_trace_one_root(otlp_receiver, trace, HOSTS)
+    assert [s.resource["host.name"] for s in shape["spans"] if s.name in ("job.incident", "job.verdict")] == ["node-a"]
+    assert shape["root"].attributes["servewatch.job.backed_down"] == ("node-b",)

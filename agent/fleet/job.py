@@ -994,7 +994,8 @@ class Fleet:
                                                                      "ranks": list(a.ranks)}))
         for address, outcome in sorted(job.asked.items()):
             info = job.member_info.get(address) or known.get(address)
-            host = outcome.host_name or (info.host_name if info else "") or address
+            # named as it proved itself; a host that never did is its address, said so (never a name)
+            host = outcome.host_name or (info.host_name if info else "") or f"{address} (host name not proven)"
             if host in have:
                 continue
             ranks = outcome.ranks or (tuple(info.ranks) if info else ())

@@ -219,10 +219,11 @@ async def test_peer_failures_are_named_in_the_job_verdict_and_never_delay_local_
     # the job verdict names every host it could not hear from, and why
     verdict = json.loads((ra.bundle_dir / "job-verdict.json").read_text())["verdict"]
     missing = {m["host"]: m["why"] for m in verdict["missing_hosts"]}
+    unproven = " (host name not proven)"  # never an address as a host's name
     assert missing == {
-        f"http://{dead}:{dead_port}": "agent unreachable (connection failed)",
-        f"http://{slow}:{slow_port}": "agent unreachable (timed out: host down or partitioned)",
-        f"http://{other_host}:{other_job_port}": "agent refused",
+        f"http://{dead}:{dead_port}{unproven}": "agent unreachable (connection failed)",
+        f"http://{slow}:{slow_port}{unproven}": "agent unreachable (timed out: host down or partitioned)",
+        f"http://{other_host}:{other_job_port}{unproven}": "agent refused",
     }, missing
     assert set(verdict["hosts"]) == {"node-a", "node-b"}
     assert f"http://{slow}:{slow_port}" in verdict["reason"]

@@ -199,11 +199,15 @@ class PeerRequestError(ServewatchError):
     Attributes:
         kind: ``unreachable`` (no connection: refused, no route, TLS handshake refused) or
             ``bad_response`` (the peer answered something that is not HTTP, or too much).
+        refused: the host at that address answered and refused (the connection, or the TLS
+            handshake): no agent of the job listens there. ``False``: no answer at all (no route,
+            a partition), or not known.
     """
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, *, refused: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
+        self.refused = refused
 
 
 class BackendUnknownError(ServewatchError):

@@ -702,8 +702,8 @@ class JobIncidentClosed(Event):
     span_id: str
     start_time_unix_nano: int
     incident_id: str = ""
-    #: ``""``: the job's root span; else the root it hangs under (a coordinator that reached no
-    #: other host made a partial verdict, ``job.verdict``, and leaves the root to the one that did)
+    #: ``""``: the job's root span (the fleet always emits it so: a host that reached no other
+    #: host makes no verdict); else the root it hangs under (a ``job.verdict`` span)
     parent_span_id: str = ""
     attributes: Mapping[str, AttributeValue] = field(default_factory=lambda: _EMPTY)
 

@@ -235,6 +235,9 @@ class IncidentRecord:
     root_published: bool = False
     #: the cross-rank verdict (an :class:`agent.verdict.Verdict`), when a judge made one
     verdict: Any = None
+    #: more attributes of its root span, set by a companion before it closes (a job's host that
+    #: reached no other host says its view is partial: ``servewatch.job.*``)
+    attributes: dict[str, Any] = field(default_factory=dict)
     #: seconds spent making the verdict after the evidence was in
     verdict_duration_s: float = 0.0
     #: the host it ran on (``host.name`` in the manifest)
@@ -1050,7 +1053,7 @@ class IncidentManager:
                 manifest_path=str(record.manifest_path),
                 outcomes=tuple((r.action, r.outcome.value) for r in record.results),
                 state=record.state,
-                attributes=record.verdict.attributes() if record.verdict is not None else {},
+                attributes={**(record.verdict.attributes() if record.verdict is not None else {}), **record.attributes},
             )
         )
 

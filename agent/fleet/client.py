@@ -79,7 +79,8 @@ async def post_json(
         else:
             stream = await anyio.connect_tcp(host, port, local_host=local_host, ssl_context=ssl_context, tls_standard_compatible=False)
     except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
-        raise PeerRequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
+        refused = _refused(exc)
+        raise PeerRequestError("unreachable", f"{type(refused or exc).__name__}: {refused or exc}", refused=refused is not None) from None
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     request_headers = [("host", authority), ("content-type", "application/json"), ("content-length", str(len(payload))),
@@ -121,3 +122,21 @@ async def post_json(
     except (ValueError, UnicodeDecodeError):
         doc = None
     return PeerAnswer(status, reason, doc if isinstance(doc, dict) else None, answer_headers, bytes(answer))
+
+
+def _refused(exc: BaseException) -> BaseException | None:
+    """The refusal in a failed connect (``exc``, its cause, or one of an exception group's
+    members): a refused connection or TLS handshake, else ``None`` (no route, no answer)."""
+    seen: list[BaseException] = [exc]
+    for _ in range(64):  # bounded: a cause chain may loop
+        if not seen:
+            break
+        e = seen.pop()
+        if isinstance(e, (ConnectionRefusedError, ssl.SSLError)):
+            return e
+        members = getattr(e, "exceptions", None)  # an exception group (anyio's connect, every address tried)
+        if isinstance(members, (tuple, list)):
+            seen.extend(m for m in members[:16] if isinstance(m, BaseException))
+        if e.__cause__ is not None:
+            seen.append(e.__cause__)
+    return None

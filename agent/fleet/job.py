@@ -16,10 +16,21 @@ The protocol, per job incident:
 2. **One coordinator.** The host of global rank 0 (it announces itself to every peer every
    ``announce_interval_s``; the answers tell it every host's name and ranks), else the lowest
    live host in the job's member list (every host sorts the same list alike). A host that
-   detects reports to the coordinator (``POST /v1/job/report``), trying the next candidate when
-   one is unreachable, and coordinating itself when its own turn comes. The coordinator's answer
+   detects reports to the coordinator (``POST /v1/job/report``): a report whose answer times out
+   is sent again to the first candidate (:data:`REPORT_TRIES`; a report is idempotent there),
+   then the next candidate is tried, and this host coordinates itself when its own turn comes.
+   A host that knows its coordinator redirects every report there. The coordinator's answer
    names the job's trace: a host whose key differed moves its running incident into it, only
    when the answer is verified (mutual TLS, or the token's proof: :mod:`agent.fleet.proof`).
+   A host that coordinates only because the candidates before it did not answer is provisional
+   (``JobIncident.ahead``): a verified join answer saying one of them coordinates the trace (or
+   follows one), a join from one of them, or its first choice answering a ``provisional`` report
+   (after its fan-out, and before its verdict) makes it back down (no verdict; its evidence goes
+   there, marked ``backed_down``, recorded by the coordinator; evidence sent to it is redirected
+   there, answered 503 until it is settled). A host that reached no other
+   host while a candidate before it may be alive is cut off: its view is partial, said on its own
+   incident (``servewatch.job.partial``, hosts named as they proved themselves), never a job
+   verdict; its evidence is retried there until ``dedup_window_s``, marked ``partial``.
 3. **Fan-out only for hosts that did not detect**, from the coordinator only, once reports stop
    coming (``report_grace_s`` without one, at most ``report_window_s``: the reports of a lockstep
    hang arrive within milliseconds of each other): at most
@@ -30,7 +41,8 @@ The protocol, per job incident:
    evidence summary (:mod:`agent.fleet.evidence`); the coordinator judges the whole job
    (:mod:`agent.fleet.jobverdict`) once every member's summary arrived or ``evidence_timeout_s``
    passed, writes ``job-verdict.json`` into its bundle and emits the job's root span with the
-   verdict (:class:`~agent.events.JobIncidentClosed`).
+   verdict (:class:`~agent.events.JobIncidentClosed`): one ``job.incident`` per trace, from the
+   one coordinator. Evidence after the verdict is kept, not judged (``late_evidence``).
 
 Who speaks for a host: every member holds the same token, so a signature says "a member", not
 which one. A request's sender is the address it came from (TCP) and the API port its signature
@@ -158,6 +170,11 @@ MAX_JUDGED = 16
 STUCK_COLLECTIVE_ATTR = "servewatch.job.stuck_collective"
 #: Coordinator candidates a detecting host tries before it coordinates its own view.
 MAX_COORDINATOR_TRIES = 3
+#: Tries of one report to the first coordinator candidate while its answer times out (each bounded
+#: by ``peer_timeout_s``): a slow coordinator still coordinates, and a second one never starts.
+REPORT_TRIES = 3
+#: Longest wait between two tries of a host's evidence to a coordinator it cannot reach, seconds.
+EVIDENCE_RETRY_MAX_S = 8.0
 #: Longest unix socket path, bytes (``sun_path`` less its NUL).
 MAX_UNIX_PATH = 107
 
@@ -505,13 +522,16 @@ class Fleet:
 
     def _collector(self, job: JobIncident, opened: IncidentOpened) -> Callable[[], Awaitable[list[ActionCompleted]]]:
         async def collect() -> list[ActionCompleted]:
-            with anyio.move_on_after(self.config.peer_timeout_s * 3 + self.config.report_grace_s + 5):
+            cfg = self.config
+            # reports (the first candidate's timeouts retried), then the fan-out: bounded
+            with anyio.move_on_after(cfg.peer_timeout_s * (2 * REPORT_TRIES + 2 * MAX_COORDINATOR_TRIES + 3) + cfg.report_window_s + 5):
                 await job.done.wait()
             events = [ActionCompleted(source="fleet", incident_id=opened.incident_id, result=r) for r in job.results]
             events += job.extras
             job.extras = []
             record = self.agent.incidents.running.get(opened.incident_id)
             if record is not None:
+                record.attributes.update(job.view)  # a cut-off host's partial view: on its own incident
                 judge = getattr(self.agent.incidents, "judge", None)
                 judged = list(judge.last_evidence) if judge is not None and record.verdict is not None else []
                 self._spawn(self._share_evidence, job, record.opened.incident_id, str(record.bundle_dir), judged, record.verdict)
@@ -532,37 +552,56 @@ class Fleet:
         try:
             if job.coordinating:
                 await self._fanout(job)
+                if job.coordinating and job.ahead:
+                    await self._recheck(job)  # provisional (a reporter could not reach those before us)
                 return
             if job.coordinator is not None:
                 return  # the coordinator's join reached us first: it knows we are in (no report needed)
             order, me = await self._coordinator_order()
             unreachable: list[str] = []
+            silent: list[str] = []  # of those, the ones that may be alive and coordinating (no answer at all, or busy)
             job.reporting = anyio.Event()
             try:
-                for candidate in order:
+                for i, candidate in enumerate(order):
                     if job.coordinator is not None and not unreachable:
                         return  # asked by the coordinator while we were about to report
                     if job.coordinating or candidate == me or (self.resolver is not None and self.resolver.is_self(candidate)):
                         break
-                    if await self._report(job, opened, candidate, me, unreachable):
+                    if await self._report(job, opened, candidate, me, unreachable, silent, tries=REPORT_TRIES if i == 0 else 1):
                         return
                     if len(unreachable) >= MAX_COORDINATOR_TRIES:  # a partitioned host coordinates its own view
                         break
             finally:
                 job.reporting.set()
+            if not job.coordinating:
+                # provisional: the candidates before us did not answer in time; we back down when
+                # one of them (or a host that follows one) says it coordinates this trace
+                job.ahead = list(dict.fromkeys(unreachable))
             job.coordinating = True
             job.cut_off = bool(unreachable)
             log.info("coordinating job incident %s (trace %s)%s", opened.incident_id, job.trace_id,
                      f"; unreachable: {', '.join(unreachable)}" if unreachable else "")
             await self._fanout(job)
+            if silent and job.coordinating and not job.reported and not any(o.outcome is Outcome.OK for o in job.asked.values()):
+                # no other host answered, and a candidate before us may be alive behind a
+                # partition: our view is partial (candidates that all refused us, or the
+                # connection, are no coordinators: then we are the job's, and judge it)
+                first = next((p for p in order if p.url == silent[0]), None)  # else a redirect's target
+                self._cut_off(job, first or parse_peer(silent[0], default_port=self.port, scheme=self.scheme), unreachable)
+            elif job.coordinating and job.ahead:
+                await self._recheck(job)  # before any evidence comes here: a back-down now redirects it all
         except Exception:  # boundary: the protocol never takes the agent down
             log.exception("job protocol of incident %s failed", opened.incident_id)
         finally:
             job.done.set()
 
-    async def _report(self, job: JobIncident, opened: IncidentOpened, candidate: Peer, me: Peer, unreachable: list[str]) -> bool:
+    async def _report(self, job: JobIncident, opened: IncidentOpened, candidate: Peer, me: Peer, unreachable: list[str],
+                      silent: list[str] | None = None, *, tries: int = 1) -> bool:
         """Report our detection to ``candidate``. True when it coordinates (or named who does and
-        that one answered); False: try the next one."""
+        that one answered); False: try the next one (its URL added to ``unreachable``, and to
+        ``silent`` when it may still be a live coordinator: :func:`_may_coordinate`). ``tries``:
+        reports sent to ``candidate`` while its answer times out (it may have taken the report and
+        coordinate: a report is idempotent there), each bounded by ``peer_timeout_s``."""
         body = Report.model_validate({
             "job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id, "api_port": self.port,
             "scheme": self.scheme, "incident_id": opened.incident_id, "trace_id": job.trace_id, "key": job.key,
@@ -570,12 +609,22 @@ class Fleet:
             "ranks": list(self.local_ranks), "world_size": self.world_size, "unreachable": unreachable, "address": me.url,
         }).model_dump(by_alias=True)
         for _hop in range(2):  # one redirect at most
-            self.reports_sent += 1
-            reply = await call_peer(candidate, "/v1/job/report", body, credentials=self._as_listed(),
-                                    timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
+            for attempt in range(1, max(1, tries) + 1):
+                self.reports_sent += 1
+                reply = await call_peer(candidate, "/v1/job/report", body, credentials=self._as_listed(),
+                                        timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
+                if reply.result.outcome is not Outcome.TIMED_OUT or attempt == tries:
+                    break
+                log.warning("job %s: our report to %s got no answer within %.1f s (try %d of %d): sent again",
+                            self.config.job, candidate, self.config.peer_timeout_s, attempt, tries)
+            if attempt > 1:
+                reply = PeerReply(_with(reply.result, attributes=frozen_attrs({**reply.result.attributes, "servewatch.report.tries": attempt})),
+                                  reply.doc, reply.verified)
             doc = reply.doc or {}
             if reply.result.outcome is not Outcome.OK:
                 unreachable.append(candidate.url)
+                if silent is not None and _may_coordinate(reply.result):
+                    silent.append(candidate.url)
                 job.results.append(reply.result)
                 return False
             if not reply.verified:
@@ -591,6 +640,10 @@ class Fleet:
                 candidate = target
                 continue
             job.coordinator, job.coordinator_host = candidate, str(doc.get("host.name") or candidate)
+            if job.coordinating:  # a report reached us meanwhile and we took it: one coordinator, theirs
+                job.coordinating, job.backed_down = False, True
+                log.warning("job %s: %s coordinates trace %s: backing down (reports sent to us are redirected there)",
+                            self.config.job, job.coordinator_host, job.trace_id)
             job.results.append(reply.result)
             await self._follow(job, doc)
             return True
@@ -675,12 +728,90 @@ class Fleet:
         host = str(doc.get("host.name") or "")
         ranks = tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
         job.asked[peer.url] = PeerOutcome(peer.url, reply.result.outcome, reply.result.detail, host, ranks)
+        if reply.verified and reply.result.outcome is Outcome.OK and job.ahead and doc.get("trace_id") == job.trace_id:
+            follows = doc.get("coordinator")
+            if doc.get("coordinating") is True and peer.url in job.ahead:
+                self._back_down(job, peer, host, f"{host or peer} answered our join: it coordinates this job incident")
+            elif isinstance(follows, str) and follows in job.ahead:
+                target = self._redirect_target(doc)
+                if target is not None:
+                    self._back_down(job, target, self._proven_name(job, target.url, bare=True),
+                                    f"{host or peer} answered our join: it follows {self._proven_name(job, follows)}")
         if reply.verified and host and reply.result.outcome is Outcome.OK:
             if _is_ip_literal(peer.host) and self._claim(job, host, Sender(peer.host, peer.port), "a join's answer", asked=True):
                 return  # an answer at one member's address naming another member's host: not believed
             job.member_info[peer.url] = MemberInfo.model_validate({"job": self.config.job or "-", "host.name": host, "ranks": list(ranks)})
         if reply.doc is not None and not reply.verified:
             self.unverified_answers += 1
+
+    async def _recheck(self, job: JobIncident) -> None:
+        """After a provisional coordinator's fan-out, and again before its verdict: ask its first
+        choice (``job.ahead[0]``) whether it coordinates this trace after all (a report marked
+        ``provisional``, tried :data:`REPORT_TRIES` times while it times out); a verified
+        ``coordinating`` answer for the same trace makes this host back down."""
+        assert self.resolver is not None
+        try:
+            first = parse_peer(job.ahead[0], default_port=self.port, scheme=self.scheme)
+        except ValueError:
+            return
+        members, _ = await self.resolver.resolve_all()
+        me = await self._self_address(members)
+        body = Report.model_validate({
+            "job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id, "api_port": self.port,
+            "scheme": self.scheme, "incident_id": job.local_incident_id or "unknown", "trace_id": job.trace_id, "key": job.key[:80],
+            "detected_time_unix_nano": job.detected_time_unix_nano, "ranks": list(self.local_ranks), "world_size": self.world_size,
+            "address": me.url, "provisional": True,
+        }).model_dump(by_alias=True)
+        for _ in range(REPORT_TRIES):
+            self.reports_sent += 1
+            reply = await call_peer(first, "/v1/job/report", body, credentials=self._as_listed(),
+                                    timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
+            if reply.result.outcome is not Outcome.TIMED_OUT:
+                break
+        doc = reply.doc or {}
+        if reply.result.outcome is Outcome.OK and reply.verified and doc.get("status") == "coordinating" and doc.get("trace_id") == job.trace_id:
+            self._back_down(job, first, str(doc.get("host.name") or ""), f"{doc.get('host.name') or first} answered late: it coordinates")
+
+    def _back_down(self, job: JobIncident, coordinator: Peer, host: str, why: str) -> None:
+        """A provisional coordinator (``job.ahead``) learnt that one before it coordinates the same
+        trace: it stops coordinating, emits no job verdict and sends its evidence there."""
+        if not job.coordinating or not job.ahead:
+            return
+        job.coordinating, job.backed_down, job.cut_off = False, True, False
+        job.coordinator, job.coordinator_host = coordinator, host
+        log.warning("job %s: backing down as coordinator of trace %s: %s; our evidence goes to %s", self.config.job,
+                    job.trace_id, why, host or coordinator)
+        job.evidence_changed.set()  # a verdict waiting for evidence stops waiting
+        job.evidence_changed = anyio.Event()
+
+    def _cut_off(self, job: JobIncident, first: Peer, unreachable: Sequence[str]) -> None:
+        """This host reached no other host of the job: its view is partial. No job verdict from
+        here (the reachable side makes the job's); its own incident says so (``job.view``) and its
+        evidence goes to its first choice later, marked partial (retried, bounded)."""
+        job.coordinating, job.partial = False, True
+        job.coordinator, job.coordinator_host = first, self._proven_name(job, first.url, bare=True)
+        names = tuple(self._proven_name(job, u) for u in dict.fromkeys(unreachable))
+        job.view = {"servewatch.job.partial": True, "servewatch.job.coordinator": self._proven_name(job, first.url),
+                    "servewatch.job.unreachable": names,
+                    "servewatch.job.partial_reason": f"reached no other host of job {self.config.job}: no job verdict from here;"
+                                                     f" evidence sent later to {self._proven_name(job, first.url)}, marked partial"}
+        log.warning("job %s: cut off (no other host answered: %s): no job verdict from this host; our evidence goes to %s later,"
+                    " marked partial", self.config.job, ", ".join(names), names[0] if names else first)
+
+    def _proven_name(self, job: JobIncident, url: str, *, bare: bool = False) -> str:
+        """The host name the member at ``url`` proved (its verified answer to our announce, its
+        own announce, a verified join answer, its report), else ``"<url> (host name not proven)"``
+        (``bare``: ``""``): a host is never named by its address alone."""
+        known = self.members.get(url) or job.member_info.get(url)
+        if known is not None and known.host_name:
+            return known.host_name
+        outcome = job.asked.get(url)
+        if outcome is not None and outcome.host_name and outcome.outcome is Outcome.OK:
+            return outcome.host_name
+        a = self.announced
+        if a is not None and a.peer.url == url:
+            return a.host_name
+        return "" if bare else f"{url} (host name not proven)"
 
     def _fanout_results(self, job: JobIncident, replies: list[tuple[Peer, PeerReply, int]], start: int, *, relays: int) -> None:
         results = [r.result for _, r, _ in replies]
@@ -751,16 +882,46 @@ class Fleet:
                 if not job.verdict_started:
                     job.verdict_started = True
                     await self._job_verdict(job, bundle_dir)
-                return
+                if job.coordinating:
+                    return
             if job.coordinator is None:
                 return  # nobody to tell (a follow-up, or the coordinator never answered)
-            body = json.loads(fit(evidence, self.api_config.max_body_bytes - 1024))
-            reply = await call_peer(job.coordinator, "/v1/job/evidence", body, credentials=self._as_listed(),
-                                    timeout_s=self.config.peer_timeout_s, action="fleet.evidence", attempts=4)
-            if reply.result.outcome is not Outcome.OK:
-                log.warning("sending our evidence to the coordinator failed: %s", reply.result.detail)
+            await self._send_evidence(job, evidence)
         except Exception:  # boundary
             log.exception("sharing the evidence of incident %s failed", incident_id)
+
+    async def _send_evidence(self, job: JobIncident, evidence: Evidence) -> None:
+        """Send our evidence to the job's coordinator (``job.coordinator``; a redirect to the one it
+        follows is taken once), marked partial or backed down as this host is. A coordinator that
+        does not answer, or answers busy (HTTP 503: a provisional one not settled yet), is tried
+        again (backoff up to :data:`EVIDENCE_RETRY_MAX_S`) until ``dedup_window_s`` from the job
+        incident's start: a partitioned host's evidence arrives when the partition heals. Any
+        other refusal is final (logged)."""
+        assert job.coordinator is not None
+        evidence = evidence.model_copy(update={"partial": job.partial, "backed_down": job.backed_down})
+        body = json.loads(fit(evidence, self.api_config.max_body_bytes - 1024))
+        target, hops, delay_s = job.coordinator, 0, 1.0
+        deadline = job.started + self.config.dedup_window_s
+        while True:
+            reply = await call_peer(target, "/v1/job/evidence", body, credentials=self._as_listed(),
+                                    timeout_s=self.config.peer_timeout_s, action="fleet.evidence", attempts=4)
+            doc = reply.doc or {}
+            if reply.result.outcome is Outcome.OK and reply.verified and doc.get("status") == "redirect" and hops == 0:
+                redirected = self._redirect_target(doc)
+                if redirected is not None and redirected != target:
+                    target, hops = redirected, 1
+                    continue
+            if reply.result.outcome is Outcome.OK:
+                if job.partial:
+                    log.warning("job %s: our partial evidence reached %s", self.config.job, job.coordinator_host or target)
+                return
+            if (reply.result.outcome is Outcome.REFUSED and not reply.result.retryable) or time.monotonic() + delay_s > deadline:
+                log.warning("sending our evidence to the coordinator failed: %s", reply.result.detail)
+                return
+            log.info("job %s: the coordinator %s did not take our evidence (%s): again in %.0f s", self.config.job,
+                     job.coordinator_host or target, reply.result.detail, delay_s)
+            await anyio.sleep(delay_s)
+            delay_s = min(EVIDENCE_RETRY_MAX_S, delay_s * 2)
 
     def _evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, judged: list[Any], verdict: Any) -> Evidence:
         evidence = host_evidence(job=self.config.job or "-", host_name=self.host_name, agent_id=self.agent_id, trace_id=job.trace_id,
@@ -775,15 +936,22 @@ class Fleet:
     async def _job_verdict(self, job: JobIncident, bundle_dir: str) -> None:
         """Wait for every member's evidence (bounded), judge the job, emit its root span."""
         deadline = job.started + self.config.evidence_timeout_s
-        while len(job.evidence) < job.expected_hosts() and time.monotonic() < deadline:
+        while job.coordinating and len(job.evidence) < job.expected_hosts() and time.monotonic() < deadline:
             changed = job.evidence_changed
             with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await changed.wait()
+        if job.coordinating and job.ahead:
+            await self._recheck(job)
+        if not job.coordinating:
+            return  # backed down: our evidence goes to the coordinator (the caller sends it)
         verdict = await anyio.to_thread.run_sync(self._judge, job)
         job.verdict = verdict
         self.verdicts += 1
         stuck = _stuck_collective(job)
+        election = (f"{self.host_name} coordinates: {', '.join(self._proven_name(job, u) for u in job.ahead)} did not answer in time"
+                    if job.ahead else "")
         doc = {"job": self.config.job, "trace_id": job.trace_id, "root_span_id": job.root_span_id, "key": job.key,
+               "election": election, "backed_down": sorted(job.backed_down_hosts), "partial_evidence": sorted(job.partial_evidence),
                "stuck_collective": str(stuck.value) if stuck is not None else None, "coordinator": self.host_name, "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
                "reported": sorted(job.reported.values()),
                "verdict": verdict.to_json(), "bundles": {h: e.bundle_dir for h, e in sorted(job.evidence.items())}}
@@ -796,15 +964,18 @@ class Fleet:
                                  **({STUCK_COLLECTIVE_ATTR: stuck.value} if stuck is not None else {}),
                                  "servewatch.job.hosts": job.expected_hosts(), "servewatch.job.hosts_with_evidence": len(job.evidence),
                                  "servewatch.job.reported": len(job.reported), "servewatch.job.verdict_path": str(Path(bundle_dir) / JOB_VERDICT_FILE)}
-        # one root by construction: a coordinator cut off from every other host (partitioned, or
-        # the only one left) says what it saw under the root, which the reachable side emits
-        cut_off = job.cut_off and not job.reported and not any(o.outcome is Outcome.OK for o in job.asked.values())
+        if election:
+            attrs["servewatch.job.election"] = election
+        if job.backed_down_hosts:
+            attrs["servewatch.job.backed_down"] = tuple(sorted(job.backed_down_hosts))
+        if job.partial_evidence:
+            attrs["servewatch.job.partial_evidence"] = tuple(sorted(job.partial_evidence))
+        # one root by construction: a host cut off from every other host never gets here (its
+        # view is partial: its own incident says so, its evidence goes to the coordinator later)
         await self.agent.bus.publish(JobIncidentClosed(
-            source="fleet", job=self.config.job or "", trace_id=job.trace_id,
-            span_id=secrets.token_hex(8) if cut_off else job.root_span_id,
-            parent_span_id=job.root_span_id if cut_off else "",
+            source="fleet", job=self.config.job or "", trace_id=job.trace_id, span_id=job.root_span_id,
             start_time_unix_nano=job.detected_time_unix_nano or now_ns(), incident_id=job.local_incident_id or "",
-            attributes=frozen_attrs({**attrs, "servewatch.job.partial": cut_off}),
+            attributes=frozen_attrs(attrs),
         ))
         self._past_traces[job.trace_id] = self._past_traces.get(job.trace_id, 0) + 1
         while len(self._past_traces) > MAX_PAST_TRACES:
@@ -823,7 +994,8 @@ class Fleet:
                                                                      "ranks": list(a.ranks)}))
         for address, outcome in sorted(job.asked.items()):
             info = job.member_info.get(address) or known.get(address)
-            host = outcome.host_name or (info.host_name if info else "") or address
+            # named as it proved itself; a host that never did is its address, said so (never a name)
+            host = outcome.host_name or (info.host_name if info else "") or f"{address} (host name not proven)"
             if host in have:
                 continue
             ranks = outcome.ranks or (tuple(info.ranks) if info else ())
@@ -1004,17 +1176,23 @@ class Fleet:
     async def _on_report(self, report: Report, sender: Sender) -> tuple[int, dict[str, Any]]:
         self.reports_received += 1
         reporter = await self._sender(report, sender)
+        if report.provisional:
+            return self._on_provisional(report, reporter, sender)
         job = self.job
         if self._in_window(job) and job is not None and not job.placed.is_set():
             with anyio.move_on_after(self.config.accept_timeout_s):
                 await job.placed.wait()  # ours is being placed right now
         if self._in_window(job) and job is not None and job.placed.is_set():
             if not job.coordinating and job.reporting is not None:
-                with anyio.move_on_after(self.config.peer_timeout_s * 2):
-                    await job.reporting.wait()  # our own report is on its way: its answer says who coordinates
-            if not job.coordinating and job.coordinator is not None and job.coordinator.url not in report.unreachable:
+                with anyio.move_on_after(self.config.peer_timeout_s * (REPORT_TRIES + 1)):
+                    await job.reporting.wait()  # our own report is on its way (tried again on timeouts): its answer says who coordinates
+            if not job.coordinating and job.coordinator is not None:
+                # one coordinator: even one the reporter could not reach (it tries once more, then
+                # its evidence goes there later); never a second one here
                 return 200, {"status": "redirect", "coordinator": job.coordinator.url, "host.name": self.host_name,
                              **self._trace_doc(job)}
+            if not job.coordinating:
+                job.ahead = [u for u in report.unreachable if u != reporter.url]
             job.coordinating = True
         else:
             # no job incident here yet: coordinate only when first in this host's own order (the
@@ -1032,8 +1210,10 @@ class Fleet:
             trace_id, root = report.trace_id, root_span_of(report.trace_id)
             if trace_id in self._past_traces:  # a restarted job hanging at the same collective: a new trace
                 trace_id, root = repeat_trace(trace_id, self._past_traces[trace_id])
+            # provisional when the reporter could not reach the candidates before us (``ahead``)
             job = self.job = JobIncident(trace_id=trace_id, root_span_id=root, key=report.key, coordinating=True,
-                                         detected_time_unix_nano=report.detected_time_unix_nano)
+                                         detected_time_unix_nano=report.detected_time_unix_nano,
+                                         ahead=[u for u in report.unreachable if u != reporter.url])
             job.placed.set()
             why = f"job {self.config.job}: {report.host_name} detected {report.trigger or 'a hang'} ({report.key})"
             self._spawn(self._open_joined, why[:500], TraceParent(trace_id, root))
@@ -1049,6 +1229,26 @@ class Fleet:
         self.world_size = self.world_size or report.world_size
         return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", **self._trace_doc(job)}
 
+    def _on_provisional(self, report: Report, reporter: Peer, sender: Sender) -> tuple[int, dict[str, Any]]:
+        """A host coordinated ``report``'s trace because we did not answer it in time, and asks
+        whether we coordinate it: ``coordinating`` (it backs down; recorded here) when we do (or
+        judged it already), else ``not_coordinating``; never a new job incident."""
+        job = self.job
+        target = self._judged.get(report.trace_id)
+        if target is None and job is not None and self._in_window(job) and job.trace_id == report.trace_id and job.coordinating and not job.ahead:
+            target = job
+        if target is None:
+            return 200, {"status": "not_coordinating", "host.name": self.host_name, "trace_id": report.trace_id}
+        conflict = self._claim(target, report.host_name, sender, "a report")
+        if conflict:
+            return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(target)}
+        target.reported.setdefault(reporter.url, report.host_name)
+        if report.host_name not in target.backed_down_hosts:
+            target.backed_down_hosts.append(report.host_name)
+        log.warning("job %s: %s coordinated trace %s while we did not answer it in time: it backs down to us", self.config.job,
+                    report.host_name, report.trace_id)
+        return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", **self._trace_doc(target)}
+
     def _on_evidence(self, evidence: Evidence, sender: Sender) -> tuple[int, dict[str, Any]]:
         job = self.job
         judged = self._judged.get(evidence.trace_id)
@@ -1057,11 +1257,22 @@ class Fleet:
             conflict = self._claim(target, evidence.host_name, sender, "evidence")
             if conflict:  # a token holder speaking for another host: never judged, said
                 return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(target)}
-        if judged is not None and judged is not job:  # after the verdict: kept, said, not re-judged
+        if judged is not None and (judged is not job or judged.verdict is not None):  # after the verdict: kept, said, not re-judged
             self.evidence_received += 1
             judged.add_evidence(evidence, judged.proven.get(evidence.host_name, ""))
-            log.info("job %s: evidence of %s came after the job verdict (kept, not judged)", self.config.job, evidence.host_name)
+            if evidence.host_name not in judged.late_evidence:
+                judged.late_evidence.append(evidence.host_name)
+            log.warning("job %s: evidence of %s came after the job verdict (kept, not judged)%s", self.config.job,
+                        evidence.host_name, "; marked partial: it reached no other host for a while" if evidence.partial else "")
             return 200, {"status": "late", "host.name": self.host_name, **self._trace_doc(judged)}
+        if (job is not None and not job.coordinating and job.coordinator is not None and evidence.trace_id == job.trace_id
+                and self._in_window(job)):
+            # we backed down (or never coordinated): the coordinator we follow takes it
+            return 200, {"status": "redirect", "coordinator": job.coordinator.url, "host.name": self.host_name, **self._trace_doc(job)}
+        if job is not None and job.coordinating and job.ahead and not job.done.is_set() and evidence.trace_id == job.trace_id:
+            # provisional, not settled yet (we may back down): the sender tries again shortly
+            return 503, {"error": "this agent coordinates provisionally and is asking the coordinator before it; retry",
+                         "status": "retry", "retry_after_s": 1, "host.name": self.host_name, **self._trace_doc(job)}
         if job is None or not job.coordinating or evidence.trace_id != job.trace_id:
             return 409, {"error": "not the job incident this agent coordinates", "host.name": self.host_name,
                          **(self._trace_doc(job) if job is not None else {})}
@@ -1103,6 +1314,10 @@ class Fleet:
                     await job.opened.wait()
                 self._adopt_coordinator(job, request)
                 return 202, self._answer("joined", job)
+            if job.coordinating and job.ahead and job.trace_id == tp.trace_id and sender is not None:
+                claimed = self._redirect_target({"coordinator": request.get("coordinator")})
+                if claimed is not None and claimed.url in job.ahead and await self._at(claimed, sender):
+                    self._back_down(job, claimed, request.get("origin_host") or "", "its join reached us: it coordinates this job incident")
             self._adopt_coordinator(job, request)
             if job.trace_id == tp.trace_id:
                 return 200, self._answer("attached", job)
@@ -1216,8 +1431,13 @@ class Fleet:
         return [label for label in (rank_label(t.title) for t in targets) if label]
 
     def _answer(self, status: str, job: JobIncident) -> dict[str, Any]:
+        """A join's answer; ``coordinating``: this host coordinates the job incident (not
+        provisionally); ``coordinator``: the one it follows (a provisional coordinator asking backs
+        down when it is one it could not reach)."""
         return {"status": status, "host.name": self.host_name, "job": self.config.job, "incident_id": job.local_incident_id,
-                "ranks": list(self.local_ranks), "rank_labels": self._ranks(), "agent_id": self.agent_id, **self._trace_doc(job)}
+                "ranks": list(self.local_ranks), "rank_labels": self._ranks(), "agent_id": self.agent_id,
+                "coordinating": job.coordinating and not job.ahead, "coordinator": job.coordinator.url if job.coordinator else None,
+                **self._trace_doc(job)}
 
     def _incident_doc(self, opened: IncidentOpened | None) -> dict[str, Any]:
         if opened is None:
@@ -1393,6 +1613,19 @@ def _stuck_collective(job: JobIncident) -> JobKey | None:
     """The job's stuck collective (``"<pg>:<seq>"``) from every host's ranks' Flight Recorder
     windows in their evidence: read after capture, never before it (``None`` without one)."""
     return stuck_collective([r.fr for e in job.evidence.values() for r in e.ranks if isinstance(r.fr, dict)])
+
+
+def _may_coordinate(result: ActionResult) -> bool:
+    """Whether a coordinator candidate whose report failed with ``result`` may still be alive and
+    coordinating: no answer in time, no route (a partition looks like this), or a busy answer
+    (HTTP 408/429/5xx). A refused connection or TLS handshake, a refusal (another job, another
+    token), an answer without the job's proof or not HTTP at all: no agent of the job there."""
+    if result.outcome is Outcome.TIMED_OUT:
+        return True
+    if result.outcome is Outcome.REFUSED:
+        return result.retryable
+    attrs = result.attributes
+    return attrs.get("servewatch.peer.error") == "unreachable" and not attrs.get("servewatch.peer.refused")
 
 
 def _with(result: ActionResult, **changes: Any) -> ActionResult:

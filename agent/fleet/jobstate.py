@@ -90,6 +90,17 @@ class JobIncident:
     coordinator_host: str = ""
     #: this agent coordinates because no candidate before it answered (maybe partitioned)
     cut_off: bool = False
+    #: coordinator candidates (URLs) before this agent that did not answer in time: non-empty
+    #: while it coordinates only because of that (provisional: it backs down when one of them,
+    #: or a host that follows one of them, says it coordinates the same trace)
+    ahead: list[str] = field(default_factory=list)
+    #: this agent coordinated provisionally, then backed down to ``coordinator``
+    backed_down: bool = False
+    #: this agent reached no other host: its view is partial, never a verdict; its evidence goes
+    #: to ``coordinator`` later, marked partial
+    partial: bool = False
+    #: root attributes of this agent's own incident in the job (its partial view), set before it closes
+    view: dict[str, Any] = field(default_factory=dict)
     #: set while this agent's own report is on its way (None: it never reported)
     reporting: anyio.Event | None = None
     move_to: tuple[str, str] | None = None
@@ -125,6 +136,12 @@ class JobIncident:
     #: what was refused because it claimed an identity another sender proved (one line each)
     conflicts: list[str] = field(default_factory=list)
     conflicts_total: int = 0
+    #: hosts that coordinated provisionally (their first choice did not answer) and backed down to us
+    backed_down_hosts: list[str] = field(default_factory=list)
+    #: hosts whose evidence came marked partial (they reached no other host for a while)
+    partial_evidence: list[str] = field(default_factory=list)
+    #: hosts whose evidence came after the job verdict (kept, not judged)
+    late_evidence: list[str] = field(default_factory=list)
 
     def prove(self, host: str, identity: str, what: str = "a message", *, asked: bool = False) -> str:
         """Bind ``host`` (a host name) to ``identity`` (who proved it: ``address:port``), first
@@ -186,8 +203,12 @@ class JobIncident:
         return self.trace_id, self.root_span_id
 
     def add_evidence(self, evidence: Evidence, identity: str = "") -> None:
-        """Take ``evidence`` (sent by ``identity``) for its host."""
+        """Take ``evidence`` (sent by ``identity``) for its host; what it says of its sender
+        (partial, backed down) is remembered (bounded: one entry per host)."""
         self.evidence[evidence.host_name] = evidence
+        for flag, hosts in ((evidence.partial, self.partial_evidence), (evidence.backed_down, self.backed_down_hosts)):
+            if flag and evidence.host_name not in hosts:
+                hosts.append(evidence.host_name)
         self.evidence_by[evidence.host_name] = identity
         for r in evidence.relayed:
             self.asked.setdefault(r.address, PeerOutcome(r.address, Outcome(r.outcome), r.detail, r.host_name,
@@ -209,4 +230,7 @@ class JobIncident:
                 "local_incident_id": self.local_incident_id, "coordinating": self.coordinating,
                 "coordinator": self.coordinator.url if self.coordinator else None,
                 "reported": len(self.reported), "asked": len(self.asked), "evidence": len(self.evidence),
-                "conflicts": self.conflicts_total, "conflict": self.conflicts[0] if self.conflicts else None}
+                "conflicts": self.conflicts_total, "conflict": self.conflicts[0] if self.conflicts else None,
+                "partial": self.partial, "backed_down": self.backed_down,
+                "partial_evidence": sorted(self.partial_evidence), "late_evidence": sorted(self.late_evidence),
+                "backed_down_hosts": sorted(self.backed_down_hosts)}

@@ -77,6 +77,10 @@ class Report(_FromHost):
         ranks: the reporter's global ranks.
         unreachable: coordinators (URLs) the reporter tried first and could not reach: the
             receiver then coordinates itself instead of redirecting.
+        provisional: the reporter coordinates this job incident because the receiver did not
+            answer in time, and asks before its verdict whether the receiver coordinates it: the
+            receiver answers ``coordinating`` (then the reporter backs down) or
+            ``not_coordinating``, and never starts a job incident for it.
     """
 
     api_port: int = Field(ge=1, le=65535)
@@ -91,6 +95,7 @@ class Report(_FromHost):
     unreachable: list[str] = Field(default_factory=list, max_length=16)
     #: its own entry in the job's member list (used when the receiver lists it too)
     address: str = Field("", max_length=300)
+    provisional: bool = False
 
 
 class RankSummary(_Wire):
@@ -143,6 +148,10 @@ class Evidence(_FromHost):
         verdict: the host's own verdict (``kind``, ``reason``, ``confidence``, ``culprit_ranks``), if any.
         world_size: the job's world size as the host's ranks know it (default group's size).
         relayed: when the host relayed the coordinator's join, what each peer it asked gave.
+        partial: the host reached no other host of the job for a while (partitioned): sent late,
+            what it saw alone (never a verdict of its own).
+        backed_down: the host coordinated the job incident for a while (its first choice did not
+            answer in time), then learnt that the receiver does and backed down.
     """
 
     trace_id: str = Field(pattern=_HEX32)
@@ -152,6 +161,8 @@ class Evidence(_FromHost):
     verdict: dict[str, Any] | None = None
     world_size: int | None = Field(None, ge=1)
     relayed: list[RelayedPeer] = Field(default_factory=list, max_length=1024)
+    partial: bool = False
+    backed_down: bool = False
 
 
 def first_error(exc: ValidationError) -> str:

@@ -403,6 +403,8 @@ async def _call_once(
             except PeerRequestError as exc:
                 outcome, detail, retryable = Outcome.FAILED, f"{peer} {exc.kind.replace('_', ' ')}: {exc}", True
                 attributes["servewatch.peer.error"] = exc.kind
+                if exc.refused:  # a host answered there and refused: no agent listens (not a partition)
+                    attributes["servewatch.peer.refused"] = True
             else:
                 doc = answer.doc
                 verified = credentials.verified(peer, answer, nonce)

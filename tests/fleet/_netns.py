@@ -4,7 +4,8 @@ loopback addresses.
 With root and ``ip netns``: three namespaces ``sw<tag>-h0..h2``, each with its own network stack
 (a ``veth0`` with ``10.<x>.<y>.<i+1>/24`` and ``lo``), wired to a bridge in a fourth namespace
 (nothing is added to this machine's own network namespace), all removed at teardown. A host's
-processes run through ``ip netns exec``; :meth:`Hosts.partition` takes a host's link down.
+processes run through ``ip netns exec``; :meth:`Hosts.partition` takes a host's link down,
+:meth:`Hosts.heal` up again.
 Without it: the addresses ``127.0.<y>.<i+1>`` on this machine's loopback (no partition).
 """
 
@@ -53,6 +54,12 @@ class Hosts:
         """Cut host ``i`` off the network (its link goes down)."""
         assert self.netns, "a partition needs real network namespaces"
         done = _ip("-n", self.names[i], "link", "set", "veth0", "down")
+        assert done.returncode == 0, done.stderr
+
+    def heal(self, i: int) -> None:
+        """Put host ``i`` back on the network (its link up again)."""
+        assert self.netns, "a partition needs real network namespaces"
+        done = _ip("-n", self.names[i], "link", "set", "veth0", "up")
         assert done.returncode == 0, done.stderr
 
 

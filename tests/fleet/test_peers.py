@@ -219,10 +219,11 @@ async def test_peer_failures_are_named_in_the_job_verdict_and_never_delay_local_
     # the job verdict names every host it could not hear from, and why
     verdict = json.loads((ra.bundle_dir / "job-verdict.json").read_text())["verdict"]
     missing = {m["host"]: m["why"] for m in verdict["missing_hosts"]}
+    unproven = " (host name not proven)"  # never an address as a host's name
     assert missing == {
-        f"http://{dead}:{dead_port}": "agent unreachable (connection failed)",
-        f"http://{slow}:{slow_port}": "agent unreachable (timed out: host down or partitioned)",
-        f"http://{other_host}:{other_job_port}": "agent refused",
+        f"http://{dead}:{dead_port}{unproven}": "agent unreachable (connection failed)",
+        f"http://{slow}:{slow_port}{unproven}": "agent unreachable (timed out: host down or partitioned)",
+        f"http://{other_host}:{other_job_port}{unproven}": "agent refused",
     }, missing
     assert set(verdict["hosts"]) == {"node-a", "node-b"}
     assert f"http://{slow}:{slow_port}" in verdict["reason"]
@@ -385,3 +386,113 @@ async def test_in_a_large_job_each_hosts_action_spans_go_to_a_linked_trace_of_it
         assert root.span.links[0].span_id.hex() == incident.span_id  # and back
         assert any(s.name == "pyspy.dump" and s.parent_span_id == root.span_id for s in detail)
         assert incident.attributes["servewatch.incident.actions"] >= 1  # the summary: counts and outcomes
+
+
+@pytest.mark.parametrize("slow", ["first-answer", "every-answer"])
+async def test_a_report_answered_past_the_peer_timeout_leaves_one_coordinator_and_one_job_incident(
+    tmp_path: Path, spawn, python, otlp_receiver, slow: str
+) -> None:
+    """node-a (rank 0) takes node-b's report at once but its answer comes 2.5 s later, past
+    node-b's bound (``peer_timeout_s`` 1 s): the first answer only (a load spike), or every one.
+    node-b must not coordinate beside node-a: it retries node-a; when every answer is late it
+    coordinates for a while, learns from node-a's join answer that node-a coordinates, backs
+    down and sends node-a its evidence. One ``job.incident`` in the trace, one job verdict, the
+    election recorded on it."""
+    pids = _targets(spawn, python, 3)
+    async with job_of_agents(tmp_path, otlp_receiver, pids, peer_timeout_s=1.0) as agents:
+        (a, recs_a), (b, recs_b), (c, recs_c) = agents
+        on_report = a.fleet._on_report
+        late: list[str] = []
+
+        async def answer_late(message: Any, sender: Any) -> tuple[int, dict[str, Any]]:
+            answer = await on_report(message, sender)  # taken at once: node-a coordinates
+            if slow == "every-answer" or not late:
+                late.append(message.host_name)
+                await anyio.sleep(2.5)  # past node-b's bound
+            return answer
+
+        a.fleet._on_report = answer_late  # type: ignore[method-assign]
+        await b.bus.publish(_stalled(pids[1]))  # node-b detects; node-a (rank 0) coordinates
+
+        def settled() -> bool:
+            job_b = b.fleet.job
+            return (bool(recs_a and recs_b and recs_c) and a.fleet.verdicts >= 1 and job_b is not None and job_b.done.is_set()
+                    and (not job_b.coordinating or b.fleet.verdicts >= 1))
+
+        await _until(settled, timeout_s=90)
+        verdicts = (a.fleet.verdicts, b.fleet.verdicts, c.fleet.verdicts)
+        coordinator_b = b.fleet.job.coordinator_host if b.fleet.job is not None else None
+    assert late and late[0] == "node-b"
+    assert verdicts == (1, 0, 0) and coordinator_b == "node-a", (verdicts, coordinator_b)
+    [ra], [rb], [rc] = recs_a, recs_b, recs_c
+    trace = ra.opened.trace_id
+    assert rb.opened.trace_id == rc.opened.trace_id == trace
+    doc = json.loads((ra.bundle_dir / "job-verdict.json").read_text())
+    assert doc["coordinator"] == "node-a" and doc["hosts_with_evidence"] == 3 and set(doc["bundles"]) == set(HOSTS)
+    assert doc["backed_down"] == (["node-b"] if slow == "every-answer" else []), doc["backed_down"]
+    with anyio.fail_after(20):
+        while not any(s.name == "job.incident" for s in otlp_receiver.spans()):
+            await anyio.sleep(0.1)
+    assert otlp_receiver.wait_for_spans(3 * 2 + 1, timeout_s=20)
+    shape = _one_trace_one_root(otlp_receiver, trace, HOSTS)
+    assert [s.resource["host.name"] for s in shape["spans"] if s.name in ("job.incident", "job.verdict")] == ["node-a"]
+    assert shape["root"].attributes["servewatch.job.hosts_with_evidence"] == 3
+
+
+async def test_a_coordinator_whose_report_and_join_answers_all_come_late_is_still_the_only_one(
+    tmp_path: Path, spawn, python, otlp_receiver
+) -> None:
+    """node-a (rank 0) takes every report and join at once but answers each 2.5 s later, past the
+    others' bound (``peer_timeout_s`` 1 s). node-b and node-c detect together: node-b reports to
+    node-a (3 tries, all late), then coordinates for a while; node-c, after its own 3 late
+    tries, reports to node-b; node-b's join to node-a times out too. Before it judges anything,
+    node-b asks node-a once more (a report marked provisional, which node-a answers at once):
+    node-a coordinates, node-b backs down, and node-c's evidence sent to node-b is redirected to
+    node-a. One ``job.incident``, node-a's, judged from all three hosts' evidence."""
+    pids = _targets(spawn, python, 3)
+    async with job_of_agents(tmp_path, otlp_receiver, pids, peer_timeout_s=1.0) as agents:
+        (a, recs_a), (b, recs_b), (c, recs_c) = agents
+        on_report, on_join = a.fleet._on_report, a.fleet.post_incident
+        late: list[str] = []
+
+        async def report_late(message: Any, sender: Any) -> tuple[int, dict[str, Any]]:
+            answer = await on_report(message, sender)
+            if not getattr(message, "provisional", False):
+                late.append(f"report from {message.host_name}")
+                await anyio.sleep(2.5)
+            return answer
+
+        async def join_late(request: Any, **kw: Any) -> tuple[int, dict[str, Any]]:
+            answer = await on_join(request, **kw)
+            late.append(f"join from {request.get('origin_host')}")
+            await anyio.sleep(2.5)
+            return answer
+
+        a.fleet._on_report = report_late  # type: ignore[method-assign]
+        a.fleet.post_incident = join_late  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.bus.publish, _stalled(pids[1]))
+            tg.start_soon(c.bus.publish, _stalled(pids[2]))
+
+        def settled() -> bool:
+            jobs = [ag.fleet.job for ag, _ in agents[1:]]
+            return (bool(recs_a and recs_b and recs_c) and a.fleet.verdicts >= 1 and all(j is not None and j.done.is_set() for j in jobs)
+                    and all(not j.coordinating or ag.fleet.verdicts >= 1 for j, (ag, _) in zip(jobs, agents[1:])))  # type: ignore[union-attr]
+
+        await _until(settled, timeout_s=120)
+        verdicts = (a.fleet.verdicts, b.fleet.verdicts, c.fleet.verdicts)
+    assert "report from node-b" in late and "join from node-b" in late, late
+    assert verdicts == (1, 0, 0), verdicts
+    [ra], [rb], [rc] = recs_a, recs_b, recs_c
+    trace = ra.opened.trace_id
+    assert rb.opened.trace_id == rc.opened.trace_id == trace
+    doc = json.loads((ra.bundle_dir / "job-verdict.json").read_text())
+    assert doc["coordinator"] == "node-a" and doc["hosts_with_evidence"] == 3 and set(doc["bundles"]) == set(HOSTS)
+    assert doc["backed_down"] == ["node-b"] and doc["election"] == "", doc
+    with anyio.fail_after(20):
+        while not any(s.name == "job.incident" for s in otlp_receiver.spans()):
+            await anyio.sleep(0.1)
+    assert otlp_receiver.wait_for_spans(3 * 2 + 1, timeout_s=20)
+    shape = _one_trace_one_root(otlp_receiver, trace, HOSTS)
+    assert [s.resource["host.name"] for s in shape["spans"] if s.name in ("job.incident", "job.verdict")] == ["node-a"]
+    assert shape["root"].attributes["servewatch.job.backed_down"] == ("node-b",)

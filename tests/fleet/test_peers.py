@@ -424,19 +424,27 @@ async def test_a_report_answered_past_the_peer_timeout_leaves_one_coordinator_an
         coordinator_b = b.fleet.job.coordinator_host if b.fleet.job is not None else None
     assert late and late[0] == "node-b"
     assert verdicts == (1, 0, 0) and coordinator_b == "node-a", (verdicts, coordinator_b)
+    doc, shape = await _node_a_alone_judged(recs_a, recs_b, recs_c, otlp_receiver)
+    assert doc["backed_down"] == (["node-b"] if slow == "every-answer" else []), doc["backed_down"]
+    assert shape["root"].attributes["servewatch.job.hosts_with_evidence"] == 3
+
+
+async def _node_a_alone_judged(recs_a, recs_b, recs_c, otlp_receiver) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One incident per host in one trace; node-a's job verdict from all three hosts' evidence;
+    its ``job.incident`` the only one (and no ``job.verdict`` from another host). Returns the
+    job verdict document and the trace's shape."""
     [ra], [rb], [rc] = recs_a, recs_b, recs_c
     trace = ra.opened.trace_id
     assert rb.opened.trace_id == rc.opened.trace_id == trace
     doc = json.loads((ra.bundle_dir / "job-verdict.json").read_text())
     assert doc["coordinator"] == "node-a" and doc["hosts_with_evidence"] == 3 and set(doc["bundles"]) == set(HOSTS)
-    assert doc["backed_down"] == (["node-b"] if slow == "every-answer" else []), doc["backed_down"]
     with anyio.fail_after(20):
         while not any(s.name == "job.incident" for s in otlp_receiver.spans()):
             await anyio.sleep(0.1)
     assert otlp_receiver.wait_for_spans(3 * 2 + 1, timeout_s=20)
     shape = _one_trace_one_root(otlp_receiver, trace, HOSTS)
     assert [s.resource["host.name"] for s in shape["spans"] if s.name in ("job.incident", "job.verdict")] == ["node-a"]
-    assert shape["root"].attributes["servewatch.job.hosts_with_evidence"] == 3
+    return doc, shape
 
 
 async def test_a_coordinator_whose_report_and_join_answers_all_come_late_is_still_the_only_one(
@@ -483,16 +491,6 @@ async def test_a_coordinator_whose_report_and_join_answers_all_come_late_is_stil
         verdicts = (a.fleet.verdicts, b.fleet.verdicts, c.fleet.verdicts)
     assert "report from node-b" in late and "join from node-b" in late, late
     assert verdicts == (1, 0, 0), verdicts
-    [ra], [rb], [rc] = recs_a, recs_b, recs_c
-    trace = ra.opened.trace_id
-    assert rb.opened.trace_id == rc.opened.trace_id == trace
-    doc = json.loads((ra.bundle_dir / "job-verdict.json").read_text())
-    assert doc["coordinator"] == "node-a" and doc["hosts_with_evidence"] == 3 and set(doc["bundles"]) == set(HOSTS)
+    doc, shape = await _node_a_alone_judged(recs_a, recs_b, recs_c, otlp_receiver)
     assert doc["backed_down"] == ["node-b"] and doc["election"] == "", doc
-    with anyio.fail_after(20):
-        while not any(s.name == "job.incident" for s in otlp_receiver.spans()):
-            await anyio.sleep(0.1)
-    assert otlp_receiver.wait_for_spans(3 * 2 + 1, timeout_s=20)
-    shape = _one_trace_one_root(otlp_receiver, trace, HOSTS)
-    assert [s.resource["host.name"] for s in shape["spans"] if s.name in ("job.incident", "job.verdict")] == ["node-a"]
     assert shape["root"].attributes["servewatch.job.backed_down"] == ("node-b",)

@@ -60,6 +60,7 @@ import anyio
 from agent.fleet.http import Request, Response, json_response
 from agent.fleet.messages import Announce, Evidence, Report, ValidationError, first_error
 from agent.fleet.proof import (
+    MAX_SKEW_S,
     NONCE_HEADER,
     PROOF_HEADER,
     NonceCache,
@@ -67,6 +68,7 @@ from agent.fleet.proof import (
     answer_proof,
     authority_host,
     misdirected,
+    skew_refusal,
 )
 from agent.fleet.traceparent import TraceParent, TraceParentError
 
@@ -88,6 +90,10 @@ JOB_ROUTES: dict[str, type[Announce | Report | Evidence]] = {
 
 #: The answer to a request without valid credentials.
 UNAUTHORIZED = "unauthorized: send 'Authorization: Bearer <token>'"
+#: An inbound refusal is logged at most once per this many seconds per address and reason.
+REFUSAL_LOG_INTERVAL_S = 60.0
+#: Addresses and reasons whose last logged refusal is remembered (then forgotten all at once).
+MAX_REFUSAL_KEYS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +227,10 @@ class AgentApi:
         self.unauthorized = 0
         #: genuine signed requests refused because they were made for another agent
         self.misdirected = 0
+        #: genuine signed requests refused because their time was out of the window (a skewed clock)
+        self.skewed = 0
+        #: when a refusal from an address was last logged (monotonic seconds), and how many since
+        self._refusals_logged: dict[str, tuple[float, int]] = {}
 
     def authorized(self, request: Request) -> bool:
         """Whether ``request`` (its head suffices) carries valid credentials (:meth:`refusal`)."""
@@ -243,11 +253,28 @@ class AgentApi:
             return "" if hmac.compare_digest(presented.strip().encode("latin-1", "replace"), self._token) else UNAUTHORIZED
         signature = RequestSignature.parse(header)
         authority = request.headers.get("host", "")
-        if signature is None or not signature.valid(self._token, request.method, authority, request.path):
+        if signature is None or not signature.authentic(self._token, request.method, authority, request.path):
             return UNAUTHORIZED
+        if abs(skew := signature.skew_s()) > MAX_SKEW_S:  # genuine: a member, whose clock is off
+            return skew_refusal(skew)
         if not self._addressed_here(authority):
             return misdirected(authority, self.own_label or f"port {self.port}")
         return ""
+
+    def _log_refusal(self, request: Request, refusal: str) -> None:
+        """One warning line per refusing reason and address, at most one a minute (a guessing
+        client must not flood the log); the next line counts those not said."""
+        key = f"{request.client}|{refusal}"
+        now = time.monotonic()
+        last, unsaid = self._refusals_logged.get(key, (-REFUSAL_LOG_INTERVAL_S, 0))
+        if now - last < REFUSAL_LOG_INTERVAL_S:
+            self._refusals_logged[key] = (last, unsaid + 1)
+            return
+        if len(self._refusals_logged) >= MAX_REFUSAL_KEYS:
+            self._refusals_logged.clear()
+        self._refusals_logged[key] = (now, 0)
+        more = f" ({unsaid} more like it since the last line)" if unsaid else ""
+        log.warning("refused %s %s from %s: %s%s", request.method, request.path, request.client, refusal, more)
 
     def _addressed_here(self, authority: str) -> bool:
         """The ``Host`` a signature was made for names this agent: its port, and one of its own
@@ -293,9 +320,9 @@ class AgentApi:
         if refusal:
             self.unauthorized += 1
             self.guesses.allow("")
-            if refusal != UNAUTHORIZED:
-                self.misdirected += refusal.startswith("unauthorized: signed for")
-                log.warning("refused %s %s from %s: %s", request.method, request.path, request.client, refusal)
+            self.misdirected += refusal.startswith("unauthorized: signed for")
+            self.skewed += refusal.startswith("unauthorized: a signed request whose time")
+            self._log_refusal(request, refusal)
             return _error(401, refusal, [("www-authenticate", 'Bearer realm="servewatch"')])
         response = await self._route(request)
         nonce = request.headers.get(NONCE_HEADER, "")

@@ -57,6 +57,7 @@ __all__ = [
     "misdirected",
     "new_nonce",
     "sign_request",
+    "skew_refusal",
     "verify_answer",
 ]
 
@@ -150,14 +151,31 @@ class RequestSignature:
     def valid(self, token: bytes, method: str, host: str, path: str, *, now_s: float | None = None) -> bool:
         """The signature is the token's over this method, host, path, time, nonce and digest, and
         its time is within :data:`MAX_SKEW_S` (the body is checked against the digest separately)."""
-        now = time.time() if now_s is None else now_s
-        if abs(now - self.ts) > MAX_SKEW_S:
-            return False
+        return abs(self.skew_s(now_s)) <= MAX_SKEW_S and self.authentic(token, method, host, path)
+
+    def authentic(self, token: bytes, method: str, host: str, path: str) -> bool:
+        """The signature is the token's over this method, host, path, time, nonce and digest,
+        whatever its time (what lets a refusal name a skewed clock to a member, and to no one else)."""
         expected = _signed(token, method, host, path, str(self.ts), self.nonce, self.sha256, self.port)
         return hmac.compare_digest(expected, self.sig)
 
+    def skew_s(self, now_s: float | None = None) -> float:
+        """The signer's clock minus this host's (``now_s``, default now), seconds, as the
+        signature's time says (positive: the signer is ahead; includes the request's transit)."""
+        now = time.time() if now_s is None else now_s
+        return float(self.ts) - now
+
     def covers(self, body: bytes) -> bool:
         return hmac.compare_digest(hashlib.sha256(body).hexdigest(), self.sha256)
+
+
+def skew_refusal(skew_s: float) -> str:
+    """The one-line refusal of a genuine signature whose time is outside :data:`MAX_SKEW_S`:
+    names the skew and the limit (``"... the sender's clock is 75 s ahead of this agent's;
+    limit 60 s ..."``)."""
+    side = "ahead of" if skew_s > 0 else "behind"
+    return (f"unauthorized: a signed request whose time is out of the window: the sender's clock is {abs(skew_s):.0f} s {side}"
+            f" this agent's; limit {MAX_SKEW_S:g} s (synchronize both hosts' clocks, e.g. NTP)")
 
 
 class NonceCache:

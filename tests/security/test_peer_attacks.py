@@ -104,6 +104,41 @@ async def test_a_captured_signed_request_is_refused_when_replayed(tmp_path: Path
     assert RequestSignature.parse("Bearer x") is None
 
 
+async def test_a_genuine_request_from_a_skewed_clock_is_refused_naming_the_skew_and_the_refusal_is_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35 item 6: a member whose clock is 90 s ahead signs correctly; it was refused as
+    "send 'Authorization: Bearer <token>'" (peers never send one) and nothing was logged. Now
+    the refusal names the skew and the limit, only to a signature made with the token (a forged
+    one learns nothing), and the refusing agent logs it, once a minute per address and reason."""
+    import re
+
+    [port] = free_ports(1)
+    async with running_agent(settings_for(tmp_path, "node-b", port, fleet={"job": "j"})) as (agent, _):
+        base = f"http://127.0.0.1:{agent.fleet.port}"
+        body = json.dumps({"job": "j", "host.name": "node-a", "api_port": 7207, "ranks": [0]}).encode()
+        host = f"127.0.0.1:{agent.fleet.port}"
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            async def post(auth: str) -> httpx.Response:
+                return await client.post(base + "/v1/job/announce", content=body,
+                                         headers={"authorization": auth, "host": host, "content-type": "application/json"})
+
+            with caplog.at_level("WARNING", logger="servewatch.fleet"):
+                ahead = [await post(sign_request(TOKEN.encode(), "POST", host, "/v1/job/announce", body, now_s=time.time() + 90))
+                         for _ in range(3)]
+                behind = await post(sign_request(TOKEN.encode(), "POST", host, "/v1/job/announce", body, now_s=time.time() - 600))
+                forged = await post(sign_request(b"not-the-token", "POST", host, "/v1/job/announce", body, now_s=time.time() + 90))
+            assert [r.status_code for r in (*ahead, behind, forged)] == [401] * 5
+            said = ahead[0].json()["error"]
+            m = re.search(r"the sender's clock is (\d+) s ahead of this agent's; limit 60 s", said)
+            assert m is not None and 88 <= int(m.group(1)) <= 91, said
+            assert re.search(r"the sender's clock is (59[89]|60[0-2]) s behind this agent's; limit 60 s", behind.json()["error"])
+            assert forged.json()["error"] == "unauthorized: send 'Authorization: Bearer <token>'"  # no word of the clock
+            assert agent.fleet.api is not None and agent.fleet.api.skewed == 4
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused POST /v1/job/announce from 127.0.0.1")]
+    assert sum("s ahead of this agent's" in line for line in lines) == 1, lines  # 3 refusals, one line
+    assert any("s behind this agent's" in line for line in lines) and any("Bearer" in line for line in lines), lines
+
+
 def test_a_job_with_a_token_refuses_plain_http_peers_unless_allowed(tmp_path: Path) -> None:
     token = token_file(tmp_path)
     [port, peer_port] = free_ports(2)

@@ -52,7 +52,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
@@ -104,10 +104,15 @@ class Sender:
         address: the IP address the request came from (TCP proves it), or ``unix:uid=N``.
         port: the sender's API port as its signature names it (:mod:`agent.fleet.proof`);
             ``None``: an operator's request (bearer token), or a ``v1`` signature.
+        clock_offset_s: the sender's clock offset, seconds (see the field).
     """
 
     address: str
     port: int | None = None
+    #: the sender's clock minus this host's as its signature's time says, seconds (whole-second
+    #: signature times and the transit: about 1 s of error); ``None`` unsigned. Not part of the
+    #: identity (equality and hashing leave it out).
+    clock_offset_s: float | None = field(default=None, compare=False)
 
     @property
     def identity(self) -> str:
@@ -119,7 +124,9 @@ class Sender:
     @classmethod
     def of(cls, request: Request) -> Sender:
         signature = RequestSignature.parse(request.headers.get("authorization", ""))
-        return cls(request.client, signature.port if signature is not None else None)
+        if signature is None:
+            return cls(request.client, None)
+        return cls(request.client, signature.port, round(signature.skew_s(), 1))
 
 
 class JoinRequest(dict[str, Any]):

@@ -168,6 +168,13 @@ MAX_JUDGED = 16
 #: Root-span attribute of a job incident: its stuck collective, ``"<pg>:<seq>"`` (the Flight
 #: Recorder sequence id of the first collective of process group ``pg`` not completed by all ranks).
 STUCK_COLLECTIVE_ATTR = "servewatch.job.stuck_collective"
+#: Root-span attribute of a job incident: the hosts whose clock is off the coordinator's by more
+#: than :data:`CLOCK_OFFSET_SAID_S`, as ``"<host>=<offset s, signed>"`` (their spans' times are
+#: off by that much in the trace).
+CLOCK_OFFSETS_ATTR = "servewatch.job.clock_offsets_s"
+#: A host clock offset said on the job's root span and in the log above this many seconds
+#: (signature times are whole seconds).
+CLOCK_OFFSET_SAID_S = 2.0
 #: Coordinator candidates a detecting host tries before it coordinates its own view.
 MAX_COORDINATOR_TRIES = 3
 #: Tries of one report to the first coordinator candidate while its answer times out (each bounded
@@ -954,6 +961,7 @@ class Fleet:
                "election": election, "backed_down": sorted(job.backed_down_hosts), "partial_evidence": sorted(job.partial_evidence),
                "stuck_collective": str(stuck.value) if stuck is not None else None, "coordinator": self.host_name, "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
                "reported": sorted(job.reported.values()),
+               "clock_offsets_s": dict(sorted(job.clock_offsets_s.items())),
                "verdict": verdict.to_json(), "bundles": {h: e.bundle_dir for h, e in sorted(job.evidence.items())}}
         try:
             await anyio.to_thread.run_sync(atomic_write_text, Path(bundle_dir) / JOB_VERDICT_FILE, json.dumps(doc, indent=1))
@@ -966,6 +974,11 @@ class Fleet:
                                  "servewatch.job.reported": len(job.reported), "servewatch.job.verdict_path": str(Path(bundle_dir) / JOB_VERDICT_FILE)}
         if election:
             attrs["servewatch.job.election"] = election
+        skewed = {h: o for h, o in sorted(job.clock_offsets_s.items()) if abs(o) > CLOCK_OFFSET_SAID_S}
+        if skewed:  # each host's spans carry its own clock: said where the trace is read
+            attrs[CLOCK_OFFSETS_ATTR] = tuple(f"{h}={o:+.1f}" for h, o in skewed.items())
+            log.warning("job %s: host clocks off this one's by more than %g s: %s (their spans in trace %s are off by as much)",
+                        self.config.job, CLOCK_OFFSET_SAID_S, ", ".join(f"{h} {o:+.1f} s" for h, o in skewed.items()), job.trace_id)
         if job.backed_down_hosts:
             attrs["servewatch.job.backed_down"] = tuple(sorted(job.backed_down_hosts))
         if job.partial_evidence:
@@ -1280,6 +1293,8 @@ class Fleet:
             return 413, {"error": "too many hosts"}
         self.evidence_received += 1
         job.add_evidence(evidence, job.proven.get(evidence.host_name, ""))
+        if sender.clock_offset_s is not None and len(job.clock_offsets_s) < MAX_EVIDENCE_HOSTS:
+            job.clock_offsets_s[evidence.host_name] = sender.clock_offset_s
         return 200, {"status": "received", "host.name": self.host_name, **self._trace_doc(job)}
 
     def _trace_doc(self, job: JobIncident) -> dict[str, Any]:

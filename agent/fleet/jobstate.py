@@ -142,6 +142,9 @@ class JobIncident:
     partial_evidence: list[str] = field(default_factory=list)
     #: hosts whose evidence came after the job verdict (kept, not judged)
     late_evidence: list[str] = field(default_factory=list)
+    #: each host's clock minus the coordinator's, seconds, from its last signed report or
+    #: evidence (:attr:`agent.fleet.api.Sender.clock_offset_s`): its spans' times are off by that
+    clock_offsets_s: dict[str, float] = field(default_factory=dict)
 
     def prove(self, host: str, identity: str, what: str = "a message", *, asked: bool = False) -> str:
         """Bind ``host`` (a host name) to ``identity`` (who proved it: ``address:port``), first

@@ -494,3 +494,40 @@ async def test_a_coordinator_whose_report_and_join_answers_all_come_late_is_stil
     doc, shape = await _node_a_alone_judged(recs_a, recs_b, recs_c, otlp_receiver)
     assert doc["backed_down"] == ["node-b"] and doc["election"] == "", doc
     assert shape["root"].attributes["servewatch.job.backed_down"] == ("node-b",)
+
+
+async def test_a_host_whose_clock_is_30_s_ahead_is_said_with_its_offset_in_the_job_verdict_and_on_its_root(
+    tmp_path: Path, spawn, python, otlp_receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35 item 6: under the signature window a skewed host's requests are accepted and its
+    spans land off by its skew in the trace. Every signed request carries its sender's time: the
+    coordinator records each host's clock offset from its evidence and says the skewed ones.
+    node-c's clock runs 30 s ahead here (its signatures say so: the three agents share one
+    process, hence one clock)."""
+    import time
+
+    from agent.fleet import peers as peers_module
+
+    pids = _targets(spawn, python, 3)
+    async with job_of_agents(tmp_path, otlp_receiver, pids) as agents:
+        (a, recs_a), (b, _), (c, recs_c) = agents
+        real_sign, skewed_port = peers_module.sign_request, c.fleet.port
+
+        def sign(*args: Any, **kw: Any) -> str:
+            if kw.get("sender_port") == skewed_port:
+                kw["now_s"] = time.time() + 30
+            return real_sign(*args, **kw)
+
+        monkeypatch.setattr(peers_module, "sign_request", sign)
+        await b.bus.publish(_stalled(pids[1]))
+        await _until(lambda: bool(recs_a and recs_c) and a.fleet.verdicts == 1, timeout_s=90)
+    [ra] = recs_a
+    offsets = json.loads((ra.bundle_dir / "job-verdict.json").read_text())["clock_offsets_s"]
+    assert set(offsets) == {"node-b", "node-c"}, offsets  # the coordinator's own evidence is not signed
+    assert 28.5 <= offsets["node-c"] <= 30.5 and abs(offsets["node-b"]) <= 1.5, offsets
+    with anyio.fail_after(20):
+        while not any(s.name == "job.incident" for s in otlp_receiver.spans()):
+            await anyio.sleep(0.1)
+    [root] = [s for s in otlp_receiver.spans() if s.name == "job.incident"]
+    [said] = root.attributes["servewatch.job.clock_offsets_s"]
+    assert said.startswith("node-c=+") and 28.5 <= float(said.split("=")[1]) <= 30.5, said

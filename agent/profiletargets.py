@@ -193,6 +193,40 @@ def _retitled(argv: Sequence[str]) -> bool:
     return not words or (len(words) == 1 and "::" in words[0])
 
 
+def _launch_dir(proc: Any, retitled: list[str]) -> tuple[str | None, Any]:
+    """``torch_profiler_dir`` as ``proc`` or one of its parents (at most
+    :data:`MAX_PARENTS_WALKED`) was launched with, and the process that says it; ``(None,
+    None)`` when none does. Appends the retitled processes met to ``retitled``.
+
+    Raises:
+        psutil.Error: ``proc`` itself cannot be read (a parent that cannot ends the walk).
+    """
+    import psutil
+
+    for depth in range(MAX_PARENTS_WALKED + 1):
+        if proc is None or proc.pid <= 1:
+            break
+        try:
+            argv = proc.cmdline()
+        except (psutil.ZombieProcess, psutil.AccessDenied):  # a parent that exited meanwhile, another user's
+            if depth == 0:
+                raise
+            break
+        raw = _profiler_dir_arg(argv)
+        if raw is None:
+            with contextlib.suppress(psutil.Error, OSError):
+                raw = proc.environ().get("VLLM_TORCH_PROFILER_DIR") or None
+        if raw is not None:
+            return raw, proc
+        if _retitled(argv):
+            retitled.append(f"pid {proc.pid} {' '.join(a for a in argv if a)[:60]!r}")
+        try:
+            proc = proc.parent()
+        except psutil.Error:  # gone since
+            break
+    return None, None
+
+
 def vllm_trace_dir(url: str) -> tuple[Path | None, str]:
     """The folder the vLLM server at ``url`` writes its torch traces to (blocking: a socket scan
     and ``/proc`` reads).
@@ -216,21 +250,7 @@ def vllm_trace_dir(url: str) -> tuple[Path | None, str]:
         return None, f"no local process listens on {url}"
     retitled: list[str] = []
     try:
-        proc: psutil.Process | None = psutil.Process(pid)
-        raw: str | None = None
-        for _ in range(MAX_PARENTS_WALKED + 1):
-            if proc is None or proc.pid <= 1:
-                break
-            argv = proc.cmdline()
-            raw = _profiler_dir_arg(argv)
-            if raw is None:
-                with contextlib.suppress(psutil.Error, OSError):
-                    raw = proc.environ().get("VLLM_TORCH_PROFILER_DIR") or None
-            if raw is not None:
-                break
-            if _retitled(argv):
-                retitled.append(f"pid {proc.pid} {' '.join(a for a in argv if a)[:60]!r}")
-            proc = proc.parent()
+        raw, proc = _launch_dir(psutil.Process(pid), retitled)
         if raw is None or proc is None:
             how = "; pass that folder with --out DIR (profiler.output_dir) to have the traces listed"
             if retitled:

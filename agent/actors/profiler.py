@@ -750,7 +750,7 @@ class ProfilerActor:
             s.attrs["servewatch.profile.start_step_ignored"] = True
         prefix = f"servewatch-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.urandom(3).hex()}"
         s.attrs["servewatch.profile.prefix"] = prefix
-        work, waited_s = await self._vllm_wait_for_work(client, req.timeout_s)
+        work, waited_s, steps_before = await self._vllm_wait_for_work(client, req.timeout_s)
         if waited_s > 0:
             s.attrs["servewatch.profile.idle_wait_s"] = round(waited_s, 3)
         if not work:  # nothing started, nothing to stop: the server never recorded its idle loop
@@ -760,7 +760,6 @@ class ProfilerActor:
                                                " its profiler was not started", retryable=True)
         if waited_s > 0:  # the rest of the budget for the steps
             req = req.model_copy(update={"timeout_s": max(0.001, req.timeout_s - waited_s)})
-        steps_before = await self._vllm_steps(client)
         started = await self._start(s, client, {"max_iterations": req.num_steps, "profile_prefix": prefix})
         if isinstance(started, ActionResult):
             return started
@@ -840,10 +839,12 @@ class ProfilerActor:
         # the parser's first import reads /proc, and a large answer takes a while: off the loop
         return await anyio.to_thread.run_sync(_vllm_metric_values, reply.text)
 
-    async def _vllm_wait_for_work(self, client: httpx.AsyncClient, timeout_s: float) -> tuple[bool, float]:
+    async def _vllm_wait_for_work(self, client: httpx.AsyncClient, timeout_s: float) -> tuple[bool, float, float | None]:
         """Until vLLM has a request running or waiting (``/metrics``), at most ``timeout_s``
-        seconds. Returns ``(work seen, seconds waited)``; ``(True, 0.0)`` when ``/metrics`` says
-        nothing of requests (the start is not held back on a guess).
+        seconds. Returns ``(work seen, seconds waited, engine steps so far)``, the steps from
+        the last ``/metrics`` read (:meth:`_vllm_steps`: the session's count starts there);
+        work is seen when ``/metrics`` says nothing of requests (the start is not held back on
+        a guess).
 
         Why: vLLM's workers record from ``/start_profile`` on, steps or not. On an idle server
         that is the workers' idle loop at full Python-stack detail; stopped 16 s later, a
@@ -851,17 +852,17 @@ class ProfilerActor:
         step, 120 s later. A step-bounded profile starts when there is a step to record."""
         c = self.config
         t0 = time.monotonic()
-        _, requests = await self._vllm_metrics(client)
+        steps, requests = await self._vllm_metrics(client)
         if requests is None or requests > 0:
-            return True, 0.0
+            return True, 0.0, steps
         self._say(f"vLLM at {c.base_url} is idle (no request running or waiting): waiting up to {timeout_s:g} s for one"
                   " before starting its profiler (an idle server's profile records only its idle loop)")
         while time.monotonic() - t0 < timeout_s:
             await anyio.sleep(min(max(c.poll_interval_s, 0.25), max(0.0, timeout_s - (time.monotonic() - t0))))
-            _, requests = await self._vllm_metrics(client)
+            steps, requests = await self._vllm_metrics(client)
             if requests is None or requests > 0:
-                return True, time.monotonic() - t0
-        return False, time.monotonic() - t0
+                return True, time.monotonic() - t0, steps
+        return False, time.monotonic() - t0, steps
 
     @staticmethod
     async def _post(

@@ -11,7 +11,8 @@ The protocol, per job incident:
    from facts that cost nothing at detection (:mod:`agent.fleet.identity`): the job and the
    detection time bucket. Nothing is read from the ranks first: the local capture starts at once.
    The stuck collective (from every host's Flight Recorder windows, read by the capture itself)
-   is recorded later, in the job verdict and on its root span. Its incident opens under the job's root span ``job.incident``, whose id is derived from the
+   is recorded later, in the job verdict and on its root span. Its incident opens under the
+   job's root span ``job.incident``, whose id is derived from the
    trace id: every host's incident hangs under one root, whoever detects first.
 2. **One coordinator.** The host of global rank 0 (it announces itself to every peer every
    ``announce_interval_s``; the answers tell it every host's name and ranks), else the lowest
@@ -959,7 +960,8 @@ class Fleet:
                     if job.ahead else "")
         doc = {"job": self.config.job, "trace_id": job.trace_id, "root_span_id": job.root_span_id, "key": job.key,
                "election": election, "backed_down": sorted(job.backed_down_hosts), "partial_evidence": sorted(job.partial_evidence),
-               "stuck_collective": str(stuck.value) if stuck is not None else None, "coordinator": self.host_name, "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
+               "stuck_collective": str(stuck.value) if stuck is not None else None, "coordinator": self.host_name,
+               "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
                "reported": sorted(job.reported.values()),
                "clock_offsets_s": dict(sorted(job.clock_offsets_s.items())),
                "verdict": verdict.to_json(), "bundles": {h: e.bundle_dir for h, e in sorted(job.evidence.items())}}

@@ -127,7 +127,7 @@ from agent.fleet.identity import (
     time_bucket_key,
 )
 from agent.fleet.jobstate import Announced, JobIncident, PeerOutcome
-from agent.fleet.jobverdict import JobVerdict, MissingHost, judge_job
+from agent.fleet.jobverdict import CLOCK_OFFSET_SAID_S, JobVerdict, MissingHost, judge_job
 from agent.fleet.messages import Announce, Evidence, MemberInfo, RelayedPeer, Report
 from agent.fleet.peers import (
     OwnNames,
@@ -173,9 +173,6 @@ STUCK_COLLECTIVE_ATTR = "servewatch.job.stuck_collective"
 #: than :data:`CLOCK_OFFSET_SAID_S`, as ``"<host>=<offset s, signed>"`` (their spans' times are
 #: off by that much in the trace).
 CLOCK_OFFSETS_ATTR = "servewatch.job.clock_offsets_s"
-#: A host clock offset said on the job's root span and in the log above this many seconds
-#: (signature times are whole seconds).
-CLOCK_OFFSET_SAID_S = 2.0
 #: Coordinator candidates a detecting host tries before it coordinates its own view.
 MAX_COORDINATOR_TRIES = 3
 #: Tries of one report to the first coordinator candidate while its answer times out (each bounded
@@ -1024,7 +1021,8 @@ class Fleet:
             if host not in have and address not in job.asked:
                 missing.append(MissingHost(host, tuple(sorted(job.member_info[address].ranks)) if address in job.member_info else (),
                                            "no evidence (reported a detection, then nothing)"))
-        return judge_job(list(job.evidence.values()), missing_hosts=missing, world_size=self.world_size, conflicts=job.conflicts)
+        return judge_job(list(job.evidence.values()), missing_hosts=missing, world_size=self.world_size, conflicts=job.conflicts,
+                         clock_offsets_s=job.clock_offsets_s)
 
     # -- announce -----------------------------------------------------------------------------------
 

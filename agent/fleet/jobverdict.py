@@ -18,6 +18,12 @@ whole job at once:
    collective themselves (a broadcast's root waiting for the ranks it cannot reach);
 4. the culprit ranks are named with their hosts.
 
+Deaths are ordered on one clock, the coordinator's: a host whose clock is off by more than
+:data:`CLOCK_OFFSET_SAID_S` (measured from its signed evidence,
+:attr:`agent.fleet.api.Sender.clock_offset_s`) has its ranks' exit times moved by its offset
+before the rules order them, and an evidence line says so; smaller offsets are within the
+measurement's error (whole-second signature times) and left alone.
+
 Pure apart from torch's analyzer (imported lazily and optionally by :mod:`agent.flightrec_view`).
 No I/O. Imports :mod:`agent.verdict`, :mod:`agent.flightrec_view` and :mod:`agent.fleet.messages`.
 """
@@ -35,13 +41,17 @@ from agent.flightrec_view import RankRecorder, torch_missing_ranks
 from agent.verdict import NEXT_STEPS, FrameClass, RankEvidence, Role, Verdict, decide, next_step
 from agent.verdict import Evidence as ServerEvidence
 
-__all__ = ["JOB_KINDS", "JOB_NEXT_STEPS", "JOB_VERDICT_ATTR_PREFIX", "MISSING", "JobVerdict", "MissingHost",
+__all__ = ["CLOCK_OFFSET_SAID_S", "JOB_KINDS", "JOB_NEXT_STEPS", "JOB_VERDICT_ATTR_PREFIX", "MISSING", "JobVerdict", "MissingHost",
            "job_next_step", "judge_job", "torch_findings"]
 
 log = logging.getLogger("servewatch.fleet.verdict")
 
 #: Prefix of the job verdict's attributes on the job's root span.
 JOB_VERDICT_ATTR_PREFIX = "servewatch.job.verdict."
+
+#: A host's clock offset (seconds, signed) is applied to its exit times, said on the job's root span
+#: and in the log above this (signature times are whole seconds: about 1 s of error below it).
+CLOCK_OFFSET_SAID_S = 2.0
 
 #: The job verdict's own kind: the culprit is among the ranks nobody captured.
 MISSING = "missing"
@@ -269,12 +279,27 @@ def _by_rank(evidence: Sequence[Evidence]) -> tuple[dict[int, RankSummary], dict
     return summaries, host_of, said
 
 
+def _on_one_clock(summaries: dict[int, RankSummary], host_of: Mapping[int, str],
+                  clock_offsets_s: Mapping[str, float]) -> list[str]:
+    """Move each rank's exit time (ns, its host's clock) to the coordinator's clock, in place, for
+    hosts off by more than :data:`CLOCK_OFFSET_SAID_S`; one line per host moved."""
+    moved: dict[str, float] = {}
+    for r, s in summaries.items():
+        host = host_of.get(r, "")
+        offset_s = clock_offsets_s.get(host)
+        if s.exit_time_ns and offset_s is not None and abs(offset_s) > CLOCK_OFFSET_SAID_S:
+            summaries[r] = s.model_copy(update={"exit_time_ns": s.exit_time_ns - int(offset_s * 1e9)})
+            moved[host] = offset_s
+    return [f"exit times of {host} put on the coordinator's clock (its clock {offset_s:+.1f} s)" for host, offset_s in sorted(moved.items())]
+
+
 def judge_job(
     evidence: Sequence[Evidence],
     *,
     missing_hosts: Sequence[MissingHost] = (),
     world_size: int | None = None,
     conflicts: Sequence[str] = (),
+    clock_offsets_s: Mapping[str, float] | None = None,
 ) -> JobVerdict:
     """The job's verdict from every host's summary (rules in the module docstring).
 
@@ -285,12 +310,15 @@ def judge_job(
             hosts' recorders say it).
         conflicts: identity conflicts the coordinator refused (one line each); a rank two hosts
             claim is one more (the first host's summary of it is kept). Said in the reason.
+        clock_offsets_s: each host's clock minus the coordinator's, seconds (by host name): exit
+            times are ordered on the coordinator's clock (module docstring).
 
     Returns:
         The :class:`JobVerdict`.
     """
     summaries, host_of, said = _by_rank(evidence)
     said[:0] = conflicts
+    clock_lines = _on_one_clock(summaries, host_of, clock_offsets_s or {})
     world_size = world_size or next((ev.world_size for ev in evidence if ev.world_size), None)
     ranks_ev = [_rank_evidence(summaries[r]) for r in sorted(summaries)]
     captured = tuple(sorted(summaries))
@@ -345,7 +373,7 @@ def judge_job(
         kind=kind, hung=hung, culprit_ranks=tuple(culprits), culprit_hosts=culprit_hosts, reason=reason,
         confidence=confidence, hosts=hosts, missing_hosts=tuple(missing_list),
         world_size=world_size, captured_ranks=captured, missing_ranks=missing_ranks, torch_analysis=tuple(torch_lines),
-        evidence=tuple(lines), conflicts=tuple(said[:16]),
+        evidence=(*lines, *clock_lines), conflicts=tuple(said[:16]),
         next_step=job_next_step(kind, base, server, culprits=culprits, culprit_hosts=culprit_hosts, hosts=hosts,
                                 missing_hosts=missing_list),
     )

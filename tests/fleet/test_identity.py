@@ -132,3 +132,25 @@ def test_the_job_verdict_records_the_stuck_collective_read_from_every_hosts_capt
     job.evidence["node-c"] = _host("node-c", [RankSummary(rank=4, fr=None), _rank(5, 6, 5, "compute")])  # a rank further behind
     assert str(_stuck_collective(job)) == "fr:0:6"
     assert _stuck_collective(JobIncident(trace_id="b" * 32)) is None  # no recorder anywhere: nothing is made up
+
+
+def _dead(rank: int, signal: str, exit_time_s: float, *, first: bool) -> RankSummary:
+    return RankSummary(rank=rank, pid=100 + rank, title=f"j::scheduler_TP{rank}", alive=False, exited_first=first,
+                       exit_signal=signal, exit_time_ns=int(exit_time_s * 1e9))
+
+
+def test_the_first_death_across_hosts_is_ordered_on_the_coordinators_clock() -> None:
+    """Rank 3 (node-b) is SIGKILLed at T; rank 0 (node-a) aborts 5 s later. node-b's clock is 30 s
+    ahead, so its own record says T+30: the job's first death is rank 3 once node-b's measured
+    offset is applied, rank 0 without it. Each host's own exit came first on that host."""
+    t = 1_790_000_000.0
+    hosts = [_host("node-a", [_dead(0, "SIGABRT", t + 5, first=True), _rank(1, 8, 7, "collective")]),
+             _host("node-b", [_rank(2, 8, 7, "collective"), _dead(3, "SIGKILL", t + 30, first=True)]),
+             _host("node-c", [_rank(4, 8, 7, "collective"), _rank(5, 8, 7, "collective")])]
+    v = judge_job(hosts, clock_offsets_s={"node-b": 30.0, "node-c": 0.4})
+    assert (v.kind, v.culprit_ranks, v.culprit_hosts, v.confidence) == ("dead", (3,), ("node-b",), "high")
+    assert v.reason.startswith("dead: rank 3 exited with SIGKILL"), v.reason
+    assert "exit times of node-b put on the coordinator's clock (its clock +30.0 s)" in v.evidence
+    assert not any("node-c" in line for line in v.evidence)  # 0.4 s: within the measurement's error
+    # without the offset node-b's record says rank 3 died 25 s after rank 0
+    assert judge_job(hosts).culprit_ranks == (0,)

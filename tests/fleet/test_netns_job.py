@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -56,6 +57,31 @@ def _ranks(hosts: Hosts, spawn, tmp_path: Path, fault: str, fault_rank: int, go:
         assert line.startswith("READY"), line
         pids.append(int(line.split()[2]))
     return pids
+
+
+def _torchrun_ranks(hosts: Hosts, spawn, tmp_path: Path, go: Path) -> list[int]:
+    """The pod shape: on each host a real ``torchrun`` (static rendezvous on host-0, no restarts)
+    starts and reaps its two ranks (it polls them every 0.1 s, its default), so a rank's exit
+    status is its parent's, not ours; the ranks take their rank from torchrun's ``RANK``. A rank
+    whose collective fails exits 1 a second later (each host then has an error exit of its own)."""
+    procs = []
+    for h in range(3):
+        argv = [*hosts.prefix(h), sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "2",
+                "--node-rank", str(h), "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 1), "--max-restarts", "0",
+                str(PROGRAMS / "dist_rank.py"), "--init", "env://", "--title", f"{JOB}::scheduler", "--fault", "none",
+                "--fault-file", str(go), "--timeout-s", "150", "--max-runtime-s", "240", "--step-sleep-s", "0.05", "--linger-s", "1"]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": hosts.ifname, "OMP_NUM_THREADS": "1"}
+        with (tmp_path / f"torchrun-{h}.log").open("wb") as log:  # the child keeps its own copy of the descriptor
+            procs.append(spawn(argv, env=env, stdout=subprocess.PIPE, stderr=log))
+    pids: dict[int, int] = {}
+    for proc in procs:
+        while len([r for r in pids if r // 2 == procs.index(proc)]) < 2:
+            line = proc.stdout.readline().decode()
+            assert line, f"torchrun ended before its ranks were ready: {(tmp_path / f'torchrun-{procs.index(proc)}.log').read_text()[-2000:]}"
+            if line.startswith("READY"):
+                _, rank, pid = line.split()
+                pids[int(rank)] = int(pid)
+    return [pids[r] for r in range(WORLD)]
 
 
 def _agent(hosts: Hosts, h: int, pids: list[int], spawn, tmp_path: Path, token: Path) -> subprocess.Popen[bytes]:
@@ -136,14 +162,14 @@ def _job_verdict(data: Path, host: str = "host-0") -> dict[str, Any] | None:
 
 
 def _run_job(hosts: Hosts, spawn, tmp_path: Path, *, fault: str, fault_rank: int, agents_on: tuple[int, ...] = (0, 1, 2),
-             before_fault=None) -> tuple[Path, dict[str, Any]]:
+             before_fault=None, torchrun: bool = False) -> tuple[Path, dict[str, Any]]:
     token = token_file(tmp_path)
     go = tmp_path / "go"
-    pids = _ranks(hosts, spawn, tmp_path, fault, fault_rank, go)
+    pids = _torchrun_ranks(hosts, spawn, tmp_path, go) if torchrun else _ranks(hosts, spawn, tmp_path, fault, fault_rank, go)
     procs = {h: _agent(hosts, h, pids, spawn, tmp_path, token) for h in agents_on}
     _wait(lambda: _ready(hosts, token, list(agents_on)), 180, "every agent watching its ranks, host-0 announced", tmp_path)
     if before_fault is not None:
-        before_fault(procs, hosts)
+        before_fault(procs, hosts, pids)
     go.touch()
     data = tmp_path / "data"
     _wait(lambda: _job_verdict(data) is not None, 150, "the job verdict", tmp_path)
@@ -182,7 +208,7 @@ def test_a_rank_hung_on_one_host_is_one_trace_one_root_and_a_job_verdict_naming_
     """Quiet, and with a busy loop pinned to every CPU from before the hang (where reading the
     ranks' Flight Recorders before the incident opened was cut and split the trace)."""
     data, doc = _run_job(hosts, spawn, tmp_path, fault="hang", fault_rank=3,
-                         before_fault=(lambda _procs, _hosts: _hogs(spawn)) if load != "quiet" else None)
+                         before_fault=(lambda _procs, _hosts, _pids: _hogs(spawn)) if load != "quiet" else None)
     manifests = _manifests(data)
     assert sorted(manifests) == ["host-0", "host-1", "host-2"]
     assert all(len(m) == 1 for m in manifests.values()), {h: [x["trigger"] for x in m] for h, m in manifests.items()}
@@ -207,7 +233,7 @@ def test_a_rank_hung_on_one_host_is_one_trace_one_root_and_a_job_verdict_naming_
 
 @pytest.mark.timeout(420)
 def test_the_culprits_host_without_an_agent_is_named_with_its_ranks(hosts: Hosts, spawn, tmp_path: Path) -> None:
-    def kill_host_1_agent(procs, _hosts) -> None:
+    def kill_host_1_agent(procs, _hosts, _pids) -> None:
         procs[1].kill()
         procs[1].wait(timeout=30)
 
@@ -229,7 +255,7 @@ def test_a_host_cut_off_the_network_is_named_unreachable_adds_no_second_verdict_
     if not hosts.netns:
         pytest.skip("a partition needs real network namespaces (root and ip netns)")
 
-    def cut_host_2(_procs, hosts_: Hosts) -> None:
+    def cut_host_2(_procs, hosts_: Hosts, _pids) -> None:
         hosts_.partition(2)
 
     data, doc = _run_job(hosts, spawn, tmp_path, fault="none", fault_rank=0, before_fault=cut_host_2)
@@ -265,3 +291,31 @@ def test_a_host_cut_off_the_network_is_named_unreachable_adds_no_second_verdict_
     _wait(lambda: ((_status(hosts, 0, token) or {}).get("fleet", {}).get("job_incident") or {}).get("partial_evidence") == ["host-2"],
           90, "host-2's partial evidence at host-0", tmp_path)
     assert _job_verdict(data, "host-0") == doc  # the verdict stands
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("load", ["quiet", "every-cpu-hogged"])
+def test_a_rank_sigkilled_in_a_pod_is_named_the_first_death_across_hosts_with_its_signal(
+    hosts: Hosts, spawn, tmp_path: Path, load: str
+) -> None:
+    """Every agent in its own network namespace (no kernel exit events there: a pod), the ranks
+    started and reaped by a real torchrun per host; rank 3 on host-1 is SIGKILLed. torchrun then
+    stops rank 2 (SIGTERM), and the other hosts' ranks fail in their collective and exit 1 a
+    second later (their hosts' first exits): the job's first death is rank 3, by its exit time
+    across hosts, with its signal."""
+    if not hosts.netns:
+        pytest.skip("a pod's agent needs its own network namespace (root and ip netns)")
+
+    def kill_rank_3(_procs, _hosts, pids: list[int]) -> None:
+        if load != "quiet":
+            _hogs(spawn)
+        os.kill(pids[3], signal.SIGKILL)
+
+    data, doc = _run_job(hosts, spawn, tmp_path, fault="none", fault_rank=0, before_fault=kill_rank_3, torchrun=True)
+    _one_root(data, doc["trace_id"], {"host-1"})
+    logs = "".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("agent-*.log")))
+    assert "not in the host's network namespace" in logs  # the pod's condition, said by the agent
+    verdict = doc["verdict"]
+    assert (verdict["kind"], verdict["culprit_ranks"], verdict["culprit_hosts"]) == ("dead", [3], ["host-1"]), verdict
+    assert verdict["confidence"] == "high", verdict
+    assert "rank 3 exited with SIGKILL" in verdict["reason"], verdict["reason"]

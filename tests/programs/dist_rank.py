@@ -167,8 +167,8 @@ def _between_collectives(args: argparse.Namespace, step: int, x: object, groups:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=None, help="default: $RANK (as torchrun sets it)")
+    ap.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE (as torchrun sets it)")
     ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
     ap.add_argument("--title", default="faultjob::scheduler")
     ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "dstate", "oom",
@@ -191,6 +191,9 @@ def main() -> int:
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="rank 0 serves Prometheus /metrics on 127.0.0.1:PORT: fm_steps_total, fm_busy")
     args = ap.parse_args()
+    # under torchrun (env:// rendezvous) the rank and world size are its environment's
+    args.rank = int(os.environ["RANK"]) if args.rank is None else args.rank
+    args.world_size = int(os.environ["WORLD_SIZE"]) if args.world_size is None else args.world_size
 
     import setproctitle
 

@@ -66,6 +66,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("coredump_bounds", ("--k", "1", "4", "--repeat", "3"), ("--k", "1", "--repeat", "1")),
     Bench("fanout", ("--hosts", "8,64,256,1000", "--runs", "2"),
           ("--hosts", "8", "--runs", "1", "--modes", "race", "--tls", "plain", "--sample-ranks", "0"), timeout_s=5400.0),
+    Bench("fleet_capture", ("--runs", "3"), ("--runs", "1", "--loads", "quiet"), timeout_s=1800.0),
     Bench("peer_client", ("--peers", "8", "64", "256", "--rounds", "7"), ("--peers", "8", "--rounds", "1")),
     Bench("verdict", ("--tp", "2", "4"), ("--tp", "2"), timeout_s=2400.0),
     Bench("export", ("--spans", "10000", "--repeat", "3"), ("--spans", "500", "--repeat", "1", "--skip-default-outage")),

@@ -84,12 +84,14 @@ def _torchrun_ranks(hosts: Hosts, spawn, tmp_path: Path, go: Path) -> list[int]:
     return [pids[r] for r in range(WORLD)]
 
 
-def _agent(hosts: Hosts, h: int, pids: list[int], spawn, tmp_path: Path, token: Path) -> subprocess.Popen[bytes]:
+def _agent(hosts: Hosts, h: int, pids: list[int], spawn, tmp_path: Path, token: Path, *, fleet: bool = True) -> subprocess.Popen[bytes]:
+    """Host ``h``'s ``servewatch run`` on its two ranks (``fleet=False``: the same agent alone, no ``--job``)."""
     peers = [arg for a in hosts.addresses for arg in ("--peer", f"{a}:{PORT}")]  # the same list everywhere
+    job = ["--job", JOB, *peers, "--allow-insecure-peers"] if fleet else []
     argv = [*hosts.prefix(h), sys.executable, "-m", "agent.cli", "run", "--verbose",
             "--pid", str(pids[2 * h]), "--pid", str(pids[2 * h + 1]), "--watchdog-timeout", "3",
-            "--api-listen", f"{hosts.addresses[h]}:{PORT}", "--api-token-file", str(token), "--job", JOB, *peers,
-            "--allow-insecure-peers", "--data-dir", str(tmp_path / "data")]
+            "--api-listen", f"{hosts.addresses[h]}:{PORT}", "--api-token-file", str(token), *job,
+            "--data-dir", str(tmp_path / "data")]
     env = {**os.environ, "SERVEWATCH_HOST_NAME": f"host-{h}", "SERVEWATCH_EXPORT__METRICS": "false",
            "SERVEWATCH_COREDUMP__ENABLED": "false", "SERVEWATCH_FLEET__ANNOUNCE_INTERVAL_S": "1",
            "SERVEWATCH_FLEET__EVIDENCE_TIMEOUT_S": "25", "SERVEWATCH_FLEET__PEER_TIMEOUT_S": "3"}

@@ -5,7 +5,8 @@ real signed requests, plain HTTP or mutual TLS, a real :class:`agent.incidents.I
 on a real event bus, a real span mirror) on its own loopback address (``127.x.y.z``; each host
 binds its API there and sends from there, so per-client limits see N clients), with no targets
 (so "capture start" is its incident opening, the moment a host with ranks starts its py-spy
-dumps). Hosts run in-process, ``--workers`` processes of them; host 0 (the lowest address: the
+dumps). Each host holds ``--ranks`` ranks (8) as its discovery finds them (titled SGLang schedulers
+with their global TP numbers): its announce and join answers carry them. Hosts run in-process, ``--workers`` processes of them; host 0 (the lowest address: the
 coordinator, no host holds rank 0) runs alone in this process, so its CPU is measured alone.
 
 Modes, for each N of ``--hosts`` (8, 64, 256, 1000):
@@ -29,8 +30,12 @@ under Tempo's default 5 MB per trace at 1,000 hosts).
 The baseline, same machine and run: ``--mode one`` is the old shape's best case (one host asks
 all others); before this design every host fanned out in a race: N(N-1) requests.
 
+Loaded rows (``--loaded-hosts``, 8 and 64): ``race`` over plain HTTP again with a busy loop pinned
+to every CPU, against the same sizes quiet: one trace one root, and detection to capture start of
+the slowest host (the placement step runs before every host's incident opens).
+
 Usage: ``python bench/bench_fanout.py [--hosts 8,64,256,1000] [--modes race,one] [--tls plain,mtls]
-[--runs 3] [--workers 4]``. Nothing is asserted; the figures are printed.
+[--runs 3] [--workers 4] [--ranks 8] [--loaded-hosts 8,64]``. Nothing is asserted; the figures are printed.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ JOB = "bench-job"
 TOKEN = "bench-fanout-token-0123456789abcdef"
 #: the hosts' API port (each on its own address): a free one, picked once per run (``--port``)
 PORT = 0
+#: ranks per simulated host (``--ranks``)
+RANKS = 8
 BUCKET_S = 10.0
 #: a job incident is remembered this long: longer than a run's capture spread, shorter than the runs' spacing
 DEDUP_WINDOW_S = 10.0
@@ -89,16 +96,20 @@ def _address(i: int) -> str:
 class SimHost:
     """The job protocol of one host: Fleet + IncidentManager + bus + span mirror, no targets."""
 
-    def __init__(self, index: int, n: int, base: Path, tls: dict[str, str]) -> None:
+    def __init__(self, index: int, n: int, base: Path, tls: dict[str, str], ranks: int = 0) -> None:
         from agent.bus import EventBus
         from agent.fleet.config import ApiConfig, FleetConfig
         from agent.fleet.job import Fleet
         from agent.incidents import IncidentConfig, IncidentManager
+        from agent.targets import Target
         from exporters.mirror import SpanMirror
         from exporters.spans import InMemorySink
 
         self.index = index
         host = f"h{index:04d}"
+        # its ranks as discovery finds them: titled SGLang schedulers with their global TP numbers
+        # (this process stands in for each: no RANK in its environment, so the titles say the ranks)
+        self.targets = [Target(pid=os.getpid(), title=f"{JOB}::scheduler_TP{index * ranks + r}") for r in range(ranks)]
         self.settings = SimpleNamespace(host_name=host, data_dir=base / "data")
         self.bus = EventBus()
         self.records: list[Any] = []
@@ -114,7 +125,7 @@ class SimHost:
         self.fleet = Fleet(self, api, fleet)
 
     def discover(self) -> list[Any]:
-        return []
+        return list(self.targets)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         from exporters.mirror import MIRRORED_EVENTS
@@ -170,9 +181,9 @@ class SimHost:
 # --- worker processes -----------------------------------------------------------------------------
 
 
-async def _worker(indices: list[int], n: int, base: Path, tls: dict[str, str]) -> None:
+async def _worker(indices: list[int], n: int, base: Path, tls: dict[str, str], ranks: int) -> None:
     logging.getLogger("servewatch").setLevel(logging.CRITICAL)
-    hosts = [SimHost(i, n, base, tls) for i in indices]
+    hosts = [SimHost(i, n, base, tls, ranks) for i in indices]
     async with anyio.create_task_group() as tg:
         for h in hosts:
             await tg.start(h.run)
@@ -204,7 +215,7 @@ def _start_workers(n: int, workers: int, base: Path, tls: dict[str, str]) -> lis
         if chunk:
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--worker", "--n", str(n), "--base", str(base), "--indices", ",".join(map(str, chunk)),
-                 "--tls-json", json.dumps(tls), "--port", str(PORT)],
+                 "--tls-json", json.dumps(tls), "--port", str(PORT), "--ranks", str(RANKS)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
             ))
     for proc in procs:
@@ -234,7 +245,7 @@ def _cpu_s() -> float:
 
 async def _measure(n: int, mode: str, runs: int, workers: int, base: Path, tls: dict[str, str]) -> list[dict[str, Any]]:
     procs = await anyio.to_thread.run_sync(_start_workers, n, min(workers, n - 1), base, tls)
-    coordinator = SimHost(0, n, base, tls)
+    coordinator = SimHost(0, n, base, tls, RANKS)
     results = []
     try:
         async with anyio.create_task_group() as tg:
@@ -352,7 +363,8 @@ def _tls_material(base: Path) -> dict[str, str]:
     return {"tls_cert_file": str(pki["server"]), "tls_key_file": str(pki["server-key"]), "tls_client_ca_file": str(pki["ca"])}
 
 
-def _summary(n: int, mode: str, tls_name: str, rows: list[dict[str, Any]], sample: tuple[int, int], k: int) -> dict[str, Any]:
+def _summary(n: int, mode: str, tls_name: str, rows: list[dict[str, Any]], sample: tuple[int, int], k: int, *,
+             load: str = "quiet") -> dict[str, Any]:
     keys = ("requests", "spread_ms", "coordinator_cpu_s", "trace_bytes", "host_incident_bytes")
     med = {key: statistics.median(r[key] for r in rows) for key in keys}
     ok = sum(1 for r in rows if r["traces"] == 1 and r["roots"] == 1 and r["incidents"] == n)
@@ -360,7 +372,7 @@ def _summary(n: int, mode: str, tls_name: str, rows: list[dict[str, Any]], sampl
     # action spans up to fleet.trace_detail_max_hosts (64) hosts, the linked summary above
     per_host = sample[0] if n <= 64 else sample[1]
     real_bytes = med["trace_bytes"] - med["host_incident_bytes"] + n * per_host
-    print(f"{mode:4s} {tls_name:5s} N={n:4d}  one trace one root: {ok}/{len(rows)}  moved {max(r['moved'] for r in rows)}"
+    print(f"{mode:4s} {tls_name:5s}{' loaded' if load != 'quiet' else ''} N={n:4d}  one trace one root: {ok}/{len(rows)}  moved {max(r['moved'] for r in rows)}"
           f"  | requests {med['requests']:6.0f} ({med['requests'] / n:4.2f} N)  | capture spread {med['spread_ms']:8.1f} ms"
           f" (max {max(r['spread_ms'] for r in rows):8.1f})  | coordinator CPU {med['coordinator_cpu_s'] * 1000 / n:6.2f} ms/host"
           f"  | trace {real_bytes / 1e6:6.2f} MB with {k} real ranks per host  | verdict hosts {min(r['verdict_hosts'] for r in rows)}"
@@ -368,7 +380,14 @@ def _summary(n: int, mode: str, tls_name: str, rows: list[dict[str, Any]], sampl
           f"  | detection -> capture start, slowest host {statistics.median(r['delay_ms'] for r in rows):7.1f} ms",
           flush=True)
     return {"n": n, "mode": mode, "tls": tls_name, "ok": ok, "runs": len(rows), **med, "real_trace_bytes": real_bytes,
-            "spreads": [r["spread_ms"] for r in rows]}
+            "spreads": [r["spread_ms"] for r in rows], "load": load,
+            "delay_ms": statistics.median(r["delay_ms"] for r in rows)}
+
+
+def _hogs() -> list[subprocess.Popen[bytes]]:
+    """One busy loop pinned to each CPU of this machine (the loaded rows)."""
+    return [subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"],
+                             start_new_session=True) for cpu in sorted(os.sched_getaffinity(0))]
 
 
 def main() -> int:
@@ -378,6 +397,9 @@ def main() -> int:
     parser.add_argument("--tls", default="plain,mtls", help="plain (HTTP, signed requests), mtls (mutual TLS with a job CA)")
     parser.add_argument("--runs", type=int, default=3, help="measured runs per size (one warm-up run more)")
     parser.add_argument("--workers", type=int, default=4, help="processes hosting the hosts other than the coordinator")
+    parser.add_argument("--ranks", type=int, default=8, help="ranks per simulated host, as discovery finds them (default 8)")
+    parser.add_argument("--loaded-hosts", default="8,64",
+                        help="job sizes run again, race mode over plain HTTP, with a busy loop pinned to every CPU ('' for none)")
     parser.add_argument("--sample-ranks", type=int, default=8, help="real ranks of the host whose span bytes are sampled (0: skip)")
     parser.add_argument("--data-root", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -387,10 +409,11 @@ def main() -> int:
     parser.add_argument("--tls-json", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global PORT
+    global PORT, RANKS
     PORT = args.port or _free_port()
+    RANKS = args.ranks
     if args.worker:
-        anyio.run(_worker, [int(i) for i in args.indices.split(",")], args.n, args.base, json.loads(args.tls_json))
+        anyio.run(_worker, [int(i) for i in args.indices.split(",")], args.n, args.base, json.loads(args.tls_json), args.ranks)
         return 0
 
     logging.getLogger("servewatch").setLevel(logging.CRITICAL)
@@ -410,10 +433,20 @@ def main() -> int:
                 for n in sizes:
                     rows = anyio.run(_measure, n, mode, args.runs, args.workers, base, tls_modes[tls_name])
                     summaries.append(_summary(n, mode, tls_name, rows, sample, args.sample_ranks))
+        loaded = [int(x) for x in args.loaded_hosts.split(",") if x]
+        if loaded:
+            print(f"\nloaded: a busy loop pinned to each of the {len(os.sched_getaffinity(0))} CPUs", flush=True)
+            hogs = _hogs()
+            try:
+                for n in loaded:
+                    rows = anyio.run(_measure, n, "race", args.runs, args.workers, base, tls_modes["plain"])
+                    summaries.append(_summary(n, "race", "plain", rows, sample, args.sample_ranks, load="loaded"))
+            finally:
+                kill_groups(hogs, timeout_s=10)
     print()
     for tls_name in args.tls.split(","):
         for mode in args.modes.split(","):
-            ms = [s for s in summaries if s["mode"] == mode and s["tls"] == tls_name]
+            ms = [s for s in summaries if s["mode"] == mode and s["tls"] == tls_name and s["load"] == "quiet"]
             for prev, cur in itertools.pairwise(ms):
                 slope = (cur["spread_ms"] - prev["spread_ms"]) / (cur["n"] - prev["n"])
                 cpu_slope = (cur["coordinator_cpu_s"] - prev["coordinator_cpu_s"]) * 1000 / (cur["n"] - prev["n"])
@@ -433,6 +466,13 @@ def main() -> int:
                                 baseline_name=f"(target <= {TARGET_SPREAD_MS_AT_64:g} ms)", spread=(min(s["spreads"]), max(s["spreads"])))
                 emit_result(f"fan-out {mode} {tls_name}: job trace size, N={s['n']}", ours=s["real_trace_bytes"] / 1e6, unit="MB",
                             baseline=TEMPO_TRACE_LIMIT_BYTES / 1e6, baseline_name="Tempo's default per-trace limit")
+    for s in summaries:
+        if s["load"] == "loaded":
+            emit_result(f"fan-out race plain, every CPU hogged: one trace one root, N={s['n']}", ours=s["ok"], unit=f"of {s['runs']} runs")
+            emit_result(f"fan-out race plain, every CPU hogged: detection -> capture start, slowest host, N={s['n']}",
+                        ours=s["delay_ms"], unit="ms", baseline=next((q["delay_ms"] for q in summaries if q["load"] == "quiet"
+                                                                      and q["n"] == s["n"] and q["mode"] == "race" and q["tls"] == "plain"), None),
+                        baseline_name="the same, quiet")
     return 0
 
 

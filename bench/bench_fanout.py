@@ -3,11 +3,12 @@
 Each simulated host is the real job protocol (:class:`agent.fleet.Fleet` with its real HTTP API,
 real signed requests, plain HTTP or mutual TLS, a real :class:`agent.incidents.IncidentManager`
 on a real event bus, a real span mirror) on its own loopback address (``127.x.y.z``; each host
-binds its API there and sends from there, so per-client limits see N clients), with no targets
-(so "capture start" is its incident opening, the moment a host with ranks starts its py-spy
-dumps). Each host holds ``--ranks`` ranks (8) as its discovery finds them (titled SGLang schedulers
-with their global TP numbers): its announce and join answers carry them. Hosts run in-process, ``--workers`` processes of them; host 0 (the lowest address: the
-coordinator, no host holds rank 0) runs alone in this process, so its CPU is measured alone.
+binds its API there and sends from there, so per-client limits see N clients). Each host holds
+``--ranks`` ranks (8) as its discovery finds them (titled SGLang schedulers with their global TP
+numbers; its announce and join answers carry them) but captures nothing (so "capture start" is
+its incident opening, the moment a host with real ranks starts its py-spy dumps). Hosts run
+in-process, ``--workers`` processes of them; host 0 (the lowest address, holding global rank 0:
+it announces itself and coordinates) runs alone in this process, so its CPU is measured alone.
 
 Modes, for each N of ``--hosts`` (8, 64, 256, 1000):
 

@@ -57,12 +57,15 @@ async def post_json(
     ssl_context: ssl.SSLContext | None = None,
     sign: Callable[[bytes], dict[str, str]] | None = None,
     local_host: str | None = None,
+    on_sent: Callable[[], None] | None = None,
 ) -> PeerAnswer:
     """POST ``body`` as JSON and read the answer. Unbounded in time: the caller bounds it.
 
     Args:
         sign: headers that sign the encoded body (:func:`agent.fleet.proof.sign_request`).
         local_host: the source address (this host's API address: the peer sees us where we listen).
+        on_sent: called once the request is written to the connection (a caller whose bound cuts
+            the call learns whether the peer ever got it: a slow answer, or no connection at all).
 
     Returns:
         The answer (:class:`PeerAnswer`).
@@ -91,26 +94,9 @@ async def post_json(
             data += conn.send(h11.Data(data=payload)) or b""
             data += conn.send(h11.EndOfMessage()) or b""
             await stream.send(data)
-            status, reason, answer = 0, "", bytearray()
-            answer_headers: dict[str, str] = {}
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    try:
-                        chunk = await stream.receive(65536)
-                    except (anyio.EndOfStream, anyio.BrokenResourceError):
-                        chunk = b""
-                    conn.receive_data(chunk)
-                    continue
-                if isinstance(event, h11.Response):
-                    status, reason = event.status_code, event.reason.decode("latin-1")
-                    answer_headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
-                elif isinstance(event, h11.Data):
-                    answer += event.data
-                    if len(answer) > MAX_RESPONSE_BYTES:
-                        raise PeerRequestError("bad_response", f"answer larger than {MAX_RESPONSE_BYTES} bytes")
-                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                    break
+            if on_sent is not None:
+                on_sent()
+            status, reason, answer_headers, answer = await _read_answer(conn, stream)
     except h11.ProtocolError as exc:
         raise PeerRequestError("bad_response", f"not an HTTP answer: {exc}") from None
     except (OSError, ssl.SSLError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
@@ -122,6 +108,35 @@ async def post_json(
     except (ValueError, UnicodeDecodeError):
         doc = None
     return PeerAnswer(status, reason, doc if isinstance(doc, dict) else None, answer_headers, bytes(answer))
+
+
+async def _read_answer(conn: h11.Connection, stream: Any) -> tuple[int, str, dict[str, str], bytearray]:
+    """``(status, reason, headers, body)`` of the answer on ``stream`` (status 0: none came).
+
+    Raises:
+        PeerRequestError: an answer larger than :data:`MAX_RESPONSE_BYTES`.
+        h11.ProtocolError: not HTTP.
+    """
+    status, reason, answer = 0, "", bytearray()
+    answer_headers: dict[str, str] = {}
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                chunk = await stream.receive(65536)
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                chunk = b""
+            conn.receive_data(chunk)
+            continue
+        if isinstance(event, h11.Response):
+            status, reason = event.status_code, event.reason.decode("latin-1")
+            answer_headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+        elif isinstance(event, h11.Data):
+            answer += event.data
+            if len(answer) > MAX_RESPONSE_BYTES:
+                raise PeerRequestError("bad_response", f"answer larger than {MAX_RESPONSE_BYTES} bytes")
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            return status, reason, answer_headers, answer
 
 
 def _refused(exc: BaseException) -> BaseException | None:

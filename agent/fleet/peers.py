@@ -353,7 +353,10 @@ async def call_peer(
         The :class:`PeerReply`: its result's attributes name the peer (``servewatch.peer.address``,
         ``server.address``, ``server.port``), the answering host (``servewatch.peer.host.name``),
         its status and trace id, whether the answer was verified
-        (``servewatch.peer.verified``), the error kind, the latency and the attempts.
+        (``servewatch.peer.verified``), the error kind (``servewatch.peer.error``; of a timeout:
+        ``timeout`` when the request was sent and no answer came in time, ``connect_timeout`` when
+        no connection was made within the bound, so the peer never got it), the latency and the
+        attempts.
     """
     reply = await _call_once(peer, path, body, credentials=credentials, timeout_s=timeout_s, action=action, headers=headers)
     backoff = Backoff(0.1, 6.4, jitter=0.5)  # 0.05-0.15 s, doubling
@@ -389,6 +392,7 @@ async def _call_once(
     outcome, detail, retryable = Outcome.OK, "", False
     refusal = credentials.refusal(peer)
     nonce = new_nonce()
+    sent: list[bool] = []
     with anyio.move_on_after(timeout_s) as scope:
         if refusal:
             outcome, detail = Outcome.REFUSED, refusal
@@ -399,6 +403,7 @@ async def _call_once(
                     peer.host, peer.port, path, body, headers={**credentials.headers(peer, nonce), **(headers or {})},
                     ssl_context=credentials.ssl_context if peer.scheme == "https" else None,
                     sign=credentials.signer(peer, "POST", path), local_host=credentials.source(peer),
+                    on_sent=lambda: sent.append(True),
                 )
             except PeerRequestError as exc:
                 outcome, detail, retryable = Outcome.FAILED, f"{peer} {exc.kind.replace('_', ' ')}: {exc}", True
@@ -426,9 +431,12 @@ async def _call_once(
                     detail = f"{doc.get('host.name', peer)}: {doc.get('status', 'accepted')}"
                     if not verified:
                         detail += " (answer not verified)"
-    if scope.cancelled_caught:
+    if scope.cancelled_caught and sent:
         outcome, detail, retryable = Outcome.TIMED_OUT, f"{peer} did not answer within {timeout_s:g} s", True
         attributes["servewatch.peer.error"] = "timeout"
+    elif scope.cancelled_caught:  # it never got the request: no connection (a dead host, a partition)
+        outcome, detail, retryable = Outcome.TIMED_OUT, f"{peer} accepted no connection within {timeout_s:g} s", True
+        attributes["servewatch.peer.error"] = "connect_timeout"
     attributes["servewatch.peer.latency_s"] = round(time.monotonic() - t0, 6)
     result = ActionResult(action=action, outcome=outcome, retryable=retryable, detail=detail,
                           start_time_unix_nano=start, end_time_unix_nano=now_ns(), attributes=frozen_attrs(attributes))

@@ -531,3 +531,46 @@ async def test_a_host_whose_clock_is_30_s_ahead_is_said_with_its_offset_in_the_j
     [root] = [s for s in otlp_receiver.spans() if s.name == "job.incident"]
     [said] = root.attributes["servewatch.job.clock_offsets_s"]
     assert said.startswith("node-c=+") and 28.5 <= float(said.split("=")[1]) <= 30.5, said
+
+
+async def test_a_peer_that_never_took_the_connection_is_told_from_one_that_answers_late() -> None:
+    """A host whose agent takes no connection (its accept queue full, so the kernel drops the
+    SYNs, as for a dead or partitioned host) never got the request: ``connect_timeout``, and a
+    report is not sent to it again. One that took the request and answers late may have acted on
+    it: ``timeout``, asked again."""
+    import socket
+
+    from agent.fleet.job import _answer_late
+    from agent.fleet.peers import Peer, PeerCredentials, call_peer
+
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    fillers = [socket.socket() for _ in range(2)]  # backlog 0 holds one; the next SYN is dropped
+    try:
+        for s in fillers:
+            s.setblocking(False)
+            s.connect_ex(full.getsockname())
+        await anyio.sleep(0.2)
+        never = await call_peer(Peer("127.0.0.1", full.getsockname()[1]), "/v1/job/report", {}, credentials=PeerCredentials(),
+                                timeout_s=1)
+    finally:
+        for s in (*fillers, full):
+            s.close()
+
+    async def silent(stream) -> None:
+        async with stream:
+            await stream.receive()
+            await anyio.sleep(30)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, silent)
+        late = await call_peer(Peer("127.0.0.1", listener.extra(anyio.abc.SocketAttribute.local_port)), "/v1/job/report", {},
+                               credentials=PeerCredentials(), timeout_s=1)
+        tg.cancel_scope.cancel()
+    assert never.result.outcome.value == late.result.outcome.value == "timed_out"
+    assert never.result.attributes["servewatch.peer.error"] == "connect_timeout"
+    assert "accepted no connection within 1 s" in never.result.detail
+    assert late.result.attributes["servewatch.peer.error"] == "timeout" and "did not answer within 1 s" in late.result.detail
+    assert (_answer_late(never.result), _answer_late(late.result)) == (False, True)

@@ -296,21 +296,17 @@ def test_a_host_cut_off_the_network_is_named_unreachable_adds_no_second_verdict_
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("load", ["quiet", "every-cpu-hogged"])
-def test_a_rank_sigkilled_in_a_pod_is_named_the_first_death_across_hosts_with_its_signal(
-    hosts: Hosts, spawn, tmp_path: Path, load: str
-) -> None:
+def test_a_rank_sigkilled_in_a_pod_is_named_the_first_death_across_hosts_with_its_signal(hosts: Hosts, spawn, tmp_path: Path) -> None:
     """Every agent in its own network namespace (no kernel exit events there: a pod), the ranks
     started and reaped by a real torchrun per host; rank 3 on host-1 is SIGKILLed. torchrun then
     stops rank 2 (SIGTERM), and the other hosts' ranks fail in their collective and exit 1 a
     second later (their hosts' first exits): the job's first death is rank 3, by its exit time
-    across hosts, with its signal."""
+    across hosts, with its signal. With a busy loop pinned to every CPU (the agents wake late)."""
     if not hosts.netns:
         pytest.skip("a pod's agent needs its own network namespace (root and ip netns)")
 
     def kill_rank_3(_procs, _hosts, pids: list[int]) -> None:
-        if load != "quiet":
-            _hogs(spawn)
+        _hogs(spawn)
         os.kill(pids[3], signal.SIGKILL)
 
     data, doc = _run_job(hosts, spawn, tmp_path, fault="none", fault_rank=0, before_fault=kill_rank_3, torchrun=True)

@@ -574,3 +574,17 @@ async def test_a_peer_that_never_took_the_connection_is_told_from_one_that_answe
     assert "accepted no connection within 1 s" in never.result.detail
     assert late.result.attributes["servewatch.peer.error"] == "timeout" and "did not answer within 1 s" in late.result.detail
     assert (_answer_late(never.result), _answer_late(late.result)) == (False, True)
+
+
+async def test_rank_0s_host_announces_again_only_to_the_members_that_missed_it(tmp_path: Path, spawn, python, otlp_receiver) -> None:
+    """A member that is down when rank 0's host announces itself is asked again every 2 s; the
+    members that acknowledged are not (at 1,000 hosts, one down host cost 999 announces every
+    2 s), until the next full round (``announce_interval_s``)."""
+    [down] = free_ports(1)
+    async with job_of_agents(tmp_path, otlp_receiver, _targets(spawn, python, 3), extra_peers=(f"127.0.0.14:{down}",),
+                             announce_interval_s=60.0) as agents:
+        node_a = agents[0][0].fleet
+        await anyio.sleep(5.0)  # two quick rounds at least
+        assert not node_a.announce_complete
+        assert [ag.fleet.announces_received for ag, _ in agents[1:]] == [1, 1]
+        assert node_a._announce_missed == {f"http://127.0.0.14:{down}"}

@@ -128,7 +128,7 @@ class RankEvidence:
         waits_on: for a coordinator blocked on its workers: their pids.
         rank_source: how ``rank`` was found when not from torch.distributed's Flight Recorder or
             the title: ``"sdk"`` (the SDK's step counter: torch.distributed's rank, recorded by
-            the process), or an inference in words (a culprit whose rank is inferred is named
+            the process), ``"environ"`` (``RANK`` in its environment), or an inference in words (a culprit whose rank is inferred is named
             at medium confidence at most); ``""`` otherwise.
         stopped: it is stopped (``/proc`` state ``T`` or ``t``: SIGSTOP or a debugger), seen so
             when the incident opened and again once the evidence was in (py-spy's own brief
@@ -469,12 +469,17 @@ def _culprit_name(e: RankEvidence) -> str:
     return e.name
 
 
+#: The rank sources read from the process itself (``RankEvidence.rank_source``; any other is an
+#: inference, in words) and how an evidence line says them.
+_RANK_SOURCE_WORDS = {"": "", "sdk": "rank from its SDK step counter", "environ": "rank from its environment (RANK)"}
+
+
 def _evidence_line(e: RankEvidence) -> str:
     parts = [e.name + (f" pid {e.pid}" if e.pid and e.is_rank else "")]
     if e.label:
         parts[0] += f" [{e.label}]"
     if e.is_rank and e.rank_source:
-        parts.append("rank from its SDK step counter" if e.rank_source == "sdk" else e.rank_source)
+        parts.append(_RANK_SOURCE_WORDS.get(e.rank_source, e.rank_source))
     if e.role not in (Role.RANK, Role.PROCESS):
         parts.append(e.role.value)
     if e.stopped and e.alive:
@@ -507,7 +512,7 @@ def _verdict(ev: Evidence, kind: str, culprits: Sequence[RankEvidence], reason: 
              hung: bool = True, stragglers: Iterable[int] = (), extra: Sequence[str] = ()) -> Verdict:
     ranked = sorted((c for c in culprits if c.is_rank), key=lambda c: c.rank)  # type: ignore[arg-type, return-value]
     rest = [c for c in culprits if not c.is_rank]
-    if confidence == "high" and any(c.rank_source not in ("", "sdk") for c in ranked):
+    if confidence == "high" and any(c.rank_source not in _RANK_SOURCE_WORDS for c in ranked):
         confidence = "medium"  # a culprit's rank was inferred, not read (RankEvidence.rank_source)
     return Verdict(
         kind=kind,

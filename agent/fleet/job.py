@@ -393,17 +393,15 @@ class Fleet:
 
     def _local_ranks_now(self) -> tuple[int, ...]:
         """This host's global ranks: ``RANK`` in a target's environment, else its title's rank in
-        this server's world (:func:`agent.ranks.world_ranks`). A /proc scan: a worker thread."""
-        import psutil
+        this server's world (:func:`agent.ranks.world_ranks`). A /proc scan: a worker thread; of
+        the environment only the rank variables are read (:func:`agent.targets.rank_environ`)."""
+        from agent.targets import rank_environ
 
         targets = self.agent.discover()
         ranks: set[int] = set()
         for target, by_title in zip(targets, world_ranks([t.title or "" for t in targets])):
-            try:
-                raw = psutil.Process(target.pid).environ().get("RANK", "")
-            except (psutil.Error, OSError):
-                raw = ""
-            rank = int(raw) if raw.isdigit() else by_title
+            env = rank_environ(target.pid)
+            rank = env.global_rank if env is not None and env.global_rank is not None else by_title
             if rank is not None:
                 ranks.add(rank)
         return tuple(sorted(ranks))

@@ -658,10 +658,26 @@ def _titled_job(wd: Path, titles: list[str], fault_rank: int, port: int,
     launcher = _launch(specs, wd)
     try:
         seen = _read_lines(launcher, lambda s: len(s.get("READY", [])) == world)
+        _wait_listening(port)  # rank 0 serves /metrics just after READY: the agent's first read finds it
     except BaseException:
         stop_ranks([launcher])
         raise
     return launcher, _ready_pids(seen)
+
+
+def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
+    """Block until 127.0.0.1:``port`` accepts a connection (bounded)."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s") from None
+            time.sleep(0.1)
 
 
 #: A secret in every Ray worker's environment: it must never reach an incident's files.

@@ -43,6 +43,7 @@ __all__ = [
     "TitleInfo",
     "parse_rank_environ",
     "parse_title",
+    "rank_among",
     "rank_from_title",
     "rank_label",
     "target_attributes",
@@ -241,6 +242,13 @@ def parse_rank_environ(data: bytes) -> RankEnviron | None:
             name, _, value = item.partition(b"=")
             found.setdefault(name.decode("ascii"), value.decode("ascii", "replace"))
     return RankEnviron.of(found)
+
+
+def rank_among(title: str, titles: Sequence[str]) -> int | None:
+    """The rank ``title`` names in the world of ``titles`` (its server's processes: the sizes read
+    from all of them, :func:`world_ranks`): ``VLLM::Worker_PP1_TP0`` among the titles of a PP=2 x
+    TP=2 engine is 2. ``None`` for a title that is no rank."""
+    return world_ranks([title, *titles])[0]
 
 
 def target_attributes(titles: Iterable[str]) -> dict[str, tuple[str, ...]]:

@@ -211,6 +211,12 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
     elif shape == "pp_titles":  # VLLM::Worker_PP1_TP0 at TP=2 is global rank 2, never 1 (Worker_PP0_TP1's)
         assert v["ranks"] == [0, 1, 2, 3] and reason.startswith("behind: rank 2 not in a collective"), reason
         assert any(line.startswith(f"rank 2 pid {v['culprit_pids'][0]} [PP1_TP0]; compute: ") for line in v["evidence"])
+        # `servewatch timeline` and the report number the stages' ranks alike (from all the titles)
+        tl = load_incident(result.record.bundle_dir)
+        text = render_timeline_text(tl, width=200)
+        assert f"rank 2 · pid {v['culprit_pids'][0]}" in text and "rank 1 · pid " in text, text
+        html = render_report_html(tl)
+        assert f"rank 2 pid {v['culprit_pids'][0]}" in html
     elif shape == "ep_dispatch":  # rank 0 spins in DeepEP's dispatch (no torch.distributed call) for rank 1
         assert v["rule"] == "stacks_behind", v
         assert reason.startswith("behind: rank 1 not in a collective (rank 1 in compute: _hang_in_compute ("), reason

@@ -12,6 +12,7 @@ from agent.ranks import (
     RankEnviron,
     parse_rank_environ,
     parse_title,
+    rank_among,
     rank_from_title,
     rank_label,
     world_ranks,
@@ -61,6 +62,9 @@ def test_world_ranks_are_stable_and_global_with_pipeline_stages() -> None:
     assert world_ranks(titles) == [3, 0, None, 2, 1]
     assert world_ranks(list(reversed(titles))) == [1, 2, None, 0, 3]  # same ranks in any order
     assert world_ranks(["VLLM::Worker_PP1_TP0", "VLLM::Worker_PP1_TP1"]) == [2, 3]  # node 2 of PP=2, TP=2
+    # one title among its server's (what timeline and report number a process by)
+    assert rank_among("VLLM::Worker_PP1_TP0", titles) == 2 and rank_among("VLLM::Worker_PP0_TP1", titles) == 1
+    assert rank_among("VLLM::EngineCore", titles) is None and rank_among("sglang::scheduler_TP1", []) == 1
 
 
 def test_the_rank_environ_reads_the_rank_variables_and_nothing_else() -> None:

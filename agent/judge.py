@@ -584,7 +584,7 @@ def _read_rank(target: Target, fr: ActionResult | None, snap: CounterSnapshot | 
     if isinstance(rank, int):  # the read's own source: ``servewatch.flightrec.rank_source``
         said = fr.attributes.get("servewatch.flightrec.rank_source") if fr is not None else None
         return rank, "environ" if said == "environ" else ""
-    env = rank_environ(target.pid)
+    env = rank_environ(target.pid) or target.rank_env  # read now, else while it was alive
     if env is not None and env.global_rank is not None:
         return env.global_rank, "environ"
     if snap is not None and snap.rank is not None:

@@ -100,6 +100,9 @@ class Target:
             of a target only when they belong to this uid or root.
         ppid: its parent pid when discovered (``None`` when unknown): which server a process
             belonged to is still known after it is gone and reaped.
+        rank_env: the rank variables of its environment as read while it was alive
+            (:func:`rank_environ`), kept for a process that died since (a zombie's or a gone
+            process's environment reads empty); ``None`` when not read or none set.
     """
 
     pid: int
@@ -108,6 +111,7 @@ class Target:
     cmdline: tuple[str, ...] = ()
     uid: int | None = None
     ppid: int | None = None
+    rank_env: RankEnviron | None = None
 
 
 class ProcessState(StrEnum):

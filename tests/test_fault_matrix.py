@@ -6,7 +6,8 @@ hang, an ordering deadlock across two process groups, a stack too deep for py-sp
 uninterruptible sleep, two pipeline stages both receiving first (a P2P ordering deadlock), a stage receiving from a stage
 hung before it sends, a rank
 hung before DeepEP's dispatch while its peer spins in it, vLLM-on-Ray workers all titled
-``ray::RayWorkerWrapper`` whose ranks are in their environments, a PP=2 x TP=2 vLLM job whose
+``ray::RayWorkerWrapper`` whose ranks are in their environments (one crashing: named by the
+``RANK`` read while it lived), a PP=2 x TP=2 vLLM job whose
 ``Worker_PP1_TP0`` is global rank 2 on one host and across two nodes' job verdict). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
@@ -208,6 +209,10 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         # of the environment only the rank variables are read: the secret beside them is in no file of the incident
         files = [f for f in Path(result.record.bundle_dir).rglob("*") if f.is_file()]
         assert files and not [f for f in files if RAY_SECRET.encode() in f.read_bytes()]
+    elif shape == "ray_worker_crash":  # dead, its environment reads empty: the RANK read while it was alive
+        assert reason == "dead: rank 1 exited with SIGSEGV" and v["ranks"] == [0, 1, 2], reason
+        assert any(re.match(rf"rank 1 pid {v['culprit_pids'][0]}; rank from its environment \(RANK\); gone \(killed by "
+                            r"SIGSEGV\)", line) for line in v["evidence"]), v["evidence"]
     elif shape == "pp_titles":  # VLLM::Worker_PP1_TP0 at TP=2 is global rank 2, never 1 (Worker_PP0_TP1's)
         assert v["ranks"] == [0, 1, 2, 3] and reason.startswith("behind: rank 2 not in a collective"), reason
         assert any(line.startswith(f"rank 2 pid {v['culprit_pids'][0]} [PP1_TP0]; compute: ") for line in v["evidence"])

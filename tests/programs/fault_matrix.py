@@ -317,11 +317,13 @@ def _zombie(pid: int) -> bool:
 
 async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any] = (),  # type: ignore[assignment]
                  manual_when: Callable[[], bool] | None = None, wait_trigger: str | None = None,
-                 deadline_s: float = 100.0, judged: list[Any] | None = None) -> Any:
+                 deadline_s: float = 100.0, judged: list[Any] | None = None,
+                 after_start: Callable[[Any], None] | None = None) -> Any:
     """Run the real agent on ``settings_extra`` targets until its first incident (of trigger
     ``wait_trigger`` when given; a manual one opened once ``manual_when()``); the incident.
     ``judged`` receives what its verdict judged (``VerdictJudge.last_evidence``: what a host
-    sends its job's coordinator)."""
+    sends its job's coordinator). ``after_start(agent)`` runs (in a worker thread) once the agent
+    runs."""
     from agent.config import load_settings
     from agent.runtime import Agent
     from exporters.provider import build_telemetry
@@ -349,6 +351,8 @@ async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any
     with anyio.fail_after(deadline_s):
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
+            if after_start is not None:
+                await anyio.to_thread.run_sync(after_start, agent)
             if manual_when is not None:
                 while not manual_when():
                     await anyio.sleep(0.2)
@@ -642,18 +646,21 @@ def _metrics(port: int) -> dict[str, Any]:
 
 
 def _titled_job(wd: Path, titles: list[str], fault_rank: int, port: int,
-                env_of: Callable[[int], dict[str, str]] | None = None) -> tuple[subprocess.Popen[bytes], dict[int, int]]:
+                env_of: Callable[[int], dict[str, str]] | None = None, fault: str = "hang",
+                fault_file: Path | None = None) -> tuple[subprocess.Popen[bytes], dict[int, int]]:
     """A gloo job of ``len(titles)`` ranks titled exactly ``titles[r]``, without the servewatch SDK
     (no control socket, no step counter: as vLLM and Ray run), rank 0 serving ``/metrics`` on
-    ``port``; rank ``fault_rank`` hangs in compute before the step's all-reduce. Returns the
-    launcher (stop with :func:`stop_ranks`) and ``{rank: pid}`` once every rank is READY."""
+    ``port``; rank ``fault_rank`` has ``fault`` (hangs in compute before the step's all-reduce), at
+    the first step after ``fault_file`` exists when given.
+    Returns the launcher (stop with :func:`stop_ranks`; it never reaps a rank: a dead one stays a
+    zombie) and ``{rank: pid}`` once every rank is READY."""
     tag = _tag()
     world = len(titles)
     specs = []
     for r, title in enumerate(titles):
         extra = ("--proc-title", title, "--no-sdk", "--no-counter", "--max-runtime-s", "200",
-                 *(("--metrics-port", str(port)) if r == 0 else ()))
-        specs.append({"argv": _rank_argv(r, world, f"file://{wd}/store-{tag}", f"{tag}::unused", "hang", fault_rank, extra),
+                 *(("--metrics-port", str(port)) if r == 0 else ()), *(("--fault-file", str(fault_file)) if fault_file else ()))
+        specs.append({"argv": _rank_argv(r, world, f"file://{wd}/store-{tag}", f"{tag}::unused", fault, fault_rank, extra),
                       "env": env_of(r) if env_of is not None else {}})
     launcher = _launch(specs, wd)
     try:
@@ -684,6 +691,34 @@ def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
 RAY_SECRET = "hf_servewatchNeverReadsThis0123"
 
 
+def _ray_env(r: int, world: int = 3) -> dict[str, str]:
+    """A Ray worker's environment: its rank variables (torch.distributed's env://), ``SPT_NOENV``
+    (Ray keeps ``/proc/PID/environ`` readable, ray-project/ray #15056) and a secret."""
+    return {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "SPT_NOENV": "1", "HF_TOKEN": RAY_SECRET}
+
+
+async def shape_ray_worker_crash(wd: Path) -> ShapeResult:
+    """vLLM on Ray: rank 1 of 3 (titled ``ray::RayWorkerWrapper`` like the others) dies of SIGSEGV;
+    ranks 0 and 2 fail in their collective later. Dead, its environment reads empty: it is named
+    by the ``RANK`` the agent read when it first saw it alive."""
+    port = _free_port()
+    go = wd / f"crash-{_tag()}"
+    launcher, pids = await anyio.to_thread.run_sync(
+        lambda: _titled_job(wd, ["ray::RayWorkerWrapper"] * 3, 1, port, _ray_env, fault="kill", fault_file=go))
+
+    def crash_once_seen(agent: Any) -> None:
+        agent.discover()  # the agent has seen every worker alive (as its watchers do at start)
+        go.touch()
+
+    try:
+        record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port),
+                               "watchdog": {"timeout_s": 120.0}}, wd, wait_trigger="exit", after_start=crash_once_seen)
+        return _result("ray_worker_crash", record, kind="dead", ranks=(1,), pids=(pids[1],), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
 async def _ray_workers(wd: Path, name: str, settings: dict[str, Any]) -> ShapeResult:
     """vLLM on Ray (vLLM #2479, #50835): every worker is titled ``ray::RayWorkerWrapper``, so the
     title names no rank; rank 1 of 3 hangs in compute outside the all-reduce. Each worker's rank is
@@ -691,13 +726,8 @@ async def _ray_workers(wd: Path, name: str, settings: dict[str, Any]) -> ShapeRe
     env:// variables; readable as Ray sets ``SPT_NOENV``, ray-project/ray #15056), next to a
     secret the agent never reads. No SDK: progress from rank 0's ``/metrics``."""
     port = _free_port()
-
-    def env_of(r: int) -> dict[str, str]:
-        return {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "SPT_NOENV": "1",
-                "HF_TOKEN": RAY_SECRET}
-
     launcher, pids = await anyio.to_thread.run_sync(
-        lambda: _titled_job(wd, ["ray::RayWorkerWrapper"] * 3, 1, port, env_of))
+        lambda: _titled_job(wd, ["ray::RayWorkerWrapper"] * 3, 1, port, _ray_env))
     try:
         record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port), **settings}, wd,
                               wait_trigger="stall")
@@ -797,5 +827,6 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "ep_dispatch": shape_ep_dispatch,
     "ray_workers": shape_ray_workers,
     "ray_workers_no_fr": shape_ray_workers_no_fr,
+    "ray_worker_crash": shape_ray_worker_crash,
     "pp_titles": shape_pp_titles,
 }

@@ -43,7 +43,7 @@ from agent.events import (
 from agent.exits import zombie_fact
 from agent.ownactions import OwnActionLog, stopped_by_us
 from agent.procinfo import exit_fact_of
-from agent.ranks import parse_title, world_ranks
+from agent.ranks import distinct_env_ranks, parse_title, world_ranks
 from agent.sdk.counter import CounterSnapshot
 from agent.servers import ServerGroup, ancestors, listener_of_port, port_of_url, server_groups
 from agent.stacks import ThreadStack, parse_dump
@@ -541,11 +541,13 @@ def _ranks(members: list[Target], frs: Mapping[int, ActionResult], counters: Map
 
     Sources, in order (what the process itself says first, its title last):
 
-    1. torch.distributed's, as its Flight Recorder read named it (the SDK's ``status``), else what
-       that read found in its environment or an unambiguous title;
-    2. ``RANK`` in its environment (:func:`agent.targets.rank_environ`: torch.distributed's
-       ``env://`` variables, as torchrun and launchers set them; vLLM on Ray titles every worker
-       ``ray::RayWorkerWrapper``, vLLM #2479, #50835, and Ray keeps the environment readable);
+    1. torch.distributed's, as its Flight Recorder read named it (the SDK's ``status``), else a
+       title that names a rank alone (``scheduler_TP1``: :func:`agent.ranks.rank_from_title`);
+    2. ``RANK`` in its environment (:func:`agent.targets.rank_environ`, read now, else when the
+       target finder first saw it alive: torch.distributed's ``env://`` variables, as torchrun and
+       launchers set them; vLLM on Ray titles every worker ``ray::RayWorkerWrapper``, vLLM #2479,
+       #50835, and Ray keeps the environment readable), unless another process of the server has
+       the same (:func:`agent.ranks.distinct_env_ranks`: inherited from a launcher);
     3. torch.distributed's as the SDK recorded it in the process's step counter (it outlives the
        title: a zombie keeps no command line and 15 characters of its title in ``comm``,
        ``VLLM::Worker_TP``);
@@ -561,10 +563,12 @@ def _ranks(members: list[Target], frs: Mapping[int, ActionResult], counters: Map
         step counter) or the words of an inference (the verdict then lowers its confidence).
     """
     by_title = dict(zip((t.pid for t in members), world_ranks([t.title for t in members])))
+    # read now, else while it lived; a RANK several processes share was inherited: none
+    by_env = dict(zip((t.pid for t in members), distinct_env_ranks([rank_environ(t.pid) or t.rank_env for t in members])))
     ranks: dict[int, int] = {}
     how: dict[int, str] = {}
     for target in members:
-        rank, source = _read_rank(target, frs.get(target.pid), counters.get(target.pid))
+        rank, source = _read_rank(frs.get(target.pid), by_env.get(target.pid), counters.get(target.pid))
         if rank is None:
             rank = by_title.get(target.pid)
         if rank is not None and rank not in ranks.values():
@@ -577,16 +581,16 @@ def _ranks(members: list[Target], frs: Mapping[int, ActionResult], counters: Map
     return ranks, how
 
 
-def _read_rank(target: Target, fr: ActionResult | None, snap: CounterSnapshot | None) -> tuple[int | None, str]:
-    """The rank ``target`` says it is (sources 1-3 of :func:`_ranks`) and how (``""`` for
-    torch.distributed's or a title's, ``"environ"``, ``"sdk"``); ``(None, "")`` when it says none."""
+def _read_rank(fr: ActionResult | None, env_rank: int | None, snap: CounterSnapshot | None) -> tuple[int | None, str]:
+    """The rank a process says it is (sources 1-3 of :func:`_ranks`) and how (``""`` for
+    torch.distributed's or a title's, ``"environ"``, ``"sdk"``); ``(None, "")`` when it says none.
+    The Flight Recorder read's rank taken from the environment is the judge's own read
+    (``env_rank``, :func:`agent.ranks.distinct_env_ranks`: the read did not see the other processes)."""
     rank = fr.attributes.get("servewatch.flightrec.rank") if fr is not None else None
-    if isinstance(rank, int):  # the read's own source: ``servewatch.flightrec.rank_source``
-        said = fr.attributes.get("servewatch.flightrec.rank_source") if fr is not None else None
-        return rank, "environ" if said == "environ" else ""
-    env = rank_environ(target.pid) or target.rank_env  # read now, else while it was alive
-    if env is not None and env.global_rank is not None:
-        return env.global_rank, "environ"
+    if isinstance(rank, int) and fr is not None and fr.attributes.get("servewatch.flightrec.rank_source") != "environ":
+        return rank, ""
+    if env_rank is not None:
+        return env_rank, "environ"
     if snap is not None and snap.rank is not None:
         return snap.rank, "sdk"
     return None, ""

@@ -41,6 +41,7 @@ __all__ = [
     "RANK_VARIABLES",
     "RankEnviron",
     "TitleInfo",
+    "distinct_env_ranks",
     "parse_rank_environ",
     "parse_title",
     "rank_among",
@@ -227,6 +228,19 @@ def _count(text: str) -> int | None:
 
 
 _RANK_PREFIXES = tuple(f"{name}=".encode() for name in RANK_VARIABLES)
+
+
+def distinct_env_ranks(envs: Sequence[RankEnviron | None]) -> list[int | None]:
+    """Each process's :attr:`RankEnviron.global_rank`, kept only where it tells the process apart
+    from the others of its server: a value two of them share was inherited, not given (a launcher's
+    ``RANK``, as a Kubernetes PyTorchJob pod's node rank, passed down to every worker it spawned),
+    and names none of them (``None``)."""
+    ranks = [env.global_rank if env is not None else None for env in envs]
+    counts: dict[int, int] = {}
+    for rank in ranks:
+        if rank is not None:
+            counts[rank] = counts.get(rank, 0) + 1
+    return [rank if rank is not None and counts[rank] == 1 else None for rank in ranks]
 
 
 def parse_rank_environ(data: bytes) -> RankEnviron | None:

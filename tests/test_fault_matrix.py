@@ -7,7 +7,7 @@ uninterruptible sleep, two pipeline stages both receiving first (a P2P ordering 
 hung before it sends, a rank
 hung before DeepEP's dispatch while its peer spins in it, vLLM-on-Ray workers all titled
 ``ray::RayWorkerWrapper`` whose ranks are in their environments (one crashing: named by the
-``RANK`` read while it lived), a PP=2 x TP=2 vLLM job whose
+``RANK`` read while it lived), schedulers that inherited one ``RANK`` (named by their titles), a PP=2 x TP=2 vLLM job whose
 ``Worker_PP1_TP0`` is global rank 2 on one host and across two nodes' job verdict). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
@@ -213,6 +213,9 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         assert reason == "dead: rank 1 exited with SIGSEGV" and v["ranks"] == [0, 1, 2], reason
         assert any(re.match(rf"rank 1 pid {v['culprit_pids'][0]}; rank from its environment \(RANK\); gone \(killed by "
                             r"SIGSEGV\)", line) for line in v["evidence"]), v["evidence"]
+    elif shape == "inherited_rank":  # RANK=0 in both schedulers' environments (the pod's): the titles name them
+        assert v["ranks"] == [0, 1] and reason.startswith("behind: rank 1 not in a collective"), reason
+        assert not any("rank from its environment" in line for line in v["evidence"]), v["evidence"]
     elif shape == "pp_titles":  # VLLM::Worker_PP1_TP0 at TP=2 is global rank 2, never 1 (Worker_PP0_TP1's)
         assert v["ranks"] == [0, 1, 2, 3] and reason.startswith("behind: rank 2 not in a collective"), reason
         assert any(line.startswith(f"rank 2 pid {v['culprit_pids'][0]} [PP1_TP0]; compute: ") for line in v["evidence"])

@@ -10,6 +10,7 @@ import pytest
 import agent.ranks as ranks_mod
 from agent.ranks import (
     RankEnviron,
+    distinct_env_ranks,
     parse_rank_environ,
     parse_title,
     rank_among,
@@ -109,3 +110,11 @@ def test_a_live_process_environment_gives_its_rank(tmp_path) -> None:
         for proc in procs:
             proc.kill()
             proc.communicate(timeout=10)  # reaps it and closes its pipes
+
+
+def test_a_rank_several_processes_share_was_inherited_and_names_none() -> None:
+    """A Kubernetes PyTorchJob pod's RANK (its node rank) passed down to every worker: no worker's
+    rank; distinct ones are kept."""
+    env = RankEnviron
+    assert distinct_env_ranks([env(rank=1), env(rank=1), None]) == [None, None, None]
+    assert distinct_env_ranks([env(rank=0), env(rank=2), env(local_rank=1), None]) == [0, 2, None, None]

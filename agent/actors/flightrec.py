@@ -273,9 +273,12 @@ class FlightRecorderActor:
 
     async def _rank(self, target: Target) -> tuple[int | None, str]:
         """The target's rank and where it came from (:data:`RANK_SOURCE_ATTR`): the SDK's ``status``
-        (torch.distributed: ``sdk``), else ``RANK`` in its environment (:class:`agent.ranks.RankEnviron`:
-        ``environ``), else its title alone (:func:`agent.ranks.rank_from_title`: ``title``; none for
-        ``Worker_PP1_TP0``, whose rank depends on the TP size); ``(None, "")`` when none says it."""
+        (torch.distributed: ``sdk``), else its title alone when it names one
+        (:func:`agent.ranks.rank_from_title`: ``title``; none for ``ray::RayWorkerWrapper``, nor for
+        ``Worker_PP1_TP0``, whose rank depends on the TP size), else ``RANK`` in its environment
+        (:class:`agent.ranks.RankEnviron`: ``environ``; before the title it could be a launcher's,
+        inherited by every worker: the judge, which sees them all, tells); ``(None, "")`` when none
+        says it."""
         from agent.sdkclient import SdkCallError, control_path, sdk_call
 
         path = await anyio.to_thread.run_sync(control_path, target.pid, self.config.socket_dir)  # file system
@@ -290,11 +293,13 @@ class FlightRecorderActor:
                         return int(dist["rank"]), "sdk"
             except SdkCallError:
                 pass
+        by_title = rank_from_title(target.title)
+        if by_title is not None:
+            return by_title, "title"
         env = RankEnviron.of(await anyio.to_thread.run_sync(self._environ, target.pid))  # /proc/PID/environ
         if env is not None and env.global_rank is not None:
             return env.global_rank, "environ"
-        by_title = rank_from_title(target.title)
-        return by_title, "title" if by_title is not None else ""
+        return None, ""
 
     def _environ(self, pid: int) -> dict[str, str]:
         if self._environ_of is not None:

@@ -142,7 +142,7 @@ from agent.fleet.proof import NonceCache
 from agent.fleet.traceparent import TraceParent
 from agent.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
 from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
-from agent.ranks import rank_label, world_ranks
+from agent.ranks import distinct_env_ranks, rank_label, world_ranks
 
 __all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "JobIncident"]
 
@@ -399,9 +399,9 @@ class Fleet:
 
         targets = self.agent.discover()
         ranks: set[int] = set()
-        for target, by_title in zip(targets, world_ranks([t.title or "" for t in targets])):
-            env = rank_environ(target.pid)
-            rank = env.global_rank if env is not None and env.global_rank is not None else by_title
+        by_env = distinct_env_ranks([rank_environ(t.pid) for t in targets])  # a shared RANK was inherited: none
+        for target, env_rank, by_title in zip(targets, by_env, world_ranks([t.title or "" for t in targets])):
+            rank = env_rank if env_rank is not None else by_title
             if rank is not None:
                 ranks.add(rank)
         return tuple(sorted(ranks))

@@ -749,6 +749,23 @@ async def shape_ray_workers_no_fr(wd: Path) -> ShapeResult:
     return await _ray_workers(wd, "ray_workers_no_fr", {"flightrec": {"enabled": False}})
 
 
+async def shape_inherited_rank(wd: Path) -> ShapeResult:
+    """SGLang TP=2 in a Kubernetes PyTorchJob pod: the pod's ``RANK=0``/``WORLD_SIZE=1`` (its node
+    rank) reaches both schedulers (``SPT_NOENV``: readable); rank 1 hangs. A ``RANK`` both share
+    names neither: the titles (``scheduler_TP0``/``_TP1``) do."""
+    port = _free_port()
+    tag = _tag()
+    env = {"RANK": "0", "WORLD_SIZE": "1", "SPT_NOENV": "1"}
+    launcher, pids = await anyio.to_thread.run_sync(
+        lambda: _titled_job(wd, [f"{tag}::scheduler_TP0", f"{tag}::scheduler_TP1"], 1, port, lambda r: env))
+    try:
+        record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port)}, wd,
+                              wait_trigger="stall")
+        return _result("inherited_rank", record, kind="behind", ranks=(1,), pids=(pids[1],), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
 def pp_titles(pp: int = 2, tp: int = 2) -> list[str]:
     """vLLM's worker titles of a PP x TP engine in global rank order (``Worker_PP1_TP0`` is rank
     ``1 * tp + 0``: vllm/v1/executor/multiproc_executor.py, stages outermost)."""
@@ -829,4 +846,5 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "ray_workers_no_fr": shape_ray_workers_no_fr,
     "ray_worker_crash": shape_ray_worker_crash,
     "pp_titles": shape_pp_titles,
+    "inherited_rank": shape_inherited_rank,
 }

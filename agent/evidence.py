@@ -7,8 +7,8 @@ that a rank that died is still reported, dead with its exit status, in the incid
 to (:meth:`TargetFinder.incident_targets`), and the policy of which dead ranks those are
 (:data:`DEAD_RANK_MARGIN_S`), and which server an incident is about (:meth:`TargetFinder.server_of_pid`,
 :meth:`TargetFinder.server_of_port`: the process-tree root, the first half of the incident key).
-Imports :mod:`agent.events`, :mod:`agent.targets`, :mod:`agent.servers`, :mod:`agent.procinfo`,
-:mod:`agent.pidfds` and the standard library.
+Imports :mod:`agent.events`, :mod:`agent.targets`, :mod:`agent.ranks`, :mod:`agent.servers`,
+:mod:`agent.procinfo`, :mod:`agent.pidfds` and the standard library.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from agent import pidfds
@@ -29,6 +30,7 @@ from agent.procinfo import (
     exit_noted_at,
     server_dump_lines,
 )
+from agent.ranks import RankEnviron
 from agent.servers import ancestors, listener_of_port, listening_ports, port_of_url
 from agent.targets import (
     ProcessState,
@@ -37,6 +39,7 @@ from agent.targets import (
     discover,
     parent_pid,
     process_state,
+    rank_environ,
     server_of,
     server_uids,
     spread_warning,
@@ -118,6 +121,9 @@ class TargetFinder:
         self._seen: dict[int, tuple[Target, float]] = {}
         #: each remembered target's job: the process it hung off when first seen (its server)
         self._job_of: dict[int, int | None] = {}
+        #: each remembered target's rank variables, read once when first seen alive (a dead
+        #: rank titled ``ray::RayWorkerWrapper`` is still named by its ``RANK``)
+        self._rank_env_of: dict[int, RankEnviron | None] = {}
         #: the server last seen listening on each port (a crashed or stopped server's health
         #: failure is still its own: nothing listens there any more); bounded like the servers
         self._port_server: dict[int, int] = {}
@@ -201,11 +207,13 @@ class TargetFinder:
             known = self._seen.get(target.pid)
             if known is None or known[0].create_time_s != target.create_time_s:
                 self._job_of[target.pid] = server_of(target.pid, pids)
+                self._rank_env_of[target.pid] = rank_environ(target.pid)  # one /proc read per new process
             self._seen[target.pid] = (target, now)
         if len(self._seen) > MAX_REMEMBERED_TARGETS:
             for pid, _ in sorted(self._seen.items(), key=lambda item: item[1][1])[: len(self._seen) - MAX_REMEMBERED_TARGETS]:
                 del self._seen[pid]
                 self._job_of.pop(pid, None)
+                self._rank_env_of.pop(pid, None)
 
     # -- servers ------------------------------------------------------------------------------------
 
@@ -339,7 +347,7 @@ class TargetFinder:
                 continue  # another server's process
             death = death_of(target)
             if death is not None and (pid == subject or self._dead_rank_counts(target, death, seen, now)):
-                dead.append(target)
+                dead.append(replace(target, rank_env=self._rank_env_of.get(pid)))
         return dead
 
     def _unseen_zombies(self, live: Sequence[Target], jobs: set[int] | None) -> list[Target]:

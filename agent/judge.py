@@ -43,11 +43,11 @@ from agent.events import (
 from agent.exits import zombie_fact
 from agent.ownactions import OwnActionLog, stopped_by_us
 from agent.procinfo import exit_fact_of
-from agent.ranks import parse_title, world_ranks
+from agent.ranks import distinct_env_ranks, parse_title, world_ranks
 from agent.sdk.counter import CounterSnapshot
 from agent.servers import ServerGroup, ancestors, listener_of_port, port_of_url, server_groups
 from agent.stacks import ThreadStack, parse_dump
-from agent.targets import ProcessState, Target, process_state, uninterruptible_threads
+from agent.targets import ProcessState, Target, process_state, rank_environ, uninterruptible_threads
 from agent.verdict import (
     Evidence,
     FrameClass,
@@ -537,38 +537,63 @@ def _fr_dump(fr: ActionResult | None) -> Mapping[str, Any] | None:
 
 def _ranks(members: list[Target], frs: Mapping[int, ActionResult], counters: Mapping[int, CounterSnapshot],
            world_size: int | None) -> tuple[dict[int, int], dict[int, str]]:
-    """Each rank's number, and for those not read from the process itself how it was found.
+    """Each rank's number, and for those not read from torch.distributed or the title how it was found.
 
-    Sources, in order: torch.distributed's (its Flight Recorder read), its title's in this
-    server's world (:func:`agent.ranks.world_ranks`), torch.distributed's as the SDK recorded it
-    in the process's step counter (it outlives the title: a zombie keeps no command line and 15
-    characters of its title in ``comm``, ``VLLM::Worker_TP``), else :func:`_inferred_ranks`. A
-    process that is no rank, or whose number another process already holds, gets none (never a
+    Sources, in order (what the process itself says first, its title last):
+
+    1. torch.distributed's, as its Flight Recorder read named it (the SDK's ``status``), else a
+       title that names a rank alone (``scheduler_TP1``: :func:`agent.ranks.rank_from_title`);
+    2. ``RANK`` in its environment (:func:`agent.targets.rank_environ`, read now, else when the
+       target finder first saw it alive: torch.distributed's ``env://`` variables, as torchrun and
+       launchers set them; vLLM on Ray titles every worker ``ray::RayWorkerWrapper``, vLLM #2479,
+       #50835, and Ray keeps the environment readable), unless another process of the server has
+       the same (:func:`agent.ranks.distinct_env_ranks`: inherited from a launcher);
+    3. torch.distributed's as the SDK recorded it in the process's step counter (it outlives the
+       title: a zombie keeps no command line and 15 characters of its title in ``comm``,
+       ``VLLM::Worker_TP``);
+    4. its title's in this server's world (:func:`agent.ranks.world_ranks`: ``Worker_PP1_TP0`` is
+       rank 2 at TP=2);
+    5. :func:`_inferred_ranks`.
+
+    A process that is no rank, or whose number another process already holds, gets none (never a
     made-up number).
 
     Returns:
-        ``({pid: rank}, {pid: how})``; ``how`` is ``"sdk"`` (the step counter) or the words of
-        an inference (the verdict then lowers its confidence).
+        ``({pid: rank}, {pid: how})``; ``how`` is ``"environ"`` (its environment), ``"sdk"`` (the
+        step counter) or the words of an inference (the verdict then lowers its confidence).
     """
     by_title = dict(zip((t.pid for t in members), world_ranks([t.title for t in members])))
+    # read now, else while it lived; a RANK several processes share was inherited: none
+    by_env = dict(zip((t.pid for t in members), distinct_env_ranks([rank_environ(t.pid) or t.rank_env for t in members])))
     ranks: dict[int, int] = {}
     how: dict[int, str] = {}
     for target in members:
-        fr = frs.get(target.pid)
-        rank = fr.attributes.get("servewatch.flightrec.rank") if fr is not None else None
-        if not isinstance(rank, int):
+        rank, source = _read_rank(frs.get(target.pid), by_env.get(target.pid), counters.get(target.pid))
+        if rank is None:
             rank = by_title.get(target.pid)
-        if not isinstance(rank, int) and (snap := counters.get(target.pid)) is not None and snap.rank is not None:
-            rank = snap.rank
-            how[target.pid] = "sdk"
-        if isinstance(rank, int) and rank not in ranks.values():
+        if rank is not None and rank not in ranks.values():
             ranks[target.pid] = rank
-        else:
-            how.pop(target.pid, None)
+            if source:
+                how[target.pid] = source
     for pid, (rank, words) in _inferred_ranks(members, ranks, world_size).items():
         ranks[pid] = rank
         how[pid] = words
     return ranks, how
+
+
+def _read_rank(fr: ActionResult | None, env_rank: int | None, snap: CounterSnapshot | None) -> tuple[int | None, str]:
+    """The rank a process says it is (sources 1-3 of :func:`_ranks`) and how (``""`` for
+    torch.distributed's or a title's, ``"environ"``, ``"sdk"``); ``(None, "")`` when it says none.
+    The Flight Recorder read's rank taken from the environment is the judge's own read
+    (``env_rank``, :func:`agent.ranks.distinct_env_ranks`: the read did not see the other processes)."""
+    rank = fr.attributes.get("servewatch.flightrec.rank") if fr is not None else None
+    if isinstance(rank, int) and fr is not None and fr.attributes.get("servewatch.flightrec.rank_source") != "environ":
+        return rank, ""
+    if env_rank is not None:
+        return env_rank, "environ"
+    if snap is not None and snap.rank is not None:
+        return snap.rank, "sdk"
+    return None, ""
 
 
 #: ``comm`` keeps this many characters of a process's name (TASK_COMM_LEN - 1).
@@ -657,16 +682,8 @@ def _fr_world_size(frs: Iterable[ActionResult]) -> int | None:
 
 
 def _env_world_size(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read(1 << 20)
-    except OSError:
-        return None
-    for item in env.split(b"\0"):
-        if item.startswith(b"WORLD_SIZE="):
-            value = item.split(b"=", 1)[1]
-            return int(value) if value.isdigit() else None
-    return None
+    env = rank_environ(pid)
+    return env.world_size if env is not None else None
 
 
 def _argv_world_size(argv: Sequence[str]) -> int | None:

@@ -2,7 +2,14 @@
 
 Owns the title grammar of the serving frameworks (:func:`parse_title`), the rank label
 (:func:`rank_label`), the rank in the server's world (:func:`rank_from_title`,
-:func:`world_ranks`) and :func:`target_attributes`. Imports only the standard library.
+:func:`world_ranks`), the rank a process's own environment names (:class:`RankEnviron`,
+:func:`parse_rank_environ`) and :func:`target_attributes`. Imports only the standard library.
+
+Where a rank comes from, best first: what the process itself says (torch.distributed's rank as
+its Flight Recorder read or the SDK's step counter recorded it; ``RANK``/``WORLD_SIZE`` in its
+environment), then its title. A title alone may name no rank: vLLM on Ray titles every worker
+``ray::RayWorkerWrapper`` (vLLM #2479, #50835), and ``Worker_PP1_TP0`` is rank 2 at TP=2 but
+rank 1 at TP=1 (the title does not say the TP size: see :func:`rank_from_title`).
 
 Grammars (each framework sets its titles with setproctitle):
 
@@ -27,12 +34,17 @@ multi-node server the TP and PP numbers in titles are global, so the rank is the
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "RANK_VARIABLES",
+    "RankEnviron",
     "TitleInfo",
+    "distinct_env_ranks",
+    "parse_rank_environ",
     "parse_title",
+    "rank_among",
     "rank_from_title",
     "rank_label",
     "target_attributes",
@@ -136,15 +148,19 @@ def _rank(info: TitleInfo, tp_size: int, pcp_size: int) -> int:
 
 
 def rank_from_title(title: str) -> int | None:
-    """The rank a title names in its world, alone (sizes from its own coordinates): the TP index
-    for ``sglang::scheduler_DP0_TP3`` (3) and ``VLLM::Worker_TP1`` (1), 0 for a TP=1 worker
-    (``VLLM::Worker``, ``sglang::scheduler``); ``None`` for a process that is no rank. With PP or
-    PCP coordinates the sizes of the others are needed: see :func:`world_ranks`."""
+    """The rank a title names in its world, alone: the TP index for ``sglang::scheduler_DP0_TP3``
+    (3) and ``VLLM::Worker_TP1`` (1), 0 for a TP=1 worker (``VLLM::Worker``, ``sglang::scheduler``),
+    the stage for ``VLLM::Worker_PP1`` (TP=1: vLLM writes a coordinate only when its size is over
+    1); ``None`` for a process that is no rank, and for a PP or PCP index over 0 with an inner
+    coordinate (``Worker_PP1_TP0``: rank ``1 * tp_size``, and one title does not say ``tp_size``;
+    never a guess): :func:`world_ranks` reads the sizes from all the server's titles."""
     info = parse_title(title)
     if info is None or info.role != "rank":
         return None
-    tp = info.get("TP") or 0
-    return _rank(info, tp + 1, (info.get("PCP") or 0) + 1)
+    has = {k for k, _ in info.coords}
+    if ((info.get("PP") or 0) and has & {"PCP", "TP"}) or ((info.get("PCP") or 0) and "TP" in has):
+        return None  # an outer index times a size the title does not say
+    return _rank(info, 1, 1)
 
 
 def world_ranks(titles: Sequence[str]) -> list[int | None]:
@@ -160,6 +176,93 @@ def world_ranks(titles: Sequence[str]) -> list[int | None]:
     tp_size = max([(i.get("TP") or 0) for i in ranks], default=0) + 1
     pcp_size = max([(i.get("PCP") or 0) for i in ranks], default=0) + 1
     return [(_rank(i, tp_size, pcp_size) if i is not None and i.role == "rank" else None) for i in infos]
+
+
+#: The variables of a rank's environment read for its identity, and no other: torch.distributed's
+#: ``env://`` initialization reads ``RANK`` and ``WORLD_SIZE`` (torch.distributed docs,
+#: "Environment variable initialization"); torchrun also sets ``LOCAL_RANK`` and
+#: ``LOCAL_WORLD_SIZE`` (torchrun docs, "Environment Variables").
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+@dataclass(frozen=True, slots=True)
+class RankEnviron:
+    """What a process's environment says of its rank (:data:`RANK_VARIABLES`; ``None``: unset or
+    not a non-negative integer).
+
+    Only the environment a process was started with is readable from outside
+    (``/proc/PID/environ``): a variable it sets in ``os.environ`` later is not, and setproctitle
+    blanks the whole area unless ``SPT_NOENV`` is set (Ray sets it for its workers,
+    ray-project/ray #15056; SGLang and vLLM do not).
+    """
+
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None
+
+    @property
+    def global_rank(self) -> int | None:
+        """``RANK``; else ``LOCAL_RANK`` when the job is one node (``LOCAL_WORLD_SIZE`` equals
+        ``WORLD_SIZE``: the local rank is the global one); else ``None``."""
+        if self.rank is not None:
+            return self.rank
+        one_node = self.world_size is not None and self.local_world_size == self.world_size
+        return self.local_rank if one_node else None
+
+    def describe(self) -> str:
+        """``RANK=1, WORLD_SIZE=3`` (the variables set, in :data:`RANK_VARIABLES` order)."""
+        values = (self.rank, self.local_rank, self.world_size, self.local_world_size)
+        return ", ".join(f"{name}={v}" for name, v in zip(RANK_VARIABLES, values) if v is not None)
+
+    @classmethod
+    def of(cls, env: Mapping[str, str]) -> RankEnviron | None:
+        """From an environment already read (``{name: value}``); ``None`` when no rank variable is set."""
+        values = [_count(env.get(name, "")) for name in RANK_VARIABLES]
+        return cls(*values) if any(v is not None for v in values) else None
+
+
+def _count(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if text.isdigit() and len(text) <= 9 else None
+
+
+_RANK_PREFIXES = tuple(f"{name}=".encode() for name in RANK_VARIABLES)
+
+
+def distinct_env_ranks(envs: Sequence[RankEnviron | None]) -> list[int | None]:
+    """Each process's :attr:`RankEnviron.global_rank`, kept only where it tells the process apart
+    from the others of its server: a value two of them share was inherited, not given (a launcher's
+    ``RANK``, as a Kubernetes PyTorchJob pod's node rank, passed down to every worker it spawned),
+    and names none of them (``None``)."""
+    ranks = [env.global_rank if env is not None else None for env in envs]
+    counts: dict[int, int] = {}
+    for rank in ranks:
+        if rank is not None:
+            counts[rank] = counts.get(rank, 0) + 1
+    return [rank if rank is not None and counts[rank] == 1 else None for rank in ranks]
+
+
+def parse_rank_environ(data: bytes) -> RankEnviron | None:
+    """The rank variables of ``/proc/PID/environ`` content (``NAME=value`` items separated by NUL).
+
+    Only items whose name is one of :data:`RANK_VARIABLES` are decoded; every other item (tokens,
+    keys, passwords) is skipped without its value being decoded or kept. ``None`` when none is set
+    (also for a blank area: setproctitle without ``SPT_NOENV``).
+    """
+    found: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        if item.startswith(_RANK_PREFIXES):
+            name, _, value = item.partition(b"=")
+            found.setdefault(name.decode("ascii"), value.decode("ascii", "replace"))
+    return RankEnviron.of(found)
+
+
+def rank_among(title: str, titles: Sequence[str]) -> int | None:
+    """The rank ``title`` names in the world of ``titles`` (its server's processes: the sizes read
+    from all of them, :func:`world_ranks`): ``VLLM::Worker_PP1_TP0`` among the titles of a PP=2 x
+    TP=2 engine is 2. ``None`` for a title that is no rank."""
+    return world_ranks([title, *titles])[0]
 
 
 def target_attributes(titles: Iterable[str]) -> dict[str, tuple[str, ...]]:

@@ -2,8 +2,9 @@
 
 Owns :class:`Target`, :class:`TargetConfig` (the ``[target]`` settings), discovery (descendants
 of a root pid, process-title globs, explicit pids) and the one place where psutil's exceptions are
-sorted into servewatch's terms (:func:`psutil_errors`, :func:`process_state`). Imports psutil,
-pydantic, :mod:`agent.events` and :mod:`agent.safetext` only.
+sorted into servewatch's terms (:func:`psutil_errors`, :func:`process_state`), and the rank a
+target's own environment names (:func:`rank_environ`). Imports psutil, pydantic, :mod:`agent.events`,
+:mod:`agent.ranks` and :mod:`agent.safetext` only.
 
 Titles: inference servers name their workers with setproctitle (SGLang ``sglang::scheduler_TP0``,
 vLLM ``VLLM::Worker_TP0``). setproctitle overwrites the argv area, so ``/proc/PID/cmdline`` reads
@@ -24,6 +25,7 @@ import psutil
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
 from agent.events import StrEnum
+from agent.ranks import RankEnviron, parse_rank_environ
 from agent.safetext import safe_text
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "process_state",
     "process_trees",
     "psutil_errors",
+    "rank_environ",
     "runs_pyspy",
     "server_of",
     "server_uids",
@@ -97,6 +100,9 @@ class Target:
             of a target only when they belong to this uid or root.
         ppid: its parent pid when discovered (``None`` when unknown): which server a process
             belonged to is still known after it is gone and reaped.
+        rank_env: the rank variables of its environment as read while it was alive
+            (:func:`rank_environ`), kept for a process that died since (a zombie's or a gone
+            process's environment reads empty); ``None`` when not read or none set.
     """
 
     pid: int
@@ -105,6 +111,7 @@ class Target:
     cmdline: tuple[str, ...] = ()
     uid: int | None = None
     ppid: int | None = None
+    rank_env: RankEnviron | None = None
 
 
 class ProcessState(StrEnum):
@@ -267,6 +274,23 @@ def uninterruptible_threads(pid: int, *, max_threads: int = 4096) -> tuple[Unint
         if _thread_state(f"{base}/stat") == "D":
             found.append(UninterruptibleThread(tid=tid, wchan=_wchan(f"{base}/wchan"), main=tid == pid))
     return tuple(sorted(found, key=lambda t: (not t.main, t.tid)))
+
+
+#: Most bytes of ``/proc/PID/environ`` read (the kernel's limit on argv plus environ is far larger;
+#: a rank's variables sit among the first kilobytes of any real environment).
+_ENVIRON_BYTES = 1 << 20
+
+
+def rank_environ(pid: int) -> RankEnviron | None:
+    """The rank variables in ``pid``'s environment as it was started (``/proc/PID/environ``:
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, :func:`agent.ranks.parse_rank_environ`);
+    no other variable is decoded or kept. ``None`` when none is set, or unreadable (another
+    user's process without root, a zombie, gone, or blanked by setproctitle without ``SPT_NOENV``)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return parse_rank_environ(fh.read(_ENVIRON_BYTES))
+    except OSError:
+        return None
 
 
 def _title_of(cmdline: Iterable[str], name: str) -> str:

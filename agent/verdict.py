@@ -128,7 +128,7 @@ class RankEvidence:
         waits_on: for a coordinator blocked on its workers: their pids.
         rank_source: how ``rank`` was found when not from torch.distributed's Flight Recorder or
             the title: ``"sdk"`` (the SDK's step counter: torch.distributed's rank, recorded by
-            the process), or an inference in words (a culprit whose rank is inferred is named
+            the process), ``"environ"`` (``RANK`` in its environment), or an inference in words (a culprit whose rank is inferred is named
             at medium confidence at most); ``""`` otherwise.
         stopped: it is stopped (``/proc`` state ``T`` or ``t``: SIGSTOP or a debugger), seen so
             when the incident opened and again once the evidence was in (py-spy's own brief
@@ -469,12 +469,17 @@ def _culprit_name(e: RankEvidence) -> str:
     return e.name
 
 
+#: The rank sources read from the process itself (``RankEvidence.rank_source``; any other is an
+#: inference, in words) and how an evidence line says them.
+_RANK_SOURCE_WORDS = {"": "", "sdk": "rank from its SDK step counter", "environ": "rank from its environment (RANK)"}
+
+
 def _evidence_line(e: RankEvidence) -> str:
     parts = [e.name + (f" pid {e.pid}" if e.pid and e.is_rank else "")]
     if e.label:
         parts[0] += f" [{e.label}]"
     if e.is_rank and e.rank_source:
-        parts.append("rank from its SDK step counter" if e.rank_source == "sdk" else e.rank_source)
+        parts.append(_RANK_SOURCE_WORDS.get(e.rank_source, e.rank_source))
     if e.role not in (Role.RANK, Role.PROCESS):
         parts.append(e.role.value)
     if e.stopped and e.alive:
@@ -507,7 +512,7 @@ def _verdict(ev: Evidence, kind: str, culprits: Sequence[RankEvidence], reason: 
              hung: bool = True, stragglers: Iterable[int] = (), extra: Sequence[str] = ()) -> Verdict:
     ranked = sorted((c for c in culprits if c.is_rank), key=lambda c: c.rank)  # type: ignore[arg-type, return-value]
     rest = [c for c in culprits if not c.is_rank]
-    if confidence == "high" and any(c.rank_source not in ("", "sdk") for c in ranked):
+    if confidence == "high" and any(c.rank_source not in _RANK_SOURCE_WORDS for c in ranked):
         confidence = "medium"  # a culprit's rank was inferred, not read (RankEvidence.rank_source)
     return Verdict(
         kind=kind,
@@ -1776,9 +1781,13 @@ def rules_markdown() -> str:
         "that applies decides. A verdict records its rule (`servewatch.verdict.rule`, `verdict.rule` in",
         "`manifest.json`). Hard mode (`--hard`) signals only a culprit named at **high** confidence.",
         "",
-        "A rank's number comes from torch.distributed (its Flight Recorder), else its title, else the",
-        "SDK's step counter (torch.distributed's rank, recorded by the process: it outlives the title of a",
-        "zombie, whose `comm` keeps 15 characters). Failing those, a dead rank's number may be inferred —",
+        "A rank's number comes from torch.distributed (its Flight Recorder read) or a title that names it",
+        "alone (`scheduler_TP1`), else `RANK` in its environment (torch.distributed's env:// variables, read",
+        "while it lived, no other variable read; one several processes share was inherited and names none:",
+        "vLLM on Ray titles every worker `ray::RayWorkerWrapper`), else the SDK's step counter",
+        "(torch.distributed's rank, recorded by the process: it outlives the title of a zombie, whose `comm`",
+        "keeps 15 characters), else its title among its server's (`Worker_PP1_TP0` at TP=2 is rank 2).",
+        "Failing those, a dead rank's number may be inferred —",
         "the world size is known and it is the one rank no other process holds — and the evidence says",
         "so; a culprit whose rank is inferred is named at **medium** confidence at most.",
         "",

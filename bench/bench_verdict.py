@@ -12,7 +12,10 @@ Each case runs real processes (``tests/programs/fault_matrix.py``):
   a rank in uninterruptible sleep (state D: a weight read from a hung network filesystem), two
   pipeline stages both receiving first (a P2P ordering deadlock), a stage receiving from a stage
   hung before it sends, a rank hung before DeepEP's
-  dispatch while its peer spins in it (a host-side wait, no torch.distributed call).
+  dispatch while its peer spins in it (a host-side wait, no torch.distributed call), vLLM-on-Ray
+  workers all titled ``ray::RayWorkerWrapper`` (the rank from each one's environment, with the
+  Flight Recorder actor on and off; one crashing), schedulers that inherited one ``RANK`` (named by
+  their titles), a PP=2 x TP=2 vLLM job whose ``Worker_PP1_TP0`` hangs (rank 2).
 
 "Added" is the Flight Recorder phase (all ranks, in parallel) plus making the verdict, the two
 things the verdict adds to an incident; for the rank faults it is also shown as a share of the

@@ -35,7 +35,7 @@ from typing import Any
 from agent.fsutil import atomic_write_text
 from agent.kinds import Action, Trigger
 from agent.manifest_view import stack_errors
-from agent.ranks import rank_from_title
+from agent.ranks import rank_among
 from agent.security import strip_control
 from exporters.bundle import (
     ActionRow,
@@ -257,13 +257,14 @@ def _span_bars(spans: Iterable[SpanRow]) -> list[dict[str, Any]]:
 
 
 def _rank_of(tl: IncidentTimeline, pid: int) -> int | None:
-    """The rank of ``pid``: its Flight Recorder's, else its title's (``_TP1`` -> 1)."""
+    """The rank of ``pid``: what its Flight Recorder read said, else its title's among the incident's
+    targets' titles (``_TP1`` -> 1; ``Worker_PP1_TP0`` beside ``Worker_PP0_TP1`` -> 2: :func:`agent.ranks.rank_among`)."""
     for a in tl.actions:
         rank = a.attributes.get("servewatch.flightrec.rank") if a.pid == pid else None
         if isinstance(rank, int) and not isinstance(rank, bool):
             return rank
     title = tl.title_of(pid)
-    return rank_from_title(title) if title else None
+    return rank_among(title, [t.title for t in tl.targets]) if title else None
 
 
 def _threads(tl: IncidentTimeline, pid: int, key: str) -> str:

@@ -29,7 +29,7 @@ from rich.text import Text
 
 from agent.kinds import Trigger
 from agent.manifest_view import stack_errors
-from agent.ranks import rank_from_title
+from agent.ranks import rank_among
 from agent.security import sanitize
 from agent.stacks import thread_is_idle
 from exporters.bundle import (
@@ -185,12 +185,14 @@ def _header(tl: IncidentTimeline) -> Panel:
 
 
 def _rank_of(tl: IncidentTimeline, pid: int) -> int | None:
-    """The rank of ``pid``: what its Flight Recorder said, else its title's (``_TP1`` -> 1)."""
+    """The rank of ``pid``: what its Flight Recorder read said, else its title's among the incident's
+    targets' titles (``_TP1`` -> 1; ``Worker_PP1_TP0`` beside ``Worker_PP0_TP1`` -> 2: :func:`agent.ranks.rank_among`)."""
     for a in tl.actions:
         rank = a.attributes.get("servewatch.flightrec.rank") if a.pid == pid else None
         if isinstance(rank, int) and not isinstance(rank, bool):
             return rank
-    return rank_from_title(tl.title_of(pid)) if tl.title_of(pid) else None
+    title = tl.title_of(pid)
+    return rank_among(title, [t.title for t in tl.targets]) if title else None
 
 
 def _who(tl: IncidentTimeline, pid: int) -> Text:

@@ -5,7 +5,10 @@ counter, two servers on one host, DP replicas, an IPC deadlock with a request ru
 hang, an ordering deadlock across two process groups, a stack too deep for py-spy, a rank in
 uninterruptible sleep, two pipeline stages both receiving first (a P2P ordering deadlock), a stage receiving from a stage
 hung before it sends, a rank
-hung before DeepEP's dispatch while its peer spins in it). Lifecycle cases
+hung before DeepEP's dispatch while its peer spins in it, vLLM-on-Ray workers all titled
+``ray::RayWorkerWrapper`` whose ranks are in their environments (one crashing: named by the
+``RANK`` read while it lived), schedulers that inherited one ``RANK`` (named by their titles), a PP=2 x TP=2 vLLM job whose
+``Worker_PP1_TP0`` is global rank 2 on one host and across two nodes' job verdict). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
 (a memory-limited cgroup) is named, a crash seen late (zombies at dump time) is blamed first.
@@ -30,7 +33,7 @@ from agent.summary import summary_lines
 from exporters.bundle import load_incident
 from exporters.report import render_report_html, report_summary
 from exporters.timeline import render_timeline_text
-from tests.programs.fault_matrix import EXPECTED, SHAPES, run_case
+from tests.programs.fault_matrix import EXPECTED, RAY_SECRET, SHAPES, pp_two_nodes, run_case
 from tests.programs.lifecycle_cases import LIFECYCLE_EXPECTED, run_lifecycle_case
 
 pytestmark = pytest.mark.slow
@@ -199,12 +202,51 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         assert v["rule"] == "stacks_behind", v
         assert reason.startswith("behind: rank 1 not in a collective (rank 1 in compute: _hang_in_compute ("), reason
         assert reason.endswith("rank 0 waits in a P2P recv for it"), reason
+    elif shape in ("ray_workers", "ray_workers_no_fr"):  # every title ray::RayWorkerWrapper: RANK in each environment
+        assert v["ranks"] == [0, 1, 2] and reason.startswith("behind: rank 1 not in a collective"), (reason, v["ranks"])
+        assert all(re.match(r"rank \d pid \d+; rank from its environment \(RANK\); ", line) for line in v["evidence"]), (
+            v["evidence"])
+        # of the environment only the rank variables are read: the secret beside them is in no file of the incident
+        files = [f for f in Path(result.record.bundle_dir).rglob("*") if f.is_file()]
+        assert files and not [f for f in files if RAY_SECRET.encode() in f.read_bytes()]
+    elif shape == "ray_worker_crash":  # dead, its environment reads empty: the RANK read while it was alive
+        assert reason == "dead: rank 1 exited with SIGSEGV" and v["ranks"] == [0, 1, 2], reason
+        assert any(re.match(rf"rank 1 pid {v['culprit_pids'][0]}; rank from its environment \(RANK\); gone \(killed by "
+                            r"SIGSEGV\)", line) for line in v["evidence"]), v["evidence"]
+    elif shape == "inherited_rank":  # RANK=0 in both schedulers' environments (the pod's): the titles name them
+        assert v["ranks"] == [0, 1] and reason.startswith("behind: rank 1 not in a collective"), reason
+        assert not any("rank from its environment" in line for line in v["evidence"]), v["evidence"]
+    elif shape == "pp_titles":  # VLLM::Worker_PP1_TP0 at TP=2 is global rank 2, never 1 (Worker_PP0_TP1's)
+        assert v["ranks"] == [0, 1, 2, 3] and reason.startswith("behind: rank 2 not in a collective"), reason
+        assert any(line.startswith(f"rank 2 pid {v['culprit_pids'][0]} [PP1_TP0]; compute: ") for line in v["evidence"])
+        # `servewatch timeline` and the report number the stages' ranks alike (from all the titles)
+        tl = load_incident(result.record.bundle_dir)
+        text = render_timeline_text(tl, width=200)
+        assert f"rank 2 · pid {v['culprit_pids'][0]}" in text and "rank 1 · pid " in text, text
+        html = render_report_html(tl)
+        assert f"rank 2 pid {v['culprit_pids'][0]}" in html
     elif shape == "ep_dispatch":  # rank 0 spins in DeepEP's dispatch (no torch.distributed call) for rank 1
         assert v["rule"] == "stacks_behind", v
         assert reason.startswith("behind: rank 1 not in a collective (rank 1 in compute: _hang_in_compute ("), reason
         assert reason.endswith("rank 0 waits in one"), reason
         assert any(line.startswith("rank 0 pid ") and "collective: Buffer.dispatch (" in line and "deep_ep/buffer.py:"
                    in line for line in v["evidence"]), v["evidence"]
+
+
+async def test_a_pipeline_stage_hung_on_its_node_is_named_by_its_global_rank_in_the_job_verdict(tmp_path: Path) -> None:
+    """vLLM PP=2 x TP=2 over two nodes (stage 0 on node-a, stage 1 on node-b, one real agent
+    each, titles ``VLLM::Worker_PP{p}_TP{t}``, no SDK): ``Worker_PP1_TP0`` hangs. node-b's own
+    verdict names global rank 2 (not 1: that is node-a's ``Worker_PP0_TP1``), and the job verdict
+    made from both nodes' summaries names rank 2 on node-b, with no identity conflict."""
+    result = await pp_two_nodes(tmp_path)
+    a, b = result.host_verdicts["node-a"], result.host_verdicts["node-b"]
+    assert a["ranks"] == [0, 1] and a["culprit_ranks"] == [], a  # stage 0 only sees its ranks waiting
+    assert (b["kind"], b["culprit_ranks"], b["culprit_pids"], b["ranks"]) == ("behind", [2], [result.pids[2]], [2, 3]), b
+    job = result.job
+    assert (job.kind, job.culprit_ranks, job.culprit_hosts, job.confidence) == ("behind", (2,), ("node-b",), "medium"), (
+        job.reason, job.conflicts)
+    assert job.captured_ranks == (0, 1, 2, 3) and job.conflicts == ()
+    assert job.reason.startswith("behind: rank 2 not in a collective") and "ranks 0,1,3 wait in one" in job.reason
 
 
 # --- lifecycle: ranks owned (and reaped at once) by their server, the agent watching by title -----

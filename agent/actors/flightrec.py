@@ -62,7 +62,7 @@ from agent.events import (
 )
 from agent.fsutil import atomic_write_text
 from agent.lazy import LazyModule
-from agent.ranks import rank_from_title
+from agent.ranks import RankEnviron, rank_from_title
 from agent.security import access_denied, open_trusted, process_uids, trusted_owner
 from agent.targets import Target
 
@@ -77,6 +77,7 @@ else:
 
 __all__ = [
     "ACTION",
+    "RANK_SOURCE_ATTR",
     "SOURCES",
     "FlightRecorderActor",
     "FlightRecorderConfig",
@@ -88,6 +89,9 @@ log = logging.getLogger("servewatch.flightrec")
 
 #: Span name of one rank's Flight Recorder read.
 ACTION = Action.FLIGHTREC_DUMP
+#: Where ``servewatch.flightrec.rank`` came from: ``sdk`` (torch.distributed, through the SDK),
+#: ``environ`` (``RANK`` in the process's environment) or ``title`` (its title alone).
+RANK_SOURCE_ATTR = "servewatch.flightrec.rank_source"
 #: Tries of a rank's read that timed out before its outcome is ``timed_out`` (each with the whole budget).
 READ_RETRIES = 1
 
@@ -203,11 +207,13 @@ class FlightRecorderActor:
     async def act(self, trigger: IncidentOpened, target: Target, *, timeout_s: float, artifact_dir: Path) -> ActionResult:
         start = now_ns()
         rank: int | None = None
+        rank_source = ""
         attrs: dict[str, AttributeValue] = {"process.title": target.title} if target.title else {}
 
         def result(outcome: Outcome, detail: str, *, paths: tuple[str, ...] = (), retryable: bool = False) -> ActionResult:
             if rank is not None:
                 attrs["servewatch.flightrec.rank"] = rank
+                attrs[RANK_SOURCE_ATTR] = rank_source
             return ActionResult(
                 action=ACTION, outcome=outcome, pid=target.pid, detail=detail, retryable=retryable,
                 start_time_unix_nano=start, end_time_unix_nano=now_ns(), artifact_paths=paths, attributes=dict(attrs),
@@ -221,7 +227,7 @@ class FlightRecorderActor:
             trying: list[str] = []
             with anyio.move_on_after(budget_s) as scope:
                 try:
-                    rank = await self._rank(target)
+                    rank, rank_source = await self._rank(target)
                     read = await self._read(target, rank, tried, trying)
                 except PermissionError as exc:  # another user's SDK folder (root's server, no sudo): say the fix
                     why = await anyio.to_thread.run_sync(access_denied, exc.filename) if exc.filename else None
@@ -245,7 +251,7 @@ class FlightRecorderActor:
             if not isinstance(meta, dict):
                 meta = {}
             if isinstance(meta.get("rank"), int):
-                rank = meta["rank"]
+                rank, rank_source = meta["rank"], "sdk"
         attrs["servewatch.flightrec.source"] = read.source
         attrs.update(summarize_trace(trace))
         if not trace.get("entries") and not trace.get("pg_status"):
@@ -265,8 +271,14 @@ class FlightRecorderActor:
 
     # -- rank ---------------------------------------------------------------------------------
 
-    async def _rank(self, target: Target) -> int | None:
-        """The target's rank: the SDK's ``status`` (torch.distributed), else its title, else RANK."""
+    async def _rank(self, target: Target) -> tuple[int | None, str]:
+        """The target's rank and where it came from (:data:`RANK_SOURCE_ATTR`): the SDK's ``status``
+        (torch.distributed: ``sdk``), else its title alone when it names one
+        (:func:`agent.ranks.rank_from_title`: ``title``; none for ``ray::RayWorkerWrapper``, nor for
+        ``Worker_PP1_TP0``, whose rank depends on the TP size), else ``RANK`` in its environment
+        (:class:`agent.ranks.RankEnviron`: ``environ``; before the title it could be a launcher's,
+        inherited by every worker: the judge, which sees them all, tells); ``(None, "")`` when none
+        says it."""
         from agent.sdkclient import SdkCallError, control_path, sdk_call
 
         path = await anyio.to_thread.run_sync(control_path, target.pid, self.config.socket_dir)  # file system
@@ -278,17 +290,16 @@ class FlightRecorderActor:
                     if not isinstance(dist, dict):
                         dist = {}
                     if isinstance(dist.get("rank"), int):
-                        return int(dist["rank"])
+                        return int(dist["rank"]), "sdk"
             except SdkCallError:
                 pass
         by_title = rank_from_title(target.title)
         if by_title is not None:
-            return by_title
-        env = await anyio.to_thread.run_sync(self._environ, target.pid)  # /proc/PID/environ
-        for key in ("RANK", "LOCAL_RANK"):
-            if env.get(key, "").isdigit():
-                return int(env[key])
-        return None
+            return by_title, "title"
+        env = RankEnviron.of(await anyio.to_thread.run_sync(self._environ, target.pid))  # /proc/PID/environ
+        if env is not None and env.global_rank is not None:
+            return env.global_rank, "environ"
+        return None, ""
 
     def _environ(self, pid: int) -> dict[str, str]:
         if self._environ_of is not None:

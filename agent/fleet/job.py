@@ -143,7 +143,7 @@ from agent.fleet.proof import NonceCache
 from agent.fleet.traceparent import TraceParent
 from agent.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
 from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
-from agent.ranks import rank_label, world_ranks
+from agent.ranks import distinct_env_ranks, rank_label, world_ranks
 
 __all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "JobIncident"]
 
@@ -399,17 +399,15 @@ class Fleet:
 
     def _local_ranks_now(self) -> tuple[int, ...]:
         """This host's global ranks: ``RANK`` in a target's environment, else its title's rank in
-        this server's world (:func:`agent.ranks.world_ranks`). A /proc scan: a worker thread."""
-        import psutil
+        this server's world (:func:`agent.ranks.world_ranks`). A /proc scan: a worker thread; of
+        the environment only the rank variables are read (:func:`agent.targets.rank_environ`)."""
+        from agent.targets import rank_environ
 
         targets = self.agent.discover()
         ranks: set[int] = set()
-        for target, by_title in zip(targets, world_ranks([t.title or "" for t in targets])):
-            try:
-                raw = psutil.Process(target.pid).environ().get("RANK", "")
-            except (psutil.Error, OSError):
-                raw = ""
-            rank = int(raw) if raw.isdigit() else by_title
+        by_env = distinct_env_ranks([rank_environ(t.pid) for t in targets])  # a shared RANK was inherited: none
+        for target, env_rank, by_title in zip(targets, by_env, world_ranks([t.title or "" for t in targets])):
+            rank = env_rank if env_rank is not None else by_title
             if rank is not None:
                 ranks.add(rank)
         return tuple(sorted(ranks))

@@ -207,6 +207,7 @@ async def test_nccl_debug_info_pipe_is_triggered_and_its_pickle_read_safely(tmp_
     assert r.outcome is Outcome.OK, r.detail
     assert r.attributes["servewatch.flightrec.source"] == "nccl_pipe"
     assert r.attributes["servewatch.flightrec.rank"] == 3  # RANK from the environment
+    assert r.attributes["servewatch.flightrec.rank_source"] == "environ"
     assert (r.attributes["servewatch.flightrec.last_enqueued"], r.attributes["servewatch.flightrec.last_completed"]) == (2, 2)
     assert r.attributes["servewatch.flightrec.last_op"] == "gloo:all_reduce #2"  # torch's own pickle, read safely
 
@@ -323,3 +324,20 @@ def test_a_watching_agent_never_imports_torch_and_a_multi_rank_incident_loads_th
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "flightrec" in out["actors"], out
     assert out == {"actors": out["actors"], "watching": False, "one_target": False, "two_targets": True}, r.stderr
+
+
+async def test_the_rank_is_what_the_process_says_and_its_title_only_when_it_alone_names_one(tmp_path: Path, spawn) -> None:
+    """No SDK, no recorder source: ``RANK`` in the environment first (a vLLM-on-Ray worker titled
+    ``ray::RayWorkerWrapper``); else the title alone (``_TP1``); never a guess for
+    ``Worker_PP1_TP0`` (rank 2 at TP=2: the judge reads it from all the server's titles)."""
+    proc = spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+    cfg = FlightRecorderConfig(timeout_s=2.0, socket_dir=tmp_path / "nosockets", debug_server=False, nccl_pipe=False)
+    envs = {"ray::RayWorkerWrapper": {"RANK": "2", "WORLD_SIZE": "4"}, "VLLM::Worker_TP1": {}, "VLLM::Worker_PP1_TP0": {}}
+    got = {}
+    for title, env in envs.items():
+        [r] = await FlightRecorderActor(cfg, environ_of=lambda pid, env=env: env).collect_all(
+            _opened(tmp_path), [Target(pid=proc.pid, title=title)], artifact_dir=tmp_path)
+        got[title] = (r.outcome, r.attributes.get("servewatch.flightrec.rank"), r.attributes.get("servewatch.flightrec.rank_source"))
+    assert got == {"ray::RayWorkerWrapper": (Outcome.NO_SOURCE, 2, "environ"),
+                   "VLLM::Worker_TP1": (Outcome.NO_SOURCE, 1, "title"),
+                   "VLLM::Worker_PP1_TP0": (Outcome.NO_SOURCE, None, None)}

@@ -1,7 +1,8 @@
 """One rank of a small real torch.distributed (gloo) job that can misbehave on purpose.
 
 Run N copies (ranks 0..N-1) with the same ``--init`` (a ``file://`` store). Each rank is titled
-``<title>_TP<rank>``, serves the SDK control socket, torch's worker server (unless
+``<title>_TP<rank>`` (``--proc-title``: exactly that title, as Ray's ``ray::RayWorkerWrapper`` or
+vLLM's ``VLLM::Worker_PP1_TP0``), serves the SDK control socket, torch's worker server (unless
 ``--no-sdk``) and a forward-step counter, and loops: ``broadcast`` of a [4, 16] tensor from rank
 0, a small matmul, ``all_reduce`` of an [8, 32] tensor, ``agent.sdk.step()``.
 
@@ -171,6 +172,7 @@ def main() -> int:
     ap.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE (as torchrun sets it)")
     ap.add_argument("--init", required=True, help="init_method, e.g. file:///tmp/x/store")
     ap.add_argument("--title", default="faultjob::scheduler")
+    ap.add_argument("--proc-title", default="", help="the exact process title (else <title>_TP<rank>)")
     ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "dstate", "oom",
                                                    "p2p", "p2p_hang", "ep"])
     ap.add_argument("--fault-rank", type=int, default=1)
@@ -197,7 +199,7 @@ def main() -> int:
 
     import setproctitle
 
-    setproctitle.setproctitle(f"{args.title}_TP{args.rank}")
+    setproctitle.setproctitle(args.proc_title or f"{args.title}_TP{args.rank}")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if args.fr_buffer is not None:
         os.environ["TORCH_FR_BUFFER_SIZE"] = args.fr_buffer

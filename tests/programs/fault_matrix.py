@@ -317,9 +317,13 @@ def _zombie(pid: int) -> bool:
 
 async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any] = (),  # type: ignore[assignment]
                  manual_when: Callable[[], bool] | None = None, wait_trigger: str | None = None,
-                 deadline_s: float = 100.0) -> Any:
+                 deadline_s: float = 100.0, judged: list[Any] | None = None,
+                 after_start: Callable[[Any], None] | None = None) -> Any:
     """Run the real agent on ``settings_extra`` targets until its first incident (of trigger
-    ``wait_trigger`` when given; a manual one opened once ``manual_when()``); the incident."""
+    ``wait_trigger`` when given; a manual one opened once ``manual_when()``); the incident.
+    ``judged`` receives what its verdict judged (``VerdictJudge.last_evidence``: what a host
+    sends its job's coordinator). ``after_start(agent)`` runs (in a worker thread) once the agent
+    runs."""
     from agent.config import load_settings
     from agent.runtime import Agent
     from exporters.provider import build_telemetry
@@ -337,6 +341,8 @@ async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any
 
     def on_incident(record: Any) -> None:
         if wait_trigger is None or record.opened.trigger == wait_trigger:
+            if judged is not None and not records:
+                judged.extend(agent.incidents.judge.last_evidence)
             records.append(record)
             got.set()
 
@@ -345,6 +351,8 @@ async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any
     with anyio.fail_after(deadline_s):
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
+            if after_start is not None:
+                await anyio.to_thread.run_sync(after_start, agent)
             if manual_when is not None:
                 while not manual_when():
                     await anyio.sleep(0.2)
@@ -622,6 +630,201 @@ async def shape_ep_dispatch(wd: Path) -> ShapeResult:
         await anyio.to_thread.run_sync(stop_ranks, procs)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _metrics(port: int) -> dict[str, Any]:
+    """The ``[metrics]`` settings for rank 0's ``/metrics`` (``--metrics-port``): progress with no
+    SDK step counter, as a vLLM or Ray server's own endpoint."""
+    return {"url": f"http://127.0.0.1:{port}/metrics", "metrics_preset": None, "counter": "fm_steps_total",
+            "busy_gauge": "fm_busy"}
+
+
+def _titled_job(wd: Path, titles: list[str], fault_rank: int, port: int,
+                env_of: Callable[[int], dict[str, str]] | None = None, fault: str = "hang",
+                fault_file: Path | None = None) -> tuple[subprocess.Popen[bytes], dict[int, int]]:
+    """A gloo job of ``len(titles)`` ranks titled exactly ``titles[r]``, without the servewatch SDK
+    (no control socket, no step counter: as vLLM and Ray run), rank 0 serving ``/metrics`` on
+    ``port``; rank ``fault_rank`` has ``fault`` (hangs in compute before the step's all-reduce), at
+    the first step after ``fault_file`` exists when given.
+    Returns the launcher (stop with :func:`stop_ranks`; it never reaps a rank: a dead one stays a
+    zombie) and ``{rank: pid}`` once every rank is READY."""
+    tag = _tag()
+    world = len(titles)
+    specs = []
+    for r, title in enumerate(titles):
+        extra = ("--proc-title", title, "--no-sdk", "--no-counter", "--max-runtime-s", "200",
+                 *(("--metrics-port", str(port)) if r == 0 else ()), *(("--fault-file", str(fault_file)) if fault_file else ()))
+        specs.append({"argv": _rank_argv(r, world, f"file://{wd}/store-{tag}", f"{tag}::unused", fault, fault_rank, extra),
+                      "env": env_of(r) if env_of is not None else {}})
+    launcher = _launch(specs, wd)
+    try:
+        seen = _read_lines(launcher, lambda s: len(s.get("READY", [])) == world)
+        _wait_listening(port)  # rank 0 serves /metrics just after READY: the agent's first read finds it
+    except BaseException:
+        stop_ranks([launcher])
+        raise
+    return launcher, _ready_pids(seen)
+
+
+def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
+    """Block until 127.0.0.1:``port`` accepts a connection (bounded)."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s") from None
+            time.sleep(0.1)
+
+
+#: A secret in every Ray worker's environment: it must never reach an incident's files.
+RAY_SECRET = "hf_servewatchNeverReadsThis0123"
+
+
+def _ray_env(r: int, world: int = 3) -> dict[str, str]:
+    """A Ray worker's environment: its rank variables (torch.distributed's env://), ``SPT_NOENV``
+    (Ray keeps ``/proc/PID/environ`` readable, ray-project/ray #15056) and a secret."""
+    return {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "SPT_NOENV": "1", "HF_TOKEN": RAY_SECRET}
+
+
+async def shape_ray_worker_crash(wd: Path) -> ShapeResult:
+    """vLLM on Ray: rank 1 of 3 (titled ``ray::RayWorkerWrapper`` like the others) dies of SIGSEGV;
+    ranks 0 and 2 fail in their collective later. Dead, its environment reads empty: it is named
+    by the ``RANK`` the agent read when it first saw it alive."""
+    port = _free_port()
+    go = wd / f"crash-{_tag()}"
+    launcher, pids = await anyio.to_thread.run_sync(
+        lambda: _titled_job(wd, ["ray::RayWorkerWrapper"] * 3, 1, port, _ray_env, fault="kill", fault_file=go))
+
+    def crash_once_seen(agent: Any) -> None:
+        agent.discover()  # the agent has seen every worker alive (as its watchers do at start)
+        go.touch()
+
+    try:
+        record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port),
+                               "watchdog": {"timeout_s": 120.0}}, wd, wait_trigger="exit", after_start=crash_once_seen)
+        return _result("ray_worker_crash", record, kind="dead", ranks=(1,), pids=(pids[1],), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+async def _ray_workers(wd: Path, name: str, settings: dict[str, Any]) -> ShapeResult:
+    """vLLM on Ray (vLLM #2479, #50835): every worker is titled ``ray::RayWorkerWrapper``, so the
+    title names no rank; rank 1 of 3 hangs in compute outside the all-reduce. Each worker's rank is
+    what its own environment says (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, torch.distributed's
+    env:// variables; readable as Ray sets ``SPT_NOENV``, ray-project/ray #15056), next to a
+    secret the agent never reads. No SDK: progress from rank 0's ``/metrics``."""
+    port = _free_port()
+    launcher, pids = await anyio.to_thread.run_sync(
+        lambda: _titled_job(wd, ["ray::RayWorkerWrapper"] * 3, 1, port, _ray_env))
+    try:
+        record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port), **settings}, wd,
+                              wait_trigger="stall")
+        # medium: stacks alone (no Flight Recorder source without the SDK) say who is behind
+        return _result(name, record, kind="behind", ranks=(1,), pids=(pids[1],), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+async def shape_ray_workers(wd: Path) -> ShapeResult:
+    """:func:`_ray_workers` with the default settings (the Flight Recorder actor reads each
+    worker's rank variables too)."""
+    return await _ray_workers(wd, "ray_workers", {})
+
+
+async def shape_ray_workers_no_fr(wd: Path) -> ShapeResult:
+    """:func:`_ray_workers` with the Flight Recorder actor off (``[flightrec] enabled = false``):
+    the verdict reads each worker's rank variables itself."""
+    return await _ray_workers(wd, "ray_workers_no_fr", {"flightrec": {"enabled": False}})
+
+
+async def shape_inherited_rank(wd: Path) -> ShapeResult:
+    """SGLang TP=2 in a Kubernetes PyTorchJob pod: the pod's ``RANK=0``/``WORLD_SIZE=1`` (its node
+    rank) reaches both schedulers (``SPT_NOENV``: readable); rank 1 hangs. A ``RANK`` both share
+    names neither: the titles (``scheduler_TP0``/``_TP1``) do."""
+    port = _free_port()
+    tag = _tag()
+    env = {"RANK": "0", "WORLD_SIZE": "1", "SPT_NOENV": "1"}
+    launcher, pids = await anyio.to_thread.run_sync(
+        lambda: _titled_job(wd, [f"{tag}::scheduler_TP0", f"{tag}::scheduler_TP1"], 1, port, lambda r: env))
+    try:
+        record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port)}, wd,
+                              wait_trigger="stall")
+        return _result("inherited_rank", record, kind="behind", ranks=(1,), pids=(pids[1],), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+def pp_titles(pp: int = 2, tp: int = 2) -> list[str]:
+    """vLLM's worker titles of a PP x TP engine in global rank order (``Worker_PP1_TP0`` is rank
+    ``1 * tp + 0``: vllm/v1/executor/multiproc_executor.py, stages outermost)."""
+    return [f"VLLM::Worker_PP{r // tp}_TP{r % tp}" for r in range(pp * tp)]
+
+
+async def shape_pp_titles(wd: Path) -> ShapeResult:
+    """vLLM PP=2 x TP=2 (``VLLM::Worker_PP{p}_TP{t}``, no SDK, no rank in the environment:
+    vLLM's multiproc workers get their rank in-process): ``Worker_PP1_TP0`` hangs in compute, the
+    others wait in the all-reduce. It is global rank 2 (never 1, which ``Worker_PP0_TP1`` is)."""
+    port = _free_port()
+    launcher, pids = await anyio.to_thread.run_sync(lambda: _titled_job(wd, pp_titles(), 2, port))
+    try:
+        record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port)}, wd,
+                              wait_trigger="stall")
+        return _result("pp_titles", record, kind="behind", ranks=(2,), pids=(pids[2],), confidence="medium")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
+@dataclass
+class JobViewResult:
+    """Per host: its incident's verdict (``Verdict.to_json()``); the coordinator's job verdict
+    (:class:`agent.fleet.jobverdict.JobVerdict`); ``{global rank: pid}``."""
+
+    host_verdicts: dict[str, dict[str, Any]]
+    job: Any
+    pids: dict[int, int]
+
+
+async def pp_two_nodes(wd: Path) -> JobViewResult:
+    """The PP=2 x TP=2 job of :func:`shape_pp_titles` as two nodes: ``node-a`` runs stage 0
+    (``Worker_PP0_TP0``, ``Worker_PP0_TP1``), ``node-b`` stage 1 (``Worker_PP1_TP*``), one real
+    agent per node watching its own two ranks (one after the other: the hang stays). Each node's
+    evidence summary (:func:`agent.fleet.evidence.host_evidence`, what it sends its coordinator,
+    through the wire model) goes to :func:`agent.fleet.jobverdict.judge_job`."""
+    from agent.fleet.evidence import host_evidence
+    from agent.fleet.jobverdict import judge_job
+    from agent.fleet.messages import Evidence as HostEvidence
+
+    port = _free_port()
+    launcher, pids = await anyio.to_thread.run_sync(lambda: _titled_job(wd, pp_titles(), 2, port))
+    try:
+        sent: list[Any] = []
+        verdicts: dict[str, dict[str, Any]] = {}
+        for host, ranks in (("node-a", (0, 1)), ("node-b", (2, 3))):
+            judged: list[Any] = []
+            record = await _watch({"host_name": host, "data_dir": wd / host, "target": {"pids": [pids[r] for r in ranks]},
+                                   "metrics": _metrics(port)}, wd, wait_trigger="stall", judged=judged)
+            verdicts[host] = record.verdict.to_json() if record.verdict is not None else {}
+            evidence = host_evidence(job="pp", host_name=host, agent_id=f"agent-{host}", trace_id=record.opened.trace_id,
+                                     incident_id=record.opened.incident_id, bundle_dir=str(record.bundle_dir),
+                                     judged=judged, verdict=record.verdict)
+            sent.append(HostEvidence.model_validate_json(evidence.model_dump_json(by_alias=True)))
+        return JobViewResult(host_verdicts=verdicts, job=judge_job(sent), pids=pids)
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
 #: The shapes, by name: ``await SHAPES[name](workdir)``.
 SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "cascade": shape_cascade,
@@ -639,4 +842,9 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "p2p_deadlock": shape_p2p_deadlock,
     "p2p_behind": shape_p2p_behind,
     "ep_dispatch": shape_ep_dispatch,
+    "ray_workers": shape_ray_workers,
+    "ray_workers_no_fr": shape_ray_workers_no_fr,
+    "ray_worker_crash": shape_ray_worker_crash,
+    "pp_titles": shape_pp_titles,
+    "inherited_rank": shape_inherited_rank,
 }

@@ -18,9 +18,8 @@ The protocol, per job incident:
    ``announce_interval_s``; the answers tell it every host's name and ranks), else the lowest
    live host in the job's member list (every host sorts the same list alike). A host that
    detects reports to the coordinator (``POST /v1/job/report``): a report whose answer times out
-   is sent again to the first candidate (:data:`REPORT_TRIES`; a report is idempotent there); a
-   candidate that accepted no connection in time never got it and is not asked again; then the
-   next candidate is tried, and this host coordinates itself when its own turn comes.
+   is sent again to the first candidate (:data:`REPORT_TRIES`; a report is idempotent there),
+   then the next candidate is tried, and this host coordinates itself when its own turn comes.
    A host that knows its coordinator redirects every report there. The coordinator's answer
    names the job's trace: a host whose key differed moves its running incident into it, only
    when the answer is verified (mutual TLS, or the token's proof: :mod:`agent.fleet.proof`).
@@ -625,8 +624,8 @@ class Fleet:
                 self.reports_sent += 1
                 reply = await call_peer(candidate, "/v1/job/report", body, credentials=self._as_listed(),
                                         timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
-                if not _answer_late(reply.result) or attempt == tries:
-                    break  # a host that never took the connection is not asked again: the next one is
+                if reply.result.outcome is not Outcome.TIMED_OUT or attempt == tries:
+                    break  # timed out: sent again (connect_timeout too: a sender starved of CPU sees its own connect time out)
                 log.warning("job %s: our report to %s got no answer within %.1f s (try %d of %d): sent again",
                             self.config.job, candidate, self.config.peer_timeout_s, attempt, tries)
             if attempt > 1:
@@ -778,7 +777,7 @@ class Fleet:
             self.reports_sent += 1
             reply = await call_peer(first, "/v1/job/report", body, credentials=self._as_listed(),
                                     timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
-            if not _answer_late(reply.result):
+            if reply.result.outcome is not Outcome.TIMED_OUT:
                 break
         doc = reply.doc or {}
         if reply.result.outcome is Outcome.OK and reply.verified and doc.get("status") == "coordinating" and doc.get("trace_id") == job.trace_id:
@@ -1643,13 +1642,6 @@ def _stuck_collective(job: JobIncident) -> JobKey | None:
     """The job's stuck collective (``"<pg>:<seq>"``) from every host's ranks' Flight Recorder
     windows in their evidence: read after capture, never before it (``None`` without one)."""
     return stuck_collective([r.fr for e in job.evidence.values() for r in e.ranks if isinstance(r.fr, dict)])
-
-
-def _answer_late(result: ActionResult) -> bool:
-    """The peer got the request and its answer did not come within the bound: it may have taken
-    it (and coordinate), so it is asked again. A connection never made in time is not late: that
-    host never got the request (:func:`agent.fleet.peers.call_peer`'s ``connect_timeout``)."""
-    return result.outcome is Outcome.TIMED_OUT and result.attributes.get("servewatch.peer.error") == "timeout"
 
 
 def _may_coordinate(result: ActionResult) -> bool:

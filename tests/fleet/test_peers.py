@@ -535,12 +535,11 @@ async def test_a_host_whose_clock_is_30_s_ahead_is_said_with_its_offset_in_the_j
 
 async def test_a_peer_that_never_took_the_connection_is_told_from_one_that_answers_late() -> None:
     """A host whose agent takes no connection (its accept queue full, so the kernel drops the
-    SYNs, as for a dead or partitioned host) never got the request: ``connect_timeout``, and a
-    report is not sent to it again. One that took the request and answers late may have acted on
-    it: ``timeout``, asked again."""
+    SYNs, as for a dead or partitioned host) never got the request: ``connect_timeout``; one that
+    took the request and answers late may have acted on it: ``timeout``. Both are timeouts (a
+    sender starved of CPU sees its own connect time out too: a report is sent again after either)."""
     import socket
 
-    from agent.fleet.job import _answer_late
     from agent.fleet.peers import Peer, PeerCredentials, call_peer
 
     full = socket.socket()
@@ -573,7 +572,6 @@ async def test_a_peer_that_never_took_the_connection_is_told_from_one_that_answe
     assert never.result.attributes["servewatch.peer.error"] == "connect_timeout"
     assert "accepted no connection within 1 s" in never.result.detail
     assert late.result.attributes["servewatch.peer.error"] == "timeout" and "did not answer within 1 s" in late.result.detail
-    assert (_answer_late(never.result), _answer_late(late.result)) == (False, True)
 
 
 async def test_rank_0s_host_announces_again_only_to_the_members_that_missed_it(tmp_path: Path, spawn, python, otlp_receiver) -> None:

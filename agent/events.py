@@ -278,15 +278,21 @@ class WatchdogStalled(TriggerEvent):
     series: str = ""
     #: the ``/metrics`` URL whose counter stalled (its port names the server); ``""``: an SDK counter
     url: str = ""
+    #: requests the engine preempted meanwhile with no progress (vLLM's
+    #: ``vllm:num_preemptions_total``; 0: none, or not counted): a livelock (vLLM #25538)
+    preempted: int = 0
+    #: seconds over which ``preempted`` was counted (since the last progress, or the first reading)
+    preempted_in_s: float = 0.0
 
     @property
     def subject_pid(self) -> int | None:
         return self.pid
 
     def describe(self) -> str:
+        churn = f", preempted {self.preempted} times in {self.preempted_in_s:.0f}s" if self.preempted else ""
         return (f"busy and no forward progress for {self.stalled_for_s:.1f}s (timeout {self.timeout_s:g}s,"
                 f" forward_ct={self.forward_ct}{', pid ' + str(self.pid) if self.pid else ''}"
-                f"{', series {' + self.series + '}' if self.series else ''})")
+                f"{', series {' + self.series + '}' if self.series else ''}{churn})")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -396,7 +396,8 @@ class VerdictJudge:
             health_url=readings.cause.url if isinstance(readings.cause, HealthCheckFailed) else "",
             orphaned_pids=orphaned.left_alive if orphaned is not None else (),
             orphaned_bytes=orphaned.held_bytes if orphaned is not None else 0,
-            orphaned_under=orphaned.reparented_to if orphaned is not None else 0)
+            orphaned_under=orphaned.reparented_to if orphaned is not None else 0,
+            **_livelock_facts(readings.cause))
         self.last_evidence.append(judged)
         return decide(judged)
 
@@ -441,6 +442,14 @@ class VerdictJudge:
             uninterruptible=alive and target.pid in readings.dsleep,
             wchan=readings.dsleep.get(target.pid, "") if alive else "",
         )
+
+
+def _livelock_facts(cause: Event | None) -> dict[str, Any]:
+    """The :class:`~agent.verdict.Evidence` fields of a stall's preemptions (vLLM #25538): its
+    ``preempted`` count and the seconds it was counted over; none for another cause."""
+    if not isinstance(cause, WatchdogStalled) or cause.preempted <= 0:
+        return {}
+    return {"preempted": cause.preempted, "preempted_in_s": cause.preempted_in_s}
 
 
 def _stack_note(dump: ActionResult | None) -> str:

@@ -36,6 +36,7 @@ from agent.events import (
     FrontendExited,
     HealthCheckFailed,
     Outcome,
+    RequestStalled,
     TargetExited,
     Trigger,
     WatchdogStalled,
@@ -141,6 +142,8 @@ def trigger_of(cause: Event | None) -> str:
         return "exit"
     if isinstance(cause, HealthCheckFailed):
         return "health"
+    if isinstance(cause, RequestStalled):
+        return Trigger.REQUEST_STALL
     return "manual" if cause is None else type(cause).__name__
 
 
@@ -397,7 +400,7 @@ class VerdictJudge:
             orphaned_pids=orphaned.left_alive if orphaned is not None else (),
             orphaned_bytes=orphaned.held_bytes if orphaned is not None else 0,
             orphaned_under=orphaned.reparented_to if orphaned is not None else 0,
-            **_livelock_facts(readings.cause))
+            **_livelock_facts(readings.cause), **_request_facts(readings.cause, dumps))
         self.last_evidence.append(judged)
         return decide(judged)
 
@@ -450,6 +453,27 @@ def _livelock_facts(cause: Event | None) -> dict[str, Any]:
     if not isinstance(cause, WatchdogStalled) or cause.preempted <= 0:
         return {}
     return {"preempted": cause.preempted, "preempted_in_s": cause.preempted_in_s}
+
+
+def _request_facts(cause: Event | None, dumps: Mapping[int, ActionResult]) -> dict[str, Any]:
+    """The :class:`~agent.verdict.Evidence` fields of one stuck request (vLLM #54003): the request
+    in words and the thread holding it, found in its process's py-spy dump by the thread id the
+    SDK reported (named by its name, tid and innermost frame); none for another cause."""
+    if not isinstance(cause, RequestStalled):
+        return {}
+    request = (f"request {cause.request_id} (pid {cause.pid}) in flight {cause.age_s:.1f} s, over {cause.threshold_s:.1f} s"
+               f" ({cause.p99_s:.3f} s p99 of {cause.recent} recent completions; the last {cause.completed_ago_s:.1f} s ago)")
+    threads = _threads(dumps.get(cause.pid))
+    held = next((t for t in threads if cause.thread_id and t.thread_id == cause.thread_id
+                 or cause.native_thread_id and t.os_thread_id == cause.native_thread_id), None)
+    if held is None:
+        return {"stuck_request": request, "stuck_request_pid": cause.pid}
+    frame = next((f for f in held.frames if not f.native and not f.unresolved), held.frames[0] if held.frames else None)
+    where = frame.describe() if frame is not None else "no frame"
+    state = "busy" if held.active else "idle"
+    thread = f"thread '{held.label}' (tid {held.os_thread_id or held.thread_id}, {state}) in {where}"
+    return {"stuck_request": request, "stuck_request_pid": cause.pid, "stuck_thread": thread,
+            "stuck_thread_busy": held.active}
 
 
 def _stack_note(dump: ActionResult | None) -> str:

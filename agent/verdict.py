@@ -1510,12 +1510,14 @@ def _next_behind(v: Verdict, ev: Evidence | None) -> str:
     return _native(v, ev, "what it does instead of the collective") or _fresh_stacks(v, ev)
 
 
-@_next("livelock", "lower the engine's concurrency or give it more KV cache (vLLM: `--max-num-seqs`, "
-       "`--gpu-memory-utilization`) and watch `vllm:num_preemptions_total`: the scheduler preempts more than it can "
-       "resume (vLLM #25538)")
+@_next("livelock", "`py-spy dump --pid <engine core pid>` (its scheduler's preempt/resume loop), then lower the "
+       "engine's concurrency or give it more KV cache (vLLM: `--max-num-seqs`, `--gpu-memory-utilization`): it preempts "
+       "more than it can resume (vLLM #25538)")
 def _next_livelock(v: Verdict, ev: Evidence | None) -> str:
-    return ("lower the engine's concurrency or give it more KV cache (vLLM: --max-num-seqs, --gpu-memory-utilization),"
-            " then watch vllm:num_preemptions_total stay flat while vllm:generation_tokens_total rises")
+    fix = ("lower the engine's concurrency or give it more KV cache (vLLM: --max-num-seqs, --gpu-memory-utilization),"
+           " then watch vllm:num_preemptions_total stay flat while vllm:generation_tokens_total rises")
+    pids = list(v.culprit_pids)
+    return f"{_sudo(v)}py-spy dump --pid {pids[0]} (its scheduler's preempt/resume loop); then {fix}" if pids else fix
 
 
 @_next("request", "`py-spy dump --native --pid <pid>`: what the thread holding the request runs (a structured-output "

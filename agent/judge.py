@@ -236,6 +236,9 @@ class VerdictJudge:
         #: why the given :attr:`progress_source` gave no reading for the last verdict, in words
         #: (``""``: it was read, or none was given)
         self.progress_unread = ""
+        #: the preemptions with no progress across the last two readings of :attr:`progress_source`
+        #: and the seconds they were counted over (vLLM #25538); ``None``: none, or not read
+        self.progress_preempted: tuple[int, float] | None = None
         #: pids stopped (state T/t) when the last incident of their server opened
         self._stopped_at_open: frozenset[int] = frozenset()
         #: each target's threads in uninterruptible sleep (state D) when its incident opened
@@ -280,6 +283,7 @@ class VerdictJudge:
         first reading: (advanced, in words, busy, the pid listening on its URL), or ``None``."""
         first, source = self._progress_at_open, self.progress_source
         self.progress_unread = ""
+        self.progress_preempted = None
         if source is None:
             return None
         if first is None:
@@ -297,6 +301,9 @@ class VerdictJudge:
         words = f"{source.counter} {first.forward_ct}->{second.forward_ct} in {dt_s:.1f} s at {source.url}"
         if moved and second.forward_ct == first.forward_ct:
             words += " (its step gauges moved)"
+        self.progress_preempted = _preempted_between(second, moved=moved)
+        if self.progress_preempted is not None:
+            words += f" (preempted {self.progress_preempted[0]} times meanwhile, no output)"
         port = port_of_url(source.url)
         return moved, words, second.busy, listener_of_port(port) if port else None
 
@@ -400,7 +407,8 @@ class VerdictJudge:
             orphaned_pids=orphaned.left_alive if orphaned is not None else (),
             orphaned_bytes=orphaned.held_bytes if orphaned is not None else 0,
             orphaned_under=orphaned.reparented_to if orphaned is not None else 0,
-            **_livelock_facts(readings.cause), **_request_facts(readings.cause, dumps))
+            **_livelock_facts(readings.cause, self.progress_preempted if progress else None),
+            **_request_facts(readings.cause, dumps))
         self.last_evidence.append(judged)
         return decide(judged)
 
@@ -447,12 +455,26 @@ class VerdictJudge:
         )
 
 
-def _livelock_facts(cause: Event | None) -> dict[str, Any]:
-    """The :class:`~agent.verdict.Evidence` fields of a stall's preemptions (vLLM #25538): its
-    ``preempted`` count and the seconds it was counted over; none for another cause."""
-    if not isinstance(cause, WatchdogStalled) or cause.preempted <= 0:
-        return {}
-    return {"preempted": cause.preempted, "preempted_in_s": cause.preempted_in_s}
+def _livelock_facts(cause: Event | None, read: tuple[int, float] | None = None) -> dict[str, Any]:
+    """The :class:`~agent.verdict.Evidence` fields of preemptions with no progress (vLLM #25538):
+    the stall's ``preempted`` count and the seconds it was counted over, else those of a one-shot
+    incident's two readings of the server's counter (``read``); none without."""
+    if isinstance(cause, WatchdogStalled) and cause.preempted > 0:
+        return {"preempted": cause.preempted, "preempted_in_s": cause.preempted_in_s}
+    if read is not None:
+        return {"preempted": read[0], "preempted_in_s": read[1]}
+    return {}
+
+
+def _preempted_between(second: _Reading, *, moved: bool) -> tuple[int, float] | None:
+    """Preemptions with no progress up to ``second`` (a reading that says how many:
+    ``StepReading.preempted_since_progress``), and over how many seconds; ``None`` when the
+    counter moved or nothing was preempted."""
+    n = getattr(second, "preempted_since_progress", 0)
+    since = getattr(second, "preempted_since_ns", None)
+    if moved or not isinstance(n, int) or n <= 0 or not isinstance(since, int):
+        return None
+    return n, (second.read_monotonic_ns - since) / 1e9
 
 
 def _request_facts(cause: Event | None, dumps: Mapping[int, ActionResult]) -> dict[str, Any]:

@@ -668,15 +668,16 @@ LIVELOCK_SURE_PREEMPTIONS = 3
 
 
 @_rule("livelock", kind="livelock",
-       when="a stall (busy, no work completed: no token out, no step with output) during which the engine kept "
-            "preempting and resuming requests (vLLM's `vllm:num_preemptions_total` rose while "
-            "`vllm:kv_cache_usage_perc` moved), every process alive and running",
+       when="no progress (a stall: busy, no work completed, no token out, no step with output; or the server's "
+            "counter stood still across a `dump --metrics-url`) while the engine kept preempting and resuming "
+            "requests (vLLM's `vllm:num_preemptions_total` rose while `vllm:kv_cache_usage_perc` moved), every "
+            "process alive and running",
        concludes="a livelock of the engine's scheduler, named with the count: `livelock: requests preempted 41 "
                  "times in 30 s with no output token` (vLLM #25538); the engine core (a coordinator) is named "
                  "when it is among the processes; a moving gauge is never progress",
        confidence=f"high with {LIVELOCK_SURE_PREEMPTIONS} preemptions or more; medium with fewer")
 def _livelock(ev: Evidence) -> Verdict | None:
-    if ev.trigger != Trigger.STALL or ev.preempted <= 0:
+    if not ev.no_progress or ev.preempted <= 0:
         return None
     if any(not e.alive or e.stopped or e.uninterruptible for e in ev.processes):
         return None  # a death, a stop or a D-state thread explains a stall better (their rules)
@@ -1514,8 +1515,8 @@ def _next_behind(v: Verdict, ev: Evidence | None) -> str:
        "engine's concurrency or give it more KV cache (vLLM: `--max-num-seqs`, `--gpu-memory-utilization`): it preempts "
        "more than it can resume (vLLM #25538)")
 def _next_livelock(v: Verdict, ev: Evidence | None) -> str:
-    fix = ("lower the engine's concurrency or give it more KV cache (vLLM: --max-num-seqs, --gpu-memory-utilization),"
-           " then watch vllm:num_preemptions_total stay flat while vllm:generation_tokens_total rises")
+    fix = ("lower the engine's concurrency or give it more KV cache (vLLM: --max-num-seqs, --gpu-memory-utilization)"
+           " and watch vllm:num_preemptions_total stay flat while vllm:generation_tokens_total rises")
     pids = list(v.culprit_pids)
     return f"{_sudo(v)}py-spy dump --pid {pids[0]} (its scheduler's preempt/resume loop); then {fix}" if pids else fix
 

@@ -146,7 +146,7 @@ class RequestStallWatcher:
 
 class RequestStallWatchers:
     """Per-target request-stall watchers (:class:`~agent.watchers.TargetWatchers`): one for each
-    target that serves the SDK's control socket.
+    target with the SDK's step counter (it reads the control socket while there is one).
 
     Args:
         config: the ``[request_stall]`` settings.
@@ -160,17 +160,18 @@ class RequestStallWatchers:
         self.socket_dir = socket_dir
 
     def watchers_for(self, target: Target) -> Sequence[RequestStallWatcher] | None:
-        """The watcher of ``target``, or ``None`` when disabled or it serves no control socket (yet)."""
+        """The watcher of ``target``, or ``None`` when disabled or it has no SDK step counter (yet)."""
         from agent.sdk.control import control_path
-        from agent.sdk.counter import counter_path
+        from agent.watchers.steps import ShmStepSource
 
         if not self.config.enabled:
             return None
-        path = control_path(target.pid, self.socket_dir)
-        # its step counter says it uses the SDK: its socket may come later (read while it exists)
-        if not path.exists() and not counter_path(target.pid).exists():
+        # only with the SDK's step counter, as the step watchers: a target's own watchers start
+        # once, together (one started alone would keep the step watchdog from ever starting);
+        # its control socket may come later (read while it exists)
+        if ShmStepSource(target.pid).read_now() is None:
             return None
-        return [RequestStallWatcher(target.pid, path, self.config)]
+        return [RequestStallWatcher(target.pid, control_path(target.pid, self.socket_dir), self.config)]
 
 
 def create(config: RequestStallConfig, ctx: BuildContext) -> RequestStallWatchers:

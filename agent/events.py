@@ -54,6 +54,7 @@ __all__ = [
     "ProfileStarted",
     "ProfileStopped",
     "RequestSpanRecorded",
+    "RequestStalled",
     "StacksDumped",
     "StepsAdvanced",
     "StrEnum",
@@ -278,15 +279,63 @@ class WatchdogStalled(TriggerEvent):
     series: str = ""
     #: the ``/metrics`` URL whose counter stalled (its port names the server); ``""``: an SDK counter
     url: str = ""
+    #: requests the engine preempted meanwhile with no progress (vLLM's
+    #: ``vllm:num_preemptions_total``; 0: none, or not counted): a livelock (vLLM #25538)
+    preempted: int = 0
+    #: seconds over which ``preempted`` was counted (since the last progress, or the first reading)
+    preempted_in_s: float = 0.0
 
     @property
     def subject_pid(self) -> int | None:
         return self.pid
 
     def describe(self) -> str:
+        churn = f", preempted {self.preempted} times in {self.preempted_in_s:.0f}s" if self.preempted else ""
         return (f"busy and no forward progress for {self.stalled_for_s:.1f}s (timeout {self.timeout_s:g}s,"
                 f" forward_ct={self.forward_ct}{', pid ' + str(self.pid) if self.pid else ''}"
-                f"{', series {' + self.series + '}' if self.series else ''})")
+                f"{', series {' + self.series + '}' if self.series else ''}{churn})")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestStalled(TriggerEvent):
+    """One request in flight far longer than the server's recent completions while the server
+    completes others (vLLM #54003: its structured-output grammar compiles forever on the
+    engine's grammar thread), per the SDK's in-flight requests of ``pid``.
+
+    Attributes:
+        pid: the process serving it.
+        request_id: the server's request id (``gen_ai.response.id``).
+        trace_id / span_id: its request span (hex; ``""``: none).
+        age_s: seconds in flight when seen stuck.
+        threshold_s: the bound it passed: ``max(min_s, p99_multiple * p99_s)``, seconds.
+        p99_s: the 99th-percentile duration of the server's recent completions, seconds.
+        recent: how many recent completions ``p99_s`` is over.
+        completed_ago_s: seconds since the server's last completion (it progresses meanwhile).
+        thread_id / native_thread_id: the thread holding it (``threading.get_ident()`` / the
+            kernel's tid; 0: unknown).
+    """
+
+    TRIGGER: ClassVar[str] = "request_stall"
+    pid: int
+    request_id: str
+    trace_id: str = ""
+    span_id: str = ""
+    age_s: float
+    threshold_s: float
+    p99_s: float
+    recent: int = 0
+    completed_ago_s: float = 0.0
+    thread_id: int = 0
+    native_thread_id: int = 0
+
+    @property
+    def subject_pid(self) -> int | None:
+        return self.pid
+
+    def describe(self) -> str:
+        return (f"request {self.request_id} in flight for {self.age_s:.1f}s, over {self.threshold_s:.1f}s (p99 of"
+                f" {self.recent} recent completions {self.p99_s:.2f}s) while pid {self.pid} completes others"
+                f" (last {self.completed_ago_s:.1f}s ago)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

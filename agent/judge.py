@@ -36,6 +36,7 @@ from agent.events import (
     FrontendExited,
     HealthCheckFailed,
     Outcome,
+    RequestStalled,
     TargetExited,
     Trigger,
     WatchdogStalled,
@@ -141,6 +142,8 @@ def trigger_of(cause: Event | None) -> str:
         return "exit"
     if isinstance(cause, HealthCheckFailed):
         return "health"
+    if isinstance(cause, RequestStalled):
+        return Trigger.REQUEST_STALL
     return "manual" if cause is None else type(cause).__name__
 
 
@@ -233,6 +236,9 @@ class VerdictJudge:
         #: why the given :attr:`progress_source` gave no reading for the last verdict, in words
         #: (``""``: it was read, or none was given)
         self.progress_unread = ""
+        #: the preemptions with no progress across the last two readings of :attr:`progress_source`
+        #: and the seconds they were counted over (vLLM #25538); ``None``: none, or not read
+        self.progress_preempted: tuple[int, float] | None = None
         #: pids stopped (state T/t) when the last incident of their server opened
         self._stopped_at_open: frozenset[int] = frozenset()
         #: each target's threads in uninterruptible sleep (state D) when its incident opened
@@ -277,6 +283,7 @@ class VerdictJudge:
         first reading: (advanced, in words, busy, the pid listening on its URL), or ``None``."""
         first, source = self._progress_at_open, self.progress_source
         self.progress_unread = ""
+        self.progress_preempted = None
         if source is None:
             return None
         if first is None:
@@ -294,6 +301,9 @@ class VerdictJudge:
         words = f"{source.counter} {first.forward_ct}->{second.forward_ct} in {dt_s:.1f} s at {source.url}"
         if moved and second.forward_ct == first.forward_ct:
             words += " (its step gauges moved)"
+        self.progress_preempted = _preempted_between(second, moved=moved)
+        if self.progress_preempted is not None:
+            words += f" (preempted {self.progress_preempted[0]} times meanwhile, no output)"
         port = port_of_url(source.url)
         return moved, words, second.busy, listener_of_port(port) if port else None
 
@@ -396,7 +406,9 @@ class VerdictJudge:
             health_url=readings.cause.url if isinstance(readings.cause, HealthCheckFailed) else "",
             orphaned_pids=orphaned.left_alive if orphaned is not None else (),
             orphaned_bytes=orphaned.held_bytes if orphaned is not None else 0,
-            orphaned_under=orphaned.reparented_to if orphaned is not None else 0)
+            orphaned_under=orphaned.reparented_to if orphaned is not None else 0,
+            **_livelock_facts(readings.cause, self.progress_preempted if progress else None),
+            **_request_facts(readings.cause, dumps))
         self.last_evidence.append(judged)
         return decide(judged)
 
@@ -441,6 +453,49 @@ class VerdictJudge:
             uninterruptible=alive and target.pid in readings.dsleep,
             wchan=readings.dsleep.get(target.pid, "") if alive else "",
         )
+
+
+def _livelock_facts(cause: Event | None, read: tuple[int, float] | None = None) -> dict[str, Any]:
+    """The :class:`~agent.verdict.Evidence` fields of preemptions with no progress (vLLM #25538):
+    the stall's ``preempted`` count and the seconds it was counted over, else those of a one-shot
+    incident's two readings of the server's counter (``read``); none without."""
+    if isinstance(cause, WatchdogStalled) and cause.preempted > 0:
+        return {"preempted": cause.preempted, "preempted_in_s": cause.preempted_in_s}
+    if read is not None:
+        return {"preempted": read[0], "preempted_in_s": read[1]}
+    return {}
+
+
+def _preempted_between(second: _Reading, *, moved: bool) -> tuple[int, float] | None:
+    """Preemptions with no progress up to ``second`` (a reading that says how many:
+    ``StepReading.preempted_since_progress``), and over how many seconds; ``None`` when the
+    counter moved or nothing was preempted."""
+    n = getattr(second, "preempted_since_progress", 0)
+    since = getattr(second, "preempted_since_ns", None)
+    if moved or not isinstance(n, int) or n <= 0 or not isinstance(since, int):
+        return None
+    return n, (second.read_monotonic_ns - since) / 1e9
+
+
+def _request_facts(cause: Event | None, dumps: Mapping[int, ActionResult]) -> dict[str, Any]:
+    """The :class:`~agent.verdict.Evidence` fields of one stuck request (vLLM #54003): the request
+    in words and the thread holding it, found in its process's py-spy dump by the thread id the
+    SDK reported (named by its name, tid and innermost frame); none for another cause."""
+    if not isinstance(cause, RequestStalled):
+        return {}
+    request = (f"request {cause.request_id} (pid {cause.pid}) in flight {cause.age_s:.1f} s, over {cause.threshold_s:.1f} s"
+               f" ({cause.p99_s:.3f} s p99 of {cause.recent} recent completions; the last {cause.completed_ago_s:.1f} s ago)")
+    threads = _threads(dumps.get(cause.pid))
+    held = next((t for t in threads if cause.thread_id and t.thread_id == cause.thread_id
+                 or cause.native_thread_id and t.os_thread_id == cause.native_thread_id), None)
+    if held is None:
+        return {"stuck_request": request, "stuck_request_pid": cause.pid}
+    frame = next((f for f in held.frames if not f.native and not f.unresolved), held.frames[0] if held.frames else None)
+    where = frame.describe() if frame is not None else "no frame"
+    state = "busy" if held.active else "idle"
+    thread = f"thread '{held.label}' (tid {held.os_thread_id or held.thread_id}, {state}) in {where}"
+    return {"stuck_request": request, "stuck_request_pid": cause.pid, "stuck_thread": thread,
+            "stuck_thread_busy": held.active}
 
 
 def _stack_note(dump: ActionResult | None) -> str:

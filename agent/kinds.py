@@ -63,6 +63,7 @@ class Trigger(StrEnum):
     EXIT = "exit"  # a target process ended
     MANUAL = "manual"  # `servewatch dump`, or asked over the agent API
     PEER = "peer"  # a peer of the same job asked us to capture (joins its trace)
+    REQUEST_STALL = "request_stall"  # one request in flight far past the server's recent completions
 
 
 class Action(StrEnum):

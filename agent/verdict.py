@@ -275,6 +275,16 @@ class Evidence:
             (:class:`~agent.events.FrontendExited`'s ``left_alive``); ``()`` otherwise.
         orphaned_bytes: their resident memory then, bytes (0: unknown).
         orphaned_under: their parent then (1, or a subreaper; 0: unknown).
+        preempted: requests the engine preempted with no progress over ``preempted_in_s``
+            seconds, per the stall that opened the incident (``WatchdogStalled.preempted``:
+            vLLM's ``vllm:num_preemptions_total``); 0 when none or not counted.
+        preempted_in_s: the seconds ``preempted`` was counted over.
+        stuck_request: the request whose stall opened the incident (``RequestStalled``), in words
+            (id, pid, age, the bound it passed); ``""`` otherwise.
+        stuck_request_pid: the process serving it (0: none).
+        stuck_thread: the thread holding it, in words (name, tid, busy or idle, innermost frame),
+            from its process's py-spy dump; ``""`` when not found there.
+        stuck_thread_busy: py-spy found that thread busy (not idle in a wait).
     """
 
     processes: tuple[RankEvidence, ...]
@@ -291,12 +301,20 @@ class Evidence:
     orphaned_pids: tuple[int, ...] = ()
     orphaned_bytes: int = 0
     orphaned_under: int = 0
+    preempted: int = 0
+    preempted_in_s: float = 0.0
+    stuck_request: str = ""
+    stuck_request_pid: int = 0
+    stuck_thread: str = ""
+    stuck_thread_busy: bool = False
 
     @staticmethod
     def of(items: Iterable[RankEvidence], *, trigger: str = "", work_pending: bool | None = None,
            world_size: int | None = None, server_progress: bool | None = None,
            server_progress_detail: str = "", no_targets: bool = False, health_url: str = "",
-           orphaned_pids: Iterable[int] = (), orphaned_bytes: int = 0, orphaned_under: int = 0) -> Evidence:
+           orphaned_pids: Iterable[int] = (), orphaned_bytes: int = 0, orphaned_under: int = 0,
+           preempted: int = 0, preempted_in_s: float = 0.0, stuck_request: str = "", stuck_request_pid: int = 0,
+           stuck_thread: str = "", stuck_thread_busy: bool = False) -> Evidence:
         """The evidence of one server from its processes (any order; a rank seen twice keeps the first)."""
         seen: dict[int, RankEvidence] = {}
         others: list[RankEvidence] = []
@@ -321,7 +339,10 @@ class Evidence:
                         trigger=trigger, work_pending=work_pending, world_size=world_size,
                         server_progress=server_progress, server_progress_detail=server_progress_detail,
                         no_targets=no_targets, health_url=health_url, orphaned_pids=tuple(orphaned_pids),
-                        orphaned_bytes=orphaned_bytes, orphaned_under=orphaned_under)
+                        orphaned_bytes=orphaned_bytes, orphaned_under=orphaned_under,
+                        preempted=preempted, preempted_in_s=preempted_in_s, stuck_request=stuck_request,
+                        stuck_request_pid=stuck_request_pid, stuck_thread=stuck_thread,
+                        stuck_thread_busy=stuck_thread_busy)
 
     @property
     def progress_known(self) -> bool:
@@ -366,7 +387,9 @@ class Verdict:
             ``uninterruptible`` (a process in state D), ``desync``,
             ``progressing``, ``rendezvous``, ``cycle``, ``behind``, ``coordinator`` (a coordinator stuck in its
             own code while every rank idles), ``deadlock``, ``idle``, ``compute``,
-            ``single`` (one process, not a distributed job), ``orphaned`` (the server's frontend died,
+            ``single`` (one process, not a distributed job), ``livelock`` (the engine preempts and
+            resumes requests and completes none: vLLM #25538), ``request`` (one request stuck while the
+            server completes others: vLLM #54003), ``orphaned`` (the server's frontend died,
             its processes live on) or ``unknown`` (see :data:`RULES`).
         hung: whether the server is known to be stuck (``progressing``, ``idle`` and ``stopped``
             are not, nor ``compute`` when nothing tells a hang from work).
@@ -642,6 +665,55 @@ def _server_exited(ev: Evidence) -> Verdict | None:
         return None
     reason = f"the server ({e.name}) {_how_exited(e)} before any rank started"
     return _verdict(ev, "dead", [e], reason, "low" if kind is ExitKind.UNKNOWN else "high")
+
+
+#: Preemptions with no progress that make a livelock certain (one or two may be a request that
+#: was preempted once as memory ran short, before the stall).
+LIVELOCK_SURE_PREEMPTIONS = 3
+
+
+@_rule("livelock", kind="livelock",
+       when="no progress (a stall: busy, no work completed, no token out, no step with output; or the server's "
+            "counter stood still across a `dump --metrics-url`) while the engine kept preempting and resuming "
+            "requests (vLLM's `vllm:num_preemptions_total` rose while `vllm:kv_cache_usage_perc` moved), every "
+            "process alive and running",
+       concludes="a livelock of the engine's scheduler, named with the count: `livelock: requests preempted 41 "
+                 "times in 30 s with no output token` (vLLM #25538); the engine core (a coordinator) is named "
+                 "when it is among the processes; a moving gauge is never progress",
+       confidence=f"high with {LIVELOCK_SURE_PREEMPTIONS} preemptions or more; medium with fewer")
+def _livelock(ev: Evidence) -> Verdict | None:
+    if not ev.no_progress or ev.preempted <= 0:
+        return None
+    if any(not e.alive or e.stopped or e.uninterruptible for e in ev.processes):
+        return None  # a death, a stop or a D-state thread explains a stall better (their rules)
+    engines = [e for e in ev.others if e.role is Role.COORDINATOR]
+    times = "once" if ev.preempted == 1 else f"{ev.preempted} times"
+    reason = (f"livelock: requests preempted {times} in {ev.preempted_in_s:.0f} s with no output token; the "
+              "scheduler preempts and resumes (its KV-cache usage moves) and completes no work")
+    confidence = "high" if ev.preempted >= LIVELOCK_SURE_PREEMPTIONS else "medium"
+    return _verdict(ev, "livelock", engines, reason, confidence)
+
+
+@_rule("request_stall", kind="request",
+       when="one request has been in flight far longer than the server's recent completions (a multiple of their "
+            "p99, bounded below: `[request_stall]`) while the server completes others (per the SDK's in-flight "
+            "requests), and the process serving it is alive",
+       concludes="that request is stuck, named with its id and the thread holding it (its name, tid and frame, from "
+                 "the py-spy dump): `request r-7 (pid 42) in flight 95 s, over 60 s (...) is stuck; held by thread "
+                 "'grammar-compile' (tid 43, busy) in compile_grammar (engine.py:40)` (vLLM #54003); the server is "
+                 "not hung",
+       confidence="high when the holding thread is found busy in the dump; medium when found idle or not found")
+def _request_stall(ev: Evidence) -> Verdict | None:
+    if ev.trigger != Trigger.REQUEST_STALL or not ev.stuck_request:
+        return None
+    serving = [e for e in ev.processes if e.pid == ev.stuck_request_pid]
+    if any(not e.alive for e in serving):
+        return None  # its process died: the death rules say so
+    held = f"; held by {ev.stuck_thread}" if ev.stuck_thread else "; its thread was not found in the stack dump"
+    reason = f"{ev.stuck_request} is stuck while the server completes others{held}"
+    confidence = "high" if ev.stuck_thread and ev.stuck_thread_busy else "medium"
+    culprits = serving or [RankEvidence(pid=ev.stuck_request_pid, role=Role.PROCESS)]
+    return _verdict(ev, "request", culprits, reason, confidence, hung=False)
 
 
 @_rule("single", kind="single",
@@ -1442,6 +1514,25 @@ def _next_cycle(v: Verdict, ev: Evidence | None) -> str:
 @_next("behind", "`py-spy dump --native --pid <culprit pid>`: what the rank does instead of the collective")
 def _next_behind(v: Verdict, ev: Evidence | None) -> str:
     return _native(v, ev, "what it does instead of the collective") or _fresh_stacks(v, ev)
+
+
+@_next("livelock", "`py-spy dump --pid <engine core pid>` (its preempt/resume loop), then lower the engine's concurrency "
+       "or give it more KV cache (`--max-num-seqs`, `--gpu-memory-utilization`)")
+def _next_livelock(v: Verdict, ev: Evidence | None) -> str:
+    fix = ("lower the engine's concurrency or give it more KV cache (vLLM: --max-num-seqs, --gpu-memory-utilization)"
+           " and watch vllm:num_preemptions_total stay flat while vllm:generation_tokens_total rises")
+    pids = list(v.culprit_pids)
+    return f"{_sudo(v)}py-spy dump --pid {pids[0]} (its scheduler's preempt/resume loop); then {fix}" if pids else fix
+
+
+@_next("request", "`py-spy dump --native --pid <pid>`: what the thread holding the request runs (a structured-output "
+       "grammar compile: cancel the request and bound the compile)")
+def _next_request(v: Verdict, ev: Evidence | None) -> str:
+    pids = list(v.culprit_pids) or _live_pids(v, ev)
+    if not pids:
+        return _fresh_stacks(v, ev)
+    return (f"{_sudo(v)}py-spy dump --native --pid {pids[0]}: what the thread holding the request runs"
+            " (a structured-output grammar compile: cancel the request and bound the compile); the server is not hung")
 
 
 @_next("coordinator", "`py-spy dump --native --pid <coordinator pid>`: what its own loop is stuck in (its workers "

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_values_are_the_strings_bundles_hold() -> None:
-    assert {t.value for t in Trigger} == {"health", "stall", "exit", "manual", "peer"}
+    assert {t.value for t in Trigger} == {"health", "stall", "exit", "manual", "peer", "request_stall"}
     assert Action.PYSPY_DUMP == "pyspy.dump" and Action.CUDA_COREDUMP == "cuda.coredump"
     assert Action.PROFILE_SESSION == "profile.session" and Action.FLIGHTREC_DUMP == "flightrec.dump"
     assert Action.HARD_SIGNAL == "hard.signal" and Action.PEER_CAPTURE == "peer.capture"

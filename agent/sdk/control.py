@@ -27,7 +27,9 @@ Protocol: one JSON object per line each way; a reply echoes the request's ``id``
 ``profile.stop``    -                                           ``status`` (``stopping`` |
                                                                 ``stopped`` | ``already_stopped``),
                                                                 ``session``
-``inflight``        -                                           ``requests`` (tracing.inflight())
+``inflight``        -                                           ``requests`` (tracing.inflight()),
+                                                                ``completions``
+                                                                (tracing.completions())
 ``fr_trace``        ``stack_traces`` (optional bool)            ``trace`` (the Flight Recorder dump,
                                                                 :func:`agent.sdk.flightrec.fr_trace`)
 ==================  ==========================================  ===================================
@@ -198,7 +200,7 @@ def handle_request(req: Any) -> dict[str, Any]:
         st = profiler.status()
         return {"ok": True, "status": result, "session": st["session"] or st["last"]}
     if cmd == "inflight":
-        return {"ok": True, "requests": tracing.inflight()}
+        return {"ok": True, "requests": tracing.inflight(), "completions": tracing.completions()}
     if cmd == "fr_trace":
         try:
             return {"ok": True, "trace": flightrec.fr_trace(stack_traces=body.get("stack_traces") is True)}

@@ -40,6 +40,7 @@ import random
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from agent.sdk.provider import get_tracer, set_service_name, set_tracer_provider
 __all__ = [
     "InflightRequest",
     "RequestHandle",
+    "completions",
     "forward_span",
     "forward_statistics",
     "get_tracer",
@@ -162,6 +164,10 @@ class InflightRequest:
         recording: whether the OTel span is exported by an SDK in the server.
         parent_span_id: hex id of the request span's parent (16 digits; ``""``: a trace root),
             so an agent can show the request's part up to an incident where the request sits.
+        thread_id / native_thread_id: the thread that holds the request now
+            (``threading.get_ident()`` / the kernel's tid): the one that opened its span, or the
+            one inside :meth:`RequestHandle.held_here` (a grammar compile on the engine's grammar
+            thread, vLLM #54003), so an agent can name the thread a stuck request sits on.
     """
 
     request_id: str
@@ -176,6 +182,7 @@ class InflightRequest:
     recording: bool = False
     parent_span_id: str = ""
     thread_id: int = field(default=0, repr=False)
+    native_thread_id: int = field(default=0, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the control socket's ``inflight`` items)."""
@@ -191,12 +198,38 @@ class InflightRequest:
             "max_tokens": self.max_tokens,
             "recording": self.recording,
             "parent_span_id": self.parent_span_id,
+            "thread_id": self.thread_id,
+            "native_thread_id": self.native_thread_id,
         }
 
 
 _registry: dict[int, InflightRequest] = {}
 _registry_lock = threading.Lock()
 _rng = random.Random()
+#: Most recent completions whose durations :func:`completions` keeps.
+RECENT_COMPLETIONS = 512
+_recent: deque[float] = deque(maxlen=RECENT_COMPLETIONS)
+_completed = {"count": 0, "last_end_unix_nano": 0}
+
+
+def _completed_one(duration_s: float, end_unix_nano: int) -> None:
+    with _registry_lock:
+        _recent.append(duration_s)
+        _completed["count"] += 1
+        _completed["last_end_unix_nano"] = end_unix_nano
+
+
+def completions() -> dict[str, Any]:
+    """The requests this process completed (their :func:`request_span` ended), JSON-ready:
+    ``count`` (since start), ``recent`` (how many of the last :data:`RECENT_COMPLETIONS` the
+    percentile is over), ``p99_s`` (their 99th-percentile duration, seconds; ``None`` with none)
+    and ``last_end_unix_nano`` (when the last one ended, wall clock; 0: none yet)."""
+    with _registry_lock:
+        durations = sorted(_recent)
+        out: dict[str, Any] = dict(_completed)
+    out["recent"] = len(durations)
+    out["p99_s"] = durations[min(len(durations) - 1, int(0.99 * len(durations)))] if durations else None
+    return out
 
 
 def inflight() -> list[dict[str, Any]]:
@@ -209,6 +242,8 @@ def inflight() -> list[dict[str, Any]]:
 def _after_fork_in_child() -> None:
     global _registry_lock, _profiling
     _registry.clear()
+    _recent.clear()
+    _completed.update(count=0, last_end_unix_nano=0)
     _registry_lock = threading.Lock()
     _profiling = False
     _rng.seed()  # from os.urandom: the child's ids are its own, never a copy of the parent's
@@ -251,6 +286,19 @@ class RequestHandle:
         """Record ``gen_ai.usage.output_tokens`` (generated tokens so far)."""
         self._entry.output_tokens = int(n)
         self._span.set_attribute("gen_ai.usage.output_tokens", int(n))
+
+    @contextmanager
+    def held_here(self) -> Iterator[None]:
+        """Within the block the calling thread holds this request (its work moved there: a
+        structured-output grammar compiled on the engine's grammar thread, vLLM #54003); the
+        ``inflight`` listing names it, and the thread that held it before once the block ends."""
+        entry = self._entry
+        before = entry.thread_id, entry.native_thread_id
+        entry.thread_id, entry.native_thread_id = threading.get_ident(), threading.get_native_id()
+        try:
+            yield
+        finally:
+            entry.thread_id, entry.native_thread_id = before
 
 
 #: Span kind of a request span. The GenAI semantic conventions' inference span is CLIENT from a
@@ -359,6 +407,7 @@ def request_span(
         recording=recording,
         parent_span_id=f"{parent_id:016x}" if parent_id else "",
         thread_id=threading.get_ident(),
+        native_thread_id=threading.get_native_id(),
     )
     key = id(entry)
     with _registry_lock:
@@ -380,6 +429,8 @@ def request_span(
             torch_range.__exit__(None, None, None)
         with _registry_lock:
             _registry.pop(key, None)
+        end_ns = time.time_ns()
+        _completed_one((end_ns - start_ns) / 1e9, end_ns)
         span.end()
 
 

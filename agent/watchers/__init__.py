@@ -31,6 +31,8 @@ WATCHERS.register("health", config="agent.watchers.config:HealthConfig", factory
 WATCHERS.register("metrics", config="agent.watchers.config:MetricsConfig", factory="agent.watchers.watchdog:create_prometheus")
 WATCHERS.register("process", factory="agent.watchers.process:create")
 WATCHERS.register("steps", factory="agent.watchers.watchdog:create_sdk")
+WATCHERS.register("request_stall", config="agent.watchers.config:RequestStallConfig",
+                  factory="agent.watchers.requests:create")
 
 
 class Watcher(Protocol):

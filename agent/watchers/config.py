@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-__all__ = ["MAX_HEALTH_BODY_BYTES", "HealthConfig", "MetricsConfig", "StepsConfig", "check_http_url", "split_url_list"]
+__all__ = ["MAX_HEALTH_BODY_BYTES", "HealthConfig", "MetricsConfig", "RequestStallConfig", "StepsConfig", "check_http_url",
+           "split_url_list"]
 
 #: Most bytes of a health answer read (the status code is what counts); the rest is not read.
 MAX_HEALTH_BODY_BYTES = 64 * 1024
@@ -165,3 +166,30 @@ class MetricsConfig(StepsConfig, _ServerUrls):
     refused_grace_s: float = Field(
         0.0, ge=0, description="seconds after start in which 'connection refused' means the server is starting (launch sets it)"
     )
+
+
+class RequestStallConfig(BaseModel):
+    """User settings of the request-stall watcher (the ``[request_stall]`` table): one request in
+    flight far longer than the server's recent completions while the server completes others
+    (a structured-output grammar compiling forever on the engine's grammar thread, vLLM #54003),
+    read from the SDK's in-flight requests (the control socket's ``inflight``) of each target
+    that serves one.
+
+    Attributes:
+        enabled: watch each SDK target's in-flight requests. Default ``True``.
+        p99_multiple: a request is stuck once in flight longer than this many times the
+            99th-percentile duration of the server's recent completions (its last 512), a
+            multiple (no unit). Default 10.
+        min_s: never before this many seconds in flight, whatever the p99 (a server whose
+            requests all finish in 50 ms has long ones too). Default 60 s.
+        min_completions: recent completions needed before their p99 is trusted. Default 20.
+        interval_s: seconds between two readings of a target's in-flight requests. Default 5.
+        call_timeout_s: bound of one reading (the control-socket call), seconds. Default 2.
+    """
+
+    enabled: bool = True
+    p99_multiple: float = Field(default=10.0, gt=1)
+    min_s: float = Field(default=60.0, gt=0)
+    min_completions: int = Field(default=20, ge=1)
+    interval_s: float = Field(default=5.0, gt=0)
+    call_timeout_s: float = Field(default=2.0, gt=0)

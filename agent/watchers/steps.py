@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
 
 import anyio
 import psutil
@@ -87,6 +87,11 @@ class StepReading:
         busy_since_ns: when the work pending became pending, where the reading knows it
             (``CLOCK_MONOTONIC`` ns): a request the kernel says the server received then, while
             the server's gauges say idle; ``None`` otherwise.
+        preempted_since_progress: requests the engine preempted since this series' last
+            progress (the preset's churn counter, vLLM's ``vllm:num_preemptions_total``); with
+            work pending and no output it is a livelock (vLLM #25538). 0 when unknown.
+        preempted_since_ns: ``CLOCK_MONOTONIC`` ns since which ``preempted_since_progress``
+            counts (the last progress, else the first reading); ``None`` when unknown.
     """
 
     forward_ct: int
@@ -96,6 +101,8 @@ class StepReading:
     read_monotonic_ns: int
     series: str = ""
     busy_since_ns: int | None = None
+    preempted_since_progress: int = 0
+    preempted_since_ns: int | None = None
 
 
 @runtime_checkable
@@ -328,6 +335,10 @@ class MetricsPreset(BaseModel):
             ``mode``: one progress series per engine, not per category).
         step_gauges: gauges the engine republishes at every step: any change of one is a step
             even when the counter stands still.
+        churn_counter: a counter of work undone (vLLM's ``vllm:num_preemptions_total``): a
+            step gauge that moved in an interval where it advanced is preempt/resume churn, not
+            a step. Progress is work completed (tokens out, steps with output), never a gauge
+            that moves (vLLM #25538: preempted every step, no output token, KV usage moving).
     """
 
     counter: str
@@ -336,6 +347,7 @@ class MetricsPreset(BaseModel):
     queued_gauge: str | None = None
     summed_labels: tuple[str, ...] = ()
     step_gauges: tuple[str, ...] = ()
+    churn_counter: str | None = None
 
 
 #: Built-in presets, per SGLang's and vLLM's ``/metrics`` (SGLang needs ``--enable-metrics``).
@@ -364,6 +376,7 @@ PRESETS: dict[str, MetricsPreset] = {
         busy_gauge="vllm:num_requests_running",
         queued_gauge="vllm:num_requests_waiting",
         step_gauges=("vllm:kv_cache_usage_perc",),
+        churn_counter="vllm:num_preemptions_total",
     ),
 }
 
@@ -417,7 +430,7 @@ def _similar_names(wanted: str, present: Iterable[str], limit: int = 4) -> list[
 class _SeriesTrack:
     """Progress bookkeeping of one counter series."""
 
-    __slots__ = ("last_progress_ns", "mark", "missed", "restarts", "value")
+    __slots__ = ("churn", "churn_base", "churn_base_ns", "last_progress_ns", "mark", "missed", "restarts", "value")
 
     def __init__(self) -> None:
         self.value: float | None = None
@@ -427,31 +440,77 @@ class _SeriesTrack:
         self.restarts = 0
         #: successful scrapes in a row without this series
         self.missed = 0
+        #: the churn counter (preemptions) at the last reading, and at the last progress (or the
+        #: first reading) with when that was
+        self.churn: float | None = None
+        self.churn_base: float | None = None
+        self.churn_base_ns: int | None = None
 
-    def observe(self, value: float, seen_ns: int, mark: tuple[float, ...] | None = None) -> bool:
+    def _progressed(self, seen_ns: int) -> None:
+        self.last_progress_ns = seen_ns
+        self.churn_base, self.churn_base_ns = self.churn, seen_ns
+
+    @property
+    def churned(self) -> int:
+        """Churn (preemptions) since the last progress, or the first reading; 0 when unknown."""
+        if self.churn is None or self.churn_base is None:
+            return 0
+        return max(0, round(self.churn - self.churn_base))
+
+    def _churn(self, churn: float | None, seen_ns: int) -> bool:
+        """Take the churn counter's reading; whether it advanced since the last one."""
+        previous, self.churn = self.churn, churn
+        if churn is None:
+            return False
+        if self.churn_base is None or previous is None or churn < previous:  # first seen, or restarted
+            self.churn_base, self.churn_base_ns = churn, seen_ns
+            return False
+        return churn > previous
+
+    def observe(self, value: float, seen_ns: int, mark: tuple[float, ...] | None = None, churn: float | None = None) -> bool:
         """Record a reading (``mark``: the step gauges' values, a change of which is a step with
-        the counter unchanged); returns whether the counter went backwards (a restart)."""
+        the counter unchanged, unless ``churn``, the churn counter, advanced with it: preempt/
+        resume moves the gauges and completes nothing); returns whether the counter went
+        backwards (a restart)."""
         previous = self.value
         self.value = value
         previous_mark, self.mark = self.mark, mark
+        churned = self._churn(churn, seen_ns)
         if previous is not None and value == previous and mark is not None and previous_mark is not None and mark != previous_mark:
-            if value > 0 or self.last_progress_ns is not None:
-                self.last_progress_ns = seen_ns
+            if not churned and (value > 0 or self.last_progress_ns is not None):
+                self._progressed(seen_ns)
             return False
         if previous is None:
             if value > 0:
-                self.last_progress_ns = seen_ns
+                self._progressed(seen_ns)
             return False
         if value > previous:
-            self.last_progress_ns = seen_ns
+            self._progressed(seen_ns)
             return False
         if value < previous:
             # a restart, not progress: warm-up after it is not a stall; the clock starts at
             # the first step of the new process
             self.restarts += 1
             self.last_progress_ns = None
+            self.churn_base, self.churn_base_ns = self.churn, seen_ns
             return True
         return False
+
+
+_V = TypeVar("_V")
+
+
+def _labelled(values: Mapping[LabelKey, _V], key: LabelKey) -> _V | None:
+    """The value of a counter series' labels among ``values`` (step gauges, the churn counter):
+    same labels, else the one whose labels all match, else none (a value that cannot be told
+    apart is no evidence)."""
+    if not values:
+        return None
+    value = values.get(key)
+    if value is not None:
+        return value
+    matching = [v for g, v in values.items() if g and set(g) <= set(key)]
+    return matching[0] if len(matching) == 1 else None
 
 
 class PrometheusStepSource:
@@ -548,15 +607,20 @@ class PrometheusStepSource:
         #: gauges whose change is a step (preset only; not with an explicit counter)
         self.step_gauges: tuple[str, ...] = base.step_gauges if base is not None and not counter else ()
         self._marks: dict[LabelKey, tuple[float, ...]] = {}
+        #: the counter whose advance makes a step gauge's move churn, not a step (preset only)
+        self.churn_counter: str | None = base.churn_counter if base is not None and not counter else None
+        self._churn: dict[LabelKey, float] = {}
         #: the last answer that parsed, and what it gave (an idle server answers the same text
         #: scrape after scrape: it is not parsed again)
         self._last_text: str | None = None
         self._last_parsed: tuple[dict[LabelKey, float], dict[LabelKey, float]] | None = None
         self._canonical = {name: c for c in self.counters for name in _sample_names(c)}
         self._counter_names = frozenset(self._canonical)
+        self._churn_names = {self.churn_counter} if self.churn_counter else set()
         self._gauge_names = frozenset(gauges)
         # a sample line starts with its name, then labels or a space
-        self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names | set(self.step_gauges)) for c in "{ \t")
+        self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names | set(self.step_gauges) | self._churn_names)
+                                    for c in "{ \t")
         self._client = client
         self._own_client = client is None
         self._total = _SeriesTrack()
@@ -635,6 +699,7 @@ class PrometheusStepSource:
         (and a blind status) when it does not parse."""
         by_name: dict[str, dict[LabelKey, float]] = {}
         marks: dict[LabelKey, dict[str, float]] = {}
+        churn: dict[LabelKey, float] = {}
         gauges: dict[LabelKey, float] = {}
         present: set[str] = set()
         try:
@@ -651,6 +716,8 @@ class PrometheusStepSource:
                     if sample.name in self.step_gauges:
                         key = tuple(sorted(sample.labels.items()))
                         marks.setdefault(key, {})[sample.name] = float(sample.value)
+                    elif sample.name in self._churn_names:
+                        churn[tuple(sorted(sample.labels.items()))] = float(sample.value)
         except (ValueError, TypeError, IndexError) as exc:
             self._blind(f"answer from {self.url} is not Prometheus text ({str(exc)[:120]})")
             return None
@@ -658,6 +725,7 @@ class PrometheusStepSource:
         if chosen is not None:
             self.counter = chosen
         self._marks = {k: tuple(v[n] for n in sorted(v)) for k, v in marks.items()}
+        self._churn = {k: v for k, v in churn.items() if math.isfinite(v)}
         return by_name.get(chosen, {}) if chosen else {}, gauges, present
 
     def _checked(
@@ -777,7 +845,7 @@ class PrometheusStepSource:
             if track is None:
                 track = self._series[key] = _SeriesTrack()
             track.missed = 0
-            if track.observe(counters[key], seen_ns, self._mark_for(key)):
+            if track.observe(counters[key], seen_ns, _labelled(self._marks, key), _labelled(self._churn, key)):
                 self.restarts += 1
                 restarted.append(series_name(key) or self.counter)
             busy_value = gauges.get(key)
@@ -794,12 +862,15 @@ class PrometheusStepSource:
                     read_monotonic_ns=seen_ns,
                     series=series_name(key),
                     busy_since_ns=pending_since if busy_value <= 0 else None,
+                    preempted_since_progress=track.churned,
+                    preempted_since_ns=track.churn_base_ns,
                 )
             )
         if len(self._series) > len(counters):
             self._forget_absent(counters)
         all_marks = tuple(v for k in sorted(self._marks) for v in self._marks[k]) or None
-        if self._total.observe(sum(counters.values()), seen_ns, all_marks) and not restarted:
+        all_churn = sum(self._churn.values()) if self._churn else None
+        if self._total.observe(sum(counters.values()), seen_ns, all_marks, all_churn) and not restarted:
             restarted.append(self.counter)
         n = len(counters)
         label = f"{n} series" if n > 1 or (n == 1 and next(iter(counters))) else "1 series"
@@ -831,17 +902,6 @@ class PrometheusStepSource:
         self.open_requests = None if found is None else found.open
         self._open_since_ns = None if found is None else found.open_since_ns
         return self.open_requests
-
-    def _mark_for(self, key: LabelKey) -> tuple[float, ...] | None:
-        """The step gauges' values of a counter series: same labels, else the gauge whose labels
-        all match, else none (a gauge that cannot be told apart is no evidence)."""
-        if not self._marks:
-            return None
-        mark = self._marks.get(key)
-        if mark is not None:
-            return mark
-        matching = [m for g, m in self._marks.items() if g and set(g) <= set(key)]
-        return matching[0] if len(matching) == 1 else None
 
     def _forget_absent(self, present: Mapping[LabelKey, float]) -> None:
         """Count one more miss for each tracked series not in ``present``; forget those missing
@@ -878,6 +938,8 @@ class PrometheusStepSource:
             last_progress_monotonic_ns=total.last_progress_ns,
             pid=self.pid,
             read_monotonic_ns=readings[0].read_monotonic_ns if readings else time.monotonic_ns(),
+            preempted_since_progress=total.churned,
+            preempted_since_ns=total.churn_base_ns,
         )
 
     async def aclose(self) -> None:

@@ -265,10 +265,22 @@ class Watchdog:
                         counter_source=counter_source,
                         series="; ".join(r.series for r, _ in fired if r.series),
                         url=str(getattr(self.source, "url", "") or ""),
+                        **_preempted(fired),
                     )
                 )
                 sleep_ns = 0
             await anyio.sleep(max(sleep_ns, 0) / 1e9)
+
+
+def _preempted(fired: list[tuple[StepReading, int]]) -> dict[str, Any]:
+    """``WatchdogStalled``'s livelock fields of the series that stalled together: requests
+    preempted since their last progress (summed) and over how long (the longest), per vLLM #25538."""
+    churned = [r for r, _ in fired if r.preempted_since_progress > 0 and r.preempted_since_ns is not None]
+    if not churned:
+        return {}
+    since = min(r.preempted_since_ns for r in churned if r.preempted_since_ns is not None)
+    return {"preempted": sum(r.preempted_since_progress for r in churned),
+            "preempted_in_s": (max(r.read_monotonic_ns for r in churned) - since) / 1e9}
 
 
 def stall_rule(ctx: BuildContext) -> WatchdogConfig:

@@ -825,6 +825,43 @@ async def pp_two_nodes(wd: Path) -> JobViewResult:
         await anyio.to_thread.run_sync(stop_ranks, [launcher])
 
 
+VLLM_LIVELOCK = Path(__file__).with_name("vllm_livelock.py")
+GRAMMAR_STALL = Path(__file__).with_name("grammar_stall.py")
+
+
+async def shape_livelock(wd: Path) -> ShapeResult:
+    """vLLM #25538 (issue 32 item 7): the engine preempts and resumes a request every step, no step
+    has output, KV usage moves; its API server serves vLLM 0.32's ``/metrics``. A stall, judged a
+    livelock, the engine core named (:mod:`tests.programs.vllm_livelock`)."""
+    tag = _tag()
+    proc = _start([sys.executable, str(VLLM_LIVELOCK), "--title", tag, "--healthy-s", "2"], wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(proc, lambda s: "READY" in s))
+        port, _api_server, engine = (int(x) for x in seen["READY"][0])
+        settings = {"target": {"match": [f"{tag}::*"]},
+                    "metrics": {"url": f"http://127.0.0.1:{port}/metrics", "metrics_preset": "vllm"}}
+        record = await _watch(settings, wd, wait_trigger="stall", deadline_s=60.0)
+        return _result("livelock", record, kind="livelock", ranks=(), pids=(engine,), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [proc])
+
+
+async def shape_request_stall(wd: Path) -> ShapeResult:
+    """vLLM #54003 (issue 32 item 6): one request's grammar compiles forever on the grammar thread
+    while the others complete (:mod:`tests.programs.grammar_stall`). A ``request_stall`` incident
+    naming the request and the thread holding it; its process is the culprit, not hung."""
+    proc = _start([sys.executable, str(GRAMMAR_STALL), "--stuck-at", "20"], wd)
+    try:
+        seen = await anyio.to_thread.run_sync(lambda: _read_lines(proc, lambda s: "READY" in s and "STUCK" in s))
+        pid = int(seen["READY"][0][0])
+        settings = {"target": {"pids": [pid]},
+                    "request_stall": {"min_s": 3.0, "p99_multiple": 10.0, "min_completions": 5, "interval_s": 0.5}}
+        record = await _watch(settings, wd, wait_trigger="request_stall", deadline_s=60.0)
+        return _result("request_stall", record, kind="request", ranks=(), pids=(pid,), confidence="high")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [proc])
+
+
 #: The shapes, by name: ``await SHAPES[name](workdir)``.
 SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "cascade": shape_cascade,
@@ -847,4 +884,6 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "ray_worker_crash": shape_ray_worker_crash,
     "pp_titles": shape_pp_titles,
     "inherited_rank": shape_inherited_rank,
+    "livelock": shape_livelock,
+    "request_stall": shape_request_stall,
 }

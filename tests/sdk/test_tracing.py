@@ -144,3 +144,32 @@ def test_request_span_carries_the_provider_and_joins_an_incoming_traceparent(exp
     assert f"{spans['req-s'].parent.span_id:016x}" == parent_hex
     assert spans["req-bad"].parent is None and f"{spans['req-bad'].context.trace_id:032x}" != trace_hex
     assert "gen_ai.provider.name" not in spans["req-s"].attributes
+
+
+def test_the_thread_holding_a_request_is_listed_and_completions_give_their_p99() -> None:
+    """vLLM #54003's shape: a request's work moves to the grammar thread (``held_here``); the
+    listing names that thread while it holds the request, the opening thread before and after.
+    Each request that ends is a completion: its count, the p99 of the recent ones, the last end."""
+    import threading
+
+    before = tracing.completions()["count"]
+    with tracing.request_span("req-held", model="tiny") as req:
+        opener = tracing.inflight()[0]
+        assert (opener["thread_id"], opener["native_thread_id"]) == (threading.get_ident(), threading.get_native_id())
+        seen: dict[str, int] = {}
+
+        def grammar() -> None:
+            with req.held_here():
+                listed = tracing.inflight()[0]
+                seen.update(thread_id=listed["thread_id"], native=listed["native_thread_id"],
+                            ident=threading.get_ident(), tid=threading.get_native_id())
+
+        worker = threading.Thread(target=grammar, name="structured_output_grammar_0")
+        worker.start()
+        worker.join(timeout=10)
+        assert (seen["thread_id"], seen["native"]) == (seen["ident"], seen["tid"]) != (threading.get_ident(), 0)
+        assert tracing.inflight()[0]["thread_id"] == threading.get_ident()  # back to the opener
+    done = tracing.completions()
+    assert done["count"] == before + 1
+    assert done["recent"] >= 1 and isinstance(done["p99_s"], float) and done["p99_s"] >= 0
+    assert done["last_end_unix_nano"] > 0

@@ -449,3 +449,40 @@ async def test_vllm_preset_takes_a_kv_usage_change_as_a_step_when_no_counter_mov
     assert [r.forward_ct for r in (*first, *second, *third)] == [2, 2, 2]
     assert second[0].last_progress_monotonic_ns == second[0].read_monotonic_ns > first[0].read_monotonic_ns
     assert third[0].last_progress_monotonic_ns == second[0].read_monotonic_ns
+
+
+_VLLM_CHURN = _VLLM_METRICS + """\
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{{engine="0",model_name="tiny"}} {preempted}
+"""
+
+
+async def test_vllm_preset_takes_no_kv_usage_change_with_a_preemption_as_a_step() -> None:
+    """vLLM #25538: preempted and resumed every step, no output token; the KV usage moves with
+    each preemption and is no step. A move without a preemption (a prefill chunk) still is one."""
+    from tests.watchers.scripted_http import scripted_http
+
+    state = {"kv": 0.5, "preempted": 3.0}
+    with scripted_http() as srv:
+        srv.route("/metrics", lambda _req: (200, {}, _VLLM_CHURN.format(**state).encode()))
+        source = PrometheusStepSource(srv.base + "/metrics", preset="vllm", timeout_s=5.0)
+        try:
+            first = await source.read_series()
+            state.update(kv=0.75, preempted=5.0)  # two preemptions, KV usage moved: churn
+            second = await source.read_series()
+            state.update(kv=0.5, preempted=9.0)
+            third = await source.read()  # the sum over series (the one-shot verdict's view)
+            state.update(kv=0.625)  # a move without a preemption: a step
+            fourth = await source.read_series()
+        finally:
+            await source.aclose()
+    assert first is not None and second is not None and third is not None and fourth is not None
+    assert source.churn_counter == "vllm:num_preemptions_total"
+    start = first[0].last_progress_monotonic_ns
+    assert start == first[0].read_monotonic_ns  # the counter is > 0 at the first reading
+    assert second[0].last_progress_monotonic_ns == start
+    assert (first[0].preempted_since_progress, second[0].preempted_since_progress) == (0, 2)
+    assert second[0].preempted_since_ns == start
+    assert third.last_progress_monotonic_ns == start and third.preempted_since_progress == 6
+    assert fourth[0].last_progress_monotonic_ns == fourth[0].read_monotonic_ns > start
+    assert fourth[0].preempted_since_progress == 0

@@ -1,0 +1,147 @@
+"""Start-up hangs (issue 32 item 5; SGLang #3547, vLLM #17167): ranks found starting that take no
+first step within ``startup.budget_s`` are a ``startup_stall`` incident whose verdict names the
+rank outside the collective; a health or metrics port nothing listens on while ranks start is said
+as the server starting, not as a wrong address.
+
+The whole shape runs on real processes: a real gloo job titled ``sglang::scheduler_TP0/1`` whose
+rank 1 never returns from CUDA-graph capture in SGLang's ``DecodeCudaGraphRunner.capture()`` (the
+stand-in keeps the real module path, tests/programs/standins/) while rank 0 waits in the captured
+all-reduce, the HTTP port not listening, the real agent and py-spy. The rule's own cases run on real
+titled processes (tests/programs/titled_target.py) with their real creation times.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.config import load_settings
+from agent.events import HealthProbed, StepsAdvanced
+from agent.runtime import Agent
+from agent.startup import SETTLE_S, StartupConfig, StartupRule, StartupStalled
+from agent.targets import Target, target_of
+from agent.watchers.config import HealthConfig
+from agent.watchers.health import HealthWatcher
+from agent.watchers.status import WatcherState
+from agent.watchers.steps import PrometheusStepSource
+from tests.programs.fault_matrix import STARTUP_BUDGET_S, _free_port, shape_startup_hang
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+def _ranks(spawn, titles: list[str]) -> list[Target]:
+    """Real processes titled ``titles`` (idle, as ranks that load weights wait), once each is ready."""
+    procs = [spawn([sys.executable, str(PROGRAMS / "titled_target.py"), title, "--idle", "--max-lifetime-s", "60"],
+                   stdout=subprocess.PIPE) for title in titles]
+    targets = []
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+        target = target_of(proc.pid)
+        assert target is not None
+        targets.append(target)
+    return targets
+
+
+@pytest.mark.slow
+async def test_a_rank_hung_in_cuda_graph_capture_is_a_startup_stall_naming_it(tmp_path: Path) -> None:
+    """Before: 'connection refused ... wrong host or port' for as long as the hang lasted, and no
+    incident (the stall rule's clock starts at the first step; the health check waits 30 min)."""
+    result = await shape_startup_hang(tmp_path)
+    opened, v = result.record.opened, result.verdict
+    assert opened.trigger == "startup_stall"
+    rank0, rank1 = sorted(result.record.targets, key=lambda t: t.title)[:2]
+    assert (rank0.title, rank1.title) == ("sglang::scheduler_TP0", "sglang::scheduler_TP1")
+    assert opened.detail.startswith("no first step ") and f"(start-up budget {STARTUP_BUDGET_S:g} s)" in opened.detail
+    assert f"pid {rank0.pid} 'sglang::scheduler_TP0'" in opened.detail and f"pid {rank1.pid}" in opened.detail
+    assert (v["kind"], v["culprit_ranks"], v["culprit_pids"], v["confidence"]) == ("behind", [1], [rank1.pid], "high")
+    assert "DecodeCudaGraphRunner" in v["reason"] and "all_reduce" in v["reason"]
+    health = [line for line in result.statuses if line.startswith("health:")]
+    assert not [line for line in health if "wrong host or port" in line], health
+    starting = [line for line in health if "server starting: nothing listens at" in line]
+    assert starting and all(f"pid {rank0.pid} 'sglang::scheduler_TP0'" in line for line in starting), health
+    assert starting[-1].startswith("health: waiting ") and "took no first step within the start-up budget" in starting[-1]
+    assert result.correct, result.problems()
+
+
+def test_ranks_without_a_first_step_past_the_budget_are_one_stall_once(spawn) -> None:
+    ranks = _ranks(spawn, ["sglang::scheduler_TP0", "sglang::scheduler_TP1", "sglang::detokenizer"])
+    rule = StartupRule(StartupConfig(budget_s=30.0), discover=lambda: list(ranks), forward_ct=lambda pid: None,
+                       http_watched=True)
+    born = min(t.create_time_s for t in ranks)
+    assert rule.look(now_s=born + 1.0) is None  # within the budget: starting, said so
+    assert rule.starting() == (f"its ranks took no first step yet (pid {ranks[0].pid} 'sglang::scheduler_TP0',"
+                               f" pid {ranks[1].pid} 'sglang::scheduler_TP1'; start-up budget 30 s)")
+    stalled = rule.look(now_s=born + 31.0)
+    assert isinstance(stalled, StartupStalled) and stalled.trigger == "startup_stall"
+    assert stalled.pids == (ranks[0].pid, ranks[1].pid) and stalled.subject_pid == ranks[0].pid  # not the detokenizer
+    assert stalled.budget_s == 30.0 and 30.0 <= stalled.waited_s < 32.0
+    assert rule.look(now_s=born + 40.0) is None  # once per set of ranks
+    assert rule.starting() is not None and "within the start-up budget of 30 s" in (rule.starting() or "")
+
+
+def test_an_http_answer_or_a_step_after_the_ranks_started_ends_their_startup(spawn) -> None:
+    ranks = _ranks(spawn, ["VLLM::Worker_TP0", "VLLM::Worker_TP1"])
+    born = max(t.create_time_s for t in ranks)
+    for event in (HealthProbed(url="http://127.0.0.1:1/health", ok=False, status_code=503, latency_s=0.1),
+                  StepsAdvanced(pid=None, forward_ct=1, delta=1, busy=True)):
+        rule = StartupRule(StartupConfig(budget_s=5.0), discover=lambda: list(ranks), forward_ct=lambda pid: None,
+                           http_watched=True)
+        rule.note(event)
+        assert rule.look(now_s=born + 60.0) is None and rule.starting() is None
+    # an answer from before the ranks started (an earlier server's) does not end theirs
+    rule = StartupRule(StartupConfig(budget_s=5.0), discover=lambda: list(ranks), forward_ct=lambda pid: None,
+                       http_watched=True)
+    rule.note(HealthProbed(url="http://127.0.0.1:1/health", ok=True, status_code=200, latency_s=0.1,
+                           time_unix_nano=int((born - 100.0) * 1e9)))
+    rule.look(now_s=born + 1.0)
+    assert isinstance(rule.look(now_s=born + 1.0 + SETTLE_S), StartupStalled)
+
+
+def test_nothing_is_judged_where_nothing_could_say_the_startup_ended(spawn) -> None:
+    """No HTTP watched and no step counter: a healthy server would look stuck forever. A rank's
+    own counter: its first step ends its start-up."""
+    ranks = _ranks(spawn, ["sglang::scheduler_TP0"])
+    born = ranks[0].create_time_s
+    blind = StartupRule(StartupConfig(budget_s=5.0), discover=lambda: list(ranks), forward_ct=lambda pid: None)
+    assert blind.look(now_s=born + 1.0) is None and blind.look(now_s=born + 100.0) is None and blind.starting() is None
+    steps = {ranks[0].pid: 0}
+    counted = StartupRule(StartupConfig(budget_s=5.0), discover=lambda: list(ranks), forward_ct=steps.get)
+    counted.look(now_s=born + 1.0)
+    steps[ranks[0].pid] = 1
+    assert counted.look(now_s=born + 100.0) is None
+    off = StartupRule(StartupConfig(budget_s=0.0), discover=lambda: list(ranks), forward_ct=lambda pid: 0)
+    assert off.look(now_s=born + 1e6) is None
+
+
+async def test_a_refused_health_or_metrics_port_while_ranks_start_is_said_as_starting() -> None:
+    """Real probes of a port nothing listens on: starting while ranks start, else a wrong address."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    line = "its ranks took no first step yet (pid 7 'sglang::scheduler_TP0'; start-up budget 600 s)"
+    for starting, state, words in ((lambda: line, WatcherState.WAITING, f"server starting: nothing listens at {url}/health yet; {line}"),
+                                   (lambda: None, WatcherState.BLIND, "wrong host or port")):
+        watcher = HealthWatcher(HealthConfig(url=f"{url}/health"), starting=starting)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            probed = await watcher.probe(client)
+        got_state, reason = watcher._status_of(probed)
+        assert got_state == state and words in reason, reason
+        source = PrometheusStepSource(f"{url}/metrics")
+        source.starting = starting
+        assert await source.read_series() is None
+        assert source.status()[0] == ("waiting" if state == WatcherState.WAITING else "blind")
+        assert (words.replace("/health", "/metrics")) in source.status()[1]
+        await source.aclose()
+
+
+def test_the_startup_budget_reaches_the_rule_and_the_watchers(tmp_path: Path) -> None:
+    settings = load_settings({"data_dir": tmp_path, "startup": {"budget_s": 42.0},
+                              "health": {"url": "http://127.0.0.1:1/health"}, "metrics": {"url": "http://127.0.0.1:1/metrics"}})
+    agent = Agent(settings)
+    assert agent.startup.config.budget_s == 42.0 and agent.startup.http_watched
+    assert agent.watchers["health"].starting == agent.startup.starting
+    assert agent.watchers["metrics"].source.starting == agent.startup.starting
+    assert load_settings({"data_dir": tmp_path}).startup.budget_s == 600.0
+    assert not Agent(load_settings({"data_dir": tmp_path})).startup.http_watched

@@ -72,9 +72,10 @@ log = logging.getLogger("servewatch.startup")
 
 #: The trigger's name (``IncidentOpened.trigger``, ``servewatch.incident.trigger``).
 STARTUP_STALL = "startup_stall"
-#: ``startup.budget_s``'s default, seconds: vLLM's own wait for its engine cores to be ready
-#: (``VLLM_ENGINE_READY_TIMEOUT_S``, 600 s in vLLM 0.32).
-DEFAULT_BUDGET_S = 600.0
+#: ``startup.budget_s``'s default, seconds: below vLLM's own wait for its engine cores to start
+#: (``VLLM_ENGINE_READY_TIMEOUT_S``, 600 s in vLLM 0.32), after which vLLM raises and takes its
+#: engine down, so the evidence is taken while the ranks still live.
+DEFAULT_BUDGET_S = 480.0
 #: Seconds between two looks at the ranks.
 LOOK_INTERVAL_S = 1.0
 #: Ranks named in one line at most.
@@ -90,9 +91,9 @@ class StartupConfig(BaseModel):
     Attributes:
         budget_s: seconds a server's ranks, seen starting, may take before their first step
             (weight loading, CUDA-graph capture, ``torch.compile``) before it is a
-            ``startup_stall`` incident; counted from the oldest rank's creation. Default 600 s,
-            vLLM's own ``VLLM_ENGINE_READY_TIMEOUT_S``; raise it for models that load for longer.
-            0 turns the rule off.
+            ``startup_stall`` incident; counted from the oldest rank's creation. Default 480 s,
+            below vLLM's own ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s: then vLLM takes its engine
+            down); raise it, with vLLM's, for models that load for longer. 0 turns the rule off.
     """
 
     budget_s: float = Field(
@@ -176,7 +177,7 @@ class StartupRule:
 
     def starting(self) -> str | None:
         """One line on the ranks in start-up at the last look (``its ranks took no first step yet
-        (pid 7 'sglang::scheduler_TP0', ...; start-up budget 600 s)``), ``None`` when none is. It
+        (pid 7 'sglang::scheduler_TP0', ...; start-up budget 480 s)``), ``None`` when none is. It
         changes only with the ranks and once the budget is spent (a status line, said on change)."""
         ranks = self._starting
         if not ranks or not self.config.budget_s:

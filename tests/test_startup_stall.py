@@ -12,10 +12,12 @@ titled processes (tests/programs/titled_target.py) with their real creation time
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
@@ -28,7 +30,17 @@ from agent.watchers.config import HealthConfig
 from agent.watchers.health import HealthWatcher
 from agent.watchers.status import WatcherState
 from agent.watchers.steps import PrometheusStepSource
-from tests.programs.fault_matrix import STARTUP_BUDGET_S, _free_port, shape_startup_hang
+from exporters.provider import build_telemetry
+from tests.programs.fault_matrix import (
+    ROOT,
+    STANDINS,
+    STARTUP_BUDGET_S,
+    _free_port,
+    shape_startup_hang,
+    start_ranks,
+    stop_ranks,
+    wait_ready,
+)
 
 PROGRAMS = Path(__file__).parent / "programs"
 
@@ -65,6 +77,48 @@ async def test_a_rank_hung_in_cuda_graph_capture_is_a_startup_stall_naming_it(tm
     assert starting and all(f"pid {rank0.pid} 'sglang::scheduler_TP0'" in line for line in starting), health
     assert starting[-1].startswith("health: waiting ") and "took no first step within the start-up budget" in starting[-1]
     assert result.correct, result.problems()
+
+
+@pytest.mark.slow
+async def test_the_waiting_ranks_collective_timeout_after_a_startup_stall_is_its_ending(tmp_path: Path) -> None:
+    """Rank 0 gives up waiting in the captured all-reduce (its gloo timeout, as vLLM gives up on
+    its engine at VLLM_ENGINE_READY_TIMEOUT_S) and exits 1 after the start-up stall incident opened:
+    that incident's ending, on it, not a second (exit) incident."""
+    env = {"PYTHONPATH": f"{STANDINS}{os.pathsep}{ROOT}"}
+    procs = start_ranks(2, tmp_path, fault="graph_capture", fault_rank=1, title="sglang::scheduler", env=env,
+                        extra=["--timeout-s", "20"])
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        settings = load_settings({
+            "data_dir": tmp_path / "data", "host_name": "startup", "coredump": {"enabled": False},
+            "target": {"pids": [p.pid for p in procs]}, "incident": {"cooldown_s": 300.0},
+            "health": {"url": f"http://127.0.0.1:{_free_port()}/health", "interval_s": 0.5},
+            "startup": {"budget_s": STARTUP_BUDGET_S},
+        })
+        telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
+        agent = Agent(settings, telemetry=telemetry, children=procs)
+        records = agent.incidents.records
+        with anyio.fail_after(100):
+            async with anyio.create_task_group() as tg:
+                await tg.start(agent.run)
+                while procs[0].pid not in agent.incidents.exits_handled or not records:
+                    await anyio.sleep(0.2)
+                with anyio.move_on_after(10):  # the line on the incident, or a second incident
+                    while not records[0].lifecycle and len(records) < 2:
+                        await anyio.sleep(0.2)
+                agent.stop()
+                tg.cancel_scope.cancel()
+        await telemetry.aclose(3.0)
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
+    assert [r.opened.trigger for r in records] == ["startup_stall"]
+    record = records[0]
+    assert record.opened.trigger == "startup_stall" and record.verdict.culprit_pids == (procs[1].pid,)
+    assert record.lifecycle[0].startswith(f"server ended after the stall: pid {procs[0].pid} 'sglang::scheduler_TP0'"
+                                          f" exit code 1, "), record.lifecycle
+    assert record.lifecycle[0].endswith(f"after incident {record.opened.incident_id} opened"), record.lifecycle
+    assert agent.incidents.exit_outcomes[procs[0].pid] == (
+        f"no new incident: the ending of stall incident {record.opened.incident_id}")
 
 
 def test_ranks_without_a_first_step_past_the_budget_are_one_stall_once(spawn) -> None:
@@ -143,5 +197,5 @@ def test_the_startup_budget_reaches_the_rule_and_the_watchers(tmp_path: Path) ->
     assert agent.startup.config.budget_s == 42.0 and agent.startup.http_watched
     assert agent.watchers["health"].starting == agent.startup.starting
     assert agent.watchers["metrics"].source.starting == agent.startup.starting
-    assert load_settings({"data_dir": tmp_path}).startup.budget_s == 600.0
+    assert load_settings({"data_dir": tmp_path}).startup.budget_s == 480.0
     assert not Agent(load_settings({"data_dir": tmp_path})).startup.http_watched

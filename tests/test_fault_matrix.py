@@ -5,7 +5,8 @@ counter, two servers on one host, DP replicas, an IPC deadlock with a request ru
 hang, an ordering deadlock across two process groups, a stack too deep for py-spy, a rank in
 uninterruptible sleep, two pipeline stages both receiving first (a P2P ordering deadlock), a stage receiving from a stage
 hung before it sends, a rank
-hung before DeepEP's dispatch while its peer spins in it). Lifecycle cases
+hung before DeepEP's dispatch while its peer spins in it, a rank hung in CUDA-graph capture before
+its first step while its peer waits in the captured all-reduce: a start-up stall). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
 (a memory-limited cgroup) is named, a crash seen late (zombies at dump time) is blamed first.

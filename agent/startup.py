@@ -16,7 +16,8 @@ over, and publishes :class:`StartupStalled`. Its rules:
 * **a rank** is a target whose title names one (:func:`agent.ranks.rank_from_title`:
   ``sglang::scheduler_TP0``, ``VLLM::Worker_TP1``);
 * **judged** only where something could say its start-up is over: the agent probes the server
-  over HTTP (``health.url``, ``metrics.url``) or the rank has an SDK step counter. Without either,
+  over HTTP (``health.url``, ``metrics.url``) or the rank uses the SDK (its step counter, or its
+  control socket before the first step opens the counter). Without either,
   a healthy server would look stuck in start-up forever: such ranks are never judged;
 * **settled**: nothing is judged before the agent has looked for :data:`SETTLE_S` (or the budget,
   if shorter): an agent started next to a server that serves already hears it answer first;
@@ -135,11 +136,15 @@ def _named(pids: Sequence[int], titles: Sequence[str]) -> str:
 
 
 def _sdk_forward_ct(pid: int) -> int | None:
-    """``pid``'s SDK step counter (forward steps), ``None`` without one. Blocking (a tmpfs read)."""
-    from agent.sdkclient import read_step_counter
+    """``pid``'s SDK step counter (forward steps); 0 for a process that serves the SDK's control
+    socket and has no counter yet (the SDK opens it at the first step); ``None`` without the SDK.
+    Blocking (a tmpfs read, a folder listing; the SDK's default shm folder)."""
+    from agent.sdkclient import control_socket_pids, read_step_counter
 
     snap = read_step_counter(pid)
-    return None if snap is None else snap.forward_ct
+    if snap is not None:
+        return snap.forward_ct
+    return 0 if pid in control_socket_pids() else None
 
 
 class StartupRule:

@@ -80,6 +80,16 @@ async def test_a_rank_hung_in_cuda_graph_capture_is_a_startup_stall_naming_it(tm
 
 
 @pytest.mark.slow
+async def test_without_http_the_ranks_sdk_says_what_their_first_step_would(tmp_path: Path) -> None:
+    """No health or metrics URL: ranks using the SDK (control socket up, no step counter before
+    their first step) are judged all the same."""
+    result = await shape_startup_hang(tmp_path, http=False)
+    v = result.verdict
+    assert result.record.opened.trigger == "startup_stall" and not [s for s in result.statuses if s.startswith("health")]
+    assert (v["kind"], v["culprit_ranks"], v["confidence"]) == ("behind", [1], "high"), result.problems()
+
+
+@pytest.mark.slow
 async def test_the_waiting_ranks_collective_timeout_after_a_startup_stall_is_its_ending(tmp_path: Path) -> None:
     """Rank 0 gives up waiting in the captured all-reduce (its gloo timeout, as vLLM gives up on
     its engine at VLLM_ENGINE_READY_TIMEOUT_S) and exits 1 after the start-up stall incident opened:

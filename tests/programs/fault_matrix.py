@@ -639,29 +639,33 @@ def _free_port() -> int:
 STARTUP_BUDGET_S = 3.0
 
 
-async def shape_startup_hang(wd: Path) -> ShapeResult:
+async def shape_startup_hang(wd: Path, *, http: bool = True) -> ShapeResult:
     """A start-up hang (SGLang #3547, vLLM #17167): ranks ``sglang::scheduler_TP0/1`` capture CUDA
     graphs before their first step in SGLang's ``DecodeCudaGraphRunner.capture()`` (the stand-in's
     real module path); rank 1 never returns from its capture of batch size 4, rank 0 waits in the
     captured forward's ``all_reduce``; the HTTP port is not listening (SGLang listens once every
     rank is ready). A ``startup_stall`` incident once the budget is spent, naming rank 1; the health
-    check says the server is starting, never "wrong host or port" (``other_problems`` otherwise)."""
+    check says the server is starting, never "wrong host or port" (``other_problems`` otherwise).
+    ``http=False``: no health URL; the ranks' SDK (its control socket, no step counter before the
+    first step) says what the first step would."""
     env = {"PYTHONPATH": f"{STANDINS}{os.pathsep}{ROOT}"}
     url = f"http://127.0.0.1:{_free_port()}/health"
     statuses: list[str] = []
     procs = start_ranks(2, wd, fault="graph_capture", fault_rank=1, title="sglang::scheduler", env=env)
     try:
         await anyio.to_thread.run_sync(wait_ready, procs)
+        watched: dict[str, Any] = {"target": {"pids": [p.pid for p in procs]}, "startup": {"budget_s": STARTUP_BUDGET_S}}
+        if http:
+            watched["health"] = {"url": url, "interval_s": 0.5}
         record = await _watch(
-            {"target": {"pids": [p.pid for p in procs]}, "health": {"url": url, "interval_s": 0.5},
-             "startup": {"budget_s": STARTUP_BUDGET_S}},
+            watched,
             wd, children=procs, wait_trigger="startup_stall",
             on_status=lambda st: statuses.append(f"{st.name}: {st.state} {st.reason}"))
         result = _result("startup_hang", record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="high")
         result.statuses = statuses
         health = [line for line in statuses if line.startswith("health")]
         result.other_problems += [f"said as a wrong address: {line}" for line in health if "wrong host or port" in line]
-        if not any("server starting" in line and str(procs[0].pid) in line for line in health):
+        if http and not any("server starting" in line and str(procs[0].pid) in line for line in health):
             result.other_problems.append(f"the health check never said the server is starting: {health}")
         return result
     finally:

@@ -10,7 +10,7 @@ host or port" for as long as the hang lasted.
 
 Owns :class:`StartupConfig` (the ``[startup]`` table), :class:`StartupStalled` (the trigger
 event) and :class:`StartupRule`, a task of the runtime's: it reads the targets (the agent's
-discovery) every :data:`LOOK_INTERVAL_S` and, from the bus, what says the server's start-up is
+discovery, a ``/proc`` scan) every :meth:`StartupRule.interval_s` and, from the bus, what says the server's start-up is
 over, and publishes :class:`StartupStalled`. Its rules:
 
 * **a rank** is a target whose title names one (:func:`agent.ranks.rank_from_title`:
@@ -77,8 +77,9 @@ STARTUP_STALL = "startup_stall"
 #: (``VLLM_ENGINE_READY_TIMEOUT_S``, 600 s in vLLM 0.32), after which vLLM raises and takes its
 #: engine down, so the evidence is taken while the ranks still live.
 DEFAULT_BUDGET_S = 480.0
-#: Seconds between two looks at the ranks.
-LOOK_INTERVAL_S = 1.0
+#: Seconds between two looks at the ranks: a twentieth of the budget, within these bounds (a
+#: stall is said within this long after the budget is spent; each look is a discovery).
+LOOK_INTERVAL_S = (0.5, 5.0)
 #: Ranks named in one line at most.
 MAX_NAMED = 4
 #: Seconds the rule looks before it judges (capped by the budget): a server that serves already
@@ -178,6 +179,12 @@ class StartupRule:
         self._looked_s = 0.0
         self.published: list[StartupStalled] = []
 
+    @property
+    def interval_s(self) -> float:
+        """Seconds between two looks (:data:`LOOK_INTERVAL_S`)."""
+        low, high = LOOK_INTERVAL_S
+        return min(high, max(low, self.config.budget_s / 20))
+
     # -- what the watchers say of a port nothing listens on ---------------------------------------
 
     def starting(self) -> str | None:
@@ -233,7 +240,7 @@ class StartupRule:
     # -- the task -------------------------------------------------------------------------------
 
     async def run(self, bus: EventBus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Follow the bus and look at the ranks every :data:`LOOK_INTERVAL_S` until cancelled;
+        """Follow the bus and look at the ranks every :attr:`interval_s` until cancelled;
         publish each :class:`StartupStalled`. A failed look is logged (once) and the next runs."""
         async with anyio.create_task_group() as tg, bus.subscribe(StepsAdvanced, HealthProbed, WatcherStatusChanged,
                                                                   name="startup") as sub:
@@ -254,7 +261,7 @@ class StartupRule:
                     log.warning("start-up stall: %s", stalled.describe())
                     self.published.append(stalled)
                     await bus.publish(stalled)
-                await anyio.sleep(LOOK_INTERVAL_S)
+                await anyio.sleep(self.interval_s)
 
     async def _follow(self, sub: object) -> None:
         async for event in sub:  # type: ignore[attr-defined]

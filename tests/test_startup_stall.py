@@ -205,7 +205,8 @@ def test_the_startup_budget_reaches_the_rule_and_the_watchers(tmp_path: Path) ->
                               "health": {"url": "http://127.0.0.1:1/health"}, "metrics": {"url": "http://127.0.0.1:1/metrics"}})
     agent = Agent(settings)
     assert agent.startup.config.budget_s == 42.0 and agent.startup.http_watched
+    assert agent.startup.interval_s == 42.0 / 20  # a look each twentieth of the budget (a discovery each)
     assert agent.watchers["health"].starting == agent.startup.starting
     assert agent.watchers["metrics"].source.starting == agent.startup.starting
-    assert load_settings({"data_dir": tmp_path}).startup.budget_s == 480.0
-    assert not Agent(load_settings({"data_dir": tmp_path})).startup.http_watched
+    default = Agent(load_settings({"data_dir": tmp_path})).startup
+    assert default.config.budget_s == 480.0 and default.interval_s == 5.0 and not default.http_watched

@@ -59,22 +59,27 @@ def _ranks(spawn, titles: list[str]) -> list[Target]:
 
 
 @pytest.mark.slow
-async def test_a_rank_hung_in_cuda_graph_capture_is_a_startup_stall_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("framework", "title", "frame"), [
+    ("sglang", "sglang::scheduler", "DecodeCudaGraphRunner._kernel_never_finishes"),  # SGLang #3547
+    ("vllm", "VLLM::Worker", "GPUModelRunner._kernel_never_finishes"),  # vLLM #17167
+])
+async def test_a_rank_hung_in_cuda_graph_capture_is_a_startup_stall_naming_it(tmp_path: Path, framework: str, title: str,
+                                                                                frame: str) -> None:
     """Before: 'connection refused ... wrong host or port' for as long as the hang lasted, and no
     incident (the stall rule's clock starts at the first step; the health check waits 30 min)."""
-    result = await shape_startup_hang(tmp_path)
+    result = await shape_startup_hang(tmp_path, framework=framework)
     opened, v = result.record.opened, result.verdict
     assert opened.trigger == "startup_stall"
     rank0, rank1 = sorted(result.record.targets, key=lambda t: t.title)[:2]
-    assert (rank0.title, rank1.title) == ("sglang::scheduler_TP0", "sglang::scheduler_TP1")
+    assert (rank0.title, rank1.title) == (f"{title}_TP0", f"{title}_TP1")
     assert opened.detail.startswith("no first step ") and f"(start-up budget {STARTUP_BUDGET_S:g} s)" in opened.detail
-    assert f"pid {rank0.pid} 'sglang::scheduler_TP0'" in opened.detail and f"pid {rank1.pid}" in opened.detail
+    assert f"pid {rank0.pid} '{title}_TP0'" in opened.detail and f"pid {rank1.pid}" in opened.detail
     assert (v["kind"], v["culprit_ranks"], v["culprit_pids"], v["confidence"]) == ("behind", [1], [rank1.pid], "high")
-    assert "DecodeCudaGraphRunner" in v["reason"] and "all_reduce" in v["reason"]
+    assert f"rank 1 in {frame}" in v["reason"] and "all_reduce" in v["reason"], v["reason"]
     health = [line for line in result.statuses if line.startswith("health:")]
     assert not [line for line in health if "wrong host or port" in line], health
     starting = [line for line in health if "server starting: nothing listens at" in line]
-    assert starting and all(f"pid {rank0.pid} 'sglang::scheduler_TP0'" in line for line in starting), health
+    assert starting and all(f"pid {rank0.pid} '{title}_TP0'" in line for line in starting), health
     assert starting[-1].startswith("health: waiting ") and "took no first step within the start-up budget" in starting[-1]
     assert result.correct, result.problems()
 

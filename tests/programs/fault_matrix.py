@@ -12,6 +12,7 @@ on; ``slow``: nothing is stuck).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -639,7 +640,7 @@ def _free_port() -> int:
 STARTUP_BUDGET_S = 3.0
 
 
-async def shape_startup_hang(wd: Path, *, http: bool = True) -> ShapeResult:
+async def shape_startup_hang(wd: Path, *, http: bool = True, framework: str = "sglang") -> ShapeResult:
     """A start-up hang (SGLang #3547, vLLM #17167): ranks ``sglang::scheduler_TP0/1`` capture CUDA
     graphs before their first step in SGLang's ``DecodeCudaGraphRunner.capture()`` (the stand-in's
     real module path); rank 1 never returns from its capture of batch size 4, rank 0 waits in the
@@ -647,11 +648,13 @@ async def shape_startup_hang(wd: Path, *, http: bool = True) -> ShapeResult:
     rank is ready). A ``startup_stall`` incident once the budget is spent, naming rank 1; the health
     check says the server is starting, never "wrong host or port" (``other_problems`` otherwise).
     ``http=False``: no health URL; the ranks' SDK (its control socket, no step counter before the
-    first step) says what the first step would."""
+    first step) says what the first step would. ``framework="vllm"``: workers ``VLLM::Worker_TP0/1``
+    in vLLM's ``GPUModelRunner.capture_model()`` (vLLM #17167)."""
     env = {"PYTHONPATH": f"{STANDINS}{os.pathsep}{ROOT}"}
     url = f"http://127.0.0.1:{_free_port()}/health"
     statuses: list[str] = []
-    procs = start_ranks(2, wd, fault="graph_capture", fault_rank=1, title="sglang::scheduler", env=env)
+    title = "VLLM::Worker" if framework == "vllm" else "sglang::scheduler"
+    procs = start_ranks(2, wd, fault="graph_capture", fault_rank=1, title=title, env=env, extra=["--framework", framework])
     try:
         await anyio.to_thread.run_sync(wait_ready, procs)
         watched: dict[str, Any] = {"target": {"pids": [p.pid for p in procs]}, "startup": {"budget_s": STARTUP_BUDGET_S}}
@@ -661,7 +664,7 @@ async def shape_startup_hang(wd: Path, *, http: bool = True) -> ShapeResult:
             watched,
             wd, children=procs, wait_trigger="startup_stall",
             on_status=lambda st: statuses.append(f"{st.name}: {st.state} {st.reason}"))
-        result = _result("startup_hang", record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="high")
+        result = _result("startup_hang" + ("_vllm" if framework == "vllm" else ""), record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="high")
         result.statuses = statuses
         health = [line for line in statuses if line.startswith("health")]
         result.other_problems += [f"said as a wrong address: {line}" for line in health if "wrong host or port" in line]
@@ -690,4 +693,5 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "p2p_behind": shape_p2p_behind,
     "ep_dispatch": shape_ep_dispatch,
     "startup_hang": shape_startup_hang,
+    "startup_hang_vllm": functools.partial(shape_startup_hang, framework="vllm"),
 }

@@ -12,7 +12,9 @@ Each case runs real processes (``tests/programs/fault_matrix.py``):
   a rank in uninterruptible sleep (state D: a weight read from a hung network filesystem), two
   pipeline stages both receiving first (a P2P ordering deadlock), a stage receiving from a stage
   hung before it sends, a rank hung before DeepEP's
-  dispatch while its peer spins in it (a host-side wait, no torch.distributed call).
+  dispatch while its peer spins in it (a host-side wait, no torch.distributed call), a rank hung in
+  CUDA-graph capture before the first step while its peer waits in the captured all-reduce (a
+  ``startup_stall``: SGLang's and vLLM's runners).
 
 "Added" is the Flight Recorder phase (all ranks, in parallel) plus making the verdict, the two
 things the verdict adds to an incident; for the rank faults it is also shown as a share of the

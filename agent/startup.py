@@ -15,10 +15,12 @@ over, and publishes :class:`StartupStalled`. Its rules:
 
 * **a rank** is a target whose title names one (:func:`agent.ranks.rank_from_title`:
   ``sglang::scheduler_TP0``, ``VLLM::Worker_TP1``);
-* **judged** only where something could say its start-up is over: the agent probes the server
-  over HTTP (``health.url``, ``metrics.url``) or the rank uses the SDK (its step counter, or its
-  control socket before the first step opens the counter). Without either,
-  a healthy server would look stuck in start-up forever: such ranks are never judged;
+* **judged** only where something could say its start-up is over: the rank uses the SDK (its
+  step counter, or its control socket before the first step opens the counter), or the agent
+  probes the server over HTTP (``health.url``, ``metrics.url``) and found the rank younger than
+  the budget (seen starting: a rank found older, with nothing listening at the URL, is more
+  likely a serving server behind a wrong URL). Without either, a healthy server would look stuck
+  in start-up forever: such ranks are never judged;
 * **settled**: nothing is judged before the agent has looked for :data:`SETTLE_S` (or the budget,
   if shorter): an agent started next to a server that serves already hears it answer first;
 * **start-up over** (for the ranks created before it): the rank's own SDK step counter reached 1
@@ -174,6 +176,10 @@ class StartupRule:
         #: when start-up was last seen over (a step, an HTTP answer), seconds since the epoch
         self.over_s = 0.0
         self._fired: set[tuple[int, float]] = set()
+        #: the ranks found so far, by (pid, creation time): found younger than the budget
+        self._young_at_sight: dict[tuple[int, float], bool] = {}
+        #: at the last look, a rank in start-up had no SDK to say so (the HTTP answer alone would)
+        self._by_http_only = False
         #: the ranks in start-up at the last look, oldest first, and when that was
         self._starting: list[Target] = []
         self._looked_s = 0.0
@@ -196,7 +202,8 @@ class StartupRule:
             return None
         names = _named([t.pid for t in ranks], [t.title for t in ranks])
         if self._looked_s - ranks[0].create_time_s >= self.config.budget_s:
-            return f"its ranks took no first step within the start-up budget of {self.config.budget_s:g} s ({names})"
+            return (f"its ranks took no first step within the start-up budget of {self.config.budget_s:g} s ({names})"
+                    + (", or this is the wrong host or port" if self._by_http_only else ""))
         return f"its ranks took no first step yet ({names}; start-up budget {self.config.budget_s:g} s)"
 
     # -- the rule -------------------------------------------------------------------------------
@@ -216,6 +223,9 @@ class StartupRule:
         now_s = time.time() if now_s is None else now_s
         self._first_look_s = self._first_look_s or now_s
         ranks = [t for t in self._discover() if rank_from_title(t.title) is not None and t.create_time_s > 0]
+        keys = {(t.pid, t.create_time_s) for t in ranks}
+        self._young_at_sight = {k: self._young_at_sight.get(k, now_s - k[1] < self.config.budget_s) for k in keys}
+        self._by_http_only = False
         starting = sorted((t for t in ranks if self._in_startup(t)), key=lambda t: t.create_time_s)
         self._starting, self._looked_s = starting, now_s
         if not starting or now_s - starting[0].create_time_s < self.config.budget_s \
@@ -233,9 +243,11 @@ class StartupRule:
         if self.over_s > t.create_time_s:
             return False
         forward_ct = self._forward_ct(t.pid)
-        if forward_ct is None:
-            return self.http_watched
-        return forward_ct == 0  # its first step ends its own start-up
+        if forward_ct is not None:
+            return forward_ct == 0  # its first step ends its own start-up
+        judged = self.http_watched and self._young_at_sight.get((t.pid, t.create_time_s), False)
+        self._by_http_only |= judged
+        return judged
 
     # -- the task -------------------------------------------------------------------------------
 

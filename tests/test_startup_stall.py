@@ -149,7 +149,10 @@ def test_ranks_without_a_first_step_past_the_budget_are_one_stall_once(spawn) ->
     assert stalled.pids == (ranks[0].pid, ranks[1].pid) and stalled.subject_pid == ranks[0].pid  # not the detokenizer
     assert stalled.budget_s == 30.0 and 30.0 <= stalled.waited_s < 32.0
     assert rule.look(now_s=born + 40.0) is None  # once per set of ranks
-    assert rule.starting() is not None and "within the start-up budget of 30 s" in (rule.starting() or "")
+    # only HTTP could have said it started: a wrong address is said as possible too
+    assert rule.starting() == (f"its ranks took no first step within the start-up budget of 30 s (pid {ranks[0].pid}"
+                               f" 'sglang::scheduler_TP0', pid {ranks[1].pid} 'sglang::scheduler_TP1'),"
+                               " or this is the wrong host or port")
 
 
 def test_an_http_answer_or_a_step_after_the_ranks_started_ends_their_startup(spawn) -> None:
@@ -168,6 +171,26 @@ def test_an_http_answer_or_a_step_after_the_ranks_started_ends_their_startup(spa
                            time_unix_nano=int((born - 100.0) * 1e9)))
     rule.look(now_s=born + 1.0)
     assert isinstance(rule.look(now_s=born + 1.0 + SETTLE_S), StartupStalled)
+
+
+def test_ranks_found_old_behind_a_port_nothing_listens_on_are_a_wrong_address_not_a_startup(spawn) -> None:
+    """The agent started next to a server that serves, its health URL on the wrong port: the ranks
+    were found older than the budget and nothing but HTTP could say they started. Not judged: the
+    health check keeps saying "wrong host or port" (``starting()`` is None). With the SDK's word
+    (no step yet), the same ranks are judged."""
+    ranks = _ranks(spawn, ["sglang::scheduler_TP0", "sglang::scheduler_TP1"])
+    born = min(t.create_time_s for t in ranks)
+    rule = StartupRule(StartupConfig(budget_s=5.0), discover=lambda: list(ranks), forward_ct=lambda pid: None,
+                       http_watched=True)
+    assert rule.look(now_s=born + 60.0) is None and rule.look(now_s=born + 60.0 + SETTLE_S) is None
+    assert rule.starting() is None
+    sdk = StartupRule(StartupConfig(budget_s=5.0), discover=lambda: list(ranks), forward_ct=lambda pid: 0,
+                      http_watched=True)
+    assert sdk.look(now_s=born + 60.0) is None  # settling
+    stalled = sdk.look(now_s=born + 60.0 + SETTLE_S)
+    assert isinstance(stalled, StartupStalled) and stalled.pids == tuple(t.pid for t in ranks)
+    assert sdk.starting() == (f"its ranks took no first step within the start-up budget of 5 s (pid {ranks[0].pid}"
+                              f" 'sglang::scheduler_TP0', pid {ranks[1].pid} 'sglang::scheduler_TP1')")
 
 
 def test_nothing_is_judged_where_nothing_could_say_the_startup_ended(spawn) -> None:

@@ -1,8 +1,9 @@
 """Settings: CLI > ``SERVEWATCH_*`` environment > TOML file (``--config``) > defaults.
 
 Owns :class:`AgentSettings` (the agent's own tables: where data goes, which processes are targets,
-the stall and start-up rules, the incident logic, the API and the job's peers), :func:`settings_model` (the
-whole settings: the agent's tables plus one table per registered component's settings model,
+the stall and start-up rules, the incident logic, the API and the job's peers),
+:func:`settings_model` (the whole settings: the agent's tables plus one table per registered
+component's settings model,
 assembled from the registries, :mod:`agent.registry`), :func:`registries` and :func:`load_settings`,
 which merges the sources and turns any invalid value into one :class:`ConfigError` line naming
 the setting. Telemetry uses the standard ``OTEL_*`` variables (read by :mod:`exporters.provider`),
@@ -14,8 +15,9 @@ Environment names: ``SERVEWATCH_<FIELD>`` for top-level fields and
 names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
 
 Imports the registries (the light package ``__init__`` of each kind) and the agent's own settings
-models (:mod:`agent.stall`, :mod:`agent.startup`, :mod:`agent.incidents`, :mod:`agent.fleet.config`); a component's
-settings model is imported by the path its registration line names, never a component module.
+models (:mod:`agent.stall`, :mod:`agent.startup`, :mod:`agent.incidents`,
+:mod:`agent.fleet.config`); a component's settings model is imported by the path its registration
+line names, never a component module.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ lifecycle"):
   failure while a stopped server's new processes start waits for ``/health`` up to
   :data:`RESTART_GRACE_S` (an incident when it never comes back). A stop, the new processes
   found after it and the recovery are said (log lines and :class:`~agent.events.LifecycleNoted`);
-* **a stall's ending**: a process of a stall incident (or of a start-up stall's) that ends after it (the operator's kill,
-  the server's own watchdog or RPC timeout killing itself, an orderly stop) continues that
-  incident: one line on it (``server ended after the stall: ...``), no second incident;
+* **a stall's ending**: a process of a stall incident (or of a start-up stall's) that ends after
+  it (the operator's kill, the server's own watchdog or RPC timeout killing itself, an orderly
+  stop) continues that incident: one line on it (``server ended after the stall: ...``), no
+  second incident;
 * **a health failure during a stall**: the health check of a server failing after its stall
   incident opened, while that stall is not over (no progress since), is the same hang seen
   from ``/health`` (SGLang's runs a one-token generation: it times out 20 s into a hung
@@ -26,8 +27,8 @@ lifecycle"):
   are named with the memory they hold, in the log, in the exit's outcome and on its incident.
 
 Imports :mod:`agent.events`, :mod:`agent.exitpolicy` (its :class:`~agent.exitpolicy.Fold`),
-:mod:`agent.startup` (its trigger's name), :mod:`agent.targets`, anyio and psutil (lazily); it reads the incident manager through
-:class:`Manager` (never imports it).
+:mod:`agent.startup` (its trigger's name), :mod:`agent.targets`, anyio and psutil (lazily); it
+reads the incident manager through :class:`Manager` (never imports it).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from agent.config import load_settings
-from agent.events import HealthProbed, StepsAdvanced
+from agent.events import HealthProbed, Outcome, StepsAdvanced
 from agent.runtime import Agent
 from agent.startup import SETTLE_S, StartupConfig, StartupRule, StartupStalled
 from agent.targets import Target, target_of
@@ -98,7 +98,8 @@ async def test_without_http_the_ranks_sdk_says_what_their_first_step_would(tmp_p
 async def test_the_waiting_ranks_collective_timeout_after_a_startup_stall_is_its_ending(tmp_path: Path) -> None:
     """Rank 0 gives up waiting in the captured all-reduce (its gloo timeout, as vLLM gives up on
     its engine at VLLM_ENGINE_READY_TIMEOUT_S) and exits 1 after the start-up stall incident opened:
-    that incident's ending, on it, not a second (exit) incident."""
+    that incident's ending, on it, not a second (exit) incident. The incident's profile is skipped:
+    no step can come."""
     env = {"PYTHONPATH": f"{STANDINS}{os.pathsep}{ROOT}"}
     procs = start_ranks(2, tmp_path, fault="graph_capture", fault_rank=1, title="sglang::scheduler", env=env,
                         extra=["--timeout-s", "20"])
@@ -108,7 +109,7 @@ async def test_the_waiting_ranks_collective_timeout_after_a_startup_stall_is_its
             "data_dir": tmp_path / "data", "host_name": "startup", "coredump": {"enabled": False},
             "target": {"pids": [p.pid for p in procs]}, "incident": {"cooldown_s": 300.0},
             "health": {"url": f"http://127.0.0.1:{_free_port()}/health", "interval_s": 0.5},
-            "startup": {"budget_s": STARTUP_BUDGET_S},
+            "startup": {"budget_s": STARTUP_BUDGET_S}, "profiler": {"on_incident_steps": 5, "max_duration_s": 60},
         })
         telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
         agent = Agent(settings, telemetry=telemetry, children=procs)
@@ -132,6 +133,9 @@ async def test_the_waiting_ranks_collective_timeout_after_a_startup_stall_is_its
     assert record.lifecycle[0].startswith(f"server ended after the stall: pid {procs[0].pid} 'sglang::scheduler_TP0'"
                                           f" exit code 1, "), record.lifecycle
     assert record.lifecycle[0].endswith(f"after incident {record.opened.incident_id} opened"), record.lifecycle
+    # the incident's profile waits for no step that cannot come
+    prof = next(r for r in record.results if r.action == "profile.session")
+    assert prof.outcome is Outcome.SKIPPED and prof.detail == "no steps: server stuck in start-up"
     assert agent.incidents.exit_outcomes[procs[0].pid] == (
         f"no new incident: the ending of stall incident {record.opened.incident_id}")
 

@@ -254,12 +254,13 @@ class StartupRule:
     async def run(self, bus: EventBus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Follow the bus and look at the ranks every :attr:`interval_s` until cancelled;
         publish each :class:`StartupStalled`. A failed look is logged (once) and the next runs."""
+        if not self.config.budget_s:  # off: nothing to follow
+            task_status.started()
+            await anyio.sleep_forever()
         async with anyio.create_task_group() as tg, bus.subscribe(StepsAdvanced, HealthProbed, WatcherStatusChanged,
                                                                   name="startup") as sub:
             tg.start_soon(self._follow, sub)
             task_status.started()
-            if not self.config.budget_s:
-                return
             told = False
             while True:
                 try:

@@ -1,8 +1,9 @@
 """Settings: CLI > ``SERVEWATCH_*`` environment > TOML file (``--config``) > defaults.
 
 Owns :class:`AgentSettings` (the agent's own tables: where data goes, which processes are targets,
-the stall rule, the incident logic, the API and the job's peers), :func:`settings_model` (the
-whole settings: the agent's tables plus one table per registered component's settings model,
+the stall and start-up rules, the incident logic, the API and the job's peers),
+:func:`settings_model` (the whole settings: the agent's tables plus one table per registered
+component's settings model,
 assembled from the registries, :mod:`agent.registry`), :func:`registries` and :func:`load_settings`,
 which merges the sources and turns any invalid value into one :class:`ConfigError` line naming
 the setting. Telemetry uses the standard ``OTEL_*`` variables (read by :mod:`exporters.provider`),
@@ -14,8 +15,9 @@ Environment names: ``SERVEWATCH_<FIELD>`` for top-level fields and
 names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
 
 Imports the registries (the light package ``__init__`` of each kind) and the agent's own settings
-models (:mod:`agent.stall`, :mod:`agent.incidents`, :mod:`agent.fleet.config`); a component's
-settings model is imported by the path its registration line names, never a component module.
+models (:mod:`agent.stall`, :mod:`agent.startup`, :mod:`agent.incidents`,
+:mod:`agent.fleet.config`); a component's settings model is imported by the path its registration
+line names, never a component module.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from agent.location import DEFAULT_DATA_DIR, ENV_DATA_DIR, ENV_PREFIX
 from agent.registry import AgentValues, Kind, Registry
 from agent.security import unsafe_dir_reason, validate_host_name
 from agent.stall import WatchdogConfig
+from agent.startup import StartupConfig
 from agent.targets import TargetConfig
 
 __all__ = [
@@ -111,6 +114,7 @@ class AgentSettings(BaseSettings):
     incident: IncidentConfig = Field(default_factory=IncidentConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
+    startup: StartupConfig = Field(default_factory=StartupConfig)
 
     if TYPE_CHECKING:  # a registered component's table, by its name (settings.pyspy)
         def __getattr__(self, name: str) -> Any: ...

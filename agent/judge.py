@@ -39,6 +39,7 @@ from agent.events import (
     RequestStalled,
     TargetExited,
     Trigger,
+    TriggerEvent,
     WatchdogStalled,
 )
 from agent.exits import zombie_fact
@@ -48,6 +49,7 @@ from agent.ranks import distinct_env_ranks, parse_title, world_ranks
 from agent.sdk.counter import CounterSnapshot
 from agent.servers import ServerGroup, ancestors, listener_of_port, port_of_url, server_groups
 from agent.stacks import ThreadStack, parse_dump
+from agent.startup import startup_progress
 from agent.targets import ProcessState, Target, process_state, rank_environ, uninterruptible_threads
 from agent.verdict import (
     Evidence,
@@ -135,7 +137,8 @@ def _read_json(path: str) -> Any:
 
 
 def trigger_of(cause: Event | None) -> str:
-    """``stall``, ``exit``, ``health`` or ``manual`` (no cause) for the event that opened an incident."""
+    """``stall``, ``exit``, ``health``, a trigger event's own ``TRIGGER`` (``startup_stall``) or
+    ``manual`` (no cause) for the event that opened an incident."""
     if isinstance(cause, WatchdogStalled):
         return "stall"
     if isinstance(cause, TargetExited):
@@ -144,6 +147,8 @@ def trigger_of(cause: Event | None) -> str:
         return "health"
     if isinstance(cause, RequestStalled):
         return Trigger.REQUEST_STALL
+    if isinstance(cause, TriggerEvent) and cause.TRIGGER:  # a trigger of its own (startup_stall)
+        return cause.TRIGGER
     return "manual" if cause is None else type(cause).__name__
 
 
@@ -397,6 +402,7 @@ class VerdictJudge:
         evidence = _with_waits(evidence, members, dumps)
         trigger = trigger_of(readings.cause)
         progress = readings.progress if _serves(members, readings.progress, single=len(self._groups) == 1) else None
+        progress = startup_progress(readings.cause, pids) or progress  # a start-up stall: no first step
         judged = Evidence.of(
             evidence, trigger=trigger, world_size=world_size,
             server_progress=progress[0] if progress else None,

@@ -10,9 +10,10 @@ lifecycle"):
   failure while a stopped server's new processes start waits for ``/health`` up to
   :data:`RESTART_GRACE_S` (an incident when it never comes back). A stop, the new processes
   found after it and the recovery are said (log lines and :class:`~agent.events.LifecycleNoted`);
-* **a stall's ending**: a process of a stall incident that ends after it (the operator's kill,
-  the server's own watchdog or RPC timeout killing itself, an orderly stop) continues that
-  incident: one line on it (``server ended after the stall: ...``), no second incident;
+* **a stall's ending**: a process of a stall incident (or of a start-up stall's) that ends after
+  it (the operator's kill, the server's own watchdog or RPC timeout killing itself, an orderly
+  stop) continues that incident: one line on it (``server ended after the stall: ...``), no
+  second incident;
 * **a health failure during a stall**: the health check of a server failing after its stall
   incident opened, while that stall is not over (no progress since), is the same hang seen
   from ``/health`` (SGLang's runs a one-token generation: it times out 20 s into a hung
@@ -26,8 +27,8 @@ lifecycle"):
   are named with the memory they hold, in the log, in the exit's outcome and on its incident.
 
 Imports :mod:`agent.events`, :mod:`agent.exitpolicy` (its :class:`~agent.exitpolicy.Fold`),
-:mod:`agent.targets`, anyio and psutil (lazily); it reads the incident manager through
-:class:`Manager` (never imports it).
+:mod:`agent.startup` (its trigger's name), :mod:`agent.targets`, anyio and psutil (lazily); it
+reads the incident manager through :class:`Manager` (never imports it).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from agent.events import (
     WatchdogRearmed,
 )
 from agent.exitpolicy import ExitPolicy, Fold
+from agent.startup import STARTUP_STALL
 from agent.targets import Target
 
 __all__ = [
@@ -85,6 +87,10 @@ LEFT_ALIVE_SETTLE_S = 5.0
 FOLLOW_INTERVAL_S = 1.0
 #: Most lines one incident's ``lifecycle`` holds (an endless crash loop only counts).
 MAX_LINES = 32
+#: The incidents of a hang, which a later exit of their processes ends and a later health failure
+#: joins: the stall rule's and the start-up rule's (:mod:`agent.startup`: vLLM takes its engine
+#: down once its own start-up wait is over).
+HANG_TRIGGERS = frozenset({Trigger.STALL, STARTUP_STALL})
 
 
 class Manager(Protocol):
@@ -377,7 +383,7 @@ class Lifecycle:
             if server is None or getattr(record, "server", None) != server:
                 continue
             age_s = (now - record.opened.time_unix_nano) / 1e9
-            if age_s > (STALL_ENDING_S if record.opened.trigger == Trigger.STALL else max(followup_s, 1.0)):
+            if age_s > (STALL_ENDING_S if record.opened.trigger in HANG_TRIGGERS else max(followup_s, 1.0)):
                 continue
             return self._fold_orphans(event, record)
         return None
@@ -453,7 +459,7 @@ class Lifecycle:
         running = [*self.manager.running.values(), *([self.manager.current] if self.manager.current is not None else [])]
         for record in [*running, *reversed(self.manager.records)]:
             opened = record.opened
-            if opened.trigger != Trigger.STALL or getattr(record, "server", None) != server:
+            if opened.trigger not in HANG_TRIGGERS or getattr(record, "server", None) != server:
                 continue
             age_s = (event.time_unix_nano - opened.time_unix_nano) / 1e9
             if not 0.0 <= age_s <= STALL_ENDING_S:
@@ -473,7 +479,7 @@ class Lifecycle:
         running = [*self.manager.running.values(), *([self.manager.current] if self.manager.current is not None else [])]
         for record in [*running, *reversed(self.manager.records)]:
             opened = record.opened
-            if opened.trigger != Trigger.STALL or (now - opened.time_unix_nano) / 1e9 > STALL_ENDING_S:
+            if opened.trigger not in HANG_TRIGGERS or (now - opened.time_unix_nano) / 1e9 > STALL_ENDING_S:
                 continue
             pids = {t.pid for t in record.targets}
             if event.pid not in pids:

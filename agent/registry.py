@@ -63,6 +63,10 @@ def _no_stall(targets: Sequence[Target]) -> bool:
     return False
 
 
+def _not_starting() -> str | None:
+    return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentValues:
     """The agent-wide values a component may read besides its own settings (read from the agent's
@@ -110,6 +114,9 @@ class BuildContext:
         stage: ``build`` (with the agent) or ``start`` (when it runs or dumps): an exporter
             returns ``None`` at the stage that is not its own.
         one_shot: a one-shot incident (``servewatch dump``), not a running agent.
+        starting: ``starting()`` is one line on the server's ranks still in start-up (found
+            starting, no first step yet: :meth:`agent.startup.StartupRule.starting`), ``None``
+            when none is: what a watcher says of a port nothing listens on yet.
     """
 
     agent: AgentValues = AgentValues()
@@ -119,6 +126,7 @@ class BuildContext:
     telemetry: Any = None
     stage: Literal["build", "start"] = "build"
     one_shot: bool = False
+    starting: Callable[[], str | None] = _not_starting
 
 
 def _import(path: str) -> Any:

@@ -49,6 +49,7 @@ from agent.registry import BuildContext
 from agent.runstatus import RunStatus
 from agent.sdkclient import read_step_counter
 from agent.stall import StallBoard
+from agent.startup import StartupRule
 from agent.supervision import TargetWatch, restartable, supervise
 from agent.targets import Target
 from agent.watchers import WATCHERS, TargetWatchers
@@ -113,9 +114,10 @@ class Agent:
         self.telemetry, self._own_telemetry = telemetry, telemetry is None
         self.children, self.stalls = list(children), StallBoard()  # own_actions: what servewatch does to servers
         self.own_actions = OwnActionLog(settings.data_dir, settings.host_name)
+        self.startup = StartupRule(settings.startup, discover=lambda: self.discover(), http_watched=bool(settings.agent_values().server_urls))
         self.context = BuildContext(
             agent=settings.agent_values(), children=self.children, stalled=self.stalls.stalled,
-            on_status_change=self._status_changed if on_status is not None else None,
+            on_status_change=self._status_changed if on_status is not None else None, starting=self.startup.starting,
         )
         #: built components by name (registration order); exporters of the ``start`` stage are
         #: added when the agent runs or dumps
@@ -430,6 +432,7 @@ class Agent:
         await tg.start(self.history.run, self.bus)  # before the watchers publish
         await tg.start(self.stalls.run, self.bus)
         await tg.start(self.lifecycle.run, self.bus, self.incidents)
+        await tg.start(self.startup.run, self.bus)
         self.incidents.on_state = self.run_status.show_incidents
         await tg.start(self.incidents.run)
         if s.api.enabled:

@@ -15,7 +15,9 @@ Each case runs real processes (``tests/programs/fault_matrix.py``):
   dispatch while its peer spins in it (a host-side wait, no torch.distributed call), vLLM-on-Ray
   workers all titled ``ray::RayWorkerWrapper`` (the rank from each one's environment, with the
   Flight Recorder actor on and off; one crashing), schedulers that inherited one ``RANK`` (named by
-  their titles), a PP=2 x TP=2 vLLM job whose ``Worker_PP1_TP0`` hangs (rank 2).
+  their titles), a PP=2 x TP=2 vLLM job whose ``Worker_PP1_TP0`` hangs (rank 2), a rank hung in
+  CUDA-graph capture before the first step while its peer waits in the captured all-reduce (a
+  ``startup_stall``: SGLang's and vLLM's runners).
 
 "Added" is the Flight Recorder phase (all ranks, in parallel) plus making the verdict, the two
 things the verdict adds to an incident; for the rank faults it is also shown as a share of the

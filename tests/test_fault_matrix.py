@@ -8,7 +8,9 @@ hung before it sends, a rank
 hung before DeepEP's dispatch while its peer spins in it, vLLM-on-Ray workers all titled
 ``ray::RayWorkerWrapper`` whose ranks are in their environments (one crashing: named by the
 ``RANK`` read while it lived), schedulers that inherited one ``RANK`` (named by their titles), a PP=2 x TP=2 vLLM job whose
-``Worker_PP1_TP0`` is global rank 2 on one host and across two nodes' job verdict). Lifecycle cases
+``Worker_PP1_TP0`` is global rank 2 on one host and across two nodes' job verdict, a rank hung in
+CUDA-graph capture before its first step while its peer waits in the captured all-reduce: a
+start-up stall). Lifecycle cases
 (tests/programs/lifecycle_cases.py): ranks owned and reaped at once by their server process, the
 agent watching by title: a clean exit and the tree's SIGTERM open no incident, a real OOM kill
 (a memory-limited cgroup) is named, a crash seen late (zombies at dump time) is blamed first.

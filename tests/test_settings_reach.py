@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Modules holding the agent's own use of its tables (and of the few component settings that
 #: configure what the CLI starts: launch's Flight Recorder buffer, the crash-dump folder).
 AGENT_MODULES = ["agent.config", "agent.runtime", "agent.incidents", "agent.exitpolicy", "agent.evidence", "agent.stall",
-                 "agent.targets", "agent.fleet", "agent.cli", "agent.launch"]
+                 "agent.startup", "agent.targets", "agent.fleet", "agent.cli", "agent.launch"]
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -191,6 +191,14 @@ def test_the_stall_rule_reaches_the_watchdogs(tmp_path: Path) -> None:
     agent = Agent.build(settings)
     assert agent.watchers["metrics"].config.timeout_s == 42.0 and agent.watchers["metrics"].config.poll_interval_s == 0.25
     assert agent.watchers["steps"].config.timeout_s == 42.0 and agent.watchers["steps"].config.poll_interval_s == 0.25
+
+
+def test_the_startup_budget_reaches_the_startup_rule(tmp_path: Path) -> None:
+    """The agent's [startup] budget reaches the start-up rule the agent runs (its own table), and
+    the rule's word on ranks starting reaches the watchers that probe the server over HTTP."""
+    agent = Agent.build(load_settings({**EVERYTHING_ON, "data_dir": tmp_path, "startup": {"budget_s": 42.0}}))
+    assert agent.startup.config.budget_s == 42.0 and agent.startup.config == agent.settings.startup
+    assert agent.context.starting == agent.startup.starting and agent.watchers["health"].starting == agent.startup.starting
 
 
 def test_importing_the_factories_resolves_every_registration() -> None:

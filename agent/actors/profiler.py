@@ -91,6 +91,7 @@ from agent.sdkclient import (
     sdk_call,
 )
 from agent.stall import StallClock
+from agent.startup import STARTUP_STALL
 from agent.targets import Target
 
 if TYPE_CHECKING:
@@ -426,8 +427,13 @@ class ProfilerActor:
         self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: ActionSink
     ) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`profile_incident`, skipped
-        (one ``SKIPPED`` result) for a stall, or when ``stalled(targets)`` says a target is busy
-        with no step: a stalled server takes no steps, so waiting for them would only time out."""
+        (one ``SKIPPED`` result) for a stall or a start-up stall (:mod:`agent.startup`: no first
+        step yet), or when ``stalled(targets)`` says a target is busy with no step: a stalled
+        server takes no steps, so waiting for them would only time out."""
+        if opened.trigger == STARTUP_STALL:
+            t = now_ns()
+            return [ActionResult(action=ACTION, outcome=Outcome.SKIPPED, detail="no steps: server stuck in start-up",
+                                 start_time_unix_nano=t, end_time_unix_nano=t)]
         stalled = self._stalled
         if opened.trigger == Trigger.STALL or (
             stalled is not None and await anyio.to_thread.run_sync(stalled, targets)  # shm counter reads

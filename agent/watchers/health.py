@@ -18,6 +18,7 @@ import errno
 import http
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -55,6 +56,7 @@ __all__ = [
     "create",
     "http_status_text",
     "read_capped",
+    "refused_status",
 ]
 
 #: Error classes carried by ``HealthProbed.error_class`` / ``HealthCheckFailed.error_class``.
@@ -154,7 +156,8 @@ class HealthWatcher:
 
     name = "health"
 
-    def __init__(self, config: HealthConfig, *, client: httpx.AsyncClient | None = None, status_name: str = "health") -> None:
+    def __init__(self, config: HealthConfig, *, client: httpx.AsyncClient | None = None, status_name: str = "health",
+                 starting: Callable[[], str | None] | None = None) -> None:
         if not config.url:
             raise ValueError("HealthWatcher needs HealthConfig.url")
         self.config = config
@@ -167,6 +170,8 @@ class HealthWatcher:
         self._started_ns = time.monotonic_ns()
         self._told_waiting = False
         self._error_detail = ""
+        #: one line on the server's ranks still in start-up, ``None`` when none is (``None``: not known)
+        self.starting = starting
         #: what this watcher can see (``health: waiting for first 200 from …``)
         self.status = StatusReporter(status_name, WatcherState.WAITING, f"waiting for first 200 from {config.url}")
 
@@ -217,9 +222,7 @@ class HealthWatcher:
                     f"server starting: nothing listens at {url} yet"
                     f" (waiting up to {self.config.refused_grace_s:g} s for it to listen)"
                 )
-            return WatcherState.BLIND, (
-                f"connection refused at {url} (nothing listens there: wrong host or port, or the server is down)"
-            )
+            return refused_status(url, self.starting)
         if code in (401, 403):
             return WatcherState.BLIND, f"{http_status_text(code)} from {url} (the health URL needs credentials we do not have)"
         if code == 404:
@@ -307,14 +310,26 @@ class HealthWatcher:
             await anyio.sleep((next_ns - now) / 1e9)
 
 
+def refused_status(url: str, starting: Callable[[], str | None] | None) -> tuple[WatcherState, str]:
+    """What "connection refused" at ``url`` says, past the refused grace: the server is starting
+    (``WAITING``) while ``starting()`` names its ranks in start-up (:mod:`agent.startup`: SGLang
+    and vLLM listen only once every rank is ready), else nothing listens there (``BLIND``: wrong
+    host or port, or the server is down)."""
+    line = starting() if starting is not None else None
+    if line:
+        return WatcherState.WAITING, f"server starting: nothing listens at {url} yet; {line}"
+    return WatcherState.BLIND, f"connection refused at {url} (nothing listens there: wrong host or port, or the server is down)"
+
+
 def create(config: HealthConfig, ctx: BuildContext) -> HealthWatcher | WatcherGroup | None:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``health``): a watcher of ``config``
     (``[health]``); with several URLs (``urls``) one each, run as a :class:`WatcherGroup` (status
     rows ``health HOST:PORT``); ``None`` without a URL."""
     urls = config.all_urls
     if len(urls) <= 1:
-        return HealthWatcher(config.model_copy(update={"url": urls[0], "urls": ()})) if urls else None
+        return HealthWatcher(config.model_copy(update={"url": urls[0], "urls": ()}), starting=ctx.starting) if urls else None
     return WatcherGroup("health", [
-        HealthWatcher(config.model_copy(update={"url": url, "urls": ()}), status_name=url_label("health", url))
+        HealthWatcher(config.model_copy(update={"url": url, "urls": ()}), status_name=url_label("health", url),
+                      starting=ctx.starting)
         for url in urls
     ])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
@@ -634,6 +634,9 @@ class PrometheusStepSource:
         self._problem = ""
         #: "connection refused" before the first answer within this long is a server starting
         self.refused_grace_s = refused_grace_s
+        #: one line on the server's ranks still in start-up (``None``: none, or not known): then
+        #: "connection refused" says the server is starting (:func:`agent.watchers.health.refused_status`)
+        self.starting: Callable[[], str | None] | None = None
         self._created_s = time.monotonic()
         self._answered = False
         from agent.watchers.inflight import local_port_of
@@ -767,6 +770,7 @@ class PrometheusStepSource:
             classify_error,
             http_status_text,
             read_capped,
+            refused_status,
         )
 
         if self._client is None:
@@ -802,7 +806,7 @@ class PrometheusStepSource:
                         f" (waiting up to {self.refused_grace_s:g} s for it to listen)"
                     )
                 elif classify_error(exc) == ERROR_REFUSED:
-                    self._blind(f"connection refused at {self.url} (nothing listens there: wrong host or port, or the server is down)")
+                    self._state, self._reason = refused_status(self.url, self.starting)
                 else:
                     self._blind(f"cannot scrape {self.url}: {type(exc).__name__}: {str(exc)[:120]}")
                 return None

@@ -319,6 +319,7 @@ def create_prometheus(config: MetricsConfig, ctx: BuildContext) -> Watchdog | Wa
             open_requests=config.open_requests, open_request_quiet_s=config.open_request_quiet_s,
             open_request_idle_reuse_s=open_request_idle_reuse_s(stall_rule(ctx)),
         )
+        source.starting = ctx.starting
         if len(urls) > 1:
             source.status_name = url_label("metrics", url)
         watchdogs.append(Watchdog(source, stall_rule(ctx), own_actions=own_actions))

@@ -32,6 +32,11 @@ Faults (on ``--fault-rank`` at step ``--fault-step``):
   others enter DeepEP's ``Buffer.dispatch`` (``deep_ep`` on ``PYTHONPATH``: the stand-in under
   ``tests/programs/standins/``, flags in ``$DEEP_EP_STANDIN_FLAGS``) and spin there on the host,
   waiting for it, with no torch.distributed call.
+* ``graph_capture``: before the first step, every rank captures CUDA graphs in SGLang's
+  ``DecodeCudaGraphRunner.capture()`` (``--framework vllm``: vLLM's ``GPUModelRunner.capture_model()``;
+  the stand-ins under ``tests/programs/standins/``, their real module paths, on ``PYTHONPATH``); the
+  faulty rank never returns from its capture of size 4, the others wait in the captured forward's
+  ``all_reduce`` (SGLang #3547, vLLM #17167). No step is ever taken.
 * ``oom``: the rank allocates and touches memory (64 MiB at a time) until the kernel's OOM killer
   ends it (run it in a memory-limited cgroup: :mod:`tests.programs.rank_server`).
 
@@ -120,6 +125,18 @@ def _moe_dispatch(x: object) -> None:
     Buffer(dist.group.WORLD).dispatch(x)
 
 
+def _capture_cuda_graphs(framework: str, hang: bool, deadline: float) -> None:
+    """The server's start-up before its first step: CUDA-graph capture (SGLang's or vLLM's runner)."""
+    if framework == "vllm":
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        GPUModelRunner(hang_size=4 if hang else None, deadline=deadline).capture_model()
+        return
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    DecodeCudaGraphRunner(hang_bs=4 if hang else None, deadline=deadline).capture()
+
+
 def _serve_metrics(port: int) -> object:
     """The job's own ``/metrics`` (as SGLang's and vLLM's frontends serve): ``fm_steps_total``
     (one per step) and ``fm_busy`` (1); returns the counter."""
@@ -174,8 +191,9 @@ def main() -> int:
     ap.add_argument("--title", default="faultjob::scheduler")
     ap.add_argument("--proc-title", default="", help="the exact process title (else <title>_TP<rank>)")
     ap.add_argument("--fault", default="none", choices=["none", "hang", "kill", "skip", "shape", "slow", "cycle", "deep", "dstate", "oom",
-                                                   "p2p", "p2p_hang", "ep"])
+                                                   "p2p", "p2p_hang", "ep", "graph_capture"])
     ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--framework", choices=["sglang", "vllm"], default="sglang", help="whose start-up graph_capture hangs in")
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-file", default=None, help="the fault fires at the first step after this file exists (else at --fault-step)")
     ap.add_argument("--step-sleep-s", type=float, default=0.05)
@@ -236,6 +254,8 @@ def main() -> int:
     b = torch.zeros(4, 16)
     w = torch.ones(32, 32) / 32
     mine = args.rank == args.fault_rank
+    if args.fault == "graph_capture":
+        _capture_cuda_graphs(args.framework, mine, deadline)
     step = 0
     fault_at: int | None = None
     try:

@@ -12,6 +12,7 @@ on; ``slow``: nothing is stuck).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -236,6 +237,10 @@ class ShapeResult:
     confidence: str = ""
     forbidden_pids: tuple[int, ...] = ()
     added_s: float = 0.0
+    #: every watcher status line said while the agent watched (``name: state reason``), where the shape records them
+    statuses: list[str] = field(default_factory=list)
+    #: more ways the shape went wrong, besides its verdict (the shape's own checks)
+    other_problems: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """Every way the verdict differs from what it must say (empty: right)."""
@@ -247,7 +252,7 @@ class ShapeResult:
             out.append(f"(kind, culprit_ranks, culprit_pids, confidence) = {got}, expected {want}")
         text = " ".join([v.get("reason", ""), *v.get("evidence", ())])
         out += [f"names pid {p} of another server" for p in self.forbidden_pids if re.search(rf"\b{p}\b", text)]
-        return out
+        return out + self.other_problems
 
     @property
     def correct(self) -> bool:
@@ -318,12 +323,13 @@ def _zombie(pid: int) -> bool:
 async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any] = (),  # type: ignore[assignment]
                  manual_when: Callable[[], bool] | None = None, wait_trigger: str | None = None,
                  deadline_s: float = 100.0, judged: list[Any] | None = None,
-                 after_start: Callable[[Any], None] | None = None) -> Any:
+                 after_start: Callable[[Any], None] | None = None,
+                 on_status: Callable[[Any], None] | None = None) -> Any:
     """Run the real agent on ``settings_extra`` targets until its first incident (of trigger
     ``wait_trigger`` when given; a manual one opened once ``manual_when()``); the incident.
     ``judged`` receives what its verdict judged (``VerdictJudge.last_evidence``: what a host
     sends its job's coordinator). ``after_start(agent)`` runs (in a worker thread) once the agent
-    runs."""
+    runs; ``on_status`` receives each watcher status the agent publishes."""
     from agent.config import load_settings
     from agent.runtime import Agent
     from exporters.provider import build_telemetry
@@ -347,7 +353,7 @@ async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any
             got.set()
 
     telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
-    agent = Agent(settings, telemetry=telemetry, children=list(children), on_incident=on_incident)
+    agent = Agent(settings, telemetry=telemetry, children=list(children), on_incident=on_incident, on_status=on_status)
     with anyio.fail_after(deadline_s):
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
@@ -860,6 +866,51 @@ async def shape_request_stall(wd: Path) -> ShapeResult:
         return _result("request_stall", record, kind="request", ranks=(), pids=(pid,), confidence="high")
     finally:
         await anyio.to_thread.run_sync(stop_ranks, [proc])
+    """A TCP port nothing listens on now (bound once, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+#: The start-up budget of :func:`shape_startup_hang`, seconds.
+STARTUP_BUDGET_S = 3.0
+
+
+async def shape_startup_hang(wd: Path, *, http: bool = True, framework: str = "sglang") -> ShapeResult:
+    """A start-up hang (SGLang #3547, vLLM #17167): ranks ``sglang::scheduler_TP0/1`` capture CUDA
+    graphs before their first step in SGLang's ``DecodeCudaGraphRunner.capture()`` (the stand-in's
+    real module path); rank 1 never returns from its capture of batch size 4, rank 0 waits in the
+    captured forward's ``all_reduce``; the HTTP port is not listening (SGLang listens once every
+    rank is ready). A ``startup_stall`` incident once the budget is spent, naming rank 1; the health
+    check says the server is starting, never "wrong host or port" (``other_problems`` otherwise).
+    ``http=False``: no health URL; the ranks' SDK (its control socket, no step counter before the
+    first step) says what the first step would. ``framework="vllm"``: workers ``VLLM::Worker_TP0/1``
+    in vLLM's ``GPUModelRunner.capture_model()`` (vLLM #17167)."""
+    env = {"PYTHONPATH": f"{STANDINS}{os.pathsep}{ROOT}"}
+    url = f"http://127.0.0.1:{_free_port()}/health"
+    statuses: list[str] = []
+    title = "VLLM::Worker" if framework == "vllm" else "sglang::scheduler"
+    procs = start_ranks(2, wd, fault="graph_capture", fault_rank=1, title=title, env=env, extra=["--framework", framework])
+    try:
+        await anyio.to_thread.run_sync(wait_ready, procs)
+        watched: dict[str, Any] = {"target": {"pids": [p.pid for p in procs]}, "startup": {"budget_s": STARTUP_BUDGET_S}}
+        if http:
+            watched["health"] = {"url": url, "interval_s": 0.5}
+        record = await _watch(
+            watched,
+            wd, children=procs, wait_trigger="startup_stall",
+            on_status=lambda st: statuses.append(f"{st.name}: {st.state} {st.reason}"))
+        result = _result("startup_hang" + ("_vllm" if framework == "vllm" else ""), record, kind="behind", ranks=(1,), pids=(procs[1].pid,), confidence="high")
+        result.statuses = statuses
+        health = [line for line in statuses if line.startswith("health")]
+        result.other_problems += [f"said as a wrong address: {line}" for line in health if "wrong host or port" in line]
+        if http and not any("server starting" in line and str(procs[0].pid) in line for line in health):
+            result.other_problems.append(f"the health check never said the server is starting: {health}")
+        return result
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, procs)
 
 
 #: The shapes, by name: ``await SHAPES[name](workdir)``.
@@ -886,4 +937,6 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "inherited_rank": shape_inherited_rank,
     "livelock": shape_livelock,
     "request_stall": shape_request_stall,
+    "startup_hang": shape_startup_hang,
+    "startup_hang_vllm": functools.partial(shape_startup_hang, framework="vllm"),
 }

@@ -1,0 +1,1 @@
+"""Stand-in of SGLang's package path for test ranks (tests/programs/standins)."""

@@ -132,6 +132,8 @@ class Agent:
         self.incidents = self._build_incidents(on_incident, on_summary)
         self.targets = TargetFinder(settings.target, self.children, stall_timeout_s=settings.watchdog.timeout_s,
                                     last_incident_unix_nano=self._last_incident_unix_nano)
+        self.incidents.server_tree = partial(self.targets.server_tree, urls=self.context.agent.server_urls)
+        self.incidents.judge.read_progress(progress_source(settings.metrics), Trigger.HEALTH)  # issue 32 item 1
         self.target_watch = TargetWatch(
             discover=lambda: self.discover(), finder=self.targets, watchers=self.watchers,
             process_watcher=self.process_watcher, bus=self.bus, status=self.run_status, incidents=self.incidents,
@@ -264,7 +266,7 @@ class Agent:
         if self.incidents.judge is not None:  # one-shot: no torch import racing the dump's own CPU
             self.incidents.judge.warm_up = False
             # one snapshot cannot tell a hang from work: the server's /metrics read twice can
-            progress = self.incidents.judge.progress_source = progress_source(self.settings.metrics)
+            progress = self.incidents.judge.read_progress(progress_source(self.settings.metrics))
         feeds = subscribe_mirrors(self.bus, self.exporters, max_buffer=MIRROR_BUFFER)
         try:
             async with anyio.create_task_group() as tg:

@@ -48,6 +48,7 @@ from agent.sdk.counter import CounterSnapshot
 from agent.servers import (
     ServerGroup,
     ancestors,
+    command_words,
     frontend_command,
     listener_of_port,
     port_of_url,
@@ -468,8 +469,10 @@ class VerdictJudge:
             else exit_fact_of(target.pid, target.create_time_s) if state is ProcessState.GONE else None)
         info = parse_title(target.title)
         role = _role(info.role if info is not None else "", rank)
+        title = target.title
         if role is Role.PROCESS and (frontend_command(target.cmdline) or target.pid in readings.listeners):
             role = Role.FRONTEND  # an untitled HTTP frontend: vllm serve, SGLang's main process
+            title = command_words(target.cmdline) or title  # named by its command, not its interpreter's path
         if role is Role.FRONTEND and threads:
             frame = _frontend_frame(threads) or frame
         snap = readings.after.get(target.pid)
@@ -477,7 +480,7 @@ class VerdictJudge:
             rank=rank if role is Role.RANK else None,
             pid=target.pid,
             role=role,
-            title=target.title,
+            title=title,
             label=info.label if info is not None else "",
             alive=alive,
             exited_first=exited,

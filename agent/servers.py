@@ -37,7 +37,7 @@ import psutil
 from agent.ranks import parse_title, world_ranks
 from agent.targets import Target, descendants, parent_pid, psutil_errors, server_of, target_of
 
-__all__ = ["ServerGroup", "ancestors", "frontend_command", "listener_of_port", "listening_ports",
+__all__ = ["ServerGroup", "ancestors", "command_words", "frontend_command", "listener_of_port", "listening_ports",
            "port_of_url", "server_groups", "server_tree", "tcp_components"]
 
 
@@ -284,6 +284,21 @@ def frontend_command(cmdline: Sequence[str]) -> bool:
         return False
     words = [os.path.basename(cmdline[0]), *cmdline[1:]]
     return bool(_FRONTEND_COMMAND.search(" ".join(words)))
+
+
+def command_words(cmdline: Sequence[str]) -> str:
+    """An untitled process's command in a few words, none of its arguments (they may hold secrets):
+    ``python -m vllm.entrypoints.openai.api_server``, ``vllm serve``, ``python server.py``; ``""``
+    for an empty command line."""
+    if not cmdline:
+        return ""
+    words = [os.path.basename(cmdline[0])]
+    rest = list(cmdline[1:4])
+    if "-m" in rest and rest.index("-m") + 1 < len(cmdline) - 1:
+        words += ["-m", cmdline[rest.index("-m") + 2]]
+    elif rest and rest[0] in ("serve", "run") or rest and rest[0].endswith(".py"):
+        words.append(os.path.basename(rest[0]))
+    return " ".join(words)
 
 
 def _of_role(target: Target) -> bool:

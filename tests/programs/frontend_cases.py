@@ -7,8 +7,8 @@ Used by ``tests/test_frontend_verdict.py`` and ``bench/bench_verdict.py`` (:data
 
 * ``api_server_blocked`` (vLLM PR #38157): a chat request's template renders for ever on the API
   server's event loop; ``/health`` and ``/metrics`` time out while the engine core and its workers
-  idle. The agent matches ``VLLM::*`` (the engine core, the workers): the API server, untitled, is
-  dumped too, and named.
+  idle. The agent matches ``VLLM::*`` (the engine core, the workers) in the server's tree: the API
+  server, untitled, is dumped too, and named.
 * ``detokenizer_spins`` (SGLang #26482, #34740): the detokenizer spins in its incremental decode
   while the schedulers keep generating (``sglang:generation_tokens_total`` rising); ``/health`` turns
   503. The agent matches ``sglang::scheduler*`` only: the detokenizer is dumped too, and named.
@@ -50,10 +50,12 @@ def _start_standin(module: str, args: list[str], wd: Path) -> tuple[subprocess.P
     return proc, json.loads(ready.read_text())
 
 
-def _settings(port: int, preset: str, match: str, wd: Path) -> dict[str, Any]:
+def _settings(port: int, preset: str, match: str, root: int) -> dict[str, Any]:
+    """The agent's settings: the README's title glob within the server's tree (``--root-pid``: other
+    servers on this host, other tests', are never this one's), its ``/health`` and ``/metrics``."""
     base = f"http://127.0.0.1:{port}"
     return {
-        "target": {"match": [match]},
+        "target": {"match": [match], "root_pid": root},
         "health": {"url": f"{base}/health", "interval_s": 0.5, "timeout_s": 3.0, "unhealthy_after": 2,
                    "healthy_after": 1},
         "metrics": {"url": f"{base}/metrics", "metrics_preset": preset, "scrape_timeout_s": 2.0},
@@ -123,7 +125,7 @@ async def shape_api_server_blocked(wd: Path) -> ShapeResult:
                                                       "chat_template": ENDLESS_TEMPLATE}))
 
     try:
-        record = await _health_incident(_settings(info["port"], "vllm", "VLLM::*", wd), wd, inject)
+        record = await _health_incident(_settings(info["port"], "vllm", "VLLM::*", info["api_server"]), wd, inject)
         return _result("api_server_blocked", record, kind="frontend", ranks=(), pids=(info["api_server"],),
                        confidence="high")
     finally:
@@ -145,7 +147,7 @@ async def _sglang(wd: Path, *, after: bool) -> ShapeResult:
     try:
         if after:  # the agent starts once /health has turned 503 (the detokenizer spins already)
             await anyio.sleep(3.0)
-        record = await _health_incident(_settings(info["port"], "sglang", "sglang::scheduler*", wd), wd,
+        record = await _health_incident(_settings(info["port"], "sglang", "sglang::scheduler*", info["main"]), wd,
                                         None if after else inject)
         name = "agent_after_hang" if after else "detokenizer_spins"
         return _result(name, record, kind="frontend", ranks=(), pids=(info["detokenizer"],), confidence="high",

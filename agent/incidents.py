@@ -936,7 +936,7 @@ class IncidentManager:
         the trace it joins, the requests in flight; returns the record and the step counters."""
         targets = await self._targets_of(pid, server)
         targets = await self._with_server_tree(trigger, targets)
-        steps_at_open = await self._steps_at_open(targets)
+        steps_at_open = await self._steps_at_open(targets, trigger)
         parent, placed_attributes = await self._placement(trigger, targets, cause, parent)
         inflight = await self._inflight_of(targets)
         opened = IncidentOpened(
@@ -998,14 +998,15 @@ class IncidentManager:
         have = {t.pid for t in targets}
         return targets + [t for t in more if t.pid not in have]
 
-    async def _steps_at_open(self, targets: Sequence[Target]) -> dict[int, int]:
-        """The targets' step counters now, for the verdict (``{}`` without a judge)."""
+    async def _steps_at_open(self, targets: Sequence[Target], trigger: str = "") -> dict[int, int]:
+        """The targets' step counters now, for the verdict (``{}`` without a judge); the judge
+        reads the server's progress counter now for an incident of ``trigger`` that needs it."""
         if self.judge is None:
             return {}
         try:
             # /proc and the SDK's folders: a worker thread (microseconds of reading, not the loop's)
             async with self._judge_lock:
-                return await anyio.to_thread.run_sync(self.judge.opened, targets)
+                return await anyio.to_thread.run_sync(self.judge.opened, targets, trigger)
         except Exception:  # the verdict is a nicety; the evidence comes first
             log.exception("reading step counters for the verdict failed")
             return {}

@@ -258,7 +258,7 @@ class VerdictJudge:
         #: judges every host's together: :mod:`agent.fleet.evidence` sends it on)
         self.last_evidence: list[Evidence] = []
 
-    def opened(self, targets: Sequence[Target]) -> dict[int, int]:
+    def opened(self, targets: Sequence[Target], trigger: str = "") -> dict[int, int]:
         """Step counters when the incident opens (microseconds; blocking: each counter is found in
         its user's private folder and checked against its owner, ``/proc`` reads).
 
@@ -274,13 +274,14 @@ class VerdictJudge:
         pids = {t.pid for t in targets}
         self._stopped_at_open = _stopped(targets, self.own_actions) | frozenset(p for p in self._stopped_at_open if p not in pids)
         self._dsleep_at_open = {**{p: t for p, t in self._dsleep_at_open.items() if p not in pids}, **_in_dsleep(targets)}
-        self._progress_at_open = self._read_progress() if self.progress_triggers is None else None
+        wanted = self.progress_triggers is None or trigger in self.progress_triggers
+        self._progress_at_open = self._read_progress() if wanted else None
         return read_steps([t.pid for t in targets], self.shm_dir)
 
     def read_progress(self, source: _Source | None, *triggers: str) -> _Source | None:
-        """Read ``source`` (the server's ``/metrics``) twice for each verdict: with ``triggers``,
-        only for incidents of those, both readings from the verdict on, and its HTTP client closed
-        after each verdict (a watching agent: its watchdog covers stalls; a health incident needs
+        """Read ``source`` (the server's ``/metrics``) twice for each verdict, when the incident
+        opens and before its verdict: with ``triggers``, only for incidents of those, its HTTP
+        client closed after each verdict (a watching agent: its watchdog covers stalls; a health incident needs
         to know whether the ranks still progress); without, for every incident from when it opens
         (a one-shot ``dump``, which closes ``source`` itself). Returns ``source``."""
         self.progress_source = source
@@ -310,18 +311,17 @@ class VerdictJudge:
 
     def _progress(self, trigger: str) -> tuple[bool, str, bool, int | None] | None:
         """The server's counter read again, at least :data:`MIN_PROGRESS_INTERVAL_S` after the
-        first reading (made now when none was made at open: :attr:`progress_triggers`): (advanced,
-        in words, busy, the pid listening on its URL), or ``None`` (no source, another trigger)."""
+        first reading (when the incident opened): (advanced, in words, busy, the pid listening on
+        its URL), or ``None`` (no source, another trigger than :attr:`progress_triggers`)."""
         first, source = self._progress_at_open, self.progress_source
         self.progress_unread = ""
         if source is None or (self.progress_triggers is not None and trigger not in self.progress_triggers):
             return None
-        if first is None and self.progress_triggers is not None:  # a watching agent: read now, then close
-            try:
-                return self._progress_from(self._read_progress(), source)
-            finally:
+        try:
+            return self._progress_from(first, source)
+        finally:
+            if self.progress_triggers is not None:  # a watching agent: no client held between incidents
                 self._close_progress()
-        return self._progress_from(first, source)
 
     def _progress_from(self, first: _Reading | None, source: ProgressSource) -> tuple[bool, str, bool, int | None] | None:
         """:meth:`_progress` from its first reading on."""

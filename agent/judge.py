@@ -241,9 +241,8 @@ class VerdictJudge:
         #: the incident opens and again, at least :data:`MIN_PROGRESS_INTERVAL_S` later, before
         #: the verdict; ``None``: none (a watching agent has its watchdog)
         self.progress_source: ProgressSource | None = None
-        #: the triggers whose verdict reads :attr:`progress_source` (twice, from the verdict on:
-        #: a watching agent's health incidents); ``None``: every incident, from when it opens
-        #: (a one-shot ``dump``)
+        #: the triggers whose verdict reads :attr:`progress_source` (a watching agent's health
+        #: incidents: :meth:`read_progress`); ``None``: every incident (a one-shot ``dump``)
         self.progress_triggers: frozenset[str] | None = None
         self._progress_at_open: _Reading | None = None
         #: why the given :attr:`progress_source` gave no reading for the last verdict, in words
@@ -281,9 +280,9 @@ class VerdictJudge:
     def read_progress(self, source: _Source | None, *triggers: str) -> _Source | None:
         """Read ``source`` (the server's ``/metrics``) twice for each verdict, when the incident
         opens and before its verdict: with ``triggers``, only for incidents of those, its HTTP
-        client closed after each verdict (a watching agent: its watchdog covers stalls; a health incident needs
-        to know whether the ranks still progress); without, for every incident from when it opens
-        (a one-shot ``dump``, which closes ``source`` itself). Returns ``source``."""
+        client closed after each verdict (a watching agent: its watchdog covers stalls; a health
+        incident needs to know whether the ranks still progress, issue 32 item 1); without, for
+        every incident (a one-shot ``dump``, which closes ``source`` itself). Returns ``source``."""
         self.progress_source = source
         self.progress_triggers = frozenset(triggers) if triggers else None
         return source

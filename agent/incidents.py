@@ -988,7 +988,7 @@ class IncidentManager:
         """``targets`` and the rest of their servers' trees (:attr:`server_tree`), sorted by pid
         after the first (the culprit first stays first); ``targets`` alone when none is added or
         reading the trees fails (never fatal)."""
-        if self.server_tree is None or not targets:
+        if self.server_tree is None:
             return targets
         try:
             more = await anyio.to_thread.run_sync(self.server_tree, trigger, list(targets))  # /proc reads

@@ -352,7 +352,8 @@ def server_tree(targets: Sequence[Target], *, uids: frozenset[int] | None = None
         targets: the incident's targets (live ones are climbed from).
         uids: the server's uids: a process of another uid is never added (``None``: any uid).
         stop: pids never climbed past (a ``--root-pid``); servewatch itself is never added.
-        listeners: the pids listening on the watched URLs' ports (the health URL's server).
+        listeners: the pids listening on the watched URLs' ports (the health URL's server); the
+            trees climbed from when there is no target (``--health-url`` alone).
 
     Returns:
         The processes to add (none of ``targets``), sorted by pid.
@@ -360,7 +361,8 @@ def server_tree(targets: Sequence[Target], *, uids: frozenset[int] | None = None
     have = {t.pid for t in targets}
     own, stop_set, heard = os.getpid(), set(stop), set(listeners)
     found: dict[int, Target] = {}
-    for root in {server_of(t.pid, have) for t in targets}:
+    # no target (a health URL watched alone): the processes listening on the watched URLs are the roots
+    for root in {server_of(t.pid, have) for t in targets} or heard:
         if root is None:
             continue
         top = _server_top(root, own=own, stop=stop_set, listeners=heard, allowed=uids)

@@ -44,6 +44,18 @@ async def test_the_api_servers_blocked_event_loop_is_named_while_the_engine_core
     assert v["next"].startswith(f"py-spy dump --pid {api} (the synchronous call that holds its event loop"), v["next"]
 
 
+async def test_a_health_url_watched_alone_finds_the_server_tree_from_its_listener(tmp_path: Path) -> None:
+    """(b) again, the agent given only the server's /health and /metrics (no --match, no --pid): the
+    incident dumps the tree of the process listening on the health URL's port, and names it."""
+    result = await FRONTEND_SHAPES["api_server_blocked_health_only"](tmp_path)
+    v, record = result.verdict, result.record
+    assert result.correct, (result.problems(), v.get("headline"), v.get("evidence"))
+    titles = sorted(t.title for t in record.targets)
+    assert [t for t in titles if t.startswith("VLLM::")] == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    assert len(titles) == 4, titles  # and the API server
+    assert v["reason"].startswith("the API server's event loop is blocked in apply_hf_chat_template ("), v["reason"]
+
+
 async def test_the_spinning_detokenizer_is_named_while_the_schedulers_generate(tmp_path: Path) -> None:
     """(a) SGLang #26482, #34740: the README's --match 'sglang::scheduler*' never matched the
     detokenizer; the health incident dumps it and names it, with the ranks' progress read from

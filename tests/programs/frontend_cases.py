@@ -113,10 +113,11 @@ def _send_and_leave(port: int, body: dict[str, Any]) -> socket.socket:
 ENDLESS_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages }}"
 
 
-async def shape_api_server_blocked(wd: Path) -> ShapeResult:
+async def shape_api_server_blocked(wd: Path, *, health_only: bool = False) -> ShapeResult:
     """vLLM's API server blocked in a synchronous chat-template render on its event loop (vLLM PR
     #38157): the API server is named by its pid, its role and frame; the idle engine core and
-    workers are not."""
+    workers are not. ``health_only``: the agent is given the server's URLs alone (no glob, no pid):
+    the tree is found from the process listening on the health URL's port."""
     proc, info = await anyio.to_thread.run_sync(_start_standin, "vllm.entrypoints.openai.api_server", ["--tp", "2"], wd)
     sockets: list[socket.socket] = []
 
@@ -125,8 +126,11 @@ async def shape_api_server_blocked(wd: Path) -> ShapeResult:
                                                       "chat_template": ENDLESS_TEMPLATE}))
 
     try:
-        record = await _health_incident(_settings(info["port"], "vllm", "VLLM::*", info["api_server"]), wd, inject)
-        return _result("api_server_blocked", record, kind="frontend", ranks=(), pids=(info["api_server"],),
+        settings = _settings(info["port"], "vllm", "VLLM::*", info["api_server"])
+        if health_only:
+            del settings["target"]
+        record = await _health_incident(settings, wd, inject)
+        return _result("api_server_blocked_health_only" if health_only else "api_server_blocked", record, kind="frontend", ranks=(), pids=(info["api_server"],),
                        confidence="high")
     finally:
         for sock in sockets:
@@ -170,6 +174,7 @@ async def shape_agent_after_hang(wd: Path) -> ShapeResult:
 #: The frontend shapes, by name: ``await FRONTEND_SHAPES[name](workdir)``.
 FRONTEND_SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "api_server_blocked": shape_api_server_blocked,
+    "api_server_blocked_health_only": lambda wd: shape_api_server_blocked(wd, health_only=True),
     "detokenizer_spins": shape_detokenizer_spins,
     "agent_after_hang": shape_agent_after_hang,
 }

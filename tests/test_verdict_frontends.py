@@ -81,3 +81,15 @@ def test_an_engine_core_stuck_in_its_own_loop_is_still_the_culprit_not_the_front
 def test_a_frontend_in_its_own_code_during_a_manual_dump_is_no_culprit() -> None:
     v = decide(_blocked(trigger="manual"))
     assert v.kind != "frontend" and 41 not in v.culprit_pids, v
+
+
+def test_an_untitled_frontend_is_told_and_named_by_its_command_never_its_arguments() -> None:
+    from agent.servers import command_words, frontend_command
+
+    real = ["/venv/bin/python", "/venv/bin/vllm", "serve", "/models/tiny", "--api-key", "secret"]
+    assert command_words(real) == "python vllm serve" and frontend_command(real)
+    assert command_words(["/usr/bin/vllm", "serve", "m"]) == "vllm serve"
+    sglang = ["/x/python3", "-u", "-m", "sglang.launch_server", "--model-path", "m"]
+    assert command_words(sglang) == "python3 -m sglang.launch_server" and frontend_command(sglang)
+    assert command_words(["python", "/srv/app.py", "--token", "t"]) == "python app.py"
+    assert not frontend_command(["python", "/srv/app.py"]) and not frontend_command(["python", "-m", "sglang_router"])

@@ -110,10 +110,14 @@ def api_fault_point(path: str) -> None:
 
 def _wrap_api_completions(path: str) -> None:
     """Wrap ``OpenAIServingCompletion.create_completion`` (looked up on the class at each request),
-    in the API server only (the process that imported vLLM's OpenAI API server)."""
-    import sys
+    in the API server only: the process vLLM has not retitled (``VLLM::EngineCore`` and
+    ``VLLM::Worker_TP<i>`` are titled before they load the plugins)."""
+    try:
+        import setproctitle
 
-    if "vllm.entrypoints.openai.api_server" not in sys.modules:
+        if "::" in setproctitle.getproctitle():
+            return
+    except Exception:  # noqa: BLE001 - no setproctitle: never the API server's doing
         return
     try:
         from vllm.entrypoints.openai.completion import serving

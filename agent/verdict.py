@@ -368,7 +368,8 @@ class Verdict:
         kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``suspended``,
             ``uninterruptible`` (a process in state D), ``desync``,
             ``progressing``, ``rendezvous``, ``cycle``, ``behind``, ``coordinator`` (a coordinator stuck in its
-            own code while every rank idles), ``deadlock``, ``idle``, ``compute``,
+            own code while every rank idles), ``frontend`` (an API server, tokenizer or detokenizer
+            that keeps a failing server from answering while its ranks idle or progress), ``deadlock``, ``idle``, ``compute``,
             ``single`` (one process, not a distributed job), ``orphaned`` (the server's frontend died,
             its processes live on) or ``unknown`` (see :data:`RULES`).
         hung: whether the server is known to be stuck (``progressing``, ``idle`` and ``stopped``

@@ -15,7 +15,9 @@ thin. Hard mode acts only on a high-confidence culprit (:func:`hard_signal_plan`
 
 A process that is not a rank (a coordinator such as ``VLLM::EngineCore`` or SGLang's data-parallel
 controller, a frontend, a plain program) is evidence, never given a rank number; a coordinator
-stuck in its own code while every rank idles is itself the culprit (``coordinator``), by its pid.
+stuck in its own code while every rank idles is itself the culprit (``coordinator``), by its pid;
+so is a frontend (API server, tokenizer, detokenizer) in its own code when the server's health
+check fails while its ranks idle or progress (``frontend``).
 
 No I/O, no clock, no subprocess: the caller (:mod:`agent.judge`) gathers the evidence of one
 server and passes it in. Imports the stack model (:mod:`agent.stacks`) and the Flight Recorder

@@ -911,7 +911,8 @@ def _ranks_progress(ev: Evidence) -> str | None:
                  "ranks progress (sglang:generation_tokens_total 120->480 in 2.0 s at http://...): /health fails`: "
                  "tokens are generated, the answers never leave (SGLang #26482, #34740); never the progressing ranks",
        confidence="high for one frontend in its own code (the failed health check, the ranks' counters and its stack "
-                  "agree); medium for several")
+                  "agree; a detokenizer or tokenizer in its own code is named before an API server seen busy "
+                  "beside it); medium for several")
 def _frontend_spins(ev: Evidence) -> Verdict | None:
     if ev.trigger != Trigger.HEALTH:
         return None
@@ -919,6 +920,8 @@ def _frontend_spins(ev: Evidence) -> Verdict | None:
     stuck = _stuck_frontends(ev)
     if progress is None or not stuck:
         return None
+    # the detokenizer or tokenizer in its own code, not the API server handling a request meanwhile
+    stuck = [e for e in stuck if _frontend_words(e) != "the API server"] or stuck
     parts = [f"{_frontend_words(e)} {e.name} spins in {e.frame or 'its own code'}" for e in stuck]
     health = ev.health_url or "/health"
     reason = "; ".join(parts) + f" while the ranks progress ({progress}): {health} fails"

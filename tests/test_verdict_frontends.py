@@ -42,6 +42,13 @@ def test_a_spinning_detokenizer_is_named_while_the_ranks_progress_never_a_schedu
     assert v.attributes()["servewatch.verdict.culprit_roles"] == ("frontend",)
 
 
+def test_the_api_server_seen_busy_beside_a_spinning_detokenizer_is_not_named() -> None:
+    ev = Evidence.of([_rank(0, 50, FrameClass.COMPUTE), _detokenizer(), _api_server(FrameClass.COMPUTE)],
+                     trigger="health", server_progress=True, server_progress_detail=PROGRESS, health_url=HEALTH)
+    v = decide(ev)
+    assert (v.rule, v.culprit_pids, v.confidence) == ("frontend_spins", (43,), "high"), v
+
+
 def test_a_busy_detokenizer_in_a_manual_dump_or_without_progress_is_no_culprit() -> None:
     assert decide(_spinning("manual", True)).kind == "progressing"  # no failure: a busy decode is work
     v = decide(_spinning("health", False))  # the ranks stopped: not the frontend's doing

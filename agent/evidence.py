@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from agent import pidfds
-from agent.events import HealthCheckFailed, TriggerEvent, WatchdogStalled
+from agent.events import HealthCheckFailed, Trigger, TriggerEvent, WatchdogStalled
 from agent.procinfo import (
     DEAD_MEMORY_S,
     Death,
@@ -31,7 +31,7 @@ from agent.procinfo import (
     server_dump_lines,
 )
 from agent.ranks import RankEnviron
-from agent.servers import ancestors, listener_of_port, listening_ports, port_of_url
+from agent.servers import ancestors, listener_of_port, listening_ports, port_of_url, server_tree
 from agent.targets import (
     ProcessState,
     Target,
@@ -305,6 +305,23 @@ class TargetFinder:
         return f"{len(groups)} server{'s' if len(groups) != 1 else ''}: {', '.join(said)}{more}"
 
     # -- an incident's targets ------------------------------------------------------------------
+
+    def server_tree(self, trigger: str, targets: Sequence[Target], urls: Sequence[str] = ()) -> list[Target]:
+        """The rest of the servers of a health incident's ``targets`` (``target.server_tree``;
+        :func:`agent.servers.server_tree`): their frontends, engine cores, coordinators and
+        unmatched ranks, each judged in its role (issue 32 item 1), of the server's uids (unless
+        ``any_uid``), never past a ``--root-pid``; the processes listening on ``urls``' ports (the
+        watched ``/health``, ``/metrics``) count as the server's. ``[]`` for other triggers or
+        when turned off. Blocking (``/proc`` reads)."""
+        t = self.config
+        if trigger != Trigger.HEALTH or not t.server_tree:
+            return []
+        uids = None if t.any_uid else server_uids(
+            uids=[*t.uids, *(x.uid for x in targets if x.uid is not None)], root_pids=self.root_pids, pids=t.pids)
+        ports = {port for url in urls if (port := port_of_url(url)) is not None}
+        listeners = {pid for port in ports if (pid := listener_of_port(port)) is not None}
+        return server_tree([x for x in targets if process_state(x.pid, create_time_s=x.create_time_s) is ProcessState.RUNNING],
+                           uids=uids, stop=self.root_pids, listeners=listeners)
 
     def incident_targets(self, live: Sequence[Target], subject: int | None = None, server: int | None = None) -> list[Target]:
         """Targets of an incident: ``live`` (discovered now), plus the dead ranks that are its evidence.

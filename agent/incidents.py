@@ -493,6 +493,10 @@ class IncidentManager:
         self.companions: list[Companion] = []
         #: names the trace of an incident opened without a parent (see :data:`Placement`)
         self.place: Placement | None = None
+        #: the rest of the servers an incident's targets belong to, added to its targets (called
+        #: with its trigger and targets, blocking; ``[]``: none): their frontends, engine core and
+        #: coordinators (issue 32 item 1; the runtime's :meth:`~agent.runtime.Agent.server_tree`)
+        self.server_tree: Callable[[str, list[Target]], list[Target]] | None = None
         #: triggers ignored because the same cause is cooling down
         self.suppressed = 0
         #: awaited with :meth:`state` whenever it changes (an incident opens or closes, a trigger
@@ -931,7 +935,8 @@ class IncidentManager:
         """What an incident knows when it opens: its targets (``server``'s), their step counters,
         the trace it joins, the requests in flight; returns the record and the step counters."""
         targets = await self._targets_of(pid, server)
-        steps_at_open = await self._steps_at_open(targets)
+        targets = await self._with_server_tree(trigger, targets)
+        steps_at_open = await self._steps_at_open(targets, trigger)
         parent, placed_attributes = await self._placement(trigger, targets, cause, parent)
         inflight = await self._inflight_of(targets)
         opened = IncidentOpened(
@@ -979,14 +984,29 @@ class IncidentManager:
             targets.sort(key=lambda t: t.pid != pid)
         return targets
 
-    async def _steps_at_open(self, targets: Sequence[Target]) -> dict[int, int]:
-        """The targets' step counters now, for the verdict (``{}`` without a judge)."""
+    async def _with_server_tree(self, trigger: str, targets: list[Target]) -> list[Target]:
+        """``targets`` and the rest of their servers' trees (:attr:`server_tree`), sorted by pid
+        after the first (the culprit first stays first); ``targets`` alone when none is added or
+        reading the trees fails (never fatal)."""
+        if self.server_tree is None:
+            return targets
+        try:
+            more = await anyio.to_thread.run_sync(self.server_tree, trigger, list(targets))  # /proc reads
+        except Exception:  # the tree is more evidence; the targets come first
+            log.exception("reading the servers' process trees failed")
+            return targets
+        have = {t.pid for t in targets}
+        return targets + [t for t in more if t.pid not in have]
+
+    async def _steps_at_open(self, targets: Sequence[Target], trigger: str = "") -> dict[int, int]:
+        """The targets' step counters now, for the verdict (``{}`` without a judge); the judge
+        reads the server's progress counter now for an incident of ``trigger`` that needs it."""
         if self.judge is None:
             return {}
         try:
             # /proc and the SDK's folders: a worker thread (microseconds of reading, not the loop's)
             async with self._judge_lock:
-                return await anyio.to_thread.run_sync(self.judge.opened, targets)
+                return await anyio.to_thread.run_sync(self.judge.opened, targets, trigger)
         except Exception:  # the verdict is a nicety; the evidence comes first
             log.exception("reading step counters for the verdict failed")
             return {}

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -47,7 +47,15 @@ from agent.ownactions import OwnActionLog, stopped_by_us
 from agent.procinfo import exit_fact_of
 from agent.ranks import distinct_env_ranks, parse_title, world_ranks
 from agent.sdk.counter import CounterSnapshot
-from agent.servers import ServerGroup, ancestors, listener_of_port, port_of_url, server_groups
+from agent.servers import (
+    ServerGroup,
+    ancestors,
+    command_words,
+    frontend_command,
+    listener_of_port,
+    port_of_url,
+    server_groups,
+)
 from agent.stacks import ThreadStack, parse_dump
 from agent.startup import startup_progress
 from agent.targets import ProcessState, Target, process_state, rank_environ, uninterruptible_threads
@@ -179,6 +187,8 @@ class ProgressSource(Protocol):
         ...
 
 
+_Source = TypeVar("_Source", bound=ProgressSource)
+
 #: Frames of a coordinator that waits on its workers' answer (vLLM's executor RPC).
 _WAITS_ON_WORKERS = re.compile(r"vllm/v1/executor/|collective_rpc|execute_model")
 
@@ -200,6 +210,9 @@ class _Readings:
     progress: tuple[bool, str, bool, int | None] | None = None
     #: no target was found: the only process is the one whose exit opened the incident
     no_targets: bool = False
+    #: the pids listening on the ports of the watched URLs and the failed health URL: HTTP frontends
+    #: (read for a health incident only: a socket table scan, ~10 ms a port)
+    listeners: frozenset[int] = frozenset()
 
 
 def _unread(source: ProgressSource) -> str:
@@ -237,6 +250,9 @@ class VerdictJudge:
         #: the incident opens and again, at least :data:`MIN_PROGRESS_INTERVAL_S` later, before
         #: the verdict; ``None``: none (a watching agent has its watchdog)
         self.progress_source: ProgressSource | None = None
+        #: the triggers whose verdict reads :attr:`progress_source` (a watching agent's health
+        #: incidents: :meth:`read_progress`); ``None``: every incident (a one-shot ``dump``)
+        self.progress_triggers: frozenset[str] | None = None
         self._progress_at_open: _Reading | None = None
         #: why the given :attr:`progress_source` gave no reading for the last verdict, in words
         #: (``""``: it was read, or none was given)
@@ -253,7 +269,7 @@ class VerdictJudge:
         #: judges every host's together: :mod:`agent.fleet.evidence` sends it on)
         self.last_evidence: list[Evidence] = []
 
-    def opened(self, targets: Sequence[Target]) -> dict[int, int]:
+    def opened(self, targets: Sequence[Target], trigger: str = "") -> dict[int, int]:
         """Step counters when the incident opens (microseconds; blocking: each counter is found in
         its user's private folder and checked against its owner, ``/proc`` reads).
 
@@ -269,8 +285,19 @@ class VerdictJudge:
         pids = {t.pid for t in targets}
         self._stopped_at_open = _stopped(targets, self.own_actions) | frozenset(p for p in self._stopped_at_open if p not in pids)
         self._dsleep_at_open = {**{p: t for p, t in self._dsleep_at_open.items() if p not in pids}, **_in_dsleep(targets)}
-        self._progress_at_open = self._read_progress()
+        wanted = self.progress_triggers is None or trigger in self.progress_triggers
+        self._progress_at_open = self._read_progress() if wanted else None
         return read_steps([t.pid for t in targets], self.shm_dir)
+
+    def read_progress(self, source: _Source | None, *triggers: str) -> _Source | None:
+        """Read ``source`` (the server's ``/metrics``) twice for each verdict, when the incident
+        opens and before its verdict: with ``triggers``, only for incidents of those, its HTTP
+        client closed after each verdict (a watching agent: its watchdog covers stalls; a health
+        incident needs to know whether the ranks still progress, issue 32 item 1); without, for
+        every incident (a one-shot ``dump``, which closes ``source`` itself). Returns ``source``."""
+        self.progress_source = source
+        self.progress_triggers = frozenset(triggers) if triggers else None
+        return source
 
     def _read_progress(self) -> _Reading | None:
         """One reading of :attr:`progress_source` from this worker thread (``None``: no source,
@@ -283,14 +310,33 @@ class VerdictJudge:
             log.warning("reading %s for the verdict failed: %s", self.progress_source.url, exc)
             return None
 
-    def _progress(self) -> tuple[bool, str, bool, int | None] | None:
+    def _close_progress(self) -> None:
+        """Close :attr:`progress_source`'s HTTP client (made again at its next read). Never raises."""
+        close = getattr(self.progress_source, "aclose", None)
+        if close is None:
+            return
+        try:
+            anyio.from_thread.run(close)
+        except (RuntimeError, OSError) as exc:  # a client that fails to close costs a socket, never the verdict
+            log.warning("closing %s failed: %s", getattr(self.progress_source, "url", "?"), exc)
+
+    def _progress(self, trigger: str) -> tuple[bool, str, bool, int | None] | None:
         """The server's counter read again, at least :data:`MIN_PROGRESS_INTERVAL_S` after the
-        first reading: (advanced, in words, busy, the pid listening on its URL), or ``None``."""
+        first reading (when the incident opened): (advanced, in words, busy, the pid listening on
+        its URL), or ``None`` (no source, another trigger than :attr:`progress_triggers`)."""
         first, source = self._progress_at_open, self.progress_source
         self.progress_unread = ""
         self.progress_preempted = None
-        if source is None:
+        if source is None or (self.progress_triggers is not None and trigger not in self.progress_triggers):
             return None
+        try:
+            return self._progress_from(first, source)
+        finally:
+            if self.progress_triggers is not None:  # a watching agent: no client held between incidents
+                self._close_progress()
+
+    def _progress_from(self, first: _Reading | None, source: ProgressSource) -> tuple[bool, str, bool, int | None] | None:
+        """:meth:`_progress` from its first reading on."""
         if first is None:
             self.progress_unread = _unread(source)
             return None
@@ -330,9 +376,11 @@ class VerdictJudge:
                 everyone.insert(0, Target(pid=cause.pid, title=cause.title))
         readings = _Readings(results=results, cause=cause, steps_before=steps_before,
                              after=_snapshots([t.pid for t in everyone], self.shm_dir),
-                             stopped=self._stopped_at_open & _stopped(everyone, self.own_actions), progress=self._progress(),
+                             stopped=self._stopped_at_open & _stopped(everyone, self.own_actions),
+                             progress=self._progress(trigger_of(cause)),
                              dsleep=_still_in_dsleep(everyone, self._dsleep_at_open),
-                             no_targets=exited_pid is not None and not targets)
+                             no_targets=exited_pid is not None and not targets,
+                             listeners=self._listeners(cause) if isinstance(cause, HealthCheckFailed) else frozenset())
         groups = server_groups(everyone)
         self._groups = groups
         self.last_evidence = []
@@ -364,6 +412,13 @@ class VerdictJudge:
             return verdict
         self.last_evidence = []
         return None
+
+    def _listeners(self, cause: Event | None) -> frozenset[int]:
+        """The pids listening on the ports of the watched URLs (and the failed health URL): each
+        an HTTP frontend of its server, whatever its title. Blocking (a socket table scan)."""
+        urls = {*self.endpoint_urls, *([cause.url] if isinstance(cause, HealthCheckFailed) else [])}
+        ports = {port for url in urls if (port := port_of_url(url)) is not None}
+        return frozenset(pid for port in ports if (pid := listener_of_port(port)) is not None)
 
     def _trigger_pids(self, cause: Event | None) -> set[int]:
         """The pids that opened the incident: the stalled or exited pid, else the server listening
@@ -432,12 +487,18 @@ class VerdictJudge:
             else exit_fact_of(target.pid, target.create_time_s) if state is ProcessState.GONE else None)
         info = parse_title(target.title)
         role = _role(info.role if info is not None else "", rank)
+        title = target.title
+        if role is Role.PROCESS and (frontend_command(target.cmdline) or target.pid in readings.listeners):
+            role = Role.FRONTEND  # an untitled HTTP frontend: vllm serve, SGLang's main process
+            title = command_words(target.cmdline) or title  # named by its command, not its interpreter's path
+        if role is Role.FRONTEND and threads:
+            frame = _frontend_frame(threads) or frame
         snap = readings.after.get(target.pid)
         return RankEvidence(
             rank=rank if role is Role.RANK else None,
             pid=target.pid,
             role=role,
-            title=target.title,
+            title=title,
             label=info.label if info is not None else "",
             alive=alive,
             exited_first=exited,
@@ -458,6 +519,7 @@ class VerdictJudge:
             stopped=alive and target.pid in readings.stopped,
             uninterruptible=alive and target.pid in readings.dsleep,
             wchan=readings.dsleep.get(target.pid, "") if alive else "",
+            event_loop=role is Role.FRONTEND and frame_class is FrameClass.COMPUTE and _in_event_loop(threads),
         )
 
 
@@ -502,6 +564,43 @@ def _request_facts(cause: Event | None, dumps: Mapping[int, ActionResult]) -> di
     thread = f"thread '{held.label}' (tid {held.os_thread_id or held.thread_id}, {state}) in {where}"
     return {"stuck_request": request, "stuck_request_pid": cause.pid, "stuck_thread": thread,
             "stuck_thread_busy": held.active}
+
+
+#: A serving framework's own code (its package's files), where a frontend's stuck frame is named.
+_FRAMEWORK_FILE = re.compile(r"(^|/)(vllm|sglang)/")
+#: An asyncio event loop's run loop (the stdlib's, uvloop's): the thread serves an event loop.
+_EVENT_LOOP_FRAME = re.compile(r"/asyncio/(base_events|runners|events)\.py$|(^|/)uvloop/")
+
+
+def _stuck_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
+    """The thread a frontend's stall is read from: its main thread unless idle, else the first
+    active one that is not idle (:func:`agent.stacks.thread_is_idle`)."""
+    from agent.stacks import thread_is_idle
+
+    for pick in (lambda t: t.is_main, lambda t: t.active):
+        found = next((t for t in threads if pick(t) and t.frames and not thread_is_idle(t)), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _frontend_frame(threads: Sequence[ThreadStack]) -> str:
+    """A frontend's stuck frame in its framework's own code (``apply_hf_chat_template
+    (vllm/entrypoints/chat_utils.py:40)`` under a jinja2 render, the detokenizer's decode), the
+    innermost such Python frame of its stuck thread; ``""`` when none (the caller keeps the
+    innermost frame of its own code)."""
+    thread = _stuck_thread(threads)
+    if thread is None:
+        return ""
+    own = next((f for f in thread.frames if not f.native and _FRAMEWORK_FILE.search(f.filename)), None)
+    return own.label if own is not None else ""
+
+
+def _in_event_loop(threads: Sequence[ThreadStack]) -> bool:
+    """The frontend's stuck thread runs an asyncio event loop (a run-loop frame below the stuck
+    one): while it is stuck, the loop answers no request (``/health``, ``/metrics``)."""
+    thread = _stuck_thread(threads)
+    return thread is not None and any(_EVENT_LOOP_FRAME.search(f.filename) for f in thread.frames)
 
 
 def _stack_note(dump: ActionResult | None) -> str:
@@ -765,7 +864,7 @@ def job_groups(targets: Sequence[Target]) -> list[list[int]]:
 
 #: Which server's verdict is the incident's when no trigger pid picks it: a hung one with a
 #: culprit first, strongest kind first.
-_KIND_ORDER = ("dead", "orphaned", "cascade", "suspended", "uninterruptible", "desync", "cycle", "behind", "coordinator", "deadlock", "rendezvous", "compute", "single",
+_KIND_ORDER = ("dead", "orphaned", "cascade", "suspended", "uninterruptible", "desync", "cycle", "behind", "coordinator", "frontend", "deadlock", "rendezvous", "compute", "single",
                "unknown", "idle", "stopped", "progressing")
 
 

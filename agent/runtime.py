@@ -8,7 +8,6 @@ processes an incident is about is :class:`agent.evidence.TargetFinder`'s; which 
 the incident manager's policies; whether a target is stalled, the bus's (:class:`agent.stall.StallBoard`).
 One anyio task group; watchers are started with ``tg.start`` so "ready" means ready, restarted after a
 crash and targets re-discovered (:mod:`agent.supervision`); shutdown is bounded and flushes telemetry.
-
 Imports the registries, the bus, incidents, the stall board, discovery, the status rows, the data dir's
 agent presence (:mod:`agent.agentfiles`); a component only for ``profile``; only the CLI and tests import it.
 """
@@ -134,11 +133,12 @@ class Agent:
         self.incidents = self._build_incidents(on_incident, on_summary)
         self.targets = TargetFinder(settings.target, self.children, stall_timeout_s=settings.watchdog.timeout_s,
                                     last_incident_unix_nano=self._last_incident_unix_nano)
+        self.incidents.server_tree = partial(self.targets.server_tree, urls=self.context.agent.server_urls)
+        self.incidents.judge.read_progress(progress_source(settings.metrics), Trigger.HEALTH)  # a health verdict reads /metrics twice
         self.target_watch = TargetWatch(
-            discover=lambda: self.discover(), finder=self.targets, watchers=self.watchers,
-            process_watcher=self.process_watcher, bus=self.bus, status=self.run_status, incidents=self.incidents,
-            shipper=lambda: self.shipper, scraped="metrics" in self.watchers, stop=self.stop,
-        )
+            discover=lambda: self.discover(), finder=self.targets, watchers=self.watchers, process_watcher=self.process_watcher,
+            bus=self.bus, status=self.run_status, incidents=self.incidents, shipper=lambda: self.shipper,
+            scraped="metrics" in self.watchers, stop=self.stop)
         #: watcher restarts after a crash, by name
         self.restarts: dict[str, int] = {}
         self._ready = anyio.Event()
@@ -266,7 +266,7 @@ class Agent:
         if self.incidents.judge is not None:  # one-shot: no torch import racing the dump's own CPU
             self.incidents.judge.warm_up = False
             # one snapshot cannot tell a hang from work: the server's /metrics read twice can
-            progress = self.incidents.judge.progress_source = progress_source(self.settings.metrics)
+            progress = self.incidents.judge.read_progress(progress_source(self.settings.metrics))
         feeds = subscribe_mirrors(self.bus, self.exporters, max_buffer=MIRROR_BUFFER)
         try:
             async with anyio.create_task_group() as tg:

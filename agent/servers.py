@@ -26,6 +26,8 @@ exactly one group has its title's prefix and lacks its coordinates; else it stan
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -33,10 +35,10 @@ from urllib.parse import urlsplit
 import psutil
 
 from agent.ranks import parse_title, world_ranks
-from agent.targets import Target, parent_pid, psutil_errors
+from agent.targets import Target, descendants, parent_pid, psutil_errors, server_of, target_of
 
-__all__ = ["ServerGroup", "ancestors", "listener_of_port", "listening_ports", "port_of_url", "server_groups",
-           "tcp_components"]
+__all__ = ["ServerGroup", "ancestors", "command_words", "frontend_command", "listener_of_port", "listening_ports",
+           "port_of_url", "server_groups", "server_tree", "tcp_components"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,3 +263,125 @@ def server_groups(targets: Sequence[Target]) -> list[ServerGroup]:
             groups.append(([t], None, f"pid {t.pid} alone (its process tree is gone)"))
     out = [ServerGroup(pids=tuple(t.pid for t in members), root=root, how=how) for members, root, how in groups]
     return sorted(out, key=lambda g: min(g.pids))
+
+
+# --- the whole server tree (issue 32 item 1) ----------------------------------------------------
+
+#: The command line of a serving framework's HTTP frontend, which keeps no title: SGLang's main
+#: process (``python -m sglang.launch_server``, ``sglang serve``: its HTTP server and tokenizer
+#: manager), vLLM's API server (``vllm serve``, ``python -m vllm.entrypoints.openai.api_server``).
+_FRONTEND_COMMAND = re.compile(
+    r"(^|[\s/])(sglang\.launch_server|sglang\s+serve|vllm\s+serve|vllm\.entrypoints\.[\w.]*api_server)(\s|$)")
+
+#: Most ancestors climbed from a process tree's root to the server's top process.
+_MAX_CLIMB = 8
+
+
+def frontend_command(cmdline: Sequence[str]) -> bool:
+    """``cmdline`` is a serving framework's untitled HTTP frontend (see :data:`_FRONTEND_COMMAND`:
+    ``python -m sglang.launch_server ...``, ``vllm serve MODEL``)."""
+    if not cmdline:
+        return False
+    words = [os.path.basename(cmdline[0]), *cmdline[1:]]
+    return bool(_FRONTEND_COMMAND.search(" ".join(words)))
+
+
+def command_words(cmdline: Sequence[str]) -> str:
+    """An untitled process's command in a few words, none of its arguments (they may hold secrets):
+    ``python -m vllm.entrypoints.openai.api_server``, ``vllm serve``, ``python vllm serve``,
+    ``python server.py``; ``""`` for an empty command line."""
+    if not cmdline:
+        return ""
+    words = [os.path.basename(cmdline[0])]
+    rest = list(cmdline[1:4])
+    if "-m" in rest and rest.index("-m") + 1 < len(cmdline) - 1:
+        return " ".join([*words, "-m", cmdline[rest.index("-m") + 2]])
+    if rest and not rest[0].startswith("-") and rest[0] not in _SUBCOMMANDS:  # a script: python /venv/bin/vllm
+        words.append(os.path.basename(rest.pop(0)))
+    if rest and rest[0] in _SUBCOMMANDS:
+        words.append(rest[0])
+    return " ".join(words)
+
+
+#: The subcommands of a serving framework's command named by :func:`command_words` (``vllm serve``).
+_SUBCOMMANDS = frozenset({"serve", "run"})
+
+
+def _of_role(target: Target) -> bool:
+    """Titled with a role (:func:`agent.ranks.parse_title`) or a frontend's command line."""
+    info = parse_title(target.title)
+    return (info is not None and bool(info.role)) or frontend_command(target.cmdline)
+
+
+def _server_top(root: int, *, own: int, stop: set[int], listeners: set[int],
+                allowed: frozenset[int] | None) -> Target | None:
+    """The topmost process of the server whose process tree hangs off ``root``: ``root`` when it
+    is a server's process (a role, a frontend's command line, or a TCP listener: an HTTP frontend
+    under any name), then its ancestors while each has a role, a frontend's command line or
+    listens on a watched URL's port (``listeners``), each of an allowed uid; never servewatch
+    itself (``own``), never past one of ``stop`` (a ``--root-pid``: its tree is whole already).
+    ``None`` when ``root`` is no server's process."""
+    top: Target | None = None
+    pid: int | None = root
+    for _ in range(_MAX_CLIMB):
+        if pid is None or pid <= 1 or pid == own:
+            break
+        found = target_of(pid)
+        if found is None or (allowed is not None and found.uid not in allowed):
+            break
+        serving = _of_role(found) or pid in listeners or (top is None and bool(listening_ports(pid)))
+        if not serving:
+            break
+        top = found
+        if pid in stop:
+            break
+        pid = parent_pid(pid)
+    return top
+
+
+def server_tree(targets: Sequence[Target], *, uids: frozenset[int] | None = None, stop: Iterable[int] = (),
+                listeners: Iterable[int] = ()) -> list[Target]:
+    """The other processes of the servers ``targets`` belong to (issue 32 item 1): what a
+    ``--match 'sglang::scheduler*'`` leaves out and a health incident needs (the frontend that
+    stopped answering, the detokenizer that spins while the schedulers generate).
+
+    For each tree root of the targets (the nearest ancestor that is not a target:
+    :func:`agent.targets.server_of`), the server's top is that root when it is a server's process
+    (a titled role, a frontend's command line, a TCP listener), then its ancestors while each has a
+    role, a frontend's command line or listens on a watched URL's port (:func:`_server_top`); the processes
+    added are that top and its live descendants with a role: frontends (``sglang::detokenizer``,
+    ``VLLM::APIServer_0``, an untitled ``vllm serve``), coordinators (``VLLM::EngineCore``,
+    ``VLLM::DPCoordinator``, ``sglang::data_parallel_controller``) and ranks not matched. Blocking
+    (``/proc`` reads, the tops' sockets).
+
+    Args:
+        targets: the incident's targets (live ones are climbed from).
+        uids: the server's uids: a process of another uid is never added (``None``: any uid).
+        stop: pids never climbed past (a ``--root-pid``); servewatch itself is never added.
+        listeners: the pids listening on the watched URLs' ports (the health URL's server); the
+            trees climbed from when there is no target (``--health-url`` alone).
+
+    Returns:
+        The processes to add (none of ``targets``), sorted by pid.
+    """
+    have = {t.pid for t in targets}
+    own, stop_set, heard = os.getpid(), set(stop), set(listeners)
+    found: dict[int, Target] = {}
+    # no target (a health URL watched alone): the processes listening on the watched URLs are the roots
+    for root in {server_of(t.pid, have) for t in targets} or heard:
+        if root is None:
+            continue
+        top = _server_top(root, own=own, stop=stop_set, listeners=heard, allowed=uids)
+        if top is None:
+            continue
+        found[top.pid] = top
+        members: list[psutil.Process] = []
+        with psutil_errors():
+            members = descendants(psutil.Process(top.pid))
+        for proc in members:
+            member = target_of(proc.pid)
+            if member is None or member.pid in have or member.pid == own or not _of_role(member):
+                continue
+            if uids is None or member.uid in uids:
+                found[member.pid] = member
+    return [found[p] for p in sorted(found) if p not in have]

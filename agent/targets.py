@@ -73,6 +73,12 @@ class TargetConfig(BaseModel):
     any_uid: bool = Field(
         False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
     )
+    server_tree: bool = Field(
+        True,
+        description="on a health incident, also dump the rest of each watched server's process tree, each with its"
+        " role: its frontend (API server, tokenizer, detokenizer), engine core, DP coordinator and unmatched ranks"
+        " (a --match 'sglang::scheduler*' leaves them out; a frontend can be the culprit)",
+    )
 
     @field_validator("match")
     @classmethod

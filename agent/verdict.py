@@ -15,7 +15,9 @@ thin. Hard mode acts only on a high-confidence culprit (:func:`hard_signal_plan`
 
 A process that is not a rank (a coordinator such as ``VLLM::EngineCore`` or SGLang's data-parallel
 controller, a frontend, a plain program) is evidence, never given a rank number; a coordinator
-stuck in its own code while every rank idles is itself the culprit (``coordinator``), by its pid.
+stuck in its own code while every rank idles is itself the culprit (``coordinator``), by its pid;
+so is a frontend (API server, tokenizer, detokenizer) in its own code when the server's health
+check fails while its ranks idle or progress (``frontend``).
 
 No I/O, no clock, no subprocess: the caller (:mod:`agent.judge`) gathers the evidence of one
 server and passes it in. Imports the stack model (:mod:`agent.stacks`) and the Flight Recorder
@@ -138,6 +140,8 @@ class RankEvidence:
             incident opened and again once the evidence was in (a brief disk read is not seen twice).
         wchan: the kernel function that thread waits in (``/proc/PID/task/TID/wchan``), ``""``
             when unknown or not in ``D``.
+        event_loop: a frontend whose stuck thread runs an asyncio event loop (a run-loop frame below
+            its stuck frame): while it runs, the loop answers no request (``/health``, ``/metrics``).
     """
 
     rank: int | None = None
@@ -166,6 +170,7 @@ class RankEvidence:
     stopped: bool = False
     uninterruptible: bool = False
     wchan: str = ""
+    event_loop: bool = False
 
     @property
     def is_rank(self) -> bool:
@@ -386,10 +391,11 @@ class Verdict:
         kind: what was concluded: ``dead``, ``cascade``, ``stopped``, ``suspended``,
             ``uninterruptible`` (a process in state D), ``desync``,
             ``progressing``, ``rendezvous``, ``cycle``, ``behind``, ``coordinator`` (a coordinator stuck in its
-            own code while every rank idles), ``deadlock``, ``idle``, ``compute``,
-            ``single`` (one process, not a distributed job), ``livelock`` (the engine preempts and
-            resumes requests and completes none: vLLM #25538), ``request`` (one request stuck while the
-            server completes others: vLLM #54003), ``orphaned`` (the server's frontend died,
+            own code while every rank idles), ``frontend`` (an API server, tokenizer or detokenizer
+            that keeps a failing server from answering while its ranks idle or progress), ``deadlock``,
+            ``idle``, ``compute``, ``single`` (one process, not a distributed job), ``livelock`` (the
+            engine preempts and resumes requests and completes none: vLLM #25538), ``request`` (one
+            request stuck while the server completes others: vLLM #54003), ``orphaned`` (the server's frontend died,
             its processes live on) or ``unknown`` (see :data:`RULES`).
         hung: whether the server is known to be stuck (``progressing``, ``idle`` and ``stopped``
             are not, nor ``compute`` when nothing tells a hang from work).
@@ -403,6 +409,8 @@ class Verdict:
         ranks: every rank considered.
         rule: the name of the rule that concluded (:data:`RULES`).
         culprit_names: each culprit in words (``rank 1 (pid 42)``), for the headline.
+        culprit_roles: each culprit's role (:class:`Role`: ``rank``, ``coordinator``, ``frontend``,
+            ``process``), in the order of ``culprit_pids``.
         next_step: what to run or check next, one line, concrete to this verdict's facts (its
             pids, its exit, its frame): :data:`NEXT_STEPS` (filled in by :func:`judge`).
     """
@@ -419,6 +427,7 @@ class Verdict:
     rule: str = ""
     culprit_names: tuple[str, ...] = ()
     next_step: str = ""
+    culprit_roles: tuple[str, ...] = ()
 
     def headline(self) -> str:
         """The summary's first line: ``Verdict: culprit rank 1 (pid 42) -- behind: ... [confidence high]``;
@@ -438,6 +447,7 @@ class Verdict:
             f"{p}hung": self.hung,
             f"{p}culprit_ranks": tuple(self.culprit_ranks),
             f"{p}culprit_pids": tuple(self.culprit_pids),
+            f"{p}culprit_roles": tuple(self.culprit_roles),
             f"{p}reason": self.reason,
             f"{p}confidence": self.confidence,
             f"{p}stragglers": tuple(self.stragglers),
@@ -453,6 +463,7 @@ class Verdict:
             "hung": self.hung,
             "culprit_ranks": list(self.culprit_ranks),
             "culprit_pids": list(self.culprit_pids),
+            "culprit_roles": list(self.culprit_roles),
             "reason": self.reason,
             "confidence": self.confidence,
             "evidence": list(self.evidence),
@@ -548,6 +559,7 @@ def _verdict(ev: Evidence, kind: str, culprits: Sequence[RankEvidence], reason: 
         stragglers=tuple(sorted(set(stragglers))),
         ranks=tuple(e.rank for e in ev.ranks),  # type: ignore[misc]
         culprit_names=tuple(_culprit_name(c) for c in (*ranked, *rest)),
+        culprit_roles=tuple(c.role.value for c in (*ranked, *rest) if c.pid),
     )
 
 
@@ -937,6 +949,98 @@ def _desync(ev: Evidence) -> Verdict | None:
     extra = [f"torch flight_recorder: {found.torch_words}"] if found.torch_words else []
     culprits = [e for e in ev.ranks if e.rank in found.culprits]
     return _verdict(ev, "desync", culprits, reason, "high" if found.settled else "low", extra=extra)
+
+
+# --- frontends: the API server, the tokenizer, the detokenizer (issue 32 item 1) -----------------
+
+
+def _frontend_words(e: RankEvidence) -> str:
+    """``the detokenizer`` (``sglang::detokenizer``), ``the tokenizer``, else ``the API server``
+    (vLLM's ``APIServer_<i>``, an untitled HTTP frontend: ``vllm serve``, SGLang's main process)."""
+    name = e.title.partition("::")[2].split("_")[0].lower() if "::" in e.title else ""
+    if name == "detokenizer":
+        return "the detokenizer"
+    return "the tokenizer" if name == "tokenizer" else "the API server"
+
+
+def _stuck_frontends(ev: Evidence) -> list[RankEvidence]:
+    """Live frontends running their own code (not idle, not stopped, not in D: rules above say those)."""
+    return [e for e in ev.others if e.role is Role.FRONTEND and e.alive and e.frame_class is FrameClass.COMPUTE
+            and not e.stopped and not e.uninterruptible]
+
+
+def _ranks_progress(ev: Evidence) -> str | None:
+    """How the ranks are known to progress, in words (every rank's steps, else the server's own
+    counter); ``None`` when not known to (no reading, a stall, a rank's counter standing still)."""
+    if ev.trigger == Trigger.STALL or any(e.stalled for e in ev.ranks):
+        return None
+    if ev.ranks and all(e.advanced for e in ev.ranks):
+        return "steps " + ", ".join(f"rank {e.rank} +{e.steps_after - e.steps_before}" for e in ev.ranks)  # type: ignore[operator]
+    return ev.server_progress_detail or "the server's progress counter advanced" if ev.server_progress else None
+
+
+@_rule("frontend_spins", kind="frontend",
+       when="the server's health check failed while its ranks progress (every rank's step counter, else the "
+            "server's own progress counter on its /metrics, advanced during the incident) and a frontend (the "
+            "detokenizer, the tokenizer, the API server) runs its own code",
+       concludes="that frontend is the culprit, named with its role and frame: `the detokenizer pid 43 "
+                 "'sglang::detokenizer' spins in decode (sglang/srt/managers/detokenizer_manager.py:210) while the "
+                 "ranks progress (sglang:generation_tokens_total 120->480 in 2.0 s at http://...): /health fails`: "
+                 "tokens are generated, the answers never leave (SGLang #26482, #34740); never the progressing ranks",
+       confidence="high for one frontend in its own code (the failed health check, the ranks' counters and its stack "
+                  "agree; a detokenizer or tokenizer in its own code is named before an API server seen busy "
+                  "beside it); medium for several")
+def _frontend_spins(ev: Evidence) -> Verdict | None:
+    if ev.trigger != Trigger.HEALTH:
+        return None
+    progress = _ranks_progress(ev)
+    stuck = _stuck_frontends(ev)
+    if progress is None or not stuck:
+        return None
+    # the detokenizer or tokenizer in its own code, not the API server handling a request meanwhile
+    stuck = [e for e in stuck if _frontend_words(e) != "the API server"] or stuck
+    parts = [f"{_frontend_words(e)} {e.name} spins in {e.frame or 'its own code'}" for e in stuck]
+    health = ev.health_url or "/health"
+    reason = "; ".join(parts) + f" while the ranks progress ({progress}): {health} fails"
+    return _verdict(ev, "frontend", stuck, reason, "high" if len(stuck) == 1 else "medium")
+
+
+def _blocked_words(e: RankEvidence) -> str:
+    """``the API server's event loop is blocked in f (m.py:3) (pid 41 'vllm serve')`` / ``the
+    tokenizer pid 44 '...' is stuck in f (m.py:3)`` (an event loop only when its stack shows one)."""
+    where = e.frame or "its own code"
+    if e.event_loop:
+        return f"{_frontend_words(e)}'s event loop is blocked in {where} ({e.name})"
+    return f"{_frontend_words(e)} {e.name} is stuck in {where}"
+
+
+@_rule("frontend_blocked", kind="frontend",
+       when="the server's health check failed while every rank and coordinator whose stack was read waits for "
+            "work (idle: none in a collective or its own code, none progressing) and a frontend (the API server, "
+            "the tokenizer) runs its own code",
+       concludes="that frontend is the culprit: `the API server's event loop is blocked in apply_hf_chat_template "
+                 "(vllm/entrypoints/chat_utils.py:40) (pid 41 'vllm serve'): http://.../health fails while the "
+                 "engine core and every rank idle (waiting for work)`: a synchronous call inside an async handler "
+                 "answers no request, /health and /metrics included (vLLM PR #38157)",
+       confidence="high for one frontend whose stuck thread runs its event loop, every rank and coordinator read idle "
+                   "and no progress seen; medium otherwise (several frontends, no event loop on its stack)")
+def _frontend_blocked(ev: Evidence) -> Verdict | None:
+    if ev.trigger != Trigger.HEALTH:
+        return None
+    backend = [e for e in ev.processes if e.role in (Role.RANK, Role.COORDINATOR) and e.alive]
+    read = [e for e in backend if e.frame_class is not FrameClass.UNKNOWN]
+    if not read or any(e.frame_class is not FrameClass.IDLE or e.advanced for e in read):
+        return None
+    stuck = _stuck_frontends(ev)
+    if not stuck:
+        return None
+    who = "the engine core and every rank" if any(e.role is Role.COORDINATOR for e in read) else "every rank"
+    if not any(e.is_rank for e in read):
+        who = "the engine core"
+    reason = "; ".join(_blocked_words(e) for e in stuck) + (
+        f": {ev.health_url or '/health'} fails while {who} idle (waiting for work)")
+    sure = len(stuck) == 1 and stuck[0].event_loop and len(read) == len(backend) and ev.server_progress is not True
+    return _verdict(ev, "frontend", stuck, reason, "high" if sure else "medium")
 
 
 @_rule("progressing", kind="progressing",
@@ -1544,6 +1648,18 @@ def _next_coordinator(v: Verdict, ev: Evidence | None) -> str:
     else:  # rebuilt from a manifest without its evidence: the reason's own words
         who = "the engine core's" if "the engine core " in v.reason else "the coordinator's"
     return _native(v, ev, f"what {who} own loop is stuck in; its workers wait for work") or _fresh_stacks(v, ev)
+
+
+@_next("frontend", "`py-spy dump --pid <frontend pid>`: the synchronous call its event loop runs (vLLM PR #38157 "
+       "moves chat-template rendering off it); a spinning detokenizer: `py-spy top --pid <pid>` (where it spins)")
+def _next_frontend(v: Verdict, ev: Evidence | None) -> str:
+    pid = v.culprit_pids[0] if v.culprit_pids else None
+    if pid is None:
+        return _fresh_stacks(v, ev)
+    if " spins in " in v.reason:
+        return f"{_sudo(v)}py-spy top --pid {pid} (where it spins while the ranks generate; its answers never leave)"
+    return (f"{_sudo(v)}py-spy dump --pid {pid} (the synchronous call that holds its event loop: run it off the loop, "
+            "as vLLM PR #38157 does for chat templates)")
 
 
 @_next("deadlock", "`py-spy dump --locals --pid <pid>` of each: the queue or socket it waits on; a P2P deadlock: "

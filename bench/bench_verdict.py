@@ -17,7 +17,10 @@ Each case runs real processes (``tests/programs/fault_matrix.py``):
   Flight Recorder actor on and off; one crashing), schedulers that inherited one ``RANK`` (named by
   their titles), a PP=2 x TP=2 vLLM job whose ``Worker_PP1_TP0`` hangs (rank 2), a rank hung in
   CUDA-graph capture before the first step while its peer waits in the captured all-reduce (a
-  ``startup_stall``: SGLang's and vLLM's runners).
+  ``startup_stall``: SGLang's and vLLM's runners);
+* the frontends (``tests/programs/frontend_cases.py``, health incidents): vLLM's API server blocked in
+  a chat-template render on its event loop, SGLang's detokenizer spinning while the schedulers
+  generate, and the same with the agent started after the hang.
 
 "Added" is the Flight Recorder phase (all ranks, in parallel) plus making the verdict, the two
 things the verdict adds to an incident; for the rank faults it is also shown as a share of the
@@ -51,6 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit_result
 
 from tests.programs.fault_matrix import EXPECTED, SHAPES, run_case
+from tests.programs.frontend_cases import FRONTEND_SHAPES
+
+#: every shape: the fault matrix's and the frontends' (issue 32 item 1)
+ALL_SHAPES = {**SHAPES, **FRONTEND_SHAPES}
 
 FAULTS = ("hang", "kill", "skip", "shape", "slow")
 
@@ -74,7 +81,7 @@ def _shapes(names: list[str], runs: int, workdir: Path, rows: list[tuple[str, bo
         for i in range(runs):
             wd = workdir / f"{name}-{i}"
             wd.mkdir(parents=True)
-            r = anyio.run(SHAPES[name], wd)
+            r = anyio.run(ALL_SHAPES[name], wd)
             rows.append((name, r.correct, r.added_s))
             why = "" if r.correct else f"  <- {'; '.join(r.problems())}"
             print(f"{name:<14} {'yes' if r.correct else 'NO':<5} {r.added_s:8.3f} {'':>10} {'':>6}  "
@@ -87,7 +94,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1, help="runs per case")
     ap.add_argument("--shapes", nargs="*", default=["all"], help="shapes to run: all, none, or names")
     args = ap.parse_args()
-    names = sorted(SHAPES) if args.shapes == ["all"] else [] if args.shapes == ["none"] else args.shapes
+    names = sorted(ALL_SHAPES) if args.shapes == ["all"] else [] if args.shapes == ["none"] else args.shapes
     workdir = Path(tempfile.mkdtemp(prefix="sw-bench-verdict-"))
     os.environ["SERVEWATCH_SHM_DIR"] = str(workdir / "shm")  # counters and sockets of the ranks, removed below
     (workdir / "shm").mkdir()

@@ -258,7 +258,7 @@ class _FixedJudge:
     def __init__(self, culprit_pid: int | None, *, hung: bool = True) -> None:
         self.culprit_pid, self.hung = culprit_pid, hung
 
-    def opened(self, targets):
+    def opened(self, targets, trigger=""):
         return {}
 
     async def decide(self, targets, results, cause, steps_before):

@@ -126,7 +126,7 @@ def test_each_health_url_fails_into_its_own_servers_incident(spawn, python, tmp_
     done = manifests(tmp_path / "data")
     assert [m["trigger"] for m in done] == ["health", "health"], said()
     by_url = {next(s["port"] for s in servers if f":{s['port']}/" in m["detail"]): m for m in done}
-    for s in servers:
-        own = {s["engine"], *s["workers"]}
+    for s in servers:  # its own server's processes, its frontend included (the server's tree: issue 32 item 1)
+        own = {s["frontend"], s["engine"], *s["workers"]}
         assert {t["pid"] for t in by_url[s["port"]]["targets"]} == own, (s, by_url[s["port"]]["targets"])
     assert "suppressed by cooldown" not in said(), said()

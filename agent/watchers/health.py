@@ -17,9 +17,11 @@ from __future__ import annotations
 import errno
 import http
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -145,6 +147,10 @@ class HealthWatcher:
         client: HTTP client to use (not closed here); default a private one created in
             :meth:`run` with ``trust_env=False`` (the health URL is node-local; never proxied).
         status_name: its status row (``health``; one of several servers': ``health HOST:PORT``).
+        served_url: the same server's ``/metrics`` (a watched URL of the same host and port), read
+            while no good probe was seen: a server whose counters already count generated tokens
+            has finished start-up (an agent started after the server hung: its 503 is no start-up,
+            and its failures count at once; issue 32 item 1). ``None``: none.
 
     Attributes:
         healthy: current verdict (``True`` until ``unhealthy_after`` failures).
@@ -157,7 +163,7 @@ class HealthWatcher:
     name = "health"
 
     def __init__(self, config: HealthConfig, *, client: httpx.AsyncClient | None = None, status_name: str = "health",
-                 starting: Callable[[], str | None] | None = None) -> None:
+                 starting: Callable[[], str | None] | None = None, served_url: str | None = None) -> None:
         if not config.url:
             raise ValueError("HealthWatcher needs HealthConfig.url")
         self.config = config
@@ -172,6 +178,8 @@ class HealthWatcher:
         self._error_detail = ""
         #: one line on the server's ranks still in start-up, ``None`` when none is (``None``: not known)
         self.starting = starting
+        self.served_url = served_url
+        self._served_next_ns = 0
         #: what this watcher can see (``health: waiting for first 200 from …``)
         self.status = StatusReporter(status_name, WatcherState.WAITING, f"waiting for first 200 from {config.url}")
 
@@ -243,8 +251,30 @@ class HealthWatcher:
             return WatcherState.BLIND, f"{http_status_text(code)} from {url}"
         return WatcherState.READY, f"failing: {what} from {url}"
 
-    async def _record(self, bus: Publisher, probed: HealthProbed) -> None:
-        """Publish the probe and apply the hysteresis."""
+    async def served(self, client: httpx.AsyncClient) -> str:
+        """Whether the server already served before a good probe was seen, in words: its
+        :attr:`served_url` counts generated tokens (``sglang:generation_tokens_total``,
+        ``vllm:generation_tokens_total``: only a server past start-up generates); ``""`` when
+        not, unreadable, or read less than :data:`SERVED_CHECK_EVERY_S` ago. Bounded by
+        ``timeout_s``; never raises."""
+        now = time.monotonic_ns()
+        if not self.served_url or now < self._served_next_ns:
+            return ""
+        self._served_next_ns = now + int(SERVED_CHECK_EVERY_S * 1e9)
+        text = ""
+        with anyio.move_on_after(self.config.timeout_s):
+            try:
+                async with client.stream("GET", self.served_url, timeout=self.config.timeout_s) as response:
+                    if response.status_code == 200:
+                        text = (await read_capped(response, MAX_SERVED_BYTES))[0].decode("utf-8", "replace")
+            except httpx.HTTPError:
+                return ""
+        counts = {m.group(1): float(m.group(2)) for m in _GENERATED.finditer(text) if _number(m.group(2))}
+        total = sum(counts.values())
+        return f"{self.served_url} counts {total:g} generated tokens ({', '.join(sorted(counts))})" if total > 0 else ""
+
+    async def _record(self, bus: Publisher, probed: HealthProbed, client: httpx.AsyncClient | None = None) -> None:
+        """Publish the probe and apply the hysteresis (``client``: the one :meth:`served` reads with)."""
         bus.publish_nowait(probed)
         state, reason = self._status_of(probed)
         await self.status.set(bus, state, reason)
@@ -261,6 +291,11 @@ class HealthWatcher:
                 )
             return
         self.consecutive_successes = 0
+        served = await self.served(client) if client is not None and not self.ready else ""
+        if served:  # it served before servewatch came: its failure is no start-up
+            self.ready = True
+            _log.warning("health: %s has answered no 200 since servewatch started, but %s: past start-up, its"
+                         " failures count", probed.url, served)
         if not self.ready:
             limit_s = self.config.startup_timeout_s
             waited_s = (time.monotonic_ns() - self._started_ns) / 1e9
@@ -302,7 +337,7 @@ class HealthWatcher:
         task_status.started()
         next_ns = time.monotonic_ns()
         while True:
-            await self._record(bus, await self.probe(client))
+            await self._record(bus, await self.probe(client), client)
             now = time.monotonic_ns()
             next_ns += interval_ns
             if next_ns <= now:  # the probe overran: skip the missed slots, keep the phase
@@ -321,15 +356,41 @@ def refused_status(url: str, starting: Callable[[], str | None] | None) -> tuple
     return WatcherState.BLIND, f"connection refused at {url} (nothing listens there: wrong host or port, or the server is down)"
 
 
+#: Least time between two reads of a not-yet-ready server's ``/metrics`` (:meth:`HealthWatcher.served`), seconds.
+SERVED_CHECK_EVERY_S = 10.0
+#: Most bytes of that ``/metrics`` read.
+MAX_SERVED_BYTES = 4 * 1024 * 1024
+#: A generated-token counter's sample line (SGLang's, vLLM's: ``sglang:generation_tokens_total{...} 120.0``).
+_GENERATED = re.compile(r"^([a-zA-Z_:]*:generation_tokens_total)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.MULTILINE)
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _served_url(url: str, server_urls: tuple[str, ...]) -> str | None:
+    """The watched ``/metrics`` of the server behind health ``url`` (same scheme, host and port), or ``None``."""
+    here = urlsplit(url)
+    return next((u for u in server_urls if u != url and "metrics" in urlsplit(u).path
+                 and (urlsplit(u).scheme, urlsplit(u).netloc) == (here.scheme, here.netloc)), None)
+
+
 def create(config: HealthConfig, ctx: BuildContext) -> HealthWatcher | WatcherGroup | None:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``health``): a watcher of ``config``
     (``[health]``); with several URLs (``urls``) one each, run as a :class:`WatcherGroup` (status
-    rows ``health HOST:PORT``); ``None`` without a URL."""
+    rows ``health HOST:PORT``); ``None`` without a URL. Each reads its server's watched ``/metrics``
+    (``metrics.url`` of the same host and port) while it waits for a first 200."""
     urls = config.all_urls
+    known = ctx.agent.server_urls
     if len(urls) <= 1:
-        return HealthWatcher(config.model_copy(update={"url": urls[0], "urls": ()}), starting=ctx.starting) if urls else None
+        return HealthWatcher(config.model_copy(update={"url": urls[0], "urls": ()}), starting=ctx.starting,
+                             served_url=_served_url(urls[0], known)) if urls else None
     return WatcherGroup("health", [
         HealthWatcher(config.model_copy(update={"url": url, "urls": ()}), status_name=url_label("health", url),
-                      starting=ctx.starting)
+                      starting=ctx.starting, served_url=_served_url(url, known))
         for url in urls
     ])

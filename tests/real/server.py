@@ -384,6 +384,12 @@ class VllmServer:
         50 ms of the clear)."""
         self._write_fault({"mode": "engine_hang"})
 
+    def hang_api_server(self) -> None:
+        """Make the API server's next completion request block its event loop until
+        :meth:`clear_fault` (the fault plugin's ``api_hang``: a synchronous wait inside the async
+        handler; ``/health`` and ``/metrics`` time out meanwhile)."""
+        self._write_fault({"mode": "api_hang"})
+
     def slow(self, delay_s: float, ranks: tuple[int, ...] | None = None) -> None:
         """Make every forward of the given TP ranks (``None``: all) sleep ``delay_s`` first."""
         self._write_fault({"mode": "slow", "delay_s": str(delay_s), "ranks": "all" if ranks is None else ",".join(map(str, ranks))})

@@ -13,7 +13,13 @@ selected reads the trigger file named by ``REALVLLM_FAULT_FILE`` and
   (``EngineCore.step`` / ``step_with_batch_queue``, wrapped in the EngineCore process, where vLLM
   calls ``load_general_plugins()`` from ``EngineCore.__init__``): before its next step it polls
   every 50 ms for as long as the file still says ``engine_hang``, its workers idle waiting for
-  work (a hang of the engine core itself, with the real busy loop above it).
+  work (a hang of the engine core itself, with the real busy loop above it);
+- ``mode=api_hang``: in the API server (where vLLM loads general plugins while it parses its engine
+  arguments), ``OpenAIServingCompletion.create_completion`` (an async handler, run on the API
+  server's event loop) first calls a synchronous function that blocks, polling every 50 ms, for as
+  long as the file still says ``api_hang``: the event loop answers nothing meanwhile, ``/health`` and
+  ``/metrics`` included, while the EngineCore and its workers idle (the shape of vLLM PR #38157: a
+  synchronous chat-template render inside an async handler).
 
 The file holds ``key=value`` lines: ``mode``, ``ranks`` (comma-separated TP ranks, or ``all``, the
 default) and ``delay_s``. No file: the forward runs untouched (one ``stat`` per forward).
@@ -89,6 +95,48 @@ def engine_fault_point(path: str) -> None:
             return
 
 
+def api_fault_point(path: str) -> None:
+    """Block the calling thread (the API server's event loop) while the trigger file says
+    ``mode=api_hang`` (polling every 50 ms)."""
+    fault = _read_fault(path)
+    if fault is None or fault.get("mode") != "api_hang":
+        return
+    while True:
+        time.sleep(_POLL_S)
+        now = _read_fault(path)
+        if now is None or now.get("mode") != "api_hang":
+            return
+
+
+def _wrap_api_completions(path: str) -> None:
+    """Wrap ``OpenAIServingCompletion.create_completion`` (looked up on the class at each request),
+    in the API server only: the process vLLM has not retitled (``VLLM::EngineCore`` and
+    ``VLLM::Worker_TP<i>`` are titled before they load the plugins)."""
+    try:
+        import setproctitle
+
+        if "::" in setproctitle.getproctitle():
+            return
+    except Exception:  # noqa: BLE001 - no setproctitle: never the API server's doing
+        return
+    try:
+        from vllm.entrypoints.openai.completion import serving
+    except Exception:  # noqa: BLE001 - another layout: nothing to wrap
+        return
+    cls: Any = serving.OpenAIServingCompletion
+    inner = getattr(cls, "create_completion", None)
+    if inner is None or getattr(inner, "_servewatch_fault", False):
+        return
+
+    @functools.wraps(inner)
+    async def create_completion(self: Any, *args: Any, **kwargs: Any) -> Any:
+        api_fault_point(path)  # synchronous, on the event loop
+        return await inner(self, *args, **kwargs)
+
+    create_completion._servewatch_fault = True  # type: ignore[attr-defined]
+    cls.create_completion = create_completion
+
+
 def _wrap_engine_steps(path: str) -> None:
     """Wrap vLLM's ``EngineCore.step`` and ``step_with_batch_queue`` (its busy loop calls one of
     them, ``self.step_fn``, bound in ``EngineCore.__init__`` after the plugins are loaded)."""
@@ -120,6 +168,7 @@ def register() -> None:
     if not path:
         return
     _wrap_engine_steps(path)
+    _wrap_api_completions(path)
     from vllm.model_executor.models import llama
 
     cls: Any = llama.LlamaForCausalLM

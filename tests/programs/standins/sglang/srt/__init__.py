@@ -1,1 +1,1 @@
-"""Stand-in of SGLang's package path for test ranks (tests/programs/standins)."""
+"""Stand-in package (see ``sglang/__init__.py``)."""

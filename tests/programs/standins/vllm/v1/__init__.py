@@ -1,1 +1,1 @@
-"""Stand-in of vLLM's package path for test ranks (tests/programs/standins)."""
+"""Stand-in package (see ``vllm/__init__.py``)."""

@@ -175,3 +175,19 @@ async def test_a_rank_dying_mid_read_loses_only_its_own_inflight_requests(
     assert not [r for r in caplog.records if r.exc_info], "a dying rank must not print a traceback"
     said = [r.getMessage() for r in caplog.records if str(dying) in r.getMessage()]
     assert len(said) == 1 and "exited during the call" in said[0], said
+
+
+async def test_a_flight_recorder_read_of_a_process_without_torch_distributed_never_imports_torch(tmp_path: Path, spawn) -> None:
+    """An SDK process that never imported torch.distributed (no process group: a request-serving
+    frontend, a torch-free server) answers ``fr_trace`` at once, ``unsupported``, and does not
+    import torch to say so (that took seconds and ~200 MB, and timed the read out twice)."""
+    program = ("import os, sys, time\nimport agent.sdk as sw\nsw.serve_control()\nprint('ready', flush=True)\n"
+               "time.sleep(60)\n")
+    proc = spawn([sys.executable, "-c", program], stdout=subprocess.PIPE, env={**os.environ, "SERVEWATCH_SHM_DIR": str(tmp_path)})
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    proc.stdout.close()
+    reply = await sdk_call(control_path(proc.pid, tmp_path), {"cmd": "fr_trace"}, timeout_s=10)
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert reply["ok"] is False and reply["error"] == "unsupported", reply
+    assert "torch.distributed is not imported in this process" in reply["detail"]
+    assert "libtorch" not in maps

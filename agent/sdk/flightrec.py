@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,12 @@ def fr_trace(*, stack_traces: bool = False) -> dict[str, Any]:
     dump it is (gloo dumps do not name their rank).
 
     Raises:
-        ImportError: torch (or its distributed package) is missing.
+        ImportError: torch.distributed is not imported in this process (a process that never
+            imported it has no process group and so no Flight Recorder: it is not imported
+            here, which would cost seconds and hundreds of MB), or torch is missing.
     """
+    if "torch.distributed" not in sys.modules:
+        raise ImportError("torch.distributed is not imported in this process (no process group)")
     # private binding behind torch.distributed's dump_nccl_trace_json; torch's stubs omit it
     from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 

@@ -12,6 +12,7 @@ import os
 import ssl
 import stat
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field
 
@@ -159,6 +160,7 @@ def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
         problems.append("api.tls_client_ca_file: mutual TLS needs api.tls_cert_file and api.tls_key_file")
     if (fleet.peers or fleet.peers_dns) and not fleet.job:
         problems.append("fleet.job: peers need a job name (--job)")
+    problems += _peer_address_problems(fleet)
     problems += _insecure_peers(api, fleet)
     if fleet.job and not api.enabled:
         problems.append("api.enabled: a job's agents reach each other through the API (--api-listen)")
@@ -171,6 +173,27 @@ def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
                       ("api.tls_client_ca_file", api.tls_client_ca_file)):
         if api.enabled and path is not None and not Path(path).is_file():
             problems.append(f"{key}: no such file {str(path)!r}")
+    return problems
+
+
+def _peer_address_problems(fleet: FleetConfig) -> list[str]:
+    """One problem per peer that is no ``host[:port]`` / ``http(s)://host[:port]`` (the forms
+    :func:`agent.fleet.peers.parse_peer` takes; the port 1-65535), and for a ``peers_dns`` that is
+    no ``name[:port]``: said at load, never a traceback at the first incident."""
+    problems = []
+    for spec in fleet.peers:
+        raw = spec.strip()
+        parts = urlsplit(raw if "://" in raw else f"http://{raw}")
+        try:
+            port_ok = parts.port is None or 0 < parts.port < 65536
+        except ValueError:  # not a number, or out of range
+            port_ok = False
+        if not raw or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or not port_ok:
+            problems.append(f"fleet.peers: {spec!r} is not HOST:PORT or http(s)://HOST:PORT")
+    if fleet.peers_dns is not None:
+        name, sep, port = fleet.peers_dns.rpartition(":") if ":" in fleet.peers_dns else (fleet.peers_dns, "", "")
+        if not name or ":" in name or (sep and not (port.isdigit() and 0 < int(port) < 65536)):
+            problems.append(f"fleet.peers_dns: {fleet.peers_dns!r} is not NAME[:PORT]")
     return problems
 
 

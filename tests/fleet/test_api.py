@@ -243,14 +243,22 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path: Path)
         (["--api-listen", "127.0.0.1"], "invalid value for --api-listen: expected HOST:PORT"),
         (["--job", "j", "--peer", "127.0.0.1:7207"], "api.enabled: a job's agents reach each other through the API"),
         (["--api-listen", "127.0.0.1:0", "--api-token-file", "{loose}"], "chmod 600"),
+        (["--api-listen", "127.0.0.1:0", "--api-token-file", "{good}", "--job", "j", "--peer", "foo:bar", "--allow-insecure-peers"],
+         "invalid value for --peer: 'foo:bar' is not HOST:PORT or http(s)://HOST:PORT"),
+        (["--api-listen", "127.0.0.1:0", "--api-token-file", "{good}", "--job", "j", "--peer", "http://127.0.0.22:7207/x",
+          "--allow-insecure-peers"], "invalid value for --peer: 'http://127.0.0.22:7207/x' is not HOST:PORT"),
+        (["--api-listen", "127.0.0.1:0", "--api-token-file", "{good}", "--job", "j", "--peers-dns", "bad:port:x",
+          "--allow-insecure-peers"], "invalid value for --peers-dns: 'bad:port:x' is not NAME[:PORT]"),
     ],
 )
 def test_run_refuses_bad_api_settings_with_exit_2_and_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     import sys
 
     loose = token_file(tmp_path, mode=0o644)
+    (tmp_path / "good").mkdir(mode=0o700)
+    good = token_file(tmp_path / "good")
     argv = [sys.executable, "-m", "agent.cli", "run", "--pid", str(os.getpid()), "--data-dir", str(tmp_path / "d"),
-            *[a.replace("{loose}", str(loose)) for a in args]]
+            *[a.replace("{loose}", str(loose)).replace("{good}", str(good)) for a in args]]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr

@@ -166,6 +166,8 @@ class JobIncident:
             self._overrule(host, identity, what, known, owner)
             return ""
         why = f"{host} is proven at {known}" if known not in (None, identity) else f"{identity} is {owner}"
+        if known == "this agent":  # two agents named alike (on one machine: the same default host name)
+            why += " (every agent of a job needs its own host name: SERVEWATCH_HOST_NAME)"
         return self.conflict(f"{what} for host {host} from {identity} refused: {why}")
 
     def _overrule(self, host: str, identity: str, what: str, known: str | None, owner: str | None) -> None:

@@ -97,7 +97,7 @@ def test_the_asked_members_answer_proves_its_host_over_an_earlier_claim() -> Non
     assert job.prove("node-x", "10.0.0.4:7207", "a join's answer", asked=True).endswith("node-x is proven at 10.0.0.3:7207")
     # this agent's own name is never taken
     job.prove("node-a", "this agent")
-    assert job.prove("node-a", "10.0.0.5:7207", "a join's answer", asked=True).endswith("node-a is proven at this agent")
+    assert job.prove("node-a", "10.0.0.5:7207", "a join's answer", asked=True).endswith("node-a is proven at this agent (every agent of a job needs its own host name: SERVEWATCH_HOST_NAME)")
 
 
 def test_the_nonce_cache_persists_fresh_nonces_only(tmp_path: Path) -> None:

@@ -256,7 +256,7 @@ def read_token_file(path: Path) -> bytes:
         if st.st_uid != os.geteuid():
             raise TokenFileError(f"{str(path)!r} is owned by uid {st.st_uid}, not by this agent's user (uid {os.geteuid()})")
         if st.st_mode & 0o077:
-            raise TokenFileError(f"{str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}; run: chmod 600 {path}")
+            raise TokenFileError(f"{str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o} (run: chmod 600 {path})")
         data = os.read(fd, MAX_TOKEN_BYTES + 1)
     finally:
         os.close(fd)

@@ -112,12 +112,13 @@ def _wrap_api_completions(path: str) -> None:
     """Wrap ``OpenAIServingCompletion.create_completion`` (looked up on the class at each request),
     in the API server only: the process vLLM has not retitled (``VLLM::EngineCore`` and
     ``VLLM::Worker_TP<i>`` are titled before they load the plugins)."""
+    # the title as the kernel shows it: importing setproctitle here would set it up in the API
+    # server too, which clobbers that process's own command line (vllm serve ... --profiler-config)
     try:
-        import setproctitle
-
-        if "::" in setproctitle.getproctitle():
-            return
-    except Exception:  # noqa: BLE001 - no setproctitle: never the API server's doing
+        with open("/proc/self/cmdline", "rb") as fh:
+            if b"::" in fh.read().split(b"\0", 1)[0]:
+                return
+    except OSError:
         return
     try:
         from vllm.entrypoints.openai.completion import serving

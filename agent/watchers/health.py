@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import http
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,10 +35,12 @@ from agent.watchers.status import StatusReporter, WatcherState
 
 if TYPE_CHECKING:
     import httpx
+    from prometheus_client import parser as prometheus_parser
 
     from agent.registry import BuildContext
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
+    prometheus_parser = LazyModule("prometheus_client.parser")  # at the first /metrics read
 
 _log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class HealthWatcher:
                         text = (await read_capped(response, MAX_SERVED_BYTES))[0].decode("utf-8", "replace")
             except httpx.HTTPError:
                 return ""
-        counts = {m.group(1): float(m.group(2)) for m in _GENERATED.finditer(text) if _number(m.group(2))}
+        counts = _generated_tokens(text)
         total = sum(counts.values())
         return f"{self.served_url} counts {total:g} generated tokens ({', '.join(sorted(counts))})" if total > 0 else ""
 
@@ -360,16 +361,23 @@ def refused_status(url: str, starting: Callable[[], str | None] | None) -> tuple
 SERVED_CHECK_EVERY_S = 10.0
 #: Most bytes of that ``/metrics`` read.
 MAX_SERVED_BYTES = 4 * 1024 * 1024
-#: A generated-token counter's sample line (SGLang's, vLLM's: ``sglang:generation_tokens_total{...} 120.0``).
-_GENERATED = re.compile(r"^([a-zA-Z_:]*:generation_tokens_total)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.MULTILINE)
+#: The generated-token counters' sample names end so (SGLang's ``sglang:generation_tokens_total``,
+#: vLLM's ``vllm:generation_tokens_total``).
+_GENERATED_SUFFIX = ":generation_tokens_total"
 
 
-def _number(text: str) -> bool:
+def _generated_tokens(text: str) -> dict[str, float]:
+    """The generated-token counters in a ``/metrics`` text (prometheus_client's parser, as the
+    steps watcher reads it), summed over their label sets; empty when none or it does not parse."""
+    counts: dict[str, float] = {}
     try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        for family in prometheus_parser.text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith(_GENERATED_SUFFIX):
+                    counts[sample.name] = counts.get(sample.name, 0.0) + float(sample.value)
+    except ValueError:  # not the exposition format: no reading
+        return {}
+    return counts
 
 
 def _served_url(url: str, server_urls: tuple[str, ...]) -> str | None:

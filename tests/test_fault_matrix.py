@@ -121,7 +121,12 @@ async def test_verdict_reaches_span_manifest_summary_and_hard_mode_signals_only_
 # --- the shapes real hangs take (issue 22) ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+#: Shapes whose own test files run them with every assertion below and more (tests/test_livelock.py,
+#: tests/test_request_stall.py, tests/test_startup_stall.py): not run a second time here.
+OWN_TESTS = frozenset({"livelock", "request_stall", "startup_hang", "startup_hang_vllm"})
+
+
+@pytest.mark.parametrize("shape", sorted(set(SHAPES) - OWN_TESTS))
 async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str, tmp_path: Path) -> None:
     """Each shape on real processes (gloo jobs, real titles, real py-spy, real exits): the
     structured verdict names exactly the culprit ranks and pids, at the confidence the evidence

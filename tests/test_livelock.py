@@ -41,8 +41,9 @@ async def test_a_preempt_resume_livelock_is_a_stall_whose_verdict_says_livelock(
     assert v is not None, "no verdict"
     assert v.kind == "livelock", v.reason
     assert v.hung is True
-    assert v.culprit_pids == (engine,), v.reason
+    assert v.culprit_pids == (engine,) and v.culprit_ranks == (), v.reason
     assert v.confidence == "high", v.reason
+    assert str(engine) in re.findall(r"\d+", v.next_step), v.next_step  # what to do next names the engine core
     m = re.match(r"livelock: requests preempted (\d+) times in (\d+) s with no output token", v.reason)
     assert m is not None, v.reason
     assert int(m.group(1)) >= 3, v.reason

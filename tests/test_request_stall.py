@@ -8,6 +8,7 @@ completions."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -39,8 +40,9 @@ async def test_one_request_stuck_in_its_grammar_compile_is_named_with_the_thread
     assert v is not None, "no verdict"
     assert v.kind == "request", v.reason
     assert v.hung is False
-    assert v.culprit_pids == (pid,), v.reason
+    assert v.culprit_pids == (pid,) and v.culprit_ranks == (), v.reason
     assert v.confidence == "high", v.reason
+    assert str(pid) in re.findall(r"\d+", v.next_step), v.next_step  # what to do next names its process
     assert f"request {rid} (pid {pid}) in flight" in v.reason, v.reason
     assert f"held by thread 'structured_output_grammar_0' (tid {tid}, busy) in compile_grammar (" in v.reason, v.reason
     assert "while the server completes others" in v.reason

@@ -13,6 +13,7 @@ titled processes (tests/programs/titled_target.py) with their real creation time
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,7 @@ async def test_a_rank_hung_in_cuda_graph_capture_is_a_startup_stall_naming_it(tm
     assert starting and all(f"pid {rank0.pid} '{title}_TP0'" in line for line in starting), health
     assert starting[-1].startswith("health: waiting ") and "took no first step within the start-up budget" in starting[-1]
     assert result.correct, result.problems()
+    assert str(rank1.pid) in re.findall(r"\d+", v["next"]), v["next"]  # what to do next names the culprit's pid
 
 
 @pytest.mark.slow

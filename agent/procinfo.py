@@ -360,6 +360,22 @@ def dumpers_of(pid: int, *, exclude_parent: int | None = None) -> list[Dumper]:
     return [d for d in found if not any(other.chain[:1] == (d.pid,) for other in found if other.pid in pids and other is not d)]
 
 
+def last_pid() -> int | None:
+    """The last pid (or thread id) the kernel handed out in this agent's pid namespace: the 5th
+    field of ``/proc/loadavg`` (proc(5)); ``None`` when unreadable. One ``os.read`` of ~40 bytes
+    the kernel formats from two counters (allowed on the event loop, tests/blocking.py). It moves
+    whenever any process or thread is created, so an unchanged value says no process is new."""
+    try:
+        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 128)
+        finally:
+            os.close(fd)
+        return int(data.split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class ServerDump:
     """A ``py-spy`` run a watched server started itself (:class:`ServerDumpLog`).
@@ -398,6 +414,16 @@ class ServerDumpLog:
         self._known: set[int] = set()
         self._unsettled: dict[int, int] = {}
         self._runs: OrderedDict[int, ServerDump] = OrderedDict()
+        self._last_pid: int | None = None
+
+    def needs_scan(self) -> bool:
+        """Whether :meth:`scan` can find anything now: a process was created since the last
+        scan (:func:`last_pid` moved, or is unreadable) or a forked one is still to be looked
+        at again. Cheap (one read of ``/proc/loadavg``), so an idle host costs no ``/proc``
+        listing and no worker-thread hop; a run that started since is never skipped."""
+        with self._lock:
+            pending = any(n < self.UNSETTLED_SCANS for n in self._unsettled.values())
+            return pending or self._last_pid is None or last_pid() != self._last_pid
 
     def scan(self, pids: Iterable[int]) -> list[ServerDump]:
         """One scan (blocking: ``/proc``, ~0.05 ms plus the new processes); returns the runs first
@@ -407,12 +433,13 @@ class ServerDumpLog:
         scheduler's shell a moment before it becomes ``sh -c 'py-spy ...'``) is looked at again
         at the next scans, up to :data:`UNSETTLED_SCANS` of them (a forked worker stays so)."""
         family = set(pids)
+        newest = last_pid()  # read before the listing: a process created during it is looked at next time
         try:
             now = {int(name) for name in os.listdir("/proc") if name.isdigit()}
         except OSError:
             return []
         with self._lock:
-            new, self._known = sorted(now - self._known), now
+            new, self._known, self._last_pid = sorted(now - self._known), now, newest
             self._unsettled = {pid: n for pid, n in self._unsettled.items() if pid in now}
         found = []
         for pid in new:

@@ -57,6 +57,7 @@ from pydantic import BaseModel, Field
 
 from agent.bus import EventBus
 from agent.events import Event, HealthProbed, StepsAdvanced, TriggerEvent, WatcherStatusChanged
+from agent.procinfo import last_pid
 from agent.ranks import rank_from_title
 from agent.targets import Target
 
@@ -183,6 +184,8 @@ class StartupRule:
         #: the ranks in start-up at the last look, oldest first, and when that was
         self._starting: list[Target] = []
         self._looked_s = 0.0
+        #: the kernel's last pid before the last look (:func:`~agent.procinfo.last_pid`)
+        self._looked_pid: int | None = None
         self.published: list[StartupStalled] = []
 
     @property
@@ -216,12 +219,23 @@ class StartupRule:
                 or isinstance(event, WatcherStatusChanged) and event.watcher.startswith("metrics") and event.state == "ready":
             self.over_s = max(self.over_s, event.time_unix_nano / 1e9)
 
+    def needs_look(self) -> bool:
+        """Whether :meth:`look` can say anything new: a rank was in start-up at the last look (its
+        budget runs), or a process was created since (:func:`~agent.procinfo.last_pid` moved), or
+        none looked yet. With every rank's start-up over and no new process, a look would find the
+        same ranks over again: an idle watch skips it (no ``/proc`` scan, no worker-thread hop).
+        Cheap, on the event loop."""
+        if not self.config.budget_s:
+            return False
+        return bool(self._starting) or self._looked_pid is None or last_pid() != self._looked_pid
+
     def look(self, now_s: float | None = None) -> StartupStalled | None:
         """One look at the ranks (blocking: discovery and counter reads); the stall to publish, if any."""
         if not self.config.budget_s:
             return None
         now_s = time.time() if now_s is None else now_s
         self._first_look_s = self._first_look_s or now_s
+        self._looked_pid = last_pid()  # before discovery: a process created during it is looked at next time
         ranks = [t for t in self._discover() if rank_from_title(t.title) is not None and t.create_time_s > 0]
         keys = {(t.pid, t.create_time_s) for t in ranks}
         self._young_at_sight = {k: self._young_at_sight.get(k, now_s - k[1] < self.config.budget_s) for k in keys}
@@ -264,7 +278,7 @@ class StartupRule:
             told = False
             while True:
                 try:
-                    stalled = await anyio.to_thread.run_sync(self.look)
+                    stalled = await anyio.to_thread.run_sync(self.look) if self.needs_look() else None
                 except Exception:  # a view of the server's start-up: never the agent's end
                     if not told:
                         told = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -189,6 +190,27 @@ def _unptraceable(targets: Sequence[Target]) -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _RoundFacts:
+    """What one discovery round read on its worker thread (:meth:`TargetWatch._round_facts`).
+
+    Attributes:
+        targets: the targets found.
+        step_watchers: the SDK counter watchers of each target not watched yet, by
+            ``(pid, create_time_s)`` (an empty list: no counter yet).
+        refused: why a target user's SDK folder was not trusted, one line each.
+        denied: the target whose step counter this agent may not open, ``None`` when none (or
+            read only while no counter is watched).
+        unptraceable: the first target whose memory py-spy may not read, ``None`` when none.
+    """
+
+    targets: list[Target]
+    step_watchers: dict[tuple[int, float], list[Watcher]]
+    refused: list[str]
+    denied: str | None
+    unptraceable: str | None
+
+
 def _plural(n: int, word: str, suffix: str = "s") -> str:
     return f"{n} {word}{suffix if n != 1 else ''}"
 
@@ -296,7 +318,8 @@ class TargetWatch:
         told = False
         while True:
             try:
-                await anyio.to_thread.run_sync(self.finder.scan_server_dumps)
+                if self.finder.server_dumps_may_be_new():  # no new process: no listing, no thread hop
+                    await anyio.to_thread.run_sync(self.finder.scan_server_dumps)
             except Exception:  # a nicety: never in the watching's way
                 if not told:
                     told = True
@@ -336,35 +359,49 @@ class TargetWatch:
         return True
 
     async def _round(self, tg: TaskGroup) -> list[Target]:
-        """One discovery round (see :meth:`run`); returns the targets found."""
+        """One discovery round (see :meth:`run`); returns the targets found. Everything a round
+        reads (``/proc``, the SDK's folders and counters) is read in one worker-thread call
+        (:meth:`_round_facts`): one hop per round, not one per target and row."""
+        facts = await anyio.to_thread.run_sync(self._round_facts, self.shipper())
+        for target in facts.targets:
+            self.process_watcher.watch(target)
+            await self._watch_steps(tg, target, facts.step_watchers.get((target.pid, target.create_time_s), ()))
+        await self._steps_row(facts)
+        await self._pyspy_row(facts.unptraceable)
+        await self._process_row(facts.targets)
+        return facts.targets
+
+    def _round_facts(self, shipper: Any) -> _RoundFacts:
+        """What one round reads (blocking): the targets (a failed discovery is logged and reads
+        as none), their rings declared and attached (``shipper``), the SDK counter watchers of
+        the targets not watched yet, and the facts the ``steps`` and ``pyspy`` rows say."""
         try:
-            targets = await anyio.to_thread.run_sync(self.discover)
+            targets = self.discover()
         except Exception:  # discovery must never take the agent down
             log.exception("target discovery failed")
             targets = []
-        shipper = self.shipper()
         if shipper is not None:  # declared watched, their rings attached (now and at each poll)
-            await anyio.to_thread.run_sync(shipper.watch, {t.pid: t.uid for t in targets})
-        for target in targets:
-            self.process_watcher.watch(target)
-            await self._watch_steps(tg, target)
-        await self._steps_row(targets)
-        await self._pyspy_row(targets)
-        await self._process_row(targets)
-        return targets
+            shipper.watch({t.pid: t.uid for t in targets})
+        watched = set(self.step_scopes)
+        step_watchers: dict[tuple[int, float], list[Watcher]] = {}
+        for t in targets:
+            key = (t.pid, t.create_time_s)
+            if key not in watched:  # they read the shm counter
+                step_watchers[key] = [w for per_target in self.per_target for w in (per_target.watchers_for(t) or ())]
+        counted = len(watched) + sum(1 for ws in step_watchers.values() if ws)
+        return _RoundFacts(
+            targets=targets, step_watchers=step_watchers,
+            refused=_sdk_folder_refusals(targets) if targets else [],
+            denied=_counters_denied(targets) if targets and not counted else None,
+            unptraceable=_unptraceable(targets),
+        )
 
-    async def _watch_steps(self, tg: TaskGroup, target: Target) -> None:
-        """Start ``target``'s own watchers (its SDK counter's), once, if it has any now."""
+    async def _watch_steps(self, tg: TaskGroup, target: Target, watchers: Sequence[Watcher]) -> None:
+        """Start ``target``'s own watchers (its SDK counter's: ``watchers``, read by the round),
+        once, if it has any now."""
         key = (target.pid, target.create_time_s)
-        if key in self.step_scopes:
-            return
-
-        def watchers_for() -> list[Watcher]:
-            return [w for per_target in self.per_target for w in (per_target.watchers_for(target) or ())]
-
-        watchers = await anyio.to_thread.run_sync(watchers_for)  # they read the shm counter
-        if not watchers:
-            return  # no SDK counter (yet): the Prometheus watchdog, if any, covers it
+        if key in self.step_scopes or not watchers:
+            return  # watched, or no SDK counter (yet): the Prometheus watchdog, if any, covers it
         self.step_scopes[key] = await tg.start(self._run_target_watchers, target, watchers)
         log.info("watching forward steps of pid %d (%s)", target.pid, target.title)
 
@@ -388,13 +425,13 @@ class TargetWatch:
             finally:
                 self.step_scopes.pop((target.pid, target.create_time_s), None)
 
-    async def _steps_row(self, targets: Sequence[Target]) -> None:
+    async def _steps_row(self, facts: _RoundFacts) -> None:
         """The ``steps`` row: how many ranks' counters are watched, that none is, or that this
         agent may not open them (``BLIND``: another user's SDK folder, with the fix)."""
         n = len(self.step_scopes)
-        refused = await anyio.to_thread.run_sync(_sdk_folder_refusals, targets) if targets else []
+        refused, targets = facts.refused, facts.targets
         said = f"; counter refused: {'; '.join(refused)}" if refused else ""
-        denied = await anyio.to_thread.run_sync(_counters_denied, targets) if targets and not n else None
+        denied = facts.denied if not n else None
         if n:
             await self.status.set("steps", WatcherState.READY, f"{_plural(n, 'rank')} via shm counter{said}")
         elif denied is not None:
@@ -415,10 +452,11 @@ class TargetWatch:
         self._pyspy_ready = f"ready: {detail}" if detail else "ready"
         return f"cannot read the stacks of {self._unptraceable}"
 
-    async def _pyspy_row(self, targets: Sequence[Target]) -> None:
+    async def _pyspy_row(self, blocked: str | None) -> None:
         """The ``pyspy`` row turns ``BLIND`` (with the fix) while a target is of a user whose
-        memory this agent may not read (no root, no CAP_SYS_PTRACE), and back when none is."""
-        blocked = self._unptraceable = await anyio.to_thread.run_sync(_unptraceable, targets)
+        memory this agent may not read (no root, no CAP_SYS_PTRACE: ``blocked`` names it, read
+        by the round), and back when none is."""
+        self._unptraceable = blocked
         row = self.status.board.get("pyspy")
         if row is None or row.state is WatcherState.WAITING:
             return

@@ -22,6 +22,9 @@ process; never a disk write or a scan over all processes, which stay errors:
   (state D) cannot hang the reader; the process watcher and the runtime poll it once a second per
   target. ``cmdline``, ``environ``, ``maps`` and fd reads take that lock or grow with the target,
   and scans over all pids grow with the host: those stay errors and run on worker threads.
+- :func:`agent.procinfo.last_pid` (``os.read``): ``/proc/loadavg``, ~40 bytes the kernel formats
+  from two counters, four times a second: the servers' own py-spy runs are scanned for (a
+  ``/proc`` listing on a worker thread) only when a process was created since the last scan.
 - :meth:`agent.watchers.steps.ShmStepSource.read_now` (``os.read``): ``ShmStepSource.read``
   reads an SDK step counter (64 bytes) on the loop only once the file was found on a memory
   filesystem (:func:`agent.fsutil.memory_backed`, checked on a worker thread): a read of tmpfs
@@ -62,6 +65,7 @@ ALLOWED: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {
     ("agent/lazy.py", frozenset({"_load"})): _READS,
     ("agent/memory.py", frozenset({"_glibc"})): _READS,
     ("agent/targets.py", frozenset({"process_state"})): ("io.BufferedReader.read", "os.stat"),
+    ("agent/procinfo.py", frozenset({"last_pid"})): ("os.read",),
     ("agent/watchers/steps.py", frozenset({"read_now"})): ("os.read",),
 }
 

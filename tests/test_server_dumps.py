@@ -107,3 +107,44 @@ def test_a_child_seen_before_its_exec_is_looked_at_again_and_its_pyspy_run_seen(
     (run,) = found
     assert (run.dumper.pid, run.dumper.command) == (int(child), f"/bin/sh -c {exe} dump --native --pid {proc.pid}"), run
     assert run.dumper.started_by[0] == proc.pid, run
+
+
+def test_the_scan_is_skipped_only_while_no_process_was_created_and_none_waits_for_its_exec(
+        spawn, python, tmp_path: Path, monkeypatch) -> None:
+    import agent.procinfo as procinfo
+
+    log = ServerDumpLog()
+    assert log.needs_scan()  # never scanned
+    before = procinfo.last_pid()
+    assert isinstance(before, int) and before > 0
+    log.scan([os.getpid()])
+    proc = spawn([python, "-c", "import time; time.sleep(30)"])
+    assert procinfo.last_pid() != before  # the kernel's counter moved with the new process
+    assert log.needs_scan()
+    log.scan([os.getpid()])
+    # the counter held still (as on an idle host): nothing can be new, no /proc listing
+    monkeypatch.setattr(procinfo, "last_pid", lambda: 4242)
+    assert _drained(log, [os.getpid()])
+    monkeypatch.setattr(procinfo, "last_pid", lambda: 4243)
+    assert log.needs_scan()
+    log.scan([proc.pid])
+    # a forked child not yet exec'd is looked at again even while the counter holds still
+    go = tmp_path / "go"
+    forker = spawn([python, "-c", FORK_THEN_EXEC, str(_pyspy_stand_in(tmp_path)), str(go)], stdout=subprocess.PIPE)
+    assert forker.stdout is not None and forker.stdout.readline().split()[0] == b"ready"
+    monkeypatch.setattr(procinfo, "last_pid", lambda: 4244)
+    assert log.scan([forker.pid]) == []
+    assert log.needs_scan()  # the unsettled fork keeps the scans coming with no new pid
+    assert _drained(log, [forker.pid])  # a fork that stays one (a forked worker) stops costing scans
+    assert forker.poll() is None and not go.exists()
+
+
+def _drained(log: ServerDumpLog, pids: list[int]) -> bool:
+    """Scan until nothing waits to be looked at again (a fork elsewhere on this shared host is
+    looked at up to UNSETTLED_SCANS times too); whether that came within 200 scans."""
+    for _ in range(200):
+        log.scan(pids)
+        if not log.needs_scan():
+            return True
+        time.sleep(0.01)
+    return False

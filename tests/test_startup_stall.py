@@ -161,6 +161,28 @@ def test_ranks_without_a_first_step_past_the_budget_are_one_stall_once(spawn) ->
                                " or this is the wrong host or port")
 
 
+def test_an_idle_watch_looks_again_only_while_a_rank_starts_or_after_a_new_process(spawn, monkeypatch) -> None:
+    import agent.startup as startup
+
+    ranks = _ranks(spawn, ["sglang::scheduler_TP0", "sglang::scheduler_TP1"])
+    looks: list[int] = []
+    rule = StartupRule(StartupConfig(budget_s=30.0), discover=lambda: looks.append(1) or list(ranks),
+                       forward_ct=lambda pid: None, http_watched=True)
+    counter = [1000]
+    monkeypatch.setattr(startup, "last_pid", lambda: counter[0])
+    assert rule.needs_look()  # never looked
+    born = max(t.create_time_s for t in ranks)
+    rule.look(now_s=born + 1.0)
+    assert rule.starting() is not None and rule.needs_look()  # starting: its budget runs, look again
+    rule.note(StepsAdvanced(pid=None, forward_ct=1, delta=1, busy=True))
+    rule.look(now_s=born + 2.0)
+    assert rule.starting() is None and len(looks) == 2
+    assert not rule.needs_look()  # start-up over and no process created since: the same answer
+    counter[0] += 1  # the kernel handed out a pid: a new rank may be there
+    assert rule.needs_look()
+    assert not StartupRule(StartupConfig(budget_s=0.0), discover=list).needs_look()  # off
+
+
 def test_an_http_answer_or_a_step_after_the_ranks_started_ends_their_startup(spawn) -> None:
     ranks = _ranks(spawn, ["VLLM::Worker_TP0", "VLLM::Worker_TP1"])
     born = max(t.create_time_s for t in ranks)

@@ -213,7 +213,9 @@ class Watchdog:
             readings = await self._readings(bus)
             now = time.monotonic_ns()
             sleep_ns = poll_ns
-            if await self._pause_or_resume(bus, now):
+            # a profile window matters only where a stall clock can run (a busy series) or one
+            # paused must be re-armed: an idle watch reads no own-action files (a worker-thread hop)
+            if (self.paused_by is not None or any(r.busy for r in readings)) and await self._pause_or_resume(bus, now):
                 await anyio.sleep(poll_ns / 1e9)
                 continue
             fired: list[tuple[StepReading, int]] = []

@@ -354,3 +354,15 @@ class SpanProcessorStub:
 
     def shutdown(self) -> None:
         pass
+
+
+def test_an_idle_rings_polls_space_out_to_one_a_second_and_a_span_restores_the_interval() -> None:
+    from exporters.shipper import IDLE_POLL_MAX_S, next_poll_wait_s
+
+    waits, wait = [], 0.25
+    for _ in range(5):  # polls that find nothing
+        wait = next_poll_wait_s(0.25, wait, 0)
+        waits.append(wait)
+    assert waits == [0.5, 1.0, 1.0, 1.0, 1.0] and IDLE_POLL_MAX_S == 1.0
+    assert next_poll_wait_s(0.25, 1.0, 3) == 0.25  # a span back: the configured interval at once
+    assert next_poll_wait_s(2.0, 2.0, 0) == 2.0  # a longer configured interval stands

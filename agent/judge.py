@@ -160,9 +160,10 @@ def trigger_of(cause: Event | None) -> str:
     return "manual" if cause is None else type(cause).__name__
 
 
-#: Least time between the two readings of a server's progress counter in a one-shot dump, seconds
-#: (a busy vLLM or SGLang steps many times a second; its step gauges move at every step).
-MIN_PROGRESS_INTERVAL_S = 2.0
+#: Least time between the two readings of a server's progress counter in a one-shot dump or a
+#: health incident, seconds (a busy vLLM or SGLang steps many times a second and its step gauges
+#: move at every step: 0.75 s sees several; the wait is most of what a frontend verdict adds).
+MIN_PROGRESS_INTERVAL_S = 0.75
 
 
 class _Reading(Protocol):

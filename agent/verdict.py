@@ -985,7 +985,7 @@ def _ranks_progress(ev: Evidence) -> str | None:
             "detokenizer, the tokenizer, the API server) runs its own code",
        concludes="that frontend is the culprit, named with its role and frame: `the detokenizer pid 43 "
                  "'sglang::detokenizer' spins in decode (sglang/srt/managers/detokenizer_manager.py:210) while the "
-                 "ranks progress (sglang:generation_tokens_total 120->480 in 2.0 s at http://...): /health fails`: "
+                 "ranks progress (sglang:generation_tokens_total 120->480 in 0.8 s at http://...): /health fails`: "
                  "tokens are generated, the answers never leave (SGLang #26482, #34740); never the progressing ranks",
        confidence="high for one frontend in its own code (the failed health check, the ranks' counters and its stack "
                   "agree; a detokenizer or tokenizer in its own code is named before an API server seen busy "

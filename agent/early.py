@@ -3,7 +3,7 @@
 A one-shot dump spends ~0.25 CPU-second starting Python and importing what it needs (typer,
 pydantic-settings, anyio, the OTel SDK, the actors) before its py-spy actor runs, and py-spy
 itself takes ~0.1 s per torch-importing target (``--native`` reads libtorch's symbols). The
-console entry (:func:`agent.entry.main`) calls :func:`start` with argv before any of those
+console entry (:func:`agent.cli.entry.main`) calls :func:`start` with argv before any of those
 imports: for the plain form ``servewatch dump --pid N [--pid M ...]`` it starts, for each pid, the
 first attempt the py-spy actor would run (the argv of :func:`pyspy_argv` with the actor's
 defaults: ``py-spy dump --json --pid N --native``) in its own session, and a thread per run that
@@ -56,7 +56,7 @@ _ENV_PREFIXES = ("SERVEWATCH_PYSPY",)
 #: Commands that end within seconds on their own (and the bare ``--help`` / ``--version``). They
 #: run with the cyclic garbage collector off, from before their imports: start-up imports build
 #: ~10^5 long-lived objects, and each collection would only walk them again; what such a command
-#: leaves is bounded and freed at exit. They also end with :func:`agent.cli._exit_now`, skipping
+#: leaves is bounded and freed at exit. They also end with :func:`agent.cli.app._exit_now`, skipping
 #: the interpreter's module teardown (tens of ms of freeing the same objects). ``run``,
 #: ``launch``, ``demo``, ``profile`` and ``export`` keep the collector and the normal exit.
 ONE_SHOT_COMMANDS = frozenset({"dump", "status", "timeline", "report", "cuda-env"})

@@ -1,7 +1,7 @@
 """servewatch's exceptions, in one tree.
 
 Exceptions are for bad configuration, bad input and programmer errors; what goes wrong with a
-target during an incident crosses the bus as an :class:`~agent.events.Outcome`, never as one of
+target during an incident crosses the bus as an :class:`~agent.model.events.Outcome`, never as one of
 these. Every message is one line; :attr:`ServewatchError.exit_code` is what the CLI exits with
 when one reaches it (1 runtime failure, 2 usage error or invalid setting). The tree::
 
@@ -31,7 +31,7 @@ when one reaches it (1 runtime failure, 2 usage error or invalid setting). The t
         └── StartupError                    a scheduler died or was not ready (server side)
 
 The builtin second bases keep older ``except ValueError`` / ``except OSError`` callers working.
-The classes are importable from the modules that raise them (``agent.config.ConfigError``...)
+The classes are importable from the modules that raise them (``agent.runtime.settings.ConfigError``...)
 as well as from here. Imports only the standard library: any layer, the SDK included, may
 import it.
 """
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from agent.events import Outcome
+    from agent.model.events import Outcome
 
 __all__ = [
     "BackendUnknownError",
@@ -82,7 +82,7 @@ def one_line(exc: BaseException) -> str:
 class ServewatchError(Exception):
     """Base of every servewatch exception; ``str()`` is one line."""
 
-    #: The CLI's exit code when this error ends a command (:class:`agent.cli.ExitCode`).
+    #: The CLI's exit code when this error ends a command (:class:`agent.cli.app.ExitCode`).
     exit_code: ClassVar[int] = 1
 
 
@@ -123,7 +123,7 @@ class UnknownComponentError(UsageError, KeyError):
 class UnsafeFolderError(UsageError, OSError):
     """A folder root must not write into (its one-line reason is ``str(exc)``): a component is
     owned by another user, a symlink another user planted, writable by others without the sticky
-    bit, or not a folder (raised by :func:`agent.fsutil.open_trusted_dir`)."""
+    bit, or not a folder (raised by :func:`agent.host.fsutil.open_trusted_dir`)."""
 
 
 class LaunchError(UsageError):
@@ -147,13 +147,13 @@ class InputError(ServewatchError, ValueError):
 
 
 class ManifestError(InputError):
-    """A manifest cannot be read (:func:`agent.manifest.load_manifest`): not JSON, not a
+    """A manifest cannot be read (:func:`agent.host.manifest.load_manifest`): not JSON, not a
     servewatch incident manifest, or a version this servewatch cannot read. The message is one
     line naming the file (when there is one) and the problem."""
 
 
 class BundleError(InputError):
-    """An incident bundle cannot be read (:func:`exporters.bundle.load_incident`); the message is
+    """An incident bundle cannot be read (:func:`agent.views.bundle.load_incident`); the message is
     one line naming the path and the reason."""
 
 
@@ -172,14 +172,14 @@ class TraceParentError(InputError):
 class TraceImportAborted(InputError):
     """A trace file's import stopped by its budget: past its deadline, over its size cap, or
     cancelled (the agent stopping); a :class:`ValueError`, so callers treat it as a file that
-    failed (raised by :mod:`exporters.torch_trace`)."""
+    failed (raised by :mod:`exporters.mirror.torch_trace`)."""
 
 
 # --- talking to servers and peers ------------------------------------------------------------------
 
 
 class SdkCallError(ServewatchError):
-    """A control-socket call failed (:func:`agent.sdkclient.sdk_call`).
+    """A control-socket call failed (:func:`agent.host.sdkclient.sdk_call`).
 
     Attributes:
         outcome: how it failed: ``NO_SUCH_PROCESS``, ``PERMISSION_DENIED``, ``TIMED_OUT`` or

@@ -1,4 +1,4 @@
-"""Run ``servewatch`` (``agent.cli``) under tracemalloc, writing allocation-growth reports.
+"""Run ``servewatch`` (``agent.cli.app``) under tracemalloc, writing allocation-growth reports.
 
 Diagnostic for the soak (``bench_soak.py --trace-alloc``): argv is passed to the CLI unchanged.
 Every ``SOAK_TRACE_EVERY_S`` seconds (default 120) a daemon thread takes a snapshot and appends
@@ -57,7 +57,7 @@ def main() -> None:
         daemon=True,
     )
     t.start()
-    from agent.cli import main as cli_main
+    from agent.cli.app import main as cli_main
 
     sys.argv[0] = "servewatch"
     cli_main()

@@ -62,7 +62,7 @@ TARGET = REPO / "tests" / "programs" / "titled_target.py"
 
 def servewatch() -> list[str]:
     exe = Path(sys.executable).parent / "servewatch"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "agent.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "agent.cli.app"]
 
 
 def pyspy() -> str:
@@ -154,7 +154,7 @@ def part1(repeat: int, work: Path, baseline_tree: Path | None = None) -> None:
     if baseline_tree is not None:  # the same commands run from another source tree, same rounds
         old_env = {**BASE_ENV, "PYTHONPATH": str(baseline_tree)}
         for name in READ_ONLY:
-            cmds[f"{name} [baseline]"] = [sys.executable, "-P", "-c", "from agent.entry import main; main()", *cmds[name][len(sw):]]
+            cmds[f"{name} [baseline]"] = [sys.executable, "-P", "-c", "from agent.cli.entry import main; main()", *cmds[name][len(sw):]]
             envs[f"{name} [baseline]"] = old_env
     times: dict[str, list[float]] = {k: [] for k in cmds}
     for name, argv in cmds.items():  # warm-up: the .pyc files exist, as after an install
@@ -233,7 +233,7 @@ def _spread(ratios: list[float]) -> tuple[float, float]:
 
 def _tree_servewatch(tree: Path) -> tuple[list[str], dict[str, str]]:
     """The console entry of the source tree ``tree`` (``-P``: not the current folder's), and its env."""
-    return [sys.executable, "-P", "-c", "from agent.entry import main; main()"], {**BASE_ENV, "PYTHONPATH": str(tree)}
+    return [sys.executable, "-P", "-c", "from agent.cli.entry import main; main()"], {**BASE_ENV, "PYTHONPATH": str(tree)}
 
 
 def part2(ks: list[int], repeat: int, work: Path, baseline_tree: Path | None = None) -> None:

@@ -48,9 +48,9 @@ from _common import emit_result, kill_groups, run_timed
 
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
 from agent.actors.pyspy import PySpyActor, default_executable
-from agent.cudaenv import cuda_coredump_env
-from agent.events import IncidentOpened, Outcome, now_ns
-from agent.targets import Target
+from agent.host.cudaenv import cuda_coredump_env
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome, now_ns
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "programs" / "fake_cuda_driver.py"

@@ -36,9 +36,9 @@ import anyio
 from _common import emit_result, kill_groups
 
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
-from agent.cudaenv import cuda_coredump_env
-from agent.events import IncidentOpened, Outcome
-from agent.targets import Target
+from agent.host.cudaenv import cuda_coredump_env
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "programs" / "fake_cuda_driver.py"

@@ -49,9 +49,9 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from agent.sdk import tracing
-from exporters.processor import LosslessSpanProcessor
-from exporters.spool import Spool
-from exporters.transport import TlsFiles, make_sender
+from exporters.otlp.processor import LosslessSpanProcessor
+from exporters.otlp.spool import Spool
+from exporters.otlp.transport import TlsFiles, make_sender
 from tests.tls_certs import TlsMaterial, make_tls_material
 
 RESOURCE = Resource.create({"service.name": "bench-server"})

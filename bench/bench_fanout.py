@@ -1,7 +1,7 @@
 """A job of N hosts, one hang: one trace, requests per incident, capture spread, coordinator CPU.
 
 Each simulated host is the real job protocol (:class:`agent.fleet.Fleet` with its real HTTP API,
-real signed requests, plain HTTP or mutual TLS, a real :class:`agent.incidents.IncidentManager`
+real signed requests, plain HTTP or mutual TLS, a real :class:`agent.incidents.manager.IncidentManager`
 on a real event bus, a real span mirror) on its own loopback address (``127.x.y.z``; each host
 binds its API there and sends from there, so per-client limits see N clients). Each host holds
 ``--ranks`` ranks (8) as its discovery finds them (titled SGLang schedulers with their global TP
@@ -98,13 +98,13 @@ class SimHost:
     """The job protocol of one host: Fleet + IncidentManager + bus + span mirror, no targets."""
 
     def __init__(self, index: int, n: int, base: Path, tls: dict[str, str], ranks: int = 0) -> None:
-        from agent.bus import EventBus
         from agent.fleet.config import ApiConfig, FleetConfig
         from agent.fleet.job import Fleet
-        from agent.incidents import IncidentConfig, IncidentManager
-        from agent.targets import Target
-        from exporters.mirror import SpanMirror
-        from exporters.spans import InMemorySink
+        from agent.host.targets import Target
+        from agent.incidents.manager import IncidentConfig, IncidentManager
+        from agent.model.bus import EventBus
+        from exporters.mirror.mirror import SpanMirror
+        from exporters.otlp.spans import InMemorySink
 
         self.index = index
         host = f"h{index:04d}"
@@ -129,7 +129,7 @@ class SimHost:
         return list(self.targets)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        from exporters.mirror import MIRRORED_EVENTS
+        from exporters.mirror.mirror import MIRRORED_EVENTS
 
         async with anyio.create_task_group() as tg:
             sub = self.bus.subscribe(*MIRRORED_EVENTS, name="mirror", max_buffer=float("inf"))
@@ -141,7 +141,7 @@ class SimHost:
     async def detect(self, run: int, at_ns: int) -> None:
         """This host's watchdog fired at ``at_ns`` (every host's at the same instant: the event is
         stamped with it; publishing it here is this host's own work, serialized with its worker's)."""
-        from agent.events import WatchdogStalled
+        from agent.model.events import WatchdogStalled
 
         self._detected_ns = at_ns
         await self.bus.publish(WatchdogStalled(source="bench", time_unix_nano=at_ns, pid=10_000_000 + run, forward_ct=1,
@@ -151,7 +151,7 @@ class SimHost:
         record = next((r for r in reversed(self.records) if r.opened.time_unix_nano >= self._since), None)
         f = self.fleet
         spans = [s for s in self.sink.spans if record is not None and f"{s.context.trace_id:032x}" == record.opened.trace_id]
-        from exporters.encode import encode_spans_fast
+        from exporters.otlp.encode import encode_spans_fast
 
         own = [s for s in spans if s.name == "incident"]
         return {
@@ -302,13 +302,13 @@ async def _measure(n: int, mode: str, runs: int, workers: int, base: Path, tls: 
 
 def _sample_once(pids: list[int], linked: bool) -> int:
     """OTLP bytes in the job's trace of one real incident on ``pids`` (see :func:`_host_sample_bytes`)."""
-    from agent.config import load_settings
-    from agent.events import TRACE_DETAIL_ATTR
-    from agent.ids import new_span_id_hex, new_trace_id_hex
-    from agent.runtime import Agent
-    from exporters.encode import encode_spans_fast
-    from exporters.mirror import SpanMirror
-    from exporters.spans import InMemorySink
+    from agent.model.events import TRACE_DETAIL_ATTR
+    from agent.model.ids import new_span_id_hex, new_trace_id_hex
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
+    from exporters.mirror.mirror import SpanMirror
+    from exporters.otlp.encode import encode_spans_fast
+    from exporters.otlp.spans import InMemorySink
 
     sink = InMemorySink()
     trace = new_trace_id_hex()

@@ -54,7 +54,7 @@ from _common import emit_result
 from tests.real import install as real_install
 from tests.real.server import VllmServer, server_lock
 
-SERVEWATCH = [sys.executable, "-m", "agent.entry"]
+SERVEWATCH = [sys.executable, "-m", "agent.cli.entry"]
 
 
 def _agent(server: VllmServer, data_dir: Path, *extra: str) -> subprocess.Popen[bytes]:

@@ -104,7 +104,7 @@ class AgentProc:
                      "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
         self.log = open(data.parent / f"agent-{'C' if ship else 'B'}.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "run", "--root-pid", str(server.pid),
+            [sys.executable, "-m", "agent.cli.app", "run", "--root-pid", str(server.pid),
              "--health-url", f"{server.base_url}/health", "--metrics-url", f"{server.base_url}/metrics",
              "--data-dir", str(data), "--watchdog-timeout", "120"],
             env=agent_env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True,

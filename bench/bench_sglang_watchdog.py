@@ -52,7 +52,7 @@ from tests.real import install_sglang
 from tests.real.server import server_lock
 from tests.real.sglang_server import SglangServer
 
-SERVEWATCH = [sys.executable, "-m", "agent.entry"]
+SERVEWATCH = [sys.executable, "-m", "agent.cli.entry"]
 _DUMP = re.compile(r"Pyspy dump for PID (\d+) \(([^)]*)\)")
 
 

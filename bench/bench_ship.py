@@ -2,7 +2,7 @@
 
 A real server process (``tests/programs/span_server.py``: agent.sdk request + forward spans at
 ``--rate`` iterations/s, two spans each) records into its span ring; a child process runs the
-agent side alone: :class:`exporters.shipper.SpanShipper` polling every ``--poll-s`` seconds into
+agent side alone: :class:`exporters.otlp.shipper.SpanShipper` polling every ``--poll-s`` seconds into
 the lossless processor writing OTLP/JSON span files (the embedded default), or with ``--grpc``
 exporting over OTLP/gRPC to a real receiver in its own process (what a watching agent with a
 collector does; the soak's configuration). The child measures
@@ -37,8 +37,8 @@ ROOT = HERE.parent
 
 def child(args: argparse.Namespace) -> None:
     """One measurement with the code on ``sys.path`` (the source tree under test)."""
-    from exporters.provider import ExportConfig, build_telemetry
-    from exporters.shipper import SpanShipper
+    from exporters.otlp.provider import ExportConfig, build_telemetry
+    from exporters.otlp.shipper import SpanShipper
 
     with tempfile.TemporaryDirectory(prefix="bench-ship-") as tmp:
         shm = Path(tmp) / "shm"

@@ -95,7 +95,7 @@ def main() -> None:
         agent_env["OTEL_EXPORTER_OTLP_PROTOCOL"] = "grpc"
     if args.no_ship:
         agent_env["SERVEWATCH_SPANS__SHIP"] = "false"
-    entry = ["-m", "agent.cli"]
+    entry = ["-m", "agent.cli.app"]
     if args.trace_alloc is not None:
         entry = [str(Path(__file__).resolve().parent / "_traced_agent.py")]
         agent_env["SOAK_TRACE_OUT"] = str(args.trace_alloc.resolve())

@@ -38,8 +38,8 @@ import anyio
 from _common import emit_result, kill_groups, run_timed
 
 from agent.actors.pyspy import PySpyActor, PySpyConfig, default_executable
-from agent.events import IncidentOpened, Outcome
-from agent.targets import Target, discover
+from agent.host.targets import Target, discover
+from agent.model.events import IncidentOpened, Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
 TITLED = ROOT / "tests" / "programs" / "titled_target.py"

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from _common import emit_result, kill_groups
 
-from agent.bus import RecordingBus
-from agent.events import WatchdogStalled
+from agent.model.bus import RecordingBus
+from agent.model.events import WatchdogStalled
 from agent.sdk.counter import ENV_SHM_DIR
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource
 from agent.watchers.watchdog import Watchdog, WatchdogConfig

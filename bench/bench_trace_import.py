@@ -18,10 +18,10 @@ Each measurement runs in a fresh subprocess (so its peak RSS is its own; the mod
 before its clock starts) and records its CPU seconds (user + system, what a loaded machine moves
 least), wall seconds and peak RSS (the interpreter with its imports, ~35 MiB, included):
 
-* ``walk``: read every event of ``traceEvents`` once: ours (:func:`exporters.torch_trace.iter_trace_events`,
+* ``walk``: read every event of ``traceEvents`` once: ours (:func:`exporters.mirror.torch_trace.iter_trace_events`,
   flat ``args`` skipped by a regex) against ``ijson.items(f, "traceEvents.item", use_float=True)``
   (yajl2 C backend) doing the same walk;
-* ``import``: the whole :func:`~exporters.torch_trace.import_torch_trace` into a counting sink,
+* ``import``: the whole :func:`~exporters.mirror.torch_trace.import_torch_trace` into a counting sink,
   with its reader as shipped and with the ijson walk swapped in (same filter, nesting, spans);
 * ``json.load``: the whole file parsed into memory, then a pass over the events (the naive way).
 
@@ -129,14 +129,14 @@ def write_synthetic(path: Path, size_bytes: int) -> int:
 
 
 def ijson_trace_events(path: str | Path, *, chunk_chars: int = 1 << 20, on_field: Any = None) -> Iterator[list[dict[str, Any]]]:
-    """The ijson walk, in :func:`exporters.torch_trace.iter_trace_events`' shape (batches of
+    """The ijson walk, in :func:`exporters.mirror.torch_trace.iter_trace_events`' shape (batches of
     event dicts; ``args`` kept as ijson builds them). Opens the file as the module does (no
     symlink, regular files only; gzip by name)."""
     import gzip
 
     import ijson
 
-    from exporters.torch_trace import _open_binary
+    from exporters.mirror.torch_trace import _open_binary
 
     raw = _open_binary(Path(path))
     f = gzip.GzipFile(fileobj=raw, mode="rb") if str(path).endswith(".gz") else raw
@@ -160,7 +160,7 @@ def _child(mode: str, path: str) -> None:
     import ijson  # noqa: F401 - every import before the clock starts: the walk is measured, not the imports
     from opentelemetry.sdk.resources import Resource
 
-    import exporters.torch_trace as tt
+    import exporters.mirror.torch_trace as tt
 
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()

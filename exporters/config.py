@@ -107,7 +107,7 @@ class ExportConfig(BaseModel):
 
 class SpansConfig(BaseModel):
     """Request and forward spans recorded by servers running the SDK, shipped by the agent
-    (:mod:`exporters.shipper`; the SDK side is :mod:`agent.sdk.channel`)."""
+    (:mod:`exporters.otlp.shipper`; the SDK side is :mod:`agent.sdk.channel`)."""
 
     ship: bool = Field(True, description="drain the targets' span rings and export their spans (else servers export themselves)")
     poll_interval_s: float = Field(0.5, gt=0, le=1.0, description="seconds between ring polls (the SDK falls back after 2 s without one)")

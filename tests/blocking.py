@@ -16,24 +16,24 @@ raises :class:`blockbuster.BlockingError`, failing the test, when a coroutine of
 Allowed on the loop (``ALLOWED``), each bounded: a few hundred bytes of procfs, or once per
 process; never a disk write or a scan over all processes, which stay errors:
 
-- :func:`agent.targets.process_state`: reads ``/proc/PID/stat`` of one process (psutil: creation
+- :func:`agent.host.targets.process_state`: reads ``/proc/PID/stat`` of one process (psutil: creation
   time and state; ``os.stat("/proc/PID")`` when it is gone), a few hundred bytes the kernel formats
   from the task struct without taking the target's mmap lock, so a target stuck in the driver
   (state D) cannot hang the reader; the process watcher and the runtime poll it once a second per
   target. ``cmdline``, ``environ``, ``maps`` and fd reads take that lock or grow with the target,
   and scans over all pids grow with the host: those stay errors and run on worker threads.
-- :func:`agent.procinfo.last_pid` (``os.read``): ``/proc/loadavg``, ~40 bytes the kernel formats
+- :func:`agent.host.procinfo.last_pid` (``os.read``): ``/proc/loadavg``, ~40 bytes the kernel formats
   from two counters, four times a second: the servers' own py-spy runs are scanned for (a
   ``/proc`` listing on a worker thread) only when a process was created since the last scan.
 - :meth:`agent.watchers.steps.ShmStepSource.read_now` (``os.read``): ``ShmStepSource.read``
   reads an SDK step counter (64 bytes) on the loop only once the file was found on a memory
-  filesystem (:func:`agent.fsutil.memory_backed`, checked on a worker thread): a read of tmpfs
+  filesystem (:func:`agent.host.fsutil.memory_backed`, checked on a worker thread): a read of tmpfs
   pages, a few microseconds, against ~100 us of CPU for a worker-thread hop, several times a second
   per rank (a first reading, or one that needs ``/proc``, is taken on a worker thread).
-- :meth:`agent.lazy.LazyModule._load`: the first use of a lazily imported module imports it, once
+- :meth:`agent.model.lazy.LazyModule._load`: the first use of a lazily imported module imports it, once
   per process (``prometheus_client`` reads ``/proc/self/stat`` at import). Imports at the top of
   a function are not flagged at all (blockbuster allows importlib's own file reads).
-- :func:`agent.memory._glibc`: finding libc (``ctypes.util.find_library`` runs ``ldconfig -p``)
+- :func:`agent.host.memory._glibc`: finding libc (``ctypes.util.find_library`` runs ``ldconfig -p``)
   once per process, at the agent's start, on the loop thread on purpose: glibc's arena limit
   must be set before any thread (an anyio worker included) starts.
 """
@@ -62,10 +62,10 @@ _READS = (
 )
 #: Bounded blocking calls allowed on the loop: (file suffix, function names) -> wrapped calls.
 ALLOWED: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {
-    ("agent/lazy.py", frozenset({"_load"})): _READS,
-    ("agent/memory.py", frozenset({"_glibc"})): _READS,
-    ("agent/targets.py", frozenset({"process_state"})): ("io.BufferedReader.read", "os.stat"),
-    ("agent/procinfo.py", frozenset({"last_pid"})): ("os.read",),
+    ("agent/model/lazy.py", frozenset({"_load"})): _READS,
+    ("agent/host/memory.py", frozenset({"_glibc"})): _READS,
+    ("agent/host/targets.py", frozenset({"process_state"})): ("io.BufferedReader.read", "os.stat"),
+    ("agent/host/procinfo.py", frozenset({"last_pid"})): ("os.read",),
     ("agent/watchers/steps.py", frozenset({"read_now"})): ("os.read",),
 }
 

@@ -77,7 +77,7 @@ def _private_shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_sudo_user() -> Iterator[None]:
-    """The suite run through ``sudo`` trusts no extra uid's folders (agent.fsutil.trusted_uids):
+    """The suite run through ``sudo`` trusts no extra uid's folders (agent.host.fsutil.trusted_uids):
     the refusals the tests assert are the same however they were started."""
     previous = os.environ.pop("SUDO_UID", None)
     yield

@@ -1,7 +1,7 @@
 """The import graph of ``agent/`` and ``exporters/``, read from the source (AST), for the layer
 tests (tests/test_import_graph.py) and for measuring the layout (``python -m tests.importgraph``).
 
-A *unit* is a top-level entry of ``agent/`` or ``exporters/``: a module (``agent/runtime.py``) or
+A *unit* is a top-level entry of ``agent/`` or ``exporters/``: a module (``agent/runtime/agent.py``) or
 a folder counted as one (``agent/actors/``); a package's own ``__init__`` is the unit named after
 the package (``agent``, ``exporters``). Every import statement counts (top level, inside functions,
 under ``TYPE_CHECKING``): ``from a import b`` names the module ``a.b`` when ``b`` is a module, else
@@ -40,7 +40,7 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
 
 
 def _resolve(name: str, known: Mapping[str, Path]) -> str | None:
-    """The longest known module that ``name`` starts with (``agent.events.Outcome`` -> ``agent.events``)."""
+    """The longest known module that ``name`` starts with (``agent.model.events.Outcome`` -> ``agent.model.events``)."""
     parts = name.split(".")
     while parts:
         candidate = ".".join(parts)
@@ -81,7 +81,7 @@ def module_graph(root: Path = ROOT) -> dict[str, frozenset[str]]:
 
 
 def unit_of(module: str) -> str:
-    """``agent.actors.pyspy`` -> ``agent.actors``; ``agent.runtime`` -> itself; ``agent`` -> ``agent``."""
+    """``agent.actors.pyspy`` -> ``agent.actors``; ``agent.runtime.agent`` -> itself; ``agent`` -> ``agent``."""
     return ".".join(module.split(".")[:2])
 
 

@@ -36,7 +36,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from typing_extensions import Self
 
-from exporters.otlp_json import message_from_json, message_to_json
+from exporters.otlp.otlp_json import message_from_json, message_to_json
 from tests.tls_certs import TlsMaterial
 
 #: The collector's default gRPC receive limit (bytes); HTTP's is 20 MiB, we use the smaller here.

@@ -2,7 +2,7 @@
 (:func:`register`), as a newcomer adds one: nothing in ``agent/`` or ``exporters/`` names it.
 
 ``disk_space`` watches the free space of a folder (``os.statvfs``, the real file system) and
-publishes :class:`DiskSpaceLow`, a :class:`~agent.events.TriggerEvent` of its own (trigger
+publishes :class:`DiskSpaceLow`, a :class:`~agent.model.events.TriggerEvent` of its own (trigger
 ``disk_low``), when it falls under ``min_free_bytes``; the incident manager opens incidents for it
 as for any trigger (cooldown by trigger, every registered actor, bundle and spans). Its settings
 are its own table, ``[disk_space]`` (``SERVEWATCH_DISK_SPACE__*``). Used by
@@ -21,7 +21,7 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from pydantic import BaseModel, Field
 
-from agent.events import TriggerEvent
+from agent.model.events import TriggerEvent
 from agent.watchers import WATCHERS
 
 TRIGGER = "disk_low"
@@ -80,7 +80,7 @@ def register() -> None:
 
 if __name__ == "__main__":  # servewatch with the watcher registered: argv as the CLI's
     register()
-    from agent.cli import main
+    from agent.cli.app import main
 
     sys.argv = ["servewatch", *sys.argv[1:]]
     main()

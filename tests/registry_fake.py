@@ -22,7 +22,8 @@ from anyio import TASK_STATUS_IGNORED
 from pydantic import BaseModel, Field
 
 from agent.actors import ACTORS
-from agent.events import (
+from agent.host.targets import Target
+from agent.model.events import (
     ActionCompleted,
     ActionResult,
     Event,
@@ -32,7 +33,6 @@ from agent.events import (
     Outcome,
     now_ns,
 )
-from agent.targets import Target
 from agent.watchers import WATCHERS
 from exporters import EXPORTERS
 
@@ -147,7 +147,7 @@ def unregister() -> None:
 
 if __name__ == "__main__":  # servewatch with the fake components registered: argv as the CLI's
     register()
-    from agent.cli import main
+    from agent.cli.app import main
 
     sys.argv = ["servewatch", *sys.argv[1:]]
     main()

@@ -8,9 +8,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.config import load_settings
-from agent.incidents import IncidentRecord
-from agent.runtime import Agent
+from agent.incidents.manager import IncidentRecord
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.otlp_receiver import OtlpReceiver, otlp_receiver_fixture
 from tests.programs import fake_server
 
@@ -102,7 +102,7 @@ async def test_manual_incident_profiles_the_next_steps_and_links_requests_in_fli
     import select
     import subprocess
 
-    from agent.runtime import dump_once
+    from agent.runtime.agent import dump_once
     from tests.conftest import PROGRAMS_DIR
 
     shm = tmp_path / "shm"

@@ -1,4 +1,4 @@
-"""agent.agentfiles: which agents run on one data dir (presence files)."""
+"""agent.host.agentfiles: which agents run on one data dir (presence files)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.agentfiles import agents_dir, live_agents, register, unregister
+from agent.host.agentfiles import agents_dir, live_agents, register, unregister
 
 
 def test_register_names_the_live_agents_and_removes_what_killed_ones_left(tmp_path: Path, spawn) -> None:

@@ -1,7 +1,7 @@
 """The blocking-call check of async tests (tests/blocking.py) catches what it should and no more.
 
 Probes are compiled with a file name inside the ``agent`` package, so the checker sees them as
-agent code, exactly as it sees ``agent/runtime.py``.
+agent code, exactly as it sees ``agent/runtime/agent.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from blockbuster import BlockingError
 import agent
 
 PROBES = """
-from agent.targets import process_state
+from agent.host.targets import process_state
 
 async def read_on_the_loop(path):
     with open(path, "rb") as f:
@@ -76,7 +76,7 @@ async def test_a_test_calling_a_sync_agent_helper_itself_passes(probes: dict, da
 
 
 async def test_the_documented_allowance_process_state_passes(probes: dict) -> None:
-    from agent.targets import ProcessState
+    from agent.host.targets import ProcessState
 
     assert await probes["state_on_the_loop"](os.getpid()) is ProcessState.RUNNING
 

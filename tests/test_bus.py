@@ -7,8 +7,8 @@ import math
 import anyio
 import pytest
 
-from agent.bus import BusStatistics, EventBus, RecordingBus
-from agent.events import (
+from agent.model.bus import BusStatistics, EventBus, RecordingBus
+from agent.model.events import (
     HealthCheckFailed,
     IncidentClosed,
     IncidentOpened,

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import PROGRAMS_DIR
 
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -413,7 +413,7 @@ def assert_verdict_box_lines_hang(screen: str) -> int:
         inner.append(row.strip().removeprefix("│").removesuffix("│")[1:].rstrip())  # the border, its padding
     continued = 0
     i = 0
-    from agent.verdict import next_step_of
+    from agent.verdict.rules import next_step_of
 
     for n, line in enumerate([VERDICT_HEADLINE, f"next: {next_step_of(VERDICT)}", *VERDICT_EVIDENCE]):
         first = inner[i]
@@ -561,7 +561,7 @@ def test_demo_prints_the_incident_verdict_first_as_soon_as_it_is_captured(tmp_pa
     status = _cli(tmp_path, "status", "--json")
     incidents = json.loads(status.stdout)["incidents"]
     assert (incidents["open"], incidents["written"], incidents["last"]["trigger"]) == (None, 1, "stall"), incidents
-    from agent.cudaenv import cuda_driver_present
+    from agent.host.cudaenv import cuda_driver_present
 
     if not cuda_driver_present():  # a CPU-only host: one quiet line for the coredumps, no arming hint
         assert [ln for ln in lines if "cuda.coredump" in ln] == [
@@ -637,7 +637,7 @@ def test_demo_on_an_80_column_terminal_wraps_its_lines_at_words_with_a_hanging_i
     import struct
     import termios
 
-    from agent.cli import HANG_INDENT
+    from agent.cli.app import HANG_INDENT
 
     log = tmp_path / "pyspy.log"
     exe = tmp_path / "py-spy-hangs"
@@ -847,7 +847,7 @@ def test_api_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_replay_command_always_has_a_scheme() -> None:
-    from exporters.provider import Destination
+    from exporters.otlp.provider import Destination
 
     folder = Path("/d/spool")
     assert Destination("127.0.0.1:4317", "grpc").replay_command(folder) == "servewatch export --to http://127.0.0.1:4317 --protocol grpc /d/spool"
@@ -868,7 +868,7 @@ def test_cuda_env_counts_every_export_it_prints(tmp_path: Path) -> None:
 def test_plain_lines_asking_rich_not_to_wrap_are_still_wrapped_at_words_on_a_terminal(monkeypatch, capsys) -> None:
     """A plain line printed with rich's ``soft_wrap=True`` (the spool, --metrics-url and newer-dump
     lines) takes the CLI's own path: on a terminal broken at words, continuation rows hanging by 4."""
-    from agent import cli
+    from agent.cli import app as cli
 
     monkeypatch.setattr(cli, "_terminal_columns", lambda stream: 40)
     line = "servewatch: --metrics-url: no reading: connection refused at http://127.0.0.1:1/metrics (the verdict names it)"

@@ -322,7 +322,7 @@ def test_run_shows_each_blind_watcher_once(tmp_path: Path, spawn) -> None:
 def _options(command: str) -> set[str]:
     import typer
 
-    from agent.cli import app
+    from agent.cli.app import app
 
     group = typer.main.get_command(app)
     return {opt for p in group.commands[command].params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-")}

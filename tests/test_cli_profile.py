@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.profiletargets import BackendUnknownError, infer_backend
+from agent.host.profiletargets import BackendUnknownError, infer_backend
 from tests.conftest import PROGRAMS_DIR
 from tests.otlp_receiver import OtlpReceiver
 from tests.sdk._helpers import ProgramLauncher, read_line

@@ -81,10 +81,10 @@ def nobody_cli() -> Iterator[tuple[list[str], Path, Path]]:
         for exe in (sys.executable, shutil.which(version, path="/usr/bin:/usr/local/bin") or ""):
             if not exe:
                 continue
-            probe = subprocess.run([*AS_NOBODY, exe, "-c", "import typer, rich, anyio, psutil, pydantic, agent.cli"],
+            probe = subprocess.run([*AS_NOBODY, exe, "-c", "import typer, rich, anyio, psutil, pydantic, agent.cli.app"],
                                    env=env, capture_output=True, timeout=60, check=False, cwd="/tmp")
             if probe.returncode == 0:
-                yield [*AS_NOBODY, exe, "-m", "agent.entry"], code, bin_dir
+                yield [*AS_NOBODY, exe, "-m", "agent.cli.entry"], code, bin_dir
                 return
             tried.append(f"{exe}: {probe.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
         pytest.skip(f"no interpreter nobody can run imports this venv's packages ({'; '.join(tried)})")
@@ -222,7 +222,7 @@ def test_status_as_nobody_on_roots_data_dir_says_owned_by_root(
     try:
         data = parent / "data"
         env = {**os.environ, "SERVEWATCH_SHM_DIR": str(shm), "PYTHONPATH": str(REPO)}
-        root_run = subprocess.run([sys.executable, "-m", "agent.entry", "run", "--pid", str(pid), "--duration", "1",
+        root_run = subprocess.run([sys.executable, "-m", "agent.cli.entry", "run", "--pid", str(pid), "--duration", "1",
                                    "--data-dir", str(data)], env=env, cwd=tmp_path, capture_output=True, text=True,
                                   timeout=120, check=False)
         assert root_run.returncode == 0, root_run.stderr
@@ -297,7 +297,7 @@ def test_dump_of_roots_ranks_as_nobody_says_why_no_stack_in_the_verdict_and_no_g
     """Two ranks py-spy may not read (root's, TP0 and TP1): the summary's verdict line says why
     there is no stack; on a host without a GPU the coredump line is root's quiet ``none: no GPU``,
     not a ``permission_denied`` per rank."""
-    from agent.cudaenv import cuda_driver_present
+    from agent.host.cudaenv import cuda_driver_present
 
     pids = []
     for rank in (0, 1):

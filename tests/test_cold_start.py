@@ -30,7 +30,7 @@ HEAVY = (
 
 #: What `dump` to the embedded span files (no collector configured) must not import: the OTLP
 #: network senders, the metrics SDK and its encoders, the Prometheus parser, torch, ctypes (only the
-#: long-running agent trims its heap: agent.memory loads it at first use).
+#: long-running agent trims its heap: agent.host.memory loads it at first use).
 DUMP_HEAVY = (
     "grpc",
     "ctypes",
@@ -42,18 +42,18 @@ DUMP_HEAVY = (
     "opentelemetry.exporter.otlp.proto.http",
     "opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder",
     "opentelemetry.proto.collector.metrics",
-    "exporters.metrics_export",
+    "exporters.otlp.metrics_export",
 )
 
 #: What the read-only commands (`status`, `timeline`, `report`) must not import: the full settings
 #: model (every component's table: incidents, verdict, SDK client, pydantic-settings) and the
 #: export pipeline's destination checks. They need the data dir and the host name, nothing more
 #: (the protobuf span reader stays: `timeline` enriches the bundle from the span files).
-READ_ONLY_HEAVY = ("grpc", "torch", "httpx", "opentelemetry.sdk", "opentelemetry.exporter", "agent.config", "pydantic_settings", "agent.incidents", "agent.verdict", "agent.sdkclient",
-                   "agent.runtime", "agent.actors", "agent.fleet", "exporters.provider", "exporters.config")
+READ_ONLY_HEAVY = ("grpc", "torch", "httpx", "opentelemetry.sdk", "opentelemetry.exporter", "agent.runtime.settings", "pydantic_settings", "agent.incidents.manager", "agent.verdict.rules", "agent.host.sdkclient",
+                   "agent.runtime.agent", "agent.actors", "agent.fleet", "exporters.otlp.provider", "exporters.config")
 
 #: What the top-level `--help` must not import: the CLI module and typer are all it needs.
-HELP_HEAVY = (*HEAVY, "pydantic", "pydantic_settings", "anyio", "rich", "psutil", "opentelemetry", "agent.config", "agent.runtime", "exporters")
+HELP_HEAVY = (*HEAVY, "pydantic", "pydantic_settings", "anyio", "rich", "psutil", "opentelemetry", "agent.runtime.settings", "agent.runtime.agent", "exporters")
 
 # The probe runs the real entry point. Its report is written when the process ends whichever way
 # main() ends it: SystemExit, or os._exit (one-shot commands skip the interpreter's teardown).
@@ -72,7 +72,7 @@ def probe_exit(code):
     report(code)
     real_exit(code)
 os._exit = probe_exit
-from agent.entry import main
+from agent.cli.entry import main
 try:
     main()
 except SystemExit as exc:
@@ -93,7 +93,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def _modules_after(args: list[str], cwd: Path, heavy: tuple[str, ...] = HEAVY, names: tuple[str, ...] = ()) -> dict:
     """What the command ``args`` imported of ``heavy`` (module name prefixes) and ``names``
-    (exact module names: ``agent.manifest`` but not ``agent.manifest_view``)."""
+    (exact module names: ``agent.host.manifest`` but not ``agent.model.manifest_view``)."""
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(args), json.dumps(list(heavy)), json.dumps(list(names))],
         capture_output=True, text=True, timeout=120, cwd=cwd, check=False, env=_env(cwd), stdin=subprocess.DEVNULL,
@@ -137,9 +137,9 @@ def test_top_level_help_imports_only_the_cli(args: list[str], tmp_path: Path) ->
 def test_the_probe_sees_what_a_command_imports(tmp_path: Path) -> None:
     """The probe is not blind: `dump` does import its span pipeline and the settings."""
     got = _modules_after(["dump", "--pid", "2147483646", "--data-dir", str(tmp_path / "data")], tmp_path,
-                         ("pydantic_settings", "agent.config"))
+                         ("pydantic_settings", "agent.runtime.settings"))
     assert got["code"] == 1  # no such process
-    assert {"agent.config", "pydantic_settings"} <= set(got["heavy"])
+    assert {"agent.runtime.settings", "pydantic_settings"} <= set(got["heavy"])
 
 
 def test_dump_to_span_files_and_its_timeline_import_no_exporter_metrics_sdk_or_torch(spawn, tmp_path: Path) -> None:
@@ -148,9 +148,9 @@ def test_dump_to_span_files_and_its_timeline_import_no_exporter_metrics_sdk_or_t
     pid1 = _titled_target(spawn, "coldstart::scheduler_TP1")
     data = tmp_path / "data"
     got = _modules_after(["dump", "--pid", str(pid), "--pid", str(pid1), "--data-dir", str(data)], tmp_path,
-                         (*DUMP_HEAVY, "exporters.spans"))
+                         (*DUMP_HEAVY, "exporters.otlp.spans"))
     assert got["code"] == 0
-    assert got["heavy"] == ["exporters.spans"]  # it did build spans, through nothing heavier
+    assert got["heavy"] == ["exporters.otlp.spans"]  # it did build spans, through nothing heavier
     host_dir = next(data.iterdir())
     assert list((host_dir / "spans").glob("*.jsonl")), "the dump wrote no span file"
     assert not (host_dir / "metrics").exists()  # one-shot: no MeterProvider, no metrics files
@@ -158,10 +158,10 @@ def test_dump_to_span_files_and_its_timeline_import_no_exporter_metrics_sdk_or_t
     assert bundles, "no stack dump in the bundle"
 
     # reading that bundle back needs no span pipeline at all: no SDK tracer, no sender
-    reader_heavy = (*DUMP_HEAVY, "opentelemetry.sdk.trace", "exporters.transport", "exporters.processor", "exporters.timeline")
+    reader_heavy = (*DUMP_HEAVY, "opentelemetry.sdk.trace", "exporters.otlp.transport", "exporters.otlp.processor", "agent.views.timeline")
     got = _modules_after(["timeline", bundles[0].parent.name, "--data-dir", str(data)], tmp_path, reader_heavy)
     assert got["code"] == 0
-    assert got["heavy"] == ["exporters.timeline"]  # it did render the timeline
+    assert got["heavy"] == ["agent.views.timeline"]  # it did render the timeline
 
 
 def test_status_and_timeline_import_no_settings_model_and_no_component(tmp_path: Path) -> None:
@@ -186,8 +186,8 @@ def test_status_and_timeline_import_no_settings_model_and_no_component(tmp_path:
 
 def test_read_only_location_resolves_like_the_full_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The light path (no settings model) gives what the full settings give, or defers to them."""
-    from agent.config import load_settings
-    from agent.location import read_only_location
+    from agent.runtime.location import read_only_location
+    from agent.runtime.settings import load_settings
 
     for key in [k for k in os.environ if k.upper().startswith("SERVEWATCH_")]:
         monkeypatch.delenv(key)
@@ -239,7 +239,7 @@ def test_timeline_of_an_empty_data_dir_imports_no_export_pipeline(tmp_path: Path
     ],
 )
 def test_only_bounded_commands_skip_the_collector_and_teardown(args: list[str], one_shot: bool) -> None:
-    from agent.cli import _one_shot
+    from agent.cli.app import _one_shot
 
     assert _one_shot(args) is one_shot
 
@@ -247,7 +247,7 @@ def test_only_bounded_commands_skip_the_collector_and_teardown(args: list[str], 
 def test_in_process_callers_get_system_exit_not_a_process_exit(capsys: pytest.CaptureFixture[str]) -> None:
     import gc
 
-    from agent.cli import main
+    from agent.cli.app import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
@@ -258,13 +258,13 @@ def test_in_process_callers_get_system_exit_not_a_process_exit(capsys: pytest.Ca
 
 #: What no read-only command (`status`, `timeline`, `report`) imports: the event loop, the OTel
 #: SDK and its senders, the settings model, the agent's runtime, the
-#: event dataclasses (the names a bundle holds are agent.kinds').
+#: event dataclasses (the names a bundle holds are agent.model.kinds').
 READ_ONLY_NEVER = ("anyio", "sniffio", "opentelemetry.sdk", "opentelemetry.exporter", "grpc", "httpx", "torch",
-                   "pydantic_settings", "agent.config", "agent.runtime", "agent.actors", "agent.bus",
-                   "agent.sdk", "agent.events", "exporters.provider", "exporters.spans")
+                   "pydantic_settings", "agent.runtime.settings", "agent.runtime.agent", "agent.actors", "agent.model.bus",
+                   "agent.sdk", "agent.model.events", "exporters.otlp.provider", "exporters.otlp.spans")
 #: What no read-only command imports by its exact name: the manifest's pydantic model (a manifest
-#: as the agent writes it is read by agent.manifest_view; the model only sees any other).
-READ_ONLY_NEVER_NAMED = ("agent.manifest",)
+#: as the agent writes it is read by agent.model.manifest_view; the model only sees any other).
+READ_ONLY_NEVER_NAMED = ("agent.host.manifest",)
 #: What each needs even less: `status` reads one JSON file (no protobuf, no rich, no
 #: exporter); `report` writes HTML and `timeline --json` JSON (no rich); a drawn timeline no
 #: rich emoji table (its titles are Text, its console has no emoji codes).
@@ -304,22 +304,22 @@ def test_report_renders_the_template_compiled_ahead_and_a_bad_manifest_still_get
     data = tmp_path / "data"
     bundle = write_bundle(data)
     got = _modules_after(["report", "-o", str(tmp_path / "r.html"), "--data-dir", str(data)], tmp_path,
-                         ("_jinja2_module_templates_",), ("agent.manifest",))
+                         ("_jinja2_module_templates_",), ("agent.host.manifest",))
     assert got["code"] == 0
     import jinja2
 
-    from exporters import report
+    from agent.views import report
 
     # jinja2.ModuleLoader's package module (it drops the template's own module once loaded), unless
     # this jinja2 is not the one the template was compiled by (then the source is compiled)
     current = report._COMPILED_STAMP.read_text(encoding="utf-8") == report._stamp(jinja2)
     assert bool([m for m in got["heavy"] if m.startswith("_jinja2_module_templates_")]) is current, got["heavy"]
-    assert "agent.manifest" not in got["heavy"]
+    assert "agent.host.manifest" not in got["heavy"]
 
     manifest = bundle.bundle_dir / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"opened_time_unix_nano"', '"opened_time"', 1))
     for args in (["report", "-o", str(tmp_path / "bad.html")], ["timeline"]):
-        proc = subprocess.run([sys.executable, "-m", "agent.cli", *args, "--data-dir", str(data)], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "agent.cli.app", *args, "--data-dir", str(data)], capture_output=True,
                               text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False)
         assert proc.returncode == 1, (args, proc.stderr)
         assert proc.stderr.strip().splitlines() == [

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from agent.config import ConfigError, Settings, load_settings
+from agent.runtime.settings import ConfigError, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +118,7 @@ def test_hard_targets_and_flight_recorder_settings(monkeypatch: pytest.MonkeyPat
 
 
 def test_env_names_cover_every_setting_and_its_table() -> None:
-    from agent.config import env_names
+    from agent.runtime.settings import env_names
 
     names = env_names()
     assert names["SERVEWATCH_DATA_DIR"] == "data_dir"
@@ -132,7 +132,7 @@ def test_env_names_cover_every_setting_and_its_table() -> None:
 
 
 def test_unknown_servewatch_variables_are_named_with_the_closest_valid_name() -> None:
-    from agent.config import unknown_env_warnings
+    from agent.runtime.settings import unknown_env_warnings
 
     env = {
         "SERVEWATCH_HEALTH__URLL": "http://x/health",  # typo of a setting
@@ -165,17 +165,17 @@ SETTINGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
 
 def test_settings_doc_is_the_generated_reference() -> None:
-    from agent.config import settings_reference
+    from agent.runtime.settings import settings_reference
 
     text = SETTINGS_DOC.read_text(encoding="utf-8")
     start, end = "<!-- settings-reference:start -->\n", "<!-- settings-reference:end -->"
     assert start in text and end in text
     block = text.split(start, 1)[1].split(end, 1)[0]
-    assert block == settings_reference(), "docs/settings.md is stale: paste `python -m agent.config --reference` between the markers"
+    assert block == settings_reference(), "docs/settings.md is stale: paste `python -m agent.runtime.settings --reference` between the markers"
 
 
 def test_settings_doc_names_every_setting_and_its_environment_variable() -> None:
-    from agent.config import env_names
+    from agent.runtime.settings import env_names
 
     text = SETTINGS_DOC.read_text(encoding="utf-8")
     tables = {dotted.rpartition(".")[0] for dotted in env_names().values()}

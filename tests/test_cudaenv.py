@@ -1,4 +1,4 @@
-"""agent.cudaenv: the one plan of a GPU server's diagnostic environment, shared by
+"""agent.host.cudaenv: the one plan of a GPU server's diagnostic environment, shared by
 ``servewatch launch``, ``servewatch cuda-env`` and the coredump actor."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent import cudaenv
 from agent.actors.coredump import CoredumpConfig, core_file_templates
 from agent.actors.coredump_target import TargetEnv, read_launch_record, record_launch
-from agent.cudaenv import (
+from agent.cli.launch import launch_env
+from agent.host import cudaenv
+from agent.host.cudaenv import (
     COREDUMP_VARIABLES,
     FR_BUFFER_ENV,
     check_dump_dir,
@@ -20,7 +21,6 @@ from agent.cudaenv import (
     flight_recorder_env,
     format_exports,
 )
-from agent.launch import launch_env
 
 
 def test_env_sets_sglang_defaults_and_creates_host_dir(tmp_path: Path) -> None:
@@ -125,7 +125,7 @@ def test_flight_recorder_keeps_the_users_value() -> None:
 def test_cuda_env_prints_the_plan(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "SPT_", "TORCH_FR", "SERVEWATCH_"))}
     env["SERVEWATCH_DATA_DIR"] = str(tmp_path / "data")
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "cuda-env", "--folder", str(tmp_path / "crash")],
+    r = subprocess.run([sys.executable, "-m", "agent.cli.app", "cuda-env", "--folder", str(tmp_path / "crash")],
                        env=env, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     plan = cuda_coredump_env(tmp_path / "crash", env, create=False)

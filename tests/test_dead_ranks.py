@@ -14,9 +14,9 @@ from pathlib import Path
 
 import psutil
 
-import agent.evidence as evidence_mod
-from agent.config import load_settings
-from agent.runtime import Agent
+import agent.incidents.evidence as evidence_mod
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.test_targeting import CLI, cli_env, manifests, start_tree
 
 

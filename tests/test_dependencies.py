@@ -6,7 +6,7 @@ benches (``tests/``, ``bench/``) may import those plus the ``test`` extra. CI in
 pyproject.toml names, so an undeclared import works on a developer machine and fails elsewhere.
 
 Imports are read from the AST (top level and inside functions), plus the ``LazyModule("name")``
-stand-ins of :mod:`agent.lazy`. A module is mapped to the distribution(s) that install it with
+stand-ins of :mod:`agent.model.lazy`. A module is mapped to the distribution(s) that install it with
 :func:`importlib.metadata.packages_distributions`, narrowed by file path for namespace packages
 (``google.protobuf`` is protobuf's, ``opentelemetry.sdk`` is opentelemetry-sdk's).
 """

@@ -20,8 +20,8 @@ import pytest
 
 from agent import early
 from agent.actors.pyspy import PySpyActor, PySpyConfig
-from agent.events import IncidentOpened, Outcome, Trigger
-from agent.targets import Target, target_of
+from agent.host.targets import Target, target_of
+from agent.model.events import IncidentOpened, Outcome, Trigger
 from tests.conftest import PROGRAMS_DIR
 from tests.spanfiles import file_spans
 
@@ -163,7 +163,7 @@ def test_servewatch_dump_by_pid_starts_py_spy_before_its_imports(spawn, tmp_path
     env.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), SERVEWATCH_COREDUMP__ENABLED="false")
     for data, extra, expected in (("a", {}, True), ("b", {"SERVEWATCH_PYSPY__TIMEOUT_S": "20"}, None)):
         r = subprocess.run(
-            [sys.executable, "-m", "agent.entry", "dump", "--pid", str(pid), "--data-dir", data],
+            [sys.executable, "-m", "agent.cli.entry", "dump", "--pid", str(pid), "--data-dir", data],
             capture_output=True, text=True, timeout=110, cwd=tmp_path, env={**env, **extra}, stdin=subprocess.DEVNULL, check=False,
         )
         assert r.returncode == 0, r.stderr
@@ -188,7 +188,7 @@ def _no_pyspy_left(pid: int) -> bool:
     return True
 
 
-#: Run by the console entry (agent.entry.main) with early.start replaced: what is imported when
+#: Run by the console entry (agent.cli.entry.main) with early.start replaced: what is imported when
 #: the early py-spy runs start, and the pids they would dump.
 _AT_START_PROBE = """
 import json, sys
@@ -198,7 +198,7 @@ def start(args, exe=None):
     raise SystemExit(0)
 early.start = start
 sys.argv = ["servewatch", *json.loads(sys.argv[1])]
-from agent.entry import main
+from agent.cli.entry import main
 main()
 """
 
@@ -211,7 +211,7 @@ _AFTER_EARLY = ("typer", "click", "rich", "pydantic", "pydantic_core", "pydantic
 
 def test_the_console_entry_starts_py_spy_before_any_import_but_the_standard_library(tmp_path: Path) -> None:
     """A dump's py-spy runs (a torch target: ~0.1 s of symbol reading) start while the
-    interpreter has loaded the standard library, agent.entry and agent.early only: everything
+    interpreter has loaded the standard library, agent.cli.entry and agent.early only: everything
     servewatch itself imports (~0.3 CPU-second) overlaps them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     r = subprocess.run(
@@ -222,5 +222,5 @@ def test_the_console_entry_starts_py_spy_before_any_import_but_the_standard_libr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["pids"] == [2147483646]  # the probe saw the real start, for a dump it starts
     ours = sorted(m for m in got["modules"] if m == "agent" or m.startswith(("agent.", "exporters")))
-    assert ours == ["agent", "agent.early", "agent.entry"]
+    assert ours == ["agent", "agent.early", "agent.cli.entry"]
     assert [m for m in got["modules"] if m.split(".")[0] in _AFTER_EARLY] == []

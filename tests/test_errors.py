@@ -17,7 +17,7 @@ from agent import errors
 from agent.errors import LaunchError, ServewatchError, UsageError, one_line
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 _TREE_LINE = re.compile(r"^(?P<indent>[ │├└─]*)(?P<name>[A-Z][A-Za-z]+)\b")
 
 
@@ -73,23 +73,23 @@ def test_public_exceptions_are_defined_in_one_module() -> None:
 @pytest.mark.parametrize(
     ("module", "name"),
     [
-        ("agent.config", "ConfigError"),
-        ("exporters.provider", "ExportConfigError"),
+        ("agent.runtime.settings", "ConfigError"),
+        ("exporters.otlp.provider", "ExportConfigError"),
         ("agent.fleet.config", "TokenFileError"),
-        ("agent.launch", "LaunchError"),
-        ("agent.manifest", "ManifestError"),
-        ("exporters.bundle", "BundleError"),
-        ("exporters.bundle", "BundleNotFoundError"),
-        ("exporters.bundle", "BundleCorruptError"),
+        ("agent.cli.launch", "LaunchError"),
+        ("agent.host.manifest", "ManifestError"),
+        ("agent.views.bundle", "BundleError"),
+        ("agent.views.bundle", "BundleNotFoundError"),
+        ("agent.views.bundle", "BundleCorruptError"),
         ("agent.fleet.traceparent", "TraceParentError"),
-        ("agent.sdkclient", "SdkCallError"),
+        ("agent.host.sdkclient", "SdkCallError"),
         ("agent.fleet.client", "PeerRequestError"),
         ("agent.sdk.profiler", "ProfilerBusyError"),
         ("agent.sdk.ring", "RingError"),
         ("agent.demo.client", "DemoServerError"),
         ("agent.demo.server", "StartupError"),
-        ("agent.registry", "UnknownComponentError"),
-        ("agent.profiletargets", "BackendUnknownError"),
+        ("agent.host.registry", "UnknownComponentError"),
+        ("agent.host.profiletargets", "BackendUnknownError"),
     ],
 )
 def test_the_raising_modules_re_export_the_tree_s_classes(module: str, name: str) -> None:

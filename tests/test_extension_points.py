@@ -16,10 +16,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.config import env_names, load_settings, registries
-from agent.events import Action, TriggerEvent
-from agent.incidents import IncidentRecord
-from agent.runtime import Agent
+from agent.incidents.manager import IncidentRecord
+from agent.model.events import Action, TriggerEvent
+from agent.runtime.agent import Agent
+from agent.runtime.settings import env_names, load_settings, registries
 from tests import plugin_disk, registry_fake
 from tests.conftest import PROGRAMS_DIR
 
@@ -99,7 +99,7 @@ async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher
     # reading the bundle back knows nothing of the trigger either: a plain string
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SERVEWATCH_"))}
     r = await anyio.run_process(
-        [sys.executable, "-m", "agent.entry", "timeline", "latest", "--data-dir", str(tmp_path / "data")],
+        [sys.executable, "-m", "agent.cli.entry", "timeline", "latest", "--data-dir", str(tmp_path / "data")],
         cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, check=False,
     )
     out = r.stdout.decode()

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.events import ExitKind, ExitSource
-from agent.summary import summary_lines
-from exporters.bundle import load_incident
-from exporters.report import render_report_html, report_summary
-from exporters.timeline import render_timeline_text
+from agent.cli.summary import summary_lines
+from agent.model.events import ExitKind, ExitSource
+from agent.views.bundle import load_incident
+from agent.views.report import render_report_html, report_summary
+from agent.views.timeline import render_timeline_text
 from tests.programs.fault_matrix import EXPECTED, RAY_SECRET, SHAPES, pp_two_nodes, run_case
 from tests.programs.lifecycle_cases import LIFECYCLE_EXPECTED, run_lifecycle_case
 

@@ -1,4 +1,4 @@
-"""agent.fsutil: atomic, symlink-safe, private writes."""
+"""agent.host.fsutil: atomic, symlink-safe, private writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import fsutil
+from agent.host import fsutil
 
 
 def test_atomic_write_replaces_whole_file_with_0600(tmp_path):
@@ -104,7 +104,7 @@ def test_memory_backed_sees_a_tmpfs_mounted_over_a_disk_folder(tmp_path):
     mounted.mkdir()
     sibling.mkdir()
     code = (
-        "import sys; from agent.fsutil import memory_backed; "
+        "import sys; from agent.host.fsutil import memory_backed; "
         "print(memory_backed(sys.argv[1]), memory_backed(sys.argv[1] + '/servewatch-steps.1'), memory_backed(sys.argv[2]))"
     )
     script = f'mount -t tmpfs -o size=1m servewatch-test "$1" && exec "{sys.executable}" -c "$0" "$1" "$2"'

@@ -17,12 +17,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.bus import RecordingBus
-from agent.config import load_settings
 from agent.demo import TORCH_MISSING_MESSAGE, torch_available
 from agent.demo.client import DemoServer
-from agent.incidents import IncidentRecord
-from agent.runtime import Agent
+from agent.incidents.manager import IncidentRecord
+from agent.model.bus import RecordingBus
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.demo.hang import hang_a_watched_rank
 
 pytestmark = pytest.mark.skipif(not torch_available(), reason=TORCH_MISSING_MESSAGE)
@@ -76,7 +76,7 @@ def test_sigterm_to_launch_opens_no_incident_for_any_rank_of_the_tree(tmp_path: 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     env["SERVEWATCH_SHM_DIR"] = str(tmp_path / "shm")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "launch", "--match", "demo::scheduler*", "--data-dir", "data",
+        [sys.executable, "-m", "agent.cli.app", "launch", "--match", "demo::scheduler*", "--data-dir", "data",
          "--health-url", f"http://127.0.0.1:{port}/health", "--",
          sys.executable, "-m", "agent.demo.server", "--tp", "2", "--port", str(port), "--ready-file", str(ready)],
         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -116,8 +116,8 @@ def test_sigterm_to_launch_opens_no_incident_for_any_rank_of_the_tree(tmp_path: 
 def test_knock_on_window_ends_after_its_grace_and_is_configurable(tmp_path: Path) -> None:
     import time as _time
 
-    from agent.events import TargetExited
-    from agent.incidents import IncidentConfig, IncidentManager
+    from agent.incidents.manager import IncidentConfig, IncidentManager
+    from agent.model.events import TargetExited
 
     def manager(**config: object) -> IncidentManager:
         return IncidentManager(bus=RecordingBus(), config=IncidentConfig(**config), data_dir=tmp_path,

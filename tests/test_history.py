@@ -1,12 +1,12 @@
-"""agent.history: the server's recent history kept from the bus, as incidents record it."""
+"""agent.incidents.history: the server's recent history kept from the bus, as incidents record it."""
 
 from __future__ import annotations
 
 import anyio
 
-from agent.bus import EventBus
-from agent.events import HealthCheckFailed, StepsAdvanced, TargetExited, WatchdogStalled
-from agent.history import HistoryPoint, ProgressHistory, points_of
+from agent.incidents.history import HistoryPoint, ProgressHistory, points_of
+from agent.model.bus import EventBus
+from agent.model.events import HealthCheckFailed, StepsAdvanced, TargetExited, WatchdogStalled
 
 S = 1_000_000_000  # ns per second
 T0 = 1_800_000_000 * S

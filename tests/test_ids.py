@@ -1,11 +1,11 @@
-"""agent.ids: trace/span ids as the events carry them (hex) and as spans need them (ints)."""
+"""agent.model.ids: trace/span ids as the events carry them (hex) and as spans need them (ints)."""
 
 from __future__ import annotations
 
 import pytest
 from opentelemetry import trace as trace_api
 
-from agent.ids import (
+from agent.model.ids import (
     new_span_id,
     new_span_id_hex,
     new_trace_id,

@@ -1,8 +1,8 @@
 """The server is the incident's unit: the key is ``(server, trigger)`` (cooldown, dedup and
 suppression per server), two servers' faults are two incidents run at once, one server's run one
 after the other, and each incident's targets are its own server's (the runtime's ``discover_for``
-gets the server). Real :class:`~agent.incidents.IncidentManager` on a recording bus; the phases are
-timed fakes (the documented :data:`~agent.incidents.Phase` boundary)."""
+gets the server). Real :class:`~agent.incidents.manager.IncidentManager` on a recording bus; the phases are
+timed fakes (the documented :data:`~agent.incidents.manager.Phase` boundary)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from pathlib import Path
 import anyio
 import psutil
 
-from agent.bus import RecordingBus
-from agent.events import (
+from agent.host.targets import Target
+from agent.incidents.manager import IncidentConfig, IncidentManager
+from agent.model.bus import RecordingBus
+from agent.model.events import (
     ActionResult,
     HealthCheckFailed,
     IncidentOpened,
@@ -25,8 +27,6 @@ from agent.events import (
     WatchdogStalled,
     now_ns,
 )
-from agent.incidents import IncidentConfig, IncidentManager
-from agent.targets import Target
 
 #: two servers on one host, identical titles: server 1000's ranks 101, 102; server 2000's 201, 202
 SERVERS = {101: 1000, 102: 1000, 201: 2000, 202: 2000}
@@ -194,8 +194,8 @@ def test_a_servers_processes_and_its_root_are_one_server_and_another_tree_is_ano
     one server takes that server's live targets only."""
     import uuid
 
-    from agent.evidence import TargetFinder
-    from agent.targets import TargetConfig
+    from agent.host.targets import TargetConfig
+    from agent.incidents.evidence import TargetFinder
     from tests.test_targeting import start_tree
 
     tag = uuid.uuid4().hex[:8]
@@ -224,8 +224,8 @@ def test_a_port_nothing_listens_on_any_more_is_still_its_last_servers(tmp_path: 
     import sys
     import uuid
 
-    from agent.evidence import TargetFinder
-    from agent.targets import TargetConfig
+    from agent.host.targets import TargetConfig
+    from agent.incidents.evidence import TargetFinder
 
     tag = uuid.uuid4().hex[:8]
     frontend = subprocess.Popen([sys.executable, "-c", f"""

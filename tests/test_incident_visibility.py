@@ -18,9 +18,15 @@ import anyio
 import pytest
 
 from agent.actors import act_all
-from agent.bus import RecordingBus
-from agent.config import load_settings
-from agent.events import (
+from agent.host.targets import Target
+from agent.incidents.manager import (
+    IncidentConfig,
+    IncidentManager,
+    IncidentRecord,
+    recover_interrupted,
+)
+from agent.model.bus import RecordingBus
+from agent.model.events import (
     ActionResult,
     IncidentClosed,
     IncidentOpened,
@@ -30,15 +36,14 @@ from agent.events import (
     TargetExited,
     now_ns,
 )
-from agent.incidents import IncidentConfig, IncidentManager, IncidentRecord, recover_interrupted
-from agent.progress import ActionSink
-from agent.runtime import Agent
-from agent.targets import Target
+from agent.model.progress import ActionSink
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.conftest import PROGRAMS_DIR
 from tests.programs import fake_server
 from tests.watchers import wait_until
 
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 FAKE_PYSPY = str(PROGRAMS_DIR / "fake_pyspy.py")
 
 
@@ -332,7 +337,7 @@ def test_launch_exit_zero_is_no_incident(tmp_path: Path) -> None:
 
 async def test_a_manual_incident_on_a_stalled_server_ends_its_profile_at_once(tmp_path: Path, spawn) -> None:
     """Any trigger: the SDK counter says busy with no step for the watchdog timeout -> no wait."""
-    from agent.runtime import dump_once
+    from agent.runtime.agent import dump_once
     from agent.watchers.steps import ShmStepSource
 
     server = fake_server.start(spawn, "--title", "sglang::scheduler_TP0", "--freeze-after-steps", "5")

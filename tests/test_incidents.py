@@ -11,8 +11,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.bus import RecordingBus
-from agent.events import (
+from agent.cli.summary import summary_lines
+from agent.host.targets import Target
+from agent.incidents.manager import IncidentConfig, IncidentManager, InflightRequest
+from agent.model.bus import RecordingBus
+from agent.model.events import (
     ActionResult,
     CoredumpTriggered,
     HealthCheckFailed,
@@ -24,9 +27,6 @@ from agent.events import (
     WatchdogStalled,
     now_ns,
 )
-from agent.incidents import IncidentConfig, IncidentManager, InflightRequest
-from agent.summary import summary_lines
-from agent.targets import Target
 
 
 def _targets(*pids: int) -> list[Target]:
@@ -160,7 +160,7 @@ async def test_failing_and_hanging_phases_become_outcomes(tmp_path: Path) -> Non
 async def test_phase_time_limit_keeps_finished_results_and_times_out_only_the_rest(tmp_path: Path) -> None:
     """A real actor over real act_all: pid 101's action finishes, 102's hangs past the phase limit."""
     from agent.actors import act_all
-    from agent.events import ActionResult, now_ns
+    from agent.model.events import ActionResult, now_ns
 
     class HalfHung:
         name = "half"
@@ -262,7 +262,7 @@ class _FixedJudge:
         return {}
 
     async def decide(self, targets, results, cause, steps_before):
-        from agent.verdict import Verdict
+        from agent.verdict.rules import Verdict
 
         named = (self.culprit_pid,) if self.culprit_pid else ()
         return Verdict(kind="behind" if named else "progressing", hung=self.hung, culprit_ranks=(1,) if named else (),
@@ -460,7 +460,7 @@ async def test_a_placement_cut_at_its_bound_is_said_in_a_log_line_and_on_the_inc
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Naming the job's trace must never be a silent gate: cut at its bound, the incident opens
     in its own trace, says so (one log line, a root attribute) and captures every target."""
-    from agent.incidents import PLACEMENT_ATTRIBUTE
+    from agent.incidents.manager import PLACEMENT_ATTRIBUTE
 
     bus, tl = RecordingBus(), Timeline()
     mgr = _manager(tmp_path, bus, tl, config=IncidentConfig(cooldown_s=60, phase_timeout_s=0.5))
@@ -485,7 +485,7 @@ async def test_two_manifest_writes_of_one_record_land_in_the_order_their_snapsho
     once, the older snapshot's rename landed last and the manifest lost the newer line."""
     import time as _time
 
-    from agent import incidents
+    from agent.incidents import manager as incidents
 
     bus, tl = RecordingBus(), Timeline()
     mgr = _manager(tmp_path, bus, tl)

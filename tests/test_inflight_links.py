@@ -15,11 +15,11 @@ import httpx
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
-from agent.config import load_settings
 from agent.demo import TORCH_MISSING_MESSAGE, torch_available
 from agent.demo.client import DemoServer, agenerate, ainject_hang
-from agent.incidents import IncidentRecord
-from agent.runtime import Agent
+from agent.incidents.manager import IncidentRecord
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, attrs_dict, otlp_receiver_fixture
 
 pytestmark = pytest.mark.skipif(not torch_available(), reason=TORCH_MISSING_MESSAGE)

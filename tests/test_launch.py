@@ -16,11 +16,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent import launch
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
-from agent.events import IncidentOpened, Outcome
-from agent.launch import LaunchError, describe_env, exit_status, launch_env, run_launched
-from agent.targets import Target
+from agent.cli import launch
+from agent.cli.launch import LaunchError, describe_env, exit_status, launch_env, run_launched
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
 from tests.conftest import PROGRAMS_DIR
 
 HANG_GUARD_S = 60
@@ -132,7 +132,7 @@ async def test_agent_failure_leaves_server_running(
     async def agent_main(pid: int) -> None:
         raise RuntimeError("agent bug")
 
-    with caplog.at_level(logging.ERROR, logger="agent.launch"), anyio.fail_after(HANG_GUARD_S):
+    with caplog.at_level(logging.ERROR, logger="agent.cli.launch"), anyio.fail_after(HANG_GUARD_S):
         status = await run_launched([python, "-c", script], env=base_env(), agent_main=agent_main)
     assert status == 7
     assert ready.read_text() == "done"

@@ -2,7 +2,7 @@
 function-level and TYPE_CHECKING imports, ``from pkg import module`` and relative imports):
 watchers and actors never import each other; exporters never import an actor; no component
 imports the orchestration (runtime, incidents, config, cli, judge, summary); incidents import no
-exporter (ids come from agent.ids); the pure models import no component; the SDK imports only
+exporter (ids come from agent.model.ids); the pure models import no component; the SDK imports only
 itself and the error tree; nothing outside the SDK reaches into a private ``agent.sdk._*`` module."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _imports(path: Path, root: Path = ROOT) -> set[str]:
     """Every module named by an import statement in ``path`` (top level, inside functions or
     under ``TYPE_CHECKING``): ``import a.b``, ``from a.b import c`` (``a.b`` and ``a.b.c``: ``c``
-    may be a submodule, as in ``from agent import incidents``), relative imports resolved."""
+    may be a submodule, as in ``from agent.incidents import manager as incidents``), relative imports resolved."""
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1]) if path.is_relative_to(root) else ""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -49,7 +49,7 @@ def _offenders(folder: str, forbidden: tuple[str, ...], root: Path = ROOT) -> di
 
 #: The orchestration layer (runtime wires components, incidents decides, config/cli read settings):
 #: no component, model or exporter imports it.
-_ORCHESTRATION = ("agent.runtime", "agent.incidents", "agent.config", "agent.cli", "agent.judge", "agent.summary")
+_ORCHESTRATION = ("agent.runtime.agent", "agent.incidents.manager", "agent.runtime.settings", "agent.cli.app", "agent.verdict.judge", "agent.cli.summary")
 #: Components: watchers publish, actors act, exporters mirror; none imports another kind.
 _WATCHERS, _ACTORS, _EXPORTERS = ("agent.watchers",), ("agent.actors",), ("exporters",)
 #: The SDK's private modules; their public faces are agent.sdk.counter, .ring, .control, .flightrec.
@@ -73,44 +73,44 @@ def _agent_modules_but(*allowed: str) -> tuple[str, ...]:
         ("exporters", _ACTORS + _WATCHERS + _ORCHESTRATION + _SDK_PRIVATE),
         ("agent/fleet", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
         # pure models: import no component
-        ("agent/stacks.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/verdict.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/flightrec_view.py", ("agent.", "exporters")),
-        ("agent/servers.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/manifest.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/model/stacks.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/verdict/rules.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/verdict/flightrec.py", ("agent.", "exporters")),
+        ("agent/verdict/servers.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/host/manifest.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
         # the manifest read back by timeline/report without pydantic: the names only
-        ("agent/manifest_view.py", (*_agent_modules_but("agent.kinds"), "exporters")),
-        # the events and the names they carry (agent.kinds, split so a bundle's reader needs no dataclass)
-        ("agent/events.py", (*_agent_modules_but("agent.kinds"), "exporters")),
-        ("agent/kinds.py", ("agent.", "exporters")),
-        ("agent/ids.py", ("agent.", "exporters")),
-        ("agent/cudaenv.py", ("agent.", "exporters")),
+        ("agent/model/manifest_view.py", (*_agent_modules_but("agent.model.kinds"), "exporters")),
+        # the events and the names they carry (agent.model.kinds, split so a bundle's reader needs no dataclass)
+        ("agent/model/events.py", (*_agent_modules_but("agent.model.kinds"), "exporters")),
+        ("agent/model/kinds.py", ("agent.", "exporters")),
+        ("agent/model/ids.py", ("agent.", "exporters")),
+        ("agent/host/cudaenv.py", ("agent.", "exporters")),
         # early py-spy runs start before every other import: the standard library only
         ("agent/early.py", ("agent.", "exporters")),
         ("agent/errors.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + ("agent.sdk",)),
         # the SDK runs inside the server: never the agent side (see also the test below)
         ("agent/sdk", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
         # the SDK client serves actors and incidents alike, so it imports neither
-        ("agent/sdkclient.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
-        # incidents pick ids with agent.ids and read requests with agent.sdkclient: no exporter, no actor
-        ("agent/incidents.py", _ACTORS + _WATCHERS + _EXPORTERS + _SDK_PRIVATE),
+        ("agent/host/sdkclient.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
+        # incidents pick ids with agent.model.ids and read requests with agent.host.sdkclient: no exporter, no actor
+        ("agent/incidents/manager.py", _ACTORS + _WATCHERS + _EXPORTERS + _SDK_PRIVATE),
         # the judge reads the SDK's public counter, the stack model and ranks: no actor
-        ("agent/judge.py", _ACTORS + _WATCHERS + _EXPORTERS + _SDK_PRIVATE),
-        # launch plans the CUDA environment through agent.cudaenv, not an actor
-        ("agent/launch.py", _ACTORS + _WATCHERS + _EXPORTERS),
+        ("agent/verdict/judge.py", _ACTORS + _WATCHERS + _EXPORTERS + _SDK_PRIVATE),
+        # launch plans the CUDA environment through agent.host.cudaenv, not an actor
+        ("agent/cli/launch.py", _ACTORS + _WATCHERS + _EXPORTERS),
         # the incidents' policies and the stall rule: no component, no orchestration (issue 28)
-        ("agent/stall.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/exitpolicy.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/lifecycle.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/evidence.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/progress.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/backoff.py", ("agent.", "exporters")),
-        ("agent/registry.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/host/stall.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/incidents/admission.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/incidents/lifecycle.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/incidents/evidence.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/model/progress.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/model/backoff.py", ("agent.", "exporters")),
+        ("agent/host/registry.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
         # the runtime's helpers: supervision and its own status rows, never an actor
-        ("agent/supervision.py", _ACTORS + _EXPORTERS + _ORCHESTRATION),
-        ("agent/runstatus.py", _ACTORS + _ORCHESTRATION),
-        ("agent/runtime.py", _SDK_PRIVATE),
-        ("agent/cli.py", _SDK_PRIVATE),
+        ("agent/runtime/supervision.py", _ACTORS + _EXPORTERS + _ORCHESTRATION),
+        ("agent/runtime/runstatus.py", _ACTORS + _ORCHESTRATION),
+        ("agent/runtime/agent.py", _SDK_PRIVATE),
+        ("agent/cli/app.py", _SDK_PRIVATE),
     ],
 )
 def test_layers_import_one_way(folder: str, forbidden: tuple[str, ...]) -> None:
@@ -125,7 +125,7 @@ def test_the_sdk_imports_only_itself_and_the_error_tree() -> None:
 
 
 def test_the_error_tree_loads_no_other_agent_module() -> None:
-    # agent.events is named for type checking only: importing agent.errors runs the stdlib alone
+    # agent.model.events is named for type checking only: importing agent.errors runs the stdlib alone
     code = "import sys, agent.errors; print(sorted(m for m in sys.modules if m.startswith(('agent', 'exporters'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "['agent', 'agent.errors']"
@@ -141,7 +141,7 @@ def test_the_checker_sees_submodules_named_by_from_imports_and_relative_imports(
     probe = tmp_path / "agent" / "watchers" / "probe.py"
     probe.parent.mkdir(parents=True)
     probe.write_text("from agent import incidents\nfrom ..actors import pyspy\nfrom . import health\n")
-    assert {"agent.incidents", "agent.actors.pyspy", "agent.watchers.health"} <= _imports(probe, tmp_path)
+    assert {"agent.incidents.manager", "agent.actors.pyspy", "agent.watchers.health"} <= _imports(probe, tmp_path)
     assert _offenders("agent/watchers", _ACTORS + _ORCHESTRATION, tmp_path) == {
-        "agent/watchers/probe.py": ["agent.actors", "agent.actors.pyspy", "agent.incidents"]
+        "agent/watchers/probe.py": ["agent.actors", "agent.actors.pyspy", "agent.incidents.manager"]
     }

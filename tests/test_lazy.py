@@ -1,4 +1,4 @@
-"""agent.lazy.mark_absent: a module that is not installed is recorded absent once, so a library
+"""agent.model.lazy.mark_absent: a module that is not installed is recorded absent once, so a library
 that asks for it at every call (httpcore's ``import sniffio``) gets its ImportError without a
 ``sys.path`` search; an installed module is left alone."""
 
@@ -13,7 +13,7 @@ def test_an_absent_module_is_marked_and_still_fails_to_import_and_a_present_one_
     code = textwrap.dedent(
         """
         import importlib.util, sys
-        from agent.lazy import mark_absent
+        from agent.model.lazy import mark_absent
         assert mark_absent(("servewatch_no_such_module", "json")) == ["servewatch_no_such_module"]
         assert sys.modules["servewatch_no_such_module"] is None
         assert importlib.util.find_spec("servewatch_no_such_module") is None
@@ -34,7 +34,7 @@ def test_an_absent_module_is_marked_and_still_fails_to_import_and_a_present_one_
 def test_a_lazy_pattern_compiles_at_first_use_and_is_the_pattern() -> None:
     import re
 
-    from agent.lazy import LazyPattern, lazy_pattern
+    from agent.model.lazy import LazyPattern, lazy_pattern
 
     pattern = lazy_pattern(r"a(?P<b>b+)", re.IGNORECASE)
     assert isinstance(pattern, LazyPattern) and object.__getattribute__(pattern, "_compiled") is None
@@ -48,8 +48,8 @@ def test_security_and_stacks_compile_no_pattern_at_import() -> None:
     import subprocess
     import sys
 
-    code = ("import re, agent.security, agent.stacks; from agent.lazy import LazyPattern;"
-            " mods = (agent.security, agent.stacks);"
+    code = ("import re, agent.host.security, agent.model.stacks; from agent.model.lazy import LazyPattern;"
+            " mods = (agent.host.security, agent.model.stacks);"
             " print(sorted(n for m in mods for n, v in vars(m).items() if isinstance(v, re.Pattern)),"
             " sum(isinstance(v, LazyPattern) for m in mods for v in vars(m).values()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout

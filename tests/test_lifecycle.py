@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.exits import OomWatch, oom_counter_of
+from agent.host.exits import OomWatch, oom_counter_of
 from tests.programs.lifecycle_cases import (
     MemoryCgroup,
     start_server,
@@ -235,8 +235,8 @@ def test_the_keeper_stays_quiet_when_launch_ends_in_order(spawn, python, tmp_pat
 
 SUBREAPER_PROBE = """
 import json, os, subprocess, sys, time
-from agent.launch import _reap_adopted, _set_subreaper
-from agent.procinfo import exit_fact_of
+from agent.cli.launch import _reap_adopted, _set_subreaper
+from agent.host.procinfo import exit_fact_of
 assert _set_subreaper(True)
 # a server (its own session) that starts a rank and exits without waiting for it: the rank is orphaned
 server = subprocess.Popen([sys.executable, "-c",

@@ -57,7 +57,7 @@ def test_a_one_shot_dump_of_a_livelocked_server_says_livelock(tmp_path: Path) ->
         port, _api_server, engine = (int(x) for x in seen["READY"][0])
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
         r = subprocess.run(
-            [sys.executable, "-m", "agent.cli", "dump", "--match", f"{tag}::*", "--metrics-url",
+            [sys.executable, "-m", "agent.cli.app", "dump", "--match", f"{tag}::*", "--metrics-url",
              f"http://127.0.0.1:{port}/metrics", "--metrics-preset", "vllm", "--json", "--data-dir", str(tmp_path / "data")],
             capture_output=True, text=True, timeout=90, cwd=tmp_path, env={**env, "SERVEWATCH_SHM_DIR": str(tmp_path / "shm")},
             stdin=subprocess.DEVNULL, check=False)

@@ -1,4 +1,4 @@
-"""The incident manifest model (agent.manifest): round trip, versions, old manifests, real bundles,
+"""The incident manifest model (agent.host.manifest): round trip, versions, old manifests, real bundles,
 and what `servewatch timeline` / `report` say about a manifest they cannot read."""
 
 from __future__ import annotations
@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-import agent.manifest as manifest_mod
-import exporters.bundle as bundle_mod
-from agent.bus import RecordingBus
-from agent.events import Action, ActionResult, Outcome, Trigger
-from agent.incidents import recover_interrupted
-from agent.manifest import (
+import agent.host.manifest as manifest_mod
+import agent.views.bundle as bundle_mod
+from agent.host.manifest import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
     IncidentState,
@@ -29,10 +26,13 @@ from agent.manifest import (
     load_manifest,
     parse_manifest,
 )
-from exporters.bundle import BundleCorruptError, load_incident
+from agent.incidents.manager import recover_interrupted
+from agent.model.bus import RecordingBus
+from agent.model.events import Action, ActionResult, Outcome, Trigger
+from agent.views.bundle import BundleCorruptError, load_incident
 from tests.conftest import PROGRAMS_DIR
 
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 OPENED_NS = 1_764_437_701_000_000_000
 
 
@@ -56,10 +56,10 @@ def test_manifest_imports_no_component() -> None:
     tree = ast.parse(Path(manifest_mod.__file__).read_text(encoding="utf-8"))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    # agent.kinds: the names; agent.events: the ActionResult a manifest entry is rebuilt into;
-    # agent.manifest_view: the constants it shares with the light reader
-    assert {m for m in imported if m.startswith(("agent", "exporters"))} == {"agent.kinds", "agent.events", "agent.errors",
-                                                                            "agent.manifest_view"}
+    # agent.model.kinds: the names; agent.model.events: the ActionResult a manifest entry is rebuilt into;
+    # agent.model.manifest_view: the constants it shares with the light reader
+    assert {m for m in imported if m.startswith(("agent", "exporters"))} == {"agent.model.kinds", "agent.model.events", "agent.errors",
+                                                                            "agent.model.manifest_view"}
 
 
 def _full() -> Manifest:
@@ -246,10 +246,10 @@ def test_timeline_and_report_on_a_corrupt_manifest_say_one_line_and_fail(
 
 
 def test_summary_reads_the_manifest_the_bundle_holds(tmp_path: Path) -> None:
-    from agent.events import IncidentOpened
-    from agent.incidents import IncidentRecord
-    from agent.summary import incident_summary, summary_lines
-    from agent.targets import Target
+    from agent.cli.summary import incident_summary, summary_lines
+    from agent.host.targets import Target
+    from agent.incidents.manager import IncidentRecord
+    from agent.model.events import IncidentOpened
 
     opened = IncidentOpened(incident_id="20261201T000000Z-manual-000002", trigger=Trigger.MANUAL, detail="asked",
                             bundle_dir=str(tmp_path / "h1" / "inc"), time_unix_nano=OPENED_NS)

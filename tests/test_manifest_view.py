@@ -1,4 +1,4 @@
-"""The manifest read back without the pydantic model (agent.manifest_view): its field table is the
+"""The manifest read back without the pydantic model (agent.model.manifest_view): its field table is the
 model's, it reads a manifest into exactly what the model holds or leaves it to the model (which
 coerces or refuses with its own one-line error), and reading needs no pydantic."""
 
@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from agent import manifest_view
 from agent.errors import ManifestError
-from agent.manifest import (
+from agent.host.manifest import (
     KNOWN_SCHEMAS,
     Manifest,
     ManifestAction,
@@ -27,8 +26,9 @@ from agent.manifest import (
     load_manifest,
     parse_manifest,
 )
-from agent.manifest_view import view_of_data, view_of_model
-from exporters.bundle import BundleCorruptError, read_manifest
+from agent.model import manifest_view
+from agent.model.manifest_view import view_of_data, view_of_model
+from agent.views.bundle import BundleCorruptError, read_manifest
 from tests.test_manifest import _full
 
 _TABLES = ((Manifest, manifest_view._MANIFEST), (ManifestTarget, manifest_view._TARGET),
@@ -137,10 +137,10 @@ def test_the_file_reader_gives_the_models_error_and_reads_what_the_model_coerces
 
 def test_reading_a_manifest_as_the_agent_writes_it_imports_no_pydantic(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(_full().to_json())
-    code = ("import sys, pathlib; from exporters.bundle import read_manifest;"
+    code = ("import sys, pathlib; from agent.views.bundle import read_manifest;"
             " v = read_manifest(pathlib.Path(sys.argv[1], 'manifest.json'));"
             " assert v.incident_id and v.verdict['kind'] == 'behind', v;"
-            " print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'agent.manifest'))))")
+            " print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'agent.host.manifest'))))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
-    assert out.strip() == "['agent.manifest_view']"
+    assert out.strip() == "['agent.model.manifest_view']"

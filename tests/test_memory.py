@@ -1,4 +1,4 @@
-"""agent.memory: a real process's freed heap goes back to the OS with trim()."""
+"""agent.host.memory: a real process's freed heap goes back to the OS with trim()."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from agent import memory
+from agent.host import memory
 
 # Allocates ~200 MB in 1 KiB blocks (glibc's heap, not pymalloc's arenas and below the mmap
 # threshold), frees all but a block at the top (so free() alone cannot shrink the heap), and
-# reports its RSS before and after agent.memory.trim().
+# reports its RSS before and after agent.host.memory.trim().
 _PROGRAM = r"""
 import json
-from agent import memory
+from agent.host import memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:

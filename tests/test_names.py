@@ -1,4 +1,4 @@
-"""Trigger and action names: one enum each in agent.events, the strings bundles already hold."""
+"""Trigger and action names: one enum each in agent.model.events, the strings bundles already hold."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 import json
 from pathlib import Path
 
-from agent.events import Action, ActionResult, Outcome, Trigger
+from agent.model.events import Action, ActionResult, Outcome, Trigger
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,8 +44,8 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
 
 def _sources() -> list[Path]:
     paths = [*ROOT.joinpath("agent").rglob("*.py"), *ROOT.joinpath("exporters").rglob("*.py")]
-    # the enums' own modules (agent.kinds defines them; agent.events re-exports them)
-    return sorted(p for p in paths if p not in (ROOT / "agent" / "events.py", ROOT / "agent" / "kinds.py"))
+    # the enums' own modules (agent.model.kinds defines them; agent.model.events re-exports them)
+    return sorted(p for p in paths if p not in (ROOT / "agent" / "model" / "events.py", ROOT / "agent" / "model" / "kinds.py"))
 
 
 def test_action_names_are_not_retyped_outside_the_enum() -> None:

@@ -18,9 +18,9 @@ import pytest
 
 from agent.fleet import jobverdict
 from agent.fleet.jobverdict import JOB_KINDS, JOB_NEXT_STEPS, MISSING, MissingHost, judge_job
-from agent.manifest import MANIFEST_NAME
-from agent.stacks import Frame, ThreadStack
-from agent.verdict import (
+from agent.host.manifest import MANIFEST_NAME
+from agent.model.stacks import Frame, ThreadStack
+from agent.verdict.rules import (
     NEXT_STEPS,
     RULES,
     Evidence,
@@ -32,9 +32,9 @@ from agent.verdict import (
     decide,
     next_step_of,
 )
-from exporters.bundle import load_incident
-from exporters.report import render_report_html
-from exporters.timeline import render_timeline_text
+from agent.views.bundle import load_incident
+from agent.views.report import render_report_html
+from agent.views.timeline import render_timeline_text
 from tests.conftest import PROGRAMS_DIR
 from tests.fleet.test_identity import _host, _rank
 from tests.test_manifest import _cli
@@ -67,13 +67,13 @@ def _kind_literals(path: Path) -> set[str]:
 
 def test_every_verdict_kind_the_code_can_conclude_has_a_next_step() -> None:
     kinds = {r.kind for r in RULES}
-    literals = _kind_literals(ROOT / "agent" / "verdict.py") | _kind_literals(ROOT / "agent" / "fleet" / "jobverdict.py")
+    literals = _kind_literals(ROOT / "agent" / "verdict" / "rules.py") | _kind_literals(ROOT / "agent" / "fleet" / "jobverdict.py")
     assert literals >= {"dead", "behind", "single", "unknown"}  # the reader finds them
     assert literals <= kinds | {MISSING}, literals - kinds  # a kind concluded outside the rule table
     assert JOB_KINDS == kinds | {MISSING}
     for kind in sorted(JOB_KINDS):
         doc = NEXT_STEPS[kind].doc if kind in NEXT_STEPS else JOB_NEXT_STEPS.get(kind, "")
-        assert doc, f"verdict kind {kind!r} has no next step (agent/verdict.py NEXT_STEPS)"
+        assert doc, f"verdict kind {kind!r} has no next step (agent/verdict/rules.py NEXT_STEPS)"
     assert set(NEXT_STEPS) == kinds  # none for a kind nothing concludes
 
 

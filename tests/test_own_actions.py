@@ -1,5 +1,5 @@
 """Nothing self-inflicted (issue 31): what servewatch itself does to a server (a profile, a
-blocking py-spy stop, hard mode's signal) is recorded (:mod:`agent.ownactions`) and read by the
+blocking py-spy stop, hard mode's signal) is recorded (:mod:`agent.host.ownactions`) and read by the
 rules: a profile window pauses that server's stall rule and re-arms it with a fresh clock, our own
 py-spy's ptrace stop is never a process "stopped (SIGSTOP or a debugger)", and a health failure
 after our own ``--hard`` signal joins the incident that sent it.
@@ -25,7 +25,7 @@ import anyio
 import httpx
 import pytest
 
-from agent.ownactions import OwnAction, OwnActionLog, local_actions, stopped_by_us
+from agent.host.ownactions import OwnAction, OwnActionLog, local_actions, stopped_by_us
 from tests.demo.hang import hang_a_watched_rank, hung_request
 
 # -- the record ---------------------------------------------------------------------------------
@@ -34,7 +34,7 @@ from tests.demo.hang import hang_a_watched_rank, hung_request
 def test_an_action_is_seen_by_another_process_and_ends_with_its_window(tmp_path: Path) -> None:
     (tmp_path / "h").mkdir()  # an agent runs on this data dir
     code = (
-        "import sys, time; from agent.ownactions import OwnActionLog\n"
+        "import sys, time; from agent.host.ownactions import OwnActionLog\n"
         f"log = OwnActionLog({str(tmp_path)!r}, 'h')\n"
         f"with log.window('profile', pid={os.getpid()}, bound_s=60, detail='2 step(s), sdk'):\n"
         "    print('begun', flush=True); sys.stdin.readline()\n"
@@ -158,9 +158,9 @@ async def test_a_real_pyspy_dump_of_many_threads_is_never_a_stop_of_the_process(
 
     from agent.actors.config import PySpyConfig
     from agent.actors.pyspy import PySpyActor
-    from agent.events import IncidentOpened
-    from agent.judge import _stopped
-    from agent.targets import target_of
+    from agent.host.targets import target_of
+    from agent.model.events import IncidentOpened
+    from agent.verdict.judge import _stopped
 
     (tmp_path / "h").mkdir()
     target = target_of(many_threads.pid)
@@ -219,8 +219,8 @@ def test_the_early_pyspy_of_servewatch_dump_is_never_a_stop_of_the_process(
     if _pyspy() is None:
         pytest.skip("py-spy not installed")
     from agent import early
-    from agent.judge import _stopped
-    from agent.targets import target_of
+    from agent.host.targets import target_of
+    from agent.verdict.judge import _stopped
 
     target = target_of(many_threads.pid)
     assert target is not None
@@ -273,10 +273,10 @@ async def test_servewatch_profile_pauses_the_stall_rule_and_the_hang_after_it_op
     incident opens; the pause is said in one log line and on the status board; once the profile
     ended, the genuine hang opens the stall incident, ``timeout_s`` after the window at the
     earliest (a fresh clock), never suppressed by an incident of our own doing."""
-    from agent.config import load_settings
     from agent.demo.client import DemoServer, agenerate, ainject_hang
-    from agent.incidents import IncidentRecord
-    from agent.runtime import Agent
+    from agent.incidents.manager import IncidentRecord
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
 
     caplog.set_level(logging.WARNING, logger="servewatch.watchdog")
     records: list[IncidentRecord] = []
@@ -306,7 +306,7 @@ async def test_servewatch_profile_pauses_the_stall_rule_and_the_hang_after_it_op
                     tg.start_soon(_load, server.base_url, stop_load)
                     profile = await anyio.to_thread.run_sync(partial(
                         subprocess.Popen,
-                        [sys.executable, "-m", "agent.cli", "profile", "--pid", str(rank), "--steps", "3", "--activities", "CPU",
+                        [sys.executable, "-m", "agent.cli.app", "profile", "--pid", str(rank), "--steps", "3", "--activities", "CPU",
                          "--timeout", "90", "--out", str(tmp_path / "prof"), "--data-dir", str(tmp_path)],
                         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     ))
@@ -361,10 +361,10 @@ async def test_a_health_failure_after_our_own_hard_signal_joins_the_incident_tha
     with it and the server's ``/health`` answers 503 from then on. That failure is our doing: it
     opens no health incident blaming "rank 1 exited with SIGABRT"; it joins the stall incident,
     whose manifest says "killed by servewatch --hard, incident <id>"."""
-    from agent.config import load_settings
     from agent.demo.client import DemoServer
-    from agent.incidents import IncidentRecord
-    from agent.runtime import Agent
+    from agent.incidents.manager import IncidentRecord
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
 
     records: list[IncidentRecord] = []
     with anyio.fail_after(180):

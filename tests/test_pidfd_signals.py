@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import pidfds
-from agent.targets import target_of
+from agent.host import pidfds
+from agent.host.targets import target_of
 from tests.conftest import PROGRAMS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent

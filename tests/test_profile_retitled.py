@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from agent.profiletargets import vllm_trace_dir
+from agent.host.profiletargets import vllm_trace_dir
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "retitled_listener.py"
 

@@ -1,4 +1,4 @@
-"""Titles → roles, coordinates and ranks (agent.ranks), per the frameworks' own grammars:
+"""Titles → roles, coordinates and ranks (agent.model.ranks), per the frameworks' own grammars:
 vLLM ``Worker[_DP n][_PP n][_PCP n][_TP n][_DCP n][_EP n]`` (vllm/v1/executor/multiproc_executor.py),
 ``EngineCore[_DP n]``, ``VLLM_PROCESS_NAME_PREFIX``; SGLang
 ``scheduler[_DP n][_PP n][_ATTN_CP n][_MOE_DP n][_TP n][_EP n]``."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import agent.ranks as ranks_mod
-from agent.ranks import (
+import agent.model.ranks as ranks_mod
+from agent.model.ranks import (
     RankEnviron,
     distinct_env_ranks,
     parse_rank_environ,
@@ -91,7 +91,7 @@ def test_a_live_process_environment_gives_its_rank(tmp_path) -> None:
     import subprocess
     import sys
 
-    from agent.targets import rank_environ
+    from agent.host.targets import rank_environ
 
     code = "import setproctitle, sys; setproctitle.setproctitle('ray::RayWorkerWrapper'); print('up', flush=True); sys.stdin.read()"
     procs = []

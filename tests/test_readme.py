@@ -129,7 +129,7 @@ def _parse_with_the_cli(argv: list[str]) -> None:
     flag must exist and every value convert (click raises a UsageError otherwise)."""
     import typer.main
 
-    from agent.cli import app
+    from agent.cli.app import app
 
     group: Any = typer.main.get_command(app)  # typer's own click: a group by its methods
     ctx = group.make_context("servewatch", list(argv[1:]), resilient_parsing=False)
@@ -198,7 +198,7 @@ def test_python_blocks_compile_and_use_only_names_the_sdk_has() -> None:
 
 
 def test_the_toml_example_loads_with_the_settings_loader(tmp_path: Path) -> None:
-    from agent.config import load_settings
+    from agent.runtime.settings import load_settings
 
     (block,) = _blocks("toml")
     path = tmp_path / "servewatch.toml"
@@ -207,7 +207,7 @@ def test_the_toml_example_loads_with_the_settings_loader(tmp_path: Path) -> None
     assert settings.watchdog.timeout_s == 120 and settings.target.match == ["sglang::scheduler*"]
     assert str(settings.data_dir) == "/var/lib/servewatch"
     # every `# SERVEWATCH_...` comment names the variable of the key on its line
-    from agent.config import env_names
+    from agent.runtime.settings import env_names
 
     names = env_names()
     table = ""

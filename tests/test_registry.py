@@ -1,4 +1,4 @@
-"""Component registries (agent.registry, assembled by agent.config): lookups, lazy factories, Agent.build wiring, and a new
+"""Component registries (agent.host.registry, assembled by agent.runtime.settings): lookups, lazy factories, Agent.build wiring, and a new
 component added by one registration line running in real incidents (dump, run, launch, profile)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import anyio
 import pytest
 
 from agent.actors.config import CoredumpConfig
-from agent.config import ConfigError, env_names, load_settings, registries, settings_model
-from agent.events import Action
-from agent.registry import BuildContext, Registry, UnknownComponentError
-from agent.runtime import Agent
+from agent.host.registry import BuildContext, Registry, UnknownComponentError
+from agent.model.events import Action
+from agent.runtime.agent import Agent
+from agent.runtime.settings import ConfigError, env_names, load_settings, registries, settings_model
 from tests import registry_fake
 from tests.conftest import PROGRAMS_DIR
 from tests.sdk._helpers import ProgramLauncher
@@ -120,19 +120,19 @@ def test_a_factory_module_is_imported_only_when_built(tmp_path: Path) -> None:
     imports its module only."""
     probe = (
         "import json, sys\n"
-        "from agent.config import load_settings, registries\n"
+        "from agent.runtime.settings import load_settings, registries\n"
         "regs = registries()\n"
         "modules = sorted({e.module for r in regs.values() for e in r})\n"
         "settings = load_settings({'health': {'url': 'http://127.0.0.1:9/health'}})\n"
         "before = [m for m in modules if m in sys.modules]\n"
         "regs['watcher'].get('health').build(settings)\n"
         "print(json.dumps({'modules': modules, 'before': before,"
-        " 'health': 'agent.watchers.health' in sys.modules, 'mirror': 'exporters.mirror' in sys.modules}))\n"
+        " 'health': 'agent.watchers.health' in sys.modules, 'mirror': 'exporters.mirror.mirror' in sys.modules}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env=_env(tmp_path), check=True)
     got = json.loads(proc.stdout)
-    assert "agent.actors.pyspy" in got["modules"] and "exporters.shipper" in got["modules"]
+    assert "agent.actors.pyspy" in got["modules"] and "exporters.otlp.shipper" in got["modules"]
     assert got["before"] == []
     assert got["health"] is True and got["mirror"] is False
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.events import RequestStalled
+from agent.model.events import RequestStalled
 from agent.watchers.config import RequestStallConfig
 from agent.watchers.requests import stuck_requests
 from tests.programs.fault_matrix import _read_lines, _start, _watch, stop_ranks

@@ -16,10 +16,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent import supervision
-from agent.config import load_settings
-from agent.events import WatcherStatusChanged
-from agent.runtime import Agent
+from agent.model.events import WatcherStatusChanged
+from agent.runtime import supervision
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.watchers import wait_until
 from tests.watchers.scripted_http import scripted_http
 
@@ -60,7 +60,7 @@ async def test_a_crashing_watcher_turns_blind_with_its_exception_and_is_restarte
     assert agent.restarts["boom"] >= 2
 
 
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -203,7 +203,7 @@ async def test_per_target_step_tasks_end_when_the_target_exits_and_clients_are_c
 
 
 def test_a_reused_pid_with_a_new_create_time_is_watched_again() -> None:
-    from agent.targets import Target
+    from agent.host.targets import Target
     from agent.watchers.process import ProcessWatcher
 
     w = ProcessWatcher([Target(pid=4242, title="old", create_time_s=100.0)])
@@ -235,9 +235,9 @@ async def test_a_failing_discovery_round_is_reported_and_the_agent_goes_on(tmp_p
 
 
 async def test_a_bug_handling_one_trigger_does_not_stop_the_incident_loop(tmp_path: Path) -> None:
-    from agent.bus import RecordingBus
-    from agent.events import TargetExited
-    from agent.incidents import IncidentConfig, IncidentManager
+    from agent.incidents.manager import IncidentConfig, IncidentManager
+    from agent.model.bus import RecordingBus
+    from agent.model.events import TargetExited
 
     bus = RecordingBus()
     manager = IncidentManager(bus=bus, config=IncidentConfig(), data_dir=tmp_path, host_name="h", discover=list)

@@ -1,4 +1,4 @@
-"""agent.sdkclient: the agent side of the SDK control socket, against real unix sockets.
+"""agent.host.sdkclient: the agent side of the SDK control socket, against real unix sockets.
 
 The SDK's own server is exercised end to end in tests/actors/test_profiler.py and
 tests/test_security.py; here a minimal JSON-lines server (the documented protocol boundary)
@@ -25,10 +25,10 @@ from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from agent.errors import SdkCallError, ServewatchError
-from agent.events import Outcome
+from agent.host.sdkclient import control_socket_pids, read_inflight, sdk_call
+from agent.host.targets import Target
+from agent.model.events import Outcome
 from agent.sdk.control import control_path
-from agent.sdkclient import control_socket_pids, read_inflight, sdk_call
-from agent.targets import Target
 
 
 @asynccontextmanager

@@ -24,8 +24,8 @@ import anyio
 import pytest
 
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
-from agent.events import IncidentOpened, Outcome
-from agent.targets import discover, target_of
+from agent.host.targets import discover, target_of
+from agent.model.events import IncidentOpened, Outcome
 from tests.conftest import PROGRAMS_DIR
 
 NOBODY = 65534
@@ -130,7 +130,7 @@ async def test_foreign_target_cannot_make_root_create_its_core_folder(
 
 # --- the data dir -----------------------------------------------------------------------------
 
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 
 
 def _cli(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -179,7 +179,7 @@ def test_unsafe_data_dir_is_refused_with_one_line(tmp_path: Path, nobody_dir: Pa
 
 
 def test_safe_data_dirs_pass(tmp_path: Path) -> None:
-    from agent.config import check_data_dir
+    from agent.runtime.settings import check_data_dir
 
     sticky = tmp_path / "sticky"
     sticky.mkdir()
@@ -191,7 +191,7 @@ def test_safe_data_dirs_pass(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "../../etc", "", "x\x1b[41m", "a\\b"])
 def test_host_name_must_be_one_path_component(name: str) -> None:
-    from agent.config import ConfigError, load_settings
+    from agent.runtime.settings import ConfigError, load_settings
 
     with pytest.raises(ConfigError, match="host_name"):
         load_settings({"host_name": name})
@@ -208,7 +208,7 @@ def test_host_name_from_environment_is_checked(tmp_path: Path) -> None:
 
 
 def test_planted_symlink_in_span_folder_is_not_followed(tmp_path: Path) -> None:
-    from exporters.otlp_json import RotatingJsonLinesWriter
+    from exporters.otlp.otlp_json import RotatingJsonLinesWriter
 
     victim = tmp_path / "root-only"
     victim.write_text("precious\n")
@@ -226,10 +226,10 @@ def test_planted_symlink_in_span_folder_is_not_followed(tmp_path: Path) -> None:
 
 
 def test_bundle_files_are_private_and_manifest_atomic(tmp_path: Path) -> None:
-    from agent import incidents
+    from agent.incidents import manager as incidents
 
     bundle = tmp_path / "data" / "host" / "inc-1"
-    from agent.fsutil import ensure_private_dir
+    from agent.host.fsutil import ensure_private_dir
 
     ensure_private_dir(bundle)
     manifest = bundle / "manifest.json"
@@ -260,7 +260,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_full_disk_keeps_previous_manifest_or_none(tiny_tmpfs: Path) -> None:
-    from agent import incidents
+    from agent.incidents import manager as incidents
 
     manifest = tiny_tmpfs / "manifest.json"
     assert incidents._write_json(manifest, {"version": 1})
@@ -283,8 +283,8 @@ def test_full_disk_keeps_previous_manifest_or_none(tiny_tmpfs: Path) -> None:
 
 
 async def test_leftover_temp_files_are_removed_on_start(spawn: Callable, python: str, tmp_path: Path) -> None:
-    from agent.config import load_settings
-    from agent.runtime import dump_once
+    from agent.runtime.agent import dump_once
+    from agent.runtime.settings import load_settings
 
     data = tmp_path / "data"
     old = data / "host" / "inc-old"
@@ -347,7 +347,7 @@ def test_counter_forged_by_another_user_is_ignored(spawn: Callable, python: str,
 
 
 def test_counter_folder_symlink_is_not_followed(spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path) -> None:
-    from agent.judge import read_steps
+    from agent.verdict.judge import read_steps
     from agent.watchers.steps import ShmStepSource
 
     victim = spawn([python, "-c", "import time; time.sleep(60)"])
@@ -396,9 +396,9 @@ def _start_sdk_server(spawn: Callable, python: str, shm: Path) -> subprocess.Pop
 async def test_sdk_survives_paths_squatted_by_another_user_and_agent_ignores_them(
     spawn: Callable, python: str, shared_shm: Path, nobody_dir: Path
 ) -> None:
+    from agent.host.sdkclient import read_inflight
     from agent.sdk.control import control_path
     from agent.sdk.counter import counter_path
-    from agent.sdkclient import read_inflight
 
     server = _start_sdk_server(spawn, python, shared_shm)
     squatted = shared_shm / "servewatch-0"  # the name of root's private SDK folder, taken first
@@ -445,8 +445,8 @@ def test_sdk_replaces_its_own_stale_files(spawn: Callable, python: str, shared_s
 async def test_idle_and_slow_clients_do_not_block_the_inflight_read(
     spawn: Callable, python: str, shared_shm: Path
 ) -> None:
+    from agent.host.sdkclient import sdk_call
     from agent.sdk.control import control_path
-    from agent.sdkclient import sdk_call
 
     server = _start_sdk_server(spawn, python, shared_shm)
     assert server.stdin is not None and server.stdout is not None
@@ -536,14 +536,14 @@ def test_profile_start_over_the_socket_is_bounded(body: dict, error: str) -> Non
     ],
 )
 def test_redact_cmdline(argv: list[str], expected: list[str]) -> None:
-    from agent.security import redact_cmdline
+    from agent.host.security import redact_cmdline
 
     assert redact_cmdline(argv) == expected
 
 
 async def test_manifest_cmdline_has_no_secrets(spawn: Callable, python: str, tmp_path: Path) -> None:
-    from agent.config import load_settings
-    from agent.runtime import dump_once
+    from agent.runtime.agent import dump_once
+    from agent.runtime.settings import load_settings
 
     secret = "sk-" + uuid.uuid4().hex
     proc = spawn([python, "-c", "import time; time.sleep(60)", "--api-key", secret, f"--db-password={secret}",
@@ -561,7 +561,7 @@ async def test_manifest_cmdline_has_no_secrets(spawn: Callable, python: str, tmp
 
 
 def test_strip_control_removes_escapes() -> None:
-    from agent.security import strip_control
+    from agent.host.security import strip_control
 
     assert strip_control("a\x1b]0;pwned\x07b\x1b[41mc\x9b2J\u202ed") == "a?]0;pwned?b?[41mc?2J?d"
     assert strip_control("l1\nl2\tx", keep_newlines=True) == "l1\nl2\tx"
@@ -656,7 +656,7 @@ def test_report_on_a_copied_bundle_reads_only_inside_it(tmp_path: Path) -> None:
 
 
 def test_torn_last_span_line_costs_that_line_only(tmp_path: Path) -> None:
-    from exporters.replay import replay
+    from exporters.otlp.replay import replay
     from tests.otlp_receiver import OtlpReceiver
 
     bundle, _ = _copied_bundle(tmp_path)
@@ -686,7 +686,7 @@ def test_torn_last_span_line_costs_that_line_only(tmp_path: Path) -> None:
 def test_killed_launcher_does_not_orphan_the_server(spawn: Callable, python: str, tmp_path: Path) -> None:
     import psutil
 
-    from agent.targets import ProcessState, process_state
+    from agent.host.targets import ProcessState, process_state
 
     marker = f"orphan-check-{uuid.uuid4().hex[:8]}"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
@@ -741,8 +741,8 @@ def test_span_and_spool_files_are_private_and_never_follow_links(tmp_path: Path,
         ExportTraceServiceRequest,
     )
 
-    from exporters.otlp_json import RotatingJsonLinesWriter
-    from exporters.spool import Spool
+    from exporters.otlp.otlp_json import RotatingJsonLinesWriter
+    from exporters.otlp.spool import Spool
 
     victim = tmp_path / "root-only"
     victim.write_text("precious\n")

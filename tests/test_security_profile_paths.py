@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from agent.actors.profiler import ProfilerConfig, profile_once
-from agent.events import Outcome
-from agent.fsutil import SessionFolder
+from agent.host.fsutil import SessionFolder
+from agent.model.events import Outcome
 from tests.security._attack import hostile_sdk_source
 
 NOBODY = 65534

@@ -1,4 +1,4 @@
-"""The py-spy runs a watched server starts itself (:class:`agent.procinfo.ServerDumpLog`): a
+"""The py-spy runs a watched server starts itself (:class:`agent.host.procinfo.ServerDumpLog`): a
 process that dumps itself through the shell, as SGLang's soft watchdog does, is seen by scanning
 ``/proc`` for new processes, named with the process that started it, and said in one line."""
 
@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from agent.procinfo import ServerDump, ServerDumpLog, server_dump_lines
+from agent.host.procinfo import ServerDump, ServerDumpLog, server_dump_lines
 from tests.conftest import PROGRAMS_DIR
 
 SELF_DUMPING = str(PROGRAMS_DIR / "self_dumping_target.py")
@@ -111,7 +111,7 @@ def test_a_child_seen_before_its_exec_is_looked_at_again_and_its_pyspy_run_seen(
 
 def test_the_scan_is_skipped_only_while_no_process_was_created_and_none_waits_for_its_exec(
         spawn, python, tmp_path: Path, monkeypatch) -> None:
-    import agent.procinfo as procinfo
+    from agent.host import procinfo
 
     log = ServerDumpLog()
     assert log.needs_scan()  # never scanned

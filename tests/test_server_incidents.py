@@ -14,11 +14,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.config import load_settings
 from agent.demo import TORCH_MISSING_MESSAGE, torch_available
 from agent.demo.client import DemoServer, agenerate, ainject_hang
-from agent.incidents import IncidentRecord
-from agent.runtime import Agent
+from agent.incidents.manager import IncidentRecord
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.demo.hang import hung_request
 
 pytestmark = [pytest.mark.skipif(not torch_available(), reason=TORCH_MISSING_MESSAGE), pytest.mark.slow]

@@ -19,9 +19,12 @@ import anyio
 import psutil
 import pytest
 
-from agent import lifecycle as lifecycle_module
-from agent.bus import RecordingBus
-from agent.events import (
+from agent.host.targets import Target
+from agent.incidents import lifecycle as lifecycle_module
+from agent.incidents.lifecycle import CRASH_LOOP_EXITS, Lifecycle
+from agent.incidents.manager import IncidentConfig, IncidentManager
+from agent.model.bus import RecordingBus
+from agent.model.events import (
     ExitFact,
     HealthCheckFailed,
     HealthRecovered,
@@ -31,12 +34,9 @@ from agent.events import (
     WatchdogRearmed,
     WatchdogStalled,
 )
-from agent.incidents import IncidentConfig, IncidentManager
-from agent.lifecycle import CRASH_LOOP_EXITS, Lifecycle
-from agent.targets import Target
 from agent.watchers.process import ProcessWatcher
-from exporters.mirror import LIFECYCLE_SPAN, SpanMirror
-from exporters.spans import InMemorySink
+from exporters.mirror.mirror import LIFECYCLE_SPAN, SpanMirror
+from exporters.otlp.spans import InMemorySink
 from tests.test_incidents import Timeline
 
 
@@ -301,10 +301,10 @@ async def test_the_operators_kill_of_a_hung_demo_rank_is_the_stall_incidents_end
     """The real demo server (gloo TP=2): TP1 hangs, the stall incident opens, then the on-call
     kills TP1 with kill -9 (TP0 follows through the broken collective). Before: a second
     incident (exit, SIGKILL) in a trace of its own. Now: one incident, the kill its ending."""
-    from agent.config import load_settings
     from agent.demo import TORCH_MISSING_MESSAGE, torch_available
     from agent.demo.client import DemoServer
-    from agent.runtime import Agent
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
     from tests.demo.hang import hang_a_watched_rank
 
     if not torch_available():
@@ -350,8 +350,8 @@ async def test_ranks_left_alive_after_their_frontend_was_killed_are_one_incident
     no incident; the operator's later SIGTERM of the ranks read as an orderly stop. Now: one exit
     incident about that server naming its frontend's death and the ranks still alive, its bundle
     holding both; their SIGTERM is the end of that incident's story, not a second incident."""
-    from agent.config import load_settings
-    from agent.runtime import Agent
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
 
     prefix = f"orph{os.getpid()}"
     ready = tmp_path / "ready.json"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import load_settings
-from agent.registry import BuildContext
+from agent.host.registry import BuildContext
+from agent.runtime.settings import load_settings
 from agent.watchers import WATCHERS
 from agent.watchers.group import WatcherGroup
 from agent.watchers.health import HealthWatcher

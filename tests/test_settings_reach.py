@@ -15,15 +15,21 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from agent.config import AgentSettings, ConfigError, load_settings, registries, settings_model
-from agent.runtime import Agent
+from agent.runtime.agent import Agent
+from agent.runtime.settings import (
+    AgentSettings,
+    ConfigError,
+    load_settings,
+    registries,
+    settings_model,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Modules holding the agent's own use of its tables (and of the few component settings that
 #: configure what the CLI starts: launch's Flight Recorder buffer, the crash-dump folder).
-AGENT_MODULES = ["agent.config", "agent.runtime", "agent.incidents", "agent.exitpolicy", "agent.evidence", "agent.stall",
-                 "agent.startup", "agent.targets", "agent.fleet", "agent.cli", "agent.launch"]
+AGENT_MODULES = ["agent.runtime.settings", "agent.runtime.agent", "agent.incidents.manager", "agent.incidents.admission", "agent.incidents.evidence", "agent.host.stall",
+                 "agent.host.startup", "agent.host.targets", "agent.fleet", "agent.cli.app", "agent.cli.launch"]
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -22,16 +22,16 @@ import anyio
 import httpx
 import pytest
 
-from agent.config import load_settings
-from agent.events import HealthProbed, Outcome, StepsAdvanced
-from agent.runtime import Agent
-from agent.startup import SETTLE_S, StartupConfig, StartupRule, StartupStalled
-from agent.targets import Target, target_of
+from agent.host.startup import SETTLE_S, StartupConfig, StartupRule, StartupStalled
+from agent.host.targets import Target, target_of
+from agent.model.events import HealthProbed, Outcome, StepsAdvanced
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from agent.watchers.config import HealthConfig
 from agent.watchers.health import HealthWatcher
 from agent.watchers.status import WatcherState
 from agent.watchers.steps import PrometheusStepSource
-from exporters.provider import build_telemetry
+from exporters.otlp.provider import build_telemetry
 from tests.programs.fault_matrix import (
     ROOT,
     STANDINS,
@@ -162,7 +162,7 @@ def test_ranks_without_a_first_step_past_the_budget_are_one_stall_once(spawn) ->
 
 
 def test_an_idle_watch_looks_again_only_while_a_rank_starts_or_after_a_new_process(spawn, monkeypatch) -> None:
-    import agent.startup as startup
+    from agent.host import startup
 
     ranks = _ranks(spawn, ["sglang::scheduler_TP0", "sglang::scheduler_TP1"])
     looks: list[int] = []

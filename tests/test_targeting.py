@@ -19,12 +19,12 @@ from pathlib import Path
 
 import psutil
 
-from agent.targets import NO_TARGET_WARNING, discover, process_trees, spread_warning
+from agent.host.targets import NO_TARGET_WARNING, discover, process_trees, spread_warning
 from tests.conftest import PROGRAMS_DIR
 from tests.spanfiles import file_spans
 
 TREE = str(PROGRAMS_DIR / "server_tree.py")
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 
 
 def start_tree(spawn, python: str, tag: str, *extra: str) -> dict[str, int]:
@@ -206,7 +206,7 @@ def test_one_shot_dump_reports_a_zombie_rank_of_the_tree_as_dead(spawn, python, 
 
 
 def test_a_tree_whose_leader_is_gone_is_named_by_what_is_known(spawn, python) -> None:
-    from agent.targets import ProcessTree, Target
+    from agent.host.targets import ProcessTree, Target
 
     child = spawn([python, "-c", "import time; time.sleep(60)"])  # its own group: pgid == its pid
     leaderless = ProcessTree(pgid=child.pid, leader_title="", pids=(child.pid + 1,), member_title="sglang::scheduler_TP0")

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-import agent.targets as targets_module
-from agent.targets import (
+import agent.host.targets as targets_module
+from agent.host.targets import (
     ProcessState,
     ScanErrors,
     Target,
@@ -60,7 +60,7 @@ def _reaped_pid(python: str) -> int:
 
 def test_exports_match_all() -> None:
     public = {n for n in dir(targets_module) if not n.startswith("_")} - {"annotations"}
-    exported = {n for n in public if getattr(getattr(targets_module, n), "__module__", "") == "agent.targets"}
+    exported = {n for n in public if getattr(getattr(targets_module, n), "__module__", "") == "agent.host.targets"}
     assert exported == set(targets_module.__all__)
 
 
@@ -230,7 +230,7 @@ def test_descendants_are_walked_again_only_when_the_pids_in_proc_change(spawn, m
     came or went; a child started since is found."""
     import psutil
 
-    from agent import targets as targets_mod
+    from agent.host import targets as targets_mod
 
     code = "import sys, subprocess, time; sys.stdin.readline(); subprocess.Popen(['sleep', '60']); time.sleep(60)"
     parent = spawn([sys.executable, "-c", code], stdin=subprocess.PIPE)

@@ -4,7 +4,7 @@
 Each command runs twice in the same tmux shell: once into a file (the lines as machines read
 them) and once on the terminal. Every row on screen fits the width; each of the file's lines
 appears on screen as its first row (same indent) plus continuation rows indented
-:data:`agent.cli.HANG_INDENT` more, whose words, read in order, are the line's words: a word
+:data:`agent.cli.app.HANG_INDENT` more, whose words, read in order, are the line's words: a word
 split across rows, or a row wrapped by the terminal instead of by servewatch, fails. Numbers and
 incident ids are compared as shapes (two runs differ in pids, durations, ids).
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import HANG_INDENT
+from agent.cli.app import HANG_INDENT
 from tests.test_cli import assert_verdict_box_lines_hang, write_verdict_bundle
 from tests.test_terminal import Tmux
 

@@ -1,4 +1,4 @@
-"""The cross-rank verdict (agent.verdict): pure rules on synthetic evidence.
+"""The cross-rank verdict (agent.verdict.rules): pure rules on synthetic evidence.
 
 Real processes for every fault are in tests/test_fault_matrix.py; here each rule is pinned on
 hand-built Flight Recorder dumps and py-spy stacks.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import agent.verdict as verdict_mod
-from agent.stacks import Frame, ThreadStack
-from agent.verdict import Evidence, FrameClass, RankEvidence, classify_stack, decide
+import agent.verdict.rules as verdict_mod
+from agent.model.stacks import Frame, ThreadStack
+from agent.verdict.rules import Evidence, FrameClass, RankEvidence, classify_stack, decide
 
 
 def _entry(seq: int, op: str = "all_reduce", sizes: Any = ((8, 32),), pg: int = 0) -> dict[str, Any]:
@@ -233,7 +233,7 @@ def test_classify_stack_tells_collective_compute_and_idle_apart() -> None:
 
 def test_classify_stack_agrees_with_the_pyspy_summary_on_stuck_vs_idle() -> None:
     """A forward stuck in a time.sleep loop is off CPU (py-spy: not active) but stuck, not idle."""
-    from agent.stacks import hung_frame, idle_and_stuck
+    from agent.model.stacks import hung_frame, idle_and_stuck
 
     hang = Frame(name="_injected_hang_in_forward", filename="/app/agent/demo/model.py", short_filename="agent/demo/model.py", line=55)
     fwd = Frame(name="forward", filename="/app/agent/demo/model.py", short_filename="agent/demo/model.py", line=95)
@@ -313,7 +313,7 @@ def test_the_rule_table_is_the_documentation_and_it_is_current() -> None:
     assert all(r.when and r.concludes and r.confidence and r.kind for r in verdict_mod.RULES)
     doc = Path(__file__).resolve().parents[1] / "docs" / "verdict-rules.md"
     assert doc.read_text(encoding="utf-8") == verdict_mod.rules_markdown(), (
-        "docs/verdict-rules.md is stale: python -m agent.verdict > docs/verdict-rules.md")
+        "docs/verdict-rules.md is stale: python -m agent.verdict.rules > docs/verdict-rules.md")
     # every verdict records its rule
     assert decide([RankEvidence(rank=0), RankEvidence(rank=1)]).rule == "inconclusive"
 
@@ -561,7 +561,7 @@ def test_serving_frameworks_communication_layers_are_collective_waits() -> None:
 def test_parked_helper_threads_and_message_queues_are_idle_not_stuck() -> None:
     """A healthy idle vLLM process: signal-callback and tqdm's monitor park on an Event; the
     worker's main thread spins in shm_broadcast's dequeue (on CPU to py-spy)."""
-    from agent.stacks import hung_frame, idle_and_stuck, thread_is_idle
+    from agent.model.stacks import hung_frame, idle_and_stuck, thread_is_idle
 
     park = [_f("Condition.wait", _TH, 355), _f("Event.wait", _TH, 655)]
     boot = [_f("Thread.run", _TH, 1010), _f("Thread._bootstrap_inner", _TH, 1073), _f("Thread._bootstrap", _TH, 1030)]
@@ -595,7 +595,7 @@ def test_the_sdks_own_threads_in_the_sdks_code_are_idle_never_stuck() -> None:
     """``servewatch-control`` serving the agent's in-flight read while py-spy looks (the demo's
     dump saw it 'stuck' one run in two), and ``servewatch-presence`` between looks, are the SDK
     working for the agent; the same name running the server's code is judged like any thread."""
-    from agent.stacks import idle_and_stuck, thread_is_idle
+    from agent.model.stacks import idle_and_stuck, thread_is_idle
 
     boot = [_f("Thread.run", _TH, 1010), _f("Thread._bootstrap_inner", _TH, 1073), _f("Thread._bootstrap", _TH, 1030)]
     serving = ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="servewatch-control", active=True, frames=(
@@ -618,7 +618,7 @@ def test_the_sdks_own_threads_in_the_sdks_code_are_idle_never_stuck() -> None:
 
 
 def test_a_frontend_that_died_leaving_its_ranks_alive_names_them_and_their_memory() -> None:
-    """The incident of a :class:`~agent.events.FrontendExited` (its real shape: the frontend's pid,
+    """The incident of a :class:`~agent.model.events.FrontendExited` (its real shape: the frontend's pid,
     title and exit, the survivors' pids and titles, the memory they hold, their new parent).
     Before: "1 process (pid <frontend>), not a distributed job: exited with SIGKILL" and a dmesg
     next step. Now: ``orphaned``, the survivors the culprits, ``kill`` them the next step."""
@@ -626,10 +626,10 @@ def test_a_frontend_that_died_leaving_its_ranks_alive_names_them_and_their_memor
     import subprocess
     import sys
 
-    from agent.events import ExitFact, FrontendExited
-    from agent.judge import VerdictJudge
-    from agent.targets import Target
-    from agent.verdict import hard_signal_plan, next_step_of
+    from agent.host.targets import Target
+    from agent.model.events import ExitFact, FrontendExited
+    from agent.verdict.judge import VerdictJudge
+    from agent.verdict.rules import hard_signal_plan, next_step_of
 
     # the frontend: a process that was SIGKILLed and is gone; the survivors: two live processes
     gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -675,9 +675,9 @@ def test_the_servers_own_watchdog_dumping_a_process_too_reaches_the_verdict(spaw
     """The py-spy actor's note that SGLang's own watchdog dumped the process too
     (``servewatch.pyspy.note``) is said in the verdict of that process."""
     from agent.actors.pyspy import NOTE_ATTR
-    from agent.events import Action, ActionResult, Outcome, frozen_attrs
-    from agent.judge import VerdictJudge
-    from agent.targets import Target
+    from agent.host.targets import Target
+    from agent.model.events import Action, ActionResult, Outcome, frozen_attrs
+    from agent.verdict.judge import VerdictJudge
 
     proc = spawn([python, "-c", "import time; time.sleep(60)"])
     note = "SGLang's own watchdog fired: it ran py-spy pid 7 'py-spy dump --native --pid 8' started by pid 8 'sglang::scheduler' on this process too"

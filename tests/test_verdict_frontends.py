@@ -4,7 +4,7 @@ code). The shapes themselves run on real process trees in tests/test_frontend_ve
 
 from __future__ import annotations
 
-from agent.verdict import Evidence, FrameClass, RankEvidence, Role, decide
+from agent.verdict.rules import Evidence, FrameClass, RankEvidence, Role, decide
 
 HEALTH = "http://127.0.0.1:30000/health"
 PROGRESS = "sglang:generation_tokens_total 120->480 in 2.0 s at http://127.0.0.1:30000/metrics"
@@ -91,7 +91,7 @@ def test_a_frontend_in_its_own_code_during_a_manual_dump_is_no_culprit() -> None
 
 
 def test_an_untitled_frontend_is_told_and_named_by_its_command_never_its_arguments() -> None:
-    from agent.servers import command_words, frontend_command
+    from agent.verdict.servers import command_words, frontend_command
 
     real = ["/venv/bin/python", "/venv/bin/vllm", "serve", "/models/tiny", "--api-key", "secret"]
     assert command_words(real) == "python vllm serve" and frontend_command(real)

@@ -11,10 +11,10 @@ import subprocess
 import time
 import uuid
 
-from agent.events import TargetExited, WatchdogStalled
-from agent.judge import VerdictJudge, job_groups, pick_incident_verdict
-from agent.targets import Target, discover, zombie_descendants
-from agent.verdict import FrameClass, RankEvidence, decide
+from agent.host.targets import Target, discover, zombie_descendants
+from agent.model.events import TargetExited, WatchdogStalled
+from agent.verdict.judge import VerdictJudge, job_groups, pick_incident_verdict
+from agent.verdict.rules import FrameClass, RankEvidence, decide
 from tests.test_cli_conventions import _titled, sw
 from tests.test_targeting import start_tree
 

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-import agent.verdict as verdict_mod
-from agent.stacks import Frame, ThreadStack, comm_layer
-from agent.verdict import Evidence, FrameClass, RankEvidence, StackClass, classify_wait, decide
+import agent.verdict.rules as verdict_mod
+from agent.model.stacks import Frame, ThreadStack, comm_layer
+from agent.verdict.rules import (
+    Evidence,
+    FrameClass,
+    RankEvidence,
+    StackClass,
+    classify_wait,
+    decide,
+)
 
 _SP = "/v/lib/python3.11/site-packages/"
 _C10D = _SP + "torch/distributed/distributed_c10d.py"
@@ -216,7 +223,7 @@ def _nccl_fr(me: int, op: str, peer: int, *, pg: str = "0", ranks: str = "[0, 1]
 
 
 def test_the_peer_of_a_p2p_wait_is_named_from_an_nccl_flight_recorder() -> None:
-    from agent.flightrec_view import pending_p2p
+    from agent.verdict.flightrec import pending_p2p
 
     # the pipeline group of global ranks 1 and 3: group rank 1 is global rank 3
     assert pending_p2p(_nccl_fr(0, "recv", 1, pg="2", ranks="[1, 3]")) == ("recv", 3)
@@ -235,7 +242,7 @@ def test_a_p2p_deadlock_across_two_hosts_is_named_by_the_job_verdict() -> None:
     """Pipeline stages on two nodes, both in recv: the wait's P2P op crosses the wire in each host's
     evidence summary, and the coordinator's job verdict names the deadlock (an older agent's
     summary, without it, reads as no P2P wait)."""
-    from agent.fleet.evidence import host_evidence
+    from agent.fleet.host_summary import host_evidence
     from agent.fleet.jobverdict import judge_job
     from agent.fleet.messages import Evidence as HostEvidence
 

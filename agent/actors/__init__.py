@@ -1,12 +1,12 @@
 """Actors: consume incident triggers and act on targets, returning :class:`ActionResult`.
 
-Actors never import watchers; :mod:`agent.incidents` decides what runs and when. Owns the
+Actors never import watchers; :mod:`agent.incidents.manager` decides what runs and when. Owns the
 :class:`Actor` protocol (the seam the incident manager calls: one phase of an incident),
 :func:`act_all` (one actor over many targets at once) and :data:`ACTORS`, the actor registry
-(:mod:`agent.registry`): one line per actor below. Registration order is the order of an
+(:mod:`agent.host.registry`): one line per actor below. Registration order is the order of an
 incident's phases; a factory returns ``None`` when the settings turn its actor off. Imports
-anyio, :mod:`agent.events`, :mod:`agent.progress` (the results' stream), :mod:`agent.registry` and
-:mod:`agent.targets`.
+anyio, :mod:`agent.model.events`, :mod:`agent.model.progress` (the results' stream), :mod:`agent.host.registry` and
+:mod:`agent.host.targets`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Protocol
 
 import anyio
 
-from agent.events import ActionCompleted, ActionResult, IncidentOpened
-from agent.progress import ActionSink
-from agent.registry import Registry
-from agent.targets import Target
+from agent.host.registry import Registry
+from agent.host.targets import Target
+from agent.model.events import ActionCompleted, ActionResult, IncidentOpened
+from agent.model.progress import ActionSink
 
 __all__ = ["ACTORS", "Actor", "PerTargetActor", "act_all"]
 
@@ -35,12 +35,12 @@ ACTORS.register("profiler", config="agent.actors.config:ProfilerConfig", factory
 
 class Actor(Protocol):
     """One kind of evidence gathering (``pyspy``, ``cuda_coredump``, ``profiler``): one phase
-    of every incident, called by :class:`agent.incidents.IncidentManager`.
+    of every incident, called by :class:`agent.incidents.manager.IncidentManager`.
 
     Attributes:
         name: the registry name.
         action: the phase's name, each result's ``action`` and its span name (an
-            :class:`~agent.events.Action`).
+            :class:`~agent.model.events.Action`).
         completed: the event published for each result (a subclass of ``ActionCompleted``).
         deferred: the phase runs after the summary point (a profile never delays the summary).
 
@@ -48,7 +48,7 @@ class Actor(Protocol):
     component status and status row (py-spy's binary); ``warm_up()``, slow imports paid on a
     worker thread when the agent starts. (torch's Flight Recorder analyzer is not one: the
     judge imports it only when an incident spans several ranks, see
-    :meth:`agent.judge.VerdictJudge.opened`, so a watching agent never carries torch.)
+    :meth:`agent.verdict.judge.VerdictJudge.opened`, so a watching agent never carries torch.)
     """
 
     name: str

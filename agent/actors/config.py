@@ -4,9 +4,9 @@ importing an actor.
 
 Owns :class:`PySpyConfig` (``[pyspy]``), :class:`FlightRecorderConfig` (``[flightrec]``),
 :class:`CoredumpConfig` (``[coredump]``) and :class:`ProfilerConfig` (``[profiler]``, with the
-activity rule :func:`activities_problem`). Imports pydantic, :mod:`agent.cudaenv` (the CUDA
+activity rule :func:`activities_problem`). Imports pydantic, :mod:`agent.host.cudaenv` (the CUDA
 environment's names), :mod:`agent.early` (py-spy's default binary) and, for types,
-:mod:`agent.registry` (the agent-wide values a default depends on); never an actor module.
+:mod:`agent.host.registry` (the agent-wide values a default depends on); never an actor module.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agent.cudaenv import FR_BUFFER_DEFAULT, SGLANG_PIPE_TEMPLATE
 from agent.early import default_executable
+from agent.host.cudaenv import FR_BUFFER_DEFAULT, SGLANG_PIPE_TEMPLATE
 
 if TYPE_CHECKING:
-    from agent.registry import AgentValues
+    from agent.host.registry import AgentValues
 
 __all__ = [
     "ACTIVITIES",
@@ -209,7 +209,7 @@ class ProfilerConfig(BaseModel):
             memory counters, and the result says no Metal trace was captured).
     """
 
-    #: agent-wide values set in this table (:class:`~agent.registry.AgentValues`): the SDK's
+    #: agent-wide values set in this table (:class:`~agent.host.registry.AgentValues`): the SDK's
     #: control sockets, where the agent also reads requests in flight and the Flight Recorder
     provides: ClassVar[Mapping[str, str]] = {"sdk_socket_dir": "socket_dir"}
 

@@ -3,11 +3,11 @@
 Owns: finding a target's coredump FIFO from ground truth (:func:`locate_pipe`), triggering it
 without ever blocking (:func:`trigger_pipe`), waiting for the core file, and the actor tying them
 together (:class:`CoredumpActor`, span ``cuda.coredump``). Arming a target (the environment
-variables, their templates, the dump-folder guard) is :mod:`agent.cudaenv`'s, shared with
+variables, their templates, the dump-folder guard) is :mod:`agent.host.cudaenv`'s, shared with
 ``launch`` and ``cuda-env``. May import the stdlib, anyio, pydantic, :func:`agent.actors.act_all`,
-:mod:`agent.cudaenv`, :mod:`agent.events`,
+:mod:`agent.host.cudaenv`, :mod:`agent.model.events`,
 :mod:`agent.actors.coredump_target` (the target's own view: environment sources, path templates,
-namespaces), :mod:`agent.procinfo` and :mod:`agent.targets` only.
+namespaces), :mod:`agent.host.procinfo` and :mod:`agent.host.targets` only.
 
 Facts this module relies on (see FIELD-NOTES "CUDA user-triggered coredump"):
 
@@ -70,7 +70,7 @@ from agent.actors.coredump_target import (
     effective_env,
     read_environ,
 )
-from agent.cudaenv import (
+from agent.host.cudaenv import (
     DRIVER_DEFAULT_FILE_TEMPLATE,
     DRIVER_DEFAULT_PIPE_TEMPLATE,
     ENV_ENABLE_USER_TRIGGER,
@@ -83,7 +83,10 @@ from agent.cudaenv import (
     check_dump_dir,
     cuda_driver_present,
 )
-from agent.events import (
+from agent.host.ownactions import OwnActionLog
+from agent.host.procinfo import death_of, same_uts_namespace
+from agent.host.targets import Target
+from agent.model.events import (
     Action,
     ActionResult,
     AttributeValue,
@@ -93,13 +96,10 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
-from agent.ownactions import OwnActionLog
-from agent.procinfo import death_of, same_uts_namespace
-from agent.targets import Target
 
 if TYPE_CHECKING:
-    from agent.progress import ActionSink
-    from agent.registry import BuildContext
+    from agent.host.registry import BuildContext
+    from agent.model.progress import ActionSink
 
 
 __all__ = [
@@ -769,9 +769,9 @@ class CoredumpActor:
                 core files written outside ``config.folder`` (the ``target.uids`` setting).
             record_dirs: folders holding ``servewatch launch`` records (``<data_dir>/launched``).
             driver_present: whether a CUDA driver can be there for a pid (default
-                :func:`~agent.cudaenv.cuda_driver_present`: the NVIDIA module, its device, or
+                :func:`~agent.host.cudaenv.cuda_driver_present`: the NVIDIA module, its device, or
                 ``libcuda.so`` in the target). A target not armed where it is absent ends
-                ``not_armed`` with :data:`~agent.cudaenv.NO_CUDA_DRIVER` and the attribute
+                ``not_armed`` with :data:`~agent.host.cudaenv.NO_CUDA_DRIVER` and the attribute
                 ``servewatch.coredump.no_gpu`` instead of the arming hint. Tests that stand in
                 for the CUDA driver (its FIFO) say a GPU host is there.
         """

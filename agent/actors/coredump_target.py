@@ -6,7 +6,7 @@ ancestor (:func:`record_launch`), an ancestor's environ), the driver's path temp
 patterns (:class:`PathTemplate`: ``%h``, ``%p``, ``%t`` matched as wildcards, ``%p`` limited to
 the pids the target may know itself by), and reaching the target's paths from the agent
 (:class:`TargetView`: through ``/proc/PID/root`` when it lives in another mount namespace).
-Imports the stdlib, psutil, :mod:`agent.cudaenv` (the variables' names), :mod:`agent.fsutil`, :mod:`agent.procinfo` and :mod:`agent.safetext`.
+Imports the stdlib, psutil, :mod:`agent.host.cudaenv` (the variables' names), :mod:`agent.host.fsutil`, :mod:`agent.host.procinfo` and :mod:`agent.model.safetext`.
 
 Facts (FIELD-NOTES, measured here):
 
@@ -31,10 +31,10 @@ from types import MappingProxyType
 
 import psutil
 
-from agent.cudaenv import COREDUMP_VARIABLES
-from agent.fsutil import atomic_write_text, ensure_private_dir
-from agent.procinfo import ns_pid
-from agent.safetext import safe_text
+from agent.host.cudaenv import COREDUMP_VARIABLES
+from agent.host.fsutil import atomic_write_text, ensure_private_dir
+from agent.host.procinfo import ns_pid
+from agent.model.safetext import safe_text
 
 __all__ = [
     "LAUNCH_RECORD_DIR",

@@ -3,7 +3,7 @@
 Owns reading torch's collective Flight Recorder (per process group: collective sequence ids, op,
 sizes, state, timestamps) out of every target rank, one bounded action per rank
 (``flightrec.dump``) and the artifact ``flightrec-rank<r>-<pid>.json`` per rank. The launch
-environment that arms the recorder (``TORCH_FR_BUFFER_SIZE``) is :mod:`agent.cudaenv`'s.
+environment that arms the recorder (``TORCH_FR_BUFFER_SIZE``) is :mod:`agent.host.cudaenv`'s.
 
 Sources, tried in this order until one answers (per rank, all within ``timeout_s`` scaled with the
 rank's recorder size, ``TORCH_FR_BUFFER_SIZE`` over its default, up to 4x; a try that runs out
@@ -28,9 +28,9 @@ Outcomes, one per rank: ``ok``; ``not_enabled`` (a source answered with an empty
 buffer is 0); ``no_source`` ("not available": no socket, debug server or armed pipe — not an
 error); ``timed_out``; ``failed``.
 
-Imports anyio, psutil, httpx (at first use: the worker and debug servers' HTTP), :mod:`agent.events`,
-:mod:`agent.targets`, :mod:`agent.fsutil`, the SDK's path helpers and the control-socket client
-:mod:`agent.sdkclient`.
+Imports anyio, psutil, httpx (at first use: the worker and debug servers' HTTP), :mod:`agent.model.events`,
+:mod:`agent.host.targets`, :mod:`agent.host.fsutil`, the SDK's path helpers and the control-socket client
+:mod:`agent.host.sdkclient`.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ import anyio
 import psutil
 
 from agent.actors.config import FlightRecorderConfig
-from agent.cudaenv import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
-from agent.events import (
+from agent.host.cudaenv import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
+from agent.host.fsutil import atomic_write_text
+from agent.host.security import access_denied, open_trusted, process_uids, trusted_owner
+from agent.host.targets import Target
+from agent.model.events import (
     Action,
     ActionResult,
     AttributeValue,
@@ -60,17 +63,14 @@ from agent.events import (
     Outcome,
     now_ns,
 )
-from agent.fsutil import atomic_write_text
-from agent.lazy import LazyModule
-from agent.ranks import RankEnviron, rank_from_title
-from agent.security import access_denied, open_trusted, process_uids, trusted_owner
-from agent.targets import Target
+from agent.model.lazy import LazyModule
+from agent.model.ranks import RankEnviron, rank_from_title
 
 if TYPE_CHECKING:
     import httpx
 
-    from agent.progress import ActionSink
-    from agent.registry import BuildContext
+    from agent.host.registry import BuildContext
+    from agent.model.progress import ActionSink
 else:
     httpx = LazyModule("httpx")  # imported at first use: a dump without torch worker servers never imports it
 
@@ -274,12 +274,12 @@ class FlightRecorderActor:
     async def _rank(self, target: Target) -> tuple[int | None, str]:
         """The target's rank and where it came from (:data:`RANK_SOURCE_ATTR`): the SDK's ``status``
         (torch.distributed: ``sdk``), else its title alone when it names one
-        (:func:`agent.ranks.rank_from_title`: ``title``; none for ``ray::RayWorkerWrapper``, nor for
+        (:func:`agent.model.ranks.rank_from_title`: ``title``; none for ``ray::RayWorkerWrapper``, nor for
         ``Worker_PP1_TP0``, whose rank depends on the TP size), else ``RANK`` in its environment
-        (:class:`agent.ranks.RankEnviron`: ``environ``; before the title it could be a launcher's,
+        (:class:`agent.model.ranks.RankEnviron`: ``environ``; before the title it could be a launcher's,
         inherited by every worker: the judge, which sees them all, tells); ``(None, "")`` when none
         says it."""
-        from agent.sdkclient import SdkCallError, control_path, sdk_call
+        from agent.host.sdkclient import SdkCallError, control_path, sdk_call
 
         path = await anyio.to_thread.run_sync(control_path, target.pid, self.config.socket_dir)  # file system
         if await anyio.Path(path).exists():
@@ -370,7 +370,7 @@ class FlightRecorderActor:
         return _parse_json(body, str(path)), ""
 
     async def _from_control(self, target: Target, rank: int | None) -> tuple[Any, str]:
-        from agent.sdkclient import SdkCallError, control_path, sdk_call
+        from agent.host.sdkclient import SdkCallError, control_path, sdk_call
 
         path = await anyio.to_thread.run_sync(control_path, target.pid, self.config.socket_dir)  # file system
         if not await anyio.Path(path).exists():

@@ -4,9 +4,9 @@ Owns :class:`ProfilerActor` (its settings model, :class:`~agent.actors.config.Pr
 is in :mod:`agent.actors.config`), the three backends (the SDK control socket,
 SGLang's and vLLM's HTTP endpoints), the bounded search for the trace files a session wrote
 (:func:`find_new_files`) and :func:`profile_once` (``servewatch profile``). Imports anyio, httpx,
-pydantic, :mod:`agent.events`, :mod:`agent.targets` and the SDK control-socket client
-(:mod:`agent.sdkclient`); never a watcher or :mod:`agent.incidents`. Returns
-:class:`~agent.events.ActionResult` (action ``profile.session``) and publishes nothing itself.
+pydantic, :mod:`agent.model.events`, :mod:`agent.host.targets` and the SDK control-socket client
+(:mod:`agent.host.sdkclient`); never a watcher or :mod:`agent.incidents.manager`. Returns
+:class:`~agent.model.events.ActionResult` (action ``profile.session``) and publishes nothing itself.
 
 A session, per backend:
 
@@ -29,7 +29,7 @@ A session, per backend:
     0.32's body: its workers record exactly N engine steps and stop by themselves), then always
     ``POST /stop_profile`` (which also ends the API server's own profiler). Traces land in the
     folder vLLM was launched with (``--profiler-config`` ``torch_profiler_dir``), read from the
-    server's command line (:func:`agent.profiletargets.vllm_trace_dir`); the session's files are
+    server's command line (:func:`agent.host.profiletargets.vllm_trace_dir`); the session's files are
     the ones named with its unique prefix. An idle server (``/metrics``: no request running or
     waiting) is not profiled until a request comes, within the session's timeout: its workers
     would record their idle loop, a trace the real server took minutes to write, serving
@@ -68,7 +68,19 @@ from agent.actors.config import (
     ProfilerConfig,
     activities_problem,
 )
-from agent.events import (
+from agent.host.fsutil import OUTSIDE_SESSION, Claimed, SessionFolder, UnsafeFolderError
+from agent.host.ownactions import PROFILE_MARGIN_S, OwnActionLog
+from agent.host.sdkclient import (
+    SdkCallError,
+    control_path,
+    control_socket_pids,
+    read_step_counter,
+    sdk_call,
+)
+from agent.host.stall import StallClock
+from agent.host.startup import STARTUP_STALL
+from agent.host.targets import Target
+from agent.model.events import (
     Action,
     ActionResult,
     AttributeValue,
@@ -79,26 +91,14 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
-from agent.fsutil import OUTSIDE_SESSION, Claimed, SessionFolder, UnsafeFolderError
-from agent.lazy import LazyModule
-from agent.ownactions import PROFILE_MARGIN_S, OwnActionLog
+from agent.model.lazy import LazyModule
 from agent.sdk.folders import shm_dir
-from agent.sdkclient import (
-    SdkCallError,
-    control_path,
-    control_socket_pids,
-    read_step_counter,
-    sdk_call,
-)
-from agent.stall import StallClock
-from agent.startup import STARTUP_STALL
-from agent.targets import Target
 
 if TYPE_CHECKING:
     import httpx
 
-    from agent.progress import ActionSink
-    from agent.registry import BuildContext
+    from agent.host.registry import BuildContext
+    from agent.model.progress import ActionSink
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
 
@@ -243,7 +243,7 @@ class _StallWatch:
 
     def __init__(self, pid: int, directory: Path | None, window_s: float = STALL_WINDOW_S) -> None:
         self.pid, self.directory = pid, directory
-        #: the stall rule (agent.stall) with T = the window; a target that never stepped stalls too
+        #: the stall rule (agent.host.stall) with T = the window; a target that never stepped stalls too
         self.clock = StallClock(window_s, before_first_step=True)
 
     def stalled(self) -> bool:
@@ -427,7 +427,7 @@ class ProfilerActor:
         self, opened: IncidentOpened, targets: Sequence[Target], artifact_dir: Path, report: ActionSink
     ) -> list[ActionResult]:
         """The incident phase (:class:`agent.actors.Actor`): :meth:`profile_incident`, skipped
-        (one ``SKIPPED`` result) for a stall or a start-up stall (:mod:`agent.startup`: no first
+        (one ``SKIPPED`` result) for a stall or a start-up stall (:mod:`agent.host.startup`: no first
         step yet), or when ``stalled(targets)`` says a target is busy with no step: a stalled
         server takes no steps, so waiting for them would only time out."""
         if opened.trigger == STARTUP_STALL:
@@ -477,7 +477,7 @@ class ProfilerActor:
 
         While it runs it is recorded as a ``profile`` own action of ``pid`` (or of the server's
         port, for the HTTP backends), bounded by the session's own bound (``req.timeout_s`` plus
-        the find and stop bounds) and :data:`agent.ownactions.PROFILE_MARGIN_S`: the server's
+        the find and stop bounds) and :data:`agent.host.ownactions.PROFILE_MARGIN_S`: the server's
         stall rule is paused meanwhile (:mod:`agent.watchers.watchdog`).
 
         The target writes into a session folder the agent creates (:class:`SessionFolder`:
@@ -745,7 +745,7 @@ class ProfilerActor:
         )
 
     async def _vllm_session(self, s: _Session, client: httpx.AsyncClient) -> ActionResult:
-        from agent.profiletargets import vllm_trace_dir
+        from agent.host.profiletargets import vllm_trace_dir
 
         c, req = self.config, s.req
         folder, why = await anyio.to_thread.run_sync(vllm_trace_dir, c.base_url)  # socket scan, /proc
@@ -902,8 +902,8 @@ def _vllm_metric_values(text: str) -> tuple[float | None, float | None]:
 
 
 def _url_port(url: str | None) -> int | None:
-    """The port of ``url`` (:func:`agent.servers.port_of_url`), ``None`` without one."""
-    from agent.servers import port_of_url
+    """The port of ``url`` (:func:`agent.verdict.servers.port_of_url`), ``None`` without one."""
+    from agent.verdict.servers import port_of_url
 
     return port_of_url(url) if url else None
 
@@ -914,7 +914,7 @@ def _local_listener(url: str | None) -> int | None:
     ``None`` for another host or when none is found (blocking: reads the socket table)."""
     from urllib.parse import urlsplit
 
-    from agent.servers import listener_of_port
+    from agent.verdict.servers import listener_of_port
 
     port = _url_port(url)
     try:

@@ -3,10 +3,10 @@
 Owns :class:`PySpyActor` (settings: :class:`~agent.actors.config.PySpyConfig`), the py-spy failure classifier
 (:func:`classify`), the parsing/rendering of ``py-spy dump --json`` output
 (:func:`parse_dump`, :func:`parse_threads`, :func:`render_text`) and the hung-frame rule
-(:func:`hung_location`, :func:`hung_frame`), which :mod:`exporters.bundle` also reads
-bundles with. Imports anyio, psutil (through :mod:`agent.targets`), pydantic,
-:func:`agent.actors.act_all`, :mod:`agent.events`, :mod:`agent.ranks` (titles' roles) and
-:mod:`agent.targets`; never a watcher.
+(:func:`hung_location`, :func:`hung_frame`), which :mod:`agent.views.bundle` also reads
+bundles with. Imports anyio, psutil (through :mod:`agent.host.targets`), pydantic,
+:func:`agent.actors.act_all`, :mod:`agent.model.events`, :mod:`agent.model.ranks` (titles' roles) and
+:mod:`agent.host.targets`; never a watcher.
 
 How one dump runs (per target, see :meth:`PySpyActor.act`):
 
@@ -32,7 +32,7 @@ How one dump runs (per target, see :meth:`PySpyActor.act`):
    partial header on stdout). On a timeout or cancellation the whole process group is killed, and
    a target left stopped (psutil status ``stopped`` / ``tracing-stop``) gets ``SIGCONT``; that
    cleanup is shielded from cancellation and bounded by its own short timeout.
-5. A failure is sorted into an :class:`~agent.events.Outcome` by :func:`classify` (exit code,
+5. A failure is sorted into an :class:`~agent.model.events.Outcome` by :func:`classify` (exit code,
    stderr, and the target's state after the failure). Only failures a plain run may fix are retried
    without ``--native``; ``--native`` unsupported on this host is remembered for the actor's life.
    A denial while nobody is attached any more is retried once after :data:`TRANSIENT_RETRY_S`
@@ -73,7 +73,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import anyio
 from anyio.abc import ByteReceiveStream
 
-from agent import pidfds
 from agent.actors import act_all
 from agent.actors.config import PySpyConfig
 from agent.early import (
@@ -87,7 +86,28 @@ from agent.early import (
     pyspy_argv,
     pyspy_env,
 )
-from agent.events import (
+from agent.host import pidfds
+from agent.host.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
+from agent.host.ownactions import OwnActionLog, stopped_by_us
+from agent.host.procinfo import (
+    Death,
+    Dumper,
+    Tracer,
+    ancestry,
+    death_of,
+    deleted_mappings,
+    dumpers_of,
+    tracer_of,
+)
+from agent.host.security import process_uids, trusted_owner
+from agent.host.targets import (
+    ProcessState,
+    Target,
+    UninterruptibleThread,
+    process_state,
+    uninterruptible_threads,
+)
+from agent.model.events import (
     Action,
     ActionResult,
     AttributeValue,
@@ -98,22 +118,9 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
-from agent.fsutil import atomic_write_bytes, atomic_write_text, ensure_private_dir
-from agent.ownactions import OwnActionLog, stopped_by_us
-from agent.procinfo import (
-    Death,
-    Dumper,
-    Tracer,
-    ancestry,
-    death_of,
-    deleted_mappings,
-    dumpers_of,
-    tracer_of,
-)
-from agent.ranks import parse_title
-from agent.safetext import safe_text
-from agent.security import process_uids, trusted_owner
-from agent.stacks import (
+from agent.model.ranks import parse_title
+from agent.model.safetext import safe_text
+from agent.model.stacks import (
     clip,
     hung_frame,
     idle_and_stuck,
@@ -123,17 +130,10 @@ from agent.stacks import (
     summarize,
     threads_to_json,
 )
-from agent.targets import (
-    ProcessState,
-    Target,
-    UninterruptibleThread,
-    process_state,
-    uninterruptible_threads,
-)
 
 if TYPE_CHECKING:
-    from agent.progress import ActionSink
-    from agent.registry import BuildContext
+    from agent.host.registry import BuildContext
+    from agent.model.progress import ActionSink
 
 
 __all__ = [
@@ -407,7 +407,7 @@ async def _probe(target: Target) -> ProcessState:
 
 
 async def _dsleep(target: Target) -> tuple[UninterruptibleThread, ...]:
-    """:func:`~agent.targets.uninterruptible_threads` of the target, off the event loop."""
+    """:func:`~agent.host.targets.uninterruptible_threads` of the target, off the event loop."""
     return await anyio.to_thread.run_sync(uninterruptible_threads, target.pid)
 
 
@@ -467,7 +467,7 @@ async def _clear_of_others(pid: int, base: dict[str, AttributeValue], seen: dict
 
 
 def _others(pid: int) -> list[Dumper]:
-    """Other py-spy runs aimed at ``pid`` (:func:`agent.procinfo.dumpers_of`), not this agent's own
+    """Other py-spy runs aimed at ``pid`` (:func:`agent.host.procinfo.dumpers_of`), not this agent's own
     (its children: its runs and its early runs)."""
     return dumpers_of(pid, exclude_parent=os.getpid())
 
@@ -502,7 +502,7 @@ def dump_waves(targets: Sequence[Target]) -> list[list[int]]:
     list per wave, each wave's dumps concurrent and a wave starting when the one before it ended.
 
     The first wave holds the processes whose title names a rank or a coordinator
-    (:func:`agent.ranks.parse_title`: ``sglang::scheduler_TP1``, ``VLLM::Worker_TP0``,
+    (:func:`agent.model.ranks.parse_title`: ``sglang::scheduler_TP1``, ``VLLM::Worker_TP0``,
     ``VLLM::EngineCore``): where a hang is, and what the verdict reads first. The second holds the
     server's other processes (frontends such as ``sglang::detokenizer``, a launcher that kept its
     command line, untitled helpers). Without any rank or coordinator among the targets (a plain

@@ -19,8 +19,8 @@ import anyio
 import httpx
 from rich.console import Console
 
-from agent.config import Settings, load_settings
-from agent.incidents import STATE_INTERRUPTED, IncidentRecord
+from agent.incidents.manager import STATE_INTERRUPTED, IncidentRecord
+from agent.runtime.settings import Settings, load_settings
 
 __all__ = ["run_demo"]
 
@@ -113,7 +113,7 @@ async def _demo(
     on_captured: Callable[[IncidentRecord], None] | None, records: list[IncidentRecord] | None = None,
 ) -> IncidentRecord:
     from agent.demo.client import DemoServer, agenerate, ainject_hang
-    from agent.runtime import Agent
+    from agent.runtime.agent import Agent
 
     t0 = time.monotonic()
 

@@ -336,11 +336,11 @@ def _tracer_provider_from_env() -> Any:
     """The demo's fallback ``TracerProvider`` (used while no agent is attached to the span
     channel), or ``None`` without an endpoint.
 
-    Built by :func:`exporters.sdk_export.tracer_provider_from_env`: the same ``OTEL_*``
+    Built by :func:`exporters.otlp.sdk_export.tracer_provider_from_env`: the same ``OTEL_*``
     resolution, protocol default (``grpc``), TLS and lossless processor as the agent, so request
     and forward spans reach the collector the incident goes to.
     """
-    from exporters.sdk_export import tracer_provider_from_env
+    from exporters.otlp.sdk_export import tracer_provider_from_env
 
     try:
         return tracer_provider_from_env("servewatch-demo")

@@ -6,10 +6,10 @@ server on anyio), :mod:`~agent.fleet.api` (routes, auth, rate limit),
 (W3C trace context), :mod:`~agent.fleet.peers` (who the peers are, asking one),
 :mod:`~agent.fleet.identity` (a job incident's trace from the stuck collective),
 :mod:`~agent.fleet.messages` (the job routes' bodies), :mod:`~agent.fleet.fanout` (bounded,
-tree-shaped), :mod:`~agent.fleet.evidence` (a host's compact evidence summary),
+tree-shaped), :mod:`~agent.fleet.host_summary` (a host's compact evidence summary),
 :mod:`~agent.fleet.jobverdict` (the job's verdict), :mod:`~agent.fleet.jobstate` and
 :mod:`~agent.fleet.job` (the protocol: coordinator, reports, joins, deduplication).
-Nothing here imports a watcher or an actor; :mod:`agent.runtime` starts :class:`Fleet`.
+Nothing here imports a watcher or an actor; :mod:`agent.runtime.agent` starts :class:`Fleet`.
 """
 
 from typing import Any

@@ -3,7 +3,7 @@
 Owns :class:`ApiConfig`, :class:`FleetConfig`, :func:`check_fleet_settings` (the cross-checks run
 when settings load), :func:`read_token_file` (a bearer token only from a private file) and
 :func:`server_ssl_context` / :func:`client_ssl_context` (TLS and mutual TLS). Imports pydantic and
-the standard library only, so :mod:`agent.config` can import it.
+the standard library only, so :mod:`agent.runtime.settings` can import it.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ApiConfig(BaseModel):
         1.0, gt=0, description="failed authentications per second allowed, all client addresses together (token guessing)"
     )
     guess_burst: int = Field(30, ge=1, description="failed authentications allowed at once, all client addresses together")
-    # `default=[]`, not `default_factory=list` (see agent.targets.TargetConfig.pids)
+    # `default=[]`, not `default_factory=list` (see agent.host.targets.TargetConfig.pids)
     names: list[str] = Field(
         default=[], max_length=64,
         description="other names or addresses peers reach this agent by (a DNS name, a NAT address): a peer's signed"

@@ -76,7 +76,7 @@ def stuck_collective(traces: Iterable[Mapping[str, Any]], pg: str = DEFAULT_PG) 
     Args:
         traces: Flight Recorder dumps (``_dump_fr_trace_json``: ``pg_status`` maps a group to
             ``last_completed_collective``, a string or an int), one per rank; the windows of
-            the job's evidence (:func:`agent.fleet.evidence.fr_window`) keep ``pg_status``.
+            the job's evidence (:func:`agent.fleet.host_summary.fr_window`) keep ``pg_status``.
         pg: the process group (torch's default group ``0``).
 
     Returns:

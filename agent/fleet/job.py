@@ -1,7 +1,7 @@
 """One incident, one trace across every host of a job, one coordinator, one verdict.
 
 Owns :class:`Fleet`: it serves the agent API (:mod:`agent.fleet.api` on :mod:`agent.fleet.http`)
-and runs a job's protocol. It plugs into :class:`~agent.incidents.IncidentManager` through three
+and runs a job's protocol. It plugs into :class:`~agent.incidents.manager.IncidentManager` through three
 hooks: ``admit`` (a local detection inside a job incident's window is folded), ``place`` (names
 an incident's trace before it opens) and ``companions`` (runs beside an incident's phases).
 
@@ -39,10 +39,10 @@ The protocol, per job incident:
    (:mod:`agent.fleet.fanout`). Requests per job incident: one report per detecting host, one
    join per other host: at most 2N.
 4. **A job verdict.** When its capture is done, every host sends the coordinator a compact
-   evidence summary (:mod:`agent.fleet.evidence`); the coordinator judges the whole job
+   evidence summary (:mod:`agent.fleet.host_summary`); the coordinator judges the whole job
    (:mod:`agent.fleet.jobverdict`) once every member's summary arrived or ``evidence_timeout_s``
    passed, writes ``job-verdict.json`` into its bundle and emits the job's root span with the
-   verdict (:class:`~agent.events.JobIncidentClosed`): one ``job.incident`` per trace, from the
+   verdict (:class:`~agent.model.events.JobIncidentClosed`): one ``job.incident`` per trace, from the
    one coordinator. Evidence after the verdict is kept, not judged (``late_evidence``).
 
 Who speaks for a host: every member holds the same token, so a signature says "a member", not
@@ -72,7 +72,7 @@ to a trace of that host's incident, linked from its ``incident`` span, which sta
 trace as the host's summary (outcome counts, verdict, bundle path): 1,000 hosts of 8 ranks stay
 under a backend's per-trace limit (Tempo: 5 MB), every host's detail one click away.
 
-Imports :mod:`agent.events`, :mod:`agent.incidents` (types), :mod:`agent.ranks` and the other
+Imports :mod:`agent.model.events`, :mod:`agent.incidents.manager` (types), :mod:`agent.model.ranks` and the other
 :mod:`agent.fleet` modules; never a watcher or an actor (the Flight Recorder reader is handed in).
 """
 
@@ -94,19 +94,6 @@ from typing import Any, Protocol
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from agent.events import (
-    TRACE_DETAIL_ATTR,
-    Action,
-    ActionCompleted,
-    ActionResult,
-    ComponentStatusChanged,
-    IncidentOpened,
-    JobIncidentClosed,
-    Outcome,
-    Trigger,
-    frozen_attrs,
-    now_ns,
-)
 from agent.fleet.api import INCIDENT_ID_PATTERN, AgentApi, JoinRequest, Sender
 from agent.fleet.config import (
     ApiConfig,
@@ -115,8 +102,8 @@ from agent.fleet.config import (
     read_token_file,
     server_ssl_context,
 )
-from agent.fleet.evidence import fit, host_evidence
 from agent.fleet.fanout import bounded, plan
+from agent.fleet.host_summary import fit, host_evidence
 from agent.fleet.http import HttpServer
 from agent.fleet.identity import (
     JobKey,
@@ -140,9 +127,22 @@ from agent.fleet.peers import (
 )
 from agent.fleet.proof import NonceCache
 from agent.fleet.traceparent import TraceParent
-from agent.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
-from agent.manifest import MANIFEST_NAME, ManifestError, parse_manifest
-from agent.ranks import distinct_env_ranks, rank_label, world_ranks
+from agent.host.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
+from agent.host.manifest import MANIFEST_NAME, ManifestError, parse_manifest
+from agent.model.events import (
+    TRACE_DETAIL_ATTR,
+    Action,
+    ActionCompleted,
+    ActionResult,
+    ComponentStatusChanged,
+    IncidentOpened,
+    JobIncidentClosed,
+    Outcome,
+    Trigger,
+    frozen_attrs,
+    now_ns,
+)
+from agent.model.ranks import distinct_env_ranks, rank_label, world_ranks
 
 __all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "JobIncident"]
 
@@ -186,7 +186,7 @@ MAX_UNIX_PATH = 107
 
 
 class AgentView(Protocol):
-    """What the fleet reads from the agent (:class:`agent.runtime.Agent`)."""
+    """What the fleet reads from the agent (:class:`agent.runtime.agent.Agent`)."""
 
     settings: Any
     incidents: Any
@@ -349,7 +349,7 @@ class Fleet:
     def _unix_path(self) -> str | None:
         """The operator's unix socket (``api.unix_socket``: ``auto`` is ``<data_dir>/<host name>.api.sock``,
         the data dir made 0700 if missing), or ``None``: off, or (said once) a path too long for a
-        socket, or a folder another user controls (:func:`agent.fsutil.open_trusted_dir`). A file
+        socket, or a folder another user controls (:func:`agent.host.fsutil.open_trusted_dir`). A file
         system walk: a worker thread."""
         raw = self.api_config.unix_socket
         if not raw:
@@ -398,9 +398,9 @@ class Fleet:
 
     def _local_ranks_now(self) -> tuple[int, ...]:
         """This host's global ranks: ``RANK`` in a target's environment, else its title's rank in
-        this server's world (:func:`agent.ranks.world_ranks`). A /proc scan: a worker thread; of
-        the environment only the rank variables are read (:func:`agent.targets.rank_environ`)."""
-        from agent.targets import rank_environ
+        this server's world (:func:`agent.model.ranks.world_ranks`). A /proc scan: a worker thread; of
+        the environment only the rank variables are read (:func:`agent.host.targets.rank_environ`)."""
+        from agent.host.targets import rank_environ
 
         targets = self.agent.discover()
         ranks: set[int] = set()
@@ -478,7 +478,7 @@ class Fleet:
 
     async def _place(self, trigger: str, targets: Sequence[Any], detected_ns: int,
                      parent: tuple[str, str] | None) -> tuple[str, str, dict[str, Any]] | None:
-        """The trace of an incident about to open here (:data:`agent.incidents.Placement`);
+        """The trace of an incident about to open here (:data:`agent.incidents.manager.Placement`);
         ``detected_ns``: the trigger event's time (the time bucket's, without a Flight Recorder);
         ``parent``: the trace it was opened in (a join), kept."""
         if parent is not None:
@@ -1553,7 +1553,7 @@ class Fleet:
 
     async def get_incident(self, incident_id: str) -> dict[str, Any] | None:
         """``GET /v1/incidents/{id}``: the manifest (read without following symlinks) as
-        :class:`agent.manifest.Manifest` validates it, or None (no such incident, too big, or not
+        :class:`agent.host.manifest.Manifest` validates it, or None (no such incident, too big, or not
         a manifest this agent reads)."""
         return await anyio.to_thread.run_sync(self._read_manifest, incident_id)
 
@@ -1621,8 +1621,8 @@ def _concrete_ip(host: str) -> str | None:
 
 
 def _warm_imports() -> None:
-    import agent.sdk.flightrec
-    import agent.sdkclient  # noqa: F401
+    import agent.host.sdkclient
+    import agent.sdk.flightrec  # noqa: F401
 
 
 def _route_address(destinations: Sequence[tuple[str, int]]) -> str:

@@ -6,7 +6,7 @@ coordinator has every host's summary (:class:`agent.fleet.messages.Evidence`), s
 whole job at once:
 
 1. every host's ranks become one evidence list by global rank and go through the same rules as
-   a host's own verdict (:func:`agent.verdict.decide`): a dead rank, a desync, a rank behind, a
+   a host's own verdict (:func:`agent.verdict.rules.decide`): a dead rank, a desync, a rank behind, a
    rank stuck in compute while the others wait;
 2. torch's own Flight Recorder analyzer (``torch.distributed.flight_recorder``'s ``build_db``, on
    the recorder windows the hosts sent) confirms it or names what the rules could not: "Not all
@@ -24,8 +24,8 @@ Deaths are ordered on one clock, the coordinator's: a host whose clock is off by
 before the rules order them, and an evidence line says so; smaller offsets are within the
 measurement's error (whole-second signature times) and left alone.
 
-Pure apart from torch's analyzer (imported lazily and optionally by :mod:`agent.flightrec_view`).
-No I/O. Imports :mod:`agent.verdict`, :mod:`agent.flightrec_view` and :mod:`agent.fleet.messages`.
+Pure apart from torch's analyzer (imported lazily and optionally by :mod:`agent.verdict.flightrec`).
+No I/O. Imports :mod:`agent.verdict.rules`, :mod:`agent.verdict.flightrec` and :mod:`agent.fleet.messages`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.events import Trigger
 from agent.fleet.messages import Evidence, RankSummary
-from agent.flightrec_view import RankRecorder, torch_missing_ranks
-from agent.verdict import NEXT_STEPS, FrameClass, RankEvidence, Role, Verdict, decide, next_step
-from agent.verdict import Evidence as ServerEvidence
+from agent.model.events import Trigger
+from agent.verdict.flightrec import RankRecorder, torch_missing_ranks
+from agent.verdict.rules import (
+    NEXT_STEPS,
+    FrameClass,
+    RankEvidence,
+    Role,
+    Verdict,
+    decide,
+    next_step,
+)
+from agent.verdict.rules import Evidence as ServerEvidence
 
 __all__ = ["CLOCK_OFFSET_SAID_S", "JOB_KINDS", "JOB_NEXT_STEPS", "JOB_VERDICT_ATTR_PREFIX", "MISSING", "JobVerdict", "MissingHost",
            "job_next_step", "judge_job", "torch_findings"]
@@ -56,12 +64,12 @@ CLOCK_OFFSET_SAID_S = 2.0
 #: The job verdict's own kind: the culprit is among the ranks nobody captured.
 MISSING = "missing"
 #: The next step of the job verdict's own kinds, in general (the docs' tables); a host's kind has
-#: its :data:`agent.verdict.NEXT_STEPS` line, said on the culprit's host (:func:`job_next_step`).
+#: its :data:`agent.verdict.rules.NEXT_STEPS` line, said on the culprit's host (:func:`job_next_step`).
 JOB_NEXT_STEPS: dict[str, str] = {
     MISSING: "on the host without evidence: `servewatch status` (why its agent sent nothing), then "
              "`servewatch dump --match '<rank titles>'` there",
 }
-#: Every kind a job verdict can have: a host verdict's (:data:`agent.verdict.NEXT_STEPS`) and its own.
+#: Every kind a job verdict can have: a host verdict's (:data:`agent.verdict.rules.NEXT_STEPS`) and its own.
 JOB_KINDS: frozenset[str] = frozenset(NEXT_STEPS) | frozenset(JOB_NEXT_STEPS)
 
 
@@ -89,7 +97,7 @@ class JobVerdict:
     """The job-level verdict.
 
     Attributes:
-        kind: the rule's kind (:class:`agent.verdict.Verdict`), or ``missing`` (the culprit is
+        kind: the rule's kind (:class:`agent.verdict.rules.Verdict`), or ``missing`` (the culprit is
             among ranks nobody could capture).
         culprit_ranks / culprit_hosts: global ranks named, and each one's host (same order).
         reason / confidence: as for a host's verdict.
@@ -165,7 +173,7 @@ class JobVerdict:
 def job_next_step(kind: str, base: Verdict | None, server: ServerEvidence, *, culprits: Sequence[int],
                   culprit_hosts: Sequence[str], hosts: Sequence[str], missing_hosts: Sequence[MissingHost]) -> str:
     """The job verdict's ``next:`` line: for :data:`MISSING`, the first host without evidence and why;
-    otherwise the host verdict's next step (:func:`agent.verdict.next_step`, with the job's kind
+    otherwise the host verdict's next step (:func:`agent.verdict.rules.next_step`, with the job's kind
     and culprits and their pids) said on the first culprit's host, or on each host (by title,
     since pids are per host) when nobody is named.
 
@@ -209,7 +217,7 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 
 def torch_findings(recorders: Mapping[int, RankRecorder]) -> tuple[set[int], list[str]]:
-    """torch's Flight Recorder analyzer (``build_db``, via :func:`agent.flightrec_view.torch_missing_ranks`)
+    """torch's Flight Recorder analyzer (``build_db``, via :func:`agent.verdict.flightrec.torch_missing_ranks`)
     on the hosts' recorder windows: the ranks it finds missing from a collective, and one line per
     finding; empty without torch or with fewer than two recorders."""
     if len(recorders) < 2:

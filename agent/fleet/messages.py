@@ -99,7 +99,7 @@ class Report(_FromHost):
 
 
 class RankSummary(_Wire):
-    """One rank's evidence, compact (what :class:`agent.verdict.RankEvidence` holds, on the wire).
+    """One rank's evidence, compact (what :class:`agent.verdict.rules.RankEvidence` holds, on the wire).
 
     Attributes:
         rank: the global rank.
@@ -119,7 +119,7 @@ class RankSummary(_Wire):
     exit_time_ns: int | None = None
     frame_class: Literal["compute", "collective", "rendezvous", "idle", "unknown"] = "unknown"
     frame: str = Field("", max_length=512)
-    #: the point-to-point op its stack waits in (:attr:`agent.verdict.RankEvidence.p2p`); an older
+    #: the point-to-point op its stack waits in (:attr:`agent.verdict.rules.RankEvidence.p2p`); an older
     #: agent leaves it out (read as none) and ignores it
     p2p: Literal["", "recv", "send", "send/recv", "wait"] = ""
     steps_before: int | None = None

@@ -10,7 +10,7 @@ one of them) and
 :class:`PeerCredentials` (what we send, and whether an answer provably comes from a member of the
 job: mutual TLS, or the token's proof of :mod:`agent.fleet.proof`).
 
-Imports anyio, psutil, :mod:`agent.fleet.client`, :mod:`agent.fleet.proof` and :mod:`agent.events`.
+Imports anyio, psutil, :mod:`agent.fleet.client`, :mod:`agent.fleet.proof` and :mod:`agent.model.events`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from urllib.parse import urlsplit
 import anyio
 import psutil
 
-from agent.backoff import Backoff
-from agent.events import Action, ActionResult, Outcome, frozen_attrs, now_ns
 from agent.fleet.client import PeerAnswer, PeerRequestError, post_json
 from agent.fleet.proof import NONCE_HEADER, PROOF_HEADER, new_nonce, sign_request, verify_answer
+from agent.model.backoff import Backoff
+from agent.model.events import Action, ActionResult, Outcome, frozen_attrs, now_ns
 
 __all__ = [
     "PEER_SPAN",

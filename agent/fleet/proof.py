@@ -27,7 +27,7 @@ name>``, 0600 in a 0700 folder; only nonces whose signature is still fresh, at m
 a signed request accepted before the agent restarted is refused after it, and a peer whose clock
 differs by up to :data:`MAX_SKEW_S` is refused nothing but a replay.
 
-Operators keep using the bearer token (``Authorization: Bearer``). Imports :mod:`agent.fsutil` and
+Operators keep using the bearer token (``Authorization: Bearer``). Imports :mod:`agent.host.fsutil` and
 the standard library only.
 """
 
@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from agent.fsutil import atomic_write_text, open_append_nofollow
+from agent.host.fsutil import atomic_write_text, open_append_nofollow
 
 __all__ = [
     "MAX_SKEW_S",

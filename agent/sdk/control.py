@@ -107,7 +107,7 @@ def allowed_profile_dirs() -> list[str]:
 def session_folder_problem(path: str) -> str | None:
     """Why ``path`` is not a session folder the agent created for this server, or ``None``.
 
-    The agent (:class:`agent.fsutil.SessionFolder`) hands a server an existing folder, mode
+    The agent (:class:`agent.host.fsutil.SessionFolder`) hands a server an existing folder, mode
     0700, owned by the server's effective uid (given to it when the agent runs as another uid),
     never a symlink. ``/etc`` (0755) or a folder that does not exist is none of that.
 

@@ -146,7 +146,7 @@ class _Answers:
         self.asked: dict[int, float] = {}
         self.thread: threading.Thread | None = None
         #: the refresh thread parks on this between looks (never set): a parked helper to a stack
-        #: reader (agent.stacks), not a thread "stuck" in ``time.sleep`` in the server's dump
+        #: reader (agent.model.stacks), not a thread "stuck" in ``time.sleep`` in the server's dump
         self.park = threading.Event()
 
 

@@ -6,7 +6,7 @@ watcher says what it can see by publishing ``WatcherStatusChanged`` (ready / wai
 with a reason; :mod:`agent.watchers.status`) before it is ready and on every change.
 
 Owns the :class:`Watcher` protocol, :class:`TargetWatchers` (watchers started per target
-process) and :data:`WATCHERS`, the watcher registry (:mod:`agent.registry`): one line per watcher
+process) and :data:`WATCHERS`, the watcher registry (:mod:`agent.host.registry`): one line per watcher
 below. A factory returns a :class:`Watcher` (started once, restarted fresh after a crash unless it
 sets ``reusable = True``) or a :class:`TargetWatchers` (asked for each target discovered).
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from agent.registry import Registry
+from agent.host.registry import Registry
 
 if TYPE_CHECKING:  # annotations only: reading a status file (agent.watchers.status) needs no event loop
     from anyio.abc import TaskStatus
 
-    from agent.bus import Publisher
-    from agent.targets import Target
+    from agent.host.targets import Target
+    from agent.model.bus import Publisher
 
 __all__ = ["WATCHERS", "TargetWatchers", "Watcher"]
 

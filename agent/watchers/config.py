@@ -6,7 +6,7 @@ Owns :class:`HealthConfig` (``[health]``, with :func:`check_http_url`), :class:`
 :class:`MetricsConfig` (``[metrics]``). Both URL tables take several servers' URLs (``url`` as a
 list, a repeated ``--health-url``/``--metrics-url``, or ``urls``): one watcher each, each URL tied
 to its server by its port. The stall rule's own settings (``[watchdog]``) are the
-agent's: :class:`agent.stall.WatchdogConfig`. Imports pydantic and the standard library only.
+agent's: :class:`agent.host.stall.WatchdogConfig`. Imports pydantic and the standard library only.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class HealthConfig(_ServerUrls):
             since it starts the server itself.
     """
 
-    #: agent-wide values set in this table (:class:`~agent.registry.AgentValues`)
+    #: agent-wide values set in this table (:class:`~agent.host.registry.AgentValues`)
     provides: ClassVar[Mapping[str, str]] = {"server_urls": "all_urls"}
 
     url: str | None = None
@@ -158,7 +158,7 @@ class MetricsConfig(StepsConfig, _ServerUrls):
     that server's incident (the server found by the URL's port).
     """
 
-    #: agent-wide values set in this table (:class:`~agent.registry.AgentValues`)
+    #: agent-wide values set in this table (:class:`~agent.host.registry.AgentValues`)
     provides: ClassVar[Mapping[str, str]] = {"server_urls": "all_urls"}
 
     url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")

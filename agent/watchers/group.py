@@ -15,7 +15,7 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
-from agent.bus import Publisher
+from agent.model.bus import Publisher
 
 __all__ = ["WatcherGroup", "url_label"]
 

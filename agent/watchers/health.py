@@ -2,7 +2,7 @@
 
 Owns: :class:`HealthWatcher` (settings: :class:`~agent.watchers.config.HealthConfig`), :func:`classify_status` and
 :func:`classify_error` (the one place httpx's failures become our error classes). May import
-:mod:`agent.events`, :mod:`agent.bus` (``Publisher``), anyio, httpx and pydantic.
+:mod:`agent.model.events`, :mod:`agent.model.bus` (``Publisher``), anyio, httpx and pydantic.
 
 Every probe publishes ``HealthProbed`` (high-rate; may be dropped for a slow subscriber).
 ``HealthCheckFailed`` is published once when ``unhealthy_after`` consecutive probes have failed
@@ -26,9 +26,9 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
-from agent.bus import Publisher
-from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
-from agent.lazy import LazyModule
+from agent.model.bus import Publisher
+from agent.model.events import HealthCheckFailed, HealthProbed, HealthRecovered
+from agent.model.lazy import LazyModule
 from agent.watchers.config import MAX_HEALTH_BODY_BYTES, HealthConfig, check_http_url
 from agent.watchers.group import WatcherGroup, url_label
 from agent.watchers.status import StatusReporter, WatcherState
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import httpx
     from prometheus_client import parser as prometheus_parser
 
-    from agent.registry import BuildContext
+    from agent.host.registry import BuildContext
 else:
     httpx = LazyModule("httpx")  # imported at first use: a fast CLI cold start
     prometheus_parser = LazyModule("prometheus_client.parser")  # at the first /metrics read
@@ -348,7 +348,7 @@ class HealthWatcher:
 
 def refused_status(url: str, starting: Callable[[], str | None] | None) -> tuple[WatcherState, str]:
     """What "connection refused" at ``url`` says, past the refused grace: the server is starting
-    (``WAITING``) while ``starting()`` names its ranks in start-up (:mod:`agent.startup`: SGLang
+    (``WAITING``) while ``starting()`` names its ranks in start-up (:mod:`agent.host.startup`: SGLang
     and vLLM listen only once every rank is ready), else nothing listens there (``BLIND``: wrong
     host or port, or the server is down)."""
     line = starting() if starting is not None else None

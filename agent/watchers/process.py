@@ -1,8 +1,8 @@
 """The process watcher: reports each watched process's exit once, with its status when known.
 
 Owns: :class:`ProcessWatcher` and :func:`exit_status` (decoding a wait status). May import
-:mod:`agent.events`, :mod:`agent.bus` (``Publisher``), :mod:`agent.targets`, :mod:`agent.procinfo`,
-:mod:`agent.security` (a launched command's title, redacted), anyio and psutil.
+:mod:`agent.model.events`, :mod:`agent.model.bus` (``Publisher``), :mod:`agent.host.targets`, :mod:`agent.host.procinfo`,
+:mod:`agent.host.security` (a launched command's title, redacted), anyio and psutil.
 
 How an exit is noticed, per pid:
 
@@ -13,7 +13,7 @@ How an exit is noticed, per pid:
   process's creation time guarding against pid reuse. A zombie counts as exited.
 
 How the exit status is learnt without stealing it from whoever owns the child (the result is
-one :class:`~agent.events.ExitFact`: kind, status, OOM, when, and which source said so):
+one :class:`~agent.model.events.ExitFact`: kind, status, OOM, when, and which source said so):
 
 * a ``subprocess.Popen`` (or any ``returncode`` callable) registered for the pid: its owner's
   API reaps and reports it (launch mode);
@@ -21,7 +21,7 @@ one :class:`~agent.events.ExitFact`: kind, status, OOM, when, and which source s
   ``launch`` is), ``waitid(P_PIDFD, …, WEXITED | WNOWAIT)`` reads the status and leaves the
   zombie for its owner to reap;
 * for a process that is not our child: the kernel's own exit event
-  (:class:`agent.exits.KernelExits`, root in the host network namespace), which a server
+  (:class:`agent.host.exits.KernelExits`, root in the host network namespace), which a server
   reaping its rank at once cannot hide; else, while it is a zombie, ``/proc/PID/stat``;
 * a SIGKILL (or an unknown status) is checked against the OOM killer's record (the kernel log,
   else the cgroup's ``oom_kill`` counter read when the watch began): "killed by the OOM killer";
@@ -71,14 +71,14 @@ import psutil
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 
-from agent.bus import Publisher
-from agent.events import ExitFact, ExitKind, ExitSource, FrontendExited, TargetExited, now_ns
-from agent.exits import KernelExits, OomCounter, OomWatch, oom_counter_of
-from agent.procinfo import exit_fact_of, note_exit, zombie_exit_status
-from agent.targets import ProcessState, Target, process_state
+from agent.host.exits import KernelExits, OomCounter, OomWatch, oom_counter_of
+from agent.host.procinfo import exit_fact_of, note_exit, zombie_exit_status
+from agent.host.targets import ProcessState, Target, process_state
+from agent.model.bus import Publisher
+from agent.model.events import ExitFact, ExitKind, ExitSource, FrontendExited, TargetExited, now_ns
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext
+    from agent.host.registry import BuildContext
 
 
 __all__ = [
@@ -266,7 +266,7 @@ class ProcessWatcher:
     """Publishes ``TargetExited(pid, exit_code, signal, title)`` once per watched pid.
 
     Args:
-        targets: pids or :class:`~agent.targets.Target` to watch. A ``Target`` with
+        targets: pids or :class:`~agent.host.targets.Target` to watch. A ``Target`` with
             ``create_time_s`` set also guards against pid reuse: if the pid already belongs to
             another process, the target is reported as exited.
         poll_interval_s: the polling period without a pidfd (fallback), in seconds. Default 1.0.
@@ -321,7 +321,7 @@ class ProcessWatcher:
         watched anew (a new process that reused the pid).
 
         Args:
-            target: pid or :class:`~agent.targets.Target`.
+            target: pid or :class:`~agent.host.targets.Target`.
             returncode: owner's status getter, ``Popen``-style (``None`` while running,
                 ``-N`` for signal N), e.g. ``popen.poll``.
         """
@@ -344,7 +344,7 @@ class ProcessWatcher:
         ``pid`` was never watched.
 
         Returns:
-            One :class:`~agent.targets.Target` each (pid, title, creation time), pid order.
+            One :class:`~agent.host.targets.Target` each (pid, title, creation time), pid order.
         """
         watched = self._watched.get(pid)
         if watched is None:
@@ -477,7 +477,7 @@ class ProcessWatcher:
         """Wait for a followed parent's end; when watched processes of it still run
         :data:`ORPHAN_SETTLE_S` later (their tree did not go down with it: an engine and its
         workers under pid 1 after their API server was SIGKILLed), publish one
-        :class:`~agent.events.FrontendExited` naming them and the memory they hold."""
+        :class:`~agent.model.events.FrontendExited` naming them and the memory they hold."""
         pid = parent.pid
         target = Target(pid=pid, create_time_s=parent.started_ns / 1e9)
         title = await anyio.to_thread.run_sync(_title_of, pid)  # while it lives: a SIGKILLed one is reaped at once
@@ -871,11 +871,11 @@ def launched_target(pid: int, argv: Sequence[Any]) -> Target:
 
 
 def _command_title(argv: Sequence[str]) -> str:
-    """A command line as a title: secrets redacted (:func:`agent.security.redact_cmdline`),
+    """A command line as a title: secrets redacted (:func:`agent.host.security.redact_cmdline`),
     control characters stripped, clipped to :data:`_COMMAND_TITLE_MAX` characters."""
     import shlex
 
-    from agent.security import redact_cmdline, strip_control
+    from agent.host.security import redact_cmdline, strip_control
 
     command = strip_control(shlex.join(redact_cmdline(argv)))
     if len(command) > _COMMAND_TITLE_MAX:
@@ -887,7 +887,7 @@ def _title_of(pid: int) -> str:
     """``pid``'s command line as a title while it is still readable (:func:`_command_title`:
     secrets redacted, control characters stripped, clipped: a watched server's parent wrote it),
     else its name (a zombie's), ``""`` when gone."""
-    from agent.security import strip_control
+    from agent.host.security import strip_control
 
     try:
         proc = psutil.Process(pid)

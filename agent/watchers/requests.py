@@ -8,8 +8,8 @@ Owns :class:`RequestStallWatchers` (per SDK target, registered as ``request_stal
 requests and recent completions from its SDK control socket (``inflight``: the request spans the
 server opened with ``agent.sdk.request_span``, the thread holding each, the 99th-percentile
 duration of its last 512 completions) every ``interval_s``, and publishes one
-:class:`~agent.events.RequestStalled` per stuck request. May import :mod:`agent.events`,
-:mod:`agent.bus`, :mod:`agent.sdkclient`, :mod:`agent.sdk.control` (the socket's path), anyio and
+:class:`~agent.model.events.RequestStalled` per stuck request. May import :mod:`agent.model.events`,
+:mod:`agent.model.bus`, :mod:`agent.host.sdkclient`, :mod:`agent.sdk.control` (the socket's path), anyio and
 the standard library.
 
 The rule: a request is stuck when it has been in flight longer than
@@ -30,13 +30,13 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
-from agent.bus import Publisher
-from agent.events import RequestStalled
+from agent.model.bus import Publisher
+from agent.model.events import RequestStalled
 from agent.watchers.config import RequestStallConfig
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext
-    from agent.targets import Target
+    from agent.host.registry import BuildContext
+    from agent.host.targets import Target
 
 __all__ = ["RequestStallWatcher", "RequestStallWatchers", "create", "stuck_requests"]
 
@@ -91,7 +91,7 @@ def stuck_requests(pid: int, reply: Mapping[str, Any], now_unix_nano: int, confi
 
 class RequestStallWatcher:
     """Reads one target's in-flight requests every ``config.interval_s`` and publishes a
-    :class:`~agent.events.RequestStalled` once per stuck request (again only after it left and
+    :class:`~agent.model.events.RequestStalled` once per stuck request (again only after it left and
     came back: a request id is told once while in flight).
 
     Args:
@@ -111,7 +111,7 @@ class RequestStallWatcher:
 
     async def read(self) -> Mapping[str, Any] | None:
         """One ``inflight`` reply, or ``None`` (no socket, no answer, an error: said at debug level)."""
-        from agent.sdkclient import sdk_call
+        from agent.host.sdkclient import sdk_call
 
         if not await anyio.Path(self.path).exists():
             return None

@@ -5,7 +5,7 @@ Owns :class:`WatcherState`, :class:`WatcherStatus` (one watcher's status, a plai
 dataclass), :class:`StatusSnapshot` (all of them plus the agent's identity: the content of the
 status file and of issue 14's ``GET /v1/status``), :class:`StatusBoard` (keeps the current
 statuses, logs every change, writes the status file atomically) and :func:`read_status_file`.
-Imports only :mod:`agent.kinds` (:mod:`agent.events` where it publishes), :mod:`agent.fsutil` and the standard library, so the CLI, the
+Imports only :mod:`agent.model.kinds` (:mod:`agent.model.events` where it publishes), :mod:`agent.host.fsutil` and the standard library, so the CLI, the
 runtime, exporters and an HTTP API can all use it.
 
 States, from the SRE's point of view:
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.kinds import StrEnum, now_ns
+from agent.model.kinds import StrEnum, now_ns
 
 if typing.TYPE_CHECKING:
-    from agent.registry import BuildContext
+    from agent.host.registry import BuildContext
 
 
 __all__ = [
@@ -127,7 +127,7 @@ class StatusSnapshot:
         agent_pid: the agent's pid (``servewatch status`` says when it is gone).
         started_time_unix_nano / updated_time_unix_nano: agent start and last change.
         watchers: statuses in the order they were first reported.
-        incidents: the agent's incidents as :meth:`agent.incidents.IncidentManager.state` gives
+        incidents: the agent's incidents as :meth:`agent.incidents.manager.IncidentManager.state` gives
             them (``open``, ``running``, ``last``, ``written``, ``suppressed``, ``stalled``); ``None`` before
             the agent reported any (or from an older agent).
     """
@@ -353,7 +353,7 @@ class StatusBoard:
         """Write the status file now (atomic); a failure is logged once, never raised."""
         if self.path is None:
             return
-        from agent.fsutil import atomic_write_text, ensure_private_dir
+        from agent.host.fsutil import atomic_write_text, ensure_private_dir
 
         try:
             ensure_private_dir(self.path.parent)
@@ -369,7 +369,7 @@ class StatusBoard:
 
 
 class StatusReporter:
-    """A watcher's side: publishes :class:`~agent.events.WatcherStatusChanged` when its status
+    """A watcher's side: publishes :class:`~agent.model.events.WatcherStatusChanged` when its status
     changes (same state and reason twice publishes once).
 
     Args:
@@ -386,14 +386,16 @@ class StatusReporter:
         self._published: tuple[WatcherState, str] | None = None
 
     async def set(self, bus: Any, state: WatcherState, reason: str) -> bool:
-        """Set and publish (``bus`` is a :class:`~agent.bus.Publisher`); returns whether it changed."""
+        """Set and publish (``bus`` is a :class:`~agent.model.bus.Publisher`); returns whether it changed."""
         if self.current.state is not state or self.current.reason != reason:
             self.current = WatcherStatus(name=self.name, state=state, reason=reason)
         key = (state, reason)
         if self._published == key:
             return False
         self._published = key
-        from agent.events import WatcherStatusChanged  # here: reading a status file builds no event
+        from agent.model.events import (
+            WatcherStatusChanged,  # here: reading a status file builds no event
+        )
 
         await bus.publish(WatcherStatusChanged(source=self.name, watcher=self.name, state=state.value, reason=reason))
         return True

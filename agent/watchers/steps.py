@@ -5,7 +5,7 @@ Owns: :class:`StepReading`, the :class:`StepSource` protocol and its two impleme
 :class:`PrometheusStepSource` (a progress counter and a busy gauge scraped from ``/metrics``) —
 plus :class:`StepsWatcher` (publishes ``StepsAdvanced``) and :func:`discover_shm_counters`.
 
-May import: :mod:`agent.events`, :mod:`agent.bus` (the ``Publisher`` protocol),
+May import: :mod:`agent.model.events`, :mod:`agent.model.bus` (the ``Publisher`` protocol),
 :mod:`agent.sdk.counter` (the SDK's public counter file layout and reader), anyio, httpx,
 psutil, pydantic and prometheus_client's text parser. Never imports actors or a private SDK
 module.
@@ -30,12 +30,12 @@ from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from pydantic import BaseModel
 
-from agent.bus import Publisher
-from agent.events import StepsAdvanced
-from agent.fsutil import memory_backed
-from agent.lazy import LazyModule
+from agent.host.fsutil import memory_backed
+from agent.host.security import open_trusted, process_uids
+from agent.model.bus import Publisher
+from agent.model.events import StepsAdvanced
+from agent.model.lazy import LazyModule
 from agent.sdk.counter import SIZE_BYTES, counter_files, counter_path, parse_counter, shm_dir
-from agent.security import open_trusted, process_uids
 from agent.watchers.config import StepsConfig
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The stall watchdog: busy, and no forward progress for ``timeout_s``.
 
-Owns: :class:`Watchdog` (timing: :class:`~agent.stall.WatchdogConfig`), which publishes ``WatchdogStalled`` and
-``WatchdogRearmed``. May import :mod:`agent.events`, :mod:`agent.bus` (``Publisher``),
+Owns: :class:`Watchdog` (timing: :class:`~agent.host.stall.WatchdogConfig`), which publishes ``WatchdogStalled`` and
+``WatchdogRearmed``. May import :mod:`agent.model.events`, :mod:`agent.model.bus` (``Publisher``),
 :mod:`agent.watchers.steps` (the ``StepSource`` protocol), anyio and pydantic.
 
 Rules (after SGLang's scheduler watchdog, which counts ``forward_ct`` while a batch runs):
@@ -11,7 +11,7 @@ Rules (after SGLang's scheduler watchdog, which counts ``forward_ct`` while a ba
 * An idle target (no pending work) never stalls. When work appears after an idle spell, the
   clock starts when the watchdog first sees it busy, not at the last step before the idle spell.
 * It fires once per stall; it re-arms (``WatchdogRearmed``) when the counter moves again.
-* servewatch's own profile of the server pauses the rule (:mod:`agent.ownactions`: a profile's
+* servewatch's own profile of the server pauses the rule (:mod:`agent.host.ownactions`: a profile's
   start, warm-up and trace writing take no step for seconds): while a ``profile`` own action
   covers the watched pid (its process group: the server's ranks) or the ``/metrics`` port,
   nothing is a stall; the pause is bounded by the action's own end, said in one log line and on
@@ -39,18 +39,18 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
-from agent.bus import Publisher
-from agent.events import WatchdogRearmed, WatchdogStalled, WatcherStatusChanged
-from agent.ownactions import OwnAction, OwnActionLog, process_group
-from agent.servers import port_of_url
-from agent.stall import StallClock, WatchdogConfig
+from agent.host.ownactions import OwnAction, OwnActionLog, process_group
+from agent.host.stall import StallClock, WatchdogConfig
+from agent.model.bus import Publisher
+from agent.model.events import WatchdogRearmed, WatchdogStalled, WatcherStatusChanged
+from agent.verdict.servers import port_of_url
 from agent.watchers.group import WatcherGroup, url_label
 from agent.watchers.status import StatusReporter, WatcherState
 from agent.watchers.steps import StepReading, StepSource
 
 if TYPE_CHECKING:
-    from agent.registry import BuildContext
-    from agent.targets import Target
+    from agent.host.registry import BuildContext
+    from agent.host.targets import Target
     from agent.watchers.config import MetricsConfig
     from agent.watchers.steps import PrometheusStepSource
 
@@ -332,7 +332,7 @@ def create_prometheus(config: MetricsConfig, ctx: BuildContext) -> Watchdog | Wa
 
 def progress_source(config: MetricsConfig) -> PrometheusStepSource | None:
     """The server's ``/metrics`` progress counter for a one-shot verdict (``servewatch dump
-    --metrics-url``: :attr:`agent.judge.VerdictJudge.progress_source` reads it twice), or
+    --metrics-url``: :attr:`agent.verdict.judge.VerdictJudge.progress_source` reads it twice), or
     ``None`` without a ``url``. The caller closes it (``aclose``)."""
     from agent.watchers.steps import PrometheusStepSource
 

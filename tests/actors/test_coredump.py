@@ -27,9 +27,9 @@ from agent.actors.coredump import (
     template_glob,
     trigger_pipe,
 )
-from agent.cudaenv import cuda_coredump_env
-from agent.events import IncidentOpened, Outcome
-from agent.targets import Target
+from agent.host.cudaenv import cuda_coredump_env
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
 from tests.conftest import PROGRAMS_DIR
 
 FAKE = str(PROGRAMS_DIR / "fake_cuda_driver.py")
@@ -340,7 +340,7 @@ async def test_disabled_actor_skips(tmp_path: Path) -> None:
 async def test_on_a_host_without_a_cuda_driver_an_unarmed_target_is_one_quiet_fact(tmp_path: Path, start_fake: Callable) -> None:
     """This CPU-only host (no /proc/driver/nvidia, no /dev/nvidiactl, no libcuda in the target):
     ``not_armed`` says there is no GPU, with ``servewatch.coredump.no_gpu``, not how to arm it."""
-    from agent.cudaenv import NO_CUDA_DRIVER, cuda_driver_present
+    from agent.host.cudaenv import NO_CUDA_DRIVER, cuda_driver_present
 
     plain, _, _ = start_fake(armed=False)
     if cuda_driver_present(plain.pid):
@@ -361,11 +361,11 @@ async def test_on_a_host_without_a_cuda_driver_an_unarmed_target_is_one_quiet_fa
 
 async def test_a_coredump_is_recorded_as_servewatch_pausing_its_target_while_it_runs(tmp_path: Path, start_fake: Callable) -> None:
     """The trigger pauses the target while the driver writes its core: an own action of that pid
-    (:mod:`agent.ownactions`) for the incident, readable by another servewatch on the data dir,
+    (:mod:`agent.host.ownactions`) for the incident, readable by another servewatch on the data dir,
     gone when the action ends."""
     import threading
 
-    from agent.ownactions import OwnActionLog
+    from agent.host.ownactions import OwnActionLog
 
     proc, _, _ = start_fake()
     (tmp_path / "data" / "h").mkdir(parents=True)

@@ -25,14 +25,14 @@ import pytest
 
 from agent.actors.coredump import CoredumpActor, CoredumpConfig
 from agent.actors.coredump_target import LAUNCH_RECORD_DIR, effective_env, record_launch
-from agent.cudaenv import cuda_coredump_env
-from agent.events import IncidentOpened, Outcome
-from agent.targets import Target
+from agent.host.cudaenv import cuda_coredump_env
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
 from tests.conftest import PROGRAMS_DIR
 from tests.spanfiles import file_spans
 
 FAKE = str(PROGRAMS_DIR / "fake_cuda_driver.py")
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 GUARD_S = 60
 
 
@@ -261,7 +261,7 @@ async def test_core_that_stops_growing_is_stalled_at_its_size(driver, tmp_path: 
 
 def test_default_limits_fit_the_phase_limit() -> None:
     from agent.actors.pyspy import PySpyConfig
-    from agent.incidents import IncidentConfig
+    from agent.incidents.manager import IncidentConfig
 
     phase_s = IncidentConfig().phase_timeout_s
     assert CoredumpActor(CoredumpConfig()).budget_s <= phase_s

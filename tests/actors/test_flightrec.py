@@ -17,11 +17,11 @@ from agent.actors.flightrec import (
     FlightRecorderActor,
     FlightRecorderConfig,
 )
-from agent.cudaenv import flight_recorder_env
-from agent.events import IncidentOpened, Outcome
-from agent.ranks import rank_from_title
+from agent.host.cudaenv import flight_recorder_env
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
+from agent.model.ranks import rank_from_title
 from agent.sdk.flightrec import worker_path
-from agent.targets import Target
 from tests.programs.fault_matrix import start_ranks, stop_ranks, wait_ready
 
 PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
@@ -258,7 +258,7 @@ async def test_dump_with_pyspy_off_counts_no_errors_and_the_verdict_says_what_th
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     env.update(SERVEWATCH_PYSPY__ENABLED="false", SERVEWATCH_COREDUMP__ENABLED="false",
                SERVEWATCH_SHM_DIR=os.environ.get("SERVEWATCH_SHM_DIR", "/dev/shm"))
-    argv = [sys.executable, "-m", "agent.cli", "dump", "--data-dir", str(tmp_path / "data"),
+    argv = [sys.executable, "-m", "agent.cli.app", "dump", "--data-dir", str(tmp_path / "data"),
             *(a for t in ranks for a in ("--pid", str(t.pid)))]
     r = await anyio.to_thread.run_sync(lambda: subprocess.run(argv, capture_output=True, text=True, timeout=110,
                                                               cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, check=False))
@@ -277,10 +277,10 @@ async def test_dump_with_pyspy_off_counts_no_errors_and_the_verdict_says_what_th
 _WATCH_THEN_OPEN = r"""
 import json, sys, time
 import anyio
-from agent.config import load_settings
-from agent.runtime import Agent
-from agent.targets import Target
-from agent import judge as judge_mod
+from agent.runtime.settings import load_settings
+from agent.runtime.agent import Agent
+from agent.host.targets import Target
+from agent.verdict import judge as judge_mod
 
 a, b, data = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 out = {}

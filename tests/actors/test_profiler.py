@@ -21,11 +21,11 @@ from agent.actors.profiler import (
     profile_once,
     snapshot_dir,
 )
-from agent.events import IncidentOpened, Outcome
-from agent.sdkclient import read_inflight, sdk_call
-from agent.targets import Target
-from exporters.spans import InMemorySink, new_span_id, new_trace_id
-from exporters.torch_trace import import_torch_trace
+from agent.host.sdkclient import read_inflight, sdk_call
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
+from exporters.mirror.torch_trace import import_torch_trace
+from exporters.otlp.spans import InMemorySink, new_span_id, new_trace_id
 from tests.sdk._helpers import ProgramLauncher, load_trace, profiler_steps
 
 
@@ -256,7 +256,7 @@ def test_a_trace_bundle_is_made_private_without_following_a_symlink_in_it(tmp_pa
     import os
     import stat
 
-    from agent.fsutil import SessionFolder
+    from agent.host.fsutil import SessionFolder
 
     outside = tmp_path / "outside.txt"
     outside.write_text("not ours to change")
@@ -309,7 +309,7 @@ async def test_a_session_by_url_is_recorded_for_the_server_listening_there_while
     writes its trace) is an own action of the server's port and of the process listening on it
     (whose process group holds its engine and workers), for as long as the session runs: a
     running agent on the same data dir pauses that server's stall rule meanwhile."""
-    from agent.ownactions import OwnActionLog
+    from agent.host.ownactions import OwnActionLog
 
     _, line = launch("fake_sglang_server.py", "--export-delay-s", "2")
     info = json.loads(line)

@@ -28,10 +28,10 @@ from agent.actors.pyspy import (
     dump_waves,
     permission_hint,
 )
-from agent.events import ComponentStatus, IncidentOpened, Outcome
-from agent.procinfo import dumpers_of
-from agent.stacks import hung_frame, parse_dump, render_text, summarize
-from agent.targets import ProcessState, Target, process_state, target_of
+from agent.host.procinfo import dumpers_of
+from agent.host.targets import ProcessState, Target, process_state, target_of
+from agent.model.events import ComponentStatus, IncidentOpened, Outcome
+from agent.model.stacks import hung_frame, parse_dump, render_text, summarize
 from tests.conftest import PROGRAMS_DIR
 
 TITLED = str(PROGRAMS_DIR / "titled_target.py")

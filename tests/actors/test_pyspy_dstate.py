@@ -12,8 +12,8 @@ import pytest
 
 import agent.actors.pyspy as pyspy_module
 from agent.actors.pyspy import PySpyActor, PySpyConfig
-from agent.events import IncidentOpened, Outcome
-from agent.targets import ProcessState, process_state, target_of, uninterruptible_threads
+from agent.host.targets import ProcessState, process_state, target_of, uninterruptible_threads
+from agent.model.events import IncidentOpened, Outcome
 from tests.programs.dstate import start, thread_state
 
 TRIGGER = IncidentOpened(incident_id="inc-dstate", trigger="manual")

@@ -13,12 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from agent.actors.pyspy import default_executable
-from agent.procinfo import tracer_of
-from agent.stacks import Frame, ThreadStack, hung_frame, idle_and_stuck, parse_dump, thread_is_idle
+from agent.host.procinfo import tracer_of
+from agent.model.stacks import (
+    Frame,
+    ThreadStack,
+    hung_frame,
+    idle_and_stuck,
+    parse_dump,
+    thread_is_idle,
+)
 from tests.conftest import PROGRAMS_DIR
 from tests.spanfiles import file_spans
 
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 
 
 def ready(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> str:

@@ -8,7 +8,7 @@ import httpx
 from anyio.abc import TaskGroup
 
 from agent.demo.client import DemoServer, agenerate, ainject_hang
-from agent.runtime import Agent
+from agent.runtime.agent import Agent
 
 
 async def hung_request(base_url: str) -> None:

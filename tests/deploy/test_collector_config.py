@@ -180,9 +180,9 @@ def _servewatch_series() -> dict[str, set[str]]:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from exporters.metrics import Metrics
-    from exporters.processor import ExportStatistics
-    from exporters.shipper import SpanShipper
+    from exporters.otlp.metrics import Metrics
+    from exporters.otlp.processor import ExportStatistics
+    from exporters.otlp.shipper import SpanShipper
 
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])

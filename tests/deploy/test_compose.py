@@ -203,8 +203,8 @@ def test_servewatch_watches_the_demo_server_it_starts(services: dict[str, dict])
 
 
 def test_servewatch_resolves_its_env_to_the_collectors_grpc_receiver(services: dict[str, dict]) -> None:
-    from exporters.provider import ExportConfig, build_resource, resolve_destination
-    from exporters.transport import make_sender
+    from exporters.otlp.provider import ExportConfig, build_resource, resolve_destination
+    from exporters.otlp.transport import make_sender
 
     env = {k: str(v) for k, v in services["servewatch"]["environment"].items()}
     destination = resolve_destination(ExportConfig(), environ=env)
@@ -222,8 +222,8 @@ def test_servewatch_resolves_its_env_to_the_collectors_grpc_receiver(services: d
 
 
 def test_demo_server_exports_its_request_spans_to_the_same_collector_as_servewatch(services: dict[str, dict]) -> None:
-    from exporters.provider import ExportConfig, resolve_destination
-    from exporters.sdk_export import tracer_provider_from_env
+    from exporters.otlp.provider import ExportConfig, resolve_destination
+    from exporters.otlp.sdk_export import tracer_provider_from_env
 
     demo_env = {k: str(v) for k, v in services["demo"]["environment"].items()}
     agent_env = {k: str(v) for k, v in services["servewatch"]["environment"].items()}

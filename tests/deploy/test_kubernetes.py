@@ -234,7 +234,7 @@ def test_coredump_pipe_and_bundles_live_on_a_volume_both_containers_mount(infere
 
 
 def test_sidecar_sends_otlp_grpc_to_the_node_local_agent(inference: dict[str, Any]) -> None:
-    from exporters.provider import ExportConfig, build_resource, resolve_destination
+    from exporters.otlp.provider import ExportConfig, build_resource, resolve_destination
 
     servewatch = container(inference, "servewatch")
     env = env_of(servewatch)

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import typer
 
-from agent.cli import app
+from agent.cli.app import app
 from agent.fleet.config import parse_listen
-from exporters.mirror import INCIDENT_SPAN, JOB_INCIDENT_SPAN
+from exporters.mirror.mirror import INCIDENT_SPAN, JOB_INCIDENT_SPAN
 from tests.deploy import (
     KUBERNETES_DIR,
     collector_problems,
@@ -65,7 +65,7 @@ def _mounted(workload: dict[str, Any], container: dict[str, Any], path: str) -> 
 def agent_settings(workload: dict[str, Any], name: str, tmp_path: Path) -> tuple[Any, dict[str, Any]]:
     """Settings `servewatch run` would build from the container's flags and TLS environment, with
     the token and TLS files made locally (real PEM files) in place of the Secrets'."""
-    from agent.config import load_settings
+    from agent.runtime.settings import load_settings
     from tests.tls_certs import make_tls_material
 
     container = _container(workload, name)

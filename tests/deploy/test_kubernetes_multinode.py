@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import typer
 
-from agent.cli import app
+from agent.cli.app import app
 from agent.fleet.config import parse_listen
 from tests.deploy import KUBERNETES_DIR, load_yaml_documents
 

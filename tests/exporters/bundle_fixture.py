@@ -3,7 +3,7 @@
 The stacks are real: two scheduler-like targets (``tests/programs/titled_target.py``, titled
 ``demo::scheduler_TP0/1``, hung in ``hung_in_fake_allreduce``) are started and dumped with the real
 py-spy (``dump --json`` and the text form), then killed. The manifest around them follows
-:mod:`agent.incidents` (``servewatch.incident/1``) with fixed, known times so tests can assert
+:mod:`agent.incidents.manager` (``servewatch.incident/1``) with fixed, known times so tests can assert
 offsets; a third target has a hostile title (HTML and rich markup) and a ``permission_denied`` dump.
 An OTLP/JSON lines span file with the incident's trace (plus an unrelated trace and a replayed,
 duplicate line) is written under ``<data_dir>/spans/``.

@@ -1,4 +1,4 @@
-"""agent.backoff: jittered doubling up to a cap, at least the collector's retry delay."""
+"""agent.model.backoff: jittered doubling up to a cap, at least the collector's retry delay."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from agent.backoff import Backoff
+from agent.model.backoff import Backoff
 
 
 def test_waits_double_up_to_the_cap_within_the_jitter_and_reset_starts_over() -> None:

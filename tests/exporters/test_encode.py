@@ -1,4 +1,4 @@
-"""exporters.encode: the fast encoder gives the same bytes as the SDK's encode_spans."""
+"""exporters.otlp.encode: the fast encoder gives the same bytes as the SDK's encode_spans."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from agent.sdk import tracing
-from exporters.encode import encode_spans_fast
-from exporters.spans import build_span, link_to, new_trace_id
+from exporters.otlp.encode import encode_spans_fast
+from exporters.otlp.spans import build_span, link_to, new_trace_id
 
 
 def test_fast_encoder_is_byte_identical_for_every_span_servewatch_emits() -> None:

@@ -8,14 +8,14 @@ import inspect
 import pytest
 
 MODULES = [
-    "exporters.transport",
-    "exporters.otlp_json",
-    "exporters.spool",
-    "exporters.processor",
-    "exporters.provider",
-    "exporters.metrics",
-    "exporters.mirror",
-    "exporters.replay",
+    "exporters.otlp.transport",
+    "exporters.otlp.otlp_json",
+    "exporters.otlp.spool",
+    "exporters.otlp.processor",
+    "exporters.otlp.provider",
+    "exporters.otlp.metrics",
+    "exporters.mirror.mirror",
+    "exporters.otlp.replay",
 ]
 
 

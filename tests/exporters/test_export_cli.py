@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from exporters.provider import ExportConfig, build_telemetry
-from exporters.spans import build_span, new_trace_id
+from exporters.otlp.provider import ExportConfig, build_telemetry
+from exporters.otlp.spans import build_span, new_trace_id
 from tests.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ def _export(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProce
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     base.update(env, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", "export", "--data-dir", str(tmp_path / "data"), *args],
+        [sys.executable, "-m", "agent.cli.app", "export", "--data-dir", str(tmp_path / "data"), *args],
         capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL, check=False,
     )
 
@@ -59,7 +59,7 @@ def _export_from(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     env.update(PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", "export", *args],
+        [sys.executable, "-m", "agent.cli.app", "export", *args],
         capture_output=True, text=True, timeout=90, cwd=cwd, env=env, stdin=subprocess.DEVNULL, check=False,
     )
 
@@ -154,7 +154,7 @@ def test_dump_with_the_collector_down_says_spooled_with_the_replay_command_and_n
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     base.update(PYTHONPATH=str(REPO), SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
                 OTEL_EXPORTER_OTLP_TIMEOUT="1000")
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "dump", "--match", title, "--data-dir", str(tmp_path / "data")],
+    r = subprocess.run([sys.executable, "-m", "agent.cli.app", "dump", "--match", title, "--data-dir", str(tmp_path / "data")],
                        capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL, check=False)
     assert r.returncode == 0, r.stderr
     assert "span(s) spooled under" in r.stderr and "connection refused" in r.stderr
@@ -165,13 +165,13 @@ def test_dump_with_the_collector_down_says_spooled_with_the_replay_command_and_n
     otlp_receiver.start()
     elsewhere = tmp_path / "elsewhere"  # the printed command works as it is, from any folder
     elsewhere.mkdir()
-    again = subprocess.run([sys.executable, "-m", "agent.cli", *argv[1:]],
+    again = subprocess.run([sys.executable, "-m", "agent.cli.app", *argv[1:]],
                            capture_output=True, text=True, timeout=90, cwd=elsewhere, env=base, stdin=subprocess.DEVNULL, check=False)
     assert again.returncode == 0, again.stderr
     names = {s.name for s in otlp_receiver.spans()}
     assert {"incident", "pyspy.dump"} <= names
     received = otlp_receiver.span_count
-    twice = subprocess.run([sys.executable, "-m", "agent.cli", *argv[1:]],
+    twice = subprocess.run([sys.executable, "-m", "agent.cli.app", *argv[1:]],
                            capture_output=True, text=True, timeout=90, cwd=tmp_path, env=base, stdin=subprocess.DEVNULL, check=False)
     assert twice.returncode == 0, twice.stderr
     assert "Sent 0 span(s)" in twice.stderr and otlp_receiver.span_count == received

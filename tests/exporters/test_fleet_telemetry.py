@@ -15,12 +15,17 @@ from pathlib import Path
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-from exporters.batching import ATTR_TRUNCATED, split_request
-from exporters.processor import LosslessSpanProcessor
-from exporters.provider import ExportConfig, ExportConfigError, build_telemetry, resolve_destination
-from exporters.spans import build_span, new_trace_id, span_id_hex
-from exporters.spool import Spool
-from exporters.transport import Cause, Delivery, TlsFiles, make_sender
+from exporters.otlp.batching import ATTR_TRUNCATED, split_request
+from exporters.otlp.processor import LosslessSpanProcessor
+from exporters.otlp.provider import (
+    ExportConfig,
+    ExportConfigError,
+    build_telemetry,
+    resolve_destination,
+)
+from exporters.otlp.spans import build_span, new_trace_id, span_id_hex
+from exporters.otlp.spool import Spool
+from exporters.otlp.transport import Cause, Delivery, TlsFiles, make_sender
 from tests.otlp_receiver import OtlpReceiver
 from tests.tls_certs import TlsMaterial, make_tls_material
 
@@ -180,7 +185,7 @@ def test_bad_tls_and_signal_settings_name_the_variable(env: dict, names: str) ->
 
 
 def test_timeout_that_looks_like_seconds_or_microseconds_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="exporters.provider")
+    caplog.set_level(logging.WARNING, logger="exporters.otlp.provider")
     for _ in range(3):
         assert resolve_destination(ExportConfig(), {"OTEL_EXPORTER_OTLP_TIMEOUT": "10"}).timeout_s == pytest.approx(0.01)
     for _ in range(2):
@@ -296,8 +301,8 @@ def test_stranded_spool_of_a_dead_agent_is_replayed_by_the_next_one(otlp_receive
         code = (
             "import sys; from pathlib import Path\n"
             "from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans\n"
-            "from exporters.spans import build_span, new_trace_id\n"
-            "from exporters.spool import Spool\n"
+            "from exporters.otlp.spans import build_span, new_trace_id\n"
+            "from exporters.otlp.spool import Spool\n"
             "s = Spool(Path(sys.argv[1]), max_bytes=1 << 30)\n"
             "t = new_trace_id()\n"
             "s.append(encode_spans([build_span('stranded', trace_id=t, start_time_unix_nano=1, end_time_unix_nano=2) for _ in range(7)]), 7)\n"
@@ -346,7 +351,7 @@ def test_a_dead_agents_metrics_spool_is_replayed_by_the_next_one(otlp_receiver: 
 
     from opentelemetry.sdk.resources import Resource
 
-    from exporters.metrics import build_meter_provider
+    from exporters.otlp.metrics import build_meter_provider
 
     root = tmp_path / "h" / "spool"
     main = Spool(root, max_bytes=1 << 30)  # a `run` agent holds the main folder
@@ -355,9 +360,9 @@ def test_a_dead_agents_metrics_spool_is_replayed_by_the_next_one(otlp_receiver: 
         code = (
             "import os, sys; from pathlib import Path\n"
             "from opentelemetry.sdk.resources import Resource\n"
-            "from exporters.metrics import build_meter_provider\n"
-            "from exporters.spool import Spool\n"
-            "from exporters.transport import make_sender\n"
+            "from exporters.otlp.metrics import build_meter_provider\n"
+            "from exporters.otlp.spool import Spool\n"
+            "from exporters.otlp.transport import make_sender\n"
             "s = Spool(Path(sys.argv[1]), max_bytes=1 << 30)\n"
             "provider, exporter = build_meter_provider(Resource.create({}), sender=make_sender(sys.argv[2], sys.argv[3], signal='metrics'),\n"
             "    timeout_s=0.5, interval_s=3600, spool_dir=s.directory / 'metrics')\n"
@@ -420,7 +425,7 @@ def test_metrics_during_an_outage_are_spooled_and_replayed(otlp_receiver: OtlpRe
 
 
 def test_standard_span_limits_apply_to_the_spans_servewatch_builds(monkeypatch: pytest.MonkeyPatch) -> None:
-    from exporters.spans import link_to, reset_span_limits
+    from exporters.otlp.spans import link_to, reset_span_limits
 
     monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
     monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "5")
@@ -442,7 +447,7 @@ def test_standard_span_limits_apply_to_the_spans_servewatch_builds(monkeypatch: 
 
 
 def test_batch_processor_env_sizes_the_lossless_processor() -> None:
-    from exporters.provider import resolve_batching
+    from exporters.otlp.provider import resolve_batching
 
     env = {"OTEL_BSP_MAX_QUEUE_SIZE": "4096", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "256", "OTEL_BSP_SCHEDULE_DELAY": "100",
            "OTEL_BSP_EXPORT_TIMEOUT": "2000"}

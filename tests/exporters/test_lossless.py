@@ -15,10 +15,17 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 
-from agent.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, StacksDumped, now_ns
-from exporters.mirror import SpanMirror
-from exporters.processor import LosslessSpanProcessor
-from exporters.spans import (
+from agent.model.events import (
+    ActionResult,
+    IncidentClosed,
+    IncidentOpened,
+    Outcome,
+    StacksDumped,
+    now_ns,
+)
+from exporters.mirror.mirror import SpanMirror
+from exporters.otlp.processor import LosslessSpanProcessor
+from exporters.otlp.spans import (
     ProcessorSink,
     build_span,
     new_span_id,
@@ -26,8 +33,8 @@ from exporters.spans import (
     span_id_hex,
     trace_id_hex,
 )
-from exporters.spool import Spool
-from exporters.transport import make_sender
+from exporters.otlp.spool import Spool
+from exporters.otlp.transport import make_sender
 from tests.otlp_receiver import OtlpReceiver
 
 #: Generous hang guard for "shutdown is bounded" (the bench measures the real figure).
@@ -315,7 +322,7 @@ def test_a_request_with_every_span_rejected_is_kept_said_once_and_replayable(
     counted as delivered), said once with the collector's message, and replays whole once the
     cause is fixed."""
     otlp_receiver.reject_all = "spans of service x are not allowed"
-    caplog.set_level(logging.WARNING, logger="exporters.processor")
+    caplog.set_level(logging.WARNING, logger="exporters.otlp.processor")
     processor = _processor(otlp_receiver.endpoint(protocol), protocol, tmp_path / "spool", max_batch_spans=5)
     try:
         produced = _request_spans(processor, 20, Resource.create({}))
@@ -330,7 +337,7 @@ def test_a_request_with_every_span_rejected_is_kept_said_once_and_replayable(
     assert len(said) == 1 and said[0].levelno == logging.ERROR
     assert otlp_receiver.span_count == 0
     otlp_receiver.reject_all = None  # the cause fixed: the kept spans replay whole
-    from exporters.replay import replay
+    from exporters.otlp.replay import replay
 
     result = replay([tmp_path / "spool" / "rejected"], endpoint=otlp_receiver.endpoint(protocol), protocol=protocol)
     assert result.sent == 20 and result.failed == 0

@@ -8,8 +8,8 @@ from pathlib import Path
 import anyio
 from opentelemetry.trace import StatusCode
 
-from agent.bus import EventBus
-from agent.events import (
+from agent.model.bus import EventBus
+from agent.model.events import (
     ActionResult,
     CoredumpTriggered,
     IncidentClosed,
@@ -20,9 +20,9 @@ from agent.events import (
     frozen_attrs,
     now_ns,
 )
-from exporters.mirror import MIRRORED_EVENTS, SpanMirror
-from exporters.provider import ExportConfig, build_telemetry
-from exporters.spans import InMemorySink, new_span_id, new_trace_id, span_id_hex, trace_id_hex
+from exporters.mirror.mirror import MIRRORED_EVENTS, SpanMirror
+from exporters.otlp.provider import ExportConfig, build_telemetry
+from exporters.otlp.spans import InMemorySink, new_span_id, new_trace_id, span_id_hex, trace_id_hex
 from tests.otlp_receiver import OtlpReceiver
 
 T0 = 1_700_000_000_000_000_000
@@ -190,7 +190,7 @@ def test_incident_trace_arrives_at_a_real_receiver(otlp_receiver: OtlpReceiver, 
 
 
 def test_not_armed_and_skipped_are_not_error_spans_but_failures_are() -> None:
-    from exporters.mirror import action_span
+    from exporters.mirror.mirror import action_span
 
     sink = InMemorySink()
     statuses = {}
@@ -237,7 +237,7 @@ def test_root_is_an_error_when_the_verdict_says_dead_or_hung_and_not_armed_is_no
 
 
 def test_requests_in_flight_get_a_span_in_their_own_trace_at_open_linked_from_the_root_with_why() -> None:
-    from agent.events import InflightSpan
+    from agent.model.events import InflightSpan
 
     sink = InMemorySink()
     mirror = SpanMirror(sink, host_name="h")

@@ -11,13 +11,13 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 
-from exporters.otlp_json import (
+from exporters.otlp.otlp_json import (
     RotatingJsonLinesWriter,
     read_otlp_json_lines,
     request_from_json,
     request_to_json,
 )
-from exporters.spans import build_span, link_to, new_span_id, new_trace_id
+from exporters.otlp.spans import build_span, link_to, new_span_id, new_trace_id
 from tests.otlp_receiver import OtlpReceiver
 
 
@@ -118,7 +118,7 @@ def _reference_json(message) -> str:
     mapped OTLP's fields itself."""
     from google.protobuf import json_format
 
-    from exporters.otlp_json import _ids_to_hex
+    from exporters.otlp.otlp_json import _ids_to_hex
 
     tree = json_format.MessageToDict(message, use_integers_for_enums=True)
     _ids_to_hex(tree)
@@ -136,7 +136,7 @@ def test_own_mapping_writes_what_json_format_writes() -> None:
         KeyValueList,
     )
 
-    from exporters.otlp_json import _to_dict, message_to_json
+    from exporters.otlp.otlp_json import _to_dict, message_to_json
 
     _, request = _request(3)
     span = request.resource_spans[0].scope_spans[0].spans[0]
@@ -180,7 +180,7 @@ def test_messages_it_does_not_map_go_to_json_format() -> None:
     from google.protobuf.struct_pb2 import Struct
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from exporters.otlp_json import message_to_json
+    from exporters.otlp.otlp_json import message_to_json
 
     ts = Timestamp(seconds=5, nanos=1)
     assert message_to_json(ts) == _reference_json(ts)

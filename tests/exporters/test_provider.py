@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from exporters.metrics import Metrics
-from exporters.otlp_json import read_otlp_json_lines, read_span_file
-from exporters.provider import (
+from exporters.otlp.metrics import Metrics
+from exporters.otlp.otlp_json import read_otlp_json_lines, read_span_file
+from exporters.otlp.provider import (
     DEFAULT_TIMEOUT_S,
     ExportConfig,
     ExportConfigError,
@@ -20,7 +20,7 @@ from exporters.provider import (
     resolve_destination,
     sdk_disabled,
 )
-from exporters.spans import build_span, new_trace_id, span_id_hex
+from exporters.otlp.spans import build_span, new_trace_id, span_id_hex
 from tests.otlp_receiver import OtlpReceiver, attrs_dict
 
 
@@ -231,18 +231,18 @@ def test_an_invalid_otel_resource_attributes_pair_is_said_and_the_others_kept(mo
                                                                               caplog: pytest.LogCaptureFixture) -> None:
     """The SDK's detector warns on its own logger, which the CLI counts without printing: the
     agent says it in one line (issue: small lies, an invalid pair dropped without a word)."""
-    from exporters.provider import build_resource
+    from exporters.otlp.provider import build_resource
 
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=staging,oops,=nokey,k8s.pod.name=sgl-0")
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
-    with caplog.at_level(logging.WARNING, logger="exporters.provider"):
+    with caplog.at_level(logging.WARNING, logger="exporters.otlp.provider"):
         resource = build_resource(ExportConfig(metrics=False), host_name="h", service_instance_id="i")
-    said = [r.getMessage() for r in caplog.records if r.name == "exporters.provider"]
+    said = [r.getMessage() for r in caplog.records if r.name == "exporters.otlp.provider"]
     assert said == ["OTEL_RESOURCE_ATTRIBUTES: 'oops', '=nokey' are not key=value: dropped (the other pairs are kept)"], said
     assert resource.attributes["deployment.environment.name"] == "staging"
     assert resource.attributes["k8s.pod.name"] == "sgl-0"
     caplog.clear()
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "a=1,b=2")
-    with caplog.at_level(logging.WARNING, logger="exporters.provider"):
+    with caplog.at_level(logging.WARNING, logger="exporters.otlp.provider"):
         build_resource(ExportConfig(metrics=False), host_name="h", service_instance_id="i")
-    assert not [r for r in caplog.records if r.name == "exporters.provider"]
+    assert not [r for r in caplog.records if r.name == "exporters.otlp.provider"]

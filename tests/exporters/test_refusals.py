@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent.watchers.status import read_status_file, status_path
-from exporters.otlp_json import iter_span_files, read_span_file
+from exporters.otlp.otlp_json import iter_span_files, read_span_file
 from tests.conftest import PROGRAMS_DIR
 from tests.otlp_receiver import OtlpReceiver
 
@@ -71,7 +71,7 @@ def test_dump_against_a_refusing_collector_says_it_once_keeps_the_spans_and_exit
     endpoint = otlp_receiver.endpoint(protocol) + suffix
     url = endpoint + "/v1/traces" if protocol != "grpc" else f"127.0.0.1:{otlp_receiver.grpc_port}"
     r = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "dump", "--match", title, "--data-dir", str(tmp_path / "data"),
+        [sys.executable, "-m", "agent.cli.app", "dump", "--match", title, "--data-dir", str(tmp_path / "data"),
          "--otlp-endpoint", endpoint, "--otlp-protocol", protocol],
         capture_output=True, text=True, timeout=90, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False,
     )
@@ -91,7 +91,7 @@ def test_dump_against_a_refusing_collector_says_it_once_keeps_the_spans_and_exit
     if case == "404-doubled-path":  # the command said, run as said, delivers them (nothing else was wrong)
         replay = said[0].split("send them once fixed with: ", 1)[1].split()
         assert replay[:2] == ["servewatch", "export"], replay
-        sent = subprocess.run([sys.executable, "-m", "agent.cli", *replay[1:]], capture_output=True, text=True, timeout=90,
+        sent = subprocess.run([sys.executable, "-m", "agent.cli.app", *replay[1:]], capture_output=True, text=True, timeout=90,
                               cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, check=False)  # fmt: skip
         assert sent.returncode == 0, sent.stderr
         assert otlp_receiver.span_count == len(names), (sent.stdout, sent.stderr)
@@ -105,7 +105,7 @@ def test_run_against_a_refusing_collector_shows_the_export_row_blind_in_status(
     target = _target(spawn, python, title, "--exit-after-s", "6", "--exit-code", "3")  # a rank that dies: an incident
     data_dir = tmp_path / "data"
     agent = spawn(
-        [python, "-m", "agent.cli", "run", "--pid", str(target.pid), "--data-dir", str(data_dir),
+        [python, "-m", "agent.cli.app", "run", "--pid", str(target.pid), "--data-dir", str(data_dir),
          "--otlp-endpoint", otlp_receiver.http_endpoint, "--otlp-protocol", "http/protobuf"],
         env=_env(tmp_path), stderr=subprocess.PIPE, cwd=tmp_path,
     )
@@ -121,7 +121,7 @@ def test_run_against_a_refusing_collector_shows_the_export_row_blind_in_status(
     assert row is not None and row.state.value == "blind", row
     assert "refused" in row.reason and "401 Unauthorized" in row.reason and "no authorization header is sent" in row.reason
     status = subprocess.run(
-        [python, "-m", "agent.cli", "status", "--data-dir", str(data_dir), "--json"],
+        [python, "-m", "agent.cli.app", "status", "--data-dir", str(data_dir), "--json"],
         capture_output=True, text=True, timeout=60, env=_env(tmp_path), check=False,
     )
     assert status.returncode == 1  # a blind row

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from exporters.provider import ExportConfig, build_telemetry
-from exporters.replay import replay
-from exporters.spans import build_span, new_trace_id, span_id_hex
+from exporters.otlp.provider import ExportConfig, build_telemetry
+from exporters.otlp.replay import replay
+from exporters.otlp.spans import build_span, new_trace_id, span_id_hex
 from tests.otlp_receiver import OtlpReceiver
 
 

@@ -1,4 +1,4 @@
-"""Tests of exporters.report: the HTML page is rendered by headless Chromium (Debian ``chromium``)
+"""Tests of agent.views.report: the HTML page is rendered by headless Chromium (Debian ``chromium``)
 and what the page shows — bars, hung frames, outcomes, no network — is asserted on its DOM."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import exporters.report as report_mod
-from exporters.bundle import IncidentTimeline, load_incident
-from exporters.report import CSP, render_report_html, report_summary, write_report
+import agent.views.report as report_mod
+from agent.views.bundle import IncidentTimeline, load_incident
+from agent.views.report import CSP, render_report_html, report_summary, write_report
 from tests.exporters.bundle_fixture import (
     COREDUMP_SIZE_BYTES,
     EVIL_PID,
@@ -332,7 +332,7 @@ def _with_history(tl: IncidentTimeline, bundle: Bundle) -> IncidentTimeline:
     readings, when progress stopped, the watchdog firing, and a verdict naming TP0."""
     from dataclasses import replace
 
-    from exporters.bundle import HistoryRow
+    from agent.views.bundle import HistoryRow
 
     tp0, tp1 = bundle.pids
     o = tl.opened_time_unix_nano
@@ -403,8 +403,8 @@ def test_the_rendered_page_keeps_that_order(tl: IncidentTimeline, bundle: Bundle
 
 
 def test_the_template_compiled_ahead_is_current(tmp_path: Path) -> None:
-    """`report` loads the template jinja2 compiled ahead (exporters/templates/compiled/); after an
-    edit of report.html or a jinja2 upgrade, `python -c "from exporters.report import compile_template;
+    """`report` loads the template jinja2 compiled ahead (agent/views/templates/compiled/); after an
+    edit of report.html or a jinja2 upgrade, `python -c "from agent.views.report import compile_template;
     compile_template()"` rewrites it (until then `report` compiles the source at each run). Under
     another jinja2 than the one it was compiled by (jinja2 is not pinned), `report` compiles the
     source: that is checked instead of the bytes."""

@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 
 from agent.watchers.status import WatcherState, read_status_file, status_path
-from exporters.provider import ExportConfig, build_telemetry
-from exporters.shipper import SpanShipper
+from exporters.otlp.provider import ExportConfig, build_telemetry
+from exporters.otlp.shipper import SpanShipper
 from tests.conftest import PROGRAMS_DIR
 from tests.otlp_receiver import OtlpReceiver, attr_value
 from tests.sdk._helpers import read_line
 from tests.spanfiles import file_spans
 
 SPAN_SERVER = str(PROGRAMS_DIR / "span_server.py")
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 REPO = str(PROGRAMS_DIR.parent.parent)
 HOST = "ship-host"
 

@@ -18,13 +18,13 @@ import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.resources import Resource
 
-from agent.config import load_settings
-from agent.runtime import Agent
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from agent.sdk import ring as _ring
 from agent.watchers.status import WatcherState, read_status_file, status_path
-from exporters.encode import EncodedSpan
-from exporters.provider import ExportConfig, build_telemetry
-from exporters.shipper import MAX_REFUSED, SpanShipper, decode_record
+from exporters.otlp.encode import EncodedSpan
+from exporters.otlp.provider import ExportConfig, build_telemetry
+from exporters.otlp.shipper import MAX_REFUSED, SpanShipper, decode_record
 from tests.conftest import PROGRAMS_DIR
 from tests.otlp_receiver import OtlpReceiver
 from tests.sdk._helpers import read_line
@@ -157,7 +157,7 @@ def test_ring_of_another_uid_is_refused_and_the_targets_uid_accepted(spawn, requ
 @pytest.mark.parametrize("lossless", [False, True], ids=["span-processor", "lossless-submit"])
 def test_invalid_records_are_counted_never_exported(tmp_path: Path, lossless: bool) -> None:
     """Through a plain SpanProcessor (``decode_record``: ReadableSpans) and through the lossless
-    processor's ``submit`` (``exporters.wire.encode_record``: encoded spans)."""
+    processor's ``submit`` (``exporters.otlp.wire.encode_record``: encoded spans)."""
     path = _ring.ring_path(os.getpid(), tmp_path)
     writer = _ring.RingWriter(65536, path=path, metadata={"resource": {"service.name": "x", "process.pid": 1}})
     sent: list = []
@@ -309,7 +309,7 @@ def test_a_target_without_a_ring_is_looked_for_again_when_a_folder_changes(spawn
     and lists the SDK's folders): again at the first poll after a file is created in a folder,
     and at least every ``ABSENT_RETRY_S``."""
     from agent.sdk.ring import RingError
-    from exporters import shipper as shipper_mod
+    from exporters.otlp import shipper as shipper_mod
 
     server = spawn([sys.executable, "-c", "import time; time.sleep(120)"])
     folder = tmp_path / f"servewatch-{os.geteuid()}"
@@ -357,7 +357,7 @@ class SpanProcessorStub:
 
 
 def test_an_idle_rings_polls_space_out_to_one_a_second_and_a_span_restores_the_interval() -> None:
-    from exporters.shipper import IDLE_POLL_MAX_S, next_poll_wait_s
+    from exporters.otlp.shipper import IDLE_POLL_MAX_S, next_poll_wait_s
 
     waits, wait = [], 0.25
     for _ in range(5):  # polls that find nothing

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-from exporters.otlp_json import read_span_file
-from exporters.spans import build_span, new_trace_id
-from exporters.spool import Spool, disk_bytes
+from exporters.otlp.otlp_json import read_span_file
+from exporters.otlp.spans import build_span, new_trace_id
+from exporters.otlp.spool import Spool, disk_bytes
 
 
 def _batch(n: int, tag: str):
@@ -126,8 +126,8 @@ def test_metrics_spool_is_the_same_queue_capped_in_files_and_locked_per_process(
         ExportMetricsServiceRequest,
     )
 
-    from exporters.metrics_export import SpoolingMetricExporter
-    from exporters.transport import make_sender
+    from exporters.otlp.metrics_export import SpoolingMetricExporter
+    from exporters.otlp.transport import make_sender
 
     folder = tmp_path / "metrics-spool"
     first = SpoolingMetricExporter(make_sender("http://127.0.0.1:9", "grpc", signal="metrics"), folder, max_files=2)
@@ -155,8 +155,8 @@ def test_an_unreadable_metrics_spool_file_is_dropped_and_its_points_counted_lost
     exports behind it: dropped, its data points (from its name) counted lost."""
     import time
 
-    from exporters.metrics_export import SpoolingMetricExporter
-    from exporters.transport import make_sender
+    from exporters.otlp.metrics_export import SpoolingMetricExporter
+    from exporters.otlp.transport import make_sender
 
     folder = tmp_path / "metrics-spool"
     folder.mkdir(mode=0o700)
@@ -180,7 +180,7 @@ def test_rejected_is_capped_in_files_too_adopted_ones_included_and_the_deletions
     adopted = rejected / "adopted-pid-77-0000000000000001-3.binpb"  # a dead agent's, moved here: the oldest
     adopted.write_bytes(_batch(3, "old").SerializeToString())
     os.utime(adopted, (1, 1))
-    with caplog.at_level(logging.WARNING, logger="exporters.spool"):
+    with caplog.at_level(logging.WARNING, logger="exporters.otlp.spool"):
         spool = Spool(tmp_path, max_bytes=10**7, max_rejected_files=2)
         assert spool.statistics().rejected_files == 1
         for tag in ("a", "b", "c", "d"):

@@ -1,4 +1,4 @@
-"""Tests of exporters.bundle and exporters.timeline: a realistic bundle (real py-spy stacks) read back
+"""Tests of agent.views.bundle and agent.views.timeline: a realistic bundle (real py-spy stacks) read back
 and rendered."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-import exporters.timeline as timeline_mod
-from exporters.bundle import (
+import agent.views.timeline as timeline_mod
+from agent.views.bundle import (
     BundleCorruptError,
     BundleError,
     BundleNotFoundError,
@@ -24,7 +24,7 @@ from exporters.bundle import (
     load_incident_arg,
     newer_manual_dumps,
 )
-from exporters.timeline import render_timeline, render_timeline_text, timeline_to_dict
+from agent.views.timeline import render_timeline, render_timeline_text, timeline_to_dict
 from tests.exporters.bundle_fixture import (
     COREDUMP_SIZE_BYTES,
     EVIL_PID,
@@ -503,10 +503,10 @@ async def test_bundle_written_by_the_incident_manager_and_pyspy_actor(tmp_path: 
     import anyio
 
     from agent.actors.pyspy import PySpyActor
-    from agent.bus import EventBus
-    from agent.events import StacksDumped
-    from agent.incidents import IncidentConfig, IncidentManager
-    from agent.targets import discover
+    from agent.host.targets import discover
+    from agent.incidents.manager import IncidentConfig, IncidentManager
+    from agent.model.bus import EventBus
+    from agent.model.events import StacksDumped
     from tests.exporters.bundle_fixture import TITLED_TARGET, wait_until_hung
 
     proc = spawn([python, str(TITLED_TARGET), "demo::scheduler_TP0", "--threads", "1", "--max-lifetime-s", "60"],
@@ -565,7 +565,7 @@ def test_piped_timeline_wraps_the_verdict_at_80_columns_never_cuts_it(bundle: Bu
     manifest_path.write_text(json.dumps(manifest))
     env = {**os.environ, "COLUMNS": "80", "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
-    proc = subprocess.run([sys.executable, "-m", "agent.cli", "timeline", INCIDENT_ID, "--data-dir", str(data_dir)],
+    proc = subprocess.run([sys.executable, "-m", "agent.cli.app", "timeline", INCIDENT_ID, "--data-dir", str(data_dir)],
                           capture_output=True, env=env, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr.decode()
     text = proc.stdout.decode()

@@ -1,4 +1,4 @@
-"""exporters.torch_trace: real torch traces (made here through agent.sdk.step()) become spans."""
+"""exporters.mirror.torch_trace: real torch traces (made here through agent.sdk.step()) become spans."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import pytest
 
 from agent.sdk import profiler
 from agent.sdk.profiler import ProfileRequest
-from exporters.spans import InMemorySink, new_span_id, new_trace_id
-from exporters.torch_trace import (
+from exporters.mirror.torch_trace import (
     ALWAYS_KEPT_CATEGORIES,
     ImportStatistics,
     TorchTraceImportConfig,
@@ -23,6 +22,7 @@ from exporters.torch_trace import (
     import_profile_artifacts,
     import_torch_trace,
 )
+from exporters.otlp.spans import InMemorySink, new_span_id, new_trace_id
 from tests.sdk._helpers import TinyModel, drain, load_trace
 
 ALL_OPS = TorchTraceImportConfig(min_duration_us=0, max_spans=100_000)
@@ -261,7 +261,7 @@ def test_session_artifacts_import_traces_attach_bundles_and_count_errors(session
 
 
 def test_mirror_puts_the_profile_inside_the_incident_trace(session: dict[str, Any]) -> None:
-    from agent.events import (
+    from agent.model.events import (
         ActionResult,
         IncidentClosed,
         IncidentOpened,
@@ -269,8 +269,8 @@ def test_mirror_puts_the_profile_inside_the_incident_trace(session: dict[str, An
         ProfileStopped,
         frozen_attrs,
     )
-    from exporters.mirror import SpanMirror
-    from exporters.spans import span_id_hex, trace_id_hex
+    from exporters.mirror.mirror import SpanMirror
+    from exporters.otlp.spans import span_id_hex, trace_id_hex
 
     sink = InMemorySink()
     mirror = SpanMirror(sink, host_name="h")
@@ -309,7 +309,7 @@ class _CountingSink:
 
 
 def _fails_with(path: Path, budget: Any = None) -> str:
-    from exporters.torch_trace import ImportBudget
+    from exporters.mirror.torch_trace import ImportBudget
 
     budget = budget or ImportBudget(deadline_s=None)
     with pytest.raises(ValueError) as info:
@@ -318,7 +318,7 @@ def _fails_with(path: Path, budget: Any = None) -> str:
 
 
 def test_hostile_traces_fail_fast_without_reading_the_whole_file(tmp_path: Path) -> None:
-    from exporters.torch_trace import MAX_VALUE_CHARS, ImportBudget
+    from exporters.mirror.torch_trace import MAX_VALUE_CHARS, ImportBudget
 
     unterminated = tmp_path / "u.trace.json"
     unterminated.write_text('{"traceEvents":[{"name":"' + "a" * (20 << 20))
@@ -385,7 +385,7 @@ def test_annotations_are_capped_too(tmp_path: Path) -> None:
 
 
 def test_mlx_steps_are_streamed_not_read_whole(tmp_path: Path) -> None:
-    from exporters.torch_trace import MAX_MLX_STEPS, import_mlx_steps
+    from exporters.mirror.torch_trace import MAX_MLX_STEPS, import_mlx_steps
 
     path = tmp_path / "big.mlx-steps.json"
     with open(path, "w") as f:
@@ -412,8 +412,8 @@ def test_mlx_steps_are_streamed_not_read_whole(tmp_path: Path) -> None:
 def test_profile_command_span_survives_hostile_files(tmp_path: Path) -> None:
     """``servewatch profile``'s inline import: a deep array and an unterminated string are errors
     on the session span, never a RecursionError that loses it."""
-    from agent.events import ActionResult, Outcome
-    from exporters.mirror import mirror_profile_session
+    from agent.model.events import ActionResult, Outcome
+    from exporters.mirror.mirror import mirror_profile_session
 
     deep = tmp_path / "deep.pt.trace.json"
     deep.write_text('{"traceEvents":' + "[" * 200_000 + "]" * 200_000 + "}")
@@ -451,7 +451,7 @@ def test_padded_events_cost_the_reorder_window_nothing(tmp_path: Path) -> None:
 
 def test_a_session_is_capped_over_all_its_files(tmp_path: Path) -> None:
     """Many files of one session share its caps: spans (not each file's own) and files."""
-    from exporters.torch_trace import ImportBudget
+    from exporters.mirror.torch_trace import ImportBudget
 
     rows = [{"ph": "X", "cat": "user_annotation", "name": f"r{i}", "pid": 1, "tid": 1, "ts": i, "dur": 0.5}
             for i in range(4000)]
@@ -471,7 +471,7 @@ def test_a_session_is_capped_over_all_its_files(tmp_path: Path) -> None:
 
 
 def test_a_metal_bundle_walk_keeps_the_sessions_deadline(tmp_path: Path) -> None:
-    from exporters.torch_trace import ImportBudget
+    from exporters.mirror.torch_trace import ImportBudget
 
     bundle = tmp_path / "cap.gputrace"
     for i in range(5):

@@ -1,4 +1,4 @@
-"""exporters.transport against a real OTLP receiver (gRPC and HTTP) that refuses: every refusal is
+"""exporters.otlp.transport against a real OTLP receiver (gRPC and HTTP) that refuses: every refusal is
 sorted into the right cause with the collector's own message and the fix, and a collector's
 requested retry delay (HTTP ``Retry-After``, gRPC ``RetryInfo``) comes back in the result."""
 
@@ -10,9 +10,9 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from exporters.encode import encode_spans_fast
-from exporters.spans import build_span, new_trace_id
-from exporters.transport import Cause, Delivery, make_sender
+from exporters.otlp.encode import encode_spans_fast
+from exporters.otlp.spans import build_span, new_trace_id
+from exporters.otlp.transport import Cause, Delivery, make_sender
 from tests.otlp_receiver import OtlpReceiver
 
 

@@ -1,4 +1,4 @@
-"""exporters.wire: ring records straight to OTLP bytes, checked against the reference path
+"""exporters.otlp.wire: ring records straight to OTLP bytes, checked against the reference path
 (``decode_record`` -> ``ReadableSpan`` -> the protobuf-object encoder) on real SDK records and on
 thousands of generated ones, good and bad."""
 
@@ -16,9 +16,9 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.resources import Resource
 
-from exporters.encode import EncodedSpan, encode_spans_fast
-from exporters.shipper import decode_record
-from exporters.wire import MAX_ATTRIBUTES, MAX_NAME, MAX_STRING, SDK_SCOPE, encode_record
+from exporters.otlp.encode import EncodedSpan, encode_spans_fast
+from exporters.otlp.shipper import decode_record
+from exporters.otlp.wire import MAX_ATTRIBUTES, MAX_NAME, MAX_STRING, SDK_SCOPE, encode_record
 
 RESOURCE = Resource({"service.name": "tiny-llm", "host.name": "node-a", "process.pid": 4242})
 
@@ -82,7 +82,7 @@ def test_real_sdk_records_encode_to_the_same_bytes_as_the_reference_path(tmp_pat
     assert len(payloads) == 20 * 4 + 4
     assert any(b'"exception"' in p for p in payloads) and any(b"gen_ai.response.id" in p for p in payloads)
     assert _wire(payloads) == _reference(payloads)
-    # and the reference path is the OTel exporter's own encoder (exporters.encode's own test)
+    # and the reference path is the OTel exporter's own encoder (exporters.otlp.encode's own test)
     assert _reference(payloads) == encode_spans([decode_record(p, RESOURCE) for p in payloads]).SerializeToString()
 
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from exporters.otlp_json import iter_span_files, read_span_file
-from exporters.processor import LosslessSpanProcessor
-from exporters.spool import Spool
-from exporters.transport import make_sender
+from exporters.otlp.otlp_json import iter_span_files, read_span_file
+from exporters.otlp.processor import LosslessSpanProcessor
+from exporters.otlp.spool import Spool
+from exporters.otlp.transport import make_sender
 from tests.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,13 +145,13 @@ def test_the_next_agent_resends_exactly_the_spans_that_never_became_durable(otlp
     bundle is marked, and a further start re-sends nothing."""
     import anyio
 
-    from agent.bus import RecordingBus
-    from agent.events import ActionCompleted, IncidentClosed, IncidentOpened
-    from agent.incidents import recover_interrupted
-    from exporters.mirror import SpanMirror
-    from exporters.provider import ExportConfig, build_telemetry
-    from exporters.spans import build_span, span_id_hex
-    from exporters.spool import DeliveredKeys
+    from agent.incidents.manager import recover_interrupted
+    from agent.model.bus import RecordingBus
+    from agent.model.events import ActionCompleted, IncidentClosed, IncidentOpened
+    from exporters.mirror.mirror import SpanMirror
+    from exporters.otlp.provider import ExportConfig, build_telemetry
+    from exporters.otlp.spans import build_span, span_id_hex
+    from exporters.otlp.spool import DeliveredKeys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
     trace_id, root = "ab" * 16, "0123456789abcdef"

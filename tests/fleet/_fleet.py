@@ -11,9 +11,9 @@ from typing import Any
 
 import anyio
 
-from agent.config import load_settings
-from agent.incidents import IncidentRecord
-from agent.runtime import Agent
+from agent.incidents.manager import IncidentRecord
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -12,9 +12,9 @@ import anyio
 import httpx
 import pytest
 
-from agent.config import ConfigError, load_settings
 from agent.fleet.traceparent import TraceParent, TraceParentError
-from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
+from agent.runtime.settings import ConfigError, load_settings
+from exporters.otlp.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 from tests.fleet._fleet import TOKEN, free_ports, running_agent, settings_for, token_file
 
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -257,7 +257,7 @@ def test_run_refuses_bad_api_settings_with_exit_2_and_one_line(tmp_path: Path, a
     loose = token_file(tmp_path, mode=0o644)
     (tmp_path / "good").mkdir(mode=0o700)
     good = token_file(tmp_path / "good")
-    argv = [sys.executable, "-m", "agent.cli", "run", "--pid", str(os.getpid()), "--data-dir", str(tmp_path / "d"),
+    argv = [sys.executable, "-m", "agent.cli.app", "run", "--pid", str(os.getpid()), "--data-dir", str(tmp_path / "d"),
             *[a.replace("{loose}", str(loose)).replace("{good}", str(good)) for a in args]]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr

@@ -60,7 +60,7 @@ async def test_a_hang_on_one_host_is_one_trace_with_every_hosts_evidence(tmp_pat
             # the agent keeps its own copy of the descriptor
             with await anyio.to_thread.run_sync(log_path.open, "wb") as log:
                 spawn(
-                    [sys.executable, "-m", "agent.cli", "run", "--verbose",
+                    [sys.executable, "-m", "agent.cli.app", "run", "--verbose",
                      "--pid", str(server.scheduler_pids[0]), "--health-url", f"{server.base_url}/health",
                      "--watchdog-timeout", "2", "--api-listen", f"127.0.0.1:{port}", "--api-token-file", str(token),
                      "--job", "demo-405b", *peers, "--allow-insecure-peers", "--otlp-endpoint", otlp_receiver.http_endpoint, "--otlp-protocol", "http/protobuf",

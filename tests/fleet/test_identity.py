@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import anyio
 
-from agent.fleet.evidence import fit, fr_window, world_size_of
 from agent.fleet.fanout import bounded, plan
+from agent.fleet.host_summary import fit, fr_window, world_size_of
 from agent.fleet.identity import (
     JobKey,
     job_trace,

@@ -88,7 +88,7 @@ def _agent(hosts: Hosts, h: int, pids: list[int], spawn, tmp_path: Path, token: 
     """Host ``h``'s ``servewatch run`` on its two ranks (``fleet=False``: the same agent alone, no ``--job``)."""
     peers = [arg for a in hosts.addresses for arg in ("--peer", f"{a}:{PORT}")]  # the same list everywhere
     job = ["--job", JOB, *peers, "--allow-insecure-peers"] if fleet else []
-    argv = [*hosts.prefix(h), sys.executable, "-m", "agent.cli", "run", "--verbose",
+    argv = [*hosts.prefix(h), sys.executable, "-m", "agent.cli.app", "run", "--verbose",
             "--pid", str(pids[2 * h]), "--pid", str(pids[2 * h + 1]), "--watchdog-timeout", "3",
             "--api-listen", f"{hosts.addresses[h]}:{PORT}", "--api-token-file", str(token), *job,
             "--data-dir", str(tmp_path / "data")]
@@ -142,7 +142,7 @@ def _manifests(data: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _spans(data: Path, trace_id: str) -> list[dict[str, Any]]:
-    from exporters.otlp_json import iter_span_files, read_span_file
+    from exporters.otlp.otlp_json import iter_span_files, read_span_file
 
     found = []
     for path in iter_span_files([data]):

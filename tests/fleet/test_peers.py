@@ -18,9 +18,9 @@ import anyio
 import anyio.abc
 import pytest
 
-from agent.events import WatchdogStalled
-from agent.incidents import IncidentRecord
-from agent.runtime import Agent
+from agent.incidents.manager import IncidentRecord
+from agent.model.events import WatchdogStalled
+from agent.runtime.agent import Agent
 from tests.fleet._fleet import free_ports, running_agent, settings_for, token_file
 from tests.otlp_receiver import OtlpReceiver, otlp_receiver_fixture
 
@@ -268,9 +268,9 @@ async def test_a_peer_that_does_not_speak_http_is_a_failed_capture_not_a_crash()
 
 
 async def test_a_detection_after_a_join_is_folded_but_a_later_crash_is_its_own_incident(tmp_path: Path, spawn, python) -> None:
-    from agent.events import TargetExited
     from agent.fleet.traceparent import TraceParent
-    from exporters.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
+    from agent.model.events import TargetExited
+    from exporters.otlp.spans import new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
     [pid] = _targets(spawn, python, 1)
     [port] = free_ports(1)

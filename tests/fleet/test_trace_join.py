@@ -9,8 +9,10 @@ from pathlib import Path
 
 import anyio
 
-from agent.bus import RecordingBus
-from agent.events import (
+from agent.host.targets import Target
+from agent.incidents.manager import IncidentConfig, IncidentManager
+from agent.model.bus import RecordingBus
+from agent.model.events import (
     ActionCompleted,
     ActionResult,
     IncidentClosed,
@@ -20,10 +22,8 @@ from agent.events import (
     WatchdogStalled,
     now_ns,
 )
-from agent.incidents import IncidentConfig, IncidentManager
-from agent.targets import Target
-from exporters.mirror import SpanMirror
-from exporters.spans import InMemorySink, new_span_id, new_trace_id, span_id_hex, trace_id_hex
+from exporters.mirror.mirror import SpanMirror
+from exporters.otlp.spans import InMemorySink, new_span_id, new_trace_id, span_id_hex, trace_id_hex
 
 
 async def _dump(opened: IncidentOpened, targets: Sequence[Target], bundle: Path, report: object) -> list[ActionResult]:

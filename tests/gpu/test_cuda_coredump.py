@@ -19,9 +19,9 @@ import anyio
 import pytest
 
 from agent.actors.coredump import CoredumpActor, CoredumpConfig, locate_pipe
-from agent.cudaenv import cuda_coredump_env
-from agent.events import IncidentOpened, Outcome
-from agent.targets import Target
+from agent.host.cudaenv import cuda_coredump_env
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
 
 TARGET = str(Path(__file__).with_name("cuda_target.py"))
 

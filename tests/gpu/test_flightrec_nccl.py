@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 from agent.actors.flightrec import FlightRecorderActor, FlightRecorderConfig
-from agent.events import IncidentOpened, Outcome
-from agent.targets import Target
+from agent.host.targets import Target
+from agent.model.events import IncidentOpened, Outcome
 
 PROGRAM = str(Path(__file__).with_name("nccl_rank.py"))
 ROOT = Path(__file__).resolve().parents[2]

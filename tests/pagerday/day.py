@@ -5,7 +5,7 @@ Owns the day's script (:func:`play_day`), its expectations (:data:`EVENTS`, the 
 the attribution of the incidents the agent opened to the day's events (:func:`judge`) and the
 table printed from it (:func:`format_table`). ``tests/pagerday/test_pagerday.py`` asserts on it;
 ``bench/bench_pagerday.py`` prints it. Imports the standard library, httpx, psutil,
-:mod:`agent.demo.client` (to start, load and hang the demo servers) and :mod:`agent.manifest` (to
+:mod:`agent.demo.client` (to start, load and hang the demo servers) and :mod:`agent.host.manifest` (to
 read the bundles); the agent itself runs as one ``servewatch run`` subprocess, as an operator runs
 it.
 
@@ -146,7 +146,7 @@ LONG_PREFILL_S = 2.5
 HEALTH_INTERVAL_S = 1.0
 #: Failed probes in a row before the health watcher fails (``run``'s default ``unhealthy_after``).
 HEALTH_FAILURES = 3
-#: How long the agent holds a failed health check before judging it (``agent.exitpolicy``'s
+#: How long the agent holds a failed health check before judging it (``agent.incidents.admission``'s
 #: ``HEALTH_SETTLE_S``): 30 s for a closed port, 5 s for a 5xx.
 HEALTH_SETTLE_REFUSED_S = 30.0
 HEALTH_SETTLE_5XX_S = 5.0
@@ -406,7 +406,7 @@ class _Host:
     def start_agent(self, names: list[str], *, hard: bool = False) -> None:
         log = self.workdir / f"agent-{len(self.agent_logs)}.log"
         self.agent_logs.append(log)
-        argv = [sys.executable, "-m", "agent.entry", "run", "--match", self.glob,
+        argv = [sys.executable, "-m", "agent.cli.entry", "run", "--match", self.glob,
                 "--watchdog-timeout", f"{WATCHDOG_TIMEOUT_S:g}", "--cooldown", f"{COOLDOWN_S:g}",
                 "--data-dir", str(self.data_dir), "-v"]
         for name in names:
@@ -511,7 +511,7 @@ def _profile(h: _Host, faults: dict[str, float]) -> None:
     procs = []
     for name in ("A", "B"):
         pid = h.servers[name].scheduler_pids[0]
-        argv = [sys.executable, "-m", "agent.entry", "profile", "--pid", str(pid), "--steps", "3", "--timeout", "90",
+        argv = [sys.executable, "-m", "agent.cli.entry", "profile", "--pid", str(pid), "--steps", "3", "--timeout", "90",
                 "--out", str(h.workdir / "profiles" / name), "--data-dir", str(h.data_dir)]
         log = (h.workdir / f"profile-{name}.log").open("wb")
         proc = subprocess.Popen(argv, env=h.env, cwd=h.workdir, stdin=subprocess.DEVNULL, stdout=log,
@@ -673,7 +673,7 @@ SCRIPT: dict[str, Callable[[_Host, dict[str, float]], None]] = {
 
 def read_incidents(data_dir: Path) -> list[Opened]:
     """Every bundle's manifest under ``data_dir`` (``<host>/<incident-id>/manifest.json``), by opening time."""
-    from agent.manifest import ManifestError, load_manifest
+    from agent.host.manifest import ManifestError, load_manifest
 
     out = []
     for path in sorted(data_dir.glob("*/*/manifest.json")):

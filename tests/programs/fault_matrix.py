@@ -149,11 +149,11 @@ async def run_case(tp: int, fault: str, fault_rank: int, *, workdir: Path | None
         hard: watchdog hard-mode settings (``{"hard": True, "signal": "SIGTERM", ...}``).
         workdir: keeps the bundle there (default: a temporary folder removed afterwards).
     """
-    from agent.config import load_settings
-    from agent.runtime import Agent
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
     from agent.sdk import read_counter
     from agent.sdk.counter import counter_path
-    from exporters.provider import build_telemetry
+    from exporters.otlp.provider import build_telemetry
 
     own_dir = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="sw-faults-")) if own_dir else workdir
@@ -330,9 +330,9 @@ async def _watch(settings_extra: dict[str, Any], wd: Path, *, children: list[Any
     ``judged`` receives what its verdict judged (``VerdictJudge.last_evidence``: what a host
     sends its job's coordinator). ``after_start(agent)`` runs (in a worker thread) once the agent
     runs; ``on_status`` receives each watcher status the agent publishes."""
-    from agent.config import load_settings
-    from agent.runtime import Agent
-    from exporters.provider import build_telemetry
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
+    from exporters.otlp.provider import build_telemetry
 
     base: dict[str, Any] = {
         "data_dir": wd / "data", "host_name": "faults", "coredump": {"enabled": False},
@@ -410,7 +410,7 @@ async def _crash_seen_late(wd: Path, name: str, world: int, *, counter: bool, co
         while not all(_zombie(pids[r]) for r in range(1, world)) and time.monotonic() < deadline:
             await anyio.sleep(0.2)
         out = await anyio.to_thread.run_sync(lambda: subprocess.run(
-            [sys.executable, "-m", "agent.entry", "dump", "--match", f"{tag}::*", "--data-dir", str(wd / "data"),
+            [sys.executable, "-m", "agent.cli.entry", "dump", "--match", f"{tag}::*", "--data-dir", str(wd / "data"),
              "--json"], capture_output=True, text=True, timeout=120, env=_env(Path(os.environ.get(
                  "SERVEWATCH_SHM_DIR", "/dev/shm"))), check=False, cwd=wd))
         manifests = sorted((wd / "data").glob("*/*/manifest.json"))
@@ -806,9 +806,9 @@ async def pp_two_nodes(wd: Path) -> JobViewResult:
     """The PP=2 x TP=2 job of :func:`shape_pp_titles` as two nodes: ``node-a`` runs stage 0
     (``Worker_PP0_TP0``, ``Worker_PP0_TP1``), ``node-b`` stage 1 (``Worker_PP1_TP*``), one real
     agent per node watching its own two ranks (one after the other: the hang stays). Each node's
-    evidence summary (:func:`agent.fleet.evidence.host_evidence`, what it sends its coordinator,
+    evidence summary (:func:`agent.fleet.host_summary.host_evidence`, what it sends its coordinator,
     through the wire model) goes to :func:`agent.fleet.jobverdict.judge_job`."""
-    from agent.fleet.evidence import host_evidence
+    from agent.fleet.host_summary import host_evidence
     from agent.fleet.jobverdict import judge_job
     from agent.fleet.messages import Evidence as HostEvidence
 

@@ -68,9 +68,9 @@ async def _health_incident(settings_extra: dict[str, Any], wd: Path,
                            inject: Callable[[], Awaitable[None]] | None = None, deadline_s: float = 120.0) -> Any:
     """Run the real agent until its first health incident: ``inject()`` once its health check has
     seen the server answer (``None``: the fault is already there when it starts). The incident."""
-    from agent.config import load_settings
-    from agent.runtime import Agent
-    from exporters.provider import build_telemetry
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
+    from exporters.otlp.provider import build_telemetry
 
     base: dict[str, Any] = {"data_dir": wd / "data", "host_name": "frontends", "coredump": {"enabled": False},
                             "incident": {"cooldown_s": 300.0}}

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.events import (
+from agent.model.events import (
     ActionCompleted,
     ActionResult,
     IncidentClosed,
@@ -21,9 +21,9 @@ from agent.events import (
     Outcome,
     now_ns,
 )
-from exporters.mirror import SpanMirror
-from exporters.provider import ExportConfig, build_telemetry
-from exporters.spans import build_span, new_trace_id
+from exporters.mirror.mirror import SpanMirror
+from exporters.otlp.provider import ExportConfig, build_telemetry
+from exporters.otlp.spans import build_span, new_trace_id
 
 
 def main() -> int:

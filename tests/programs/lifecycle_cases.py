@@ -173,9 +173,9 @@ def _gone_or_zombie(pid: int) -> bool:
 
 async def run_lifecycle_case(case: str, *, workdir: Path | None = None, deadline_s: float = 150.0) -> LifecycleResult:
     """Run one lifecycle case end to end (the real agent in this process, watching by title)."""
-    from agent.config import load_settings
-    from agent.runtime import Agent
-    from exporters.provider import build_telemetry
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
+    from exporters.otlp.provider import build_telemetry
 
     own_dir = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="sw-life-")) if own_dir else workdir

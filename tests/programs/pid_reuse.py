@@ -1,10 +1,10 @@
 """Pid reuse, for real, inside a pid namespace (run as ``unshare --pid --fork --mount-proc python
-pid_reuse.py MODE``): a culprit is identified (its :class:`~agent.targets.Target`, as discovery
+pid_reuse.py MODE``): a culprit is identified (its :class:`~agent.host.targets.Target`, as discovery
 makes it), then dies and is reaped; an innocent process is started on exactly its pid (the
 namespace's ``/proc/sys/kernel/ns_last_pid``); then the agent sends the signal it had decided on.
 
-MODE ``hard``: hard mode's SIGABRT to the verdict's culprit (:class:`agent.incidents.IncidentManager`);
-``sigcont``: py-spy's SIGCONT through :func:`agent.pidfds.send_signal` to a target identified but
+MODE ``hard``: hard mode's SIGABRT to the verdict's culprit (:class:`agent.incidents.manager.IncidentManager`);
+``sigcont``: py-spy's SIGCONT through :func:`agent.host.pidfds.send_signal` to a target identified but
 not held. Prints one JSON line: ``{"culprit_pid", "newcomer_pid", "newcomer_alive", "results"}``.
 """
 
@@ -31,12 +31,12 @@ def newcomer_on(pid: int) -> subprocess.Popen[bytes]:
 
 
 def hard(culprit: subprocess.Popen[bytes]) -> list[dict]:
-    from agent import pidfds
-    from agent.bus import EventBus
-    from agent.events import IncidentOpened
-    from agent.incidents import IncidentConfig, IncidentManager, IncidentRecord
-    from agent.targets import target_of
-    from agent.verdict import Verdict
+    from agent.host import pidfds
+    from agent.host.targets import target_of
+    from agent.incidents.manager import IncidentConfig, IncidentManager, IncidentRecord
+    from agent.model.bus import EventBus
+    from agent.model.events import IncidentOpened
+    from agent.verdict.rules import Verdict
 
     target = target_of(culprit.pid)
     assert target is not None
@@ -58,8 +58,8 @@ def hard(culprit: subprocess.Popen[bytes]) -> list[dict]:
 
 
 def sigcont(culprit: subprocess.Popen[bytes]) -> list[dict]:
-    from agent import pidfds
-    from agent.targets import target_of
+    from agent.host import pidfds
+    from agent.host.targets import target_of
 
     target = target_of(culprit.pid)  # identified (never held: the pidfd is opened and verified at send)
     assert target is not None

@@ -15,8 +15,8 @@ import anyio
 
 from agent.actors.flightrec import FlightRecorderActor, FlightRecorderConfig
 from agent.actors.pyspy import PySpyActor
-from agent.events import IncidentOpened, Outcome, Trigger, now_ns
-from agent.targets import ProcessState, discover, process_state
+from agent.host.targets import ProcessState, discover, process_state
+from agent.model.events import IncidentOpened, Outcome, Trigger, now_ns
 from tests.real.server import VllmServer
 
 
@@ -28,7 +28,7 @@ def test_profile_pid_of_a_vllm_worker_suggests_the_servers_http_port(vllm_tp1: V
     (worker,) = vllm_tp1.workers()
     assert any(c.status == "LISTEN" and c.laddr.port != vllm_tp1.port for c in worker.net_connections(kind="tcp"))
     proc = subprocess.run(
-        [sys.executable, "-m", "agent.entry", "profile", "--pid", str(worker.pid), "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "agent.cli.entry", "profile", "--pid", str(worker.pid), "--data-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=120, env=dict(os.environ), stdin=subprocess.DEVNULL, check=False,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

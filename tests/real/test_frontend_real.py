@@ -24,9 +24,9 @@ async def _watch_health(server: VllmServer, data_dir: Path, make_it_fail: Any) -
     """The real agent on ``server`` (``VLLM::*`` under its API server's pid, its ``/health`` and
     ``/metrics``); once its health check saw 200, ``make_it_fail()`` (in a thread). Its first health
     incident."""
-    from agent.config import load_settings
-    from agent.runtime import Agent
-    from exporters.provider import build_telemetry
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
+    from exporters.otlp.provider import build_telemetry
 
     settings = load_settings({
         "data_dir": data_dir, "host_name": "real", "target": {"match": ["VLLM::*"], "root_pid": server.pid},

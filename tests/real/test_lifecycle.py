@@ -17,7 +17,7 @@ import pytest
 
 from tests.real.conftest import RealVllm
 
-CLI = [sys.executable, "-m", "agent.cli"]
+CLI = [sys.executable, "-m", "agent.cli.app"]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -60,7 +60,7 @@ class Run:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_")) and k != "VIRTUAL_ENV"}
         base.update(SERVEWATCH_SHM_DIR=str(tmp_path / f"shm-{name}"), SERVEWATCH_COREDUMP__ENABLED="false",
                     SERVEWATCH_HEALTH__INTERVAL_S="1", SERVEWATCH_HEALTH__UNHEALTHY_AFTER="2", **(env or {}))
-        argv = [sys.executable, "-m", "agent.entry", "run", "--watchdog-timeout", str(WATCHDOG_S), "--data-dir", str(self.data),
+        argv = [sys.executable, "-m", "agent.cli.entry", "run", "--watchdog-timeout", str(WATCHDOG_S), "--data-dir", str(self.data),
                 *(["--verbose"] if os.environ.get("REALVLLM_AGENT_VERBOSE") == "1" else []), *args]  # fmt: skip
         with self.err_path.open("wb") as fh:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=fh, cwd=ROOT, env=base,

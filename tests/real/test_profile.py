@@ -21,7 +21,7 @@ from tests.real.server import VllmServer
 
 def _servewatch(*args: str, env: dict[str, str] | None = None, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agent.entry", *args], capture_output=True, text=True, timeout=timeout_s,
+        [sys.executable, "-m", "agent.cli.entry", *args], capture_output=True, text=True, timeout=timeout_s,
         env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, check=False,
     )  # fmt: skip
 

@@ -31,7 +31,7 @@ def _watch(server: VllmServer, data_dir: Path, **env: str) -> tuple[subprocess.P
     """``servewatch run`` on the server's /metrics (vLLM preset, watchdog 4 s), bounded to 120 s;
     its stderr lines collect in the returned list."""
     argv = [
-        sys.executable, "-m", "agent.entry", "run", "--metrics-url", f"{server.url}/metrics", "--metrics-preset", "vllm",
+        sys.executable, "-m", "agent.cli.entry", "run", "--metrics-url", f"{server.url}/metrics", "--metrics-preset", "vllm",
         "--watchdog-timeout", "4", "--duration", "120", "--no-pyspy", "--data-dir", str(data_dir),
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

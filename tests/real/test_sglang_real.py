@@ -72,7 +72,7 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_")) and k != "VIRTUAL_ENV"}
         env.update(SERVEWATCH_SHM_DIR=str(tmp_path / "shm"), SERVEWATCH_COREDUMP__ENABLED="false",
                    SERVEWATCH_HEALTH__INTERVAL_S="1", SERVEWATCH_HEALTH__UNHEALTHY_AFTER="2")  # fmt: skip
-        argv = [sys.executable, "-m", "agent.entry", "run", "--watchdog-timeout", str(WATCHDOG_S), "--data-dir", str(self.data), *args]
+        argv = [sys.executable, "-m", "agent.cli.entry", "run", "--watchdog-timeout", str(WATCHDOG_S), "--data-dir", str(self.data), *args]
         with self.err_path.open("wb") as fh:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=fh, cwd=ROOT, env=env,
                                          start_new_session=True)  # fmt: skip
@@ -227,7 +227,7 @@ def test_tp1_profile_url_steps_5_records_exactly_5_forward_steps_and_is_stopped(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     with sglang_tp1.load(concurrency=2, max_tokens=48) as stats:
         time.sleep(1.0)
-        proc = subprocess.run([sys.executable, "-m", "agent.entry", "profile", "--url", sglang_tp1.url, "--steps", "5", "--json",
+        proc = subprocess.run([sys.executable, "-m", "agent.cli.entry", "profile", "--url", sglang_tp1.url, "--steps", "5", "--json",
                                "--out", str(out), "--data-dir", str(tmp_path / "d")],
                               capture_output=True, text=True, timeout=240, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -280,7 +280,7 @@ def test_tp1_servewatch_dumps_the_hung_scheduler_while_sglang_style_pyspy_runs_a
         other.start()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
         for i in range(3):
-            done = subprocess.run([sys.executable, "-m", "agent.entry", "dump", "--root-pid", str(sglang_tp1.pid), "--match",
+            done = subprocess.run([sys.executable, "-m", "agent.cli.entry", "dump", "--root-pid", str(sglang_tp1.pid), "--match",
                                    "sglang::scheduler*", "--data-dir", str(tmp_path / f"d{i}")], capture_output=True, text=True,
                                   timeout=180, check=False, cwd=ROOT, env=env)  # fmt: skip
             (manifest,) = (tmp_path / f"d{i}").glob("*/*/manifest.json")
@@ -397,7 +397,7 @@ def test_launch_of_sglang_launch_server_arms_the_cuda_coredump_environment_as_sg
     url = f"http://127.0.0.1:{port}"
     data = tmp_path / "data"
     log = (tmp_path / "launch.log").open("wb")
-    launch = subprocess.Popen([sys.executable, "-m", "agent.entry", "launch", "--crash-dump-folder", str(folder), "--data-dir",
+    launch = subprocess.Popen([sys.executable, "-m", "agent.cli.entry", "launch", "--crash-dump-folder", str(folder), "--data-dir",
                                str(data), "--match", "sglang::scheduler*", "--health-url", f"{url}/health", "--metrics-url",
                                f"{url}/metrics", "--watchdog-timeout", str(WATCHDOG_S), "--", *argv],
                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir,

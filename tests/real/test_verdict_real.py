@@ -58,7 +58,7 @@ def _dump(server: VllmServer, data_dir: Path, *extra: str) -> tuple[dict[str, An
     """``servewatch dump --root-pid <API server> --match 'VLLM::*' [extra]``: (verdict, manifest, stdout)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
     out = subprocess.run(
-        [sys.executable, "-m", "agent.entry", "dump", "--root-pid", str(server.pid), "--match", "VLLM::*",
+        [sys.executable, "-m", "agent.cli.entry", "dump", "--root-pid", str(server.pid), "--match", "VLLM::*",
          "--data-dir", str(data_dir), *extra],
         capture_output=True, text=True, timeout=180, check=False, cwd=ROOT, env=env,
     )
@@ -125,7 +125,7 @@ def test_a_sigstopped_worker_under_run_is_the_culprit_said_stopped(vllm_tp1: Vll
     """New-user trial F6: a request running, the Worker SIGSTOPped, `run` sees the stall on
     /metrics: the verdict names the stopped rank (not a deadlock of everyone waiting for a
     message), and the summary line of its dump keeps "stopped"."""
-    from agent.summary import summary_lines
+    from agent.cli.summary import summary_lines
 
     (worker,) = vllm_tp1.workers()
     threads: list[threading.Thread] = []
@@ -164,9 +164,9 @@ async def _watch_stall(metrics_url: str, data_dir: Path, make_it_stall: Any) -> 
     """The real agent, host-wide ``--match 'VLLM::*'``, stalls read from ``metrics_url``; once it
     runs, ``make_it_stall()`` (in a thread) makes that server progress then hang. Its first stall
     incident."""
-    from agent.config import load_settings
-    from agent.runtime import Agent
-    from exporters.provider import build_telemetry
+    from agent.runtime.agent import Agent
+    from agent.runtime.settings import load_settings
+    from exporters.otlp.provider import build_telemetry
 
     settings = load_settings({
         "data_dir": data_dir, "host_name": "real", "target": {"match": ["VLLM::*"]},
@@ -286,7 +286,7 @@ def test_an_engine_core_hung_in_its_own_loop_is_the_culprit_by_pid_and_frame(vll
     waiting for work; `run` sees the stall on /metrics. The verdict names the engine core by its
     pid and frame, at high confidence (the stall and the stacks agree), not "no collective wait
     (rank 0 idle)"; hard mode would signal it (a target of the incident) and never the Worker."""
-    from agent.verdict import hard_signal_plan
+    from agent.verdict.rules import hard_signal_plan
 
     (worker,) = vllm_tp1.workers()
     engine = vllm_tp1.engine_core()

@@ -106,7 +106,7 @@ def test_the_agent_removes_them_at_its_start(spawn, tmp_path: Path) -> None:
     crashed.wait(timeout=10)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     env.update(SERVEWATCH_SHM_DIR=str(shm))
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "run", "--match", f"nothing{os.getpid()}::*", "--duration", "1",
+    r = subprocess.run([sys.executable, "-m", "agent.cli.app", "run", "--match", f"nothing{os.getpid()}::*", "--duration", "1",
                         "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                        env={**env, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL, check=False)
     assert r.returncode == 0, r.stderr

@@ -192,7 +192,7 @@ def test_only_the_first_question_looks_on_the_callers_thread_a_daemon_thread_ref
 def test_the_refresh_thread_reads_as_an_idle_helper_in_a_real_dump(spawn, python) -> None:
     """py-spy's dump of a server whose presence thread runs: the thread is idle (parked between
     looks), never one of the server's "stuck threads" in an incident summary."""
-    from agent.stacks import idle_and_stuck, parse_dump
+    from agent.model.stacks import idle_and_stuck, parse_dump
 
     code = ("import sys, time, os; from agent.sdk import presence; presence.watched(os.getpid()); "
             "print('ready', flush=True); time.sleep(60)")

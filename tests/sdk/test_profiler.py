@@ -252,9 +252,9 @@ def test_mlx_session_is_imported_as_steps_under_profile_session(tmp_path: Path) 
     mx = pytest.importorskip("mlx.core")
     if mx.metal.is_available():
         pytest.skip("this test covers hosts without Metal")
-    from agent.events import ActionResult, Outcome
-    from exporters.mirror import mirror_profile_session
-    from exporters.spans import InMemorySink
+    from agent.model.events import ActionResult, Outcome
+    from exporters.mirror.mirror import mirror_profile_session
+    from exporters.otlp.spans import InMemorySink
 
     sid = profiler.request_profile(ProfileRequest(num_steps=2, backend="mlx", output_dir=str(tmp_path)))
     a = mx.ones((128, 128))

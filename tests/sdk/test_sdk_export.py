@@ -1,4 +1,4 @@
-"""A server's own span export (exporters.sdk_export) agrees with the agent: same OTEL_* resolution,
+"""A server's own span export (exporters.otlp.sdk_export) agrees with the agent: same OTEL_* resolution,
 same protocol default (grpc), TLS; a server following the README example reaches the collector."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.sdk import tracing
-from exporters.sdk_export import tracer_provider_from_env
+from exporters.otlp.sdk_export import tracer_provider_from_env
 from tests.otlp_receiver import OtlpReceiver, otlp_receiver_fixture
 from tests.tls_certs import make_tls_material
 
@@ -88,7 +88,7 @@ def test_server_export_uses_tls_from_env_and_none_without_endpoint(tmp_path: Pat
 def test_server_exported_spans_carry_the_same_identity_as_the_spans_the_agent_ships(otlp_receiver: OtlpReceiver) -> None:
     # one process, one resource: the server's own export states host.name, process.pid and
     # process.user.id exactly as the agent's shipper does for the same process
-    from exporters.shipper import _server_resource
+    from exporters.otlp.shipper import _server_resource
 
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.grpc_endpoint, "SERVEWATCH_HOST_NAME": "gpu-node-7"}
     provider = tracer_provider_from_env("srv", environ=env)
@@ -118,7 +118,7 @@ def test_a_server_without_endpoint_still_names_its_service_for_the_spans_the_age
     # they arrived as service.name=unknown_service
     from agent.sdk import channel, provider
     from agent.sdk import ring as _ring
-    from exporters.shipper import _server_resource
+    from exporters.otlp.shipper import _server_resource
 
     monkeypatch.setenv("SERVEWATCH_SHM_DIR", str(tmp_path))
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)

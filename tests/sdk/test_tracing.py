@@ -79,7 +79,7 @@ def test_sdk_import_stays_light_and_exports_what_it_lists() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     loaded = set(out.stdout.split())
-    heavy = {"torch", "mlx", "anyio", "httpx", "pydantic", "opentelemetry.sdk", "opentelemetry", "agent.bus", "agent.events", "exporters"}
+    heavy = {"torch", "mlx", "anyio", "httpx", "pydantic", "opentelemetry.sdk", "opentelemetry", "agent.model.bus", "agent.model.events", "exporters"}
     assert not loaded & heavy, loaded & heavy
 
 

@@ -18,7 +18,7 @@ import anyio
 import httpx
 import pytest
 
-from agent.config import load_settings
+from agent.runtime.settings import load_settings
 from tests.fleet._fleet import TOKEN, free_ports, running_agent, settings_for, token_file
 from tests.security._attack import NOBODY, NOBODY_PYTHON, needs_root, ready_line, run_as_nobody
 

@@ -30,8 +30,8 @@ def _pem(body: str) -> str:
 async def test_a_secret_flag_and_its_value_in_one_element_never_reach_the_manifest(
     spawn: Callable, tmp_path: Path, host_files: Path
 ) -> None:
-    from agent.config import load_settings
-    from agent.runtime import dump_once
+    from agent.runtime.agent import dump_once
+    from agent.runtime.settings import load_settings
 
     key = "sk-" + secrets.token_hex(6)  # too short for the sk- token shape: only the flag says it is secret
     bodies = [secrets.token_hex(12) for _ in range(3)]
@@ -76,8 +76,8 @@ async def test_plural_flags_values_inside_values_and_whole_commands_never_reach_
     """The red-team shapes of family 1 (plurals, passphrases), family 2 inside a value (a DSN),
     family 4 inside a ``--flag=value``, a flag after leading whitespace and a whole command in one
     argument (``sh -c "..."``): the same real process of nobody, the same real ``dump``."""
-    from agent.config import load_settings
-    from agent.runtime import dump_once
+    from agent.runtime.agent import dump_once
+    from agent.runtime.settings import load_settings
 
     s = [secrets.token_hex(8) for _ in range(11)]  # plain hex: no token shape, only the pattern family says it
     argv = [

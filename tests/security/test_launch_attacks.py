@@ -23,7 +23,7 @@ pytestmark = needs_root
 def _launch(cwd: Path, folder: Path, marker: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", "launch", "--crash-dump-folder", str(folder), "--data-dir", str(cwd / "data"),
+        [sys.executable, "-m", "agent.cli.app", "launch", "--crash-dump-folder", str(folder), "--data-dir", str(cwd / "data"),
          "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
         capture_output=True, text=True, timeout=90, cwd=cwd, env=env, check=False,
     )

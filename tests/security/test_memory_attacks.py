@@ -34,7 +34,7 @@ def test_metrics_whose_labels_change_every_scrape_cost_the_agent_no_memory(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     env.update(SERVEWATCH_HOST_NAME="node-a", SERVEWATCH_WATCHDOG__POLL_INTERVAL_S="0.1", SERVEWATCH_COREDUMP__ENABLED="false")
     data = tmp_path / "data"
-    agent = spawn([sys.executable, "-m", "agent.cli", "run", "--metrics-url", f"http://127.0.0.1:{port}/metrics",
+    agent = spawn([sys.executable, "-m", "agent.cli.app", "run", "--metrics-url", f"http://127.0.0.1:{port}/metrics",
                    "--duration", "20", "--data-dir", str(data)], env=env, cwd=tmp_path,
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc = psutil.Process(agent.pid)

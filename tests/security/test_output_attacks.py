@@ -40,7 +40,7 @@ def _hostile(spawn: Callable, attack_programs: Path) -> tuple[str, str, int]:
 def _cli(cwd: Path, *args: str, tty: bool = False) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     env.update(SERVEWATCH_COREDUMP__ENABLED="false", SERVEWATCH_HOST_NAME="node-a")
-    argv = [sys.executable, "-m", "agent.cli", *args]
+    argv = [sys.executable, "-m", "agent.cli.app", *args]
     if not tty:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=90, cwd=cwd, env=env, check=False)
         return done.returncode, done.stdout, done.stderr

@@ -96,7 +96,7 @@ def _cli(cwd: Path, shm: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env.update(SERVEWATCH_PROFILER__SOCKET_DIR=str(shm), SERVEWATCH_PROFILER__FIND_TIMEOUT_S="2",
                SERVEWATCH_PROFILER__REQUEST_TIMEOUT_S="5", SERVEWATCH_HOST_NAME="node-a", COLUMNS="400",
                PYTHONPATH=str(REPO))  # this checkout's agent, whatever the venv installed
-    return subprocess.run([sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "agent.cli.app", *args], capture_output=True, text=True, timeout=120,
                           cwd=cwd, env=env, check=False)
 
 
@@ -130,8 +130,8 @@ def test_profile_out_through_another_users_link_or_folder_is_refused_in_one_line
 async def test_an_incident_profile_into_a_planted_output_dir_fails_with_the_reason(
     spawn: Callable, tmp_path: Path, shared_tmpfs: Path, root_tree: Path, planted_link: Path
 ) -> None:
-    from agent.config import load_settings
-    from agent.runtime import dump_once
+    from agent.runtime.agent import dump_once
+    from agent.runtime.settings import load_settings
 
     pid = await anyio.to_thread.run_sync(_hostile_sdk, spawn, shared_tmpfs)
     before = _names(root_tree)
@@ -163,7 +163,7 @@ def test_a_planted_profiler_output_dir_stops_run_and_dump_at_start_in_one_line(
     for command in (["dump", "--pid", str(os.getpid())], ["run", "--pid", str(os.getpid()), "--duration", "5"]):
         env_args = ("--data-dir", str(tmp_path / "data"))
         done = subprocess.run(
-            [sys.executable, "-m", "agent.cli", *command, *env_args], capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", "agent.cli.app", *command, *env_args], capture_output=True, text=True, timeout=120,
             cwd=tmp_path, check=False,
             env={**{k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))},
                  "SERVEWATCH_PROFILER__OUTPUT_DIR": str(planted_link / "etc"), "COLUMNS": "400", "PYTHONPATH": str(REPO)},

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.fsutil import SessionFolder
+from agent.host.fsutil import SessionFolder
 from tests.conftest import PROGRAMS_DIR
 from tests.security._attack import AS_NOBODY, NOBODY, REPO, needs_root, snapshot
 

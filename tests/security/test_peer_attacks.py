@@ -20,9 +20,9 @@ import anyio
 import httpx
 import pytest
 
-from agent.events import WatchdogStalled
 from agent.fleet.identity import job_trace, time_bucket_key
 from agent.fleet.proof import RequestSignature, sign_request
+from agent.model.events import WatchdogStalled
 from tests.fleet._fleet import TOKEN, free_ports, running_agent, settings_for, token_file
 from tests.security._attack import NOBODY_PYTHON, needs_root, ready_line, run_as_nobody
 
@@ -142,7 +142,7 @@ async def test_a_genuine_request_from_a_skewed_clock_is_refused_naming_the_skew_
 def test_a_job_with_a_token_refuses_plain_http_peers_unless_allowed(tmp_path: Path) -> None:
     token = token_file(tmp_path)
     [port, peer_port] = free_ports(2)
-    argv = [sys.executable, "-m", "agent.cli", "run", "--pid", str(os.getpid()), "--api-listen", f"127.0.0.1:{port}",
+    argv = [sys.executable, "-m", "agent.cli.app", "run", "--pid", str(os.getpid()), "--api-listen", f"127.0.0.1:{port}",
             "--api-token-file", str(token), "--job", "j", "--peer", f"127.0.0.1:{peer_port}", "--duration", "0.1",
             "--data-dir", str(tmp_path / "d")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)

@@ -125,7 +125,7 @@ def _agent(spawn: Callable, tmp_path: Path, base: Path, server_pid: int) -> subp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVEWATCH_", "OTEL_"))}
     env.update(SERVEWATCH_SHM_DIR=str(base), SERVEWATCH_HOST_NAME="node-a", PYTHONPATH=str(REPO),
                SERVEWATCH_COREDUMP__ENABLED="false")
-    argv = [sys.executable, "-m", "agent.cli", "run", "--pid", str(server_pid), "--data-dir", str(tmp_path / "data")]
+    argv = [sys.executable, "-m", "agent.cli.app", "run", "--pid", str(server_pid), "--data-dir", str(tmp_path / "data")]
     return spawn(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

@@ -54,7 +54,7 @@ def _run_agent(spawn: Callable, tmp_path: Path, shm: Path, pid: int, receiver: O
                SERVEWATCH_SPANS__POLL_INTERVAL_S="0.2")
     if receiver is not None:
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
-    return spawn([sys.executable, "-m", "agent.cli", "run", "--pid", str(pid), "--uid", str(NOBODY), "--duration", str(seconds),
+    return spawn([sys.executable, "-m", "agent.cli.app", "run", "--pid", str(pid), "--uid", str(NOBODY), "--duration", str(seconds),
                   "--data-dir", str(tmp_path / "data")], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -60,7 +60,7 @@ def test_a_root_server_that_hangs_is_detected_after_another_user_squatted_the_sd
     env.update(SERVEWATCH_SHM_DIR=str(shared_tmpfs), SERVEWATCH_COREDUMP__ENABLED="false", SERVEWATCH_HOST_NAME="node-a",
                SERVEWATCH_WATCHDOG__TIMEOUT_S="2", SERVEWATCH_WATCHDOG__POLL_INTERVAL_S="0.5")
     data = tmp_path / "data"
-    run = subprocess.run([sys.executable, "-m", "agent.cli", "run", "--pid", str(server.pid), "--duration", "8",
+    run = subprocess.run([sys.executable, "-m", "agent.cli.app", "run", "--pid", str(server.pid), "--duration", "8",
                           "--data-dir", str(data)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     manifests = [json.loads(p.read_text()) for p in data.rglob("manifest.json")]

@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-from exporters import spool as spool_module
-from exporters.replay import replay
-from exporters.spans import build_span, new_trace_id
-from exporters.spool import Spool
-from exporters.transport import Delivery, SendResult
+from exporters.otlp import spool as spool_module
+from exporters.otlp.replay import replay
+from exporters.otlp.spans import build_span, new_trace_id
+from exporters.otlp.spool import Spool
+from exporters.otlp.transport import Delivery, SendResult
 from tests.security._attack import needs_root
 
 pytestmark = needs_root
 
 #: An earlier run's rejected files (the issue's figure), 6 bytes each.
 EARLIER = 100_000
-#: Files ``rejected/`` keeps at most by default (``exporters.spool.REJECTED_MAX_FILES``).
+#: Files ``rejected/`` keeps at most by default (``exporters.otlp.spool.REJECTED_MAX_FILES``).
 REJECTED_MAX_FILES = 10_000
 #: A valid 6-byte ExportTraceServiceRequest (one empty resource), and a torn one.
 TINY, TORN = b"\n\x04\n\x02\n\x00", b"\xff\xff\xff\xff\xff\xff"
@@ -83,7 +83,7 @@ def test_an_earlier_runs_hundred_thousand_rejected_files_are_capped_at_open_and_
         os.close(fd)
     files_before, disk_before = _usage(rejected)
     assert files_before == EARLIER
-    with caplog.at_level(logging.WARNING, logger="exporters.spool"):
+    with caplog.at_level(logging.WARNING, logger="exporters.otlp.spool"):
         spool = Spool(data_dir / "h" / "spool", max_bytes=1 << 30)  # bytes alone would keep them all
     try:
         stats = spool.statistics()
@@ -107,9 +107,9 @@ def test_an_earlier_runs_hundred_thousand_rejected_files_are_capped_at_open_and_
         def close(self) -> None:
             pass
 
-    with caplog.at_level(logging.WARNING, logger="exporters.replay"):
+    with caplog.at_level(logging.WARNING, logger="exporters.otlp.replay"):
         caplog.clear()
         result = replay([data_dir], endpoint="http://127.0.0.1:9", sender=Collector())
     # the torn half of what is kept is skipped, said in a few lines, not one line per file
     assert result.files == REJECTED_MAX_FILES and result.bad_files == REJECTED_MAX_FILES // 2, result
-    assert len([r for r in caplog.records if r.name == "exporters.replay"]) <= 5
+    assert len([r for r in caplog.records if r.name == "exporters.otlp.replay"]) <= 5

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.targets import discover
+from agent.host.targets import discover
 from agent.watchers.status import read_status_file, status_path
 from tests.conftest import PROGRAMS_DIR
 from tests.security._attack import (
@@ -55,7 +55,7 @@ def test_a_process_of_another_uid_titled_like_a_rank_never_gets_the_server_signa
     env.update(SERVEWATCH_SHM_DIR=str(shared_tmpfs), SERVEWATCH_COREDUMP__ENABLED="false", SERVEWATCH_HOST_NAME="node-a",
                SERVEWATCH_WATCHDOG__TIMEOUT_S="2", SERVEWATCH_WATCHDOG__POLL_INTERVAL_S="0.5")
     data = tmp_path / "data"
-    run = subprocess.run([sys.executable, "-m", "agent.cli", "run", "--match", glob, "--hard", "--hard-targets", "all",
+    run = subprocess.run([sys.executable, "-m", "agent.cli.app", "run", "--match", glob, "--hard", "--hard-targets", "all",
                           "--duration", "8", "--data-dir", str(data)],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr

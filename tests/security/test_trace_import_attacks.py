@@ -24,10 +24,10 @@ import anyio
 import pytest
 
 from agent.actors.profiler import ProfilerConfig, profile_once
-from agent.config import load_settings
-from agent.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, ProfileStopped
-from agent.ids import new_span_id, new_trace_id, span_id_hex, trace_id_hex
-from agent.runtime import Agent
+from agent.model.events import ActionResult, IncidentClosed, IncidentOpened, Outcome, ProfileStopped
+from agent.model.ids import new_span_id, new_trace_id, span_id_hex, trace_id_hex
+from agent.runtime.agent import Agent
+from agent.runtime.settings import load_settings
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver_fixture
 from tests.security._attack import AS_NOBODY, NOBODY, NOBODY_PYTHON, hostile_sdk_source, needs_root
 

@@ -13,8 +13,8 @@ import anyio
 import pydantic
 import pytest
 
-from agent.bus import RecordingBus
-from agent.events import HealthCheckFailed, HealthProbed, HealthRecovered
+from agent.model.bus import RecordingBus
+from agent.model.events import HealthCheckFailed, HealthProbed, HealthRecovered
 from agent.watchers.health import HealthConfig, HealthWatcher, classify_status
 from tests.watchers import wait_until
 

@@ -256,7 +256,7 @@ async def test_an_open_request_makes_an_idle_looking_server_busy(monkeypatch: py
 async def test_a_request_found_open_dates_the_busy_reading_from_when_it_was_received(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request found at a later reading (the idle readings stand a while) starts the stall
     clock when the kernel received it, not when the agent looked."""
-    from agent.stall import StallClock
+    from agent.host.stall import StallClock
     from tests.watchers.scripted_http import scripted_http
 
     since = time.monotonic_ns() - 3_000_000_000

@@ -11,9 +11,9 @@ import anyio
 import psutil
 import pytest
 
-from agent.bus import RecordingBus
-from agent.events import TargetExited
-from agent.targets import Target
+from agent.host.targets import Target
+from agent.model.bus import RecordingBus
+from agent.model.events import TargetExited
 from agent.watchers.process import ProcessWatcher, exit_status, signal_name
 from tests.watchers import wait_until
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.bus import RecordingBus
-from agent.events import WatchdogStalled, WatcherStatusChanged
+from agent.model.bus import RecordingBus
+from agent.model.events import WatchdogStalled, WatcherStatusChanged
 from agent.watchers.health import HealthConfig, HealthWatcher
 from agent.watchers.status import (
     STATUS_SCHEMA,
@@ -281,7 +281,7 @@ def test_watcher_status_is_an_otel_gauge_per_watcher_and_state(tmp_path: Path) -
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from exporters.metrics import Metrics
+    from exporters.otlp.metrics import Metrics
 
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
@@ -304,8 +304,8 @@ def test_watcher_status_is_an_otel_gauge_per_watcher_and_state(tmp_path: Path) -
 
 
 def test_a_stall_incident_names_the_series() -> None:
-    from agent.events import WatchdogStalled
-    from agent.incidents import IncidentConfig, IncidentManager
+    from agent.incidents.manager import IncidentConfig, IncidentManager
+    from agent.model.events import WatchdogStalled
 
     manager = IncidentManager(bus=RecordingBus(), config=IncidentConfig(), data_dir=Path("."), host_name="h", discover=list)
     trigger, _, detail = manager.classify(
@@ -314,7 +314,7 @@ def test_a_stall_incident_names_the_series() -> None:
     assert trigger == "stall" and 'series {engine="1"}' in detail
 
 
-@pytest.mark.parametrize("module_name", ["agent.watchers.status", "agent.progress"])
+@pytest.mark.parametrize("module_name", ["agent.watchers.status", "agent.model.progress"])
 def test_all_lists_exactly_the_public_names(module_name: str) -> None:
     import importlib
     import inspect
@@ -355,7 +355,7 @@ def test_metrics_url_without_scheme_is_refused_at_start(tmp_path) -> None:
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "run", "--metrics-url", "127.0.0.1:30000/metrics", "--data-dir", str(tmp_path / "d")],
+        [sys.executable, "-m", "agent.cli.app", "run", "--metrics-url", "127.0.0.1:30000/metrics", "--data-dir", str(tmp_path / "d")],
         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False,
     )
     assert r.returncode == 2

@@ -14,8 +14,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent.bus import RecordingBus
-from agent.events import StepsAdvanced
+from agent.model.bus import RecordingBus
+from agent.model.events import StepsAdvanced
 from agent.sdk.counter import W_START, SharedCounter, counter_path
 from agent.watchers.steps import (
     PRESETS,
@@ -283,7 +283,7 @@ async def test_prometheus_source_forgets_label_sets_that_went_away() -> None:
 async def test_sdk_watchdog_and_step_watcher_share_one_counter_read(spawn, tmp_path: Path) -> None:
     """A target's SDK watchdog and step watcher read its counter file once between them: the step
     watcher reuses the watchdog's recent reading and still publishes every movement."""
-    from agent.targets import Target
+    from agent.host.targets import Target
     from agent.watchers.watchdog import (
         STEPS_SHARED_MAX_AGE_S,
         SdkStepWatchers,
@@ -331,7 +331,7 @@ async def test_shm_source_reads_on_the_loop_only_from_a_memory_filesystem(spawn,
     """A counter on tmpfs (``/dev/shm``): the first reading takes a worker thread (it reads /proc to
     verify the file), the next ones are read on the loop (no ~100 us thread hop each; blockbuster
     checks nothing else blocks). On a disk folder every reading takes a worker thread."""
-    from agent.fsutil import memory_backed
+    from agent.host.fsutil import memory_backed
 
     if memory:
         if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):

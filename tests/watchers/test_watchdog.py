@@ -11,8 +11,8 @@ import httpx
 import pydantic
 import pytest
 
-from agent.bus import RecordingBus
-from agent.events import WatchdogRearmed, WatchdogStalled
+from agent.model.bus import RecordingBus
+from agent.model.events import WatchdogRearmed, WatchdogStalled
 from agent.watchers.steps import PrometheusStepSource, ShmStepSource, StepReading, StepSource
 from agent.watchers.watchdog import SERIES_FORGET_READINGS, Watchdog, WatchdogConfig
 from tests.programs import fake_server
@@ -156,7 +156,7 @@ async def test_a_profile_of_the_server_by_url_pauses_its_prometheus_stall_rule_t
     window ended, not at once."""
     from urllib.parse import urlsplit
 
-    from agent.ownactions import OwnActionLog
+    from agent.host.ownactions import OwnActionLog
 
     server = fake_server.start(spawn, env=server_env(tmp_path))
     source: StepSource = PrometheusStepSource(server.metrics_url, preset="sglang", timeout_s=2.0)

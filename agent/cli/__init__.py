@@ -1,0 +1,1 @@
+"""The ``servewatch`` command line: the console script's entry, the commands, launch and summaries."""

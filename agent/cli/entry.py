@@ -1,0 +1,35 @@
+"""The ``servewatch`` console script.
+
+Starts the early py-spy runs of a one-shot ``servewatch dump --pid ...`` (:mod:`agent.early`,
+standard library only) before importing the command line (:mod:`agent.cli.app`: typer, settings,
+the agent), then runs it. Unclaimed early runs are killed and reaped however the command ends.
+A one-shot command (:data:`~agent.early.ONE_SHOT_COMMANDS`) turns the cyclic garbage collector
+off before those imports. This module imports the standard library and :mod:`agent.early` only.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+from agent import early
+from agent.early import ONE_SHOT_COMMANDS, one_shot
+
+__all__ = ["ONE_SHOT_COMMANDS", "main", "one_shot"]
+
+def main() -> None:
+    """Console-script entry point (see :func:`agent.cli.app.main` for exit codes)."""
+    args = sys.argv[1:]
+    if one_shot(args):
+        gc.disable()  # before the imports (see agent.early.ONE_SHOT_COMMANDS)
+    early.start(args)
+    try:
+        from agent.cli.app import main as cli_main
+
+        cli_main()
+    finally:
+        early.discard_all()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1 @@
+"""Facts about this machine and safe I/O on it: targets, /proc, exits, pidfds, files, security, the SDK client; the seams that name a target (registries, the stall and start-up rules, the manifest)."""

@@ -1,0 +1,1 @@
+"""Wiring only: the agent built from the settings, supervision, its own status rows."""

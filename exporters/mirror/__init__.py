@@ -1,0 +1,1 @@
+"""The span mirror of bus events and the torch trace import."""

@@ -1,9 +1,13 @@
-"""Layers import one way (DESIGN.md "Rooms and doors"), checked on the source (AST: top-level,
-function-level and TYPE_CHECKING imports, ``from pkg import module`` and relative imports):
+"""Layers import one way (DESIGN.md "Rooms and doors", docs/layout.md), checked on the source (AST:
+top-level, function-level and TYPE_CHECKING imports, ``from pkg import module`` and relative
+imports): every folder of agent/ and exporters/ has a layer (bottom up: sdk, model, host,
+watchers/actors/verdict, incidents/fleet/exporters, runtime/views, demo, cli) and imports nothing
+of a layer above its own; agent/ holds no flat module but ``__init__``, ``early`` and ``errors``;
 watchers and actors never import each other; exporters never import an actor; no component
-imports the orchestration (runtime, incidents, config, cli, judge, summary); incidents import no
-exporter (ids come from agent.model.ids); the pure models import no component; the SDK imports only
-itself and the error tree; nothing outside the SDK reaches into a private ``agent.sdk._*`` module."""
+imports the orchestration (the runtime, the incident manager, the settings, the judge, the CLI);
+incidents import no exporter (ids come from agent.model.ids); the pure models import no component;
+the SDK imports only itself and the error tree; nothing outside the SDK reaches into a private
+``agent.sdk._*`` module."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _imports(path: Path, root: Path = ROOT) -> set[str]:
     """Every module named by an import statement in ``path`` (top level, inside functions or
     under ``TYPE_CHECKING``): ``import a.b``, ``from a.b import c`` (``a.b`` and ``a.b.c``: ``c``
-    may be a submodule, as in ``from agent.incidents import manager as incidents``), relative imports resolved."""
+    may be a submodule, as in ``from agent.incidents import manager``), relative imports resolved."""
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1]) if path.is_relative_to(root) else ""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -47,9 +51,23 @@ def _offenders(folder: str, forbidden: tuple[str, ...], root: Path = ROOT) -> di
     return found
 
 
-#: The orchestration layer (runtime wires components, incidents decides, config/cli read settings):
-#: no component, model or exporter imports it.
-_ORCHESTRATION = ("agent.runtime.agent", "agent.incidents.manager", "agent.runtime.settings", "agent.cli.app", "agent.verdict.judge", "agent.cli.summary")
+#: The layers, bottom up: a folder imports its own layer and the ones below, never one above
+#: (agent.early and agent.errors, stdlib leaves, lie under them all; see their own rules below).
+_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("agent.sdk",),
+    ("agent.model",),
+    ("agent.host",),
+    ("agent.watchers", "agent.actors", "agent.verdict"),
+    ("agent.incidents", "agent.fleet", "exporters"),
+    ("agent.runtime", "agent.views"),
+    ("agent.demo",),
+    ("agent.cli",),
+)
+#: The flat modules agent/ keeps: the package's face and the two stdlib leaves.
+_FLAT = ("__init__.py", "early.py", "errors.py")
+#: The orchestration (the runtime wires components, the incident manager decides, the settings
+#: and the CLI read settings, the judge gathers evidence): no component, model or exporter imports it.
+_ORCHESTRATION = ("agent.runtime.agent", "agent.runtime.settings", "agent.incidents.manager", "agent.verdict.judge", "agent.cli")
 #: Components: watchers publish, actors act, exporters mirror; none imports another kind.
 _WATCHERS, _ACTORS, _EXPORTERS = ("agent.watchers",), ("agent.actors",), ("exporters",)
 #: The SDK's private modules; their public faces are agent.sdk.counter, .ring, .control, .flightrec.
@@ -57,10 +75,34 @@ _SDK_PRIVATE = ("agent.sdk._",)
 
 
 def _agent_modules_but(*allowed: str) -> tuple[str, ...]:
-    """Every agent module and package (``agent.x``, an import prefix) but ``allowed``."""
-    names = {f"agent.{p.stem if p.suffix == '.py' else p.name}" for p in (ROOT / "agent").iterdir()
-             if p.name not in ("__pycache__", "__init__.py") and (p.suffix == ".py" or (p / "__init__.py").is_file())}
-    return tuple(sorted(names - set(allowed)))
+    """Every agent module and package (``agent.x.y``, an import prefix) but ``allowed`` and the
+    packages holding them (``agent.model`` for ``agent.model.kinds``)."""
+    names = set()
+    for path in (ROOT / "agent").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return tuple(sorted(n for n in names if not any(a == n or a.startswith(f"{n}.") for a in allowed)))
+
+
+def _folders(root: Path = ROOT) -> list[str]:
+    """Every top-level folder of agent/ (``agent.model``) and exporters/ (``exporters``)."""
+    return [*sorted(f"agent.{p.name}" for p in (root / "agent").iterdir() if (p / "__init__.py").is_file()), "exporters"]
+
+
+def _above(folder: str) -> tuple[str, ...]:
+    """The folders of every layer above ``folder``'s."""
+    index = next(i for i, layer in enumerate(_LAYERS) if folder in layer)
+    return tuple(f for layer in _LAYERS[index + 1 :] for f in layer)
+
+
+def test_every_folder_has_a_layer_and_agent_has_no_other_flat_module() -> None:
+    assert sorted(_folders()) == sorted(f for layer in _LAYERS for f in layer)
+    assert sorted(p.name for p in (ROOT / "agent").glob("*.py")) == sorted(_FLAT)
+
+
+@pytest.mark.parametrize("folder", [f for layer in _LAYERS for f in layer])
+def test_a_folder_imports_no_layer_above_its_own(folder: str) -> None:
+    assert _offenders(folder.replace(".", "/"), _above(folder)) == {}
 
 
 @pytest.mark.parametrize(
@@ -71,6 +113,10 @@ def _agent_modules_but(*allowed: str) -> tuple[str, ...]:
         ("agent/actors", _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
         # exporters mirror and decide nothing: no actor, watcher or orchestration
         ("exporters", _ACTORS + _WATCHERS + _ORCHESTRATION + _SDK_PRIVATE),
+        # the OTLP pipeline sends what it is given: it never imports the mirror feeding it
+        ("exporters/otlp", ("exporters.mirror",)),
+        # the offline views read bundles: no component, no orchestration
+        ("agent/views", _ACTORS + _WATCHERS + _ORCHESTRATION + ("exporters.mirror", "agent.incidents", "agent.fleet")),
         ("agent/fleet", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION + _SDK_PRIVATE),
         # pure models: import no component
         ("agent/model/stacks.py", _ACTORS + _WATCHERS + _EXPORTERS + _ORCHESTRATION),
@@ -109,8 +155,8 @@ def _agent_modules_but(*allowed: str) -> tuple[str, ...]:
         # the runtime's helpers: supervision and its own status rows, never an actor
         ("agent/runtime/supervision.py", _ACTORS + _EXPORTERS + _ORCHESTRATION),
         ("agent/runtime/runstatus.py", _ACTORS + _ORCHESTRATION),
-        ("agent/runtime/agent.py", _SDK_PRIVATE),
-        ("agent/cli/app.py", _SDK_PRIVATE),
+        ("agent/runtime", _SDK_PRIVATE),
+        ("agent/cli", _SDK_PRIVATE),
     ],
 )
 def test_layers_import_one_way(folder: str, forbidden: tuple[str, ...]) -> None:
@@ -140,7 +186,7 @@ def test_the_checker_sees_a_function_level_import(tmp_path: Path) -> None:
 def test_the_checker_sees_submodules_named_by_from_imports_and_relative_imports(tmp_path: Path) -> None:
     probe = tmp_path / "agent" / "watchers" / "probe.py"
     probe.parent.mkdir(parents=True)
-    probe.write_text("from agent import incidents\nfrom ..actors import pyspy\nfrom . import health\n")
+    probe.write_text("from agent.incidents import manager\nfrom ..actors import pyspy\nfrom . import health\n")
     assert {"agent.incidents.manager", "agent.actors.pyspy", "agent.watchers.health"} <= _imports(probe, tmp_path)
     assert _offenders("agent/watchers", _ACTORS + _ORCHESTRATION, tmp_path) == {
         "agent/watchers/probe.py": ["agent.actors", "agent.actors.pyspy", "agent.incidents.manager"]

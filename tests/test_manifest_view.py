@@ -140,7 +140,7 @@ def test_reading_a_manifest_as_the_agent_writes_it_imports_no_pydantic(tmp_path:
     code = ("import sys, pathlib; from agent.views.bundle import read_manifest;"
             " v = read_manifest(pathlib.Path(sys.argv[1], 'manifest.json'));"
             " assert v.incident_id and v.verdict['kind'] == 'behind', v;"
-            " print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'agent.host.manifest'))))")
+            " print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'agent.host.manifest', 'agent.model.manifest'))))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
     assert out.strip() == "['agent.model.manifest_view']"

@@ -46,12 +46,7 @@ from agent.incidents.manager import (
     recover_interrupted,
 )
 from agent.model.bus import EventBus
-from agent.model.events import (
-    ActionResult,
-    ComponentStatusChanged,
-    Trigger,
-    WatcherStatusChanged,
-)
+from agent.model.events import ActionResult, ComponentStatusChanged, Trigger, WatcherStatusChanged
 from agent.runtime.runstatus import RunStatus
 from agent.runtime.settings import AgentSettings as Settings
 from agent.runtime.supervision import TargetWatch, restartable, supervise

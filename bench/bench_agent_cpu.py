@@ -154,13 +154,19 @@ def parse_raw(path: Path, roots: tuple[str, ...]) -> tuple[collections.Counter[s
     return comps, files, total
 
 
+def cli_module(src: Path) -> str:
+    """The CLI module of the tree ``src``: ``agent.cli.app`` since the layout by layers,
+    ``agent.cli`` in a tree from before it (a ``--src`` baseline)."""
+    return "agent.cli.app" if (src / "agent" / "cli" / "app.py").is_file() else "agent.cli"
+
+
 def measure(src: Path, server: DemoServer, env: dict[str, str], work: Path, args: argparse.Namespace, tag: str) -> dict:
     data = Path(tempfile.mkdtemp(prefix="data-", dir=work))
     agent_env = {**agent_env_of(env), "SERVEWATCH_HOST_NAME": "cpu-node", "PYTHONPATH": str(src)}
     agent_env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     log = open(work / f"agent-{tag}.log", "wb")  # noqa: SIM115 - closed below
     agent = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli.app", "run", "--root-pid", str(server.pid),
+        [sys.executable, "-m", cli_module(src), "run", "--root-pid", str(server.pid),
          "--health-url", f"{server.base_url}/health", "--metrics-url", f"{server.base_url}/metrics",
          "--data-dir", str(data), "--watchdog-timeout", "60"],
         env=agent_env, cwd=str(src), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,

@@ -4,8 +4,9 @@ Owns :data:`EXPORTERS`, the exporter registry (:mod:`agent.host.registry`): one 
 below. Exporters are built in two stages (``BuildContext.stage``): with the agent (``build``: the
 watcher status board) and when it starts running or dumping (``start``: the telemetry pipeline
 ``otlp`` first, then what attaches to it); a factory returns ``None`` at the stage that is not its
-own, or when the settings turn it off. Importing this package imports no exporter, and no
-registry until :data:`EXPORTERS` is first used.
+own, or when the settings turn it off. An exporter that mirrors bus events is a
+:class:`exporters.mirror.feed.Mirror` (``events`` and ``handle``: the runtime feeds it). Importing
+this package imports no exporter, and no registry until :data:`EXPORTERS` is first used.
 """
 
 from __future__ import annotations

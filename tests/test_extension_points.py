@@ -1,7 +1,8 @@
-"""Open extension points: a watcher of a new kind of trouble (tests/plugin_disk.py) and an actor
-(tests/registry_fake.py) are each their module plus one registration line; nothing in ``agent/``
-or ``exporters/`` names them, and the new trigger opens real incidents like a built-in one, on
-which the added actor runs after the built-in ones."""
+"""Open extension points: a watcher of a new kind of trouble (tests/plugin_disk.py), an actor
+(tests/registry_fake.py) and an exporter (tests/plugin_journal.py) are each their module plus one
+registration line; nothing in ``agent/`` or ``exporters/`` names them, and the new trigger opens
+real incidents like a built-in one, on which the added actor runs after the built-in ones and
+which the added exporter mirrors."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from agent.incidents.manager import IncidentRecord
 from agent.model.events import Action, TriggerEvent
 from agent.runtime.agent import Agent
 from agent.runtime.settings import env_names, load_settings, registries
-from tests import plugin_disk, registry_fake
+from exporters.mirror.feed import Mirror
+from tests import plugin_disk, plugin_journal, registry_fake
 from tests.conftest import PROGRAMS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +46,15 @@ def probe_actor() -> Iterator[None]:
         registries()["actor"].unregister("probe")
 
 
+@pytest.fixture
+def journal_exporter() -> Iterator[None]:
+    plugin_journal.register()
+    try:
+        yield
+    finally:
+        registries()["exporter"].unregister(plugin_journal.NAME)
+
+
 def _sources_naming(*words: str) -> list[str]:
     found = []
     for folder in ("agent", "exporters"):
@@ -53,8 +64,16 @@ def _sources_naming(*words: str) -> list[str]:
     return found
 
 
-def test_nothing_in_the_agent_names_the_added_watcher_or_actor() -> None:
-    assert _sources_naming("plugin_disk", "disk_low", "DiskSpace", "registry_fake", "limited_probe", "probe.read") == []
+def test_nothing_in_the_agent_names_the_added_watcher_actor_or_exporter() -> None:
+    assert _sources_naming("plugin_disk", "disk_low", "DiskSpace", "registry_fake", "limited_probe", "probe.read",
+                           "plugin_journal", "JournalConfig") == []
+
+
+def test_the_added_exporter_brings_its_own_settings_table_and_is_a_mirror(journal_exporter: None, tmp_path: Path) -> None:
+    assert "SERVEWATCH_JOURNAL__PATH" in env_names()
+    settings = load_settings({"data_dir": tmp_path, "journal": {"path": tmp_path / "j.jsonl"}})
+    assert settings.journal.path == tmp_path / "j.jsonl"
+    assert isinstance(plugin_journal.Journal(tmp_path / "j.jsonl"), Mirror)
 
 
 def test_the_added_watcher_brings_its_own_settings_table(disk_watcher: None, tmp_path: Path) -> None:
@@ -64,10 +83,11 @@ def test_the_added_watcher_brings_its_own_settings_table(disk_watcher: None, tmp
     assert issubclass(plugin_disk.DiskSpaceLow, TriggerEvent)
 
 
-async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher: None, probe_actor: None, tmp_path: Path, spawn) -> None:
+async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher: None, probe_actor: None, journal_exporter: None,
+                                                                     tmp_path: Path, spawn) -> None:
     """A real file system under a floor it cannot meet, a real titled target: one incident of the
     new trigger, every registered actor on the target (the added one last), the next detections
-    cooled down."""
+    cooled down; the added exporter journals the incident's opening and closing."""
     proc = spawn([sys.executable, str(PROGRAMS_DIR / "titled_target.py"), "sglang::scheduler_TP0", "--max-lifetime-s", "90"],
                  stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().decode().startswith("ready")
@@ -76,7 +96,7 @@ async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher
         "data_dir": tmp_path / "data", "host_name": "h1", "target": {"pids": [proc.pid]},
         "disk_space": {"folder": tmp_path, "min_free_bytes": free * 4, "interval_s": 0.2},
         "coredump": {"enabled": False}, "flightrec": {"enabled": False}, "export": {"metrics": False},
-        "spans": {"ship": False},
+        "spans": {"ship": False}, "journal": {"path": tmp_path / "journal.jsonl"},
     })
     records: list[IncidentRecord] = []
     agent = Agent.build(settings, on_incident=records.append)
@@ -95,6 +115,10 @@ async def test_a_new_trigger_opens_one_incident_per_cooldown_in_run(disk_watcher
     assert probe.outcome.value == "ok" and Path(probe.artifact_paths[0]).read_text() == "sglang::scheduler_TP0"
     manifest = json.loads(record.manifest_path.read_text())
     assert manifest["trigger"] == plugin_disk.TRIGGER and manifest["state"] == "closed"
+    journal = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    assert [(j["event"], j["incident_id"], j["trigger"]) for j in journal] == [
+        ("IncidentOpened", record.opened.incident_id, plugin_disk.TRIGGER),
+        ("IncidentClosed", record.opened.incident_id, plugin_disk.TRIGGER)]
 
     # reading the bundle back knows nothing of the trigger either: a plain string
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SERVEWATCH_"))}

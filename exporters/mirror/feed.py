@@ -10,23 +10,39 @@ open their root span), so nothing already captured is lost from the trace. Impor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
 from agent.model.bus import EventBus, Subscription
+from agent.model.events import Event
 
-__all__ = ["mirror_events", "subscribe_mirrors"]
+__all__ = ["Mirror", "mirror_events", "subscribe_mirrors"]
 
 
-def subscribe_mirrors(bus: EventBus, exporters: Mapping[str, Any], *, max_buffer: int) -> list[tuple[Any, Subscription]]:
-    """A bounded bus subscription for every exporter that mirrors events (it has ``events``, the
-    event types, and ``handle(event)``; e.g. the span ``mirror``), named after it."""
+@runtime_checkable
+class Mirror(Protocol):
+    """The contract of an exporter that mirrors bus events (the span ``mirror``; a plugin's
+    journal): what an exporter's factory returns to be fed. Optional: ``handles_on_loop = True``
+    (``handle`` touches loop-bound state, so it runs on the event loop) and ``close_open(reason=...)``
+    (called once after the last event, when the feed ends)."""
+
+    #: the event types it mirrors (subclasses included); empty: it is not fed
+    events: Sequence[type[Event]]
+
+    def handle(self, event: Event) -> None:
+        """Mirror one event; called in bus order, one at a time, off the event loop by default."""
+        ...
+
+
+def subscribe_mirrors(bus: EventBus, exporters: Mapping[str, Any], *, max_buffer: int) -> list[tuple[Mirror, Subscription]]:
+    """A bounded bus subscription for every exporter that is a :class:`Mirror` with event types
+    to mirror (e.g. the span ``mirror``), named after it."""
     return [
         (exporter, bus.subscribe(*exporter.events, name=name, max_buffer=max_buffer))
         for name, exporter in exporters.items()
-        if getattr(exporter, "events", None) and callable(getattr(exporter, "handle", None))
+        if isinstance(exporter, Mirror) and exporter.events
     ]
 
 
@@ -39,7 +55,7 @@ def _drain(sub: Subscription) -> list[Any]:
             return pending
 
 
-async def mirror_events(exporter: Any, sub: Subscription) -> None:
+async def mirror_events(exporter: Mirror, sub: Subscription) -> None:
     """Feed bus events to ``exporter`` until the bus closes and drains (see the module docstring)."""
     # handle() is file and CPU work (the span mirror writes spans write-ahead and imports a
     # profile's torch trace): kept off the event loop, one event at a time. An exporter whose

@@ -13,7 +13,7 @@ sets ``reusable = True``) or a :class:`TargetWatchers` (asked for each target di
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from agent.host.registry import Registry
 
@@ -25,8 +25,9 @@ if TYPE_CHECKING:  # annotations only: reading a status file (agent.watchers.sta
 
 __all__ = ["WATCHERS", "TargetWatchers", "Watcher"]
 
-#: The watcher registry: name -> (settings model, factory), started in this order.
-WATCHERS: Registry[Any] = Registry("watcher")
+#: The watcher registry: name -> (settings model, factory), started in this order; a factory
+#: builds a :class:`Watcher` or a :class:`TargetWatchers` (both defined below: the annotation is a string).
+WATCHERS: Registry[Watcher | TargetWatchers] = Registry("watcher")
 WATCHERS.register("health", config="agent.watchers.config:HealthConfig", factory="agent.watchers.health:create")
 WATCHERS.register("metrics", config="agent.watchers.config:MetricsConfig", factory="agent.watchers.watchdog:create_prometheus")
 WATCHERS.register("process", factory="agent.watchers.process:create")

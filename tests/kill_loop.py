@@ -170,6 +170,8 @@ class KillLoop:
         self.receiver = receiver
         self.server = server
         self.env = agent_env(shm_dir, agent_repo=agent_repo, quick_retry=quick_retry)
+        #: the CLI module of that checkout: ``agent.cli`` in one from before the layout by layers
+        self.cli = "agent.cli.app" if (agent_repo / "agent" / "cli" / "app.py").is_file() else "agent.cli"
         self.rng = rng
         self.protocols = protocols
         self.max_delay_s = max_delay_s
@@ -188,7 +190,7 @@ class KillLoop:
 
     def _start_agent(self, protocol: str) -> subprocess.Popen[bytes]:
         argv = [
-            sys.executable, "-m", "agent.cli.app", "run", "--pid", str(self.server.pid), "--watchdog-timeout", "0.5",
+            sys.executable, "-m", self.cli, "run", "--pid", str(self.server.pid), "--watchdog-timeout", "0.5",
             "--cooldown", "0.1", "--data-dir", str(self.data_dir), "--otlp-endpoint", self.receiver.endpoint(protocol),
             "--otlp-protocol", protocol,
         ]
@@ -232,7 +234,7 @@ class KillLoop:
     def export(self, protocol: str) -> None:
         """``servewatch export`` of the data dir, as an operator would run it (no agent running)."""
         r = subprocess.run(
-            [sys.executable, "-m", "agent.cli.app", "export", "--to", self.receiver.endpoint(protocol), "--protocol", protocol,
+            [sys.executable, "-m", self.cli, "export", "--to", self.receiver.endpoint(protocol), "--protocol", protocol,
              "--data-dir", str(self.data_dir)],
             cwd=self.data_dir.parent, env=self.env, capture_output=True, text=True, timeout=120, check=False,
         )

@@ -37,8 +37,12 @@ ROOT = HERE.parent
 
 def child(args: argparse.Namespace) -> None:
     """One measurement with the code on ``sys.path`` (the source tree under test)."""
-    from exporters.otlp.provider import ExportConfig, build_telemetry
-    from exporters.otlp.shipper import SpanShipper
+    try:
+        from exporters.otlp.provider import ExportConfig, build_telemetry
+        from exporters.otlp.shipper import SpanShipper
+    except ModuleNotFoundError:  # a --src tree from before the layout by layers
+        from exporters.provider import ExportConfig, build_telemetry  # type: ignore[no-redef]
+        from exporters.shipper import SpanShipper  # type: ignore[no-redef]
 
     with tempfile.TemporaryDirectory(prefix="bench-ship-") as tmp:
         shm = Path(tmp) / "shm"

@@ -162,14 +162,21 @@ def test_ranks_without_a_first_step_past_the_budget_are_one_stall_once(spawn) ->
 
 
 def test_an_idle_watch_looks_again_only_while_a_rank_starts_or_after_a_new_process(spawn, monkeypatch) -> None:
-    from agent.host import startup
+    from agent.host import procinfo
 
     ranks = _ranks(spawn, ["sglang::scheduler_TP0", "sglang::scheduler_TP1"])
     looks: list[int] = []
-    rule = StartupRule(StartupConfig(budget_s=30.0), discover=lambda: looks.append(1) or list(ranks),
-                       forward_ct=lambda pid: None, http_watched=True)
+    failing = [False]
+
+    def discover() -> list[Target]:
+        if failing[0]:
+            raise OSError("proc unreadable")
+        looks.append(1)
+        return list(ranks)
+
+    rule = StartupRule(StartupConfig(budget_s=30.0), discover=discover, forward_ct=lambda pid: None, http_watched=True)
     counter = [1000]
-    monkeypatch.setattr(startup, "last_pid", lambda: counter[0])
+    monkeypatch.setattr(procinfo, "last_pid", lambda: counter[0])
     assert rule.needs_look()  # never looked
     born = max(t.create_time_s for t in ranks)
     rule.look(now_s=born + 1.0)
@@ -180,6 +187,13 @@ def test_an_idle_watch_looks_again_only_while_a_rank_starts_or_after_a_new_proce
     assert not rule.needs_look()  # start-up over and no process created since: the same answer
     counter[0] += 1  # the kernel handed out a pid: a new rank may be there
     assert rule.needs_look()
+    failing[0] = True  # a look whose discovery raised: looked at again, never skipped for good
+    with pytest.raises(OSError):
+        rule.look(now_s=born + 3.0)
+    assert rule.needs_look()
+    failing[0] = False
+    rule.look(now_s=born + 4.0)
+    assert not rule.needs_look() and len(looks) == 3
     assert not StartupRule(StartupConfig(budget_s=0.0), discover=list).needs_look()  # off
 
 

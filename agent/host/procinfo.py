@@ -376,6 +376,32 @@ def last_pid() -> int | None:
         return None
 
 
+class NewProcesses:
+    """Whether a process (or thread) was created in this pid namespace since a look that
+    succeeded (:meth:`looked`), from the kernel's last pid (:func:`last_pid`): what lets a
+    periodic ``/proc`` scan be skipped while nothing new can be there. Unknown (never looked, or
+    ``/proc/loadavg`` unreadable) reads as created."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self) -> None:
+        self._at: int | None = None
+
+    @staticmethod
+    def before_look() -> int | None:
+        """The kernel's last pid, read before a look: a process created during the look then
+        counts as created after it."""
+        return last_pid()
+
+    def looked(self, before: int | None) -> None:
+        """A look that began at ``before`` (:meth:`before_look`) succeeded."""
+        self._at = before
+
+    def since(self) -> bool:
+        """Whether a process may have been created since the last successful look."""
+        return self._at is None or last_pid() != self._at
+
+
 @dataclass(frozen=True, slots=True)
 class ServerDump:
     """A ``py-spy`` run a watched server started itself (:class:`ServerDumpLog`).
@@ -414,16 +440,16 @@ class ServerDumpLog:
         self._known: set[int] = set()
         self._unsettled: dict[int, int] = {}
         self._runs: OrderedDict[int, ServerDump] = OrderedDict()
-        self._last_pid: int | None = None
+        self._created = NewProcesses()
 
     def needs_scan(self) -> bool:
         """Whether :meth:`scan` can find anything now: a process was created since the last
-        scan (:func:`last_pid` moved, or is unreadable) or a forked one is still to be looked
+        scan (:class:`NewProcesses`) or a forked one is still to be looked
         at again. Cheap (one read of ``/proc/loadavg``), so an idle host costs no ``/proc``
         listing and no worker-thread hop; a run that started since is never skipped."""
         with self._lock:
             pending = any(n < self.UNSETTLED_SCANS for n in self._unsettled.values())
-            return pending or self._last_pid is None or last_pid() != self._last_pid
+            return pending or self._created.since()
 
     def scan(self, pids: Iterable[int]) -> list[ServerDump]:
         """One scan (blocking: ``/proc``, ~0.05 ms plus the new processes); returns the runs first
@@ -433,13 +459,14 @@ class ServerDumpLog:
         scheduler's shell a moment before it becomes ``sh -c 'py-spy ...'``) is looked at again
         at the next scans, up to :data:`UNSETTLED_SCANS` of them (a forked worker stays so)."""
         family = set(pids)
-        newest = last_pid()  # read before the listing: a process created during it is looked at next time
+        before = self._created.before_look()
         try:
             now = {int(name) for name in os.listdir("/proc") if name.isdigit()}
         except OSError:
             return []
         with self._lock:
-            new, self._known, self._last_pid = sorted(now - self._known), now, newest
+            new, self._known = sorted(now - self._known), now
+            self._created.looked(before)
             self._unsettled = {pid: n for pid, n in self._unsettled.items() if pid in now}
         found = []
         for pid in new:

@@ -55,7 +55,7 @@ import anyio
 from anyio.abc import TaskStatus
 from pydantic import BaseModel, Field
 
-from agent.host.procinfo import last_pid
+from agent.host.procinfo import NewProcesses
 from agent.host.targets import Target
 from agent.model.bus import EventBus
 from agent.model.events import (
@@ -190,8 +190,8 @@ class StartupRule:
         #: the ranks in start-up at the last look, oldest first, and when that was
         self._starting: list[Target] = []
         self._looked_s = 0.0
-        #: the kernel's last pid before the last look (:func:`~agent.host.procinfo.last_pid`)
-        self._looked_pid: int | None = None
+        #: a process created since the last look that succeeded
+        self._created = NewProcesses()
         self.published: list[StartupStalled] = []
 
     @property
@@ -227,13 +227,13 @@ class StartupRule:
 
     def needs_look(self) -> bool:
         """Whether :meth:`look` can say anything new: a rank was in start-up at the last look (its
-        budget runs), or a process was created since (:func:`~agent.host.procinfo.last_pid` moved), or
+        budget runs), or a process was created since (:class:`~agent.host.procinfo.NewProcesses`), or
         none looked yet. With every rank's start-up over and no new process, a look would find the
         same ranks over again: an idle watch skips it (no ``/proc`` scan, no worker-thread hop).
         Cheap, on the event loop."""
         if not self.config.budget_s:
             return False
-        return bool(self._starting) or self._looked_pid is None or last_pid() != self._looked_pid
+        return bool(self._starting) or self._created.since()
 
     def look(self, now_s: float | None = None) -> StartupStalled | None:
         """One look at the ranks (blocking: discovery and counter reads); the stall to publish, if any."""
@@ -241,8 +241,9 @@ class StartupRule:
             return None
         now_s = time.time() if now_s is None else now_s
         self._first_look_s = self._first_look_s or now_s
-        self._looked_pid = last_pid()  # before discovery: a process created during it is looked at next time
+        before = self._created.before_look()
         ranks = [t for t in self._discover() if rank_from_title(t.title) is not None and t.create_time_s > 0]
+        self._created.looked(before)  # a discovery that raised is tried again at the next interval
         keys = {(t.pid, t.create_time_s) for t in ranks}
         self._young_at_sight = {k: self._young_at_sight.get(k, now_s - k[1] < self.config.budget_s) for k in keys}
         self._by_http_only = False

@@ -97,6 +97,12 @@ ABSENT_RETRY_S = 5.0
 #: rings cost a poll a second instead of four; 1 s of spans at 600 spans/s is ~0.2 MB of a 2 MiB
 #: ring (``agent.sdk.ring.DEFAULT_CAPACITY``), so the first burst after an idle spell fits.
 IDLE_POLL_MAX_S = 1.0
+#: Folder times this close to now (seconds) are not trusted to show the next change (a coarse
+#: file system clock): a target is then looked for at every poll.
+ABSENT_MTIME_MARGIN_S = 1.0
+#: Nice value of the threads that drain rings and encode/export shipped spans.
+BACKGROUND_NICE = 10
+_PLAIN_STATUS = {StatusCode.UNSET: Status(StatusCode.UNSET), StatusCode.OK: Status(StatusCode.OK)}
 
 
 def next_poll_wait_s(interval_s: float, last_wait_s: float, shipped: int) -> float:
@@ -106,12 +112,6 @@ def next_poll_wait_s(interval_s: float, last_wait_s: float, shipped: int) -> flo
     if shipped:
         return interval_s
     return max(interval_s, min(IDLE_POLL_MAX_S, last_wait_s * 2))
-#: Folder times this close to now (seconds) are not trusted to show the next change (a coarse
-#: file system clock): a target is then looked for at every poll.
-ABSENT_MTIME_MARGIN_S = 1.0
-#: Nice value of the threads that drain rings and encode/export shipped spans.
-BACKGROUND_NICE = 10
-_PLAIN_STATUS = {StatusCode.UNSET: Status(StatusCode.UNSET), StatusCode.OK: Status(StatusCode.OK)}
 
 
 @dataclass(frozen=True, slots=True)

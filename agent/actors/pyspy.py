@@ -36,7 +36,8 @@ How one dump runs (per target, see :meth:`PySpyActor.act`):
    stderr, and the target's state after the failure). Only failures a plain run may fix are retried
    without ``--native``; ``--native`` unsupported on this host is remembered for the actor's life.
    A denial while nobody is attached any more is retried once after :data:`TRANSIENT_RETRY_S`
-   (another tracer may have come and gone).
+   (another tracer may have come and gone); a denial while another py-spy is attached or about to
+   attach is waited out and retried, at most :data:`COLLISION_RETRIES` times.
 
 Messages matched (py-spy 0.4.x, ``src/main.rs``, ``src/config.rs``,
 ``src/python_process_info.rs``; the first three seen by running py-spy 0.4.3 here against a
@@ -430,6 +431,10 @@ TRACER_WAIT_S = 5.0
 #: Pause before the one retry of a py-spy that was denied while nobody is attached any more
 #: (another tool's attach may have come and gone), seconds.
 TRANSIENT_RETRY_S = 0.3
+#: Most tries after a dump collided with another py-spy attached to the same target (each after
+#: waiting for it to let go, :data:`TRACER_WAIT_S`): with SGLang-style dumps of one scheduler back to
+#: back, CI once saw the single retry there was collide again.
+COLLISION_RETRIES = 3
 
 
 def _is_pyspy(tracer: Tracer) -> bool:
@@ -800,27 +805,42 @@ class PySpyActor:
         seen: dict[int, Dumper] | None = None,
     ) -> tuple[Tracer | None, list[tuple[_Attempt, Classification]]]:
         """py-spy was denied though nobody traced the target before: attached by another tool
-        since (or between) our probes. Ask who, once: another py-spy is waited for, another
-        tracer means a ``--nonblocking`` attempt; nobody means one retry after
+        since (or between) our probes. Ask who: another py-spy is waited for and the dump tried
+        again, at most :data:`COLLISION_RETRIES` times while each try collides with another py-spy
+        (a tool that dumps back to back, as SGLang's watchdog and its fallback do, can attach in
+        the instant between our look and our attach) and while ``timeout_s`` seconds have not
+        passed; another tracer means a ``--nonblocking`` attempt; nobody means one retry after
         :data:`TRANSIENT_RETRY_S` (a tracer may have come and gone: two dumps at once).
 
         Returns:
             The tracer (``None``: none now) and the attempts made.
         """
-        tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
-        dumpers = await anyio.to_thread.run_sync(_others, target.pid)
-        if seen is not None:
-            seen.update((d.pid, d) for d in dumpers)
-        if (tracer is not None and _is_pyspy(tracer)) or (tracer is None and dumpers):
-            base["servewatch.pyspy.waited_for_pid"] = tracer.pid if tracer is not None else dumpers[0].pid
-            base["servewatch.pyspy.retried_after_collision"] = True
-            tracer = await _wait_untraced(target.pid, TRACER_WAIT_S, seen)
-            return tracer, await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
-        if tracer is not None:
-            return tracer, await self._attempts_for(target, exe, timeout_s, nonblocking=True)
-        await anyio.sleep(TRANSIENT_RETRY_S)
-        base["servewatch.pyspy.retried_after_denial"] = True
-        return None, await self._attempts_for(target, exe, timeout_s)
+        deadline = anyio.current_time() + max(timeout_s, 0.0)
+        done: list[tuple[_Attempt, Classification]] = []
+        for collision in range(1, COLLISION_RETRIES + 1):
+            tracer = await anyio.to_thread.run_sync(tracer_of, target.pid)
+            dumpers = await anyio.to_thread.run_sync(_others, target.pid)
+            if seen is not None:
+                seen.update((d.pid, d) for d in dumpers)
+            if (tracer is not None and _is_pyspy(tracer)) or (tracer is None and dumpers):
+                base["servewatch.pyspy.waited_for_pid"] = tracer.pid if tracer is not None else dumpers[0].pid
+                base["servewatch.pyspy.retried_after_collision"] = True
+                base["servewatch.pyspy.collision_retries"] = collision
+                tracer = await _wait_untraced(target.pid, TRACER_WAIT_S, seen)
+                done += await self._attempts_for(target, exe, timeout_s, nonblocking=tracer is not None)
+                last = done[-1][1]
+                denied = last.outcome is Outcome.PERMISSION_DENIED or last.collided
+                if tracer is not None or not denied or anyio.current_time() >= deadline:
+                    return tracer, done
+                continue
+            if tracer is not None:
+                return tracer, done + await self._attempts_for(target, exe, timeout_s, nonblocking=True)
+            if done:  # collided before, and nobody is there now: one more plain try, as below
+                return None, done + await self._attempts_for(target, exe, timeout_s)
+            await anyio.sleep(TRANSIENT_RETRY_S)
+            base["servewatch.pyspy.retried_after_denial"] = True
+            return None, await self._attempts_for(target, exe, timeout_s)
+        return None, done
 
     async def _report(
         self,

@@ -487,6 +487,21 @@ async def test_a_denial_with_nobody_attached_any_more_is_retried_and_dumps(spawn
     assert len(_runs(log)) == 2
 
 
+async def test_a_dump_that_collides_with_another_py_spy_twice_in_a_row_waits_each_out_and_dumps(spawn, python, tmp_path: Path) -> None:
+    """A tool dumping the target back to back (SGLang's watchdog and its fallback) can attach in
+    the instant between our look and our attach, twice in a row: each collision is waited out
+    (the other py-spy is seen aimed at the target) and the third try gets the stacks."""
+    target = _titled(spawn, python, "sglang::scheduler_TP0")
+    exe, log = _stub(tmp_path, "collides-twice")
+    result = await PySpyActor(PySpyConfig(executable=exe)).act(TRIGGER, target, timeout_s=20, artifact_dir=tmp_path)
+    assert result.outcome is Outcome.OK, result.detail
+    assert HUNG in result.detail
+    assert result.attributes["servewatch.pyspy.collision_retries"] == 2
+    assert result.attributes["servewatch.pyspy.retried_after_collision"] is True
+    assert result.attributes["servewatch.pyspy.waited_for_pid"] > 0
+    assert len(_runs(log)) == 3
+
+
 async def test_a_failed_interpreter_lookup_of_a_python_process_is_retried_once_and_dumps(spawn, python, tmp_path: Path) -> None:
     """py-spy reads the interpreter's state before it suspends the target, so a thread starting
     or ending at that instant fails the lookup ("not a Python process") once: CI saw it on a real

@@ -16,6 +16,10 @@ the py-spy arguments it was given). Modes:
 * ``permission-denied``: prints py-spy's non-root permission message and exits 1.
 * ``permission-denied-once``: the first run (an empty LOGFILE before it) is denied as above, as
   when another tracer held the target at that moment; later runs are the real py-spy.
+* ``collides-twice``: the first two runs find another py-spy attached (py-spy's "Failed to suspend
+  process ... EPERM" error, exit 1), and leave that other run behind: a detached process whose
+  command line is ``py-spy dump --pid N`` for 0.6 s, as a tool dumping the target back to back
+  would; later runs are the real py-spy.
 * ``not-python-once``: the first run is py-spy's failed interpreter lookup (exit 1), as when a
   thread of the target started or ended while py-spy read the interpreter's state; later runs are
   the real py-spy.
@@ -38,6 +42,8 @@ from pathlib import Path
 # Verbatim from py-spy 0.4 (src/config.rs, src/main.rs), so the classifier sees real messages.
 NATIVE_UNSUPPORTED = "Collecting stack traces from native extensions (`--native`) is not supported on your platform."
 NO_INTERPRETER = "Error: Failed to find a python interpreter in the .data section"
+COLLIDED = ("Error: Failed to get stack traces\n\nCaused by:\n    0: Failed to suspend process\n"
+            "    1: EPERM: Operation not permitted\n")
 PERMISSION_DENIED = "Permission Denied: Try running again with elevated permissions by going 'sudo env \"PATH=$PATH\" !!'"
 
 
@@ -71,6 +77,16 @@ def main() -> None:
     if mode == "permission-denied-once":
         if first:
             print(PERMISSION_DENIED, file=sys.stderr)
+            sys.exit(1)
+        run_real(args)
+    if mode == "collides-twice":
+        if len(Path(log_path).read_text(encoding="utf-8").splitlines()) <= 2:
+            other = Path(log_path).with_name("py-spy")
+            other.write_text("#!/bin/sh\nsleep 0.6\n", encoding="utf-8")
+            other.chmod(0o755)
+            subprocess.Popen([str(other), "dump", "--pid", args[args.index("--pid") + 1]], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(COLLIDED, file=sys.stderr)
             sys.exit(1)
         run_real(args)
     if mode == "not-python-once":

@@ -216,6 +216,13 @@ async def test_the_verdict_names_the_culprit_of_each_real_hang_shape(shape: str,
         # of the environment only the rank variables are read: the secret beside them is in no file of the incident
         files = [f for f in Path(result.record.bundle_dir).rglob("*") if f.is_file()]
         assert files and not [f for f in files if RAY_SECRET.encode() in f.read_bytes()]
+    elif shape == "ray_workers_unreadable":  # no rank anywhere: the stacks alone, by pid, at low confidence
+        culprit = v["culprit_pids"][0]
+        assert v["rule"] == "stacks_behind_by_pid" and v["ranks"] == [] and v["culprit_roles"] == ["process"], v
+        assert reason.startswith(f"behind: pid {culprit} 'ray::RayWorkerWrapper' not in a collective (in compute: "
+                                 "_hang_in_compute ("), reason
+        assert reason.endswith("wait in one (no process's rank could be read: named by pid)"), reason
+        assert not any("rank from its environment" in line for line in v["evidence"]), v["evidence"]
     elif shape == "ray_worker_crash":  # dead, its environment reads empty: the RANK read while it was alive
         assert reason == "dead: rank 1 exited with SIGSEGV" and v["ranks"] == [0, 1, 2], reason
         assert any(re.match(rf"rank 1 pid {v['culprit_pids'][0]}; rank from its environment \(RANK\); gone \(killed by "

@@ -262,3 +262,28 @@ def test_a_p2p_deadlock_across_two_hosts_is_named_by_the_job_verdict() -> None:
     old = HostEvidence.model_validate({**hosts[0].model_dump(by_alias=True), "ranks": [
         {k: val for k, val in hosts[0].ranks[0].model_dump().items() if k != "p2p"}]})
     assert old.ranks[0].p2p == ""
+
+
+def _unranked(pid: int, title: str, cls: FrameClass, frame: str) -> RankEvidence:
+    """A process no source names a rank of (vLLM on Ray: every worker ``ray::RayWorkerWrapper``,
+    its environment overwritten by its title, no SDK, no Flight Recorder)."""
+    return RankEvidence(pid=pid, role=verdict_mod.Role.PROCESS, title=title, frame_class=cls, frame=frame)
+
+
+def test_workers_with_no_rank_readable_are_told_apart_by_their_stacks_and_named_by_pid() -> None:
+    """Issue 32 item 3: the stacks show which worker is outside the all-reduce although none has a
+    rank; a process of another title (the Ray raylet, a frontend) running its own code is not blamed."""
+    ray = "ray::RayWorkerWrapper"
+    wait = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
+    procs = [_unranked(41, ray, FrameClass.COLLECTIVE, wait), _unranked(42, ray, FrameClass.COMPUTE, "forward (/app/model.py:12)"),
+             _unranked(43, ray, FrameClass.COLLECTIVE, wait), _unranked(50, "raylet", FrameClass.COMPUTE, "poll (ray/_raylet.py:9)")]
+    v = decide(procs, trigger="stall")
+    assert (v.kind, v.rule, v.culprit_ranks, v.culprit_pids, v.confidence) == ("behind", "stacks_behind_by_pid", (), (42,), "low")
+    assert v.reason == ("behind: pid 42 'ray::RayWorkerWrapper' not in a collective (in compute: forward (/app/model.py:12)); "
+                        "pids 41, 43 wait in one (no process's rank could be read: named by pid)")
+    # nobody of the waiters' title outside the collective: no culprit by pid
+    v = decide([procs[0], procs[2], procs[3]], trigger="stall")
+    assert v.rule != "stacks_behind_by_pid" and 50 not in v.culprit_pids, v
+    # one process known as a rank: the rank rules decide, not this one
+    ranked = RankEvidence(rank=0, pid=41, frame_class=FrameClass.COLLECTIVE, frame=wait)
+    assert decide([ranked, *procs[1:]], trigger="stall").rule != "stacks_behind_by_pid"

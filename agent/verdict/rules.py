@@ -1207,6 +1207,33 @@ def _stacks_behind(ev: Evidence) -> Verdict | None:
     return _verdict(ev, "behind", outside, reason, "medium")
 
 
+@_rule("stacks_behind_by_pid", kind="behind",
+       when="no process is known as a rank (its title, environment, SDK counter and Flight Recorder name none: "
+            "vLLM on Ray titles every worker `ray::RayWorkerWrapper`); processes of one title wait in a collective "
+            "and others of that title do not",
+       concludes="the processes outside the collective, by pid (`behind: pid 42 'ray::RayWorkerWrapper' not in a "
+                 "collective (...); pids 41, 43 wait in one`)",
+       confidence="low: the stacks of one instant, and which processes are one job is read off their shared title")
+def _stacks_behind_by_pid(ev: Evidence) -> Verdict | None:
+    if ev.ranks:
+        return None
+    known = [e for e in ev.others if e.role is Role.PROCESS and e.alive and e.frame_class is not FrameClass.UNKNOWN]
+    waiting = [e for e in known if e.frame_class is FrameClass.COLLECTIVE]
+    titles = {e.title for e in waiting if e.title}
+    outside = [e for e in known if e.frame_class in (FrameClass.COMPUTE, FrameClass.RENDEZVOUS) and e.title in titles]
+    if not waiting or not outside:
+        return None
+    frames = "; ".join((f"pid {e.pid} " if len(outside) > 1 else "") + f"in {e.frame_class.value}: {e.frame}"
+                       for e in outside)
+    p2p = [e.p2p for e in waiting]
+    where = f"a P2P {'/'.join(sorted(set(p2p)))} for it" if all(p2p) else "one"
+    pids = ", ".join(str(e.pid) for e in waiting)
+    reason = (f"behind: {', '.join(e.name for e in outside)} not in a collective ({frames}); "
+              f"pid{'s' if len(waiting) > 1 else ''} {pids} {'wait' if len(waiting) > 1 else 'waits'} in {where} "
+              "(no process's rank could be read: named by pid)")
+    return _verdict(ev, "behind", outside, reason, "low")
+
+
 @_rule("coordinator_waits", kind="behind",
        when="no rank's stack was read, and a coordinator (VLLM::EngineCore, a DP controller) is blocked waiting on "
             "its workers",

@@ -755,6 +755,23 @@ async def shape_ray_workers_no_fr(wd: Path) -> ShapeResult:
     return await _ray_workers(wd, "ray_workers_no_fr", {"flightrec": {"enabled": False}})
 
 
+async def shape_ray_workers_unreadable(wd: Path) -> ShapeResult:
+    """vLLM on Ray with nothing that names a rank: every worker titled ``ray::RayWorkerWrapper``,
+    its environment overwritten by its title (setproctitle without ``SPT_NOENV``: ``RANK`` reads
+    as nothing), no SDK, no Flight Recorder source. Rank 1 of 3 hangs in compute outside the
+    all-reduce the other two wait in: the stacks alone say which process is behind, named by its pid."""
+    port = _free_port()
+    launcher, pids = await anyio.to_thread.run_sync(
+        lambda: _titled_job(wd, ["ray::RayWorkerWrapper"] * 3, 1, port,
+                            lambda r: {k: v for k, v in _ray_env(r).items() if k != "SPT_NOENV"}))
+    try:
+        record = await _watch({"target": {"pids": list(pids.values())}, "metrics": _metrics(port)}, wd,
+                              wait_trigger="stall")
+        return _result("ray_workers_unreadable", record, kind="behind", pids=(pids[1],), confidence="low")
+    finally:
+        await anyio.to_thread.run_sync(stop_ranks, [launcher])
+
+
 async def shape_inherited_rank(wd: Path) -> ShapeResult:
     """SGLang TP=2 in a Kubernetes PyTorchJob pod: the pod's ``RANK=0``/``WORLD_SIZE=1`` (its node
     rank) reaches both schedulers (``SPT_NOENV``: readable); rank 1 hangs. A ``RANK`` both share
@@ -932,6 +949,7 @@ SHAPES: dict[str, Callable[[Path], Awaitable[ShapeResult]]] = {
     "ep_dispatch": shape_ep_dispatch,
     "ray_workers": shape_ray_workers,
     "ray_workers_no_fr": shape_ray_workers_no_fr,
+    "ray_workers_unreadable": shape_ray_workers_unreadable,
     "ray_worker_crash": shape_ray_worker_crash,
     "pp_titles": shape_pp_titles,
     "inherited_rank": shape_inherited_rank,

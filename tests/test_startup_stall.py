@@ -251,6 +251,32 @@ def test_nothing_is_judged_where_nothing_could_say_the_startup_ended(spawn) -> N
     assert off.look(now_s=born + 1e6) is None
 
 
+def test_a_young_server_process_given_by_pid_with_no_rank_yet_is_said_as_starting(spawn) -> None:
+    """vLLM and SGLang import for seconds before they start ranks: the server's own process, given
+    by pid (``--root-pid``, the launched command) and younger than the budget, is a server starting
+    while no rank is found; past the budget, or once a rank is found, or for a pid not given, it is not."""
+    (server,) = _ranks(spawn, ["python vllm serve"])
+    found: list[Target] = []
+    rule = StartupRule(StartupConfig(budget_s=60.0), discover=lambda: list(found), http_watched=True,
+                       server_pids=lambda: [server.pid])
+    assert rule.needs_look()
+    rule.look()
+    line = rule.starting()
+    assert line is not None and re.fullmatch(
+        rf"it started less than the start-up budget ago and has no rank yet \(pid {server.pid} 'python vllm serve'; "
+        r"start-up budget 60 s\)", line), line
+    assert rule.needs_look()  # its ranks are looked for while it starts
+    found += _ranks(spawn, ["VLLM::Worker"])
+    rule.look()
+    assert rule.starting() is not None and "its ranks took no first step yet (pid" in rule.starting()  # type: ignore[operator]
+    old = StartupRule(StartupConfig(budget_s=60.0), discover=list, http_watched=True, server_pids=lambda: [server.pid])
+    old.look(now_s=server.create_time_s + 61.0)
+    assert old.starting() is None  # past the budget: not starting any more
+    stranger = StartupRule(StartupConfig(budget_s=60.0), discover=list, http_watched=True)
+    stranger.look()
+    assert stranger.starting() is None  # no server process given: nothing says a server starts
+
+
 async def test_a_refused_health_or_metrics_port_while_ranks_start_is_said_as_starting() -> None:
     """Real probes of a port nothing listens on: starting while ranks start, else a wrong address."""
     url = f"http://127.0.0.1:{_free_port()}"
@@ -280,3 +306,21 @@ def test_the_startup_budget_reaches_the_rule_and_the_watchers(tmp_path: Path) ->
     assert agent.watchers["metrics"].source.starting == agent.startup.starting
     default = Agent(load_settings({"data_dir": tmp_path})).startup
     assert default.config.budget_s == 480.0 and default.interval_s == 5.0 and not default.http_watched
+
+
+def test_the_only_rank_stuck_in_its_own_code_at_a_startup_stall_is_named_at_high_confidence() -> None:
+    """A start-up stall is no progress (no first step within the budget): one rank (vLLM at TP=1)
+    in its own code, its weight load, is the culprit at high confidence; a one-shot dump of the
+    same stack cannot tell a hang from work."""
+    from agent.host.startup import STARTUP_STALL
+    from agent.verdict import rules
+
+    assert rules.STARTUP_STALL == STARTUP_STALL  # the rules keep the trigger's name without importing the rule
+    worker = rules.RankEvidence(rank=0, pid=41, title="VLLM::Worker", frame_class=rules.FrameClass.COMPUTE,
+                                frame="load_weights (vllm/model_executor/models/llama.py:600)")
+    v = rules.decide([worker], trigger=STARTUP_STALL)
+    assert (v.kind, v.culprit_ranks, v.culprit_pids, v.confidence, v.hung) == ("compute", (0,), (41,), "high", True)
+    assert v.reason == ("all ranks in compute: no collective wait; rank 0 stuck "
+                        "(rank 0 in load_weights (vllm/model_executor/models/llama.py:600))")
+    manual = rules.decide([worker], trigger="manual")
+    assert (manual.culprit_ranks, manual.confidence, manual.hung) == ((), "low", False)

@@ -56,7 +56,7 @@ from anyio.abc import TaskStatus
 from pydantic import BaseModel, Field
 
 from agent.host.procinfo import NewProcesses
-from agent.host.targets import Target
+from agent.host.targets import Target, command_words, target_of
 from agent.model.bus import EventBus
 from agent.model.events import (
     Event,
@@ -167,15 +167,22 @@ class StartupRule:
             without one.
         http_watched: the agent probes the server over HTTP (a ``health`` or ``metrics`` URL):
             its answer would end the start-up.
+        server_pids: the server's own processes the agent was given by pid (``target.root_pid``,
+            the command ``run`` launched): one created within the budget while no rank is found
+            yet is a server starting (vLLM and SGLang import for seconds before they start ranks).
 
     Attributes:
         published: every :class:`StartupStalled` published, oldest first.
     """
 
     def __init__(self, config: StartupConfig | None = None, *, discover: Callable[[], list[Target]],
-                 forward_ct: Callable[[int], int | None] = _sdk_forward_ct, http_watched: bool = False) -> None:
+                 forward_ct: Callable[[int], int | None] = _sdk_forward_ct, http_watched: bool = False,
+                 server_pids: Callable[[], Sequence[int]] = tuple) -> None:
         self.config = config or StartupConfig()
         self._discover = discover
+        self._server_pids = server_pids
+        #: at the last look no rank was found and these server processes were younger than the budget
+        self._server_young: list[Target] = []
         self._forward_ct = forward_ct
         self.http_watched = http_watched
         #: when the rule first looked, seconds since the epoch (0: not yet)
@@ -207,13 +214,26 @@ class StartupRule:
         (pid 7 'sglang::scheduler_TP0', ...; start-up budget 480 s)``), ``None`` when none is. It
         changes only with the ranks and once the budget is spent (a status line, said on change)."""
         ranks = self._starting
-        if not ranks or not self.config.budget_s:
+        if not self.config.budget_s:
             return None
+        if not ranks:
+            return self._server_starting()
         names = _named([t.pid for t in ranks], [t.title for t in ranks])
         if self._looked_s - ranks[0].create_time_s >= self.config.budget_s:
             return (f"its ranks took no first step within the start-up budget of {self.config.budget_s:g} s ({names})"
                     + (", or this is the wrong host or port" if self._by_http_only else ""))
         return f"its ranks took no first step yet ({names}; start-up budget {self.config.budget_s:g} s)"
+
+    def _server_starting(self) -> str | None:
+        """``it started less than the start-up budget ago and has no rank yet (pid 7 'python vllm
+        serve'; start-up budget 480 s)`` while no rank was found and a server process given by pid
+        is younger than the budget (from its creation time); ``None`` otherwise. The line does not
+        change while it holds (a status line is said on change)."""
+        young = [t for t in self._server_young if time.time() - t.create_time_s < self.config.budget_s]
+        if not young:
+            return None
+        names = _named([t.pid for t in young], [command_words(t.cmdline) or t.title for t in young])
+        return f"it started less than the start-up budget ago and has no rank yet ({names}; start-up budget {self.config.budget_s:g} s)"
 
     # -- the rule -------------------------------------------------------------------------------
 
@@ -233,7 +253,7 @@ class StartupRule:
         Cheap, on the event loop."""
         if not self.config.budget_s:
             return False
-        return bool(self._starting) or self._created.since()
+        return bool(self._starting or self._server_young) or self._created.since()
 
     def look(self, now_s: float | None = None) -> StartupStalled | None:
         """One look at the ranks (blocking: discovery and counter reads); the stall to publish, if any."""
@@ -249,6 +269,7 @@ class StartupRule:
         self._by_http_only = False
         starting = sorted((t for t in ranks if self._in_startup(t)), key=lambda t: t.create_time_s)
         self._starting, self._looked_s = starting, now_s
+        self._server_young = [] if ranks else self._young_servers(now_s)
         if not starting or now_s - starting[0].create_time_s < self.config.budget_s \
                 or now_s - self._first_look_s < min(SETTLE_S, self.config.budget_s):
             return None
@@ -258,6 +279,13 @@ class StartupRule:
         self._fired |= keys
         return StartupStalled(source="startup", pids=tuple(t.pid for t in starting), titles=tuple(t.title for t in starting),
                               waited_s=now_s - starting[0].create_time_s, budget_s=self.config.budget_s)
+
+    def _young_servers(self, now_s: float) -> list[Target]:
+        """The server processes given by pid that live and are younger than the budget, oldest first
+        (blocking: one ``/proc`` read each)."""
+        found = (target_of(pid) for pid in dict.fromkeys(self._server_pids()))
+        young = [t for t in found if t is not None and 0 < now_s - t.create_time_s < self.config.budget_s]
+        return sorted(young, key=lambda t: t.create_time_s)
 
     def _in_startup(self, t: Target) -> bool:
         """Judged (something could say its start-up is over), and nothing said so."""

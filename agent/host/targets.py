@@ -35,6 +35,7 @@ __all__ = [
     "Target",
     "TargetConfig",
     "UninterruptibleThread",
+    "command_words",
     "descendants",
     "discover",
     "parent_pid",
@@ -678,3 +679,24 @@ def zombie_descendants(root_pids: Iterable[int], title_globs: Iterable[str] = ()
                 found[proc.pid] = Target(pid=proc.pid, title=name, create_time_s=proc.create_time(), uid=proc.uids().real,
                                          ppid=proc.ppid())
     return [found[pid] for pid in sorted(found)]
+
+
+def command_words(cmdline: Sequence[str]) -> str:
+    """An untitled process's command in a few words, none of its arguments (they may hold secrets):
+    ``python -m vllm.entrypoints.openai.api_server``, ``vllm serve``, ``python vllm serve``,
+    ``python server.py``; ``""`` for an empty command line."""
+    if not cmdline:
+        return ""
+    words = [os.path.basename(cmdline[0])]
+    rest = list(cmdline[1:4])
+    if "-m" in rest and rest.index("-m") + 1 < len(cmdline) - 1:
+        return " ".join([*words, "-m", cmdline[rest.index("-m") + 2]])
+    if rest and not rest[0].startswith("-") and rest[0] not in _SUBCOMMANDS:  # a script: python /venv/bin/vllm
+        words.append(os.path.basename(rest.pop(0)))
+    if rest and rest[0] in _SUBCOMMANDS:
+        words.append(rest[0])
+    return " ".join(words)
+
+
+#: The subcommands of a serving framework's command named by :func:`command_words` (``vllm serve``).
+_SUBCOMMANDS = frozenset({"serve", "run"})

@@ -113,7 +113,7 @@ class Agent:
         self.telemetry, self._own_telemetry = telemetry, telemetry is None
         self.children, self.stalls = list(children), StallBoard()  # own_actions: what servewatch does to servers
         self.own_actions = OwnActionLog(settings.data_dir, settings.host_name)
-        self.startup = StartupRule(settings.startup, discover=lambda: self.discover(), http_watched=bool(settings.agent_values().server_urls))
+        self.startup = StartupRule(settings.startup, discover=lambda: self.discover(), http_watched=bool(settings.agent_values().server_urls), server_pids=lambda: [p for p in (settings.target.root_pid, *(c.pid for c in self.children)) if p])
         self.context = BuildContext(
             agent=settings.agent_values(), children=self.children, stalled=self.stalls.stalled,
             on_status_change=self._status_changed if on_status is not None else None, starting=self.startup.starting,

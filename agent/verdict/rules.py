@@ -352,16 +352,17 @@ class Evidence:
     @property
     def progress_known(self) -> bool:
         """Something tells a hang from work: a stall trigger (the watchdog saw no progress while
-        busy), a rank's step counter read twice, or the server's own progress counter read twice.
-        One snapshot of stacks alone cannot: a busy forward and a hung one look the same."""
-        return (self.trigger == Trigger.STALL or self.server_progress is not None
+        busy; a start-up stall: no first step within the start-up budget), a rank's step counter
+        read twice, or the server's own progress counter read twice. One snapshot of stacks alone
+        cannot: a busy forward and a hung one look the same."""
+        return (self.trigger in (Trigger.STALL, STARTUP_STALL) or self.server_progress is not None
                 or any(e.stalled is not None for e in self.ranks))
 
     @property
     def no_progress(self) -> bool:
-        """Progress is known to have stopped: a stall trigger, the server's counter stood still,
-        or every rank's counter stood still."""
-        return (self.trigger == Trigger.STALL or self.server_progress is False
+        """Progress is known to have stopped: a stall trigger (or a start-up stall), the server's
+        counter stood still, or every rank's counter stood still."""
+        return (self.trigger in (Trigger.STALL, STARTUP_STALL) or self.server_progress is False
                 or bool(self.ranks) and all(e.stalled for e in self.ranks))
 
     @property
@@ -585,6 +586,10 @@ def _recorder_confidence(culprits: Sequence[RankEvidence], waiting: Sequence[Ran
 
 
 # --- the rules -----------------------------------------------------------------------------------
+
+#: The start-up rule's trigger (:data:`agent.host.startup.STARTUP_STALL`, not imported: the rules
+#: import no component; a test keeps the two equal): ranks took no first step within the budget.
+STARTUP_STALL = "startup_stall"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1333,7 +1338,8 @@ NO_PROGRESS_SOURCE = ("one snapshot without a progress source cannot tell a hang
                  "all stopped alike (`all ranks in compute: no collective wait`), and nobody when nothing tells a "
                  "hang from work (a one-shot dump with no step counter, no /metrics reading and no stall trigger: "
                  "`...; one snapshot without a progress source cannot tell a hang from work`, not hung)",
-       confidence="high for the only rank when its stopped step counter agrees with its stack; medium otherwise; "
+       confidence="high for the only rank when its stopped step counter (or a start-up stall: no first step within "
+                  "the start-up budget) agrees with its stack; medium otherwise; "
                   "low without a progress source")
 def _compute(ev: Evidence) -> Verdict | None:
     known = [e for e in ev.ranks if e.frame_class is not FrameClass.UNKNOWN]
@@ -1349,7 +1355,9 @@ def _compute(ev: Evidence) -> Verdict | None:
     stalled = [e for e in ev.ranks if e.stalled]
     confidence = "medium"
     if len(ev.ranks) == 1:  # the only rank is stuck in its own code: it is the culprit
-        confidence = "high" if stalled and ev.server_progress is not True else "medium"
+        # its step counter stood still, or it took no first step within the start-up budget
+        agree = bool(stalled) or ev.trigger == STARTUP_STALL
+        confidence = "high" if agree and ev.server_progress is not True else "medium"
         stalled = list(ev.ranks)
     elif len(stalled) == len(ev.ranks):
         stalled = []  # every rank stopped in compute: nothing tells one apart

@@ -34,7 +34,15 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from agent.host.targets import Target, descendants, parent_pid, psutil_errors, server_of, target_of
+from agent.host.targets import (
+    Target,
+    command_words,
+    descendants,
+    parent_pid,
+    psutil_errors,
+    server_of,
+    target_of,
+)
 from agent.model.ranks import parse_title, world_ranks
 
 __all__ = ["ServerGroup", "ancestors", "command_words", "frontend_command", "listener_of_port", "listening_ports",
@@ -284,27 +292,6 @@ def frontend_command(cmdline: Sequence[str]) -> bool:
         return False
     words = [os.path.basename(cmdline[0]), *cmdline[1:]]
     return bool(_FRONTEND_COMMAND.search(" ".join(words)))
-
-
-def command_words(cmdline: Sequence[str]) -> str:
-    """An untitled process's command in a few words, none of its arguments (they may hold secrets):
-    ``python -m vllm.entrypoints.openai.api_server``, ``vllm serve``, ``python vllm serve``,
-    ``python server.py``; ``""`` for an empty command line."""
-    if not cmdline:
-        return ""
-    words = [os.path.basename(cmdline[0])]
-    rest = list(cmdline[1:4])
-    if "-m" in rest and rest.index("-m") + 1 < len(cmdline) - 1:
-        return " ".join([*words, "-m", cmdline[rest.index("-m") + 2]])
-    if rest and not rest[0].startswith("-") and rest[0] not in _SUBCOMMANDS:  # a script: python /venv/bin/vllm
-        words.append(os.path.basename(rest.pop(0)))
-    if rest and rest[0] in _SUBCOMMANDS:
-        words.append(rest[0])
-    return " ".join(words)
-
-
-#: The subcommands of a serving framework's command named by :func:`command_words` (``vllm serve``).
-_SUBCOMMANDS = frozenset({"serve", "run"})
 
 
 def _of_role(target: Target) -> bool:

@@ -95,11 +95,13 @@ class RealVllm:
         return self._shared
 
     def dedicated(self, tp: int = 1, extra_args: tuple[str, ...] = (), *, port: int | None = None,
-                  env: dict[str, str] | None = None) -> VllmServer:
+                  env: dict[str, str] | None = None, fault: dict[str, str] | None = None,
+                  wait: bool = True) -> VllmServer:
         """A new server only the calling test uses (on ``port``, default a free one; ``env``: more
-        variables for it); the shared one is stopped first."""
+        variables for it; ``fault`` / ``wait``: as :meth:`VllmServer.start`); the shared one is
+        stopped first."""
         self.drop_shared()
-        server = VllmServer.start(self.install, tp=tp, extra_args=extra_args, port=port, env=env)
+        server = VllmServer.start(self.install, tp=tp, extra_args=extra_args, port=port, env=env, fault=fault, wait=wait)
         self._dedicated.append(server)
         return server
 

@@ -133,10 +133,13 @@ class VllmServer:
 
     @classmethod
     def start(cls, install: Install, *, tp: int = 1, extra_args: tuple[str, ...] = (), timeout_s: float | None = None,
-              port: int | None = None, env: dict[str, str] | None = None) -> VllmServer:
+              port: int | None = None, env: dict[str, str] | None = None, fault: dict[str, str] | None = None,
+              wait: bool = True) -> VllmServer:
         """Start ``vllm serve`` and wait until it serves a completion (bounded). ``port``: listen
         there (a restart on the port of a stopped server; default a free one); ``env``: more
-        variables for the server (e.g. ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``).
+        variables for the server (e.g. ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``); ``fault``: the fault
+        plugin's trigger, written before the server starts (``{"mode": "load_hang"}`` hangs its
+        start-up); ``wait=False``: return once it is started, not serving.
 
         Raises:
             ServerStartError: it exited, or was not serving after ``timeout_s`` (default
@@ -177,6 +180,9 @@ class VllmServer:
             **{FAULT_FILE_ENV: str(workdir / "fault")},
         )
         env.update(extra_env or {})
+        server_fault = workdir / "fault"
+        if fault:
+            server_fault.write_text("".join(f"{k}={v}\n" for k, v in fault.items()), encoding="utf-8")
         log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
@@ -184,15 +190,22 @@ class VllmServer:
             log.close()
         server = cls(install=install, tp=tp, port=port, workdir=workdir, proc=proc, extra_args=extra_args,
                      title_prefix=env.get("VLLM_PROCESS_NAME_PREFIX", "VLLM"))
+        if not wait:
+            return server
         try:
-            server._wait_serving(timeout_s)
+            server.wait_serving(timeout_s)
         except BaseException:
             server.discard(grace_s=5.0)
             raise
         server.known_pids.update(p.pid for p in server.tree())
         return server
 
-    def _wait_serving(self, timeout_s: float) -> None:
+    def wait_serving(self, timeout_s: float) -> None:
+        """Block until a 2-token completion succeeds (every 2 s, at most ``timeout_s`` seconds).
+
+        Raises:
+            ServerStartError: the server exited, or did not serve within ``timeout_s``.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:

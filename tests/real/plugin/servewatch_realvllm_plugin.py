@@ -21,6 +21,11 @@ selected reads the trigger file named by ``REALVLLM_FAULT_FILE`` and
   ``/metrics`` included, while the EngineCore and its workers idle (the shape of vLLM PR #38157: a
   synchronous chat-template render inside an async handler).
 
+- ``mode=load_hang``: in a worker whose tensor-parallel rank is selected, ``LlamaForCausalLM.load_weights``
+  first blocks, polling every 50 ms, for as long as the file still says ``load_hang`` (a weight load
+  from a hung network filesystem, before the first step: the server does not listen yet; the shape
+  of vLLM #17167). Written before ``vllm serve`` starts, it hangs the start-up.
+
 The file holds ``key=value`` lines: ``mode``, ``ranks`` (comma-separated TP ranks, or ``all``, the
 default) and ``delay_s``. No file: the forward runs untouched (one ``stat`` per forward).
 Installed into the vLLM venv by ``tests/real/install.py``; only test servers set the variable.
@@ -108,6 +113,19 @@ def api_fault_point(path: str) -> None:
             return
 
 
+def load_fault_point(path: str) -> None:
+    """Block the weight load while the trigger file says ``mode=load_hang`` for this rank
+    (polling every 50 ms)."""
+    fault = _read_fault(path)
+    if fault is None or fault.get("mode") != "load_hang" or not _selected(fault):
+        return
+    while True:
+        time.sleep(_POLL_S)
+        now = _read_fault(path)
+        if now is None or now.get("mode") != "load_hang" or not _selected(now):
+            return
+
+
 def _wrap_api_completions(path: str) -> None:
     """Wrap ``OpenAIServingCompletion.create_completion`` (looked up on the class at each request),
     in the API server only: the process vLLM has not retitled (``VLLM::EngineCore`` and
@@ -164,7 +182,8 @@ def _wrap_engine_steps(path: str) -> None:
 
 
 def register() -> None:
-    """The plugin's entry point: wrap the Llama forward when a fault file is configured."""
+    """The plugin's entry point: wrap the Llama forward and weight load, the EngineCore's step and
+    the API server's completion handler when a fault file is configured."""
     path = os.environ.get(FAULT_FILE_ENV)
     if not path:
         return
@@ -175,6 +194,15 @@ def register() -> None:
     cls: Any = llama.LlamaForCausalLM
     if getattr(cls.forward, "_servewatch_fault", False):
         return
+    load = cls.load_weights
+
+    @functools.wraps(load)
+    def load_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+        load_fault_point(path)
+        return load(self, *args, **kwargs)
+
+    load_weights._servewatch_fault = True  # type: ignore[attr-defined]
+    cls.load_weights = load_weights
     inner = cls.forward
 
     @functools.wraps(inner)

@@ -490,9 +490,10 @@ def test_an_engine_core_in_its_own_code_is_no_culprit_without_a_busy_server_or_w
     # a rank without a stack: not known to idle
     blind = verdict_mod.replace(workers[1], frame_class=FrameClass.UNKNOWN, frame="")
     assert decide([workers[0], blind, engine], trigger="stall").kind != "coordinator"
-    # a frontend stuck in its own code is no coordinator
+    # a frontend stuck in its own code is no coordinator: at a stall with every rank idle, the frontend is named
     api = verdict_mod.replace(engine, role=verdict_mod.Role.FRONTEND, title="VLLM::APIServer")
-    assert decide([*workers, api], trigger="stall").kind == "unknown"
+    named = decide([*workers, api], trigger="stall")
+    assert (named.kind, named.rule, named.culprit_roles) == ("frontend", "frontend_blocked", ("frontend",)), named
 
 
 def test_hard_mode_treats_a_stuck_engine_core_as_any_culprit() -> None:

@@ -100,3 +100,71 @@ def test_an_untitled_frontend_is_told_and_named_by_its_command_never_its_argumen
     assert command_words(sglang) == "python3 -m sglang.launch_server" and frontend_command(sglang)
     assert command_words(["python", "/srv/app.py", "--token", "t"]) == "python app.py"
     assert not frontend_command(["python", "/srv/app.py"]) and not frontend_command(["python", "-m", "sglang_router"])
+
+
+def test_a_stuck_detokenizer_at_a_stall_while_every_scheduler_idles_is_named() -> None:
+    """The real SGLang shape (tests/real/test_sglang_real.py): the detokenizer stuck in its decode, the
+    schedulers done with their work and polling for more, requests open with no answer: the stall
+    names the detokenizer, never a scheduler; the same evidence at a manual dump blames nobody."""
+    idle = [_rank(0, 50, FrameClass.IDLE, "Scheduler.get_next_batch_to_run (scheduler.py:4015)"),
+            _rank(1, 51, FrameClass.IDLE, "Scheduler.get_next_batch_to_run (scheduler.py:4015)")]
+    v = decide([*idle, _detokenizer(), _api_server()], trigger="stall")
+    assert (v.kind, v.rule, v.culprit_pids, v.culprit_roles, v.confidence, v.hung) == (
+        "frontend", "frontend_blocked", (43,), ("frontend",), "high", True), v
+    assert v.reason == ("the detokenizer pid 43 'sglang::detokenizer' is stuck in DetokenizerManager._decode_incremental "
+                        "(sglang/srt/managers/detokenizer_manager.py:40): requests wait with no progress while every "
+                        "rank idles (waiting for work)")
+    assert v.next_step == "py-spy top --pid 43 (where it is stuck while the ranks idle; its answers never leave)"
+    assert decide([*idle, _detokenizer(), _api_server()], trigger="manual").kind != "frontend"
+    # a scheduler at work (in its forward) at the stall: the rank rules decide
+    busy = _rank(1, 51, FrameClass.COMPUTE, "LlamaForCausalLM.forward (llama.py:9)")
+    assert decide([idle[0], busy, _detokenizer()], trigger="stall").rule != "frontend_blocked"
+
+
+def test_sglangs_scheduler_polling_for_work_on_the_cpu_is_idle_and_in_its_forward_is_not() -> None:
+    """SGLang's scheduler loop receives without blocking (no --sleep-on-idle): py-spy sees an idle
+    scheduler active in recv_requests, get_next_batch_to_run or its stage metrics (SGLang 0.5.23's
+    frames, as dumped from the real server); in a batch run it is at work."""
+    from agent.model.stacks import Frame, ThreadStack, thread_is_idle
+
+    site = "/v/lib/python3.11/site-packages/"
+
+    def frame(name: str, path: str, line: int = 1) -> Frame:
+        return Frame(name=name, filename=site + path, short_filename=path.rsplit("/", 1)[-1], line=line)
+
+    loop = (frame("Scheduler.event_loop_normal", "sglang/srt/managers/scheduler.py", 2039),
+            frame("decorate_context", "torch/utils/_contextlib.py", 124),
+            frame("Scheduler.run_event_loop", "sglang/srt/managers/scheduler.py", 2010))
+    stage = frame("scheduler_stage_method.<locals>.decorator.<locals>.wrapper", "sglang/srt/managers/scheduler_stage_metrics.py", 186)
+    polling = {
+        "recv": (frame("Socket.recv_pyobj", "zmq/sugar/socket.py", 1033),
+                 frame("SchedulerRequestReceiver._pull_raw_reqs", "sglang/srt/managers/scheduler_components/request_receiver.py", 130),
+                 frame("Scheduler.ingest_requests", "sglang/srt/managers/scheduler.py", 2205)),
+        "next batch": (frame("UnifiedRadixCache.session_records", "sglang/srt/mem_cache/unified_radix_cache.py", 3802),
+                       frame("Scheduler.get_next_batch_to_run", "sglang/srt/managers/scheduler.py", 4015), stage),
+        "metrics": (frame("SchedulerStageMetricsRecorder._sample", "sglang/srt/managers/scheduler_stage_metrics.py", 150), stage),
+    }
+    for what, inner in polling.items():
+        thread = ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True, frames=(*inner, *loop))
+        assert thread_is_idle(thread), what
+    working = (frame("fault_point", "servewatch_sglang_faults.py", 80), frame("_call_impl", "torch/nn/modules/module.py", 1775),
+               frame("LlamaForCausalLM.forward", "sglang/srt/models/llama.py", 470),
+               frame("Scheduler.run_batch", "sglang/srt/managers/scheduler.py", 3100))
+    thread = ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True, frames=(*working, *loop))
+    assert not thread_is_idle(thread)
+    assert not thread_is_idle(ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True,
+                                          frames=polling["next batch"][:2]))  # no scheduler loop under it: at work
+    # its watchdog thread between two checks (a --native dump: time.sleep's C function innermost) is idle too
+    native = (Frame(name="clock_nanosleep", filename="libc.so.6", module="libc.so.6"),
+              Frame(name="time_sleep", filename="libpython3.11.so.1.0", module="libpython3.11.so.1.0"))
+    bootstrap = (Frame(name="Thread.run", filename="/usr/lib/python3.11/threading.py", short_filename="threading.py", line=982),)
+    checker = (frame("WatchdogRaw._watchdog_once", "sglang/srt/utils/watchdog.py", 147),
+               frame("WatchdogRaw._watchdog_thread", "sglang/srt/utils/watchdog.py", 127), *bootstrap)
+    watchdog = ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="Thread-1 (_watchdog_thread)", active=False,
+                           frames=(*native, *checker))
+    assert thread_is_idle(watchdog)
+    # without time.sleep innermost (a lock, a wait in its own code), or on the main thread: not idle
+    assert not thread_is_idle(ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="Thread-1", active=False,
+                                          frames=(native[0], *checker)))
+    assert not thread_is_idle(ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=False,
+                                          frames=(*native, *checker)))

@@ -205,6 +205,8 @@ class ManifestVerdict(_Part):
             ``unknown``: ``docs/verdict-rules.md``).
         hung: whether the group is stuck.
         culprit_ranks / culprit_pids: the rank(s) named and their pids (empty when none).
+        culprit_roles: each culprit pid's role (``rank``, ``coordinator``, ``frontend``,
+            ``process``), in ``culprit_pids``' order; empty in a manifest written before it existed.
         reason: one line.
         confidence: ``high``, ``medium`` or ``low``.
         evidence: short facts behind it, one per rank.
@@ -222,6 +224,7 @@ class ManifestVerdict(_Part):
     hung: bool = True
     culprit_ranks: tuple[int, ...] = ()
     culprit_pids: tuple[int, ...] = ()
+    culprit_roles: tuple[str, ...] = ()
     reason: str = ""
     confidence: str = ""
     evidence: tuple[str, ...] = ()

@@ -221,6 +221,7 @@ _VERDICT = (
     ("hung", ("hung",), _bool, True),
     ("culprit_ranks", ("culprit_ranks",), _tuple_of(_int), ()),
     ("culprit_pids", ("culprit_pids",), _tuple_of(_int), ()),
+    ("culprit_roles", ("culprit_roles",), _tuple_of(_str), ()),
     ("reason", ("reason",), _str, ""),
     ("confidence", ("confidence",), _str, ""),
     ("evidence", ("evidence",), _tuple_of(_str), ()),

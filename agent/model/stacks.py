@@ -254,6 +254,30 @@ def _decider(python: Sequence[Frame]) -> Frame | None:
     return None
 
 
+#: A serving framework's scheduler loop that polls for work on the CPU: SGLang's
+#: ``Scheduler.event_loop_normal`` / ``event_loop_overlap`` (``sglang/srt/managers/scheduler.py``,
+#: 0.5.23) receive without blocking unless ``--sleep-on-idle``, so an idle scheduler is on CPU in
+#: ``recv_requests``, ``get_next_batch_to_run`` or its stage metrics. Outside a batch run
+#: (:data:`_POLL_LOOP_WORK`) such a thread waits for work. A scheduler stuck inside its own
+#: scheduling step (not its forward) looks the same in one snapshot.
+_POLL_LOOP_FILE = lazy_pattern(r"sglang/srt/managers/scheduler\.py$")
+_POLL_LOOP_NAME = lazy_pattern(r"^(Scheduler\.)?event_loop_\w+$")
+#: Frames of a batch being run inside the loop: the scheduler has work (its forward, the model).
+_POLL_LOOP_WORK = lazy_pattern(r"(^|\.)(run_batch|process_batch_result\w*|forward\w*)$")
+_MODEL_PATH = lazy_pattern(r"/(model_executor|layers|models)/")
+
+
+def _polls_for_work(python: Sequence[Frame]) -> bool:
+    """The thread is in a scheduler loop that polls for work (:data:`_POLL_LOOP_FILE`) and runs no
+    batch: no frame between the loop and the innermost one is a batch run or the model's code."""
+    for i, frame in enumerate(python):
+        if _POLL_LOOP_NAME.search(frame.name or "") and (
+                _POLL_LOOP_FILE.search(frame.filename) or _POLL_LOOP_FILE.search(frame.short_filename)):
+            inner = python[:i]
+            return not any(_POLL_LOOP_WORK.search(f.name or "") or _MODEL_PATH.search(f.filename) for f in inner)
+    return False
+
+
 _PARK_NAMES = frozenset({"wait", "Event.wait", "Condition.wait", "Semaphore.acquire", "BoundedSemaphore.acquire",
                          "Barrier.wait", "_wait_for_tstate_lock"})
 #: A thread's own frames above a park that still make it a parked helper: its run function, and
@@ -376,6 +400,24 @@ def _is_plumbing(frame: Frame) -> bool:
     return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
 
 
+def _sleeping_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
+    """A helper thread (not the main one) that py-spy sees waiting in ``time.sleep`` (CPython's
+    ``time_sleep``, innermost among its native frames before its first Python frame: a ``--native``
+    dump) with at most :data:`_PARK_MAX_OWN_FRAMES` frames of its own above its bootstrap: a periodic
+    checker between two checks (SGLang's ``WatchdogRaw._watchdog_thread``), not a hang."""
+    if thread.is_main or thread.active or not python:
+        return False
+    sleeping = False
+    for frame in thread.frames:
+        if not frame.native:
+            break
+        sleeping = sleeping or frame.name == "time_sleep"
+    if not sleeping:
+        return False
+    own = [f for f in python if not (f.filename.endswith("/threading.py") and f.name in _BOOTSTRAP_NAMES)]
+    return len(own) <= _PARK_MAX_OWN_FRAMES
+
+
 def _parked_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
     """A helper thread (not the main one) whose whole job is to wait on an ``Event`` or a
     ``Condition``: innermost a ``threading`` park, above it at most :data:`_PARK_MAX_OWN_FRAMES`
@@ -426,10 +468,12 @@ def thread_is_idle(thread: ThreadStack) -> bool:
     Idle means py-spy saw it waiting (not ``active``) and the innermost Python frame outside
     ``threading`` is a work source (a queue, selector, socket, event loop, executor or
     multiprocessing worker, ZeroMQ); or it is a parked helper thread (:func:`_parked_helper`:
-    vLLM's ``signal-callback``, tqdm's monitor); or one of the SDK's own ``servewatch-*`` threads
+    vLLM's ``signal-callback``, tqdm's monitor) or one asleep between two checks
+    (:func:`_sleeping_helper`: SGLang's watchdog thread); or one of the SDK's own ``servewatch-*`` threads
     in the SDK's own code (:func:`_sdk_helper`: waiting for or serving the agent). A framework's message queue (vLLM's
     ``shm_broadcast`` ``MessageQueue.dequeue``, which spins before it sleeps) is a wait for work
-    even while py-spy sees it on CPU. A thread waiting in the program's own code (a collective,
+    even while py-spy sees it on CPU, and so is SGLang's scheduler loop polling for requests outside
+    a batch run (:func:`_polls_for_work`). A thread waiting in the program's own code (a collective,
     a lock, ``Event.wait`` called from a model) is stuck, not idle; any other running thread is
     never idle.
     """
@@ -439,8 +483,8 @@ def thread_is_idle(thread: ThreadStack) -> bool:
     if thread.active:
         first = _decider(python)
         layer = comm_layer(first) if first is not None else None
-        return layer is not None and layer.kind == "message_queue"
-    return _parked_helper(thread, python) or _waits_for_message(python)
+        return (layer is not None and layer.kind == "message_queue") or _polls_for_work(python)
+    return _parked_helper(thread, python) or _sleeping_helper(thread, python) or _waits_for_message(python)
 
 
 def _main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:

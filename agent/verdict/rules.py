@@ -1020,17 +1020,20 @@ def _blocked_words(e: RankEvidence) -> str:
 
 
 @_rule("frontend_blocked", kind="frontend",
-       when="the server's health check failed while every rank and coordinator whose stack was read waits for "
-            "work (idle: none in a collective or its own code, none progressing) and a frontend (the API server, "
-            "the tokenizer) runs its own code",
+       when="the server's health check failed, or it stalled (requests open, no progress), while every rank and "
+            "coordinator whose stack was read waits for work (idle: none in a collective or its own code, none "
+            "progressing) and a frontend (the API server, the tokenizer, the detokenizer) runs its own code",
        concludes="that frontend is the culprit: `the API server's event loop is blocked in apply_hf_chat_template "
                  "(vllm/entrypoints/chat_utils.py:40) (pid 41 'vllm serve'): http://.../health fails while the "
                  "engine core and every rank idle (waiting for work)`: a synchronous call inside an async handler "
-                 "answers no request, /health and /metrics included (vLLM PR #38157)",
-       confidence="high for one frontend whose stuck thread runs its event loop, every rank and coordinator read idle "
-                   "and no progress seen; medium otherwise (several frontends, no event loop on its stack)")
+                 "answers no request, /health and /metrics included (vLLM PR #38157); at a stall: `the detokenizer "
+                 "pid 43 'sglang::detokenizer' is stuck in decode (...): requests wait with no progress while every "
+                 "rank idles (waiting for work)`: the ranks finished their work, its answers never leave (SGLang #26482)",
+       confidence="high for one frontend, every rank and coordinator read idle and no progress seen, whose stuck "
+                  "thread runs its event loop (a health failure) or at a stall; medium otherwise (several frontends, "
+                  "no event loop on its stack)")
 def _frontend_blocked(ev: Evidence) -> Verdict | None:
-    if ev.trigger != Trigger.HEALTH:
+    if ev.trigger not in (Trigger.HEALTH, Trigger.STALL):
         return None
     backend = [e for e in ev.processes if e.role in (Role.RANK, Role.COORDINATOR) and e.alive]
     read = [e for e in backend if e.frame_class is not FrameClass.UNKNOWN]
@@ -1042,9 +1045,14 @@ def _frontend_blocked(ev: Evidence) -> Verdict | None:
     who = "the engine core and every rank" if any(e.role is Role.COORDINATOR for e in read) else "every rank"
     if not any(e.is_rank for e in read):
         who = "the engine core"
-    reason = "; ".join(_blocked_words(e) for e in stuck) + (
-        f": {ev.health_url or '/health'} fails while {who} idle (waiting for work)")
-    sure = len(stuck) == 1 and stuck[0].event_loop and len(read) == len(backend) and ev.server_progress is not True
+    if ev.trigger == Trigger.STALL:
+        verb = "idle" if " and " in who else "idles"
+        reason = "; ".join(_blocked_words(e) for e in stuck) + f": requests wait with no progress while {who} {verb} (waiting for work)"
+    else:
+        reason = "; ".join(_blocked_words(e) for e in stuck) + (
+            f": {ev.health_url or '/health'} fails while {who} idle (waiting for work)")
+    sure = (len(stuck) == 1 and (stuck[0].event_loop or ev.trigger == Trigger.STALL) and len(read) == len(backend)
+            and ev.server_progress is not True)
     return _verdict(ev, "frontend", stuck, reason, "high" if sure else "medium")
 
 
@@ -1686,13 +1694,16 @@ def _next_coordinator(v: Verdict, ev: Evidence | None) -> str:
 
 
 @_next("frontend", "`py-spy dump --pid <frontend pid>`: the synchronous call its event loop runs (vLLM PR #38157 "
-       "moves chat-template rendering off it); a spinning detokenizer: `py-spy top --pid <pid>` (where it spins)")
+       "moves chat-template rendering off it); a spinning or stuck detokenizer: `py-spy top --pid <pid>` (where it "
+       "spins)")
 def _next_frontend(v: Verdict, ev: Evidence | None) -> str:
     pid = v.culprit_pids[0] if v.culprit_pids else None
     if pid is None:
         return _fresh_stacks(v, ev)
     if " spins in " in v.reason:
         return f"{_sudo(v)}py-spy top --pid {pid} (where it spins while the ranks generate; its answers never leave)"
+    if "'s event loop is blocked in " not in v.reason:
+        return f"{_sudo(v)}py-spy top --pid {pid} (where it is stuck while the ranks idle; its answers never leave)"
     return (f"{_sudo(v)}py-spy dump --pid {pid} (the synchronous call that holds its event loop: run it off the loop, "
             "as vLLM PR #38157 does for chat templates)")
 

@@ -175,10 +175,14 @@ def _add_shim(site: Path) -> None:
 
 
 def _add_hook(site: Path) -> None:
-    """Copy the fault hook module (atomically)."""
+    """Copy the fault hook module (atomically) and its ``.pth`` (arms the detokenizer's fault in
+    every interpreter of the venv that has the fault file's variable)."""
     tmp = site / f".{HOOK_MODULE}.py.tmp"
     shutil.copyfile(SUPPORT_DIR / f"{HOOK_MODULE}.py", tmp)
     os.replace(tmp, site / f"{HOOK_MODULE}.py")
+    tmp = site / f".{HOOK_MODULE}.pth.tmp"
+    tmp.write_text(f"import {HOOK_MODULE}; {HOOK_MODULE}.arm()\n", encoding="utf-8")
+    os.replace(tmp, site / f"{HOOK_MODULE}.pth")
 
 
 def refresh_hook(inst: SglangInstall) -> None:

@@ -126,6 +126,8 @@ class SglangServer:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             TMPDIR=str(workdir / "tmp"),
+            # the fault file for the detokenizer (the fault module's .pth arms it; see detokenizer_spin)
+            REALSGLANG_FAULT_FILE=str(workdir / "fault"),
         )
         if tp > 1:  # one core per rank, else SGLang's CPU init asserts tp <= NUMA nodes
             full["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
@@ -301,8 +303,15 @@ class SglangServer:
         tmp.write_text(f"mode=hang\nranks={'all' if ranks is None else ','.join(map(str, ranks))}\n", encoding="utf-8")
         os.replace(tmp, self.fault_file)
 
+    def spin_detokenizer(self) -> None:
+        """Make the detokenizer's next incremental decode spin on the CPU until :meth:`clear_fault`
+        (the fault module's ``detokenizer_spin``; the schedulers go on generating)."""
+        tmp = self.fault_file.with_suffix(".tmp")
+        tmp.write_text("mode=detokenizer_spin\n", encoding="utf-8")
+        os.replace(tmp, self.fault_file)
+
     def clear_fault(self) -> None:
-        """Remove the trigger: a hung forward returns within 50 ms."""
+        """Remove the trigger: a hung forward returns (or a spinning detokenizer goes on) within 50 ms."""
         self.fault_file.unlink(missing_ok=True)
 
     def sigstop(self, proc: psutil.Process) -> None:

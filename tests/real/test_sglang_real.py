@@ -37,6 +37,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -309,6 +310,50 @@ def test_tp1_servewatch_dumps_the_hung_scheduler_while_sglang_style_pyspy_runs_a
     print(f"3 servewatch dumps ok ({waited} waited for a py-spy run of theirs, {retried} retried after a collision);"
           f" SGLang-style py-spy --native back to back at the same time: {len(ok)}/{len(theirs)} ok, {len(failed)} EPERM;"
           f" its fallback without --native: {sum(r.returncode == 0 for r in fallbacks)}/{len(fallbacks)} ok")
+
+
+@pytest.mark.timeout(600)
+def test_tp1_a_stuck_detokenizer_is_named_while_the_scheduler_idles_and_requests_wait(sglang_tp1: SglangServer,
+                                                                                      tmp_path: Path) -> None:  # fmt: skip
+    """Issue 32 item 1a on the real server (SGLang #26482, #34740): the detokenizer spins in its
+    incremental decode (the fault module's ``detokenizer_spin``). The scheduler finishes each request
+    and polls for more (on the CPU: SGLang's loop does not block), the requests stay open with no
+    answer, no forward step: a stall, and SGLang's ``/health`` (a one-token generation that waits for
+    the detokenizer) fails during it. ``run`` watches with the README's ``--match
+    'sglang::scheduler*'``: the incident dumps the detokenizer anyway and names it, never the idle
+    scheduler (before: "rank 0 stuck in SchedulerStageMetricsRecorder._sample" [medium])."""
+    (scheduler,) = sglang_tp1.schedulers()
+    detokenizer = sglang_tp1.detokenizer()
+    run = Run(tmp_path, ["--root-pid", str(sglang_tp1.pid), "--match", "sglang::scheduler*", "--metrics-url",
+                         f"{sglang_tp1.url}/metrics", "--health-url", f"{sglang_tp1.url}/health"])  # fmt: skip
+    started = time.monotonic()
+    try:
+        run.wait_for("health: 200 OK", "process: watching", timeout_s=120)
+        sglang_tp1.spin_detokenizer()
+        # each request is given up after 10 s and the next sent: requests stay open
+        with sglang_tp1.load(concurrency=2, max_tokens=64, request_timeout_s=10.0):
+            _until(lambda: [m for m in run.manifests() if m.get("verdict")], 120, "an incident with its verdict")
+    finally:
+        sglang_tp1.clear_fault()
+        printed = run.stop()
+    found = run.manifests()
+    assert [m["trigger"] for m in found] == ["stall"], printed
+    v = found[0]["verdict"]
+    print(f"\n{v['headline']}\nnext: {v['next']}\n(in all: {time.monotonic() - started:.1f} s)")
+    assert (v["kind"], v["rule"], v["culprit_pids"], v["culprit_roles"], v["hung"], v["confidence"]) == (
+        "frontend", "frontend_blocked", [detokenizer.pid], ["frontend"], True, "high"), v
+    # named by its framework's own frame (the real decode the fault's spin sits in)
+    assert re.fullmatch(rf"the detokenizer pid {detokenizer.pid} 'sglang::detokenizer' is stuck in "
+                        r"DetokenizerManager\.handle_batch_token_id_out \(detokenizer_manager\.py:\d+\): requests wait "
+                        r"with no progress while every rank idles \(waiting for work\)", v["reason"]), v["reason"]
+    assert any(line.startswith(f"rank 0 pid {scheduler.pid}") and "; idle: " in line for line in v["evidence"]), v["evidence"]
+    dumped = _dumped(found[0])
+    assert dumped.get(detokenizer.pid) == "ok" and dumped.get(scheduler.pid) == "ok", dumped
+    # the fault's spin is innermost in the detokenizer's stacks, the real decode under it
+    (stacks,) = list(run.data.rglob(f"pyspy-{detokenizer.pid}.txt"))
+    assert re.search(r"detokenizer_spin_point .*\n.*_decode_batch_token_id_output .*\n.*DetokenizerManager\.handle_batch_token_id_out",
+                     stacks.read_text(encoding="utf-8")), stacks.read_text(encoding="utf-8")[:2000]
+    assert sglang_tp1.serves(timeout_s=120)  # released: it answers again
 
 
 @pytest.mark.timeout(600)

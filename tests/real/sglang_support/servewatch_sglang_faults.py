@@ -18,6 +18,18 @@ the model's first decoder layer. The hook reads the fault file (``key=value`` li
 No file: the forward runs untouched (one ``stat`` per forward). Copied into the SGLang venv's
 site-packages by ``tests/real/install_sglang.py``.
 
+The detokenizer's side (no forward hook runs there): ``install_sglang.py`` also writes
+``servewatch_sglang_faults.pth``, whose one line calls :func:`arm` in every interpreter of the
+venv. With :data:`FAULT_FILE_ENV` set (the fixture sets it to the same fault file), :func:`arm`
+patches ``DetokenizerManager._decode_batch_token_id_output`` as
+``sglang.srt.managers.detokenizer_manager`` is imported (SGLang starts its detokenizer with
+multiprocessing's ``spawn``: the ``.pth`` runs there too). ``mode=detokenizer_spin``: the
+detokenizer's next incremental decode spins on the CPU (pure-Python work, the file read every
+50 ms) for as long as the file says so, the real event loop and decode above it: the schedulers
+go on generating, no answer leaves, and SGLang's ``/health`` (a one-token generation that waits
+for the detokenizer) turns 503 (SGLang #26482, #34740). Without the variable :func:`arm` does
+nothing.
+
 The CUDA driver's side, where there is no GPU: with :data:`FAKE_DRIVER_ENV` naming the project's
 fake driver (``tests/programs/fake_cuda_driver.py``), the hook factory (called once per scheduler
 while its model loads, where CUDA init would be) loads it and starts it in this scheduler process
@@ -28,12 +40,18 @@ scheduler's pid, a reader thread, a core file per trigger. Its state goes to
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
 import os
+import sys
 import time
 from typing import Any
 
 _POLL_S = 0.05
+#: Env var: the fault file, for the processes no forward hook reaches (the detokenizer).
+FAULT_FILE_ENV = "REALSGLANG_FAULT_FILE"
+#: The module whose detokenizer :func:`arm` patches on import.
+DETOKENIZER_MODULE = "sglang.srt.managers.detokenizer_manager"
 #: Env var: path of the fake CUDA driver to run in each scheduler (unset: none).
 FAKE_DRIVER_ENV = "REALSGLANG_FAKE_CUDA_DRIVER"
 #: Env var: folder for each scheduler's fake-driver state file ``<pid>.json`` (unset: none).
@@ -107,3 +125,84 @@ def make_hook(config: dict[str, Any]) -> Any:
         fault_point(path)
 
     return hook
+
+
+def detokenizer_spin_point(path: str) -> None:
+    """Spin on the CPU while the file says ``mode=detokenizer_spin`` (reading it every 50 ms), at
+    the lowest CPU priority (nice 19) meanwhile: on a 2-core machine a spin at full priority takes
+    a core from the scheduler's two OpenMP threads and slows its forward to a stall, where a
+    serving host has cores to spare. Still runnable all along: py-spy sees it active."""
+    fault = _read_fault(path)
+    if fault is None or fault.get("mode") != "detokenizer_spin":
+        return
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    try:
+        checked = time.monotonic()
+        spins = 0
+        while True:
+            spins += sum(i * i for i in range(200)) & 1  # pure-Python work: a busy decode, not a wait
+            if time.monotonic() - checked >= _POLL_S:
+                checked = time.monotonic()
+                now = _read_fault(path)
+                if now is None or now.get("mode") != "detokenizer_spin":
+                    return
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+        except OSError:  # lowering it back needs CAP_SYS_NICE: it stays nice
+            pass
+
+
+def _patch_detokenizer(module: Any, path: str) -> None:
+    cls: Any = getattr(module, "DetokenizerManager", None)
+    inner = getattr(cls, "_decode_batch_token_id_output", None) if cls is not None else None
+    if inner is None or getattr(inner, "_servewatch_fault", False):
+        return
+
+    def _decode_batch_token_id_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        detokenizer_spin_point(path)
+        return inner(self, *args, **kwargs)
+
+    _decode_batch_token_id_output._servewatch_fault = True  # type: ignore[attr-defined]
+    cls._decode_batch_token_id_output = _decode_batch_token_id_output
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds :data:`DETOKENIZER_MODULE` through the other finders and patches it once executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != DETOKENIZER_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        loader: Any = spec.loader
+        execute = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            _patch_detokenizer(module, self.path)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def arm() -> None:
+    """Called by ``servewatch_sglang_faults.pth`` at every interpreter start of the venv: with
+    :data:`FAULT_FILE_ENV` set, patch the detokenizer when it is imported (at once if it is
+    already); else nothing."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path:
+        return
+    if DETOKENIZER_MODULE in sys.modules:
+        _patch_detokenizer(sys.modules[DETOKENIZER_MODULE], path)
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(path))

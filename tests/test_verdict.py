@@ -592,6 +592,28 @@ def test_parked_helper_threads_and_message_queues_are_idle_not_stuck() -> None:
     assert classify_stack([*threads, deep]) == (FrameClass.COMPUTE, "hook (/app/m.py:1)")
 
 
+def test_a_thread_woken_in_its_queue_wait_reads_active_but_is_idle() -> None:
+    """py-spy reads ``active`` off the OS thread state: a worker woken an instant before the dump to
+    re-check its queue's timeout reads active while its native frames are still the lock wait
+    (seen once in ~40 dumps of tests/programs/titled_target.py's idle workers). Its wait for work
+    is idle; the same native wait under a model's own code is not."""
+    from agent.model.stacks import thread_is_idle
+
+    wait = (_f("0x7fe2182a3f16", "/usr/lib/x86_64-linux-gnu/libc.so.6", native=True),
+            _f("PyThread_acquire_lock_timed", "/usr/lib/libpython3.11.so.1.0", native=True),
+            _f("lock_PyThread_acquire_lock", "/usr/lib/libpython3.11.so.1.0", native=True))
+    queue_get = (_f("Condition.wait", _TH, 331), _f("Queue.get", "/usr/lib/python3.11/queue.py", 180),
+                 _f("worker_idle_loop", "/app/titled_target.py", 34))
+    woken = ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="worker-0", active=True, frames=(*wait, *queue_get))
+    assert thread_is_idle(woken)
+    # without the native wait (a dump without --native, or the thread already running Python): not idle
+    assert not thread_is_idle(ThreadStack(pid=1, thread_id=2, os_thread_id=2, thread_name="worker-0", active=True,
+                                          frames=queue_get))
+    model = (_f("Condition.wait", _TH, 331), _f("Event.wait", _TH, 655), _f("hung_in_fake_allreduce", "/app/m.py", 48))
+    assert not thread_is_idle(ThreadStack(pid=1, thread_id=1, os_thread_id=1, thread_name="MainThread", active=True,
+                                          frames=(*wait, *model)))
+
+
 def test_the_sdks_own_threads_in_the_sdks_code_are_idle_never_stuck() -> None:
     """``servewatch-control`` serving the agent's in-flight read while py-spy looks (the demo's
     dump saw it 'stuck' one run in two), and ``servewatch-presence`` between looks, are the SDK

@@ -400,6 +400,26 @@ def _is_plumbing(frame: Frame) -> bool:
     return frame.filename.startswith("<frozen") or bool(_STDLIB_PATH.search(frame.filename))
 
 
+#: Native functions a thread blocks in (a lock, a condition, a semaphore, a poll, a sleep): seen
+#: innermost before its first Python frame, the thread waits there whatever py-spy's ``active`` flag
+#: says (py-spy reads the flag off the OS thread state; a thread woken an instant before the dump,
+#: about to re-check its queue's timeout, reads active while still in the wait).
+_BLOCKING_NATIVE = lazy_pattern(
+    r"^(PyThread_acquire_lock_timed|pthread_cond_(timed|clock)?wait|sem_(timed|clock)?wait|do_futex_wait|"
+    r"__futex_abstimed_wait\w*|futex_wait\w*|epoll_p?wait|poll|ppoll|select|pselect6?|clock_nanosleep|nanosleep)$")
+
+
+def _blocked_in_native_wait(thread: ThreadStack) -> bool:
+    """One of the thread's native frames before its first Python frame is a blocking wait
+    (:data:`_BLOCKING_NATIVE`; a ``--native`` dump)."""
+    for frame in thread.frames:
+        if not frame.native:
+            return False
+        if _BLOCKING_NATIVE.search(frame.name or ""):
+            return True
+    return False
+
+
 def _sleeping_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
     """A helper thread (not the main one) that py-spy sees waiting in ``time.sleep`` (CPython's
     ``time_sleep``, innermost among its native frames before its first Python frame: a ``--native``
@@ -483,7 +503,10 @@ def thread_is_idle(thread: ThreadStack) -> bool:
     if thread.active:
         first = _decider(python)
         layer = comm_layer(first) if first is not None else None
-        return (layer is not None and layer.kind == "message_queue") or _polls_for_work(python)
+        if (layer is not None and layer.kind == "message_queue") or _polls_for_work(python):
+            return True
+        # woken an instant before the dump, still in its wait for work (a queue's timed get)
+        return _blocked_in_native_wait(thread) and _waits_for_message(python)
     return _parked_helper(thread, python) or _sleeping_helper(thread, python) or _waits_for_message(python)
 
 

@@ -76,7 +76,7 @@ class TargetConfig(BaseModel):
     )
     server_tree: bool = Field(
         True,
-        description="on a health or stall incident, also dump the rest of each watched server's process tree, each with its"
+        description="on a health incident, also dump the rest of each watched server's process tree, each with its"
         " role: its frontend (API server, tokenizer, detokenizer), engine core, DP coordinator and unmatched ranks"
         " (a --match 'sglang::scheduler*' leaves them out; a frontend can be the culprit)",
     )

@@ -318,15 +318,14 @@ class TargetFinder:
     # -- an incident's targets ------------------------------------------------------------------
 
     def server_tree(self, trigger: str, targets: Sequence[Target], urls: Sequence[str] = ()) -> list[Target]:
-        """The rest of the servers of a health or stall incident's ``targets`` (``target.server_tree``;
+        """The rest of the servers of a health incident's ``targets`` (``target.server_tree``;
         :func:`agent.verdict.servers.server_tree`): their frontends, engine cores, coordinators and
-        unmatched ranks, each judged in its role (issue 32 item 1: a detokenizer stuck in its decode
-        fails /health and stalls the requests while the ranks idle), of the server's uids (unless
+        unmatched ranks, each judged in its role (issue 32 item 1), of the server's uids (unless
         ``any_uid``), never past a ``--root-pid``; the processes listening on ``urls``' ports (the
         watched ``/health``, ``/metrics``) count as the server's. ``[]`` for other triggers or
         when turned off. Blocking (``/proc`` reads)."""
         t = self.config
-        if trigger not in (Trigger.HEALTH, Trigger.STALL) or not t.server_tree:
+        if trigger != Trigger.HEALTH or not t.server_tree:
             return []
         uids = None if t.any_uid else server_uids(
             uids=[*t.uids, *(x.uid for x in targets if x.uid is not None)], root_pids=self.root_pids, pids=t.pids)

@@ -124,8 +124,9 @@ async def test_a_hang_on_one_host_is_one_trace_with_every_hosts_evidence(tmp_pat
     if coord is not a:  # node-a detected and reported to the coordinator, which did not ask it again
         assert [x["outcome"] for x in a["actions"] if x["action"] == "fleet.report"] == ["ok"]
         assert f"http://127.0.0.1:{api_ports[0]}" not in peers_seen
-    for m in (a, b, c):
-        [dump] = [x for x in m["actions"] if x["action"] == "pyspy.dump"]
+    for m, server in zip((a, b, c), servers):
+        # each host's scheduler
+        [dump] = [x for x in m["actions"] if x["action"] == "pyspy.dump" and x["pid"] == server.scheduler_pids[0]]
         assert dump["outcome"] == "ok", dump
 
     # one trace at the collector, one incident root per host with its ranks, each host's stacks under it
@@ -147,8 +148,11 @@ async def test_a_hang_on_one_host_is_one_trace_with_every_hosts_evidence(tmp_pat
     for host, root in roots.items():
         assert root.attributes["host.name"] == host
         assert root.attributes["servewatch.target.ranks"] == ("TP0",)
-    dumps = {s.resource["host.name"]: s for s in spans if s.name == "pyspy.dump"}
-    assert all(d.parent_span_id == roots[h].span_id for h, d in dumps.items())
+    assert all(s.parent_span_id == roots[s.resource["host.name"]].span_id for s in spans if s.name == "pyspy.dump")
+    scheduler_of = {host: server.scheduler_pids[0] for host, server in zip(HOSTS, servers)}
+    dumps = {s.resource["host.name"]: s for s in spans
+             if s.name == "pyspy.dump" and s.attributes.get("process.pid") == scheduler_of[s.resource["host.name"]]}
+    assert set(dumps) == set(HOSTS), sorted(dumps)
     assert "_injected_hang_in_forward" in dumps["node-a"].attributes["servewatch.pyspy.hung_frame"]
     assert "_injected_hang_in_forward" not in json.dumps(dumps["node-b"].attributes)
     outcomes = sorted(s.attributes["servewatch.outcome"] for s in spans if s.name == "peer.capture")

@@ -318,24 +318,26 @@ def test_tp1_a_stuck_detokenizer_is_named_while_the_scheduler_idles_and_requests
     """Issue 32 item 1a on the real server (SGLang #26482, #34740): the detokenizer spins in its
     incremental decode (the fault module's ``detokenizer_spin``). The scheduler finishes each request
     and polls for more (on the CPU: SGLang's loop does not block), the requests stay open with no
-    answer, no forward step: a stall, and SGLang's ``/health`` (a one-token generation that waits for
-    the detokenizer) fails during it. ``run`` watches with the README's ``--match
-    'sglang::scheduler*'``: the incident dumps the detokenizer anyway and names it, never the idle
-    scheduler (before: "rank 0 stuck in SchedulerStageMetricsRecorder._sample" [medium])."""
+    answer, no forward step: a stall. ``run --root-pid <launcher>`` watches the whole tree: the stall
+    names the detokenizer, never the idle scheduler (before: "rank 0 stuck in
+    SchedulerStageMetricsRecorder._sample" [medium])."""
     (scheduler,) = sglang_tp1.schedulers()
     detokenizer = sglang_tp1.detokenizer()
-    run = Run(tmp_path, ["--root-pid", str(sglang_tp1.pid), "--match", "sglang::scheduler*", "--metrics-url",
-                         f"{sglang_tp1.url}/metrics", "--health-url", f"{sglang_tp1.url}/health"])  # fmt: skip
+    # no --health-url: SGLang's /health runs a one-token generation, a forward the stall's one
+    # snapshot of the idle scheduler can catch (CI saw it once: "rank 0 stuck in UnquantizedLinearMethod.apply")
+    run = Run(tmp_path, ["--root-pid", str(sglang_tp1.pid), "--metrics-url", f"{sglang_tp1.url}/metrics"])
     started = time.monotonic()
     try:
-        run.wait_for("health: 200 OK", "process: watching", timeout_s=120)
+        run.wait_for("metrics: sglang:cuda_graph_passes_total", "process: watching", timeout_s=120)
         sglang_tp1.spin_detokenizer()
-        # each request is given up after 10 s and the next sent: requests stay open
-        with sglang_tp1.load(concurrency=2, max_tokens=64, request_timeout_s=10.0):
-            _until(lambda: [m for m in run.manifests() if m.get("verdict")], 120, "an incident with its verdict")
+        # two requests the scheduler finishes at once; their answers never leave: they stay open
+        waiting = [_in_background(lambda: sglang_tp1.complete("hello", max_tokens=8, timeout_s=180)) for _ in range(2)]
+        _until(lambda: [m for m in run.manifests() if m.get("verdict")], 120, "an incident with its verdict")
     finally:
         sglang_tp1.clear_fault()
         printed = run.stop()
+    for t in waiting:
+        t.join(timeout=120)
     found = run.manifests()
     assert [m["trigger"] for m in found] == ["stall"], printed
     v = found[0]["verdict"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from agent.model.lazy import lazy_pattern
@@ -409,33 +409,35 @@ _BLOCKING_NATIVE = lazy_pattern(
     r"__futex_abstimed_wait\w*|futex_wait\w*|epoll_p?wait|poll|ppoll|select|pselect6?|clock_nanosleep|nanosleep)$")
 
 
-def _blocked_in_native_wait(thread: ThreadStack) -> bool:
-    """One of the thread's native frames before its first Python frame is a blocking wait
-    (:data:`_BLOCKING_NATIVE`; a ``--native`` dump)."""
+def _native_waits(thread: ThreadStack) -> Iterator[str]:
+    """The names of the thread's native frames before its first Python frame, innermost first (a
+    ``--native`` dump; none without)."""
     for frame in thread.frames:
         if not frame.native:
-            return False
-        if _BLOCKING_NATIVE.search(frame.name or ""):
-            return True
-    return False
+            return
+        yield frame.name or ""
+
+
+def _blocked_in_native_wait(thread: ThreadStack) -> bool:
+    """One of the thread's native frames before its first Python frame is a blocking wait
+    (:data:`_BLOCKING_NATIVE`)."""
+    return any(_BLOCKING_NATIVE.search(name) for name in _native_waits(thread))
+
+
+def _few_own_frames(python: Sequence[Frame]) -> bool:
+    """At most :data:`_PARK_MAX_OWN_FRAMES` of ``python`` are the thread's own (not its bootstrap)."""
+    own = [f for f in python if not (f.filename.endswith("/threading.py") and f.name in _BOOTSTRAP_NAMES)]
+    return len(own) <= _PARK_MAX_OWN_FRAMES
 
 
 def _sleeping_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
     """A helper thread (not the main one) that py-spy sees waiting in ``time.sleep`` (CPython's
-    ``time_sleep``, innermost among its native frames before its first Python frame: a ``--native``
-    dump) with at most :data:`_PARK_MAX_OWN_FRAMES` frames of its own above its bootstrap: a periodic
-    checker between two checks (SGLang's ``WatchdogRaw._watchdog_thread``), not a hang."""
+    ``time_sleep`` among its native frames before its first Python frame: a ``--native`` dump) with
+    at most :data:`_PARK_MAX_OWN_FRAMES` frames of its own above its bootstrap: a periodic checker
+    between two checks (SGLang's ``WatchdogRaw._watchdog_thread``), not a hang."""
     if thread.is_main or thread.active or not python:
         return False
-    sleeping = False
-    for frame in thread.frames:
-        if not frame.native:
-            break
-        sleeping = sleeping or frame.name == "time_sleep"
-    if not sleeping:
-        return False
-    own = [f for f in python if not (f.filename.endswith("/threading.py") and f.name in _BOOTSTRAP_NAMES)]
-    return len(own) <= _PARK_MAX_OWN_FRAMES
+    return "time_sleep" in _native_waits(thread) and _few_own_frames(python)
 
 
 def _parked_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
@@ -449,10 +451,7 @@ def _parked_helper(thread: ThreadStack, python: Sequence[Frame]) -> bool:
     i = 0
     while i < len(python) and python[i].filename.endswith("/threading.py") and python[i].name in _PARK_NAMES:
         i += 1
-    if i == 0:
-        return False
-    own = [f for f in python[i:] if not (f.filename.endswith("/threading.py") and f.name in _BOOTSTRAP_NAMES)]
-    return len(own) <= _PARK_MAX_OWN_FRAMES
+    return i > 0 and _few_own_frames(python[i:])
 
 
 #: A thread the in-process SDK runs for the agent (``servewatch-control``, ``servewatch-presence``,

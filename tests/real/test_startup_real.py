@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from tests.programs.fault_matrix import _watch
 from tests.real.conftest import RealVllm
 from tests.real.server import VllmServer
 
@@ -27,37 +28,17 @@ from tests.real.server import VllmServer
 BUDGET_S = 30.0
 
 
-async def _watch_startup(server: VllmServer, data_dir: Path, statuses: list[str]) -> Any:
+async def _watch_startup(server: VllmServer, wd: Path, statuses: list[str]) -> Any:
     """The real agent on ``server`` from its start (``VLLM::*`` under its API server's pid, its
-    ``/health`` and ``/metrics``, the start-up budget :data:`BUDGET_S`); its first incident."""
-    from agent.runtime.agent import Agent
-    from agent.runtime.settings import load_settings
-    from exporters.otlp.provider import build_telemetry
-
-    settings = load_settings({
-        "data_dir": data_dir, "host_name": "real", "target": {"match": ["VLLM::*"], "root_pid": server.pid},
+    ``/health`` and ``/metrics``, the start-up budget :data:`BUDGET_S`): its start-up stall
+    (the fault matrix's in-process harness)."""
+    return await _watch({
+        "target": {"match": ["VLLM::*"], "root_pid": server.pid},
         "health": {"url": f"{server.url}/health", "interval_s": 1.0, "timeout_s": 3.0},
         "metrics": {"url": f"{server.url}/metrics", "metrics_preset": "vllm", "scrape_timeout_s": 2.0},
-        "startup": {"budget_s": BUDGET_S}, "coredump": {"enabled": False},
-    })
-    records: list[Any] = []
-    got = anyio.Event()
-
-    def on_incident(record: Any) -> None:
-        records.append(record)
-        got.set()
-
-    telemetry = build_telemetry(settings.export, data_dir=settings.data_dir, host_name=settings.host_name)
-    agent = Agent(settings, telemetry=telemetry, on_incident=on_incident,
-                  on_status=lambda st: statuses.append(f"{st.name}: {st.state} {st.reason}"))
-    with anyio.fail_after(300):
-        async with anyio.create_task_group() as tg:
-            await tg.start(agent.run)
-            await got.wait()
-            agent.stop()
-            tg.cancel_scope.cancel()
-    await telemetry.aclose(3.0)
-    return records[0]
+        "startup": {"budget_s": BUDGET_S},
+    }, wd, wait_trigger="startup_stall", deadline_s=300.0,
+        on_status=lambda st: statuses.append(f"{st.name}: {st.state} {st.reason}"))
 
 
 def test_a_worker_hung_in_its_weight_load_is_a_startup_stall_naming_it(real_vllm: RealVllm, tmp_path: Path) -> None:
@@ -65,7 +46,7 @@ def test_a_worker_hung_in_its_weight_load_is_a_startup_stall_naming_it(real_vllm
     server = real_vllm.dedicated(tp=1, fault={"mode": "load_hang"}, wait=False)
     statuses: list[str] = []
     try:
-        record = anyio.run(_watch_startup, server, tmp_path / "data", statuses)
+        record = anyio.run(_watch_startup, server, tmp_path, statuses)
     finally:
         server.clear_fault()
     v = record.verdict.to_json()

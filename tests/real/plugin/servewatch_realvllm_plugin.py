@@ -166,19 +166,8 @@ def _wrap_engine_steps(path: str) -> None:
     cls: Any = core.EngineCore
     for name in ("step", "step_with_batch_queue"):
         inner = getattr(cls, name, None)
-        if inner is None or getattr(inner, "_servewatch_fault", False):
-            continue
-
-        def make(inner: Any) -> Any:
-            @functools.wraps(inner)
-            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-                engine_fault_point(path)
-                return inner(self, *args, **kwargs)
-
-            step._servewatch_fault = True  # type: ignore[attr-defined]
-            return step
-
-        setattr(cls, name, make(inner))
+        if inner is not None and not getattr(inner, "_servewatch_fault", False):
+            setattr(cls, name, _before(inner, engine_fault_point, path))
 
 
 def register() -> None:
@@ -192,23 +181,19 @@ def register() -> None:
     from vllm.model_executor.models import llama
 
     cls: Any = llama.LlamaForCausalLM
-    if getattr(cls.forward, "_servewatch_fault", False):
-        return
-    load = cls.load_weights
+    for name, point in (("forward", fault_point), ("load_weights", load_fault_point)):
+        inner = getattr(cls, name)
+        if not getattr(inner, "_servewatch_fault", False):
+            setattr(cls, name, _before(inner, point, path))
 
-    @functools.wraps(load)
-    def load_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
-        load_fault_point(path)
-        return load(self, *args, **kwargs)
 
-    load_weights._servewatch_fault = True  # type: ignore[attr-defined]
-    cls.load_weights = load_weights
-    inner = cls.forward
+def _before(inner: Any, point: Any, path: str) -> Any:
+    """``inner`` (a method) wrapped to call ``point(path)`` first."""
 
     @functools.wraps(inner)
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        fault_point(path)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        point(path)
         return inner(self, *args, **kwargs)
 
-    forward._servewatch_fault = True  # type: ignore[attr-defined]
-    cls.forward = forward
+    wrapped._servewatch_fault = True  # type: ignore[attr-defined]
+    return wrapped

@@ -56,3 +56,20 @@ def test_a_parent_that_exits_while_it_is_read_ends_the_walk_not_the_answer(spawn
     monkeypatch.setattr(psutil.Process, "cmdline", cmdline)
     folder, why = vllm_trace_dir(url)
     assert folder is None and f"pid {child} 'VLLM::APIServer_0' is retitled (setproctitle)" in why, why
+
+
+def test_a_parent_caught_exiting_is_not_named_retitled(spawn, tmp_path: Path, monkeypatch) -> None:
+    """CI: ``--orphan``'s launcher was read while it exited, its memory (so its command line)
+    already released but not yet a zombie: ``cmdline()`` read ``[]`` and the answer named it
+    "pid N '' is retitled" beside the real retitled API server."""
+    url, child, launcher = _start(spawn)
+    real_cmdline = psutil.Process.cmdline
+
+    def cmdline(self: psutil.Process) -> list[str]:
+        return [] if self.pid == launcher.pid else real_cmdline(self)
+
+    monkeypatch.setattr(psutil.Process, "cmdline", cmdline)
+    folder, why = vllm_trace_dir(url)
+    assert folder is None
+    assert why.startswith(f"pid {child} 'VLLM::APIServer_0' is retitled (setproctitle):"), why
+    assert f"pid {launcher.pid}" not in why, why

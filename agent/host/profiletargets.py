@@ -212,6 +212,8 @@ def _launch_dir(proc: Any, retitled: list[str]) -> tuple[str | None, Any]:
             if depth == 0:
                 raise
             break
+        if depth and not any(argv):  # a parent exiting now (its memory, so its command line, already gone)
+            break
         raw = _profiler_dir_arg(argv)
         if raw is None:
             with contextlib.suppress(psutil.Error, OSError):

@@ -149,12 +149,27 @@ async def test_a_stalled_server_ends_the_incident_profile_at_once(tmp_path: Path
     with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
-            await wait_until(lambda: records, timeout_s=60)
+            try:
+                await wait_until(lambda: records, timeout_s=60)
+            except TimeoutError:  # CI saw this once in a full run (9/9 alone): say what the agent had
+                server_state = await anyio.to_thread.run_sync(server.control)
+                pytest.fail(f"no incident record in 60 s; server {server_state}; data dir:\n{_files(tmp_path)}")
             agent.stop()
     [record] = records
     assert record.opened.trigger == "stall"
     prof = next(r for r in record.results if r.action == "profile.session")
     assert prof.outcome is Outcome.SKIPPED and prof.detail == "no steps: server stalled"
+
+
+def _files(folder: Path) -> str:
+    """Every file under ``folder`` with its size, and the text of the small JSON ones (a failing
+    test's account of what the agent wrote)."""
+    lines = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        size = path.stat().st_size
+        text = path.read_text(errors="replace")[:2000] if path.suffix == ".json" and size < 20000 else ""
+        lines.append(f"{path.relative_to(folder)} ({size} B) {text}")
+    return "\n".join(lines)
 
 
 # --- exit rules ---------------------------------------------------------------------------------

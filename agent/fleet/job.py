@@ -142,6 +142,7 @@ from agent.model.events import (
     frozen_attrs,
     now_ns,
 )
+from agent.model.manifest_view import JOB_VERDICT_NAME
 from agent.model.ranks import distinct_env_ranks, rank_label, world_ranks
 
 __all__ = ["FOLDED_SPAN", "JOB_VERDICT_FILE", "MAX_PEER_SPANS", "Fleet", "JobIncident"]
@@ -156,8 +157,8 @@ MAX_LISTED = 200
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 #: Most per-peer ``peer.capture`` spans one fan-out emits (the rest are in ``fanout.json``).
 MAX_PEER_SPANS = 16
-#: The coordinator's job verdict, in its bundle.
-JOB_VERDICT_FILE = "job-verdict.json"
+#: The coordinator's job verdict, in its bundle (read back by ``timeline`` and ``report``).
+JOB_VERDICT_FILE = JOB_VERDICT_NAME
 #: Every peer's outcome of a fan-out, in the coordinator's bundle.
 FANOUT_FILE = "fanout.json"
 #: Trace ids of closed job incidents remembered (a repeated key gets a fresh trace).

@@ -38,6 +38,7 @@ from typing import Any
 from agent.model.kinds import Action, IncidentState
 
 __all__ = [
+    "JOB_VERDICT_NAME",
     "KNOWN_SCHEMAS",
     "MANIFEST_NAME",
     "SCHEMA_V1",
@@ -54,6 +55,11 @@ __all__ = [
 
 #: File name of the manifest inside a bundle (``<data_dir>/<host>/<incident_id>/manifest.json``).
 MANIFEST_NAME = "manifest.json"
+#: File name of a job's verdict in the bundle of the host that coordinated it (written by
+#: :mod:`agent.fleet.job`, read by the offline views): one JSON object, the job's verdict under
+#: ``"verdict"`` (``headline``, ``culprit_ranks``, ``culprit_hosts``, ``evidence``, ``next`` ...)
+#: beside ``coordinator``, ``hosts_expected``, ``hosts_with_evidence`` and each host's ``bundles``.
+JOB_VERDICT_NAME = "job-verdict.json"
 
 #: Version 1: the manifest as written since the first release (fields added with defaults since).
 SCHEMA_V1 = "servewatch.incident/1"

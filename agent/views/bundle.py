@@ -46,7 +46,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from agent.errors import BundleCorruptError, BundleError, BundleNotFoundError, ManifestError
 from agent.host.security import access_denied, is_within
 from agent.model.kinds import Action, IncidentState, Trigger
-from agent.model.manifest_view import MANIFEST_NAME, ManifestView, view_of_json, view_of_model
+from agent.model.manifest_view import (
+    JOB_VERDICT_NAME,
+    MANIFEST_NAME,
+    ManifestView,
+    view_of_json,
+    view_of_model,
+)
 from agent.model.stacks import Frame, ThreadStack, hung_location, parse_threads
 from exporters.otlp.otlp_json import TornLines, iter_span_files, read_span_file
 
@@ -70,9 +76,11 @@ __all__ = [
     "ThreadStack",
     "find_bundle",
     "format_size",
+    "job_verdict_title",
     "load_incident",
     "load_incident_arg",
     "newer_manual_dumps",
+    "read_job_verdict",
     "read_manifest",
     "timeline_to_dict",
     "verdict_headline",
@@ -360,6 +368,9 @@ class IncidentTimeline:
     verdict: dict[str, Any] | None = None
     #: the server's history before the incident (the manifest's ``history``), oldest first
     history: tuple[HistoryRow, ...] = ()
+    #: the job's verdict where this host coordinated a job incident (:func:`read_job_verdict`),
+    #: or ``None``
+    job_verdict: dict[str, Any] | None = None
 
     @property
     def extent_s(self) -> float:
@@ -698,6 +709,38 @@ def _stacks_for(
     )
 
 
+def read_job_verdict(bundle_dir: Path, warnings: list[str]) -> dict[str, Any] | None:
+    """The job verdict in ``bundle_dir`` (``job-verdict.json``, :data:`JOB_VERDICT_NAME`: only the
+    bundle of the host that coordinated the job incident has one), as the views show it: the
+    verdict's own fields (``headline``, ``hung``, ``culprit_ranks``, ``culprit_hosts``, ``evidence``
+    (at most 16 lines), ``next``, ``missing_hosts``) plus ``coordinator``, ``hosts_expected`` and
+    ``hosts_with_evidence``. ``None`` when there is none; an unreadable or malformed file adds one
+    line to ``warnings`` and is ``None``."""
+    path = bundle_dir / JOB_VERDICT_NAME
+    if not path.is_file() or not _inside(path, bundle_dir):
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        warnings.append(f"{path}: unreadable ({type(exc).__name__})")
+        return None
+    verdict = doc.get("verdict") if isinstance(doc, dict) else None
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("headline"), str):
+        warnings.append(f"{path}: no job verdict with a headline in it")
+        return None
+    evidence = verdict.get("evidence")
+    step = verdict.get("next")
+    return {
+        **verdict,
+        "evidence": [str(line) for line in evidence[:16]] if isinstance(evidence, list) else [],
+        "next": step if isinstance(step, str) else "",
+        "hung": verdict.get("hung") is not False,
+        "coordinator": str(doc.get("coordinator") or ""),
+        "hosts_expected": _as_int(doc.get("hosts_expected")),
+        "hosts_with_evidence": _as_int(doc.get("hosts_with_evidence")),
+    }
+
+
 def _requests_from_file(bundle_dir: Path, warnings: list[str]) -> tuple[RequestRow, ...] | None:
     path = bundle_dir / REQUESTS_NAME
     if not path.is_file() or not _inside(path, bundle_dir):
@@ -1009,6 +1052,7 @@ def load_incident(
     still_open = m.state is IncidentState.OPEN
     closed_ns = m.closed_time_unix_nano or (m.updated_time_unix_nano if still_open else None) or opened_ns
     duration_s = m.duration_s if not still_open else None
+    job_verdict = read_job_verdict(bundle_dir, warnings)
 
     return IncidentTimeline(
         bundle_dir=str(bundle_dir),
@@ -1038,6 +1082,7 @@ def load_incident(
         phases_pending=tuple(str(p) for p in m.phases_pending),
         interrupted_reason=m.interrupted_reason,
         verdict=_verdict_view(m.verdict) if m.verdict is not None else None,
+        job_verdict=job_verdict,
         history=tuple(
             HistoryRow(time_unix_nano=p.time_unix_nano, offset_s=(p.time_unix_nano - opened_ns) / 1e9, kind=p.kind,
                        pid=p.pid, forward_ct=p.forward_ct, detail=p.detail)
@@ -1117,6 +1162,13 @@ def format_size(size_bytes: int | None) -> str:
             return f"{size_bytes} B" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     return f"{size_bytes} B"
+
+
+def job_verdict_title(job: dict[str, Any]) -> str:
+    """``job verdict · coordinated by node-a · evidence from 2 of 3 hosts`` (:func:`agent.views.bundle.read_job_verdict`'s view)."""
+    have, expected = job.get("hosts_with_evidence"), job.get("hosts_expected")
+    hosts = f" · evidence from {have} of {expected} hosts" if have is not None and expected is not None else ""
+    return f"job verdict · coordinated by {job.get('coordinator') or 'this host'}{hosts}"
 
 
 def verdict_headline(verdict: dict[str, Any]) -> str:

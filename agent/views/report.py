@@ -43,6 +43,7 @@ from agent.views.bundle import (
     ProcessStacks,
     SpanRow,
     format_size,
+    job_verdict_title,
     verdict_headline,
 )
 
@@ -85,11 +86,11 @@ dl.summary { display: grid; grid-template-columns: max-content 1fr max-content 1
              background: var(--panel); padding: 8px 14px; border-radius: 6px; font-size: 13px; }
 dl.summary dt { font-weight: 600; color: var(--muted); } dl.summary dd { margin: 0; word-break: break-all; }
 dl.summary dd.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
-#verdict { border-left: 6px solid var(--bad); background: #fdecea; padding: 6px 14px 8px; border-radius: 6px; }
-#verdict.not-hung { border-left-color: var(--ok); background: #e8f5e9; }
-#verdict h2 { border: 0; margin: 4px 0; } #verdict p { margin: 4px 0; font-size: 15px; }
-#verdict-next code { white-space: pre-wrap; word-break: break-word; }
-#verdict ul.evidence { margin: 4px 0; padding-left: 20px; font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
+#verdict, #job-verdict { border-left: 6px solid var(--bad); background: #fdecea; padding: 6px 14px 8px; border-radius: 6px; }
+#verdict.not-hung, #job-verdict.not-hung { border-left-color: var(--ok); background: #e8f5e9; }
+#verdict h2, #job-verdict h2 { border: 0; margin: 4px 0; } #verdict p, #job-verdict p { margin: 4px 0; font-size: 15px; }
+#verdict-next code, #job-verdict-next code { white-space: pre-wrap; word-break: break-word; }
+#verdict ul, #job-verdict ul { margin: 4px 0; padding-left: 20px; font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
 #ranks h2 { margin-top: 14px; } tr.culprit td { background: #fdecea; } .badge.culprit { background: var(--bad); color: #fff; }
 code.hung-frame { background: #fff3cd; padding: 1px 4px; border-radius: 3px; }
 td.dim, code.dim, tr.dim td { color: var(--muted); }
@@ -402,6 +403,12 @@ def _view(tl: IncidentTimeline, generated_time_unix_nano: int | None) -> dict[st
         step = tl.verdict.get("next")
         verdict = {"headline": verdict_headline(tl.verdict), "evidence": list(tl.verdict.get("evidence") or [])[:16],
                    "hung": tl.verdict.get("hung", True), "next": step if isinstance(step, str) else ""}
+    job = tl.job_verdict
+    job_view = None if job is None else {
+        "title": job_verdict_title(job), "headline": job["headline"], "next": job["next"], "hung": job["hung"],
+        "evidence": job["evidence"],
+        "missing": [f"{m.get('host')}: {m.get('why')}" for m in (job.get("missing_hosts") or [])[:8] if isinstance(m, dict)],
+    }
     summary = [
         ("Detail", tl.detail, "detail"),
         ("Host", tl.host_name or "?", ""),
@@ -419,7 +426,7 @@ def _view(tl: IncidentTimeline, generated_time_unix_nano: int | None) -> dict[st
     if generated_time_unix_nano is not None:
         footer += f" at {_iso(generated_time_unix_nano)}"
     return {
-        "tl": tl, "csp": CSP, "style": _STYLE, "verdict": verdict, "ranks": _ranks(tl), "summary": summary,
+        "tl": tl, "csp": CSP, "style": _STYLE, "verdict": verdict, "job_verdict": job_view, "ranks": _ranks(tl), "summary": summary,
         "trigger_css": "trigger manual" if tl.trigger == Trigger.MANUAL else "trigger",
         "server": _server_timeline(tl), "has_history": bool(tl.history),
         "capture": _chart(bars, tl.extent_s, svg_id="timeline-svg", label="actions by start offset from incident open",

@@ -37,6 +37,7 @@ from agent.views.bundle import (
     IncidentTimeline,
     ProcessStacks,
     format_size,
+    job_verdict_title,
     timeline_to_dict,
     verdict_headline,
 )
@@ -138,6 +139,17 @@ def _verdict_panel(verdict: dict[str, Any]) -> Panel:
     lines += [_Hanging(str(line), indent=2) for line in (verdict.get("evidence") or [])[:16]]
     return Panel(Group(*lines), title=Text("verdict"), title_align="left",
                  border_style="red" if verdict.get("hung", True) else "green")
+
+
+def _job_verdict_panel(job: dict[str, Any]) -> Panel:
+    """The job's verdict (this host coordinated it): headline, ``next:``, the hosts not heard
+    from, then its evidence; shown before this host's own verdict (the job's is the whole story)."""
+    lines = _verdict_lines({**job, "culprit_ranks": job.get("culprit_ranks") or []})
+    lines += [_Hanging(f"no evidence from {m.get('host')}: {m.get('why')}", indent=2, style="yellow")
+              for m in (job.get("missing_hosts") or [])[:8] if isinstance(m, dict)]
+    lines += [_Hanging(str(line), indent=2) for line in (job.get("evidence") or [])[:16]]
+    return Panel(Group(*lines), title=Text(job_verdict_title(job)), title_align="left",
+                 border_style="red" if job.get("hung", True) else "green")
 
 
 def _local(ns: int) -> str:
@@ -263,6 +275,8 @@ def _closing_panel(tl: IncidentTimeline) -> Panel:
     verdict = tl.verdict or {}
     culprits = {int(p) for p in verdict.get("culprit_pids") or () if isinstance(p, int)}
     headline = _verdict_lines(verdict) if verdict else [_Hanging("no verdict recorded", style="dim")]
+    if tl.job_verdict:  # the job's verdict above this host's: the screen ends on the whole story
+        headline = [*_verdict_lines(tl.job_verdict), *headline]
     frames = Table.grid(padding=(0, 1))
     frames.add_column(no_wrap=True)
     frames.add_column(overflow="fold")  # a long frame wraps in its own column, under itself
@@ -367,7 +381,8 @@ def _spans_table(tl: IncidentTimeline, limit: int) -> Table:
 
 
 def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 40) -> None:
-    """Print the incident as a timeline, readable at 80 columns: the verdict and its evidence,
+    """Print the incident as a timeline, readable at 80 columns: the job's verdict where this host
+    coordinated one, the verdict and its evidence,
     the header (trigger, when in UTC and local time, bundle), then per process its hung frame
     and the actions run on it (details wrapped at word boundaries under each action), coredumps,
     profiles, in-flight requests, artifacts, trace spans (when any) and warnings; last, the
@@ -382,6 +397,8 @@ def render_timeline(tl: IncidentTimeline, console: Console, *, max_spans: int = 
     """
     tl = sanitize(tl)  # a target's title, frames or request ids never carry escapes to a terminal
     parts: list[Any] = []
+    if tl.job_verdict:
+        parts.append(_job_verdict_panel(tl.job_verdict))  # the job's first: it saw every host
     if tl.verdict:
         parts.append(_verdict_panel(tl.verdict))  # the verdict first: who is to blame
     parts += [_header(tl), _processes(tl)]

@@ -576,3 +576,35 @@ def test_piped_timeline_wraps_the_verdict_at_80_columns_never_cuts_it(bundle: Bu
     # the Text-level API wraps the same way
     flat_api = " ".join(render_timeline_text(load_incident(data_dir, INCIDENT_ID), width=80).replace("│", " ").split())
     assert " ".join(headline.split()) in flat_api
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    ("{not json", "unreadable (JSONDecodeError)"),
+    (json.dumps({"coordinator": "node-a", "verdict": {"reason": "no headline"}}), "no job verdict with a headline in it"),
+    (json.dumps(["a", "list"]), "no job verdict with a headline in it"),
+])
+def test_a_broken_job_verdict_file_is_a_warning_and_the_bundle_still_reads(tmp_path: Path, content: str, why: str) -> None:
+    bundle_dir = _minimal(tmp_path, "20261206T000000Z-manual-aaaaaa", 10**18)
+    (bundle_dir / "job-verdict.json").write_text(content)
+    got = load_incident(bundle_dir, span_paths=[])
+    assert got.job_verdict is None
+    assert got.warnings == (f"{bundle_dir / 'job-verdict.json'}: {why}",)
+    assert "job verdict ·" not in render_timeline_text(got, width=200)
+
+
+def test_a_job_verdict_file_is_shown_first_with_the_hosts_not_heard_from(tmp_path: Path) -> None:
+    bundle_dir = _minimal(tmp_path, "20261206T000000Z-stall-bbbbbb", 10**18)
+    verdict = {"kind": "collective", "hung": True, "culprit_ranks": [2], "culprit_hosts": ["node-c"],
+               "headline": "Job verdict: culprit rank 2 on node-c -- behind [confidence high]", "next": "py-spy dump on node-c",
+               "missing_hosts": [{"host": "node-d", "ranks": [3], "why": "agent unreachable (timed out)"}],
+               "evidence": [f"line {i}" for i in range(20)]}
+    (bundle_dir / "job-verdict.json").write_text(json.dumps(
+        {"coordinator": "node-a", "hosts_expected": 4, "hosts_with_evidence": 3, "verdict": verdict}))
+    got = load_incident(bundle_dir, span_paths=[])
+    assert got.warnings == () and got.job_verdict is not None
+    assert got.job_verdict["evidence"] == [f"line {i}" for i in range(16)]  # bounded as the local verdict's
+    text = render_timeline_text(got, width=200)
+    assert text.index("job verdict · coordinated by node-a · evidence from 3 of 4 hosts") < text.index(verdict["headline"])
+    assert "no evidence from node-d: agent unreachable (timed out)" in text and "next: py-spy dump on node-c" in text
+    assert "line 15" in text and "line 16" not in text
+    assert timeline_to_dict(got)["job_verdict"]["culprit_hosts"] == ["node-c"]

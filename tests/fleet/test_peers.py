@@ -21,6 +21,9 @@ import pytest
 from agent.incidents.manager import IncidentRecord
 from agent.model.events import WatchdogStalled
 from agent.runtime.agent import Agent
+from agent.views.bundle import load_incident
+from agent.views.report import render_report_html
+from agent.views.timeline import render_timeline_text
 from tests.fleet._fleet import free_ports, running_agent, settings_for, token_file
 from tests.otlp_receiver import OtlpReceiver, otlp_receiver_fixture
 
@@ -122,6 +125,18 @@ async def test_a_detection_on_one_host_is_captured_by_every_host_in_one_trace_un
     verdict_doc = json.loads((ra.bundle_dir / "job-verdict.json").read_text())
     assert verdict_doc["hosts_with_evidence"] == 3 and verdict_doc["verdict"]["captured_ranks"] == [0, 1, 2]
     assert set(verdict_doc["bundles"]) == set(HOSTS)
+    # read where the paged engineer reads it: `servewatch timeline` and `report` of the coordinator's bundle
+    tl = load_incident(ra.bundle_dir)
+    assert tl.job_verdict is not None and tl.job_verdict["headline"] == verdict_doc["verdict"]["headline"], tl.warnings
+    assert tl.job_verdict["coordinator"] == "node-a" and tl.job_verdict["hosts_with_evidence"] == 3
+    text = render_timeline_text(tl, width=200)
+    title = "job verdict · coordinated by node-a · evidence from 3 of 3 hosts"
+    assert text.index(title) < text.index(verdict_doc["verdict"]["headline"]) < text.index("Verdict:"), text
+    closing = text[text.rindex("╭─ verdict · peer · "):]  # the panel the screen ends on: the job's verdict, then this host's
+    assert closing.index(verdict_doc["verdict"]["headline"]) < closing.index("Verdict:"), text
+    page = render_report_html(tl)
+    assert f"<h2>{title}</h2>" in page and page.index('id="job-verdict"') < page.index('id="verdict"'), page[:3000]
+    assert load_incident(rb.bundle_dir).job_verdict is None  # only the coordinator holds it
 
     assert otlp_receiver.wait_for_spans(3 * 2 + 2, timeout_s=20)
     with anyio.fail_after(20):

@@ -11,6 +11,7 @@ def root(context, missing=missing):
     l_0_tl = resolve('tl')
     l_0_style = resolve('style')
     l_0_trigger_css = resolve('trigger_css')
+    l_0_job_verdict = resolve('job_verdict')
     l_0_verdict = resolve('verdict')
     l_0_ranks = resolve('ranks')
     l_0_summary = resolve('summary')
@@ -184,6 +185,43 @@ def root(context, missing=missing):
     yield '" id="trigger">'
     yield escape(environment.getattr((undefined(name='tl') if l_0_tl is missing else l_0_tl), 'trigger'))
     yield '</span></h1>\n'
+    if (undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict):
+        pass
+        yield '<section id="job-verdict" class="'
+        yield escape(('hung' if environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'hung') else 'not-hung'))
+        yield '"><h2>'
+        yield escape(environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'title'))
+        yield '</h2><p id="job-verdict-headline"><strong>'
+        yield escape(environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'headline'))
+        yield '</strong></p>\n'
+        if environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'next'):
+            pass
+            yield '<p id="job-verdict-next"><strong>next:</strong> <code>'
+            yield escape(environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'next'))
+            yield '</code></p>'
+        if environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'missing'):
+            pass
+            yield '<ul class="missing">'
+            for l_1_line in environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'missing'):
+                _loop_vars = {}
+                pass
+                yield '<li>no evidence from '
+                yield escape(l_1_line)
+                yield '</li>'
+            l_1_line = missing
+            yield '</ul>'
+        if environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'evidence'):
+            pass
+            yield '<ul class="evidence">'
+            for l_1_line in environment.getattr((undefined(name='job_verdict') if l_0_job_verdict is missing else l_0_job_verdict), 'evidence'):
+                _loop_vars = {}
+                pass
+                yield '<li>'
+                yield escape(l_1_line)
+                yield '</li>'
+            l_1_line = missing
+            yield '</ul>'
+        yield '</section>\n'
     if (undefined(name='verdict') if l_0_verdict is missing else l_0_verdict):
         pass
         yield '<section id="verdict" class="'
@@ -215,7 +253,7 @@ def root(context, missing=missing):
             _loop_vars = {}
             pass
             yield '<tr class="rank'
-            yield escape((' culprit' if environment.getattr(l_1_r, 'culprit') else cond_expr_undefined("the inline if-expression on line 23 in 'report.html' evaluated to false and no else section was defined.")))
+            yield escape((' culprit' if environment.getattr(l_1_r, 'culprit') else cond_expr_undefined("the inline if-expression on line 30 in 'report.html' evaluated to false and no else section was defined.")))
             yield '" data-pid="'
             yield escape(environment.getattr(l_1_r, 'pid'))
             yield '"><td class="num">'
@@ -393,7 +431,7 @@ def root(context, missing=missing):
                     _loop_vars = {}
                     pass
                     yield '<li class="frame'
-                    yield escape((' hung' if environment.getattr(l_3_f, 'hung') else cond_expr_undefined("the inline if-expression on line 49 in 'report.html' evaluated to false and no else section was defined.")))
+                    yield escape((' hung' if environment.getattr(l_3_f, 'hung') else cond_expr_undefined("the inline if-expression on line 56 in 'report.html' evaluated to false and no else section was defined.")))
                     yield '" title="'
                     yield escape(environment.getattr(l_3_f, 'filename'))
                     yield '"><span class="fn">'
@@ -554,4 +592,4 @@ def root(context, missing=missing):
     yield '. Offline page: nothing is loaded.</footer>\n</body></html>'
 
 blocks = {}
-debug_info = '2=50&3=67&4=74&5=87&6=108&7=121&11=175&13=181&14=187&15=190&16=194&17=199&20=211&23=214&27=242&30=261&32=265&36=293&38=300&41=322&43=325&44=337&45=344&46=349&48=360&49=365&53=412&56=415&60=431&63=435&67=479&68=482&70=484&74=504&77=507&81=530&82=533&83=535&84=537&86=539&87=542&89=551'
+debug_info = '2=51&3=68&4=75&5=88&6=109&7=122&11=176&13=182&14=188&15=191&16=197&17=202&18=213&21=225&22=228&23=232&24=237&27=249&30=252&34=280&37=299&39=303&43=331&45=338&48=360&50=363&51=375&52=382&53=387&55=398&56=403&60=450&63=453&67=469&70=473&74=517&75=520&77=522&81=542&84=545&88=568&89=571&90=573&91=575&93=577&94=580&96=589'

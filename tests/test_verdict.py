@@ -396,6 +396,24 @@ def test_a_rendezvous_hang_names_the_ranks_that_never_arrived() -> None:
     assert decide(waiting).confidence == "low"  # world size unknown, nobody known missing
 
 
+def test_one_rank_waiting_for_a_message_alone_is_no_deadlock_it_says_its_sender_was_not_watched() -> None:
+    """Field shape: SGLang's detokenizer stuck, watched with the README's ``--match 'sglang::scheduler*'``:
+    the one scheduler captured waits in its ZeroMQ poll with requests pending. It read "deadlock
+    between rank 0 (pid 11): each waits for a message" (a deadlock of one) and its next step
+    dumped the scheduler's locals; the detokenizer was never named."""
+    alone = [RankEvidence(rank=0, pid=11, title="sglang::scheduler", frame_class=FrameClass.IDLE,
+                          frame="recv_requests (sglang/srt/managers/scheduler.py:1)")]
+    v = decide(alone, trigger="stall")
+    assert (v.kind, v.rule, v.culprit_ranks, v.culprit_pids, v.hung, v.confidence) == (
+        "unknown", "ipc_wait_alone", (), (), True, "low")
+    assert v.reason == ("rank 0 (pid 11) waits for a message while work is pending (in recv_requests "
+                        "(sglang/srt/managers/scheduler.py:1)) and no other process of its server was captured: the one"
+                        " that should send it (a tokenizer, detokenizer or API server?) is not watched")
+    assert verdict_mod.next_step(v) == ("servewatch dump --root-pid $(ps -o ppid= -p 11) (every process of its server:"
+                                        " which one should have sent the message)")
+    assert decide(alone, work_pending=False).kind == "idle"  # nothing pending: it waits for work
+
+
 def test_everyone_waiting_for_a_message_is_a_deadlock_with_work_pending_and_idle_without() -> None:
     ev = [RankEvidence(rank=0, pid=11, frame_class=FrameClass.IDLE, frame="recv (worker.py:9)"),
           RankEvidence(pid=10, role=verdict_mod.Role.COORDINATOR, title="eng::engine",

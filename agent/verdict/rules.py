@@ -1305,6 +1305,23 @@ def _waiting_processes(ev: Evidence) -> list[RankEvidence]:
     return [e for e in ev.processes if e.alive and e.frame_class is not FrameClass.UNKNOWN]
 
 
+@_rule("ipc_wait_alone", kind="unknown",
+       when="the one process with a stack is a rank that waits for a message (ZeroMQ, a pipe, a queue) while work "
+            "is pending, and no other process of its server was captured",
+       concludes="nobody: the process that should send the message (a tokenizer, detokenizer, API server?) is not "
+                 "watched; said with where the rank waits",
+       confidence="low: one side of an exchange; its other side was never seen")
+def _ipc_wait_alone(ev: Evidence) -> Verdict | None:
+    known = _waiting_processes(ev)
+    if len(known) != 1 or not ev.ranks or ev.work_pending is not True or known[0].frame_class is not FrameClass.IDLE:
+        return None
+    e = known[0]
+    reason = (f"{_culprit_name(e)} waits for a message while work is pending (in {e.frame}) and no other process of"
+              " its server was captured: the one that should send it (a tokenizer, detokenizer or API server?)"
+              " is not watched")
+    return _verdict(ev, "unknown", (), reason, "low")
+
+
 @_rule("ipc_deadlock", kind="deadlock",
        when="every process with a stack waits for a message (ZeroMQ, a pipe, a queue, a message queue) while "
             "work is pending (a stall while busy, pending requests)",
@@ -1314,7 +1331,7 @@ def _ipc_deadlock(ev: Evidence) -> Verdict | None:
     known = _waiting_processes(ev)
     if not known or ev.work_pending is not True or any(e.frame_class is not FrameClass.IDLE for e in known):
         return None
-    if len(known) < 2 and not ev.ranks:
+    if len(known) < 2:  # one side of an exchange is no deadlock (:func:`_ipc_wait_alone`)
         return None
     where = "; ".join(f"{e.name} in {e.frame}" for e in known)
     between = " and ".join(_culprit_name(e) for e in known)
@@ -1772,10 +1789,14 @@ def _next_single(v: Verdict, ev: Evidence | None) -> str:
 
 
 @_next("unknown", "`servewatch dump --pid <pid> ...` for fresh stacks (`sudo` when py-spy was denied); no "
-       "process: `servewatch status`")
+       "process: `servewatch status`; one rank waiting for a message no watched process sends: "
+       "`servewatch dump --root-pid <its parent>`")
 def _next_unknown(v: Verdict, ev: Evidence | None) -> str:
     if v.rule == "no_process" or (ev is not None and not ev.processes):
         return "servewatch status (which processes it watches: check --match, --pid, --root-pid)"
+    if v.rule == "ipc_wait_alone" and (pids := _live_pids(v, ev)):
+        return (f"{_sudo(v)}servewatch dump --root-pid $(ps -o ppid= -p {pids[0]}) (every process of its server:"
+                " which one should have sent the message)")
     if "communication layer?" in v.reason:
         first = _live_pids(v, ev)[:1]
         if first:

@@ -1,9 +1,9 @@
 """The SDK's death notice: how this process ended, written by the process itself.
 
 Owns the notice's layout, a public API of both sides: the SDK installs the writer
-(:func:`install`, at the first :func:`agent.sdk.step`); the agent reads it with
-:func:`read_exit_notice` from :func:`notice_path` when neither the kernel's exit event nor the
-zombie's ``/proc/PID/stat`` could tell (a pod: no kernel exit events, and a rank's parent reaps
+(:func:`install`, at the first :func:`agent.sdk.step` or :func:`agent.sdk.serve_control`); the
+agent reads it with :func:`read_exit_notice` from :func:`notice_path` when neither the kernel's
+exit event nor the zombie's ``/proc/PID/stat`` could tell (a pod: no kernel exit events, and a rank's parent reaps
 it at once; :mod:`agent.host.exits`). Imports only the standard library and the SDK's file
 helpers (it runs inside the server).
 

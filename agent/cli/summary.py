@@ -185,6 +185,7 @@ _SOURCE_WORDS = {
     "waitid": "read with waitid",
     "kernel": "the kernel's exit event",
     "zombie": "/proc while a zombie",
+    "sdk": "its SDK's death notice",
     "none": "no source could tell",
 }
 

@@ -25,6 +25,11 @@ Why: a server's rank is reaped by its own parent at once, so ``waitid`` (ours on
 * a zombie's ``/proc/PID/stat`` (status) and ``/proc/PID/sched`` ``se.exec_start`` (its last
   time on a CPU, in the scheduler's clock: converted through this thread's own reading, an
   estimate good to order deaths seen late).
+* the process's own SDK death notice (:mod:`agent.sdk.exitnotice`, :func:`sdk_notice_fact`):
+  an exit code, an uncaught exception (code 1), a signal Python or faulthandler saw, with its
+  time; trusted only from the private folder of the process's uids, a regular file of theirs,
+  for the same pid and start time. A notice still saying ``running`` (killed without a word:
+  SIGKILL, likely, or ``os._exit``) gives no status.
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
 from agent.model.events import ExitFact, ExitSource
+from agent.sdk.exitnotice import ExitNotice, notice_path, read_exit_notice
 
 __all__ = [
     "KernelExit",
@@ -54,6 +61,8 @@ __all__ = [
     "decode_wait_status",
     "last_ran_unix_nano",
     "oom_counter_of",
+    "sdk_notice",
+    "sdk_notice_fact",
     "zombie_exit_status",
     "zombie_fact",
 ]
@@ -445,3 +454,42 @@ def zombie_fact(pid: int, create_time_s: float = 0.0) -> ExitFact | None:
     ran = last_ran_unix_nano(pid)
     return ExitFact.of(pid, *status, source=ExitSource.ZOMBIE, ended_time_unix_nano=ran,
                        ended_source="last_ran" if ran else "", started_time_unix_nano=_started_unix_nano(create_time_s))
+
+
+#: A notice's start time and the watched process's (psutil's ``create_time``, the same formula
+#: read at another moment: ``btime`` moves with clock steps) may differ by this much, ns.
+NOTICE_START_SLACK_NS = 500_000_000
+
+
+def sdk_notice(pid: int, create_time_s: float, uids: tuple[int, ...], base: Path | None = None) -> ExitNotice | None:
+    """Process ``pid``'s own death notice (:mod:`agent.sdk.exitnotice`) when it is its own: in
+    the private folder of ``uids`` (its uids, read while it lived) in ``base`` (default the
+    SDK's; no uids, as for a process that died before they were read: the agent's own, as
+    :func:`agent.sdk.folders.sdk_path` does), owned by one of them (or root), for this pid and a
+    start within :data:`NOTICE_START_SLACK_NS` of ``create_time_s``; ``None`` otherwise (also
+    when either start is unknown). Blocking (a few small reads)."""
+    if not create_time_s:
+        return None
+    owners = tuple(uids) or (os.geteuid(),)
+    notice = read_exit_notice(notice_path(pid, base, owners), owners)
+    if notice is None or notice.pid != pid or not notice.start_time_unix_nano:
+        return None
+    if abs(notice.start_time_unix_nano - int(create_time_s * 1e9)) > NOTICE_START_SLACK_NS:
+        return None  # an earlier process that had this pid
+    return notice
+
+
+def sdk_notice_fact(pid: int, create_time_s: float, uids: tuple[int, ...], base: Path | None = None) -> ExitFact | None:
+    """The :class:`~agent.model.events.ExitFact` of ``pid``'s death notice (:func:`sdk_notice`),
+    source :attr:`ExitSource.SDK`, ended at the notice's time (``ended_source`` ``sdk``);
+    ``None`` when there is none or it gives no status (``running``: killed without a notice)."""
+    notice = sdk_notice(pid, create_time_s, uids, base)
+    if notice is None or notice.how == "running":
+        return None
+    code = notice.exit_code if notice.how in ("exit", "exception") else None
+    sig = notice.signal if notice.how == "signal" else None
+    if code is None and sig is None:
+        return None
+    return ExitFact.of(pid, code, sig, source=ExitSource.SDK, ended_time_unix_nano=notice.time_unix_nano,
+                       ended_source="sdk" if notice.time_unix_nano else "",
+                       started_time_unix_nano=_started_unix_nano(create_time_s))

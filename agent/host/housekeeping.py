@@ -1,5 +1,5 @@
 """What the agent tidies behind itself and others: temp files of writes a killed writer left,
-the SDK files of processes that died, and the heap memory it freed.
+the SDK files of processes that died (death notices too, once read), and the heap memory it freed.
 
 Owns :func:`remove_stale_temps` (under the data dir, at start), :func:`remove_dead_sdk_files` (the
 step counters and control sockets dead processes of the agent's uid left in the SDK folder, at
@@ -31,8 +31,8 @@ def remove_stale_temps(data_dir: Path) -> None:
 
 
 def remove_dead_sdk_files(directory: Path | None) -> None:
-    """The step counters and control sockets dead processes of the agent's uid left in the SDK
-    folder (:func:`agent.sdk.counter.remove_dead_sdk_files`). Blocking."""
+    """The step counters, control sockets and (once old) death notices dead processes of the
+    agent's uid left in the SDK folder (:func:`agent.sdk.counter.remove_dead_sdk_files`). Blocking."""
     from agent.sdk.counter import remove_dead_sdk_files as remove
 
     removed = remove(directory)

@@ -367,6 +367,7 @@ class ExitSource(StrEnum):
     WAITID = "waitid"  # waitid(WNOWAIT) on our child, or an orphan adopted as child subreaper
     KERNEL = "kernel"  # the kernel's own exit event (proc connector, whoever reaped the process)
     ZOMBIE = "zombie"  # /proc/PID/stat of the zombie, before its parent reaped it
+    SDK = "sdk"  # the process's own SDK death notice (agent.sdk.exitnotice): in a pod, reaped at once
     NONE = "none"  # nothing: the status is unknown
 
 
@@ -396,7 +397,8 @@ class ExitFact:
         ended_time_unix_nano: when it ended, ns since the epoch (0: unknown); ``ended_source``
             says how exact: ``kernel`` (the exit event's own clock), ``seen`` (when the agent
             saw it gone: an upper bound), ``last_ran`` (a zombie's last time on a CPU, from
-            ``/proc/PID/sched``: an estimate, good for ordering deaths), ``""`` unknown.
+            ``/proc/PID/sched``: an estimate, good for ordering deaths), ``sdk`` (when the process's
+            own death notice was written: just before it died), ``""`` unknown.
         started_time_unix_nano: when the process started (its creation time), 0 when unknown.
         oom_evidence: where the OOM kill was read (``kernel log: ...``, ``cgroup ... oom_kill 0->1``).
         stop_signal: ``SIGTERM``/``SIGINT`` when a stop signal ended it (directly or as 128+N).

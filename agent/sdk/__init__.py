@@ -2,7 +2,10 @@
 
 The SDK's public face: the exact forward-step counter (:func:`step`, :func:`set_pending`, from
 :mod:`agent.sdk.steps`, with the hooks other SDK parts run on the model thread at each step),
-profiling, ranges, request spans and the control socket, re-exported from their modules. Imports
+profiling, ranges, request spans and the control socket, re-exported from their modules. From
+the first step on, the process also leaves a death notice (:mod:`agent.sdk.exitnotice`: exit
+code, uncaught exception type and place, or the signal that killed it; ``SERVEWATCH_EXIT_NOTICE=0``
+turns it off), so the agent learns how a rank ended where the kernel will not tell it (a pod). Imports
 only the standard library here; opentelemetry-api, torch and mlx are imported lazily by the parts
 that need them. It never imports the agent side.
 

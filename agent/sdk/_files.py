@@ -1,4 +1,5 @@
-"""Files the SDK creates in the shared folder (counter, control socket, worker socket, ring).
+"""Files the SDK creates in the shared folder (counter, control socket, worker socket, ring,
+death notice).
 
 Owns creating them safely next to other users' files: exclusive creation, and removing only
 what is our own. Private to :mod:`agent.sdk`; imports only the standard library.
@@ -11,13 +12,19 @@ import os
 import re
 import socket
 import stat
+import time
 from pathlib import Path
 
-__all__ = ["create_exclusive", "hold_lock", "remove_dead_files", "remove_if_ours"]
+__all__ = ["NOTICE_KEEP_S", "create_exclusive", "hold_lock", "remove_dead_files", "remove_if_ours"]
 
 #: SDK files named by the pid of the process that made them (the span ring, drained and removed
 #: by the agent, is not among them: its records may still be unshipped).
 _PID_FILES = re.compile(r"servewatch-steps\.(\d+)|servewatch-(?:ctl|torch)\.(\d+)\.sock")
+#: Death notices and their signal files (agent.sdk.exitnotice), named by their writer's pid.
+_NOTICE_FILES = re.compile(r"servewatch-exit\.(\d+)(?:\.(?:fault|sig\d+|tmp))?")
+#: How long a dead process's death notice is kept for the agent to read (it reads it the moment
+#: the process ends), seconds since the notice was last written.
+NOTICE_KEEP_S = 600.0
 
 
 def create_exclusive(path: Path, mode: int) -> int:
@@ -106,15 +113,26 @@ def _socket_unserved(path: Path) -> bool:
     return False
 
 
+def _dead_notice(directory: Path, pid: int, st: os.stat_result, now_ns: int) -> bool:
+    """A death notice the agent has had its time to read: its process's counter is gone (the
+    counter outlives a killed writer until a sweep) and it was last written over
+    :data:`NOTICE_KEEP_S` ago."""
+    if now_ns - st.st_mtime_ns < NOTICE_KEEP_S * 1e9:
+        return False
+    return not os.path.lexists(directory / f"servewatch-steps.{pid}")
+
+
 def remove_dead_files(directory: Path) -> list[Path]:
-    """Remove the SDK files (step counters, control and torch worker sockets) in ``directory``
-    that processes of our own uid left when they died without closing them (a crash, SIGKILL).
+    """Remove the SDK files (step counters, control and torch worker sockets, death notices) in
+    ``directory`` that processes of our own uid left when they died (a crash, SIGKILL; a notice
+    is left by every death).
 
     A file is removed only when all hold: its name carries a pid that is not alive here; it is
     a regular file or socket (never a symlink) of our effective uid; nobody holds a counter's
     lock (:func:`hold_lock`, so a live writer in another pid namespace sharing the folder keeps
-    its file) or listens on a socket. Bounded (one listing, a few syscalls per file); never
-    raises.
+    its file) or listens on a socket; a death notice (and its signal files) only once its
+    process's counter is gone, as of before this sweep, and it is :data:`NOTICE_KEEP_S` old (the
+    agent reads it at the death). Bounded (one listing, a few syscalls per file); never raises.
 
     Returns:
         The files removed.
@@ -124,9 +142,12 @@ def remove_dead_files(directory: Path) -> list[Path]:
         names = os.listdir(directory)
     except OSError:
         return removed
-    me, euid = os.getpid(), os.geteuid()
-    for name in names:
-        m = _PID_FILES.fullmatch(name)
+    me, euid, now_ns = os.getpid(), os.geteuid(), time.time_ns()
+    # notices first: a counter removed below keeps its notice until a later sweep
+    ordered = sorted(names, key=lambda n: _NOTICE_FILES.fullmatch(n) is None)
+    for name in ordered:
+        notice = _NOTICE_FILES.fullmatch(name)
+        m = notice or _PID_FILES.fullmatch(name)
         if m is None:
             continue
         pid = int(m.group(1) or m.group(2))
@@ -137,7 +158,9 @@ def remove_dead_files(directory: Path) -> list[Path]:
             continue
         if pid == me or st.st_uid != euid or _pid_alive(pid):
             continue
-        if stat.S_ISREG(st.st_mode):
+        if notice is not None:
+            stale = stat.S_ISREG(st.st_mode) and _dead_notice(directory, pid, st, now_ns)
+        elif stat.S_ISREG(st.st_mode):
             stale = _counter_unheld(path)
         elif stat.S_ISSOCK(st.st_mode):
             stale = _socket_unserved(path)

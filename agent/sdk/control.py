@@ -2,7 +2,8 @@
 requests in flight.
 
 Owns the unix-socket server and its JSON-lines protocol. Imports the standard library and the
-SDK's own modules (:mod:`agent.sdk.profiler`, :mod:`agent.sdk.tracing`); never the agent side.
+SDK's own modules (:mod:`agent.sdk.profiler`, :mod:`agent.sdk.tracing`, :mod:`agent.sdk.exitnotice`:
+:func:`serve_control` installs the death notice); never the agent side.
 The server accepts in one daemon thread and serves each connection in its own short-lived
 daemon thread (one deadline per connection), so a slow client never delays another; it never
 touches torch: profile requests are queued for the model thread by :mod:`agent.sdk.profiler`.
@@ -55,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.sdk import flightrec, profiler, tracing
+from agent.sdk import exitnotice, flightrec, profiler, tracing
 from agent.sdk._files import remove_if_ours
 from agent.sdk.folders import sdk_path, writer_path
 
@@ -419,7 +420,8 @@ def serve_control(path: str | Path | None = None) -> ControlServer:
             else:
                 atexit.register(stop_control)
             _server = server
-        return _server
+    exitnotice.install()  # the SDK is in use: how this process ends, for the agent (agent.sdk.exitnotice)
+    return _server
 
 
 def stop_control() -> None:

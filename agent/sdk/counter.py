@@ -183,7 +183,8 @@ _swept: set[Path] = set()
 
 def remove_dead_sdk_files(directory: Path | None = None) -> list[Path]:
     """Remove the step counters and control/worker sockets that processes of this uid left when
-    they died without closing them: in this uid's private folders in ``directory`` (default
+    they died without closing them, and their death notices once read (their counter gone and
+    :data:`agent.sdk._files.NOTICE_KEEP_S` old): in this uid's private folders in ``directory`` (default
     :func:`shm_dir`; :func:`agent.sdk.folders.sdk_folders`) and loose in ``directory`` itself
     (where SDKs before the private folders wrote). Files of live processes (in any pid
     namespace), of other uids, and span rings are left alone. Never raises.

@@ -12,6 +12,7 @@ Layout, in ``base`` (``$SERVEWATCH_SHM_DIR``, else ``/dev/shm``, else the temp d
         servewatch-ctl.<pid>.sock          control socket (agent.sdk.control)
         servewatch-spans.<pid>             span ring (agent.sdk.ring)
         servewatch-torch.<pid>.sock        torch's worker server (agent.sdk.flightrec)
+        servewatch-exit.<pid>[.fault|.sigN] death notice (agent.sdk.exitnotice)
 
 Why a folder per user: ``/dev/shm`` is shared (mode 1777), so any local user can create a name
 there first. Flat names (``/dev/shm/servewatch-steps.<pid>``) let another user pre-create them

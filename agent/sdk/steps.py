@@ -3,7 +3,8 @@
 Owns :func:`step`, :func:`set_pending`, :func:`forward_ct`, the step hooks other SDK parts (the
 profiler) run on the model thread (:func:`add_step_hook`) and the counter file's life
 (:func:`close`, reset in a forked child). :mod:`agent.sdk` re-exports it: ``agent.sdk.step()``.
-Imports the standard library and :mod:`agent.sdk.counter` only.
+At the first step it installs the death notice (:mod:`agent.sdk.exitnotice`). Imports the
+standard library, :mod:`agent.sdk.counter` and :mod:`agent.sdk.exitnotice` only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from agent.sdk import exitnotice
 from agent.sdk.counter import (
     W_FORWARD_CT,
     W_LAST_STEP,
@@ -59,6 +61,7 @@ def _open() -> memoryview:
             _counter = SharedCounter()
             _words = _counter.words
             atexit.register(close)
+            exitnotice.install()  # how this process ends, for the agent (agent.sdk.exitnotice)
     return _words
 
 

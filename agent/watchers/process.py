@@ -2,7 +2,8 @@
 
 Owns: :class:`ProcessWatcher` and :func:`exit_status` (decoding a wait status). May import
 :mod:`agent.model.events`, :mod:`agent.model.bus` (``Publisher``), :mod:`agent.host.targets`, :mod:`agent.host.procinfo`,
-:mod:`agent.host.security` (a launched command's title, redacted), anyio and psutil.
+:mod:`agent.host.security` (a launched command's title, redacted), :mod:`agent.sdk.folders`
+(a process's uids), anyio and psutil.
 
 How an exit is noticed, per pid:
 
@@ -22,7 +23,9 @@ one :class:`~agent.model.events.ExitFact`: kind, status, OOM, when, and which so
   zombie for its owner to reap;
 * for a process that is not our child: the kernel's own exit event
   (:class:`agent.host.exits.KernelExits`, root in the host network namespace), which a server
-  reaping its rank at once cannot hide; else, while it is a zombie, ``/proc/PID/stat``;
+  reaping its rank at once cannot hide; else, while it is a zombie, ``/proc/PID/stat``; else
+  the process's own SDK death notice (:func:`agent.host.exits.sdk_notice_fact`: a server using
+  ``agent.sdk`` says how it ended, in a pod too);
 * a SIGKILL (or an unknown status) is checked against the OOM killer's record (the kernel log,
   else the cgroup's ``oom_kill`` counter read when the watch began): "killed by the OOM killer";
 * an exit that may be part of its server's stop (unknown status, non-zero code, a SIGKILL not
@@ -64,6 +67,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -71,11 +75,12 @@ import psutil
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 
-from agent.host.exits import KernelExits, OomCounter, OomWatch, oom_counter_of
+from agent.host.exits import KernelExits, OomCounter, OomWatch, oom_counter_of, sdk_notice_fact
 from agent.host.procinfo import exit_fact_of, note_exit, zombie_exit_status
 from agent.host.targets import ProcessState, Target, process_state
 from agent.model.bus import Publisher
 from agent.model.events import ExitFact, ExitKind, ExitSource, FrontendExited, TargetExited, now_ns
+from agent.sdk.folders import process_uids
 
 if TYPE_CHECKING:
     from agent.host.registry import BuildContext
@@ -211,6 +216,8 @@ class _Watched:
         self.oom_counter: OomCounter | None = None
         #: when :meth:`read_lineage` ran (monotonic seconds; 0: not yet)
         self.lineage_read_s = 0.0
+        #: its uids when the watch began (whose private folder holds its SDK death notice)
+        self.uids: tuple[int, ...] = ()
 
     def looks_for_server_port(self) -> bool:
         """No ancestor listened yet, within :data:`SERVER_PORT_LOOK_S` of the watch's start: the
@@ -260,6 +267,7 @@ class _Watched:
             pass
         self.descendants = tuple(members)
         self.oom_counter = oom_counter_of(self.target.pid)
+        self.uids = process_uids(self.target.pid)
 
 
 class ProcessWatcher:
@@ -272,6 +280,8 @@ class ProcessWatcher:
         poll_interval_s: the polling period without a pidfd (fallback), in seconds. Default 1.0.
         children: ``subprocess.Popen`` objects this process owns (launch mode); their exit
             status is read through ``Popen.poll()`` so the owner keeps its ``returncode``.
+        sdk_dir: the SDK's base folder, where its death notices are (default: the SDK's own,
+            ``$SERVEWATCH_SHM_DIR`` or ``/dev/shm``).
 
     More pids can be added while running with :meth:`watch`.
     """
@@ -286,10 +296,13 @@ class ProcessWatcher:
         *,
         poll_interval_s: float = 1.0,
         children: Iterable[subprocess.Popen[Any]] = (),
+        sdk_dir: Path | None = None,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.poll_interval_s = poll_interval_s
+        #: the SDK's base folder (its death notices), ``None``: the SDK's default
+        self.sdk_dir = sdk_dir
         self._watched: dict[int, _Watched] = {}
         self._tg: TaskGroup | None = None
         self._bus: Publisher | None = None
@@ -563,6 +576,11 @@ class ProcessWatcher:
         noted = exit_fact_of(watched.target.pid, watched.target.create_time_s)  # launch reaped an orphan it adopted
         if noted is not None and noted.source is not ExitSource.NONE:
             return (noted.exit_code, noted.signal), noted.source, noted.ended_time_unix_nano, noted.ended_source
+        # the process's own SDK death notice: in a pod, a rank its parent reaped at once
+        told = await anyio.to_thread.run_sync(sdk_notice_fact, watched.target.pid, watched.target.create_time_s,
+                                              watched.uids, self.sdk_dir)
+        if told is not None:
+            return (told.exit_code, told.signal), ExitSource.SDK, told.ended_time_unix_nano, told.ended_source
         return None, ExitSource.NONE, 0, ""
 
     async def _settle_tree(self, watched: _Watched, fact: ExitFact) -> ExitFact:
@@ -962,4 +980,4 @@ POLL_INTERVAL_S = 0.5
 def create(config: None, ctx: BuildContext) -> ProcessWatcher:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``process``): watches every target the
     runtime discovers (and the processes it launched, ``ctx.children``) for exit."""
-    return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children)
+    return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children, sdk_dir=ctx.agent.sdk_socket_dir)

@@ -90,7 +90,10 @@ def test_files_of_another_uid_are_left_alone(spawn, tmp_path: Path) -> None:
         proc.kill()
         proc.wait(timeout=10)
         left = sorted((shm / "servewatch-65534").glob(f"servewatch-*{pid}*"))  # their private folder
-        assert [p.name for p in left] == [f"servewatch-ctl.{pid}.sock", f"servewatch-steps.{pid}"], left
+        # (its death notice stays too: agent.sdk.exitnotice)
+        assert [p.name for p in left if not p.name.startswith("servewatch-exit.")] == [
+            f"servewatch-ctl.{pid}.sock", f"servewatch-steps.{pid}"], left
+        assert f"servewatch-exit.{pid}" in [p.name for p in left], left
         assert all(p.lstat().st_uid == 65534 for p in left)
         assert remove_dead_sdk_files(shm) == []  # root, but not the owner: not ours to remove
         assert all(os.path.lexists(p) for p in left)

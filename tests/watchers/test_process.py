@@ -13,7 +13,7 @@ import pytest
 
 from agent.host.targets import Target
 from agent.model.bus import RecordingBus
-from agent.model.events import TargetExited
+from agent.model.events import ExitSource, TargetExited
 from agent.watchers.process import ProcessWatcher, exit_status, signal_name
 from tests.watchers import wait_until
 
@@ -152,3 +152,41 @@ def test_exit_status_decodes_popen_return_codes() -> None:
     assert signal_name(None) == "" and signal_name(999) == ""
     with pytest.raises(ValueError, match="poll_interval_s"):
         ProcessWatcher(poll_interval_s=0)
+
+
+@pytest.mark.parametrize(("how", "notice"), [(signal.SIGTERM, True), (signal.SIGSEGV, True), (signal.SIGTERM, False)],
+                         ids=["sigterm", "sigsegv", "notice-off"])
+async def test_a_rank_reaped_at_once_without_kernel_events_is_told_by_its_sdk_death_notice(
+        spawn, python, monkeypatch, how: int, notice: bool) -> None:
+    """A pod: no kernel exit events, and the rank's own parent (a real process waiting on it)
+    reaps it before the agent reads its zombie. The SDK's death notice says how it ended; with
+    the notice off the status is unknown (what the agent said before the notice existed)."""
+    from agent.host.exits import KernelExits
+    from tests.conftest import PROGRAMS_DIR
+
+    monkeypatch.setattr(KernelExits, "open", classmethod(lambda cls: None))  # refused in a pod's netns
+    monkeypatch.setattr("agent.watchers.process.zombie_exit_status", lambda pid: None)  # the parent won the race
+    env = {**os.environ, "PYTHONPATH": str(PROGRAMS_DIR.parent.parent)}
+    if not notice:
+        env["SERVEWATCH_EXIT_NOTICE"] = "0"
+    parent = spawn([python, str(PROGRAMS_DIR / "exit_notice_target.py"), "spawn-wait"], stdout=subprocess.PIPE, env=env)
+    assert parent.stdout is not None
+    with anyio.fail_after(30):
+        line = await anyio.to_thread.run_sync(parent.stdout.readline, abandon_on_cancel=True)
+    parent.stdout.close()
+    rank = int(line.split()[1])
+    assert psutil.Process(rank).ppid() == parent.pid
+
+    bus = RecordingBus()
+    watcher = ProcessWatcher([Target(pid=rank, create_time_s=psutil.Process(rank).create_time(), title="rank0")],
+                             poll_interval_s=0.1)
+    (exited,) = await _run_until_exits(watcher, bus, 1, then=lambda: os.kill(rank, how))
+    assert parent.wait(timeout=10) == 0  # its parent reaped it: nothing stolen
+    assert exited.fact is not None
+    if notice:
+        assert (exited.fact.source, exited.signal, exited.exit_code) == (ExitSource.SDK, how, None), exited.fact
+        assert exited.fact.ended_source == "sdk" and exited.fact.ended_time_unix_nano > 0
+        from agent.cli.summary import exit_lines
+        assert exit_lines([(watcher.exits[0][0], exited.fact)], {})[0].endswith("[its SDK's death notice]")
+    else:
+        assert (exited.fact.source, exited.signal) == (ExitSource.NONE, None), exited.fact

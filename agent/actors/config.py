@@ -154,7 +154,7 @@ class CoredumpConfig(BaseModel):
         """Core files go beside the bundles (``<data_dir>/cuda_coredumps``) unless a folder was given."""
         if "folder" in self.model_fields_set:
             return self
-        return self.model_copy(update={"folder": values.data_dir / "cuda_coredumps"})
+        return self.model_copy(update={"folder": values.layout.cuda_coredumps})
 
 
 #: Accepted activities, each backend: ``CUDA_PROFILER`` (cudaProfilerStart/Stop, for nsys) is SGLang's.

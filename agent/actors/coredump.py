@@ -63,7 +63,6 @@ import anyio
 from agent.actors import act_all
 from agent.actors.config import CoredumpConfig
 from agent.actors.coredump_target import (
-    LAUNCH_RECORD_DIR,
     PathTemplate,
     TargetEnv,
     TargetView,
@@ -1045,6 +1044,6 @@ def create(config: CoredumpConfig, ctx: BuildContext) -> CoredumpActor | None:
     and reading what ``launch`` armed under ``<data_dir>/launched``; ``None`` with ``enabled`` off."""
     if not config.enabled:
         return None
-    actor = CoredumpActor(config, trusted_uids=ctx.agent.target_uids, record_dirs=[ctx.agent.data_dir / LAUNCH_RECORD_DIR])
+    actor = CoredumpActor(config, trusted_uids=ctx.agent.target_uids, record_dirs=[ctx.agent.layout.launches])
     actor.own_actions = OwnActionLog(ctx.agent.data_dir, ctx.agent.host_name)
     return actor

@@ -34,6 +34,7 @@ import psutil
 from agent.host.cudaenv import COREDUMP_VARIABLES
 from agent.host.fsutil import atomic_write_text, ensure_private_dir
 from agent.host.procinfo import ns_pid
+from agent.model.datadir import LAUNCH_RECORD_DIR
 from agent.model.safetext import safe_text
 
 __all__ = [
@@ -47,8 +48,8 @@ __all__ = [
     "record_launch",
 ]
 
-#: Folder (under the data dir) where ``servewatch launch`` records what it set for each server.
-LAUNCH_RECORD_DIR = "launched"
+# LAUNCH_RECORD_DIR: the folder (under the data dir) where ``servewatch launch`` records what it
+# set for each server (agent.model.datadir's: ``DataDir.launches``)
 _MAX_ANCESTORS = 32
 _PLACEHOLDER = re.compile(r"(%[hpt])")
 

@@ -27,6 +27,7 @@ from agent.early import one_shot as _one_shot
 if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load when a command needs them
     from rich.console import Console
 
+    from agent.model.datadir import DataDir
     from agent.runtime.settings import Settings
 
 __all__ = ["ExitCode", "app", "main"]
@@ -463,13 +464,14 @@ class _IncidentPrinter:
     def _saw(self, record: Any) -> None:
         self.seen.setdefault(record.opened.incident_id, (str(record.opened.trigger), str(record.bundle_dir)))
 
-    def stopped_line(self, data_dir: Path, host_name: str, *, written: int, exits: int) -> str:
+    def stopped_line(self, layout: DataDir, *, written: int, exits: int) -> str:
         """The one line ``run``/``launch`` end with: how long, the incidents written (by trigger,
-        the last one) and where their bundles are, the target exits seen."""
+        the last one) and where their bundles are (under ``layout``), the target exits seen."""
         import time
 
         took = _duration_words(time.monotonic() - self.started_monotonic_s)
-        where = Path(next(iter(self.seen.values()))[1]).parent if self.seen else data_dir / host_name
+        data_dir = layout.root
+        where = Path(next(iter(self.seen.values()))[1]).parent if self.seen else layout.host
         seen = f"{exits} target exit(s) seen"
         if not self.seen and not written:
             return f"servewatch: stopped after {took}; 0 incident(s) written (bundles would go to {where}/); {seen}"
@@ -611,8 +613,7 @@ def _print_seen(agent: Any, printer: _IncidentPrinter, settings: Settings) -> No
     from agent.cli.summary import exit_lines
 
     exits = list(agent.process_watcher.exits)
-    head = printer.stopped_line(settings.data_dir, settings.host_name, written=len(agent.incidents.records),
-                                exits=len(exits))
+    head = printer.stopped_line(settings.layout, written=len(agent.incidents.records), exits=len(exits))
     err.print(head + (":" if exits else ""), markup=False)
     for line in exit_lines(exits, agent.incidents.exit_outcomes):
         err.print(f"  {line}", markup=False)
@@ -684,10 +685,10 @@ def status(
     import time as _time
 
     from agent.host.security import access_denied
-    from agent.watchers.status import STATUS_FILE, read_status_file, status_path
+    from agent.watchers.status import STATUS_FILE, read_status_file
 
     settings = _read_only_settings(data_dir, config)
-    path = status_path(settings.data_dir, settings.host_name)
+    path = settings.layout.status_file
     denied = access_denied(path)
     if denied is not None:  # the engineer who forgot sudo: whose it is and what to do, one line
         fail(f"cannot read the agent status in {settings.data_dir}: {denied}")
@@ -1086,7 +1087,7 @@ def launch(
 
     async def agent_main(child_pid: int) -> None:
         err.print(f"servewatch: {describe_env(planned)}", markup=False)  # the child started: it is armed
-        records.extend(_record_launch(settings.data_dir, child_pid, planned.env))
+        records.extend(_record_launch(settings.layout.launches, child_pid, planned.env))
         target = settings.target.model_copy(update={"root_pid": child_pid})
         agent = Agent.build(settings.model_copy(update={"target": target}), on_incident=printer.finished,
                             on_summary=printer.summary, on_status=_print_status)
@@ -1132,14 +1133,15 @@ def launch(
     raise typer.Exit(rc)
 
 
-def _record_launch(data_dir: Path, pid: int, env: Any) -> list[Path]:
-    """Record the coredump arming launch gave ``pid`` (setproctitle will empty its environ)."""
+def _record_launch(record_dir: Path, pid: int, env: Any) -> list[Path]:
+    """Record the coredump arming launch gave ``pid`` in ``record_dir`` (``DataDir.launches``:
+    setproctitle will empty its environ)."""
     import psutil
 
-    from agent.actors.coredump_target import LAUNCH_RECORD_DIR, record_launch
+    from agent.actors.coredump_target import record_launch
 
     try:
-        return [record_launch(data_dir / LAUNCH_RECORD_DIR, pid, psutil.Process(pid).create_time(), env)]
+        return [record_launch(record_dir, pid, psutil.Process(pid).create_time(), env)]
     except (OSError, psutil.Error) as exc:
         logging.getLogger("servewatch.launch").warning("cannot record the launch environment of pid %d: %s", pid, exc)
         return []

@@ -190,7 +190,7 @@ def _demo_settings(settings: Settings, server: Any, watchdog_timeout_s: float) -
             "target": {"pids": list(server.scheduler_pids)},
             "health": {"url": f"{server.base_url}/health", "interval_s": 1.0, "timeout_s": 2.0},
             "watchdog": {"timeout_s": watchdog_timeout_s, "poll_interval_s": 0.5},
-            "coredump": {"folder": settings.data_dir / "cuda_coredumps"},
+            "coredump": {"folder": settings.layout.cuda_coredumps},
             "incident": {"cooldown_s": 300.0},
         }
     )

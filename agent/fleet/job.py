@@ -81,7 +81,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import time
@@ -129,6 +128,7 @@ from agent.fleet.proof import NonceCache
 from agent.fleet.traceparent import TraceParent
 from agent.host.fsutil import UnsafeFolderError, atomic_write_text, open_trusted_dir
 from agent.host.manifest import MANIFEST_NAME, ManifestError, parse_manifest
+from agent.model.datadir import DataDir
 from agent.model.events import (
     TRACE_DETAIL_ATTR,
     Action,
@@ -213,7 +213,8 @@ class Fleet:
         self.api_config = api
         self.config = fleet
         self.host_name: str = agent.settings.host_name
-        self.data_dir = Path(agent.settings.data_dir)
+        #: every path under the data dir for this host (bundles, the nonce cache, the API socket)
+        self.layout = DataDir(Path(agent.settings.data_dir), self.host_name)
         #: random per run; a peer that answers with it is ourselves (an address we did not know)
         self.agent_id = secrets.token_hex(8)
         self.job: JobIncident | None = None
@@ -338,11 +339,11 @@ class Fleet:
         """The API's nonce cache, kept in ``<data_dir>/fleet/nonces-<host name>`` (0600 in a 0700
         folder): a signed request accepted before a restart is refused after it. In memory only
         (said once) when that folder is refused or cannot be written. A worker thread."""
-        folder = self.data_dir / "fleet"
+        path = self.layout.fleet_nonces
         try:
-            fd, _ = open_trusted_dir(folder, create=True)
+            fd, _ = open_trusted_dir(path.parent, create=True)
             os.close(fd)
-            return NonceCache.load(str(folder / f"nonces-{_safe_name(self.host_name)}"))
+            return NonceCache.load(str(path))
         except (UnsafeFolderError, OSError) as exc:
             log.warning("agent API: replays refused in memory only (a restart forgets them): %s", exc)
             return NonceCache()
@@ -355,7 +356,7 @@ class Fleet:
         raw = self.api_config.unix_socket
         if not raw:
             return None
-        path = Path(self.data_dir / f"{self.host_name}.api.sock" if raw == "auto" else raw)
+        path = self.layout.fleet_api_socket if raw == "auto" else Path(raw)
         if len(os.fsencode(str(path))) > MAX_UNIX_PATH:
             log.warning("agent API: no unix socket: %s is longer than %d bytes (set api.unix_socket)", path, MAX_UNIX_PATH)
             return None
@@ -830,7 +831,7 @@ class Fleet:
         failed = [r for r in results if r.outcome is not Outcome.OK]
         path = ""
         if job.local_incident_id is not None:
-            folder = self.data_dir / self.host_name / job.local_incident_id
+            folder = self.layout.incident(job.local_incident_id)
             doc = {"trace_id": job.trace_id, "reported": job.reported, "asked": [r.to_manifest() for r in results]}
             try:
                 atomic_write_text(folder / FANOUT_FILE, json.dumps(doc))
@@ -1526,7 +1527,7 @@ class Fleet:
         return doc
 
     def _host_dir(self) -> Path:
-        return self.data_dir / self.host_name
+        return self.layout.host
 
     async def list_incidents(self) -> list[dict[str, Any]]:
         """``GET /v1/incidents``: this host's incidents, newest first (ids start with their UTC
@@ -1578,11 +1579,6 @@ class Fleet:
         except ManifestError as exc:  # not a manifest this agent reads: not served (listings poll: no warning)
             log.debug("%s", exc)
             return None
-
-
-def _safe_name(name: str) -> str:
-    """``name`` as one file name component (letters, digits, ``._-``; at most 100)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100].lstrip(".") or "agent"
 
 
 def _is_ip_literal(host: str) -> bool:

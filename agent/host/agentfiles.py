@@ -8,7 +8,7 @@ first's pid: both write the same status file and bundle folder), :func:`unregist
 at a clean stop, and :func:`live_agents` lists the agents running now (``servewatch status``
 says when there are several, and whose status it shows). A file whose process is gone, or whose
 pid now belongs to a later process (its start time differs), is not an agent. Imports the
-standard library, anyio, psutil and :mod:`agent.host.fsutil`.
+standard library, anyio, psutil, :mod:`agent.model.datadir` and :mod:`agent.host.fsutil`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from pathlib import Path
 
 import psutil
 
+from agent.model.datadir import AGENTS_DIR, DataDir
+
 __all__ = ["AGENTS_DIR", "agents_dir", "live_agents", "on_data_dir", "register", "unregister"]
 
 log = logging.getLogger("servewatch.runtime")
 
-#: The folder of presence files, under ``<data_dir>/<host>/``.
-AGENTS_DIR = "agents"
+# AGENTS_DIR: the folder of presence files, under ``<data_dir>/<host>/`` (agent.model.datadir's)
 
 #: Most a presence file's recorded start time may differ from its process's, seconds (psutil's
 #: ``create_time`` is rounded to the clock tick).
@@ -36,8 +37,8 @@ _START_SLACK_S = 1.0
 
 
 def agents_dir(data_dir: str | os.PathLike[str], host_name: str) -> Path:
-    """``<data_dir>/<host_name>/agents``."""
-    return Path(data_dir) / host_name / AGENTS_DIR
+    """``<data_dir>/<host_name>/agents`` (:attr:`agent.model.datadir.DataDir.agents`)."""
+    return DataDir(Path(data_dir), host_name).agents
 
 
 def _create_time_s(pid: int) -> float | None:

@@ -18,8 +18,8 @@ could write (another uid) is skipped, never believed. Nothing here raises for a 
 (``TracerPid``) is a py-spy this host's servewatch runs (recorded as a ``pyspy_stop``, or an
 early run of this process), or a ``pyspy_stop`` of that pid runs now.
 
-Imports the standard library and :mod:`agent.host.fsutil` only (the profiler actor, py-spy actor,
-incidents, watchdog and judge all use it).
+Imports the standard library, :mod:`agent.model.datadir` and :mod:`agent.host.fsutil` only (the
+profiler actor, py-spy actor, incidents, watchdog and judge all use it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from agent.model.datadir import OWN_ACTIONS_DIR, DataDir
+
 __all__ = [
     "KINDS",
     "MAX_ACTION_S",
@@ -54,8 +56,7 @@ __all__ = [
 
 log = logging.getLogger("servewatch.ownactions")
 
-#: The folder of action files, under ``<data_dir>/<host>/``.
-OWN_ACTIONS_DIR = "own-actions"
+# OWN_ACTIONS_DIR: the folder of action files, under ``<data_dir>/<host>/`` (agent.model.datadir's)
 #: Most action files read at once (more are skipped: a flood never stalls a reader).
 MAX_FILES = 256
 #: Largest action file read, bytes.
@@ -179,7 +180,7 @@ class OwnActionLog:
 
     def __init__(self, data_dir: str | os.PathLike[str] | None, host_name: str = "localhost", *, create: bool = False,
                  cache_s: float = 0.0) -> None:
-        self.folder = None if data_dir is None else Path(data_dir) / host_name / OWN_ACTIONS_DIR
+        self.folder = None if data_dir is None else DataDir(Path(data_dir), host_name).own_actions
         self.create = create
         self.cache_s = cache_s
         self._cached: tuple[float, list[OwnAction]] = (-1e18, [])

@@ -17,9 +17,9 @@ line naming
 
 A factory is ``create(config, ctx: BuildContext) -> component | None``: ``config`` is the
 component's own settings model (``None`` when it has none), ``ctx.agent`` the few agent-wide
-values a component may read besides it (:class:`AgentValues`: data dir, host name, the stall
-rule's timeout...), never another component's table. It returns ``None`` when its settings turn
-it off (``coredump.enabled = false``). The settings (:func:`agent.runtime.settings.settings_model`) are
+values a component may read besides it (:class:`AgentValues`: data dir, host name and every
+path under them, ``ctx.agent.layout``; the stall rule's timeout...), never another component's
+table. It returns ``None`` when its settings turn it off (``coredump.enabled = false``). The settings (:func:`agent.runtime.settings.settings_model`) are
 assembled from the registries, one table per registered ``config``; :meth:`agent.runtime.agent.Agent.build`
 builds every registered component of each kind, in registration order.
 
@@ -27,7 +27,8 @@ Adding a component is its module plus one line, e.g. in ``agent/actors/__init__.
 
     ACTORS.register("my_actor", config="agent.actors.my_actor:MyConfig", factory="agent.actors.my_actor:create")
 
-Imports only the standard library (the registries are read by the CLI at start-up).
+Imports only the standard library and :mod:`agent.model.datadir` (stdlib only itself: the
+registries are read by the CLI at start-up).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from agent.errors import UnknownComponentError
+from agent.model.datadir import DataDir
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -73,7 +75,8 @@ class AgentValues:
     own tables when the settings load: :meth:`agent.runtime.settings.AgentSettings.agent_values`).
 
     Attributes:
-        data_dir: where bundles, span files and the status file go (``data_dir``).
+        data_dir: where bundles, span files and the status file go (``data_dir``; their paths:
+            :attr:`layout`).
         host_name: ``host.name`` of spans and bundle paths (``host_name``).
         watchdog_timeout_s: the stall rule's timeout: busy with no forward step for this long is
             a stall, seconds (``watchdog.timeout_s``).
@@ -93,6 +96,12 @@ class AgentValues:
     target_uids: tuple[int, ...] = ()
     sdk_socket_dir: Path | None = None
     server_urls: tuple[str, ...] = ()
+
+    @property
+    def layout(self) -> DataDir:
+        """Every path under ``data_dir`` for ``host_name`` (bundles, status file, spool, spans,
+        own actions, launch records...): a component builds a data-dir path only through it."""
+        return DataDir(self.data_dir, self.host_name)
 
 
 @dataclass(frozen=True, slots=True)

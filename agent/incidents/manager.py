@@ -90,6 +90,7 @@ from agent.incidents.admission import (
 )
 from agent.incidents.admission import server_tree as _server_tree
 from agent.model.bus import EventBus
+from agent.model.datadir import DataDir
 from agent.model.events import (
     Action,
     ActionCompleted,
@@ -469,6 +470,8 @@ class IncidentManager:
         self.config = config
         self.data_dir = Path(data_dir)
         self.host_name = host_name
+        #: every path under the data dir for this host (bundles: ``layout.incident(id)``)
+        self.layout = DataDir(self.data_dir, host_name)
         self.discover = discover
         self.discover_for = discover_for
         self.server_of = server_of
@@ -886,7 +889,7 @@ class IncidentManager:
         server: int | None = None,
     ) -> IncidentRecord:
         incident_id = _incident_id(trigger)
-        bundle_dir = self.data_dir / self.host_name / incident_id
+        bundle_dir = self.layout.incident(incident_id)
         try:
             # 0700: stacks and request ids are not for every user
             await anyio.to_thread.run_sync(ensure_private_dir, bundle_dir)
@@ -1339,7 +1342,7 @@ def _unfinished_bundles(data_dir: Path, host_name: str, *, tracked: bool = False
     durable: :data:`agent.host.manifest.SPANS_DURABLE_NAME`). A live agent's running incident is left
     alone. A manifest that does not read (corrupt, an unknown version) is logged and left as it is."""
     found: list[tuple[Path, Manifest]] = []
-    host_dir = Path(data_dir) / host_name
+    host_dir = DataDir(Path(data_dir), host_name).host
     try:
         paths = sorted(host_dir.glob(f"*/{MANIFEST_NAME}"))
     except OSError:

@@ -1,1 +1,1 @@
-"""The vocabulary: events and the names they carry, the bus, ids, stacks, ranks, progress, safe text, backoff, lazy imports. No I/O, no policy."""
+"""The vocabulary: events and the names they carry, the bus, ids, stacks, ranks, progress, safe text, backoff, lazy imports, the data dir's layout. No I/O, no policy."""

@@ -7,8 +7,8 @@ on a loaded host for a command that needs two values. :func:`read_only_location`
 two by the same precedence (``--data-dir`` > ``SERVEWATCH_DATA_DIR`` > default; ``SERVEWATCH_HOST_NAME``
 > this machine's name) when nothing else could matter: no ``--config`` file and no other
 ``SERVEWATCH_*`` variable (whose typo the full settings would warn about); otherwise it returns
-``None`` and the caller loads the full settings. Imports the standard library and
-:mod:`agent.host.security` only.
+``None`` and the caller loads the full settings. Imports the standard library,
+:mod:`agent.model.datadir` and :mod:`agent.host.security` only.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
+
+from agent.model.datadir import DataDir
 
 __all__ = ["DEFAULT_DATA_DIR", "ENV_DATA_DIR", "ENV_HOST_NAME", "ENV_PREFIX", "Location", "read_only_location"]
 
@@ -42,6 +44,11 @@ class Location(NamedTuple):
     data_dir: Path
     #: ``host_name`` (one path component)
     host_name: str
+
+    @property
+    def layout(self) -> DataDir:
+        """Every path under ``data_dir`` for ``host_name``, as the full settings' ``layout``."""
+        return DataDir(self.data_dir, self.host_name)
 
 
 def read_only_location(data_dir: Path | None, config: Path | None,

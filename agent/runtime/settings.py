@@ -59,6 +59,7 @@ from agent.host.stall import WatchdogConfig
 from agent.host.startup import StartupConfig
 from agent.host.targets import TargetConfig
 from agent.incidents.manager import IncidentConfig
+from agent.model.datadir import DataDir
 from agent.runtime.location import DEFAULT_DATA_DIR, ENV_DATA_DIR, ENV_PREFIX
 
 __all__ = [
@@ -141,6 +142,11 @@ class AgentSettings(BaseSettings):
             if resolve is not None:
                 setattr(self, table, resolve(values))
         return self
+
+    @property
+    def layout(self) -> DataDir:
+        """Every path under ``data_dir`` for ``host_name`` (:class:`agent.model.datadir.DataDir`)."""
+        return DataDir(self.data_dir, self.host_name)
 
     def table(self, name: str) -> BaseModel:
         """A table by name (``"pyspy"``, ``"watchdog"``).

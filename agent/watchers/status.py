@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.model.datadir import STATUS_FILE, DataDir
 from agent.model.kinds import StrEnum, now_ns
 
 if typing.TYPE_CHECKING:
@@ -61,8 +62,7 @@ log = logging.getLogger("servewatch.status")
 
 #: Schema tag of the status file (and of ``/v1/status``).
 STATUS_SCHEMA = "servewatch.status/1"
-#: File name of the status file inside ``<data_dir>/<host>/``.
-STATUS_FILE = "status.json"
+# STATUS_FILE: the status file's name inside ``<data_dir>/<host>/`` (agent.model.datadir's)
 
 
 class WatcherState(StrEnum):
@@ -230,8 +230,8 @@ class StatusSnapshot:
 
 
 def status_path(data_dir: str | os.PathLike[str], host_name: str) -> Path:
-    """``<data_dir>/<host_name>/status.json``."""
-    return Path(data_dir) / host_name / STATUS_FILE
+    """``<data_dir>/<host_name>/status.json`` (:attr:`agent.model.datadir.DataDir.status_file`)."""
+    return DataDir(Path(data_dir), host_name).status_file
 
 
 def read_status_file(path: str | os.PathLike[str]) -> StatusSnapshot:
@@ -414,7 +414,7 @@ def create_board(config: None, ctx: BuildContext) -> StatusBoard | None:
         return None
     return StatusBoard(
         host_name=ctx.agent.host_name,
-        path=status_path(ctx.agent.data_dir, ctx.agent.host_name),
+        path=ctx.agent.layout.status_file,
         on_change=ctx.on_status_change,
         warn_blind=ctx.on_status_change is None,  # the caller prints each change (the CLI): not twice
     )

@@ -663,7 +663,7 @@ def create(config: None, ctx: BuildContext) -> SpanMirror | None:
     tel = ctx.telemetry
     importer = None
     if not ctx.one_shot:  # a running agent: profile traces are imported off the span pipeline
-        from exporters.mirror.trace_imports import LEDGER_DIR_NAME, TraceImporter, TraceImportLedger
+        from exporters.mirror.trace_imports import TraceImporter, TraceImportLedger
 
-        importer = TraceImporter(ledger=TraceImportLedger(Path(ctx.agent.data_dir) / LEDGER_DIR_NAME))
+        importer = TraceImporter(ledger=TraceImportLedger(ctx.agent.layout.trace_imports))
     return SpanMirror(tel.sink, host_name=ctx.agent.host_name, export_statistics=tel.processor.statistics, importer=importer)

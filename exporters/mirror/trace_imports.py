@@ -39,14 +39,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 from agent.host.fsutil import atomic_write_text, ensure_private_dir
+from agent.model.datadir import TRACE_IMPORTS_DIR
 from exporters.mirror.torch_trace import IMPORT_DEADLINE_S, ImportBudget
 
 __all__ = ["LEDGER_DIR_NAME", "MAX_PENDING", "ImporterStatistics", "TraceImportLedger", "TraceImporter"]
 
 _log = logging.getLogger(__name__)
 
-#: Folder of the ledger under the agent's data dir.
-LEDGER_DIR_NAME = "trace-imports"
+#: Folder of the ledger under the agent's data dir (agent.model.datadir's: ``DataDir.trace_imports``).
+LEDGER_DIR_NAME = TRACE_IMPORTS_DIR
 #: Sessions waiting for the import worker before a new one is refused.
 MAX_PENDING = 8
 #: Most marks kept by the ledger (the oldest go first).

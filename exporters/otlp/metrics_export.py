@@ -4,7 +4,7 @@
 Owns the network side of servewatch's own metrics. It sends through the same senders as spans
 (:mod:`exporters.otlp.transport`: TLS/mTLS, gzip, lower-cased gRPC metadata, one attempt per call), so
 ``OTEL_EXPORTER_OTLP_HEADERS='Authorization=...'`` works for metrics exactly as for traces. An
-export the collector does not take (down, timing out) is written to ``<data_dir>/<host>/metrics-spool/``
+export the collector does not take (down, timing out) is written to ``<data_dir>/<host>/spool/metrics/``
 as one ``ExportMetricsServiceRequest`` file (atomic, 0600; the spans' :class:`~exporters.otlp.spool.Spool`,
 the one persistent queue) and replayed oldest first before the next export; past ``max_files`` the
 oldest is deleted and its data points counted as lost. A

@@ -48,6 +48,7 @@ from urllib.parse import unquote
 from opentelemetry.sdk import environment_variables as _ev
 
 from agent.errors import ExportConfigError
+from agent.model.datadir import METRICS_SPOOL_DIR, DataDir
 from exporters.config import ExportConfig, Protocol, scheme_problem
 
 if TYPE_CHECKING:  # imported where used: `import exporters.otlp.provider` (config models) stays light
@@ -593,7 +594,7 @@ def build_telemetry(
     disabled = sdk_disabled(os.environ if environ is None else environ)
     destination = resolve_destination(config, environ)
     resource = build_resource(config, host_name=host, service_instance_id=service_instance_id or str(uuid.uuid4()), environ=environ)
-    base = Path(data_dir) / host
+    layout = DataDir(Path(data_dir), host)
     spans_dir: Path | None = None
     spool_dir: Path | None = None
     spool: Spool | None = None
@@ -602,14 +603,14 @@ def build_telemetry(
         _log.info("OTEL_SDK_DISABLED=true: servewatch exports no spans and no metrics (bundles are still written)")
         sender = DisabledSender()
     elif destination.endpoint is None:
-        spans_dir = base / "spans"
+        spans_dir = layout.spans
         sender = FileSender(spans_dir, max_file_bytes=config.file_max_bytes, max_files=config.file_max_files)
     else:
         try:
             sender = destination.make_sender()
         except (ValueError, OSError) as exc:
             raise ExportConfigError(f"export.endpoint: {exc}") from exc
-        spool = Spool(base / "spool", max_bytes=config.spool_max_bytes)
+        spool = Spool(layout.spool, max_bytes=config.spool_max_bytes)
         spool_dir = spool.directory
     batching = resolve_batching(config, environ)
     timeout_explicit = config.timeout_s is not None or _env(os.environ if environ is None else environ, "traces", "TIMEOUT")
@@ -643,8 +644,9 @@ def build_telemetry(
             sender=metrics_sender,
             timeout_s=metrics_dest.timeout_s,
             interval_s=config.metrics_interval_s,
-            file_directory=base / "metrics",
-            spool_dir=(spool_dir or base / "spool") / "metrics",
+            file_directory=layout.metrics,
+            # inside the span spool's own folder (its pid-<pid>/ when another agent holds the root)
+            spool_dir=layout.metrics_spool if spool_dir is None else spool_dir / METRICS_SPOOL_DIR,
         )
     metrics = Metrics(meter_provider)
     metrics.watch_export(processor.statistics)
@@ -674,4 +676,5 @@ def create(config: ExportConfig, ctx: BuildContext) -> Telemetry | None:
     if ctx.telemetry is not None:
         return ctx.telemetry
     # one-shot commands send the agent's own metrics only to a collector (no metrics files)
-    return build_telemetry(config, data_dir=ctx.agent.data_dir, host_name=ctx.agent.host_name, file_metrics=not ctx.one_shot)
+    layout = ctx.agent.layout
+    return build_telemetry(config, data_dir=layout.root, host_name=layout.host_name, file_metrics=not ctx.one_shot)

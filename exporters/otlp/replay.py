@@ -37,6 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from agent.host.fsutil import atomic_write_text
 from agent.model.backoff import Backoff
+from agent.model.datadir import EXPORT_LEDGER_FILE, SPANS_DIR, SPOOL_DIR, DataDir
 from exporters.otlp.batching import halve_request
 from exporters.otlp.otlp_json import TornLines, iter_span_files, read_span_file
 from exporters.otlp.spool import DeliveredKeys, spool_root_of
@@ -54,10 +55,10 @@ __all__ = ["LEDGER_NAME", "ReplayResult", "ledger_path", "replay"]
 
 _log = logging.getLogger(__name__)
 
-#: file name of the export ledger, in the data dir it belongs to
-LEDGER_NAME = "export-ledger.json"
+#: file name of the export ledger, in the data dir it belongs to (agent.model.datadir's)
+LEDGER_NAME = EXPORT_LEDGER_FILE
 #: the folders under ``<data_dir>/<host>/`` that hold span files (embedded default, spool)
-_SPAN_FOLDERS = ("spans", "spool")
+_SPAN_FOLDERS = (SPANS_DIR, SPOOL_DIR)
 #: Unreadable span files named one warning line each; the rest are summed up in one line at the end.
 _SAY_BAD_FILES = 3
 
@@ -83,8 +84,8 @@ def ledger_path(span_file: str | os.PathLike[str]) -> Path:
         pass
     for folder in file.parents:
         if folder.name in _SPAN_FOLDERS and len(folder.parents) >= 3:  # never the root folder
-            return folder.parent.parent / LEDGER_NAME
-    return file.parent / LEDGER_NAME
+            return DataDir(folder.parent.parent, folder.parent.name).export_ledger
+    return DataDir.ledger_beside(file.parent)
 
 
 class ReplayResult(NamedTuple):

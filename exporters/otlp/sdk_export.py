@@ -17,7 +17,7 @@ as the agent's shipper puts on the spans it ships; and the service name is decla
 (:func:`agent.sdk.provider.set_service_name`) even when no endpoint is set, so the spans an agent
 ships from this server arrive under it, not as ``unknown_service``.
 
-Imports opentelemetry-sdk, :mod:`agent.sdk.provider` and :mod:`exporters.otlp.provider` / :mod:`exporters.otlp.processor`.
+Imports opentelemetry-sdk, :mod:`agent.sdk.provider`, :mod:`agent.model.datadir` and :mod:`exporters.otlp.provider` / :mod:`exporters.otlp.processor`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
+from agent.model.datadir import DataDir
 from agent.sdk.provider import set_service_name
 from exporters.otlp.processor import LosslessSpanProcessor
 from exporters.otlp.provider import (
@@ -77,7 +78,7 @@ def tracer_provider_from_env(
     data_dir = env.get("SERVEWATCH_DATA_DIR", "").strip()
     if data_dir:
         try:
-            spool = Spool(Path(data_dir) / socket.gethostname() / "spool", max_bytes=64 * 1024 * 1024)
+            spool = Spool(DataDir(Path(data_dir), socket.gethostname()).spool, max_bytes=64 * 1024 * 1024)
         except OSError as exc:
             _log.warning("no span spool under %s (%s); failed batches are dropped and counted", data_dir, exc)
     batching = resolve_batching(ExportConfig(), env)  # OTEL_BSP_* as the SDK's BatchSpanProcessor reads them

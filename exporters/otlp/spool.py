@@ -56,6 +56,7 @@ from agent.host.fsutil import (
     open_append_nofollow,
     remove_stale_temps,
 )
+from agent.model.datadir import METRICS_SPOOL_DIR, SPOOL_DIR
 from exporters.otlp.otlp_json import read_span_file
 
 __all__ = ["REJECTED_MAX_FILES", "DeliveredKeys", "Spool", "SpoolEntry", "SpoolStatistics", "disk_bytes", "durable_keys", "spool_root_of"]
@@ -236,7 +237,7 @@ def spool_root_of(path: Path) -> Path | None:
     """The spool root folder a spool file lies in (``.../<host>/spool``, also for files under
     ``pid-*/`` and ``rejected/``), or ``None`` when it is not in a spool."""
     for folder in Path(path).parents:
-        if folder.name == "spool":
+        if folder.name == SPOOL_DIR:
             return folder
     return None
 
@@ -413,7 +414,7 @@ class Spool:
             if parsed is not None:
                 found.append((parsed[0], parsed[2], path, parsed[1], parsed[3]))
         spans_total = self._take(found)
-        for sub in ("rejected", "metrics"):
+        for sub in ("rejected", METRICS_SPOOL_DIR):
             src = folder / sub
             if src.is_dir() and not src.is_symlink():
                 dest = ensure_private_dir(self.directory / sub)

@@ -75,10 +75,11 @@ def tracer_provider_from_env(
         return None
     sender = destination.make_sender()
     spool = None
+    host_name = env.get("SERVEWATCH_HOST_NAME", "").strip() or socket.gethostname()  # the agent's own default
     data_dir = env.get("SERVEWATCH_DATA_DIR", "").strip()
     if data_dir:
-        try:
-            spool = Spool(DataDir(Path(data_dir), socket.gethostname()).spool, max_bytes=64 * 1024 * 1024)
+        try:  # the spool of the host the spans name: the agent (same SERVEWATCH_HOST_NAME) replays it
+            spool = Spool(DataDir(Path(data_dir), host_name).spool, max_bytes=64 * 1024 * 1024)
         except OSError as exc:
             _log.warning("no span spool under %s (%s); failed batches are dropped and counted", data_dir, exc)
     batching = resolve_batching(ExportConfig(), env)  # OTEL_BSP_* as the SDK's BatchSpanProcessor reads them
@@ -92,7 +93,7 @@ def tracer_provider_from_env(
     # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME over ours; the identity
     # (host, pid, uid) is this process's, as the agent's shipper states it, and wins
     identity = Resource({
-        "host.name": env.get("SERVEWATCH_HOST_NAME", "").strip() or socket.gethostname(),
+        "host.name": host_name,
         "process.pid": os.getpid(),
         "process.user.id": os.geteuid(),
     })

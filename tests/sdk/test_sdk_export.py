@@ -139,3 +139,21 @@ def test_a_server_without_endpoint_still_names_its_service_for_the_spans_the_age
         provider.set_service_name("")
     assert declared["resource"]["service.name"] == "my-llm-server"
     assert _server_resource(declared, os.getpid(), "h", os.geteuid()).attributes["service.name"] == "my-llm-server"
+
+
+def test_a_server_spools_under_the_host_name_its_spans_carry_where_the_agent_replays_them(tmp_path: Path) -> None:
+    """With ``SERVEWATCH_HOST_NAME`` set (the agent's host.name, as a pod sets it), a server's
+    spool went to ``<data dir>/<socket.gethostname()>/spool`` while its spans said the other name:
+    the agent (which replays ``<data dir>/<its host.name>/spool``) never found it."""
+    import socket
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "SERVEWATCH_HOST_NAME": "gpu-node-7",
+           "SERVEWATCH_DATA_DIR": str(tmp_path)}
+    provider = tracer_provider_from_env("srv", environ=env)
+    assert provider is not None
+    try:
+        assert provider.resource.attributes["host.name"] == "gpu-node-7"
+        assert sorted(p.relative_to(tmp_path).parts[:2] for p in tmp_path.rglob("*") if p.is_dir() and len(p.relative_to(tmp_path).parts) == 2) == [("gpu-node-7", "spool")]
+        assert not (tmp_path / socket.gethostname()).exists()
+    finally:
+        provider.shutdown()

@@ -13,9 +13,10 @@ Owns :class:`AgentApi` (a :class:`~agent.fleet.http.HttpServer` handler) and the
   coordinator takes this host's evidence; ``relay``: peers this agent asks in turn (a
   tree-shaped fan-out). Answers 202 with this agent's incident once it opened (capture started); every
   answer to a join names the trace (``trace_id``).
-* ``POST /v1/job/announce``, ``/v1/job/report``, ``/v1/job/evidence``: the job's coordination
-  (:mod:`agent.fleet.messages`): the coordinator presents itself, a host reports a detection to
-  it, a host sends it its evidence summary.
+* ``POST /v1/job/announce``, ``/v1/job/report``, ``/v1/job/evidence``, ``/v1/job/moved``: the
+  job's coordination (:mod:`agent.fleet.messages`): the coordinator presents itself, a host
+  reports a detection to it, a host sends it its evidence summary, a provisional coordinator that
+  backed down tells the hosts whose evidence it took where the coordinator is.
 
 Order of checks on every request: rate limit (429, before authentication, so guessing tokens is
 slow too), then authentication (401 without a valid bearer token, or a peer's signature made with
@@ -58,7 +59,7 @@ from typing import Any, Protocol
 import anyio
 
 from agent.fleet.http import Request, Response, json_response
-from agent.fleet.messages import Announce, Evidence, Report, ValidationError, first_error
+from agent.fleet.messages import Announce, Evidence, Moved, Report, ValidationError, first_error
 from agent.fleet.proof import (
     MAX_SKEW_S,
     NONCE_HEADER,
@@ -83,8 +84,8 @@ MAX_CLIENTS = 4096
 #: Most peers one join may ask this agent to relay to.
 MAX_RELAY = 4096
 #: The job routes and the message model of each body.
-JOB_ROUTES: dict[str, type[Announce | Report | Evidence]] = {
-    "/v1/job/announce": Announce, "/v1/job/report": Report, "/v1/job/evidence": Evidence,
+JOB_ROUTES: dict[str, type[Announce | Report | Evidence | Moved]] = {
+    "/v1/job/announce": Announce, "/v1/job/report": Report, "/v1/job/evidence": Evidence, "/v1/job/moved": Moved,
 }
 
 
@@ -140,7 +141,7 @@ class ApiBackend(Protocol):
     async def list_incidents(self) -> list[dict[str, Any]]: ...
     async def get_incident(self, incident_id: str) -> dict[str, Any] | None: ...
     async def post_incident(self, request: JoinRequest, *, agent_id: str, sender: Sender) -> tuple[int, dict[str, Any]]: ...
-    async def job_message(self, message: Announce | Report | Evidence, *, client: str, sender: Sender) -> tuple[int, dict[str, Any]]: ...
+    async def job_message(self, message: Announce | Report | Evidence | Moved, *, client: str, sender: Sender) -> tuple[int, dict[str, Any]]: ...
 
 
 class RateLimiter:
@@ -377,7 +378,7 @@ class AgentApi:
             return json_response(200, manifest)
         return _error(404, "not found")
 
-    async def _job_message(self, request: Request, model: type[Announce | Report | Evidence]) -> Response:
+    async def _job_message(self, request: Request, model: type[Announce | Report | Evidence | Moved]) -> Response:
         try:
             message = model.model_validate_json(request.body or b"{}")
         except ValidationError as exc:

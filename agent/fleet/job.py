@@ -114,7 +114,7 @@ from agent.fleet.identity import (
 )
 from agent.fleet.jobstate import Announced, JobIncident, PeerOutcome
 from agent.fleet.jobverdict import CLOCK_OFFSET_SAID_S, JobVerdict, MissingHost, judge_job
-from agent.fleet.messages import Announce, Evidence, MemberInfo, RelayedPeer, Report
+from agent.fleet.messages import Announce, Evidence, MemberInfo, Moved, RelayedPeer, Report
 from agent.fleet.peers import (
     OwnNames,
     Peer,
@@ -657,6 +657,7 @@ class Fleet:
                 job.coordinating, job.backed_down = False, True
                 log.warning("job %s: %s coordinates trace %s: backing down (reports sent to us are redirected there)",
                             self.config.job, job.coordinator_host, job.trace_id)
+                self._tell_moved(job)
             job.results.append(reply.result)
             await self._follow(job, doc)
             return True
@@ -796,6 +797,69 @@ class Fleet:
                     job.trace_id, why, host or coordinator)
         job.evidence_changed.set()  # a verdict waiting for evidence stops waiting
         job.evidence_changed = anyio.Event()
+        self._tell_moved(job)
+
+    def _tell_moved(self, job: JobIncident) -> None:
+        """Having backed down, tell every host whose evidence we took (in the background) where
+        the coordinator is (``POST /v1/job/moved``): each sends it there again. Without this
+        their evidence, answered ``received`` here, never reached the job verdict."""
+        held = {h: s for h, s in job.evidence_senders.items() if h != self.host_name}
+        job.evidence_senders.clear()
+        job.moved_hosts = sorted(held)[:1024]  # said on our own evidence: the coordinator waits for them
+        if held and job.coordinator is not None and self._tg is not None:
+            self._spawn(self._send_moved, job, job.coordinator, held)
+
+    async def _send_moved(self, job: JobIncident, coordinator: Peer, held: dict[str, Sender]) -> None:
+        resolver = self.resolver
+        assert resolver is not None
+        try:
+            members, _ = await resolver.resolve_all()
+            body = Moved.model_validate({
+                "job": self.config.job, "host.name": self.host_name, "agent_id": self.agent_id, "trace_id": job.trace_id,
+                "coordinator": coordinator.url, "coordinator_host": job.coordinator_host[:255],
+            }).model_dump(by_alias=True)
+
+            async def tell(item: tuple[str, Sender]) -> None:
+                host, sender = item
+                peer = None
+                for member in members:
+                    if not resolver.is_self(member) and await self._at(member, sender):
+                        peer = member
+                        break
+                if peer is None:
+                    log.warning("job %s: cannot tell %s where the coordinator is (%s is no member we list): its evidence"
+                                " taken here is not in the job verdict", self.config.job, host, sender.identity)
+                    return
+                reply = await call_peer(peer, "/v1/job/moved", body, credentials=self._as_listed(),
+                                        timeout_s=self.config.peer_timeout_s, action="fleet.moved", attempts=3)
+                if reply.result.outcome is not Outcome.OK:
+                    log.warning("job %s: telling %s where the coordinator is failed (%s): its evidence taken here is not"
+                                " in the job verdict", self.config.job, host, reply.result.detail)
+
+            await bounded(list(held.items()), tell, limit=self.config.fanout_concurrency)
+        except Exception:  # boundary
+            log.exception("telling the hosts whose evidence we took where the coordinator is failed")
+
+    async def _on_moved(self, message: Moved, sender: Sender) -> tuple[int, dict[str, Any]]:
+        """The coordinator we sent our evidence to backed down (:meth:`_tell_moved`): follow the
+        one it names and send our evidence there again. Taken only from that coordinator, for
+        this host's job incident (409 otherwise)."""
+        job = self.job
+        if job is None or not self._in_window(job) or message.trace_id != job.trace_id:
+            return 409, {"error": "not the job incident of this agent", "host.name": self.host_name,
+                         **(self._trace_doc(job) if job is not None else {})}
+        if job.coordinating or job.coordinator is None or not await self._at(job.coordinator, sender):
+            return 409, {"error": "only the coordinator this agent follows says where it moved", "host.name": self.host_name,
+                         **self._trace_doc(job)}
+        target = self._redirect_target({"coordinator": message.coordinator})
+        if target is None:
+            return 400, {"error": "coordinator is not a peer address", "host.name": self.host_name}
+        job.coordinator, job.coordinator_host = target, message.coordinator_host or target.url
+        log.warning("job %s: %s backed down as coordinator: our evidence goes to %s", self.config.job, message.host_name,
+                    job.coordinator_host)
+        if job.sent_evidence is not None:
+            self._spawn(self._send_evidence, job, job.sent_evidence)
+        return 200, {"status": "following", "host.name": self.host_name, **self._trace_doc(job)}
 
     def _cut_off(self, job: JobIncident, first: Peer, unreachable: Sequence[str]) -> None:
         """This host reached no other host of the job: its view is partial. No job verdict from
@@ -911,7 +975,9 @@ class Fleet:
         incident's start: a partitioned host's evidence arrives when the partition heals. Any
         other refusal is final (logged)."""
         assert job.coordinator is not None
-        evidence = evidence.model_copy(update={"partial": job.partial, "backed_down": job.backed_down})
+        job.sent_evidence = evidence
+        evidence = evidence.model_copy(update={"partial": job.partial, "backed_down": job.backed_down,
+                                               "moved_hosts": job.moved_hosts if job.backed_down else []})
         body = json.loads(fit(evidence, self.api_config.max_body_bytes - 1024))
         target, hops, delay_s = job.coordinator, 0, 1.0
         deadline = job.started + self.config.dedup_window_s
@@ -949,7 +1015,7 @@ class Fleet:
     async def _job_verdict(self, job: JobIncident, bundle_dir: str) -> None:
         """Wait for every member's evidence (bounded), judge the job, emit its root span."""
         deadline = job.started + self.config.evidence_timeout_s
-        while job.coordinating and len(job.evidence) < job.expected_hosts() and time.monotonic() < deadline:
+        while job.coordinating and job.waits_for() and time.monotonic() < deadline:
             changed = job.evidence_changed
             with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await changed.wait()
@@ -1084,9 +1150,9 @@ class Fleet:
 
     # -- API backend ----------------------------------------------------------------------------------
 
-    async def job_message(self, message: Announce | Report | Evidence, *, client: str,
+    async def job_message(self, message: Announce | Report | Evidence | Moved, *, client: str,
                           sender: Sender | None = None) -> tuple[int, dict[str, Any]]:
-        """``POST /v1/job/announce|report|evidence`` (bodies validated by :mod:`agent.fleet.messages`);
+        """``POST /v1/job/announce|report|evidence|moved`` (bodies validated by :mod:`agent.fleet.messages`);
         ``sender``: who sent it as far as it is proven (default: ``client`` alone)."""
         if message.job != self.config.job:
             return 409, {"error": f"job mismatch: this agent is in job {self.config.job!r}", "host.name": self.host_name}
@@ -1097,6 +1163,8 @@ class Fleet:
             return await self._on_announce(message, who)
         if isinstance(message, Report):
             return await self._on_report(message, who)
+        if isinstance(message, Moved):
+            return await self._on_moved(message, who)
         return self._on_evidence(message, who)
 
     def _as_listed(self) -> PeerCredentials:
@@ -1309,6 +1377,7 @@ class Fleet:
             return 413, {"error": "too many hosts"}
         self.evidence_received += 1
         job.add_evidence(evidence, job.proven.get(evidence.host_name, ""))
+        job.evidence_senders[evidence.host_name] = sender
         if sender.clock_offset_s is not None and len(job.clock_offsets_s) < MAX_EVIDENCE_HOSTS:
             job.clock_offsets_s[evidence.host_name] = sender.clock_offset_s
         return 200, {"status": "received", "host.name": self.host_name, **self._trace_doc(job)}

@@ -132,6 +132,16 @@ class JobIncident:
     asked_proven: set[str] = field(default_factory=set)
     #: who sent what was taken: host name -> identity of its evidence; reporter address -> identity
     evidence_by: dict[str, str] = field(default_factory=dict)
+    #: host name -> the :class:`~agent.fleet.api.Sender` of the evidence this coordinator took
+    #: (told where the coordinator is should this one back down)
+    evidence_senders: dict[str, Any] = field(default_factory=dict)
+    #: the evidence this agent last sent its coordinator (sent again when told it moved)
+    sent_evidence: Evidence | None = None
+    #: having backed down: the hosts told to send their evidence to the coordinator instead
+    moved_hosts: list[str] = field(default_factory=list)
+    #: hosts a provisional coordinator that backed down to us told to send us their evidence:
+    #: the verdict waits for them as for every member (bounded by ``evidence_timeout_s``)
+    awaited_hosts: set[str] = field(default_factory=set)
     reported_by: dict[str, str] = field(default_factory=dict)
     #: what was refused because it claimed an identity another sender proved (one line each)
     conflicts: list[str] = field(default_factory=list)
@@ -215,6 +225,8 @@ class JobIncident:
             if flag and evidence.host_name not in hosts:
                 hosts.append(evidence.host_name)
         self.evidence_by[evidence.host_name] = identity
+        if evidence.backed_down and len(self.awaited_hosts) < 1024:
+            self.awaited_hosts.update(evidence.moved_hosts[:1024 - len(self.awaited_hosts)])
         for r in evidence.relayed:
             self.asked.setdefault(r.address, PeerOutcome(r.address, Outcome(r.outcome), r.detail, r.host_name,
                                                         tuple(r.ranks), via=evidence.host_name))
@@ -224,11 +236,18 @@ class JobIncident:
     def failed_addresses(self) -> set[str]:
         return {a for a, o in self.asked.items() if o.outcome is not Outcome.OK}
 
+    def waits_for(self) -> bool:
+        """Whether evidence is still due: fewer hosts' than :meth:`expected_hosts`, or a host
+        told to come here (``awaited_hosts``) not in yet."""
+        return len(self.evidence) < self.expected_hosts() or any(h not in self.evidence for h in self.awaited_hosts)
+
     def expected_hosts(self) -> int:
         """How many hosts' evidence the verdict waits for: every member and reporter, less those
-        that could not be asked."""
-        everyone = set(self.members) | set(self.reported)
-        return max(1, len(everyone - self.failed_addresses()))
+        that could not be asked, plus the hosts told to come here (``awaited_hosts``) not among them."""
+        counted = (set(self.members) | set(self.reported)) - self.failed_addresses()
+        named = {self.reported[u] for u in counted if u in self.reported}
+        named |= {self.member_info[u].host_name for u in counted if u in self.member_info}
+        return max(1, len(counted) + len(self.awaited_hosts - named))
 
     def summary(self) -> dict[str, Any]:
         return {"trace_id": self.trace_id, "root_span_id": self.root_span_id, "key": self.key,

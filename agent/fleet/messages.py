@@ -25,6 +25,7 @@ __all__ = [
     "Announce",
     "Evidence",
     "MemberInfo",
+    "Moved",
     "RankSummary",
     "RelayedPeer",
     "Report",
@@ -152,6 +153,8 @@ class Evidence(_FromHost):
             what it saw alone (never a verdict of its own).
         backed_down: the host coordinated the job incident for a while (its first choice did not
             answer in time), then learnt that the receiver does and backed down.
+        moved_hosts: with ``backed_down``: the hosts whose evidence it had taken and told to send
+            it to the receiver (:class:`Moved`): the receiver's verdict waits for them too.
     """
 
     trace_id: str = Field(pattern=_HEX32)
@@ -163,6 +166,7 @@ class Evidence(_FromHost):
     relayed: list[RelayedPeer] = Field(default_factory=list, max_length=1024)
     partial: bool = False
     backed_down: bool = False
+    moved_hosts: list[str] = Field(default_factory=list, max_length=1024)
 
 
 def first_error(exc: ValidationError) -> str:
@@ -170,3 +174,19 @@ def first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ())) or "body"
     return f"{where}: {err.get('msg', 'invalid')}"
+
+
+class Moved(_FromHost):
+    """A provisional coordinator backed down after it had taken this host's evidence: the job's
+    coordinator is ``coordinator`` (its URL in the member list) and the evidence goes there
+    again. Taken only from the coordinator the receiver sent its evidence to.
+
+    Attributes:
+        trace_id: the job's trace.
+        coordinator: the coordinator's URL (``http://10.0.0.1:9464``), as the member list gives it.
+        coordinator_host: its host name as it proved it (``""``: not proven).
+    """
+
+    trace_id: str = Field(pattern=_HEX32)
+    coordinator: str = Field(min_length=1, max_length=300)
+    coordinator_host: str = Field("", max_length=255)

@@ -511,6 +511,60 @@ async def test_a_coordinator_whose_report_and_join_answers_all_come_late_is_stil
     assert shape["root"].attributes["servewatch.job.backed_down"] == ("node-b",)
 
 
+async def test_evidence_a_provisional_coordinator_took_before_it_backed_down_reaches_the_job_verdict(
+    tmp_path: Path, spawn, python, otlp_receiver
+) -> None:
+    """Issue 35: node-a (rank 0) takes node-b's report but answers every report, and every join,
+    past node-b's bound; node-c refuses node-a's join (so it follows node-b). node-b coordinates
+    provisionally, settles, and takes node-c's evidence (``received``); only then does node-a
+    answer node-b's provisional report, before node-b's verdict: node-b backs down. Before, node-c's
+    evidence stayed with node-b and node-a judged the job from two hosts of three. Now node-b tells
+    node-c where the coordinator is (``/v1/job/moved``), node-c sends its evidence there again,
+    and node-a's verdict (which waits for the hosts node-b named) has all three."""
+    pids = _targets(spawn, python, 3)
+    async with job_of_agents(tmp_path, otlp_receiver, pids, peer_timeout_s=1.0, evidence_timeout_s=40.0) as agents:
+        (a, recs_a), (b, recs_b), (c, recs_c) = agents
+        on_report, on_join, c_join = a.fleet._on_report, a.fleet.post_incident, c.fleet.post_incident
+
+        def c_evidence_taken_by_b() -> bool:
+            job = b.fleet.job
+            return job is not None and job.done.is_set() and "node-c" in job.evidence
+
+        async def report_late(message: Any, sender: Any) -> tuple[int, dict[str, Any]]:
+            answer = await on_report(message, sender)
+            if not (getattr(message, "provisional", False) and c_evidence_taken_by_b()):
+                await anyio.sleep(2.5)  # past node-b's bound
+            return answer
+
+        async def join_late(request: Any, **kw: Any) -> tuple[int, dict[str, Any]]:
+            answer = await on_join(request, **kw)
+            await anyio.sleep(2.5)
+            return answer
+
+        async def c_refuses_node_a(request: Any, **kw: Any) -> tuple[int, dict[str, Any]]:
+            if request.get("origin_host") == "node-a":
+                return 409, {"error": "test: node-a's join refused", "host.name": "node-c"}
+            return await c_join(request, **kw)
+
+        a.fleet._on_report = report_late  # type: ignore[method-assign]
+        a.fleet.post_incident = join_late  # type: ignore[method-assign]
+        c.fleet.post_incident = c_refuses_node_a  # type: ignore[method-assign]
+        await b.bus.publish(_stalled(pids[1]))  # node-b detects; node-a (rank 0) coordinates
+
+        def settled() -> bool:
+            job_b, job_c = b.fleet.job, c.fleet.job
+            return (bool(recs_a and recs_b and recs_c) and a.fleet.verdicts >= 1 and job_b is not None and job_b.backed_down
+                    and job_c is not None and job_c.done.is_set())
+
+        await _until(settled, timeout_s=120)
+        verdicts = (a.fleet.verdicts, b.fleet.verdicts, c.fleet.verdicts)
+        coordinator_c = c.fleet.job.coordinator_host if c.fleet.job is not None else None
+    assert verdicts == (1, 0, 0), verdicts
+    assert coordinator_c == "node-a"
+    doc, _shape = await _node_a_alone_judged(recs_a, recs_b, recs_c, otlp_receiver)
+    assert doc["backed_down"] == ["node-b"] and doc["hosts_expected"] == 3, doc
+
+
 async def test_a_host_whose_clock_is_30_s_ahead_is_said_with_its_offset_in_the_job_verdict_and_on_its_root(
     tmp_path: Path, spawn, python, otlp_receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,17 +32,12 @@ import json
 import logging
 import os
 import threading
-import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.model.kinds import StrEnum, now_ns
-
-if typing.TYPE_CHECKING:
-    from agent.host.registry import BuildContext
-
 
 __all__ = [
     "STATUS_FILE",
@@ -52,7 +47,6 @@ __all__ = [
     "StatusSnapshot",
     "WatcherState",
     "WatcherStatus",
-    "create_board",
     "read_status_file",
     "status_path",
 ]
@@ -403,18 +397,3 @@ class StatusReporter:
     async def initial(self, bus: Any) -> None:
         """Publish the initial (or current) status."""
         await self.set(bus, self.current.state, self.current.reason)
-
-
-def create_board(config: None, ctx: BuildContext) -> StatusBoard | None:
-    """Registry factory (:data:`exporters.EXPORTERS` ``status``), at the ``build`` stage: what
-    every watcher can see, kept in ``<data_dir>/<host>/status.json`` (and an OTel gauge once the
-    agent runs); ``ctx.on_status_change`` hears each change (without one, a watcher turning
-    blind is logged)."""
-    if ctx.stage != "build":
-        return None
-    return StatusBoard(
-        host_name=ctx.agent.host_name,
-        path=status_path(ctx.agent.data_dir, ctx.agent.host_name),
-        on_change=ctx.on_status_change,
-        warn_blind=ctx.on_status_change is None,  # the caller prints each change (the CLI): not twice
-    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -63,6 +64,23 @@ def test_each_kind_lists_its_components_in_registration_order() -> None:
     coredump = regs["actor"].get("cuda_coredump")
     assert coredump.table == "coredump" and coredump.config_model() is CoredumpConfig  # a table named apart
     assert regs["actor"].get("pyspy").module == "agent.actors.pyspy"
+
+
+def _documented_built_ins() -> dict[str, list[str]]:
+    """The built-in components docs/layout.md lists, by kind: ``watchers `a` `b`; actors ...``."""
+    text = " ".join((ROOT / "docs" / "layout.md").read_text(encoding="utf-8").split())
+    listed = re.search(r"The built-in components, in registration order \(.*?\): (.*?)\. ", text)
+    assert listed, "docs/layout.md lost its list of the built-in components"
+    kinds = (part.strip().split(" ", 1) for part in listed.group(1).split(";"))
+    return {kind.removesuffix("s"): re.findall(r"`(\w+)`", names) for kind, names in kinds}
+
+
+def test_the_registries_hold_exactly_the_built_ins_docs_layout_lists() -> None:
+    """The one list of every built-in component (the other tests derive theirs from the
+    registries): adding or removing one means saying so in docs/layout.md."""
+    documented = _documented_built_ins()
+    assert documented["exporter"] == ["mirror"] and len(documented["watcher"]) >= 5  # the list was read
+    assert documented == {kind: registry.names() for kind, registry in registries().items()}
 
 
 def test_an_unknown_name_is_one_line_listing_the_known_ones() -> None:

@@ -10,8 +10,10 @@ line naming
 * ``config``: its settings model, ``"package.module:Class"`` (a light module: the settings load
   without importing the component), whose fields are the component's table of the settings
   (``[pyspy]``, ``SERVEWATCH_PYSPY__*``); the table is named ``table`` (default: ``name``).
-  :meth:`Factory.default_config` is a new model of defaults each call. A component without
-  settings names no ``config``;
+  :meth:`Factory.default_config` is a new model of defaults each call. A model whose defaults
+  leave its component off gives settings that turn it on as the first of its ``examples``
+  (pydantic's ``model_config["json_schema_extra"]``; tests build every component from them). A
+  component without settings names no ``config``;
 * ``factory``: ``"package.module:function"``, imported only when the component is built, so
   ``servewatch --help`` and ``dump`` never import a component they do not run.
 

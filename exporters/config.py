@@ -1,10 +1,10 @@
-"""The exporters' settings models, one per registered exporter with settings (a table each, named
-by the exporter's registration line in :mod:`exporters`): light, so that the settings load without
-importing an exporter.
+"""The settings models of the OTel side every agent has (tables of the agent's own settings,
+:class:`agent.runtime.settings.AgentSettings`): light, so that the settings load without importing
+the export pipeline.
 
-Owns :class:`ExportConfig` (``[export]``, the ``otlp`` exporter's, with the endpoint rule
-:func:`scheme_problem`) and :class:`SpansConfig` (``[spans]``, the ``span_shipper`` exporter's).
-Imports pydantic only.
+Owns :class:`ExportConfig` (``[export]``, the telemetry pipeline's, :mod:`exporters.otlp.provider`,
+with the endpoint rule :func:`scheme_problem`) and :class:`SpansConfig` (``[spans]``, the SDK span
+shipper's, :mod:`exporters.otlp.shipper`). Imports pydantic only.
 """
 
 from __future__ import annotations

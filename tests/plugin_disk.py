@@ -5,8 +5,8 @@
 publishes :class:`DiskSpaceLow`, a :class:`~agent.model.events.TriggerEvent` of its own (trigger
 ``disk_low``), when it falls under ``min_free_bytes``; the incident manager opens incidents for it
 as for any trigger (cooldown by trigger, every registered actor, bundle and spans). Its settings
-are its own table, ``[disk_space]`` (``SERVEWATCH_DISK_SPACE__*``). Used by
-tests/test_extension_points.py.
+are its own table, ``[disk_space]`` (``SERVEWATCH_DISK_SPACE__*``); its factory returns a
+:class:`agent.watchers.Watcher` (mypy checks it). Used by tests/test_extension_points.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from anyio import TASK_STATUS_IGNORED
 from pydantic import BaseModel, Field
 
 from agent.model.events import TriggerEvent
-from agent.watchers import WATCHERS
+from agent.watchers import WATCHERS, Watcher
 
 TRIGGER = "disk_low"
 
@@ -69,7 +69,7 @@ class DiskSpaceWatcher:
             await anyio.sleep(self.config.interval_s)
 
 
-def create(config: DiskSpaceConfig, ctx: Any) -> DiskSpaceWatcher | None:
+def create(config: DiskSpaceConfig, ctx: Any) -> Watcher | None:
     return DiskSpaceWatcher(config) if config.folder is not None else None
 
 

@@ -2,9 +2,9 @@
 a newcomer adds one: nothing in ``agent/`` or ``exporters/`` names it.
 
 ``journal`` writes one JSON line per incident opened and closed (``IncidentOpened``,
-``IncidentClosed``) to a file of its own: a :class:`exporters.mirror.feed.Mirror` (``events`` and
-``handle``), built at the ``start`` stage from its own settings table ``[journal]``
-(``SERVEWATCH_JOURNAL__*``). Used by tests/test_extension_points.py.
+``IncidentClosed``) to a file of its own: an :class:`exporters.Exporter` (``events`` and
+``handle``; its factory says so, so mypy checks it), built at the ``start`` stage from its own
+settings table ``[journal]`` (``SERVEWATCH_JOURNAL__*``). Used by tests/test_extension_points.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from agent.host.registry import BuildContext
 from agent.model.events import Event, IncidentClosed, IncidentOpened
-from exporters import EXPORTERS
+from exporters import EXPORTERS, Exporter
 
 NAME = "journal"
 
@@ -45,7 +45,7 @@ class Journal:
             fh.write(json.dumps(line) + "\n")
 
 
-def create(config: JournalConfig, ctx: BuildContext) -> Journal | None:
+def create(config: JournalConfig, ctx: BuildContext) -> Exporter | None:
     """Registry factory: a journal at the ``start`` stage when a path is set."""
     if ctx.stage != "start" or config.path is None:
         return None

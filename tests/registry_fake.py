@@ -21,7 +21,7 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from pydantic import BaseModel, Field
 
-from agent.actors import ACTORS
+from agent.actors import ACTORS, Actor
 from agent.host.targets import Target
 from agent.model.events import (
     ActionCompleted,
@@ -33,8 +33,8 @@ from agent.model.events import (
     Outcome,
     now_ns,
 )
-from agent.watchers import WATCHERS
-from exporters import EXPORTERS
+from agent.watchers import WATCHERS, Watcher
+from exporters import EXPORTERS, Exporter
 
 PROBE_ACTION = "probe.read"
 LOG_NAME = "probe-log.txt"
@@ -76,11 +76,11 @@ class ProbeLimits(BaseModel):
     max_bytes: int = Field(4096, gt=0, description="most bytes of a target's cmdline read")
 
 
-def create_actor(config: Any, ctx: Any) -> ProbeActor:
+def create_actor(config: Any, ctx: Any) -> Actor:
     return ProbeActor(max_bytes=4096)
 
 
-def create_limited_actor(config: ProbeLimits, ctx: Any) -> ProbeActor:
+def create_limited_actor(config: ProbeLimits, ctx: Any) -> Actor:
     return ProbeActor(max_bytes=config.max_bytes)
 
 
@@ -102,7 +102,7 @@ class ProbeLog:
             self._write(f"{type(event).__name__} {event.trigger}")
 
 
-def create_exporter(config: Any, ctx: Any) -> ProbeLog | None:
+def create_exporter(config: Any, ctx: Any) -> Exporter | None:
     if ctx.stage != "start":
         return None
     return ProbeLog(Path(ctx.agent.data_dir) / LOG_NAME, one_shot=ctx.one_shot)
@@ -118,7 +118,7 @@ class OneFailure:
         await anyio.sleep_forever()
 
 
-def create_watcher(config: Any, ctx: Any) -> OneFailure:
+def create_watcher(config: Any, ctx: Any) -> Watcher:
     return OneFailure()
 
 

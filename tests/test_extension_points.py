@@ -1,8 +1,9 @@
 """Open extension points: a watcher of a new kind of trouble (tests/plugin_disk.py), an actor
 (tests/registry_fake.py) and an exporter (tests/plugin_journal.py) are each their module plus one
-registration line; nothing in ``agent/`` or ``exporters/`` names them, and the new trigger opens
-real incidents like a built-in one, on which the added actor runs after the built-in ones and
-which the added exporter mirrors."""
+registration line; nothing in ``agent/`` or ``exporters/`` names them, each type-checks against its
+kind's Protocol (``Watcher``, ``Actor``, ``Exporter``: mypy), the exporter registry refuses what is
+no ``Exporter``, and the new trigger opens real incidents like a built-in one, on which the added
+actor runs after the built-in ones and which the added exporter mirrors."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from pathlib import Path
 import anyio
 import pytest
 
+from agent.host.registry import BuildContext
 from agent.incidents.manager import IncidentRecord
-from agent.model.events import Action, TriggerEvent
+from agent.model.events import Action, IncidentOpened, TriggerEvent
 from agent.runtime.agent import Agent
 from agent.runtime.settings import env_names, load_settings, registries
-from exporters.mirror.feed import Mirror
+from exporters import Exporter
 from tests import plugin_disk, plugin_journal, registry_fake
 from tests.conftest import PROGRAMS_DIR
 
@@ -69,11 +71,51 @@ def test_nothing_in_the_agent_names_the_added_watcher_actor_or_exporter() -> Non
                            "plugin_journal", "JournalConfig") == []
 
 
-def test_the_added_exporter_brings_its_own_settings_table_and_is_a_mirror(journal_exporter: None, tmp_path: Path) -> None:
+def test_the_added_exporter_brings_its_own_settings_table_and_is_an_exporter(journal_exporter: None, tmp_path: Path) -> None:
     assert "SERVEWATCH_JOURNAL__PATH" in env_names()
     settings = load_settings({"data_dir": tmp_path, "journal": {"path": tmp_path / "j.jsonl"}})
     assert settings.journal.path == tmp_path / "j.jsonl"
-    assert isinstance(plugin_journal.Journal(tmp_path / "j.jsonl"), Mirror)
+    journal = registries()["exporter"].get(plugin_journal.NAME).build(settings, BuildContext(stage="start"))
+    assert isinstance(journal, plugin_journal.Journal) and isinstance(journal, Exporter)
+
+
+class _NoHandle:
+    """Mirrors nothing: it has ``events`` but no ``handle``."""
+
+    events = (IncidentOpened,)
+
+
+def create_no_handle(config: None, ctx: BuildContext) -> _NoHandle:
+    return _NoHandle()
+
+
+def test_the_exporter_registry_refuses_what_is_no_exporter() -> None:
+    registries()["exporter"].register("no_handle", factory="tests.test_extension_points:create_no_handle")
+    try:
+        with pytest.raises(TypeError) as info:
+            registries()["exporter"].get("no_handle").create(None, BuildContext(stage="start"))
+    finally:
+        registries()["exporter"].unregister("no_handle")
+    assert str(info.value) == ("exporter 'no_handle': tests.test_extension_points:create_no_handle returned a _NoHandle,"
+                               " which lacks the members of exporters.Exporter")
+
+
+def test_the_added_components_type_check_against_their_kinds_protocols(tmp_path: Path) -> None:
+    """mypy (the project's settings) on the three plug-ins, whose factories return their kind's
+    Protocol, and on a probe whose exporter lacks ``handle``: only the probe is refused."""
+    probe = tmp_path / "probe_exporter.py"
+    probe.write_text('from exporters import Exporter\n\n\nclass NoHandle:\n    events = ()\n\n\n'
+                     'def create(config: None, ctx: object) -> Exporter:\n    return NoHandle()\n')
+    plugins = [str(m.__file__) for m in (plugin_disk, registry_fake, plugin_journal)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary", "--hide-error-context", *plugins, str(probe)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)}, check=False,
+    )  # the project's cache (.mypy_cache, CI's lint step fills it): a probe's lines may name an earlier tmp_path
+    said = [line for line in proc.stdout.splitlines() if ": error:" in line or ": note:" in line]
+    assert [line for line in said if f"/{probe.name}:" not in line] == [], proc.stdout + proc.stderr
+    assert [line.split(": ", 1)[1] for line in said] == [
+        'error: Incompatible return value type (got "NoHandle", expected "Exporter")  [return-value]',
+        'note: "NoHandle" is missing following "Exporter" protocol member:', "note:     handle"], proc.stdout + proc.stderr
 
 
 def test_the_added_watcher_brings_its_own_settings_table(disk_watcher: None, tmp_path: Path) -> None:

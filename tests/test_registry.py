@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -63,6 +64,23 @@ def test_each_kind_lists_its_components_in_registration_order() -> None:
     coredump = regs["actor"].get("cuda_coredump")
     assert coredump.table == "coredump" and coredump.config_model() is CoredumpConfig  # a table named apart
     assert regs["actor"].get("pyspy").module == "agent.actors.pyspy"
+
+
+def _documented_built_ins() -> dict[str, list[str]]:
+    """The built-in components docs/layout.md lists, by kind: ``watchers `a` `b`; actors ...``."""
+    text = " ".join((ROOT / "docs" / "layout.md").read_text(encoding="utf-8").split())
+    listed = re.search(r"The built-in components, in registration order \(.*?\): (.*?)\. ", text)
+    assert listed, "docs/layout.md lost its list of the built-in components"
+    kinds = (part.strip().split(" ", 1) for part in listed.group(1).split(";"))
+    return {kind.removesuffix("s"): re.findall(r"`(\w+)`", names) for kind, names in kinds}
+
+
+def test_the_registries_hold_exactly_the_built_ins_docs_layout_lists() -> None:
+    """The one list of every built-in component (the other tests derive theirs from the
+    registries): adding or removing one means saying so in docs/layout.md."""
+    documented = _documented_built_ins()
+    assert documented["exporter"] == ["mirror"] and len(documented["watcher"]) >= 5  # the list was read
+    assert documented == {kind: registry.names() for kind, registry in registries().items()}
 
 
 def test_an_unknown_name_is_one_line_listing_the_known_ones() -> None:
@@ -132,7 +150,7 @@ def test_a_factory_module_is_imported_only_when_built(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env=_env(tmp_path), check=True)
     got = json.loads(proc.stdout)
-    assert "agent.actors.pyspy" in got["modules"] and "exporters.otlp.shipper" in got["modules"]
+    assert "agent.actors.pyspy" in got["modules"] and "exporters.mirror.mirror" in got["modules"]
     assert got["before"] == []
     assert got["health"] is True and got["mirror"] is False
 
@@ -156,8 +174,8 @@ def test_build_wires_the_components_the_settings_turn_on(tmp_path: Path) -> None
     assert "health" not in agent.watchers and "metrics" not in agent.watchers  # no health or metrics URL
     assert {"process", "steps"} <= set(agent.watchers)
     assert "profiler" not in agent.actors and {"pyspy", "flightrec", "cuda_coredump"} <= set(agent.actors)
-    assert "otlp" not in agent.exporters and "status" in agent.exporters  # the others attach when it starts
-    assert agent.status is agent.exporters["status"] and agent.status.path == tmp_path / "h1" / "status.json"
+    assert agent.exporters == {} and agent.telemetry is None and agent.shipper is None  # built when it starts
+    assert agent.status.path == tmp_path / "h1" / "status.json"  # the agent's own board, not an exporter
 
     agent = Agent.build(load_settings({
         "data_dir": tmp_path, "host_name": "h1",
@@ -187,23 +205,23 @@ def test_built_components_carry_the_settings_given(tmp_path: Path) -> None:
 
 
 def test_exporters_of_the_start_stage_attach_to_the_telemetry(tmp_path: Path) -> None:
+    """The agent's own telemetry and span shipper first, then the registered exporters, on it."""
     agent = Agent.build(load_settings({"data_dir": tmp_path, "host_name": "h1", "export": {"metrics": False}}))
-    agent._start_exporters(one_shot=False)
+    telemetry = agent._start_exporters(one_shot=False)
     try:
-        assert list(agent.exporters) == [n for n in registries()["exporter"].names() if n in agent.exporters]
-        assert {"status", "otlp", "mirror", "span_shipper"} <= set(agent.exporters)
-        assert agent.telemetry is agent.exporters["otlp"]
-        assert agent.exporters["mirror"].sink is agent.telemetry.sink
-        assert agent.exporters["span_shipper"].processor is agent.telemetry.processor
+        assert agent.telemetry is telemetry and list(agent.exporters) == registries()["exporter"].names()
+        assert agent.exporters["mirror"].sink is telemetry.sink  # type: ignore[attr-defined]
+        assert agent.shipper is not None and agent.shipper.processor is telemetry.processor
     finally:
-        agent.exporters["span_shipper"].close()
-        agent.telemetry.shutdown()
+        if agent.shipper is not None:
+            agent.shipper.close()
+        telemetry.shutdown()
     one_shot = Agent.build(load_settings({"data_dir": tmp_path, "host_name": "h1", "export": {"metrics": False}}))
-    one_shot._start_exporters(one_shot=True)
+    telemetry = one_shot._start_exporters(one_shot=True)
     try:
-        assert "span_shipper" not in one_shot.exporters  # a dump ships no SDK spans
+        assert one_shot.shipper is None and "mirror" in one_shot.exporters  # a dump ships no SDK spans
     finally:
-        one_shot.telemetry.shutdown()
+        telemetry.shutdown()
     assert BuildContext().stage == "build"
 
 

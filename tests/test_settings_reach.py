@@ -1,6 +1,7 @@
 """Every Settings field reaches what reads it: each table belongs to the agent or to the one
 registered component whose settings model it is, each field is read by the code that owns it, and
-changing it changes what Agent.build builds."""
+changing it changes what Agent.build builds (every registered component built from its settings
+model's example, none listed here)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ from agent.runtime.settings import (
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Modules holding the agent's own use of its tables (and of the few component settings that
-#: configure what the CLI starts: launch's Flight Recorder buffer, the crash-dump folder).
+#: Modules holding the agent's own use of its tables (its own parts' included: the telemetry reads
+#: ``[export]``, the span shipper ``[spans]``), and of the few component settings that configure
+#: what the CLI starts (launch's Flight Recorder buffer, the crash-dump folder).
 AGENT_MODULES = ["agent.runtime.settings", "agent.runtime.agent", "agent.incidents.manager", "agent.incidents.admission", "agent.incidents.evidence", "agent.host.stall",
-                 "agent.host.startup", "agent.host.targets", "agent.fleet", "agent.cli.app", "agent.cli.launch"]
+                 "agent.host.startup", "agent.host.targets", "agent.fleet", "agent.cli.app", "agent.cli.launch",
+                 "exporters.otlp.provider", "exporters.otlp.shipper"]
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -135,15 +138,33 @@ def test_the_read_check_finds_an_unread_name(tmp_path: Path) -> None:
 
 # --- changing a value changes the built component --------------------------------------------
 
-#: Settings under which every registered component is built.
+def _example(model: type[BaseModel]) -> dict[str, Any]:
+    """The first of a settings model's ``examples`` (its ``json_schema_extra``): settings that turn
+    its component on; ``{}`` without one (its defaults do)."""
+    extra = model.model_config.get("json_schema_extra")
+    examples = extra.get("examples") if isinstance(extra, dict) else None
+    return dict(examples[0]) if isinstance(examples, list) and examples else {}
+
+
+#: Settings under which every registered component is built: each table's example
+#: (test_every_registered_component_is_built_from_the_examples says they are enough).
 EVERYTHING_ON: dict[str, Any] = {
     "host_name": "h1",
-    "health": {"url": "http://127.0.0.1:9/health"},
-    "metrics": {"url": "http://127.0.0.1:9/metrics"},
-    "profiler": {"on_incident_steps": 1},
-    "coredump": {"enabled": True},
-    "flightrec": {"enabled": True},
+    **{table: _example(entry.config_model()) for registry in registries().values() for table, entry in registry.tables().items()},
 }
+
+
+def test_every_registered_component_is_built_from_the_examples(tmp_path: Path) -> None:
+    """A component whose defaults leave it off gives an example that turns it on (its settings
+    model's ``examples``), or this fails naming it; the exporters are built when the agent starts."""
+    assert EVERYTHING_ON["health"]["url"] and EVERYTHING_ON["profiler"]["on_incident_steps"] > 0
+    agent = Agent.build(load_settings({**EVERYTHING_ON, "data_dir": tmp_path, "export": {"metrics": False}}))
+    telemetry = agent._start_exporters(one_shot=True)
+    try:
+        built = {"watcher": list(agent.watchers), "actor": list(agent.actors), "exporter": list(agent.exporters)}
+        assert built == {kind: registry.names() for kind, registry in registries().items()}
+    finally:
+        telemetry.shutdown()
 
 
 def _other_values(annotation: Any, default: Any) -> list[Any]:
@@ -167,7 +188,7 @@ def _components_with_config(settings: Any) -> dict[str, Any]:
     return {**agent.watchers, **agent.actors, **agent.exporters}
 
 
-@pytest.mark.parametrize("table", sorted({t for r in registries().values() for t in r.tables()} - {"export", "spans", "metrics"}))
+@pytest.mark.parametrize("table", sorted({t for r in registries().values() for t in r.tables()} - {"metrics"}))
 def test_changing_a_field_changes_the_built_component(table: str, tmp_path: Path) -> None:
     base = load_settings({**EVERYTHING_ON, "data_dir": tmp_path})
     model = type(getattr(base, table))

@@ -212,8 +212,8 @@ class ProfilerConfig(BaseModel):
     #: agent-wide values set in this table (:class:`~agent.host.registry.AgentValues`): the SDK's
     #: control sockets, where the agent also reads requests in flight and the Flight Recorder
     provides: ClassVar[Mapping[str, str]] = {"sdk_socket_dir": "socket_dir"}
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    #: the first example turns the actor on (its defaults leave it off: ``on_incident_steps = 0``)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"examples": [{"on_incident_steps": 3}]})
 
     backend: Literal["sdk", "sglang", "vllm"] = "sdk"
     base_url: str = "http://127.0.0.1:30000"

@@ -10,18 +10,24 @@ line naming
 * ``config``: its settings model, ``"package.module:Class"`` (a light module: the settings load
   without importing the component), whose fields are the component's table of the settings
   (``[pyspy]``, ``SERVEWATCH_PYSPY__*``); the table is named ``table`` (default: ``name``).
-  :meth:`Factory.default_config` is a new model of defaults each call. A component without
-  settings names no ``config``;
+  :meth:`Factory.default_config` is a new model of defaults each call. A model whose defaults
+  leave its component off gives settings that turn it on as the first of its ``examples``
+  (pydantic's ``model_config["json_schema_extra"]``; tests build every component from them). A
+  component without settings names no ``config``;
 * ``factory``: ``"package.module:function"``, imported only when the component is built, so
   ``servewatch --help`` and ``dump`` never import a component they do not run.
 
 A factory is ``create(config, ctx: BuildContext) -> component | None``: ``config`` is the
 component's own settings model (``None`` when it has none), ``ctx.agent`` the few agent-wide
-values a component may read besides it (:class:`AgentValues`: data dir, host name and every
-path under them, ``ctx.agent.layout``; the stall rule's timeout...), never another component's
-table. It returns ``None`` when its settings turn it off (``coredump.enabled = false``). The settings (:func:`agent.runtime.settings.settings_model`) are
-assembled from the registries, one table per registered ``config``; :meth:`agent.runtime.agent.Agent.build`
-builds every registered component of each kind, in registration order.
+values a component may read besides it (:class:`AgentValues`: data dir, host name and every path
+under them, ``ctx.agent.layout``; the stall rule's timeout...), never another component's
+table. It returns ``None`` when its settings turn it off (``coredump.enabled = false``). The
+component is what its kind's Protocol says
+(``agent.watchers.Watcher``, ``agent.actors.Actor``, ``exporters.Exporter``: the registry's type
+argument); a registry made with a ``contract`` (a runtime-checkable Protocol) refuses anything
+else. The settings (:func:`agent.runtime.settings.settings_model`) are assembled from the
+registries, one table per registered ``config``; :meth:`agent.runtime.agent.Agent.build` builds
+every registered component of each kind, in registration order.
 
 Adding a component is its module plus one line, e.g. in ``agent/actors/__init__.py``::
 
@@ -116,10 +122,8 @@ class BuildContext:
         stalled: ``stalled(targets)`` is true while a target is stalled by the stall rule (the
             watchdog's last word on it, from the bus): the profiler skips a profile that could
             never finish.
-        on_status_change: called with each watcher status change (the CLI prints it); ``None``:
-            nobody prints them, so the status board logs a watcher turning blind.
-        telemetry: the span/metric pipeline (:class:`exporters.otlp.provider.Telemetry`) once built
-            (or the caller's own); exporters built after it (mirror, span shipper) attach to it.
+        telemetry: the span/metric pipeline (:class:`exporters.otlp.provider.Telemetry`) the agent
+            built when it started (or the caller's own), ``None`` before: exporters attach to it.
         stage: ``build`` (with the agent) or ``start`` (when it runs or dumps): an exporter
             returns ``None`` at the stage that is not its own.
         one_shot: a one-shot incident (``servewatch dump``), not a running agent.
@@ -131,7 +135,6 @@ class BuildContext:
     agent: AgentValues = AgentValues()
     children: Sequence[Any] = ()
     stalled: Callable[[Sequence[Target]], bool] = _no_stall
-    on_status_change: Callable[[Any], None] | None = None
     telemetry: Any = None
     stage: Literal["build", "start"] = "build"
     one_shot: bool = False
@@ -166,6 +169,8 @@ class Factory(Generic[T]):
     config: str | None = None
     #: its table of the settings (``None`` without ``config``)
     table: str | None = None
+    #: what the component must be (a runtime-checkable Protocol), ``None``: not checked
+    contract: type[Any] | None = field(default=None, compare=False, repr=False)
     _resolved: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -204,8 +209,16 @@ class Factory(Generic[T]):
         return self._get("factory", self.factory)
 
     def create(self, config: Any, ctx: BuildContext | None = None) -> T | None:
-        """Build the component from its ``config``; ``None`` when that turns it off."""
-        return self.load()(config, ctx or BuildContext())
+        """Build the component from its ``config``; ``None`` when that turns it off.
+
+        Raises:
+            TypeError: the factory returned something that is not the registry's ``contract``.
+        """
+        component = self.load()(config, ctx or BuildContext())
+        if component is not None and self.contract is not None and not isinstance(component, self.contract):
+            raise TypeError(f"{self.kind} {self.name!r}: {self.factory} returned a {type(component).__name__},"
+                            f" which lacks the members of {self.contract.__module__}.{self.contract.__name__}")
+        return component
 
     def build(self, settings: Any, ctx: BuildContext | None = None) -> T | None:
         """Build the component from its table of ``settings`` (see :meth:`create`)."""
@@ -217,10 +230,14 @@ class Registry(Generic[T]):
 
     Args:
         kind: ``watcher``, ``actor`` or ``exporter`` (used in error messages).
+        contract: what every component must be, a runtime-checkable Protocol
+            (``exporters.Exporter``); a factory returning anything else is refused when it is
+            built. ``None``: the type argument alone says it (checked by mypy).
     """
 
-    def __init__(self, kind: Kind) -> None:
+    def __init__(self, kind: Kind, *, contract: type[Any] | None = None) -> None:
         self.kind: Kind = kind
+        self.contract = contract
         self._factories: dict[str, Factory[T]] = {}
 
     def register(self, name: str, *, factory: str, config: str | None = None, table: str | None = None) -> Factory[T]:
@@ -249,7 +266,7 @@ class Registry(Generic[T]):
             _check_name(self.kind, "settings table", table)
         elif table is not None:
             raise ValueError(f"{self.kind} {name!r}: a settings table needs a config model")
-        entry: Factory[T] = Factory(self.kind, name, factory, config, table)
+        entry: Factory[T] = Factory(self.kind, name, factory, config, table, self.contract)
         self._factories[name] = entry
         return entry
 

@@ -1,15 +1,16 @@
 """Agent: builds watchers, actors, incidents and exporters from the settings and runs them.
 
-Owns wiring and lifecycle only; it decides nothing. :meth:`Agent.build` is the one wiring path
-(``run``, ``dump``, ``launch``, ``profile``): every watcher, actor and exporter comes from its
-registry (:mod:`agent.host.registry`), imported only when built, with its own settings table and the
-agent-wide values; the incident's phases are the registered actors, in registration order. Which
-processes an incident is about is :class:`agent.incidents.evidence.TargetFinder`'s; which triggers open one,
-the incident manager's policies; whether a target is stalled, the bus's (:class:`agent.host.stall.StallBoard`).
-One anyio task group; watchers are started with ``tg.start`` so "ready" means ready, restarted after a
-crash and targets re-discovered (:mod:`agent.runtime.supervision`); shutdown is bounded and flushes telemetry.
-Imports the registries, the bus, incidents, the stall board, discovery, the status rows, the data dir's
-agent presence (:mod:`agent.host.agentfiles`); a component only for ``profile``; only the CLI and tests import it.
+Owns wiring and lifecycle only; it decides nothing. :meth:`Agent.build` is the one wiring path (``run``,
+``dump``, ``launch``, ``profile``): every watcher, actor and exporter comes from its registry
+(:mod:`agent.host.registry`), imported only when built, with its own settings table and the agent-wide values;
+the incident's phases are the registered actors, in registration order. Its own parts: the status board, the
+telemetry (``[export]``) and a running agent's span shipper (``[spans]``). Which processes an incident is about
+is :class:`agent.incidents.evidence.TargetFinder`'s; which triggers open one, the incident manager's policies;
+whether a target is stalled, the bus's (:class:`agent.host.stall.StallBoard`). One anyio task group; watchers
+are started with ``tg.start`` so "ready" means ready, restarted after a crash and targets re-discovered
+(:mod:`agent.runtime.supervision`); shutdown is bounded and flushes telemetry. Imports the registries, the bus,
+incidents, the stall board, discovery, the status rows, the data dir's agent presence
+(:mod:`agent.host.agentfiles`); a component only for ``profile``; only the CLI and tests import it.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ from agent.verdict.judge import VerdictJudge
 from agent.watchers import WATCHERS, TargetWatchers
 from agent.watchers.status import StatusBoard, WatcherStatus
 from agent.watchers.watchdog import progress_source
-from exporters import EXPORTERS
+from exporters import EXPORTERS, Exporter
 from exporters.mirror.feed import mirror_events, subscribe_mirrors
 
 if TYPE_CHECKING:
     from exporters.otlp.provider import Telemetry
+    from exporters.otlp.shipper import SpanShipper
 
 __all__ = ["Agent", "AgentStatistics", "dump_once"]
 
@@ -82,8 +84,8 @@ class Agent:
 
     Args:
         settings: merged user settings.
-        telemetry: span export to use (the caller then owns it); default: the ``otlp`` exporter
-            builds one from ``settings.export`` and ``OTEL_*`` when the agent starts.
+        telemetry: span export to use (the caller then owns it); default: the agent builds one
+            from ``settings.export`` and ``OTEL_*`` when it starts.
         children: processes this agent launched (``servewatch launch``): their exit status is
             read from the ``Popen`` so nothing steals it.
         on_incident: called with each finished incident record (CLI summaries, the demo).
@@ -92,6 +94,7 @@ class Agent:
 
     Attributes:
         bus: the event bus.
+        status: what every watcher can see (``servewatch status``, ``/v1/status``, the status file).
         incidents: the incident manager (``incidents.records`` after a run).
         stalls: the stalls not over, from the watchdogs' word on the bus.
         targets: discovery and what it remembers (an incident's dead ranks).
@@ -114,18 +117,15 @@ class Agent:
         self.children, self.stalls = list(children), StallBoard()  # own_actions: what servewatch does to servers
         self.own_actions = OwnActionLog(settings.data_dir, settings.host_name)
         self.startup = StartupRule(settings.startup, discover=lambda: self.discover(), http_watched=bool(settings.agent_values().server_urls), server_pids=lambda: [p for p in (settings.target.root_pid, *(c.pid for c in self.children)) if p])
-        self.context = BuildContext(
-            agent=settings.agent_values(), children=self.children, stalled=self.stalls.stalled,
-            on_status_change=self._status_changed if on_status is not None else None, starting=self.startup.starting,
-        )
+        self.context = BuildContext(agent=settings.agent_values(), children=self.children, stalled=self.stalls.stalled,
+                                    starting=self.startup.starting)
+        self.status = StatusBoard(host_name=settings.host_name, path=settings.layout.status_file,
+                                  on_change=self._status_changed if on_status is not None else None, warn_blind=on_status is None)
         #: built components by name (registration order); exporters of the ``start`` stage are
         #: added when the agent runs or dumps
         self.watchers: dict[str, Any] = WATCHERS.build(settings, self.context)
         self.actors: dict[str, Actor] = ACTORS.build(settings, self.context)
-        self.exporters: dict[str, Any] = EXPORTERS.build(settings, self.context)
-        #: what every watcher can see (``servewatch status``, ``/v1/status``): the ``status`` exporter
-        status = self.exporters.get("status")
-        self.status: StatusBoard = status if isinstance(status, StatusBoard) else StatusBoard(host_name=settings.host_name)
+        self.exporters: dict[str, Exporter] = EXPORTERS.build(settings, self.context)
         self.run_status = RunStatus(self.bus, self.status, actors=list(self.actors), on_status=on_status)
         #: the server's recent history from the bus (step readings, stalls, health, exits)
         self.history = ProgressHistory()
@@ -145,8 +145,8 @@ class Agent:
         self._stop = anyio.Event()
         #: the API and job coordinator (:class:`agent.fleet.Fleet`) once running, when ``api.enabled``
         self.fleet: Any = None
-        #: ships the targets' SDK request/forward spans (the ``span_shipper`` exporter), set by run()
-        self.shipper: Any = None
+        #: ships the targets' SDK request/forward spans (``[spans]``), built when a running agent starts
+        self.shipper: SpanShipper | None = None
         #: the telemetry's counts after a one-shot command closed it (:meth:`dump`, :meth:`profile`)
         self.export_statistics: Any = None
 
@@ -218,19 +218,23 @@ class Agent:
 
     # -- exporters and telemetry ----------------------------------------------------------------
 
-    def _start_exporters(self, *, one_shot: bool = False) -> None:
-        """Build the exporters of the ``start`` stage, ``otlp`` first (the others attach to it)."""
+    def _start_exporters(self, *, one_shot: bool = False) -> Telemetry:
+        """Build and return the telemetry (``[export]``, unless the caller brought it; a one-shot's metrics go only to
+        a collector), a running agent's span shipper (``[spans]``), then the ``start`` stage's exporters (they attach to it)."""
+        from exporters.otlp.provider import build_telemetry
+
+        s = self.settings
+        if self.telemetry is None:
+            self.telemetry = build_telemetry(s.export, data_dir=s.data_dir, host_name=s.host_name, file_metrics=not one_shot)
+        if not one_shot and s.spans.ship and self.shipper is None:
+            from exporters.otlp.shipper import create_shipper
+
+            self.shipper = create_shipper(s.spans, self.telemetry, host_name=s.host_name)
         ctx = replace(self.context, stage="start", one_shot=one_shot, telemetry=self.telemetry)
         for entry in EXPORTERS:
-            if entry.name in self.exporters:
-                continue
-            component = entry.build(self.settings, ctx)
-            if component is None:
-                continue
-            self.exporters[entry.name] = component
-            if entry.name == "otlp":
-                self.telemetry = component
-                ctx = replace(ctx, telemetry=component)
+            if entry.name not in self.exporters and (component := entry.build(s, ctx)) is not None:
+                self.exporters[entry.name] = component
+        return self.telemetry
 
     async def _close_telemetry(self, deadline_s: float | None = SHUTDOWN_DEADLINE_S) -> None:
         """Flush and shut down our own telemetry within ``deadline_s`` seconds (``None``: its own
@@ -343,10 +347,9 @@ class Agent:
             return result, None
         if before_export is not None:
             await anyio.to_thread.run_sync(before_export)  # the data dir: file system
-        self._start_exporters(one_shot=True)
-        assert self.telemetry is not None, "the otlp exporter is registered"
+        telemetry = self._start_exporters(one_shot=True)
         try:
-            trace_id = await anyio.to_thread.run_sync(mirror_profile_session, self.telemetry.sink, result)
+            trace_id = await anyio.to_thread.run_sync(mirror_profile_session, telemetry.sink, result)
         finally:
             await self._close_telemetry(None)
         return result, trace_id
@@ -372,9 +375,7 @@ class Agent:
         """Run until :meth:`stop` (or cancellation); then shut down within a few seconds."""
         limit_arenas()  # before the export, shipper and worker threads start: a flat RSS over days
         await anyio.to_thread.run_sync(remove_stale_temps, self.settings.data_dir)
-        await anyio.to_thread.run_sync(self._start_exporters)  # span files, spool: off the loop
-        telemetry = self.telemetry
-        assert telemetry is not None, "the otlp exporter is registered"
+        telemetry = await anyio.to_thread.run_sync(self._start_exporters)  # span files, spool: off the loop
         from exporters.otlp.metrics import RECORDED_EVENTS
 
         feeds = subscribe_mirrors(self.bus, self.exporters, max_buffer=MIRROR_BUFFER)
@@ -384,7 +385,6 @@ class Agent:
         watch_status = getattr(telemetry.metrics, "watch_status", None)
         if watch_status is not None:
             watch_status(self.status.states)
-        self.shipper = self.exporters.get("span_shipper")
         try:
             async with on_data_dir(self.settings.data_dir, self.settings.host_name), anyio.create_task_group() as outer:
                 for exporter, sub in feeds:

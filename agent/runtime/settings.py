@@ -1,10 +1,11 @@
 """Settings: CLI > ``SERVEWATCH_*`` environment > TOML file (``--config``) > defaults.
 
 Owns :class:`AgentSettings` (the agent's own tables: where data goes, which processes are targets,
-the stall and start-up rules, the incident logic, the API and the job's peers),
+the stall and start-up rules, the incident logic, the API and the job's peers, the telemetry
+export and the SDK span shipping),
 :func:`settings_model` (the whole settings: the agent's tables plus one table per registered
 component's settings model,
-assembled from the registries, :mod:`agent.host.registry`), :func:`registries` and :func:`load_settings`,
+assembled from the registries, :mod:`agent.host.registry`), :func:`registries` (:class:`Registries`) and :func:`load_settings`,
 which merges the sources and turns any invalid value into one :class:`ConfigError` line naming
 the setting. Telemetry uses the standard ``OTEL_*`` variables (read by :mod:`exporters.otlp.provider`),
 not ``SERVEWATCH_*`` ones.
@@ -16,7 +17,7 @@ names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
 
 Imports the registries (the light package ``__init__`` of each kind) and the agent's own settings
 models (:mod:`agent.host.stall`, :mod:`agent.host.startup`, :mod:`agent.incidents.manager`,
-:mod:`agent.fleet.config`); a component's settings model is imported by the path its registration
+:mod:`agent.fleet.config`, :mod:`exporters.config`); a component's settings model is imported by the path its registration
 line names, never a component module.
 """
 
@@ -32,7 +33,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from pydantic import (
     BaseModel,
@@ -61,12 +62,19 @@ from agent.host.targets import TargetConfig
 from agent.incidents.manager import IncidentConfig
 from agent.model.datadir import DataDir
 from agent.runtime.location import DEFAULT_DATA_DIR, ENV_DATA_DIR, ENV_PREFIX
+from exporters.config import ExportConfig, SpansConfig
+
+if TYPE_CHECKING:
+    from agent.actors import Actor
+    from agent.watchers import TargetWatchers, Watcher
+    from exporters import Exporter
 
 __all__ = [
     "ENV_DATA_DIR",
     "ENV_PREFIX",
     "AgentSettings",
     "ConfigError",
+    "Registries",
     "Settings",
     "TargetConfig",
     "check_data_dir",
@@ -116,6 +124,8 @@ class AgentSettings(BaseSettings):
     api: ApiConfig = Field(default_factory=ApiConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     startup: StartupConfig = Field(default_factory=StartupConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    spans: SpansConfig = Field(default_factory=SpansConfig)
 
     if TYPE_CHECKING:  # a registered component's table, by its name (settings.pyspy)
         def __getattr__(self, name: str) -> Any: ...
@@ -193,7 +203,20 @@ class AgentSettings(BaseSettings):
         return tuple(sources)
 
 
-def registries() -> dict[Kind, Registry[Any]]:
+class Registries(TypedDict):
+    """The three registries by kind (:data:`agent.host.registry.Kind`), each typed with its
+    kind's contract."""
+
+    watcher: Registry[Watcher | TargetWatchers]
+    actor: Registry[Actor]
+    exporter: Registry[Exporter]
+
+
+#: The kinds, in the registries' order (their tables' order in the settings).
+KINDS: tuple[Kind, ...] = ("watcher", "actor", "exporter")
+
+
+def registries() -> Registries:
     """The three registries, each with every component registered (imports only the light
     package ``__init__`` modules, never a component)."""
     from agent.actors import ACTORS
@@ -218,20 +241,20 @@ def settings_model() -> type[AgentSettings]:
         ValueError: two components (or a component and the agent) claim the same table.
     """
     regs = registries()
-    key = tuple((e.table, e.config, f"{kind} {e.name!r}") for kind, r in regs.items() for e in r if e.table and e.config)
+    entries = [(kind, entry) for kind in KINDS for entry in regs[kind]]
+    key = tuple((e.table, e.config, f"{kind} {e.name!r}") for kind, e in entries if e.table and e.config)
     model = _assembled.get(key)
     if model is not None:
         return model
     owners: dict[str, str] = {name: "the agent" for name in AgentSettings.model_fields}
     tables: dict[str, Any] = {}
-    for kind, registry in regs.items():
-        for entry in registry:
-            if entry.table is None:
-                continue
-            if entry.table in owners:
-                raise ValueError(f"{kind} {entry.name!r}: settings table {entry.table!r} is taken by {owners[entry.table]}")
-            owners[entry.table] = f"{kind} {entry.name!r}"
-            tables[entry.table] = (entry.config_model(), Field(default_factory=entry.default_config))
+    for kind, entry in entries:
+        if entry.table is None:
+            continue
+        if entry.table in owners:
+            raise ValueError(f"{kind} {entry.name!r}: settings table {entry.table!r} is taken by {owners[entry.table]}")
+        owners[entry.table] = f"{kind} {entry.name!r}"
+        tables[entry.table] = (entry.config_model(), Field(default_factory=entry.default_config))
     model = create_model("Settings", __base__=AgentSettings, __module__=__name__, **tables)
     model.component_tables = tuple(tables)
     _assembled[key] = model

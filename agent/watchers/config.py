@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["MAX_HEALTH_BODY_BYTES", "HealthConfig", "MetricsConfig", "RequestStallConfig", "StepsConfig", "check_http_url",
            "split_url_list"]
@@ -85,6 +85,8 @@ class HealthConfig(_ServerUrls):
 
     #: agent-wide values set in this table (:class:`~agent.host.registry.AgentValues`)
     provides: ClassVar[Mapping[str, str]] = {"server_urls": "all_urls"}
+    #: the first example turns the watcher on (its defaults leave it off)
+    model_config = ConfigDict(json_schema_extra={"examples": [{"url": "http://127.0.0.1:30000/health"}]})
 
     url: str | None = None
     urls: tuple[str, ...] = ()
@@ -160,6 +162,8 @@ class MetricsConfig(StepsConfig, _ServerUrls):
 
     #: agent-wide values set in this table (:class:`~agent.host.registry.AgentValues`)
     provides: ClassVar[Mapping[str, str]] = {"server_urls": "all_urls"}
+    #: the first example turns the watchdog on (its defaults leave it off)
+    model_config = ConfigDict(json_schema_extra={"examples": [{"url": "http://127.0.0.1:30000/metrics"}]})
 
     url: str | None = Field(None, description="the server's /metrics URL; unset = no scrape")
     urls: tuple[str, ...] = Field((), description="more servers' /metrics URLs, one watchdog each")

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import threading
-import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +39,6 @@ from typing import Any
 
 from agent.model.datadir import STATUS_FILE, DataDir
 from agent.model.kinds import StrEnum, now_ns
-
-if typing.TYPE_CHECKING:
-    from agent.host.registry import BuildContext
-
 
 __all__ = [
     "STATUS_FILE",
@@ -53,7 +48,6 @@ __all__ = [
     "StatusSnapshot",
     "WatcherState",
     "WatcherStatus",
-    "create_board",
     "read_status_file",
     "status_path",
 ]
@@ -403,18 +397,3 @@ class StatusReporter:
     async def initial(self, bus: Any) -> None:
         """Publish the initial (or current) status."""
         await self.set(bus, self.current.state, self.current.reason)
-
-
-def create_board(config: None, ctx: BuildContext) -> StatusBoard | None:
-    """Registry factory (:data:`exporters.EXPORTERS` ``status``), at the ``build`` stage: what
-    every watcher can see, kept in ``<data_dir>/<host>/status.json`` (and an OTel gauge once the
-    agent runs); ``ctx.on_status_change`` hears each change (without one, a watcher turning
-    blind is logged)."""
-    if ctx.stage != "build":
-        return None
-    return StatusBoard(
-        host_name=ctx.agent.host_name,
-        path=ctx.agent.layout.status_file,
-        on_change=ctx.on_status_change,
-        warn_blind=ctx.on_status_change is None,  # the caller prints each change (the CLI): not twice
-    )

@@ -1,48 +1,33 @@
-"""Feeding bus events to an exporter that mirrors them (the span mirror, a test's recorder).
+"""Feeding bus events to the exporters (the span mirror, a plugin's journal, a test's recorder).
 
-Owns :func:`subscribe_mirrors` (one bounded subscription per mirroring exporter) and :func:`mirror_events`: an exporter with ``events`` (the event types it mirrors) and
-``handle(event)`` gets each of them in bus order, off the event loop unless it says
-``handles_on_loop = True``; what is still buffered when the feed is cancelled is handed over
-anyway, then its ``close_open(reason=...)`` runs (when it has one: the mirror gives incidents left
-open their root span), so nothing already captured is lost from the trace. Imports anyio and
+Owns :func:`subscribe_mirrors` (one bounded subscription per exporter) and :func:`mirror_events`:
+an :class:`exporters.Exporter` (``events``, the event types it mirrors, and ``handle(event)``)
+gets each of them in bus order, off the event loop unless it says ``handles_on_loop = True``;
+what is still buffered when the feed is cancelled is handed over anyway, then its
+``close_open(reason=...)`` runs (when it has one: the mirror gives incidents left open their root
+span), so nothing already captured is lost from the trace. Imports anyio and
 :mod:`agent.model.bus`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any
 
 import anyio
 
 from agent.model.bus import EventBus, Subscription
-from agent.model.events import Event
+from exporters import Exporter
 
-__all__ = ["Mirror", "mirror_events", "subscribe_mirrors"]
-
-
-@runtime_checkable
-class Mirror(Protocol):
-    """The contract of an exporter that mirrors bus events (the span ``mirror``; a plugin's
-    journal): what an exporter's factory returns to be fed. Optional: ``handles_on_loop = True``
-    (``handle`` touches loop-bound state, so it runs on the event loop) and ``close_open(reason=...)``
-    (called once after the last event, when the feed ends)."""
-
-    #: the event types it mirrors (subclasses included); empty: it is not fed
-    events: Sequence[type[Event]]
-
-    def handle(self, event: Event) -> None:
-        """Mirror one event; called in bus order, one at a time, off the event loop by default."""
-        ...
+__all__ = ["mirror_events", "subscribe_mirrors"]
 
 
-def subscribe_mirrors(bus: EventBus, exporters: Mapping[str, Any], *, max_buffer: int) -> list[tuple[Mirror, Subscription]]:
-    """A bounded bus subscription for every exporter that is a :class:`Mirror` with event types
-    to mirror (e.g. the span ``mirror``), named after it."""
+def subscribe_mirrors(bus: EventBus, exporters: Mapping[str, Exporter], *, max_buffer: int) -> list[tuple[Exporter, Subscription]]:
+    """A bounded bus subscription, named after it, for every exporter with event types to mirror."""
     return [
         (exporter, bus.subscribe(*exporter.events, name=name, max_buffer=max_buffer))
         for name, exporter in exporters.items()
-        if isinstance(exporter, Mirror) and exporter.events
+        if exporter.events
     ]
 
 
@@ -55,7 +40,7 @@ def _drain(sub: Subscription) -> list[Any]:
             return pending
 
 
-async def mirror_events(exporter: Mirror, sub: Subscription) -> None:
+async def mirror_events(exporter: Exporter, sub: Subscription) -> None:
     """Feed bus events to ``exporter`` until the bus closes and drains (see the module docstring)."""
     # handle() is file and CPU work (the span mirror writes spans write-ahead and imports a
     # profile's torch trace): kept off the event loop, one event at a time. An exporter whose

@@ -96,6 +96,7 @@ from exporters.otlp.spans import (
 if TYPE_CHECKING:
     from agent.host.registry import BuildContext
     from agent.model.bus import Subscription
+    from exporters import Exporter
     from exporters.mirror.torch_trace import ImportBudget
     from exporters.mirror.trace_imports import TraceImporter
     from exporters.otlp.processor import ExportStatistics
@@ -653,7 +654,7 @@ def mirror_profile_session(sink: SpanSink, result: ActionResult) -> str:
     return trace_id_hex(trace_id)
 
 
-def create(config: None, ctx: BuildContext) -> SpanMirror | None:
+def create(config: None, ctx: BuildContext) -> Exporter | None:
     """Registry factory (:data:`exporters.EXPORTERS` ``mirror``), at the ``start`` stage:
     incident and action events become spans on ``ctx.telemetry``; a running agent's mirror
     imports profile traces through a :class:`~exporters.mirror.trace_imports.TraceImporter` whose ledger

@@ -56,7 +56,6 @@ if TYPE_CHECKING:  # imported where used: `import exporters.otlp.provider` (conf
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from agent.host.registry import BuildContext
     from exporters.otlp.metrics import Metrics
     from exporters.otlp.processor import ExportStatistics, LosslessSpanProcessor
     from exporters.otlp.spans import ProcessorSink
@@ -71,7 +70,6 @@ __all__ = [
     "Telemetry",
     "build_resource",
     "build_telemetry",
-    "create",
     "resolve_batching",
     "resolve_destination",
     "scheme_problem",
@@ -665,16 +663,3 @@ def build_telemetry(
         shutdown_timeout_s=config.shutdown_timeout_s,
         metric_exporter=metric_exporter,
     )
-
-
-def create(config: ExportConfig, ctx: BuildContext) -> Telemetry | None:
-    """Registry factory (:data:`exporters.EXPORTERS` ``otlp``), at the ``start`` stage: the
-    pipeline of ``config`` (``[export]``; ``ctx.telemetry`` when the caller brought its own); for
-    a one-shot command, metrics go only to a collector."""
-    if ctx.stage != "start":
-        return None
-    if ctx.telemetry is not None:
-        return ctx.telemetry
-    # one-shot commands send the agent's own metrics only to a collector (no metrics files)
-    layout = ctx.agent.layout
-    return build_telemetry(config, data_dir=layout.root, host_name=layout.host_name, file_metrics=not ctx.one_shot)

@@ -77,11 +77,11 @@ from exporters.otlp.wire import (
 )
 
 if TYPE_CHECKING:
-    from agent.host.registry import BuildContext
     from exporters.config import SpansConfig
+    from exporters.otlp.provider import Telemetry
 
 
-__all__ = ["IDLE_POLL_MAX_S", "SDK_SCOPE", "ShipperStatistics", "SpanShipper", "create", "decode_record", "next_poll_wait_s"]
+__all__ = ["IDLE_POLL_MAX_S", "SDK_SCOPE", "ShipperStatistics", "SpanShipper", "create_shipper", "decode_record", "next_poll_wait_s"]
 
 log = logging.getLogger("servewatch.shipper")
 
@@ -736,18 +736,16 @@ def _same_file(reader: RingReader) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def create(config: SpansConfig, ctx: BuildContext) -> SpanShipper | None:
-    """Registry factory (:data:`exporters.EXPORTERS` ``span_shipper``), at the ``start`` stage
-    of a running agent (not a one-shot dump): ships the targets' SDK spans through
-    ``ctx.telemetry``; ``None`` with ``ship`` off (``[spans]``)."""
-    if ctx.stage != "start" or ctx.one_shot or ctx.telemetry is None or not config.ship:
-        return None
-    own_service = ctx.telemetry.resource.attributes.get("service.name") if getattr(ctx.telemetry, "resource", None) else None
+def create_shipper(config: SpansConfig, telemetry: Telemetry, *, host_name: str) -> SpanShipper:
+    """The running agent's SDK span shipper (``[spans]``, built by :class:`agent.runtime.agent.Agent`
+    when ``ship`` is on; a one-shot dump ships none): ships the targets' spans through
+    ``telemetry``'s processor and counts in its meter provider."""
+    own_service = telemetry.resource.attributes.get("service.name") if getattr(telemetry, "resource", None) else None
     shipper = SpanShipper(
-        ctx.telemetry.processor, host_name=ctx.agent.host_name, directory=config.directory,
+        telemetry.processor, host_name=host_name, directory=config.directory,
         poll_interval_s=config.poll_interval_s,
         reserved_service_names={"servewatch", *([own_service] if isinstance(own_service, str) else [])},
         max_ring_bytes=config.max_ring_bytes,
     )
-    shipper.register_metrics(ctx.telemetry.meter_provider)
+    shipper.register_metrics(telemetry.meter_provider)
     return shipper

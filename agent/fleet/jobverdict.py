@@ -181,13 +181,7 @@ def job_next_step(kind: str, base: Verdict | None, server: ServerEvidence, *, cu
         One line (``on node-b: py-spy dump --native --pid 42 (...)``).
     """
     if kind == MISSING:
-        first = next((m for m in missing_hosts if set(m.ranks) & set(culprits)), missing_hosts[0] if missing_hosts else None)
-        if first is None:
-            return (f"find the host of {_ranks(culprits)} (not captured): servewatch status there, then "
-                    "servewatch dump --match '<rank titles>'")
-        ranks = f"{_ranks(first.ranks)}: " if first.ranks else ""
-        return (f"on {first.host} ({ranks}{first.why}): servewatch status (why its agent sent nothing), then "
-                "servewatch dump --match '<rank titles>' there")
+        return _missing_next_step(culprits, missing_hosts)
     pids = {e.rank: e.pid for e in server.ranks if e.rank is not None}
     verdict = base or Verdict(kind=kind, hung=True, culprit_ranks=(), culprit_pids=(), reason="", confidence="low")
     verdict = replace(verdict, kind=kind, culprit_ranks=tuple(culprits),
@@ -195,11 +189,27 @@ def job_next_step(kind: str, base: Verdict | None, server: ServerEvidence, *, cu
     if culprits:
         return f"on {culprit_hosts[0]}: {next_step(verdict, server)}"
     # nobody named: said on every host, so by title (a pid is one host's)
-    anonymous = [replace(e, pid=None) for e in server.processes]
-    by_title = replace(server, processes=tuple(anonymous), ranks=tuple(e for e in anonymous if e.is_rank),
-                       others=tuple(e for e in anonymous if not e.is_rank))
     where = f"on each host ({', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''})" if hosts else "on each host"
-    return f"{where}: {next_step(verdict, by_title)}"
+    return f"{where}: {next_step(verdict, _by_title(server))}"
+
+
+def _missing_next_step(culprits: Sequence[int], missing_hosts: Sequence[MissingHost]) -> str:
+    """:func:`job_next_step` for :data:`MISSING`: on the first host without evidence holding a
+    culprit (else the first one), why it sent nothing."""
+    first = next((m for m in missing_hosts if set(m.ranks) & set(culprits)), missing_hosts[0] if missing_hosts else None)
+    if first is None:
+        return (f"find the host of {_ranks(culprits)} (not captured): servewatch status there, then "
+                "servewatch dump --match '<rank titles>'")
+    ranks = f"{_ranks(first.ranks)}: " if first.ranks else ""
+    return (f"on {first.host} ({ranks}{first.why}): servewatch status (why its agent sent nothing), then "
+            "servewatch dump --match '<rank titles>' there")
+
+
+def _by_title(server: ServerEvidence) -> ServerEvidence:
+    """``server`` with every pid dropped (a next step said on every host names processes by title)."""
+    anonymous = [replace(e, pid=None) for e in server.processes]
+    return replace(server, processes=tuple(anonymous), ranks=tuple(e for e in anonymous if e.is_rank),
+                   others=tuple(e for e in anonymous if not e.is_rank))
 
 
 def _rank_evidence(r: RankSummary) -> RankEvidence:
@@ -241,30 +251,45 @@ def _in_collective(e: RankEvidence) -> bool:
         return False
 
 
+def _recorder_seqs(e: RankEvidence) -> tuple[int, int] | None:
+    """The default group's last enqueued and last completed collective (sequence numbers) in the
+    rank's recorder; ``None`` without a recorder that says both."""
+    st = (e.fr or {}).get("pg_status") if isinstance(e.fr, Mapping) else None
+    if not isinstance(st, Mapping) or "0" not in st:
+        return None
+    try:
+        return int(st["0"]["last_enqueued_collective"]), int(st["0"]["last_completed_collective"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _collective_name(ev: Sequence[RankEvidence], seq: int) -> str:
+    """The name of the default group's collective ``seq`` (``all_reduce``) in the ranks' recorder
+    entries (the last rank's that has it), else ``collective``."""
+    name = "collective"
+    for e in ev:
+        for entry in (e.fr or {}).get("entries") or ():
+            if isinstance(entry, Mapping) and entry.get("collective_seq_id") == seq:
+                name = str(entry.get("profiling_name") or "collective").split(":")[-1]
+    return name
+
+
 def _all_wait_same(ev: Sequence[RankEvidence]) -> str:
     """``"all_reduce #8 of pg 0"`` when every captured rank's recorder shows it enqueued, not
     completed, the same collective (or, without recorders, every stack waits in a collective)."""
-    tops: set[tuple[str, int]] = set()
-    names: dict[tuple[str, int], str] = {}
+    seqs: set[int] = set()
     for e in ev:
-        st = (e.fr or {}).get("pg_status") if isinstance(e.fr, Mapping) else None
-        if not isinstance(st, Mapping) or "0" not in st:
-            tops = set()
+        pair = _recorder_seqs(e)
+        if pair is None:
+            seqs = set()
             break
-        try:
-            enq, done = int(st["0"]["last_enqueued_collective"]), int(st["0"]["last_completed_collective"])
-        except (KeyError, TypeError, ValueError):
-            tops = set()
-            break
+        enq, done = pair
         if enq <= done:
             return ""
-        tops.add(("0", enq))
-        for entry in (e.fr or {}).get("entries") or ():
-            if isinstance(entry, Mapping) and entry.get("collective_seq_id") == enq:
-                names[("0", enq)] = str(entry.get("profiling_name") or "collective").split(":")[-1]
-    if len(tops) == 1:
-        pg, seq = next(iter(tops))
-        return f"{names.get((pg, seq), 'collective')} #{seq} of pg {pg}"
+        seqs.add(enq)
+    if len(seqs) == 1:
+        seq = next(iter(seqs))
+        return f"{_collective_name(ev, seq)} #{seq} of pg 0"
     if ev and all(e.frame_class is FrameClass.COLLECTIVE for e in ev):
         return "a collective"
     return ""

@@ -1,8 +1,10 @@
 """The job's verdict, made on the coordinator from every host's evidence summary.
 
-Owns :class:`MissingHost`, :class:`JobVerdict` and :func:`judge_job`. A host judges only its own
-ranks: the host without the culprit can only say "every rank waits in a collective". The
-coordinator has every host's summary (:class:`agent.fleet.messages.Evidence`), so it judges the
+Owns :class:`MissingHost`, :class:`JobVerdict`, :class:`JobEvidence` (everything the job rules
+read, built once from the hosts' summaries), the ordered table of named job rules
+(:data:`JOB_RULES`, each a :class:`JobRule`) and :func:`judge_job`, which tries them in order: the
+first that applies decides. A host judges only its own ranks: the host without the culprit can
+only say "every rank waits in a collective". The coordinator has every host's summary (:class:`agent.fleet.messages.Evidence`), so it judges the
 whole job at once:
 
 1. every host's ranks become one evidence list by global rank and go through the same rules as
@@ -31,7 +33,7 @@ No I/O. Imports :mod:`agent.verdict.rules`, :mod:`agent.verdict.flightrec` and :
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,8 +51,8 @@ from agent.verdict.rules import (
 )
 from agent.verdict.rules import Evidence as ServerEvidence
 
-__all__ = ["CLOCK_OFFSET_SAID_S", "JOB_KINDS", "JOB_NEXT_STEPS", "JOB_VERDICT_ATTR_PREFIX", "MISSING", "JobVerdict", "MissingHost",
-           "job_next_step", "judge_job", "torch_findings"]
+__all__ = ["CLOCK_OFFSET_SAID_S", "JOB_KINDS", "JOB_NEXT_STEPS", "JOB_RULES", "JOB_VERDICT_ATTR_PREFIX", "MISSING", "JobEvidence",
+           "JobRule", "JobVerdict", "MissingHost", "job_next_step", "judge_job", "torch_findings"]
 
 log = logging.getLogger("servewatch.fleet.verdict")
 
@@ -326,6 +328,220 @@ def _on_one_clock(summaries: dict[int, RankSummary], host_of: Mapping[int, str],
     return [f"exit times of {host} put on the coordinator's clock (its clock {offset_s:+.1f} s)" for host, offset_s in sorted(moved.items())]
 
 
+def _missing(missing_hosts: Sequence[MissingHost], world_size: int | None, captured: Sequence[int],
+             host_of: dict[int, str]) -> tuple[tuple[int, ...], list[MissingHost]]:
+    """The ranks nobody captured (the world size's, else the missing hosts' known ranks) and the
+    hosts without evidence: the one host without a known rank list gets the ranks no host is known
+    for. Each missing rank's host goes into ``host_of`` (in place; captured ranks keep theirs)."""
+    known_missing = {r for m in missing_hosts for r in m.ranks}
+    missing_ranks = tuple(sorted(set(range(world_size)) - set(captured))) if world_size else tuple(sorted(known_missing - set(captured)))
+    missing_list = list(missing_hosts)
+    unknown = sorted(set(missing_ranks) - known_missing)
+    unnamed = [m for m in missing_list if not m.ranks]
+    if unknown and len(unnamed) == 1:  # one host without a known rank list: the ranks nobody captured are its
+        idx = missing_list.index(unnamed[0])
+        missing_list[idx] = MissingHost(unnamed[0].host, tuple(unknown), unnamed[0].why)
+        for r in unknown:
+            host_of[r] = unnamed[0].host
+    for m in missing_list:
+        for r in m.ranks:
+            host_of.setdefault(r, m.host)
+    return missing_ranks, missing_list
+
+
+@dataclass(frozen=True, slots=True)
+class JobEvidence:
+    """Everything the job rules (:data:`JOB_RULES`) read, built once from the hosts' summaries
+    (:meth:`of`).
+
+    Attributes:
+        ranks: every captured rank's evidence, by global rank (exit times on the coordinator's clock).
+        server: those ranks as one server's evidence (trigger: a stall), what the host rules judge.
+        base: the host rules' verdict on ``server`` (:func:`agent.verdict.rules.decide`); ``None``
+            without a captured rank.
+        hosts: the hosts whose evidence was judged, sorted.
+        host_of: each global rank's host: a captured rank's from the first host that sent it, a
+            missing rank's from the missing host it belongs to.
+        world_size: the job's world size, when known.
+        captured_ranks / missing_ranks: the world-size check (global ranks, sorted).
+        missing_hosts: the hosts without evidence (the one without a known rank list given the
+            ranks nobody captured).
+        flagged: the ranks torch's Flight Recorder analyzer finds missing from a collective, sorted.
+        torch_analysis: its lines (:func:`torch_findings`).
+        waiting_in: the collective every captured rank waits in (``all_reduce #8 of pg 0``,
+            ``a collective``), else ``""``.
+        conflicts: identity conflicts: the coordinator's, then each rank two hosts claimed.
+        clock_lines: one line per host whose exit times were moved to the coordinator's clock.
+    """
+
+    ranks: tuple[RankEvidence, ...]
+    server: ServerEvidence
+    base: Verdict | None
+    hosts: tuple[str, ...]
+    host_of: Mapping[int, str]
+    world_size: int | None
+    captured_ranks: tuple[int, ...]
+    missing_ranks: tuple[int, ...]
+    missing_hosts: tuple[MissingHost, ...]
+    flagged: tuple[int, ...]
+    torch_analysis: tuple[str, ...]
+    waiting_in: str
+    conflicts: tuple[str, ...]
+    clock_lines: tuple[str, ...]
+
+    @staticmethod
+    def of(evidence: Sequence[Evidence], *, missing_hosts: Sequence[MissingHost] = (), world_size: int | None = None,
+           conflicts: Sequence[str] = (), clock_offsets_s: Mapping[str, float] | None = None) -> JobEvidence:
+        """The job's evidence (arguments as :func:`judge_job`'s)."""
+        summaries, host_of, said = _by_rank(evidence)
+        clock_lines = _on_one_clock(summaries, host_of, clock_offsets_s or {})
+        world_size = world_size or next((ev.world_size for ev in evidence if ev.world_size), None)
+        ranks = tuple(_rank_evidence(summaries[r]) for r in sorted(summaries))
+        captured = tuple(sorted(summaries))
+        missing_ranks, missing_list = _missing(missing_hosts, world_size, captured, host_of)
+        server = ServerEvidence.of(ranks, trigger=Trigger.STALL, world_size=world_size)
+        flagged, torch_lines = torch_findings(server.recorders)
+        return JobEvidence(
+            ranks=ranks, server=server, base=decide(server) if ranks else None,
+            hosts=tuple(sorted(ev.host_name for ev in evidence)), host_of=host_of, world_size=world_size,
+            captured_ranks=captured, missing_ranks=missing_ranks, missing_hosts=tuple(missing_list),
+            flagged=tuple(sorted(flagged)), torch_analysis=tuple(torch_lines), waiting_in=_all_wait_same(ranks),
+            conflicts=(*conflicts, *said), clock_lines=tuple(clock_lines),
+        )
+
+    @property
+    def base_culprits(self) -> tuple[int, ...]:
+        """The ranks the host rules name (none without their verdict)."""
+        return self.base.culprit_ranks if self.base is not None else ()
+
+
+def _reason_tail(ev: JobEvidence) -> str:
+    """What every job verdict's reason ends with: the hosts without evidence (else the ranks
+    nobody captured) and the first identity conflict."""
+    tail = ""
+    missing = ev.missing_hosts
+    if missing:
+        tail += "; " + "; ".join(str(m) for m in missing[:8]) + (f"; {len(missing) - 8} more hosts" if len(missing) > 8 else "")
+    elif ev.missing_ranks:
+        tail += f"; {_ranks(ev.missing_ranks)} of world size {ev.world_size} not captured"
+    if ev.conflicts:
+        tail += f"; {len(ev.conflicts)} identity conflict{'s' if len(ev.conflicts) != 1 else ''}: {ev.conflicts[0]}"
+    return tail
+
+
+def _job_verdict(ev: JobEvidence, *, kind: str, culprits: Sequence[int], reason: str, confidence: str) -> JobVerdict:
+    """The job verdict a rule concludes: ``reason`` with :func:`_reason_tail`, the culprits' hosts,
+    the host rules' hung flag and evidence lines (hung without them), and the next step."""
+    culprit_hosts = tuple(ev.host_of.get(r, "?") for r in culprits)
+    base = ev.base
+    return JobVerdict(
+        kind=kind, hung=base.hung if base is not None else True, culprit_ranks=tuple(culprits),
+        culprit_hosts=culprit_hosts, reason=reason + _reason_tail(ev), confidence=confidence, hosts=ev.hosts,
+        missing_hosts=ev.missing_hosts, world_size=ev.world_size, captured_ranks=ev.captured_ranks,
+        missing_ranks=ev.missing_ranks, torch_analysis=ev.torch_analysis,
+        evidence=(*(base.evidence if base is not None else ()), *ev.clock_lines), conflicts=ev.conflicts[:16],
+        next_step=job_next_step(kind, base, ev.server, culprits=culprits, culprit_hosts=culprit_hosts, hosts=ev.hosts,
+                                missing_hosts=ev.missing_hosts),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class JobRule:
+    """One rule of the job verdict (as :class:`agent.verdict.rules.Rule` is one of a host's).
+
+    Attributes:
+        name: ``lower_snake_case``.
+        kind: the verdict kind it concludes.
+        when: when it applies (one sentence).
+        concludes: what it names and says.
+        confidence: at what confidence, and why.
+        check: the rule itself: the job verdict, or ``None`` when it does not apply.
+    """
+
+    name: str
+    kind: str
+    when: str
+    concludes: str
+    confidence: str
+    check: Callable[[JobEvidence], JobVerdict | None]
+
+
+#: The job rules in order; the first whose ``check`` returns a verdict decides (the last always does).
+JOB_RULES: list[JobRule] = []
+
+#: :attr:`JobRule.kind` of the rule that keeps the host rules' verdict.
+_HOST_RULES_KIND = "the host rules' kind"
+
+
+def _job_rule(name: str, *, kind: str, when: str, concludes: str, confidence: str) -> Callable[
+        [Callable[[JobEvidence], JobVerdict | None]], Callable[[JobEvidence], JobVerdict | None]]:
+    """Register a rule at the end of :data:`JOB_RULES` (definition order is rule order)."""
+
+    def register(check: Callable[[JobEvidence], JobVerdict | None]) -> Callable[[JobEvidence], JobVerdict | None]:
+        JOB_RULES.append(JobRule(name=name, kind=kind, when=when, concludes=concludes, confidence=confidence, check=check))
+        return check
+
+    return register
+
+
+@_job_rule("culprits_wait_for_missing", kind=MISSING,
+           when="ranks are missing and every rank the host rules name waits in a collective itself",
+           concludes="the ranks nobody captured: what the named ranks wait for is past them",
+           confidence="medium")
+def _culprits_wait_for_missing(ev: JobEvidence) -> JobVerdict | None:
+    culprits = ev.base_culprits
+    if ev.base is None or not ev.missing_ranks or not culprits:
+        return None
+    by_rank = {e.rank: e for e in ev.ranks}
+    if not all(r in by_rank and _in_collective(by_rank[r]) for r in culprits):
+        return None
+    reason = (f"missing: {_ranks(ev.missing_ranks)} not captured; the captured ranks all wait in collectives"
+              f" ({ev.base.reason}); the culprit is among the ranks not captured")
+    return _job_verdict(ev, kind=MISSING, culprits=ev.missing_ranks, reason=reason, confidence="medium")
+
+
+@_job_rule("all_wait_for_missing", kind=MISSING,
+           when="ranks are missing, the host rules name nobody, and every captured rank waits in the same "
+                "collective (or no rank was captured)",
+           concludes="the ranks nobody captured",
+           confidence="medium when the captured ranks wait, low when none was captured")
+def _all_wait_for_missing(ev: JobEvidence) -> JobVerdict | None:
+    if ev.base_culprits or not ev.missing_ranks or not (ev.waiting_in or not ev.ranks):
+        return None
+    where = f"every captured rank waits in {ev.waiting_in}" if ev.waiting_in else "no rank was captured"
+    reason = f"missing: {_ranks(ev.missing_ranks)} not captured ({where}); the culprit is among them"
+    return _job_verdict(ev, kind=MISSING, culprits=ev.missing_ranks, reason=reason,
+                        confidence="medium" if ev.waiting_in else "low")
+
+
+@_job_rule("torch_behind", kind="behind",
+           when="the host rules name nobody and torch's Flight Recorder analyzer finds ranks missing from a collective",
+           concludes="those ranks: they never joined the collective the others wait in",
+           confidence="medium")
+def _torch_behind(ev: JobEvidence) -> JobVerdict | None:
+    if ev.base_culprits or not ev.flagged:
+        return None
+    reason = (f"behind: {_ranks(ev.flagged)} never joined the collective the others wait in"
+              " (torch's Flight Recorder analyzer)")
+    return _job_verdict(ev, kind="behind", culprits=ev.flagged, reason=reason, confidence="medium")
+
+
+@_job_rule("host_rules", kind=_HOST_RULES_KIND,
+           when="a rank was captured (the host rules judged the job's ranks as one server's)",
+           concludes="the host rules' culprits and reason", confidence="the host rules'")
+def _host_rules(ev: JobEvidence) -> JobVerdict | None:
+    base = ev.base
+    if base is None:
+        return None
+    return _job_verdict(ev, kind=base.kind, culprits=base.culprit_ranks, reason=base.reason, confidence=base.confidence)
+
+
+@_job_rule("no_evidence", kind="unknown", when="always (no rank was captured)", concludes="nobody",
+           confidence="low")
+def _no_evidence(ev: JobEvidence) -> JobVerdict | None:
+    return _job_verdict(ev, kind="unknown", culprits=(), reason="no evidence from any host", confidence="low")
+
+
 def judge_job(
     evidence: Sequence[Evidence],
     *,
@@ -334,7 +550,8 @@ def judge_job(
     conflicts: Sequence[str] = (),
     clock_offsets_s: Mapping[str, float] | None = None,
 ) -> JobVerdict:
-    """The job's verdict from every host's summary (rules in the module docstring).
+    """The job's verdict from every host's summary (rules in the module docstring and
+    :data:`JOB_RULES`: the first that applies decides).
 
     Args:
         evidence: one summary per host that sent one.
@@ -349,64 +566,10 @@ def judge_job(
     Returns:
         The :class:`JobVerdict`.
     """
-    summaries, host_of, said = _by_rank(evidence)
-    said[:0] = conflicts
-    clock_lines = _on_one_clock(summaries, host_of, clock_offsets_s or {})
-    world_size = world_size or next((ev.world_size for ev in evidence if ev.world_size), None)
-    ranks_ev = [_rank_evidence(summaries[r]) for r in sorted(summaries)]
-    captured = tuple(sorted(summaries))
-    known_missing = {r for m in missing_hosts for r in m.ranks}
-    missing_ranks = tuple(sorted(set(range(world_size)) - set(captured))) if world_size else tuple(sorted(known_missing - set(captured)))
-    missing_list = list(missing_hosts)
-    unknown = sorted(set(missing_ranks) - known_missing)
-    unnamed = [m for m in missing_list if not m.ranks]
-    if unknown and len(unnamed) == 1:  # one host without a known rank list: the ranks nobody captured are its
-        idx = missing_list.index(unnamed[0])
-        missing_list[idx] = MissingHost(unnamed[0].host, tuple(unknown), unnamed[0].why)
-        for r in unknown:
-            host_of[r] = unnamed[0].host
-    for m in missing_list:
-        for r in m.ranks:
-            host_of.setdefault(r, m.host)
-
-    server = ServerEvidence.of(ranks_ev, trigger=Trigger.STALL, world_size=world_size)
-    flagged_set, torch_lines = torch_findings(server.recorders)
-    base = decide(server) if ranks_ev else None
-    kind, reason, confidence, hung = "unknown", "no evidence from any host", "low", True
-    culprits: tuple[int, ...] = ()
-    lines: tuple[str, ...] = ()
-    if base is not None:
-        kind, culprits, reason, confidence, hung, lines = (base.kind, base.culprit_ranks, base.reason, base.confidence,
-                                                          base.hung, base.evidence)
-    flagged = sorted(flagged_set)
-    waiting_in = _all_wait_same(ranks_ev)
-    by_rank = {e.rank: e for e in ranks_ev}
-    if missing_ranks and culprits and all(r in by_rank and _in_collective(by_rank[r]) for r in culprits):
-        # the ranks the captured evidence points at wait in a collective themselves: what they
-        # wait for is past them, among the ranks nobody captured
-        kind, culprits, confidence = MISSING, missing_ranks, "medium"
-        reason = (f"missing: {_ranks(missing_ranks)} not captured; the captured ranks all wait in collectives"
-                  f" ({base.reason if base is not None else ''}); the culprit is among the ranks not captured")
-    elif not culprits and missing_ranks and (waiting_in or not ranks_ev):
-        kind, culprits, confidence = MISSING, missing_ranks, "medium" if waiting_in else "low"
-        where = f"every captured rank waits in {waiting_in}" if waiting_in else "no rank was captured"
-        reason = f"missing: {_ranks(missing_ranks)} not captured ({where}); the culprit is among them"
-    elif not culprits and flagged:
-        kind, culprits, confidence = "behind", tuple(flagged), "medium"
-        reason = f"behind: {_ranks(flagged)} never joined the collective the others wait in (torch's Flight Recorder analyzer)"
-    if missing_list:
-        reason += "; " + "; ".join(str(m) for m in missing_list[:8]) + (f"; {len(missing_list) - 8} more hosts" if len(missing_list) > 8 else "")
-    elif missing_ranks:
-        reason += f"; {_ranks(missing_ranks)} of world size {world_size} not captured"
-    if said:
-        reason += f"; {len(said)} identity conflict{'s' if len(said) != 1 else ''}: {said[0]}"
-    culprit_hosts = tuple(host_of.get(r, "?") for r in culprits)
-    hosts = tuple(sorted(ev.host_name for ev in evidence))
-    return JobVerdict(
-        kind=kind, hung=hung, culprit_ranks=tuple(culprits), culprit_hosts=culprit_hosts, reason=reason,
-        confidence=confidence, hosts=hosts, missing_hosts=tuple(missing_list),
-        world_size=world_size, captured_ranks=captured, missing_ranks=missing_ranks, torch_analysis=tuple(torch_lines),
-        evidence=(*lines, *clock_lines), conflicts=tuple(said[:16]),
-        next_step=job_next_step(kind, base, server, culprits=culprits, culprit_hosts=culprit_hosts, hosts=hosts,
-                                missing_hosts=missing_list),
-    )
+    ev = JobEvidence.of(evidence, missing_hosts=missing_hosts, world_size=world_size, conflicts=conflicts,
+                        clock_offsets_s=clock_offsets_s)
+    for rule in JOB_RULES:
+        verdict = rule.check(ev)
+        if verdict is not None:
+            return verdict
+    raise AssertionError("the last job rule always applies")  # pragma: no cover

@@ -114,8 +114,6 @@ class SimHost:
         self.settings = SimpleNamespace(host_name=host, data_dir=base / "data")
         self.bus = EventBus()
         self.records: list[Any] = []
-        self.incidents = IncidentManager(bus=self.bus, config=IncidentConfig(cooldown_s=0.001), data_dir=base / "data",
-                                         host_name=host, discover=list, on_incident=self.records.append)
         self.watched_step_pids: frozenset[int] = frozenset()
         self.sink = InMemorySink()
         self.mirror = SpanMirror(self.sink, host_name=host)
@@ -124,6 +122,9 @@ class SimHost:
         fleet = FleetConfig(job=JOB, peers=[f"{_address(i)}:{PORT}" for i in range(n)], dedup_window_s=DEDUP_WINDOW_S, peer_timeout_s=10.0,
                             evidence_timeout_s=60.0, announce_interval_s=3600.0, allow_insecure_peers=not tls, time_bucket_s=BUCKET_S)
         self.fleet = Fleet(self, api, fleet)
+        self.incidents = IncidentManager(bus=self.bus, config=IncidentConfig(cooldown_s=0.001), data_dir=base / "data",
+                                         host_name=host, discover=list, on_incident=self.records.append,
+                                         admit=self.fleet.admit, place=self.fleet.place, companions=[self.fleet.companion])
 
     def discover(self) -> list[Any]:
         return list(self.targets)

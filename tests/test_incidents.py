@@ -438,14 +438,13 @@ async def test_an_incident_stopped_before_it_captured_anything_leaves_no_empty_f
     """Ctrl-C while the incident is still finding its trace (the demo's race): its bundle folder
     was made and nothing went in; it is removed, not left as a nameless incident."""
     bus, tl = RecordingBus(), Timeline()
-    mgr = _manager(tmp_path, bus, tl)
     placing = anyio.Event()
 
     async def place(trigger: str, targets: Sequence[Target], time_unix_nano: int, parent: tuple[str, str] | None):
         placing.set()
         await anyio.sleep_forever()
 
-    mgr.place = place
+    mgr = _manager(tmp_path, bus, tl, place=place)
     async with anyio.create_task_group() as tg:
         tg.start_soon(mgr.open_incident, "stall")
         with anyio.fail_after(10):
@@ -463,12 +462,10 @@ async def test_a_placement_cut_at_its_bound_is_said_in_a_log_line_and_on_the_inc
     from agent.incidents.manager import PLACEMENT_ATTRIBUTE
 
     bus, tl = RecordingBus(), Timeline()
-    mgr = _manager(tmp_path, bus, tl, config=IncidentConfig(cooldown_s=60, phase_timeout_s=0.5))
-
     async def place(trigger: str, targets: Sequence[Target], time_unix_nano: int, parent: tuple[str, str] | None):
         await anyio.sleep(30)  # a peer or a recorder that never answers
 
-    mgr.place = place
+    mgr = _manager(tmp_path, bus, tl, config=IncidentConfig(cooldown_s=60, phase_timeout_s=0.5), place=place)
     with caplog.at_level("WARNING", logger="servewatch.incidents"), anyio.fail_after(20):
         record = await mgr.open_incident("stall", detail="frozen", pid=102)
     [opened] = bus.of_type(IncidentOpened)

@@ -1,9 +1,14 @@
 """One incident, one trace across every host of a job, one coordinator, one verdict.
 
 Owns :class:`Fleet`: it serves the agent API (:mod:`agent.fleet.api` on :mod:`agent.fleet.http`)
-and runs a job's protocol. It plugs into :class:`~agent.incidents.manager.IncidentManager` through three
-hooks: ``admit`` (a local detection inside a job incident's window is folded), ``place`` (names
-an incident's trace before it opens) and ``companions`` (runs beside an incident's phases).
+and runs a job's protocol. It contributes three things to
+:class:`~agent.incidents.manager.IncidentManager`, which the runtime passes to the manager's
+constructor (the fleet is built first and never writes into the manager): :meth:`Fleet.admit` (a
+local detection inside a job incident's window is folded), :meth:`Fleet.place` (names an
+incident's trace before it opens) and :meth:`Fleet.companion` (runs beside an incident's phases).
+They are inert until :meth:`Fleet.run` has started the API (every trigger admitted, no placement,
+nothing beside the phases), and again once it ends; ``admit`` and ``place`` only act for a job
+(``fleet.job``).
 
 The protocol, per job incident:
 
@@ -218,6 +223,9 @@ class Fleet:
         #: random per run; a peer that answers with it is ourselves (an address we did not know)
         self.agent_id = secrets.token_hex(8)
         self.job: JobIncident | None = None
+        #: what :meth:`run` serves now: ``None`` (not running: the contributions are inert), ``api``
+        #: (the companion acts) or ``job`` (with a job: admission and placement act too)
+        self._serving: str | None = None
         self.announced: Announced | None = None
         #: this host's global ranks, as of the last look (announce loop)
         self.local_ranks: tuple[int, ...] = ()
@@ -304,7 +312,6 @@ class Fleet:
         self.credentials = PeerCredentials(token=token, ssl_context=client_ssl_context(api), job_ca=api.mutual_tls,
                                            allow_insecure=cfg.allow_insecure_peers, agent_id=self.agent_id,
                                            local_host=_concrete_ip(api.host))
-        manager = self.agent.incidents
         status_sub = self.agent.bus.subscribe(ComponentStatusChanged, name="fleet-status", max_buffer=float("inf"))
         try:
             async with anyio.create_task_group() as tg:
@@ -316,24 +323,17 @@ class Fleet:
                 self.credentials = replace(self.credentials, own_port=self.server.port)
                 self.resolver = PeerResolver(cfg.peers, dns_name=cfg.peers_dns, own_port=self.server.port, own_host=api.host,
                                              default_port=api.port or self.server.port, scheme=self.scheme, timeout_s=cfg.peer_timeout_s)
-                manager.companions.append(self._companion)
+                self._serving = "job" if cfg.job else "api"  # the contributions act from now on
                 if cfg.job:
-                    manager.admit = self._admit
-                    manager.place = self._place
                     tg.start_soon(self._announce_loop)
                 tg.start_soon(self._watch_status, status_sub)
                 tg.start_soon(self._own_member_names)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
+            self._serving = None  # inert again
             status_sub.close()
             self.api.nonces.close()
-            if self._companion in manager.companions:
-                manager.companions.remove(self._companion)
-            if manager.admit == self._admit:
-                manager.admit = None
-            if manager.place == self._place:
-                manager.place = None
 
     def _nonce_cache(self) -> NonceCache:
         """The API's nonce cache, kept in ``<data_dir>/fleet/nonces-<host name>`` (0600 in a 0700
@@ -447,7 +447,26 @@ class Fleet:
         order, me = await self._coordinator_order()
         return next((p for p in order if p.url not in skip), me), me
 
-    # -- hooks into the incident manager ---------------------------------------------------------
+    # -- contributions to the incident manager (passed to its constructor) ---------------------
+
+    def admit(self, trigger: str, detail: str) -> bool:
+        """Whether a local detection (``trigger``, its one-line ``detail``) opens an incident here
+        (the manager's ``admit``): ``False`` when it is folded into a job incident in its window.
+        ``True`` while no job is served (:meth:`run` not running, or no ``fleet.job``)."""
+        return self._serving != "job" or self._admit(trigger, detail)
+
+    async def place(self, trigger: str, targets: Sequence[Any], detected_ns: int,
+                    parent: tuple[str, str] | None) -> tuple[str, str, dict[str, Any]] | None:
+        """The trace of an incident about to open (the manager's ``place``,
+        :data:`agent.incidents.manager.Placement`): ``(trace_id, parent_span_id, root attributes)``
+        hex, or ``None`` (its parent's, else its own) while no job is served."""
+        return await self._place(trigger, targets, detected_ns, parent) if self._serving == "job" else None
+
+    def companion(self, opened: IncidentOpened) -> Callable[[], Awaitable[list[ActionCompleted]]]:
+        """Started by the manager right after ``opened`` was published (the manager's
+        ``companions``, :data:`agent.incidents.manager.Companion`); returns how to collect its
+        action events (none while :meth:`run` is not running)."""
+        return self._companion(opened) if self._serving is not None else _nothing
 
     def _admit(self, trigger: str, detail: str) -> bool:
         """A local detection: folded when a job incident is in its window, else it claims one."""

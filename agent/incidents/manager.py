@@ -31,6 +31,13 @@ Owns the one decision of what runs, in what order, and when to stop:
    (``watchdog.hard_targets``: ``culprit``, the default, or ``all``) so an orchestrator can
    restart them; each signal is a ``hard.signal`` action (a span).
 
+What other parts add to every incident comes in through the constructor, never by a write into
+the manager: the admission policies (``policies``, :class:`~agent.incidents.admission.TriggerPolicy`:
+asked before the cooldown), and a job's three contributions (:class:`agent.fleet.Fleet`'s, wired
+by the runtime, inert until the fleet runs): ``admit`` (asked after the cooldown: a detection
+inside a job incident's window is folded), ``place`` (names an incident's trace before it opens)
+and ``companions`` (run beside an incident's phases).
+
 Imports :mod:`agent.model.events`, :mod:`agent.model.bus`, :mod:`agent.host.targets`, :mod:`agent.host.manifest` (the
 ``manifest.json`` model it writes and recovery reads), the trace/span id helpers of
 :mod:`agent.model.ids` and the SDK client :mod:`agent.host.sdkclient` (requests in flight); actors are passed
@@ -418,6 +425,14 @@ class IncidentManager:
             after the exit policy (:class:`~agent.incidents.admission.ExitPolicy`, always first).
         stalls: the stalls not over (:class:`~agent.host.stall.StallBoard`; the runtime's, fed from
             the bus); default: one fed by the trigger events this manager handles.
+        admit: asked, after the policies and the cooldown, whether a detected trigger (its name and
+            one-line detail) opens an incident; ``False``: folded elsewhere (a job's peer already
+            opened this one: :meth:`agent.fleet.Fleet.admit`) and counted in :attr:`suppressed`.
+            ``None``: every trigger the policies and the cooldown let through opens one.
+        place: names the trace of every incident before it opens (see :data:`Placement`;
+            :meth:`agent.fleet.Fleet.place`), bounded here; ``None``: its parent's, else its own.
+        companions: started beside the phases of every incident (see :data:`Companion`;
+            :meth:`agent.fleet.Fleet.companion`), collected before its manifest is final.
         server_dumps: the lines saying a server's own watchdog fired during an incident, given
             its open time and now (ns since the epoch) and its processes' pids (the runtime's:
             the py-spy runs those processes started, :class:`agent.host.procinfo.ServerDumpLog`);
@@ -426,6 +441,7 @@ class IncidentManager:
     Attributes:
         exits: the exit policy (``launch`` tells it which exits it expects).
         policies: the admission policies asked for every trigger event, in order.
+        admit, place, companions: the constructor's (set only there: no other part writes them).
     """
 
     def __init__(
@@ -450,6 +466,9 @@ class IncidentManager:
         stalls: StallBoard | None = None,
         server_of: Callable[[TriggerEvent], int | None] | None = None,
         server_dumps: Callable[[int, int, Sequence[int]], list[str]] | None = None,
+        admit: Callable[[str, str], bool] | None = None,
+        place: Placement | None = None,
+        companions: Sequence[Companion] = (),
     ) -> None:
         self.server_dumps = server_dumps
         #: called when the evidence that makes the summary is captured (before deferred phases)
@@ -491,11 +510,11 @@ class IncidentManager:
         self.current: IncidentRecord | None = None
         #: consulted before a detected trigger opens an incident; False: folded elsewhere
         #: (a job's peer already opened this one)
-        self.admit: Callable[[str, str], bool] | None = None
+        self.admit = admit
         #: started beside the phases of every incident (see :data:`Companion`)
-        self.companions: list[Companion] = []
-        #: names the trace of an incident opened without a parent (see :data:`Placement`)
-        self.place: Placement | None = None
+        self.companions: tuple[Companion, ...] = tuple(companions)
+        #: names the trace of an incident about to open (see :data:`Placement`)
+        self.place = place
         #: the rest of the servers an incident's targets belong to, added to its targets (called
         #: with its trigger and targets, blocking; ``[]``: none): their frontends, engine core and
         #: coordinators (issue 32 item 1; the runtime's :meth:`~agent.runtime.agent.Agent.server_tree`)

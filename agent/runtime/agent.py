@@ -5,7 +5,8 @@ Owns wiring and lifecycle only; it decides nothing. :meth:`Agent.build` is the o
 (:mod:`agent.host.registry`), imported only when built, with its own settings table and the agent-wide values;
 the incident's phases are the registered actors, in registration order. Its own parts: the status board, the
 telemetry (``[export]``) and a running agent's span shipper (``[spans]``). Which processes an incident is about
-is :class:`agent.incidents.evidence.TargetFinder`'s; which triggers open one, the incident manager's policies;
+is :class:`agent.incidents.evidence.TargetFinder`'s; which triggers open one, the incident manager's policies
+(and, with the API on, the :class:`agent.fleet.Fleet`'s contributions, passed to the manager when it is built);
 whether a target is stalled, the bus's (:class:`agent.host.stall.StallBoard`). One anyio task group; watchers
 are started with ``tg.start`` so "ready" means ready, restarted after a crash and targets re-discovered
 (:mod:`agent.runtime.supervision`); shutdown is bounded and flushes telemetry. Imports the registries, the bus,
@@ -130,6 +131,8 @@ class Agent:
         #: the server's recent history from the bus (step readings, stalls, health, exits)
         self.history = ProgressHistory()
         self.lifecycle = Lifecycle(left_alive=getattr(self.watchers.get("process"), "left_alive", None))  # a policy
+        #: the API and job coordinator (:class:`agent.fleet.Fleet`) when ``api.enabled``: inert until :meth:`run` starts it
+        self.fleet: Any = self._build_fleet() if settings.api.enabled else None
         self.incidents = self._build_incidents(on_incident, on_summary)
         self.targets = TargetFinder(settings.target, self.children, stall_timeout_s=settings.watchdog.timeout_s,
                                     last_incident_unix_nano=self._last_incident_unix_nano)
@@ -143,8 +146,6 @@ class Agent:
         self.restarts: dict[str, int] = {}
         self._ready = anyio.Event()
         self._stop = anyio.Event()
-        #: the API and job coordinator (:class:`agent.fleet.Fleet`) once running, when ``api.enabled``
-        self.fleet: Any = None
         #: ships the targets' SDK request/forward spans (``[spans]``), built when a running agent starts
         self.shipper: SpanShipper | None = None
         #: the telemetry's counts after a one-shot command closed it (:meth:`dump`, :meth:`profile`)
@@ -152,17 +153,23 @@ class Agent:
 
     def _build_incidents(
         self, on_incident: Callable[[IncidentRecord], None] | None, on_summary: Callable[[IncidentRecord], None] | None) -> IncidentManager:
-        wd = self.settings.watchdog
+        wd, fleet = self.settings.watchdog, self.fleet  # the fleet's contributions: inert until it runs
         return IncidentManager(
             bus=self.bus, config=self.settings.incident, data_dir=self.settings.data_dir,
             host_name=self.settings.host_name, discover=self.discover, discover_for=self.incident_targets,
             actors=list(self.actors.values()), inflight=self._inflight, on_incident=on_incident, policies=[self.lifecycle],
             hard_signal=wd.signal_number if wd.hard else None, hard_targets=wd.hard_targets, on_summary=on_summary,
             judge=VerdictJudge(endpoint_urls=self.context.agent.server_urls, own_actions=self.own_actions),
-            stalls=self.stalls, history=self.history,
+            stalls=self.stalls, history=self.history, companions=() if fleet is None else (fleet.companion,),
             server_of=lambda event: self.targets.server_of_event(event, metrics_urls=self.settings.metrics.all_urls),
             server_dumps=lambda *window: self.targets.server_dump_lines(*window),
+            admit=None if fleet is None else fleet.admit, place=None if fleet is None else fleet.place,
         )
+
+    def _build_fleet(self) -> Any:
+        from agent.fleet import Fleet  # the coordinator (h11, peers) loads only when the API is on
+
+        return Fleet(self, self.settings.api, self.settings.fleet)
 
     @classmethod
     def build(
@@ -435,21 +442,14 @@ class Agent:
         await tg.start(self.startup.run, self.bus)
         self.incidents.on_state = self.run_status.show_incidents
         await tg.start(self.incidents.run)
-        if s.api.enabled:
-            await self._start_fleet(tg)
+        if self.fleet is not None:
+            await tg.start(self.fleet.run)
         await self._start_watchers(tg)
         if self.shipper is not None:
             tg.start_soon(self.run_status.ship_spans, self.shipper, telemetry)
         tg.start_soon(self.run_status.watch_delivery, telemetry)
         tg.start_soon(trim_memory, TRIM_INTERVAL_S)
         self._ready.set()
-
-    async def _start_fleet(self, tg: TaskGroup) -> None:
-        from agent.fleet import Fleet
-
-        s = self.settings
-        self.fleet = Fleet(self, s.api, s.fleet)
-        await tg.start(self.fleet.run)
 
     async def _finish_incident(self) -> None:
         """Stopping during an incident: its current phase finishes (bounded), the rest is skipped."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -33,11 +34,11 @@ async def _dump(opened: IncidentOpened, targets: Sequence[Target], bundle: Path,
             for x in targets]
 
 
-def _manager(tmp_path: Path, bus: RecordingBus) -> IncidentManager:
+def _manager(tmp_path: Path, bus: RecordingBus, **kw: Any) -> IncidentManager:
     return IncidentManager(
         bus=bus, config=IncidentConfig(cooldown_s=60), data_dir=tmp_path, host_name="node-b",
         discover=lambda: [Target(pid=4242, title="demo::scheduler_TP0")],
-        phases=[("pyspy.dump", _dump, StacksDumped)],
+        phases=[("pyspy.dump", _dump, StacksDumped)], **kw,
     )
 
 
@@ -78,7 +79,6 @@ async def test_incident_without_traceparent_is_a_trace_root(tmp_path: Path) -> N
 
 async def test_retrace_moves_a_running_incident_into_the_other_trace(tmp_path: Path) -> None:
     bus = RecordingBus()
-    manager = _manager(tmp_path, bus)
     trace, parent = trace_id_hex(new_trace_id()), span_id_hex(new_span_id())
     moved: list[bool] = []
 
@@ -86,7 +86,7 @@ async def test_retrace_moves_a_running_incident_into_the_other_trace(tmp_path: P
         moved.append(await manager.retrace(opened.incident_id, trace, parent))
 
     async with anyio.create_task_group() as tg:
-        manager.companions.append(lambda opened: (tg.start_soon(companion_run, opened), _nothing)[1])
+        manager = _manager(tmp_path, bus, companions=[lambda opened: (tg.start_soon(companion_run, opened), _nothing)[1]])
         record = await manager.open_incident("stall")
     assert moved == [True]
     first_trace = bus.of_type(IncidentOpened)[0].trace_id
@@ -108,7 +108,6 @@ async def _nothing() -> list[ActionCompleted]:
 
 async def test_companion_results_reach_manifest_and_bus_before_close(tmp_path: Path) -> None:
     bus = RecordingBus()
-    manager = _manager(tmp_path, bus)
 
     def companion(opened: IncidentOpened):
         async def collect() -> list[ActionCompleted]:
@@ -118,7 +117,7 @@ async def test_companion_results_reach_manifest_and_bus_before_close(tmp_path: P
                                                         detail="node-c slow", start_time_unix_nano=t, end_time_unix_nano=t))]
         return collect
 
-    manager.companions.append(companion)
+    manager = _manager(tmp_path, bus, companions=[companion])
     record = await manager.open_incident("manual")
     assert [r.action for r in record.results] == ["pyspy.dump", "peer.capture"]
     manifest = json.loads(record.manifest_path.read_text())
@@ -129,9 +128,8 @@ async def test_companion_results_reach_manifest_and_bus_before_close(tmp_path: P
 
 async def test_admit_hook_folds_a_detection(tmp_path: Path) -> None:
     bus = RecordingBus()
-    manager = _manager(tmp_path, bus)
     seen: list[str] = []
-    manager.admit = lambda trigger, detail: seen.append(trigger) is not None  # always False
+    manager = _manager(tmp_path, bus, admit=lambda trigger, detail: seen.append(trigger) is not None)  # always False
     async with anyio.create_task_group() as tg:
         await tg.start(manager.run)
         await bus.publish(WatchdogStalled(pid=4242, forward_ct=3, stalled_for_s=2.0, timeout_s=1.0))

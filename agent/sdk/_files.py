@@ -15,7 +15,7 @@ import stat
 import time
 from pathlib import Path
 
-__all__ = ["NOTICE_KEEP_S", "create_exclusive", "hold_lock", "remove_dead_files", "remove_if_ours"]
+__all__ = ["NOTICE_KEEP_S", "create_exclusive", "hold_lock", "read_regular", "remove_dead_files", "remove_if_ours"]
 
 #: SDK files named by the pid of the process that made them (the span ring, drained and removed
 #: by the agent, is not among them: its records may still be unshipped).
@@ -44,6 +44,25 @@ def create_exclusive(path: Path, mode: int) -> int:
     except FileExistsError:
         remove_if_ours(path)
         return os.open(path, flags, mode)
+
+
+def read_regular(path: Path, max_bytes: int, owners: tuple[int, ...] | None) -> tuple[bytes, os.stat_result] | None:
+    """At most ``max_bytes`` of ``path`` and its ``fstat``, when it is a regular file (never
+    through a symlink: ``O_NOFOLLOW``; never a FIFO that would block: ``O_NONBLOCK``) owned by
+    one of ``owners`` or root (any owner when ``None``); ``None`` otherwise or on any OS error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (owners is not None and st.st_uid not in owners and st.st_uid != 0):
+            return None
+        return os.read(fd, max_bytes), st
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def remove_if_ours(path: Path) -> None:

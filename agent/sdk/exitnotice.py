@@ -65,7 +65,6 @@ import faulthandler
 import json
 import os
 import signal
-import stat
 import sys
 import threading
 import time
@@ -73,7 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-from agent.sdk._files import create_exclusive, remove_if_ours
+from agent.sdk._files import create_exclusive, read_regular, remove_if_ours
 from agent.sdk.folders import own_dir, sdk_path
 
 __all__ = [
@@ -173,19 +172,8 @@ def _signal_name(signum: int) -> str:
 def _read_small(path: Path, uids: tuple[int, ...] | None) -> tuple[bytes, int] | None:
     """``(content, mtime ns)`` of a regular file owned by one of ``uids`` or root (any owner when
     ``None``), never through a symlink, at most :data:`MAX_NOTICE_BYTES`; ``None`` otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (uids is not None and st.st_uid not in uids and st.st_uid != 0):
-            return None
-        return os.read(fd, MAX_NOTICE_BYTES), st.st_mtime_ns
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    got = read_regular(path, MAX_NOTICE_BYTES, uids)
+    return None if got is None else (got[0], got[1].st_mtime_ns)
 
 
 def _signal_files(path: Path, uids: tuple[int, ...] | None) -> list[tuple[int, str, int]]:

@@ -52,6 +52,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from agent.sdk._files import read_regular
 from agent.sdk.folders import FOLDER_PREFIX, folder_problem, own_dir, shm_dir
 
 __all__ = ["HOLD_S", "PREFIX", "REFRESH_S", "RETRY_S", "STALE_S", "Declarations", "declaration_path", "look", "watched"]
@@ -96,19 +97,13 @@ def _alive(pid: int) -> bool:
 def _read_declaration(path: Path, now_s: float) -> dict | None:
     """The JSON object of the declaration at ``path`` when it is a fresh regular file of root or
     this process's user (``None`` otherwise). Opens the one file: O(1)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    got = read_regular(path, _MAX_BYTES, (os.geteuid(),))
+    if got is None or now_s - got[1].st_mtime > STALE_S:
         return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()) or now_s - st.st_mtime > STALE_S:
-            return None
-        data = json.loads(os.read(fd, _MAX_BYTES))
-    except (OSError, ValueError):
+        data = json.loads(got[0])
+    except ValueError:
         return None
-    finally:
-        os.close(fd)
     return data if isinstance(data, dict) else None
 
 

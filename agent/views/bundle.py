@@ -717,12 +717,8 @@ def read_job_verdict(bundle_dir: Path, warnings: list[str]) -> dict[str, Any] | 
     ``hosts_with_evidence``. ``None`` when there is none; an unreadable or malformed file adds one
     line to ``warnings`` and is ``None``."""
     path = bundle_dir / JOB_VERDICT_NAME
-    if not path.is_file() or not _inside(path, bundle_dir):
-        return None
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        warnings.append(f"{path}: unreadable ({type(exc).__name__})")
+    doc = _bundle_json(path, bundle_dir, warnings)
+    if doc is None:
         return None
     verdict = doc.get("verdict") if isinstance(doc, dict) else None
     if not isinstance(verdict, dict) or not isinstance(verdict.get("headline"), str):
@@ -741,14 +737,22 @@ def read_job_verdict(bundle_dir: Path, warnings: list[str]) -> dict[str, Any] | 
     }
 
 
-def _requests_from_file(bundle_dir: Path, warnings: list[str]) -> tuple[RequestRow, ...] | None:
-    path = bundle_dir / REQUESTS_NAME
+def _bundle_json(path: Path, bundle_dir: Path, warnings: list[str]) -> Any:
+    """The JSON at ``path`` inside ``bundle_dir``; ``None`` when there is none (or it points out
+    of the bundle), or when it cannot be read or parsed (one line added to ``warnings``)."""
     if not path.is_file() or not _inside(path, bundle_dir):
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         warnings.append(f"{path}: unreadable ({type(exc).__name__})")
+        return None
+
+
+def _requests_from_file(bundle_dir: Path, warnings: list[str]) -> tuple[RequestRow, ...] | None:
+    path = bundle_dir / REQUESTS_NAME
+    data = _bundle_json(path, bundle_dir, warnings)
+    if data is None:
         return None
     items = data.get("requests") if isinstance(data, dict) else data
     if not isinstance(items, list):

@@ -161,6 +161,26 @@ def test_ranks_without_a_first_step_past_the_budget_are_one_stall_once(spawn) ->
                                " or this is the wrong host or port")
 
 
+def test_a_rank_one_look_missed_is_still_starting_when_seen_again_past_the_budget(spawn) -> None:
+    """CI, real vLLM start-up hang: health read "waiting: ... took no first step within the start-up
+    budget (pid N 'VLLM::Worker')", then "blind: ... or the server is down" while the worker still
+    hung in its weight load. One look's discovery missed the worker; the next, past the budget,
+    took it for a rank first seen old (its start-up then ends only by HTTP: not starting)."""
+    ranks = _ranks(spawn, ["VLLM::Worker"])
+    found = [list(ranks)]
+    rule = StartupRule(StartupConfig(budget_s=30.0), discover=lambda: list(found[0]), forward_ct=lambda pid: None,
+                       http_watched=True)
+    born = ranks[0].create_time_s
+    rule.look(now_s=born + 1.0)
+    assert rule.starting() is not None
+    found[0] = []  # one look under load misses it
+    rule.look(now_s=born + 20.0)
+    found[0] = list(ranks)
+    rule.look(now_s=born + 40.0)
+    assert rule.starting() == (f"its ranks took no first step within the start-up budget of 30 s (pid {ranks[0].pid}"
+                               " 'VLLM::Worker'), or this is the wrong host or port")
+
+
 def test_an_idle_watch_looks_again_only_while_a_rank_starts_or_after_a_new_process(spawn, monkeypatch) -> None:
     from agent.host import procinfo
 

@@ -70,6 +70,7 @@ from agent.model.ranks import rank_from_title
 __all__ = [
     "DEFAULT_BUDGET_S",
     "LOOK_INTERVAL_S",
+    "MAX_RANKS_REMEMBERED",
     "SETTLE_S",
     "STARTUP_STALL",
     "StartupConfig",
@@ -155,6 +156,10 @@ def _sdk_forward_ct(pid: int) -> int | None:
     if snap is not None:
         return snap.forward_ct
     return 0 if pid in control_socket_pids() else None
+
+
+#: Ranks whose age at first sight is remembered (beyond, only the ones the last look found).
+MAX_RANKS_REMEMBERED = 4096
 
 
 class StartupRule:
@@ -265,7 +270,12 @@ class StartupRule:
         ranks = [t for t in self._discover() if rank_from_title(t.title) is not None and t.create_time_s > 0]
         self._created.looked(before)  # a discovery that raised is tried again at the next interval
         keys = {(t.pid, t.create_time_s) for t in ranks}
-        self._young_at_sight = {k: self._young_at_sight.get(k, now_s - k[1] < self.config.budget_s) for k in keys}
+        # kept for a rank one look missed (a discovery under load): seen again past the budget, it
+        # is still the rank seen young, whose start-up only HTTP would end (not "down": blind)
+        for key in keys:
+            self._young_at_sight.setdefault(key, now_s - key[1] < self.config.budget_s)
+        if len(self._young_at_sight) > MAX_RANKS_REMEMBERED:
+            self._young_at_sight = {k: v for k, v in self._young_at_sight.items() if k in keys}
         self._by_http_only = False
         starting = sorted((t for t in ranks if self._in_startup(t)), key=lambda t: t.create_time_s)
         self._starting, self._looked_s = starting, now_s

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from agent.demo import TORCH_MISSING_MESSAGE, torch_available
+from agent.fleet.job import REPORT_TRIES
 from tests.fleet._fleet import TOKEN, free_ports, token_file
 from tests.otlp_receiver import otlp_receiver_fixture
 
@@ -122,7 +123,9 @@ async def test_a_hang_on_one_host_is_one_trace_with_every_hosts_evidence(tmp_pat
     assert peers_seen[f"http://127.0.0.1:{dead_port}"]["attributes"]["servewatch.peer.error"] == "unreachable"
     assert all(v["outcome"] == "ok" for k, v in peers_seen.items() if not k.endswith(f":{dead_port}"))
     if coord is not a:  # node-a detected and reported to the coordinator, which did not ask it again
-        assert [x["outcome"] for x in a["actions"] if x["action"] == "fleet.report"] == ["ok"]
+        # its report answered (CI, loaded: a first try past peer_timeout_s was sent again, as built)
+        reports = [x["outcome"] for x in a["actions"] if x["action"] == "fleet.report"]
+        assert reports[-1:] == ["ok"] and len(reports) <= REPORT_TRIES, reports
         assert f"http://127.0.0.1:{api_ports[0]}" not in peers_seen
     for m, server in zip((a, b, c), servers):
         # each host's scheduler

@@ -58,10 +58,12 @@ def _open() -> memoryview:
     global _counter, _words
     with _lock:
         if _words is None:
+            # first: the counter's file appears only once its first words can follow at once (a
+            # reader between its creation and the caller's pending write reads it idle)
+            exitnotice.install()  # how this process ends, for the agent (agent.sdk.exitnotice)
             _counter = SharedCounter()
             _words = _counter.words
             atexit.register(close)
-            exitnotice.install()  # how this process ends, for the agent (agent.sdk.exitnotice)
     return _words
 
 

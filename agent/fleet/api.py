@@ -84,6 +84,8 @@ MAX_CLIENTS = 4096
 #: Most peers one join may ask this agent to relay to.
 MAX_RELAY = 4096
 #: The job routes and the message model of each body.
+#: Numbers in a refusal's text (:meth:`AgentApi._log_refusal` keys a reason on its words).
+_DIGITS = re.compile(r"\d+")
 JOB_ROUTES: dict[str, type[Announce | Report | Evidence | Moved]] = {
     "/v1/job/announce": Announce, "/v1/job/report": Report, "/v1/job/evidence": Evidence, "/v1/job/moved": Moved,
 }
@@ -271,8 +273,9 @@ class AgentApi:
 
     def _log_refusal(self, request: Request, refusal: str) -> None:
         """One warning line per refusing reason and address, at most one a minute (a guessing
-        client must not flood the log); the next line counts those not said."""
-        key = f"{request.client}|{refusal}"
+        client must not flood the log); the next line counts those not said. A reason is its
+        words: the numbers in it (a clock 90 s, then 89 s ahead) do not make another."""
+        key = f"{request.client}|{_DIGITS.sub('N', refusal)}"
         now = time.monotonic()
         last, unsaid = self._refusals_logged.get(key, (-REFUSAL_LOG_INTERVAL_S, 0))
         if now - last < REFUSAL_LOG_INTERVAL_S:

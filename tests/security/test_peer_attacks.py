@@ -180,3 +180,21 @@ async def test_over_mutual_tls_an_impostor_at_a_peer_address_never_completes_a_h
     assert job is not None and job.partial == (verdicts == 0) == (report.outcome.value == "timed_out"), (report, verdicts)
     received = log.read_bytes() if log.exists() else b""
     assert b"Servewatch-Sig" not in received and b"POST" not in received  # the handshake failed: no request went out
+
+
+def test_one_refusing_reason_with_other_numbers_is_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """CI, loaded: three requests 90 s ahead were said twice (the skew read 90, then 89 s: a
+    "new" reason each time the number changed), where one line a minute is promised."""
+    from agent.fleet.api import AgentApi
+    from agent.fleet.http import Request
+
+    api = AgentApi(object(), token=TOKEN.encode())  # type: ignore[arg-type]  # no request reaches the backend here
+    request = Request(method="POST", path="/v1/job/announce", query="", headers={}, body=b"", client="127.0.0.1")
+    with caplog.at_level("WARNING", logger="servewatch.fleet"):
+        for seconds in (90, 89, 90):
+            api._log_refusal(request, f"unauthorized: the sender's clock is {seconds} s ahead of this agent's; limit 60 s")
+        api._log_refusal(request, "unauthorized: send 'Authorization: Bearer <token>'")
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "unauthorized: the sender's clock is 90 s ahead of this agent's; limit 60 s",
+        "unauthorized: send 'Authorization: Bearer <token>'"], lines

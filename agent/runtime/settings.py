@@ -345,37 +345,61 @@ def _format_error(
     settings_parts: list[str] = []
     flag_parts: list[str] = []
     env_of = {dotted: env for env, dotted in env_names().items()}
+    overrides = overrides or {}
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        got = e.get("input")
         msg = str(e["msg"]).removeprefix("Value error, ")
-        says_got = _SAYS_GOT.search(msg) or (isinstance(got, str) and (repr(got) in msg or repr(got.upper()) in msg))
-        shown = "" if not key or isinstance(got, dict) or says_got else f" (got {got!r})"
         if e["type"] == "extra_forbidden":  # a misspelt key: name the closest valid one
             settings_parts.append(_unknown_key(key))
             continue
         if not key:  # a model-wide check: "api.token_file: no such file '/x'; fleet.job: ..."
-            for problem in msg.split("; "):
-                named, sep, what = problem.partition(": ")
-                given = _given(overrides or {}, tuple(named.split("."))) if sep and _DOTTED.fullmatch(named) else None
-                flag = flag_for(*given) if given is not None and flag_for is not None else None
-                (flag_parts if flag else settings_parts).append(f"invalid value for {flag}: {what}" if flag else problem)
+            _model_wide_parts(msg, overrides, flag_for, settings_parts, flag_parts)
             continue
-        given = _given(overrides or {}, tuple(e["loc"]))
-        flag = flag_for(*given) if given is not None and flag_for is not None else None
+        shown = _shown(key, e.get("input"), msg)
+        given = _given(overrides, tuple(e["loc"]))
+        flag = _flag_of(given, flag_for)
         if flag is not None:
             flag_parts.append(f"invalid value for {flag}: {msg}{shown}")
             continue
-        field = ".".join(str(p) for p in e["loc"] if isinstance(p, str))
-        env = env_of.get(field)
-        source = ""
-        if given is None and env and env.upper() in {k.upper() for k in os.environ}:
-            source = f" from {env}"
-        elif given is None and config_file is not None:  # not a flag, not the env, never a default
-            source = f" in {config_file}"
-        settings_parts.append(f"{key}{source}: {msg}{shown}" if key else msg)
+        source = "" if given is not None else _source(e["loc"], env_of, config_file)
+        settings_parts.append(f"{key}{source}: {msg}{shown}")
     settings_line = "invalid setting " + "; ".join(settings_parts) if settings_parts else ""
     return "; ".join(p for p in (settings_line, *flag_parts) if p)
+
+
+def _flag_of(given: tuple[str, Any] | None, flag_for: FlagFor | None) -> str | None:
+    """The flag that gave ``given`` (a dotted key and its value), or None."""
+    return flag_for(*given) if given is not None and flag_for is not None else None
+
+
+def _shown(key: str, got: Any, msg: str) -> str:
+    """`` (got VALUE)`` after an error's message, or "" where the message quotes the value already."""
+    says_got = _SAYS_GOT.search(msg) or (isinstance(got, str) and (repr(got) in msg or repr(got.upper()) in msg))
+    return "" if not key or isinstance(got, dict) or says_got else f" (got {got!r})"
+
+
+def _source(loc: tuple[Any, ...], env_of: Mapping[str, str], config_file: Path | None) -> str:
+    """Where a value the command line did not give came from: `` from ENV``, `` in FILE`` or ""."""
+    field = ".".join(str(p) for p in loc if isinstance(p, str))
+    env = env_of.get(field)
+    if env and env.upper() in {k.upper() for k in os.environ}:
+        return f" from {env}"
+    if config_file is not None:  # not a flag, not the env, never a default
+        return f" in {config_file}"
+    return ""
+
+
+def _model_wide_parts(
+    msg: str, overrides: Mapping[str, Any], flag_for: FlagFor | None,
+    settings_parts: list[str], flag_parts: list[str],
+) -> None:
+    """Append each problem of a model-wide check's ``msg`` to ``flag_parts`` when a flag gave its
+    key, else to ``settings_parts``."""
+    for problem in msg.split("; "):
+        named, sep, what = problem.partition(": ")
+        given = _given(overrides, tuple(named.split("."))) if sep and _DOTTED.fullmatch(named) else None
+        flag = _flag_of(given, flag_for)
+        (flag_parts if flag else settings_parts).append(f"invalid value for {flag}: {what}" if flag else problem)
 
 
 def _env_json_error(exc: SettingsError) -> str:
@@ -387,19 +411,11 @@ def _env_json_error(exc: SettingsError) -> str:
     environ = {k.upper(): v for k, v in os.environ.items()}
     for env, dotted in env_names().items():
         raw = environ.get(env)
-        annotation = _annotation_of(dotted)
-        origin = typing.get_origin(annotation)
-        if origin in (typing.Union, types.UnionType):  # list[str] | None
-            inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-            annotation = inner[0] if len(inner) == 1 else annotation
-            origin = typing.get_origin(annotation)
+        annotation, origin = _unwrapped_annotation(dotted)
         if raw is None or (origin not in (list, dict) and _model_of(annotation) is None):
             continue
-        try:
-            json.loads(raw)
+        if _is_json(raw):
             continue
-        except ValueError:
-            pass
         if origin is list:
             items = [i.strip() for i in (raw or "").split(",") if i.strip()]
             example = json.dumps([int(i) if i.lstrip("-").isdigit() else i for i in items] or ["..."])
@@ -408,6 +424,29 @@ def _env_json_error(exc: SettingsError) -> str:
     return "invalid setting: an environment value is not valid JSON for its list or table setting" + (
         f" ({str(exc).partition(' from source')[0].removeprefix('error parsing value for field ')})"
     )
+
+
+def _unwrapped_annotation(dotted: str) -> tuple[Any, Any]:
+    """A setting's annotation and its origin (``list``, ``dict``, ...), an optional one
+    (``list[str] | None``) unwrapped to its one inner type."""
+    annotation = _annotation_of(dotted)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):  # list[str] | None
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = inner[0] if len(inner) == 1 else annotation
+        origin = typing.get_origin(annotation)
+    return annotation, origin
+
+
+def _is_json(raw: str) -> bool:
+    """Whether ``raw`` parses as JSON."""
+    import json
+
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
 
 
 def _annotation_of(dotted: str) -> Any:

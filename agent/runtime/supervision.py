@@ -346,17 +346,21 @@ class TargetWatch:
         root = self._root
         if process_state(root.pid, create_time_s=root.create_time_s) not in (ProcessState.GONE, ProcessState.ZOMBIE):
             return False
-        watcher = self.process_watcher
-        if watcher.pids or self.incidents.current is not None or any(
-            pid not in self.incidents.exits_handled for pid in (f.pid for _, f in watcher.exits)
-        ):
+        if not self._all_exits_handled():
             return False
-        fact = next((f for tgt, f in watcher.exits if tgt.pid == root.pid), None)
+        fact = next((f for tgt, f in self.process_watcher.exits if tgt.pid == root.pid), None)
         how = fact.describe() if fact is not None else "exit status unknown"
         log.warning("root pid %d %s ended (%s): nothing left to watch, stopping", root.pid,
                     repr(root.title) if root.title else "", how)
         self.stop(f"root pid {root.pid} ended")
         return True
+
+    def _all_exits_handled(self) -> bool:
+        """No target left watched, no incident running and every target's exit handled."""
+        watcher = self.process_watcher
+        return not (watcher.pids or self.incidents.current is not None or any(
+            pid not in self.incidents.exits_handled for pid in (f.pid for _, f in watcher.exits)
+        ))
 
     async def _round(self, tg: TaskGroup) -> list[Target]:
         """One discovery round (see :meth:`run`); returns the targets found. Everything a round

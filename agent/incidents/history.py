@@ -162,17 +162,20 @@ class ProgressHistory:
 STEP_READ_GAP_NS = 2 * 1_000_000_000
 
 
+def _last_before(stall: HistoryPoint, points: Sequence[HistoryPoint], kind: str) -> HistoryPoint | None:
+    """The latest point of ``kind`` of ``stall``'s process at or before ``stall``, or None."""
+    found = [p for p in points if p.kind == kind and p.pid == stall.pid and p.time_unix_nano <= stall.time_unix_nano]
+    return max(found, key=lambda p: p.time_unix_nano) if found else None
+
+
 def _progress_stopped(stall: HistoryPoint, points: Sequence[HistoryPoint]) -> HistoryPoint:
     """When progress stopped with work pending before ``stall``: the last step reading of that
     process before it (exact) when one was seen, unless the stall's own start (its time minus how
     long it was stalled, from :func:`points_of`: when work was pending without progress) is
     later by more than :data:`STEP_READ_GAP_NS` (an idle spell came between); without step
     readings, that start."""
-    steps = [p for p in points if p.kind == "step" and p.pid == stall.pid and p.time_unix_nano <= stall.time_unix_nano]
-    estimates = [p for p in points if p.kind == "progress_stopped" and p.pid == stall.pid
-                 and p.time_unix_nano <= stall.time_unix_nano]
-    estimate = max(estimates, key=lambda p: p.time_unix_nano) if estimates else None
-    last = max(steps, key=lambda p: p.time_unix_nano) if steps else None
+    estimate = _last_before(stall, points, "progress_stopped")
+    last = _last_before(stall, points, "step")
     if last is not None and estimate is not None and estimate.time_unix_nano - last.time_unix_nano > STEP_READ_GAP_NS:
         # the last step came before an idle spell: progress stopped with work pending only when
         # work arrived again (the stall's own start), not at that step

@@ -547,32 +547,40 @@ class Lifecycle:
         since_ns = self._stop_ns
         # creation times are psutil's (boot time + ticks since boot): the stop's in that clock
         since_s = since_ns / 1e9 + await anyio.to_thread.run_sync(_creation_clock_offset_s)
-        gone = started = False
-        seen: list[int] = []
         try:
             with anyio.move_on_after(RESTART_GRACE_S):
-                while True:
-                    live = await anyio.to_thread.run_sync(self._discover)
-                    new = [t for t in live if t.pid not in self._stopped and t.create_time_s > since_s]
-                    if not gone and len(new) == len(live):  # nothing that ran before the stop runs on
-                        gone = True
-                        await self._say("stopped", "server stopped: none of its watched processes runs any more"
-                                        f" ({len(self._stopped)} ended in order so far)", pids=tuple(sorted(self._stopped)))
-                    pids = [t.pid for t in new]
-                    if gone and new and not started and (pids == seen or self.recovered_ns > since_ns):
-                        started = True
-                        await self._say("started", "server started again: watching "
-                                        + ", ".join(f"pid {t.pid} {t.title!r}" for t in new),
-                                        pids=tuple(pids))
-                    seen = pids
-                    if started and self.recovered_ns > since_ns:
-                        await self._say("recovered", f"server healthy again {(self.recovered_ns - since_ns) / 1e9:.0f} s"
-                                        " after its stop")
-                        return
-                    await anyio.sleep(FOLLOW_INTERVAL_S)
+                await self._follow_until_recovered(since_ns, since_s)
         finally:
             self._following = False
             self._stopped.clear()
+
+    async def _follow_until_recovered(self, since_ns: int, since_s: float) -> None:
+        """:meth:`_follow_restart`'s looks, every :data:`FOLLOW_INTERVAL_S`, until the recovery is said."""
+        gone = started = False
+        seen: list[int] = []
+        while True:
+            live = await anyio.to_thread.run_sync(self._discover)
+            new = [t for t in live if t.pid not in self._stopped and t.create_time_s > since_s]
+            if not gone and len(new) == len(live):  # nothing that ran before the stop runs on
+                gone = True
+                await self._say("stopped", "server stopped: none of its watched processes runs any more"
+                                f" ({len(self._stopped)} ended in order so far)", pids=tuple(sorted(self._stopped)))
+            pids = [t.pid for t in new]
+            if gone and not started and self._restart_seen(new, pids, seen, since_ns):
+                started = True
+                await self._say("started", "server started again: watching "
+                                + ", ".join(f"pid {t.pid} {t.title!r}" for t in new),
+                                pids=tuple(pids))
+            seen = pids
+            if started and self.recovered_ns > since_ns:
+                await self._say("recovered", f"server healthy again {(self.recovered_ns - since_ns) / 1e9:.0f} s"
+                                " after its stop")
+                return
+            await anyio.sleep(FOLLOW_INTERVAL_S)
+
+    def _restart_seen(self, new: list[Target], pids: list[int], seen: list[int], since_ns: int) -> bool:
+        """New processes run, and two looks agree on them or the health check recovered since the stop."""
+        return bool(new) and (pids == seen or self.recovered_ns > since_ns)
 
     async def _look_left_alive(self, event: TargetExited) -> None:
         """Rule 4: what of ``event``'s tree still runs once it had time to go down."""

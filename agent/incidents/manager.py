@@ -973,21 +973,26 @@ class IncidentManager:
             parent_span_id=parent[1] if parent else "",
             links=tuple((r.trace_id, r.span_id) for r in inflight if r.trace_id and r.span_id),
             inflight=tuple(_inflight_span(r) for r in inflight if r.trace_id and r.span_id),
-            attributes=frozen_attrs({**target_attributes(t.title for t in targets), **placed_attributes,
-                                     **({SERVER_ATTRIBUTE: server} if server is not None else {})}),
+            attributes=_opened_attributes(targets, placed_attributes, server),
         )
         record = IncidentRecord(opened=opened, targets=targets, inflight=inflight, host_name=self.host_name, server=server)
-        if self.history is not None:
-            try:
-                points = self.history.snapshot(until_unix_nano=opened.time_unix_nano, cause=cause)
-                if server is not None:  # this server's processes' story, not another's on the host
-                    pids = {t.pid for t in targets} | ({pid} if pid is not None else set())
-                    points = [p for p in points if p.pid is None or p.pid in pids]
-                record.history = list(points)
-            except Exception:  # the history is context; the evidence comes first
-                log.exception("reading the server's history failed")
+        self._read_history(record, cause, pid, server)
         record.phases_pending = [name for name, _, _ in self.phases] if targets else []
         return record, steps_at_open
+
+    def _read_history(self, record: IncidentRecord, cause: Event | None, pid: int | None, server: int | None) -> None:
+        """Set ``record.history``: the server's story up to the open (``server``'s processes' only);
+        a failed read is logged and leaves it as it is."""
+        if self.history is None:
+            return
+        try:
+            points = self.history.snapshot(until_unix_nano=record.opened.time_unix_nano, cause=cause)
+            if server is not None:  # this server's processes' story, not another's on the host
+                pids = {t.pid for t in record.targets} | ({pid} if pid is not None else set())
+                points = [p for p in points if p.pid is None or p.pid in pids]
+            record.history = list(points)
+        except Exception:  # the history is context; the evidence comes first
+            log.exception("reading the server's history failed")
 
     async def _targets_of(self, pid: int | None, server: int | None = None) -> list[Target]:
         """The incident's targets (``server``'s only, with the dead ranks of ``pid``'s job, when
@@ -1426,6 +1431,25 @@ def _verdict_attributes(m: Manifest) -> dict[str, Any]:
     ).attributes()
 
 
+def _opened_attributes(
+    targets: Sequence[Target], placed: Mapping[str, Any], server: int | None,
+) -> Mapping[str, AttributeValue]:
+    """An opened incident's attributes: its targets', its placement's and its server's."""
+    return frozen_attrs({**target_attributes(t.title for t in targets), **placed,
+                         **({SERVER_ATTRIBUTE: server} if server is not None else {})})
+
+
+def _closed_event(path: Path, m: Manifest, bundle: str, root_missing: bool) -> IncidentClosed:
+    """The re-sent close of ``m`` (at its close, else its last update, else now)."""
+    end_ns = next((v for v in (m.closed_time_unix_nano, m.updated_time_unix_nano) if v), now_ns())
+    return IncidentClosed(
+        source="incidents", time_unix_nano=end_ns, incident_id=m.incident_id, trigger=m.trigger, bundle_dir=bundle,
+        manifest_path=str(path), outcomes=tuple((str(a.action), str(a.outcome)) for a in m.actions),
+        state=STATE_CLOSED if m.state is IncidentState.CLOSED else STATE_INTERRUPTED,
+        attributes=frozen_attrs(_verdict_attributes(m)), emit_root=root_missing,
+    )
+
+
 async def _resend(bus: EventBus, path: Path, m: Manifest, durable: DurableKeys) -> int:
     """Publish again, with their recorded ids, the spans of ``m`` that are not durable (root and
     actions); the mirror writes them ahead and marks the bundle once all are. Returns how many
@@ -1447,15 +1471,7 @@ async def _resend(bus: EventBus, path: Path, m: Manifest, durable: DurableKeys) 
     )
     for action in missing:
         await bus.publish(ActionCompleted(source="incidents", incident_id=m.incident_id, result=action.to_result()))
-    end_ns = next((v for v in (m.closed_time_unix_nano, m.updated_time_unix_nano) if v), now_ns())
-    await bus.publish(
-        IncidentClosed(
-            source="incidents", time_unix_nano=end_ns, incident_id=m.incident_id, trigger=m.trigger, bundle_dir=bundle,
-            manifest_path=str(path), outcomes=tuple((str(a.action), str(a.outcome)) for a in m.actions),
-            state=STATE_CLOSED if m.state is IncidentState.CLOSED else STATE_INTERRUPTED,
-            attributes=frozen_attrs(_verdict_attributes(m)), emit_root=root_missing,
-        )
-    )
+    await bus.publish(_closed_event(path, m, bundle, root_missing))
     return len(missing) + int(root_missing)
 
 

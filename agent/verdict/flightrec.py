@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,19 +216,9 @@ def torch_missing_ranks(frs: Mapping[int, RankRecorder]) -> list[tuple[str, int,
     if analyzer is None:
         return None
     build_db = analyzer[0]
-    members: dict[str, set[int]] = {}
-    names: dict[str, tuple[str, str]] = {}
-    for rank, fr in frs.items():
-        for pg in (*fr.entries, *fr.groups):  # a group in pg_status: a member, entries or not
-            members.setdefault(pg, set()).add(rank)
-    for pg, ranks in members.items():
-        if len(ranks) == 1:  # recorded by one rank only: its peers never touched it; all ranks may be
-            members[pg] = set(frs)
-        for pg, by_seq in fr.entries.items():
-            entry = next(iter(by_seq.values()))
-            pgname = entry.get("process_group")
-            if isinstance(pgname, (list, tuple)) and len(pgname) == 2:
-                names[pg] = (str(pgname[0]), str(pgname[1]))
+    members = _pg_members(frs)
+    # the names as the last rank's recorder gives them (read once per group, as always)
+    names = _pg_names(list(frs.values())[-1]) if members else {}
     config = {pg: {"name": names.get(pg, (pg, pg))[0], "desc": names.get(pg, (pg, pg))[1],
                    "ranks": json.dumps(sorted(ranks))} for pg, ranks in members.items()}
     details = {f"rank{r}": {**fr.raw, "rank": r, "pg_config": config} for r, fr in frs.items()}
@@ -241,8 +231,37 @@ def torch_missing_ranks(frs: Mapping[int, RankRecorder]) -> list[tuple[str, int,
         db = build_db(details, args, version)
     except (Exception, SystemExit):  # noqa: BLE001 - dumps torch's analyzer does not accept
         return None
+    return _missing_of(db.collectives)
+
+
+def _pg_members(frs: Mapping[int, RankRecorder]) -> dict[str, set[int]]:
+    """Each group's member ranks: those whose recorder has it; all ranks read for a group only
+    one rank recorded."""
+    members: dict[str, set[int]] = {}
+    for rank, fr in frs.items():
+        for pg in (*fr.entries, *fr.groups):  # a group in pg_status: a member, entries or not
+            members.setdefault(pg, set()).add(rank)
+    for pg, ranks in members.items():
+        if len(ranks) == 1:  # recorded by one rank only: its peers never touched it; all ranks may be
+            members[pg] = set(frs)
+    return members
+
+
+def _pg_names(fr: RankRecorder) -> dict[str, tuple[str, str]]:
+    """Each group's ``(name, desc)`` as ``fr``'s first entry of it records them."""
+    names: dict[str, tuple[str, str]] = {}
+    for pg, by_seq in fr.entries.items():
+        entry = next(iter(by_seq.values()))
+        pgname = entry.get("process_group")
+        if isinstance(pgname, (list, tuple)) and len(pgname) == 2:
+            names[pg] = (str(pgname[0]), str(pgname[1]))
+    return names
+
+
+def _missing_of(collectives: Iterable[Any]) -> list[tuple[str, int, frozenset[int], frozenset[int]]]:
+    """``(pg, seq, present ranks, missing ranks)`` of the analyzer's collectives some rank missed."""
     out = []
-    for c in db.collectives:
+    for c in collectives:
         missing = frozenset(int(r) for r in (c.missing_ranks or ()))
         if missing:
             present = frozenset(int(r) for r in c.expected_ranks) - missing
@@ -359,17 +378,24 @@ def find_behind(frs: Mapping[int, RankRecorder]) -> Behind | None:
     """The first group (``0`` first) whose ranks disagree on the last collective enqueued."""
     pgs = set.intersection(*(set(fr.groups) for fr in frs.values())) if frs else set()
     for pg in sorted(pgs, key=lambda p: (p != "0", p)):
-        enq = {r: fr.groups[pg][0] for r, fr in frs.items()}
-        top = max(enq.values())
-        behind = sorted(r for r, s in enq.items() if s < top)
-        if not behind:
-            continue
-        waiting = sorted(r for r, s in enq.items() if s == top)
-        entry = next((frs[r].entries.get(pg, {}).get(top) for r in waiting if frs[r].entries.get(pg, {}).get(top)), None)
-        text = next((frs[r].pg_text(pg) for r in waiting if frs[r].names.get(pg)), f"pg {pg}")
-        return Behind(pg_text=text, op=op_name(entry) if entry else "collective", seq=top, behind=tuple(behind),
-                      waiting=tuple(waiting), never_entered=all(top - enq[r] == 1 for r in behind))
+        found = _behind_in(frs, pg)
+        if found is not None:
+            return found
     return None
+
+
+def _behind_in(frs: Mapping[int, RankRecorder], pg: str) -> Behind | None:
+    """:func:`find_behind` in group ``pg`` (every rank has it); None when its ranks agree."""
+    enq = {r: fr.groups[pg][0] for r, fr in frs.items()}
+    top = max(enq.values())
+    behind = sorted(r for r, s in enq.items() if s < top)
+    if not behind:
+        return None
+    waiting = sorted(r for r, s in enq.items() if s == top)
+    entry = next((frs[r].entries.get(pg, {}).get(top) for r in waiting if frs[r].entries.get(pg, {}).get(top)), None)
+    text = next((frs[r].pg_text(pg) for r in waiting if frs[r].names.get(pg)), f"pg {pg}")
+    return Behind(pg_text=text, op=op_name(entry) if entry else "collective", seq=top, behind=tuple(behind),
+                  waiting=tuple(waiting), never_entered=all(top - enq[r] == 1 for r in behind))
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,19 +550,24 @@ def pending_p2p(dump: Any) -> tuple[str, int] | None:
     for entry in reversed(entries if isinstance(entries, list) else []):
         if not isinstance(entry, Mapping) or not entry.get("is_p2p") or entry.get("state") == "completed":
             continue
-        name = str(entry.get("profiling_name") or "").partition(":")[2]
-        op, _, meta = name.partition(" ")
-        arrow = {"send": "->", "recv": "<-"}.get(op)
-        if arrow is None or arrow not in meta:
-            return None
-        try:
-            peer = int(meta.split(arrow)[1])
-        except ValueError:
-            return None
-        pgname = entry.get("process_group")
-        pg = str(pgname[0]) if isinstance(pgname, (list, tuple)) and pgname else str(entry.get("pg_id", ""))
-        ranks = _group_ranks(dump, pg)
-        if ranks is not None:
-            return (op, ranks[peer]) if 0 <= peer < len(ranks) else None
-        return (op, peer) if pg == "0" else None
+        return _p2p_peer(dump, entry)
     return None
+
+
+def _p2p_peer(dump: Mapping[str, Any], entry: Mapping[str, Any]) -> tuple[str, int] | None:
+    """:func:`pending_p2p` of its last pending P2P ``entry``: the op and its peer's global rank."""
+    name = str(entry.get("profiling_name") or "").partition(":")[2]
+    op, _, meta = name.partition(" ")
+    arrow = {"send": "->", "recv": "<-"}.get(op)
+    if arrow is None or arrow not in meta:
+        return None
+    try:
+        peer = int(meta.split(arrow)[1])
+    except ValueError:
+        return None
+    pgname = entry.get("process_group")
+    pg = str(pgname[0]) if isinstance(pgname, (list, tuple)) and pgname else str(entry.get("pg_id", ""))
+    ranks = _group_ranks(dump, pg)
+    if ranks is not None:
+        return (op, ranks[peer]) if 0 <= peer < len(ranks) else None
+    return (op, peer) if pg == "0" else None

@@ -198,17 +198,25 @@ def _assign(members: list[Target], comps: list[set[int]]) -> list[list[Target]]:
     loose: list[Target] = []
     comp_dp = [{_dp(t) for t in members if t.pid in c} for c in comps]
     for t in members:
-        idx = next((i for i, c in enumerate(comps) if t.pid in c), None)
-        if idx is None:
-            fits = [i for i, dps in enumerate(comp_dp) if _dp(t) is not None and dps == {_dp(t)}]
-            if not fits:
-                fits = [i for i, c in enumerate(comps) if any(t.pid in ancestors(p) for p in c)]
-            idx = fits[0] if len(fits) == 1 else None
+        idx = _component_of(t, comps, comp_dp)
         if idx is None:
             loose.append(t)
         else:
             groups[idx].append(t)
     return [g for g in groups if g] + [[t] for t in loose]
+
+
+def _component_of(t: Target, comps: list[set[int]], comp_dp: list[set[int | None]]) -> int | None:
+    """The index of ``t``'s component in ``comps``: the one holding it, else the only one whose DP
+    coordinates are ``t``'s alone, else the only one of whose ranks it is an ancestor; None when
+    no single one fits."""
+    idx = next((i for i, c in enumerate(comps) if t.pid in c), None)
+    if idx is not None:
+        return idx
+    fits = [i for i, dps in enumerate(comp_dp) if _dp(t) is not None and dps == {_dp(t)}]
+    if not fits:
+        fits = [i for i, c in enumerate(comps) if any(t.pid in ancestors(p) for p in c)]
+    return fits[0] if len(fits) == 1 else None
 
 
 def _split_by_dp(members: list[Target], ranks: list[Target]) -> list[list[Target]] | None:
@@ -362,13 +370,21 @@ def server_tree(targets: Sequence[Target], *, uids: frozenset[int] | None = None
         if top is None:
             continue
         found[top.pid] = top
-        members: list[psutil.Process] = []
-        with psutil_errors():
-            members = descendants(psutil.Process(top.pid))
-        for proc in members:
-            member = target_of(proc.pid)
-            if member is None or member.pid in have or member.pid == own or not _of_role(member):
-                continue
-            if uids is None or member.uid in uids:
-                found[member.pid] = member
+        found.update(_tree_roles(top, have, own, uids))
     return [found[p] for p in sorted(found) if p not in have]
+
+
+def _tree_roles(top: Target, have: set[int], own: int, uids: frozenset[int] | None) -> dict[int, Target]:
+    """The live descendants of ``top`` with a role, by pid: none of ``have``, never servewatch
+    itself (``own``), each of ``uids`` (``None``: any uid)."""
+    found: dict[int, Target] = {}
+    members: list[psutil.Process] = []
+    with psutil_errors():
+        members = descendants(psutil.Process(top.pid))
+    for proc in members:
+        member = target_of(proc.pid)
+        if member is None or member.pid in have or member.pid == own or not _of_role(member):
+            continue
+        if uids is None or member.uid in uids:
+            found[member.pid] = member
+    return found

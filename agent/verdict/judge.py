@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-from agent.host.exits import zombie_fact
+from agent.host.exits import ExitFact, zombie_fact
 from agent.host.ownactions import OwnActionLog, stopped_by_us
 from agent.host.procinfo import exit_fact_of
 from agent.host.startup import startup_progress
@@ -375,12 +375,7 @@ class VerdictJudge:
         self, targets: list[Target], results: list[ActionResult], cause: Event | None, steps_before: dict[int, int]
     ) -> Verdict | None:
         exited_pid = cause.pid if isinstance(cause, TargetExited) else None
-        everyone = list(targets)
-        if isinstance(cause, TargetExited):
-            # the title the process had (a zombie's own is its comm, cut at 15 characters)
-            everyone = [replace(t, title=cause.title) if t.pid == cause.pid and cause.title else t for t in everyone]
-            if all(t.pid != cause.pid for t in targets):
-                everyone.insert(0, Target(pid=cause.pid, title=cause.title))
+        everyone = _with_exited(targets, cause)
         readings = _Readings(results=results, cause=cause, steps_before=steps_before,
                              after=_snapshots([t.pid for t in everyone], self.shm_dir),
                              stopped=self._stopped_at_open & _stopped(everyone, self.own_actions),
@@ -395,15 +390,21 @@ class VerdictJudge:
             orphaned = self._orphaned(everyone, readings, cause)
             if orphaned is not None:
                 return orphaned
+        verdicts = self._group_verdicts(groups, everyone, readings, exited_pid)
+        if not verdicts:
+            return None
+        return pick_incident_verdict(verdicts, self._trigger_pids(cause), len(groups))
+
+    def _group_verdicts(self, groups: Sequence[ServerGroup], everyone: list[Target], readings: _Readings,
+                        exited_pid: int | None) -> list[tuple[ServerGroup, Verdict]]:
+        """Each server's verdict (:meth:`_decide_group`), those that have one."""
         verdicts: list[tuple[ServerGroup, Verdict]] = []
         for group in groups:
             members = [t for t in everyone if t.pid in group.pids]
             verdict = self._decide_group(members, readings, exited_pid)
             if verdict is not None:
                 verdicts.append((group, verdict))
-        if not verdicts:
-            return None
-        return pick_incident_verdict(verdicts, self._trigger_pids(cause), len(groups))
+        return verdicts
 
     def _orphaned(self, everyone: list[Target], readings: _Readings, cause: FrontendExited) -> Verdict | None:
         """The verdict of a server whose frontend died leaving processes alive: the frontend and
@@ -452,8 +453,8 @@ class VerdictJudge:
         Recorder result (nothing read of it), unless its exit opened the incident (its exit
         status is evidence: a server that died before any rank started)."""
         pids = {t.pid for t in members}
-        dumps = {r.pid: r for r in readings.results if r.action == Action.PYSPY_DUMP and r.pid in pids}
-        frs = {r.pid: r for r in readings.results if r.action == Action.FLIGHTREC_DUMP and r.pid in pids}
+        dumps = _results_of(readings.results, Action.PYSPY_DUMP, pids)
+        frs = _results_of(readings.results, Action.FLIGHTREC_DUMP, pids)
         if len(members) < 2 and not frs and not dumps and exited_pid not in pids:
             return None
         world_size = _world_size(members) or _fr_world_size(frs.values())
@@ -465,8 +466,16 @@ class VerdictJudge:
         trigger = trigger_of(readings.cause)
         progress = readings.progress if _serves(members, readings.progress, single=len(self._groups) == 1) else None
         progress = startup_progress(readings.cause, pids) or progress  # a start-up stall: no first step
-        judged = Evidence.of(
-            evidence, trigger=trigger, world_size=world_size,
+        judged = Evidence.of(evidence, trigger=trigger, world_size=world_size,
+                             **self._server_facts(readings, progress, trigger, orphaned, dumps))
+        self.last_evidence.append(judged)
+        return decide(judged)
+
+    def _server_facts(self, readings: _Readings, progress: tuple[bool, str, bool, int | None] | None, trigger: str,
+                      orphaned: FrontendExited | None, dumps: Mapping[int, ActionResult]) -> dict[str, Any]:
+        """The :class:`~agent.verdict.rules.Evidence` fields of one server beside its processes':
+        its progress, the incident's cause and the processes its dead frontend left."""
+        return dict(
             server_progress=progress[0] if progress else None,
             server_progress_detail=progress[1] if progress else self.progress_unread,
             work_pending=progress[2] if progress and trigger != Trigger.STALL else None,
@@ -477,8 +486,6 @@ class VerdictJudge:
             orphaned_under=orphaned.reparented_to if orphaned is not None else 0,
             **_livelock_facts(readings.cause, self.progress_preempted if progress else None),
             **_request_facts(readings.cause, dumps))
-        self.last_evidence.append(judged)
-        return decide(judged)
 
     def _evidence(self, target: Target, rank: int | None, dump: ActionResult | None, fr: ActionResult | None,
                   readings: _Readings, exited_pid: int | None) -> RankEvidence:
@@ -488,19 +495,11 @@ class VerdictJudge:
         cause = readings.cause if exited and isinstance(readings.cause, TargetExited) else None
         state = ProcessState.GONE if exited else process_state(target.pid, create_time_s=target.create_time_s)
         alive = state not in (ProcessState.GONE, ProcessState.ZOMBIE)
-        fact = cause.exit if cause is not None else (
-            zombie_fact(target.pid, target.create_time_s) if state is ProcessState.ZOMBIE
-            # gone (reaped): the fact the process watcher noted (the kernel's status and time of death)
-            else exit_fact_of(target.pid, target.create_time_s) if state is ProcessState.GONE else None)
+        fact = cause.exit if cause is not None else _ended_fact(target, state)
         info = parse_title(target.title)
-        role = _role(info.role if info is not None else "", rank)
-        title = target.title
-        if role is Role.PROCESS and (frontend_command(target.cmdline) or target.pid in readings.listeners):
-            role = Role.FRONTEND  # an untitled HTTP frontend: vllm serve, SGLang's main process
-            title = command_words(target.cmdline) or title  # named by its command, not its interpreter's path
+        role, title = _role_and_title(target, _role(info.role if info is not None else "", rank), readings.listeners)
         if role is Role.FRONTEND and threads:
             frame = _frontend_frame(threads) or frame
-        snap = readings.after.get(target.pid)
         return RankEvidence(
             rank=rank if role is Role.RANK else None,
             pid=target.pid,
@@ -509,25 +508,83 @@ class VerdictJudge:
             label=info.label if info is not None else "",
             alive=alive,
             exited_first=exited,
-            exit_signal=fact.signal_name or None if fact is not None else None,
-            exit_code=fact.exit_code if fact is not None else None,
-            oom_killed=fact.oom if fact is not None else False,
-            exit_time_ns=(fact.ended_time_unix_nano or None) if fact is not None else None,
-            exit_detail=fact.describe() if fact is not None else "",
-            exit_fact=fact,
+            **_exit_fields(fact),
             frame_class=frame_class,
             frame=frame,
             p2p=p2p,
             stack_note=_stack_note(dump),
-            steps_before=readings.steps_before.get(target.pid),
-            steps_after=snap.forward_ct if snap is not None else None,
-            pending=snap.pending if snap is not None else None,
+            **_step_fields(target.pid, readings),
             fr=_fr_dump(fr),
-            stopped=alive and target.pid in readings.stopped,
-            uninterruptible=alive and target.pid in readings.dsleep,
-            wchan=readings.dsleep.get(target.pid, "") if alive else "",
+            **_held_fields(target.pid, alive, readings),
             event_loop=role is Role.FRONTEND and frame_class is FrameClass.COMPUTE and _in_event_loop(threads),
         )
+
+
+def _results_of(results: Iterable[ActionResult], action: Action, pids: set[int]) -> dict[int, ActionResult]:
+    """The results of ``action`` for ``pids``, by pid (the last one of a pid)."""
+    return {r.pid: r for r in results if r.action == action and r.pid in pids}
+
+
+def _held_fields(pid: int, alive: bool, readings: _Readings) -> dict[str, Any]:
+    """The :class:`~agent.verdict.rules.RankEvidence` fields of a live process held still: stopped
+    (SIGSTOP) or in uninterruptible sleep (and its kernel wait channel)."""
+    return {
+        "stopped": alive and pid in readings.stopped,
+        "uninterruptible": alive and pid in readings.dsleep,
+        "wchan": readings.dsleep.get(pid, "") if alive else "",
+    }
+
+
+def _with_exited(targets: list[Target], cause: Event | None) -> list[Target]:
+    """The targets, the one whose exit opened the incident (``cause``) under the title it had, and
+    first when discovery no longer found it."""
+    everyone = list(targets)
+    if isinstance(cause, TargetExited):
+        # the title the process had (a zombie's own is its comm, cut at 15 characters)
+        everyone = [replace(t, title=cause.title) if t.pid == cause.pid and cause.title else t for t in everyone]
+        if all(t.pid != cause.pid for t in targets):
+            everyone.insert(0, Target(pid=cause.pid, title=cause.title))
+    return everyone
+
+
+def _ended_fact(target: Target, state: ProcessState) -> ExitFact | None:
+    """How a target that did not open the incident ended: a zombie's status, else (gone, reaped)
+    the fact the process watcher noted (the kernel's status and time of death); None while it runs."""
+    if state is ProcessState.ZOMBIE:
+        return zombie_fact(target.pid, target.create_time_s)
+    if state is ProcessState.GONE:
+        return exit_fact_of(target.pid, target.create_time_s)
+    return None
+
+
+def _role_and_title(target: Target, role: Role, listeners: frozenset[int]) -> tuple[Role, str]:
+    """A process's role and title: an untitled HTTP frontend (vllm serve, SGLang's main process)
+    is one, named by its command, not its interpreter's path."""
+    if role is Role.PROCESS and (frontend_command(target.cmdline) or target.pid in listeners):
+        return Role.FRONTEND, command_words(target.cmdline) or target.title
+    return role, target.title
+
+
+def _exit_fields(fact: ExitFact | None) -> dict[str, Any]:
+    """The :class:`~agent.verdict.rules.RankEvidence` fields of how a process ended (``fact``)."""
+    return {
+        "exit_signal": fact.signal_name or None if fact is not None else None,
+        "exit_code": fact.exit_code if fact is not None else None,
+        "oom_killed": fact.oom if fact is not None else False,
+        "exit_time_ns": (fact.ended_time_unix_nano or None) if fact is not None else None,
+        "exit_detail": fact.describe() if fact is not None else "",
+        "exit_fact": fact,
+    }
+
+
+def _step_fields(pid: int, readings: _Readings) -> dict[str, Any]:
+    """The :class:`~agent.verdict.rules.RankEvidence` fields of a process's step counter."""
+    snap = readings.after.get(pid)
+    return {
+        "steps_before": readings.steps_before.get(pid),
+        "steps_after": snap.forward_ct if snap is not None else None,
+        "pending": snap.pending if snap is not None else None,
+    }
 
 
 def _livelock_facts(cause: Event | None, read: tuple[int, float] | None = None) -> dict[str, Any]:
@@ -829,23 +886,28 @@ def _fr_world_size(frs: Iterable[ActionResult]) -> int | None:
     ``WORLD_SIZE`` left to read."""
     for fr in frs:
         trace = _fr_dump(fr)
-        if trace is None:
-            continue
-        meta = trace.get("servewatch")
-        size = meta.get("world_size") if isinstance(meta, dict) else None
-        if isinstance(size, int) and size > 0:
+        size = _trace_world_size(trace) if trace is not None else None
+        if size is not None:
             return size
-        config = trace.get("pg_config")
-        groups = [g for g in config.values() if isinstance(g, dict)] if isinstance(config, dict) else []
-        default = [g for g in groups if g.get("desc") == "default_pg"] or (groups if len(groups) == 1 else [])
-        if default:
-            try:
-                ranks = json.loads(default[0].get("ranks", ""))
-            except (TypeError, ValueError):
-                continue
-            if isinstance(ranks, list) and ranks:
-                return len(ranks)
     return None
+
+
+def _trace_world_size(trace: Mapping[str, Any]) -> int | None:
+    """:func:`_fr_world_size` of one Flight Recorder dump."""
+    meta = trace.get("servewatch")
+    size = meta.get("world_size") if isinstance(meta, dict) else None
+    if isinstance(size, int) and size > 0:
+        return size
+    config = trace.get("pg_config")
+    groups = [g for g in config.values() if isinstance(g, dict)] if isinstance(config, dict) else []
+    default = [g for g in groups if g.get("desc") == "default_pg"] or (groups if len(groups) == 1 else [])
+    if not default:
+        return None
+    try:
+        ranks = json.loads(default[0].get("ranks", ""))
+    except (TypeError, ValueError):
+        return None
+    return len(ranks) if isinstance(ranks, list) and ranks else None
 
 
 def _env_world_size(pid: int) -> int | None:

@@ -510,6 +510,16 @@ _RANK_SOURCE_WORDS = {"": "", "sdk": "rank from its SDK step counter", "environ"
 
 
 def _evidence_line(e: RankEvidence) -> str:
+    parts = [*_who_words(e), *_state_words(e), *_stack_words(e)]
+    fr = RankRecorder.of(e.fr)
+    if fr is not None and fr.groups:
+        for pg, st in sorted(fr.groups.items())[:2]:
+            parts.append(f"pg {pg}: enqueued #{st[0]}, completed #{st[1]}")
+    return "; ".join(parts)
+
+
+def _who_words(e: RankEvidence) -> list[str]:
+    """An evidence line's first parts: the process (a rank's pid, its label), how its rank was read, its role."""
     parts = [e.name + (f" pid {e.pid}" if e.pid and e.is_rank else "")]
     if e.label:
         parts[0] += f" [{e.label}]"
@@ -517,6 +527,12 @@ def _evidence_line(e: RankEvidence) -> str:
         parts.append(_RANK_SOURCE_WORDS.get(e.rank_source, e.rank_source))
     if e.role not in (Role.RANK, Role.PROCESS):
         parts.append(e.role.value)
+    return parts
+
+
+def _state_words(e: RankEvidence) -> list[str]:
+    """An evidence line's parts on the process's state: stopped, in D, gone."""
+    parts = []
     if e.stopped and e.alive:
         parts.append("stopped (state T: SIGSTOP or a debugger)")
     if e.uninterruptible and e.alive:
@@ -524,6 +540,12 @@ def _evidence_line(e: RankEvidence) -> str:
     fact = fact_of(e)
     if fact is not None:
         parts.append(f"gone ({fact.describe()})")
+    return parts
+
+
+def _stack_words(e: RankEvidence) -> list[str]:
+    """An evidence line's parts on the process's stack and steps."""
+    parts = []
     if e.p2p and e.frame_class is FrameClass.COLLECTIVE:
         parts.append(f"p2p {e.p2p}: {e.frame}" if e.frame else f"p2p {e.p2p}")
     elif e.frame_class is not FrameClass.UNKNOWN:
@@ -532,11 +554,7 @@ def _evidence_line(e: RankEvidence) -> str:
         parts.append(e.stack_note)
     if e.steps_before is not None and e.steps_after is not None:
         parts.append(f"steps {e.steps_before}->{e.steps_after}")
-    fr = RankRecorder.of(e.fr)
-    if fr is not None and fr.groups:
-        for pg, st in sorted(fr.groups.items())[:2]:
-            parts.append(f"pg {pg}: enqueued #{st[0]}, completed #{st[1]}")
-    return "; ".join(parts)
+    return parts
 
 
 def _wchan_words(e: RankEvidence) -> str:
@@ -547,21 +565,27 @@ def _verdict(ev: Evidence, kind: str, culprits: Sequence[RankEvidence], reason: 
              hung: bool = True, stragglers: Iterable[int] = (), extra: Sequence[str] = ()) -> Verdict:
     ranked = sorted((c for c in culprits if c.is_rank), key=lambda c: c.rank)  # type: ignore[arg-type, return-value]
     rest = [c for c in culprits if not c.is_rank]
-    if confidence == "high" and any(c.rank_source not in _RANK_SOURCE_WORDS for c in ranked):
-        confidence = "medium"  # a culprit's rank was inferred, not read (RankEvidence.rank_source)
     return Verdict(
         kind=kind,
         hung=hung,
         culprit_ranks=tuple(c.rank for c in ranked),  # type: ignore[misc]
         culprit_pids=tuple(c.pid for c in (*ranked, *rest) if c.pid),
         reason=reason,
-        confidence=confidence,
+        confidence=_read_confidence(confidence, ranked),
         evidence=tuple(_evidence_line(e) for e in ev.processes) + tuple(extra),
         stragglers=tuple(sorted(set(stragglers))),
         ranks=tuple(e.rank for e in ev.ranks),  # type: ignore[misc]
         culprit_names=tuple(_culprit_name(c) for c in (*ranked, *rest)),
         culprit_roles=tuple(c.role.value for c in (*ranked, *rest) if c.pid),
     )
+
+
+def _read_confidence(confidence: str, ranked: Sequence[RankEvidence]) -> str:
+    """``confidence``, but ``medium`` for ``high`` when a culprit's rank was inferred, not read
+    (:attr:`RankEvidence.rank_source`)."""
+    if confidence == "high" and any(c.rank_source not in _RANK_SOURCE_WORDS for c in ranked):
+        return "medium"
+    return confidence
 
 
 def _missing_rank(r: int) -> RankEvidence:
@@ -654,6 +678,11 @@ def _orphaned(ev: Evidence) -> Verdict | None:
     left = [e for e in ev.processes if e.pid in ev.orphaned_pids and e.alive]
     if not left:
         return None  # they ended since: the other rules judge how
+    return _verdict(ev, "orphaned", left, _orphaned_reason(ev, left), "high", hung=False)
+
+
+def _orphaned_reason(ev: Evidence, left: Sequence[RankEvidence]) -> str:
+    """The ``orphaned`` verdict's reason: the frontend's exit and the processes ``left`` alive."""
     frontend = next((e for e in ev.processes if e.exited_first and e.pid not in ev.orphaned_pids), None)
     fact = fact_of(frontend) if frontend is not None else None
     who = f"frontend {frontend.name}" if frontend is not None else "frontend"
@@ -662,9 +691,8 @@ def _orphaned(ev: Evidence) -> Verdict | None:
     under = f" under pid {ev.orphaned_under}" if ev.orphaned_under else ""
     held = f" holding {_held(ev.orphaned_bytes)}" if ev.orphaned_bytes else ""
     names = ", ".join(f"pid {e.pid}" + (f" {e.title!r}" if e.title else "") for e in left)
-    reason = (f"server's {who} exited ({status}); {n} process{'es' if n > 1 else ''} of it still alive"
-              f"{under}{held}: {names}")
-    return _verdict(ev, "orphaned", left, reason, "high", hung=False)
+    return (f"server's {who} exited ({status}); {n} process{'es' if n > 1 else ''} of it still alive"
+            f"{under}{held}: {names}")
 
 
 @_rule("server_exited", kind="dead",
@@ -901,13 +929,26 @@ def _suspended(ev: Evidence) -> Verdict | None:
     if not stopped:
         return None
     parts = [f"{_culprit_name(e)} is stopped (SIGSTOP or a debugger; kill -CONT {e.pid} resumes it)" for e in stopped]
-    waiting = [e for e in ev.processes if e.alive and not e.stopped and e.frame_class in (
-        FrameClass.COLLECTIVE, FrameClass.IDLE)]
-    reason = "; ".join(parts)
-    if waiting:
-        reason += "; waiting for it: " + "; ".join(f"{e.name} in {e.frame}" if e.frame else e.name for e in waiting)
-    sure = len(stopped) == 1 and stopped[0].is_rank and ev.no_progress
-    return _verdict(ev, "suspended", stopped, reason, "high" if sure else "medium")
+    waiting = [e for e in ev.processes if _waits_for_others(e)]
+    reason = "; ".join(parts) + _waiting_words(waiting)
+    return _verdict(ev, "suspended", stopped, reason, "high" if _one_rank_sure(stopped, ev) else "medium")
+
+
+def _waits_for_others(e: RankEvidence) -> bool:
+    """A live process, not stopped, that waits in a collective or for work."""
+    return e.alive and not e.stopped and e.frame_class in (FrameClass.COLLECTIVE, FrameClass.IDLE)
+
+
+def _waiting_words(waiting: Sequence[RankEvidence]) -> str:
+    """``; waiting for it: rank 0 in f (m.py:3); ...``; ``""`` when nobody waits."""
+    if not waiting:
+        return ""
+    return "; waiting for it: " + "; ".join(f"{e.name} in {e.frame}" if e.frame else e.name for e in waiting)
+
+
+def _one_rank_sure(culprits: Sequence[RankEvidence], ev: Evidence) -> bool:
+    """One culprit, a rank, while progress is known to have stopped."""
+    return len(culprits) == 1 and culprits[0].is_rank and ev.no_progress
 
 
 @_rule("uninterruptible", kind="uninterruptible",
@@ -926,17 +967,13 @@ def _uninterruptible(ev: Evidence) -> Verdict | None:
     if not sleeping:
         return None
     culprits = {e.pid for e in sleeping}
-    waiting = [e for e in ev.processes if e.alive and e.pid not in culprits and not e.stopped and e.frame_class in (
-        FrameClass.COLLECTIVE, FrameClass.IDLE)]
+    waiting = [e for e in ev.processes if e.pid not in culprits and _waits_for_others(e)]
     if not waiting and not ev.no_progress:
         return None  # nobody waits for it and nothing says progress stopped: a slow read, not a hang
     parts = [f"{_culprit_name(e)} is in uninterruptible sleep (D) in {_wchan_words(e)}" + (f" at {e.frame}" if e.frame else "")
              for e in sleeping]
-    reason = "; ".join(parts) + ": the kernel is waiting on a filesystem or device"
-    if waiting:
-        reason += "; waiting for it: " + "; ".join(f"{e.name} in {e.frame}" if e.frame else e.name for e in waiting)
-    sure = len(sleeping) == 1 and sleeping[0].is_rank and ev.no_progress
-    return _verdict(ev, "uninterruptible", sleeping, reason, "high" if sure else "medium")
+    reason = "; ".join(parts) + ": the kernel is waiting on a filesystem or device" + _waiting_words(waiting)
+    return _verdict(ev, "uninterruptible", sleeping, reason, "high" if _one_rank_sure(sleeping, ev) else "medium")
 
 
 @_rule("desync", kind="desync",
@@ -1042,18 +1079,27 @@ def _frontend_blocked(ev: Evidence) -> Verdict | None:
     stuck = _stuck_frontends(ev)
     if not stuck:
         return None
+    reason = "; ".join(_blocked_words(e) for e in stuck) + _idle_backend_words(ev, read)
+    sure = _frontend_blocked_sure(ev, stuck, all_read=len(read) == len(backend))
+    return _verdict(ev, "frontend", stuck, reason, "high" if sure else "medium")
+
+
+def _frontend_blocked_sure(ev: Evidence, stuck: Sequence[RankEvidence], *, all_read: bool) -> bool:
+    """One frontend, its event loop blocked (or a stall), every rank and coordinator read, no progress seen."""
+    return (len(stuck) == 1 and (stuck[0].event_loop or ev.trigger == Trigger.STALL) and all_read
+            and ev.server_progress is not True)
+
+
+def _idle_backend_words(ev: Evidence, read: Sequence[RankEvidence]) -> str:
+    """The ``frontend_blocked`` reason's tail: what fails (requests at a stall, else the health
+    check) while the ranks and coordinators ``read`` idle."""
     who = "the engine core and every rank" if any(e.role is Role.COORDINATOR for e in read) else "every rank"
     if not any(e.is_rank for e in read):
         who = "the engine core"
     if ev.trigger == Trigger.STALL:
         verb = "idle" if " and " in who else "idles"
-        reason = "; ".join(_blocked_words(e) for e in stuck) + f": requests wait with no progress while {who} {verb} (waiting for work)"
-    else:
-        reason = "; ".join(_blocked_words(e) for e in stuck) + (
-            f": {ev.health_url or '/health'} fails while {who} idle (waiting for work)")
-    sure = (len(stuck) == 1 and (stuck[0].event_loop or ev.trigger == Trigger.STALL) and len(read) == len(backend)
-            and ev.server_progress is not True)
-    return _verdict(ev, "frontend", stuck, reason, "high" if sure else "medium")
+        return f": requests wait with no progress while {who} {verb} (waiting for work)"
+    return f": {ev.health_url or '/health'} fails while {who} idle (waiting for work)"
 
 
 @_rule("progressing", kind="progressing",
@@ -1095,21 +1141,34 @@ def _rendezvous(ev: Evidence) -> Verdict | None:
     waiting = [e for e in ev.ranks if e.alive and e.frame_class is FrameClass.RENDEZVOUS]
     if not waiting or any(e.steps_after for e in ev.ranks):
         return None
-    elsewhere = [e for e in ev.ranks if e not in waiting and (not e.alive or e.frame_class is not FrameClass.UNKNOWN)]
-    present = {e.rank for e in ev.ranks}
-    missing = [_missing_rank(r) for r in range(ev.world_size or 0) if r not in present]
+    elsewhere, missing = _not_arrived(ev, waiting)
     never = sorted([*elsewhere, *missing], key=lambda e: e.rank)  # type: ignore[arg-type, return-value]
     where = "the rendezvous (init_process_group)"
     world = f"world size {ev.world_size}" if ev.world_size else "world size unknown"
     if not never:
         reason = f"rendezvous: {_ranks_wait(e.rank for e in waiting)} in {where} ({world}); no rank is known missing"  # type: ignore[misc]
         return _verdict(ev, "rendezvous", (), reason, "low")
+    reason = (f"rendezvous: {_ranks_text(e.rank for e in never)} never arrived "  # type: ignore[misc]
+              f"({_absent_words(missing, elsewhere)}); {_ranks_wait(e.rank for e in waiting)} in {where} ({world})")  # type: ignore[misc]
+    return _verdict(ev, "rendezvous", never, reason, "medium")
+
+
+def _not_arrived(ev: Evidence, waiting: Sequence[RankEvidence]) -> tuple[list[RankEvidence], list[RankEvidence]]:
+    """The ranks that never reached the rendezvous: those elsewhere (gone, or their stack read
+    elsewhere) and the world's ranks with no process seen."""
+    elsewhere = [e for e in ev.ranks if e not in waiting and (not e.alive or e.frame_class is not FrameClass.UNKNOWN)]
+    present = {e.rank for e in ev.ranks}
+    missing = [_missing_rank(r) for r in range(ev.world_size or 0) if r not in present]
+    return elsewhere, missing
+
+
+def _absent_words(missing: Sequence[RankEvidence], elsewhere: Sequence[RankEvidence]) -> str:
+    """Why ranks never arrived at the rendezvous: ``rank 3 never started; rank 2 (pid 9) is
+    elsewhere (compute: f (m.py:3))`` (or how it exited)."""
     parts = [f"{_ranks_text(e.rank for e in missing)} never started" if missing else ""]  # type: ignore[misc]
     parts += [f"{e.name} is elsewhere ({e.frame_class.value}: {e.frame})" if e.alive else f"{e.name} {_how_exited(e)}"
               for e in elsewhere]
-    reason = (f"rendezvous: {_ranks_text(e.rank for e in never)} never arrived "  # type: ignore[misc]
-              f"({'; '.join(p for p in parts if p)}); {_ranks_wait(e.rank for e in waiting)} in {where} ({world})")  # type: ignore[misc]
-    return _verdict(ev, "rendezvous", never, reason, "medium")
+    return "; ".join(p for p in parts if p)
 
 
 @_rule("cycle", kind="cycle",
@@ -1185,9 +1244,7 @@ def _p2p_tail(ops: set[str], two: bool) -> str:
                   "have stopped (a stall, counters standing still) and no Flight Recorder shows a collective in "
                   "flight; medium otherwise (mixed directions, no progress reading)")
 def _p2p_deadlock(ev: Evidence) -> Verdict | None:
-    if len(ev.ranks) < 2 or (ev.world_size is not None and len(ev.ranks) < ev.world_size):
-        return None
-    if not all(e.alive and e.frame_class is FrameClass.COLLECTIVE and e.p2p for e in ev.ranks):
+    if not _every_rank_in_p2p(ev):
         return None
     if any(e.advanced for e in ev.ranks):
         return None
@@ -1197,6 +1254,13 @@ def _p2p_deadlock(ev: Evidence) -> Verdict | None:
     quiet = all(_nothing_in_flight(fr) for fr in ev.recorders.values())
     sure = ops in ({"recv"}, {"send"}) and ev.no_progress and quiet
     return _verdict(ev, "deadlock", list(ev.ranks), reason, "high" if sure else "medium")
+
+
+def _every_rank_in_p2p(ev: Evidence) -> bool:
+    """Two ranks or more, none of the world unseen, each alive and waiting in a P2P op."""
+    if len(ev.ranks) < 2 or (ev.world_size is not None and len(ev.ranks) < ev.world_size):
+        return False
+    return all(e.alive and e.frame_class is FrameClass.COLLECTIVE and e.p2p for e in ev.ranks)
 
 
 @_rule("stacks_behind", kind="behind",
@@ -1236,15 +1300,19 @@ def _stacks_behind_by_pid(ev: Evidence) -> Verdict | None:
     outside = [e for e in known if e.frame_class in (FrameClass.COMPUTE, FrameClass.RENDEZVOUS) and e.title in titles]
     if not waiting or not outside:
         return None
+    return _verdict(ev, "behind", outside, _behind_by_pid_reason(outside, waiting), "low")
+
+
+def _behind_by_pid_reason(outside: Sequence[RankEvidence], waiting: Sequence[RankEvidence]) -> str:
+    """The ``stacks_behind_by_pid`` reason: the processes ``outside`` the collective the others wait in."""
     frames = "; ".join((f"pid {e.pid} " if len(outside) > 1 else "") + f"in {e.frame_class.value}: {e.frame}"
                        for e in outside)
     p2p = [e.p2p for e in waiting]
     where = f"a P2P {'/'.join(sorted(set(p2p)))} for it" if all(p2p) else "one"
     pids = ", ".join(str(e.pid) for e in waiting)
-    reason = (f"behind: {', '.join(e.name for e in outside)} not in a collective ({frames}); "
-              f"pid{'s' if len(waiting) > 1 else ''} {pids} {'wait' if len(waiting) > 1 else 'waits'} in {where} "
-              "(no process's rank could be read: named by pid)")
-    return _verdict(ev, "behind", outside, reason, "low")
+    return (f"behind: {', '.join(e.name for e in outside)} not in a collective ({frames}); "
+            f"pid{'s' if len(waiting) > 1 else ''} {pids} {'wait' if len(waiting) > 1 else 'waits'} in {where} "
+            "(no process's rank could be read: named by pid)")
 
 
 @_rule("coordinator_waits", kind="behind",
@@ -1296,9 +1364,14 @@ def _coordinator_stuck(ev: Evidence) -> Verdict | None:
     parts = [f"{_coordinator_words(e)} {e.name} is stuck in " + (e.frame or "its own code") for e in stuck]
     where = "; ".join(f"rank {e.rank} in {e.frame}" if e.frame else f"rank {e.rank}" for e in ev.ranks)
     reason = "; ".join(parts) + f" while every rank idles (waiting for work): {where}"
+    return _verdict(ev, "coordinator", stuck, reason, "high" if _coordinator_sure(ev, stuck) else "medium")
+
+
+def _coordinator_sure(ev: Evidence, stuck: Sequence[RankEvidence]) -> bool:
+    """One coordinator stuck, and no progress agrees with its stack (a stall, its own step counter
+    or the server's standing still)."""
     agree = ev.trigger == Trigger.STALL or ev.server_progress is False or stuck[0].stalled is True
-    sure = len(stuck) == 1 and agree and ev.server_progress is not True
-    return _verdict(ev, "coordinator", stuck, reason, "high" if sure else "medium")
+    return len(stuck) == 1 and agree and ev.server_progress is not True
 
 
 def _waiting_processes(ev: Evidence) -> list[RankEvidence]:
@@ -1371,12 +1444,28 @@ def _compute(ev: Evidence) -> Verdict | None:
     if not known or len(known) != len(ev.ranks) or any(e.frame_class is not FrameClass.COMPUTE for e in known):
         return None
     if not ev.progress_known:  # busy and hung look the same in one snapshot: blame nobody
-        frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in ev.ranks if e.frame)
-        # the user gave a /metrics that could not be read: say that, never advise giving one
-        unread = (f"one snapshot cannot tell a hang from work ({ev.server_progress_detail})"
-                  if ev.server_progress_detail else NO_PROGRESS_SOURCE)
-        reason = ("all ranks in compute: no collective wait" + (f" ({frames})" if frames else "") + f"; {unread}")
-        return _verdict(ev, "compute", (), reason, "low", hung=False)
+        return _compute_unknown(ev)
+    stalled, confidence = _compute_culprits(ev)
+    reason = "all ranks in compute: no collective wait"
+    if stalled:
+        frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in stalled if e.frame)
+        reason += f"; {_ranks_text(e.rank for e in stalled)} stuck" + (f" ({frames})" if frames else "")  # type: ignore[misc]
+    return _verdict(ev, "compute", stalled, reason, confidence)
+
+
+def _compute_unknown(ev: Evidence) -> Verdict:
+    """The ``compute`` verdict when nothing tells a hang from work: nobody, not hung."""
+    frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in ev.ranks if e.frame)
+    # the user gave a /metrics that could not be read: say that, never advise giving one
+    unread = (f"one snapshot cannot tell a hang from work ({ev.server_progress_detail})"
+              if ev.server_progress_detail else NO_PROGRESS_SOURCE)
+    reason = ("all ranks in compute: no collective wait" + (f" ({frames})" if frames else "") + f"; {unread}")
+    return _verdict(ev, "compute", (), reason, "low", hung=False)
+
+
+def _compute_culprits(ev: Evidence) -> tuple[list[RankEvidence], str]:
+    """The ``compute`` verdict's culprits and confidence: the ranks whose steps stopped while others
+    advanced, or the only rank."""
     stalled = [e for e in ev.ranks if e.stalled]
     confidence = "medium"
     if len(ev.ranks) == 1:  # the only rank is stuck in its own code: it is the culprit
@@ -1386,11 +1475,7 @@ def _compute(ev: Evidence) -> Verdict | None:
         stalled = list(ev.ranks)
     elif len(stalled) == len(ev.ranks):
         stalled = []  # every rank stopped in compute: nothing tells one apart
-    reason = "all ranks in compute: no collective wait"
-    if stalled:
-        frames = "; ".join(f"rank {e.rank} in {e.frame}" for e in stalled if e.frame)
-        reason += f"; {_ranks_text(e.rank for e in stalled)} stuck" + (f" ({frames})" if frames else "")  # type: ignore[misc]
-    return _verdict(ev, "compute", stalled, reason, confidence)
+    return stalled, confidence
 
 
 @_rule("inconclusive", kind="unknown", when="no rule above applies",
@@ -1829,16 +1914,21 @@ def next_step_of(data: Mapping[str, Any]) -> str:
     if isinstance(given, str) and given:
         return given
     try:
-        v = Verdict(kind=str(data.get("kind") or "unknown"), hung=bool(data.get("hung", True)),
-                    culprit_ranks=tuple(int(r) for r in data.get("culprit_ranks") or ()),
-                    culprit_pids=tuple(int(p) for p in data.get("culprit_pids") or ()),
-                    reason=str(data.get("reason") or ""), confidence=str(data.get("confidence") or ""),
-                    evidence=tuple(str(e) for e in data.get("evidence") or ()),
-                    stragglers=tuple(int(r) for r in data.get("stragglers") or ()),
-                    ranks=tuple(int(r) for r in data.get("ranks") or ()), rule=str(data.get("rule") or ""))
-        return next_step(v)
+        return next_step(_verdict_of(data))
     except (TypeError, ValueError):
         return ""
+
+
+def _verdict_of(data: Mapping[str, Any]) -> Verdict:
+    """A verdict as a manifest holds it (:meth:`Verdict.to_json`), back; raises TypeError or
+    ValueError for a malformed one."""
+    return Verdict(kind=str(data.get("kind") or "unknown"), hung=bool(data.get("hung", True)),
+                   culprit_ranks=tuple(int(r) for r in data.get("culprit_ranks") or ()),
+                   culprit_pids=tuple(int(p) for p in data.get("culprit_pids") or ()),
+                   reason=str(data.get("reason") or ""), confidence=str(data.get("confidence") or ""),
+                   evidence=tuple(str(e) for e in data.get("evidence") or ()),
+                   stragglers=tuple(int(r) for r in data.get("stragglers") or ()),
+                   ranks=tuple(int(r) for r in data.get("ranks") or ()), rule=str(data.get("rule") or ""))
 
 
 # --- entry points --------------------------------------------------------------------------------
@@ -1923,10 +2013,7 @@ def _layer_class(frames: Sequence[Any]) -> StackClass | None:
     rank waits for a peer; ``p2p`` names its operation).
     """
     layers = [(f, comm_layer(f)) for f in frames]
-    rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"
-                       and not getattr(f, "native", False)), None)
-    if rendezvous is None:
-        rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"), None)
+    rendezvous = _rendezvous_frame(layers)
     if rendezvous is not None:
         return StackClass(FrameClass.RENDEZVOUS, _label(rendezvous))
     for python in (True, False):
@@ -1934,6 +2021,15 @@ def _layer_class(frames: Sequence[Any]) -> StackClass | None:
             if layer is not None and layer.kind in ("collective", "p2p") and bool(getattr(f, "native", False)) != python:
                 return StackClass(FrameClass.COLLECTIVE, _label(f), _p2p_op(f) if layer.kind == "p2p" else "")
     return None
+
+
+def _rendezvous_frame(layers: Sequence[tuple[Any, Any]]) -> Any:
+    """The first frame in a rendezvous layer, a Python one before a native one; None when none is."""
+    rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"
+                       and not getattr(f, "native", False)), None)
+    if rendezvous is None:
+        rendezvous = next((f for f, layer in layers if layer is not None and layer.kind == "rendezvous"), None)
+    return rendezvous
 
 
 _STDLIB_PATH = re.compile(r"/lib/python\d+\.\d+t?/(?!.*-packages/)")
@@ -2019,6 +2115,11 @@ def hard_signal_plan(verdict: Verdict | None, *, target_pids: Sequence[int], sta
     if verdict.kind == "single":
         return ([stalled_pid], f"the only target, stalled: {verdict.reason}") if lone and stalled_pid else (
             [], "one process, not a distributed job, and not the stalled target")
+    return _culprit_plan(verdict, target_pids)
+
+
+def _culprit_plan(verdict: Verdict, target_pids: Sequence[int]) -> tuple[list[int], str]:
+    """:func:`hard_signal_plan` for a hung verdict that names culprits: those of the targets, at high confidence."""
     pids = [p for p in verdict.culprit_pids if p]
     if not pids:
         return [], "no culprit named: hard mode acts only on a high-confidence culprit"

@@ -225,13 +225,7 @@ class HealthWatcher:
             return WatcherState.READY, f"{http_status_text(probed.status_code or 200)} from {url}"
         code = probed.status_code
         if probed.error_class == ERROR_REFUSED:
-            waited_s = (time.monotonic_ns() - self._started_ns) / 1e9
-            if not self.ready and waited_s < self.config.refused_grace_s:
-                return WatcherState.WAITING, (
-                    f"server starting: nothing listens at {url} yet"
-                    f" (waiting up to {self.config.refused_grace_s:g} s for it to listen)"
-                )
-            return refused_status(url, self.starting)
+            return self._refused_status(url)
         if code in (401, 403):
             return WatcherState.BLIND, f"{http_status_text(code)} from {url} (the health URL needs credentials we do not have)"
         if code == 404:
@@ -251,6 +245,16 @@ class HealthWatcher:
         if code is not None and 400 <= code < 500:
             return WatcherState.BLIND, f"{http_status_text(code)} from {url}"
         return WatcherState.READY, f"failing: {what} from {url}"
+
+    def _refused_status(self, url: str) -> tuple[WatcherState, str]:
+        """Connection refused: a server starting within the grace, else :func:`refused_status`."""
+        waited_s = (time.monotonic_ns() - self._started_ns) / 1e9
+        if not self.ready and waited_s < self.config.refused_grace_s:
+            return WatcherState.WAITING, (
+                f"server starting: nothing listens at {url} yet"
+                f" (waiting up to {self.config.refused_grace_s:g} s for it to listen)"
+            )
+        return refused_status(url, self.starting)
 
     async def served(self, client: httpx.AsyncClient) -> str:
         """Whether the server already served before a good probe was seen, in words: its

@@ -204,6 +204,22 @@ def is_open_request(info: bytes, quiet_s: float = QUIET_S) -> bool:
     return open_for_ms(info, quiet_s) is not None
 
 
+def _port_sockets(port: int) -> list[tuple[int, int, int, bytes]]:
+    """The established TCP sockets of the address families that may hold ``port``'s connections."""
+    # only the families with a socket listening on the port hold its connections (a server
+    # on 0.0.0.0 or 127.0.0.1 has no IPv6 ones; one on [::] takes IPv4 clients as IPv6
+    # sockets); both when none listens (a server going down may still hold connections)
+    families = [f for f in (socket.AF_INET, socket.AF_INET6) if any(sport == port for sport, *_ in _dump(f, _TCP_LISTEN))]
+    return [s for f in families or (socket.AF_INET, socket.AF_INET6) for s in _dump(f)]
+
+
+def _server_side(sockets: list[tuple[int, int, int, bytes]], port: int) -> list[bytes]:
+    """The ``tcp_info`` of the server side of ``port``'s connections, the agent's own left out."""
+    own = _own_socket_inodes()
+    own_ports = {sport for sport, dport, inode, _ in sockets if dport == port and inode in own}
+    return [info for sport, dport, _, info in sockets if sport == port and dport not in own_ports]
+
+
 def open_requests_on(port: int, *, quiet_s: float = QUIET_S) -> OpenRequests | None:
     """The open requests on local TCP ``port`` (the server side of its established connections),
     the agent's own connections left out; ``None`` when the kernel cannot be asked (not Linux, no
@@ -211,17 +227,11 @@ def open_requests_on(port: int, *, quiet_s: float = QUIET_S) -> OpenRequests | N
     if not sys.platform.startswith("linux"):
         return None
     try:
-        # only the families with a socket listening on the port hold its connections (a server
-        # on 0.0.0.0 or 127.0.0.1 has no IPv6 ones; one on [::] takes IPv4 clients as IPv6
-        # sockets); both when none listens (a server going down may still hold connections)
-        families = [f for f in (socket.AF_INET, socket.AF_INET6) if any(sport == port for sport, *_ in _dump(f, _TCP_LISTEN))]
-        sockets = [s for f in families or (socket.AF_INET, socket.AF_INET6) for s in _dump(f)]
+        sockets = _port_sockets(port)
     except (OSError, struct.error):
         return None
     now_ns = time.monotonic_ns()
-    own = _own_socket_inodes()
-    own_ports = {sport for sport, dport, inode, _ in sockets if dport == port and inode in own}
-    server_side = [info for sport, dport, _, info in sockets if sport == port and dport not in own_ports]
+    server_side = _server_side(sockets, port)
     ages = [ms for ms in (open_for_ms(info, quiet_s) for info in server_side) if ms is not None]
     return OpenRequests(open=len(ages), connections=len(server_side),
                         open_since_ns=now_ns - int(max(ages) * 1e6) if ages else None)

@@ -270,6 +270,61 @@ class _Watched:
         self.uids = process_uids(self.target.pid)
 
 
+
+def _swept_times(fact: ExitFact, deaths: list[ExitFact]) -> tuple[list[ExitFact], list[int]]:
+    """The branch's deaths that may be part of the exit's sweep, and the known end times
+    (the exit's own with them, when the kernel dated it)."""
+    if fact.ended_source == "kernel":  # what died well before this exit was no part of its sweep
+        earliest_ns = fact.ended_time_unix_nano - int(2 * SWEEP_SPREAD_S * 1e9)
+        deaths = [f for f in deaths if not f.ended_time_unix_nano or f.ended_time_unix_nano >= earliest_ns]
+    times = [f.ended_time_unix_nano for f in deaths if f.ended_time_unix_nano]
+    if fact.ended_source == "kernel":
+        times.append(fact.ended_time_unix_nano)
+    return deaths, times
+
+
+def _sweep_spread(
+    fact: ExitFact, pid: int, members: int, deaths: list[ExitFact], serving: bool, last_open_ns: int, server: _Ancestor
+) -> str | None:
+    """``" within X s"`` (or ``""`` when not every end is known) for a branch that went down as
+    a server's sweep; ``None`` (logged: a failure) when a member ended on its own or the server
+    closed its port while the branch went down slowly."""
+    complete = len(deaths) == members  # every member's end known (else the port's order decides alone)
+    deaths, times = _swept_times(fact, deaths)
+    bad = next((f"pid {f.pid} {f.status()}" for f in deaths if not _killed_or_stopped(f)), "")
+    if bad:
+        log.info("process: pid %d: %s in its branch ended on its own: a failure", pid, bad)
+        return None
+    complete = complete and len(times) == len(deaths) + (fact.ended_source == "kernel") and bool(times)
+    if not serving and complete and max(times) > last_open_ns and max(times) - min(times) > SWEEP_SPREAD_S * 1e9:
+        log.info("process: pid %d: its server (pid %d) closed its port while its branch went down over %.2f s:"
+                 " a reaction, a failure", pid, server.pid, (max(times) - min(times)) / 1e9)
+        return None
+    return f" within {(max(times) - min(times)) / 1e9:.2f} s" if complete else ""
+
+
+def _ancestor_verdict(
+    watched: _Watched, fact: ExitFact, ancestor: _Ancestor, ended: ExitFact | None, t0: float
+) -> ExitFact | None:
+    """What an ancestor's end says of the exit: the fact settled (a stop, or a failure), or
+    ``None`` (look further up)."""
+    if ended is None:
+        return None
+    if ended.kind is ExitKind.ORDERLY and fact.kind is ExitKind.CODE and not ended.stop_signal:
+        # a launcher that exits 0 after its children failed with codes of their own
+        # (a rank crashed, the others gave up): nobody asked it to stop
+        log.info("process: pid %d exited %s, then its ancestor pid %d exited %s unasked: a failure,"
+                 " not a stop", watched.target.pid, fact.status(), ancestor.pid, ended.status())
+        return fact
+    if ended.kind is ExitKind.ORDERLY:
+        took = time.monotonic() - t0
+        who = "its server" if ancestor is watched.ancestors[0] else "its server's ancestor"
+        return replace(fact, tree_stopped=True, orderly_reason=(
+            f"{who} (pid {ancestor.pid}) stopped in order ({ended.status()}) within {took:.1f} s"))
+    if not _may_be_part_of_a_stop(ended):
+        return fact  # it crashed (or the OOM killer): no orderly stop up there
+    return None
+
 class ProcessWatcher:
     """Publishes ``TargetExited(pid, exit_code, signal, title)`` once per watched pid.
 
@@ -612,20 +667,9 @@ class ProcessWatcher:
                 while _pid_running(ancestor.pid):
                     await anyio.sleep(0.1)
                 ended = await self._parent_exit(ancestor.pid, ancestor.started_ns)
-                if ended is not None and ended.kind is ExitKind.ORDERLY and fact.kind is ExitKind.CODE \
-                        and not ended.stop_signal:
-                    # a launcher that exits 0 after its children failed with codes of their own
-                    # (a rank crashed, the others gave up): nobody asked it to stop
-                    log.info("process: pid %d exited %s, then its ancestor pid %d exited %s unasked: a failure,"
-                             " not a stop", watched.target.pid, fact.status(), ancestor.pid, ended.status())
-                    return fact
-                if ended is not None and ended.kind is ExitKind.ORDERLY:
-                    took = time.monotonic() - t0
-                    who = "its server" if ancestor is ancestors[0] else "its server's ancestor"
-                    return replace(fact, tree_stopped=True, orderly_reason=(
-                        f"{who} (pid {ancestor.pid}) stopped in order ({ended.status()}) within {took:.1f} s"))
-                if ended is not None and not _may_be_part_of_a_stop(ended):
-                    return fact  # it crashed (or the OOM killer): no orderly stop up there
+                settled = _ancestor_verdict(watched, fact, ancestor, ended, t0)
+                if settled is not None:
+                    return settled
             if fact.kind is not ExitKind.UNKNOWN:
                 return fact
         if fact.kind is ExitKind.UNKNOWN:
@@ -668,6 +712,21 @@ class ProcessWatcher:
         if not members:
             log.info("process: pid %d ended while its server (pid %d) served, alone: a failure", pid, server.pid)
             return fact  # a lone process killed while its server serves on: nothing says "stop"
+        swept = await self._sweep(pid, members, server, open_ns)
+        if swept is None:
+            return fact
+        serving, last_open_ns = swept
+        deaths = await anyio.to_thread.run_sync(self._branch_deaths, members)
+        spread = _sweep_spread(fact, pid, len(members), deaths, serving, last_open_ns, server)
+        if spread is None:
+            return fact
+        return await self._server_ends(fact, server, f"took its engine down while it served ({len(members) + 1}"
+                                                      f" processes{spread})")
+
+    async def _sweep(self, pid: int, members: list[_Member], server: _Ancestor, open_ns: int) -> tuple[bool, int] | None:
+        """Wait for the branch to go down while its server serves: ``(serving at the end, last
+        seen serving ns)``, or ``None`` (logged: a failure) when the server closes its port
+        first or the branch outlives :data:`SWEEP_WINDOW_S`."""
         t0 = time.monotonic()
         last_open_ns = open_ns
         while True:
@@ -675,36 +734,16 @@ class ProcessWatcher:
             if serving:
                 last_open_ns = at_ns
             if not alive:
-                break
+                return serving, last_open_ns
             if not serving:
                 log.info("process: pid %d ended while its server (pid %d) served, which then closed its port while"
                          " pid %d still ran: it reacted to a failure", pid, server.pid, alive[0])
-                return fact
+                return None
             if time.monotonic() - t0 > SWEEP_WINDOW_S:
                 log.info("process: pid %d ended while its server (pid %d) served on and pid %d ran on: a failure",
                          pid, server.pid, alive[0])
-                return fact
+                return None
             await anyio.sleep(SWEEP_SAMPLE_S)
-        deaths = await anyio.to_thread.run_sync(self._branch_deaths, members)
-        complete = len(deaths) == len(members)  # every member's end known (else the port's order decides alone)
-        if fact.ended_source == "kernel":  # what died well before this exit was no part of its sweep
-            earliest_ns = fact.ended_time_unix_nano - int(2 * SWEEP_SPREAD_S * 1e9)
-            deaths = [f for f in deaths if not f.ended_time_unix_nano or f.ended_time_unix_nano >= earliest_ns]
-        bad = next((f"pid {f.pid} {f.status()}" for f in deaths if not _killed_or_stopped(f)), "")
-        if bad:
-            log.info("process: pid %d: %s in its branch ended on its own: a failure", pid, bad)
-            return fact
-        times = [f.ended_time_unix_nano for f in deaths if f.ended_time_unix_nano]
-        if fact.ended_source == "kernel":
-            times.append(fact.ended_time_unix_nano)
-        complete = complete and len(times) == len(deaths) + (fact.ended_source == "kernel") and bool(times)
-        if not serving and complete and max(times) > last_open_ns and max(times) - min(times) > SWEEP_SPREAD_S * 1e9:
-            log.info("process: pid %d: its server (pid %d) closed its port while its branch went down over %.2f s:"
-                     " a reaction, a failure", pid, server.pid, (max(times) - min(times)) / 1e9)
-            return fact
-        spread = f" within {(max(times) - min(times)) / 1e9:.2f} s" if complete else ""
-        return await self._server_ends(fact, server, f"took its engine down while it served ({len(members) + 1}"
-                                                      f" processes{spread})")
 
     async def _server_ends(self, fact: ExitFact, server: _Ancestor, what: str) -> ExitFact:
         """After its branch went down: the server must stop serving within :data:`SWEEP_STOP_S`

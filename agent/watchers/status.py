@@ -161,35 +161,11 @@ class StatusSnapshot:
         inc = self.incidents or {}
         now = now_ns() if now_unix_nano is None else now_unix_nano
         stall_end = now if stalled_as_of_unix_nano is None else stalled_as_of_unix_nano
-        lines: list[str] = []
-        for st in self.stalled:
-            who = f"pid {st.get('pid')}" if st.get("pid") is not None else "server"
-            if st.get("series"):
-                who += f" {{{st['series']}}}"
-            age_s = max(0.0, (stall_end - int(st.get("since_time_unix_nano") or stall_end)) / 1e9)
-            line = f"stalled: {who} busy, no forward progress for {age_s:.0f} s (timeout {st.get('timeout_s', 0):g} s)"
-            if st.get("suppressed"):
-                line += f"; stall suppressed by cooldown (incident {st.get('incident') or '?'})"
-            elif st.get("incident"):
-                line += f"; incident {st['incident']}"
-            lines.append(line)
-        opened = inc.get("open")
-        running = [r for r in inc.get("running") or () if isinstance(r, Mapping)]
-        if not running and isinstance(opened, Mapping):
-            running = [opened]  # a status file of an agent before several servers' incidents ran at once
-        for one in running:  # every server's open incident
-            server = f" of server pid {one['server']}" if one.get("server") is not None and len(running) > 1 else ""
-            lines.append(f"incident: OPEN {one.get('id')}{server} ({one.get('trigger')}: {one.get('detail')})")
-        last, written, suppressed = inc.get("last"), int(inc.get("written") or 0), int(inc.get("suppressed") or 0)
-        if written or suppressed:
-            line = f"incidents: {written} written"
-            if isinstance(last, Mapping):
-                ago_s = max(0.0, (now - int(last.get("opened_time_unix_nano") or now)) / 1e9)
-                ago = f"{ago_s:.0f} s" if ago_s < 120 else f"{ago_s / 60:.0f} min"
-                line += f" (last {last.get('id')}, {last.get('trigger')}, {ago} ago)"
-            if suppressed:
-                line += f"; {suppressed} trigger{'s' if suppressed != 1 else ''} suppressed by cooldown"
-            lines.append(line)
+        lines = [_stall_line(st, stall_end) for st in self.stalled]
+        lines.extend(_open_incident_lines(inc))
+        tally = _incident_tally_line(inc, now)
+        if tally is not None:
+            lines.append(tally)
         return lines
 
     def to_json(self) -> dict[str, Any]:
@@ -221,6 +197,48 @@ class StatusSnapshot:
             watchers=tuple(WatcherStatus.from_json(w) for w in raw),
             incidents=data["incidents"] if isinstance(data.get("incidents"), dict) else None,
         )
+
+
+def _stall_line(st: Mapping[str, Any], stall_end: int) -> str:
+    """``stalled: ...`` for one stall, its duration measured to ``stall_end``."""
+    who = f"pid {st.get('pid')}" if st.get("pid") is not None else "server"
+    if st.get("series"):
+        who += f" {{{st['series']}}}"
+    age_s = max(0.0, (stall_end - int(st.get("since_time_unix_nano") or stall_end)) / 1e9)
+    line = f"stalled: {who} busy, no forward progress for {age_s:.0f} s (timeout {st.get('timeout_s', 0):g} s)"
+    if st.get("suppressed"):
+        line += f"; stall suppressed by cooldown (incident {st.get('incident') or '?'})"
+    elif st.get("incident"):
+        line += f"; incident {st['incident']}"
+    return line
+
+
+def _open_incident_lines(inc: Mapping[str, Any]) -> list[str]:
+    """``incident: OPEN ...`` for every server's open incident."""
+    opened = inc.get("open")
+    running = [r for r in inc.get("running") or () if isinstance(r, Mapping)]
+    if not running and isinstance(opened, Mapping):
+        running = [opened]  # a status file of an agent before several servers' incidents ran at once
+    lines = []
+    for one in running:
+        server = f" of server pid {one['server']}" if one.get("server") is not None and len(running) > 1 else ""
+        lines.append(f"incident: OPEN {one.get('id')}{server} ({one.get('trigger')}: {one.get('detail')})")
+    return lines
+
+
+def _incident_tally_line(inc: Mapping[str, Any], now: int) -> str | None:
+    """``incidents: N written ...`` (``None``: none written or suppressed)."""
+    last, written, suppressed = inc.get("last"), int(inc.get("written") or 0), int(inc.get("suppressed") or 0)
+    if not (written or suppressed):
+        return None
+    line = f"incidents: {written} written"
+    if isinstance(last, Mapping):
+        ago_s = max(0.0, (now - int(last.get("opened_time_unix_nano") or now)) / 1e9)
+        ago = f"{ago_s:.0f} s" if ago_s < 120 else f"{ago_s / 60:.0f} min"
+        line += f" (last {last.get('id')}, {last.get('trigger')}, {ago} ago)"
+    if suppressed:
+        line += f"; {suppressed} trigger{'s' if suppressed != 1 else ''} suppressed by cooldown"
+    return line
 
 
 def status_path(data_dir: str | os.PathLike[str], host_name: str) -> Path:

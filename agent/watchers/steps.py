@@ -41,6 +41,7 @@ from agent.watchers.config import StepsConfig
 if TYPE_CHECKING:
     import httpx
     from prometheus_client import parser as prometheus_parser
+    from prometheus_client.samples import Sample
 
     from agent.watchers.inflight import OpenRequestsReader
 else:
@@ -513,6 +514,26 @@ def _labelled(values: Mapping[LabelKey, _V], key: LabelKey) -> _V | None:
     return matching[0] if len(matching) == 1 else None
 
 
+def _preset_of(preset: str | None) -> MetricsPreset | None:
+    """The named preset (``None``: none); ValueError when unknown."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown metrics preset {preset!r}; known: {sorted(PRESETS)}")
+    return PRESETS[preset] if preset is not None else None
+
+
+def _metric_names(
+    base: MetricsPreset | None, counter: str | None, busy_gauge: str | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The counter names to try and the busy gauges to sum; ValueError when a name is missing."""
+    counter_name = counter or (base.counter if base else None)
+    gauge_name = busy_gauge or (base.busy_gauge if base else None)
+    if not counter_name or not gauge_name:
+        raise ValueError("PrometheusStepSource needs a preset or both 'counter' and 'busy_gauge'")
+    counters = (counter_name,) if counter or base is None else (counter_name, *base.fallback_counters)
+    queued = (base.queued_gauge,) if base is not None and not busy_gauge and base.queued_gauge else ()
+    return counters, (gauge_name, *queued)
+
+
 class PrometheusStepSource:
     """Scrapes a progress counter and a busy gauge from a Prometheus ``/metrics`` endpoint.
 
@@ -583,44 +604,33 @@ class PrometheusStepSource:
         open_request_idle_reuse_s: float = 0.0,
         open_request_quiet_s: float = 10.0,
     ) -> None:
-        if preset is not None and preset not in PRESETS:
-            raise ValueError(f"unknown metrics preset {preset!r}; known: {sorted(PRESETS)}")
-        base = PRESETS[preset] if preset is not None else None
-        counter_name = counter or (base.counter if base else None)
-        gauge_name = busy_gauge or (base.busy_gauge if base else None)
-        if not counter_name or not gauge_name:
-            raise ValueError("PrometheusStepSource needs a preset or both 'counter' and 'busy_gauge'")
+        base = _preset_of(preset)
+        counters, gauges = _metric_names(base, counter, busy_gauge)
         self.url = url
         self.pid = pid
         self.preset = preset
         #: the progress counter in use (the first of the candidates the server exposes)
-        self.counter = counter_name
+        self.counter = counters[0]
         self.timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
         #: counter names tried in order; an explicit ``counter`` is the only one
-        self.counters: tuple[str, ...] = (counter_name,) if counter or base is None else (counter_name, *base.fallback_counters)
-        gauges = [gauge_name] + ([base.queued_gauge] if base is not None and not busy_gauge and base.queued_gauge else [])
+        self.counters: tuple[str, ...] = counters
         #: busy = the sum of these gauges (running, and queued where the preset has it)
-        self.busy_gauges: tuple[str, ...] = tuple(gauges)
+        self.busy_gauges: tuple[str, ...] = gauges
         self.busy_gauge = " + ".join(gauges)
-        self._summed_labels = frozenset(base.summed_labels if base is not None and not counter else ())
+        own = base if base is not None and not counter else None  # the preset's names, not overridden
+        self._summed_labels = frozenset(own.summed_labels if own else ())
         #: gauges whose change is a step (preset only; not with an explicit counter)
-        self.step_gauges: tuple[str, ...] = base.step_gauges if base is not None and not counter else ()
+        self.step_gauges: tuple[str, ...] = own.step_gauges if own else ()
         self._marks: dict[LabelKey, tuple[float, ...]] = {}
         #: the counter whose advance makes a step gauge's move churn, not a step (preset only)
-        self.churn_counter: str | None = base.churn_counter if base is not None and not counter else None
+        self.churn_counter: str | None = own.churn_counter if own else None
         self._churn: dict[LabelKey, float] = {}
         #: the last answer that parsed, and what it gave (an idle server answers the same text
         #: scrape after scrape: it is not parsed again)
         self._last_text: str | None = None
         self._last_parsed: tuple[dict[LabelKey, float], dict[LabelKey, float]] | None = None
-        self._canonical = {name: c for c in self.counters for name in _sample_names(c)}
-        self._counter_names = frozenset(self._canonical)
-        self._churn_names = {self.churn_counter} if self.churn_counter else set()
-        self._gauge_names = frozenset(gauges)
-        # a sample line starts with its name, then labels or a space
-        self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names | set(self.step_gauges) | self._churn_names)
-                                    for c in "{ \t")
+        self._set_sample_names()
         self._client = client
         self._own_client = client is None
         self._total = _SeriesTrack()
@@ -651,6 +661,16 @@ class PrometheusStepSource:
         self.open_requests: int | None = None
         self._requests_reader: OpenRequestsReader | None = None
         self._open_since_ns: int | None = None
+
+    def _set_sample_names(self) -> None:
+        """The sample names parsed, and the prefixes of their lines."""
+        self._canonical = {name: c for c in self.counters for name in _sample_names(c)}
+        self._counter_names = frozenset(self._canonical)
+        self._churn_names = {self.churn_counter} if self.churn_counter else set()
+        self._gauge_names = frozenset(self.busy_gauges)
+        # a sample line starts with its name, then labels or a space
+        self._line_prefixes = tuple(n + c for n in sorted(self._counter_names | self._gauge_names | set(self.step_gauges) | self._churn_names)
+                                    for c in "{ \t")
 
     # -- status ---------------------------------------------------------------------------
 
@@ -683,19 +703,23 @@ class PrometheusStepSource:
         wanted_names = ((self.counters, counters), (self.busy_gauges[:1], gauges))
         missing = [names for names, seen in wanted_names if not seen]
         if missing:
-            preset = f" (preset {self.preset})" if self.preset else ""
-            hints = []
-            for names in missing:
-                similar = list(dict.fromkeys(n for name in names for n in _similar_names(name, present)))[:4]
-                hints.append(f"{names[-1]}: " + (f"similar names there: {', '.join(similar)}" if similar else "nothing similar"))
-            said = " and ".join(names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})" for names in missing)
-            self._blind(
-                f"{said} absent from {self.url}{preset}; expected counter {' or '.join(self.counters)} and"
-                f" gauge {self.busy_gauge}; " + "; ".join(hints)
-                + " (wrong --metrics-preset, or the server renamed its metrics: set metrics.counter / metrics.busy_gauge)"
-            )
+            self._blind_missing(missing, present)
             return None
         return self._checked(counters, gauges)
+
+    def _blind_missing(self, missing: list[tuple[str, ...]], present: set[str]) -> None:
+        """Blind: the ``missing`` names are absent, with similar names among ``present``."""
+        preset = f" (preset {self.preset})" if self.preset else ""
+        hints = []
+        for names in missing:
+            similar = list(dict.fromkeys(n for name in names for n in _similar_names(name, present)))[:4]
+            hints.append(f"{names[-1]}: " + (f"similar names there: {', '.join(similar)}" if similar else "nothing similar"))
+        said = " and ".join(names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})" for names in missing)
+        self._blind(
+            f"{said} absent from {self.url}{preset}; expected counter {' or '.join(self.counters)} and"
+            f" gauge {self.busy_gauge}; " + "; ".join(hints)
+            + " (wrong --metrics-preset, or the server renamed its metrics: set metrics.counter / metrics.busy_gauge)"
+        )
 
     def _parse_samples(self, text: str) -> tuple[dict[LabelKey, float], dict[LabelKey, float], set[str]] | None:
         """Counter and gauge values per label set and every sample name in ``text``; ``None``
@@ -709,18 +733,7 @@ class PrometheusStepSource:
             for family in prometheus_parser.text_string_to_metric_families(text):
                 for sample in family.samples:
                     present.add(sample.name)
-                    if sample.name in self._counter_names:
-                        key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in self._summed_labels))
-                        values = by_name.setdefault(self._canonical[sample.name], {})
-                        values[key] = values.get(key, 0.0) + float(sample.value)
-                    elif sample.name in self._gauge_names:
-                        key = tuple(sorted(sample.labels.items()))
-                        gauges[key] = gauges.get(key, 0.0) + float(sample.value)
-                    if sample.name in self.step_gauges:
-                        key = tuple(sorted(sample.labels.items()))
-                        marks.setdefault(key, {})[sample.name] = float(sample.value)
-                    elif sample.name in self._churn_names:
-                        churn[tuple(sorted(sample.labels.items()))] = float(sample.value)
+                    self._take_sample(sample, by_name, gauges, marks, churn)
         except (ValueError, TypeError, IndexError) as exc:
             self._blind(f"answer from {self.url} is not Prometheus text ({str(exc)[:120]})")
             return None
@@ -730,6 +743,28 @@ class PrometheusStepSource:
         self._marks = {k: tuple(v[n] for n in sorted(v)) for k, v in marks.items()}
         self._churn = {k: v for k, v in churn.items() if math.isfinite(v)}
         return by_name.get(chosen, {}) if chosen else {}, gauges, present
+
+    def _take_sample(
+        self,
+        sample: Sample,
+        by_name: dict[str, dict[LabelKey, float]],
+        gauges: dict[LabelKey, float],
+        marks: dict[LabelKey, dict[str, float]],
+        churn: dict[LabelKey, float],
+    ) -> None:
+        """Add one sample to the values of the metric it belongs to (if any)."""
+        if sample.name in self._counter_names:
+            key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in self._summed_labels))
+            values = by_name.setdefault(self._canonical[sample.name], {})
+            values[key] = values.get(key, 0.0) + float(sample.value)
+        elif sample.name in self._gauge_names:
+            key = tuple(sorted(sample.labels.items()))
+            gauges[key] = gauges.get(key, 0.0) + float(sample.value)
+        if sample.name in self.step_gauges:
+            key = tuple(sorted(sample.labels.items()))
+            marks.setdefault(key, {})[sample.name] = float(sample.value)
+        elif sample.name in self._churn_names:
+            churn[tuple(sorted(sample.labels.items()))] = float(sample.value)
 
     def _checked(
         self, counters: dict[LabelKey, float], gauges: dict[LabelKey, float]
@@ -820,62 +855,84 @@ class PrometheusStepSource:
         # The time the answer arrived: the counter had its value by then. (The send time could
         # precede the last increment by a round trip and fire the watchdog early.)
         seen_ns = time.monotonic_ns()
-        if text is not None and text == self._last_text and self._last_parsed is not None:
-            parsed: tuple[dict[LabelKey, float], dict[LabelKey, float]] | None = self._last_parsed
-        else:
-            parsed = self.parse_series(text) if text is not None else None
-            self._last_text, self._last_parsed = (text, parsed) if parsed is not None else (None, None)
-        if parsed is None:
+        parsed = self._parsed(text)
+        if parsed is None or self._too_many_series(*parsed):
             self.failed_scrapes += 1
             return None
         counters, gauges = parsed
-        if max(len(counters), len(gauges)) > MAX_SERIES:
-            # a label that changes every scrape: watching each series would only fill memory
-            self._series.clear()
-            self._blind(
-                f"too many series: {len(counters)} label sets of {self.counter} and {len(gauges)} of {self.busy_gauge}"
-                f" at {self.url} (at most {MAX_SERIES}); a label whose value changes every scrape cannot be watched"
-                " (set metrics.counter / metrics.busy_gauge to metrics without it)"
-            )
-            self.failed_scrapes += 1
-            return None
         gauge_total = sum(gauges.values())
         pending = await self._open_requests() if gauge_total <= 0 else None
         pending_since = self._open_since_ns if pending else None
-        readings: list[StepReading] = []
         restarted: list[str] = []
-        for key in sorted(counters):
-            track = self._series.get(key)
-            if track is None:
-                track = self._series[key] = _SeriesTrack()
-            track.missed = 0
-            if track.observe(counters[key], seen_ns, _labelled(self._marks, key), _labelled(self._churn, key)):
-                self.restarts += 1
-                restarted.append(series_name(key) or self.counter)
-            busy_value = gauges.get(key)
-            if busy_value is None:
-                # the gauge with the fewest labels that all match this series, else the total
-                matching = [v for g, v in gauges.items() if set(g) <= set(key) and g]
-                busy_value = matching[0] if matching else gauge_total
-            readings.append(
-                StepReading(
-                    forward_ct=round(counters[key]),
-                    busy=busy_value > 0 or bool(pending),
-                    last_progress_monotonic_ns=track.last_progress_ns,
-                    pid=self.pid,
-                    read_monotonic_ns=seen_ns,
-                    series=series_name(key),
-                    busy_since_ns=pending_since if busy_value <= 0 else None,
-                    preempted_since_progress=track.churned,
-                    preempted_since_ns=track.churn_base_ns,
-                )
-            )
+        readings = [
+            self._series_reading(key, counters[key], gauges, seen_ns, bool(pending), pending_since, restarted)
+            for key in sorted(counters)
+        ]
         if len(self._series) > len(counters):
             self._forget_absent(counters)
         all_marks = tuple(v for k in sorted(self._marks) for v in self._marks[k]) or None
         all_churn = sum(self._churn.values()) if self._churn else None
         if self._total.observe(sum(counters.values()), seen_ns, all_marks, all_churn) and not restarted:
             restarted.append(self.counter)
+        self._settle_status(counters, readings, restarted)
+        return readings
+
+    def _parsed(self, text: str | None) -> tuple[dict[LabelKey, float], dict[LabelKey, float]] | None:
+        """``parse_series(text)``, the last result again when the text is the same."""
+        if text is not None and text == self._last_text and self._last_parsed is not None:
+            return self._last_parsed
+        parsed = self.parse_series(text) if text is not None else None
+        self._last_text, self._last_parsed = (text, parsed) if parsed is not None else (None, None)
+        return parsed
+
+    def _too_many_series(self, counters: dict[LabelKey, float], gauges: dict[LabelKey, float]) -> bool:
+        if max(len(counters), len(gauges)) <= MAX_SERIES:
+            return False
+        # a label that changes every scrape: watching each series would only fill memory
+        self._series.clear()
+        self._blind(
+            f"too many series: {len(counters)} label sets of {self.counter} and {len(gauges)} of {self.busy_gauge}"
+            f" at {self.url} (at most {MAX_SERIES}); a label whose value changes every scrape cannot be watched"
+            " (set metrics.counter / metrics.busy_gauge to metrics without it)"
+        )
+        return True
+
+    def _series_reading(
+        self,
+        key: LabelKey,
+        value: float,
+        gauges: dict[LabelKey, float],
+        seen_ns: int,
+        pending: bool,
+        pending_since: int | None,
+        restarted: list[str],
+    ) -> StepReading:
+        """Observe one counter series; its reading (a restart is added to ``restarted``)."""
+        track = self._series.get(key)
+        if track is None:
+            track = self._series[key] = _SeriesTrack()
+        track.missed = 0
+        if track.observe(value, seen_ns, _labelled(self._marks, key), _labelled(self._churn, key)):
+            self.restarts += 1
+            restarted.append(series_name(key) or self.counter)
+        busy_value = gauges.get(key)
+        if busy_value is None:
+            # the gauge with the fewest labels that all match this series, else the total
+            matching = [v for g, v in gauges.items() if set(g) <= set(key) and g]
+            busy_value = matching[0] if matching else sum(gauges.values())
+        return StepReading(
+            forward_ct=round(value),
+            busy=busy_value > 0 or pending,
+            last_progress_monotonic_ns=track.last_progress_ns,
+            pid=self.pid,
+            read_monotonic_ns=seen_ns,
+            series=series_name(key),
+            busy_since_ns=pending_since if busy_value <= 0 else None,
+            preempted_since_progress=track.churned,
+            preempted_since_ns=track.churn_base_ns,
+        )
+
+    def _settle_status(self, counters: dict[LabelKey, float], readings: list[StepReading], restarted: list[str]) -> None:
         n = len(counters)
         label = f"{n} series" if n > 1 or (n == 1 and next(iter(counters))) else "1 series"
         if restarted:
@@ -888,7 +945,6 @@ class PrometheusStepSource:
         else:
             also = f" (and requests open on port {self.requests_port})" if self.requests_port is not None else ""
             self._state, self._reason = "ready", f"{self.counter} ({label}) and {self.busy_gauge}{also} from {self.url}"
-        return readings
 
     async def _open_requests(self) -> int | None:
         """Requests open on :attr:`requests_port` now (``None``: not watched, or not known)."""

@@ -222,56 +222,68 @@ class Watchdog:
             if readings and len(self._series) >= len(readings):
                 self._forget_absent({r.series for r in readings})
             for reading in readings:
-                st = self._series.get(reading.series)
-                if st is None:
-                    st = self._series[reading.series] = _SeriesState(self.config.timeout_s)
-                st.missed = 0
-                st.busy_from_first_reading = st.busy_from_first_reading and reading.busy
-                # the stall rule (busy first seen now: an idle spell before it is not a stall)
-                deadline = st.clock.deadline_ns(busy=reading.busy, last_progress_ns=reading.last_progress_monotonic_ns,
-                                                read_ns=reading.read_monotonic_ns, busy_since_ns=reading.busy_since_ns)
-                if st.stalled:
-                    if reading.forward_ct != st.fired_ct:
-                        st.stalled = False
-                        st.fired_ct = None
-                        await bus.publish(
-                            WatchdogRearmed(source=self.name, pid=reading.pid, forward_ct=reading.forward_ct)
-                        )
-                        sleep_ns = 0
-                    continue
-                if deadline is None:
-                    continue
-                if reading.read_monotonic_ns >= deadline:
-                    st.stalled = True
-                    st.fired_ct = reading.forward_ct
-                    start = deadline - timeout_ns
-                    if st.busy_from_first_reading and reading.last_progress_monotonic_ns is not None:
-                        # an agent started after the hang saw it busy only now, but the step is
-                        # older (a series once seen idle keeps the rule's clock: work pending
-                        # began when it was seen busy again)
-                        start = min(start, reading.last_progress_monotonic_ns)
-                    fired.append((reading, start))
-                    continue
-                sleep_ns = min(sleep_ns, deadline - now)
+                wake_ns = await self._check(bus, reading, now, timeout_ns, fired)
+                if wake_ns is not None:
+                    sleep_ns = min(sleep_ns, wake_ns)
             if fired:
-                # series that stalled together (TP ranks in lockstep) are one stall
-                reading, start = min(fired, key=lambda f: f[1])
-                self.stalls += 1
-                await bus.publish(
-                    WatchdogStalled(
-                        source=self.name,
-                        pid=reading.pid,
-                        forward_ct=sum(r.forward_ct for r, _ in fired),
-                        stalled_for_s=(reading.read_monotonic_ns - start) / 1e9,
-                        timeout_s=self.config.timeout_s,
-                        counter_source=counter_source,
-                        series="; ".join(r.series for r, _ in fired if r.series),
-                        url=str(getattr(self.source, "url", "") or ""),
-                        **_preempted(fired),
-                    )
-                )
+                await self._publish_stall(bus, fired, counter_source)
                 sleep_ns = 0
             await anyio.sleep(max(sleep_ns, 0) / 1e9)
+
+    async def _check(
+        self, bus: Publisher, reading: StepReading, now: int, timeout_ns: int, fired: list[tuple[StepReading, int]]
+    ) -> int | None:
+        """The stall rule on one series' reading (a stall is added to ``fired`` with its start);
+        ns until the series must be read again (``None``: no sooner than the poll interval)."""
+        st = self._series.get(reading.series)
+        if st is None:
+            st = self._series[reading.series] = _SeriesState(self.config.timeout_s)
+        st.missed = 0
+        st.busy_from_first_reading = st.busy_from_first_reading and reading.busy
+        # the stall rule (busy first seen now: an idle spell before it is not a stall)
+        deadline = st.clock.deadline_ns(busy=reading.busy, last_progress_ns=reading.last_progress_monotonic_ns,
+                                        read_ns=reading.read_monotonic_ns, busy_since_ns=reading.busy_since_ns)
+        if st.stalled:
+            if reading.forward_ct != st.fired_ct:
+                st.stalled = False
+                st.fired_ct = None
+                await bus.publish(
+                    WatchdogRearmed(source=self.name, pid=reading.pid, forward_ct=reading.forward_ct)
+                )
+                return 0
+            return None
+        if deadline is None:
+            return None
+        if reading.read_monotonic_ns >= deadline:
+            st.stalled = True
+            st.fired_ct = reading.forward_ct
+            start = deadline - timeout_ns
+            if st.busy_from_first_reading and reading.last_progress_monotonic_ns is not None:
+                # an agent started after the hang saw it busy only now, but the step is
+                # older (a series once seen idle keeps the rule's clock: work pending
+                # began when it was seen busy again)
+                start = min(start, reading.last_progress_monotonic_ns)
+            fired.append((reading, start))
+            return None
+        return deadline - now
+
+    async def _publish_stall(self, bus: Publisher, fired: list[tuple[StepReading, int]], counter_source: str) -> None:
+        """One ``WatchdogStalled`` for the series that stalled together (TP ranks in lockstep)."""
+        reading, start = min(fired, key=lambda f: f[1])
+        self.stalls += 1
+        await bus.publish(
+            WatchdogStalled(
+                source=self.name,
+                pid=reading.pid,
+                forward_ct=sum(r.forward_ct for r, _ in fired),
+                stalled_for_s=(reading.read_monotonic_ns - start) / 1e9,
+                timeout_s=self.config.timeout_s,
+                counter_source=counter_source,
+                series="; ".join(r.series for r, _ in fired if r.series),
+                url=str(getattr(self.source, "url", "") or ""),
+                **_preempted(fired),
+            )
+        )
 
 
 def _preempted(fired: list[tuple[StepReading, int]]) -> dict[str, Any]:

@@ -507,22 +507,10 @@ class SpanMirror:
         bundle_dir = closed.bundle_dir if closed is not None and closed.bundle_dir else opened.bundle_dir
         if bundle_dir:
             attributes["servewatch.bundle.dir"] = bundle_dir
-        if closed is not None:
-            if closed.manifest_path:
-                attributes["servewatch.manifest.path"] = closed.manifest_path
-            if closed.outcomes:
-                attributes["servewatch.incident.outcomes"] = tuple(f"{a}={o}" for a, o in closed.outcomes)
-            attributes["servewatch.incident.state"] = getattr(closed, "state", "closed") or "closed"
-            attributes.update(closed.attributes)  # the verdict (servewatch.verdict.*)
-        else:
-            attributes["servewatch.incident.unclosed"] = unclosed_reason
+        _add_closing(attributes, closed, unclosed_reason)
         if inc.retraced_from:
             attributes["servewatch.incident.retraced_from"] = inc.retraced_from
-        if self._export_statistics is not None:
-            try:
-                attributes["servewatch.export.spans_lost"] = self._export_statistics().lost
-            except Exception:  # noqa: BLE001 - statistics are a nicety
-                _log.exception("export statistics unavailable")
+        self._add_spans_lost(attributes)
         links = _links(opened) + (_links(closed) if closed is not None else [])
         if len(links) > MAX_LINKS:
             attributes["servewatch.links.dropped"] = len(links) - MAX_LINKS
@@ -547,6 +535,13 @@ class SpanMirror:
         ], key=span_id_hex(inc.span_id))
         if durable and inc.durable:
             self._mark_durable(bundle_dir, inc.spans + 1)
+
+    def _add_spans_lost(self, attributes: dict[str, object]) -> None:
+        if self._export_statistics is not None:
+            try:
+                attributes["servewatch.export.spans_lost"] = self._export_statistics().lost
+            except Exception:  # noqa: BLE001 - statistics are a nicety
+                _log.exception("export statistics unavailable")
 
     def _emit_detail_root(self, inc: _OpenIncident, end_time_unix_nano: int, attributes: dict[str, object]) -> None:
         """The root of a linked detail trace (``incident.detail``): the incident's action spans
@@ -580,6 +575,34 @@ class SpanMirror:
             _log.warning("could not mark the spans of %s durable: %s", folder, exc)
 
 
+def _add_closing(attributes: dict[str, object], closed: IncidentClosed | None, unclosed_reason: str) -> None:
+    """The incident span's attributes from its close (or why it was not closed)."""
+    if closed is None:
+        attributes["servewatch.incident.unclosed"] = unclosed_reason
+        return
+    if closed.manifest_path:
+        attributes["servewatch.manifest.path"] = closed.manifest_path
+    if closed.outcomes:
+        attributes["servewatch.incident.outcomes"] = tuple(f"{a}={o}" for a, o in closed.outcomes)
+    attributes["servewatch.incident.state"] = getattr(closed, "state", "closed") or "closed"
+    attributes.update(closed.attributes)  # the verdict (servewatch.verdict.*)
+
+
+def _result_attributes(result: ActionResult, extra_attributes: dict[str, object] | None) -> dict[str, object]:
+    """An action span's own attributes (before any trace import)."""
+    attributes: dict[str, object] = dict(result.attributes)
+    attributes.update(extra_attributes or {})
+    attributes["servewatch.outcome"] = str(result.outcome)
+    attributes["servewatch.retryable"] = result.retryable
+    if result.pid is not None:
+        attributes["process.pid"] = result.pid
+    if result.detail:
+        attributes["servewatch.detail"] = result.detail
+    if result.artifact_paths:
+        attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
+    return attributes
+
+
 def action_span(
     sink: SpanSink,
     result: ActionResult,
@@ -597,16 +620,7 @@ def action_span(
     :class:`~exporters.mirror.torch_trace.ImportBudget`); with ``import_artifacts=False`` they are not
     (the caller imports them later) and the span says ``servewatch.trace_import.state = deferred``.
     """
-    attributes: dict[str, object] = dict(result.attributes)
-    attributes.update(extra_attributes or {})
-    attributes["servewatch.outcome"] = str(result.outcome)
-    attributes["servewatch.retryable"] = result.retryable
-    if result.pid is not None:
-        attributes["process.pid"] = result.pid
-    if result.detail:
-        attributes["servewatch.detail"] = result.detail
-    if result.artifact_paths:
-        attributes["servewatch.artifact.paths"] = tuple(result.artifact_paths)
+    attributes = _result_attributes(result, extra_attributes)
     span_id = parse_span_id(result.span_id) or new_span_id()  # the incident layer's choice, in the manifest
     if result.action == PROFILE_SPAN and result.artifact_paths and not import_artifacts:
         attributes["servewatch.trace_import.state"] = "deferred"

@@ -741,16 +741,11 @@ def import_torch_trace(
     """
     cfg = config or TorchTraceImportConfig()
     base_ns = find_base_time_ns(path, budget) or 0
-    categories = frozenset(cfg.categories)
-    min_dur = cfg.min_duration_us
-    cap = cfg.max_spans
     window = cfg.reorder_window
     out = _Emitter(sink, trace_id=trace_id, parent_span_id=parent_span_id)
     threads: dict[tuple[str, str], _Thread] = {}
-    events = phase = ann = steps = d_cat = d_min = d_cap = ops = kept = invalid = 0
-    always = ALWAYS_KEPT_CATEGORIES
-    ann_cap = cfg.max_annotation_spans
-    room = budget.max_spans - budget.spans if budget is not None else 1 << 62  # the session's spans left
+    events = phase = kept = invalid = 0
+    ranges_filter = _RangeFilter(cfg, budget)
     for batch in iter_trace_events(path, chunk_chars=cfg.chunk_chars, budget=budget):
         events += len(batch)
         objects = [ev for ev in batch if type(ev) is dict]
@@ -758,32 +753,8 @@ def import_torch_trace(
         invalid += len(batch) - len(objects)
         phase += len(objects) - len(ranges)
         for ev in ranges:
-            cat = ev.get("cat")
-            if type(cat) is not str:  # missing, or not a name (a list is not even hashable)
-                d_cat += 1
+            if not ranges_filter.admits(ev):
                 continue
-            if cat in always:
-                if ann >= ann_cap or ann + ops >= room:
-                    d_cap += 1
-                    continue
-                ann += 1
-                if str(ev.get("name", "")).startswith("ProfilerStep#"):
-                    steps += 1
-            elif cat not in categories:
-                d_cat += 1
-                continue
-            else:
-                dur = ev.get("dur") or 0
-                if type(dur) is not float and type(dur) is not int:
-                    invalid += 1
-                    continue
-                if dur < min_dur:
-                    d_min += 1
-                    continue
-                if ops >= cap or ann + ops >= room:
-                    d_cap += 1
-                    continue
-                ops += 1
             times = _range_times(ev, base_ns)
             if times is None:
                 invalid += 1
@@ -797,19 +768,67 @@ def import_torch_trace(
     return ImportStatistics(
         events=events,
         kept=kept,
-        kept_annotations=ann,
-        profiler_steps=steps,
-        dropped_category=d_cat,
-        dropped_min_duration=d_min,
-        dropped_cap=d_cap,
+        kept_annotations=ranges_filter.ann,
+        profiler_steps=ranges_filter.steps,
+        dropped_category=ranges_filter.d_cat,
+        dropped_min_duration=ranges_filter.d_min,
+        dropped_cap=ranges_filter.d_cap,
         dropped_phase=phase,
         out_of_order=out.out_of_order,
         threads=len(threads),
         base_time_unix_nano=base_ns,
         first_start_unix_nano=out.first_start,
         last_end_unix_nano=out.last_end,
-        dropped_invalid=invalid,
+        dropped_invalid=invalid + ranges_filter.invalid,
     )
+
+
+class _RangeFilter:
+    """Which ranges of a torch trace are kept (the config's categories, duration and caps, the
+    session's spans left in ``budget``), with the counts of what was dropped why."""
+
+    def __init__(self, cfg: TorchTraceImportConfig, budget: ImportBudget | None) -> None:
+        self.categories = frozenset(cfg.categories)
+        self.min_dur = cfg.min_duration_us
+        self.cap = cfg.max_spans
+        self.ann_cap = cfg.max_annotation_spans
+        self.room = budget.max_spans - budget.spans if budget is not None else 1 << 62  # the session's spans left
+        self.ann = self.steps = self.d_cat = self.d_min = self.d_cap = self.ops = self.invalid = 0
+
+    def admits(self, ev: dict[str, Any]) -> bool:
+        cat = ev.get("cat")
+        if type(cat) is not str:  # missing, or not a name (a list is not even hashable)
+            self.d_cat += 1
+            return False
+        if cat in ALWAYS_KEPT_CATEGORIES:
+            return self._annotation(ev)
+        if cat not in self.categories:
+            self.d_cat += 1
+            return False
+        return self._op(ev)
+
+    def _annotation(self, ev: dict[str, Any]) -> bool:
+        if self.ann >= self.ann_cap or self.ann + self.ops >= self.room:
+            self.d_cap += 1
+            return False
+        self.ann += 1
+        if str(ev.get("name", "")).startswith("ProfilerStep#"):
+            self.steps += 1
+        return True
+
+    def _op(self, ev: dict[str, Any]) -> bool:
+        dur = ev.get("dur") or 0
+        if type(dur) is not float and type(dur) is not int:
+            self.invalid += 1
+            return False
+        if dur < self.min_dur:
+            self.d_min += 1
+            return False
+        if self.ops >= self.cap or self.ann + self.ops >= self.room:
+            self.d_cap += 1
+            return False
+        self.ops += 1
+        return True
 
 
 #: Most entries (files and folders) walked in a Metal bundle to add up its size.
@@ -1023,17 +1042,16 @@ def import_profile_artifacts(
             continue
         if budget.cancelled:
             break
-        why = ledger.skipped(path) if ledger is not None and kind != "gputrace" else None
-        if why is None and budget.files >= budget.max_files:
-            why = f"over the {budget.max_files} files per session cap"
+        remembered = ledger if kind != "gputrace" else None  # a Metal bundle is not a file the ledger names
+        why = _skip_reason(path, budget, remembered)
         if why is not None:
             skipped += 1
             _log.warning("trace %s skipped: %s", path, why)
             first_error = first_error or f"{path.name}: skipped: {why}"
             continue
         budget.files += 1
-        if ledger is not None and kind != "gputrace":
-            ledger.begin(path)
+        if remembered is not None:
+            remembered.begin(path)
         try:
             attributes = _import_artifact(kind, path, sink, trace_id=trace_id, parent_span_id=parent_span_id, config=config,
                                           window=(start_time_unix_nano, end_time_unix_nano), budget=budget)
@@ -1043,21 +1061,34 @@ def import_profile_artifacts(
             errors += 1
             error = f"{type(exc).__name__}: {exc}"[:300]
             first_error = first_error or f"{path.name}: {error}"
-            if ledger is not None and kind != "gputrace":
-                ledger.end(path, error)
+            if remembered is not None:
+                remembered.end(path, error)
             continue
-        for key, value in attributes.items():  # counts add up over files; the rest is the last file's
-            totals[key] = totals.get(key, 0) + value if key.startswith("servewatch.trace_import.") else value
+        _add_up(totals, attributes)
         if kind != "gputrace":
             files += 1
-        if ledger is not None and kind != "gputrace":
-            ledger.end(path, None)
+        if remembered is not None:
+            remembered.end(path, None)
     totals["servewatch.trace_import.files"] = files
     totals["servewatch.trace_import.errors"] = errors
     totals["servewatch.trace_import.skipped"] = skipped
     if first_error:
         totals["servewatch.trace_import.error"] = first_error[:300]
     return totals
+
+
+def _skip_reason(path: Path, budget: ImportBudget, ledger: ImportLedger | None) -> str | None:
+    """Why ``path`` is not imported (the ledger names it, or the session's file cap is reached);
+    ``None``: it is."""
+    why = ledger.skipped(path) if ledger is not None else None
+    if why is None and budget.files >= budget.max_files:
+        why = f"over the {budget.max_files} files per session cap"
+    return why
+
+
+def _add_up(totals: dict[str, Any], attributes: dict[str, Any]) -> None:
+    for key, value in attributes.items():  # counts add up over files; the rest is the last file's
+        totals[key] = totals.get(key, 0) + value if key.startswith("servewatch.trace_import.") else value
 
 
 def _artifact_kind(path: Path) -> str | None:

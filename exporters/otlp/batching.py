@@ -101,18 +101,10 @@ def halve_request(request: ExportTraceServiceRequest) -> tuple[list[tuple[Export
     return split_request(request, max(1024, size // 2 + 1))
 
 
-def trim_span(span: Span, max_bytes: int) -> int:
-    """Shrink one encoded span to about ``max_bytes``: the longest string attribute values are
-    truncated first (marked with ``...[truncated]``), then events and links are dropped, then
-    whole attributes. The count is recorded on the span as ``servewatch.export.truncated_attributes``
-    and in the OTLP ``dropped_*_count`` fields.
-
-    Returns:
-        Attribute values truncated or dropped.
-    """
+def _truncate_strings(span: Span, target: int) -> int:
+    """Truncate the span's longest string attribute values until it is ``target`` bytes or
+    less (or none is long); how many were truncated."""
     truncated = 0
-    target = max(256, max_bytes - 64)
-    # 1. truncate long string values, longest first, until it fits
     while span.ByteSize() > target:
         longest = None
         for kv in span.attributes:
@@ -131,6 +123,21 @@ def trim_span(span: Span, max_bytes: int) -> int:
         truncated += 1
         if len(longest.value.string_value) >= len(value):
             break
+    return truncated
+
+
+def trim_span(span: Span, max_bytes: int) -> int:
+    """Shrink one encoded span to about ``max_bytes``: the longest string attribute values are
+    truncated first (marked with ``...[truncated]``), then events and links are dropped, then
+    whole attributes. The count is recorded on the span as ``servewatch.export.truncated_attributes``
+    and in the OTLP ``dropped_*_count`` fields.
+
+    Returns:
+        Attribute values truncated or dropped.
+    """
+    target = max(256, max_bytes - 64)
+    # 1. truncate long string values, longest first, until it fits
+    truncated = _truncate_strings(span, target)
     # 2. events, then links
     if span.ByteSize() > target and len(span.events):
         span.dropped_events_count += len(span.events)

@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -134,19 +134,22 @@ def _to_dict(message: Message) -> dict[str, Any]:
     for field, value in message.ListFields():
         plan = plans.get(field)
         name, how, repeated = plan if plan is not None else _plan(field)
-        if how == _MESSAGE:
-            js[name] = [_to_dict(v) for v in value] if repeated else _to_dict(value)
-        elif how == _AS_IS:
+        if how == _AS_IS:
             js[name] = list(value) if repeated else value
-        elif how == _INT64:
-            js[name] = [str(v) for v in value] if repeated else str(value)
         elif how == _ID:
             js[name] = value.hex()
-        elif how == _BYTES:
-            js[name] = [base64.b64encode(v).decode("ascii") for v in value] if repeated else base64.b64encode(value).decode("ascii")
         else:
-            js[name] = [_double(v) for v in value] if repeated else _double(value)
+            convert = _CONVERT[how]
+            js[name] = [convert(v) for v in value] if repeated else convert(value)
     return js
+
+
+def _base64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+#: how each value of a field is converted, by its plan's ``how`` (but as-is values and ids)
+_CONVERT: dict[int, Callable[[Any], Any]] = {_MESSAGE: _to_dict, _INT64: str, _BYTES: _base64, _DOUBLE: _double}
 
 
 def message_to_json(message: Message) -> str:

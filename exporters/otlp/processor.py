@@ -470,7 +470,6 @@ class LosslessSpanProcessor(SpanProcessor):
         return self._flush_target > self._settled
 
     def _loop(self) -> None:
-        queue = self._queue
         last_send = time.monotonic()
         while not self._stopping:
             now = time.monotonic()
@@ -479,23 +478,33 @@ class LosslessSpanProcessor(SpanProcessor):
                 self._adopt_at = now + self._adopt_interval_s
                 spool.adopt_stranded()
             if spool is not None and len(spool):
-                if now >= self._retry_at:
-                    self._replay_head()
-                    if len(queue) >= self._batch or (queue and self._flush_pending()):
-                        self._ship(self._take())
-                    continue
-                # Outage: keep new spans behind the spool, moving full batches to disk.
-                if len(queue) >= self._batch or (queue and (self._flush_pending() or now - last_send >= self._delay_s)):
-                    last_send = now
-                    self._ship(self._take())
-                    continue
-                self._wait(min(self._retry_at - now, self._delay_s))
+                last_send = self._turn_behind_spool(now, last_send)
                 continue
-            if len(queue) >= self._batch or (queue and (self._flush_pending() or now - last_send >= self._delay_s)):
+            if self._batch_due(now, last_send):
                 last_send = now
                 self._ship(self._take())
                 continue
-            self._wait(self._delay_s - (now - last_send) if queue else self._delay_s)
+            self._wait(self._delay_s - (now - last_send) if self._queue else self._delay_s)
+
+    def _batch_due(self, now: float, last_send: float) -> bool:
+        """A batch is full, flushed, or has waited the schedule delay since the last send."""
+        queue = self._queue
+        return len(queue) >= self._batch or bool(queue and (self._flush_pending() or now - last_send >= self._delay_s))
+
+    def _turn_behind_spool(self, now: float, last_send: float) -> float:
+        """One turn of the loop while the spool holds requests; the time of the last send."""
+        queue = self._queue
+        if now >= self._retry_at:
+            self._replay_head()
+            if len(queue) >= self._batch or (queue and self._flush_pending()):
+                self._ship(self._take())
+            return last_send
+        # Outage: keep new spans behind the spool, moving full batches to disk.
+        if self._batch_due(now, last_send):
+            self._ship(self._take())
+            return now
+        self._wait(min(self._retry_at - now, self._delay_s))
+        return last_send
 
     def _wait(self, timeout_s: float) -> None:
         self._wakeup.clear()

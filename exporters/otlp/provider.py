@@ -52,13 +52,16 @@ from agent.model.datadir import METRICS_SPOOL_DIR, DataDir
 from exporters.config import ExportConfig, Protocol, scheme_problem
 
 if TYPE_CHECKING:  # imported where used: `import exporters.otlp.provider` (config models) stays light
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
     from exporters.otlp.metrics import Metrics
     from exporters.otlp.processor import ExportStatistics, LosslessSpanProcessor
     from exporters.otlp.spans import ProcessorSink
+    from exporters.otlp.spool import Spool
     from exporters.otlp.transport import GrpcSender, HttpSender, RequestSender, TlsFiles
 
 __all__ = [
@@ -287,16 +290,8 @@ def _check_endpoint(endpoint: str, key: str) -> None:
         raise ExportConfigError(f"{key}: invalid OTLP endpoint {endpoint!r}; expected http(s)://host:port")
 
 
-def resolve_destination(
-    config: ExportConfig, environ: Mapping[str, str] | None = None, *, signal: Signal = "traces"
-) -> Destination:
-    """Resolve where ``signal`` goes: config > ``OTEL_EXPORTER_OTLP_{SIGNAL}_*`` > ``OTEL_EXPORTER_OTLP_*``
-    > defaults (no endpoint: the embedded file default).
-
-    Raises:
-        ExportConfigError: a bad setting (the message names the config key or env variable).
-    """
-    env = os.environ if environ is None else environ
+def _resolve_endpoint(config: ExportConfig, env: Mapping[str, str], signal: Signal) -> tuple[str | None, bool]:
+    """The endpoint (checked; ``None``: none set) and whether the signal's own variable gave it."""
     specific_name = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
     signal_specific = False
     endpoint = config.endpoint
@@ -307,6 +302,10 @@ def resolve_destination(
         endpoint = env.get(ENV_ENDPOINT, "").strip() or None
     if endpoint:
         _check_endpoint(endpoint, "export.endpoint" if config.endpoint else (specific_name if signal_specific else ENV_ENDPOINT))
+    return endpoint, signal_specific
+
+
+def _resolve_protocol(config: ExportConfig, env: Mapping[str, str], signal: Signal) -> str:
     protocol: str | None = config.protocol
     protocol_key = "export.protocol"
     if protocol is None:
@@ -316,11 +315,11 @@ def resolve_destination(
     protocol = protocol or "grpc"
     if protocol not in ("grpc", "http/protobuf"):
         raise ExportConfigError(f"{protocol_key}: unsupported OTLP protocol {protocol!r}; use grpc or http/protobuf")
-    headers = _parse_headers(env.get(ENV_HEADERS, ""), ENV_HEADERS)
-    specific_headers = f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS"
-    headers.update(_parse_headers(env.get(specific_headers, ""), specific_headers))
-    headers.update({k.lower(): v for k, v in config.headers.items()})
-    insecure = config.insecure if config.insecure is not None else _env_bool(env, signal, "INSECURE")
+    return protocol
+
+
+def _resolve_compression(config: ExportConfig, env: Mapping[str, str], signal: Signal) -> str | None:
+    """``gzip``, ``none`` or ``None`` (not set)."""
     compression: str | None = config.compression
     compression_key = "export.compression"
     if compression is None:
@@ -329,6 +328,27 @@ def resolve_destination(
             compression_key, compression = found[0], found[1].lower()
     if compression not in (None, "gzip", "none"):
         raise ExportConfigError(f"{compression_key}: expected gzip or none, got {compression!r}")
+    return compression
+
+
+def resolve_destination(
+    config: ExportConfig, environ: Mapping[str, str] | None = None, *, signal: Signal = "traces"
+) -> Destination:
+    """Resolve where ``signal`` goes: config > ``OTEL_EXPORTER_OTLP_{SIGNAL}_*`` > ``OTEL_EXPORTER_OTLP_*``
+    > defaults (no endpoint: the embedded file default).
+
+    Raises:
+        ExportConfigError: a bad setting (the message names the config key or env variable).
+    """
+    env = os.environ if environ is None else environ
+    endpoint, signal_specific = _resolve_endpoint(config, env, signal)
+    protocol = _resolve_protocol(config, env, signal)
+    headers = _parse_headers(env.get(ENV_HEADERS, ""), ENV_HEADERS)
+    specific_headers = f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS"
+    headers.update(_parse_headers(env.get(specific_headers, ""), specific_headers))
+    headers.update({k.lower(): v for k, v in config.headers.items()})
+    insecure = config.insecure if config.insecure is not None else _env_bool(env, signal, "INSECURE")
+    compression = _resolve_compression(config, env, signal)
     timeout_s = config.timeout_s or _env_timeout_s(env, signal) or DEFAULT_TIMEOUT_S
     return Destination(
         endpoint=endpoint,
@@ -385,6 +405,27 @@ def resolve_batching(config: ExportConfig, environ: Mapping[str, str] | None = N
     return out
 
 
+def _warn_bad_resource_pairs(env: Mapping[str, str]) -> None:
+    pairs = [(item.strip(), item.partition("=")) for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")]
+    bad = [item for item, (key, sep, _) in pairs if item and not (sep and key.strip())]
+    if bad:  # the SDK's own warning is counted, not printed (agent.views.console.quiet_sdk_logs)
+        _log.warning("OTEL_RESOURCE_ATTRIBUTES: %s not key=value: dropped (the other pairs are kept)",
+                     ", ".join(repr(b) for b in bad) + (" is" if len(bad) == 1 else " are"))
+
+
+def _env_resource_attributes(env: Mapping[str, str], service_name_key: str) -> dict[str, object]:
+    """The resource attributes of ``env`` (``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``),
+    parsed as the SDK's detector does."""
+    attributes: dict[str, object] = {}
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            attributes[unquote(key.strip())] = unquote(value.strip())
+    if env.get(ENV_SERVICE_NAME, "").strip():
+        attributes[service_name_key] = env[ENV_SERVICE_NAME].strip()
+    return attributes
+
+
 def build_resource(
     config: ExportConfig, *, host_name: str, service_instance_id: str, environ: Mapping[str, str] | None = None
 ) -> Resource:
@@ -400,11 +441,7 @@ def build_resource(
         SERVICE_NAME,
     )
     env = os.environ if environ is None else environ
-    pairs = [(item.strip(), item.partition("=")) for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")]
-    bad = [item for item, (key, sep, _) in pairs if item and not (sep and key.strip())]
-    if bad:  # the SDK's own warning is counted, not printed (agent.views.console.quiet_sdk_logs)
-        _log.warning("OTEL_RESOURCE_ATTRIBUTES: %s not key=value: dropped (the other pairs are kept)",
-                     ", ".join(repr(b) for b in bad) + (" is" if len(bad) == 1 else " are"))
+    _warn_bad_resource_pairs(env)
     attributes: dict[str, object] = {
         SERVICE_NAME: DEFAULT_SERVICE_NAME,
         SERVICE_INSTANCE_ID: service_instance_id,
@@ -414,13 +451,7 @@ def build_resource(
     if environ is None:
         attributes.update(OTELResourceDetector().detect().attributes)
     else:  # an explicit mapping (tests): parse it the same way, without touching os.environ
-        raw = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
-        for item in raw.split(","):
-            key, sep, value = item.partition("=")
-            if sep and key.strip():
-                attributes[unquote(key.strip())] = unquote(value.strip())
-        if env.get(ENV_SERVICE_NAME, "").strip():
-            attributes[SERVICE_NAME] = env[ENV_SERVICE_NAME].strip()
+        attributes.update(_env_resource_attributes(env, SERVICE_NAME))
     attributes.update(config.resource_attributes)
     if config.service_name:
         attributes[SERVICE_NAME] = config.service_name
@@ -554,6 +585,58 @@ def sdk_disabled(environ: Mapping[str, str]) -> bool:
     return environ.get(_ev.OTEL_SDK_DISABLED, "").strip().lower() == "true"
 
 
+def _span_sender(
+    config: ExportConfig, destination: Destination, layout: DataDir, disabled: bool
+) -> tuple[RequestSender[ExportTraceServiceRequest], Path | None, Spool | None]:
+    """Where spans are sent: ``(sender, spans_dir, spool)`` (the embedded default's span files,
+    or an OTLP sender with its spool, or nowhere when the SDK is disabled)."""
+    from exporters.otlp.spool import Spool
+    from exporters.otlp.transport import DisabledSender, FileSender
+
+    if disabled:  # spans go nowhere, no file, no spool (metrics are off below)
+        _log.info("OTEL_SDK_DISABLED=true: servewatch exports no spans and no metrics (bundles are still written)")
+        return DisabledSender(), None, None
+    if destination.endpoint is None:
+        spans_dir = layout.spans
+        return FileSender(spans_dir, max_file_bytes=config.file_max_bytes, max_files=config.file_max_files), spans_dir, None
+    try:
+        sender = destination.make_sender()
+    except (ValueError, OSError) as exc:
+        raise ExportConfigError(f"export.endpoint: {exc}") from exc
+    return sender, None, Spool(layout.spool, max_bytes=config.spool_max_bytes)
+
+
+def _meter_provider(
+    config: ExportConfig,
+    metrics_dest: Destination | None,
+    resource: Resource,
+    layout: DataDir,
+    spool_dir: Path | None,
+    file_metrics: bool,
+) -> tuple[MeterProvider | None, MetricExporter | None]:
+    """``(meter_provider, metric_exporter)``; ``(None, None)`` when metrics are off or would
+    only go to files that are not wanted."""
+    if metrics_dest is None or not (file_metrics or metrics_dest.endpoint is not None):
+        return None, None
+    from exporters.otlp.metrics import build_meter_provider
+
+    metrics_sender = None
+    if metrics_dest.endpoint is not None:
+        try:
+            metrics_sender = metrics_dest.make_sender()
+        except (ValueError, OSError) as exc:
+            raise ExportConfigError(f"metrics endpoint: {exc}") from exc
+    return build_meter_provider(
+        resource,
+        sender=metrics_sender,
+        timeout_s=metrics_dest.timeout_s,
+        interval_s=config.metrics_interval_s,
+        file_directory=layout.metrics,
+        # inside the span spool's own folder (its pid-<pid>/ when another agent holds the root)
+        spool_dir=layout.metrics_spool if spool_dir is None else spool_dir / METRICS_SPOOL_DIR,
+    )
+
+
 def build_telemetry(
     config: ExportConfig,
     *,
@@ -580,36 +663,18 @@ def build_telemetry(
         ExportConfigError: a bad setting (the message names it).
         OSError: the data dir cannot be created.
     """
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.sdk.trace import TracerProvider
 
-    from exporters.otlp.metrics import Metrics, build_meter_provider
+    from exporters.otlp.metrics import Metrics
     from exporters.otlp.processor import LosslessSpanProcessor
     from exporters.otlp.spans import ProcessorSink
-    from exporters.otlp.spool import Spool
-    from exporters.otlp.transport import DisabledSender, FileSender
     host = host_name or socket.gethostname()
     disabled = sdk_disabled(os.environ if environ is None else environ)
     destination = resolve_destination(config, environ)
     resource = build_resource(config, host_name=host, service_instance_id=service_instance_id or str(uuid.uuid4()), environ=environ)
     layout = DataDir(Path(data_dir), host)
-    spans_dir: Path | None = None
-    spool_dir: Path | None = None
-    spool: Spool | None = None
-    sender: RequestSender[ExportTraceServiceRequest]
-    if disabled:  # spans go nowhere, no file, no spool (metrics are off below)
-        _log.info("OTEL_SDK_DISABLED=true: servewatch exports no spans and no metrics (bundles are still written)")
-        sender = DisabledSender()
-    elif destination.endpoint is None:
-        spans_dir = layout.spans
-        sender = FileSender(spans_dir, max_file_bytes=config.file_max_bytes, max_files=config.file_max_files)
-    else:
-        try:
-            sender = destination.make_sender()
-        except (ValueError, OSError) as exc:
-            raise ExportConfigError(f"export.endpoint: {exc}") from exc
-        spool = Spool(layout.spool, max_bytes=config.spool_max_bytes)
-        spool_dir = spool.directory
+    sender, spans_dir, spool = _span_sender(config, destination, layout, disabled)
+    spool_dir = spool.directory if spool is not None else None
     batching = resolve_batching(config, environ)
     timeout_explicit = config.timeout_s is not None or _env(os.environ if environ is None else environ, "traces", "TIMEOUT")
     processor = LosslessSpanProcessor(
@@ -627,25 +692,8 @@ def build_telemetry(
     )
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     tracer_provider.add_span_processor(processor)
-    meter_provider: MeterProvider | None = None
-    metric_exporter = None
     metrics_dest = resolve_destination(config, environ, signal="metrics") if config.metrics and not disabled else None
-    if metrics_dest is not None and (file_metrics or metrics_dest.endpoint is not None):
-        metrics_sender = None
-        if metrics_dest.endpoint is not None:
-            try:
-                metrics_sender = metrics_dest.make_sender()
-            except (ValueError, OSError) as exc:
-                raise ExportConfigError(f"metrics endpoint: {exc}") from exc
-        meter_provider, metric_exporter = build_meter_provider(
-            resource,
-            sender=metrics_sender,
-            timeout_s=metrics_dest.timeout_s,
-            interval_s=config.metrics_interval_s,
-            file_directory=layout.metrics,
-            # inside the span spool's own folder (its pid-<pid>/ when another agent holds the root)
-            spool_dir=layout.metrics_spool if spool_dir is None else spool_dir / METRICS_SPOOL_DIR,
-        )
+    meter_provider, metric_exporter = _meter_provider(config, metrics_dest, resource, layout, spool_dir, file_metrics)
     metrics = Metrics(meter_provider)
     metrics.watch_export(processor.statistics)
     if metric_exporter is not None and hasattr(metric_exporter, "statistics"):

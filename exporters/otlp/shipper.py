@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -229,6 +229,20 @@ class _Attached:
         self.pending: deque[tuple[int, int]] = deque()
 
 
+
+def _decode_all(payloads: list[bytes], decode: Callable[[bytes, Resource], Any], resource: Resource) -> tuple[list[Any], int, int]:
+    """``(spans, invalid, refused)`` of a ring batch's records."""
+    spans: list[Any] = []
+    invalid = refused = 0
+    for payload in payloads:
+        try:
+            spans.append(decode(payload, resource))
+        except Reserved:
+            refused += 1
+        except Exception:  # noqa: BLE001 - untrusted input (an unhashable kind, JSON nested past the
+            invalid += 1  # recursion limit...): one bad record is counted, never loses its batch
+    return spans, invalid, refused
+
 class SpanShipper:
     """Drains the span rings of the targets into a span processor. Thread-safe; :meth:`poll`
     runs on a worker thread (the runtime's), everything else anywhere.
@@ -334,6 +348,15 @@ class SpanShipper:
                 return "refused"
             if pid in self._rings:
                 return "attached"
+        reader = self._open_ring(pid, uid)
+        if isinstance(reader, str):
+            return reader
+        if not self._claim(pid, reader):
+            return "refused"
+        return self._keep(pid, uid, reader)
+
+    def _open_ring(self, pid: int, uid: int | None) -> RingReader | str:
+        """``pid``'s ring, or ``absent`` / ``refused`` (logged once per reason)."""
         trusted = {0} | ({uid} if uid is not None else set())
         try:
             reader = RingReader(pid, trusted_uids=trusted, directory=self.directory, max_capacity=self.max_ring_bytes)
@@ -351,6 +374,11 @@ class SpanShipper:
                 self._refuse(pid, reason)
                 log.warning("not shipping spans of pid %d: %s", pid, reason)
             return "absent" if reason.startswith("no span ring") else "refused"
+        return reader
+
+    def _claim(self, pid: int, reader: RingReader) -> bool:
+        """Whether the ring is ours to ship (no other agent ships it, our heartbeat is written);
+        else the reader is closed."""
         other = reader.claimed_by_other(self._stale_ns)
         if other:
             reader.close(detach=False)
@@ -358,13 +386,17 @@ class SpanShipper:
             if self._refused.get(pid) != why:
                 self._refuse(pid, why)
                 log.warning("spans of pid %d are shipped by another agent (pid %d)", pid, other)
-            return "refused"
+            return False
         try:
             reader.heartbeat()
         except OSError as exc:
             reader.close(detach=False)
             log.warning("not shipping spans of pid %d: %s", pid, exc)
-            return "refused"
+            return False
+        return True
+
+    def _keep(self, pid: int, uid: int | None, reader: RingReader) -> str:
+        """Add the claimed ring to those shipped (unless closed or attached meanwhile)."""
         resource = _server_resource(reader.metadata, pid, self.host_name, uid if uid is not None else reader.uid)
         ring = _Attached(reader, resource)
         try:  # the server's counters so far (drops before we came) count from the first status on
@@ -446,8 +478,7 @@ class SpanShipper:
             # and lists the folders)
             if sig is None:
                 sig = self._folders_signature()
-            seen = self._absent.get(pid)
-            if sig is not None and seen is not None and seen[0] == sig and now - seen[1] < ABSENT_RETRY_S:
+            if self._absent_still(pid, sig, now):
                 continue
             if self._attach(pid, uid) == "absent" and sig is not None:
                 self._absent[pid] = (sig, now)
@@ -456,6 +487,12 @@ class SpanShipper:
         if len(self._absent) > len(targets):
             for pid in [p for p in self._absent if p not in targets]:
                 del self._absent[pid]
+
+    def _absent_still(self, pid: int, sig: tuple[int, ...] | None, now: float) -> bool:
+        """Whether ``pid`` was found without a ring under the same folders' signature, less than
+        :data:`ABSENT_RETRY_S` ago (no need to look again)."""
+        seen = self._absent.get(pid)
+        return sig is not None and seen is not None and seen[0] == sig and now - seen[1] < ABSENT_RETRY_S
 
     def _declare(self, targets: Mapping[int, int | None]) -> None:
         """Declare the targets not declared yet, in their servers' private folders (O(1) each
@@ -516,24 +553,10 @@ class SpanShipper:
         # the lossless processor takes encoded spans (exporters.otlp.wire: no ReadableSpan, no protobuf
         # objects); a plain SpanProcessor gets ReadableSpans
         decode = encode_record if submit is not None else decode_record
-        spans: list[Any] = []
-        invalid = refused = 0
-        resource = ring.resource
-        for payload in batch.payloads:
-            try:
-                spans.append(decode(payload, resource))
-            except Reserved:
-                refused += 1
-            except Exception:  # noqa: BLE001 - untrusted input (an unhashable kind, JSON nested past the
-                invalid += 1  # recursion limit...): one bad record is counted, never loses its batch
+        spans, invalid, refused = _decode_all(batch.payloads, decode, ring.resource)
         shipped = len(spans)
         if batch.end >= 0 and (batch.payloads or batch.end != start):
-            if submit is None:  # a plain SpanProcessor: no way to know when a span is safe
-                for span in spans:
-                    self.processor.on_end(span)
-                ticket: int | None = 0
-            else:
-                ticket = submit(spans) if spans else (ring.pending[-1][0] if ring.pending else 0)
+            ticket = self._hand_over(ring, spans)
             if ticket is None:  # the processor is shut down: the records stay for the next agent
                 reader.rewind(start)
                 shipped = invalid = refused = 0
@@ -550,6 +573,15 @@ class SpanShipper:
         if refused:
             log.warning("%d span record(s) from pid %d refused: they use servewatch's reserved names", refused, pid)
         return shipped
+
+    def _hand_over(self, ring: _Attached, spans: list[Any]) -> int | None:
+        """Give the spans to the processor; the ticket that settles them (``None``: it is shut down)."""
+        submit = self._submit
+        if submit is None:  # a plain SpanProcessor: no way to know when a span is safe
+            for span in spans:
+                self.processor.on_end(span)
+            return 0
+        return submit(spans) if spans else (ring.pending[-1][0] if ring.pending else 0)
 
     def _commit_settled(self, pid: int, ring: _Attached) -> None:
         """Release the ring space of the oldest batches whose spans the processor settled."""

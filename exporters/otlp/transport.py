@@ -310,11 +310,36 @@ def item_count(request: OtlpRequest) -> int:
     return span_count(cast(ExportTraceServiceRequest, request))
 
 
+#: grpc-core's wording for the causes a status code alone does not tell apart, in the order tried
+#: (every one retryable)
+_GRPC_TEXT_CAUSES: tuple[tuple[tuple[str, ...], Cause], ...] = (
+    (("ssl", "tls", "handshake", "certificate", "x509", "alpn"), Cause.TLS),
+    # the peer accepted TCP and hung up at once: a TLS port spoken to in plaintext, or an mTLS
+    # port refusing a client without certificate
+    (("socket closed",), Cause.TLS),
+    (("http2", "http/1", "http1", "preface", "frame", "bad gateway", "content-type",
+      "unexpected http status", "received http2 header with status"), Cause.PROTOCOL_MISMATCH),
+    (("connection refused", "failed to connect", "connect failed", "dns", "no route",
+      "name resolution", "network is unreachable", "domain name not found"), Cause.REFUSED),
+)
+
+
 def _grpc_cause(code: grpc.StatusCode | None, details: str) -> tuple[Delivery, Cause]:
     """Sort a gRPC status into (delivery, cause). grpc-core's own wording is matched for the
     cases a status code alone does not tell apart (refused vs TLS vs HTTP port): an
     ``UNAVAILABLE`` is "connection refused" only when grpc-core says it could not connect."""
     text = details.lower()
+    first = _grpc_definite_cause(code, text)
+    if first is not None:
+        return first
+    for markers, cause in _GRPC_TEXT_CAUSES:
+        if any(m in text for m in markers):
+            return Delivery.RETRYABLE, cause
+    return _grpc_code_cause(code)
+
+
+def _grpc_definite_cause(code: grpc.StatusCode | None, text: str) -> tuple[Delivery, Cause] | None:
+    """The causes that win over grpc-core's wording (``None``: none of them)."""
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and ("larger than" in text or "too large" in text or "message size" in text):
         return Delivery.TOO_LARGE, Cause.TOO_LARGE
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -323,18 +348,11 @@ def _grpc_cause(code: grpc.StatusCode | None, details: str) -> tuple[Delivery, C
         return Delivery.PERMANENT, Cause.BAD_REQUEST
     if code is grpc.StatusCode.DEADLINE_EXCEEDED or "timed out" in text or "timeout" in text:
         return Delivery.RETRYABLE, Cause.TIMEOUT
-    if any(m in text for m in ("ssl", "tls", "handshake", "certificate", "x509", "alpn")):
-        return Delivery.RETRYABLE, Cause.TLS
-    if "socket closed" in text:
-        # the peer accepted TCP and hung up at once: a TLS port spoken to in plaintext, or an mTLS
-        # port refusing a client without certificate
-        return Delivery.RETRYABLE, Cause.TLS
-    if any(m in text for m in ("http2", "http/1", "http1", "preface", "frame", "bad gateway", "content-type",
-                               "unexpected http status", "received http2 header with status")):
-        return Delivery.RETRYABLE, Cause.PROTOCOL_MISMATCH
-    if any(m in text for m in ("connection refused", "failed to connect", "connect failed", "dns", "no route",
-                               "name resolution", "network is unreachable", "domain name not found")):
-        return Delivery.RETRYABLE, Cause.REFUSED
+    return None
+
+
+def _grpc_code_cause(code: grpc.StatusCode | None) -> tuple[Delivery, Cause]:
+    """The cause a status code alone says (grpc-core's wording said nothing)."""
     if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
         # an HTTP server answering a gRPC call shows up as one of these
         return Delivery.PERMANENT if code is grpc.StatusCode.UNIMPLEMENTED else Delivery.RETRYABLE, Cause.PROTOCOL_MISMATCH

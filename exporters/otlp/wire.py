@@ -133,18 +133,22 @@ def _clean_value(value: Any) -> Any:
     raise _Invalid(f"attribute value of type {type(value).__name__}")
 
 
+def _plain_attrs(attrs: dict[str, Any]) -> bool:
+    """Whether every value is a plain str/int/float/bool within the limits (nothing to clean)."""
+    for key, value in attrs.items():
+        t = type(value)
+        if len(key) > 256 or (t is str and len(value) > MAX_STRING) or (t is int and not _INT64[0] <= value <= _INT64[1]):
+            return False
+        if t is not str and t is not int and t is not float and t is not bool:
+            return False
+    return True
+
+
 def _clean_attrs(attrs: Any) -> dict[str, Any]:
     if type(attrs) is not dict:
         raise _Invalid("attributes are not an object")
-    if len(attrs) <= MAX_ATTRIBUTES:  # fast path: the usual flat str/int/float/bool values
-        for key, value in attrs.items():
-            t = type(value)
-            if len(key) > 256 or (t is str and len(value) > MAX_STRING) or (t is int and not _INT64[0] <= value <= _INT64[1]):
-                break
-            if t is not str and t is not int and t is not float and t is not bool:
-                break
-        else:
-            return attrs  # JSON object keys are always strings
+    if len(attrs) <= MAX_ATTRIBUTES and _plain_attrs(attrs):  # fast path
+        return attrs  # JSON object keys are always strings
     out: dict[str, Any] = {}
     for key, value in attrs.items():
         if len(out) >= MAX_ATTRIBUTES:
@@ -310,6 +314,29 @@ def encode_record(payload: bytes, resource: Resource) -> EncodedSpan:
     return EncodedSpan(name[:MAX_NAME], data, resource, SDK_SCOPE)
 
 
+def _event_bytes(ev: Any) -> bytes:
+    """One ``[name, time, attributes]`` event as a span's event field."""
+    if type(ev) is not list or len(ev) != 3 or type(ev[0]) is not str:
+        raise _Invalid("bad event")
+    ts = _int(ev[1], 0, _INT64[1])
+    ev_name = ev[0][:MAX_NAME]
+    body = (_E_TIME + _FIXED64(ts) if ts else b"") + (_field(_E_NAME, ev_name.encode()) if ev_name else b"")
+    return _field(_S_EVENT, body + _attributes(_E_ATTR, _clean_attrs(ev[2])))
+
+
+def _link_bytes(lk: Any) -> bytes:
+    """One ``[trace id, span id, attributes]`` link as a span's link field."""
+    if type(lk) is not list or len(lk) != 3:
+        raise _Invalid("bad link")
+    body = (
+        _L_TRACE_ID + _int(lk[0], 1, 2**128 - 1).to_bytes(16, "big")
+        + _L_SPAN_ID + _int(lk[1], 1, 2**64 - 1).to_bytes(8, "big")
+        + _attributes(_L_ATTR, _clean_attrs(lk[2]))
+        + _L_FLAGS
+    )
+    return _field(_S_LINK, body)
+
+
 def _span_bytes(name: str, kind: int, trace_id: int, span_id: int, parent_id: int, start: int, end: int, attrs: Any,
                 status: int, desc: str, events: list[Any], links: list[Any]) -> bytes:
     parts = [_S_TRACE_ID, trace_id.to_bytes(16, "big"), _S_SPAN_ID, span_id.to_bytes(8, "big")]
@@ -324,23 +351,8 @@ def _span_bytes(name: str, kind: int, trace_id: int, span_id: int, parent_id: in
     if end:
         parts += (_S_END, _FIXED64(end))
     parts.append(_attributes(_S_ATTR, _clean_attrs(attrs)))
-    for ev in events[:MAX_EVENTS]:
-        if type(ev) is not list or len(ev) != 3 or type(ev[0]) is not str:
-            raise _Invalid("bad event")
-        ts = _int(ev[1], 0, _INT64[1])
-        ev_name = ev[0][:MAX_NAME]
-        body = (_E_TIME + _FIXED64(ts) if ts else b"") + (_field(_E_NAME, ev_name.encode()) if ev_name else b"")
-        parts.append(_field(_S_EVENT, body + _attributes(_E_ATTR, _clean_attrs(ev[2]))))
-    for lk in links[:MAX_LINKS]:
-        if type(lk) is not list or len(lk) != 3:
-            raise _Invalid("bad link")
-        body = (
-            _L_TRACE_ID + _int(lk[0], 1, 2**128 - 1).to_bytes(16, "big")
-            + _L_SPAN_ID + _int(lk[1], 1, 2**64 - 1).to_bytes(8, "big")
-            + _attributes(_L_ATTR, _clean_attrs(lk[2]))
-            + _L_FLAGS
-        )
-        parts.append(_field(_S_LINK, body))
+    parts += (_event_bytes(ev) for ev in events[:MAX_EVENTS])
+    parts += (_link_bytes(lk) for lk in links[:MAX_LINKS])
     message = desc[:MAX_STRING] if status == 2 else ""
     parts.append(_field(_S_STATUS, (_field(_ST_MESSAGE, message.encode()) if message else b"") + (_ST_CODE + _varint(status) if status else b"")))
     parts.append(_S_FLAGS)

@@ -315,17 +315,39 @@ def locate_pipe(
     )
 
     if scan_fds:
-        accepted = [PathTemplate(t, view).regex() for t in _pipe_templates(env, extra_templates)]
-        accepted.append(PathTemplate("/" + DRIVER_DEFAULT_PIPE_TEMPLATE, view).regex())
-        anywhere = re.compile(r".*/" + accepted[-1].pattern.lstrip("/"))
-        for fd, target, st in _open_fds(pid):
-            if not stat.S_ISFIFO(st.st_mode) or not target.startswith("/"):
-                continue  # anonymous pipes read as "pipe:[inode]"
-            if _fd_access_mode(pid, fd) not in (os.O_RDONLY, os.O_RDWR):
-                continue
-            if any(p.fullmatch(target) for p in accepted) or anywhere.fullmatch(target):
-                return located(path=target, source="fd", fd=fd, inode=(st.st_dev, st.st_ino))
+        held = _held_fifo(pid, view, _pipe_templates(env, extra_templates))
+        if held is not None:
+            fd, target, st = held
+            return located(path=target, source="fd", fd=fd, inode=(st.st_dev, st.st_ino))
 
+    fifos, non_fifo = _existing_fifos(applicable, view)
+    if fifos:
+        _, path, inode = max(fifos)
+        return located(path=path, source=source, inode=inode)
+    return located(path=None, source="", reason=_not_armed_reason(pid, env, applicable, non_fifo=non_fifo,
+                                                                  env_template=env_template))
+
+
+def _held_fifo(pid: int, view: TargetView, templates: Sequence[str]) -> tuple[str, str, os.stat_result] | None:
+    """The first FIFO ``pid`` holds open for reading whose path fits one of ``templates`` or
+    the driver's default name in any directory: ``(fd, path, stat)``; ``None``: none."""
+    accepted = [PathTemplate(t, view).regex() for t in templates]
+    accepted.append(PathTemplate("/" + DRIVER_DEFAULT_PIPE_TEMPLATE, view).regex())
+    anywhere = re.compile(r".*/" + accepted[-1].pattern.lstrip("/"))
+    for fd, target, st in _open_fds(pid):
+        if not stat.S_ISFIFO(st.st_mode) or not target.startswith("/"):
+            continue  # anonymous pipes read as "pipe:[inode]"
+        if _fd_access_mode(pid, fd) not in (os.O_RDONLY, os.O_RDWR):
+            continue
+        if any(p.fullmatch(target) for p in accepted) or anywhere.fullmatch(target):
+            return fd, target, st
+    return None
+
+
+def _existing_fifos(
+    applicable: PathTemplate, view: TargetView,
+) -> tuple[list[tuple[float, str, tuple[int, int]]], str]:
+    """The template's existing FIFOs as ``(mtime, path, inode)``, and the last match that is not a FIFO."""
     fifos: list[tuple[float, str, tuple[int, int]]] = []
     non_fifo = ""
     for candidate in applicable.existing():
@@ -337,35 +359,33 @@ def locate_pipe(
             fifos.append((st.st_mtime, candidate, (st.st_dev, st.st_ino)))
         else:
             non_fifo = candidate
-    if fifos:
-        _, path, inode = max(fifos)
-        return located(path=path, source=source, inode=inode)
+    return fifos, non_fifo
 
+
+def _not_armed_reason(pid: int, env: TargetEnv, applicable: PathTemplate, *, non_fifo: str, env_template: str | None) -> str:
+    """Why no coredump FIFO was found, and what to do about it."""
     if env.values.get(ENV_ENABLE_USER_TRIGGER) != "1":
         if env.environ_cleared:
-            reason = (
+            return (
                 f"not armed: it holds no coredump FIFO open, and its /proc/{pid}/environ is empty (setproctitle"
                 " clears it; start it with SPT_NOENV=1) while no launch record or parent environment has"
                 f" {ENV_ENABLE_USER_TRIGGER}=1"
             )
-        else:
-            reason = (
-                f"not armed: {ENV_ENABLE_USER_TRIGGER}=1 is not in the target's environment and it holds no "
-                "coredump FIFO open (start it with `servewatch launch` or the `servewatch cuda-env` exports)"
-            )
-    elif non_fifo:
-        reason = f"not armed: {non_fifo!r} matches the pipe template but is not a FIFO"
-    elif env_template:
-        reason = (
+        return (
+            f"not armed: {ENV_ENABLE_USER_TRIGGER}=1 is not in the target's environment and it holds no "
+            "coredump FIFO open (start it with `servewatch launch` or the `servewatch cuda-env` exports)"
+        )
+    if non_fifo:
+        return f"not armed: {non_fifo!r} matches the pipe template but is not a FIFO"
+    if env_template:
+        return (
             f"not armed: no FIFO matches {applicable.absolute!r} from {ENV_PIPE} (CUDA not initialised yet in the "
             "target, or the pipe path differs)"
         )
-    else:
-        reason = (
-            f"not armed: {ENV_PIPE} is unset and the driver's default FIFO {applicable.absolute!r} does not exist "
-            "(CUDA not initialised yet in the target, or the pipe path differs)"
-        )
-    return located(path=None, source="", reason=reason)
+    return (
+        f"not armed: {ENV_PIPE} is unset and the driver's default FIFO {applicable.absolute!r} does not exist "
+        "(CUDA not initialised yet in the target, or the pipe path differs)"
+    )
 
 
 # --- triggering ---------------------------------------------------------------------------------
@@ -478,47 +498,61 @@ async def trigger_pipe(
     except OSError as exc:
         return TriggerResult(*_classify_open_error(exc, path))
     try:
-        written_ns = 0
-        with anyio.move_on_after(timeout_s) as scope:
-            while True:
-                try:
-                    written = os.write(fd, payload)
-                except BlockingIOError:
-                    await anyio.sleep(poll_interval_s)
-                    continue
-                except BrokenPipeError:
-                    return TriggerResult(Outcome.NOT_ARMED, f"not armed: the reader of {path!r} went away")
-                except OSError as exc:
-                    return TriggerResult(Outcome.FAILED, f"write to {path!r} failed: {exc.strerror or exc}")
-                if written > 0:
-                    written_ns = now_ns()
-                    break
-        if not written_ns:
-            assert scope.cancelled_caught
-            return TriggerResult(
-                Outcome.TIMED_OUT, f"{path!r} stayed full for {timeout_s:g} s: its reader is not reading"
-            )
+        written = await _write_trigger(fd, path, payload, timeout_s=timeout_s, poll_interval_s=poll_interval_s)
+        if isinstance(written, TriggerResult):
+            return written
         if consume_timeout_s is None:
-            return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns)
-        start = anyio.current_time()
-        while True:
-            unread = _unread_bytes(fd)
-            waited = anyio.current_time() - start
-            if unread == 0:
-                return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns, True, round(waited, 6))
-            if unread < 0:
-                return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns, None)
-            if waited >= consume_timeout_s:
-                return TriggerResult(
-                    Outcome.TIMED_OUT,
-                    f"not consumed: the trigger written to {path!r} was still unread after {consume_timeout_s:g} s"
-                    f" ({unread} byte(s) in the pipe): the driver's reader is not reading, no core file will come",
-                    written_ns,
-                    False,
-                )
-            await anyio.sleep(min(poll_interval_s, 0.01))
+            return TriggerResult(Outcome.OK, f"triggered through {path!r}", written)
+        return await _watch_consumed(fd, path, written, consume_timeout_s=consume_timeout_s, poll_interval_s=poll_interval_s)
     finally:
         os.close(fd)
+
+
+async def _write_trigger(fd: int, path: str, payload: bytes, *, timeout_s: float, poll_interval_s: float) -> TriggerResult | int:
+    """Write ``payload`` to the FIFO, retrying a full pipe until ``timeout_s``: the time it was
+    written (ns since the epoch), or the result that ends the trigger."""
+    written_ns = 0
+    with anyio.move_on_after(timeout_s) as scope:
+        while True:
+            try:
+                written = os.write(fd, payload)
+            except BlockingIOError:
+                await anyio.sleep(poll_interval_s)
+                continue
+            except BrokenPipeError:
+                return TriggerResult(Outcome.NOT_ARMED, f"not armed: the reader of {path!r} went away")
+            except OSError as exc:
+                return TriggerResult(Outcome.FAILED, f"write to {path!r} failed: {exc.strerror or exc}")
+            if written > 0:
+                written_ns = now_ns()
+                break
+    if not written_ns:
+        assert scope.cancelled_caught
+        return TriggerResult(
+            Outcome.TIMED_OUT, f"{path!r} stayed full for {timeout_s:g} s: its reader is not reading"
+        )
+    return written_ns
+
+
+async def _watch_consumed(fd: int, path: str, written_ns: int, *, consume_timeout_s: float, poll_interval_s: float) -> TriggerResult:
+    """Wait until the driver read the trigger (the pipe is empty), at most ``consume_timeout_s``."""
+    start = anyio.current_time()
+    while True:
+        unread = _unread_bytes(fd)
+        waited = anyio.current_time() - start
+        if unread == 0:
+            return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns, True, round(waited, 6))
+        if unread < 0:
+            return TriggerResult(Outcome.OK, f"triggered through {path!r}", written_ns, None)
+        if waited >= consume_timeout_s:
+            return TriggerResult(
+                Outcome.TIMED_OUT,
+                f"not consumed: the trigger written to {path!r} was still unread after {consume_timeout_s:g} s"
+                f" ({unread} byte(s) in the pipe): the driver's reader is not reading, no core file will come",
+                written_ns,
+                False,
+            )
+        await anyio.sleep(min(poll_interval_s, 0.01))
 
 
 def _classify_open_error(exc: OSError, path: str) -> tuple[Outcome, str]:
@@ -949,6 +983,21 @@ class CoredumpActor:
             start_timeout_s=cfg.start_timeout_s,
             stall_timeout_s=cfg.stall_timeout_s,
         )
+        return self._completion_result(done, prepared, view, fired, attrs, result, wait_s=wait_s)
+
+    def _completion_result(
+        self,
+        done: _Completion,
+        prepared: _Prepared,
+        view: TargetView,
+        fired: TriggerResult,
+        attrs: dict[str, AttributeValue],
+        result: Callable[..., ActionResult],
+        *,
+        wait_s: float,
+    ) -> ActionResult:
+        """The result once the wait for the core file ended (``attrs`` filled in with its facts)."""
+        cfg, location = self.config, prepared.location
         attrs["servewatch.coredump.complete"] = done.complete
         attrs["servewatch.coredump.stage"] = done.stage
         watched = " or ".join(repr(t.absolute) for t in prepared.templates)

@@ -170,6 +170,40 @@ class _Read:
     detail: str = ""
 
 
+async def _permission_detail(exc: PermissionError) -> str:
+    why = await anyio.to_thread.run_sync(access_denied, exc.filename) if exc.filename else None
+    return why or f"{exc.strerror}: {exc.filename}"
+
+
+def _timed_out_detail(budget_s: float, waited_on: list[str], tried: list[str]) -> str:
+    also = f"; also tried: {'; '.join(dict.fromkeys(tried))}" if tried else ""
+    return (f"no Flight Recorder dump within {budget_s:g}s, {len(waited_on)} tries "
+            f"(waiting on: {', '.join(waited_on)}){also}")
+
+
+def _no_source_detail(tried: list[str]) -> str:
+    return "not available: " + ("; ".join(tried) if tried else "no SDK socket, torch debug server or armed NCCL pipe")
+
+
+def _rank_in_trace(trace: dict[str, Any]) -> int | None:
+    """The rank the SDK wrote into the dump's ``servewatch`` part (``None``: none)."""
+    meta = trace.get("servewatch")
+    if not isinstance(meta, dict):
+        meta = {}
+    if isinstance(meta.get("rank"), int):
+        return meta["rank"]
+    return None
+
+
+def _artifact_name(rank: int | None, pid: int) -> str:
+    return f"flightrec-rank{rank if rank is not None else 'x'}-{pid}.json"
+
+
+def _ok_detail(attrs: dict[str, AttributeValue], read: _Read) -> str:
+    n = attrs.get("servewatch.flightrec.entries", 0)
+    return f"{n} entries via {read.source}{', ' + read.detail if read.detail else ''}"
+
+
 class FlightRecorderActor:
     """Reads each rank's Flight Recorder (see the module docstring for sources and outcomes).
 
@@ -230,8 +264,7 @@ class FlightRecorderActor:
                     rank, rank_source = await self._rank(target)
                     read = await self._read(target, rank, tried, trying)
                 except PermissionError as exc:  # another user's SDK folder (root's server, no sudo): say the fix
-                    why = await anyio.to_thread.run_sync(access_denied, exc.filename) if exc.filename else None
-                    return result(Outcome.PERMISSION_DENIED, why or f"{exc.strerror}: {exc.filename}")
+                    return result(Outcome.PERMISSION_DENIED, await _permission_detail(exc))
                 except Exception as exc:  # an actor's boundary: an outcome, never a crash
                     log.exception("Flight Recorder read of pid %d failed", target.pid)
                     return result(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
@@ -239,19 +272,12 @@ class FlightRecorderActor:
                 break
             waited_on.append(trying[-1] if trying else "the rank's identity")
         else:
-            also = f"; also tried: {'; '.join(dict.fromkeys(tried))}" if tried else ""
-            return result(Outcome.TIMED_OUT, f"no Flight Recorder dump within {budget_s:g}s, {len(waited_on)} tries "
-                                             f"(waiting on: {', '.join(waited_on)}){also}", retryable=True)
+            return result(Outcome.TIMED_OUT, _timed_out_detail(budget_s, waited_on, tried), retryable=True)
         if read is None:
-            detail = "not available: " + ("; ".join(tried) if tried else "no SDK socket, torch debug server or armed NCCL pipe")
-            return result(Outcome.NO_SOURCE, detail)
+            return result(Outcome.NO_SOURCE, _no_source_detail(tried))
         trace = read.trace
-        if rank is None:
-            meta = trace.get("servewatch")
-            if not isinstance(meta, dict):
-                meta = {}
-            if isinstance(meta.get("rank"), int):
-                rank, rank_source = meta["rank"], "sdk"
+        if rank is None and (traced_rank := _rank_in_trace(trace)) is not None:
+            rank, rank_source = traced_rank, "sdk"
         attrs["servewatch.flightrec.source"] = read.source
         attrs.update(summarize_trace(trace))
         if not trace.get("entries") and not trace.get("pg_status"):
@@ -260,14 +286,12 @@ class FlightRecorderActor:
                                                f" init_process_group, or it is off ({FR_BUFFER_ENV} unset before init_process_group)")
         doc = {"pid": target.pid, "title": target.title, "rank": rank, "source": read.source,
                "captured_time_unix_nano": now_ns(), "trace": trace}
-        name = f"flightrec-rank{rank if rank is not None else 'x'}-{target.pid}.json"
-        path = Path(artifact_dir) / name
+        path = Path(artifact_dir) / _artifact_name(rank, target.pid)
         try:
             await anyio.to_thread.run_sync(atomic_write_text, path, json.dumps(doc))
         except OSError as exc:
             return result(Outcome.FAILED, f"cannot write {path}: {exc}")
-        n = attrs.get("servewatch.flightrec.entries", 0)
-        return result(Outcome.OK, f"{n} entries via {read.source}{', ' + read.detail if read.detail else ''}", paths=(str(path),))
+        return result(Outcome.OK, _ok_detail(attrs, read), paths=(str(path),))
 
     # -- rank ---------------------------------------------------------------------------------
 

@@ -567,10 +567,7 @@ class ProfilerActor:
         watch = _StallWatch(s.pid, c.socket_dir, c.stall_window_s) if s.pid is not None else None
         info = await self._sdk_wait(sock, sid, req.timeout_s + c.find_timeout_s, pid=s.pid, stall=watch)
         if info is not None and info.get("stalled"):
-            try:  # cancels the pending session
-                await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=c.request_timeout_s, pid=s.pid)
-            except SdkCallError:
-                pass
+            await self._sdk_stop(sock, s.pid)  # cancels the pending session
             s.attrs["servewatch.profile.state"] = "stalled"
             s.attrs["servewatch.profile.steps_captured"] = 0
             return s.result(
@@ -581,19 +578,27 @@ class ProfilerActor:
         stopped_by_us = False
         if info is None or not info.get("finished"):
             stopped_by_us = True
-            try:
-                await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=c.request_timeout_s, pid=s.pid)
-            except SdkCallError:
-                pass
+            await self._sdk_stop(sock, s.pid)
             info = await self._sdk_wait(sock, sid, c.find_timeout_s, pid=s.pid) or info
         if info is None:
             return s.result(Outcome.FAILED, f"session {sid} vanished from the target's status")
+        return await self._sdk_outcome(s, sid, info, stopped_by_us=stopped_by_us)
+
+    async def _sdk_stop(self, sock: Path, pid: int | None) -> None:
+        """``profile.stop``, its failure ignored."""
+        try:
+            await sdk_call(sock, {"cmd": "profile.stop"}, timeout_s=self.config.request_timeout_s, pid=pid)
+        except SdkCallError:
+            pass
+
+    async def _sdk_outcome(self, s: _Session, sid: str, info: dict[str, Any], *, stopped_by_us: bool) -> ActionResult:
+        """The result of an ended SDK session from its last status ``info``."""
+        c, req = self.config, s.req
         state = str(info.get("state", ""))
         s.attrs.update(_sdk_status_attributes(info, default_profiler=c.sdk_profiler))
         # The SDK reports a session finished only after its export returned. What it reports is
         # taken only from inside the session folder (the target chose these strings).
-        reported = info.get("files") or ()
-        files = [Path(f) for f in reported if isinstance(f, str)] if isinstance(reported, list) else []
+        files = _sdk_reported_files(info)
         note = f"; {info['detail']}" if info.get("detail") else ""
         if not info.get("finished"):
             return s.result(Outcome.TIMED_OUT, f"session {sid} still {state} after the deadline (the model thread has not stepped){note}", retryable=True)
@@ -745,15 +750,8 @@ class ProfilerActor:
         )
 
     async def _vllm_session(self, s: _Session, client: httpx.AsyncClient) -> ActionResult:
-        from agent.host.profiletargets import vllm_trace_dir
-
         c, req = self.config, s.req
-        folder, why = await anyio.to_thread.run_sync(vllm_trace_dir, c.base_url)  # socket scan, /proc
-        if folder is None and c.output_dir is not None:
-            folder, why = Path(os.path.abspath(c.output_dir)), ""  # the user said where the server writes (--out)
-        s.attrs["servewatch.profile.output_dir"] = str(folder) if folder is not None else ""
-        if req.start_step is not None:
-            s.attrs["servewatch.profile.start_step_ignored"] = True
+        folder, why = await self._vllm_folder(s)
         prefix = f"servewatch-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.urandom(3).hex()}"
         s.attrs["servewatch.profile.prefix"] = prefix
         work, waited_s, steps_before = await self._vllm_wait_for_work(client, req.timeout_s)
@@ -779,19 +777,47 @@ class ProfilerActor:
             stop_status = await self._stop(s, client)
         # traces there before the stop: vLLM's workers stopped by themselves after N steps
         auto_stopped = bool(worker)
+        files = await self._vllm_files(folder, prefix, worker, started=started)
+        steps_after = await self._vllm_steps(client)
+        stepped = steps_after - steps_before if steps_before is not None and steps_after is not None else None
+        if stepped is not None:
+            s.attrs["servewatch.profile.engine_steps_seen"] = stepped
+        where = (f"{folder}" if folder is not None else
+                 f"the folder vLLM was launched with (--profiler-config torch_profiler_dir; not readable from here: {why})")
+        return self._vllm_outcome(s, req, files, where, prefix, stop_status, folder=folder, started=started,
+                                  auto_stopped=auto_stopped, stepped=stepped)
+
+    async def _vllm_folder(self, s: _Session) -> tuple[Path | None, str]:
+        """Where vLLM writes its traces (``None``: not readable from here) and why not; noted in ``s``."""
+        from agent.host.profiletargets import vllm_trace_dir
+
+        c, req = self.config, s.req
+        folder, why = await anyio.to_thread.run_sync(vllm_trace_dir, c.base_url)  # socket scan, /proc
+        if folder is None and c.output_dir is not None:
+            folder, why = Path(os.path.abspath(c.output_dir)), ""  # the user said where the server writes (--out)
+        s.attrs["servewatch.profile.output_dir"] = str(folder) if folder is not None else ""
+        if req.start_step is not None:
+            s.attrs["servewatch.profile.start_step_ignored"] = True
+        return folder, why
+
+    async def _vllm_files(self, folder: Path | None, prefix: str, worker: list[Path], *, started: bool) -> list[Path]:
+        """The session's trace files once stopped: those the workers wrote (``worker``), else the prefixed ones."""
+        c = self.config
         files: list[Path] = worker
         if folder is not None and started:
             files = await _prefixed_files(folder, prefix, timeout_s=c.find_timeout_s, settle_s=c.settle_s, poll_s=c.poll_interval_s)
         elif folder is not None:  # the start is still queued in a stalled engine: nothing to wait for
             files = [folder / n for n in await anyio.to_thread.run_sync(_prefixed_names, folder, prefix)]
-        steps_after = await self._vllm_steps(client)
-        stepped = steps_after - steps_before if steps_before is not None and steps_after is not None else None
-        if stepped is not None:
-            s.attrs["servewatch.profile.engine_steps_seen"] = stepped
+        return files
+
+    def _vllm_outcome(
+        self, s: _Session, req: SessionRequest, files: list[Path], where: str, prefix: str, stop_status: str, *,
+        folder: Path | None, started: bool, auto_stopped: bool, stepped: float | None,
+    ) -> ActionResult:
+        """The result of a stopped vLLM session, from the files it left and the engine steps seen."""
+        c = self.config
         traces = [f for f in files if ".async_llm." not in f.name]
         s.attrs["servewatch.profile.server_files"] = tuple(str(f) for f in files)[:50]
-        where = (f"{folder}" if folder is not None else
-                 f"the folder vLLM was launched with (--profiler-config torch_profiler_dir; not readable from here: {why})")
         wrote = f"vLLM wrote {len(files)} trace file(s) to {where} (its own folder; prefix {prefix}; stop: {stop_status})"
         if traces and auto_stopped:
             s.attrs["servewatch.profile.steps_captured"] = req.num_steps  # vLLM's max_iterations bound
@@ -880,6 +906,11 @@ class ProfilerActor:
             return await client.request(method, path, json=body, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
+
+
+def _sdk_reported_files(info: dict[str, Any]) -> list[Path]:
+    reported = info.get("files") or ()
+    return [Path(f) for f in reported if isinstance(f, str)] if isinstance(reported, list) else []
 
 
 def _vllm_metric_values(text: str) -> tuple[float | None, float | None]:

@@ -295,6 +295,23 @@ def classify(
         The classification; ``OK`` only for exit status 0.
     """
     what = f"py-spy dump of pid {pid}"
+    settled = _classify_settled(returncode, native=native, timed_out=timed_out, target_state=target_state,
+                                pid=pid, launch_error=launch_error, what=what)
+    if settled is not None:
+        return settled
+    error = _first_error_line(stderr)
+    lowered = stderr.lower()
+    refused = _classify_refused(stderr, lowered, error, native=native, target_state=target_state, what=what)
+    if refused is not None:
+        return refused
+    return _classify_failed(returncode, lowered, error, native=native, target_state=target_state, pid=pid, what=what)
+
+
+def _classify_settled(
+    returncode: int | None, *, native: bool, timed_out: bool, target_state: ProcessState, pid: int,
+    launch_error: OSError | None, what: str,
+) -> Classification | None:
+    """The outcomes decided without reading stderr (``None``: read it)."""
     if launch_error is not None:
         return Classification(
             Outcome.MISSING_TOOL,
@@ -313,8 +330,13 @@ def classify(
         return Classification(Outcome.NO_SUCH_PROCESS, f"pid {pid} exited before py-spy could read it")
     if target_state is ProcessState.ZOMBIE:
         return Classification(Outcome.ZOMBIE, f"pid {pid} is a zombie (exited, not reaped): no stacks to read")
-    error = _first_error_line(stderr)
-    lowered = stderr.lower()
+    return None
+
+
+def _classify_refused(
+    stderr: str, lowered: str, error: str, *, native: bool, target_state: ProcessState, what: str,
+) -> Classification | None:
+    """``--native`` refused, another tracer's collision, or permission denied (``None``: none of them)."""
     if native and (
         "is not supported on your platform" in lowered
         or ("--native" in stderr and ("unexpected argument" in lowered or "wasn't expected" in lowered))
@@ -337,6 +359,14 @@ def classify(
         )
     if "permission denied" in lowered or "operation not permitted" in lowered:
         return Classification(Outcome.PERMISSION_DENIED, f"{what}: permission denied. {permission_hint()}")
+    return None
+
+
+def _classify_failed(
+    returncode: int | None, lowered: str, error: str, *, native: bool, target_state: ProcessState, pid: int,
+    what: str,
+) -> Classification:
+    """The remaining failures, read from stderr's words and the target's state."""
     if "failed to find python version" in lowered or "failed to find a python interpreter" in lowered:
         return Classification(Outcome.NOT_PYTHON, f"pid {pid} is not a Python process ({error})")
     if "unsupported version of python" in lowered:
@@ -530,6 +560,82 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _note_watchdog(target: Target, seen: dict[int, Dumper], base: dict[str, AttributeValue]) -> None:
+    watchdog = _server_watchdog_note(target, seen)
+    if watchdog is not None:
+        base[NOTE_ATTR] = watchdog[0]
+        base["servewatch.pyspy.server_watchdog_pid"] = watchdog[1].pid
+
+
+def _note_nonblocking(base: dict[str, AttributeValue], *, stopped: bool, tracer: Tracer | None) -> None:
+    """Say why the dump was ``--nonblocking``: the target was stopped, or another tracer held it."""
+    if stopped:
+        base["servewatch.pyspy.target_stopped"] = True
+        base["servewatch.pyspy.nonblocking"] = True
+    if tracer is not None:
+        base["servewatch.pyspy.traced_by_pid"] = tracer.pid
+        base["servewatch.pyspy.traced_by"] = clip(tracer.describe())
+        base["servewatch.pyspy.nonblocking"] = True
+
+
+def _note_attempts(pid: int, attempts: list[tuple[_Attempt, Classification]], base: dict[str, AttributeValue]) -> str:
+    """Put the attempts' facts in ``base``; returns what uninterruptible sleep made of the last one."""
+    last = attempts[-1][0]
+    base["servewatch.pyspy.attempts"] = len(attempts)
+    said_d = _note_dsleep(pid, last, base)
+    base["servewatch.pyspy.native"] = last.native
+    if any(a.early for a, _ in attempts):  # the first attempt started before the CLI's imports
+        base["servewatch.pyspy.early_start"] = True
+    if any(a.killed for a, _ in attempts):
+        base["servewatch.pyspy.killed"] = True
+    return said_d
+
+
+async def _free_stem(artifact_dir: Path, pid: int) -> Path:
+    """The first ``pyspy-<pid>[-<serial>]`` stem with neither a ``.txt`` nor an ``.err.txt`` file."""
+    stem = artifact_dir / f"pyspy-{pid}"
+    serial = 1
+    while await anyio.Path(stem.with_name(stem.name + ".txt")).exists() or await anyio.Path(
+        stem.with_name(stem.name + ".err.txt")
+    ).exists():
+        serial += 1
+        stem = artifact_dir / f"pyspy-{pid}-{serial}"
+    return stem
+
+
+def _dump_header(target: Target, last: _Attempt, tracer: Tracer | None, said_stopped: str, said_d: str) -> str:
+    header = safe_text(f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n")
+    if said_stopped:
+        header += f"# {said_stopped}\n"
+    if said_d:
+        header += f"# {said_d}\n"
+    if tracer is not None:
+        header += f"# ptrace-attached by {tracer.describe()}: dumped with --nonblocking (not paused; stacks may be torn)\n"
+    return header
+
+
+def _dump_detail(
+    pid: int, thread_count: int, hung: str, idle: tuple[str, ...], stuck: tuple[str, ...], tracer: Tracer | None,
+    said_stopped: str, said_d: str,
+) -> str:
+    if hung:
+        detail = f"{thread_count} threads; hung frame: {hung}"
+    else:
+        detail = f"{thread_count} threads, all idle (waiting for work): nothing is stuck"
+    if idle:
+        detail += f"; stuck: {', '.join(stuck) or 'none'}; idle: {', '.join(idle)}"
+    if said_stopped:
+        detail = f"{said_stopped}; {detail}"
+    if said_d:
+        detail = f"{said_d}; {detail}"
+    if tracer is not None:
+        detail = (
+            f"pid {pid} is ptrace-attached by {tracer.describe()}: dumped with --nonblocking "
+            f"(not paused; stacks may be torn); {detail}"
+        )
+    return detail
 
 
 class PySpyActor:
@@ -760,10 +866,7 @@ class PySpyActor:
                     tracer, more = await self._once_more(target, exe, timeout_s, base, seen, attempts[-1][1], tracer=tracer,
                                                          nonblocking=nonblocking)  # fmt: skip
                     attempts += more
-                    watchdog = _server_watchdog_note(target, seen)
-                    if watchdog is not None:
-                        base[NOTE_ATTR] = watchdog[0]
-                        base["servewatch.pyspy.server_watchdog_pid"] = watchdog[1].pid
+                    _note_watchdog(target, seen, base)
                 early_ns = attempts[0][0].early_start_ns
                 if early_ns:  # the dump began with the early run: its span says so (time and duration)
                     start_ns = min(start_ns, early_ns)
@@ -771,13 +874,7 @@ class PySpyActor:
                     death = await anyio.to_thread.run_sync(death_of, target)
                     if death is not None:
                         return dead(death)
-                if stopped:
-                    base["servewatch.pyspy.target_stopped"] = True
-                    base["servewatch.pyspy.nonblocking"] = True
-                if tracer is not None:
-                    base["servewatch.pyspy.traced_by_pid"] = tracer.pid
-                    base["servewatch.pyspy.traced_by"] = clip(tracer.describe())
-                    base["servewatch.pyspy.nonblocking"] = True
+                _note_nonblocking(base, stopped=stopped, tracer=tracer)
                 return await self._report(target, attempts, artifact_dir, result, base, tracer=tracer, stopped=stopped)
         finally:
             self._release_pid_lock(target.pid)
@@ -858,21 +955,9 @@ class PySpyActor:
         was stopped (state T) and dumped with ``--nonblocking``; the detail says so."""
         said_stopped = f"pid {target.pid} is stopped (state T: SIGSTOP or a debugger; `kill -CONT {target.pid}` resumes it): dumped with --nonblocking"
         last, verdict = attempts[-1]
-        base["servewatch.pyspy.attempts"] = len(attempts)
-        said_d = _note_dsleep(target.pid, last, base)
-        base["servewatch.pyspy.native"] = last.native
-        if any(a.early for a, _ in attempts):  # the first attempt started before the CLI's imports
-            base["servewatch.pyspy.early_start"] = True
-        if any(a.killed for a, _ in attempts):
-            base["servewatch.pyspy.killed"] = True
+        said_d = _note_attempts(target.pid, attempts, base)
         await anyio.to_thread.run_sync(ensure_private_dir, artifact_dir)
-        stem = Path(artifact_dir) / f"pyspy-{target.pid}"
-        serial = 1
-        while await anyio.Path(stem.with_name(stem.name + ".txt")).exists() or await anyio.Path(
-            stem.with_name(stem.name + ".err.txt")
-        ).exists():
-            serial += 1
-            stem = Path(artifact_dir) / f"pyspy-{target.pid}-{serial}"
+        stem = await _free_stem(Path(artifact_dir), target.pid)
 
         if verdict.outcome is not Outcome.OK:
             return await self._report_failure(target, attempts, stem, result, base, tracer=tracer, said=said_d)
@@ -886,34 +971,14 @@ class PySpyActor:
 
         json_path = stem.with_name(stem.name + ".json")
         txt_path = stem.with_name(stem.name + ".txt")
-        header = safe_text(f"Process {target.pid}: {target.title or '?'}\n$ {' '.join(last.argv)}\n")
-        if stopped:
-            header += f"# {said_stopped}\n"
-        if said_d:
-            header += f"# {said_d}\n"
-        if tracer is not None:
-            header += f"# ptrace-attached by {tracer.describe()}: dumped with --nonblocking (not paused; stacks may be torn)\n"
+        header = _dump_header(target, last, tracer, said_stopped if stopped else "", said_d)
         await anyio.to_thread.run_sync(atomic_write_bytes, json_path, last.stdout)
         await anyio.to_thread.run_sync(atomic_write_text, txt_path, render_text(threads, header=header))
         hung = hung_frame(threads)
         stacks = summarize(threads, max_threads=self.config.max_threads, max_frames=self.config.max_frames)
         idle, stuck = idle_and_stuck(threads)
         cap = self.config.max_threads
-        if hung:
-            detail = f"{len(threads)} threads; hung frame: {hung}"
-        else:
-            detail = f"{len(threads)} threads, all idle (waiting for work): nothing is stuck"
-        if idle:
-            detail += f"; stuck: {', '.join(stuck) or 'none'}; idle: {', '.join(idle)}"
-        if stopped:
-            detail = f"{said_stopped}; {detail}"
-        if said_d:
-            detail = f"{said_d}; {detail}"
-        if tracer is not None:
-            detail = (
-                f"pid {target.pid} is ptrace-attached by {tracer.describe()}: dumped with --nonblocking "
-                f"(not paused; stacks may be torn); {detail}"
-            )
+        detail = _dump_detail(target.pid, len(threads), hung, idle, stuck, tracer, said_stopped if stopped else "", said_d)
         return result(
             Outcome.OK,
             detail,

@@ -414,6 +414,22 @@ class Claimed:
     ignored: tuple[str, ...]
 
 
+def _open_probe(dir_fd: int, name: str) -> int:
+    """``name`` in ``dir_fd`` opened without following a symlink (``O_PATH`` where there is one)."""
+    try:
+        return os.open(name, (_O_PATH or os.O_RDONLY | os.O_NONBLOCK) | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _Refused("a symlink, never followed" if exc.errno == 40 else (exc.strerror or str(exc))) from None
+
+
+def _check_kind(st: os.stat_result) -> None:
+    """Refuse anything but a regular file or folder."""
+    if stat.S_ISLNK(st.st_mode):
+        raise _Refused("a symlink, never followed")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise _Refused("not a regular file or folder, ignored")
+
+
 class SessionFolder:
     """A folder the agent created for one session: the one place it takes files a target names.
 
@@ -573,16 +589,10 @@ class SessionFolder:
         """Open ``name`` in ``dir_fd`` without following a symlink or opening a device/FIFO."""
         if name in (".", "..") or os.sep in name:
             raise _Refused(OUTSIDE_SESSION)
-        try:
-            probe = os.open(name, (_O_PATH or os.O_RDONLY | os.O_NONBLOCK) | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
-        except OSError as exc:
-            raise _Refused("a symlink, never followed" if exc.errno == 40 else (exc.strerror or str(exc))) from None
+        probe = _open_probe(dir_fd, name)
         try:
             st = os.fstat(probe)
-            if stat.S_ISLNK(st.st_mode):
-                raise _Refused("a symlink, never followed")
-            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                raise _Refused("not a regular file or folder, ignored")
+            _check_kind(st)
             if not _O_PATH:
                 return probe, st
             flags = os.O_RDONLY | _O_CLOEXEC | (os.O_DIRECTORY if stat.S_ISDIR(st.st_mode) else os.O_NONBLOCK)

@@ -355,6 +355,18 @@ def _stop_state(pid: int) -> str:
     return text[text.rfind(")") + 2 : text.rfind(")") + 3]
 
 
+def _traced_by_our_dump(pid: int, dumps: list[OwnAction]) -> bool:
+    """Whether ``pid``'s tracer is an early run of this process or a py-spy of ``dumps``."""
+    from agent import early
+
+    tracer = _tracer_pid(pid)
+    if tracer > 0:
+        group = _thread_group(tracer)
+        if early.is_early_tracer(tracer) or any(a.tracer_pid in (tracer, group) for a in dumps):
+            return True
+    return False
+
+
 def stopped_by_us(pid: int, actions: list[OwnAction] | None = None) -> bool:
     """Whether ``pid``'s stop (``/proc`` state ``T``/``t``) is servewatch's own py-spy (blocking:
     reads ``/proc``): its tracer is a py-spy recorded as a ``pyspy_stop`` (``actions``; default:
@@ -367,11 +379,8 @@ def stopped_by_us(pid: int, actions: list[OwnAction] | None = None) -> bool:
     acts = local_actions() if actions is None else actions
     dumps = [a for a in acts if a.kind == "pyspy_stop"]
     pauses = [a for a in acts if a.kind == "coredump_pause" and a.pid == pid]
-    tracer = _tracer_pid(pid)
-    if tracer > 0:
-        group = _thread_group(tracer)
-        if early.is_early_tracer(tracer) or any(a.tracer_pid in (tracer, group) for a in dumps):
-            return True
+    if _traced_by_our_dump(pid, dumps):
+        return True
     state = _stop_state(pid)
     if state not in ("T", "t"):
         return False

@@ -345,17 +345,27 @@ def dumpers_of(pid: int, *, exclude_parent: int | None = None) -> list[Dumper]:
     for name in names:
         if not name.isdigit() or int(name) in (me, pid):
             continue
-        candidate = int(name)
-        argv = _cmdline(candidate)
-        if not argv or not _aims_at(argv, pid):
-            continue
-        chain = ancestry(candidate)
-        if exclude_parent is not None and chain[:1] == [exclude_parent]:
-            continue
-        started_by = _started_by(chain)
-        command = " ".join(argv)
-        found.append(Dumper(candidate, safe_text(command if len(command) <= 160 else command[:159] + "…"), started_by, tuple(chain)))
-    # a shell and the py-spy it started are one run: keep the py-spy
+        dumper = _dumper(int(name), pid, exclude_parent)
+        if dumper is not None:
+            found.append(dumper)
+    return _one_per_run(found)
+
+
+def _dumper(candidate: int, pid: int, exclude_parent: int | None) -> Dumper | None:
+    """``candidate`` as a py-spy run aimed at ``pid`` (:func:`dumpers_of`); ``None``: it is not one."""
+    argv = _cmdline(candidate)
+    if not argv or not _aims_at(argv, pid):
+        return None
+    chain = ancestry(candidate)
+    if exclude_parent is not None and chain[:1] == [exclude_parent]:
+        return None
+    started_by = _started_by(chain)
+    command = " ".join(argv)
+    return Dumper(candidate, safe_text(command if len(command) <= 160 else command[:159] + "…"), started_by, tuple(chain))
+
+
+def _one_per_run(found: list[Dumper]) -> list[Dumper]:
+    """A shell and the py-spy it started are one run: keep the py-spy."""
     pids = {d.pid for d in found}
     return [d for d in found if not any(other.chain[:1] == (d.pid,) for other in found if other.pid in pids and other is not d)]
 

@@ -340,8 +340,6 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
         SGLang or vLLM process (``--url``); a process without the SDK; or a socket this user may
         not reach (``... is owned by root (0700): run as root (sudo)``).
     """
-    import fnmatch
-
     import psutil
 
     from agent.host.sdkclient import control_path, control_socket_pids
@@ -366,6 +364,21 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
             f"pid {pid} {title!r} serves no SDK control socket, but its child processes do: {shown};"
             f" profile one of them with --pid {ranks[0].pid}"
         )
+    server = _server_without_sdk(pid, title)
+    if server is not None:
+        return server
+    return (
+        f"pid {pid} {title!r} serves no SDK control socket (it does not call agent.sdk.serve_control(),"
+        f" or its SERVEWATCH_SHM_DIR differs from {socket_dir or shm_dir()})"
+    )
+
+
+def _server_without_sdk(pid: int, title: str) -> str | None:
+    """:func:`pid_problem`'s line for an SGLang or vLLM process tree (``pid``'s); ``None``: not one."""
+    import fnmatch
+
+    from agent.host.targets import discover
+
     for backend, globs in SERVER_TITLES.items():
         tree = [pid, *(t.pid for t in discover(root_pids=[pid], include_roots=False))]
         titled = [t for t in discover(pids=tree) if any(fnmatch.fnmatchcase(t.title, g) for g in globs)]
@@ -373,10 +386,7 @@ def pid_problem(pid: int, socket_dir: Path | None = None) -> str | None:
             url = _server_url(pid)
             where = f"--url {url}" if url else "--url of its HTTP server"
             return f"pid {pid} {title!r} is a {'SGLang' if backend == 'sglang' else 'vLLM'} process without the SDK: profile it with {where}"
-    return (
-        f"pid {pid} {title!r} serves no SDK control socket (it does not call agent.sdk.serve_control(),"
-        f" or its SERVEWATCH_SHM_DIR differs from {socket_dir or shm_dir()})"
-    )
+    return None
 
 
 def _json(response: httpx.Response) -> Any:

@@ -196,15 +196,25 @@ async def sdk_call(path: Path, request: dict[str, Any], *, timeout_s: float, pid
         raise SdkCallError(Outcome.PERMISSION_DENIED, f"permission denied on {path} (run servewatch as the server's user or root)") from None
     except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, anyio.IncompleteRead) as exc:
         # the server went away mid-call (a rank that died, or was killed, while we waited)
-        gone = pid is not None and await anyio.to_thread.run_sync(_exited_soon, pid)
-        why = f"pid {pid} exited during the call" if gone else "the server closed the connection mid-call"
-        cause = exc.__cause__ or exc
-        raise SdkCallError(
-            Outcome.NO_SUCH_PROCESS if gone else Outcome.FAILED,
-            f"control socket {path}: {why} ({type(cause).__name__}{': ' + str(cause) if str(cause) else ''})",
-        ) from None
+        raise await _broken_call(path, pid, exc) from None
     except (OSError, anyio.DelimiterNotFound) as exc:
         raise SdkCallError(Outcome.FAILED, f"control socket {path}: {type(exc).__name__}: {exc}") from None
+    return _reply(path, line)
+
+
+async def _broken_call(path: Path, pid: int | None, exc: BaseException) -> SdkCallError:
+    """The error for a connection that broke mid-call: ``pid`` exited, or the server closed it."""
+    gone = pid is not None and await anyio.to_thread.run_sync(_exited_soon, pid)
+    why = f"pid {pid} exited during the call" if gone else "the server closed the connection mid-call"
+    cause = exc.__cause__ or exc
+    return SdkCallError(
+        Outcome.NO_SUCH_PROCESS if gone else Outcome.FAILED,
+        f"control socket {path}: {why} ({type(cause).__name__}{': ' + str(cause) if str(cause) else ''})",
+    )
+
+
+def _reply(path: Path, line: bytes) -> dict[str, Any]:
+    """The reply object in ``line`` (:func:`sdk_call`'s errors for a bad or refusing one)."""
     try:
         reply = json.loads(line)
     except json.JSONDecodeError as exc:

@@ -521,25 +521,34 @@ def sanitize(obj: _T, *, keep_newlines: bool = False) -> _T:
     if isinstance(obj, str):
         return strip_control(obj, keep_newlines=keep_newlines)  # type: ignore[return-value]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes: dict[str, Any] = {}
-        for f in dataclasses.fields(obj):
-            if not f.init:
-                continue
-            value = getattr(obj, f.name)
-            clean = sanitize(value, keep_newlines=keep_newlines)
-            if clean is not value:
-                changes[f.name] = clean
-        return dataclasses.replace(obj, **changes) if changes else obj
+        return _sanitize_dataclass(obj, keep_newlines=keep_newlines)
     if isinstance(obj, tuple):
-        items = [sanitize(v, keep_newlines=keep_newlines) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            return obj
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)  # type: ignore[return-value]
+        return _sanitize_tuple(obj, keep_newlines=keep_newlines)  # type: ignore[return-value]
     if isinstance(obj, list):
         return [sanitize(v, keep_newlines=keep_newlines) for v in obj]  # type: ignore[return-value]
     if isinstance(obj, dict):
         return {sanitize(k, keep_newlines=keep_newlines): sanitize(v, keep_newlines=keep_newlines) for k, v in obj.items()}  # type: ignore[return-value]
     return obj
+
+
+def _sanitize_dataclass(obj: Any, *, keep_newlines: bool) -> Any:
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        value = getattr(obj, f.name)
+        clean = sanitize(value, keep_newlines=keep_newlines)
+        if clean is not value:
+            changes[f.name] = clean
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
+def _sanitize_tuple(obj: tuple[Any, ...], *, keep_newlines: bool) -> tuple[Any, ...]:
+    """Itself when no item changed; a named tuple stays one."""
+    items = [sanitize(v, keep_newlines=keep_newlines) for v in obj]
+    if all(a is b for a, b in zip(items, obj)):
+        return obj
+    return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
 
 
 def redact_text(text: str) -> str:

@@ -266,22 +266,13 @@ class StartupRule:
             return None
         now_s = time.time() if now_s is None else now_s
         self._first_look_s = self._first_look_s or now_s
-        before = self._created.before_look()
-        ranks = [t for t in self._discover() if rank_from_title(t.title) is not None and t.create_time_s > 0]
-        self._created.looked(before)  # a discovery that raised is tried again at the next interval
-        keys = {(t.pid, t.create_time_s) for t in ranks}
-        # kept for a rank one look missed (a discovery under load): seen again past the budget, it
-        # is still the rank seen young, whose start-up only HTTP would end (not "down": blind)
-        for key in keys:
-            self._young_at_sight.setdefault(key, now_s - key[1] < self.config.budget_s)
-        if len(self._young_at_sight) > MAX_RANKS_REMEMBERED:
-            self._young_at_sight = {k: v for k, v in self._young_at_sight.items() if k in keys}
+        ranks = self._ranks()
+        self._remember_young({(t.pid, t.create_time_s) for t in ranks}, now_s)
         self._by_http_only = False
         starting = sorted((t for t in ranks if self._in_startup(t)), key=lambda t: t.create_time_s)
         self._starting, self._looked_s = starting, now_s
         self._server_young = [] if ranks else self._young_servers(now_s)
-        if not starting or now_s - starting[0].create_time_s < self.config.budget_s \
-                or now_s - self._first_look_s < min(SETTLE_S, self.config.budget_s):
+        if not starting or not self._overdue(starting[0], now_s):
             return None
         keys = {(t.pid, t.create_time_s) for t in starting}
         if keys <= self._fired:
@@ -289,6 +280,27 @@ class StartupRule:
         self._fired |= keys
         return StartupStalled(source="startup", pids=tuple(t.pid for t in starting), titles=tuple(t.title for t in starting),
                               waited_s=now_s - starting[0].create_time_s, budget_s=self.config.budget_s)
+
+    def _ranks(self) -> list[Target]:
+        """The ranks discovery finds now (blocking)."""
+        before = self._created.before_look()
+        ranks = [t for t in self._discover() if rank_from_title(t.title) is not None and t.create_time_s > 0]
+        self._created.looked(before)  # a discovery that raised is tried again at the next interval
+        return ranks
+
+    def _remember_young(self, keys: set[tuple[int, float]], now_s: float) -> None:
+        """Note, per rank ``(pid, create time)``, whether it was young when first seen."""
+        # kept for a rank one look missed (a discovery under load): seen again past the budget, it
+        # is still the rank seen young, whose start-up only HTTP would end (not "down": blind)
+        for key in keys:
+            self._young_at_sight.setdefault(key, now_s - key[1] < self.config.budget_s)
+        if len(self._young_at_sight) > MAX_RANKS_REMEMBERED:
+            self._young_at_sight = {k: v for k, v in self._young_at_sight.items() if k in keys}
+
+    def _overdue(self, oldest: Target, now_s: float) -> bool:
+        """The oldest starting rank passed the budget, and the watch has settled."""
+        return not (now_s - oldest.create_time_s < self.config.budget_s
+                    or now_s - self._first_look_s < min(SETTLE_S, self.config.budget_s))
 
     def _young_servers(self, now_s: float) -> list[Target]:
         """The server processes given by pid that live and are younger than the budget, oldest first

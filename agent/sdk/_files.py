@@ -141,6 +141,18 @@ def _dead_notice(directory: Path, pid: int, st: os.stat_result, now_ns: int) -> 
     return not os.path.lexists(directory / f"servewatch-steps.{pid}")
 
 
+def _stale(directory: Path, path: Path, pid: int, st: os.stat_result, now_ns: int, *, notice: bool) -> bool:
+    """Whether the file of dead ``pid`` is left over: a death notice old enough, an unheld
+    counter, an unserved socket (anything else: never)."""
+    if notice:
+        return stat.S_ISREG(st.st_mode) and _dead_notice(directory, pid, st, now_ns)
+    if stat.S_ISREG(st.st_mode):
+        return _counter_unheld(path)
+    if stat.S_ISSOCK(st.st_mode):
+        return _socket_unserved(path)
+    return False
+
+
 def remove_dead_files(directory: Path) -> list[Path]:
     """Remove the SDK files (step counters, control and torch worker sockets, death notices) in
     ``directory`` that processes of our own uid left when they died (a crash, SIGKILL; a notice
@@ -177,15 +189,7 @@ def remove_dead_files(directory: Path) -> list[Path]:
             continue
         if pid == me or st.st_uid != euid or _pid_alive(pid):
             continue
-        if notice is not None:
-            stale = stat.S_ISREG(st.st_mode) and _dead_notice(directory, pid, st, now_ns)
-        elif stat.S_ISREG(st.st_mode):
-            stale = _counter_unheld(path)
-        elif stat.S_ISSOCK(st.st_mode):
-            stale = _socket_unserved(path)
-        else:
-            continue
-        if stale:
+        if _stale(directory, path, pid, st, now_ns, notice=notice is not None):
             try:
                 os.unlink(path)
                 removed.append(path)

@@ -53,6 +53,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,45 +172,68 @@ def handle_request(req: Any) -> dict[str, Any]:
         return {"ok": False, "error": "invalid", "detail": "a request is a JSON object"}
     cmd = req.get("cmd")
     body = {k: v for k, v in req.items() if k not in ("cmd", "id")}
-    if cmd == "status":
-        out: dict[str, Any] = {
-            "ok": True,
-            "pid": os.getpid(),
-            "forward_ct": profiler.status()["forward_ct"],
-            "profiler": profiler.status(),
-            "inflight": len(tracing.inflight()),
-            "dist": flightrec.dist_info(),
-            "torch_worker": str(flightrec._worker_path) if flightrec._worker_path else None,
-        }
-        if isinstance(body.get("session_id"), str):
-            out["session"] = profiler.session(body["session_id"])
-        return out
-    if cmd == "profile.start":
-        try:
-            request = profiler.ProfileRequest.from_dict(body)
-            check_profile_bounds(request)
-            sid = profiler.request_profile(request)
-        except profiler.ProfilerBusyError as exc:
-            return {"ok": False, "error": "busy", "detail": str(exc)}
-        except ImportError as exc:
-            return {"ok": False, "error": "unsupported", "detail": f"profiler backend unavailable: {exc}"}
-        except ValueError as exc:
-            return {"ok": False, "error": "invalid", "detail": str(exc)}
-        return {"ok": True, "session_id": sid, "session": profiler.session(sid)}
-    if cmd == "profile.stop":
-        result = profiler.request_stop()
-        st = profiler.status()
-        return {"ok": True, "status": result, "session": st["session"] or st["last"]}
-    if cmd == "inflight":
-        return {"ok": True, "requests": tracing.inflight(), "completions": tracing.completions()}
-    if cmd == "fr_trace":
-        try:
-            return {"ok": True, "trace": flightrec.fr_trace(stack_traces=body.get("stack_traces") is True)}
-        except ImportError as exc:
-            return {"ok": False, "error": "unsupported", "detail": f"torch.distributed unavailable: {exc}"}
-        except (RuntimeError, ValueError) as exc:
-            return {"ok": False, "error": "failed", "detail": f"Flight Recorder dump failed: {exc}"}
+    handler = _HANDLERS.get(cmd) if isinstance(cmd, str) else None
+    if handler is not None:
+        return handler(body)
     return {"ok": False, "error": "unknown_command", "detail": f"unknown cmd {cmd!r}"}
+
+
+def _status(body: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "ok": True,
+        "pid": os.getpid(),
+        "forward_ct": profiler.status()["forward_ct"],
+        "profiler": profiler.status(),
+        "inflight": len(tracing.inflight()),
+        "dist": flightrec.dist_info(),
+        "torch_worker": str(flightrec._worker_path) if flightrec._worker_path else None,
+    }
+    if isinstance(body.get("session_id"), str):
+        out["session"] = profiler.session(body["session_id"])
+    return out
+
+
+def _profile_start(body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        request = profiler.ProfileRequest.from_dict(body)
+        check_profile_bounds(request)
+        sid = profiler.request_profile(request)
+    except profiler.ProfilerBusyError as exc:
+        return {"ok": False, "error": "busy", "detail": str(exc)}
+    except ImportError as exc:
+        return {"ok": False, "error": "unsupported", "detail": f"profiler backend unavailable: {exc}"}
+    except ValueError as exc:
+        return {"ok": False, "error": "invalid", "detail": str(exc)}
+    return {"ok": True, "session_id": sid, "session": profiler.session(sid)}
+
+
+def _profile_stop(body: dict[str, Any]) -> dict[str, Any]:
+    result = profiler.request_stop()
+    st = profiler.status()
+    return {"ok": True, "status": result, "session": st["session"] or st["last"]}
+
+
+def _inflight(body: dict[str, Any]) -> dict[str, Any]:
+    return {"ok": True, "requests": tracing.inflight(), "completions": tracing.completions()}
+
+
+def _fr_trace(body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return {"ok": True, "trace": flightrec.fr_trace(stack_traces=body.get("stack_traces") is True)}
+    except ImportError as exc:
+        return {"ok": False, "error": "unsupported", "detail": f"torch.distributed unavailable: {exc}"}
+    except (RuntimeError, ValueError) as exc:
+        return {"ok": False, "error": "failed", "detail": f"Flight Recorder dump failed: {exc}"}
+
+
+#: :func:`handle_request`'s answer to each command.
+_HANDLERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "status": _status,
+    "profile.start": _profile_start,
+    "profile.stop": _profile_stop,
+    "inflight": _inflight,
+    "fr_trace": _fr_trace,
+}
 
 
 class ControlServer:

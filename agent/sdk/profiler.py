@@ -446,34 +446,7 @@ def _on_step(n: int) -> None:
         return
     me = threading.get_ident()
     if s.state == "pending":
-        with _lock:
-            if _current is not s or s.state != "pending":
-                return
-            _reap_locked()
-            if s.state != "pending":
-                return
-            if s.request.start_step is not None and n < s.request.start_step:
-                return
-            if s.request.backend == "torch" and foreign_profiler_active():
-                _finish_locked(s, "refused", error=ALREADY_PROFILING)
-                return
-            s.owner_thread = me
-            s.forward_ct_at_start = n
-            s.state = "running"
-            run = _TorchRun(s) if s.request.backend == "torch" else _MlxRun(s)
-            s.run = run
-        try:
-            s.output_dir.mkdir(parents=True, exist_ok=True)
-            run.start()
-        except Exception as exc:  # noqa: BLE001 - a profiler failure must not kill the server
-            run.abort()
-            with _lock:
-                _finish_locked(s, "failed", error=f"profiler start failed: {type(exc).__name__}: {exc}")
-            return
-        with _lock:
-            s.start_time_unix_nano = time.time_ns()
-            _set_profiling_word(True)
-            _cond.notify_all()
+        _start_pending(s, n, me)
         return
     if s.owner_thread != me or s.state not in ("running", "stopping"):
         return  # only the thread that started the profiler may step or stop it
@@ -493,6 +466,43 @@ def _on_step(n: int) -> None:
             with _lock:
                 _finish_locked(s, "failed", error=f"profiler step failed: {type(exc).__name__}: {exc}")
         return
+    _stop_run(s, run)
+
+
+def _start_pending(s: _Session, n: int, me: int) -> None:
+    """Step ``n`` of a pending session: start its profiler on this thread (``me``) once due."""
+    with _lock:
+        if _current is not s or s.state != "pending":
+            return
+        _reap_locked()
+        if s.state != "pending":
+            return
+        if s.request.start_step is not None and n < s.request.start_step:
+            return
+        if s.request.backend == "torch" and foreign_profiler_active():
+            _finish_locked(s, "refused", error=ALREADY_PROFILING)
+            return
+        s.owner_thread = me
+        s.forward_ct_at_start = n
+        s.state = "running"
+        run = _TorchRun(s) if s.request.backend == "torch" else _MlxRun(s)
+        s.run = run
+    try:
+        s.output_dir.mkdir(parents=True, exist_ok=True)
+        run.start()
+    except Exception as exc:  # noqa: BLE001 - a profiler failure must not kill the server
+        run.abort()
+        with _lock:
+            _finish_locked(s, "failed", error=f"profiler start failed: {type(exc).__name__}: {exc}")
+        return
+    with _lock:
+        s.start_time_unix_nano = time.time_ns()
+        _set_profiling_word(True)
+        _cond.notify_all()
+
+
+def _stop_run(s: _Session, run: Any) -> None:
+    """Stop the profiler of a session that is done, export its trace and finish the session."""
     final = {"num_steps": "completed", "deadline": "expired"}.get(s.stop_reason, "stopped")
     try:
         files = run.stop()

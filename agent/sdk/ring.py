@@ -335,6 +335,11 @@ def _unlink_quiet(path: Path) -> None:
         pass
 
 
+def _overruns(rec: int, off: int, i: int, span: int, cap: int) -> bool:
+    """Whether a record of ``rec`` bytes at ring offset ``off`` (``i`` into a ``span``) cannot be one."""
+    return rec > cap - off or i + rec > span or rec > cap // 2
+
+
 class RingReader:
     """The agent's side of one server's ring. Reads with ``pread`` and writes only ``read_pos``,
     the heartbeat and its pid with ``pwrite``; every size and position read from the file is
@@ -370,36 +375,44 @@ class RingReader:
         except OSError as exc:  # ELOOP: a symlink; EACCES: not ours
             raise RingError(f"cannot open {self.path}: {exc.strerror or exc}") from None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise RingError(f"{self.path} is not a regular file")
-            if trusted_uids is not None and st.st_uid not in trusted_uids:
-                raise RingError(f"{self.path} belongs to uid {st.st_uid}, not the target's")
-            if st.st_mode & 0o077:
-                raise RingError(f"{self.path} is accessible to group/others (mode {stat.S_IMODE(st.st_mode):o})")
-            if st.st_nlink != 1:
-                raise RingError(f"{self.path} has {st.st_nlink} links")
-            words = self._header(fd)
-            if words is None or words[W_MAGIC] != MAGIC or words[W_VERSION] != VERSION:
-                raise RingError(f"{self.path} is not a span ring (yet)")
-            if words[W_PID] != pid:
-                raise RingError(f"{self.path} says pid {words[W_PID]}, not {pid}")
-            cap = words[W_CAPACITY]
-            limit = min(max_capacity, MAX_CAPACITY)
-            if cap > limit:
-                raise RingError(f"{self.path} claims a {cap / 2**20:.0f} MiB ring, more than the agent accepts ({limit / 2**20:.0f} MiB)")
-            if cap < MIN_CAPACITY or cap % 8 or st.st_size != HEADER_BYTES + META_BYTES + cap:
-                raise RingError(f"{self.path} has a bad size")
+            st, words = self._check(fd, pid, trusted_uids, max_capacity)
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
         self._fd_lock = threading.Lock()
-        self.capacity = cap
+        self.capacity = words[W_CAPACITY]
         self.uid = st.st_uid
         self.corrupt = 0
         self._cursor: int | None = None  # end of the last take (None: start at read_pos)
         self.metadata = self._metadata(min(max(0, words[W_META_LEN]), META_BYTES))
+
+    def _check(
+        self, fd: int, pid: int, trusted_uids: set[int] | frozenset[int] | None, max_capacity: int,
+    ) -> tuple[os.stat_result, tuple[int, ...]]:
+        """The opened file's stat and header words, once both say it is ``pid``'s ring as
+        :class:`RingReader` requires (else :class:`RingError`)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RingError(f"{self.path} is not a regular file")
+        if trusted_uids is not None and st.st_uid not in trusted_uids:
+            raise RingError(f"{self.path} belongs to uid {st.st_uid}, not the target's")
+        if st.st_mode & 0o077:
+            raise RingError(f"{self.path} is accessible to group/others (mode {stat.S_IMODE(st.st_mode):o})")
+        if st.st_nlink != 1:
+            raise RingError(f"{self.path} has {st.st_nlink} links")
+        words = self._header(fd)
+        if words is None or words[W_MAGIC] != MAGIC or words[W_VERSION] != VERSION:
+            raise RingError(f"{self.path} is not a span ring (yet)")
+        if words[W_PID] != pid:
+            raise RingError(f"{self.path} says pid {words[W_PID]}, not {pid}")
+        cap = words[W_CAPACITY]
+        limit = min(max_capacity, MAX_CAPACITY)
+        if cap > limit:
+            raise RingError(f"{self.path} claims a {cap / 2**20:.0f} MiB ring, more than the agent accepts ({limit / 2**20:.0f} MiB)")
+        if cap < MIN_CAPACITY or cap % 8 or st.st_size != HEADER_BYTES + META_BYTES + cap:
+            raise RingError(f"{self.path} has a bad size")
+        return st, words
 
     @staticmethod
     def _header(fd: int) -> tuple[int, ...] | None:
@@ -486,6 +499,15 @@ class RingReader:
             self.corrupt += 1
             self._cursor = w
             return RingBatch([], w)
+        out, i = self._records(chunk, r, span, max_records, max_bytes)
+        end = r + min(i, span)
+        self._cursor = end
+        return RingBatch(out, end)
+
+    def _records(self, chunk: bytes, r: int, span: int, max_records: int, max_bytes: int) -> tuple[list[bytes], int]:
+        """The valid payloads in ``chunk`` (read at ring position ``r``, ``span`` bytes written
+        past it) and how far into the span they go (``span``: the rest is skipped as corrupt)."""
+        cap = self.capacity
         out: list[bytes] = []
         i = 0
         taken = 0
@@ -502,7 +524,7 @@ class RingReader:
                 i += cap - off
                 continue
             rec = 8 + _pad8(length)
-            if rec > cap - off or i + rec > span or rec > cap // 2:
+            if _overruns(rec, off, i, span, cap):
                 self.corrupt += 1
                 i = span
                 break
@@ -522,9 +544,7 @@ class RingReader:
                 continue
             out.append(payload)
             taken += length
-        end = r + min(i, span)
-        self._cursor = end
-        return RingBatch(out, end)
+        return out, i
 
     def _read_at(self, pos: int, n: int) -> bytes | None:
         """``n`` bytes of the ring from position ``pos`` (two preads across the end); ``None``

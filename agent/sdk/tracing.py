@@ -324,6 +324,37 @@ def _parent_context(parent: Any) -> Any:
     return TraceContextTextMapPropagator().extract(carrier)
 
 
+def _request_attributes(
+    request_id: str, *, model: str, operation: str, provider: str, max_tokens: int | None, input_tokens: int | None,
+    attributes: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The request span's attributes (:func:`request_span`'s arguments)."""
+    attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.response.id": request_id}
+    if provider:
+        attrs["gen_ai.provider.name"] = provider
+    if model:
+        attrs["gen_ai.request.model"] = model
+    if max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = int(max_tokens)
+    if input_tokens is not None:
+        attrs["gen_ai.usage.input_tokens"] = int(input_tokens)
+    if attributes:
+        attrs.update(attributes)
+    return attrs
+
+
+def _otel_span_ids(span: Any) -> tuple[bool, int, int, int]:
+    """``(recording, trace id, span id, parent span id or 0)`` of an OTel API span; random
+    ids for one that does not record."""
+    ctx = span.get_span_context()
+    recording = bool(ctx.is_valid)
+    trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
+    span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
+    parent_ctx = getattr(span, "parent", None) if recording else None  # the OTel SDK's span
+    parent_id = parent_ctx.span_id if parent_ctx is not None and getattr(parent_ctx, "is_valid", False) else 0
+    return recording, trace_id, span_id, parent_id
+
+
 @contextmanager
 def request_span(
     request_id: str,
@@ -366,17 +397,8 @@ def request_span(
 
     from agent.sdk import channel
 
-    attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.response.id": request_id}
-    if provider:
-        attrs["gen_ai.provider.name"] = provider
-    if model:
-        attrs["gen_ai.request.model"] = model
-    if max_tokens is not None:
-        attrs["gen_ai.request.max_tokens"] = int(max_tokens)
-    if input_tokens is not None:
-        attrs["gen_ai.usage.input_tokens"] = int(input_tokens)
-    if attributes:
-        attrs.update(attributes)
+    attrs = _request_attributes(request_id, model=model, operation=operation, provider=provider, max_tokens=max_tokens,
+                                input_tokens=input_tokens, attributes=attributes)
     name = f"{operation} {model}" if model else operation
     start_ns = time.time_ns()
     # Not made the current span: requests interleave on one thread (async servers, or several
@@ -389,12 +411,7 @@ def request_span(
     if type(span) is channel.ChannelSpan:  # the agent's path: its ids, without building a SpanContext
         recording, trace_id, span_id, parent_id = True, span._trace_id, span._span_id, span._parent_id
     else:
-        ctx = span.get_span_context()
-        recording = bool(ctx.is_valid)
-        trace_id = ctx.trace_id if recording else _rng.getrandbits(128) or 1
-        span_id = ctx.span_id if recording else _rng.getrandbits(64) or 1
-        parent_ctx = getattr(span, "parent", None) if recording else None  # the OTel SDK's span
-        parent_id = parent_ctx.span_id if parent_ctx is not None and getattr(parent_ctx, "is_valid", False) else 0
+        recording, trace_id, span_id, parent_id = _otel_span_ids(span)
     entry = InflightRequest(
         request_id=request_id,
         trace_id=f"{trace_id:032x}",

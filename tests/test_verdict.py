@@ -6,7 +6,11 @@ hand-built Flight Recorder dumps and py-spy stacks.
 
 from __future__ import annotations
 
+import json
+import types
 from typing import Any
+
+import pytest
 
 import agent.verdict.rules as verdict_mod
 from agent.model.stacks import Frame, ThreadStack
@@ -727,3 +731,27 @@ def test_the_servers_own_watchdog_dumping_a_process_too_reaches_the_verdict(spaw
     v = VerdictJudge(warm_up=False)._decide([Target(pid=proc.pid, title="python")], [dump], None, {})
     assert v is not None
     assert note in v.reason, v.reason
+
+
+def test_torchs_analyzer_gets_each_groups_recorded_name_even_when_the_last_rank_never_touched_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the names came from the last rank's recorder only (an indentation slip), so a
+    group it never issued a collective on reached ``build_db`` as ``("1", "1")``."""
+    import agent.verdict.flightrec as fr_mod
+
+    seen: dict[str, Any] = {}
+
+    def build_db(details: dict[str, Any], args: Any, version: str) -> Any:
+        seen.update(details)
+        return types.SimpleNamespace(collectives=[])
+
+    monkeypatch.setattr(fr_mod, "_analyzer", lambda: (build_db, None, None))
+    tp = [{**_entry(s, pg=1), "process_group": ["1", "tp_group"]} for s in (1, 2)]
+    frs = {0: fr_mod.RankRecorder.of({"entries": [_entry(1), *tp]}),
+           1: fr_mod.RankRecorder.of({"entries": [_entry(1), *tp]}),
+           2: fr_mod.RankRecorder.of({"entries": [_entry(1)]})}
+    assert fr_mod.torch_missing_ranks({r: f for r, f in frs.items() if f is not None}) == []
+    config = seen["rank0"]["pg_config"]
+    assert config["1"]["name"] == "1" and config["1"]["desc"] == "tp_group"
+    assert config["0"]["desc"] == "default_pg"
+    assert json.loads(config["1"]["ranks"]) == [0, 1]

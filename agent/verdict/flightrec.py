@@ -217,8 +217,7 @@ def torch_missing_ranks(frs: Mapping[int, RankRecorder]) -> list[tuple[str, int,
         return None
     build_db = analyzer[0]
     members = _pg_members(frs)
-    # the names as the last rank's recorder gives them (read once per group, as always)
-    names = _pg_names(list(frs.values())[-1]) if members else {}
+    names = _pg_names(frs.values())
     config = {pg: {"name": names.get(pg, (pg, pg))[0], "desc": names.get(pg, (pg, pg))[1],
                    "ranks": json.dumps(sorted(ranks))} for pg, ranks in members.items()}
     details = {f"rank{r}": {**fr.raw, "rank": r, "pg_config": config} for r, fr in frs.items()}
@@ -247,14 +246,15 @@ def _pg_members(frs: Mapping[int, RankRecorder]) -> dict[str, set[int]]:
     return members
 
 
-def _pg_names(fr: RankRecorder) -> dict[str, tuple[str, str]]:
-    """Each group's ``(name, desc)`` as ``fr``'s first entry of it records them."""
+def _pg_names(frs: Iterable[RankRecorder]) -> dict[str, tuple[str, str]]:
+    """Each group's ``(name, desc)`` as the first recorder (of ``frs``, in order) holding an entry of it
+    records them: a group the last rank never touched keeps its name too."""
     names: dict[str, tuple[str, str]] = {}
-    for pg, by_seq in fr.entries.items():
-        entry = next(iter(by_seq.values()))
-        pgname = entry.get("process_group")
-        if isinstance(pgname, (list, tuple)) and len(pgname) == 2:
-            names[pg] = (str(pgname[0]), str(pgname[1]))
+    for fr in frs:
+        for pg, by_seq in fr.entries.items():
+            pgname = next(iter(by_seq.values())).get("process_group")
+            if pg not in names and isinstance(pgname, (list, tuple)) and len(pgname) == 2:
+                names[pg] = (str(pgname[0]), str(pgname[1]))
     return names
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load 
 
     from agent.model.datadir import DataDir
     from agent.runtime.settings import Settings
+    from agent.watchers.status import StatusSnapshot
 
 __all__ = ["ExitCode", "app", "main"]
 
@@ -682,31 +683,9 @@ def status(
     Reads <data_dir>/<host>/status.json, which the agent rewrites on every change. Exits 1 when
     a watcher is blind, a target is stalled or the agent is not running.
     """
-    import time as _time
-
-    from agent.host.security import access_denied
-    from agent.watchers.status import STATUS_FILE, read_status_file
-
     settings = _read_only_settings(data_dir, config)
-    path = settings.layout.status_file
-    denied = access_denied(path)
-    if denied is not None:  # the engineer who forgot sudo: whose it is and what to do, one line
-        fail(f"cannot read the agent status in {settings.data_dir}: {denied}")
-    if not path.is_file():
-        others = sorted(settings.data_dir.glob(f"*/{STATUS_FILE}")) if settings.data_dir.is_dir() else []
-        if len(others) == 1:
-            path = others[0]
-        else:
-            fail(
-                f"no agent status in data dir {str(settings.data_dir)!r} (from {_data_dir_source(data_dir, config)};"
-                f" expected {path}); is `servewatch run` using this data dir?"
-            )
-    try:
-        snap = read_status_file(path)
-    except OSError as exc:
-        fail(f"cannot read {path}: {exc.strerror or exc}")
-    except ValueError as exc:  # its message starts with the path: say it once
-        fail(f"cannot read {path}: {str(exc).removeprefix(f'{path}: ')}")
+    path = _status_path(settings, data_dir, config)
+    snap = _read_status(path)
     running = snap.host_name != settings.host_name or _pid_alive(snap.agent_pid)
     from agent.host.agentfiles import live_agents
 
@@ -717,29 +696,68 @@ def status(
     if as_json:
         _print_json({**snap.to_json(), "agent_running": running, "agents_running": agents})
     else:
-        if len(agents) > 1:  # they share one status file: say whose lines these are
-            err.print(f"servewatch: {len(agents)} agents use this data dir (pids {', '.join(map(str, agents))}); the lines"
-                      f" below are pid {snap.agent_pid}'s, the last to write {path}", markup=False)
-        age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
-        gone = (f" has stopped; agent pid {', '.join(map(str, others))} still runs on this data dir (its lines come with"
-                " its next change; below: the stopped agent's last word)" if others
-                else " is NOT running (status below is its last word; stall times as of then)")
-        header = (
-            f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}" + ("" if running else gone)
-            + f"; {len(snap.watchers)} watcher(s), {len(snap.blind)} blind; last change {age_s:.0f} s ago ({path})"
-        )
-        if not running:  # the fact that qualifies every line below comes first
-            err.print(header, markup=False)
-        for w in snap.watchers:
-            out.print(w.line(), markup=False, highlight=False)
-        # a gone agent saw nothing since its last word: a stall is as long as it was then
-        stall_now = None if running else snap.updated_time_unix_nano or None
-        for line in snap.incident_lines(stalled_as_of_unix_nano=stall_now):
-            out.print(line, markup=False, highlight=False)
-        if running:
-            err.print(header, markup=False)
+        _print_status_snapshot(snap, path, running=running, agents=agents, others=others)
     if snap.blind or (not running and not others) or (running and snap.stalled):
         raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _status_path(settings: Settings, data_dir: Path | None, config: Path | None) -> Path:
+    """The status file ``status`` reads: this host's, else the one agent's status in the data
+    dir; unreadable or none: :func:`fail`."""
+    from agent.host.security import access_denied
+    from agent.watchers.status import STATUS_FILE
+
+    path = settings.layout.status_file
+    denied = access_denied(path)
+    if denied is not None:  # the engineer who forgot sudo: whose it is and what to do, one line
+        fail(f"cannot read the agent status in {settings.data_dir}: {denied}")
+    if path.is_file():
+        return path
+    others = sorted(settings.data_dir.glob(f"*/{STATUS_FILE}")) if settings.data_dir.is_dir() else []
+    if len(others) != 1:
+        fail(
+            f"no agent status in data dir {str(settings.data_dir)!r} (from {_data_dir_source(data_dir, config)};"
+            f" expected {path}); is `servewatch run` using this data dir?"
+        )
+    return others[0]
+
+
+def _read_status(path: Path) -> StatusSnapshot:
+    from agent.watchers.status import read_status_file
+
+    try:
+        return read_status_file(path)
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}")
+    except ValueError as exc:  # its message starts with the path: say it once
+        fail(f"cannot read {path}: {str(exc).removeprefix(f'{path}: ')}")
+
+
+def _print_status_snapshot(snap: StatusSnapshot, path: Path, *, running: bool, agents: list[int], others: list[int]) -> None:
+    """``status``'s lines: its watchers and incidents on stdout, its header on stderr."""
+    import time as _time
+
+    if len(agents) > 1:  # they share one status file: say whose lines these are
+        err.print(f"servewatch: {len(agents)} agents use this data dir (pids {', '.join(map(str, agents))}); the lines"
+                  f" below are pid {snap.agent_pid}'s, the last to write {path}", markup=False)
+    age_s = max(0.0, (_time.time_ns() - snap.updated_time_unix_nano) / 1e9)
+    gone = (f" has stopped; agent pid {', '.join(map(str, others))} still runs on this data dir (its lines come with"
+            " its next change; below: the stopped agent's last word)" if others
+            else " is NOT running (status below is its last word; stall times as of then)")
+    header = (
+        f"servewatch: agent pid {snap.agent_pid} on {snap.host_name}" + ("" if running else gone)
+        + f"; {len(snap.watchers)} watcher(s), {len(snap.blind)} blind; last change {age_s:.0f} s ago ({path})"
+    )
+    if not running:  # the fact that qualifies every line below comes first
+        err.print(header, markup=False)
+    for w in snap.watchers:
+        out.print(w.line(), markup=False, highlight=False)
+    # a gone agent saw nothing since its last word: a stall is as long as it was then
+    stall_now = None if running else snap.updated_time_unix_nano or None
+    for line in snap.incident_lines(stalled_as_of_unix_nano=stall_now):
+        out.print(line, markup=False, highlight=False)
+    if running:
+        err.print(header, markup=False)
 
 
 # --- dump ----------------------------------------------------------------------------------
@@ -788,31 +806,16 @@ def dump(
     t = settings.target
     if not (t.pids or t.match or t.root_pid):
         fail("no targets: give --pid, --root-pid or --match", ExitCode.USAGE)
-    import anyio
-
-    from agent.host.security import strip_control
     from agent.host.targets import discover
     from agent.runtime.agent import Agent
 
     refused: dict[int, str] = {}
     if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids, uids=t.uids,
                     any_uid=t.any_uid, refused=refused):
-        gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
-        why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
-        if refused:
-            why += f"; refused {len(refused)} of another user: " + "; ".join(strip_control(r) for r in list(refused.values())[:5])
-        fail(f"no process matched the given --pid/--root-pid/--match{why}", ExitCode.FAILURE)
+        fail(f"no process matched the given --pid/--root-pid/--match{_no_match_why(t, refused)}", ExitCode.FAILURE)
     _data_dir_ready(settings)
     agent = Agent.build(settings)
-    progress = _DumpProgress(len(t.pids) or None) if sys.stderr.isatty() else None  # a pipe gets nothing extra
-    if progress is not None:
-        agent.incidents.on_phase = progress.phase
-        progress.phase("starting")
-    try:
-        record = anyio.run(lambda: agent.dump(handle_signals=True))
-    finally:
-        if progress is not None:
-            progress.done()
+    record = _dump_with_progress(agent, len(t.pids))
     judge = agent.incidents.judge
     if judge is not None and judge.progress_unread:  # given, not read: said once, before the summary
         err.print(f"servewatch: {'--metrics-url' if metrics_url else 'metrics.url'}: {judge.progress_unread}",
@@ -829,6 +832,32 @@ def dump(
     captured = any(r.outcome is Outcome.OK or r.outcome in GONE_OUTCOMES for r in record.results)
     if record.state == "interrupted" or stack_dump_errors(record) or not captured or not delivered:
         raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _no_match_why(t: Any, refused: dict[int, str]) -> str:
+    """Why ``dump`` found no process: the given pids that do not exist, those of another user it refused."""
+    from agent.host.security import strip_control
+
+    gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
+    why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
+    if refused:
+        why += f"; refused {len(refused)} of another user: " + "; ".join(strip_control(r) for r in list(refused.values())[:5])
+    return why
+
+
+def _dump_with_progress(agent: Any, n_pids: int) -> Any:
+    """``agent``'s one dump, its phases on one progress line when stderr is a terminal."""
+    import anyio
+
+    progress = _DumpProgress(n_pids or None) if sys.stderr.isatty() else None  # a pipe gets nothing extra
+    if progress is not None:
+        agent.incidents.on_phase = progress.phase
+        progress.phase("starting")
+    try:
+        return anyio.run(lambda: agent.dump(handle_signals=True))
+    finally:
+        if progress is not None:
+            progress.done()
 
 
 def _phase_words() -> dict[str, str]:
@@ -1168,10 +1197,37 @@ def export(
     are in (whatever the current folder): a re-run to the same endpoint never sends a span twice.
     TLS, headers and compression come from the standard OTEL_EXPORTER_OTLP_* variables.
     """
-    from exporters.otlp.provider import ExportConfigError, resolve_destination, scheme_problem
     from exporters.otlp.replay import ledger_path, replay
 
     settings = _settings({"data_dir": data_dir}, config, writes=False)
+    destination, endpoint = _export_destination(settings, to, protocol)
+    sources = list(paths or [settings.data_dir])
+    try:
+        result = replay(
+            sources, endpoint=endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
+            headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
+            compression=destination.compression, signal_specific=destination.signal_specific,
+            ledger=None if resend else ledger_path,
+            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes, dry_run=dry_run,
+        )
+    except FileNotFoundError as exc:
+        fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
+    except ValueError as exc:
+        fail(str(exc), ExitCode.USAGE)
+    except OSError as exc:
+        fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
+    err.print(_export_line(result, endpoint, destination.protocol, dry_run=dry_run), markup=False)
+    if result.failed and result.detail:
+        err.print(f"servewatch: send failed: {result.detail}", markup=False)
+    if result.failed or result.bad_files or result.corrupt_lines:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _export_destination(settings: Settings, to: str | None, protocol: str | None) -> tuple[Any, str]:
+    """``export``'s destination and its endpoint with a scheme (``--to``/``--protocol`` over the
+    settings); a bad value or no endpoint: :func:`fail` (usage)."""
+    from exporters.otlp.provider import ExportConfigError, resolve_destination, scheme_problem
+
     if to is not None and (problem := scheme_problem(to)):
         fail(f"invalid value for --to: {problem} (got {to!r}); see 'servewatch export --help'", ExitCode.USAGE)
     if protocol is not None and protocol not in ("grpc", "http/protobuf"):
@@ -1194,38 +1250,23 @@ def export(
         # `run` reads it (TLS when OTEL_EXPORTER_OTLP_INSECURE=false or TLS files are set)
         secure = destination.insecure is False or (destination.insecure is None and destination.tls.configured)
         endpoint = ("https://" if secure else "http://") + endpoint
-    sources = list(paths or [settings.data_dir])
-    try:
-        result = replay(
-            sources, endpoint=endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
-            headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
-            compression=destination.compression, signal_specific=destination.signal_specific,
-            ledger=None if resend else ledger_path,
-            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes, dry_run=dry_run,
-        )
-    except FileNotFoundError as exc:
-        fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
-    except ValueError as exc:
-        fail(str(exc), ExitCode.USAGE)
-    except OSError as exc:
-        fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
+    return destination, endpoint
+
+
+def _export_line(result: Any, endpoint: str, protocol: str, *, dry_run: bool) -> str:
+    """``export``'s one summary line."""
     head = (f"Dry run: would send {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to"
-            f" {endpoint} ({destination.protocol}); nothing sent." if dry_run else
+            f" {endpoint} ({protocol}); nothing sent." if dry_run else
             f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {endpoint} "
-            f"({destination.protocol}). Failed: {result.failed}")
-    err.print(
+            f"({protocol}). Failed: {result.failed}")
+    return (
         head
         + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
         + (f" Bad files: {result.bad_files}" if result.bad_files else "")
         + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else "")
         + (f" Torn lines skipped: {result.torn_lines}" if result.torn_lines else "")
-        + (f" Corrupt lines skipped: {result.corrupt_lines} (first: {result.first_corrupt})" if result.corrupt_lines else ""),
-        markup=False,
+        + (f" Corrupt lines skipped: {result.corrupt_lines} (first: {result.first_corrupt})" if result.corrupt_lines else "")
     )
-    if result.failed and result.detail:
-        err.print(f"servewatch: send failed: {result.detail}", markup=False)
-    if result.failed or result.bad_files or result.corrupt_lines:
-        raise typer.Exit(int(ExitCode.FAILURE))
 
 
 @app.command()
@@ -1312,12 +1353,7 @@ def profile(
     """Profile the next N forward steps of a running server (torch.profiler / Metal) and list the traces."""
     _logging(verbose)
     if url is not None:
-        from agent.watchers.health import check_http_url
-
-        try:
-            check_http_url(url)
-        except ValueError as exc:
-            fail(f"invalid value for --url: {exc}; see 'servewatch profile --help'", ExitCode.USAGE)
+        _check_profile_url(url)
     settings = _settings(
         {
             "data_dir": data_dir,
@@ -1327,15 +1363,54 @@ def profile(
         },
         config,
     )
-    from agent.actors.profiler import activities_problem
-
     acts = [a.strip().upper() for a in activities.split(",") if a.strip()] if activities is not None else None
     # unknown names before looking for the target, then what the target's backend takes
-    if acts is not None and (problem := activities_problem(acts, "sglang")):
-        fail(f"invalid --activities {activities!r}: {problem}", ExitCode.USAGE)
+    _check_activities(acts, activities, "sglang")
     settings, pid = _profile_target(settings, pid=pid, url=url, backend=backend)
-    if acts is not None and (problem := activities_problem(acts, settings.profiler.backend)):
+    _check_activities(acts, activities, settings.profiler.backend)
+    out_path = _profile_out_path(settings, out_dir)
+    from agent.runtime.agent import Agent
+
+    agent = Agent.build(settings)
+    result, trace_id = _profile_session(agent, settings, pid=pid, start_step=start_step, acts=acts, out_path=out_path,
+                                        timeout=timeout)
+    telemetry = agent.telemetry
+    delivered = True
+    if trace_id is not None:
+        assert telemetry is not None  # the otlp exporter built it for the trace
+        delivered = _say_spooled(telemetry, agent.export_statistics)
+    if as_json:
+        _print_json({**result.to_manifest(), "trace_id": trace_id})
+    # vLLM writes into its own launch-time folder: those files are listed, not taken
+    server_files = result.attributes.get("servewatch.profile.server_files") or ()
+    paths = [*result.artifact_paths, *(str(f) for f in server_files)] if isinstance(server_files, tuple) else list(result.artifact_paths)
+    for path in paths:
+        if not as_json:
+            out.print(path, markup=False, highlight=False)
+    err.print(_profile_line(result, paths, trace_id, telemetry), markup=False)
+    if result.outcome.value not in ("ok",) or not delivered:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _check_profile_url(url: str) -> None:
+    from agent.watchers.health import check_http_url
+
+    try:
+        check_http_url(url)
+    except ValueError as exc:
+        fail(f"invalid value for --url: {exc}; see 'servewatch profile --help'", ExitCode.USAGE)
+
+
+def _check_activities(acts: list[str] | None, activities: str | None, backend: str) -> None:
+    """``--activities`` that ``backend`` does not take: :func:`fail` (usage)."""
+    from agent.actors.profiler import activities_problem
+
+    if acts is not None and (problem := activities_problem(acts, backend)):
         fail(f"invalid --activities {activities!r}: {problem}", ExitCode.USAGE)
+
+
+def _profile_out_path(settings: Settings, out_dir: Path | None) -> Path:
+    """Where ``profile``'s trace files go; an unsafe folder there: :func:`fail` (usage)."""
     # lexical, never resolved: a symlink another user planted on the way is refused, not followed
     out_path = Path(os.path.abspath(out_dir or settings.profiler.output_dir or "profiles"))
     if settings.profiler.backend != "vllm":  # vLLM writes to its own folder: nothing is created
@@ -1345,11 +1420,14 @@ def profile(
             key = "--out" if out_dir is not None else "profiler.output_dir" if settings.profiler.output_dir else "the default ./profiles"
             fail(f"{key} {str(out_path)!r} refused: {why}; pass --out a folder that, with every folder above it,"
                  f" belongs to root or uid {os.geteuid()}", ExitCode.USAGE)
+    return out_path
+
+
+def _profile_session(agent: Any, settings: Settings, *, pid: int | None, start_step: int | None, acts: list[str] | None,
+                     out_path: Path, timeout: float | None) -> tuple[Any, str | None]:
+    """Run ``profile``'s session: its result and trace id; SIGINT: said, exit 130."""
     import anyio
 
-    from agent.runtime.agent import Agent
-
-    agent = Agent.build(settings)
     progress = _ProgressLine(sys.stderr)
 
     interrupted: list[str] = []
@@ -1375,37 +1453,25 @@ def profile(
         done = anyio.run(session)
         if interrupted or done is None:
             raise KeyboardInterrupt
-        result, trace_id = done
+        return done
     except KeyboardInterrupt:  # the session was stopped on the way out (the actor's cancel path)
         where = f"the profiling session of pid {pid}" if pid is not None else f"profiling at {settings.profiler.base_url}"
         err.print(f"servewatch: interrupted (SIGINT): {where} was stopped; a trace written before the stop is"
                   f" under {out_path}"
                   + (" or the server's own profiler folder" if pid is None else ""), markup=False, highlight=False)
         raise SystemExit(130) from None
-    telemetry = agent.telemetry
-    delivered = True
-    if trace_id is not None:
-        assert telemetry is not None  # the otlp exporter built it for the trace
-        delivered = _say_spooled(telemetry, agent.export_statistics)
-    if as_json:
-        _print_json({**result.to_manifest(), "trace_id": trace_id})
-    # vLLM writes into its own launch-time folder: those files are listed, not taken
-    server_files = result.attributes.get("servewatch.profile.server_files") or ()
-    paths = [*result.artifact_paths, *(str(f) for f in server_files)] if isinstance(server_files, tuple) else list(result.artifact_paths)
-    for path in paths:
-        if not as_json:
-            out.print(path, markup=False, highlight=False)
+
+
+def _profile_line(result: Any, paths: list[str], trace_id: str | None, telemetry: Any) -> str:
+    """``profile``'s summary line on stderr."""
     captured = result.attributes.get("servewatch.profile.steps_captured")
-    err.print(
+    return (
         f"Profile {result.outcome.value}: {len(paths)} trace file(s)"
         + (f", {captured} step(s) captured" if captured is not None else "")
         + _profile_detail(result.detail, len(paths))
         + (f"; spans in trace {trace_id} ({telemetry.destination.describe()})" if trace_id and telemetry else "")
-        + _how_to_open(paths),
-        markup=False,
+        + _how_to_open(paths)
     )
-    if result.outcome.value not in ("ok",) or not delivered:
-        raise typer.Exit(int(ExitCode.FAILURE))
 
 
 class _ProgressLine:
@@ -1499,15 +1565,7 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
     """
     import psutil
 
-    from agent.host.profiletargets import (
-        BackendUnknownError,
-        candidates,
-        describe_candidates,
-        hidden_sdk_folders,
-        infer_backend,
-        pid_problem,
-    )
-    from agent.host.sdkclient import control_socket_pids
+    from agent.host.profiletargets import pid_problem
 
     cfg = settings.profiler
     if pid is not None and url is not None:
@@ -1515,27 +1573,43 @@ def _profile_target(settings: Settings, *, pid: int | None, url: str | None, bac
     if pid is not None and cfg.backend != "sdk":
         fail(f"--pid is for the sdk backend; {cfg.backend} is profiled through --url", ExitCode.USAGE)
     if url is not None and backend is None and cfg.backend == "sdk":
-        try:
-            inferred = infer_backend(url, timeout_s=min(5.0, cfg.request_timeout_s))
-        except BackendUnknownError as exc:
-            fail(str(exc), ExitCode.USAGE if exc.reachable else ExitCode.FAILURE)
-        err.print(f"servewatch: {url} answers as {'SGLang' if inferred == 'sglang' else 'vLLM'}", markup=False, highlight=False)
-        return settings.model_copy(update={"profiler": cfg.model_copy(update={"backend": inferred})}), None
+        return _with_inferred_backend(settings, url), None
     if cfg.backend != "sdk":
         return settings, None
     if pid is None:
-        pids = control_socket_pids(cfg.socket_dir)
-        if len(pids) == 1:
-            return settings, pids[0]
-        found = candidates(cfg.socket_dir)
-        hidden = hidden_sdk_folders(cfg.socket_dir)  # the engineer who forgot sudo: whose folder may hide them
-        fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); " + describe_candidates(found, hidden),
-             ExitCode.FAILURE if hidden and not found else ExitCode.USAGE)
+        return settings, _only_sdk_pid(cfg.socket_dir)
     problem = pid_problem(pid, cfg.socket_dir)
     if problem is not None:  # a refused socket is no usage error: run as its user
         usage = psutil.pid_exists(pid) and not problem.startswith("cannot reach")
         fail(problem, ExitCode.USAGE if usage else ExitCode.FAILURE)
     return settings, pid
+
+
+def _with_inferred_backend(settings: Settings, url: str) -> Settings:
+    """``settings`` with the backend the server at ``url`` answers as (said on stderr); unknown: :func:`fail`."""
+    from agent.host.profiletargets import BackendUnknownError, infer_backend
+
+    cfg = settings.profiler
+    try:
+        inferred = infer_backend(url, timeout_s=min(5.0, cfg.request_timeout_s))
+    except BackendUnknownError as exc:
+        fail(str(exc), ExitCode.USAGE if exc.reachable else ExitCode.FAILURE)
+    err.print(f"servewatch: {url} answers as {'SGLang' if inferred == 'sglang' else 'vLLM'}", markup=False, highlight=False)
+    return settings.model_copy(update={"profiler": cfg.model_copy(update={"backend": inferred})})
+
+
+def _only_sdk_pid(socket_dir: Any) -> int:
+    """The only process serving an SDK control socket; none or several: :func:`fail` listing the candidates."""
+    from agent.host.profiletargets import candidates, describe_candidates, hidden_sdk_folders
+    from agent.host.sdkclient import control_socket_pids
+
+    pids = control_socket_pids(socket_dir)
+    if len(pids) == 1:
+        return pids[0]
+    found = candidates(socket_dir)
+    hidden = hidden_sdk_folders(socket_dir)  # the engineer who forgot sudo: whose folder may hide them
+    fail("profile needs a target: --pid PID (SDK) or --url URL (SGLang, vLLM); " + describe_candidates(found, hidden),
+         ExitCode.FAILURE if hidden and not found else ExitCode.USAGE)
 
 
 def _version(value: bool) -> None:
@@ -1604,20 +1678,7 @@ def _click_errors() -> Any:
 def _usage_line(exc: Any, argv: list[str], command: Any) -> str:
     """One line for a click usage error: ``servewatch: <what>; see 'servewatch CMD --help'``."""
     errors = _click_errors()
-    param = getattr(exc, "param", None)
-    if isinstance(exc, errors.MissingParameter) and param is not None:  # typer names the variable
-        if param.param_type_name == "argument":
-            message = f"missing argument {param.metavar or param.name.upper()}"
-        else:
-            message = f"missing option {' / '.join(param.opts)}"
-    elif isinstance(exc, errors.NoSuchOption):  # click suggests loosely (--bogus: --verbose): only a close one
-        import difflib
-
-        close = difflib.get_close_matches(exc.option_name, exc.possibilities or [], n=1, cutoff=0.8)
-        message = f"no such option: {exc.option_name}" + (f" (did you mean {close[0]}?)" if close else "")
-    else:
-        message = " ".join(exc.format_message().split()).rstrip(".")
-        message = message[:1].lower() + message[1:]
+    message = _usage_message(exc, errors)
     if isinstance(exc, errors.BadParameter) and exc.param is not None:
         given = _given_value(argv, exc.param)
         if given is not None and repr(given) not in message:
@@ -1626,6 +1687,22 @@ def _usage_line(exc: Any, argv: list[str], command: Any) -> str:
     if where == "servewatch":  # an error while parsing a command's options carries no context
         where = next((f"servewatch {a}" for a in argv if a in getattr(command, "commands", {})), where)
     return f"servewatch: {message}; see '{where} --help'"
+
+
+def _usage_message(exc: Any, errors: Any) -> str:
+    """What a click usage error says, in one lower-case phrase."""
+    param = getattr(exc, "param", None)
+    if isinstance(exc, errors.MissingParameter) and param is not None:  # typer names the variable
+        if param.param_type_name == "argument":
+            return f"missing argument {param.metavar or param.name.upper()}"
+        return f"missing option {' / '.join(param.opts)}"
+    if isinstance(exc, errors.NoSuchOption):  # click suggests loosely (--bogus: --verbose): only a close one
+        import difflib
+
+        close = difflib.get_close_matches(exc.option_name, exc.possibilities or [], n=1, cutoff=0.8)
+        return f"no such option: {exc.option_name}" + (f" (did you mean {close[0]}?)" if close else "")
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    return message[:1].lower() + message[1:]
 
 
 def main(argv: list[str] | None = None) -> None:

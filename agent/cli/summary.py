@@ -106,10 +106,15 @@ def _result_line(m: Manifest, a: ManifestAction) -> str:
     elif a.outcome != Outcome.OK and a.detail:
         line += f"  {a.detail}"
     if idle and isinstance(idle, list):
-        stuck = a.attributes.get(STUCK_THREADS_ATTR) or []
-        stuck_text = ", ".join(map(str, stuck)) if isinstance(stuck, list) else str(stuck)
-        line += f"; stuck threads: {stuck_text or 'none'}; idle: {', '.join(map(str, idle))}"
+        line += _threads_text(a, idle)
     return line
+
+
+def _threads_text(a: ManifestAction, idle: list[Any]) -> str:
+    """``; stuck threads: ...; idle: ...`` of a stack dump."""
+    stuck = a.attributes.get(STUCK_THREADS_ATTR) or []
+    stuck_text = ", ".join(map(str, stuck)) if isinstance(stuck, list) else str(stuck)
+    return f"; stuck threads: {stuck_text or 'none'}; idle: {', '.join(map(str, idle))}"
 
 
 def late_result_lines(record: IncidentRecord, already: int) -> list[str]:
@@ -147,36 +152,53 @@ def summary_lines(record: IncidentRecord) -> list[str]:
     """A short human summary: the verdict and its ``next:`` line (what to run or check next), the
     trigger, what ran, where the artifacts are, how to view them."""
     m = record.to_manifest()
-    lines = [m.verdict.headline] if m.verdict is not None else []  # the verdict comes first
-    if m.verdict is not None and m.verdict.next:  # then what to do about it
-        lines.append(f"next: {m.verdict.next}")
-    if m.verdict is not None:  # the server's own watchdog fired too (its py-spy runs): said, not hidden in the bundle
-        lines += [line for line in m.verdict.evidence if line in record.server_dump_lines]
+    lines = _verdict_lines(m, record)
     lines.append(f"Incident {m.incident_id} ({m.trigger!s}): {m.detail}")
-    no_gpu = [a for a in m.actions if a.action == Action.CUDA_COREDUMP and a.attributes.get(NO_GPU_ATTR)]
-    for a in m.actions:
-        if a not in no_gpu:
-            lines.append(_result_line(m, a))
-    if no_gpu:  # a CPU-only host: one quiet line, not an arming hint per rank (nothing to fix)
-        lines.append(f"  cuda.coredump   none: no GPU/CUDA driver on this host ({len(no_gpu)} process(es))")
-    if m.inflight_requests:
-        lines.append(f"  {m.inflight_requests} request(s) in flight, listed in requests.json")
-    dumps = [a for a in m.actions if a.action == Action.PYSPY_DUMP]
-    ok = sum(1 for a in dumps if a.outcome == Outcome.OK)
-    dead = sum(1 for a in dumps if a.outcome in GONE_OUTCOMES)
-    skipped = sum(1 for a in dumps if a.outcome == Outcome.SKIPPED)  # switched off by configuration: no error
-    lines.append(
-        f"Wrote {ok} stack dump(s) to '{record.bundle_dir}/'. Processes: {len(m.targets)}"
-        + (f" Dead: {dead}" if dead else "")
-        + (f" Skipped: {skipped}" if skipped else "")
-        + f" Errors: {stack_dump_errors(record)}"
-    )
+    lines += _action_lines(m)
+    lines.append(_wrote_line(m, record))
     if m.state is IncidentState.INTERRUPTED:
         lines.append(f"Interrupted: {m.interrupted_reason or 'the agent stopped mid-incident'}; what was captured is kept")
     elif m.phases_pending:
         lines.append(f"Still running: {', '.join(map(str, m.phases_pending))} (appended when it ends)")
     lines.append(f"View: servewatch timeline {m.incident_id} --data-dir {record.bundle_dir.parent.parent}")
     return lines
+
+
+def _verdict_lines(m: Manifest, record: IncidentRecord) -> list[str]:
+    """The verdict, its ``next:`` line, and the server's own dump lines among its evidence."""
+    if m.verdict is None:
+        return []
+    lines = [m.verdict.headline]  # the verdict comes first
+    if m.verdict.next:  # then what to do about it
+        lines.append(f"next: {m.verdict.next}")
+    # the server's own watchdog fired too (its py-spy runs): said, not hidden in the bundle
+    lines += [line for line in m.verdict.evidence if line in record.server_dump_lines]
+    return lines
+
+
+def _action_lines(m: Manifest) -> list[str]:
+    """One line per action (a host without GPU: one line for its coredumps), then the requests in flight."""
+    no_gpu = [a for a in m.actions if a.action == Action.CUDA_COREDUMP and a.attributes.get(NO_GPU_ATTR)]
+    lines = [_result_line(m, a) for a in m.actions if a not in no_gpu]
+    if no_gpu:  # a CPU-only host: one quiet line, not an arming hint per rank (nothing to fix)
+        lines.append(f"  cuda.coredump   none: no GPU/CUDA driver on this host ({len(no_gpu)} process(es))")
+    if m.inflight_requests:
+        lines.append(f"  {m.inflight_requests} request(s) in flight, listed in requests.json")
+    return lines
+
+
+def _wrote_line(m: Manifest, record: IncidentRecord) -> str:
+    """``Wrote N stack dump(s) to ...``: the stack dumps by outcome."""
+    dumps = [a for a in m.actions if a.action == Action.PYSPY_DUMP]
+    ok = sum(1 for a in dumps if a.outcome == Outcome.OK)
+    dead = sum(1 for a in dumps if a.outcome in GONE_OUTCOMES)
+    skipped = sum(1 for a in dumps if a.outcome == Outcome.SKIPPED)  # switched off by configuration: no error
+    return (
+        f"Wrote {ok} stack dump(s) to '{record.bundle_dir}/'. Processes: {len(m.targets)}"
+        + (f" Dead: {dead}" if dead else "")
+        + (f" Skipped: {skipped}" if skipped else "")
+        + f" Errors: {stack_dump_errors(record)}"
+    )
 
 
 #: How an exit status was learnt, in words (``ExitFact.source``).

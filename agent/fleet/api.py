@@ -186,6 +186,56 @@ class RateLimiter:
         return max(0.0, (1.0 - self._tokens(client)) / self.rate_per_s)
 
 
+def _join_request(request: Request) -> JoinRequest | str:
+    """What a ``POST /v1/incidents`` asks for, validated; else why it is a bad request (400)."""
+    doc = _json_object(request.body)
+    if doc is None:
+        return "body must be a JSON object"
+    join = JoinRequest()
+    problem = _join_fields(doc, join)
+    if problem:
+        return problem
+    raw = request.headers.get("traceparent") or doc.get("traceparent")
+    join["traceparent"] = None
+    if raw is not None:
+        if not isinstance(raw, str):
+            return "traceparent must be a string"
+        try:
+            join["traceparent"] = TraceParent.parse(raw)
+        except TraceParentError as exc:
+            return str(exc)
+    return join
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """A request body's JSON object (an empty body: ``{}``); ``None`` when it is none."""
+    if not body.strip():
+        return {}
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _join_fields(doc: dict[str, Any], join: JoinRequest) -> str:
+    """Copy a join's fields from ``doc`` into ``join``; ``""``, else the first one's problem."""
+    for key in ("incident_id", "job", "origin_host", "detail", "coordinator"):
+        value = doc.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > 512):
+            return f"{key} must be a string of at most 512 characters"
+        join[key] = value
+    origin_time = doc.get("origin_time_unix_nano")
+    if origin_time is not None and (not isinstance(origin_time, int) or isinstance(origin_time, bool) or origin_time < 0):
+        return "origin_time_unix_nano must be a non-negative integer"
+    join["origin_time_unix_nano"] = origin_time
+    relay = doc.get("relay") or []
+    if not isinstance(relay, list) or len(relay) > MAX_RELAY or not all(isinstance(r, str) and len(r) <= 300 for r in relay):
+        return f"relay must be a list of at most {MAX_RELAY} peer addresses"
+    join["relay"] = relay
+    return ""
+
+
 def _error(status: int, message: str, headers: list[tuple[str, str]] | None = None) -> Response:
     return json_response(status, {"error": message}, headers)
 
@@ -390,38 +440,9 @@ class AgentApi:
         return json_response(status, body)
 
     async def _post_incident(self, request: Request) -> Response:
-        if request.body.strip():
-            try:
-                doc = json.loads(request.body)
-            except (ValueError, UnicodeDecodeError):
-                return _error(400, "body must be a JSON object")
-        else:
-            doc = {}
-        if not isinstance(doc, dict):
-            return _error(400, "body must be a JSON object")
-        join = JoinRequest()
-        for key in ("incident_id", "job", "origin_host", "detail", "coordinator"):
-            value = doc.get(key)
-            if value is not None and (not isinstance(value, str) or len(value) > 512):
-                return _error(400, f"{key} must be a string of at most 512 characters")
-            join[key] = value
-        origin_time = doc.get("origin_time_unix_nano")
-        if origin_time is not None and (not isinstance(origin_time, int) or isinstance(origin_time, bool) or origin_time < 0):
-            return _error(400, "origin_time_unix_nano must be a non-negative integer")
-        join["origin_time_unix_nano"] = origin_time
-        relay = doc.get("relay") or []
-        if not isinstance(relay, list) or len(relay) > MAX_RELAY or not all(isinstance(r, str) and len(r) <= 300 for r in relay):
-            return _error(400, f"relay must be a list of at most {MAX_RELAY} peer addresses")
-        join["relay"] = relay
-        raw = request.headers.get("traceparent") or doc.get("traceparent")
-        join["traceparent"] = None
-        if raw is not None:
-            if not isinstance(raw, str):
-                return _error(400, "traceparent must be a string")
-            try:
-                join["traceparent"] = TraceParent.parse(raw)
-            except TraceParentError as exc:
-                return _error(400, str(exc))
+        join = _join_request(request)
+        if isinstance(join, str):
+            return _error(400, join)
         status, body = await self.backend.post_incident(join, agent_id=request.headers.get("x-servewatch-agent", ""),
                                                         sender=Sender.of(request))
         if status == 429 and isinstance(body.get("retry_after_s"), (int, float)):

@@ -76,14 +76,7 @@ async def post_json(
     payload = json.dumps(body, separators=(",", ":")).encode()
     if sign is not None:
         headers = {**headers, **sign(payload)}
-    try:
-        if ssl_context is None:
-            stream: Any = await anyio.connect_tcp(host, port, local_host=local_host)
-        else:
-            stream = await anyio.connect_tcp(host, port, local_host=local_host, ssl_context=ssl_context, tls_standard_compatible=False)
-    except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
-        refused = _refused(exc)
-        raise PeerRequestError("unreachable", f"{type(refused or exc).__name__}: {refused or exc}", refused=refused is not None) from None
+    stream = await _connect(host, port, ssl_context, local_host)
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     request_headers = [("host", authority), ("content-type", "application/json"), ("content-length", str(len(payload))),
@@ -103,11 +96,27 @@ async def post_json(
         raise PeerRequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
     if not status:
         raise PeerRequestError("bad_response", "connection closed before an answer")
+    return PeerAnswer(status, reason, _json_object(answer), answer_headers, bytes(answer))
+
+
+async def _connect(host: str, port: int, ssl_context: ssl.SSLContext | None, local_host: str | None) -> Any:
+    """A TCP (with ``ssl_context``: TLS) stream to ``host:port``. Raises PeerRequestError: unreachable."""
+    try:
+        if ssl_context is None:
+            return await anyio.connect_tcp(host, port, local_host=local_host)
+        return await anyio.connect_tcp(host, port, local_host=local_host, ssl_context=ssl_context, tls_standard_compatible=False)
+    except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
+        refused = _refused(exc)
+        raise PeerRequestError("unreachable", f"{type(refused or exc).__name__}: {refused or exc}", refused=refused is not None) from None
+
+
+def _json_object(answer: bytearray) -> dict[str, Any] | None:
+    """An answer's body as a JSON object (``None``: empty, not JSON, or no object)."""
     try:
         doc = json.loads(answer) if answer else None
     except (ValueError, UnicodeDecodeError):
         doc = None
-    return PeerAnswer(status, reason, doc if isinstance(doc, dict) else None, answer_headers, bytes(answer))
+    return doc if isinstance(doc, dict) else None
 
 
 async def _read_answer(conn: h11.Connection, stream: Any) -> tuple[int, str, dict[str, str], bytearray]:

@@ -151,6 +151,20 @@ class FleetConfig(BaseModel):
 
 def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
     """Problems with the API and job settings, each ``key: what to do`` (empty: fine)."""
+    problems = _api_auth_problems(api)
+    if (fleet.peers or fleet.peers_dns) and not fleet.job:
+        problems.append("fleet.job: peers need a job name (--job)")
+    problems += _peer_address_problems(fleet)
+    problems += _insecure_peers(api, fleet)
+    if fleet.job and not api.enabled:
+        problems.append("api.enabled: a job's agents reach each other through the API (--api-listen)")
+    if api.enabled:
+        problems += _api_file_problems(api)
+    return problems
+
+
+def _api_auth_problems(api: ApiConfig) -> list[str]:
+    """How the API authenticates: a token file or mutual TLS, and TLS settings that go together."""
     problems: list[str] = []
     if api.enabled and api.token_file is None and not api.mutual_tls:
         problems.append("api.token_file: the API needs a bearer token file (mode 0600) or mutual TLS (api.tls_client_ca_file)")
@@ -158,20 +172,20 @@ def check_fleet_settings(api: ApiConfig, fleet: FleetConfig) -> list[str]:
         problems.append("api.tls_key_file: give both api.tls_cert_file and api.tls_key_file")
     if api.mutual_tls and not api.tls:
         problems.append("api.tls_client_ca_file: mutual TLS needs api.tls_cert_file and api.tls_key_file")
-    if (fleet.peers or fleet.peers_dns) and not fleet.job:
-        problems.append("fleet.job: peers need a job name (--job)")
-    problems += _peer_address_problems(fleet)
-    problems += _insecure_peers(api, fleet)
-    if fleet.job and not api.enabled:
-        problems.append("api.enabled: a job's agents reach each other through the API (--api-listen)")
-    if api.token_file is not None and api.enabled:
+    return problems
+
+
+def _api_file_problems(api: ApiConfig) -> list[str]:
+    """An enabled API's token file (read as it will be) and TLS files (they exist)."""
+    problems: list[str] = []
+    if api.token_file is not None:
         try:
             read_token_file(api.token_file)
         except TokenFileError as exc:
             problems.append(f"api.token_file: {exc}")
     for key, path in (("api.tls_cert_file", api.tls_cert_file), ("api.tls_key_file", api.tls_key_file),
                       ("api.tls_client_ca_file", api.tls_client_ca_file)):
-        if api.enabled and path is not None and not Path(path).is_file():
+        if path is not None and not Path(path).is_file():
             problems.append(f"{key}: no such file {str(path)!r}")
     return problems
 
@@ -180,21 +194,27 @@ def _peer_address_problems(fleet: FleetConfig) -> list[str]:
     """One problem per peer that is no ``host[:port]`` / ``http(s)://host[:port]`` (the forms
     :func:`agent.fleet.peers.parse_peer` takes; the port 1-65535), and for a ``peers_dns`` that is
     no ``name[:port]``: said at load, never a traceback at the first incident."""
-    problems = []
-    for spec in fleet.peers:
-        raw = spec.strip()
-        parts = urlsplit(raw if "://" in raw else f"http://{raw}")
-        try:
-            port_ok = parts.port is None or 0 < parts.port < 65536
-        except ValueError:  # not a number, or out of range
-            port_ok = False
-        if not raw or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or not port_ok:
-            problems.append(f"fleet.peers: {spec!r} is not HOST:PORT or http(s)://HOST:PORT")
-    if fleet.peers_dns is not None:
-        name, sep, port = fleet.peers_dns.rpartition(":") if ":" in fleet.peers_dns else (fleet.peers_dns, "", "")
-        if not name or ":" in name or (sep and not (port.isdigit() and 0 < int(port) < 65536)):
-            problems.append(f"fleet.peers_dns: {fleet.peers_dns!r} is not NAME[:PORT]")
+    problems = [f"fleet.peers: {spec!r} is not HOST:PORT or http(s)://HOST:PORT" for spec in fleet.peers if not _peer_ok(spec)]
+    if fleet.peers_dns is not None and not _peers_dns_ok(fleet.peers_dns):
+        problems.append(f"fleet.peers_dns: {fleet.peers_dns!r} is not NAME[:PORT]")
     return problems
+
+
+def _peer_ok(spec: str) -> bool:
+    """Whether ``spec`` is ``host[:port]`` or ``http(s)://host[:port]`` (the port 1-65535)."""
+    raw = spec.strip()
+    parts = urlsplit(raw if "://" in raw else f"http://{raw}")
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:  # not a number, or out of range
+        port_ok = False
+    return bool(raw) and parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/") and port_ok
+
+
+def _peers_dns_ok(value: str) -> bool:
+    """Whether ``value`` is ``name[:port]`` (the port 1-65535)."""
+    name, sep, port = value.rpartition(":") if ":" in value else (value, "", "")
+    return bool(name) and ":" not in name and not (sep and not (port.isdigit() and 0 < int(port) < 65536))
 
 
 def _insecure_peers(api: ApiConfig, fleet: FleetConfig) -> list[str]:

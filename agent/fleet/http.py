@@ -428,15 +428,9 @@ class HttpServer:
                     continue
                 if isinstance(event, h11.Request):
                     head = event
-                    if not owner.proven and self.authenticate is not None and self.authenticate(
-                        _request(event, b"", client, certificate, False, None)
-                    ):
-                        self._prove(owner)
-                    # the rest of the request: within read_timeout_s of its first byte
-                    scope.deadline = (started if started is not None else anyio.current_time()) + self.read_timeout_s
-                    length = _content_length(event.headers)
-                    if length is not None and length > self.max_body_bytes:
-                        return json_response(413, {"error": f"body larger than {self.max_body_bytes} bytes"})
+                    too_large = self._on_head(event, owner, client, certificate, scope, started)
+                    if too_large is not None:
+                        return too_large
                 elif isinstance(event, h11.Data):
                     body += event.data
                     if len(body) > self.max_body_bytes:
@@ -446,12 +440,33 @@ class HttpServer:
                 elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                     raise _Closed
         if scope.cancelled_caught:
-            if head is None and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
-                raise _Closed  # an idle keep-alive connection: close it quietly
-            limit_s = head_limit_s if head is None else self.read_timeout_s
-            return json_response(408, {"error": f"request not received within {limit_s:g} s"})
+            return self._timed_out(conn, head, head_limit_s)
         assert head is not None
         return _request(head, bytes(body), client, certificate, proven_before, owner.peer_uid)
+
+    def _on_head(
+        self, event: h11.Request, owner: _Conn, client: str, certificate: dict[str, Any] | None, scope: anyio.CancelScope,
+        started: float | None,
+    ) -> Response | None:
+        """A request's head: valid credentials prove the connection; the rest of the request is due
+        within ``read_timeout_s`` of its first byte. A body announced too large: the 413 answer."""
+        if not owner.proven and self.authenticate is not None and self.authenticate(
+            _request(event, b"", client, certificate, False, None)
+        ):
+            self._prove(owner)
+        # the rest of the request: within read_timeout_s of its first byte
+        scope.deadline = (started if started is not None else anyio.current_time()) + self.read_timeout_s
+        length = _content_length(event.headers)
+        if length is not None and length > self.max_body_bytes:
+            return json_response(413, {"error": f"body larger than {self.max_body_bytes} bytes"})
+        return None
+
+    def _timed_out(self, conn: h11.Connection, head: h11.Request | None, head_limit_s: float) -> Response:
+        """The 408 answer to a request not read in time. Raises _Closed for an idle keep-alive connection."""
+        if head is None and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
+            raise _Closed  # an idle keep-alive connection: close it quietly
+        limit_s = head_limit_s if head is None else self.read_timeout_s
+        return json_response(408, {"error": f"request not received within {limit_s:g} s"})
 
     async def _receive_more(
         self, conn: h11.Connection, stream: ByteStream, scope: anyio.CancelScope, started: float | None, *,

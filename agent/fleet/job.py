@@ -594,15 +594,8 @@ class Fleet:
             silent: list[str] = []  # of those, the ones that may be alive and coordinating (no answer at all, or busy)
             job.reporting = anyio.Event()
             try:
-                for i, candidate in enumerate(order):
-                    if job.coordinator is not None and not unreachable:
-                        return  # asked by the coordinator while we were about to report
-                    if job.coordinating or candidate == me or (self.resolver is not None and self.resolver.is_self(candidate)):
-                        break
-                    if await self._report(job, opened, candidate, me, unreachable, silent, tries=REPORT_TRIES if i == 0 else 1):
-                        return
-                    if len(unreachable) >= MAX_COORDINATOR_TRIES:  # a partitioned host coordinates its own view
-                        break
+                if await self._report_in_order(job, opened, order, me, unreachable, silent):
+                    return
             finally:
                 job.reporting.set()
             if not job.coordinating:
@@ -614,18 +607,36 @@ class Fleet:
             log.info("coordinating job incident %s (trace %s)%s", opened.incident_id, job.trace_id,
                      f"; unreachable: {', '.join(unreachable)}" if unreachable else "")
             await self._fanout(job)
-            if silent and job.coordinating and not job.reported and not any(o.outcome is Outcome.OK for o in job.asked.values()):
-                # no other host answered, and a candidate before us may be alive behind a
-                # partition: our view is partial (candidates that all refused us, or the
-                # connection, are no coordinators: then we are the job's, and judge it)
-                first = next((p for p in order if p.url == silent[0]), None)  # else a redirect's target
-                self._cut_off(job, first or parse_peer(silent[0], default_port=self.port, scheme=self.scheme), unreachable)
-            elif job.coordinating and job.ahead:
-                await self._recheck(job)  # before any evidence comes here: a back-down now redirects it all
+            await self._after_own_fanout(job, order, unreachable, silent)
         except Exception:  # boundary: the protocol never takes the agent down
             log.exception("job protocol of incident %s failed", opened.incident_id)
         finally:
             job.done.set()
+
+    async def _report_in_order(self, job: JobIncident, opened: IncidentOpened, order: Sequence[Peer], me: Peer,
+                               unreachable: list[str], silent: list[str]) -> bool:
+        """Report to the candidates before us in ``order``: True when we are done (one coordinates,
+        or the coordinator asked us meanwhile), False when we coordinate."""
+        for i, candidate in enumerate(order):
+            if job.coordinator is not None and not unreachable:
+                return True  # asked by the coordinator while we were about to report
+            if job.coordinating or candidate == me or (self.resolver is not None and self.resolver.is_self(candidate)):
+                return False
+            if await self._report(job, opened, candidate, me, unreachable, silent, tries=REPORT_TRIES if i == 0 else 1):
+                return True
+            if len(unreachable) >= MAX_COORDINATOR_TRIES:  # a partitioned host coordinates its own view
+                return False
+        return False
+
+    async def _after_own_fanout(self, job: JobIncident, order: Sequence[Peer], unreachable: list[str], silent: list[str]) -> None:
+        if silent and job.coordinating and not job.reported and not any(o.outcome is Outcome.OK for o in job.asked.values()):
+            # no other host answered, and a candidate before us may be alive behind a
+            # partition: our view is partial (candidates that all refused us, or the
+            # connection, are no coordinators: then we are the job's, and judge it)
+            first = next((p for p in order if p.url == silent[0]), None)  # else a redirect's target
+            self._cut_off(job, first or parse_peer(silent[0], default_port=self.port, scheme=self.scheme), unreachable)
+        elif job.coordinating and job.ahead:
+            await self._recheck(job)  # before any evidence comes here: a back-down now redirects it all
 
     async def _report(self, job: JobIncident, opened: IncidentOpened, candidate: Peer, me: Peer, unreachable: list[str],
                       silent: list[str] | None = None, *, tries: int = 1) -> bool:
@@ -641,17 +652,7 @@ class Fleet:
             "ranks": list(self.local_ranks), "world_size": self.world_size, "unreachable": unreachable, "address": me.url,
         }).model_dump(by_alias=True)
         for _hop in range(2):  # one redirect at most
-            for attempt in range(1, max(1, tries) + 1):
-                self.reports_sent += 1
-                reply = await call_peer(candidate, "/v1/job/report", body, credentials=self._as_listed(),
-                                        timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
-                if reply.result.outcome is not Outcome.TIMED_OUT or attempt == tries:
-                    break  # timed out: sent again (connect_timeout too: a sender starved of CPU sees its own connect time out)
-                log.warning("job %s: our report to %s got no answer within %.1f s (try %d of %d): sent again",
-                            self.config.job, candidate, self.config.peer_timeout_s, attempt, tries)
-            if attempt > 1:
-                reply = PeerReply(_with(reply.result, attributes=frozen_attrs({**reply.result.attributes, "servewatch.report.tries": attempt})),
-                                  reply.doc, reply.verified)
+            reply = await self._send_report(candidate, body, tries)
             doc = reply.doc or {}
             if reply.result.outcome is not Outcome.OK:
                 unreachable.append(candidate.url)
@@ -681,6 +682,21 @@ class Fleet:
             await self._follow(job, doc)
             return True
         return False
+
+    async def _send_report(self, candidate: Peer, body: dict[str, Any], tries: int) -> PeerReply:
+        """``body`` sent to ``candidate`` up to ``tries`` times while it times out; the reply says the tries when more than one."""
+        for attempt in range(1, max(1, tries) + 1):
+            self.reports_sent += 1
+            reply = await call_peer(candidate, "/v1/job/report", body, credentials=self._as_listed(),
+                                    timeout_s=self.config.peer_timeout_s, action=Action.REPORT, attempts=3)
+            if reply.result.outcome is not Outcome.TIMED_OUT or attempt == tries:
+                break  # timed out: sent again (connect_timeout too: a sender starved of CPU sees its own connect time out)
+            log.warning("job %s: our report to %s got no answer within %.1f s (try %d of %d): sent again",
+                        self.config.job, candidate, self.config.peer_timeout_s, attempt, tries)
+        if attempt > 1:
+            reply = PeerReply(_with(reply.result, attributes=frozen_attrs({**reply.result.attributes, "servewatch.report.tries": attempt})),
+                              reply.doc, reply.verified)
+        return reply
 
     def _redirect_target(self, doc: dict[str, Any]) -> Peer | None:
         raw = doc.get("coordinator")
@@ -759,23 +775,28 @@ class Fleet:
     def _note_answer(self, job: JobIncident, peer: Peer, reply: PeerReply) -> None:
         doc = reply.doc or {}
         host = str(doc.get("host.name") or "")
-        ranks = tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
+        ranks = _doc_ranks(doc)
         job.asked[peer.url] = PeerOutcome(peer.url, reply.result.outcome, reply.result.detail, host, ranks)
-        if reply.verified and reply.result.outcome is Outcome.OK and job.ahead and doc.get("trace_id") == job.trace_id:
-            follows = doc.get("coordinator")
-            if doc.get("coordinating") is True and peer.url in job.ahead:
-                self._back_down(job, peer, host, f"{host or peer} answered our join: it coordinates this job incident")
-            elif isinstance(follows, str) and follows in job.ahead:
-                target = self._redirect_target(doc)
-                if target is not None:
-                    self._back_down(job, target, self._proven_name(job, target.url, bare=True),
-                                    f"{host or peer} answered our join: it follows {self._proven_name(job, follows)}")
-        if reply.verified and host and reply.result.outcome is Outcome.OK:
+        answered = reply.verified and reply.result.outcome is Outcome.OK
+        if answered and job.ahead and doc.get("trace_id") == job.trace_id:
+            self._back_down_if_ahead(job, peer, host, doc)
+        if answered and host:
             if _is_ip_literal(peer.host) and self._claim(job, host, Sender(peer.host, peer.port), "a join's answer", asked=True):
                 return  # an answer at one member's address naming another member's host: not believed
             job.member_info[peer.url] = MemberInfo.model_validate({"job": self.config.job or "-", "host.name": host, "ranks": list(ranks)})
         if reply.doc is not None and not reply.verified:
             self.unverified_answers += 1
+
+    def _back_down_if_ahead(self, job: JobIncident, peer: Peer, host: str, doc: dict[str, Any]) -> None:
+        """A verified join answer (same trace) from a candidate ahead of us, or naming one it follows: we back down."""
+        follows = doc.get("coordinator")
+        if doc.get("coordinating") is True and peer.url in job.ahead:
+            self._back_down(job, peer, host, f"{host or peer} answered our join: it coordinates this job incident")
+        elif isinstance(follows, str) and follows in job.ahead:
+            target = self._redirect_target(doc)
+            if target is not None:
+                self._back_down(job, target, self._proven_name(job, target.url, bare=True),
+                                f"{host or peer} answered our join: it follows {self._proven_name(job, follows)}")
 
     async def _recheck(self, job: JobIncident) -> None:
         """After a provisional coordinator's fan-out, and again before its verdict: ask its first
@@ -959,7 +980,7 @@ class Fleet:
                 reply = await call_peer(peer, "/v1/incidents", body, credentials=self.credentials, timeout_s=self.config.peer_timeout_s,
                                         headers={"traceparent": TraceParent(job.trace_id, job.root_span_id).header()})
                 doc = reply.doc or {}
-                ranks = tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
+                ranks = _doc_ranks(doc)
                 job.relayed.append(PeerOutcome(peer.url, reply.result.outcome, reply.result.detail[:300], str(doc.get("host.name") or ""), ranks))
 
             await bounded(targets, ask, limit=self.config.fanout_concurrency)
@@ -1003,12 +1024,10 @@ class Fleet:
         while True:
             reply = await call_peer(target, "/v1/job/evidence", body, credentials=self._as_listed(),
                                     timeout_s=self.config.peer_timeout_s, action="fleet.evidence", attempts=4)
-            doc = reply.doc or {}
-            if reply.result.outcome is Outcome.OK and reply.verified and doc.get("status") == "redirect" and hops == 0:
-                redirected = self._redirect_target(doc)
-                if redirected is not None and redirected != target:
-                    target, hops = redirected, 1
-                    continue
+            redirected = self._evidence_redirect(reply, target) if hops == 0 else None
+            if redirected is not None:
+                target, hops = redirected, 1
+                continue
             if reply.result.outcome is Outcome.OK:
                 if job.partial:
                     log.warning("job %s: our partial evidence reached %s", self.config.job, job.coordinator_host or target)
@@ -1020,6 +1039,14 @@ class Fleet:
                      job.coordinator_host or target, reply.result.detail, delay_s)
             await anyio.sleep(delay_s)
             delay_s = min(EVIDENCE_RETRY_MAX_S, delay_s * 2)
+
+    def _evidence_redirect(self, reply: PeerReply, target: Peer) -> Peer | None:
+        """Where a verified redirect answering our evidence sends it (``None``: no redirect, or back to ``target``)."""
+        doc = reply.doc or {}
+        if not (reply.result.outcome is Outcome.OK and reply.verified and doc.get("status") == "redirect"):
+            return None
+        redirected = self._redirect_target(doc)
+        return redirected if redirected is not None and redirected != target else None
 
     def _evidence(self, job: JobIncident, incident_id: str, bundle_dir: str, judged: list[Any], verdict: Any) -> Evidence:
         evidence = host_evidence(job=self.config.job or "-", host_name=self.host_name, agent_id=self.agent_id, trace_id=job.trace_id,
@@ -1048,18 +1075,35 @@ class Fleet:
         stuck = _stuck_collective(job)
         election = (f"{self.host_name} coordinates: {', '.join(self._proven_name(job, u) for u in job.ahead)} did not answer in time"
                     if job.ahead else "")
-        doc = {"job": self.config.job, "trace_id": job.trace_id, "root_span_id": job.root_span_id, "key": job.key,
-               "election": election, "backed_down": sorted(job.backed_down_hosts), "partial_evidence": sorted(job.partial_evidence),
-               "stuck_collective": str(stuck.value) if stuck is not None else None, "coordinator": self.host_name,
-               "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
-               "reported": sorted(job.reported.values()),
-               "clock_offsets_s": dict(sorted(job.clock_offsets_s.items())),
-               "verdict": verdict.to_json(), "bundles": {h: e.bundle_dir for h, e in sorted(job.evidence.items())}}
+        doc = self._verdict_doc(job, verdict, stuck, election)
         try:
             await anyio.to_thread.run_sync(atomic_write_text, Path(bundle_dir) / JOB_VERDICT_FILE, json.dumps(doc, indent=1))
         except OSError as exc:
             log.warning("cannot write %s: %s", Path(bundle_dir) / JOB_VERDICT_FILE, exc)
         log.warning("job %s: %s", self.config.job, verdict.headline())
+        attrs = self._verdict_attrs(job, verdict, stuck, election, bundle_dir)
+        # one root by construction: a host cut off from every other host never gets here (its
+        # view is partial: its own incident says so, its evidence goes to the coordinator later)
+        await self.agent.bus.publish(JobIncidentClosed(
+            source="fleet", job=self.config.job or "", trace_id=job.trace_id, span_id=job.root_span_id,
+            start_time_unix_nano=job.detected_time_unix_nano or now_ns(), incident_id=job.local_incident_id or "",
+            attributes=frozen_attrs(attrs),
+        ))
+        self._remember_judged(job)
+
+    def _verdict_doc(self, job: JobIncident, verdict: JobVerdict, stuck: JobKey | None, election: str) -> dict[str, Any]:
+        """The content of ``job-verdict.json``."""
+        return {"job": self.config.job, "trace_id": job.trace_id, "root_span_id": job.root_span_id, "key": job.key,
+                "election": election, "backed_down": sorted(job.backed_down_hosts), "partial_evidence": sorted(job.partial_evidence),
+                "stuck_collective": str(stuck.value) if stuck is not None else None, "coordinator": self.host_name,
+                "hosts_expected": job.expected_hosts(), "hosts_with_evidence": len(job.evidence),
+                "reported": sorted(job.reported.values()),
+                "clock_offsets_s": dict(sorted(job.clock_offsets_s.items())),
+                "verdict": verdict.to_json(), "bundles": {h: e.bundle_dir for h, e in sorted(job.evidence.items())}}
+
+    def _verdict_attrs(self, job: JobIncident, verdict: JobVerdict, stuck: JobKey | None, election: str,
+                       bundle_dir: str) -> dict[str, Any]:
+        """The job root span's attributes (a skew of host clocks is logged as they are built)."""
         attrs: dict[str, Any] = {**verdict.attributes(), "servewatch.job.trace_key": job.key,
                                  **({STUCK_COLLECTIVE_ATTR: stuck.value} if stuck is not None else {}),
                                  "servewatch.job.hosts": job.expected_hosts(), "servewatch.job.hosts_with_evidence": len(job.evidence),
@@ -1075,13 +1119,9 @@ class Fleet:
             attrs["servewatch.job.backed_down"] = tuple(sorted(job.backed_down_hosts))
         if job.partial_evidence:
             attrs["servewatch.job.partial_evidence"] = tuple(sorted(job.partial_evidence))
-        # one root by construction: a host cut off from every other host never gets here (its
-        # view is partial: its own incident says so, its evidence goes to the coordinator later)
-        await self.agent.bus.publish(JobIncidentClosed(
-            source="fleet", job=self.config.job or "", trace_id=job.trace_id, span_id=job.root_span_id,
-            start_time_unix_nano=job.detected_time_unix_nano or now_ns(), incident_id=job.local_incident_id or "",
-            attributes=frozen_attrs(attrs),
-        ))
+        return attrs
+
+    def _remember_judged(self, job: JobIncident) -> None:
         self._past_traces[job.trace_id] = self._past_traces.get(job.trace_id, 0) + 1
         while len(self._past_traces) > MAX_PAST_TRACES:
             self._past_traces.popitem(last=False)
@@ -1104,12 +1144,7 @@ class Fleet:
             if host in have:
                 continue
             ranks = outcome.ranks or (tuple(info.ranks) if info else ())
-            if outcome.outcome is Outcome.OK:
-                why = "no evidence (its agent answered the join, then nothing)"
-            else:
-                why = {Outcome.TIMED_OUT: "agent unreachable (timed out: host down or partitioned)",
-                       Outcome.REFUSED: "agent refused"}.get(outcome.outcome, "agent unreachable (connection failed)")
-            missing.append(MissingHost(host, tuple(sorted(ranks)), why))
+            missing.append(MissingHost(host, tuple(sorted(ranks)), _missing_why(outcome.outcome)))
         for address, host in job.reported.items():
             if host not in have and address not in job.asked:
                 missing.append(MissingHost(host, tuple(sorted(job.member_info[address].ranks)) if address in job.member_info else (),
@@ -1233,18 +1268,27 @@ class Fleet:
         if not self.resolver.static and not self.resolver.dns_name:
             return ""  # no member list: nothing names an address's port
         ports = self._static_ports(sender.address)
-        if sender.port in ports or (not ports and sender.port == self.resolver.default_port):
+        if self._port_listed(sender, ports):
             return ""
         members, _ = await self.resolver.resolve_all()
         ports |= {p.port for p in members if _is_ip_literal(p.host) and _same_ip(p.host, sender.address)}
-        if sender.port in ports or (not ports and sender.port == self.resolver.default_port):
+        if self._port_listed(sender, ports) or await self._named_member_at(members, sender):
             return ""
-        for peer in members:
-            if not _is_ip_literal(peer.host) and peer.port == sender.port and await self._at(peer, sender):
-                return ""
         allowed = ", ".join(str(p) for p in sorted(ports or {self.resolver.default_port}))
         return (f"unauthorized: signed as the agent at {sender.identity}, but the job's agent at {sender.address} listens"
                 f" on port {allowed}: a signature naming another port is never accepted (one address, one identity)")
+
+    def _port_listed(self, sender: Sender, ports: set[int]) -> bool:
+        """Whether ``sender``'s port is one of ``ports`` (none: the job's API port)."""
+        assert self.resolver is not None
+        return sender.port in ports or (not ports and sender.port == self.resolver.default_port)
+
+    async def _named_member_at(self, members: Sequence[Peer], sender: Sender) -> bool:
+        """Whether a member listed by a name at ``sender``'s port resolves to ``sender``'s address."""
+        for peer in members:
+            if not _is_ip_literal(peer.host) and peer.port == sender.port and await self._at(peer, sender):
+                return True
+        return False
 
     def _identity(self, sender: Sender) -> Sender:
         """``sender`` with the port it stands for when its request named none (a ``v1`` signature,
@@ -1299,40 +1343,14 @@ class Fleet:
             with anyio.move_on_after(self.config.accept_timeout_s):
                 await job.placed.wait()  # ours is being placed right now
         if self._in_window(job) and job is not None and job.placed.is_set():
-            if not job.coordinating and job.reporting is not None:
-                with anyio.move_on_after(self.config.peer_timeout_s * (REPORT_TRIES + 1)):
-                    await job.reporting.wait()  # our own report is on its way (tried again on timeouts): its answer says who coordinates
-            if not job.coordinating and job.coordinator is not None:
-                # one coordinator: even one the reporter could not reach (it tries once more, then
-                # its evidence goes there later); never a second one here
-                return 200, {"status": "redirect", "coordinator": job.coordinator.url, "host.name": self.host_name,
-                             **self._trace_doc(job)}
-            if not job.coordinating:
-                job.ahead = [u for u in report.unreachable if u != reporter.url]
-            job.coordinating = True
+            redirect = await self._take_report(job, report, reporter)
+            if redirect is not None:
+                return redirect
         else:
-            # no job incident here yet: coordinate only when first in this host's own order (the
-            # candidates before us unreachable for the reporter), else say who is
-            head, me = await self._head([*report.unreachable, reporter.url])
-            if head != me and not (self.resolver is not None and self.resolver.is_self(head)):
-                return 200, {"status": "redirect", "coordinator": head.url, "host.name": self.host_name, "trace_id": None}
-            judged = self._judged.get(report.trace_id)
-            if judged is not None and abs(report.detected_time_unix_nano - judged.detected_time_unix_nano) < self.config.dedup_window_s * 1e9:
-                # a late report of the job incident already judged (its host detected it as the
-                # others did, then took long): the same trace, no new incident
-                judged.reported[reporter.url] = report.host_name
-                return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", "late": True,
-                             **self._trace_doc(judged)}
-            trace_id, root = report.trace_id, root_span_of(report.trace_id)
-            if trace_id in self._past_traces:  # a restarted job hanging at the same collective: a new trace
-                trace_id, root = repeat_trace(trace_id, self._past_traces[trace_id])
-            # provisional when the reporter could not reach the candidates before us (``ahead``)
-            job = self.job = JobIncident(trace_id=trace_id, root_span_id=root, key=report.key, coordinating=True,
-                                         detected_time_unix_nano=report.detected_time_unix_nano,
-                                         ahead=[u for u in report.unreachable if u != reporter.url])
-            job.placed.set()
-            why = f"job {self.config.job}: {report.host_name} detected {report.trigger or 'a hang'} ({report.key})"
-            self._spawn(self._open_joined, why[:500], TraceParent(trace_id, root))
+            opened = await self._report_opens(report, reporter)
+            if isinstance(opened, tuple):
+                return opened
+            job = opened
         conflict = self._claim(job, report.host_name, sender, "a report")
         if conflict:
             return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(job)}
@@ -1344,6 +1362,48 @@ class Fleet:
                                                                    "ranks": report.ranks, "world_size": report.world_size})
         self.world_size = self.world_size or report.world_size
         return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", **self._trace_doc(job)}
+
+    async def _take_report(self, job: JobIncident, report: Report, reporter: Peer) -> tuple[int, dict[str, Any]] | None:
+        """A report for our placed job incident: a redirect to the coordinator we follow, else ``None`` (we coordinate)."""
+        if not job.coordinating and job.reporting is not None:
+            with anyio.move_on_after(self.config.peer_timeout_s * (REPORT_TRIES + 1)):
+                await job.reporting.wait()  # our own report is on its way (tried again on timeouts): its answer says who coordinates
+        if not job.coordinating and job.coordinator is not None:
+            # one coordinator: even one the reporter could not reach (it tries once more, then
+            # its evidence goes there later); never a second one here
+            return 200, {"status": "redirect", "coordinator": job.coordinator.url, "host.name": self.host_name,
+                         **self._trace_doc(job)}
+        if not job.coordinating:
+            job.ahead = [u for u in report.unreachable if u != reporter.url]
+        job.coordinating = True
+        return None
+
+    async def _report_opens(self, report: Report, reporter: Peer) -> JobIncident | tuple[int, dict[str, Any]]:
+        """A report with no job incident here yet: the job incident we open and coordinate, else the answer (a redirect,
+        or a late report of a job incident already judged)."""
+        # coordinate only when first in this host's own order (the candidates before us
+        # unreachable for the reporter), else say who is
+        head, me = await self._head([*report.unreachable, reporter.url])
+        if head != me and not (self.resolver is not None and self.resolver.is_self(head)):
+            return 200, {"status": "redirect", "coordinator": head.url, "host.name": self.host_name, "trace_id": None}
+        judged = self._judged.get(report.trace_id)
+        if judged is not None and abs(report.detected_time_unix_nano - judged.detected_time_unix_nano) < self.config.dedup_window_s * 1e9:
+            # a late report of the job incident already judged (its host detected it as the
+            # others did, then took long): the same trace, no new incident
+            judged.reported[reporter.url] = report.host_name
+            return 200, {"status": "coordinating", "host.name": self.host_name, "coordinator": "", "late": True,
+                         **self._trace_doc(judged)}
+        trace_id, root = report.trace_id, root_span_of(report.trace_id)
+        if trace_id in self._past_traces:  # a restarted job hanging at the same collective: a new trace
+            trace_id, root = repeat_trace(trace_id, self._past_traces[trace_id])
+        # provisional when the reporter could not reach the candidates before us (``ahead``)
+        job = self.job = JobIncident(trace_id=trace_id, root_span_id=root, key=report.key, coordinating=True,
+                                     detected_time_unix_nano=report.detected_time_unix_nano,
+                                     ahead=[u for u in report.unreachable if u != reporter.url])
+        job.placed.set()
+        why = f"job {self.config.job}: {report.host_name} detected {report.trigger or 'a hang'} ({report.key})"
+        self._spawn(self._open_joined, why[:500], TraceParent(trace_id, root))
+        return job
 
     def _on_provisional(self, report: Report, reporter: Peer, sender: Sender) -> tuple[int, dict[str, Any]]:
         """A host coordinated ``report``'s trace because we did not answer it in time, and asks
@@ -1374,13 +1434,31 @@ class Fleet:
             if conflict:  # a token holder speaking for another host: never judged, said
                 return 409, {"error": conflict, "host.name": self.host_name, **self._trace_doc(target)}
         if judged is not None and (judged is not job or judged.verdict is not None):  # after the verdict: kept, said, not re-judged
-            self.evidence_received += 1
-            judged.add_evidence(evidence, judged.proven.get(evidence.host_name, ""))
-            if evidence.host_name not in judged.late_evidence:
-                judged.late_evidence.append(evidence.host_name)
-            log.warning("job %s: evidence of %s came after the job verdict (kept, not judged)%s", self.config.job,
-                        evidence.host_name, "; marked partial: it reached no other host for a while" if evidence.partial else "")
-            return 200, {"status": "late", "host.name": self.host_name, **self._trace_doc(judged)}
+            return self._late_evidence(judged, evidence)
+        refused = self._evidence_not_taken(job, evidence)
+        if refused is not None:
+            return refused
+        assert job is not None
+        if len(job.evidence) >= MAX_EVIDENCE_HOSTS and evidence.host_name not in job.evidence:
+            return 413, {"error": "too many hosts"}
+        self.evidence_received += 1
+        job.add_evidence(evidence, job.proven.get(evidence.host_name, ""))
+        job.evidence_senders[evidence.host_name] = sender
+        if sender.clock_offset_s is not None and len(job.clock_offsets_s) < MAX_EVIDENCE_HOSTS:
+            job.clock_offsets_s[evidence.host_name] = sender.clock_offset_s
+        return 200, {"status": "received", "host.name": self.host_name, **self._trace_doc(job)}
+
+    def _late_evidence(self, judged: JobIncident, evidence: Evidence) -> tuple[int, dict[str, Any]]:
+        self.evidence_received += 1
+        judged.add_evidence(evidence, judged.proven.get(evidence.host_name, ""))
+        if evidence.host_name not in judged.late_evidence:
+            judged.late_evidence.append(evidence.host_name)
+        log.warning("job %s: evidence of %s came after the job verdict (kept, not judged)%s", self.config.job,
+                    evidence.host_name, "; marked partial: it reached no other host for a while" if evidence.partial else "")
+        return 200, {"status": "late", "host.name": self.host_name, **self._trace_doc(judged)}
+
+    def _evidence_not_taken(self, job: JobIncident | None, evidence: Evidence) -> tuple[int, dict[str, Any]] | None:
+        """The answer to evidence this agent does not judge now (a redirect, retry later, or not ours); ``None``: taken."""
         if (job is not None and not job.coordinating and job.coordinator is not None and evidence.trace_id == job.trace_id
                 and self._in_window(job)):
             # we backed down (or never coordinated): the coordinator we follow takes it
@@ -1392,14 +1470,7 @@ class Fleet:
         if job is None or not job.coordinating or evidence.trace_id != job.trace_id:
             return 409, {"error": "not the job incident this agent coordinates", "host.name": self.host_name,
                          **(self._trace_doc(job) if job is not None else {})}
-        if len(job.evidence) >= MAX_EVIDENCE_HOSTS and evidence.host_name not in job.evidence:
-            return 413, {"error": "too many hosts"}
-        self.evidence_received += 1
-        job.add_evidence(evidence, job.proven.get(evidence.host_name, ""))
-        job.evidence_senders[evidence.host_name] = sender
-        if sender.clock_offset_s is not None and len(job.clock_offsets_s) < MAX_EVIDENCE_HOSTS:
-            job.clock_offsets_s[evidence.host_name] = sender.clock_offset_s
-        return 200, {"status": "received", "host.name": self.host_name, **self._trace_doc(job)}
+        return None
 
     def _trace_doc(self, job: JobIncident) -> dict[str, Any]:
         doc: dict[str, Any] = {"trace_id": job.trace_id or None}
@@ -1424,28 +1495,40 @@ class Fleet:
         self.joins += 1
         job = self.job
         if self._in_window(job) and job is not None:
-            if job.trace_id != tp.trace_id and not await self._may_retrace(job, request, sender):
-                return self._refuse_retrace(job, tp, sender)
-            if not job.placed.is_set() or (job.local_incident_id is None and job.trace_id != tp.trace_id and not job.joined):
-                # ours is being placed or opened: the coordinator's trace wins, once it opened
-                job.move_to = (tp.trace_id, tp.parent_id)
-                with anyio.move_on_after(self.config.accept_timeout_s):
-                    await job.opened.wait()
-                self._adopt_coordinator(job, request)
-                return 202, self._answer("joined", job)
-            if job.coordinating and job.ahead and job.trace_id == tp.trace_id and sender is not None:
-                claimed = self._redirect_target({"coordinator": request.get("coordinator")})
-                if claimed is not None and claimed.url in job.ahead and await self._at(claimed, sender):
-                    self._back_down(job, claimed, request.get("origin_host") or "", "its join reached us: it coordinates this job incident")
+            return await self._join_ours(job, request, tp, sender)
+        return await self._join_new(request, tp)
+
+    async def _join_ours(self, job: JobIncident, request: JoinRequest, tp: TraceParent,
+                         sender: Sender | None) -> tuple[int, dict[str, Any]]:
+        """A join while our job incident is in its window: attached, joined, moved into the coordinator's trace, or refused."""
+        if job.trace_id != tp.trace_id and not await self._may_retrace(job, request, sender):
+            return self._refuse_retrace(job, tp, sender)
+        if not job.placed.is_set() or (job.local_incident_id is None and job.trace_id != tp.trace_id and not job.joined):
+            # ours is being placed or opened: the coordinator's trace wins, once it opened
+            job.move_to = (tp.trace_id, tp.parent_id)
+            with anyio.move_on_after(self.config.accept_timeout_s):
+                await job.opened.wait()
             self._adopt_coordinator(job, request)
-            if job.trace_id == tp.trace_id:
-                return 200, self._answer("attached", job)
-            # a request that passed authentication names another trace: the coordinator's wins
-            job.trace_id, job.root_span_id = tp.trace_id, tp.parent_id
-            if job.local_incident_id is not None and job.local_incident_id in self.agent.incidents.running:
-                await self._move(job.local_incident_id, tp.trace_id, tp.parent_id)
-                return 200, self._answer("moved", job)
+            return 202, self._answer("joined", job)
+        if job.coordinating and job.ahead and job.trace_id == tp.trace_id and sender is not None:
+            await self._back_down_if_join_ahead(job, request, sender)
+        self._adopt_coordinator(job, request)
+        if job.trace_id == tp.trace_id:
             return 200, self._answer("attached", job)
+        # a request that passed authentication names another trace: the coordinator's wins
+        job.trace_id, job.root_span_id = tp.trace_id, tp.parent_id
+        if job.local_incident_id is not None and job.local_incident_id in self.agent.incidents.running:
+            await self._move(job.local_incident_id, tp.trace_id, tp.parent_id)
+            return 200, self._answer("moved", job)
+        return 200, self._answer("attached", job)
+
+    async def _back_down_if_join_ahead(self, job: JobIncident, request: JoinRequest, sender: Sender) -> None:
+        claimed = self._redirect_target({"coordinator": request.get("coordinator")})
+        if claimed is not None and claimed.url in job.ahead and await self._at(claimed, sender):
+            self._back_down(job, claimed, request.get("origin_host") or "", "its join reached us: it coordinates this job incident")
+
+    async def _join_new(self, request: JoinRequest, tp: TraceParent) -> tuple[int, dict[str, Any]]:
+        """A join with no job incident here: ours opens in its trace."""
         job = self.job = JobIncident(trace_id=tp.trace_id, root_span_id=tp.parent_id, joined=True, key="join",
                                      detected_time_unix_nano=request.get("origin_time_unix_nano") or now_ns())
         job.placed.set()
@@ -1727,6 +1810,21 @@ def _stuck_collective(job: JobIncident) -> JobKey | None:
     """The job's stuck collective (``"<pg>:<seq>"``) from every host's ranks' Flight Recorder
     windows in their evidence: read after capture, never before it (``None`` without one)."""
     return stuck_collective([r.fr for e in job.evidence.values() for r in e.ranks if isinstance(r.fr, dict)])
+
+
+def _doc_ranks(doc: dict[str, Any]) -> tuple[int, ...]:
+    """The ranks an answer names (integers only)."""
+    return tuple(r for r in doc.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool))
+
+
+_MISSING_WHY = {Outcome.OK: "no evidence (its agent answered the join, then nothing)",
+                Outcome.TIMED_OUT: "agent unreachable (timed out: host down or partitioned)",
+                Outcome.REFUSED: "agent refused"}
+
+
+def _missing_why(outcome: Outcome) -> str:
+    """Why a member the coordinator asked has no evidence, by its join's outcome."""
+    return _MISSING_WHY.get(outcome, "agent unreachable (connection failed)")
 
 
 def _may_coordinate(result: ActionResult) -> bool:

@@ -413,24 +413,7 @@ async def _call_once(
             else:
                 doc = answer.doc
                 verified = credentials.verified(peer, answer, nonce)
-                attributes["http.response.status_code"] = answer.status
-                attributes["servewatch.peer.verified"] = verified
-                if answer.status >= 400:
-                    why = (doc or {}).get("error") or answer.reason
-                    outcome, detail = Outcome.REFUSED, f"{peer} refused: HTTP {answer.status} {why}"
-                    retryable = answer.status in (408, 429) or answer.status >= 500
-                    attributes["servewatch.peer.error"] = "refused"
-                elif doc is not None:
-                    for key, attr in (("host.name", "servewatch.peer.host.name"), ("incident_id", "servewatch.peer.incident.id"),
-                                      ("status", "servewatch.peer.status"), ("trace_id", "servewatch.peer.trace_id")):
-                        if isinstance(doc.get(key), str):
-                            attributes[attr] = doc[key]
-                    ranks = doc.get("ranks")
-                    if isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-                        attributes["servewatch.peer.ranks"] = tuple(ranks)
-                    detail = f"{doc.get('host.name', peer)}: {doc.get('status', 'accepted')}"
-                    if not verified:
-                        detail += " (answer not verified)"
+                outcome, detail, retryable = _answered(peer, answer, verified, attributes)
     if scope.cancelled_caught and sent:
         outcome, detail, retryable = Outcome.TIMED_OUT, f"{peer} did not answer within {timeout_s:g} s", True
         attributes["servewatch.peer.error"] = "timeout"
@@ -441,3 +424,28 @@ async def _call_once(
     result = ActionResult(action=action, outcome=outcome, retryable=retryable, detail=detail,
                           start_time_unix_nano=start, end_time_unix_nano=now_ns(), attributes=frozen_attrs(attributes))
     return PeerReply(result, doc, verified)
+
+
+def _answered(peer: Peer, answer: PeerAnswer, verified: bool, attributes: dict[str, Any]) -> tuple[Outcome, str, bool]:
+    """The outcome, detail and retryability of ``peer``'s answer; what it says goes into ``attributes``."""
+    doc = answer.doc
+    attributes["http.response.status_code"] = answer.status
+    attributes["servewatch.peer.verified"] = verified
+    if answer.status >= 400:
+        why = (doc or {}).get("error") or answer.reason
+        attributes["servewatch.peer.error"] = "refused"
+        return (Outcome.REFUSED, f"{peer} refused: HTTP {answer.status} {why}",
+                answer.status in (408, 429) or answer.status >= 500)
+    if doc is None:
+        return Outcome.OK, "", False
+    for key, attr in (("host.name", "servewatch.peer.host.name"), ("incident_id", "servewatch.peer.incident.id"),
+                      ("status", "servewatch.peer.status"), ("trace_id", "servewatch.peer.trace_id")):
+        if isinstance(doc.get(key), str):
+            attributes[attr] = doc[key]
+    ranks = doc.get("ranks")
+    if isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        attributes["servewatch.peer.ranks"] = tuple(ranks)
+    detail = f"{doc.get('host.name', peer)}: {doc.get('status', 'accepted')}"
+    if not verified:
+        detail += " (answer not verified)"
+    return Outcome.OK, detail, False

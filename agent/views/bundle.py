@@ -512,6 +512,24 @@ def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -
         BundleError: the id matches several bundles.
     """
     root = Path(data_dir)
+    bundles = _bundles_under(root)
+    if incident_id == "latest":
+        return _latest(bundles)[0]
+    exact = [b for b in bundles if b.name == incident_id]
+    matches = exact or [b for b in bundles if b.name.startswith(incident_id) or b.name.endswith(incident_id)]
+    if not matches:
+        if (why := _hidden_by(root)) is not None:
+            raise BundleError(f"no incident {incident_id!r} readable in {root}: {why}")
+        raise BundleNotFoundError(f"{root}: no incident {incident_id!r} ({len(bundles)} bundles; try 'latest')")
+    if len(matches) > 1:
+        names = ", ".join(str(m.relative_to(root)) for m in matches[:5])
+        raise BundleError(f"{root}: {incident_id!r} matches {len(matches)} incidents ({names}); give the full id")
+    return matches[0]
+
+
+def _bundles_under(root: Path) -> list[Path]:
+    """The bundles under data dir ``root``; none, or no such folder: :class:`BundleNotFoundError`
+    (:class:`BundleError` when this user may not read them)."""
     try:
         is_dir = root.is_dir()
     except PermissionError:
@@ -525,18 +543,7 @@ def find_bundle(data_dir: str | os.PathLike[str], incident_id: str = "latest") -
         if (why := _hidden_by(root)) is not None:  # root's 0700 data dir, read without sudo
             raise BundleError(f"cannot read the incidents in {root}: {why}")
         raise BundleNotFoundError(f"{root}: no incident bundles (expected <data_dir>/<host>/<id>/{MANIFEST_NAME})")
-    if incident_id == "latest":
-        return _latest(bundles)[0]
-    exact = [b for b in bundles if b.name == incident_id]
-    matches = exact or [b for b in bundles if b.name.startswith(incident_id) or b.name.endswith(incident_id)]
-    if not matches:
-        if (why := _hidden_by(root)) is not None:
-            raise BundleError(f"no incident {incident_id!r} readable in {root}: {why}")
-        raise BundleNotFoundError(f"{root}: no incident {incident_id!r} ({len(bundles)} bundles; try 'latest')")
-    if len(matches) > 1:
-        names = ", ".join(str(m.relative_to(root)) for m in matches[:5])
-        raise BundleError(f"{root}: {incident_id!r} matches {len(matches)} incidents ({names}); give the full id")
-    return matches[0]
+    return bundles
 
 
 def _resolve(path: str | os.PathLike[str], incident_id: str | None) -> tuple[Path, Path | None]:
@@ -648,52 +655,10 @@ def _stacks_for(
     pid: int, title: str, pyspy: ActionRow | None, bundle_dir: Path, warnings: list[str]
 ) -> ProcessStacks:
     attrs = pyspy.attributes if pyspy is not None else {}
-    json_path: Path | None = None
-    if pyspy is not None:
-        for p in pyspy.artifact_paths:
-            if p.endswith(".json"):
-                json_path = Path(p)
-                break
-    if json_path is not None and not _inside(json_path, bundle_dir):
-        warnings.append(f"stacks of pid {pid} not read: {json_path} is outside the bundle")
-        json_path = None
-    if json_path is None or not json_path.is_file():
-        local = bundle_dir / f"pyspy-{pid}.json"
-        json_path = local if local.is_file() and _inside(local, bundle_dir) else json_path
-    threads: tuple[ThreadStack, ...] = ()
-    error = ""
-    if json_path is not None and json_path.is_file():
-        try:
-            # py-spy copies names byte for byte: invalid UTF-8 is escaped, never loses the stacks
-            data = json.loads(json_path.read_bytes().decode("utf-8", "surrogateescape"))
-            if isinstance(data, dict) and isinstance(data.get("threads"), list):
-                data = data["threads"]
-            threads = tuple(parse_threads(data, pid=pid))
-        except (OSError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            warnings.append(f"stacks of pid {pid} unreadable: {json_path}: {error}")
-    location = hung_location(threads)
-    preferred = location[0] if location is not None else None
-    hung = attrs.get(_PYSPY_HUNG_FRAME)
-    hung_thread_id: int | None = None
-    hung_index: int | None = None
-    if isinstance(hung, str) and hung:
-        source = "attribute"
-        hung_thread_id, hung_index = _locate(threads, hung, preferred)
-    elif location is not None:
-        source = "stacks"
-        hung_thread, hung_index = location
-        hung = hung_thread.frames[hung_index].label
-        hung_thread_id = hung_thread.thread_id
-    else:
-        source, hung = "", None
+    json_path = _stacks_path(pid, pyspy, bundle_dir, warnings)
+    threads, error = _read_threads(pid, json_path, warnings)
+    hung, source, hung_thread_id, hung_index = _hung_in(threads, attrs)
     count = _as_int(attrs.get(_PYSPY_THREAD_COUNT))
-    summary: tuple[str, ...] = ()
-    for key in _PYSPY_STACKS:
-        lines = attrs.get(key)
-        if isinstance(lines, list) and lines:
-            summary = tuple(str(x) for x in lines)
-            break
     return ProcessStacks(
         pid=pid,
         title=title,
@@ -705,8 +670,61 @@ def _stacks_for(
         thread_count=count if count is not None else (len(threads) if threads else None),
         stacks_path=str(json_path) if json_path is not None and json_path.is_file() else "",
         error=error,
-        summary=summary,
+        summary=_stacks_summary(attrs),
     )
+
+
+def _stacks_path(pid: int, pyspy: ActionRow | None, bundle_dir: Path, warnings: list[str]) -> Path | None:
+    """The py-spy JSON of ``pid``: the dump's artifact inside the bundle, else ``pyspy-<pid>.json`` there."""
+    json_path: Path | None = None
+    if pyspy is not None:
+        json_path = next((Path(p) for p in pyspy.artifact_paths if p.endswith(".json")), None)
+    if json_path is not None and not _inside(json_path, bundle_dir):
+        warnings.append(f"stacks of pid {pid} not read: {json_path} is outside the bundle")
+        json_path = None
+    if json_path is None or not json_path.is_file():
+        local = bundle_dir / f"pyspy-{pid}.json"
+        json_path = local if local.is_file() and _inside(local, bundle_dir) else json_path
+    return json_path
+
+
+def _read_threads(pid: int, json_path: Path | None, warnings: list[str]) -> tuple[tuple[ThreadStack, ...], str]:
+    """The threads in a py-spy JSON, and the error reading it (``""``: none)."""
+    if json_path is None or not json_path.is_file():
+        return (), ""
+    try:
+        # py-spy copies names byte for byte: invalid UTF-8 is escaped, never loses the stacks
+        data = json.loads(json_path.read_bytes().decode("utf-8", "surrogateescape"))
+        if isinstance(data, dict) and isinstance(data.get("threads"), list):
+            data = data["threads"]
+        return tuple(parse_threads(data, pid=pid)), ""
+    except (OSError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        warnings.append(f"stacks of pid {pid} unreadable: {json_path}: {error}")
+        return (), error
+
+
+def _hung_in(threads: tuple[ThreadStack, ...], attrs: Mapping[str, Any]) -> tuple[Any, str, int | None, int | None]:
+    """The hung frame (py-spy's attribute, else read from the stacks), its source, thread id and frame index."""
+    location = hung_location(threads)
+    preferred = location[0] if location is not None else None
+    hung = attrs.get(_PYSPY_HUNG_FRAME)
+    if isinstance(hung, str) and hung:
+        hung_thread_id, hung_index = _locate(threads, hung, preferred)
+        return hung, "attribute", hung_thread_id, hung_index
+    if location is not None:
+        hung_thread, hung_index = location
+        return hung_thread.frames[hung_index].label, "stacks", hung_thread.thread_id, hung_index
+    return None, "", None, None
+
+
+def _stacks_summary(attrs: Mapping[str, Any]) -> tuple[str, ...]:
+    """py-spy's own summary lines of the stacks (the first attribute of :data:`_PYSPY_STACKS` that has some)."""
+    for key in _PYSPY_STACKS:
+        lines = attrs.get(key)
+        if isinstance(lines, list) and lines:
+            return tuple(str(x) for x in lines)
+    return ()
 
 
 def read_job_verdict(bundle_dir: Path, warnings: list[str]) -> dict[str, Any] | None:
@@ -1050,12 +1068,7 @@ def load_incident(
     if requests is None:
         requests = _requests_from_links(raw_spans, m.span_id.lower())
     opened_ns = m.opened_time_unix_nano
-    state = m.state.value
-    if m.state is IncidentState.CLOSED and m.interrupted:
-        state = IncidentState.INTERRUPTED.value
-    still_open = m.state is IncidentState.OPEN
-    closed_ns = m.closed_time_unix_nano or (m.updated_time_unix_nano if still_open else None) or opened_ns
-    duration_s = m.duration_s if not still_open else None
+    state, closed_ns, duration_s = _state_and_close(m)
     job_verdict = read_job_verdict(bundle_dir, warnings)
 
     return IncidentTimeline(
@@ -1068,7 +1081,7 @@ def load_incident(
         span_id=m.span_id.lower(),
         opened_time_unix_nano=opened_ns,
         closed_time_unix_nano=closed_ns,
-        duration_s=duration_s if duration_s is not None else max(0, closed_ns - opened_ns) / 1e9,
+        duration_s=duration_s,
         targets=targets,
         actions=actions,
         stacks=_all_stacks(actions, targets, bundle_dir, warnings),
@@ -1093,6 +1106,19 @@ def load_incident(
             for p in m.history
         ),
     )
+
+
+def _state_and_close(m: ManifestView) -> tuple[str, int, float]:
+    """An incident's state (a closed one cut short: ``interrupted``), its close time (still open:
+    its last update) and its duration in seconds."""
+    opened_ns = m.opened_time_unix_nano
+    state = m.state.value
+    if m.state is IncidentState.CLOSED and m.interrupted:
+        state = IncidentState.INTERRUPTED.value
+    still_open = m.state is IncidentState.OPEN
+    closed_ns = m.closed_time_unix_nano or (m.updated_time_unix_nano if still_open else None) or opened_ns
+    duration_s = m.duration_s if not still_open else None
+    return state, closed_ns, duration_s if duration_s is not None else max(0, closed_ns - opened_ns) / 1e9
 
 
 def _verdict_view(verdict: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from agent.views.bundle import (
     ActionRow,
     IncidentTimeline,
     ProcessStacks,
+    RequestRow,
     SpanRow,
     format_size,
     job_verdict_title,
@@ -283,20 +284,23 @@ def _ranks(tl: IncidentTimeline) -> list[dict[str, Any]]:
     stacks = {s.pid: s for s in tl.stacks}
     rows = []
     for pid in dict.fromkeys([t.pid for t in tl.targets] + [s.pid for s in tl.stacks]):
-        s = stacks.get(pid)
-        if s is not None and s.hung_frame:
-            hung, hung_css = s.hung_frame, "hung-frame"
-        elif s is not None and s.threads and not s.hung_frame:
-            hung, hung_css = "none (no thread stuck)", "dim"
-        else:
-            dumps = [a for a in tl.actions if a.action == Action.PYSPY_DUMP and a.pid == pid]
-            hung, hung_css = "no stacks: " + ("; ".join(a.outcome for a in dumps) or "no py-spy dump"), "dim"
+        hung, hung_css = _hung_cell(tl, pid, stacks.get(pid))
         rank = _rank_of(tl, pid)
         rows.append({"pid": pid, "rank": "-" if rank is None else str(rank), "title": tl.title_of(pid),
                      "hung": hung, "hung_css": hung_css, "culprit": pid in culprits,
                      "stuck": _threads(tl, pid, "servewatch.pyspy.stuck_threads"),
                      "idle": _threads(tl, pid, "servewatch.pyspy.idle_threads")})
     return rows
+
+
+def _hung_cell(tl: IncidentTimeline, pid: int, s: ProcessStacks | None) -> tuple[str, str]:
+    """A process's hung frame for the ranks table, and its css class."""
+    if s is not None and s.hung_frame:
+        return s.hung_frame, "hung-frame"
+    if s is not None and s.threads and not s.hung_frame:
+        return "none (no thread stuck)", "dim"
+    dumps = [a for a in tl.actions if a.action == Action.PYSPY_DUMP and a.pid == pid]
+    return "no stacks: " + ("; ".join(a.outcome for a in dumps) or "no py-spy dump"), "dim"
 
 
 #: step readings shown per process in the timeline; earlier ones are summed up in one row
@@ -338,35 +342,10 @@ def _server_timeline(tl: IncidentTimeline) -> list[dict[str, Any]]:
         css = "key" if h.kind in ("progress_stopped", "stall", "exit", "health_failed") else ""
         rows.append(_row(tl, h.time_unix_nano, h.kind, f"{word}: {h.detail}" if h.detail else word, css=css, pid=h.pid))
     for pid, readings in steps.items():
-        shown = readings[-_STEPS_SHOWN:]
-        earlier = readings[: -_STEPS_SHOWN]
-        if earlier:
-            first, last = earlier[0], earlier[-1]
-            rows.append(_row(tl, first.time_unix_nano, "steps",
-                             f"{_who(tl, pid)}: {len(earlier)} earlier readings, forward_ct {first.forward_ct} to {last.forward_ct}"
-                             f" (until {_offset((last.time_unix_nano - tl.opened_time_unix_nano) / 1e9)})", css="dim", pid=pid))
-        for h in shown:
-            rows.append(_row(tl, h.time_unix_nano, "step", f"{_who(tl, pid)}: forward step, forward_ct={h.forward_ct} ({h.detail})",
-                             pid=pid))
-    for r in tl.requests:
-        if r.age_s is None:
-            continue
-        ns = tl.opened_time_unix_nano - int(r.age_s * 1e9)
-        tokens = ", ".join(x for x in (
-            f"{r.prompt_tokens} prompt tokens" if r.prompt_tokens is not None else "",
-            f"{r.generated_tokens} generated" if r.generated_tokens is not None else "") if x)
-        rows.append(_row(tl, ns, "request", f"request {r.request_id or '?'} arrived ({_who(tl, r.pid)}"
-                         + (f"; {tokens}" if tokens else "") + "): still in flight when the incident opened", pid=r.pid))
+        rows += _step_rows(tl, pid, readings)
+    rows += [_request_row(tl, r, r.age_s) for r in tl.requests if r.age_s is not None]
     rows.append(_row(tl, tl.opened_time_unix_nano, "opened", f"incident opened ({tl.trigger}): {tl.detail}", css="key"))
-    for a in tl.actions:
-        if a.start_offset_s is None:
-            continue
-        ns = tl.opened_time_unix_nano + int(a.start_offset_s * 1e9)
-        row = _row(tl, ns, "evidence", f"{a.action} {_who(tl, a.pid) if a.pid is not None else ''}: {a.outcome}"
-                   + (f" ({_ms(a.duration_s)} ms)" if a.duration_s else "") + (f" — {a.detail}" if a.detail else ""),
-                   css=f"evidence {_outcome_class(a.outcome)}", pid=a.pid)
-        row["outcome"] = a.outcome
-        rows.append(row)
+    rows += [_evidence_row(tl, a, a.start_offset_s) for a in tl.actions if a.start_offset_s is not None]
     if tl.state != "open":
         rows.append(_row(tl, tl.opened_time_unix_nano + int(tl.duration_s * 1e9), "closed",
                          f"incident {tl.state}" + (f": {tl.interrupted_reason}" if tl.interrupted_reason else ""), css="dim"))
@@ -374,6 +353,42 @@ def _server_timeline(tl: IncidentTimeline) -> list[dict[str, Any]]:
              "opened": 6, "evidence": 7, "closed": 8}
     rows.sort(key=lambda r: (r["ns"], order.get(r["kind"], 5)))
     return rows
+
+
+def _step_rows(tl: IncidentTimeline, pid: int | None, readings: list[Any]) -> list[dict[str, Any]]:
+    """A process's last :data:`_STEPS_SHOWN` step readings, the earlier ones summed up in one row."""
+    rows = []
+    shown = readings[-_STEPS_SHOWN:]
+    earlier = readings[: -_STEPS_SHOWN]
+    if earlier:
+        first, last = earlier[0], earlier[-1]
+        rows.append(_row(tl, first.time_unix_nano, "steps",
+                         f"{_who(tl, pid)}: {len(earlier)} earlier readings, forward_ct {first.forward_ct} to {last.forward_ct}"
+                         f" (until {_offset((last.time_unix_nano - tl.opened_time_unix_nano) / 1e9)})", css="dim", pid=pid))
+    for h in shown:
+        rows.append(_row(tl, h.time_unix_nano, "step", f"{_who(tl, pid)}: forward step, forward_ct={h.forward_ct} ({h.detail})",
+                         pid=pid))
+    return rows
+
+
+def _request_row(tl: IncidentTimeline, r: RequestRow, age_s: float) -> dict[str, Any]:
+    """A request in flight, at the time it arrived (``age_s`` before the incident opened)."""
+    ns = tl.opened_time_unix_nano - int(age_s * 1e9)
+    tokens = ", ".join(x for x in (
+        f"{r.prompt_tokens} prompt tokens" if r.prompt_tokens is not None else "",
+        f"{r.generated_tokens} generated" if r.generated_tokens is not None else "") if x)
+    return _row(tl, ns, "request", f"request {r.request_id or '?'} arrived ({_who(tl, r.pid)}"
+                + (f"; {tokens}" if tokens else "") + "): still in flight when the incident opened", pid=r.pid)
+
+
+def _evidence_row(tl: IncidentTimeline, a: ActionRow, start_offset_s: float) -> dict[str, Any]:
+    """An action, at the time it started (``start_offset_s`` after the incident opened)."""
+    ns = tl.opened_time_unix_nano + int(start_offset_s * 1e9)
+    row = _row(tl, ns, "evidence", f"{a.action} {_who(tl, a.pid) if a.pid is not None else ''}: {a.outcome}"
+               + (f" ({_ms(a.duration_s)} ms)" if a.duration_s else "") + (f" — {a.detail}" if a.detail else ""),
+               css=f"evidence {_outcome_class(a.outcome)}", pid=a.pid)
+    row["outcome"] = a.outcome
+    return row
 
 
 def _stacks_view(s: ProcessStacks, tl: IncidentTimeline) -> dict[str, Any]:
@@ -398,17 +413,53 @@ def _stacks_view(s: ProcessStacks, tl: IncidentTimeline) -> dict[str, Any]:
 
 
 def _view(tl: IncidentTimeline, generated_time_unix_nano: int | None) -> dict[str, Any]:
-    verdict = None
-    if tl.verdict:
-        step = tl.verdict.get("next")
-        verdict = {"headline": verdict_headline(tl.verdict), "evidence": list(tl.verdict.get("evidence") or [])[:16],
-                   "hung": tl.verdict.get("hung", True), "next": step if isinstance(step, str) else ""}
+    bars = _action_bars(tl.actions)
+    footer = "Generated by servewatch"
+    if generated_time_unix_nano is not None:
+        footer += f" at {_iso(generated_time_unix_nano)}"
+    return {
+        "tl": tl, "csp": CSP, "style": _STYLE, "verdict": _verdict_view(tl), "job_verdict": _job_view(tl), "ranks": _ranks(tl),
+        "summary": _summary_rows(tl),
+        "trigger_css": "trigger manual" if tl.trigger == Trigger.MANUAL else "trigger",
+        "server": _server_timeline(tl), "has_history": bool(tl.history),
+        "capture": _chart(bars, tl.extent_s, svg_id="timeline-svg", label="actions by start offset from incident open",
+                          closed_s=tl.duration_s) if bars else None,
+        "actions": [{"start": _ms(a.start_offset_s), "duration": _ms(a.duration_s), "action": a.action, "pid": _pid(a.pid),
+                     "title": a.title, "outcome": a.outcome, "css": _outcome_class(a.outcome),
+                     "retryable": "yes" if a.retryable else "no", "detail": a.detail} for a in tl.actions],
+        "stacks": [_stacks_view(s, tl) for s in tl.stacks],
+        "coredumps": _coredump_rows(tl),
+        "profiles": _profile_rows(tl),
+        "requests": _request_rows(tl),
+        "show_requests": bool(tl.requests or tl.inflight_count),
+        "artifacts": [{"action": f.action, "pid": _pid(f.pid), "size": None if f.size_bytes is None else format_size(f.size_bytes),
+                       "bytes": f.size_bytes, "path": f.path} for f in tl.artifacts],
+        "spans": _chart(_span_bars(tl.spans), tl.extent_s, svg_id="spans-svg", label="spans of the incident trace")
+        if tl.spans else None,
+        "span_files": ", ".join(tl.span_files),
+        "footer": footer,
+    }
+
+
+def _verdict_view(tl: IncidentTimeline) -> dict[str, Any] | None:
+    if not tl.verdict:
+        return None
+    step = tl.verdict.get("next")
+    return {"headline": verdict_headline(tl.verdict), "evidence": list(tl.verdict.get("evidence") or [])[:16],
+            "hung": tl.verdict.get("hung", True), "next": step if isinstance(step, str) else ""}
+
+
+def _job_view(tl: IncidentTimeline) -> dict[str, Any] | None:
     job = tl.job_verdict
-    job_view = None if job is None else {
+    return None if job is None else {
         "title": job_verdict_title(job), "headline": job["headline"], "next": job["next"], "hung": job["hung"],
         "evidence": job["evidence"],
         "missing": [f"{m.get('host')}: {m.get('why')}" for m in (job.get("missing_hosts") or [])[:8] if isinstance(m, dict)],
     }
+
+
+def _summary_rows(tl: IncidentTimeline) -> list[tuple[str, str, str]]:
+    """The page's summary table: (label, value, css)."""
     summary = [
         ("Detail", tl.detail, "detail"),
         ("Host", tl.host_name or "?", ""),
@@ -421,41 +472,29 @@ def _view(tl: IncidentTimeline, generated_time_unix_nano: int | None) -> dict[st
     ]
     if tl.hard_signal_sent:
         summary.append(("Hard signal", ", ".join(f"{sig} to pid {pid}" for pid, sig in tl.hard_signal_sent.items()), ""))
-    bars = _action_bars(tl.actions)
-    footer = "Generated by servewatch"
-    if generated_time_unix_nano is not None:
-        footer += f" at {_iso(generated_time_unix_nano)}"
-    return {
-        "tl": tl, "csp": CSP, "style": _STYLE, "verdict": verdict, "job_verdict": job_view, "ranks": _ranks(tl), "summary": summary,
-        "trigger_css": "trigger manual" if tl.trigger == Trigger.MANUAL else "trigger",
-        "server": _server_timeline(tl), "has_history": bool(tl.history),
-        "capture": _chart(bars, tl.extent_s, svg_id="timeline-svg", label="actions by start offset from incident open",
-                          closed_s=tl.duration_s) if bars else None,
-        "actions": [{"start": _ms(a.start_offset_s), "duration": _ms(a.duration_s), "action": a.action, "pid": _pid(a.pid),
-                     "title": a.title, "outcome": a.outcome, "css": _outcome_class(a.outcome),
-                     "retryable": "yes" if a.retryable else "no", "detail": a.detail} for a in tl.actions],
-        "stacks": [_stacks_view(s, tl) for s in tl.stacks],
-        "coredumps": [{"pid": _pid(c.pid), "outcome": c.outcome, "css": _outcome_class(c.outcome),
-                       "size": format_size(c.size_bytes) if c.size_bytes is not None else "-",
-                       "bytes": f"{c.size_bytes:,}" if c.size_bytes is not None else "-", "path": c.path or "-"}
-                      for c in tl.coredumps],
-        "profiles": [{"pid": _pid(p.pid), "outcome": p.outcome, "css": _outcome_class(p.outcome), "duration": _ms(p.duration_s),
-                      "steps": "-" if p.steps_captured is None else str(p.steps_captured), "traces": list(p.trace_paths),
-                      "size": format_size(p.trace_size_bytes) if p.trace_paths else "",
-                      "attributes": [f"{k.removeprefix('servewatch.profile.')}={v}" for k, v in p.attributes.items()]}
-                     for p in tl.profiles],
-        "requests": [{"id": r.request_id or "-", "pid": _pid(r.pid), "age": "-" if r.age_s is None else f"{r.age_s:.3f}",
-                      "prompt": "-" if r.prompt_tokens is None else str(r.prompt_tokens),
-                      "generated": "-" if r.generated_tokens is None else str(r.generated_tokens),
-                      "trace_id": r.trace_id or "-", "span_id": r.span_id or "-"} for r in tl.requests],
-        "show_requests": bool(tl.requests or tl.inflight_count),
-        "artifacts": [{"action": f.action, "pid": _pid(f.pid), "size": None if f.size_bytes is None else format_size(f.size_bytes),
-                       "bytes": f.size_bytes, "path": f.path} for f in tl.artifacts],
-        "spans": _chart(_span_bars(tl.spans), tl.extent_s, svg_id="spans-svg", label="spans of the incident trace")
-        if tl.spans else None,
-        "span_files": ", ".join(tl.span_files),
-        "footer": footer,
-    }
+    return summary
+
+
+def _coredump_rows(tl: IncidentTimeline) -> list[dict[str, Any]]:
+    return [{"pid": _pid(c.pid), "outcome": c.outcome, "css": _outcome_class(c.outcome),
+             "size": format_size(c.size_bytes) if c.size_bytes is not None else "-",
+             "bytes": f"{c.size_bytes:,}" if c.size_bytes is not None else "-", "path": c.path or "-"}
+            for c in tl.coredumps]
+
+
+def _profile_rows(tl: IncidentTimeline) -> list[dict[str, Any]]:
+    return [{"pid": _pid(p.pid), "outcome": p.outcome, "css": _outcome_class(p.outcome), "duration": _ms(p.duration_s),
+             "steps": "-" if p.steps_captured is None else str(p.steps_captured), "traces": list(p.trace_paths),
+             "size": format_size(p.trace_size_bytes) if p.trace_paths else "",
+             "attributes": [f"{k.removeprefix('servewatch.profile.')}={v}" for k, v in p.attributes.items()]}
+            for p in tl.profiles]
+
+
+def _request_rows(tl: IncidentTimeline) -> list[dict[str, Any]]:
+    return [{"id": r.request_id or "-", "pid": _pid(r.pid), "age": "-" if r.age_s is None else f"{r.age_s:.3f}",
+             "prompt": "-" if r.prompt_tokens is None else str(r.prompt_tokens),
+             "generated": "-" if r.generated_tokens is None else str(r.generated_tokens),
+             "trace_id": r.trace_id or "-", "span_id": r.span_id or "-"} for r in tl.requests]
 
 
 #: The page template's source.

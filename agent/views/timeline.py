@@ -282,15 +282,20 @@ def _closing_panel(tl: IncidentTimeline) -> Panel:
     frames.add_column(overflow="fold")  # a long frame wraps in its own column, under itself
     stacks = {s.pid: s for s in tl.stacks}
     for pid in dict.fromkeys([t.pid for t in tl.targets] + [s.pid for s in tl.stacks]):
-        rank = _rank_of(tl, pid)
-        who = Text((f"rank {rank} " if rank is not None else "") + f"pid {pid}",
-                   style="bold red" if pid in culprits else "bold")
-        who.append(" (culprit):" if pid in culprits else ":", style="bold red" if pid in culprits else "")
-        frames.add_row(who, _hung_text(stacks.get(pid)))
+        frames.add_row(_who_text(tl, pid, culprit=pid in culprits), _hung_text(stacks.get(pid)))
     title = f"verdict · {tl.trigger} · {tl.incident_id}" if verdict else f"hung frames · {tl.trigger} · {tl.incident_id}"
     # a Text: the trigger and id are the bundle's, printed literally (a str title is read as markup)
     return Panel(Group(*headline, frames), title=Text(title), title_align="left",
                  border_style="red" if verdict.get("hung", True) else "green")
+
+
+def _who_text(tl: IncidentTimeline, pid: int, *, culprit: bool) -> Text:
+    """``rank R pid P:`` (a culprit: in red, marked)."""
+    rank = _rank_of(tl, pid)
+    who = Text((f"rank {rank} " if rank is not None else "") + f"pid {pid}",
+               style="bold red" if culprit else "bold")
+    who.append(" (culprit):" if culprit else ":", style="bold red" if culprit else "")
+    return who
 
 
 def _coredump_table(tl: IncidentTimeline) -> Table:

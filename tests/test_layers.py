@@ -191,3 +191,30 @@ def test_the_checker_sees_submodules_named_by_from_imports_and_relative_imports(
     assert _offenders("agent/watchers", _ACTORS + _ORCHESTRATION, tmp_path) == {
         "agent/watchers/probe.py": ["agent.actors", "agent.actors.pyspy", "agent.incidents.manager"]
     }
+
+
+def _incident_manager_writes(source: str) -> list[str]:
+    """``x.incidents.<attr> = ...`` / ``incidents.<attr> = ...`` in ``source``: an attribute of
+    the incident manager written from outside it (augmented and annotated writes too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign | ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and (
+                    isinstance(t.value, ast.Attribute) and t.value.attr == "incidents"
+                    or isinstance(t.value, ast.Name) and t.value.id == "incidents"):
+                found.append(f"{t.lineno}: .incidents.{t.attr} =")
+    return found
+
+
+def test_the_incident_managers_seams_are_given_to_it_never_written_into_it() -> None:
+    """Its contributions (admission, placement, companions, the server tree, the phase and state
+    listeners) come through its constructor or :meth:`run`, not by attribute writes from the
+    runtime, the fleet or the CLI (issue 37)."""
+    assert _incident_manager_writes("agent.incidents.on_phase = f\nincidents.admit += g\nx.incidents.judge.y = 1\n") == [
+        "1: .incidents.on_phase =", "2: .incidents.admit ="]
+    writes = [f"{p.relative_to(ROOT)}:{w}" for folder in ("agent", "exporters") for p in sorted((ROOT / folder).rglob("*.py"))
+              if p != ROOT / "agent" / "incidents" / "manager.py"
+              for w in _incident_manager_writes(p.read_text(encoding="utf-8"))]
+    assert writes == []

@@ -814,8 +814,7 @@ def dump(
                     any_uid=t.any_uid, refused=refused):
         fail(f"no process matched the given --pid/--root-pid/--match{_no_match_why(t, refused)}", ExitCode.FAILURE)
     _data_dir_ready(settings)
-    agent = Agent.build(settings)
-    record = _dump_with_progress(agent, len(t.pids))
+    record, agent = _dump_with_progress(Agent, settings, len(t.pids))
     judge = agent.incidents.judge
     if judge is not None and judge.progress_unread:  # given, not read: said once, before the summary
         err.print(f"servewatch: {'--metrics-url' if metrics_url else 'metrics.url'}: {judge.progress_unread}",
@@ -845,16 +844,17 @@ def _no_match_why(t: Any, refused: dict[int, str]) -> str:
     return why
 
 
-def _dump_with_progress(agent: Any, n_pids: int) -> Any:
-    """``agent``'s one dump, its phases on one progress line when stderr is a terminal."""
+def _dump_with_progress(agent_class: Any, settings: Any, n_pids: int) -> tuple[Any, Any]:
+    """One dump by an agent built from ``settings``, its phases on one progress line when stderr
+    is a terminal: ``(record, agent)``."""
     import anyio
 
     progress = _DumpProgress(n_pids or None) if sys.stderr.isatty() else None  # a pipe gets nothing extra
+    agent = agent_class.build(settings, on_phase=None if progress is None else progress.phase)
     if progress is not None:
-        agent.incidents.on_phase = progress.phase
         progress.phase("starting")
     try:
-        return anyio.run(lambda: agent.dump(handle_signals=True))
+        return anyio.run(lambda: agent.dump(handle_signals=True)), agent
     finally:
         if progress is not None:
             progress.done()

@@ -433,6 +433,12 @@ class IncidentManager:
             :meth:`agent.fleet.Fleet.place`), bounded here; ``None``: its parent's, else its own.
         companions: started beside the phases of every incident (see :data:`Companion`;
             :meth:`agent.fleet.Fleet.companion`), collected before its manifest is final.
+        server_tree: the rest of the servers an incident's targets belong to, added to its targets
+            (called with its trigger and targets, blocking; ``[]``: none): their frontends, engine
+            core and coordinators (issue 32 item 1; the runtime's ``TargetFinder.server_tree``).
+            ``None``: the targets alone.
+        on_phase: called with what an incident starts doing now (a phase's name, ``verdict``):
+            the CLI's progress line on a terminal (``servewatch dump``); ``None``: nobody listens.
         server_dumps: the lines saying a server's own watchdog fired during an incident, given
             its open time and now (ns since the epoch) and its processes' pids (the runtime's:
             the py-spy runs those processes started, :class:`agent.host.procinfo.ServerDumpLog`);
@@ -441,7 +447,8 @@ class IncidentManager:
     Attributes:
         exits: the exit policy (``launch`` tells it which exits it expects).
         policies: the admission policies asked for every trigger event, in order.
-        admit, place, companions: the constructor's (set only there: no other part writes them).
+        admit, place, companions, server_tree, on_phase: the constructor's (set only there: no
+            other part writes them).
     """
 
     def __init__(
@@ -469,13 +476,13 @@ class IncidentManager:
         admit: Callable[[str, str], bool] | None = None,
         place: Placement | None = None,
         companions: Sequence[Companion] = (),
+        server_tree: Callable[[str, list[Target]], list[Target]] | None = None,
+        on_phase: Callable[[str], None] | None = None,
     ) -> None:
         self.server_dumps = server_dumps
         #: called when the evidence that makes the summary is captured (before deferred phases)
         self.on_summary = on_summary
-        #: called with what an incident starts doing now (a phase's name, ``verdict``): the CLI's
-        #: progress line on a terminal (``servewatch dump``); ``None``: nobody listens
-        self.on_phase: Callable[[str], None] | None = None
+        self.on_phase = on_phase
         self._interrupt: str = ""
         self.exits = ExitPolicy(config)
         self.policies: list[TriggerPolicy] = [self.exits, *policies]
@@ -515,14 +522,10 @@ class IncidentManager:
         self.companions: tuple[Companion, ...] = tuple(companions)
         #: names the trace of an incident about to open (see :data:`Placement`)
         self.place = place
-        #: the rest of the servers an incident's targets belong to, added to its targets (called
-        #: with its trigger and targets, blocking; ``[]``: none): their frontends, engine core and
-        #: coordinators (issue 32 item 1; the runtime's :meth:`~agent.runtime.agent.Agent.server_tree`)
-        self.server_tree: Callable[[str, list[Target]], list[Target]] | None = None
+        self.server_tree = server_tree
         #: triggers ignored because the same cause is cooling down
         self.suppressed = 0
-        #: awaited with :meth:`state` whenever it changes (an incident opens or closes, a trigger
-        #: is suppressed, a target stalls or resumes): the runtime shows it in `servewatch status`
+        #: the ``on_state`` given to :meth:`run` (``None`` before it runs)
         self.on_state: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         #: by incident key ``(server, trigger)`` (one cooldown per server and trigger: TP ranks run
         #: in lockstep, so a hang stalls, or a crash ends, every rank of a server at once, and one
@@ -663,10 +666,18 @@ class IncidentManager:
             log.exception("finding the server of %s failed", type(event).__name__)
             return None
 
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, on_state: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+                  task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consume trigger events from the bus and open incidents until cancelled (or the bus
         closes): one worker per server takes that server's triggers in order, so a server's
-        incidents run one at a time and two servers' at once."""
+        incidents run one at a time and two servers' at once.
+
+        Args:
+            on_state: awaited with :meth:`state` whenever it changes while this runs (an incident
+                opens or closes, a trigger is suppressed, a target stalls or resumes): the
+                runtime shows it in ``servewatch status``.
+        """
+        self.on_state = on_state
         async with anyio.create_task_group() as tg, self.bus.subscribe(
             *TRIGGER_EVENTS, WatchdogRearmed, name="incidents"
         ) as sub:

@@ -92,6 +92,7 @@ class Agent:
         on_incident: called with each finished incident record (CLI summaries, the demo).
         on_status: called with each watcher status change (the CLI prints it).
         on_summary: called when an incident's summary evidence is in (before deferred phases).
+        on_phase: called with what an incident starts doing now (``servewatch dump``'s progress line).
 
     Attributes:
         bus: the event bus.
@@ -110,6 +111,7 @@ class Agent:
         on_incident: Callable[[IncidentRecord], None] | None = None,
         on_status: Callable[[WatcherStatus], None] | None = None,
         on_summary: Callable[[IncidentRecord], None] | None = None,
+        on_phase: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self._stop_reason = "agent stopping"
@@ -133,10 +135,9 @@ class Agent:
         self.lifecycle = Lifecycle(left_alive=getattr(self.watchers.get("process"), "left_alive", None))  # a policy
         #: the API and job coordinator (:class:`agent.fleet.Fleet`) when ``api.enabled``: inert until :meth:`run` starts it
         self.fleet: Any = self._build_fleet() if settings.api.enabled else None
-        self.incidents = self._build_incidents(on_incident, on_summary)
+        self.incidents = self._build_incidents(on_incident, on_summary, on_phase)
         self.targets = TargetFinder(settings.target, self.children, stall_timeout_s=settings.watchdog.timeout_s,
                                     last_incident_unix_nano=self._last_incident_unix_nano)
-        self.incidents.server_tree = partial(self.targets.server_tree, urls=self.context.agent.server_urls)
         self.incidents.judge.read_progress(progress_source(settings.metrics), Trigger.HEALTH)  # a health verdict reads /metrics twice
         self.target_watch = TargetWatch(
             discover=lambda: self.discover(), finder=self.targets, watchers=self.watchers, process_watcher=self.process_watcher,
@@ -151,8 +152,8 @@ class Agent:
         #: the telemetry's counts after a one-shot command closed it (:meth:`dump`, :meth:`profile`)
         self.export_statistics: Any = None
 
-    def _build_incidents(
-        self, on_incident: Callable[[IncidentRecord], None] | None, on_summary: Callable[[IncidentRecord], None] | None) -> IncidentManager:
+    def _build_incidents(self, on_incident: Callable[[IncidentRecord], None] | None, on_summary: Callable[[IncidentRecord], None] | None,
+                         on_phase: Callable[[str], None] | None) -> IncidentManager:
         wd, fleet = self.settings.watchdog, self.fleet  # the fleet's contributions: inert until it runs
         return IncidentManager(
             bus=self.bus, config=self.settings.incident, data_dir=self.settings.data_dir,
@@ -163,8 +164,8 @@ class Agent:
             stalls=self.stalls, history=self.history, companions=() if fleet is None else (fleet.companion,),
             server_of=lambda event: self.targets.server_of_event(event, metrics_urls=self.settings.metrics.all_urls),
             server_dumps=lambda *window: self.targets.server_dump_lines(*window),
-            admit=None if fleet is None else fleet.admit, place=None if fleet is None else fleet.place,
-        )
+            admit=None if fleet is None else fleet.admit, place=None if fleet is None else fleet.place, on_phase=on_phase,
+            server_tree=lambda trigger, targets: self.targets.server_tree(trigger, targets, urls=self.context.agent.server_urls))
 
     def _build_fleet(self) -> Any:
         from agent.fleet import Fleet  # the coordinator (h11, peers) loads only when the API is on
@@ -181,6 +182,7 @@ class Agent:
         on_incident: Callable[[IncidentRecord], None] | None = None,
         on_status: Callable[[WatcherStatus], None] | None = None,
         on_summary: Callable[[IncidentRecord], None] | None = None,
+        on_phase: Callable[[str], None] | None = None,
     ) -> Agent:
         """Build an agent from ``settings``: every registered watcher, actor and exporter whose
         factory returns one (the registries' order), the incident manager over the actors (the
@@ -190,7 +192,7 @@ class Agent:
             ImportError: a registered factory's module is missing (a packaging error).
         """
         return cls(settings, telemetry=telemetry, children=children, on_incident=on_incident,
-                   on_status=on_status, on_summary=on_summary)
+                   on_status=on_status, on_summary=on_summary, on_phase=on_phase)
 
     @property
     def process_watcher(self) -> Any:
@@ -271,8 +273,7 @@ class Agent:
             RuntimeError: interrupted before the incident opened.
         """
         await anyio.to_thread.run_sync(remove_stale_temps, self.settings.data_dir)
-        # the span files, spool and their folders: file system work, off the loop
-        await anyio.to_thread.run_sync(partial(self._start_exporters, one_shot=True))
+        await anyio.to_thread.run_sync(partial(self._start_exporters, one_shot=True))  # span files, spool: off the loop
         progress = None
         if self.incidents.judge is not None:  # one-shot: no torch import racing the dump's own CPU
             self.incidents.judge.warm_up = False
@@ -440,8 +441,7 @@ class Agent:
         await tg.start(self.stalls.run, self.bus)
         await tg.start(self.lifecycle.run, self.bus, self.incidents)
         await tg.start(self.startup.run, self.bus)
-        self.incidents.on_state = self.run_status.show_incidents
-        await tg.start(self.incidents.run)
+        await tg.start(partial(self.incidents.run, on_state=self.run_status.show_incidents))
         if self.fleet is not None:
             await tg.start(self.fleet.run)
         await self._start_watchers(tg)

@@ -218,6 +218,9 @@ def test_the_stall_rule_reaches_the_watchdogs(tmp_path: Path) -> None:
     agent = Agent.build(settings)
     assert agent.watchers["metrics"].config.timeout_s == 42.0 and agent.watchers["metrics"].config.poll_interval_s == 0.25
     assert agent.watchers["steps"].config.timeout_s == 42.0 and agent.watchers["steps"].config.poll_interval_s == 0.25
+    # one object by one road (issue 37): the [watchdog] table as loaded, never split into scalars and rebuilt
+    assert agent.context.agent.watchdog is settings.watchdog
+    assert agent.watchers["metrics"].config is settings.watchdog and agent.watchers["steps"].config is settings.watchdog
 
 
 def test_the_startup_budget_reaches_the_startup_rule(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ from agent.model.datadir import DataDir
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from agent.host.stall import WatchdogConfig
     from agent.host.targets import Target
 
 __all__ = [
@@ -75,6 +76,12 @@ def _not_starting() -> str | None:
     return None
 
 
+def _default_watchdog() -> WatchdogConfig:
+    from agent.host.stall import WatchdogConfig  # pydantic and the bus's events: only when built
+
+    return WatchdogConfig()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentValues:
     """The agent-wide values a component may read besides its own settings (read from the agent's
@@ -84,10 +91,9 @@ class AgentValues:
         data_dir: where bundles, span files and the status file go (``data_dir``; their paths:
             :attr:`layout`).
         host_name: ``host.name`` of spans and bundle paths (``host_name``).
-        watchdog_timeout_s: the stall rule's timeout: busy with no forward step for this long is
-            a stall, seconds (``watchdog.timeout_s``).
-        watchdog_poll_interval_s: the watchdog's longest wait between two readings, seconds
-            (``watchdog.poll_interval_s``).
+        watchdog: the stall rule's settings, the ``[watchdog]`` table as loaded (one object:
+            ``timeout_s``, busy with no forward step for this long is a stall; ``poll_interval_s``,
+            the longest wait between two readings; both seconds; hard mode's signal and targets).
         target_uids: the server's uids (``target.uids``; empty: derived from the targets).
         sdk_socket_dir: folder of the SDK's control sockets, ``None``: the SDK's shm folder (set by
             the table that provides it: ``profiler.socket_dir``).
@@ -97,8 +103,7 @@ class AgentValues:
 
     data_dir: Path = Path("servewatch-data")
     host_name: str = "localhost"
-    watchdog_timeout_s: float = 300.0
-    watchdog_poll_interval_s: float = 1.0
+    watchdog: WatchdogConfig = field(default_factory=_default_watchdog)
     target_uids: tuple[int, ...] = ()
     sdk_socket_dir: Path | None = None
     server_urls: tuple[str, ...] = ()
@@ -132,7 +137,7 @@ class BuildContext:
             when none is: what a watcher says of a port nothing listens on yet.
     """
 
-    agent: AgentValues = AgentValues()
+    agent: AgentValues = field(default_factory=AgentValues)
     children: Sequence[Any] = ()
     stalled: Callable[[Sequence[Target]], bool] = _no_stall
     telemetry: Any = None

@@ -182,8 +182,7 @@ class AgentSettings(BaseSettings):
                 else:
                     provided[value] = given
         return AgentValues(
-            data_dir=self.data_dir, host_name=self.host_name, watchdog_timeout_s=self.watchdog.timeout_s,
-            watchdog_poll_interval_s=self.watchdog.poll_interval_s, target_uids=tuple(self.target.uids),
+            data_dir=self.data_dir, host_name=self.host_name, watchdog=self.watchdog, target_uids=tuple(self.target.uids),
             **provided,
         )
 

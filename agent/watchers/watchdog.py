@@ -298,9 +298,9 @@ def _preempted(fired: list[tuple[StepReading, int]]) -> dict[str, Any]:
 
 
 def stall_rule(ctx: BuildContext) -> WatchdogConfig:
-    """The stall rule's timing from the agent-wide values (``watchdog.timeout_s``,
-    ``watchdog.poll_interval_s``)."""
-    return WatchdogConfig(timeout_s=ctx.agent.watchdog_timeout_s, poll_interval_s=ctx.agent.watchdog_poll_interval_s)
+    """The stall rule's settings, as every component gets them (``ctx.agent.watchdog``: the
+    ``[watchdog]`` table)."""
+    return ctx.agent.watchdog
 
 
 #: Longest time a reading of no open request stands while a server's gauges say idle, seconds

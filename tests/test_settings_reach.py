@@ -238,3 +238,22 @@ def test_importing_the_factories_resolves_every_registration() -> None:
             assert callable(getattr(importlib.import_module(module), attr)), entry.factory
             if entry.config is not None:
                 assert issubclass(entry.config_model(), BaseModel), entry.config
+
+
+def test_the_export_destination_is_resolved_once_and_every_reader_gets_that_one(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37, one value one road: ``[export]`` over ``OTEL_*`` is resolved once, at first use
+    (the CLI's check at load); the span pipeline the agent builds ships to that same value, even
+    when the environment changed since."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector.example:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    settings = load_settings({"data_dir": tmp_path})
+    destination = settings.export_destination
+    assert (destination.endpoint, destination.protocol) == ("http://collector.example:4318", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://elsewhere.example:4318")
+    agent = Agent.build(settings)
+    telemetry = agent._start_exporters(one_shot=True)
+    try:
+        assert telemetry.destination is destination and settings.export_destination is destination
+    finally:
+        telemetry.processor.shutdown(timeout_s=1.0)

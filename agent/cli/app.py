@@ -263,14 +263,14 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
             export).
     """
     from agent.runtime.settings import ConfigError, load_settings, unknown_env_warnings
-    from exporters.otlp.provider import ExportConfigError, resolve_destination
+    from exporters.otlp.provider import ExportConfigError
 
     for line in unknown_env_warnings():  # a typo must not pass for a setting that took effect
         err.print(f"servewatch: warning: {line}", markup=False, highlight=False)
     try:
         settings = load_settings(cli, config_file=config, flag_for=_flag_for)
         if writes:
-            resolve_destination(settings.export)  # OTEL_* env problems surface now, not mid-run
+            _ = settings.export_destination  # resolved once, now: OTEL_* env problems surface now, not mid-run
     except (ConfigError, ExportConfigError) as exc:
         _invalid(exc)
     return settings

@@ -234,7 +234,8 @@ class Agent:
 
         s = self.settings
         if self.telemetry is None:
-            self.telemetry = build_telemetry(s.export, data_dir=s.data_dir, host_name=s.host_name, file_metrics=not one_shot)
+            self.telemetry = build_telemetry(s.export, data_dir=s.data_dir, host_name=s.host_name, file_metrics=not one_shot,
+                                             destination=s.export_destination)
         if not one_shot and s.spans.ship and self.shipper is None:
             from exporters.otlp.shipper import create_shipper
 
@@ -345,13 +346,11 @@ class Agent:
         """
         from agent.actors.profiler import profile_once
         from exporters.mirror.mirror import mirror_profile_session
-        from exporters.otlp.provider import resolve_destination
-
         result = await profile_once(
             self.settings.profiler, pid=pid, steps=steps, start_step=start_step, activities=activities,
             out_dir=out_dir, timeout_s=timeout_s, progress=progress, own_actions=self.own_actions,
         )
-        if not result.artifact_paths and resolve_destination(self.settings.export).endpoint is None:
+        if not result.artifact_paths and self.settings.export_destination.endpoint is None:
             return result, None
         if before_export is not None:
             await anyio.to_thread.run_sync(before_export)  # the data dir: file system

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import socket
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from agent.actors import Actor
     from agent.watchers import TargetWatchers, Watcher
     from exporters import Exporter
+    from exporters.otlp.provider import Destination
 
 __all__ = [
     "ENV_DATA_DIR",
@@ -157,6 +159,20 @@ class AgentSettings(BaseSettings):
     def layout(self) -> DataDir:
         """Every path under ``data_dir`` for ``host_name`` (:class:`agent.model.datadir.DataDir`)."""
         return DataDir(self.data_dir, self.host_name)
+
+    @functools.cached_property
+    def export_destination(self) -> Destination:
+        """Where the agent's spans go (:class:`exporters.otlp.provider.Destination`): ``[export]``
+        over ``OTEL_EXPORTER_OTLP_*`` over the defaults, resolved from the environment once, at
+        first use; the CLI's check, the span pipeline and ``profile``'s export decision all read
+        this one value.
+
+        Raises:
+            ExportConfigError: a bad setting or env variable (the message names it).
+        """
+        from exporters.otlp.provider import resolve_destination
+
+        return resolve_destination(self.export)
 
     def table(self, name: str) -> BaseModel:
         """A table by name (``"pyspy"``, ``"watchdog"``).

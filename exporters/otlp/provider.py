@@ -645,6 +645,7 @@ def build_telemetry(
     host_name: str | None = None,
     environ: Mapping[str, str] | None = None,
     file_metrics: bool = True,
+    destination: Destination | None = None,
 ) -> Telemetry:
     """Build the pipeline: resource, lossless processor (+ spool), TracerProvider, metrics.
 
@@ -658,6 +659,9 @@ def build_telemetry(
             to ``<data_dir>/<host>/metrics/`` (default True). One-shot commands pass False: then
             no ``MeterProvider`` is built and the metrics SDK is not even imported unless a
             collector will receive the metrics (``telemetry.meter_provider`` is ``None``).
+        destination: where the spans go, already resolved (the agent's
+            ``settings.export_destination``: resolved once at load); ``None``: resolved here
+            from ``config`` and ``environ``.
 
     Raises:
         ExportConfigError: a bad setting (the message names it).
@@ -670,7 +674,7 @@ def build_telemetry(
     from exporters.otlp.spans import ProcessorSink
     host = host_name or socket.gethostname()
     disabled = sdk_disabled(os.environ if environ is None else environ)
-    destination = resolve_destination(config, environ)
+    destination = destination if destination is not None else resolve_destination(config, environ)
     resource = build_resource(config, host_name=host, service_instance_id=service_instance_id or str(uuid.uuid4()), environ=environ)
     layout = DataDir(Path(data_dir), host)
     sender, spans_dir, spool = _span_sender(config, destination, layout, disabled)

@@ -12,6 +12,7 @@ the SDK imports only itself and the error tree; nothing outside the SDK reaches 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,41 @@ def test_the_incident_managers_seams_are_given_to_it_never_written_into_it() -> 
               if p != ROOT / "agent" / "incidents" / "manager.py"
               for w in _incident_manager_writes(p.read_text(encoding="utf-8"))]
     assert writes == []
+
+
+def _layout_tree() -> dict[str, str]:
+    """docs/layout.md's tree: each folder (``agent/host``, ``exporters/otlp``) and the text of its
+    row(s)."""
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    block = text.split("```\n", 2)[1]
+    rows: dict[str, str] = {}
+    top, folder = "", ""
+    for line in block.splitlines():
+        if line and not line.startswith(" "):
+            top, folder = line.split("/")[0], ""
+            continue
+        head = line.strip().split(" ")[0]
+        if line.startswith("  ") and not line.startswith("   ") and head.endswith("/"):
+            folder = f"{top}/{head.rstrip('/')}"
+            rows[folder] = line.strip()[len(head):]
+        elif folder:
+            rows[folder] += " " + line.strip()
+    return rows
+
+
+def test_the_layout_page_names_every_folder_and_module_as_they_are() -> None:
+    """docs/layout.md's tree (the README links it as the layout) names every package folder of
+    agent/ and exporters/ and every module in it: a module added or moved without the tree fails."""
+    rows = _layout_tree()
+    assert {"agent/sdk", "agent/fleet", "exporters/otlp"} <= set(rows)
+    missing = []
+    for top in ("agent", "exporters"):
+        for init in sorted((ROOT / top).glob("*/__init__.py")):
+            folder = f"{top}/{init.parent.name}"
+            words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", rows.get(folder, "")))
+            if folder not in rows:
+                missing.append(f"{folder}/ (the folder)")
+                continue
+            missing += [f"{folder}/{p.stem}.py" for p in sorted(init.parent.glob("*.py"))
+                        if p.stem != "__init__" and p.stem not in words]
+    assert missing == [], f"docs/layout.md's tree does not name: {missing}"

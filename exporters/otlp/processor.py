@@ -2,7 +2,8 @@
 
 Owns :class:`LosslessSpanProcessor`, the public face, and re-exports :class:`ExportStatistics` and
 :class:`DeliveryProblem` (defined in :mod:`exporters.otlp.accounting`). The processor composes small
-parts, the Collector's way (queue -> retry -> spool -> send), and runs their one worker thread:
+parts, the Collector's way (queue -> retry -> spool -> send), and runs their one worker thread
+(:class:`~exporters.otlp.worker.ExportWorker`, its loop):
 
 * :class:`~exporters.otlp.span_queue.SpanQueue`: the bounded in-memory queue, the tickets of
   :meth:`~LosslessSpanProcessor.submit`, batches taken, the batch-due timing;
@@ -49,8 +50,9 @@ reports success on failure, and shutdown with the collector down blocks ~30 s de
 
 Imports opentelemetry-sdk, :mod:`agent.model.backoff`, the parts above
 (:mod:`exporters.otlp.accounting`, :mod:`exporters.otlp.span_queue`, :mod:`exporters.otlp.batch_sender`,
-:mod:`exporters.otlp.delivery`, :mod:`exporters.otlp.retry`), :mod:`exporters.otlp.batching`,
-:mod:`exporters.otlp.encode`, :mod:`exporters.otlp.transport` and :mod:`exporters.otlp.spool`.
+:mod:`exporters.otlp.delivery`, :mod:`exporters.otlp.retry`, :mod:`exporters.otlp.worker`),
+:mod:`exporters.otlp.batching`, :mod:`exporters.otlp.encode`, :mod:`exporters.otlp.transport` and
+:mod:`exporters.otlp.spool`.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from exporters.otlp.retry import SpoolRetry
 from exporters.otlp.span_queue import SpanQueue
 from exporters.otlp.spool import Spool
 from exporters.otlp.transport import RequestSender
+from exporters.otlp.worker import ExportWorker
 
 __all__ = ["DeliveryProblem", "ExportStatistics", "LosslessSpanProcessor"]
 
@@ -145,8 +148,9 @@ class LosslessSpanProcessor(SpanProcessor):
         backoff = Backoff(retry_initial_backoff_s, max(retry_initial_backoff_s, retry_max_backoff_s))
         self._retry = SpoolRetry(spool, self._slot, self._queue, self._counters, self._notes, backoff=backoff,
                                  max_bytes=self._max_bytes, adopt_interval_s=adopt_interval_s)
-        self._batches = BatchSender(self._slot, self._retry, self._queue, self._counters, self._notes, self._max_bytes)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        batches = BatchSender(self._slot, self._retry, self._queue, self._counters, self._notes, self._max_bytes)
+        self._worker = ExportWorker(self._queue, batches, self._retry, self._slot)
+        self._thread = threading.Thread(target=self._worker.run, name=name, daemon=True)
         self._thread.start()
 
     # --- the caller's side (any thread) ---------------------------------------------------
@@ -294,73 +298,7 @@ class LosslessSpanProcessor(SpanProcessor):
             _log.warning("export worker did not finish by the shutdown deadline; spooling what is left")
             if inflight is not None and not inflight.replay:
                 self._retry.to_spool(inflight.request, inflight.spans)
-        self._spool_queue()
+        self._worker.spool_queue()
         self.sender.close()
         if self.spool is not None:
             self.spool.close()
-
-    # --- the worker thread ----------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self._loop()
-                self._drain_on_stop()
-                return
-            except Exception:  # noqa: BLE001 - log, keep the worker alive (shutdown still spools the queue)
-                _log.exception("export worker error; continuing")
-                if self._slot.stopping:
-                    return
-                time.sleep(0.05)
-
-    def _stopping(self) -> bool:
-        return self._slot.stopping
-
-    def _loop(self) -> None:
-        queue, retry = self._queue, self._retry
-        last_send = time.monotonic()
-        while not self._slot.stopping:
-            now = time.monotonic()
-            retry.adopt_if_due(now)
-            if retry.pending():
-                last_send = self._turn_behind_spool(now, last_send)
-                continue
-            if queue.batch_due(now, last_send):
-                last_send = now
-                self._batches.ship(queue.take())
-                continue
-            queue.wait(queue.delay_s - (now - last_send) if queue else queue.delay_s, self._stopping)
-
-    def _turn_behind_spool(self, now: float, last_send: float) -> float:
-        """One turn of the loop while the spool holds requests; the time of the last send."""
-        queue, retry = self._queue, self._retry
-        if now >= retry.retry_at:
-            retry.replay_head()
-            if queue.ready():
-                self._batches.ship(queue.take())
-            return last_send
-        # Outage: keep new spans behind the spool, moving full batches to disk.
-        if queue.batch_due(now, last_send):
-            self._batches.ship(queue.take())
-            return now
-        queue.wait(min(retry.retry_at - now, queue.delay_s), self._stopping)
-        return last_send
-
-    def _drain_on_stop(self) -> None:
-        """Stopping: deliver the spool first (it holds the written-ahead spans of the last actions,
-        older than anything queued), then the queue, while the deadline allows. A failed replay
-        (the collector is down) ends the replay: the rest stays spooled for the next run."""
-        retry, slot = self._retry, self._slot
-        while retry.pending() and not slot.spool_only() and time.monotonic() >= retry.retry_at:
-            if slot.abandoned():
-                return
-            retry.replay_head()
-        while self._queue:
-            if slot.abandoned():
-                return
-            self._batches.ship(self._queue.take())
-
-    def _spool_queue(self) -> None:
-        """After the worker ended or was abandoned: everything still queued goes to the spool."""
-        while self._queue:
-            self._batches.spool(self._queue.take())

@@ -1,6 +1,6 @@
 """One retry backoff for every retrying loop: jittered exponential, and the server's word wins.
 
-Owns :class:`Backoff`, used by the span processor's spool replay (:mod:`exporters.otlp.processor`),
+Owns :class:`Backoff`, used by the span processor's spool replay (:mod:`exporters.otlp.retry`),
 ``servewatch export`` (:mod:`exporters.otlp.replay`), the restart of a crashed watcher
 (:mod:`agent.runtime.supervision`) and a job peer's retried report (:mod:`agent.fleet.peers`): after a failed attempt the next one waits
 ``initial_s`` doubling up to ``max_s``, each wait jittered by +-``jitter`` (so agents restarted

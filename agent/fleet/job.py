@@ -165,6 +165,9 @@ class _Shared:
     def __get__(self, fleet: Fleet | None, owner: type | None = None) -> Any:
         return self if fleet is None else getattr(fleet.state, self.name)
 
+    def __set__(self, fleet: Fleet, value: Any) -> None:
+        raise AttributeError(f"Fleet.{self.name} is read-only: set fleet.state.{self.name}")
+
 
 class Fleet:
     """Serve the API and run the job's protocol for ``agent``; run it in the agent's task group.

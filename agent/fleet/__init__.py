@@ -8,7 +8,10 @@ server on anyio), :mod:`~agent.fleet.api` (routes, auth, rate limit),
 :mod:`~agent.fleet.messages` (the job routes' bodies), :mod:`~agent.fleet.fanout` (bounded,
 tree-shaped), :mod:`~agent.fleet.host_summary` (a host's compact evidence summary),
 :mod:`~agent.fleet.jobverdict` (the job's verdict), :mod:`~agent.fleet.jobstate` and
-:mod:`~agent.fleet.job` (the protocol: coordinator, reports, joins, deduplication).
+:mod:`~agent.fleet.job` (the protocol's facade, :class:`Fleet`; its parts, on one
+:mod:`~agent.fleet.fleetstate`: :mod:`~agent.fleet.senders`, :mod:`~agent.fleet.announce`,
+:mod:`~agent.fleet.coordinator`, :mod:`~agent.fleet.intake`, :mod:`~agent.fleet.member`,
+:mod:`~agent.fleet.contributions`, :mod:`~agent.fleet.backend`, :mod:`~agent.fleet.bundles`).
 Nothing here imports a watcher or an actor; :mod:`agent.runtime.agent` starts :class:`Fleet`.
 """
 

@@ -3,7 +3,7 @@
 Owns :class:`JobIncident` (trace, key, who coordinates, what this agent did in it; on the
 coordinator also who reported, who was asked, whose evidence arrived) and :class:`Announced`
 (the coordinator that presented itself). Plain data plus small bookkeeping; the protocol is in
-:mod:`agent.fleet.job`. Imports anyio, :mod:`agent.model.events` and the fleet's message and peer types.
+:mod:`agent.fleet.job` and its parts. Imports anyio, :mod:`agent.model.events` and the fleet's message and peer types.
 """
 
 from __future__ import annotations

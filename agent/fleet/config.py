@@ -102,7 +102,9 @@ class FleetConfig(BaseModel):
     and the detection time bucket: :mod:`agent.fleet.identity`), reports its detection to the
     job's coordinator (the host of global rank 0, else the lowest live host), which asks the
     hosts that did not detect to capture (``POST /v1/incidents`` with a W3C ``traceparent``),
-    collects every host's evidence summary and makes the job's verdict (:mod:`agent.fleet.job`).
+    collects every host's evidence summary and makes the job's verdict (:mod:`agent.fleet.job` runs
+    it; its parts: :mod:`agent.fleet.member`, :mod:`agent.fleet.coordinator`,
+    :mod:`agent.fleet.intake`).
     """
 
     job: str | None = Field(None, min_length=1, max_length=128, description="job name; peers refuse joins for another job")

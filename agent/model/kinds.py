@@ -78,7 +78,7 @@ class Action(StrEnum):
     PEER_CAPTURE = "peer.capture"  # a job peer asked to capture (agent.fleet.peers)
     PEER_RESOLVE = "peer.resolve"  # resolving the job's peers failed (agent.fleet.peers)
     DETECTION_FOLDED = "fleet.detection_folded"  # a local detection folded into a job incident
-    FANOUT = "fleet.fanout"  # the coordinator asked the job's hosts that did not detect (agent.fleet.job)
+    FANOUT = "fleet.fanout"  # the coordinator asked the job's hosts that did not detect (agent.fleet.coordinator)
     REPORT = "fleet.report"  # this host reported its detection to the job's coordinator
 
 

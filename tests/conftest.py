@@ -19,13 +19,19 @@ PROGRAMS_DIR = TESTS_DIR / "programs"
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
+    """SIGKILL ``proc``'s process group, also when ``proc`` (its leader) exited first and left a
+    child in it (a launcher that exits once its server listens). A reaped leader's pid names no
+    other process while a member of its group lives (the kernel keeps the number), so the group
+    is killed unless that pid was given to a new process: then the group is empty."""
+    leader_alive = proc.poll() is None
+    if leader_alive or not os.path.exists(f"/proc/{proc.pid}"):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         except PermissionError:
-            proc.kill()
+            if leader_alive:
+                proc.kill()
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

@@ -7,11 +7,12 @@ See where a figure comes from with ``python -m radon cc -s -n C agent exporters`
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
-from radon.complexity import cc_visit
+from radon.complexity import cc_visit_ast
 from radon.visitors import Class, Function
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,9 +35,18 @@ def _blocks(items: Iterable[Function | Class], prefix: str = "") -> Iterator[tup
 
 def over_limit(source: str, limit: int = MAX_COMPLEXITY) -> list[tuple[str, int, int]]:
     """Functions of ``source`` above ``limit``: ``[(qualified name, line, complexity)]`` (a method
-    once, under its class's name, though radon also lists it alone)."""
-    top = [b for b in cc_visit(source) if isinstance(b, Class) or not b.is_method]
-    return sorted({(name, line, c) for name, line, c in _blocks(top) if c > limit}, key=lambda x: x[1])
+    once, under its class's name, though radon also lists it alone). radon does not look into a
+    class defined inside a function: each class is also measured on its own, and a block seen
+    twice (a top-level class's) counts once, by its line."""
+    tree = ast.parse(source)
+    top = [b for b in cc_visit_ast(tree) if isinstance(b, Class) or not b.is_method]
+    found = {line: (name, c) for name, line, c in _blocks(top)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            alone = cc_visit_ast(ast.Module(body=[node], type_ignores=[]))
+            for name, line, c in _blocks([b for b in alone if isinstance(b, Class)]):
+                found.setdefault(line, (name, c))
+    return sorted(((name, line, c) for line, (name, c) in found.items() if c > limit), key=lambda x: x[1])
 
 
 def _sources() -> list[Path]:
@@ -64,7 +74,8 @@ def _fn(name: str, branches: int, indent: str = "") -> str:
     ("class K:\n" + _fn("m", 8, "    "), [("K.m", 2, 17)]),
     ("def outer():\n" + _fn("inner", 8, "    ") + "    return inner\n", [("outer.<locals>.inner", 2, 17)]),
     ("class K:\n    class Inner:\n" + _fn("m", 9, "        "), [("K.Inner.m", 3, 19)]),
-], ids=["function", "at-the-limit", "method", "closure", "inner-class-method"])
+    ("def factory():\n    class Local:\n" + _fn("m", 8, "        ") + "    return Local\n", [("Local.m", 3, 17)]),
+], ids=["function", "at-the-limit", "method", "closure", "inner-class-method", "function-local-class-method"])
 def test_the_gate_sees_functions_methods_and_closures_above_the_limit(source: str, expected: list[tuple[str, int, int]]) -> None:
     assert over_limit(source) == expected
 

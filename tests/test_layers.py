@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def _imports(path: Path, root: Path = ROOT) -> set[str]:
     """Every module named by an import statement in ``path`` (top level, inside functions or
     under ``TYPE_CHECKING``): ``import a.b``, ``from a.b import c`` (``a.b`` and ``a.b.c``: ``c``
-    may be a submodule, as in ``from agent.incidents import manager``), relative imports resolved."""
+    may be a submodule, as in ``from agent.incidents import manager``), relative imports resolved;
+    and every module a call imports by a constant name (``importlib.import_module("a.b")``)."""
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1]) if path.is_relative_to(root) else ""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -39,7 +40,20 @@ def _imports(path: Path, root: Path = ROOT) -> set[str]:
                 module = node.module or ""
             names.add(module)
             names.update(f"{module}.{a.name}" for a in node.names if a.name != "*")
+        elif _dynamic_import(node):
+            names.add(node.args[0].value)  # type: ignore[attr-defined]
     return names
+
+
+def _dynamic_import(node: ast.AST) -> bool:
+    """``importlib.import_module("a.b")``, ``import_module("a.b")`` or ``__import__("a.b")``: a
+    module named by a constant, imported at run time."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return name in ("import_module", "__import__")
 
 
 def _offenders(folder: str, forbidden: tuple[str, ...], root: Path = ROOT) -> dict[str, list[str]]:
@@ -182,6 +196,16 @@ def test_the_checker_sees_a_function_level_import(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from agent.actors.pyspy import PySpyActor\n")
     assert _imports(probe) == {"agent.actors.pyspy", "agent.actors.pyspy.PySpyActor"}
+
+
+def test_the_checker_sees_a_module_imported_by_its_name_at_run_time(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("import importlib\nfrom importlib import import_module\n"
+                     "def f(name):\n    importlib.import_module('agent.runtime.settings')\n"
+                     "    import_module('agent.cli.app')\n    __import__('agent.runtime.agent')\n"
+                     "    importlib.import_module(name)\n")
+    assert _imports(probe) == {"importlib", "importlib.import_module", "agent.runtime.settings", "agent.cli.app",
+                               "agent.runtime.agent"}
 
 
 def test_the_checker_sees_submodules_named_by_from_imports_and_relative_imports(tmp_path: Path) -> None:

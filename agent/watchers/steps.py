@@ -204,7 +204,6 @@ class ShmStepSource:
             _OffTheLoop: with ``on_loop``, when the reading needs more than the counter file
                 (the process's uids, or a new file checked against the process's start).
         """
-        read_ns = time.monotonic_ns()
         if on_loop and self._uids is None:
             raise _OffTheLoop
         if self._uids is None:
@@ -213,6 +212,9 @@ class ShmStepSource:
                 self._uids = None
                 return None
         raw = open_trusted(self.path, self._uids, max_bytes=SIZE_BYTES)
+        # the reading's time: once the file is read, so no step it records is later than it (a
+        # time taken before the read could precede a step the process wrote meanwhile)
+        read_ns = time.monotonic_ns()
         snap = None if raw is None else parse_counter(raw)
         if snap is None or snap.pid != self._pid:
             return None

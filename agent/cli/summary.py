@@ -208,6 +208,7 @@ _SOURCE_WORDS = {
     "kernel": "the kernel's exit event",
     "zombie": "/proc while a zombie",
     "sdk": "its SDK's death notice",
+    "runtime": "its container runtime's exit record",
     "none": "no source could tell",
 }
 

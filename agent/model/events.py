@@ -368,6 +368,7 @@ class ExitSource(StrEnum):
     KERNEL = "kernel"  # the kernel's own exit event (proc connector, whoever reaped the process)
     ZOMBIE = "zombie"  # /proc/PID/stat of the zombie, before its parent reaped it
     SDK = "sdk"  # the process's own SDK death notice (agent.sdk.exitnotice): in a pod, reaped at once
+    RUNTIME = "runtime"  # its container runtime's exit record (conmon's exit file, Docker's State): a container's init
     NONE = "none"  # nothing: the status is unknown
 
 
@@ -398,7 +399,8 @@ class ExitFact:
             says how exact: ``kernel`` (the exit event's own clock), ``seen`` (when the agent
             saw it gone: an upper bound), ``last_ran`` (a zombie's last time on a CPU, from
             ``/proc/PID/sched``: an estimate, good for ordering deaths), ``sdk`` (when the process's
-            own death notice was written: just before it died), ``""`` unknown.
+            own death notice was written: just before it died), ``runtime`` (its container
+            runtime's record: conmon's exit file's time, Docker's ``FinishedAt``), ``""`` unknown.
         started_time_unix_nano: when the process started (its creation time), 0 when unknown.
         oom_evidence: where the OOM kill was read (``kernel log: ...``, ``cgroup ... oom_kill 0->1``).
         stop_signal: ``SIGTERM``/``SIGINT`` when a stop signal ended it (directly or as 128+N).

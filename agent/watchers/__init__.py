@@ -30,7 +30,7 @@ __all__ = ["WATCHERS", "TargetWatchers", "Watcher"]
 WATCHERS: Registry[Watcher | TargetWatchers] = Registry("watcher")
 WATCHERS.register("health", config="agent.watchers.config:HealthConfig", factory="agent.watchers.health:create")
 WATCHERS.register("metrics", config="agent.watchers.config:MetricsConfig", factory="agent.watchers.watchdog:create_prometheus")
-WATCHERS.register("process", factory="agent.watchers.process:create")
+WATCHERS.register("process", config="agent.watchers.config:ProcessConfig", factory="agent.watchers.process:create")
 WATCHERS.register("steps", factory="agent.watchers.watchdog:create_sdk")
 WATCHERS.register("request_stall", config="agent.watchers.config:RequestStallConfig",
                   factory="agent.watchers.requests:create")

@@ -2,8 +2,8 @@
 by the watcher's registration line in :mod:`agent.watchers`): light, so that the settings load
 without importing a watcher.
 
-Owns :class:`HealthConfig` (``[health]``, with :func:`check_http_url`), :class:`StepsConfig` and
-:class:`MetricsConfig` (``[metrics]``). Both URL tables take several servers' URLs (``url`` as a
+Owns :class:`HealthConfig` (``[health]``, with :func:`check_http_url`), :class:`StepsConfig`,
+:class:`MetricsConfig` (``[metrics]``) and :class:`ProcessConfig` (``[process]``). Both URL tables take several servers' URLs (``url`` as a
 list, a repeated ``--health-url``/``--metrics-url``, or ``urls``): one watcher each, each URL tied
 to its server by its port. The stall rule's own settings (``[watchdog]``) are the
 agent's: :class:`agent.host.stall.WatchdogConfig`. Imports pydantic and the standard library only.
@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["MAX_HEALTH_BODY_BYTES", "HealthConfig", "MetricsConfig", "RequestStallConfig", "StepsConfig", "check_http_url",
-           "split_url_list"]
+__all__ = ["MAX_HEALTH_BODY_BYTES", "HealthConfig", "MetricsConfig", "ProcessConfig", "RequestStallConfig", "StepsConfig",
+           "check_http_url", "split_url_list"]
 
 #: Most bytes of a health answer read (the status code is what counts); the rest is not read.
 MAX_HEALTH_BODY_BYTES = 64 * 1024
@@ -197,3 +197,35 @@ class RequestStallConfig(BaseModel):
     min_completions: int = Field(default=20, ge=1)
     interval_s: float = Field(default=5.0, gt=0)
     call_timeout_s: float = Field(default=2.0, gt=0)
+
+
+class ProcessConfig(BaseModel):
+    """User settings of the process watcher (the ``[process]`` table).
+
+    Attributes:
+        container_exit_records: where container runtimes keep a container's exit record, as path
+            templates (``{id}``: the container's 64-hex id), read when nothing else told how a
+            container's init (pid 1 of its pid namespace) ended: an agent in a pod, without the
+            kernel's exit events. Default: CRI-O's and Podman's conmon files
+            (``/var/lib/containers/storage/overlay-containers/{id}/userdata/exit``,
+            ``/run/libpod/persist/{id}/exit``, ``/var/run/crio/exits/{id}``,
+            ``/run/libpod/exits/{id}``) and Docker's ``/var/lib/docker/containers/{id}/config.v2.json``
+            (:data:`agent.host.containerexits.DEFAULT_RECORDS`); a DaemonSet that mounts them
+            elsewhere names them there (``/host/var/run/crio/exits/{id}``). Empty: none read.
+    """
+
+    container_exit_records: tuple[str, ...] = (
+        "/var/lib/containers/storage/overlay-containers/{id}/userdata/exit",
+        "/run/libpod/persist/{id}/exit",
+        "/var/run/crio/exits/{id}",
+        "/run/libpod/exits/{id}",
+        "/var/lib/docker/containers/{id}/config.v2.json",
+    )
+
+    @field_validator("container_exit_records")
+    @classmethod
+    def _templates(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for template in value:
+            if not template.startswith("/") or "{id}" not in template:
+                raise ValueError(f"{template!r}: an absolute path with {{id}} (the container's id) in it")
+        return value

@@ -25,7 +25,9 @@ one :class:`~agent.model.events.ExitFact`: kind, status, OOM, when, and which so
   (:class:`agent.host.exits.KernelExits`, root in the host network namespace), which a server
   reaping its rank at once cannot hide; else, while it is a zombie, ``/proc/PID/stat``; else
   the process's own SDK death notice (:func:`agent.host.exits.sdk_notice_fact`: a server using
-  ``agent.sdk`` says how it ended, in a pod too);
+  ``agent.sdk`` says how it ended, in a pod too); else, for a container's init (pid 1 of its pid
+  namespace when its watch began), its container runtime's exit record
+  (:mod:`agent.host.containerexits`: conmon's exit file, Docker's ``config.v2.json`` state);
 * a SIGKILL (or an unknown status) is checked against the OOM killer's record (the kernel log,
   else the cgroup's ``oom_kill`` counter read when the watch began): "killed by the OOM killer";
 * an exit that may be part of its server's stop (unknown status, non-zero code, a SIGKILL not
@@ -75,6 +77,14 @@ import psutil
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 
+from agent.host.containerexits import (
+    DEFAULT_RECORDS,
+    ContainerInit,
+    RuntimeExit,
+    container_init_of,
+    records_visible,
+    runtime_exit,
+)
 from agent.host.exits import KernelExits, OomCounter, OomWatch, oom_counter_of, sdk_notice_fact
 from agent.host.procinfo import exit_fact_of, note_exit, zombie_exit_status
 from agent.host.targets import ProcessState, Target, process_state
@@ -84,6 +94,7 @@ from agent.sdk.folders import process_uids
 
 if TYPE_CHECKING:
     from agent.host.registry import BuildContext
+    from agent.watchers.config import ProcessConfig
 
 
 __all__ = [
@@ -133,6 +144,14 @@ PIDFD_RECHECK_S = 10.0
 #: ports are read again, seconds, and for how long after the watch began (a model's load).
 SERVER_PORT_RECHECK_S = 2.0
 SERVER_PORT_LOOK_S = 900.0
+
+#: After a container's init died and nothing else told how: how long its runtime may take to
+#: write its exit record (conmon: once it reaped the init and drained its logs; dockerd: after
+#: containerd's exit event and up to 2 s of its streams' drain), seconds. Podman waits 5 s for
+#: conmon's file too. Not waited for where no runtime folder is visible, nor for containerd.
+RUNTIME_RECORD_WAIT_S = 5.0
+#: Between two looks for that record, seconds.
+RUNTIME_RECORD_POLL_S = 0.05
 
 def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
     """Split a ``Popen``-style return code into ``(exit_code, signal)``.
@@ -218,6 +237,11 @@ class _Watched:
         self.lineage_read_s = 0.0
         #: its uids when the watch began (whose private folder holds its SDK death notice)
         self.uids: tuple[int, ...] = ()
+        #: its container, when it was its container's init at the watch's start (the runtime's
+        #: exit record is then its own)
+        self.container: ContainerInit | None = None
+        #: where its runtime's record said it was OOM-killed (``""``: it did not)
+        self.runtime_oom = ""
 
     def looks_for_server_port(self) -> bool:
         """No ancestor listened yet, within :data:`SERVER_PORT_LOOK_S` of the watch's start: the
@@ -268,6 +292,7 @@ class _Watched:
         self.descendants = tuple(members)
         self.oom_counter = oom_counter_of(self.target.pid)
         self.uids = process_uids(self.target.pid)
+        self.container = container_init_of(self.target.pid)
 
 
 
@@ -337,6 +362,8 @@ class ProcessWatcher:
             status is read through ``Popen.poll()`` so the owner keeps its ``returncode``.
         sdk_dir: the SDK's base folder, where its death notices are (default: the SDK's own,
             ``$SERVEWATCH_SHM_DIR`` or ``/dev/shm``).
+        container_exit_records: path templates of the container runtimes' exit records
+            (:data:`agent.host.containerexits.DEFAULT_RECORDS`; ``[process]`` table).
 
     More pids can be added while running with :meth:`watch`.
     """
@@ -352,12 +379,15 @@ class ProcessWatcher:
         poll_interval_s: float = 1.0,
         children: Iterable[subprocess.Popen[Any]] = (),
         sdk_dir: Path | None = None,
+        container_exit_records: Sequence[str] = DEFAULT_RECORDS,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.poll_interval_s = poll_interval_s
         #: the SDK's base folder (its death notices), ``None``: the SDK's default
         self.sdk_dir = sdk_dir
+        #: where container runtimes keep a container's exit record (``{id}`` templates)
+        self.container_exit_records = tuple(container_exit_records)
         self._watched: dict[int, _Watched] = {}
         self._tg: TaskGroup | None = None
         self._bus: Publisher | None = None
@@ -596,6 +626,7 @@ class ProcessWatcher:
         oom = ""
         if self._oom is not None and (sig == _signal.SIGKILL or status is None):
             oom = await anyio.to_thread.run_sync(self._oom.killed, pid, watched.oom_counter)
+        oom = oom or watched.runtime_oom
         if oom and sig is None and code is None:
             sig = int(_signal.SIGKILL)  # the OOM killer's signal
         return ExitFact.of(pid, code, sig, oom=bool(oom), oom_evidence=oom,
@@ -636,7 +667,28 @@ class ProcessWatcher:
                                               watched.uids, self.sdk_dir)
         if told is not None:
             return (told.exit_code, told.signal), ExitSource.SDK, told.ended_time_unix_nano, told.ended_source
+        record = await self._runtime_record(watched)  # a container's init: its runtime wrote how it ended
+        if record is not None:
+            watched.runtime_oom = record.oom_evidence
+            return (record.exit_code, record.signal), ExitSource.RUNTIME, record.time_unix_nano, "runtime"
         return None, ExitSource.NONE, 0, ""
+
+    async def _runtime_record(self, watched: _Watched) -> RuntimeExit | None:
+        """Its container runtime's exit record, when it was its container's init (read when its
+        watch began), waited for up to :data:`RUNTIME_RECORD_WAIT_S` (the runtime writes it once
+        it reaped the init) while a folder that would hold it is visible."""
+        init, records = watched.container, self.container_exit_records
+        if init is None or not await anyio.to_thread.run_sync(records_visible, init, records):
+            return None
+        with anyio.move_on_after(RUNTIME_RECORD_WAIT_S):
+            while True:
+                found = await anyio.to_thread.run_sync(runtime_exit, init, records)
+                if found is not None:
+                    return found
+                await anyio.sleep(RUNTIME_RECORD_POLL_S)
+        log.info("process: pid %d was container %s's init; no trusted exit record of its runtime (%s) within %.0f s",
+                 init.pid, init.container_id[:12], init.engine or "runtime not named", RUNTIME_RECORD_WAIT_S)
+        return None
 
     async def _settle_tree(self, watched: _Watched, fact: ExitFact) -> ExitFact:
         """An exit that may be part of its server's stop (an unknown status, a non-zero code, a
@@ -1016,7 +1068,8 @@ def signal_name(signum: int | None) -> str:
 POLL_INTERVAL_S = 0.5
 
 
-def create(config: None, ctx: BuildContext) -> ProcessWatcher:
+def create(config: ProcessConfig, ctx: BuildContext) -> ProcessWatcher:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``process``): watches every target the
     runtime discovers (and the processes it launched, ``ctx.children``) for exit."""
-    return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children, sdk_dir=ctx.agent.sdk_socket_dir)
+    return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children, sdk_dir=ctx.agent.sdk_socket_dir,
+                          container_exit_records=config.container_exit_records)

@@ -98,7 +98,7 @@ def _start(spawn, group: Path, cid: str, argv: list[str], **dirs: Path) -> tuple
     monitor.stdout.close()
     deadline = time.monotonic() + 10  # in its cgroup, running its command
     while str(init) not in (group / "cgroup.procs").read_text().split() or \
-            "python" not in " ".join(psutil.Process(init).cmdline()):
+            "fake_conmon.py" in " ".join(psutil.Process(init).cmdline()):  # not yet exec'd
         assert time.monotonic() < deadline, "the container's init never started"
         time.sleep(0.01)
     return monitor, init
@@ -229,6 +229,11 @@ def test_records_that_are_not_the_runtimes_own_are_refused(spawn, container_cgro
     os.chown(exits / cid, 0, 0)
     found = runtime_exit(init, records)  # the same file, root's and fresh: read
     assert found is not None and (found.exit_code, found.signal, found.path) == (0, None, str(exits / cid))
+    (stale / "exit").write_text("137")  # conmon's persist dir, now this run's, with its OOM mark beside it
+    (stale / "oom").touch()
+    found = runtime_exit(init, records)
+    assert found is not None and (found.exit_code, found.signal, found.oom) == (None, 9, True)
+    assert found.path == str(stale / "exit") and found.oom_evidence == f"runtime record {stale / 'oom'}"
     os.kill(pid, signal.SIGKILL)
     assert monitor.wait(timeout=10) == 137
 

@@ -352,23 +352,54 @@ def _link_bytes(lk: Any) -> bytes:
     return _field(_S_LINK, body)
 
 
+#: a span's kind field (tag and value) by the record's kind
+_KIND_FIELDS = {kind: _S_KIND + _varint(proto) for kind, proto in _PROTO_KIND.items()}
+#: a span's status field without a message (UNSET, OK; ERROR when its description is empty), by code
+_PLAIN_STATUS_FIELDS = {code: _field(_S_STATUS, _ST_CODE + _varint(code) if code else b"") for code in range(3)}
+#: encoded name fields of names seen recently (a server's span names are a handful)
+_NAME_FIELDS: dict[str, bytes] = {}
+_NAME_FIELDS_MAX = 1024
+
+
+def _name_field(name: str) -> bytes:
+    field = _NAME_FIELDS.get(name)
+    if field is None:
+        field = _field(_S_NAME, name.encode())
+        if len(name) <= 256:
+            if len(_NAME_FIELDS) >= _NAME_FIELDS_MAX:
+                _NAME_FIELDS.clear()
+            _NAME_FIELDS[name] = field
+    return field
+
+
+def _status_field(status: int, desc: str) -> bytes:
+    message = desc[:MAX_STRING] if status == 2 else ""
+    if not message:
+        return _PLAIN_STATUS_FIELDS[status]
+    return _field(_S_STATUS, _field(_ST_MESSAGE, message.encode()) + _ST_CODE + _varint(status))
+
+
 def _span_bytes(name: str, kind: int, trace_id: int, span_id: int, parent_id: int, start: int, end: int, attrs: Any,
                 status: int, desc: str, events: list[Any], links: list[Any]) -> bytes:
     parts = [_S_TRACE_ID, trace_id.to_bytes(16, "big"), _S_SPAN_ID, span_id.to_bytes(8, "big")]
     if parent_id:
         parts += (_S_PARENT, parent_id.to_bytes(8, "big"))
     if name:
-        parts.append(_field(_S_NAME, name.encode()))
-    parts += (_S_KIND, _varint(_PROTO_KIND[kind]))
+        parts.append(_name_field(name))
+    parts.append(_KIND_FIELDS[kind])
     if start:
         parts += (_S_START, _FIXED64(start))
-    end = max(start, end)
+    end = max(end, start)
     if end:
         parts += (_S_END, _FIXED64(end))
-    parts.append(_attributes(_S_ATTR, _clean_attrs(attrs)))
-    parts += (_event_bytes(ev) for ev in events[:MAX_EVENTS])
-    parts += (_link_bytes(lk) for lk in links[:MAX_LINKS])
-    message = desc[:MAX_STRING] if status == 2 else ""
-    parts.append(_field(_S_STATUS, (_field(_ST_MESSAGE, message.encode()) if message else b"") + (_ST_CODE + _varint(status) if status else b"")))
+    if attrs:
+        parts.append(_attributes(_S_ATTR, _clean_attrs(attrs)))
+    elif type(attrs) is not dict:
+        raise _Invalid("attributes are not an object")
+    if events:
+        parts += (_event_bytes(ev) for ev in events[:MAX_EVENTS])
+    if links:
+        parts += (_link_bytes(lk) for lk in links[:MAX_LINKS])
+    parts.append(_status_field(status, desc))
     parts.append(_S_FLAGS)
     return b"".join(parts)

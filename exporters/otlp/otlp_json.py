@@ -7,10 +7,11 @@ Per the OTLP/JSON rules in the OTLP specification: keys are lowerCamelCase, enum
 integers, 64-bit integers (timestamps, ``intValue``) are decimal strings, and ``traceId`` /
 ``spanId`` / ``parentSpanId`` are lowercase HEX, not base64. protobuf's ``json_format`` gets
 everything right except the ids, which it would base64 — so ids are rewritten both ways here.
-Writing maps OTLP's fields itself, straight to text (the same text as ``json.dumps`` of
-``json_format``'s tree, ~7x cheaper: the field rules are worked out once per field, attribute
-lists are written without a ``ListFields`` per value and remembered, no dict tree is built); other
-messages go to ``json_format``.
+Writing maps OTLP's fields itself, straight to text: the same text as ``json.dumps`` of
+``json_format``'s tree, with the field rules worked out once per field, attribute lists written
+without a ``ListFields`` per value and remembered, and no dict tree (11.5 us of CPU per demo
+request or forward span, against 20 us for a dict tree of our own and ``json.dumps``, and ~3x that
+through ``json_format``); other messages go to ``json_format``.
 One request per line is what the collector's ``otlpjsonfile`` receiver reads.
 
 Imports protobuf and opentelemetry-proto only (and :mod:`agent.host.fsutil`, when a writer opens a file).

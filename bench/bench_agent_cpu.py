@@ -13,7 +13,10 @@ process:
   servewatch frame on its stack (:data:`COMPONENTS`: scrape, health, discovery, counters, ring
   scan, presence, status writes, export, open requests ...); samples with no servewatch frame
   are the event loop's own;
-* RSS at the end of the window.
+* RSS at the end of the window;
+* the spans the agent shipped to its OTLP/JSON files that ended within the window (read back once
+  the agent stopped, having drained its rings and queue): the same count for every tree at the same
+  load says no tree lost spans.
 
 ``--rates 0,5`` measures the idle watch, then under 5 requests/s (``--clients`` paced threads). With two ``--src``
 trees (e.g. ``git archive`` of the code before a change, and this tree) the rows compare them
@@ -154,6 +157,28 @@ def parse_raw(path: Path, roots: tuple[str, ...]) -> tuple[collections.Counter[s
     return comps, files, total
 
 
+def shipped_spans(data: Path, start_ns: int, end_ns: int) -> tuple[int, int]:
+    """``(spans that ended in [start_ns, end_ns), all spans)`` in the span files the agent wrote
+    under ``data`` (the agent stopped: it drained its rings and queue first), read with this
+    tree's reader: equal figures for both trees at the same load say nothing was lost."""
+    from exporters.otlp.otlp_json import iter_span_files, read_span_file
+
+    window = total = 0
+    for path in iter_span_files([data]):
+        if ".metrics" in path.name or "spool" in path.parts:
+            continue
+        try:
+            for request in read_span_file(path):
+                for rs in request.resource_spans:
+                    for ss in rs.scope_spans:
+                        for span in ss.spans:
+                            total += 1
+                            window += start_ns <= span.end_time_unix_nano < end_ns
+        except (OSError, ValueError):
+            continue
+    return window, total
+
+
 def cli_module(src: Path) -> str:
     """The CLI module of the tree ``src``: ``agent.cli.app`` since the layout by layers,
     ``agent.cli`` in a tree from before it (a ``--src`` baseline)."""
@@ -183,9 +208,11 @@ def measure(src: Path, server: DemoServer, env: dict[str, str], work: Path, args
                                     "-d", str(int(args.window_s)), "-o", str(raw), "-p", str(agent.pid)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         la0 = loadavg()
+        w0 = time.time_ns()
         t0, c0 = time.monotonic(), thread_cpu(agent.pid)
         time.sleep(args.window_s)
         t1, c1 = time.monotonic(), thread_cpu(agent.pid)
+        w1 = time.time_ns()
         la1 = loadavg()
         rss = rss_mb(agent.pid)
         if spy is not None:
@@ -206,10 +233,11 @@ def measure(src: Path, server: DemoServer, env: dict[str, str], work: Path, args
         shutil.copy(raw, args.keep / raw.name)
     dt = t1 - t0
     threads = {k: 100.0 * (c1.get(k, 0.0) - c0.get(k, 0.0)) / dt for k in c1}
+    spans_window, spans_total = shipped_spans(data, w0, w1)
     roots = (str(src.resolve()), str(REPO))
     comps, leaves, total = parse_raw(raw, roots) if spy is not None else (collections.Counter(), collections.Counter(), 0)
     return {"src": str(src), "window_s": dt, "cpu_pct": sum(threads.values()), "threads": threads, "rss_mb": rss,
-            "load": (la0[0] + la1[0]) / 2, "samples": total, "components": dict(comps), "leaves": dict(leaves.most_common(25))}
+            "load": (la0[0] + la1[0]) / 2, "samples": total, "spans_window": spans_window, "spans_total": spans_total, "components": dict(comps), "leaves": dict(leaves.most_common(25))}
 
 
 def report(results: list[dict], srcs: list[Path], rate: float, args: argparse.Namespace) -> None:
@@ -224,6 +252,8 @@ def report(results: list[dict], srcs: list[Path], rate: float, args: argparse.Na
         loads = ", ".join(f"{x['load']:.1f}" for x in mine)
         print(f"  [{i}] {src}: median {meds[-1]:.3f} % ({', '.join(f'{c:.3f}' for c in cpu)}); RSS max "
               f"{max(x['rss_mb'] for x in mine):.1f} MB; load {loads}")
+        print("      spans shipped that ended in the window (per window): "
+              + ", ".join(f"{x['spans_window']} ({x['spans_window'] / x['window_s']:.1f}/s)" for x in mine))
         threads: collections.Counter[str] = collections.Counter()
         comps: collections.Counter[str] = collections.Counter()
         leaves: collections.Counter[str] = collections.Counter()

@@ -7,8 +7,11 @@ Per the OTLP/JSON rules in the OTLP specification: keys are lowerCamelCase, enum
 integers, 64-bit integers (timestamps, ``intValue``) are decimal strings, and ``traceId`` /
 ``spanId`` / ``parentSpanId`` are lowercase HEX, not base64. protobuf's ``json_format`` gets
 everything right except the ids, which it would base64 — so ids are rewritten both ways here.
-Writing maps OTLP's fields itself (the same text, ~3x cheaper: the field rules are worked out once
-per field); other messages go to ``json_format``.
+Writing maps OTLP's fields itself, straight to text: the same text as ``json.dumps`` of
+``json_format``'s tree, with the field rules worked out once per field, attribute lists written
+without a ``ListFields`` per value and remembered, and no dict tree (11.5 us of CPU per demo
+request or forward span, against 20 us for a dict tree of our own and ``json.dumps``, and ~3x that
+through ``json_format``); other messages go to ``json_format``.
 One request per line is what the collector's ``otlpjsonfile`` receiver reads.
 
 Imports protobuf and opentelemetry-proto only (and :mod:`agent.host.fsutil`, when a writer opens a file).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import json.encoder
 import math
 import os
 import threading
@@ -31,6 +35,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 __all__ = [
     "ID_KEYS",
@@ -47,6 +52,9 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=Message)
+
+#: a str as ``json.dumps`` writes it by default (quoted, escaped, ASCII only: the C encoder)
+_json_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
 
 #: JSON keys whose bytes value is an id (hex in OTLP/JSON).
 ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
@@ -83,15 +91,31 @@ def _ids_to_base64(node: Any) -> None:
 
 
 class _Unsupported(Exception):
-    """A field :func:`_to_dict` does not map itself (``json_format`` does it)."""
+    """A field :func:`_to_text` does not map itself (``json_format`` does it)."""
 
 
-# How :func:`_to_dict` maps a field's value (``json_format``'s rules with integer enums, for the
-# field types OTLP uses; anything else is left to ``json_format``).
-_MESSAGE, _AS_IS, _BYTES, _ID, _INT64, _DOUBLE = range(6)
-#: field descriptor -> (JSON key, how, repeated)
+# How :func:`_to_text` writes a field's value (``json_format``'s rules with integer enums, for the
+# field types OTLP uses; anything else is left to ``json_format``). ``_KEYVALUES``: a repeated
+# ``KeyValue`` field (every attribute list of OTLP), written by :func:`_keyvalues`.
+_MESSAGE, _STRING, _BOOL, _INT, _BYTES, _ID, _INT64, _DOUBLE, _KEYVALUES = range(9)
+#: field descriptor -> (``"jsonKey":``, how, repeated)
 _FIELD_PLANS: dict[Any, tuple[str, int, bool]] = {}
-_INFINITY, _NEG_INFINITY, _NAN = "Infinity", "-Infinity", "NaN"
+_INFINITY, _NEG_INFINITY, _NAN = '"Infinity"', '"-Infinity"', '"NaN"'
+#: the message type whose repeated fields :func:`_keyvalues` writes
+_KEYVALUE = "opentelemetry.proto.common.v1.KeyValue"
+#: whether this opentelemetry-proto's ``KeyValue`` has ``key_strindex`` (1.5+): checked per value
+_KV_STRINDEX = "key_strindex" in KeyValue.DESCRIPTOR.fields_by_name
+#: :func:`_keyvalues` writes a ``KeyValue`` of these fields only (else :func:`_to_text`, field by field)
+_KV_FAST = set(KeyValue.DESCRIPTOR.fields_by_name) <= {"key", "value", "key_strindex"}
+#: the ``AnyValue`` oneof members :func:`_keyvalues` writes itself, and how
+_SCALAR_VALUES = {"string_value": _STRING, "bool_value": _BOOL, "int_value": _INT64}
+_SCALAR_KEYS = {"string_value": '{"stringValue":', "bool_value": '{"boolValue":', "int_value": '{"intValue":'}
+
+
+def _message_how(field: Any) -> int:
+    if field.message_type.full_name.startswith("google.protobuf."):  # well-known types, wrappers
+        raise _Unsupported(field.full_name)
+    return _KEYVALUES if field.is_repeated and _KV_FAST and field.message_type.full_name == _KEYVALUE else _MESSAGE
 
 
 def _plan(field: Any) -> tuple[str, int, bool]:
@@ -100,70 +124,119 @@ def _plan(field: Any) -> tuple[str, int, bool]:
         raise _Unsupported(field.full_name)
     name, cpp, repeated = field.json_name, field.cpp_type, field.is_repeated
     if cpp == fd.CPPTYPE_MESSAGE:
-        if field.message_type.full_name.startswith("google.protobuf."):  # well-known types, wrappers
-            raise _Unsupported(field.full_name)
-        how = _MESSAGE
+        how = _message_how(field)
     elif cpp == fd.CPPTYPE_STRING and field.type == fd.TYPE_BYTES:
         how = _ID if name in ID_KEYS and not repeated else _BYTES
     elif cpp in (fd.CPPTYPE_INT64, fd.CPPTYPE_UINT64):
         how = _INT64
     elif cpp == fd.CPPTYPE_DOUBLE:
         how = _DOUBLE
-    elif cpp in (fd.CPPTYPE_INT32, fd.CPPTYPE_UINT32, fd.CPPTYPE_ENUM, fd.CPPTYPE_BOOL) or (
-        cpp == fd.CPPTYPE_STRING and name not in ID_KEYS
-    ):
-        how = _AS_IS
+    elif cpp in (fd.CPPTYPE_INT32, fd.CPPTYPE_UINT32, fd.CPPTYPE_ENUM):
+        how = _INT
+    elif cpp == fd.CPPTYPE_BOOL:
+        how = _BOOL
+    elif cpp == fd.CPPTYPE_STRING and name not in ID_KEYS:
+        how = _STRING
     else:  # 32-bit floats (shortest repr), a string field named like an id
         raise _Unsupported(field.full_name)
-    plan = _FIELD_PLANS[field] = (name, how, repeated)
+    plan = _FIELD_PLANS[field] = (_json_string(name) + ":", how, repeated)
     return plan
 
 
-def _double(value: float) -> float | str:
+def _double(value: float) -> str:
+    """A double as ``json.dumps`` writes it (``repr``), the non-finite ones as OTLP/JSON's strings."""
     if math.isinf(value):
         return _INFINITY if value > 0 else _NEG_INFINITY
-    return _NAN if math.isnan(value) else value
+    return _NAN if math.isnan(value) else float.__repr__(value)
 
 
-def _to_dict(message: Message) -> dict[str, Any]:
-    """``json_format.MessageToDict(message, use_integers_for_enums=True)`` with the ids in hex,
-    for OTLP's messages, ~4x cheaper: each field's mapping is worked out once per field, not per
-    value. Raises :class:`_Unsupported` on a field it does not map (then ``json_format`` does)."""
-    js: dict[str, Any] = {}
+def _to_text(message: Message) -> str:
+    """``json.dumps(json_format.MessageToDict(message, use_integers_for_enums=True),
+    separators=(",", ":"))`` with the ids in hex, for OTLP's messages, written straight to text
+    (no dict tree, no second pass): each field's mapping is worked out once per field, not per
+    value, and attribute lists are written by :func:`_keyvalues`. Raises :class:`_Unsupported` on
+    a field it does not map (then ``json_format`` does)."""
+    parts = []
     plans = _FIELD_PLANS
     for field, value in message.ListFields():
         plan = plans.get(field)
-        name, how, repeated = plan if plan is not None else _plan(field)
-        if how == _AS_IS:
-            js[name] = list(value) if repeated else value
-        elif how == _ID:
-            js[name] = value.hex()
+        key, how, repeated = plan if plan is not None else _plan(field)
+        if how == _KEYVALUES:
+            parts.append(key + "[" + ",".join(_keyvalues(value)) + "]")
+        elif repeated:
+            write = _WRITE[how]
+            parts.append(key + "[" + ",".join([write(v) for v in value]) + "]")
         else:
-            convert = _CONVERT[how]
-            js[name] = [convert(v) for v in value] if repeated else convert(value)
-    return js
+            parts.append(key + _WRITE[how](value))
+    return "{" + ",".join(parts) + "}"
+
+
+#: ``KeyValue`` texts of scalar attributes seen recently, by ``(key, value's oneof member, value)``:
+#: the keys, model names, operation names and small counts of request and forward spans repeat
+_KV_TEXTS: dict[tuple[str, str, Any], str] = {}
+_KV_TEXTS_MAX = 8192
+
+
+def _keyvalues(values: Any) -> list[str]:
+    """A repeated ``KeyValue`` field's items as :func:`_to_text` writes each (the same text),
+    without a ``ListFields`` call per ``KeyValue`` and ``AnyValue``: string, bool and int values
+    are written here (and remembered, :data:`_KV_TEXTS`), anything else by :func:`_to_text`."""
+    out = []
+    cache = _KV_TEXTS
+    for kv in values:
+        value = kv.value
+        which = value.WhichOneof("value")
+        how = _SCALAR_VALUES.get(which) if which is not None else None
+        if how is None or (_KV_STRINDEX and kv.key_strindex):  # doubles, arrays, bytes, string-table refs, unset
+            out.append(_to_text(kv))
+            continue
+        raw = getattr(value, which)
+        ck = (kv.key, which, raw)
+        text = cache.get(ck)
+        if text is None:
+            key = ck[0]
+            text = ('{"key":' + _json_string(key) + "," if key else "{") + '"value":' + _SCALAR_KEYS[which] + _WRITE[how](raw) + "}}"
+            if how != _STRING or len(raw) <= 64:
+                if len(cache) >= _KV_TEXTS_MAX:
+                    cache.clear()
+                cache[ck] = text
+        out.append(text)
+    return out
 
 
 def _base64(value: bytes) -> str:
-    return base64.b64encode(value).decode("ascii")
+    return '"' + base64.b64encode(value).decode("ascii") + '"'
 
 
-#: how each value of a field is converted, by its plan's ``how`` (but as-is values and ids)
-_CONVERT: dict[int, Callable[[Any], Any]] = {_MESSAGE: _to_dict, _INT64: str, _BYTES: _base64, _DOUBLE: _double}
+def _hex(value: bytes) -> str:
+    return '"' + value.hex() + '"'
+
+
+def _int64(value: int) -> str:
+    return '"' + int.__repr__(value) + '"'
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+#: how each value of a field is written, by its plan's ``how`` (but attribute lists)
+_WRITE: dict[int, Callable[[Any], str]] = {
+    _MESSAGE: _to_text, _STRING: _json_string, _BOOL: _bool, _INT: int.__repr__, _BYTES: _base64, _ID: _hex,
+    _INT64: _int64, _DOUBLE: _double,
+}
 
 
 def message_to_json(message: Message) -> str:
-    """One OTLP message as a single OTLP/JSON line (no trailing newline)."""
-    if message.DESCRIPTOR.full_name.startswith("google.protobuf."):
-        tree = None
-    else:
+    """One OTLP message as a single OTLP/JSON line (no trailing newline): the text of
+    ``json.dumps(tree, separators=(",", ":"))``, ASCII only."""
+    if not message.DESCRIPTOR.full_name.startswith("google.protobuf."):
         try:
-            tree = _to_dict(message)
+            return _to_text(message)
         except _Unsupported:
-            tree = None
-    if tree is None:
-        tree = json_format.MessageToDict(message, use_integers_for_enums=True)
-        _ids_to_hex(tree)
+            pass
+    tree = json_format.MessageToDict(message, use_integers_for_enums=True)
+    _ids_to_hex(tree)
     return json.dumps(tree, separators=(",", ":"))
 
 

@@ -59,6 +59,9 @@ MAX_LINKS = 128
 MAX_STRING = 8192
 MAX_NAME = 1024
 _INT64 = (-(2**63), 2**63 - 1)
+#: largest trace id and span id (named once: Python does not fold ``2**128 - 1`` at compile time)
+_MAX_TRACE_ID = 2**128 - 1
+_MAX_SPAN_ID = 2**64 - 1
 #: valid ``kind`` (the OTel API's ``SpanKind`` values) and ``status`` (``StatusCode``) of a record
 _KINDS = frozenset(range(5))
 _STATUS = frozenset(range(3))
@@ -94,6 +97,11 @@ SDK_ATTRIBUTES = frozenset({"servewatch.forward_ct", "servewatch.forward.batch_s
 IDENTITY_KEYS = frozenset({"service.name", "host.name", "process.pid", "process.owner", "process.user.id", "process.real_user.id"})
 
 
+#: attribute names :func:`check_reserved` found allowed (the same few on every span of a server)
+_ALLOWED_KEYS: set[str] = set()
+_ALLOWED_KEYS_MAX = 4096
+
+
 def check_reserved(name: str, attrs: Any) -> None:
     """Refuse a span record that claims servewatch's names or an identity the agent sets.
 
@@ -105,9 +113,16 @@ def check_reserved(name: str, attrs: Any) -> None:
     if name in RESERVED_SPAN_NAMES or name.startswith("servewatch"):
         raise Reserved(f"span name {name[:64]!r} is servewatch's")
     if type(attrs) is dict:
+        allowed = _ALLOWED_KEYS
         for key in attrs:
+            if key in allowed:
+                continue
             if (key.startswith("servewatch") and key not in SDK_ATTRIBUTES) or key in IDENTITY_KEYS:
                 raise Reserved(f"attribute {key[:64]!r} is servewatch's to set")
+            if type(key) is str and len(key) <= 256:
+                if len(allowed) >= _ALLOWED_KEYS_MAX:
+                    allowed.clear()
+                allowed.add(key)
 
 
 def _clean_value(value: Any) -> Any:
@@ -281,9 +296,9 @@ def parse_record(payload: bytes) -> tuple[Any, ...]:
     name, kind, trace_id, span_id, parent_id, start, end, attrs, status, desc, events, links = rec
     if type(name) is not str or type(desc) is not str:
         raise _Invalid("name/description not strings")
-    trace_id = _int(trace_id, 1, 2**128 - 1)
-    span_id = _int(span_id, 1, 2**64 - 1)
-    parent_id = _int(parent_id, 0, 2**64 - 1)
+    trace_id = _int(trace_id, 1, _MAX_TRACE_ID)
+    span_id = _int(span_id, 1, _MAX_SPAN_ID)
+    parent_id = _int(parent_id, 0, _MAX_SPAN_ID)
     start = _int(start, 0, _INT64[1])
     end = _int(end, 0, _INT64[1])
     if type(kind) not in _SCALARS or type(status) not in _SCALARS or kind not in _KINDS or status not in _STATUS:
@@ -329,12 +344,39 @@ def _link_bytes(lk: Any) -> bytes:
     if type(lk) is not list or len(lk) != 3:
         raise _Invalid("bad link")
     body = (
-        _L_TRACE_ID + _int(lk[0], 1, 2**128 - 1).to_bytes(16, "big")
-        + _L_SPAN_ID + _int(lk[1], 1, 2**64 - 1).to_bytes(8, "big")
+        _L_TRACE_ID + _int(lk[0], 1, _MAX_TRACE_ID).to_bytes(16, "big")
+        + _L_SPAN_ID + _int(lk[1], 1, _MAX_SPAN_ID).to_bytes(8, "big")
         + _attributes(_L_ATTR, _clean_attrs(lk[2]))
         + _L_FLAGS
     )
     return _field(_S_LINK, body)
+
+
+#: a span's kind field (tag and value) by the record's kind
+_KIND_FIELDS = {kind: _S_KIND + _varint(proto) for kind, proto in _PROTO_KIND.items()}
+#: a span's status field without a message (UNSET, OK; ERROR when its description is empty), by code
+_PLAIN_STATUS_FIELDS = {code: _field(_S_STATUS, _ST_CODE + _varint(code) if code else b"") for code in range(3)}
+#: encoded name fields of names seen recently (a server's span names are a handful)
+_NAME_FIELDS: dict[str, bytes] = {}
+_NAME_FIELDS_MAX = 1024
+
+
+def _name_field(name: str) -> bytes:
+    field = _NAME_FIELDS.get(name)
+    if field is None:
+        field = _field(_S_NAME, name.encode())
+        if len(name) <= 256:
+            if len(_NAME_FIELDS) >= _NAME_FIELDS_MAX:
+                _NAME_FIELDS.clear()
+            _NAME_FIELDS[name] = field
+    return field
+
+
+def _status_field(status: int, desc: str) -> bytes:
+    message = desc[:MAX_STRING] if status == 2 else ""
+    if not message:
+        return _PLAIN_STATUS_FIELDS[status]
+    return _field(_S_STATUS, _field(_ST_MESSAGE, message.encode()) + _ST_CODE + _varint(status))
 
 
 def _span_bytes(name: str, kind: int, trace_id: int, span_id: int, parent_id: int, start: int, end: int, attrs: Any,
@@ -343,17 +385,21 @@ def _span_bytes(name: str, kind: int, trace_id: int, span_id: int, parent_id: in
     if parent_id:
         parts += (_S_PARENT, parent_id.to_bytes(8, "big"))
     if name:
-        parts.append(_field(_S_NAME, name.encode()))
-    parts += (_S_KIND, _varint(_PROTO_KIND[kind]))
+        parts.append(_name_field(name))
+    parts.append(_KIND_FIELDS[kind])
     if start:
         parts += (_S_START, _FIXED64(start))
-    end = max(start, end)
+    end = max(end, start)
     if end:
         parts += (_S_END, _FIXED64(end))
-    parts.append(_attributes(_S_ATTR, _clean_attrs(attrs)))
-    parts += (_event_bytes(ev) for ev in events[:MAX_EVENTS])
-    parts += (_link_bytes(lk) for lk in links[:MAX_LINKS])
-    message = desc[:MAX_STRING] if status == 2 else ""
-    parts.append(_field(_S_STATUS, (_field(_ST_MESSAGE, message.encode()) if message else b"") + (_ST_CODE + _varint(status) if status else b"")))
+    if attrs:
+        parts.append(_attributes(_S_ATTR, _clean_attrs(attrs)))
+    elif type(attrs) is not dict:
+        raise _Invalid("attributes are not an object")
+    if events:
+        parts += (_event_bytes(ev) for ev in events[:MAX_EVENTS])
+    if links:
+        parts += (_link_bytes(lk) for lk in links[:MAX_LINKS])
+    parts.append(_status_field(status, desc))
     parts.append(_S_FLAGS)
     return b"".join(parts)

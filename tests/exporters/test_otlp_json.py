@@ -136,7 +136,7 @@ def test_own_mapping_writes_what_json_format_writes() -> None:
         KeyValueList,
     )
 
-    from exporters.otlp.otlp_json import _to_dict, message_to_json
+    from exporters.otlp.otlp_json import _to_text, message_to_json
 
     _, request = _request(3)
     span = request.resource_spans[0].scope_spans[0].spans[0]
@@ -162,7 +162,7 @@ def test_own_mapping_writes_what_json_format_writes() -> None:
     request.resource_spans[0].scope_spans[0].scope.name = "scope"
     request.resource_spans[0].scope_spans[0].scope.version = "1"
     request.resource_spans.add()  # an empty one
-    _to_dict(request)  # mapped by its own rules, not handed to json_format
+    _to_text(request)  # mapped by its own rules, not handed to json_format
     assert message_to_json(request) == _reference_json(request)
 
     metrics = ExportMetricsServiceRequest()
@@ -172,7 +172,7 @@ def test_own_mapping_writes_what_json_format_writes() -> None:
     point.explicit_bounds.extend([0.5, float("inf")])
     point.exemplars.add(as_double=0.25, span_id=b"\x01" * 8, trace_id=b"\x02" * 16)
     metric.metadata.add(key="k", value=AnyValue(int_value=5))
-    _to_dict(metrics)
+    _to_text(metrics)
     assert message_to_json(metrics) == _reference_json(metrics)
 
 
@@ -187,3 +187,59 @@ def test_messages_it_does_not_map_go_to_json_format() -> None:
     st = Struct()
     st.update({"a": 1.5, "b": [True, None, "x"]})
     assert message_to_json(st) == _reference_json(st)
+
+
+#: one attribute's values on successive spans: equal as Python values, not as OTLP values
+SAME_VALUES = (True, 1, 1.0, "1", False, 0)
+
+
+def test_shipped_spans_text_is_json_formats_and_keeps_each_spans_values() -> None:
+    """The files exporter's text of shipped spans (ring records of the SDK's request and forward
+    spans, encoded by the agent's wire encoder) is ``json_format``'s, byte for byte; the attribute
+    texts it remembers never give one span another's value (the same keys with new values, a
+    value over the remembered length, escapes and non-ASCII, an int and a bool of equal value)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from exporters.otlp.encode import encode_spans_fast
+    from exporters.otlp.wire import encode_record
+
+    resource = Resource({"service.name": "llm", "process.pid": 7, "host.name": "node-a"})
+    trace = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+
+    def request_record(i: int, model: str) -> bytes:
+        attrs = {"gen_ai.operation.name": "chat", "gen_ai.response.id": f"req-{i}", "gen_ai.request.model": model,
+                 "gen_ai.request.max_tokens": 16, "gen_ai.usage.input_tokens": i, "flag": i % 2 == 1, "n": i % 2,
+                 "ratio": i / 3, "": "empty key", "v": SAME_VALUES[i]}
+        return json.dumps([f"chat {model}", 1, trace + i, 100 + i, 0, 1_700_000_000_000_000_000 + i,
+                           1_700_000_000_500_000_000 + i, attrs, 2 if i == 2 else 0, "boom" if i == 2 else "",
+                           [["token", 1_700_000_000_100_000_000, {"k": "v"}]], []]).encode()
+
+    def forward_record(i: int) -> bytes:
+        return json.dumps(["forward", 0, trace + i, 500 + i, 100 + i, 1_700_000_000_200_000_000, 1_700_000_000_300_000_000,
+                           {"servewatch.forward.batch_size": 1, "servewatch.forward_ct": i}, 0, "", [],
+                           [[trace + i, 100 + i, {"gen_ai.response.id": f"req-{i}"}]]]).encode()
+
+    models = ["tiny", "tiny", "ünï \"quoted\"\n\u2028", "x" * 65, "x" * 65 + "y", "tiny"]
+    payloads = [p for i, m in enumerate(models) for p in (request_record(i, m), forward_record(i))]
+    request = encode_spans_fast([encode_record(p, resource) for p in payloads])
+    text = request_to_json(request)
+    assert text == _reference_json(request)
+    assert text.isascii()
+    got = request_from_json(text)
+    assert got == request
+    spans = got.resource_spans[0].scope_spans[0].spans
+    assert len(spans) == 2 * len(models)
+    for i, model in enumerate(models):
+        attrs = {kv.key: kv.value for kv in spans[2 * i].attributes}
+        assert attrs["gen_ai.request.model"].string_value == model
+        assert attrs["gen_ai.response.id"].string_value == f"req-{i}"
+        assert attrs["gen_ai.usage.input_tokens"].int_value == i
+        assert attrs["flag"].WhichOneof("value") == "bool_value" and attrs["flag"].bool_value is (i % 2 == 1)
+        assert attrs["n"].WhichOneof("value") == "int_value" and attrs["n"].int_value == i % 2
+        which = {bool: "bool_value", int: "int_value", float: "double_value", str: "string_value"}[type(SAME_VALUES[i])]
+        assert attrs["v"].WhichOneof("value") == which and getattr(attrs["v"], which) == SAME_VALUES[i]
+        forward = {kv.key: kv.value.int_value for kv in spans[2 * i + 1].attributes}
+        assert forward == {"servewatch.forward.batch_size": 1, "servewatch.forward_ct": i}
+        assert spans[2 * i + 1].links[0].span_id == (100 + i).to_bytes(8, "big")
+    again = request_to_json(ExportTraceServiceRequest.FromString(request.SerializeToString()))
+    assert again == text  # the remembered texts give the same line the second time

@@ -264,3 +264,18 @@ def test_encoded_bytes_are_canonical() -> None:
                 events=[["", 0, {"": ""}]], links=[[1, 2, {}]])):
         data = encode_record(_payload(rec), RESOURCE).data
         assert Span.FromString(data).SerializeToString() == data
+
+
+def test_attribute_names_remembered_as_allowed_never_let_a_reserved_one_through() -> None:
+    """The names :func:`check_reserved` remembers as allowed are only those it allowed: after
+    many accepted spans, a record adding a ``servewatch.*`` attribute or an identity key beside
+    the allowed ones is still refused, and an SDK attribute still passes."""
+    from exporters.otlp.wire import Reserved
+
+    for i in range(3):
+        encode_record(_payload(_record(attrs={"gen_ai.request.model": "demo-tiny", "gen_ai.usage.input_tokens": i})), RESOURCE)
+    for bad in ("servewatch.incident.id", "host.name", "service.name", "process.pid"):
+        with pytest.raises(Reserved):
+            encode_record(_payload(_record(attrs={"gen_ai.request.model": "demo-tiny", bad: 1})), RESOURCE)
+    span = Span.FromString(encode_record(_payload(_record(attrs={"gen_ai.request.model": "m", "servewatch.forward_ct": 3})), RESOURCE).data)
+    assert {kv.key: kv.value for kv in span.attributes}["servewatch.forward_ct"].int_value == 3

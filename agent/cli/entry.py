@@ -27,11 +27,12 @@ def main() -> None:
         gc.disable()  # before the imports (see agent.early.ONE_SHOT_COMMANDS)
     early.start(args)
     try:
-        from agent.cli.common import plain_dump_args, run_plain_dump
+        if args[:1] == ["dump"]:
+            from agent.cli.common import plain_dump_args, run_plain_dump
 
-        plain = plain_dump_args(args)
-        if plain is not None:
-            run_plain_dump(plain)  # ends the process
+            plain = plain_dump_args(args)
+            if plain is not None:
+                run_plain_dump(plain)  # ends the process
         from agent.cli.app import main as cli_main
 
         cli_main()

@@ -868,7 +868,7 @@ def test_cuda_env_counts_every_export_it_prints(tmp_path: Path) -> None:
 def test_plain_lines_asking_rich_not_to_wrap_are_still_wrapped_at_words_on_a_terminal(monkeypatch, capsys) -> None:
     """A plain line printed with rich's ``soft_wrap=True`` (the spool, --metrics-url and newer-dump
     lines) takes the CLI's own path: on a terminal broken at words, continuation rows hanging by 4."""
-    from agent.cli import app as cli
+    from agent.cli import common as cli  # the consoles' module (agent.cli.app imports them from it)
 
     monkeypatch.setattr(cli, "_terminal_columns", lambda stream: 40)
     line = "servewatch: --metrics-url: no reading: connection refused at http://127.0.0.1:1/metrics (the verdict names it)"

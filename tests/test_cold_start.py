@@ -325,3 +325,121 @@ def test_report_renders_the_template_compiled_ahead_and_a_bad_manifest_still_get
         assert proc.stderr.strip().splitlines() == [
             f"servewatch: {manifest}: not a servewatch incident manifest: opened_time_unix_nano: field required"], args
     assert not (tmp_path / "bad.html").exists()
+
+
+#: What the plain one-shot `servewatch dump --pid N ...` never imports (issue 38: the dump at the
+#: import floor): the CLI framework (typer, its vendored click, shellingham) and the command-line
+#: module built on it. The console entry runs the plain form without them (agent.cli.common).
+PLAIN_DUMP_NEVER = ("typer", "click", "shellingham", "agent.cli.app")
+
+# As _PROBE, and also what was imported when the py-spy actor claimed the early py-spy run (its
+# stacks about to be read): the modules loaded before the stacks are in.
+_CLAIM_PROBE = """
+import json, os, sys
+args, heavy_prefixes = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
+sys.argv = ["servewatch", *args]
+from agent import early
+at_claim = []
+real_claim = early.claim
+def claim(argv):
+    run = real_claim(argv)
+    if run is not None and not at_claim:
+        at_claim.append(sorted(m for m in sys.modules if m.startswith(heavy_prefixes)))
+    return run
+early.claim = claim
+real_exit = os._exit
+def probe_exit(code):
+    heavy = sorted(m for m in sys.modules if m.startswith(heavy_prefixes))
+    sys.stdout.flush()
+    print(json.dumps({"code": code, "heavy": heavy, "at_claim": at_claim}), file=sys.stderr, flush=True)
+    real_exit(code)
+os._exit = probe_exit
+from agent.cli.entry import main
+main()
+"""
+
+
+def test_plain_dump_imports_no_cli_framework_before_or_after_the_stacks(spawn, tmp_path: Path) -> None:
+    """The plain `dump --pid N` claims its early py-spy run (the stacks) without typer or the
+    CLI module loaded, and never loads them: the same bundle, through agent.cli.common only."""
+    pid = _titled_target(spawn, "coldstart::scheduler_TP0")
+    data = tmp_path / "data"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLAIM_PROBE, json.dumps(["dump", "--pid", str(pid), "--data-dir", str(data)]),
+         json.dumps([*PLAIN_DUMP_NEVER, "agent.cli.common", "agent.actors.pyspy"])],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False, env=_env(tmp_path), stdin=subprocess.DEVNULL,
+    )
+    got = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert got["code"] == 0, proc.stderr
+    assert got["at_claim"] == [["agent.actors.pyspy", "agent.cli.common"]], got  # claimed, with no CLI framework loaded
+    assert got["heavy"] == ["agent.actors.pyspy", "agent.cli.common"]
+    assert list(next(data.iterdir()).glob(f"*-manual-*/pyspy-{pid}.json")), "no stack dump in the bundle"
+    assert f"pid {pid}" in proc.stdout and "Errors: 0" in proc.stdout
+
+
+def test_a_dump_form_typer_must_parse_still_loads_it(tmp_path: Path) -> None:
+    """Any other form of `dump` (here --match) goes through typer as before: the probe sees it."""
+    got = _modules_after(["dump", "--match", "nothing-is-titled-so-*", "--data-dir", str(tmp_path / "data")], tmp_path,
+                         PLAIN_DUMP_NEVER)
+    assert got["code"] == 1  # nothing matched
+    assert {"typer", "agent.cli.app"} <= set(got["heavy"])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["dump", "--pid", "41"],
+        ["dump", "--pid=41", "--pid", "7", "--pid", "41", "--json"],
+        ["dump", "-v", "--pid", "007", "--data-dir", "d1", "--data-dir=d2", "--verbose"],
+        ["dump", "--otlp-endpoint", "http://127.0.0.1:4317", "--otlp-protocol=grpc", "--pid", "3", "--data-dir", "x=y"],
+    ],
+)
+def test_plain_dump_arguments_are_what_typer_passes(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """plain_dump_args reads a plain `dump` command line exactly as typer does (repeats, the
+    last of a repeated option, `--opt=value`, leading zeros)."""
+    from agent.cli import app
+    from agent.cli.common import plain_dump_args
+
+    seen: list[dict] = []
+
+    def capture(**kwargs: object) -> None:
+        seen.append(kwargs)
+
+    monkeypatch.setattr(app, "run_dump", capture)
+    with pytest.raises(SystemExit) as exc:
+        app.main(args)
+    assert exc.value.code == 0
+    assert plain_dump_args(args) == seen[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["dump"], ["dump", "--help"], ["dump", "--pid", "0"], ["dump", "--pid", "-1"], ["dump", "--pid", "+4"],
+        ["dump", "--pid", "4", "--config", "c.toml"], ["dump", "--pid", "4", "--match", "x"], ["dump", "--pid", "4", "--data-dir"],
+        ["dump", "--pid", "4", "--data-dir", "--json"], ["dump", "--pid", "4", "--data-dir="], ["dump", "--pid", "4", "-vv"],
+        ["dump", "--pid", "4", "--"], ["run", "--pid", "4"], ["--pid", "4", "dump"],
+    ],
+)
+def test_other_dump_forms_are_left_to_typer(args: list[str]) -> None:
+    from agent.cli.common import plain_dump_args
+
+    assert plain_dump_args(args) is None
+
+
+def test_plain_dump_with_an_invalid_setting_says_it_as_typer_does(tmp_path: Path) -> None:
+    """An invalid setting in the plain form: the command runs again through typer, whose line
+    names the flag and the command's help; the unknown-variable warning is said once."""
+    env = {**_env(tmp_path), "SERVEWATCH_NO_SUCH_SETTING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from agent.cli.entry import main; main()", "dump", "--pid", "2147483646",
+         "--data-dir", str(tmp_path / "data"), "--otlp-protocol", "bogus"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "servewatch: warning: unknown variable SERVEWATCH_NO_SUCH_SETTING is ignored (see the settings reference in docs/settings.md)",
+        ("servewatch: invalid value for --otlp-protocol: Input should be 'grpc' or 'http/protobuf' (got 'bogus');"
+         " see 'servewatch dump --help'"),
+    ]
+    assert not (tmp_path / "data").exists()

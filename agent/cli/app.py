@@ -8,38 +8,47 @@ Exit codes (:class:`ExitCode`): 0 success, 1 runtime failure, 2 usage error or i
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import enum
 import gc
 import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
+from agent.cli.common import (  # noqa: F401 (still named here: tests and docs read them from this module)
+    HANG_INDENT,
+    ExitCode,
+    _data_dir_ready,
+    _exit_now,
+    _invalid,
+    _LazyConsole,
+    _logging,
+    _pid_alive,
+    _print_json,
+    _print_record,
+    _safe_console,
+    _say_spooled,
+    _settings,
+    _target,
+    _terminal_columns,
+    err,
+    fail,
+    out,
+    run_dump,
+)
 from agent.early import one_shot as _one_shot
 
 if TYPE_CHECKING:  # settings (pydantic-settings, every component's model) load when a command needs them
-    from rich.console import Console
-
     from agent.model.datadir import DataDir
     from agent.runtime.settings import Settings
     from agent.watchers.status import StatusSnapshot
 
 __all__ = ["ExitCode", "app", "main"]
-
-
-class ExitCode(enum.IntEnum):
-    """Process exit codes of every ``servewatch`` command."""
-
-    OK = 0
-    FAILURE = 1
-    USAGE = 2
 
 
 #: ``launch``: seconds during which the launched server may refuse connections while it starts
@@ -62,123 +71,6 @@ app = typer.Typer(
 )
 
 
-def _safe_console(**kwargs: Any) -> Any:
-    """A rich Console (rich is imported here: only commands that print results pay for it)."""
-    from rich.console import Console
-
-    class _SafeConsole(Console):
-        """A rich Console that strips control characters from every string it is given.
-
-        Titles, thread, function and file names and request ids are chosen by the target (another
-        user, possibly): an ``ESC]0;...`` or ``ESC[41m`` in them must never reach the operator's
-        terminal. Rich's own styling is added after this, so colours still work.
-        """
-
-        def print(self, *objects: Any, **kwargs: Any) -> None:
-            from agent.host.security import strip_control
-
-            super().print(*(strip_control(o, keep_newlines=True) if isinstance(o, str) else o for o in objects), **kwargs)
-
-    return _SafeConsole(**kwargs)
-
-
-#: Continuation rows of a line wrapped for a terminal are indented this many columns more than
-#: the line itself (a hanging indent: where a line starts stays plain to see).
-HANG_INDENT = 4
-
-
-def _terminal_columns(stream: Any) -> int | None:
-    """Columns of the terminal ``stream`` writes to, or ``None`` when it is none (a file or a
-    pipe: lines stay whole there, for machines to read)."""
-    try:
-        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else None
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _wrap_for_terminal(text: str, columns: int | None) -> str:
-    """``text`` with each line longer than ``columns`` broken at spaces, never inside a word (a
-    path, an id), its continuation rows indented :data:`HANG_INDENT` more than the line; as it
-    is when ``columns`` is ``None`` (no terminal). A word wider than a row stays whole."""
-    if columns is None or columns < 2 * HANG_INDENT + 16:
-        return text
-    import textwrap
-
-    rows: list[str] = []
-    for line in text.split("\n"):
-        body = line.lstrip(" ")
-        lead = line[: len(line) - len(body)]
-        if len(line) <= columns or not body:
-            rows.append(line)
-            continue
-        rows += textwrap.wrap(body, width=columns, initial_indent=lead, subsequent_indent=lead + " " * HANG_INDENT,
-                              break_long_words=False, break_on_hyphens=False, expand_tabs=False,
-                              replace_whitespace=False) or [line]
-    return "\n".join(rows)
-
-
-class _LazyConsole:
-    """Stands for a :func:`_safe_console` made at its first use."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._kwargs = kwargs
-        self._console: Any = None
-
-    def print(self, *objects: Any, sep: str = " ", end: str = "\n", markup: bool | None = None,
-              highlight: bool | None = None, **kwargs: Any) -> None:
-        """Plain text lines (``markup=False``) are written without importing rich, control
-        characters stripped: on a terminal wrapped at words with a hanging indent
-        (:func:`_wrap_for_terminal`), whole in a file or pipe; anything else goes to rich."""
-        stream = sys.stderr if self._kwargs.get("stderr") else sys.stdout
-        with _progress_aside():  # dump's progress line is erased first, drawn again after
-            plain = {k: v for k, v in kwargs.items() if k != "soft_wrap"}  # rich's "never wrap": ours wraps at words
-            if not plain and markup is False and all(isinstance(o, str) for o in objects):
-                # plain lines: on a terminal wrapped at words with a hanging indent, whole elsewhere
-                from agent.host.security import strip_control
-
-                text = sep.join(strip_control(o, keep_newlines=True) for o in objects)
-                stream.write(_wrap_for_terminal(text, _terminal_columns(stream)) + end)
-                stream.flush()
-                return
-            self.__getattr__("print")(*objects, sep=sep, end=end, markup=markup, highlight=highlight, **kwargs)
-
-    @property
-    def console(self) -> Console:
-        """The rich Console itself (made now if not yet), for code that takes a ``Console``."""
-        if self._console is None:
-            self._console = _safe_console(**self._kwargs)
-        return self._console
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_kwargs", "_console"):
-            raise AttributeError(name)
-        if self._console is None:
-            self._console = _safe_console(**self._kwargs)
-        return getattr(self._console, name)
-
-
-def _print_json(doc: Any) -> None:
-    """A result as JSON on stdout: readable UTF-8, every control and bidi character a ``\\u``
-    escape (:func:`agent.host.security.dumps_safe`), so a target's chosen text never acts on a terminal."""
-    from agent.host.security import dumps_safe
-
-    sys.stdout.write(dumps_safe(doc) + "\n")
-    sys.stdout.flush()
-
-
-class _SafeFormatter(logging.Formatter):
-    """Log lines on stderr carry no control characters (they may quote a target's title)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        from agent.host.security import strip_control
-
-        return strip_control(super().format(record), keep_newlines=True)
-
-
-out = _LazyConsole(soft_wrap=True)  # results
-err = _LazyConsole(stderr=True, soft_wrap=True)  # progress, chatter, errors
-
-
 def _check_bindable(host: str, port: int) -> None:
     """Fail (exit 2, one line naming ``api.listen``) when the API address cannot be bound now."""
     import socket
@@ -193,87 +85,10 @@ def _check_bindable(host: str, port: int) -> None:
         fail(f"invalid setting api.listen: cannot listen on {host}:{port}: {exc.strerror or exc}", ExitCode.USAGE)
 
 
-def fail(message: str, code: int = ExitCode.FAILURE) -> NoReturn:
-    """Print one ``servewatch: ...`` line on stderr and exit with ``code``."""
-    err.print(f"servewatch: {message}", markup=False, highlight=False)
-    raise typer.Exit(int(code))
 
 
-class _CliFormatter(_SafeFormatter):
-    """Log lines shaped as the CLI's own: ``servewatch: warning: no target process found yet ...``."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        return f"servewatch: {record.levelname.lower()}: {record.message}"
-
-    def format(self, record: logging.LogRecord) -> str:
-        """The line, wrapped at words with a hanging indent when stderr is a terminal."""
-        return _wrap_for_terminal(super().format(record), _terminal_columns(sys.stderr))
 
 
-class _CliHandler(logging.StreamHandler):
-    """Log lines on stderr that never land on ``dump``'s progress line: it is erased before the
-    line is written and drawn again after it (:func:`_progress_aside`)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with _progress_aside():
-            super().emit(record)
-
-
-def _logging(verbose: bool) -> None:
-    """Log to stderr: warnings and errors as ``servewatch: warning: ...`` lines, like the CLI's
-    own; with ``--verbose``, everything from INFO, with timestamps and logger names."""
-    handler = _CliHandler(sys.stderr)
-    handler.setFormatter(
-        _SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s") if verbose else _CliFormatter()
-    )
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        handlers=[handler],
-    )
-    from agent.views.console import quiet_sdk_logs
-
-    quiet_sdk_logs(verbose=verbose)  # the OTel SDK's own log lines are counted, not printed
-
-
-def _say_spooled(telemetry: Any, stats: Any) -> bool:
-    """After a one-shot command: say how many spans wait in the spool and how to replay them,
-    and how many were refused or lost. Returns whether every span was delivered or is safe in
-    the spool (``False``: some were refused or lost; the command exits 1)."""
-    from agent.views.console import spooled_summary, undelivered_summary
-
-    if telemetry is None or stats is None:  # never built, or its shutdown ran out of time
-        return True
-    line = spooled_summary(telemetry, stats)
-    if line:
-        err.print(line, markup=False, highlight=False, soft_wrap=True)
-    lost = undelivered_summary(telemetry, stats)
-    if lost:
-        err.print(f"servewatch: {lost}", markup=False, highlight=False, soft_wrap=True)
-    return lost is None
-
-
-def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) -> Settings:
-    """Load settings and validate the telemetry destination, or exit 2 with one line.
-
-    Creates nothing: a command that writes calls :func:`_data_dir_ready` once its own checks
-    passed, so a failed command leaves no data dir behind.
-
-    Args:
-        writes: the command exports telemetry: check the destination (read-only commands never
-            export).
-    """
-    from agent.runtime.settings import ConfigError, load_settings, unknown_env_warnings
-    from exporters.otlp.provider import ExportConfigError
-
-    for line in unknown_env_warnings():  # a typo must not pass for a setting that took effect
-        err.print(f"servewatch: warning: {line}", markup=False, highlight=False)
-    try:
-        settings = load_settings(cli, config_file=config, flag_for=_flag_for)
-        if writes:
-            _ = settings.export_destination  # resolved once, now: OTEL_* env problems surface now, not mid-run
-    except (ConfigError, ExportConfigError) as exc:
-        _invalid(exc)
-    return settings
 
 
 def _read_only_settings(data_dir: Path | None, config: Path | None) -> Any:
@@ -284,62 +99,6 @@ def _read_only_settings(data_dir: Path | None, config: Path | None) -> Any:
 
     where = read_only_location(data_dir, config)
     return where if where is not None else _settings({"data_dir": data_dir}, config, writes=False)
-
-
-def _flag_for(key: str, value: Any) -> str | None:
-    """The flag of the running command that gave setting ``key`` (dotted) this ``value``
-    (``("metrics.metrics_preset", "foo")`` -> ``"--metrics-preset"``), or None (no command is
-    running, or no flag given on the command line matches)."""
-    import difflib
-    import importlib
-
-    base = typer.BadParameter.__module__.rpartition(".")[0]  # click, or typer's vendored copy
-    ctx = importlib.import_module(f"{base}.globals").get_current_context(silent=True)
-    if ctx is None:
-        return None
-    given = {}
-    for param in ctx.command.params:
-        source = ctx.get_parameter_source(param.name) if param.name else None
-        if param.param_type_name == "option" and source is not None and source.name == "COMMANDLINE":
-            given[param.name] = param
-    by_value = [name for name, _ in given.items() if ctx.params.get(name) == value]
-    wanted = key.replace(".", "_")
-    pick = by_value if len(by_value) == 1 else difflib.get_close_matches(wanted, by_value or list(given), n=1, cutoff=0.5)
-    if not pick:
-        return None
-    opts = [o for o in given[pick[0]].opts if o.startswith("--")]
-    return opts[0] if opts else given[pick[0]].opts[0]
-
-
-def _invalid(exc: Exception) -> NoReturn:
-    msg = str(exc)
-    if not msg.startswith(("invalid setting", "invalid value for", "invalid config file")):
-        msg = f"invalid setting {msg}"
-    if not msg.endswith("--help'"):  # point at the command's help, as usage errors do
-        import importlib
-
-        base = typer.BadParameter.__module__.rpartition(".")[0]
-        ctx = importlib.import_module(f"{base}.globals").get_current_context(silent=True)
-        msg += f"; see '{ctx.command_path if ctx is not None else 'servewatch'} --help'"
-    fail(msg, ExitCode.USAGE)
-
-
-def _data_dir_ready(settings: Settings) -> None:
-    """Create the data dir (0700) if needed and check it is safe and writable, or exit 2.
-
-    Called by a command that writes bundles or spans, after its own checks passed.
-    """
-    from agent.runtime.settings import ConfigError, check_data_dir
-
-    try:
-        check_data_dir(settings.data_dir)
-    except ConfigError as exc:
-        _invalid(exc)
-    if settings.profiler.output_dir is not None:  # said at start, not at the first incident's profile
-        from agent.host.fsutil import unsafe_folder_reason
-
-        if (why := unsafe_folder_reason(settings.profiler.output_dir)) is not None:
-            fail(f"profiler.output_dir {str(settings.profiler.output_dir)!r} refused: {why}", ExitCode.USAGE)
 
 
 # Options shared by several commands.
@@ -386,12 +145,6 @@ def _api_cli(api_listen: str | None, token_file: Path | None) -> dict[str, Any]:
     return {"enabled": True if api_listen else None, "host": host, "port": port, "token_file": token_file}
 
 
-def _target(
-    pid: list[int] | None, root_pid: int | None, match: list[str] | None, uid: list[int] | None = None, any_uid: bool = False
-) -> dict[str, Any]:
-    return {"pids": pid or None, "root_pid": root_pid, "match": match or None, "uids": uid or None, "any_uid": any_uid or None}
-
-
 def _data_dir_source(flag: Path | None, config: Path | None) -> str:
     """Where the data dir setting came from, by the settings' precedence: ``--data-dir``,
     ``SERVEWATCH_DATA_DIR``, ``data_dir in FILE`` (``--config``) or ``the default``."""
@@ -412,24 +165,6 @@ def _data_dir_source(flag: Path | None, config: Path | None) -> str:
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # read fine a moment ago
             pass
     return "the default"
-
-
-def _pid_alive(pid: int) -> bool:
-    import psutil
-
-    return psutil.pid_exists(pid)
-
-
-def _print_record(record: Any, *, as_json: bool) -> None:
-    from agent.cli.summary import incident_summary, summary_lines
-
-    if as_json:
-        _print_json(incident_summary(record))
-        return
-    from agent.host.security import strip_control
-
-    for line in summary_lines(record):
-        out.print(strip_control(line), markup=False, highlight=False)
 
 
 def _duration_words(seconds: float) -> str:
@@ -793,149 +528,9 @@ def dump(
     spans are kept under spool/rejected/); a dead rank is evidence, not an error, and spans
     spooled while the collector is unreachable are safe (the next agent sends them).
     """
-    _logging(verbose)
-    settings = _settings(
-        {
-            "data_dir": data_dir,
-            "target": _target(pid, root_pid, match, uid, any_uid),
-            "metrics": {"url": metrics_url, "metrics_preset": metrics_preset},
-            "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
-        },
-        config,
-    )
-    t = settings.target
-    if not (t.pids or t.match or t.root_pid):
-        fail("no targets: give --pid, --root-pid or --match", ExitCode.USAGE)
-    from agent.host.targets import discover
-    from agent.runtime.agent import Agent
-
-    refused: dict[int, str] = {}
-    if not discover(root_pids=[t.root_pid] if t.root_pid else [], title_globs=t.match, pids=t.pids, uids=t.uids,
-                    any_uid=t.any_uid, refused=refused):
-        fail(f"no process matched the given --pid/--root-pid/--match{_no_match_why(t, refused)}", ExitCode.FAILURE)
-    _data_dir_ready(settings)
-    record, agent = _dump_with_progress(Agent, settings, len(t.pids))
-    judge = agent.incidents.judge
-    if judge is not None and judge.progress_unread:  # given, not read: said once, before the summary
-        err.print(f"servewatch: {'--metrics-url' if metrics_url else 'metrics.url'}: {judge.progress_unread}",
-                  markup=False, highlight=False, soft_wrap=True)
-    _print_record(record, as_json=as_json)
-    delivered = _say_spooled(agent.telemetry, agent.export_statistics)
-    from agent.cli.summary import GONE_OUTCOMES, stack_dump_errors
-    from agent.model.events import Outcome
-
-    # exit 1 when a rank's stacks could not be captured for an error (the summary's Errors: N),
-    # nothing was captured at all (py-spy off, no other evidence), or the collector refused the
-    # incident's spans (or they were lost); a dead rank is evidence, and spans spooled through an
-    # outage are safe (the next agent sends them)
-    captured = any(r.outcome is Outcome.OK or r.outcome in GONE_OUTCOMES for r in record.results)
-    if record.state == "interrupted" or stack_dump_errors(record) or not captured or not delivered:
-        raise typer.Exit(int(ExitCode.FAILURE))
-
-
-def _no_match_why(t: Any, refused: dict[int, str]) -> str:
-    """Why ``dump`` found no process: the given pids that do not exist, those of another user it refused."""
-    from agent.host.security import strip_control
-
-    gone = [p for p in ([*t.pids, t.root_pid] if t.root_pid else t.pids) if not _pid_alive(p)]
-    why = f" (no such process: {', '.join(map(str, gone))})" if gone else ""
-    if refused:
-        why += f"; refused {len(refused)} of another user: " + "; ".join(strip_control(r) for r in list(refused.values())[:5])
-    return why
-
-
-def _dump_with_progress(agent_class: Any, settings: Any, n_pids: int) -> tuple[Any, Any]:
-    """One dump by an agent built from ``settings``, its phases on one progress line when stderr
-    is a terminal: ``(record, agent)``."""
-    import anyio
-
-    progress = _DumpProgress(n_pids or None) if sys.stderr.isatty() else None  # a pipe gets nothing extra
-    agent = agent_class.build(settings, on_phase=None if progress is None else progress.phase)
-    if progress is not None:
-        progress.phase("starting")
-    try:
-        return anyio.run(lambda: agent.dump(handle_signals=True)), agent
-    finally:
-        if progress is not None:
-            progress.done()
-
-
-def _phase_words() -> dict[str, str]:
-    """What a phase of ``dump`` does, in words (an unknown phase: its name)."""
-    from agent.model.events import Action
-
-    return {"starting": "finding the processes, opening the incident", Action.PYSPY_DUMP: "dumping stacks (py-spy)",
-            Action.FLIGHTREC_DUMP: "reading the Flight Recorder", Action.CUDA_COREDUMP: "GPU coredumps",
-            "verdict": "judging the evidence", Action.PROFILE_SESSION: "profiling"}
-
-
-class _DumpProgress:
-    """``dump``'s one progress line on a terminal (stderr): what it does now, rewritten in place
-    as each phase starts (``servewatch: dump of 2 process(es): dumping stacks (py-spy)…``), erased
-    before the summary. Cut to the terminal's width (one row: ``\r`` rewrites only the last), and
-    put aside while a log line or a print reaches the terminal (:func:`_progress_aside`)."""
-
-    def __init__(self, n_pids: int | None) -> None:
-        import threading
-
-        self.of = f" of {n_pids} process(es)" if n_pids else ""
-        self.line = ""  # what is on the terminal now ("" once erased)
-        self.lock = threading.RLock()  # log lines come from worker threads too
-
-    def phase(self, name: str) -> None:
-        from agent.host.security import strip_control
-
-        global _live_progress
-        line = strip_control(f"servewatch: dump{self.of}: {_phase_words().get(name) or name}…")
-        columns = _terminal_columns(sys.stderr)
-        if columns and len(line) > columns - 1:
-            line = line[: max(1, columns - 2)] + "…"
-        with self.lock:
-            self.line = line
-            _live_progress = self
-            self.draw()
-
-    def draw(self) -> None:
-        sys.stderr.write(f"\r\x1b[K{self.line}")
-        sys.stderr.flush()
-
-    def erase(self) -> None:
-        sys.stderr.write("\r\x1b[K")
-        sys.stderr.flush()
-
-    def done(self) -> None:
-        global _live_progress
-        with self.lock:
-            self.erase()
-            self.line = ""
-            if _live_progress is self:
-                _live_progress = None
-
-
-#: ``dump``'s progress line while it is on the terminal.
-_live_progress: _DumpProgress | None = None
-
-
-@contextlib.contextmanager
-def _progress_aside() -> Iterator[None]:
-    """Erase ``dump``'s progress line (when one is shown) for what is written in this block, and
-    draw it again after: a log line or a print never lands on the same row as the progress."""
-    progress = _live_progress
-    if progress is None:
-        yield
-        return
-    with progress.lock:
-        shown = bool(progress.line)
-        if shown:
-            progress.erase()
-        try:
-            yield
-        finally:
-            if shown and progress.line and _live_progress is progress:
-                progress.draw()
-
-
-# --- demo ----------------------------------------------------------------------------------
+    run_dump(pid=pid, root_pid=root_pid, match=match, uid=uid, any_uid=any_uid, as_json=as_json, metrics_url=metrics_url,
+             metrics_preset=metrics_preset, otlp_endpoint=otlp_endpoint, otlp_protocol=otlp_protocol, data_dir=data_dir,
+             config=config, verbose=verbose)
 
 
 @app.command()
@@ -1725,29 +1320,6 @@ def main(argv: list[str] | None = None) -> None:
         _main(args)
     except SystemExit as exc:
         _exit_now(exc.code)
-
-
-def _exit_now(code: object) -> NoReturn:
-    """End the process with ``code`` (a ``SystemExit`` code) once output and logs are flushed,
-    without the interpreter's teardown. Nothing of a one-shot command needs it: its telemetry is
-    shut down (bounded) and its files are closed before the command returns."""
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code
-    else:
-        print(code, file=sys.stderr)
-        status = int(ExitCode.FAILURE)
-    from agent import early
-
-    early.discard_all()  # early py-spy runs nobody claimed (e.g. the command failed first)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
-            pass
-    os._exit(status)
 
 
 def _app_for(args: list[str]) -> typer.Typer:

@@ -2,9 +2,12 @@
 
 Starts the early py-spy runs of a one-shot ``servewatch dump --pid ...`` (:mod:`agent.early`,
 standard library only) before importing the command line (:mod:`agent.cli.app`: typer, settings,
-the agent), then runs it. Unclaimed early runs are killed and reaped however the command ends.
-A one-shot command (:data:`~agent.early.ONE_SHOT_COMMANDS`) turns the cyclic garbage collector
-off before those imports. This module imports the standard library and :mod:`agent.early` only.
+the agent), then runs it. The plain form ``servewatch dump --pid N ...``
+(:func:`agent.cli.common.plain_dump_args`) runs without typer (:func:`agent.cli.common.run_plain_dump`):
+the CLI framework is never imported to dump stacks. Unclaimed early runs are killed and reaped
+however the command ends. A one-shot command (:data:`~agent.early.ONE_SHOT_COMMANDS`) turns the
+cyclic garbage collector off before those imports. This module imports the standard library,
+:mod:`agent.early` and :mod:`agent.cli.common` (standard library at load) only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ def main() -> None:
         gc.disable()  # before the imports (see agent.early.ONE_SHOT_COMMANDS)
     early.start(args)
     try:
+        if args[:1] == ["dump"]:
+            from agent.cli.common import plain_dump_args, run_plain_dump
+
+            plain = plain_dump_args(args)
+            if plain is not None:
+                run_plain_dump(plain)  # ends the process
         from agent.cli.app import main as cli_main
 
         cli_main()

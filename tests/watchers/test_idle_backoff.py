@@ -18,7 +18,12 @@ from agent.model.bus import RecordingBus
 from agent.model.events import WatchdogStalled
 from agent.watchers import watchdog as watchdog_module
 from agent.watchers.steps import PrometheusStepSource, StepReading
-from agent.watchers.watchdog import Watchdog, WatchdogConfig, idle_poll_max_s
+from agent.watchers.watchdog import (
+    Watchdog,
+    WatchdogConfig,
+    idle_poll_max_s,
+    open_request_idle_reuse_s,
+)
 from tests.watchers import wait_until
 from tests.watchers.scripted_http import ScriptedHTTP, metrics_text, scripted_http
 
@@ -65,6 +70,11 @@ def test_the_idle_ceiling_is_5_s_at_most_a_twentieth_of_the_timeout_never_below_
     assert idle_poll_max_s(WatchdogConfig()) == 5.0  # 300 s timeout
     assert idle_poll_max_s(WatchdogConfig(timeout_s=60.0)) == 3.0
     assert idle_poll_max_s(WatchdogConfig(timeout_s=10.0, poll_interval_s=1.0)) == 1.0  # no backing off
+
+
+def test_a_reading_of_no_open_request_stands_15_s_at_most_a_quarter_of_the_timeout() -> None:
+    assert open_request_idle_reuse_s(WatchdogConfig()) == 15.0  # 300 s timeout
+    assert open_request_idle_reuse_s(WatchdogConfig(timeout_s=20.0)) == 5.0
 
 
 async def test_an_idle_scrape_backs_off_doubling_to_the_ceiling_and_a_busy_one_returns_to_the_poll() -> None:

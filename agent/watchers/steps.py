@@ -35,6 +35,7 @@ from agent.host.security import open_trusted, process_uids
 from agent.model.bus import Publisher
 from agent.model.events import StepsAdvanced
 from agent.model.lazy import LazyModule
+from agent.model.ticks import until_tick
 from agent.sdk.counter import SIZE_BYTES, counter_files, counter_path, parse_counter, shm_dir
 from agent.watchers.config import StepsConfig
 
@@ -1038,8 +1039,9 @@ class PrometheusStepSource:
 class StepsWatcher:
     """Publishes ``StepsAdvanced`` (high-rate, may be dropped) whenever the counter moves.
 
-    Readings are taken on a fixed-rate schedule (no drift; missed slots are skipped, not
-    bunched). The first reading only sets the baseline.
+    Readings are taken on a fixed-rate schedule: each at the next multiple of ``interval_s`` on
+    the event loop's clock (the loops' shared tick, :mod:`agent.model.ticks`: no drift; missed
+    slots are skipped, not bunched). The first reading only sets the baseline.
 
     Args:
         source: the counter to read.
@@ -1060,10 +1062,8 @@ class StepsWatcher:
         The caller owns the source (it may be shared with a :class:`~agent.watchers.watchdog.Watchdog`)
         and closes it with ``await source.aclose()``.
         """
-        interval_ns = int(self.interval_s * 1e9)
         last_ct: int | None = None
         task_status.started()
-        next_ns = time.monotonic_ns()
         while True:
             reading = await self.source.read()
             if reading is not None:
@@ -1078,8 +1078,4 @@ class StepsWatcher:
                         )
                     )
                 last_ct = reading.forward_ct
-            now = time.monotonic_ns()
-            next_ns += interval_ns
-            if next_ns <= now:  # overran: skip the missed slots, keep the phase
-                next_ns += ((now - next_ns) // interval_ns + 1) * interval_ns
-            await anyio.sleep((next_ns - now) / 1e9)
+            await anyio.sleep(until_tick(self.interval_s, anyio.current_time()))  # the loops' shared tick

@@ -43,6 +43,7 @@ from agent.host.ownactions import OwnAction, OwnActionLog, process_group
 from agent.host.stall import StallClock, WatchdogConfig
 from agent.model.bus import Publisher
 from agent.model.events import WatchdogRearmed, WatchdogStalled, WatcherStatusChanged
+from agent.model.ticks import until_tick
 from agent.verdict.servers import port_of_url
 from agent.watchers.group import WatcherGroup, url_label
 from agent.watchers.status import StatusReporter, WatcherState
@@ -263,7 +264,15 @@ class Watchdog:
                 await self._publish_stall(bus, fired, counter_source)
                 sleep_ns = 0
             sleep_ns = self.next_wait_ns = self._idle_wait_ns(readings, sleep_ns)
-            await anyio.sleep(max(sleep_ns, 0) / 1e9)
+            await anyio.sleep(self._until_reading_s(sleep_ns))
+
+    def _until_reading_s(self, wait_ns: int) -> float:
+        """Seconds to sleep for a wait of ``wait_ns``: a wait of the poll interval or more ends
+        on the loops' shared tick of the poll interval (:func:`~agent.model.ticks.until_tick`:
+        up to one poll interval sooner, never later); a sooner one (a deadline) exactly."""
+        if wait_ns < self._poll_ns:
+            return max(wait_ns, 0) / 1e9
+        return (wait_ns - self._poll_ns) / 1e9 + until_tick(self.config.poll_interval_s, anyio.current_time())
 
     async def _check(
         self, bus: Publisher, reading: StepReading, now: int, timeout_ns: int, fired: list[tuple[StepReading, int]]

@@ -23,6 +23,12 @@ Rules (after SGLang's scheduler watchdog, which counts ``forward_ct`` while a ba
   shared-memory counter the detection latency is the timeout plus scheduling jitter; with a
   Prometheus scrape the last-progress time is only known to the polling interval, so it is
   within ``timeout_s + poll_interval_s``.
+* Idle backoff (the ``/metrics`` scrape only, ``idle_backoff``): while every series reads idle
+  the scrape waits longer, doubling from ``poll_interval_s`` to :func:`idle_poll_max_s` (5 s, at
+  most 1/20 of the timeout); the first busy reading returns to the poll interval. The busy
+  scrape after such a wait dates the work from the open requests (when the kernel received the
+  oldest), so the clock starts when the work arrived; undated (a remote URL), it starts at most
+  1/20 of the timeout late. The SDK counter is read at every poll as before.
 
 Soft by default: the watchdog only reports. Hard mode (``hard=True``) is carried in the config
 and executed by the incident code *after* the evidence is captured, by sending ``signal`` to

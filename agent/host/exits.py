@@ -54,6 +54,7 @@ from agent.model.events import ExitFact, ExitSource
 from agent.sdk.exitnotice import ExitNotice, notice_path, read_exit_notice
 
 __all__ = [
+    "COALESCE_S",
     "KernelExit",
     "KernelExits",
     "OomCounter",
@@ -80,6 +81,13 @@ _NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 _CN_MSG = struct.Struct("=IIIIHH")  # idx, val, seq, ack, len, flags
 _EVENT_HEAD = struct.Struct("=IIQ")  # what, cpu, timestamp_ns (CLOCK_MONOTONIC)
 _EXIT_EVENT = struct.Struct("=IIIIII")  # pid, tgid, exit_code (wait status), exit_signal, parent pid, parent tgid
+
+#: Once :meth:`KernelExits.run` has read the events waiting, it waits this long before it waits
+#: for more, seconds: every process and thread that ends on the host sends one (a CI runner, a
+#: build, a test suite end hundreds a second), and each woke the event loop; now it wakes at
+#: most this often for them. Nothing is late for it: a lookup (:meth:`KernelExits.get`) reads
+#: what is waiting first, and the 4 MiB socket buffer holds thousands of events.
+COALESCE_S = 0.5
 
 #: Exits remembered (most recent kept): far more than the processes of one node's servers.
 _MAX_REMEMBERED = 16384
@@ -144,6 +152,8 @@ class KernelExits:
         self.overruns = 0
         #: exits received
         self.received = 0
+        #: times :meth:`run` woke for events waiting
+        self.wakes = 0
 
     @classmethod
     def open(cls) -> KernelExits | None:
@@ -231,12 +241,15 @@ class KernelExits:
         return found
 
     async def run(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        """Read events as they come until cancelled (closes the socket at the end)."""
+        """Read events as they come until cancelled (closes the socket at the end), at most once
+        per :data:`COALESCE_S` (the events of that time wait in the socket, read together)."""
         task_status.started()
         try:
             while True:
                 await anyio.wait_readable(self._sock)
+                self.wakes += 1
                 self.drain()
+                await anyio.sleep(COALESCE_S)
         finally:
             self.close()
 

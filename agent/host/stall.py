@@ -42,7 +42,9 @@ class WatchdogConfig(BaseModel):
         poll_interval_s: ceiling in seconds on the time between two readings while waiting
             (idle, warming up, or far from the deadline). Near the deadline the watchdog sleeps
             exactly until it. For a Prometheus source it is also the resolution of the
-            last-progress time. Default 1.0.
+            last-progress time; while every series of the ``/metrics`` scrape is idle, its wait
+            doubles up to 5 s (at most 1/20 of ``timeout_s``), and the first busy scrape after it
+            is dated by the open requests. Default 1.0.
         hard: after the stall incident has captured its evidence, send ``signal`` to the
             target (executed by the incident code, not here). Default ``False`` (soft).
         signal: signal name for hard mode, e.g. ``"SIGABRT"`` (default: a core dump and a

@@ -21,6 +21,7 @@ import anyio
 
 from agent.model.bus import EventBus, Subscription
 from agent.model.events import ComponentStatus, ComponentStatusChanged, WatcherStatusChanged
+from agent.model.ticks import until_tick
 from agent.watchers.status import StatusBoard, WatcherState, WatcherStatus
 
 __all__ = ["DELIVERY_STATUS_INTERVAL_S", "SPANS_HEARTBEAT_INTERVAL_S", "SPANS_STATUS_INTERVAL_S", "RunStatus"]
@@ -160,7 +161,7 @@ class RunStatus:
                 shown = (state, reason)
                 next_counts = now + SPANS_STATUS_INTERVAL_S
                 await self.set("export", WatcherState(state), reason)
-            await anyio.sleep(DELIVERY_STATUS_INTERVAL_S)
+            await anyio.sleep(until_tick(DELIVERY_STATUS_INTERVAL_S, anyio.current_time()))
 
     async def ship_spans(self, shipper: Any, telemetry: Any) -> None:
         """Drain the span rings on the shipper's low-priority thread (it and the export worker run

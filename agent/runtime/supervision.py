@@ -26,6 +26,7 @@ from agent.host.targets import NO_TARGET_WARNING, ProcessState, Target, process_
 from agent.model.backoff import Backoff
 from agent.model.bus import Publisher
 from agent.model.events import WatcherStatusChanged
+from agent.model.ticks import until_tick
 from agent.watchers import TargetWatchers, Watcher
 from agent.watchers.status import WatcherState
 
@@ -307,7 +308,7 @@ class TargetWatch:
                 task_status.started()
             if await self._root_is_done():
                 return
-            await anyio.sleep(REDISCOVER_INTERVAL_S)
+            await anyio.sleep(until_tick(REDISCOVER_INTERVAL_S, anyio.current_time()))
             if found and time.monotonic() - same_since >= REDISCOVER_STABLE_AFTER_S:
                 await self._while_stable(found)
 
@@ -324,14 +325,14 @@ class TargetWatch:
                 if not told:
                     told = True
                     log.exception("scanning for the servers' own py-spy runs failed (said once)")
-            await anyio.sleep(SERVER_DUMP_SCAN_S)
+            await anyio.sleep(until_tick(SERVER_DUMP_SCAN_S, anyio.current_time()))
 
     @staticmethod
     async def _while_stable(found: Iterable[tuple[int, float]]) -> None:
         """A stable set: check the known targets cheaply until the next full scan is due."""
         next_scan = time.monotonic() + REDISCOVER_STABLE_INTERVAL_S - REDISCOVER_INTERVAL_S
         while time.monotonic() < next_scan and all(pid_alive(pid) for pid, _ in found):
-            await anyio.sleep(REDISCOVER_INTERVAL_S)
+            await anyio.sleep(until_tick(REDISCOVER_INTERVAL_S, anyio.current_time()))
 
     async def _root_is_done(self) -> bool:
         """With ``--root-pid`` alone: once the root process is gone, every target's exit handled
@@ -424,7 +425,7 @@ class TargetWatch:
                     while process_state(target.pid, create_time_s=target.create_time_s or 0.0) not in (
                         ProcessState.GONE, ProcessState.ZOMBIE
                     ):
-                        await anyio.sleep(TARGET_ALIVE_INTERVAL_S)
+                        await anyio.sleep(until_tick(TARGET_ALIVE_INTERVAL_S, anyio.current_time()))
                     tg.cancel_scope.cancel("target exited")
             finally:
                 self.step_scopes.pop((target.pid, target.create_time_s), None)

@@ -35,6 +35,7 @@ from agent.host.security import open_trusted, process_uids
 from agent.model.bus import Publisher
 from agent.model.events import StepsAdvanced
 from agent.model.lazy import LazyModule
+from agent.model.ticks import until_tick
 from agent.sdk.counter import SIZE_BYTES, counter_files, counter_path, parse_counter, shm_dir
 from agent.watchers.config import StepsConfig
 
@@ -87,7 +88,8 @@ class StepReading:
             counter (shared memory, or a sum).
         busy_since_ns: when the work pending became pending, where the reading knows it
             (``CLOCK_MONOTONIC`` ns): a request the kernel says the server received then, while
-            the server's gauges say idle; ``None`` otherwise.
+            the server's gauges say idle or on the first busy scrape after an idle gap;
+            ``None`` otherwise.
         preempted_since_progress: requests the engine preempted since this series' last
             progress (the preset's churn counter, vLLM's ``vllm:num_preemptions_total``); with
             work pending and no output it is a livelock (vLLM #25538). 0 when unknown.
@@ -589,6 +591,10 @@ class PrometheusStepSource:
     exact = False
     #: name of this source in watcher statuses
     status_name = "metrics"
+    #: the watchdog may read it less often while every series is idle
+    #: (:func:`agent.watchers.watchdog.idle_poll_max_s`): a scrape costs an HTTP round trip, and
+    #: the first busy reading after such a gap is dated by the open requests (``read_series``)
+    idle_backoff = True
 
     def __init__(
         self,
@@ -850,9 +856,16 @@ class PrometheusStepSource:
         self._blind(f"no answer within {self.timeout_s:g} s from {self.url}")
         return None
 
-    async def read_series(self) -> list[StepReading] | None:
+    async def read_series(self, *, after_idle_gap: bool = False) -> list[StepReading] | None:
         """Scrape once; one reading per counter label set (``series`` names it), or ``None``
-        when the scrape fails (see :meth:`status`)."""
+        when the scrape fails (see :meth:`status`).
+
+        Args:
+            after_idle_gap: the previous scrape found every series idle and this one comes later
+                than the watchdog's poll interval (it backed off): when the gauges say busy now,
+                the open requests are read afresh and date the busy readings from when the
+                kernel received the oldest one (``busy_since_ns``), so the stall clock starts
+                when the work arrived, not when the slower scrape saw it."""
         text = await self._get()
         # The time the answer arrived: the counter had its value by then. (The send time could
         # precede the last increment by a round trip and fire the watchdog early.)
@@ -862,12 +875,10 @@ class PrometheusStepSource:
             self.failed_scrapes += 1
             return None
         counters, gauges = parsed
-        gauge_total = sum(gauges.values())
-        pending = await self._open_requests() if gauge_total <= 0 else None
-        pending_since = self._open_since_ns if pending else None
+        pending, pending_since = await self._pending(sum(gauges.values()), after_idle_gap)
         restarted: list[str] = []
         readings = [
-            self._series_reading(key, counters[key], gauges, seen_ns, bool(pending), pending_since, restarted)
+            self._series_reading(key, counters[key], gauges, seen_ns, pending, pending_since, restarted)
             for key in sorted(counters)
         ]
         if len(self._series) > len(counters):
@@ -878,6 +889,16 @@ class PrometheusStepSource:
             restarted.append(self.counter)
         self._settle_status(counters, readings, restarted)
         return readings
+
+    async def _pending(self, gauge_total: float, after_idle_gap: bool) -> tuple[bool, int | None]:
+        """``(pending, since_ns)``: an open request makes the series busy (only while no gauge
+        says busy), and when the oldest was received (read while the gauges say idle, and
+        afresh on a busy scrape after an idle gap, to date it; ``None``: none, or not read)."""
+        dating = after_idle_gap and gauge_total > 0
+        if gauge_total > 0 and not dating:
+            return False, None
+        found = await self._open_requests(fresh=dating)
+        return bool(found) and gauge_total <= 0, self._open_since_ns if found else None
 
     def _parsed(self, text: str | None) -> tuple[dict[LabelKey, float], dict[LabelKey, float]] | None:
         """``parse_series(text)``, the last result again when the text is the same."""
@@ -929,7 +950,7 @@ class PrometheusStepSource:
             pid=self.pid,
             read_monotonic_ns=seen_ns,
             series=series_name(key),
-            busy_since_ns=pending_since if busy_value <= 0 else None,
+            busy_since_ns=pending_since,
             preempted_since_progress=track.churned,
             preempted_since_ns=track.churn_base_ns,
         )
@@ -948,8 +969,9 @@ class PrometheusStepSource:
             also = f" (and requests open on port {self.requests_port})" if self.requests_port is not None else ""
             self._state, self._reason = "ready", f"{self.counter} ({label}) and {self.busy_gauge}{also} from {self.url}"
 
-    async def _open_requests(self) -> int | None:
-        """Requests open on :attr:`requests_port` now (``None``: not watched, or not known)."""
+    async def _open_requests(self, *, fresh: bool = False) -> int | None:
+        """Requests open on :attr:`requests_port` now (``None``: not watched, or not known);
+        ``fresh``: a reading of none that still stands is not reused (work arrived since)."""
         if self.requests_port is None:
             return None
         from agent.watchers.inflight import OpenRequestsReader
@@ -957,7 +979,7 @@ class PrometheusStepSource:
         reader = self._requests_reader
         if reader is None or reader.port != self.requests_port or reader.quiet_s != self.open_request_quiet_s:
             reader = self._requests_reader = OpenRequestsReader(self.requests_port, quiet_s=self.open_request_quiet_s)
-        reader.idle_reuse_s = self.open_request_idle_reuse_s
+        reader.idle_reuse_s = 0.0 if fresh else self.open_request_idle_reuse_s
         found = reader.recent()  # a reading that still stands costs no worker-thread hop (~100 us)
         if found is None:
             found = await anyio.to_thread.run_sync(reader.read)
@@ -1017,8 +1039,9 @@ class PrometheusStepSource:
 class StepsWatcher:
     """Publishes ``StepsAdvanced`` (high-rate, may be dropped) whenever the counter moves.
 
-    Readings are taken on a fixed-rate schedule (no drift; missed slots are skipped, not
-    bunched). The first reading only sets the baseline.
+    Readings are taken on a fixed-rate schedule: each at the next multiple of ``interval_s`` on
+    the event loop's clock (the loops' shared tick, :mod:`agent.model.ticks`: no drift; missed
+    slots are skipped, not bunched). The first reading only sets the baseline.
 
     Args:
         source: the counter to read.
@@ -1039,10 +1062,8 @@ class StepsWatcher:
         The caller owns the source (it may be shared with a :class:`~agent.watchers.watchdog.Watchdog`)
         and closes it with ``await source.aclose()``.
         """
-        interval_ns = int(self.interval_s * 1e9)
         last_ct: int | None = None
         task_status.started()
-        next_ns = time.monotonic_ns()
         while True:
             reading = await self.source.read()
             if reading is not None:
@@ -1057,8 +1078,4 @@ class StepsWatcher:
                         )
                     )
                 last_ct = reading.forward_ct
-            now = time.monotonic_ns()
-            next_ns += interval_ns
-            if next_ns <= now:  # overran: skip the missed slots, keep the phase
-                next_ns += ((now - next_ns) // interval_ns + 1) * interval_ns
-            await anyio.sleep((next_ns - now) / 1e9)
+            await anyio.sleep(until_tick(self.interval_s, anyio.current_time()))  # the loops' shared tick

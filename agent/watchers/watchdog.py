@@ -23,6 +23,12 @@ Rules (after SGLang's scheduler watchdog, which counts ``forward_ct`` while a ba
   shared-memory counter the detection latency is the timeout plus scheduling jitter; with a
   Prometheus scrape the last-progress time is only known to the polling interval, so it is
   within ``timeout_s + poll_interval_s``.
+* Idle backoff (the ``/metrics`` scrape only, ``idle_backoff``): while every series reads idle
+  the scrape waits longer, doubling from ``poll_interval_s`` to :func:`idle_poll_max_s` (5 s, at
+  most 1/20 of the timeout); the first busy reading returns to the poll interval. The busy
+  scrape after such a wait dates the work from the open requests (when the kernel received the
+  oldest), so the clock starts when the work arrived; undated (a remote URL), it starts at most
+  1/20 of the timeout late. The SDK counter is read at every poll as before.
 
 Soft by default: the watchdog only reports. Hard mode (``hard=True``) is carried in the config
 and executed by the incident code *after* the evidence is captured, by sending ``signal`` to
@@ -43,6 +49,7 @@ from agent.host.ownactions import OwnAction, OwnActionLog, process_group
 from agent.host.stall import StallClock, WatchdogConfig
 from agent.model.bus import Publisher
 from agent.model.events import WatchdogRearmed, WatchdogStalled, WatcherStatusChanged
+from agent.model.ticks import until_tick
 from agent.verdict.servers import port_of_url
 from agent.watchers.group import WatcherGroup, url_label
 from agent.watchers.status import StatusReporter, WatcherState
@@ -55,8 +62,8 @@ if TYPE_CHECKING:
     from agent.watchers.steps import PrometheusStepSource
 
 
-__all__ = ["SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers", "Watchdog", "WatchdogConfig", "create_prometheus", "create_sdk",
-           "progress_source"]
+__all__ = ["IDLE_POLL_MAX_S", "IDLE_POLL_TIMEOUT_SHARE", "SERIES_FORGET_READINGS", "STEPS_SHARED_MAX_AGE_S", "SdkStepWatchers", "Watchdog",
+           "WatchdogConfig", "create_prometheus", "create_sdk", "idle_poll_max_s", "progress_source"]
 
 log = logging.getLogger("servewatch.watchdog")
 
@@ -65,6 +72,20 @@ SERIES_FORGET_READINGS = 60
 #: Most series with stall bookkeeping at once; past it the longest absent are forgotten first
 #: (a source caps one reading's series itself: ``agent.watchers.steps.MAX_SERIES``).
 MAX_TRACKED_SERIES = 1024
+#: Longest wait between two readings of a source that backs off while idle (the ``/metrics``
+#: scrape, ``idle_backoff``) while every series it reads is idle, seconds: the wait doubles from
+#: ``poll_interval_s`` up to it, and the first busy reading returns to ``poll_interval_s``.
+IDLE_POLL_MAX_S = 5.0
+#: ... and at most this share of the stall timeout: a busy reading after such a wait that no
+#: open request dates (a remote URL) starts the clock at most this much of the timeout late.
+IDLE_POLL_TIMEOUT_SHARE = 0.05
+
+
+def idle_poll_max_s(rule: WatchdogConfig) -> float:
+    """Longest wait between two idle readings of a backing-off source under the stall rule
+    ``rule``, seconds: :data:`IDLE_POLL_MAX_S`, at most :data:`IDLE_POLL_TIMEOUT_SHARE` of its
+    timeout, never below its poll interval (then it does not back off)."""
+    return max(rule.poll_interval_s, min(IDLE_POLL_MAX_S, rule.timeout_s * IDLE_POLL_TIMEOUT_SHARE))
 
 
 class _SeriesState:
@@ -117,6 +138,11 @@ class Watchdog:
         self._port = port_of_url(url) if isinstance(url, str) else None
         self.stalls = 0
         self._series: dict[str, _SeriesState] = {}
+        self._poll_ns = int(self.config.poll_interval_s * 1e9)
+        #: longest wait between two idle readings, ns (the poll interval: no backing off)
+        self._idle_max_ns = int(idle_poll_max_s(self.config) * 1e9) if getattr(source, "idle_backoff", False) else self._poll_ns
+        #: the wait before the next reading, ns (more than the poll interval: backed off, idle)
+        self.next_wait_ns = self._poll_ns
         self.status: StatusReporter | None = None
         if callable(getattr(source, "status", None)):
             state, reason = source.status()  # type: ignore[attr-defined]
@@ -151,10 +177,10 @@ class Watchdog:
         """Series with stall bookkeeping now."""
         return len(self._series)
 
-    async def _readings(self, bus: Publisher) -> list[StepReading]:
+    async def _readings(self, bus: Publisher, *, after_idle_gap: bool = False) -> list[StepReading]:
         read_series = getattr(self.source, "read_series", None)
         if callable(read_series):
-            readings = await read_series()
+            readings = await (read_series(after_idle_gap=after_idle_gap) if after_idle_gap else read_series())
         else:
             one = await self.source.read()
             readings = None if one is None else [one]
@@ -201,21 +227,36 @@ class Watchdog:
             await bus.publish(WatcherStatusChanged(source=self.name, watcher=name, state="ready", reason=line))
         return False
 
+    def _idle_wait_ns(self, readings: list[StepReading], wait_ns: int) -> int:
+        """The wait before the next reading when this one found every series idle: the last
+        wait doubled, up to the idle ceiling (:func:`idle_poll_max_s`); ``wait_ns`` (the poll
+        interval, or a sooner wake) when it did not: a busy series, a failed scrape, a stall
+        not over, a paused rule, or a source that does not back off."""
+        if (self._idle_max_ns <= self._poll_ns or not readings or wait_ns < self._poll_ns or self.paused_by is not None
+                or any(r.busy for r in readings) or self.stalled):
+            return wait_ns
+        return min(max(self.next_wait_ns, self._poll_ns) * 2, self._idle_max_ns)
+
     async def run(self, bus: Publisher, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        """Watch until cancelled. Ready at once (the first reading may come later)."""
-        poll_ns = int(self.config.poll_interval_s * 1e9)
+        """Watch until cancelled. Ready at once (the first reading may come later).
+
+        A source that backs off while idle (``idle_backoff``: the ``/metrics`` scrape) is read
+        less often while every series is idle (:meth:`_idle_wait_ns`); the reading after such a
+        wait asks it to date a busy reading from the open requests (``after_idle_gap``)."""
+        poll_ns = self._poll_ns
         timeout_ns = int(self.config.timeout_s * 1e9)
         counter_source = f"{self.source.name}"
         if self.status is not None:
             await self.status.initial(bus)
         task_status.started()
         while True:
-            readings = await self._readings(bus)
+            readings = await self._readings(bus, after_idle_gap=self.next_wait_ns > poll_ns)
             now = time.monotonic_ns()
             sleep_ns = poll_ns
             # a profile window matters only where a stall clock can run (a busy series) or one
             # paused must be re-armed: an idle watch reads no own-action files (a worker-thread hop)
             if (self.paused_by is not None or any(r.busy for r in readings)) and await self._pause_or_resume(bus, now):
+                self.next_wait_ns = poll_ns
                 await anyio.sleep(poll_ns / 1e9)
                 continue
             fired: list[tuple[StepReading, int]] = []
@@ -228,7 +269,16 @@ class Watchdog:
             if fired:
                 await self._publish_stall(bus, fired, counter_source)
                 sleep_ns = 0
-            await anyio.sleep(max(sleep_ns, 0) / 1e9)
+            sleep_ns = self.next_wait_ns = self._idle_wait_ns(readings, sleep_ns)
+            await anyio.sleep(self._until_reading_s(sleep_ns))
+
+    def _until_reading_s(self, wait_ns: int) -> float:
+        """Seconds to sleep for a wait of ``wait_ns``: a wait of the poll interval or more ends
+        on the loops' shared tick of the poll interval (:func:`~agent.model.ticks.until_tick`:
+        up to one poll interval sooner, never later); a sooner one (a deadline) exactly."""
+        if wait_ns < self._poll_ns:
+            return max(wait_ns, 0) / 1e9
+        return (wait_ns - self._poll_ns) / 1e9 + until_tick(self.config.poll_interval_s, anyio.current_time())
 
     async def _check(
         self, bus: Publisher, reading: StepReading, now: int, timeout_ns: int, fired: list[tuple[StepReading, int]]
@@ -304,8 +354,9 @@ def stall_rule(ctx: BuildContext) -> WatchdogConfig:
 
 
 #: Longest time a reading of no open request stands while a server's gauges say idle, seconds
-#: (a reading asks the kernel to walk its whole TCP table: ~1 ms of CPU or more per family).
-OPEN_REQUEST_IDLE_REUSE_S = 5.0
+#: (a reading asks the kernel to walk its whole TCP table: ~1 ms of CPU or more per family, 2-3 ms
+#: for a reading on a loaded 2-core VM, 2026-12-07).
+OPEN_REQUEST_IDLE_REUSE_S = 15.0
 
 
 def open_request_idle_reuse_s(rule: WatchdogConfig) -> float:

@@ -277,3 +277,26 @@ async def test_a_request_found_open_dates_the_busy_reading_from_when_it_was_rece
     assert deadline == since + 60 * 10**9
     # a gauge that says busy starts the clock at the reading, as before
     assert StallClock(60.0).deadline_ns(busy=True, last_progress_ns=0, read_ns=since + 5, busy_since_ns=None) == since + 5 + 60 * 10**9
+
+
+def test_a_dump_for_a_port_holds_only_that_ports_connections_filtered_by_the_kernel(listener: socket.socket) -> None:
+    """The kernel keeps the dump to the port's connections (its side and the peer's): the host's
+    other connections are neither copied nor parsed (a busy host has thousands)."""
+    port = listener.getsockname()[1]
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen(8)
+    other_port = other.getsockname()[1]
+    with other, socket.create_connection(("127.0.0.1", port)) as c1, socket.create_connection(("127.0.0.1", other_port)) as c2:
+        s1, _ = listener.accept()
+        s2, _ = other.accept()
+        client, other_client = c1.getsockname()[1], c2.getsockname()[1]
+        with s1, s2:
+            everything = inflight._dump(socket.AF_INET)
+            mine = inflight._dump(socket.AF_INET, port=port)
+            listening = inflight._dump(socket.AF_INET, inflight._TCP_LISTEN, port)
+    ends = {(client, port), (port, client)}
+    assert {(sport, dport) for sport, dport, _, _ in mine} == ends
+    assert all(info for _, _, _, info in mine)  # tcp_info still comes with each
+    assert {(sport, dport) for sport, dport, _, _ in everything} >= ends | {(other_client, other_port)}
+    assert [sport for sport, _, _, _ in listening] == [port]

@@ -6,6 +6,7 @@ import os
 import shlex
 import signal
 import subprocess
+import time
 
 import anyio
 import psutil
@@ -190,3 +191,31 @@ async def test_a_rank_reaped_at_once_without_kernel_events_is_told_by_its_sdk_de
         assert exit_lines([(watcher.exits[0][0], exited.fact)], {})[0].endswith("[its SDK's death notice]")
     else:
         assert (exited.fact.source, exited.signal) == (ExitSource.NONE, None), exited.fact
+
+
+async def test_kernel_exit_events_wake_the_loop_once_for_many_and_none_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process that ends on the host sends an exit event: the reader wakes for the first,
+    then lets the next ones wait in the socket (here an hour: ``COALESCE_S``); a lookup reads
+    them itself, so 10 processes that ended meanwhile are each found with their exit code."""
+    from agent.host import exits
+    from agent.host.exits import KernelExits
+
+    kernel = await anyio.to_thread.run_sync(KernelExits.open)
+    if kernel is None:
+        pytest.skip(f"no kernel exit events here: {KernelExits.unavailable}")
+    monkeypatch.setattr(exits, "COALESCE_S", 3600.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(kernel.run)
+        await anyio.to_thread.run_sync(lambda: subprocess.run(["true"], check=True))  # an exit (the host's others may come first)
+        with anyio.fail_after(10):
+            while kernel.wakes == 0:
+                await anyio.sleep(0.01)
+        started = int(time.time() * 1e9) - 10**9
+        procs = await anyio.to_thread.run_sync(lambda: [subprocess.Popen(["sh", "-c", f"exit {n}"]) for n in range(1, 11)])
+        codes = await anyio.to_thread.run_sync(lambda: [p.wait(timeout=10) for p in procs])
+        found = await anyio.to_thread.run_sync(lambda: [kernel.get(p.pid, started) for p in procs])
+        wakes = kernel.wakes
+        tg.cancel_scope.cancel()
+    assert codes == list(range(1, 11))
+    assert [f.exit_code if f is not None else None for f in found] == codes
+    assert wakes == 1  # the reader slept through the 10 (and whatever else ended on the host)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.real.conftest import RealVllm
+from tests.real.server import VllmServer
 
 CLI = [sys.executable, "-m", "agent.cli.app"]
 
@@ -53,9 +54,9 @@ def _finish(run: subprocess.Popen[bytes], timeout_s: float) -> None:
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_an_orderly_stop_of_vllm_serve_opens_no_incident_and_run_stops(real_vllm: RealVllm, tmp_path: Path,
+def test_an_orderly_stop_of_vllm_serve_opens_no_incident_and_run_stops(vllm_tp1_ending: VllmServer, tmp_path: Path,
                                                                        how: str) -> None:
-    server = real_vllm.dedicated(tp=1)
+    server = vllm_tp1_ending  # the shared server, which it stops: the first case saves a server start
     titles = {p.name() for p in server.tree()[1:]}
     run, err = _start_run(tmp_path, server.pid, server.url)
     try:

@@ -1,7 +1,9 @@
 """Fixtures for tests on the real vLLM server (see ``tests/real/__init__.py``).
 
 - ``vllm_tp1`` / ``vllm_tp2``: the shared server at TP=1 / TP=2 (started on first use, kept for the
-  next test; restarted only when a test left it not serving — a destructive fault). At teardown the
+  next test; restarted only when a test left it not serving — a destructive fault).
+  ``vllm_tp1_ending``: the same TP=1 server for a test that stops or kills it (run after the
+  other TP=1 tests: the first such test saves a server start). At teardown the
   fault trigger is removed, stopped processes get SIGCONT and the server must serve a completion
   within 60 s, else it is stopped and the next test gets a new one.
 - ``real_vllm``: the session's :class:`RealVllm`, for a test that needs its own server(s)
@@ -47,18 +49,24 @@ SGLANG_REQUIRED_ENV = "REALSGLANG_REQUIRED"
 REAL_TEST_TIMEOUT_S = 1800
 
 
+#: Server groups in run order (:func:`_server_order`): the fixture a test names -> its group.
+_GROUPS = {"vllm_tp1": 0, "vllm_tp1_ending": 1, "vllm_tp2": 3, "sglang_tp1": 4, "real_sglang": 5, "sglang_tp2": 6}
+#: Tests naming none of :data:`_GROUPS` (``real_vllm``'s dedicated servers, or no server).
+_DEDICATED = 2
+#: Groups from this one on are SGLang's.
+_FIRST_SGLANG = 4
+
+
 def _server_order(item: pytest.Item) -> int:
-    """vLLM: shared TP=1 tests first, then tests with their own servers, then shared TP=2; then
-    SGLang in the same order: each shared server starts once per run, and the two kinds never
-    run at once."""
+    """vLLM: shared TP=1 tests first, then those that end the shared TP=1 server
+    (``vllm_tp1_ending``), then tests with their own servers, then shared TP=2; then SGLang in the
+    same order: each shared server starts once per run, the server a test ends is one that would
+    be stopped next anyway, and the two kinds never run at once."""
     names = getattr(item, "fixturenames", ())
-    if "sglang_tp1" in names:
-        return 3
-    if "sglang_tp2" in names:
-        return 5
-    if "real_sglang" in names:
-        return 4
-    return 0 if "vllm_tp1" in names else 2 if "vllm_tp2" in names else 1
+    for fixture in ("sglang_tp1", "sglang_tp2", "real_sglang", "vllm_tp1_ending", "vllm_tp1", "vllm_tp2"):
+        if fixture in names:
+            return _GROUPS[fixture]
+    return _DEDICATED
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -68,7 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             slots.append(i)
             item.add_marker(pytest.mark.realvllm)
             item.add_marker(pytest.mark.slow)
-            if _server_order(item) >= 3:
+            if _server_order(item) >= _FIRST_SGLANG:
                 item.add_marker(pytest.mark.realsglang)
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(REAL_TEST_TIMEOUT_S))
@@ -288,6 +296,15 @@ def real_vllm() -> Iterator[RealVllm]:
 @pytest.fixture
 def vllm_tp1(real_vllm: RealVllm) -> VllmServer:
     """The shared real vLLM server at TP=1 (``VLLM::EngineCore`` + ``VLLM::Worker``)."""
+    return real_vllm.shared(tp=1)
+
+
+@pytest.fixture
+def vllm_tp1_ending(real_vllm: RealVllm) -> VllmServer:
+    """The shared real vLLM server at TP=1 for a test that stops or kills it: such tests run after
+    every other test of the shared TP=1 server (the first of them gets the server those tests
+    used, each next one a new start; the tests with their own servers come next, which would
+    stop it anyway)."""
     return real_vllm.shared(tp=1)
 
 

@@ -201,7 +201,7 @@ class VllmServer:
         return server
 
     def wait_serving(self, timeout_s: float) -> None:
-        """Block until a 2-token completion succeeds (every 2 s, at most ``timeout_s`` seconds).
+        """Block until a 2-token completion succeeds (every 0.5 s, at most ``timeout_s`` seconds).
 
         Raises:
             ServerStartError: the server exited, or did not serve within ``timeout_s``.
@@ -217,7 +217,7 @@ class VllmServer:
                 pass
             if time.monotonic() >= deadline:
                 raise ServerStartError(f"vllm serve not serving after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
-            time.sleep(2.0)
+            time.sleep(0.5)
 
     def stop(self, sig: int = signal.SIGTERM, *, grace_s: float = STOP_GRACE_S) -> int | None:
         """Stop the server: SIGCONT every process of the tree, ``sig`` to the API server, wait up to

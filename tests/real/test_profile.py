@@ -121,14 +121,19 @@ def test_profile_of_an_idle_vllm_server_starts_nothing_and_leaves_it_serving(vll
 
 def test_profile_of_an_idle_vllm_server_waits_for_a_request_then_records_exactly_n_steps(
         vllm_tp1: VllmServer, tmp_path: Path) -> None:
+    profiled = threading.Event()
+
     def later() -> None:
         time.sleep(3.0)
         with vllm_tp1.load(concurrency=1, max_tokens=32):
-            time.sleep(15.0)
+            profiled.wait(timeout=15.0)  # traffic until the profile ended (at most 15 s)
 
     traffic = threading.Thread(target=later, daemon=True)
     traffic.start()
-    proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "90", "--json", "--data-dir", str(tmp_path / "d"))
+    try:
+        proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "90", "--json", "--data-dir", str(tmp_path / "d"))
+    finally:
+        profiled.set()
     traffic.join(timeout=150)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -121,20 +122,43 @@ def test_profile_of_an_idle_vllm_server_starts_nothing_and_leaves_it_serving(vll
 
 def test_profile_of_an_idle_vllm_server_waits_for_a_request_then_records_exactly_n_steps(
         vllm_tp1: VllmServer, tmp_path: Path) -> None:
-    profiled = threading.Event()
+    """The traffic starts once the command said it found the server idle (not after a fixed
+    delay: a command slow to start on a loaded host found the traffic already running, so it
+    never waited and the test read no ``idle_wait_s``)."""
+    waiting, profiled = threading.Event(), threading.Event()
+    lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+
+    def read(name: str, stream: IO[str]) -> None:
+        for line in stream:
+            lines[name].append(line)
+            if name == "stderr" and "is idle (no request running or waiting)" in line:
+                waiting.set()
 
     def later() -> None:
-        time.sleep(3.0)
-        with vllm_tp1.load(concurrency=1, max_tokens=32):
-            profiled.wait(timeout=15.0)  # traffic until the profile ended (at most 15 s)
+        if waiting.wait(timeout=120.0):
+            with vllm_tp1.load(concurrency=1, max_tokens=32):
+                profiled.wait(timeout=15.0)  # traffic until the profile ended (at most 15 s)
 
-    traffic = threading.Thread(target=later, daemon=True)
-    traffic.start()
-    try:
-        proc = _servewatch("profile", "--url", vllm_tp1.url, "--steps", "3", "--timeout", "90", "--json", "--data-dir", str(tmp_path / "d"))
-    finally:
-        profiled.set()
-    traffic.join(timeout=150)
+    argv = [sys.executable, "-m", "agent.cli.entry", "profile", "--url", vllm_tp1.url, "--steps", "3",
+            "--timeout", "90", "--json", "--data-dir", str(tmp_path / "d")]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True) as cmd:
+        assert cmd.stdout is not None and cmd.stderr is not None
+        threads = [threading.Thread(target=read, args=("stdout", cmd.stdout), daemon=True),
+                   threading.Thread(target=read, args=("stderr", cmd.stderr), daemon=True),
+                   threading.Thread(target=later, daemon=True)]
+        for t in threads:
+            t.start()
+        try:
+            returncode = cmd.wait(timeout=240)
+        finally:
+            profiled.set()
+            waiting.set()
+            if cmd.returncode is None:
+                cmd.kill()
+                cmd.wait(timeout=30)
+        for t in threads:
+            t.join(timeout=150)
+    proc = subprocess.CompletedProcess(argv, returncode, "".join(lines["stdout"]), "".join(lines["stderr"]))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     attrs = result["attributes"]

@@ -578,23 +578,21 @@ def _take_plain_value(kwargs: dict[str, Any], name: str, value: str) -> bool:
     return True
 
 
-def run_plain_dump(kwargs: dict[str, Any]) -> NoReturn:
+def run_plain_dump(kwargs: dict[str, Any]) -> None:
     """Run ``servewatch dump`` with ``kwargs`` (:func:`plain_dump_args`) without typer, and end
     the process as the one-shot console command does (:func:`_exit_now`), with the exit code
     and stderr lines typer's run would give: 0, 1 or 2 from the command, 130 on Ctrl-C, a
-    :class:`~agent.errors.ServewatchError` as one ``servewatch: ...`` line and its code. An
-    invalid setting (:class:`_NeedsFullCli`) runs the command again through typer
-    (:func:`agent.cli.app.main`), which says it as it always does."""
+    :class:`~agent.errors.ServewatchError` as one ``servewatch: ...`` line and its code.
+    Returns only on an invalid setting (:class:`_NeedsFullCli`): the caller
+    (:func:`agent.cli.entry.main`) then runs the command again through typer, which says it as
+    it always does (this module does not import the CLI module, which imports it)."""
     global _plain_command
     _plain_command = "servewatch dump"
     try:
         code = _plain_dump_code(kwargs)
     except _NeedsFullCli:
         _plain_command = None
-        from agent.cli.app import main as cli_main
-
-        cli_main()  # a one-shot command: ends the process
-        code = int(ExitCode.FAILURE)  # pragma: no cover (cli_main does not return)
+        return
     _exit_now(code)
 
 

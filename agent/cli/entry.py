@@ -32,7 +32,7 @@ def main() -> None:
 
             plain = plain_dump_args(args)
             if plain is not None:
-                run_plain_dump(plain)  # ends the process
+                run_plain_dump(plain)  # ends the process, unless a setting needs typer's message
         from agent.cli.app import main as cli_main
 
         cli_main()

@@ -363,7 +363,8 @@ class ProcessWatcher:
         sdk_dir: the SDK's base folder, where its death notices are (default: the SDK's own,
             ``$SERVEWATCH_SHM_DIR`` or ``/dev/shm``).
         container_exit_records: path templates of the container runtimes' exit records
-            (:data:`agent.host.containerexits.DEFAULT_RECORDS`; ``[process]`` table).
+            (:data:`agent.host.containerexits.DEFAULT_RECORDS`).
+        config: the ``[process]`` table; when given, its ``container_exit_records`` are used.
 
     More pids can be added while running with :meth:`watch`.
     """
@@ -380,6 +381,7 @@ class ProcessWatcher:
         children: Iterable[subprocess.Popen[Any]] = (),
         sdk_dir: Path | None = None,
         container_exit_records: Sequence[str] = DEFAULT_RECORDS,
+        config: ProcessConfig | None = None,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
@@ -387,7 +389,9 @@ class ProcessWatcher:
         #: the SDK's base folder (its death notices), ``None``: the SDK's default
         self.sdk_dir = sdk_dir
         #: where container runtimes keep a container's exit record (``{id}`` templates)
-        self.container_exit_records = tuple(container_exit_records)
+        self.container_exit_records = tuple(config.container_exit_records if config is not None else container_exit_records)
+        #: the ``[process]`` table it was built from (``None``: built directly, from the arguments)
+        self.config = config
         self._watched: dict[int, _Watched] = {}
         self._tg: TaskGroup | None = None
         self._bus: Publisher | None = None
@@ -1071,5 +1075,4 @@ POLL_INTERVAL_S = 0.5
 def create(config: ProcessConfig, ctx: BuildContext) -> ProcessWatcher:
     """Registry factory (:data:`agent.watchers.WATCHERS` ``process``): watches every target the
     runtime discovers (and the processes it launched, ``ctx.children``) for exit."""
-    return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children, sdk_dir=ctx.agent.sdk_socket_dir,
-                          container_exit_records=config.container_exit_records)
+    return ProcessWatcher(poll_interval_s=POLL_INTERVAL_S, children=ctx.children, sdk_dir=ctx.agent.sdk_socket_dir, config=config)

@@ -508,3 +508,15 @@ async def test_two_manifest_writes_of_one_record_land_in_the_order_their_snapsho
     manifest = json.loads((tmp_path / "h1" / record.opened.incident_id / "manifest.json").read_text())
     assert manifest["lifecycle"] == record.lifecycle, manifest["lifecycle"]
     assert len(calls) == 2
+
+
+def test_a_dump_line_names_its_idle_threads_in_one_order() -> None:
+    """py-spy lists a process's threads in no fixed order: two dumps of the same process read
+    alike (the order differed between two demo runs and a terminal test compared them)."""
+    from types import SimpleNamespace
+
+    from agent.cli.summary import STUCK_THREADS_ATTR, _threads_text
+
+    one = SimpleNamespace(attributes={STUCK_THREADS_ATTR: ["MainThread"]})
+    texts = {_threads_text(one, idle) for idle in (["servewatch-control", "QueueFeederThread"], ["QueueFeederThread", "servewatch-control"])}  # type: ignore[arg-type]
+    assert texts == {"; stuck threads: MainThread; idle: QueueFeederThread, servewatch-control"}

@@ -111,10 +111,11 @@ def _result_line(m: Manifest, a: ManifestAction) -> str:
 
 
 def _threads_text(a: ManifestAction, idle: list[Any]) -> str:
-    """``; stuck threads: ...; idle: ...`` of a stack dump."""
+    """``; stuck threads: ...; idle: ...`` of a stack dump; the idle threads by name (py-spy lists
+    threads in no fixed order, so two dumps of the same process read alike)."""
     stuck = a.attributes.get(STUCK_THREADS_ATTR) or []
     stuck_text = ", ".join(map(str, stuck)) if isinstance(stuck, list) else str(stuck)
-    return f"; stuck threads: {stuck_text or 'none'}; idle: {', '.join(map(str, idle))}"
+    return f"; stuck threads: {stuck_text or 'none'}; idle: {', '.join(sorted(map(str, idle)))}"
 
 
 def late_result_lines(record: IncidentRecord, already: int) -> list[str]:

@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.host.procinfo import ns_pid
 from agent.sdk._files import read_regular
 
 __all__ = [
@@ -149,16 +150,10 @@ def _container_in(cgroup_text: str) -> tuple[str, str, str] | None:
     return None
 
 
-def _is_namespace_init(status_text: str) -> bool:
-    for line in status_text.splitlines():
-        if line.startswith("NSpid:"):
-            fields = line.split()[1:]
-            return len(fields) >= 2 and fields[-1] == "1"
-    return False
-
-
 def _started_unix_nano(stat_text: str) -> int:
-    """A process's start from its ``/proc/PID/stat`` text (field 22, clock ticks since boot)."""
+    """A process's start from its ``/proc/PID/stat`` text (field 22, clock ticks since boot),
+    to the clock tick: psutil's ``create_time`` adds the boot time in whole seconds (``btime``),
+    up to 1 s early, too coarse to tell a record older than the process."""
     fields = stat_text.rsplit(")", 1)[-1].split()
     try:
         ticks = int(fields[19])
@@ -180,15 +175,14 @@ def container_init_of(pid: int, proc: str = "/proc") -> ContainerInit | None:
     """``pid`` as its container's init, read now (three small ``/proc`` reads); ``None`` when it
     is in no container the agent can name, is not pid 1 of its pid namespace (another process
     of the container: the container's exit code is not its own), or is gone. Blocking."""
-    status = _read_text(f"{proc}/{pid}/status")
-    if status is None or not _is_namespace_init(status):
+    if pid == 1 or ns_pid(pid) != 1:  # the host's own init, or not its namespace's pid 1
         return None
     cgroup = _read_text(f"{proc}/{pid}/cgroup")
     found = _container_in(cgroup) if cgroup is not None else None
-    stat_text = _read_text(f"{proc}/{pid}/stat")
-    if found is None or stat_text is None:
+    if found is None:
         return None
-    started = _started_unix_nano(stat_text)
+    stat_text = _read_text(f"{proc}/{pid}/stat")
+    started = _started_unix_nano(stat_text) if stat_text is not None else 0
     if not started:
         return None
     container_id, engine, path = found

@@ -5,22 +5,24 @@ Actors never import watchers; :mod:`agent.incidents.manager` decides what runs a
 :func:`act_all` (one actor over many targets at once) and :data:`ACTORS`, the actor registry
 (:mod:`agent.host.registry`): one line per actor below. Registration order is the order of an
 incident's phases; a factory returns ``None`` when the settings turn its actor off. Imports
-anyio, :mod:`agent.model.events`, :mod:`agent.model.progress` (the results' stream), :mod:`agent.host.registry` and
-:mod:`agent.host.targets`.
+anyio and :mod:`agent.host.registry` (:mod:`agent.model.events`, :mod:`agent.model.progress`, the
+results' stream, and :mod:`agent.host.targets` for annotations only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
 from agent.host.registry import Registry
-from agent.host.targets import Target
-from agent.model.events import ActionCompleted, ActionResult, IncidentOpened
-from agent.model.progress import ActionSink
+
+if TYPE_CHECKING:  # annotations only: the settings read the registry without the events' classes
+    from agent.host.targets import Target
+    from agent.model.events import ActionCompleted, ActionResult, IncidentOpened
+    from agent.model.progress import ActionSink
 
 __all__ = ["ACTORS", "Actor", "PerTargetActor", "act_all"]
 

@@ -8,7 +8,7 @@ to it (its clock starts at the first step) and the health check waits for the fi
 (``health.startup_timeout_s``, 30 min), so until now it only said "connection refused ... wrong
 host or port" for as long as the hang lasted.
 
-Owns :class:`StartupConfig` (the ``[startup]`` table), :class:`StartupStalled` (the trigger
+Names :class:`StartupConfig` (the ``[startup]`` table, :mod:`agent.host.config`), owns :class:`StartupStalled` (the trigger
 event) and :class:`StartupRule`, a task of the runtime's: it reads the targets (the agent's
 discovery, a ``/proc`` scan) every :meth:`StartupRule.interval_s` and, from the bus, what says the server's start-up is
 over, and publishes :class:`StartupStalled`. Its rules:
@@ -53,8 +53,8 @@ from typing import ClassVar
 
 import anyio
 from anyio.abc import TaskStatus
-from pydantic import BaseModel, Field
 
+from agent.host.config import DEFAULT_BUDGET_S, StartupConfig
 from agent.host.procinfo import NewProcesses
 from agent.host.targets import Target, command_words, target_of
 from agent.model.bus import EventBus
@@ -83,10 +83,6 @@ log = logging.getLogger("servewatch.startup")
 
 #: The trigger's name (``IncidentOpened.trigger``, ``servewatch.incident.trigger``).
 STARTUP_STALL = "startup_stall"
-#: ``startup.budget_s``'s default, seconds: below vLLM's own wait for its engine cores to start
-#: (``VLLM_ENGINE_READY_TIMEOUT_S``, 600 s in vLLM 0.32), after which vLLM raises and takes its
-#: engine down, so the evidence is taken while the ranks still live.
-DEFAULT_BUDGET_S = 480.0
 #: Seconds between two looks at the ranks: a twentieth of the budget, within these bounds (a
 #: stall is said within this long after the budget is spent; each look is a discovery).
 LOOK_INTERVAL_S = (0.5, 5.0)
@@ -95,24 +91,6 @@ MAX_NAMED = 4
 #: Seconds the rule looks before it judges (capped by the budget): a server that serves already
 #: answers the health check's first probe within it (``health.timeout_s``: 5 s by default).
 SETTLE_S = 10.0
-
-
-class StartupConfig(BaseModel):
-    """The ``[startup]`` table: the start-up rule (:mod:`agent.host.startup`).
-
-    Attributes:
-        budget_s: seconds a server's ranks, seen starting, may take before their first step
-            (weight loading, CUDA-graph capture, ``torch.compile``) before it is a
-            ``startup_stall`` incident; counted from the oldest rank's creation. Default 480 s,
-            below vLLM's own ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s: then vLLM takes its engine
-            down); raise it, with vLLM's, for models that load for longer. 0 turns the rule off.
-    """
-
-    budget_s: float = Field(
-        default=DEFAULT_BUDGET_S, ge=0,
-        description="seconds from a rank's start to its first step (or the server's first HTTP answer) before a"
-                    " startup_stall incident; 0: off",
-    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

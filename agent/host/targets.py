@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import psutil
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-from agent.model.events import StrEnum
+from agent.model.kinds import StrEnum
 from agent.model.ranks import RankEnviron, parse_rank_environ
 from agent.model.safetext import safe_text
 

@@ -64,7 +64,6 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from pydantic import BaseModel, Field
 
 from agent.host import pidfds
 from agent.host.fsutil import atomic_write_text, ensure_private_dir
@@ -96,6 +95,7 @@ from agent.incidents.admission import (
     stop_signal_of,
 )
 from agent.incidents.admission import server_tree as _server_tree
+from agent.incidents.config import IncidentConfig
 from agent.model.bus import EventBus
 from agent.model.datadir import DataDir
 from agent.model.events import (
@@ -165,41 +165,6 @@ IncidentKey = tuple[int | None, str]
 
 #: Events that can open an incident: the base of every trigger event (a new kind subclasses it).
 TRIGGER_EVENTS: tuple[type[Event], ...] = (TriggerEvent,)
-
-
-class IncidentConfig(BaseModel):
-    """User settings of the incident logic."""
-
-    cooldown_s: float = Field(
-        300.0, gt=0, description="one incident per server and trigger cause per this many seconds")
-    phase_timeout_s: float = Field(
-        120.0, gt=0, description="upper bound on one phase (all dumps, all coredumps, ...), seconds"
-    )
-    on_exit_codes_only_nonzero: bool = Field(
-        True, description="a target exiting with code 0 is not an incident (clean shutdown)"
-    )
-    capture_prompts: bool = Field(False, description="include prompt text in requests.json (off: may hold secrets)")
-    operator_stop_is_incident: bool = Field(
-        False, description="a target that exits after the operator's signal (forwarded by launch) opens an incident"
-    )
-    signal_stop_is_incident: bool = Field(
-        False, description="a target that exits by SIGTERM or SIGINT (signal 15/2, or exit code 143/130) opens an"
-        " incident; off: someone asked it to stop (an orderly shutdown), one log line and no incident"
-    )
-    hard_mode_exit_is_incident: bool = Field(
-        False, description="a target that exits because hard mode signalled it opens a new incident"
-    )
-    hard_mode_exit_grace_s: float = Field(
-        60.0, gt=0, description="after hard mode's signal, exits of that incident's other targets and their process"
-        " trees within this many seconds are knock-on exits: recorded on it, no new incident"
-    )
-    exit_followup_s: float = Field(
-        120.0, ge=0, description="a health failure, or a stall of the same server's ranks, within this many seconds"
-        " of an exit incident is the same failure: recorded on that incident (logged), no second incident"
-    )
-    interrupt_grace_s: float = Field(
-        10.0, gt=0, description="on SIGTERM/SIGINT, seconds the running phase may take to finish before the incident is cut short"
-    )
 
 
 #: One phase of an incident: act on all targets, sending each result to the stream as soon as it

@@ -16,7 +16,7 @@ Environment names: ``SERVEWATCH_<FIELD>`` for top-level fields and
 names: top-level keys plus ``[health]``, ``[watchdog]``, ... tables.
 
 Imports the registries (the light package ``__init__`` of each kind) and the agent's own settings
-models (:mod:`agent.host.stall`, :mod:`agent.host.startup`, :mod:`agent.incidents.manager`,
+models (:mod:`agent.host.config`: watchdog, startup; :mod:`agent.incidents.config`,
 :mod:`agent.fleet.config`, :mod:`exporters.config`); a component's settings model is imported by the path its registration
 line names, never a component module.
 """
@@ -54,13 +54,12 @@ from pydantic_settings.exceptions import SettingsError
 
 from agent.errors import ConfigError
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
+from agent.host.config import StartupConfig, WatchdogConfig
 from agent.host.fsutil import ensure_private_dir
 from agent.host.registry import AgentValues, Kind, Registry
 from agent.host.security import unsafe_dir_reason, validate_host_name
-from agent.host.stall import WatchdogConfig
-from agent.host.startup import StartupConfig
 from agent.host.targets import TargetConfig
-from agent.incidents.manager import IncidentConfig
+from agent.incidents.config import IncidentConfig
 from agent.model.datadir import DataDir
 from agent.runtime.location import DEFAULT_DATA_DIR, ENV_DATA_DIR, ENV_PREFIX
 from exporters.config import ExportConfig, SpansConfig

@@ -37,7 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from agent.model.events import StrEnum
+from agent.model.kinds import StrEnum
 from agent.model.lazy import LazyModule
 from exporters.otlp.otlp_json import RotatingJsonLinesWriter, request_to_json
 

@@ -40,6 +40,7 @@ from agent.cli.common import (  # noqa: F401 (still named here: tests and docs r
     fail,
     out,
     run_dump,
+    run_export,
 )
 from agent.early import one_shot as _one_shot
 
@@ -792,76 +793,8 @@ def export(
     are in (whatever the current folder): a re-run to the same endpoint never sends a span twice.
     TLS, headers and compression come from the standard OTEL_EXPORTER_OTLP_* variables.
     """
-    from exporters.otlp.replay import ledger_path, replay
-
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
-    destination, endpoint = _export_destination(settings, to, protocol)
-    sources = list(paths or [settings.data_dir])
-    try:
-        result = replay(
-            sources, endpoint=endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
-            headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
-            compression=destination.compression, signal_specific=destination.signal_specific,
-            ledger=None if resend else ledger_path,
-            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes, dry_run=dry_run,
-        )
-    except FileNotFoundError as exc:
-        fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
-    except ValueError as exc:
-        fail(str(exc), ExitCode.USAGE)
-    except OSError as exc:
-        fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
-    err.print(_export_line(result, endpoint, destination.protocol, dry_run=dry_run), markup=False)
-    if result.failed and result.detail:
-        err.print(f"servewatch: send failed: {result.detail}", markup=False)
-    if result.failed or result.bad_files or result.corrupt_lines:
-        raise typer.Exit(int(ExitCode.FAILURE))
-
-
-def _export_destination(settings: Settings, to: str | None, protocol: str | None) -> tuple[Any, str]:
-    """``export``'s destination and its endpoint with a scheme (``--to``/``--protocol`` over the
-    settings); a bad value or no endpoint: :func:`fail` (usage)."""
-    from exporters.otlp.provider import ExportConfigError, resolve_destination, scheme_problem
-
-    if to is not None and (problem := scheme_problem(to)):
-        fail(f"invalid value for --to: {problem} (got {to!r}); see 'servewatch export --help'", ExitCode.USAGE)
-    if protocol is not None and protocol not in ("grpc", "http/protobuf"):
-        fail(f"invalid value for --protocol: expected grpc or http/protobuf (got {protocol!r}); see 'servewatch export --help'",
-             ExitCode.USAGE)
-    overrides: dict[str, object] = {}
-    if to is not None:
-        overrides["endpoint"] = to
-    if protocol is not None:
-        overrides["protocol"] = protocol
-    try:
-        destination = resolve_destination(settings.export.model_copy(update=overrides))
-    except ExportConfigError as exc:
-        fail(f"invalid setting {exc}", ExitCode.USAGE)
-    endpoint = destination.endpoint
-    if endpoint is None:
-        fail("no collector endpoint: pass --to http://HOST:4317 or set OTEL_EXPORTER_OTLP_ENDPOINT", ExitCode.USAGE)
-    if scheme_problem(endpoint):
-        # a bare host:port from OTEL_EXPORTER_OTLP_*ENDPOINT: the OTLP spec's gRPC form, read as
-        # `run` reads it (TLS when OTEL_EXPORTER_OTLP_INSECURE=false or TLS files are set)
-        secure = destination.insecure is False or (destination.insecure is None and destination.tls.configured)
-        endpoint = ("https://" if secure else "http://") + endpoint
-    return destination, endpoint
-
-
-def _export_line(result: Any, endpoint: str, protocol: str, *, dry_run: bool) -> str:
-    """``export``'s one summary line."""
-    head = (f"Dry run: would send {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to"
-            f" {endpoint} ({protocol}); nothing sent." if dry_run else
-            f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {endpoint} "
-            f"({protocol}). Failed: {result.failed}")
-    return (
-        head
-        + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
-        + (f" Bad files: {result.bad_files}" if result.bad_files else "")
-        + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else "")
-        + (f" Torn lines skipped: {result.torn_lines}" if result.torn_lines else "")
-        + (f" Corrupt lines skipped: {result.corrupt_lines} (first: {result.first_corrupt})" if result.corrupt_lines else "")
-    )
+    run_export(to=to, paths=paths, protocol=protocol, timeout=timeout, remove_sent=remove_sent, resend=resend,
+               dry_run=dry_run, data_dir=data_dir, config=config)
 
 
 @app.command()

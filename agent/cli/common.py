@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
     from agent.runtime.settings import Settings
 
-__all__ = ["ExitCode", "err", "fail", "out", "plain_dump_args", "run_dump", "run_plain_dump"]
+__all__ = ["ExitCode", "err", "fail", "out", "plain_dump_args", "plain_export_args", "run_dump", "run_export",
+           "run_plain_dump", "run_plain_export"]
 
 
 class _NeedsFullCli(Exception):
@@ -39,8 +40,9 @@ class _NeedsFullCli(Exception):
     message names the flag that gave it (:func:`run_plain_dump`)."""
 
 
-#: ``servewatch dump`` while the plain dump runs it without typer (:func:`run_plain_dump`): the
-#: command named in an invalid setting's "see '... --help'"; ``None`` otherwise.
+#: ``servewatch dump`` (``servewatch export``) while the plain form runs it without typer
+#: (:func:`run_plain_dump`, :func:`run_plain_export`): the command named in an invalid setting's
+#: "see '... --help'"; ``None`` otherwise.
 _plain_command: str | None = None
 #: The unknown ``SERVEWATCH_*`` variables were said (by the plain dump, before it handed over to typer).
 _env_warned = False
@@ -531,6 +533,87 @@ def run_dump(
         raise _command_exit(int(ExitCode.FAILURE))
 
 
+def run_export(
+    *, to: str | None, paths: Sequence[Path] | None, protocol: str | None, timeout: float, remove_sent: bool,
+    resend: bool, dry_run: bool, data_dir: Path | None, config: Path | None,
+) -> None:
+    """The body of ``servewatch export`` (its options, as :func:`agent.cli.app.export` documents
+    them; ``timeout`` in seconds)."""
+    settings = _settings({"data_dir": data_dir}, config, writes=False)
+    destination, endpoint = _export_destination(settings, to, protocol)
+    from exporters.otlp.replay import (  # after the checks: a bad value is said without it
+        ledger_path,
+        replay,
+    )
+
+    sources = list(paths or [settings.data_dir])
+    try:
+        result = replay(
+            sources, endpoint=endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
+            headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
+            compression=destination.compression, signal_specific=destination.signal_specific,
+            ledger=None if resend else ledger_path,
+            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes, dry_run=dry_run,
+        )
+    except FileNotFoundError as exc:
+        fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
+    except ValueError as exc:
+        fail(str(exc), ExitCode.USAGE)
+    except OSError as exc:
+        fail(f"cannot read TLS files: {exc}", ExitCode.USAGE)
+    err.print(_export_line(result, endpoint, destination.protocol, dry_run=dry_run), markup=False)
+    if result.failed and result.detail:
+        err.print(f"servewatch: send failed: {result.detail}", markup=False)
+    if result.failed or result.bad_files or result.corrupt_lines:
+        raise _command_exit(int(ExitCode.FAILURE))
+
+
+def _export_destination(settings: Settings, to: str | None, protocol: str | None) -> tuple[Any, str]:
+    """``export``'s destination and its endpoint with a scheme (``--to``/``--protocol`` over the
+    settings); a bad value or no endpoint: :func:`fail` (usage)."""
+    from exporters.otlp.provider import ExportConfigError, resolve_destination, scheme_problem
+
+    if to is not None and (problem := scheme_problem(to)):
+        fail(f"invalid value for --to: {problem} (got {to!r}); see 'servewatch export --help'", ExitCode.USAGE)
+    if protocol is not None and protocol not in ("grpc", "http/protobuf"):
+        fail(f"invalid value for --protocol: expected grpc or http/protobuf (got {protocol!r}); see 'servewatch export --help'",
+             ExitCode.USAGE)
+    overrides: dict[str, object] = {}
+    if to is not None:
+        overrides["endpoint"] = to
+    if protocol is not None:
+        overrides["protocol"] = protocol
+    try:
+        destination = resolve_destination(settings.export.model_copy(update=overrides))
+    except ExportConfigError as exc:
+        fail(f"invalid setting {exc}", ExitCode.USAGE)
+    endpoint = destination.endpoint
+    if endpoint is None:
+        fail("no collector endpoint: pass --to http://HOST:4317 or set OTEL_EXPORTER_OTLP_ENDPOINT", ExitCode.USAGE)
+    if scheme_problem(endpoint):
+        # a bare host:port from OTEL_EXPORTER_OTLP_*ENDPOINT: the OTLP spec's gRPC form, read as
+        # `run` reads it (TLS when OTEL_EXPORTER_OTLP_INSECURE=false or TLS files are set)
+        secure = destination.insecure is False or (destination.insecure is None and destination.tls.configured)
+        endpoint = ("https://" if secure else "http://") + endpoint
+    return destination, endpoint
+
+
+def _export_line(result: Any, endpoint: str, protocol: str, *, dry_run: bool) -> str:
+    """``export``'s one summary line."""
+    head = (f"Dry run: would send {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to"
+            f" {endpoint} ({protocol}); nothing sent." if dry_run else
+            f"Sent {result.sent} span(s) from {result.files} file(s) in {result.requests} request(s) to {endpoint} "
+            f"({protocol}). Failed: {result.failed}")
+    return (
+        head
+        + (f" Already sent earlier: {result.already_sent}" if result.already_sent else "")
+        + (f" Bad files: {result.bad_files}" if result.bad_files else "")
+        + (f" Skipped (spool of a running agent): {result.locked_files} file(s)" if result.locked_files else "")
+        + (f" Torn lines skipped: {result.torn_lines}" if result.torn_lines else "")
+        + (f" Corrupt lines skipped: {result.corrupt_lines} (first: {result.first_corrupt})" if result.corrupt_lines else "")
+    )
+
+
 #: Options of the plain ``servewatch dump --pid N ...`` (:func:`plain_dump_args`): value options
 #: and flags, each with its :func:`run_dump` argument. Any other option leaves the command to typer.
 _PLAIN_VALUES = {"--pid": "pid", "--data-dir": "data_dir", "--otlp-endpoint": "otlp_endpoint", "--otlp-protocol": "otlp_protocol"}
@@ -578,6 +661,63 @@ def _take_plain_value(kwargs: dict[str, Any], name: str, value: str) -> bool:
     return True
 
 
+#: Options of the plain ``servewatch export ...`` (:func:`plain_export_args`): value options and
+#: flags, each with its :func:`run_export` argument. Any other option leaves the command to typer.
+_EXPORT_VALUES = {"--to": "to", "--protocol": "protocol", "--data-dir": "data_dir"}
+_EXPORT_FLAGS = {"--dry-run": "dry_run", "--resend": "resend", "--remove-sent": "remove_sent"}
+
+
+def plain_export_args(args: Sequence[str]) -> dict[str, Any] | None:
+    """:func:`run_export`'s arguments for the plain form ``export [PATH ...]`` with only ``--to``,
+    ``--protocol``, ``--data-dir`` (a value each, ``--opt V`` or ``--opt=V``, the last of a
+    repeat wins), ``--dry-run``, ``--resend`` and ``--remove-sent`` besides, as typer would parse
+    them; ``None`` for any other form (help, another option such as ``--timeout`` or
+    ``--config``, ``--``, a missing, empty or dash-led value, a PATH that exists but cannot be
+    read: typer says what is wrong with those)."""
+    if not args or args[0] != "export":
+        return None
+    kwargs: dict[str, Any] = {"to": None, "paths": None, "protocol": None, "timeout": 10.0, "remove_sent": False,
+                              "resend": False, "dry_run": False, "data_dir": None, "config": None}
+    paths: list[Path] = []
+    rest = list(args[1:])
+    while rest:
+        arg = rest.pop(0)
+        if arg in _EXPORT_FLAGS:
+            kwargs[_EXPORT_FLAGS[arg]] = True
+            continue
+        if not arg.startswith("-"):
+            if not _plain_readable(arg):
+                return None
+            paths.append(Path(arg))
+            continue
+        name, eq, value = arg.partition("=")
+        if name not in _EXPORT_VALUES or (not eq and not rest) or not _take_export_value(kwargs, name, value if eq else rest.pop(0)):
+            return None
+    kwargs["paths"] = paths or None
+    return kwargs
+
+
+def _take_export_value(kwargs: dict[str, Any], name: str, value: str) -> bool:
+    """Put option ``name``'s ``value`` in ``kwargs`` as typer would; ``False`` when the plain
+    form leaves it to typer (empty, dash-led, a NUL in it)."""
+    if not value or value.startswith("-") or "\0" in value:
+        return False
+    kwargs[_EXPORT_VALUES[name]] = Path(value) if name == "--data-dir" else value
+    return True
+
+
+def _plain_readable(path: str) -> bool:
+    """Whether typer takes ``path`` as a PATH argument without a word (click's ``Path`` check, as
+    ``export`` declares it: need not exist, must be readable when it does)."""
+    if "\0" in path:
+        return False
+    try:
+        os.stat(path)
+    except OSError:
+        return bool(path)
+    return os.access(path, os.R_OK)
+
+
 def run_plain_dump(kwargs: dict[str, Any]) -> None:
     """Run ``servewatch dump`` with ``kwargs`` (:func:`plain_dump_args`) without typer, and end
     the process as the one-shot console command does (:func:`_exit_now`), with the exit code
@@ -586,24 +726,47 @@ def run_plain_dump(kwargs: dict[str, Any]) -> None:
     Returns only on an invalid setting (:class:`_NeedsFullCli`): the caller
     (:func:`agent.cli.entry.main`) then runs the command again through typer, which says it as
     it always does (this module does not import the CLI module, which imports it)."""
+    code = _plain_code("servewatch dump", run_dump, kwargs)
+    if code is not _HANDED_OVER:
+        _exit_now(code)
+
+
+def run_plain_export(kwargs: dict[str, Any]) -> None:
+    """Run ``servewatch export`` with ``kwargs`` (:func:`plain_export_args`) without typer, with
+    the exit code and stderr lines typer's run gives, and raise ``SystemExit`` with that code
+    (``export`` is not a one-shot command: the interpreter ends as it does after typer's run).
+    Returns only on an invalid setting, as :func:`run_plain_dump` does."""
+    code = _plain_code("servewatch export", run_export, kwargs)
+    if code is not _HANDED_OVER:
+        raise SystemExit(code)
+
+
+#: :func:`_plain_code`'s answer when the command is to be run again through typer.
+_HANDED_OVER = object()
+
+
+def _plain_code(command: str, body: Any, kwargs: dict[str, Any]) -> object:
+    """``body(**kwargs)`` run as ``command`` without typer: its end as an exit code (what typer's
+    run returns), or :data:`_HANDED_OVER` on an invalid setting (:class:`_NeedsFullCli`)."""
     global _plain_command
-    _plain_command = "servewatch dump"
+    _plain_command = command
     try:
-        code = _plain_dump_code(kwargs)
+        return _plain_body_code(body, kwargs)
     except _NeedsFullCli:
+        return _HANDED_OVER
+    finally:
         _plain_command = None
-        return
-    _exit_now(code)
 
 
-def _plain_dump_code(kwargs: dict[str, Any]) -> object:
-    """:func:`run_dump` of ``kwargs``, its end as an exit code (what typer's run returns)."""
+def _plain_body_code(body: Any, kwargs: dict[str, Any]) -> object:
+    """``body(**kwargs)`` (:func:`run_dump`, :func:`run_export`), its end as an exit code (what
+    typer's run returns)."""
     import errno
 
     from agent.errors import ServewatchError, one_line
 
     try:
-        run_dump(**kwargs)
+        body(**kwargs)
     except SystemExit as exc:
         return exc.code
     except EOFError:  # as typer's main: a blank line on stderr, then "aborted"

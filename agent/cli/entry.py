@@ -4,7 +4,8 @@ Starts the early py-spy runs of a one-shot ``servewatch dump --pid ...`` (:mod:`
 standard library only) before importing the command line (:mod:`agent.cli.app`: typer, settings,
 the agent), then runs it. The plain form ``servewatch dump --pid N ...``
 (:func:`agent.cli.common.plain_dump_args`) runs without typer (:func:`agent.cli.common.run_plain_dump`):
-the CLI framework is never imported to dump stacks. Unclaimed early runs are killed and reaped
+the CLI framework is never imported to dump stacks; so does the plain ``servewatch export ...``
+(:func:`agent.cli.common.plain_export_args`, e.g. ``export --dry-run --to URL``). Unclaimed early runs are killed and reaped
 however the command ends. A one-shot command (:data:`~agent.early.ONE_SHOT_COMMANDS`) turns the
 cyclic garbage collector off before those imports. This module imports the standard library,
 :mod:`agent.early` and :mod:`agent.cli.common` (standard library at load) only.
@@ -33,6 +34,12 @@ def main() -> None:
             plain = plain_dump_args(args)
             if plain is not None:
                 run_plain_dump(plain)  # ends the process, unless a setting needs typer's message
+        elif args[:1] == ["export"]:
+            from agent.cli.common import plain_export_args, run_plain_export
+
+            plain = plain_export_args(args)
+            if plain is not None:
+                run_plain_export(plain)  # raises SystemExit, unless a setting needs typer's message
         from agent.cli.app import main as cli_main
 
         cli_main()

@@ -3,7 +3,8 @@
 Part 1: wall time of fresh processes: ``python -c pass`` (the floor), ``servewatch --help``,
 ``--version``, ``dump --help``, ``timeline --help``, ``cuda-env`` (prints its exports), ``status --help``
 and the read-only commands on a real bundle (one ``servewatch dump`` of a hung target, made first)
-and a status file: ``status`` (and ``--json``), ``timeline`` (and ``--json``), ``report``;
+and a status file: ``status`` (and ``--json``), ``timeline`` (and ``--json``), ``report``,
+``export --dry-run --to URL`` (reads the span files, connects to nothing);
 interleaved over ``--repeat`` rounds; median and min per command, and the median of the per-round
 ratios to ``python -c pass``. Targets: ``--help`` <= 0.2 s; each read-only command <= 3x
 ``python -c pass`` + 0.1 s (issue 38; the goal line is printed with the load average). With
@@ -129,7 +130,7 @@ def _read_only_data(work: Path) -> tuple[Path, str]:
 
 #: Read-only commands and their goal: each at most 3x `python -c pass` + 0.1 s (issue 38).
 READ_ONLY = ("servewatch --help", "servewatch --version", "servewatch status", "servewatch status --json",
-             "servewatch timeline", "servewatch timeline --json", "servewatch report")
+             "servewatch timeline", "servewatch timeline --json", "servewatch report", "servewatch export --dry-run")
 
 
 def part1(repeat: int, work: Path, baseline_tree: Path | None = None) -> None:
@@ -149,6 +150,8 @@ def part1(repeat: int, work: Path, baseline_tree: Path | None = None) -> None:
         "servewatch timeline": [*sw, "timeline", "latest", *dd],
         "servewatch timeline --json": [*sw, "timeline", incident, "--json", *dd],
         "servewatch report": [*sw, "report", incident, "-o", str(work / "report.html"), *dd],
+        # connects to nothing, writes nothing: says what the bundle's span file would send
+        "servewatch export --dry-run": [*sw, "export", "--dry-run", "--to", "http://127.0.0.1:4317", *dd],
     }
     envs: dict[str, dict[str, str]] = {name: BASE_ENV for name in cmds}
     if baseline_tree is not None:  # the same commands run from another source tree, same rounds

@@ -443,3 +443,117 @@ def test_plain_dump_with_an_invalid_setting_says_it_as_typer_does(tmp_path: Path
          " see 'servewatch dump --help'"),
     ]
     assert not (tmp_path / "data").exists()
+
+
+#: What `export --dry-run` (a read-only command: it connects to nothing and writes nothing) must
+#: not import: the CLI framework (its plain form runs through agent.cli.common, as the plain dump
+#: does), the network senders, the runtime, and what the settings model once pulled in (the
+#: incident manager and the verdict rules, the stall and start-up rules, the events and the bus).
+#: (The SDK's modules may load: a SERVEWATCH_* variable that is no setting, as this test's
+#: SERVEWATCH_SHM_DIR, is looked up among the SDK's own variables.)
+EXPORT_DRY_RUN_NEVER = (*PLAIN_DUMP_NEVER, "grpc", "httpx", "torch", "rich", "jinja2", "opentelemetry.sdk.trace",
+                        "opentelemetry.sdk.metrics", "opentelemetry.exporter", "agent.runtime.agent", "agent.incidents.manager",
+                        "agent.verdict", "agent.host.stall", "agent.host.startup", "agent.host.procinfo", "agent.host.exits",
+                        "agent.model.events", "agent.model.bus")
+
+
+def test_export_dry_run_imports_no_cli_framework_and_no_runtime(tmp_path: Path) -> None:
+    """`export --dry-run` of a data dir with a real span file reads the files and the settings,
+    nothing more: no typer, no incident manager, no events (the bus's classes)."""
+    from tests.exporters.bundle_fixture import write_bundle
+
+    data = tmp_path / "data"
+    write_bundle(data)
+    got = _modules_after(["export", "--dry-run", "--to", "http://127.0.0.1:4317", "--data-dir", str(data)], tmp_path,
+                         EXPORT_DRY_RUN_NEVER)
+    assert got == {"code": 0, "heavy": []}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "--dry-run", "--to", "http://127.0.0.1:4317"],
+        ["export", "a", "--to=http://h:4318", "--protocol", "http/protobuf", "b", "--dry-run", "--resend", "--remove-sent"],
+        ["export", "--data-dir", "d1", "--to", "http://h:1", "--to", "https://h:2", "--data-dir=d2", "x=y"],
+        ["export"],
+    ],
+)
+def test_plain_export_arguments_are_what_typer_passes(args: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """plain_export_args reads a plain `export` command line exactly as typer does (PATHs between
+    options, the last of a repeated option, `--opt=value`)."""
+    from agent.cli import app
+    from agent.cli.common import plain_export_args
+
+    seen: list[dict] = []
+
+    def capture(**kwargs: object) -> None:
+        seen.append(kwargs)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(app, "run_export", capture)
+    with pytest.raises(SystemExit) as exc:
+        app.main(args)
+    assert exc.value.code == 0
+    assert plain_export_args(args) == seen[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "--help"], ["export", "--timeout", "3"], ["export", "--config", "c.toml"], ["export", "--to"],
+        ["export", "--to="], ["export", "--to", "--dry-run"], ["export", "--dry-run", "--"], ["export", "-"],
+        ["export", ""], ["export", "--dry-run", "-x"], ["export", "--data-dir", "a\0b"], ["--dry-run", "export"],
+    ],
+)
+def test_other_export_forms_are_left_to_typer(args: list[str]) -> None:
+    from agent.cli.common import plain_export_args
+
+    assert plain_export_args(args) is None
+
+
+def test_an_unreadable_export_path_is_left_to_typer(tmp_path: Path) -> None:
+    """typer refuses a PATH that exists but cannot be read (its own message): the plain form
+    leaves that to it; a PATH that does not exist is the command's to say."""
+    from agent.cli.common import plain_export_args
+
+    (shut := tmp_path / "shut").mkdir(mode=0o000)
+    try:
+        if os.access(shut, os.R_OK):
+            pytest.skip("running as root: every path is readable")
+        assert plain_export_args(["export", str(shut)]) is None
+    finally:
+        shut.chmod(0o700)
+    assert plain_export_args(["export", str(tmp_path / "none")])["paths"] == [tmp_path / "none"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--dry-run"], {}),  # no collector endpoint
+        (["--dry-run", "--to", "127.0.0.1:4317"], {}),  # no scheme
+        (["--dry-run", "--to", "ftp://x"], {}),
+        (["--dry-run", "--to", "http://h:1", "--protocol", "bogus"], {}),
+        (["--dry-run", "--to", "http://h:1", "no-such-folder"], {}),
+        (["--dry-run", "--to", "http://h:1"], {"SERVEWATCH_EXPORT__BATCH_SPANS": "many"}),  # typer says it
+        (["--dry-run", "--to", "http://h:1"], {"SERVEWATCH_NO_SUCH_SETTING": "1"}),
+        (["--dry-run"], {"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4317"}),
+        (["--dry-run", "--to", "http://127.0.0.1:4317", "--protocol", "http/protobuf", "--resend"], {}),
+    ],
+)
+def test_plain_export_says_what_typer_says(args: list[str], env: dict[str, str], tmp_path: Path) -> None:
+    """The console entry's plain `export` gives the same stdout, stderr lines and exit code as
+    the command run through typer, on a bad value, a missing endpoint or path, an invalid
+    setting, an unknown variable and a good dry run of a real span file."""
+    from tests.exporters.bundle_fixture import write_bundle
+
+    write_bundle(tmp_path / "data")
+    runs = [
+        subprocess.run([sys.executable, "-c", f"from agent.cli.{mod} import main; main()", "export", *args,
+                        "--data-dir", str(tmp_path / "data")],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+                       env={**_env(tmp_path), **env}, stdin=subprocess.DEVNULL)
+        for mod in ("entry", "app")
+    ]
+    plain, typer_run = ((r.returncode, r.stdout, r.stderr) for r in runs)
+    assert plain == typer_run
+    assert plain[0] in (0, 2) and plain[2].strip(), plain

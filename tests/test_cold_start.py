@@ -447,19 +447,19 @@ def test_plain_dump_with_an_invalid_setting_says_it_as_typer_does(tmp_path: Path
 
 #: What `export --dry-run` (a read-only command: it connects to nothing and writes nothing) must
 #: not import: the CLI framework (its plain form runs through agent.cli.common, as the plain dump
-#: does), the network senders, the runtime, and what the settings model once pulled in (the
+#: does), the network senders, the runtime, and, with no --config and no SERVEWATCH_* variable but
+#: the location's, the full settings model (pydantic-settings, every component's table, the
 #: incident manager and the verdict rules, the stall and start-up rules, the events and the bus).
-#: (The SDK's modules may load: a SERVEWATCH_* variable that is no setting, as this test's
-#: SERVEWATCH_SHM_DIR, is looked up among the SDK's own variables.)
-EXPORT_DRY_RUN_NEVER = (*PLAIN_DUMP_NEVER, "grpc", "httpx", "torch", "rich", "jinja2", "opentelemetry.sdk.trace",
-                        "opentelemetry.sdk.metrics", "opentelemetry.exporter", "agent.runtime.agent", "agent.incidents.manager",
-                        "agent.verdict", "agent.host.stall", "agent.host.startup", "agent.host.procinfo", "agent.host.exits",
-                        "agent.model.events", "agent.model.bus")
+EXPORT_DRY_RUN_NEVER = (*PLAIN_DUMP_NEVER, "grpc", "httpx", "torch", "rich", "jinja2", "psutil", "anyio", "opentelemetry.sdk.trace",
+                        "opentelemetry.sdk.metrics", "opentelemetry.exporter", "pydantic_settings", "agent.runtime.settings",
+                        "agent.runtime.agent", "agent.actors", "agent.watchers", "agent.incidents", "agent.verdict",
+                        "agent.host.stall", "agent.host.startup", "agent.host.procinfo", "agent.host.exits", "agent.host.targets",
+                        "agent.model.events", "agent.model.bus", "agent.sdk")
 
 
 def test_export_dry_run_imports_no_cli_framework_and_no_runtime(tmp_path: Path) -> None:
-    """`export --dry-run` of a data dir with a real span file reads the files and the settings,
-    nothing more: no typer, no incident manager, no events (the bus's classes)."""
+    """`export --dry-run` of a data dir with a real span file reads the files and the [export]
+    table, nothing more: no typer, no settings model, no incident manager, no events."""
     from tests.exporters.bundle_fixture import write_bundle
 
     data = tmp_path / "data"
@@ -557,3 +557,36 @@ def test_plain_export_says_what_typer_says(args: list[str], env: dict[str, str],
     plain, typer_run = ((r.returncode, r.stdout, r.stderr) for r in runs)
     assert plain == typer_run
     assert plain[0] in (0, 2) and plain[2].strip(), plain
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--dry-run", "--to", "http://127.0.0.1:4317"], {}),
+        (["--dry-run"], {}),
+        (["--dry-run", "--to", "ftp://x"], {}),
+        (["--dry-run"], {"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}),
+        (["--dry-run"], {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://h:4318/v1/traces", "OTEL_EXPORTER_OTLP_COMPRESSION": "zip"}),
+        (["--dry-run", "--to", "http://h:1"], {"SERVEWATCH_HOST_NAME": "a/b"}),
+        (["--dry-run", "--to", "http://h:1"], {"SERVEWATCH_HOST_NAME": "other"}),
+    ],
+)
+def test_export_without_the_settings_model_says_what_the_full_settings_say(args: list[str], env: dict[str, str],
+                                                                           tmp_path: Path) -> None:
+    """`export` with no --config and no other SERVEWATCH_* variable reads the [export] table's
+    defaults without the settings model: the same lines and exit code as with the full settings
+    (here forced by an empty --config file), OTEL_* variables and a bad host name included."""
+    from tests.exporters.bundle_fixture import write_bundle
+
+    write_bundle(tmp_path / "data")
+    (empty := tmp_path / "empty.toml").write_text("")
+    runs = [
+        subprocess.run([sys.executable, "-c", "from agent.cli.entry import main; main()", "export", *args, *more,
+                        "--data-dir", str(tmp_path / "data")],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+                       env={**_env(tmp_path), **env}, stdin=subprocess.DEVNULL)
+        for more in ([], ["--config", str(empty)])
+    ]
+    light, full = ((r.returncode, r.stdout, r.stderr) for r in runs)
+    assert light == full
+    assert light[2].strip(), light

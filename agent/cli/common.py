@@ -539,21 +539,21 @@ def run_export(
 ) -> None:
     """The body of ``servewatch export`` (its options, as :func:`agent.cli.app.export` documents
     them; ``timeout`` in seconds)."""
-    settings = _settings({"data_dir": data_dir}, config, writes=False)
-    destination, endpoint = _export_destination(settings, to, protocol)
+    folder, table = _export_settings(data_dir, config)
+    destination, endpoint = _export_destination(table, to, protocol)
     from exporters.otlp.replay import (  # after the checks: a bad value is said without it
         ledger_path,
         replay,
     )
 
-    sources = list(paths or [settings.data_dir])
+    sources = list(paths or [folder])
     try:
         result = replay(
             sources, endpoint=endpoint, protocol=destination.protocol, timeout_s=timeout, remove_sent=remove_sent,
             headers=dict(destination.headers), insecure=destination.insecure, tls=destination.tls,
             compression=destination.compression, signal_specific=destination.signal_specific,
             ledger=None if resend else ledger_path,
-            batch_spans=settings.export.batch_spans, batch_bytes=settings.export.batch_bytes, dry_run=dry_run,
+            batch_spans=table.batch_spans, batch_bytes=table.batch_bytes, dry_run=dry_run,
         )
     except FileNotFoundError as exc:
         fail(f"no such file or folder {str(exc.filename)!r}" if exc.filename else str(exc), ExitCode.USAGE)
@@ -568,9 +568,26 @@ def run_export(
         raise _command_exit(int(ExitCode.FAILURE))
 
 
-def _export_destination(settings: Settings, to: str | None, protocol: str | None) -> tuple[Any, str]:
+def _export_settings(data_dir: Path | None, config: Path | None) -> tuple[Path, Any]:
+    """``export``'s data dir and ``[export]`` table (:class:`exporters.config.ExportConfig`):
+    without the full settings model where nothing else could matter (no ``--config``, no
+    ``SERVEWATCH_*`` variable but the data dir's and host name's:
+    :func:`agent.runtime.location.read_only_location`, as the read-only commands), the table's
+    defaults then; else the full settings' (every problem named, unknown variables said)."""
+    from agent.runtime.location import read_only_location
+
+    where = read_only_location(data_dir, config)
+    if where is None:
+        settings = _settings({"data_dir": data_dir}, config, writes=False)
+        return settings.data_dir, settings.export
+    from exporters.config import ExportConfig
+
+    return where.data_dir, ExportConfig()
+
+
+def _export_destination(table: Any, to: str | None, protocol: str | None) -> tuple[Any, str]:
     """``export``'s destination and its endpoint with a scheme (``--to``/``--protocol`` over the
-    settings); a bad value or no endpoint: :func:`fail` (usage)."""
+    ``[export]`` table ``table``); a bad value or no endpoint: :func:`fail` (usage)."""
     from exporters.otlp.provider import ExportConfigError, resolve_destination, scheme_problem
 
     if to is not None and (problem := scheme_problem(to)):
@@ -584,7 +601,7 @@ def _export_destination(settings: Settings, to: str | None, protocol: str | None
     if protocol is not None:
         overrides["protocol"] = protocol
     try:
-        destination = resolve_destination(settings.export.model_copy(update=overrides))
+        destination = resolve_destination(table.model_copy(update=overrides))
     except ExportConfigError as exc:
         fail(f"invalid setting {exc}", ExitCode.USAGE)
     endpoint = destination.endpoint

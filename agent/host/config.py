@@ -1,8 +1,9 @@
-"""The ``[watchdog]`` and ``[startup]`` settings tables (:class:`WatchdogConfig`,
-:class:`StartupConfig`), apart from the rules that hold them (:mod:`agent.host.stall`,
-:class:`agent.host.startup.StartupRule`, which name them too): the settings model loads them
-without the rules and what those import (the events, the bus, the /proc scan), e.g. for
-``servewatch export``. Imports pydantic and the standard library only.
+"""The ``[target]``, ``[watchdog]`` and ``[startup]`` settings tables (:class:`TargetConfig`,
+:class:`WatchdogConfig`, :class:`StartupConfig`), apart from the code that holds them
+(:mod:`agent.host.targets`, :mod:`agent.host.stall`, :class:`agent.host.startup.StartupRule`,
+which name them too): the settings model loads them without that code and what it imports
+(psutil, the events, the bus, the /proc scan), e.g. for ``servewatch export``. Imports pydantic
+and the standard library only.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import signal as _signal
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-__all__ = ["DEFAULT_BUDGET_S", "StartupConfig", "WatchdogConfig"]
+__all__ = ["DEFAULT_BUDGET_S", "StartupConfig", "TargetConfig", "WatchdogConfig"]
 
 #: ``startup.budget_s``'s default, seconds: below vLLM's own wait for its engine cores to start
 #: (``VLLM_ENGINE_READY_TIMEOUT_S``, 600 s in vLLM 0.32), after which vLLM raises and takes its
@@ -80,3 +81,41 @@ class WatchdogConfig(BaseModel):
     def signal_number(self) -> int:
         """The hard-mode signal as a number (``signal.Signals``)."""
         return int(getattr(_signal, self.signal))
+
+
+class TargetConfig(BaseModel):
+    """Which processes to watch and act on (discovery).
+
+    Any combination: explicit ``pids``, descendants of ``root_pid``, and every process whose
+    title matches one of the ``match`` globs (e.g. ``sglang::scheduler*``, ``VLLM::Worker*``).
+    """
+
+    # `default=[]`, not `default_factory=list`: pydantic copies a mutable default for each model,
+    # and reads a factory's signature (a builtin's is tokenized from its text: ~0.5 ms a field, at
+    # every start of every command)
+    pids: list[PositiveInt] = Field(default=[], description="explicit target pids")
+    root_pid: PositiveInt | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
+    match: list[str] = Field(default=[], description="process-title globs (fnmatch)")
+    uids: list[int] = Field(
+        default=[],
+        description="the server's real uids: only processes of these (or root) are targets (empty: the uid of root_pid and"
+        " pids, else servewatch's own); coredumps of these uids may also go outside coredump.folder",
+    )
+    any_uid: bool = Field(
+        False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
+    )
+    server_tree: bool = Field(
+        True,
+        description="on a health incident, also dump the rest of each watched server's process tree, each with its"
+        " role: its frontend (API server, tokenizer, detokenizer), engine core, DP coordinator and unmatched ranks"
+        " (a --match 'sglang::scheduler*' leaves them out; a frontend can be the culprit)",
+    )
+
+    @field_validator("match")
+    @classmethod
+    def _globs_name_something(cls, value: list[str]) -> list[str]:
+        """An empty (or blank) glob matches no process title: a mistake (an unset shell
+        variable), never a way to watch nothing."""
+        if any(not glob.strip() for glob in value):
+            raise ValueError("an empty title glob matches no process; give one such as 'sglang::scheduler*'")
+        return value

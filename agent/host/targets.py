@@ -1,10 +1,11 @@
 """Process discovery: which processes servewatch watches and acts on.
 
-Owns :class:`Target`, :class:`TargetConfig` (the ``[target]`` settings), discovery (descendants
+Owns :class:`Target`, names :class:`TargetConfig` (the ``[target]`` settings, held in
+:mod:`agent.host.config`), owns discovery (descendants
 of a root pid, process-title globs, explicit pids) and the one place where psutil's exceptions are
 sorted into servewatch's terms (:func:`psutil_errors`, :func:`process_state`), and the rank a
-target's own environment names (:func:`rank_environ`). Imports psutil, pydantic, :mod:`agent.model.events`,
-:mod:`agent.model.ranks` and :mod:`agent.model.safetext` only.
+target's own environment names (:func:`rank_environ`). Imports psutil, :mod:`agent.host.config`,
+:mod:`agent.model.kinds`, :mod:`agent.model.ranks` and :mod:`agent.model.safetext` only.
 
 Titles: inference servers name their workers with setproctitle (SGLang ``sglang::scheduler_TP0``,
 vLLM ``VLLM::Worker_TP0``). setproctitle overwrites the argv area, so ``/proc/PID/cmdline`` reads
@@ -22,8 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psutil
-from pydantic import BaseModel, Field, PositiveInt, field_validator
 
+from agent.host.config import TargetConfig
 from agent.model.kinds import StrEnum
 from agent.model.ranks import RankEnviron, parse_rank_environ
 from agent.model.safetext import safe_text
@@ -51,45 +52,6 @@ __all__ = [
     "uninterruptible_threads",
     "zombie_descendants",
 ]
-
-
-class TargetConfig(BaseModel):
-    """Which processes to watch and act on (discovery).
-
-    Any combination: explicit ``pids``, descendants of ``root_pid``, and every process whose
-    title matches one of the ``match`` globs (e.g. ``sglang::scheduler*``, ``VLLM::Worker*``).
-    """
-
-    # `default=[]`, not `default_factory=list`: pydantic copies a mutable default for each model,
-    # and reads a factory's signature (a builtin's is tokenized from its text: ~0.5 ms a field, at
-    # every start of every command)
-    pids: list[PositiveInt] = Field(default=[], description="explicit target pids")
-    root_pid: PositiveInt | None = Field(None, description="watch this pid's descendants (e.g. the server's main process)")
-    match: list[str] = Field(default=[], description="process-title globs (fnmatch)")
-    uids: list[int] = Field(
-        default=[],
-        description="the server's real uids: only processes of these (or root) are targets (empty: the uid of root_pid and"
-        " pids, else servewatch's own); coredumps of these uids may also go outside coredump.folder",
-    )
-    any_uid: bool = Field(
-        False, description="act on matched processes of any uid (else another user's process titled like a glob is refused)"
-    )
-    server_tree: bool = Field(
-        True,
-        description="on a health incident, also dump the rest of each watched server's process tree, each with its"
-        " role: its frontend (API server, tokenizer, detokenizer), engine core, DP coordinator and unmatched ranks"
-        " (a --match 'sglang::scheduler*' leaves them out; a frontend can be the culprit)",
-    )
-
-    @field_validator("match")
-    @classmethod
-    def _globs_name_something(cls, value: list[str]) -> list[str]:
-        """An empty (or blank) glob matches no process title: a mistake (an unset shell
-        variable), never a way to watch nothing."""
-        if any(not glob.strip() for glob in value):
-            raise ValueError("an empty title glob matches no process; give one such as 'sglang::scheduler*'")
-        return value
-
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

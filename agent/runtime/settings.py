@@ -54,11 +54,10 @@ from pydantic_settings.exceptions import SettingsError
 
 from agent.errors import ConfigError
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
-from agent.host.config import StartupConfig, WatchdogConfig
+from agent.host.config import StartupConfig, TargetConfig, WatchdogConfig
 from agent.host.fsutil import ensure_private_dir
 from agent.host.registry import AgentValues, Kind, Registry
 from agent.host.security import unsafe_dir_reason, validate_host_name
-from agent.host.targets import TargetConfig
 from agent.incidents.config import IncidentConfig
 from agent.model.datadir import DataDir
 from agent.runtime.location import DEFAULT_DATA_DIR, ENV_DATA_DIR, ENV_PREFIX

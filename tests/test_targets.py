@@ -226,8 +226,9 @@ def test_target_keeps_its_fields() -> None:
 
 
 def test_descendants_are_walked_again_only_when_the_pids_in_proc_change(spawn, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The host-wide walk (every process's parent) runs again for a root only once a process
-    came or went; a child started since is found."""
+    """The parents are read again for a root only once a process came or went, and then only
+    the new processes' (and the tree's own: reparenting), never every process's again; a child
+    started since is found."""
     import psutil
 
     from agent.host import targets as targets_mod
@@ -235,21 +236,22 @@ def test_descendants_are_walked_again_only_when_the_pids_in_proc_change(spawn, m
     code = "import sys, subprocess, time; sys.stdin.readline(); subprocess.Popen(['sleep', '60']); time.sleep(60)"
     parent = spawn([sys.executable, "-c", code], stdin=subprocess.PIPE)
     root = psutil.Process(parent.pid)
-    walks: list[int] = []
-    real = psutil.Process.children
+    reads: list[int] = []
+    real = targets_mod._stat_parent
 
-    def counted(self: psutil.Process, recursive: bool = False) -> list[psutil.Process]:
-        walks.append(self.pid)
-        return real(self, recursive=recursive)
+    def counted(pid: int) -> tuple[int, int] | None:
+        reads.append(pid)
+        return real(pid)
 
-    monkeypatch.setattr(psutil.Process, "children", counted)
+    monkeypatch.setattr(targets_mod, "_stat_parent", counted)
     listdir = os.listdir
     fixed = listdir("/proc")
     monkeypatch.setattr(os, "listdir", lambda path=".": list(fixed) if path == "/proc" else listdir(path))
     assert targets_mod.descendants(root) == []
+    first = len(reads)
     assert targets_mod.descendants(root) == []
-    assert walks == [parent.pid]
-    monkeypatch.undo()
+    assert len(reads) == first  # the same pids in /proc: nothing read again
+    monkeypatch.setattr(os, "listdir", listdir)
     assert parent.stdin is not None
     parent.stdin.write(b"go\n")
     parent.stdin.flush()
@@ -257,6 +259,66 @@ def test_descendants_are_walked_again_only_when_the_pids_in_proc_change(spawn, m
     while not (found := targets_mod.descendants(root)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p.name() for p in found] == ["sleep"]
+    again = reads[first:]
+    unchanged = [int(name) for name in fixed if name.isdigit() and os.path.exists(f"/proc/{name}")]
+    assert 1 in unchanged and 1 not in again  # init: neither new, nor in the tree, nor its parent gone
+    monkeypatch.undo()
+
+
+#: top -> middle -> ``sleep 60``; prints the middle's and the sleep's pids. The first line on
+#: stdin ends the middle (the top does not reap it: a zombie), the second has it reaped.
+REPARENTED = (
+    "import os, subprocess, sys, time\n"
+    "r, w = os.pipe()\n"
+    "end_r, end_w = os.pipe()\n"
+    "middle = os.fork()\n"
+    "if middle == 0:\n"
+    "    child = subprocess.Popen(['sleep', '60'])\n"
+    "    os.write(w, str(child.pid).encode())\n"
+    "    os.read(end_r, 1)\n"
+    "    os._exit(0)\n"
+    "print(middle, os.read(r, 32).decode(), flush=True)\n"
+    "sys.stdin.readline()\n"
+    "os.write(end_w, b'x')\n"
+    "sys.stdin.readline()\n"
+    "os.waitpid(middle, 0)\n"
+    "print('reaped', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_the_parent_cache_sees_a_child_reparented_while_its_parent_is_a_zombie_and_after_it_is_reaped(spawn) -> None:
+    """top -> middle -> sleep, all seen; the middle ends (its sleep goes to init at once, while
+    the middle stays a zombie, still listed in /proc), then is reaped. The sleep, its parent read
+    while it was the middle, leaves the top's tree at the next change of /proc's pids (as
+    psutil's walk of every parent says)."""
+    import psutil
+
+    from agent.host import targets as targets_mod
+
+    top = spawn([sys.executable, "-c", REPARENTED], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert top.stdout is not None and top.stdin is not None
+    middle, sleep = (int(x) for x in top.stdout.readline().split())
+    try:
+        root = psutil.Process(top.pid)
+        assert sorted(p.pid for p in targets_mod.descendants(root)) == sorted([middle, sleep])
+        top.stdin.write(b"end\n")
+        top.stdin.flush()
+        deadline = time.monotonic() + 10
+        while psutil.Process(middle).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the middle process never ended"
+            time.sleep(0.02)
+        assert psutil.Process(sleep).ppid() != middle  # reparented already
+        other = spawn(["sleep", "60"])  # /proc's pids change: the tree is looked at again
+        assert other.poll() is None
+        members = sorted(p.pid for p in targets_mod.descendants(root))
+        assert members == sorted(p.pid for p in root.children(recursive=True)) == [middle]  # the zombie, not its orphan
+        top.stdin.write(b"reap\n")
+        top.stdin.flush()
+        assert top.stdout.readline() == b"reaped\n"
+        assert targets_mod.descendants(root) == []
+    finally:
+        os.kill(sleep, signal.SIGKILL)
 
 
 # --- uninterruptible sleep (state D), per thread --------------------------------------------------

@@ -1,6 +1,7 @@
 """How processes ended, read from the kernel where their parent's reaping hides it.
 
-Owns: :class:`KernelExits` (the kernel's exit events, proc connector), :class:`OomWatch` (OOM
+Owns: :class:`KernelExits` (the kernel's exit events, proc connector), :class:`ExecEvents` (its exec
+events: whether a program started), :class:`OomWatch` (OOM
 kills: the process's memory cgroup counters and the kernel log), :func:`last_ran_unix_nano` (a
 zombie's last time on a CPU) and :func:`zombie_fact` (a zombie's :class:`~agent.model.events.ExitFact`);
 the process watcher (:mod:`agent.watchers.process`) puts the sources in order. Imports the
@@ -55,6 +56,7 @@ from agent.sdk.exitnotice import ExitNotice, notice_path, read_exit_notice
 
 __all__ = [
     "COALESCE_S",
+    "ExecEvents",
     "KernelExit",
     "KernelExits",
     "OomCounter",
@@ -76,10 +78,12 @@ _NLMSG_DONE = 3
 _CN_IDX_PROC = 1
 _CN_VAL_PROC = 1
 _PROC_CN_MCAST_LISTEN = 1
+_PROC_EVENT_EXEC = 0x00000002
 _PROC_EVENT_EXIT = 0x80000000
 _NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 _CN_MSG = struct.Struct("=IIIIHH")  # idx, val, seq, ack, len, flags
 _EVENT_HEAD = struct.Struct("=IIQ")  # what, cpu, timestamp_ns (CLOCK_MONOTONIC)
+_EXEC_EVENT = struct.Struct("=II")  # process pid, process tgid
 _EXIT_EVENT = struct.Struct("=IIIIII")  # pid, tgid, exit_code (wait status), exit_signal, parent pid, parent tgid
 
 #: Once :meth:`KernelExits.run` has read the events waiting, it waits this long before it waits
@@ -133,6 +137,37 @@ def _kernel_filter_supported() -> bool:
     return (major, minor) >= (6, 6)
 
 
+class _Refused(Exception):
+    """The kernel refused a proc connector subscription (the reason, one line)."""
+
+
+def _subscribe(events: int, what: str) -> socket.socket:
+    """A non-blocking proc connector socket subscribed to ``events`` (a ``PROC_EVENT_*`` mask;
+    a kernel without the filter sends every event and the reader drops the rest). Raises
+    :class:`_Refused` with the reason when the kernel, namespace or capability set says no."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_CONNECTOR)
+    except (OSError, AttributeError) as exc:
+        raise _Refused(f"no proc connector socket ({exc})") from None
+    try:
+        sock.bind((0, _CN_IDX_PROC))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)  # SO_RCVBUFFORCE (root): bursts of exits
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        payload = struct.pack("=II", _PROC_CN_MCAST_LISTEN, events) if _kernel_filter_supported() \
+            else struct.pack("=I", _PROC_CN_MCAST_LISTEN)
+        cn = _CN_MSG.pack(_CN_IDX_PROC, _CN_VAL_PROC, 0, 0, len(payload), 0) + payload
+        sock.send(_NLMSGHDR.pack(_NLMSGHDR.size + len(cn), _NLMSG_DONE, 0, 0, 0) + cn)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        why = ("needs CAP_NET_ADMIN" if exc.errno in (errno.EPERM, errno.EACCES)
+               else "not in the host's network namespace" if exc.errno == errno.ECONNREFUSED else "")
+        raise _Refused(f"kernel {what} events refused ({exc.strerror or exc}{'; ' + why if why else ''})") from None
+    return sock
+
+
 class KernelExits:
     """The kernel's process-exit events (proc connector), kept per pid for a while.
 
@@ -160,26 +195,9 @@ class KernelExits:
         """Subscribe to exit events; ``None`` (and the reason in ``KernelExits.unavailable``)
         when this kernel, namespace or capability set does not allow it."""
         try:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_CONNECTOR)
-        except (OSError, AttributeError) as exc:
-            KernelExits.unavailable = f"no proc connector socket ({exc})"
-            return None
-        try:
-            sock.bind((0, _CN_IDX_PROC))
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)  # SO_RCVBUFFORCE (root): bursts of exits
-            except OSError:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            payload = struct.pack("=II", _PROC_CN_MCAST_LISTEN, _PROC_EVENT_EXIT) if _kernel_filter_supported() \
-                else struct.pack("=I", _PROC_CN_MCAST_LISTEN)
-            cn = _CN_MSG.pack(_CN_IDX_PROC, _CN_VAL_PROC, 0, 0, len(payload), 0) + payload
-            sock.send(_NLMSGHDR.pack(_NLMSGHDR.size + len(cn), _NLMSG_DONE, 0, 0, 0) + cn)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            why = ("needs CAP_NET_ADMIN" if exc.errno in (errno.EPERM, errno.EACCES)
-                   else "not in the host's network namespace" if exc.errno == errno.ECONNREFUSED else "")
-            KernelExits.unavailable = f"kernel exit events refused ({exc.strerror or exc}{'; ' + why if why else ''})"
+            sock = _subscribe(_PROC_EVENT_EXIT, "exit")
+        except _Refused as exc:
+            KernelExits.unavailable = str(exc)
             return None
         KernelExits.unavailable = ""
         return cls(sock)
@@ -252,6 +270,86 @@ class KernelExits:
                 await anyio.sleep(COALESCE_S)
         finally:
             self.close()
+
+
+class ExecEvents:
+    """The kernel's exec events (proc connector, ``PROC_EVENT_EXEC``; ``struct exec_proc_event``:
+    the process's pid and tgid), counted: whether any process on the host ran a new program
+    since the last :meth:`drain`. A new thread or a fork that has not exec'd sends none, so a
+    ``/proc`` scan for new programs (:class:`agent.host.procinfo.ServerDumpLog`) need run only
+    after one. Only where the kernel filters events per socket (Linux >= 6.6): an older one
+    would send every fork, exit and thread's event here (:meth:`open` says no instead).
+    """
+
+    #: why the last :meth:`open` failed (one line), ``""`` after a success
+    unavailable: str = ""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        #: exec events read (all processes: the host's own pid numbering)
+        self.received = 0
+        #: events the kernel dropped because the socket buffer was full (ENOBUFS), each read as an exec
+        self.overruns = 0
+
+    @classmethod
+    def open(cls) -> ExecEvents | None:
+        """Subscribe to exec events; ``None`` (and the reason in ``ExecEvents.unavailable``)
+        when refused (not root, not the host's network namespace) or the kernel cannot filter."""
+        if not _kernel_filter_supported():
+            ExecEvents.unavailable = "kernel exec events need Linux >= 6.6 (an event filter per socket)"
+            return None
+        try:
+            sock = _subscribe(_PROC_EVENT_EXEC, "exec")
+        except _Refused as exc:
+            ExecEvents.unavailable = str(exc)
+            return None
+        ExecEvents.unavailable = ""
+        return cls(sock)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        """Stop listening (safe twice)."""
+        self._sock.close()
+
+    def drain(self) -> list[int]:
+        """Read every event waiting (never blocks): the processes (tgids, the host's numbering)
+        that exec'd, oldest first; a burst the kernel dropped reads as pid 0; a closed socket
+        reads as none."""
+        found: list[int] = []
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    break  # closed
+                self.overruns += 1
+                found.append(0)
+                continue
+            _exec_pids(data, found)
+        self.received += len(found)
+        return found
+
+    async def wait(self) -> None:
+        """Until an event waits to be read (cancellable)."""
+        await anyio.wait_readable(self._sock)
+
+
+def _exec_pids(data: bytes, found: list[int]) -> None:
+    """The tgids of the exec events in one datagram of netlink messages, appended to ``found``."""
+    offset = 0
+    while offset + _NLMSGHDR.size <= len(data):
+        length = _NLMSGHDR.unpack_from(data, offset)[0]
+        if length < _NLMSGHDR.size:
+            break
+        body = offset + _NLMSGHDR.size + _CN_MSG.size
+        if body + _EVENT_HEAD.size + _EXEC_EVENT.size <= offset + length \
+                and _EVENT_HEAD.unpack_from(data, body)[0] == _PROC_EVENT_EXEC:
+            found.append(_EXEC_EVENT.unpack_from(data, body + _EVENT_HEAD.size)[1])
+        offset += (length + 3) & ~3
 
 
 # --- OOM kills --------------------------------------------------------------------------------

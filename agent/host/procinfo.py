@@ -7,7 +7,8 @@ Owns: the exit registry (:func:`note_exit`, fed by the process watcher) and :fun
 :class:`ServerDumpLog` (the ``py-spy`` runs a watched server started itself, seen as new processes:
 SGLang's soft watchdog), :func:`ns_pid` (``NSpid``), :func:`uts_hostname` (the host name inside
 the target's uts namespace), :func:`deleted_mappings` (mapped files deleted or replaced since).
-Imports the stdlib, psutil, :mod:`agent.model.safetext` and :mod:`agent.host.targets` only.
+Imports the stdlib, anyio, psutil, :mod:`agent.model.safetext`, :mod:`agent.model.ticks`,
+:mod:`agent.host.exits` and :mod:`agent.host.targets` only.
 
 Facts (Linux, measured here):
 
@@ -28,10 +29,13 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from agent.host.exits import zombie_exit_status, zombie_fact
+import anyio
+
+from agent.host.exits import ExecEvents, zombie_exit_status, zombie_fact
 from agent.host.targets import ProcessState, Target, process_state, runs_pyspy, target_of
 from agent.model.events import ExitFact, ExitSource
 from agent.model.safetext import safe_text
+from agent.model.ticks import until_tick
 
 __all__ = [
     "Death",
@@ -451,13 +455,49 @@ class ServerDumpLog:
         self._unsettled: dict[int, int] = {}
         self._runs: OrderedDict[int, ServerDump] = OrderedDict()
         self._created = NewProcesses()
+        self._execs: ExecEvents | None = None
+        #: an exec came (or no scan ran) since the last scan's listing (with :meth:`follow_execs`)
+        self._exec_seen = True
+
+    def follow_execs(self) -> bool:
+        """Trigger scans on the kernel's exec events (:class:`~agent.host.exits.ExecEvents`)
+        instead of the kernel's last pid: a py-spy run is an exec, a new thread never is, so a
+        host that creates threads all the time costs no scans. Whether that is so (``False``:
+        refused, the reason in ``ExecEvents.unavailable``; the last pid stays the trigger).
+        Undone by :meth:`close`."""
+        if self._execs is None:
+            self._execs = ExecEvents.open()
+        return self._execs is not None
+
+    def close(self) -> None:
+        """Stop following exec events (safe twice; scans trigger on the last pid again)."""
+        execs, self._execs = self._execs, None
+        if execs is not None:
+            execs.close()
+
+    async def next_check(self, interval_s: float) -> None:
+        """Wait for the next :meth:`needs_scan` worth asking: following execs, until one came
+        (then to the next multiple of ``interval_s``, s, so a burst is one scan); else the next
+        multiple of ``interval_s``."""
+        execs = self._execs
+        if execs is not None:
+            await execs.wait()
+        await anyio.sleep(until_tick(interval_s, anyio.current_time()))
 
     def needs_scan(self) -> bool:
-        """Whether :meth:`scan` can find anything now: a process was created since the last
-        scan (:class:`NewProcesses`) or a forked one is still to be looked
-        at again. Cheap (one read of ``/proc/loadavg``), so an idle host costs no ``/proc``
-        listing and no worker-thread hop; a run that started since is never skipped."""
+        """Whether :meth:`scan` can find anything now. Following execs (:meth:`follow_execs`):
+        a process exec'd since the last scan (reads the events waiting: call it whenever
+        :meth:`next_check` returns). Else a process was created since the last scan
+        (:class:`NewProcesses`) or a forked one is still to be looked at again (following
+        execs its exec is the event). Cheap (a read of the events waiting, or of
+        ``/proc/loadavg``), so an idle host costs no ``/proc`` listing and no worker-thread hop;
+        a run that started since is never skipped."""
+        execs = self._execs
         with self._lock:
+            if execs is not None:
+                if execs.drain():
+                    self._exec_seen = True
+                return self._exec_seen
             pending = any(n < self.UNSETTLED_SCANS for n in self._unsettled.values())
             return pending or self._created.since()
 
@@ -470,9 +510,12 @@ class ServerDumpLog:
         at the next scans, up to :data:`UNSETTLED_SCANS` of them (a forked worker stays so)."""
         family = set(pids)
         before = self._created.before_look()
+        with self._lock:
+            exec_seen, self._exec_seen = self._exec_seen, False  # an exec from now on: scan again
         try:
             now = {int(name) for name in os.listdir("/proc") if name.isdigit()}
         except OSError:
+            self._exec_seen = exec_seen
             return []
         with self._lock:
             new, self._known = sorted(now - self._known), now

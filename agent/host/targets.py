@@ -1,8 +1,8 @@
 """Process discovery: which processes servewatch watches and acts on.
 
 Owns :class:`Target`, names :class:`TargetConfig` (the ``[target]`` settings, held in
-:mod:`agent.host.config`), owns discovery (descendants
-of a root pid, process-title globs, explicit pids) and the one place where psutil's exceptions are
+:mod:`agent.host.config`), owns discovery (descendants of a root pid, from :class:`ParentMap`,
+each process's parent read once; process-title globs, explicit pids) and the one place where psutil's exceptions are
 sorted into servewatch's terms (:func:`psutil_errors`, :func:`process_state`), and the rank a
 target's own environment names (:func:`rank_environ`). Imports psutil, :mod:`agent.host.config`,
 :mod:`agent.model.kinds`, :mod:`agent.model.ranks` and :mod:`agent.model.safetext` only.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from agent.model.ranks import RankEnviron, parse_rank_environ
 from agent.model.safetext import safe_text
 
 __all__ = [
+    "PARENTS",
+    "ParentMap",
     "ProcessState",
     "ProcessTree",
     "ScanErrors",
@@ -333,16 +336,113 @@ def server_uids(*, uids: Iterable[int] = (), root_pids: Iterable[int] = (), pids
     return frozenset({0, *found})
 
 
+def _stat_parent(pid: int) -> tuple[int, int] | None:
+    """``(parent pid, start time in clock ticks)`` of ``pid`` from ``/proc/PID/stat`` (fields 4
+    and 22, after the comm, which may hold spaces and parentheses); ``None`` when gone or unreadable."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        fields = raw.rsplit(b")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class ParentMap:
+    """Every process's parent on the host, each read once and kept, keyed by pid and start time
+    (what ``psutil``'s ``children(recursive=True)`` reads afresh from every ``/proc/PID/stat`` on
+    each call: milliseconds on a host of a few hundred processes).
+
+    :meth:`refresh` takes the pids now in ``/proc`` and reads only the processes that are new,
+    the children of processes gone (reparented), the processes of the trees last answered (one
+    whose parent ended is reparented while the parent, a zombie, is still listed) and, when a
+    pid turned out reused (another start time), its children. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._of: dict[int, tuple[int, int]] = {}
+        #: ``/proc/PID/stat`` reads done (all refreshes)
+        self.reads = 0
+
+    def refresh(self, listed: Iterable[str], members: Iterable[int] = ()) -> None:
+        """Bring the map up to the pids ``listed`` (``/proc``'s names; others ignored), reading
+        ``members`` (the trees' processes last answered) again too. Blocking: one small read
+        per process read."""
+        pids = {int(name) for name in listed if name.isdigit()}
+        with self._lock:
+            reused = self._read(self._stale(pids, members))
+            if reused:  # its children were the earlier process's: reparented since
+                self._read({pid for pid, (ppid, _) in self._of.items() if ppid in reused})
+
+    def _stale(self, pids: set[int], members: Iterable[int]) -> set[int]:
+        """Forget the processes gone; the pids to read (lock held): new, orphaned, ``members``."""
+        of = self._of
+        for pid in [pid for pid in of if pid not in pids]:
+            del of[pid]
+        todo = {pid for pid in pids if pid not in of}
+        todo.update(pid for pid, (ppid, _) in of.items() if ppid and ppid not in pids)
+        todo.update(pid for pid in members if pid in of)
+        return todo
+
+    def _read(self, pids: Iterable[int]) -> set[int]:
+        """Read ``pids`` into the map (lock held); the pids whose start time changed (reused)."""
+        of = self._of
+        reused: set[int] = set()
+        for pid in pids:
+            self.reads += 1
+            fact = _stat_parent(pid)
+            if fact is None:
+                of.pop(pid, None)
+                continue
+            old = of.get(pid)
+            if old is not None and old[1] != fact[1]:
+                reused.add(pid)
+            of[pid] = fact
+        return reused
+
+    def descendants(self, root: int) -> list[int]:
+        """The pids below ``root`` (recursive, depth first as ``psutil``), none started before it
+        (a reused pid's); empty when ``root`` is not in the map."""
+        with self._lock:
+            entry = self._of.get(root)
+            if entry is None:
+                return []
+            born = entry[1]
+            children: dict[int, list[int]] = {}
+            for pid, (ppid, started) in self._of.items():
+                if started >= born:
+                    children.setdefault(ppid, []).append(pid)
+        found: list[int] = []
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            pid = stack.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            for child in children.get(pid, ()):
+                found.append(child)
+                stack.append(child)
+        return found
+
+
+#: The host's parents (:func:`descendants`).
+PARENTS = ParentMap()
+
 #: Descendants found per root pid, with the pids in ``/proc`` then (:func:`descendants`).
 _DESCENDANTS: dict[int, tuple[frozenset[str], float, list[psutil.Process]]] = {}
 _DESCENDANTS_MAX = 64
 
 
 def descendants(root: psutil.Process) -> list[psutil.Process]:
-    """``root.children(recursive=True)``, which reads every process's ``/proc/PID/stat`` on the
-    host (its parent), again only when the pids in ``/proc`` changed since the last answer for
-    this root: a new process, an exit (and so any reparenting) changes them; a listing of
-    ``/proc`` costs tens of microseconds where the walk costs milliseconds. Blocking."""
+    """``root.children(recursive=True)``: its processes, found from :data:`PARENTS` (each
+    process's parent read once, the map brought up to date only when the pids in ``/proc``
+    changed since the last answer for this root: a new process, an exit and so any
+    reparenting change them; a listing of ``/proc`` costs tens of microseconds). Blocking."""
     try:
         pids = frozenset(os.listdir("/proc"))
         born = root.create_time()
@@ -351,7 +451,13 @@ def descendants(root: psutil.Process) -> list[psutil.Process]:
     known = _DESCENDANTS.get(root.pid)
     if known is not None and known[0] == pids and known[1] == born:
         return list(known[2])
-    members = root.children(recursive=True)
+    PARENTS.refresh(pids, [root.pid, *(p.pid for p in known[2])] if known is not None else [root.pid])
+    members: list[psutil.Process] = []
+    for pid in PARENTS.descendants(root.pid):
+        try:
+            members.append(psutil.Process(pid))
+        except psutil.Error:  # gone since (psutil's children() skips those too)
+            continue
     if len(_DESCENDANTS) >= _DESCENDANTS_MAX:
         _DESCENDANTS.clear()
     _DESCENDANTS[root.pid] = (pids, born, members)

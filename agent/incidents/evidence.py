@@ -150,7 +150,8 @@ class TargetFinder:
     def server_dumps_may_be_new(self) -> bool:
         """Whether :meth:`scan_server_dumps` can find a run now (:meth:`ServerDumpLog.needs_scan`):
         cheap, on the event loop; nothing to look for before a target is known."""
-        return bool(self.root_pids or self._seen) and self.server_dumps.needs_scan()
+        new = self.server_dumps.needs_scan()  # first: it reads the exec events waiting, whatever the answer
+        return new and bool(self.root_pids or self._seen)
 
     def server_dump_lines(self, opened_unix_nano: int, until_unix_nano: int, pids: Sequence[int]) -> list[str]:
         """The lines saying ``pids``' own watchdog fired (ran py-spy) in an incident's window: from

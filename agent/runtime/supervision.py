@@ -5,8 +5,8 @@ the exception, then a fresh watcher after a jittered backoff, :class:`agent.mode
 :class:`TargetWatch` (re-discovery of the targets: every one found is watched for exit by the
 ``process`` watcher and, with an SDK step counter, by watchers of its own, started with it and
 cancelled when it exits; the ``process`` and ``steps`` rows; a ``--root-pid`` server that is gone
-stops the agent; the servers' own py-spy runs scanned for, :data:`SERVER_DUMP_SCAN_S`). Imports anyio, :mod:`agent.model.backoff`, :mod:`agent.model.bus`, :mod:`agent.model.events`,
-:mod:`agent.host.targets`, :mod:`agent.host.procinfo`, the watchers' protocols and the status board's
+stops the agent; the servers' own py-spy runs scanned for after an exec, at most every :data:`SERVER_DUMP_SCAN_S`). Imports anyio, :mod:`agent.model.backoff`, :mod:`agent.model.bus`, :mod:`agent.model.events`,
+:mod:`agent.host.targets`, :mod:`agent.host.procinfo`, :mod:`agent.host.exits`, the watchers' protocols and the status board's
 states; the runtime wires them.
 """
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from agent.host.exits import ExecEvents
 from agent.host.procinfo import pid_alive
 from agent.host.targets import NO_TARGET_WARNING, ProcessState, Target, process_state, target_of
 from agent.model.backoff import Backoff
@@ -317,15 +318,21 @@ class TargetWatch:
         (:meth:`~agent.incidents.evidence.TargetFinder.scan_server_dumps`, off the event loop); a failed
         scan is logged (the first one only: 4 a second would flood the log) and the next one runs."""
         told = False
-        while True:
-            try:
-                if self.finder.server_dumps_may_be_new():  # no new process: no listing, no thread hop
-                    await anyio.to_thread.run_sync(self.finder.scan_server_dumps)
-            except Exception:  # a nicety: never in the watching's way
-                if not told:
-                    told = True
-                    log.exception("scanning for the servers' own py-spy runs failed (said once)")
-            await anyio.sleep(until_tick(SERVER_DUMP_SCAN_S, anyio.current_time()))
+        dumps = self.finder.server_dumps
+        if not await anyio.to_thread.run_sync(dumps.follow_execs):  # a py-spy run is an exec; new threads are not
+            log.info("py-spy scans trigger on the kernel's last pid: %s", ExecEvents.unavailable)
+        try:
+            while True:
+                try:
+                    if self.finder.server_dumps_may_be_new():  # nothing exec'd: no listing, no thread hop
+                        await anyio.to_thread.run_sync(self.finder.scan_server_dumps)
+                except Exception:  # a nicety: never in the watching's way
+                    if not told:
+                        told = True
+                        log.exception("scanning for the servers' own py-spy runs failed (said once)")
+                await dumps.next_check(SERVER_DUMP_SCAN_S)
+        finally:
+            dumps.close()
 
     @staticmethod
     async def _while_stable(found: Iterable[tuple[int, float]]) -> None:

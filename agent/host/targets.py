@@ -37,7 +37,6 @@ __all__ = [
     "ProcessTree",
     "ScanErrors",
     "Target",
-    "TargetConfig",
     "UninterruptibleThread",
     "command_words",
     "descendants",

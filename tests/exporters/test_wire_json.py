@@ -188,3 +188,25 @@ def test_the_shipper_hands_text_spans_only_to_a_processor_that_takes_text(tmp_pa
 
     assert SpanShipper(Takes(), host_name="h", directory=tmp_path)._decode is encode_record_text  # type: ignore[arg-type]
     assert SpanShipper(Bytes(), host_name="h", directory=tmp_path)._decode is encode_record  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", [True, False])
+def test_a_failed_write_is_counted_as_before(tmp_path: Path, text: bool) -> None:
+    """A span file that cannot be written (its folder is a file): the batch is counted dropped and
+    the failure said, whether the batch was written as text spans' line or as a request."""
+    from exporters.otlp.processor import LosslessSpanProcessor
+    from exporters.otlp.transport import FileSender
+
+    blocked = tmp_path / "spans"
+    blocked.write_text("not a folder")
+    payloads = [_payload(_record(span_id=i + 1, name=f"s{i}")) for i in range(5)]
+    encode = encode_record_text if text else encode_record
+    processor = LosslessSpanProcessor(FileSender(blocked, max_file_bytes=1 << 20, max_files=4), spool=None)
+    try:
+        ticket = processor.submit([encode(p, RESOURCE) for p in payloads])
+        assert ticket is not None and processor.wait_settled(ticket, 10.0)
+        stats = processor.statistics()
+        assert (stats.exported, stats.dropped, stats.export_failures) == (0, 5, 1)
+        assert "file" in processor.last_error
+    finally:
+        processor.shutdown(1)

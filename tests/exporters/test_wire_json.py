@@ -210,3 +210,32 @@ def test_a_failed_write_is_counted_as_before(tmp_path: Path, text: bool) -> None
         assert "file" in processor.last_error
     finally:
         processor.shutdown(1)
+
+
+def test_a_line_still_being_written_at_the_shutdown_deadline_is_counted_dropped(tmp_path: Path) -> None:
+    """Shutdown abandons a worker stuck writing a batch's line (no spool to keep it in): the
+    batch is settled as dropped, and the late write's answer changes nothing."""
+    import threading
+
+    from exporters.otlp.processor import LosslessSpanProcessor
+    from exporters.otlp.transport import FileSender, SendResult
+
+    started, release = threading.Event(), threading.Event()
+
+    class StuckFiles(FileSender):
+        def send_line(self, line: str, spans: int, *, timeout_s: float) -> SendResult:
+            started.set()
+            release.wait(10)
+            return super().send_line(line, spans, timeout_s=timeout_s)
+
+    processor = LosslessSpanProcessor(StuckFiles(tmp_path / "spans", max_file_bytes=1 << 20, max_files=4), spool=None,
+                                      schedule_delay_s=0.01)
+    try:
+        ticket = processor.submit([encode_record_text(_payload(_record(span_id=i + 1)), RESOURCE) for i in range(5)])
+        assert ticket is not None and started.wait(10)
+        processor.shutdown(0.2)
+        stats = processor.statistics()
+        assert (stats.exported, stats.dropped) == (0, 5)
+        assert processor.settled() >= ticket
+    finally:
+        release.set()

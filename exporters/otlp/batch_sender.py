@@ -3,10 +3,11 @@
 Owns :class:`BatchSender`: a batch taken from the queue is encoded (a malformed span dropped and
 counted alone), split to the request size limit, sent through the send part
 (:mod:`exporters.otlp.delivery`), split in halves when refused as too large, and on failure handed
-to the spool part (:mod:`exporters.otlp.retry`).
+to the spool part (:mod:`exporters.otlp.retry`). A batch of shipped spans for the span files
+without a spool is written as its line from the spans' own text (:func:`exporters.otlp.wire_json.spans_line`).
 
 Imports opentelemetry-proto, :mod:`exporters.otlp.batching`, :mod:`exporters.otlp.encode`,
-:mod:`exporters.otlp.delivery` and :mod:`exporters.otlp.retry` / :mod:`exporters.otlp.accounting` (types).
+:mod:`exporters.otlp.wire_json`, :mod:`exporters.otlp.delivery` and :mod:`exporters.otlp.retry` / :mod:`exporters.otlp.accounting` (types).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from exporters.otlp.batching import halve_request, split_request
 from exporters.otlp.delivery import Outcome, RequestSlot, classify
 from exporters.otlp.encode import encode_spans_fast as encode_spans
+from exporters.otlp.wire_json import spans_line
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
@@ -59,11 +61,20 @@ class BatchSender:
         self._counters = counters
         self._notes = notes
         self._max_bytes = max_bytes
+        #: whether a batch of shipped spans' texts (:class:`exporters.otlp.wire_json.TextSpan`) is
+        #: written as its line directly: a sender that takes lines (the span files) and no spool
+        #: (nothing then needs the request's bytes)
+        self._lines = retry.spool is None and callable(getattr(slot.sender, "send_line", None))
 
     def ship(self, batch: list[ReadableSpan | EncodedSpan]) -> None:
         """Send one fresh batch, or spool it when the spool is busy or we are backing off."""
         if not batch:
             return
+        if self._lines:
+            line = spans_line(batch, self._max_bytes)
+            if line is not None:  # shipped spans' own text: no protobuf request in between
+                self._ship_line(line, batch)
+                return
         request, _count = self.encode(batch)
         if request is None:
             return
@@ -96,6 +107,23 @@ class BatchSender:
             self._queue.settle(len(batch) - len(good), dropped=len(batch) - len(good))
             return (encode_spans(good), len(good)) if good else (None, 0)
 
+    def _ship_line(self, line: str, batch: list[ReadableSpan | EncodedSpan]) -> None:
+        """Write a batch as its line; an answer other than delivered is handled as
+        :meth:`_ship_request` handles it, with the batch's request (the span files answer
+        delivered or failed, and without a spool a failed batch is counted dropped)."""
+        count = len(batch)
+        result = self._slot.send_line(line, count)
+        if result is None:
+            return
+        if classify(result, count) is Outcome.DELIVERED:
+            self._retry.succeeded(result, count)
+            self._counters.add(partial=result.rejected_spans)
+            self._queue.settle(count, exported=count - result.rejected_spans)
+            return
+        request, _ = self.encode(batch)
+        if request is not None:
+            self._answer(request, count, result, 0)
+
     def _ship_request(self, request: ExportTraceServiceRequest, count: int, depth: int = 0) -> None:
         if self._retry.holds_back():
             self._retry.to_spool(request, count)
@@ -103,6 +131,10 @@ class BatchSender:
         result = self._slot.send(request, count, replay=False)
         if result is None:
             return
+        self._answer(request, count, result, depth)
+
+    def _answer(self, request: ExportTraceServiceRequest, count: int, result: SendResult, depth: int) -> None:
+        """Settle a sent request by its answer: delivered, split and sent again, kept, or spooled."""
         outcome = classify(result, count)
         if outcome is Outcome.TOO_LARGE and depth < MAX_SPLIT_DEPTH:
             self._notes.too_large(result, request)

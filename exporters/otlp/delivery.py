@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
 from typing import NamedTuple
 
@@ -55,7 +56,9 @@ class Inflight(NamedTuple):
     """The request being sent: a spool replay or a fresh batch, and its spans."""
 
     replay: bool
-    request: ExportTraceServiceRequest
+    #: ``None``: a span-files line written from the spans' text (:meth:`RequestSlot.send_line`;
+    #: only without a spool, so there is nothing to spool it to)
+    request: ExportTraceServiceRequest | None
     spans: int
 
 
@@ -83,16 +86,25 @@ class RequestSlot:
 
     def send(self, request: ExportTraceServiceRequest, spans: int, *, replay: bool) -> SendResult | None:
         """One attempt. ``None``: shutdown abandoned the worker while it was sending."""
+        return self._attempt(Inflight(replay, request, spans), lambda timeout_s: self.sender.send(request, timeout_s=timeout_s))
+
+    def send_line(self, line: str, spans: int) -> SendResult | None:
+        """One attempt to write a fresh request already written as its OTLP/JSON line (a sender
+        with ``send_line``: the span files), as :meth:`send`."""
+        send_line = self.sender.send_line  # type: ignore[attr-defined]
+        return self._attempt(Inflight(False, None, spans), lambda timeout_s: send_line(line, spans, timeout_s=timeout_s))
+
+    def _attempt(self, inflight: Inflight, send: Callable[[float], SendResult]) -> SendResult | None:
         with self._state:
             if self._abandoned:
                 return SendResult(Delivery.RETRYABLE, "shutdown deadline passed")
-            self._inflight = Inflight(replay, request, spans)
+            self._inflight = inflight
         timeout_s = self.timeout_s
         if self.stopping:
             timeout_s = min(timeout_s, max(0.01, self.deadline - time.monotonic() - SPOOL_ONLY_MARGIN_S))
         try:
             with self._send_lock:
-                result: SendResult | None = self.sender.send(request, timeout_s=timeout_s)
+                result: SendResult | None = send(timeout_s)
         finally:
             with self._state:
                 self._inflight = None

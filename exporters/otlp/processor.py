@@ -138,6 +138,10 @@ class LosslessSpanProcessor(SpanProcessor):
             raise ValueError("max_queue_spans and max_batch_spans must be >= 1")
         self.sender = sender
         self.spool = spool
+        #: whether spans are best submitted as their OTLP/JSON text
+        #: (:class:`exporters.otlp.wire_json.TextSpan`): the span files without a spool write a
+        #: batch of them as its line, with no protobuf request in between
+        self.takes_text = spool is None and callable(getattr(sender, "send_line", None))
         self._max_bytes = max(1024, max_batch_bytes)
         self._shutdown_timeout_s = shutdown_timeout_s
         self._counters = ExportCounters()  # its condition guards the queue's tickets too
@@ -297,7 +301,10 @@ class LosslessSpanProcessor(SpanProcessor):
             inflight = self._slot.abandon()
             _log.warning("export worker did not finish by the shutdown deadline; spooling what is left")
             if inflight is not None and not inflight.replay:
-                self._retry.to_spool(inflight.request, inflight.spans)
+                if inflight.request is None:  # a span-files line, without a spool: counted dropped
+                    self._queue.settle(inflight.spans, dropped=inflight.spans)
+                else:
+                    self._retry.to_spool(inflight.request, inflight.spans)
         self._worker.spool_queue()
         self.sender.close()
         if self.spool is not None:

@@ -4,7 +4,8 @@ Owns :class:`SpanShipper`: it attaches to the span ring (:mod:`agent.sdk.ring`) 
 running the SDK, keeps its heartbeat fresh (so the server keeps recording into the ring instead
 of exporting itself), drains the ring, validates every record, encodes it straight to OTLP
 bytes (:func:`exporters.otlp.wire.encode_record`: no ``ReadableSpan``, no protobuf objects; half the
-agent's CPU per shipped span of the ``ReadableSpan`` path, ``bench/bench_ship.py --grpc``) under
+agent's CPU per shipped span of the ``ReadableSpan`` path, ``bench/bench_ship.py --grpc``), or, for
+the span files, straight to its OTLP/JSON text (:func:`exporters.otlp.wire_json.encode_record_text`) under
 the SERVER's resource (``service.name`` and the other attributes the server declared,
 ``host.name``, ``process.pid`` of the server) and hands it to the agent's span processor (the
 lossless one: spool, replay, TLS, size-aware batches). A plain ``SpanProcessor`` gets
@@ -28,7 +29,7 @@ Counts (:class:`ShipperStatistics`, the ``servewatch.spans.channel`` metric, and
 servers' own ``dropped_full`` (ring full: this agent too slow), ``dropped_no_agent`` and
 ``dropped_too_large``, read from the ring headers and kept after a server exits.
 
-Imports opentelemetry-api/sdk, :mod:`exporters.otlp.wire` and :mod:`agent.sdk.ring` (stdlib only).
+Imports opentelemetry-api/sdk, :mod:`exporters.otlp.wire`, :mod:`exporters.otlp.wire_json` and :mod:`agent.sdk.ring` (stdlib only).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from exporters.otlp.wire import (
     encode_record,
     parse_record,
 )
+from exporters.otlp.wire_json import encode_record_text
 
 if TYPE_CHECKING:
     from exporters.config import SpansConfig
@@ -301,6 +303,9 @@ class SpanShipper:
         self._thread: threading.Thread | None = None
         #: the processor's ``submit`` when it says when spans are safe (the lossless one)
         self._submit = getattr(processor, "submit", None)
+        #: how a record becomes what the lossless processor takes: its OTLP/JSON text for the
+        #: span files (no protobuf bytes unless asked for), else its protobuf bytes
+        self._decode = encode_record_text if getattr(processor, "takes_text", False) is True else encode_record
         #: targets found with no ring file: pid -> (the SDK folders' signature then, when)
         self._absent: dict[int, tuple[tuple[int, ...], float]] = {}
         self._folders_at: tuple[int, list[str]] = (-1, [])
@@ -551,8 +556,9 @@ class SpanShipper:
             log.warning("span ring of pid %d unreadable: %s", pid, exc)
             return 0
         # the lossless processor takes encoded spans (exporters.otlp.wire: no ReadableSpan, no protobuf
-        # objects); a plain SpanProcessor gets ReadableSpans
-        decode = encode_record if submit is not None else decode_record
+        # objects), as their OTLP/JSON text when it writes the span files (exporters.otlp.wire_json);
+        # a plain SpanProcessor gets ReadableSpans
+        decode = self._decode if submit is not None else decode_record
         spans, invalid, refused = _decode_all(batch.payloads, decode, ring.resource)
         shipped = len(spans)
         if batch.end >= 0 and (batch.payloads or batch.end != start):

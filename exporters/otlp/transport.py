@@ -748,8 +748,13 @@ class FileSender:
         self.target = str(directory)
 
     def send(self, request: ExportTraceServiceRequest, *, timeout_s: float) -> SendResult:
+        return self.send_line(request_to_json(request), span_count(request), timeout_s=timeout_s)
+
+    def send_line(self, line: str, spans: int, *, timeout_s: float) -> SendResult:
+        """Append a request already written as its OTLP/JSON line (what :meth:`send` writes for
+        it; :func:`exporters.otlp.wire_json.spans_line`) holding ``spans`` spans."""
         try:
-            self.writer.write_line(request_to_json(request), span_count(request))
+            self.writer.write_line(line, spans)
         except OSError as exc:
             return SendResult(Delivery.RETRYABLE, f"file {exc.strerror or type(exc).__name__}")
         return SendResult(Delivery.OK)

@@ -194,7 +194,7 @@ def test_a_servers_processes_and_its_root_are_one_server_and_another_tree_is_ano
     one server takes that server's live targets only."""
     import uuid
 
-    from agent.host.targets import TargetConfig
+    from agent.host.config import TargetConfig
     from agent.incidents.evidence import TargetFinder
     from tests.test_targeting import start_tree
 
@@ -224,7 +224,7 @@ def test_a_port_nothing_listens_on_any_more_is_still_its_last_servers(tmp_path: 
     import sys
     import uuid
 
-    from agent.host.targets import TargetConfig
+    from agent.host.config import TargetConfig
     from agent.incidents.evidence import TargetFinder
 
     tag = uuid.uuid4().hex[:8]

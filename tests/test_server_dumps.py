@@ -268,7 +268,7 @@ async def test_the_agents_scan_loop_waits_on_exec_events_and_finds_the_servers_r
     until one comes, finds the self-dumping server's run, and closes the socket when cancelled."""
     import anyio
 
-    from agent.host.targets import TargetConfig
+    from agent.host.config import TargetConfig
     from agent.incidents.evidence import TargetFinder
     from agent.runtime.supervision import TargetWatch
 

@@ -70,7 +70,7 @@ class ApiConfig(BaseModel):
         1.0, gt=0, description="failed authentications per second allowed, all client addresses together (token guessing)"
     )
     guess_burst: int = Field(30, ge=1, description="failed authentications allowed at once, all client addresses together")
-    # `default=[]`, not `default_factory=list` (see agent.host.targets.TargetConfig.pids)
+    # `default=[]`, not `default_factory=list` (see agent.host.config.TargetConfig.pids)
     names: list[str] = Field(
         default=[], max_length=64,
         description="other names or addresses peers reach this agent by (a DNS name, a NAT address): a peer's signed"

@@ -1,10 +1,10 @@
 """Process discovery: which processes servewatch watches and acts on.
 
-Owns :class:`Target`, names :class:`TargetConfig` (the ``[target]`` settings, held in
-:mod:`agent.host.config`), owns discovery (descendants of a root pid, from :class:`ParentMap`,
+Owns :class:`Target` (its settings, the ``[target]`` table, are
+:class:`agent.host.config.TargetConfig`), discovery (descendants of a root pid, from :class:`ParentMap`,
 each process's parent read once; process-title globs, explicit pids) and the one place where psutil's exceptions are
 sorted into servewatch's terms (:func:`psutil_errors`, :func:`process_state`), and the rank a
-target's own environment names (:func:`rank_environ`). Imports psutil, :mod:`agent.host.config`,
+target's own environment names (:func:`rank_environ`). Imports psutil,
 :mod:`agent.model.kinds`, :mod:`agent.model.ranks` and :mod:`agent.model.safetext` only.
 
 Titles: inference servers name their workers with setproctitle (SGLang ``sglang::scheduler_TP0``,
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from agent.host.config import TargetConfig
 from agent.model.kinds import StrEnum
 from agent.model.ranks import RankEnviron, parse_rank_environ
 from agent.model.safetext import safe_text

@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from agent.host import pidfds
+from agent.host.config import TargetConfig
 from agent.host.procinfo import (
     DEAD_MEMORY_S,
     Death,
@@ -32,7 +33,6 @@ from agent.host.procinfo import (
 from agent.host.targets import (
     ProcessState,
     Target,
-    TargetConfig,
     discover,
     parent_pid,
     process_state,

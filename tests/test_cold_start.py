@@ -332,6 +332,10 @@ def test_report_renders_the_template_compiled_ahead_and_a_bad_manifest_still_get
 #: module built on it. The console entry runs the plain form without them (agent.cli.common).
 PLAIN_DUMP_NEVER = ("typer", "click", "shellingham", "agent.cli.app")
 
+#: What the plain dump does not need with no ``OTEL_EXPORTER_OTLP_*HEADERS`` set: the SDK's header
+#: parser (regular expressions compiled at import), loaded only when a header pair is given.
+PLAIN_DUMP_DEFERRED = ("opentelemetry.util.re",)
+
 # As _PROBE, and also what was imported when the py-spy actor claimed the early py-spy run (its
 # stacks about to be read): the modules loaded before the stacks are in.
 _CLAIM_PROBE = """
@@ -366,7 +370,7 @@ def test_plain_dump_imports_no_cli_framework_before_or_after_the_stacks(spawn, t
     data = tmp_path / "data"
     proc = subprocess.run(
         [sys.executable, "-c", _CLAIM_PROBE, json.dumps(["dump", "--pid", str(pid), "--data-dir", str(data)]),
-         json.dumps([*PLAIN_DUMP_NEVER, "agent.cli.common", "agent.actors.pyspy"])],
+         json.dumps([*PLAIN_DUMP_NEVER, *PLAIN_DUMP_DEFERRED, "agent.cli.common", "agent.actors.pyspy"])],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False, env=_env(tmp_path), stdin=subprocess.DEVNULL,
     )
     got = json.loads(proc.stderr.strip().splitlines()[-1])

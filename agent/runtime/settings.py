@@ -576,8 +576,11 @@ def unknown_env_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
         sorted by name; empty when every variable is known.
     """
     env = os.environ if environ is None else environ
+    ours = [k for k in env if k.upper().startswith(ENV_PREFIX)]
+    if not ours:  # the usual case: no names to compare, no walk of the settings model
+        return []
     settings_names = env_names()
-    given = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in settings_names)
+    given = sorted(k for k in ours if k.upper() not in settings_names)
     if not given:
         return []
     known = [*settings_names, *sorted(_sdk_env_names())]

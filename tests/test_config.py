@@ -183,3 +183,59 @@ def test_settings_doc_names_every_setting_and_its_environment_variable() -> None
         if dotted in tables:  # a table (SERVEWATCH_HEALTH='{...}'), not a setting
             continue
         assert f"`{dotted}`" in text and f"`{env}`" in text, dotted
+
+
+#: Given values as a one-shot `dump` passes them (its flags), valid and not.
+_DUMP_VALUES = [
+    {},
+    {"data_dir": "d1", "target": {"pids": [41, 7]}, "export": {"endpoint": "http://127.0.0.1:4318", "protocol": "http/protobuf"}},
+    {"target": {"pids": [3], "any_uid": True}, "metrics": {"url": "http://127.0.0.1:30000/metrics", "metrics_preset": "sglang"}},
+    {"host_name": "h1", "export": {"protocol": "grpc"}},
+]
+_DUMP_BAD_VALUES = [
+    {"target": {"pids": ["x"]}},
+    {"host_name": "../etc"},
+    {"export": {"protocol": "ftp"}},
+    {"metrics": {"metrics_preset": "nope"}},
+    {"no_such_table": {"x": 1}},
+]
+
+
+@pytest.mark.parametrize("cli", _DUMP_VALUES)
+def test_lean_settings_are_the_sourced_settings(cli: dict) -> None:
+    """With no --config and no SERVEWATCH_* setting, `load_settings(lean=True)` (the one-shot dump)
+    validates on the plain pydantic base, without the settings sources, to the same values."""
+    from pydantic_settings import BaseSettings
+
+    lean, sourced = load_settings(cli, lean=True), load_settings(cli)
+    assert not isinstance(lean, BaseSettings) and isinstance(sourced, BaseSettings)
+    assert lean.model_dump() == sourced.model_dump()
+    assert lean.agent_values() == sourced.agent_values()
+    assert lean.component_tables == sourced.component_tables and list(type(lean).model_fields) == list(Settings.model_fields)
+
+
+@pytest.mark.parametrize("cli", _DUMP_BAD_VALUES)
+def test_lean_settings_say_what_the_sourced_settings_say(cli: dict) -> None:
+    with pytest.raises(ConfigError) as sourced:
+        load_settings(cli)
+    with pytest.raises(ConfigError) as lean:
+        load_settings(cli, lean=True)
+    assert str(lean.value) == str(sourced.value)
+
+
+def test_lean_settings_read_the_sources_when_one_could_matter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SERVEWATCH_* variable of a setting, or a --config file, is read as always (the lean base is
+    only for values given in full); an SDK variable (SERVEWATCH_SHM_DIR) is no setting."""
+    from pydantic_settings import BaseSettings
+
+    monkeypatch.setenv("SERVEWATCH_SHM_DIR", str(tmp_path))
+    assert not isinstance(load_settings({}, lean=True), BaseSettings)
+    monkeypatch.setenv("servewatch_watchdog__timeout_s", "7")
+    s = load_settings({}, lean=True)
+    assert isinstance(s, BaseSettings) and s.watchdog.timeout_s == 7.0
+    monkeypatch.delenv("servewatch_watchdog__timeout_s")
+    monkeypatch.setenv("SERVEWATCH_DATA_DIR", "from-env")
+    assert load_settings({}, lean=True).data_dir == Path("from-env")
+    monkeypatch.delenv("SERVEWATCH_DATA_DIR")
+    s = load_settings({}, config_file=_toml(tmp_path, "[watchdog]\ntimeout_s = 9\n"), lean=True)
+    assert isinstance(s, BaseSettings) and s.watchdog.timeout_s == 9.0

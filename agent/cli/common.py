@@ -239,7 +239,7 @@ def _say_spooled(telemetry: Any, stats: Any) -> bool:
     return lost is None
 
 
-def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) -> Settings:
+def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True, lean: bool = False) -> Settings:
     """Load settings and validate the telemetry destination, or exit 2 with one line.
 
     Creates nothing: a command that writes calls :func:`_data_dir_ready` once its own checks
@@ -248,6 +248,7 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
     Args:
         writes: the command exports telemetry: check the destination (read-only commands never
             export).
+        lean: no pydantic-settings when nothing but ``cli`` could matter (:func:`agent.runtime.settings.load_settings`).
 
     Raises:
         _NeedsFullCli: in the plain dump (:func:`run_plain_dump`), an invalid setting: its message
@@ -262,7 +263,7 @@ def _settings(cli: dict[str, Any], config: Path | None, *, writes: bool = True) 
             err.print(f"servewatch: warning: {line}", markup=False, highlight=False)
     _env_warned = _plain_command is not None  # the plain dump's run again through typer says them once
     try:
-        settings = load_settings(cli, config_file=config, flag_for=_flag_for)
+        settings = load_settings(cli, config_file=config, flag_for=_flag_for, lean=lean)
         if writes:
             _ = settings.export_destination  # resolved once, now: OTEL_* env problems surface now, not mid-run
     except (ConfigError, ExportConfigError) as exc:
@@ -502,6 +503,7 @@ def run_dump(
             "export": {"endpoint": otlp_endpoint, "protocol": otlp_protocol},
         },
         config,
+        lean=True,  # a one-shot dump: no pydantic-settings unless --config or a SERVEWATCH_* variable is given
     )
     t = settings.target
     if not (t.pids or t.match or t.root_pid):

@@ -50,7 +50,6 @@ from agent.incidents.manager import (
 from agent.model.bus import EventBus
 from agent.model.events import ActionResult, ComponentStatusChanged, Trigger, WatcherStatusChanged
 from agent.runtime.runstatus import RunStatus
-from agent.runtime.settings import AgentSettings as Settings
 from agent.runtime.supervision import TargetWatch, restartable, supervise
 from agent.verdict.judge import VerdictJudge
 from agent.watchers import WATCHERS, TargetWatchers
@@ -60,6 +59,7 @@ from exporters import EXPORTERS, Exporter
 from exporters.mirror.feed import mirror_events, subscribe_mirrors
 
 if TYPE_CHECKING:
+    from agent.runtime.settings import AgentSettings as Settings
     from exporters.otlp.provider import Telemetry
     from exporters.otlp.shipper import SpanShipper
 

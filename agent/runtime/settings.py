@@ -38,19 +38,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     ValidationError,
     create_model,
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
-from pydantic_settings.exceptions import SettingsError
 
 from agent.errors import ConfigError
 from agent.fleet.config import ApiConfig, FleetConfig, check_fleet_settings
@@ -64,6 +58,8 @@ from agent.runtime.location import DEFAULT_DATA_DIR, ENV_DATA_DIR, ENV_PREFIX
 from exporters.config import ExportConfig, SpansConfig
 
 if TYPE_CHECKING:
+    from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
     from agent.actors import Actor
     from agent.watchers import TargetWatchers, Watcher
     from exporters import Exporter
@@ -73,6 +69,7 @@ __all__ = [
     "ENV_DATA_DIR",
     "ENV_PREFIX",
     "AgentSettings",
+    "AgentSettingsBase",
     "ConfigError",
     "Registries",
     "Settings",
@@ -92,9 +89,13 @@ __all__ = [
 _COLLECTED_VALUES = frozenset(f.name for f in dataclasses.fields(AgentValues) if isinstance(f.default, tuple))
 
 
-class AgentSettings(BaseSettings):
+class AgentSettingsBase(BaseModel):
     """The agent's own settings; :func:`settings_model` adds one table per registered component
-    (see the module docstring for sources and names).
+    (see the module docstring for sources and names). This is the model on a plain pydantic
+    base: :class:`AgentSettings` adds the ``SERVEWATCH_*`` and TOML sources (pydantic-settings,
+    imported with it); ``load_settings(lean=True)`` validates on this base when no source but the
+    given values could matter (no ``--config``, no ``SERVEWATCH_*`` variable), as a one-shot
+    ``dump`` does: the same fields, validators, defaults and messages, without pydantic-settings.
 
     A component's settings model may define ``with_agent_values(values) -> model`` (a default
     that depends on an agent-wide value, e.g. ``coredump.folder`` under ``data_dir``) and
@@ -103,12 +104,8 @@ class AgentSettings(BaseSettings):
     value such as ``server_urls`` collects every table's, unset ones left out).
     """
 
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        env_nested_delimiter="__",
-        extra="forbid",
-        validate_default=True,
-    )
+    #: what BaseSettings' own configuration sets for validation (AgentSettings keeps the same)
+    model_config = ConfigDict(extra="forbid", validate_default=True, arbitrary_types_allowed=True)
 
     #: the tables of the registered components (set on the assembled model)
     component_tables: ClassVar[tuple[str, ...]] = ()
@@ -131,7 +128,7 @@ class AgentSettings(BaseSettings):
         def __getattr__(self, name: str) -> Any: ...
 
     @model_validator(mode="after")
-    def _fleet_consistent(self) -> AgentSettings:
+    def _fleet_consistent(self) -> AgentSettingsBase:
         problems = check_fleet_settings(self.api, self.fleet)
         if problems:
             raise ValueError("; ".join(problems))
@@ -144,7 +141,7 @@ class AgentSettings(BaseSettings):
         return validate_host_name(value)
 
     @model_validator(mode="after")
-    def _defaults_from_agent_values(self) -> AgentSettings:
+    def _defaults_from_agent_values(self) -> AgentSettingsBase:
         # e.g. core files go beside the bundles unless a folder was given explicitly
         values = self.agent_values()
         for table in self.component_tables:
@@ -200,20 +197,45 @@ class AgentSettings(BaseSettings):
             **provided,
         )
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        toml_file = settings_cls.model_config.get("toml_file")
-        if toml_file:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
-        return tuple(sources)
+
+
+def _sources(
+    settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, env_settings: PydanticBaseSettingsSource,
+) -> tuple[PydanticBaseSettingsSource, ...]:
+    """:class:`AgentSettings`' sources: the given values, ``SERVEWATCH_*``, the TOML file (``--config``)."""
+    from pydantic_settings import TomlConfigSettingsSource
+
+    sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+    toml_file = settings_cls.model_config.get("toml_file")
+    if toml_file:
+        sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+    return tuple(sources)
+
+
+if TYPE_CHECKING:
+    class AgentSettings(BaseSettings, AgentSettingsBase):  # type: ignore[misc]
+        """:class:`AgentSettingsBase` read from the settings sources (see :func:`_agent_settings`)."""
+
+
+@functools.cache
+def _agent_settings() -> type[AgentSettings]:
+    """:class:`AgentSettingsBase` read from ``SERVEWATCH_*`` and the TOML file (pydantic-settings):
+    the module attribute ``AgentSettings``, made (and pydantic-settings imported) at first use."""
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    class AgentSettings(BaseSettings, AgentSettingsBase):
+        __doc__ = AgentSettingsBase.__doc__
+        model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid",
+                                          validate_default=True)
+
+        @classmethod
+        def settings_customise_sources(cls, settings_cls: Any, init_settings: Any, env_settings: Any,
+                                       dotenv_settings: Any, file_secret_settings: Any) -> tuple[Any, ...]:
+            return _sources(settings_cls, init_settings, env_settings)
+
+    AgentSettings.__qualname__ = "AgentSettings"  # the module attribute, as before
+    made: Any = AgentSettings
+    return made
 
 
 class Registries(TypedDict):
@@ -239,27 +261,28 @@ def registries() -> Registries:
     return {"watcher": WATCHERS, "actor": ACTORS, "exporter": EXPORTERS}
 
 
-#: assembled settings models, by the tables registered (the same registrations, the same model)
-_assembled: dict[tuple[tuple[str, str, str], ...], type[AgentSettings]] = {}
+#: assembled settings models, by the tables registered and the base (the same registrations, the same model)
+_assembled: dict[tuple[bool, tuple[tuple[str, str, str], ...]], type[AgentSettingsBase]] = {}
 
 
-def settings_model() -> type[AgentSettings]:
+def settings_model(*, lean: bool = False) -> type[AgentSettings]:
     """The whole settings model: :class:`AgentSettings` plus, for each registered component
     with a settings model, its table (registries' order: watchers, actors, exporters), each
     defaulting to the component's :meth:`~agent.host.registry.Factory.default_config`. The same
     registrations give the same model; a change (tests register components of their own) gives
-    another.
+    another. ``lean``: the same model on :class:`AgentSettingsBase` (no settings sources, no
+    pydantic-settings), for values given in full (:func:`load_settings`).
 
     Raises:
         ValueError: two components (or a component and the agent) claim the same table.
     """
     regs = registries()
     entries = [(kind, entry) for kind in KINDS for entry in regs[kind]]
-    key = tuple((e.table, e.config, f"{kind} {e.name!r}") for kind, e in entries if e.table and e.config)
+    key = (lean, tuple((e.table, e.config, f"{kind} {e.name!r}") for kind, e in entries if e.table and e.config))
     model = _assembled.get(key)
     if model is not None:
-        return model
-    owners: dict[str, str] = {name: "the agent" for name in AgentSettings.model_fields}
+        return typing.cast("type[AgentSettings]", model)
+    owners: dict[str, str] = {name: "the agent" for name in AgentSettingsBase.model_fields}
     tables: dict[str, Any] = {}
     for kind, entry in entries:
         if entry.table is None:
@@ -268,10 +291,11 @@ def settings_model() -> type[AgentSettings]:
             raise ValueError(f"{kind} {entry.name!r}: settings table {entry.table!r} is taken by {owners[entry.table]}")
         owners[entry.table] = f"{kind} {entry.name!r}"
         tables[entry.table] = (entry.config_model(), Field(default_factory=entry.default_config))
-    model = create_model("Settings", __base__=AgentSettings, __module__=__name__, **tables)
-    model.component_tables = tuple(tables)
-    _assembled[key] = model
-    return model
+    base: type[AgentSettingsBase] = AgentSettingsBase if lean else _agent_settings()
+    assembled: type[AgentSettingsBase] = create_model("Settings", __base__=base, __module__=__name__, **tables)
+    assembled.component_tables = tuple(tables)
+    _assembled[key] = assembled
+    return typing.cast("type[AgentSettings]", assembled)
 
 
 if TYPE_CHECKING:
@@ -280,6 +304,8 @@ else:
     def __getattr__(name: str) -> Any:
         if name == "Settings":  # the assembled model (see settings_model)
             return settings_model()
+        if name == "AgentSettings":  # with the settings sources: pydantic-settings loads now
+            return _agent_settings()
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -415,7 +441,7 @@ def _model_wide_parts(
         (flag_parts if flag else settings_parts).append(f"invalid value for {flag}: {what}" if flag else problem)
 
 
-def _env_json_error(exc: SettingsError) -> str:
+def _env_json_error(exc: Exception) -> str:
     """One line for an env value that is not the JSON its list or table setting needs:
     ``invalid setting target.pids from SERVEWATCH_TARGET__PIDS: list values are JSON, e.g.
     SERVEWATCH_TARGET__PIDS='[1, 2]'`` (the example is made of the value given)."""
@@ -475,7 +501,8 @@ def _annotation_of(dotted: str) -> Any:
 
 
 def load_settings(
-    cli: dict[str, Any] | None = None, *, config_file: Path | None = None, flag_for: FlagFor | None = None
+    cli: dict[str, Any] | None = None, *, config_file: Path | None = None, flag_for: FlagFor | None = None,
+    lean: bool = False,
 ) -> AgentSettings:
     """Merge CLI values (highest), ``SERVEWATCH_*`` env, the TOML file and defaults.
 
@@ -485,12 +512,18 @@ def load_settings(
         config_file: TOML file (``--config``); must exist when given.
         flag_for: names the flag that gave a ``cli`` value (``("metrics.metrics_preset", "foo")``
             -> ``"--metrics-preset"``), so that its error names the flag; None: name the setting.
+        lean: with no ``config_file`` and no ``SERVEWATCH_*`` variable of a setting (nothing but
+            ``cli`` and the defaults could matter), validate on :class:`AgentSettingsBase` without
+            importing pydantic-settings (a one-shot ``dump``): the same values and messages.
 
     Raises:
         ConfigError: one line naming every invalid setting, or the unreadable config file.
     """
     overrides = _drop_none(cli or {})
-    cls = settings_model()
+    cls = settings_model(lean=lean and config_file is None)
+    lean = lean and config_file is None and not _env_sets_any(cls.model_fields)
+    if not lean:
+        cls = settings_model()
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
@@ -507,12 +540,31 @@ def load_settings(
         if unknown:  # nested tables ignore extra keys: a typo there would pass silently
             raise ConfigError("invalid setting " + "; ".join(unknown))
         cls = type("FileSettings", (cls,), {"model_config": {**cls.model_config, "toml_file": path}})
+    env_errors: tuple[type[Exception], ...] = () if lean else _settings_errors()
     try:
         return cls(**overrides)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc, overrides, flag_for, config_file)) from None
-    except SettingsError as exc:  # an env value that is not valid JSON for a list/table field
+    except env_errors as exc:  # an env value that is not valid JSON for a list/table field
         raise ConfigError(_env_json_error(exc)) from None
+
+
+def _env_sets_any(fields: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a ``SERVEWATCH_*`` variable sets one of ``fields`` (top-level names) or a value in
+    its table, as the settings' env source reads them (case-insensitive: ``SERVEWATCH_<FIELD>``,
+    ``SERVEWATCH_<FIELD>__...``); the SDK's own variables (``SERVEWATCH_SHM_DIR``) set none."""
+    names = tuple(f"{ENV_PREFIX}{name.upper()}" for name in fields)
+    for key in os.environ if environ is None else environ:
+        upper = key.upper()
+        if upper.startswith(ENV_PREFIX) and any(upper == n or upper.startswith(n + "__") for n in names):
+            return True
+    return False
+
+
+def _settings_errors() -> tuple[type[Exception], ...]:
+    from pydantic_settings.exceptions import SettingsError
+
+    return (SettingsError,)
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
@@ -535,7 +587,7 @@ def env_names(model: type[BaseModel] | None = None, *, _env: str = ENV_PREFIX, _
         each of its fields, in declaration order.
     """
     names: dict[str, str] = {}
-    for field_name, info in (model or settings_model()).model_fields.items():
+    for field_name, info in (model or settings_model(lean=True)).model_fields.items():  # the same fields
         env = f"{_env}{field_name.upper()}"
         names[env] = f"{_dotted}{field_name}"
         nested = _model_of(info.annotation)
@@ -576,8 +628,11 @@ def unknown_env_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
         sorted by name; empty when every variable is known.
     """
     env = os.environ if environ is None else environ
+    ours = [k for k in env if k.upper().startswith(ENV_PREFIX)]
+    if not ours:  # the usual case: no names to compare, no walk of the settings model
+        return []
     settings_names = env_names()
-    given = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in settings_names)
+    given = sorted(k for k in ours if k.upper() not in settings_names)
     if not given:
         return []
     known = [*settings_names, *sorted(_sdk_env_names())]

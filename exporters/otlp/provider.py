@@ -187,9 +187,9 @@ def _parse_headers(raw: str, name: str) -> dict[str, str]:
     """``k=v`` pairs, URL-decoded, keys lower-cased (gRPC metadata keys must be lower case).
 
     The SDK's ``parse_env_headers`` logs and skips a bad pair; a bad pair is a config error here.
+    Its module (regular expressions compiled at import) loads only when a pair is given: a dump
+    with no ``OTEL_EXPORTER_OTLP_*HEADERS`` never needs it.
     """
-    from opentelemetry.util.re import parse_env_headers
-
     headers: dict[str, str] = {}
     for item in raw.split(","):
         if not item.strip():
@@ -197,6 +197,8 @@ def _parse_headers(raw: str, name: str) -> dict[str, str]:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip():
             raise ExportConfigError(f"{name}: expected 'key=value' pairs, got {item.strip()!r}")
+        from opentelemetry.util.re import parse_env_headers
+
         headers.update(parse_env_headers(item, liberal=True))
     return headers
 

@@ -22,7 +22,7 @@ import enum
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -652,18 +652,34 @@ def plain_dump_args(args: Sequence[str]) -> dict[str, Any] | None:
     kwargs: dict[str, Any] = {"pid": [], "root_pid": None, "match": None, "uid": None, "any_uid": False, "as_json": False,
                               "metrics_url": None, "metrics_preset": None, "otlp_endpoint": None, "otlp_protocol": None,
                               "data_dir": None, "config": None, "verbose": False}
-    rest = list(args[1:])
+    if not _parse_plain(args[1:], kwargs, _PLAIN_FLAGS, _PLAIN_VALUES, _take_plain_value):
+        return None
+    return kwargs if kwargs["pid"] else None
+
+
+def _parse_plain(
+    args: Sequence[str], kwargs: dict[str, Any], flags: dict[str, str], values: dict[str, str],
+    take_value: Callable[[dict[str, Any], str, str], bool], take_word: Callable[[str], bool] | None = None,
+) -> bool:
+    """Read a plain form's ``args`` (after the command word) into ``kwargs`` as typer would:
+    ``flags`` set their argument to ``True``, ``values`` (``--opt V`` or ``--opt=V``) go through
+    ``take_value``, a word that is not an option through ``take_word`` (none: not taken).
+    ``False`` for anything the plain form leaves to typer (another option, a missing value, a
+    value or word refused)."""
+    rest = list(args)
     while rest:
         arg = rest.pop(0)
-        if arg in _PLAIN_FLAGS:
-            kwargs[_PLAIN_FLAGS[arg]] = True
+        if arg in flags:
+            kwargs[flags[arg]] = True
+            continue
+        if take_word is not None and not arg.startswith("-"):
+            if not take_word(arg):
+                return False
             continue
         name, eq, value = arg.partition("=")
-        if name not in _PLAIN_VALUES or (not eq and not rest):
-            return None
-        if not _take_plain_value(kwargs, name, value if eq else rest.pop(0)):
-            return None
-    return kwargs if kwargs["pid"] else None
+        if name not in values or (not eq and not rest) or not take_value(kwargs, name, value if eq else rest.pop(0)):
+            return False
+    return True
 
 
 def _take_plain_value(kwargs: dict[str, Any], name: str, value: str) -> bool:
@@ -698,20 +714,15 @@ def plain_export_args(args: Sequence[str]) -> dict[str, Any] | None:
     kwargs: dict[str, Any] = {"to": None, "paths": None, "protocol": None, "timeout": 10.0, "remove_sent": False,
                               "resend": False, "dry_run": False, "data_dir": None, "config": None}
     paths: list[Path] = []
-    rest = list(args[1:])
-    while rest:
-        arg = rest.pop(0)
-        if arg in _EXPORT_FLAGS:
-            kwargs[_EXPORT_FLAGS[arg]] = True
-            continue
-        if not arg.startswith("-"):
-            if not _plain_readable(arg):
-                return None
-            paths.append(Path(arg))
-            continue
-        name, eq, value = arg.partition("=")
-        if name not in _EXPORT_VALUES or (not eq and not rest) or not _take_export_value(kwargs, name, value if eq else rest.pop(0)):
-            return None
+
+    def take_path(word: str) -> bool:
+        if not _plain_readable(word):
+            return False
+        paths.append(Path(word))
+        return True
+
+    if not _parse_plain(args[1:], kwargs, _EXPORT_FLAGS, _EXPORT_VALUES, _take_export_value, take_path):
+        return None
     kwargs["paths"] = paths or None
     return kwargs
 

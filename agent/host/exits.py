@@ -168,7 +168,36 @@ def _subscribe(events: int, what: str) -> socket.socket:
     return sock
 
 
-class KernelExits:
+class _ProcEvents:
+    """One proc connector subscription (:func:`_subscribe`): its socket, :meth:`fileno`,
+    :meth:`close` and the reason the last ``open`` of the subclass was refused."""
+
+    #: why the last ``open`` failed (one line), ``""`` after a success (set per subclass)
+    unavailable: str = ""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    @classmethod
+    def _socket(cls, events: int, what: str) -> socket.socket | None:
+        """:func:`_subscribe`'s socket, or ``None`` with the reason in ``cls.unavailable``."""
+        try:
+            sock = _subscribe(events, what)
+        except _Refused as exc:
+            cls.unavailable = str(exc)
+            return None
+        cls.unavailable = ""
+        return sock
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        """Stop listening (safe twice)."""
+        self._sock.close()
+
+
+class KernelExits(_ProcEvents):
     """The kernel's process-exit events (proc connector), kept per pid for a while.
 
     Use :meth:`open` (``None`` plus :attr:`unavailable` when the kernel refuses), run
@@ -176,11 +205,8 @@ class KernelExits:
     Safe to call from several threads (:meth:`drain` and :meth:`get` take a lock).
     """
 
-    #: why the last :meth:`open` failed (one line), ``""`` after a success
-    unavailable: str = ""
-
     def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+        super().__init__(sock)
         self._exits: OrderedDict[int, KernelExit] = OrderedDict()
         self._lock = threading.Lock()
         #: events the kernel dropped because the socket buffer was full (ENOBUFS)
@@ -194,20 +220,8 @@ class KernelExits:
     def open(cls) -> KernelExits | None:
         """Subscribe to exit events; ``None`` (and the reason in ``KernelExits.unavailable``)
         when this kernel, namespace or capability set does not allow it."""
-        try:
-            sock = _subscribe(_PROC_EVENT_EXIT, "exit")
-        except _Refused as exc:
-            KernelExits.unavailable = str(exc)
-            return None
-        KernelExits.unavailable = ""
-        return cls(sock)
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def close(self) -> None:
-        """Stop listening (safe twice)."""
-        self._sock.close()
+        sock = cls._socket(_PROC_EVENT_EXIT, "exit")
+        return None if sock is None else cls(sock)
 
     def drain(self) -> int:
         """Read every event waiting on the socket (never blocks); returns how many exits were new."""
@@ -272,7 +286,7 @@ class KernelExits:
             self.close()
 
 
-class ExecEvents:
+class ExecEvents(_ProcEvents):
     """The kernel's exec events (proc connector, ``PROC_EVENT_EXEC``; ``struct exec_proc_event``:
     the process's pid and tgid), counted: whether any process on the host ran a new program
     since the last :meth:`drain`. A new thread or a fork that has not exec'd sends none, so a
@@ -281,11 +295,8 @@ class ExecEvents:
     would send every fork, exit and thread's event here (:meth:`open` says no instead).
     """
 
-    #: why the last :meth:`open` failed (one line), ``""`` after a success
-    unavailable: str = ""
-
     def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+        super().__init__(sock)
         #: exec events read (all processes: the host's own pid numbering)
         self.received = 0
         #: events the kernel dropped because the socket buffer was full (ENOBUFS), each read as an exec
@@ -298,20 +309,8 @@ class ExecEvents:
         if not _kernel_filter_supported():
             ExecEvents.unavailable = "kernel exec events need Linux >= 6.6 (an event filter per socket)"
             return None
-        try:
-            sock = _subscribe(_PROC_EVENT_EXEC, "exec")
-        except _Refused as exc:
-            ExecEvents.unavailable = str(exc)
-            return None
-        ExecEvents.unavailable = ""
-        return cls(sock)
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def close(self) -> None:
-        """Stop listening (safe twice)."""
-        self._sock.close()
+        sock = cls._socket(_PROC_EVENT_EXEC, "exec")
+        return None if sock is None else cls(sock)
 
     def drain(self) -> list[int]:
         """Read every event waiting (never blocks): the processes (tgids, the host's numbering)

@@ -515,7 +515,8 @@ class ServerDumpLog:
         try:
             now = {int(name) for name in os.listdir("/proc") if name.isdigit()}
         except OSError:
-            self._exec_seen = exec_seen
+            with self._lock:
+                self._exec_seen = self._exec_seen or exec_seen  # not looked: the exec still counts
             return []
         with self._lock:
             new, self._known = sorted(now - self._known), now

@@ -690,17 +690,8 @@ _COMM_LEN = 15
 
 def parent_pid(pid: int) -> int | None:
     """The parent pid of ``pid`` (from ``/proc/PID/stat``), or ``None`` when it is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    # comm may hold spaces and parentheses: fields resume after the last ')'
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[1])
-    except (IndexError, ValueError):
-        return None
+    fact = _stat_parent(pid)
+    return None if fact is None else fact[0]
 
 
 def server_of(pid: int, targets: Iterable[int]) -> int | None:

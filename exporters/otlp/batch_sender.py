@@ -54,7 +54,7 @@ class BatchSender:
     """
 
     def __init__(self, slot: RequestSlot, retry: SpoolRetry, queue: SpanQueue, counters: ExportCounters,
-                 notes: ProblemNotes, max_bytes: int) -> None:
+                 notes: ProblemNotes, max_bytes: int, *, lines: bool = False) -> None:
         self._slot = slot
         self._retry = retry
         self._queue = queue
@@ -62,9 +62,8 @@ class BatchSender:
         self._notes = notes
         self._max_bytes = max_bytes
         #: whether a batch of shipped spans' texts (:class:`exporters.otlp.wire_json.TextSpan`) is
-        #: written as its line directly: a sender that takes lines (the span files) and no spool
-        #: (nothing then needs the request's bytes)
-        self._lines = retry.spool is None and callable(getattr(slot.sender, "send_line", None))
+        #: written as its line directly (the processor's ``takes_text``: the span files, no spool)
+        self._lines = lines
 
     def ship(self, batch: list[ReadableSpan | EncodedSpan]) -> None:
         """Send one fresh batch, or spool it when the spool is busy or we are backing off."""

@@ -152,7 +152,8 @@ class LosslessSpanProcessor(SpanProcessor):
         backoff = Backoff(retry_initial_backoff_s, max(retry_initial_backoff_s, retry_max_backoff_s))
         self._retry = SpoolRetry(spool, self._slot, self._queue, self._counters, self._notes, backoff=backoff,
                                  max_bytes=self._max_bytes, adopt_interval_s=adopt_interval_s)
-        batches = BatchSender(self._slot, self._retry, self._queue, self._counters, self._notes, self._max_bytes)
+        batches = BatchSender(self._slot, self._retry, self._queue, self._counters, self._notes, self._max_bytes,
+                              lines=self.takes_text)
         self._worker = ExportWorker(self._queue, batches, self._retry, self._slot)
         self._thread = threading.Thread(target=self._worker.run, name=name, daemon=True)
         self._thread.start()

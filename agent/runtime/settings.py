@@ -520,10 +520,8 @@ def load_settings(
         ConfigError: one line naming every invalid setting, or the unreadable config file.
     """
     overrides = _drop_none(cli or {})
-    cls = settings_model(lean=lean and config_file is None)
-    lean = lean and config_file is None and not _env_sets_any(cls.model_fields)
-    if not lean:
-        cls = settings_model()
+    lean = lean and config_file is None and not _env_sets_any(settings_model(lean=True).model_fields)
+    cls = settings_model(lean=lean)
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
